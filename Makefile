@@ -1,0 +1,35 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Installed before the project so pip never pulls a CUDA build of torch by accident.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_MODEL ?= .moegate/demo-model
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install run test bench-offline clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+$(DEMO_MODEL)/config.json: | $(VENV)/.installed
+	$(VENV)/bin/moegate demo-model $(DEMO_MODEL)
+
+run: $(VENV)/.installed $(DEMO_MODEL)/config.json
+	$(VENV)/bin/moegate serve --model $(DEMO_MODEL) --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -ra tests
+
+bench-offline: $(VENV)/.installed
+	$(VENV)/bin/moegate loadgen offline
+
+clean:
+	rm -rf $(VENV) .moegate .pytest_cache

@@ -1,0 +1,103 @@
+"""The KV block pool: fixed-size blocks, ref counts, an LRU free queue, prefix hashes.
+
+Plain Python, no torch: the pool only hands out block ids; the runner owns the
+tensors they index.
+"""
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...], cache_salt: str | None) -> bytes:
+    """Chained hash of one full block: ``hash(parent_hash, token_ids, cache_salt)``.
+
+    The salt enters every block (not only the first) so two salts never share
+    a chain. 16-byte BLAKE2b: collisions would serve one request another's KV.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"\0" * 16)
+    h.update(array("q", token_ids).tobytes())
+    h.update((cache_salt or "").encode())
+    return h.digest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: bytes | None = None
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    """Owns every block. Free blocks wait in LRU order; cached ones keep their hash until reused.
+
+    Invariants (asserted where they are enforced):
+    - a block is in the free queue iff its ref_count is 0;
+    - a hashed block is findable by its hash until it is handed out again.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        assert num_blocks >= 1
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[bytes, Block] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[Block]:
+        """Take ``count`` blocks from the LRU end; a cached block taken here loses its hash."""
+        assert count <= len(self._free), "caller must check num_free_blocks first"
+        taken = []
+        for _ in range(count):
+            _, block = self._free.popitem(last=False)
+            assert block.ref_count == 0
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def acquire(self, blocks: list[Block]) -> None:
+        """Take a reference on cached blocks (a prefix hit); revives them from the free queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+
+    def release(self, blocks: list[Block]) -> None:
+        """Drop one reference each. Pass blocks tail-first so the tail of a sequence is evicted first."""
+        for block in blocks:
+            assert block.ref_count > 0, f"double free of {block}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = block
+
+    def register(self, block: Block, block_hash: bytes) -> None:
+        """Mark a full, computed block as reusable by hash."""
+        assert block.block_hash is None and block.ref_count > 0
+        if not self.enable_caching or block_hash in self._cached:
+            return  # an identical block is already cached; this one stays private
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def check_all_free(self) -> None:
+        """Assert that nothing holds a block (tests call this after every request ended)."""
+        held = [b for b in self.blocks if b.ref_count]
+        assert not held, f"blocks still held: {held[:8]}"
+        assert len(self._free) == self.num_blocks

@@ -1,0 +1,80 @@
+"""Typed configs of the engine's parts. No I/O here: factories do the I/O."""
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_MOE_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything a user may set when building an engine (``LLM(**kwargs)`` maps onto it).
+
+    ``num_kv_blocks`` fixes the KV pool size (tests use it to force preemption);
+    otherwise the pool takes ``kv_cache_memory_gb`` on the CPU, or
+    ``gpu_memory_utilization`` of the GPU minus what the weights use.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    gpu_memory_utilization: float = 0.9
+    moe_backend: str = "auto"
+    seed: int = 0
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a path to a checkpoint directory")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.moe_backend not in _MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {_MOE_BACKENDS}, got {self.moe_backend!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The KV block pool, once its size is known."""
+
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+
+    def __post_init__(self) -> None:
+        assert self.block_size >= 1 and self.num_blocks >= 1
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Step budget of the continuous-batching scheduler."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2

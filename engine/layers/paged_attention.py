@@ -1,0 +1,54 @@
+"""Attention that writes and reads K/V through block tables (torch path, runs anywhere).
+
+The interface (flat tokens + AttentionMetadata + per-layer cache tensors) is the
+one a Triton paged-attention kernel implements on the GPU.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention_metadata import AttentionMetadata
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # caches [N_blocks, block_size, kvh, d]; k, v [T, kvh, d]; slot_mapping [T]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    # cache [N_blocks, bs, kvh, d], block_table [..., n] -> [..., n*bs, kvh, d]
+    return cache[block_table].flatten(-4, -3)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, h, d] against cached K/V (already holding this step's tokens) -> [T, h, d]."""
+    out = torch.empty_like(q)
+    num_decodes = meta.num_decodes
+    if num_decodes:
+        keys = _gather(k_cache, meta.decode_block_tables)  # [D, L, kvh, d]
+        values = _gather(v_cache, meta.decode_block_tables)
+        qd = q[:num_decodes].unsqueeze(2)  # [D, h, 1, d]
+        o = F.scaled_dot_product_attention(
+            qd, keys.transpose(1, 2), values.transpose(1, 2),  # [D, kvh, L, d]
+            attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=True,
+        )  # [D, h, 1, d]
+        out[:num_decodes] = o.squeeze(2)
+    for (start, end), table, seq_len, mask in zip(
+        meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
+    ):
+        keys = _gather(k_cache, table)[:seq_len]  # [L, kvh, d]
+        values = _gather(v_cache, table)[:seq_len]
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # [h|kvh, q|L, d]
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )  # [h, q, d]
+        out[start:end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,47 @@
+"""The offline API: ``LLM(model=PATH, ...).generate(prompts, sampling_params)``."""
+
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Batch generation in-process. Keyword arguments are ``EngineConfig`` fields."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        ``prompts`` is one prompt or a list; a prompt is a string or a list of
+        token ids. ``sampling_params`` is one for all or one per prompt.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
+        token_prompts = [self.engine.prepare_prompt(p) for p in prompts]
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(token_prompts, params)]
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]

@@ -1,0 +1,132 @@
+"""The synchronous engine: add requests, step, read outputs. One step = schedule, execute, update."""
+
+import itertools
+import logging
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.model_config import CheckpointError, load_model_config
+from engine.model_loader import build_model
+from engine.outputs import OutputProcessor, RequestOutput
+from engine.request import Request
+from engine.runner import ModelRunner, kv_bytes_per_block
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half precision matmuls are slow and inexact on most CPUs
+    return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+
+
+class LLMEngine:
+    """Loads a checkpoint and serves requests step by step (no threads, no I/O beyond loading)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_config = load_model_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        max_len = min(config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings)
+        torch.manual_seed(config.seed)
+        self.model = build_model(self.model_config, config.model, self.dtype, self.device, config.moe_backend, max_len)
+        num_blocks = config.num_kv_blocks or self._num_blocks_for_memory()
+        # A sequence can never hold more tokens than the whole pool.
+        self.max_model_len = min(max_len, num_blocks * config.block_size)
+        cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), cache_config
+        )
+        self.runner = ModelRunner(self.model, cache_config, self.device, self.dtype, config.seed)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+            self.model_config.architecture, self.device, self.dtype, num_blocks, config.block_size, self.max_model_len,
+        )
+
+    def _num_blocks_for_memory(self) -> int:
+        per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+        else:
+            budget = self.config.kv_cache_memory_gb * 2**30
+        return max(int(budget // per_block), 1)
+
+    # ---- requests --------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer files: send prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:3]}")
+        return ids
+
+    def prepare_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a servable prompt, or ValueError saying why it is not."""
+        prompt_ids = self.tokenize(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; this engine serves at most {self.max_model_len - 1} prompt tokens"
+            )
+        return prompt_ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (nothing queued) for a prompt that cannot be served."""
+        prompt_ids = self.prepare_prompt(prompt)
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        eos = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+        request = Request(request_id, prompt_ids, params, max_tokens, eos_token_id=eos, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        return self.output_processor.abort(request) if request is not None else None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        sampled = self.runner.execute(sched_out)
+        updates = self.scheduler.update(sched_out, sampled)
+        return self.output_processor.process(updates, self.scheduler)
+
+
+__all__ = ["LLMEngine", "CheckpointError"]

@@ -1,0 +1,106 @@
+"""What the engine needs to know about a checkpoint, read from its config.json via transformers."""
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be served; the message names the file."""
+
+
+SUPPORTED_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Normalised view of a Hugging Face config. ``hf_config`` keeps the original object."""
+
+    architecture: str
+    hf_config: Any
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+    torch_dtype: str = "float32"
+
+    def cfg(self, name: str, default: Any = None) -> Any:
+        return getattr(self.hf_config, name, default)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def load_model_config(model_dir: str) -> ModelConfig:
+    """Read and validate ``config.json``; one-line CheckpointError for anything unservable."""
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"{model_dir}: not a directory (give a local checkpoint directory)")
+    path = os.path.join(model_dir, "config.json")
+    raw = _read_json(path)
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise CheckpointError(
+            f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:  # transformers raises many types for a bad config
+        raise CheckpointError(f"{path}: cannot be parsed by transformers: {str(e).splitlines()[0]}") from None
+
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+    eos = raw.get("eos_token_id")
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_path):
+        eos = _read_json(gen_path).get("eos_token_id", eos)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_ids = [t for t in eos_ids if 0 <= t < hf.vocab_size]
+    sliding = getattr(hf, "sliding_window", None)
+    if arch == "Qwen2MoeForCausalLM" and not getattr(hf, "use_sliding_window", False):
+        sliding = None
+    if arch == "OlmoeForCausalLM":
+        sliding = None
+    return ModelConfig(
+        architecture=arch,
+        hf_config=hf,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope_parameters=rope,
+        max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        eos_token_ids=eos_ids,
+        sliding_window=sliding or None,
+        torch_dtype=str(getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float32").replace("torch.", ""),
+    )

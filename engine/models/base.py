@@ -1,0 +1,116 @@
+"""What every family shares: the decoder stack, the weight-name table, logits.
+
+A family file says how to build one layer's attention and MLP from the
+config, and lists how checkpoint names map onto our packed parameters.
+"""
+
+import abc
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.layers.attention import Attention
+from engine.layers.norms import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class WeightRule:
+    """A checkpoint tensor name -> (our parameter name, where in it the tensor goes).
+
+    ``shard``: None (whole tensor), "q"/"k"/"v" (rows of a packed qkv),
+    0/1 (gate/up half of a packed gate_up or w13), or "expert" (one expert's
+    slice; with ``half`` 0/1 for w13, None for w2).
+    """
+
+    pattern: str
+    target: str
+    shard: str | int | None = None
+    half: int | None = None
+
+
+# Order matters: the first matching rule wins, so expert rules precede dense ones.
+COMMON_WEIGHT_RULES: tuple[WeightRule, ...] = (
+    WeightRule(r"^(.*)\.experts\.(\d+)\.(?:gate_proj|w1)\.weight$", r"\1.experts.w13", "expert", 0),
+    WeightRule(r"^(.*)\.experts\.(\d+)\.(?:up_proj|w3)\.weight$", r"\1.experts.w13", "expert", 1),
+    WeightRule(r"^(.*)\.experts\.(\d+)\.(?:down_proj|w2)\.weight$", r"\1.experts.w2", "expert"),
+    # Already-packed expert tensors (transformers 5 in-memory layout): same shapes as ours.
+    WeightRule(r"^(.*)\.experts\.gate_up_proj$", r"\1.experts.w13"),
+    WeightRule(r"^(.*)\.experts\.down_proj$", r"\1.experts.w2"),
+    WeightRule(r"^(.*)\.q_proj\.(weight|bias)$", r"\1.qkv_proj.\2", "q"),
+    WeightRule(r"^(.*)\.k_proj\.(weight|bias)$", r"\1.qkv_proj.\2", "k"),
+    WeightRule(r"^(.*)\.v_proj\.(weight|bias)$", r"\1.qkv_proj.\2", "v"),
+    WeightRule(r"^(.*)\.gate_proj\.weight$", r"\1.gate_up_proj.weight", 0),
+    WeightRule(r"^(.*)\.up_proj\.weight$", r"\1.gate_up_proj.weight", 1),
+    WeightRule(r"^(.*)$", r"\1"),
+)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, self_attn: Attention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """``model.*`` in the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MoECausalLM(nn.Module, abc.ABC):
+    """Base of every family. ``forward(input_ids[T], positions[T], meta) -> hidden[T, H]``."""
+
+    # Family-specific renames applied to checkpoint names before COMMON_WEIGHT_RULES.
+    name_aliases: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config, config.head_dim, max_positions)
+        self.model = DecoderStack(config, [self.build_layer(i, rotary, moe_backend) for i in range(config.num_layers)])
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @abc.abstractmethod
+    def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
+        """One decoder layer of this family."""
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        for layer in self.model.layers:
+            x = layer(x, positions, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, V]
+
+    def map_weight_name(self, name: str) -> tuple[str, WeightRule, re.Match]:
+        for old, new in self.name_aliases:
+            name = name.replace(old, new)
+        for rule in COMMON_WEIGHT_RULES:
+            match = re.match(rule.pattern, name)
+            if match:
+                return match.expand(rule.target), rule, match
+        raise AssertionError("the catch-all rule always matches")

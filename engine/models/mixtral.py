@@ -1,0 +1,24 @@
+"""Mixtral: GQA attention, softmax top-k routing renormalised over the chosen experts."""
+
+from engine.layers.attention import Attention
+from engine.layers.moe import SparseMoeBlock
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.base import DecoderLayer, MoECausalLM
+
+
+class MixtralForCausalLM(MoECausalLM):
+    # Checkpoints call the MoE block `block_sparse_moe` and its experts w1 (gate), w3 (up), w2 (down).
+    name_aliases = ((".block_sparse_moe.", ".mlp."),)
+
+    def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
+        c = self.config
+        attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps)
+        moe = SparseMoeBlock(
+            c.hidden_size,
+            num_experts=c.cfg("num_local_experts"),
+            top_k=c.cfg("num_experts_per_tok"),
+            intermediate_size=c.cfg("intermediate_size"),
+            renormalize=True,
+            backend=moe_backend,
+        )
+        return DecoderLayer(c, attn, moe)

@@ -1,0 +1,24 @@
+"""OLMoE: RMSNorm over the whole q and k projections, optional qkv clipping, 64 small experts."""
+
+from engine.layers.attention import Attention
+from engine.layers.moe import SparseMoeBlock
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.base import DecoderLayer, MoECausalLM
+
+
+class OlmoeForCausalLM(MoECausalLM):
+    def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
+        c = self.config
+        attn = Attention(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps,
+            qkv_bias=bool(c.cfg("attention_bias", False)), qk_norm="full", clip_qkv=c.cfg("clip_qkv"),
+        )
+        moe = SparseMoeBlock(
+            c.hidden_size,
+            num_experts=c.cfg("num_experts"),
+            top_k=c.cfg("num_experts_per_tok"),
+            intermediate_size=c.cfg("intermediate_size"),
+            renormalize=bool(c.cfg("norm_topk_prob", False)),
+            backend=moe_backend,
+        )
+        return DecoderLayer(c, attn, moe)

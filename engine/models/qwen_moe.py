@@ -1,0 +1,25 @@
+"""Shared layer plan of the Qwen MoE families: sparse layers every `decoder_sparse_step`, dense MLP elsewhere."""
+
+from torch import nn
+
+from engine.layers.mlp import GatedMLP
+from engine.layers.moe import SparseMoeBlock
+from engine.model_config import ModelConfig
+
+
+def qwen_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, shared_expert_size: int = 0) -> nn.Module:
+    """A layer is sparse unless listed in `mlp_only_layers` or off the `decoder_sparse_step` grid."""
+    num_experts = config.cfg("num_experts") or config.cfg("num_local_experts") or 0
+    step = config.cfg("decoder_sparse_step", 1) or 1
+    sparse = layer_idx not in (config.cfg("mlp_only_layers") or []) and num_experts > 0 and (layer_idx + 1) % step == 0
+    if not sparse:
+        return GatedMLP(config.hidden_size, config.cfg("intermediate_size"))
+    return SparseMoeBlock(
+        config.hidden_size,
+        num_experts=num_experts,
+        top_k=config.cfg("num_experts_per_tok"),
+        intermediate_size=config.cfg("moe_intermediate_size"),
+        renormalize=bool(config.cfg("norm_topk_prob", False)),
+        backend=moe_backend,
+        shared_expert_size=shared_expert_size,
+    )

@@ -1,0 +1,110 @@
+"""What the engine reports per request, and the processor that builds it (text, stop strings)."""
+
+import msgspec
+
+from engine.request import Request, RequestStatus
+from engine.scheduler import RequestUpdate, Scheduler
+from engine.tokenizer import IncrementalDetokenizer
+
+
+class RequestOutput(msgspec.Struct):
+    """The state of one request after a step. ``new_*`` fields hold this step's delta."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class _TextState:
+    __slots__ = ("detok", "text", "emitted")
+
+    def __init__(self, detok: IncrementalDetokenizer | None) -> None:
+        self.detok = detok
+        self.text = ""
+        self.emitted = 0  # characters already handed out as deltas
+
+
+class OutputProcessor:
+    """Detokenizes, applies stop strings (ending the request in the scheduler) and builds outputs.
+
+    While stop strings are set, the last ``len(longest stop) - 1`` characters are
+    held back from deltas, so a streamed delta never shows part of a stop string.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _TextState] = {}
+
+    def add_request(self, request: Request) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens)
+        self._states[request.request_id] = _TextState(detok)
+
+    def abort(self, request: Request) -> RequestOutput | None:
+        state = self._states.pop(request.request_id, None)
+        if state is None:
+            return None
+        return self._output(request, state, [], "")
+
+    def process(self, updates: list[RequestUpdate], scheduler: Scheduler) -> list[RequestOutput]:
+        outputs = []
+        for update in updates:
+            request = update.request
+            state = self._states[request.request_id]
+            finished = update.finished
+            stops = request.sampling_params.stop_strings
+            if state.detok is not None:
+                # A token that ended the request by id (EOS, stop_token_ids) contributes no text.
+                ended_by_token = finished and request.status == RequestStatus.FINISHED_STOPPED
+                if not ended_by_token:
+                    before = len(state.text)
+                    state.text += state.detok.add(update.new_token_ids)
+                    if finished:
+                        state.text += state.detok.flush()
+                    if stops and self._apply_stop_strings(request, state, before):
+                        scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                        finished = True
+            hold = 0 if finished or not stops else max(len(s) for s in stops) - 1
+            upto = max(state.emitted, len(state.text) - hold)
+            delta = state.text[state.emitted:upto]
+            state.emitted = upto
+            if finished:
+                del self._states[request.request_id]
+            outputs.append(self._output(request, state, update.new_token_ids, delta))
+        return outputs
+
+    @staticmethod
+    def _apply_stop_strings(request: Request, state: _TextState, before: int) -> bool:
+        longest = max(len(s) for s in request.sampling_params.stop_strings)
+        search_from = max(0, before - longest + 1)
+        hits = [(state.text.find(s, search_from), s) for s in request.sampling_params.stop_strings]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        state.text = state.text[:index]
+        request.stop_reason = stop
+        return True
+
+    @staticmethod
+    def _output(request: Request, state: _TextState, new_ids: list[int], delta: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            token_ids=list(request.output_token_ids),
+            text=state.text,
+            new_token_ids=list(new_ids),
+            new_text=delta,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )

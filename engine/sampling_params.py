@@ -1,0 +1,62 @@
+"""Per-request sampling and stopping parameters (no torch import)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` turn those
+    filters off. ``seed`` makes one request's samples reproducible whatever else
+    shares its batch. ``stop`` strings end generation and are not included in
+    the returned text; ``stop_token_ids`` end it too (the token is kept in
+    ``token_ids`` and its text dropped, as for EOS).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (one sequence per request), got {self.n}")
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or s == "" for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        self._stop_list = stops
+        ids = list(self.stop_token_ids or [])
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        self.stop_token_ids = ids
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,61 @@
+"""Tokenizer loading and incremental detokenization."""
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str):
+    """A transformers fast tokenizer from local files, or None if the directory has none."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        logger.info("%s: no tokenizer files; only token-id prompts can be served", path)
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # a broken tokenizer is reported, not fatal: token ids still work
+        logger.warning("%s: tokenizer could not be loaded (%s); only token-id prompts can be served", path, str(e).splitlines()[0])
+        return None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting a character.
+
+    Decodes a short window (from ``prefix_offset``) and emits only what extends
+    past the previously read text; a window ending in U+FFFD is a multi-byte
+    character still incomplete, so nothing is emitted until it completes.
+    A few prompt tokens seed the window so leading-space rules see context.
+    """
+
+    _CONTEXT_TOKENS = 4
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = prompt_token_ids[-self._CONTEXT_TOKENS:]
+        self.ids = list(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full_text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character shows as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full_text[len(prefix_text):]

@@ -1,0 +1,70 @@
+"""The one entry point for routed-expert compute, dispatching to a backend."""
+
+import torch
+
+from moe_kernels.torch_backend import fused_moe_torch
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def available_backends() -> list[str]:
+    """Backends that can run in this process ("triton" needs CUDA or TRITON_INTERPRET=1)."""
+    names = ["torch"]
+    try:
+        from moe_kernels import triton_backend  # noqa: F401
+    except ImportError:
+        return names
+    return names + ["triton"]
+
+
+def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    num_experts, two_inter, hidden = w13.shape
+    if hidden != x.shape[1] or two_inter % 2:
+        raise ValueError(f"w13 must be [E, 2I, H] with H={x.shape[1]}, got {tuple(w13.shape)}")
+    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"w2 must be [E, H, I]={num_experts, hidden, two_inter // 2}, got {tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T, k]"
+        )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    backend: str = "auto",
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Run the routed experts of one MoE layer.
+
+    Legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
+
+    Args:
+        x: [T, H] activations.
+        w13: [E, 2I, H] gate rows then up rows of each expert.
+        w2: [E, H, I] down projection of each expert.
+        topk_weights: [T, k] routing weights (float32 from ``route``).
+        topk_ids: [T, k] expert ids.
+        backend: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton".
+        activation: "silu" (SwiGLU experts) or "gelu".
+
+    Returns:
+        [T, H] in the dtype of ``x``: sum over k of weight * expert(x).
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    if backend == "auto":
+        backend = "triton" if x.is_cuda and "triton" in available_backends() else "torch"
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    if backend == "triton":
+        from moe_kernels.triton_backend import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation=activation)
+    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, activation=activation)

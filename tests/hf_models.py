@@ -1,0 +1,39 @@
+"""Tiny random checkpoints of every family, built and saved with transformers (the reference)."""
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+# Each family in a few shapes: GQA and MHA, top-k 1..4, 4..16 experts, odd sizes.
+FAMILY_CONFIGS = {
+    "mixtral": dict(
+        model_type="mixtral", hidden_size=48, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=8, num_experts_per_tok=2,
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe", hidden_size=40, intermediate_size=56, num_attention_heads=5, num_key_value_heads=5,
+        num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=36,
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=24, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=20, norm_topk_prob=True,
+    ),
+    "olmoe": dict(
+        model_type="olmoe", hidden_size=36, intermediate_size=28, num_attention_heads=3, num_key_value_heads=3,
+        num_experts=4, num_experts_per_tok=1, clip_qkv=None,
+    ),
+}
+
+
+def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2, **overrides):
+    """Build a random model of ``family``, save it to ``path``, return the transformers model (eval, float32)."""
+    kw = dict(FAMILY_CONFIGS[family], **overrides)
+    model_type = kw.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=1024,
+        initializer_range=0.08, eos_token_id=vocab_size - 1, bos_token_id=None, pad_token_id=0, **kw,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    return model
