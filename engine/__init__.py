@@ -5,13 +5,26 @@ Offline use::
     from engine import LLM, SamplingParams
     llm = LLM(model="/path/to/checkpoint")
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+
+Names are imported lazily so that the pure-Python parts (scheduler, block
+pool, request state) import without torch.
 """
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.model_config import CheckpointError
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+import importlib
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CheckpointError"]
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "EngineConfig": "engine.config",
+    "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CheckpointError": "engine.model_config",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -27,11 +27,11 @@ FAMILY_CONFIGS = {
 
 def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2, **overrides):
     """Build a random model of ``family``, save it to ``path``, return the transformers model (eval, float32)."""
-    kw = dict(FAMILY_CONFIGS[family], **overrides)
+    kw = {**FAMILY_CONFIGS[family], "initializer_range": 0.08, **overrides}
     model_type = kw.pop("model_type")
     config = AutoConfig.for_model(
         model_type, vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=1024,
-        initializer_range=0.08, eos_token_id=vocab_size - 1, bos_token_id=None, pad_token_id=0, **kw,
+        eos_token_id=vocab_size - 1, bos_token_id=None, pad_token_id=0, **kw,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

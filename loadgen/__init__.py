@@ -1,0 +1,1 @@
+"""moegate loadgen package."""

@@ -1,0 +1,1 @@
+"""moegate tenants package."""

@@ -1,0 +1,106 @@
+"""Checkpoint loading: sharded files, and one-line errors that name the file."""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from engine import LLM, CheckpointError, SamplingParams
+from tests.hf_models import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen3"))
+    make_hf_model("qwen3_moe", path, seed=random.randrange(2**31))
+    return path
+
+
+def test_sharded_checkpoint_loads_same_weights(tmp_path):
+    seed = random.randrange(2**31)
+    hf = make_hf_model("mixtral", str(tmp_path / "one"), seed=seed)
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="40KB")
+    files = os.listdir(tmp_path / "sharded")
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+    prompt = [random.randrange(1, 200) for _ in range(17)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a = LLM(model=str(tmp_path / "one")).generate([prompt], params)[0]
+    b = LLM(model=str(tmp_path / "sharded")).generate([prompt], params)[0]
+    assert a.token_ids == b.token_ids
+    assert a.text == "" and b.text == ""  # no tokenizer files: token ids still served
+
+
+def _one_line(err: Exception) -> str:
+    msg = str(err)
+    assert "\n" not in msg
+    return msg
+
+
+def test_unsupported_architecture(tmp_path, qwen3_dir):
+    cfg = json.load(open(os.path.join(qwen3_dir, "config.json")))
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as e:
+        LLM(model=str(tmp_path))
+    assert "config.json" in _one_line(e.value) and "LlamaForCausalLM" in str(e.value)
+
+
+def test_missing_dir_and_config(tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        LLM(model=str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="config.json: file not found"):
+        LLM(model=str(tmp_path))
+
+
+def _copy_config(src: str, dst) -> None:
+    for name in ("config.json", "generation_config.json"):
+        (dst / name).write_text(open(os.path.join(src, name)).read())
+
+
+def test_missing_and_corrupt_weights(tmp_path, qwen3_dir):
+    _copy_config(qwen3_dir, tmp_path)
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        LLM(model=str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(CheckpointError) as e:
+        LLM(model=str(tmp_path))
+    assert "model.safetensors" in _one_line(e.value)
+
+
+def test_missing_tensor_is_named(tmp_path, qwen3_dir):
+    from safetensors.torch import load_file, save_file
+
+    _copy_config(qwen3_dir, tmp_path)
+    tensors = load_file(os.path.join(qwen3_dir, "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.down_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="layers.1.mlp.experts.w2"):
+        LLM(model=str(tmp_path))
+
+
+def test_misshapen_tensor_is_named(tmp_path, qwen3_dir):
+    from safetensors.torch import load_file, save_file
+
+    _copy_config(qwen3_dir, tmp_path)
+    tensors = load_file(os.path.join(qwen3_dir, "model.safetensors"))
+    tensors["model.norm.weight"] = torch.ones(3)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="model.norm.weight has shape"):
+        LLM(model=str(tmp_path))
+
+
+def test_bad_requests_queue_nothing(qwen3_dir):
+    llm = LLM(model=qwen3_dir, max_model_len=64)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, 2], [5, 10_000]], SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="at most 63 prompt tokens"):
+        llm.generate([[1] * 10, [1] * 64], SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["hello"], SamplingParams(max_tokens=3))
+    assert not llm.engine.has_unfinished()
+    llm.engine.scheduler.kv.pool.check_all_free()
+    # Generation stops at max_model_len even if max_tokens asks for more.
+    out = llm.generate([[3] * 60], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
