@@ -6,6 +6,16 @@ import torch
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode requests whose queries are flat tokens [start, end). Legend: G requests, L padded context."""
+
+    start: int
+    end: int
+    block_table: torch.Tensor  # [G, max_blocks] int64 (padding points at block 0 and is masked)
+    key_mask: torch.Tensor  # [G, 1, 1, L] bool: True where a key is visible
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Legend: T scheduled tokens, B requests, D decode requests, P prefill requests, L context.
 
@@ -15,10 +25,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block_id * block_size + offset) of each token
     num_decodes: int  # D: the first D tokens are the D decode requests' queries
-    # Decode batch, padded to the longest context (a torch path that a Triton kernel replaces on GPU).
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64
-    decode_seq_lens: torch.Tensor | None  # [D] int64: context length including the new token
-    decode_key_mask: torch.Tensor | None  # [D, 1, 1, L] bool: True where a key is visible
+    # Decodes in groups of similar context length, each padded to its own longest context
+    # (the torch path; a Triton paged-attention kernel takes the block tables directly on GPU).
+    decode_groups: list["DecodeGroup"]
     # Prefills, one entry per request: query token range, its context and mask.
     prefill_query_ranges: list[tuple[int, int]]  # (start, end) into the flat token dim
     prefill_block_tables: list[torch.Tensor]  # each [n_blocks] int64

@@ -136,6 +136,7 @@ def write_demo_model(path: str, seed: int = 0) -> None:
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
     tokenizer = _train_tokenizer()
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -152,7 +153,13 @@ def write_demo_model(path: str, seed: int = 0) -> None:
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
 
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a 30 MB file
+    try:
+        model.save_pretrained(path)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save(os.path.join(path, "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -71,6 +71,7 @@ class OutputProcessor:
                         state.text += state.detok.flush()
                     if stops and self._apply_stop_strings(request, state, before):
                         scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                        request.status = RequestStatus.FINISHED_STOPPED  # also if it already ended by length
                         finished = True
             hold = 0 if finished or not stops else max(len(s) for s in stops) - 1
             upto = max(state.emitted, len(state.text) - hold)

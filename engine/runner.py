@@ -2,11 +2,15 @@
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata, DecodeGroup
 from engine.config import CacheConfig
 from engine.models import MoECausalLM
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+# Decodes attended together in one padded SDPA call; bigger groups pad more, smaller ones call more.
+DECODE_GROUP_SIZE = 16
 
 
 def kv_bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -48,7 +52,8 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        # Decodes sorted by context length so that each attention group pads little.
+        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: len(s.block_ids))
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         ranges: list[tuple[int, int]] = []
         for item in decodes + prefills:
@@ -62,13 +67,15 @@ class ModelRunner:
 
         dev = self.device
         num_decodes = len(decodes)
-        dec_tables = dec_lens = dec_mask = None
-        if num_decodes:
-            width = max(len(s.block_ids) for s in decodes)
-            dec_tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decodes], device=dev)
-            dec_lens = torch.tensor([s.request.num_computed_tokens + 1 for s in decodes], device=dev)  # [D]
+        groups = []
+        for g0 in range(0, num_decodes, DECODE_GROUP_SIZE):
+            group = decodes[g0:g0 + DECODE_GROUP_SIZE]
+            width = len(group[-1].block_ids)
+            table = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in group], device=dev)
+            seq_lens = torch.tensor([s.request.num_computed_tokens + 1 for s in group], device=dev)[:, None]  # [G, 1]
             key_pos = torch.arange(width * bs, device=dev)[None, :]  # [1, L]
-            dec_mask = self._visible((dec_lens - 1)[:, None], key_pos, dec_lens[:, None])[:, None, None, :]
+            mask = self._visible(seq_lens - 1, key_pos, seq_lens)[:, None, None, :]  # [G, 1, 1, L]
+            groups.append(DecodeGroup(g0, g0 + len(group), table, mask))
         pre_tables, pre_lens, pre_masks = [], [], []
         for item in prefills:
             start = item.request.num_computed_tokens
@@ -82,9 +89,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decodes=num_decodes,
-            decode_block_tables=dec_tables,
-            decode_seq_lens=dec_lens,
-            decode_key_mask=dec_mask,
+            decode_groups=groups,
             prefill_query_ranges=ranges[num_decodes:],
             prefill_block_tables=pre_tables,
             prefill_seq_lens=pre_lens,

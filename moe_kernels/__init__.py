@@ -7,7 +7,7 @@ Public entry points:
 This package never imports ``engine`` or anything above it.
 """
 
-from moe_kernels.fused_moe import fused_moe, available_backends
+from moe_kernels.dispatch import fused_moe, available_backends
 from moe_kernels.routing import route
 
 __all__ = ["route", "fused_moe", "available_backends"]

@@ -19,7 +19,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     # cache [N_blocks, bs, kvh, d], block_table [..., n] -> [..., n*bs, kvh, d]
-    return cache[block_table].flatten(-4, -3)
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_table.reshape(-1))  # [..*n, bs*kvh*d]
+    return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, num_kv_heads, head_dim)
 
 
 def paged_attention(
@@ -31,16 +33,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, h, d] against cached K/V (already holding this step's tokens) -> [T, h, d]."""
     out = torch.empty_like(q)
-    num_decodes = meta.num_decodes
-    if num_decodes:
-        keys = _gather(k_cache, meta.decode_block_tables)  # [D, L, kvh, d]
-        values = _gather(v_cache, meta.decode_block_tables)
-        qd = q[:num_decodes].unsqueeze(2)  # [D, h, 1, d]
+    for group in meta.decode_groups:
+        keys = _gather(k_cache, group.block_table)  # [G, L, kvh, d]
+        values = _gather(v_cache, group.block_table)
+        qd = q[group.start:group.end].unsqueeze(2)  # [G, h, 1, d]
         o = F.scaled_dot_product_attention(
-            qd, keys.transpose(1, 2), values.transpose(1, 2),  # [D, kvh, L, d]
-            attn_mask=meta.decode_key_mask, scale=scale, enable_gqa=True,
-        )  # [D, h, 1, d]
-        out[:num_decodes] = o.squeeze(2)
+            qd, keys.transpose(1, 2), values.transpose(1, 2),  # [G, kvh, L, d]
+            attn_mask=group.key_mask, scale=scale, enable_gqa=True,
+        )  # [G, h, 1, d]
+        out[group.start:group.end] = o.squeeze(2)
     for (start, end), table, seq_len, mask in zip(
         meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
     ):

@@ -1,0 +1,191 @@
+"""Offline throughput: our engine vs transformers on one fixed workload, measured side by side.
+
+The workload: N requests, prompt lengths uniform in [16, 512], output
+lengths uniform in [8, 256] via max_tokens with EOS ignored, greedy, on a
+random-weight Qwen3-MoE-shaped model (about 37M parameters), float32.
+Each system gets the same requests; throughput is useful output tokens per
+second of wall time (static batches pay for padding and for waiting on the
+longest request of each batch: that is the point of the comparison).
+"""
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+# A Qwen3-MoE layout scaled down to ~37M parameters (16 experts, top-4).
+BENCH_MODEL_CONFIG = dict(
+    vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, intermediate_size=1024,
+    norm_topk_prob=True, max_position_embeddings=2048, initializer_range=0.05, eos_token_id=8191,
+    bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+)
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class BenchResult:
+    system: str
+    seconds: float
+    output_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def make_workload(num_requests: int, seed: int, vocab: int, prompt_range=(16, 512), output_range=(8, 256)) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return [
+        BenchRequest([rng.randrange(1, vocab - 1) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
+        for _ in range(num_requests)
+    ]
+
+
+def write_bench_model(path: str, seed: int) -> int:
+    """Save the random bench model to ``path``; returns its parameter count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3_moe", **BENCH_MODEL_CONFIG)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_moegate(path: str, reqs: list[BenchRequest], **engine_kwargs) -> BenchResult:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=path, dtype="float32", device="cpu", **engine_kwargs)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], params)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.token_ids) for o in outs)
+    assert produced == sum(r.max_tokens for r in reqs), "every request must produce exactly max_tokens"
+    return BenchResult("moegate", seconds, produced)
+
+
+def _load_hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def run_hf_static(path: str, reqs: list[BenchRequest], batch_size: int = 16) -> BenchResult:
+    """transformers generate() in static batches (left-padded), each run to its longest request."""
+    model = _load_hf(path)
+    start = time.perf_counter()
+    produced = 0
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i:i + batch_size]
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[row, width - len(r.prompt):] = 1
+        longest = max(r.max_tokens for r in batch)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+        assert out.shape[1] == width + longest
+        produced += sum(r.max_tokens for r in batch)  # tokens past a request's max_tokens are waste
+    return BenchResult(f"transformers generate (static batches of {batch_size})", time.perf_counter() - start, produced)
+
+
+@torch.inference_mode()
+def run_hf_continuous(path: str, reqs: list[BenchRequest]) -> BenchResult:
+    """transformers' own continuous batching (the manager behind generate_batch), per-request max_new_tokens."""
+    from transformers import GenerationConfig
+
+    model = _load_hf(path)
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(r.max_tokens for r in reqs))
+    start = time.perf_counter()
+    produced = 0
+    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=30, warmup=False) as manager:
+        ids = [manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.max_tokens, eos_token_id=-1) for i, r in enumerate(reqs)]
+        pending = set(ids)
+        while pending:
+            result = manager.get_result(timeout=60)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop stopped early")
+                continue
+            if result.is_finished() and result.request_id in pending:
+                pending.discard(result.request_id)
+                produced += len(result.generated_tokens)
+    return BenchResult("transformers generate_batch (continuous)", time.perf_counter() - start, produced)
+
+
+SYSTEMS = ("moegate", "hf-static", "hf-continuous")
+
+
+def run(num_requests: int, seed: int, systems: list[str], model_dir: str | None, engine_kwargs: dict) -> dict:
+    tmp = None
+    if model_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="moegate-bench-")
+        model_dir = tmp.name
+        num_params = write_bench_model(model_dir, seed)
+    else:
+        num_params = None
+    reqs = make_workload(num_requests, seed, BENCH_MODEL_CONFIG["vocab_size"])
+    results = []
+    for system in systems:
+        if system == "moegate":
+            results.append(run_moegate(model_dir, reqs, **engine_kwargs))
+        elif system == "hf-static":
+            results.append(run_hf_static(model_dir, reqs))
+        elif system == "hf-continuous":
+            results.append(run_hf_continuous(model_dir, reqs))
+        r = results[-1]
+        print(f"{r.system:45s} {r.output_tokens:7d} tokens {r.seconds:8.1f} s {r.tokens_per_s:9.1f} tok/s", flush=True)
+    report = {
+        "num_requests": num_requests, "seed": seed, "num_params": num_params, "torch_threads": torch.get_num_threads(),
+        "engine_kwargs": engine_kwargs, "results": [dict(asdict(r), tokens_per_s=r.tokens_per_s) for r in results],
+    }
+    ours = next((r for r in results if r.system == "moegate"), None)
+    baselines = [r for r in results if r.system != "moegate"]
+    if ours and baselines:
+        best = max(baselines, key=lambda r: r.tokens_per_s)
+        report["ratio_vs_best_baseline"] = ours.tokens_per_s / best.tokens_per_s
+        print(f"moegate / best baseline ({best.system}): {report['ratio_vs_best_baseline']:.2f}x")
+    if tmp is not None:
+        tmp.cleanup()
+    return report
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("offline", help="offline throughput: moegate vs transformers on a fixed workload")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: build the random bench model)")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--json", action="store_true", help="print the report as JSON at the end")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or args.num_requests < 1:
+        raise ValueError(f"unknown systems {unknown}" if unknown else "--num-requests must be >= 1")
+    engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    report = run(args.num_requests, args.seed, systems, args.model, engine_kwargs)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
