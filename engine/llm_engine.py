@@ -85,6 +85,18 @@ class LLMEngine:
             raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:3]}")
         return ids
 
+    def apply_chat_template(self, messages) -> str:
+        """Chat turns (objects with .role and .content) -> prompt text, via the tokenizer's template if it has one."""
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer files: chat needs one")
+        turns = [{"role": m.role, "content": m.content} for m in messages]
+        if not turns:
+            raise ValueError("messages must not be empty")
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        # No template shipped: a plain transcript that ends where the assistant speaks.
+        return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+
     def prepare_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a servable prompt, or ValueError saying why it is not."""
         prompt_ids = self.tokenize(prompt)

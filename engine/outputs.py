@@ -64,11 +64,12 @@ class OutputProcessor:
             if state.detok is not None:
                 # A token that ended the request by id (EOS, stop_token_ids) contributes no text.
                 ended_by_token = finished and request.status == RequestStatus.FINISHED_STOPPED
+                before = len(state.text)
                 if not ended_by_token:
-                    before = len(state.text)
                     state.text += state.detok.add(update.new_token_ids)
-                    if finished:
-                        state.text += state.detok.flush()
+                if finished:
+                    state.text += state.detok.flush()  # a character held back before the end still counts
+                if not ended_by_token:
                     if stops and self._apply_stop_strings(request, state, before):
                         scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
                         request.status = RequestStatus.FINISHED_STOPPED  # also if it already ended by length

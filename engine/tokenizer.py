@@ -36,10 +36,16 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        context = prompt_token_ids[-self._CONTEXT_TOKENS:]
-        self.ids = list(context)
+        # Byte-fallback tokenizers turn a run of bytes with a bad start into U+FFFD: move the
+        # context start back (a few tokens at most) until it no longer begins mid-character.
+        n = len(prompt_token_ids)
+        start = max(n - self._CONTEXT_TOKENS, 0)
+        lowest = max(n - self._CONTEXT_TOKENS - 4, 0)
+        while start > lowest and self._decode(prompt_token_ids[start:]).startswith("\ufffd"):
+            start -= 1
+        self.ids = list(prompt_token_ids[start:])
         self.prefix_offset = 0
-        self.read_offset = len(context)
+        self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -1,0 +1,138 @@
+"""The async client of the engine process: what the gateway talks to."""
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import threading
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.engine_process import run_engine_process
+from engine.protocol import (
+    AbortRequest, AddRequest, ChatTurn, Delta, Fatal, Ready, RequestRejected, SamplingSpec, Shutdown, StepOutputs,
+    encoder, from_engine_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine process failed to start or died."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine refused a request; the message says why, for the user."""
+
+
+class AsyncEngine:
+    """Runs the engine in its own process and streams per-request deltas to asyncio callers.
+
+    ``generate`` yields ``Delta``s until the request finishes; cancelling the
+    consumer (a client that went away) aborts the request in the engine.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.info: Ready | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._process = None
+        self._conn = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._send_lock = threading.Lock()
+        self.dead: str | None = None
+
+    async def start(self) -> Ready:
+        self._loop = asyncio.get_running_loop()
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA state
+        parent, child = ctx.Pipe()
+        self._process = ctx.Process(target=run_engine_process, args=(self.config, child), name="moegate-engine", daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+        first = await self._loop.run_in_executor(None, self._recv)
+        if isinstance(first, Fatal) or first is None:
+            self._process.join(timeout=5)
+            raise EngineError(first.message if first else "the engine process exited during start-up")
+        self.info = first
+        threading.Thread(target=self._reader, name="moegate-engine-reader", daemon=True).start()
+        return first
+
+    def _recv(self):
+        try:
+            return from_engine_decoder.decode(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            return None
+
+    def _reader(self) -> None:
+        while True:
+            msg = self._recv()
+            if msg is None:
+                self._loop.call_soon_threadsafe(self._fail_all, "the engine process stopped")
+                return
+            self._loop.call_soon_threadsafe(self._dispatch, msg)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, StepOutputs):
+            for delta in msg.deltas:
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+        elif isinstance(msg, RequestRejected):
+            queue = self._queues.get(msg.request_id)
+            if queue is not None:
+                queue.put_nowait(RequestRejectedError(msg.message))
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead = reason
+        for queue in self._queues.values():
+            queue.put_nowait(EngineError(reason))
+
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            self._conn.send_bytes(encoder.encode(msg))
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingSpec,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        messages: list[ChatTurn] | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died."""
+        if self.dead:
+            raise EngineError(self.dead)
+        request_id = request_id or f"req-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._send(AddRequest(request_id, prompt, sampling, cache_salt, messages))
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            del self._queues[request_id]
+            if not finished and not self.dead:
+                self._send(AbortRequest(request_id))
+
+    async def shutdown(self) -> None:
+        if self._process is None:
+            return
+        if self._process.is_alive():
+            try:
+                self._send(Shutdown())
+            except OSError:
+                pass
+            await self._loop.run_in_executor(None, self._process.join, 10)
+        if self._process.is_alive():
+            self._process.kill()
+        self._process = None

@@ -1,0 +1,59 @@
+"""The engine's own process: receives requests over a pipe, steps the engine, sends deltas back."""
+
+import logging
+from multiprocessing.connection import Connection
+
+from engine.config import EngineConfig
+from engine.protocol import (
+    AbortRequest, AddRequest, Delta, Fatal, Ready, RequestRejected, Shutdown, StepOutputs,
+    encoder, to_engine_decoder,
+)
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _sampling_params(spec) -> SamplingParams:
+    return SamplingParams(
+        temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
+        max_tokens=spec.max_tokens, min_tokens=spec.min_tokens, stop=list(spec.stop),
+        stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+        skip_special_tokens=spec.skip_special_tokens,
+    )
+
+
+def run_engine_process(config: EngineConfig, conn: Connection) -> None:
+    """Entry point of the engine process. Blocks on the pipe when idle, steps while there is work."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    from engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config)
+    except Exception as e:  # reported to the parent, which prints one line and exits
+        conn.send_bytes(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
+        return
+    mc = engine.model_config
+    conn.send_bytes(encoder.encode(Ready(config.model, mc.architecture, engine.max_model_len, mc.vocab_size, engine.tokenizer is not None)))
+
+    while True:
+        # Drain every pending message; block for one only when there is nothing to step.
+        while conn.poll(0 if engine.has_unfinished() else None):
+            msg = to_engine_decoder.decode(conn.recv_bytes())
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, AbortRequest):
+                engine.abort(msg.request_id)
+            elif isinstance(msg, AddRequest):
+                try:
+                    prompt = engine.apply_chat_template(msg.messages) if msg.messages is not None else msg.prompt
+                    engine.add_request(prompt, _sampling_params(msg.sampling), msg.request_id, cache_salt=msg.cache_salt)
+                except ValueError as e:
+                    conn.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
+        outputs = engine.step()
+        if outputs:
+            deltas = [
+                Delta(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
+                      o.num_prompt_tokens, o.num_cached_tokens, len(o.token_ids))
+                for o in outputs
+            ]
+            conn.send_bytes(encoder.encode(StepOutputs(deltas)))

@@ -1,0 +1,89 @@
+"""Messages between the engine process and its async client (msgspec, over a local pipe).
+
+Only what changed crosses: a request is sent once; each step sends the new
+tokens and text of the requests it advanced.
+"""
+
+import msgspec
+
+
+class SamplingSpec(msgspec.Struct, omit_defaults=True):
+    """SamplingParams as plain data (validated again into SamplingParams in the engine)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class ChatTurn(msgspec.Struct):
+    role: str
+    content: str
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    """``prompt`` is text or token ids; with ``messages`` set, the prompt is the chat template applied to them."""
+
+    request_id: str
+    prompt: str | list[int]
+    sampling: SamplingSpec
+    cache_salt: str | None = None
+    messages: list[ChatTurn] | None = None
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Delta(msgspec.Struct):
+    """One request's progress in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    deltas: list[Delta]
+
+
+class RequestRejected(msgspec.Struct, tag=True):
+    """The engine could not accept a request (bad prompt): the message is for the user."""
+
+    request_id: str
+    message: str
+
+
+class Ready(msgspec.Struct, tag=True):
+    model: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    has_tokenizer: bool
+
+
+class Fatal(msgspec.Struct, tag=True):
+    message: str
+
+
+ToEngine = AddRequest | AbortRequest | Shutdown
+FromEngine = StepOutputs | RequestRejected | Ready | Fatal
+
+encoder = msgspec.msgpack.Encoder()
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)

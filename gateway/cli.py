@@ -1,0 +1,77 @@
+"""The `moegate` console script. Each package registers its own subcommands."""
+
+import argparse
+import logging
+import sys
+
+from engine.config import EngineConfig
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from engine.async_engine import AsyncEngine, EngineError
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine_config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
+    )
+    config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    app = create_app(config, AsyncEngine(engine_config))
+    try:
+        web.run_app(app, host=config.host, port=config.port, print=lambda msg: logging.info(msg.strip()))
+    except EngineError as e:
+        print(f"moegate serve: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_serve(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="start the OpenAI-compatible server")
+    p.add_argument("--model", required=True, help="local checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size on the CPU")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.set_defaults(func=_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from engine import cli as engine_cli
+    from loadgen import cli as loadgen_cli
+
+    parser = argparse.ArgumentParser(prog="moegate", description="Multi-tenant serving for MoE language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    engine_cli.register(sub)
+    loadgen_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # argparse exits 2 with one line on bad usage
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"moegate {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

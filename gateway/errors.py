@@ -1,0 +1,40 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+import logging
+
+import msgspec
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error a client can act on; becomes a JSON response with ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+
+def error_response(err: APIError) -> web.Response:
+    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    return web.Response(status=err.status, body=msgspec.json.encode(body), content_type="application/json", headers=err.headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Every failure leaves as OpenAI-shaped JSON; no traceback ever reaches a client."""
+    try:
+        return await handler(request)
+    except APIError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        type_ = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status, exc.reason or "request failed", type_))
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(APIError(500, "internal server error", "server_error"))
