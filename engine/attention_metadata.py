@@ -32,4 +32,6 @@ class AttentionMetadata:
     prefill_query_ranges: list[tuple[int, int]]  # (start, end) into the flat token dim
     prefill_block_tables: list[torch.Tensor]  # each [n_blocks] int64
     prefill_seq_lens: list[int]  # context length including this chunk
-    prefill_masks: list[torch.Tensor]  # each [1, q_len, L] bool
+    # each [1, 1, q_len, L] bool; None for a chunk that starts at position 0 without a sliding window:
+    # its keys are exactly its own tokens, so it runs causal attention on them with no cache read.
+    prefill_masks: list[torch.Tensor | None]

@@ -82,9 +82,12 @@ class ModelRunner:
             seq_len = start + item.num_new_tokens
             pre_tables.append(torch.tensor(item.block_ids, device=dev))
             pre_lens.append(seq_len)
+            if start == 0 and not self.sliding_window:
+                pre_masks.append(None)
+                continue
             query_pos = torch.arange(start, seq_len, device=dev)[:, None]  # [q, 1]
             key_pos = torch.arange(seq_len, device=dev)[None, :]  # [1, L]
-            pre_masks.append(self._visible(query_pos, key_pos, seq_len)[None])  # [1, q, L]
+            pre_masks.append(self._visible(query_pos, key_pos, seq_len)[None, None])  # [1, 1, q, L]
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),

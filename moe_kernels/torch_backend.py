@@ -35,18 +35,17 @@ def fused_moe_torch(
     token_of_slot = slot_order // top_k  # [T*k]
     counts = torch.bincount(sorted_expert_ids, minlength=num_experts).tolist()
 
-    x_sorted = x.index_select(0, token_of_slot)  # [T*k, H]
-    out_sorted = torch.empty_like(x_sorted)  # [T*k, H]
+    slot_weights = topk_weights.reshape(-1).index_select(0, slot_order).to(torch.float32)  # [T*k]
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = slice(start, start + count)
-        hidden = _activate(x_sorted[rows] @ w13[expert].t(), activation)  # [n, I]
-        out_sorted[rows] = hidden @ w2[expert].t()  # [n, H]
+        tokens = token_of_slot[rows]  # [n]
+        hidden = _activate(x.index_select(0, tokens) @ w13[expert].t(), activation)  # [n, I]
+        expert_out = (hidden @ w2[expert].t()).float()  # [n, H]
+        # Weight and scatter in one pass; float32 accumulation of the k contributions.
+        out.index_add_(0, tokens, expert_out.mul_(slot_weights[rows, None]))
         start += count
-
-    slot_weights = topk_weights.reshape(-1).index_select(0, slot_order).to(torch.float32)  # [T*k]
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
-    out.index_add_(0, token_of_slot, out_sorted.float() * slot_weights[:, None])
     return out.to(x.dtype)

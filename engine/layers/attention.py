@@ -65,5 +65,5 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = self.kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, h, d]
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, h, d]
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -26,12 +26,14 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, h, d] against cached K/V (already holding this step's tokens) -> [T, h, d]."""
+    """q [T, h, d] against cached K/V (already holding this step's k, v [T, kvh, d]) -> [T, h, d]."""
     out = torch.empty_like(q)
     for group in meta.decode_groups:
         keys = _gather(k_cache, group.block_table)  # [G, L, kvh, d]
@@ -45,11 +47,15 @@ def paged_attention(
     for (start, end), table, seq_len, mask in zip(
         meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
     ):
-        keys = _gather(k_cache, table)[:seq_len]  # [L, kvh, d]
-        values = _gather(v_cache, table)[:seq_len]
+        if mask is None:  # a fresh prompt chunk: its own keys, causal (the fast SDPA path)
+            keys, values = k[start:end], v[start:end]  # [q, kvh, d]
+        else:
+            keys = _gather(k_cache, table)[:seq_len]  # [L, kvh, d]
+            values = _gather(v_cache, table)[:seq_len]
+        # 4-D inputs: with 3-D ones the CPU backend falls back to the slow math path.
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # [h|kvh, q|L, d]
-            attn_mask=mask, scale=scale, enable_gqa=True,
-        )  # [h, q, d]
-        out[start:end] = o.transpose(0, 1)
+            q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],  # [1, h|kvh, q|L, d]
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+        )  # [1, h, q, d]
+        out[start:end] = o[0].transpose(0, 1)
     return out
