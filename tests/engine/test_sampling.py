@@ -86,3 +86,22 @@ def test_min_tokens_suppresses_eos():
 def test_invalid_params_raise(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_engine_abort_mid_generation_frees_blocks(llm):
+    rng = random.Random()
+    engine = llm.engine
+    ids = [engine.add_request(_prompt(rng, rng.randint(5, 60)), SamplingParams(max_tokens=50, ignore_eos=True)) for _ in range(4)]
+    for _ in range(3):
+        engine.step()
+    aborted = engine.abort(ids[1])
+    assert aborted is not None and aborted.finished and aborted.finish_reason == "abort"
+    assert engine.abort("no-such-request") is None
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == {ids[0], ids[2], ids[3]}
+    assert all(len(o.token_ids) == 50 for o in finished.values())
+    engine.scheduler.kv.pool.check_all_free()
