@@ -5,6 +5,7 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _MOE_BACKENDS = ("auto", "torch", "triton")
+BATCHING_STRATEGIES = ("continuous", "dynamic", "static")
 
 
 @dataclass(slots=True)
@@ -30,8 +31,14 @@ class EngineConfig:
     moe_backend: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
+    batching: str = "continuous"
+    max_wait_ms: float = 50.0
 
     def __post_init__(self) -> None:
+        if self.batching not in BATCHING_STRATEGIES:
+            raise ValueError(f"batching must be one of {BATCHING_STRATEGIES}, got {self.batching!r}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if not self.model:
             raise ValueError("model must be a path to a checkpoint directory")
         if self.dtype not in _DTYPES:
@@ -70,11 +77,20 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Step budget of the continuous-batching scheduler."""
+    """Step budget and batching strategy of the scheduler.
+
+    ``continuous``: iteration-level scheduling. ``static``: wait for
+    ``max_num_seqs`` requests (or a drain), run them until the last finishes.
+    ``dynamic``: like static, but a batch also starts ``max_wait_ms`` after its
+    oldest request arrived.
+    """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    batching: str = "continuous"
+    max_wait_ms: float = 50.0
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2
+        assert self.batching in BATCHING_STRATEGIES

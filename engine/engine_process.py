@@ -46,7 +46,10 @@ def run_engine_process(config: EngineConfig, conn: Connection) -> None:
             elif isinstance(msg, AddRequest):
                 try:
                     prompt = engine.apply_chat_template(msg.messages) if msg.messages is not None else msg.prompt
-                    engine.add_request(prompt, _sampling_params(msg.sampling), msg.request_id, cache_salt=msg.cache_salt)
+                    engine.add_request(
+                        prompt, _sampling_params(msg.sampling), msg.request_id, cache_salt=msg.cache_salt,
+                        priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
+                    )
                 except ValueError as e:
                     conn.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
         outputs = engine.step()

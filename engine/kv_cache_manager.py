@@ -53,9 +53,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_query_tokens += request.num_tokens
-        self.prefix_hit_tokens += len(hits) * self.block_size
         return hits
+
+    def record_prefix_hit(self, request: Request, num_cached_tokens: int) -> None:
+        """Count one admission's prefix lookup (once, however often admission retried)."""
+        if self.enable_caching:
+            self.prefix_query_tokens += request.num_tokens
+            self.prefix_hit_tokens += num_cached_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens; False (and no change) if the pool is short."""

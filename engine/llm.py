@@ -40,8 +40,12 @@ class LLM:
         token_prompts = [self.engine.prepare_prompt(p) for p in prompts]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(token_prompts, params)]
         finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        self.engine.scheduler.drain = True  # nothing else will arrive: static batching may start partial batches
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        finally:
+            self.engine.scheduler.drain = False
         return [finished[i] for i in ids]

@@ -13,6 +13,7 @@ from engine.request import Request
 from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.stats import SchedulerStats
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,13 @@ class LLMEngine:
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), cache_config
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                batching=config.batching, max_wait_ms=config.max_wait_ms,
+            ),
+            cache_config,
         )
+        self.last_stats: SchedulerStats | None = None
         self.runner = ModelRunner(self.model, cache_config, self.device, self.dtype, config.seed)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -114,6 +120,10 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 1,
+        tenant: str = "default",
+        weight: float = 1.0,
+        preemptible: bool = True,
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) for a prompt that cannot be served."""
         prompt_ids = self.prepare_prompt(prompt)
@@ -121,7 +131,12 @@ class LLMEngine:
         max_tokens = min(params.max_tokens or room, room)
         request_id = request_id if request_id is not None else str(next(self._ids))
         eos = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
-        request = Request(request_id, prompt_ids, params, max_tokens, eos_token_id=eos, cache_salt=cache_salt)
+        if weight <= 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
+        request = Request(
+            request_id, prompt_ids, params, max_tokens, eos_token_id=eos, cache_salt=cache_salt,
+            priority=priority, tenant=tenant, weight=weight, preemptible=preemptible,
+        )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
         return request_id
@@ -138,6 +153,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         sampled = self.runner.execute(sched_out)
         updates = self.scheduler.update(sched_out, sampled)
+        self.last_stats = self.scheduler.stats()
         return self.output_processor.process(updates, self.scheduler)
 
 

@@ -35,6 +35,10 @@ class AddRequest(msgspec.Struct, tag=True):
     sampling: SamplingSpec
     cache_salt: str | None = None
     messages: list[ChatTurn] | None = None
+    priority: int = 1
+    tenant: str = "default"
+    weight: float = 1.0
+    preemptible: bool = True
 
 
 class AbortRequest(msgspec.Struct, tag=True):

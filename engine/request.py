@@ -38,6 +38,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "cache_salt", "num_preemptions", "stop_reason",
+        "priority", "tenant", "weight", "preemptible", "admit_seq", "num_charged_prompt_tokens",
     )
 
     def __init__(
@@ -49,7 +50,13 @@ class Request:
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 1,
+        tenant: str = "default",
+        weight: float = 1.0,
+        preemptible: bool = True,
     ) -> None:
+        """``priority`` is a rank (lower is more urgent); ``weight`` is the tenant's fair share in its rank;
+        ``preemptible`` lets a waiting request of a better rank take this one's place."""
         assert prompt_token_ids, "a request needs at least one prompt token"
         assert max_tokens >= 1
         self.request_id = request_id
@@ -66,6 +73,13 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        assert weight > 0
+        self.priority = priority
+        self.tenant = tenant
+        self.weight = weight
+        self.preemptible = preemptible
+        self.admit_seq = -1  # order of (re)admission: the most recently started is preempted first
+        self.num_charged_prompt_tokens = 0  # prompt tokens already billed to the tenant's fair-share counter
 
     @property
     def num_tokens(self) -> int:

@@ -1,17 +1,42 @@
-"""Continuous-batching scheduler: which requests run this step, and how many tokens each.
+"""The scheduler: which requests run this step, and how many tokens each.
 
 Plain Python, no torch. One step is ``schedule()`` then (after the runner)
 ``update()``. There is no prefill or decode phase: each request has
 ``num_computed_tokens`` and ``num_tokens`` and gets up to the difference
 within the step's token budget.
+
+A step serves priority ranks best first. Within a rank, running requests
+(in admission order) come first, then waiting ones are admitted (fairly
+across tenants, see ``waiting_queue``). So lower-rank work never takes
+budget, sequence slots or blocks ahead of more urgent work:
+
+- admission preemption: a waiting request that does not fit (no free blocks
+  or ``max_num_seqs`` reached) preempts the worst-ranked, most recently
+  admitted running request of a *worse* rank that is ``preemptible``; equal
+  ranks never preempt each other this way;
+- memory preemption: a running request that cannot grow preempts the
+  worst-ranked, most recently admitted request not yet served this step
+  (possibly itself). This one ignores ``preemptible``: without it the engine
+  could stall with every block held.
+
+Preemption is recompute: the victim's blocks are freed, its full blocks stay
+in the prefix cache, and it waits first in its rank. Starvation: a rank is
+served whenever every better rank's work fits in the step, and the running
+requests of any rank keep their blocks while they wait for budget, so batch
+work advances whenever capacity is idle.
 """
 
+import bisect
+import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.stats import SchedulerStats
+from engine.waiting_queue import VirtualTokenCounter, WaitingQueue
 
 
 @dataclass(slots=True)
@@ -43,32 +68,36 @@ class RequestUpdate:
     finished: bool
 
 
+def _running_order(request: Request) -> tuple[int, int]:
+    return (request.priority, request.admit_seq)
+
+
 class Scheduler:
-    """Owns the waiting queue, the running list and the KV cache manager.
+    """Owns the waiting queue, the running list (sorted by rank, then admission) and the KV cache manager."""
 
-    Running requests are served first, in admission order; when blocks run out
-    the most recently admitted running request is preempted (recompute: its
-    blocks are freed, its full blocks stay in the prefix cache). Waiting
-    requests are admitted in arrival order while budget, sequence slots and
-    blocks allow; a step that preempted admits nobody new.
-    """
-
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, clock=time.monotonic) -> None:
         self.config = scheduler_config
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.waiting: deque[Request] = deque()
+        self.vtc = VirtualTokenCounter()
+        self.waiting = WaitingQueue(self.vtc)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.clock = clock
+        self.drain = False  # static/dynamic: no more arrivals are coming, so a partial batch may start
+        self._batch: deque[Request] | None = None  # static/dynamic: members of the batch in flight, not running
+        self._admit_seq = itertools.count()
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        self._last_prefill_tokens = 0
+        self._last_decode_tokens = 0
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
-        max_len = self.config.max_model_len
-        assert request.num_tokens < max_len, "the engine rejects prompts that leave no room to generate"
+        assert request.num_tokens < self.config.max_model_len, "the engine rejects prompts that leave no room to generate"
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.vtc.on_arrival(request.tenant)
+        self.waiting.add(request)
 
     def abort(self, request_id: str) -> Request | None:
         """End a request wherever it is and free its blocks; unknown ids are ignored."""
@@ -88,11 +117,14 @@ class Scheduler:
         assert status.is_finished
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        elif self._batch is not None and request in self._batch:
+            self._batch.remove(request)
+        else:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+        self.vtc.on_departure(request.tenant)
         self._finished_since_last_step.append(request.request_id)
 
     def has_unfinished(self) -> bool:
@@ -104,72 +136,147 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + (len(self._batch) if self._batch else 0)
 
-    # ---- one step ---------------------------------------------------------
-    def _preempt_last(self) -> Request:
-        victim = self.running.pop()
+    # ---- preemption -------------------------------------------------------
+    def _preempt(self, victim: Request, preempted: list[str]) -> None:
+        self.running.remove(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)  # it keeps its place ahead of later arrivals
-        return victim
+        if self._batch is not None:
+            self._batch.appendleft(victim)  # still a member of the batch in flight
+        else:
+            self.waiting.add_preempted(victim)
+        preempted.append(victim.request_id)
 
+    def _memory_victim(self, served: set[str]) -> Request:
+        for request in reversed(self.running):
+            if request.request_id not in served:
+                return request
+        raise AssertionError("the request asking for memory is itself unserved")
+
+    def _has_preemptible_below(self, rank: int) -> bool:
+        return any(r.priority > rank and r.preemptible for r in self.running)
+
+    def _admission_victim(self, request: Request) -> Request | None:
+        candidates = [
+            r for r in self.running
+            if r.priority > request.priority and r.preemptible and r.request_id not in self._served
+        ]
+        return max(candidates, key=_running_order) if candidates else None
+
+    # ---- static / dynamic batching ----------------------------------------
+    def _batch_source(self) -> deque[Request] | None:
+        """For static/dynamic batching: the pending members of the batch in flight, starting one when due."""
+        if self._batch is not None and not self._batch and not self.running:
+            self._batch = None  # the last batch has finished
+        if self._batch is None and self.waiting:
+            waited_ms = (self.clock() - min(r.arrival_time for r in self.waiting)) * 1000
+            due = (
+                len(self.waiting) >= self.config.max_num_seqs
+                or self.drain
+                or (self.config.batching == "dynamic" and waited_ms >= self.config.max_wait_ms)
+            )
+            if due:
+                members = list(itertools.islice(iter(self.waiting), self.config.max_num_seqs))
+                for request in members:
+                    self.waiting.remove(request)
+                self._batch = deque(members)
+        return self._batch
+
+    # ---- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        self._budget = self.config.max_num_batched_tokens
+        self._scheduled: list[ScheduledRequest] = []
+        self._served: set[str] = set()
         preempted: list[str] = []
+        continuous = self.config.batching == "continuous"
+        batch = None if continuous else self._batch_source()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, "a running request always has a token to compute"
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self._preempt_last()
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            else:
-                scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break  # the request itself was preempted: nothing after it can run either
-
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request, num_new, cached):
-                break
-            self.waiting.popleft()
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+        ranks = sorted({r.priority for r in self.running} | (set(self.waiting.ranks()) if continuous else set()))
+        memory_pressure = False
+        for rank in ranks:
+            memory_pressure |= self._schedule_running(rank, preempted)
+            # After a memory preemption, admit only where worse-ranked work can make room: admitting
+            # equal-rank work into blocks just taken from a running request would thrash.
+            if continuous and (not memory_pressure or self._has_preemptible_below(rank)):
+                self._admit(lambda rank=rank: self.waiting.peek(rank), self.waiting.remove, preempted)
+        if batch is not None and not memory_pressure:
+            self._admit(lambda: batch[0] if batch else None, lambda r: batch.popleft(), preempted)
 
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
+        scheduled = self._scheduled
+        self._last_decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.sample)
+        self._last_prefill_tokens = self.config.max_num_batched_tokens - self._budget - self._last_decode_tokens
         return SchedulerOutput(
             scheduled=scheduled,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            num_batched_tokens=self.config.max_num_batched_tokens - self._budget,
             preempted_ids=preempted,
             finished_ids=finished,
         )
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _schedule_running(self, rank: int, preempted: list[str]) -> bool:
+        """Serve this rank's running requests; True if memory ran out and forced a preemption."""
+        pressure = False
+        for request in [r for r in self.running if r.priority == rank]:
+            if self._budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
+            assert num_new > 0, "a running request always has a token to compute"
+            while not self.kv.allocate_slots(request, num_new):
+                pressure = True
+                victim = self._memory_victim(self._served)
+                self._preempt(victim, preempted)
+                if victim is request:
+                    break
+            else:
+                self._add_scheduled(request, num_new)
+        return pressure
+
+    def _admit(self, peek, remove, preempted: list[str]) -> None:
+        while self._budget > 0:
+            request = peek()
+            if request is None:
+                return
+            if len(self.running) >= self.config.max_num_seqs:
+                victim = self._admission_victim(request)
+                if victim is None:
+                    return
+                self._preempt(victim, preempted)
+                continue
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, self._budget)
+            if not self.kv.allocate_slots(request, num_new, cached):
+                victim = self._admission_victim(request)
+                if victim is None:
+                    return
+                self._preempt(victim, preempted)
+                continue
+            remove(request)
+            self.kv.record_prefix_hit(request, num_cached)
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            request.admit_seq = next(self._admit_seq)
+            bisect.insort(self.running, request, key=_running_order)
+            self._add_scheduled(request, num_new)
+
+    def _add_scheduled(self, request: Request, num_new: int) -> None:
         sample = request.num_computed_tokens + num_new == request.num_tokens
-        return ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id), sample)
+        self._scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id), sample))
+        self._served.add(request.request_id)
+        self._budget -= num_new
 
     def update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[RequestUpdate]:
-        """Advance computed counts, append sampled tokens, finish and free what is done.
+        """Advance computed counts, append sampled tokens, bill fair-share counters, finish what is done.
 
         ``sampled_token_ids`` is aligned with ``sched_out.scheduled``; None where
         the chunk did not reach the end of the request (nothing sampled).
@@ -182,6 +289,11 @@ class Scheduler:
                 continue  # aborted between schedule() and update()
             request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(request)
+            # Prompt tokens are billed once, even if preemption makes them computed again.
+            prompt_done = min(request.num_computed_tokens, request.num_prompt_tokens)
+            new_prompt = max(prompt_done - request.num_charged_prompt_tokens, 0)
+            request.num_charged_prompt_tokens += new_prompt
+            self.vtc.charge(request, new_prompt, 1 if item.sample else 0)
             if not item.sample:
                 continue
             assert token is not None
@@ -204,3 +316,21 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        waiting = self.waiting.count_by_rank()
+        for request in self._batch or ():
+            waiting[request.priority] = waiting.get(request.priority, 0) + 1
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting_by_rank=waiting,
+            kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
+            kv_blocks_total=pool.num_blocks,
+            prefix_query_tokens=self.kv.prefix_query_tokens,
+            prefix_hit_tokens=self.kv.prefix_hit_tokens,
+            blocks_evicted=pool.num_evictions,
+            num_preemptions=self.num_preemptions,
+            step_prefill_tokens=self._last_prefill_tokens,
+            step_decode_tokens=self._last_decode_tokens,
+        )

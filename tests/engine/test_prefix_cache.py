@@ -1,0 +1,90 @@
+"""Prefix caching changes how much is computed, never what is generated."""
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.hf_models import make_hf_model
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen2moe"))
+    make_hf_model("qwen2_moe", path, seed=random.randrange(2**31))
+    return path
+
+
+def _greedy(max_tokens):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _prompts(rng: random.Random) -> list[list[int]]:
+    system = [rng.randrange(1, 200) for _ in range(5 * BLOCK + 3)]  # ends mid-block
+    prompts = [system + [rng.randrange(1, 200) for _ in range(rng.randint(1, 20))] for _ in range(5)]
+    prompts.append(system[:2 * BLOCK + 5])  # a prefix of the others, ending mid-block
+    prompts.append(system[:3 * BLOCK])  # a prefix ending exactly on a block boundary
+    prompts.append(list(prompts[0]))  # an exact repeat
+    return prompts
+
+
+def _run_in_waves(llm: LLM, prompts, max_tokens=6):
+    # Two waves so the second finds the first's blocks cached (within one wave they are computed together).
+    first = llm.generate(prompts[:2], _greedy(max_tokens))
+    return first + llm.generate(prompts[2:], _greedy(max_tokens))
+
+
+def test_cache_on_equals_cache_off(model_dir):
+    rng = random.Random()
+    prompts = _prompts(rng)
+    off = _run_in_waves(LLM(model=model_dir, block_size=BLOCK, enable_prefix_caching=False), prompts)
+    llm = LLM(model=model_dir, block_size=BLOCK)
+    on = _run_in_waves(llm, prompts)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert all(o.num_cached_tokens == 0 for o in off)
+    hits = [o.num_cached_tokens for o in on[2:]]
+    assert all(h > 0 for h in hits), hits
+    assert all(h % BLOCK == 0 and h < len(p) for h, p in zip(hits, prompts[2:]))
+    assert on[-1].num_cached_tokens == (len(prompts[-1]) - 1) // BLOCK * BLOCK  # the repeat: all but the last token
+    kv = llm.engine.scheduler.kv
+    assert kv.prefix_hit_tokens == sum(o.num_cached_tokens for o in on) > 0
+    kv.pool.check_all_free()
+
+
+def test_cache_after_eviction(model_dir):
+    rng = random.Random()
+    prompts = _prompts(rng)
+    fresh = [[rng.randrange(1, 200) for _ in range(60)] for _ in range(3)]
+    off = LLM(model=model_dir, block_size=BLOCK, enable_prefix_caching=False)
+    expected = off.generate(prompts + fresh + prompts, _greedy(5))
+    llm = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=24)  # too small to keep everything cached
+    got = []
+    for group in (prompts, fresh, prompts):
+        for p in group:
+            got.append(llm.generate([p], _greedy(5))[0])
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert llm.engine.scheduler.kv.pool.num_evictions > 0
+    llm.engine.scheduler.kv.pool.check_all_free()
+
+
+def test_salts_do_not_share(model_dir):
+    rng = random.Random()
+    prompt = [rng.randrange(1, 200) for _ in range(4 * BLOCK + 1)]
+    llm = LLM(model=model_dir, block_size=BLOCK)
+    engine = llm.engine
+
+    def run(salt):
+        rid = engine.add_request(prompt, _greedy(3), cache_salt=salt)
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.request_id == rid and o.finished]
+        return outs[0]
+
+    a = run("tenant-a")
+    b = run("tenant-b")
+    a2 = run("tenant-a")
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0, "another tenant's blocks must not be reused"
+    assert a2.num_cached_tokens == 4 * BLOCK
+    assert a.token_ids == b.token_ids == a2.token_ids
