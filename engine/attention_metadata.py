@@ -13,6 +13,9 @@ class DecodeGroup:
     end: int
     block_table: torch.Tensor  # [G, max_blocks] int64 (padding points at block 0 and is masked)
     key_mask: torch.Tensor  # [G, 1, 1, L] bool: True where a key is visible
+    # Blocks at the head of every table in the group (a shared prompt prefix): attended once for all
+    # G queries, then merged with each request's own blocks (``block_table``) by log-sum-exp.
+    shared_blocks: torch.Tensor | None = None  # [S] int64
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from engine.request import Request
 from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.stats import SchedulerStats
+from engine.stats import EXPERT_LOAD_EVERY_CUDA, SchedulerStats
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class LLMEngine:
             cache_config,
         )
         self.last_stats: SchedulerStats | None = None
+        self._steps = 0
         self.runner = ModelRunner(self.model, cache_config, self.device, self.dtype, config.seed)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -154,6 +155,9 @@ class LLMEngine:
         sampled = self.runner.execute(sched_out)
         updates = self.scheduler.update(sched_out, sampled)
         self.last_stats = self.scheduler.stats()
+        self._steps += 1
+        if self.device.type == "cpu" or self._steps % EXPERT_LOAD_EVERY_CUDA == 0:
+            self.last_stats.expert_load = self.runner.expert_load()
         return self.output_processor.process(updates, self.scheduler)
 
 

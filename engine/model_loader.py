@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import CheckpointError, ModelConfig
 from engine.models import MODEL_REGISTRY, MoECausalLM
@@ -95,8 +96,10 @@ def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device:
         model = cls(config, moe_backend=moe_backend, max_positions=max_positions)
     # Materialise on the CPU in float32, load, then cast once: loading stays simple and exact.
     model = model.to_empty(device="cpu")
-    for module in model.modules():  # non-persistent buffers (RoPE tables) were meta: rebuild them
+    for module in model.modules():  # non-persistent buffers were meta, now uninitialised: rebuild them
         if isinstance(module, RotaryEmbedding):
             module.build_cache()
+        elif isinstance(module, SparseMoeBlock):
+            module.expert_tokens.zero_()
     load_weights(model, model_dir)
     return model.to(device=device, dtype=dtype).eval()

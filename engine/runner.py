@@ -11,6 +11,8 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 # Decodes attended together in one padded SDPA call; bigger groups pad more, smaller ones call more.
 DECODE_GROUP_SIZE = 16
+# Decodes sharing a cached prompt prefix, attended together: the shared blocks are read once per group.
+SHARED_GROUP_SIZE = 64
 
 
 def kv_bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -46,14 +48,41 @@ class ModelRunner:
             visible &= key_pos > query_pos - self.sliding_window
         return visible
 
+    def _decode_groups(self, decodes: list[ScheduledRequest]) -> list[tuple[list[ScheduledRequest], int]]:
+        """Split decodes (sorted by context length) into attention groups, with their shared leading blocks.
+
+        Requests whose tables start with the same block share a prompt prefix (prefix cache): they
+        form groups of up to SHARED_GROUP_SIZE whose common blocks are read once. The rest go in
+        groups of DECODE_GROUP_SIZE of similar length, to pad little.
+        """
+        by_first: dict[int, list[ScheduledRequest]] = {}
+        for item in decodes:
+            by_first.setdefault(item.block_ids[0], []).append(item)
+        groups, alone = [], []
+        for members in by_first.values():
+            if len(members) < 2 or self.sliding_window:
+                alone.extend(members)
+                continue
+            for g0 in range(0, len(members), SHARED_GROUP_SIZE):
+                group = members[g0:g0 + SHARED_GROUP_SIZE]
+                # Common leading blocks, keeping each request's last block (its newest token) its own.
+                limit = min(len(s.block_ids) for s in group) - 1
+                num_shared = 0
+                while num_shared < limit and all(s.block_ids[num_shared] == group[0].block_ids[num_shared] for s in group):
+                    num_shared += 1
+                groups.append((group, num_shared))
+        alone.sort(key=lambda s: len(s.block_ids))
+        groups += [(alone[i:i + DECODE_GROUP_SIZE], 0) for i in range(0, len(alone), DECODE_GROUP_SIZE)]
+        return groups
+
     def prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat input_ids [T], positions [T], metadata, and the flat index of each sampling row."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        # Decodes sorted by context length so that each attention group pads little.
-        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: len(s.block_ids))
+        decode_groups = self._decode_groups([s for s in scheduled if s.num_new_tokens == 1])
+        decodes = [item for group, _ in decode_groups for item in group]  # flat order follows the groups
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         ranges: list[tuple[int, int]] = []
         for item in decodes + prefills:
@@ -68,14 +97,16 @@ class ModelRunner:
         dev = self.device
         num_decodes = len(decodes)
         groups = []
-        for g0 in range(0, num_decodes, DECODE_GROUP_SIZE):
-            group = decodes[g0:g0 + DECODE_GROUP_SIZE]
-            width = len(group[-1].block_ids)
-            table = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in group], device=dev)
+        g0 = 0
+        for group, num_shared in decode_groups:
+            width = max(len(s.block_ids) for s in group) - num_shared
+            table = torch.tensor([s.block_ids[num_shared:] + [0] * (width - len(s.block_ids) + num_shared) for s in group], device=dev)
             seq_lens = torch.tensor([s.request.num_computed_tokens + 1 for s in group], device=dev)[:, None]  # [G, 1]
-            key_pos = torch.arange(width * bs, device=dev)[None, :]  # [1, L]
+            key_pos = num_shared * bs + torch.arange(width * bs, device=dev)[None, :]  # [1, L]
             mask = self._visible(seq_lens - 1, key_pos, seq_lens)[:, None, None, :]  # [G, 1, 1, L]
-            groups.append(DecodeGroup(g0, g0 + len(group), table, mask))
+            shared = torch.tensor(group[0].block_ids[:num_shared], device=dev) if num_shared else None
+            groups.append(DecodeGroup(g0, g0 + len(group), table, mask, shared))
+            g0 += len(group)
         pre_tables, pre_lens, pre_masks = [], [], []
         for item in prefills:
             start = item.request.num_computed_tokens
@@ -108,6 +139,12 @@ class ModelRunner:
             meta,
             sample_rows,
         )
+
+    def expert_load(self) -> list[list[int]]:
+        """Tokens routed to each expert since start, per MoE layer (reads the device: not every step on GPU)."""
+        from engine.layers.moe import SparseMoeBlock
+
+        return [m.expert_tokens.tolist() for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
 
     # ---- one step ------------------------------------------------------------
     @torch.inference_mode()

@@ -90,6 +90,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._last_prefill_tokens = 0
         self._last_decode_tokens = 0
+        self.total_prefill_tokens = 0
+        self.total_decode_tokens = 0
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -212,6 +214,8 @@ class Scheduler:
         scheduled = self._scheduled
         self._last_decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.sample)
         self._last_prefill_tokens = self.config.max_num_batched_tokens - self._budget - self._last_decode_tokens
+        self.total_prefill_tokens += self._last_prefill_tokens
+        self.total_decode_tokens += self._last_decode_tokens
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - self._budget,
@@ -333,4 +337,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             step_prefill_tokens=self._last_prefill_tokens,
             step_decode_tokens=self._last_decode_tokens,
+            total_prefill_tokens=self.total_prefill_tokens,
+            total_decode_tokens=self.total_decode_tokens,
         )

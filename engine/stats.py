@@ -2,6 +2,8 @@
 
 import msgspec
 
+EXPERT_LOAD_EVERY_CUDA = 32
+
 
 class SchedulerStats(msgspec.Struct):
     num_running: int
@@ -14,6 +16,11 @@ class SchedulerStats(msgspec.Struct):
     num_preemptions: int  # cumulative
     step_prefill_tokens: int
     step_decode_tokens: int
+    total_prefill_tokens: int  # cumulative tokens computed as prefill (prompt, chunks, recompute)
+    total_decode_tokens: int  # cumulative
+    # Tokens routed to each expert per MoE layer since start; refreshed every step on the CPU and
+    # every EXPERT_LOAD_EVERY_CUDA steps on CUDA (reading it syncs the device), else None.
+    expert_load: list[list[int]] | None = None
 
     @property
     def prefix_hit_rate(self) -> float:

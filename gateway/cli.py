@@ -14,6 +14,9 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
     from gateway.config import GatewayConfig
 
+    from engine.model_config import load_model_config
+
+    load_model_config(args.model)  # a bad checkpoint is bad input: one line, exit 2, before any process starts
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine_config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,

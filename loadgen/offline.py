@@ -133,7 +133,8 @@ def run_hf_continuous(path: str, reqs: list[BenchRequest]) -> BenchResult:
 SYSTEMS = ("moegate", "hf-static", "hf-continuous")
 
 
-def run(num_requests: int, seed: int, systems: list[str], model_dir: str | None, engine_kwargs: dict) -> dict:
+def run(num_requests: int, seed: int, systems: list[str], model_dir: str | None, engine_kwargs: dict,
+        workload: str = "mixed") -> dict:
     tmp = None
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="moegate-bench-")
@@ -141,6 +142,14 @@ def run(num_requests: int, seed: int, systems: list[str], model_dir: str | None,
         num_params = write_bench_model(model_dir, seed)
     else:
         num_params = None
+    if workload == "shared-prefix":
+        from loadgen.shared_prefix import run_shared_prefix
+
+        report = run_shared_prefix(model_dir, num_requests, seed, engine_kwargs)
+        report["num_params"] = num_params
+        if tmp is not None:
+            tmp.cleanup()
+        return report
     reqs = make_workload(num_requests, seed, BENCH_MODEL_CONFIG["vocab_size"])
     results = []
     for system in systems:
@@ -169,7 +178,9 @@ def run(num_requests: int, seed: int, systems: list[str], model_dir: str | None,
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("offline", help="offline throughput: moegate vs transformers on a fixed workload")
-    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--workload", choices=["mixed", "shared-prefix"], default="mixed",
+                   help="mixed: moegate vs transformers; shared-prefix: moegate with the prefix cache on vs off")
+    p.add_argument("--num-requests", type=int, default=None, help="default 128 (mixed) or 256 (shared-prefix)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--model", default=None, help="checkpoint dir (default: build the random bench model)")
@@ -182,10 +193,11 @@ def register(subparsers) -> None:
 def _main(args) -> int:
     systems = [s for s in args.systems.split(",") if s]
     unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or args.num_requests < 1:
+    num_requests = args.num_requests or (256 if args.workload == "shared-prefix" else 128)
+    if unknown or num_requests < 1:
         raise ValueError(f"unknown systems {unknown}" if unknown else "--num-requests must be >= 1")
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    report = run(args.num_requests, args.seed, systems, args.model, engine_kwargs)
+    report = run(num_requests, args.seed, systems, args.model, engine_kwargs, workload=args.workload)
     if args.json:
         print(json.dumps(report, indent=2))
     return 0

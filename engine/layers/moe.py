@@ -42,10 +42,13 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
+        # [E] tokens routed to each expert since start; accumulated on the device, read only for stats.
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)  # [T, E]
         topk_weights, topk_ids = moe_kernels.route(router_logits, self.top_k, renormalize=self.renormalize)  # [T, k]
+        self.expert_tokens += torch.bincount(topk_ids.flatten(), minlength=self.expert_tokens.shape[0])
         out = moe_kernels.fused_moe(
             x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend
         )  # [T, H]

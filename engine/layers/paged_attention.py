@@ -36,6 +36,9 @@ def paged_attention(
     """q [T, h, d] against cached K/V (already holding this step's k, v [T, kvh, d]) -> [T, h, d]."""
     out = torch.empty_like(q)
     for group in meta.decode_groups:
+        if group.shared_blocks is not None:
+            out[group.start:group.end] = _shared_prefix_decode(q[group.start:group.end], k_cache, v_cache, group, scale)
+            continue
         keys = _gather(k_cache, group.block_table)  # [G, L, kvh, d]
         values = _gather(v_cache, group.block_table)
         qd = q[group.start:group.end].unsqueeze(2)  # [G, h, 1, d]
@@ -59,3 +62,44 @@ def paged_attention(
         )  # [1, h, q, d]
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
+    """Softmax attention that also returns its max and normaliser, so parts over disjoint keys can be merged.
+
+    q [..., n, d], k/v [..., L, d] -> (unnormalised out [..., n, d], max [..., n, 1], sum [..., n, 1]).
+    """
+    scores = (q @ k.transpose(-1, -2)) * scale  # [..., n, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - peak)
+    return weights @ v, peak, weights.sum(dim=-1, keepdim=True)
+
+
+def _shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group, scale: float) -> torch.Tensor:
+    """Decode attention for G requests whose tables start with the same blocks. q [G, h, d] -> [G, h, d].
+
+    The shared keys are read once for the whole group instead of once per request.
+    """
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group_size = num_heads // num_kv_heads  # query heads per KV head
+    q4 = q.view(num_reqs, num_kv_heads, group_size, head_dim)  # [G, kvh, g, d]
+
+    # Shared part: every query of the group against the shared keys, as one batched matmul per KV head.
+    shared_k = _gather(k_cache, group.shared_blocks).transpose(0, 1)  # [kvh, S*bs, d]
+    shared_v = _gather(v_cache, group.shared_blocks).transpose(0, 1)
+    q_shared = q4.permute(1, 0, 2, 3).reshape(num_kv_heads, num_reqs * group_size, head_dim)  # [kvh, G*g, d]
+    o1, m1, l1 = _partial_attention(q_shared, shared_k, shared_v, None, scale)  # [kvh, G*g, d|1]
+    o1, m1, l1 = (t.view(num_kv_heads, num_reqs, group_size, -1).permute(1, 0, 2, 3) for t in (o1, m1, l1))
+
+    # Own part: each request against its own (unshared) blocks; its newest token is always here.
+    own_k = _gather(k_cache, group.block_table).transpose(1, 2)  # [G, kvh, L, d]
+    own_v = _gather(v_cache, group.block_table).transpose(1, 2)
+    o2, m2, l2 = _partial_attention(q4, own_k, own_v, group.key_mask, scale)  # [G, kvh, g, d|1]
+
+    peak = torch.maximum(m1, m2)
+    a1, a2 = torch.exp(m1 - peak), torch.exp(m2 - peak)
+    out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)  # [G, kvh, g, d]
+    return out.reshape(num_reqs, num_heads, head_dim)

@@ -88,3 +88,47 @@ def test_salts_do_not_share(model_dir):
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0, "another tenant's blocks must not be reused"
     assert a2.num_cached_tokens == 4 * BLOCK
     assert a.token_ids == b.token_ids == a2.token_ids
+
+
+def test_engine_stats_count_prefill_decode_and_expert_load(model_dir):
+    llm = LLM(model=model_dir, block_size=BLOCK)
+    prompts = [[5] * 11, [6] * 3]
+    llm.generate(prompts, _greedy(4))
+    stats = llm.engine.last_stats
+    assert stats.total_prefill_tokens == 14 and stats.total_decode_tokens == 2 * 3  # first token comes with prefill
+    # Every computed token is routed to top_k experts in each sparse layer (qwen2_moe test config: layer 0 only).
+    top_k = llm.engine.model_config.cfg("num_experts_per_tok")
+    assert [sum(layer) for layer in stats.expert_load] == [top_k * (14 + 6)]
+    assert stats.num_running == 0 and stats.kv_blocks_used == 0
+
+
+def test_shared_prefix_decode_attention_matches_plain_gather():
+    """The shared-prefix decode path (shared blocks read once, merged by log-sum-exp) vs per-request SDPA."""
+    import torch
+
+    from engine.attention_metadata import AttentionMetadata, DecodeGroup
+    from engine.layers.paged_attention import paged_attention
+
+    seed = random.randrange(2**31)
+    torch.manual_seed(seed)
+    num_blocks, bs, kvh, d, h = 40, 4, 2, 8, 6
+    k_cache, v_cache = torch.randn(num_blocks, bs, kvh, d), torch.randn(num_blocks, bs, kvh, d)
+    shared = [3, 17, 9]
+    tables = [shared + [20 + i, 30 + i][: 1 + i % 2] for i in range(5)]
+    seq_lens = [len(t) * bs - (i % bs) for i, t in enumerate(tables)]  # last block partly filled
+    q = torch.randn(len(tables), h, d)
+
+    def meta(group):
+        return AttentionMetadata(torch.zeros(0, dtype=torch.int64), len(tables), [group], [], [], [], [])
+
+    width = max(len(t) for t in tables)
+    full = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    lens = torch.tensor(seq_lens)[:, None]
+    mask = (torch.arange(width * bs)[None, :] < lens)[:, None, None, :]
+    ref = paged_attention(q, None, None, k_cache, v_cache, meta(DecodeGroup(0, 5, full, mask)), 0.3)
+
+    own_w = width - len(shared)
+    own = torch.tensor([t[3:] + [0] * (own_w - len(t) + 3) for t in tables])
+    own_mask = ((len(shared) * bs + torch.arange(own_w * bs))[None, :] < lens)[:, None, None, :]
+    got = paged_attention(q, None, None, k_cache, v_cache, meta(DecodeGroup(0, 5, own, own_mask, torch.tensor(shared))), 0.3)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), f"seed={seed}"
