@@ -45,6 +45,11 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.model_config = load_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        if config.moe_backend == "triton":
+            import moe_kernels
+
+            if "triton" not in moe_kernels.available_backends():
+                raise ValueError("moe_backend='triton' needs CUDA (or TRITON_INTERPRET=1 for CPU testing)")
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings)
         torch.manual_seed(config.seed)
         self.model = build_model(self.model_config, config.model, self.dtype, self.device, config.moe_backend, max_len)

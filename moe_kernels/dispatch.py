@@ -1,5 +1,9 @@
 """The one entry point for routed-expert compute, dispatching to a backend."""
 
+import functools
+import importlib.util
+import os
+
 import torch
 
 from moe_kernels.torch_backend import fused_moe_torch
@@ -7,14 +11,26 @@ from moe_kernels.torch_backend import fused_moe_torch
 _BACKENDS = ("auto", "torch", "triton")
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpret_requested() -> bool:
+    # Parsed as Triton parses it (triton.knobs: "1", "true", "on").
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
+
+
 def available_backends() -> list[str]:
-    """Backends that can run in this process ("triton" needs CUDA or TRITON_INTERPRET=1)."""
+    """Backends that can run in this process ("triton" needs CUDA or TRITON_INTERPRET=1).
+
+    Does not import the Triton backend: importing it freezes whether its kernels
+    are compiled or interpreted, which a later TRITON_INTERPRET=1 could not undo.
+    """
     names = ["torch"]
-    try:
-        from moe_kernels import triton_backend  # noqa: F401
-    except ImportError:
-        return names
-    return names + ["triton"]
+    if _triton_installed() and (torch.cuda.is_available() or _interpret_requested()):
+        names.append("triton")
+    return names
 
 
 def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
@@ -64,6 +80,8 @@ def fused_moe(
     if x.shape[0] == 0:
         return torch.empty_like(x)
     if backend == "triton":
+        if "triton" not in available_backends():
+            raise RuntimeError("backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
         from moe_kernels.triton_backend import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation=activation)

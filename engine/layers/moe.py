@@ -48,7 +48,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)  # [T, E]
         topk_weights, topk_ids = moe_kernels.route(router_logits, self.top_k, renormalize=self.renormalize)  # [T, k]
-        self.expert_tokens += torch.bincount(topk_ids.flatten(), minlength=self.expert_tokens.shape[0])
+        # index_add_, not bincount: bincount reads its size back to the host, a sync per layer on CUDA.
+        ids = topk_ids.flatten().long()
+        self.expert_tokens.index_add_(0, ids, torch.ones_like(ids))
         out = moe_kernels.fused_moe(
             x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend
         )  # [T, H]

@@ -1,0 +1,140 @@
+"""Launch parameters of the Triton MoE kernels, looked up from JSON data.
+
+A file covers one layer shape on one device: ``E`` experts, the first GEMM's
+``N`` (= 2I, rows of w13) and ``K`` (= H), a dtype and a device name. Inside,
+entries are keyed by token count; a call takes the entry nearest to its own
+token count. Lookup order, first hit wins:
+
+1. ``$MOEGATE_MOE_CONFIG_DIR/<exact name>`` (where ``moe_kernels.tune`` output
+   can live outside the package),
+2. ``moe_kernels/configs/<exact name>`` (shipped, tuned files),
+3. ``moe_kernels/configs/default,dtype=<dtype>.json``, then ``default.json``.
+"""
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+ENV_CONFIG_DIR = "MOEGATE_MOE_CONFIG_DIR"
+
+
+def _is_pow2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """Tile and launch shape of one grouped GEMM (the row tile BLOCK_M is shared, see LaunchConfig)."""
+
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        # tl.dot needs every tile dimension >= 16; arange needs powers of two.
+        for name in ("BLOCK_N", "BLOCK_K"):
+            value = getattr(self, name)
+            if not (_is_pow2(value) and value >= 16):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.GROUP_M < 1 or not _is_pow2(self.num_warps) or self.num_stages < 1:
+            raise ValueError(f"bad GROUP_M/num_warps/num_stages in {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Everything one ``fused_moe_triton`` call needs to launch.
+
+    ``align`` False selects the path without sorting (one slot per block),
+    for token counts so small that sorting costs more than it saves.
+    """
+
+    align: bool
+    BLOCK_M: int
+    w13: GemmConfig
+    w2: GemmConfig
+
+    def __post_init__(self) -> None:
+        if not (_is_pow2(self.BLOCK_M) and self.BLOCK_M >= 16):
+            raise ValueError(f"BLOCK_M must be a power of two >= 16, got {self.BLOCK_M}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LaunchConfig":
+        return cls(bool(d.get("align", True)), int(d["BLOCK_M"]), GemmConfig(**d["w13"]), GemmConfig(**d["w2"]))
+
+    def to_dict(self) -> dict:
+        return {"align": self.align, "BLOCK_M": self.BLOCK_M, "w13": asdict(self.w13), "w2": asdict(self.w2)}
+
+
+def device_name(device: torch.device) -> str:
+    """The name a config file is keyed by: the CUDA device name, or "cpu" (the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_file_name(num_experts: int, n: int, k: int, dtype: torch.dtype | str, device: str) -> str:
+    """File name for (E, N=2I, K=H, dtype, device); spaces and slashes become underscores."""
+    dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    safe_device = device.replace(" ", "_").replace("/", "_")
+    return f"E={num_experts},N={n},K={k},dtype={dtype},device={safe_device}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def load_config_file(path: str) -> dict[int, LaunchConfig]:
+    """Parse one JSON file into {token count: LaunchConfig}. Cached: files are read once per process."""
+    with open(path) as f:
+        data = json.load(f)
+    entries = data["configs"]
+    if not entries:
+        raise ValueError(f"{path}: no entries under 'configs'")
+    try:
+        return {int(tokens): LaunchConfig.from_dict(entry) for tokens, entry in entries.items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: bad launch config: {e}") from e
+
+
+def nearest_entry(configs: dict[int, LaunchConfig], num_tokens: int) -> LaunchConfig:
+    """The entry whose token count is nearest to ``num_tokens`` (ties go to the smaller bucket)."""
+    best = min(configs, key=lambda tokens: (abs(tokens - num_tokens), tokens))
+    return configs[best]
+
+
+@functools.lru_cache(maxsize=256)
+def _find_file(num_experts: int, n: int, k: int, dtype: str, device: str, env_dir: str | None) -> str:
+    exact = config_file_name(num_experts, n, k, dtype, device)
+    candidates = [Path(env_dir) / exact] if env_dir else []
+    candidates += [CONFIG_DIR / exact, CONFIG_DIR / f"default,dtype={dtype}.json", CONFIG_DIR / "default.json"]
+    for path in candidates:
+        if path.is_file():
+            return str(path)
+    raise FileNotFoundError(f"no launch config among {[str(p) for p in candidates]}")
+
+
+def config_path(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str) -> str:
+    """The file ``get_launch_config`` reads for this key (exact match, else a default)."""
+    return _find_file(num_experts, n, k, dtype_name(dtype), device, os.environ.get(ENV_CONFIG_DIR) or None)
+
+
+def get_launch_config(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str, num_tokens: int) -> LaunchConfig:
+    """Launch parameters for a call with ``num_tokens`` tokens on a layer of this shape.
+
+    Args:
+        num_experts: E.
+        n: rows of each expert's w13, 2I.
+        k: hidden size H.
+        dtype: activation / weight dtype.
+        device: ``device_name(x.device)``.
+        num_tokens: T of this call.
+    """
+    return nearest_entry(load_config_file(config_path(num_experts, n, k, dtype, device)), num_tokens)

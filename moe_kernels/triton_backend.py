@@ -1,0 +1,306 @@
+"""Triton backend: two grouped GEMMs over expert-sorted token slots.
+
+Legend: T tokens, H hidden, I expert intermediate, E experts, k top-k,
+S = T*k slots (slot s is token s // k, its (s % k)-th expert), P padded rows.
+
+    x [T, H] --kernel 1: rows x[slot // k] @ w13[e]^T, act(gate) * up--> inter [S, I]
+    inter [S, I] --kernel 2: @ w2[e]^T, * topk_weight[slot]--> slot_out [S, H]
+    slot_out viewed [T, k, H] --sum over k (torch)--> out [T, H]
+
+Each program owns one block of BLOCK_M rows (all of one expert, see
+``align.py``) and one BLOCK_N column tile, and loops over the reduction dim in
+BLOCK_K steps, accumulating in float32.
+
+Set ``TRITON_INTERPRET=1`` before this module is first imported to run the
+kernels on the CPU (tests): ``triton.jit`` picks compiled or interpreted at
+decoration time.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_kernels.align import SlotBlocks, align_slots, unsorted_slots
+from moe_kernels.launch_config import GemmConfig, LaunchConfig, device_name, get_launch_config
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ACTIVATIONS = ("silu", "gelu")
+
+
+@triton.jit
+def _tile_coords(num_blocks_m, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Walk GROUP_M row blocks down one column band before moving right, so the
+    # weight tiles of a band stay in L2 while several row blocks use them.
+    pid = tl.program_id(0)
+    num_blocks_n = tl.cdiv(n_size, BLOCK_N)
+    per_group = GROUP_M * num_blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
+    # -> slots [BLOCK_M] int64, row_ok [BLOCK_M], expert int64
+    rows = tl.arange(0, BLOCK_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if SORTED:
+        slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + rows).to(tl.int64)
+        row_ok = slots < num_slots  # padding rows hold the sentinel num_slots
+    else:
+        slots = (pid_m + rows * 0).to(tl.int64)  # one slot per block: only row 0 is real
+        row_ok = rows == 0
+    return slots, row_ok, expert
+
+
+@triton.jit
+def _w13_act_kernel(
+    x_ptr, w_ptr, out_ptr,  # x [T, H], w13 [E, 2I, H], out [S, I]
+    sorted_slots_ptr, block_expert_ptr, num_padded_ptr,
+    num_slots, top_k, inter_size, hidden_size, num_blocks_m,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_os, stride_oi,
+    SORTED: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _tile_coords(num_blocks_m, inter_size, BLOCK_N, GROUP_M)
+    if SORTED:
+        num_padded = tl.load(num_padded_ptr)
+    else:
+        num_padded = num_blocks_m * BLOCK_M
+    if pid_m * BLOCK_M >= num_padded:
+        return  # the grid is sized for the worst case; this block got no slots
+    slots, row_ok, expert = _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED, BLOCK_M)
+    tokens = slots // top_k  # [BLOCK_M]
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns of gate (and of up, I rows further)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < inter_size
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh  # [BLOCK_K, BLOCK_N]
+    u_ptrs = g_ptrs + inter_size * stride_wn
+
+    # Gate and up tiles in the same program: the activation needs both, and
+    # they share the x tile, so x is read once for 2*BLOCK_N output columns.
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < hidden_size - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            # Interpreter only: it multiplies bfloat16 tiles as raw uint16. float32
+            # products of bf16 values are exact, as on tensor cores.
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+
+    if ACTIVATION == "silu":
+        act = acc_g * tl.sigmoid(acc_g)
+    else:  # exact (erf) gelu, as torch.nn.functional.gelu's default
+        act = 0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476))
+    h = (act * acc_u).to(out_ptr.dtype.element_ty)
+    out_ptrs = out_ptr + slots[:, None] * stride_os + offs_n[None, :] * stride_oi
+    tl.store(out_ptrs, h, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w2_weighted_kernel(
+    h_ptr, w_ptr, topk_weights_ptr, out_ptr,  # h [S, I], w2 [E, H, I], topk_weights [S] f32, out [S, H]
+    sorted_slots_ptr, block_expert_ptr, num_padded_ptr,
+    num_slots, hidden_size, inter_size, num_blocks_m,
+    stride_hs, stride_hi, stride_we, stride_wn, stride_wi, stride_os, stride_on,
+    SORTED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _tile_coords(num_blocks_m, hidden_size, BLOCK_N, GROUP_M)
+    if SORTED:
+        num_padded = tl.load(num_padded_ptr)
+    else:
+        num_padded = num_blocks_m * BLOCK_M
+    if pid_m * BLOCK_M >= num_padded:
+        return
+    slots, row_ok, expert = _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED, BLOCK_M)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden columns
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < hidden_size
+    a_ptrs = h_ptr + slots[:, None] * stride_hs + offs_k[None, :] * stride_hi  # [BLOCK_M, BLOCK_K]
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wi  # [BLOCK_K, BLOCK_N]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(inter_size, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < inter_size - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_hi
+        b_ptrs += BLOCK_K * stride_wi
+
+    # Routing weight in the epilogue, in float32, before the one rounding to the output dtype.
+    weight = tl.load(topk_weights_ptr + slots, mask=row_ok, other=0.0)  # [BLOCK_M]
+    y = (acc * weight[:, None]).to(out_ptr.dtype.element_ty)
+    out_ptrs = out_ptr + slots[:, None] * stride_os + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, y, mask=row_ok[:, None] & n_ok[None, :])
+
+
+# Decided once, at decoration: interpreted kernels run on CPU tensors, compiled ones on CUDA.
+INTERPRETED = not isinstance(_w13_act_kernel, triton.runtime.JITFunction)
+
+
+def _dot_args(dtype: torch.dtype) -> dict:
+    # float32 inputs get IEEE fp32 dot products (no tf32) so the backend matches
+    # the torch reference to ~1e-6; for 16-bit inputs the precision flag has no
+    # effect and "tf32" is simply Triton's default.
+    return {
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "UPCAST": INTERPRETED and dtype == torch.bfloat16,
+    }
+
+
+def _grid(blocks: SlotBlocks, n_size: int, cfg: GemmConfig) -> tuple[int]:
+    return (blocks.num_blocks * triton.cdiv(n_size, cfg.BLOCK_N),)
+
+
+def invoke_w13(x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: SlotBlocks, top_k: int,
+               cfg: GemmConfig, activation: str = "silu") -> None:
+    """Kernel 1: out[s] = act(x[s // k] @ gate[e]^T) * (x[s // k] @ up[e]^T) for every slot s.
+
+    x [T, H], w13 [E, 2I, H], out [S, I] (written, every row).
+    """
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    _w13_act_kernel[_grid(blocks, inter, cfg)](
+        x, w13, out,
+        blocks.sorted_slot_ids, blocks.block_expert_ids, blocks.num_padded,
+        out.shape[0], top_k, inter, hidden, blocks.num_blocks,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0), out.stride(1),
+        SORTED=blocks.sorted, ACTIVATION=activation, EVEN_K=hidden % cfg.BLOCK_K == 0,
+        BLOCK_M=blocks.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_args(x.dtype),
+    )
+
+
+def invoke_w2(h: torch.Tensor, w2: torch.Tensor, slot_weights: torch.Tensor, out: torch.Tensor,
+              blocks: SlotBlocks, cfg: GemmConfig) -> None:
+    """Kernel 2: out[s] = slot_weights[s] * (h[s] @ w2[e]^T) for every slot s.
+
+    h [S, I], w2 [E, H, I], slot_weights [S] float32 contiguous, out [S, H] (written, every row).
+    """
+    hidden, inter = w2.shape[1], w2.shape[2]
+    _w2_weighted_kernel[_grid(blocks, hidden, cfg)](
+        h, w2, slot_weights, out,
+        blocks.sorted_slot_ids, blocks.block_expert_ids, blocks.num_padded,
+        out.shape[0], hidden, inter, blocks.num_blocks,
+        h.stride(0), h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
+        SORTED=blocks.sorted, EVEN_K=inter % cfg.BLOCK_K == 0,
+        BLOCK_M=blocks.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_args(h.dtype),
+    )
+
+
+def slot_blocks(topk_ids: torch.Tensor, num_experts: int, cfg: LaunchConfig) -> SlotBlocks:
+    """The row blocks both kernels iterate over, sorted by expert or not as ``cfg`` says."""
+    if cfg.align:
+        return align_slots(topk_ids, num_experts, cfg.BLOCK_M)
+    return unsorted_slots(topk_ids, cfg.BLOCK_M)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_config(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str, num_tokens: int) -> LaunchConfig:
+    return get_launch_config(num_experts, n, k, dtype, device, num_tokens)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(device: torch.device) -> str:
+    return device_name(device)
+
+
+def _check_inputs(x, w13, w2, activation) -> None:
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"triton backend supports {_DTYPES}, got {x.dtype}")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}")
+    if x.is_cuda == INTERPRETED:
+        raise RuntimeError(
+            "the triton backend needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before "
+            f"moe_kernels.triton_backend is first imported (x is on {x.device}, interpreter {'on' if INTERPRETED else 'off'})"
+        )
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    *,
+    config: LaunchConfig | None = None,
+    inter: torch.Tensor | None = None,
+    slot_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed experts with the Triton kernels; same contract as ``moe_kernels.fused_moe``.
+
+    Args:
+        x: [T, H] float32, bfloat16 or float16; w13 [E, 2I, H] and w2 [E, H, I] in the same dtype.
+        topk_weights: [T, k] routing weights (float32 from ``route``).
+        topk_ids: [T, k] int32 expert ids.
+        activation: "silu" or "gelu" applied to the gate half.
+        config: launch parameters; default: looked up by shape, dtype, device and T.
+        inter, slot_out, out: optional preallocated [T*k, I], [T*k, H] and [T, H]
+            buffers in x's dtype (tests poison them to catch unwritten elements).
+
+    Returns:
+        [T, H] in x's dtype: sum over k of topk_weight * expert(x).
+    """
+    _check_inputs(x, w13, w2, activation)
+    num_tokens, hidden = x.shape
+    if num_tokens == 0:
+        return torch.empty_like(x) if out is None else out
+    num_experts, two_inter, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    num_slots = num_tokens * top_k
+    if config is None:
+        config = _cached_config(num_experts, two_inter, hidden, x.dtype, _device_name(x.device), num_tokens)
+
+    blocks = slot_blocks(topk_ids, num_experts, config)
+    if inter is None:
+        inter = torch.empty(num_slots, two_inter // 2, dtype=x.dtype, device=x.device)  # [S, I]
+    if slot_out is None:
+        slot_out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)  # [S, H]
+    slot_weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [S], a no-op for route()'s output
+
+    invoke_w13(x, w13, inter, blocks, top_k, config.w13, activation)
+    invoke_w2(inter, w2, slot_weights, slot_out, blocks, config.w2)
+
+    # Sum over k in torch rather than with atomics in kernel 2: the result is
+    # deterministic (fixed summation order, run to run and batch to batch),
+    # torch accumulates half types in float32 and rounds once, and no zero-
+    # filled output is needed. The price is one [S, H] write + read.
+    per_token = slot_out.view(num_tokens, top_k, hidden)  # [T, k, H]
+    if out is None:
+        return per_token[:, 0] if top_k == 1 else per_token.sum(dim=1)  # [T, H]
+    return torch.sum(per_token, dim=1, out=out)
