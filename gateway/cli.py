@@ -58,12 +58,14 @@ def _add_serve(subparsers) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from engine import cli as engine_cli
     from loadgen import cli as loadgen_cli
+    from tenants import cli as tenants_cli
 
     parser = argparse.ArgumentParser(prog="moegate", description="Multi-tenant serving for MoE language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     engine_cli.register(sub)
     loadgen_cli.register(sub)
+    tenants_cli.register(sub)
     return parser
 
 

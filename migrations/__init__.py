@@ -1,0 +1,1 @@
+"""Alembic environment and versions of the moegate schema (run them with ``moegate db upgrade``)."""

@@ -1,0 +1,394 @@
+"""``moegate admin ...`` and ``moegate db ...``: tables for people, ``--json`` for scripts.
+
+Bad input (unknown tenant, negative quota, duplicate name, unreachable
+database) exits 2 with one line on stderr; each command is one store call,
+hence one transaction, so a refused command changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict, is_dataclass
+from datetime import date, datetime
+
+from tenants.db import SchemaError, database_url
+
+NONE_WORDS = ("none", "unlimited", "")
+QUOTA_FLAGS = {
+    "rpm": "requests_per_minute",
+    "tpm": "tokens_per_minute",
+    "max_concurrency": "max_concurrency",
+    "max_tokens": "max_tokens_per_request",
+    "daily_tokens": "daily_tokens",
+    "monthly_tokens": "monthly_tokens",
+    "max_batch_queue_tokens": "max_batch_queue_tokens",
+}
+
+
+class CliError(Exception):
+    """A one-line message for stderr, exit status 2."""
+
+
+def _limit(text: str) -> int | None:
+    if text.strip().lower() in NONE_WORDS:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer or 'none', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 or 'none', got {value}")
+    return value
+
+
+def _discount(text: str) -> float | None:
+    if text.strip().lower() in NONE_WORDS:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _rank(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _day(text: str) -> date:
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a date YYYY-MM-DD, got {text!r}") from None
+
+
+def _key_ref(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
+
+
+# -- output ------------------------------------------------------------------------------------------------
+
+
+def _plain(value):
+    if is_dataclass(value):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    return value
+
+
+def _emit(args: argparse.Namespace, data, columns: list[str] | None = None, title: str | None = None) -> None:
+    data = _plain(data)
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=False))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = data if isinstance(data, list) else [data]
+    columns = columns or (list(rows[0]) if rows else [])
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*["-" if r.get(c) is None else str(r.get(c)) for c in columns])
+    Console(soft_wrap=True).print(table)
+
+
+# -- commands ----------------------------------------------------------------------------------------------
+
+TENANT_COLS = ["id", "name", "priority_class", "weight", "status", "created_at", "updated_at"]
+KEY_COLS = ["id", "tenant", "label", "prefix", "created_at", "last_used_at", "revoked_at"]
+CLASS_COLS = ["name", "rank", "default_weight", "preemptible", "may_preempt"]
+
+
+async def _admin(args: argparse.Namespace) -> int:
+    from tenants.migrate import ensure_schema
+    from tenants.store import TenantStore
+
+    url = database_url(args.database_url)
+    # Never auto-upgrade from an admin command: it would hide a forgotten `db upgrade` on a shared database.
+    await asyncio.to_thread(ensure_schema, url, auto_upgrade_sqlite=False)
+    store = TenantStore.open(url)
+    try:
+        return await args.admin_func(args, store)
+    finally:
+        await store.close()
+
+
+async def _tenant_create(args, store) -> int:
+    _emit(args, await store.create_tenant(args.name, args.priority_class, args.weight), TENANT_COLS)
+    return 0
+
+
+async def _tenant_list(args, store) -> int:
+    _emit(args, await store.list_tenants(), TENANT_COLS, "tenants")
+    return 0
+
+
+async def _tenant_show(args, store) -> int:
+    tenant = await store.get_tenant(args.name)
+    quota = await store.get_quota(tenant.id)
+    keys = await store.list_keys(tenant.id)
+    if args.json:
+        _emit(args, {"tenant": tenant, "quota": quota, "keys": keys})
+    else:
+        _emit(args, tenant, TENANT_COLS)
+        _emit(args, quota, title="quota")
+        _emit(args, keys, KEY_COLS, "keys")
+    return 0
+
+
+async def _tenant_update(args, store) -> int:
+    info = await store.update_tenant(args.name, name=args.new_name, priority_class=args.priority_class,
+                                     weight=args.weight)
+    _emit(args, info, TENANT_COLS)
+    return 0
+
+
+async def _tenant_status(args, store) -> int:
+    _emit(args, await store.set_tenant_status(args.name, args.active), TENANT_COLS)
+    return 0
+
+
+async def _key_create(args, store) -> int:
+    info, plaintext = await store.create_key(args.tenant, args.label)
+    if args.json:
+        print(json.dumps({**_plain(info), "key": plaintext}, indent=2))
+    else:
+        _emit(args, info, KEY_COLS)
+        print(f"key: {plaintext}")
+        print("store it now: it is shown only this once", file=sys.stderr)
+    return 0
+
+
+async def _key_list(args, store) -> int:
+    _emit(args, await store.list_keys(args.tenant), KEY_COLS, "api keys")
+    return 0
+
+
+async def _key_revoke(args, store) -> int:
+    _emit(args, await store.revoke_key(_key_ref(args.key)), KEY_COLS)
+    return 0
+
+
+async def _quota_set(args, store) -> int:
+    changes = {field: getattr(args, flag) for flag, field in QUOTA_FLAGS.items() if getattr(args, flag) is not _UNSET}
+    if args.batch_discount is not _UNSET:
+        changes["batch_discount"] = args.batch_discount
+    if not changes:
+        raise CliError("nothing to set: give at least one of --rpm --tpm --max-concurrency --max-tokens "
+                       "--daily-tokens --monthly-tokens --max-batch-queue-tokens --batch-discount")
+    _emit(args, await store.set_quota(args.tenant, **changes), title="quota")
+    return 0
+
+
+async def _quota_show(args, store) -> int:
+    _emit(args, await store.get_quota(args.tenant), title="quota")
+    return 0
+
+
+async def _class_create(args, store) -> int:
+    info = await store.create_class(args.name, args.rank, args.weight, args.preemptible, args.may_preempt)
+    _emit(args, info, CLASS_COLS)
+    return 0
+
+
+async def _class_list(args, store) -> int:
+    _emit(args, await store.list_classes(), CLASS_COLS, "priority classes")
+    return 0
+
+
+async def _class_update(args, store) -> int:
+    info = await store.update_class(args.name, rank=args.rank, default_weight=args.weight,
+                                    preemptible=args.preemptible, may_preempt=args.may_preempt)
+    _emit(args, info, CLASS_COLS)
+    return 0
+
+
+async def _usage(args, store) -> int:
+    rows = await store.usage_summary(args.tenant, args.since, args.until, args.by)
+    cols = [args.by, "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "billed_tokens"]
+    _emit(args, rows, cols, "usage")
+    return 0
+
+
+def _db(args: argparse.Namespace) -> int:
+    from tenants import migrate
+
+    url = database_url(args.database_url)
+    if args.db_action == "upgrade":
+        migrate.upgrade(url, args.revision)
+    else:
+        migrate.downgrade(url, args.revision)
+    rev = migrate.current_revision(url)
+    if args.json:
+        print(json.dumps({"revision": rev}))
+    else:
+        print(f"database at revision {rev or 'base (empty)'}")
+    return 0
+
+
+# -- error handling ----------------------------------------------------------------------------------------
+
+
+def _one_line(e: BaseException) -> str:
+    from sqlalchemy.exc import DBAPIError
+
+    if isinstance(e, DBAPIError):
+        e = e.orig or e
+    text = " ".join(str(e).split())
+    return text[:300] or type(e).__name__
+
+
+def _run(prog: str, fn) -> int:
+    """Run a command; every expected failure becomes one line on stderr and exit 2."""
+    from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+
+    try:
+        return fn()
+    except (CliError, SchemaError, ValueError, ArgumentError, NoSuchModuleError) as e:
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+    except (DBAPIError, OSError) as e:
+        print(f"{prog}: error: cannot use the database: {_one_line(e)}", file=sys.stderr)
+    except Exception as e:  # driver errors (asyncpg's own classes) that SQLAlchemy did not wrap
+        if type(e).__module__.split(".")[0] in ("asyncpg", "psycopg", "sqlite3", "alembic"):
+            print(f"{prog}: error: cannot use the database: {_one_line(e)}", file=sys.stderr)
+        else:
+            raise
+    return 2
+
+
+def _admin_entry(args: argparse.Namespace) -> int:
+    return _run("moegate admin", lambda: asyncio.run(_admin(args)))
+
+
+def _db_entry(args: argparse.Namespace) -> int:
+    return _run("moegate db", lambda: _db(args))
+
+
+# -- parser ------------------------------------------------------------------------------------------------
+
+_UNSET = object()
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad usage is one line on stderr and exit 2 (argparse would also print the whole usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--database-url", default=None,
+                        help="database URL (default: $MOEGATE_DATABASE_URL or sqlite:///./moegate.db)")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    return common
+
+
+def _leaf(sub, name: str, func, common, help_: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, parents=[common], help=help_, description=help_)
+    p.set_defaults(func=_admin_entry, admin_func=func)
+    return p
+
+
+def _bool_pair(p: argparse.ArgumentParser, name: str, default) -> None:
+    dest = name.replace("-", "_")
+    p.add_argument(f"--{name}", dest=dest, action="store_true", default=default)
+    p.add_argument(f"--no-{name}", dest=dest, action="store_false")
+
+
+def register(subparsers) -> None:
+    """Add ``admin`` and ``db`` to the ``moegate`` subparsers; each leaf sets ``func(args) -> int``."""
+    common = _common()
+    admin = subparsers.add_parser("admin", help="manage tenants, keys, quotas, priority classes; show usage")
+    groups = admin.add_subparsers(dest="admin_group", required=True, parser_class=_OneLineParser)
+
+    tenant = groups.add_parser("tenant", help="tenants").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
+    p = _leaf(tenant, "create", _tenant_create, common, "create a tenant")
+    p.add_argument("name")
+    p.add_argument("--class", dest="priority_class", default="standard", help="priority class (default standard)")
+    p.add_argument("--weight", type=_positive, default=None, help="share within its class (default: class weight)")
+    _leaf(tenant, "list", _tenant_list, common, "list tenants")
+    _leaf(tenant, "show", _tenant_show, common, "show a tenant, its quota and keys").add_argument("name")
+    p = _leaf(tenant, "update", _tenant_update, common, "change a tenant")
+    p.add_argument("name")
+    p.add_argument("--name", dest="new_name", default=None, help="rename")
+    p.add_argument("--class", dest="priority_class", default=None)
+    p.add_argument("--weight", type=_positive, default=None)
+    for action, active in (("disable", False), ("enable", True)):
+        p = _leaf(tenant, action, _tenant_status, common, f"{action} a tenant")
+        p.add_argument("name")
+        p.set_defaults(active=active)
+
+    key = groups.add_parser("key", help="API keys").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
+    p = _leaf(key, "create", _key_create, common, "create an API key (shown once)")
+    p.add_argument("tenant")
+    p.add_argument("--label", default=None)
+    _leaf(key, "list", _key_list, common, "list API keys").add_argument("tenant", nargs="?", default=None)
+    _leaf(key, "revoke", _key_revoke, common, "revoke an API key by id or prefix").add_argument("key")
+
+    quota = groups.add_parser("quota", help="quotas").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
+    p = _leaf(quota, "set", _quota_set, common, "set limits ('none' clears a limit)")
+    p.add_argument("tenant")
+    for flag in QUOTA_FLAGS:
+        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=_limit, default=_UNSET, metavar="N|none")
+    p.add_argument("--batch-discount", type=_discount, default=_UNSET, metavar="F|none")
+    _leaf(quota, "show", _quota_show, common, "show a tenant's limits").add_argument("tenant")
+
+    klass = groups.add_parser("class", help="priority classes").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
+    p = _leaf(klass, "create", _class_create, common, "create a priority class")
+    p.add_argument("name")
+    p.add_argument("--rank", type=_rank, required=True)
+    p.add_argument("--weight", type=_positive, default=1.0)
+    _bool_pair(p, "preemptible", True)
+    _bool_pair(p, "may-preempt", False)
+    _leaf(klass, "list", _class_list, common, "list priority classes")
+    p = _leaf(klass, "update", _class_update, common, "change a priority class")
+    p.add_argument("name")
+    p.add_argument("--rank", type=_rank, default=None)
+    p.add_argument("--weight", type=_positive, default=None)
+    _bool_pair(p, "preemptible", None)
+    _bool_pair(p, "may-preempt", None)
+
+    p = groups.add_parser("usage", parents=[common], help="usage from the ledger")
+    p.set_defaults(func=_admin_entry, admin_func=_usage)
+    p.add_argument("tenant", nargs="?", default=None)
+    p.add_argument("--since", type=_day, default=None, help="first day, YYYY-MM-DD (UTC)")
+    p.add_argument("--until", type=_day, default=None, help="last day, inclusive")
+    p.add_argument("--by", choices=["day", "key", "model", "tenant"], default="day")
+
+    db = subparsers.add_parser("db", help="database schema migrations")
+    actions = db.add_subparsers(dest="db_action", required=True, parser_class=_OneLineParser)
+    p = actions.add_parser("upgrade", parents=[common], help="migrate the schema up (default: to head)")
+    p.add_argument("revision", nargs="?", default="head")
+    p.set_defaults(func=_db_entry)
+    p = actions.add_parser("downgrade", parents=[common], help="migrate the schema down (default: one step)")
+    p.add_argument("revision", nargs="?", default="-1")
+    p.set_defaults(func=_db_entry)

@@ -1,0 +1,83 @@
+"""Database URLs, engines and the schema version check.
+
+Users give one URL (``sqlite:///./moegate.db``, ``postgresql://user@host/db``);
+the store needs its async driver (aiosqlite, asyncpg) and Alembic its sync one
+(sqlite3, psycopg), so both are derived here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+DEFAULT_DATABASE_URL = "sqlite:///./moegate.db"
+ENV_VAR = "MOEGATE_DATABASE_URL"
+
+
+class SchemaError(RuntimeError):
+    """The database schema is not the one this moegate was built for."""
+
+
+def database_url(explicit: str | None = None) -> str:
+    return explicit or os.environ.get(ENV_VAR) or DEFAULT_DATABASE_URL
+
+
+def backend(url: str) -> str:
+    """``sqlite`` or ``postgresql``; anything else is bad input."""
+    name = make_url(url).get_backend_name()
+    if name in ("sqlite", "postgresql"):
+        return name
+    raise ValueError(f"unsupported database URL {url!r}: use sqlite:///PATH or postgresql://...")
+
+
+def _with_driver(url: str, drivers: dict[str, str]) -> str:
+    u = make_url(url)
+    return u.set(drivername=f"{backend(url)}+{drivers[backend(url)]}").render_as_string(hide_password=False)
+
+
+def async_url(url: str) -> str:
+    return _with_driver(url, {"sqlite": "aiosqlite", "postgresql": "asyncpg"})
+
+
+def sync_url(url: str) -> str:
+    return _with_driver(url, {"sqlite": "pysqlite", "postgresql": "psycopg"})
+
+
+def create_engine_for(url: str, **kwargs) -> AsyncEngine:
+    """An async engine for the store; SQLite gets foreign keys and write-locking transactions."""
+    if backend(url) == "sqlite":
+        engine = create_async_engine(async_url(url), connect_args={"timeout": 30}, **kwargs)
+        _sqlite_pragmas(engine.sync_engine)
+        return engine
+    return create_async_engine(async_url(url), **kwargs)
+
+
+def _sqlite_pragmas(sync_engine) -> None:
+    @event.listens_for(sync_engine, "connect")
+    def _connect(dbapi_connection, _record):
+        # Let SQLAlchemy, not the driver, emit BEGIN (see "begin" below).
+        dbapi_connection.isolation_level = None
+        cur = dbapi_connection.cursor()
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(sync_engine, "begin")
+    def _begin(conn):
+        # BEGIN IMMEDIATE takes the write lock up front: two connections can never both read a
+        # counter and then both fail to upgrade to a write lock (SQLITE_BUSY deadlock).
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def is_embedded_default(url: str) -> bool:
+    return backend(url) == "sqlite"
+
+
+def sqlite_path(url: str) -> Path | None:
+    u = make_url(url)
+    if backend(url) != "sqlite" or not u.database or u.database == ":memory:":
+        return None
+    return Path(u.database)

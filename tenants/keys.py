@@ -1,0 +1,30 @@
+"""API keys: ``mg-`` + 43 url-safe characters (32 random bytes); only the SHA-256 is stored."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+KEY_PREFIX = "mg-"
+DISPLAY_PREFIX_LEN = 8
+
+
+def generate_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def display_prefix(key: str) -> str:
+    return key[:DISPLAY_PREFIX_LEN]
+
+
+def looks_like_key(key: str) -> bool:
+    return key.startswith(KEY_PREFIX) and len(key) > len(KEY_PREFIX) + 16
+
+
+def hashes_equal(a: str, b: str) -> bool:
+    return hmac.compare_digest(a, b)

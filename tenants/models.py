@@ -1,0 +1,158 @@
+"""SQLAlchemy ORM models of the tenants schema.
+
+The schema itself is created by the Alembic migrations in ``migrations/``;
+these classes must match them (a test compares the two). Timestamps are naive
+UTC datetimes on every backend, so SQLite and PostgreSQL read back the same
+values.
+"""
+
+from __future__ import annotations
+
+from datetime import date, datetime, timezone
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit id.
+BigId = BigInteger().with_variant(Integer, "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class PriorityClass(Base):
+    __tablename__ = "priority_classes"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, nullable=False)
+    default_weight: Mapped[float] = mapped_column(Float, nullable=False, default=1.0)
+    preemptible: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    may_preempt: Mapped[bool] = mapped_column(Boolean, nullable=False)
+
+    __table_args__ = (
+        CheckConstraint("rank >= 0", name="ck_priority_classes_rank"),
+        CheckConstraint("default_weight > 0", name="ck_priority_classes_weight"),
+    )
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), nullable=False, unique=True)
+    priority_class: Mapped[str] = mapped_column(
+        String(64), ForeignKey("priority_classes.name", onupdate="CASCADE"), nullable=False
+    )
+    weight: Mapped[float] = mapped_column(Float, nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False, default="active")
+    created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow, onupdate=utcnow)
+
+    __table_args__ = (
+        CheckConstraint("status IN ('active', 'disabled')", name="ck_tenants_status"),
+        CheckConstraint("weight > 0", name="ck_tenants_weight"),
+    )
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True)
+    label: Mapped[str | None] = mapped_column(String(128))
+    prefix: Mapped[str] = mapped_column(String(8), nullable=False)
+    key_hash: Mapped[str] = mapped_column(String(64), nullable=False, unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+
+QUOTA_LIMIT_FIELDS = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrency",
+    "max_tokens_per_request",
+    "daily_tokens",
+    "monthly_tokens",
+    "max_batch_queue_tokens",
+)
+
+
+class Quota(Base):
+    """One row per tenant; a NULL limit means unlimited."""
+
+    __tablename__ = "quotas"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrency: Mapped[int | None] = mapped_column(BigInteger)
+    max_tokens_per_request: Mapped[int | None] = mapped_column(BigInteger)
+    daily_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    max_batch_queue_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    batch_discount: Mapped[float] = mapped_column(Float, nullable=False, default=0.5)
+
+    __table_args__ = tuple(
+        CheckConstraint(f"{f} IS NULL OR {f} >= 0", name=f"ck_quotas_{f}") for f in QUOTA_LIMIT_FIELDS
+    ) + (CheckConstraint("batch_discount >= 0 AND batch_discount <= 1", name="ck_quotas_batch_discount"),)
+
+
+class Usage(Base):
+    """One row per finished request: the ledger that budgets and billing sum over."""
+
+    __tablename__ = "usage"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False)
+    key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    request_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    model: Mapped[str] = mapped_column(String(256), nullable=False)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    cached_prompt_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    billed_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    batch: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    http_status: Mapped[int] = mapped_column(Integer, nullable=False, default=200)
+    started_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
+    finished_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
+    # The UTC day of finished_at, stored so per-tenant per-day queries use an index on both backends.
+    day: Mapped[date] = mapped_column(Date, nullable=False)
+
+    __table_args__ = (
+        Index("ix_usage_tenant_day", "tenant_id", "day"),
+        Index("ix_usage_day", "day"),
+    )
+
+
+class QuotaCounter(Base):
+    """A running total for one tenant, kind and window (epoch seconds of the window start).
+
+    Kinds: ``rpm``/``tpm`` (per-minute fixed windows), ``conc`` (window 0, in-flight
+    requests), ``day``/``month`` (billed tokens incl. open reservations), ``bq``
+    (queued batch tokens, window 0). Only ever changed by one atomic upsert.
+    """
+
+    __tablename__ = "quota_counters"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)
+    window: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger, nullable=False)

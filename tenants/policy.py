@@ -1,0 +1,28 @@
+"""Preemption policy between priority classes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class ClassInfo:
+    name: str
+    rank: int
+    default_weight: float
+    preemptible: bool
+    may_preempt: bool
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("class name must not be empty")
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if not self.default_weight > 0:
+            raise ValueError(f"weight must be > 0, got {self.default_weight}")
+
+
+def can_preempt(attacker: ClassInfo, victim: ClassInfo) -> bool:
+    """A request may preempt another only from a strictly better (lower) rank, if its class may preempt
+    and the victim's class is preemptible."""
+    return attacker.may_preempt and victim.preemptible and attacker.rank < victim.rank

@@ -1,0 +1,1 @@
+"""Tests of tenants/ and migrations/ on SQLite and PostgreSQL."""

@@ -1,0 +1,128 @@
+import json
+
+import pytest
+
+from tenants import migrate
+from tenants.store import UsageRecord
+
+from .helpers import cli, with_store
+
+
+def test_tenant_commands(db_url, capsys):
+    code, out, _ = cli(capsys, db_url, "admin", "tenant", "create", "acme", "--class", "realtime", as_json=True)
+    assert code == 0 and out["name"] == "acme" and out["priority_class"] == "realtime"
+    code, out, err = cli(capsys, db_url, "admin", "tenant", "list")
+    assert code == 0 and "acme" in out and err == ""
+    code, out, _ = cli(capsys, db_url, "admin", "tenant", "update", "acme", "--weight", "3", as_json=True)
+    assert out["weight"] == 3.0
+    assert cli(capsys, db_url, "admin", "tenant", "disable", "acme", as_json=True)[1]["status"] == "disabled"
+    assert cli(capsys, db_url, "admin", "tenant", "enable", "acme", as_json=True)[1]["status"] == "active"
+    code, out, _ = cli(capsys, db_url, "admin", "tenant", "show", "acme", as_json=True)
+    assert code == 0 and out["tenant"]["name"] == "acme" and out["quota"]["batch_discount"] == 0.5
+    assert cli(capsys, db_url, "admin", "tenant", "show", "acme")[0] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["admin", "tenant", "create", "acme"], "already exists"),
+    (["admin", "tenant", "show", "nobody"], "unknown tenant"),
+    (["admin", "tenant", "create", "x", "--class", "nope"], "unknown priority class"),
+    (["admin", "quota", "set", "acme", "--rpm", "-5"], "must be >= 0"),
+    (["admin", "quota", "set", "acme", "--batch-discount", "1.5"], "between 0 and 1"),
+    (["admin", "quota", "set", "acme"], "nothing to set"),
+    (["admin", "key", "revoke", "mg-nope0"], "unknown api key"),
+    (["admin", "usage", "--by", "week"], "invalid choice"),
+    (["admin", "class", "create", "premium"], "--rank"),
+])
+def test_bad_input_exits_2_with_one_line_and_changes_nothing(db_url, capsys, argv, message):
+    cli(capsys, db_url, "admin", "tenant", "create", "acme")
+    before = cli(capsys, db_url, "admin", "tenant", "show", "acme", as_json=True)[1]
+    code, out, err = cli(capsys, db_url, *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
+    assert cli(capsys, db_url, "admin", "tenant", "show", "acme", as_json=True)[1] == before
+    assert len(cli(capsys, db_url, "admin", "tenant", "list", as_json=True)[1]) == 1
+
+
+def test_key_commands(db_url, capsys):
+    cli(capsys, db_url, "admin", "tenant", "create", "acme")
+    code, out, _ = cli(capsys, db_url, "admin", "key", "create", "acme", "--label", "ci", as_json=True)
+    assert code == 0 and out["key"].startswith("mg-") and out["prefix"] == out["key"][:8]
+    code, text, err = cli(capsys, db_url, "admin", "key", "create", "acme")
+    assert code == 0 and "key: mg-" in text and "only this once" in err
+    listed = cli(capsys, db_url, "admin", "key", "list", "acme", as_json=True)[1]
+    assert len(listed) == 2 and all("key" not in k for k in listed)  # never shown again
+    assert cli(capsys, db_url, "admin", "key", "revoke", str(out["id"]), as_json=True)[1]["revoked_at"]
+    assert cli(capsys, db_url, "admin", "key", "list")[0] == 0
+
+
+def test_quota_commands(db_url, capsys):
+    cli(capsys, db_url, "admin", "tenant", "create", "acme")
+    code, out, _ = cli(capsys, db_url, "admin", "quota", "set", "acme", "--rpm", "60", "--tpm", "1000",
+                       "--max-concurrency", "4", "--max-tokens", "512", "--daily-tokens", "10000",
+                       "--monthly-tokens", "100000", "--max-batch-queue-tokens", "5000",
+                       "--batch-discount", "0.4", as_json=True)
+    assert code == 0 and out == {
+        "requests_per_minute": 60, "tokens_per_minute": 1000, "max_concurrency": 4, "max_tokens_per_request": 512,
+        "daily_tokens": 10000, "monthly_tokens": 100000, "max_batch_queue_tokens": 5000, "batch_discount": 0.4}
+    cli(capsys, db_url, "admin", "quota", "set", "acme", "--tpm", "none", "--batch-discount", "none")
+    out = cli(capsys, db_url, "admin", "quota", "show", "acme", as_json=True)[1]
+    assert out["tokens_per_minute"] is None and out["requests_per_minute"] == 60 and out["batch_discount"] == 0.5
+    assert cli(capsys, db_url, "admin", "quota", "show", "acme")[0] == 0
+
+
+def test_class_commands(db_url, capsys):
+    code, out, _ = cli(capsys, db_url, "admin", "class", "create", "premium", "--rank", "1", "--weight", "2",
+                       "--no-preemptible", "--may-preempt", as_json=True)
+    assert code == 0 and out == {"name": "premium", "rank": 1, "default_weight": 2.0, "preemptible": False,
+                                 "may_preempt": True}
+    out = cli(capsys, db_url, "admin", "class", "update", "premium", "--preemptible", as_json=True)[1]
+    assert out["preemptible"] is True and out["may_preempt"] is True
+    names = [c["name"] for c in cli(capsys, db_url, "admin", "class", "list", as_json=True)[1]]
+    assert names == ["realtime", "premium", "standard", "batch"]
+    assert cli(capsys, db_url, "admin", "class", "list")[0] == 0
+
+
+def test_usage_command(db_url, capsys):
+    cli(capsys, db_url, "admin", "tenant", "create", "acme")
+    from datetime import datetime
+
+    async def body(store):
+        t = await store.get_tenant("acme")
+        await store.record_usage([UsageRecord(t.id, "r", "m", 3, 4, finished_at=datetime(2025, 1, 2, 3))])
+
+    with_store(db_url, body)
+    code, out, _ = cli(capsys, db_url, "admin", "usage", "acme", "--since", "2025-01-01", "--until", "2025-01-31",
+                       as_json=True)
+    assert code == 0 and out == [{"day": "2025-01-02", "requests": 1, "prompt_tokens": 3, "cached_prompt_tokens": 0,
+                                  "completion_tokens": 4, "billed_tokens": 7}]
+    assert cli(capsys, db_url, "admin", "usage", "--by", "model", as_json=True)[1][0]["model"] == "m"
+    assert cli(capsys, db_url, "admin", "usage", "--since", "2025-02-01", as_json=True)[1] == []
+    assert cli(capsys, db_url, "admin", "usage", "--by", "key")[0] == 0
+
+
+def test_db_upgrade_and_downgrade(tmp_path, capsys, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    assert cli(capsys, url, "db", "upgrade", as_json=True)[1] == {"revision": migrate.head_revision()}
+    assert cli(capsys, url, "db", "downgrade", as_json=True)[1] == {"revision": None}
+    monkeypatch.setenv("MOEGATE_DATABASE_URL", url)  # the environment picks the database too
+    code, out, _ = cli(capsys, None, "db", "upgrade")
+    assert code == 0 and "revision" in out
+
+
+def test_admin_refuses_an_old_schema(tmp_path, capsys):
+    code, out, err = cli(capsys, f"sqlite:///{tmp_path / 'old.db'}", "admin", "tenant", "list")
+    assert code == 2 and "moegate db upgrade" in err and len(err.strip().splitlines()) == 1
+
+
+def test_unreachable_database_exits_2(capsys):
+    code, _, err = cli(capsys, "postgresql://postgres@127.0.0.1:1/none", "admin", "tenant", "list")
+    assert code == 2 and "cannot use the database" in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli(capsys, "mysql://x@localhost/db", "db", "upgrade")
+    assert code == 2 and "unsupported database URL" in err
+
+
+def test_wired_into_the_moegate_command(tmp_path, capsys):
+    from gateway.cli import main
+
+    assert main(["db", "upgrade", "--database-url", f"sqlite:///{tmp_path / 'g.db'}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["revision"] == migrate.head_revision()
