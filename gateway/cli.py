@@ -15,8 +15,20 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.config import GatewayConfig
 
     from engine.model_config import load_model_config
+    from tenants.db import SchemaError, database_url
+    from tenants.migrate import ensure_schema
 
-    load_model_config(args.model)  # a bad checkpoint is bad input: one line, exit 2, before any process starts
+    from engine.model_loader import checkpoint_files
+
+    # A bad checkpoint is bad input: one line, exit 2, before any process starts.
+    load_model_config(args.model)
+    checkpoint_files(args.model)
+    try:
+        # The policy database must match this code; the embedded SQLite default upgrades itself.
+        ensure_schema(database_url(args.database_url))
+    except SchemaError as e:
+        print(f"moegate serve: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine_config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
@@ -52,6 +64,8 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size on the CPU")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--database-url", default=None,
+                   help="policy database (default: $MOEGATE_DATABASE_URL or sqlite:///./moegate.db)")
     p.set_defaults(func=_serve)
 
 

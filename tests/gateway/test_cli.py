@@ -29,3 +29,16 @@ def test_loadgen_rejects_unknown_system():
 def test_usage_errors_exit_2():
     r = moegate("serve")
     assert r.returncode == 2 and "--model" in r.stderr
+
+
+def test_serve_checks_weights_and_upgrades_embedded_sqlite(tmp_path):
+    """Missing weights are bad input (exit 2); an embedded SQLite schema is brought to head on the way."""
+    from tenants.migrate import current_revision
+
+    db = f"sqlite:///{tmp_path / 'policy.db'}"
+    cfg = tmp_path / "m"
+    cfg.mkdir()
+    (cfg / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}')
+    r = moegate("serve", "--model", str(cfg), "--database-url", db)
+    assert r.returncode == 2 and "no *.safetensors" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert current_revision(db) is None  # checked before touching the database
