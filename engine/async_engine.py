@@ -100,6 +100,10 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         messages: list[ChatTurn] | None = None,
+        priority: int = 1,
+        tenant: str = "default",
+        weight: float = 1.0,
+        preemptible: bool = True,
     ) -> AsyncIterator[Delta]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died."""
         if self.dead:
@@ -109,7 +113,7 @@ class AsyncEngine:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._send(AddRequest(request_id, prompt, sampling, cache_salt, messages))
+            self._send(AddRequest(request_id, prompt, sampling, cache_salt, messages, priority, tenant, weight, preemptible))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

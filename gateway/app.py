@@ -1,7 +1,9 @@
 """The aiohttp application: OpenAI-compatible routes over the engine process.
 
-Tenants, keys, quotas and priorities arrive with the tenants/gateway issues;
-this is the single-tenant serving path they build on.
+Middleware order: error mapping -> auth (key -> tenant) -> handler; the
+handler does quota admission (reserve prompt + max_tokens, settle the real
+counts at the end) and gives the engine request its tenant's priority rank,
+weight, preemptibility and cache salt.
 """
 
 import logging
@@ -12,15 +14,20 @@ import msgspec
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine, EngineError, RequestRejectedError
-from engine.protocol import ChatTurn
+from engine.protocol import ChatTurn, Delta
+from gateway.admission import QUOTAS, acquire, estimate_prompt_tokens, settle, utcnow
+from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, error_middleware
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
+from tenants.quota import QuotaManager
+from tenants.store import TenantStore, UsageRecord
 
 logger = logging.getLogger(__name__)
 
 ENGINE = web.AppKey("engine", AsyncEngine)
 CONFIG = web.AppKey("config", GatewayConfig)
+LAST_DELTA = web.RequestKey("last_delta", Delta)  # the latest engine delta, for usage at settle
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -59,10 +66,50 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     engine = app[ENGINE]
     if engine.dead:
         raise APIError(503, f"engine unavailable: {engine.dead}", "server_error", headers={"Retry-After": "5"})
+    principal: Principal = request[PRINCIPAL]
+    tenant, cls = principal.tenant, principal.priority_class
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     messages = [ChatTurn(m.role, m.content) for m in body.messages] if chat else None
-    stream = engine.generate("" if chat else body.prompt, spec, request_id=rid, messages=messages)
+    prompt_estimate = (
+        sum(estimate_prompt_tokens(m.content) + 4 for m in body.messages) if chat else estimate_prompt_tokens(body.prompt)
+    )
+    max_new = spec.max_tokens or max(engine.info.max_model_len - prompt_estimate, 1)
+    grant = await acquire(app[QUOTAS], tenant.id, prompt_estimate + max_new)
+    usage: UsageRecord | None = None
+    last = None
+    started = utcnow()
+    try:
+        stream = engine.generate(
+            "" if chat else body.prompt, spec, request_id=rid, messages=messages,
+            cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
+            preemptible=cls.preemptible,
+        )
+        response = await _respond(request, body, chat, stream, rid, created)
+        last = response.last_delta
+        return response.response
+    finally:
+        last = last or request.get(LAST_DELTA)
+        if last is not None:
+            usage = UsageRecord(
+                tenant_id=tenant.id, request_id=rid, model=_model_name(app), prompt_tokens=last.num_prompt_tokens,
+                completion_tokens=last.num_output_tokens, cached_prompt_tokens=last.num_cached_tokens,
+                key_id=principal.key.id, finish_reason=last.finish_reason or "abort", started_at=started,
+                finished_at=utcnow(),
+            )
+        await settle(app[QUOTAS], grant, usage)
+
+
+class _Result:
+    __slots__ = ("response", "last_delta")
+
+    def __init__(self, response, last_delta) -> None:
+        self.response, self.last_delta = response, last_delta
+
+
+async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int) -> _Result:
+    """Run the engine stream to a JSON body or SSE events; records the latest delta for usage."""
+    app = request.app
     obj = "chat.completion" if chat else "text_completion"
     model = _model_name(app)
 
@@ -79,30 +126,41 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     except EngineError as e:
         raise APIError(503, f"engine unavailable: {e}", "server_error", headers={"Retry-After": "5"}) from None
 
+    request[LAST_DELTA] = first  # so usage is settled even if the client goes away mid-stream
+
+    def usage_of(d) -> dict:
+        return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
+                "total_tokens": d.num_prompt_tokens + d.num_output_tokens,
+                "prompt_tokens_details": {"cached_tokens": d.num_cached_tokens}}
+
     if not body.stream:
         text, last = [first.new_text], first
         async for delta in stream:
             text.append(delta.new_text)
-            last = delta
-        usage = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
-                 "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
-        return _json({"id": rid, "object": obj, "created": created, "model": model,
-                      "choices": [choice("".join(text), last.finish_reason, False)], "usage": usage})
+            last = request[LAST_DELTA] = delta
+        return _Result(_json({"id": rid, "object": obj, "created": created, "model": model,
+                              "choices": [choice("".join(text), last.finish_reason, False)], "usage": usage_of(last)}), last)
 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     delta = first
     while True:
         event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
                  "choices": [choice(delta.new_text, delta.finish_reason, True)]}
+        if include_usage:
+            event["usage"] = None
         await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
         if delta.finished:
             break
-        delta = await anext(stream)
+        delta = request[LAST_DELTA] = await anext(stream)
+    if include_usage:  # OpenAI's shape: a last chunk with no choices and the request's usage
+        event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [], "usage": usage_of(delta)}
+        await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
-    return response
+    return _Result(response, delta)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -114,10 +172,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
-    """The app; the engine process starts with the app and stops with it."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_request_bytes)
+    """The app; the policy store and the engine process start with the app and stop with it."""
+    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=config.max_request_bytes)
     app[CONFIG] = config
     app[ENGINE] = engine
+
+    async def store_lifecycle(app: web.Application):
+        store = TenantStore.open(config.database_url)
+        app[AUTHENTICATOR] = Authenticator(store, ttl_s=config.auth_cache_ttl_s)
+        app[QUOTAS] = QuotaManager(store)
+        yield
+        await store.close()
 
     async def engine_lifecycle(app: web.Application):
         await engine.start()
@@ -125,6 +190,7 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
         yield
         await engine.shutdown()
 
+    app.cleanup_ctx.append(store_lifecycle)
     app.cleanup_ctx.append(engine_lifecycle)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)

@@ -23,19 +23,27 @@ def _serve(args: argparse.Namespace) -> int:
     # A bad checkpoint is bad input: one line, exit 2, before any process starts.
     load_model_config(args.model)
     checkpoint_files(args.model)
+    url = database_url(args.database_url)
     try:
         # The policy database must match this code; the embedded SQLite default upgrades itself.
-        ensure_schema(database_url(args.database_url))
+        ensure_schema(url)
     except SchemaError as e:
         print(f"moegate serve: error: {e}", file=sys.stderr)
         return 2
+    import asyncio
+
+    from gateway.bootstrap import ensure_default_tenant
+
+    key = asyncio.run(ensure_default_tenant(url))
+    if key is not None:
+        print(f"created tenant 'default' with API key (shown only this once): {key}", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine_config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
     )
-    config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name)
+    config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url)
     try:
         import uvloop
 

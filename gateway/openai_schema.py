@@ -11,6 +11,10 @@ class ChatMessage(msgspec.Struct):
     content: str
 
 
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
@@ -20,6 +24,7 @@ class _Common(msgspec.Struct, kw_only=True):
     top_k: int = 0
     n: int = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False

@@ -255,8 +255,11 @@ class TenantStore:
                 key.revoked_at = utcnow()
             return self._key_info(key, tenant_name)
 
-    async def authenticate(self, plaintext: str) -> tuple[TenantInfo, KeyInfo] | None:
-        """The tenant and key for a presented key, or None if unknown, revoked or the tenant is disabled."""
+    async def authenticate(self, plaintext: str, include_disabled: bool = False) -> tuple[TenantInfo, KeyInfo] | None:
+        """The tenant and key for a presented key, or None if unknown, revoked or the tenant is disabled.
+
+        With ``include_disabled`` a disabled tenant's key still resolves (the gateway answers 403, not 401).
+        """
         if not keylib.looks_like_key(plaintext):
             return None
         async with self.sessions.begin() as s:
@@ -267,7 +270,7 @@ class TenantStore:
             if row is None:
                 return None
             key, tenant = row
-            if key.revoked_at is not None or tenant.status != "active":
+            if key.revoked_at is not None or (tenant.status != "active" and not include_disabled):
                 return None
             key.last_used_at = utcnow()
             return _tenant_info(tenant), self._key_info(key, tenant.name)

@@ -1,11 +1,15 @@
-"""The single-tenant serving path: HTTP -> engine process -> HTTP, against the offline engine as reference."""
+"""A real server on a free loopback port, driven by the official `openai` client.
+
+Reference: the offline engine on the same demo checkpoint. Policy: tenants,
+keys and quotas in a fresh SQLite database.
+"""
 
 import asyncio
-import json
 import random
 
+import openai
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestServer
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
@@ -13,6 +17,8 @@ from engine.config import EngineConfig
 from engine.demo_model import write_demo_model
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from tenants.migrate import upgrade
+from tenants.store import TenantStore
 
 
 @pytest.fixture(scope="module")
@@ -22,67 +28,124 @@ def demo_dir(tmp_path_factory):
     return path
 
 
-def _serve(demo_dir):
-    engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=128, max_num_batched_tokens=64))
-    return TestClient(TestServer(create_app(GatewayConfig(served_model_name="demo"), engine)))
+async def _policy(url: str) -> dict[str, str]:
+    """Tenants: `web` (standard), `tight` (2 requests/min), `off` (disabled). Returns their keys."""
+    store = TenantStore.open(url)
+    try:
+        keys = {}
+        for name in ("web", "tight", "off"):
+            await store.create_tenant(name)
+            keys[name] = (await store.create_key(name))[1]
+        await store.set_quota("tight", requests_per_minute=2)
+        await store.set_tenant_status("off", False)
+        return keys
+    finally:
+        await store.close()
 
 
-def test_completions_match_offline_engine_and_stream(demo_dir):
+def _client(server: TestServer, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
+
+
+def test_openai_client_end_to_end(demo_dir, tmp_path):
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
     prompts = ["The quick brown fox", "Once upon a time there", "Hello"]
     offline = LLM(model=demo_dir, num_kv_blocks=128).generate(
         prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     )
 
     async def scenario():
-        async with _serve(demo_dir) as client:
-            models = await (await client.get("/v1/models")).json()
-            assert [m["id"] for m in models["data"]] == ["demo"]
-            bodies = [{"model": "demo", "prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True} for p in prompts]
+        keys = await _policy(url)
+        engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=128, max_num_batched_tokens=64))
+        app = create_app(GatewayConfig(served_model_name="demo", database_url=url), engine)
+        async with TestServer(app, host="127.0.0.1") as server:
+            web = _client(server, keys["web"])
+            assert [m.id for m in (await web.models.list()).data] == ["demo"]
+
             # Concurrent requests share engine steps; each must still equal its offline result.
-            resps = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
-            for resp, ref in zip(resps, offline):
-                assert resp.status == 200
-                data = await resp.json()
-                assert data["choices"][0]["text"] == ref.text
-                assert data["choices"][0]["finish_reason"] == "length"
-                assert data["usage"]["completion_tokens"] == 10 and data["usage"]["prompt_tokens"] == ref.num_prompt_tokens
+            results = await asyncio.gather(*(
+                web.completions.create(model="demo", prompt=p, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+                for p in prompts
+            ))
+            for res, ref in zip(results, offline):
+                assert res.choices[0].text == ref.text and res.choices[0].finish_reason == "length"
+                assert res.usage.completion_tokens == 10 and res.usage.prompt_tokens == ref.num_prompt_tokens
 
-            resp = await client.post("/v1/completions", json=dict(bodies[0], stream=True))
-            assert resp.headers["Content-Type"].startswith("text/event-stream")
-            events = [line[6:] for line in (await resp.text()).splitlines() if line.startswith("data: ")]
-            assert events[-1] == "[DONE]"
-            chunks = [json.loads(e) for e in events[:-1]]
-            assert "".join(c["choices"][0]["text"] for c in chunks) == offline[0].text
-            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            stream = await web.completions.create(
+                model="demo", prompt=prompts[0], max_tokens=10, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+            chunks = [c async for c in stream]
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == offline[0].text
+            assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
 
-            chat = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-            assert chat.status == 200
-            assert (await chat.json())["choices"][0]["message"]["role"] == "assistant"
+            chat = await web.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
+
+            with pytest.raises(openai.AuthenticationError):
+                await _client(server, "mg-not-a-real-key").models.list()
+            with pytest.raises(openai.PermissionDeniedError):
+                await _client(server, keys["off"]).completions.create(model="demo", prompt="x", max_tokens=2)
+            with pytest.raises(openai.BadRequestError) as bad:
+                await web.completions.create(model="demo", prompt="x", max_tokens=0)
+            assert bad.value.body["param"] == "max_tokens"
+            with pytest.raises(openai.NotFoundError):
+                await web.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+
+            tight = _client(server, keys["tight"])
+            for _ in range(2):
+                await tight.completions.create(model="demo", prompt="x", max_tokens=2)
+            with pytest.raises(openai.RateLimitError) as limited:
+                await tight.completions.create(model="demo", prompt="x", max_tokens=2)
+            headers = limited.value.response.headers
+            assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "0"
+            assert int(headers["Retry-After"]) >= 1
+
+        store = TenantStore.open(url)
+        try:
+            summary = await store.usage_summary("web", by="tenant")
+            assert sum(r["requests"] for r in summary) == 5  # 3 + stream + chat, settled with real counts
+            assert sum(r["completion_tokens"] for r in summary) == 40 + chat.usage.completion_tokens
+        finally:
+            await store.close()
 
     asyncio.run(scenario())
 
 
-def test_bad_requests_get_openai_errors(demo_dir):
+def test_bad_requests_get_openai_errors(demo_dir, tmp_path):
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
+
     async def scenario():
-        async with _serve(demo_dir) as client:
-            cases = [
-                ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-                ({"prompt": "x", "temperature": 5}, 400, "temperature"),
-                ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
-                ({"prompt": "x", "model": "gpt-9"}, 404, "model"),
-                ({"max_tokens": 3}, 400, None),
-            ]
-            for body, status, param in cases:
-                resp = await client.post("/v1/completions", json=body)
-                err = (await resp.json())["error"]
-                assert resp.status == status, (body, err)
-                assert err["message"] and err["type"]
-                if param:
-                    assert err["param"] == param, (body, err)
-            resp = await client.post("/v1/completions", data=b"{not json")
-            assert resp.status == 400 and "JSON" in (await resp.json())["error"]["message"]
-            # The server still serves after the errors.
-            ok = await client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
-            assert ok.status == 200
+        keys = await _policy(url)
+        engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=128))
+        app = create_app(GatewayConfig(served_model_name="demo", database_url=url), engine)
+        async with TestServer(app, host="127.0.0.1") as server:
+            import aiohttp
+
+            auth = {"Authorization": f"Bearer {keys['web']}"}
+            async with aiohttp.ClientSession() as http:
+                cases = [
+                    ({"prompt": "x", "temperature": 5}, 400, "temperature"),
+                    ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
+                    ({"max_tokens": 3}, 400, None),
+                    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+                ]
+                for body, status, param in cases:
+                    async with http.post(server.make_url("/v1/completions"), json=body, headers=auth) as resp:
+                        err = (await resp.json())["error"]
+                        assert resp.status == status, (body, err)
+                        assert err["message"] and err["type"]
+                        if param:
+                            assert err["param"] == param, (body, err)
+                async with http.post(server.make_url("/v1/completions"), data=b"{not json", headers=auth) as resp:
+                    assert resp.status == 400 and "JSON" in (await resp.json())["error"]["message"]
+                async with http.post(server.make_url("/v1/completions"), json={"prompt": "x"}) as resp:
+                    assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
+                async with http.get(server.make_url("/health")) as resp:
+                    assert resp.status == 200  # open without a key
+                async with http.post(server.make_url("/v1/completions"), json={"prompt": "fine", "max_tokens": 2}, headers=auth) as resp:
+                    assert resp.status == 200  # still serving after the errors
 
     asyncio.run(scenario())

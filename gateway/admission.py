@@ -1,0 +1,69 @@
+"""Admission by quota: reserve before the engine runs, settle with the real counts afterwards."""
+
+import asyncio
+import math
+from datetime import datetime, timezone
+
+from aiohttp import web
+
+from gateway.errors import APIError
+from tenants.quota import Denied, Granted, QuotaManager
+from tenants.store import UsageRecord
+
+QUOTAS = web.AppKey("quotas", QuotaManager)
+
+# Which x-ratelimit-* family a refused counter belongs to.
+_HEADER_FAMILY = {"rpm": "requests", "concurrency": "requests", "tpm": "tokens",
+                  "daily_tokens": "tokens", "monthly_tokens": "tokens"}
+_MESSAGES = {
+    "rpm": "rate limit reached: requests per minute",
+    "tpm": "rate limit reached: tokens per minute (prompt + max_tokens are reserved up front)",
+    "concurrency": "too many concurrent requests for this tenant",
+    "daily_tokens": "daily token budget exhausted",
+    "monthly_tokens": "monthly token budget exhausted",
+}
+
+
+def estimate_prompt_tokens(prompt: str | list[int]) -> int:
+    """Token ids count exactly; text is estimated (about 4 bytes a token) and corrected at settle."""
+    if isinstance(prompt, list):
+        return len(prompt)
+    return max(1, math.ceil(len(prompt.encode()) / 4))
+
+
+def denied_error(denied: Denied) -> APIError:
+    if denied.reason == "disabled":
+        return APIError(403, "this tenant is disabled", "permission_error", code="tenant_disabled")
+    if denied.reason == "max_tokens":
+        return APIError(400, f"prompt + max_tokens exceeds this tenant's limit of {denied.limit} tokens per request",
+                        param="max_tokens", code="max_tokens_exceeded")
+    headers = {}
+    if denied.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(denied.retry_after_s)))
+    family = _HEADER_FAMILY.get(denied.reason)
+    if family:
+        headers[f"x-ratelimit-limit-{family}"] = str(denied.limit)
+        headers[f"x-ratelimit-remaining-{family}"] = str(denied.remaining)
+        if denied.reset_s is not None:
+            headers[f"x-ratelimit-reset-{family}"] = f"{denied.reset_s:.0f}s"
+    code = "insufficient_quota" if denied.reason.endswith("_tokens") else "rate_limit_exceeded"
+    return APIError(429, _MESSAGES.get(denied.reason, "quota exceeded"), "rate_limit_error", code=code, headers=headers)
+
+
+async def acquire(quotas: QuotaManager, tenant_id: int, tokens: int) -> Granted:
+    result = await quotas.try_acquire(tenant_id, requests=1, tokens=tokens)
+    if isinstance(result, Denied):
+        raise denied_error(result)
+    return result
+
+
+async def settle(quotas: QuotaManager, grant: Granted, usage: UsageRecord | None) -> None:
+    """Settle (or release, if nothing ran) even when the handler is being cancelled by a disconnect."""
+    if usage is None:
+        await asyncio.shield(quotas.release(grant))
+    else:
+        await asyncio.shield(quotas.settle(grant, usage))
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
