@@ -8,6 +8,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
+from engine.stats import SchedulerStats
 from engine.engine_process import run_engine_process
 from engine.protocol import (
     AbortRequest, AddRequest, ChatTurn, Delta, Fatal, Ready, RequestRejected, SamplingSpec, Shutdown, StepOutputs,
@@ -35,6 +36,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.info: Ready | None = None
+        self.stats: SchedulerStats | None = None  # the engine's latest step statistics
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self._process = None
@@ -75,6 +77,8 @@ class AsyncEngine:
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, StepOutputs):
+            if msg.stats is not None:
+                self.stats = msg.stats
             for delta in msg.deltas:
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:

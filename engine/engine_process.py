@@ -35,14 +35,15 @@ def run_engine_process(config: EngineConfig, conn: Connection) -> None:
     mc = engine.model_config
     conn.send_bytes(encoder.encode(Ready(config.model, mc.architecture, engine.max_model_len, mc.vocab_size, engine.tokenizer is not None)))
 
+    idle_change = False  # an abort freed blocks while idle: report the new state without a step
     while True:
         # Drain every pending message; block for one only when there is nothing to step.
-        while conn.poll(0 if engine.has_unfinished() else None):
+        while conn.poll(0 if engine.has_unfinished() or idle_change else None):
             msg = to_engine_decoder.decode(conn.recv_bytes())
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, AbortRequest):
-                engine.abort(msg.request_id)
+                idle_change |= engine.abort(msg.request_id) is not None
             elif isinstance(msg, AddRequest):
                 try:
                     prompt = engine.apply_chat_template(msg.messages) if msg.messages is not None else msg.prompt
@@ -52,11 +53,16 @@ def run_engine_process(config: EngineConfig, conn: Connection) -> None:
                     )
                 except ValueError as e:
                     conn.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
+        if not engine.has_unfinished():
+            if idle_change:
+                conn.send_bytes(encoder.encode(StepOutputs([], engine.scheduler.stats())))
+                idle_change = False
+            continue
         outputs = engine.step()
-        if outputs:
+        if outputs or engine.last_stats is not None:
             deltas = [
                 Delta(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
                       o.num_prompt_tokens, o.num_cached_tokens, len(o.token_ids))
                 for o in outputs
             ]
-            conn.send_bytes(encoder.encode(StepOutputs(deltas)))
+            conn.send_bytes(encoder.encode(StepOutputs(deltas, engine.last_stats)))

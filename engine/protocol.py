@@ -6,6 +6,8 @@ tokens and text of the requests it advanced.
 
 import msgspec
 
+from engine.stats import SchedulerStats
+
 
 class SamplingSpec(msgspec.Struct, omit_defaults=True):
     """SamplingParams as plain data (validated again into SamplingParams in the engine)."""
@@ -64,6 +66,7 @@ class Delta(msgspec.Struct):
 
 class StepOutputs(msgspec.Struct, tag=True):
     deltas: list[Delta]
+    stats: SchedulerStats | None = None  # the engine's state after this step (or after an idle abort)
 
 
 class RequestRejected(msgspec.Struct, tag=True):

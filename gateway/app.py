@@ -6,6 +6,7 @@ counts at the end) and gives the engine request its tenant's priority rank,
 weight, preemptibility and cache salt.
 """
 
+import asyncio
 import logging
 import time
 import uuid
@@ -19,6 +20,7 @@ from gateway.admission import QUOTAS, acquire, estimate_prompt_tokens, settle, u
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, error_middleware
+from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
 from tenants.quota import QuotaManager
 from tenants.store import TenantStore, UsageRecord
@@ -28,6 +30,7 @@ logger = logging.getLogger(__name__)
 ENGINE = web.AppKey("engine", AsyncEngine)
 CONFIG = web.AppKey("config", GatewayConfig)
 LAST_DELTA = web.RequestKey("last_delta", Delta)  # the latest engine delta, for usage at settle
+TIMER = web.RequestKey("timer", RequestTimer)
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -44,6 +47,10 @@ async def health(request: web.Request) -> web.Response:
     if engine.dead:
         raise APIError(503, f"engine unavailable: {engine.dead}", "server_error", headers={"Retry-After": "5"})
     return _json({"status": "ok"})
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    return request.app[METRICS].render()
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -75,10 +82,20 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         sum(estimate_prompt_tokens(m.content) + 4 for m in body.messages) if chat else estimate_prompt_tokens(body.prompt)
     )
     max_new = spec.max_tokens or max(engine.info.max_model_len - prompt_estimate, 1)
-    grant = await acquire(app[QUOTAS], tenant.id, prompt_estimate + max_new)
+    metrics = app[METRICS]
+    timer = RequestTimer(metrics, tenant.name, cls.name)
+    try:
+        grant = await acquire(app[QUOTAS], tenant.id, prompt_estimate + max_new)
+    except APIError as refused:
+        metrics.rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
+        timer.finish(refused.status, None)
+        raise
+    request[TIMER] = timer
     usage: UsageRecord | None = None
     last = None
     started = utcnow()
+    status = 500
+    stream = None
     try:
         stream = engine.generate(
             "" if chat else body.prompt, spec, request_id=rid, messages=messages,
@@ -87,8 +104,19 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         )
         response = await _respond(request, body, chat, stream, rid, created)
         last = response.last_delta
+        status = 200
         return response.response
+    except APIError as err:
+        status = err.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the client went away; the engine request was aborted
+        raise
     finally:
+        if stream is not None:
+            # Closing the stream aborts the engine request if it has not finished (client gone, error):
+            # its KV blocks come back at once.
+            await asyncio.shield(stream.aclose())
         last = last or request.get(LAST_DELTA)
         if last is not None:
             usage = UsageRecord(
@@ -97,6 +125,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
                 key_id=principal.key.id, finish_reason=last.finish_reason or "abort", started_at=started,
                 finished_at=utcnow(),
             )
+        timer.finish(status, usage)
         await settle(app[QUOTAS], grant, usage)
 
 
@@ -127,6 +156,8 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         raise APIError(503, f"engine unavailable: {e}", "server_error", headers={"Retry-After": "5"}) from None
 
     request[LAST_DELTA] = first  # so usage is settled even if the client goes away mid-stream
+    timer = request[TIMER]
+    timer.delta(first=True)
 
     def usage_of(d) -> dict:
         return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
@@ -138,6 +169,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         async for delta in stream:
             text.append(delta.new_text)
             last = request[LAST_DELTA] = delta
+            timer.delta(first=False)
         return _Result(_json({"id": rid, "object": obj, "created": created, "model": model,
                               "choices": [choice("".join(text), last.finish_reason, False)], "usage": usage_of(last)}), last)
 
@@ -155,6 +187,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         if delta.finished:
             break
         delta = request[LAST_DELTA] = await anext(stream)
+        timer.delta(first=False)
     if include_usage:  # OpenAI's shape: a last chunk with no choices and the request's usage
         event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [], "usage": usage_of(delta)}
         await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
@@ -192,6 +225,8 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
 
     app.cleanup_ctx.append(store_lifecycle)
     app.cleanup_ctx.append(engine_lifecycle)
+    app[METRICS] = GatewayMetrics(engine)
+    app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", completions)

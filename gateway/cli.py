@@ -52,7 +52,9 @@ def _serve(args: argparse.Namespace) -> int:
         pass
     app = create_app(config, AsyncEngine(engine_config))
     try:
-        web.run_app(app, host=config.host, port=config.port, print=lambda msg: logging.info(msg.strip()))
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine request.
+        web.run_app(app, host=config.host, port=config.port, print=lambda msg: logging.info(msg.strip()),
+                    handler_cancellation=True)
     except EngineError as e:
         print(f"moegate serve: error: {e}", file=sys.stderr)
         return 1

@@ -102,6 +102,17 @@ def test_openai_client_end_to_end(demo_dir, tmp_path):
             assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "0"
             assert int(headers["Retry-After"]) >= 1
 
+            import aiohttp
+
+            async with aiohttp.ClientSession() as http:
+                async with http.get(server.make_url("/metrics")) as resp:
+                    text = await resp.text()
+            assert 'moegate_requests_total{priority_class="standard",status="200",tenant="web"} 5.0' in text
+            assert 'moegate_rejections_total{priority_class="standard",reason="rate_limit_exceeded",tenant="tight"} 1.0' in text
+            assert 'moegate_completion_tokens_total{priority_class="standard",tenant="web"}' in text
+            assert "moegate_time_to_first_token_seconds_count" in text and "moegate_kv_blocks_total" in text
+            assert "moegate_expert_tokens_total" in text
+
         store = TenantStore.open(url)
         try:
             summary = await store.usage_summary("web", by="tenant")
@@ -147,5 +158,48 @@ def test_bad_requests_get_openai_errors(demo_dir, tmp_path):
                     assert resp.status == 200  # open without a key
                 async with http.post(server.make_url("/v1/completions"), json={"prompt": "fine", "max_tokens": 2}, headers=auth) as resp:
                     assert resp.status == 200  # still serving after the errors
+
+    asyncio.run(scenario())
+
+
+def test_cut_streams_free_their_blocks(demo_dir, tmp_path):
+    """200 streams cut mid-way: every engine request is aborted and the KV pool is whole again."""
+    import aiohttp
+
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
+
+    async def scenario():
+        keys = await _policy(url)
+        engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=256, max_num_seqs=32, max_num_batched_tokens=256))
+        app = create_app(GatewayConfig(served_model_name="demo", database_url=url), engine)
+        async with TestServer(app, host="127.0.0.1", handler_cancellation=True) as server:
+            auth = {"Authorization": f"Bearer {keys['web']}"}
+            body = {"prompt": "a story about a fox and a dog", "max_tokens": 400, "stream": True, "ignore_eos": True}
+
+            async def cut_one(http):
+                async with http.post(server.make_url("/v1/completions"), json=body, headers=auth) as resp:
+                    assert resp.status == 200
+                    await resp.content.readline()  # the first event arrived: the request is running
+                # leaving the block closes the connection mid-stream
+
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+                for _ in range(8):
+                    await asyncio.gather(*(cut_one(http) for _ in range(25)))
+            for _ in range(300):  # the engine reports its state after the aborts
+                stats = engine.stats
+                if stats is not None and stats.num_running == 0 and stats.kv_blocks_used == 0 and not stats.num_waiting_by_rank:
+                    break
+                await asyncio.sleep(0.1)
+            assert stats.kv_blocks_used == 0 and stats.num_running == 0, stats
+            assert stats.kv_blocks_total == 256
+
+        store = TenantStore.open(url)
+        try:
+            summary = await store.usage_summary("web", by="tenant")
+            assert sum(r["requests"] for r in summary) == 200  # every cut request was settled
+            assert sum(r["completion_tokens"] for r in summary) < 200 * 400  # and none ran to the end
+        finally:
+            await store.close()
 
     asyncio.run(scenario())

@@ -1,0 +1,88 @@
+"""Prometheus metrics, in the `moegate_` namespace. One registry per app, so tests can run several apps."""
+
+import time
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _EngineCollector:
+    """Engine gauges read from the engine's latest stats at scrape time (nothing to update per step)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats
+        if stats is None:
+            return
+        yield GaugeMetricFamily("moegate_engine_running_requests", "requests running in the engine", value=stats.num_running)
+        waiting = GaugeMetricFamily("moegate_engine_waiting_requests", "requests waiting, by priority rank", labels=["rank"])
+        for rank, count in stats.num_waiting_by_rank.items():
+            waiting.add_metric([str(rank)], count)
+        yield waiting
+        yield GaugeMetricFamily("moegate_kv_blocks_used", "KV cache blocks in use", value=stats.kv_blocks_used)
+        yield GaugeMetricFamily("moegate_kv_blocks_total", "KV cache blocks in the pool", value=stats.kv_blocks_total)
+        yield GaugeMetricFamily("moegate_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / queried",
+                                value=stats.prefix_hit_rate)
+        yield CounterMetricFamily("moegate_preemptions", "requests preempted (recompute)", value=stats.num_preemptions)
+        yield CounterMetricFamily("moegate_prefill_tokens", "tokens computed as prefill", value=stats.total_prefill_tokens)
+        yield CounterMetricFamily("moegate_decode_tokens", "tokens computed as decode", value=stats.total_decode_tokens)
+        if stats.expert_load is not None:
+            load = CounterMetricFamily("moegate_expert_tokens", "tokens routed to each expert", labels=["layer", "expert"])
+            for layer, counts in enumerate(stats.expert_load):
+                for expert, count in enumerate(counts):
+                    load.add_metric([str(layer), str(expert)], count)
+            yield load
+
+
+class GatewayMetrics:
+    """Per tenant and priority class: requests, tokens, rejections, latencies."""
+
+    def __init__(self, engine) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["tenant", "priority_class"]
+        r = self.registry
+        self.requests = Counter("moegate_requests", "finished requests by HTTP status", labels + ["status"], registry=r)
+        self.prompt_tokens = Counter("moegate_prompt_tokens", "prompt tokens", labels, registry=r)
+        self.cached_tokens = Counter("moegate_cached_prompt_tokens", "prompt tokens served from the prefix cache", labels, registry=r)
+        self.completion_tokens = Counter("moegate_completion_tokens", "completion tokens", labels, registry=r)
+        self.rejections = Counter("moegate_rejections", "requests refused before the engine, by reason", labels + ["reason"], registry=r)
+        self.ttft = Histogram("moegate_time_to_first_token_seconds", "time to first token", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("moegate_inter_token_latency_seconds", "time between streamed deltas", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("moegate_e2e_latency_seconds", "request latency, end to end", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine))
+
+    def render(self) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class RequestTimer:
+    """Latency bookkeeping for one request; feeds TTFT, inter-token and end-to-end histograms."""
+
+    __slots__ = ("metrics", "labels", "start", "last")
+
+    def __init__(self, metrics: GatewayMetrics, tenant: str, priority_class: str) -> None:
+        self.metrics, self.labels = metrics, (tenant, priority_class)
+        self.start = self.last = time.perf_counter()
+
+    def delta(self, first: bool) -> None:
+        now = time.perf_counter()
+        (self.metrics.ttft if first else self.metrics.itl).labels(*self.labels).observe(now - self.last if not first else now - self.start)
+        self.last = now
+
+    def finish(self, status: int, usage) -> None:
+        m, labels = self.metrics, self.labels
+        m.e2e.labels(*labels).observe(time.perf_counter() - self.start)
+        m.requests.labels(*labels, str(status)).inc()
+        if usage is not None:
+            m.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
+            m.cached_tokens.labels(*labels).inc(usage.cached_prompt_tokens)
+            m.completion_tokens.labels(*labels).inc(usage.completion_tokens)
+
+
+METRICS = web.AppKey("metrics", GatewayMetrics)
