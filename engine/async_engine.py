@@ -45,6 +45,13 @@ class AsyncEngine:
         self._send_lock = threading.Lock()
         self.dead: str | None = None
 
+    async def restart(self) -> Ready:
+        """Start a fresh engine process after the old one died; requests in flight have already failed."""
+        await self.shutdown()
+        self.dead = None
+        self.stats = None
+        return await self.start()
+
     async def start(self) -> Ready:
         self._loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA state
@@ -68,10 +75,12 @@ class AsyncEngine:
             return None
 
     def _reader(self) -> None:
+        conn = self._conn  # this process's pipe; a restart makes a new one and a new reader
         while True:
-            msg = self._recv()
-            if msg is None:
-                self._loop.call_soon_threadsafe(self._fail_all, "the engine process stopped")
+            try:
+                msg = from_engine_decoder.decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                self._loop.call_soon_threadsafe(self._fail_all, "the engine process stopped", conn)
                 return
             self._loop.call_soon_threadsafe(self._dispatch, msg)
 
@@ -88,14 +97,19 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(RequestRejectedError(msg.message))
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, conn) -> None:
+        if self._process is None or conn is not self._conn:
+            return  # an orderly shutdown (or a restart) closed this pipe
         self.dead = reason
         for queue in self._queues.values():
             queue.put_nowait(EngineError(reason))
 
     def _send(self, msg) -> None:
         with self._send_lock:
-            self._conn.send_bytes(encoder.encode(msg))
+            try:
+                self._conn.send_bytes(encoder.encode(msg))
+            except OSError as e:  # the process died between our check and the write
+                raise EngineError(f"the engine process stopped ({e})") from None
 
     async def generate(
         self,
@@ -133,14 +147,17 @@ class AsyncEngine:
                 self._send(AbortRequest(request_id))
 
     async def shutdown(self) -> None:
-        if self._process is None:
+        process, self._process = self._process, None
+        if process is None:
             return
-        if self._process.is_alive():
+        if process.is_alive():
             try:
-                self._send(Shutdown())
+                with self._send_lock:
+                    self._conn.send_bytes(encoder.encode(Shutdown()))
             except OSError:
                 pass
-            await self._loop.run_in_executor(None, self._process.join, 10)
-        if self._process.is_alive():
-            self._process.kill()
-        self._process = None
+            await self._loop.run_in_executor(None, process.join, 10)
+        if process.is_alive():
+            process.kill()
+            await self._loop.run_in_executor(None, process.join, 5)
+        self._conn.close()

@@ -57,12 +57,40 @@ async def acquire(quotas: QuotaManager, tenant_id: int, tokens: int) -> Granted:
     return result
 
 
-async def settle(quotas: QuotaManager, grant: Granted, usage: UsageRecord | None) -> None:
-    """Settle (or release, if nothing ran) even when the handler is being cancelled by a disconnect."""
-    if usage is None:
-        await asyncio.shield(quotas.release(grant))
-    else:
-        await asyncio.shield(quotas.settle(grant, usage))
+class Settlements:
+    """Quota work that must finish even if its handler is cancelled (a client disconnect, shutdown).
+
+    Each piece runs as a task the app tracks, created before the handler awaits anything, so a
+    second cancellation cannot skip it, and shutdown waits for all of them before closing the store.
+    """
+
+    def __init__(self) -> None:
+        self._pending: set[asyncio.Task] = set()
+
+    def run(self, work) -> asyncio.Task:
+        task = asyncio.create_task(work)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
+
+    async def acquire(self, quotas: QuotaManager, tenant_id: int, tokens: int) -> Granted:
+        """``acquire``; if the caller is cancelled meanwhile, a grant that still arrives is released."""
+        task = self.run(acquire(quotas, tenant_id, tokens))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def release_late_grant(t: asyncio.Task) -> None:
+                if not t.cancelled() and t.exception() is None:
+                    self.run(quotas.release(t.result()))
+            task.add_done_callback(release_late_grant)
+            raise
+
+    async def drain(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+
+
+SETTLEMENTS = web.AppKey("settlements", Settlements)
 
 
 def utcnow() -> datetime:

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine, EngineError, RequestRejectedError
 from engine.protocol import ChatTurn, Delta
-from gateway.admission import QUOTAS, acquire, estimate_prompt_tokens, settle, utcnow
+from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, estimate_prompt_tokens, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, error_middleware
@@ -43,10 +43,21 @@ def _model_name(app: web.Application) -> str:
 
 
 async def health(request: web.Request) -> web.Response:
+    """ready (200), or starting / engine down (503 with Retry-After) while the supervisor restarts it."""
     engine = request.app[ENGINE]
     if engine.dead:
-        raise APIError(503, f"engine unavailable: {engine.dead}", "server_error", headers={"Retry-After": "5"})
-    return _json({"status": "ok"})
+        response = _json({"status": "engine down", "reason": engine.dead}, status=503)
+    elif engine.info is None:
+        response = _json({"status": "starting"}, status=503)
+    else:
+        return _json({"status": "ready"})
+    response.headers["Retry-After"] = "5"
+    return response
+
+
+def _engine_down(err: Exception) -> APIError:
+    return APIError(503, f"engine unavailable: {err}; retry shortly", "server_error", code="engine_unavailable",
+                    headers={"Retry-After": "5"})
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -72,7 +83,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     spec = sampling_spec(body)
     engine = app[ENGINE]
     if engine.dead:
-        raise APIError(503, f"engine unavailable: {engine.dead}", "server_error", headers={"Retry-After": "5"})
+        raise _engine_down(engine.dead)
     principal: Principal = request[PRINCIPAL]
     tenant, cls = principal.tenant, principal.priority_class
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -85,7 +96,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     metrics = app[METRICS]
     timer = RequestTimer(metrics, tenant.name, cls.name)
     try:
-        grant = await acquire(app[QUOTAS], tenant.id, prompt_estimate + max_new)
+        grant = await app[SETTLEMENTS].acquire(app[QUOTAS], tenant.id, prompt_estimate + max_new)
     except APIError as refused:
         metrics.rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
         timer.finish(refused.status, None)
@@ -113,10 +124,6 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         status = 499  # the client went away; the engine request was aborted
         raise
     finally:
-        if stream is not None:
-            # Closing the stream aborts the engine request if it has not finished (client gone, error):
-            # its KV blocks come back at once.
-            await asyncio.shield(stream.aclose())
         last = last or request.get(LAST_DELTA)
         if last is not None:
             usage = UsageRecord(
@@ -126,7 +133,19 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
                 finished_at=utcnow(),
             )
         timer.finish(status, usage)
-        await settle(app[QUOTAS], grant, usage)
+        # Created before any await, so a second cancellation cannot skip it.
+        await asyncio.shield(app[SETTLEMENTS].run(_close_and_settle(app, stream, grant, usage)))
+
+
+async def _close_and_settle(app: web.Application, stream, grant, usage: UsageRecord | None) -> None:
+    if stream is not None:
+        # Closing the stream aborts the engine request if it has not finished (client gone, error):
+        # its KV blocks come back at once.
+        await stream.aclose()
+    if usage is None:
+        await app[QUOTAS].release(grant)
+    else:
+        await app[QUOTAS].settle(grant, usage)
 
 
 class _Result:
@@ -153,7 +172,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     except RequestRejectedError as e:
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
     except EngineError as e:
-        raise APIError(503, f"engine unavailable: {e}", "server_error", headers={"Retry-After": "5"}) from None
+        raise _engine_down(e) from None
 
     request[LAST_DELTA] = first  # so usage is settled even if the client goes away mid-stream
     timer = request[TIMER]
@@ -166,10 +185,13 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
 
     if not body.stream:
         text, last = [first.new_text], first
-        async for delta in stream:
-            text.append(delta.new_text)
-            last = request[LAST_DELTA] = delta
-            timer.delta(first=False)
+        try:
+            async for delta in stream:
+                text.append(delta.new_text)
+                last = request[LAST_DELTA] = delta
+                timer.delta(first=False)
+        except EngineError as e:
+            raise _engine_down(e) from None
         return _Result(_json({"id": rid, "object": obj, "created": created, "model": model,
                               "choices": [choice("".join(text), last.finish_reason, False)], "usage": usage_of(last)}), last)
 
@@ -186,7 +208,14 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
         if delta.finished:
             break
-        delta = request[LAST_DELTA] = await anext(stream)
+        try:
+            delta = request[LAST_DELTA] = await anext(stream)
+        except EngineError as e:  # headers are gone: say it in the stream, in the OpenAI error shape
+            error = {"error": {"message": f"engine unavailable: {e}", "type": "server_error", "param": None,
+                               "code": "engine_unavailable"}}
+            await response.write(b"data: " + msgspec.json.encode(error) + b"\n\n")
+            await response.write_eof()
+            return _Result(response, delta)
         timer.delta(first=False)
     if include_usage:  # OpenAI's shape: a last chunk with no choices and the request's usage
         event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [], "usage": usage_of(delta)}
@@ -214,13 +243,32 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
         store = TenantStore.open(config.database_url)
         app[AUTHENTICATOR] = Authenticator(store, ttl_s=config.auth_cache_ttl_s)
         app[QUOTAS] = QuotaManager(store)
+        app[SETTLEMENTS] = Settlements()
         yield
+        await app[SETTLEMENTS].drain()  # the usage of every finished or cut request reaches the ledger
         await store.close()
+
+    async def supervise() -> None:
+        """Restart the engine process when it dies; until then /health and new requests answer 503."""
+        while True:
+            await asyncio.sleep(0.5)
+            if not engine.dead:
+                continue
+            logger.error("engine down (%s): restarting it", engine.dead)
+            try:
+                await engine.restart()
+                logger.info("engine restarted")
+            except Exception:  # keep serving 503s and try again
+                logger.exception("engine restart failed")
+                await asyncio.sleep(5)
 
     async def engine_lifecycle(app: web.Application):
         await engine.start()
         logger.info("serving %s (%s)", _model_name(app), engine.info.architecture)
+        supervisor = asyncio.create_task(supervise())
         yield
+        supervisor.cancel()
+        await asyncio.gather(supervisor, return_exceptions=True)
         await engine.shutdown()
 
     app.cleanup_ctx.append(store_lifecycle)

@@ -203,3 +203,46 @@ def test_cut_streams_free_their_blocks(demo_dir, tmp_path):
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_engine_crash_and_recovery(demo_dir, tmp_path):
+    import json
+
+    import aiohttp
+
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
+
+    async def scenario():
+        keys = await _policy(url)
+        engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=128))
+        app = create_app(GatewayConfig(served_model_name="demo", database_url=url), engine)
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as http:
+            auth = {"Authorization": f"Bearer {keys['web']}"}
+            post = lambda body: http.post(server.make_url("/v1/completions"), json=body, headers=auth)  # noqa: E731
+            async with post({"prompt": "x", "max_tokens": 3}) as resp:
+                assert resp.status == 200
+
+            long = {"prompt": "a long story", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+            async with post(long) as resp:
+                await resp.content.readline()
+                engine._process.kill()  # the engine dies mid-stream
+                events = [line[6:] for line in (await resp.text()).splitlines() if line.startswith("data: ")]
+            assert json.loads(events[-1])["error"]["code"] == "engine_unavailable"
+
+            async with post({"prompt": "x", "max_tokens": 3}) as resp:
+                assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1
+                assert (await resp.json())["error"]["code"] == "engine_unavailable"
+
+            health = None
+            for _ in range(600):  # the supervisor restarts the engine
+                async with http.get(server.make_url("/health")) as resp:
+                    health = (resp.status, await resp.json())
+                if health[0] == 200:
+                    break
+                await asyncio.sleep(0.1)
+            assert health == (200, {"status": "ready"})
+            async with post({"prompt": "after", "max_tokens": 3}) as resp:
+                assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 3
+
+    asyncio.run(scenario())
