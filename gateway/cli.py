@@ -6,6 +6,8 @@ import sys
 
 from engine.config import EngineConfig
 
+DEFAULT_DEMO_MODEL_DIR = ".moegate/demo-model"  # the Makefile's DEMO_MODEL, so `make run` and `moegate serve` agree
+
 
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
@@ -20,6 +22,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     from engine.model_loader import checkpoint_files
 
+    if args.model is None:  # the embedded default: the random-weight demo model, written on first use
+        import os
+
+        from engine.demo_model import write_demo_model
+
+        args.model = DEFAULT_DEMO_MODEL_DIR
+        if not os.path.exists(os.path.join(args.model, "config.json")):
+            print(f"no --model given: writing the random-weight demo model to {args.model} (its output is random text)")
+            write_demo_model(args.model)
     # A bad checkpoint is bad input: one line, exit 2, before any process starts.
     load_model_config(args.model)
     checkpoint_files(args.model)
@@ -63,7 +74,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _add_serve(subparsers) -> None:
     p = subparsers.add_parser("serve", help="start the OpenAI-compatible server")
-    p.add_argument("--model", required=True, help="local checkpoint directory")
+    p.add_argument("--model", default=None,
+                   help=f"local checkpoint directory (default: the demo model in {DEFAULT_DEMO_MODEL_DIR})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
@@ -79,12 +91,22 @@ def _add_serve(subparsers) -> None:
     p.set_defaults(func=_serve)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad usage is one line on stderr and exit 2 (argparse would print the whole usage block too).
+
+    Subcommand parsers inherit the class, so every package's subcommands behave the same.
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine import cli as engine_cli
     from loadgen import cli as loadgen_cli
     from tenants import cli as tenants_cli
 
-    parser = argparse.ArgumentParser(prog="moegate", description="Multi-tenant serving for MoE language models.")
+    parser = OneLineParser(prog="moegate", description="Multi-tenant serving for MoE language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     engine_cli.register(sub)

@@ -27,8 +27,10 @@ def test_loadgen_rejects_unknown_system():
 
 
 def test_usage_errors_exit_2():
-    r = moegate("serve")
-    assert r.returncode == 2 and "--model" in r.stderr
+    r = moegate("serve", "--port", "not-a-port")
+    assert r.returncode == 2 and "--port" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = moegate("loadgen", "offline", "--num-requests", "x")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_serve_checks_weights_and_upgrades_embedded_sqlite(tmp_path):
