@@ -24,6 +24,18 @@ _MESSAGES = {
 }
 
 
+def rate_limit_headers(grant: Granted) -> dict[str, str]:
+    """x-ratelimit-* headers of a granted request (only for limits the tenant has)."""
+    headers = {}
+    for kind, family in (("rpm", "requests"), ("tpm", "tokens")):
+        if kind in grant.windows:
+            limit, remaining, reset_s = grant.windows[kind]
+            headers[f"x-ratelimit-limit-{family}"] = str(limit)
+            headers[f"x-ratelimit-remaining-{family}"] = str(remaining)
+            headers[f"x-ratelimit-reset-{family}"] = f"{reset_s:.0f}s"
+    return headers
+
+
 def estimate_prompt_tokens(prompt: str | list[int]) -> int:
     """Token ids count exactly; text is estimated (about 4 bytes a token) and corrected at settle."""
     if isinstance(prompt, list):

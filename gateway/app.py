@@ -16,11 +16,12 @@ from aiohttp import web
 
 from engine.async_engine import AsyncEngine, EngineError, RequestRejectedError
 from engine.protocol import ChatTurn, Delta
-from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, estimate_prompt_tokens, utcnow
+from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, estimate_prompt_tokens, rate_limit_headers, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, error_middleware
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
+from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
 from tenants.quota import QuotaManager
 from tenants.store import TenantStore, UsageRecord
@@ -31,6 +32,7 @@ ENGINE = web.AppKey("engine", AsyncEngine)
 CONFIG = web.AppKey("config", GatewayConfig)
 LAST_DELTA = web.RequestKey("last_delta", Delta)  # the latest engine delta, for usage at settle
 TIMER = web.RequestKey("timer", RequestTimer)
+RATE_HEADERS = web.RequestKey("rate_headers", dict)
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -58,6 +60,16 @@ async def health(request: web.Request) -> web.Response:
 def _engine_down(err: Exception) -> APIError:
     return APIError(503, f"engine unavailable: {err}; retry shortly", "server_error", code="engine_unavailable",
                     headers={"Retry-After": "5"})
+
+
+async def openapi_endpoint(request: web.Request) -> web.Response:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("moegate")
+    except PackageNotFoundError:
+        ver = "0"
+    return _json(openapi_document(ver))
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -102,8 +114,8 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         timer.finish(refused.status, None)
         raise
     request[TIMER] = timer
+    request[RATE_HEADERS] = rate_limit_headers(grant)
     usage: UsageRecord | None = None
-    last = None
     started = utcnow()
     status = 500
     stream = None
@@ -114,9 +126,8 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
             preemptible=cls.preemptible,
         )
         response = await _respond(request, body, chat, stream, rid, created)
-        last = response.last_delta
         status = 200
-        return response.response
+        return response
     except APIError as err:
         status = err.status
         raise
@@ -124,7 +135,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         status = 499  # the client went away; the engine request was aborted
         raise
     finally:
-        last = last or request.get(LAST_DELTA)
+        last = request.get(LAST_DELTA)
         if last is not None:
             usage = UsageRecord(
                 tenant_id=tenant.id, request_id=rid, model=_model_name(app), prompt_tokens=last.num_prompt_tokens,
@@ -148,15 +159,8 @@ async def _close_and_settle(app: web.Application, stream, grant, usage: UsageRec
         await app[QUOTAS].settle(grant, usage)
 
 
-class _Result:
-    __slots__ = ("response", "last_delta")
-
-    def __init__(self, response, last_delta) -> None:
-        self.response, self.last_delta = response, last_delta
-
-
-async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int) -> _Result:
-    """Run the engine stream to a JSON body or SSE events; records the latest delta for usage."""
+async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int) -> web.StreamResponse:
+    """Run the engine stream to a JSON body or SSE events; request[LAST_DELTA] tracks the latest delta for usage."""
     app = request.app
     obj = "chat.completion" if chat else "text_completion"
     model = _model_name(app)
@@ -192,10 +196,14 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
                 timer.delta(first=False)
         except EngineError as e:
             raise _engine_down(e) from None
-        return _Result(_json({"id": rid, "object": obj, "created": created, "model": model,
-                              "choices": [choice("".join(text), last.finish_reason, False)], "usage": usage_of(last)}), last)
+        body_json = _json({"id": rid, "object": obj, "created": created, "model": model,
+                           "choices": [choice("".join(text), last.finish_reason, False)], "usage": usage_of(last)})
+        body_json.headers.update(request[RATE_HEADERS])
+        return body_json
 
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **request[RATE_HEADERS]}
+    )
     await response.prepare(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -215,14 +223,14 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
                                "code": "engine_unavailable"}}
             await response.write(b"data: " + msgspec.json.encode(error) + b"\n\n")
             await response.write_eof()
-            return _Result(response, delta)
+            return response
         timer.delta(first=False)
     if include_usage:  # OpenAI's shape: a last chunk with no choices and the request's usage
         event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [], "usage": usage_of(delta)}
         await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
-    return _Result(response, delta)
+    return response
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -275,6 +283,7 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
     app.cleanup_ctx.append(engine_lifecycle)
     app[METRICS] = GatewayMetrics(engine)
     app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_get("/openapi.json", openapi_endpoint)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", completions)

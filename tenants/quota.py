@@ -20,7 +20,7 @@ the billed tokens of the ledger for that period plus open reservations.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import date, datetime, timezone
 from typing import Callable
 
@@ -49,6 +49,9 @@ class Granted:
     day: int  # window start (epoch s) of the daily budget
     month: int  # window start (epoch s) of the monthly budget
     concurrent: bool  # whether a concurrency slot was taken
+    # Per-minute counters after this grant, for rate-limit headers: kind ("rpm"/"tpm") ->
+    # (limit, remaining, seconds until the window resets). Only limited counters appear.
+    windows: dict[str, tuple[int, int, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)
@@ -133,12 +136,16 @@ class QuotaManager:
                     ("daily_tokens", "day", day, billed, cfg.daily_tokens, day_end),
                     ("monthly_tokens", "month", month, billed, cfg.monthly_tokens, _epoch(next_month(today))),
                 ]
+                windows: dict[str, tuple[int, int, float]] = {}
                 for reason, kind, window, delta, limit, reset_at in checks:
                     # Unlimited per-minute counters are skipped (nothing reads them); the concurrency and
                     # budget counters are always kept so a limit set later starts from the truth.
                     if limit is None and kind in ("rpm", "tpm"):
                         continue
-                    if await self._bump(s, tenant_id, kind, window, delta, limit) is None:
+                    value = await self._bump(s, tenant_id, kind, window, delta, limit)
+                    if value is not None and kind in ("rpm", "tpm"):
+                        windows[kind] = (int(limit), max(0, int(limit) - int(value)), max(0.0, reset_at - now))
+                    if value is None:
                         used = await self._value(s, tenant_id, kind, window)
                         reset_s = None if reset_at is None else max(0.0, reset_at - now)
                         retry = CONCURRENCY_RETRY_S if reset_s is None else reset_s
@@ -147,7 +154,7 @@ class QuotaManager:
                         # Raising rolls back the counters this acquire already bumped.
                         raise _Refused(Denied(reason, retry, int(limit), max(0, int(limit) - used), reset_s))
                 return Granted(tenant_id, requests, tokens, billed, batch, cfg.batch_discount, minute, day, month,
-                               True)
+                               True, windows)
         except _Refused as refused:
             return refused.denied
 

@@ -94,8 +94,11 @@ def test_openai_client_end_to_end(demo_dir, tmp_path):
                 await web.completions.create(model="gpt-9", prompt="x", max_tokens=2)
 
             tight = _client(server, keys["tight"])
-            for _ in range(2):
-                await tight.completions.create(model="demo", prompt="x", max_tokens=2)
+            for remaining in (1, 0):
+                raw = await tight.completions.with_raw_response.create(model="demo", prompt="x", max_tokens=2)
+                assert raw.headers["x-ratelimit-limit-requests"] == "2"
+                assert raw.headers["x-ratelimit-remaining-requests"] == str(remaining)
+                assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
             with pytest.raises(openai.RateLimitError) as limited:
                 await tight.completions.create(model="demo", prompt="x", max_tokens=2)
             headers = limited.value.response.headers
@@ -131,7 +134,7 @@ def test_bad_requests_get_openai_errors(demo_dir, tmp_path):
     async def scenario():
         keys = await _policy(url)
         engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=128))
-        app = create_app(GatewayConfig(served_model_name="demo", database_url=url), engine)
+        app = create_app(GatewayConfig(served_model_name="demo", database_url=url, max_request_bytes=4096), engine)
         async with TestServer(app, host="127.0.0.1") as server:
             import aiohttp
 
@@ -156,6 +159,13 @@ def test_bad_requests_get_openai_errors(demo_dir, tmp_path):
                     assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
                 async with http.get(server.make_url("/health")) as resp:
                     assert resp.status == 200  # open without a key
+                async with http.post(server.make_url("/v1/completions"), json={"prompt": "x" * 5000}, headers=auth) as resp:
+                    assert resp.status == 413 and (await resp.json())["error"]["message"]
+                async with http.get(server.make_url("/openapi.json")) as resp:
+                    spec = await resp.json()
+                assert spec["openapi"].startswith("3.") and {"/v1/completions", "/v1/chat/completions"} <= set(spec["paths"])
+                assert "prompt" in spec["components"]["schemas"]["CompletionRequest"]["required"]
+                assert "429" in spec["paths"]["/v1/completions"]["post"]["responses"]
                 async with http.post(server.make_url("/v1/completions"), json={"prompt": "fine", "max_tokens": 2}, headers=auth) as resp:
                     assert resp.status == 200  # still serving after the errors
 
