@@ -33,6 +33,7 @@ CONFIG = web.AppKey("config", GatewayConfig)
 LAST_DELTA = web.RequestKey("last_delta", Delta)  # the latest engine delta, for usage at settle
 TIMER = web.RequestKey("timer", RequestTimer)
 RATE_HEADERS = web.RequestKey("rate_headers", dict)
+INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -107,6 +108,13 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     max_new = spec.max_tokens or max(engine.info.max_model_len - prompt_estimate, 1)
     metrics = app[METRICS]
     timer = RequestTimer(metrics, tenant.name, cls.name)
+    inflight = app[INFLIGHT]
+    cap = app[CONFIG].max_inflight_by_rank.get(cls.rank)
+    if cap is not None and inflight.get(cls.rank, 0) >= cap:
+        metrics.rejections.labels(tenant.name, cls.name, "overloaded").inc()
+        timer.finish(503, None)
+        raise APIError(503, f"server overloaded for priority class {cls.name!r}; retry shortly", "server_error",
+                       code="overloaded", headers={"Retry-After": "2"})
     try:
         grant = await app[SETTLEMENTS].acquire(app[QUOTAS], tenant.id, prompt_estimate + max_new)
     except APIError as refused:
@@ -119,6 +127,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     started = utcnow()
     status = 500
     stream = None
+    inflight[cls.rank] = inflight.get(cls.rank, 0) + 1
     try:
         stream = engine.generate(
             "" if chat else body.prompt, spec, request_id=rid, messages=messages,
@@ -135,6 +144,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         status = 499  # the client went away; the engine request was aborted
         raise
     finally:
+        inflight[cls.rank] -= 1
         last = request.get(LAST_DELTA)
         if last is not None:
             usage = UsageRecord(
@@ -246,6 +256,7 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=config.max_request_bytes)
     app[CONFIG] = config
     app[ENGINE] = engine
+    app[INFLIGHT] = {}
 
     async def store_lifecycle(app: web.Application):
         store = TenantStore.open(config.database_url)

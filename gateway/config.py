@@ -1,6 +1,12 @@
 """The gateway's typed config."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def _default_inflight_caps() -> dict[int, int]:
+    # rank -> most requests in flight (queued in the engine or running). Ranks not listed are never shed:
+    # realtime (0) keeps being served while standard (1) and batch (2) traffic is turned away, batch first.
+    return {1: 1024, 2: 256}
 
 
 @dataclass(slots=True)
@@ -11,9 +17,12 @@ class GatewayConfig:
     max_request_bytes: int = 4 * 2**20
     database_url: str = "sqlite:///./moegate.db"
     auth_cache_ttl_s: float = 5.0  # how long a revoked key may keep working
+    max_inflight_by_rank: dict[int, int] = field(default_factory=_default_inflight_caps)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if any(cap < 1 for cap in self.max_inflight_by_rank.values()):
+            raise ValueError("max_inflight_by_rank caps must be >= 1")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")

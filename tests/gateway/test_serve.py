@@ -256,3 +256,36 @@ def test_engine_crash_and_recovery(demo_dir, tmp_path):
                 assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 3
 
     asyncio.run(scenario())
+
+
+def test_overload_sheds_batch_and_serves_realtime(demo_dir, tmp_path):
+    import aiohttp
+
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
+
+    async def scenario():
+        store = TenantStore.open(url)
+        try:
+            await store.create_tenant("rt", priority_class="realtime")
+            await store.create_tenant("bulk", priority_class="batch")
+            rt_key, bulk_key = (await store.create_key("rt"))[1], (await store.create_key("bulk"))[1]
+        finally:
+            await store.close()
+        engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=128))
+        config = GatewayConfig(served_model_name="demo", database_url=url, max_inflight_by_rank={1: 16, 2: 3})
+        async with TestServer(create_app(config, engine), host="127.0.0.1") as server, aiohttp.ClientSession() as http:
+            async def call(key):
+                body = {"prompt": "overload", "max_tokens": 24, "ignore_eos": True}
+                async with http.post(server.make_url("/v1/completions"), json=body,
+                                     headers={"Authorization": f"Bearer {key}"}) as resp:
+                    return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+            results = await asyncio.gather(*([call(bulk_key) for _ in range(12)] + [call(rt_key) for _ in range(6)]))
+            bulk, rt = results[:12], results[12:]
+            assert all(status == 200 for status, _, _ in rt), rt  # realtime is never shed
+            shed = [r for r in bulk if r[0] == 503]
+            assert shed and all(r[1] and r[2]["error"]["code"] == "overloaded" for r in shed)
+            assert {r[0] for r in bulk} <= {200, 503} and any(r[0] == 200 for r in bulk)
+
+    asyncio.run(scenario())
