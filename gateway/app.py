@@ -19,7 +19,7 @@ from engine.protocol import ChatTurn, Delta
 from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, estimate_prompt_tokens, rate_limit_headers, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, error_middleware
+from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, request_id_middleware
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
@@ -214,6 +214,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **request[RATE_HEADERS]}
     )
+    response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]  # sent at prepare, before the middleware sees it
     await response.prepare(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -253,7 +254,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
     """The app; the policy store and the engine process start with the app and stop with it."""
-    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=config.max_request_bytes)
+    # Middleware order: request id -> error mapping -> auth. Admission (quotas, overload) runs in the
+    # handler, after the body is parsed, because the reservation depends on max_tokens and the prompt.
+    app = web.Application(
+        middlewares=[request_id_middleware, error_middleware, auth_middleware], client_max_size=config.max_request_bytes
+    )
     app[CONFIG] = config
     app[ENGINE] = engine
     app[INFLIGHT] = {}

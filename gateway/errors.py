@@ -1,6 +1,8 @@
 """Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
 
 import logging
+import re
+import uuid
 
 import msgspec
 from aiohttp import web
@@ -38,3 +40,20 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(APIError(500, "internal server error", "server_error"))
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID = web.RequestKey("request_id", str)
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler):
+    """Outermost: every response, errors included, carries the caller's X-Request-Id or a fresh one."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+    request[REQUEST_ID] = request_id  # streams set the header themselves: theirs leave before this returns
+    response = await handler(request)
+    if not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    return response

@@ -78,6 +78,7 @@ def test_openai_client_end_to_end(demo_dir, tmp_path):
             )
             chunks = [c async for c in stream]
             assert "".join(c.choices[0].text for c in chunks if c.choices) == offline[0].text
+            assert len(stream.response.headers["X-Request-Id"]) == 32
             assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
 
             chat = await web.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
@@ -159,6 +160,9 @@ def test_bad_requests_get_openai_errors(demo_dir, tmp_path):
                     assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
                 async with http.get(server.make_url("/health")) as resp:
                     assert resp.status == 200  # open without a key
+                    assert len(resp.headers["X-Request-Id"]) == 32  # generated when the caller sends none
+                async with http.post(server.make_url("/v1/completions"), json={}, headers={**auth, "X-Request-Id": "abc-123"}) as resp:
+                    assert resp.status == 400 and resp.headers["X-Request-Id"] == "abc-123"  # errors carry it too
                 async with http.post(server.make_url("/v1/completions"), json={"prompt": "x" * 5000}, headers=auth) as resp:
                     assert resp.status == 413 and (await resp.json())["error"]["message"]
                 async with http.get(server.make_url("/openapi.json")) as resp:
