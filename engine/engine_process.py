@@ -62,7 +62,7 @@ def run_engine_process(config: EngineConfig, conn: Connection) -> None:
         if outputs or engine.last_stats is not None:
             deltas = [
                 Delta(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
-                      o.num_prompt_tokens, o.num_cached_tokens, len(o.token_ids))
+                      o.num_prompt_tokens, o.num_cached_tokens, len(o.token_ids), o.queue_time_s)
                 for o in outputs
             ]
             conn.send_bytes(encoder.encode(StepOutputs(deltas, engine.last_stats)))

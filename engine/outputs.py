@@ -20,6 +20,7 @@ class RequestOutput(msgspec.Struct):
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    queue_time_s: float | None = None  # arrival to first scheduled (None while still waiting)
 
 
 class _TextState:
@@ -109,4 +110,6 @@ class OutputProcessor:
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            queue_time_s=None if request.first_scheduled_time is None
+            else request.first_scheduled_time - request.arrival_time,
         )

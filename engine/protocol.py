@@ -62,6 +62,7 @@ class Delta(msgspec.Struct):
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    queue_time_s: float | None = None  # in the engine's waiting queue before first scheduled
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -39,6 +39,7 @@ class Request:
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "cache_salt", "num_preemptions", "stop_reason",
         "priority", "tenant", "weight", "preemptible", "admit_seq", "num_charged_prompt_tokens",
+        "first_scheduled_time",
     )
 
     def __init__(
@@ -71,6 +72,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
+        self.first_scheduled_time: float | None = None  # when it first left the waiting queue (queue time)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         assert weight > 0

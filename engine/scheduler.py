@@ -268,6 +268,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_seq)
             bisect.insort(self.running, request, key=_running_order)

@@ -23,6 +23,7 @@ from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middle
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
+from gateway.usage_ledger import UsageLedger
 from tenants.quota import QuotaManager
 from tenants.store import TenantStore, UsageRecord
 
@@ -34,6 +35,8 @@ LAST_DELTA = web.RequestKey("last_delta", Delta)  # the latest engine delta, for
 TIMER = web.RequestKey("timer", RequestTimer)
 RATE_HEADERS = web.RequestKey("rate_headers", dict)
 INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
+LEDGER = web.AppKey("ledger", UsageLedger)
+DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -48,7 +51,9 @@ def _model_name(app: web.Application) -> str:
 async def health(request: web.Request) -> web.Response:
     """ready (200), or starting / engine down (503 with Retry-After) while the supervisor restarts it."""
     engine = request.app[ENGINE]
-    if engine.dead:
+    if request.app[DRAINING].is_set():
+        response = _json({"status": "draining"}, status=503)
+    elif engine.dead:
         response = _json({"status": "engine down", "reason": engine.dead}, status=503)
     elif engine.info is None:
         response = _json({"status": "starting"}, status=503)
@@ -95,6 +100,9 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     _check_model(app, body.model)
     spec = sampling_spec(body)
     engine = app[ENGINE]
+    if app[DRAINING].is_set():  # a new request on a kept-alive connection during shutdown
+        raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
+                       code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
     if engine.dead:
         raise _engine_down(engine.dead)
     principal: Principal = request[PRINCIPAL]
@@ -115,11 +123,17 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         timer.finish(503, None)
         raise APIError(503, f"server overloaded for priority class {cls.name!r}; retry shortly", "server_error",
                        code="overloaded", headers={"Retry-After": "2"})
+    # Counted from here, before any await, so a burst cannot all pass the check above at once.
+    inflight[cls.rank] = inflight.get(cls.rank, 0) + 1
     try:
         grant = await app[SETTLEMENTS].acquire(app[QUOTAS], tenant.id, prompt_estimate + max_new)
     except APIError as refused:
+        inflight[cls.rank] -= 1
         metrics.rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
         timer.finish(refused.status, None)
+        raise
+    except BaseException:
+        inflight[cls.rank] -= 1
         raise
     request[TIMER] = timer
     request[RATE_HEADERS] = rate_limit_headers(grant)
@@ -127,7 +141,6 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     started = utcnow()
     status = 500
     stream = None
-    inflight[cls.rank] = inflight.get(cls.rank, 0) + 1
     try:
         stream = engine.generate(
             "" if chat else body.prompt, spec, request_id=rid, messages=messages,
@@ -163,10 +176,7 @@ async def _close_and_settle(app: web.Application, stream, grant, usage: UsageRec
         # Closing the stream aborts the engine request if it has not finished (client gone, error):
         # its KV blocks come back at once.
         await stream.aclose()
-    if usage is None:
-        await app[QUOTAS].release(grant)
-    else:
-        await app[QUOTAS].settle(grant, usage)
+    app[LEDGER].submit(grant, usage)  # usage None: the request never ran, the reservation is released
 
 
 async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int) -> web.StreamResponse:
@@ -190,7 +200,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
 
     request[LAST_DELTA] = first  # so usage is settled even if the client goes away mid-stream
     timer = request[TIMER]
-    timer.delta(first=True)
+    timer.delta(first=True, queue_time_s=first.queue_time_s)
 
     def usage_of(d) -> dict:
         return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
@@ -262,14 +272,23 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
     app[CONFIG] = config
     app[ENGINE] = engine
     app[INFLIGHT] = {}
+    app[DRAINING] = asyncio.Event()
+
+    async def start_draining(app: web.Application) -> None:
+        app[DRAINING].set()
+
+    app.on_shutdown.append(start_draining)
 
     async def store_lifecycle(app: web.Application):
         store = TenantStore.open(config.database_url)
         app[AUTHENTICATOR] = Authenticator(store, ttl_s=config.auth_cache_ttl_s)
-        app[QUOTAS] = QuotaManager(store)
+        app[QUOTAS] = QuotaManager(store, policy_ttl_s=config.policy_cache_ttl_s)
         app[SETTLEMENTS] = Settlements()
+        app[LEDGER] = UsageLedger(app[QUOTAS])
+        app[LEDGER].start()
         yield
-        await app[SETTLEMENTS].drain()  # the usage of every finished or cut request reaches the ledger
+        await app[SETTLEMENTS].drain()  # every finished or cut request has handed its usage to the ledger
+        await app[LEDGER].close()  # ... and the ledger has written it
         await store.close()
 
     async def supervise() -> None:

@@ -9,6 +9,7 @@ from aiohttp import web
 from gateway.errors import APIError
 from tenants.policy import ClassInfo
 from tenants.store import KeyInfo, TenantInfo, TenantStore
+from tenants.ttl_cache import RefreshingCache
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,24 +29,19 @@ class Authenticator:
     """
 
     def __init__(self, store: TenantStore, ttl_s: float = 5.0, clock=time.monotonic) -> None:
-        self.store, self.ttl_s, self.clock = store, ttl_s, clock
-        self._cache: dict[bytes, tuple[float, Principal | None]] = {}
+        self.store = store
+        self._cache: RefreshingCache[Principal | None] = RefreshingCache(ttl_s, clock=clock)
 
     async def lookup(self, plaintext: str) -> Principal | None:
         digest = hashlib.sha256(plaintext.encode()).digest()  # never keep keys in clear, even in memory
-        now = self.clock()
-        hit = self._cache.get(digest)
-        if hit is not None and hit[0] > now:
-            return hit[1]
+        return await self._cache.get(digest, lambda: self._load(plaintext))
+
+    async def _load(self, plaintext: str) -> Principal | None:
         found = await self.store.authenticate(plaintext, include_disabled=True)
-        principal = None
-        if found is not None:
-            tenant, key = found
-            principal = Principal(tenant, key, await self.store.get_class(tenant.priority_class))
-        if len(self._cache) > 100_000:  # bound memory under a flood of random keys
-            self._cache.clear()
-        self._cache[digest] = (now + self.ttl_s, principal)
-        return principal
+        if found is None:
+            return None
+        tenant, key = found
+        return Principal(tenant, key, await self.store.get_class(tenant.priority_class))
 
 
 PRINCIPAL = web.RequestKey("principal", Principal)

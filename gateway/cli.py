@@ -54,7 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
     )
-    config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url)
+    config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
+                           drain_timeout_s=args.drain_timeout)
     try:
         import uvloop
 
@@ -64,8 +65,10 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(config, AsyncEngine(engine_config))
     try:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine request.
+        # SIGTERM/SIGINT: stop accepting, let in-flight requests run up to the drain timeout (then cut
+        # them), and only then stop the engine and write the last usage (cleanup contexts).
         web.run_app(app, host=config.host, port=config.port, print=lambda msg: logging.info(msg.strip()),
-                    handler_cancellation=True)
+                    handler_cancellation=True, shutdown_timeout=config.drain_timeout_s)
     except EngineError as e:
         print(f"moegate serve: error: {e}", file=sys.stderr)
         return 1
@@ -86,6 +89,8 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size on the CPU")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run on after SIGTERM/SIGINT (default 30)")
     p.add_argument("--database-url", default=None,
                    help="policy database (default: $MOEGATE_DATABASE_URL or sqlite:///./moegate.db)")
     p.set_defaults(func=_serve)

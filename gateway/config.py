@@ -17,6 +17,8 @@ class GatewayConfig:
     max_request_bytes: int = 4 * 2**20
     database_url: str = "sqlite:///./moegate.db"
     auth_cache_ttl_s: float = 5.0  # how long a revoked key may keep working
+    policy_cache_ttl_s: float = 5.0  # how long a changed quota or a disabled tenant may take to apply
+    drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT: how long in-flight requests may run on
     max_inflight_by_rank: dict[int, int] = field(default_factory=_default_inflight_caps)
 
     def __post_init__(self) -> None:
@@ -24,5 +26,7 @@ class GatewayConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if any(cap < 1 for cap in self.max_inflight_by_rank.values()):
             raise ValueError("max_inflight_by_rank caps must be >= 1")
+        if self.policy_cache_ttl_s < 0 or self.auth_cache_ttl_s < 0 or self.drain_timeout_s < 0:
+            raise ValueError("cache TTLs and drain_timeout_s must be >= 0")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")

@@ -6,6 +6,7 @@ import uuid
 
 import msgspec
 from aiohttp import web
+from sqlalchemy.exc import SQLAlchemyError
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,11 @@ async def error_middleware(request: web.Request, handler):
             raise
         type_ = "not_found_error" if exc.status == 404 else "invalid_request_error"
         return error_response(APIError(exc.status, exc.reason or "request failed", type_))
+    except SQLAlchemyError:
+        # The policy database is down or saturated: nothing was admitted, so retrying is safe.
+        logger.exception("policy database error on %s %s", request.method, request.path)
+        return error_response(APIError(503, "the policy database is unavailable; retry shortly", "server_error",
+                                       code="database_unavailable", headers={"Retry-After": "2"}))
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(APIError(500, "internal server error", "server_error"))

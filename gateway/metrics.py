@@ -54,6 +54,8 @@ class GatewayMetrics:
         self.rejections = Counter("moegate_rejections", "requests refused before the engine, by reason", labels + ["reason"], registry=r)
         self.ttft = Histogram("moegate_time_to_first_token_seconds", "time to first token", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("moegate_inter_token_latency_seconds", "time between streamed deltas", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("moegate_queue_time_seconds", "time in the engine's waiting queue before first scheduled",
+                               labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("moegate_e2e_latency_seconds", "request latency, end to end", labels, buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(engine))
 
@@ -70,8 +72,10 @@ class RequestTimer:
         self.metrics, self.labels = metrics, (tenant, priority_class)
         self.start = self.last = time.perf_counter()
 
-    def delta(self, first: bool) -> None:
+    def delta(self, first: bool, queue_time_s: float | None = None) -> None:
         now = time.perf_counter()
+        if first and queue_time_s is not None:
+            self.metrics.queue.labels(*self.labels).observe(queue_time_s)
         (self.metrics.ttft if first else self.metrics.itl).labels(*self.labels).observe(now - self.last if not first else now - self.start)
         self.last = now
 

@@ -50,6 +50,9 @@ def sync_url(url: str) -> str:
 def create_engine_for(url: str, **kwargs) -> AsyncEngine:
     """An async engine for the store; SQLite gets foreign keys and write-locking transactions."""
     if backend(url) == "sqlite":
+        # One connection per process: SQLite has one writer at a time anyway, and queueing for the
+        # pool in asyncio is fair and cheap where several connections would spin in SQLite's busy wait.
+        kwargs = {"pool_size": 1, "max_overflow": 0, **kwargs}
         engine = create_async_engine(async_url(url), connect_args={"timeout": 30}, **kwargs)
         _sqlite_pragmas(engine.sync_engine)
         return engine
@@ -63,6 +66,10 @@ def _sqlite_pragmas(sync_engine) -> None:
         dbapi_connection.isolation_level = None
         cur = dbapi_connection.cursor()
         cur.execute("PRAGMA foreign_keys=ON")
+        # WAL: readers never wait for the writer, and a commit is one append (synchronous=NORMAL keeps
+        # it durable across a crash of the process; only a power cut may lose the last commits).
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
     @event.listens_for(sync_engine, "begin")

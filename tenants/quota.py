@@ -15,6 +15,12 @@ first that refuses rolls back the ones before it.
 Windows: requests/min and tokens/min are fixed one-minute windows; daily and
 monthly budgets are the UTC calendar day and month, and their counters hold
 the billed tokens of the ledger for that period plus open reservations.
+
+Only limited counters are touched at acquire time: a tenant with no limits is
+admitted without any database work, and its settles (batched by the gateway's
+usage ledger, ``settle_many``) still add the billed tokens to the daily and
+monthly counters, so a budget set later starts from the truth. Limits and
+tenant status are cached for ``policy_ttl_s`` (0 = read on every acquire).
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ from dataclasses import dataclass, field, replace
 from datetime import date, datetime, timezone
 from typing import Callable
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from tenants.models import Quota, QuotaCounter, Tenant
+from tenants.models import Quota, QuotaCounter, Tenant, Usage
 from tenants.store import NotFound, QuotaConfig, TenantStore, UsageRecord, next_month
+from tenants.ttl_cache import RefreshingCache
 
 CONCURRENCY_WINDOW = 0
 CONCURRENCY_RETRY_S = 1.0  # nobody knows when an in-flight request ends; ask clients to come back soon
@@ -52,6 +59,8 @@ class Granted:
     # Per-minute counters after this grant, for rate-limit headers: kind ("rpm"/"tpm") ->
     # (limit, remaining, seconds until the window resets). Only limited counters appear.
     windows: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    day_reserved: bool = True  # whether ``billed`` was reserved on the daily counter (only when it is limited)
+    month_reserved: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,6 +72,15 @@ class Denied:
     limit: int
     remaining: int
     reset_s: float | None
+
+
+_KIND_ORDER = ("rpm", "tpm", "conc", "day", "month")  # the order every transaction bumps a tenant's counters in
+
+
+def _needs_counters(cfg: QuotaConfig) -> bool:
+    """Whether admitting needs the database: some limit is checked against a shared counter."""
+    return any(v is not None for v in (cfg.requests_per_minute, cfg.tokens_per_minute, cfg.max_concurrency,
+                                       cfg.daily_tokens, cfg.monthly_tokens))
 
 
 class _Refused(Exception):
@@ -77,10 +95,30 @@ def _epoch(d: date) -> int:
 class QuotaManager:
     """Admission by quota for one store; ``clock`` returns epoch seconds (tests freeze it)."""
 
-    def __init__(self, store: TenantStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: TenantStore, clock: Callable[[], float] = time.time, policy_ttl_s: float = 0.0) -> None:
         self.store = store
         self.clock = clock
+        self.policy_ttl_s = policy_ttl_s
+        # tenant -> (status, limits), when ``policy_ttl_s`` > 0 (how long a changed quota may take to apply)
+        self._policy = RefreshingCache(policy_ttl_s) if policy_ttl_s > 0 else None
         self._insert = pg_insert if store.backend == "postgresql" else sqlite_insert
+
+    async def _load_policy(self, tenant_id: int) -> tuple[str, QuotaConfig]:
+        async with self.store.sessions() as s:
+            return await self._read_policy(s, tenant_id)
+
+    async def _read_policy(self, s, tenant_id: int) -> tuple[str, QuotaConfig]:
+        """(status, limits) of a tenant, read in session ``s``."""
+        row = (await s.execute(
+            select(Tenant.status, Quota).outerjoin(Quota, Quota.tenant_id == Tenant.id).where(Tenant.id == tenant_id)
+        )).first()
+        if row is None:
+            raise NotFound(f"unknown tenant id {tenant_id}")
+        status, q = row
+        cfg = QuotaConfig() if q is None else QuotaConfig(
+            q.requests_per_minute, q.tokens_per_minute, q.max_concurrency, q.max_tokens_per_request,
+            q.daily_tokens, q.monthly_tokens, q.max_batch_queue_tokens, q.batch_discount)
+        return status, cfg
 
     async def _bump(self, s, tenant_id: int, kind: str, window: int, delta: int, limit: int | None) -> int | None:
         """Add ``delta`` to one counter if the result stays within ``limit``; the new value, or None if refused."""
@@ -109,18 +147,20 @@ class QuotaManager:
         minute = int(now // 60 * 60)
         today = datetime.fromtimestamp(now, timezone.utc).date()
         day, month = _epoch(today), _epoch(today.replace(day=1))
+        policy = None
+        if self._policy is not None:
+            policy = await self._policy.get(tenant_id, lambda: self._load_policy(tenant_id))
+            status, cfg = policy
+            if status == "active" and not _needs_counters(cfg):
+                # No limit to check: nothing to write until the settle (which the ledger batches).
+                if cfg.max_tokens_per_request is not None and tokens > cfg.max_tokens_per_request:
+                    return Denied("max_tokens", None, cfg.max_tokens_per_request, cfg.max_tokens_per_request, None)
+                return Granted(tenant_id, requests, tokens, cfg.billed(tokens, batch), batch, cfg.batch_discount,
+                               minute, day, month, False, {}, day_reserved=False, month_reserved=False)
         try:
             async with self.store.sessions.begin() as s:
-                row = (await s.execute(
-                    select(Tenant.status, Quota).outerjoin(Quota, Quota.tenant_id == Tenant.id)
-                    .where(Tenant.id == tenant_id)
-                )).first()
-                if row is None:
-                    raise NotFound(f"unknown tenant id {tenant_id}")
-                status, q = row
-                cfg = QuotaConfig() if q is None else QuotaConfig(
-                    q.requests_per_minute, q.tokens_per_minute, q.max_concurrency, q.max_tokens_per_request,
-                    q.daily_tokens, q.monthly_tokens, q.max_batch_queue_tokens, q.batch_discount)
+                # Cached limits (when a TTL is set) or the limits as of this transaction.
+                status, cfg = policy if policy is not None else await self._read_policy(s, tenant_id)
                 if status != "active":
                     return Denied("disabled", None, 0, 0, None)
                 if cfg.max_tokens_per_request is not None and tokens > cfg.max_tokens_per_request:
@@ -128,7 +168,8 @@ class QuotaManager:
                 billed = cfg.billed(tokens, batch)
                 day_end = _epoch(date.fromordinal(today.toordinal() + 1))
                 # (reason, kind, window, delta, limit, reset at): always this order, so concurrent
-                # acquires lock counter rows in the same order and cannot deadlock.
+                # acquires lock counter rows in the same order and cannot deadlock. Unlimited counters
+                # are skipped: the settle brings the budget counters up to date, and nothing reads the others.
                 checks = [
                     ("rpm", "rpm", minute, requests, cfg.requests_per_minute, minute + 60),
                     ("tpm", "tpm", minute, tokens, cfg.tokens_per_minute, minute + 60),
@@ -138,9 +179,7 @@ class QuotaManager:
                 ]
                 windows: dict[str, tuple[int, int, float]] = {}
                 for reason, kind, window, delta, limit, reset_at in checks:
-                    # Unlimited per-minute counters are skipped (nothing reads them); the concurrency and
-                    # budget counters are always kept so a limit set later starts from the truth.
-                    if limit is None and kind in ("rpm", "tpm"):
+                    if limit is None:
                         continue
                     value = await self._bump(s, tenant_id, kind, window, delta, limit)
                     if value is not None and kind in ("rpm", "tpm"):
@@ -154,35 +193,57 @@ class QuotaManager:
                         # Raising rolls back the counters this acquire already bumped.
                         raise _Refused(Denied(reason, retry, int(limit), max(0, int(limit) - used), reset_s))
                 return Granted(tenant_id, requests, tokens, billed, batch, cfg.batch_discount, minute, day, month,
-                               True, windows)
+                               cfg.max_concurrency is not None, windows, day_reserved=cfg.daily_tokens is not None,
+                               month_reserved=cfg.monthly_tokens is not None)
         except _Refused as refused:
             return refused.denied
 
     async def settle(self, grant: Granted, usage: UsageRecord) -> int:
         """Replace the reservation by the actual usage and append it to the ledger; returns billed tokens."""
-        if usage.tenant_id != grant.tenant_id:
-            raise ValueError("usage is for another tenant than the grant")
-        actual = usage.prompt_tokens + usage.completion_tokens
-        cfg = QuotaConfig(batch_discount=grant.batch_discount)
-        billed = cfg.billed(actual, grant.batch)
-        row = TenantStore.usage_row(replace(usage, batch=grant.batch), billed)
+        return (await self.settle_many([(grant, usage)]))[0]
+
+    async def settle_many(self, items: list[tuple[Granted, UsageRecord | None]]) -> list[int]:
+        """Settle (usage given) or release (usage None) many grants in one transaction; billed tokens of each.
+
+        Counter corrections are summed per counter row first, then applied in one fixed order
+        (tenant, then the order ``try_acquire`` uses), so a flush and acquires never deadlock.
+        """
+        deltas: dict[tuple[int, int, int], int] = {}  # (tenant, kind order, window) -> change
+        rows, billed_each = [], []
+
+        def add(tenant: int, kind: int, window: int, change: int) -> None:
+            if change:
+                deltas[(tenant, kind, window)] = deltas.get((tenant, kind, window), 0) + change
+
+        for grant, usage in items:
+            actual = billed = 0
+            if usage is not None:
+                if usage.tenant_id != grant.tenant_id:
+                    raise ValueError("usage is for another tenant than the grant")
+                actual = usage.prompt_tokens + usage.completion_tokens
+                billed = QuotaConfig(batch_discount=grant.batch_discount).billed(actual, grant.batch)
+                rows.append(TenantStore.usage_values(replace(usage, batch=grant.batch), billed))
+            billed_each.append(billed)
+            t = grant.tenant_id
+            # rpm is never given back (the request did happen); tpm only where it was reserved.
+            if grant.windows.get("tpm") is not None:
+                add(t, 1, grant.minute, actual - grant.tokens)
+            if grant.concurrent:
+                add(t, 2, CONCURRENCY_WINDOW, -grant.requests)
+            add(t, 3, grant.day, billed - (grant.billed if grant.day_reserved else 0))
+            add(t, 4, grant.month, billed - (grant.billed if grant.month_reserved else 0))
+        if not deltas and not rows:
+            return billed_each
         async with self.store.sessions.begin() as s:
-            await self._give_back(s, grant, actual, billed)
-            s.add(row)
-        return billed
+            for (tenant, kind, window), change in sorted(deltas.items()):
+                await self._bump(s, tenant, _KIND_ORDER[kind], window, change, None)
+            if rows:
+                await s.execute(insert(Usage), rows)  # Core executemany: no ORM objects on the event loop
+        return billed_each
 
     async def release(self, grant: Granted) -> None:
         """Cancel a reservation for a request that never ran (nothing is billed, nothing is logged)."""
-        async with self.store.sessions.begin() as s:
-            await self._give_back(s, grant, 0, 0)
-
-    async def _give_back(self, s, grant: Granted, actual: int, billed: int) -> None:
-        t = grant.tenant_id
-        # Same counter order as try_acquire (rpm is never given back: the request did happen).
-        await self._bump(s, t, "tpm", grant.minute, actual - grant.tokens, None)
-        await self._bump(s, t, "conc", CONCURRENCY_WINDOW, -grant.requests, None)
-        await self._bump(s, t, "day", grant.day, billed - grant.billed, None)
-        await self._bump(s, t, "month", grant.month, billed - grant.billed, None)
+        await self.settle_many([(grant, None)])
 
     async def counter(self, tenant_id: int, kind: str, window: int) -> int:
         async with self.store.sessions() as s:

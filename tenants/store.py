@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, fields
 from datetime import date, datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -348,12 +348,13 @@ class TenantStore:
     # -- usage ledger ------------------------------------------------------------------------------------
 
     @staticmethod
-    def usage_row(record: UsageRecord, billed_tokens: int) -> Usage:
+    def usage_values(record: UsageRecord, billed_tokens: int) -> dict:
+        """The ``usage`` table row of one record, as plain values (for a Core bulk insert)."""
         for name in ("prompt_tokens", "completion_tokens", "cached_prompt_tokens"):
             if getattr(record, name) < 0:
                 raise StoreError(f"{name} must be >= 0")
         finished = record.finished_at or utcnow()
-        return Usage(
+        return dict(
             tenant_id=record.tenant_id, key_id=record.key_id, request_id=record.request_id, model=record.model,
             prompt_tokens=record.prompt_tokens, cached_prompt_tokens=record.cached_prompt_tokens,
             completion_tokens=record.completion_tokens, billed_tokens=billed_tokens, batch=record.batch,
@@ -370,9 +371,9 @@ class TenantStore:
                 select(Quota.tenant_id, Quota.batch_discount)
                 .where(Quota.tenant_id.in_({r.tenant_id for r in records}))
             )).all())
-            for r in records:
-                cfg = QuotaConfig(batch_discount=discounts.get(r.tenant_id, 0.5))
-                s.add(self.usage_row(r, cfg.billed(r.prompt_tokens + r.completion_tokens, r.batch)))
+            rows = [self.usage_values(r, QuotaConfig(batch_discount=discounts.get(r.tenant_id, 0.5))
+                                      .billed(r.prompt_tokens + r.completion_tokens, r.batch)) for r in records]
+            await s.execute(insert(Usage), rows)
 
     async def usage_summary(self, tenant_ref: str | int | None = None, since: date | None = None,
                             until: date | None = None, by: str = "day") -> list[dict]:

@@ -116,6 +116,8 @@ def test_openai_client_end_to_end(demo_dir, tmp_path):
             assert 'moegate_completion_tokens_total{priority_class="standard",tenant="web"}' in text
             assert "moegate_time_to_first_token_seconds_count" in text and "moegate_kv_blocks_total" in text
             assert "moegate_expert_tokens_total" in text
+            # every admitted web request left the engine's queue once
+            assert 'moegate_queue_time_seconds_count{priority_class="standard",tenant="web"} 5.0' in text
 
         store = TenantStore.open(url)
         try:

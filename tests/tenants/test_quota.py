@@ -127,3 +127,65 @@ def test_unlimited_tenant_is_always_granted(db_url):
         assert await store.billed_since(t.id, datetime(2000, 1, 1).date()) == 50
 
     with_store(db_url, body)
+
+
+def test_settle_many_matches_one_by_one_settles(db_url):
+    """A batch of settles and releases leaves the counters and the ledger exactly as single settles do."""
+    import random
+
+    rng = random.Random()
+
+    async def body(store):
+        a = await store.create_tenant("a")
+        b = await store.create_tenant("b")
+        await store.set_quota("a", tokens_per_minute=10**6, max_concurrency=100, daily_tokens=10**7)
+        await store.set_quota("b", monthly_tokens=10**7, batch_discount=0.5)
+        clock = Clock()
+        qm = QuotaManager(store, clock)
+        items = []
+        for i in range(40):
+            t = rng.choice([a, b])
+            g = await qm.try_acquire(t.id, tokens=rng.randint(50, 100), batch=rng.random() < 0.3)
+            assert isinstance(g, Granted)
+            items.append((g, None if rng.random() < 0.2 else usage(t.id, rng.randint(1, 30), rng.randint(0, 20), f"r{i}")))
+        mid = len(items) // 2
+        billed = [await qm.settle(g, u) if u else (await qm.release(g), 0)[1] for g, u in items[:mid]]
+        billed += await qm.settle_many(items[mid:])
+        expected = [0 if u is None else (
+            -(-(u.prompt_tokens + u.completion_tokens) // 2) if g.batch else u.prompt_tokens + u.completion_tokens)
+            for g, u in items]
+        assert billed == expected
+        g0 = items[0][0]
+        settled = [(g, u) for g, u in items if u is not None]
+        for t in (a, b):
+            mine = [(g, u) for g, u in settled if g.tenant_id == t.id]
+            total = sum(billed[i] for i, (g, u) in enumerate(items) if u is not None and g.tenant_id == t.id)
+            assert await qm.counter(t.id, "day", g0.day) == total
+            assert await qm.counter(t.id, "month", g0.month) == total
+            assert await qm.counter(t.id, "conc", 0) == 0
+            rows = await store.usage_summary(t.name, by="tenant")
+            assert (rows[0]["requests"] if rows else 0) == len(mine)
+        assert await qm.counter(a.id, "tpm", g0.minute) == sum(
+            u.prompt_tokens + u.completion_tokens for g, u in settled if g.tenant_id == a.id)
+
+    with_store(db_url, body)
+
+
+def test_cached_policy_admits_unlimited_tenants_without_counters(db_url):
+    async def body(store):
+        t = await store.create_tenant("free")
+        qm = QuotaManager(store, Clock(), policy_ttl_s=0.3)
+        g = await qm.try_acquire(t.id, tokens=500)
+        assert isinstance(g, Granted) and not g.concurrent and not g.day_reserved
+        assert await qm.counter(t.id, "conc", 0) == 0  # nothing was written at admission
+        await qm.settle(g, usage(t.id, 100, 20))
+        assert await qm.counter(t.id, "day", g.day) == 120  # ... but the settle keeps budgets true
+        await store.set_quota("free", daily_tokens=150)
+        import asyncio
+
+        assert isinstance(await qm.try_acquire(t.id, tokens=100), Granted)  # the cached policy, for now
+        await asyncio.sleep(0.35)  # past the TTL: the limit applies, from the true counter
+        d = await qm.try_acquire(t.id, tokens=100)
+        assert isinstance(d, Denied) and d.reason == "daily_tokens" and d.remaining == 30
+
+    with_store(db_url, body)

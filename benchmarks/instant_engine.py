@@ -1,0 +1,39 @@
+"""A test double for ``engine.AsyncEngine`` that answers at once, for measuring the gateway alone.
+
+It has the client interface the gateway uses (``start``, ``shutdown``,
+``restart``, ``generate``, ``info``, ``stats``, ``dead``, ``config``) and
+produces ``num_tokens`` one-character deltas per request with no model
+behind them. Used only by the gateway overhead benchmark; never by the product.
+"""
+
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+from engine.protocol import Delta, Ready
+
+
+class InstantEngine:
+    def __init__(self, num_tokens: int = 8, max_model_len: int = 4096) -> None:
+        self.config = SimpleNamespace(model="instant")
+        self.num_tokens = num_tokens
+        self.info: Ready | None = None
+        self.stats = None
+        self.dead: str | None = None
+        self._max_model_len = max_model_len
+
+    async def start(self) -> Ready:
+        self.info = Ready("instant", "InstantEngine", self._max_model_len, 32000, has_tokenizer=True)
+        return self.info
+
+    async def restart(self) -> Ready:
+        return await self.start()
+
+    async def shutdown(self) -> None:
+        pass
+
+    async def generate(self, prompt, sampling, request_id=None, **_) -> AsyncIterator[Delta]:
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // 4)
+        wanted = min(self.num_tokens, sampling.max_tokens or self.num_tokens)
+        for i in range(1, wanted + 1):
+            done = i == wanted
+            yield Delta(request_id or "r", [65], "A", done, "length" if done else None, prompt_tokens, 0, i)

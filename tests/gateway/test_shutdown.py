@@ -1,0 +1,121 @@
+"""Graceful shutdown of a real `moegate serve` process: SIGTERM lets in-flight requests finish up to
+the drain timeout, cuts the rest, refuses new connections, and writes every request's usage."""
+
+import asyncio
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+from engine.demo_model import write_demo_model
+from tenants.store import TenantStore
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model: str, db_url: str, port: int, drain_timeout: float) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port), "--database-url", db_url,
+         "--drain-timeout", str(drain_timeout), "--max-num-seqs", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    key = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the key is printed once, on the first start with an empty database
+        line = proc.stdout.readline()
+        if not line:
+            break
+        found = re.search(r"(mg-[A-Za-z0-9_\-]+)", line)
+        if found:
+            key = found.group(1)
+            break
+    assert key, "moegate serve did not print the default tenant's key"
+    return proc, key
+
+
+async def _stream(http, url: str, key: str, max_tokens: int, first_chunk: asyncio.Event | None = None) -> dict:
+    body = {"prompt": "drain me", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    chunks, done = 0, False
+    try:
+        async with http.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+            assert resp.status == 200, await resp.text()
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunks += 1
+                    if first_chunk is not None:
+                        first_chunk.set()
+    except aiohttp.ClientError:
+        pass  # the server cut the stream
+    return {"chunks": chunks, "done": done}
+
+
+def test_sigterm_drains_in_flight_requests_and_writes_their_usage(tmp_path):
+    model = str(tmp_path / "model")
+    write_demo_model(model, seed=random.randrange(1000))
+    db_url = f"sqlite:///{tmp_path / 'policy.db'}"
+    port = _free_port()
+    proc, key = _start_server(model, db_url, port, drain_timeout=4.0)
+    url = f"http://127.0.0.1:{port}"
+    output: list[str] = []
+    try:
+        async def scenario():
+            async with aiohttp.ClientSession() as http:
+                for _ in range(600):  # the engine starts in its own process
+                    try:
+                        async with http.get(f"{url}/health") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.2)
+                started = asyncio.Event()
+                short = asyncio.create_task(_stream(http, url, key, 24, started))
+                long = asyncio.create_task(_stream(http, url, key, 4000))  # cannot finish within the drain
+                await started.wait()
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                refused = False
+                try:
+                    async with aiohttp.ClientSession() as fresh, fresh.get(f"{url}/health") as r:
+                        refused = r.status == 503  # draining
+                except aiohttp.ClientError:
+                    refused = True  # no longer accepting connections
+                return await short, await long, refused, t0
+
+        short, long, refused, t0 = asyncio.run(scenario())
+        proc.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        output = proc.stdout.readlines()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(output[-20:])
+    assert short["done"] and short["chunks"] == 24  # finished in full during the drain
+    assert not long["done"] and long["chunks"] < 4000  # cut at the drain timeout
+    assert refused
+    assert elapsed < 4.0 + 30, elapsed  # the drain timeout bounds the wait (engine shutdown on top)
+
+    async def ledger():
+        store = TenantStore.open(db_url)
+        try:
+            return await store.usage_summary("default", by="tenant")
+        finally:
+            await store.close()
+
+    rows = asyncio.run(ledger())
+    assert sum(r["requests"] for r in rows) == 2  # both requests are in the ledger, the cut one too
+    completion = sum(r["completion_tokens"] for r in rows)
+    assert 24 < completion < 24 + 4000
