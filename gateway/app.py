@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
+from pathlib import Path
 
 import msgspec
 from aiohttp import web
@@ -18,12 +19,19 @@ from engine.async_engine import AsyncEngine, EngineError, RequestRejectedError
 from engine.protocol import ChatTurn, Delta
 from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, estimate_prompt_tokens, rate_limit_headers, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
+from gateway.completion import choice, completion_body, engine_down, usage_of
 from gateway.config import GatewayConfig
 from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, request_id_middleware
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
 from gateway.usage_ledger import UsageLedger
+from gateway import batch_api, files_api
+from gateway.batch_api import BATCH_SETTINGS, BATCH_WAKE, QUOTA_MANAGER
+from gateway.batch_runner import BatchRunner, BatchRunnerConfig
+from gateway.files_api import BATCH_STORE, DATA_DIR, MAX_FILE_BYTES
+from tenants.batch_store import BatchStore
+from tenants.store import NotFound
 from tenants.quota import QuotaManager
 from tenants.store import TenantStore, UsageRecord
 
@@ -63,11 +71,6 @@ async def health(request: web.Request) -> web.Response:
     return response
 
 
-def _engine_down(err: Exception) -> APIError:
-    return APIError(503, f"engine unavailable: {err}; retry shortly", "server_error", code="engine_unavailable",
-                    headers={"Retry-After": "5"})
-
-
 async def openapi_endpoint(request: web.Request) -> web.Response:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -104,7 +107,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
                        code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
     if engine.dead:
-        raise _engine_down(engine.dead)
+        raise engine_down(engine.dead)
     principal: Principal = request[PRINCIPAL]
     tenant, cls = principal.tenant, principal.priority_class
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -182,30 +185,18 @@ async def _close_and_settle(app: web.Application, stream, grant, usage: UsageRec
 async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int) -> web.StreamResponse:
     """Run the engine stream to a JSON body or SSE events; request[LAST_DELTA] tracks the latest delta for usage."""
     app = request.app
-    obj = "chat.completion" if chat else "text_completion"
     model = _model_name(app)
-
-    def choice(text: str, finish: str | None, delta: bool) -> dict:
-        if not chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        key = "delta" if delta else "message"
-        return {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
 
     try:
         first = await anext(stream)
     except RequestRejectedError as e:
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
     except EngineError as e:
-        raise _engine_down(e) from None
+        raise engine_down(e) from None
 
     request[LAST_DELTA] = first  # so usage is settled even if the client goes away mid-stream
     timer = request[TIMER]
     timer.delta(first=True, queue_time_s=first.queue_time_s)
-
-    def usage_of(d) -> dict:
-        return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
-                "total_tokens": d.num_prompt_tokens + d.num_output_tokens,
-                "prompt_tokens_details": {"cached_tokens": d.num_cached_tokens}}
 
     if not body.stream:
         text, last = [first.new_text], first
@@ -215,9 +206,8 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
                 last = request[LAST_DELTA] = delta
                 timer.delta(first=False)
         except EngineError as e:
-            raise _engine_down(e) from None
-        body_json = _json({"id": rid, "object": obj, "created": created, "model": model,
-                           "choices": [choice("".join(text), last.finish_reason, False)], "usage": usage_of(last)})
+            raise engine_down(e) from None
+        body_json = _json(completion_body(rid, created, model, chat, "".join(text), last))
         body_json.headers.update(request[RATE_HEADERS])
         return body_json
 
@@ -231,7 +221,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     delta = first
     while True:
         event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
-                 "choices": [choice(delta.new_text, delta.finish_reason, True)]}
+                 "choices": [choice(chat, delta.new_text, delta.finish_reason, True)]}
         if include_usage:
             event["usage"] = None
         await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
@@ -286,6 +276,8 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
         app[SETTLEMENTS] = Settlements()
         app[LEDGER] = UsageLedger(app[QUOTAS])
         app[LEDGER].start()
+        app[BATCH_STORE] = BatchStore(store, app[QUOTAS])
+        app[QUOTA_MANAGER] = app[QUOTAS]
         yield
         await app[SETTLEMENTS].drain()  # every finished or cut request has handed its usage to the ledger
         await app[LEDGER].close()  # ... and the ledger has written it
@@ -314,8 +306,30 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
         await asyncio.gather(supervisor, return_exceptions=True)
         await engine.shutdown()
 
+    async def batch_lifecycle(app: web.Application):
+        """The batch runner starts once the engine is up and stops before it."""
+        try:
+            batch_rank = (await app[BATCH_STORE].store.get_class("batch")).rank
+        except NotFound:
+            batch_rank = max(c.rank for c in await app[BATCH_STORE].store.list_classes())
+        runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), app[DATA_DIR], BatchRunnerConfig(
+            lease_s=config.batch_lease_s, max_inflight=config.batch_max_inflight, poll_s=config.batch_poll_s,
+            batch_rank=batch_rank, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
+        task = asyncio.create_task(runner.run(), name="batch-runner")
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
     app.cleanup_ctx.append(store_lifecycle)
     app.cleanup_ctx.append(engine_lifecycle)
+    app.cleanup_ctx.append(batch_lifecycle)
+    app[DATA_DIR] = Path(config.data_dir)
+    app[MAX_FILE_BYTES] = config.batch_max_file_bytes
+    app[BATCH_WAKE] = asyncio.Event()
+    app[BATCH_SETTINGS] = {"model": lambda: _model_name(app), "max_lines": config.batch_max_lines,
+                           "window_s": config.batch_completion_window_s, "default_max_tokens": 1024}
+    files_api.add_routes(app)
+    batch_api.add_routes(app)
     app[METRICS] = GatewayMetrics(engine)
     app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/openapi.json", openapi_endpoint)

@@ -55,7 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
     )
     config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
-                           drain_timeout_s=args.drain_timeout)
+                           drain_timeout_s=args.drain_timeout, data_dir=args.data_dir,
+                           batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight)
     try:
         import uvloop
 
@@ -91,6 +92,10 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM/SIGINT (default 30)")
+    p.add_argument("--data-dir", default=".moegate/data", help="Batch API files (default .moegate/data)")
+    p.add_argument("--batch-lease-seconds", type=float, default=60.0,
+                   help="a crashed gateway's batch lines are taken over after this (default 60)")
+    p.add_argument("--batch-max-inflight", type=int, default=32, help="batch lines in the engine at once (default 32)")
     p.add_argument("--database-url", default=None,
                    help="policy database (default: $MOEGATE_DATABASE_URL or sqlite:///./moegate.db)")
     p.set_defaults(func=_serve)
@@ -114,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="moegate", description="Multi-tenant serving for MoE language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    from gateway import run_batch
+
+    run_batch.register(sub)
     engine_cli.register(sub)
     loadgen_cli.register(sub)
     tenants_cli.register(sub)

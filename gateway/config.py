@@ -20,6 +20,14 @@ class GatewayConfig:
     policy_cache_ttl_s: float = 5.0  # how long a changed quota or a disabled tenant may take to apply
     drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT: how long in-flight requests may run on
     max_inflight_by_rank: dict[int, int] = field(default_factory=_default_inflight_caps)
+    # Batch API
+    data_dir: str = ".moegate/data"  # uploaded files and batch results (the database keeps the state)
+    batch_max_file_bytes: int = 100 * 2**20
+    batch_max_lines: int = 50_000
+    batch_completion_window_s: float = 24 * 3600.0  # what "24h" means (shorter in tests)
+    batch_lease_s: float = 60.0  # a crashed gateway's lines are taken over after this
+    batch_max_inflight: int = 32  # batch lines in the engine at once, from this gateway
+    batch_poll_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -28,5 +36,9 @@ class GatewayConfig:
             raise ValueError("max_inflight_by_rank caps must be >= 1")
         if self.policy_cache_ttl_s < 0 or self.auth_cache_ttl_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("cache TTLs and drain_timeout_s must be >= 0")
+        if self.batch_lease_s <= 0 or self.batch_poll_s <= 0 or self.batch_completion_window_s <= 0:
+            raise ValueError("batch_lease_s, batch_poll_s and batch_completion_window_s must be > 0")
+        if self.batch_max_inflight < 1 or self.batch_max_lines < 1 or self.batch_max_file_bytes < 1:
+            raise ValueError("batch_max_inflight, batch_max_lines and batch_max_file_bytes must be >= 1")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")

@@ -233,7 +233,7 @@ async def _class_update(args, store) -> int:
 
 async def _usage(args, store) -> int:
     rows = await store.usage_summary(args.tenant, args.since, args.until, args.by)
-    cols = [args.by, "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "billed_tokens"]
+    cols = [args.by, "kind", "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "billed_tokens"]
     _emit(args, rows, cols, "usage")
     return 0
 

@@ -156,3 +156,87 @@ class QuotaCounter(Base):
     kind: Mapped[str] = mapped_column(String(8), primary_key=True)
     window: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     value: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class StoredFile(Base):
+    """An uploaded (or produced) file; its bytes live under the gateway's data directory."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # "file-..."
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False)
+    filename: Mapped[str] = mapped_column(String(512), nullable=False)
+    purpose: Mapped[str] = mapped_column(String(32), nullable=False)
+    bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    path: Mapped[str] = mapped_column(String(1024), nullable=False)  # relative to the data directory
+    created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
+
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+
+
+BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                  "cancelled")
+LINE_STATUSES = ("pending", "running", "done", "failed", "expired", "cancelled")
+
+
+class Batch(Base):
+    """One batch job. Its lines are ``BatchLine`` rows; times are naive UTC."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # "batch_..."
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False)
+    endpoint: Mapped[str] = mapped_column(String(64), nullable=False)
+    input_file_id: Mapped[str] = mapped_column(String(64), nullable=False)
+    completion_window: Mapped[str] = mapped_column(String(16), nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    model: Mapped[str | None] = mapped_column(String(256))
+    metadata_json: Mapped[str | None] = mapped_column(String)
+    errors_json: Mapped[str | None] = mapped_column(String)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    total: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    completed: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    failed: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    queued_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)  # held on the queue limit
+    # Who finalizes (writes the output files), and until when: a crashed finalizer's lease runs out.
+    lease_owner: Mapped[str | None] = mapped_column(String(64))
+    lease_expires: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime)
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime)
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime)
+    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    __table_args__ = (
+        Index("ix_batches_tenant_created", "tenant_id", "created_at"),
+        Index("ix_batches_status", "status"),
+        CheckConstraint("status IN (%s)" % ", ".join(f"'{s}'" for s in BATCH_STATUSES), name="ck_batches_status"),
+    )
+
+
+class BatchLine(Base):
+    """One request line of a batch: claimed with an expiring lease, finished exactly once."""
+
+    __tablename__ = "batch_lines"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), nullable=False)
+    line_no: Mapped[int] = mapped_column(Integer, nullable=False)
+    custom_id: Mapped[str] = mapped_column(String(512), nullable=False)
+    body_json: Mapped[str] = mapped_column(String, nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False, default="pending")
+    lease_owner: Mapped[str | None] = mapped_column(String(64))
+    lease_expires: Mapped[float | None] = mapped_column(Float)  # epoch seconds
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    result_json: Mapped[str | None] = mapped_column(String)  # the output (or error) file line, once finished
+
+    __table_args__ = (
+        Index("ux_batch_lines_custom_id", "batch_id", "custom_id", unique=True),
+        Index("ix_batch_lines_claim", "status", "batch_id", "line_no"),
+        CheckConstraint("status IN (%s)" % ", ".join(f"'{s}'" for s in LINE_STATUSES), name="ck_batch_lines_status"),
+    )

@@ -262,6 +262,17 @@ class QuotaManager:
         except _Refused as refused:
             return refused.denied
 
+    async def add_billed(self, s, tenant_id: int, billed: int) -> None:
+        """In session ``s``: add settled billed tokens (no reservation behind them) to today's budgets."""
+        now = self.clock()
+        today = datetime.fromtimestamp(now, timezone.utc).date()
+        await self._bump(s, tenant_id, "day", _epoch(today), billed, None)
+        await self._bump(s, tenant_id, "month", _epoch(today.replace(day=1)), billed, None)
+
+    async def bump_batch_queue(self, s, tenant_id: int, tokens: int) -> None:
+        """In session ``s``: change the tenant's queued batch tokens (negative to give back)."""
+        await self._bump(s, tenant_id, "bq", 0, tokens, None)
+
     async def release_batch_queue(self, tenant_id: int, tokens: int) -> None:
         async with self.store.sessions.begin() as s:
             await self._bump(s, tenant_id, "bq", 0, -tokens, None)

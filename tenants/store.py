@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, fields
 from datetime import date, datetime, timedelta
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import case, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -377,7 +377,8 @@ class TenantStore:
 
     async def usage_summary(self, tenant_ref: str | int | None = None, since: date | None = None,
                             until: date | None = None, by: str = "day") -> list[dict]:
-        """Sums of the ledger grouped by ``day``, ``key``, ``model`` or ``tenant``; ``until`` is inclusive."""
+        """Sums of the ledger grouped by ``day``, ``key``, ``model`` or ``tenant``, live and batch apart
+        (``kind``); ``until`` is inclusive."""
         if by not in USAGE_GROUPS:
             raise StoreError(f"--by must be one of {', '.join(USAGE_GROUPS)}, got {by!r}")
         if since and until and since > until:
@@ -386,6 +387,7 @@ class TenantStore:
         q = (
             select(
                 group_col.label(by),
+                case((Usage.batch, "batch"), else_="live").label("kind"),
                 func.count(Usage.id).label("requests"),
                 func.sum(Usage.prompt_tokens).label("prompt_tokens"),
                 func.sum(Usage.cached_prompt_tokens).label("cached_prompt_tokens"),
@@ -395,8 +397,8 @@ class TenantStore:
             .select_from(Usage)
             .join(Tenant, Tenant.id == Usage.tenant_id)
             .outerjoin(ApiKey, ApiKey.id == Usage.key_id)
-            .group_by(group_col)
-            .order_by(group_col)
+            .group_by(group_col, Usage.batch)
+            .order_by(group_col, Usage.batch)
         )
         async with self.sessions() as s:
             if tenant_ref is not None:
@@ -407,7 +409,7 @@ class TenantStore:
                 q = q.where(Usage.day <= until)
             out = []
             for row in (await s.execute(q)).mappings():
-                item = {k: (int(v) if k != by and v is not None else v) for k, v in row.items()}
+                item = {k: (int(v) if k not in (by, "kind") and v is not None else v) for k, v in row.items()}
                 if by == "day" and item["day"] is not None and not isinstance(item["day"], str):
                     item["day"] = item["day"].isoformat()
                 out.append(item)

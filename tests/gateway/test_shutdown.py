@@ -3,11 +3,7 @@ the drain timeout, cuts the rest, refuses new connections, and writes every requ
 
 import asyncio
 import random
-import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import aiohttp
@@ -15,31 +11,7 @@ import aiohttp
 from engine.demo_model import write_demo_model
 from tenants.store import TenantStore
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(model: str, db_url: str, port: int, drain_timeout: float) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port), "--database-url", db_url,
-         "--drain-timeout", str(drain_timeout), "--max-num-seqs", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    key = None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # the key is printed once, on the first start with an empty database
-        line = proc.stdout.readline()
-        if not line:
-            break
-        found = re.search(r"(mg-[A-Za-z0-9_\-]+)", line)
-        if found:
-            key = found.group(1)
-            break
-    assert key, "moegate serve did not print the default tenant's key"
-    return proc, key
+from .serve_process import free_port, start_server, wait_ready
 
 
 async def _stream(http, url: str, key: str, max_tokens: int, first_chunk: asyncio.Event | None = None) -> dict:
@@ -65,21 +37,14 @@ def test_sigterm_drains_in_flight_requests_and_writes_their_usage(tmp_path):
     model = str(tmp_path / "model")
     write_demo_model(model, seed=random.randrange(1000))
     db_url = f"sqlite:///{tmp_path / 'policy.db'}"
-    port = _free_port()
-    proc, key = _start_server(model, db_url, port, drain_timeout=4.0)
+    port = free_port()
+    proc, key = start_server(model, db_url, port, "--drain-timeout", "4", "--data-dir", str(tmp_path / "data"))
     url = f"http://127.0.0.1:{port}"
     output: list[str] = []
     try:
         async def scenario():
             async with aiohttp.ClientSession() as http:
-                for _ in range(600):  # the engine starts in its own process
-                    try:
-                        async with http.get(f"{url}/health") as r:
-                            if r.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.2)
+                await wait_ready(url)
                 started = asyncio.Event()
                 short = asyncio.create_task(_stream(http, url, key, 24, started))
                 long = asyncio.create_task(_stream(http, url, key, 4000))  # cannot finish within the drain

@@ -1,0 +1,190 @@
+"""The batch runner: feeds leased batch lines to the engine at the batch rank and finalizes batches.
+
+One runner per gateway process. It claims lines only while the engine has no
+live request waiting (batch work takes idle capacity; the engine's scheduler
+also serves better ranks first and preempts batch work for them), keeps at
+most ``max_inflight`` lines in the engine, renews its leases while they run,
+and writes each line's result with ``BatchStore.finish`` (exactly once, even if
+another gateway took the line over after a crash). When a batch has no line
+left it writes the output and error files and sets the final status.
+"""
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.batch_validation import ENDPOINTS
+from gateway.completion import complete
+from gateway.errors import APIError
+from gateway.files_api import write_bytes_atomically
+from gateway.openai_schema import decode_body
+from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, new_id
+from tenants.models import utcnow
+from tenants.store import UsageRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BatchRunnerConfig:
+    lease_s: float = 60.0
+    max_inflight: int = 32
+    poll_s: float = 0.5
+    batch_rank: int = 2  # the `batch` priority class's rank
+    expiry_check_s: float = 5.0
+
+
+def error_result(custom_id: str, code: str, message: str) -> dict:
+    return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_json: str, priority: int,
+                       tenant: str, weight: float = 1.0) -> tuple[bool, dict, object]:
+    """Run one batch line like the live API would; (ok, output line, last delta or None).
+
+    A 4xx the live API would answer becomes the line's response (status and error body); an
+    engine outage raises APIError(503) so the caller can retry the line later.
+    """
+    chat = endpoint == "/v1/chat/completions"
+    rid = new_id("batch_req_")
+    try:
+        body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
+        response, last = await complete(engine, body, chat, rid, int(time.time()), model, priority=priority,
+                                        tenant=tenant, weight=weight, preemptible=True, cache_salt=tenant)
+    except APIError as e:
+        if e.status >= 500:
+            raise
+        body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+        return False, {"id": rid, "custom_id": custom_id,
+                       "response": {"status_code": e.status, "request_id": rid, "body": body}, "error": None}, None
+    return True, {"id": rid, "custom_id": custom_id,
+                  "response": {"status_code": 200, "request_id": rid, "body": response}, "error": None}, last
+
+
+class BatchRunner:
+    def __init__(self, batches: BatchStore, engine, model_name: Callable[[], str], data_dir: Path,
+                 config: BatchRunnerConfig, wake: asyncio.Event | None = None) -> None:
+        self.batches, self.engine, self.model_name, self.data_dir, self.config = batches, engine, model_name, data_dir, config
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.wake = wake or asyncio.Event()
+        self._running: dict[int, asyncio.Task] = {}  # line id -> task
+        self._last_expiry_check = 0.0
+
+    def _live_waiting(self) -> int:
+        stats = getattr(self.engine, "stats", None)
+        if stats is None:
+            return 0
+        return sum(n for rank, n in stats.num_waiting_by_rank.items() if rank < self.config.batch_rank)
+
+    async def run(self) -> None:
+        """The long-lived loop (started and cancelled with the app)."""
+        renewer = asyncio.create_task(self._renew_leases())
+        try:
+            while True:
+                try:
+                    await self._tick()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    logger.exception("batch runner step failed; retrying")
+                try:
+                    await asyncio.wait_for(self.wake.wait(), self.config.poll_s)
+                except asyncio.TimeoutError:
+                    pass
+                self.wake.clear()
+        finally:
+            renewer.cancel()
+            held = list(self._running)
+            tasks = list(self._running.values())
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(renewer, *tasks, return_exceptions=True)
+            try:  # stopping on purpose: let the next start (or another gateway) take these lines at once
+                await self.batches.renew(self.owner, held, -1.0)
+            except Exception:
+                logger.exception("could not release batch leases; they lapse in %.0f s", self.config.lease_s)
+
+    async def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_expiry_check >= self.config.expiry_check_s:
+            self._last_expiry_check = now
+            await self.batches.expire_overdue()
+        for batch_id in await self.batches.ready_to_finalize():
+            await self.finalize(batch_id)
+        engine_ready = getattr(self.engine, "info", None) is not None and not getattr(self.engine, "dead", None)
+        room = self.config.max_inflight - len(self._running)
+        if not engine_ready or room <= 0 or self._live_waiting() > 0:
+            return  # idle capacity only: live requests waiting come first
+        for line in await self.batches.claim(self.owner, room, self.config.lease_s):
+            self._running[line.id] = asyncio.create_task(self._run_line(line))
+
+    async def _run_line(self, line: ClaimedLine) -> None:
+        try:
+            ok, result, last = await execute_line(self.engine, self.model_name(), line.endpoint, line.custom_id,
+                                                  line.body_json, self.config.batch_rank, str(line.tenant_id))
+            usage = None
+            if last is not None:
+                usage = UsageRecord(tenant_id=line.tenant_id, request_id=result["id"], model=self.model_name(),
+                                    prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
+                                    cached_prompt_tokens=last.num_cached_tokens, batch=True,
+                                    finish_reason=last.finish_reason, finished_at=utcnow())
+            if not await self.batches.finish(self.owner, line, ok, result, usage):
+                logger.warning("batch line %s of %s was taken over by another runner; result dropped",
+                               line.custom_id, line.batch_id)
+            self.wake.set()
+        except APIError as e:  # the engine is down: leave the line to be claimed again
+            logger.warning("batch line %s of %s not run (%s); it will be retried", line.custom_id, line.batch_id, e)
+            await self.batches.renew(self.owner, [line.id], -1.0)  # lapse the lease now
+        finally:
+            self._running.pop(line.id, None)
+
+    async def _renew_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_s / 3)
+            try:
+                await self.batches.renew(self.owner, list(self._running), self.config.lease_s)
+            except Exception:
+                logger.exception("renewing batch leases failed")
+
+    async def finalize(self, batch_id: str) -> None:
+        """Write the output and error files and the final status (under the batch's lease)."""
+        batch = await self.batches.begin_finalizing(self.owner, batch_id, self.config.lease_s)
+        if batch is None:
+            return
+        output, errors = [], []
+        for _line_no, custom_id, status, result_json in await self.batches.lines_of(batch_id):
+            if status == "done":
+                output.append(result_json)
+            elif status == "failed":
+                errors.append(result_json)
+            elif status == "expired":
+                errors.append(json.dumps(error_result(custom_id, "batch_expired",
+                                                      "the batch expired before this request could be run")))
+            elif status == "cancelled":
+                errors.append(json.dumps(error_result(custom_id, "batch_cancelled",
+                                                      "the batch was cancelled before this request was run")))
+        files: list[FileInfo] = []
+        ids = {}
+        for kind, lines in (("output", output), ("error", errors)):
+            if not lines:
+                continue
+            file_id = new_id("file-")
+            rel = f"files/{file_id}"
+            data = ("\n".join(lines) + "\n").encode()
+            await asyncio.to_thread(write_bytes_atomically, self.data_dir, rel, data)
+            files.append(FileInfo(file_id, batch.tenant_id, f"{batch_id}_{kind}.jsonl", "batch_output", len(data),
+                                  rel, utcnow()))
+            ids[kind] = file_id
+        final = "cancelled" if batch.cancelling_at else "expired" if batch.expired_at else "completed"
+        if not await self.batches.complete_finalizing(self.owner, batch, files, ids.get("output"), ids.get("error"),
+                                                      final):
+            for f in files:  # the lease was lost: another runner writes its own files
+                (self.data_dir / f.path).unlink(missing_ok=True)

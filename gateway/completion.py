@@ -1,0 +1,54 @@
+"""OpenAI response bodies for one finished request, shared by the live routes and the Batch API."""
+
+from engine.async_engine import EngineError, RequestRejectedError
+from engine.protocol import ChatTurn, Delta
+from gateway.errors import APIError
+from gateway.openai_schema import sampling_spec
+
+
+def usage_of(d: Delta) -> dict:
+    return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
+            "total_tokens": d.num_prompt_tokens + d.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": d.num_cached_tokens}}
+
+
+def choice(chat: bool, text: str, finish: str | None, delta: bool) -> dict:
+    if not chat:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    key = "delta" if delta else "message"
+    return {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+
+
+def completion_body(rid: str, created: int, model: str, chat: bool, text: str, last: Delta) -> dict:
+    """The non-streaming response of /v1/completions or /v1/chat/completions."""
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
+            "choices": [choice(chat, text, last.finish_reason, False)], "usage": usage_of(last)}
+
+
+def engine_down(err: Exception) -> APIError:
+    return APIError(503, f"engine unavailable: {err}; retry shortly", "server_error", code="engine_unavailable",
+                    headers={"Retry-After": "5"})
+
+
+async def complete(engine, body, chat: bool, rid: str, created: int, model: str, **request_policy) -> tuple[dict, Delta]:
+    """Run one request to the end and return (response body, last delta); APIError as the live API would.
+
+    ``request_policy`` is what ``engine.generate`` takes besides the prompt: priority, tenant,
+    weight, preemptible, cache_salt. Closing (or cancelling) aborts the engine request.
+    """
+    spec = sampling_spec(body)
+    messages = [ChatTurn(m.role, m.content) for m in body.messages] if chat else None
+    stream = engine.generate("" if chat else body.prompt, spec, request_id=rid, messages=messages, **request_policy)
+    text: list[str] = []
+    last = None
+    try:
+        async for delta in stream:
+            text.append(delta.new_text)
+            last = delta
+    except RequestRejectedError as e:
+        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+    except EngineError as e:
+        raise engine_down(e) from None
+    finally:
+        await stream.aclose()
+    return completion_body(rid, created, model, chat, "".join(text), last), last

@@ -1,0 +1,160 @@
+"""`/v1/files`: upload, list, get, download and delete a tenant's files (purpose ``batch``).
+
+Bytes go to ``<data_dir>/files/<id>``, written to a temporary name and renamed
+once complete, so a cut upload leaves neither a row nor a partial file.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.auth import PRINCIPAL
+from gateway.errors import APIError
+from tenants.batch_store import BatchStore, FileInfo, new_id
+
+BATCH_STORE = web.AppKey("batch_store", BatchStore)
+DATA_DIR = web.AppKey("data_dir", Path)
+MAX_FILE_BYTES = web.AppKey("max_file_bytes", int)
+UPLOAD_PURPOSES = ("batch",)
+_CHUNK = 1 << 16
+
+
+def file_object(f: FileInfo) -> dict:
+    return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": int(f.created_at.timestamp()),
+            "filename": f.filename, "purpose": f.purpose, "status": "processed", "status_details": None,
+            "expires_at": None}
+
+
+def _json(body: dict, status: int = 200) -> web.Response:
+    import msgspec
+
+    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
+
+
+def file_path(data_dir: Path, rel: str) -> Path:
+    return data_dir / rel
+
+
+def write_bytes_atomically(data_dir: Path, rel: str, data: bytes) -> None:
+    path = file_path(data_dir, rel)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _not_found(file_id: str) -> APIError:
+    return APIError(404, f"no such file: {file_id!r}", "invalid_request_error", param="file_id", code="file_not_found")
+
+
+async def upload(request: web.Request) -> web.Response:
+    tenant = request[PRINCIPAL].tenant
+    data_dir, limit = request.app[DATA_DIR], request.app[MAX_FILE_BYTES]
+    if not request.content_type.startswith("multipart/"):
+        raise APIError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'")
+    reader = await request.multipart()
+    purpose, filename, tmp, size = None, None, None, 0
+    file_id = new_id("file-")
+    rel = f"files/{file_id}"
+    (data_dir / "files").mkdir(parents=True, exist_ok=True)
+    try:
+        while (part := await reader.next()) is not None:
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file":
+                filename = part.filename or "upload.jsonl"
+                fd, tmp = tempfile.mkstemp(dir=data_dir / "files", prefix=".upload-")
+                with os.fdopen(fd, "wb") as out:
+                    while chunk := await part.read_chunk(_CHUNK):
+                        size += len(chunk)
+                        if size > limit:
+                            raise APIError(413, f"file is larger than the limit of {limit} bytes", param="file",
+                                           code="file_too_large")
+                        out.write(chunk)
+                    out.flush()
+                    os.fsync(out.fileno())
+            else:
+                await part.release()
+        if tmp is None:
+            raise APIError(400, "missing the 'file' field", param="file")
+        if purpose not in UPLOAD_PURPOSES:
+            raise APIError(400, f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}", param="purpose")
+        os.replace(tmp, file_path(data_dir, rel))
+        tmp = None
+        info = await request.app[BATCH_STORE].add_file(tenant.id, filename, purpose, size, rel, file_id=file_id)
+    except BaseException:
+        for leftover in (tmp, None if tmp else str(file_path(data_dir, rel))):
+            if leftover and os.path.exists(leftover):
+                os.unlink(leftover)
+        raise
+    return _json(file_object(info))
+
+
+def _limit(request: web.Request, default: int = 20, most: int = 10_000) -> int:
+    raw = request.query.get("limit", str(default))
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise APIError(400, f"limit must be an integer, got {raw!r}", param="limit") from None
+    if not 1 <= limit <= most:
+        raise APIError(400, f"limit must be between 1 and {most}", param="limit")
+    return limit
+
+
+def list_page(items: list[dict], has_more: bool) -> dict:
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+
+
+async def list_files(request: web.Request) -> web.Response:
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+    files, more = await request.app[BATCH_STORE].list_files(
+        request[PRINCIPAL].tenant.id, request.query.get("purpose"), request.query.get("after"),
+        _limit(request, default=10_000), newest_first=order == "desc")
+    return _json(list_page([file_object(f) for f in files], more))
+
+
+async def _owned(request: web.Request) -> FileInfo:
+    file_id = request.match_info["file_id"]
+    info = await request.app[BATCH_STORE].get_file(request[PRINCIPAL].tenant.id, file_id)
+    if info is None:
+        raise _not_found(file_id)
+    return info
+
+
+async def get_file(request: web.Request) -> web.Response:
+    return _json(file_object(await _owned(request)))
+
+
+async def file_content(request: web.Request) -> web.StreamResponse:
+    info = await _owned(request)
+    path = file_path(request.app[DATA_DIR], info.path)
+    if not path.exists():
+        raise APIError(404, f"the content of file {info.id!r} is gone", code="file_not_found")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+
+async def delete_file(request: web.Request) -> web.Response:
+    file_id = request.match_info["file_id"]
+    info = await request.app[BATCH_STORE].delete_file(request[PRINCIPAL].tenant.id, file_id)
+    if info is None:
+        raise _not_found(file_id)
+    path = file_path(request.app[DATA_DIR], info.path)
+    if path.exists():
+        path.unlink()
+    return _json({"id": info.id, "object": "file", "deleted": True})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/files", upload)
+    app.router.add_get("/v1/files", list_files)
+    app.router.add_get("/v1/files/{file_id}", get_file)
+    app.router.add_get("/v1/files/{file_id}/content", file_content)
+    app.router.add_delete("/v1/files/{file_id}", delete_file)

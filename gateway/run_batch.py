@@ -1,0 +1,100 @@
+"""`moegate run-batch -i in.jsonl -o out.jsonl`: a Batch API input file run offline, no server.
+
+Same validation and the same per-line execution as the server's batch runner
+(``execute_line``: the live API's body decoding, engine call and response
+shape), against an engine process started here. Output lines follow the input
+order; lines that fail go to the error file, as the Batch API does.
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from engine.config import EngineConfig
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("run-batch", help="run a Batch API input file offline (no server)")
+    p.add_argument("-i", "--input", required=True, help="input .jsonl (Batch API format)")
+    p.add_argument("-o", "--output", required=True, help="output .jsonl (one line per successful request)")
+    p.add_argument("--errors", default=None, help="error .jsonl (default: OUTPUT with .errors.jsonl)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-lines", type=int, default=50_000)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_run_batch)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from gateway.batch_validation import validate_batch_file
+
+    src = Path(args.input)
+    if not src.is_file():
+        raise ValueError(f"input file {src} does not exist")
+    data = src.read_bytes()
+    first = next((l for l in data.splitlines() if l.strip()), b"{}")
+    try:
+        endpoint = json.loads(first).get("url", "/v1/completions")
+    except (ValueError, AttributeError):
+        endpoint = "/v1/completions"
+    checked = validate_batch_file(data, endpoint, None, args.max_lines, 1024)
+    if not checked.ok:
+        for e in checked.errors:
+            print(f"moegate run-batch: {src}:{e['line'] or '-'}: {e['code']}: {e['message']}", file=sys.stderr)
+        return 2
+    if args.model is None:
+        import os
+
+        from engine.demo_model import write_demo_model
+        from gateway.cli import DEFAULT_DEMO_MODEL_DIR
+
+        args.model = DEFAULT_DEMO_MODEL_DIR
+        if not os.path.exists(os.path.join(args.model, "config.json")):
+            write_demo_model(args.model)
+    from engine.model_config import load_model_config
+
+    load_model_config(args.model)  # a bad checkpoint is one line, exit 2
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    errors_path = Path(args.errors) if args.errors else Path(args.output).with_suffix(".errors.jsonl")
+    ok, failed = asyncio.run(_execute(config, endpoint, checked, Path(args.output), errors_path, not args.no_progress))
+    print(f"{ok} succeeded -> {args.output}" + (f", {failed} failed -> {errors_path}" if failed else ""))
+    return 0
+
+
+async def _execute(config: EngineConfig, endpoint: str, checked, out_path: Path, errors_path: Path,
+                   progress: bool) -> tuple[int, int]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from engine.async_engine import AsyncEngine
+    from gateway.batch_runner import execute_line
+
+    engine = AsyncEngine(config)
+    await engine.start()
+    model = checked.model or Path(config.model).name
+    results: list[tuple[bool, dict] | None] = [None] * len(checked.lines)
+    limit = asyncio.Semaphore(2 * config.max_num_seqs)  # enough queued to keep every batch slot busy
+    try:
+        with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                      TimeRemainingColumn(), disable=not progress) as bar:
+            task = bar.add_task("requests", total=len(checked.lines))
+
+            async def run(i: int, line) -> None:
+                async with limit:
+                    ok, result, _ = await execute_line(engine, model, endpoint, line.custom_id, line.body_json,
+                                                       priority=2, tenant="offline")
+                results[i] = (ok, result)
+                bar.advance(task)
+
+            await asyncio.gather(*(run(i, line) for i, line in enumerate(checked.lines)))
+    finally:
+        await engine.shutdown()
+    good = [json.dumps(r) for ok, r in results if ok]
+    bad = [json.dumps(r) for ok, r in results if not ok]
+    out_path.write_text("".join(l + "\n" for l in good))
+    if bad:
+        errors_path.write_text("".join(l + "\n" for l in bad))
+    return len(good), len(bad)

@@ -1,0 +1,294 @@
+"""Files, batches and batch lines in the database: the Batch API's durable state.
+
+Lines are claimed with leases: ``claim`` marks up to N lines ``running`` with
+an owner and an expiry; a line whose lease ran out (its gateway crashed) can be
+claimed again by anyone. ``finish`` records a line's result *only if the caller
+still holds its lease*, in the same transaction as the batch's counters and the
+line's usage row, so a line is finished, counted and billed exactly once even
+if two gateways ran it. A batch is finalized (its output files written) under
+a lease of its own, so a crash while finalizing is also taken over.
+
+Every method is one transaction. Times: naive UTC datetimes for the API's
+``*_at`` fields, epoch seconds (floats) for leases.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+from sqlalchemy import and_, case, func, insert, or_, select, update
+
+from tenants.models import Batch, BatchLine, Quota, StoredFile, Usage, utcnow
+from tenants.quota import QuotaManager
+from tenants.store import QuotaConfig, TenantStore, UsageRecord
+
+TERMINAL = ("failed", "completed", "expired", "cancelled")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+@dataclass(slots=True, frozen=True)
+class FileInfo:
+    id: str
+    tenant_id: int
+    filename: str
+    purpose: str
+    bytes: int
+    path: str
+    created_at: datetime
+
+
+@dataclass(slots=True, frozen=True)
+class ClaimedLine:
+    id: int
+    batch_id: str
+    tenant_id: int
+    endpoint: str
+    custom_id: str
+    body_json: str
+    attempts: int
+
+
+def _file_info(f: StoredFile) -> FileInfo:
+    return FileInfo(f.id, f.tenant_id, f.filename, f.purpose, f.bytes, f.path, f.created_at)
+
+
+class BatchStore:
+    def __init__(self, store: TenantStore, quotas: QuotaManager, clock=time.time) -> None:
+        self.store, self.quotas, self.clock = store, quotas, clock
+        self.sessions = store.sessions
+        self._pg = store.backend == "postgresql"
+
+    # -- files -----------------------------------------------------------------------------------------
+
+    async def add_file(self, tenant_id: int, filename: str, purpose: str, size: int, path: str,
+                       file_id: str | None = None) -> FileInfo:
+        row = StoredFile(id=file_id or new_id("file-"), tenant_id=tenant_id, filename=filename, purpose=purpose,
+                         bytes=size, path=path, created_at=utcnow())
+        async with self.sessions.begin() as s:
+            s.add(row)
+        return _file_info(row)
+
+    async def get_file(self, tenant_id: int, file_id: str) -> FileInfo | None:
+        """The tenant's file, or None (another tenant's file is as absent as a missing one)."""
+        async with self.sessions() as s:
+            f = await s.scalar(select(StoredFile).where(StoredFile.id == file_id, StoredFile.tenant_id == tenant_id))
+            return None if f is None else _file_info(f)
+
+    async def list_files(self, tenant_id: int, purpose: str | None, after: str | None, limit: int,
+                         newest_first: bool = True) -> tuple[list[FileInfo], bool]:
+        q = select(StoredFile).where(StoredFile.tenant_id == tenant_id)
+        if purpose:
+            q = q.where(StoredFile.purpose == purpose)
+        return await self._page(q, StoredFile, after, limit, newest_first, _file_info)
+
+    async def delete_file(self, tenant_id: int, file_id: str) -> FileInfo | None:
+        async with self.sessions.begin() as s:
+            f = await s.scalar(select(StoredFile).where(StoredFile.id == file_id, StoredFile.tenant_id == tenant_id))
+            if f is None:
+                return None
+            info = _file_info(f)
+            await s.delete(f)
+            return info
+
+    async def _page(self, q, model, after: str | None, limit: int, newest_first: bool, convert):
+        """Cursor pagination by (created_at, id): ``after`` is the last id of the previous page."""
+        order = (model.created_at.desc(), model.id.desc()) if newest_first else (model.created_at, model.id)
+        async with self.sessions() as s:
+            if after:
+                anchor = await s.scalar(select(model.created_at).where(model.id == after))
+                if anchor is not None:
+                    if newest_first:
+                        q = q.where(or_(model.created_at < anchor, and_(model.created_at == anchor, model.id < after)))
+                    else:
+                        q = q.where(or_(model.created_at > anchor, and_(model.created_at == anchor, model.id > after)))
+            rows = (await s.scalars(q.order_by(*order).limit(limit + 1))).all()
+            return [convert(r) for r in rows[:limit]], len(rows) > limit
+
+    # -- batches ---------------------------------------------------------------------------------------
+
+    async def create_batch(self, tenant_id: int, endpoint: str, input_file_id: str, completion_window_s: float,
+                           window_label: str, metadata: dict | None, model: str | None, lines: list,
+                           errors: list[dict] | None, queued_tokens: int) -> Batch:
+        """A validated batch (``in_progress``, with its lines) or a failed one (``errors`` given, no lines)."""
+        now = utcnow()
+        failed = bool(errors)
+        batch = Batch(
+            id=new_id("batch_"), tenant_id=tenant_id, endpoint=endpoint, input_file_id=input_file_id,
+            completion_window=window_label, status="failed" if failed else "in_progress", model=model,
+            metadata_json=json.dumps(metadata) if metadata else None,
+            errors_json=json.dumps(errors) if failed else None, total=0 if failed else len(lines),
+            completed=0, failed=0, queued_tokens=0 if failed else queued_tokens, created_at=now,
+            expires_at=now + timedelta(seconds=completion_window_s),
+            failed_at=now if failed else None, in_progress_at=None if failed else now,
+        )
+        async with self.sessions.begin() as s:
+            s.add(batch)
+            await s.flush()
+            if not failed and lines:
+                await s.execute(insert(BatchLine), [
+                    dict(batch_id=batch.id, line_no=l.line_no, custom_id=l.custom_id, body_json=l.body_json,
+                         status="pending", attempts=0) for l in lines])
+        return batch
+
+    async def get_batch(self, tenant_id: int | None, batch_id: str) -> Batch | None:
+        async with self.sessions() as s:
+            q = select(Batch).where(Batch.id == batch_id)
+            if tenant_id is not None:
+                q = q.where(Batch.tenant_id == tenant_id)
+            return await s.scalar(q)
+
+    async def list_batches(self, tenant_id: int, after: str | None, limit: int) -> tuple[list[Batch], bool]:
+        return await self._page(select(Batch).where(Batch.tenant_id == tenant_id), Batch, after, limit, True,
+                                lambda b: b)
+
+    async def cancel(self, tenant_id: int, batch_id: str) -> Batch | None:
+        """Stop new work at once: pending lines become cancelled; running ones finish and are kept."""
+        async with self.sessions.begin() as s:
+            b = await s.scalar(select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id))
+            if b is None:
+                return None
+            if b.status in ("in_progress", "validating"):
+                await s.execute(update(BatchLine).where(BatchLine.batch_id == b.id, BatchLine.status == "pending")
+                                .values(status="cancelled", result_json=None))
+                b.status, b.cancelling_at = "cancelling", utcnow()
+            return b
+
+    # -- lines -----------------------------------------------------------------------------------------
+
+    async def claim(self, owner: str, limit: int, lease_s: float) -> list[ClaimedLine]:
+        """Up to ``limit`` runnable lines (pending, or running with a lapsed lease), oldest batch first."""
+        now = self.clock()
+        async with self.sessions.begin() as s:
+            runnable = or_(BatchLine.status == "pending",
+                           and_(BatchLine.status == "running", BatchLine.lease_expires < now))
+            q = (select(BatchLine.id).join(Batch, Batch.id == BatchLine.batch_id)
+                 .where(Batch.status == "in_progress", runnable)
+                 .order_by(Batch.created_at, BatchLine.batch_id, BatchLine.line_no).limit(limit))
+            if self._pg:  # replicas claim different lines instead of queueing on the same rows
+                q = q.with_for_update(of=BatchLine, skip_locked=True)
+            ids = list((await s.scalars(q)).all())
+            if not ids:
+                return []
+            # The WHERE repeats the runnable test: on SQLite the write lock makes it moot, elsewhere it is the guard.
+            await s.execute(update(BatchLine).where(BatchLine.id.in_(ids), runnable)
+                            .values(status="running", lease_owner=owner, lease_expires=now + lease_s,
+                                    attempts=BatchLine.attempts + 1))
+            rows = (await s.execute(
+                select(BatchLine.id, BatchLine.batch_id, Batch.tenant_id, Batch.endpoint, BatchLine.custom_id,
+                       BatchLine.body_json, BatchLine.attempts)
+                .join(Batch, Batch.id == BatchLine.batch_id)
+                .where(BatchLine.id.in_(ids), BatchLine.lease_owner == owner, BatchLine.status == "running")
+                .order_by(BatchLine.id)
+            )).all()
+            return [ClaimedLine(*r) for r in rows]
+
+    async def renew(self, owner: str, line_ids: list[int], lease_s: float) -> None:
+        if not line_ids:
+            return
+        async with self.sessions.begin() as s:
+            await s.execute(update(BatchLine).where(BatchLine.id.in_(line_ids), BatchLine.lease_owner == owner,
+                                                    BatchLine.status == "running")
+                            .values(lease_expires=self.clock() + lease_s))
+
+    async def finish(self, owner: str, line: ClaimedLine, ok: bool, result: dict, usage: UsageRecord | None) -> bool:
+        """Record a line's result if ``owner`` still holds it; bill its usage (batch rate) in the same transaction.
+
+        Returns False when the lease was lost (another gateway took the line over): nothing is written.
+        """
+        async with self.sessions.begin() as s:
+            res = await s.execute(
+                update(BatchLine).where(BatchLine.id == line.id, BatchLine.lease_owner == owner,
+                                        BatchLine.status == "running")
+                .values(status="done" if ok else "failed", result_json=json.dumps(result), lease_expires=None))
+            if res.rowcount != 1:
+                return False
+            counter = Batch.completed if ok else Batch.failed
+            await s.execute(update(Batch).where(Batch.id == line.batch_id).values({counter: counter + 1}))
+            if usage is not None:
+                discount = await s.scalar(select(Quota.batch_discount).where(Quota.tenant_id == usage.tenant_id))
+                billed = QuotaConfig(batch_discount=0.5 if discount is None else discount).billed(
+                    usage.prompt_tokens + usage.completion_tokens, True)
+                await s.execute(insert(Usage), [TenantStore.usage_values(replace(usage, batch=True), billed)])
+                await self.quotas.add_billed(s, usage.tenant_id, billed)
+            return True
+
+    async def line_counts(self, batch_id: str) -> dict[str, int]:
+        async with self.sessions() as s:
+            rows = (await s.execute(select(BatchLine.status, func.count()).where(BatchLine.batch_id == batch_id)
+                                    .group_by(BatchLine.status))).all()
+            return {status: int(n) for status, n in rows}
+
+    # -- finalization and expiry -------------------------------------------------------------------------
+
+    async def expire_overdue(self) -> int:
+        """Past its completion window, a batch's unstarted lines expire; returns how many batches."""
+        now = utcnow()
+        async with self.sessions.begin() as s:
+            ids = list((await s.scalars(select(Batch.id).where(Batch.status == "in_progress",
+                                                               Batch.expires_at <= now))).all())
+            for batch_id in ids:
+                await s.execute(update(BatchLine).where(BatchLine.batch_id == batch_id, BatchLine.status == "pending")
+                                .values(status="expired"))
+                await s.execute(update(Batch).where(Batch.id == batch_id).values(expired_at=now))
+            return len(ids)
+
+    async def ready_to_finalize(self) -> list[str]:
+        """Batches with no line left to run (none pending, none running) and not yet finalized by anyone alive."""
+        now = self.clock()
+        open_lines = (select(BatchLine.id).where(BatchLine.batch_id == Batch.id,
+                                                 BatchLine.status.in_(("pending", "running"))).exists())
+        async with self.sessions() as s:
+            q = select(Batch.id).where(
+                or_(Batch.status.in_(("in_progress", "cancelling")),
+                    and_(Batch.status == "finalizing", Batch.lease_expires < now)),
+                ~open_lines)
+            return list((await s.scalars(q)).all())
+
+    async def begin_finalizing(self, owner: str, batch_id: str, lease_s: float) -> Batch | None:
+        """Take the batch's finalization lease; None if someone else holds it or it is done."""
+        now = self.clock()
+        async with self.sessions.begin() as s:
+            res = await s.execute(
+                update(Batch).where(Batch.id == batch_id, or_(
+                    Batch.status.in_(("in_progress", "cancelling")),
+                    and_(Batch.status == "finalizing", Batch.lease_expires < now)))
+                .values(status="finalizing", lease_owner=owner, lease_expires=now + lease_s,
+                        finalizing_at=func.coalesce(Batch.finalizing_at, utcnow()),
+                        cancelled_at=case((Batch.status == "cancelling", utcnow()), else_=Batch.cancelled_at)))
+            if res.rowcount != 1:
+                return None
+            return await s.scalar(select(Batch).where(Batch.id == batch_id))
+
+    async def lines_of(self, batch_id: str) -> list[tuple[int, str, str, str | None]]:
+        """(line_no, custom_id, status, result_json) of every line, in file order."""
+        async with self.sessions() as s:
+            return [tuple(r) for r in (await s.execute(
+                select(BatchLine.line_no, BatchLine.custom_id, BatchLine.status, BatchLine.result_json)
+                .where(BatchLine.batch_id == batch_id).order_by(BatchLine.line_no))).all()]
+
+    async def complete_finalizing(self, owner: str, batch: Batch, files: list[FileInfo], output_file_id: str | None,
+                                  error_file_id: str | None, final_status: str) -> bool:
+        """Register the output files and the final status, if ``owner`` still holds the lease."""
+        now = utcnow()
+        async with self.sessions.begin() as s:
+            stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[final_status]
+            res = await s.execute(
+                update(Batch).where(Batch.id == batch.id, Batch.lease_owner == owner, Batch.status == "finalizing")
+                .values({"status": final_status, "output_file_id": output_file_id, "error_file_id": error_file_id,
+                         "lease_owner": None, "lease_expires": None, "queued_tokens": 0,
+                         stamp: func.coalesce(getattr(Batch, stamp), now)}))
+            if res.rowcount != 1:
+                return False
+            for f in files:
+                s.add(StoredFile(id=f.id, tenant_id=f.tenant_id, filename=f.filename, purpose=f.purpose,
+                                 bytes=f.bytes, path=f.path, created_at=now))
+            if batch.queued_tokens:
+                await self.quotas.bump_batch_queue(s, batch.tenant_id, -batch.queued_tokens)
+            return True

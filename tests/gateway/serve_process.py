@@ -1,0 +1,51 @@
+"""Run `moegate serve` as a real process for tests that signal or kill it."""
+
+import asyncio
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, db_url: str, port: int, *flags: str, expect_key: bool = True) -> tuple[subprocess.Popen, str | None]:
+    """Start the server; with ``expect_key`` (an empty database) read the default tenant's key it prints."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port), "--database-url", db_url,
+         "--max-num-seqs", "8", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    if not expect_key:
+        return proc, None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # printed once, on the first start with an empty database
+        line = proc.stdout.readline()
+        if not line:
+            break
+        found = re.search(r"(mg-[A-Za-z0-9_\-]+)", line)
+        if found:
+            return proc, found.group(1)
+    proc.kill()
+    raise AssertionError("moegate serve did not print the default tenant's key")
+
+
+async def wait_ready(url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            try:
+                async with http.get(f"{url}/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"{url} never became ready")

@@ -1,0 +1,243 @@
+"""The Batch API through the official `openai` client, against a real server on loopback.
+
+Reference for results: the live /v1/completions route of the same server with
+the same bodies (greedy), so a batch line must answer exactly what the live
+API answers.
+"""
+
+import asyncio
+import io
+import json
+import random
+import time
+
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.demo_model import write_demo_model
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tenants.migrate import upgrade
+from tenants.store import TenantStore
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("demo"))
+    write_demo_model(path, seed=random.randrange(1000))
+    return path
+
+
+async def _tenants(url: str, quota: dict | None = None) -> dict[str, str]:
+    store = TenantStore.open(url)
+    try:
+        keys = {}
+        for name in ("acme", "other"):
+            await store.create_tenant(name)
+            keys[name] = (await store.create_key(name))[1]
+        if quota:
+            await store.set_quota("acme", **quota)
+        return keys
+    finally:
+        await store.close()
+
+
+def _server(demo_dir, tmp_path, **config):
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
+    engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256))
+    cfg = GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(tmp_path / "data"), **config)
+    return url, TestServer(create_app(cfg, engine), host="127.0.0.1")
+
+
+def _client(server, key):
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    return ("\n".join(json.dumps(l) for l in lines) + "\n").encode()
+
+
+def _line(custom_id: str, prompt: str, max_tokens: int, url: str = "/v1/completions") -> dict:
+    body = {"model": "demo", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body.update({"prompt": prompt} if url == "/v1/completions" else {"messages": [{"role": "user", "content": prompt}]})
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+async def _wait(client, batch_id: str, statuses=("completed", "failed", "expired", "cancelled"), timeout_s=90):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        b = await client.batches.retrieve(batch_id)
+        if b.status in statuses:
+            return b
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} still {b.status}")
+
+
+def test_upload_create_poll_download_list_and_isolation(demo_dir, tmp_path):
+    rng = random.Random()
+    url, server = _server(demo_dir, tmp_path)
+
+    async def scenario():
+        keys = await _tenants(url)
+        async with server:
+            acme, other = _client(server, keys["acme"]), _client(server, keys["other"])
+            lines = [_line(f"req-{i}", f"prompt {rng.randrange(10**6)} number {i}", rng.randint(2, 8))
+                     for i in range(7)]
+            rng.shuffle(lines)
+            f = await acme.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+            assert f.purpose == "batch" and f.bytes == len(_jsonl(lines))
+            assert (await acme.files.content(f.id)).content == _jsonl(lines)
+            batch = await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                              completion_window="24h", metadata={"job": "eval"})
+            assert batch.status == "in_progress" and batch.request_counts.total == 7
+            done = await _wait(acme, batch.id)
+            assert done.status == "completed" and done.request_counts.completed == 7 and done.error_file_id is None
+            assert done.metadata == {"job": "eval"} and done.completed_at >= done.created_at
+            out = [json.loads(l) for l in (await acme.files.content(done.output_file_id)).text.splitlines()]
+            assert sorted(o["custom_id"] for o in out) == sorted(l["custom_id"] for l in lines)
+            by_id = {o["custom_id"]: o for o in out}
+            for line in lines[:3]:  # a batch line answers what the live API answers
+                body = dict(line["body"])
+                live = await acme.completions.create(extra_body={"ignore_eos": body.pop("ignore_eos")}, **body)
+                got = by_id[line["custom_id"]]["response"]
+                assert got["status_code"] == 200
+                assert got["body"]["choices"][0]["text"] == live.choices[0].text
+                assert got["body"]["usage"]["completion_tokens"] == line["body"]["max_tokens"]
+
+            # tenant isolation: another tenant's ids are simply not there
+            for call in (other.files.retrieve(f.id), other.files.content(f.id), other.files.delete(f.id),
+                         other.batches.retrieve(batch.id), other.batches.cancel(batch.id)):
+                with pytest.raises(openai.NotFoundError):
+                    await call
+            assert [x.id async for x in other.files.list()] == []
+            assert [x.id async for x in other.batches.list()] == []
+
+            # pagination: more batches (failed validation is cheap) listed two at a time, newest first
+            bad = await acme.files.create(file=("bad.jsonl", io.BytesIO(b"{nope\n")), purpose="batch")
+            ids = [batch.id] + [(await acme.batches.create(input_file_id=bad.id, endpoint="/v1/completions",
+                                                           completion_window="24h")).id for _ in range(4)]
+            page = await acme.batches.list(limit=2)
+            assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more
+            assert [b.id async for b in await acme.batches.list(limit=2)] == ids[::-1]  # the client follows `after`
+            files = [x.id async for x in acme.files.list()]
+            assert {f.id, bad.id, done.output_file_id} == set(files)
+            assert (await acme.files.delete(bad.id)).deleted
+            with pytest.raises(openai.NotFoundError):
+                await acme.files.retrieve(bad.id)
+
+        store = TenantStore.open(url)
+        try:
+            rows = await store.usage_summary("acme", by="tenant")
+        finally:
+            await store.close()
+        batch_rows = [r for r in rows if r["kind"] == "batch"]
+        assert batch_rows[0]["requests"] == 7
+        tokens = batch_rows[0]["prompt_tokens"] + batch_rows[0]["completion_tokens"]
+        assert tokens // 2 <= batch_rows[0]["billed_tokens"] <= tokens // 2 + 7  # half price, rounded up per line
+        assert [r for r in rows if r["kind"] == "live"][0]["requests"] == 3
+
+    asyncio.run(scenario())
+
+
+def test_every_validation_failure_is_listed_and_nothing_runs(demo_dir, tmp_path):
+    url, server = _server(demo_dir, tmp_path, batch_max_lines=20, batch_max_file_bytes=4096)
+
+    async def scenario():
+        keys = await _tenants(url, quota={"max_batch_queue_tokens": 100})
+        async with server:
+            acme = _client(server, keys["acme"])
+            good = _line("a", "hello", 4)
+            lines = [
+                json.dumps(good),
+                "{not json",
+                json.dumps(good),  # duplicate custom_id
+                json.dumps({**_line("b", "x", 4), "url": "/v1/chat/completions"}),  # mixed endpoints
+                json.dumps({**_line("c", "x", 4), "body": {"model": "other", "prompt": "x"}}),  # mixed/unknown model
+                json.dumps({**_line("d", "x", 4), "body": {"model": "demo", "prompt": "x", "temperature": 9}}),
+                json.dumps({**_line("e", "x", 4), "body": {"model": "demo", "prompt": 12}}),  # wrong type
+                json.dumps({**_line("f", "x", 4), "method": "GET"}),
+            ]
+            f = await acme.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+            b = await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+            assert b.status == "failed" and b.request_counts.total == 0 and b.failed_at
+            found = {(e.code, e.line) for e in b.errors.data}
+            assert {("invalid_json_line", 2), ("duplicate_custom_id", 3), ("mismatched_endpoint", 4),
+                    ("mismatched_model", 5), ("model_not_found", 5), ("invalid_request", 6),
+                    ("invalid_request", 7), ("invalid_method", 8)} <= found
+            assert all(e.message for e in b.errors.data)
+
+            many = await acme.files.create(file=("m.jsonl", io.BytesIO(_jsonl([_line(f"x{i}", "p", 1)
+                                                                                 for i in range(21)]))),
+                                           purpose="batch")
+            b = await acme.batches.create(input_file_id=many.id, endpoint="/v1/completions", completion_window="24h")
+            assert b.status == "failed" and b.errors.data[0].code == "too_many_lines"
+            with pytest.raises(openai.APIStatusError) as big:
+                await acme.files.create(file=("big.jsonl", io.BytesIO(b"x" * 5000)), purpose="batch")
+            assert big.value.status_code == 413
+            with pytest.raises(openai.BadRequestError):
+                await acme.files.create(file=("a.jsonl", io.BytesIO(b"{}")), purpose="fine-tune")
+            with pytest.raises(openai.NotFoundError):
+                await acme.batches.create(input_file_id="file-nope", endpoint="/v1/completions",
+                                          completion_window="24h")
+            with pytest.raises(openai.BadRequestError):
+                await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+            # the queue limit: 100 tokens; this batch would hold about 4 x (1 + 40)
+            heavy = await acme.files.create(file=("h.jsonl", io.BytesIO(_jsonl([_line(f"h{i}", "p", 40)
+                                                                                  for i in range(4)]))),
+                                            purpose="batch")
+            with pytest.raises(openai.RateLimitError):
+                await acme.batches.create(input_file_id=heavy.id, endpoint="/v1/completions", completion_window="24h")
+            assert [b.status async for b in acme.batches.list()] == ["failed", "failed"]  # nothing ran
+
+    asyncio.run(scenario())
+
+
+def test_cancel_keeps_finished_results_and_expiry_fails_the_rest(demo_dir, tmp_path):
+    url, server = _server(demo_dir, tmp_path, batch_max_inflight=1, batch_completion_window_s=600)
+
+    async def scenario():
+        keys = await _tenants(url)
+        async with server:
+            acme = _client(server, keys["acme"])
+            lines = [_line(f"c{i}", f"cancel me {i}", 12) for i in range(30)]
+            f = await acme.files.create(file=("c.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+            b = await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+            while (await acme.batches.retrieve(b.id)).request_counts.completed < 2:
+                await asyncio.sleep(0.05)
+            cancelling = await acme.batches.cancel(b.id)
+            assert cancelling.status in ("cancelling", "cancelled")
+            done = await _wait(acme, b.id)
+            assert done.status == "cancelled" and done.cancelled_at
+            kept = [json.loads(l) for l in (await acme.files.content(done.output_file_id)).text.splitlines()]
+            errors = [json.loads(l) for l in (await acme.files.content(done.error_file_id)).text.splitlines()]
+            assert len(kept) == done.request_counts.completed >= 2
+            assert all(e["error"]["code"] == "batch_cancelled" and e["response"] is None for e in errors)
+            assert sorted(x["custom_id"] for x in kept + errors) == sorted(l["custom_id"] for l in lines)
+            assert len(errors) >= 30 - 2 - 1 - 1  # at most the lines in flight at cancel time also finished
+            assert (await acme.batches.cancel(b.id)).status == "cancelled"  # cancelling again changes nothing
+
+    asyncio.run(scenario())
+
+    (tmp_path / "expiry").mkdir()
+    url2, server2 = _server(demo_dir, tmp_path / "expiry", batch_max_inflight=1, batch_completion_window_s=1.5)
+
+    async def expiry():
+        keys = await _tenants(url2)
+        async with server2:
+            acme = _client(server2, keys["acme"])
+            lines = [_line(f"e{i}", f"expire me {i}", 24) for i in range(40)]
+            f = await acme.files.create(file=("e.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+            b = await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+            done = await _wait(acme, b.id)
+            assert done.status == "expired" and done.expired_at
+            errors = [json.loads(l) for l in (await acme.files.content(done.error_file_id)).text.splitlines()]
+            assert errors and all(e["error"]["code"] == "batch_expired" for e in errors)
+            assert len(errors) + done.request_counts.completed == 40
+            with pytest.raises(openai.BadRequestError):
+                await acme.batches.cancel(b.id)  # a finished batch cannot be cancelled
+
+    asyncio.run(expiry())

@@ -1,0 +1,45 @@
+"""`moegate run-batch`: the Batch API format offline; results equal the offline engine's."""
+
+import json
+import random
+import subprocess
+import sys
+
+from engine import LLM, SamplingParams
+from engine.demo_model import write_demo_model
+
+
+def _moegate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_run_batch_matches_the_offline_engine_and_reports_bad_input(tmp_path):
+    rng = random.Random()
+    model = str(tmp_path / "model")
+    write_demo_model(model, seed=rng.randrange(1000))
+    prompts = [f"offline {rng.randrange(10**6)} #{i}" for i in range(6)]
+    lengths = [rng.randint(2, 9) for _ in prompts]
+    lines = [{"custom_id": f"id-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}}
+             for i, (p, n) in enumerate(zip(prompts, lengths))]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps(l) for l in lines) + "\n")
+    done = _moegate("run-batch", "-i", str(src), "-o", str(out), "--model", model, "--no-progress")
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [g["custom_id"] for g in got] == [l["custom_id"] for l in lines]  # input order
+    llm = LLM(model=model)
+    for g, p, n in zip(got, prompts, lengths):
+        ref = llm.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+        assert g["response"]["status_code"] == 200 and g["error"] is None
+        assert g["response"]["body"]["choices"][0]["text"] == ref.text
+        assert g["response"]["body"]["usage"]["completion_tokens"] == n
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(lines[0]) + "\n{oops\n" + json.dumps(lines[0]) + "\n")
+    refused = _moegate("run-batch", "-i", str(bad), "-o", str(tmp_path / "x.jsonl"), "--model", model)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert ":2: invalid_json_line" in refused.stderr and ":3: duplicate_custom_id" in refused.stderr
+    assert not (tmp_path / "x.jsonl").exists()  # nothing ran
+    missing = _moegate("run-batch", "-i", str(tmp_path / "nope.jsonl"), "-o", str(out))
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
