@@ -2,6 +2,7 @@
 
 import msgspec
 
+from gateway.batch_api import CreateBatch
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 
 _ERROR = {
@@ -31,8 +32,8 @@ def _generation(summary: str, schema_ref: str) -> dict:
 
 
 def openapi_document(version: str) -> dict:
-    (completion, chat), components = msgspec.json.schema_components(
-        [CompletionRequest, ChatCompletionRequest], ref_template="#/components/schemas/{name}"
+    (completion, chat, create_batch), components = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest, CreateBatch], ref_template="#/components/schemas/{name}"
     )
     components["Error"] = _ERROR
     return {
@@ -46,8 +47,38 @@ def openapi_document(version: str) -> dict:
             "/v1/chat/completions": _generation("Chat completion", chat["$ref"]),
             "/v1/models": {"get": {"summary": "Served models", "security": [{"bearer": []}],
                                    "responses": {"200": {"description": "model list"}, **_ERRORS}}},
+            **_batch_paths(create_batch["$ref"]),
             "/health": {"get": {"summary": "ready / starting / engine down",
                                 "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text format"}}}},
         },
+    }
+
+
+def _op(summary: str, ok: str, body: dict | None = None, params: tuple[str, ...] = ()) -> dict:
+    op = {"summary": summary, "security": [{"bearer": []}], "responses": {"200": {"description": ok}, **_ERRORS}}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": body}
+    if params:
+        op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
+    return op
+
+
+def _batch_paths(create_batch_ref: str) -> dict:
+    upload = {"multipart/form-data": {"schema": {"type": "object", "required": ["file", "purpose"], "properties": {
+        "file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}}}}}
+    return {
+        "/v1/files": {"post": _op("Upload a file (purpose=batch; 413 over the size limit)", "file object", upload),
+                      "get": _op("List the tenant's files (?purpose, ?after, ?limit, ?order)", "list of file objects")},
+        "/v1/files/{file_id}": {"get": _op("A file's metadata", "file object", params=("file_id",)),
+                                "delete": _op("Delete a file", "deletion status", params=("file_id",))},
+        "/v1/files/{file_id}/content": {"get": _op("A file's bytes", "the file", params=("file_id",))},
+        "/v1/batches": {
+            "post": _op("Create a batch: the input file is validated first; problems are listed by line and the "
+                        "batch fails without running anything (429 over the batch queue limit)", "batch object",
+                        {"application/json": {"schema": {"$ref": create_batch_ref}}}),
+            "get": _op("List the tenant's batches, newest first (?after, ?limit)", "list of batch objects")},
+        "/v1/batches/{batch_id}": {"get": _op("A batch", "batch object", params=("batch_id",))},
+        "/v1/batches/{batch_id}/cancel": {"post": _op("Cancel: no new lines start; finished results are kept",
+                                                      "batch object", params=("batch_id",))},
     }

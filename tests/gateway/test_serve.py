@@ -169,7 +169,7 @@ def test_bad_requests_get_openai_errors(demo_dir, tmp_path):
                     assert resp.status == 413 and (await resp.json())["error"]["message"]
                 async with http.get(server.make_url("/openapi.json")) as resp:
                     spec = await resp.json()
-                assert spec["openapi"].startswith("3.") and {"/v1/completions", "/v1/chat/completions"} <= set(spec["paths"])
+                assert spec["openapi"].startswith("3.") and {"/v1/completions", "/v1/chat/completions", "/v1/files", "/v1/batches/{batch_id}/cancel"} <= set(spec["paths"])
                 assert "prompt" in spec["components"]["schemas"]["CompletionRequest"]["required"]
                 assert "429" in spec["paths"]["/v1/completions"]["post"]["responses"]
                 async with http.post(server.make_url("/v1/completions"), json={"prompt": "fine", "max_tokens": 2}, headers=auth) as resp:

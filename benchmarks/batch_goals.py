@@ -1,0 +1,178 @@
+"""The Batch API's two goals, measured side by side in one run on one machine:
+
+  1. live standard traffic's p99 TTFT with a 2,000-request batch running, against the same live
+     traffic with no batch (goal: within 1.5x);
+  2. with no live traffic, the batch's output tokens/s against the offline engine's
+     (``engine.LLM``) on the same requests (goal: 90% or more).
+
+    python -m benchmarks.batch_goals [--batch 2000] [--live-rate 2] [--live-seconds 30]
+
+The server is the real gateway (``create_app``) with its engine process, on
+loopback; the model is the demo model (random weights, CPU or GPU).
+"""
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import aiohttp
+
+
+def _requests(n: int, seed: int, max_tokens: int) -> list[dict]:
+    rng = random.Random(seed)
+    words = "mixture experts routing tokens batch latency gateway tenant cache prefix".split()
+    return [{"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(8, 48))), "max_tokens": max_tokens,
+             "temperature": 0, "ignore_eos": True} for _ in range(n)]
+
+
+async def _ttft(http, url: str, key: str, body: dict) -> float:
+    t0 = time.perf_counter()
+    async with http.post(f"{url}/v1/completions", json={**body, "model": "demo", "stream": True},
+                         headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status == 200, await r.text()
+        first = None
+        async for line in r.content:
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - t0
+        return first
+
+
+async def live_phase(url: str, key: str, rate: float, seconds: float, seed: int) -> list[float]:
+    """Poisson live requests for ``seconds``; their TTFTs."""
+    rng = random.Random(seed)
+    bodies = _requests(int(rate * seconds * 2) + 10, seed, 16)
+    async with aiohttp.ClientSession() as http:
+        tasks, t = [], 0.0
+        start = time.perf_counter()
+        for body in bodies:
+            t += rng.expovariate(rate)
+            if t > seconds:
+                break
+            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+            tasks.append(asyncio.create_task(_ttft(http, url, key, body)))
+        return await asyncio.gather(*tasks)
+
+
+async def submit_batch(url: str, key: str, bodies: list[dict]) -> str:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": {**b, "model": "demo"}}
+             for i, b in enumerate(bodies)]
+    data = ("\n".join(json.dumps(l) for l in lines) + "\n").encode()
+    f = await client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    return batch.id
+
+
+async def batch_status(url: str, key: str, batch_id: str):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    return await client.batches.retrieve(batch_id)
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98]
+
+
+async def main_async(args, model_dir: str, tmp: str) -> dict:
+    from aiohttp import web
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from tenants.migrate import upgrade
+    from tenants.store import TenantStore
+
+    db = f"sqlite:///{os.path.join(tmp, 'policy.db')}"
+    upgrade(db)
+    store = TenantStore.open(db)
+    await store.create_tenant("live")
+    await store.create_tenant("bulk")
+    live_key, bulk_key = (await store.create_key("live"))[1], (await store.create_key("bulk"))[1]
+    await store.close()
+    engine = AsyncEngine(EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs))
+    app = create_app(GatewayConfig(served_model_name="demo", database_url=db, data_dir=os.path.join(tmp, "data"),
+                                   batch_max_inflight=args.max_num_seqs), engine)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    out = {}
+    try:
+        await live_phase(url, live_key, args.live_rate, 3, seed=99)  # warm-up
+        alone = await live_phase(url, live_key, args.live_rate, args.live_seconds, seed=1)
+        batch_id = await submit_batch(url, bulk_key, _requests(args.batch, 7, args.batch_max_tokens))
+        while (await batch_status(url, bulk_key, batch_id)).request_counts.completed < args.max_num_seqs:
+            await asyncio.sleep(0.2)
+        beside = await live_phase(url, live_key, args.live_rate, args.live_seconds, seed=1)
+        status = await batch_status(url, bulk_key, batch_id)
+        out["live_alone_p99_ttft_ms"] = p99(alone) * 1e3
+        out["live_with_batch_p99_ttft_ms"] = p99(beside) * 1e3
+        out["live_alone_p50_ttft_ms"] = statistics.median(alone) * 1e3
+        out["live_with_batch_p50_ttft_ms"] = statistics.median(beside) * 1e3
+        out["ttft_p99_ratio"] = out["live_with_batch_p99_ttft_ms"] / out["live_alone_p99_ttft_ms"]
+        out["batch_lines_done_during_live"] = status.request_counts.completed
+        print(f"live p99 TTFT alone {out['live_alone_p99_ttft_ms']:.1f} ms, beside the batch "
+              f"{out['live_with_batch_p99_ttft_ms']:.1f} ms: {out['ttft_p99_ratio']:.2f}x (goal <= 1.5x)", flush=True)
+        # Let the big batch finish, then time a batch with no live traffic at all.
+        while (await batch_status(url, bulk_key, batch_id)).status not in ("completed", "failed", "cancelled"):
+            await asyncio.sleep(0.5)
+        bodies = _requests(args.throughput_batch, 11, args.batch_max_tokens)
+        t0 = time.perf_counter()
+        batch_id = await submit_batch(url, bulk_key, bodies)
+        while (b := await batch_status(url, bulk_key, batch_id)).status != "completed":
+            await asyncio.sleep(0.1)
+        out["batch_seconds"] = time.perf_counter() - t0
+        out["batch_output_tok_s"] = len(bodies) * args.batch_max_tokens / out["batch_seconds"]
+    finally:
+        await runner.cleanup()
+    return out
+
+
+def offline_throughput(model_dir: str, bodies: list[dict], max_num_seqs: int) -> float:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, max_num_seqs=max_num_seqs)
+    llm.generate(["warm up"], SamplingParams(max_tokens=4))
+    t0 = time.perf_counter()
+    outs = llm.generate([b["prompt"] for b in bodies],
+                        [SamplingParams(max_tokens=b["max_tokens"], temperature=0, ignore_eos=True) for b in bodies])
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=2000, help="lines in the batch that runs beside live traffic")
+    p.add_argument("--throughput-batch", type=int, default=400, help="lines in the batch timed alone")
+    p.add_argument("--batch-max-tokens", type=int, default=16)
+    p.add_argument("--live-rate", type=float, default=2.0, help="live requests/s (Poisson)")
+    p.add_argument("--live-seconds", type=float, default=30.0)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    args = p.parse_args()
+    from engine.demo_model import write_demo_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "demo")
+        write_demo_model(model_dir, seed=0)
+        results = asyncio.run(main_async(args, model_dir, tmp))
+        offline = offline_throughput(model_dir, _requests(args.throughput_batch, 11, args.batch_max_tokens),
+                                     args.max_num_seqs)
+    results["offline_output_tok_s"] = offline
+    results["batch_vs_offline"] = results["batch_output_tok_s"] / offline
+    print(f"batch alone {results['batch_output_tok_s']:.0f} tok/s vs offline engine {offline:.0f} tok/s: "
+          f"{results['batch_vs_offline']:.0%} (goal >= 90%)")
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
