@@ -57,7 +57,9 @@ def _serve_gateway(port: int, db_url: str, access_log: bool) -> None:
     import gc
     if os.environ.get("BENCH_GC_OFF"):
         gc.disable()
-    app = create_app(GatewayConfig(port=port, database_url=db_url), InstantEngine())
+    ttl = float(os.environ.get("BENCH_TTL", "5"))
+    app = create_app(GatewayConfig(port=port, database_url=db_url, auth_cache_ttl_s=ttl, policy_cache_ttl_s=ttl),
+                     InstantEngine())
     web.run_app(app, host="127.0.0.1", port=port, print=None, handler_cancellation=True,
                 access_log=access_logger if access_log else None)
 

@@ -38,3 +38,27 @@ class AttentionMetadata:
     # each [1, 1, q_len, L] bool; None for a chunk that starts at position 0 without a sliding window:
     # its keys are exactly its own tokens, so it runs causal attention on them with no cache read.
     prefill_masks: list[torch.Tensor | None]
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata:
+    """What the Triton paged-attention kernels read: block tables and lengths, no masks.
+
+    Legend: T scheduled tokens, D decode requests, P prefill chunks, W block-table width,
+    n query tiles. Requests are ordered decodes first (token i is decode i), then prefills.
+    All tensors are int64 on the device (one staged host-to-device copy per step).
+    """
+
+    slot_mapping: torch.Tensor  # [T]
+    num_decodes: int  # D
+    decode_block_table: torch.Tensor  # [D, W]; rows past a request's blocks are never read
+    decode_seq_lens: torch.Tensor  # [D] context length including the new token (0: a padding row)
+    decode_splits: int  # S: each request's keys are split over S programs, then merged (flash decoding)
+    num_prefills: int  # P
+    prefill_block_table: torch.Tensor  # [P, W]
+    prefill_seq_lens: torch.Tensor  # [P] context length including the chunk
+    prefill_query_start: torch.Tensor  # [P] flat index of each chunk's first query token
+    prefill_query_len: torch.Tensor  # [P]
+    prefill_tile_req: torch.Tensor  # [n] the chunk of each BLOCK_M-query tile
+    prefill_tile_start: torch.Tensor  # [n] offset of the tile's first query within its chunk
+    sliding_window: int = 0  # 0: none

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _MOE_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 BATCHING_STRATEGIES = ("continuous", "dynamic", "static")
 
 
@@ -15,6 +16,14 @@ class EngineConfig:
     ``num_kv_blocks`` fixes the KV pool size (tests use it to force preemption);
     otherwise the pool takes ``kv_cache_memory_gb`` on the CPU, or
     ``gpu_memory_utilization`` of the GPU minus what the weights use.
+
+    ``attention_backend``: "auto" is Triton paged attention on CUDA, torch elsewhere.
+    CUDA graphs replay decode-only steps at ``cuda_graph_batch_sizes`` (default:
+    1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``), padded up to the nearest
+    size; they need CUDA and Triton attention, and ``enforce_eager`` turns them off.
+    ``random_weights`` (a preset name or config.json path, see ``engine.random_weights``)
+    builds a model of that shape with RANDOM weights instead of loading ``model``,
+    which then only names it; tokenizer files come from ``tokenizer`` if given.
     """
 
     model: str
@@ -33,14 +42,26 @@ class EngineConfig:
     tokenizer: str | None = None
     batching: str = "continuous"
     max_wait_ms: float = 50.0
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    random_weights: str | None = None
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.cuda_graph_batch_sizes is not None:
+            self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
+            if not self.cuda_graph_batch_sizes or self.cuda_graph_batch_sizes[0] < 1:
+                raise ValueError(f"cuda_graph_batch_sizes must be positive batch sizes, got {self.cuda_graph_batch_sizes}")
+        if self.random_weights is not None and not self.random_weights.strip():
+            raise ValueError("random_weights must name a preset or a config.json path")
         if self.batching not in BATCHING_STRATEGIES:
             raise ValueError(f"batching must be one of {BATCHING_STRATEGIES}, got {self.batching!r}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if not self.model:
-            raise ValueError("model must be a path to a checkpoint directory")
+            raise ValueError("model must be a path to a checkpoint directory (or a name, with random_weights)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:

@@ -2,6 +2,7 @@
 
 import itertools
 import logging
+import time
 
 import torch
 
@@ -29,6 +30,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
 def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
@@ -43,16 +50,27 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.model_config = load_model_config(config.model)
+        if config.random_weights:
+            from engine.random_weights import random_model_config
+
+            self.model_config = random_model_config(config.random_weights)
+        else:
+            self.model_config = load_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
-        if config.moe_backend == "triton":
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        if "triton" in (config.moe_backend, config.attention_backend):
             import moe_kernels
 
             if "triton" not in moe_kernels.available_backends():
-                raise ValueError("moe_backend='triton' needs CUDA (or TRITON_INTERPRET=1 for CPU testing)")
+                raise ValueError("the triton backends need CUDA (or TRITON_INTERPRET=1 for CPU testing)")
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings)
         torch.manual_seed(config.seed)
-        self.model = build_model(self.model_config, config.model, self.dtype, self.device, config.moe_backend, max_len)
+        if config.random_weights:
+            from engine.random_weights import build_random_model
+
+            self.model = build_random_model(self.model_config, self.dtype, self.device, config.moe_backend, max_len, config.seed)
+        else:
+            self.model = build_model(self.model_config, config.model, self.dtype, self.device, config.moe_backend, max_len)
         num_blocks = config.num_kv_blocks or self._num_blocks_for_memory()
         # A sequence can never hold more tokens than the whole pool.
         self.max_model_len = min(max_len, num_blocks * config.block_size)
@@ -66,13 +84,20 @@ class LLMEngine:
         )
         self.last_stats: SchedulerStats | None = None
         self._steps = 0
-        self.runner = ModelRunner(self.model, cache_config, self.device, self.dtype, config.seed)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.runner = ModelRunner(self.model, cache_config, self.device, self.dtype, config.seed, self.attention_backend)
+        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+            from engine.cuda_graphs import enable_decode_graphs
+
+            enable_decode_graphs(self.runner, config.cuda_graph_batch_sizes, config.max_num_seqs, self.max_model_len)
+        tokenizer_dir = config.tokenizer or (None if config.random_weights else config.model)
+        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info(
-            "engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
-            self.model_config.architecture, self.device, self.dtype, num_blocks, config.block_size, self.max_model_len,
+            "engine ready: %s%s on %s/%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, CUDA graphs %s",
+            self.model_config.architecture, " (RANDOM WEIGHTS)" if config.random_weights else "", self.device, self.dtype,
+            self.attention_backend, num_blocks, config.block_size, self.max_model_len,
+            self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off",
         )
 
     def _num_blocks_for_memory(self) -> int:
@@ -156,10 +181,17 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
         sampled = self.runner.execute(sched_out)
+        t2 = time.perf_counter()
         updates = self.scheduler.update(sched_out, sampled)
+        t3 = time.perf_counter()
         self.last_stats = self.scheduler.stats()
+        self.last_stats.step_schedule_ms = ((t1 - t0) + (t3 - t2)) * 1e3
+        self.last_stats.step_prepare_ms = self.runner.last_prepare_ms
+        self.last_stats.step_execute_ms = (t2 - t1) * 1e3
         self._steps += 1
         if self.device.type == "cpu" or self._steps % EXPERT_LOAD_EVERY_CUDA == 0:
             self.last_stats.expert_load = self.runner.expert_load()

@@ -71,16 +71,21 @@ def load_model_config(model_dir: str) -> ModelConfig:
     except Exception as e:  # transformers raises many types for a bad config
         raise CheckpointError(f"{path}: cannot be parsed by transformers: {str(e).splitlines()[0]}") from None
 
-    num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    if "rope_theta" not in rope:
-        rope["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
     eos = raw.get("eos_token_id")
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_path):
         eos = _read_json(gen_path).get("eos_token_id", eos)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return model_config_from_hf(arch, hf, eos_ids, torch_dtype=str(getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float32"))
+
+
+def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: str = "float32") -> ModelConfig:
+    """Normalise a transformers config object (read from a checkpoint, or built in memory) into a ModelConfig."""
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
     eos_ids = [t for t in eos_ids if 0 <= t < hf.vocab_size]
     sliding = getattr(hf, "sliding_window", None)
     if arch == "Qwen2MoeForCausalLM" and not getattr(hf, "use_sliding_window", False):
@@ -102,5 +107,5 @@ def load_model_config(model_dir: str) -> ModelConfig:
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         eos_token_ids=eos_ids,
         sliding_window=sliding or None,
-        torch_dtype=str(getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float32").replace("torch.", ""),
+        torch_dtype=torch_dtype.replace("torch.", ""),
     )

@@ -3,6 +3,7 @@
 import torch
 
 from engine.request import Request
+from engine.staging import to_device
 
 
 class Sampler:
@@ -34,14 +35,19 @@ class Sampler:
     @staticmethod
     def _suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
         # min_tokens: EOS and stop tokens are not allowed until that many tokens exist.
+        rows: list[int] = []
+        cols: list[int] = []
         for row, request in enumerate(requests):
             params = request.sampling_params
             if request.num_output_tokens < params.min_tokens:
                 banned = list(params.stop_token_ids)
                 if request.eos_token_id is not None and not params.ignore_eos:
                     banned.append(request.eos_token_id)
-                if banned:
-                    logits[row, banned] = float("-inf")
+                rows += [row] * len(banned)
+                cols += banned
+        if rows:  # one scatter for the whole batch
+            index = to_device([rows, cols], torch.int64, logits.device)  # [2, n]
+            logits.index_put_((index[0], index[1]), logits.new_full((), float("-inf")))  # a fill, not a copy
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits [N, V] float32, one row per request -> N token ids."""
@@ -51,7 +57,7 @@ class Sampler:
         if all(p.is_greedy for p in params):
             return greedy.tolist()
 
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+        temps = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, logits.device)
         logits = logits / temps[:, None]  # [N, V]
         vocab = logits.shape[-1]
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -66,7 +72,7 @@ class Sampler:
             if request.sampling_params.seed is not None:
                 noise[row].exponential_(generator=self._generator_for(request))
         sampled = (probs / noise).argmax(dim=-1)  # [N]
-        is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+        is_greedy = to_device([p.is_greedy for p in params], torch.bool, logits.device)
         return torch.where(is_greedy, greedy, sampled).tolist()
 
 
@@ -75,10 +81,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [N, V]
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
-    k = torch.tensor(top_ks, device=logits.device)[:, None]  # [N, 1]
+    k = to_device(top_ks, torch.int64, logits.device)[:, None]  # [N, 1]
     remove = ranks >= k
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    p = torch.tensor(top_ps, device=logits.device, dtype=torch.float32)[:, None]
+    p = to_device(top_ps, torch.float32, logits.device)[:, None]
     probs = torch.softmax(sorted_logits, dim=-1)
     # Drop a token when the tokens ranked above it already cover top_p; the top one always stays.
     covered_before = probs.cumsum(dim=-1) - probs

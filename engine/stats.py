@@ -21,6 +21,12 @@ class SchedulerStats(msgspec.Struct):
     # Tokens routed to each expert per MoE layer since start; refreshed every step on the CPU and
     # every EXPERT_LOAD_EVERY_CUDA steps on CUDA (reading it syncs the device), else None.
     expert_load: list[list[int]] | None = None
+    # Host time of the last step, milliseconds: the scheduler's Python (schedule + update), the
+    # runner's batch building (metadata and staging, part of execute), and execute as a whole
+    # (which waits for the sampled tokens, so on a GPU it includes the device time).
+    step_schedule_ms: float = 0.0
+    step_prepare_ms: float = 0.0
+    step_execute_ms: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

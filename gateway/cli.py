@@ -32,8 +32,13 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"no --model given: writing the random-weight demo model to {args.model} (its output is random text)")
             write_demo_model(args.model)
     # A bad checkpoint is bad input: one line, exit 2, before any process starts.
-    load_model_config(args.model)
-    checkpoint_files(args.model)
+    if args.random_weights is not None:  # --model then only supplies the tokenizer
+        from engine.random_weights import random_model_config
+
+        random_model_config(args.random_weights)
+    else:
+        load_model_config(args.model)
+        checkpoint_files(args.model)
     url = database_url(args.database_url)
     try:
         # The policy database must match this code; the embedded SQLite default upgrades itself.
@@ -54,6 +59,13 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
     )
+    if args.random_weights is not None:
+        import dataclasses
+
+        from engine.random_weights import served_name
+
+        engine_config = dataclasses.replace(engine_config, model=served_name(args.random_weights),
+                                            random_weights=args.random_weights, tokenizer=args.model)
     config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
                            drain_timeout_s=args.drain_timeout, data_dir=args.data_dir,
                            batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight)
@@ -90,6 +102,10 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool size on the CPU")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--random-weights", metavar="SPEC", default=None,
+                   help="serve a RANDOM-weight model of a real shape instead of --model's weights (for speed tests): "
+                        "a preset (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b) or a config.json path; "
+                        "--model then only supplies the tokenizer")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM/SIGINT (default 30)")
     p.add_argument("--data-dir", default=".moegate/data", help="Batch API files (default .moegate/data)")

@@ -66,7 +66,7 @@ def write_bench_model(path: str, seed: int) -> int:
 def run_moegate(path: str, reqs: list[BenchRequest], **engine_kwargs) -> BenchResult:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=path, dtype="float32", device="cpu", **engine_kwargs)
+    llm = LLM(model=path, **{"dtype": "float32", "device": "cpu", **engine_kwargs})
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     start = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params)
@@ -184,9 +184,13 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--model", default=None, help="checkpoint dir (default: build the random bench model)")
+    p.add_argument("--random-weights", metavar="SPEC", default=None,
+                   help="moegate alone on a RANDOM-weight model of a real shape, on the default device and dtype: a "
+                        "preset (qwen3-30b-a3b, olmoe-1b-7b, ...) or a config.json path (see engine.random_weights)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--json", action="store_true", help="print the report as JSON at the end")
+    p.add_argument("--out", default=None, help="also write the report to this JSON file (loadgen's common format)")
     p.set_defaults(func=_main)
 
 
@@ -197,7 +201,39 @@ def _main(args) -> int:
     if unknown or num_requests < 1:
         raise ValueError(f"unknown systems {unknown}" if unknown else "--num-requests must be >= 1")
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    report = run(num_requests, args.seed, systems, args.model, engine_kwargs, workload=args.workload)
+    model = args.model
+    if args.random_weights:  # transformers needs a checkpoint: `python -m engine.bench_gpu` compares them on a GPU
+        from engine.random_weights import random_model_config, served_name
+
+        if args.workload != "mixed":
+            raise ValueError("--random-weights runs the mixed workload")
+        random_model_config(args.random_weights)  # a bad spec is a ValueError: one line, exit 2
+        engine_kwargs.update(random_weights=args.random_weights, dtype="auto", device="auto")
+        systems, model = ["moegate"], served_name(args.random_weights)
+    report = run(num_requests, args.seed, systems, model, engine_kwargs, workload=args.workload)
+    _print_summary(report)
+    if args.out:
+        from loadgen.report import write_json
+
+        write_json(args.out, f"offline-{args.workload}", report)
+        print(f"wrote {args.out}")
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
+
+
+def _print_summary(report: dict) -> None:
+    """The same table code as the online reports."""
+    from loadgen.report import print_table
+
+    rows = []
+    for r in report["results"]:
+        name = r.get("system") or r.get("mode")
+        row = [name, r["output_tokens"], f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.1f}"]
+        if "prefill_tokens" in r:
+            row.append(r["prefill_tokens"])
+        rows.append(row)
+    columns = ["system", "output tokens", "seconds", "output tok/s"]
+    if any("prefill_tokens" in r for r in report["results"]):
+        columns.append("prefill tokens")
+    print_table(f"Offline ({report.get('workload', 'mixed')}, {report['num_requests']} requests)", columns, rows)

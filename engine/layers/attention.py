@@ -3,10 +3,11 @@
 import torch
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata, TritonAttentionMetadata
 from engine.layers.norms import RMSNorm
 from engine.layers.paged_attention import paged_attention, write_kv
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.triton_attention import triton_paged_attention
 
 
 class Attention(nn.Module):
@@ -49,7 +50,7 @@ class Attention(nn.Module):
         # [N_blocks, block_size, kvh, d] each; bound by the runner once the pool is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | TritonAttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -65,5 +66,9 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = self.kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, h, d]
+        # The metadata's type is the backend the runner chose (config attention_backend).
+        if isinstance(meta, TritonAttentionMetadata):
+            out = triton_paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, h, d]
+        else:
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -93,7 +93,7 @@ def test_usage_command(db_url, capsys):
     with_store(db_url, body)
     code, out, _ = cli(capsys, db_url, "admin", "usage", "acme", "--since", "2025-01-01", "--until", "2025-01-31",
                        as_json=True)
-    assert code == 0 and out == [{"day": "2025-01-02", "requests": 1, "prompt_tokens": 3, "cached_prompt_tokens": 0,
+    assert code == 0 and out == [{"day": "2025-01-02", "kind": "live", "requests": 1, "prompt_tokens": 3, "cached_prompt_tokens": 0,
                                   "completion_tokens": 4, "billed_tokens": 7}]
     assert cli(capsys, db_url, "admin", "usage", "--by", "model", as_json=True)[1][0]["model"] == "m"
     assert cli(capsys, db_url, "admin", "usage", "--since", "2025-02-01", as_json=True)[1] == []
@@ -103,7 +103,7 @@ def test_usage_command(db_url, capsys):
 def test_db_upgrade_and_downgrade(tmp_path, capsys, monkeypatch):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     assert cli(capsys, url, "db", "upgrade", as_json=True)[1] == {"revision": migrate.head_revision()}
-    assert cli(capsys, url, "db", "downgrade", as_json=True)[1] == {"revision": None}
+    assert cli(capsys, url, "db", "downgrade", as_json=True)[1] == {"revision": "0001"}  # one step down
     monkeypatch.setenv("MOEGATE_DATABASE_URL", url)  # the environment picks the database too
     code, out, _ = cli(capsys, None, "db", "upgrade")
     assert code == 0 and "revision" in out

@@ -1,0 +1,201 @@
+"""Turn a step's scheduled requests into the flat batch one forward takes, for either attention backend.
+
+Legend: T scheduled tokens, D decode requests, P prefill chunks, N requests that sample,
+G requests in a decode group, L padded context, W block-table width.
+
+Both builders order requests decodes first, then prefills, and stage every
+host-built int array to the device in one non-blocking copy (``staging``).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata, DecodeGroup, TritonAttentionMetadata
+from engine.layers.triton_attention import DEFAULT_LAUNCH, decode_splits, prefill_tiles
+from engine.scheduler import ScheduledRequest
+from engine.staging import stage_int64
+
+# Decodes attended together in one padded SDPA call; bigger groups pad more, smaller ones call more.
+DECODE_GROUP_SIZE = 16
+# Decodes sharing a cached prompt prefix, attended together: the shared blocks are read once per group.
+SHARED_GROUP_SIZE = 64
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata | TritonAttentionMetadata
+    sample_rows: torch.Tensor  # [N] int64: flat row of the last token of each sampling request, in scheduled order
+    num_decodes: int  # D; a batch with T == D is decode-only (CUDA-graph eligible)
+    max_blocks: int  # W of the widest decode table
+
+
+@dataclass(slots=True)
+class _Flat:
+    """Host-side token arrays in flat order, and each request's row range."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    ranges: list[tuple[int, int]]
+
+
+def _flatten(order: list[ScheduledRequest], block_size: int) -> _Flat:
+    flat = _Flat([], [], [], [])
+    for item in order:
+        start = item.request.num_computed_tokens
+        end = start + item.num_new_tokens
+        flat.ranges.append((len(flat.input_ids), len(flat.input_ids) + item.num_new_tokens))
+        flat.input_ids.extend(item.request.all_token_ids[start:end])
+        flat.positions.extend(range(start, end))
+        table = item.block_ids
+        flat.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+    return flat
+
+
+def _sample_rows(scheduled: list[ScheduledRequest], order: list[ScheduledRequest], flat: _Flat) -> list[int]:
+    # Row of the last token of each request in scheduled order (sampling rows map back to it).
+    last_index = {id(item): flat.ranges[i][1] - 1 for i, item in enumerate(order)}
+    return [last_index[id(item)] for item in scheduled if item.sample]
+
+
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    width = max((len(t) for t in tables), default=0)
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+def build_triton_batch(scheduled: list[ScheduledRequest], block_size: int, sliding_window: int | None,
+                       num_kv_heads: int, device: torch.device) -> FlatBatch:
+    """The flat batch for the Triton kernels: block tables and lengths only, all in one staged copy."""
+    decodes = [s for s in scheduled if s.num_new_tokens == 1]
+    prefills = [s for s in scheduled if s.num_new_tokens > 1]
+    order = decodes + prefills
+    flat = _flatten(order, block_size)
+    num_decodes = len(decodes)
+    query_lens = [s.num_new_tokens for s in prefills]
+    tile_req, tile_start = prefill_tiles(query_lens, DEFAULT_LAUNCH.prefill_block_m)
+    dec_tables = _padded([s.block_ids for s in decodes])
+    (input_ids, positions, slots, dec_table, dec_lens, pre_table, pre_lens, pre_start, pre_len, t_req, t_start,
+     sample_rows) = stage_int64([
+        flat.input_ids, flat.positions, flat.slots,
+        dec_tables, [s.request.num_computed_tokens + 1 for s in decodes],
+        _padded([s.block_ids for s in prefills]),
+        [s.request.num_computed_tokens + s.num_new_tokens for s in prefills],
+        [start for start, _ in flat.ranges[num_decodes:]], query_lens,
+        tile_req, tile_start, _sample_rows(scheduled, order, flat),
+    ], device)
+    meta = TritonAttentionMetadata(
+        slot_mapping=slots,
+        num_decodes=num_decodes,
+        decode_block_table=dec_table.view(num_decodes, -1) if num_decodes else dec_table.view(0, 1),
+        decode_seq_lens=dec_lens,
+        decode_splits=decode_splits(num_decodes, num_kv_heads, device),
+        num_prefills=len(prefills),
+        prefill_block_table=pre_table.view(len(prefills), -1) if prefills else pre_table.view(0, 1),
+        prefill_seq_lens=pre_lens,
+        prefill_query_start=pre_start,
+        prefill_query_len=pre_len,
+        prefill_tile_req=t_req,
+        prefill_tile_start=t_start,
+        sliding_window=sliding_window or 0,
+    )
+    max_blocks = len(dec_tables[0]) if dec_tables else 0
+    return FlatBatch(input_ids, positions, meta, sample_rows, num_decodes, max_blocks)
+
+
+# ---- the torch path --------------------------------------------------------------
+
+
+def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, seq_len: torch.Tensor | int,
+             sliding_window: int | None) -> torch.Tensor:
+    visible = (key_pos <= query_pos) & (key_pos < seq_len)
+    if sliding_window:
+        visible &= key_pos > query_pos - sliding_window
+    return visible
+
+
+def decode_groups(decodes: list[ScheduledRequest], sliding_window: int | None) -> list[tuple[list[ScheduledRequest], int]]:
+    """Split decodes into attention groups, with their shared leading blocks.
+
+    Requests whose tables start with the same block share a prompt prefix (prefix cache): they
+    form groups of up to SHARED_GROUP_SIZE whose common blocks are read once. The rest go in
+    groups of DECODE_GROUP_SIZE of similar length, to pad little.
+    """
+    by_first: dict[int, list[ScheduledRequest]] = {}
+    for item in decodes:
+        by_first.setdefault(item.block_ids[0], []).append(item)
+    groups, alone = [], []
+    for members in by_first.values():
+        if len(members) < 2 or sliding_window:
+            alone.extend(members)
+            continue
+        for g0 in range(0, len(members), SHARED_GROUP_SIZE):
+            group = members[g0:g0 + SHARED_GROUP_SIZE]
+            # Common leading blocks, keeping each request's last block (its newest token) its own.
+            limit = min(len(s.block_ids) for s in group) - 1
+            num_shared = 0
+            while num_shared < limit and all(s.block_ids[num_shared] == group[0].block_ids[num_shared] for s in group):
+                num_shared += 1
+            groups.append((group, num_shared))
+    alone.sort(key=lambda s: len(s.block_ids))
+    groups += [(alone[i:i + DECODE_GROUP_SIZE], 0) for i in range(0, len(alone), DECODE_GROUP_SIZE)]
+    return groups
+
+
+def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, sliding_window: int | None,
+                      device: torch.device) -> FlatBatch:
+    """The flat batch for the torch path: decodes in length-sorted (or prefix-sharing) groups with masks."""
+    bs = block_size
+    groups_host = decode_groups([s for s in scheduled if s.num_new_tokens == 1], sliding_window)
+    decodes = [item for group, _ in groups_host for item in group]  # flat order follows the groups
+    prefills = [s for s in scheduled if s.num_new_tokens > 1]
+    order = decodes + prefills
+    flat = _flatten(order, bs)
+    num_decodes = len(decodes)
+
+    # Host arrays of every group and prefill, staged in one copy; masks are then built on the device.
+    arrays: list = [flat.input_ids, flat.positions, flat.slots, _sample_rows(scheduled, order, flat)]
+    widths = []
+    for group, num_shared in groups_host:
+        width = max(len(s.block_ids) for s in group) - num_shared
+        widths.append(width)
+        arrays.append([s.block_ids[num_shared:] + [0] * (width - len(s.block_ids) + num_shared) for s in group])
+        arrays.append([s.request.num_computed_tokens + 1 for s in group])
+        arrays.append(group[0].block_ids[:num_shared])
+    arrays += [item.block_ids for item in prefills]
+    staged = iter(stage_int64(arrays, device))
+    input_ids, positions, slots, sample_rows = (next(staged) for _ in range(4))
+
+    groups = []
+    g0 = 0
+    for (group, num_shared), width in zip(groups_host, widths):
+        table, seq_lens, shared = next(staged), next(staged)[:, None], next(staged)  # [G, W], [G, 1], [S]
+        key_pos = num_shared * bs + torch.arange(width * bs, device=device)[None, :]  # [1, L]
+        mask = _visible(seq_lens - 1, key_pos, seq_lens, sliding_window)[:, None, None, :]  # [G, 1, 1, L]
+        groups.append(DecodeGroup(g0, g0 + len(group), table.view(len(group), width), mask, shared if num_shared else None))
+        g0 += len(group)
+    pre_tables, pre_lens, pre_masks = [], [], []
+    for item in prefills:
+        start = item.request.num_computed_tokens
+        seq_len = start + item.num_new_tokens
+        pre_tables.append(next(staged))
+        pre_lens.append(seq_len)
+        if start == 0 and not sliding_window:
+            pre_masks.append(None)
+            continue
+        query_pos = torch.arange(start, seq_len, device=device)[:, None]  # [q, 1]
+        key_pos = torch.arange(seq_len, device=device)[None, :]  # [1, L]
+        pre_masks.append(_visible(query_pos, key_pos, seq_len, sliding_window)[None, None])  # [1, 1, q, L]
+
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        num_decodes=num_decodes,
+        decode_groups=groups,
+        prefill_query_ranges=flat.ranges[num_decodes:],
+        prefill_block_tables=pre_tables,
+        prefill_seq_lens=pre_lens,
+        prefill_masks=pre_masks,
+    )
+    return FlatBatch(input_ids, positions, meta, sample_rows, num_decodes, max(widths, default=0))

@@ -1,0 +1,167 @@
+"""CUDA graphs for decode-only steps: a transform on the runner's model call, not a branch in the models.
+
+Legend: B a captured batch size, n decode requests this step (n <= B), W block-table width, H hidden.
+
+A decode step launches a few hundred small kernels whose launch cost, at small
+batches, exceeds their run time. At start we capture the model's forward once
+per batch size in ``sizes`` over static input buffers; a decode-only step is
+then padded up to the nearest captured size, its metadata copied into the
+static buffers (device-to-device, no host sync) and the graph replayed.
+
+Padding rows are inert: token 0 at position 0, K/V written to the runner's
+scratch block (which no request owns), context length 0 (attention reads
+nothing and writes zeros). Their MoE routing is real work on garbage tokens,
+and the layers' expert-load counters include it.
+
+Only the Triton attention path is captured: its metadata is fixed-shape
+tensors; the torch path's metadata is per-step Python structure.
+``capture=False`` runs the same padding and static-buffer code eagerly: that
+is how the CPU tests exercise everything here but the capture itself.
+"""
+
+import bisect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_metadata import TritonAttentionMetadata
+from engine.batch_builder import FlatBatch
+from engine.layers.triton_attention import decode_splits
+
+logger = logging.getLogger(__name__)
+
+
+def default_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every multiple of 8, up to and including ``max_num_seqs``."""
+    sizes = {s for s in (1, 2, 4, 8) if s <= max_num_seqs}
+    sizes.update(range(16, max_num_seqs + 1, 8))
+    sizes.add(max_num_seqs)
+    return tuple(sorted(sizes))
+
+
+def pick_batch_size(num_decodes: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest captured size that holds ``num_decodes`` requests (sizes sorted), or None if none does."""
+    i = bisect.bisect_left(sizes, num_decodes)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass(slots=True)
+class StaticDecodeBuffers:
+    """The tensors a captured graph reads; each step's metadata is copied into their first rows."""
+
+    input_ids: torch.Tensor  # [B_max] int64
+    positions: torch.Tensor  # [B_max] int64
+    slot_mapping: torch.Tensor  # [B_max] int64
+    block_table: torch.Tensor  # [B_max, W_max] int64
+    seq_lens: torch.Tensor  # [B_max] int64
+    empty: torch.Tensor  # [0] int64: the (absent) prefill fields
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> "StaticDecodeBuffers":
+        def zeros(*shape):
+            return torch.zeros(shape, dtype=torch.int64, device=device)
+
+        return cls(zeros(max_batch), zeros(max_batch), zeros(max_batch), zeros(max_batch, max_blocks), zeros(max_batch), zeros(0))
+
+    def load(self, batch: FlatBatch, size: int, scratch_slot: int) -> None:
+        """Copy a decode-only batch of n <= size requests into rows [0, n); rows [n, size) become padding."""
+        meta = batch.meta
+        n, width = batch.num_decodes, batch.max_blocks
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        # Columns past ``width`` keep older steps' entries; seq_lens bounds every read, so they are never used.
+        self.block_table[:n, :width].copy_(meta.decode_block_table, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.decode_seq_lens, non_blocking=True)
+        self.pad(n, size, scratch_slot)
+
+    def pad(self, start: int, end: int, scratch_slot: int) -> None:
+        self.input_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(scratch_slot)
+        self.seq_lens[start:end].zero_()
+
+    def metadata(self, size: int, splits: int, sliding_window: int) -> TritonAttentionMetadata:
+        """Metadata over the first ``size`` rows (views: a graph captured with it reads later contents)."""
+        return TritonAttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], num_decodes=size,
+            decode_block_table=self.block_table[:size], decode_seq_lens=self.seq_lens[:size], decode_splits=splits,
+            num_prefills=0, prefill_block_table=self.empty.view(0, 1), prefill_seq_lens=self.empty,
+            prefill_query_start=self.empty, prefill_query_len=self.empty, prefill_tile_req=self.empty,
+            prefill_tile_start=self.empty, sliding_window=sliding_window,
+        )
+
+
+class DecodeGraphs:
+    """One captured forward per batch size; ``run`` replays the smallest that fits a decode-only batch."""
+
+    def __init__(self, model: torch.nn.Module, sizes: tuple[int, ...], max_blocks: int, device: torch.device,
+                 num_kv_heads: int, sliding_window: int, scratch_slot: int, capture: bool) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.model = model
+        self.sizes = tuple(sorted(set(sizes)))
+        self.max_blocks = max_blocks
+        self.scratch_slot = scratch_slot
+        self.capture = capture
+        self.buffers = StaticDecodeBuffers.allocate(self.sizes[-1], max_blocks, device)
+        self.metas = {b: self.buffers.metadata(b, decode_splits(b, num_kv_heads, device), sliding_window) for b in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # [B, H] each, written by its graph's replay
+        self.replays = 0  # steps served from the buffers (graph replays, or eager runs when not capturing)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        b = self.buffers
+        return self.model(b.input_ids[:size], b.positions[:size], self.metas[size])
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        pool = None
+        for size in reversed(self.sizes):
+            self.buffers.pad(0, size, self.scratch_slot)  # all padding: the warm-up writes only the scratch block
+            self._forward(size)  # compiles the Triton kernels and warms the allocator outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def covers(self, batch: FlatBatch) -> bool:
+        """Decode-only batches of the Triton path that fit the largest size and the buffers' width."""
+        meta = batch.meta
+        return (
+            isinstance(meta, TritonAttentionMetadata) and meta.num_prefills == 0
+            and 0 < batch.num_decodes <= self.sizes[-1] and batch.max_blocks <= self.max_blocks
+        )
+
+    def run(self, batch: FlatBatch) -> torch.Tensor:
+        """hidden [n, H] of a covered batch."""
+        n = batch.num_decodes
+        size = pick_batch_size(n, self.sizes)
+        self.buffers.load(batch, size, self.scratch_slot)
+        self.replays += 1
+        if self.capture:
+            self.graphs[size].replay()
+            return self.outputs[size][:n]
+        return self._forward(size)[:n]
+
+
+def enable_decode_graphs(runner, sizes: tuple[int, ...] | None, max_num_seqs: int, max_model_len: int,
+                         capture: bool = True) -> DecodeGraphs:
+    """Build (and with ``capture``, capture) decode graphs for ``runner`` and install them on it."""
+    if runner.attention_backend != "triton":
+        raise ValueError("CUDA graphs need attention_backend='triton'")
+    sizes = tuple(s for s in (sizes or default_batch_sizes(max_num_seqs)))
+    max_blocks = -(-max_model_len // runner.block_size)
+    config = runner.model.config
+    graphs = DecodeGraphs(runner.model, sizes, max_blocks, runner.device, config.num_kv_heads,
+                          config.sliding_window or 0, runner.scratch_block * runner.block_size, capture)
+    if capture:
+        graphs.capture_all()
+        logger.info("captured decode CUDA graphs for batch sizes %s", graphs.sizes)
+    runner.decode_graphs = graphs
+    return graphs

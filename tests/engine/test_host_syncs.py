@@ -1,0 +1,68 @@
+"""Static audit of the step's hot path for calls that make the host wait for the GPU.
+
+On CUDA ``test_cuda_graphs.test_forward_has_no_host_sync`` checks the real thing with
+``torch.cuda.set_sync_debug_mode("error")``; this test runs everywhere and names the
+line: a read-back (.item(), .tolist(), .cpu(), .numpy()), an op whose output size
+is data-dependent (nonzero, unique, bincount, masked_select) or a host list copied
+to the device synchronously (torch.tensor(..., device=...)).
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HOT_PATH = [
+    *sorted((ROOT / "engine/layers").glob("*.py")),
+    *sorted((ROOT / "engine/models").glob("*.py")),
+    ROOT / "engine/runner.py",
+    ROOT / "engine/batch_builder.py",
+    ROOT / "engine/staging.py",
+    ROOT / "engine/cuda_graphs.py",
+    ROOT / "engine/sampler.py",
+    ROOT / "moe_kernels/routing.py",
+    ROOT / "moe_kernels/align.py",
+    ROOT / "moe_kernels/dispatch.py",
+    ROOT / "moe_kernels/triton_backend.py",
+]
+SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "unique", "bincount", "masked_select"}
+# (file, function): the justified ones.
+ALLOWED = {
+    ("engine/sampler.py", "__call__"),  # reading the sampled tokens: the step's one sync
+    ("engine/runner.py", "expert_load"),  # statistics, every EXPERT_LOAD_EVERY_CUDA steps, after that sync
+}
+
+
+def _findings(path: Path, rel: str | None = None) -> list[str]:
+    rel = rel or str(path.relative_to(ROOT))
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            func = node.name
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = node.func.attr
+            sync_copy = (name == "tensor" and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                         and any(k.arg == "device" for k in node.keywords))
+            if (name in SYNCING_METHODS or sync_copy) and (rel, func) not in ALLOWED:
+                found.append(f"{rel}:{node.lineno} {func}(): .{name}(")
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_hot_path_has_no_unjustified_host_sync():
+    findings = [f for path in HOT_PATH for f in _findings(path)]
+    assert not findings, "host syncs in the step's hot path:\n" + "\n".join(findings)
+
+
+def test_the_audit_sees_a_sync(tmp_path):
+    # The audit itself: planted syncs are found, the allowed function is not reported.
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\ndef f(x):\n    return x.sum().item()\n"
+                     "def g(d):\n    return torch.tensor([1], device=d)\n"
+                     "def expert_load(x):\n    return x.tolist()\n")
+    assert _findings(probe, "m.py") == ["m.py:3 f(): .item(", "m.py:5 g(): .tensor(", "m.py:7 expert_load(): .tolist("]
+    assert _findings(probe, "engine/runner.py") == ["engine/runner.py:3 f(): .item(", "engine/runner.py:5 g(): .tensor("]
