@@ -57,9 +57,10 @@ class Profile:
     peak_matmul_n: int
     copy_bytes: int
     peak_reps: int
+    profile_concurrency: int = 0  # profile one decode step at this concurrency (0: none)
 
 
-GPU = Profile("qwen3-30b-a3b", "bfloat16", (1, 8, 32, 128, 256), 256, 4, 24, (512, 8192), 3, 128, 128, 64,
+GPU = Profile("qwen3-30b-a3b", "bfloat16", (1, 8, 32, 128, 256), 256, 4, 24, (512, 8192), 5, 128, 128, 64,
               8192, 2 << 30, 20)
 SMOKE = Profile(SMOKE_SPEC, "float32", (1, 3), 8, 1, 2, (16, 24), 1, 3, 8, 3, 128, 4 << 20, 2)
 
@@ -148,6 +149,34 @@ def _experts_hit(engine) -> int:
     return hits.total()
 
 
+def profile_step(engine, rows: int = 25) -> str:
+    """Kernel-level profile of one eager step and of one graph-replayed step (CUDA only).
+
+    The eager table says which kernels a step launches and how long each runs;
+    the replay's kernel count and busy time against the step's wall time show
+    how much of a small decode step is gaps between kernels.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    report = []
+    graphs = engine.runner.decode_graphs
+    for label, use_graphs in (("eager", False), ("graph replay", True)):
+        engine.runner.decode_graphs = graphs if use_graphs else None
+        try:
+            engine.step()  # warm: the eager path may compile kernel variants the graphs did not need
+            _sync(engine.device)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                seconds = _timed_step(engine)
+        finally:
+            engine.runner.decode_graphs = graphs
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_ms = sum(e.device_time for e in kernels) / 1e3
+        report.append(f"--- {label} step: {len(kernels)} kernels, {busy_ms:.2f} ms busy, {seconds * 1e3:.2f} ms wall")
+        if not use_graphs:
+            report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows))
+    return "\n".join(report)
+
+
 def num_moe_layers(engine) -> int:
     from engine.layers.moe import SparseMoeBlock
 
@@ -160,8 +189,11 @@ def bench_decode(engine, profile: Profile, peaks: dict, costs, rng: random.Rando
     rows = []
     vocab = engine.model_config.vocab_size
     for conc in profile.concurrency:
-        ids = [engine.add_request(_random_prompt(rng, profile.decode_prompt_len, vocab),
-                                  _params(profile.decode_warmup_steps + profile.decode_steps + 8)) for _ in range(conc)]
+        # Requests whose prefill ends early decode while the rest still prefill: leave room for those steps.
+        prefill_steps = -(-conc * profile.decode_prompt_len // engine.config.max_num_batched_tokens) + 1
+        max_tokens = prefill_steps + profile.decode_warmup_steps + profile.decode_steps + 8
+        ids = [engine.add_request(_random_prompt(rng, profile.decode_prompt_len, vocab), _params(max_tokens))
+               for _ in range(conc)]
         while True:  # prefill everyone (chunks) until every request is decoding
             engine.step()
             stats = engine.last_stats
@@ -171,23 +203,25 @@ def bench_decode(engine, profile: Profile, peaks: dict, costs, rng: random.Rando
                 raise RuntimeError(f"only {stats.num_running} of {conc} requests could run (KV pool too small?)")
         for _ in range(profile.decode_warmup_steps):
             engine.step()
-        # Context of the first timed step: the prompt, the prefill's token, the first decode, the warm-up.
-        ctx0 = profile.decode_prompt_len + profile.decode_warmup_steps + 2
         times, sched_ms, prep_ms = [], [], []
-        for _ in range(profile.decode_steps):
+        for step in range(profile.decode_steps):
+            if step == profile.decode_steps // 2:  # KV tokens the middle step reads (contexts differ by a few)
+                kv_tokens = sum(r.num_tokens for r in engine.scheduler.running)
             times.append(_timed_step(engine))
             sched_ms.append(engine.last_stats.step_schedule_ms)
             prep_ms.append(engine.last_stats.step_prepare_ms)
             assert engine.last_stats.step_decode_tokens == conc and engine.last_stats.step_prefill_tokens == 0
+        if profile.profile_concurrency == conc:
+            _log(f"profile of one decode step at C={conc}:\n{profile_step(engine)}")
         syncs = _count_syncs(engine)
         hit = _experts_hit(engine)
         for request_id in ids:
             engine.abort(request_id)
         median = statistics.median(times)
-        mid_ctx = ctx0 + profile.decode_steps // 2
+        mid_ctx = round(kv_tokens / conc)
         floor = step_floor(
-            costs, num_tokens=conc, num_logits=conc, experts_hit=hit, kv_tokens_read=conc * mid_ctx,
-            attn_pairs=conc * mid_ctx, bandwidth_bytes_s=peaks["bandwidth_gbps"] * 1e9,
+            costs, num_tokens=conc, num_logits=conc, experts_hit=hit, kv_tokens_read=kv_tokens,
+            attn_pairs=kv_tokens, bandwidth_bytes_s=peaks["bandwidth_gbps"] * 1e9,
             peak_flops_s=peaks["peak_tflops"] * 1e12,
         )
         rows.append(dict(
@@ -227,6 +261,7 @@ def bench_prefill(engine, profile: Profile, peaks: dict, costs, rng: random.Rand
         )
         rows.append(dict(
             kind="prefill", tokens=length, tokens_per_s=length / median, ms_per_step=median * 1e3,
+            step_ms=[round(t * 1e3, 3) for t in times],
             floor_ms=floor.seconds * 1e3, floor_bound=floor.bound, floor_gb=floor.bytes / 1e9,
             floor_tflop=floor.flops / 1e12, time_over_floor=median / floor.seconds,
         ))
@@ -408,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", help="random-weights spec (default qwen3-30b-a3b; e.g. olmoe-1b-7b, mixtral-8x7b on an H200)")
     parser.add_argument("--concurrency", type=_ints, help="decode concurrencies (default 1,8,32,128,256)")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers comparison")
+    parser.add_argument("--profile", type=int, metavar="C", default=0,
+                        help="print a kernel profile of one decode step at concurrency C (CUDA)")
     parser.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
     args = parser.parse_args(argv)
 
@@ -424,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = replace(profile, spec=args.preset)
     if args.concurrency:
         profile = replace(profile, concurrency=args.concurrency)
+    if args.profile:
+        profile = replace(profile, profile_concurrency=args.profile)
     report = run(profile, device, skip_hf=args.skip_hf)
     if args.json:
         with open(args.json, "w") as f:

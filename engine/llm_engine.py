@@ -85,7 +85,9 @@ class LLMEngine:
         self.last_stats: SchedulerStats | None = None
         self._steps = 0
         self.runner = ModelRunner(self.model, cache_config, self.device, self.dtype, config.seed, self.attention_backend)
-        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+        # The torch MoE backend reads expert counts on the host, which a graph capture forbids.
+        graph_safe_moe = config.moe_backend != "torch"
+        if self.device.type == "cuda" and self.attention_backend == "triton" and graph_safe_moe and not config.enforce_eager:
             from engine.cuda_graphs import enable_decode_graphs
 
             enable_decode_graphs(self.runner, config.cuda_graph_batch_sizes, config.max_num_seqs, self.max_model_len)

@@ -4,7 +4,10 @@
 
 For each token count it times, on random routing, every row tile (BLOCK_M,
 sorted or not) with the best tile of each GEMM for that BLOCK_M, and keeps
-the fastest total (alignment + kernel 1 + kernel 2). The file is keyed by
+the fastest total (alignment + kernel 1 + kernel 2), each timed as CUDA-graph
+replays. The search space depends on the token-count regime (GPU_SPACES);
+``--jobs`` processes compile every candidate first, so the search costs
+minutes rather than an hour of serial compiles. The file is keyed by
 (E, N=2I, K=H, dtype, device name) and lands in ``--out`` (default: the
 package's ``configs/``, where ``launch_config`` looks first after
 ``$MOEGATE_MOE_CONFIG_DIR``).
@@ -21,27 +24,36 @@ import itertools
 import json
 import os
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from moe_kernels.bench import median_ms
+from moe_kernels.bench import capture_graph, median_ms
 from moe_kernels.launch_config import CONFIG_DIR, ENV_CONFIG_DIR, GemmConfig, LaunchConfig, config_file_name, device_name
 from moe_kernels.routing import route
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GPU_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 8192, 16384)
+GPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 INTERPRETER_TOKENS = (1, 16, 64)
 INTERPRETER_MAX_DIM = 128  # H and I under the interpreter: it runs every program in Python
 INTERPRETER_MAX_EXPERTS = 16
 
-# Search spaces: (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per GEMM, and BLOCK_M.
-GPU_SPACE = dict(BLOCK_M=(16, 32, 64, 128), BLOCK_N=(32, 64, 128, 256), BLOCK_K=(32, 64, 128, 256),
-                 GROUP_M=(1, 8), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
-QUICK_SPACE = dict(BLOCK_M=(16, 64, 128), BLOCK_N=(64, 128), BLOCK_K=(64, 128), GROUP_M=(1, 8), num_warps=(4, 8),
-                   num_stages=(3, 4))
-INTERPRETER_SPACE = dict(BLOCK_M=(16, 32), BLOCK_N=(16, 32), BLOCK_K=(32,), GROUP_M=(1,), num_warps=(4,), num_stages=(2,))
-UNSORTED_MAX_TOKENS = 16  # the no-alignment path is only ever worth it for a handful of tokens
+# Search spaces by token-count regime, (largest T, space): decode sizes are
+# memory-bound (narrow row tiles, deep pipelines, wide K steps to keep many
+# bytes in flight); large T is matrix-bound (big tiles, 8 warps).
+GPU_SPACES = (
+    (64, dict(BLOCK_M=(16,), BLOCK_N=(32, 64, 128), BLOCK_K=(64, 128, 256), GROUP_M=(1,), num_warps=(4,),
+              num_stages=(3, 4, 5))),
+    (1024, dict(BLOCK_M=(16, 32, 64), BLOCK_N=(64, 128), BLOCK_K=(64, 128), GROUP_M=(8,), num_warps=(4, 8),
+                num_stages=(3, 4))),
+    (1 << 62, dict(BLOCK_M=(64, 128), BLOCK_N=(128, 256), BLOCK_K=(64, 128), GROUP_M=(8,), num_warps=(4, 8),
+                   num_stages=(3, 4))),
+)
+INTERPRETER_SPACES = ((1 << 62, dict(BLOCK_M=(16, 32), BLOCK_N=(16, 32), BLOCK_K=(32,), GROUP_M=(1,), num_warps=(4,),
+                                     num_stages=(2,))),)
+UNSORTED_MAX_TOKENS = 4  # the no-alignment path reads an expert once per slot: only worth it for a handful of tokens
+MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread; past this the tile spills registers
 
 
 def _shared_memory_bytes(block_m: int, cfg: GemmConfig, weight_tiles: int, elem_bytes: int) -> int:
@@ -50,62 +62,162 @@ def _shared_memory_bytes(block_m: int, cfg: GemmConfig, weight_tiles: int, elem_
 
 
 def gemm_candidates(space: dict, block_m: int, weight_tiles: int, elem_bytes: int, smem_limit: int) -> list[GemmConfig]:
-    """Every GEMM config of ``space`` whose operand tiles fit in shared memory."""
+    """Every GEMM config of ``space`` whose operand tiles fit in shared memory and accumulators in registers."""
     out = []
     for bn, bk, group_m, warps, stages in itertools.product(
         space["BLOCK_N"], space["BLOCK_K"], space["GROUP_M"], space["num_warps"], space["num_stages"]
     ):
         cfg = GemmConfig(bn, bk, group_m, warps, stages)
-        if _shared_memory_bytes(block_m, cfg, weight_tiles, elem_bytes) <= smem_limit:
+        acc_per_thread = block_m * bn * weight_tiles // (warps * 32)
+        if _shared_memory_bytes(block_m, cfg, weight_tiles, elem_bytes) <= smem_limit and acc_per_thread <= MAX_ACC_PER_THREAD:
             out.append(cfg)
     return out
+
+
+def space_for(spaces: tuple, num_tokens: int) -> dict:
+    return next(space for max_tokens, space in spaces if num_tokens <= max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One tuning problem: a layer shape, a dtype and a token count."""
+
+    num_tokens: int
+    E: int
+    k: int
+    H: int
+    I: int  # noqa: E741 (the legend's letter)
+    dtype: str
+
+
+def row_tilings(problem: Problem, space: dict) -> list[tuple[bool, int]]:
+    """(align, BLOCK_M) pairs worth timing for this token count."""
+    sorted_choices = (True, False) if problem.num_tokens <= UNSORTED_MAX_TOKENS else (True,)
+    out = []
+    for align, block_m in itertools.product(sorted_choices, space["BLOCK_M"]):
+        if block_m > 16 and (not align or block_m > 2 * problem.num_tokens * problem.k):
+            continue  # unsorted blocks use one row; huge tiles for few slots are pure padding
+        out.append((align, block_m))
+    return out
+
+
+def candidates(problem: Problem, spaces: tuple, smem_limit: int) -> list[tuple[bool, int, str, GemmConfig]]:
+    """Every (align, BLOCK_M, "w13" | "w2", GemmConfig) the search times for ``problem``."""
+    space = space_for(spaces, problem.num_tokens)
+    elem = torch.empty(0, dtype=DTYPES[problem.dtype]).element_size()
+    out = []
+    for align, block_m in row_tilings(problem, space):
+        out += [(align, block_m, "w13", c) for c in gemm_candidates(space, block_m, 2, elem, smem_limit)]
+        out += [(align, block_m, "w2", c) for c in gemm_candidates(space, block_m, 1, elem, smem_limit)]
+    return out
+
+
+def _tensors(problem: Problem, device: torch.device, random_weights: bool = True) -> dict:
+    """Inputs and output buffers of ``problem``; routing is the same in every process (seeded by T).
+
+    ``random_weights`` False leaves the weights uninitialized: the compile-only
+    workers need their shapes, not their values.
+    """
+    T, E, k, H, I = problem.num_tokens, problem.E, problem.k, problem.H, problem.I  # noqa: E741
+    dtype = DTYPES[problem.dtype]
+    gen = torch.Generator(device=device).manual_seed(T)
+    x = torch.randn(T, H, device=device, dtype=dtype, generator=gen)  # [T, H]
+    if random_weights:
+        w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype, generator=gen) / H**0.5  # [E, 2I, H]
+        w2 = torch.randn(E, H, I, device=device, dtype=dtype, generator=gen) / I**0.5  # [E, H, I]
+    else:
+        w13 = torch.empty(E, 2 * I, H, device=device, dtype=dtype)
+        w2 = torch.empty(E, H, I, device=device, dtype=dtype)
+    topk_weights, topk_ids = route(torch.randn(T, E, device=device, generator=gen), k, renormalize=True)
+    return dict(x=x, w13=w13, w2=w2, topk_ids=topk_ids, slot_weights=topk_weights.reshape(-1).contiguous(),  # [S]
+                inter=torch.empty(T * k, I, device=device, dtype=dtype),  # [S, I]
+                slot_out=torch.empty(T * k, H, device=device, dtype=dtype))  # [S, H]
+
+
+def _launcher(problem: Problem, t: dict, align: bool, block_m: int, which: str):
+    """A function cfg -> one launch of kernel ``which`` with that GemmConfig (alignment done once, here)."""
+    from moe_kernels.triton_backend import invoke_w2, invoke_w13, slot_blocks
+
+    blocks = slot_blocks(t["topk_ids"], problem.E, LaunchConfig(align, block_m, GemmConfig(16, 16), GemmConfig(16, 16)))
+    if which == "w13":
+        return lambda cfg: invoke_w13(t["x"], t["w13"], t["inter"], blocks, problem.k, cfg)
+    return lambda cfg: invoke_w2(t["inter"], t["w2"], t["slot_weights"], t["slot_out"], blocks, cfg)
+
+
+def _compile_chunk(job: tuple[Problem, list[tuple[bool, int, str, dict]]]) -> int:
+    """Worker process: launch each candidate once, so Triton compiles it into its on-disk cache.
+
+    The parent then finds every kernel compiled (same source, constants and
+    argument specializations) and spends its time only on timing.
+    """
+    problem, tasks = job
+    device = torch.device("cuda")
+    with torch.inference_mode():
+        t = _tensors(problem, device, random_weights=False)
+        compiled = 0
+        for align, block_m, which, cfg in tasks:
+            try:
+                _launcher(problem, t, align, block_m, which)(GemmConfig(**cfg))
+                compiled += 1
+            except Exception:  # noqa: BLE001 out of resources on this GPU: the parent skips it too
+                pass
+        torch.cuda.synchronize(device)
+        del t
+        torch.cuda.empty_cache()  # every worker holds a problem's buffers only while it compiles for it
+    return compiled
+
+
+def precompile(problems: list[Problem], spaces: tuple, smem_limit: int, jobs: int) -> None:
+    """Compile every candidate of every problem in ``jobs`` processes (Triton compiles on the host, one core each)."""
+    import multiprocessing
+
+    work = []
+    for problem in problems:
+        tasks = [(a, m, w, asdict(c)) for a, m, w, c in candidates(problem, spaces, smem_limit)]
+        work += [(problem, tasks[i:i + 8]) for i in range(0, len(tasks), 8)]
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        compiled = sum(pool.imap_unordered(_compile_chunk, work))
+    print(f"precompiled {compiled} kernels in {jobs} processes", file=sys.stderr)
+
+
+def _time(fn, device: torch.device, reps: int, warmup: int) -> float:
+    graph = capture_graph(fn, device)  # graph replays: no launch gaps, as in the engine's decode graphs
+    return median_ms(graph.replay if graph is not None else fn, device, reps, warmup)
 
 
 def _fastest(run, candidates: list[GemmConfig], device, reps: int, warmup: int) -> tuple[float, GemmConfig | None]:
     best = (float("inf"), None)
     for cfg in candidates:
         try:
-            ms = median_ms(lambda: run(cfg), device, reps, warmup)
+            ms = _time(lambda: run(cfg), device, reps, warmup)
         except Exception:  # noqa: BLE001 out of registers/shared memory on this GPU: not a candidate
             continue
         best = min(best, (ms, cfg), key=lambda pair: pair[0])
     return best
 
 
-def tune_one(num_tokens: int, E: int, k: int, H: int, I: int, dtype: torch.dtype, device: torch.device,  # noqa: E741
-             space: dict, smem_limit: int, reps: int, warmup: int) -> tuple[LaunchConfig, float]:
-    """Best LaunchConfig for ``num_tokens`` and its total time in ms."""
-    from moe_kernels.triton_backend import invoke_w2, invoke_w13, slot_blocks
+def tune_one(problem: Problem, device: torch.device, spaces: tuple, smem_limit: int, reps: int,
+             warmup: int) -> tuple[LaunchConfig, float]:
+    """Best LaunchConfig for ``problem`` and its total time in ms (alignment + kernel 1 + kernel 2)."""
+    from moe_kernels.triton_backend import slot_blocks
 
-    gen = torch.Generator(device=device).manual_seed(num_tokens)
-    x = torch.randn(num_tokens, H, device=device, dtype=dtype, generator=gen)  # [T, H]
-    w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype, generator=gen) / H**0.5  # [E, 2I, H]
-    w2 = torch.randn(E, H, I, device=device, dtype=dtype, generator=gen) / I**0.5  # [E, H, I]
-    topk_weights, topk_ids = route(torch.randn(num_tokens, E, device=device, generator=gen), k, renormalize=True)
-    slot_weights = topk_weights.reshape(-1).contiguous()  # [S]
-    inter = torch.empty(num_tokens * k, I, device=device, dtype=dtype)  # [S, I]
-    slot_out = torch.empty(num_tokens * k, H, device=device, dtype=dtype)  # [S, H]
-
+    t = _tensors(problem, device)
+    by_tiling: dict[tuple[bool, int], dict[str, list[GemmConfig]]] = {}
+    for align, block_m, which, cfg in candidates(problem, spaces, smem_limit):
+        by_tiling.setdefault((align, block_m), {"w13": [], "w2": []})[which].append(cfg)
     best = (float("inf"), None)
-    sorted_choices = (True, False) if num_tokens <= UNSORTED_MAX_TOKENS else (True,)
-    for align, block_m in itertools.product(sorted_choices, space["BLOCK_M"]):
-        if block_m > 16 and (not align or block_m > 2 * num_tokens * k):
-            continue  # unsorted blocks use one row; huge tiles for few slots are pure padding
+    for (align, block_m), cfgs in by_tiling.items():
         placeholder = LaunchConfig(align, block_m, GemmConfig(16, 16), GemmConfig(16, 16))
-        align_ms = median_ms(lambda: slot_blocks(topk_ids, E, placeholder), device, reps, warmup)
-        blocks = slot_blocks(topk_ids, E, placeholder)
-        elem = x.element_size()
-        ms1, cfg1 = _fastest(lambda c: invoke_w13(x, w13, inter, blocks, k, c),
-                             gemm_candidates(space, block_m, 2, elem, smem_limit), device, reps, warmup)
-        ms2, cfg2 = _fastest(lambda c: invoke_w2(inter, w2, slot_weights, slot_out, blocks, c),
-                             gemm_candidates(space, block_m, 1, elem, smem_limit), device, reps, warmup)
+        align_ms = _time(lambda: slot_blocks(t["topk_ids"], problem.E, placeholder), device, reps, warmup)
+        ms1, cfg1 = _fastest(_launcher(problem, t, align, block_m, "w13"), cfgs["w13"], device, reps, warmup)
+        ms2, cfg2 = _fastest(_launcher(problem, t, align, block_m, "w2"), cfgs["w2"], device, reps, warmup)
         if cfg1 is None or cfg2 is None:
             continue
         total = align_ms + ms1 + ms2
         if total < best[0]:
             best = (total, LaunchConfig(align, block_m, cfg1, cfg2))
     if best[1] is None:
-        raise RuntimeError(f"no candidate config ran for T={num_tokens}")
+        raise RuntimeError(f"no candidate config ran for T={problem.num_tokens}")
     return best[1], best[0]
 
 
@@ -137,12 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--topk", type=int, default=2, help="experts per token in the random routing (default 2)")
     parser.add_argument("--tokens", help="comma-separated token counts (default: a dense ladder 1..16384)")
-    parser.add_argument("--quick", action="store_true", help="a smaller search space")
     parser.add_argument("--reps", type=int, default=10)
+    # Each job holds one problem's weights and buffers on the GPU (about 4 GiB for Mixtral at 16k tokens).
+    parser.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 2)),
+                        help="processes that compile the candidates before timing (GPU only; 1: compile while timing)")
     parser.add_argument("--out", help=f"output folder (default: ${ENV_CONFIG_DIR} or the package configs/)")
     args = parser.parse_args(argv)
-    if min(args.E, args.H, args.I, args.topk, args.reps) < 1 or args.topk > args.E:
-        parser.error("E, H, I, topk, reps must be positive and topk <= E")
+    if min(args.E, args.H, args.I, args.topk, args.reps, args.jobs) < 1 or args.topk > args.E:
+        parser.error("E, H, I, topk, reps, jobs must be positive and topk <= E")
     try:
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None
     except ValueError:
@@ -154,27 +268,28 @@ def main(argv: list[str] | None = None) -> int:
         print(refusal, file=sys.stderr)
         return 2
 
-    dtype = DTYPES[args.dtype]
     if not interpreting:
         device = torch.device("cuda")
-        space = QUICK_SPACE if args.quick else GPU_SPACE
+        spaces = GPU_SPACES
         props = torch.cuda.get_device_properties(device)
         smem_limit = getattr(props, "shared_memory_per_block_optin", 99 * 1024)
         tokens, warmup = tokens or GPU_TOKENS, 2
     else:
-        device, space, smem_limit = torch.device("cpu"), INTERPRETER_SPACE, 1 << 30
+        device, spaces, smem_limit = torch.device("cpu"), INTERPRETER_SPACES, 1 << 30
         tokens, warmup = tokens or INTERPRETER_TOKENS, 0
         args.reps = 1
 
     name = device_name(device)
     out_dir = Path(args.out or os.environ.get(ENV_CONFIG_DIR) or CONFIG_DIR)
+    problems = [Problem(t, args.E, args.topk, args.H, args.I, args.dtype) for t in tokens]
+    if not interpreting and args.jobs > 1:
+        precompile(problems, spaces, smem_limit, args.jobs)
     configs = {}
     with torch.inference_mode():
-        for num_tokens in tokens:
-            cfg, ms = tune_one(num_tokens, args.E, args.topk, args.H, args.I, dtype, device, space, smem_limit,
-                               args.reps, warmup)
-            configs[str(num_tokens)] = cfg.to_dict()
-            print(f"T={num_tokens:>6}: {ms:9.3f} ms  {cfg}", file=sys.stderr)
+        for problem in problems:
+            cfg, ms = tune_one(problem, device, spaces, smem_limit, args.reps, warmup)
+            configs[str(problem.num_tokens)] = {**cfg.to_dict(), "ms": round(ms, 4)}
+            print(f"T={problem.num_tokens:>6}: {ms:9.3f} ms  {cfg}", file=sys.stderr)
 
     import triton
 

@@ -21,7 +21,10 @@ from engine.cuda_graphs import enable_decode_graphs  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 
 VOCAB = 97
-ENGINE = dict(dtype="float32", device="cpu", moe_backend="torch", num_kv_blocks=96, block_size=4, max_num_batched_tokens=24)
+# On a GPU the kernels are compiled, not interpreted, and need CUDA tensors. The torch MoE backend keeps
+# CUDA graphs off there, so the eager triton-vs-torch attention comparison is what runs.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ENGINE = dict(dtype="float32", device=DEVICE, moe_backend="torch", num_kv_blocks=96, block_size=4, max_num_batched_tokens=24)
 
 
 def _prompts(rng: random.Random) -> list[list[int]]:

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Everything a lent GPU is needed for, in one command: check, tune, measure.
+#
+#   benchmarks/gpu_session.sh STAGE[:SECONDS] ...
+#
+# Stages: env, tests, tune, bench-moe, bench-engine, bench-engine-hf (plus any
+# stage name below). Each runs under its own time limit, so one that fails or
+# hangs still leaves the others' results; logs and JSON land in $OUT (default
+# /tmp/moegate-gpu), re-archived after every stage as gpu_session.tgz so a
+# session cut off at its limit still returns what it did.
+set -u
+OUT=${OUT:-/tmp/moegate-gpu}
+WORK=/tmp/moegate-gpu-work
+mkdir -p "$OUT" "$WORK/configs"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Tuned launch configs go where launch_config looks first, and travel back in the archive.
+export MOEGATE_MOE_CONFIG_DIR=$WORK/configs
+export PY=${PY:-python3}
+
+run_stage() {  # name seconds command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date +%T)"
+    timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+    echo "=== $name rc=$? $(date +%T)" | tee -a "$WORK/$name.log"
+    tail -n "${TAIL:-25}" "$WORK/$name.log"
+    tar czf "$OUT/gpu_session.tgz" -C "$WORK" .
+}
+
+tune_all() {  # the three benchmark shapes (bench.MODELS)
+    $PY -m moe_kernels.tune --E 8 --topk 2 --H 4096 --I 14336 --out "$MOEGATE_MOE_CONFIG_DIR" &&
+    $PY -m moe_kernels.tune --E 128 --topk 8 --H 2048 --I 768 --out "$MOEGATE_MOE_CONFIG_DIR" &&
+    $PY -m moe_kernels.tune --E 64 --topk 8 --H 2048 --I 1024 --out "$MOEGATE_MOE_CONFIG_DIR"
+}
+export -f tune_all
+
+for spec in "$@"; do
+    name=${spec%%:*}
+    limit=${spec#*:}
+    [ "$limit" = "$spec" ] && limit=300
+    case $name in
+        env) run_stage env "$limit" bash -c 'nvidia-smi; '"$PY"' -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
+        tests) run_stage tests "$limit" $PY -m pytest -q -ra -p no:cacheprovider --durations=15 tests/moe_kernels \
+            tests/engine/test_cuda_graphs.py tests/engine/test_triton_attention.py tests/engine/test_triton_attention_engine.py \
+            tests/engine/test_triton_backend_engine.py tests/engine/test_host_syncs.py tests/engine/test_random_weights.py \
+            --deselect tests/engine/test_random_weights.py::test_command_lines_take_random_weights ;;
+        tune) run_stage tune "$limit" bash -c tune_all ;;
+        bench-moe) run_stage bench-moe "$limit" bash -c "$PY -m moe_kernels.bench --json > $WORK/bench_moe.json && $PY -c 'import json, moe_kernels.bench as b; print(b.format_table(json.load(open(\"$WORK/bench_moe.json\"))))'" ;;
+        bench-engine) run_stage bench-engine "$limit" $PY -m engine.bench_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
+        bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m engine.bench_gpu ${ENGINE_ARGS:-} --json "$WORK/bench_engine_hf.json" ;;
+        *) echo "unknown stage $name" >&2; exit 2 ;;
+    esac
+done
