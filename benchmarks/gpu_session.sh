@@ -27,10 +27,12 @@ run_stage() {  # name seconds command...
     tar czf "$OUT/gpu_session.tgz" -C "$WORK" .
 }
 
-tune_all() {  # the three benchmark shapes (bench.MODELS)
-    $PY -m moe_kernels.tune --E 8 --topk 2 --H 4096 --I 14336 --out "$MOEGATE_MOE_CONFIG_DIR" &&
-    $PY -m moe_kernels.tune --E 128 --topk 8 --H 2048 --I 768 --out "$MOEGATE_MOE_CONFIG_DIR" &&
-    $PY -m moe_kernels.tune --E 64 --topk 8 --H 2048 --I 1024 --out "$MOEGATE_MOE_CONFIG_DIR"
+tune_all() {  # the three benchmark shapes (bench.MODELS); TUNE_TOKENS=1,2,4 re-tunes only those (merged)
+    local tokens=${TUNE_TOKENS:+--tokens $TUNE_TOKENS}
+    cp moe_kernels/configs/E=*.json "$MOEGATE_MOE_CONFIG_DIR"/ 2>/dev/null
+    $PY -m moe_kernels.tune --E 8 --topk 2 --H 4096 --I 14336 $tokens --out "$MOEGATE_MOE_CONFIG_DIR" &&
+    $PY -m moe_kernels.tune --E 128 --topk 8 --H 2048 --I 768 $tokens --out "$MOEGATE_MOE_CONFIG_DIR" &&
+    $PY -m moe_kernels.tune --E 64 --topk 8 --H 2048 --I 1024 $tokens --out "$MOEGATE_MOE_CONFIG_DIR"
 }
 export -f tune_all
 
@@ -41,12 +43,15 @@ for spec in "$@"; do
     case $name in
         env) run_stage env "$limit" bash -c 'nvidia-smi; '"$PY"' -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
         tests) run_stage tests "$limit" $PY -m pytest -q -ra -p no:cacheprovider --durations=15 tests/moe_kernels \
+            tests/engine/test_triton_elementwise.py \
             tests/engine/test_cuda_graphs.py tests/engine/test_triton_attention.py tests/engine/test_triton_attention_engine.py \
             tests/engine/test_triton_backend_engine.py tests/engine/test_host_syncs.py tests/engine/test_random_weights.py \
             --deselect tests/engine/test_random_weights.py::test_command_lines_take_random_weights ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
         bench-moe) run_stage bench-moe "$limit" bash -c "$PY -m moe_kernels.bench --json > $WORK/bench_moe.json && $PY -c 'import json, moe_kernels.bench as b; print(b.format_table(json.load(open(\"$WORK/bench_moe.json\"))))'" ;;
         bench-engine) run_stage bench-engine "$limit" $PY -m engine.bench_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
+        bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m engine.bench_gpu --skip-hf --elementwise torch \
+            --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m engine.bench_gpu ${ENGINE_ARGS:-} --json "$WORK/bench_engine_hf.json" ;;
         *) echo "unknown stage $name" >&2; exit 2 ;;
     esac

@@ -96,6 +96,8 @@ def build_engine(profile: Profile, device: torch.device, **overrides):
     if device.type == "cpu":  # the smoke run: the GPU code path, interpreted
         kwargs.update(attention_backend="triton", moe_backend="triton", num_kv_blocks=256)
     kwargs.update(overrides)
+    if device.type == "cpu" and kwargs.get("elementwise_backend", "auto") == "auto":
+        kwargs["elementwise_backend"] = "triton"
     return LLMEngine(EngineConfig(**kwargs))
 
 
@@ -347,13 +349,13 @@ def bench_e2e_hf(model_config, dtype: torch.dtype, device: torch.device, prompts
     return rows
 
 
-def run(profile: Profile, device: torch.device, skip_hf: bool = False) -> dict:
+def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwise: str = "auto") -> dict:
     from engine.roofline import model_costs
 
     _log(f"measuring peaks on {device}")
     peaks = measure_peaks(profile, device)
     _log(f"building {profile.spec} (random weights) on {device}")
-    engine = build_engine(profile, device)
+    engine = build_engine(profile, device, elementwise_backend=elementwise)
     costs = model_costs(engine.model)
     rng = random.Random(0)
     decode = bench_decode(engine, profile, peaks, costs, rng)
@@ -366,7 +368,7 @@ def run(profile: Profile, device: torch.device, skip_hf: bool = False) -> dict:
     report = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run, Triton interpreter)",
         torch=torch.__version__, profile=asdict(profile), dtype=str(dtype).removeprefix("torch."),
-        attention_backend=engine.attention_backend, cuda_graph_sizes=list(graphs.sizes) if graphs else None,
+        attention_backend=engine.attention_backend, elementwise_backend=engine.elementwise_backend, cuda_graph_sizes=list(graphs.sizes) if graphs else None,
         kv_blocks=engine.scheduler.kv.pool.num_blocks, costs=asdict(costs), **peaks,
     )
     del engine, graphs
@@ -390,7 +392,8 @@ def format_table(report: dict) -> str:
     p = report["profile"]
     lines = [
         f"moegate engine benchmark: {p['spec']} with RANDOM weights, {report['dtype']}, {report['device']}, "
-        f"attention {report['attention_backend']}, CUDA graphs {report['cuda_graph_sizes'] and 'on' or 'off'}",
+        f"attention {report['attention_backend']}, elementwise {report['elementwise_backend']}, "
+        f"CUDA graphs {report['cuda_graph_sizes'] and 'on' or 'off'}",
         f"measured peaks: {report['bandwidth_gbps']:.0f} GB/s (device copy), {report['peak_tflops']:.1f} TFLOP/s (matmul)",
         "",
         f"{'workload':<22} {'tok/s':>10} {'ms/step':>9} {'floor ms':>9} {'bound':>7} {'time/floor':>10} "
@@ -443,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", help="random-weights spec (default qwen3-30b-a3b; e.g. olmoe-1b-7b, mixtral-8x7b on an H200)")
     parser.add_argument("--concurrency", type=_ints, help="decode concurrencies (default 1,8,32,128,256)")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers comparison")
+    parser.add_argument("--elementwise", choices=("auto", "torch", "triton"), default="auto",
+                        help="engine elementwise_backend (torch: unfused norms/RoPE/routing, to compare)")
     parser.add_argument("--profile", type=int, metavar="C", default=0,
                         help="print a kernel profile of one decode step at concurrency C (CUDA)")
     parser.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
@@ -463,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = replace(profile, concurrency=args.concurrency)
     if args.profile:
         profile = replace(profile, profile_concurrency=args.profile)
-    report = run(profile, device, skip_hf=args.skip_hf)
+    report = run(profile, device, skip_hf=args.skip_hf, elementwise=args.elementwise)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

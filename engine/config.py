@@ -18,6 +18,8 @@ class EngineConfig:
     ``gpu_memory_utilization`` of the GPU minus what the weights use.
 
     ``attention_backend``: "auto" is Triton paged attention on CUDA, torch elsewhere.
+    ``elementwise_backend``: "auto" fuses norms, RoPE and routing into Triton
+    kernels on CUDA (``engine.layers.fusion``), torch ops elsewhere.
     CUDA graphs replay decode-only steps at ``cuda_graph_batch_sizes`` (default:
     1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``), padded up to the nearest
     size; they need CUDA and Triton attention, and ``enforce_eager`` turns them off.
@@ -43,6 +45,7 @@ class EngineConfig:
     batching: str = "continuous"
     max_wait_ms: float = 50.0
     attention_backend: str = "auto"
+    elementwise_backend: str = "auto"
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     random_weights: str | None = None
@@ -50,6 +53,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.elementwise_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"elementwise_backend must be one of {ATTENTION_BACKENDS}, got {self.elementwise_backend!r}")
         if self.cuda_graph_batch_sizes is not None:
             self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
             if not self.cuda_graph_batch_sizes or self.cuda_graph_batch_sizes[0] < 1:

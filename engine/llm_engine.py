@@ -58,7 +58,8 @@ class LLMEngine:
             self.model_config = load_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        if "triton" in (config.moe_backend, config.attention_backend):
+        self.elementwise_backend = resolve_attention_backend(config.elementwise_backend, self.device)
+        if "triton" in (config.moe_backend, config.attention_backend, config.elementwise_backend):
             import moe_kernels
 
             if "triton" not in moe_kernels.available_backends():
@@ -71,6 +72,10 @@ class LLMEngine:
             self.model = build_random_model(self.model_config, self.dtype, self.device, config.moe_backend, max_len, config.seed)
         else:
             self.model = build_model(self.model_config, config.model, self.dtype, self.device, config.moe_backend, max_len)
+        if self.elementwise_backend == "triton":
+            from engine.layers.fusion import enable_triton_elementwise
+
+            enable_triton_elementwise(self.model)
         num_blocks = config.num_kv_blocks or self._num_blocks_for_memory()
         # A sequence can never hold more tokens than the whole pool.
         self.max_model_len = min(max_len, num_blocks * config.block_size)

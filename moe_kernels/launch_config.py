@@ -53,12 +53,16 @@ class LaunchConfig:
 
     ``align`` False selects the path without sorting (one slot per block),
     for token counts so small that sorting costs more than it saves.
+    ``gemv`` True selects the matrix-vector kernels (``gemv_kernels``): no
+    row tiles at all, the sum over k inside kernel 2; BLOCK_M is then unused,
+    and of each GemmConfig only BLOCK_N, BLOCK_K and num_warps count.
     """
 
     align: bool
     BLOCK_M: int
     w13: GemmConfig
     w2: GemmConfig
+    gemv: bool = False
 
     def __post_init__(self) -> None:
         if not (_is_pow2(self.BLOCK_M) and self.BLOCK_M >= 16):
@@ -66,10 +70,12 @@ class LaunchConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LaunchConfig":
-        return cls(bool(d.get("align", True)), int(d["BLOCK_M"]), GemmConfig(**d["w13"]), GemmConfig(**d["w2"]))
+        return cls(bool(d.get("align", True)), int(d["BLOCK_M"]), GemmConfig(**d["w13"]), GemmConfig(**d["w2"]),
+                   bool(d.get("gemv", False)))
 
     def to_dict(self) -> dict:
-        return {"align": self.align, "BLOCK_M": self.BLOCK_M, "w13": asdict(self.w13), "w2": asdict(self.w2)}
+        d = {"align": self.align, "BLOCK_M": self.BLOCK_M, "w13": asdict(self.w13), "w2": asdict(self.w2)}
+        return {**d, "gemv": True} if self.gemv else d
 
 
 def device_name(device: torch.device) -> str:

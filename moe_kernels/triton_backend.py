@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels import gemv_kernels
 from moe_kernels.align import SlotBlocks, align_slots, unsorted_slots
 from moe_kernels.launch_config import GemmConfig, LaunchConfig, device_name, get_launch_config
 
@@ -218,6 +219,41 @@ def invoke_w2(h: torch.Tensor, w2: torch.Tensor, slot_weights: torch.Tensor, out
     )
 
 
+def invoke_w13_gemv(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, inter: torch.Tensor, top_k: int,
+                    cfg: GemmConfig, activation: str = "silu") -> None:
+    """Matrix-vector kernel 1: inter[s] = act(gate[e] @ x[s // k]) * (up[e] @ x[s // k]); ids [S] int32.
+
+    w13 [E, 2I, H] contiguous along H; every row of inter [S, I] is written.
+    """
+    inter_size, hidden = w13.shape[1] // 2, w13.shape[2]
+    gemv_kernels.w13_gemv_kernel[(ids.numel(), triton.cdiv(inter_size, cfg.BLOCK_N))](
+        x, w13, ids, inter, top_k, inter_size, hidden, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        ACTIVATION=activation, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=hidden % cfg.BLOCK_K == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def invoke_w2_gemv(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, slot_weights: torch.Tensor,
+                   out: torch.Tensor, top_k: int, cfg: GemmConfig) -> None:
+    """Matrix-vector kernel 2: out[t] = sum_j slot_weights[t*k+j] * (w2[e_j] @ inter[t*k+j]).
+
+    w2 [E, H, I] contiguous along I; ids [S] int32; every row of out [T, H] is written.
+    """
+    hidden, inter_size = w2.shape[1], w2.shape[2]
+    gemv_kernels.w2_gemv_sum_kernel[(out.shape[0], triton.cdiv(hidden, cfg.BLOCK_N))](
+        inter, w2, ids, slot_weights, out, top_k, hidden, inter_size,
+        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=inter_size % cfg.BLOCK_K == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """[T, k] -> [S] int32 (a view when the ids already are int32, as route() returns them)."""
+    ids = topk_ids.reshape(-1)
+    return ids if ids.dtype == torch.int32 else ids.to(torch.int32)
+
+
 def slot_blocks(topk_ids: torch.Tensor, num_experts: int, cfg: LaunchConfig) -> SlotBlocks:
     """The row blocks both kernels iterate over, sorted by expert or not as ``cfg`` says."""
     if cfg.align:
@@ -286,12 +322,20 @@ def fused_moe_triton(
     if config is None:
         config = _cached_config(num_experts, two_inter, hidden, x.dtype, _device_name(x.device), num_tokens)
 
-    blocks = slot_blocks(topk_ids, num_experts, config)
     if inter is None:
         inter = torch.empty(num_slots, two_inter // 2, dtype=x.dtype, device=x.device)  # [S, I]
+    slot_weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [S], a no-op for route()'s output
+    if config.gemv and w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1:
+        if out is None:
+            out = torch.empty_like(x)  # [T, H]
+        ids = flat_ids(topk_ids)
+        invoke_w13_gemv(x, w13, ids, inter, top_k, config.w13, activation)
+        invoke_w2_gemv(inter, w2, ids, slot_weights, out, top_k, config.w2)
+        return out
+
+    blocks = slot_blocks(topk_ids, num_experts, config)
     if slot_out is None:
         slot_out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)  # [S, H]
-    slot_weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [S], a no-op for route()'s output
 
     invoke_w13(x, w13, inter, blocks, top_k, config.w13, activation)
     invoke_w2(inter, w2, slot_weights, slot_out, blocks, config.w2)

@@ -52,7 +52,11 @@ GPU_SPACES = (
 )
 INTERPRETER_SPACES = ((1 << 62, dict(BLOCK_M=(16, 32), BLOCK_N=(16, 32), BLOCK_K=(32,), GROUP_M=(1,), num_warps=(4,),
                                      num_stages=(2,))),)
-UNSORTED_MAX_TOKENS = 4  # the no-alignment path reads an expert once per slot: only worth it for a handful of tokens
+# The matrix-vector kernels: no row tile; BLOCK_N x BLOCK_K float32 partial sums per program.
+GPU_GEMV_SPACE = dict(BLOCK_N=(16, 32, 64), BLOCK_K=(128, 256, 512), GROUP_M=(1,), num_warps=(2, 4, 8), num_stages=(2, 4))
+INTERPRETER_GEMV_SPACE = dict(BLOCK_N=(16,), BLOCK_K=(32,), GROUP_M=(1,), num_warps=(4,), num_stages=(2,))
+UNSORTED_MAX_TOKENS = 4  # the no-alignment and matrix-vector paths read an expert once per slot: a handful of tokens
+GEMV_MAX_PARTIALS = 64  # float32 partial sums per thread in a matrix-vector program (two tiles for w13)
 MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread; past this the tile spills registers
 
 
@@ -90,25 +94,43 @@ class Problem:
     dtype: str
 
 
-def row_tilings(problem: Problem, space: dict) -> list[tuple[bool, int]]:
-    """(align, BLOCK_M) pairs worth timing for this token count."""
-    sorted_choices = (True, False) if problem.num_tokens <= UNSORTED_MAX_TOKENS else (True,)
-    out = []
-    for align, block_m in itertools.product(sorted_choices, space["BLOCK_M"]):
-        if block_m > 16 and (not align or block_m > 2 * problem.num_tokens * problem.k):
+def row_tilings(problem: Problem, space: dict) -> list[tuple[str, int]]:
+    """(mode, BLOCK_M) pairs worth timing for this token count; mode is "sorted", "unsorted" or "gemv"."""
+    few = problem.num_tokens <= UNSORTED_MAX_TOKENS
+    out = [("gemv", 16)] if few else []
+    for mode, block_m in itertools.product(("sorted", "unsorted") if few else ("sorted",), space["BLOCK_M"]):
+        if block_m > 16 and (mode == "unsorted" or block_m > 2 * problem.num_tokens * problem.k):
             continue  # unsorted blocks use one row; huge tiles for few slots are pure padding
-        out.append((align, block_m))
+        out.append((mode, block_m))
     return out
 
 
-def candidates(problem: Problem, spaces: tuple, smem_limit: int) -> list[tuple[bool, int, str, GemmConfig]]:
-    """Every (align, BLOCK_M, "w13" | "w2", GemmConfig) the search times for ``problem``."""
+def launch_config(mode: str, block_m: int, w13: GemmConfig, w2: GemmConfig) -> LaunchConfig:
+    return LaunchConfig(mode == "sorted", block_m, w13, w2, gemv=mode == "gemv")
+
+
+def _gemv_candidates(space: dict, weight_tiles: int) -> list[GemmConfig]:
+    out = []
+    for bn, bk, warps, stages in itertools.product(space["BLOCK_N"], space["BLOCK_K"], space["num_warps"],
+                                                   space["num_stages"]):
+        if bn * bk * weight_tiles // (warps * 32) <= GEMV_MAX_PARTIALS:
+            out.append(GemmConfig(bn, bk, 1, warps, stages))
+    return out
+
+
+def candidates(problem: Problem, spaces: tuple, smem_limit: int) -> list[tuple[str, int, str, GemmConfig]]:
+    """Every (mode, BLOCK_M, "w13" | "w2", GemmConfig) the search times for ``problem``."""
     space = space_for(spaces, problem.num_tokens)
+    gemv_space = INTERPRETER_GEMV_SPACE if spaces is INTERPRETER_SPACES else GPU_GEMV_SPACE
     elem = torch.empty(0, dtype=DTYPES[problem.dtype]).element_size()
     out = []
-    for align, block_m in row_tilings(problem, space):
-        out += [(align, block_m, "w13", c) for c in gemm_candidates(space, block_m, 2, elem, smem_limit)]
-        out += [(align, block_m, "w2", c) for c in gemm_candidates(space, block_m, 1, elem, smem_limit)]
+    for mode, block_m in row_tilings(problem, space):
+        if mode == "gemv":
+            out += [(mode, block_m, "w13", c) for c in _gemv_candidates(gemv_space, 2)]
+            out += [(mode, block_m, "w2", c) for c in _gemv_candidates(gemv_space, 1)]
+            continue
+        out += [(mode, block_m, "w13", c) for c in gemm_candidates(space, block_m, 2, elem, smem_limit)]
+        out += [(mode, block_m, "w2", c) for c in gemm_candidates(space, block_m, 1, elem, smem_limit)]
     return out
 
 
@@ -131,14 +153,21 @@ def _tensors(problem: Problem, device: torch.device, random_weights: bool = True
     topk_weights, topk_ids = route(torch.randn(T, E, device=device, generator=gen), k, renormalize=True)
     return dict(x=x, w13=w13, w2=w2, topk_ids=topk_ids, slot_weights=topk_weights.reshape(-1).contiguous(),  # [S]
                 inter=torch.empty(T * k, I, device=device, dtype=dtype),  # [S, I]
-                slot_out=torch.empty(T * k, H, device=device, dtype=dtype))  # [S, H]
+                slot_out=torch.empty(T * k, H, device=device, dtype=dtype),  # [S, H]
+                out=torch.empty(T, H, device=device, dtype=dtype))  # [T, H]
 
 
-def _launcher(problem: Problem, t: dict, align: bool, block_m: int, which: str):
+def _launcher(problem: Problem, t: dict, mode: str, block_m: int, which: str):
     """A function cfg -> one launch of kernel ``which`` with that GemmConfig (alignment done once, here)."""
-    from moe_kernels.triton_backend import invoke_w2, invoke_w13, slot_blocks
+    from moe_kernels.triton_backend import flat_ids, invoke_w2, invoke_w2_gemv, invoke_w13, invoke_w13_gemv, slot_blocks
 
-    blocks = slot_blocks(t["topk_ids"], problem.E, LaunchConfig(align, block_m, GemmConfig(16, 16), GemmConfig(16, 16)))
+    if mode == "gemv":
+        ids = flat_ids(t["topk_ids"])
+        if which == "w13":
+            return lambda cfg: invoke_w13_gemv(t["x"], t["w13"], ids, t["inter"], problem.k, cfg)
+        return lambda cfg: invoke_w2_gemv(t["inter"], t["w2"], ids, t["slot_weights"], t["out"], problem.k, cfg)
+    placeholder = launch_config(mode, block_m, GemmConfig(16, 16), GemmConfig(16, 16))
+    blocks = slot_blocks(t["topk_ids"], problem.E, placeholder)
     if which == "w13":
         return lambda cfg: invoke_w13(t["x"], t["w13"], t["inter"], blocks, problem.k, cfg)
     return lambda cfg: invoke_w2(t["inter"], t["w2"], t["slot_weights"], t["slot_out"], blocks, cfg)
@@ -155,9 +184,9 @@ def _compile_chunk(job: tuple[Problem, list[tuple[bool, int, str, dict]]]) -> in
     with torch.inference_mode():
         t = _tensors(problem, device, random_weights=False)
         compiled = 0
-        for align, block_m, which, cfg in tasks:
+        for mode, block_m, which, cfg in tasks:
             try:
-                _launcher(problem, t, align, block_m, which)(GemmConfig(**cfg))
+                _launcher(problem, t, mode, block_m, which)(GemmConfig(**cfg))
                 compiled += 1
             except Exception:  # noqa: BLE001 out of resources on this GPU: the parent skips it too
                 pass
@@ -173,7 +202,7 @@ def precompile(problems: list[Problem], spaces: tuple, smem_limit: int, jobs: in
 
     work = []
     for problem in problems:
-        tasks = [(a, m, w, asdict(c)) for a, m, w, c in candidates(problem, spaces, smem_limit)]
+        tasks = [(mode, m, w, asdict(c)) for mode, m, w, c in candidates(problem, spaces, smem_limit)]
         work += [(problem, tasks[i:i + 8]) for i in range(0, len(tasks), 8)]
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         compiled = sum(pool.imap_unordered(_compile_chunk, work))
@@ -202,20 +231,25 @@ def tune_one(problem: Problem, device: torch.device, spaces: tuple, smem_limit: 
     from moe_kernels.triton_backend import slot_blocks
 
     t = _tensors(problem, device)
-    by_tiling: dict[tuple[bool, int], dict[str, list[GemmConfig]]] = {}
-    for align, block_m, which, cfg in candidates(problem, spaces, smem_limit):
-        by_tiling.setdefault((align, block_m), {"w13": [], "w2": []})[which].append(cfg)
+    by_tiling: dict[tuple[str, int], dict[str, list[GemmConfig]]] = {}
+    for mode, block_m, which, cfg in candidates(problem, spaces, smem_limit):
+        by_tiling.setdefault((mode, block_m), {"w13": [], "w2": []})[which].append(cfg)
     best = (float("inf"), None)
-    for (align, block_m), cfgs in by_tiling.items():
-        placeholder = LaunchConfig(align, block_m, GemmConfig(16, 16), GemmConfig(16, 16))
-        align_ms = _time(lambda: slot_blocks(t["topk_ids"], problem.E, placeholder), device, reps, warmup)
-        ms1, cfg1 = _fastest(_launcher(problem, t, align, block_m, "w13"), cfgs["w13"], device, reps, warmup)
-        ms2, cfg2 = _fastest(_launcher(problem, t, align, block_m, "w2"), cfgs["w2"], device, reps, warmup)
+    for (mode, block_m), cfgs in by_tiling.items():
+        placeholder = launch_config(mode, block_m, GemmConfig(16, 16), GemmConfig(16, 16))
+        # The GEMM paths pay for alignment and for torch's sum over k; the gemv path does neither.
+        align_ms = 0.0
+        if mode != "gemv":
+            per_token = t["slot_out"].view(problem.num_tokens, problem.k, problem.H)  # [T, k, H]
+            align_ms = _time(lambda: (slot_blocks(t["topk_ids"], problem.E, placeholder), per_token.sum(dim=1)),
+                             device, reps, warmup)
+        ms1, cfg1 = _fastest(_launcher(problem, t, mode, block_m, "w13"), cfgs["w13"], device, reps, warmup)
+        ms2, cfg2 = _fastest(_launcher(problem, t, mode, block_m, "w2"), cfgs["w2"], device, reps, warmup)
         if cfg1 is None or cfg2 is None:
             continue
         total = align_ms + ms1 + ms2
         if total < best[0]:
-            best = (total, LaunchConfig(align, block_m, cfg1, cfg2))
+            best = (total, launch_config(mode, block_m, cfg1, cfg2))
     if best[1] is None:
         raise RuntimeError(f"no candidate config ran for T={problem.num_tokens}")
     return best[1], best[0]
@@ -301,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / config_file_name(args.E, 2 * args.I, args.H, args.dtype, name)
+    if path.is_file():  # re-tuning some token counts keeps the others
+        kept = json.loads(path.read_text()).get("configs", {})
+        data["configs"] = {t: c for t, c in sorted({**kept, **configs}.items(), key=lambda item: int(item[0]))}
     path.write_text(_format(data))
     print(path)
     return 0

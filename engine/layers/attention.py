@@ -47,12 +47,43 @@ class Attention(nn.Module):
         else:
             assert qk_norm == "none", qk_norm
         self.scale = head_dim**-0.5
+        # Set by engine.layers.fusion: q/k norms and RoPE in one Triton pass over the packed projection.
+        self.fused_rope = False
         # [N_blocks, block_size, kvh, d] each; bound by the runner once the pool is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | TritonAttentionMetadata) -> torch.Tensor:
-        num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2kv]
+        if self.fused_rope and self.qk_norm != "full" and self.clip_qkv is None:
+            q, k, v = self._fused_norm_rope(qkv, positions)
+        else:
+            q, k, v = self._norm_rope(qkv, positions)
+        k_cache, v_cache = self.kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        # The metadata's type is the backend the runner chose (config attention_backend).
+        if isinstance(meta, TritonAttentionMetadata):
+            out = triton_paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, h, d]
+        else:
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+    def _fused_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor):
+        from engine.layers.triton_elementwise import rope_inplace
+
+        # q heads then k heads are adjacent columns of qkv: one launch rotates (and normalizes) both, in place.
+        per_head = self.qk_norm == "per_head"
+        rope_inplace(
+            qkv, self.num_heads + self.num_kv_heads, self.num_heads, positions, self.rotary.cos_cache,
+            self.rotary.sin_cache, self.head_dim, self.q_norm.weight if per_head else None,
+            self.k_norm.weight if per_head else None, self.q_norm.eps if per_head else 0.0,
+        )
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.reshape(num_tokens, self.num_heads, self.head_dim), k.reshape(num_tokens, self.num_kv_heads, self.head_dim),
+                v.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+
+    def _norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor):
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -64,11 +95,4 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = self.kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        # The metadata's type is the backend the runner chose (config attention_backend).
-        if isinstance(meta, TritonAttentionMetadata):
-            out = triton_paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, h, d]
-        else:
-            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return q, k, v

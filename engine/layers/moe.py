@@ -44,13 +44,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = None
         # [E] tokens routed to each expert since start; accumulated on the device, read only for stats.
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.routing_backend = "torch"  # engine.layers.fusion sets "triton": routing and counting in one launch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)  # [T, E]
-        topk_weights, topk_ids = moe_kernels.route(router_logits, self.top_k, renormalize=self.renormalize)  # [T, k]
-        # index_add_, not bincount: bincount reads its size back to the host, a sync per layer on CUDA.
-        ids = topk_ids.flatten().long()
-        self.expert_tokens.index_add_(0, ids, torch.ones_like(ids))
+        topk_weights, topk_ids = moe_kernels.route(
+            router_logits, self.top_k, renormalize=self.renormalize, expert_counts=self.expert_tokens,
+            backend=self.routing_backend,
+        )  # [T, k]
         out = moe_kernels.fused_moe(
             x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend
         )  # [T, H]

@@ -51,7 +51,12 @@ COMMON_WEIGHT_RULES: tuple[WeightRule, ...] = (
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual sum is carried between layers unfinished: a layer returns its
+    MLP output and the running sum before it, and the next norm adds the two
+    as it normalizes (one fused pass when the norms are fused).
+    """
 
     def __init__(self, config: ModelConfig, self_attn: Attention, mlp: nn.Module) -> None:
         super().__init__()
@@ -60,9 +65,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H]: the last layer's MLP output (the embeddings at layer 0, with residual None).
+
+        Returns (this layer's MLP output, the residual sum it adds to).
+        """
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderStack(nn.Module):
@@ -98,10 +113,10 @@ class MoECausalLM(nn.Module, abc.ABC):
         return [layer.self_attn for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # [T, H]
+        x, residual = self.model.embed_tokens(input_ids), None  # [T, H]
         for layer in self.model.layers:
-            x = layer(x, positions, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, meta)
+        return self.model.norm(x, residual)[0] if residual is not None else self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, V]

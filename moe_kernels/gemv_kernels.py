@@ -1,0 +1,100 @@
+"""Matrix-vector kernels for the routed experts at decode sizes (a handful of tokens).
+
+Legend: T tokens, H hidden, I expert intermediate, E experts, k top-k,
+S = T*k slots (slot s is token s // k).
+
+At one or two tokens the grouped GEMMs spend most of each tile on padding
+rows, and the three launches (two GEMMs and the sum over k) each pay their
+ramp-up on a few microseconds of work. Here every program streams a
+[BLOCK_N, BLOCK_K] weight tile per step against one activation vector,
+keeping float32 partial products per lane and reducing once at the end:
+
+    kernel 1, grid (S, I / BLOCK_N):  inter[s] = act(gate[e] @ x[t]) * (up[e] @ x[t])
+    kernel 2, grid (T, H / BLOCK_N):  out[t] = sum_j w[t, j] * (w2[e_j] @ inter[t*k + j])
+
+Kernel 2 sums the k experts of its token in a fixed order inside the
+program: no [S, H] buffer, no third launch, and the same result every run.
+Weights must be contiguous along K (the last dim), as packed checkpoints are.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def w13_gemv_kernel(
+    x_ptr, w_ptr, ids_ptr, out_ptr,  # x [T, H], w13 [E, 2I, H], ids [S] i32, out [S, I]
+    top_k, inter_size, hidden_size,
+    stride_xt, stride_we, stride_wn, stride_os,
+    ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    slot = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    token = slot // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] gate rows (up rows are I further)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < inter_size
+    g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    u_ptrs = g_ptrs + inter_size * stride_wn
+    x_ptrs = x_ptr + token * stride_xt + offs_k
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+        if EVEN_K:
+            xv = tl.load(x_ptrs)
+            g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < hidden_size - kk * BLOCK_K
+            xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        xf = xv.to(tl.float32)[None, :]
+        acc_g += g.to(tl.float32) * xf
+        acc_u += u.to(tl.float32) * xf
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    gate = tl.sum(acc_g, axis=1)  # [BLOCK_N]
+    up = tl.sum(acc_u, axis=1)
+    if ACTIVATION == "silu":
+        act = gate * tl.sigmoid(gate)
+    else:  # exact (erf) gelu
+        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+    tl.store(out_ptr + slot * stride_os + offs_n, (act * up).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def w2_gemv_sum_kernel(
+    h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr,  # h [S, I], w2 [E, H, I], ids [S] i32, weights [S] f32, out [T, H]
+    top_k, hidden_size, inter_size,
+    stride_hs, stride_we, stride_wn, stride_ot,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden columns
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < hidden_size
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(0, top_k):
+        slot = token * top_k + j
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        weight = tl.load(weights_ptr + slot)
+        a_ptrs = h_ptr + slot * stride_hs + offs_k
+        b_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(inter_size, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < inter_size - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        total += weight * tl.sum(acc, axis=1)
+    tl.store(out_ptr + token * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
