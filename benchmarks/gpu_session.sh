@@ -52,7 +52,7 @@ for spec in "$@"; do
         bench-engine) run_stage bench-engine "$limit" $PY -m engine.bench_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
         bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m engine.bench_gpu --skip-hf --elementwise torch \
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;
-        bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m engine.bench_gpu ${ENGINE_ARGS:-} --json "$WORK/bench_engine_hf.json" ;;
+        bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m engine.bench_gpu --json "$WORK/bench_engine_hf.json" ;;
         *) echo "unknown stage $name" >&2; exit 2 ;;
     esac
 done

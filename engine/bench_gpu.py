@@ -179,6 +179,23 @@ def profile_step(engine, rows: int = 25) -> str:
     return "\n".join(report)
 
 
+def profile_decode(engine, profile: Profile, rng: random.Random) -> str:
+    """``profile_step`` at ``profile.profile_concurrency`` decoding requests.
+
+    Run last: after torch.profiler has run once in a process, eager steps
+    launch more slowly (seen here: the end-to-end run took 1.7x as long), so
+    nothing timed may follow it.
+    """
+    conc, vocab = profile.profile_concurrency, engine.model_config.vocab_size
+    ids = [engine.add_request(_random_prompt(rng, profile.decode_prompt_len, vocab), _params(64)) for _ in range(conc)]
+    while engine.last_stats is None or engine.last_stats.step_prefill_tokens or engine.last_stats.num_running < conc:
+        engine.step()
+    text = profile_step(engine)
+    for request_id in ids:
+        engine.abort(request_id)
+    return text
+
+
 def num_moe_layers(engine) -> int:
     from engine.layers.moe import SparseMoeBlock
 
@@ -213,8 +230,6 @@ def bench_decode(engine, profile: Profile, peaks: dict, costs, rng: random.Rando
             sched_ms.append(engine.last_stats.step_schedule_ms)
             prep_ms.append(engine.last_stats.step_prepare_ms)
             assert engine.last_stats.step_decode_tokens == conc and engine.last_stats.step_prefill_tokens == 0
-        if profile.profile_concurrency == conc:
-            _log(f"profile of one decode step at C={conc}:\n{profile_step(engine)}")
         syncs = _count_syncs(engine)
         hit = _experts_hit(engine)
         for request_id in ids:
@@ -363,13 +378,17 @@ def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwi
     prompts = e2e_workload(profile, engine.model_config.vocab_size)
     e2e = [bench_e2e_moegate(engine, prompts, profile.e2e_output_len)]
     _log(f"moegate end to end: {e2e[0]['tokens_per_s']:.1f} tok/s")
+    decode_profile = None
+    if profile.profile_concurrency and device.type == "cuda":
+        decode_profile = profile_decode(engine, profile, rng)
+        _log(f"profile of one decode step at C={profile.profile_concurrency}:\n{decode_profile}")
     model_config, dtype = engine.model_config, engine.dtype
     graphs = engine.runner.decode_graphs
     report = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run, Triton interpreter)",
         torch=torch.__version__, profile=asdict(profile), dtype=str(dtype).removeprefix("torch."),
         attention_backend=engine.attention_backend, elementwise_backend=engine.elementwise_backend, cuda_graph_sizes=list(graphs.sizes) if graphs else None,
-        kv_blocks=engine.scheduler.kv.pool.num_blocks, costs=asdict(costs), **peaks,
+        kv_blocks=engine.scheduler.kv.pool.num_blocks, costs=asdict(costs), decode_profile=decode_profile, **peaks,
     )
     del engine, graphs
     gc.collect()

@@ -4,7 +4,7 @@ Legend: T tokens, H hidden, I expert intermediate, E experts, k top-k, S = T*k s
 
 For each model shape and token count (bfloat16, random routing) it times the
 Triton backend, the torch per-expert loop and ``torch._grouped_mm`` (where this
-torch has it) with CUDA events (median of ``--reps``, L2 flushed before each
+torch has it) with CUDA events (median of ``--reps``, L2 flushed by a read before each
 call; Triton and grouped_mm as CUDA-graph replays, as the engine's decode
 graphs run them, the host-syncing torch loop eagerly), and reports achieved TFLOP/s and GB/s next to the peaks measured in the
 same run: a large bf16 ``torch.matmul`` and a large device-to-device copy.
@@ -63,7 +63,7 @@ class Profile:
     warmup: int
     peak_matmul_n: int  # n of the n x n x n matmul that measures peak TFLOP/s
     copy_bytes: int  # size of the buffer copied to measure bandwidth
-    flush_bytes: int  # L2 flush buffer, zeroed before each timed call (0: none)
+    flush_bytes: int  # L2 flush buffer, read before each timed call (0: none)
 
 
 GPU_PROFILE = Profile(MODELS, TOKENS, reps=20, warmup=3, peak_matmul_n=8192, copy_bytes=2 << 30, flush_bytes=256 << 20)
@@ -96,8 +96,11 @@ def capture_graph(fn, device: torch.device):
 def median_ms(fn, device: torch.device, reps: int, warmup: int, flush: torch.Tensor | None = None) -> float:
     """Median wall time of ``fn()`` in milliseconds: CUDA events on a GPU, perf_counter on the CPU.
 
-    ``flush`` (a large buffer) is zeroed before each timed call, outside the
-    timed region, so weights are read from memory and not from L2.
+    ``flush`` (a large buffer) is read before each timed call, outside the
+    timed region, so weights come from memory and not from L2. Read, not
+    zeroed: a zeroing pass leaves L2 full of dirty lines whose write-back
+    would land inside the timed call and bill a memory-bound kernel for
+    traffic that is not its own.
     """
     for _ in range(warmup):
         fn()
@@ -112,7 +115,7 @@ def median_ms(fn, device: torch.device, reps: int, warmup: int, flush: torch.Ten
     events = []
     for _ in range(reps):
         if flush is not None:
-            flush.zero_()
+            flush.max()  # a reduction: reads every byte, writes one scalar
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -208,7 +211,7 @@ def bench_shape(shape: MoeShape, num_tokens: int, profile: Profile, device: torc
 def run(profile: Profile, device: torch.device, dtype: torch.dtype) -> dict:
     """Measure peaks, then every model x token count x backend; returns everything as plain data."""
     peak_tflops, peak_gbps = measure_peaks(profile, device, dtype)
-    flush = torch.empty(profile.flush_bytes, dtype=torch.uint8, device=device) if profile.flush_bytes else None
+    flush = torch.ones(profile.flush_bytes, dtype=torch.uint8, device=device) if profile.flush_bytes else None
     records = []
     for shape in profile.models:
         gen = torch.Generator(device=device).manual_seed(0)
