@@ -297,11 +297,27 @@ def bench_e2e_moegate(engine, prompts: list[list[int]], output_len: int) -> dict
     for prompt in prompts:
         engine.add_request(prompt, _params(output_len))
     produced = 0
+    steps = []  # (seconds, decode tokens, prefill tokens, replayed from a graph)
+    graphs = engine.runner.decode_graphs
     while engine.has_unfinished():
+        replays, t0 = graphs.replays if graphs else 0, time.perf_counter()
         produced += sum(len(o.new_token_ids) for o in engine.step())
+        stats = engine.last_stats
+        steps.append((time.perf_counter() - t0, stats.step_decode_tokens, stats.step_prefill_tokens,
+                      bool(graphs and graphs.replays > replays)))
     seconds = time.perf_counter() - start
     assert produced == len(prompts) * output_len, (produced, len(prompts) * output_len)
-    return dict(system="moegate", output_tokens=produced, seconds=seconds, tokens_per_s=produced / seconds)
+    # Where the time went: a slow end-to-end run shows here as eager decode steps or long prefill steps.
+    decode = [t for t, d, p, _ in steps if p == 0 and d]
+    breakdown = dict(
+        steps=len(steps), prefill_steps=sum(p > 0 for _, _, p, _ in steps),
+        prefill_step_s=round(sum(t for t, _, p, _ in steps if p > 0), 4), decode_step_s=round(sum(decode), 4),
+        decode_step_median_ms=round(statistics.median(decode) * 1e3, 3) if decode else None,
+        eager_decode_steps=sum(1 for _, d, p, g in steps if p == 0 and d and not g),
+        host_s_outside_steps=round(seconds - sum(t for t, *_ in steps), 4),
+    )
+    _log(f"moegate end to end breakdown: {breakdown}")
+    return dict(system="moegate", output_tokens=produced, seconds=seconds, tokens_per_s=produced / seconds, **breakdown)
 
 
 def _hf_model(model_config, dtype: torch.dtype, device: torch.device):

@@ -92,6 +92,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, cache_config, self.device, self.dtype, config.seed, self.attention_backend)
         # The torch MoE backend reads expert counts on the host, which a graph capture forbids.
         graph_safe_moe = config.moe_backend != "torch"
+        if self.device.type == "cuda" and graph_safe_moe:
+            from engine.warmup import warm_up_moe
+
+            warm_up_moe(self.model, config.max_num_batched_tokens, self.device, self.dtype)
         if self.device.type == "cuda" and self.attention_backend == "triton" and graph_safe_moe and not config.enforce_eager:
             from engine.cuda_graphs import enable_decode_graphs
 

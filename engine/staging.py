@@ -37,17 +37,35 @@ def stage_int64(arrays: Sequence[Sequence[int] | Sequence[Sequence[int]]], devic
     An empty 2-D array comes back with shape [0].
     """
     flat, shapes = _flatten(arrays)
+    # Every view starts on a 16-byte boundary (an even int64 offset). Triton specializes a kernel on
+    # whether each pointer is 16-byte aligned; views at whatever offset the previous arrays' lengths
+    # left would flip that from step to step, and each new combination is a fresh multi-second compile.
+    sizes = [_numel(shape) for shape in shapes]
+    starts, offset = [], 0
+    for n in sizes:
+        starts.append(offset)
+        offset += n + (n & 1)
+    padded = [0] * offset
+    for start, n, chunk in zip(starts, sizes, _chunks(flat, sizes)):
+        padded[start:start + n] = chunk
     on_cuda = device.type == "cuda"
-    host = torch.tensor(flat, dtype=torch.int64, pin_memory=on_cuda)
+    host = torch.tensor(padded, dtype=torch.int64, pin_memory=on_cuda)
     packed = host.to(device, non_blocking=True) if on_cuda else host
-    views, offset = [], 0
-    for shape in shapes:
-        n = 1
-        for dim in shape:
-            n *= dim
-        views.append(packed[offset:offset + n].view(shape))
+    return [packed[start:start + n].view(shape) for start, n, shape in zip(starts, sizes, shapes)]
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _chunks(flat: list[int], sizes: list[int]):
+    offset = 0
+    for n in sizes:
+        yield flat[offset:offset + n]
         offset += n
-    return views
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

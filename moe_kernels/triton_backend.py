@@ -58,7 +58,9 @@ def _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED: tl
     return slots, row_ok, expert
 
 
-@triton.jit
+# num_slots and num_blocks_m change with every token count: specializing on their divisibility would
+# compile each launch config up to four times, at whatever step first hits each variant.
+@triton.jit(do_not_specialize=["num_slots", "num_blocks_m"])
 def _w13_act_kernel(
     x_ptr, w_ptr, out_ptr,  # x [T, H], w13 [E, 2I, H], out [S, I]
     sorted_slots_ptr, block_expert_ptr, num_padded_ptr,
@@ -118,7 +120,7 @@ def _w13_act_kernel(
     tl.store(out_ptrs, h, mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_blocks_m"])
 def _w2_weighted_kernel(
     h_ptr, w_ptr, topk_weights_ptr, out_ptr,  # h [S, I], w2 [E, H, I], topk_weights [S] f32, out [S, H]
     sorted_slots_ptr, block_expert_ptr, num_padded_ptr,

@@ -36,7 +36,9 @@ def _scores_mask_update(s, visible, m_i, l_i, acc, v, UPCAST: tl.constexpr, PREC
     return m_new, l_i, acc
 
 
-@triton.jit
+# Per-step ints (split count, block-table width) are not specialized on: each new value's divisibility
+# would otherwise be a fresh compile in the middle of serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
     block_table_ptr, seq_lens_ptr,
@@ -105,7 +107,7 @@ def paged_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def paged_decode_reduce_kernel(
     part_out_ptr, part_ml_ptr, out_ptr, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -129,7 +131,7 @@ def paged_decode_reduce_kernel(
     tl.store(out_ptr + req * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_table_ptr, seq_lens_ptr, query_start_ptr, query_len_ptr, tile_req_ptr, tile_start_ptr,
