@@ -182,9 +182,8 @@ def profile_step(engine, rows: int = 25) -> str:
 def profile_decode(engine, profile: Profile, rng: random.Random) -> str:
     """``profile_step`` at ``profile.profile_concurrency`` decoding requests.
 
-    Run last: after torch.profiler has run once in a process, eager steps
-    launch more slowly (seen here: the end-to-end run took 1.7x as long), so
-    nothing timed may follow it.
+    Run last, after everything timed: the profiler's own overhead and the
+    eager steps it runs should not land in any measured number.
     """
     conc, vocab = profile.profile_concurrency, engine.model_config.vocab_size
     ids = [engine.add_request(_random_prompt(rng, profile.decode_prompt_len, vocab), _params(64)) for _ in range(conc)]
