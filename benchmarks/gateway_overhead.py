@@ -1,7 +1,8 @@
 """Gateway overhead: the whole gateway (auth, quota admission, metrics, usage ledger) in front of an
 engine that answers at once, against a bare aiohttp handler that returns the same JSON.
 
-    python -m benchmarks.gateway_overhead [--duration 5] [--concurrency 32]
+    python -m benchmarks.gateway_overhead [--duration 10] [--concurrency 32] [--warmup 1]
+        [--unfrozen] [--baseline SOURCE_DIR]
 
 Runs each server in its own process (one core each side on a 2-core machine: the
 client is the other process) and reports:
@@ -10,14 +11,24 @@ client is the other process) and reports:
     latency of the gateway and of the bare server at the same rate, and the difference
     (the latency the gateway adds). Latency is measured from each request's scheduled
     send time, so a client that falls behind shows up as latency, not as a lower rate.
+
+Each open-loop run first sends ``--warmup`` seconds of the same traffic on the same
+client session, not counted, so connections are open as they are on a server under
+steady load. The client is the measuring instrument: its own garbage collector is off
+while it measures (its full collections stalled it for 50-100 ms, which read as latency
+of whichever server it was measuring). Both servers freeze their startup heap as
+``create_app`` does for the gateway. ``other_cpu_pct`` is CPU time used meanwhile by
+processes outside the benchmark (the machine is shared), in % of one core.
 """
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -42,7 +53,7 @@ def _install_uvloop() -> None:
 # -- servers (run in child processes) -------------------------------------------------------------------
 
 
-def _serve_gateway(port: int, db_url: str, access_log: bool) -> None:
+def _serve_gateway(port: int, db_url: str, access_log: bool, freeze: bool = True) -> None:
     from aiohttp import web
 
     from benchmarks.instant_engine import InstantEngine
@@ -54,12 +65,11 @@ def _serve_gateway(port: int, db_url: str, access_log: bool) -> None:
     if access_log:  # formatted like `moegate serve` does, written nowhere
         logging.basicConfig(level=logging.INFO, stream=open(os.devnull, "w"))
     _install_uvloop()
-    import gc
-    if os.environ.get("BENCH_GC_OFF"):
-        gc.disable()
-    ttl = float(os.environ.get("BENCH_TTL", "5"))
-    app = create_app(GatewayConfig(port=port, database_url=db_url, auth_cache_ttl_s=ttl, policy_cache_ttl_s=ttl),
-                     InstantEngine())
+    app = create_app(GatewayConfig(port=port, database_url=db_url), InstantEngine())
+    if not freeze:  # --unfrozen: the gateway without its startup heap freeze, for a side-by-side comparison
+        from gateway.heap import freeze_startup_heap
+
+        app.on_startup.remove(freeze_startup_heap)
     web.run_app(app, host="127.0.0.1", port=port, print=None, handler_cancellation=True,
                 access_log=access_logger if access_log else None)
 
@@ -79,8 +89,11 @@ def _serve_bare(port: int) -> None:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    from gateway.heap import freeze_startup_heap
+
     _install_uvloop()
     app = web.Application()
+    app.on_startup.append(freeze_startup_heap)  # the reference gets what the gateway gets
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/health", health)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
@@ -154,82 +167,158 @@ async def saturation(url: str, headers: dict, concurrency: int, duration_s: floa
         return done / (time.monotonic() - start)
 
 
-async def open_loop(url: str, headers: dict, rate: float, duration_s: float, seed: int = 0) -> list[float]:
-    """Latencies (s) of Poisson arrivals at ``rate``, each measured from its scheduled send time."""
+async def open_loop(url: str, headers: dict, rate: float, duration_s: float, warmup_s: float = 1.0,
+                    seed: int = 0) -> list[float]:
+    """Latencies (s) of Poisson arrivals at ``rate``, each measured from its scheduled send time.
+
+    Arrivals in the first ``warmup_s`` seconds are sent but not counted.
+    """
     rng = random.Random(seed)
     latencies: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def timed(at: float) -> None:
+        async def timed(at: float, counted: bool) -> None:
             await _one(session, url, headers)
-            latencies.append(time.perf_counter() - at)
+            if counted:
+                latencies.append(time.perf_counter() - at)
 
         tasks, t = [], time.perf_counter() + 0.2
-        end = t + duration_s
+        counted_from = t + warmup_s
+        end = counted_from + duration_s
         while t < end:
             delay = t - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(timed(t)))
+            tasks.append(asyncio.create_task(timed(t, t >= counted_from)))
             t += rng.expovariate(rate)
         await asyncio.gather(*tasks)
     return latencies
+
+
+def _measured(coro_fn, *args):
+    """Run one measurement with the client's garbage collector off (see the module docstring)."""
+    gc.collect()
+    gc.disable()
+    try:
+        return asyncio.run(coro_fn(*args))
+    finally:
+        gc.enable()
+
+
+class _OtherCPU:
+    """CPU time used by processes other than ``pids`` between ``start`` and ``stop``, in % of one core."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+
+    @staticmethod
+    def _busy_ticks() -> int:
+        # user nice system idle iowait irq softirq steal (guest time is already in user and nice)
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+        return sum(fields) - fields[3] - fields[4]
+
+    def _ours(self) -> int:
+        ticks = 0
+        for pid in self.pids:
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])  # utime + stime
+            except (OSError, IndexError, ValueError):
+                pass
+        return ticks
+
+    def start(self) -> None:
+        self._t, self._busy, self._mine = time.monotonic(), self._busy_ticks(), self._ours()
+
+    def stop(self) -> float:
+        seconds = time.monotonic() - self._t
+        other = (self._busy_ticks() - self._busy) - (self._ours() - self._mine)
+        return max(0.0, 100.0 * other / os.sysconf("SC_CLK_TCK") / seconds)
 
 
 def _pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 1000) - 1]
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "benchmarks.gateway_overhead", *args])
+def _start(args: list[str], source: str | None = None) -> subprocess.Popen:
+    """A server child; ``source``: run it from that source tree instead (its own code and benchmark)."""
+    if source is None:
+        return subprocess.Popen([sys.executable, "-m", "benchmarks.gateway_overhead", *args])
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.gateway_overhead", *args], cwd=source,
+                            env={**os.environ, "PYTHONPATH": source})
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds of open-loop traffic sent before measuring")
     p.add_argument("--access-log", action="store_true", help="keep aiohttp's access log on in the gateway")
-    p.add_argument("--serve", choices=["gateway", "bare"], help=argparse.SUPPRESS)
+    p.add_argument("--unfrozen", action="store_true",
+                   help="also measure the gateway without its startup heap freeze (gateway/heap.py), side by side")
+    p.add_argument("--baseline", metavar="SOURCE_DIR",
+                   help="also measure the gateway of another source tree (say a git worktree of an older commit), "
+                        "side by side; that tree's benchmark serves it")
+    p.add_argument("--serve", choices=["gateway", "gateway_unfrozen", "bare"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--db", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.serve == "gateway":
-        return _serve_gateway(args.port, args.db, args.access_log)
+    if args.serve in ("gateway", "gateway_unfrozen"):
+        return _serve_gateway(args.port, args.db, args.access_log, freeze=args.serve == "gateway")
     if args.serve == "bare":
         return _serve_bare(args.port)
     _install_uvloop()
+    gateways = ["gateway"] + (["gateway_unfrozen"] if args.unfrozen else []) + (["baseline"] if args.baseline else [])
     with tempfile.TemporaryDirectory() as tmp:
         db_url = f"sqlite:///{os.path.join(tmp, 'bench.db')}"
         key = _policy(db_url)
         headers = {"Authorization": f"Bearer {key}"}
-        ports = {"gateway": _free_port(), "bare": _free_port()}
-        procs = {"gateway": _start(["--serve", "gateway", "--port", str(ports["gateway"]), "--db", db_url]
-                                   + (["--access-log"] if args.access_log else [])),
-                 "bare": _start(["--serve", "bare", "--port", str(ports["bare"])])}
-        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+        procs = {}
+        urls = {}
+        for name in [*gateways, "bare"]:
+            port = _free_port()
+            serve = ["--serve", "gateway" if name == "baseline" else name, "--port", str(port)]
+            if name != "bare":  # each gateway its own copy of the policy database (same key)
+                db = os.path.join(tmp, f"{name}.db")
+                shutil.copy(os.path.join(tmp, "bench.db"), db)
+                serve += ["--db", f"sqlite:///{db}"] + (["--access-log"] if args.access_log else [])
+            procs[name] = _start(serve, os.path.abspath(args.baseline) if name == "baseline" else None)
+            urls[name] = f"http://127.0.0.1:{port}"
         results: dict = {}
         try:
             for url in urls.values():
                 asyncio.run(_wait_ready(url))
+            other = _OtherCPU([os.getpid(), *(proc.pid for proc in procs.values())])
             for name, url in urls.items():
-                results[f"{name}_saturation_rps"] = asyncio.run(saturation(url, headers, args.concurrency, args.duration))
-                print(f"{name:8s} saturation: {results[f'{name}_saturation_rps']:8.0f} req/s", flush=True)
+                other.start()
+                results[f"{name}_saturation_rps"] = _measured(saturation, url, headers, args.concurrency, args.duration)
+                results[f"{name}_saturation_other_cpu_pct"] = other.stop()
+                print(f"{name:16s} saturation: {results[f'{name}_saturation_rps']:8.0f} req/s "
+                      f"(other processes: {results[f'{name}_saturation_other_cpu_pct']:.0f}% CPU)", flush=True)
             half = results["gateway_saturation_rps"] / 2
             for rate in sorted({round(half), 1000}):
                 row = {}
                 for name, url in urls.items():
-                    lat = asyncio.run(open_loop(url, headers, rate, args.duration))
-                    row[name] = (_pct(lat, 0.5) * 1e3, _pct(lat, 0.99) * 1e3, len(lat) / args.duration)
-                added = (row["gateway"][0] - row["bare"][0], row["gateway"][1] - row["bare"][1])
-                results[f"open_loop_{rate}"] = {**row, "added_p50_ms": added[0], "added_p99_ms": added[1]}
-                print(f"open loop {rate:5d} req/s: gateway p50 {row['gateway'][0]:.2f} ms p99 {row['gateway'][1]:.2f} ms | "
-                      f"bare p50 {row['bare'][0]:.2f} ms p99 {row['bare'][1]:.2f} ms | "
-                      f"added p50 {added[0]:.2f} ms p99 {added[1]:.2f} ms", flush=True)
+                    other.start()
+                    lat = _measured(open_loop, url, headers, rate, args.duration, args.warmup)
+                    row[name] = {"p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
+                                 "max_ms": max(lat) * 1e3, "rps": len(lat) / args.duration,
+                                 "other_cpu_pct": other.stop()}
+                b = row["bare"]
+                print(f"open loop {rate:5d} req/s: bare p50 {b['p50_ms']:.2f} ms p99 {b['p99_ms']:.2f} ms "
+                      f"(other processes {b['other_cpu_pct']:.0f}% CPU)", flush=True)
+                for name in gateways:
+                    g = row[name]
+                    row[f"{name}_added_p50_ms"] = g["p50_ms"] - b["p50_ms"]
+                    row[f"{name}_added_p99_ms"] = g["p99_ms"] - b["p99_ms"]
+                    print(f"    {name:16s} p50 {g['p50_ms']:.2f} ms p99 {g['p99_ms']:.2f} ms max {g['max_ms']:.1f} ms | "
+                          f"added p50 {row[f'{name}_added_p50_ms']:.2f} ms p99 {row[f'{name}_added_p99_ms']:.2f} ms "
+                          f"(other processes {g['other_cpu_pct']:.0f}% CPU)", flush=True)
+                results[f"open_loop_{rate}"] = row
         finally:
             for proc in procs.values():
                 proc.terminate()
                 proc.wait(timeout=30)
         print(json.dumps(results, indent=1))
-
 
 if __name__ == "__main__":
     main()

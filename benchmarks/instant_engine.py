@@ -3,7 +3,8 @@
 It has the client interface the gateway uses (``start``, ``shutdown``,
 ``restart``, ``generate``, ``info``, ``stats``, ``dead``, ``config``) and
 produces ``num_tokens`` one-character deltas per request with no model
-behind them. Used only by the gateway overhead benchmark; never by the product.
+behind them. Used only by the gateway overhead benchmark and a gateway test; never by the
+product.
 """
 
 from collections.abc import AsyncIterator

@@ -22,6 +22,7 @@ from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, aut
 from gateway.completion import choice, completion_body, engine_down, usage_of
 from gateway.config import GatewayConfig
 from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, request_id_middleware
+from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
@@ -323,6 +324,9 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
     app.cleanup_ctx.append(store_lifecycle)
     app.cleanup_ctx.append(engine_lifecycle)
     app.cleanup_ctx.append(batch_lifecycle)
+    # After every cleanup context above has started (aiohttp runs them as the first startup signal).
+    app.on_startup.append(freeze_startup_heap)
+    app.on_cleanup.append(unfreeze_heap)  # after the cleanup contexts have closed everything
     app[DATA_DIR] = Path(config.data_dir)
     app[MAX_FILE_BYTES] = config.batch_max_file_bytes
     app[BATCH_WAKE] = asyncio.Event()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from datetime import date, datetime, timezone
 from typing import Callable
 
-from sqlalchemy import insert, select
+from sqlalchemy import BigInteger, bindparam, insert, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -40,6 +40,27 @@ from tenants.ttl_cache import RefreshingCache
 
 CONCURRENCY_WINDOW = 0
 CONCURRENCY_RETRY_S = 1.0  # nobody knows when an in-flight request ends; ask clients to come back soon
+
+
+def _counter_upserts(dialect_insert):
+    """The counter upsert, built once per manager: (unchecked, checked against the ``upper`` parameter).
+
+    Each returns the counter's new value, or no row where the checked one refused. Built from the
+    Core table with the values as execution parameters, so a bump builds no statement: building one
+    per call (``excluded`` is a fresh alias of the table, with reference cycles) cost event-loop time
+    and fed the cyclic garbage collector on every acquire and ledger flush.
+    """
+    table = QuotaCounter.__table__
+    stmts = []
+    for checked in (False, True):
+        ins = dialect_insert(table)
+        new_value = table.c.value + ins.excluded.value
+        stmts.append(ins.on_conflict_do_update(
+            index_elements=[table.c.tenant_id, table.c.kind, table.c.window],
+            set_={"value": new_value},
+            where=(new_value <= bindparam("upper", type_=BigInteger)) if checked else None,
+        ).returning(table.c.value))
+    return tuple(stmts)
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,7 +122,7 @@ class QuotaManager:
         self.policy_ttl_s = policy_ttl_s
         # tenant -> (status, limits), when ``policy_ttl_s`` > 0 (how long a changed quota may take to apply)
         self._policy = RefreshingCache(policy_ttl_s) if policy_ttl_s > 0 else None
-        self._insert = pg_insert if store.backend == "postgresql" else sqlite_insert
+        self._upsert, self._upsert_within = _counter_upserts(pg_insert if store.backend == "postgresql" else sqlite_insert)
 
     async def _load_policy(self, tenant_id: int) -> tuple[str, QuotaConfig]:
         async with self.store.sessions() as s:
@@ -124,14 +145,10 @@ class QuotaManager:
         """Add ``delta`` to one counter if the result stays within ``limit``; the new value, or None if refused."""
         if limit is not None and delta > limit:
             return None  # a fresh row would be inserted unchecked, so refuse before touching the table
-        ins = self._insert(QuotaCounter).values(tenant_id=tenant_id, kind=kind, window=window, value=delta)
-        new_value = QuotaCounter.value + ins.excluded.value
-        stmt = ins.on_conflict_do_update(
-            index_elements=[QuotaCounter.tenant_id, QuotaCounter.kind, QuotaCounter.window],
-            set_={"value": new_value},
-            where=(new_value <= limit) if limit is not None else None,
-        ).returning(QuotaCounter.value)
-        return (await s.execute(stmt)).scalar_one_or_none()
+        row = {"tenant_id": tenant_id, "kind": kind, "window": window, "value": delta}
+        if limit is None:
+            return (await s.execute(self._upsert, row)).scalar_one_or_none()
+        return (await s.execute(self._upsert_within, {**row, "upper": limit})).scalar_one_or_none()
 
     async def _value(self, s, tenant_id: int, kind: str, window: int) -> int:
         v = await s.scalar(select(QuotaCounter.value).where(
@@ -238,7 +255,8 @@ class QuotaManager:
             for (tenant, kind, window), change in sorted(deltas.items()):
                 await self._bump(s, tenant, _KIND_ORDER[kind], window, change, None)
             if rows:
-                await s.execute(insert(Usage), rows)  # Core executemany: no ORM objects on the event loop
+                # The Core table, not the mapped class: an executemany with no ORM bulk-insert bookkeeping.
+                await s.execute(insert(Usage.__table__), rows)
         return billed_each
 
     async def release(self, grant: Granted) -> None:
