@@ -122,6 +122,7 @@ class AsyncEngine:
         tenant: str = "default",
         weight: float = 1.0,
         preemptible: bool = True,
+        background: bool = False,
     ) -> AsyncIterator[Delta]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died."""
         if self.dead:
@@ -131,7 +132,8 @@ class AsyncEngine:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._send(AddRequest(request_id, prompt, sampling, cache_salt, messages, priority, tenant, weight, preemptible))
+            self._send(AddRequest(request_id, prompt, sampling, cache_salt, messages, priority, tenant, weight, preemptible,
+                                  background))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

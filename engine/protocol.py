@@ -41,6 +41,7 @@ class AddRequest(msgspec.Struct, tag=True):
     tenant: str = "default"
     weight: float = 1.0
     preemptible: bool = True
+    background: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag=True):

@@ -75,7 +75,8 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
     try:
         body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
         response, last = await complete(engine, body, chat, rid, int(time.time()), model, priority=priority,
-                                        tenant=tenant, weight=weight, preemptible=True, cache_salt=tenant)
+                                        tenant=tenant, weight=weight, preemptible=True, background=True,
+                                        cache_salt=tenant)
     except APIError as e:
         if e.status >= 500:
             raise
