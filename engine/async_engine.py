@@ -123,8 +123,12 @@ class AsyncEngine:
         weight: float = 1.0,
         preemptible: bool = True,
         background: bool = False,
+        stream: bool = True,
     ) -> AsyncIterator[Delta]:
-        """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died."""
+        """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
+
+        ``stream=False``: a single delta when the request finishes, with the whole output in it.
+        """
         if self.dead:
             raise EngineError(self.dead)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -133,7 +137,7 @@ class AsyncEngine:
         finished = False
         try:
             self._send(AddRequest(request_id, prompt, sampling, cache_salt, messages, priority, tenant, weight, preemptible,
-                                  background))
+                                  background, stream))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

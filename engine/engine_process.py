@@ -56,6 +56,7 @@ def run_engine_process(config: EngineConfig, conn: Connection) -> None:
     conn.send_bytes(encoder.encode(Ready(config.model, mc.architecture, engine.max_model_len, mc.vocab_size, engine.tokenizer is not None)))
 
     idle_change = False  # an abort freed blocks while idle: report the new state without a step
+    quiet: set[str] = set()  # requests that want only their final output (AddRequest.stream False)
     while True:
         # Drain every pending message; block for one only when there is nothing to step.
         while conn.poll(0 if engine.has_unfinished() or idle_change else None):
@@ -63,6 +64,7 @@ def run_engine_process(config: EngineConfig, conn: Connection) -> None:
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, AbortRequest):
+                quiet.discard(msg.request_id)
                 idle_change |= engine.abort(msg.request_id) is not None
             elif isinstance(msg, AddRequest):
                 try:
@@ -72,6 +74,8 @@ def run_engine_process(config: EngineConfig, conn: Connection) -> None:
                         priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
                         background=msg.background,
                     )
+                    if not msg.stream:
+                        quiet.add(msg.request_id)
                 except ValueError as e:
                     conn.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
         if not engine.has_unfinished():
@@ -81,9 +85,18 @@ def run_engine_process(config: EngineConfig, conn: Connection) -> None:
             continue
         outputs = engine.step()
         if outputs or engine.last_stats is not None:
-            deltas = [
-                Delta(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
-                      o.num_prompt_tokens, o.num_cached_tokens, len(o.token_ids), o.queue_time_s)
-                for o in outputs
-            ]
-            conn.send_bytes(encoder.encode(StepOutputs(deltas, engine.last_stats)))
+            conn.send_bytes(encoder.encode(StepOutputs(_deltas(outputs, quiet), engine.last_stats)))
+
+
+def _deltas(outputs, quiet: set[str]) -> list[Delta]:
+    """This step's deltas; a quiet request gets none until it finishes, then one with its whole output."""
+    deltas = []
+    for o in outputs:
+        if o.request_id not in quiet:
+            deltas.append(Delta(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
+                                o.num_prompt_tokens, o.num_cached_tokens, len(o.token_ids), o.queue_time_s))
+        elif o.finished:
+            quiet.discard(o.request_id)
+            deltas.append(Delta(o.request_id, o.token_ids, o.text, True, o.finish_reason, o.num_prompt_tokens,
+                                o.num_cached_tokens, len(o.token_ids), o.queue_time_s))
+    return deltas

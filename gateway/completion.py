@@ -38,7 +38,9 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
     """
     spec = sampling_spec(body)
     messages = [ChatTurn(m.role, m.content) for m in body.messages] if chat else None
-    stream = engine.generate("" if chat else body.prompt, spec, request_id=rid, messages=messages, **request_policy)
+    # Only the result is wanted: one message from the engine at the end, not one per token.
+    stream = engine.generate("" if chat else body.prompt, spec, request_id=rid, messages=messages, stream=False,
+                             **request_policy)
     text: list[str] = []
     last = None
     try:

@@ -26,3 +26,19 @@ def test_cpu_threads_is_validated():
         EngineConfig(model="m", cpu_threads=0)
     with pytest.raises(ValueError):
         EngineConfig(model="m", background_token_budget=0)
+
+
+def test_quiet_requests_get_one_delta_with_the_whole_output():
+    from engine.engine_process import _deltas
+    from engine.outputs import RequestOutput
+
+    def out(rid, ids, text, new_ids, new_text, finished):
+        return RequestOutput(rid, ids, text, new_ids, new_text, finished, "length" if finished else None, None, 5, 0, 0.01)
+
+    quiet = {"q"}
+    first = _deltas([out("s", [1], "a", [1], "a", False), out("q", [1], "a", [1], "a", False)], quiet)
+    assert [(d.request_id, d.new_token_ids, d.new_text) for d in first] == [("s", [1], "a")]
+    last = _deltas([out("s", [1, 2], "ab", [2], "b", True), out("q", [1, 2], "ab", [2], "b", True)], quiet)
+    assert [(d.request_id, d.new_token_ids, d.new_text, d.finished, d.num_output_tokens) for d in last] == [
+        ("s", [2], "b", True, 2), ("q", [1, 2], "ab", True, 2)]
+    assert quiet == set()  # forgotten once finished
