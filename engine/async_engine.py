@@ -122,8 +122,13 @@ class AsyncEngine:
         tenant: str = "default",
         weight: float = 1.0,
         preemptible: bool = True,
+        background: bool = False,
+        stream: bool = True,
     ) -> AsyncIterator[Delta]:
-        """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died."""
+        """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
+
+        ``stream=False``: a single delta when the request finishes, with the whole output in it.
+        """
         if self.dead:
             raise EngineError(self.dead)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -131,7 +136,8 @@ class AsyncEngine:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._send(AddRequest(request_id, prompt, sampling, cache_salt, messages, priority, tenant, weight, preemptible))
+            self._send(AddRequest(request_id, prompt, sampling, cache_salt, messages, priority, tenant, weight, preemptible,
+                                  background, stream))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -26,6 +26,11 @@ class EngineConfig:
     ``random_weights`` (a preset name or config.json path, see ``engine.random_weights``)
     builds a model of that shape with RANDOM weights instead of loading ``model``,
     which then only names it; tokenizer files come from ``tokenizer`` if given.
+    ``background_*``: how Batch API work yields to live work (see ``SchedulerConfig``).
+    ``cpu_threads``: torch's intra-op threads when the model runs on the CPU; None
+    is torch's default (every core) in-process, and one core fewer in the engine
+    process, which shares the machine with the gateway feeding it (see
+    ``engine.engine_process``).
     """
 
     model: str
@@ -49,8 +54,13 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     random_weights: str | None = None
+    background_token_budget: int = 64
+    background_window_s: float = 5.0
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.elementwise_backend not in ATTENTION_BACKENDS:
@@ -85,6 +95,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.background_token_budget < 1 or self.background_window_s < 0:
+            raise ValueError("background_token_budget must be >= 1 and background_window_s >= 0, got "
+                             f"{self.background_token_budget} and {self.background_window_s}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
@@ -109,6 +122,15 @@ class SchedulerConfig:
     ``max_num_seqs`` requests (or a drain), run them until the last finishes.
     ``dynamic``: like static, but a batch also starts ``max_wait_ms`` after its
     oldest request arrived.
+
+    Background requests (``Request.background``: the Batch API's lines) take idle
+    capacity only (continuous batching). A step that prefills foreground work
+    serves no background work, so a first token never shares its step with batch
+    work; and while foreground work is present, or was within the last
+    ``background_window_s``, background work gets at most ``background_token_budget``
+    tokens a step, so steps stay short and a foreground arrival waits little for
+    the step in flight. With no foreground traffic, background work has the
+    whole step.
     """
 
     max_num_seqs: int
@@ -116,7 +138,10 @@ class SchedulerConfig:
     max_model_len: int
     batching: str = "continuous"
     max_wait_ms: float = 50.0
+    background_token_budget: int = 64
+    background_window_s: float = 5.0
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2
+        assert self.background_token_budget >= 1 and self.background_window_s >= 0
         assert self.batching in BATCHING_STRATEGIES

@@ -56,6 +56,8 @@ class LLMEngine:
             self.model_config = random_model_config(config.random_weights)
         else:
             self.model_config = load_model_config(config.model)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.elementwise_backend = resolve_attention_backend(config.elementwise_backend, self.device)
@@ -84,6 +86,8 @@ class LLMEngine:
             SchedulerConfig(
                 config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                 batching=config.batching, max_wait_ms=config.max_wait_ms,
+                background_token_budget=config.background_token_budget,
+                background_window_s=config.background_window_s,
             ),
             cache_config,
         )
@@ -166,6 +170,7 @@ class LLMEngine:
         tenant: str = "default",
         weight: float = 1.0,
         preemptible: bool = True,
+        background: bool = False,
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) for a prompt that cannot be served."""
         prompt_ids = self.prepare_prompt(prompt)
@@ -177,7 +182,7 @@ class LLMEngine:
             raise ValueError(f"weight must be > 0, got {weight}")
         request = Request(
             request_id, prompt_ids, params, max_tokens, eos_token_id=eos, cache_salt=cache_salt,
-            priority=priority, tenant=tenant, weight=weight, preemptible=preemptible,
+            priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, background=background,
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)

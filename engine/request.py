@@ -39,7 +39,7 @@ class Request:
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "cache_salt", "num_preemptions", "stop_reason",
         "priority", "tenant", "weight", "preemptible", "admit_seq", "num_charged_prompt_tokens",
-        "first_scheduled_time",
+        "first_scheduled_time", "background",
     )
 
     def __init__(
@@ -55,9 +55,11 @@ class Request:
         tenant: str = "default",
         weight: float = 1.0,
         preemptible: bool = True,
+        background: bool = False,
     ) -> None:
         """``priority`` is a rank (lower is more urgent); ``weight`` is the tenant's fair share in its rank;
-        ``preemptible`` lets a waiting request of a better rank take this one's place."""
+        ``preemptible`` lets a waiting request of a better rank take this one's place; ``background``
+        work (the Batch API's) takes idle capacity only (see ``SchedulerConfig``)."""
         assert prompt_token_ids, "a request needs at least one prompt token"
         assert max_tokens >= 1
         self.request_id = request_id
@@ -80,6 +82,7 @@ class Request:
         self.tenant = tenant
         self.weight = weight
         self.preemptible = preemptible
+        self.background = background
         self.admit_seq = -1  # order of (re)admission: the most recently started is preempted first
         self.num_charged_prompt_tokens = 0  # prompt tokens already billed to the tenant's fair-share counter
 

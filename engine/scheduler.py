@@ -24,6 +24,15 @@ in the prefix cache, and it waits first in its rank. Starvation: a rank is
 served whenever every better rank's work fits in the step, and the running
 requests of any rank keep their blocks while they wait for budget, so batch
 work advances whenever capacity is idle.
+
+Background work (``Request.background``, the Batch API's lines, in their own
+worst rank) also yields step *time*, which matters where a step's duration
+grows with its size (a CPU, a small GPU batch): a foreground request's first
+token waits for the step in flight and then for its own prefill step. So a step
+that prefills foreground work serves no background work at all, and while
+foreground work is present or was recently (``background_window_s``), the
+background gets at most ``background_token_budget`` tokens a step, which keeps
+every step short. With no foreground traffic the background has whole steps.
 """
 
 import bisect
@@ -92,12 +101,16 @@ class Scheduler:
         self._last_decode_tokens = 0
         self.total_prefill_tokens = 0
         self.total_decode_tokens = 0
+        self._num_foreground = 0  # requests waiting or running that are not background
+        self._foreground_seen = -float("inf")  # clock() when foreground work was last present
+        self._background_left: float = float("inf")  # background tokens this step may still take
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         assert request.num_tokens < self.config.max_model_len, "the engine rejects prompts that leave no room to generate"
         self.requests[request.request_id] = request
+        self._num_foreground += not request.background
         self.vtc.on_arrival(request.tenant)
         self.waiting.add(request)
 
@@ -126,6 +139,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._num_foreground -= not request.background
         self.vtc.on_departure(request.tenant)
         self._finished_since_last_step.append(request.request_id)
 
@@ -197,6 +211,7 @@ class Scheduler:
         preempted: list[str] = []
         continuous = self.config.batching == "continuous"
         batch = None if continuous else self._batch_source()
+        self._background_left = self._background_allowance() if continuous else float("inf")
 
         ranks = sorted({r.priority for r in self.running} | (set(self.waiting.ranks()) if continuous else set()))
         memory_pressure = False
@@ -223,6 +238,17 @@ class Scheduler:
             finished_ids=finished,
         )
 
+    def _background_allowance(self) -> float:
+        """Tokens background requests may take this step (see the module docstring)."""
+        now = self.clock()
+        if self._num_foreground:
+            self._foreground_seen = now
+        if now - self._foreground_seen > self.config.background_window_s:
+            return float("inf")
+        foreground_prefill = self.waiting.num_foreground > 0 or any(
+            not r.background and r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+        return 0 if foreground_prefill else self.config.background_token_budget
+
     def _schedule_running(self, rank: int, preempted: list[str]) -> bool:
         """Serve this rank's running requests; True if memory ran out and forced a preemption."""
         pressure = False
@@ -232,6 +258,10 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
+            if request.background:
+                num_new = min(num_new, self._background_left)
+                if num_new <= 0:
+                    continue  # it keeps its blocks and waits for a step with room
             assert num_new > 0, "a running request always has a token to compute"
             while not self.kv.allocate_slots(request, num_new):
                 pressure = True
@@ -246,7 +276,7 @@ class Scheduler:
     def _admit(self, peek, remove, preempted: list[str]) -> None:
         while self._budget > 0:
             request = peek()
-            if request is None:
+            if request is None or (request.background and self._background_left <= 0):
                 return
             if len(self.running) >= self.config.max_num_seqs:
                 victim = self._admission_victim(request)
@@ -257,6 +287,8 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, self._budget)
+            if request.background:
+                num_new = min(num_new, self._background_left)
             if not self.kv.allocate_slots(request, num_new, cached):
                 victim = self._admission_victim(request)
                 if victim is None:
@@ -280,6 +312,8 @@ class Scheduler:
         self._scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id), sample))
         self._served.add(request.request_id)
         self._budget -= num_new
+        if request.background:
+            self._background_left -= num_new
 
     def update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, bill fair-share counters, finish what is done.

@@ -57,6 +57,7 @@ class WaitingQueue:
         self.vtc = vtc
         self._ranks: dict[int, _RankQueue] = {}
         self._len = 0
+        self.num_foreground = 0  # waiting requests that are not background work
 
     def __len__(self) -> int:
         return self._len
@@ -75,6 +76,7 @@ class WaitingQueue:
         rq = self._ranks.setdefault(request.priority, _RankQueue())
         rq.tenants.setdefault(request.tenant, deque()).append(request)
         self._len += 1
+        self.num_foreground += not request.background
 
     def add_preempted(self, request: Request) -> None:
         """A preempted request: first in its rank among later arrivals (ordered by its own arrival)."""
@@ -84,6 +86,7 @@ class WaitingQueue:
             i -= 1
         rq.resumed.insert(i, request)
         self._len += 1
+        self.num_foreground += not request.background
 
     def peek(self, rank: int) -> Request | None:
         rq = self._ranks.get(rank)
@@ -110,6 +113,7 @@ class WaitingQueue:
         if not rq.resumed and not rq.tenants:
             del self._ranks[request.priority]
         self._len -= 1
+        self.num_foreground -= not request.background
 
     def __contains__(self, request: Request) -> bool:
         rq = self._ranks.get(request.priority)

@@ -4,9 +4,18 @@ One runner per gateway process. It claims lines only while the engine has no
 live request waiting (batch work takes idle capacity; the engine's scheduler
 also serves better ranks first and preempts batch work for them), keeps at
 most ``max_inflight`` lines in the engine, renews its leases while they run,
-and writes each line's result with ``BatchStore.finish`` (exactly once, even if
-another gateway took the line over after a crash). When a batch has no line
+and writes line results with ``BatchStore.finish_many`` (exactly once, even if
+another gateway took a line over after a crash). When a batch has no line
 left it writes the output and error files and sets the final status.
+
+Throughput: ``max_inflight`` should exceed the engine's ``max_num_seqs`` (the
+gateway defaults to twice it), so lines wait *inside* the engine at the batch
+rank and take a slot the step after one frees, instead of the engine running
+dry while finished lines are written and new ones claimed. Results are written
+by one writer task, everything finished since its last write in one transaction
+(group commit, as the usage ledger does): a wave of lines finishing together
+costs one commit, not one each. A result not yet written when the process dies
+is simply lost with its lease, and the line runs again: nothing is done twice.
 """
 
 import asyncio
@@ -25,7 +34,7 @@ from gateway.completion import complete
 from gateway.errors import APIError
 from gateway.files_api import write_bytes_atomically
 from gateway.openai_schema import decode_body
-from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, new_id
+from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, FinishedLine, new_id
 from tenants.models import utcnow
 from tenants.store import UsageRecord
 
@@ -39,6 +48,14 @@ class BatchRunnerConfig:
     poll_s: float = 0.5
     batch_rank: int = 2  # the `batch` priority class's rank
     expiry_check_s: float = 5.0
+    max_write_batch: int = 512  # line results per transaction
+    retry_s: float = 1.0  # after a failed write
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1 or self.max_write_batch < 1:
+            raise ValueError("max_inflight and max_write_batch must be >= 1")
+        if self.lease_s <= 0 or self.poll_s <= 0 or self.retry_s < 0:
+            raise ValueError("lease_s and poll_s must be > 0, retry_s >= 0")
 
 
 def error_result(custom_id: str, code: str, message: str) -> dict:
@@ -58,7 +75,8 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
     try:
         body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
         response, last = await complete(engine, body, chat, rid, int(time.time()), model, priority=priority,
-                                        tenant=tenant, weight=weight, preemptible=True, cache_salt=tenant)
+                                        tenant=tenant, weight=weight, preemptible=True, background=True,
+                                        cache_salt=tenant)
     except APIError as e:
         if e.status >= 500:
             raise
@@ -76,7 +94,10 @@ class BatchRunner:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.wake = wake or asyncio.Event()
         self._running: dict[int, asyncio.Task] = {}  # line id -> task
+        self._unwritten: dict[int, FinishedLine] = {}  # line id -> result not yet committed (lease still held)
+        self._results_ready = asyncio.Event()
         self._last_expiry_check = 0.0
+        self.writes = 0  # transactions that wrote results (for tests and benchmarks)
 
     def _live_waiting(self) -> int:
         stats = getattr(self.engine, "stats", None)
@@ -87,6 +108,7 @@ class BatchRunner:
     async def run(self) -> None:
         """The long-lived loop (started and cancelled with the app)."""
         renewer = asyncio.create_task(self._renew_leases())
+        writer = asyncio.create_task(self._write_results())
         try:
             while True:
                 try:
@@ -102,11 +124,16 @@ class BatchRunner:
                 self.wake.clear()
         finally:
             renewer.cancel()
-            held = list(self._running)
+            writer.cancel()
             tasks = list(self._running.values())
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(renewer, *tasks, return_exceptions=True)
+            await asyncio.gather(renewer, writer, *tasks, return_exceptions=True)
+            try:  # results already in hand are kept (one last write); a failure leaves them to run again
+                await self._write_some()
+            except Exception:
+                logger.exception("could not write %d finished batch lines; they will run again", len(self._unwritten))
+            held = list(self._running) + list(self._unwritten)
             try:  # stopping on purpose: let the next start (or another gateway) take these lines at once
                 await self.batches.renew(self.owner, held, -1.0)
             except Exception:
@@ -136,21 +163,45 @@ class BatchRunner:
                                     prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
                                     cached_prompt_tokens=last.num_cached_tokens, batch=True,
                                     finish_reason=last.finish_reason, finished_at=utcnow())
-            if not await self.batches.finish(self.owner, line, ok, result, usage):
-                logger.warning("batch line %s of %s was taken over by another runner; result dropped",
-                               line.custom_id, line.batch_id)
-            self.wake.set()
+            # Handed to the writer; the lease stays held (and renewed) until the result is committed.
+            self._unwritten[line.id] = FinishedLine(line, ok, result, usage)
+            self._results_ready.set()
         except APIError as e:  # the engine is down: leave the line to be claimed again
             logger.warning("batch line %s of %s not run (%s); it will be retried", line.custom_id, line.batch_id, e)
             await self.batches.renew(self.owner, [line.id], -1.0)  # lapse the lease now
         finally:
             self._running.pop(line.id, None)
 
+    async def _write_some(self) -> None:
+        """Commit up to ``max_write_batch`` finished lines in one transaction."""
+        items = list(self._unwritten.values())[: self.config.max_write_batch]
+        if not items:
+            return
+        written = await self.batches.finish_many(self.owner, items)
+        for item, ok in zip(items, written):  # only after the commit: a failed write keeps its items
+            del self._unwritten[item.line.id]
+            if not ok:
+                logger.warning("batch line %s of %s was already finished or taken over by another runner; result dropped",
+                               item.line.custom_id, item.line.batch_id)
+        self.writes += 1
+        self.wake.set()  # lines were freed (refill) and a batch may be ready to finalize
+
+    async def _write_results(self) -> None:
+        while True:
+            await self._results_ready.wait()
+            self._results_ready.clear()
+            while self._unwritten:
+                try:
+                    await self._write_some()
+                except Exception:
+                    logger.exception("writing %d batch results failed; retrying", len(self._unwritten))
+                    await asyncio.sleep(self.config.retry_s)
+
     async def _renew_leases(self) -> None:
         while True:
             await asyncio.sleep(self.config.lease_s / 3)
             try:
-                await self.batches.renew(self.owner, list(self._running), self.config.lease_s)
+                await self.batches.renew(self.owner, list(self._running) + list(self._unwritten), self.config.lease_s)
             except Exception:
                 logger.exception("renewing batch leases failed")
 

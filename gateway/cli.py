@@ -111,7 +111,8 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--data-dir", default=".moegate/data", help="Batch API files (default .moegate/data)")
     p.add_argument("--batch-lease-seconds", type=float, default=60.0,
                    help="a crashed gateway's batch lines are taken over after this (default 60)")
-    p.add_argument("--batch-max-inflight", type=int, default=32, help="batch lines in the engine at once (default 32)")
+    p.add_argument("--batch-max-inflight", type=int, default=None,
+                   help="batch lines in the engine at once (default: twice --max-num-seqs)")
     p.add_argument("--database-url", default=None,
                    help="policy database (default: $MOEGATE_DATABASE_URL or sqlite:///./moegate.db)")
     p.set_defaults(func=_serve)

@@ -34,11 +34,13 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
     """Run one request to the end and return (response body, last delta); APIError as the live API would.
 
     ``request_policy`` is what ``engine.generate`` takes besides the prompt: priority, tenant,
-    weight, preemptible, cache_salt. Closing (or cancelling) aborts the engine request.
+    weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine request.
     """
     spec = sampling_spec(body)
     messages = [ChatTurn(m.role, m.content) for m in body.messages] if chat else None
-    stream = engine.generate("" if chat else body.prompt, spec, request_id=rid, messages=messages, **request_policy)
+    # Only the result is wanted: one message from the engine at the end, not one per token.
+    stream = engine.generate("" if chat else body.prompt, spec, request_id=rid, messages=messages, stream=False,
+                             **request_policy)
     text: list[str] = []
     last = None
     try:

@@ -26,7 +26,9 @@ class GatewayConfig:
     batch_max_lines: int = 50_000
     batch_completion_window_s: float = 24 * 3600.0  # what "24h" means (shorter in tests)
     batch_lease_s: float = 60.0  # a crashed gateway's lines are taken over after this
-    batch_max_inflight: int = 32  # batch lines in the engine at once, from this gateway
+    # Batch lines in the engine at once, from this gateway; None: twice the engine's max_num_seqs, so
+    # lines queue inside the engine and take a slot the step after one frees (see gateway.batch_runner).
+    batch_max_inflight: int | None = None
     batch_poll_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -38,7 +40,7 @@ class GatewayConfig:
             raise ValueError("cache TTLs and drain_timeout_s must be >= 0")
         if self.batch_lease_s <= 0 or self.batch_poll_s <= 0 or self.batch_completion_window_s <= 0:
             raise ValueError("batch_lease_s, batch_poll_s and batch_completion_window_s must be > 0")
-        if self.batch_max_inflight < 1 or self.batch_max_lines < 1 or self.batch_max_file_bytes < 1:
+        if (self.batch_max_inflight is not None and self.batch_max_inflight < 1) or self.batch_max_lines < 1 or self.batch_max_file_bytes < 1:
             raise ValueError("batch_max_inflight, batch_max_lines and batch_max_file_bytes must be >= 1")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")

@@ -55,6 +55,16 @@ class ClaimedLine:
     attempts: int
 
 
+@dataclass(slots=True, frozen=True)
+class FinishedLine:
+    """A line's outcome, to be written by ``BatchStore.finish_many``."""
+
+    line: ClaimedLine
+    ok: bool
+    result: dict
+    usage: UsageRecord | None
+
+
 def _file_info(f: StoredFile) -> FileInfo:
     return FileInfo(f.id, f.tenant_id, f.filename, f.purpose, f.bytes, f.path, f.created_at)
 
@@ -202,22 +212,51 @@ class BatchStore:
 
         Returns False when the lease was lost (another gateway took the line over): nothing is written.
         """
+        return (await self.finish_many(owner, [FinishedLine(line, ok, result, usage)]))[0]
+
+    async def finish_many(self, owner: str, items: list[FinishedLine]) -> list[bool]:
+        """``finish`` for many lines in one transaction (group commit); one bool per item, in order.
+
+        Each line is guarded by its own lease as in ``finish``: a line ``owner`` no longer holds is
+        skipped (False) and neither counted nor billed; the others are written together.
+        """
+        if not items:
+            return []
+        written: list[bool] = []
+        counts: dict[tuple[str, bool], int] = {}
+        usages: list[UsageRecord] = []
         async with self.sessions.begin() as s:
-            res = await s.execute(
-                update(BatchLine).where(BatchLine.id == line.id, BatchLine.lease_owner == owner,
-                                        BatchLine.status == "running")
-                .values(status="done" if ok else "failed", result_json=json.dumps(result), lease_expires=None))
-            if res.rowcount != 1:
-                return False
-            counter = Batch.completed if ok else Batch.failed
-            await s.execute(update(Batch).where(Batch.id == line.batch_id).values({counter: counter + 1}))
-            if usage is not None:
-                discount = await s.scalar(select(Quota.batch_discount).where(Quota.tenant_id == usage.tenant_id))
-                billed = QuotaConfig(batch_discount=0.5 if discount is None else discount).billed(
-                    usage.prompt_tokens + usage.completion_tokens, True)
-                await s.execute(insert(Usage), [TenantStore.usage_values(replace(usage, batch=True), billed)])
-                await self.quotas.add_billed(s, usage.tenant_id, billed)
-            return True
+            for item in items:
+                res = await s.execute(
+                    update(BatchLine).where(BatchLine.id == item.line.id, BatchLine.lease_owner == owner,
+                                            BatchLine.status == "running")
+                    .values(status="done" if item.ok else "failed", result_json=json.dumps(item.result),
+                            lease_expires=None))
+                written.append(res.rowcount == 1)
+                if res.rowcount != 1:
+                    continue
+                key = (item.line.batch_id, item.ok)
+                counts[key] = counts.get(key, 0) + 1
+                if item.usage is not None:
+                    usages.append(item.usage)
+            for (batch_id, ok), n in sorted(counts.items()):  # one lock order for every writer
+                counter = Batch.completed if ok else Batch.failed
+                await s.execute(update(Batch).where(Batch.id == batch_id).values({counter: counter + n}))
+            if usages:
+                tenants = {u.tenant_id for u in usages}
+                discounts = dict((await s.execute(select(Quota.tenant_id, Quota.batch_discount)
+                                                  .where(Quota.tenant_id.in_(tenants)))).all())
+                rows, billed_by_tenant = [], {}
+                for u in usages:
+                    discount = discounts.get(u.tenant_id)
+                    billed = QuotaConfig(batch_discount=0.5 if discount is None else discount).billed(
+                        u.prompt_tokens + u.completion_tokens, True)
+                    rows.append(TenantStore.usage_values(replace(u, batch=True), billed))
+                    billed_by_tenant[u.tenant_id] = billed_by_tenant.get(u.tenant_id, 0) + billed
+                await s.execute(insert(Usage), rows)
+                for tenant_id, billed in sorted(billed_by_tenant.items()):
+                    await self.quotas.add_billed(s, tenant_id, billed)
+        return written
 
     async def line_counts(self, batch_id: str) -> dict[str, int]:
         async with self.sessions() as s:

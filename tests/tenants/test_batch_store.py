@@ -2,9 +2,10 @@
 over, and a line is finished (and billed) only by the runner that holds it."""
 
 import asyncio
+import json
 from dataclasses import dataclass
 
-from tenants.batch_store import BatchStore
+from tenants.batch_store import BatchStore, FinishedLine
 from tenants.quota import QuotaManager
 from tenants.store import UsageRecord
 
@@ -61,5 +62,43 @@ def test_claims_are_disjoint_lapsed_leases_move_and_finish_is_exactly_once(db_ur
         assert rows[0]["kind"] == "batch" and rows[0]["requests"] == 9  # billed once per finished line
         assert rows[0]["billed_tokens"] == 9 * 8  # 16 tokens at the default half price
         assert await bs.get_batch(t.id + 1, b.id) is None  # another tenant does not see it
+
+    with_store(db_url, body)
+
+
+def test_finish_many_writes_held_lines_together_and_skips_lost_ones(db_url):
+    async def body(store):
+        acme, beta = await store.create_tenant("acme"), await store.create_tenant("beta")
+        await store.set_quota("beta", batch_discount=0.25)
+        clock = Clock()
+        bs = BatchStore(store, QuotaManager(store), clock=clock)
+        ba = await bs.create_batch(acme.id, "/v1/completions", "file-a", 3600, "24h", None, "m",
+                                   [Line(i + 1, f"a{i}", "{}") for i in range(4)], None, 0)
+        bb = await bs.create_batch(beta.id, "/v1/completions", "file-b", 3600, "24h", None, "m",
+                                   [Line(i + 1, f"b{i}", "{}") for i in range(2)], None, 0)
+        mine = await bs.claim("A", 6, 30)
+        assert len(mine) == 6
+        a0, a1, a2, a3, b0, b1 = mine
+        clock.t += 31  # A's leases lapse and D takes a3 over
+        await bs.renew("A", [l.id for l in mine if l is not a3], 30)
+        assert [l.id for l in await bs.claim("D", 1, 30)] == [a3.id]
+
+        def usage(t, n):
+            return UsageRecord(t.id, "r", "m", n, n)
+
+        items = [FinishedLine(a0, True, {"ok": 0}, usage(acme, 10)), FinishedLine(a1, False, {"err": 1}, None),
+                 FinishedLine(a2, True, {"ok": 2}, usage(acme, 20)), FinishedLine(a3, True, {"late": 3}, usage(acme, 99)),
+                 FinishedLine(b0, True, {"ok": 4}, usage(beta, 40)), FinishedLine(a0, True, {"again": 0}, usage(acme, 10)),
+                 FinishedLine(b1, True, {"ok": 5}, usage(beta, 8))]
+        assert await bs.finish_many("A", items) == [True, True, True, False, True, False, True]
+        assert await bs.finish_many("A", []) == []
+        got_a, got_b = await bs.get_batch(acme.id, ba.id), await bs.get_batch(beta.id, bb.id)
+        assert (got_a.completed, got_a.failed, got_b.completed, got_b.failed) == (2, 1, 2, 0)
+        assert await bs.line_counts(ba.id) == {"done": 2, "failed": 1, "running": 1}  # a3 is still D's
+        results = {c: r for _, c, _, r in await bs.lines_of(ba.id)}
+        assert json.loads(results["a0"]) == {"ok": 0} and results["a3"] is None  # the first write stands
+        by_tenant = {r["tenant"]: r for r in await store.usage_summary(None, by="tenant")}
+        assert by_tenant["acme"]["requests"] == 2 and by_tenant["acme"]["billed_tokens"] == (20 + 40) // 2
+        assert by_tenant["beta"]["requests"] == 2 and by_tenant["beta"]["billed_tokens"] == 80 // 4 + 16 // 4
 
     with_store(db_url, body)
