@@ -59,3 +59,42 @@ def test_ledger_batches_retries_and_flushes_everything_on_close(tmp_path):
             await store.close()
 
     asyncio.run(body())
+
+
+def test_min_interval_caps_transactions_but_a_quiet_ledger_writes_at_once(tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    upgrade(url)
+
+    async def body():
+        store = TenantStore.open(url)
+        try:
+            t = await store.create_tenant("acme")
+            quotas = QuotaManager(store)
+            starts = []
+            real = quotas.settle_many
+
+            async def timed(items):
+                starts.append(asyncio.get_running_loop().time())
+                return await real(items)
+
+            quotas.settle_many = timed
+            ledger = UsageLedger(quotas, min_interval_s=0.05)
+            ledger.start()
+            g = await quotas.try_acquire(t.id, tokens=10)
+            submitted = asyncio.get_running_loop().time()
+            ledger.submit(g, UsageRecord(t.id, "first", "m", 1, 1))
+            while not ledger.settled:
+                await asyncio.sleep(0.001)
+            assert starts[0] - submitted < 0.05  # no timer in the way of the first write
+            for i in range(100):  # 0.3 s of steady settles
+                ledger.submit(await quotas.try_acquire(t.id, tokens=10), UsageRecord(t.id, f"r{i}", "m", 1, 1))
+                await asyncio.sleep(0.003)
+            await ledger.close()
+            assert ledger.settled == 101
+            gaps = [b - a for a, b in zip(starts, starts[1:])]
+            assert gaps and min(gaps) >= 0.049, gaps
+            assert (await store.usage_summary("acme", by="tenant"))[0]["requests"] == 101
+        finally:
+            await store.close()
+
+    asyncio.run(body())
