@@ -87,6 +87,11 @@ class Settlements:
 
     async def acquire(self, quotas: QuotaManager, tenant_id: int, tokens: int) -> Granted:
         """``acquire``; if the caller is cancelled meanwhile, a grant that still arrives is released."""
+        decided = quotas.try_acquire_cached(tenant_id, requests=1, tokens=tokens)
+        if decided is not None:  # the cached policy decided, with no await: nothing to protect
+            if isinstance(decided, Denied):
+                raise denied_error(decided)
+            return decided
         task = self.run(acquire(quotas, tenant_id, tokens))
         try:
             return await asyncio.shield(task)

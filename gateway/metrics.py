@@ -58,35 +58,68 @@ class GatewayMetrics:
                                labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("moegate_e2e_latency_seconds", "request latency, end to end", labels, buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(engine))
+        self._series: dict[tuple[str, str], _Series] = {}
+
+    def series(self, tenant: str, priority_class: str) -> "_Series":
+        """The labelled children of one tenant and class, looked up once: ``labels()`` takes a lock and
+        builds its key on every call, and a request with 8 deltas made 13 such calls."""
+        found = self._series.get((tenant, priority_class))
+        if found is None:
+            if len(self._series) >= 10_000:  # bound memory: tenants come and go on a long-lived server
+                self._series.clear()
+            found = self._series[(tenant, priority_class)] = _Series(self, (tenant, priority_class))
+        return found
 
     def render(self) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+class _Series:
+    """One tenant and class's children of every per-request metric."""
+
+    __slots__ = ("_requests", "_labels", "queue", "ttft", "itl", "e2e", "prompt", "cached", "completion", "by_status")
+
+    def __init__(self, m: GatewayMetrics, labels: tuple[str, str]) -> None:
+        self._requests, self._labels = m.requests, labels
+        self.queue, self.ttft, self.itl, self.e2e = (h.labels(*labels) for h in (m.queue, m.ttft, m.itl, m.e2e))
+        self.prompt, self.cached, self.completion = (
+            c.labels(*labels) for c in (m.prompt_tokens, m.cached_tokens, m.completion_tokens))
+        self.by_status: dict[int, object] = {}
+
+    def requests(self, status: int):
+        child = self.by_status.get(status)
+        if child is None:
+            child = self.by_status[status] = self._requests.labels(*self._labels, str(status))
+        return child
+
+
 class RequestTimer:
     """Latency bookkeeping for one request; feeds TTFT, inter-token and end-to-end histograms."""
 
-    __slots__ = ("metrics", "labels", "start", "last")
+    __slots__ = ("series", "start", "last")
 
     def __init__(self, metrics: GatewayMetrics, tenant: str, priority_class: str) -> None:
-        self.metrics, self.labels = metrics, (tenant, priority_class)
+        self.series = metrics.series(tenant, priority_class)
         self.start = self.last = time.perf_counter()
 
     def delta(self, first: bool, queue_time_s: float | None = None) -> None:
         now = time.perf_counter()
-        if first and queue_time_s is not None:
-            self.metrics.queue.labels(*self.labels).observe(queue_time_s)
-        (self.metrics.ttft if first else self.metrics.itl).labels(*self.labels).observe(now - self.last if not first else now - self.start)
+        if first:
+            if queue_time_s is not None:
+                self.series.queue.observe(queue_time_s)
+            self.series.ttft.observe(now - self.start)
+        else:
+            self.series.itl.observe(now - self.last)
         self.last = now
 
     def finish(self, status: int, usage) -> None:
-        m, labels = self.metrics, self.labels
-        m.e2e.labels(*labels).observe(time.perf_counter() - self.start)
-        m.requests.labels(*labels, str(status)).inc()
+        series = self.series
+        series.e2e.observe(time.perf_counter() - self.start)
+        series.requests(status).inc()
         if usage is not None:
-            m.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
-            m.cached_tokens.labels(*labels).inc(usage.cached_prompt_tokens)
-            m.completion_tokens.labels(*labels).inc(usage.completion_tokens)
+            series.prompt.inc(usage.prompt_tokens)
+            series.cached.inc(usage.cached_prompt_tokens)
+            series.completion.inc(usage.completion_tokens)
 
 
 METRICS = web.AppKey("metrics", GatewayMetrics)

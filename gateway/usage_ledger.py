@@ -18,9 +18,15 @@ logger = logging.getLogger(__name__)
 
 
 class UsageLedger:
-    def __init__(self, quotas: QuotaManager, max_batch: int = 512, retry_s: float = 1.0) -> None:
+    def __init__(self, quotas: QuotaManager, max_batch: int = 512, retry_s: float = 1.0,
+                 min_interval_s: float = 0.0) -> None:
         self.quotas = quotas
         self.max_batch = max_batch
+        # Least time from one write's start to the next one's. Each transaction costs the event loop
+        # about 1 ms however few rows it has (SQLAlchemy, greenlet and aiosqlite hops); written as
+        # often as settles arrived, that was about 190 transactions a second at 1,000 requests/s.
+        # The first write after a quiet spell still starts at once.
+        self.min_interval_s = min_interval_s
         self.retry_s = retry_s
         self._pending: list[tuple[Granted, UsageRecord | None]] = []
         self._wake = asyncio.Event()
@@ -55,9 +61,13 @@ class UsageLedger:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
+                started = asyncio.get_running_loop().time()
                 try:
                     await self._write_some()
                     failures = 0
+                    rest = started + self.min_interval_s - asyncio.get_running_loop().time()
+                    if rest > 0 and not self._closing:
+                        await asyncio.sleep(rest)
                 except Exception:
                     failures += 1
                     if self._closing and failures >= self.close_attempts:

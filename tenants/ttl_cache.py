@@ -29,16 +29,22 @@ class RefreshingCache(Generic[V]):
         self._loading: dict[Hashable, asyncio.Future] = {}
 
     async def get(self, key: Hashable, load: Callable[[], Awaitable[V]]) -> V:
-        now = self.clock()
+        hit = self.cached(key, load)
+        if hit is not None:
+            return hit[0]
+        return await asyncio.shield(self._start(key, load))
+
+    def cached(self, key: Hashable, load: Callable[[], Awaitable[V]]) -> tuple[V] | None:
+        """``(value,)`` where ``get`` would answer without waiting (starting the same refresh ahead), else None."""
         hit = self._entries.get(key)
         if hit is not None:
-            age = now - hit[0]
+            age = self.clock() - hit[0]
             if age < self.refresh_s:
-                return hit[1]
+                return (hit[1],)
             if age < self.ttl_s:
                 self._start(key, load)  # refresh ahead; this caller keeps the cached value
-                return hit[1]
-        return await asyncio.shield(self._start(key, load))
+                return (hit[1],)
+        return None
 
     def peek(self, key: Hashable) -> V | None:
         """The cached value if it is still within its TTL (no load)."""

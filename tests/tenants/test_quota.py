@@ -226,3 +226,26 @@ def test_acquires_and_settles_leave_no_reference_cycles(db_url):
         assert cyclic < ops, f"{cyclic} objects left in reference cycles by {ops} acquires and flushes"
 
     with_store(db_url, body)
+
+
+def test_cached_admission_answers_only_what_the_cached_policy_decides(db_url):
+    async def body(store):
+        free = await store.create_tenant("free")
+        capped = await store.create_tenant("capped")
+        await store.set_quota("capped", requests_per_minute=5)
+        sized = await store.create_tenant("sized")
+        await store.set_quota("sized", max_tokens_per_request=100)
+        qm = QuotaManager(store, Clock(), policy_ttl_s=30)
+        assert qm.try_acquire_cached(free.id, tokens=10) is None  # nothing cached yet: the store must answer
+        for t in (free, capped, sized):
+            await qm.try_acquire(t.id, tokens=10)  # loads the policy
+        g = qm.try_acquire_cached(free.id, tokens=10)
+        assert isinstance(g, Granted) and (g.tokens, g.billed, g.concurrent) == (10, 10, False)
+        assert (g.minute, g.day, g.month) == (1742032800, 1741996800, 1740787200)  # 10:00, 15 March, 1 March UTC
+        assert qm.try_acquire_cached(capped.id, tokens=10) is None  # a counted limit: only the database decides
+        d = qm.try_acquire_cached(sized.id, tokens=101)
+        assert isinstance(d, Denied) and d.reason == "max_tokens" and d.limit == 100
+        assert isinstance(qm.try_acquire_cached(sized.id, tokens=100), Granted)
+        assert QuotaManager(store, Clock()).try_acquire_cached(free.id) is None  # no policy cache: never
+
+    with_store(db_url, body)
