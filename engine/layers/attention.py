@@ -7,6 +7,7 @@ from engine.attention_metadata import AttentionMetadata, TritonAttentionMetadata
 from engine.layers.norms import RMSNorm
 from engine.layers.paged_attention import paged_attention, write_kv
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.triton_elementwise import rope_inplace
 from engine.layers.triton_attention import triton_paged_attention
 
 
@@ -68,8 +69,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
     def _fused_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor):
-        from engine.layers.triton_elementwise import rope_inplace
-
         # q heads then k heads are adjacent columns of qkv: one launch rotates (and normalizes) both, in place.
         per_head = self.qk_norm == "per_head"
         rope_inplace(

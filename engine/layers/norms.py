@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from engine.layers.triton_elementwise import rms_norm
+
 
 class RMSNorm(nn.Module):
     """``forward(x)`` -> norm(x); ``forward(x, residual)`` -> (norm(x + residual), x + residual).
@@ -20,8 +22,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.fused and x.dim() == 2:
-            from engine.layers.triton_elementwise import rms_norm
-
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual  # in the model dtype, as transformers adds residuals
