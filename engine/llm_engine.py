@@ -30,7 +30,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
+def resolve_kernel_backend(name: str, device: torch.device) -> str:
+    """'auto' -> 'triton' on CUDA, 'torch' elsewhere (attention and elementwise backends)."""
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return name
@@ -59,8 +60,8 @@ class LLMEngine:
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        self.elementwise_backend = resolve_attention_backend(config.elementwise_backend, self.device)
+        self.attention_backend = resolve_kernel_backend(config.attention_backend, self.device)
+        self.elementwise_backend = resolve_kernel_backend(config.elementwise_backend, self.device)
         if "triton" in (config.moe_backend, config.attention_backend, config.elementwise_backend):
             import moe_kernels
 

@@ -92,8 +92,12 @@ def unsorted_slots(topk_ids: torch.Tensor, block_m: int) -> SlotBlocks:
     For T=1 it reads exactly the same weights as the sorted path (a token's k
     experts are distinct). The kernels use only row 0 of each block.
     """
-    flat_ids = topk_ids.reshape(-1)  # [S]
-    if flat_ids.dtype != torch.int32:
-        flat_ids = flat_ids.to(torch.int32)
-    empty = flat_ids[:0]
-    return SlotBlocks(empty, flat_ids, empty, flat_ids.numel(), block_m, sorted=False)
+    ids = flat_ids(topk_ids)  # [S]
+    empty = ids[:0]
+    return SlotBlocks(empty, ids, empty, ids.numel(), block_m, sorted=False)
+
+
+def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """[T, k] -> [S] int32 (a view when the ids already are int32, as route() returns them)."""
+    ids = topk_ids.reshape(-1)
+    return ids if ids.dtype == torch.int32 else ids.to(torch.int32)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels import gemv_kernels
-from moe_kernels.align import SlotBlocks, align_slots, unsorted_slots
+from moe_kernels.align import SlotBlocks, align_slots, flat_ids, unsorted_slots
 from moe_kernels.launch_config import GemmConfig, LaunchConfig, device_name, get_launch_config
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -248,12 +248,6 @@ def invoke_w2_gemv(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, slo
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=inter_size % cfg.BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-
-
-def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
-    """[T, k] -> [S] int32 (a view when the ids already are int32, as route() returns them)."""
-    ids = topk_ids.reshape(-1)
-    return ids if ids.dtype == torch.int32 else ids.to(torch.int32)
 
 
 def slot_blocks(topk_ids: torch.Tensor, num_experts: int, cfg: LaunchConfig) -> SlotBlocks:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from moe_kernels.align import flat_ids
 from moe_kernels.bench import capture_graph, median_ms
 from moe_kernels.launch_config import CONFIG_DIR, ENV_CONFIG_DIR, GemmConfig, LaunchConfig, config_file_name, device_name
 from moe_kernels.routing import route
@@ -160,7 +161,7 @@ def _tensors(problem: Problem, device: torch.device, random_weights: bool = True
 
 def _launcher(problem: Problem, t: dict, mode: str, block_m: int, which: str):
     """A function cfg -> one launch of kernel ``which`` with that GemmConfig (alignment done once, here)."""
-    from moe_kernels.triton_backend import flat_ids, invoke_w2, invoke_w2_gemv, invoke_w13, invoke_w13_gemv, slot_blocks
+    from moe_kernels.triton_backend import invoke_w2, invoke_w2_gemv, invoke_w13, invoke_w13_gemv, slot_blocks
 
     if mode == "gemv":
         ids = flat_ids(t["topk_ids"])
