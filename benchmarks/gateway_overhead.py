@@ -2,7 +2,7 @@
 engine that answers at once, against a bare aiohttp handler that returns the same JSON.
 
     python -m benchmarks.gateway_overhead [--duration 10] [--concurrency 32] [--warmup 1]
-        [--unfrozen] [--baseline SOURCE_DIR]
+        [--unfrozen] [--baseline SOURCE_DIR] [--server-timing]
 
 Runs each server in its own process (one core each side on a 2-core machine: the
 client is the other process) and reports:
@@ -17,13 +17,16 @@ client session, not counted, so connections are open as they are on a server und
 steady load. The client is the measuring instrument: its own garbage collector is off
 while it measures (its full collections stalled it for 50-100 ms, which read as latency
 of whichever server it was measuring). Both servers freeze their startup heap as
-``create_app`` does for the gateway. ``other_cpu_pct`` is CPU time used meanwhile by
+``create_app`` does for the gateway. ``--server-timing`` also splits each open-loop
+latency into the client's and the server's parts (benchmarks/request_timing.py) and
+prints them for all requests and for the slowest 1%. ``other_cpu_pct`` is CPU time used meanwhile by
 processes outside the benchmark (the machine is shared), in % of one core.
 """
 
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import logging
 import os
@@ -37,6 +40,10 @@ import tempfile
 import time
 
 import aiohttp
+
+from benchmarks.request_timing import SEQ_HEADER, ClientRecord, breakdown, format_breakdown, now_ns
+
+_SEQ = itertools.count()
 
 BODY = {"model": "instant", "prompt": "Say something short about mixtures of experts.", "max_tokens": 8}
 
@@ -53,7 +60,7 @@ def _install_uvloop() -> None:
 # -- servers (run in child processes) -------------------------------------------------------------------
 
 
-def _serve_gateway(port: int, db_url: str, access_log: bool, freeze: bool = True) -> None:
+def _serve_gateway(port: int, db_url: str, access_log: bool, freeze: bool = True, timing_file: str | None = None) -> None:
     from aiohttp import web
 
     from benchmarks.instant_engine import InstantEngine
@@ -70,11 +77,15 @@ def _serve_gateway(port: int, db_url: str, access_log: bool, freeze: bool = True
         from gateway.heap import freeze_startup_heap
 
         app.on_startup.remove(freeze_startup_heap)
+    if timing_file:
+        from benchmarks import request_timing
+
+        request_timing.install(app, timing_file)
     web.run_app(app, host="127.0.0.1", port=port, print=None, handler_cancellation=True,
                 access_log=access_logger if access_log else None)
 
 
-def _serve_bare(port: int) -> None:
+def _serve_bare(port: int, timing_file: str | None = None) -> None:
     from aiohttp import web
 
     payload = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "instant",
@@ -96,6 +107,10 @@ def _serve_bare(port: int) -> None:
     app.on_startup.append(freeze_startup_heap)  # the reference gets what the gateway gets
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/health", health)
+    if timing_file:
+        from benchmarks import request_timing
+
+        request_timing.install(app, timing_file)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
@@ -140,7 +155,9 @@ async def _wait_ready(url: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"server at {url} did not become ready")
 
 
-async def _one(session: aiohttp.ClientSession, url: str, headers: dict) -> None:
+async def _one(session: aiohttp.ClientSession, url: str, headers: dict, seq: int | None = None) -> None:
+    if seq is not None:
+        headers = {**headers, SEQ_HEADER: str(seq)}
     async with session.post(url + "/v1/completions", json=BODY, headers=headers) as r:
         await r.read()
         if r.status != 200:
@@ -168,18 +185,24 @@ async def saturation(url: str, headers: dict, concurrency: int, duration_s: floa
 
 
 async def open_loop(url: str, headers: dict, rate: float, duration_s: float, warmup_s: float = 1.0,
-                    seed: int = 0) -> list[float]:
+                    seed: int = 0, records: list[ClientRecord] | None = None) -> list[float]:
     """Latencies (s) of Poisson arrivals at ``rate``, each measured from its scheduled send time.
 
-    Arrivals in the first ``warmup_s`` seconds are sent but not counted.
+    Arrivals in the first ``warmup_s`` seconds are sent but not counted. With ``records``,
+    every counted request carries a unique ``x-bench-seq`` and its client-side times are
+    appended there (see benchmarks/request_timing.py).
     """
     rng = random.Random(seed)
     latencies: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def timed(at: float, counted: bool) -> None:
-            await _one(session, url, headers)
+            seq = next(_SEQ) if counted and records is not None else None
+            started = now_ns()
+            await _one(session, url, headers, seq)
             if counted:
                 latencies.append(time.perf_counter() - at)
+                if seq is not None:
+                    records.append(ClientRecord(seq, int(at * 1e9), started, now_ns()))
 
         tasks, t = [], time.perf_counter() + 0.2
         counted_from = t + warmup_s
@@ -258,14 +281,21 @@ def main() -> None:
     p.add_argument("--baseline", metavar="SOURCE_DIR",
                    help="also measure the gateway of another source tree (say a git worktree of an older commit), "
                         "side by side; that tree's benchmark serves it")
+    p.add_argument("--server-timing", action="store_true",
+                   help="split open-loop latencies into client and server parts, for all and the slowest 1%%")
     p.add_argument("--serve", choices=["gateway", "gateway_unfrozen", "bare"], help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--db", help=argparse.SUPPRESS)
+    p.add_argument("--timing-file", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve in ("gateway", "gateway_unfrozen"):
-        return _serve_gateway(args.port, args.db, args.access_log, freeze=args.serve == "gateway")
+        return _serve_gateway(args.port, args.db, args.access_log, freeze=args.serve == "gateway",
+                              timing_file=args.timing_file)
     if args.serve == "bare":
-        return _serve_bare(args.port)
+        return _serve_bare(args.port, args.timing_file)
+    if args.server_timing and time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
+        sys.exit("--server-timing needs perf_counter on CLOCK_MONOTONIC (Linux): the client's and the servers' "
+                 "times are joined on that clock")
     _install_uvloop()
     gateways = ["gateway"] + (["gateway_unfrozen"] if args.unfrozen else []) + (["baseline"] if args.baseline else [])
     with tempfile.TemporaryDirectory() as tmp:
@@ -281,9 +311,12 @@ def main() -> None:
                 db = os.path.join(tmp, f"{name}.db")
                 shutil.copy(os.path.join(tmp, "bench.db"), db)
                 serve += ["--db", f"sqlite:///{db}"] + (["--access-log"] if args.access_log else [])
+            if args.server_timing:
+                serve += ["--timing-file", os.path.join(tmp, f"{name}.timing.json")]
             procs[name] = _start(serve, os.path.abspath(args.baseline) if name == "baseline" else None)
             urls[name] = f"http://127.0.0.1:{port}"
         results: dict = {}
+        client_records: dict[tuple[int, str], list[ClientRecord]] = {}
         try:
             for url in urls.values():
                 asyncio.run(_wait_ready(url))
@@ -299,7 +332,8 @@ def main() -> None:
                 row = {}
                 for name, url in urls.items():
                     other.start()
-                    lat = _measured(open_loop, url, headers, rate, args.duration, args.warmup)
+                    records = client_records.setdefault((rate, name), []) if args.server_timing else None
+                    lat = _measured(open_loop, url, headers, rate, args.duration, args.warmup, 0, records)
                     row[name] = {"p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3,
                                  "max_ms": max(lat) * 1e3, "rps": len(lat) / args.duration,
                                  "other_cpu_pct": other.stop()}
@@ -318,6 +352,12 @@ def main() -> None:
             for proc in procs.values():
                 proc.terminate()
                 proc.wait(timeout=30)
+        if args.server_timing:  # the servers wrote their records when they stopped
+            server = {name: json.load(open(os.path.join(tmp, f"{name}.timing.json"))) for name in procs}
+            for (rate, name), records in sorted(client_records.items()):
+                split = breakdown(records, server[name])
+                results[f"open_loop_{rate}"][name]["breakdown"] = split
+                print(f"open loop {rate:5d} req/s:\n" + format_breakdown(name, split), flush=True)
         print(json.dumps(results, indent=1))
 
 if __name__ == "__main__":
