@@ -13,8 +13,9 @@ logged and returned as a report.
 
 Candidates are data (``FMA_TILES``, ``DOT_TILES``): a handful per bucket, each
 tried with one K-split and with enough splits to give the GPU several programs
-per SM (splits cost no extra compile). Each tile compiles once per dtype,
-shapes share it, and Triton caches it on disk, so later starts are quick.
+per SM (splits cost no extra compile). Each tile compiles once per dtype and
+bias (shapes of the same divisibility share it), about twenty kernels for a
+bf16 model; Triton caches them on disk, so later starts are quick.
 """
 
 import logging
@@ -37,8 +38,9 @@ MARGIN = 0.02  # the gemv must be at least 2% faster: a tie (timing noise) keeps
 PROGRAMS_PER_SM = 4  # K-splits aim for this many programs per SM, to keep enough bytes of W in flight
 
 # FMA path tiles per row bucket: (BLOCK_N, BLOCK_K, num_warps, num_stages). Each holds 64 float32 partials
-# per thread (bucket * BLOCK_N * BLOCK_K / (32 * warps)), the most that stays in registers, and reads
-# 8-16 KiB of bf16 W per step with 16-byte loads along K.
+# per thread (bucket * BLOCK_N * BLOCK_K / (32 * warps); more spill registers), so a program reads
+# 16-32 KiB of bf16 W per step at one row and 2-8 KiB at 4-8 rows, with 16-byte loads along K;
+# bytes in flight then come from several programs per SM (and the K-splits).
 FMA_TILES = {
     1: ((16, 512, 4, 2), (32, 256, 4, 2), (32, 256, 4, 4), (32, 512, 8, 2), (64, 256, 8, 2)),
     4: ((8, 256, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2), (32, 128, 8, 2)),
@@ -52,7 +54,10 @@ INTERPRETER_TILE = (32, 32, 4, 1)
 
 
 def occupancy_split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
-    """K-splits that bring cdiv(N, BLOCK_N) column blocks up to PROGRAMS_PER_SM programs per SM (at most one tile each)."""
+    """K-splits that bring cdiv(N, BLOCK_N) column blocks up to PROGRAMS_PER_SM programs per SM.
+
+    Each split keeps at least one BLOCK_K tile, and there are at most 16 (the float32 partials grow with them).
+    """
     blocks = triton.cdiv(n, block_n)
     wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, blocks)
     return max(1, min(wanted, triton.cdiv(k, block_k), 16))
@@ -90,6 +95,8 @@ class BucketChoice:
 
 @dataclass(slots=True)
 class ShapeChoice:
+    """The choices for one (N, K, dtype, bias): one ``BucketChoice`` per row bucket, and the plan they make."""
+
     shape: LinearShape
     modules: list[str]  # qualified names (the first few) of the modules of this shape
     count: int
