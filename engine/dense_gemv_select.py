@@ -37,17 +37,19 @@ assert ROW_BUCKETS[-1] == MAX_GEMV_ROWS
 MARGIN = 0.02  # the gemv must be at least 2% faster: a tie (timing noise) keeps cuBLAS
 PROGRAMS_PER_SM = 4  # K-splits aim for this many programs per SM, to keep enough bytes of W in flight
 
-# FMA path tiles per row bucket: (BLOCK_N, BLOCK_K, num_warps, num_stages). Each holds 64 float32 partials
-# per thread (bucket * BLOCK_N * BLOCK_K / (32 * warps); more spill registers), so a program reads
-# 16-32 KiB of bf16 W per step at one row and 2-8 KiB at 4-8 rows, with 16-byte loads along K;
-# bytes in flight then come from several programs per SM (and the K-splits).
+# FMA path tiles per row bucket: (BLOCK_N, BLOCK_K, num_warps, num_stages). Each holds 32 or 64 float32
+# partials per thread (bucket * BLOCK_N * BLOCK_K / (32 * warps); more would spill registers), so a program
+# reads 8-32 KiB of bf16 W per step at one row and 2-8 KiB at 4-8 rows, with 16-byte loads along K; bytes
+# in flight come from several programs per SM (and the K-splits). Compiled for sm_90 (Triton 3.9, bf16):
+# 64 partials take ~145 registers a thread at one row (3 programs of 4 warps per SM), 32 take ~80 (6).
+# Triton does not software-pipeline these loads (they feed no tl.dot), so num_stages changes nothing here.
 FMA_TILES = {
-    1: ((16, 512, 4, 2), (32, 256, 4, 2), (32, 256, 4, 4), (32, 512, 8, 2), (64, 256, 8, 2)),
+    1: ((16, 512, 4, 2), (32, 256, 4, 2), (16, 256, 4, 2), (32, 256, 8, 2), (32, 512, 8, 2), (64, 256, 8, 2)),
     4: ((8, 256, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2), (32, 128, 8, 2)),
     8: ((8, 128, 4, 2), (8, 256, 8, 2), (16, 128, 8, 2)),
 }
 # Tensor-core path (rows padded to 16), for the buckets past one row: Triton pipelines its W tiles
-# through shared memory num_stages deep.
+# through shared memory num_stages deep (cp.async in the sm_90 build).
 DOT_TILES = ((32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 3))
 # Under the CPU interpreter ("on" in tests): small tiles, so K-splits and masks get exercised.
 INTERPRETER_TILE = (32, 32, 4, 1)

@@ -62,10 +62,9 @@ class GemvConfig:
                 f"split{self.split_k}")
 
 
-def k_chunk(k_size: int, cfg: GemvConfig) -> int:
-    """K columns per split: whole BLOCK_K tiles, so only the last split can end inside a tile."""
-    tiles = triton.cdiv(k_size, cfg.block_k)
-    return triton.cdiv(tiles, cfg.split_k) * cfg.block_k
+def split_tiles(k_size: int, cfg: GemvConfig) -> int:
+    """BLOCK_K tiles of K per split: whole tiles, so only the last split can end inside a tile."""
+    return triton.cdiv(triton.cdiv(k_size, cfg.block_k), cfg.split_k)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
@@ -91,13 +90,13 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     assert out.shape == (num_rows, n_size) and out.stride(1) == 1
     if num_rows == 0:
         return out
-    chunk = k_chunk(k_size, cfg)
-    splits = triton.cdiv(k_size, chunk)  # at most cfg.split_k, and no split left empty
+    tiles = split_tiles(k_size, cfg)
+    splits = triton.cdiv(k_size, tiles * cfg.block_k)  # at most cfg.split_k, and no split left empty
     part = out if splits == 1 else torch.empty(splits, num_rows, n_size, dtype=torch.float32, device=x.device)
     kernels = _kernels()
     kernels.dense_gemv_kernel[(triton.cdiv(n_size, cfg.block_n), splits)](
         x, weight, bias if bias is not None else x, out, part,
-        num_rows, n_size, k_size, splits, chunk,
+        num_rows, n_size, k_size, splits, tiles,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, USE_DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=cfg.dot and interpreted() and x.dtype == torch.bfloat16, EVEN_K=k_size % cfg.block_k == 0,

@@ -32,10 +32,10 @@ import triton.language as tl
 
 # The row count and the split arithmetic change with the batch, or between shapes sharing a kernel: specializing
 # on their values (1, divisibility by 16) would compile one variant per value, at whatever step first meets it.
-@triton.jit(do_not_specialize=["num_rows", "split_k", "k_chunk"])
+@triton.jit(do_not_specialize=["num_rows", "split_k", "split_tiles"])
 def dense_gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,  # x [M, K], w [N, K], b [N], out [M, N]; part [S, M, N] f32
-    num_rows, n_size, k_size, split_k, k_chunk,  # k_chunk: K columns per split, a multiple of BLOCK_K
+    num_rows, n_size, k_size, split_k, split_tiles,  # split_tiles: BLOCK_K tiles of K per split
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -47,8 +47,10 @@ def dense_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < num_rows
     n_ok = offs_n < n_size
-    k_start = pid_k * k_chunk
-    k_len = tl.minimum(k_chunk, k_size - k_start)  # this split's columns (the last split may have fewer)
+    # A split starts at a multiple of the constexpr BLOCK_K, so the compiler knows each row's K offsets
+    # stay 16-byte aligned and vectorizes the loads (a split width in columns, a runtime int, would not tell it).
+    k_start = pid_k * split_tiles * BLOCK_K
+    k_len = tl.minimum(split_tiles * BLOCK_K, k_size - k_start)  # this split's columns (the last may have fewer)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
     if USE_DOT:
@@ -56,7 +58,7 @@ def dense_gemv_kernel(
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for kk in range(0, tl.cdiv(k_len, BLOCK_K)):
-        if EVEN_K:  # k_chunk and K are multiples of BLOCK_K: no tile crosses the end of K
+        if EVEN_K:  # K is a multiple of BLOCK_K: no tile crosses the end of K
             xv = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             wv = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:

@@ -86,6 +86,46 @@ def test_dense_gemv_rejects_more_rows_than_its_tile_and_mixed_dtypes():
         GemvConfig(4, 16, 32, dot=True)
 
 
+_SM90_BUILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.layers.dense_gemv_kernels import dense_gemv_kernel
+
+out = {}
+for name, m, n, k, warps, stages, dot in json.loads(sys.argv[1]):
+    sig = {p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")} | {"part_ptr": "*fp32"}
+    sig |= {p: "i32" for p in ("num_rows", "n_size", "k_size", "split_k", "split_tiles", "stride_xm", "stride_wn", "stride_om")}
+    consts = dict(HAS_BIAS=False, USE_DOT=dot, PRECISION="tf32", UPCAST=False, EVEN_K=True, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
+    sig |= {p: "constexpr" for p in consts}
+    # What Triton specializes at a launch on such shapes: aligned pointers; N, K and strides divisible by 16.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7, 10, 11, 12)}
+    src = ASTSource(fn=dense_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    out[name] = {"v4_loads": ptx.count("ld.global.v4"), "cp_async": ptx.count("cp.async")}
+print(json.dumps(out))
+"""
+
+
+def test_sm90_build_reads_the_weights_with_16_byte_loads():
+    # A bandwidth-bound kernel must not read bf16 W two bytes at a time: a split offset the compiler could
+    # not prove aligned (a runtime column count) once turned every W load into ld.global.b16. Built for an
+    # H100 (no GPU needed: Triton's own ptxas), in a fresh process, since this one runs the interpreter.
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    import subprocess
+    import sys
+
+    builds = [("fma", 1, 32, 256, 4, 2, False), ("dot", 16, 64, 128, 4, 4, True)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD, json.dumps(builds)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ptx["fma"]["v4_loads"] >= 8  # 32 x 256 bf16 over 128 threads: eight 16-byte loads each per step
+    assert ptx["dot"]["cp_async"] > 0  # the tensor-core path streams W through shared memory, pipelined
+
+
 def _plan(rows_with: set[int], cfg: GemvConfig) -> tuple:
     return tuple(cfg if r in rows_with else None for r in range(MAX_GEMV_ROWS + 1))
 
