@@ -3,8 +3,8 @@
 #
 #   benchmarks/gpu_session.sh STAGE[:SECONDS] ...
 #
-# Stages: env, tests, tune, bench-moe, bench-engine, bench-engine-hf (plus any
-# stage name below). Each runs under its own time limit, so one that fails or
+# Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf
+# (plus any stage name below). Each runs under its own time limit, so one that fails or
 # hangs still leaves the others' results; logs and JSON land in $OUT (default
 # /tmp/moegate-gpu), re-archived after every stage as gpu_session.tgz so a
 # session cut off at its limit still returns what it did.
@@ -43,12 +43,17 @@ for spec in "$@"; do
     case $name in
         env) run_stage env "$limit" bash -c 'nvidia-smi; '"$PY"' -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
         tests) run_stage tests "$limit" $PY -m pytest -q -ra -p no:cacheprovider --durations=15 tests/moe_kernels \
-            tests/engine/test_triton_elementwise.py \
+            tests/engine/test_triton_elementwise.py tests/engine/test_dense_gemv.py \
             tests/engine/test_cuda_graphs.py tests/engine/test_triton_attention.py tests/engine/test_triton_attention_engine.py \
             tests/engine/test_triton_backend_engine.py tests/engine/test_host_syncs.py tests/engine/test_random_weights.py \
             --deselect tests/engine/test_random_weights.py::test_command_lines_take_random_weights ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
         bench-moe) run_stage bench-moe "$limit" bash -c "$PY -m moe_kernels.bench --json > $WORK/bench_moe.json && $PY -c 'import json, moe_kernels.bench as b; print(b.format_table(json.load(open(\"$WORK/bench_moe.json\"))))'" ;;
+        # The dense projections: Triton gemv vs F.linear per shape at 1/4/8 rows (the engine-start selection).
+        bench-dense-gemv) run_stage bench-dense-gemv "$limit" $PY -m engine.dense_gemv_bench --json "$WORK/bench_dense_gemv.json" ;;
+        # Decode with every projection on cuBLAS, to set beside bench-engine's default (measured gemv choice).
+        bench-engine-gemv-off) run_stage bench-engine-gemv-off "$limit" $PY -m engine.bench_gpu --skip-hf --dense-gemv off \
+            --concurrency 1,8 --json "$WORK/bench_engine_gemv_off.json" ;;
         bench-engine) run_stage bench-engine "$limit" $PY -m engine.bench_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
         bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m engine.bench_gpu --skip-hf --elementwise torch \
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;

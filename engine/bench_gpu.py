@@ -379,13 +379,21 @@ def bench_e2e_hf(model_config, dtype: torch.dtype, device: torch.device, prompts
     return rows
 
 
-def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwise: str = "auto") -> dict:
+def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwise: str = "auto",
+        dense_gemv: str = "auto") -> dict:
     from engine.roofline import model_costs
 
     _log(f"measuring peaks on {device}")
     peaks = measure_peaks(profile, device)
     _log(f"building {profile.spec} (random weights) on {device}")
-    engine = build_engine(profile, device, elementwise_backend=elementwise)
+    engine = build_engine(profile, device, elementwise_backend=elementwise, dense_gemv=dense_gemv)
+    # Which projections run the Triton gemv at which row counts, as measured at engine start.
+    dense_gemv_choices = [c.to_dict() for c in engine.dense_gemv_choices]
+    dense_gemv_table = None
+    if engine.dense_gemv_choices:
+        from engine.dense_gemv_select import format_choices
+
+        dense_gemv_table = format_choices(engine.dense_gemv_choices)
     costs = model_costs(engine.model)
     rng = random.Random(0)
     decode = bench_decode(engine, profile, peaks, costs, rng)
@@ -403,7 +411,8 @@ def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwi
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run, Triton interpreter)",
         torch=torch.__version__, profile=asdict(profile), dtype=str(dtype).removeprefix("torch."),
         attention_backend=engine.attention_backend, elementwise_backend=engine.elementwise_backend, cuda_graph_sizes=list(graphs.sizes) if graphs else None,
-        kv_blocks=engine.scheduler.kv.pool.num_blocks, costs=asdict(costs), decode_profile=decode_profile, **peaks,
+        kv_blocks=engine.scheduler.kv.pool.num_blocks, costs=asdict(costs), decode_profile=decode_profile,
+        dense_gemv=dense_gemv, dense_gemv_choices=dense_gemv_choices, dense_gemv_table=dense_gemv_table, **peaks,
     )
     del engine, graphs
     gc.collect()
@@ -427,9 +436,13 @@ def format_table(report: dict) -> str:
     lines = [
         f"moegate engine benchmark: {p['spec']} with RANDOM weights, {report['dtype']}, {report['device']}, "
         f"attention {report['attention_backend']}, elementwise {report['elementwise_backend']}, "
-        f"CUDA graphs {report['cuda_graph_sizes'] and 'on' or 'off'}",
+        f"CUDA graphs {report['cuda_graph_sizes'] and 'on' or 'off'}, dense gemv {report.get('dense_gemv', 'auto')}",
         f"measured peaks: {report['bandwidth_gbps']:.0f} GB/s (device copy), {report['peak_tflops']:.1f} TFLOP/s (matmul)",
         "",
+    ]
+    if report.get("dense_gemv_table"):
+        lines += ["dense projections, Triton gemv vs F.linear (measured at engine start):", report["dense_gemv_table"], ""]
+    lines += [
         f"{'workload':<22} {'tok/s':>10} {'ms/step':>9} {'floor ms':>9} {'bound':>7} {'time/floor':>10} "
         f"{'max/med':>7} {'>2x med':>7} {'sched ms':>8} {'syncs':>5}",  # syncs: per eager step (1 expected)
     ]
@@ -482,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers comparison")
     parser.add_argument("--elementwise", choices=("auto", "torch", "triton"), default="auto",
                         help="engine elementwise_backend (torch: unfused norms/RoPE/routing, to compare)")
+    parser.add_argument("--dense-gemv", choices=("auto", "off", "on"), default="auto",
+                        help="engine dense_gemv (off: cuBLAS for every projection, to compare)")
     parser.add_argument("--profile", type=int, metavar="C", default=0,
                         help="print a kernel profile of one decode step at concurrency C (CUDA)")
     parser.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
@@ -502,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = replace(profile, concurrency=args.concurrency)
     if args.profile:
         profile = replace(profile, profile_concurrency=args.profile)
-    report = run(profile, device, skip_hf=args.skip_hf, elementwise=args.elementwise)
+    report = run(profile, device, skip_hf=args.skip_hf, elementwise=args.elementwise, dense_gemv=args.dense_gemv)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -7,6 +7,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _MOE_BACKENDS = ("auto", "torch", "triton")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 BATCHING_STRATEGIES = ("continuous", "dynamic", "static")
+DENSE_GEMV_MODES = ("auto", "off", "on")
 
 
 @dataclass(slots=True)
@@ -20,6 +21,10 @@ class EngineConfig:
     ``attention_backend``: "auto" is Triton paged attention on CUDA, torch elsewhere.
     ``elementwise_backend``: "auto" fuses norms, RoPE and routing into Triton
     kernels on CUDA (``engine.layers.fusion``), torch ops elsewhere.
+    ``dense_gemv``: the dense projections at up to 8 rows through a Triton
+    matrix-vector kernel (``engine.dense_gemv_select``). "auto" measures it
+    against ``F.linear`` per shape at start on CUDA and uses it where faster
+    (off elsewhere); "on" uses it everywhere unmeasured (tests); "off" never.
     CUDA graphs replay decode-only steps at ``cuda_graph_batch_sizes`` (default:
     1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``), padded up to the nearest
     size; they need CUDA and Triton attention, and ``enforce_eager`` turns them off.
@@ -51,6 +56,7 @@ class EngineConfig:
     max_wait_ms: float = 50.0
     attention_backend: str = "auto"
     elementwise_backend: str = "auto"
+    dense_gemv: str = "auto"
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     random_weights: str | None = None
@@ -65,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.elementwise_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"elementwise_backend must be one of {ATTENTION_BACKENDS}, got {self.elementwise_backend!r}")
+        if self.dense_gemv not in DENSE_GEMV_MODES:
+            raise ValueError(f"dense_gemv must be one of {DENSE_GEMV_MODES}, got {self.dense_gemv!r}")
         if self.cuda_graph_batch_sizes is not None:
             self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
             if not self.cuda_graph_batch_sizes or self.cuda_graph_batch_sizes[0] < 1:

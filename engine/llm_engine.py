@@ -62,7 +62,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
         self.attention_backend = resolve_kernel_backend(config.attention_backend, self.device)
         self.elementwise_backend = resolve_kernel_backend(config.elementwise_backend, self.device)
-        if "triton" in (config.moe_backend, config.attention_backend, config.elementwise_backend):
+        if "triton" in (config.moe_backend, config.attention_backend, config.elementwise_backend) or config.dense_gemv == "on":
             import moe_kernels
 
             if "triton" not in moe_kernels.available_backends():
@@ -79,6 +79,12 @@ class LLMEngine:
             from engine.layers.fusion import enable_triton_elementwise
 
             enable_triton_elementwise(self.model)
+        # Before the KV pool is sized: the measurement's scratch memory is given back by then.
+        self.dense_gemv_choices = []
+        if config.dense_gemv == "on" or (config.dense_gemv == "auto" and self.device.type == "cuda"):
+            from engine.dense_gemv_select import apply_dense_gemv
+
+            self.dense_gemv_choices = apply_dense_gemv(self.model, self.device, "on" if config.dense_gemv == "on" else "measure")
         num_blocks = config.num_kv_blocks or self._num_blocks_for_memory()
         # A sequence can never hold more tokens than the whole pool.
         self.max_model_len = min(max_len, num_blocks * config.block_size)
