@@ -136,7 +136,7 @@ def test_bad_requests_get_openai_errors(demo_dir, tmp_path):
 
     async def scenario():
         keys = await _policy(url)
-        engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=128))
+        engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=128, max_model_len=256))
         app = create_app(GatewayConfig(served_model_name="demo", database_url=url, max_request_bytes=4096), engine)
         async with TestServer(app, host="127.0.0.1") as server:
             import aiohttp
@@ -148,11 +148,14 @@ def test_bad_requests_get_openai_errors(demo_dir, tmp_path):
                     ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
                     ({"max_tokens": 3}, 400, None),
                     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+                    ({"prompt": [random.randrange(1, 100) for _ in range(300)]}, 400, "prompt"),  # > max_model_len 256
                 ]
                 for body, status, param in cases:
                     async with http.post(server.make_url("/v1/completions"), json=body, headers=auth) as resp:
                         err = (await resp.json())["error"]
                         assert resp.status == status, (body, err)
+                        if body.get("prompt") and len(body["prompt"]) == 300:  # says what the limit is
+                            assert "255" in err["message"], err
                         assert err["message"] and err["type"]
                         if param:
                             assert err["param"] == param, (body, err)
