@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, bindparam, case, func, insert, or_, select, update
+from sqlalchemy import and_, case, func, insert, or_, select, update
 
-from tenants.models import Batch, BatchLine, Quota, StoredFile, Usage, utcnow
+from tenants.batch_statements import BatchStatements
+from tenants.models import Batch, BatchLine, StoredFile, utcnow
 from tenants.quota import QuotaManager
 from tenants.store import QuotaConfig, TenantStore, UsageRecord
 
@@ -65,32 +66,6 @@ class FinishedLine:
     usage: UsageRecord | None
 
 
-class _FinishStatements:
-    """``finish_many``'s statements, built once (per store) on the Core tables, values as parameters.
-
-    Building them per call (ORM ``update()``s with fresh criteria, ORM bulk inserts) was most of the
-    gateway's CPU per batch line: statement construction, cache-key generation, and the ORM's
-    synchronize-session evaluation of every UPDATE.
-    """
-
-    __slots__ = ("take", "write", "count_done", "count_failed", "discounts", "usage")
-
-    def __init__(self) -> None:
-        lines, batches = BatchLine.__table__, Batch.__table__
-        held = and_(lines.c.lease_owner == bindparam("owner"), lines.c.status == "running")
-        self.take = (update(lines).where(lines.c.id.in_(bindparam("ids", expanding=True)), held)
-                     .values(lease_expires=None).returning(lines.c.id))
-        self.write = (update(lines).where(lines.c.id == bindparam("lid"), held)
-                      .values(status=bindparam("new_status"), result_json=bindparam("result")))
-        self.count_done, self.count_failed = (
-            update(batches).where(batches.c.id == bindparam("bid")).values({column: column + bindparam("n")})
-            for column in (batches.c.completed, batches.c.failed))
-        quotas = Quota.__table__
-        self.discounts = (select(quotas.c.tenant_id, quotas.c.batch_discount)
-                          .where(quotas.c.tenant_id.in_(bindparam("tenants", expanding=True))))
-        self.usage = insert(Usage.__table__)
-
-
 def _file_info(f: StoredFile) -> FileInfo:
     return FileInfo(f.id, f.tenant_id, f.filename, f.purpose, f.bytes, f.path, f.created_at)
 
@@ -100,7 +75,8 @@ class BatchStore:
         self.store, self.quotas, self.clock = store, quotas, clock
         self.sessions = store.sessions
         self._pg = store.backend == "postgresql"
-        self._finish = _FinishStatements()
+        self.engine = store.engine  # the hot-path calls run Core statements on plain connections, no ORM session
+        self._sql = BatchStatements(self._pg)
         # asyncpg reports no per-statement row counts for an executemany; pysqlite sums them.
         self._sane_multi_rowcount = store.engine.dialect.supports_sane_multi_rowcount
 
@@ -204,37 +180,19 @@ class BatchStore:
     async def claim(self, owner: str, limit: int, lease_s: float) -> list[ClaimedLine]:
         """Up to ``limit`` runnable lines (pending, or running with a lapsed lease), oldest batch first."""
         now = self.clock()
-        async with self.sessions.begin() as s:
-            runnable = or_(BatchLine.status == "pending",
-                           and_(BatchLine.status == "running", BatchLine.lease_expires < now))
-            q = (select(BatchLine.id).join(Batch, Batch.id == BatchLine.batch_id)
-                 .where(Batch.status == "in_progress", runnable)
-                 .order_by(Batch.created_at, BatchLine.batch_id, BatchLine.line_no).limit(limit))
-            if self._pg:  # replicas claim different lines instead of queueing on the same rows
-                q = q.with_for_update(of=BatchLine, skip_locked=True)
-            ids = list((await s.scalars(q)).all())
+        sql = self._sql
+        async with self.engine.begin() as c:
+            ids = list((await c.execute(sql.pick, {"now": now, "limit": limit})).scalars())
             if not ids:
                 return []
-            # The WHERE repeats the runnable test: on SQLite the write lock makes it moot, elsewhere it is the guard.
-            await s.execute(update(BatchLine).where(BatchLine.id.in_(ids), runnable)
-                            .values(status="running", lease_owner=owner, lease_expires=now + lease_s,
-                                    attempts=BatchLine.attempts + 1))
-            rows = (await s.execute(
-                select(BatchLine.id, BatchLine.batch_id, Batch.tenant_id, Batch.endpoint, BatchLine.custom_id,
-                       BatchLine.body_json, BatchLine.attempts)
-                .join(Batch, Batch.id == BatchLine.batch_id)
-                .where(BatchLine.id.in_(ids), BatchLine.lease_owner == owner, BatchLine.status == "running")
-                .order_by(BatchLine.id)
-            )).all()
-            return [ClaimedLine(*r) for r in rows]
+            await c.execute(sql.lease, {"ids": ids, "now": now, "owner": owner, "until": now + lease_s})
+            return [ClaimedLine(*r) for r in await c.execute(sql.claimed, {"ids": ids, "owner": owner})]
 
     async def renew(self, owner: str, line_ids: list[int], lease_s: float) -> None:
         if not line_ids:
             return
-        async with self.sessions.begin() as s:
-            await s.execute(update(BatchLine).where(BatchLine.id.in_(line_ids), BatchLine.lease_owner == owner,
-                                                    BatchLine.status == "running")
-                            .values(lease_expires=self.clock() + lease_s))
+        async with self.engine.begin() as c:
+            await c.execute(self._sql.renew, {"ids": list(line_ids), "owner": owner, "until": self.clock() + lease_s})
 
     async def finish(self, owner: str, line: ClaimedLine, ok: bool, result: dict, usage: UsageRecord | None) -> bool:
         """Record a line's result if ``owner`` still holds it; bill its usage (batch rate) in the same transaction.
@@ -251,11 +209,11 @@ class BatchStore:
         """
         if not items:
             return []
-        st = self._finish
-        async with self.sessions.begin() as s:
+        sql = self._sql
+        async with self.engine.begin() as c:
             # One statement takes every line still held, and locks it for this transaction (the row locks
             # on PostgreSQL; BEGIN IMMEDIATE's write lock on SQLite): what it returns is what we write.
-            held = set((await s.execute(st.take, {"ids": [item.line.id for item in items], "owner": owner}))
+            held = set((await c.execute(sql.take, {"ids": [item.line.id for item in items], "owner": owner}))
                        .scalars())
             written: list[bool] = []
             results, usages = [], []
@@ -274,13 +232,13 @@ class BatchStore:
                     usages.append(item.usage)
             if not results:
                 return written
-            res = await s.execute(st.write, results)  # one executemany
+            res = await c.execute(sql.write, results)  # one executemany
             if self._sane_multi_rowcount and res.rowcount != len(results):  # cannot happen under the locks above
                 raise RuntimeError(f"wrote {res.rowcount} of {len(results)} batch line results; rolled back")
             for (batch_id, ok), n in sorted(counts.items()):  # one lock order for every writer
-                await s.execute(st.count_done if ok else st.count_failed, {"bid": batch_id, "n": n})
+                await c.execute(sql.count_done if ok else sql.count_failed, {"bid": batch_id, "n": n})
             if usages:
-                discounts = dict((await s.execute(st.discounts, {"tenants": sorted({u.tenant_id for u in usages})}))
+                discounts = dict((await c.execute(sql.discounts, {"tenants": sorted({u.tenant_id for u in usages})}))
                                  .all())
                 rows, billed_by_tenant = [], {}
                 for u in usages:
@@ -289,9 +247,9 @@ class BatchStore:
                         u.prompt_tokens + u.completion_tokens, True)
                     rows.append(TenantStore.usage_values(replace(u, batch=True), billed))
                     billed_by_tenant[u.tenant_id] = billed_by_tenant.get(u.tenant_id, 0) + billed
-                await s.execute(st.usage, rows)
+                await c.execute(sql.usage, rows)
                 for tenant_id, billed in sorted(billed_by_tenant.items()):
-                    await self.quotas.add_billed(s, tenant_id, billed)
+                    await self.quotas.add_billed(c, tenant_id, billed)
         return written
 
     async def line_counts(self, batch_id: str) -> dict[str, int]:
@@ -316,15 +274,8 @@ class BatchStore:
 
     async def ready_to_finalize(self) -> list[str]:
         """Batches with no line left to run (none pending, none running) and not yet finalized by anyone alive."""
-        now = self.clock()
-        open_lines = (select(BatchLine.id).where(BatchLine.batch_id == Batch.id,
-                                                 BatchLine.status.in_(("pending", "running"))).exists())
-        async with self.sessions() as s:
-            q = select(Batch.id).where(
-                or_(Batch.status.in_(("in_progress", "cancelling")),
-                    and_(Batch.status == "finalizing", Batch.lease_expires < now)),
-                ~open_lines)
-            return list((await s.scalars(q)).all())
+        async with self.engine.connect() as c:
+            return list((await c.execute(self._sql.finalizable, {"now": self.clock()})).scalars())
 
     async def begin_finalizing(self, owner: str, batch_id: str, lease_s: float) -> Batch | None:
         """Take the batch's finalization lease; None if someone else holds it or it is done."""
