@@ -33,9 +33,10 @@ class EngineConfig:
     which then only names it; tokenizer files come from ``tokenizer`` if given.
     ``background_*``: how Batch API work yields to live work (see ``SchedulerConfig``).
     ``cpu_threads``: torch's intra-op threads when the model runs on the CPU; None
-    is torch's default (every core) in-process, and one core fewer in the engine
-    process, which shares the machine with the gateway feeding it (see
-    ``engine.engine_process``).
+    is torch's default (every core) in-process; in the engine process, which
+    shares the machine with the gateway feeding it, one core fewer while
+    foreground work is present or was within ``background_window_s``, and every
+    core otherwise (see ``engine.serving_threads``).
     """
 
     model: str

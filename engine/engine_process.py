@@ -1,6 +1,5 @@
 """The engine's own process: receives requests over a pipe, steps the engine, sends deltas back."""
 
-import dataclasses
 import logging
 from multiprocessing.connection import Connection
 
@@ -10,6 +9,7 @@ from engine.protocol import (
     encoder, to_engine_decoder,
 )
 from engine.sampling_params import SamplingParams
+from engine.serving_threads import serving_threads
 
 logger = logging.getLogger(__name__)
 
@@ -23,31 +23,13 @@ def _sampling_params(spec) -> SamplingParams:
     )
 
 
-def _serving_cpu_threads(config: EngineConfig) -> EngineConfig:
-    """On the CPU, leave one core to the gateway process unless ``cpu_threads`` says otherwise.
-
-    The gateway works while the engine steps (streaming deltas, writing batch results); with as many
-    torch threads as cores, each of its wakeups stalls a thread of the step's parallel regions,
-    and a step, however small, then waits a scheduler time slice: on 2 cores, steps of 10 ms
-    measured 30-50 ms beside a busy gateway.
-    """
-    import torch
-
-    from engine.llm_engine import resolve_device
-
-    if config.cpu_threads is not None or resolve_device(config.device).type != "cpu":
-        return config
-    return dataclasses.replace(config, cpu_threads=max(1, torch.get_num_threads() - 1))
-
-
 def run_engine_process(config: EngineConfig, conn: Connection) -> None:
     """Entry point of the engine process. Blocks on the pipe when idle, steps while there is work."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     from engine.llm_engine import LLMEngine
 
-    config = _serving_cpu_threads(config)
-
     try:
+        threads = serving_threads(config)
         engine = LLMEngine(config)
     except Exception as e:  # reported to the parent, which prints one line and exits
         conn.send_bytes(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
@@ -83,6 +65,8 @@ def run_engine_process(config: EngineConfig, conn: Connection) -> None:
                 conn.send_bytes(encoder.encode(StepOutputs([], engine.scheduler.stats())))
                 idle_change = False
             continue
+        if threads is not None:
+            threads.before_step(engine.scheduler.foreground_recent())
         outputs = engine.step()
         if outputs or engine.last_stats is not None:
             conn.send_bytes(encoder.encode(StepOutputs(_deltas(outputs, quiet), engine.last_stats)))

@@ -146,6 +146,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def foreground_recent(self) -> bool:
+        """Whether foreground work is present, or was at a step within ``background_window_s``.
+
+        While it is, background work is capped (see the module docstring); the engine process also
+        sizes its CPU threads by it (``engine.serving_threads``).
+        """
+        return self._num_foreground > 0 or self.clock() - self._foreground_seen <= self.config.background_window_s
+
     @property
     def num_running(self) -> int:
         return len(self.running)

@@ -22,12 +22,20 @@ def _serve(args: argparse.Namespace) -> int:
 
     from engine.model_loader import checkpoint_files
 
-    if args.model is None:  # the embedded default: the random-weight demo model, written on first use
+    demo = args.model is None  # the embedded default: the random-weight demo model, written on first use
+    if demo:
+        args.model = DEFAULT_DEMO_MODEL_DIR
+    url = database_url(args.database_url)
+    # Bad settings are bad input (ValueError: one line, exit 2), found before anything is written.
+    engine_config = serve_engine_config(args)
+    config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
+                           drain_timeout_s=args.drain_timeout, data_dir=args.data_dir,
+                           batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight)
+    if demo:
         import os
 
         from engine.demo_model import write_demo_model
 
-        args.model = DEFAULT_DEMO_MODEL_DIR
         if not os.path.exists(os.path.join(args.model, "config.json")):
             print(f"no --model given: writing the random-weight demo model to {args.model} (its output is random text)")
             write_demo_model(args.model)
@@ -39,7 +47,6 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         load_model_config(args.model)
         checkpoint_files(args.model)
-    url = database_url(args.database_url)
     try:
         # The policy database must match this code; the embedded SQLite default upgrades itself.
         ensure_schema(url)
@@ -54,21 +61,6 @@ def _serve(args: argparse.Namespace) -> int:
     if key is not None:
         print(f"created tenant 'default' with API key (shown only this once): {key}", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine_config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
-    )
-    if args.random_weights is not None:
-        import dataclasses
-
-        from engine.random_weights import served_name
-
-        engine_config = dataclasses.replace(engine_config, model=served_name(args.random_weights),
-                                            random_weights=args.random_weights, tokenizer=args.model)
-    config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
-                           drain_timeout_s=args.drain_timeout, data_dir=args.data_dir,
-                           batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight)
     try:
         import uvloop
 
@@ -86,6 +78,25 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"moegate serve: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's config from ``moegate serve``'s arguments; ValueError for a bad value."""
+    engine_config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        background_token_budget=args.background_token_budget, background_window_s=args.background_window_seconds,
+        cpu_threads=args.cpu_threads,
+    )
+    if args.random_weights is not None:
+        import dataclasses
+
+        from engine.random_weights import served_name
+
+        engine_config = dataclasses.replace(engine_config, model=served_name(args.random_weights),
+                                            random_weights=args.random_weights, tokenizer=args.model)
+    return engine_config
 
 
 def _add_serve(subparsers) -> None:
@@ -113,6 +124,16 @@ def _add_serve(subparsers) -> None:
                    help="a crashed gateway's batch lines are taken over after this (default 60)")
     p.add_argument("--batch-max-inflight", type=int, default=None,
                    help="batch lines in the engine at once (default: twice --max-num-seqs)")
+    defaults = EngineConfig(model="-")
+    p.add_argument("--background-token-budget", type=int, default=defaults.background_token_budget,
+                   help="tokens a step batch work may take while live traffic is present or was within "
+                        f"--background-window-seconds (default {defaults.background_token_budget})")
+    p.add_argument("--background-window-seconds", type=float, default=defaults.background_window_s,
+                   help="how long after live traffic batch work stays capped, and the engine leaves a core to "
+                        f"the gateway on the CPU (default {defaults.background_window_s:g})")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads of the engine on the CPU, whatever it serves (default: one core fewer "
+                        "than the machine while live traffic is recent, every core otherwise)")
     p.add_argument("--database-url", default=None,
                    help="policy database (default: $MOEGATE_DATABASE_URL or sqlite:///./moegate.db)")
     p.set_defaults(func=_serve)

@@ -22,7 +22,8 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import and_, case, func, insert, or_, select, update
 
-from tenants.models import Batch, BatchLine, Quota, StoredFile, Usage, utcnow
+from tenants.batch_statements import BatchStatements
+from tenants.models import Batch, BatchLine, StoredFile, utcnow
 from tenants.quota import QuotaManager
 from tenants.store import QuotaConfig, TenantStore, UsageRecord
 
@@ -74,6 +75,10 @@ class BatchStore:
         self.store, self.quotas, self.clock = store, quotas, clock
         self.sessions = store.sessions
         self._pg = store.backend == "postgresql"
+        self.engine = store.engine  # the hot-path calls run Core statements on plain connections, no ORM session
+        self._sql = BatchStatements(self._pg)
+        # asyncpg reports no per-statement row counts for an executemany; pysqlite sums them.
+        self._sane_multi_rowcount = store.engine.dialect.supports_sane_multi_rowcount
 
     # -- files -----------------------------------------------------------------------------------------
 
@@ -175,37 +180,19 @@ class BatchStore:
     async def claim(self, owner: str, limit: int, lease_s: float) -> list[ClaimedLine]:
         """Up to ``limit`` runnable lines (pending, or running with a lapsed lease), oldest batch first."""
         now = self.clock()
-        async with self.sessions.begin() as s:
-            runnable = or_(BatchLine.status == "pending",
-                           and_(BatchLine.status == "running", BatchLine.lease_expires < now))
-            q = (select(BatchLine.id).join(Batch, Batch.id == BatchLine.batch_id)
-                 .where(Batch.status == "in_progress", runnable)
-                 .order_by(Batch.created_at, BatchLine.batch_id, BatchLine.line_no).limit(limit))
-            if self._pg:  # replicas claim different lines instead of queueing on the same rows
-                q = q.with_for_update(of=BatchLine, skip_locked=True)
-            ids = list((await s.scalars(q)).all())
+        sql = self._sql
+        async with self.engine.begin() as c:
+            ids = list((await c.execute(sql.pick, {"now": now, "limit": limit})).scalars())
             if not ids:
                 return []
-            # The WHERE repeats the runnable test: on SQLite the write lock makes it moot, elsewhere it is the guard.
-            await s.execute(update(BatchLine).where(BatchLine.id.in_(ids), runnable)
-                            .values(status="running", lease_owner=owner, lease_expires=now + lease_s,
-                                    attempts=BatchLine.attempts + 1))
-            rows = (await s.execute(
-                select(BatchLine.id, BatchLine.batch_id, Batch.tenant_id, Batch.endpoint, BatchLine.custom_id,
-                       BatchLine.body_json, BatchLine.attempts)
-                .join(Batch, Batch.id == BatchLine.batch_id)
-                .where(BatchLine.id.in_(ids), BatchLine.lease_owner == owner, BatchLine.status == "running")
-                .order_by(BatchLine.id)
-            )).all()
-            return [ClaimedLine(*r) for r in rows]
+            await c.execute(sql.lease, {"ids": ids, "now": now, "owner": owner, "until": now + lease_s})
+            return [ClaimedLine(*r) for r in await c.execute(sql.claimed, {"ids": ids, "owner": owner})]
 
     async def renew(self, owner: str, line_ids: list[int], lease_s: float) -> None:
         if not line_ids:
             return
-        async with self.sessions.begin() as s:
-            await s.execute(update(BatchLine).where(BatchLine.id.in_(line_ids), BatchLine.lease_owner == owner,
-                                                    BatchLine.status == "running")
-                            .values(lease_expires=self.clock() + lease_s))
+        async with self.engine.begin() as c:
+            await c.execute(self._sql.renew, {"ids": list(line_ids), "owner": owner, "until": self.clock() + lease_s})
 
     async def finish(self, owner: str, line: ClaimedLine, ok: bool, result: dict, usage: UsageRecord | None) -> bool:
         """Record a line's result if ``owner`` still holds it; bill its usage (batch rate) in the same transaction.
@@ -222,30 +209,37 @@ class BatchStore:
         """
         if not items:
             return []
-        written: list[bool] = []
-        counts: dict[tuple[str, bool], int] = {}
-        usages: list[UsageRecord] = []
-        async with self.sessions.begin() as s:
+        sql = self._sql
+        async with self.engine.begin() as c:
+            # One statement takes every line still held, and locks it for this transaction (the row locks
+            # on PostgreSQL; BEGIN IMMEDIATE's write lock on SQLite): what it returns is what we write.
+            held = set((await c.execute(sql.take, {"ids": [item.line.id for item in items], "owner": owner}))
+                       .scalars())
+            written: list[bool] = []
+            results, usages = [], []
+            counts: dict[tuple[str, bool], int] = {}
             for item in items:
-                res = await s.execute(
-                    update(BatchLine).where(BatchLine.id == item.line.id, BatchLine.lease_owner == owner,
-                                            BatchLine.status == "running")
-                    .values(status="done" if item.ok else "failed", result_json=json.dumps(item.result),
-                            lease_expires=None))
-                written.append(res.rowcount == 1)
-                if res.rowcount != 1:
+                mine = item.line.id in held
+                held.discard(item.line.id)  # the same line twice in one call is written once
+                written.append(mine)
+                if not mine:
                     continue
+                results.append({"lid": item.line.id, "owner": owner, "new_status": "done" if item.ok else "failed",
+                                "result": json.dumps(item.result)})
                 key = (item.line.batch_id, item.ok)
                 counts[key] = counts.get(key, 0) + 1
                 if item.usage is not None:
                     usages.append(item.usage)
+            if not results:
+                return written
+            res = await c.execute(sql.write, results)  # one executemany
+            if self._sane_multi_rowcount and res.rowcount != len(results):  # cannot happen under the locks above
+                raise RuntimeError(f"wrote {res.rowcount} of {len(results)} batch line results; rolled back")
             for (batch_id, ok), n in sorted(counts.items()):  # one lock order for every writer
-                counter = Batch.completed if ok else Batch.failed
-                await s.execute(update(Batch).where(Batch.id == batch_id).values({counter: counter + n}))
+                await c.execute(sql.count_done if ok else sql.count_failed, {"bid": batch_id, "n": n})
             if usages:
-                tenants = {u.tenant_id for u in usages}
-                discounts = dict((await s.execute(select(Quota.tenant_id, Quota.batch_discount)
-                                                  .where(Quota.tenant_id.in_(tenants)))).all())
+                discounts = dict((await c.execute(sql.discounts, {"tenants": sorted({u.tenant_id for u in usages})}))
+                                 .all())
                 rows, billed_by_tenant = [], {}
                 for u in usages:
                     discount = discounts.get(u.tenant_id)
@@ -253,9 +247,9 @@ class BatchStore:
                         u.prompt_tokens + u.completion_tokens, True)
                     rows.append(TenantStore.usage_values(replace(u, batch=True), billed))
                     billed_by_tenant[u.tenant_id] = billed_by_tenant.get(u.tenant_id, 0) + billed
-                await s.execute(insert(Usage), rows)
+                await c.execute(sql.usage, rows)
                 for tenant_id, billed in sorted(billed_by_tenant.items()):
-                    await self.quotas.add_billed(s, tenant_id, billed)
+                    await self.quotas.add_billed(c, tenant_id, billed)
         return written
 
     async def line_counts(self, batch_id: str) -> dict[str, int]:
@@ -280,15 +274,8 @@ class BatchStore:
 
     async def ready_to_finalize(self) -> list[str]:
         """Batches with no line left to run (none pending, none running) and not yet finalized by anyone alive."""
-        now = self.clock()
-        open_lines = (select(BatchLine.id).where(BatchLine.batch_id == Batch.id,
-                                                 BatchLine.status.in_(("pending", "running"))).exists())
-        async with self.sessions() as s:
-            q = select(Batch.id).where(
-                or_(Batch.status.in_(("in_progress", "cancelling")),
-                    and_(Batch.status == "finalizing", Batch.lease_expires < now)),
-                ~open_lines)
-            return list((await s.scalars(q)).all())
+        async with self.engine.connect() as c:
+            return list((await c.execute(self._sql.finalizable, {"now": self.clock()})).scalars())
 
     async def begin_finalizing(self, owner: str, batch_id: str, lease_s: float) -> Batch | None:
         """Take the batch's finalization lease; None if someone else holds it or it is done."""

@@ -304,7 +304,7 @@ class QuotaManager:
             return refused.denied
 
     async def add_billed(self, s, tenant_id: int, billed: int) -> None:
-        """In session ``s``: add settled billed tokens (no reservation behind them) to today's budgets."""
+        """In session (or connection) ``s``: add settled billed tokens (no reservation behind them) to today's budgets."""
         now = self.clock()
         today = datetime.fromtimestamp(now, timezone.utc).date()
         await self._bump(s, tenant_id, "day", _epoch(today), billed, None)

@@ -83,8 +83,10 @@ def test_background_has_whole_steps_again_after_the_window():
     step(sched)
     assert live.is_finished
     clock.t += 1.9  # within the window: still capped
+    assert sched.foreground_recent()
     assert background_tokens(step(sched)) == 4
     clock.t += 0.2  # past it
+    assert not sched.foreground_recent()
     out = step(sched)
     assert background_tokens(out) == 64  # the whole token budget of the step
 
@@ -124,6 +126,8 @@ def test_random_traffic_follows_the_rules_and_everything_finishes(seed):
         foreground = [r for r in sched.requests.values() if not r.background]
         if foreground:
             last_foreground = clock.t
+        # What the engine process sizes its CPU threads by (engine.serving_threads).
+        assert sched.foreground_recent() == (bool(foreground) or clock.t - last_foreground <= window), step_no
         prefilling = any(r.num_tokens - r.num_computed_tokens > 1 or r.status != RequestStatus.RUNNING
                          for r in foreground)
         out = step(sched)

@@ -1,24 +1,30 @@
-"""The engine process's CPU thread count: one core is left to the gateway unless configured."""
+"""The engine process: its CPU thread count (one core left to the gateway while foreground work is recent,
+unless configured) and the deltas it sends."""
+
+import random
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
-from engine.engine_process import _serving_cpu_threads
+from engine.serving_threads import ServingThreads
 
 
-@pytest.fixture
-def torch_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
-def test_serving_leaves_one_core_to_the_gateway(torch_threads):
-    for cores, expected in ((4, 3), (2, 1), (1, 1)):
-        torch.set_num_threads(cores)
-        assert _serving_cpu_threads(EngineConfig(model="m", device="cpu")).cpu_threads == expected
-    assert _serving_cpu_threads(EngineConfig(model="m", device="cpu", cpu_threads=2)).cpu_threads == 2
+def test_serving_threads_leave_one_core_to_the_gateway_only_while_foreground_work_is_recent():
+    rng = random.Random()
+    for cores, fixed in ((4, None), (2, None), (1, None), (rng.randint(2, 16), None), (8, rng.randint(1, 8))):
+        calls: list[int] = []
+        threads = ServingThreads(EngineConfig(model="m", device="cpu", cpu_threads=fixed), cores, calls.append)
+        expected_calls, current = [], None
+        for _ in range(50):
+            recent = rng.random() < 0.5
+            threads.before_step(recent)
+            # Independent reference: the configured count if any, else cores - 1 (at least 1) or every core.
+            want = fixed if fixed is not None else (max(1, cores - 1) if recent else cores)
+            if want != current:
+                expected_calls.append(want)
+                current = want
+            assert threads.current == want
+        assert calls == expected_calls  # set only when the count changes
 
 
 def test_cpu_threads_is_validated():

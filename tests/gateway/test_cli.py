@@ -44,3 +44,37 @@ def test_serve_checks_weights_and_upgrades_embedded_sqlite(tmp_path):
     r = moegate("serve", "--model", str(cfg), "--database-url", db)
     assert r.returncode == 2 and "no *.safetensors" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert current_revision(db) is None  # checked before touching the database
+
+
+def test_serve_rejects_bad_engine_settings_before_touching_anything(tmp_path):
+    import random
+
+    db = f"sqlite:///{tmp_path / 'policy.db'}"
+    rng = random.Random()
+    bad = [("--cpu-threads", str(-rng.randint(0, 8)), "cpu_threads"),
+           ("--background-token-budget", str(-rng.randint(0, 100)), "background_token_budget"),
+           ("--background-window-seconds", str(-rng.uniform(0.001, 10)), "background_window_s")]
+    for flag, value, name in bad:
+        # The model directory does not exist either: the setting is reported first, before any file is read.
+        r = moegate("serve", "--model", str(tmp_path / "absent"), "--database-url", db, flag, value)
+        assert r.returncode == 2, (flag, value, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and name in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "policy.db").exists()  # the database was not opened
+
+
+def test_serve_engine_settings_reach_the_engine_config():
+    import random
+
+    from engine.config import EngineConfig
+    from gateway.cli import build_parser, serve_engine_config
+
+    rng = random.Random()
+    budget, window, threads = rng.randint(1, 4096), round(rng.uniform(0, 60), 3), rng.randint(1, 64)
+    args = build_parser().parse_args(["serve", "--model", "m", "--background-token-budget", str(budget),
+                                      "--background-window-seconds", str(window), "--cpu-threads", str(threads)])
+    got = serve_engine_config(args)
+    assert (got.background_token_budget, got.background_window_s, got.cpu_threads) == (budget, window, threads)
+    defaults = serve_engine_config(build_parser().parse_args(["serve", "--model", "m"]))
+    reference = EngineConfig(model="m")
+    assert (defaults.background_token_budget, defaults.background_window_s, defaults.cpu_threads) == (
+        reference.background_token_budget, reference.background_window_s, None)

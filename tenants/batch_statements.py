@@ -1,0 +1,72 @@
+"""The batch runner's hot-path SQL, built once per store on the Core tables, every value a parameter.
+
+A batch line costs the gateway a share of a claim, a result write, a usage row
+and the runner's "anything to finalize?" check. Built per call (ORM ``select``/
+``update`` with fresh criteria, ORM bulk inserts, run through an ORM session),
+these were most of the gateway's CPU per line: statement construction,
+cache-key generation, and the ORM's synchronize-session evaluation of every
+UPDATE. Built once, a call only binds parameters (the compiled form is cached
+by the engine), and they run on a plain connection.
+"""
+
+from sqlalchemy import and_, bindparam, insert, or_, select, update
+
+from tenants.models import Batch, BatchLine, Quota, Usage
+
+
+class BatchStatements:
+    """Statements of ``BatchStore.claim``, ``renew``, ``finish_many`` and ``ready_to_finalize``.
+
+    Parameters are named in each attribute's comment.
+    """
+
+    __slots__ = ("pick", "lease", "claimed", "renew", "take", "write", "count_done", "count_failed", "discounts",
+                 "usage", "finalizable")
+
+    def __init__(self, postgresql: bool) -> None:
+        lines, batches, quotas = BatchLine.__table__, Batch.__table__, Quota.__table__
+        ids = bindparam("ids", expanding=True)
+        # A line is runnable when pending, or running under a lease that lapsed (its gateway died).
+        runnable = or_(lines.c.status == "pending",
+                       and_(lines.c.status == "running", lines.c.lease_expires < bindparam("now")))
+        # now, limit -> line ids, oldest batch first
+        self.pick = (select(lines.c.id).join(batches, batches.c.id == lines.c.batch_id)
+                     .where(batches.c.status == "in_progress", runnable)
+                     .order_by(batches.c.created_at, lines.c.batch_id, lines.c.line_no).limit(bindparam("limit")))
+        if postgresql:  # replicas claim different lines instead of queueing on the same rows
+            self.pick = self.pick.with_for_update(of=lines, skip_locked=True)
+        # ids, now, owner, until: the WHERE repeats the runnable test (on SQLite the write lock makes it
+        # moot, elsewhere it is the guard)
+        self.lease = (update(lines).where(lines.c.id.in_(ids), runnable)
+                      .values(status="running", lease_owner=bindparam("owner"), lease_expires=bindparam("until"),
+                              attempts=lines.c.attempts + 1))
+        held = and_(lines.c.lease_owner == bindparam("owner"), lines.c.status == "running")
+        # ids, owner -> what ClaimedLine holds, by line id
+        self.claimed = (select(lines.c.id, lines.c.batch_id, batches.c.tenant_id, batches.c.endpoint,
+                               lines.c.custom_id, lines.c.body_json, lines.c.attempts)
+                        .join(batches, batches.c.id == lines.c.batch_id).where(lines.c.id.in_(ids), held)
+                        .order_by(lines.c.id))
+        # ids, owner, until
+        self.renew = update(lines).where(lines.c.id.in_(ids), held).values(lease_expires=bindparam("until"))
+        # ids, owner -> the ids still held, now locked for the transaction (row locks on PostgreSQL,
+        # BEGIN IMMEDIATE's write lock on SQLite)
+        self.take = update(lines).where(lines.c.id.in_(ids), held).values(lease_expires=None).returning(lines.c.id)
+        # executemany of lid, owner, new_status, result
+        self.write = (update(lines).where(lines.c.id == bindparam("lid"), held)
+                      .values(status=bindparam("new_status"), result_json=bindparam("result")))
+        # bid, n
+        self.count_done, self.count_failed = (
+            update(batches).where(batches.c.id == bindparam("bid")).values({column: column + bindparam("n")})
+            for column in (batches.c.completed, batches.c.failed))
+        # tenants -> (tenant_id, batch_discount)
+        self.discounts = (select(quotas.c.tenant_id, quotas.c.batch_discount)
+                          .where(quotas.c.tenant_id.in_(bindparam("tenants", expanding=True))))
+        # executemany of usage rows (TenantStore.usage_values)
+        self.usage = insert(Usage.__table__)
+        # now -> ids of batches with no line pending or running, not finalized by anyone alive
+        open_lines = (select(lines.c.id).where(lines.c.batch_id == batches.c.id,
+                                               lines.c.status.in_(("pending", "running"))).exists())
+        self.finalizable = select(batches.c.id).where(
+            or_(batches.c.status.in_(("in_progress", "cancelling")),
+                and_(batches.c.status == "finalizing", batches.c.lease_expires < bindparam("now"))),
+            ~open_lines)
