@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.dense_gemv_select import (  # noqa: E402
-    MARGIN, ROW_BUCKETS, apply_dense_gemv, candidates, format_choices, group_by_shape, occupancy_split, select,
+    MARGIN, ROW_BUCKETS, apply_dense_gemv, candidates, format_choices, group_by_shape, occupancy_split,
 )
 from engine.layers import gemv_linear  # noqa: E402
 from engine.layers.dense_gemv import MAX_GEMV_ROWS, GemvConfig, dense_gemv  # noqa: E402
