@@ -89,6 +89,7 @@ async def main_async(args, url: str) -> dict:
             await _one_round(bs, store, tenant.id, args, timings)
             if r:
                 totals.append({k: sum(v) for k, v in timings.items()} | {"calls": {k: len(v) for k, v in timings.items()}})
+        await bs.close()
     finally:
         await store.close()
     out = {}

@@ -291,6 +291,7 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
         yield
         await app[SETTLEMENTS].drain()  # every finished or cut request has handed its usage to the ledger
         await app[LEDGER].close()  # ... and the ledger has written it
+        await app[BATCH_STORE].close()
         await store.close()
 
     async def supervise() -> None:

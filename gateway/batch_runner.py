@@ -133,9 +133,8 @@ class BatchRunner:
                 await self._write_some()
             except Exception:
                 logger.exception("could not write %d finished batch lines; they will run again", len(self._unwritten))
-            held = list(self._running) + list(self._unwritten)
-            try:  # stopping on purpose: let the next start (or another gateway) take these lines at once
-                await self.batches.renew(self.owner, held, -1.0)
+            try:  # stopping on purpose: let the next start (or another gateway) take our lines at once
+                await self.batches.release_all(self.owner)
             except Exception:
                 logger.exception("could not release batch leases; they lapse in %.0f s", self.config.lease_s)
 

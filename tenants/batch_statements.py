@@ -6,7 +6,8 @@ and the runner's "anything to finalize?" check. Built per call (ORM ``select``/
 these were most of the gateway's CPU per line: statement construction,
 cache-key generation, and the ORM's synchronize-session evaluation of every
 UPDATE. Built once, a call only binds parameters (the compiled form is cached
-by the engine), and they run on a plain connection.
+by the engine), and they run on a plain synchronous connection, a whole
+transaction per call on one worker thread (``tenants.sync_transactions``).
 """
 
 from sqlalchemy import and_, bindparam, insert, or_, select, update
@@ -15,12 +16,12 @@ from tenants.models import Batch, BatchLine, Quota, Usage
 
 
 class BatchStatements:
-    """Statements of ``BatchStore.claim``, ``renew``, ``finish_many`` and ``ready_to_finalize``.
+    """Statements of ``BatchStore.claim``, ``renew``, ``release_all``, ``finish_many`` and ``ready_to_finalize``.
 
     Parameters are named in each attribute's comment.
     """
 
-    __slots__ = ("pick", "lease", "claimed", "renew", "take", "write", "count_done", "count_failed", "discounts",
+    __slots__ = ("pick", "lease", "claimed", "renew", "release", "take", "write", "count_done", "count_failed", "discounts",
                  "usage", "finalizable")
 
     def __init__(self, postgresql: bool) -> None:
@@ -48,6 +49,8 @@ class BatchStatements:
                         .order_by(lines.c.id))
         # ids, owner, until
         self.renew = update(lines).where(lines.c.id.in_(ids), held).values(lease_expires=bindparam("until"))
+        # owner, until: every line the owner holds
+        self.release = update(lines).where(held).values(lease_expires=bindparam("until"))
         # ids, owner -> the ids still held, now locked for the transaction (row locks on PostgreSQL,
         # BEGIN IMMEDIATE's write lock on SQLite)
         self.take = update(lines).where(lines.c.id.in_(ids), held).values(lease_expires=None).returning(lines.c.id)

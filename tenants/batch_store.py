@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, case, func, insert, or_, select, update
+from sqlalchemy import Connection, and_, case, func, insert, or_, select, update
 
 from tenants.batch_statements import BatchStatements
+from tenants.sync_transactions import SyncTransactions
 from tenants.models import Batch, BatchLine, StoredFile, utcnow
 from tenants.quota import QuotaManager
 from tenants.store import QuotaConfig, TenantStore, UsageRecord
@@ -75,10 +76,13 @@ class BatchStore:
         self.store, self.quotas, self.clock = store, quotas, clock
         self.sessions = store.sessions
         self._pg = store.backend == "postgresql"
-        self.engine = store.engine  # the hot-path calls run Core statements on plain connections, no ORM session
+        # The runner's hot path: prebuilt Core statements, whole transactions on a synchronous connection.
         self._sql = BatchStatements(self._pg)
-        # asyncpg reports no per-statement row counts for an executemany; pysqlite sums them.
-        self._sane_multi_rowcount = store.engine.dialect.supports_sane_multi_rowcount
+        self.hot = SyncTransactions(store.engine.url.render_as_string(hide_password=False))
+
+    async def close(self) -> None:
+        """Release the hot path's connection and thread (the async store is closed by its owner)."""
+        await self.hot.close()
 
     # -- files -----------------------------------------------------------------------------------------
 
@@ -177,22 +181,37 @@ class BatchStore:
 
     # -- lines -----------------------------------------------------------------------------------------
 
+    # -- the runner's hot path: whole transactions on the worker thread (one event-loop wakeup each) --------
+
     async def claim(self, owner: str, limit: int, lease_s: float) -> list[ClaimedLine]:
         """Up to ``limit`` runnable lines (pending, or running with a lapsed lease), oldest batch first."""
-        now = self.clock()
-        sql = self._sql
-        async with self.engine.begin() as c:
-            ids = list((await c.execute(sql.pick, {"now": now, "limit": limit})).scalars())
-            if not ids:
-                return []
-            await c.execute(sql.lease, {"ids": ids, "now": now, "owner": owner, "until": now + lease_s})
-            return [ClaimedLine(*r) for r in await c.execute(sql.claimed, {"ids": ids, "owner": owner})]
+        return await self.hot.run(self._claim, owner, limit, self.clock() + lease_s)
+
+    def _claim(self, c: Connection, owner: str, limit: int, until: float) -> list[ClaimedLine]:
+        sql, now = self._sql, self.clock()
+        ids = list(c.execute(sql.pick, {"now": now, "limit": limit}).scalars())
+        if not ids:
+            return []
+        c.execute(sql.lease, {"ids": ids, "now": now, "owner": owner, "until": until})
+        return [ClaimedLine(*r) for r in c.execute(sql.claimed, {"ids": ids, "owner": owner})]
 
     async def renew(self, owner: str, line_ids: list[int], lease_s: float) -> None:
-        if not line_ids:
-            return
-        async with self.engine.begin() as c:
-            await c.execute(self._sql.renew, {"ids": list(line_ids), "owner": owner, "until": self.clock() + lease_s})
+        if line_ids:
+            await self.hot.run(self._renew, owner, list(line_ids), self.clock() + lease_s)
+
+    def _renew(self, c: Connection, owner: str, line_ids: list[int], until: float) -> None:
+        c.execute(self._sql.renew, {"ids": line_ids, "owner": owner, "until": until})
+
+    async def release_all(self, owner: str) -> None:
+        """Lapse the lease of every line ``owner`` holds, so that anyone may claim them at once.
+
+        A runner stopping on purpose calls it last: it also covers lines a claim took for the owner
+        while the runner was being cancelled (that transaction still commits on the worker thread).
+        """
+        await self.hot.run(self._release_all, owner)
+
+    def _release_all(self, c: Connection, owner: str) -> None:
+        c.execute(self._sql.release, {"owner": owner, "until": self.clock() - 1.0})
 
     async def finish(self, owner: str, line: ClaimedLine, ok: bool, result: dict, usage: UsageRecord | None) -> bool:
         """Record a line's result if ``owner`` still holds it; bill its usage (batch rate) in the same transaction.
@@ -209,47 +228,48 @@ class BatchStore:
         """
         if not items:
             return []
+        return await self.hot.run(self._finish_many, owner, items)
+
+    def _finish_many(self, c: Connection, owner: str, items: list[FinishedLine]) -> list[bool]:
         sql = self._sql
-        async with self.engine.begin() as c:
-            # One statement takes every line still held, and locks it for this transaction (the row locks
-            # on PostgreSQL; BEGIN IMMEDIATE's write lock on SQLite): what it returns is what we write.
-            held = set((await c.execute(sql.take, {"ids": [item.line.id for item in items], "owner": owner}))
-                       .scalars())
-            written: list[bool] = []
-            results, usages = [], []
-            counts: dict[tuple[str, bool], int] = {}
-            for item in items:
-                mine = item.line.id in held
-                held.discard(item.line.id)  # the same line twice in one call is written once
-                written.append(mine)
-                if not mine:
-                    continue
-                results.append({"lid": item.line.id, "owner": owner, "new_status": "done" if item.ok else "failed",
-                                "result": json.dumps(item.result)})
-                key = (item.line.batch_id, item.ok)
-                counts[key] = counts.get(key, 0) + 1
-                if item.usage is not None:
-                    usages.append(item.usage)
-            if not results:
-                return written
-            res = await c.execute(sql.write, results)  # one executemany
-            if self._sane_multi_rowcount and res.rowcount != len(results):  # cannot happen under the locks above
-                raise RuntimeError(f"wrote {res.rowcount} of {len(results)} batch line results; rolled back")
-            for (batch_id, ok), n in sorted(counts.items()):  # one lock order for every writer
-                await c.execute(sql.count_done if ok else sql.count_failed, {"bid": batch_id, "n": n})
-            if usages:
-                discounts = dict((await c.execute(sql.discounts, {"tenants": sorted({u.tenant_id for u in usages})}))
-                                 .all())
-                rows, billed_by_tenant = [], {}
-                for u in usages:
-                    discount = discounts.get(u.tenant_id)
-                    billed = QuotaConfig(batch_discount=0.5 if discount is None else discount).billed(
-                        u.prompt_tokens + u.completion_tokens, True)
-                    rows.append(TenantStore.usage_values(replace(u, batch=True), billed))
-                    billed_by_tenant[u.tenant_id] = billed_by_tenant.get(u.tenant_id, 0) + billed
-                await c.execute(sql.usage, rows)
-                for tenant_id, billed in sorted(billed_by_tenant.items()):
-                    await self.quotas.add_billed(c, tenant_id, billed)
+        # One statement takes every line still held, and locks it for this transaction (the row locks
+        # on PostgreSQL; BEGIN IMMEDIATE's write lock on SQLite): what it returns is what we write.
+        held = set(c.execute(sql.take, {"ids": [item.line.id for item in items], "owner": owner}).scalars())
+        written: list[bool] = []
+        results, usages = [], []
+        counts: dict[tuple[str, bool], int] = {}
+        for item in items:
+            mine = item.line.id in held
+            held.discard(item.line.id)  # the same line twice in one call is written once
+            written.append(mine)
+            if not mine:
+                continue
+            results.append({"lid": item.line.id, "owner": owner, "new_status": "done" if item.ok else "failed",
+                            "result": json.dumps(item.result)})
+            key = (item.line.batch_id, item.ok)
+            counts[key] = counts.get(key, 0) + 1
+            if item.usage is not None:
+                usages.append(item.usage)
+        if not results:
+            return written
+        res = c.execute(sql.write, results)  # one executemany
+        # Cannot happen under the locks above. (Only where the driver sums an executemany's row counts.)
+        if c.dialect.supports_sane_multi_rowcount and res.rowcount != len(results):
+            raise RuntimeError(f"wrote {res.rowcount} of {len(results)} batch line results; rolled back")
+        for (batch_id, ok), n in sorted(counts.items()):  # one lock order for every writer
+            c.execute(sql.count_done if ok else sql.count_failed, {"bid": batch_id, "n": n})
+        if usages:
+            discounts = dict(c.execute(sql.discounts, {"tenants": sorted({u.tenant_id for u in usages})}).all())
+            rows, billed_by_tenant = [], {}
+            for u in usages:
+                discount = discounts.get(u.tenant_id)
+                billed = QuotaConfig(batch_discount=0.5 if discount is None else discount).billed(
+                    u.prompt_tokens + u.completion_tokens, True)
+                rows.append(TenantStore.usage_values(replace(u, batch=True), billed))
+                billed_by_tenant[u.tenant_id] = billed_by_tenant.get(u.tenant_id, 0) + billed
+            c.execute(sql.usage, rows)
+            for tenant_id, billed in sorted(billed_by_tenant.items()):
+                self.quotas.add_billed(c, tenant_id, billed)
         return written
 
     async def line_counts(self, batch_id: str) -> dict[str, int]:
@@ -274,8 +294,10 @@ class BatchStore:
 
     async def ready_to_finalize(self) -> list[str]:
         """Batches with no line left to run (none pending, none running) and not yet finalized by anyone alive."""
-        async with self.engine.connect() as c:
-            return list((await c.execute(self._sql.finalizable, {"now": self.clock()})).scalars())
+        return await self.hot.run(self._ready_to_finalize)
+
+    def _ready_to_finalize(self, c: Connection) -> list[str]:
+        return list(c.execute(self._sql.finalizable, {"now": self.clock()}).scalars())
 
     async def begin_finalizing(self, owner: str, batch_id: str, lease_s: float) -> Batch | None:
         """Take the batch's finalization lease; None if someone else holds it or it is done."""

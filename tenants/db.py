@@ -54,12 +54,12 @@ def create_engine_for(url: str, **kwargs) -> AsyncEngine:
         # pool in asyncio is fair and cheap where several connections would spin in SQLite's busy wait.
         kwargs = {"pool_size": 1, "max_overflow": 0, **kwargs}
         engine = create_async_engine(async_url(url), connect_args={"timeout": 30}, **kwargs)
-        _sqlite_pragmas(engine.sync_engine)
+        sqlite_pragmas(engine.sync_engine)
         return engine
     return create_async_engine(async_url(url), **kwargs)
 
 
-def _sqlite_pragmas(sync_engine) -> None:
+def sqlite_pragmas(sync_engine) -> None:
     @event.listens_for(sync_engine, "connect")
     def _connect(dbapi_connection, _record):
         # Let SQLAlchemy, not the driver, emit BEGIN (see "begin" below).

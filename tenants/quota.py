@@ -303,12 +303,12 @@ class QuotaManager:
         except _Refused as refused:
             return refused.denied
 
-    async def add_billed(self, s, tenant_id: int, billed: int) -> None:
-        """In session (or connection) ``s``: add settled billed tokens (no reservation behind them) to today's budgets."""
-        now = self.clock()
-        today = datetime.fromtimestamp(now, timezone.utc).date()
-        await self._bump(s, tenant_id, "day", _epoch(today), billed, None)
-        await self._bump(s, tenant_id, "month", _epoch(today.replace(day=1)), billed, None)
+    def add_billed(self, c, tenant_id: int, billed: int) -> None:
+        """On synchronous connection ``c`` (``SyncTransactions``): add settled billed tokens (no reservation
+        behind them) to today's budgets."""
+        today = datetime.fromtimestamp(self.clock(), timezone.utc).date()
+        for kind, window in (("day", _epoch(today)), ("month", _epoch(today.replace(day=1)))):
+            c.execute(self._upsert, {"tenant_id": tenant_id, "kind": kind, "window": window, "value": billed})
 
     async def bump_batch_queue(self, s, tenant_id: int, tokens: int) -> None:
         """In session ``s``: change the tenant's queued batch tokens (negative to give back)."""

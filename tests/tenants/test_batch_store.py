@@ -3,6 +3,7 @@ over, and a line is finished (and billed) only by the runner that holds it."""
 
 import asyncio
 import json
+import random
 from dataclasses import dataclass
 
 from tenants.batch_store import BatchStore, FinishedLine
@@ -62,6 +63,7 @@ def test_claims_are_disjoint_lapsed_leases_move_and_finish_is_exactly_once(db_ur
         assert rows[0]["kind"] == "batch" and rows[0]["requests"] == 9  # billed once per finished line
         assert rows[0]["billed_tokens"] == 9 * 8  # 16 tokens at the default half price
         assert await bs.get_batch(t.id + 1, b.id) is None  # another tenant does not see it
+        await bs.close()
 
     with_store(db_url, body)
 
@@ -100,5 +102,26 @@ def test_finish_many_writes_held_lines_together_and_skips_lost_ones(db_url):
         by_tenant = {r["tenant"]: r for r in await store.usage_summary(None, by="tenant")}
         assert by_tenant["acme"]["requests"] == 2 and by_tenant["acme"]["billed_tokens"] == (20 + 40) // 2
         assert by_tenant["beta"]["requests"] == 2 and by_tenant["beta"]["billed_tokens"] == 80 // 4 + 16 // 4
+        await bs.close()
+
+    with_store(db_url, body)
+
+
+def test_release_all_lapses_only_the_owners_leases(db_url):
+    async def body(store):
+        t = await store.create_tenant("acme")
+        bs = BatchStore(store, QuotaManager(store), clock=Clock())
+        n = random.randint(4, 12)
+        await bs.create_batch(t.id, "/v1/completions", "file-x", 3600, "24h", None, "m",
+                              [Line(i + 1, f"c{i}", "{}") for i in range(n)], None, 0)
+        k = random.randint(1, n - 1)
+        mine, theirs = await bs.claim("A", k, 30), await bs.claim("B", n, 30)
+        assert len(mine) == k and len(theirs) == n - k
+        await bs.release_all("A")
+        retaken = await bs.claim("C", n, 30)  # no time has passed: only released leases are claimable
+        assert sorted(l.id for l in retaken) == sorted(l.id for l in mine)
+        assert not await bs.finish("A", mine[0], True, {}, None)  # A no longer holds it
+        assert await bs.finish("B", theirs[0], True, {}, None)  # B's leases were untouched
+        await bs.close()
 
     with_store(db_url, body)
