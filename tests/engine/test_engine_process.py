@@ -48,3 +48,31 @@ def test_quiet_requests_get_one_delta_with_the_whole_output():
     assert [(d.request_id, d.new_token_ids, d.new_text, d.finished, d.num_output_tokens) for d in last] == [
         ("s", [2], "b", True, 2), ("q", [1, 2], "ab", True, 2)]
     assert quiet == set()  # forgotten once finished
+
+
+def test_statistics_without_deltas_go_out_on_a_change_of_waiting_counts_when_idle_or_after_the_interval():
+    from engine.engine_process import StatsReports
+    from engine.stats import SchedulerStats
+
+    rng = random.Random()
+    clock = [rng.uniform(0, 1e6)]
+    interval = rng.uniform(0.01, 0.2)
+    reports = StatsReports(interval, clock=lambda: clock[0])
+
+    def stats(waiting: dict[int, int]) -> SchedulerStats:
+        return SchedulerStats(1, waiting, 0, 8, 0, 0, 0, 0, 0, 1, 0, 0)
+
+    assert not reports.due(None, busy=True) and not reports.due(None, busy=False)
+    last_at, last_waiting, sent = float("-inf"), None, 0
+    for _ in range(400):
+        clock[0] += rng.uniform(0, interval / 3)
+        waiting = {2: rng.choice((3, 3, 3, 4))} if rng.random() < 0.9 else {}
+        busy = rng.random() < 0.95
+        s = stats(waiting)
+        # Reference: the rule as the docstring states it, from the history kept here.
+        want = not busy or waiting != last_waiting or clock[0] - last_at >= interval
+        assert reports.due(s, busy) == want
+        if want:
+            reports.sent(s)
+            last_at, last_waiting, sent = clock[0], waiting, sent + 1
+    assert 0 < sent < 400  # some steps were quiet, some reported
