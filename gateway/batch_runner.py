@@ -4,8 +4,8 @@ One runner per gateway process. It claims lines only while the engine has no
 live request waiting (batch work takes idle capacity; the engine's scheduler
 also serves better ranks first and preempts batch work for them), keeps at
 most ``max_inflight`` lines in the engine, renews its leases while they run,
-and writes line results with ``BatchStore.finish_many`` (exactly once, even if
-another gateway took a line over after a crash). When a batch has no line
+and writes line results with ``BatchStore.finish_and_claim`` (exactly once, even
+if another gateway took a line over after a crash). When a batch has no line
 left it writes the output and error files and sets the final status.
 
 Throughput: ``max_inflight`` should exceed the engine's ``max_num_seqs`` (the
@@ -13,8 +13,9 @@ gateway defaults to twice it), so lines wait *inside* the engine at the batch
 rank and take a slot the step after one frees, instead of the engine running
 dry while finished lines are written and new ones claimed. Results are written
 by one writer task, everything finished since its last write in one transaction
-(group commit, as the usage ledger does): a wave of lines finishing together
-costs one commit, not one each. A result not yet written when the process dies
+(group commit, as the usage ledger does), and the same transaction claims lines
+for the room they freed: a wave of lines finishing together costs one commit,
+not one each, and no separate claim. A result not yet written when the process dies
 is simply lost with its lease, and the line runs again: nothing is done twice.
 """
 
@@ -130,7 +131,7 @@ class BatchRunner:
                 t.cancel()
             await asyncio.gather(renewer, writer, *tasks, return_exceptions=True)
             try:  # results already in hand are kept (one last write); a failure leaves them to run again
-                await self._write_some()
+                await self._write_some(refill=False)
             except Exception:
                 logger.exception("could not write %d finished batch lines; they will run again", len(self._unwritten))
             try:  # stopping on purpose: let the next start (or another gateway) take our lines at once
@@ -145,11 +146,20 @@ class BatchRunner:
             await self.batches.expire_overdue()
         for batch_id in await self.batches.ready_to_finalize():
             await self.finalize(batch_id)
+        room = self._claim_room()
+        if room:
+            self._start(await self.batches.claim(self.owner, room, self.config.lease_s))
+
+    def _claim_room(self) -> int:
+        """How many lines to claim now: none while the engine is down or live requests wait (batch work
+        takes idle capacity only), else the room under ``max_inflight``."""
         engine_ready = getattr(self.engine, "info", None) is not None and not getattr(self.engine, "dead", None)
-        room = self.config.max_inflight - len(self._running)
-        if not engine_ready or room <= 0 or self._live_waiting() > 0:
-            return  # idle capacity only: live requests waiting come first
-        for line in await self.batches.claim(self.owner, room, self.config.lease_s):
+        if not engine_ready or self._live_waiting() > 0:
+            return 0
+        return max(0, self.config.max_inflight - len(self._running))
+
+    def _start(self, lines: list[ClaimedLine]) -> None:
+        for line in lines:
             self._running[line.id] = asyncio.create_task(self._run_line(line))
 
     async def _run_line(self, line: ClaimedLine) -> None:
@@ -171,19 +181,25 @@ class BatchRunner:
         finally:
             self._running.pop(line.id, None)
 
-    async def _write_some(self) -> None:
-        """Commit up to ``max_write_batch`` finished lines in one transaction."""
+    async def _write_some(self, refill: bool = True) -> None:
+        """Commit up to ``max_write_batch`` finished lines in one transaction, which (``refill``) also
+        claims lines for the room they freed."""
         items = list(self._unwritten.values())[: self.config.max_write_batch]
         if not items:
             return
-        written = await self.batches.finish_many(self.owner, items)
+        limit = self._claim_room() if refill else 0
+        written, claimed = await self.batches.finish_and_claim(self.owner, items, limit, self.config.lease_s)
         for item, ok in zip(items, written):  # only after the commit: a failed write keeps its items
             del self._unwritten[item.line.id]
             if not ok:
                 logger.warning("batch line %s of %s was already finished or taken over by another runner; result dropped",
                                item.line.custom_id, item.line.batch_id)
         self.writes += 1
-        self.wake.set()  # lines were freed (refill) and a batch may be ready to finalize
+        self._start(claimed)
+        if refill and (not limit or len(claimed) < limit):
+            # No lines left to run (a batch may be ready to finalize), or none could be claimed now:
+            # the main loop looks. While lines keep coming, it is not woken per write.
+            self.wake.set()
 
     async def _write_results(self) -> None:
         while True:

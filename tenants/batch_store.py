@@ -230,6 +230,20 @@ class BatchStore:
             return []
         return await self.hot.run(self._finish_many, owner, items)
 
+    async def finish_and_claim(self, owner: str, items: list[FinishedLine], limit: int,
+                               lease_s: float) -> tuple[list[bool], list[ClaimedLine]]:
+        """``finish_many`` and then ``claim`` of up to ``limit`` lines, in one transaction.
+
+        The batch runner's steady state: a wave of finished lines is written and as many fresh ones
+        taken in a single round trip to the database.
+        """
+        return await self.hot.run(self._finish_and_claim, owner, items, limit, self.clock() + lease_s)
+
+    def _finish_and_claim(self, c: Connection, owner: str, items: list[FinishedLine], limit: int,
+                          until: float) -> tuple[list[bool], list[ClaimedLine]]:
+        written = self._finish_many(c, owner, items) if items else []
+        return written, self._claim(c, owner, limit, until) if limit > 0 else []
+
     def _finish_many(self, c: Connection, owner: str, items: list[FinishedLine]) -> list[bool]:
         sql = self._sql
         # One statement takes every line still held, and locks it for this transaction (the row locks

@@ -125,3 +125,25 @@ def test_release_all_lapses_only_the_owners_leases(db_url):
         await bs.close()
 
     with_store(db_url, body)
+
+
+def test_finish_and_claim_writes_then_claims_in_one_call(db_url):
+    async def body(store):
+        t = await store.create_tenant("acme")
+        bs = BatchStore(store, QuotaManager(store), clock=Clock())
+        n = random.randint(6, 20)
+        b = await bs.create_batch(t.id, "/v1/completions", "file-x", 3600, "24h", None, "m",
+                                  [Line(i + 1, f"c{i}", "{}") for i in range(n)], None, 0)
+        first = await bs.claim("A", 3, 30)
+        k = random.randint(1, n - 3)
+        written, more = await bs.finish_and_claim("A", [FinishedLine(l, True, {"ok": l.id}, None) for l in first], k, 30)
+        assert written == [True] * 3 and len(more) == k
+        assert not {l.id for l in more} & {l.id for l in first}  # finished lines are not claimed again
+        assert (await bs.get_batch(t.id, b.id)).completed == 3
+        # Nothing to write and no room: neither half does anything.
+        assert await bs.finish_and_claim("A", [], 0, 30) == ([], [])
+        rest = await bs.finish_and_claim("A", [], n, 30)
+        assert len(rest[1]) == n - 3 - k
+        await bs.close()
+
+    with_store(db_url, body)
