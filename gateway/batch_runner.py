@@ -97,6 +97,10 @@ class BatchRunner:
         self._running: dict[int, asyncio.Task] = {}  # line id -> task
         self._unwritten: dict[int, FinishedLine] = {}  # line id -> result not yet committed (lease still held)
         self._results_ready = asyncio.Event()
+        self._claiming = 0  # lines asked for by a claim in flight (counted against max_inflight)
+        self._writing: asyncio.Future | None = None  # the result write in flight
+        self._ticking: asyncio.Future | None = None  # the main loop's step in flight
+        self._stopping = False
         self._last_expiry_check = 0.0
         self.writes = 0  # transactions that wrote results (for tests and benchmarks)
 
@@ -112,24 +116,36 @@ class BatchRunner:
         writer = asyncio.create_task(self._write_results())
         try:
             while True:
+                # Shielded, as the writer's transactions are: a cancel that cut a transaction on the async
+                # store short would leave its connection holding SQLite's write lock until collected, and
+                # the last write and the lease release below would wait on it. Shutdown waits for the step.
+                self._ticking = asyncio.ensure_future(self._tick())
                 try:
-                    await self._tick()
+                    await asyncio.shield(self._ticking)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     logger.exception("batch runner step failed; retrying")
+                # asyncio.timeout, not wait_for: on Python 3.11 a wait_for whose inner wait finishes as
+                # the task is cancelled returns normally and the cancel is lost (the app's shutdown then
+                # waited for the runner forever; tests/gateway/test_batch_runner_stop.py caught it).
                 try:
-                    await asyncio.wait_for(self.wake.wait(), self.config.poll_s)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.config.poll_s):
+                        await self.wake.wait()
+                except TimeoutError:
                     pass
                 self.wake.clear()
         finally:
+            self._stopping = True
             renewer.cancel()
             writer.cancel()
             tasks = list(self._running.values())
             for t in tasks:
                 t.cancel()
             await asyncio.gather(renewer, writer, *tasks, return_exceptions=True)
+            # A step or a write in flight runs to its end (the write commits on the worker thread anyway):
+            # take its outcome.
+            await asyncio.gather(*(f for f in (self._ticking, self._writing) if f is not None), return_exceptions=True)
             try:  # results already in hand are kept (one last write); a failure leaves them to run again
                 await self._write_some(refill=False)
             except Exception:
@@ -148,7 +164,12 @@ class BatchRunner:
             await self.finalize(batch_id)
         room = self._claim_room()
         if room:
-            self._start(await self.batches.claim(self.owner, room, self.config.lease_s))
+            self._claiming += room
+            try:
+                lines = await self.batches.claim(self.owner, room, self.config.lease_s)
+            finally:
+                self._claiming -= room
+            self._start(lines)
 
     def _claim_room(self) -> int:
         """How many lines to claim now: none while the engine is down or live requests wait (batch work
@@ -156,9 +177,11 @@ class BatchRunner:
         engine_ready = getattr(self.engine, "info", None) is not None and not getattr(self.engine, "dead", None)
         if not engine_ready or self._live_waiting() > 0:
             return 0
-        return max(0, self.config.max_inflight - len(self._running))
+        return max(0, self.config.max_inflight - len(self._running) - self._claiming)
 
     def _start(self, lines: list[ClaimedLine]) -> None:
+        if self._stopping:
+            return  # claimed while stopping: release_all hands them back
         for line in lines:
             self._running[line.id] = asyncio.create_task(self._run_line(line))
 
@@ -188,7 +211,11 @@ class BatchRunner:
         if not items:
             return
         limit = self._claim_room() if refill else 0
-        written, claimed = await self.batches.finish_and_claim(self.owner, items, limit, self.config.lease_s)
+        self._claiming += limit
+        try:
+            written, claimed = await self.batches.finish_and_claim(self.owner, items, limit, self.config.lease_s)
+        finally:
+            self._claiming -= limit
         for item, ok in zip(items, written):  # only after the commit: a failed write keeps its items
             del self._unwritten[item.line.id]
             if not ok:
@@ -206,8 +233,13 @@ class BatchRunner:
             await self._results_ready.wait()
             self._results_ready.clear()
             while self._unwritten:
+                # Shielded: cancelling the runner does not cut a write short (its transaction commits on
+                # the worker thread either way); the runner's shutdown waits for it and takes its outcome.
+                self._writing = asyncio.ensure_future(self._write_some())
                 try:
-                    await self._write_some()
+                    await asyncio.shield(self._writing)
+                except asyncio.CancelledError:
+                    raise
                 except Exception:
                     logger.exception("writing %d batch results failed; retrying", len(self._unwritten))
                     await asyncio.sleep(self.config.retry_s)

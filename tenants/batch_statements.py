@@ -21,7 +21,7 @@ class BatchStatements:
     Parameters are named in each attribute's comment.
     """
 
-    __slots__ = ("pick", "lease", "claimed", "renew", "release", "take", "write", "count_done", "count_failed", "discounts",
+    __slots__ = ("pick", "lease", "claimed", "renew", "release", "release_finalizing", "take", "write", "count_done", "count_failed", "discounts",
                  "usage", "finalizable")
 
     def __init__(self, postgresql: bool) -> None:
@@ -49,8 +49,11 @@ class BatchStatements:
                         .order_by(lines.c.id))
         # ids, owner, until
         self.renew = update(lines).where(lines.c.id.in_(ids), held).values(lease_expires=bindparam("until"))
-        # owner, until: every line the owner holds
+        # owner, until: every line the owner holds, and every batch it is finalizing
         self.release = update(lines).where(held).values(lease_expires=bindparam("until"))
+        self.release_finalizing = (update(batches).where(batches.c.lease_owner == bindparam("owner"),
+                                                         batches.c.status == "finalizing")
+                                   .values(lease_expires=bindparam("until")))
         # ids, owner -> the ids still held, now locked for the transaction (row locks on PostgreSQL,
         # BEGIN IMMEDIATE's write lock on SQLite)
         self.take = update(lines).where(lines.c.id.in_(ids), held).values(lease_expires=None).returning(lines.c.id)

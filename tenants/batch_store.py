@@ -203,7 +203,8 @@ class BatchStore:
         c.execute(self._sql.renew, {"ids": line_ids, "owner": owner, "until": until})
 
     async def release_all(self, owner: str) -> None:
-        """Lapse the lease of every line ``owner`` holds, so that anyone may claim them at once.
+        """Lapse every lease ``owner`` holds (its lines, and the batches it was finalizing), so that
+        anyone may take them over at once.
 
         A runner stopping on purpose calls it last: it also covers lines a claim took for the owner
         while the runner was being cancelled (that transaction still commits on the worker thread).
@@ -211,7 +212,9 @@ class BatchStore:
         await self.hot.run(self._release_all, owner)
 
     def _release_all(self, c: Connection, owner: str) -> None:
-        c.execute(self._sql.release, {"owner": owner, "until": self.clock() - 1.0})
+        lapsed = {"owner": owner, "until": self.clock() - 1.0}
+        c.execute(self._sql.release, lapsed)
+        c.execute(self._sql.release_finalizing, lapsed)
 
     async def finish(self, owner: str, line: ClaimedLine, ok: bool, result: dict, usage: UsageRecord | None) -> bool:
         """Record a line's result if ``owner`` still holds it; bill its usage (batch rate) in the same transaction.
