@@ -21,8 +21,8 @@ class BatchStatements:
     Parameters are named in each attribute's comment.
     """
 
-    __slots__ = ("pick", "lease", "claimed", "renew", "release", "release_finalizing", "take", "write", "count_done", "count_failed", "discounts",
-                 "usage", "finalizable")
+    __slots__ = ("pick", "lease", "claimed", "renew", "release", "release_finalizing", "take", "write", "count_done",
+                 "count_failed", "discounts", "usage", "finalizable")
 
     def __init__(self, postgresql: bool) -> None:
         lines, batches, quotas = BatchLine.__table__, Batch.__table__, Quota.__table__

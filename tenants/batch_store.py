@@ -23,10 +23,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import Connection, and_, case, func, insert, or_, select, update
 
 from tenants.batch_statements import BatchStatements
-from tenants.sync_transactions import SyncTransactions
 from tenants.models import Batch, BatchLine, StoredFile, utcnow
 from tenants.quota import QuotaManager
 from tenants.store import QuotaConfig, TenantStore, UsageRecord
+from tenants.sync_transactions import SyncTransactions
 
 TERMINAL = ("failed", "completed", "expired", "cancelled")
 
@@ -179,9 +179,7 @@ class BatchStore:
                 b.status, b.cancelling_at = "cancelling", utcnow()
             return b
 
-    # -- lines -----------------------------------------------------------------------------------------
-
-    # -- the runner's hot path: whole transactions on the worker thread (one event-loop wakeup each) --------
+    # -- lines: the runner's hot path, whole transactions on the worker thread (one event-loop wakeup each) --
 
     async def claim(self, owner: str, limit: int, lease_s: float) -> list[ClaimedLine]:
         """Up to ``limit`` runnable lines (pending, or running with a lapsed lease), oldest batch first."""

@@ -107,13 +107,19 @@ def test_finish_many_writes_held_lines_together_and_skips_lost_ones(db_url):
     with_store(db_url, body)
 
 
+async def _one_batch(store, n: int):
+    """A tenant, a store and a batch of ``n`` lines: (tenant, batch store, batch)."""
+    t = await store.create_tenant("acme")
+    bs = BatchStore(store, QuotaManager(store), clock=Clock())
+    b = await bs.create_batch(t.id, "/v1/completions", "file-x", 3600, "24h", None, "m",
+                              [Line(i + 1, f"c{i}", "{}") for i in range(n)], None, 0)
+    return t, bs, b
+
+
 def test_release_all_lapses_only_the_owners_leases(db_url):
     async def body(store):
-        t = await store.create_tenant("acme")
-        bs = BatchStore(store, QuotaManager(store), clock=Clock())
         n = random.randint(4, 12)
-        await bs.create_batch(t.id, "/v1/completions", "file-x", 3600, "24h", None, "m",
-                              [Line(i + 1, f"c{i}", "{}") for i in range(n)], None, 0)
+        _, bs, _ = await _one_batch(store, n)
         k = random.randint(1, n - 1)
         mine, theirs = await bs.claim("A", k, 30), await bs.claim("B", n, 30)
         assert len(mine) == k and len(theirs) == n - k
@@ -129,11 +135,8 @@ def test_release_all_lapses_only_the_owners_leases(db_url):
 
 def test_finish_and_claim_writes_then_claims_in_one_call(db_url):
     async def body(store):
-        t = await store.create_tenant("acme")
-        bs = BatchStore(store, QuotaManager(store), clock=Clock())
         n = random.randint(6, 20)
-        b = await bs.create_batch(t.id, "/v1/completions", "file-x", 3600, "24h", None, "m",
-                                  [Line(i + 1, f"c{i}", "{}") for i in range(n)], None, 0)
+        t, bs, b = await _one_batch(store, n)
         first = await bs.claim("A", 3, 30)
         k = random.randint(1, n - 3)
         written, more = await bs.finish_and_claim("A", [FinishedLine(l, True, {"ok": l.id}, None) for l in first], k, 30)
