@@ -7,6 +7,7 @@
 
     python -m benchmarks.batch_goals [--batch 2000] [--live-rate 2] [--live-seconds 30] [--rounds 3]
     python -m benchmarks.batch_goals --skip-live --rounds 5 --cpu   # goal 2 only, with CPU per round
+    python -m benchmarks.batch_goals --skip-live --pin              # goal 2, the gateway on a core of its own
 
 The server is the real gateway (``create_app``) with its engine process, on
 loopback; the model is the demo model (random weights, CPU or GPU).
@@ -118,11 +119,11 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98]
 
 
-async def main_async(args, model_dir: str, tmp: str) -> dict:
+async def start_gateway(tmp: str, engine, tenants: list[str], batch_max_inflight: int | None = None):
+    """The real gateway on loopback with a fresh SQLite store in ``tmp``: (aiohttp runner, base URL,
+    one API key per tenant). ``runner.cleanup()`` stops it and its engine."""
     from aiohttp import web
 
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
     from gateway.app import create_app
     from gateway.config import GatewayConfig
     from tenants.migrate import upgrade
@@ -131,20 +132,28 @@ async def main_async(args, model_dir: str, tmp: str) -> dict:
     db = f"sqlite:///{os.path.join(tmp, 'policy.db')}"
     upgrade(db)
     store = TenantStore.open(db)
-    for name in ("live", "live2", "bulk"):
+    for name in tenants:
         await store.create_tenant(name)
-    # The same live requests run twice, from two tenants: the prefix cache is per tenant, so the second
-    # run (beside the batch) gets no cache hits from the first.
-    live_key, live2_key, bulk_key = [(await store.create_key(name))[1] for name in ("live", "live2", "bulk")]
+    keys = [(await store.create_key(name))[1] for name in tenants]
     await store.close()
-    engine = AsyncEngine(EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs, cpu_threads=args.cpu_threads))
     app = create_app(GatewayConfig(served_model_name="demo", database_url=db, data_dir=os.path.join(tmp, "data"),
-                                   batch_max_inflight=args.batch_max_inflight), engine)
+                                   batch_max_inflight=batch_max_inflight), engine)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", keys
+
+
+async def main_async(args, model_dir: str, tmp: str) -> dict:
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    engine = AsyncEngine(EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs, cpu_threads=engine_threads(args)))
+    # The same live requests run twice, from two tenants: the prefix cache is per tenant, so the second
+    # run (beside the batch) gets no cache hits from the first.
+    runner, url, (live_key, live2_key, bulk_key) = await start_gateway(tmp, engine, ["live", "live2", "bulk"],
+                                                                        args.batch_max_inflight)
     out = {}
     try:
         if args.skip_live:
@@ -178,11 +187,19 @@ async def main_async(args, model_dir: str, tmp: str) -> dict:
 
 async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dict) -> None:
     """Batches timed with no live traffic at all, each right beside the offline engine on the same requests."""
-    offline = await asyncio.to_thread(OfflineEngine, model_dir, args.max_num_seqs)
+    offline = await asyncio.to_thread(OfflineEngine, model_dir, args.max_num_seqs, engine_threads(args))
     if args.skip_live:  # warm the served engine too (first-touch of its KV pool), as the live phases otherwise do
         batch_id = await submit_batch(url, bulk_key, _requests(4 * args.max_num_seqs, 5, args.batch_max_tokens))
         while (await batch_status(url, bulk_key, batch_id)).status != "completed":
             await asyncio.sleep(0.1)
+    if args.pin:  # every thread of both engines exists by now (torch's pool starts with the first step)
+        gateway_cores, engine_cores = pin_split()
+        for pid in (engine._process.pid, offline.pid()):
+            pin_process(pid, engine_cores)
+        pin_process(os.getpid(), gateway_cores)
+        out["pinned"] = {"gateway": sorted(gateway_cores), "engines": sorted(engine_cores)}
+        print(f"pinned: the gateway on cores {sorted(gateway_cores)}, each engine (one at a time) on "
+              f"{sorted(engine_cores)} with {len(engine_cores)} torch threads", flush=True)
     out["rounds"] = []
     profile = None
     if args.profile:
@@ -227,6 +244,28 @@ async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dic
         profile.dump_stats(args.profile)
 
 
+def pin_split() -> tuple[set[int], set[int]]:
+    """(the gateway's cores, the engines' cores): the first core this process may use, and the rest."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--pin needs at least 2 cores")
+    return {cores[0]}, set(cores[1:])
+
+
+def engine_threads(args) -> int | None:
+    """Torch threads of both engines: with --pin, one per engine core (so neither switches)."""
+    return len(pin_split()[1]) if args.pin else args.cpu_threads
+
+
+def pin_process(pid: int, cores: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cores`` (threads it starts later inherit the mask of their creator)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, FileNotFoundError):  # the thread ended meanwhile
+            pass
+
+
 def _thread_cpu_s(pid: int, names: dict[int, str] | None = None) -> dict[str, float]:
     """CPU seconds (user + system) of each thread of a process, summed by thread name (Linux /proc).
 
@@ -263,12 +302,13 @@ def cpu_times(engine) -> dict[str, float]:
 _llm = None  # the offline engine, in its worker process
 
 
-def _load_offline_engine(model_dir: str, max_num_seqs: int) -> None:
+def _load_offline_engine(model_dir: str, max_num_seqs: int, cpu_threads: int | None) -> int:
     from engine import LLM
 
     global _llm
-    _llm = LLM(model=model_dir, max_num_seqs=max_num_seqs)
+    _llm = LLM(model=model_dir, max_num_seqs=max_num_seqs, cpu_threads=cpu_threads)
     _offline_tok_s(_requests(4 * max_num_seqs, 5, 16))  # warm-up: first-touch of the KV pool, allocator
+    return os.getpid()
 
 
 def _offline_tok_s(bodies: list[dict]) -> tuple[float, float, float]:
@@ -289,12 +329,15 @@ class OfflineEngine:
     measured about half as fast, which would flatter the batch path.)
     """
 
-    def __init__(self, model_dir: str, max_num_seqs: int) -> None:
+    def __init__(self, model_dir: str, max_num_seqs: int, cpu_threads: int | None = None) -> None:
         import concurrent.futures
         import multiprocessing
 
         self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        self.pool.submit(_load_offline_engine, model_dir, max_num_seqs).result()
+        self._pid = self.pool.submit(_load_offline_engine, model_dir, max_num_seqs, cpu_threads).result()
+
+    def pid(self) -> int:
+        return self._pid
 
     async def throughput(self, bodies: list[dict]) -> tuple[float, float, float]:
         """``LLM.generate`` on these requests (everything queued at once): output tokens/s, wall s, CPU s."""
@@ -322,7 +365,12 @@ def main() -> None:
     p.add_argument("--profile", metavar="PATH", help="cProfile the gateway's thread during the timed batches")
     p.add_argument("--skip-live", action="store_true", help="goal 2 only: no live phases and no big batch")
     p.add_argument("--cpu", action="store_true", help="per round: CPU seconds of the gateway's threads and the engine")
+    p.add_argument("--pin", action="store_true",
+                   help="goal 2 with the gateway on a core of its own (as on a GPU machine): this process on the "
+                        "first core, both engines on the others with a torch thread per core (Linux)")
     args = p.parse_args()
+    if args.pin and not args.skip_live:
+        p.error("--pin measures goal 2 only: add --skip-live (pinned engines would change what the live phases measure)")
     from engine.demo_model import write_demo_model
 
     with tempfile.TemporaryDirectory() as tmp:
