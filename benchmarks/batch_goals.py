@@ -149,7 +149,7 @@ async def main_async(args, model_dir: str, tmp: str) -> dict:
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
 
-    engine = AsyncEngine(EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs, cpu_threads=engine_threads(args)))
+    engine = AsyncEngine(EngineConfig(model=model_dir, **engine_options(args.max_num_seqs, engine_threads(args))))
     # The same live requests run twice, from two tenants: the prefix cache is per tenant, so the second
     # run (beside the batch) gets no cache hits from the first.
     runner, url, (live_key, live2_key, bulk_key) = await start_gateway(tmp, engine, ["live", "live2", "bulk"],
@@ -302,11 +302,23 @@ def cpu_times(engine) -> dict[str, float]:
 _llm = None  # the offline engine, in its worker process
 
 
+def engine_options(max_num_seqs: int, cpu_threads: int | None) -> dict:
+    """EngineConfig fields both engines get, the served one and the offline one."""
+    import torch
+
+    options = {"max_num_seqs": max_num_seqs, "cpu_threads": cpu_threads}
+    if torch.cuda.is_available():
+        # Both engines live on one GPU (never busy at once): each gets a fixed KV pool, where sizing by
+        # gpu_memory_utilization would leave the second one only what the first left free.
+        options["num_kv_blocks"] = 16384
+    return options
+
+
 def _load_offline_engine(model_dir: str, max_num_seqs: int, cpu_threads: int | None) -> int:
     from engine import LLM
 
     global _llm
-    _llm = LLM(model=model_dir, max_num_seqs=max_num_seqs, cpu_threads=cpu_threads)
+    _llm = LLM(model=model_dir, **engine_options(max_num_seqs, cpu_threads))
     _offline_tok_s(_requests(4 * max_num_seqs, 5, 16))  # warm-up: first-touch of the KV pool, allocator
     return os.getpid()
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 
 from benchmarks.batch_goals import (
-    OfflineEngine, _requests, pin_process, pin_split, start_gateway, submit_batch, wait_completed,
+    OfflineEngine, _requests, engine_options, pin_process, pin_split, start_gateway, submit_batch, wait_completed,
 )
 
 MAX_TOKENS = 16
@@ -75,7 +75,7 @@ async def run(args, tmp: str) -> dict[str, list[float]]:
     model_dir = os.path.join(tmp, "demo")
     write_demo_model(model_dir, seed=0)
     threads = len(pin_split()[1]) if args.pin else None
-    engine = AsyncEngine(EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs, cpu_threads=threads))
+    engine = AsyncEngine(EngineConfig(model=model_dir, **engine_options(args.max_num_seqs, threads)))
     runner, url, (key,) = await start_gateway(tmp, engine, ["bulk"])
     offline = await asyncio.to_thread(OfflineEngine, model_dir, args.max_num_seqs, threads)
     try:

@@ -3,7 +3,8 @@
 #
 #   benchmarks/gpu_session.sh STAGE[:SECONDS] ...
 #
-# Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf
+# Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf,
+# batch-three-ways, batch-goals
 # (plus any stage name below). Each runs under its own time limit, so one that fails or
 # hangs still leaves the others' results; logs and JSON land in $OUT (default
 # /tmp/moegate-gpu), re-archived after every stage as gpu_session.tgz so a
@@ -58,6 +59,12 @@ for spec in "$@"; do
         bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m engine.bench_gpu --skip-hf --elementwise torch \
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m engine.bench_gpu --json "$WORK/bench_engine_hf.json" ;;
+        # Batch API goal 2 (issue 7) where the gateway has cores of its own and the engine a GPU (the demo model).
+        # Needs the gateway's packages the device lacks (KINDS.md), as wheels like msgspec: SQLAlchemy, greenlet,
+        # aiosqlite, alembic, Mako, openai, httpx2, pydantic, pydantic_core, annotated-types, typing-inspection,
+        # jiter, sniffio, psycopg, psycopg-binary, asyncpg (the versions in this checkout's .venv).
+        batch-three-ways) run_stage batch-three-ways "$limit" $PY -m benchmarks.batch_three_ways --chunks 6 --lines 2000 ;;
+        batch-goals) run_stage batch-goals "$limit" $PY -m benchmarks.batch_goals --skip-live --rounds 4 --cpu ;;
         *) echo "unknown stage $name" >&2; exit 2 ;;
     esac
 done
