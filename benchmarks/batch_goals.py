@@ -382,7 +382,8 @@ def main() -> None:
                         "first core, both engines on the others with a torch thread per core (Linux)")
     args = p.parse_args()
     if args.pin and not args.skip_live:
-        p.error("--pin measures goal 2 only: add --skip-live (pinned engines would change what the live phases measure)")
+        p.error("--pin measures goal 2 only: add --skip-live "
+                "(pinned engines would change what the live phases measure)")
     from engine.demo_model import write_demo_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,7 @@
 """What another process's CPU costs the CPU engine: offline throughput alone vs beside a "waker".
 
-    python -m benchmarks.cpu_interference [--period-ms 3,30] [--busy-pct 4] [--pairs 6] [--nice 0,19] [--touch-mb 0,16] [--pin]
+    python -m benchmarks.cpu_interference [--period-ms 3,30] [--busy-pct 4] [--pairs 6]
+                                          [--nice 0,19] [--touch-mb 0,16] [--pin]
 
 The waker is a second process that sleeps ``period`` ms, then spins for
 ``busy-pct`` percent of that period, over and over: about the shape of a
@@ -56,14 +57,17 @@ def measure(llm, period_ms: float, busy_pct: float, pairs: int, requests: int, n
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    prompts = _prompts(requests, seed=1)
     period_s, busy_s = period_ms / 1e3, period_ms / 1e3 * busy_pct / 100
     tok_s = {"alone": [], "beside": []}
     for i in range(pairs):
-        for mode in ("alone", "beside") if i % 2 == 0 else ("beside", "alone"):
+        for j, mode in enumerate(("alone", "beside") if i % 2 == 0 else ("beside", "alone")):
+            # Fresh prompts every run: with the same ones the prefix cache would turn every run after
+            # the first into decode only.
+            prompts = _prompts(requests, seed=1000 + 2 * i + j)
             stop, waker = multiprocessing.Event(), None
             if mode == "beside":
-                waker = multiprocessing.Process(target=_waker, args=(period_s, busy_s, nice, touch_mb, waker_cores, stop), daemon=True)
+                waker = multiprocessing.Process(target=_waker, daemon=True,
+                                                args=(period_s, busy_s, nice, touch_mb, waker_cores, stop))
                 waker.start()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
@@ -74,8 +78,9 @@ def measure(llm, period_ms: float, busy_pct: float, pairs: int, requests: int, n
             tok_s[mode].append(sum(len(o.token_ids) for o in outs) / wall)
     alone, beside = statistics.median(tok_s["alone"]), statistics.median(tok_s["beside"])
     loss = 1 - beside / alone
-    return {"period_ms": period_ms, "busy_pct_of_one_core": busy_pct, "nice": nice, "touch_mb": touch_mb, "alone_tok_s": tok_s["alone"],
-            "beside_tok_s": tok_s["beside"], "ratio": beside / alone, "loss_per_busy_pct": loss * 100 / busy_pct}
+    return {"period_ms": period_ms, "busy_pct_of_one_core": busy_pct, "nice": nice, "touch_mb": touch_mb,
+            "alone_tok_s": tok_s["alone"], "beside_tok_s": tok_s["beside"], "ratio": beside / alone,
+            "loss_per_busy_pct": loss * 100 / busy_pct}
 
 
 def main() -> None:
