@@ -21,10 +21,11 @@ or HTTP involved.
 import argparse
 import multiprocessing
 import os
-import random
 import statistics
 import tempfile
 import time
+
+from benchmarks.batch_goals import _requests
 
 
 def _waker(period_s: float, busy_s: float, nice: int, touch_mb: float, cores: set[int] | None, stop) -> None:
@@ -46,9 +47,8 @@ def _waker(period_s: float, busy_s: float, nice: int, touch_mb: float, cores: se
 
 
 def _prompts(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    words = "mixture experts routing tokens batch latency gateway tenant cache prefix".split()
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 48))) for _ in range(n)]
+    """The Batch API benchmark's prompts (8-48 words), so both measure the same work."""
+    return [body["prompt"] for body in _requests(n, seed, 16)]
 
 
 def measure(llm, period_ms: float, busy_pct: float, pairs: int, requests: int, nice: int = 0, touch_mb: float = 0,
