@@ -37,10 +37,12 @@ class AsyncEngine:
         self.config = config
         self.info: Ready | None = None
         self.stats: SchedulerStats | None = None  # the engine's latest step statistics
+        self.messages_received = 0  # from the engine process (each woke this process twice)
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self._process = None
-        self._conn = None
+        self._requests = None  # our end of the pipe to the engine process
+        self._replies = None  # our end of the pipe from it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
         self.dead: str | None = None
@@ -55,11 +57,17 @@ class AsyncEngine:
     async def start(self) -> Ready:
         self._loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA state
-        parent, child = ctx.Pipe()
-        self._process = ctx.Process(target=run_engine_process, args=(self.config, child), name="moegate-engine", daemon=True)
+        # Two one-way pipes, not one duplex socket: on a Unix socket pair the engine reading our requests
+        # wakes our reader thread blocked on the same socket (a wakeup per request read, ten per message
+        # received, measured), and every wakeup takes a core the engine's threads were using.
+        requests_in, requests_out = ctx.Pipe(duplex=False)
+        replies_in, replies_out = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=run_engine_process, args=(self.config, requests_in, replies_out),
+                                    name="moegate-engine", daemon=True)
         self._process.start()
-        child.close()
-        self._conn = parent
+        requests_in.close()
+        replies_out.close()  # so the reader sees EOF when the engine process dies
+        self._requests, self._replies = requests_out, replies_in
         first = await self._loop.run_in_executor(None, self._recv)
         if isinstance(first, Fatal) or first is None:
             self._process.join(timeout=5)
@@ -70,12 +78,12 @@ class AsyncEngine:
 
     def _recv(self):
         try:
-            return from_engine_decoder.decode(self._conn.recv_bytes())
+            return from_engine_decoder.decode(self._replies.recv_bytes())
         except (EOFError, OSError):
             return None
 
     def _reader(self) -> None:
-        conn = self._conn  # this process's pipe; a restart makes a new one and a new reader
+        conn = self._replies  # this process's pipe; a restart makes a new one and a new reader
         while True:
             try:
                 msg = from_engine_decoder.decode(conn.recv_bytes())
@@ -85,6 +93,7 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._dispatch, msg)
 
     def _dispatch(self, msg) -> None:
+        self.messages_received += 1
         if isinstance(msg, StepOutputs):
             if msg.stats is not None:
                 self.stats = msg.stats
@@ -98,7 +107,7 @@ class AsyncEngine:
                 queue.put_nowait(RequestRejectedError(msg.message))
 
     def _fail_all(self, reason: str, conn) -> None:
-        if self._process is None or conn is not self._conn:
+        if self._process is None or conn is not self._replies:
             return  # an orderly shutdown (or a restart) closed this pipe
         self.dead = reason
         for queue in self._queues.values():
@@ -107,7 +116,7 @@ class AsyncEngine:
     def _send(self, msg) -> None:
         with self._send_lock:
             try:
-                self._conn.send_bytes(encoder.encode(msg))
+                self._requests.send_bytes(encoder.encode(msg))
             except OSError as e:  # the process died between our check and the write
                 raise EngineError(f"the engine process stopped ({e})") from None
 
@@ -159,11 +168,12 @@ class AsyncEngine:
         if process.is_alive():
             try:
                 with self._send_lock:
-                    self._conn.send_bytes(encoder.encode(Shutdown()))
+                    self._requests.send_bytes(encoder.encode(Shutdown()))
             except OSError:
                 pass
             await self._loop.run_in_executor(None, process.join, 10)
         if process.is_alive():
             process.kill()
             await self._loop.run_in_executor(None, process.join, 5)
-        self._conn.close()
+        self._requests.close()
+        self._replies.close()

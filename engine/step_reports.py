@@ -1,0 +1,88 @@
+"""What the engine process sends the gateway after a step, and what may wait to share a later message.
+
+Every message wakes two of the gateway's threads (the pipe reader, then the event
+loop). Where the gateway shares the engine's cores, each wakeup takes a core from
+a step's parallel region part-way through, and the engine's other threads wait
+at the region's barrier for it: on 2 cores a 2,000-line batch of 16-token lines
+woke the gateway about 4,000 times in 13 s and the engine was preempted 2.5x as
+often as the offline engine on the same work (docs/performance.md, Batch API
+goal 2). So the engine sends only what someone is waiting for:
+
+- a streaming request's delta every step; a ``stream=False`` ("quiet") request
+  one delta when it finishes, with its whole output;
+- a quiet *background* request's final delta (a Batch API line: nobody watches
+  it finish) waits up to ``interval_s`` to share a message with others, unless
+  nothing is left waiting in the engine (the batch runner refills the engine
+  from the lines it hears have finished, so it must hear before the engine runs
+  dry) or the engine falls idle;
+- statistics with no delta go out when the set of priority ranks that have
+  requests waiting changes (the batch runner claims lines only while no live
+  request waits), when the engine falls idle, and at least every ``interval_s``
+  (the gateway's metrics).
+
+Anything pending goes out with any message that is sent.
+"""
+
+import time
+
+from engine.outputs import RequestOutput
+from engine.protocol import Delta, StepOutputs
+from engine.stats import SchedulerStats
+
+
+class StepReports:
+    def __init__(self, interval_s: float = 0.05, clock=time.monotonic) -> None:
+        self.interval_s, self.clock = interval_s, clock
+        self.quiet: set[str] = set()  # requests that want only their final output
+        self.deferrable: set[str] = set()  # quiet and background: that output may wait up to interval_s
+        self._pending: list[Delta] = []  # final deltas of deferrable requests, not yet sent
+        self._last_at = float("-inf")
+        self._last_waiting_ranks: frozenset[int] | None = None
+
+    def add(self, request_id: str, stream: bool, background: bool) -> None:
+        if not stream:
+            self.quiet.add(request_id)
+            if background:
+                self.deferrable.add(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request: nothing more is sent for it (its caller is gone)."""
+        self.quiet.discard(request_id)
+        self.deferrable.discard(request_id)
+        self._pending = [d for d in self._pending if d.request_id != request_id]
+
+    def after_step(self, outputs: list[RequestOutput], stats: SchedulerStats | None, busy: bool) -> StepOutputs | None:
+        """The message to send after this step (``busy``: the engine still has unfinished work), or None."""
+        urgent = self._collect(outputs)
+        waiting_ranks = frozenset(r for r, n in stats.num_waiting_by_rank.items() if n) if stats is not None else None
+        due = (bool(urgent) or not busy
+               or (stats is not None and waiting_ranks != self._last_waiting_ranks)
+               or (self._pending and not waiting_ranks)
+               or ((stats is not None or self._pending) and self.clock() - self._last_at >= self.interval_s))
+        if not due:
+            return None
+        deltas, self._pending = urgent + self._pending, []
+        if stats is None and not deltas:
+            return None
+        self._last_at = self.clock()
+        if stats is not None:
+            self._last_waiting_ranks = waiting_ranks
+        return StepOutputs(deltas, stats)
+
+    def _collect(self, outputs: list[RequestOutput]) -> list[Delta]:
+        """This step's deltas to send now; final deltas of deferrable requests go to ``_pending``."""
+        urgent = []
+        for o in outputs:
+            if o.request_id not in self.quiet:
+                urgent.append(Delta(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
+                                    o.num_prompt_tokens, o.num_cached_tokens, len(o.token_ids), o.queue_time_s))
+            elif o.finished:
+                self.quiet.discard(o.request_id)
+                delta = Delta(o.request_id, o.token_ids, o.text, True, o.finish_reason, o.num_prompt_tokens,
+                              o.num_cached_tokens, len(o.token_ids), o.queue_time_s)
+                if o.request_id in self.deferrable:
+                    self.deferrable.discard(o.request_id)
+                    self._pending.append(delta)
+                else:
+                    urgent.append(delta)
+        return urgent
