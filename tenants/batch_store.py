@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, and_, case, func, insert, or_, select, update
+from sqlalchemy.orm import Session
 
 from tenants.batch_statements import BatchStatements
 from tenants.models import Batch, BatchLine, StoredFile, utcnow
@@ -69,6 +70,12 @@ class FinishedLine:
 
 def _file_info(f: StoredFile) -> FileInfo:
     return FileInfo(f.id, f.tenant_id, f.filename, f.purpose, f.bytes, f.path, f.created_at)
+
+
+def _scalar(c: Connection, query):
+    """The first ORM object ``query`` selects on ``c``, or None; detached, with its columns loaded."""
+    with Session(c) as session:
+        return session.scalar(query)
 
 
 class BatchStore:
@@ -157,11 +164,15 @@ class BatchStore:
         return batch
 
     async def get_batch(self, tenant_id: int | None, batch_id: str) -> Batch | None:
-        async with self.sessions() as s:
-            q = select(Batch).where(Batch.id == batch_id)
-            if tenant_id is not None:
-                q = q.where(Batch.tenant_id == tenant_id)
-            return await s.scalar(q)
+        """The batch (detached: its columns loaded), or None; ``tenant_id`` None: whoever owns it.
+
+        On the hot path's thread (one hop, not one per cursor call): clients poll this while their
+        batch runs, on the cores the engine is using.
+        """
+        q = select(Batch).where(Batch.id == batch_id)
+        if tenant_id is not None:
+            q = q.where(Batch.tenant_id == tenant_id)
+        return await self.hot.run(_scalar, q)
 
     async def list_batches(self, tenant_id: int, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         return await self._page(select(Batch).where(Batch.tenant_id == tenant_id), Batch, after, limit, True,
