@@ -90,13 +90,14 @@ async def batch_status(url: str, key: str, batch_id: str):
 
 async def wait_completed(url: str, key: str, batch_id: str, poll_s: float | None) -> int:
     """Poll until the batch has completed: every ``poll_s``, or (None) at a quarter of the time the
-    batch's recent progress says is left, between 20 ms and 1 s, so the end is seen within 20 ms with
+    batch's progress so far says is left, between 20 ms and 1 s, so the end is seen within 20 ms with
     a few dozen polls. (The polls' handlers and this client run in the gateway's process, on the cores
     the engine needs: polling every 20 ms through the last 10% of a batch was about 200 polls, a few
-    percent of the batch's time on this 2-core machine.) Returns how many polls it took."""
+    percent of the batch's time on this 2-core machine.) The rate is the average since the first poll:
+    results are written in waves, so the progress between two close polls says little (estimated that
+    way, a 500-line batch was once seen 0.8 s after it completed). Returns how many polls it took."""
     polls = 0
-    seen_at, seen = time.perf_counter(), 0  # the last poll that saw progress
-    end_eta = seen_at + 4.0  # when the lines should all be done, at the rate seen lately
+    started = time.perf_counter()
     while True:
         status = await batch_status(url, key, batch_id)
         polls += 1
@@ -109,10 +110,11 @@ async def wait_completed(url: str, key: str, batch_id: str, poll_s: float | None
             continue
         counts, now = status.request_counts, time.perf_counter()
         done = 0 if counts is None else counts.completed + counts.failed
-        if counts is not None and counts.total and done > seen:
-            end_eta = now + (counts.total - done) * (now - seen_at) / (done - seen)
-            seen_at, seen = now, done
-        await asyncio.sleep(min(1.0, max(0.02, (end_eta - now) / 4)))
+        if done and counts.total:
+            left_s = (counts.total - done) * (now - started) / done
+        else:
+            left_s = 0.4  # nothing done yet: look again soon
+        await asyncio.sleep(min(1.0, max(0.02, left_s / 4)))
 
 
 def p99(values: list[float]) -> float:
@@ -157,7 +159,7 @@ async def main_async(args, model_dir: str, tmp: str) -> dict:
     out = {}
     try:
         if args.skip_live:
-            await _goal2(args, url, bulk_key, model_dir, engine, out)
+            await _goal2(args, url, bulk_key, model_dir, engine, out, runner.app)
             return out
         await live_phase(url, live_key, args.live_rate, 3, seed=99)  # warm-up
         alone = await live_phase(url, live_key, args.live_rate, args.live_seconds, seed=1)
@@ -179,13 +181,33 @@ async def main_async(args, model_dir: str, tmp: str) -> dict:
         # of a ratio alike.
         while (await batch_status(url, bulk_key, batch_id)).status not in ("completed", "failed", "cancelled"):
             await asyncio.sleep(0.5)
-        await _goal2(args, url, bulk_key, model_dir, engine, out)
+        await _goal2(args, url, bulk_key, model_dir, engine, out, runner.app)
     finally:
         await runner.cleanup()
     return out
 
 
-async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dict) -> None:
+async def batch_phases(app, batch_id: str, submitted_at: float, seen_at: float) -> dict[str, float]:
+    """Where a batch's wall time went, in seconds, from its row's timestamps (``*_at``: ``time.time()``).
+
+    ``submit``: the upload, validation and insert of the lines, until the batch row existed; ``run``:
+    until the last line's result was written and the runner began finalizing; ``finalize``: the
+    output file and final status; ``seen``: until the client's poll saw it completed.
+    """
+    from datetime import timezone
+
+    from gateway.batch_api import BATCH_STORE
+
+    b = await app[BATCH_STORE].get_batch(None, batch_id)
+
+    def epoch(dt) -> float:
+        return dt.replace(tzinfo=timezone.utc).timestamp()
+
+    return {"submit": epoch(b.created_at) - submitted_at, "run": epoch(b.finalizing_at) - epoch(b.created_at),
+            "finalize": epoch(b.completed_at) - epoch(b.finalizing_at), "seen": seen_at - epoch(b.completed_at)}
+
+
+async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dict, app) -> None:
     """Batches timed with no live traffic at all, each right beside the offline engine on the same requests."""
     offline = await asyncio.to_thread(OfflineEngine, model_dir, args.max_num_seqs, engine_threads(args))
     if args.skip_live:  # warm the served engine too (first-touch of its KV pool), as the live phases otherwise do
@@ -216,14 +238,15 @@ async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dic
         cpu0 = cpu_times(engine) if args.cpu else None
         if profile:
             profile.enable()
-        t0 = time.perf_counter()
+        t0, submitted_at = time.perf_counter(), time.time()
         batch_id = await submit_batch(url, bulk_key, bodies)
         polls = await wait_completed(url, bulk_key, batch_id, args.poll_s)
-        elapsed = time.perf_counter() - t0
+        elapsed, seen_at = time.perf_counter() - t0, time.time()
         if profile:
             profile.disable()
         batch_tok_s = len(bodies) * args.batch_max_tokens / elapsed
-        row = {"batch_output_tok_s": batch_tok_s, "status_polls": polls}
+        row = {"batch_output_tok_s": batch_tok_s, "status_polls": polls,
+               "phases_s": await batch_phases(app, batch_id, submitted_at, seen_at)}
         if args.cpu:
             row["cpu_s"] = {k: v - cpu0.get(k, 0.0) for k, v in cpu_times(engine).items()}
         if not offline_first:
@@ -231,11 +254,15 @@ async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dic
         row.update(offline_output_tok_s=offline_tok_s, batch_vs_offline=batch_tok_s / offline_tok_s)
         out["rounds"].append(row)
         print(f"round {r}: batch alone {batch_tok_s:.0f} tok/s vs offline engine {offline_tok_s:.0f} tok/s: "
-              f"{batch_tok_s / offline_tok_s:.0%} (goal >= 90%)", flush=True)
+              f"{batch_tok_s / offline_tok_s:.0%} (goal >= 90%); batch phases, s: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in row["phases_s"].items())
+              + f"; offline engine {offline_wall_s:.3f} s", flush=True)
         if args.cpu:
             row["offline_cpu_s"] = offline_cpu_s
+            row["offline_wakeups"], row["offline_preempted"] = offline.last_context_switches
             print(f"  CPU s in {elapsed:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cpu_s"].items()))
-                  + f"; offline engine {offline_cpu_s:.2f} in {offline_wall_s:.2f} s", flush=True)
+                  + f"; offline engine {offline_cpu_s:.2f} in {offline_wall_s:.2f} s, "
+                  f"wakeups {row['offline_wakeups']}, preempted {row['offline_preempted']}", flush=True)
     ratios = [x["batch_vs_offline"] for x in out["rounds"]]
     out["batch_vs_offline"] = statistics.median(ratios)
     out["batch_vs_offline_range"] = [min(ratios), max(ratios)]
@@ -286,8 +313,36 @@ def _thread_cpu_s(pid: int, names: dict[int, str] | None = None) -> dict[str, fl
     return out
 
 
+def thread_switches(pid: int, names: dict[int, str] | None = None) -> dict[str, tuple[int, int]]:
+    """(voluntary, involuntary) context switches of each thread of a process so far, summed by thread
+    name (``names`` as in ``_thread_cpu_s``; Linux /proc).
+
+    A thread's voluntary switches count its waits, so about its wakeups; an engine thread's
+    involuntary ones count the times another thread took its core.
+    """
+    names = names or {}
+    out: dict[str, tuple[int, int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if "ctxt_switches" in line or line.startswith("Name:"))
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(tid)) or fields["Name"].strip()
+        vol, invol = out.get(name, (0, 0))
+        out[name] = (vol + int(fields["voluntary_ctxt_switches"]), invol + int(fields["nonvoluntary_ctxt_switches"]))
+    return out
+
+
+def context_switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of all threads of a process so far."""
+    per_thread = thread_switches(pid).values()
+    return sum(v for v, _ in per_thread), sum(i for _, i in per_thread)
+
+
 def cpu_times(engine) -> dict[str, float]:
-    """CPU seconds so far: the gateway process (this one) by thread name, the engine process in all."""
+    """CPU seconds so far: the gateway process (this one) by thread name, the engine process in all;
+    and both processes' context switches ("...:wakeups" voluntary, "...:preempted" involuntary)."""
     import re
     import threading
 
@@ -296,6 +351,12 @@ def cpu_times(engine) -> dict[str, float]:
     out = {f"gateway:{k}": v for k, v in _thread_cpu_s(os.getpid(), names).items()}
     out["gateway"] = sum(out.values())
     out["engine"] = sum(_thread_cpu_s(engine._process.pid).values())
+    gateway_threads = thread_switches(os.getpid(), names)
+    out.update({f"gateway:{k}:wakeups": v for k, (v, _) in gateway_threads.items()})
+    out["gateway:wakeups"] = sum(v for v, _ in gateway_threads.values())
+    out["gateway:preempted"] = sum(i for _, i in gateway_threads.values())
+    out["engine:wakeups"], out["engine:preempted"] = context_switches(engine._process.pid)
+    out["engine:messages"] = getattr(engine, "messages_received", -1)
     return out
 
 
@@ -353,7 +414,10 @@ class OfflineEngine:
 
     async def throughput(self, bodies: list[dict]) -> tuple[float, float, float]:
         """``LLM.generate`` on these requests (everything queued at once): output tokens/s, wall s, CPU s."""
-        return await asyncio.wrap_future(self.pool.submit(_offline_tok_s, bodies))
+        before = context_switches(self._pid)
+        result = await asyncio.wrap_future(self.pool.submit(_offline_tok_s, bodies))
+        self.last_context_switches = tuple(b - a for a, b in zip(before, context_switches(self._pid)))
+        return result
 
     def close(self) -> None:
         self.pool.shutdown()

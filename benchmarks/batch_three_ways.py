@@ -33,7 +33,8 @@ import tempfile
 import time
 
 from benchmarks.batch_goals import (
-    OfflineEngine, _requests, engine_options, pin_process, pin_split, start_gateway, submit_batch, wait_completed,
+    OfflineEngine, _requests, batch_phases, engine_options, pin_process, pin_split, start_gateway, submit_batch,
+    wait_completed,
 )
 
 MAX_TOKENS = 16
@@ -60,11 +61,13 @@ async def bare_tok_s(engine, bodies: list[dict], inflight: int = 64) -> float:
     return sum(tokens) / (time.perf_counter() - t0)
 
 
-async def http_tok_s(url: str, key: str, bodies: list[dict]) -> float:
-    t0 = time.perf_counter()
+async def http_tok_s(url: str, key: str, bodies: list[dict], app) -> tuple[float, dict[str, float]]:
+    """Output tokens/s of one Batch API batch, and where its time went (``batch_goals.batch_phases``)."""
+    t0, submitted_at = time.perf_counter(), time.time()
     batch_id = await submit_batch(url, key, bodies)
     await wait_completed(url, key, batch_id, None)
-    return len(bodies) * MAX_TOKENS / (time.perf_counter() - t0)
+    tok_s, seen_at = len(bodies) * MAX_TOKENS / (time.perf_counter() - t0), time.time()
+    return tok_s, await batch_phases(app, batch_id, submitted_at, seen_at)
 
 
 async def run(args, tmp: str) -> dict[str, list[float]]:
@@ -79,7 +82,7 @@ async def run(args, tmp: str) -> dict[str, list[float]]:
     runner, url, (key,) = await start_gateway(tmp, engine, ["bulk"])
     offline = await asyncio.to_thread(OfflineEngine, model_dir, args.max_num_seqs, threads)
     try:
-        await http_tok_s(url, key, _requests(4 * args.max_num_seqs, 5, MAX_TOKENS))  # warm-up of both paths
+        await http_tok_s(url, key, _requests(4 * args.max_num_seqs, 5, MAX_TOKENS), runner.app)  # warm-up of both paths
         await bare_tok_s(engine, _requests(4 * args.max_num_seqs, 6, MAX_TOKENS))
         if args.pin:  # every engine thread exists by now
             gateway_cores, engine_cores = pin_split()
@@ -95,12 +98,14 @@ async def run(args, tmp: str) -> dict[str, list[float]]:
             for j, way in enumerate(order):
                 bodies = _requests(args.lines, 5000 + 3 * i + j, MAX_TOKENS)  # fresh prompts: no cache hits
                 if way == "http":
-                    tok_s[way].append(await http_tok_s(url, key, bodies))
+                    rate, phases = await http_tok_s(url, key, bodies, runner.app)
+                    tok_s[way].append(rate)
                 elif way == "bare":
                     tok_s[way].append(await bare_tok_s(engine, bodies))
                 else:
                     tok_s[way].append((await offline.throughput(bodies))[0])
-            print(f"chunk {i}: " + ", ".join(f"{w} {tok_s[w][-1]:.0f}" for w in ways) + " tok/s", flush=True)
+            print(f"chunk {i}: " + ", ".join(f"{w} {tok_s[w][-1]:.0f}" for w in ways) + " tok/s; http phases, s: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
         return tok_s
     finally:
         offline.close()
