@@ -10,7 +10,11 @@
     python -m benchmarks.batch_goals --skip-live --pin              # goal 2, the gateway on a core of its own
 
 The server is the real gateway (``create_app``) with its engine process, on
-loopback; the model is the demo model (random weights, CPU or GPU).
+loopback; the model is the demo model (random weights, CPU or GPU). Goal 2's
+rounds alternate which side runs first and follow ``--warmup-rounds`` (1)
+untimed rounds of both sides; ``--cpu`` adds each round's CPU seconds and
+context switches per thread, and every round prints where the batch's time
+went (submit, run, finalize, seen by the client's poll).
 """
 
 import argparse
@@ -222,6 +226,18 @@ async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dic
         out["pinned"] = {"gateway": sorted(gateway_cores), "engines": sorted(engine_cores)}
         print(f"pinned: the gateway on cores {sorted(gateway_cores)}, each engine (one at a time) on "
               f"{sorted(engine_cores)} with {len(engine_cores)} torch threads", flush=True)
+    for w in range(args.warmup_rounds):
+        # Untimed, both sides at full size: in 8 of 10 runs without it, the first round after the offline
+        # engine's start was the slowest for whichever side ran in it (docs/performance.md).
+        bodies = _requests(args.throughput_batch, 900 + w, args.batch_max_tokens)
+        t0 = time.perf_counter()
+        await wait_completed(url, bulk_key, await submit_batch(url, bulk_key, bodies), args.poll_s)
+        batch_tok_s = len(bodies) * args.batch_max_tokens / (time.perf_counter() - t0)
+        offline_tok_s = (await offline.throughput(bodies))[0]
+        out.setdefault("warmup_rounds", []).append({"batch_output_tok_s": batch_tok_s,
+                                                    "offline_output_tok_s": offline_tok_s})
+        print(f"warm-up round {w} (not counted): batch alone {batch_tok_s:.0f} tok/s vs offline engine "
+              f"{offline_tok_s:.0f} tok/s: {batch_tok_s / offline_tok_s:.0%}", flush=True)
     out["rounds"] = []
     profile = None
     if args.profile:
@@ -232,7 +248,7 @@ async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dic
         bodies = _requests(args.throughput_batch, 11 + r, args.batch_max_tokens)  # fresh prompts: no cache hits
         # Odd rounds run the offline engine first: a drift in this shared machine's speed over a round
         # (half a minute) then favours neither side.
-        offline_first = r % 2 == 1
+        offline_first = (r + args.offline_first_round0) % 2 == 1
         if offline_first:
             offline_tok_s, offline_wall_s, offline_cpu_s = await offline.throughput(bodies)
         cpu0 = cpu_times(engine) if args.cpu else None
@@ -440,6 +456,10 @@ def main() -> None:
     p.add_argument("--cpu-threads", type=int, default=None, help="the engine's (default: the engine process's)")
     p.add_argument("--profile", metavar="PATH", help="cProfile the gateway's thread during the timed batches")
     p.add_argument("--skip-live", action="store_true", help="goal 2 only: no live phases and no big batch")
+    p.add_argument("--offline-first-round0", type=int, choices=(0, 1), default=0,
+                   help="1: even rounds run the offline engine first (default: odd rounds)")
+    p.add_argument("--warmup-rounds", type=int, default=1,
+                   help="untimed full-size rounds of both sides before the timed ones")
     p.add_argument("--cpu", action="store_true", help="per round: CPU seconds of the gateway's threads and the engine")
     p.add_argument("--pin", action="store_true",
                    help="goal 2 with the gateway on a core of its own (as on a GPU machine): this process on the "
