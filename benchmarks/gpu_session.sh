@@ -60,9 +60,8 @@ for spec in "$@"; do
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m engine.bench_gpu --json "$WORK/bench_engine_hf.json" ;;
         # Batch API goal 2 (issue 7) where the gateway has cores of its own and the engine a GPU (the demo model).
-        # Needs the gateway's packages the device lacks (KINDS.md), as wheels like msgspec: SQLAlchemy, greenlet,
-        # aiosqlite, alembic, Mako, openai, httpx2, pydantic, pydantic_core, annotated-types, typing-inspection,
-        # jiter, sniffio, psycopg, psycopg-binary, asyncpg (the versions in this checkout's .venv).
+        # Needs the gateway's packages the device lacks, as wheels: benchmarks/device_wheels.sh here, then carry
+        # .whl and install them first (the script's comment has the command).
         batch-three-ways) run_stage batch-three-ways "$limit" $PY -m benchmarks.batch_three_ways --chunks 6 --lines 2000 ;;
         batch-goals) run_stage batch-goals "$limit" $PY -m benchmarks.batch_goals --skip-live --rounds 4 --cpu ;;
         *) echo "unknown stage $name" >&2; exit 2 ;;
