@@ -227,8 +227,8 @@ async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dic
         print(f"pinned: the gateway on cores {sorted(gateway_cores)}, each engine (one at a time) on "
               f"{sorted(engine_cores)} with {len(engine_cores)} torch threads", flush=True)
     for w in range(args.warmup_rounds):
-        # Untimed, both sides at full size: in 8 of 10 runs without it, the first round after the offline
-        # engine's start was the slowest for whichever side ran in it (docs/performance.md).
+        # Untimed, both sides at full size: without it the first timed round had the lowest ratio in 8 of
+        # 10 runs, and with the order swapped both sides were at their slowest in it (docs/performance.md).
         bodies = _requests(args.throughput_batch, 900 + w, args.batch_max_tokens)
         t0 = time.perf_counter()
         await wait_completed(url, bulk_key, await submit_batch(url, bulk_key, bodies), args.poll_s)
