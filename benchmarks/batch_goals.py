@@ -191,6 +191,16 @@ async def main_async(args, model_dir: str, tmp: str) -> dict:
     return out
 
 
+async def timed_batch(url: str, key: str, bodies: list[dict], max_tokens: int, poll_s: float | None, app) -> dict:
+    """Submit ``bodies`` as one batch and wait for it: output tokens/s, status polls, wall s, phases."""
+    t0, submitted_at = time.perf_counter(), time.time()
+    batch_id = await submit_batch(url, key, bodies)
+    polls = await wait_completed(url, key, batch_id, poll_s)
+    elapsed, seen_at = time.perf_counter() - t0, time.time()
+    return {"batch_output_tok_s": len(bodies) * max_tokens / elapsed, "status_polls": polls, "wall_s": elapsed,
+            "phases_s": await batch_phases(app, batch_id, submitted_at, seen_at)}
+
+
 async def batch_phases(app, batch_id: str, submitted_at: float, seen_at: float) -> dict[str, float]:
     """Where a batch's wall time went, in seconds, from its row's timestamps (``*_at``: ``time.time()``).
 
@@ -219,10 +229,7 @@ async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dic
         while (await batch_status(url, bulk_key, batch_id)).status != "completed":
             await asyncio.sleep(0.1)
     if args.pin:  # every thread of both engines exists by now (torch's pool starts with the first step)
-        gateway_cores, engine_cores = pin_split()
-        for pid in (engine._process.pid, offline.pid()):
-            pin_process(pid, engine_cores)
-        pin_process(os.getpid(), gateway_cores)
+        gateway_cores, engine_cores = pin_gateway_and_engines(engine._process.pid, offline.pid())
         out["pinned"] = {"gateway": sorted(gateway_cores), "engines": sorted(engine_cores)}
         print(f"pinned: the gateway on cores {sorted(gateway_cores)}, each engine (one at a time) on "
               f"{sorted(engine_cores)} with {len(engine_cores)} torch threads", flush=True)
@@ -230,9 +237,8 @@ async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dic
         # Untimed, both sides at full size: without it the first timed round had the lowest ratio in 8 of
         # 10 runs, and with the order swapped both sides were at their slowest in it (docs/performance.md).
         bodies = _requests(args.throughput_batch, 900 + w, args.batch_max_tokens)
-        t0 = time.perf_counter()
-        await wait_completed(url, bulk_key, await submit_batch(url, bulk_key, bodies), args.poll_s)
-        batch_tok_s = len(bodies) * args.batch_max_tokens / (time.perf_counter() - t0)
+        batch_tok_s = (await timed_batch(url, bulk_key, bodies, args.batch_max_tokens, args.poll_s,
+                                         app))["batch_output_tok_s"]
         offline_tok_s = (await offline.throughput(bodies))[0]
         out.setdefault("warmup_rounds", []).append({"batch_output_tok_s": batch_tok_s,
                                                     "offline_output_tok_s": offline_tok_s})
@@ -254,15 +260,10 @@ async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dic
         cpu0 = cpu_times(engine) if args.cpu else None
         if profile:
             profile.enable()
-        t0, submitted_at = time.perf_counter(), time.time()
-        batch_id = await submit_batch(url, bulk_key, bodies)
-        polls = await wait_completed(url, bulk_key, batch_id, args.poll_s)
-        elapsed, seen_at = time.perf_counter() - t0, time.time()
+        row = await timed_batch(url, bulk_key, bodies, args.batch_max_tokens, args.poll_s, app)
         if profile:
             profile.disable()
-        batch_tok_s = len(bodies) * args.batch_max_tokens / elapsed
-        row = {"batch_output_tok_s": batch_tok_s, "status_polls": polls,
-               "phases_s": await batch_phases(app, batch_id, submitted_at, seen_at)}
+        batch_tok_s, elapsed = row["batch_output_tok_s"], row["wall_s"]
         if args.cpu:
             row["cpu_s"] = {k: v - cpu0.get(k, 0.0) for k, v in cpu_times(engine).items()}
         if not offline_first:
@@ -293,6 +294,15 @@ def pin_split() -> tuple[set[int], set[int]]:
     if len(cores) < 2:
         raise SystemExit("--pin needs at least 2 cores")
     return {cores[0]}, set(cores[1:])
+
+
+def pin_gateway_and_engines(*engine_pids: int) -> tuple[set[int], set[int]]:
+    """This process (the gateway) on its core, the engines' processes on the others (``pin_split``)."""
+    gateway_cores, engine_cores = pin_split()
+    for pid in engine_pids:
+        pin_process(pid, engine_cores)
+    pin_process(os.getpid(), gateway_cores)
+    return gateway_cores, engine_cores
 
 
 def engine_threads(args) -> int | None:

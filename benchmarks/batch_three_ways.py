@@ -33,8 +33,7 @@ import tempfile
 import time
 
 from benchmarks.batch_goals import (
-    OfflineEngine, _requests, batch_phases, engine_options, pin_process, pin_split, start_gateway, submit_batch,
-    wait_completed,
+    OfflineEngine, _requests, engine_options, pin_gateway_and_engines, pin_split, start_gateway, timed_batch,
 )
 
 MAX_TOKENS = 16
@@ -61,15 +60,6 @@ async def bare_tok_s(engine, bodies: list[dict], inflight: int = 64) -> float:
     return sum(tokens) / (time.perf_counter() - t0)
 
 
-async def http_tok_s(url: str, key: str, bodies: list[dict], app) -> tuple[float, dict[str, float]]:
-    """Output tokens/s of one Batch API batch, and where its time went (``batch_goals.batch_phases``)."""
-    t0, submitted_at = time.perf_counter(), time.time()
-    batch_id = await submit_batch(url, key, bodies)
-    await wait_completed(url, key, batch_id, None)
-    tok_s, seen_at = len(bodies) * MAX_TOKENS / (time.perf_counter() - t0), time.time()
-    return tok_s, await batch_phases(app, batch_id, submitted_at, seen_at)
-
-
 async def run(args, tmp: str) -> dict[str, list[float]]:
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
@@ -82,13 +72,11 @@ async def run(args, tmp: str) -> dict[str, list[float]]:
     runner, url, (key,) = await start_gateway(tmp, engine, ["bulk"])
     offline = await asyncio.to_thread(OfflineEngine, model_dir, args.max_num_seqs, threads)
     try:
-        await http_tok_s(url, key, _requests(4 * args.max_num_seqs, 5, MAX_TOKENS), runner.app)  # warm-up of both paths
+        # warm-up of both paths
+        await timed_batch(url, key, _requests(4 * args.max_num_seqs, 5, MAX_TOKENS), MAX_TOKENS, None, runner.app)
         await bare_tok_s(engine, _requests(4 * args.max_num_seqs, 6, MAX_TOKENS))
         if args.pin:  # every engine thread exists by now
-            gateway_cores, engine_cores = pin_split()
-            for pid in (engine._process.pid, offline.pid()):
-                pin_process(pid, engine_cores)
-            pin_process(os.getpid(), gateway_cores)
+            pin_gateway_and_engines(engine._process.pid, offline.pid())
         ways = ["http", "bare", "offline"]
         tok_s: dict[str, list[float]] = {w: [] for w in ways}
         for i in range(args.chunks):
@@ -98,8 +86,9 @@ async def run(args, tmp: str) -> dict[str, list[float]]:
             for j, way in enumerate(order):
                 bodies = _requests(args.lines, 5000 + 3 * i + j, MAX_TOKENS)  # fresh prompts: no cache hits
                 if way == "http":
-                    rate, phases = await http_tok_s(url, key, bodies, runner.app)
-                    tok_s[way].append(rate)
+                    timed = await timed_batch(url, key, bodies, MAX_TOKENS, None, runner.app)
+                    tok_s[way].append(timed["batch_output_tok_s"])
+                    phases = timed["phases_s"]
                 elif way == "bare":
                     tok_s[way].append(await bare_tok_s(engine, bodies))
                 else:

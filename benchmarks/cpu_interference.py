@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.batch_goals import _requests
+from benchmarks.batch_goals import _requests, pin_split
 
 
 def _waker(period_s: float, busy_s: float, nice: int, touch_mb: float, cores: set[int] | None, stop) -> None:
@@ -105,8 +105,7 @@ def main() -> None:
         write_demo_model(model_dir, seed=0)
         waker_cores = engine_cores = None
         if args.pin:
-            cores = sorted(os.sched_getaffinity(0))
-            waker_cores, engine_cores = {cores[0]}, set(cores[1:])
+            waker_cores, engine_cores = pin_split()
             os.sched_setaffinity(0, engine_cores)  # before torch starts its threads: they inherit it
         llm = LLM(model=model_dir, max_num_seqs=args.max_num_seqs,
                   cpu_threads=len(engine_cores) if engine_cores else None)
