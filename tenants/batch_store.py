@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+import msgspec
 from sqlalchemy import Connection, and_, case, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
@@ -30,6 +31,10 @@ from tenants.store import QuotaConfig, TenantStore, UsageRecord
 from tenants.sync_transactions import SyncTransactions
 
 TERMINAL = ("failed", "completed", "expired", "cancelled")
+
+
+# A line's result as compact JSON: msgspec's encoder takes a fifth of json.dumps' time per line.
+_encode_json = msgspec.json.Encoder().encode
 
 
 def new_id(prefix: str) -> str:
@@ -198,7 +203,13 @@ class BatchStore:
 
     def _claim(self, c: Connection, owner: str, limit: int, until: float) -> list[ClaimedLine]:
         sql, now = self._sql, self.clock()
-        ids = list(c.execute(sql.pick, {"now": now, "limit": limit}).scalars())
+        # Lapsed leases first (their lines have waited longest), then pending lines, oldest batch first.
+        ids = list(c.execute(sql.pick_lapsed, {"now": now, "limit": limit}).scalars())
+        if len(ids) < limit:
+            for batch_id in c.execute(sql.open_batches).scalars().all():
+                ids += c.execute(sql.pick_pending, {"bid": batch_id, "limit": limit - len(ids)}).scalars()
+                if len(ids) == limit:
+                    break
         if not ids:
             return []
         c.execute(sql.lease, {"ids": ids, "now": now, "owner": owner, "until": until})
@@ -271,7 +282,7 @@ class BatchStore:
             if not mine:
                 continue
             results.append({"lid": item.line.id, "owner": owner, "new_status": "done" if item.ok else "failed",
-                            "result": json.dumps(item.result)})
+                            "result": _encode_json(item.result).decode()})
             key = (item.line.batch_id, item.ok)
             counts[key] = counts.get(key, 0) + 1
             if item.usage is not None:
@@ -285,13 +296,15 @@ class BatchStore:
         for (batch_id, ok), n in sorted(counts.items()):  # one lock order for every writer
             c.execute(sql.count_done if ok else sql.count_failed, {"bid": batch_id, "n": n})
         if usages:
-            discounts = dict(c.execute(sql.discounts, {"tenants": sorted({u.tenant_id for u in usages})}).all())
+            tenants = sorted({u.tenant_id for u in usages})
+            discounts = dict(c.execute(sql.discounts, {"tenants": tenants}).all())
+            rates = {t: QuotaConfig(batch_discount=0.5 if discounts.get(t) is None else discounts[t]) for t in tenants}
             rows, billed_by_tenant = [], {}
             for u in usages:
-                discount = discounts.get(u.tenant_id)
-                billed = QuotaConfig(batch_discount=0.5 if discount is None else discount).billed(
-                    u.prompt_tokens + u.completion_tokens, True)
-                rows.append(TenantStore.usage_values(replace(u, batch=True), billed))
+                billed = rates[u.tenant_id].billed(u.prompt_tokens + u.completion_tokens, True)
+                row = TenantStore.usage_values(u, billed)
+                row["batch"] = True  # billed at the batch rate, so flagged as batch whatever the caller said
+                rows.append(row)
                 billed_by_tenant[u.tenant_id] = billed_by_tenant.get(u.tenant_id, 0) + billed
             c.execute(sql.usage, rows)
             for tenant_id, billed in sorted(billed_by_tenant.items()):
