@@ -29,6 +29,8 @@ import time
 
 import aiohttp
 
+from benchmarks import run_on_gateway_loop
+
 
 def _requests(n: int, seed: int, max_tokens: int) -> list[dict]:
     rng = random.Random(seed)
@@ -483,7 +485,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "demo")
         write_demo_model(model_dir, seed=0)
-        results = asyncio.run(main_async(args, model_dir, tmp))
+        results = run_on_gateway_loop(main_async(args, model_dir, tmp))
     live = "" if args.skip_live else f"live p99 TTFT ratio {results['ttft_p99_ratio']:.2f}x (goal <= 1.5x); "
     print(f"{live}batch / offline, median of {args.rounds}: {results['batch_vs_offline']:.0%} (goal >= 90%)")
     print(json.dumps(results, indent=1))

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import run_on_gateway_loop
 from benchmarks.instant_engine import InstantEngine
 from engine.protocol import Delta
 
@@ -107,14 +108,8 @@ def main() -> None:
     p.add_argument("--db", default=None, help="database URL (default: a fresh SQLite file)")
     args = p.parse_args()
     threading.current_thread().name = "event loop"
-    try:
-        import uvloop  # the gateway's loop
-
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
     with tempfile.TemporaryDirectory() as tmp:
-        run(_run(args, args.db or f"sqlite:///{os.path.join(tmp, 'bench.db')}", Path(tmp)))
+        run_on_gateway_loop(_run(args, args.db or f"sqlite:///{os.path.join(tmp, 'bench.db')}", Path(tmp)))
 
 
 if __name__ == "__main__":

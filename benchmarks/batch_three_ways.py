@@ -32,6 +32,7 @@ import statistics
 import tempfile
 import time
 
+from benchmarks import run_on_gateway_loop
 from benchmarks.batch_goals import (
     OfflineEngine, _requests, engine_options, pin_gateway_and_engines, pin_split, start_gateway, timed_batch,
 )
@@ -109,7 +110,7 @@ def main() -> None:
     p.add_argument("--pin", action="store_true", help="the gateway on a core of its own (Linux, 2 cores or more)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        tok_s = asyncio.run(run(args, tmp))
+        tok_s = run_on_gateway_loop(run(args, tmp))
     for a, b in (("http", "offline"), ("bare", "offline"), ("http", "bare")):
         paired = [x / y for x, y in zip(tok_s[a], tok_s[b])]
         print(f"{a} / {b}: per chunk {', '.join(f'{r:.0%}' for r in paired)}; median {statistics.median(paired):.1%}, "
