@@ -7,7 +7,8 @@ in a rotating order, and prints output tokens/s for each:
 
 - ``http``: a Batch API batch through the real gateway (upload, validation, the
   runner's claims and result writes on SQLite, finalizing), polled as a client
-  would (``batch_goals.wait_completed``) — what goal 2 measures;
+  would (``batch_goals.wait_completed``), timed from the upload to the batch
+  row's ``completed_at`` — what goal 2 measures;
 - ``bare``: the same requests sent straight to the served engine process by an
   ``AsyncEngine`` client in the gateway's process, 64 in flight and with the
   batch lines' flags (background, preemptible, batch rank, a cache salt): the
