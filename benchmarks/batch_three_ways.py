@@ -35,7 +35,8 @@ import time
 
 from benchmarks import run_on_gateway_loop
 from benchmarks.batch_goals import (
-    OfflineEngine, _requests, engine_options, pin_gateway_and_engines, pin_split, start_gateway, timed_batch,
+    OfflineEngine, _requests, close_status_session, engine_options, pin_gateway_and_engines, pin_split, start_gateway,
+    timed_batch,
 )
 
 MAX_TOKENS = 16
@@ -100,6 +101,7 @@ async def run(args, tmp: str) -> dict[str, list[float]]:
         return tok_s
     finally:
         offline.close()
+        await close_status_session()
         await runner.cleanup()
 
 
