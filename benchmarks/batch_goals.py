@@ -73,8 +73,8 @@ _clients: dict[tuple[str, str], object] = {}
 
 
 def _client(url: str, key: str):
-    # One client per key: building one loads the CA store (about 40 ms of CPU), and this process also
-    # runs the gateway, so a client per status poll would steal the CPU being measured.
+    # One client per key (uploads and batch creation): building one loads the CA store (about 40 ms of
+    # CPU), and this process also runs the gateway, so a client per batch would steal the CPU measured.
     import openai
 
     if (url, key) not in _clients:
@@ -316,7 +316,8 @@ async def _goal2(args, url: str, bulk_key: str, model_dir: str, engine, out: dic
         if args.cpu:
             row["offline_cpu_s"] = offline_cpu_s
             row["offline_wakeups"], row["offline_preempted"] = offline.last_context_switches
-            print(f"  CPU s in {elapsed + row['phases_s']['seen']:.2f} s (until seen): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cpu_s"].items()))
+            print(f"  CPU s in {elapsed + row['phases_s']['seen']:.2f} s (until seen): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cpu_s"].items()))
                   + f"; offline engine {offline_cpu_s:.2f} in {offline_wall_s:.2f} s, "
                   f"wakeups {row['offline_wakeups']}, preempted {row['offline_preempted']}", flush=True)
     ratios = [x["batch_vs_offline"] for x in out["rounds"]]
