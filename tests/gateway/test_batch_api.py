@@ -241,3 +241,35 @@ def test_cancel_keeps_finished_results_and_expiry_fails_the_rest(demo_dir, tmp_p
                 await acme.batches.cancel(b.id)  # a finished batch cannot be cancelled
 
     asyncio.run(expiry())
+
+
+def test_chat_batch_answers_what_live_chat_answers(demo_dir, tmp_path):
+    rng = random.Random()
+    url, server = _server(demo_dir, tmp_path)
+
+    async def scenario():
+        keys = await _tenants(url)
+        async with server:
+            acme = _client(server, keys["acme"])
+            lines = [_line(f"chat-{i}", f"question {rng.randrange(10**6)} about {i}", rng.randint(2, 6),
+                           url="/v1/chat/completions") for i in range(4)]
+            f = await acme.files.create(file=("chat.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+            batch = await acme.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                              completion_window="24h")
+            done = await _wait(acme, batch.id)
+            assert done.status == "completed" and done.request_counts.completed == 4, done
+            out = {o["custom_id"]: o for o in
+                   (json.loads(l) for l in (await acme.files.content(done.output_file_id)).text.splitlines())}
+            assert set(out) == {l["custom_id"] for l in lines}
+            for line in lines:
+                body = dict(line["body"])
+                live = await acme.chat.completions.create(extra_body={"ignore_eos": body.pop("ignore_eos")}, **body)
+                got = out[line["custom_id"]]["response"]
+                assert got["status_code"] == 200 and got["body"]["object"] == "chat.completion"
+                message = got["body"]["choices"][0]["message"]
+                assert message["role"] == "assistant" and message["content"] == live.choices[0].message.content
+                usage = got["body"]["usage"]  # cached_tokens differ: the live call hits the batch's prefix
+                assert (usage["prompt_tokens"], usage["completion_tokens"]) == (live.usage.prompt_tokens,
+                                                                                line["body"]["max_tokens"])
+
+    asyncio.run(scenario())
