@@ -8,7 +8,6 @@ from aiohttp import web
 
 from gateway.errors import APIError
 from tenants.quota import Denied, Granted, QuotaManager
-from tenants.store import UsageRecord
 
 QUOTAS = web.AppKey("quotas", QuotaManager)
 

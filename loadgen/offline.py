@@ -8,9 +8,7 @@ second of wall time (static batches pay for padding and for waiting on the
 longest request of each batch: that is the point of the comparison).
 """
 
-import argparse
 import json
-import os
 import random
 import tempfile
 import time

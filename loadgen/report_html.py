@@ -104,10 +104,10 @@ def run_report_html(body: dict) -> str:
     colour = {t: PALETTE[i % len(PALETTE)] for i, t in enumerate(tenants)}
     o = a["overall"]
     slo = a["slo_s"]
-    parts = [f"<h1>moegate loadgen report</h1>",
+    parts = ["<h1>moegate loadgen report</h1>",
              f"<p class='meta'>Target <b>{html.escape(sc['target_url'])}</b> &middot; started {html.escape(body['started_at'])}"
              f" &middot; {body['duration_s']:.1f} s &middot; seed {sc['seed']}"
-             + (f" &middot; SLO " + ", ".join(f"{k} &le; {v * 1000:g} ms" for k, v in slo.items()) if slo else "")
+             + (" &middot; SLO " + ", ".join(f"{k} &le; {v * 1000:g} ms" for k, v in slo.items()) if slo else "")
              + "</p>"]
     for t in sc["tenants"]:
         arr = t["arrival"]

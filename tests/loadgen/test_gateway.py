@@ -28,11 +28,8 @@ async def _tenants(url: str) -> dict[str, str]:
 
 
 def test_run_against_the_gateway(demo_model_dir, tmp_path):
-    from tokenizers import Tokenizer
-
     url = f"sqlite:///{tmp_path / 'policy.db'}"
     upgrade(url)
-    tok = Tokenizer.from_file(f"{demo_model_dir}/tokenizer.json")
 
     async def go():
         keys = await _tenants(url)
