@@ -50,8 +50,9 @@ async def bare_tok_s(engine, bodies: list[dict], inflight: int = 64) -> float:
     async def one(i: int, body: dict) -> int:
         async with slots:
             tokens = 0
+            prompt = await engine.prepare(body["prompt"])
             async for delta in engine.generate(
-                body["prompt"], SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                prompt, SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
                 request_id=f"bare-{time.monotonic_ns()}-{i}", stream=False, priority=2, tenant="bulk",
                 preemptible=True, background=True, cache_salt="bulk",
             ):

@@ -1,7 +1,7 @@
 """A test double for ``engine.AsyncEngine`` that answers at once, for measuring the gateway alone.
 
 It has the client interface the gateway uses (``start``, ``shutdown``,
-``restart``, ``generate``, ``info``, ``stats``, ``dead``, ``config``) and
+``restart``, ``prepare``, ``generate``, ``info``, ``stats``, ``dead``, ``config``) and
 produces ``num_tokens`` one-character deltas per request with no model
 behind them. Used only by the gateway overhead benchmark and a gateway test; never by the
 product.
@@ -32,8 +32,14 @@ class InstantEngine:
     async def shutdown(self) -> None:
         pass
 
+    async def prepare(self, prompt=None, messages=None) -> list[int]:
+        """About one token per 4 characters of text, as a stand-in for a tokenizer."""
+        if messages is not None:
+            return [65] * max(1, sum(len(m.content) for m in messages) // 4 + 4 * len(messages))
+        return list(prompt) if isinstance(prompt, list) else [65] * max(1, len(prompt) // 4)
+
     async def generate(self, prompt, sampling, request_id=None, **_) -> AsyncIterator[Delta]:
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // 4)
+        prompt_tokens = len(prompt)
         wanted = min(self.num_tokens, sampling.max_tokens or self.num_tokens)
         for i in range(1, wanted + 1):
             done = i == wanted

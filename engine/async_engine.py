@@ -5,21 +5,32 @@ import itertools
 import logging
 import multiprocessing
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
 from engine.stats import SchedulerStats
 from engine.engine_process import run_engine_process
+from engine.inputs import InputProcessor, Turn
 from engine.protocol import (
-    AbortRequest, AddRequest, ChatTurn, Delta, Fatal, Ready, RequestRejected, SamplingSpec, Shutdown, StepOutputs,
+    AbortRequest, AddRequest, Delta, Fatal, Ready, RequestRejected, SamplingSpec, Shutdown, StepOutputs,
     encoder, from_engine_decoder,
 )
+from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
-    """The engine process failed to start or died."""
+    """The engine process failed to start or died.
+
+    ``retryable`` is False when the engine reported that a step failed: one of the requests it was
+    running may have caused it, so sending them again could take the fresh engine down too.
+    """
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class RequestRejectedError(ValueError):
@@ -33,9 +44,18 @@ class AsyncEngine:
     consumer (a client that went away) aborts the request in the engine.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    # Prompts up to this many characters are tokenized on the event loop (well under a millisecond);
+    # longer ones on a worker thread, so one huge prompt does not hold up every other stream.
+    INLINE_PROMPT_CHARS = 2048
+
+    def __init__(self, config: EngineConfig, process_main=run_engine_process) -> None:
+        """``process_main(config, requests, replies)`` is the engine process's entry point (importable: the
+        process is spawned); tests pass one that wraps ``run_engine_process`` to make a step fail."""
         self.config = config
-        self.info: Ready | None = None
+        self._process_main = process_main
+        self.info: Ready | None = None  # None while the engine process starts (or restarts)
+        self.inputs: InputProcessor | None = None  # prompt preparation, in this process
+        self._input_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moegate-tokenize")
         self.stats: SchedulerStats | None = None  # the engine's latest step statistics
         self.messages_received = 0  # from the engine process (each woke this process twice)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -45,14 +65,20 @@ class AsyncEngine:
         self._replies = None  # our end of the pipe from it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
-        self.dead: str | None = None
+        self.dead: str | None = None  # why the engine is down (set until a restart has finished)
+        self.failure: str | None = None  # what the engine process reported before it exited (a failed step)
 
     async def restart(self) -> Ready:
-        """Start a fresh engine process after the old one died; requests in flight have already failed."""
+        """Start a fresh engine process after the old one died; requests in flight have already failed.
+
+        ``dead`` stays set (new requests are refused, /health says down) until the new process is ready.
+        """
         await self.shutdown()
-        self.dead = None
+        self.info = None
         self.stats = None
-        return await self.start()
+        ready = await self.start()
+        self.dead = self.failure = None
+        return ready
 
     async def start(self) -> Ready:
         self._loop = asyncio.get_running_loop()
@@ -62,7 +88,7 @@ class AsyncEngine:
         # received, measured), and every wakeup takes a core the engine's threads were using.
         requests_in, requests_out = ctx.Pipe(duplex=False)
         replies_in, replies_out = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=run_engine_process, args=(self.config, requests_in, replies_out),
+        self._process = ctx.Process(target=self._process_main, args=(self.config, requests_in, replies_out),
                                     name="moegate-engine", daemon=True)
         self._process.start()
         requests_in.close()
@@ -72,9 +98,22 @@ class AsyncEngine:
         if isinstance(first, Fatal) or first is None:
             self._process.join(timeout=5)
             raise EngineError(first.message if first else "the engine process exited during start-up")
-        self.info = first
+        if self.inputs is None:  # the tokenizer is the same after a restart
+            tokenizer_dir = self.config.tokenizer or (None if self.config.random_weights else self.config.model)
+            tokenizer = await self._loop.run_in_executor(None, load_tokenizer, tokenizer_dir) if tokenizer_dir else None
+            self.inputs = InputProcessor(tokenizer, first.vocab_size, first.max_model_len)
         threading.Thread(target=self._reader, name="moegate-engine-reader", daemon=True).start()
+        self.info = first
         return first
+
+    async def prepare(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Turn] | None = None) -> list[int]:
+        """Checked prompt token ids for ``generate``; ``engine.inputs.InvalidPrompt`` (a 400) if it cannot be served."""
+        if self.inputs is None:
+            raise EngineError(self.dead or "the engine is starting")
+        size = sum(len(m.content) for m in messages) if messages is not None else len(prompt or "")
+        if size <= self.INLINE_PROMPT_CHARS:
+            return self.inputs.prepare(prompt, messages)
+        return await self._loop.run_in_executor(self._input_pool, self.inputs.prepare, prompt, messages)
 
     def _recv(self):
         try:
@@ -88,7 +127,7 @@ class AsyncEngine:
             try:
                 msg = from_engine_decoder.decode(conn.recv_bytes())
             except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._fail_all, "the engine process stopped", conn)
+                self._loop.call_soon_threadsafe(self._fail_all, conn)
                 return
             self._loop.call_soon_threadsafe(self._dispatch, msg)
 
@@ -105,13 +144,19 @@ class AsyncEngine:
             queue = self._queues.get(msg.request_id)
             if queue is not None:
                 queue.put_nowait(RequestRejectedError(msg.message))
+        elif isinstance(msg, Fatal):  # the process exits next; _fail_all tells the waiting requests why
+            self.failure = msg.message
 
-    def _fail_all(self, reason: str, conn) -> None:
+    def _fail_all(self, conn) -> None:
         if self._process is None or conn is not self._replies:
             return  # an orderly shutdown (or a restart) closed this pipe
-        self.dead = reason
+        if self.failure:
+            error = EngineError(f"the engine failed while running this request ({self.failure})", retryable=False)
+        else:
+            error = EngineError("the engine process stopped")
+        self.dead = str(error)
         for queue in self._queues.values():
-            queue.put_nowait(EngineError(reason))
+            queue.put_nowait(error)
 
     def _send(self, msg) -> None:
         with self._send_lock:
@@ -122,11 +167,10 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: list[int],
         sampling: SamplingSpec,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        messages: list[ChatTurn] | None = None,
         priority: int = 1,
         tenant: str = "default",
         weight: float = 1.0,
@@ -135,6 +179,8 @@ class AsyncEngine:
         stream: bool = True,
     ) -> AsyncIterator[Delta]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
+
+        ``prompt``: token ids from ``prepare``.
 
         ``stream=False``: a single delta when the request finishes, with the whole output in it.
         """
@@ -145,7 +191,7 @@ class AsyncEngine:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._send(AddRequest(request_id, prompt, sampling, cache_salt, messages, priority, tenant, weight, preemptible,
+            self._send(AddRequest(request_id, prompt, sampling, cache_salt, priority, tenant, weight, preemptible,
                                   background, stream))
             while True:
                 item = await queue.get()

@@ -53,14 +53,15 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
                 idle_change |= engine.abort(msg.request_id) is not None
             elif isinstance(msg, AddRequest):
                 try:
-                    prompt = engine.apply_chat_template(msg.messages) if msg.messages is not None else msg.prompt
                     engine.add_request(
-                        prompt, _sampling_params(msg.sampling), msg.request_id, cache_salt=msg.cache_salt,
+                        msg.prompt, _sampling_params(msg.sampling), msg.request_id, cache_salt=msg.cache_salt,
                         priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
                         background=msg.background,
                     )
                     reports.add(msg.request_id, msg.stream, msg.background)
-                except ValueError as e:
+                except Exception as e:  # whatever one request brings fails that request, never the engine
+                    if not isinstance(e, ValueError):
+                        logger.exception("request %s could not be added", msg.request_id)
                     replies.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
         if not engine.has_unfinished():
             if idle_change:
@@ -69,7 +70,12 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
             continue
         if threads is not None:
             threads.before_step(engine.scheduler.foreground_recent())
-        outputs = engine.step()
+        try:
+            outputs = engine.step()
+        except Exception as e:  # not one request's fault: say why, and let the parent start a fresh engine
+            logger.exception("engine step failed")
+            replies.send_bytes(encoder.encode(Fatal(f"a step failed: {type(e).__name__}: {e}")))
+            return
         message = reports.after_step(outputs, engine.last_stats, engine.has_unfinished())
         if message is not None:
             replies.send_bytes(encoder.encode(message))

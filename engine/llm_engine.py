@@ -7,6 +7,7 @@ import time
 import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.inputs import InputProcessor
 from engine.model_config import CheckpointError, load_model_config
 from engine.model_loader import build_model
 from engine.outputs import OutputProcessor, RequestOutput
@@ -113,6 +114,7 @@ class LLMEngine:
             enable_decode_graphs(self.runner, config.cuda_graph_batch_sizes, config.max_num_seqs, self.max_model_len)
         tokenizer_dir = config.tokenizer or (None if config.random_weights else config.model)
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info(
@@ -133,39 +135,16 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer files: send prompts as lists of token ids")
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:3]}")
-        return ids
+        """Token ids of text (or checked token ids), without the length checks of ``prepare_prompt``."""
+        return self.inputs.encode(prompt) if isinstance(prompt, str) else self.inputs.token_ids(prompt)
 
     def apply_chat_template(self, messages) -> str:
         """Chat turns (objects with .role and .content) -> prompt text, via the tokenizer's template if it has one."""
-        if self.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer files: chat needs one")
-        turns = [{"role": m.role, "content": m.content} for m in messages]
-        if not turns:
-            raise ValueError("messages must not be empty")
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        # No template shipped: a plain transcript that ends where the assistant speaks.
-        return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+        return self.inputs.render_chat(messages)
 
     def prepare_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a servable prompt, or ValueError saying why it is not."""
-        prompt_ids = self.tokenize(prompt)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; this engine serves at most {self.max_model_len - 1} prompt tokens"
-            )
-        return prompt_ids
+        """Token ids of a servable prompt, or ValueError (``InvalidPrompt``) saying why it is not."""
+        return self.inputs.token_ids(prompt)
 
     def add_request(
         self,
@@ -191,8 +170,12 @@ class LLMEngine:
             request_id, prompt_ids, params, max_tokens, eos_token_id=eos, cache_salt=cache_salt,
             priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, background=background,
         )
-        self.scheduler.add_request(request)
         self.output_processor.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:  # all or nothing: a request the scheduler refused leaves no state behind
+            self.output_processor.discard(request_id)
+            raise
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:

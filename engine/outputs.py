@@ -49,6 +49,10 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens)
         self._states[request.request_id] = _TextState(detok)
 
+    def discard(self, request_id: str) -> None:
+        """Forget a request that never ran (the scheduler refused it)."""
+        self._states.pop(request_id, None)
+
     def abort(self, request: Request) -> RequestOutput | None:
         state = self._states.pop(request.request_id, None)
         if state is None:

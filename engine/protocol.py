@@ -24,19 +24,13 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool = True
 
 
-class ChatTurn(msgspec.Struct):
-    role: str
-    content: str
-
-
 class AddRequest(msgspec.Struct, tag=True):
-    """``prompt`` is text or token ids; with ``messages`` set, the prompt is the chat template applied to them."""
+    """``prompt``: token ids, already checked by the sender (``engine.inputs``); the engine checks them again."""
 
     request_id: str
-    prompt: str | list[int]
+    prompt: list[int]
     sampling: SamplingSpec
     cache_salt: str | None = None
-    messages: list[ChatTurn] | None = None
     priority: int = 1
     tenant: str = "default"
     weight: float = 1.0
@@ -91,6 +85,8 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Fatal(msgspec.Struct, tag=True):
+    """The engine cannot go on (start-up failed, or a step raised); the process exits after sending it."""
+
     message: str
 
 

@@ -8,6 +8,7 @@ weight, preemptibility and cache salt.
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from pathlib import Path
@@ -16,13 +17,14 @@ import msgspec
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine, EngineError, RequestRejectedError
-from engine.protocol import ChatTurn, Delta
-from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, estimate_prompt_tokens, rate_limit_headers, utcnow
+from engine.protocol import Delta
+from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, rate_limit_headers, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
-from gateway.completion import choice, completion_body, engine_down, usage_of
+from gateway.completion import choice, completion_body, engine_down, prepare_prompt, usage_of
 from gateway.config import GatewayConfig
 from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, request_id_middleware
 from gateway.heap import freeze_startup_heap, unfreeze_heap
+from gateway import malformed_http
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
@@ -45,7 +47,8 @@ TIMER = web.RequestKey("timer", RequestTimer)
 RATE_HEADERS = web.RequestKey("rate_headers", dict)
 INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
 LEDGER = web.AppKey("ledger", UsageLedger)
-DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503
+DRAINING = web.AppKey("draining", asyncio.Event)
+ENGINE_RESTART_INTERVAL_S = 60.0  # at most one restart a minute for the same cause  # set on shutdown: in-flight requests finish, new ones get 503
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -113,11 +116,11 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     tenant, cls = principal.tenant, principal.priority_class
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
-    messages = [ChatTurn(m.role, m.content) for m in body.messages] if chat else None
-    prompt_estimate = (
-        sum(estimate_prompt_tokens(m.content) + 4 for m in body.messages) if chat else estimate_prompt_tokens(body.prompt)
-    )
-    max_new = spec.max_tokens or max(engine.info.max_model_len - prompt_estimate, 1)
+    max_model_len = engine.info.max_model_len
+    prompt = await prepare_prompt(engine, body, chat)
+    # The reservation is exact for the prompt, and never more output than the context leaves room for.
+    room = max_model_len - len(prompt)
+    max_new = min(spec.max_tokens or room, room)
     metrics = app[METRICS]
     timer = RequestTimer(metrics, tenant.name, cls.name)
     inflight = app[INFLIGHT]
@@ -130,7 +133,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     # Counted from here, before any await, so a burst cannot all pass the check above at once.
     inflight[cls.rank] = inflight.get(cls.rank, 0) + 1
     try:
-        grant = await app[SETTLEMENTS].acquire(app[QUOTAS], tenant.id, prompt_estimate + max_new)
+        grant = await app[SETTLEMENTS].acquire(app[QUOTAS], tenant.id, len(prompt) + max_new)
     except APIError as refused:
         inflight[cls.rank] -= 1
         metrics.rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
@@ -147,7 +150,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     stream = None
     try:
         stream = engine.generate(
-            "" if chat else body.prompt, spec, request_id=rid, messages=messages,
+            prompt, spec, request_id=rid,
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
             preemptible=cls.preemptible,
         )
@@ -263,6 +266,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
     """The app; the policy store and the engine process start with the app and stop with it."""
+    malformed_http.install()
     # Middleware order: request id -> error mapping -> auth. Admission (quotas, overload) runs in the
     # handler, after the body is parsed, because the reservation depends on max_tokens and the prompt.
     app = web.Application(
@@ -295,12 +299,25 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
         await store.close()
 
     async def supervise() -> None:
-        """Restart the engine process when it dies; until then /health and new requests answer 503."""
+        """Restart the engine process when it dies; until then /health and new requests answer 503.
+
+        A cause seen before is logged once and restarted at most once a minute, so an engine that
+        fails the same way again and again does not flood the log or spin on reloading the weights.
+        """
+        last_restart: dict[str, float] = {}  # cause -> when the engine was last restarted for it
         while True:
             await asyncio.sleep(0.5)
             if not engine.dead:
                 continue
-            logger.error("engine down (%s): restarting it", engine.dead)
+            cause = engine.dead
+            since = time.monotonic() - last_restart.get(cause, -math.inf)
+            if since < ENGINE_RESTART_INTERVAL_S:
+                logger.warning("engine down again for the same cause; restarting it in %.0f s",
+                               ENGINE_RESTART_INTERVAL_S - since)
+                await asyncio.sleep(ENGINE_RESTART_INTERVAL_S - since)
+            else:
+                logger.error("engine down (%s): restarting it", cause)
+            last_restart[cause] = time.monotonic()
             try:
                 await engine.restart()
                 logger.info("engine restarted")

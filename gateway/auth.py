@@ -62,7 +62,10 @@ async def auth_middleware(request: web.Request, handler):
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise _unauthorized("missing API key: send the header 'Authorization: Bearer mg-...'")
-    principal = await request.app[AUTHENTICATOR].lookup(token.strip())
+    token = token.strip()
+    if not (token.isascii() and token.isprintable()):  # keys are ASCII; other bytes cannot be one
+        raise _unauthorized("invalid API key (unknown or revoked)")
+    principal = await request.app[AUTHENTICATOR].lookup(token)
     if principal is None:
         raise _unauthorized("invalid API key (unknown or revoked)")
     if principal.tenant.status != "active":

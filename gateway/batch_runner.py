@@ -68,8 +68,9 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
                        tenant: str, weight: float = 1.0) -> tuple[bool, dict, object]:
     """Run one batch line like the live API would; (ok, output line, last delta or None).
 
-    A 4xx the live API would answer becomes the line's response (status and error body); an
-    engine outage raises APIError(503) so the caller can retry the line later.
+    A 4xx the live API would answer becomes the line's response (status and error body), and so does
+    a failed engine step the line was part of (it may be the cause: never retried into a fresh
+    engine); an engine outage raises APIError(503) so the caller can retry the line later.
     """
     chat = endpoint == "/v1/chat/completions"
     rid = new_id("batch_req_")
@@ -79,7 +80,7 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
                                         tenant=tenant, weight=weight, preemptible=True, background=True,
                                         cache_salt=tenant)
     except APIError as e:
-        if e.status >= 500:
+        if e.status >= 500 and e.code != "engine_failed":  # the engine is down: the line runs again later
             raise
         body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
         return False, {"id": rid, "custom_id": custom_id,

@@ -13,7 +13,7 @@ import msgspec
 
 from gateway.admission import estimate_prompt_tokens
 from gateway.errors import APIError
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, decode_json, sampling_spec
 
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 MAX_ERRORS = 100  # a file with thousands of bad lines reports the first hundred
@@ -72,7 +72,7 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
         return out
     for line_no, raw in numbered:
         try:
-            line = msgspec.json.decode(raw, type=_Line)
+            line = decode_json(raw, _Line)
         except msgspec.ValidationError as e:
             error("invalid_request", f"line {line_no}: {e}", line_no)
             continue

@@ -1,7 +1,8 @@
 """OpenAI response bodies for one finished request, shared by the live routes and the Batch API."""
 
 from engine.async_engine import EngineError, RequestRejectedError
-from engine.protocol import ChatTurn, Delta
+from engine.inputs import InvalidPrompt
+from engine.protocol import Delta
 from gateway.errors import APIError
 from gateway.openai_schema import sampling_spec
 
@@ -25,9 +26,24 @@ def completion_body(rid: str, created: int, model: str, chat: bool, text: str, l
             "choices": [choice(chat, text, last.finish_reason, False)], "usage": usage_of(last)}
 
 
-def engine_down(err: Exception) -> APIError:
+def engine_down(err: Exception | str) -> APIError:
+    """503 for an engine that is down or restarting. A request the engine failed while running it is
+    not marked for retry (``x-should-retry: false``, which the OpenAI SDKs honour): it may be the cause."""
+    if isinstance(err, EngineError) and not err.retryable:
+        return APIError(503, f"{err}; this request was not retried, check it before sending it again", "server_error",
+                        code="engine_failed", headers={"x-should-retry": "false"})
     return APIError(503, f"engine unavailable: {err}; retry shortly", "server_error", code="engine_unavailable",
                     headers={"Retry-After": "5"})
+
+
+async def prepare_prompt(engine, body, chat: bool) -> list[int]:
+    """The request's checked prompt token ids; a 400 naming the field if it cannot be served."""
+    try:
+        return await engine.prepare(None if chat else body.prompt, body.messages if chat else None)
+    except InvalidPrompt as e:
+        raise APIError(400, e.message, param=e.param) from None
+    except EngineError as e:
+        raise engine_down(e) from None
 
 
 async def complete(engine, body, chat: bool, rid: str, created: int, model: str, **request_policy) -> tuple[dict, Delta]:
@@ -37,10 +53,9 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
     weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine request.
     """
     spec = sampling_spec(body)
-    messages = [ChatTurn(m.role, m.content) for m in body.messages] if chat else None
+    prompt = await prepare_prompt(engine, body, chat)
     # Only the result is wanted: one message from the engine at the end, not one per token.
-    stream = engine.generate("" if chat else body.prompt, spec, request_id=rid, messages=messages, stream=False,
-                             **request_policy)
+    stream = engine.generate(prompt, spec, request_id=rid, stream=False, **request_policy)
     text: list[str] = []
     last = None
     try:

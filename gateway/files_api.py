@@ -52,6 +52,15 @@ def _not_found(file_id: str) -> APIError:
     return APIError(404, f"no such file: {file_id!r}", "invalid_request_error", param="file_id", code="file_not_found")
 
 
+def _utf8_filename(name: str) -> str:
+    """The part's file name; aiohttp keeps bytes that are not UTF-8 as surrogates, which cannot be stored."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the uploaded file's name is not UTF-8 text; rename the file", param="file") from None
+    return name
+
+
 async def upload(request: web.Request) -> web.Response:
     tenant = request[PRINCIPAL].tenant
     data_dir, limit = request.app[DATA_DIR], request.app[MAX_FILE_BYTES]
@@ -65,9 +74,12 @@ async def upload(request: web.Request) -> web.Response:
     try:
         while (part := await reader.next()) is not None:
             if part.name == "purpose":
-                purpose = (await part.text()).strip()
+                try:
+                    purpose = (await part.text()).strip()
+                except (UnicodeDecodeError, LookupError):
+                    raise APIError(400, "purpose must be UTF-8 text", param="purpose") from None
             elif part.name == "file":
-                filename = part.filename or "upload.jsonl"
+                filename = _utf8_filename(part.filename or "upload.jsonl")
                 fd, tmp = tempfile.mkstemp(dir=data_dir / "files", prefix=".upload-")
                 with os.fdopen(fd, "wb") as out:
                     while chunk := await part.read_chunk(_CHUNK):

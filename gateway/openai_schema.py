@@ -1,9 +1,19 @@
 """Request bodies of the OpenAI-compatible routes, decoded and validated with msgspec."""
 
+from typing import Annotated
+
 import msgspec
 
 from engine.protocol import SamplingSpec
 from gateway.errors import APIError
+
+# Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the
+# engine's message encoding, a seed for torch). Refused while decoding, with the field named.
+INT32_MAX = 2**31 - 1
+Count = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)]  # 0 or -1: off
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # int64, as OpenAI documents it
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 
 
 class ChatMessage(msgspec.Struct):
@@ -17,35 +27,50 @@ class StreamOptions(msgspec.Struct):
 
 class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
+    top_k: TopK = 0
+    n: Count = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     ignore_eos: bool = False
     user: str | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[int]
+    prompt: str | list[TokenId]
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
 
 
+def error_param(err: msgspec.ValidationError) -> str | None:
+    """The field a msgspec validation error points at (``$.messages[0].content`` -> ``messages[0].content``)."""
+    path = str(err).rsplit("at `$.", 1)
+    return path[1].rstrip("`") or None if len(path) == 2 else None
+
+
+def decode_json(data: bytes, cls):
+    """msgspec's decode; nesting too deep to decode and text that is not UTF-8 are a ``DecodeError``
+    like any bad JSON."""
+    try:
+        return msgspec.json.decode(data, type=cls)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON is nested too deeply") from None
+    except UnicodeDecodeError as e:
+        raise msgspec.DecodeError(f"JSON text must be UTF-8 ({e.reason} at byte {e.start})") from None
+
+
 def decode_body(body: bytes, cls):
     try:
-        return msgspec.json.decode(body, type=cls)
+        return decode_json(body, cls)
     except msgspec.ValidationError as e:
-        path = str(e).rsplit("at `$.", 1)
-        param = path[1].rstrip("`") if len(path) == 2 else None
-        raise APIError(400, f"invalid request body: {e}", param=param) from None
+        raise APIError(400, f"invalid request body: {e}", param=error_param(e)) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
 

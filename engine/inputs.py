@@ -1,0 +1,108 @@
+"""Request inputs -> prompt token ids: chat templates, tokenization and the checks that refuse a prompt.
+
+Torch-free, so the gateway runs it in its own process before a request
+reaches the engine: a template that raises, a tokenizer that chokes or a
+prompt far past the context window fails that request alone with a message
+for the user, and a multi-megabyte prompt is refused by its size without
+being tokenized, never stalling the engine's loop for other tenants.
+"""
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class InvalidPrompt(ValueError):
+    """A prompt that cannot be served; ``message`` is for the user, ``param`` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class Turn(Protocol):
+    role: str
+    content: str
+
+
+class InputProcessor:
+    """Turns a request's prompt (text or token ids) or chat turns into checked prompt token ids.
+
+    ``max_model_len`` bounds prompt plus output; a prompt may use at most
+    ``max_model_len - 1`` tokens. Without a tokenizer only token-id prompts work.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # No token decodes to more characters than its vocabulary string has (byte-level BPE maps one
+        # byte to one character; SentencePiece one character to one): text longer than this many
+        # characters cannot fit the context, and is refused without being tokenized.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+        self.max_prompt_chars = max_model_len * max(longest, 1)
+
+    # ---- checks -------------------------------------------------------------
+    def _check_size(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise InvalidPrompt(
+                f"the prompt has {num_chars:,} characters, more than fit this model's context of "
+                f"{self.max_model_len:,} tokens; shorten it", param)
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise InvalidPrompt("the prompt is empty", param)
+        if len(ids) >= self.max_model_len:
+            raise InvalidPrompt(
+                f"the prompt has {len(ids):,} tokens; this model serves at most {self.max_model_len - 1:,} prompt "
+                f"tokens (its context is {self.max_model_len:,} tokens, prompt and output together)", param)
+        return ids
+
+    # ---- text ---------------------------------------------------------------
+    def _require_tokenizer(self, what: str, param: str) -> None:
+        if self.tokenizer is None:
+            raise InvalidPrompt(f"this checkpoint has no tokenizer files: {what}", param)
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of ``text`` (too-long text refused before tokenizing)."""
+        self._require_tokenizer("send prompts as lists of token ids", param)
+        self._check_size(len(text), param)
+        try:
+            # The transformers call, not the raw tokenizers one: it releases the GIL while it works, so a
+            # long prompt tokenized on a worker thread does not hold up the caller's event loop.
+            return self.tokenizer.encode(text)
+        except Exception as e:  # a tokenizer bug is this request's failure, not the server's
+            raise InvalidPrompt(f"the tokenizer could not encode the prompt ({type(e).__name__}: {e})", param) from None
+
+    def render_chat(self, turns: Sequence[Turn]) -> str:
+        """Chat turns -> prompt text through the checkpoint's chat template (a plain transcript without one)."""
+        self._require_tokenizer("chat needs one", "messages")
+        if not turns:
+            raise InvalidPrompt("messages must not be empty", "messages")
+        self._check_size(sum(len(t.content) for t in turns), "messages")
+        conversation = [{"role": t.role, "content": t.content} for t in turns]
+        if not getattr(self.tokenizer, "chat_template", None):
+            return "".join(f"{t['role']}: {t['content']}\n" for t in conversation) + "assistant:"
+        try:
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2's TemplateError from raise_exception(), or any bug in the template
+            raise InvalidPrompt(f"the model's chat template refused these messages: {e}", "messages") from None
+
+    # ---- the whole step ---------------------------------------------------------
+    def token_ids(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
+        """Text or token ids -> checked token ids (each id in the vocabulary)."""
+        if isinstance(prompt, str):
+            return self._check_ids(self.encode(prompt, param), param)
+        ids = list(prompt)
+        vocab = self.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidPrompt(f"token ids must be integers in [0, {vocab}); got {bad[:3]}", param)
+        return self._check_ids(ids, param)
+
+    def prepare(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Turn] | None = None) -> list[int]:
+        """The prompt token ids of a completion (``prompt``) or a chat request (``messages``)."""
+        if messages is not None:
+            return self._check_ids(self.encode(self.render_chat(messages), "messages"), "messages")
+        if prompt is None:
+            raise InvalidPrompt("a prompt is required", "prompt")
+        return self.token_ids(prompt)

@@ -1,0 +1,227 @@
+"""One request cannot hurt another: a chat template that raises, a huge prompt, a failed engine step,
+and the engine's restart, against a real server and engine process on loopback."""
+
+import asyncio
+import io
+import json
+import os
+import random
+import shutil
+import time
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.demo_model import write_demo_model
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tenants.migrate import upgrade
+from tenants.store import TenantStore
+from tests.gateway.failing_step import POISON_TOKEN, run_with_failing_step
+
+# A template in the style of Mixtral's: turns must alternate user/assistant, or it raises.
+ALTERNATING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n"
+    "{% endfor %}assistant:"
+)
+NOT_ALTERNATING = [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]
+
+
+@pytest.fixture(scope="module")
+def strict_template_dir(tmp_path_factory):
+    """The demo model, with a chat template that raises on turns that do not alternate."""
+    path = str(tmp_path_factory.mktemp("strict"))
+    write_demo_model(path, seed=random.randrange(1000))
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(ALTERNATING_TEMPLATE)
+    return path
+
+
+async def _keys(url: str, names=("a", "b")) -> dict[str, str]:
+    store = TenantStore.open(url)
+    try:
+        keys = {}
+        for name in names:
+            await store.create_tenant(name)
+            keys[name] = (await store.create_key(name))[1]
+        return keys
+    finally:
+        await store.close()
+
+
+def _setup(model_dir: str, tmp_path, **engine_kw):
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
+    engine = AsyncEngine(EngineConfig(model=model_dir, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=128),
+                         **engine_kw)
+    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(tmp_path / "data")), engine)
+    return url, engine, TestServer(app, host="127.0.0.1")
+
+
+def _client(server, key) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
+
+
+async def _stream_gaps(client: openai.AsyncOpenAI, max_tokens: int) -> tuple[int, float]:
+    """Stream a completion; (tokens received, the longest wait between two chunks in seconds)."""
+    stream = await client.completions.create(model="demo", prompt="A long story:", max_tokens=max_tokens,
+                                             temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                             stream_options={"include_usage": True})
+    last, gap, tokens = time.monotonic(), 0.0, 0
+    async for chunk in stream:
+        now = time.monotonic()
+        gap, last = max(gap, now - last), now
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return tokens, gap
+
+
+@pytest.mark.timeout(240)
+def test_a_template_that_raises_fails_that_request_alone(strict_template_dir, tmp_path):
+    url, engine, server = _setup(strict_template_dir, tmp_path)
+
+    async def scenario():
+        keys = await _keys(url)
+        async with server:
+            a, b = _client(server, keys["a"]), _client(server, keys["b"])
+            pid = engine._process.pid
+            other = asyncio.create_task(_stream_gaps(b, 64))  # tenant b streams throughout
+            await asyncio.sleep(0.3)
+            with pytest.raises(openai.BadRequestError) as refused:
+                await a.chat.completions.create(model="demo", messages=NOT_ALTERNATING, max_tokens=4)
+            body = refused.value.body
+            assert body["param"] == "messages" and "alternate" in body["message"]
+            assert (await other)[0] == 64  # tenant b's stream finished whole
+            assert engine._process.pid == pid and engine._process.is_alive() and not engine.dead
+            ok = await a.chat.completions.create(model="demo", max_tokens=4, temperature=0,
+                                                 messages=[{"role": "user", "content": "hi"}])
+            assert ok.choices[0].finish_reason in ("length", "stop")
+
+            # The same conversation as a Batch API line: that line fails once, with its error in the error
+            # file; the other line is answered; the engine is never restarted.
+            lines = [{"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": "demo", "max_tokens": 4, "messages": NOT_ALTERNATING}},
+                     {"custom_id": "good", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}}]
+            data = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+            f = await a.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+            batch = await a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            deadline = time.monotonic() + 60
+            while batch.status not in ("completed", "failed", "cancelled", "expired"):
+                assert time.monotonic() < deadline, f"batch still {batch.status}"
+                await asyncio.sleep(0.2)
+                batch = await a.batches.retrieve(batch.id)
+            assert batch.status == "completed"
+            assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+            errors = [json.loads(line) for line in (await a.files.content(batch.error_file_id)).text.splitlines()]
+            assert [e["custom_id"] for e in errors] == ["bad"]
+            assert errors[0]["response"]["status_code"] == 400
+            assert "alternate" in errors[0]["response"]["body"]["error"]["message"]
+            assert engine._process.pid == pid
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(240)
+def test_a_huge_prompt_is_refused_without_stalling_other_streams(strict_template_dir, tmp_path):
+    url, engine, server = _setup(strict_template_dir, tmp_path)
+
+    async def scenario():
+        keys = await _keys(url)
+        async with server:
+            a, b = _client(server, keys["a"]), _client(server, keys["b"])
+            await _stream_gaps(b, 8)  # warm
+            _, quiet_gap = await _stream_gaps(b, 48)
+            other = asyncio.create_task(_stream_gaps(b, 48))
+            await asyncio.sleep(0.2)
+            huge = "lorem ipsum dolor sit amet " * 150_000  # ~4 MB
+            for kind in ("prompt", "messages"):
+                t0 = time.monotonic()
+                with pytest.raises(openai.BadRequestError) as refused:
+                    if kind == "prompt":
+                        await a.completions.create(model="demo", prompt=huge, max_tokens=4)
+                    else:
+                        await a.chat.completions.create(model="demo", max_tokens=4,
+                                                        messages=[{"role": "user", "content": huge}])
+                # Refused by its size: the ~1.5 s it takes to send and parse the body, not the seconds
+                # tokenizing 4 MB takes.
+                assert time.monotonic() - t0 < 3.0
+                assert refused.value.body["param"] == kind and "context" in refused.value.body["message"]
+            # Just under the size bound: tokenized (on a worker thread), then refused by its token count.
+            long_text = "x y " * (engine.inputs.max_prompt_chars // 4 - 1)
+            with pytest.raises(openai.BadRequestError) as refused:
+                await a.completions.create(model="demo", prompt=long_text, max_tokens=4)
+            assert "tokens" in refused.value.body["message"]
+            tokens, gap = await other
+            assert tokens == 48
+            assert gap < max(1.0, 5 * quiet_gap), (gap, quiet_gap)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_step_fails_its_requests_without_retry_and_the_engine_comes_back(strict_template_dir, tmp_path):
+    url, engine, server = _setup(strict_template_dir, tmp_path, process_main=run_with_failing_step)
+
+    async def scenario():
+        keys = await _keys(url)
+        async with server:
+            # Default retries on: the SDK must not send the failed request again (x-should-retry: false).
+            a = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=keys["a"], max_retries=2)
+            pid = engine._process.pid
+            with pytest.raises(openai.InternalServerError) as failed:
+                await a.completions.create(model="demo", prompt=[POISON_TOKEN, 1, 2], max_tokens=4)
+            assert failed.value.status_code == 503
+            assert failed.value.response.headers.get("x-should-retry") == "false"
+            assert failed.value.body["code"] == "engine_failed" and "device-side assert" in failed.value.body["message"]
+            async with aiohttp.ClientSession() as http:
+                deadline = time.monotonic() + 60
+                while True:
+                    async with http.get(server.make_url("/health")) as r:
+                        if r.status == 200:
+                            break
+                    assert time.monotonic() < deadline, "the engine did not come back"
+                    await asyncio.sleep(0.1)
+            assert engine._process.pid != pid
+            ok = await a.completions.create(model="demo", prompt=[1, 2, 3], max_tokens=4)
+            assert ok.usage.completion_tokens >= 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(240)
+def test_health_says_ready_only_once_the_restarted_engine_is(strict_template_dir, tmp_path):
+    url, engine, server = _setup(strict_template_dir, tmp_path)
+
+    async def scenario():
+        keys = await _keys(url, ("a",))
+        async with server, aiohttp.ClientSession() as http:
+            a = _client(server, keys["a"])
+            old_info, old_process = engine.info, engine._process
+            old_process.kill()
+            seen = []
+            deadline = time.monotonic() + 60
+            while True:
+                async with http.get(server.make_url("/health")) as r:
+                    seen.append(r.status)
+                    # Until the gateway has seen the process die (503), the old state still stands.
+                    if r.status == 200 and 503 in seen:
+                        # Ready means a new engine process said so (not the old one's state, kept over)
+                        assert engine.info is not None and engine.info is not old_info
+                        assert engine._process is not old_process and engine._process.is_alive()
+                        break
+                assert time.monotonic() < deadline, "the engine did not come back"
+                await asyncio.sleep(0.02)
+            assert 503 in seen
+            ok = await a.completions.create(model="demo", prompt="hi", max_tokens=2)
+            assert ok.usage.completion_tokens >= 1
+
+    asyncio.run(scenario())
