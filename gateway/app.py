@@ -160,18 +160,20 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     except APIError as err:
         status = err.status
         raise
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError):
         status = 499  # the client went away; the engine request was aborted
         raise
     finally:
         inflight[cls.rank] -= 1
         last = request.get(LAST_DELTA)
+        if status == 200 and last is not None and not last.finished:
+            status = 503  # a stream the engine failed mid-way: 200 went out with the headers, the row says so
         if last is not None:
             usage = UsageRecord(
                 tenant_id=tenant.id, request_id=rid, model=_model_name(app), prompt_tokens=last.num_prompt_tokens,
                 completion_tokens=last.num_output_tokens, cached_prompt_tokens=last.num_cached_tokens,
                 key_id=principal.key.id, finish_reason=last.finish_reason or "abort", started_at=started,
-                finished_at=utcnow(),
+                finished_at=utcnow(), http_status=status,
             )
         timer.finish(status, usage)
         if stream is None or (last is not None and last.finished):
@@ -290,7 +292,7 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
         # At most 100 ledger transactions a second: each holds the event loop for about 1 ms (issue 6).
         app[LEDGER] = UsageLedger(app[QUOTAS], min_interval_s=0.01)
         app[LEDGER].start()
-        app[BATCH_STORE] = BatchStore(store, app[QUOTAS])
+        app[BATCH_STORE] = BatchStore(store, app[QUOTAS], model=_model_name(app))
         app[QUOTA_MANAGER] = app[QUOTAS]
         yield
         await app[SETTLEMENTS].drain()  # every finished or cut request has handed its usage to the ledger

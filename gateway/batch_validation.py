@@ -111,7 +111,7 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
             error("model_not_found", f"line {line_no}: model {body.model!r} does not exist; this server serves "
                   f"{served_model!r}", line_no, "body.model")
         prompt = [m.content for m in body.messages] if line.url == "/v1/chat/completions" else [body.prompt]
-        max_tokens = body.max_completion_tokens or body.max_tokens or max_new_tokens
+        max_tokens = sampling_spec(body).max_tokens or max_new_tokens
         out.token_estimate += sum(estimate_prompt_tokens(p) for p in prompt) + max_tokens
         out.lines.append(BatchLineSpec(line_no, line.custom_id, bytes(line.body).decode()))
     return out

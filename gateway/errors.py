@@ -37,7 +37,8 @@ async def error_middleware(request: web.Request, handler):
         if exc.status < 400:
             raise
         type_ = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status, exc.reason or "request failed", type_))
+        kept = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}  # 405 says what is
+        return error_response(APIError(exc.status, exc.reason or "request failed", type_, headers=kept))
     except SQLAlchemyError:
         # The policy database is down or saturated: nothing was admitted, so retrying is safe.
         logger.exception("policy database error on %s %s", request.method, request.path)

@@ -10,10 +10,18 @@ from gateway.errors import APIError
 # Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the
 # engine's message encoding, a seed for torch). Refused while decoding, with the field named.
 INT32_MAX = 2**31 - 1
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 Count = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)]  # 0 or -1: off
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # int64, as OpenAI documents it
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+# Constraints the handlers check are declared here too, so the OpenAPI document (built from these
+# structs) accepts exactly what the server does.
+NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
+TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+StopStrings = Annotated[list[NonEmptyText], msgspec.Meta(max_length=4)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 
 
 class ChatMessage(msgspec.Struct):
@@ -29,24 +37,24 @@ class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     top_k: TopK = 0
-    n: Count = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1  # one choice per request
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: NonEmptyText | StopStrings | None = None
     seed: Seed | None = None
     ignore_eos: bool = False
     user: str | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[TokenId]
+    prompt: NonEmptyText | TokenIds
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
 
 
 def error_param(err: msgspec.ValidationError) -> str | None:
@@ -84,6 +92,8 @@ def sampling_spec(req: _Common) -> SamplingSpec:
     if not 0.0 < req.top_p <= 1.0:
         raise APIError(400, "top_p must be in (0, 1]", param="top_p")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None and isinstance(req, CompletionRequest):
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS  # OpenAI's default for /v1/completions (chat: to the end)
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

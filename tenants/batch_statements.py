@@ -56,15 +56,18 @@ class BatchStatements:
                  "release_finalizing", "take", "write", "count_done", "count_failed", "discounts", "usage",
                  "finalizable")
 
-    def __init__(self, postgresql: bool) -> None:
+    def __init__(self, postgresql: bool, model: str | None = None) -> None:
+        """``model``: only batches for this model are claimed and finalized (gateways serving other
+        models may share the database); None takes every batch."""
         lines, batches, quotas = BatchLine.__table__, Batch.__table__, Quota.__table__
+        served = batches.c.model == model if model is not None else True
         ids = bindparam("ids", expanding=True)
         status = by_rowid(lines.c.status)  # in statements that name their lines by id
         # A claim reads the open batches oldest first, then each one's pending lines in line order
         # straight off ix_batch_lines_claim (status, batch_id, line_no), stopping at the limit: its cost
         # is the lines it takes, not the lines still waiting (one ORDER BY over the join sorted them all).
         # -> ids of the batches lines are claimed from, oldest first
-        self.open_batches = (select(batches.c.id).where(batches.c.status == "in_progress")
+        self.open_batches = (select(batches.c.id).where(batches.c.status == "in_progress", served)
                              .order_by(batches.c.created_at, batches.c.id))
         # bid, limit -> a batch's first pending line ids
         self.pick_pending = (select(lines.c.id).where(lines.c.status == "pending", lines.c.batch_id == bindparam("bid"))
@@ -72,7 +75,7 @@ class BatchStatements:
         # now, limit -> ids of running lines whose lease lapsed (their gateway died), in open batches
         self.pick_lapsed = (select(lines.c.id).join(batches, batches.c.id == lines.c.batch_id)
                             .where(lines.c.status == "running", lines.c.lease_expires < bindparam("now"),
-                                   batches.c.status == "in_progress")
+                                   batches.c.status == "in_progress", served)
                             .order_by(lines.c.id).limit(bindparam("limit")))
         if postgresql:  # replicas claim different lines instead of queueing on the same rows
             self.pick_pending = self.pick_pending.with_for_update(skip_locked=True)
@@ -119,4 +122,4 @@ class BatchStatements:
         self.finalizable = select(batches.c.id).where(
             or_(batches.c.status.in_(("in_progress", "cancelling")),
                 and_(batches.c.status == "finalizing", batches.c.lease_expires < bindparam("now"))),
-            ~open_lines)
+            ~open_lines, served)

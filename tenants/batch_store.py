@@ -84,12 +84,14 @@ def _scalar(c: Connection, query):
 
 
 class BatchStore:
-    def __init__(self, store: TenantStore, quotas: QuotaManager, clock=time.time) -> None:
+    def __init__(self, store: TenantStore, quotas: QuotaManager, clock=time.time, model: str | None = None) -> None:
+        """``model``: the model this gateway serves; its runner claims and finalizes only batches for it
+        (None: every batch, for tools and tests)."""
         self.store, self.quotas, self.clock = store, quotas, clock
         self.sessions = store.sessions
         self._pg = store.backend == "postgresql"
         # The runner's hot path: prebuilt Core statements, whole transactions on a synchronous connection.
-        self._sql = BatchStatements(self._pg)
+        self._sql = BatchStatements(self._pg, model)
         self.hot = SyncTransactions(store.engine.url.render_as_string(hide_password=False))
 
     async def close(self) -> None:
@@ -320,9 +322,19 @@ class BatchStore:
     # -- finalization and expiry -------------------------------------------------------------------------
 
     async def expire_overdue(self) -> int:
-        """Past its completion window, a batch's unstarted lines expire; returns how many batches."""
+        """Past its completion window, a batch's unstarted lines expire; returns how many batches.
+
+        Also ends the lines of cancelled batches left running by a gateway that died: nobody renews
+        their leases and nobody may run them again, so once the lease lapses they are cancelled, and
+        the batch can be finalized (its queued tokens released).
+        """
         now = utcnow()
         async with self.sessions.begin() as s:
+            cancelling = select(Batch.id).where(Batch.status == "cancelling")
+            await s.execute(update(BatchLine).where(BatchLine.batch_id.in_(cancelling), BatchLine.status == "running",
+                                                    BatchLine.lease_expires < self.clock())
+                            .values(status="cancelled", result_json=None, lease_owner=None, lease_expires=None)
+                            .execution_options(synchronize_session=False))
             ids = list((await s.scalars(select(Batch.id).where(Batch.status == "in_progress",
                                                                Batch.expires_at <= now))).all())
             for batch_id in ids:

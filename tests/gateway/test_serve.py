@@ -225,6 +225,11 @@ def test_cut_streams_free_their_blocks(demo_dir, tmp_path):
             assert sum(r["completion_tokens"] for r in summary) < 200 * 400  # and none ran to the end
         finally:
             await store.close()
+        import sqlite3
+
+        with sqlite3.connect(tmp_path / "policy.db") as db:  # each row says the client went away
+            rows = db.execute("SELECT http_status, finish_reason, COUNT(*) FROM usage GROUP BY 1, 2").fetchall()
+        assert [(status, reason) for status, reason, _ in rows] == [(499, "abort")], rows
 
     asyncio.run(scenario())
 

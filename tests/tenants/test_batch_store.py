@@ -150,3 +150,54 @@ def test_finish_and_claim_writes_then_claims_in_one_call(db_url):
         await bs.close()
 
     with_store(db_url, body)
+
+
+def test_a_cancelled_batch_whose_gateway_died_is_finalized_once_the_leases_lapse(db_url):
+    async def body(store):
+        t = await store.create_tenant("acme")
+        clock = Clock()
+        bs = BatchStore(store, QuotaManager(store), clock=clock)
+        lines = [Line(i + 1, f"c{i}", "{}") for i in range(6)]
+        b = await bs.create_batch(t.id, "/v1/completions", "file-x", 3600, "24h", None, "m", lines, None, 0)
+        running = await bs.claim("A", 3, 30)  # A runs three lines, then is killed
+        await bs.cancel(t.id, b.id)
+        assert await bs.line_counts(b.id) == {"running": 3, "cancelled": 3}
+        assert await bs.ready_to_finalize() == []  # A's lines might still finish
+        await bs.expire_overdue()
+        assert await bs.ready_to_finalize() == []  # ... while their leases hold
+        clock.t += 31
+        assert await bs.claim("B", 10, 30) == []  # nobody runs a cancelled batch's lines again
+        await bs.expire_overdue()
+        assert await bs.line_counts(b.id) == {"cancelled": 6}
+        assert await bs.ready_to_finalize() == [b.id]
+        assert not await bs.finish("A", running[0], True, {"late": 1}, None)  # A's late result is not kept
+        await bs.close()
+
+    with_store(db_url, body)
+
+
+def test_a_runner_claims_and_finalizes_only_batches_for_its_model(db_url):
+    async def body(store):
+        t = await store.create_tenant("acme")
+        clock = Clock()
+        serving_m, serving_n = (BatchStore(store, QuotaManager(store), clock=clock, model=m) for m in ("m", "n"))
+        bm = await serving_m.create_batch(t.id, "/v1/completions", "file-x", 3600, "24h", None, "m",
+                                          [Line(i + 1, f"m{i}", "{}") for i in range(3)], None, 0)
+        bn = await serving_m.create_batch(t.id, "/v1/completions", "file-y", 3600, "24h", None, "n",
+                                          [Line(i + 1, f"n{i}", "{}") for i in range(2)], None, 0)
+        got_n = await serving_n.claim("N", 10, 30)
+        assert {l.batch_id for l in got_n} == {bn.id} and len(got_n) == 2
+        got_m = await serving_m.claim("M", 10, 30)
+        assert {l.batch_id for l in got_m} == {bm.id} and len(got_m) == 3
+        clock.t += 31  # both gateways die; each model's lines are taken over only by its own kind
+        assert {l.batch_id for l in await serving_n.claim("N2", 10, 30)} == {bn.id}
+        retaken = await serving_m.claim("M2", 10, 30)
+        assert {l.batch_id for l in retaken} == {bm.id}
+        for line in retaken:
+            assert await serving_m.finish("M2", line, True, {"ok": 1}, None)
+        assert await serving_n.ready_to_finalize() == []
+        assert await serving_m.ready_to_finalize() == [bm.id]
+        for s in (serving_m, serving_n):
+            await s.close()
+
+    with_store(db_url, body)

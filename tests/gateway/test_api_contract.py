@@ -1,0 +1,81 @@
+"""What the API promises: OpenAI's defaults, reservations no larger than the context allows, an OpenAPI
+document that refuses what the server refuses, and 405s that say which methods are allowed."""
+
+import asyncio
+import json
+import random
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.demo_model import write_demo_model
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tenants.migrate import upgrade
+from tenants.store import TenantStore
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("demo"))
+    write_demo_model(path, seed=random.randrange(1000))
+    return path
+
+
+@pytest.mark.timeout(240)
+def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
+    engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=512))
+    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(tmp_path / "data")), engine)
+
+    async def scenario():
+        store = TenantStore.open(url)
+        try:
+            await store.create_tenant("t")
+            key = (await store.create_key("t"))[1]
+            await store.set_quota("t", tokens_per_minute=2_000)
+        finally:
+            await store.close()
+        async with TestServer(app, host="127.0.0.1") as server, \
+                aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+            async def post(path, body):
+                async with http.post(server.make_url(path), json=body) as r:
+                    return r.status, await r.json()
+
+            # /v1/completions without max_tokens: 16 tokens, as OpenAI's API.
+            status, answer = await post("/v1/completions", {"prompt": "hello", "ignore_eos": True})
+            assert status == 200 and answer["usage"]["completion_tokens"] == 16, answer
+
+            # A max_tokens far past the context reserves only what the context leaves room for (< 512
+            # tokens here), so a 2,000 tokens-per-minute limit admits it.
+            status, answer = await post("/v1/completions", {"prompt": "hello", "max_tokens": 200_000, "ignore_eos": True})
+            assert status == 200, answer
+            assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] == 512
+
+            # What the server refuses, the OpenAPI document refuses too.
+            async with http.get(server.make_url("/openapi.json")) as r:
+                schemas = (await r.json())["components"]["schemas"]
+            chat, completion = schemas["ChatCompletionRequest"], schemas["CompletionRequest"]
+            assert chat["properties"]["messages"]["minItems"] == 1
+            assert {"minLength": 1} .items() <= completion["properties"]["prompt"]["anyOf"][0].items()
+            assert completion["properties"]["n"]["maximum"] == 1
+            for path, body, param in [("/v1/chat/completions", {"messages": []}, "messages"),
+                                      ("/v1/completions", {"prompt": ""}, "prompt"),
+                                      ("/v1/completions", {"prompt": []}, "prompt"),
+                                      ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+                                      ("/v1/completions", {"prompt": "x", "temperature": 2.5}, "temperature"),
+                                      ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop")]:
+                status, answer = await post(path, body)
+                assert status == 400 and answer["error"]["param"] == param, (body, answer)
+
+            # A 405 says which methods the route has.
+            async with http.get(server.make_url("/v1/completions")) as r:
+                assert r.status == 405 and r.headers["Allow"] == "POST"
+                assert json.loads(await r.text())["error"]["type"] == "invalid_request_error"
+
+    asyncio.run(scenario())
