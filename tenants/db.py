@@ -8,6 +8,7 @@ the store needs its async driver (aiosqlite, asyncpg) and Alembic its sync one
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import event
@@ -47,16 +48,42 @@ def sync_url(url: str) -> str:
     return _with_driver(url, {"sqlite": "pysqlite", "postgresql": "psycopg"})
 
 
-def create_engine_for(url: str, **kwargs) -> AsyncEngine:
+@dataclass(frozen=True, slots=True)
+class DatabaseTimeouts:
+    """How long a request may wait on the database before it is answered 503 ``database_unavailable``.
+
+    A database that hangs (a locked table, a dead network path, an exhausted pool) must not make
+    requests hang: each wait below ends in an error the gateway turns into a quick 503.
+    """
+
+    connect_s: float = 5.0  # opening a connection
+    lock_s: float = 2.0  # waiting for a row or table lock (PostgreSQL)
+    sqlite_busy_s: float = 5.0  # waiting for SQLite's write lock (a 50,000-line batch holds it a while)
+    statement_s: float = 15.0  # one statement (PostgreSQL); generous: creating a batch inserts 50,000 lines
+    pool_s: float = 5.0  # waiting for a free connection of the pool
+
+    def postgres_options(self) -> str:
+        """libpq ``options``: the server cancels statements and lock waits past their limits."""
+        return f"-c statement_timeout={int(self.statement_s * 1000)} -c lock_timeout={int(self.lock_s * 1000)}"
+
+
+DEFAULT_TIMEOUTS = DatabaseTimeouts()
+
+
+def create_engine_for(url: str, timeouts: DatabaseTimeouts = DEFAULT_TIMEOUTS, **kwargs) -> AsyncEngine:
     """An async engine for the store; SQLite gets foreign keys and write-locking transactions."""
+    kwargs = {"pool_timeout": timeouts.pool_s, **kwargs}
     if backend(url) == "sqlite":
         # One connection per process: SQLite has one writer at a time anyway, and queueing for the
         # pool in asyncio is fair and cheap where several connections would spin in SQLite's busy wait.
         kwargs = {"pool_size": 1, "max_overflow": 0, **kwargs}
-        engine = create_async_engine(async_url(url), connect_args={"timeout": 30}, **kwargs)
+        engine = create_async_engine(async_url(url), connect_args={"timeout": timeouts.sqlite_busy_s}, **kwargs)
         sqlite_pragmas(engine.sync_engine)
         return engine
-    return create_async_engine(async_url(url), **kwargs)
+    server_settings = {"statement_timeout": str(int(timeouts.statement_s * 1000)),
+                       "lock_timeout": str(int(timeouts.lock_s * 1000))}
+    return create_async_engine(async_url(url), connect_args={"timeout": timeouts.connect_s,
+                                                             "server_settings": server_settings}, **kwargs)
 
 
 def sqlite_pragmas(sync_engine) -> None:

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine
 
-from tenants.db import backend, sqlite_pragmas, sync_url
+from tenants.db import DEFAULT_TIMEOUTS, DatabaseTimeouts, backend, sqlite_pragmas, sync_url
 
 T = TypeVar("T")
 
@@ -37,18 +37,21 @@ class SyncTransactions:
     The engine and thread are created on first use and released by ``close``.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeouts: DatabaseTimeouts = DEFAULT_TIMEOUTS) -> None:
         self.url = sync_url(url)
+        self.timeouts = timeouts
         self._engine: Engine | None = None
         self._executor: ThreadPoolExecutor | None = None
 
     def _engine_for_thread(self) -> Engine:
         if self._engine is None:  # only ever touched from the worker thread
+            t = self.timeouts
             if backend(self.url) == "sqlite":
-                self._engine = create_engine(self.url, pool_size=1, max_overflow=0, connect_args={"timeout": 30})
+                self._engine = create_engine(self.url, pool_size=1, max_overflow=0, connect_args={"timeout": t.sqlite_busy_s})
                 sqlite_pragmas(self._engine)
             else:
-                self._engine = create_engine(self.url, pool_size=1, max_overflow=0)
+                self._engine = create_engine(self.url, pool_size=1, max_overflow=0, connect_args={
+                    "connect_timeout": max(1, round(t.connect_s)), "options": t.postgres_options()})
         return self._engine
 
     def _in_transaction(self, body: Callable[..., T], args: tuple) -> T:
