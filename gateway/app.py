@@ -290,7 +290,8 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
         app[QUOTAS] = QuotaManager(store, policy_ttl_s=config.policy_cache_ttl_s)
         app[SETTLEMENTS] = Settlements()
         # At most 100 ledger transactions a second: each holds the event loop for about 1 ms (issue 6).
-        app[LEDGER] = UsageLedger(app[QUOTAS], min_interval_s=0.01)
+        app[LEDGER] = UsageLedger(app[QUOTAS], min_interval_s=0.01, journal_dir=Path(config.data_dir) / "usage-journal")
+        await app[LEDGER].replay_journal()  # usage a previous run could not write (database down at its stop)
         app[LEDGER].start()
         app[BATCH_STORE] = BatchStore(store, app[QUOTAS], model=_model_name(app))
         app[QUOTA_MANAGER] = app[QUOTAS]

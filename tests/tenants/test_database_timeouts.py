@@ -50,3 +50,47 @@ def test_locked_postgresql_tables_give_quick_503s(pg_migrated_url, tmp_path):
                 assert r.status == 200  # the locks are gone: served again
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_usage_settled_while_the_database_is_down_is_written_at_the_next_start(pg_migrated_url, tmp_path):
+    """The gateway stops during an outage (tables locked): its unwritten usage goes to the journal under
+    the data directory, and the next start writes it, each request billed exactly once."""
+    from gateway.usage_ledger import UsageLedger
+    from tenants.quota import QuotaManager
+    from tenants.store import UsageRecord
+
+    from .conftest import _reset_pg
+
+    _reset_pg(pg_migrated_url)
+    journal = tmp_path / "data" / "usage-journal"
+
+    async def scenario():
+        store = TenantStore.open(pg_migrated_url)
+        try:
+            t = await store.create_tenant("t")
+            await store.set_quota("t", tokens_per_minute=10**6, max_concurrency=1000)
+            quotas = QuotaManager(store)
+            grants = [await quotas.try_acquire(t.id, tokens=50) for _ in range(40)]
+            ledger = UsageLedger(quotas, retry_s=0.05, journal_dir=journal)
+            ledger.close_attempts = 2
+            ledger.start()
+            with psycopg.connect(pg_migrated_url) as locker:
+                locker.execute("LOCK TABLE usage, quota_counters IN ACCESS EXCLUSIVE MODE")
+                for i, g in enumerate(grants):
+                    ledger.submit(g, UsageRecord(t.id, f"r{i}", "m", 10, 5 + i % 3))
+                await ledger.close()  # gives up on the locked database: the settles go to the journal
+                assert len(list(journal.glob("usage-*.json"))) == 1
+            assert await store.usage_summary("t", by="tenant") == []  # nothing was written
+
+            again = UsageLedger(quotas, journal_dir=journal)  # the next start
+            assert await again.replay_journal() == 40
+            assert list(journal.glob("*")) == []
+            assert await again.replay_journal() == 0  # replayed once, never twice
+            (row,) = await store.usage_summary("t", by="tenant")
+            assert row["requests"] == 40
+            assert row["completion_tokens"] == sum(5 + i % 3 for i in range(40))
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
