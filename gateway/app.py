@@ -22,9 +22,11 @@ from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, rate_limit_heade
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.completion import choice, completion_body, engine_down, prepare_prompt, usage_of
 from gateway.config import GatewayConfig
-from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, request_id_middleware
+from gateway.errors import (
+    BODY_TIMEOUT_S, REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, read_body, request_id_middleware,
+)
 from gateway.heap import freeze_startup_heap, unfreeze_heap
-from gateway import malformed_http
+from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
@@ -259,22 +261,23 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _run(request, decode_body(await request.read(), CompletionRequest), chat=False)
+    return await _run(request, decode_body(await read_body(request), CompletionRequest), chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _run(request, decode_body(await request.read(), ChatCompletionRequest), chat=True)
+    return await _run(request, decode_body(await read_body(request), ChatCompletionRequest), chat=True)
 
 
 def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
     """The app; the policy store and the engine process start with the app and stop with it."""
-    malformed_http.install()
+    http_protocol.install(config.max_connections)
     # Middleware order: request id -> error mapping -> auth. Admission (quotas, overload) runs in the
     # handler, after the body is parsed, because the reservation depends on max_tokens and the prompt.
     app = web.Application(
         middlewares=[request_id_middleware, error_middleware, auth_middleware], client_max_size=config.max_request_bytes
     )
     app[CONFIG] = config
+    app[BODY_TIMEOUT_S] = config.body_timeout_s
     app[ENGINE] = engine
     app[INFLIGHT] = {}
     app[DRAINING] = asyncio.Event()

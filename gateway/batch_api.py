@@ -14,7 +14,7 @@ from aiohttp import web
 
 from gateway.auth import PRINCIPAL
 from gateway.batch_validation import ENDPOINTS, validate_batch_file
-from gateway.errors import APIError
+from gateway.errors import APIError, read_body
 from gateway.files_api import BATCH_STORE, DATA_DIR, _json, _limit, file_path, list_page
 from gateway.openai_schema import decode_body
 from tenants.models import Batch
@@ -59,7 +59,7 @@ async def create_batch(request: web.Request) -> web.Response:
     app = request.app
     tenant = request[PRINCIPAL].tenant
     settings = app[BATCH_SETTINGS]
-    req = decode_body(await request.read(), CreateBatch)
+    req = decode_body(await read_body(request), CreateBatch)
     if req.endpoint not in ENDPOINTS:
         raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {req.endpoint!r}", param="endpoint")
     if req.completion_window != "24h":

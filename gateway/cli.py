@@ -30,6 +30,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine_config = serve_engine_config(args)
     config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
                            drain_timeout_s=args.drain_timeout, data_dir=args.data_dir,
+                           keepalive_timeout_s=args.keepalive_timeout, body_timeout_s=args.body_timeout,
+                           max_connections=args.max_connections,
                            batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight)
     if demo:
         import os
@@ -73,7 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
         # SIGTERM/SIGINT: stop accepting, let in-flight requests run up to the drain timeout (then cut
         # them), and only then stop the engine and write the last usage (cleanup contexts).
         web.run_app(app, host=config.host, port=config.port, print=lambda msg: logging.info(msg.strip()),
-                    handler_cancellation=True, shutdown_timeout=config.drain_timeout_s)
+                    handler_cancellation=True, shutdown_timeout=config.drain_timeout_s,
+                    keepalive_timeout=config.keepalive_timeout_s)
     except EngineError as e:
         print(f"moegate serve: error: {e}", file=sys.stderr)
         return 1
@@ -119,6 +122,12 @@ def _add_serve(subparsers) -> None:
                         "--model then only supplies the tokenizer")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM/SIGINT (default 30)")
+    p.add_argument("--keepalive-timeout", type=float, default=15.0,
+                   help="seconds an idle connection (nothing sent yet, or between requests) stays open (default 15)")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive; slower ones get a 408 (default 60)")
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="open connections at most; past it new ones are closed at once (default 4096)")
     p.add_argument("--data-dir", default=".moegate/data", help="Batch API files (default .moegate/data)")
     p.add_argument("--batch-lease-seconds", type=float, default=60.0,
                    help="a crashed gateway's batch lines are taken over after this (default 60)")

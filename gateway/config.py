@@ -19,6 +19,11 @@ class GatewayConfig:
     auth_cache_ttl_s: float = 5.0  # how long a revoked key may keep working
     policy_cache_ttl_s: float = 5.0  # how long a changed quota or a disabled tenant may take to apply
     drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT: how long in-flight requests may run on
+    # Connections: an idle one (none sent yet, or between requests) is closed after keepalive_timeout_s;
+    # a request body must arrive within body_timeout_s; past max_connections new ones are closed at once.
+    keepalive_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 4096
     max_inflight_by_rank: dict[int, int] = field(default_factory=_default_inflight_caps)
     # Batch API
     data_dir: str = ".moegate/data"  # uploaded files and batch results (the database keeps the state)
@@ -42,5 +47,7 @@ class GatewayConfig:
             raise ValueError("batch_lease_s, batch_poll_s and batch_completion_window_s must be > 0")
         if (self.batch_max_inflight is not None and self.batch_max_inflight < 1) or self.batch_max_lines < 1 or self.batch_max_file_bytes < 1:
             raise ValueError("batch_max_inflight, batch_max_lines and batch_max_file_bytes must be >= 1")
+        if self.keepalive_timeout_s <= 0 or self.body_timeout_s <= 0 or self.max_connections < 1:
+            raise ValueError("keepalive_timeout_s and body_timeout_s must be > 0, max_connections >= 1")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")

@@ -1,5 +1,6 @@
 """Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
 
+import asyncio
 import logging
 import re
 import uuid
@@ -47,6 +48,21 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(APIError(500, "internal server error", "server_error"))
+
+
+BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole request body; a 408 if it does not arrive within the app's ``BODY_TIMEOUT_S`` (a client
+    that sends headers and then trickles or stalls does not keep a handler and a connection forever)."""
+    timeout = request.app.get(BODY_TIMEOUT_S)
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
 
 
 REQUEST_ID_HEADER = "X-Request-Id"

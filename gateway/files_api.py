@@ -4,6 +4,7 @@ Bytes go to ``<data_dir>/files/<id>``, written to a temporary name and renamed
 once complete, so a cut upload leaves neither a row nor a partial file.
 """
 
+import asyncio
 import os
 import tempfile
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.auth import PRINCIPAL
-from gateway.errors import APIError
+from gateway.errors import BODY_TIMEOUT_S, APIError
 from tenants.batch_store import BatchStore, FileInfo, new_id
 
 BATCH_STORE = web.AppKey("batch_store", BatchStore)
@@ -71,18 +72,29 @@ async def upload(request: web.Request) -> web.Response:
     file_id = new_id("file-")
     rel = f"files/{file_id}"
     (data_dir / "files").mkdir(parents=True, exist_ok=True)
+    stall_s = request.app.get(BODY_TIMEOUT_S)
+
+    async def progress(awaitable):
+        """An upload may take long, but each part and chunk must arrive within the body timeout."""
+        try:
+            async with asyncio.timeout(stall_s):
+                return await awaitable
+        except TimeoutError:
+            raise APIError(408, f"the upload stalled: nothing arrived for {stall_s:g} s", code="request_timeout",
+                           headers={"Connection": "close"}) from None
+
     try:
-        while (part := await reader.next()) is not None:
+        while (part := await progress(reader.next())) is not None:
             if part.name == "purpose":
                 try:
-                    purpose = (await part.text()).strip()
+                    purpose = (await progress(part.text())).strip()
                 except (UnicodeDecodeError, LookupError):
                     raise APIError(400, "purpose must be UTF-8 text", param="purpose") from None
             elif part.name == "file":
                 filename = _utf8_filename(part.filename or "upload.jsonl")
                 fd, tmp = tempfile.mkstemp(dir=data_dir / "files", prefix=".upload-")
                 with os.fdopen(fd, "wb") as out:
-                    while chunk := await part.read_chunk(_CHUNK):
+                    while chunk := await progress(part.read_chunk(_CHUNK)):
                         size += len(chunk)
                         if size > limit:
                             raise APIError(413, f"file is larger than the limit of {limit} bytes", param="file",
@@ -91,7 +103,7 @@ async def upload(request: web.Request) -> web.Response:
                     out.flush()
                     os.fsync(out.fileno())
             else:
-                await part.release()
+                await progress(part.release())
         if tmp is None:
             raise APIError(400, "missing the 'file' field", param="file")
         if purpose not in UPLOAD_PURPOSES:
