@@ -23,7 +23,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from benchmarks import run_on_gateway_loop
 from benchmarks.instant_engine import InstantEngine
@@ -61,7 +60,7 @@ def _thread_cpu_s() -> dict[str, float]:
     return out
 
 
-async def _run(args, url: str, data_dir: Path) -> None:
+async def _run(args, url: str) -> None:
     from gateway.batch_runner import BatchRunner, BatchRunnerConfig
     from tenants.batch_store import BatchStore
     from tenants.migrate import upgrade
@@ -73,7 +72,7 @@ async def _run(args, url: str, data_dir: Path) -> None:
     batches = BatchStore(store, QuotaManager(store))
     engine = _OneResultEngine(num_tokens=16)
     await engine.start()
-    runner = BatchRunner(batches, engine, lambda: "instant", data_dir,
+    runner = BatchRunner(batches, engine, lambda: "instant",
                          BatchRunnerConfig(max_inflight=args.max_inflight, poll_s=0.05))
     task = asyncio.create_task(runner.run())
     try:
@@ -109,7 +108,7 @@ def main() -> None:
     args = p.parse_args()
     threading.current_thread().name = "event loop"
     with tempfile.TemporaryDirectory() as tmp:
-        run_on_gateway_loop(_run(args, args.db or f"sqlite:///{os.path.join(tmp, 'bench.db')}", Path(tmp)))
+        run_on_gateway_loop(_run(args, args.db or f"sqlite:///{os.path.join(tmp, 'bench.db')}"))
 
 
 if __name__ == "__main__":

@@ -347,7 +347,7 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
         except NotFound:
             batch_rank = max(c.rank for c in await app[BATCH_STORE].store.list_classes())
         inflight = config.batch_max_inflight or 2 * getattr(engine.config, "max_num_seqs", 16)
-        runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), app[DATA_DIR], BatchRunnerConfig(
+        runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
             lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
             batch_rank=batch_rank, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
         task = asyncio.create_task(runner.run(), name="batch-runner")

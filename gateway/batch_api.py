@@ -15,7 +15,7 @@ from aiohttp import web
 from gateway.auth import PRINCIPAL
 from gateway.batch_validation import ENDPOINTS, validate_batch_file
 from gateway.errors import APIError, read_body
-from gateway.files_api import BATCH_STORE, DATA_DIR, _json, _limit, file_path, list_page
+from gateway.files_api import BATCH_STORE, _json, _limit, list_page, read_content
 from gateway.openai_schema import decode_body
 from tenants.models import Batch
 from tenants.quota import Denied, QuotaManager
@@ -75,7 +75,7 @@ async def create_batch(request: web.Request) -> web.Response:
         raise APIError(404, f"no such file: {req.input_file_id!r}", param="input_file_id", code="file_not_found")
     if info.purpose != "batch":
         raise APIError(400, f"file {info.id!r} has purpose {info.purpose!r}, not 'batch'", param="input_file_id")
-    data = file_path(app[DATA_DIR], info.path).read_bytes()
+    data = await read_content(app, info)
     checked = validate_batch_file(data, req.endpoint, settings["model"](), settings["max_lines"],
                                   settings["default_max_tokens"])
     if not checked.ok:

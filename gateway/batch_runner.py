@@ -28,12 +28,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from gateway.batch_validation import ENDPOINTS
 from gateway.completion import complete
 from gateway.errors import APIError
-from gateway.files_api import write_bytes_atomically
 from gateway.openai_schema import decode_body
 from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, FinishedLine, new_id
 from tenants.models import utcnow
@@ -90,9 +88,9 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
 
 
 class BatchRunner:
-    def __init__(self, batches: BatchStore, engine, model_name: Callable[[], str], data_dir: Path,
-                 config: BatchRunnerConfig, wake: asyncio.Event | None = None) -> None:
-        self.batches, self.engine, self.model_name, self.data_dir, self.config = batches, engine, model_name, data_dir, config
+    def __init__(self, batches: BatchStore, engine, model_name: Callable[[], str], config: BatchRunnerConfig,
+                 wake: asyncio.Event | None = None) -> None:
+        self.batches, self.engine, self.model_name, self.config = batches, engine, model_name, config
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.wake = wake or asyncio.Event()
         self._running: dict[int, asyncio.Task] = {}  # line id -> task
@@ -270,20 +268,17 @@ class BatchRunner:
             elif status == "cancelled":
                 errors.append(json.dumps(error_result(custom_id, "batch_cancelled",
                                                       "the batch was cancelled before this request was run")))
-        files: list[FileInfo] = []
+        files: list[tuple[FileInfo, bytes]] = []
         ids = {}
         for kind, lines in (("output", output), ("error", errors)):
             if not lines:
                 continue
             file_id = new_id("file-")
-            rel = f"files/{file_id}"
             data = ("\n".join(lines) + "\n").encode()
-            await asyncio.to_thread(write_bytes_atomically, self.data_dir, rel, data)
-            files.append(FileInfo(file_id, batch.tenant_id, f"{batch_id}_{kind}.jsonl", "batch_output", len(data),
-                                  rel, utcnow()))
+            files.append((FileInfo(file_id, batch.tenant_id, f"{batch_id}_{kind}.jsonl", "batch_output", len(data), "",
+                                   utcnow()), data))
             ids[kind] = file_id
         final = "cancelled" if batch.cancelling_at else "expired" if batch.expired_at else "completed"
-        if not await self.batches.complete_finalizing(self.owner, batch, files, ids.get("output"), ids.get("error"),
-                                                      final):
-            for f in files:  # the lease was lost: another runner writes its own files
-                (self.data_dir / f.path).unlink(missing_ok=True)
+        # The files are stored with the final status, in one transaction; if the lease was lost meanwhile
+        # nothing is stored and the runner that took over writes its own.
+        await self.batches.complete_finalizing(self.owner, batch, files, ids.get("output"), ids.get("error"), final)

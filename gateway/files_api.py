@@ -38,17 +38,6 @@ def file_path(data_dir: Path, rel: str) -> Path:
     return data_dir / rel
 
 
-def write_bytes_atomically(data_dir: Path, rel: str, data: bytes) -> None:
-    path = file_path(data_dir, rel)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _not_found(file_id: str) -> APIError:
     return APIError(404, f"no such file: {file_id!r}", "invalid_request_error", param="file_id", code="file_not_found")
 
@@ -69,9 +58,7 @@ async def upload(request: web.Request) -> web.Response:
         raise APIError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'")
     reader = await request.multipart()
     purpose, filename, tmp, size = None, None, None, 0
-    file_id = new_id("file-")
-    rel = f"files/{file_id}"
-    (data_dir / "files").mkdir(parents=True, exist_ok=True)
+    (data_dir / "files").mkdir(parents=True, exist_ok=True)  # the upload's temporary copy
     stall_s = request.app.get(BODY_TIMEOUT_S)
 
     async def progress(awaitable):
@@ -100,22 +87,20 @@ async def upload(request: web.Request) -> web.Response:
                             raise APIError(413, f"file is larger than the limit of {limit} bytes", param="file",
                                            code="file_too_large")
                         out.write(chunk)
-                    out.flush()
-                    os.fsync(out.fileno())
             else:
                 await progress(part.release())
         if tmp is None:
             raise APIError(400, "missing the 'file' field", param="file")
         if purpose not in UPLOAD_PURPOSES:
             raise APIError(400, f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}", param="purpose")
-        os.replace(tmp, file_path(data_dir, rel))
-        tmp = None
-        info = await request.app[BATCH_STORE].add_file(tenant.id, filename, purpose, size, rel, file_id=file_id)
-    except BaseException:
-        for leftover in (tmp, None if tmp else str(file_path(data_dir, rel))):
-            if leftover and os.path.exists(leftover):
-                os.unlink(leftover)
-        raise
+        # Into the database (row and content in one transaction): any gateway sharing it serves the file.
+        info = await request.app[BATCH_STORE].add_file(tenant.id, filename, purpose, Path(tmp))
+    except OSError as e:  # the data directory's disk is full or failing: nothing was stored
+        raise APIError(507, f"the upload could not be stored ({e.strerror or e}); retry later", "server_error",
+                       code="insufficient_storage", headers={"Retry-After": "30"}) from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
     return _json(file_object(info))
 
 
@@ -159,10 +144,25 @@ async def get_file(request: web.Request) -> web.Response:
 
 async def file_content(request: web.Request) -> web.StreamResponse:
     info = await _owned(request)
-    path = file_path(request.app[DATA_DIR], info.path)
-    if not path.exists():
-        raise APIError(404, f"the content of file {info.id!r} is gone", code="file_not_found")
-    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+    if info.path:  # written before contents moved into the database: on this gateway's disk
+        path = file_path(request.app[DATA_DIR], info.path)
+        if not path.exists():
+            raise APIError(404, f"the content of file {info.id!r} is gone", code="file_not_found")
+        return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    response.content_length = info.bytes
+    await response.prepare(request)
+    async for chunk in request.app[BATCH_STORE].file_chunks(info.id):
+        await response.write(chunk)
+    await response.write_eof()
+    return response
+
+
+async def read_content(app: web.Application, info: FileInfo) -> bytes:
+    """A stored file's whole content (from the database, or the data directory for older files)."""
+    if info.path:
+        return await asyncio.to_thread(file_path(app[DATA_DIR], info.path).read_bytes)
+    return await app[BATCH_STORE].read_file(info.id)
 
 
 async def delete_file(request: web.Request) -> web.Response:
@@ -170,9 +170,8 @@ async def delete_file(request: web.Request) -> web.Response:
     info = await request.app[BATCH_STORE].delete_file(request[PRINCIPAL].tenant.id, file_id)
     if info is None:
         raise _not_found(file_id)
-    path = file_path(request.app[DATA_DIR], info.path)
-    if path.exists():
-        path.unlink()
+    if info.path:  # an older file on disk (database contents go with the row)
+        file_path(request.app[DATA_DIR], info.path).unlink(missing_ok=True)
     return _json({"id": info.id, "object": "file", "deleted": True})
 
 

@@ -14,18 +14,21 @@ Every method is one transaction. Times: naive UTC datetimes for the API's
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import msgspec
 from sqlalchemy import Connection, and_, case, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from tenants.batch_statements import BatchStatements
-from tenants.models import Batch, BatchLine, StoredFile, utcnow
+from tenants.models import FILE_CHUNK_BYTES, Batch, BatchLine, FileChunk, StoredFile, utcnow
 from tenants.quota import QuotaManager
 from tenants.store import QuotaConfig, TenantStore, UsageRecord
 from tenants.sync_transactions import SyncTransactions
@@ -100,13 +103,41 @@ class BatchStore:
 
     # -- files -----------------------------------------------------------------------------------------
 
-    async def add_file(self, tenant_id: int, filename: str, purpose: str, size: int, path: str,
+    async def add_file(self, tenant_id: int, filename: str, purpose: str, content: Path,
                        file_id: str | None = None) -> FileInfo:
+        """Store a file whose bytes are at ``content`` (a local file, e.g. an upload's temporary copy):
+        the row and its chunks in one transaction, so every gateway sharing the database can serve it."""
+        size = content.stat().st_size
         row = StoredFile(id=file_id or new_id("file-"), tenant_id=tenant_id, filename=filename, purpose=purpose,
-                         bytes=size, path=path, created_at=utcnow())
+                         bytes=size, path="", created_at=utcnow())
         async with self.sessions.begin() as s:
             s.add(row)
+            await s.flush()
+            with open(content, "rb") as f:
+                seq = 0
+                while chunk := await asyncio.to_thread(f.read, FILE_CHUNK_BYTES):
+                    await s.execute(insert(FileChunk), [{"file_id": row.id, "seq": seq, "data": chunk}])
+                    seq += 1
         return _file_info(row)
+
+    @staticmethod
+    def _chunk_rows(file_id: str, data: bytes) -> list[dict]:
+        return [{"file_id": file_id, "seq": i // FILE_CHUNK_BYTES, "data": data[i:i + FILE_CHUNK_BYTES]}
+                for i in range(0, len(data), FILE_CHUNK_BYTES)]
+
+    async def file_chunks(self, file_id: str) -> AsyncIterator[bytes]:
+        """A file's content, chunk by chunk (one query each: a large file is never all in memory)."""
+        seq = 0
+        while True:
+            async with self.sessions() as s:
+                data = await s.scalar(select(FileChunk.data).where(FileChunk.file_id == file_id, FileChunk.seq == seq))
+            if data is None:
+                return
+            yield data
+            seq += 1
+
+    async def read_file(self, file_id: str) -> bytes:
+        return b"".join([chunk async for chunk in self.file_chunks(file_id)])
 
     async def get_file(self, tenant_id: int, file_id: str) -> FileInfo | None:
         """The tenant's file, or None (another tenant's file is as absent as a missing one)."""
@@ -372,9 +403,9 @@ class BatchStore:
                 select(BatchLine.line_no, BatchLine.custom_id, BatchLine.status, BatchLine.result_json)
                 .where(BatchLine.batch_id == batch_id).order_by(BatchLine.line_no))).all()]
 
-    async def complete_finalizing(self, owner: str, batch: Batch, files: list[FileInfo], output_file_id: str | None,
-                                  error_file_id: str | None, final_status: str) -> bool:
-        """Register the output files and the final status, if ``owner`` still holds the lease."""
+    async def complete_finalizing(self, owner: str, batch: Batch, files: list[tuple[FileInfo, bytes]],
+                                  output_file_id: str | None, error_file_id: str | None, final_status: str) -> bool:
+        """Store the output files (info, content) and the final status, if ``owner`` still holds the lease."""
         now = utcnow()
         async with self.sessions.begin() as s:
             stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[final_status]
@@ -385,9 +416,13 @@ class BatchStore:
                          stamp: func.coalesce(getattr(Batch, stamp), now)}))
             if res.rowcount != 1:
                 return False
-            for f in files:
+            for f, data in files:
                 s.add(StoredFile(id=f.id, tenant_id=f.tenant_id, filename=f.filename, purpose=f.purpose,
-                                 bytes=f.bytes, path=f.path, created_at=now))
+                                 bytes=len(data), path="", created_at=now))
+            await s.flush()
+            for f, data in files:
+                if data:
+                    await s.execute(insert(FileChunk), self._chunk_rows(f.id, data))
             if batch.queued_tokens:
                 await self.quotas.bump_batch_queue(s, batch.tenant_id, -batch.queued_tokens)
             return True

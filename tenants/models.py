@@ -20,6 +20,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -159,7 +160,8 @@ class QuotaCounter(Base):
 
 
 class StoredFile(Base):
-    """An uploaded (or produced) file; its bytes live under the gateway's data directory."""
+    """An uploaded (or produced) file; its bytes are its ``FileChunk`` rows (``path`` empty), or, for files
+    written before they moved into the database, a file under the gateway's data directory."""
 
     __tablename__ = "files"
 
@@ -168,10 +170,23 @@ class StoredFile(Base):
     filename: Mapped[str] = mapped_column(String(512), nullable=False)
     purpose: Mapped[str] = mapped_column(String(32), nullable=False)
     bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    path: Mapped[str] = mapped_column(String(1024), nullable=False)  # relative to the data directory
+    path: Mapped[str] = mapped_column(String(1024), nullable=False)  # relative to the data directory; "" in the database
     created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
 
     __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+
+
+class FileChunk(Base):
+    """Up to ``FILE_CHUNK_BYTES`` of a file's content, in ``seq`` order; removed with the file."""
+
+    __tablename__ = "file_chunks"
+
+    file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+
+
+FILE_CHUNK_BYTES = 1 << 20
 
 
 BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",

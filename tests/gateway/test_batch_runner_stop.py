@@ -48,7 +48,7 @@ def test_stopping_the_runner_at_random_moments_loses_no_line_and_runs_none_twice
             stops = 0
             while (await batches.get_batch(tenant.id, batch.id)).status != "completed":
                 assert stops < 60, "the batch never completed"
-                runner = BatchRunner(batches, engine, lambda: "m", tmp_path, BatchRunnerConfig(
+                runner = BatchRunner(batches, engine, lambda: "m", BatchRunnerConfig(
                     max_inflight=random.randint(1, 24), poll_s=0.01, lease_s=30))
                 task = asyncio.create_task(runner.run())
                 await asyncio.sleep(random.uniform(0.002, 0.03) * (1 + stops / 4))
@@ -71,7 +71,7 @@ def test_stopping_the_runner_at_random_moments_loses_no_line_and_runs_none_twice
             assert [status for _, _, status, _ in rows] == ["done"] * n
             usage = await store.usage_summary("acme", by="tenant")
             assert sum(r["requests"] for r in usage) == n  # billed exactly once per line
-            output = (tmp_path / (await batches.get_file(tenant.id, done.output_file_id)).path).read_text()
+            output = (await batches.read_file(done.output_file_id)).decode()
             custom_ids = [json.loads(line)["custom_id"] for line in output.splitlines()]
             assert sorted(custom_ids) == sorted(f"c{i}" for i in range(n))  # one output line per custom_id
         finally:
