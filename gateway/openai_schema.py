@@ -65,9 +65,13 @@ def error_param(err: msgspec.ValidationError) -> str | None:
 
 def decode_json(data: bytes, cls):
     """msgspec's decode; nesting too deep to decode and text that is not UTF-8 are a ``DecodeError``
-    like any bad JSON."""
+    like any bad JSON.
+
+    Not strict: JSON Schema (and so the OpenAPI document) counts ``1.0`` as an integer, and clients
+    written against it send that, so integral numbers are taken for integer fields (``1.5`` is not).
+    """
     try:
-        return msgspec.json.decode(data, type=cls)
+        return msgspec.json.decode(data, type=cls, strict=False)
     except RecursionError:
         raise msgspec.DecodeError("JSON is nested too deeply") from None
     except UnicodeDecodeError as e:

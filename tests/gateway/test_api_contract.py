@@ -73,6 +73,12 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
                 status, answer = await post(path, body)
                 assert status == 400 and answer["error"]["param"] == param, (body, answer)
 
+            # JSON Schema counts 1.0 as an integer, so the server takes it as one; 1.5 is refused.
+            status, answer = await post("/v1/completions", {"prompt": "hi", "n": 1.0, "max_tokens": 2.0})
+            assert status == 200 and answer["usage"]["completion_tokens"] <= 2, answer
+            status, answer = await post("/v1/completions", {"prompt": "hi", "max_tokens": 2.5})
+            assert status == 400 and answer["error"]["param"] == "max_tokens", answer
+
             # A 405 says which methods the route has.
             async with http.get(server.make_url("/v1/completions")) as r:
                 assert r.status == 405 and r.headers["Allow"] == "POST"
