@@ -177,6 +177,7 @@ class AsyncEngine:
         preemptible: bool = True,
         background: bool = False,
         stream: bool = True,
+        may_preempt: bool = True,
     ) -> AsyncIterator[Delta]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
 
@@ -192,7 +193,7 @@ class AsyncEngine:
         finished = False
         try:
             self._send(AddRequest(request_id, prompt, sampling, cache_salt, priority, tenant, weight, preemptible,
-                                  background, stream))
+                                  may_preempt, background, stream))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

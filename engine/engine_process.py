@@ -56,7 +56,7 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
                     engine.add_request(
                         msg.prompt, _sampling_params(msg.sampling), msg.request_id, cache_salt=msg.cache_salt,
                         priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
-                        background=msg.background,
+                        background=msg.background, may_preempt=msg.may_preempt,
                     )
                     reports.add(msg.request_id, msg.stream, msg.background)
                 except Exception as e:  # whatever one request brings fails that request, never the engine

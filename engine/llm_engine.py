@@ -157,6 +157,7 @@ class LLMEngine:
         weight: float = 1.0,
         preemptible: bool = True,
         background: bool = False,
+        may_preempt: bool = True,
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) for a prompt that cannot be served."""
         prompt_ids = self.prepare_prompt(prompt)
@@ -169,6 +170,7 @@ class LLMEngine:
         request = Request(
             request_id, prompt_ids, params, max_tokens, eos_token_id=eos, cache_salt=cache_salt,
             priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, background=background,
+            may_preempt=may_preempt,
         )
         self.output_processor.add_request(request)
         try:

@@ -35,6 +35,7 @@ class AddRequest(msgspec.Struct, tag=True):
     tenant: str = "default"
     weight: float = 1.0
     preemptible: bool = True
+    may_preempt: bool = True  # may take the place of preemptible work of a worse rank
     background: bool = False
     # False: no delta per step, one at the end carrying the whole output (token ids and text). For
     # callers that only want the result (the Batch API): a batch of 32 then costs the gateway one

@@ -38,7 +38,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "cache_salt", "num_preemptions", "stop_reason",
-        "priority", "tenant", "weight", "preemptible", "admit_seq", "num_charged_prompt_tokens",
+        "priority", "tenant", "weight", "preemptible", "may_preempt", "admit_seq", "num_charged_prompt_tokens",
         "first_scheduled_time", "background",
     )
 
@@ -56,9 +56,11 @@ class Request:
         weight: float = 1.0,
         preemptible: bool = True,
         background: bool = False,
+        may_preempt: bool = True,
     ) -> None:
         """``priority`` is a rank (lower is more urgent); ``weight`` is the tenant's fair share in its rank;
-        ``preemptible`` lets a waiting request of a better rank take this one's place; ``background``
+        ``preemptible`` lets a waiting request of a better rank take this one's place, and ``may_preempt``
+        lets this one take the place of a preemptible request of a worse rank; ``background``
         work (the Batch API's) takes idle capacity only (see ``SchedulerConfig``)."""
         assert prompt_token_ids, "a request needs at least one prompt token"
         assert max_tokens >= 1
@@ -82,6 +84,7 @@ class Request:
         self.tenant = tenant
         self.weight = weight
         self.preemptible = preemptible
+        self.may_preempt = may_preempt
         self.background = background
         self.admit_seq = -1  # order of (re)admission: the most recently started is preempted first
         self.num_charged_prompt_tokens = 0  # prompt tokens already billed to the tenant's fair-share counter

@@ -186,6 +186,8 @@ class Scheduler:
         return any(r.priority > rank and r.preemptible for r in self.running)
 
     def _admission_victim(self, request: Request) -> Request | None:
+        if not request.may_preempt:  # its priority class waits for room like everyone else
+            return None
         candidates = [
             r for r in self.running
             if r.priority > request.priority and r.preemptible and r.request_id not in self._served

@@ -154,7 +154,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         stream = engine.generate(
             prompt, spec, request_id=rid,
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
-            preemptible=cls.preemptible,
+            preemptible=cls.preemptible, may_preempt=cls.may_preempt,
         )
         response = await _respond(request, body, chat, stream, rid, created)
         status = 200

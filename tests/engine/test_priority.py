@@ -14,10 +14,12 @@ from tests.engine.helpers import make_scheduler
 _ids = itertools.count()
 
 
-def req(prompt_len=8, max_tokens=8, priority=1, tenant="t", weight=1.0, preemptible=True, arrival=None):
+def req(prompt_len=8, max_tokens=8, priority=1, tenant="t", weight=1.0, preemptible=True, arrival=None,
+        may_preempt=True):
     return Request(
         f"q{next(_ids)}", [1] * prompt_len, SamplingParams(ignore_eos=True), max_tokens,
         priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, arrival_time=arrival,
+        may_preempt=may_preempt,
     )
 
 
@@ -99,6 +101,28 @@ def test_non_preemptible_is_not_preempted_for_admission():
     sched.add_request(standard)
     out = step(sched)
     assert not out.preempted_ids and batch.status == RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("full", ["seqs", "blocks"])
+def test_a_class_without_may_preempt_waits_for_room(full):
+    """A better rank whose class may not preempt waits; one whose class may, takes the place at once."""
+    for may_preempt in (False, True):
+        # Full by sequence count, or by KV blocks (a 26-token prompt and 2 output tokens fill 7 blocks of 4).
+        sched = make_scheduler(num_blocks=400 if full == "seqs" else 7, max_num_seqs=1 if full == "seqs" else 8)
+        running = req(prompt_len=8 if full == "seqs" else 26, priority=2, preemptible=True, max_tokens=2)
+        sched.add_request(running)
+        step(sched)
+        urgent = req(priority=0, may_preempt=may_preempt)
+        sched.add_request(urgent)
+        out = step(sched)
+        if may_preempt:
+            assert out.preempted_ids == [running.request_id] and urgent.request_id in scheduled_ids(out)
+        else:
+            assert not out.preempted_ids and urgent.request_id not in scheduled_ids(out)
+            assert running.num_preemptions == 0
+            while not running.is_finished:
+                step(sched)
+            assert urgent.request_id in scheduled_ids(step(sched))  # served once the running one is done
 
 
 @pytest.mark.parametrize("trial", range(3))
