@@ -7,6 +7,7 @@ weight, preemptibility and cache salt.
 """
 
 import asyncio
+import hmac
 import logging
 import math
 import time
@@ -50,6 +51,7 @@ RATE_HEADERS = web.RequestKey("rate_headers", dict)
 INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
 LEDGER = web.AppKey("ledger", UsageLedger)
 DRAINING = web.AppKey("draining", asyncio.Event)
+METRICS_URL = web.AppKey("metrics_url", str)  # where the metrics listener answers (once started)
 ENGINE_RESTART_INTERVAL_S = 60.0  # at most one restart a minute for the same cause  # set on shutdown: in-flight requests finish, new ones get 503
 
 
@@ -88,7 +90,31 @@ async def openapi_endpoint(request: web.Request) -> web.Response:
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
+    """/metrics on the API's listener: only for the holder of the metrics token (series name tenants)."""
+    token = request.app[CONFIG].metrics_token
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise APIError(401, "metrics need 'Authorization: Bearer <metrics token>'", "authentication_error",
+                       code="invalid_metrics_token", headers={"WWW-Authenticate": "Bearer"})
     return request.app[METRICS].render()
+
+
+async def serve_metrics(app: web.Application):
+    """Cleanup context: /metrics alone on ``metrics_host:metrics_port`` (a listener for the scraper only)."""
+    config = app[CONFIG]
+    if config.metrics_port is None:
+        yield
+        return
+    metrics_app = web.Application()
+    metrics_app.router.add_get("/metrics", lambda request: app[METRICS].render())
+    runner = web.AppRunner(metrics_app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.metrics_host, config.metrics_port)
+    await site.start()
+    app[METRICS_URL] = f"http://{config.metrics_host}:{runner.addresses[0][1]}/metrics"
+    logger.info("metrics on %s", app[METRICS_URL])
+    yield
+    await runner.cleanup()
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -369,7 +395,9 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
     files_api.add_routes(app)
     batch_api.add_routes(app)
     app[METRICS] = GatewayMetrics(engine)
-    app.router.add_get("/metrics", metrics_endpoint)
+    app.cleanup_ctx.append(serve_metrics)
+    if config.metrics_token:
+        app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/openapi.json", openapi_endpoint)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)

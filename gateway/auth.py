@@ -55,7 +55,7 @@ def _unauthorized(message: str) -> APIError:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    """Every /v1/ route needs a valid key of an active tenant; /health and /metrics stay open."""
+    """Every /v1/ route needs a valid key of an active tenant; /health stays open (/metrics has its own check)."""
     if not request.path.startswith("/v1/"):
         return await handler(request)
     header = request.headers.get("Authorization", "")
@@ -64,10 +64,10 @@ async def auth_middleware(request: web.Request, handler):
         raise _unauthorized("missing API key: send the header 'Authorization: Bearer mg-...'")
     token = token.strip()
     if not (token.isascii() and token.isprintable()):  # keys are ASCII; other bytes cannot be one
-        raise _unauthorized("invalid API key (unknown or revoked)")
+        raise _unauthorized("invalid API key (unknown, revoked or expired)")
     principal = await request.app[AUTHENTICATOR].lookup(token)
     if principal is None:
-        raise _unauthorized("invalid API key (unknown or revoked)")
+        raise _unauthorized("invalid API key (unknown, revoked or expired)")
     if principal.tenant.status != "active":
         raise APIError(403, f"tenant {principal.tenant.name!r} is disabled", "permission_error", code="tenant_disabled")
     request[PRINCIPAL] = principal

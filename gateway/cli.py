@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import sys
 
 from engine.config import EngineConfig
@@ -31,11 +32,11 @@ def _serve(args: argparse.Namespace) -> int:
     config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
                            drain_timeout_s=args.drain_timeout, data_dir=args.data_dir,
                            keepalive_timeout_s=args.keepalive_timeout, body_timeout_s=args.body_timeout,
-                           max_connections=args.max_connections,
+                           max_connections=args.max_connections, metrics_host=args.metrics_host,
+                           metrics_port=args.metrics_port if args.metrics_port >= 0 else None,
+                           metrics_token=os.environ.get("MOEGATE_METRICS_TOKEN") or None,
                            batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight)
     if demo:
-        import os
-
         from engine.demo_model import write_demo_model
 
         if not os.path.exists(os.path.join(args.model, "config.json")):
@@ -128,6 +129,11 @@ def _add_serve(subparsers) -> None:
                    help="seconds a request body may take to arrive; slower ones get a 408 (default 60)")
     p.add_argument("--max-connections", type=int, default=4096,
                    help="open connections at most; past it new ones are closed at once (default 4096)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the /metrics listener (default 127.0.0.1: the series name tenants)")
+    p.add_argument("--metrics-port", type=int, default=9400,
+                   help="port of the /metrics listener (default 9400; -1: none). With MOEGATE_METRICS_TOKEN set, "
+                        "/metrics is also served on the API port to 'Authorization: Bearer <token>'")
     p.add_argument("--data-dir", default=".moegate/data", help="Batch API files (default .moegate/data)")
     p.add_argument("--batch-lease-seconds", type=float, default=60.0,
                    help="a crashed gateway's batch lines are taken over after this (default 60)")

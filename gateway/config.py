@@ -24,6 +24,12 @@ class GatewayConfig:
     keepalive_timeout_s: float = 15.0
     body_timeout_s: float = 60.0
     max_connections: int = 4096
+    # /metrics carries tenant names: it is served on its own listener (metrics_port; the command line
+    # defaults it to 9400 on loopback), and on the API's port only with ``Authorization: Bearer
+    # <metrics_token>`` when a token is set. With neither, it is not served.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    metrics_token: str | None = None
     max_inflight_by_rank: dict[int, int] = field(default_factory=_default_inflight_caps)
     # Batch API
     data_dir: str = ".moegate/data"  # uploaded files and batch results (the database keeps the state)
@@ -49,5 +55,7 @@ class GatewayConfig:
             raise ValueError("batch_max_inflight, batch_max_lines and batch_max_file_bytes must be >= 1")
         if self.keepalive_timeout_s <= 0 or self.body_timeout_s <= 0 or self.max_connections < 1:
             raise ValueError("keepalive_timeout_s and body_timeout_s must be > 0, max_connections >= 1")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")

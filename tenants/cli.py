@@ -12,9 +12,10 @@ import asyncio
 import json
 import sys
 from dataclasses import asdict, is_dataclass
-from datetime import date, datetime
+from datetime import date, datetime, timedelta
 
 from tenants.db import SchemaError, database_url
+from tenants.models import utcnow
 
 NONE_WORDS = ("none", "unlimited", "")
 QUOTA_FLAGS = {
@@ -123,7 +124,7 @@ def _emit(args: argparse.Namespace, data, columns: list[str] | None = None, titl
 # -- commands ----------------------------------------------------------------------------------------------
 
 TENANT_COLS = ["id", "name", "priority_class", "weight", "status", "created_at", "updated_at"]
-KEY_COLS = ["id", "tenant", "label", "prefix", "created_at", "last_used_at", "revoked_at"]
+KEY_COLS = ["id", "tenant", "label", "prefix", "created_at", "expires_at", "last_used_at", "revoked_at"]
 CLASS_COLS = ["name", "rank", "default_weight", "preemptible", "may_preempt"]
 
 
@@ -176,8 +177,21 @@ async def _tenant_status(args, store) -> int:
     return 0
 
 
+_DURATION_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def _expiry(text: str | None):
+    """``--expires-in 90d`` -> the naive UTC time it ends; ValueError (exit 2) for anything else."""
+    if text is None:
+        return None
+    number, unit = text[:-1], text[-1:].lower()
+    if unit not in _DURATION_UNITS or not number.isdigit() or int(number) == 0:
+        raise ValueError(f"--expires-in must be a positive whole number with a unit d, h, m or s (e.g. 90d), got {text!r}")
+    return utcnow() + timedelta(seconds=int(number) * _DURATION_UNITS[unit])
+
+
 async def _key_create(args, store) -> int:
-    info, plaintext = await store.create_key(args.tenant, args.label)
+    info, plaintext = await store.create_key(args.tenant, args.label, _expiry(args.expires_in))
     if args.json:
         print(json.dumps({**_plain(info), "key": plaintext}, indent=2))
     else:
@@ -350,7 +364,9 @@ def register(subparsers) -> None:
     key = groups.add_parser("key", help="API keys").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
     p = _leaf(key, "create", _key_create, common, "create an API key (shown once)")
     p.add_argument("tenant")
-    p.add_argument("--label", default=None)
+    p.add_argument("--label", default=None, help="what the key is for (shown in listings and usage by key)")
+    p.add_argument("--expires-in", default=None, metavar="DURATION",
+                   help="the key stops working after this long: e.g. 90d, 12h, 30m (default: never)")
     _leaf(key, "list", _key_list, common, "list API keys").add_argument("tenant", nargs="?", default=None)
     _leaf(key, "revoke", _key_revoke, common, "revoke an API key by id or prefix").add_argument("key")
 

@@ -55,6 +55,7 @@ class KeyInfo:
     created_at: datetime
     last_used_at: datetime | None
     revoked_at: datetime | None
+    expires_at: datetime | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -214,20 +215,25 @@ class TenantStore:
 
     # -- keys --------------------------------------------------------------------------------------------
 
-    async def create_key(self, tenant_ref: str | int, label: str | None = None) -> tuple[KeyInfo, str]:
-        """Make a new key; the returned plaintext is the only copy that will ever exist."""
+    async def create_key(self, tenant_ref: str | int, label: str | None = None,
+                         expires_at: datetime | None = None) -> tuple[KeyInfo, str]:
+        """Make a new key (valid until ``expires_at``, naive UTC, if given); the returned plaintext is the
+        only copy that will ever exist."""
+        if expires_at is not None and expires_at <= utcnow():
+            raise ValueError("a key's expiry must be in the future")
         plaintext = keylib.generate_key()
         async with self.sessions.begin() as s:
             tenant = await self._tenant(s, tenant_ref)
             key = ApiKey(tenant_id=tenant.id, label=label, prefix=keylib.display_prefix(plaintext),
-                         key_hash=keylib.hash_key(plaintext), created_at=utcnow())
+                         key_hash=keylib.hash_key(plaintext), created_at=utcnow(), expires_at=expires_at)
             s.add(key)
             await s.flush()
             return self._key_info(key, tenant.name), plaintext
 
     @staticmethod
     def _key_info(k: ApiKey, tenant_name: str) -> KeyInfo:
-        return KeyInfo(k.id, k.tenant_id, tenant_name, k.label, k.prefix, k.created_at, k.last_used_at, k.revoked_at)
+        return KeyInfo(k.id, k.tenant_id, tenant_name, k.label, k.prefix, k.created_at, k.last_used_at, k.revoked_at,
+                       k.expires_at)
 
     async def list_keys(self, tenant_ref: str | int | None = None, include_revoked: bool = True) -> list[KeyInfo]:
         async with self.sessions() as s:
@@ -271,6 +277,8 @@ class TenantStore:
                 return None
             key, tenant = row
             if key.revoked_at is not None or (tenant.status != "active" and not include_disabled):
+                return None
+            if key.expires_at is not None and key.expires_at <= utcnow():
                 return None
             key.last_used_at = utcnow()
             return _tenant_info(tenant), self._key_info(key, tenant.name)

@@ -20,7 +20,7 @@ def start_server(model: str, db_url: str, port: int, *flags: str, expect_key: bo
     """Start the server; with ``expect_key`` (an empty database) read the default tenant's key it prints."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(port), "--database-url", db_url,
-         "--max-num-seqs", "8", *flags],
+         "--max-num-seqs", "8", "--metrics-port", "0", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     if not expect_key:

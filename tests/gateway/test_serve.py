@@ -16,7 +16,7 @@ from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.demo_model import write_demo_model
-from gateway.app import create_app
+from gateway.app import METRICS_URL, create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
 from tenants.store import TenantStore
@@ -59,7 +59,8 @@ def test_openai_client_end_to_end(demo_dir, tmp_path):
     async def scenario():
         keys = await _policy(url)
         engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=128, max_num_batched_tokens=64))
-        app = create_app(GatewayConfig(served_model_name="demo", database_url=url), engine)
+        app = create_app(GatewayConfig(served_model_name="demo", database_url=url, metrics_port=0,
+                                       metrics_token="scrape-me"), engine)
         async with TestServer(app, host="127.0.0.1") as server:
             web = _client(server, keys["web"])
             assert [m.id for m in (await web.models.list()).data] == ["demo"]
@@ -114,8 +115,15 @@ def test_openai_client_end_to_end(demo_dir, tmp_path):
             import aiohttp
 
             async with aiohttp.ClientSession() as http:
-                async with http.get(server.make_url("/metrics")) as resp:
+                # Not on the API's listener without the metrics token (the series name tenants) ...
+                async with http.get(server.make_url("/metrics"), headers={"Authorization": f"Bearer {keys['web']}"}) as resp:
+                    assert resp.status == 401
+                async with http.get(server.make_url("/metrics"), headers={"Authorization": "Bearer scrape-me"}) as resp:
+                    assert resp.status == 200
+                # ... and on its own listener.
+                async with http.get(app[METRICS_URL]) as resp:
                     text = await resp.text()
+                assert app[METRICS_URL].startswith("http://127.0.0.1:")
             assert 'moegate_requests_total{priority_class="standard",status="200",tenant="web"} 5.0' in text
             assert 'moegate_rejections_total{priority_class="standard",reason="rate_limit_exceeded",tenant="tight"} 1.0' in text
             assert 'moegate_completion_tokens_total{priority_class="standard",tenant="web"}' in text

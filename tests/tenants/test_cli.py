@@ -32,6 +32,8 @@ def test_tenant_commands(db_url, capsys):
     (["admin", "key", "revoke", "mg-nope0"], "unknown api key"),
     (["admin", "usage", "--by", "week"], "invalid choice"),
     (["admin", "class", "create", "premium"], "--rank"),
+    (["admin", "key", "create", "acme", "--expires-in", "soon"], "--expires-in"),
+    (["admin", "key", "create", "acme", "--expires-in", "0d"], "--expires-in"),
 ])
 def test_bad_input_exits_2_with_one_line_and_changes_nothing(db_url, capsys, argv, message):
     cli(capsys, db_url, "admin", "tenant", "create", "acme")
@@ -53,6 +55,29 @@ def test_key_commands(db_url, capsys):
     assert len(listed) == 2 and all("key" not in k for k in listed)  # never shown again
     assert cli(capsys, db_url, "admin", "key", "revoke", str(out["id"]), as_json=True)[1]["revoked_at"]
     assert cli(capsys, db_url, "admin", "key", "list")[0] == 0
+
+
+def test_an_expired_key_stops_working(db_url, capsys):
+    import asyncio
+    from datetime import datetime
+
+    cli(capsys, db_url, "admin", "tenant", "create", "acme")
+    code, made, _ = cli(capsys, db_url, "admin", "key", "create", "acme", "--label", "temp", "--expires-in", "2h",
+                        as_json=True)
+    assert code == 0 and made["label"] == "temp"
+    hours = (datetime.fromisoformat(made["expires_at"]) - datetime.fromisoformat(made["created_at"])).total_seconds() / 3600
+    assert 1.99 < hours <= 2.0
+
+    async def check(store):
+        from tenants.models import ApiKey
+
+        assert await store.authenticate(made["key"]) is not None
+        async with store.sessions.begin() as s:  # two hours later
+            key = await s.get(ApiKey, made["id"])
+            key.expires_at = key.created_at
+        assert await store.authenticate(made["key"]) is None
+
+    with_store(db_url, check)
 
 
 def test_quota_commands(db_url, capsys):
@@ -103,7 +128,8 @@ def test_usage_command(db_url, capsys):
 def test_db_upgrade_and_downgrade(tmp_path, capsys, monkeypatch):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     assert cli(capsys, url, "db", "upgrade", as_json=True)[1] == {"revision": migrate.head_revision()}
-    assert cli(capsys, url, "db", "downgrade", as_json=True)[1] == {"revision": "0001"}  # one step down
+    one_down = f"{int(migrate.head_revision()) - 1:04d}"
+    assert cli(capsys, url, "db", "downgrade", as_json=True)[1] == {"revision": one_down}  # one step down
     monkeypatch.setenv("MOEGATE_DATABASE_URL", url)  # the environment picks the database too
     code, out, _ = cli(capsys, None, "db", "upgrade")
     assert code == 0 and "revision" in out
