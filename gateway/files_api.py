@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.auth import PRINCIPAL
 from gateway.errors import BODY_TIMEOUT_S, APIError
@@ -42,6 +43,12 @@ def _not_found(file_id: str) -> APIError:
     return APIError(404, f"no such file: {file_id!r}", "invalid_request_error", param="file_id", code="file_not_found")
 
 
+def _malformed_multipart(err: Exception) -> APIError:
+    # The parser's message quotes the bytes it choked on; the client has them already.
+    return APIError(400, f"the multipart/form-data body is malformed ({type(err).__name__}); send the fields "
+                    "'file' and 'purpose' as a standard multipart upload", param="file")
+
+
 def _utf8_filename(name: str) -> str:
     """The part's file name; aiohttp keeps bytes that are not UTF-8 as surrogates, which cannot be stored."""
     try:
@@ -56,7 +63,10 @@ async def upload(request: web.Request) -> web.Response:
     data_dir, limit = request.app[DATA_DIR], request.app[MAX_FILE_BYTES]
     if not request.content_type.startswith("multipart/"):
         raise APIError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'")
-    reader = await request.multipart()
+    try:
+        reader = await request.multipart()
+    except (HttpProcessingError, ValueError, KeyError, AssertionError) as e:
+        raise _malformed_multipart(e) from None
     purpose, filename, tmp, size = None, None, None, 0
     (data_dir / "files").mkdir(parents=True, exist_ok=True)  # the upload's temporary copy
     stall_s = request.app.get(BODY_TIMEOUT_S)
@@ -66,6 +76,8 @@ async def upload(request: web.Request) -> web.Response:
         try:
             async with asyncio.timeout(stall_s):
                 return await awaitable
+        except (HttpProcessingError, ValueError, KeyError, AssertionError) as e:  # what aiohttp's parser raises
+            raise _malformed_multipart(e) from None
         except TimeoutError:
             raise APIError(408, f"the upload stalled: nothing arrived for {stall_s:g} s", code="request_timeout",
                            headers={"Connection": "close"}) from None

@@ -1,10 +1,12 @@
 """Run `moegate serve` as a real process for tests that signal or kill it."""
 
 import asyncio
+import collections
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import aiohttp
@@ -14,6 +16,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    """Keep reading the server's output (its last lines in ``proc.output_tail``): once the pipe's buffer
+    is full, a server that logs (every request does) would block on its next write."""
+    proc.output_tail = collections.deque(maxlen=400)
+    threading.Thread(target=lambda: proc.output_tail.extend(proc.stdout), daemon=True).start()
 
 
 def start_server(model: str, db_url: str, port: int, *flags: str, expect_key: bool = True) -> tuple[subprocess.Popen, str | None]:
@@ -32,6 +41,7 @@ def start_server(model: str, db_url: str, port: int, *flags: str, expect_key: bo
             break
         found = re.search(r"(mg-[A-Za-z0-9_\-]+)", line)
         if found:
+            _drain(proc)
             return proc, found.group(1)
     proc.kill()
     raise AssertionError("moegate serve did not print the default tenant's key")
