@@ -108,7 +108,7 @@ async def upload(request: web.Request) -> web.Response:
         # Into the database (row and content in one transaction): any gateway sharing it serves the file.
         info = await request.app[BATCH_STORE].add_file(tenant.id, filename, purpose, Path(tmp))
     except OSError as e:  # the data directory's disk is full or failing: nothing was stored
-        raise APIError(507, f"the upload could not be stored ({e.strerror or e}); retry later", "server_error",
+        raise APIError(503, f"the upload could not be stored ({e.strerror or e}); retry later", "server_error",
                        code="insufficient_storage", headers={"Retry-After": "30"}) from None
     finally:
         if tmp is not None and os.path.exists(tmp):
