@@ -60,8 +60,10 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
                     )
                     reports.add(msg.request_id, msg.stream, msg.background)
                 except Exception as e:  # whatever one request brings fails that request, never the engine
-                    if not isinstance(e, ValueError):
-                        logger.exception("request %s could not be added", msg.request_id)
+                    if not isinstance(e, ValueError):  # a bug: the type at the default level (the message may
+                        # quote the prompt), the whole traceback at debug
+                        logger.error("request %s could not be added: %s", msg.request_id, type(e).__name__)
+                        logger.debug("request %s could not be added", msg.request_id, exc_info=True)
                     replies.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
         if not engine.has_unfinished():
             if idle_change:

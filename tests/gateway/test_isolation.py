@@ -4,9 +4,9 @@ and the engine's restart, against a real server and engine process on loopback."
 import asyncio
 import io
 import json
+import logging
 import os
 import random
-import shutil
 import time
 
 import aiohttp
@@ -225,3 +225,86 @@ def test_health_says_ready_only_once_the_restarted_engine_is(strict_template_dir
             assert ok.usage.completion_tokens >= 1
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(240)
+def test_engine_killed_mid_load_loses_nothing(strict_template_dir, tmp_path):
+    """kill -9 of the engine process while 12 clients keep sending: every answer is a 200 or a 503 in the
+    OpenAI shape (no 500, no hang), each answered request is billed once, the restarted engine serves
+    with every KV block free."""
+    url, engine, server = _setup(strict_template_dir, tmp_path)
+
+    async def scenario():
+        keys = await _keys(url, ("a",))
+        statuses: list[int] = []
+        async with server:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {keys['a']}"},
+                                             timeout=aiohttp.ClientTimeout(total=60)) as http:
+                stop = time.monotonic() + 10
+
+                async def client():
+                    while time.monotonic() < stop:
+                        body = {"model": "demo", "prompt": "tell me", "max_tokens": random.randint(2, 24)}
+                        async with http.post(server.make_url("/v1/completions"), json=body) as r:
+                            answer = await r.json()
+                            statuses.append(r.status)
+                            if r.status != 200:
+                                assert r.status == 503 and answer["error"]["code"] == "engine_unavailable", answer
+                                await asyncio.sleep(0.2)
+
+                async def killer():
+                    await asyncio.sleep(3)
+                    engine._process.kill()
+
+                await asyncio.gather(*(client() for _ in range(12)), killer())
+                deadline = time.monotonic() + 60
+                while engine.dead or engine.info is None:
+                    assert time.monotonic() < deadline, "the engine did not come back"
+                    await asyncio.sleep(0.1)
+                async with http.post(server.make_url("/v1/completions"),
+                                     json={"model": "demo", "prompt": "after", "max_tokens": 2}) as r:
+                    assert r.status == 200
+                    statuses.append(200)
+            for _ in range(100):
+                if engine.stats is not None and engine.stats.kv_blocks_used == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert engine.stats.kv_blocks_used == 0 and engine.stats.num_running == 0
+        assert statuses.count(503) > 0 and statuses.count(200) > 20
+        assert statuses.count(200) + statuses.count(503) == len(statuses)
+        import sqlite3
+
+        with sqlite3.connect(tmp_path / "policy.db") as db:
+            rows = db.execute("SELECT request_id, http_status FROM usage").fetchall()
+        assert len({r for r, _ in rows}) == len(rows)  # billed once each
+        assert sum(1 for _, s in rows if s == 200) == statuses.count(200)  # every answered request billed
+        assert all(s in (200, 503) for _, s in rows)  # cut by the crash: billed for what they produced
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(240)
+def test_logs_at_the_default_level_hold_no_key_and_no_prompt(strict_template_dir, tmp_path, caplog):
+    url, engine, server = _setup(strict_template_dir, tmp_path)
+    secret_text = "zebra-" + "".join(random.choices("qwxyz", k=24))
+
+    async def scenario():
+        keys = await _keys(url, ("a",))
+        async with server:
+            a = _client(server, keys["a"])
+            await a.completions.create(model="demo", prompt=secret_text, max_tokens=2)
+            await a.chat.completions.create(model="demo", max_tokens=2, messages=[{"role": "user", "content": secret_text}])
+            for bad in (lambda: a.chat.completions.create(model="demo", max_tokens=2, messages=[
+                            {"role": "user", "content": secret_text}, {"role": "user", "content": secret_text}]),
+                        lambda: a.completions.create(model="demo", prompt=secret_text * 20_000, max_tokens=2),
+                        lambda: a.completions.create(model="demo", prompt=secret_text, max_tokens=2, temperature=9)):
+                with pytest.raises(openai.BadRequestError):
+                    await bad()
+        return keys["a"]
+
+    with caplog.at_level(logging.INFO):
+        key = asyncio.run(scenario())
+    logged = "\n".join(r.getMessage() + (logging.Formatter().formatException(r.exc_info) if r.exc_info else "")
+                       for r in caplog.records)
+    assert "serving demo" in logged  # the gateway's log was captured
+    assert secret_text not in logged and key not in logged
