@@ -39,3 +39,15 @@ def cli(capsys, url: str | None, *argv: str, as_json: bool = False) -> tuple[int
         code = e.code
     out, err = capsys.readouterr()
     return code, (json.loads(out) if as_json and code == 0 else out), err
+
+
+async def tenant_key(url: str, name: str = "t", **quota) -> str:
+    """Create tenant ``name`` (with ``quota`` limits, if any) and return a fresh API key of it."""
+    store = TenantStore.open(url)
+    try:
+        await store.create_tenant(name)
+        if quota:
+            await store.set_quota(name, **quota)
+        return (await store.create_key(name))[1]
+    finally:
+        await store.close()

@@ -14,6 +14,8 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.store import TenantStore
 
+from .helpers import tenant_key
+
 
 @pytest.mark.timeout(120)
 def test_locked_postgresql_tables_give_quick_503s(pg_migrated_url, tmp_path):
@@ -22,13 +24,7 @@ def test_locked_postgresql_tables_give_quick_503s(pg_migrated_url, tmp_path):
     _reset_pg(pg_migrated_url)
 
     async def scenario():
-        store = TenantStore.open(pg_migrated_url)
-        try:
-            await store.create_tenant("t")
-            key = (await store.create_key("t"))[1]
-            await store.set_quota("t", requests_per_minute=1000)
-        finally:
-            await store.close()
+        key = await tenant_key(pg_migrated_url, requests_per_minute=1000)
         app = create_app(GatewayConfig(database_url=pg_migrated_url, data_dir=str(tmp_path / "data"),
                                        auth_cache_ttl_s=0.0, policy_cache_ttl_s=0.0), InstantEngine())
         async with TestServer(app, host="127.0.0.1") as server, \

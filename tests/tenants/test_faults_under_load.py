@@ -17,15 +17,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.store import TenantStore
 
-
-async def _tenant_key(url: str) -> str:
-    store = TenantStore.open(url)
-    try:
-        await store.create_tenant("t")
-        await store.set_quota("t", requests_per_minute=100_000)
-        return (await store.create_key("t"))[1]
-    finally:
-        await store.close()
+from .helpers import tenant_key
 
 
 @pytest.mark.timeout(180)
@@ -35,7 +27,7 @@ def test_postgresql_connections_terminated_mid_load(pg_migrated_url, tmp_path):
     _reset_pg(pg_migrated_url)
 
     async def scenario():
-        key = await _tenant_key(pg_migrated_url)
+        key = await tenant_key(pg_migrated_url, requests_per_minute=100_000)
         app = create_app(GatewayConfig(database_url=pg_migrated_url, data_dir=str(tmp_path / "data"),
                                        auth_cache_ttl_s=0.0, policy_cache_ttl_s=0.0), InstantEngine())
         statuses: list[int] = []
@@ -101,7 +93,7 @@ def test_a_full_disk_under_the_data_directory(tiny_disk, tmp_path):
     upgrade(url)
 
     async def scenario():
-        key = await _tenant_key(url)
+        key = await tenant_key(url, requests_per_minute=100_000)
         app = create_app(GatewayConfig(database_url=url, data_dir=str(tiny_disk)), InstantEngine())
         async with TestServer(app, host="127.0.0.1") as server, \
                 aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:

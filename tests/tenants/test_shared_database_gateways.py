@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 from benchmarks.instant_engine import InstantEngine
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from tenants.store import TenantStore
+from .helpers import tenant_key
 
 
 def _batch_file(model: str, n: int) -> bytes:
@@ -40,12 +40,7 @@ def test_gateways_of_two_models_share_a_database(pg_migrated_url, tmp_path):
     _reset_pg(pg_migrated_url)
 
     async def scenario():
-        store = TenantStore.open(pg_migrated_url)
-        try:
-            await store.create_tenant("t")
-            key = (await store.create_key("t"))[1]
-        finally:
-            await store.close()
+        key = await tenant_key(pg_migrated_url)
         apps = {model: create_app(GatewayConfig(served_model_name=model, database_url=pg_migrated_url,
                                                 data_dir=str(tmp_path / model), batch_poll_s=0.05), InstantEngine())
                 for model in ("alpha", "beta")}
