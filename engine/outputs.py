@@ -1,10 +1,14 @@
 """What the engine reports per request, and the processor that builds it (text, stop strings)."""
 
+import logging
+
 import msgspec
 
 from engine.request import Request, RequestStatus
 from engine.scheduler import RequestUpdate, Scheduler
 from engine.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class RequestOutput(msgspec.Struct):
@@ -62,31 +66,44 @@ class OutputProcessor:
     def process(self, updates: list[RequestUpdate], scheduler: Scheduler) -> list[RequestOutput]:
         outputs = []
         for update in updates:
-            request = update.request
-            state = self._states[request.request_id]
-            finished = update.finished
-            stops = request.sampling_params.stop_strings
-            if state.detok is not None:
-                # A token that ended the request by id (EOS, stop_token_ids) contributes no text.
-                ended_by_token = finished and request.status == RequestStatus.FINISHED_STOPPED
-                before = len(state.text)
-                if not ended_by_token:
-                    state.text += state.detok.add(update.new_token_ids)
-                if finished:
-                    state.text += state.detok.flush()  # a character held back before the end still counts
-                if not ended_by_token:
-                    if stops and self._apply_stop_strings(request, state, before):
-                        scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
-                        request.status = RequestStatus.FINISHED_STOPPED  # also if it already ended by length
-                        finished = True
-            hold = 0 if finished or not stops else max(len(s) for s in stops) - 1
-            upto = max(state.emitted, len(state.text) - hold)
-            delta = state.text[state.emitted:upto]
-            state.emitted = upto
-            if finished:
-                del self._states[request.request_id]
-            outputs.append(self._output(request, state, update.new_token_ids, delta))
+            try:
+                outputs.append(self._process_one(update, scheduler))
+            except Exception as e:  # this request's text failed (a tokenizer bug): end it alone, not the step
+                request = update.request
+                logger.error("request %s: output processing failed (%s); it ends with finish_reason 'error'",
+                             request.request_id, type(e).__name__)
+                scheduler.finish(request.request_id, RequestStatus.FINISHED_ERROR)
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = f"output processing failed: {type(e).__name__}"
+                state = self._states.pop(request.request_id, None) or _TextState(None)
+                outputs.append(self._output(request, state, update.new_token_ids, ""))
         return outputs
+
+    def _process_one(self, update: RequestUpdate, scheduler: Scheduler) -> RequestOutput:
+        request = update.request
+        state = self._states[request.request_id]
+        finished = update.finished
+        stops = request.sampling_params.stop_strings
+        if state.detok is not None:
+            # A token that ended the request by id (EOS, stop_token_ids) contributes no text.
+            ended_by_token = finished and request.status == RequestStatus.FINISHED_STOPPED
+            before = len(state.text)
+            if not ended_by_token:
+                state.text += state.detok.add(update.new_token_ids)
+            if finished:
+                state.text += state.detok.flush()  # a character held back before the end still counts
+            if not ended_by_token:
+                if stops and self._apply_stop_strings(request, state, before):
+                    scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    request.status = RequestStatus.FINISHED_STOPPED  # also if it already ended by length
+                    finished = True
+        hold = 0 if finished or not stops else max(len(s) for s in stops) - 1
+        upto = max(state.emitted, len(state.text) - hold)
+        delta = state.text[state.emitted:upto]
+        state.emitted = upto
+        if finished:
+            del self._states[request.request_id]
+        return self._output(request, state, update.new_token_ids, delta)
 
     @staticmethod
     def _apply_stop_strings(request: Request, state: _TextState, before: int) -> bool:

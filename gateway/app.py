@@ -21,7 +21,7 @@ from engine.async_engine import AsyncEngine, EngineError, RequestRejectedError
 from engine.protocol import Delta
 from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, rate_limit_headers, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
-from gateway.completion import choice, completion_body, engine_down, prepare_prompt, usage_of
+from gateway.completion import choice, completion_body, engine_down, output_failed, prepare_prompt, usage_of
 from gateway.config import GatewayConfig
 from gateway.errors import (
     BODY_TIMEOUT_S, REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, read_body, request_id_middleware,
@@ -196,6 +196,8 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         last = request.get(LAST_DELTA)
         if status == 200 and last is not None and not last.finished:
             status = 503  # a stream the engine failed mid-way: 200 went out with the headers, the row says so
+        elif status == 200 and last is not None and last.finish_reason == "error":
+            status = 500  # a stream whose output failed (its error event went out after the 200)
         if last is not None:
             usage = UsageRecord(
                 tenant_id=tenant.id, request_id=rid, model=_model_name(app), prompt_tokens=last.num_prompt_tokens,
@@ -249,6 +251,8 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
                 timer.delta(first=False)
         except EngineError as e:
             raise engine_down(e) from None
+        if last.finish_reason == "error":
+            raise output_failed()
         body_json = _json(completion_body(rid, created, model, chat, "".join(text), last))
         body_json.headers.update(request[RATE_HEADERS])
         return body_json
@@ -262,6 +266,12 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     delta = first
     while True:
+        if delta.finish_reason == "error":  # headers are gone: say it in the stream, in the OpenAI error shape
+            failed = output_failed()
+            error = {"error": {"message": failed.message, "type": failed.type, "param": None, "code": failed.code}}
+            await response.write(b"data: " + msgspec.json.encode(error) + b"\n\n")
+            await response.write_eof()
+            return response
         event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
                  "choices": [choice(chat, delta.new_text, delta.finish_reason, True)]}
         if include_usage:

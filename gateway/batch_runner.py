@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.batch_validation import ENDPOINTS
-from gateway.completion import complete
+from gateway.completion import NOT_RETRIED, complete
 from gateway.errors import APIError
 from gateway.openai_schema import decode_body
 from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, FinishedLine, new_id
@@ -78,7 +78,7 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
                                         tenant=tenant, weight=weight, preemptible=True, background=True,
                                         cache_salt=tenant)
     except APIError as e:
-        if e.status >= 500 and e.code != "engine_failed":  # the engine is down: the line runs again later
+        if e.status >= 500 and e.code not in NOT_RETRIED:  # the engine is down: the line runs again later
             raise
         body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
         return False, {"id": rid, "custom_id": custom_id,

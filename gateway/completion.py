@@ -36,6 +36,16 @@ def engine_down(err: Exception | str) -> APIError:
                     headers={"Retry-After": "5"})
 
 
+def output_failed() -> APIError:
+    """A request the engine ended with finish_reason 'error' (its output could not be produced); the
+    other requests were not affected. Not marked for retry: the same request would fail the same way."""
+    return APIError(500, "the engine could not produce this request's output; it was not retried",
+                    "server_error", code="request_failed", headers={"x-should-retry": "false"})
+
+
+NOT_RETRIED = ("engine_failed", "request_failed")  # error codes a batch line fails with instead of running again
+
+
 async def prepare_prompt(engine, body, chat: bool) -> list[int]:
     """The request's checked prompt token ids; a 400 naming the field if it cannot be served."""
     try:
@@ -68,4 +78,6 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
         raise engine_down(e) from None
     finally:
         await stream.aclose()
+    if last.finish_reason == "error":
+        raise output_failed()
     return completion_body(rid, created, model, chat, "".join(text), last), last

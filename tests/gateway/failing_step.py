@@ -1,10 +1,13 @@
-"""An engine-process entry point whose step fails on a marked request, to test what a failed step does.
+"""Engine-process entry points that fail on a marked request, to test what a failure does.
 
-The marked request is one whose prompt begins with ``POISON_TOKEN``: the step that
-has it in the engine raises, as a bug in a kernel or the sampler would.
+``run_with_failing_step``: the step that has a request whose prompt begins with
+``POISON_TOKEN`` in the engine raises, as a bug in a kernel or the sampler would.
+``run_with_failing_detokenizer``: turning the output of a request whose prompt ends
+with ``POISON_TAIL`` into text raises, as a tokenizer bug would.
 """
 
 POISON_TOKEN = 7
+POISON_TAIL = [7, 7, 7, 7]
 
 
 def run_with_failing_step(config, requests, replies) -> None:
@@ -19,4 +22,19 @@ def run_with_failing_step(config, requests, replies) -> None:
         return real_step(self)
 
     LLMEngine.step = step
+    run_engine_process(config, requests, replies)
+
+
+def run_with_failing_detokenizer(config, requests, replies) -> None:
+    from engine.engine_process import run_engine_process
+    from engine.tokenizer import IncrementalDetokenizer
+
+    real_add = IncrementalDetokenizer.add
+
+    def add(self, token_ids):
+        if self.ids[:len(POISON_TAIL)] == POISON_TAIL:  # seeded with the prompt's last tokens
+            raise UnicodeError("a tokenizer bug (a test's failing detokenizer)")
+        return real_add(self, token_ids)
+
+    IncrementalDetokenizer.add = add
     run_engine_process(config, requests, replies)

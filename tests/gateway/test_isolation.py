@@ -21,7 +21,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
 from tenants.store import TenantStore
-from tests.gateway.failing_step import POISON_TOKEN, run_with_failing_step
+from tests.gateway.failing_step import POISON_TAIL, POISON_TOKEN, run_with_failing_detokenizer, run_with_failing_step
 
 # A template in the style of Mixtral's: turns must alternate user/assistant, or it raises.
 ALTERNATING_TEMPLATE = (
@@ -308,3 +308,33 @@ def test_logs_at_the_default_level_hold_no_key_and_no_prompt(strict_template_dir
                        for r in caplog.records)
     assert "serving demo" in logged  # the gateway's log was captured
     assert secret_text not in logged and key not in logged
+
+
+@pytest.mark.timeout(240)
+def test_a_request_whose_text_fails_ends_alone(strict_template_dir, tmp_path):
+    """A detokenizer failure ends that request (500 request_failed, not retried) and no other: the engine
+    process is the same and a concurrent stream of another tenant completes."""
+    url, engine, server = _setup(strict_template_dir, tmp_path, process_main=run_with_failing_detokenizer)
+
+    async def scenario():
+        keys = await _keys(url)
+        async with server:
+            a = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=keys["a"], max_retries=2)
+            b = _client(server, keys["b"])
+            pid = engine._process.pid
+            other = asyncio.create_task(_stream_gaps(b, 48))
+            await asyncio.sleep(0.3)
+            with pytest.raises(openai.InternalServerError) as failed:
+                await a.completions.create(model="demo", prompt=[1, 2] + POISON_TAIL, max_tokens=8)
+            assert failed.value.body["code"] == "request_failed"
+            assert failed.value.response.headers.get("x-should-retry") == "false"
+            # Streamed: the error arrives as an event in the OpenAI shape, which the SDK raises.
+            stream = await a.completions.create(model="demo", prompt=[3] + POISON_TAIL, max_tokens=8, stream=True)
+            with pytest.raises(openai.APIError) as failed:
+                async for _ in stream:
+                    pass
+            assert "could not produce" in str(failed.value)
+            assert (await other)[0] == 48
+            assert engine._process.pid == pid and not engine.dead
+
+    asyncio.run(scenario())
