@@ -31,9 +31,9 @@ run_stage() {  # name seconds command...
 tune_all() {  # the three benchmark shapes (bench.MODELS); TUNE_TOKENS=1,2,4 re-tunes only those (merged)
     local tokens=${TUNE_TOKENS:+--tokens $TUNE_TOKENS}
     cp moe_kernels/configs/E=*.json "$MOEGATE_MOE_CONFIG_DIR"/ 2>/dev/null
-    $PY -m moe_kernels.tune --E 8 --topk 2 --H 4096 --I 14336 $tokens --out "$MOEGATE_MOE_CONFIG_DIR" &&
-    $PY -m moe_kernels.tune --E 128 --topk 8 --H 2048 --I 768 $tokens --out "$MOEGATE_MOE_CONFIG_DIR" &&
-    $PY -m moe_kernels.tune --E 64 --topk 8 --H 2048 --I 1024 $tokens --out "$MOEGATE_MOE_CONFIG_DIR"
+    $PY -m benchmarks.tune_moe --E 8 --topk 2 --H 4096 --I 14336 $tokens --out "$MOEGATE_MOE_CONFIG_DIR" &&
+    $PY -m benchmarks.tune_moe --E 128 --topk 8 --H 2048 --I 768 $tokens --out "$MOEGATE_MOE_CONFIG_DIR" &&
+    $PY -m benchmarks.tune_moe --E 64 --topk 8 --H 2048 --I 1024 $tokens --out "$MOEGATE_MOE_CONFIG_DIR"
 }
 export -f tune_all
 
@@ -49,16 +49,16 @@ for spec in "$@"; do
             tests/engine/test_triton_backend_engine.py tests/engine/test_host_syncs.py tests/engine/test_random_weights.py \
             --deselect tests/engine/test_random_weights.py::test_command_lines_take_random_weights ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
-        bench-moe) run_stage bench-moe "$limit" bash -c "$PY -m moe_kernels.bench --json > $WORK/bench_moe.json && $PY -c 'import json, moe_kernels.bench as b; print(b.format_table(json.load(open(\"$WORK/bench_moe.json\"))))'" ;;
+        bench-moe) run_stage bench-moe "$limit" bash -c "$PY -m benchmarks.moe_backends --json > $WORK/bench_moe.json && $PY -c 'import json, benchmarks.moe_backends as b; print(b.format_table(json.load(open(\"$WORK/bench_moe.json\"))))'" ;;
         # The dense projections: Triton gemv vs F.linear per shape at 1/4/8 rows (the engine-start selection).
-        bench-dense-gemv) run_stage bench-dense-gemv "$limit" $PY -m engine.dense_gemv_bench --json "$WORK/bench_dense_gemv.json" ;;
+        bench-dense-gemv) run_stage bench-dense-gemv "$limit" $PY -m benchmarks.dense_gemv --json "$WORK/bench_dense_gemv.json" ;;
         # Decode with every projection on cuBLAS, to set beside bench-engine's default (measured gemv choice).
-        bench-engine-gemv-off) run_stage bench-engine-gemv-off "$limit" $PY -m engine.bench_gpu --skip-hf --dense-gemv off \
+        bench-engine-gemv-off) run_stage bench-engine-gemv-off "$limit" $PY -m benchmarks.engine_gpu --skip-hf --dense-gemv off \
             --concurrency 1,8 --json "$WORK/bench_engine_gemv_off.json" ;;
-        bench-engine) run_stage bench-engine "$limit" $PY -m engine.bench_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
-        bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m engine.bench_gpu --skip-hf --elementwise torch \
+        bench-engine) run_stage bench-engine "$limit" $PY -m benchmarks.engine_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
+        bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m benchmarks.engine_gpu --skip-hf --elementwise torch \
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;
-        bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m engine.bench_gpu --json "$WORK/bench_engine_hf.json" ;;
+        bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m benchmarks.engine_gpu --json "$WORK/bench_engine_hf.json" ;;
         # Batch API goal 2 (issue 7) where the gateway has cores of its own and the engine a GPU (the demo model).
         # Needs the gateway's packages the device lacks, as wheels: benchmarks/device_wheels.sh here, then carry
         # .whl and install them first (the script's comment has the command).

@@ -136,7 +136,7 @@ class ReplayTimer:
         self.flush = torch.ones(flush_bytes, dtype=torch.uint8, device=device) if device.type == "cuda" else None
 
     def __call__(self, weight, bias, rows, cfg) -> float:
-        from moe_kernels.bench import capture_graph, median_ms
+        from moe_kernels.timing import capture_graph, median_ms
 
         x = torch.randn(rows, weight.shape[1], device=self.device, dtype=weight.dtype)  # [M, K]
         # Both as the model calls them, output allocation included.

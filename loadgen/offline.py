@@ -200,7 +200,7 @@ def _main(args) -> int:
         raise ValueError(f"unknown systems {unknown}" if unknown else "--num-requests must be >= 1")
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     model = args.model
-    if args.random_weights:  # transformers needs a checkpoint: `python -m engine.bench_gpu` compares them on a GPU
+    if args.random_weights:  # transformers needs a checkpoint: `python -m benchmarks.engine_gpu` compares them on a GPU
         from engine.random_weights import random_model_config, served_name
 
         if args.workload != "mixed":

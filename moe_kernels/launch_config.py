@@ -5,7 +5,7 @@ A file covers one layer shape on one device: ``E`` experts, the first GEMM's
 entries are keyed by token count; a call takes the entry nearest to its own
 token count. Lookup order, first hit wins:
 
-1. ``$MOEGATE_MOE_CONFIG_DIR/<exact name>`` (where ``moe_kernels.tune`` output
+1. ``$MOEGATE_MOE_CONFIG_DIR/<exact name>`` (where ``benchmarks.tune_moe`` output
    can live outside the package),
 2. ``moe_kernels/configs/<exact name>`` (shipped, tuned files),
 3. ``moe_kernels/configs/default,dtype=<dtype>.json``, then ``default.json``.

@@ -6,6 +6,7 @@ The script location is the installed ``migrations`` package, never the cwd, so
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from alembic import command
@@ -14,13 +15,19 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, pool
 
-import migrations
 from tenants.db import SchemaError, is_embedded_default, sync_url
+
+
+def _script_location() -> str:
+    """The installed ``migrations`` folder, found without importing it: it is Alembic's script
+    directory (its env.py imports the tenants models), not a module tenants uses."""
+    spec = importlib.util.find_spec("migrations")
+    return str(Path(next(iter(spec.submodule_search_locations))).resolve())
 
 
 def alembic_config(url: str) -> Config:
     cfg = Config()
-    cfg.set_main_option("script_location", str(Path(migrations.__file__).resolve().parent))
+    cfg.set_main_option("script_location", _script_location())
     cfg.attributes["url"] = url
     return cfg
 

@@ -268,7 +268,8 @@ def test_engine_greedy_tokens_same_with_dense_gemv_on_and_off(family, tmp_path, 
 
 
 def test_micro_bench_smoke_run_and_refusal_without_cuda(tmp_path, monkeypatch, capsys):
-    from engine import dense_gemv_bench, dense_gemv_select
+    from benchmarks import dense_gemv as dense_gemv_bench
+    from engine import dense_gemv_select
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert dense_gemv_bench.main([]) == 2

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import moe_kernels
-from moe_kernels import bench, tune
+from benchmarks import moe_backends as bench, tune_moe as tune
 from moe_kernels.align import align_slots, max_padded_slots, unsorted_slots
 from moe_kernels.launch_config import (
     ENV_CONFIG_DIR, GemmConfig, LaunchConfig, config_file_name, get_launch_config, load_config_file, nearest_entry,

@@ -1,6 +1,6 @@
-"""Search launch configs for one MoE layer shape and write them as JSON: ``python -m moe_kernels.tune``.
+"""Search launch configs for one MoE layer shape and write them as JSON: ``python -m benchmarks.tune_moe``.
 
-    python -m moe_kernels.tune --E 8 --H 4096 --I 14336 --dtype bfloat16 [--topk 2] [--tokens 1,16,...]
+    python -m benchmarks.tune_moe --E 8 --H 4096 --I 14336 --dtype bfloat16 [--topk 2] [--tokens 1,16,...]
 
 For each token count it times, on random routing, every row tile (BLOCK_M,
 sorted or not) with the best tile of each GEMM for that BLOCK_M, and keeps
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from moe_kernels.align import flat_ids
-from moe_kernels.bench import capture_graph, median_ms
+from moe_kernels.timing import capture_graph, median_ms
 from moe_kernels.launch_config import CONFIG_DIR, ENV_CONFIG_DIR, GemmConfig, LaunchConfig, config_file_name, device_name
 from moe_kernels.routing import route
 
@@ -266,7 +266,7 @@ def tune_one(problem: Problem, device: torch.device, spaces: tuple, smem_limit: 
 def _refusal(args, interpreting: bool) -> str | None:
     if not interpreting:
         return None if torch.cuda.is_available() else (
-            "moe_kernels.tune needs a CUDA GPU (or TRITON_INTERPRET=1 with tiny shapes for a dry run)"
+            "benchmarks.tune_moe needs a CUDA GPU (or TRITON_INTERPRET=1 with tiny shapes for a dry run)"
         )
     if max(args.H, args.I) > INTERPRETER_MAX_DIM or args.E > INTERPRETER_MAX_EXPERTS:
         return (f"under TRITON_INTERPRET=1 only tiny shapes are tuned (H, I <= {INTERPRETER_MAX_DIM}, "
@@ -284,7 +284,7 @@ def _format(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_kernels.tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_moe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--E", type=int, required=True, help="experts")
     parser.add_argument("--H", type=int, required=True, help="hidden size")
     parser.add_argument("--I", type=int, required=True, help="expert intermediate size")
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     data = {
-        "comment": f"written by moe_kernels.tune with topk={args.topk}, reps={args.reps}",
+        "comment": f"written by benchmarks.tune_moe with topk={args.topk}, reps={args.reps}",
         "E": args.E, "N": 2 * args.I, "K": args.H, "dtype": args.dtype, "device": name,
         "triton": triton.__version__, "torch": torch.__version__,
         "configs": configs,

@@ -1,4 +1,4 @@
-"""The dense gemv against ``F.linear`` on a model's projection shapes: ``python -m engine.dense_gemv_bench``.
+"""The dense gemv against ``F.linear`` on a model's projection shapes: ``python -m benchmarks.dense_gemv``.
 
 For each distinct dense projection shape of the preset (default qwen3-30b-a3b:
 qkv 2048->5120, o 4096->2048, router 2048->128, lm_head 2048->151936) it runs
@@ -48,7 +48,7 @@ def run(spec: str, dtype: torch.dtype, device: torch.device, reps: int, warmup: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.dense_gemv_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.dense_gemv", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default=None, help="random-weights spec (default qwen3-30b-a3b)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--reps", type=int, default=20)
@@ -58,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
-        from engine.bench_gpu import SMOKE_SPEC
+        from benchmarks.engine_gpu import SMOKE_SPEC
 
         device, spec, dtype, reps = torch.device("cpu"), args.preset or SMOKE_SPEC, torch.float32, 1
     elif not torch.cuda.is_available():
-        print("engine.dense_gemv_bench: no CUDA device (use --smoke for a CPU run of the same code)", file=sys.stderr)
+        print("benchmarks.dense_gemv: no CUDA device (use --smoke for a CPU run of the same code)", file=sys.stderr)
         return 2
     else:
         device, spec, dtype, reps = torch.device("cuda"), args.preset or "qwen3-30b-a3b", DTYPES[args.dtype], args.reps

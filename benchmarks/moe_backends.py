@@ -1,4 +1,4 @@
-"""Benchmark the routed-expert backends on real MoE layer shapes: ``python -m moe_kernels.bench``.
+"""Benchmark the routed-expert backends on real MoE layer shapes: ``python -m benchmarks.moe_backends``.
 
 Legend: T tokens, H hidden, I expert intermediate, E experts, k top-k, S = T*k slots.
 
@@ -21,14 +21,13 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from moe_kernels.routing import route
+from moe_kernels.timing import capture_graph, median_ms
 from moe_kernels.torch_backend import fused_moe_torch
 
 
@@ -68,61 +67,6 @@ class Profile:
 
 GPU_PROFILE = Profile(MODELS, TOKENS, reps=20, warmup=3, peak_matmul_n=8192, copy_bytes=2 << 30, flush_bytes=256 << 20)
 SMOKE_PROFILE = Profile(SMOKE_MODELS, SMOKE_TOKENS, reps=2, warmup=1, peak_matmul_n=256, copy_bytes=16 << 20, flush_bytes=0)
-
-
-def capture_graph(fn, device: torch.device):
-    """``fn`` captured into a CUDA graph (after one eager warm-up call), or None off CUDA or if capture fails.
-
-    Timing replays leaves out the host's launch gaps, as the engine's decode
-    graphs do; at decode sizes those gaps are longer than the kernels.
-    """
-    if device.type != "cuda":
-        return None
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    try:
-        with torch.cuda.stream(stream):
-            fn()  # compile / autotune outside the capture
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError:
-        torch.cuda.synchronize(device)
-        return None
-    return graph
-
-
-def median_ms(fn, device: torch.device, reps: int, warmup: int, flush: torch.Tensor | None = None) -> float:
-    """Median wall time of ``fn()`` in milliseconds: CUDA events on a GPU, perf_counter on the CPU.
-
-    ``flush`` (a large buffer) is read before each timed call, outside the
-    timed region, so weights come from memory and not from L2. Read, not
-    zeroed: a zeroing pass leaves L2 full of dirty lines whose write-back
-    would land inside the timed call and bill a memory-bound kernel for
-    traffic that is not its own.
-    """
-    for _ in range(warmup):
-        fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize(device)
-    events = []
-    for _ in range(reps):
-        if flush is not None:
-            flush.max()  # a reduction: reads every byte, writes one scalar
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize(device)
-    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def _matmul_tflops(profile: Profile, device: torch.device, dtype: torch.dtype) -> float:
@@ -260,7 +204,7 @@ def _positive_ints(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_backends", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--tokens", type=_positive_ints, help="comma-separated token counts (default: 1,16,64,256,1024,4096,16384)")
@@ -271,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_backend is imported (in backends())
         profile, device = SMOKE_PROFILE, torch.device("cpu")
     elif not torch.cuda.is_available():
-        print("moe_kernels.bench needs a CUDA GPU (use --smoke for a CPU dry run of the same code)", file=sys.stderr)
+        print("benchmarks.moe_backends needs a CUDA GPU (use --smoke for a CPU dry run of the same code)", file=sys.stderr)
         return 2
     else:
         profile, device = GPU_PROFILE, torch.device("cuda")

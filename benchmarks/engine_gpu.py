@@ -1,4 +1,4 @@
-"""Engine speed on one GPU against its floors and against transformers: ``python -m engine.bench_gpu``.
+"""Engine speed on one GPU against its floors and against transformers: ``python -m benchmarks.engine_gpu``.
 
 One command, one process, a table at the end (``--json PATH`` also writes every number):
 
@@ -6,7 +6,7 @@ One command, one process, a table at the end (``--json PATH`` also writes every 
 2. decode: C concurrent requests (C in 1, 8, 32, 128, 256), each step timed;
    tokens/s = C / median step time; the floor is (dense weights + experts
    actually hit + KV read) / bandwidth, or FLOPs / peak if larger
-   (``engine.roofline``); every step checked against 2x the median;
+   (``benchmarks.roofline``); every step checked against 2x the median;
 3. prefill: one prompt of 512 and of 8192 tokens in one step each;
 4. the same end-to-end workload (R requests, fixed prompt and output lengths)
    through moegate and through transformers on the same GPU: ``generate`` with
@@ -75,7 +75,7 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_peaks(profile: Profile, device: torch.device) -> dict:
-    from moe_kernels.bench import Profile as KernelProfile, measure_peaks as kernel_peaks
+    from benchmarks.moe_backends import Profile as KernelProfile, measure_peaks as kernel_peaks
 
     p = KernelProfile((), (), profile.peak_reps, 2, profile.peak_matmul_n, profile.copy_bytes, 0)
     tflops, gbps = kernel_peaks(p, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -140,7 +140,7 @@ def _count_syncs(engine) -> int:
 
 def _experts_hit(engine) -> int:
     """Run one step eagerly with router hooks; experts hit summed over MoE layers."""
-    from engine.roofline import ExpertHits
+    from benchmarks.roofline import ExpertHits
 
     graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, None
     try:
@@ -202,7 +202,7 @@ def num_moe_layers(engine) -> int:
 
 
 def bench_decode(engine, profile: Profile, peaks: dict, costs, rng: random.Random) -> list[dict]:
-    from engine.roofline import step_floor
+    from benchmarks.roofline import step_floor
 
     rows = []
     vocab = engine.model_config.vocab_size
@@ -253,7 +253,7 @@ def bench_decode(engine, profile: Profile, peaks: dict, costs, rng: random.Rando
 
 
 def bench_prefill(engine, profile: Profile, peaks: dict, costs, rng: random.Random) -> list[dict]:
-    from engine.roofline import step_floor
+    from benchmarks.roofline import step_floor
 
     rows = []
     vocab = engine.model_config.vocab_size
@@ -381,7 +381,7 @@ def bench_e2e_hf(model_config, dtype: torch.dtype, device: torch.device, prompts
 
 def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwise: str = "auto",
         dense_gemv: str = "auto") -> dict:
-    from engine.roofline import model_costs
+    from benchmarks.roofline import model_costs
 
     _log(f"measuring peaks on {device}")
     peaks = measure_peaks(profile, device)
@@ -488,7 +488,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.bench_gpu", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the same code on the CPU: tiny model, Triton interpreter")
     parser.add_argument("--preset", help="random-weights spec (default qwen3-30b-a3b; e.g. olmoe-1b-7b, mixtral-8x7b on an H200)")
     parser.add_argument("--concurrency", type=_ints, help="decode concurrencies (default 1,8,32,128,256)")
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
         profile, device = SMOKE, torch.device("cpu")
     elif not torch.cuda.is_available():
-        print("engine.bench_gpu: no CUDA device (use --smoke for a CPU run of the same code)", file=sys.stderr)
+        print("benchmarks.engine_gpu: no CUDA device (use --smoke for a CPU run of the same code)", file=sys.stderr)
         return 2
     else:
         profile, device = GPU, torch.device("cuda")
