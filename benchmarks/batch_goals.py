@@ -249,7 +249,7 @@ async def batch_phases(app, batch_id: str, submitted_at: float, seen_at: float) 
     """
     from datetime import timezone
 
-    from gateway.batch_api import BATCH_STORE
+    from gateway.batch.batches import BATCH_STORE
 
     b = await app[BATCH_STORE].get_batch(None, batch_id)
 

@@ -61,7 +61,7 @@ def _thread_cpu_s() -> dict[str, float]:
 
 
 async def _run(args, url: str) -> None:
-    from gateway.batch_runner import BatchRunner, BatchRunnerConfig
+    from gateway.batch.runner import BatchRunner, BatchRunnerConfig
     from tenants.batch_store import BatchStore
     from tenants.migrate import upgrade
     from tenants.quota import QuotaManager

@@ -32,10 +32,10 @@ from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
 from gateway.usage_ledger import UsageLedger
-from gateway import batch_api, files_api
-from gateway.batch_api import BATCH_SETTINGS, BATCH_WAKE, QUOTA_MANAGER
-from gateway.batch_runner import BatchRunner, BatchRunnerConfig
-from gateway.files_api import BATCH_STORE, DATA_DIR, MAX_FILE_BYTES
+from gateway.batch import batches as batch_api, files as files_api
+from gateway.batch.batches import BATCH_SETTINGS, BATCH_WAKE, QUOTA_MANAGER
+from gateway.batch.runner import BatchRunner, BatchRunnerConfig
+from gateway.batch.files import BATCH_STORE, DATA_DIR, MAX_FILE_BYTES
 from tenants.batch_store import BatchStore
 from tenants.store import NotFound
 from tenants.quota import QuotaManager

@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="moegate", description="Multi-tenant serving for MoE language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    from gateway import run_batch
+    from gateway.batch import offline as run_batch
 
     run_batch.register(sub)
     engine_cli.register(sub)

@@ -38,7 +38,7 @@ class GatewayConfig:
     batch_completion_window_s: float = 24 * 3600.0  # what "24h" means (shorter in tests)
     batch_lease_s: float = 60.0  # a crashed gateway's lines are taken over after this
     # Batch lines in the engine at once, from this gateway; None: twice the engine's max_num_seqs, so
-    # lines queue inside the engine and take a slot the step after one frees (see gateway.batch_runner).
+    # lines queue inside the engine and take a slot the step after one frees (see gateway.batch.runner).
     batch_max_inflight: int | None = None
     batch_poll_s: float = 0.5
 

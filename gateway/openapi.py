@@ -2,7 +2,7 @@
 
 import msgspec
 
-from gateway.batch_api import CreateBatch
+from gateway.batch.batches import CreateBatch
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 
 _ERROR = {

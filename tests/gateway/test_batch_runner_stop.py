@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 
 from benchmarks.instant_engine import InstantEngine
-from gateway.batch_runner import BatchRunner, BatchRunnerConfig
+from gateway.batch.runner import BatchRunner, BatchRunnerConfig
 from tenants.batch_store import BatchStore
 from tenants.migrate import upgrade
 from tenants.quota import QuotaManager

@@ -6,7 +6,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.batch_validation import validate_batch_file
+from gateway.batch.validation import validate_batch_file
 from gateway.errors import APIError
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
 

@@ -13,9 +13,9 @@ import msgspec
 from aiohttp import web
 
 from gateway.auth import PRINCIPAL
-from gateway.batch_validation import ENDPOINTS, validate_batch_file
+from gateway.batch.validation import ENDPOINTS, validate_batch_file
 from gateway.errors import APIError, read_body
-from gateway.files_api import BATCH_STORE, _json, _limit, list_page, read_content
+from gateway.batch.files import BATCH_STORE, _json, _limit, list_page, read_content
 from gateway.openai_schema import decode_body
 from tenants.models import Batch
 from tenants.quota import Denied, QuotaManager

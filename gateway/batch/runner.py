@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.batch_validation import ENDPOINTS
+from gateway.batch.validation import ENDPOINTS
 from gateway.completion import NOT_RETRIED, complete
 from gateway.errors import APIError
 from gateway.openai_schema import decode_body

@@ -30,7 +30,7 @@ def register(subparsers) -> None:
 
 
 def _run_batch(args: argparse.Namespace) -> int:
-    from gateway.batch_validation import validate_batch_file
+    from gateway.batch.validation import validate_batch_file
 
     src = Path(args.input)
     if not src.is_file():
@@ -70,7 +70,7 @@ async def _execute(config: EngineConfig, endpoint: str, checked, out_path: Path,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     from engine.async_engine import AsyncEngine
-    from gateway.batch_runner import execute_line
+    from gateway.batch.runner import execute_line
 
     engine = AsyncEngine(config)
     await engine.start()
