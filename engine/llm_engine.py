@@ -138,10 +138,6 @@ class LLMEngine:
         """Token ids of text (or checked token ids), without the length checks of ``prepare_prompt``."""
         return self.inputs.encode(prompt) if isinstance(prompt, str) else self.inputs.token_ids(prompt)
 
-    def apply_chat_template(self, messages) -> str:
-        """Chat turns (objects with .role and .content) -> prompt text, via the tokenizer's template if it has one."""
-        return self.inputs.render_chat(messages)
-
     def prepare_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a servable prompt, or ValueError (``InvalidPrompt``) saying why it is not."""
         return self.inputs.token_ids(prompt)

@@ -50,9 +50,9 @@ TIMER = web.RequestKey("timer", RequestTimer)
 RATE_HEADERS = web.RequestKey("rate_headers", dict)
 INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
 LEDGER = web.AppKey("ledger", UsageLedger)
-DRAINING = web.AppKey("draining", asyncio.Event)
+DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503
 METRICS_URL = web.AppKey("metrics_url", str)  # where the metrics listener answers (once started)
-ENGINE_RESTART_INTERVAL_S = 60.0  # at most one restart a minute for the same cause  # set on shutdown: in-flight requests finish, new ones get 503
+ENGINE_RESTART_INTERVAL_S = 60.0  # at most one restart a minute for the same cause
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -99,14 +99,25 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return request.app[METRICS].render()
 
 
+async def _write_error_event(response: web.StreamResponse, err: APIError) -> web.StreamResponse:
+    """End a stream whose headers are gone with one event in the OpenAI error shape."""
+    error = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    await response.write(b"data: " + msgspec.json.encode(error) + b"\n\n")
+    await response.write_eof()
+    return response
+
+
 async def serve_metrics(app: web.Application):
     """Cleanup context: /metrics alone on ``metrics_host:metrics_port`` (a listener for the scraper only)."""
     config = app[CONFIG]
     if config.metrics_port is None:
         yield
         return
+    async def scrape(request: web.Request) -> web.Response:
+        return app[METRICS].render()
+
     metrics_app = web.Application()
-    metrics_app.router.add_get("/metrics", lambda request: app[METRICS].render())
+    metrics_app.router.add_get("/metrics", scrape)
     runner = web.AppRunner(metrics_app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.metrics_host, config.metrics_port)
@@ -266,12 +277,8 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     delta = first
     while True:
-        if delta.finish_reason == "error":  # headers are gone: say it in the stream, in the OpenAI error shape
-            failed = output_failed()
-            error = {"error": {"message": failed.message, "type": failed.type, "param": None, "code": failed.code}}
-            await response.write(b"data: " + msgspec.json.encode(error) + b"\n\n")
-            await response.write_eof()
-            return response
+        if delta.finish_reason == "error":
+            return await _write_error_event(response, output_failed())
         event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
                  "choices": [choice(chat, delta.new_text, delta.finish_reason, True)]}
         if include_usage:
@@ -281,12 +288,9 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
             break
         try:
             delta = request[LAST_DELTA] = await anext(stream)
-        except EngineError as e:  # headers are gone: say it in the stream, in the OpenAI error shape
-            error = {"error": {"message": f"engine unavailable: {e}", "type": "server_error", "param": None,
-                               "code": "engine_unavailable"}}
-            await response.write(b"data: " + msgspec.json.encode(error) + b"\n\n")
-            await response.write_eof()
-            return response
+        except EngineError as e:
+            return await _write_error_event(response, APIError(503, f"engine unavailable: {e}", "server_error",
+                                                               code="engine_unavailable"))
         timer.delta(first=False)
     if include_usage:  # OpenAI's shape: a last chunk with no choices and the request's usage
         event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [], "usage": usage_of(delta)}

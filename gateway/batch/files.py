@@ -1,7 +1,10 @@
 """`/v1/files`: upload, list, get, download and delete a tenant's files (purpose ``batch``).
 
-Bytes go to ``<data_dir>/files/<id>``, written to a temporary name and renamed
-once complete, so a cut upload leaves neither a row nor a partial file.
+An upload is received into a temporary file under ``<data_dir>/files`` and then
+stored in the database, row and content in one transaction, so a cut upload
+leaves neither a row nor a partial file, and every gateway sharing the database
+serves every file. Files written before contents moved into the database are
+still read from the data directory.
 """
 
 import asyncio
@@ -85,9 +88,10 @@ async def upload(request: web.Request) -> web.Response:
     try:
         while (part := await progress(reader.next())) is not None:
             if part.name == "purpose":
+                raw = await progress(part.read(decode=True))
                 try:
-                    purpose = (await progress(part.text())).strip()
-                except (UnicodeDecodeError, LookupError):
+                    purpose = raw.decode("utf-8").strip()
+                except UnicodeDecodeError:
                     raise APIError(400, "purpose must be UTF-8 text", param="purpose") from None
             elif part.name == "file":
                 filename = _utf8_filename(part.filename or "upload.jsonl")
