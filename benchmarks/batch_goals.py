@@ -185,8 +185,8 @@ async def start_gateway(tmp: str, engine, tenants: list[str], batch_max_inflight
 
 
 async def main_async(args, model_dir: str, tmp: str) -> dict:
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
+    from engine.serving.async_engine import AsyncEngine
+    from engine.core.config import EngineConfig
 
     engine = AsyncEngine(EngineConfig(model=model_dir, **engine_options(args.max_num_seqs, engine_threads(args))))
     # The same live requests run twice, from two tenants: the prefix cache is per tenant, so the second
@@ -518,7 +518,7 @@ def main() -> None:
     if args.pin and not args.skip_live:
         p.error("--pin measures goal 2 only: add --skip-live "
                 "(pinned engines would change what the live phases measure)")
-    from engine.demo_model import write_demo_model
+    from engine.loading.demo_model import write_demo_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "demo")

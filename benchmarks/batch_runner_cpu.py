@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from benchmarks import run_on_gateway_loop
 from benchmarks.instant_engine import InstantEngine
-from engine.protocol import Delta
+from engine.serving.protocol import Delta
 
 
 @dataclass

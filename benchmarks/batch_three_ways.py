@@ -43,7 +43,7 @@ MAX_TOKENS = 16
 
 
 async def bare_tok_s(engine, bodies: list[dict], inflight: int = 64) -> float:
-    from engine.protocol import SamplingSpec
+    from engine.serving.protocol import SamplingSpec
 
     slots = asyncio.Semaphore(inflight)
 
@@ -65,9 +65,9 @@ async def bare_tok_s(engine, bodies: list[dict], inflight: int = 64) -> float:
 
 
 async def run(args, tmp: str) -> dict[str, list[float]]:
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-    from engine.demo_model import write_demo_model
+    from engine.serving.async_engine import AsyncEngine
+    from engine.core.config import EngineConfig
+    from engine.loading.demo_model import write_demo_model
 
     model_dir = os.path.join(tmp, "demo")
     write_demo_model(model_dir, seed=0)

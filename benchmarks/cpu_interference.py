@@ -99,7 +99,7 @@ def main() -> None:
     args = p.parse_args()
 
     from engine import LLM, SamplingParams
-    from engine.demo_model import write_demo_model
+    from engine.loading.demo_model import write_demo_model
 
     with tempfile.TemporaryDirectory() as model_dir:
         write_demo_model(model_dir, seed=0)

@@ -2,7 +2,7 @@
 
 For each distinct dense projection shape of the preset (default qwen3-30b-a3b:
 qkv 2048->5120, o 4096->2048, router 2048->128, lm_head 2048->151936) it runs
-exactly what engine start runs (``engine.dense_gemv_select.select``): F.linear
+exactly what engine start runs (``engine.transforms.gemv_select.select``): F.linear
 and every candidate launch at 1, 4 and 8 rows, CUDA-graph replays timed by
 CUDA events with L2 flushed before each call, on random weights of the shape.
 It prints the choice per (shape, rows) with both paths' time and weight-read
@@ -24,8 +24,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def projection_shapes(spec: str, dtype: torch.dtype):
     """The distinct dense projection shapes of one decoder layer plus the LM head, from the model built on meta."""
-    from engine.dense_gemv_select import group_by_shape
-    from engine.random_weights import build_random_model, random_model_config
+    from engine.transforms.gemv_select import group_by_shape
+    from engine.loading.random_weights import build_random_model, random_model_config
 
     one_layer = spec + (",num_hidden_layers=1" if ":" in spec and "=" in spec.rpartition(":")[2] else ":num_hidden_layers=1")
     model = build_random_model(random_model_config(one_layer), dtype, torch.device("meta"), "torch", max_positions=1)
@@ -33,7 +33,7 @@ def projection_shapes(spec: str, dtype: torch.dtype):
 
 
 def run(spec: str, dtype: torch.dtype, device: torch.device, reps: int, warmup: int = 2) -> list[dict]:
-    from engine.dense_gemv_select import ReplayTimer, format_choices, select
+    from engine.transforms.gemv_select import ReplayTimer, format_choices, select
 
     shapes = {}
     for shape, mods in projection_shapes(spec, dtype).items():

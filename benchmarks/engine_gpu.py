@@ -12,7 +12,7 @@ One command, one process, a table at the end (``--json PATH`` also writes every 
    through moegate and through transformers on the same GPU: ``generate`` with
    one static batch and ``generate_batch`` (its continuous batching); the ratio.
 
-The model is a real-size preset with RANDOM weights (``engine.random_weights``,
+The model is a real-size preset with RANDOM weights (``engine.loading.random_weights``,
 default qwen3-30b-a3b, bf16), built directly on the GPU: nothing is downloaded.
 Our engine runs with its defaults on CUDA (Triton attention and MoE, decode
 CUDA graphs) and is freed before transformers builds its copy.
@@ -43,7 +43,7 @@ SMOKE_SPEC = ("qwen3-30b-a3b:num_hidden_layers=2,hidden_size=64,intermediate_siz
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    spec: str  # random-weights spec (engine.random_weights)
+    spec: str  # random-weights spec (engine.loading.random_weights)
     dtype: str
     concurrency: tuple[int, ...]
     decode_prompt_len: int
@@ -82,8 +82,11 @@ def measure_peaks(profile: Profile, device: torch.device) -> dict:
     return {"peak_tflops": tflops, "bandwidth_gbps": gbps}
 
 
-def build_engine(profile: Profile, device: torch.device, **overrides):
-    from engine.config import EngineConfig
+def build_engine(profile: Profile, device: torch.device, elementwise: str = "triton", dense_gemv: str = "measure",
+                 **overrides):
+    """The engine under test: every part in Triton (interpreted on the CPU), except what the arguments change
+    to compare (``elementwise="torch"``: unfused norms/RoPE/routing; ``dense_gemv="off"``: F.linear only)."""
+    from engine.core.config import EngineConfig, KernelChoice
     from engine.llm_engine import LLMEngine
 
     max_len = max(max(profile.prefill_lens), profile.decode_prompt_len + profile.decode_warmup_steps + profile.decode_steps + 8,
@@ -94,11 +97,10 @@ def build_engine(profile: Profile, device: torch.device, **overrides):
         max_num_batched_tokens=max(profile.prefill_lens), max_model_len=max_len, enable_prefix_caching=False,
     )
     if device.type == "cpu":  # the smoke run: the GPU code path, interpreted
-        kwargs.update(attention_backend="triton", moe_backend="triton", num_kv_blocks=256)
+        kwargs.update(num_kv_blocks=256)
+        dense_gemv = "off" if dense_gemv == "measure" else dense_gemv  # no device timers to measure with
     kwargs.update(overrides)
-    if device.type == "cpu" and kwargs.get("elementwise_backend", "auto") == "auto":
-        kwargs["elementwise_backend"] = "triton"
-    return LLMEngine(EngineConfig(**kwargs))
+    return LLMEngine(EngineConfig(**kwargs), KernelChoice("triton", elementwise, "triton", dense_gemv))
 
 
 def _random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -106,7 +108,7 @@ def _random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
 
 
 def _params(max_tokens: int):
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -187,7 +189,7 @@ def profile_decode(engine, profile: Profile, rng: random.Random) -> str:
     """
     conc, vocab = profile.profile_concurrency, engine.model_config.vocab_size
     ids = [engine.add_request(_random_prompt(rng, profile.decode_prompt_len, vocab), _params(64)) for _ in range(conc)]
-    while engine.last_stats is None or engine.last_stats.step_prefill_tokens or engine.last_stats.num_running < conc:
+    while (s := engine.stats()).step_prefill_tokens or s.num_running < conc:
         engine.step()
     text = profile_step(engine)
     for request_id in ids:
@@ -214,7 +216,7 @@ def bench_decode(engine, profile: Profile, peaks: dict, costs, rng: random.Rando
                for _ in range(conc)]
         while True:  # prefill everyone (chunks) until every request is decoding
             engine.step()
-            stats = engine.last_stats
+            stats = engine.stats()
             if stats.step_prefill_tokens == 0 and stats.num_running == conc:
                 break
             if stats.num_running < conc and not any(stats.num_waiting_by_rank.values()):
@@ -226,9 +228,9 @@ def bench_decode(engine, profile: Profile, peaks: dict, costs, rng: random.Rando
             if step == profile.decode_steps // 2:  # KV tokens the middle step reads (contexts differ by a few)
                 kv_tokens = sum(r.num_tokens for r in engine.scheduler.running)
             times.append(_timed_step(engine))
-            sched_ms.append(engine.last_stats.step_schedule_ms)
-            prep_ms.append(engine.last_stats.step_prepare_ms)
-            assert engine.last_stats.step_decode_tokens == conc and engine.last_stats.step_prefill_tokens == 0
+            sched_ms.append(engine.stats().step_schedule_ms)
+            prep_ms.append(engine.stats().step_prepare_ms)
+            assert engine.stats().step_decode_tokens == conc and engine.stats().step_prefill_tokens == 0
         syncs = _count_syncs(engine)
         hit = _experts_hit(engine)
         for request_id in ids:
@@ -265,7 +267,7 @@ def bench_prefill(engine, profile: Profile, peaks: dict, costs, rng: random.Rand
                 hits.append(_experts_hit(engine))
             else:
                 times.append(_timed_step(engine))
-                assert engine.last_stats.step_prefill_tokens == length, "the prompt did not fit in one step"
+                assert engine.stats().step_prefill_tokens == length, "the prompt did not fit in one step"
             while engine.has_unfinished():
                 engine.step()
         times = times[1:] or times
@@ -301,7 +303,7 @@ def bench_e2e_moegate(engine, prompts: list[list[int]], output_len: int) -> dict
     while engine.has_unfinished():
         replays, t0 = graphs.replays if graphs else 0, time.perf_counter()
         produced += sum(len(o.new_token_ids) for o in engine.step())
-        stats = engine.last_stats
+        stats = engine.stats()
         steps.append((time.perf_counter() - t0, stats.step_decode_tokens, stats.step_prefill_tokens,
                       bool(graphs and graphs.replays > replays)))
     seconds = time.perf_counter() - start
@@ -379,19 +381,19 @@ def bench_e2e_hf(model_config, dtype: torch.dtype, device: torch.device, prompts
     return rows
 
 
-def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwise: str = "auto",
-        dense_gemv: str = "auto") -> dict:
+def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwise: str = "triton",
+        dense_gemv: str = "measure") -> dict:
     from benchmarks.roofline import model_costs
 
     _log(f"measuring peaks on {device}")
     peaks = measure_peaks(profile, device)
     _log(f"building {profile.spec} (random weights) on {device}")
-    engine = build_engine(profile, device, elementwise_backend=elementwise, dense_gemv=dense_gemv)
+    engine = build_engine(profile, device, elementwise=elementwise, dense_gemv=dense_gemv)
     # Which projections run the Triton gemv at which row counts, as measured at engine start.
     dense_gemv_choices = [c.to_dict() for c in engine.dense_gemv_choices]
     dense_gemv_table = None
     if engine.dense_gemv_choices:
-        from engine.dense_gemv_select import format_choices
+        from engine.transforms.gemv_select import format_choices
 
         dense_gemv_table = format_choices(engine.dense_gemv_choices)
     costs = model_costs(engine.model)
@@ -410,7 +412,7 @@ def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwi
     report = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run, Triton interpreter)",
         torch=torch.__version__, profile=asdict(profile), dtype=str(dtype).removeprefix("torch."),
-        attention_backend=engine.attention_backend, elementwise_backend=engine.elementwise_backend, cuda_graph_sizes=list(graphs.sizes) if graphs else None,
+        attention_backend=engine.kernels.attention, elementwise_backend=engine.kernels.elementwise, cuda_graph_sizes=list(graphs.sizes) if graphs else None,
         kv_blocks=engine.scheduler.kv.pool.num_blocks, costs=asdict(costs), decode_profile=decode_profile,
         dense_gemv=dense_gemv, dense_gemv_choices=dense_gemv_choices, dense_gemv_table=dense_gemv_table, **peaks,
     )
@@ -493,10 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", help="random-weights spec (default qwen3-30b-a3b; e.g. olmoe-1b-7b, mixtral-8x7b on an H200)")
     parser.add_argument("--concurrency", type=_ints, help="decode concurrencies (default 1,8,32,128,256)")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers comparison")
-    parser.add_argument("--elementwise", choices=("auto", "torch", "triton"), default="auto",
-                        help="engine elementwise_backend (torch: unfused norms/RoPE/routing, to compare)")
-    parser.add_argument("--dense-gemv", choices=("auto", "off", "on"), default="auto",
-                        help="engine dense_gemv (off: cuBLAS for every projection, to compare)")
+    parser.add_argument("--elementwise", choices=("torch", "triton"), default="triton",
+                        help="norms/RoPE/routing kernels (torch: unfused, to compare)")
+    parser.add_argument("--dense-gemv", choices=("measure", "off", "on"), default="measure",
+                        help="the dense gemv (off: cuBLAS for every projection, to compare; on: everywhere)")
     parser.add_argument("--profile", type=int, metavar="C", default=0,
                         help="print a kernel profile of one decode step at concurrency C (CUDA)")
     parser.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")

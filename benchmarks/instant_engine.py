@@ -10,7 +10,7 @@ product.
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-from engine.protocol import Delta, Ready
+from engine.serving.protocol import Delta, Ready
 
 
 class InstantEngine:

@@ -138,7 +138,7 @@ async def soak(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="moegate-soak-")
     model = args.model
     if model is None:
-        from engine.demo_model import write_demo_model
+        from engine.loading.demo_model import write_demo_model
 
         model = os.path.join(tmp, "demo")
         write_demo_model(model, seed=0)

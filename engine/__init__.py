@@ -15,10 +15,11 @@ import importlib
 _EXPORTS = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
-    "EngineConfig": "engine.config",
-    "SamplingParams": "engine.sampling_params",
-    "RequestOutput": "engine.outputs",
-    "CheckpointError": "engine.model_config",
+    "EngineConfig": "engine.core.config",
+    "KernelChoice": "engine.core.config",
+    "SamplingParams": "engine.core.sampling_params",
+    "RequestOutput": "engine.core.outputs",
+    "CheckpointError": "engine.loading.model_config",
 }
 
 __all__ = list(_EXPORTS)

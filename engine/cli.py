@@ -5,7 +5,7 @@ import sys
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from engine.demo_model import write_demo_model
+    from engine.loading.demo_model import write_demo_model
 
     try:
         write_demo_model(args.dir, seed=args.seed)

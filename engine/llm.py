@@ -2,17 +2,18 @@
 
 from collections.abc import Sequence
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig, KernelChoice
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 
 
 class LLM:
-    """Batch generation in-process. Keyword arguments are ``EngineConfig`` fields."""
+    """Batch generation in-process. Keyword arguments are ``EngineConfig`` fields; ``kernel_choice`` overrides
+    what ``kernels`` resolves to (to compare one part's kernels, see ``engine.core.config.KernelChoice``)."""
 
-    def __init__(self, model: str, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    def __init__(self, model: str, kernel_choice: KernelChoice | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), kernel_choice)
 
     @property
     def tokenizer(self):
@@ -40,12 +41,8 @@ class LLM:
         token_prompts = [self.engine.prepare_prompt(p) for p in prompts]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(token_prompts, params)]
         finished: dict[str, RequestOutput] = {}
-        self.engine.scheduler.drain = True  # nothing else will arrive: static batching may start partial batches
-        try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-        finally:
-            self.engine.scheduler.drain = False
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
         return [finished[i] for i in ids]

@@ -2,21 +2,20 @@
 
 import itertools
 import logging
-import time
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.inputs import InputProcessor
-from engine.model_config import CheckpointError, load_model_config
-from engine.model_loader import build_model
-from engine.outputs import OutputProcessor, RequestOutput
-from engine.request import Request
-from engine.runner import ModelRunner, kv_bytes_per_block
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.stats import EXPERT_LOAD_EVERY_CUDA, SchedulerStats
-from engine.tokenizer import load_tokenizer
+from engine.core.config import CacheConfig, EngineConfig, KernelChoice, SchedulerConfig
+from engine.text.prompts import InputProcessor
+from engine.loading.model_config import CheckpointError, load_model_config
+from engine.loading.model_loader import build_model
+from engine.core.outputs import OutputProcessor, RequestOutput
+from engine.core.request import Request
+from engine.worker.runner import ModelRunner, kv_bytes_per_block
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.stats import EXPERT_LOAD_EVERY_CUDA, SchedulerStats
+from engine.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +30,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_kernel_backend(name: str, device: torch.device) -> str:
-    """'auto' -> 'triton' on CUDA, 'torch' elsewhere (attention and elementwise backends)."""
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return name
-
-
 def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
@@ -49,11 +41,12 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
 class LLMEngine:
     """Loads a checkpoint and serves requests step by step (no threads, no I/O beyond loading)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kernel_choice: KernelChoice | None = None) -> None:
+        """``kernel_choice`` overrides what ``config.kernels`` resolves to (to compare one part's kernels)."""
         self.config = config
         self.device = resolve_device(config.device)
         if config.random_weights:
-            from engine.random_weights import random_model_config
+            from engine.loading.random_weights import random_model_config
 
             self.model_config = random_model_config(config.random_weights)
         else:
@@ -61,31 +54,30 @@ class LLMEngine:
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
-        self.attention_backend = resolve_kernel_backend(config.attention_backend, self.device)
-        self.elementwise_backend = resolve_kernel_backend(config.elementwise_backend, self.device)
-        if "triton" in (config.moe_backend, config.attention_backend, config.elementwise_backend) or config.dense_gemv == "on":
+        self.kernels = kernel_choice or KernelChoice.resolve(config.kernels, self.device.type)
+        if self.kernels.uses_triton:
             import moe_kernels
 
             if "triton" not in moe_kernels.available_backends():
-                raise ValueError("the triton backends need CUDA (or TRITON_INTERPRET=1 for CPU testing)")
+                raise ValueError("the triton kernels need CUDA (or TRITON_INTERPRET=1 for CPU testing)")
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings)
         torch.manual_seed(config.seed)
         if config.random_weights:
-            from engine.random_weights import build_random_model
+            from engine.loading.random_weights import build_random_model
 
-            self.model = build_random_model(self.model_config, self.dtype, self.device, config.moe_backend, max_len, config.seed)
+            self.model = build_random_model(self.model_config, self.dtype, self.device, self.kernels.moe, max_len, config.seed)
         else:
-            self.model = build_model(self.model_config, config.model, self.dtype, self.device, config.moe_backend, max_len)
-        if self.elementwise_backend == "triton":
-            from engine.layers.fusion import enable_triton_elementwise
+            self.model = build_model(self.model_config, config.model, self.dtype, self.device, self.kernels.moe, max_len)
+        if self.kernels.elementwise == "triton":
+            from engine.transforms.fusion import enable_triton_elementwise
 
             enable_triton_elementwise(self.model)
         # Before the KV pool is sized: the measurement's scratch memory is given back by then.
         self.dense_gemv_choices = []
-        if config.dense_gemv == "on" or (config.dense_gemv == "auto" and self.device.type == "cuda"):
-            from engine.dense_gemv_select import apply_dense_gemv
+        if self.kernels.dense_gemv != "off":
+            from engine.transforms.gemv_select import apply_dense_gemv
 
-            self.dense_gemv_choices = apply_dense_gemv(self.model, self.device, "on" if config.dense_gemv == "on" else "measure")
+            self.dense_gemv_choices = apply_dense_gemv(self.model, self.device, self.kernels.dense_gemv)
         num_blocks = config.num_kv_blocks or self._num_blocks_for_memory()
         # A sequence can never hold more tokens than the whole pool.
         self.max_model_len = min(max_len, num_blocks * config.block_size)
@@ -93,23 +85,21 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                batching=config.batching, max_wait_ms=config.max_wait_ms,
                 background_token_budget=config.background_token_budget,
                 background_window_s=config.background_window_s,
             ),
             cache_config,
         )
-        self.last_stats: SchedulerStats | None = None
-        self._steps = 0
-        self.runner = ModelRunner(self.model, cache_config, self.device, self.dtype, config.seed, self.attention_backend)
+        self._expert_load_read_at = -EXPERT_LOAD_EVERY_CUDA  # runner.num_steps at the last expert-load read
+        self.runner = ModelRunner(self.model, cache_config, self.device, self.dtype, config.seed, self.kernels.attention)
         # The torch MoE backend reads expert counts on the host, which a graph capture forbids.
-        graph_safe_moe = config.moe_backend != "torch"
+        graph_safe_moe = self.kernels.moe != "torch"
         if self.device.type == "cuda" and graph_safe_moe:
-            from engine.warmup import warm_up_moe
+            from engine.transforms.warmup import warm_up_moe
 
             warm_up_moe(self.model, config.max_num_batched_tokens, self.device, self.dtype)
-        if self.device.type == "cuda" and self.attention_backend == "triton" and graph_safe_moe and not config.enforce_eager:
-            from engine.cuda_graphs import enable_decode_graphs
+        if self.device.type == "cuda" and self.kernels.attention == "triton" and graph_safe_moe and not config.enforce_eager:
+            from engine.transforms.cuda_graphs import enable_decode_graphs
 
             enable_decode_graphs(self.runner, config.cuda_graph_batch_sizes, config.max_num_seqs, self.max_model_len)
         tokenizer_dir = config.tokenizer or (None if config.random_weights else config.model)
@@ -120,7 +110,7 @@ class LLMEngine:
         logger.info(
             "engine ready: %s%s on %s/%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, CUDA graphs %s",
             self.model_config.architecture, " (RANDOM WEIGHTS)" if config.random_weights else "", self.device, self.dtype,
-            self.attention_backend, num_blocks, config.block_size, self.max_model_len,
+            self.kernels.attention, num_blocks, config.block_size, self.max_model_len,
             self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off",
         )
 
@@ -185,21 +175,23 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        sched_out = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        sampled = self.runner.execute(sched_out)
-        t2 = time.perf_counter()
-        updates = self.scheduler.update(sched_out, sampled)
-        t3 = time.perf_counter()
-        self.last_stats = self.scheduler.stats()
-        self.last_stats.step_schedule_ms = ((t1 - t0) + (t3 - t2)) * 1e3
-        self.last_stats.step_prepare_ms = self.runner.last_prepare_ms
-        self.last_stats.step_execute_ms = (t2 - t1) * 1e3
-        self._steps += 1
-        if self.device.type == "cpu" or self._steps % EXPERT_LOAD_EVERY_CUDA == 0:
-            self.last_stats.expert_load = self.runner.expert_load()
-        return self.output_processor.process(updates, self.scheduler)
+        """Schedule, execute, update: one iteration of continuous batching; returns what changed."""
+        plan = self.scheduler.schedule()
+        sampled = self.runner.execute(plan)
+        return self.output_processor.process(self.scheduler.update(plan, sampled), self.scheduler)
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters and the last step's host times; the expert load where it is cheap to read
+        (every step on the CPU, every ``EXPERT_LOAD_EVERY_CUDA`` steps on CUDA, where reading it syncs)."""
+        stats = self.scheduler.stats()
+        stats.step_schedule_ms = self.scheduler.last_step_ms
+        stats.step_prepare_ms = self.runner.last_prepare_ms
+        stats.step_execute_ms = self.runner.last_execute_ms
+        steps = self.runner.num_steps
+        if self.device.type == "cpu" or steps - self._expert_load_read_at >= EXPERT_LOAD_EVERY_CUDA:
+            self._expert_load_read_at = steps
+            stats.expert_load = self.runner.expert_load()
+        return stats
 
 
 __all__ = ["LLMEngine", "CheckpointError"]

@@ -17,8 +17,8 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine, EngineError, RequestRejectedError
-from engine.protocol import Delta
+from engine.serving.async_engine import AsyncEngine, EngineError, RequestRejectedError
+from engine.serving.protocol import Delta
 from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, rate_limit_headers, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.completion import choice, completion_body, engine_down, output_failed, prepare_prompt, usage_of

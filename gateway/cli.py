@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 
 DEFAULT_DEMO_MODEL_DIR = ".moegate/demo-model"  # the Makefile's DEMO_MODEL, so `make run` and `moegate serve` agree
 
@@ -13,15 +13,15 @@ DEFAULT_DEMO_MODEL_DIR = ".moegate/demo-model"  # the Makefile's DEMO_MODEL, so 
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from engine.async_engine import AsyncEngine, EngineError
+    from engine.serving.async_engine import AsyncEngine, EngineError
     from gateway.app import create_app
     from gateway.config import GatewayConfig
 
-    from engine.model_config import load_model_config
+    from engine.loading.model_config import load_model_config
     from tenants.db import SchemaError, database_url
     from tenants.migrate import ensure_schema
 
-    from engine.model_loader import checkpoint_files
+    from engine.loading.model_loader import checkpoint_files
 
     demo = args.model is None  # the embedded default: the random-weight demo model, written on first use
     if demo:
@@ -37,14 +37,14 @@ def _serve(args: argparse.Namespace) -> int:
                            metrics_token=os.environ.get("MOEGATE_METRICS_TOKEN") or None,
                            batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight)
     if demo:
-        from engine.demo_model import write_demo_model
+        from engine.loading.demo_model import write_demo_model
 
         if not os.path.exists(os.path.join(args.model, "config.json")):
             print(f"no --model given: writing the random-weight demo model to {args.model} (its output is random text)")
             write_demo_model(args.model)
     # A bad checkpoint is bad input: one line, exit 2, before any process starts.
     if args.random_weights is not None:  # --model then only supplies the tokenizer
-        from engine.random_weights import random_model_config
+        from engine.loading.random_weights import random_model_config
 
         random_model_config(args.random_weights)
     else:
@@ -96,7 +96,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.random_weights is not None:
         import dataclasses
 
-        from engine.random_weights import served_name
+        from engine.loading.random_weights import served_name
 
         engine_config = dataclasses.replace(engine_config, model=served_name(args.random_weights),
                                             random_weights=args.random_weights, tokenizer=args.model)

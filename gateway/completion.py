@@ -1,8 +1,8 @@
 """OpenAI response bodies for one finished request, shared by the live routes and the Batch API."""
 
-from engine.async_engine import EngineError, RequestRejectedError
-from engine.inputs import InvalidPrompt
-from engine.protocol import Delta
+from engine.serving.async_engine import EngineError, RequestRejectedError
+from engine.text.prompts import InvalidPrompt
+from engine.serving.protocol import Delta
 from gateway.errors import APIError
 from gateway.openai_schema import sampling_spec
 

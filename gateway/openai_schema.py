@@ -4,7 +4,7 @@ from typing import Annotated
 
 import msgspec
 
-from engine.protocol import SamplingSpec
+from engine.serving.protocol import SamplingSpec
 from gateway.errors import APIError
 
 # Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the

@@ -5,7 +5,7 @@ Poisson timestamps: a request is added to the engine once its arrival time
 has passed, then the engine steps; each request's first-token and finish
 times are recorded as they happen. Latencies count from the arrival time, so
 a request that arrives during a step waits for that step, as it would in a
-server. The strategies (engine/config.py, ``batching``):
+server. The strategies (engine/core/config.py, ``batching``):
 
 - ``static``: a batch starts when ``max_num_seqs`` requests wait (or the
   stream of arrivals has ended) and runs until its last request finishes.
@@ -29,10 +29,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from loadgen.arrivals import ArrivalConfig, arrival_times
+from loadgen.batch_gate import STRATEGIES, BatchGate
 from loadgen.metrics import summarize
 from loadgen.records import RequestRecord
-
-STRATEGIES = ("static", "dynamic", "continuous")
 
 # The offline bench model's layout, halved (2 layers, hidden 256): same family and expert routing,
 # about 4x cheaper per token, so nine runs fit in a few minutes on a 2-core CPU.
@@ -94,26 +93,28 @@ def make_requests(config: CompareConfig, vocab: int) -> list[tuple[list[int], in
             for _ in range(config.num_requests)]
 
 
-def drive(engine, requests: list[tuple[list[int], int]], arrivals: list[float]) -> tuple[list[RequestRecord], float]:
-    """Feed ``requests`` to ``engine`` at wall-clock ``arrivals`` (seconds), step until all finish; records and seconds."""
+def drive(engine, strategy: str, batch_size: int, max_wait_ms: float, requests: list[tuple[list[int], int]],
+          arrivals: list[float]) -> tuple[list[RequestRecord], float]:
+    """Feed ``requests`` through a ``strategy`` gate into ``engine`` at wall-clock ``arrivals`` (seconds), step
+    until all finish; returns the records and the seconds taken."""
     from engine import SamplingParams
 
     records = [RequestRecord(i, "bench", scheduled_s=t, sent_s=t, input_len=len(p), max_tokens=n,
                              prompt_tokens=len(p), usage_source="usage")
                for i, ((p, n), t) in enumerate(zip(requests, arrivals))]
     last_token: dict[int, float] = {}
+    gate = BatchGate(engine, strategy, batch_size, max_wait_ms / 1e3)
     start = time.perf_counter()
     added = 0
-    while added < len(requests) or engine.has_unfinished():
+    while added < len(requests) or gate.has_unfinished():
         now = time.perf_counter() - start
         while added < len(requests) and arrivals[added] <= now:
             prompt, n = requests[added]
-            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                               request_id=str(added))
+            gate.submit(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), str(added))
             added += 1
-        # Static/dynamic batching waits for a full batch unless it knows nothing more will come.
-        engine.scheduler.drain = added == len(requests)
-        outputs = engine.step() if engine.has_unfinished() else []
+        if added == len(requests):
+            gate.close()  # static/dynamic batching may start a partial batch: nothing more will come
+        outputs = gate.step()
         t = time.perf_counter() - start
         for out in outputs:
             if not out.new_token_ids:
@@ -160,8 +161,8 @@ def run_compare(config: CompareConfig, echo=print) -> dict:
         requests = make_requests(config, vocab)
         engines = {}
         for strategy in config.strategies:
-            llm = LLM(model=model, dtype="float32", device="cpu", batching=strategy, max_num_seqs=config.max_num_seqs,
-                      max_num_batched_tokens=config.max_num_batched_tokens, max_wait_ms=config.max_wait_ms,
+            llm = LLM(model=model, dtype="float32", device="cpu", max_num_seqs=config.max_num_seqs,
+                      max_num_batched_tokens=config.max_num_batched_tokens,
                       enable_prefix_caching=False, seed=config.seed, num_kv_blocks=_kv_blocks(config))
             llm.generate([requests[0][0]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up, not timed
             engines[strategy] = llm.engine
@@ -171,7 +172,7 @@ def run_compare(config: CompareConfig, echo=print) -> dict:
             arrivals = list(arrival_times(ArrivalConfig("poisson", rate), config.seed, len(requests)))
             for strategy, engine in engines.items():
                 cpu = time.process_time()
-                records, seconds = drive(engine, requests, arrivals)
+                records, seconds = drive(engine, strategy, config.max_num_seqs, config.max_wait_ms, requests, arrivals)
                 cpu = time.process_time() - cpu
                 assert all(r.ok and r.completion_tokens == n for r, (_, n) in zip(records, requests))
                 runs.append({"strategy": strategy, "rate": rate, "seconds": seconds, "cpu_seconds": cpu,

@@ -184,7 +184,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir (default: build the random bench model)")
     p.add_argument("--random-weights", metavar="SPEC", default=None,
                    help="moegate alone on a RANDOM-weight model of a real shape, on the default device and dtype: a "
-                        "preset (qwen3-30b-a3b, olmoe-1b-7b, ...) or a config.json path (see engine.random_weights)")
+                        "preset (qwen3-30b-a3b, olmoe-1b-7b, ...) or a config.json path (see engine.loading.random_weights)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--json", action="store_true", help="print the report as JSON at the end")
@@ -201,7 +201,7 @@ def _main(args) -> int:
     engine_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     model = args.model
     if args.random_weights:  # transformers needs a checkpoint: `python -m benchmarks.engine_gpu` compares them on a GPU
-        from engine.random_weights import random_model_config, served_name
+        from engine.loading.random_weights import random_model_config, served_name
 
         if args.workload != "mixed":
             raise ValueError("--random-weights runs the mixed workload")

@@ -43,7 +43,7 @@ def run_prefix_mode(path: str, reqs: list[BenchRequest], caching: bool, **engine
     start = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params)
     seconds = time.perf_counter() - start
-    stats = llm.engine.last_stats
+    stats = llm.engine.stats()
     return PrefixResult("cache on" if caching else "cache off", seconds, stats.total_prefill_tokens,
                         sum(len(o.token_ids) for o in outs), len(reqs))
 

@@ -1,5 +1,5 @@
 """Timing a kernel call: CUDA-graph capture and median wall time. Used at start-up by the engine's
-kernel selection (``engine.dense_gemv_select``) and by the benchmarks and tuning scripts."""
+kernel selection (``engine.transforms.gemv_select``) and by the benchmarks and tuning scripts."""
 
 import statistics
 import time

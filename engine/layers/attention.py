@@ -3,12 +3,12 @@
 import torch
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata, TritonAttentionMetadata
+from engine.worker.attention_metadata import AttentionMetadata, TritonAttentionMetadata
 from engine.layers.norms import RMSNorm
 from engine.layers.paged_attention import paged_attention, write_kv
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.triton_elementwise import rope_inplace
-from engine.layers.triton_attention import triton_paged_attention
+from engine.kernels.elementwise import rope_inplace
+from engine.kernels.attention import triton_paged_attention
 
 
 class Attention(nn.Module):
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         else:
             assert qk_norm == "none", qk_norm
         self.scale = head_dim**-0.5
-        # Set by engine.layers.fusion: q/k norms and RoPE in one Triton pass over the packed projection.
+        # Set by engine.transforms.fusion: q/k norms and RoPE in one Triton pass over the packed projection.
         self.fused_rope = False
         # [N_blocks, block_size, kvh, d] each; bound by the runner once the pool is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
@@ -61,7 +61,7 @@ class Attention(nn.Module):
             q, k, v = self._norm_rope(qkv, positions)
         k_cache, v_cache = self.kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        # The metadata's type is the backend the runner chose (config attention_backend).
+        # The metadata's type is the backend the runner chose (``KernelChoice.attention``).
         if isinstance(meta, TritonAttentionMetadata):
             out = triton_paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, h, d]
         else:

@@ -6,7 +6,7 @@ shape has a plan is swapped for a ``GemvLinear`` that shares its parameters
 (tied weights stay tied; state-dict names do not change).
 
 A plan says, per row count 0..MAX_GEMV_ROWS, which launch to use, or None for
-``F.linear``; ``engine.dense_gemv_select`` measures it at engine start. The
+``F.linear``; ``engine.transforms.gemv_select`` measures it at engine start. The
 choice is a tuple lookup on the host, on the row count the batch has anyway:
 nothing syncs, and under a CUDA graph capture it is fixed per captured size.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.dense_gemv import MAX_GEMV_ROWS, GemvConfig, dense_gemv
+from engine.kernels.dense_gemv import MAX_GEMV_ROWS, GemvConfig, dense_gemv
 
 RowPlan = tuple[GemvConfig | None, ...]  # index: row count 0..MAX_GEMV_ROWS; None: F.linear
 

@@ -44,7 +44,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = None
         # [E] tokens routed to each expert since start; accumulated on the device, read only for stats.
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        self.routing_backend = "torch"  # engine.layers.fusion sets "triton": routing and counting in one launch
+        self.routing_backend = "torch"  # engine.transforms.fusion sets "triton": routing and counting in one launch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)  # [T, E]

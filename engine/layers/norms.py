@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from engine.layers.triton_elementwise import rms_norm
+from engine.kernels.elementwise import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -11,7 +11,7 @@ class RMSNorm(nn.Module):
 
     The second form lets a decoder layer hand its output and the running
     residual to the next norm, which adds and normalizes in one pass when
-    ``fused`` (set by ``engine.layers.fusion``) selects the Triton kernel.
+    ``fused`` (set by ``engine.transforms.fusion``) selects the Triton kernel.
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:

@@ -7,7 +7,7 @@ one a Triton paged-attention kernel implements on the GPU.
 import torch
 import torch.nn.functional as F
 
-from engine.attention_metadata import AttentionMetadata
+from engine.worker.attention_metadata import AttentionMetadata
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

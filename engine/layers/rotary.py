@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 
 
 def _inv_freq(config: ModelConfig, head_dim: int) -> tuple[torch.Tensor, float]:

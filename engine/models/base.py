@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
+from engine.worker.attention_metadata import AttentionMetadata
 from engine.layers.attention import Attention
 from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from torch import nn
 
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 
 
 def qwen_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, shared_expert_size: int = 0) -> nn.Module:

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 
 
 def register(subparsers) -> None:
@@ -49,13 +49,13 @@ def _run_batch(args: argparse.Namespace) -> int:
     if args.model is None:
         import os
 
-        from engine.demo_model import write_demo_model
+        from engine.loading.demo_model import write_demo_model
         from gateway.cli import DEFAULT_DEMO_MODEL_DIR
 
         args.model = DEFAULT_DEMO_MODEL_DIR
         if not os.path.exists(os.path.join(args.model, "config.json")):
             write_demo_model(args.model)
-    from engine.model_config import load_model_config
+    from engine.loading.model_config import load_model_config
 
     load_model_config(args.model)  # a bad checkpoint is one line, exit 2
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
@@ -69,7 +69,7 @@ async def _execute(config: EngineConfig, endpoint: str, checked, out_path: Path,
                    progress: bool) -> tuple[int, int]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from engine.async_engine import AsyncEngine
+    from engine.serving.async_engine import AsyncEngine
     from gateway.batch.runner import execute_line
 
     engine = AsyncEngine(config)

@@ -2,10 +2,10 @@
 
 import random
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,

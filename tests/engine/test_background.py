@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 
 _ids = itertools.count()
 
@@ -126,7 +126,7 @@ def test_random_traffic_follows_the_rules_and_everything_finishes(seed):
         foreground = [r for r in sched.requests.values() if not r.background]
         if foreground:
             last_foreground = clock.t
-        # What the engine process sizes its CPU threads by (engine.serving_threads).
+        # What the engine process sizes its CPU threads by (engine.serving.serving_threads).
         assert sched.foreground_recent() == (bool(foreground) or clock.t - last_foreground <= window), step_no
         prefilling = any(r.num_tokens - r.num_computed_tokens > 1 or r.status != RequestStatus.RUNNING
                          for r in foreground)

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks import engine_gpu as bench_gpu  # noqa: E402
-from engine.random_weights import build_random_model, count_parameters, random_model_config  # noqa: E402
+from engine.loading.random_weights import build_random_model, count_parameters, random_model_config  # noqa: E402
 from benchmarks.roofline import model_costs, step_floor  # noqa: E402
 
 

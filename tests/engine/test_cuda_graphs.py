@@ -9,8 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.batch_builder import build_triton_batch  # noqa: E402
-from engine.cuda_graphs import StaticDecodeBuffers, default_batch_sizes, pick_batch_size  # noqa: E402
+from engine.worker.batch_builder import build_triton_batch  # noqa: E402
+from engine.transforms.cuda_graphs import StaticDecodeBuffers, default_batch_sizes, pick_batch_size  # noqa: E402
 from tests.engine.test_triton_attention import make_step  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cli import register
-from engine.demo_model import EOS_TOKEN, write_demo_model
+from engine.loading.demo_model import EOS_TOKEN, write_demo_model
 
 PROMPTS = ["The lighthouse keeper woke before the sun", "Numbers appear everywhere: héllo wörld 日本語 🙂"]
 SEED = random.randrange(2**31)  # fresh weights each run; every message names the seed

@@ -18,17 +18,20 @@ from torch import nn
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.dense_gemv_select import (  # noqa: E402
+from engine import LLM, KernelChoice, SamplingParams  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.transforms.gemv_select import (  # noqa: E402
     MARGIN, ROW_BUCKETS, apply_dense_gemv, candidates, format_choices, group_by_shape, occupancy_split,
 )
 from engine.layers import gemv_linear  # noqa: E402
-from engine.layers.dense_gemv import MAX_GEMV_ROWS, GemvConfig, dense_gemv  # noqa: E402
+from engine.kernels.dense_gemv import MAX_GEMV_ROWS, GemvConfig, dense_gemv  # noqa: E402
 from engine.layers.gemv_linear import GemvLinear, LinearShape  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# The GPU tests: every part in Triton, with the gemv off, forced on, or measured.
+GPU_KERNELS = {mode: KernelChoice("triton", "triton", "triton", mode) for mode in ("off", "on", "measure")}
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 # FMA at 1, 4 and 8 rows, tensor-core tiles, K-splits that divide K's tiles evenly and not.
@@ -91,7 +94,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine.layers.dense_gemv_kernels import dense_gemv_kernel
+from engine.kernels.dense_gemv_kernels import dense_gemv_kernel
 
 out = {}
 for name, m, n, k, warps, stages, dot in json.loads(sys.argv[1]):
@@ -224,10 +227,16 @@ def test_candidates_split_tall_skinny_shapes_only():
         assert all(c.block_m >= bucket for c in cands)
 
 
-def test_dense_gemv_flag_is_validated():
+def test_one_kernels_option_resolves_every_part_and_is_validated():
+    with pytest.raises(ValueError, match="kernels"):
+        EngineConfig(model="x", kernels="cuda")
     with pytest.raises(ValueError, match="dense_gemv"):
-        EngineConfig(model="x", dense_gemv="yes")
-    assert EngineConfig(model="x").dense_gemv == "auto"
+        KernelChoice(dense_gemv="yes")
+    assert EngineConfig(model="x").kernels == "auto"
+    assert KernelChoice.resolve("auto", "cpu") == KernelChoice() and not KernelChoice().uses_triton
+    assert KernelChoice.resolve("auto", "cuda") == KernelChoice("triton", "triton", "triton", "measure")
+    assert KernelChoice.resolve("triton", "cpu") == KernelChoice("triton", "triton", "triton", "off")
+    assert KernelChoice.resolve("torch", "cuda") == KernelChoice()
 
 
 @pytest.fixture
@@ -256,8 +265,8 @@ def test_engine_greedy_tokens_same_with_dense_gemv_on_and_off(family, tmp_path, 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     tokens = {}
     for mode in ("off", "on"):
-        llm = LLM(model=str(tmp_path), dtype="float32", device=DEVICE.type, dense_gemv=mode, num_kv_blocks=64,
-                  enforce_eager=True)
+        llm = LLM(model=str(tmp_path), dtype="float32", device=DEVICE.type, kernel_choice=KernelChoice(dense_gemv=mode),
+                  num_kv_blocks=64, enforce_eager=True)
         tokens[mode] = [[out.token_ids for out in llm.generate(prompts, params)] for prompts in batches]
         swapped = [m for m in llm.engine.model.modules() if isinstance(m, GemvLinear)]
         assert bool(swapped) == (mode == "on")
@@ -269,7 +278,7 @@ def test_engine_greedy_tokens_same_with_dense_gemv_on_and_off(family, tmp_path, 
 
 def test_micro_bench_smoke_run_and_refusal_without_cuda(tmp_path, monkeypatch, capsys):
     from benchmarks import dense_gemv as dense_gemv_bench
-    from engine import dense_gemv_select
+    from engine.transforms import gemv_select as dense_gemv_select
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert dense_gemv_bench.main([]) == 2
@@ -293,17 +302,18 @@ def test_gpu_captured_graphs_with_the_gemv_give_the_eager_cublas_tokens_without_
     prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (3, 17, 40, 5, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = {}
-    for eager, mode in ((True, "off"), (False, "on"), (False, "auto")):
+    for eager, mode in ((True, "off"), (False, "on"), (False, "measure")):
         llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", enforce_eager=eager, num_kv_blocks=64,
-                  max_num_seqs=8, cuda_graph_batch_sizes=(1, 2, 4, 8), dense_gemv=mode)
+                  max_num_seqs=8, cuda_graph_batch_sizes=(1, 2, 4, 8), kernel_choice=GPU_KERNELS[mode])
         tokens[mode] = [o.token_ids for o in llm.generate(prompts, params)]
         if mode != "off":
             assert llm.engine.runner.decode_graphs.replays > 0
             shapes = group_by_shape(llm.engine.model)
             assert {c.shape for c in llm.engine.dense_gemv_choices} == set(shapes)
-    assert tokens["on"] == tokens["off"] and tokens["auto"] == tokens["off"]
+    assert tokens["on"] == tokens["off"] and tokens["measure"] == tokens["off"]
 
-    llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cuda", enforce_eager=True, num_kv_blocks=64, dense_gemv="on")
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cuda", enforce_eager=True, num_kv_blocks=64,
+              kernel_choice=GPU_KERNELS["on"])
     engine = llm.engine
     engine.add_request(list(range(1, 6)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     for _ in range(3):  # prefill (F.linear), then 1-row decodes (the gemv)

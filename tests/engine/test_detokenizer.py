@@ -12,8 +12,8 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.demo_model import write_demo_model
-from engine.tokenizer import IncrementalDetokenizer
+from engine.loading.demo_model import write_demo_model
+from engine.text.tokenizer import IncrementalDetokenizer
 
 SEED = random.randrange(2**31)  # fresh draws each run; every message names the seed
 

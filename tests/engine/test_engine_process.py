@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.serving_threads import ServingThreads
+from engine.core.config import EngineConfig
+from engine.serving.serving_threads import ServingThreads
 
 
 def test_serving_threads_leave_one_core_to_the_gateway_only_while_foreground_work_is_recent():
@@ -35,19 +35,19 @@ def test_cpu_threads_is_validated():
 
 
 def _output(rid, ids, text, new_ids, new_text, finished):
-    from engine.outputs import RequestOutput
+    from engine.core.outputs import RequestOutput
 
     return RequestOutput(rid, ids, text, new_ids, new_text, finished, "length" if finished else None, None, 5, 0, 0.01)
 
 
 def _stats(waiting: dict[int, int]):
-    from engine.stats import SchedulerStats
+    from engine.core.stats import SchedulerStats
 
     return SchedulerStats(1, waiting, 0, 8, 0, 0, 0, 0, 0, 1, 0, 0)
 
 
 def test_quiet_requests_get_one_delta_with_the_whole_output_and_background_ones_may_wait_for_company():
-    from engine.step_reports import StepReports
+    from engine.serving.step_reports import StepReports
 
     clock = [100.0]
     reports = StepReports(0.05, clock=lambda: clock[0])
@@ -79,7 +79,7 @@ def test_quiet_requests_get_one_delta_with_the_whole_output_and_background_ones_
 
 
 def test_a_pending_background_result_goes_out_when_nothing_waits_or_the_engine_falls_idle_and_not_after_abort():
-    from engine.step_reports import StepReports
+    from engine.serving.step_reports import StepReports
 
     for end in ("dry", "idle", "abort"):
         clock = [5.0]
@@ -102,7 +102,7 @@ def test_a_pending_background_result_goes_out_when_nothing_waits_or_the_engine_f
 
 def test_statistics_and_pending_results_follow_the_stated_rule():
     """Random steps against the rule as the module docstring states it, kept here from the history."""
-    from engine.step_reports import StepReports
+    from engine.serving.step_reports import StepReports
 
     rng = random.Random()
     clock = [rng.uniform(0, 1e6)]

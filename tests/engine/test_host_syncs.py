@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 HOT_PATH = [
     *sorted((ROOT / "engine/layers").glob("*.py")),
     *sorted((ROOT / "engine/models").glob("*.py")),
-    ROOT / "engine/runner.py",
-    ROOT / "engine/batch_builder.py",
-    ROOT / "engine/staging.py",
-    ROOT / "engine/cuda_graphs.py",
-    ROOT / "engine/sampler.py",
+    ROOT / "engine/worker/runner.py",
+    ROOT / "engine/worker/batch_builder.py",
+    ROOT / "engine/worker/staging.py",
+    ROOT / "engine/transforms/cuda_graphs.py",
+    ROOT / "engine/worker/sampler.py",
     ROOT / "moe_kernels/routing.py",
     ROOT / "moe_kernels/align.py",
     ROOT / "moe_kernels/dispatch.py",
@@ -27,8 +27,8 @@ HOT_PATH = [
 SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "unique", "bincount", "masked_select"}
 # (file, function): the justified ones.
 ALLOWED = {
-    ("engine/sampler.py", "__call__"),  # reading the sampled tokens: the step's one sync
-    ("engine/runner.py", "expert_load"),  # statistics, every EXPERT_LOAD_EVERY_CUDA steps, after that sync
+    ("engine/worker/sampler.py", "__call__"),  # reading the sampled tokens: the step's one sync
+    ("engine/worker/runner.py", "expert_load"),  # statistics, every EXPERT_LOAD_EVERY_CUDA steps, after that sync
 }
 
 
@@ -65,4 +65,4 @@ def test_the_audit_sees_a_sync(tmp_path):
                      "def g(d):\n    return torch.tensor([1], device=d)\n"
                      "def expert_load(x):\n    return x.tolist()\n")
     assert _findings(probe, "m.py") == ["m.py:3 f(): .item(", "m.py:5 g(): .tensor(", "m.py:7 expert_load(): .tolist("]
-    assert _findings(probe, "engine/runner.py") == ["engine/runner.py:3 f(): .item(", "engine/runner.py:5 g(): .tensor("]
+    assert _findings(probe, "engine/worker/runner.py") == ["engine/worker/runner.py:3 f(): .item(", "engine/worker/runner.py:5 g(): .tensor("]

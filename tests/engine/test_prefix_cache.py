@@ -94,7 +94,7 @@ def test_engine_stats_count_prefill_decode_and_expert_load(model_dir):
     llm = LLM(model=model_dir, block_size=BLOCK)
     prompts = [[5] * 11, [6] * 3]
     llm.generate(prompts, _greedy(4))
-    stats = llm.engine.last_stats
+    stats = llm.engine.stats()
     assert stats.total_prefill_tokens == 14 and stats.total_decode_tokens == 2 * 3  # first token comes with prefill
     # Every computed token is routed to top_k experts in each sparse layer (qwen2_moe test config: layer 0 only).
     top_k = llm.engine.model_config.cfg("num_experts_per_tok")
@@ -106,7 +106,7 @@ def test_shared_prefix_decode_attention_matches_plain_gather():
     """The shared-prefix decode path (shared blocks read once, merged by log-sum-exp) vs per-request SDPA."""
     import torch
 
-    from engine.attention_metadata import AttentionMetadata, DecodeGroup
+    from engine.worker.attention_metadata import AttentionMetadata, DecodeGroup
     from engine.layers.paged_attention import paged_attention
 
     seed = random.randrange(2**31)

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from tests.engine.helpers import make_scheduler
 
 _ids = itertools.count()
@@ -174,43 +174,8 @@ def test_preempted_request_keeps_its_place_in_its_rank():
     assert sched.waiting.peek(2) is victim
 
 
-def _batching_scheduler(batching, clock):
-    return Scheduler(SchedulerConfig(4, 64, 256, batching=batching, max_wait_ms=100.0), CacheConfig(4, 400, False), clock=clock)
-
-
-def test_static_batching_waits_for_a_full_batch_and_runs_it_out():
-    now = [0.0]
-    sched = _batching_scheduler("static", lambda: now[0])
-    first = [req(max_tokens=m, arrival=0.0) for m in (2, 9, 5)]
-    for r in first:
-        sched.add_request(r)
-    now[0] = 10.0
-    assert step(sched).is_empty  # 3 < max_num_seqs: static waits however long
-    fourth = req(max_tokens=3, arrival=10.0)
-    sched.add_request(fourth)
-    assert len(step(sched).scheduled) == 4
-    newcomers = [req(max_tokens=2, arrival=11.0) for _ in range(4)]
-    for r in newcomers:
-        sched.add_request(r)
-    while not all(r.is_finished for r in first + [fourth]):
-        out = step(sched)
-        assert not scheduled_ids(out) & {r.request_id for r in newcomers}, "no joining a batch in flight"
-    assert len(step(sched).scheduled) == 4  # the next batch starts once the last one finished
-
-
-def test_dynamic_batching_starts_after_max_wait():
-    now = [0.0]
-    sched = _batching_scheduler("dynamic", lambda: now[0])
-    r = req(arrival=0.0)
-    sched.add_request(r)
-    now[0] = 0.05
-    assert step(sched).is_empty
-    now[0] = 0.11
-    assert scheduled_ids(step(sched)) == {r.request_id}
-
-
 def test_continuous_batching_admits_at_the_next_step():
-    sched = _batching_scheduler("continuous", lambda: 0.0)
+    sched = make_scheduler(num_blocks=400, max_num_seqs=4, max_num_batched_tokens=64)
     a = req(max_tokens=20)
     sched.add_request(a)
     step(sched)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.random_weights import PRESETS, build_random_model, count_parameters, parse_spec, random_model_config
+from engine.loading.random_weights import PRESETS, build_random_model, count_parameters, parse_spec, random_model_config
 
 # Published sizes (model cards), in billions: (total, active per token).
 PUBLISHED = {
@@ -69,7 +69,7 @@ def test_engine_serves_a_random_weight_model():
     again = LLM(model="random-tiny", random_weights=TINY, dtype="float32", device="cpu", num_kv_blocks=32, seed=1)
     assert [o.token_ids for o in again.generate([[1, 2, 3], [5] * 20], params)] == first
     assert all(len(t) == 4 and all(0 <= x < 128 for x in t) for t in first)
-    stats = again.engine.last_stats  # host time of the last step, split by part
+    stats = again.engine.stats()  # host time of the last step, split by part
     assert 0 < stats.step_prepare_ms <= stats.step_execute_ms and stats.step_schedule_ms > 0
 
 

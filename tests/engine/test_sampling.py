@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.request import Request
-from engine.sampler import Sampler
+from engine.core.request import Request
+from engine.worker.sampler import Sampler
 from tests.hf_models import make_hf_model
 
 

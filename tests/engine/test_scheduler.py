@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.request import RequestStatus
+from engine.core.block_pool import BlockPool
+from engine.core.request import RequestStatus
 from tests.engine.helpers import make_requests, make_scheduler, run_to_completion
 
 
 def test_scheduler_imports_without_torch():
-    code = "import sys, engine.scheduler, engine.block_pool; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, engine.core.scheduler, engine.core.block_pool; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

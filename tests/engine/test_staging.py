@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from engine.staging import stage_int64
+from engine.worker.staging import stage_int64
 
 
 def test_views_round_trip_and_are_16_byte_aligned():

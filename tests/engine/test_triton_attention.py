@@ -20,12 +20,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.batch_builder import build_torch_batch, build_triton_batch, decode_groups  # noqa: E402
+from engine.worker.batch_builder import build_torch_batch, build_triton_batch, decode_groups  # noqa: E402
 from engine.layers.paged_attention import paged_attention  # noqa: E402
-from engine.layers.triton_attention import DEFAULT_LAUNCH, AttentionLaunch, triton_paged_attention  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import ScheduledRequest  # noqa: E402
+from engine.kernels.attention import DEFAULT_LAUNCH, AttentionLaunch, triton_paged_attention  # noqa: E402
+from engine.core.request import Request  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
+from engine.core.scheduler import ScheduledRequest  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}

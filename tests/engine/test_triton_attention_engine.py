@@ -1,4 +1,4 @@
-"""The engine gives the same greedy tokens with attention_backend="triton" as with "torch".
+"""The engine gives the same greedy tokens with Triton attention kernels as with torch's.
 
 Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 is set
 here at collection). Prompts share a prefix (prefix-cache hits) and the token budget
@@ -16,15 +16,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.cuda_graphs import enable_decode_graphs  # noqa: E402
+from engine import LLM, KernelChoice, SamplingParams  # noqa: E402
+from engine.transforms.cuda_graphs import enable_decode_graphs  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 
 VOCAB = 97
 # On a GPU the kernels are compiled, not interpreted, and need CUDA tensors. The torch MoE backend keeps
 # CUDA graphs off there, so the eager triton-vs-torch attention comparison is what runs.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ENGINE = dict(dtype="float32", device=DEVICE, moe_backend="torch", num_kv_blocks=96, block_size=4, max_num_batched_tokens=24)
+ENGINE = dict(dtype="float32", device=DEVICE, num_kv_blocks=96, block_size=4, max_num_batched_tokens=24)
 
 
 def _prompts(rng: random.Random) -> list[list[int]]:
@@ -63,7 +63,7 @@ def test_triton_attention_matches_torch_attention(family, tmp_path):
     prompts = _prompts(random.Random(seed))
     tokens = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=str(tmp_path), attention_backend=backend, **ENGINE)
+        llm = LLM(model=str(tmp_path), kernel_choice=KernelChoice(attention=backend), **ENGINE)
         tokens[backend] = _generate(llm, prompts)
         assert llm.engine.scheduler.kv.prefix_hit_tokens > 0, "the shared prefix was never a cache hit"
     assert tokens["triton"] == tokens["torch"], f"seed={seed} family={family}"
@@ -71,7 +71,7 @@ def test_triton_attention_matches_torch_attention(family, tmp_path):
         return
     # Decode-only steps through the graph buffers: one request pads to 2, three to 4; the padding rows
     # (scratch-block K/V, empty context) must not disturb the real ones.
-    llm = LLM(model=str(tmp_path), attention_backend="triton", **ENGINE)
+    llm = LLM(model=str(tmp_path), kernel_choice=KernelChoice(attention="triton"), **ENGINE)
     sizes_run = _with_graph_buffers(llm)
     assert _generate(llm, prompts) == tokens["torch"], f"seed={seed} (graph buffers)"
     assert 1 in sizes_run and 3 in sizes_run, f"padded sizes never exercised: {sorted(set(sizes_run))}"

@@ -1,4 +1,4 @@
-"""The engine gives the same greedy tokens with moe_backend="triton" as with "torch".
+"""The engine gives the same greedy tokens with the Triton MoE kernels as with torch's.
 
 Without a GPU the Triton kernels run in Triton's CPU interpreter. TRITON_INTERPRET
 must be set before ``moe_kernels.triton_backend`` is first imported, so it is set
@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM, KernelChoice, SamplingParams  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 
 # Tiny one-layer models: two families with different E, k and renormalization.
@@ -42,7 +42,7 @@ def test_triton_backend_matches_torch_backend(family, tmp_path, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=str(tmp_path), moe_backend=backend, dtype="float32", num_kv_blocks=64)
+        llm = LLM(model=str(tmp_path), kernel_choice=KernelChoice(moe=backend), dtype="float32", num_kv_blocks=64)
         tokens[backend] = [out.token_ids for out in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"], f"seed={seed} family={family}"
     assert all(len(t) == 6 for t in tokens["triton"])

@@ -15,9 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM, KernelChoice, SamplingParams  # noqa: E402
 from engine.layers.norms import RMSNorm  # noqa: E402
-from engine.layers.triton_elementwise import rms_norm, rope_inplace  # noqa: E402
+from engine.kernels.elementwise import rms_norm, rope_inplace  # noqa: E402
 from moe_kernels.routing import route  # noqa: E402
 from tests.engine.test_vs_transformers import hf_greedy  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
@@ -151,8 +151,8 @@ def test_engine_with_fused_elementwise_matches_transformers(family, tmp_path):
     hf = make_hf_model(family, str(tmp_path), seed=seed, vocab_size=vocab, num_layers=2)
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, vocab - 1) for _ in range(n)] for n in (1, 9, 26)]
-    llm = LLM(model=str(tmp_path), dtype="float32", device=DEVICE.type, elementwise_backend="triton",
-              moe_backend="torch", num_kv_blocks=64, max_num_batched_tokens=20, enforce_eager=True)
+    llm = LLM(model=str(tmp_path), dtype="float32", device=DEVICE.type, kernel_choice=KernelChoice(elementwise="triton"),
+              num_kv_blocks=64, max_num_batched_tokens=20, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     got = [out.token_ids for out in llm.generate(prompts, params)]
     expected = [hf_greedy(hf.to(DEVICE), prompt, 5) for prompt in prompts]

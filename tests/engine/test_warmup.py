@@ -2,7 +2,7 @@
 
 import random
 
-from engine.warmup import warmup_token_counts
+from engine.transforms.warmup import warmup_token_counts
 from moe_kernels.launch_config import nearest_entry
 
 

@@ -11,7 +11,7 @@ POISON_TAIL = [7, 7, 7, 7]
 
 
 def run_with_failing_step(config, requests, replies) -> None:
-    from engine.engine_process import run_engine_process
+    from engine.serving.engine_process import run_engine_process
     from engine.llm_engine import LLMEngine
 
     real_step = LLMEngine.step
@@ -26,8 +26,8 @@ def run_with_failing_step(config, requests, replies) -> None:
 
 
 def run_with_failing_detokenizer(config, requests, replies) -> None:
-    from engine.engine_process import run_engine_process
-    from engine.tokenizer import IncrementalDetokenizer
+    from engine.serving.engine_process import run_engine_process
+    from engine.text.tokenizer import IncrementalDetokenizer
 
     real_add = IncrementalDetokenizer.add
 

@@ -10,7 +10,7 @@ import time
 
 import openai
 
-from engine.demo_model import write_demo_model
+from engine.loading.demo_model import write_demo_model
 from tenants.store import TenantStore
 
 from .serve_process import free_port, start_server, wait_ready

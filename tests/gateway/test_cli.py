@@ -65,7 +65,7 @@ def test_serve_rejects_bad_engine_settings_before_touching_anything(tmp_path):
 def test_serve_engine_settings_reach_the_engine_config():
     import random
 
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from gateway.cli import build_parser, serve_engine_config
 
     rng = random.Random()

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from engine.demo_model import write_demo_model
+from engine.loading.demo_model import write_demo_model
 from tests.gateway.serve_process import free_port, start_server
 
 EXAMPLES_PER_OPERATION = int(os.environ.get("MOEGATE_FUZZ_EXAMPLES", "25"))

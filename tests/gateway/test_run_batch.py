@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from engine import LLM, SamplingParams
-from engine.demo_model import write_demo_model
+from engine.loading.demo_model import write_demo_model
 
 
 def _moegate(*args: str) -> subprocess.CompletedProcess:

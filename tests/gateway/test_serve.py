@@ -13,9 +13,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.demo_model import write_demo_model
+from engine.serving.async_engine import AsyncEngine
+from engine.core.config import EngineConfig
+from engine.loading.demo_model import write_demo_model
 from gateway.app import METRICS_URL, create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade

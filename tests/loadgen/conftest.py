@@ -4,7 +4,7 @@ import pytest
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory):
     """The random-weight demo checkpoint (real tokenizer), written once per test session."""
-    from engine.demo_model import write_demo_model
+    from engine.loading.demo_model import write_demo_model
 
     path = str(tmp_path_factory.mktemp("loadgen-demo"))
     write_demo_model(path, seed=0)

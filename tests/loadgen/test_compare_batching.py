@@ -17,9 +17,9 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def _engine(model_dir: str, batching: str, max_num_seqs: int = 3, max_wait_ms: float = 50.0):
-    llm = LLM(model=model_dir, batching=batching, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
-              max_wait_ms=max_wait_ms, num_kv_blocks=128, enable_prefix_caching=False)
+def _engine(model_dir: str, max_num_seqs: int = 3):
+    llm = LLM(model=model_dir, max_num_seqs=max_num_seqs, max_num_batched_tokens=256, num_kv_blocks=128,
+              enable_prefix_caching=False)
     llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=3))  # first forwards are slow: not timed
     return llm.engine
 
@@ -36,7 +36,7 @@ def _check_records(records, arrivals):
 
 def test_static_batches_wait_to_fill_and_run_to_their_end(demo_model_dir):
     arrivals = [0.0, 0.05, 0.1, 0.15, 0.2]
-    records, _ = drive(_engine(demo_model_dir, "static"), REQUESTS, arrivals)
+    records, _ = drive(_engine(demo_model_dir), "static", 3, 50.0, REQUESTS, arrivals)
     _check_records(records, arrivals)
     # The first batch starts once 3 requests wait; the last two start only after that batch has ended.
     assert min(r.first_token_s for r in records[:3]) >= 0.1
@@ -47,15 +47,15 @@ def test_continuous_admits_mid_batch(demo_model_dir):
     # A long request runs; a short one arriving just after it joins the running batch and finishes first.
     requests = [([5, 6, 7, 8, 9, 10, 11, 12], 300), ([9, 8, 7, 6, 5, 4, 3, 2], 5)]
     arrivals = [0.0, 0.02]
-    (long, short), _ = drive(_engine(demo_model_dir, "continuous", max_num_seqs=8), requests, arrivals)
+    (long, short), _ = drive(_engine(demo_model_dir, max_num_seqs=8), "continuous", 8, 50.0, requests, arrivals)
     assert long.completion_tokens == 300 and short.completion_tokens == 5
     assert long.first_token_s < short.first_token_s < short.end_s < long.end_s
 
 
 def test_dynamic_starts_a_partial_batch_after_max_wait(demo_model_dir):
     arrivals = [0.0, 1.0, 2.0]
-    dynamic, _ = drive(_engine(demo_model_dir, "dynamic"), REQUESTS[:3], arrivals)
-    static, _ = drive(_engine(demo_model_dir, "static"), REQUESTS[:3], arrivals)
+    dynamic, _ = drive(_engine(demo_model_dir), "dynamic", 3, 50.0, REQUESTS[:3], arrivals)
+    static, _ = drive(_engine(demo_model_dir), "static", 3, 50.0, REQUESTS[:3], arrivals)
     assert 0.05 <= dynamic[0].first_token_s < 1.0  # started alone, max_wait_ms (50) after it arrived
     assert static[0].first_token_s >= 2.0  # static waited for the last arrival (the drain)
 

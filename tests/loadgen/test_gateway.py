@@ -5,8 +5,8 @@ import time
 
 from aiohttp.test_utils import TestServer
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.serving.async_engine import AsyncEngine
+from engine.core.config import EngineConfig
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from loadgen.runner import run_scenario

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata, DecodeGroup, TritonAttentionMetadata
-from engine.layers.triton_attention import DEFAULT_LAUNCH, decode_splits, prefill_tiles
-from engine.scheduler import ScheduledRequest
-from engine.staging import stage_int64
+from engine.worker.attention_metadata import AttentionMetadata, DecodeGroup, TritonAttentionMetadata
+from engine.kernels.attention import DEFAULT_LAUNCH, decode_splits, prefill_tiles
+from engine.core.scheduler import ScheduledRequest
+from engine.worker.staging import stage_int64
 
 # Decodes attended together in one padded SDPA call; bigger groups pad more, smaller ones call more.
 DECODE_GROUP_SIZE = 16

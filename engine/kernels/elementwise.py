@@ -17,9 +17,9 @@ import triton
 
 @functools.cache
 def _kernels():
-    from engine.layers import triton_elementwise_kernels
+    from engine.kernels import elementwise_kernels
 
-    return triton_elementwise_kernels
+    return elementwise_kernels
 
 
 def _check_device(x: torch.Tensor) -> None:

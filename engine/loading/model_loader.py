@@ -9,7 +9,7 @@ import torch
 
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
-from engine.model_config import CheckpointError, ModelConfig
+from engine.loading.model_config import CheckpointError, ModelConfig
 from engine.models import MODEL_REGISTRY, MoECausalLM
 from engine.models.base import WeightRule
 

@@ -3,7 +3,7 @@
 import enum
 import time
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -2,8 +2,8 @@
 
 import torch
 
-from engine.request import Request
-from engine.staging import to_device
+from engine.core.request import Request
+from engine.worker.staging import to_device
 
 
 class Sampler:

@@ -8,15 +8,15 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.config import EngineConfig
-from engine.stats import SchedulerStats
-from engine.engine_process import run_engine_process
-from engine.inputs import InputProcessor, Turn
-from engine.protocol import (
+from engine.core.config import EngineConfig
+from engine.core.stats import SchedulerStats
+from engine.serving.engine_process import run_engine_process
+from engine.text.prompts import InputProcessor, Turn
+from engine.serving.protocol import (
     AbortRequest, AddRequest, Delta, Fatal, Ready, RequestRejected, SamplingSpec, Shutdown, StepOutputs,
     encoder, from_engine_decoder,
 )
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class AsyncEngine:
         return first
 
     async def prepare(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Turn] | None = None) -> list[int]:
-        """Checked prompt token ids for ``generate``; ``engine.inputs.InvalidPrompt`` (a 400) if it cannot be served."""
+        """Checked prompt token ids for ``generate``; ``engine.text.prompts.InvalidPrompt`` (a 400) if it cannot be served."""
         if self.inputs is None:
             raise EngineError(self.dead or "the engine is starting")
         size = sum(len(m.content) for m in messages) if messages is not None else len(prompt or "")

@@ -1,7 +1,7 @@
 """Per-request block tables over the block pool, with prefix-cache lookups."""
 
-from engine.block_pool import Block, BlockPool, hash_block_tokens
-from engine.request import Request
+from engine.core.block_pool import Block, BlockPool, hash_block_tokens
+from engine.core.request import Request
 
 
 class KVCacheManager:

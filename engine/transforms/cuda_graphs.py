@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention_metadata import TritonAttentionMetadata
-from engine.batch_builder import FlatBatch
-from engine.layers.triton_attention import decode_splits
+from engine.worker.attention_metadata import TritonAttentionMetadata
+from engine.worker.batch_builder import FlatBatch
+from engine.kernels.attention import decode_splits
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def enable_decode_graphs(runner, sizes: tuple[int, ...] | None, max_num_seqs: in
                          capture: bool = True) -> DecodeGraphs:
     """Build (and with ``capture``, capture) decode graphs for ``runner`` and install them on it."""
     if runner.attention_backend != "triton":
-        raise ValueError("CUDA graphs need attention_backend='triton'")
+        raise ValueError("CUDA graphs need the Triton attention kernels")
     sizes = tuple(s for s in (sizes or default_batch_sizes(max_num_seqs)))
     max_blocks = -(-max_model_len // runner.block_size)
     config = runner.model.config

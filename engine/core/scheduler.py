@@ -38,14 +38,13 @@ every step short. With no foreground traffic the background has whole steps.
 import bisect
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.stats import SchedulerStats
-from engine.waiting_queue import VirtualTokenCounter, WaitingQueue
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.stats import SchedulerStats
+from engine.core.waiting_queue import VirtualTokenCounter, WaitingQueue
 
 
 @dataclass(slots=True)
@@ -92,8 +91,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.clock = clock
-        self.drain = False  # static/dynamic: no more arrivals are coming, so a partial batch may start
-        self._batch: deque[Request] | None = None  # static/dynamic: members of the batch in flight, not running
         self._admit_seq = itertools.count()
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
@@ -104,6 +101,7 @@ class Scheduler:
         self._num_foreground = 0  # requests waiting or running that are not background
         self._foreground_seen = -float("inf")  # clock() when foreground work was last present
         self._background_left: float = float("inf")  # background tokens this step may still take
+        self.last_step_ms = 0.0  # host time of the last step's schedule() plus update(), milliseconds
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -132,8 +130,6 @@ class Scheduler:
         assert status.is_finished
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif self._batch is not None and request in self._batch:
-            self._batch.remove(request)
         else:
             self.waiting.remove(request)
         request.status = status
@@ -150,7 +146,7 @@ class Scheduler:
         """Whether foreground work is present, or was at a step within ``background_window_s``.
 
         While it is, background work is capped (see the module docstring); the engine process also
-        sizes its CPU threads by it (``engine.serving_threads``).
+        sizes its CPU threads by it (``engine.serving.serving_threads``).
         """
         return self._num_foreground > 0 or self.clock() - self._foreground_seen <= self.config.background_window_s
 
@@ -160,7 +156,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + (len(self._batch) if self._batch else 0)
+        return len(self.waiting)
 
     # ---- preemption -------------------------------------------------------
     def _preempt(self, victim: Request, preempted: list[str]) -> None:
@@ -170,10 +166,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        if self._batch is not None:
-            self._batch.appendleft(victim)  # still a member of the batch in flight
-        else:
-            self.waiting.add_preempted(victim)
+        self.waiting.add_preempted(victim)
         preempted.append(victim.request_id)
 
     def _memory_victim(self, served: set[str]) -> Request:
@@ -194,45 +187,29 @@ class Scheduler:
         ]
         return max(candidates, key=_running_order) if candidates else None
 
-    # ---- static / dynamic batching ----------------------------------------
-    def _batch_source(self) -> deque[Request] | None:
-        """For static/dynamic batching: the pending members of the batch in flight, starting one when due."""
-        if self._batch is not None and not self._batch and not self.running:
-            self._batch = None  # the last batch has finished
-        if self._batch is None and self.waiting:
-            waited_ms = (self.clock() - min(r.arrival_time for r in self.waiting)) * 1000
-            due = (
-                len(self.waiting) >= self.config.max_num_seqs
-                or self.drain
-                or (self.config.batching == "dynamic" and waited_ms >= self.config.max_wait_ms)
-            )
-            if due:
-                members = list(itertools.islice(iter(self.waiting), self.config.max_num_seqs))
-                for request in members:
-                    self.waiting.remove(request)
-                self._batch = deque(members)
-        return self._batch
-
     # ---- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step's plan: which requests run and how many of their tokens."""
+        start = time.perf_counter()
+        plan = self._schedule()
+        self.last_step_ms = (time.perf_counter() - start) * 1e3
+        return plan
+
+    def _schedule(self) -> SchedulerOutput:
         self._budget = self.config.max_num_batched_tokens
         self._scheduled: list[ScheduledRequest] = []
         self._served: set[str] = set()
         preempted: list[str] = []
-        continuous = self.config.batching == "continuous"
-        batch = None if continuous else self._batch_source()
-        self._background_left = self._background_allowance() if continuous else float("inf")
+        self._background_left = self._background_allowance()
 
-        ranks = sorted({r.priority for r in self.running} | (set(self.waiting.ranks()) if continuous else set()))
+        ranks = sorted({r.priority for r in self.running} | set(self.waiting.ranks()))
         memory_pressure = False
         for rank in ranks:
             memory_pressure |= self._schedule_running(rank, preempted)
             # After a memory preemption, admit only where worse-ranked work can make room: admitting
             # equal-rank work into blocks just taken from a running request would thrash.
-            if continuous and (not memory_pressure or self._has_preemptible_below(rank)):
-                self._admit(lambda rank=rank: self.waiting.peek(rank), self.waiting.remove, preempted)
-        if batch is not None and not memory_pressure:
-            self._admit(lambda: batch[0] if batch else None, lambda r: batch.popleft(), preempted)
+            if not memory_pressure or self._has_preemptible_below(rank):
+                self._admit(rank, preempted)
 
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
@@ -283,9 +260,10 @@ class Scheduler:
                 self._add_scheduled(request, num_new)
         return pressure
 
-    def _admit(self, peek, remove, preempted: list[str]) -> None:
+    def _admit(self, rank: int, preempted: list[str]) -> None:
+        """Admit waiting requests of ``rank`` (fairly across tenants) while budget, slots and blocks allow."""
         while self._budget > 0:
-            request = peek()
+            request = self.waiting.peek(rank)
             if request is None or (request.background and self._background_left <= 0):
                 return
             if len(self.running) >= self.config.max_num_seqs:
@@ -305,7 +283,7 @@ class Scheduler:
                     return
                 self._preempt(victim, preempted)
                 continue
-            remove(request)
+            self.waiting.remove(request)
             self.kv.record_prefix_hit(request, num_cached)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -326,6 +304,13 @@ class Scheduler:
             self._background_left -= num_new
 
     def update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[RequestUpdate]:
+        """Apply a step's sampled tokens to its requests; returns what changed for each."""
+        start = time.perf_counter()
+        updates = self._update(sched_out, sampled_token_ids)
+        self.last_step_ms += (time.perf_counter() - start) * 1e3
+        return updates
+
+    def _update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, bill fair-share counters, finish what is done.
 
         ``sampled_token_ids`` is aligned with ``sched_out.scheduled``; None where
@@ -369,12 +354,9 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
-        waiting = self.waiting.count_by_rank()
-        for request in self._batch or ():
-            waiting[request.priority] = waiting.get(request.priority, 0) + 1
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting_by_rank=waiting,
+            num_waiting_by_rank=self.waiting.count_by_rank(),
             kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
             kv_blocks_total=pool.num_blocks,
             prefix_query_tokens=self.kv.prefix_query_tokens,

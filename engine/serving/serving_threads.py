@@ -15,7 +15,7 @@ A ``cpu_threads`` set in ``EngineConfig`` is kept as it is, whatever is served.
 
 from collections.abc import Callable
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 
 
 class ServingThreads:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from engine.layers.dense_gemv import MAX_GEMV_ROWS, GemvConfig, dense_gemv
+from engine.kernels.dense_gemv import MAX_GEMV_ROWS, GemvConfig, dense_gemv
 from engine.layers.gemv_linear import LinearShape, RowPlan, enable_dense_gemv, linear_modules
 
 logger = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ def apply_dense_gemv(model: torch.nn.Module, device: torch.device, mode: str, ti
     Returns the choices (also logged). "measure" needs CUDA unless a ``timer`` is given (tests).
     """
     assert mode in ("measure", "on"), mode
-    from engine.layers.dense_gemv import interpreted
+    from engine.kernels.dense_gemv import interpreted
 
     shapes = group_by_shape(model)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2

@@ -24,7 +24,7 @@ import torch
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.model_config import SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig, model_config_from_hf
+from engine.loading.model_config import SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig, model_config_from_hf
 from engine.models import MODEL_REGISTRY, MoECausalLM
 
 logger = logging.getLogger(__name__)

@@ -4,10 +4,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
-_MOE_BACKENDS = ("auto", "torch", "triton")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-BATCHING_STRATEGIES = ("continuous", "dynamic", "static")
-DENSE_GEMV_MODES = ("auto", "off", "on")
+KERNEL_OPTIONS = ("auto", "torch", "triton")
 
 
 @dataclass(slots=True)
@@ -18,17 +15,17 @@ class EngineConfig:
     otherwise the pool takes ``kv_cache_memory_gb`` on the CPU, or
     ``gpu_memory_utilization`` of the GPU minus what the weights use.
 
-    ``attention_backend``: "auto" is Triton paged attention on CUDA, torch elsewhere.
-    ``elementwise_backend``: "auto" fuses norms, RoPE and routing into Triton
-    kernels on CUDA (``engine.layers.fusion``), torch ops elsewhere.
-    ``dense_gemv``: the dense projections at up to 8 rows through a Triton
-    matrix-vector kernel (``engine.dense_gemv_select``). "auto" measures it
-    against ``F.linear`` per shape at start on CUDA and uses it where faster
-    (off elsewhere); "on" uses it everywhere unmeasured (tests); "off" never.
+    ``kernels``: "triton" runs paged attention, the routed experts and the fused
+    norms, RoPE and routing (``engine.transforms.fusion``) as Triton kernels and,
+    on CUDA, measures a Triton matrix-vector kernel against ``F.linear`` for each
+    dense projection shape at start and keeps it where faster
+    (``engine.transforms.gemv_select``); "torch" runs torch ops only (any
+    device); "auto" is "triton" on CUDA and "torch" elsewhere. Triton on a CPU
+    needs ``TRITON_INTERPRET=1`` (for testing: it is slow).
     CUDA graphs replay decode-only steps at ``cuda_graph_batch_sizes`` (default:
     1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``), padded up to the nearest
     size; they need CUDA and Triton attention, and ``enforce_eager`` turns them off.
-    ``random_weights`` (a preset name or config.json path, see ``engine.random_weights``)
+    ``random_weights`` (a preset name or config.json path, see ``engine.loading.random_weights``)
     builds a model of that shape with RANDOM weights instead of loading ``model``,
     which then only names it; tokenizer files come from ``tokenizer`` if given.
     ``background_*``: how Batch API work yields to live work (see ``SchedulerConfig``).
@@ -36,7 +33,7 @@ class EngineConfig:
     is torch's default (every core) in-process; in the engine process, which
     shares the machine with the gateway feeding it, one core fewer while
     foreground work is present or was within ``background_window_s``, and every
-    core otherwise (see ``engine.serving_threads``).
+    core otherwise (see ``engine.serving.serving_threads``).
     """
 
     model: str
@@ -50,14 +47,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
     gpu_memory_utilization: float = 0.9
-    moe_backend: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
-    batching: str = "continuous"
-    max_wait_ms: float = 50.0
-    attention_backend: str = "auto"
-    elementwise_backend: str = "auto"
-    dense_gemv: str = "auto"
+    kernels: str = "auto"
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     random_weights: str | None = None
@@ -68,30 +60,20 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.elementwise_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"elementwise_backend must be one of {ATTENTION_BACKENDS}, got {self.elementwise_backend!r}")
-        if self.dense_gemv not in DENSE_GEMV_MODES:
-            raise ValueError(f"dense_gemv must be one of {DENSE_GEMV_MODES}, got {self.dense_gemv!r}")
+        if self.kernels not in KERNEL_OPTIONS:
+            raise ValueError(f"kernels must be one of {KERNEL_OPTIONS}, got {self.kernels!r}")
         if self.cuda_graph_batch_sizes is not None:
             self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
             if not self.cuda_graph_batch_sizes or self.cuda_graph_batch_sizes[0] < 1:
                 raise ValueError(f"cuda_graph_batch_sizes must be positive batch sizes, got {self.cuda_graph_batch_sizes}")
         if self.random_weights is not None and not self.random_weights.strip():
             raise ValueError("random_weights must name a preset or a config.json path")
-        if self.batching not in BATCHING_STRATEGIES:
-            raise ValueError(f"batching must be one of {BATCHING_STRATEGIES}, got {self.batching!r}")
-        if self.max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if not self.model:
             raise ValueError("model must be a path to a checkpoint directory (or a name, with random_weights)")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
-        if self.moe_backend not in _MOE_BACKENDS:
-            raise ValueError(f"moe_backend must be one of {_MOE_BACKENDS}, got {self.moe_backend!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -111,6 +93,46 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
 
+_PARTS = ("torch", "triton")
+_GEMV_MODES = ("off", "measure", "on")
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """The implementation each part of the model runs, resolved from ``EngineConfig.kernels`` and the device.
+
+    Users set ``kernels``; benchmarks and tests build a choice by hand to compare
+    one part's kernels with everything else held fixed. ``dense_gemv``: "measure"
+    picks per projection shape by timing (CUDA), "on" uses the Triton gemv for
+    every shape unmeasured (for testing it), "off" never.
+    """
+
+    attention: str = "torch"
+    elementwise: str = "torch"
+    moe: str = "torch"
+    dense_gemv: str = "off"
+
+    def __post_init__(self) -> None:
+        for part in (self.attention, self.elementwise, self.moe):
+            if part not in _PARTS:
+                raise ValueError(f"a kernel choice is one of {_PARTS}, got {part!r}")
+        if self.dense_gemv not in _GEMV_MODES:
+            raise ValueError(f"dense_gemv must be one of {_GEMV_MODES}, got {self.dense_gemv!r}")
+
+    @classmethod
+    def resolve(cls, kernels: str, device_type: str) -> "KernelChoice":
+        if kernels == "auto":
+            kernels = "triton" if device_type == "cuda" else "torch"
+        if kernels == "torch":
+            return cls()
+        # Measuring the gemv needs device timers; under the CPU interpreter it would only be slow.
+        return cls("triton", "triton", "triton", "measure" if device_type == "cuda" else "off")
+
+    @property
+    def uses_triton(self) -> bool:
+        return "triton" in (self.attention, self.elementwise, self.moe) or self.dense_gemv != "off"
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """The KV block pool, once its size is known."""
@@ -125,12 +147,7 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Step budget and batching strategy of the scheduler.
-
-    ``continuous``: iteration-level scheduling. ``static``: wait for
-    ``max_num_seqs`` requests (or a drain), run them until the last finishes.
-    ``dynamic``: like static, but a batch also starts ``max_wait_ms`` after its
-    oldest request arrived.
+    """The scheduler's step budget (it batches continuously: a request joins the running batch at the next step).
 
     Background requests (``Request.background``: the Batch API's lines) take idle
     capacity only (continuous batching). A step that prefills foreground work
@@ -145,12 +162,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    batching: str = "continuous"
-    max_wait_ms: float = 50.0
     background_token_budget: int = 64
     background_window_s: float = 5.0
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2
         assert self.background_token_budget >= 1 and self.background_window_s >= 0
-        assert self.batching in BATCHING_STRATEGIES

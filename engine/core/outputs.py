@@ -4,9 +4,9 @@ import logging
 
 import msgspec
 
-from engine.request import Request, RequestStatus
-from engine.scheduler import RequestUpdate, Scheduler
-from engine.tokenizer import IncrementalDetokenizer
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import RequestUpdate, Scheduler
+from engine.text.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 

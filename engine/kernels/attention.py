@@ -1,4 +1,4 @@
-"""Paged attention with the Triton kernels: the GPU path behind ``attention_backend="triton"``.
+"""Paged attention with the Triton kernels: the GPU path behind ``kernels="triton"``.
 
 Legend: T flat tokens, D decode requests, h query heads, kvh KV heads, d head dim, S decode splits.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention_metadata import TritonAttentionMetadata
+from engine.worker.attention_metadata import TritonAttentionMetadata
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -54,9 +54,9 @@ DEFAULT_LAUNCH = AttentionLaunch()
 
 @functools.cache
 def _kernels():
-    from engine.layers import triton_attention_kernels
+    from engine.kernels import attention_kernels
 
-    return triton_attention_kernels
+    return attention_kernels
 
 
 @functools.cache

@@ -3,13 +3,13 @@
 import logging
 from multiprocessing.connection import Connection
 
-from engine.config import EngineConfig
-from engine.protocol import (
+from engine.core.config import EngineConfig
+from engine.serving.protocol import (
     AbortRequest, AddRequest, Fatal, Ready, RequestRejected, Shutdown, StepOutputs, encoder, to_engine_decoder,
 )
-from engine.sampling_params import SamplingParams
-from engine.serving_threads import serving_threads
-from engine.step_reports import StepReports
+from engine.core.sampling_params import SamplingParams
+from engine.serving.serving_threads import serving_threads
+from engine.serving.step_reports import StepReports
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,6 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
             logger.exception("engine step failed")
             replies.send_bytes(encoder.encode(Fatal(f"a step failed: {type(e).__name__}: {e}")))
             return
-        message = reports.after_step(outputs, engine.last_stats, engine.has_unfinished())
+        message = reports.after_step(outputs, engine.stats(), engine.has_unfinished())
         if message is not None:
             replies.send_bytes(encoder.encode(message))

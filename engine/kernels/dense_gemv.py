@@ -3,7 +3,7 @@
 Legend: M rows, N output features, K input features, S K-splits.
 
 Which launch (if any) a projection uses is measured at engine start
-(``engine.dense_gemv_select``); this module only runs one.
+(``engine.transforms.gemv_select``); this module only runs one.
 """
 
 import functools
@@ -18,7 +18,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @functools.cache
 def _kernels():
-    from engine.layers import dense_gemv_kernels
+    from engine.kernels import dense_gemv_kernels
 
     return dense_gemv_kernels
 

@@ -4,11 +4,11 @@ import time
 
 import torch
 
-from engine.batch_builder import FlatBatch, build_torch_batch, build_triton_batch
-from engine.config import CacheConfig
+from engine.worker.batch_builder import FlatBatch, build_torch_batch, build_triton_batch
+from engine.core.config import CacheConfig
 from engine.models import MoECausalLM
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.worker.sampler import Sampler
+from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def kv_bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -23,7 +23,7 @@ class ModelRunner:
 
     The caches hold one block more than the pool: the last one (``scratch_block``) belongs to no
     request and takes the K/V writes of padding rows (CUDA-graph batches padded to a captured size).
-    ``attention_backend`` is "torch" or "triton" (resolved by the engine).
+    ``attention_backend`` is "torch" or "triton" (``KernelChoice.attention``).
     """
 
     def __init__(self, model: MoECausalLM, cache_config: CacheConfig, device: torch.device, dtype: torch.dtype, seed: int,
@@ -36,6 +36,8 @@ class ModelRunner:
         self.scratch_block = cache_config.num_blocks
         self.decode_graphs = None  # a cuda_graphs.DecodeGraphs, installed by cuda_graphs.enable_decode_graphs
         self.last_prepare_ms = 0.0  # host time building the last step's batch (metadata and staging)
+        self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
+        self.num_steps = 0  # execute() calls that ran a forward
         c = model.config
         shape = (cache_config.num_blocks + 1, cache_config.block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
@@ -72,12 +74,19 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.meta)
 
     # ---- one step ------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> list[int | None]:
         """Run the step's forward; returns the sampled token per scheduled request (None if it did not sample)."""
+        start = time.perf_counter()
+        sampled = self._execute(sched_out)
+        self.last_execute_ms = (time.perf_counter() - start) * 1e3
+        return sampled
+
+    @torch.inference_mode()
+    def _execute(self, sched_out: SchedulerOutput) -> list[int | None]:
         self.sampler.forget(sched_out.finished_ids)
         if sched_out.is_empty:
             return []
+        self.num_steps += 1
         start = time.perf_counter()
         batch = self.prepare(sched_out.scheduled)
         self.last_prepare_ms = (time.perf_counter() - start) * 1e3

@@ -25,9 +25,9 @@ Anything pending goes out with any message that is sent.
 
 import time
 
-from engine.outputs import RequestOutput
-from engine.protocol import Delta, StepOutputs
-from engine.stats import SchedulerStats
+from engine.core.outputs import RequestOutput
+from engine.serving.protocol import Delta, StepOutputs
+from engine.core.stats import SchedulerStats
 
 
 class StepReports:

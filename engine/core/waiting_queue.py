@@ -10,7 +10,7 @@ Plain Python, no torch.
 
 from collections import defaultdict, deque
 
-from engine.request import Request
+from engine.core.request import Request
 
 OUTPUT_TOKEN_COST = 2.0  # an output token costs twice a prompt token (decode is the scarcer work)
 

@@ -6,7 +6,7 @@ tokens and text of the requests it advanced.
 
 import msgspec
 
-from engine.stats import SchedulerStats
+from engine.core.stats import SchedulerStats
 
 
 class SamplingSpec(msgspec.Struct, omit_defaults=True):
@@ -25,7 +25,7 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True):
 
 
 class AddRequest(msgspec.Struct, tag=True):
-    """``prompt``: token ids, already checked by the sender (``engine.inputs``); the engine checks them again."""
+    """``prompt``: token ids, already checked by the sender (``engine.text.prompts``); the engine checks them again."""
 
     request_id: str
     prompt: list[int]

@@ -1,0 +1,1 @@
+"""Building a model: checkpoint configs, safetensors loading, random-weight models and the demo checkpoint."""

@@ -1,0 +1,1 @@
+"""The engine as a process: its message protocol, the process loop, step reports and the async client the gateway uses."""
