@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from benchmarks import run_on_gateway_loop
 from benchmarks.instant_engine import InstantEngine
-from engine.serving.protocol import Delta
+from engine.core.outputs import RequestOutput
 
 
 @dataclass
@@ -41,7 +41,7 @@ class _OneResultEngine(InstantEngine):
 
     async def generate(self, prompt, sampling, request_id=None, **_):
         n = sampling.max_tokens or self.num_tokens
-        yield Delta(request_id or "r", [65] * n, "A" * n, True, "length", 12, 0, n)
+        yield RequestOutput(request_id or "r", [65] * n, "A" * n, True, "length", 12, 0, n)
 
 
 def _thread_cpu_s() -> dict[str, float]:

@@ -43,7 +43,7 @@ MAX_TOKENS = 16
 
 
 async def bare_tok_s(engine, bodies: list[dict], inflight: int = 64) -> float:
-    from engine.serving.protocol import SamplingSpec
+    from engine.core.sampling_params import SamplingParams
 
     slots = asyncio.Semaphore(inflight)
 
@@ -52,7 +52,7 @@ async def bare_tok_s(engine, bodies: list[dict], inflight: int = 64) -> float:
             tokens = 0
             prompt = await engine.prepare(body["prompt"])
             async for delta in engine.generate(
-                prompt, SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+                prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
                 request_id=f"bare-{time.monotonic_ns()}-{i}", stream=False, priority=2, tenant="bulk",
                 preemptible=True, background=True, cache_salt="bulk",
             ):

@@ -302,7 +302,7 @@ def bench_e2e_moegate(engine, prompts: list[list[int]], output_len: int) -> dict
     graphs = engine.runner.decode_graphs
     while engine.has_unfinished():
         replays, t0 = graphs.replays if graphs else 0, time.perf_counter()
-        produced += sum(len(o.new_token_ids) for o in engine.step())
+        produced += sum(len(o.token_ids) for o in engine.step())
         stats = engine.stats()
         steps.append((time.perf_counter() - t0, stats.step_decode_tokens, stats.step_prefill_tokens,
                       bool(graphs and graphs.replays > replays)))

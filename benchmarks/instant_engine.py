@@ -1,21 +1,20 @@
 """A test double for ``engine.AsyncEngine`` that answers at once, for measuring the gateway alone.
 
-It has the client interface the gateway uses (``start``, ``shutdown``,
-``restart``, ``prepare``, ``generate``, ``info``, ``stats``, ``dead``, ``config``) and
+It implements the interface the gateway uses (``engine.serving.client.EngineClient``) and
 produces ``num_tokens`` one-character deltas per request with no model
 behind them. Used only by the gateway overhead benchmark and a gateway test; never by the
 product.
 """
 
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
-
-from engine.serving.protocol import Delta, Ready
+from engine.core.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.serving.protocol import Ready
 
 
 class InstantEngine:
     def __init__(self, num_tokens: int = 8, max_model_len: int = 4096) -> None:
-        self.config = SimpleNamespace(model="instant")
+        self.config = EngineConfig(model="instant")
         self.num_tokens = num_tokens
         self.info: Ready | None = None
         self.stats = None
@@ -38,9 +37,9 @@ class InstantEngine:
             return [65] * max(1, sum(len(m.content) for m in messages) // 4 + 4 * len(messages))
         return list(prompt) if isinstance(prompt, list) else [65] * max(1, len(prompt) // 4)
 
-    async def generate(self, prompt, sampling, request_id=None, **_) -> AsyncIterator[Delta]:
+    async def generate(self, prompt, sampling, request_id=None, **_) -> AsyncIterator[RequestOutput]:
         prompt_tokens = len(prompt)
         wanted = min(self.num_tokens, sampling.max_tokens or self.num_tokens)
         for i in range(1, wanted + 1):
             done = i == wanted
-            yield Delta(request_id or "r", [65], "A", done, "length" if done else None, prompt_tokens, 0, i)
+            yield RequestOutput(request_id or "r", [65], "A", done, "length" if done else None, prompt_tokens, 0, i)

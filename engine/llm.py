@@ -40,9 +40,9 @@ class LLM:
         # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
         token_prompts = [self.engine.prepare_prompt(p) for p in prompts]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(token_prompts, params)]
-        finished: dict[str, RequestOutput] = {}
+        whole: dict[str, RequestOutput] = {}  # each request's outputs so far, merged
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        return [finished[i] for i in ids]
+                so_far = whole.get(out.request_id)
+                whole[out.request_id] = out if so_far is None else so_far.merge(out)
+        return [whole[i] for i in ids]

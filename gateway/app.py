@@ -17,11 +17,13 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
-from engine.serving.async_engine import AsyncEngine, EngineError, RequestRejectedError
-from engine.serving.protocol import Delta
+from engine.serving.async_engine import EngineError, RequestRejectedError
+from engine.serving.client import EngineClient
+from engine.core.outputs import RequestOutput
 from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, rate_limit_headers, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
-from gateway.completion import choice, completion_body, engine_down, output_failed, prepare_prompt, usage_of
+from gateway.replies import json_response
+from gateway.completion import choice, collect, completion_body, engine_down, output_failed, prepare_prompt, usage_of
 from gateway.config import GatewayConfig
 from gateway.errors import (
     BODY_TIMEOUT_S, REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, read_body, request_id_middleware,
@@ -30,7 +32,7 @@ from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.openapi import openapi_document
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_spec
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
 from gateway.usage_ledger import UsageLedger
 from gateway.batch import batches as batch_api, files as files_api
 from gateway.batch.batches import BATCH_SETTINGS, BATCH_WAKE, QUOTA_MANAGER
@@ -43,9 +45,9 @@ from tenants.store import TenantStore, UsageRecord
 
 logger = logging.getLogger(__name__)
 
-ENGINE = web.AppKey("engine", AsyncEngine)
+ENGINE = web.AppKey("engine", EngineClient)
 CONFIG = web.AppKey("config", GatewayConfig)
-LAST_DELTA = web.RequestKey("last_delta", Delta)  # the latest engine delta, for usage at settle
+LAST_OUTPUT = web.RequestKey("last_output", RequestOutput)  # the latest engine output, for usage at settle
 TIMER = web.RequestKey("timer", RequestTimer)
 RATE_HEADERS = web.RequestKey("rate_headers", dict)
 INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
@@ -53,10 +55,6 @@ LEDGER = web.AppKey("ledger", UsageLedger)
 DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503
 METRICS_URL = web.AppKey("metrics_url", str)  # where the metrics listener answers (once started)
 ENGINE_RESTART_INTERVAL_S = 60.0  # at most one restart a minute for the same cause
-
-
-def _json(body: dict, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
 
 
 def _model_name(app: web.Application) -> str:
@@ -68,13 +66,13 @@ async def health(request: web.Request) -> web.Response:
     """ready (200), or starting / engine down (503 with Retry-After) while the supervisor restarts it."""
     engine = request.app[ENGINE]
     if request.app[DRAINING].is_set():
-        response = _json({"status": "draining"}, status=503)
+        response = json_response({"status": "draining"}, status=503)
     elif engine.dead:
-        response = _json({"status": "engine down", "reason": engine.dead}, status=503)
+        response = json_response({"status": "engine down", "reason": engine.dead}, status=503)
     elif engine.info is None:
-        response = _json({"status": "starting"}, status=503)
+        response = json_response({"status": "starting"}, status=503)
     else:
-        return _json({"status": "ready"})
+        return json_response({"status": "ready"})
     response.headers["Retry-After"] = "5"
     return response
 
@@ -86,7 +84,7 @@ async def openapi_endpoint(request: web.Request) -> web.Response:
         ver = version("moegate")
     except PackageNotFoundError:
         ver = "0"
-    return _json(openapi_document(ver))
+    return json_response(openapi_document(ver))
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -132,7 +130,7 @@ async def list_models(request: web.Request) -> web.Response:
     info = request.app[ENGINE].info
     card = {"id": _model_name(request.app), "object": "model", "created": 0, "owned_by": "moegate",
             "max_model_len": info.max_model_len}
-    return _json({"object": "list", "data": [card]})
+    return json_response({"object": "list", "data": [card]})
 
 
 def _check_model(app: web.Application, model: str | None) -> None:
@@ -144,7 +142,7 @@ def _check_model(app: web.Application, model: str | None) -> None:
 async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     app = request.app
     _check_model(app, body.model)
-    spec = sampling_spec(body)
+    params = sampling_params(body)
     engine = app[ENGINE]
     if app[DRAINING].is_set():  # a new request on a kept-alive connection during shutdown
         raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
@@ -159,7 +157,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     prompt = await prepare_prompt(engine, body, chat)
     # The reservation is exact for the prompt, and never more output than the context leaves room for.
     room = max_model_len - len(prompt)
-    max_new = min(spec.max_tokens or room, room)
+    max_new = min(params.max_tokens or room, room)
     metrics = app[METRICS]
     timer = RequestTimer(metrics, tenant.name, cls.name)
     inflight = app[INFLIGHT]
@@ -189,7 +187,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     stream = None
     try:
         stream = engine.generate(
-            prompt, spec, request_id=rid,
+            prompt, params, request_id=rid,
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
             preemptible=cls.preemptible, may_preempt=cls.may_preempt,
         )
@@ -204,7 +202,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         raise
     finally:
         inflight[cls.rank] -= 1
-        last = request.get(LAST_DELTA)
+        last = request.get(LAST_OUTPUT)
         if status == 200 and last is not None and not last.finished:
             status = 503  # a stream the engine failed mid-way: 200 went out with the headers, the row says so
         elif status == 200 and last is not None and last.finish_reason == "error":
@@ -238,7 +236,7 @@ async def _close_and_settle(app: web.Application, stream, grant, usage: UsageRec
 
 
 async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int) -> web.StreamResponse:
-    """Run the engine stream to a JSON body or SSE events; request[LAST_DELTA] tracks the latest delta for usage."""
+    """Run the engine stream to a JSON body or SSE events; request[LAST_OUTPUT] tracks the latest delta for usage."""
     app = request.app
     model = _model_name(app)
 
@@ -249,22 +247,17 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     except EngineError as e:
         raise engine_down(e) from None
 
-    request[LAST_DELTA] = first  # so usage is settled even if the client goes away mid-stream
+    request[LAST_OUTPUT] = first  # so usage is settled even if the client goes away mid-stream
     timer = request[TIMER]
     timer.delta(first=True, queue_time_s=first.queue_time_s)
 
     if not body.stream:
-        text, last = [first.new_text], first
-        try:
-            async for delta in stream:
-                text.append(delta.new_text)
-                last = request[LAST_DELTA] = delta
-                timer.delta(first=False)
-        except EngineError as e:
-            raise engine_down(e) from None
-        if last.finish_reason == "error":
-            raise output_failed()
-        body_json = _json(completion_body(rid, created, model, chat, "".join(text), last))
+        def track(whole: RequestOutput) -> None:
+            request[LAST_OUTPUT] = whole
+            timer.delta(first=False)
+
+        whole = await collect(stream, chat, first, track)
+        body_json = json_response(completion_body(rid, created, model, chat, whole))
         body_json.headers.update(request[RATE_HEADERS])
         return body_json
 
@@ -280,14 +273,14 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         if delta.finish_reason == "error":
             return await _write_error_event(response, output_failed())
         event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
-                 "choices": [choice(chat, delta.new_text, delta.finish_reason, True)]}
+                 "choices": [choice(chat, delta.text, delta.finish_reason, True)]}
         if include_usage:
             event["usage"] = None
         await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
         if delta.finished:
             break
         try:
-            delta = request[LAST_DELTA] = await anext(stream)
+            delta = request[LAST_OUTPUT] = await anext(stream)
         except EngineError as e:
             return await _write_error_event(response, APIError(503, f"engine unavailable: {e}", "server_error",
                                                                code="engine_unavailable"))
@@ -308,7 +301,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _run(request, decode_body(await read_body(request), ChatCompletionRequest), chat=True)
 
 
-def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
+def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     """The app; the policy store and the engine process start with the app and stop with it."""
     http_protocol.install(config.max_connections)
     # Middleware order: request id -> error mapping -> auth. Admission (quotas, overload) runs in the
@@ -386,7 +379,7 @@ def create_app(config: GatewayConfig, engine: AsyncEngine) -> web.Application:
             batch_rank = (await app[BATCH_STORE].store.get_class("batch")).rank
         except NotFound:
             batch_rank = max(c.rank for c in await app[BATCH_STORE].store.list_classes())
-        inflight = config.batch_max_inflight or 2 * getattr(engine.config, "max_num_seqs", 16)
+        inflight = config.batch_max_inflight or 2 * engine.config.max_num_seqs
         runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
             lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
             batch_rank=batch_rank, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])

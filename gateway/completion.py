@@ -2,12 +2,12 @@
 
 from engine.serving.async_engine import EngineError, RequestRejectedError
 from engine.text.prompts import InvalidPrompt
-from engine.serving.protocol import Delta
+from engine.core.outputs import RequestOutput
 from gateway.errors import APIError
-from gateway.openai_schema import sampling_spec
+from gateway.openai_schema import sampling_params
 
 
-def usage_of(d: Delta) -> dict:
+def usage_of(d: RequestOutput) -> dict:
     return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
             "total_tokens": d.num_prompt_tokens + d.num_output_tokens,
             "prompt_tokens_details": {"cached_tokens": d.num_cached_tokens}}
@@ -20,10 +20,10 @@ def choice(chat: bool, text: str, finish: str | None, delta: bool) -> dict:
     return {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
 
 
-def completion_body(rid: str, created: int, model: str, chat: bool, text: str, last: Delta) -> dict:
-    """The non-streaming response of /v1/completions or /v1/chat/completions."""
+def completion_body(rid: str, created: int, model: str, chat: bool, whole: RequestOutput) -> dict:
+    """The non-streaming response of /v1/completions or /v1/chat/completions for a request's whole output."""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-            "choices": [choice(chat, text, last.finish_reason, False)], "usage": usage_of(last)}
+            "choices": [choice(chat, whole.text, whole.finish_reason, False)], "usage": usage_of(whole)}
 
 
 def engine_down(err: Exception | str) -> APIError:
@@ -56,28 +56,40 @@ async def prepare_prompt(engine, body, chat: bool) -> list[int]:
         raise engine_down(e) from None
 
 
-async def complete(engine, body, chat: bool, rid: str, created: int, model: str, **request_policy) -> tuple[dict, Delta]:
-    """Run one request to the end and return (response body, last delta); APIError as the live API would.
+async def collect(stream, chat: bool, first: RequestOutput | None = None, on_output=None) -> RequestOutput:
+    """The engine stream's outputs (after ``first``, if already read) merged into the whole generation.
 
-    ``request_policy`` is what ``engine.generate`` takes besides the prompt: priority, tenant,
-    weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine request.
+    APIErrors as the live API gives them: 400 for a prompt the engine refused, 503 if the engine went
+    down, 500 if the engine could not produce this request's output. ``on_output(whole)`` sees the
+    merged output after each one arrives.
     """
-    spec = sampling_spec(body)
-    prompt = await prepare_prompt(engine, body, chat)
-    # Only the result is wanted: one message from the engine at the end, not one per token.
-    stream = engine.generate(prompt, spec, request_id=rid, stream=False, **request_policy)
-    text: list[str] = []
-    last = None
+    whole = first
     try:
-        async for delta in stream:
-            text.append(delta.new_text)
-            last = delta
+        async for out in stream:
+            whole = out if whole is None else whole.merge(out)
+            if on_output is not None:
+                on_output(whole)
     except RequestRejectedError as e:
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
     except EngineError as e:
         raise engine_down(e) from None
+    if whole.finish_reason == "error":
+        raise output_failed()
+    return whole
+
+
+async def complete(engine, body, chat: bool, rid: str, created: int, model: str, **request_policy) -> tuple[dict, RequestOutput]:
+    """Run one request to the end and return (response body, its whole output); APIError as the live API would.
+
+    ``request_policy`` is what ``engine.generate`` takes besides the prompt: priority, tenant,
+    weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine request.
+    """
+    params = sampling_params(body)
+    prompt = await prepare_prompt(engine, body, chat)
+    # Only the result is wanted: one message from the engine at the end, not one per token.
+    stream = engine.generate(prompt, params, request_id=rid, stream=False, **request_policy)
+    try:
+        whole = await collect(stream, chat)
     finally:
         await stream.aclose()
-    if last.finish_reason == "error":
-        raise output_failed()
-    return completion_body(rid, created, model, chat, "".join(text), last), last
+    return completion_body(rid, created, model, chat, whole), whole

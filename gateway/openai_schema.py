@@ -4,7 +4,7 @@ from typing import Annotated
 
 import msgspec
 
-from engine.serving.protocol import SamplingSpec
+from engine.core.sampling_params import SamplingParams
 from gateway.errors import APIError
 
 # Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the
@@ -87,7 +87,7 @@ def decode_body(body: bytes, cls):
         raise APIError(400, f"request body is not valid JSON: {e}") from None
 
 
-def sampling_spec(req: _Common) -> SamplingSpec:
+def sampling_params(req: _Common) -> SamplingParams:
     """Validate OpenAI sampling fields; 400 with the offending parameter named."""
     if req.n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
@@ -103,7 +103,7 @@ def sampling_spec(req: _Common) -> SamplingSpec:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")
-    return SamplingSpec(
+    return SamplingParams(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
         max_tokens=max_tokens, stop=stop, ignore_eos=req.ignore_eos,
     )

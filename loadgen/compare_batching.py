@@ -117,7 +117,7 @@ def drive(engine, strategy: str, batch_size: int, max_wait_ms: float, requests: 
         outputs = gate.step()
         t = time.perf_counter() - start
         for out in outputs:
-            if not out.new_token_ids:
+            if not out.token_ids:
                 continue
             r = records[int(out.request_id)]
             i = int(out.request_id)
@@ -126,7 +126,7 @@ def drive(engine, strategy: str, batch_size: int, max_wait_ms: float, requests: 
             else:
                 r.itl_s.append(t - last_token[i])
             last_token[i] = t
-            r.completion_tokens = len(out.token_ids)
+            r.completion_tokens = out.num_output_tokens
             if out.finished:
                 r.end_s, r.ok, r.status, r.finish_reason = t, True, 200, out.finish_reason
         if not outputs and added < len(requests):

@@ -12,19 +12,34 @@ logger = logging.getLogger(__name__)
 
 
 class RequestOutput(msgspec.Struct):
-    """The state of one request after a step. ``new_*`` fields hold this step's delta."""
+    """One request's progress: the type that flows from the engine's step to the gateway and offline callers.
+
+    ``token_ids`` and ``text`` are what this output carries: a step's output
+    carries that step's new tokens and text; ``merge`` folds later outputs into
+    an earlier one, so a merged output (what ``LLM.generate`` returns, and what a
+    ``stream=False`` request receives) carries the whole generation.
+    ``num_output_tokens`` always counts every token generated so far.
+    """
 
     request_id: str
     token_ids: list[int]
     text: str
-    new_token_ids: list[int]
-    new_text: str
     finished: bool
     finish_reason: str | None
-    stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    num_output_tokens: int
+    stop_reason: int | str | None = None
     queue_time_s: float | None = None  # arrival to first scheduled (None while still waiting)
+
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by ``later`` (the same request's next output) as one."""
+        assert later.request_id == self.request_id
+        return RequestOutput(
+            self.request_id, self.token_ids + later.token_ids, self.text + later.text, later.finished,
+            later.finish_reason, later.num_prompt_tokens, later.num_cached_tokens, later.num_output_tokens,
+            later.stop_reason, later.queue_time_s if later.queue_time_s is not None else self.queue_time_s,
+        )
 
 
 class _TextState:
@@ -122,15 +137,14 @@ class OutputProcessor:
     def _output(request: Request, state: _TextState, new_ids: list[int], delta: str) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
-            token_ids=list(request.output_token_ids),
-            text=state.text,
-            new_token_ids=list(new_ids),
-            new_text=delta,
+            token_ids=list(new_ids),
+            text=delta,
             finished=request.is_finished,
             finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens,
+            stop_reason=request.stop_reason,
             queue_time_s=None if request.first_scheduled_time is None
             else request.first_scheduled_time - request.arrival_time,
         )

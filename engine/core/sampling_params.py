@@ -1,10 +1,9 @@
-"""Per-request sampling and stopping parameters (no torch import)."""
+"""Per-request sampling and stopping settings: one definition for the offline API, the wire and the engine."""
 
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass(slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens and when to stop.
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` turn those
@@ -12,6 +11,9 @@ class SamplingParams:
     shares its batch. ``stop`` strings end generation and are not included in
     the returned text; ``stop_token_ids`` end it too (the token is kept in
     ``token_ids`` and its text dropped, as for EOS).
+
+    The same struct crosses the pipe to the engine process (msgpack); it is
+    validated when built and again when decoded there.
     """
 
     temperature: float = 1.0
@@ -25,7 +27,6 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1
-    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.n != 1:
@@ -42,12 +43,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or s == "" for s in stops):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        self._stop_list = stops
+        self.stop = stops
         ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError("stop_token_ids must be non-negative integers")
@@ -55,7 +56,7 @@ class SamplingParams:
 
     @property
     def stop_strings(self) -> list[str]:
-        return self._stop_list
+        return self.stop
 
     @property
     def is_greedy(self) -> bool:

@@ -9,11 +9,13 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.core.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.engine_process import run_engine_process
 from engine.text.prompts import InputProcessor, Turn
 from engine.serving.protocol import (
-    AbortRequest, AddRequest, Delta, Fatal, Ready, RequestRejected, SamplingSpec, Shutdown, StepOutputs,
+    AbortRequest, AddRequest, Fatal, Ready, RequestRejected, Shutdown, StepOutputs,
     encoder, from_engine_decoder,
 )
 from engine.text.tokenizer import load_tokenizer
@@ -40,7 +42,7 @@ class RequestRejectedError(ValueError):
 class AsyncEngine:
     """Runs the engine in its own process and streams per-request deltas to asyncio callers.
 
-    ``generate`` yields ``Delta``s until the request finishes; cancelling the
+    ``generate`` yields ``RequestOutput``s until the request finishes; cancelling the
     consumer (a client that went away) aborts the request in the engine.
     """
 
@@ -136,7 +138,7 @@ class AsyncEngine:
         if isinstance(msg, StepOutputs):
             if msg.stats is not None:
                 self.stats = msg.stats
-            for delta in msg.deltas:
+            for delta in msg.outputs:
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:
                     queue.put_nowait(delta)
@@ -168,7 +170,7 @@ class AsyncEngine:
     async def generate(
         self,
         prompt: list[int],
-        sampling: SamplingSpec,
+        sampling: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 1,
@@ -178,7 +180,7 @@ class AsyncEngine:
         background: bool = False,
         stream: bool = True,
         may_preempt: bool = True,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
 
         ``prompt``: token ids from ``prepare``.

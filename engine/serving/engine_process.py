@@ -7,20 +7,10 @@ from engine.core.config import EngineConfig
 from engine.serving.protocol import (
     AbortRequest, AddRequest, Fatal, Ready, RequestRejected, Shutdown, StepOutputs, encoder, to_engine_decoder,
 )
-from engine.core.sampling_params import SamplingParams
 from engine.serving.serving_threads import serving_threads
 from engine.serving.step_reports import StepReports
 
 logger = logging.getLogger(__name__)
-
-
-def _sampling_params(spec) -> SamplingParams:
-    return SamplingParams(
-        temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
-        max_tokens=spec.max_tokens, min_tokens=spec.min_tokens, stop=list(spec.stop),
-        stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
-        skip_special_tokens=spec.skip_special_tokens,
-    )
 
 
 def run_engine_process(config: EngineConfig, requests: Connection, replies: Connection) -> None:
@@ -54,7 +44,7 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
             elif isinstance(msg, AddRequest):
                 try:
                     engine.add_request(
-                        msg.prompt, _sampling_params(msg.sampling), msg.request_id, cache_salt=msg.cache_salt,
+                        msg.prompt, msg.sampling, msg.request_id, cache_salt=msg.cache_salt,
                         priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
                         background=msg.background, may_preempt=msg.may_preempt,
                     )

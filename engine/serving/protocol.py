@@ -6,22 +6,9 @@ tokens and text of the requests it advanced.
 
 import msgspec
 
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
-
-
-class SamplingSpec(msgspec.Struct, omit_defaults=True):
-    """SamplingParams as plain data (validated again into SamplingParams in the engine)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -29,7 +16,7 @@ class AddRequest(msgspec.Struct, tag=True):
 
     request_id: str
     prompt: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     cache_salt: str | None = None
     priority: int = 1
     tenant: str = "default"
@@ -51,22 +38,8 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-class Delta(msgspec.Struct):
-    """One request's progress in one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    queue_time_s: float | None = None  # in the engine's waiting queue before first scheduled
-
-
 class StepOutputs(msgspec.Struct, tag=True):
-    deltas: list[Delta]
+    outputs: list[RequestOutput]  # this step's output of each request it advanced (see engine.serving.step_reports)
     stats: SchedulerStats | None = None  # the engine's state after this step (or after an idle abort)
 
 

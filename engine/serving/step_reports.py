@@ -8,8 +8,8 @@ woke the gateway about 4,000 times in 13 s and the engine was preempted 2.5x as
 often as the offline engine on the same work (docs/performance.md, Batch API
 goal 2). So the engine sends only what someone is waiting for:
 
-- a streaming request's delta every step; a ``stream=False`` ("quiet") request
-  one delta when it finishes, with its whole output;
+- a streaming request's output every step; a ``stream=False`` ("quiet") request
+  one output when it finishes, with its whole generation;
 - a quiet *background* request's final delta (a Batch API line: nobody watches
   it finish) waits up to ``interval_s`` to share a message with others, unless
   nothing is left waiting in the engine (the batch runner refills the engine
@@ -26,30 +26,30 @@ Anything pending goes out with any message that is sent.
 import time
 
 from engine.core.outputs import RequestOutput
-from engine.serving.protocol import Delta, StepOutputs
 from engine.core.stats import SchedulerStats
+from engine.serving.protocol import StepOutputs
 
 
 class StepReports:
     def __init__(self, interval_s: float = 0.05, clock=time.monotonic) -> None:
         self.interval_s, self.clock = interval_s, clock
-        self.quiet: set[str] = set()  # requests that want only their final output
+        self.quiet: dict[str, RequestOutput | None] = {}  # requests that want only their final output: so far
         self.deferrable: set[str] = set()  # quiet and background: that output may wait up to interval_s
-        self._pending: list[Delta] = []  # final deltas of deferrable requests, not yet sent
+        self._pending: list[RequestOutput] = []  # final outputs of deferrable requests, not yet sent
         self._last_at = float("-inf")
         self._last_waiting_ranks: frozenset[int] | None = None
 
     def add(self, request_id: str, stream: bool, background: bool) -> None:
         if not stream:
-            self.quiet.add(request_id)
+            self.quiet[request_id] = None
             if background:
                 self.deferrable.add(request_id)
 
     def forget(self, request_id: str) -> None:
         """An aborted request: nothing more is sent for it (its caller is gone)."""
-        self.quiet.discard(request_id)
+        self.quiet.pop(request_id, None)
         self.deferrable.discard(request_id)
-        self._pending = [d for d in self._pending if d.request_id != request_id]
+        self._pending = [o for o in self._pending if o.request_id != request_id]
 
     def after_step(self, outputs: list[RequestOutput], stats: SchedulerStats | None, busy: bool) -> StepOutputs | None:
         """The message to send after this step (``busy``: the engine still has unfinished work), or None."""
@@ -61,28 +61,31 @@ class StepReports:
                or ((stats is not None or self._pending) and self.clock() - self._last_at >= self.interval_s))
         if not due:
             return None
-        deltas, self._pending = urgent + self._pending, []
-        if stats is None and not deltas:
+        outputs, self._pending = urgent + self._pending, []
+        if stats is None and not outputs:
             return None
         self._last_at = self.clock()
         if stats is not None:
             self._last_waiting_ranks = waiting_ranks
-        return StepOutputs(deltas, stats)
+        return StepOutputs(outputs, stats)
 
-    def _collect(self, outputs: list[RequestOutput]) -> list[Delta]:
-        """This step's deltas to send now; final deltas of deferrable requests go to ``_pending``."""
+    def _collect(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """This step's outputs to send now; a quiet request's are merged until it finishes, and the final
+        output of a deferrable one goes to ``_pending``."""
         urgent = []
         for o in outputs:
             if o.request_id not in self.quiet:
-                urgent.append(Delta(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
-                                    o.num_prompt_tokens, o.num_cached_tokens, len(o.token_ids), o.queue_time_s))
-            elif o.finished:
-                self.quiet.discard(o.request_id)
-                delta = Delta(o.request_id, o.token_ids, o.text, True, o.finish_reason, o.num_prompt_tokens,
-                              o.num_cached_tokens, len(o.token_ids), o.queue_time_s)
-                if o.request_id in self.deferrable:
-                    self.deferrable.discard(o.request_id)
-                    self._pending.append(delta)
-                else:
-                    urgent.append(delta)
+                urgent.append(o)
+                continue
+            so_far = self.quiet[o.request_id]
+            whole = o if so_far is None else so_far.merge(o)
+            if not o.finished:
+                self.quiet[o.request_id] = whole
+                continue
+            del self.quiet[o.request_id]
+            if o.request_id in self.deferrable:
+                self.deferrable.discard(o.request_id)
+                self._pending.append(whole)
+            else:
+                urgent.append(whole)
         return urgent

@@ -15,7 +15,8 @@ from aiohttp import web
 from gateway.auth import PRINCIPAL
 from gateway.batch.validation import ENDPOINTS, validate_batch_file
 from gateway.errors import APIError, read_body
-from gateway.batch.files import BATCH_STORE, _json, _limit, list_page, read_content
+from gateway.batch.files import BATCH_STORE, list_page, read_content
+from gateway.replies import json_response, query_limit
 from gateway.openai_schema import decode_body
 from tenants.models import Batch
 from tenants.quota import Denied, QuotaManager
@@ -81,7 +82,7 @@ async def create_batch(request: web.Request) -> web.Response:
     if not checked.ok:
         batch = await store.create_batch(tenant.id, req.endpoint, info.id, settings["window_s"], req.completion_window,
                                          req.metadata, checked.model, [], checked.errors, 0)
-        return _json(batch_object(batch))
+        return json_response(batch_object(batch))
     quotas = app[QUOTA_MANAGER]
     held = await quotas.reserve_batch_queue(tenant.id, checked.token_estimate)
     if isinstance(held, Denied):
@@ -96,7 +97,7 @@ async def create_batch(request: web.Request) -> web.Response:
         await quotas.release_batch_queue(tenant.id, checked.token_estimate)
         raise
     request.app[BATCH_WAKE].set()
-    return _json(batch_object(batch))
+    return json_response(batch_object(batch))
 
 
 async def get_batch(request: web.Request) -> web.Response:
@@ -104,13 +105,13 @@ async def get_batch(request: web.Request) -> web.Response:
     b = await request.app[BATCH_STORE].get_batch(request[PRINCIPAL].tenant.id, batch_id)
     if b is None:
         raise _not_found(batch_id)
-    return _json(batch_object(b))
+    return json_response(batch_object(b))
 
 
 async def list_batches(request: web.Request) -> web.Response:
     batches, more = await request.app[BATCH_STORE].list_batches(
-        request[PRINCIPAL].tenant.id, request.query.get("after"), _limit(request, default=20, most=100))
-    return _json(list_page([batch_object(b) for b in batches], more))
+        request[PRINCIPAL].tenant.id, request.query.get("after"), query_limit(request, default=20, most=100))
+    return json_response(list_page([batch_object(b) for b in batches], more))
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
@@ -121,7 +122,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
     if b.status not in ("cancelling", "cancelled"):
         raise APIError(400, f"batch {batch_id!r} is {b.status} and cannot be cancelled", code="batch_not_cancellable")
     request.app[BATCH_WAKE].set()
-    return _json(batch_object(b))
+    return json_response(batch_object(b))
 
 
 BATCH_WAKE = web.AppKey("batch_wake", asyncio.Event)  # an asyncio.Event: new work or a cancel for the runner

@@ -17,7 +17,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.auth import PRINCIPAL
 from gateway.errors import BODY_TIMEOUT_S, APIError
-from tenants.batch_store import BatchStore, FileInfo, new_id
+from gateway.replies import json_response, query_limit
+from tenants.batch_store import BatchStore, FileInfo
 
 BATCH_STORE = web.AppKey("batch_store", BatchStore)
 DATA_DIR = web.AppKey("data_dir", Path)
@@ -30,12 +31,6 @@ def file_object(f: FileInfo) -> dict:
     return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": int(f.created_at.timestamp()),
             "filename": f.filename, "purpose": f.purpose, "status": "processed", "status_details": None,
             "expires_at": None}
-
-
-def _json(body: dict, status: int = 200) -> web.Response:
-    import msgspec
-
-    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
 
 
 def file_path(data_dir: Path, rel: str) -> Path:
@@ -117,18 +112,7 @@ async def upload(request: web.Request) -> web.Response:
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-    return _json(file_object(info))
-
-
-def _limit(request: web.Request, default: int = 20, most: int = 10_000) -> int:
-    raw = request.query.get("limit", str(default))
-    try:
-        limit = int(raw)
-    except ValueError:
-        raise APIError(400, f"limit must be an integer, got {raw!r}", param="limit") from None
-    if not 1 <= limit <= most:
-        raise APIError(400, f"limit must be between 1 and {most}", param="limit")
-    return limit
+    return json_response(file_object(info))
 
 
 def list_page(items: list[dict], has_more: bool) -> dict:
@@ -142,8 +126,8 @@ async def list_files(request: web.Request) -> web.Response:
         raise APIError(400, "order must be 'asc' or 'desc'", param="order")
     files, more = await request.app[BATCH_STORE].list_files(
         request[PRINCIPAL].tenant.id, request.query.get("purpose"), request.query.get("after"),
-        _limit(request, default=10_000), newest_first=order == "desc")
-    return _json(list_page([file_object(f) for f in files], more))
+        query_limit(request, default=10_000), newest_first=order == "desc")
+    return json_response(list_page([file_object(f) for f in files], more))
 
 
 async def _owned(request: web.Request) -> FileInfo:
@@ -155,7 +139,7 @@ async def _owned(request: web.Request) -> FileInfo:
 
 
 async def get_file(request: web.Request) -> web.Response:
-    return _json(file_object(await _owned(request)))
+    return json_response(file_object(await _owned(request)))
 
 
 async def file_content(request: web.Request) -> web.StreamResponse:
@@ -188,7 +172,7 @@ async def delete_file(request: web.Request) -> web.Response:
         raise _not_found(file_id)
     if info.path:  # an older file on disk (database contents go with the row)
         file_path(request.app[DATA_DIR], info.path).unlink(missing_ok=True)
-    return _json({"id": info.id, "object": "file", "deleted": True})
+    return json_response({"id": info.id, "object": "file", "deleted": True})
 
 
 def add_routes(app: web.Application) -> None:

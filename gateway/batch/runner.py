@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.batch.validation import ENDPOINTS
+from engine.serving.client import EngineClient
 from gateway.completion import NOT_RETRIED, complete
 from gateway.errors import APIError
 from gateway.openai_schema import decode_body
@@ -88,7 +89,7 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
 
 
 class BatchRunner:
-    def __init__(self, batches: BatchStore, engine, model_name: Callable[[], str], config: BatchRunnerConfig,
+    def __init__(self, batches: BatchStore, engine: EngineClient, model_name: Callable[[], str], config: BatchRunnerConfig,
                  wake: asyncio.Event | None = None) -> None:
         self.batches, self.engine, self.model_name, self.config = batches, engine, model_name, config
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -104,7 +105,7 @@ class BatchRunner:
         self.writes = 0  # transactions that wrote results (for tests and benchmarks)
 
     def _live_waiting(self) -> int:
-        stats = getattr(self.engine, "stats", None)
+        stats = self.engine.stats
         if stats is None:
             return 0
         return sum(n for rank, n in stats.num_waiting_by_rank.items() if rank < self.config.batch_rank)
@@ -173,7 +174,7 @@ class BatchRunner:
     def _claim_room(self) -> int:
         """How many lines to claim now: none while the engine is down or live requests wait (batch work
         takes idle capacity only), else the room under ``max_inflight``."""
-        engine_ready = getattr(self.engine, "info", None) is not None and not getattr(self.engine, "dead", None)
+        engine_ready = self.engine.info is not None and not self.engine.dead
         if not engine_ready or self._live_waiting() > 0:
             return 0
         return max(0, self.config.max_inflight - len(self._running) - self._claiming)

@@ -13,7 +13,7 @@ import msgspec
 
 from gateway.admission import estimate_prompt_tokens
 from gateway.errors import APIError
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, decode_json, sampling_spec
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, decode_json, sampling_params
 
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 MAX_ERRORS = 100  # a file with thousands of bad lines reports the first hundred
@@ -94,7 +94,7 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
             continue
         try:
             body = decode_body(line.body, body_type)
-            sampling_spec(body)
+            sampling_params(body)
             if body.stream:
                 raise APIError(400, "stream is not supported in a batch", param="stream")
         except APIError as e:
@@ -111,7 +111,7 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
             error("model_not_found", f"line {line_no}: model {body.model!r} does not exist; this server serves "
                   f"{served_model!r}", line_no, "body.model")
         prompt = [m.content for m in body.messages] if line.url == "/v1/chat/completions" else [body.prompt]
-        max_tokens = sampling_spec(body).max_tokens or max_new_tokens
+        max_tokens = sampling_params(body).max_tokens or max_new_tokens
         out.token_estimate += sum(estimate_prompt_tokens(p) for p in prompt) + max_tokens
         out.lines.append(BatchLineSpec(line_no, line.custom_id, bytes(line.body).decode()))
     return out

@@ -35,9 +35,10 @@ def test_cpu_threads_is_validated():
 
 
 def _output(rid, ids, text, new_ids, new_text, finished):
+    """A step's output of ``rid``: ``new_ids``/``new_text`` new at this step, ``ids``/``text`` the whole so far."""
     from engine.core.outputs import RequestOutput
 
-    return RequestOutput(rid, ids, text, new_ids, new_text, finished, "length" if finished else None, None, 5, 0, 0.01)
+    return RequestOutput(rid, new_ids, new_text, finished, "length" if finished else None, 5, 0, len(ids), None, 0.01)
 
 
 def _stats(waiting: dict[int, int]):
@@ -57,14 +58,14 @@ def test_quiet_requests_get_one_delta_with_the_whole_output_and_background_ones_
         reports.add(rid, stream=False, background=True)
     busy = _stats({2: 5})
     first = reports.after_step([_output(r, [1], "a", [1], "a", False) for r in ("s", "q", "b", "b2", "b3")], busy, True)
-    assert [(d.request_id, d.new_token_ids, d.new_text) for d in first.deltas] == [("s", [1], "a")]
+    assert [(d.request_id, d.token_ids, d.text) for d in first.outputs] == [("s", [1], "a")]
     clock[0] += 0.01
     # "b" finishing alone waits (nothing urgent, the same ranks waiting, the interval not passed)...
     assert reports.after_step([_output("b", [1, 2], "ab", [2], "b", True)], busy, True) is None
     clock[0] += 0.01
     # ...and rides along when "q" finishes: it goes out at once, with its whole output.
     last = reports.after_step([_output("q", [1, 2], "ac", [2], "c", True)], busy, True)
-    assert [(d.request_id, d.new_token_ids, d.new_text, d.finished, d.num_output_tokens) for d in last.deltas] == [
+    assert [(d.request_id, d.token_ids, d.text, d.finished, d.num_output_tokens) for d in last.outputs] == [
         ("q", [1, 2], "ac", True, 2), ("b", [1, 2], "ab", True, 2)]
     clock[0] += 0.01
     assert reports.after_step([_output("b2", [1, 3], "ad", [3], "d", True)], busy, True) is None
@@ -72,10 +73,10 @@ def test_quiet_requests_get_one_delta_with_the_whole_output_and_background_ones_
     assert reports.after_step([_output("b3", [1, 4], "ae", [4], "e", True)], busy, True) is None
     clock[0] += 0.02  # 0.05 s since the last message: the pending results go, with the statistics
     flushed = reports.after_step([], busy, True)
-    assert [(d.request_id, d.new_token_ids, d.new_text) for d in flushed.deltas] == [("b2", [1, 3], "ad"),
+    assert [(d.request_id, d.token_ids, d.text) for d in flushed.outputs] == [("b2", [1, 3], "ad"),
                                                                                       ("b3", [1, 4], "ae")]
     assert flushed.stats is busy
-    assert reports.quiet == set() and reports.deferrable == set()  # forgotten once finished
+    assert reports.quiet == {} and reports.deferrable == set()  # forgotten once finished
 
 
 def test_a_pending_background_result_goes_out_when_nothing_waits_or_the_engine_falls_idle_and_not_after_abort():
@@ -97,7 +98,7 @@ def test_a_pending_background_result_goes_out_when_nothing_waits_or_the_engine_f
             message = reports.after_step([], _stats({2: 3}), True)
             assert message is None
             continue
-        assert [d.request_id for d in message.deltas] == ["b"]
+        assert [d.request_id for d in message.outputs] == ["b"]
 
 
 def test_statistics_and_pending_results_follow_the_stated_rule():
@@ -128,7 +129,7 @@ def test_statistics_and_pending_results_follow_the_stated_rule():
         message = reports.after_step(outputs, stats, busy)
         assert (message is not None) == bool(want)
         if message is not None:
-            assert [d.request_id for d in message.deltas] == urgent + pending
+            assert [d.request_id for d in message.outputs] == urgent + pending
             assert message.stats is stats
             last_at, pending, sent = clock[0], [], sent + 1
             if stats is not None:

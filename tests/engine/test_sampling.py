@@ -94,16 +94,20 @@ def test_engine_abort_mid_generation_frees_blocks(llm):
     rng = random.Random()
     engine = llm.engine
     ids = [engine.add_request(_prompt(rng, rng.randint(5, 60)), SamplingParams(max_tokens=50, ignore_eos=True)) for _ in range(4)]
+    tokens = {}
     for _ in range(3):
-        engine.step()
+        for out in engine.step():
+            tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.token_ids)
     aborted = engine.abort(ids[1])
     assert aborted is not None and aborted.finished and aborted.finish_reason == "abort"
     assert engine.abort("no-such-request") is None
     finished = {}
     while engine.has_unfinished():
         for out in engine.step():
+            tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.token_ids)
             if out.finished:
                 finished[out.request_id] = out
     assert set(finished) == {ids[0], ids[2], ids[3]}
-    assert all(len(o.token_ids) == 50 for o in finished.values())
+    assert all(o.num_output_tokens == 50 for o in finished.values())
+    assert {rid: tokens[rid] for rid in finished} == {rid: 50 for rid in finished}  # every step's tokens, once
     engine.scheduler.kv.pool.check_all_free()

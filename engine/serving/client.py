@@ -1,0 +1,38 @@
+"""The one interface the gateway uses to talk to an engine (``AsyncEngine`` implements it; test doubles too)."""
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+from engine.core.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.core.stats import SchedulerStats
+from engine.serving.protocol import Ready
+
+
+class EngineClient(Protocol):
+    """An engine as the gateway sees it.
+
+    ``info`` is set once the engine said Ready (None while starting or restarting); ``dead`` holds why it
+    stopped (None while it runs); ``stats`` is the engine's latest statistics (None before its first step).
+    """
+
+    config: EngineConfig
+    info: Ready | None
+    dead: str | None
+    stats: SchedulerStats | None
+
+    async def start(self) -> Ready: ...
+
+    async def restart(self) -> Ready: ...
+
+    async def shutdown(self) -> None: ...
+
+    async def prepare(self, prompt: str | list[int] | None = None, messages: Sequence | None = None) -> list[int]:
+        """The checked prompt token ids of a text or token prompt, or of chat ``messages``."""
+        ...
+
+    def generate(self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None,
+                 **request_policy) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs until it finishes; closing the stream aborts the request."""
+        ...
