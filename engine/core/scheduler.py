@@ -49,10 +49,27 @@ from engine.core.waiting_queue import VirtualTokenCounter, WaitingQueue
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens to compute this step, starting at num_computed_tokens
+    """One request's part of a step, as plain data: everything a rank needs to build the step's batch.
+
+    ``request`` is the scheduler's own state (for sampling and updates); ranks that only run the
+    model (tensor-parallel followers) get plans without it.
+    """
+
+    request: Request | None
+    num_new_tokens: int
     block_ids: list[int]
     sample: bool  # this chunk reaches the end of the known tokens, so a token is sampled
+    start: int = 0  # position of the first token to compute (the request's computed tokens so far)
+    token_ids: list[int] = field(default_factory=list)  # the num_new_tokens tokens to compute
+
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int, block_ids: list[int], sample: bool) -> "ScheduledRequest":
+        start = request.num_computed_tokens
+        return cls(request, num_new_tokens, block_ids, sample, start,
+                   request.all_token_ids[start:start + num_new_tokens])
+
+    def without_request(self) -> "ScheduledRequest":
+        return ScheduledRequest(None, self.num_new_tokens, self.block_ids, self.sample, self.start, self.token_ids)
 
 
 @dataclass(slots=True)
@@ -297,7 +314,7 @@ class Scheduler:
 
     def _add_scheduled(self, request: Request, num_new: int) -> None:
         sample = request.num_computed_tokens + num_new == request.num_tokens
-        self._scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id), sample))
+        self._scheduled.append(ScheduledRequest.of(request, num_new, self.kv.block_ids(request.request_id), sample))
         self._served.add(request.request_id)
         self._budget -= num_new
         if request.background:

@@ -45,10 +45,10 @@ class _Flat:
 def _flatten(order: list[ScheduledRequest], block_size: int) -> _Flat:
     flat = _Flat([], [], [], [])
     for item in order:
-        start = item.request.num_computed_tokens
+        start = item.start
         end = start + item.num_new_tokens
         flat.ranges.append((len(flat.input_ids), len(flat.input_ids) + item.num_new_tokens))
-        flat.input_ids.extend(item.request.all_token_ids[start:end])
+        flat.input_ids.extend(item.token_ids)
         flat.positions.extend(range(start, end))
         table = item.block_ids
         flat.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -80,9 +80,9 @@ def build_triton_batch(scheduled: list[ScheduledRequest], block_size: int, slidi
     (input_ids, positions, slots, dec_table, dec_lens, pre_table, pre_lens, pre_start, pre_len, t_req, t_start,
      sample_rows) = stage_int64([
         flat.input_ids, flat.positions, flat.slots,
-        dec_tables, [s.request.num_computed_tokens + 1 for s in decodes],
+        dec_tables, [s.start + 1 for s in decodes],
         _padded([s.block_ids for s in prefills]),
-        [s.request.num_computed_tokens + s.num_new_tokens for s in prefills],
+        [s.start + s.num_new_tokens for s in prefills],
         [start for start, _ in flat.ranges[num_decodes:]], query_lens,
         tile_req, tile_start, _sample_rows(scheduled, order, flat),
     ], device)
@@ -162,7 +162,7 @@ def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, slidin
         width = max(len(s.block_ids) for s in group) - num_shared
         widths.append(width)
         arrays.append([s.block_ids[num_shared:] + [0] * (width - len(s.block_ids) + num_shared) for s in group])
-        arrays.append([s.request.num_computed_tokens + 1 for s in group])
+        arrays.append([s.start + 1 for s in group])
         arrays.append(group[0].block_ids[:num_shared])
     arrays += [item.block_ids for item in prefills]
     staged = iter(stage_int64(arrays, device))
@@ -178,7 +178,7 @@ def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, slidin
         g0 += len(group)
     pre_tables, pre_lens, pre_masks = [], [], []
     for item in prefills:
-        start = item.request.num_computed_tokens
+        start = item.start
         seq_len = start + item.num_new_tokens
         pre_tables.append(next(staged))
         pre_lens.append(seq_len)

@@ -55,7 +55,7 @@ def make_step(rng: random.Random, specs: list[tuple[int, int]], block_size: int,
     for n, ((cached, new), table) in enumerate(zip(specs, tables)):
         request = Request(f"r{n}", [rng.randrange(100) for _ in range(cached + new)], SamplingParams(), max_tokens=1)
         request.num_computed_tokens = cached
-        scheduled.append(ScheduledRequest(request, new, table, sample=True))
+        scheduled.append(ScheduledRequest.of(request, new, table, sample=True))
     return scheduled
 
 

@@ -1,0 +1,1 @@
+"""Running one engine as a group of processes, one per rank: process groups, collectives with timeouts."""
