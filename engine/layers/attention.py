@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.worker.attention_metadata import AttentionMetadata, TritonAttentionMetadata
 from engine.layers.norms import RMSNorm
 from engine.layers.paged_attention import paged_attention, write_kv
@@ -12,10 +13,15 @@ from engine.kernels.attention import triton_paged_attention
 
 
 class Attention(nn.Module):
-    """Legend: T tokens, H hidden, h query heads, kvh KV heads, d head dim.
+    """Legend: T tokens, H hidden, h query heads, kvh KV heads, d head dim (h and kvh: this rank's).
 
     ``qk_norm``: "none"; "per_head" (Qwen3: RMSNorm over d of each head);
     "full" (OLMoE: RMSNorm over all heads' projections before the split).
+
+    Tensor parallel (``tp``): each rank holds ``num_heads / tp.size`` query heads and
+    ``num_kv_heads / tp.size`` KV heads (one replicated KV head where there are fewer KV
+    heads than ranks); ``qkv_proj`` is column-parallel, ``o_proj`` row-parallel, and the
+    block's output is summed over the ranks (one all-reduce).
     """
 
     def __init__(
@@ -29,8 +35,21 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         qk_norm: str = "none",
         clip_qkv: float | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
+        self.tp = tp
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
+        num_heads = tp.shard(num_heads, "the number of attention heads")[1]
+        if num_kv_heads >= tp.size:
+            num_kv_heads = tp.shard(num_kv_heads, "the number of KV heads")[1]
+        elif tp.size % num_kv_heads:
+            raise ValueError(f"the tensor-parallel size ({tp.size}) must be a multiple of the number of KV heads "
+                             f"({num_kv_heads}) when it exceeds it")
+        else:
+            num_kv_heads = 1  # replicated: rank r holds KV head r * kvh // tp
+            if qk_norm == "full":
+                raise ValueError("a whole-projection q/k norm needs at least one KV head per tensor-parallel rank")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # Packed q, k, v rows: one matmul instead of three (loaded from q_proj/k_proj/v_proj).
@@ -42,9 +61,9 @@ class Attention(nn.Module):
         if qk_norm == "per_head":
             self.q_norm = RMSNorm(head_dim, rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, rms_norm_eps)
-        elif qk_norm == "full":
-            self.q_norm = RMSNorm(self.q_size, rms_norm_eps)
-            self.k_norm = RMSNorm(self.kv_size, rms_norm_eps)
+        elif qk_norm == "full":  # over every rank's heads: the weights are whole, the input gathered
+            self.q_norm = RMSNorm(self.q_size * tp.size, rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size * tp.size, rms_norm_eps)
         else:
             assert qk_norm == "none", qk_norm
         self.scale = head_dim**-0.5
@@ -66,7 +85,7 @@ class Attention(nn.Module):
             out = triton_paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, h, d]
         else:
             out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(x.shape[0], self.q_size)))  # [T, H]
 
     def _fused_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor):
         # q heads then k heads are adjacent columns of qkv: one launch rotates (and normalizes) both, in place.
@@ -85,7 +104,7 @@ class Attention(nn.Module):
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._full_norm(q, self.q_norm), self._full_norm(k, self.k_norm)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, h, d]
@@ -95,3 +114,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return q, k, v
+
+    def _full_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``norm`` over every rank's heads of ``x`` [T, local width]; returns this rank's columns."""
+        if self.tp.size == 1:
+            return norm(x)
+        width = x.shape[-1]
+        whole = norm(self.tp.all_gather(x, dim=-1))  # [T, tp * width]
+        return whole[:, self.tp.rank * width:(self.tp.rank + 1) * width]

@@ -4,14 +4,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.collectives import SINGLE, TensorParallel
+
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """SwiGLU; tensor parallel: gate/up column-parallel and down row-parallel over the intermediate size.
+
+    With ``reduce`` the output is summed over the ranks here; without, the caller sums it
+    (the MoE block adds its shared expert's partial output to the experts' before one all-reduce).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE,
+                 reduce: bool = True) -> None:
         super().__init__()
+        self.tp, self.reduce = tp, reduce
+        intermediate_size = tp.shard(intermediate_size, "the MLP intermediate size")[1]
         # Packed gate then up rows, loaded from gate_proj/up_proj.
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)  # [T, H], this rank's part of the sum
+        return self.tp.all_reduce(out) if self.reduce else out

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 import moe_kernels
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
 
 
@@ -21,6 +22,10 @@ class SparseMoeBlock(nn.Module):
 
     ``shared_expert_size`` > 0 adds Qwen2-MoE's shared expert, scaled by a
     sigmoid gate per token.
+
+    Tensor parallel: every rank routes (the router is replicated) and holds a 1/tp slice of
+    each expert's intermediate size (and of the shared expert's); the routed and shared partial
+    outputs are added, then summed over the ranks in one all-reduce.
     """
 
     def __init__(
@@ -32,13 +37,16 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool,
         backend: str,
         shared_expert_size: int = 0,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
+        self.tp = tp
+        intermediate_size = tp.shard(intermediate_size, "the expert intermediate size")[1]
         self.top_k, self.renormalize, self.backend = top_k, renormalize, backend
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router
         self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size)
         if shared_expert_size:
-            self.shared_expert = GatedMLP(hidden_size, shared_expert_size)
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_size, tp, reduce=False)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
@@ -57,4 +65,4 @@ class SparseMoeBlock(nn.Module):
         )  # [T, H]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading.model_config import CheckpointError, ModelConfig
@@ -38,11 +39,62 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
+def _rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalLM):
+    """The part of a checkpoint tensor of ``shape`` this tensor-parallel rank holds, as a safetensors slice
+    index (a tuple of slices, or a list of them to concatenate along dim 1), or None for the whole tensor."""
+    tp = model.tp
+    if tp.size == 1:
+        return None
+    attn, d, r = model.model.layers[0].self_attn, model.config.head_dim, tp.rank
+
+    def rows(start: int, n: int):
+        return (slice(start, start + n),)
+
+    def cols(start: int, n: int, dim: int = 1):
+        return (slice(None),) * dim + (slice(start, start + n),)
+
+    if rule.shard == "q":
+        return rows(r * attn.num_heads * d, attn.num_heads * d)
+    if rule.shard in ("k", "v"):
+        replicated = attn.total_kv_heads < tp.size
+        first = r * attn.total_kv_heads // tp.size if replicated else r * attn.num_kv_heads
+        return rows(first * d, attn.num_kv_heads * d)
+    if target.endswith("o_proj.weight"):
+        return cols(r * attn.num_heads * d, attn.num_heads * d)
+    if target.endswith((".experts.w13", ".experts.w2")) and rule.shard != "expert":  # packed [E, 2I, H] / [E, H, I]
+        if target.endswith("w2"):
+            n = shape[2] // tp.size
+            return cols(r * n, n, dim=2)
+        size = shape[1] // 2
+        n = size // tp.size
+        return [cols(r * n, n), cols(size + r * n, n)]
+    if rule.shard in (0, 1) or (rule.shard == "expert" and rule.half is not None):  # a gate or up [I, H]
+        n = shape[0] // tp.size
+        return rows(r * n, n)
+    if target.endswith("down_proj.weight") or (rule.shard == "expert" and rule.half is None):  # [H, I]
+        n = shape[1] // tp.size
+        return cols(r * n, n)
+    if target in ("model.embed_tokens.weight", "lm_head.weight"):
+        n = model.model.embed_tokens.rows
+        return rows(r * n, max(0, min(n, shape[0] - r * n)))
+    return None  # norms, routers, shared-expert gates: every rank holds them whole
+
+
+def _read(f, name: str, part) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``name`` (only that part is read from the file)."""
+    if part is None:
+        return f.get_tensor(name)
+    sliced = f.get_slice(name)
+    if isinstance(part, list):
+        return torch.cat([sliced[index] for index in part], dim=1)
+    return sliced[part]
+
+
 def _copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match, model: MoECausalLM, name: str, path: str) -> int:
-    """Copy one checkpoint tensor into its (slice of a) parameter; returns elements written."""
-    c = model.config
+    """Copy one checkpoint tensor (this rank's part of it) into its slice of a parameter; returns elements written."""
+    attn = model.model.layers[0].self_attn
     if rule.shard in _QKV_ORDER:
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         start = {"q": 0, "k": q, "v": q + kv}[rule.shard]
         dest = param.narrow(0, start, q if rule.shard == "q" else kv)
     elif rule.shard == "expert":
@@ -58,10 +110,16 @@ def _copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, matc
         dest = param.narrow(0, rule.shard * half, half)
     else:
         dest = param
+    if tensor.shape[1:] == dest.shape[1:] and tensor.shape[0] < dest.shape[0] and model.tp.size > 1:
+        dest[tensor.shape[0]:].zero_()  # the last rank's vocabulary rows past the end: padding
+        dest = dest[:tensor.shape[0]]
+        written_extra = param.numel() - dest.numel()
+    else:
+        written_extra = 0
     if tuple(dest.shape) != tuple(tensor.shape):
         raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
     dest.copy_(tensor)
-    return dest.numel()
+    return dest.numel() + written_extra
 
 
 def load_weights(model: MoECausalLM, model_dir: str) -> None:
@@ -78,7 +136,9 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                     if target not in params:
                         logger.warning("%s: ignoring tensor %s (no matching parameter)", path, name)
                         continue
-                    written[target] += _copy_into(params[target].data, f.get_tensor(name), rule, match, model, name, path)
+                    part = _rank_part(target, rule, f.get_slice(name).get_shape(), model)
+                    written[target] += _copy_into(params[target].data, _read(f, name, part), rule, match, model, name,
+                                                  path)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
     if model.config.tie_word_embeddings:
@@ -89,11 +149,12 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
         raise CheckpointError(f"{model_dir}: checkpoint lacks weights for {shown}")
 
 
-def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device, moe_backend: str, max_positions: int) -> MoECausalLM:
-    """Instantiate our family class for the checkpoint, load its weights, cast and move it."""
+def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device, moe_backend: str,
+                max_positions: int, tp: TensorParallel = SINGLE) -> MoECausalLM:
+    """Instantiate our family class for the checkpoint, load its weights (this rank's slices), cast and move it."""
     cls = MODEL_REGISTRY[config.architecture]
     with torch.device("meta"):
-        model = cls(config, moe_backend=moe_backend, max_positions=max_positions)
+        model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp)
     # Materialise on the CPU in float32, load, then cast once: loading stays simple and exact.
     model = model.to_empty(device="cpu")
     for module in model.modules():  # non-persistent buffers were meta, now uninitialised: rebuild them

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.worker.attention_metadata import AttentionMetadata
 from engine.layers.attention import Attention
 from engine.layers.norms import RMSNorm
@@ -80,12 +81,37 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings, split by vocabulary rows over the tensor-parallel ranks.
+
+    Rank r holds rows [r * V_local, (r + 1) * V_local) (the last rank's tail past the
+    vocabulary is zero padding); ids outside a rank's rows look up zeros there, so the sum
+    over the ranks (one all-reduce) is every token's embedding.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // tp.size)  # V_local
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)  # [T, H]
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+
 class DecoderStack(nn.Module):
     """``model.*`` in the checkpoint: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -96,12 +122,15 @@ class MoECausalLM(nn.Module, abc.ABC):
     # Family-specific renames applied to checkpoint names before COMMON_WEIGHT_RULES.
     name_aliases: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE) -> None:
+        """``tp``: this rank's tensor-parallel group; layers hold only this rank's slices of the weights."""
         super().__init__()
         self.config = config
+        self.tp = tp
         rotary = RotaryEmbedding(config, config.head_dim, max_positions)
-        self.model = DecoderStack(config, [self.build_layer(i, rotary, moe_backend) for i in range(config.num_layers)])
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderStack(config, [self.build_layer(i, rotary, moe_backend) for i in range(config.num_layers)], tp)
+        # Vocabulary-parallel like the embeddings: each rank computes its rows' logits, then they are gathered.
+        self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.rows, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -112,6 +141,11 @@ class MoECausalLM(nn.Module, abc.ABC):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them without tensor parallelism)."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None  # [T, H]
         for layer in self.model.layers:
@@ -119,7 +153,10 @@ class MoECausalLM(nn.Module, abc.ABC):
         return self.model.norm(x, residual)[0] if residual is not None else self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, V]
+        logits = self.lm_head(hidden).float()  # [N, V_local]
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[:, :self.config.vocab_size]  # [N, V]
 
     def map_weight_name(self, name: str) -> tuple[str, WeightRule, re.Match]:
         for old, new in self.name_aliases:

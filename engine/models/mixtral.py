@@ -12,7 +12,7 @@ class MixtralForCausalLM(MoECausalLM):
 
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
         c = self.config
-        attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps)
+        attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps, tp=self.tp)
         moe = SparseMoeBlock(
             c.hidden_size,
             num_experts=c.cfg("num_local_experts"),
@@ -20,5 +20,6 @@ class MixtralForCausalLM(MoECausalLM):
             intermediate_size=c.cfg("intermediate_size"),
             renormalize=True,
             backend=moe_backend,
+            tp=self.tp,
         )
         return DecoderLayer(c, attn, moe)

@@ -10,7 +10,7 @@ class OlmoeForCausalLM(MoECausalLM):
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
         c = self.config
         attn = Attention(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps,
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps, tp=self.tp,
             qkv_bias=bool(c.cfg("attention_bias", False)), qk_norm="full", clip_qkv=c.cfg("clip_qkv"),
         )
         moe = SparseMoeBlock(
@@ -20,5 +20,6 @@ class OlmoeForCausalLM(MoECausalLM):
             intermediate_size=c.cfg("intermediate_size"),
             renormalize=bool(c.cfg("norm_topk_prob", False)),
             backend=moe_backend,
+            tp=self.tp,
         )
         return DecoderLayer(c, attn, moe)

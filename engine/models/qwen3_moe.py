@@ -10,7 +10,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
         c = self.config
         attn = Attention(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps,
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps, tp=self.tp,
             qkv_bias=bool(c.cfg("attention_bias", False)), qk_norm="per_head",
         )
-        return DecoderLayer(c, attn, qwen_mlp(c, layer_idx, moe_backend))
+        return DecoderLayer(c, attn, qwen_mlp(c, layer_idx, moe_backend, tp=self.tp))

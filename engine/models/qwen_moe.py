@@ -2,18 +2,20 @@
 
 from torch import nn
 
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.loading.model_config import ModelConfig
 
 
-def qwen_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, shared_expert_size: int = 0) -> nn.Module:
+def qwen_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, shared_expert_size: int = 0,
+             tp: TensorParallel = SINGLE) -> nn.Module:
     """A layer is sparse unless listed in `mlp_only_layers` or off the `decoder_sparse_step` grid."""
     num_experts = config.cfg("num_experts") or config.cfg("num_local_experts") or 0
     step = config.cfg("decoder_sparse_step", 1) or 1
     sparse = layer_idx not in (config.cfg("mlp_only_layers") or []) and num_experts > 0 and (layer_idx + 1) % step == 0
     if not sparse:
-        return GatedMLP(config.hidden_size, config.cfg("intermediate_size"))
+        return GatedMLP(config.hidden_size, config.cfg("intermediate_size"), tp)
     return SparseMoeBlock(
         config.hidden_size,
         num_experts=num_experts,
@@ -22,4 +24,5 @@ def qwen_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, shared_exper
         renormalize=bool(config.cfg("norm_topk_prob", False)),
         backend=moe_backend,
         shared_expert_size=shared_expert_size,
+        tp=tp,
     )

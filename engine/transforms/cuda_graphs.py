@@ -158,7 +158,7 @@ def enable_decode_graphs(runner, sizes: tuple[int, ...] | None, max_num_seqs: in
     sizes = tuple(s for s in (sizes or default_batch_sizes(max_num_seqs)))
     max_blocks = -(-max_model_len // runner.block_size)
     config = runner.model.config
-    graphs = DecodeGraphs(runner.model, sizes, max_blocks, runner.device, config.num_kv_heads,
+    graphs = DecodeGraphs(runner.model, sizes, max_blocks, runner.device, runner.model.num_local_kv_heads,
                           config.sliding_window or 0, runner.scratch_block * runner.block_size, capture)
     if capture:
         graphs.capture_all()

@@ -13,7 +13,7 @@ from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 def kv_bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) -> int:
     c = model.config
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
+    return 2 * c.num_layers * block_size * model.num_local_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 class ModelRunner:
@@ -39,7 +39,7 @@ class ModelRunner:
         self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
         self.num_steps = 0  # execute() calls that ran a forward
         c = model.config
-        shape = (cache_config.num_blocks + 1, cache_config.block_size, c.num_kv_heads, c.head_dim)
+        shape = (cache_config.num_blocks + 1, cache_config.block_size, model.num_local_kv_heads, c.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(c.num_layers)
@@ -53,7 +53,7 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
         """The step's flat batch (input_ids [T], positions [T], metadata, sampling rows) on the device."""
         if self.attention_backend == "triton":
-            return build_triton_batch(scheduled, self.block_size, self.sliding_window, self.model.config.num_kv_heads, self.device)
+            return build_triton_batch(scheduled, self.block_size, self.sliding_window, self.model.num_local_kv_heads, self.device)
         return build_torch_batch(scheduled, self.block_size, self.sliding_window, self.device)
 
     def expert_load(self) -> list[list[int]]:
