@@ -228,9 +228,10 @@ def bench_decode(engine, profile: Profile, peaks: dict, costs, rng: random.Rando
             if step == profile.decode_steps // 2:  # KV tokens the middle step reads (contexts differ by a few)
                 kv_tokens = sum(r.num_tokens for r in engine.scheduler.running)
             times.append(_timed_step(engine))
-            sched_ms.append(engine.stats().step_schedule_ms)
-            prep_ms.append(engine.stats().step_prepare_ms)
-            assert engine.stats().step_decode_tokens == conc and engine.stats().step_prefill_tokens == 0
+            stats = engine.stats()
+            sched_ms.append(stats.step_schedule_ms)
+            prep_ms.append(stats.step_prepare_ms)
+            assert stats.step_decode_tokens == conc and stats.step_prefill_tokens == 0
         syncs = _count_syncs(engine)
         hit = _experts_hit(engine)
         for request_id in ids:

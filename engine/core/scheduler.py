@@ -68,9 +68,6 @@ class ScheduledRequest:
         return cls(request, num_new_tokens, block_ids, sample, start,
                    request.all_token_ids[start:start + num_new_tokens])
 
-    def without_request(self) -> "ScheduledRequest":
-        return ScheduledRequest(None, self.num_new_tokens, self.block_ids, self.sample, self.start, self.token_ids)
-
 
 @dataclass(slots=True)
 class SchedulerOutput:

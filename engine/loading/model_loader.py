@@ -110,16 +110,14 @@ def _copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, matc
         dest = param.narrow(0, rule.shard * half, half)
     else:
         dest = param
-    if tensor.shape[1:] == dest.shape[1:] and tensor.shape[0] < dest.shape[0] and model.tp.size > 1:
-        dest[tensor.shape[0]:].zero_()  # the last rank's vocabulary rows past the end: padding
+    full = dest
+    if model.tp.size > 1 and tensor.dim() and tensor.shape[1:] == dest.shape[1:] and tensor.shape[0] < dest.shape[0]:
+        dest[tensor.shape[0]:].zero_()  # the last rank's vocabulary rows past the end of the vocabulary
         dest = dest[:tensor.shape[0]]
-        written_extra = param.numel() - dest.numel()
-    else:
-        written_extra = 0
     if tuple(dest.shape) != tuple(tensor.shape):
         raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
     dest.copy_(tensor)
-    return dest.numel() + written_extra
+    return full.numel()
 
 
 def load_weights(model: MoECausalLM, model_dir: str) -> None:
