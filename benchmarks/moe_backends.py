@@ -28,7 +28,8 @@ import torch
 
 from moe_kernels.routing import route
 from moe_kernels.timing import capture_graph, median_ms
-from moe_kernels.torch_backend import fused_moe_torch
+from moe_kernels.grouped_backend import fused_moe_grouped
+from moe_kernels.torch_backend import fused_moe_loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,35 +89,13 @@ def measure_peaks(profile: Profile, device: torch.device, dtype: torch.dtype) ->
     return _matmul_tflops(profile, device, dtype), _copy_gbps(profile, device)
 
 
-def grouped_mm_moe(x, w13, w2, topk_weights, topk_ids):
-    """The MoE layer with ``torch._grouped_mm``: sort slots by expert, two grouped GEMMs, scatter-add.
-
-    x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/topk_ids [T, k] -> [T, H].
-    """
-    num_tokens, top_k = topk_ids.shape
-    num_experts = w13.shape[0]
-    flat_ids = topk_ids.reshape(-1).to(torch.int64)  # [S]
-    _, slot_order = torch.sort(flat_ids, stable=True)  # [S]
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] end row of each expert's group
-    tokens = slot_order // top_k  # [S]
-    xs = x.index_select(0, tokens)  # [S, H]
-    gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)  # [S, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    h = torch.nn.functional.silu(gate) * up  # [S, I]
-    y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs).float()  # [S, H]
-    y.mul_(topk_weights.reshape(-1).index_select(0, slot_order)[:, None])
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    return out.index_add_(0, tokens, y).to(x.dtype)
-
-
 def backends() -> dict:
     """name -> fused-MoE callable; ``torch._grouped_mm`` only where this torch has it."""
     from moe_kernels.triton_backend import fused_moe_triton
 
-    fns = {"triton": fused_moe_triton, "torch-loop": fused_moe_torch}
+    fns = {"triton": fused_moe_triton, "torch-loop": fused_moe_loop}
     if hasattr(torch, "_grouped_mm"):
-        fns["grouped_mm"] = grouped_mm_moe
+        fns["grouped_mm"] = fused_moe_grouped  # the torch backend's grouped path, where the device and dtype allow
     return fns
 
 
@@ -131,7 +110,7 @@ def bench_shape(shape: MoeShape, num_tokens: int, profile: Profile, device: torc
     active = int(torch.unique(topk_ids).numel())
     flops = 6 * num_tokens * shape.k * shape.H * shape.I  # 2*S*H*2I + 2*S*I*H, activation ignored
     weight_bytes = active * 3 * shape.H * shape.I * w13.element_size()
-    reference = fused_moe_torch(x, w13, w2, topk_weights, topk_ids).float()
+    reference = fused_moe_loop(x, w13, w2, topk_weights, topk_ids).float()
     records = []
     for name, fn in backends().items():
         record = dict(model=shape.name, T=num_tokens, backend=name, active_experts=active)

@@ -6,9 +6,10 @@ import os
 
 import torch
 
-from moe_kernels.torch_backend import fused_moe_torch
+from moe_kernels.torch_backend import fused_moe_loop, fused_moe_torch
 
-_BACKENDS = ("auto", "torch", "triton")
+# "torch-loop" forces the per-expert loop under "torch" (the reference; benchmarks compare with it).
+_BACKENDS = ("auto", "torch", "torch-loop", "triton")
 
 
 @functools.cache
@@ -66,7 +67,8 @@ def fused_moe(
         w2: [E, H, I] down projection of each expert.
         topk_weights: [T, k] routing weights (float32 from ``route``).
         topk_ids: [T, k] expert ids.
-        backend: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton".
+        backend: "auto" (Triton on CUDA, torch elsewhere), "torch" (grouped matmuls where
+            ``torch._grouped_mm`` can run, the per-expert loop otherwise), "torch-loop" or "triton".
         activation: "silu" (SwiGLU experts) or "gelu".
 
     Returns:
@@ -85,4 +87,6 @@ def fused_moe(
         from moe_kernels.triton_backend import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation=activation)
+    if backend == "torch-loop":
+        return fused_moe_loop(x, w13, w2, topk_weights, topk_ids, activation=activation)
     return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, activation=activation)

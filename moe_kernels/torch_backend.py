@@ -1,17 +1,29 @@
-"""Readable reference backend: sort token slots by expert, one matmul per active expert."""
+"""The torch backend: grouped matmuls where ``torch._grouped_mm`` can run, the per-expert loop otherwise.
+
+Legend: T tokens, H hidden, I expert intermediate, E experts, k top-k, S = T*k slots.
+
+The loop is also the readable reference the grouped path is tested against.
+"""
 
 import torch
-import torch.nn.functional as F
+
+from moe_kernels.activation import gated_activation
+from moe_kernels.expert_sort import sort_slots_by_expert
+from moe_kernels.grouped_backend import fused_moe_grouped, grouped_mm_supported
+
+# On the CPU the grouped path allocates whole-batch [S, 2I] and [S, H] buffers; past about a MiB each call
+# pays page faults for them (glibc gives large freed blocks back to the OS), while the loop's per-expert
+# buffers stay small and are reused. Measured (benchmarks/moe_torch_cpu.py, float32, 1 thread): one layer
+# 1.1-1.6x faster grouped up to T=64 (0.5 MiB), 0.45-1.14x from T=256 (2 MiB) on. End to end the
+# difference was within the shared test machine's noise (docs/performance.md).
+CPU_GROUPED_MAX_BYTES = 1 << 20
 
 
-def _activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    # gate_up: [n, 2I] with gate columns first, then up columns.
-    gate, up = gate_up.chunk(2, dim=-1)
-    if activation == "silu":
-        return F.silu(gate) * up
-    if activation == "gelu":
-        return F.gelu(gate) * up
-    raise ValueError(f"unsupported activation {activation!r}")
+def _grouped_pays_off(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> bool:
+    if x.device.type != "cpu":
+        return True
+    widest = max(w13.shape[1], w13.shape[2])  # 2I or H: the widest [S, .] intermediate
+    return x.shape[0] * top_k * widest * x.element_size() <= CPU_GROUPED_MAX_BYTES
 
 
 def fused_moe_torch(
@@ -22,30 +34,43 @@ def fused_moe_torch(
     topk_ids: torch.Tensor,
     activation: str = "silu",
 ) -> torch.Tensor:
-    """Legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
+    """Routed experts with torch ops: ``fused_moe_grouped`` where supported, else ``fused_moe_loop``.
 
     x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H].
+    The choice is a check of dtypes, device and strides on each call (see
+    ``grouped_mm_supported``), never a caught error; on the CPU also of size
+    (``CPU_GROUPED_MAX_BYTES``): prefill-sized calls keep the loop.
     """
-    num_tokens, top_k = topk_ids.shape
-    num_experts = w13.shape[0]
-    flat_ids = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
-    # Stable sort keeps slots of one expert in token order, which makes the
-    # per-expert matmuls deterministic regardless of batch composition.
-    sorted_expert_ids, slot_order = torch.sort(flat_ids, stable=True)  # [T*k]
-    token_of_slot = slot_order // top_k  # [T*k]
-    counts = torch.bincount(sorted_expert_ids, minlength=num_experts).tolist()
+    if grouped_mm_supported(x, w13, w2) and _grouped_pays_off(x, w13, topk_ids.shape[1]):
+        return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, activation=activation)
+    return fused_moe_loop(x, w13, w2, topk_weights, topk_ids, activation=activation)
 
-    slot_weights = topk_weights.reshape(-1).index_select(0, slot_order).to(torch.float32)  # [T*k]
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
+
+def fused_moe_loop(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """One matmul pair per active expert; any dtype and layout. Shapes as ``fused_moe_torch``."""
+    num_tokens = topk_ids.shape[0]
+    slots = sort_slots_by_expert(topk_ids, w13.shape[0])
+    counts = slots.counts.tolist()  # the loop needs the group sizes on the host
+    # Accumulate the k contributions in float32, or float64 for float64 inputs (the references).
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    slot_weights = topk_weights.reshape(-1).index_select(0, slots.order).to(acc_dtype)  # [S]
+    out = torch.zeros(num_tokens, x.shape[1], dtype=acc_dtype, device=x.device)  # [T, H]
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = slice(start, start + count)
-        tokens = token_of_slot[rows]  # [n]
-        hidden = _activate(x.index_select(0, tokens) @ w13[expert].t(), activation)  # [n, I]
-        expert_out = (hidden @ w2[expert].t()).float()  # [n, H]
-        # Weight and scatter in one pass; float32 accumulation of the k contributions.
+        tokens = slots.tokens[rows]  # [n]
+        hidden = gated_activation(x.index_select(0, tokens) @ w13[expert].t(), activation)  # [n, I]
+        expert_out = (hidden @ w2[expert].t()).to(acc_dtype)  # [n, H]
+        # Weight and scatter in one pass.
         out.index_add_(0, tokens, expert_out.mul_(slot_weights[rows, None]))
         start += count
     return out.to(x.dtype)
