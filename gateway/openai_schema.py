@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI-compatible routes, decoded and validated with msgspec."""
 
-from typing import Annotated
+import re
+from typing import Annotated, Any
 
 import msgspec
 
@@ -24,29 +25,91 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str
+    name: str | None = None  # a participant's name: accepted, not used by the chat templates we render
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class _Common(msgspec.Struct, kw_only=True):
+# Fields of OpenAI's request bodies that this server does not implement yet, and the values that mean
+# "not asked for" (null always does). Any other value is a 400 naming the field, never silently ignored.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "min_p": (0, 0.0),
+    "min_tokens": (0,),
+    "logit_bias": ({},),
+    "stop_token_ids": ([],),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),
+    "functions": ([],),
+    "function_call": ("none",),
+    "service_tier": ("auto", "default"),
+    "store": (False,),
+    "metadata": ({},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "chat_template_kwargs": ({},),
+}
+
+
+class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = 0
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1  # one choice per request
-    stream: bool = False
+    # null means the default wherever OpenAI accepts it (clients send explicit nulls).
+    temperature: Temperature | None = None  # 1.0
+    top_p: TopP | None = None  # 1.0
+    top_k: TopK | None = None  # off
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None  # one choice per request
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: NonEmptyText | StopStrings | None = None
     seed: Seed | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     user: str | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    logit_bias: Any = None
+    stop_token_ids: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    chat_template_kwargs: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -58,9 +121,27 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 
 def error_param(err: msgspec.ValidationError) -> str | None:
-    """The field a msgspec validation error points at (``$.messages[0].content`` -> ``messages[0].content``)."""
-    path = str(err).rsplit("at `$.", 1)
+    """The field a msgspec validation error points at (``$.messages[0].content`` -> ``messages[0].content``;
+    an unknown field, by its own name under the object that holds it)."""
+    text = str(err)
+    unknown = _UNKNOWN_FIELD.match(text)
+    if unknown:
+        where = unknown.group(2) or "$"  # msgspec names no place for the top level
+        return f"{where[2:]}.{unknown.group(1)}" if where.startswith("$.") else unknown.group(1)
+    path = text.rsplit("at `$.", 1)
     return path[1].rstrip("`") or None if len(path) == 2 else None
+
+
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `(\$[^`]*)`)?$")
+
+
+def check_implemented(req: msgspec.Struct) -> None:
+    """400 naming the first OpenAI field that asks for something this server does not implement."""
+    for field, defaults in NOT_IMPLEMENTED.items():
+        value = getattr(req, field)
+        if value is not None and value not in defaults:
+            raise APIError(400, f"`{field}` is not supported by this server yet; leave it out (or null) and "
+                                "handle it in the client", param=field, code="unsupported_parameter")
 
 
 def decode_json(data: bytes, cls):
@@ -80,20 +161,28 @@ def decode_json(data: bytes, cls):
 
 def decode_body(body: bytes, cls):
     try:
-        return decode_json(body, cls)
+        req = decode_json(body, cls)
     except msgspec.ValidationError as e:
-        raise APIError(400, f"invalid request body: {e}", param=error_param(e)) from None
+        message = str(e)
+        if _UNKNOWN_FIELD.match(message):
+            message += " (not a field of this request: check its spelling, or remove it)"
+        raise APIError(400, f"invalid request body: {message}", param=error_param(e)) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if isinstance(req, _Common):
+        check_implemented(req)
+    return req
 
 
 def sampling_params(req: _Common) -> SamplingParams:
     """Validate OpenAI sampling fields; 400 with the offending parameter named."""
-    if req.n != 1:
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if req.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
-    if not 0.0 <= req.temperature <= 2.0:
+    if not 0.0 <= temperature <= 2.0:
         raise APIError(400, "temperature must be between 0 and 2", param="temperature")
-    if not 0.0 < req.top_p <= 1.0:
+    if not 0.0 < top_p <= 1.0:
         raise APIError(400, "top_p must be in (0, 1]", param="top_p")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None and isinstance(req, CompletionRequest):
@@ -104,6 +193,6 @@ def sampling_params(req: _Common) -> SamplingParams:
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")
     return SamplingParams(
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-        max_tokens=max_tokens, stop=stop, ignore_eos=req.ignore_eos,
+        temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=req.seed,
+        max_tokens=max_tokens, stop=stop, ignore_eos=bool(req.ignore_eos),
     )

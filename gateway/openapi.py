@@ -3,7 +3,7 @@
 import msgspec
 
 from gateway.batch.batches import CreateBatch
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.openai_schema import NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
 
 _ERROR = {
     "type": "object",
@@ -36,6 +36,10 @@ def openapi_document(version: str) -> dict:
         [CompletionRequest, ChatCompletionRequest, CreateBatch], ref_template="#/components/schemas/{name}"
     )
     components["Error"] = _ERROR
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        properties = components[name]["properties"]
+        for field, off in NOT_IMPLEMENTED.items():  # what the server accepts for them: null or "off"
+            properties[field] = {"enum": [None, *off], "description": "not supported yet: leave it out"}
     return {
         "openapi": "3.1.0",
         "info": {"title": "moegate", "version": version,
@@ -47,6 +51,8 @@ def openapi_document(version: str) -> dict:
             "/v1/chat/completions": _generation("Chat completion", chat["$ref"]),
             "/v1/models": {"get": {"summary": "Served models", "security": [{"bearer": []}],
                                    "responses": {"200": {"description": "model list"}, **_ERRORS}}},
+            "/v1/models/{model}": {"get": _op("A served model (404 model_not_found for any other name)", "model object",
+                                              params=("model",))},
             **_batch_paths(create_batch["$ref"]),
             "/health": {"get": {"summary": "ready / starting / engine down",
                                 "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},

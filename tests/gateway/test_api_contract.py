@@ -1,5 +1,6 @@
 """What the API promises: OpenAI's defaults, reservations no larger than the context allows, an OpenAPI
-document that refuses what the server refuses, and 405s that say which methods are allowed."""
+document that refuses what the server refuses, unknown and unimplemented fields refused by name (never
+dropped), explicit nulls taken as defaults, and 405s that say which methods are allowed."""
 
 import asyncio
 import json
@@ -63,7 +64,9 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
             chat, completion = schemas["ChatCompletionRequest"], schemas["CompletionRequest"]
             assert chat["properties"]["messages"]["minItems"] == 1
             assert {"minLength": 1} .items() <= completion["properties"]["prompt"]["anyOf"][0].items()
-            assert completion["properties"]["n"]["maximum"] == 1
+            assert completion["properties"]["n"]["anyOf"][0]["maximum"] == 1
+            assert chat["additionalProperties"] is False and completion["additionalProperties"] is False
+            assert chat["properties"]["tools"]["enum"] == [None, []]
             for path, body, param in [("/v1/chat/completions", {"messages": []}, "messages"),
                                       ("/v1/completions", {"prompt": ""}, "prompt"),
                                       ("/v1/completions", {"prompt": []}, "prompt"),
@@ -72,6 +75,46 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
                                       ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop")]:
                 status, answer = await post(path, body)
                 assert status == 400 and answer["error"]["param"] == param, (body, answer)
+
+            # Unknown fields are refused, naming them (nested ones by their path); OpenAI's fields that this
+            # server does not implement are refused when they ask for something, accepted when null or "off";
+            # an explicit null is the default.
+            word = "".join(random.choice("abcdefghij") for _ in range(8))
+            for path, body, param in [
+                ("/v1/completions", {"prompt": "x", word: 1}, word),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", word: True}]},
+                 f"messages[0].{word}"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          "stream_options": {word: 1}}, f"stream_options.{word}"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
+                ("/v1/completions", {"prompt": "x", "presence_penalty": random.uniform(0.1, 2)}, "presence_penalty"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          "response_format": {"type": "json_object"}}, "response_format"),
+            ]:
+                status, answer = await post(path, body)
+                assert status == 400 and answer["error"]["param"] == param, (body, answer)
+            status, answer = await post("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "x", "name": "ann"}], "max_tokens": 2, "temperature": None,
+                "top_p": None, "n": None, "stream": None, "stop": None, "seed": None, "tools": None,
+                "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "parallel_tool_calls": True})
+            assert status == 200 and answer["usage"]["completion_tokens"] <= 2, answer
+
+            # The official client sees the same: a BadRequestError that names the field.
+            import openai
+
+            client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.completions.create(model="demo", prompt="x", max_tokens=2, extra_body={word: 1})
+            assert refused.value.body["param"] == word and word in refused.value.body["message"]
+            # A model by name: the served one, or a 404 naming what is served.
+            card = await client.models.retrieve("demo")
+            assert card.id == "demo" and card.object == "model"
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.models.retrieve(word)
+            assert missing.value.body["code"] == "model_not_found" and "'demo'" in missing.value.body["message"]
+            await client.close()
 
             # JSON Schema counts 1.0 as an integer, so the server takes it as one; 1.5 is refused.
             status, answer = await post("/v1/completions", {"prompt": "hi", "n": 1.0, "max_tokens": 2.0})
