@@ -41,7 +41,7 @@ class LLM:
         token_prompts = [self.engine.prepare_prompt(p) for p in prompts]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(token_prompts, params)]
         whole: dict[str, RequestOutput] = {}  # each request's outputs so far, merged
-        while self.engine.has_unfinished():
+        while self.engine.step_needed():  # with data-parallel peers, until none of them has work
             for out in self.engine.step():
                 so_far = whole.get(out.request_id)
                 whole[out.request_id] = out if so_far is None else so_far.merge(out)

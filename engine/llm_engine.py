@@ -5,13 +5,14 @@ import logging
 
 import torch
 
-from engine.core.config import CacheConfig, EngineConfig, KernelChoice, SchedulerConfig
+from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
 from engine.text.prompts import InputProcessor
 from engine.loading.model_config import CheckpointError, load_model_config
-from engine.loading.model_loader import build_model
+from engine.distributed.collectives import SINGLE
+from engine.distributed.ranks import DataParallelPeers, EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput
 from engine.core.request import Request
-from engine.worker.runner import ModelRunner, kv_bytes_per_block
+from engine.worker.model_setup import build_rank
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA, SchedulerStats
@@ -51,6 +52,7 @@ class LLMEngine:
             self.model_config = random_model_config(config.random_weights)
         else:
             self.model_config = load_model_config(config.model)
+        self.ranks: EngineRanks | DataParallelPeers | None = None
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
@@ -60,28 +62,21 @@ class LLMEngine:
 
             if "triton" not in moe_kernels.available_backends():
                 raise ValueError("the triton kernels need CUDA (or TRITON_INTERPRET=1 for CPU testing)")
-        max_len = min(config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings)
-        torch.manual_seed(config.seed)
-        if config.random_weights:
-            from engine.loading.random_weights import build_random_model
-
-            self.model = build_random_model(self.model_config, self.dtype, self.device, self.kernels.moe, max_len, config.seed)
-        else:
-            self.model = build_model(self.model_config, config.model, self.dtype, self.device, self.kernels.moe, max_len)
-        if self.kernels.elementwise == "triton":
-            from engine.transforms.fusion import enable_triton_elementwise
-
-            enable_triton_elementwise(self.model)
-        # Before the KV pool is sized: the measurement's scratch memory is given back by then.
-        self.dense_gemv_choices = []
-        if self.kernels.dense_gemv != "off":
-            from engine.transforms.gemv_select import apply_dense_gemv
-
-            self.dense_gemv_choices = apply_dense_gemv(self.model, self.device, self.kernels.dense_gemv)
-        num_blocks = config.num_kv_blocks or self._num_blocks_for_memory()
-        # A sequence can never hold more tokens than the whole pool.
-        self.max_model_len = min(max_len, num_blocks * config.block_size)
-        cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
+        # Several ranks: this process is rank 0 (it schedules and samples); the others follow its plans.
+        if config.tensor_parallel_size > 1:
+            self.ranks = EngineRanks(config, self.device)
+        elif config.data_parallel_size > 1:
+            self.ranks = DataParallelPeers(config, self.device)
+        try:
+            parts = build_rank(config, self.model_config, self.kernels, self.dtype, self.device,
+                               self.ranks.tp if self.ranks else SINGLE)
+        except BaseException:
+            if self.ranks is not None:  # the other ranks may be inside a collective: end them, do not talk
+                self.ranks.abort()
+            raise
+        self.model, self.runner, self.max_model_len = parts.model, parts.runner, parts.max_model_len
+        self.dense_gemv_choices = parts.dense_gemv_choices
+        cache_config = parts.cache_config
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
@@ -91,37 +86,25 @@ class LLMEngine:
             cache_config,
         )
         self._expert_load_read_at = -EXPERT_LOAD_EVERY_CUDA  # runner.num_steps at the last expert-load read
-        self.runner = ModelRunner(self.model, cache_config, self.device, self.dtype, config.seed, self.kernels.attention)
-        # The torch MoE backend reads expert counts on the host, which a graph capture forbids.
-        graph_safe_moe = self.kernels.moe != "torch"
-        if self.device.type == "cuda" and graph_safe_moe:
-            from engine.transforms.warmup import warm_up_moe
-
-            warm_up_moe(self.model, config.max_num_batched_tokens, self.device, self.dtype)
-        if self.device.type == "cuda" and self.kernels.attention == "triton" and graph_safe_moe and not config.enforce_eager:
-            from engine.transforms.cuda_graphs import enable_decode_graphs
-
-            enable_decode_graphs(self.runner, config.cuda_graph_batch_sizes, config.max_num_seqs, self.max_model_len)
         tokenizer_dir = config.tokenizer or (None if config.random_weights else config.model)
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info(
-            "engine ready: %s%s on %s/%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, CUDA graphs %s",
+            "engine ready: %s%s on %s/%s x%d ranks%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, "
+            "CUDA graphs %s",
             self.model_config.architecture, " (RANDOM WEIGHTS)" if config.random_weights else "", self.device, self.dtype,
-            self.kernels.attention, num_blocks, config.block_size, self.max_model_len,
+            config.tensor_parallel_size, " (experts divided)" if config.enable_expert_parallel else "",
+            self.kernels.attention, cache_config.num_blocks, config.block_size, self.max_model_len,
             self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off",
         )
 
-    def _num_blocks_for_memory(self) -> int:
-        per_block = kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
-        else:
-            budget = self.config.kv_cache_memory_gb * 2**30
-        return max(int(budget // per_block), 1)
+    def close(self) -> None:
+        """Stop the other ranks of a multi-process engine (a no-op for one process)."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            ranks.close()
 
     # ---- requests --------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -173,6 +156,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def step_needed(self) -> bool:
+        """Whether to call ``step()`` now: this engine has work or, for data-parallel engines sharing experts,
+        any of them has (a collective: call it once per loop on every engine of the group)."""
+        if isinstance(self.ranks, DataParallelPeers):
+            return self.ranks.any_busy(self.has_unfinished())
+        return self.has_unfinished()
+
     # ---- one step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update: one iteration of continuous batching; returns what changed."""
@@ -191,6 +181,11 @@ class LLMEngine:
         if self.device.type == "cpu" or steps - self._expert_load_read_at >= EXPERT_LOAD_EVERY_CUDA:
             self._expert_load_read_at = steps
             stats.expert_load = self.runner.expert_load()
+            ep = self.model.tp.expert_parallel
+            if ep is not None and stats.expert_load:
+                starts = ep.expert_starts(len(stats.expert_load[0]))
+                stats.expert_load_by_rank = [sum(sum(layer[a:b]) for layer in stats.expert_load)
+                                             for a, b in zip(starts, starts[1:])]
         return stats
 
 

@@ -31,6 +31,7 @@ from gateway.errors import (
 from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
+from gateway.replica_router import replicas_of
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
 from gateway.usage_ledger import UsageLedger
@@ -63,18 +64,26 @@ def _model_name(app: web.Application) -> str:
 
 
 async def health(request: web.Request) -> web.Response:
-    """ready (200), or starting / engine down (503 with Retry-After) while the supervisor restarts it."""
+    """ready (200) while any engine replica serves; starting / engine down (503 with Retry-After) while none
+    does. ``replicas`` gives each replica's own status (and why it is down)."""
     engine = request.app[ENGINE]
+    replicas = [_replica_health(name, r) for name, r in replicas_of(engine)]
     if request.app[DRAINING].is_set():
-        response = json_response({"status": "draining"}, status=503)
+        response = json_response({"status": "draining", "replicas": replicas}, status=503)
     elif engine.dead:
-        response = json_response({"status": "engine down", "reason": engine.dead}, status=503)
+        response = json_response({"status": "engine down", "reason": engine.dead, "replicas": replicas}, status=503)
     elif engine.info is None:
-        response = json_response({"status": "starting"}, status=503)
+        response = json_response({"status": "starting", "replicas": replicas}, status=503)
     else:
-        return json_response({"status": "ready"})
+        return json_response({"status": "ready", "replicas": replicas})
     response.headers["Retry-After"] = "5"
     return response
+
+
+def _replica_health(name: str, replica: EngineClient) -> dict:
+    if replica.dead:
+        return {"replica": name, "status": "down", "reason": replica.dead}
+    return {"replica": name, "status": "starting" if replica.info is None else "ready"}
 
 
 async def openapi_endpoint(request: web.Request) -> web.Response:
@@ -126,11 +135,19 @@ async def serve_metrics(app: web.Application):
     await runner.cleanup()
 
 
+def _model_card(app: web.Application) -> dict:
+    return {"id": _model_name(app), "object": "model", "created": 0, "owned_by": "moegate",
+            "max_model_len": app[ENGINE].info.max_model_len}
+
+
 async def list_models(request: web.Request) -> web.Response:
-    info = request.app[ENGINE].info
-    card = {"id": _model_name(request.app), "object": "model", "created": 0, "owned_by": "moegate",
-            "max_model_len": info.max_model_len}
-    return json_response({"object": "list", "data": [card]})
+    return json_response({"object": "list", "data": [_model_card(request.app)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: the served model's card, or 404 ``model_not_found`` naming what is served."""
+    _check_model(request.app, request.match_info["model"])
+    return json_response(_model_card(request.app))
 
 
 def _check_model(app: web.Application, model: str | None) -> None:
@@ -337,40 +354,45 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
         await app[BATCH_STORE].close()
         await store.close()
 
-    async def supervise() -> None:
-        """Restart the engine process when it dies; until then /health and new requests answer 503.
+    async def supervise(name: str, replica: EngineClient) -> None:
+        """Restart one engine replica when it dies; until then it takes no requests (and /health says so).
 
         A cause seen before is logged once and restarted at most once a minute, so an engine that
         fails the same way again and again does not flood the log or spin on reloading the weights.
         """
         last_restart: dict[str, float] = {}  # cause -> when the engine was last restarted for it
+        backoff = 5.0  # after a restart that failed (a remote engine not reachable yet, say): 5 s, doubling
         while True:
             await asyncio.sleep(0.5)
-            if not engine.dead:
+            if not replica.dead:
                 continue
-            cause = engine.dead
+            cause = replica.dead
             since = time.monotonic() - last_restart.get(cause, -math.inf)
             if since < ENGINE_RESTART_INTERVAL_S:
-                logger.warning("engine down again for the same cause; restarting it in %.0f s",
-                               ENGINE_RESTART_INTERVAL_S - since)
+                logger.warning("engine replica %s down again for the same cause; restarting it in %.0f s",
+                               name, ENGINE_RESTART_INTERVAL_S - since)
                 await asyncio.sleep(ENGINE_RESTART_INTERVAL_S - since)
             else:
-                logger.error("engine down (%s): restarting it", cause)
-            last_restart[cause] = time.monotonic()
+                logger.error("engine replica %s down (%s): restarting it", name, cause)
             try:
-                await engine.restart()
-                logger.info("engine restarted")
-            except Exception:  # keep serving 503s and try again
-                logger.exception("engine restart failed")
-                await asyncio.sleep(5)
+                await replica.restart()
+                # Only a restart that worked counts against the cause: failing to start is retried sooner.
+                last_restart[cause] = time.monotonic()
+                backoff = 5.0
+                logger.info("engine replica %s restarted", name)
+            except Exception as e:  # keep serving without it (503s if it is the only one) and try again
+                logger.error("engine replica %s restart failed (%s); trying again in %.0f s", name, e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, ENGINE_RESTART_INTERVAL_S)
 
     async def engine_lifecycle(app: web.Application):
         await engine.start()
         logger.info("serving %s (%s)", _model_name(app), engine.info.architecture)
-        supervisor = asyncio.create_task(supervise())
+        supervisors = [asyncio.create_task(supervise(name, replica)) for name, replica in replicas_of(engine)]
         yield
-        supervisor.cancel()
-        await asyncio.gather(supervisor, return_exceptions=True)
+        for task in supervisors:
+            task.cancel()
+        await asyncio.gather(*supervisors, return_exceptions=True)
         await engine.shutdown()
 
     async def batch_lifecycle(app: web.Application):
@@ -379,7 +401,8 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
             batch_rank = (await app[BATCH_STORE].store.get_class("batch")).rank
         except NotFound:
             batch_rank = max(c.rank for c in await app[BATCH_STORE].store.list_classes())
-        inflight = config.batch_max_inflight or 2 * engine.config.max_num_seqs
+        # Lines queue inside every replica (the router spreads them by load), so twice each one's slots.
+        inflight = config.batch_max_inflight or 2 * engine.config.max_num_seqs * len(replicas_of(engine))
         runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
             lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
             batch_rank=batch_rank, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
@@ -408,6 +431,7 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     app.router.add_get("/openapi.json", openapi_endpoint)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app

@@ -5,7 +5,9 @@ import logging
 import os
 import sys
 
+from engine import cli as engine_cli
 from engine.core.config import EngineConfig
+from engine.distributed.replica_layout import replica_configs, replica_devices
 
 DEFAULT_DEMO_MODEL_DIR = ".moegate/demo-model"  # the Makefile's DEMO_MODEL, so `make run` and `moegate serve` agree
 
@@ -13,22 +15,27 @@ DEFAULT_DEMO_MODEL_DIR = ".moegate/demo-model"  # the Makefile's DEMO_MODEL, so 
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from engine.serving.async_engine import AsyncEngine, EngineError
+    from engine.serving.async_engine import EngineError
+    from engine.serving.engine_server import parse_address
     from gateway.app import create_app
     from gateway.config import GatewayConfig
-
-    from engine.loading.model_config import load_model_config
     from tenants.db import SchemaError, database_url
     from tenants.migrate import ensure_schema
 
-    from engine.loading.model_loader import checkpoint_files
-
-    demo = args.model is None  # the embedded default: the random-weight demo model, written on first use
-    if demo:
-        args.model = DEFAULT_DEMO_MODEL_DIR
+    args.model = args.model or DEFAULT_DEMO_MODEL_DIR  # the embedded default, written on first use
     url = database_url(args.database_url)
     # Bad settings are bad input (ValueError: one line, exit 2), found before anything is written.
     engine_config = serve_engine_config(args)
+    remote = [parse_address(a) for a in args.engine]
+    if args.data_parallel_size < 0 or (args.data_parallel_size == 0 and not remote):
+        raise ValueError(f"--data-parallel-size must be >= 1 (0 only with --engine), got {args.data_parallel_size}")
+    authkey = engine_authkey() if remote else b""
+    if engine_config.enable_expert_parallel and args.data_parallel_size > 1 and remote:
+        raise ValueError("replicas that share their experts all run on this node: --engine cannot be combined "
+                         "with --data-parallel-size > 1 and --enable-expert-parallel")
+    replica_configs(engine_config, args.data_parallel_size)  # checks the combination before anything starts
+    if args.engine_stall_timeout <= 0:
+        raise ValueError(f"--engine-stall-timeout must be > 0, got {args.engine_stall_timeout}")
     config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
                            drain_timeout_s=args.drain_timeout, data_dir=args.data_dir,
                            keepalive_timeout_s=args.keepalive_timeout, body_timeout_s=args.body_timeout,
@@ -36,20 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
                            metrics_port=args.metrics_port if args.metrics_port >= 0 else None,
                            metrics_token=os.environ.get("MOEGATE_METRICS_TOKEN") or None,
                            batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight)
-    if demo:
-        from engine.loading.demo_model import write_demo_model
-
-        if not os.path.exists(os.path.join(args.model, "config.json")):
-            print(f"no --model given: writing the random-weight demo model to {args.model} (its output is random text)")
-            write_demo_model(args.model)
-    # A bad checkpoint is bad input: one line, exit 2, before any process starts.
-    if args.random_weights is not None:  # --model then only supplies the tokenizer
-        from engine.loading.random_weights import random_model_config
-
-        random_model_config(args.random_weights)
-    else:
-        load_model_config(args.model)
-        checkpoint_files(args.model)
+    _check_model(args)
     try:
         # The policy database must match this code; the embedded SQLite default upgrades itself.
         ensure_schema(url)
@@ -70,7 +64,8 @@ def _serve(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
-    app = create_app(config, AsyncEngine(engine_config))
+    app = create_app(config, build_engines(engine_config, args.data_parallel_size, remote, authkey, args.router,
+                                           args.engine_stall_timeout))
     try:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine request.
         # SIGTERM/SIGINT: stop accepting, let in-flight requests run up to the drain timeout (then cut
@@ -84,6 +79,100 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_model(args: argparse.Namespace) -> None:
+    """``--model``: the demo model, if that is the one, is written on first use; a bad checkpoint is bad input
+    (ValueError: one line, exit 2), found before any process starts."""
+    from engine.loading.model_config import load_model_config
+    from engine.loading.model_loader import checkpoint_files
+
+    if args.model == DEFAULT_DEMO_MODEL_DIR and not os.path.exists(os.path.join(args.model, "config.json")):
+        from engine.loading.demo_model import write_demo_model
+
+        print(f"no --model given: writing the random-weight demo model to {args.model} (its output is random text)")
+        write_demo_model(args.model)
+    if args.random_weights is not None:  # --model then only supplies the tokenizer
+        from engine.loading.random_weights import random_model_config
+
+        random_model_config(args.random_weights)
+    else:
+        load_model_config(args.model)
+        checkpoint_files(args.model)
+
+
+def engine_authkey() -> bytes:
+    """The key a gateway and its remote engines share (``$MOEGATE_ENGINE_KEY``); ValueError if unset."""
+    from engine.serving.engine_server import AUTHKEY_ENV
+
+    key = os.environ.get(AUTHKEY_ENV, "")
+    if len(key) < 16:
+        raise ValueError(f"set {AUTHKEY_ENV} to the same secret (16 characters or more) on the gateway and its engines")
+    return key.encode()
+
+
+def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[str, int]], authkey: bytes,
+                  policy: str, stall_timeout_s: float):
+    """The gateway's engine: one local engine process, or a router over ``local`` of them and the
+    ``remote`` engines (``moegate engine --listen``); each is cut off after ``stall_timeout_s`` of silence
+    with requests waiting."""
+    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.remote_engine import RemoteEngine
+    from gateway.replica_router import ReplicaRouter
+    from gateway.routing_policy import RouterConfig
+
+    if local == 1 and not remote:
+        return AsyncEngine(engine_config, stall_timeout_s=stall_timeout_s)
+    if local > 1 and engine_config.cpu_threads is None and engine_config.device != "cuda":
+        # Replicas on the CPU share its cores: each gets its share, not all of them (oversubscribed
+        # threads wait at every parallel region's barrier for a descheduled peer).
+        import dataclasses
+
+        engine_config = dataclasses.replace(engine_config, cpu_threads=max(1, (os.cpu_count() or 1) // local))
+    # On GPUs each local replica takes its own devices (on the CPU the variable is ignored); with
+    # --enable-expert-parallel the replicas form one group that divides the experts.
+    replicas = [AsyncEngine(config, process_env={"CUDA_VISIBLE_DEVICES": replica_devices(config, i)},
+                            stall_timeout_s=stall_timeout_s)
+                for i, config in enumerate(replica_configs(engine_config, local))]
+    replicas += [RemoteEngine(engine_config, address, authkey, stall_timeout_s) for address in remote]
+    names = [str(i) for i in range(local)] + [f"{host}:{port}" for host, port in remote]
+    return ReplicaRouter(replicas, names, RouterConfig(policy=policy))
+
+
+def _engine(args: argparse.Namespace) -> int:
+    """``moegate engine --listen HOST:PORT``: serve one engine to a remote gateway."""
+    from engine.serving.engine_server import parse_address, serve_engine
+
+    address = parse_address(args.listen)
+    authkey = engine_authkey()
+    args.model = args.model or DEFAULT_DEMO_MODEL_DIR
+    engine_config = serve_engine_config(args)
+    _check_model(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    def listening(bound: tuple[str, int]) -> None:
+        print(f"engine listening on {bound[0]}:{bound[1]}", flush=True)
+
+    try:
+        serve_engine(engine_config, address, authkey, on_listening=listening)
+    except OSError as e:  # the address is taken or not ours
+        print(f"moegate engine: error: cannot listen on {args.listen}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _add_engine(subparsers) -> None:
+    p = subparsers.add_parser("engine", help="serve an engine to a gateway on another machine",
+                              description="Serve one engine over TCP to a gateway started with "
+                                          "`moegate serve --engine HOST:PORT`; both need MOEGATE_ENGINE_KEY set to "
+                                          "the same secret. One gateway at a time.")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help="address to accept the gateway on (port 0: any free port, printed)")
+    add_engine_options(p)
+    engine_cli.add_parallel_arguments(p)
+    p.set_defaults(func=_engine)
+
+
 def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's config from ``moegate serve``'s arguments; ValueError for a bad value."""
     engine_config = EngineConfig(
@@ -91,7 +180,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
         background_token_budget=args.background_token_budget, background_window_s=args.background_window_seconds,
-        cpu_threads=args.cpu_threads,
+        cpu_threads=args.cpu_threads, **engine_cli.parallel_fields(args),
     )
     if args.random_weights is not None:
         import dataclasses
@@ -103,13 +192,10 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
     return engine_config
 
 
-def _add_serve(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="start the OpenAI-compatible server")
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine's options, shared by ``moegate serve`` and ``moegate engine`` (read by ``serve_engine_config``)."""
     p.add_argument("--model", default=None,
                    help=f"local checkpoint directory (default: the demo model in {DEFAULT_DEMO_MODEL_DIR})")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -121,6 +207,24 @@ def _add_serve(subparsers) -> None:
                    help="serve a RANDOM-weight model of a real shape instead of --model's weights (for speed tests): "
                         "a preset (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b) or a config.json path; "
                         "--model then only supplies the tokenizer")
+    defaults = EngineConfig(model="-")
+    p.add_argument("--background-token-budget", type=int, default=defaults.background_token_budget,
+                   help="tokens a step batch work may take while live traffic is present or was within "
+                        f"--background-window-seconds (default {defaults.background_token_budget})")
+    p.add_argument("--background-window-seconds", type=float, default=defaults.background_window_s,
+                   help="how long after live traffic batch work stays capped, and the engine leaves a core to "
+                        f"the gateway on the CPU (default {defaults.background_window_s:g})")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads of the engine on the CPU, whatever it serves (default: one core fewer "
+                        "than the machine while live traffic is recent, every core otherwise)")
+
+
+def _add_serve(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="start the OpenAI-compatible server")
+    add_engine_options(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM/SIGINT (default 30)")
     p.add_argument("--keepalive-timeout", type=float, default=15.0,
@@ -139,18 +243,21 @@ def _add_serve(subparsers) -> None:
                    help="a crashed gateway's batch lines are taken over after this (default 60)")
     p.add_argument("--batch-max-inflight", type=int, default=None,
                    help="batch lines in the engine at once (default: twice --max-num-seqs)")
-    defaults = EngineConfig(model="-")
-    p.add_argument("--background-token-budget", type=int, default=defaults.background_token_budget,
-                   help="tokens a step batch work may take while live traffic is present or was within "
-                        f"--background-window-seconds (default {defaults.background_token_budget})")
-    p.add_argument("--background-window-seconds", type=float, default=defaults.background_window_s,
-                   help="how long after live traffic batch work stays capped, and the engine leaves a core to "
-                        f"the gateway on the CPU (default {defaults.background_window_s:g})")
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads of the engine on the CPU, whatever it serves (default: one core fewer "
-                        "than the machine while live traffic is recent, every core otherwise)")
     p.add_argument("--database-url", default=None,
                    help="policy database (default: $MOEGATE_DATABASE_URL or sqlite:///./moegate.db)")
+    engine_cli.add_parallel_arguments(p)
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas on this node, each a whole engine with its own KV cache (default 1); "
+                        "on a GPU node replica i takes device i, on a CPU they share the cores")
+    p.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
+                   help="attach an engine started with `moegate engine --listen HOST:PORT` as one more replica "
+                        "(repeatable; needs MOEGATE_ENGINE_KEY); --model still names the tokenizer")
+    p.add_argument("--engine-stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="an engine that sends nothing for this long while requests wait on it is treated as dead "
+                        "and replaced (default 60; it must exceed the longest step)")
+    p.add_argument("--router", default="cache-aware", choices=["cache-aware", "round-robin"],
+                   help="how requests are spread over replicas: by prefix-cache affinity traded against load "
+                        "(default), or in turn")
     p.set_defaults(func=_serve)
 
 
@@ -165,13 +272,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine import cli as engine_cli
     from loadgen import cli as loadgen_cli
     from tenants import cli as tenants_cli
 
     parser = OneLineParser(prog="moegate", description="Multi-tenant serving for MoE language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_engine(sub)
     from gateway.batch import offline as run_batch
 
     run_batch.register(sub)

@@ -7,37 +7,76 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.replica_router import replicas_of
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class _EngineCollector:
-    """Engine gauges read from the engine's latest stats at scrape time (nothing to update per step)."""
+    """Engine gauges read from each replica's latest stats at scrape time (nothing to update per step).
+
+    Every series has a ``replica`` label. The ``vllm:`` gauges repeat queue depth, running requests and
+    KV-cache utilisation under the names the Gateway API Inference Extension's endpoint picker (and
+    llm-d's scorers) read by default, so a Kubernetes deployment can route across moegate pods with
+    them instead of with our router.
+    """
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
     def collect(self):
-        stats = self.engine.stats
-        if stats is None:
-            return
-        yield GaugeMetricFamily("moegate_engine_running_requests", "requests running in the engine", value=stats.num_running)
-        waiting = GaugeMetricFamily("moegate_engine_waiting_requests", "requests waiting, by priority rank", labels=["rank"])
-        for rank, count in stats.num_waiting_by_rank.items():
-            waiting.add_metric([str(rank)], count)
-        yield waiting
-        yield GaugeMetricFamily("moegate_kv_blocks_used", "KV cache blocks in use", value=stats.kv_blocks_used)
-        yield GaugeMetricFamily("moegate_kv_blocks_total", "KV cache blocks in the pool", value=stats.kv_blocks_total)
-        yield GaugeMetricFamily("moegate_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / queried",
-                                value=stats.prefix_hit_rate)
-        yield CounterMetricFamily("moegate_preemptions", "requests preempted (recompute)", value=stats.num_preemptions)
-        yield CounterMetricFamily("moegate_prefill_tokens", "tokens computed as prefill", value=stats.total_prefill_tokens)
-        yield CounterMetricFamily("moegate_decode_tokens", "tokens computed as decode", value=stats.total_decode_tokens)
-        if stats.expert_load is not None:
-            load = CounterMetricFamily("moegate_expert_tokens", "tokens routed to each expert", labels=["layer", "expert"])
-            for layer, counts in enumerate(stats.expert_load):
+        families = {
+            "up": GaugeMetricFamily("moegate_engine_replica_up", "1 while the replica serves, 0 while it starts or is down",
+                                    labels=["replica"]),
+            "running": GaugeMetricFamily("moegate_engine_running_requests", "requests running in the engine",
+                                         labels=["replica"]),
+            "waiting": GaugeMetricFamily("moegate_engine_waiting_requests", "requests waiting, by priority rank",
+                                         labels=["replica", "rank"]),
+            "used": GaugeMetricFamily("moegate_kv_blocks_used", "KV cache blocks in use", labels=["replica"]),
+            "total": GaugeMetricFamily("moegate_kv_blocks_total", "KV cache blocks in the pool", labels=["replica"]),
+            "hit": GaugeMetricFamily("moegate_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / queried",
+                                     labels=["replica"]),
+            "preempt": CounterMetricFamily("moegate_preemptions", "requests preempted (recompute)", labels=["replica"]),
+            "prefill": CounterMetricFamily("moegate_prefill_tokens", "tokens computed as prefill", labels=["replica"]),
+            "decode": CounterMetricFamily("moegate_decode_tokens", "tokens computed as decode", labels=["replica"]),
+            "experts": CounterMetricFamily("moegate_expert_tokens", "tokens routed to each expert",
+                                           labels=["replica", "layer", "expert"]),
+            "expert_ranks": CounterMetricFamily("moegate_expert_rank_tokens",
+                                                "tokens routed to the experts each rank holds (experts divided)",
+                                                labels=["replica", "rank"]),
+            "gie_waiting": GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting (queue depth)", labels=["replica"]),
+            "gie_running": GaugeMetricFamily("vllm:num_requests_running", "requests running", labels=["replica"]),
+            # The endpoint picker's KV metric was renamed in vLLM; both names, same value (0..1).
+            "gie_kv": GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache utilisation, 1 = full", labels=["replica"]),
+            "gie_kv_old": GaugeMetricFamily("vllm:gpu_cache_usage_perc", "KV-cache utilisation, 1 = full",
+                                            labels=["replica"]),
+        }
+        for name, replica in replicas_of(self.engine):
+            families["up"].add_metric([name], float(replica.dead is None and replica.info is not None))
+            stats = replica.stats
+            if stats is None:
+                continue
+            kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+            waiting = sum(stats.num_waiting_by_rank.values())
+            families["running"].add_metric([name], stats.num_running)
+            for rank, count in stats.num_waiting_by_rank.items():
+                families["waiting"].add_metric([name, str(rank)], count)
+            families["used"].add_metric([name], stats.kv_blocks_used)
+            families["total"].add_metric([name], stats.kv_blocks_total)
+            families["hit"].add_metric([name], stats.prefix_hit_rate)
+            families["preempt"].add_metric([name], stats.num_preemptions)
+            families["prefill"].add_metric([name], stats.total_prefill_tokens)
+            families["decode"].add_metric([name], stats.total_decode_tokens)
+            for layer, counts in enumerate(stats.expert_load or ()):
                 for expert, count in enumerate(counts):
-                    load.add_metric([str(layer), str(expert)], count)
-            yield load
+                    families["experts"].add_metric([name, str(layer), str(expert)], count)
+            for rank, count in enumerate(stats.expert_load_by_rank or ()):
+                families["expert_ranks"].add_metric([name, str(rank)], count)
+            families["gie_waiting"].add_metric([name], waiting)
+            families["gie_running"].add_metric([name], stats.num_running)
+            families["gie_kv"].add_metric([name], kv)
+            families["gie_kv_old"].add_metric([name], kv)
+        yield from (f for f in families.values() if f.samples)
 
 
 class GatewayMetrics:

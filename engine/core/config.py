@@ -5,6 +5,7 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 KERNEL_OPTIONS = ("auto", "torch", "triton")
+EXPERT_DISPATCH = ("all_to_all", "all_gather")
 
 
 @dataclass(slots=True)
@@ -29,6 +30,21 @@ class EngineConfig:
     builds a model of that shape with RANDOM weights instead of loading ``model``,
     which then only names it; tokenizer files come from ``tokenizer`` if given.
     ``background_*``: how Batch API work yields to live work (see ``SchedulerConfig``).
+    ``tensor_parallel_size``: ranks (processes, one device each) the model is split over, Megatron
+    style; rank 0 runs the scheduler and broadcasts each step's plan (``engine.distributed``).
+    ``enable_expert_parallel``: the routed experts are divided whole among those ranks (E/N each)
+    instead of each being split N ways; ``expert_dispatch`` moves tokens to their experts' ranks by
+    "all_to_all" (uneven splits: each token slot travels once) or "all_gather" (every rank sees
+    every token, outputs reduce-scattered back: simpler, more traffic).
+    ``distributed_init_method``: the ``tcp://host:port`` the ranks meet at (None: a free local port,
+    every rank on this node); ``local_ranks``: how many ranks this node starts (None: all), the rest
+    joining from other nodes (``moegate engine-rank`` under ``torchrun``).
+    ``distributed_timeout_s``: a collective inside a step that does not complete within it (a rank
+    hung or died) fails the step with a message naming the rank.
+    ``data_parallel_size`` > 1 (with ``enable_expert_parallel``): this engine is data-parallel rank
+    ``data_parallel_rank`` of that many whole engines (each its own scheduler, requests and KV cache)
+    whose MoE layers share one expert-parallel group; they step together, an engine with nothing to
+    do running the MoE layers' collectives alone (a dummy step). They meet at ``distributed_init_method``.
     ``cpu_threads``: torch's intra-op threads when the model runs on the CPU; None
     is torch's default (every core) in-process; in the engine process, which
     shares the machine with the gateway feeding it, one core fewer while
@@ -56,8 +72,41 @@ class EngineConfig:
     background_token_budget: int = 64
     background_window_s: float = 5.0
     cpu_threads: int | None = None
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    expert_dispatch: str = "all_to_all"
+    distributed_init_method: str | None = None
+    local_ranks: int | None = None
+    distributed_timeout_s: float = 30.0
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size), got {self.data_parallel_rank} "
+                             f"of {self.data_parallel_size}")
+        if self.data_parallel_size > 1:
+            if not self.enable_expert_parallel:
+                raise ValueError("data-parallel engines share work only through divided experts: set "
+                                 "enable_expert_parallel (independent replicas need no engine setting)")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("expert parallelism over data-parallel engines that are themselves split "
+                                 "(tensor_parallel_size > 1) is not supported yet")
+            if not self.distributed_init_method:
+                raise ValueError("data-parallel engines meet at distributed_init_method (tcp://HOST:PORT)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_dispatch not in EXPERT_DISPATCH:
+            raise ValueError(f"expert_dispatch must be one of {EXPERT_DISPATCH}, got {self.expert_dispatch!r}")
+        if self.local_ranks is not None and not 1 <= self.local_ranks <= self.tensor_parallel_size:
+            raise ValueError(f"local_ranks must be between 1 and tensor_parallel_size ({self.tensor_parallel_size}), "
+                             f"got {self.local_ranks}")
+        if self.local_ranks is not None and self.local_ranks < self.tensor_parallel_size and not self.distributed_init_method:
+            raise ValueError("ranks on other nodes need distributed_init_method (tcp://HOST:PORT reachable from them)")
+        if self.distributed_init_method is not None and not self.distributed_init_method.startswith("tcp://"):
+            raise ValueError(f"distributed_init_method must be tcp://HOST:PORT, got {self.distributed_init_method!r}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.kernels not in KERNEL_OPTIONS:

@@ -21,6 +21,8 @@ class SchedulerStats(msgspec.Struct):
     # Tokens routed to each expert per MoE layer since start; refreshed every step on the CPU and
     # every EXPERT_LOAD_EVERY_CUDA steps on CUDA (reading it syncs the device), else None.
     expert_load: list[list[int]] | None = None
+    # With experts divided among ranks: tokens routed to each rank's experts, all layers, read with expert_load.
+    expert_load_by_rank: list[int] | None = None
     # Host time of the last step, milliseconds: the scheduler's Python (schedule + update), the
     # runner's batch building (metadata and staging, part of execute), and execute as a whole
     # (which waits for the sampled tokens, so on a GPU it includes the device time).

@@ -12,11 +12,17 @@ Every collective has a timeout: a rank whose peer died or hangs fails within
 """
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
+JOIN_TIMEOUT_S = 300.0  # ranks on other nodes may be started by hand, after rank 0
 
 
 class CollectiveError(RuntimeError):
@@ -57,22 +63,55 @@ class RankInfo:
 
 
 class RankGroups:
-    """This rank's process groups: ``device`` for the model's collectives, ``control`` (gloo) for plans."""
+    """This rank's process groups: ``device`` for the model's collectives (``timeout_s``), ``control`` (gloo)
+    for the step plans rank 0 sends (waits as long as the engine idles)."""
 
-    def __init__(self, info: RankInfo, device: torch.device, timeout_s: float = 30.0) -> None:
+    def __init__(self, info: RankInfo, device: torch.device, timeout_s: float = 30.0,
+                 join_timeout_s: float = JOIN_TIMEOUT_S, starting: Callable[[], str | None] | None = None) -> None:
+        """Meet the other ranks within ``join_timeout_s`` (rank 0 also gives up as soon as ``starting()``, which
+        watches the ranks it started, names one that exited), then form the groups."""
         info.check()
         self.rank, self.world_size, self.timeout_s = info.rank, info.world_size, timeout_s
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
         try:
-            dist.init_process_group(backend, init_method=info.init_method, rank=info.rank,
-                                    world_size=info.world_size, timeout=timeout)
+            store = self._meet(info, join_timeout_s, starting)
+            dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
+                                    timeout=timedelta(seconds=join_timeout_s))
+            self.device_group = dist.new_group(backend=backend, timeout=timeout)
+            # Followers wait on the control group for the next plan however long the engine idles; a driver
+            # that dies still fails that wait at once (its connections close), so only a live but hung driver
+            # is bounded by this long timeout, and the gateway ends such an engine process itself.
+            self.control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=IDLE_TIMEOUT_S))
+        except CollectiveError:
+            raise
         except Exception as e:  # the store did not form: another rank never came, or the address is wrong
             raise CollectiveError(f"rank {info.rank}: could not join the {info.world_size} ranks at "
-                                  f"{info.init_method} within {timeout_s:g} s ({type(e).__name__}: {e})") from None
-        self.device_group = dist.group.WORLD
-        self.control_group = self.device_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+                                  f"{info.init_method} within {join_timeout_s:g} s ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+    @staticmethod
+    def _meet(info: RankInfo, join_timeout_s: float, starting: Callable[[], str | None] | None) -> dist.Store:
+        """The rendezvous store at ``info.init_method`` (rank 0 hosts it), once every rank has said it is there."""
+        host, port = info.init_method[len("tcp://"):].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), info.world_size, is_master=info.rank == 0,
+                              timeout=timedelta(seconds=join_timeout_s), wait_for_workers=False)
+        store.set(f"moegate/joined/{info.rank}", "1")
+        if info.rank != 0:
+            return store
+        keys = [f"moegate/joined/{r}" for r in range(1, info.world_size)]
+        deadline = time.monotonic() + join_timeout_s
+        while True:
+            try:
+                store.wait(keys, timedelta(seconds=0.5))
+                return store
+            except Exception:  # not every rank yet: one of ours may have died, or time may be up
+                gone = starting() if starting else None
+                if gone:
+                    raise CollectiveError(f"rank 0: {gone} before the ranks met at {info.init_method}") from None
+                if time.monotonic() > deadline:
+                    raise
 
     @property
     def is_driver(self) -> bool:

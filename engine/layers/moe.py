@@ -26,6 +26,13 @@ class SparseMoeBlock(nn.Module):
     Tensor parallel: every rank routes (the router is replicated) and holds a 1/tp slice of
     each expert's intermediate size (and of the shared expert's); the routed and shared partial
     outputs are added, then summed over the ranks in one all-reduce.
+
+    Expert parallel (``tp.expert_parallel`` set): rank r holds whole experts, a contiguous run of
+    about E/N of them. Under tensor parallelism the tokens (the same on every rank after attention)
+    are divided among the ranks, each rank's share goes through ``ExpertParallel``'s dispatch to the
+    ranks holding its experts and back, and the shares are gathered again; the shared expert stays
+    split on its intermediate size, with its own all-reduce. Data-parallel engines dispatch their
+    own tokens as they are (and hold the shared expert whole).
     """
 
     def __init__(
@@ -41,10 +48,15 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        intermediate_size = tp.shard(intermediate_size, "the expert intermediate size")[1]
+        self.dispatch = tp.expert_parallel.dispatch(num_experts) if tp.expert_parallel else None
+        if self.dispatch is None:
+            intermediate_size = tp.shard(intermediate_size, "the expert intermediate size")[1]
+            self.first_expert, local_experts = 0, num_experts
+        else:
+            self.first_expert, local_experts = tp.expert_parallel.local_experts(num_experts)
         self.top_k, self.renormalize, self.backend = top_k, renormalize, backend
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router
-        self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size)
+        self.experts = ExpertWeights(local_experts, hidden_size, intermediate_size)
         if shared_expert_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_size, tp, reduce=False)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
@@ -60,9 +72,35 @@ class SparseMoeBlock(nn.Module):
             router_logits, self.top_k, renormalize=self.renormalize, expert_counts=self.expert_tokens,
             backend=self.routing_backend,
         )  # [T, k]
+        if self.dispatch is not None:
+            return self._expert_parallel(x, topk_weights, topk_ids)
         out = moe_kernels.fused_moe(
             x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend
         )  # [T, H]
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + self._shared(x)
         return self.tp.all_reduce(out)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H], this rank's partial sum
+
+    def _expert_parallel(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        if not tp.expert_parallel.tokens_replicated:  # data-parallel engines: each brings its own tokens
+            out = self.dispatch.run(x, topk_weights, topk_ids, self._local_experts)  # [T, H]
+            return out + self._shared(x) if self.shared_expert is not None else out
+        counts = tp.split(x.shape[0])  # this step's tokens divided among the ranks (a rank may get none)
+        start = sum(counts[:tp.rank])
+        mine = slice(start, start + counts[tp.rank])
+        out = self.dispatch.run(x[mine], topk_weights[mine], topk_ids[mine], self._local_experts)  # [T_r, H]
+        out = tp.all_gather_rows(out, counts)  # [T, H]
+        if self.shared_expert is not None:
+            out = out + tp.all_reduce(self._shared(x))
+        return out
+
+    def _local_experts(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """x [S, H] slots, local_ids [S] -> [S, H]: each slot through one of this rank's experts, unweighted."""
+        if x.shape[0] == 0:
+            return x.new_zeros(x.shape)
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)  # [S, 1]
+        return moe_kernels.fused_moe(x, self.experts.w13, self.experts.w2, ones, local_ids[:, None], backend=self.backend)

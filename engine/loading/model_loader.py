@@ -43,6 +43,11 @@ def _rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausal
     """The part of a checkpoint tensor of ``shape`` this tensor-parallel rank holds, as a safetensors slice
     index (a tuple of slices, or a list of them to concatenate along dim 1), or None for the whole tensor."""
     tp = model.tp
+    if tp.expert_parallel is not None and target.endswith((".experts.w13", ".experts.w2")):
+        if rule.shard == "expert":
+            return None  # one expert's tensor, whole (``_elsewhere`` skips those of other ranks' experts)
+        block = _moe_block(model, target)  # packed [E, 2I, H] / [E, H, I]: this rank's run of experts
+        return (slice(block.first_expert, block.first_expert + block.experts.w13.shape[0]),)
     if tp.size == 1:
         return None
     attn, d, r = model.model.layers[0].self_attn, model.config.head_dim, tp.rank
@@ -80,6 +85,18 @@ def _rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausal
     return None  # norms, routers, shared-expert gates: every rank holds them whole
 
 
+def _moe_block(model: MoECausalLM, target: str) -> SparseMoeBlock:
+    return model.get_submodule(target.rsplit(".experts.", 1)[0])
+
+
+def _elsewhere(target: str, rule: WeightRule, match, model: MoECausalLM) -> bool:
+    """True for one expert's tensor when another expert-parallel rank holds that expert (not read here)."""
+    if model.tp.expert_parallel is None or rule.shard != "expert":
+        return False
+    block = _moe_block(model, target)
+    return not 0 <= int(match.group(2)) - block.first_expert < block.experts.w13.shape[0]
+
+
 def _read(f, name: str, part) -> torch.Tensor:
     """This rank's part of checkpoint tensor ``name`` (only that part is read from the file)."""
     if part is None:
@@ -98,10 +115,12 @@ def _copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, matc
         start = {"q": 0, "k": q, "v": q + kv}[rule.shard]
         dest = param.narrow(0, start, q if rule.shard == "q" else kv)
     elif rule.shard == "expert":
+        block = model.get_submodule(match.group(1))  # the MoE block holding this expert
         expert = int(match.group(2))
-        if expert >= param.shape[0]:
-            raise CheckpointError(f"{path}: tensor {name} names expert {expert} but the config has {param.shape[0]}")
-        dest = param[expert]
+        if expert >= block.expert_tokens.shape[0]:
+            raise CheckpointError(f"{path}: tensor {name} names expert {expert} but the config has "
+                                  f"{block.expert_tokens.shape[0]}")
+        dest = param[expert - block.first_expert]
         if rule.half is not None:
             half = dest.shape[0] // 2
             dest = dest.narrow(0, rule.half * half, half)
@@ -133,6 +152,8 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                     target, rule, match = model.map_weight_name(name)
                     if target not in params:
                         logger.warning("%s: ignoring tensor %s (no matching parameter)", path, name)
+                        continue
+                    if _elsewhere(target, rule, match, model):
                         continue
                     part = _rank_part(target, rule, f.get_slice(name).get_shape(), model)
                     written[target] += _copy_into(params[target].data, _read(f, name, part), rule, match, model, name,

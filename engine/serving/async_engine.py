@@ -1,12 +1,16 @@
 """The async client of the engine process: what the gateway talks to."""
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
 from engine.core.outputs import RequestOutput
@@ -39,6 +43,21 @@ class RequestRejectedError(ValueError):
     """The engine refused a request; the message says why, for the user."""
 
 
+@contextlib.contextmanager
+def _environment(overrides: dict[str, str]):
+    """``os.environ`` with ``overrides`` for the duration (the event loop's thread starts processes)."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class AsyncEngine:
     """Runs the engine in its own process and streams per-request deltas to asyncio callers.
 
@@ -50,11 +69,22 @@ class AsyncEngine:
     # longer ones on a worker thread, so one huge prompt does not hold up every other stream.
     INLINE_PROMPT_CHARS = 2048
 
-    def __init__(self, config: EngineConfig, process_main=run_engine_process) -> None:
+    def __init__(self, config: EngineConfig, process_main=run_engine_process,
+                 process_env: dict[str, str] | None = None, stall_timeout_s: float | None = None) -> None:
         """``process_main(config, requests, replies)`` is the engine process's entry point (importable: the
-        process is spawned); tests pass one that wraps ``run_engine_process`` to make a step fail."""
+        process is spawned); tests pass one that wraps ``run_engine_process`` to make a step fail.
+        ``process_env``: environment variables set in the engine process only (a data-parallel replica's
+        ``CUDA_VISIBLE_DEVICES``). ``stall_timeout_s``: an engine that sends nothing for this long while
+        requests wait on it has stopped answering (hung, or a link that went silent): it is treated as
+        dead (its process killed, its connection cut) so that the supervisor replaces it. The engine
+        reports after every step, so this must exceed the longest step; None: never."""
         self.config = config
+        self.stall_timeout_s = stall_timeout_s
+        self._last_progress = 0.0  # when the engine last sent anything, or work arrived at an idle engine
+        self._stalled: str | None = None  # why the watchdog cut the engine off
+        self._watchdog_task: asyncio.Task | None = None
         self._process_main = process_main
+        self._process_env = process_env or {}
         self.info: Ready | None = None  # None while the engine process starts (or restarts)
         self.inputs: InputProcessor | None = None  # prompt preparation, in this process
         self._input_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moegate-tokenize")
@@ -70,6 +100,11 @@ class AsyncEngine:
         self.dead: str | None = None  # why the engine is down (set until a restart has finished)
         self.failure: str | None = None  # what the engine process reported before it exited (a failed step)
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id while one is running (for operators' tools and fault tests)."""
+        return self._process.pid if self._process is not None else None
+
     async def restart(self) -> Ready:
         """Start a fresh engine process after the old one died; requests in flight have already failed.
 
@@ -79,32 +114,24 @@ class AsyncEngine:
         self.info = None
         self.stats = None
         ready = await self.start()
-        self.dead = self.failure = None
+        self.dead = self.failure = self._stalled = None
         return ready
 
     async def start(self) -> Ready:
         self._loop = asyncio.get_running_loop()
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA state
-        # Two one-way pipes, not one duplex socket: on a Unix socket pair the engine reading our requests
-        # wakes our reader thread blocked on the same socket (a wakeup per request read, ten per message
-        # received, measured), and every wakeup takes a core the engine's threads were using.
-        requests_in, requests_out = ctx.Pipe(duplex=False)
-        replies_in, replies_out = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=self._process_main, args=(self.config, requests_in, replies_out),
-                                    name="moegate-engine", daemon=True)
-        self._process.start()
-        requests_in.close()
-        replies_out.close()  # so the reader sees EOF when the engine process dies
-        self._requests, self._replies = requests_out, replies_in
+        self._requests, self._replies = await self._open()
         first = await self._loop.run_in_executor(None, self._recv)
         if isinstance(first, Fatal) or first is None:
-            self._process.join(timeout=5)
-            raise EngineError(first.message if first else "the engine process exited during start-up")
+            await self.shutdown()
+            raise EngineError(first.message if first else f"{self.describe()} exited during start-up")
         if self.inputs is None:  # the tokenizer is the same after a restart
             tokenizer_dir = self.config.tokenizer or (None if self.config.random_weights else self.config.model)
             tokenizer = await self._loop.run_in_executor(None, load_tokenizer, tokenizer_dir) if tokenizer_dir else None
             self.inputs = InputProcessor(tokenizer, first.vocab_size, first.max_model_len)
         threading.Thread(target=self._reader, name="moegate-engine-reader", daemon=True).start()
+        if self.stall_timeout_s is not None:
+            # Referenced, or the loop could drop the task before it ends.
+            self._watchdog_task = self._loop.create_task(self._watchdog(self._replies), name="moegate-engine-watchdog")
         self.info = first
         return first
 
@@ -133,7 +160,24 @@ class AsyncEngine:
                 return
             self._loop.call_soon_threadsafe(self._dispatch, msg)
 
+    async def _watchdog(self, conn) -> None:
+        """Cut off an engine that stopped answering (see ``stall_timeout_s``); ends with this connection."""
+        while conn is self._replies and not self.dead:
+            await asyncio.sleep(min(1.0, self.stall_timeout_s / 4))
+            silent = time.monotonic() - self._last_progress
+            if self._queues and silent > self.stall_timeout_s and conn is self._replies and not self.dead:
+                self._stalled = f"{self.describe()} stopped answering ({silent:.0f} s without a reply)"
+                logger.error("%s; cutting it off", self._stalled)
+                self._cut_off()
+                return
+
+    def _cut_off(self) -> None:
+        """Make the reader see the end of the connection (it then fails the waiting requests)."""
+        if self._process is not None:
+            self._process.kill()
+
     def _dispatch(self, msg) -> None:
+        self._last_progress = time.monotonic()
         self.messages_received += 1
         if isinstance(msg, StepOutputs):
             if msg.stats is not None:
@@ -150,22 +194,26 @@ class AsyncEngine:
             self.failure = msg.message
 
     def _fail_all(self, conn) -> None:
-        if self._process is None or conn is not self._replies:
+        if conn is not self._replies:
             return  # an orderly shutdown (or a restart) closed this pipe
-        if self.failure:
+        if self._stalled:
+            error = EngineError(self._stalled)
+        elif self.failure:
             error = EngineError(f"the engine failed while running this request ({self.failure})", retryable=False)
         else:
-            error = EngineError("the engine process stopped")
+            error = EngineError(f"{self.describe()} stopped")
         self.dead = str(error)
         for queue in self._queues.values():
             queue.put_nowait(error)
 
     def _send(self, msg) -> None:
         with self._send_lock:
+            if self._requests is None:
+                raise EngineError(f"{self.describe()} is stopped")
             try:
                 self._requests.send_bytes(encoder.encode(msg))
             except OSError as e:  # the process died between our check and the write
-                raise EngineError(f"the engine process stopped ({e})") from None
+                raise EngineError(f"{self.describe()} stopped ({e})") from None
 
     async def generate(
         self,
@@ -191,6 +239,8 @@ class AsyncEngine:
             raise EngineError(self.dead)
         request_id = request_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
+        if not self._queues:  # an idle engine's silence so far is not a stall
+            self._last_progress = time.monotonic()
         self._queues[request_id] = queue
         finished = False
         try:
@@ -211,18 +261,47 @@ class AsyncEngine:
                 self._send(AbortRequest(request_id))
 
     async def shutdown(self) -> None:
+        requests, replies = self._requests, self._replies
+        if requests is None:
+            return
+        self._requests = self._replies = None  # the reader's EOF is now an orderly stop, not a death
+        try:
+            with self._send_lock:
+                requests.send_bytes(encoder.encode(Shutdown()))
+        except OSError:  # it had died
+            pass
+        await self._close()
+        requests.close()
+        replies.close()
+
+    # -- the transport: a local engine process (subclasses reach an engine elsewhere) --
+
+    def describe(self) -> str:
+        """The engine, for messages."""
+        return "the engine process"
+
+    async def _open(self) -> tuple[Connection, Connection]:
+        """Start the engine process; our ends of (the requests pipe, the replies pipe)."""
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA state
+        # Two one-way pipes, not one duplex socket: on a Unix socket pair the engine reading our requests
+        # wakes our reader thread blocked on the same socket (a wakeup per request read, ten per message
+        # received, measured), and every wakeup takes a core the engine's threads were using.
+        requests_in, requests_out = ctx.Pipe(duplex=False)
+        replies_in, replies_out = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=self._process_main, args=(self.config, requests_in, replies_out),
+                                    name="moegate-engine", daemon=True)
+        with _environment(self._process_env):  # a spawned child takes this process's environment at start
+            self._process.start()
+        requests_in.close()
+        replies_out.close()  # so the reader sees EOF when the engine process dies
+        return requests_out, replies_in
+
+    async def _close(self) -> None:
+        """After Shutdown was sent: wait for the process to exit (10 s), then kill it."""
         process, self._process = self._process, None
         if process is None:
             return
-        if process.is_alive():
-            try:
-                with self._send_lock:
-                    self._requests.send_bytes(encoder.encode(Shutdown()))
-            except OSError:
-                pass
-            await self._loop.run_in_executor(None, process.join, 10)
+        await self._loop.run_in_executor(None, process.join, 10)
         if process.is_alive():
             process.kill()
             await self._loop.run_in_executor(None, process.join, 5)
-        self._requests.close()
-        self._replies.close()

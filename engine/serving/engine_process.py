@@ -12,6 +12,8 @@ from engine.serving.step_reports import StepReports
 
 logger = logging.getLogger(__name__)
 
+PEER_POLL_S = 0.005  # how long an idle engine with data-parallel peers waits for a request before asking them
+
 
 def run_engine_process(config: EngineConfig, requests: Connection, replies: Connection) -> None:
     """Entry point of the engine process: reads ``requests``, writes ``replies`` (one-way pipes).
@@ -32,9 +34,12 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
 
     idle_change = False  # an abort freed blocks while idle: report the new state without a step
     reports = StepReports()
+    # Data-parallel engines sharing experts step together: an idle one asks its peers every few ms.
+    idle_wait = PEER_POLL_S if engine.runner.steps_with_peers else None
+    busy = False  # this engine, or one of its peers, stepped last time round
     while True:
         # Drain every pending message; block for one only when there is nothing to step.
-        while requests.poll(0 if engine.has_unfinished() or idle_change else None):
+        while requests.poll(0 if busy or engine.has_unfinished() or idle_change else idle_wait):
             msg = to_engine_decoder.decode(requests.recv_bytes())
             if isinstance(msg, Shutdown):
                 return
@@ -55,7 +60,12 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
                         logger.error("request %s could not be added: %s", msg.request_id, type(e).__name__)
                         logger.debug("request %s could not be added", msg.request_id, exc_info=True)
                     replies.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
-        if not engine.has_unfinished():
+        try:
+            busy = engine.step_needed()
+        except Exception as e:  # a peer engine is gone: the group restarts as a whole
+            replies.send_bytes(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
+            return
+        if not busy:
             if idle_change:
                 replies.send_bytes(encoder.encode(StepOutputs([], engine.scheduler.stats())))
                 idle_change = False

@@ -6,6 +6,7 @@ import torch
 
 from engine.worker.batch_builder import FlatBatch, build_torch_batch, build_triton_batch
 from engine.core.config import CacheConfig
+from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
 from engine.worker.sampler import Sampler
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -48,6 +49,8 @@ class ModelRunner:
             attn.kv_cache = cache
         self.sliding_window = c.sliding_window
         self.sampler = Sampler(device, seed)
+        self.dtype = dtype
+        self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
     # ---- batch construction -----------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
@@ -58,9 +61,7 @@ class ModelRunner:
 
     def expert_load(self) -> list[list[int]]:
         """Tokens routed to each expert since start, per MoE layer (reads the device: not every step on GPU)."""
-        from engine.layers.moe import SparseMoeBlock
-
-        counters = [m.expert_tokens for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+        counters = [m.expert_tokens for m in self.moe_blocks]
         if not counters:
             return []
         # One stacked read, not one per layer. On CUDA the engine calls this right after the sampler's
@@ -85,7 +86,11 @@ class ModelRunner:
     def _execute(self, sched_out: SchedulerOutput) -> list[int | None]:
         self.sampler.forget(sched_out.finished_ids)
         if sched_out.is_empty:
+            if self.steps_with_peers:
+                self.dummy_step()
             return []
+        if self.model.tp.size > 1:  # the other ranks run the same forward on their slices of the model
+            self.model.tp.broadcast_object(follower_plan(sched_out))
         self.num_steps += 1
         start = time.perf_counter()
         batch = self.prepare(sched_out.scheduled)
@@ -98,3 +103,33 @@ class ModelRunner:
             tokens = self.sampler(logits, sampling)  # the step's one host sync: reading the tokens
         it = iter(tokens)
         return [next(it) if s.sample else None for s in sched_out.scheduled]
+
+    @property
+    def steps_with_peers(self) -> bool:
+        """Data-parallel engines sharing experts: every engine runs every step, with tokens or without."""
+        ep = self.model.tp.expert_parallel
+        return ep is not None and not ep.tokens_replicated
+
+    @torch.inference_mode()
+    def dummy_step(self) -> None:
+        """A step with no tokens of this engine's own: only the MoE layers run, to join the peers' collectives
+        (attention and the rest involve no other engine)."""
+        empty = torch.empty(0, self.model.config.hidden_size, dtype=self.dtype, device=self.device)  # [0, H]
+        for block in self.moe_blocks:
+            block(empty)
+
+    @torch.inference_mode()
+    def follow(self, plan: list[ScheduledRequest]) -> None:
+        """A follower rank's part of a step: the same forward as rank 0's over this rank's slices of the model
+        (its collectives pair with rank 0's), including the logits' gather; rank 0 alone samples."""
+        self.num_steps += 1
+        batch = self.prepare(plan)
+        hidden = self.forward(batch)  # [T, H]
+        if batch.sample_rows.numel():
+            self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+
+
+def follower_plan(sched_out: SchedulerOutput) -> list[ScheduledRequest]:
+    """The step as plain data for the other ranks: each scheduled part without the scheduler's Request."""
+    return [ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids)
+            for s in sched_out.scheduled]

@@ -1,7 +1,9 @@
 """Run a function on N gloo ranks in fresh processes (one torch thread each), with a hard time limit."""
 
 import multiprocessing
+import queue
 import socket
+import time
 import traceback
 
 
@@ -30,12 +32,17 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 120.0) -> dict[int, tupl
     for p in procs:
         p.start()
     out: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world):
-            rank, status, value = results.get(timeout=timeout_s)
+        # Until every rank answered, the time is up, or every rank has exited (one that died answers never).
+        while len(out) < world and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
             out[rank] = (status, value)
-    except Exception:  # queue.Empty: some rank never answered
-        pass
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -278,7 +278,7 @@ def test_engine_crash_and_recovery(demo_dir, tmp_path):
                 if health[0] == 200:
                     break
                 await asyncio.sleep(0.1)
-            assert health == (200, {"status": "ready"})
+            assert health == (200, {"status": "ready", "replicas": [{"replica": "0", "status": "ready"}]})
             async with post({"prompt": "after", "max_tokens": 3}) as resp:
                 assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 3
 

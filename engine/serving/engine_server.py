@@ -1,0 +1,94 @@
+"""An engine that serves a gateway on another machine: ``moegate engine --listen HOST:PORT``.
+
+The gateway reaches it over TCP with ``multiprocessing.connection`` (the same
+``Connection`` API as the local pipes, after a challenge-response on a shared
+authkey), and the engine loop is ``run_engine_process`` unchanged, with one
+duplex connection for both directions. One gateway at a time: a second one is
+told so (``Fatal``) and closed at once, so its start fails instead of hanging.
+When the gateway goes away (it stopped, or the network broke) the engine is
+dropped and built afresh for the next connection: the gateway's supervisor
+reconnects a replica it lost, and the new engine starts from an empty cache,
+as a restarted local replica does.
+
+TCP keepalive (probes after 5 s idle, every 2 s, 3 lost) turns a peer that
+stopped answering at the network level into a closed connection within about
+11 s on either side, so a replica behind a dead link leaves the rotation.
+"""
+
+import logging
+import queue
+import socket
+import threading
+from multiprocessing.connection import Connection, Listener
+
+from engine.core.config import EngineConfig
+from engine.serving.engine_process import run_engine_process
+from engine.serving.protocol import Fatal, encoder
+
+logger = logging.getLogger(__name__)
+
+AUTHKEY_ENV = "MOEGATE_ENGINE_KEY"
+
+
+def enable_keepalive(conn: Connection) -> None:
+    """Probe an idle TCP connection so that a silent peer closes it (see the module's docstring)."""
+    sock = socket.socket(fileno=conn.fileno())  # the same socket, not a copy: options apply to conn
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, name):  # Linux; elsewhere the system's defaults apply
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    finally:
+        sock.detach()  # conn keeps the descriptor
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as an address; ValueError naming what is wrong."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"an engine address is HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes, on_listening=None,
+                 process_main=run_engine_process) -> None:
+    """Serve the engine to one gateway at a time, forever. ``on_listening((host, port))`` is called once
+    the socket is bound (port 0 picks a free one)."""
+    listener = Listener(address, family="AF_INET", authkey=authkey)
+    if on_listening is not None:
+        on_listening(listener.address)
+    arrivals: queue.Queue[Connection] = queue.Queue()
+    lock = threading.Lock()
+    busy = [False]
+
+    def accept_forever() -> None:
+        while True:
+            try:
+                conn = listener.accept()  # the authkey challenge runs here
+            except Exception as e:  # a wrong key (AuthenticationError), or a peer gone mid-handshake
+                logger.warning("refused a connection: %s: %s", type(e).__name__, e)
+                continue
+            with lock:
+                if busy[0]:
+                    try:
+                        conn.send_bytes(encoder.encode(Fatal("this engine is serving another gateway")))
+                    finally:
+                        conn.close()
+                    continue
+                busy[0] = True
+            arrivals.put(conn)
+
+    threading.Thread(target=accept_forever, name="moegate-engine-accept", daemon=True).start()
+    while True:
+        conn = arrivals.get()
+        enable_keepalive(conn)
+        logger.info("serving a gateway")
+        try:
+            process_main(config, conn, conn)
+        except (EOFError, OSError) as e:
+            logger.warning("the gateway went away (%s); waiting for the next one", type(e).__name__)
+        finally:
+            conn.close()
+            with lock:
+                busy[0] = False

@@ -1,0 +1,75 @@
+"""An engine on another machine (``moegate engine --listen``) as the gateway's ``AsyncEngine``.
+
+Everything but the transport is ``AsyncEngine``'s: the protocol, the reader,
+the failure handling. Prompts are prepared here, so the gateway needs the
+tokenizer files (``--model`` on the gateway's side names them).
+"""
+
+import socket
+import threading
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+from engine.core.config import EngineConfig
+from engine.serving.async_engine import AsyncEngine, EngineError
+from engine.serving.engine_server import enable_keepalive
+
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+def _shut(conn: Connection) -> None:
+    """End both directions of the connection's socket: a thread blocked reading it gets EOF."""
+    try:
+        sock = socket.socket(fileno=conn.fileno())  # the same socket, not a copy
+    except OSError:  # already closed
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
+class RemoteEngine(AsyncEngine):
+    def __init__(self, config: EngineConfig, address: tuple[str, int], authkey: bytes,
+                 stall_timeout_s: float | None = None) -> None:
+        super().__init__(config, stall_timeout_s=stall_timeout_s)
+        self.address = address
+        self._authkey = authkey
+
+    def describe(self) -> str:
+        return f"the engine at {self.address[0]}:{self.address[1]}"
+
+    async def _open(self) -> tuple[Connection, Connection]:
+        conn = await self._loop.run_in_executor(None, self._connect)
+        return conn, conn
+
+    def _connect(self) -> Connection:
+        """Connect and authenticate within ``CONNECT_TIMEOUT_S``: a listener that accepts TCP but never
+        answers (a frozen engine: the kernel still completes the handshake) fails this start instead of
+        holding the supervisor forever, as ``multiprocessing.connection.Client`` would."""
+        try:
+            sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT_S)
+        except OSError as e:  # refused, unreachable
+            raise EngineError(f"cannot reach {self.describe()}: {e.strerror or e}") from None
+        sock.settimeout(None)  # Connection reads the descriptor in blocking mode
+        conn = Connection(sock.detach())
+        timer = threading.Timer(CONNECT_TIMEOUT_S, _shut, (conn,))
+        timer.start()
+        try:
+            answer_challenge(conn, self._authkey)  # what Client does, in this order
+            deliver_challenge(conn, self._authkey)
+        except Exception as e:  # a wrong key (AuthenticationError), or cut by the timer (EOFError)
+            conn.close()
+            raise EngineError(f"cannot connect to {self.describe()}: {type(e).__name__}: {e or 'no answer'}") from None
+        finally:
+            timer.cancel()
+        enable_keepalive(conn)
+        return conn
+
+    def _cut_off(self) -> None:
+        _shut(self._replies)  # the reader's recv ends
+
+    async def _close(self) -> None:
+        pass  # the engine stays up for the next gateway; our end is closed by shutdown()

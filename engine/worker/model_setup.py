@@ -1,0 +1,94 @@
+"""Building a rank's model and runner from an ``EngineConfig``: the same on rank 0 and on follower ranks."""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.config import CacheConfig, EngineConfig, KernelChoice
+from engine.distributed.collectives import TensorParallel
+from engine.loading.model_config import ModelConfig
+from engine.loading.model_loader import build_model
+from engine.models import MoECausalLM
+from engine.worker.runner import ModelRunner, kv_bytes_per_block
+
+
+def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: KernelChoice, dtype: torch.dtype,
+                    device: torch.device, max_len: int, tp: TensorParallel) -> tuple[MoECausalLM, list]:
+    """This rank's model (its slices of every weight), with the build-time transforms the kernels ask for;
+    returns it with the dense gemv choices made (empty unless measured)."""
+    if config.random_weights:
+        if tp.size > 1:
+            raise ValueError("random weights are built whole on one rank; to split a model over ranks, serve a "
+                             "checkpoint directory (moegate demo-model DIR writes a small one)")
+        from engine.loading.random_weights import build_random_model
+
+        model = build_random_model(model_config, dtype, device, kernels.moe, max_len, config.seed)
+    else:
+        model = build_model(model_config, config.model, dtype, device, kernels.moe, max_len, tp)
+    if kernels.elementwise == "triton":
+        from engine.transforms.fusion import enable_triton_elementwise
+
+        enable_triton_elementwise(model)
+    # Before the KV pool is sized: the measurement's scratch memory is given back by then.
+    dense_gemv_choices = []
+    if kernels.dense_gemv != "off":
+        from engine.transforms.gemv_select import apply_dense_gemv
+
+        dense_gemv_choices = apply_dense_gemv(model, device, kernels.dense_gemv)
+    return model, dense_gemv_choices
+
+
+def kv_blocks_for_memory(config: EngineConfig, model: MoECausalLM, device: torch.device, dtype: torch.dtype) -> int:
+    """KV blocks this rank's memory budget holds (``num_kv_blocks`` if set); ranks agree on the smallest."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    per_block = kv_bytes_per_block(model, config.block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1 - config.gpu_memory_utilization) * total
+    else:
+        budget = config.kv_cache_memory_gb * 2**30
+    return model.tp.min_over_ranks(max(int(budget // per_block), 1))
+
+
+def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheConfig, kernels: KernelChoice,
+                device: torch.device, dtype: torch.dtype, max_len: int) -> ModelRunner:
+    """The runner over ``model`` with its KV caches, MoE kernels compiled and, where they apply, decode CUDA graphs."""
+    runner = ModelRunner(model, cache_config, device, dtype, config.seed, kernels.attention)
+    # The torch MoE backend reads expert counts on the host, which a graph capture forbids.
+    graph_safe_moe = kernels.moe != "torch"
+    if device.type == "cuda" and graph_safe_moe:
+        from engine.transforms.warmup import warm_up_moe
+
+        warm_up_moe(model, config.max_num_batched_tokens, device, dtype)
+    # Captured graphs would replay one rank's collectives alone: several ranks run eagerly.
+    if (device.type == "cuda" and kernels.attention == "triton" and graph_safe_moe and not config.enforce_eager
+            and model.tp.size == 1 and model.tp.expert_parallel is None):
+        from engine.transforms.cuda_graphs import enable_decode_graphs
+
+        enable_decode_graphs(runner, config.cuda_graph_batch_sizes, config.max_num_seqs, max_len)
+    return runner
+
+
+@dataclass(slots=True)
+class RankParts:
+    """What a rank builds: its model and runner, the KV pool every rank agreed on, and the context it allows."""
+
+    model: MoECausalLM
+    runner: ModelRunner
+    cache_config: CacheConfig
+    max_model_len: int
+    dense_gemv_choices: list
+
+
+def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelChoice, dtype: torch.dtype,
+               device: torch.device, tp: TensorParallel) -> RankParts:
+    """This rank's model, KV pool and runner, the same steps on rank 0 and on every follower."""
+    max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+    torch.manual_seed(config.seed)
+    model, dense_gemv_choices = load_rank_model(config, model_config, kernels, dtype, device, max_len, tp)
+    num_blocks = kv_blocks_for_memory(config, model, device, dtype)
+    max_len = min(max_len, num_blocks * config.block_size)  # a sequence never holds more than the whole pool
+    cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
+    runner = make_runner(config, model, cache_config, kernels, device, dtype, max_len)
+    return RankParts(model, runner, cache_config, max_len, dense_gemv_choices)

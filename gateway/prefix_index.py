@@ -1,0 +1,71 @@
+"""An approximate per-replica index of the prompt blocks each replica was sent (no torch, no I/O).
+
+The engine shares KV blocks by a chained hash of each full block's tokens,
+salted per tenant (``engine.core.block_pool.hash_block_tokens``). The router
+hashes a prompt the same way and remembers, per replica, the hashes of the
+prompts it sent there, as SGLang's cache-aware router and llm-d's prefix
+scorer do. The index is approximate on purpose: it never asks the engine what
+it holds. It forgets a replica's oldest blocks once it holds as many as that
+replica's KV pool (the engine evicts least recently used blocks too), and
+everything when the replica restarts. A wrong guess costs a prefill, never a
+wrong answer: the engine checks its own cache.
+"""
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from engine.core.block_pool import hash_block_tokens
+
+
+def block_hashes(prompt: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+    """The chained, salted hashes of the prompt's full blocks, as the engine computes them."""
+    hashes: list[bytes] = []
+    parent = None
+    for start in range(0, len(prompt) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, prompt[start:start + block_size], cache_salt)
+        hashes.append(parent)
+    return hashes
+
+
+class ReplicaBlocks:
+    """One replica's remembered block hashes, least recently sent first, at most ``capacity``.
+
+    ``roots`` counts the distinct first blocks held: how many prompt families (a tenant's system
+    prompt, say) the replica holds. The router gives a new family to the replica with the fewest, so
+    families split evenly; the block count would not do, since every prompt's unique tail fills it too.
+    """
+
+    __slots__ = ("capacity", "_blocks", "roots")
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity  # None until the replica reports its pool size
+        self._blocks: OrderedDict[bytes, bool] = OrderedDict()  # hash -> is a first block
+        self.roots = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def matched(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of a prompt this replica was sent (and has not forgotten)."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: Sequence[bytes]) -> None:
+        """Remember a prompt sent here; its blocks become the most recently used."""
+        blocks = self._blocks
+        if hashes and hashes[0] not in blocks:
+            self.roots += 1
+        for i, h in enumerate(hashes):
+            blocks[h] = i == 0  # a chained hash is a first block wherever it appears
+            blocks.move_to_end(h)
+        if self.capacity is not None:
+            while len(blocks) > self.capacity:
+                self.roots -= blocks.popitem(last=False)[1]
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.roots = 0

@@ -1,0 +1,183 @@
+"""Several engine replicas behind one ``EngineClient``: the routes, the Batch API and metrics see one engine.
+
+Each request goes to one replica, chosen by ``gateway.routing_policy`` from
+the prompt's tenant-salted block hashes (``gateway.prefix_index``) and each
+replica's load. Priorities, quotas and fairness stay where they are: admission
+in the gateway, ranks and weighted shares in each replica's scheduler.
+
+Faults: a replica whose process died (or whose connection dropped) has
+``dead`` set by its reader at once and is skipped from the next request on. A
+request it was holding that had produced no output yet is sent to another
+live replica, so a client never sees that replica's death; a stream that had
+started ends with the engine's error (the gateway writes a clean error
+event). A failed *step* (``EngineError.retryable`` False) is not retried
+elsewhere: the request may be its cause. Each replica is restarted on its own
+by the gateway's supervisor, and rejoins with an empty index when it is ready.
+"""
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+from engine.core.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.core.stats import SchedulerStats
+from engine.serving.async_engine import EngineError
+from engine.serving.client import EngineClient
+from engine.serving.protocol import Ready
+from gateway.prefix_index import ReplicaBlocks, block_hashes
+from gateway.routing_policy import ReplicaView, RouterConfig, choose
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaRouter:
+    """An ``EngineClient`` over ``replicas`` (named by ``names``, the ``replica`` label of metrics and /health)."""
+
+    def __init__(self, replicas: Sequence[EngineClient], names: Sequence[str], config: RouterConfig | None = None) -> None:
+        if not replicas or len(replicas) != len(names) or len(set(names)) != len(names):
+            raise ValueError("a router needs at least one replica and one distinct name for each")
+        self.replicas = list(replicas)
+        self.names = list(names)
+        self.policy = config or RouterConfig()
+        self.config: EngineConfig = self.replicas[0].config
+        self.block_size = self.config.block_size
+        self._index = [ReplicaBlocks(r.config.num_kv_blocks) for r in self.replicas]
+        self.in_flight = [0] * len(self.replicas)  # requests this router sent to each and that have not ended
+        self.routed = [0] * len(self.replicas)  # requests sent to each, ever (tests and benchmarks read it)
+        self._turn = itertools.count()
+        self._ids = itertools.count()
+        self._ready: list[Ready | None] = [None] * len(self.replicas)  # each one's Ready when last routed to
+
+    # -- EngineClient state: one engine as long as one replica serves --
+
+    @property
+    def info(self) -> Ready | None:
+        """The first ready replica's (every replica serves the same model)."""
+        return next((r.info for r in self.replicas if r.info is not None and not r.dead), None)
+
+    @property
+    def dead(self) -> str | None:
+        """None while any replica runs or starts; why each is down once all are."""
+        if any(r.dead is None for r in self.replicas):
+            return None
+        return "every engine replica is down (" + "; ".join(
+            f"{n}: {r.dead}" for n, r in zip(self.names, self.replicas)) + ")"
+
+    @property
+    def stats(self) -> SchedulerStats | None:
+        """The replicas' statistics summed (per-replica figures are in ``replicas``' own ``stats``)."""
+        reports = [r.stats for r in self.replicas if r.stats is not None]
+        if not reports:
+            return None
+        waiting: dict[int, int] = {}
+        for s in reports:
+            for rank, n in s.num_waiting_by_rank.items():
+                waiting[rank] = waiting.get(rank, 0) + n
+        total = {f: sum(getattr(s, f) for s in reports) for f in _SUMMED}
+        return SchedulerStats(num_waiting_by_rank=waiting, **total)
+
+    # -- lifecycle --
+
+    async def start(self) -> Ready:
+        """Start every replica at once; if one fails, the others are stopped and the error raised."""
+        results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
+        failed = [e for e in results if isinstance(e, BaseException)]
+        if failed:
+            await self.shutdown()
+            raise failed[0]
+        return results[0]
+
+    async def restart(self) -> Ready:
+        """Restart the replicas that are down (the gateway's supervisor restarts each on its own instead)."""
+        for replica in self.replicas:
+            if replica.dead:
+                await replica.restart()
+        return self.info
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(r.shutdown() for r in self.replicas), return_exceptions=True)
+
+    async def prepare(self, prompt: str | list[int] | None = None, messages: Sequence | None = None) -> list[int]:
+        """Prompt preparation runs in this process; any replica's tokenizer does (they are the same)."""
+        ready = [r for r in self.replicas if not r.dead and r.info is not None]
+        return await (ready or self.replicas)[0].prepare(prompt, messages)
+
+    # -- routing --
+
+    def live(self) -> list[int]:
+        """Replicas that may take a request now (ready, not down)."""
+        out = []
+        for i, r in enumerate(self.replicas):
+            if r.dead is not None or r.info is None:
+                continue
+            if r.info is not self._ready[i]:  # started (or restarted) since we last looked: an empty cache
+                self._index[i].clear()
+                self._ready[i] = r.info
+            out.append(i)
+        return out
+
+    def pick(self, hashes: Sequence[bytes], exclude: set[int] = frozenset()) -> int:
+        """The replica for a prompt with these block hashes; EngineError if none is live."""
+        live = [i for i in self.live() if i not in exclude]
+        if not live:
+            raise EngineError(self.dead or "no engine replica is ready")
+        views = []
+        for i in live:
+            stats = self.replicas[i].stats
+            index = self._index[i]
+            load, kv = self.in_flight[i], 0.0
+            if stats is not None:
+                load = max(load, stats.num_running + sum(stats.num_waiting_by_rank.values()))
+                kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+                index.capacity = stats.kv_blocks_total
+            views.append(ReplicaView(i, load, self.replicas[i].config.max_num_seqs, kv, index.matched(hashes), index.roots))
+        return choose(self.policy, views, next(self._turn))
+
+    def matched_blocks(self, prompt: Sequence[int], cache_salt: str | None) -> list[int]:
+        """Per replica, how many of the prompt's leading blocks the index believes it holds."""
+        hashes = block_hashes(prompt, self.block_size, cache_salt)
+        return [index.matched(hashes) for index in self._index]
+
+    async def generate(self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None,
+                       **request_policy) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs from the replica chosen for it; see the module's docstring for faults."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        hashes = block_hashes(prompt, self.block_size, request_policy.get("cache_salt"))
+        tried: set[int] = set()
+        while True:
+            i = self.pick(hashes, tried)
+            tried.add(i)
+            self._index[i].add(hashes)
+            self.in_flight[i] += 1
+            self.routed[i] += 1
+            stream = self.replicas[i].generate(prompt, sampling, request_id, **request_policy)
+            started = False
+            try:
+                async for out in stream:
+                    started = True
+                    yield out
+                return
+            except EngineError as e:
+                if started or not e.retryable:
+                    raise
+                logger.warning("replica %s failed before request %s started (%s); sending it to another",
+                               self.names[i], request_id, e)
+            finally:
+                self.in_flight[i] -= 1
+                await stream.aclose()  # aborts the request in that replica if it has not finished
+
+
+# SchedulerStats fields that add up over replicas (the rest are per step or per replica).
+_SUMMED = ("num_running", "kv_blocks_used", "kv_blocks_total", "prefix_query_tokens", "prefix_hit_tokens",
+           "blocks_evicted", "num_preemptions", "step_prefill_tokens", "step_decode_tokens", "total_prefill_tokens",
+           "total_decode_tokens")
+
+
+def replicas_of(engine: EngineClient) -> list[tuple[str, EngineClient]]:
+    """(name, client) of each replica behind the gateway's engine: a router's, or the one engine as "0"."""
+    if isinstance(engine, ReplicaRouter):
+        return list(zip(engine.names, engine.replicas))
+    return [("0", engine)]

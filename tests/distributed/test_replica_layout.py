@@ -1,0 +1,37 @@
+"""A node's replicas: which GPUs each takes, and the configs of replicas that share their experts."""
+
+import random
+
+import pytest
+
+from engine.core.config import EngineConfig
+from engine.distributed.replica_layout import replica_configs, replica_devices
+
+
+def test_each_replica_takes_its_own_gpus_after_the_previous_ones():
+    tp, replicas = random.randint(1, 4), random.randint(1, 4)
+    config = EngineConfig(model="m", tensor_parallel_size=tp)
+    devices = [replica_devices(config, i).split(",") for i in range(replicas)]
+    flat = [int(d) for ds in devices for d in ds]
+    assert all(len(ds) == tp for ds in devices) and flat == list(range(tp * replicas))
+
+
+def test_replicas_that_share_experts_are_ranks_of_one_group():
+    plain = EngineConfig(model="m")
+    assert replica_configs(plain, 3) == [plain] * 3
+    shared = EngineConfig(model="m", enable_expert_parallel=True)
+    configs = replica_configs(shared, 3)
+    assert [c.data_parallel_rank for c in configs] == [0, 1, 2] and {c.data_parallel_size for c in configs} == {3}
+    assert len({c.distributed_init_method for c in configs}) == 1 and configs[0].distributed_init_method.startswith("tcp://")
+    with pytest.raises(ValueError, match="not supported yet"):
+        replica_configs(EngineConfig(model="m", enable_expert_parallel=True, tensor_parallel_size=2), 2)
+
+
+def test_the_command_line_refuses_what_is_not_built_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--model", str(tmp_path), "--database-url",
+                          f"sqlite:///{tmp_path}/p.db", "--data-parallel-size", "2", "--enable-expert-parallel",
+                          "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "not supported yet" in run.stderr, run.stderr

@@ -1,0 +1,27 @@
+"""The engine series in /metrics come from the engine's own statistics: per expert, and per rank when the
+experts are divided among ranks."""
+
+import random
+
+from engine.core.stats import SchedulerStats
+from gateway.metrics import _EngineCollector
+
+
+class _Engine:
+    def __init__(self, stats):
+        self.info, self.dead, self.stats = object(), None, stats
+
+
+def test_expert_tokens_per_expert_and_per_rank():
+    rng = random.Random()
+    layers, experts = rng.randint(1, 4), rng.randint(2, 9)
+    load = [[rng.randrange(100) for _ in range(experts)] for _ in range(layers)]
+    split = rng.randint(1, experts - 1)  # rank 0 holds experts [0, split), rank 1 the rest
+    by_rank = [sum(sum(layer[:split]) for layer in load), sum(sum(layer[split:]) for layer in load)]
+    stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, expert_load=load, expert_load_by_rank=by_rank)
+    families = {f.name: f for f in _EngineCollector(_Engine(stats)).collect()}
+    per_expert = {(s.labels["layer"], s.labels["expert"]): s.value for s in families["moegate_expert_tokens"].samples
+                  if s.name.endswith("_total")}
+    assert per_expert == {(str(l), str(e)): load[l][e] for l in range(layers) for e in range(experts)}
+    per_rank = [s.value for s in families["moegate_expert_rank_tokens"].samples if s.name.endswith("_total")]
+    assert per_rank == by_rank and sum(per_rank) == sum(map(sum, load))

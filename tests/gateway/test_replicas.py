@@ -1,0 +1,287 @@
+"""`moegate serve --data-parallel-size 2`: two real engine replicas behind the router, over real HTTP.
+
+Affinity is read from the engines' own counts (each response's cached prompt tokens); balance, the Batch
+API's spread and rejoining from the per-replica /metrics series; failover from what clients receive when a
+replica's process is killed. The tests share one server, in file order (the failover test kills a replica last).
+"""
+
+import asyncio
+import io
+import json
+import os
+import random
+import re
+import signal
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from engine.loading.demo_model import write_demo_model
+from tests.gateway.serve_process import free_port, start_server, wait_ready
+
+pytestmark = pytest.mark.timeout(180)
+
+SLOTS = 4  # --max-num-seqs of each replica
+PREFIX = 160  # tokens: 10 full blocks
+STALL_S = 3  # --engine-stall-timeout
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replicas")
+    model = str(root / "model")
+    write_demo_model(model, seed=3)
+    port, metrics_port = free_port(), free_port()
+    proc, key = start_server(model, f"sqlite:///{root / 'policy.db'}", port, "--data-parallel-size", "2",
+                             "--max-num-seqs", str(SLOTS), "--metrics-port", str(metrics_port),
+                             "--served-model-name", "demo", "--data-dir", str(root / "data"),
+                             "--engine-stall-timeout", str(STALL_S))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(wait_ready(url, timeout_s=120))
+        yield proc, key, url, f"http://127.0.0.1:{metrics_port}/metrics"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except Exception:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _prefix(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1200) for _ in range(PREFIX)]
+
+
+def _per_replica(text: str, name: str) -> dict[str, float]:
+    """{replica: value} of one metric family from Prometheus text."""
+    out = {}
+    for m in re.finditer(rf'^{re.escape(name)}{{replica="(\w+)"}} (\S+)$', text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+async def _metrics(http: aiohttp.ClientSession, metrics_url: str) -> str:
+    async with http.get(metrics_url) as r:
+        assert r.status == 200
+        return await r.text()
+
+
+async def _complete(http, url, key, prompt, max_tokens=2) -> dict:
+    async with http.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                         json={"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def _stream(http, url, key, prompt, max_tokens) -> tuple[int, int, dict | None, bool]:
+    """(status, content chunks, error event or None, saw [DONE]) of one streaming completion."""
+    async with http.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                         json={"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                               "ignore_eos": True}) as r:
+        if r.status != 200:
+            return r.status, 0, None, False
+        chunks, error, done = 0, None, False
+        async for line in r.content:
+            line = line.strip()
+            if line == b"data: [DONE]":
+                done = True
+            elif line.startswith(b"data: "):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]
+                else:
+                    chunks += 1
+        return 200, chunks, error, done
+
+
+def test_affinity_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(server):
+    """Three requests in a row behind each of two prefixes: every one after the first is served from the
+    prefix cache (round-robin would send the second to the other replica: no hit), and the two prefixes
+    went to different replicas (a prefix nobody holds goes to the emptiest one)."""
+    _, key, url, metrics_url = server
+
+    async def scenario():
+        async with aiohttp.ClientSession() as http:
+            for seed in (1, 2):
+                prefix = _prefix(seed)
+                cached = []
+                for i in range(3):
+                    body = await _complete(http, url, key, prefix + [7, 8, 9, 10 + i])
+                    cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+                assert cached[0] == 0 and cached[1:] == [PREFIX, PREFIX], cached
+            prefill = _per_replica(await _metrics(http, metrics_url), "moegate_prefill_tokens_total")
+            assert set(prefill) == {"0", "1"} and all(v >= PREFIX for v in prefill.values()), prefill
+
+    asyncio.run(scenario())
+
+
+def test_balance_no_replica_idles_while_the_other_has_a_queue(server):
+    """16 requests at once behind one prefix that one replica holds, 4 slots each: affinity alone would
+    queue 12 there with the other idle; the router fills the other's slots, then joins the shorter queue.
+    The engines' own reports, sampled throughout, never show one waiting while the other does nothing."""
+    _, key, url, metrics_url = server
+
+    async def scenario():
+        async with aiohttp.ClientSession() as http:
+            prefix = _prefix(1)  # held by one replica since the affinity test (or its first request here)
+            await _complete(http, url, key, prefix + [5])
+            before = _per_replica(await _metrics(http, metrics_url), "moegate_decode_tokens_total")
+            burst = asyncio.gather(*(_stream(http, url, key, prefix + [11, i], 24) for i in range(16)))
+            samples = []  # (waiting, running) per replica, as the engines last reported them
+            while not burst.done():
+                text = await _metrics(http, metrics_url)
+                samples.append((_per_replica(text, "vllm:num_requests_waiting"),
+                                _per_replica(text, "vllm:num_requests_running")))
+                await asyncio.sleep(0.05)
+            results = await burst
+
+            def idle_while_queued(sample, a, b):
+                (waiting, running) = sample
+                return waiting.get(a, 0) > 0 and running.get(b, 0) == 0 and waiting.get(b, 0) == 0
+
+            # An engine reports after each step, so a replica busy with its first step of the burst still
+            # shows its idle state from before: samples count once both have reported work. And two in a
+            # row (50 ms apart, several steps): a report that is a step old is not idleness.
+            start = next(i for i, (_, running) in enumerate(samples) if min(running.values(), default=0) > 0)
+            samples = samples[start:]
+            idle = [(x, y) for x, y in zip(samples, samples[1:])
+                    if any(idle_while_queued(x, a, b) and idle_while_queued(y, a, b) for a, b in (("0", "1"), ("1", "0")))]
+            assert all(r[0] == 200 and r[3] for r in results), results
+            after = _per_replica(await _metrics(http, metrics_url), "moegate_decode_tokens_total")
+            decoded = {r: after[r] - before.get(r, 0) for r in after}
+            # 16 x 23 decode steps: each replica took at least a third of them.
+            assert min(decoded.values()) >= 16 * 23 / 3, decoded
+            assert len(samples) >= 3 and not idle, idle
+
+    asyncio.run(scenario())
+
+
+def test_batch_lines_spread_over_both_replicas(server):
+    """A 24-line batch behind one prefix: the runner keeps twice every replica's slots in flight and the
+    router spreads them by load, so both replicas decode a good share; every line is answered."""
+    _, key, url, metrics_url = server
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        prefix = _prefix(1)
+        lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "demo", "prompt": prefix + [21, i], "max_tokens": 16, "ignore_eos": True}}
+                 for i in range(24)]
+        async with aiohttp.ClientSession() as http:
+            before = _per_replica(await _metrics(http, metrics_url), "moegate_decode_tokens_total")
+            f = await client.files.create(file=("in.jsonl", io.BytesIO("\n".join(json.dumps(x) for x in lines).encode())),
+                                          purpose="batch")
+            batch = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+            deadline = time.monotonic() + 90
+            while batch.status not in ("completed", "failed", "expired", "cancelled"):
+                assert time.monotonic() < deadline, batch.status
+                await asyncio.sleep(0.2)
+                batch = await client.batches.retrieve(batch.id)
+            assert batch.status == "completed" and batch.request_counts.completed == 24, batch
+            after = _per_replica(await _metrics(http, metrics_url), "moegate_decode_tokens_total")
+        decoded = {r: after[r] - before.get(r, 0) for r in after}
+        assert min(decoded.values()) >= 24 * 15 / 4, decoded
+
+    asyncio.run(scenario())
+
+
+async def _all_ready(http, url: str, timeout_s: float) -> None:
+    """Wait until /health says every replica is ready."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with http.get(f"{url}/health") as r:
+            body = await r.json()
+        if all(x["status"] == "ready" for x in body["replicas"]):
+            return
+        assert time.monotonic() < deadline, body
+        await asyncio.sleep(0.2)
+
+
+def _engine_pids(server_pid: int) -> list[int]:
+    """The server's engine processes (multiprocessing's spawned children), oldest first."""
+    children = open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()
+    pids = [int(p) for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+    return sorted(pids)
+
+
+def test_a_replica_that_stops_answering_is_cut_off_and_replaced(server):
+    """One replica's process is frozen (SIGSTOP: alive, silent). Requests sent to it wait until the stall
+    timeout, then run on the other replica: every one completes, none sees an error; the frozen one is
+    replaced and both are ready again."""
+    proc, key, url, _ = server
+
+    async def scenario():
+        async with aiohttp.ClientSession() as http:
+            frozen = _engine_pids(proc.pid)[0]
+            os.kill(frozen, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                results = await asyncio.gather(*(_stream(http, url, key, _prefix(1 + i % 2) + [31, i], 4)
+                                                  for i in range(8)))
+                waited = time.monotonic() - t0
+            finally:
+                try:
+                    os.kill(frozen, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass  # the watchdog already killed it, as it should
+            assert all(r[0] == 200 and r[2] is None and r[3] for r in results), results
+            assert waited >= STALL_S  # some went to the frozen replica and were moved
+            await _all_ready(http, url, 60)
+            assert frozen not in _engine_pids(proc.pid)
+        assert any("stopped answering" in line for line in proc.output_tail)
+
+    asyncio.run(scenario())
+
+
+def test_failover_a_killed_replica_leaves_the_rotation_and_rejoins(server):
+    """Both replicas full with a queue each; one is killed. Requests it had not started run on the other
+    (every response is a 200; no 5xx), its running streams end with a clean error event after their first
+    tokens, new requests keep being served, /health names the replica that is down, and once the
+    supervisor has restarted it, /health and /metrics show it up and a new prefix is routed to it."""
+    proc, key, url, metrics_url = server
+
+    async def scenario():
+        async with aiohttp.ClientSession() as http:
+            await _all_ready(http, url, 90)  # whatever an earlier test did to the replicas is mended
+            pids = _engine_pids(proc.pid)
+            assert len(pids) == 2, pids
+            prefixes = [_prefix(1), _prefix(2)]
+            burst = [asyncio.ensure_future(_stream(http, url, key, prefixes[i % 2] + [13, i], 48)) for i in range(16)]
+            deadline = time.monotonic() + 30
+            while True:  # wait for a queue on both replicas: requests there have not started
+                waiting = _per_replica(await _metrics(http, metrics_url), "vllm:num_requests_waiting")
+                if len(waiting) == 2 and min(waiting.values()) > 0:
+                    break
+                assert time.monotonic() < deadline, "no queue formed"
+                await asyncio.sleep(0.02)
+            os.kill(pids[0], signal.SIGKILL)
+            during = [await _stream(http, url, key, prefixes[0] + [17, i], 4) for i in range(3)]
+            async with http.get(f"{url}/health") as r:
+                health = (r.status, await r.json())
+            results = await asyncio.gather(*burst)
+
+            assert all(status == 200 for status, *_ in results + during), results + during  # no 5xx
+            assert all(done and error is None for _, _, error, done in during), during
+            cut = [r for r in results if r[2] is not None]
+            assert len(cut) <= SLOTS, results  # at most the killed replica's running requests
+            assert all(chunks >= 1 and error["code"] == "engine_unavailable" for _, chunks, error, _ in cut), cut
+            assert sum(1 for r in results if r[3]) >= 16 - SLOTS
+            assert health[0] == 200 and sorted(r["status"] for r in health[1]["replicas"]) in (
+                ["down", "ready"], ["ready", "starting"]), health
+            down = next(r["replica"] for r in health[1]["replicas"] if r["status"] != "ready")
+
+            await _all_ready(http, url, 90)  # the supervisor restarts it
+            text = await _metrics(http, metrics_url)
+            assert _per_replica(text, "moegate_engine_replica_up") == {"0": 1.0, "1": 1.0}
+            before = _per_replica(text, "moegate_prefill_tokens_total").get(down, 0)
+            await _complete(http, url, key, _prefix(3) + [1])  # nobody holds it: the emptiest index wins
+            after = _per_replica(await _metrics(http, metrics_url), "moegate_prefill_tokens_total")[down]
+            assert after - before >= PREFIX, (before, after)
+        retried = [line for line in proc.output_tail if "sending it to another" in line]
+        assert retried, "no request was moved off the killed replica"
+
+    asyncio.run(scenario())
