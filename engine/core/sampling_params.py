@@ -2,6 +2,8 @@
 
 import msgspec
 
+from engine.core.structured_output import StructuredOutput
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens and when to stop.
@@ -27,6 +29,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.n != 1:
