@@ -16,6 +16,8 @@ from engine.worker.model_setup import build_rank
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA, SchedulerStats
+from engine.structured_output.grammar import grammar_of
+from engine.structured_output.matchers import GrammarMatchers
 from engine.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
+        if self.tokenizer is not None:
+            self.runner.sampler.grammars = GrammarMatchers(
+                self.tokenizer, self.model_config.vocab_size, self._eos_token_id, self.device)
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s%s on %s/%s x%d ranks%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, "
@@ -133,9 +138,11 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_ids)
         max_tokens = min(params.max_tokens or room, room)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        eos = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+        eos = self._eos_token_id
         if weight <= 0:
             raise ValueError(f"weight must be > 0, got {weight}")
+        if params.structured_output is not None:
+            self._check_structured_output(params)
         request = Request(
             request_id, prompt_ids, params, max_tokens, eos_token_id=eos, cache_salt=cache_salt,
             priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, background=background,
@@ -148,6 +155,17 @@ class LLMEngine:
             self.output_processor.discard(request_id)
             raise
         return request_id
+
+    @property
+    def _eos_token_id(self) -> int | None:
+        return self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+
+    def _check_structured_output(self, params: SamplingParams) -> None:
+        if self.runner.sampler.grammars is None:
+            raise ValueError("structured output needs the checkpoint's tokenizer, and this engine has none")
+        if params.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured output: a finished output ends with EOS")
+        grammar_of(params.structured_output)  # ValueError naming what the grammar library refuses
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)

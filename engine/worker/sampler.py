@@ -3,6 +3,7 @@
 import torch
 
 from engine.core.request import Request
+from engine.structured_output.matchers import GrammarMatchers
 from engine.worker.staging import to_device
 
 
@@ -19,10 +20,14 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        # Set by the engine once it has a tokenizer: constrained requests need one.
+        self.grammars: GrammarMatchers | None = None
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(request_ids)
 
     def _generator_for(self, request: Request) -> torch.Generator:
         gen = self._request_generators.get(request.request_id)
@@ -51,7 +56,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits [N, V] float32, one row per request -> N token ids."""
+        tokens = self._sample(logits, requests)
+        if self.grammars is not None:
+            tokens = self.grammars.accept(requests, tokens)
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         self._suppress_stop_tokens(logits, requests)
+        if self.grammars is not None:
+            self.grammars.apply(logits, requests)
         params = [r.sampling_params for r in requests]
         greedy = logits.argmax(dim=-1)  # [N]
         if all(p.is_greedy for p in params):

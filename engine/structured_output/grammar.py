@@ -1,0 +1,38 @@
+"""StructuredOutput -> llguidance grammar, validated without a tokenizer and cached.
+
+llguidance was chosen over xgrammar by measurement (benchmarks/structured_output_backends.py, recorded in
+docs/performance.md): it builds its token masks lazily, so preparing a schema costs about a millisecond
+whatever the vocabulary (xgrammar's compile grows with it: ~35 ms at 32k tokens), its per-step masks cost
+about the same, and every output it allowed was valid JSON, while xgrammar let raw control characters
+into strings (text that strict JSON parsers, Python's included, refuse).
+"""
+
+import functools
+import json
+
+import llguidance
+
+from engine.core.structured_output import StructuredOutput
+
+# Compact JSON: with flexible whitespace a model (a random one certainly) can emit spaces and newlines
+# without end, and clients parse the compact form the same.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_ANY_OBJECT = json.dumps({"type": "object"})
+
+
+@functools.lru_cache(maxsize=1024)
+def _grammar_for_schema(schema: str) -> str:
+    """A schema's llguidance grammar; ValueError (the library's message) if it cannot be enforced."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(error)
+    return grammar
+
+
+def grammar_of(spec: StructuredOutput) -> str:
+    """The grammar enforcing ``spec`` (cached by schema text); ValueError saying why a schema is refused."""
+    return _grammar_for_schema(_ANY_OBJECT if spec.json_object else spec.json_schema)

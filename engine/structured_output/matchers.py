@@ -1,0 +1,89 @@
+"""One grammar matcher per constrained request, and the batch's token mask applied to the logits.
+
+The sampler calls ``apply`` before it picks tokens and ``accept`` with the tokens it picked. Masks are
+filled on the host (llguidance walks its parser there) into one preallocated int32 bitmask, copied to the
+device without waiting and expanded there, so constraining adds no host sync to a step, and a step whose
+requests have no grammar does nothing here at all.
+"""
+
+import logging
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from engine.core.request import Request
+from engine.structured_output.grammar import grammar_of
+from engine.worker.staging import to_device
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarMatchers:
+    """The matchers of the engine's constrained requests, by request id."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, device: torch.device) -> None:
+        # vocab_size is the model's (it may pad the tokenizer's): ids past the tokenizer are never allowed.
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.device = device
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # [rows, ceil(V / 32)] int32
+        self._bit = torch.arange(32, dtype=torch.int32, device=device)  # [32]
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def check(self, request: Request) -> None:
+        """ValueError if the request's grammar cannot be enforced (called when it is queued)."""
+        grammar_of(request.sampling_params.structured_output)
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)
+
+    def _matcher_for(self, request: Request) -> llguidance.LLMatcher:
+        matcher = self._matchers.get(request.request_id)
+        if matcher is None:
+            # Made when the request samples its first token; preemption keeps it (the request keeps its tokens).
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar_of(request.sampling_params.structured_output))
+            self._matchers[request.request_id] = matcher
+        return matcher
+
+    def apply(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Mask, in place, every token the grammar of a constrained row does not allow next.
+
+        logits [N, V] float32, one row per request; rows without a grammar are untouched.
+        """
+        rows = [row for row, r in enumerate(requests) if r.sampling_params.structured_output is not None]
+        if not rows:
+            return
+        if self._bitmask.shape[0] < len(rows):
+            self._bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = self._bitmask[: len(rows)]  # [R, W] int32, W = ceil(V / 32)
+        for i, row in enumerate(rows):
+            llguidance.torch.fill_next_token_bitmask(self._matcher_for(requests[row]), bitmask, i)
+        if self.device.type == "cuda":
+            bitmask = bitmask.pin_memory()
+        words = bitmask.to(self.device, non_blocking=True)  # [R, W]
+        allowed = ((words[:, :, None] >> self._bit) & 1).bool().flatten(1)[:, : logits.shape[1]]  # [R, V]
+        index = to_device(rows, torch.int64, logits.device)  # [R]
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+    def accept(self, requests: list[Request], tokens: list[int]) -> list[int]:
+        """Advance each constrained request's matcher by its sampled token; returns the tokens to keep.
+
+        A token the grammar refuses (possible only when another setting banned every token it allowed,
+        e.g. ``min_tokens`` before the schema is complete) is replaced by EOS, ending the request there.
+        """
+        for row, request in enumerate(requests):
+            if request.sampling_params.structured_output is None:
+                continue
+            matcher = self._matcher_for(request)
+            if not matcher.consume_token(tokens[row]) and self.eos_token_id is not None:
+                logger.warning("request %s: token %d breaks its grammar (%s); ending it", request.request_id,
+                               tokens[row], matcher.get_error())
+                tokens[row] = self.eos_token_id
+        return tokens
