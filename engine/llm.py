@@ -27,7 +27,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order.
 
         ``prompts`` is one prompt or a list; a prompt is a string or a list of
-        token ids. ``sampling_params`` is one for all or one per prompt.
+        token ids. ``sampling_params`` is one for all or one per prompt. A prompt
+        whose params ask for ``n`` > 1 gives its n choices, by ``index``, in its place.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -40,9 +41,9 @@ class LLM:
         # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
         token_prompts = [self.engine.prepare_prompt(p) for p in prompts]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(token_prompts, params)]
-        whole: dict[str, RequestOutput] = {}  # each request's outputs so far, merged
+        whole: dict[tuple[str, int], RequestOutput] = {}  # each choice's outputs so far, merged
         while self.engine.step_needed():  # with data-parallel peers, until none of them has work
             for out in self.engine.step():
-                so_far = whole.get(out.request_id)
-                whole[out.request_id] = out if so_far is None else so_far.merge(out)
-        return [whole[i] for i in ids]
+                so_far = whole.get((out.request_id, out.index))
+                whole[(out.request_id, out.index)] = out if so_far is None else so_far.merge(out)
+        return [whole[(i, j)] for i, sp in zip(ids, params) for j in range(sp.n)]

@@ -11,6 +11,7 @@ from engine.loading.model_config import CheckpointError, load_model_config
 from engine.distributed.collectives import SINGLE
 from engine.distributed.ranks import DataParallelPeers, EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput
+from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request
 from engine.worker.model_setup import build_rank
 from engine.core.sampling_params import SamplingParams
@@ -95,6 +96,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.runner.sampler.grammars = GrammarMatchers(
                 self.tokenizer, self.model_config.vocab_size, self._eos_token_id, self.device)
+        self.choice_groups = ChoiceGroups(share_prefill=cache_config.enable_prefix_caching)
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s%s on %s/%s x%d ranks%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, "
@@ -133,7 +135,11 @@ class LLMEngine:
         background: bool = False,
         may_preempt: bool = True,
     ) -> str:
-        """Queue a request; raises ValueError (nothing queued) for a prompt that cannot be served."""
+        """Queue a request; raises ValueError (nothing queued) for a prompt that cannot be served.
+
+        ``params.n`` > 1 queues n copies sharing the prompt's prefill (``engine.core.parallel_sampling``);
+        their outputs carry ``request_id`` and their ``index``, and aborting ``request_id`` ends them all.
+        """
         prompt_ids = self.prepare_prompt(prompt)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = min(params.max_tokens or room, room)
@@ -143,16 +149,35 @@ class LLMEngine:
             raise ValueError(f"weight must be > 0, got {weight}")
         if params.structured_output is not None:
             self._check_structured_output(params)
-        request = Request(
-            request_id, prompt_ids, params, max_tokens, eos_token_id=eos, cache_salt=cache_salt,
-            priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, background=background,
-            may_preempt=may_preempt,
-        )
-        self.output_processor.add_request(request)
+        if request_id in self.choice_groups:
+            raise ValueError(f"duplicate request id {request_id}")
+
+        def make(rid: str, sampling: SamplingParams, parent_id: str | None, index: int) -> Request:
+            return Request(
+                rid, prompt_ids, sampling, max_tokens, eos_token_id=eos, cache_salt=cache_salt,
+                priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, background=background,
+                may_preempt=may_preempt, parent_id=parent_id, index=index,
+            )
+
+        if params.n == 1:
+            copies = [make(request_id, params, None, 0)]
+            now = copies
+        else:
+            copies = [make(child_id(request_id, i), choice_params(params, i), request_id, i) for i in range(params.n)]
+            now = self.choice_groups.add(request_id, copies)
+        for request in copies:
+            self.output_processor.add_request(request)
+        added = []
         try:
-            self.scheduler.add_request(request)
+            for request in now:
+                self.scheduler.add_request(request)
+                added.append(request)
         except BaseException:  # all or nothing: a request the scheduler refused leaves no state behind
-            self.output_processor.discard(request_id)
+            for request in added:
+                self.scheduler.abort(request.request_id)
+            for request in copies:
+                self.output_processor.discard(request.request_id)
+            self.choice_groups.forget(request_id)
             raise
         return request_id
 
@@ -168,6 +193,16 @@ class LLMEngine:
         grammar_of(params.structured_output)  # ValueError naming what the grammar library refuses
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request (every copy of an ``n`` > 1 one); its last output, or None if it was not running."""
+        if request_id in self.choice_groups:
+            copies = self.choice_groups.members(request_id)
+            for request in self.choice_groups.forget(request_id):  # never scheduled: nothing to free
+                self.output_processor.discard(request.request_id)
+            outputs = [self._abort_one(r.request_id) for r in copies]
+            return next((o for o in outputs if o is not None), None)
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
         return self.output_processor.abort(request) if request is not None else None
 
@@ -186,7 +221,14 @@ class LLMEngine:
         """Schedule, execute, update: one iteration of continuous batching; returns what changed."""
         plan = self.scheduler.schedule()
         sampled = self.runner.execute(plan)
-        return self.output_processor.process(self.scheduler.update(plan, sampled), self.scheduler)
+        outputs = self.output_processor.process(self.scheduler.update(plan, sampled), self.scheduler)
+        # Copies of an n > 1 request whose leader has now computed the prompt join the queue for the next step.
+        for request in self.choice_groups.release():
+            self.scheduler.add_request(request)
+        for out in outputs:
+            if out.finished and out.request_id in self.choice_groups and self.choice_groups.finished(out.request_id):
+                self.choice_groups.forget(out.request_id)
+        return outputs
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counters and the last step's host times; the expert load where it is cheap to read

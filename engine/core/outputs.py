@@ -31,14 +31,16 @@ class RequestOutput(msgspec.Struct):
     num_output_tokens: int
     stop_reason: int | str | None = None
     queue_time_s: float | None = None  # arrival to first scheduled (None while still waiting)
+    index: int = 0  # which of the request's n choices this is (SamplingParams.n)
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by ``later`` (the same request's next output) as one."""
-        assert later.request_id == self.request_id
+        assert later.request_id == self.request_id and later.index == self.index
         return RequestOutput(
             self.request_id, self.token_ids + later.token_ids, self.text + later.text, later.finished,
             later.finish_reason, later.num_prompt_tokens, later.num_cached_tokens, later.num_output_tokens,
             later.stop_reason, later.queue_time_s if later.queue_time_s is not None else self.queue_time_s,
+            self.index,
         )
 
 
@@ -136,7 +138,8 @@ class OutputProcessor:
     @staticmethod
     def _output(request: Request, state: _TextState, new_ids: list[int], delta: str) -> RequestOutput:
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request.output_id,
+            index=request.index,
             token_ids=list(new_ids),
             text=delta,
             finished=request.is_finished,

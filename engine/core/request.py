@@ -41,7 +41,7 @@ class Request:
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "cache_salt", "num_preemptions", "stop_reason",
         "priority", "tenant", "weight", "preemptible", "may_preempt", "admit_seq", "num_charged_prompt_tokens",
-        "first_scheduled_time", "background",
+        "first_scheduled_time", "background", "parent_id", "index",
     )
 
     def __init__(
@@ -59,8 +59,11 @@ class Request:
         preemptible: bool = True,
         background: bool = False,
         may_preempt: bool = True,
+        parent_id: str | None = None,
+        index: int = 0,
     ) -> None:
-        """``priority`` is a rank (lower is more urgent); ``weight`` is the tenant's fair share in its rank;
+        """``parent_id`` and ``index``: this is choice ``index`` of the ``n`` copies of request ``parent_id``
+        (its outputs carry that id and index). ``priority`` is a rank (lower is more urgent); ``weight`` is the tenant's fair share in its rank;
         ``preemptible`` lets a waiting request of a better rank take this one's place, and ``may_preempt``
         lets this one take the place of a preemptible request of a worse rank; ``background``
         work (the Batch API's) takes idle capacity only (see ``SchedulerConfig``)."""
@@ -90,6 +93,13 @@ class Request:
         self.background = background
         self.admit_seq = -1  # order of (re)admission: the most recently started is preempted first
         self.num_charged_prompt_tokens = 0  # prompt tokens already billed to the tenant's fair-share counter
+        self.parent_id = parent_id
+        self.index = index
+
+    @property
+    def output_id(self) -> str:
+        """The request id its outputs carry: the caller's id, shared by the copies of an ``n`` > 1 request."""
+        return self.parent_id if self.parent_id is not None else self.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -5,12 +5,17 @@ import msgspec
 from engine.core.structured_output import StructuredOutput
 
 
+MAX_N = 128  # copies of one prompt a request may ask for (each holds a sequence slot and its own KV tail)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens and when to stop.
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` turn those
     filters off. ``seed`` makes one request's samples reproducible whatever else
-    shares its batch. ``stop`` strings end generation and are not included in
+    shares its batch. ``n`` copies of the prompt are generated as choices
+    0..n-1 sharing the prompt's KV (``engine.core.parallel_sampling``); with a
+    seed, choice i draws from its own seed derived from it. ``stop`` strings end generation and are not included in
     the returned text; ``stop_token_ids`` end it too (the token is kept in
     ``token_ids`` and its text dropped, as for EOS).
 
@@ -32,8 +37,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one sequence per request), got {self.n}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in 1..{MAX_N}, got {self.n!r}")
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):

@@ -231,6 +231,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
 
+        ``sampling.n`` > 1: the outputs of its n choices (``RequestOutput.index``), interleaved as the
+        engine produces them; the stream ends when every choice has finished.
+
         ``prompt``: token ids from ``prepare``.
 
         ``stream=False``: a single delta when the request finishes, with the whole output in it.
@@ -243,6 +246,7 @@ class AsyncEngine:
             self._last_progress = time.monotonic()
         self._queues[request_id] = queue
         finished = False
+        unfinished = sampling.n  # choices still running: the request ends with the last of them
         try:
             self._send(AddRequest(request_id, prompt, sampling, cache_salt, priority, tenant, weight, preemptible,
                                   may_preempt, background, stream))
@@ -251,7 +255,8 @@ class AsyncEngine:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                finished = item.finished
+                unfinished -= item.finished
+                finished = unfinished == 0
                 yield item
                 if finished:
                     return

@@ -53,7 +53,7 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
                         priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
                         background=msg.background, may_preempt=msg.may_preempt,
                     )
-                    reports.add(msg.request_id, msg.stream, msg.background)
+                    reports.add(msg.request_id, msg.stream, msg.background, msg.sampling.n)
                 except Exception as e:  # whatever one request brings fails that request, never the engine
                     if not isinstance(e, ValueError):  # a bug: the type at the default level (the message may
                         # quote the prompt), the whole traceback at debug

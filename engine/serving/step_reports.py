@@ -33,21 +33,24 @@ from engine.serving.protocol import StepOutputs
 class StepReports:
     def __init__(self, interval_s: float = 0.05, clock=time.monotonic) -> None:
         self.interval_s, self.clock = interval_s, clock
-        self.quiet: dict[str, RequestOutput | None] = {}  # requests that want only their final output: so far
+        self.quiet: dict[str, int] = {}  # requests that want only their final outputs -> choices not finished
+        self._so_far: dict[tuple[str, int], RequestOutput] = {}  # (request, choice index) -> output so far
         self.deferrable: set[str] = set()  # quiet and background: that output may wait up to interval_s
         self._pending: list[RequestOutput] = []  # final outputs of deferrable requests, not yet sent
         self._last_at = float("-inf")
         self._last_waiting_ranks: frozenset[int] | None = None
 
-    def add(self, request_id: str, stream: bool, background: bool) -> None:
+    def add(self, request_id: str, stream: bool, background: bool, n: int = 1) -> None:
+        """``n``: the request's choices (each sends its own final output)."""
         if not stream:
-            self.quiet[request_id] = None
+            self.quiet[request_id] = n
             if background:
                 self.deferrable.add(request_id)
 
     def forget(self, request_id: str) -> None:
         """An aborted request: nothing more is sent for it (its caller is gone)."""
-        self.quiet.pop(request_id, None)
+        if self.quiet.pop(request_id, None) is not None:
+            self._so_far = {k: v for k, v in self._so_far.items() if k[0] != request_id}
         self.deferrable.discard(request_id)
         self._pending = [o for o in self._pending if o.request_id != request_id]
 
@@ -77,14 +80,19 @@ class StepReports:
             if o.request_id not in self.quiet:
                 urgent.append(o)
                 continue
-            so_far = self.quiet[o.request_id]
+            key = (o.request_id, o.index)
+            so_far = self._so_far.pop(key, None)
             whole = o if so_far is None else so_far.merge(o)
             if not o.finished:
-                self.quiet[o.request_id] = whole
+                self._so_far[key] = whole
                 continue
-            del self.quiet[o.request_id]
+            self.quiet[o.request_id] -= 1
+            last = self.quiet[o.request_id] == 0
+            if last:
+                del self.quiet[o.request_id]
             if o.request_id in self.deferrable:
-                self.deferrable.discard(o.request_id)
+                if last:
+                    self.deferrable.discard(o.request_id)
                 self._pending.append(whole)
             else:
                 urgent.append(whole)

@@ -84,7 +84,7 @@ def test_min_tokens_suppresses_eos():
     assert sampler(logits.clone(), [req]) != [3]
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(stop=[""]), dict(n=2), dict(stop_token_ids=[-1])])
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(stop=[""]), dict(n=0), dict(n=129), dict(stop_token_ids=[-1])])
 def test_invalid_params_raise(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
