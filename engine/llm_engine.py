@@ -221,7 +221,8 @@ class LLMEngine:
         """Schedule, execute, update: one iteration of continuous batching; returns what changed."""
         plan = self.scheduler.schedule()
         sampled = self.runner.execute(plan)
-        outputs = self.output_processor.process(self.scheduler.update(plan, sampled), self.scheduler)
+        updates = self.scheduler.update(plan, sampled.token_ids)
+        outputs = self.output_processor.process(updates, self.scheduler, sampled.logprobs)
         # Copies of an n > 1 request whose leader has now computed the prompt join the queue for the next step.
         for request in self.choice_groups.release():
             self.scheduler.add_request(request)

@@ -4,6 +4,7 @@ import logging
 
 import msgspec
 
+from engine.core.logprobs import Logprobs, merge_logprobs
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import RequestUpdate, Scheduler
 from engine.text.tokenizer import IncrementalDetokenizer
@@ -32,6 +33,8 @@ class RequestOutput(msgspec.Struct):
     stop_reason: int | str | None = None
     queue_time_s: float | None = None  # arrival to first scheduled (None while still waiting)
     index: int = 0  # which of the request's n choices this is (SamplingParams.n)
+    logprobs: Logprobs | None = None  # of this output's tokens, when the request asked (SamplingParams.logprobs)
+    prompt_logprobs: Logprobs | None = None  # of the prompt's tokens (SamplingParams.prompt_logprobs), in the first
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by ``later`` (the same request's next output) as one."""
@@ -41,6 +44,7 @@ class RequestOutput(msgspec.Struct):
             later.finish_reason, later.num_prompt_tokens, later.num_cached_tokens, later.num_output_tokens,
             later.stop_reason, later.queue_time_s if later.queue_time_s is not None else self.queue_time_s,
             self.index,
+            merge_logprobs(self.logprobs, later.logprobs), merge_logprobs(self.prompt_logprobs, later.prompt_logprobs),
         )
 
 
@@ -63,6 +67,7 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _TextState] = {}
+        self._token_texts: dict[int, str] = {}  # each token's own text, for logprobs (at most the vocabulary)
 
     def add_request(self, request: Request) -> None:
         detok = None
@@ -80,11 +85,31 @@ class OutputProcessor:
             return None
         return self._output(request, state, [], "")
 
-    def process(self, updates: list[RequestUpdate], scheduler: Scheduler) -> list[RequestOutput]:
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs show it (``token_id:N`` without a tokenizer)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
+            self._token_texts[token_id] = text
+        return text
+
+    def with_texts(self, lp: Logprobs) -> Logprobs:
+        """``lp`` with its tokens' texts filled in."""
+        lp.tokens = [self.token_text(t) for t in lp.token_ids]
+        lp.top_tokens = [[self.token_text(t) for t in top] for top in lp.top_ids]
+        return lp
+
+    def process(self, updates: list[RequestUpdate], scheduler: Scheduler,
+                logprobs: dict[str, Logprobs] | None = None) -> list[RequestOutput]:
+        """Outputs for a step's updates; ``logprobs`` (by request id) of the tokens sampled for those that asked."""
         outputs = []
         for update in updates:
             try:
-                outputs.append(self._process_one(update, scheduler))
+                out = self._process_one(update, scheduler)
+                lp = logprobs.get(out.request_id) if logprobs else None
+                if lp is not None:
+                    out.logprobs = self.with_texts(lp)
+                outputs.append(out)
             except Exception as e:  # this request's text failed (a tokenizer bug): end it alone, not the step
                 request = update.request
                 logger.error("request %s: output processing failed (%s); it ends with finish_reason 'error'",

@@ -4,6 +4,9 @@ import msgspec
 
 from engine.core.structured_output import StructuredOutput
 
+MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+
 
 MAX_N = 128  # copies of one prompt a request may ask for (each holds a sequence slot and its own KV tail)
 
@@ -34,6 +37,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -61,10 +71,32 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         self.stop_token_ids = ids
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (0.0 < self.repetition_penalty <= 1e4):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS or any(not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0
+                                             for t, b in bias.items()):
+            raise ValueError(f"logit_bias takes up to {MAX_LOGIT_BIAS} token ids, each with a value in [-100, 100]")
+        self.logit_bias = {int(t): float(b) for t, b in bias.items()} or None
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
 
     @property
     def stop_strings(self) -> list[str]:
         return self.stop
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or logit_bias change this request's logits (the sampler's slower path)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:

@@ -1,15 +1,26 @@
 """The model runner: one forward over all scheduled tokens of a step, then sampling."""
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.worker.batch_builder import FlatBatch, build_torch_batch, build_triton_batch
 from engine.core.config import CacheConfig
+from engine.core.logprobs import Logprobs
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
 from engine.worker.sampler import Sampler
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepSamples:
+    """What a step sampled: a token per scheduled request (None where it did not sample), and the
+    logprobs (by request id) of the requests that asked for them."""
+
+    token_ids: list[int | None]
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -75,20 +86,21 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.meta)
 
     # ---- one step ------------------------------------------------------------
-    def execute(self, sched_out: SchedulerOutput) -> list[int | None]:
-        """Run the step's forward; returns the sampled token per scheduled request (None if it did not sample)."""
+    def execute(self, sched_out: SchedulerOutput) -> StepSamples:
+        """Run the step's forward; returns the sampled token per scheduled request (None if it did not sample)
+        and the logprobs of the requests that asked."""
         start = time.perf_counter()
         sampled = self._execute(sched_out)
         self.last_execute_ms = (time.perf_counter() - start) * 1e3
         return sampled
 
     @torch.inference_mode()
-    def _execute(self, sched_out: SchedulerOutput) -> list[int | None]:
+    def _execute(self, sched_out: SchedulerOutput) -> StepSamples:
         self.sampler.forget(sched_out.finished_ids)
         if sched_out.is_empty:
             if self.steps_with_peers:
                 self.dummy_step()
-            return []
+            return StepSamples([])
         if self.model.tp.size > 1:  # the other ranks run the same forward on their slices of the model
             self.model.tp.broadcast_object(follower_plan(sched_out))
         self.num_steps += 1
@@ -97,12 +109,17 @@ class ModelRunner:
         self.last_prepare_ms = (time.perf_counter() - start) * 1e3
         hidden = self.forward(batch)  # [T, H]
         sampling = [s.request for s in sched_out.scheduled if s.sample]
-        tokens: list[int] = []
+        result = StepSamples([None] * len(sched_out.scheduled))
         if sampling:
             logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [N, V]
-            tokens = self.sampler(logits, sampling)  # the step's one host sync: reading the tokens
-        it = iter(tokens)
-        return [next(it) if s.sample else None for s in sched_out.scheduled]
+            out = self.sampler(logits, sampling)  # the step's one host sync: reading the tokens
+            it = iter(zip(out.token_ids, out.logprobs))
+            for i, s in enumerate(sched_out.scheduled):
+                if s.sample:
+                    result.token_ids[i], lp = next(it)
+                    if lp is not None:
+                        result.logprobs[s.request.request_id] = lp
+        return result
 
     @property
     def steps_with_peers(self) -> bool:

@@ -1,10 +1,24 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling: penalties and logit_bias, grammar masks, greedy, temperature, top-k, top-p, min_p, per-request
+seeds, logprobs."""
+
+from dataclasses import dataclass
 
 import torch
 
+from engine.core.logprobs import Logprobs
 from engine.core.request import Request
+from engine.sampling.logprobs import gather_logprobs
+from engine.sampling.penalties import apply_min_p, apply_penalties
 from engine.structured_output.matchers import GrammarMatchers
-from engine.worker.staging import to_device
+from engine.worker.staging import stage_int64, to_device
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """A step's sampled token per row, and the logprobs of the rows whose request asked (else None)."""
+
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
 
 
 class Sampler:
@@ -54,21 +68,37 @@ class Sampler:
             index = to_device([rows, cols], torch.int64, logits.device)  # [2, n]
             logits.index_put_((index[0], index[1]), logits.new_full((), float("-inf")))  # a fill, not a copy
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits [N, V] float32, one row per request -> N token ids."""
-        tokens = self._sample(logits, requests)
-        if self.grammars is not None:
-            tokens = self.grammars.accept(requests, tokens)
-        return tokens
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits [N, V] float32, one row per request -> N token ids (and logprobs where asked).
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        A step where no request asks for penalties, logit_bias, min_p or logprobs runs none of their code.
+        """
+        params = [r.sampling_params for r in requests]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if lp_rows:  # the raw logits, before anything below adjusts them in place
+            (rows,) = stage_int64([lp_rows], logits.device)
+            raw = logits.index_select(0, rows)  # [R, V]
+        apply_penalties(logits, requests)
         self._suppress_stop_tokens(logits, requests)
         if self.grammars is not None:
             self.grammars.apply(logits, requests)
+        sampled = self._sample(logits, requests)  # [N] on the device
+        logprobs: list[Logprobs | None] = [None] * len(requests)
+        if lp_rows:
+            found = gather_logprobs(raw, sampled.index_select(0, rows), [params[i].logprobs for i in lp_rows])
+            for i, lp in zip(lp_rows, found):
+                logprobs[i] = lp
+        tokens = sampled.tolist()  # the step's one host sync for requests without logprobs
+        if self.grammars is not None:
+            tokens = self.grammars.accept(requests, tokens)
+        return SamplerOutput(tokens, logprobs)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits [N, V] (adjusted) -> sampled token ids [N] on the device."""
         params = [r.sampling_params for r in requests]
         greedy = logits.argmax(dim=-1)  # [N]
         if all(p.is_greedy for p in params):
-            return greedy.tolist()
+            return greedy
 
         temps = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, logits.device)
         logits = logits / temps[:, None]  # [N, V]
@@ -78,6 +108,8 @@ class Sampler:
         if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
             logits = _apply_top_k_top_p(logits, top_ks, top_ps)
         probs = torch.softmax(logits, dim=-1)  # [N, V]
+        if any(p.min_p > 0.0 for p in params):
+            probs = apply_min_p(probs, [p.min_p for p in params])
 
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self.generator)
@@ -86,7 +118,7 @@ class Sampler:
                 noise[row].exponential_(generator=self._generator_for(request))
         sampled = (probs / noise).argmax(dim=-1)  # [N]
         is_greedy = to_device([p.is_greedy for p in params], torch.bool, logits.device)
-        return torch.where(is_greedy, greedy, sampled).tolist()
+        return torch.where(is_greedy, greedy, sampled)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -59,19 +59,19 @@ def test_sampler_filters_and_distribution():
     logits = torch.randn(1, 50)
     n = 4000
     reqs = _requests([SamplingParams(temperature=1.0)] * n)
-    counts = torch.bincount(torch.tensor(sampler(logits.repeat(n, 1), reqs)), minlength=50).double()
+    counts = torch.bincount(torch.tensor(sampler(logits.repeat(n, 1), reqs).token_ids), minlength=50).double()
     probs = torch.softmax(logits[0].double(), -1)
     # Every token's frequency within 5 standard errors of its probability.
     se = (probs * (1 - probs) / n).sqrt()
     assert ((counts / n - probs).abs() <= 5 * se + 1e-3).all()
 
     top5 = set(logits[0].topk(5).indices.tolist())
-    got = sampler(logits.repeat(300, 1), _requests([SamplingParams(temperature=1.0, top_k=5)] * 300))
+    got = sampler(logits.repeat(300, 1), _requests([SamplingParams(temperature=1.0, top_k=5)] * 300)).token_ids
     assert set(got) <= top5 and len(set(got)) > 1
 
     sorted_p, idx = probs.sort(descending=True)
     nucleus = set(idx[: int((sorted_p.cumsum(0) < 0.5).sum()) + 1].tolist())
-    got = sampler(logits.repeat(300, 1), _requests([SamplingParams(temperature=1.0, top_p=0.5)] * 300))
+    got = sampler(logits.repeat(300, 1), _requests([SamplingParams(temperature=1.0, top_p=0.5)] * 300)).token_ids
     assert set(got) <= nucleus
 
 
@@ -81,7 +81,7 @@ def test_min_tokens_suppresses_eos():
     logits[0, 3] = 100.0  # EOS overwhelmingly likely
     (req,) = _requests([SamplingParams(temperature=0, min_tokens=2)])
     req.eos_token_id = 3
-    assert sampler(logits.clone(), [req]) != [3]
+    assert sampler(logits.clone(), [req]).token_ids != [3]
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(stop=[""]), dict(n=0), dict(n=129), dict(stop_token_ids=[-1])])
