@@ -222,7 +222,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         sampled = self.runner.execute(plan)
         updates = self.scheduler.update(plan, sampled.token_ids)
-        outputs = self.output_processor.process(updates, self.scheduler, sampled.logprobs)
+        outputs = self.output_processor.process(updates, self.scheduler, sampled.logprobs, sampled.prompt_logprobs)
         # Copies of an n > 1 request whose leader has now computed the prompt join the queue for the next step.
         for request in self.choice_groups.release():
             self.scheduler.add_request(request)

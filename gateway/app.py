@@ -23,7 +23,8 @@ from engine.core.outputs import RequestOutput
 from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, rate_limit_headers, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.replies import json_response
-from gateway.completion import choice, collect, completion_body, engine_down, output_failed, prepare_prompt, usage_of
+from gateway.completion import collect, completion_body, engine_down, output_choice, output_failed, prepare_prompt, usage_of
+from gateway.logprobs import CompletionLogprobs
 from gateway.config import GatewayConfig
 from gateway.errors import (
     BODY_TIMEOUT_S, REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, read_body, request_id_middleware,
@@ -159,8 +160,8 @@ def _check_model(app: web.Application, model: str | None) -> None:
 async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     app = request.app
     _check_model(app, body.model)
-    params = sampling_params(body)
     engine = app[ENGINE]
+    params = sampling_params(body, engine.info.vocab_size if engine.info is not None else None)
     if app[DRAINING].is_set():  # a new request on a kept-alive connection during shutdown
         raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
                        code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
@@ -274,7 +275,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
             timer.delta(first=False)
 
         whole = await collect(stream, chat, first, track)
-        body_json = json_response(completion_body(rid, created, model, chat, whole))
+        body_json = json_response(completion_body(rid, created, model, chat, whole, body))
         body_json.headers.update(request[RATE_HEADERS])
         return body_json
 
@@ -286,11 +287,12 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     delta = first
+    offsets = CompletionLogprobs()  # text_offset runs on across the chunks
     while True:
         if delta.finish_reason == "error":
             return await _write_error_event(response, output_failed())
         event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
-                 "choices": [choice(chat, delta.text, delta.finish_reason, True)]}
+                 "choices": [output_choice(chat, body, delta, True, delta is first, offsets)]}
         if include_usage:
             event["usage"] = None
         await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")

@@ -4,6 +4,7 @@ from engine.serving.async_engine import EngineError, RequestRejectedError
 from engine.text.prompts import InvalidPrompt
 from engine.core.outputs import RequestOutput
 from gateway.errors import APIError
+from gateway.logprobs import CompletionLogprobs, chat_logprobs, echo_text
 from gateway.openai_schema import sampling_params
 
 
@@ -13,17 +14,33 @@ def usage_of(d: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": d.num_cached_tokens}}
 
 
-def choice(chat: bool, text: str, finish: str | None, delta: bool) -> dict:
+def choice(chat: bool, text: str, finish: str | None, delta: bool, logprobs: dict | None = None) -> dict:
     if not chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     key = "delta" if delta else "message"
-    return {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}
 
 
-def completion_body(rid: str, created: int, model: str, chat: bool, whole: RequestOutput) -> dict:
+def output_choice(chat: bool, body, out: RequestOutput, delta: bool, first: bool = True,
+                  offsets: CompletionLogprobs | None = None) -> dict:
+    """The choice for ``out`` (a whole output, or a stream's chunk: ``first`` for its first one), with the
+    echoed prompt and the logprobs the request asked for. ``offsets`` carries text_offset across chunks."""
+    text = out.text
+    echo = not chat and bool(body.echo) and first
+    if echo:
+        text = echo_text(body.prompt, out) + text
+    logprobs = None
+    if chat:
+        logprobs = chat_logprobs(out.logprobs)
+    elif body.logprobs is not None:
+        logprobs = (offsets or CompletionLogprobs()).format(out.prompt_logprobs if echo else None, out.logprobs)
+    return choice(chat, text, out.finish_reason, delta, logprobs)
+
+
+def completion_body(rid: str, created: int, model: str, chat: bool, whole: RequestOutput, body) -> dict:
     """The non-streaming response of /v1/completions or /v1/chat/completions for a request's whole output."""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-            "choices": [choice(chat, whole.text, whole.finish_reason, False)], "usage": usage_of(whole)}
+            "choices": [output_choice(chat, body, whole, False)], "usage": usage_of(whole)}
 
 
 def engine_down(err: Exception | str) -> APIError:
@@ -84,7 +101,7 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
     ``request_policy`` is what ``engine.generate`` takes besides the prompt: priority, tenant,
     weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine request.
     """
-    params = sampling_params(body)
+    params = sampling_params(body, engine.info.vocab_size if engine.info is not None else None)
     prompt = await prepare_prompt(engine, body, chat)
     # Only the result is wanted: one message from the engine at the end, not one per token.
     stream = engine.generate(prompt, params, request_id=rid, stream=False, **request_policy)
@@ -92,4 +109,4 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
         whole = await collect(stream, chat)
     finally:
         await stream.aclose()
-    return completion_body(rid, created, model, chat, whole), whole
+    return completion_body(rid, created, model, chat, whole, body), whole

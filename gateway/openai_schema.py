@@ -5,7 +5,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from gateway.errors import APIError
 
 # Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the
@@ -23,6 +23,12 @@ TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
 StopStrings = Annotated[list[NonEmptyText], msgspec.Meta(max_length=4)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=1e4)]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+# Token id (as a JSON object key, a string) -> value added to its logit.
+LogitBias = Annotated[dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]],
+                      msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -38,18 +44,8 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 # Fields of OpenAI's request bodies that this server does not implement yet, and the values that mean
 # "not asked for" (null always does). Any other value is a 400 naming the field, never silently ignored.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0),
-    "min_tokens": (0,),
-    "logit_bias": ({},),
-    "stop_token_ids": ([],),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -83,18 +79,15 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: Seed | None = None
     ignore_eos: bool | None = None
     user: str | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
     suffix: Any = None
     best_of: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
-    logit_bias: Any = None
-    stop_token_ids: Any = None
+    presence_penalty: Penalty | None = None  # 0
+    frequency_penalty: Penalty | None = None  # 0
+    repetition_penalty: RepetitionPenalty | None = None  # 1 (off); a vLLM extension
+    min_p: MinP | None = None  # 0 (off); a vLLM extension
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] | None = None  # 0; a vLLM extension
+    logit_bias: LogitBias | None = None
+    stop_token_ids: list[TokenId] | None = None  # a vLLM extension
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -114,10 +107,14 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: NonEmptyText | TokenIds
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None  # top tokens per position; null: none
+    echo: bool | None = None  # the prompt before the completion (and its logprobs, with logprobs)
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # needs logprobs: true
 
 
 def error_param(err: msgspec.ValidationError) -> str | None:
@@ -174,8 +171,33 @@ def decode_body(body: bytes, cls):
     return req
 
 
-def sampling_params(req: _Common) -> SamplingParams:
-    """Validate OpenAI sampling fields; 400 with the offending parameter named."""
+def _logit_bias(req: _Common, vocab_size: int | None) -> dict[int, float] | None:
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size or 'vocabulary size'}) "
+                                f"written as strings; got {key!r}", param="logit_bias")
+        bias[token] = value
+    return bias or None
+
+
+def _logprobs_asked(req: _Common) -> tuple[int | None, int | None]:
+    """(top count for generated tokens, top count for prompt tokens), None where not asked."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None, None
+    if not req.echo:
+        return req.logprobs, None
+    # echo: the prompt's logprobs with the completion's; a token-id prompt's text comes from them too.
+    prompt_k = req.logprobs if req.logprobs is not None else (0 if not isinstance(req.prompt, str) else None)
+    return req.logprobs, prompt_k
+
+
+def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingParams:
+    """Validate OpenAI sampling fields; 400 with the offending parameter named. With ``vocab_size``, token
+    ids (logit_bias, stop_token_ids) are checked against the vocabulary."""
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
     if req.n not in (None, 1):
@@ -192,7 +214,19 @@ def sampling_params(req: _Common) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")
+    stop_token_ids = list(req.stop_token_ids or [])
+    if vocab_size is not None and any(t >= vocab_size for t in stop_token_ids):
+        raise APIError(400, f"stop_token_ids must be token ids below the vocabulary size {vocab_size}",
+                       param="stop_token_ids")
+    min_tokens = req.min_tokens or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
+    logprobs, prompt_logprobs = _logprobs_asked(req)
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=req.seed,
         max_tokens=max_tokens, stop=stop, ignore_eos=bool(req.ignore_eos),
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0, min_tokens=min_tokens, stop_token_ids=stop_token_ids,
+        logit_bias=_logit_bias(req, vocab_size), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )

@@ -33,6 +33,12 @@ class Logprobs(msgspec.Struct, array_like=True):
                         self.top_tokens + later.top_tokens)
 
 
+    def tail(self, skip: int) -> "Logprobs":
+        """The positions after the first ``skip``."""
+        return Logprobs(self.token_ids[skip:], self.logprobs[skip:], self.top_ids[skip:], self.top_logprobs[skip:],
+                        self.tokens[skip:], self.top_tokens[skip:])
+
+
 def merge_logprobs(first: Logprobs | None, later: Logprobs | None) -> Logprobs | None:
     if first is None or later is None:
         return first if later is None else later

@@ -49,12 +49,14 @@ class RequestOutput(msgspec.Struct):
 
 
 class _TextState:
-    __slots__ = ("detok", "text", "emitted")
+    __slots__ = ("detok", "text", "emitted", "prompt_logprobs", "prompt_sent")
 
-    def __init__(self, detok: IncrementalDetokenizer | None) -> None:
+    def __init__(self, detok: IncrementalDetokenizer | None, prompt_logprobs: Logprobs | None = None) -> None:
         self.detok = detok
         self.text = ""
         self.emitted = 0  # characters already handed out as deltas
+        self.prompt_logprobs = prompt_logprobs  # collected over the prompt's chunks, sent with the first output
+        self.prompt_sent = False
 
 
 class OutputProcessor:
@@ -73,7 +75,10 @@ class OutputProcessor:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens)
-        self._states[request.request_id] = _TextState(detok)
+        prompt_lp = None
+        if request.sampling_params.prompt_logprobs is not None:  # the first prompt token has no logprob
+            prompt_lp = Logprobs([request.prompt_token_ids[0]], [None], [[]], [[]])
+        self._states[request.request_id] = _TextState(detok, prompt_lp)
 
     def discard(self, request_id: str) -> None:
         """Forget a request that never ran (the scheduler refused it)."""
@@ -99,16 +104,32 @@ class OutputProcessor:
         lp.top_tokens = [[self.token_text(t) for t in top] for top in lp.top_ids]
         return lp
 
-    def process(self, updates: list[RequestUpdate], scheduler: Scheduler,
-                logprobs: dict[str, Logprobs] | None = None) -> list[RequestOutput]:
-        """Outputs for a step's updates; ``logprobs`` (by request id) of the tokens sampled for those that asked."""
+    def _add_prompt_logprobs(self, prompt_logprobs: dict[str, tuple[int, Logprobs]]) -> None:
+        for request_id, (position, lp) in prompt_logprobs.items():
+            state = self._states.get(request_id)
+            if state is None or state.prompt_logprobs is None or state.prompt_sent:
+                continue
+            have = len(state.prompt_logprobs)  # positions a preempted request's recompute scores again are dropped
+            if position <= have < position + len(lp):
+                state.prompt_logprobs = state.prompt_logprobs.extend(lp.tail(have - position))
+
+    def process(self, updates: list[RequestUpdate], scheduler: Scheduler, logprobs: dict[str, Logprobs] | None = None,
+                prompt_logprobs: dict[str, tuple[int, Logprobs]] | None = None) -> list[RequestOutput]:
+        """Outputs for a step's updates; ``logprobs`` (by request id) of the tokens sampled for those that asked,
+        ``prompt_logprobs`` (by request id: first position, logprobs) of prompt tokens scored this step."""
+        if prompt_logprobs:
+            self._add_prompt_logprobs(prompt_logprobs)
         outputs = []
         for update in updates:
             try:
+                state = self._states.get(update.request.request_id)
                 out = self._process_one(update, scheduler)
                 lp = logprobs.get(out.request_id) if logprobs else None
                 if lp is not None:
                     out.logprobs = self.with_texts(lp)
+                if state is not None and state.prompt_logprobs is not None and not state.prompt_sent:
+                    state.prompt_sent = True
+                    out.prompt_logprobs = self.with_texts(state.prompt_logprobs)
                 outputs.append(out)
             except Exception as e:  # this request's text failed (a tokenizer bug): end it alone, not the step
                 request = update.request

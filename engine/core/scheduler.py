@@ -61,12 +61,17 @@ class ScheduledRequest:
     sample: bool  # this chunk reaches the end of the known tokens, so a token is sampled
     start: int = 0  # position of the first token to compute (the request's computed tokens so far)
     token_ids: list[int] = field(default_factory=list)  # the num_new_tokens tokens to compute
+    # Prompt logprobs: the first this-many rows of the chunk score the prompt token that follows each of them.
+    prompt_logprob_rows: int = 0
 
     @classmethod
     def of(cls, request: Request, num_new_tokens: int, block_ids: list[int], sample: bool) -> "ScheduledRequest":
         start = request.num_computed_tokens
+        rows = 0
+        if request.sampling_params.prompt_logprobs is not None:
+            rows = max(0, min(start + num_new_tokens, request.num_prompt_tokens - 1) - start)
         return cls(request, num_new_tokens, block_ids, sample, start,
-                   request.all_token_ids[start:start + num_new_tokens])
+                   request.all_token_ids[start:start + num_new_tokens], rows)
 
 
 @dataclass(slots=True)
@@ -286,7 +291,8 @@ class Scheduler:
                     return
                 self._preempt(victim, preempted)
                 continue
-            cached = self.kv.find_cached_prefix(request)
+            # Prompt logprobs need every prompt position computed: no prefix-cache hits for them.
+            cached = [] if request.sampling_params.prompt_logprobs is not None else self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, self._budget)
             if request.background:

@@ -23,3 +23,16 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_counts: l
         ids = token_ids[:, None].tolist()
     return [Logprobs([row_ids[0]], [row_vals[0]], [row_ids[1:1 + n]], [row_vals[1:1 + n]])
             for row_ids, row_vals, n in zip(ids, values, top_counts)]
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_counts: list[int], sizes: list[int]) -> list[Logprobs]:
+    """Prompt tokens' logprobs for several requests: ``logits`` [Q, V] (row q scores ``targets[q]``), the rows of
+    request i being the next ``sizes[i]`` of them with ``top_counts[i]`` top tokens each."""
+    rows = gather_logprobs(logits, targets, [k for k, n in zip(top_counts, sizes) for _ in range(n)])
+    out, at = [], 0
+    for n in sizes:
+        part = rows[at:at + n]
+        at += n
+        out.append(Logprobs([r.token_ids[0] for r in part], [r.logprobs[0] for r in part],
+                            [r.top_ids[0] for r in part], [r.top_logprobs[0] for r in part]))
+    return out

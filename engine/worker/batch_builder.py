@@ -28,6 +28,7 @@ class FlatBatch:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata | TritonAttentionMetadata
     sample_rows: torch.Tensor  # [N] int64: flat row of the last token of each sampling request, in scheduled order
+    prompt_rows: torch.Tensor  # [Q] int64: flat rows scoring prompt tokens (prompt logprobs), in scheduled order
     num_decodes: int  # D; a batch with T == D is decode-only (CUDA-graph eligible)
     max_blocks: int  # W of the widest decode table
 
@@ -61,6 +62,12 @@ def _sample_rows(scheduled: list[ScheduledRequest], order: list[ScheduledRequest
     return [last_index[id(item)] for item in scheduled if item.sample]
 
 
+def _prompt_rows(scheduled: list[ScheduledRequest], order: list[ScheduledRequest], flat: _Flat) -> list[int]:
+    # Flat rows whose logits score a prompt token (prompt logprobs), in scheduled order.
+    first_index = {id(item): flat.ranges[i][0] for i, item in enumerate(order)}
+    return [first_index[id(item)] + j for item in scheduled for j in range(item.prompt_logprob_rows)]
+
+
 def _padded(tables: list[list[int]]) -> list[list[int]]:
     width = max((len(t) for t in tables), default=0)
     return [t + [0] * (width - len(t)) for t in tables]
@@ -78,13 +85,13 @@ def build_triton_batch(scheduled: list[ScheduledRequest], block_size: int, slidi
     tile_req, tile_start = prefill_tiles(query_lens, DEFAULT_LAUNCH.prefill_block_m)
     dec_tables = _padded([s.block_ids for s in decodes])
     (input_ids, positions, slots, dec_table, dec_lens, pre_table, pre_lens, pre_start, pre_len, t_req, t_start,
-     sample_rows) = stage_int64([
+     sample_rows, prompt_rows) = stage_int64([
         flat.input_ids, flat.positions, flat.slots,
         dec_tables, [s.start + 1 for s in decodes],
         _padded([s.block_ids for s in prefills]),
         [s.start + s.num_new_tokens for s in prefills],
         [start for start, _ in flat.ranges[num_decodes:]], query_lens,
-        tile_req, tile_start, _sample_rows(scheduled, order, flat),
+        tile_req, tile_start, _sample_rows(scheduled, order, flat), _prompt_rows(scheduled, order, flat),
     ], device)
     meta = TritonAttentionMetadata(
         slot_mapping=slots,
@@ -102,7 +109,7 @@ def build_triton_batch(scheduled: list[ScheduledRequest], block_size: int, slidi
         sliding_window=sliding_window or 0,
     )
     max_blocks = len(dec_tables[0]) if dec_tables else 0
-    return FlatBatch(input_ids, positions, meta, sample_rows, num_decodes, max_blocks)
+    return FlatBatch(input_ids, positions, meta, sample_rows, prompt_rows, num_decodes, max_blocks)
 
 
 # ---- the torch path --------------------------------------------------------------
@@ -156,7 +163,8 @@ def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, slidin
     num_decodes = len(decodes)
 
     # Host arrays of every group and prefill, staged in one copy; masks are then built on the device.
-    arrays: list = [flat.input_ids, flat.positions, flat.slots, _sample_rows(scheduled, order, flat)]
+    arrays: list = [flat.input_ids, flat.positions, flat.slots, _sample_rows(scheduled, order, flat),
+                    _prompt_rows(scheduled, order, flat)]
     widths = []
     for group, num_shared in groups_host:
         width = max(len(s.block_ids) for s in group) - num_shared
@@ -166,7 +174,7 @@ def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, slidin
         arrays.append(group[0].block_ids[:num_shared])
     arrays += [item.block_ids for item in prefills]
     staged = iter(stage_int64(arrays, device))
-    input_ids, positions, slots, sample_rows = (next(staged) for _ in range(4))
+    input_ids, positions, slots, sample_rows, prompt_rows = (next(staged) for _ in range(5))
 
     groups = []
     g0 = 0
@@ -198,4 +206,4 @@ def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, slidin
         prefill_seq_lens=pre_lens,
         prefill_masks=pre_masks,
     )
-    return FlatBatch(input_ids, positions, meta, sample_rows, num_decodes, max(widths, default=0))
+    return FlatBatch(input_ids, positions, meta, sample_rows, prompt_rows, num_decodes, max(widths, default=0))

@@ -10,7 +10,9 @@ from engine.core.config import CacheConfig
 from engine.core.logprobs import Logprobs
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
+from engine.sampling.logprobs import prompt_logprobs
 from engine.worker.sampler import Sampler
+from engine.worker.staging import stage_int64
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -21,6 +23,9 @@ class StepSamples:
 
     token_ids: list[int | None]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # request id -> (position of its first entry, logprobs of the prompt tokens this step scored); position 0
+    # (the first prompt token) is never scored: nothing precedes it.
+    prompt_logprobs: dict[str, tuple[int, Logprobs]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -110,9 +115,11 @@ class ModelRunner:
         hidden = self.forward(batch)  # [T, H]
         sampling = [s.request for s in sched_out.scheduled if s.sample]
         result = StepSamples([None] * len(sched_out.scheduled))
+        logits = self._logits(hidden, batch)  # [N + Q, V]
+        if batch.prompt_rows.numel():
+            self._prompt_logprobs(logits[len(sampling):], sched_out.scheduled, result)
         if sampling:
-            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [N, V]
-            out = self.sampler(logits, sampling)  # the step's one host sync: reading the tokens
+            out = self.sampler(logits[:len(sampling)], sampling)  # the step's one host sync: reading the tokens
             it = iter(zip(out.token_ids, out.logprobs))
             for i, s in enumerate(sched_out.scheduled):
                 if s.sample:
@@ -120,6 +127,24 @@ class ModelRunner:
                     if lp is not None:
                         result.logprobs[s.request.request_id] = lp
         return result
+
+    def _logits(self, hidden: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
+        """logits [N + Q, V]: the sampling rows', then the rows scoring prompt tokens (prompt logprobs); None if
+        there are neither. Every rank computes the same rows (the LM head gathers across ranks)."""
+        rows = batch.sample_rows
+        if batch.prompt_rows.numel():
+            rows = torch.cat([rows, batch.prompt_rows])
+        return self.model.compute_logits(hidden.index_select(0, rows)) if rows.numel() else None
+
+    def _prompt_logprobs(self, logits: torch.Tensor, scheduled: list[ScheduledRequest], result: StepSamples) -> None:
+        # logits [Q, V]: each asking request's rows score the prompt tokens that follow them.
+        asking = [s for s in scheduled if s.prompt_logprob_rows]
+        targets = [t for s in asking for t in s.request.all_token_ids[s.start + 1:s.start + 1 + s.prompt_logprob_rows]]
+        (targets_d,) = stage_int64([targets], self.device)
+        found = prompt_logprobs(logits, targets_d, [s.request.sampling_params.prompt_logprobs for s in asking],
+                                [s.prompt_logprob_rows for s in asking])
+        for s, lp in zip(asking, found):
+            result.prompt_logprobs[s.request.request_id] = (s.start + 1, lp)
 
     @property
     def steps_with_peers(self) -> bool:
@@ -142,11 +167,10 @@ class ModelRunner:
         self.num_steps += 1
         batch = self.prepare(plan)
         hidden = self.forward(batch)  # [T, H]
-        if batch.sample_rows.numel():
-            self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        self._logits(hidden, batch)
 
 
 def follower_plan(sched_out: SchedulerOutput) -> list[ScheduledRequest]:
     """The step as plain data for the other ranks: each scheduled part without the scheduler's Request."""
-    return [ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids)
+    return [ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids, s.prompt_logprob_rows)
             for s in sched_out.scheduled]

@@ -88,8 +88,9 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
                                           "stream_options": {word: 1}}, f"stream_options.{word}"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                           "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs"),
-                ("/v1/completions", {"prompt": "x", "presence_penalty": random.uniform(0.1, 2)}, "presence_penalty"),
+                ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+                ("/v1/completions", {"prompt": "x", "presence_penalty": random.uniform(2.01, 9)}, "presence_penalty"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                           "response_format": {"type": "json_object"}}, "response_format"),
             ]:

@@ -1,0 +1,75 @@
+"""Logprobs (generated tokens, their top tokens, prompt tokens) equal a log-softmax of transformers' logits on the
+same checkpoint, with chunked prefill and preemption, in batches mixing requests with and without logprobs."""
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.hf_models import make_hf_model
+
+VOCAB = 211
+MODES = {"default": dict(), "chunked_prefill": dict(max_num_batched_tokens=24),
+         "preemption": dict(num_kv_blocks=14, block_size=16, max_num_batched_tokens=64)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    seed = random.randrange(2**31)
+    path = str(tmp_path_factory.mktemp("qwen3"))
+    hf = make_hf_model("qwen3_moe", path, seed=seed, vocab_size=VOCAB)
+    return path, hf, seed
+
+
+def hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V] float64: row p is the log-softmax of transformers' logits after tokens[:p + 1]."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([tokens])).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def check_position(ref_row: torch.Tensor, token: int, value: float, top_ids: list[int], top_values: list[float], k: int):
+    assert value == pytest.approx(ref_row[token].item(), abs=2e-4)
+    assert len(top_ids) == k == len(top_values)
+    ref_vals, ref_ids = ref_row.topk(k)
+    assert top_values == pytest.approx(ref_vals.tolist(), abs=2e-4)
+    gaps = (ref_vals[:-1] - ref_vals[1:]).tolist() + [1.0]
+    for i, (got, want) in enumerate(zip(top_ids, ref_ids.tolist())):
+        if gaps[i] > 1e-3 and (i == 0 or gaps[i - 1] > 1e-3):  # a near-tie may come in either order
+            assert got == want
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_logprobs_match_transformers(checkpoint, mode):
+    path, hf, seed = checkpoint
+    rng = random.Random(seed + len(mode))
+    llm = LLM(model=path, dtype="float32", device="cpu", **MODES[mode])
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(2, 80))] for _ in range(6)]
+    params = []
+    for i in range(len(prompts)):
+        params.append(SamplingParams(
+            temperature=[0.0, 1.0][i % 2], seed=rng.randrange(1000), max_tokens=rng.randint(3, 12), ignore_eos=True,
+            logprobs=[None, 0, 3, 20][i % 4], prompt_logprobs=[None, 5, None, 0, 2, None][i]))
+    outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        ref = hf_logprobs(hf, prompt + out.token_ids)  # [P + G, V]
+        if p.logprobs is None:
+            assert out.logprobs is None
+        else:
+            lp = out.logprobs
+            assert lp.token_ids == out.token_ids and len(lp.tokens) == len(out.token_ids)
+            for g, token in enumerate(out.token_ids):
+                row = ref[len(prompt) - 1 + g]  # the logits that chose token g
+                check_position(row, token, lp.logprobs[g], lp.top_ids[g], lp.top_logprobs[g], p.logprobs)
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+            continue
+        plp = out.prompt_logprobs
+        assert plp.token_ids == prompt and plp.logprobs[0] is None
+        for pos in range(1, len(prompt)):
+            check_position(ref[pos - 1], prompt[pos], plp.logprobs[pos], plp.top_ids[pos], plp.top_logprobs[pos],
+                           p.prompt_logprobs)
+    if mode == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
