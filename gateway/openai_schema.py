@@ -7,6 +7,7 @@ import msgspec
 
 from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from gateway.errors import APIError
+from gateway.response_format import ResponseFormat, structured_output_of
 
 # Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the
 # engine's message encoding, a seed for torch). Refused while decoding, with the field named.
@@ -46,7 +47,6 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "suffix": ("",),
     "best_of": (1,),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),
@@ -88,7 +88,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] | None = None  # 0; a vLLM extension
     logit_bias: LogitBias | None = None
     stop_token_ids: list[TokenId] | None = None  # a vLLM extension
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -229,4 +229,5 @@ def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingPara
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0, min_tokens=min_tokens, stop_token_ids=stop_token_ids,
         logit_bias=_logit_bias(req, vocab_size), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output_of(req.response_format, bool(req.ignore_eos)),
     )

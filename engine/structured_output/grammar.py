@@ -23,6 +23,11 @@ _ANY_OBJECT = json.dumps({"type": "object"})
 @functools.lru_cache(maxsize=1024)
 def _grammar_for_schema(schema: str) -> str:
     """A schema's llguidance grammar; ValueError (the library's message) if it cannot be enforced."""
+    # JSON Schema's boolean schemas, which llguidance takes only as objects: true is {}, false allows nothing.
+    if json.loads(schema) is True:
+        schema = "{}"
+    elif json.loads(schema) is False:
+        raise ValueError("the schema `false` allows no value at all")
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     except ValueError as e:

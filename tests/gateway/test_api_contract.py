@@ -92,7 +92,7 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
                 ("/v1/completions", {"prompt": "x", "presence_penalty": random.uniform(2.01, 9)}, "presence_penalty"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                          "response_format": {"type": "json_object"}}, "response_format"),
+                                          "response_format": {"type": "xml"}}, "response_format.type"),
             ]:
                 status, answer = await post(path, body)
                 assert status == 400 and answer["error"]["param"] == param, (body, answer)
