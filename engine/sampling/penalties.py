@@ -66,6 +66,11 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
 
 def apply_min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     """probs [N, V] with tokens below ``min_p`` times their row's largest probability set to 0 (not renormalised:
-    the exponential race samples from the unnormalised weights the same way)."""
-    threshold = to_device(min_ps, torch.float32, probs.device)[:, None] * probs.amax(dim=-1, keepdim=True)  # [N, 1]
-    return probs.masked_fill(probs < threshold, 0.0)
+    the exponential race samples from the unnormalised weights the same way). Only rows with min_p > 0 are read."""
+    rows = [i for i, m in enumerate(min_ps) if m > 0.0]
+    if not rows:
+        return probs
+    (index,) = stage_int64([rows], probs.device)
+    sub = probs.index_select(0, index)  # [M, V]
+    threshold = to_device([min_ps[i] for i in rows], torch.float32, probs.device)[:, None] * sub.amax(-1, keepdim=True)
+    return probs.index_copy(0, index, sub.masked_fill(sub < threshold, 0.0))
