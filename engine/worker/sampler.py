@@ -83,14 +83,18 @@ class Sampler:
         if self.grammars is not None:
             self.grammars.apply(logits, requests)
         sampled = self._sample(logits, requests)  # [N] on the device
+        tokens = sampled.tolist()  # the step's one host sync
+        chosen = sampled
+        if self.grammars is not None:
+            accepted = self.grammars.accept(requests, tokens)
+            if accepted != tokens:  # a token the grammar refused became EOS: report the EOS's logprob
+                chosen = to_device(accepted, torch.int64, logits.device)
+            tokens = accepted
         logprobs: list[Logprobs | None] = [None] * len(requests)
-        if lp_rows:
-            found = gather_logprobs(raw, sampled.index_select(0, rows), [params[i].logprobs for i in lp_rows])
+        if lp_rows:  # only steps with a request that asks pay this read
+            found = gather_logprobs(raw, chosen.index_select(0, rows), [params[i].logprobs for i in lp_rows])
             for i, lp in zip(lp_rows, found):
                 logprobs[i] = lp
-        tokens = sampled.tolist()  # the step's one host sync for requests without logprobs
-        if self.grammars is not None:
-            tokens = self.grammars.accept(requests, tokens)
         return SamplerOutput(tokens, logprobs)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -73,3 +73,18 @@ def test_logprobs_match_transformers(checkpoint, mode):
                            p.prompt_logprobs)
     if mode == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.timeout(120)
+def test_prompt_logprobs_skip_the_prefix_cache(checkpoint):
+    """A prompt whose blocks are cached is still scored at every position."""
+    path, hf, seed = checkpoint
+    rng = random.Random(seed)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=16)
+    prompt = [rng.randrange(1, VOCAB - 1) for _ in range(70)]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # caches its blocks
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1))[0]
+    ref = hf_logprobs(hf, prompt)
+    assert out.prompt_logprobs.token_ids == prompt
+    assert out.prompt_logprobs.logprobs[1:] == pytest.approx([ref[p - 1, prompt[p]].item() for p in range(1, 70)],
+                                                             abs=2e-4)

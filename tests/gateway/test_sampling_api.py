@@ -85,10 +85,21 @@ def test_completion_echo_logprobs_match_transformers(served):
     ids = prompt + generated
 
     async def go(client):
-        return await client.completions.create(model="demo", prompt=prompt, max_tokens=6, temperature=0, echo=True,
-                                               logprobs=3, extra_body={"ignore_eos": True})
+        whole = await client.completions.create(model="demo", prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                                logprobs=3, extra_body={"ignore_eos": True})
+        chunks = await client.completions.create(model="demo", prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                                 logprobs=3, stream=True, extra_body={"ignore_eos": True})
+        streamed = [c async for c in chunks]
+        text = await client.completions.create(model="demo", prompt="the river", max_tokens=3, echo=True)
+        return whole, streamed, text
 
-    answer = run(go)
+    answer, streamed, text_echo = run(go)
+    assert text_echo.choices[0].text.startswith("the river") and text_echo.choices[0].logprobs is None
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == answer.choices[0].logprobs.tokens
+    assert [o for p in parts for o in p.text_offset] == answer.choices[0].logprobs.text_offset
+    assert [v for p in parts for v in p.token_logprobs] == pytest.approx(answer.choices[0].logprobs.token_logprobs,
+                                                                          abs=1e-4)
     choice = answer.choices[0]
     lp = choice.logprobs
     assert answer.usage.prompt_tokens == len(prompt) and answer.usage.completion_tokens == 6
