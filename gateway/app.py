@@ -19,11 +19,14 @@ from aiohttp import web
 
 from engine.serving.async_engine import EngineError, RequestRejectedError
 from engine.serving.client import EngineClient
-from engine.core.outputs import RequestOutput
 from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, rate_limit_headers, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.replies import json_response
-from gateway.completion import collect, completion_body, engine_down, output_choice, output_failed, prepare_prompt, usage_of
+from gateway.choices import Choices
+from gateway.completion import (
+    choice_prompts, collect, completion_body, engine_down, output_choice, output_failed, prepare_prompts, start_streams,
+    system_fingerprint,
+)
 from gateway.logprobs import CompletionLogprobs
 from gateway.config import GatewayConfig
 from gateway.errors import (
@@ -37,6 +40,7 @@ from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
 from gateway.usage_ledger import UsageLedger
 from gateway.batch import batches as batch_api, files as files_api
+from gateway import tokenization
 from gateway.batch.batches import BATCH_SETTINGS, BATCH_WAKE, QUOTA_MANAGER
 from gateway.batch.runner import BatchRunner, BatchRunnerConfig
 from gateway.batch.files import BATCH_STORE, DATA_DIR, MAX_FILE_BYTES
@@ -49,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 ENGINE = web.AppKey("engine", EngineClient)
 CONFIG = web.AppKey("config", GatewayConfig)
-LAST_OUTPUT = web.RequestKey("last_output", RequestOutput)  # the latest engine output, for usage at settle
+CHOICES = web.RequestKey("choices", Choices)  # every choice's latest engine output, for usage at settle
 TIMER = web.RequestKey("timer", RequestTimer)
 RATE_HEADERS = web.RequestKey("rate_headers", dict)
 INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
@@ -171,11 +175,9 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     tenant, cls = principal.tenant, principal.priority_class
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
-    max_model_len = engine.info.max_model_len
-    prompt = await prepare_prompt(engine, body, chat)
-    # The reservation is exact for the prompt, and never more output than the context leaves room for.
-    room = max_model_len - len(prompt)
-    max_new = min(params.max_tokens or room, room)
+    prompts = await prepare_prompts(engine, body, chat)
+    reserved = reservation([len(p) for p in prompts], params.n, params.max_tokens, engine.info.max_model_len,
+                           app[CONFIG].default_reservation_tokens)
     metrics = app[METRICS]
     timer = RequestTimer(metrics, tenant.name, cls.name)
     inflight = app[INFLIGHT]
@@ -188,7 +190,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     # Counted from here, before any await, so a burst cannot all pass the check above at once.
     inflight[cls.rank] = inflight.get(cls.rank, 0) + 1
     try:
-        grant = await app[SETTLEMENTS].acquire(app[QUOTAS], tenant.id, len(prompt) + max_new)
+        grant = await app[SETTLEMENTS].acquire(app[QUOTAS], tenant.id, reserved)
     except APIError as refused:
         inflight[cls.rank] -= 1
         metrics.rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
@@ -200,12 +202,13 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     request[TIMER] = timer
     request[RATE_HEADERS] = rate_limit_headers(grant)
     usage: UsageRecord | None = None
-    started = utcnow()
+    started_at = utcnow()
     status = 500
     stream = None
+    choices = request[CHOICES] = Choices([len(p) for p in prompts], params.n, whole=not body.stream)
     try:
-        stream = engine.generate(
-            prompt, params, request_id=rid,
+        stream = start_streams(
+            engine, prompts, params, rid,
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
             preemptible=cls.preemptible, may_preempt=cls.may_preempt,
         )
@@ -220,20 +223,20 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         raise
     finally:
         inflight[cls.rank] -= 1
-        last = request.get(LAST_OUTPUT)
-        if status == 200 and last is not None and not last.finished:
+        started = choices.started
+        if status == 200 and started and not choices.finished:
             status = 503  # a stream the engine failed mid-way: 200 went out with the headers, the row says so
-        elif status == 200 and last is not None and last.finish_reason == "error":
+        elif status == 200 and choices.failed:
             status = 500  # a stream whose output failed (its error event went out after the 200)
-        if last is not None:
+        if started:
             usage = UsageRecord(
-                tenant_id=tenant.id, request_id=rid, model=_model_name(app), prompt_tokens=last.num_prompt_tokens,
-                completion_tokens=last.num_output_tokens, cached_prompt_tokens=last.num_cached_tokens,
-                key_id=principal.key.id, finish_reason=last.finish_reason or "abort", started_at=started,
+                tenant_id=tenant.id, request_id=rid, model=_model_name(app), prompt_tokens=choices.num_prompt_tokens,
+                completion_tokens=choices.num_output_tokens, cached_prompt_tokens=choices.num_cached_tokens,
+                key_id=principal.key.id, finish_reason=choices.finish_reason or "abort", started_at=started_at,
                 finished_at=utcnow(), http_status=status,
             )
         timer.finish(status, usage)
-        if stream is None or (last is not None and last.finished):
+        if stream is None or choices.finished:
             # Nothing left to abort: hand the usage over now, with no await before it. Going through
             # a shielded task costs every request a turn of the event loop behind whatever else is
             # ready, which was the gateway's largest share of its slowest requests (issue 6).
@@ -253,10 +256,25 @@ async def _close_and_settle(app: web.Application, stream, grant, usage: UsageRec
     app[LEDGER].submit(grant, usage)  # usage None: the request never ran, the reservation is released
 
 
+def reservation(prompt_lengths: list[int], n: int, max_tokens: int | None, max_model_len: int,
+                default_tokens: int) -> int:
+    """Tokens to reserve at admission: each prompt once, plus ``n`` outputs of ``max_tokens`` each (never more
+    than the context leaves room for). Without ``max_tokens`` an output may run to the end of the context;
+    ``default_tokens`` of it are reserved, and the settle charges what it really used."""
+    total = 0
+    for length in prompt_lengths:
+        room = max_model_len - length
+        total += length + n * min(max_tokens if max_tokens is not None else default_tokens, room)
+    return total
+
+
 async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int) -> web.StreamResponse:
-    """Run the engine stream to a JSON body or SSE events; request[LAST_OUTPUT] tracks the latest delta for usage."""
+    """Run the merged engine streams to a JSON body or SSE events; request[CHOICES] keeps every choice's
+    latest output for usage."""
     app = request.app
     model = _model_name(app)
+    fingerprint = system_fingerprint(app[ENGINE].config, model)
+    choices = request[CHOICES]
 
     try:
         first = await anext(stream)
@@ -265,17 +283,19 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     except EngineError as e:
         raise engine_down(e) from None
 
-    request[LAST_OUTPUT] = first  # so usage is settled even if the client goes away mid-stream
     timer = request[TIMER]
-    timer.delta(first=True, queue_time_s=first.queue_time_s)
+    timer.delta(first=True, queue_time_s=first[1].queue_time_s)
 
     if not body.stream:
-        def track(whole: RequestOutput) -> None:
-            request[LAST_OUTPUT] = whole
-            timer.delta(first=False)
+        async def from_first():
+            yield first
+            async for item in stream:
+                yield item
+                timer.delta(first=False)
 
-        whole = await collect(stream, chat, first, track)
-        body_json = json_response(completion_body(rid, created, model, chat, whole, body))
+        # collect records each output in request[CHOICES], so usage is settled even if the client goes away.
+        whole = await collect(from_first(), chat, choices)
+        body_json = json_response(completion_body(rid, created, model, chat, whole, body, fingerprint))
         body_json.headers.update(request[RATE_HEADERS])
         return body_json
 
@@ -286,26 +306,32 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     await response.prepare(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    delta = first
-    offsets = CompletionLogprobs()  # text_offset runs on across the chunks
+    index = choices.add(*first)  # so usage is settled even if the client goes away mid-stream
+    delta = first[1]
+    prompts = choice_prompts(body, chat, choices.n)
+    offsets: dict[int, CompletionLogprobs] = {}  # per choice: text_offset runs on across its chunks
     while True:
         if delta.finish_reason == "error":
             return await _write_error_event(response, output_failed())
-        event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
-                 "choices": [output_choice(chat, body, delta, True, delta is first, offsets)]}
+        first_chunk = index not in offsets
+        event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "system_fingerprint": fingerprint,
+                 "choices": [output_choice(chat, body, delta, index, True, first_chunk,
+                                           offsets.setdefault(index, CompletionLogprobs()), prompts[index])]}
         if include_usage:
             event["usage"] = None
         await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
-        if delta.finished:
+        if choices.finished:
             break
         try:
-            delta = request[LAST_OUTPUT] = await anext(stream)
+            p, delta = await anext(stream)
         except EngineError as e:
             return await _write_error_event(response, APIError(503, f"engine unavailable: {e}", "server_error",
                                                                code="engine_unavailable"))
+        index = choices.add(p, delta)
         timer.delta(first=False)
     if include_usage:  # OpenAI's shape: a last chunk with no choices and the request's usage
-        event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [], "usage": usage_of(delta)}
+        event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "system_fingerprint": fingerprint,
+                 "choices": [], "usage": choices.usage()}
         await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
@@ -436,4 +462,5 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    tokenization.add_routes(app, ENGINE, _check_model)
     return app

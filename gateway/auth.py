@@ -45,6 +45,7 @@ class Authenticator:
 
 
 PRINCIPAL = web.RequestKey("principal", Principal)
+KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/ (vLLM's paths), behind the key all the same
 AUTHENTICATOR = web.AppKey("authenticator", Authenticator)
 
 
@@ -55,8 +56,9 @@ def _unauthorized(message: str) -> APIError:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    """Every /v1/ route needs a valid key of an active tenant; /health stays open (/metrics has its own check)."""
-    if not request.path.startswith("/v1/"):
+    """Every /v1/ route (and /tokenize, /detokenize) needs a valid key of an active tenant; /health stays open
+    (/metrics has its own check)."""
+    if not (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
         return await handler(request)
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")

@@ -42,7 +42,8 @@ def _serve(args: argparse.Namespace) -> int:
                            max_connections=args.max_connections, metrics_host=args.metrics_host,
                            metrics_port=args.metrics_port if args.metrics_port >= 0 else None,
                            metrics_token=os.environ.get("MOEGATE_METRICS_TOKEN") or None,
-                           batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight)
+                           batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight,
+                           default_reservation_tokens=args.default_reservation_tokens)
     _check_model(args)
     try:
         # The policy database must match this code; the embedded SQLite default upgrades itself.
@@ -227,6 +228,9 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM/SIGINT (default 30)")
+    p.add_argument("--default-reservation-tokens", type=int, default=512,
+                   help="output tokens a request without max_tokens reserves per choice against its tenant's token "
+                        "limits; what it really generates is charged when it ends (default 512)")
     p.add_argument("--keepalive-timeout", type=float, default=15.0,
                    help="seconds an idle connection (nothing sent yet, or between requests) stays open (default 15)")
     p.add_argument("--body-timeout", type=float, default=60.0,

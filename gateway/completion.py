@@ -1,46 +1,74 @@
 """OpenAI response bodies for one finished request, shared by the live routes and the Batch API."""
 
+import dataclasses
+import hashlib
+from importlib.metadata import PackageNotFoundError, version
+
 from engine.serving.async_engine import EngineError, RequestRejectedError
 from engine.text.prompts import InvalidPrompt
 from engine.core.outputs import RequestOutput
+from gateway.choices import Choices, merged
 from gateway.errors import APIError
 from gateway.logprobs import CompletionLogprobs, chat_logprobs, echo_text
-from gateway.openai_schema import sampling_params
+from gateway.openai_schema import check_choices, prompts_of, sampling_params, text_messages
 
 
-def usage_of(d: RequestOutput) -> dict:
-    return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
-            "total_tokens": d.num_prompt_tokens + d.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": d.num_cached_tokens}}
+def system_fingerprint(engine_config, model: str) -> str:
+    """``fp_`` and a hash of the served model's name, moegate's version and the engine's configuration: it
+    changes exactly when something that may change outputs for the same request (and seed) does."""
+    try:
+        ver = version("moegate")
+    except PackageNotFoundError:
+        ver = "0"
+    fields = dataclasses.asdict(engine_config) if dataclasses.is_dataclass(engine_config) else {}
+    text = repr((model, ver, sorted(fields.items())))
+    return "fp_" + hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
-def choice(chat: bool, text: str, finish: str | None, delta: bool, logprobs: dict | None = None) -> dict:
+def choice(chat: bool, text: str, finish: str | None, delta: bool, logprobs: dict | None = None, index: int = 0,
+           stop_reason: int | str | None = None) -> dict:
+    """One choice; a finished one has ``stop_reason``: the stop string or stop token id that ended it (as vLLM
+    reports), None for EOS and length."""
     if not chat:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    key = "delta" if delta else "message"
-    return {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}
+        body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    else:
+        key = "delta" if delta else "message"
+        body = {"index": index, key: {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}
+    if finish is not None:
+        body["stop_reason"] = stop_reason
+    return body
 
 
-def output_choice(chat: bool, body, out: RequestOutput, delta: bool, first: bool = True,
-                  offsets: CompletionLogprobs | None = None) -> dict:
-    """The choice for ``out`` (a whole output, or a stream's chunk: ``first`` for its first one), with the
-    echoed prompt and the logprobs the request asked for. ``offsets`` carries text_offset across chunks."""
+def output_choice(chat: bool, body, out: RequestOutput, index: int, delta: bool, first: bool = True,
+                  offsets: CompletionLogprobs | None = None, prompt: str | list[int] | None = None) -> dict:
+    """Choice ``index`` for ``out`` (a whole output, or a stream's chunk: ``first`` for its first one), with the
+    echoed ``prompt`` (this choice's) and the logprobs the request asked for. ``offsets`` carries text_offset
+    across one choice's chunks."""
     text = out.text
     echo = not chat and bool(body.echo) and first
     if echo:
-        text = echo_text(body.prompt, out) + text
+        text = echo_text(prompt, out) + text
     logprobs = None
     if chat:
         logprobs = chat_logprobs(out.logprobs)
     elif body.logprobs is not None:
         logprobs = (offsets or CompletionLogprobs()).format(out.prompt_logprobs if echo else None, out.logprobs)
-    return choice(chat, text, out.finish_reason, delta, logprobs)
+    stop_reason = out.stop_reason if out.finish_reason == "stop" else None
+    return choice(chat, text, out.finish_reason, delta, logprobs, index, stop_reason)
 
 
-def completion_body(rid: str, created: int, model: str, chat: bool, whole: RequestOutput, body) -> dict:
+def choice_prompts(body, chat: bool, n: int) -> list:
+    """Each choice's prompt as the request gave it (for echo); None for chat."""
+    return [None] * n if chat else [p for p in prompts_of(body) for _ in range(n)]
+
+
+def completion_body(rid: str, created: int, model: str, chat: bool, whole: Choices, body, fingerprint: str) -> dict:
     """The non-streaming response of /v1/completions or /v1/chat/completions for a request's whole output."""
+    prompts = choice_prompts(body, chat, whole.n)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-            "choices": [output_choice(chat, body, whole, False)], "usage": usage_of(whole)}
+            "system_fingerprint": fingerprint,
+            "choices": [output_choice(chat, body, out, i, False, prompt=prompts[i]) for i, out in enumerate(whole.outputs)],
+            "usage": whole.usage()}
 
 
 def engine_down(err: Exception | str) -> APIError:
@@ -63,50 +91,68 @@ def output_failed() -> APIError:
 NOT_RETRIED = ("engine_failed", "request_failed")  # error codes a batch line fails with instead of running again
 
 
-async def prepare_prompt(engine, body, chat: bool) -> list[int]:
-    """The request's checked prompt token ids; a 400 naming the field if it cannot be served."""
+async def prepare_prompts(engine, body, chat: bool) -> list[list[int]]:
+    """The request's checked prompts as token ids (a chat request has one); a 400 naming the field if one
+    cannot be served."""
     try:
-        return await engine.prepare(None if chat else body.prompt, body.messages if chat else None)
+        if chat:
+            return [await engine.prepare(None, text_messages(body.messages))]
+        prompts = prompts_of(body)
+        check_choices(len(prompts), body.n or 1)
+        out = []
+        for i, prompt in enumerate(prompts):
+            try:
+                out.append(await engine.prepare(prompt, None))
+            except InvalidPrompt as e:
+                if len(prompts) > 1:
+                    e.param, e.message = f"prompt[{i}]", f"prompt {i}: {e.message}"
+                raise
+        return out
     except InvalidPrompt as e:
         raise APIError(400, e.message, param=e.param) from None
     except EngineError as e:
         raise engine_down(e) from None
 
 
-async def collect(stream, chat: bool, first: RequestOutput | None = None, on_output=None) -> RequestOutput:
-    """The engine stream's outputs (after ``first``, if already read) merged into the whole generation.
+def start_streams(engine, prompts: list[list[int]], params, rid: str, **request_policy):
+    """One engine request per prompt (ids ``rid``, or ``rid-0``, ``rid-1``, ... for several), merged."""
+    ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    return merged([engine.generate(p, params, request_id=i, **request_policy) for p, i in zip(prompts, ids)])
+
+
+async def collect(stream, chat: bool, choices: Choices, on_output=None) -> Choices:
+    """Run the merged engine streams to the end, recording every output in ``choices``.
 
     APIErrors as the live API gives them: 400 for a prompt the engine refused, 503 if the engine went
-    down, 500 if the engine could not produce this request's output. ``on_output(whole)`` sees the
-    merged output after each one arrives.
+    down, 500 if the engine could not produce an output. ``on_output(choices)`` runs after each output.
     """
-    whole = first
     try:
-        async for out in stream:
-            whole = out if whole is None else whole.merge(out)
+        async for p, out in stream:
+            choices.add(p, out)
             if on_output is not None:
-                on_output(whole)
+                on_output(choices)
     except RequestRejectedError as e:
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
     except EngineError as e:
         raise engine_down(e) from None
-    if whole.finish_reason == "error":
+    if choices.failed:
         raise output_failed()
-    return whole
+    return choices
 
 
-async def complete(engine, body, chat: bool, rid: str, created: int, model: str, **request_policy) -> tuple[dict, RequestOutput]:
-    """Run one request to the end and return (response body, its whole output); APIError as the live API would.
+async def complete(engine, body, chat: bool, rid: str, created: int, model: str, fingerprint: str = "",
+                   **request_policy) -> tuple[dict, Choices]:
+    """Run one request to the end and return (response body, its choices); APIError as the live API would.
 
     ``request_policy`` is what ``engine.generate`` takes besides the prompt: priority, tenant,
-    weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine request.
+    weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine requests.
     """
     params = sampling_params(body, engine.info.vocab_size if engine.info is not None else None)
-    prompt = await prepare_prompt(engine, body, chat)
+    prompts = await prepare_prompts(engine, body, chat)
     # Only the result is wanted: one message from the engine at the end, not one per token.
-    stream = engine.generate(prompt, params, request_id=rid, stream=False, **request_policy)
+    stream = start_streams(engine, prompts, params, rid, stream=False, **request_policy)
     try:
-        whole = await collect(stream, chat)
+        whole = await collect(stream, chat, Choices([len(p) for p in prompts], params.n, whole=True))
     finally:
         await stream.aclose()
-    return completion_body(rid, created, model, chat, whole, body), whole
+    return completion_body(rid, created, model, chat, whole, body, fingerprint), whole

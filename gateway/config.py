@@ -31,6 +31,9 @@ class GatewayConfig:
     metrics_port: int | None = None
     metrics_token: str | None = None
     max_inflight_by_rank: dict[int, int] = field(default_factory=_default_inflight_caps)
+    # Output tokens reserved per choice at admission when a request sets no max_tokens (the OpenAI SDKs'
+    # default for chat), instead of the whole context; the settle charges what was really generated.
+    default_reservation_tokens: int = 512
     # Batch API
     data_dir: str = ".moegate/data"  # uploaded files and batch results (the database keeps the state)
     batch_max_file_bytes: int = 100 * 2**20
@@ -57,5 +60,7 @@ class GatewayConfig:
             raise ValueError("keepalive_timeout_s and body_timeout_s must be > 0, max_connections >= 1")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.default_reservation_tokens < 1:
+            raise ValueError("default_reservation_tokens must be >= 1")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")

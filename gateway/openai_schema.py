@@ -5,7 +5,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams
+from gateway.choices import MAX_CHOICES
 from gateway.errors import APIError
 from gateway.response_format import ResponseFormat, structured_output_of
 
@@ -32,10 +33,27 @@ LogitBias = Annotated[dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.
                       msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
 
 
+class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    """A ``{"type": "text", "text": ...}`` content part; other part types (images, audio) are refused."""
+
+    text: str
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
-    content: str
+    content: str | list[TextPart]
     name: str | None = None  # a participant's name: accepted, not used by the chat templates we render
+
+
+def message_text(message: ChatMessage) -> str:
+    """A message's content as one string: text parts joined by newlines (as vLLM renders them)."""
+    content = message.content
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
+
+
+def text_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """The messages with string content, as the chat template takes them."""
+    return [m if isinstance(m.content, str) else msgspec.structs.replace(m, content=message_text(m)) for m in messages]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -72,7 +90,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     temperature: Temperature | None = None  # 1.0
     top_p: TopP | None = None  # 1.0
     top_k: TopK | None = None  # off
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None  # one choice per request
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: NonEmptyText | StopStrings | None = None
@@ -106,7 +124,8 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: NonEmptyText | TokenIds
+    # A string, token ids, or a list of either (one prompt each); checked for a mix by ``prompts_of``.
+    prompt: NonEmptyText | Annotated[list[NonEmptyText | TokenId | TokenIds], msgspec.Meta(min_length=1)]
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None  # top tokens per position; null: none
     echo: bool | None = None  # the prompt before the completion (and its logprobs, with logprobs)
 
@@ -161,14 +180,39 @@ def decode_body(body: bytes, cls):
         req = decode_json(body, cls)
     except msgspec.ValidationError as e:
         message = str(e)
+        param = error_param(e)
         if _UNKNOWN_FIELD.match(message):
             message += " (not a field of this request: check its spelling, or remove it)"
-        raise APIError(400, f"invalid request body: {message}", param=error_param(e)) from None
+        elif param and ".content[" in param and param.endswith(".type"):
+            message += ' (content parts may only be {"type": "text", "text": ...}: send other media another way)'
+        raise APIError(400, f"invalid request body: {message}", param=param) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if isinstance(req, _Common):
         check_implemented(req)
     return req
+
+
+def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: a string or a list of token ids is one; a list of strings or of token-id lists is
+    one each. A list mixing the forms is a 400."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    kinds = {type(p) for p in prompt}
+    if kinds == {int}:
+        return [prompt]
+    if kinds == {str} or kinds == {list}:
+        return list(prompt)
+    raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+                        "lists, not a mix of these", param="prompt")
+
+
+def check_choices(num_prompts: int, n: int) -> None:
+    """At most MAX_CHOICES choices (prompts x n) in one request."""
+    if num_prompts * n > MAX_CHOICES:
+        raise APIError(400, f"{num_prompts} prompts x n={n} asks for {num_prompts * n} choices; at most "
+                            f"{MAX_CHOICES} per request (send several requests)", param="n" if n > 1 else "prompt")
 
 
 def _logit_bias(req: _Common, vocab_size: int | None) -> dict[int, float] | None:
@@ -200,8 +244,6 @@ def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingPara
     ids (logit_bias, stop_token_ids) are checked against the vocabulary."""
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
-    if req.n not in (None, 1):
-        raise APIError(400, "only n=1 is supported", param="n")
     if not 0.0 <= temperature <= 2.0:
         raise APIError(400, "temperature must be between 0 and 2", param="temperature")
     if not 0.0 < top_p <= 1.0:
@@ -224,7 +266,7 @@ def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingPara
     logprobs, prompt_logprobs = _logprobs_asked(req)
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=req.seed,
-        max_tokens=max_tokens, stop=stop, ignore_eos=bool(req.ignore_eos),
+        max_tokens=max_tokens, stop=stop, ignore_eos=bool(req.ignore_eos), n=req.n or 1,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0, min_tokens=min_tokens, stop_token_ids=stop_token_ids,

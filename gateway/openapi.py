@@ -4,6 +4,7 @@ import msgspec
 
 from gateway.batch.batches import CreateBatch
 from gateway.openai_schema import NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
+from gateway.tokenization import DetokenizeRequest, TokenizeRequest
 
 _ERROR = {
     "type": "object",
@@ -32,8 +33,9 @@ def _generation(summary: str, schema_ref: str) -> dict:
 
 
 def openapi_document(version: str) -> dict:
-    (completion, chat, create_batch), components = msgspec.json.schema_components(
-        [CompletionRequest, ChatCompletionRequest, CreateBatch], ref_template="#/components/schemas/{name}"
+    (completion, chat, create_batch, tokenize, detokenize), components = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest, CreateBatch, TokenizeRequest, DetokenizeRequest],
+        ref_template="#/components/schemas/{name}"
     )
     components["Error"] = _ERROR
     for name in ("CompletionRequest", "ChatCompletionRequest"):
@@ -54,6 +56,11 @@ def openapi_document(version: str) -> dict:
             "/v1/models/{model}": {"get": _op("A served model (404 model_not_found for any other name)", "model object",
                                               params=("model",))},
             **_batch_paths(create_batch["$ref"]),
+            "/tokenize": {"post": _op("Token ids of a prompt or of chat messages, as the generation routes would run "
+                                      "them: {tokens, count, max_model_len}", "token ids",
+                                      {"application/json": {"schema": {"$ref": tokenize["$ref"]}}})},
+            "/detokenize": {"post": _op("Text of token ids: {prompt}", "text",
+                                        {"application/json": {"schema": {"$ref": detokenize["$ref"]}}})},
             "/health": {"get": {"summary": "ready / starting / engine down",
                                 "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text format"}}}},

@@ -100,10 +100,17 @@ class ReplicaRouter:
     async def shutdown(self) -> None:
         await asyncio.gather(*(r.shutdown() for r in self.replicas), return_exceptions=True)
 
-    async def prepare(self, prompt: str | list[int] | None = None, messages: Sequence | None = None) -> list[int]:
+    async def prepare(self, prompt: str | list[int] | None = None, messages: Sequence | None = None,
+                      add_generation_prompt: bool = True) -> list[int]:
         """Prompt preparation runs in this process; any replica's tokenizer does (they are the same)."""
+        return await self._any().prepare(prompt, messages, add_generation_prompt)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self._any().detokenize(token_ids)
+
+    def _any(self) -> EngineClient:
         ready = [r for r in self.replicas if not r.dead and r.info is not None]
-        return await (ready or self.replicas)[0].prepare(prompt, messages)
+        return (ready or self.replicas)[0]
 
     # -- routing --
 

@@ -362,11 +362,10 @@ class Scheduler:
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
-                request.stop_reason = token
+                request.stop_reason = token  # the caller's stop token; EOS leaves it None (as vLLM reports)
+                return RequestStatus.FINISHED_STOPPED
+            if token == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -135,14 +135,24 @@ class AsyncEngine:
         self.info = first
         return first
 
-    async def prepare(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Turn] | None = None) -> list[int]:
+    async def prepare(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Turn] | None = None,
+                      add_generation_prompt: bool = True) -> list[int]:
         """Checked prompt token ids for ``generate``; ``engine.text.prompts.InvalidPrompt`` (a 400) if it cannot be served."""
         if self.inputs is None:
             raise EngineError(self.dead or "the engine is starting")
         size = sum(len(m.content) for m in messages) if messages is not None else len(prompt or "")
         if size <= self.INLINE_PROMPT_CHARS:
-            return self.inputs.prepare(prompt, messages)
-        return await self._loop.run_in_executor(self._input_pool, self.inputs.prepare, prompt, messages)
+            return self.inputs.prepare(prompt, messages, add_generation_prompt)
+        return await self._loop.run_in_executor(self._input_pool, self.inputs.prepare, prompt, messages,
+                                                add_generation_prompt)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids; ``InvalidPrompt`` (a 400 naming ``tokens``) for ids outside the vocabulary."""
+        if self.inputs is None:
+            raise EngineError(self.dead or "the engine is starting")
+        if len(token_ids) <= self.INLINE_PROMPT_CHARS:
+            return self.inputs.decode(token_ids)
+        return await self._loop.run_in_executor(self._input_pool, self.inputs.decode, token_ids)
 
     def _recv(self):
         try:

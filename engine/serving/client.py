@@ -28,8 +28,13 @@ class EngineClient(Protocol):
 
     async def shutdown(self) -> None: ...
 
-    async def prepare(self, prompt: str | list[int] | None = None, messages: Sequence | None = None) -> list[int]:
+    async def prepare(self, prompt: str | list[int] | None = None, messages: Sequence | None = None,
+                      add_generation_prompt: bool = True) -> list[int]:
         """The checked prompt token ids of a text or token prompt, or of chat ``messages``."""
+        ...
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (``InvalidPrompt`` for ids outside the vocabulary)."""
         ...
 
     def generate(self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None,

@@ -73,17 +73,19 @@ class InputProcessor:
         except Exception as e:  # a tokenizer bug is this request's failure, not the server's
             raise InvalidPrompt(f"the tokenizer could not encode the prompt ({type(e).__name__}: {e})", param) from None
 
-    def render_chat(self, turns: Sequence[Turn]) -> str:
-        """Chat turns -> prompt text through the checkpoint's chat template (a plain transcript without one)."""
+    def render_chat(self, turns: Sequence[Turn], add_generation_prompt: bool = True) -> str:
+        """Chat turns -> prompt text through the checkpoint's chat template (a plain transcript without one);
+        ``add_generation_prompt`` ends it with the assistant's turn opening."""
         self._require_tokenizer("chat needs one", "messages")
         if not turns:
             raise InvalidPrompt("messages must not be empty", "messages")
         self._check_size(sum(len(t.content) for t in turns), "messages")
         conversation = [{"role": t.role, "content": t.content} for t in turns]
         if not getattr(self.tokenizer, "chat_template", None):
-            return "".join(f"{t['role']}: {t['content']}\n" for t in conversation) + "assistant:"
+            return "".join(f"{t['role']}: {t['content']}\n" for t in conversation) + ("assistant:" if add_generation_prompt else "")
         try:
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja2's TemplateError from raise_exception(), or any bug in the template
             raise InvalidPrompt(f"the model's chat template refused these messages: {e}", "messages") from None
 
@@ -99,10 +101,23 @@ class InputProcessor:
             raise InvalidPrompt(f"token ids must be integers in [0, {vocab}); got {bad[:3]}", param)
         return self._check_ids(ids, param)
 
-    def prepare(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Turn] | None = None) -> list[int]:
+    def prepare(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Turn] | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
         """The prompt token ids of a completion (``prompt``) or a chat request (``messages``)."""
         if messages is not None:
-            return self._check_ids(self.encode(self.render_chat(messages), "messages"), "messages")
+            text = self.render_chat(messages, add_generation_prompt)
+            return self._check_ids(self.encode(text, "messages"), "messages")
         if prompt is None:
             raise InvalidPrompt("a prompt is required", "prompt")
         return self.token_ids(prompt)
+
+    def decode(self, token_ids: Sequence[int], param: str = "tokens") -> str:
+        """Text of token ids (special tokens included, as the tokenizer writes them)."""
+        self._require_tokenizer("there is no text for token ids", param)
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidPrompt(f"token ids must be integers in [0, {self.vocab_size}); got {bad[:3]}", param)
+        if len(token_ids) > self.max_model_len:
+            raise InvalidPrompt(f"{len(token_ids):,} token ids are more than this model's context of "
+                                f"{self.max_model_len:,}", param)
+        return self.tokenizer.decode(list(token_ids))

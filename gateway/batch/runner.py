@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from gateway.batch.validation import ENDPOINTS
 from engine.serving.client import EngineClient
-from gateway.completion import NOT_RETRIED, complete
+from gateway.completion import NOT_RETRIED, complete, system_fingerprint
 from gateway.errors import APIError
 from gateway.openai_schema import decode_body
 from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, FinishedLine, new_id
@@ -65,7 +65,7 @@ def error_result(custom_id: str, code: str, message: str) -> dict:
 
 async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_json: str, priority: int,
                        tenant: str, weight: float = 1.0) -> tuple[bool, dict, object]:
-    """Run one batch line like the live API would; (ok, output line, last delta or None).
+    """Run one batch line like the live API would; (ok, output line, its choices' usage or None).
 
     A 4xx the live API would answer becomes the line's response (status and error body), and so does
     a failed engine step the line was part of (it may be the cause: never retried into a fresh
@@ -75,7 +75,8 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
     rid = new_id("batch_req_")
     try:
         body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
-        response, last = await complete(engine, body, chat, rid, int(time.time()), model, priority=priority,
+        response, last = await complete(engine, body, chat, rid, int(time.time()), model,
+                                        system_fingerprint(engine.config, model), priority=priority,
                                         tenant=tenant, weight=weight, preemptible=True, background=True,
                                         cache_salt=tenant)
     except APIError as e:

@@ -13,7 +13,10 @@ import msgspec
 
 from gateway.admission import estimate_prompt_tokens
 from gateway.errors import APIError
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, decode_json, sampling_params
+from gateway.openai_schema import (
+    ChatCompletionRequest, CompletionRequest, check_choices, decode_body, decode_json, message_text, prompts_of,
+    sampling_params,
+)
 
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 MAX_ERRORS = 100  # a file with thousands of bad lines reports the first hundred
@@ -110,8 +113,16 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
         if body.model is not None and served_model is not None and body.model != served_model:
             error("model_not_found", f"line {line_no}: model {body.model!r} does not exist; this server serves "
                   f"{served_model!r}", line_no, "body.model")
-        prompt = [m.content for m in body.messages] if line.url == "/v1/chat/completions" else [body.prompt]
-        max_tokens = sampling_params(body).max_tokens or max_new_tokens
-        out.token_estimate += sum(estimate_prompt_tokens(p) for p in prompt) + max_tokens
+        try:
+            prompt = ([message_text(m) for m in body.messages] if line.url == "/v1/chat/completions"
+                      else prompts_of(body))
+            params = sampling_params(body)
+            if line.url != "/v1/chat/completions":
+                check_choices(len(prompt), params.n)
+        except APIError as e:
+            error("invalid_request", f"line {line_no}: {e.message}", line_no, f"body.{e.param}" if e.param else "body")
+            continue
+        outputs = (params.max_tokens or max_new_tokens) * params.n * (1 if line.url == "/v1/chat/completions" else len(prompt))
+        out.token_estimate += sum(estimate_prompt_tokens(p) for p in prompt) + outputs
         out.lines.append(BatchLineSpec(line_no, line.custom_id, bytes(line.body).decode()))
     return out

@@ -64,13 +64,13 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
             chat, completion = schemas["ChatCompletionRequest"], schemas["CompletionRequest"]
             assert chat["properties"]["messages"]["minItems"] == 1
             assert {"minLength": 1} .items() <= completion["properties"]["prompt"]["anyOf"][0].items()
-            assert completion["properties"]["n"]["anyOf"][0]["maximum"] == 1
+            assert completion["properties"]["n"]["anyOf"][0]["maximum"] == 128
             assert chat["additionalProperties"] is False and completion["additionalProperties"] is False
             assert chat["properties"]["tools"]["enum"] == [None, []]
             for path, body, param in [("/v1/chat/completions", {"messages": []}, "messages"),
                                       ("/v1/completions", {"prompt": ""}, "prompt"),
                                       ("/v1/completions", {"prompt": []}, "prompt"),
-                                      ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+                                      ("/v1/completions", {"prompt": "x", "n": 129}, "n"),
                                       ("/v1/completions", {"prompt": "x", "temperature": 2.5}, "temperature"),
                                       ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop")]:
                 status, answer = await post(path, body)

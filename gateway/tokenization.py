@@ -1,0 +1,74 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, with the served model's tokenizer.
+
+/tokenize returns the token ids the generation routes would run for the same
+prompt or messages (chat template included), so clients can count tokens
+before they send a request; /detokenize turns token ids back into text.
+Both need an API key like the /v1/ routes (``gateway.auth.KEYED_PATHS``).
+"""
+
+from typing import Annotated
+
+import msgspec
+from aiohttp import web
+
+from engine.serving.async_engine import EngineError
+from engine.text.prompts import InvalidPrompt
+from gateway.completion import engine_down
+from gateway.errors import APIError, read_body
+from gateway.openai_schema import ChatMessage, NonEmptyText, TokenId, TokenIds, decode_body, text_messages
+from gateway.replies import json_response
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Either ``prompt`` (text or token ids) or ``messages`` (rendered through the chat template)."""
+
+    model: str | None = None
+    prompt: NonEmptyText | TokenIds | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
+    add_generation_prompt: bool | None = None  # messages only; default true
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def add_routes(app: web.Application, engine_key, check_model) -> None:
+    """Register both routes; ``check_model(app, name)`` raises the 404 for a model not served."""
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = decode_body(await read_body(request), TokenizeRequest)
+        check_model(request.app, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either `prompt` (text or token ids) or `messages`, not both",
+                           param="prompt" if body.prompt is not None else "messages")
+        if body.add_generation_prompt is not None and body.messages is None:
+            raise APIError(400, "add_generation_prompt applies to `messages` only; leave it out with `prompt`",
+                           param="add_generation_prompt")
+        engine = request.app[engine_key]
+        try:
+            if body.messages is not None:
+                ids = await engine.prepare(None, text_messages(body.messages), body.add_generation_prompt is not False)
+            else:
+                ids = await engine.prepare(body.prompt, None)
+        except InvalidPrompt as e:
+            raise APIError(400, e.message, param=e.param) from None
+        except EngineError as e:
+            raise engine_down(e) from None
+        info = engine.info
+        if info is None:
+            raise engine_down("the engine is starting")
+        return json_response({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids})
+
+    async def detokenize(request: web.Request) -> web.Response:
+        body = decode_body(await read_body(request), DetokenizeRequest)
+        check_model(request.app, body.model)
+        try:
+            text = await request.app[engine_key].detokenize(body.tokens)
+        except InvalidPrompt as e:
+            raise APIError(400, e.message, param=e.param) from None
+        except EngineError as e:
+            raise engine_down(e) from None
+        return json_response({"prompt": text})
+
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
