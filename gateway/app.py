@@ -188,16 +188,18 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         raise APIError(503, f"server overloaded for priority class {cls.name!r}; retry shortly", "server_error",
                        code="overloaded", headers={"Retry-After": "2"})
     # Counted from here, before any await, so a burst cannot all pass the check above at once.
-    inflight[cls.rank] = inflight.get(cls.rank, 0) + 1
+    # Engine sequences, not HTTP requests: n copies of each prompt load the engine as n requests would.
+    sequences = len(prompts) * params.n
+    inflight[cls.rank] = inflight.get(cls.rank, 0) + sequences
     try:
         grant = await app[SETTLEMENTS].acquire(app[QUOTAS], tenant.id, reserved)
     except APIError as refused:
-        inflight[cls.rank] -= 1
+        inflight[cls.rank] -= sequences
         metrics.rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
         timer.finish(refused.status, None)
         raise
     except BaseException:
-        inflight[cls.rank] -= 1
+        inflight[cls.rank] -= sequences
         raise
     request[TIMER] = timer
     request[RATE_HEADERS] = rate_limit_headers(grant)
@@ -222,7 +224,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         status = 499  # the client went away; the engine request was aborted
         raise
     finally:
-        inflight[cls.rank] -= 1
+        inflight[cls.rank] -= sequences
         started = choices.started
         if status == 200 and started and not choices.finished:
             status = 503  # a stream the engine failed mid-way: 200 went out with the headers, the row says so

@@ -4,7 +4,8 @@ from dataclasses import dataclass, field
 
 
 def _default_inflight_caps() -> dict[int, int]:
-    # rank -> most requests in flight (queued in the engine or running). Ranks not listed are never shed:
+    # rank -> most engine sequences in flight (queued in the engine or running; a request counts its choices,
+    # prompts x n; one is admitted while the count is under the cap). Ranks not listed are never shed:
     # realtime (0) keeps being served while standard (1) and batch (2) traffic is turned away, batch first.
     return {1: 1024, 2: 256}
 

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from engine.core.config import EngineConfig
 from engine.loading.demo_model import write_demo_model
 from engine.serving.async_engine import AsyncEngine
-from gateway.app import create_app
+from gateway.app import INFLIGHT, create_app
 from gateway.config import GatewayConfig
 from gateway.cli import main as moegate_main
 from tenants.migrate import upgrade
@@ -87,6 +87,7 @@ def test_choices_prompts_tokenize_and_quota(demo_dir, tmp_path):
 
             # n=4, greedy: four identical choices from one prefill of the prompt.
             prompt = _text(rng, rng.randint(30, 45))
+            prompts_cut = _text(rng, 9)
             before = engine.stats.total_prefill_tokens if engine.stats else 0
             res = await client.completions.create(model="demo", prompt=prompt, n=4, max_tokens=8, **greedy)
             assert [c.index for c in res.choices] == [0, 1, 2, 3]
@@ -123,6 +124,25 @@ def test_choices_prompts_tokenize_and_quota(demo_dir, tmp_path):
             assert texts == {0: alone.choices[0].message.content, 1: alone.choices[0].message.content}
             assert finishes == {0: "length", 1: "length"}
             assert usage.completion_tokens == 12 and usage.prompt_tokens == alone.usage.prompt_tokens
+
+            # A client that goes away stops every copy: the engine runs nothing and holds no block after.
+            decoded = engine.stats.total_decode_tokens
+            cut = await client.completions.create(model="demo", prompt=[prompt, prompts_cut], n=3, max_tokens=80,
+                                                  stream=True, **greedy)
+            seen = 0
+            async for chunk in cut:
+                seen += 1
+                if seen == 8:
+                    break
+            await cut.close()
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                stats = engine.stats
+                idle = stats.num_running == 0 and not any(stats.num_waiting_by_rank.values()) and stats.kv_blocks_used == 0
+                if idle and app[INFLIGHT].get(1, 0) == 0:
+                    break
+            assert (stats.num_running, stats.kv_blocks_used, app[INFLIGHT].get(1, 0)) == (0, 0, 0), stats
+            assert stats.total_decode_tokens - decoded < 6 * 80 / 2  # stopped early, not run to the end
 
             # A list of prompts: one choice each, in order, equal to separate requests; token ids too, with n.
             prompts = [_text(rng, rng.randint(3, 20)) for _ in range(3)]
