@@ -196,6 +196,9 @@ def test_choices_prompts_tokenize_and_quota(demo_dir, tmp_path):
                 assert stopped.choices[0].finish_reason == "stop"
                 assert stopped.choices[0].model_extra["stop_reason"] == stop
             assert separate[0].choices[0].model_extra["stop_reason"] is None
+            eos = await client.completions.create(model="demo", prompt=prompts[0], max_tokens=6, temperature=0,
+                                                  logit_bias={str(hf_tokenizer.eos_token_id): 100})
+            assert eos.choices[0].finish_reason == "stop" and eos.choices[0].model_extra["stop_reason"] is None
 
             # /tokenize and /detokenize against the checkpoint's tokenizer, on random text.
             for _ in range(3):

@@ -22,6 +22,10 @@ def test_run_batch_matches_the_offline_engine_and_reports_bad_input(tmp_path):
     lines = [{"custom_id": f"id-{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": "m", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}}
              for i, (p, n) in enumerate(zip(prompts, lengths))]
+    # Several prompts with n=2 in one line: prompt p's copies are choices 2p and 2p+1.
+    lines.append({"custom_id": "multi", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "m", "prompt": prompts[:2], "n": 2, "max_tokens": 3, "temperature": 0,
+                           "ignore_eos": True}})
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(json.dumps(l) for l in lines) + "\n")
     done = _moegate("run-batch", "-i", str(src), "-o", str(out), "--model", model, "--no-progress")
@@ -34,6 +38,11 @@ def test_run_batch_matches_the_offline_engine_and_reports_bad_input(tmp_path):
         assert g["response"]["status_code"] == 200 and g["error"] is None
         assert g["response"]["body"]["choices"][0]["text"] == ref.text
         assert g["response"]["body"]["usage"]["completion_tokens"] == n
+    multi = got[-1]["response"]["body"]
+    refs = llm.generate(prompts[:2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert [(c["index"], c["text"]) for c in multi["choices"]] == [(i, refs[i // 2].text) for i in range(4)]
+    assert multi["usage"]["completion_tokens"] == 12
+    assert multi["usage"]["prompt_tokens"] == sum(r.num_prompt_tokens for r in refs)
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(lines[0]) + "\n{oops\n" + json.dumps(lines[0]) + "\n")
