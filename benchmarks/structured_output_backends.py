@@ -1,12 +1,14 @@
 """xgrammar vs llguidance for JSON-schema constrained decoding, side by side in one run.
 
-For each library and vocabulary (the demo model's 1.5k-token BPE and a 32k-token BPE trained here on
-synthetic text, the size class of Mixtral's tokenizer), prints:
+For each library and vocabulary (the demo model's 1.5k-token BPE, a 32k-token BPE trained here on
+synthetic text, the size class of Mixtral's tokenizer, and a 150k-token byte-level vocabulary generated as
+a list, Qwen's size class), prints:
 - compile: the time to turn each schema into something that can mask tokens (cold), and again (cached);
 - mask: the time to fill one request's next-token bitmask (and so a whole step of 1, 16, 64 requests),
   while each request walks a random valid path through its schema;
 - valid: how many of the walks ended in text that parses and validates against its schema (jsonschema).
 
+    pip install xgrammar==0.2.8   # not a moegate dependency: only this comparison uses it
     python -m benchmarks.structured_output_backends [--steps 60] [--show-invalid]
 """
 
@@ -68,7 +70,30 @@ def _tokenizers():
         show_progress=False))
     big = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
     out.append((f"bpe-{len(big) // 1000}k", big))
+    out.append(("list-150k", _listed_vocab(150_000, rng)))
     return out
+
+
+def _listed_vocab(size: int, rng: random.Random):
+    """A byte-level vocabulary of ``size`` tokens (Qwen's size class) from a generated list: the 256 bytes,
+    JSON punctuation pieces, then random strings of letters, digits and JSON punctuation, half with a
+    leading space, as real large vocabularies hold. No merges: only the tokens' bytes matter for masking."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for piece in ['{"', '":', '",', '"}', '},', '[{', '}]', '":"', '":[', '":{', "00", "000", "true", "false", "null"]:
+        vocab.setdefault(piece, len(vocab))
+    chars = string.ascii_lowercase + string.digits + '_"{}[],:.'
+    while len(vocab) < size:
+        word = "".join(rng.choice(chars) for _ in range(rng.randint(2, 10)))
+        vocab.setdefault(("\u0120" if rng.random() < 0.5 else "") + word, len(vocab))  # U+0120: byte-level space
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
 
 
 class XGrammar:

@@ -17,7 +17,6 @@ from engine.worker.model_setup import build_rank
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA, SchedulerStats
-from engine.structured_output.grammar import grammar_of
 from engine.structured_output.matchers import GrammarMatchers
 from engine.text.tokenizer import load_tokenizer
 
@@ -190,7 +189,7 @@ class LLMEngine:
             raise ValueError("structured output needs the checkpoint's tokenizer, and this engine has none")
         if params.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured output: a finished output ends with EOS")
-        grammar_of(params.structured_output)  # ValueError naming what the grammar library refuses
+        self.runner.sampler.grammars.prepare(params.structured_output)  # ValueError naming what the library refuses
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request (every copy of an ``n`` > 1 one); its last output, or None if it was not running."""

@@ -6,6 +6,7 @@ device without waiting and expanded there, so constraining adds no host sync to 
 requests have no grammar does nothing here at all.
 """
 
+import collections
 import logging
 
 import llguidance
@@ -14,10 +15,13 @@ import llguidance.torch
 import torch
 
 from engine.core.request import Request
+from engine.core.structured_output import StructuredOutput
 from engine.structured_output.grammar import grammar_of
 from engine.worker.staging import to_device
 
 logger = logging.getLogger(__name__)
+# Untouched matchers kept per schema (cache_key), the most recently used ones.
+PROTOTYPES_KEPT = 256
 
 
 class GrammarMatchers:
@@ -30,15 +34,27 @@ class GrammarMatchers:
         self.eos_token_id = eos_token_id
         self.device = device
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._prototypes: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()  # LRU
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # [rows, ceil(V / 32)] int32
         self._bit = torch.arange(32, dtype=torch.int32, device=device)  # [32]
 
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def check(self, request: Request) -> None:
-        """ValueError if the request's grammar cannot be enforced (called when it is queued)."""
-        grammar_of(request.sampling_params.structured_output)
+    def prepare(self, spec: StructuredOutput) -> None:
+        """Build ``spec``'s grammar and a fresh matcher for it, when a request is queued rather than in a step:
+        ValueError if it cannot be enforced. Each request then starts from a copy (~1 us, where making a
+        matcher costs ~0.4 ms), so a burst of requests with one schema adds nothing to the step they join."""
+        key = spec.cache_key
+        if key in self._prototypes:
+            self._prototypes.move_to_end(key)
+            return
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_of(spec))
+        if matcher.is_error():  # what only this vocabulary shows
+            raise ValueError(matcher.get_error())
+        self._prototypes[key] = matcher
+        if len(self._prototypes) > PROTOTYPES_KEPT:
+            self._prototypes.popitem(last=False)
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -48,7 +64,9 @@ class GrammarMatchers:
         matcher = self._matchers.get(request.request_id)
         if matcher is None:
             # Made when the request samples its first token; preemption keeps it (the request keeps its tokens).
-            matcher = llguidance.LLMatcher(self.tokenizer, grammar_of(request.sampling_params.structured_output))
+            spec = request.sampling_params.structured_output
+            self.prepare(spec)  # already done at admission unless many other schemas came since
+            matcher = self._prototypes[spec.cache_key].deep_copy()
             self._matchers[request.request_id] = matcher
         return matcher
 

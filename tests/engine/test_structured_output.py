@@ -16,7 +16,8 @@ from engine.loading.demo_model import write_demo_model
 pytestmark = pytest.mark.timeout(300)
 
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 150},
                                       "ok": {"type": "boolean"}},
      "required": ["name", "age", "ok"], "additionalProperties": False},
     {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},

@@ -23,7 +23,8 @@ from tenants.store import TenantStore
 
 pytestmark = pytest.mark.timeout(300)
 
-# Bounded strings and numbers: a random model would otherwise write one string until max_tokens.
+# Bounded strings and integers: a random model would otherwise write one string (or a number's decimals)
+# until max_tokens.
 PERSON = {  # OpenAI strict-mode style: every property required, no others, nested object and array of objects
     "type": "object",
     "properties": {
@@ -33,7 +34,7 @@ PERSON = {  # OpenAI strict-mode style: every property required, no others, nest
                                                      "city": {"type": ["string", "null"], "maxLength": 5}},
                     "required": ["zip", "city"], "additionalProperties": False},
         "pets": {"type": "array", "maxItems": 2, "items": {
-            "type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "number",
+            "type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer",
                                                                                         "minimum": 0, "maximum": 30}},
             "required": ["kind", "age"], "additionalProperties": False}},
     },
