@@ -63,7 +63,7 @@ class Choices:
 
     @property
     def finish_reason(self) -> str | None:
-        """For the usage row: the first choice's reason where all agree on finishing, else the first missing one."""
+        """For the usage row: None until every choice has finished; then 'error' if one failed, else choice 0's."""
         if not self.finished:
             return None
         if self.failed:

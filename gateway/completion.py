@@ -13,9 +13,21 @@ from gateway.logprobs import CompletionLogprobs, chat_logprobs, echo_text
 from gateway.openai_schema import check_choices, prompts_of, sampling_params, text_messages
 
 
+# (id of the engine's config, model name) -> (that config, kept so that its id is not reused; fingerprint)
+_FINGERPRINTS: dict[tuple[int, str], tuple[object, str]] = {}
+
+
 def system_fingerprint(engine_config, model: str) -> str:
     """``fp_`` and a hash of the served model's name, moegate's version and the engine's configuration: it
-    changes exactly when something that may change outputs for the same request (and seed) does."""
+    changes exactly when something that may change outputs for the same request (and seed) does. Computed
+    once per engine configuration object (it is not changed while it serves)."""
+    key = (id(engine_config), model)
+    if key not in _FINGERPRINTS:
+        _FINGERPRINTS[key] = (engine_config, _fingerprint(engine_config, model))
+    return _FINGERPRINTS[key][1]
+
+
+def _fingerprint(engine_config, model: str) -> str:
     try:
         ver = version("moegate")
     except PackageNotFoundError:

@@ -61,9 +61,6 @@ class ChoiceGroups:
     def members(self, parent_id: str) -> list[Request]:
         return self._members.get(parent_id, [])
 
-    def is_held(self, request: Request) -> bool:
-        return request in self._held.get(request.parent_id, ())
-
     def release(self) -> list[Request]:
         """Held copies whose leader has computed its whole prompt (or ended): schedule them now."""
         ready = []
