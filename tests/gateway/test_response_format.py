@@ -109,7 +109,15 @@ def test_json_schema_outputs_validate_for_50_seeds(served):
                 seed=seed, max_tokens=200, response_format=_schema_format(schema, strict=bool(i % 3)))
             return schema, out.choices[0].message.content, out.choices[0].finish_reason
 
-        return await asyncio.gather(*(one(i, seed) for i, seed in enumerate(seeds)))
+        async def copies():  # n > 1: every copy of the prompt has its own matcher
+            out = await client.chat.completions.create(
+                model="demo", messages=[{"role": "user", "content": "four people"}], temperature=1.0, n=4,
+                seed=seeds[0], max_tokens=200, response_format=_schema_format(PERSON))
+            return [(PERSON, c.message.content, c.finish_reason) for c in out.choices]
+
+        singles, several = await asyncio.gather(asyncio.gather(*(one(i, s) for i, s in enumerate(seeds))), copies())
+        assert len(several) == 4
+        return singles + several
 
     results = _run(served, scenario)
     for schema, text, finish in results:
