@@ -1,6 +1,7 @@
 """``response_format`` through the official `openai` client against a real server on the random-weight demo
 model (which otherwise writes noise): json_schema outputs validate with the independent `jsonschema`
-package for 50 sampled seeds in one burst, json_object outputs parse to objects, schemas the grammar library
+package for 50 sampled seeds in one burst (and the 4 choices of an n=4 request, and a streamed reply's
+joined deltas), json_object outputs parse to objects, schemas the grammar library
 refuses are a 400 naming ``response_format``, and greedy requests without a grammar give the same text in a
 burst of constrained ones as alone."""
 
@@ -127,7 +128,7 @@ def test_json_schema_outputs_validate_for_50_seeds(served):
     assert len({text for _, text, _ in results}) > 25
 
 
-def test_json_object_and_text(served):
+def test_json_object_text_and_streaming(served):
     # Free-form objects have unbounded strings, which a random model rarely closes: a moderate bias towards
     # the quote makes most strings short, while the grammar still decides what may come (outside strings it
     # allows only a few tokens, so objects and arrays end on their own).
@@ -141,9 +142,16 @@ def test_json_object_and_text(served):
             for seed in random.sample(range(2**31), 8)))
         text = await client.chat.completions.create(
             model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=5, response_format={"type": "text"})
-        return objects, text
+        stream = await client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "stream it"}], temperature=1.0, max_tokens=200,
+            seed=random.randrange(2**31), stream=True, response_format=_schema_format(CHOICE))
+        streamed = [c async for c in stream]
+        return objects, text, streamed
 
-    objects, text = _run(served, scenario)
+    objects, text, streamed = _run(served, scenario)
+    # Streamed, the deltas join into one valid value.
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)), CHOICE)
     parsed = [json.loads(o.choices[0].message.content) for o in objects if o.choices[0].finish_reason == "stop"]
     assert len(parsed) >= 6 and all(isinstance(p, dict) for p in parsed), objects
     assert all(o.choices[0].message.content.startswith("{") for o in objects)
