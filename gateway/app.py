@@ -22,12 +22,13 @@ from engine.serving.client import EngineClient
 from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, rate_limit_headers, utcnow
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.replies import json_response
+from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
 from gateway.completion import (
-    choice_prompts, collect, completion_body, engine_down, output_choice, output_failed, prepare_prompts, start_streams,
-    system_fingerprint,
+    apply_plan, chat_finish_reason, chat_plan_of, choice_prompts, collect, completion_body, engine_down, output_choice,
+    output_failed, prepare_prompts, start_streams, stream_choices, system_fingerprint,
 )
-from gateway.logprobs import CompletionLogprobs
+from gateway.logprobs import CompletionLogprobs, chat_logprobs
 from gateway.config import GatewayConfig
 from gateway.errors import (
     BODY_TIMEOUT_S, REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, read_body, request_id_middleware,
@@ -166,6 +167,10 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     _check_model(app, body.model)
     engine = app[ENGINE]
     params = sampling_params(body, engine.info.vocab_size if engine.info is not None else None)
+    plan = None
+    if chat:
+        plan = chat_plan_of(engine, body, _parsers(app[CONFIG]))
+        apply_plan(params, plan)
     if app[DRAINING].is_set():  # a new request on a kept-alive connection during shutdown
         raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
                        code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
@@ -175,7 +180,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     tenant, cls = principal.tenant, principal.priority_class
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
-    prompts = await prepare_prompts(engine, body, chat)
+    prompts = await prepare_prompts(engine, body, chat, plan)
     reserved = reservation([len(p) for p in prompts], params.n, params.max_tokens, engine.info.max_model_len,
                            app[CONFIG].default_reservation_tokens)
     metrics = app[METRICS]
@@ -214,7 +219,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
             preemptible=cls.preemptible, may_preempt=cls.may_preempt,
         )
-        response = await _respond(request, body, chat, stream, rid, created)
+        response = await _respond(request, body, chat, stream, rid, created, plan)
         status = 200
         return response
     except APIError as err:
@@ -270,7 +275,12 @@ def reservation(prompt_lengths: list[int], n: int, max_tokens: int | None, max_m
     return total
 
 
-async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int) -> web.StreamResponse:
+def _parsers(config: GatewayConfig) -> ParserChoice:
+    return ParserChoice(config.tool_call_parser, config.reasoning_parser)
+
+
+async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int,
+                   plan: ChatPlan | None = None) -> web.StreamResponse:
     """Run the merged engine streams to a JSON body or SSE events; request[CHOICES] keeps every choice's
     latest output for usage."""
     app = request.app
@@ -297,7 +307,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
 
         # collect records each output in request[CHOICES], so usage is settled even if the client goes away.
         whole = await collect(from_first(), chat, choices)
-        body_json = json_response(completion_body(rid, created, model, chat, whole, body, fingerprint))
+        body_json = json_response(completion_body(rid, created, model, chat, whole, body, fingerprint, plan))
         body_json.headers.update(request[RATE_HEADERS])
         return body_json
 
@@ -312,16 +322,31 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     delta = first[1]
     prompts = choice_prompts(body, chat, choices.n)
     offsets: dict[int, CompletionLogprobs] = {}  # per choice: text_offset runs on across its chunks
+    parsers = {}  # per choice: its chat output parser (tool calls, reasoning)
     while True:
         if delta.finish_reason == "error":
             return await _write_error_event(response, output_failed())
         first_chunk = index not in offsets
-        event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "system_fingerprint": fingerprint,
-                 "choices": [output_choice(chat, body, delta, index, True, first_chunk,
-                                           offsets.setdefault(index, CompletionLogprobs()), prompts[index])]}
-        if include_usage:
-            event["usage"] = None
-        await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+        if plan is None:
+            out_choices = [output_choice(chat, body, delta, index, True, first_chunk,
+                                         offsets.setdefault(index, CompletionLogprobs()), prompts[index])]
+        else:
+            offsets.setdefault(index, CompletionLogprobs())
+            parser = parsers.setdefault(index, plan.output_parser())
+            made = parser.num_calls
+            piece = parser.feed(delta.text)
+            if delta.finished:
+                piece += parser.finish()
+            finish = chat_finish_reason(delta.finish_reason, parser.num_calls > 0) if delta.finished else None
+            out_choices = stream_choices(piece, finish, made, plan, chat_logprobs(delta.logprobs), index)
+            if finish is not None:
+                out_choices[-1]["stop_reason"] = delta.stop_reason if delta.finish_reason == "stop" else None
+        for one in out_choices:
+            event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
+                     "system_fingerprint": fingerprint, "choices": [one]}
+            if include_usage:
+                event["usage"] = None
+            await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
         if choices.finished:
             break
         try:

@@ -43,7 +43,9 @@ def _serve(args: argparse.Namespace) -> int:
                            metrics_port=args.metrics_port if args.metrics_port >= 0 else None,
                            metrics_token=os.environ.get("MOEGATE_METRICS_TOKEN") or None,
                            batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight,
-                           default_reservation_tokens=args.default_reservation_tokens)
+                           default_reservation_tokens=args.default_reservation_tokens,
+                           tool_call_parser=_parser_setting(args.tool_call_parser),
+                           reasoning_parser=_parser_setting(args.reasoning_parser))
     _check_model(args)
     try:
         # The policy database must match this code; the embedded SQLite default upgrades itself.
@@ -259,6 +261,14 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--engine-stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="an engine that sends nothing for this long while requests wait on it is treated as dead "
                         "and replaced (default 60; it must exceed the longest step)")
+    from gateway.tool_parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_PARSERS],
+                   help="how tool calls are read from chat output: hermes (Qwen, <tool_call>{...}</tool_call>), "
+                        "mistral ([TOOL_CALLS][...]); auto (default): from the checkpoint's chat template; none: off")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
+                   help="move <think>...</think> into reasoning_content: qwen3; auto (default): when the chat template "
+                        "uses <think>; none: off")
     p.add_argument("--router", default="cache-aware", choices=["cache-aware", "round-robin"],
                    help="how requests are spread over replicas: by prefix-cache affinity traded against load "
                         "(default), or in turn")
@@ -273,6 +283,10 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser_setting(value: str) -> str | None:
+    return None if value == "none" else value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,8 @@ from gateway.choices import Choices, merged
 from gateway.errors import APIError
 from gateway.logprobs import CompletionLogprobs, chat_logprobs, echo_text
 from gateway.openai_schema import check_choices, prompts_of, sampling_params, text_messages
+from gateway.chat_plan import ChatPlan, ParserChoice, plan as plan_chat
+from gateway.tool_parsers import ParsedDelta
 
 
 # (id of the engine's config, model name) -> (that config, kept so that its id is not reused; fingerprint)
@@ -69,18 +71,90 @@ def output_choice(chat: bool, body, out: RequestOutput, index: int, delta: bool,
     return choice(chat, text, out.finish_reason, delta, logprobs, index, stop_reason)
 
 
+def chat_finish_reason(finish: str | None, made_calls: bool) -> str | None:
+    return "tool_calls" if made_calls and finish in ("stop", "length") else finish
+
+
+def chat_message(parsed: ParsedDelta, plan: ChatPlan) -> dict:
+    """The assistant message of a whole chat output: content (null when the reply is only calls), tool calls,
+    and the reasoning when the model's family thinks."""
+    content = parsed.content
+    message = {"role": "assistant", "content": None if parsed.tool_calls and not content.strip() else content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [call.openai() for call in parsed.tool_calls]
+    if plan.reasoning_parser is not None:
+        message["reasoning_content"] = parsed.reasoning or None
+    return message
+
+
+def stream_choices(piece: ParsedDelta, finish: str | None, first_call: int, plan: ChatPlan,
+                   logprobs: dict | None = None, index: int = 0) -> list[dict]:
+    """The streamed choices of one step's parsed text: content / reasoning as they come; each tool call as
+    OpenAI sends it (one delta with its index, id, type, name and empty arguments, then the arguments);
+    the finish reason on the last. ``first_call`` is the index of the first call in ``piece``; the step's
+    ``logprobs`` go with the first choice."""
+    out = []
+    if piece.content or piece.reasoning:
+        delta = {"role": "assistant", "content": piece.content}
+        if plan.reasoning_parser is not None:
+            delta["reasoning_content"] = piece.reasoning or None
+        out.append(delta)
+    for i, call in enumerate(piece.tool_calls, start=first_call):
+        out.append({"role": "assistant", "tool_calls": [
+            {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+    if finish is not None or not out:
+        out.append({} if out else {"role": "assistant", "content": ""})
+    choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in out]
+    choices[-1]["finish_reason"] = finish
+    choices[0]["logprobs"] = logprobs
+    return choices
+
+
 def choice_prompts(body, chat: bool, n: int) -> list:
     """Each choice's prompt as the request gave it (for echo); None for chat."""
     return [None] * n if chat else [p for p in prompts_of(body) for _ in range(n)]
 
 
-def completion_body(rid: str, created: int, model: str, chat: bool, whole: Choices, body, fingerprint: str) -> dict:
+def parsed_choice(out: RequestOutput, index: int, plan: ChatPlan) -> dict:
+    """A whole chat choice read through the plan: content, tool calls, reasoning."""
+    parsed = plan.output_parser().parse(out.text)
+    body = {"index": index, "message": chat_message(parsed, plan), "logprobs": chat_logprobs(out.logprobs),
+            "finish_reason": chat_finish_reason(out.finish_reason, bool(parsed.tool_calls))}
+    body["stop_reason"] = out.stop_reason if out.finish_reason == "stop" else None
+    return body
+
+
+def completion_body(rid: str, created: int, model: str, chat: bool, whole: Choices, body, fingerprint: str,
+                    plan: ChatPlan | None = None) -> dict:
     """The non-streaming response of /v1/completions or /v1/chat/completions for a request's whole output."""
     prompts = choice_prompts(body, chat, whole.n)
+    choices = [parsed_choice(out, i, plan) if chat and plan is not None
+               else output_choice(chat, body, out, i, False, prompt=prompts[i]) for i, out in enumerate(whole.outputs)]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-            "system_fingerprint": fingerprint,
-            "choices": [output_choice(chat, body, out, i, False, prompt=prompts[i]) for i, out in enumerate(whole.outputs)],
-            "usage": whole.usage()}
+            "system_fingerprint": fingerprint, "choices": choices, "usage": whole.usage()}
+
+
+def chat_plan_of(engine, body, parsers: ParserChoice) -> ChatPlan:
+    """How a chat request is rendered and read, with the parsers the served checkpoint takes."""
+    architecture = engine.info.architecture if engine.info is not None else None  # None while (re)starting
+    return plan_chat(body, parsers.resolve(engine.chat_template(), architecture))
+
+
+def apply_plan(params, plan: ChatPlan | None):
+    """Sampling settings a chat plan needs: the forcing schema, special tokens kept for formats that use them."""
+    if plan is not None:
+        if plan.structured_output is not None:
+            if params.structured_output is not None:
+                raise APIError(400, "tool_choice 'required' or a named function already fixes the output's format; "
+                                    "leave response_format out", param="response_format")
+            if params.ignore_eos:
+                raise APIError(400, "a forced tool call ends where its JSON does; leave ignore_eos out",
+                               param="ignore_eos")
+            params.structured_output = plan.structured_output
+        if plan.keeps_special_tokens:
+            params.skip_special_tokens = False
+    return params
 
 
 def engine_down(err: Exception | str) -> APIError:
@@ -103,12 +177,12 @@ def output_failed() -> APIError:
 NOT_RETRIED = ("engine_failed", "request_failed")  # error codes a batch line fails with instead of running again
 
 
-async def prepare_prompts(engine, body, chat: bool) -> list[list[int]]:
+async def prepare_prompts(engine, body, chat: bool, plan: ChatPlan | None = None) -> list[list[int]]:
     """The request's checked prompts as token ids (a chat request has one); a 400 naming the field if one
     cannot be served."""
     try:
         if chat:
-            return [await engine.prepare(None, text_messages(body.messages))]
+            return [await engine.prepare(None, plan.chat if plan is not None else text_messages(body.messages))]
         prompts = prompts_of(body)
         check_choices(len(prompts), body.n or 1)
         out = []
@@ -153,18 +227,20 @@ async def collect(stream, chat: bool, choices: Choices, on_output=None) -> Choic
 
 
 async def complete(engine, body, chat: bool, rid: str, created: int, model: str, fingerprint: str = "",
-                   **request_policy) -> tuple[dict, Choices]:
+                   parsers: ParserChoice | None = None, **request_policy) -> tuple[dict, Choices]:
     """Run one request to the end and return (response body, its choices); APIError as the live API would.
 
     ``request_policy`` is what ``engine.generate`` takes besides the prompt: priority, tenant,
     weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine requests.
+    ``parsers``: the server's tool-call / reasoning parser settings (auto-detected when not given).
     """
-    params = sampling_params(body, engine.info.vocab_size if engine.info is not None else None)
-    prompts = await prepare_prompts(engine, body, chat)
+    plan = chat_plan_of(engine, body, parsers or ParserChoice()) if chat else None
+    params = apply_plan(sampling_params(body, engine.info.vocab_size if engine.info is not None else None), plan)
+    prompts = await prepare_prompts(engine, body, chat, plan)
     # Only the result is wanted: one message from the engine at the end, not one per token.
     stream = start_streams(engine, prompts, params, rid, stream=False, **request_policy)
     try:
         whole = await collect(stream, chat, Choices([len(p) for p in prompts], params.n, whole=True))
     finally:
         await stream.aclose()
-    return completion_body(rid, created, model, chat, whole, body, fingerprint), whole
+    return completion_body(rid, created, model, chat, whole, body, fingerprint, plan), whole

@@ -45,6 +45,10 @@ class GatewayConfig:
     # lines queue inside the engine and take a slot the step after one frees (see gateway.batch.runner).
     batch_max_inflight: int | None = None
     batch_poll_s: float = 0.5
+    # Chat output parsing: a name from gateway.tool_parsers (TOOL_PARSERS / REASONING_PARSERS), "auto" (from
+    # the checkpoint's chat template and architecture) or None (off).
+    tool_call_parser: str | None = "auto"
+    reasoning_parser: str | None = "auto"
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes, decoded and validated with msgspec."""
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -39,15 +39,58 @@ class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fiel
     text: str
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: NonEmptyText
+    arguments: str  # JSON text of an object, as the assistant's reply carried it
+
+
+class ToolCallMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """A call in an earlier assistant turn (sent back in the history)."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
-    content: str | list[TextPart]
+    # null only for an assistant turn that made tool calls; a string or an array of text parts otherwise.
+    content: str | list[TextPart] | None
     name: str | None = None  # a participant's name: accepted, not used by the chat templates we render
+    tool_calls: list[ToolCallMessage] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+
+
+FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: FunctionName
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 def message_text(message: ChatMessage) -> str:
-    """A message's content as one string: text parts joined by newlines (as vLLM renders them)."""
+    """A message's content as one string: text parts joined by newlines (as vLLM renders them); "" for the
+    null content of an assistant turn that only made tool calls."""
     content = message.content
+    if content is None:
+        return ""
     return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
@@ -65,9 +108,6 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "suffix": ("",),
     "best_of": (1,),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),
     "functions": ([],),
     "function_call": ("none",),
     "service_tier": ("auto", "default"),
@@ -78,7 +118,6 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "prediction": (),
     "reasoning_effort": (),
     "web_search_options": (),
-    "chat_template_kwargs": ({},),
 }
 
 
@@ -107,9 +146,6 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logit_bias: LogitBias | None = None
     stop_token_ids: list[TokenId] | None = None  # a vLLM extension
     response_format: ResponseFormat | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     service_tier: Any = None
@@ -120,7 +156,6 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    chat_template_kwargs: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -134,6 +169,14 @@ class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # needs logprobs: true
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Chat-template options (vLLM's extensions): extra template variables such as enable_thinking, whether
+    # to open the assistant's turn, or to continue the last (assistant) message instead.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 def error_param(err: msgspec.ValidationError) -> str | None:

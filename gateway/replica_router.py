@@ -112,6 +112,9 @@ class ReplicaRouter:
         ready = [r for r in self.replicas if not r.dead and r.info is not None]
         return (ready or self.replicas)[0]
 
+    def chat_template(self) -> str | None:
+        return self.replicas[0].chat_template()  # the replicas serve the same checkpoint
+
     # -- routing --
 
     def live(self) -> list[int]:

@@ -9,7 +9,8 @@ short built-in English text, so any Unicode string round-trips.
 
 The output is a complete Hugging Face checkpoint directory: ``config.json``,
 ``generation_config.json``, ``model.safetensors``, ``tokenizer.json`` and
-``tokenizer_config.json``; transformers loads it too. The same seed writes
+``tokenizer_config.json`` (with a Qwen3-style chat template: tools, tool calls and
+``<think>`` blocks); transformers loads it too. The same seed writes
 byte-identical weights.
 """
 
@@ -20,7 +21,53 @@ import os
 DEMO_MARKER = "moegate_demo_model"
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
+# Markup of the chat template that is part of the model's text (kept when special tokens are skipped),
+# one token each as in the Qwen3 family: reasoning, tool calls and tool results.
+MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 TARGET_VOCAB_SIZE = 1536
+
+# A Qwen3-style chat template (ChatML turns; tools listed in the system turn as JSON, calls written as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results sent back in <tool_response> blocks of a
+# user turn; enable_thinking=false opens the answer with an empty <think> block).
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role in ['user', 'system', 'developer'] %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
 
 MODEL_SHAPE = dict(
     hidden_size=256,
@@ -91,7 +138,7 @@ way of thinking rather than a list of notes.
 
 def _train_tokenizer():
     """A byte-level BPE tokenizer trained on CORPUS (deterministic: same corpus, same merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -104,6 +151,7 @@ def _train_tokenizer():
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS.splitlines(), trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     return tokenizer
 
 
@@ -170,6 +218,7 @@ def write_demo_model(path: str, seed: int = 0) -> None:
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": MODEL_SHAPE["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
     }
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(tokenizer_config, f, indent=2)

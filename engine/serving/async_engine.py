@@ -17,7 +17,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.engine_process import run_engine_process
-from engine.text.prompts import InputProcessor, Turn
+from engine.text.prompts import ChatInput, InputProcessor, Turn, chat_size
 from engine.serving.protocol import (
     AbortRequest, AddRequest, Fatal, Ready, RequestRejected, Shutdown, StepOutputs,
     encoder, from_engine_decoder,
@@ -135,12 +135,12 @@ class AsyncEngine:
         self.info = first
         return first
 
-    async def prepare(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Turn] | None = None,
-                      add_generation_prompt: bool = True) -> list[int]:
+    async def prepare(self, prompt: str | Sequence[int] | None = None,
+                      messages: Sequence[Turn] | ChatInput | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Checked prompt token ids for ``generate``; ``engine.text.prompts.InvalidPrompt`` (a 400) if it cannot be served."""
         if self.inputs is None:
             raise EngineError(self.dead or "the engine is starting")
-        size = sum(len(m.content) for m in messages) if messages is not None else len(prompt or "")
+        size = chat_size(messages) if messages is not None else len(prompt or "")
         if size <= self.INLINE_PROMPT_CHARS:
             return self.inputs.prepare(prompt, messages, add_generation_prompt)
         return await self._loop.run_in_executor(self._input_pool, self.inputs.prepare, prompt, messages,
@@ -153,6 +153,10 @@ class AsyncEngine:
         if len(token_ids) <= self.INLINE_PROMPT_CHARS:
             return self.inputs.decode(token_ids)
         return await self._loop.run_in_executor(self._input_pool, self.inputs.decode, token_ids)
+
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template text (None without one, or before the engine has started)."""
+        return self.inputs.chat_template if self.inputs is not None else None
 
     def _recv(self):
         try:

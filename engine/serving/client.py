@@ -33,6 +33,10 @@ class EngineClient(Protocol):
         """The checked prompt token ids of a text or token prompt, or of chat ``messages``."""
         ...
 
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template text (None without one): picks the tool-call and reasoning parsers."""
+        ...
+
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (``InvalidPrompt`` for ids outside the vocabulary)."""
         ...

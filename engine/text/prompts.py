@@ -8,7 +8,8 @@ being tokenized, never stalling the engine's loop for other tenants.
 """
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 class InvalidPrompt(ValueError):
@@ -22,6 +23,36 @@ class InvalidPrompt(ValueError):
 class Turn(Protocol):
     role: str
     content: str
+
+
+# Names apply_chat_template gives a meaning of its own: not settable through chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+@dataclass
+class ChatInput:
+    """A chat request's template inputs: turns as the template reads them (``content`` text or None,
+    assistant ``tool_calls`` with ``arguments`` objects, ``tool_call_id``), the tools (OpenAI's
+    ``{"type": "function", "function": {...}}`` entries) and the template options."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def num_chars(self) -> int:
+        """About how much text goes into the template (bounds the prompt before rendering it)."""
+        size = sum(len(m.get("content") or "") for m in self.messages)
+        return size + (len(repr(self.tools)) if self.tools else 0)
+
+
+def chat_size(messages: "Sequence[Turn] | ChatInput") -> int:
+    return messages.num_chars() if isinstance(messages, ChatInput) else sum(len(t.content) for t in messages)
 
 
 class InputProcessor:
@@ -73,19 +104,33 @@ class InputProcessor:
         except Exception as e:  # a tokenizer bug is this request's failure, not the server's
             raise InvalidPrompt(f"the tokenizer could not encode the prompt ({type(e).__name__}: {e})", param) from None
 
-    def render_chat(self, turns: Sequence[Turn], add_generation_prompt: bool = True) -> str:
-        """Chat turns -> prompt text through the checkpoint's chat template (a plain transcript without one);
-        ``add_generation_prompt`` ends it with the assistant's turn opening."""
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template text (None without one)."""
+        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+        return template if isinstance(template, str) else None
+
+    def render_chat(self, turns: "Sequence[Turn] | ChatInput", add_generation_prompt: bool = True) -> str:
+        """Chat turns -> prompt text through the checkpoint's chat template (a plain transcript without one).
+
+        A ``ChatInput`` brings tools and template options, passed to the template as transformers'
+        ``apply_chat_template`` does; plain turns take ``add_generation_prompt`` (end with the assistant's
+        turn opening)."""
         self._require_tokenizer("chat needs one", "messages")
-        if not turns:
+        chat = turns if isinstance(turns, ChatInput) else ChatInput(
+            [{"role": t.role, "content": t.content} for t in turns], add_generation_prompt=add_generation_prompt)
+        if not chat.messages:
             raise InvalidPrompt("messages must not be empty", "messages")
-        self._check_size(sum(len(t.content) for t in turns), "messages")
-        conversation = [{"role": t.role, "content": t.content} for t in turns]
-        if not getattr(self.tokenizer, "chat_template", None):
-            return "".join(f"{t['role']}: {t['content']}\n" for t in conversation) + ("assistant:" if add_generation_prompt else "")
+        self._check_size(chat.num_chars(), "messages")
+        if not self.chat_template:
+            if chat.tools:
+                raise InvalidPrompt("this model has no chat template, so it cannot be given tools", "tools")
+            text = "".join(f"{t['role']}: {t.get('content') or ''}\n" for t in chat.messages)
+            return text + "assistant:" if chat.add_generation_prompt else text
         try:
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                chat.messages, tools=chat.tools or None, tokenize=False, add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message, **chat.template_kwargs)
         except Exception as e:  # jinja2's TemplateError from raise_exception(), or any bug in the template
             raise InvalidPrompt(f"the model's chat template refused these messages: {e}", "messages") from None
 
@@ -101,8 +146,8 @@ class InputProcessor:
             raise InvalidPrompt(f"token ids must be integers in [0, {vocab}); got {bad[:3]}", param)
         return self._check_ids(ids, param)
 
-    def prepare(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Turn] | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
+    def prepare(self, prompt: str | Sequence[int] | None = None,
+                messages: "Sequence[Turn] | ChatInput | None" = None, add_generation_prompt: bool = True) -> list[int]:
         """The prompt token ids of a completion (``prompt``) or a chat request (``messages``)."""
         if messages is not None:
             text = self.render_chat(messages, add_generation_prompt)

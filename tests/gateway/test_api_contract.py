@@ -66,7 +66,7 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
             assert {"minLength": 1} .items() <= completion["properties"]["prompt"]["anyOf"][0].items()
             assert completion["properties"]["n"]["anyOf"][0]["maximum"] == 128
             assert chat["additionalProperties"] is False and completion["additionalProperties"] is False
-            assert chat["properties"]["tools"]["enum"] == [None, []]
+            assert chat["properties"]["functions"]["enum"] == [None, []]
             for path, body, param in [("/v1/chat/completions", {"messages": []}, "messages"),
                                       ("/v1/completions", {"prompt": ""}, "prompt"),
                                       ("/v1/completions", {"prompt": []}, "prompt"),
@@ -87,7 +87,10 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                           "stream_options": {word: 1}}, f"stream_options.{word}"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                                          "tools": [{"type": "function", "function": {"name": "f", word: 1}}]},
+                 f"tools[0].function.{word}"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          "functions": [{"name": "f"}]}, "functions"),
                 ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
                 ("/v1/completions", {"prompt": "x", "presence_penalty": random.uniform(2.01, 9)}, "presence_penalty"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),

@@ -1,0 +1,210 @@
+"""A chat request's template inputs and how its output is read: tools rendered or not, tool calls parsed
+from the text or forced by a JSON schema, reasoning split off.
+
+Built in the gateway before the request reaches the engine; every refusal is a 400 naming its field.
+"""
+
+import json
+from dataclasses import dataclass
+
+import msgspec
+
+from engine.core.structured_output import StructuredOutput
+from engine.structured_output.grammar import grammar_of
+from engine.text.prompts import RESERVED_TEMPLATE_KWARGS, ChatInput
+from gateway.errors import APIError
+from gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice, message_text
+from gateway.tool_parsers import (
+    REASONING_PARSERS, TOOL_PARSERS, ParsedDelta, ToolParser, detect_reasoning_parser, detect_tool_parser,
+)
+from gateway.tool_parsers import forced
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class ParserChoice:
+    """The server's parser settings: a name from TOOL_PARSERS / REASONING_PARSERS, "auto" (from the
+    checkpoint's chat template and architecture) or None (off)."""
+
+    tool_call_parser: str | None = "auto"
+    reasoning_parser: str | None = "auto"
+
+    def resolve(self, chat_template: str | None, architecture: str | None) -> tuple[str | None, str | None]:
+        tool = detect_tool_parser(chat_template, architecture) if self.tool_call_parser == "auto" else self.tool_call_parser
+        reasoning = detect_reasoning_parser(chat_template) if self.reasoning_parser == "auto" else self.reasoning_parser
+        return tool, reasoning
+
+
+@dataclass
+class ChatPlan:
+    chat: ChatInput
+    tool_parser: str | None  # parse calls out of free text (tool_choice auto)
+    reasoning_parser: str | None
+    structured_output: StructuredOutput | None  # tool_choice required / named
+    forced_name: str | None  # the named function (tool_choice named)
+    forced: bool
+    parallel_tool_calls: bool
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.tool_parser is not None and TOOL_PARSERS[self.tool_parser].needs_special_tokens
+
+    def output_parser(self) -> "ChatOutputParser":
+        return ChatOutputParser(self)
+
+
+def _message(m: ChatMessage, i: int) -> dict:
+    where = f"messages[{i}]"
+    if m.role not in ROLES:
+        raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}; got {m.role!r}", param=f"{where}.role")
+    turn: dict = {"role": m.role, "content": None if m.content is None else message_text(m)}
+    if m.name is not None:
+        turn["name"] = m.name
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise APIError(400, f"{where}.tool_calls: only assistant messages carry tool calls", param=f"{where}.tool_calls")
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise APIError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON object in a string",
+                               param=f"{where}.tool_calls[{j}].function.arguments")
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        turn["tool_calls"] = calls
+    if m.role == "tool":
+        if m.tool_call_id is None:
+            raise APIError(400, f"{where}.tool_call_id is required in a tool message (the id of the call it answers)",
+                           param=f"{where}.tool_call_id")
+        turn["tool_call_id"] = m.tool_call_id
+    elif m.tool_call_id is not None:
+        raise APIError(400, f"{where}.tool_call_id belongs to tool messages only", param=f"{where}.tool_call_id")
+    if turn["content"] is None and not turn.get("tool_calls"):
+        raise APIError(400, f"{where}.content may be null only in an assistant message with tool_calls",
+                       param=f"{where}.content")
+    return turn
+
+
+def chat_input(body: ChatCompletionRequest, render_tools: bool = True) -> ChatInput:
+    """The template inputs of a chat request (400 naming the field for messages or options it cannot take)."""
+    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    continue_final = bool(body.continue_final_message)
+    add_prompt = (not continue_final) if body.add_generation_prompt is None else body.add_generation_prompt
+    if continue_final and add_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: continue the last "
+                            "message, or open a new assistant turn", param="continue_final_message")
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise APIError(400, "continue_final_message needs the last message to be the assistant's (the text to continue)",
+                       param="continue_final_message")
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own fields",
+                       param="chat_template_kwargs")
+    tools = [tool_dict(t) for t in body.tools] if body.tools and render_tools else None
+    return ChatInput(messages, tools, add_prompt, continue_final, kwargs)
+
+
+def tool_dict(tool) -> dict:
+    """A tool as templates read it: plain JSON, without the fields the client left out (null)."""
+    return _without_nulls(msgspec.to_builtins(tool))
+
+
+def plan(body: ChatCompletionRequest, parsers: tuple[str | None, str | None]) -> ChatPlan:
+    """How this request's chat is rendered and its output read; ``parsers`` from ``ParserChoice.resolve``."""
+    tool_parser, reasoning_parser = parsers
+    tools = body.tools or []
+    choice = body.tool_choice or ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise APIError(400, "tool_choice needs tools: list the functions in `tools`", param="tool_choice")
+    parallel = body.parallel_tool_calls is not False
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: each function needs a name of its own", param="tools")
+    for i, t in enumerate(tools):
+        params = t.function.parameters
+        if params is not None and params.get("type", "object") != "object":
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema of an object",
+                           param=f"tools[{i}].function.parameters")
+    structured, forced_name = None, None
+    if isinstance(choice, NamedToolChoice):
+        tool = next((t for t in tools if t.function.name == choice.function.name), None)
+        if tool is None:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not in tools",
+                           param="tool_choice")
+        forced_name = tool.function.name
+        structured = StructuredOutput(json_schema=forced.named_schema(tool_dict(tool)))
+    elif choice == "required":
+        structured = StructuredOutput(json_schema=forced.required_schema([tool_dict(t) for t in tools], parallel))
+    if structured is not None:
+        try:  # checked here, by the library the engine enforces it with: a schema it refuses is the client's 400
+            grammar_of(structured)
+        except ValueError as e:
+            raise APIError(400, f"tool_choice forces a call, but a tool's parameters schema cannot be enforced ({e}); "
+                                "simplify the schema or use tool_choice 'auto'", param="tools") from None
+    elif choice == "auto" and tool_parser is None:
+        raise APIError(400, "this model has no tool-call parser, so tool_choice 'auto' cannot return calls; use "
+                            "tool_choice 'required' or a named function, or start the server with --tool-call-parser",
+                       param="tool_choice")
+    chat = chat_input(body, render_tools=choice != "none")
+    return ChatPlan(chat, tool_parser if choice == "auto" else None, None if structured else reasoning_parser,
+                    structured, forced_name, structured is not None, parallel)
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+class ChatOutputParser:
+    """A chat completion's text, streamed or whole -> content, reasoning and tool calls, per the plan."""
+
+    def __init__(self, plan: ChatPlan) -> None:
+        self.plan = plan
+        self._reasoning = REASONING_PARSERS[plan.reasoning_parser]() if plan.reasoning_parser else None
+        self._tools: ToolParser | None = TOOL_PARSERS[plan.tool_parser]() if plan.tool_parser else None
+        self._forced_text = ""
+        self.num_calls = 0
+
+    def feed(self, text: str) -> ParsedDelta:
+        if self.plan.forced:  # one JSON value: read once it is whole
+            self._forced_text += text
+            return ParsedDelta()
+        return self._limit(self._split(self._reasoning.feed(text) if self._reasoning else ParsedDelta(content=text)))
+
+    def finish(self) -> ParsedDelta:
+        if self.plan.forced:
+            calls = forced.calls_from_output(self._forced_text, self.plan.forced_name)
+            if calls is None:  # cut off (max_tokens) before the JSON was complete: the text, as it is
+                return ParsedDelta(content=self._forced_text)
+            return self._limit(ParsedDelta(tool_calls=calls))
+        out = self._split(self._reasoning.finish()) if self._reasoning else ParsedDelta()
+        if self._tools is not None:
+            out += self._tools.finish()
+        return self._limit(out)
+
+    def parse(self, text: str) -> ParsedDelta:
+        """A whole output at once."""
+        out = self.feed(text)
+        out += self.finish()
+        return out
+
+    def _split(self, piece: ParsedDelta) -> ParsedDelta:
+        if self._tools is None or not piece.content:
+            return piece
+        parsed = self._tools.feed(piece.content)
+        parsed.reasoning = piece.reasoning + parsed.reasoning
+        return parsed
+
+    def _limit(self, piece: ParsedDelta) -> ParsedDelta:
+        if not self.plan.parallel_tool_calls:  # one call at most: later ones are dropped
+            piece.tool_calls = piece.tool_calls[:max(0, 1 - self.num_calls)]
+        self.num_calls += len(piece.tool_calls)
+        return piece

@@ -1,0 +1,86 @@
+"""What the parsers produce, and the pieces they share."""
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ToolCall:
+    """One complete call: ``arguments`` is JSON text (an object), as OpenAI's ``function.arguments``."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=new_call_id)
+
+    def openai(self, index: int | None = None) -> dict:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass
+class ParsedDelta:
+    """What a piece of model text turned out to hold: user-visible content, reasoning, completed calls."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __iadd__(self, other: "ParsedDelta") -> "ParsedDelta":
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls.extend(other.tool_calls)
+        return self
+
+
+def call_from_json(value) -> ToolCall | None:
+    """``{"name": str, "arguments": object | JSON text}`` (``parameters`` accepted for arguments) -> a call;
+    None for anything else."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+
+def held_prefix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that could begin ``marker`` (kept back while streaming)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolParser:
+    """Streaming parser of one family's tool-call format: ``feed`` model text as it arrives, ``finish`` at
+    the end. The pieces returned, joined, are the same however the text was split.
+
+    Text outside calls is content; a call whose JSON does not parse is left in the content as written.
+    Whitespace between or after calls is dropped (OpenAI sends no content around calls).
+    """
+
+    name = ""
+    # Whether the format's markers are special tokens that detokenizing must keep.
+    needs_special_tokens = False
+
+    def feed(self, text: str) -> ParsedDelta:
+        raise NotImplementedError
+
+    def finish(self) -> ParsedDelta:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> ParsedDelta:
+        """A whole output at once."""
+        out = self.feed(text)
+        out += self.finish()
+        return out

@@ -1,0 +1,50 @@
+"""``tool_choice`` ``required`` and named, enforced by grammar-constrained decoding.
+
+The output is held to a JSON schema (``SamplingParams.structured_output``) and then read back as calls:
+named -> the function's ``parameters`` schema, the output is that call's arguments; required -> an array of
+``{"name": <one of the tools>, "parameters": <its schema>}`` (at least one; exactly one without parallel
+tool calls).
+"""
+
+import json
+
+from gateway.tool_parsers.base import ToolCall
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def parameters_of(tool: dict) -> dict:
+    return tool["function"].get("parameters") or EMPTY_PARAMETERS
+
+
+def named_schema(tool: dict) -> str:
+    return json.dumps(parameters_of(tool))
+
+
+def required_schema(tools: list[dict], parallel: bool) -> str:
+    alternatives = [{"type": "object",
+                     "properties": {"name": {"const": t["function"]["name"]}, "parameters": parameters_of(t)},
+                     "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return json.dumps(schema)
+
+
+def calls_from_output(text: str, named: str | None) -> list[ToolCall] | None:
+    """The calls a forced output holds (``named``: the named function's, else ``required``'s array);
+    None if the text is not that JSON (an output cut off by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if named is not None:
+        return [ToolCall(named, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else None
+    if not isinstance(value, list) or not value:
+        return None
+    calls = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(item.get("parameters"), dict):
+            return None
+        calls.append(ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+    return calls
