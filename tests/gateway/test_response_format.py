@@ -138,8 +138,8 @@ def test_json_object_text_and_streaming(served):
     async def scenario(client):
         objects = await asyncio.gather(*(client.chat.completions.create(
             model="demo", messages=[{"role": "user", "content": "json please"}], temperature=1.0, seed=seed,
-            max_tokens=300, logit_bias=bias, response_format={"type": "json_object"})
-            for seed in random.sample(range(2**31), 8)))
+            max_tokens=400, logit_bias=bias, response_format={"type": "json_object"})
+            for seed in random.sample(range(2**31), 12)))
         text = await client.chat.completions.create(
             model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=5, response_format={"type": "text"})
         stream = await client.chat.completions.create(
@@ -153,7 +153,10 @@ def test_json_object_text_and_streaming(served):
     assert streamed[-1].choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)), CHOICE)
     parsed = [json.loads(o.choices[0].message.content) for o in objects if o.choices[0].finish_reason == "stop"]
-    assert len(parsed) >= 6 and all(isinstance(p, dict) for p in parsed), objects
+    # How many close their strings within max_tokens depends on the random model (3 to 8 of 8 seen): a few
+    # finished objects show the grammar ends them; the rest must be cut by length, never end otherwise.
+    assert len(parsed) >= 3 and all(isinstance(p, dict) for p in parsed), objects
+    assert all(o.choices[0].finish_reason in ("stop", "length") for o in objects)
     assert all(o.choices[0].message.content.startswith("{") for o in objects)
     assert len({json.dumps(p) for p in parsed}) > 1  # sampled, not one forced value
     assert text.choices[0].message.content is not None
