@@ -1,5 +1,6 @@
 """What the parsers produce, and the pieces they share."""
 
+import abc
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ def held_prefix(text: str, marker: str) -> int:
     return 0
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Streaming parser of one family's tool-call format: ``feed`` model text as it arrives, ``finish`` at
     the end. The pieces returned, joined, are the same however the text was split.
 
@@ -73,11 +74,13 @@ class ToolParser:
     # Whether the format's markers are special tokens that detokenizing must keep.
     needs_special_tokens = False
 
+    @abc.abstractmethod
     def feed(self, text: str) -> ParsedDelta:
-        raise NotImplementedError
+        """The pieces ``text`` completes (text that may still start a call is held back)."""
 
+    @abc.abstractmethod
     def finish(self) -> ParsedDelta:
-        raise NotImplementedError
+        """Whatever was held back, at the end of the output."""
 
     def parse(self, text: str) -> ParsedDelta:
         """A whole output at once."""
