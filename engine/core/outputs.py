@@ -124,7 +124,7 @@ class OutputProcessor:
             try:
                 state = self._states.get(update.request.request_id)
                 out = self._process_one(update, scheduler)
-                lp = logprobs.get(out.request_id) if logprobs else None
+                lp = logprobs.get(update.request.request_id) if logprobs else None
                 if lp is not None:
                     out.logprobs = self.with_texts(lp)
                 if state is not None and state.prompt_logprobs is not None and not state.prompt_sent:

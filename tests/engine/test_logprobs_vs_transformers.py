@@ -90,3 +90,26 @@ def test_prompt_logprobs_skip_the_prefix_cache(checkpoint):
     assert out.prompt_logprobs.token_ids == prompt
     assert out.prompt_logprobs.logprobs[1:] == pytest.approx([ref[p - 1, prompt[p]].item() for p in range(1, 70)],
                                                              abs=2e-4)
+
+
+@pytest.mark.timeout(120)
+def test_every_choice_of_n_has_its_logprobs(checkpoint):
+    """n > 1: each choice carries the logprobs of its own generated tokens and of the prompt (the copies share the
+    prompt's prefill but are scored under their own request ids)."""
+    path, hf, seed = checkpoint
+    rng = random.Random(seed + 1)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=16)
+    prompt = [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(3, 40))]
+    params = SamplingParams(n=3, temperature=1.0, seed=rng.randrange(1000), max_tokens=rng.randint(4, 9),
+                            ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    outs = llm.generate([prompt], params)
+    assert [o.index for o in outs] == [0, 1, 2]
+    for out in outs:
+        ref = hf_logprobs(hf, prompt + out.token_ids)  # [P + G, V]
+        assert out.logprobs is not None and out.logprobs.token_ids == out.token_ids
+        for g, token in enumerate(out.token_ids):
+            lp = out.logprobs
+            check_position(ref[len(prompt) - 1 + g], token, lp.logprobs[g], lp.top_ids[g], lp.top_logprobs[g], 2)
+        assert out.prompt_logprobs is not None and out.prompt_logprobs.token_ids == prompt
+        assert out.prompt_logprobs.logprobs[1:] == pytest.approx(
+            [ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))], abs=2e-4)

@@ -159,10 +159,10 @@ def test_choices_prompts_tokenize_and_quota(demo_dir, tmp_path):
                                                      logprobs=1, **greedy)
             assert [c.text for c in echoed.choices] == [p + s.choices[0].text for p, s in zip(prompts[:2], separate)
                                                         for _ in range(2)]
-            # The prompt's tokens and the 6 generated, for every copy. Known intermittent bug (about 1 run in 6):
-            # one copy comes back with only its 6 generated tokens. Reported as an expected failure at the end
-            # (the rest of the test still runs) until it is found; see docs/api.md's echo section.
-            lost_prompt = [len(c.logprobs.tokens) for c in echoed.choices if len(c.logprobs.tokens) <= 6]
+            # Every copy: the prompt's tokens, then the 6 generated ones, each with its logprob.
+            for i, choice in enumerate(echoed.choices):
+                assert len(choice.logprobs.tokens) == separate[i // 2].usage.prompt_tokens + 6, choice.logprobs.tokens
+                assert choice.logprobs.token_logprobs[0] is None and None not in choice.logprobs.token_logprobs[1:]
             one_ids = await client.completions.create(model="demo", prompt=ids[0], max_tokens=6, **greedy)
             assert [c.text for c in one_ids.choices] == [separate[0].choices[0].text]
 
@@ -226,11 +226,9 @@ def test_choices_prompts_tokenize_and_quota(demo_dir, tmp_path):
             with pytest.raises(openai.BadRequestError) as refused:  # asking for the whole context is refused
                 await capped.chat.completions.create(model="demo", messages=messages, max_tokens=110, **greedy)
             assert refused.value.body["param"] == "max_tokens"
-            return long_run.usage, lost_prompt
+            return long_run.usage
 
-    long_usage, lost_prompt = asyncio.run(scenario())
+    long_usage = asyncio.run(scenario())
     (row,) = asyncio.run(_usage(url, "capped"))  # the server has closed: its ledger is written
     assert row["requests"] == 1
     assert (row["prompt_tokens"], row["completion_tokens"]) == (long_usage.prompt_tokens, long_usage.completion_tokens)
-    if lost_prompt:
-        pytest.xfail(f"known intermittent bug: an echo + n=2 copy lost its prompt logprobs (token counts {lost_prompt})")
