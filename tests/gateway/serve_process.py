@@ -2,10 +2,14 @@
 
 import asyncio
 import collections
+import contextlib
+import os
+import random
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -59,3 +63,32 @@ async def wait_ready(url: str, timeout_s: float = 120) -> None:
                 pass
             await asyncio.sleep(0.2)
     raise AssertionError(f"{url} never became ready")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (a graceful drain), then SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@contextlib.contextmanager
+def demo_server(prefix: str, *flags: str):
+    """`moegate serve` on a fresh random demo model in a temporary folder, ready for requests; yields
+    (base URL without /v1, the default tenant's key, the model's folder, the process)."""
+    from engine.loading.demo_model import write_demo_model
+
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    model = os.path.join(tmp, "demo")
+    write_demo_model(model, seed=random.randrange(1000))
+    port = free_port()
+    proc, key = start_server(model, f"sqlite:///{os.path.join(tmp, 'policy.db')}", port,
+                             "--data-dir", os.path.join(tmp, "data"), "--served-model-name", "demo", *flags)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_ready(url))
+        yield url, key, model, proc
+    finally:
+        stop_server(proc)

@@ -16,7 +16,7 @@ from engine.loading.demo_model import write_demo_model
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
-from tenants.store import TenantStore
+from tests.gateway.tenant_keys import new_tenant_key
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +35,7 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
     app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(tmp_path / "data")), engine)
 
     async def scenario():
-        store = TenantStore.open(url)
-        try:
-            await store.create_tenant("t")
-            key = (await store.create_key("t"))[1]
-            await store.set_quota("t", tokens_per_minute=2_000)
-        finally:
-            await store.close()
+        key = await new_tenant_key(url, tokens_per_minute=2_000)
         async with TestServer(app, host="127.0.0.1") as server, \
                 aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
             async def post(path, body):

@@ -15,7 +15,7 @@ from benchmarks.instant_engine import InstantEngine
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
-from tenants.store import TenantStore
+from tests.gateway.tenant_keys import new_tenant_key
 
 
 def _open_fds() -> int:
@@ -47,12 +47,7 @@ def test_idle_half_sent_and_excess_connections_are_closed(tmp_path):
     app = create_app(config, InstantEngine())
 
     async def scenario():
-        store = TenantStore.open(url)
-        try:
-            await store.create_tenant("t")
-            key = (await store.create_key("t"))[1]
-        finally:
-            await store.close()
+        key = await new_tenant_key(url)
         server = TestServer(app, host="127.0.0.1")
         # As `moegate serve` passes it to aiohttp (TestServer's constructor would drop it).
         await server.start_server(keepalive_timeout=config.keepalive_timeout_s)

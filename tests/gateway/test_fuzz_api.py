@@ -7,9 +7,6 @@ long), and a hard time limit. Totals are printed at the end (operations, example
 
 import json
 import os
-import random
-import subprocess
-import tempfile
 
 import pytest
 import schemathesis
@@ -17,8 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from engine.loading.demo_model import write_demo_model
-from tests.gateway.serve_process import free_port, start_server
+from tests.gateway.serve_process import demo_server
 
 EXAMPLES_PER_OPERATION = int(os.environ.get("MOEGATE_FUZZ_EXAMPLES", "25"))
 _totals = {"examples": 0, "5xx": 0, "operations": set()}
@@ -26,26 +22,11 @@ _totals = {"examples": 0, "5xx": 0, "operations": set()}
 
 @pytest.fixture(scope="module")
 def served():
-    """A real `moegate serve` on a free loopback port; yields (base URL, key)."""
-    tmp = tempfile.mkdtemp(prefix="moegate-fuzz-")
-    model = os.path.join(tmp, "demo")
-    write_demo_model(model, seed=random.randrange(1000))
-    port = free_port()
-    proc, key = start_server(model, f"sqlite:///{os.path.join(tmp, 'policy.db')}", port, "--max-model-len", "64",
-                             "--data-dir", os.path.join(tmp, "data"), "--served-model-name", "demo")
+    """A real `moegate serve` on a free loopback port; yields (base URL, key, process)."""
     try:
-        import asyncio
-
-        from tests.gateway.serve_process import wait_ready
-
-        asyncio.run(wait_ready(f"http://127.0.0.1:{port}"))
-        yield f"http://127.0.0.1:{port}", key, proc
+        with demo_server("moegate-fuzz-", "--max-model-len", "64") as (url, key, _, proc):
+            yield url, key, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
         print(f"\nfuzz totals: {json.dumps({**_totals, 'operations': len(_totals['operations'])})}")
 
 

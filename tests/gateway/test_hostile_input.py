@@ -16,7 +16,7 @@ from engine.loading.demo_model import write_demo_model
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
-from tenants.store import TenantStore
+from tests.gateway.tenant_keys import new_tenant_key
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +24,6 @@ def demo_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("demo"))
     write_demo_model(path, seed=random.randrange(1000))
     return path
-
-
-async def _key(url: str) -> str:
-    store = TenantStore.open(url)
-    try:
-        await store.create_tenant("t")
-        return (await store.create_key("t"))[1]
-    finally:
-        await store.close()
 
 
 def _raw_request(port: int, head: bytes, body: bytes = b"") -> bytes:
@@ -60,7 +51,7 @@ def test_hostile_bodies_and_headers_are_4xx(demo_dir, tmp_path):
     app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(tmp_path / "data")), engine)
 
     async def scenario():
-        key = await _key(url)
+        key = await new_tenant_key(url)
         auth = {"Authorization": f"Bearer {key}"}
         async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession(headers=auth) as http:
             pid = engine._process.pid

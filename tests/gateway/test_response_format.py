@@ -21,7 +21,7 @@ from engine.serving.async_engine import AsyncEngine
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
-from tenants.store import TenantStore
+from tests.gateway.tenant_keys import new_tenant_key
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,12 +60,7 @@ def served(tmp_path_factory):
     loop = asyncio.new_event_loop()
 
     async def start():
-        store = TenantStore.open(url)
-        try:
-            await store.create_tenant("t")
-            key = (await store.create_key("t"))[1]
-        finally:
-            await store.close()
+        key = await new_tenant_key(url)
         server = TestServer(app, host="127.0.0.1")
         await server.start_server()
         return server, key

@@ -15,7 +15,7 @@ from engine.serving.async_engine import AsyncEngine
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
-from tenants.store import TenantStore
+from tests.gateway.tenant_keys import new_tenant_key
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,16 +34,8 @@ def served(tmp_path_factory):
     hf = AutoModelForCausalLM.from_pretrained(demo, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(demo)
 
-    async def key_of():
-        store = TenantStore.open(url)
-        try:
-            await store.create_tenant("t")
-            return (await store.create_key("t"))[1]
-        finally:
-            await store.close()
-
     loop = asyncio.new_event_loop()
-    key = loop.run_until_complete(key_of())
+    key = loop.run_until_complete(new_tenant_key(url))
     engine = AsyncEngine(EngineConfig(model=demo, dtype="float32", num_kv_blocks=128, max_num_seqs=8,
                                       max_num_batched_tokens=32, max_model_len=512))
     app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(tmp / "data")), engine)

@@ -3,19 +3,14 @@ forced call (named, required) -> the tool's result -> a final answer, streamed a
 with `jsonschema` against the tool's own schema; chat-template options checked against transformers'
 rendering; bad tool requests are 400s naming the field."""
 
-import asyncio
 import json
-import os
 import random
-import subprocess
-import tempfile
 
 import jsonschema
 import openai
 import pytest
 
-from engine.loading.demo_model import write_demo_model
-from tests.gateway.serve_process import free_port, start_server, wait_ready
+from tests.gateway.serve_process import demo_server
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima", "Kyoto"]},
@@ -32,25 +27,11 @@ QUESTION = [{"role": "system", "content": "You answer with tools."},
 
 @pytest.fixture(scope="module")
 def served():
-    """A real `moegate serve` on the demo model; yields (client, model directory)."""
-    tmp = tempfile.mkdtemp(prefix="moegate-tools-")
-    model = os.path.join(tmp, "demo")
-    write_demo_model(model, seed=random.randrange(1000))
-    port = free_port()
-    proc, key = start_server(model, f"sqlite:///{os.path.join(tmp, 'policy.db')}", port, "--max-model-len", "4096",
-                             "--data-dir", os.path.join(tmp, "data"), "--served-model-name", "demo",
-                             "--cpu-threads", "1")
-    try:
-        asyncio.run(wait_ready(f"http://127.0.0.1:{port}"))
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
-        yield client, model, f"http://127.0.0.1:{port}/v1", key
+    """A real `moegate serve` on the demo model; yields (client, model directory, base URL, key)."""
+    with demo_server("moegate-tools-", "--max-model-len", "4096", "--cpu-threads", "1") as (url, key, model, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+        yield client, model, f"{url}/v1", key
         client.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _check_calls(calls, names=None) -> None:
