@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from moe_kernels.quant import check_scales
 from moe_kernels.torch_backend import fused_moe_loop, fused_moe_torch
 
 # "torch-loop" forces the per-expert loop under "torch" (the reference; benchmarks compare with it).
@@ -56,6 +57,10 @@ def fused_moe(
     topk_ids: torch.Tensor,
     backend: str = "auto",
     activation: str = "silu",
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Run the routed experts of one MoE layer.
 
@@ -70,6 +75,9 @@ def fused_moe(
         backend: "auto" (Triton on CUDA, torch elsewhere), "torch" (grouped matmuls where
             ``torch._grouped_mm`` can run, the per-expert loop otherwise), "torch-loop" or "triton".
         activation: "silu" (SwiGLU experts) or "gelu".
+        w13_scale, w2_scale: float32 scales when w13 and w2 are 8-bit (float8_e4m3fn or int8, see
+            ``moe_kernels.quant``): [E, 2I] and [E, H] per output channel, or with ``block_shape``
+            (block_n, block_k) one per block, [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)].
 
     Returns:
         [T, H] in the dtype of ``x``: sum over k of weight * expert(x).
@@ -77,6 +85,9 @@ def fused_moe(
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    check_scales(w13, w13_scale, block_shape, "w13")
+    check_scales(w2, w2_scale, block_shape, "w2")
+    quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)
     if backend == "auto":
         backend = "triton" if x.is_cuda and "triton" in available_backends() else "torch"
     if x.shape[0] == 0:
@@ -86,7 +97,7 @@ def fused_moe(
             raise RuntimeError("backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
         from moe_kernels.triton_backend import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation=activation)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation=activation, **quant)
     if backend == "torch-loop":
-        return fused_moe_loop(x, w13, w2, topk_weights, topk_ids, activation=activation)
-    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, activation=activation)
+        return fused_moe_loop(x, w13, w2, topk_weights, topk_ids, activation=activation, **quant)
+    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids, activation=activation, **quant)

@@ -10,6 +10,7 @@ import torch
 from moe_kernels.activation import gated_activation
 from moe_kernels.expert_sort import sort_slots_by_expert
 from moe_kernels.grouped_backend import fused_moe_grouped, grouped_mm_supported
+from moe_kernels.quant import dequantize
 
 # On the CPU the grouped path allocates whole-batch [S, 2I] and [S, H] buffers; past about a MiB each call
 # pays page faults for them (glibc gives large freed blocks back to the OS), while the loop's per-expert
@@ -33,17 +34,39 @@ def fused_moe_torch(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Routed experts with torch ops: ``fused_moe_grouped`` where supported, else ``fused_moe_loop``.
 
     x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H].
     The choice is a check of dtypes, device and strides on each call (see
     ``grouped_mm_supported``), never a caught error; on the CPU also of size
-    (``CPU_GROUPED_MAX_BYTES``): prefill-sized calls keep the loop.
+    (``CPU_GROUPED_MAX_BYTES``): prefill-sized calls keep the loop. 8-bit weights (with their scales,
+    see ``moe_kernels.quant``) always take the loop.
     """
-    if grouped_mm_supported(x, w13, w2) and _grouped_pays_off(x, w13, topk_ids.shape[1]):
+    if w13_scale is None and grouped_mm_supported(x, w13, w2) and _grouped_pays_off(x, w13, topk_ids.shape[1]):
         return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, activation=activation)
-    return fused_moe_loop(x, w13, w2, topk_weights, topk_ids, activation=activation)
+    return fused_moe_loop(x, w13, w2, topk_weights, topk_ids, activation=activation, w13_scale=w13_scale,
+                          w2_scale=w2_scale, block_shape=block_shape)
+
+
+def expert_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+                  block_shape: tuple[int, int] | None) -> torch.Tensor:
+    """x [n, K] @ w[N, K]^T -> [n, N] in x's dtype, for a float weight or an 8-bit one with its scale.
+
+    INT8 per channel on the CPU is torch's weight-only int8 matmul (no dequantized copy of the weight);
+    otherwise the 8-bit weight is converted to x's dtype for the matmul (a transient copy: 8-bit storage saves
+    memory, not time, there), per-channel scales applied to the output columns, block scales to the weight.
+    """
+    if scale is None:
+        return x @ w.t()
+    if block_shape is not None:
+        return x @ dequantize(w, scale, block_shape, x.dtype).t()
+    if w.dtype == torch.int8 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return torch._weight_int8pack_mm(x.contiguous(), w, scale.to(x.dtype))
+    return (x @ w.to(x.dtype).t()).mul_(scale.to(x.dtype))
 
 
 def fused_moe_loop(
@@ -53,8 +76,11 @@ def fused_moe_loop(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """One matmul pair per active expert; any dtype and layout. Shapes as ``fused_moe_torch``."""
+    """One matmul pair per active expert; any dtype and layout, 8-bit weights too. Shapes as ``fused_moe_torch``."""
     num_tokens = topk_ids.shape[0]
     slots = sort_slots_by_expert(topk_ids, w13.shape[0])
     counts = slots.counts.tolist()  # the loop needs the group sizes on the host
@@ -68,8 +94,11 @@ def fused_moe_loop(
             continue
         rows = slice(start, start + count)
         tokens = slots.tokens[rows]  # [n]
-        hidden = gated_activation(x.index_select(0, tokens) @ w13[expert].t(), activation)  # [n, I]
-        expert_out = (hidden @ w2[expert].t()).to(acc_dtype)  # [n, H]
+        w13_s = None if w13_scale is None else w13_scale[expert]
+        w2_s = None if w2_scale is None else w2_scale[expert]
+        hidden = gated_activation(expert_linear(x.index_select(0, tokens), w13[expert], w13_s, block_shape),
+                                  activation)  # [n, I]
+        expert_out = expert_linear(hidden, w2[expert], w2_s, block_shape).to(acc_dtype)  # [n, H]
         # Weight and scatter in one pass.
         out.index_add_(0, tokens, expert_out.mul_(slot_weights[rows, None]))
         start += count
