@@ -6,7 +6,7 @@ import os
 import sys
 
 from engine import cli as engine_cli
-from engine.core.config import EngineConfig
+from engine.core.config import QUANTIZATION_OPTIONS, EngineConfig
 from engine.distributed.replica_layout import replica_configs, replica_devices
 
 DEFAULT_DEMO_MODEL_DIR = ".moegate/demo-model"  # the Makefile's DEMO_MODEL, so `make run` and `moegate serve` agree
@@ -183,7 +183,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
         background_token_budget=args.background_token_budget, background_window_s=args.background_window_seconds,
-        cpu_threads=args.cpu_threads, **engine_cli.parallel_fields(args),
+        cpu_threads=args.cpu_threads, quantization=args.quantization, **engine_cli.parallel_fields(args),
     )
     if args.random_weights is not None:
         import dataclasses
@@ -201,6 +201,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help=f"local checkpoint directory (default: the demo model in {DEFAULT_DEMO_MODEL_DIR})")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_OPTIONS),
+                   help="store the routed experts in 8 bits, quantized at load time: fp8 (e4m3, a scale per output "
+                        "channel), fp8-block (a scale per 128x128 block) or int8 (weight-only, a scale per output "
+                        "channel); default: the model dtype, or an FP8 checkpoint's own scheme")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -77,7 +77,8 @@ def fused_moe(
         activation: "silu" (SwiGLU experts) or "gelu".
         w13_scale, w2_scale: float32 scales when w13 and w2 are 8-bit (float8_e4m3fn or int8, see
             ``moe_kernels.quant``): [E, 2I] and [E, H] per output channel, or with ``block_shape``
-            (block_n, block_k) one per block, [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)].
+            (block_n, block_k) one per block, [E, 2*ceil(I/bn), ceil(H/bk)] (gate blocks, then up blocks)
+            and [E, ceil(H/bn), ceil(I/bk)].
 
     Returns:
         [T, H] in the dtype of ``x``: sum over k of weight * expert(x).
@@ -85,7 +86,7 @@ def fused_moe(
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
-    check_scales(w13, w13_scale, block_shape, "w13")
+    check_scales(w13, w13_scale, block_shape, "w13", halves=2)
     check_scales(w2, w2_scale, block_shape, "w2")
     quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)
     if backend == "auto":

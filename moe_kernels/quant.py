@@ -10,6 +10,10 @@ Two formats, both symmetric (no zero point) with float32 scales, dequantized as 
 - ``int8``: ``torch.int8`` values in [-127, 127], scales per output channel ``[.., N]``. Activations stay
   in the model dtype (weight-only).
 
+A packed gate/up weight w13 [E, 2I, H] is two weights: with block scales its blocks restart at row I
+(``halves=2``), so the scales are [E, 2*ceil(I/block_n), ceil(H/block_k)], gate blocks then up blocks, as
+the two checkpoint tensors it is packed from have them.
+
 Everything here is plain torch and runs on the meta device (shapes only).
 """
 
@@ -45,12 +49,12 @@ class QuantScheme:
         return FP8_DTYPE if self.method == "fp8" else torch.int8
 
 
-def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
-    """The scale tensor's shape for a weight [.., N, K]."""
+def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] | None, halves: int = 1) -> tuple[int, ...]:
+    """The scale tensor's shape for a weight [.., N, K] made of ``halves`` weights stacked along N."""
     *lead, n, k = weight_shape
     if block is None:
         return (*lead, n)
-    return (*lead, -(-n // block[0]), -(-k // block[1]))
+    return (*lead, halves * -(-(n // halves) // block[0]), -(-k // block[1]))
 
 
 def _expand_blocks(scale: torch.Tensor, n: int, k: int, block: tuple[int, int]) -> torch.Tensor:
@@ -59,12 +63,16 @@ def _expand_blocks(scale: torch.Tensor, n: int, k: int, block: tuple[int, int]) 
 
 
 @torch.no_grad()
-def quantize(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, scheme: QuantScheme, halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [.., N, K] (any float dtype) -> (q [.., N, K] in ``scheme.dtype``, scale float32, see ``scale_shape``).
 
     The scale maps each channel's (or block's) largest magnitude onto the format's largest value; an
     all-zero channel gets scale 1. Computed in float32 (float64 input stays float64 until the cast).
+    ``halves=2`` for a packed gate/up weight: block scales restart at its middle row.
     """
+    if halves > 1 and scheme.block is not None:
+        parts = [quantize(part, scheme) for part in weight.chunk(halves, dim=-2)]
+        return torch.cat([q for q, _ in parts], dim=-2), torch.cat([s for _, s in parts], dim=-2)
     w = weight if weight.dtype == torch.float64 else weight.to(torch.float32)
     *_, n, k = w.shape
     limit = FP8_MAX if scheme.method == "fp8" else float(INT8_MAX)
@@ -86,15 +94,19 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, t
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, halves: int = 1) -> torch.Tensor:
     """q [.., N, K] and its scale -> [.., N, K] in ``dtype`` (the product taken in float32, or float64 for float64)."""
+    if halves > 1 and block is not None:
+        parts = zip(q.chunk(halves, dim=-2), scale.chunk(halves, dim=-2))
+        return torch.cat([dequantize(q_h, s_h, block, dtype) for q_h, s_h in parts], dim=-2)
     work = torch.float64 if dtype == torch.float64 else torch.float32
     *_, n, k = q.shape
     full = scale.to(work).unsqueeze(-1) if block is None else _expand_blocks(scale.to(work), n, k, block)
     return (q.to(work) * full).to(dtype)
 
 
-def check_scales(w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, name: str) -> None:
+def check_scales(w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, name: str,
+                 halves: int = 1) -> None:
     """ValueError unless ``scale`` fits the 8-bit weight ``w`` [E, N, K] (None: ``w`` must be a float weight)."""
     quantized = w.dtype in (FP8_DTYPE, torch.int8)
     if scale is None:
@@ -105,7 +117,7 @@ def check_scales(w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, 
         raise ValueError(f"{name}_scale given for a {w.dtype} {name}; scales go with float8_e4m3fn or int8 weights")
     if block is not None and w.dtype != FP8_DTYPE:
         raise ValueError("block scales are for float8_e4m3fn weights")
-    expected = scale_shape(tuple(w.shape), block)
+    expected = scale_shape(tuple(w.shape), block, halves)
     if tuple(scale.shape) != expected or scale.dtype != torch.float32:
         raise ValueError(f"{name}_scale must be float32 {expected} for {name} {tuple(w.shape)} "
                          f"(block {block}), got {scale.dtype} {tuple(scale.shape)}")

@@ -52,9 +52,18 @@ def fused_moe_torch(
                           w2_scale=w2_scale, block_shape=block_shape)
 
 
+def _int8pack_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # torch 2.13's CPU kernel: float32 and float16 at any K; bfloat16 only with K a multiple of 16 (other K gave
+    # garbage or crashed when probed). The scales must have x's dtype (the caller casts them).
+    if x.device.type != "cpu":
+        return False
+    return x.dtype in (torch.float32, torch.float16) or (x.dtype == torch.bfloat16 and w.shape[1] % 16 == 0)
+
+
 def expert_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
-                  block_shape: tuple[int, int] | None) -> torch.Tensor:
-    """x [n, K] @ w[N, K]^T -> [n, N] in x's dtype, for a float weight or an 8-bit one with its scale.
+                  block_shape: tuple[int, int] | None, halves: int = 1) -> torch.Tensor:
+    """x [n, K] @ w[N, K]^T -> [n, N] in x's dtype, for a float weight or an 8-bit one with its scale
+    (``halves`` as ``moe_kernels.quant``: 2 for a packed gate/up weight).
 
     INT8 per channel on the CPU is torch's weight-only int8 matmul (no dequantized copy of the weight);
     otherwise the 8-bit weight is converted to x's dtype for the matmul (a transient copy: 8-bit storage saves
@@ -63,8 +72,8 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     if scale is None:
         return x @ w.t()
     if block_shape is not None:
-        return x @ dequantize(w, scale, block_shape, x.dtype).t()
-    if w.dtype == torch.int8 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return x @ dequantize(w, scale, block_shape, x.dtype, halves).t()
+    if w.dtype == torch.int8 and _int8pack_ok(x, w):
         return torch._weight_int8pack_mm(x.contiguous(), w, scale.to(x.dtype))
     return (x @ w.to(x.dtype).t()).mul_(scale.to(x.dtype))
 
@@ -96,7 +105,7 @@ def fused_moe_loop(
         tokens = slots.tokens[rows]  # [n]
         w13_s = None if w13_scale is None else w13_scale[expert]
         w2_s = None if w2_scale is None else w2_scale[expert]
-        hidden = gated_activation(expert_linear(x.index_select(0, tokens), w13[expert], w13_s, block_shape),
+        hidden = gated_activation(expert_linear(x.index_select(0, tokens), w13[expert], w13_s, block_shape, halves=2),
                                   activation)  # [n, I]
         expert_out = expert_linear(hidden, w2[expert], w2_s, block_shape).to(acc_dtype)  # [n, H]
         # Weight and scatter in one pass.

@@ -72,14 +72,15 @@ def _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED: tl
 
 
 @triton.jit
-def _scale_cols(scale_ptr, expert, offs_n, n_ok, k_start, stride_se, stride_sn, stride_sk,
+def _scale_cols(scale_ptr, expert, offs_n, n_ok, row0, k_start, stride_se, stride_sn, stride_sk,
                 QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr):
-    # -> [BLOCK_N] float32 scales of columns offs_n: per channel (QUANT 1), or of the block holding K offset
-    # k_start (QUANT 2).
+    # -> [BLOCK_N] float32 scales of weight rows offs_n: per channel (QUANT 1), or of the block holding K offset
+    # k_start (QUANT 2). row0: the scale row of weight row 0 (the up half of w13 starts its own scales there).
     if QUANT == 1:
-        ptrs = scale_ptr + expert * stride_se + offs_n * stride_sn
+        ptrs = scale_ptr + expert * stride_se + (row0 + offs_n) * stride_sn
     else:
-        ptrs = scale_ptr + expert * stride_se + (offs_n // QBLOCK_N) * stride_sn + (k_start // QBLOCK_K) * stride_sk
+        ptrs = (scale_ptr + expert * stride_se + (row0 + offs_n // QBLOCK_N) * stride_sn
+                + (k_start // QBLOCK_K) * stride_sk)
     return tl.load(ptrs, mask=n_ok, other=0.0)
 
 
@@ -136,10 +137,10 @@ def _w13_act_kernel(
             g, u = g.to(a.dtype), u.to(a.dtype)  # 8-bit values are exact in every activation dtype
         if QUANT == 2:
             k_start = kk * BLOCK_K
-            s_g = _scale_cols(scale_ptr, expert, offs_n, n_ok, k_start, stride_se, stride_sn, stride_sk,
+            s_g = _scale_cols(scale_ptr, expert, offs_n, n_ok, 0, k_start, stride_se, stride_sn, stride_sk,
                               QUANT, QBLOCK_N, QBLOCK_K)
-            s_u = _scale_cols(scale_ptr, expert, offs_n + inter_size, n_ok, k_start, stride_se, stride_sn,
-                              stride_sk, QUANT, QBLOCK_N, QBLOCK_K)
+            s_u = _scale_cols(scale_ptr, expert, offs_n, n_ok, tl.cdiv(inter_size, QBLOCK_N), k_start, stride_se,
+                              stride_sn, stride_sk, QUANT, QBLOCK_N, QBLOCK_K)
             acc_g += tl.dot(a, g, input_precision=PRECISION) * s_g[None, :]
             acc_u += tl.dot(a, u, input_precision=PRECISION) * s_u[None, :]
         else:
@@ -149,9 +150,9 @@ def _w13_act_kernel(
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
     if QUANT == 1:
-        acc_g *= _scale_cols(scale_ptr, expert, offs_n, n_ok, 0, stride_se, stride_sn, stride_sk,
+        acc_g *= _scale_cols(scale_ptr, expert, offs_n, n_ok, 0, 0, stride_se, stride_sn, stride_sk,
                              QUANT, QBLOCK_N, QBLOCK_K)[None, :]
-        acc_u *= _scale_cols(scale_ptr, expert, offs_n + inter_size, n_ok, 0, stride_se, stride_sn, stride_sk,
+        acc_u *= _scale_cols(scale_ptr, expert, offs_n, n_ok, inter_size, 0, stride_se, stride_sn, stride_sk,
                              QUANT, QBLOCK_N, QBLOCK_K)[None, :]
 
     if ACTIVATION == "silu":
@@ -203,7 +204,7 @@ def _w2_weighted_kernel(
         if UPCAST or QUANT != 0:
             b = b.to(a.dtype)
         if QUANT == 2:
-            s_b = _scale_cols(scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, stride_se, stride_sn, stride_sk,
+            s_b = _scale_cols(scale_ptr, expert, offs_n, n_ok, 0, kk * BLOCK_K, stride_se, stride_sn, stride_sk,
                               QUANT, QBLOCK_N, QBLOCK_K)
             acc += tl.dot(a, b, input_precision=PRECISION) * s_b[None, :]
         else:
@@ -211,7 +212,7 @@ def _w2_weighted_kernel(
         a_ptrs += BLOCK_K * stride_hi
         b_ptrs += BLOCK_K * stride_wi
     if QUANT == 1:
-        acc *= _scale_cols(scale_ptr, expert, offs_n, n_ok, 0, stride_se, stride_sn, stride_sk,
+        acc *= _scale_cols(scale_ptr, expert, offs_n, n_ok, 0, 0, stride_se, stride_sn, stride_sk,
                            QUANT, QBLOCK_N, QBLOCK_K)[None, :]
 
     # Routing weight in the epilogue, in float32, before the one rounding to the output dtype.

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 KERNEL_OPTIONS = ("auto", "torch", "triton")
+QUANTIZATION_OPTIONS = ("fp8", "fp8-block", "int8")  # engine.loading.quantization maps them to schemes
 EXPERT_DISPATCH = ("all_to_all", "all_gather")
 
 
@@ -45,6 +46,10 @@ class EngineConfig:
     ``data_parallel_rank`` of that many whole engines (each its own scheduler, requests and KV cache)
     whose MoE layers share one expert-parallel group; they step together, an engine with nothing to
     do running the MoE layers' collectives alone (a dummy step). They meet at ``distributed_init_method``.
+    ``quantization``: the routed experts stored in 8 bits, quantized at load time (``docs/quantization.md``):
+    "fp8" (float8_e4m3fn, a scale per output channel), "fp8-block" (a scale per 128x128 block) or "int8"
+    (weight-only, a scale per output channel); None keeps the model dtype, or the checkpoint's own FP8
+    scheme when its config.json has a ``quantization_config``.
     ``cpu_threads``: torch's intra-op threads when the model runs on the CPU; None
     is torch's default (every core) in-process; in the engine process, which
     shares the machine with the gateway feeding it, one core fewer while
@@ -78,6 +83,7 @@ class EngineConfig:
     distributed_init_method: str | None = None
     local_ranks: int | None = None
     distributed_timeout_s: float = 30.0
+    quantization: str | None = None
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
 
@@ -119,6 +125,8 @@ class EngineConfig:
             raise ValueError("random_weights must name a preset or a config.json path")
         if not self.model:
             raise ValueError("model must be a path to a checkpoint directory (or a name, with random_weights)")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_OPTIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_OPTIONS} (or None), got {self.quantization!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:

@@ -6,15 +6,59 @@ from torch import nn
 import moe_kernels
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
+from moe_kernels.quant import QuantScheme, quantize
 
 
 class ExpertWeights(nn.Module):
-    """Packed expert weights: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+    """Packed expert weights: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I].
+
+    After ``quantize_(scheme)`` they are 8-bit (``scheme.dtype``) with float32 ``w13_scale`` and ``w2_scale``
+    (layouts in ``moe_kernels.quant``); ``kernel_args()`` is what ``moe_kernels.fused_moe`` then needs.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.register_parameter("w13_scale", None)
+        self.register_parameter("w2_scale", None)
+        self.scheme: QuantScheme | None = None
+
+    @torch.no_grad()
+    def quantize_(self, scheme: QuantScheme) -> None:
+        """Replace the float weights by their 8-bit form, one expert at a time (so the float32 temporaries of
+        quantizing stay one expert's size). Works on the meta device (shapes only)."""
+        for name, halves in (("w13", 2), ("w2", 1)):
+            weight = getattr(self, name)
+            q = torch.empty(weight.shape, dtype=scheme.dtype, device=weight.device)
+            scales = []
+            for e in range(weight.shape[0]):
+                q_e, s_e = quantize(weight[e], scheme, halves)
+                if not q.is_meta:
+                    q[e].copy_(q_e)
+                scales.append(s_e)
+            scale = torch.stack(scales) if scales else torch.empty(0, dtype=torch.float32, device=weight.device)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+        self.scheme = scheme
+
+    def kernel_args(self) -> dict:
+        """The scale keyword arguments of ``moe_kernels.fused_moe`` for these weights (empty when float)."""
+        if self.scheme is None:
+            return {}
+        return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale, "block_shape": self.scheme.block}
+
+    def _apply(self, fn, recurse=True):
+        if self.scheme is None:
+            return super()._apply(fn, recurse)
+        # 8-bit weights and their float32 scales only change device: a model-wide cast (``model.to(bfloat16)``)
+        # must neither turn float8 back into bfloat16 nor round the scales. The target device is read from
+        # what ``fn`` does to an empty float tensor.
+        device = fn(torch.empty(0)).device
+        for name, param in self._parameters.items():
+            moved = torch.empty_like(param, device=device) if param.is_meta else param.detach().to(device)
+            self._parameters[name] = nn.Parameter(moved, requires_grad=False)
+        return self
 
 
 class SparseMoeBlock(nn.Module):
@@ -75,7 +119,8 @@ class SparseMoeBlock(nn.Module):
         if self.dispatch is not None:
             return self._expert_parallel(x, topk_weights, topk_ids)
         out = moe_kernels.fused_moe(
-            x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend
+            x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend,
+            **self.experts.kernel_args(),
         )  # [T, H]
         if self.shared_expert is not None:
             out = out + self._shared(x)
@@ -103,4 +148,5 @@ class SparseMoeBlock(nn.Module):
         if x.shape[0] == 0:
             return x.new_zeros(x.shape)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)  # [S, 1]
-        return moe_kernels.fused_moe(x, self.experts.w13, self.experts.w2, ones, local_ids[:, None], backend=self.backend)
+        return moe_kernels.fused_moe(x, self.experts.w13, self.experts.w2, ones, local_ids[:, None], backend=self.backend,
+                                     **self.experts.kernel_args())

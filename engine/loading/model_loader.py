@@ -11,8 +11,12 @@ from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading.model_config import CheckpointError, ModelConfig
+from engine.loading.quantization import (
+    CHECKPOINT_8BIT, checkpoint_scheme, dequantize_checkpoint_tensor, is_scale_name, quantize_experts_, scale_name,
+)
 from engine.models import MODEL_REGISTRY, MoECausalLM
 from engine.models.base import WeightRule
+from moe_kernels.quant import QuantScheme
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +111,35 @@ def _read(f, name: str, part) -> torch.Tensor:
     return sliced[part]
 
 
+class _Scales:
+    """Reads the scale of an 8-bit checkpoint tensor, from whichever shard holds it."""
+
+    def __init__(self, files: list[str], block: tuple[int, int] | None) -> None:
+        from safetensors import safe_open
+
+        self.block, self.where = block, {}
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                self.where.update(dict.fromkeys(f.keys(), path))
+
+    def dequantized(self, f, name: str, part, path: str) -> torch.Tensor:
+        """This rank's part of 8-bit tensor ``name`` in float32 (the whole tensor is read: block scales do not
+        slice along with arbitrary rank parts)."""
+        from safetensors import safe_open
+
+        scale_key = scale_name(name, self.where)
+        if scale_key is None:
+            raise CheckpointError(f"{path}: 8-bit tensor {name} has no {name}_scale_inv or {name}_scale")
+        with safe_open(self.where[scale_key], framework="pt", device="cpu") as g:
+            scale = g.get_tensor(scale_key)
+        full = dequantize_checkpoint_tensor(f.get_tensor(name), scale, self.block, name, path)
+        if part is None:
+            return full
+        if isinstance(part, list):
+            return torch.cat([full[index] for index in part], dim=1)
+        return full[part]
+
+
 def _copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match, model: MoECausalLM, name: str, path: str) -> int:
     """Copy one checkpoint tensor (this rank's part of it) into its slice of a parameter; returns elements written."""
     attn = model.model.layers[0].self_attn
@@ -145,19 +178,31 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
 
     params = dict(model.named_parameters())
     written = {name: 0 for name in params}
-    for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    stored = checkpoint_scheme(model.config)
+    scales = _Scales(files, stored.block) if stored is not None else None
+    for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    if scales is not None and is_scale_name(name):
+                        continue  # read with the weight it scales
                     target, rule, match = model.map_weight_name(name)
                     if target not in params:
                         logger.warning("%s: ignoring tensor %s (no matching parameter)", path, name)
                         continue
                     if _elsewhere(target, rule, match, model):
                         continue
-                    part = _rank_part(target, rule, f.get_slice(name).get_shape(), model)
-                    written[target] += _copy_into(params[target].data, _read(f, name, part), rule, match, model, name,
-                                                  path)
+                    info = f.get_slice(name)
+                    part = _rank_part(target, rule, info.get_shape(), model)
+                    if info.get_dtype() in CHECKPOINT_8BIT:
+                        if scales is None:
+                            raise CheckpointError(f"{path}: tensor {name} is {info.get_dtype()} but config.json has "
+                                                  "no quantization_config")
+                        tensor = scales.dequantized(f, name, part, path)
+                    else:
+                        tensor = _read(f, name, part)
+                    written[target] += _copy_into(params[target].data, tensor, rule, match, model, name, path)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
     if model.config.tie_word_embeddings:
@@ -169,8 +214,14 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
 
 
 def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device, moe_backend: str,
-                max_positions: int, tp: TensorParallel = SINGLE) -> MoECausalLM:
-    """Instantiate our family class for the checkpoint, load its weights (this rank's slices), cast and move it."""
+                max_positions: int, tp: TensorParallel = SINGLE, quantization: QuantScheme | None = None) -> MoECausalLM:
+    """Instantiate our family class for the checkpoint, load its weights (this rank's slices), cast and move it.
+
+    With ``quantization`` the routed experts are quantized from the float32 weights on the CPU, before the
+    move, so the device never holds them in 16 bits. An 8-bit checkpoint's tensors are dequantized as they are
+    read (float32, exact for its float8 values times float32 scales up to float32 rounding); its experts are
+    then quantized again with the scheme asked for, which for the checkpoint's own scheme gives back its values.
+    """
     cls = MODEL_REGISTRY[config.architecture]
     with torch.device("meta"):
         model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp)
@@ -182,4 +233,5 @@ def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device:
         elif isinstance(module, SparseMoeBlock):
             module.expert_tokens.zero_()
     load_weights(model, model_dir)
+    quantize_experts_(model, quantization)
     return model.to(device=device, dtype=dtype).eval()

@@ -21,11 +21,13 @@ from typing import Any
 
 import torch
 
-from engine.layers.moe import SparseMoeBlock
+from engine.layers.moe import ExpertWeights, SparseMoeBlock
 from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading.model_config import SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig, model_config_from_hf
+from engine.loading.quantization import quantize_experts_
 from engine.models import MODEL_REGISTRY, MoECausalLM
+from moe_kernels.quant import QuantScheme, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +136,29 @@ def random_model_config(spec: str) -> ModelConfig:
 
 
 @torch.no_grad()
-def _init_(model: MoECausalLM, device: torch.device, seed: int) -> None:
+def _init_quantized_experts_(experts: ExpertWeights, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Random 8-bit experts: each expert drawn in ``dtype`` and quantized, so only one expert is ever in 16 bits."""
+    for name, halves in (("w13", 2), ("w2", 1)):
+        q, scale = getattr(experts, name), getattr(experts, f"{name}_scale")
+        for e in range(q.shape[0]):
+            w = torch.empty(q.shape[1:], dtype=dtype, device=q.device).normal_(0.0, INIT_STD, generator=gen)
+            q_e, s_e = quantize(w, experts.scheme, halves)
+            q[e].copy_(q_e)
+            scale[e].copy_(s_e)
+
+
+@torch.no_grad()
+def _init_(model: MoECausalLM, device: torch.device, seed: int, dtype: torch.dtype) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    quantized = set()
+    for module in model.modules():
+        if isinstance(module, ExpertWeights) and module.scheme is not None:
+            _init_quantized_experts_(module, dtype, gen)
+            quantized.update(id(p) for p in module.parameters())
     for name, param in model.named_parameters():
+        if id(param) in quantized:
+            continue
         if id(param) in norm_weights:
             param.fill_(1.0)
         elif name.endswith(".bias"):
@@ -147,14 +168,16 @@ def _init_(model: MoECausalLM, device: torch.device, seed: int) -> None:
 
 
 def build_random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_backend: str,
-                       max_positions: int, seed: int = 0) -> MoECausalLM:
+                       max_positions: int, seed: int = 0, quantization: QuantScheme | None = None) -> MoECausalLM:
     """Our family class for ``config`` with random weights, allocated and filled on ``device`` in ``dtype``.
 
     ``device="meta"`` builds the shapes only (parameter counts of real-size models, no memory).
+    ``quantization``: the routed experts are allocated 8-bit and filled one quantized expert at a time.
     """
     cls = MODEL_REGISTRY[config.architecture]
     with torch.device("meta"):
         model = cls(config, moe_backend=moe_backend, max_positions=max_positions)
+    quantize_experts_(model, quantization)  # on meta: 8-bit shapes, before any memory is taken
     model = model.to(dtype=dtype).to_empty(device=device)  # the cast is free on meta; memory comes once
     if config.tie_word_embeddings:  # to_empty may give the two names separate storage
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -164,7 +187,7 @@ def build_random_model(config: ModelConfig, dtype: torch.dtype, device: torch.de
                 module.build_cache()
             elif isinstance(module, SparseMoeBlock):
                 module.expert_tokens.zero_()
-        _init_(model, device, seed)
+        _init_(model, device, seed, dtype)
         logger.warning(
             "RANDOM WEIGHTS: %s with %.2fB parameters on %s/%s; its output is random text (for speed measurements only)",
             config.architecture, sum(p.numel() for p in model.parameters()) / 1e9, device, dtype,

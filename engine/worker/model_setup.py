@@ -8,6 +8,7 @@ from engine.core.config import CacheConfig, EngineConfig, KernelChoice
 from engine.distributed.collectives import TensorParallel
 from engine.loading.model_config import ModelConfig
 from engine.loading.model_loader import build_model
+from engine.loading.quantization import check_supported, resolve_scheme
 from engine.models import MoECausalLM
 from engine.worker.runner import ModelRunner, kv_bytes_per_block
 
@@ -16,15 +17,17 @@ def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: Ke
                     device: torch.device, max_len: int, tp: TensorParallel) -> tuple[MoECausalLM, list]:
     """This rank's model (its slices of every weight), with the build-time transforms the kernels ask for;
     returns it with the dense gemv choices made (empty unless measured)."""
+    quantization = resolve_scheme(config.quantization, model_config)
+    check_supported(quantization, device, dtype, kernels.moe)
     if config.random_weights:
         if tp.size > 1:
             raise ValueError("random weights are built whole on one rank; to split a model over ranks, serve a "
                              "checkpoint directory (moegate demo-model DIR writes a small one)")
         from engine.loading.random_weights import build_random_model
 
-        model = build_random_model(model_config, dtype, device, kernels.moe, max_len, config.seed)
+        model = build_random_model(model_config, dtype, device, kernels.moe, max_len, config.seed, quantization)
     else:
-        model = build_model(model_config, config.model, dtype, device, kernels.moe, max_len, tp)
+        model = build_model(model_config, config.model, dtype, device, kernels.moe, max_len, tp, quantization)
     if kernels.elementwise == "triton":
         from engine.transforms.fusion import enable_triton_elementwise
 

@@ -50,8 +50,11 @@ def scales64(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return out
 
 
-def dequant64(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    """q * its scale in float64, the scale spread by explicit indexing (independent of ``dequantize``)."""
+def dequant64(q: torch.Tensor, scale: torch.Tensor, block, halves: int = 1) -> torch.Tensor:
+    """q * its scale in float64, the scale spread by explicit indexing (independent of ``dequantize``); with
+    ``halves`` 2 and blocks, each half of the rows has its own blocks."""
+    if halves == 2 and block is not None:
+        return torch.cat([dequant64(q_h, s_h, block) for q_h, s_h in zip(q.chunk(2, -2), scale.chunk(2, -2))], -2)
     *_, n, k = q.shape
     if block is None:
         return q.double() * scale.double()[..., :, None]
@@ -84,9 +87,10 @@ def test_quantize_round_trip_vs_float64(name, seed):
     assert torch.allclose(dequantize(q, scale, scheme.block, torch.float64), deq, rtol=1e-7, atol=0)
 
 
-def quantized_inputs(seed, scheme, T=5, E=4, k=2, H=64, I=48, dtype=torch.float32):  # noqa: E741
+def quantized_inputs(seed, scheme, T=5, E=4, k=2, H=64, I=40, dtype=torch.float32):  # noqa: E741
+    # I = 40: the up half of w13 starts inside a 16-row block, so its own blocks are checked.
     x, w13, w2, weights, ids = make_inputs(seed, T, E, k, H, I, dtype)
-    q13, s13 = quantize(w13, scheme)
+    q13, s13 = quantize(w13, scheme, halves=2)
     q2, s2 = quantize(w2, scheme)
     return x, (q13, s13), (q2, s2), weights, ids
 
@@ -100,7 +104,7 @@ def test_fused_moe_8bit_vs_dequantized_float64(backend, name, seed):
     x, (q13, s13), (q2, s2), weights, ids = quantized_inputs(seed, scheme)
     out = moe_kernels.fused_moe(x, q13, q2, weights, ids, backend=backend, w13_scale=s13, w2_scale=s2,
                                 block_shape=scheme.block)
-    ref = moe_float64_loop(x, dequant64(q13, s13, scheme.block), dequant64(q2, s2, scheme.block), weights, ids)
+    ref = moe_float64_loop(x, dequant64(q13, s13, scheme.block, 2), dequant64(q2, s2, scheme.block), weights, ids)
     assert out.dtype == x.dtype
     err = (out.double().cpu() - ref).abs().max().item()
     assert err <= 1e-4 * max(1.0, ref.abs().max().item()), f"seed {seed}: max error {err}"
