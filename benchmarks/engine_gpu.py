@@ -383,13 +383,13 @@ def bench_e2e_hf(model_config, dtype: torch.dtype, device: torch.device, prompts
 
 
 def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwise: str = "triton",
-        dense_gemv: str = "measure") -> dict:
+        dense_gemv: str = "measure", quantization: str | None = None) -> dict:
     from benchmarks.roofline import model_costs
 
     _log(f"measuring peaks on {device}")
     peaks = measure_peaks(profile, device)
     _log(f"building {profile.spec} (random weights) on {device}")
-    engine = build_engine(profile, device, elementwise=elementwise, dense_gemv=dense_gemv)
+    engine = build_engine(profile, device, elementwise=elementwise, dense_gemv=dense_gemv, quantization=quantization)
     # Which projections run the Triton gemv at which row counts, as measured at engine start.
     dense_gemv_choices = [c.to_dict() for c in engine.dense_gemv_choices]
     dense_gemv_table = None
@@ -415,7 +415,7 @@ def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwi
         torch=torch.__version__, profile=asdict(profile), dtype=str(dtype).removeprefix("torch."),
         attention_backend=engine.kernels.attention, elementwise_backend=engine.kernels.elementwise, cuda_graph_sizes=list(graphs.sizes) if graphs else None,
         kv_blocks=engine.scheduler.kv.pool.num_blocks, costs=asdict(costs), decode_profile=decode_profile,
-        dense_gemv=dense_gemv, dense_gemv_choices=dense_gemv_choices, dense_gemv_table=dense_gemv_table, **peaks,
+        dense_gemv=dense_gemv, quantization=quantization, dense_gemv_choices=dense_gemv_choices, dense_gemv_table=dense_gemv_table, **peaks,
     )
     del engine, graphs
     gc.collect()
@@ -439,7 +439,8 @@ def format_table(report: dict) -> str:
     lines = [
         f"moegate engine benchmark: {p['spec']} with RANDOM weights, {report['dtype']}, {report['device']}, "
         f"attention {report['attention_backend']}, elementwise {report['elementwise_backend']}, "
-        f"CUDA graphs {report['cuda_graph_sizes'] and 'on' or 'off'}, dense gemv {report.get('dense_gemv', 'auto')}",
+        f"CUDA graphs {report['cuda_graph_sizes'] and 'on' or 'off'}, dense gemv {report.get('dense_gemv', 'auto')}, "
+        f"experts {report.get('quantization') or report['dtype']}",
         f"measured peaks: {report['bandwidth_gbps']:.0f} GB/s (device copy), {report['peak_tflops']:.1f} TFLOP/s (matmul)",
         "",
     ]
@@ -502,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the dense gemv (off: cuBLAS for every projection, to compare; on: everywhere)")
     parser.add_argument("--profile", type=int, metavar="C", default=0,
                         help="print a kernel profile of one decode step at concurrency C (CUDA)")
+    parser.add_argument("--quantization", choices=("fp8", "fp8-block", "int8"), default=None,
+                        help="routed experts in 8 bits (the engine's --quantization); the transformers comparison "
+                             "stays unquantized, so use it with --skip-hf")
     parser.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
     args = parser.parse_args(argv)
 
@@ -520,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = replace(profile, concurrency=args.concurrency)
     if args.profile:
         profile = replace(profile, profile_concurrency=args.profile)
-    report = run(profile, device, skip_hf=args.skip_hf, elementwise=args.elementwise, dense_gemv=args.dense_gemv)
+    report = run(profile, device, skip_hf=args.skip_hf, elementwise=args.elementwise, dense_gemv=args.dense_gemv,
+                 quantization=args.quantization)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -4,7 +4,7 @@
 #   benchmarks/gpu_session.sh STAGE[:SECONDS] ...
 #
 # Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf,
-# batch-three-ways, batch-goals
+# bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), batch-three-ways, batch-goals
 # (plus any stage name below). Each runs under its own time limit, so one that fails or
 # hangs still leaves the others' results; logs and JSON land in $OUT (default
 # /tmp/moegate-gpu), re-archived after every stage as gpu_session.tgz so a
@@ -58,6 +58,14 @@ for spec in "$@"; do
         bench-engine) run_stage bench-engine "$limit" $PY -m benchmarks.engine_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
         bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m benchmarks.engine_gpu --skip-hf --elementwise torch \
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;
+        # 8-bit routed experts: decode and prefill with bf16 experts, then int8, fp8 and fp8-block (128x128), the same
+        # preset and concurrencies, one process each (weights built on the GPU, 8-bit one expert at a time); then
+        # the Triton kernel tests, fp8 included (compiled here, interpreted on a CPU).
+        bench-quant) run_stage bench-quant "$limit" bash -c "for q in none int8 fp8 fp8-block; do \
+            args=\$([ \$q = none ] || echo --quantization \$q); \
+            $PY -m benchmarks.engine_gpu --skip-hf --concurrency 1,8,64 \$args --json $WORK/bench_quant_\$q.json || echo bench-quant: \$q failed; done; \
+            $PY -m benchmarks.quantized_experts memory; \
+            $PY -m pytest -q -p no:cacheprovider tests/moe_kernels/test_quant.py tests/engine/test_quantized_experts.py" ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m benchmarks.engine_gpu --json "$WORK/bench_engine_hf.json" ;;
         # Batch API goal 2 (issue 7) where the gateway has cores of its own and the engine a GPU (the demo model).
         # Needs the gateway's packages the device lacks, as wheels: benchmarks/device_wheels.sh here, then carry

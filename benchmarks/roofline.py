@@ -37,19 +37,22 @@ def model_costs(model: MoECausalLM) -> ModelCosts:
     c = model.config
     element = next(model.parameters()).element_size()
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    routed = sum(b.experts.w13.numel() + b.experts.w2.numel() for b in blocks)
+    # Expert parameters with their scales when 8-bit (bytes at their own dtypes; FLOPs from the weights alone).
+    routed = sum(p.numel() for b in blocks for p in b.experts.parameters())
     embed = model.model.embed_tokens.weight
     lm_head = model.lm_head.weight
     total = sum(p.numel() for p in model.parameters())  # a tied LM head is counted once here
     tied = lm_head is embed
     dense = total - routed - embed.numel() - (0 if tied else lm_head.numel())
     per_expert = [(b.experts.w13.numel() + b.experts.w2.numel()) // b.experts.w13.shape[0] for b in blocks]
+    expert_bytes = [sum(p.numel() * p.element_size() for p in b.experts.parameters()) // b.experts.w13.shape[0]
+                    for b in blocks]
     return ModelCosts(
         dense_bytes=dense * element,
         lm_head_bytes=lm_head.numel() * element,
         lm_head_params=lm_head.numel(),
         embed_row_bytes=c.hidden_size * element,
-        expert_bytes=(per_expert[0] if per_expert else 0) * element,
+        expert_bytes=expert_bytes[0] if expert_bytes else 0,
         dense_params=dense,
         routed_params_per_token=sum(b.top_k * n for b, n in zip(blocks, per_expert)),
         kv_bytes_per_token=2 * c.num_layers * c.num_kv_heads * c.head_dim * element,

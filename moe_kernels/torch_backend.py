@@ -53,11 +53,11 @@ def fused_moe_torch(
 
 
 def _int8pack_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # torch 2.13's CPU kernel: float32 and float16 at any K; bfloat16 only with K a multiple of 16 (other K gave
-    # garbage or crashed when probed). The scales must have x's dtype (the caller casts them).
-    if x.device.type != "cpu":
-        return False
-    return x.dtype in (torch.float32, torch.float16) or (x.dtype == torch.bfloat16 and w.shape[1] % 16 == 0)
+    # torch 2.13's CPU kernel is fast only for bfloat16 activations: [1, 1024] x [1024, 1024], 1 thread, 26 us
+    # against 70 us for the bfloat16 matmul (52 vs 73 us at 4 rows); for float32 and float16 it is a slow
+    # fallback (700-780 us), slower than converting the weight (benchmarks/quantized_experts.py, docs/performance.md).
+    # bfloat16 needs K a multiple of 16: other K gave garbage or crashed when probed.
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and w.shape[1] % 16 == 0
 
 
 def expert_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
@@ -65,9 +65,10 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     """x [n, K] @ w[N, K]^T -> [n, N] in x's dtype, for a float weight or an 8-bit one with its scale
     (``halves`` as ``moe_kernels.quant``: 2 for a packed gate/up weight).
 
-    INT8 per channel on the CPU is torch's weight-only int8 matmul (no dequantized copy of the weight);
-    otherwise the 8-bit weight is converted to x's dtype for the matmul (a transient copy: 8-bit storage saves
-    memory, not time, there), per-channel scales applied to the output columns, block scales to the weight.
+    INT8 per channel with bfloat16 activations on the CPU is torch's weight-only int8 matmul (no dequantized
+    copy of the weight); otherwise the 8-bit weight is converted to x's dtype for the matmul (a transient copy:
+    8-bit storage saves memory, not time, there), per-channel scales applied to the output columns, block
+    scales to the weight.
     """
     if scale is None:
         return x @ w.t()
