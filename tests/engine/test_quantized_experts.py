@@ -13,12 +13,16 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from tests.engine.test_vs_transformers import hf_greedy
-from tests.hf_models import make_hf_model
+if not torch.cuda.is_available():  # before moe_kernels.triton_backend is first imported (see its docstring)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from engine import LLM, KernelChoice, SamplingParams  # noqa: E402
+from tests.engine.test_vs_transformers import hf_greedy  # noqa: E402
+from tests.hf_models import make_hf_model  # noqa: E402
 
 VOCAB = 211
 # moe_intermediate_size 32: gate and up rows fill whole 16-row blocks, so the packed gate/up weight has the
@@ -184,3 +188,37 @@ def test_load_time_quantization_agreement(base, agreement_case, tmp_path, option
     # quantized model may route a token differently, a jump that says nothing about the weights' precision.
     assert err.mean().item() < (0.01 if method == "int8" else 0.03) * spread, f"seed={seed}"
     assert top1 >= 0.9, f"seed={seed}"
+
+
+def test_bad_settings_name_the_field(base, tmp_path):
+    from engine.core.config import EngineConfig
+    from engine.loading.model_config import CheckpointError
+    from engine.loading.quantization import check_supported
+    from moe_kernels.quant import QuantScheme
+
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(model="m", quantization="int4")
+    with pytest.raises(ValueError, match="blocks"):
+        check_supported(QuantScheme("fp8", (8, 8)), torch.device("cpu"), torch.float32, "triton")
+    path, _ = base
+    other = tmp_path / "gptq"
+    write_variants(path, str(other), str(tmp_path / "unused"), "int8", None, EXPERT_NAMES)
+    config = json.loads((other / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "gptq"
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quant_method 'gptq'"):
+        LLM(model=str(other), dtype="float32", device="cpu")
+    del config["quantization_config"]
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="I8 but config.json has no quantization_config"):
+        LLM(model=str(other), dtype="float32", device="cpu")
+
+
+def test_triton_experts_match_torch_experts(base, option="fp8-block"):
+    """The same 8-bit engine with the Triton MoE kernels (interpreted on a CPU) and with torch's: greedy equal."""
+    path, seed = base
+    rng = random.Random(seed + 2)
+    reqs = [([rng.randrange(1, VOCAB - 1) for _ in range(n)], 4) for n in (1, 20)]  # decode- and prefill-sized
+    tokens = {backend: engine_greedy(path, reqs, quantization=option, kernel_choice=KernelChoice(moe=backend))[0]
+              for backend in ("torch", "triton")}
+    assert tokens["triton"] == tokens["torch"], f"seed={seed}"
