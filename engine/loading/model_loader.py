@@ -101,14 +101,18 @@ def _elsewhere(target: str, rule: WeightRule, match, model: MoECausalLM) -> bool
     return not 0 <= int(match.group(2)) - block.first_expert < block.experts.w13.shape[0]
 
 
+def _part_of(source, part) -> torch.Tensor:
+    """``part`` (a ``_rank_part`` index, not None) of a tensor or of a safetensors slice (which reads only it)."""
+    if isinstance(part, list):
+        return torch.cat([source[index] for index in part], dim=1)
+    return source[part]
+
+
 def _read(f, name: str, part) -> torch.Tensor:
     """This rank's part of checkpoint tensor ``name`` (only that part is read from the file)."""
     if part is None:
         return f.get_tensor(name)
-    sliced = f.get_slice(name)
-    if isinstance(part, list):
-        return torch.cat([sliced[index] for index in part], dim=1)
-    return sliced[part]
+    return _part_of(f.get_slice(name), part)
 
 
 class _Scales:
@@ -133,11 +137,7 @@ class _Scales:
         with safe_open(self.where[scale_key], framework="pt", device="cpu") as g:
             scale = g.get_tensor(scale_key)
         full = dequantize_checkpoint_tensor(f.get_tensor(name), scale, self.block, name, path)
-        if part is None:
-            return full
-        if isinstance(part, list):
-            return torch.cat([full[index] for index in part], dim=1)
-        return full[part]
+        return full if part is None else _part_of(full, part)
 
 
 def _copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match, model: MoECausalLM, name: str, path: str) -> int:

@@ -218,7 +218,27 @@ def test_triton_experts_match_torch_experts(base, option="fp8-block"):
     """The same 8-bit engine with the Triton MoE kernels (interpreted on a CPU) and with torch's: greedy equal."""
     path, seed = base
     rng = random.Random(seed + 2)
-    reqs = [([rng.randrange(1, VOCAB - 1) for _ in range(n)], 4) for n in (1, 20)]  # decode- and prefill-sized
+    reqs = [([rng.randrange(1, VOCAB - 1) for _ in range(n)], 3) for n in (1, 17)]  # decode- and prefill-sized
     tokens = {backend: engine_greedy(path, reqs, quantization=option, kernel_choice=KernelChoice(moe=backend))[0]
               for backend in ("torch", "triton")}
     assert tokens["triton"] == tokens["torch"], f"seed={seed}"
+
+
+@pytest.mark.timeout(120)
+def test_expert_parallel_8bit_matches_one_process(tmp_path):
+    """Experts divided whole between 2 ranks (gloo, 1 thread each) keep each expert's own scales: greedy tokens
+    equal one process's with the same --quantization."""
+    from tests.distributed.ranks import run_ranks
+    from tests.distributed.test_engine_ranks import _generate_each_way
+    from tests.distributed.test_tensor_parallel import OVERRIDES, VOCAB as TP_VOCAB
+
+    seed = random.randrange(2**31)
+    make_hf_model("qwen3_moe", str(tmp_path), seed=seed, vocab_size=TP_VOCAB, num_layers=2, **OVERRIDES["qwen3_moe"])
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, TP_VOCAB - 1) for _ in range(n)] for n in (23, 5)]
+    modes = {"single": dict(quantization="int8"),
+             "ep": dict(tensor_parallel_size=2, enable_expert_parallel=True, quantization="int8")}
+    results = run_ranks(_generate_each_way, 1, str(tmp_path), prompts, [6, 6], modes, timeout_s=100)
+    status, value = results.get(0, ("missing", None))
+    assert status == "ok", value
+    assert value["ep"] == value["single"], f"seed={seed}"
