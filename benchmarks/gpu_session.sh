@@ -47,6 +47,7 @@ for spec in "$@"; do
             tests/engine/test_triton_elementwise.py tests/engine/test_dense_gemv.py \
             tests/engine/test_cuda_graphs.py tests/engine/test_triton_attention.py tests/engine/test_triton_attention_engine.py \
             tests/engine/test_triton_backend_engine.py tests/engine/test_host_syncs.py tests/engine/test_random_weights.py \
+            tests/engine/test_quantized_experts.py \
             --deselect tests/engine/test_random_weights.py::test_command_lines_take_random_weights ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
         bench-moe) run_stage bench-moe "$limit" bash -c "$PY -m benchmarks.moe_backends --json > $WORK/bench_moe.json && $PY -c 'import json, benchmarks.moe_backends as b; print(b.format_table(json.load(open(\"$WORK/bench_moe.json\"))))'" ;;
@@ -58,14 +59,14 @@ for spec in "$@"; do
         bench-engine) run_stage bench-engine "$limit" $PY -m benchmarks.engine_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
         bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m benchmarks.engine_gpu --skip-hf --elementwise torch \
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;
-        # 8-bit routed experts: decode and prefill with bf16 experts, then int8, fp8 and fp8-block (128x128), the same
-        # preset and concurrencies, one process each (weights built on the GPU, 8-bit one expert at a time); then
-        # the Triton kernel tests, fp8 included (compiled here, interpreted on a CPU).
+        # 8-bit routed experts: bench-engine with bf16 experts, then int8, fp8 and fp8-block (128x128) on the same
+        # preset (QUANT_PRESET, default olmoe-1b-7b, small enough that the four runs should fit one 10-minute
+        # command; not yet timed on a GPU), one process each; then the weight memory of every preset.
         bench-quant) run_stage bench-quant "$limit" bash -c "for q in none int8 fp8 fp8-block; do \
             args=\$([ \$q = none ] || echo --quantization \$q); \
-            $PY -m benchmarks.engine_gpu --skip-hf --concurrency 1,8,64 \$args --json $WORK/bench_quant_\$q.json || echo bench-quant: \$q failed; done; \
-            $PY -m benchmarks.quantized_experts memory; \
-            $PY -m pytest -q -p no:cacheprovider tests/moe_kernels/test_quant.py tests/engine/test_quantized_experts.py" ;;
+            $PY -m benchmarks.engine_gpu --skip-hf --preset ${QUANT_PRESET:-olmoe-1b-7b} --concurrency 1,8,64 \$args \
+                --json $WORK/bench_quant_\$q.json || echo bench-quant: \$q failed; done; \
+            $PY -m benchmarks.quantized_experts memory" ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m benchmarks.engine_gpu --json "$WORK/bench_engine_hf.json" ;;
         # Batch API goal 2 (issue 7) where the gateway has cores of its own and the engine a GPU (the demo model).
         # Needs the gateway's packages the device lacks, as wheels: benchmarks/device_wheels.sh here, then carry

@@ -106,8 +106,8 @@ def prompts(rng: random.Random, n: int = 4) -> list[tuple[list[int], int]]:
     return [([rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(5, 60))], 12) for _ in range(n)]
 
 
-def engine_greedy(path: str, reqs, **kwargs) -> list[list[int]]:
-    llm = LLM(model=path, dtype="float32", device="cpu", **kwargs)
+def engine_greedy(path: str, reqs, device: str = "cpu", **kwargs) -> list[list[int]]:
+    llm = LLM(model=path, dtype="float32", device=device, **kwargs)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     return [o.token_ids for o in llm.generate([p for p, _ in reqs], params)], llm
 
@@ -217,9 +217,10 @@ def test_bad_settings_name_the_field(base, tmp_path):
 def test_triton_experts_match_torch_experts(base, option="fp8-block"):
     """The same 8-bit engine with the Triton MoE kernels (interpreted on a CPU) and with torch's: greedy equal."""
     path, seed = base
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = random.Random(seed + 2)
     reqs = [([rng.randrange(1, VOCAB - 1) for _ in range(n)], 3) for n in (1, 17)]  # decode- and prefill-sized
-    tokens = {backend: engine_greedy(path, reqs, quantization=option, kernel_choice=KernelChoice(moe=backend))[0]
+    tokens = {backend: engine_greedy(path, reqs, device, quantization=option, kernel_choice=KernelChoice(moe=backend))[0]
               for backend in ("torch", "triton")}
     assert tokens["triton"] == tokens["torch"], f"seed={seed}"
 
