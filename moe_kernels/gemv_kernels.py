@@ -15,18 +15,24 @@ keeping float32 partial products per lane and reducing once at the end:
 Kernel 2 sums the k experts of its token in a fixed order inside the
 program: no [S, H] buffer, no third launch, and the same result every run.
 Weights must be contiguous along K (the last dim), as packed checkpoints are.
+8-bit weights (QUANT 1: per-channel scales, applied to each row's sum; QUANT 2:
+block scales, applied to each BLOCK_K step, which must lie inside one scale
+block) are read as such and converted to float32 in registers.
 """
 
 import triton
 import triton.language as tl
 
+from moe_kernels.scales_triton import scale_cols
+
 
 @triton.jit
 def w13_gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, out_ptr,  # x [T, H], w13 [E, 2I, H], ids [S] i32, out [S, I]
+    x_ptr, w_ptr, ids_ptr, out_ptr, scale_ptr,  # x [T, H], w13 [E, 2I, H], ids [S] i32, out [S, I], scales
     top_k, inter_size, hidden_size,
-    stride_xt, stride_we, stride_wn, stride_os,
+    stride_xt, stride_we, stride_wn, stride_os, stride_se, stride_sn, stride_sk,
     ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
     slot = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -51,13 +57,26 @@ def w13_gemv_kernel(
             g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         xf = xv.to(tl.float32)[None, :]
-        acc_g += g.to(tl.float32) * xf
-        acc_u += u.to(tl.float32) * xf
+        if QUANT == 2:
+            s_g = scale_cols(scale_ptr, expert, offs_n, n_ok, 0, kk * BLOCK_K, stride_se, stride_sn, stride_sk,
+                             QUANT, QBLOCK_N, QBLOCK_K)
+            s_u = scale_cols(scale_ptr, expert, offs_n, n_ok, tl.cdiv(inter_size, QBLOCK_N), kk * BLOCK_K,
+                             stride_se, stride_sn, stride_sk, QUANT, QBLOCK_N, QBLOCK_K)
+            acc_g += g.to(tl.float32) * s_g[:, None] * xf
+            acc_u += u.to(tl.float32) * s_u[:, None] * xf
+        else:
+            acc_g += g.to(tl.float32) * xf
+            acc_u += u.to(tl.float32) * xf
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     gate = tl.sum(acc_g, axis=1)  # [BLOCK_N]
     up = tl.sum(acc_u, axis=1)
+    if QUANT == 1:
+        gate *= scale_cols(scale_ptr, expert, offs_n, n_ok, 0, 0, stride_se, stride_sn, stride_sk,
+                           QUANT, QBLOCK_N, QBLOCK_K)
+        up *= scale_cols(scale_ptr, expert, offs_n, n_ok, inter_size, 0, stride_se, stride_sn, stride_sk,
+                         QUANT, QBLOCK_N, QBLOCK_K)
     if ACTIVATION == "silu":
         act = gate * tl.sigmoid(gate)
     else:  # exact (erf) gelu
@@ -67,10 +86,11 @@ def w13_gemv_kernel(
 
 @triton.jit
 def w2_gemv_sum_kernel(
-    h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr,  # h [S, I], w2 [E, H, I], ids [S] i32, weights [S] f32, out [T, H]
-    top_k, hidden_size, inter_size,
-    stride_hs, stride_we, stride_wn, stride_ot,
+    h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr,  # h [S, I], w2 [E, H, I], ids [S] i32, weights [S] f32,
+    top_k, hidden_size, inter_size,                          # out [T, H], scales
+    stride_hs, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -93,8 +113,17 @@ def w2_gemv_sum_kernel(
                 k_ok = offs_k < inter_size - kk * BLOCK_K
                 a = tl.load(a_ptrs, mask=k_ok, other=0.0)
                 b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
+            if QUANT == 2:
+                s_b = scale_cols(scale_ptr, expert, offs_n, n_ok, 0, kk * BLOCK_K, stride_se, stride_sn, stride_sk,
+                                 QUANT, QBLOCK_N, QBLOCK_K)
+                acc += b.to(tl.float32) * s_b[:, None] * a.to(tl.float32)[None, :]
+            else:
+                acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        total += weight * tl.sum(acc, axis=1)
+        row = tl.sum(acc, axis=1)
+        if QUANT == 1:
+            row *= scale_cols(scale_ptr, expert, offs_n, n_ok, 0, 0, stride_se, stride_sn, stride_sk,
+                              QUANT, QBLOCK_N, QBLOCK_K)
+        total += weight * row
     tl.store(out_ptr + token * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -31,15 +31,13 @@ import triton
 import triton.language as tl
 
 from moe_kernels import gemv_kernels
+from moe_kernels.scales_triton import scale_cols
 from moe_kernels.align import SlotBlocks, align_slots, flat_ids, unsorted_slots
 from moe_kernels.launch_config import GemmConfig, LaunchConfig, device_name, get_launch_config
 from moe_kernels.quant import FP8_DTYPE
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_8BIT = (FP8_DTYPE, torch.int8)
-# 8-bit weights at decode sizes: the matrix-vector kernels take no scales yet, so a tuned "gemv" entry is
-# replaced by one slot per row block with moderate tiles.
-_QUANT_DECODE_CONFIG = LaunchConfig(False, 16, GemmConfig(64, 128), GemmConfig(64, 128))
 _ACTIVATIONS = ("silu", "gelu")
 
 
@@ -69,19 +67,6 @@ def _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED: tl
         slots = (pid_m + rows * 0).to(tl.int64)  # one slot per block: only row 0 is real
         row_ok = rows == 0
     return slots, row_ok, expert
-
-
-@triton.jit
-def _scale_cols(scale_ptr, expert, offs_n, n_ok, row0, k_start, stride_se, stride_sn, stride_sk,
-                QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr):
-    # -> [BLOCK_N] float32 scales of weight rows offs_n: per channel (QUANT 1), or of the block holding K offset
-    # k_start (QUANT 2). row0: the scale row of weight row 0 (the up half of w13 starts its own scales there).
-    if QUANT == 1:
-        ptrs = scale_ptr + expert * stride_se + (row0 + offs_n) * stride_sn
-    else:
-        ptrs = (scale_ptr + expert * stride_se + (row0 + offs_n // QBLOCK_N) * stride_sn
-                + (k_start // QBLOCK_K) * stride_sk)
-    return tl.load(ptrs, mask=n_ok, other=0.0)
 
 
 # num_slots and num_blocks_m change with every token count: specializing on their divisibility would
@@ -137,9 +122,9 @@ def _w13_act_kernel(
             g, u = g.to(a.dtype), u.to(a.dtype)  # 8-bit values are exact in every activation dtype
         if QUANT == 2:
             k_start = kk * BLOCK_K
-            s_g = _scale_cols(scale_ptr, expert, offs_n, n_ok, 0, k_start, stride_se, stride_sn, stride_sk,
+            s_g = scale_cols(scale_ptr, expert, offs_n, n_ok, 0, k_start, stride_se, stride_sn, stride_sk,
                               QUANT, QBLOCK_N, QBLOCK_K)
-            s_u = _scale_cols(scale_ptr, expert, offs_n, n_ok, tl.cdiv(inter_size, QBLOCK_N), k_start, stride_se,
+            s_u = scale_cols(scale_ptr, expert, offs_n, n_ok, tl.cdiv(inter_size, QBLOCK_N), k_start, stride_se,
                               stride_sn, stride_sk, QUANT, QBLOCK_N, QBLOCK_K)
             acc_g += tl.dot(a, g, input_precision=PRECISION) * s_g[None, :]
             acc_u += tl.dot(a, u, input_precision=PRECISION) * s_u[None, :]
@@ -150,9 +135,9 @@ def _w13_act_kernel(
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
     if QUANT == 1:
-        acc_g *= _scale_cols(scale_ptr, expert, offs_n, n_ok, 0, 0, stride_se, stride_sn, stride_sk,
+        acc_g *= scale_cols(scale_ptr, expert, offs_n, n_ok, 0, 0, stride_se, stride_sn, stride_sk,
                              QUANT, QBLOCK_N, QBLOCK_K)[None, :]
-        acc_u *= _scale_cols(scale_ptr, expert, offs_n, n_ok, inter_size, 0, stride_se, stride_sn, stride_sk,
+        acc_u *= scale_cols(scale_ptr, expert, offs_n, n_ok, inter_size, 0, stride_se, stride_sn, stride_sk,
                              QUANT, QBLOCK_N, QBLOCK_K)[None, :]
 
     if ACTIVATION == "silu":
@@ -204,7 +189,7 @@ def _w2_weighted_kernel(
         if UPCAST or QUANT != 0:
             b = b.to(a.dtype)
         if QUANT == 2:
-            s_b = _scale_cols(scale_ptr, expert, offs_n, n_ok, 0, kk * BLOCK_K, stride_se, stride_sn, stride_sk,
+            s_b = scale_cols(scale_ptr, expert, offs_n, n_ok, 0, kk * BLOCK_K, stride_se, stride_sn, stride_sk,
                               QUANT, QBLOCK_N, QBLOCK_K)
             acc += tl.dot(a, b, input_precision=PRECISION) * s_b[None, :]
         else:
@@ -212,7 +197,7 @@ def _w2_weighted_kernel(
         a_ptrs += BLOCK_K * stride_hi
         b_ptrs += BLOCK_K * stride_wi
     if QUANT == 1:
-        acc *= _scale_cols(scale_ptr, expert, offs_n, n_ok, 0, 0, stride_se, stride_sn, stride_sk,
+        acc *= scale_cols(scale_ptr, expert, offs_n, n_ok, 0, 0, stride_se, stride_sn, stride_sk,
                            QUANT, QBLOCK_N, QBLOCK_K)[None, :]
 
     # Routing weight in the epilogue, in float32, before the one rounding to the output dtype.
@@ -306,29 +291,36 @@ def invoke_w2(h: torch.Tensor, w2: torch.Tensor, slot_weights: torch.Tensor, out
 
 
 def invoke_w13_gemv(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, inter: torch.Tensor, top_k: int,
-                    cfg: GemmConfig, activation: str = "silu") -> None:
+                    cfg: GemmConfig, activation: str = "silu", scale: torch.Tensor | None = None,
+                    block_shape: tuple[int, int] | None = None) -> None:
     """Matrix-vector kernel 1: inter[s] = act(gate[e] @ x[s // k]) * (up[e] @ x[s // k]); ids [S] int32.
 
-    w13 [E, 2I, H] contiguous along H; every row of inter [S, I] is written.
+    w13 [E, 2I, H] contiguous along H; every row of inter [S, I] is written; ``scale`` with 8-bit w13.
     """
     inter_size, hidden = w13.shape[1] // 2, w13.shape[2]
+    cfg = _fit_scale_blocks(cfg, block_shape)
+    (scale_ptr, *scale_strides), quant = _quant_args(w13, scale, block_shape)
     gemv_kernels.w13_gemv_kernel[(ids.numel(), triton.cdiv(inter_size, cfg.BLOCK_N))](
-        x, w13, ids, inter, top_k, inter_size, hidden, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        x, w13, ids, inter, scale_ptr, top_k, inter_size, hidden, x.stride(0), w13.stride(0), w13.stride(1),
+        inter.stride(0), *scale_strides, **quant,
         ACTIVATION=activation, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=hidden % cfg.BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def invoke_w2_gemv(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, slot_weights: torch.Tensor,
-                   out: torch.Tensor, top_k: int, cfg: GemmConfig) -> None:
+                   out: torch.Tensor, top_k: int, cfg: GemmConfig, scale: torch.Tensor | None = None,
+                   block_shape: tuple[int, int] | None = None) -> None:
     """Matrix-vector kernel 2: out[t] = sum_j slot_weights[t*k+j] * (w2[e_j] @ inter[t*k+j]).
 
-    w2 [E, H, I] contiguous along I; ids [S] int32; every row of out [T, H] is written.
+    w2 [E, H, I] contiguous along I; ids [S] int32; every row of out [T, H] is written; ``scale`` with 8-bit w2.
     """
     hidden, inter_size = w2.shape[1], w2.shape[2]
+    cfg = _fit_scale_blocks(cfg, block_shape)
+    (scale_ptr, *scale_strides), quant = _quant_args(w2, scale, block_shape)
     gemv_kernels.w2_gemv_sum_kernel[(out.shape[0], triton.cdiv(hidden, cfg.BLOCK_N))](
-        inter, w2, ids, slot_weights, out, top_k, hidden, inter_size,
-        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        inter, w2, ids, slot_weights, out, scale_ptr, top_k, hidden, inter_size,
+        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *scale_strides, **quant,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=inter_size % cfg.BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -413,14 +405,12 @@ def fused_moe_triton(
     if inter is None:
         inter = torch.empty(num_slots, two_inter // 2, dtype=x.dtype, device=x.device)  # [S, I]
     slot_weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [S], a no-op for route()'s output
-    if config.gemv and w13_scale is not None:
-        config = _QUANT_DECODE_CONFIG
     if config.gemv and w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1:
         if out is None:
             out = torch.empty_like(x)  # [T, H]
         ids = flat_ids(topk_ids)
-        invoke_w13_gemv(x, w13, ids, inter, top_k, config.w13, activation)
-        invoke_w2_gemv(inter, w2, ids, slot_weights, out, top_k, config.w2)
+        invoke_w13_gemv(x, w13, ids, inter, top_k, config.w13, activation, w13_scale, block_shape)
+        invoke_w2_gemv(inter, w2, ids, slot_weights, out, top_k, config.w2, w2_scale, block_shape)
         return out
 
     blocks = slot_blocks(topk_ids, num_experts, config)

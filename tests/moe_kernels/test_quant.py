@@ -16,7 +16,7 @@ import torch
 
 import moe_kernels
 from moe_kernels.quant import FP8_DTYPE, QuantScheme, dequantize, quantize, scale_shape
-from tests.moe_kernels.test_triton import make_inputs, moe_float64_loop
+from tests.moe_kernels.test_triton import cfg, make_inputs, moe_float64_loop
 
 SCHEMES = {
     "int8": QuantScheme("int8"),
@@ -95,15 +95,25 @@ def quantized_inputs(seed, scheme, T=5, E=4, k=2, H=64, I=40, dtype=torch.float3
     return x, (q13, s13), (q2, s2), weights, ids
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+# Triton paths: expert-sorted row blocks, one slot per block, matrix-vector kernels; BLOCK_K 64 is cut to the
+# 32-wide scale blocks.
+TRITON_PATHS = {"sorted": cfg(True, block_k=64), "unsorted": cfg(False), "gemv": cfg(gemv=True, block_k=64)}
+
+
+@pytest.mark.parametrize("backend", ["torch", *(f"triton-{path}" for path in TRITON_PATHS)])
 @pytest.mark.parametrize("name", SCHEMES)
 def test_fused_moe_8bit_vs_dequantized_float64(backend, name, seed):
     scheme = SCHEMES[name]
-    if backend not in moe_kernels.available_backends():
-        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
     x, (q13, s13), (q2, s2), weights, ids = quantized_inputs(seed, scheme)
-    out = moe_kernels.fused_moe(x, q13, q2, weights, ids, backend=backend, w13_scale=s13, w2_scale=s2,
-                                block_shape=scheme.block)
+    quant = dict(w13_scale=s13, w2_scale=s2, block_shape=scheme.block)
+    if backend == "torch":
+        out = moe_kernels.fused_moe(x, q13, q2, weights, ids, backend=backend, **quant)
+    else:
+        if "triton" not in moe_kernels.available_backends():
+            pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+        from moe_kernels.triton_backend import fused_moe_triton
+
+        out = fused_moe_triton(x, q13, q2, weights, ids, config=TRITON_PATHS[backend.split("-", 1)[1]], **quant)
     ref = moe_float64_loop(x, dequant64(q13, s13, scheme.block, 2), dequant64(q2, s2, scheme.block), weights, ids)
     assert out.dtype == x.dtype
     err = (out.double().cpu() - ref).abs().max().item()
