@@ -243,3 +243,13 @@ def test_expert_parallel_8bit_matches_one_process(tmp_path):
     status, value = results.get(0, ("missing", None))
     assert status == "ok", value
     assert value["ep"] == value["single"], f"seed={seed}"
+
+
+def test_serve_flag_reaches_the_engine_config():
+    from gateway.cli import build_parser, serve_engine_config
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--quantization", "fp8-block"])
+    assert serve_engine_config(args).quantization == "fp8-block"
+    assert serve_engine_config(build_parser().parse_args(["serve", "--model", "m"])).quantization is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int4"])
