@@ -10,18 +10,21 @@ from engine.text.prompts import InputProcessor
 from engine.loading.model_config import CheckpointError, load_model_config
 from engine.distributed.collectives import SINGLE
 from engine.distributed.ranks import DataParallelPeers, EngineRanks
-from engine.core.outputs import OutputProcessor, RequestOutput
+from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request
 from engine.worker.model_setup import build_rank
+from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, needs_host_between_steps
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA, SchedulerStats
 from engine.structured_output.matchers import GrammarMatchers
 from engine.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+# Devices where overlapped scheduling is on unless EngineConfig.overlap_scheduling says otherwise.
+OVERLAP_BY_DEFAULT = ("cuda",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -97,17 +100,29 @@ class LLMEngine:
                 self.tokenizer, self.model_config.vocab_size, self._eos_token_id, self.device)
         self.choice_groups = ChoiceGroups(share_prefill=cache_config.enable_prefix_caching)
         self._ids = itertools.count()
+        # Overlapped steps: the host prepares step N+1 while the device runs step N (engine.worker.overlap).
+        # Every rank must see each plan before it runs, and data-parallel peers step in lockstep: those stay synchronous.
+        overlap = config.overlap_scheduling
+        if overlap is None:
+            overlap = self.device.type in OVERLAP_BY_DEFAULT
+        if overlap and (self.model.tp.size > 1 or self.runner.steps_with_peers):
+            logger.info("overlapped scheduling is off: it needs a single-process engine")
+            overlap = False
+        self._overlap = OverlappedRunner(self.runner) if overlap else None
+        self._in_flight: StepInFlight | None = None
         logger.info(
             "engine ready: %s%s on %s/%s x%d ranks%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, "
-            "CUDA graphs %s",
+            "CUDA graphs %s, overlapped scheduling %s",
             self.model_config.architecture, " (RANDOM WEIGHTS)" if config.random_weights else "", self.device, self.dtype,
             config.tensor_parallel_size, " (experts divided)" if config.enable_expert_parallel else "",
             self.kernels.attention, cache_config.num_blocks, config.block_size, self.max_model_len,
-            self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off",
+            self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off", "on" if overlap else "off",
         )
 
     def close(self) -> None:
         """Stop the other ranks of a multi-process engine (a no-op for one process)."""
+        if self._overlap is not None:
+            self._overlap.close()
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             ranks.close()
@@ -206,7 +221,8 @@ class LLMEngine:
         return self.output_processor.abort(request) if request is not None else None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is unfinished, or a step is still in flight (overlapped scheduling)."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step_needed(self) -> bool:
         """Whether to call ``step()`` now: this engine has work or, for data-parallel engines sharing experts,
@@ -219,9 +235,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update: one iteration of continuous batching; returns what changed."""
         plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan)
-        updates = self.scheduler.update(plan, sampled.token_ids)
-        outputs = self.output_processor.process(updates, self.scheduler, sampled.logprobs, sampled.prompt_logprobs)
+        outputs = self._run_synchronously(plan) if self._overlap is None else self._step_overlapped(plan)
         # Copies of an n > 1 request whose leader has now computed the prompt join the queue for the next step.
         for request in self.choice_groups.release():
             self.scheduler.add_request(request)
@@ -229,6 +243,30 @@ class LLMEngine:
             if out.finished and out.request_id in self.choice_groups and self.choice_groups.finished(out.request_id):
                 self.choice_groups.forget(out.request_id)
         return outputs
+
+    def _run_synchronously(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        sampled = self.runner.execute(plan)
+        updates = self.scheduler.update(plan, sampled.token_ids)
+        return self.output_processor.process(updates, self.scheduler, sampled.logprobs, sampled.prompt_logprobs)
+
+    def _step_overlapped(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Launch ``plan`` (step N+1), then read the step in flight (N) and return its outputs: stop checks and
+        detokenization run one step behind. A plan with a request that needs the host between its steps
+        (``needs_host_between_steps``) runs synchronously once the step in flight is read."""
+        prev, self._in_flight = self._in_flight, None
+        if plan.is_empty or any(needs_host_between_steps(s.request) for s in plan.scheduled):
+            outputs = self._resolve(prev) if prev is not None else []
+            fill_placeholders(plan)
+            return merge_step_outputs(outputs + self._run_synchronously(plan))
+        step = self._overlap.launch(plan, prev)
+        outputs = self._resolve(prev) if prev is not None else []
+        self.scheduler.advance(plan)
+        self._in_flight = step
+        return outputs
+
+    def _resolve(self, step: StepInFlight) -> list[RequestOutput]:
+        updates = self.scheduler.resolve(step.plan, self._overlap.collect(step))
+        return self.output_processor.process(updates, self.scheduler)
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counters and the last step's host times; the expert load where it is cheap to read

@@ -50,6 +50,11 @@ class EngineConfig:
     "fp8" (float8_e4m3fn, a scale per output channel), "fp8-block" (a scale per 128x128 block) or "int8"
     (weight-only, a scale per output channel); None keeps the model dtype, or the checkpoint's own FP8
     scheme when its config.json has a ``quantization_config``.
+    ``overlap_scheduling``: the host schedules and prepares step N+1 while the device runs step N, the
+    sampled tokens fed to the next step on the device; stop checks and outputs run one step behind (a
+    request's extra token past its stop is dropped). None: on on CUDA, off on the CPU. Steps with a request
+    that needs its token on the host first (grammars, logprobs, penalties, ``n`` > 1) and multi-process
+    engines run synchronously.
     ``cpu_threads``: torch's intra-op threads when the model runs on the CPU; None
     is torch's default (every core) in-process; in the engine process, which
     shares the machine with the gateway feeding it, one core fewer while
@@ -86,6 +91,7 @@ class EngineConfig:
     quantization: str | None = None
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    overlap_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:

@@ -48,6 +48,16 @@ class RequestOutput(msgspec.Struct):
         )
 
 
+def merge_step_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request and choice: a step that reports two for one (the step in flight's, then the
+    one it ran synchronously) merges them, in order."""
+    merged: dict[tuple[str, int], RequestOutput] = {}
+    for out in outputs:
+        key = (out.request_id, out.index)
+        merged[key] = merged[key].merge(out) if key in merged else out
+    return list(merged.values())
+
+
 class _TextState:
     __slots__ = ("detok", "text", "emitted", "prompt_logprobs", "prompt_sent")
 

@@ -33,6 +33,16 @@ that prefills foreground work serves no background work at all, and while
 foreground work is present or was recently (``background_window_s``), the
 background gets at most ``background_token_budget`` tokens a step, which keeps
 every step short. With no foreground traffic the background has whole steps.
+
+Overlapped steps (``EngineConfig.overlap_scheduling``): the engine schedules
+step N+1 before step N's tokens are read. ``advance()`` accounts for a launched
+step at once (computed counts move on, and each request that samples gets a
+``PLACEHOLDER`` token, which the runner feeds from the device), and
+``resolve()`` applies the tokens one step later: it fills the placeholders and
+runs the stop checks. A request whose in-flight token ends it by length is not
+scheduled again; one that turns out stopped after it was scheduled into the
+next step is finished at ``resolve()`` (its blocks freed), and that step's token
+for it is dropped.
 """
 
 import bisect
@@ -45,6 +55,9 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.stats import SchedulerStats
 from engine.core.waiting_queue import VirtualTokenCounter, WaitingQueue
+
+# A sampled token still on the device (overlapped steps): the last token of a request whose step is in flight.
+PLACEHOLDER = -1
 
 
 @dataclass(slots=True)
@@ -147,6 +160,9 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         assert status.is_finished
+        if request.all_token_ids[-1] == PLACEHOLDER:  # aborted while its step ran: that token is never known
+            request.all_token_ids.pop()
+            request.output_token_ids.pop()
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -263,6 +279,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self._ends_in_flight(request):
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
             if request.background:
                 num_new = min(num_new, self._background_left)
@@ -278,6 +296,12 @@ class Scheduler:
             else:
                 self._add_scheduled(request, num_new)
         return pressure
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Its last token is still on the device (overlapped steps) and is its last by length: scheduling it
+        again would compute a token past ``max_tokens``."""
+        return request.all_token_ids[-1] == PLACEHOLDER and (
+            request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len)
 
     def _admit(self, rank: int, preempted: list[str]) -> None:
         """Admit waiting requests of ``rank`` (fairly across tenants) while budget, slots and blocks allow."""
@@ -343,20 +367,63 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and update()
             request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_computed_blocks(request)
-            # Prompt tokens are billed once, even if preemption makes them computed again.
-            prompt_done = min(request.num_computed_tokens, request.num_prompt_tokens)
-            new_prompt = max(prompt_done - request.num_charged_prompt_tokens, 0)
-            request.num_charged_prompt_tokens += new_prompt
-            self.vtc.charge(request, new_prompt, 1 if item.sample else 0)
+            self._account_computed(request, item)
             if not item.sample:
                 continue
             assert token is not None
             request.append_output_token(token)
-            status = self._stop_status(request, token)
-            if status is not None:
-                self._finish(request, status)
-            updates.append(RequestUpdate(request, [token], status is not None))
+            updates.append(self._check_stop(request, token))
+        return updates
+
+    def _account_computed(self, request: Request, item: ScheduledRequest) -> None:
+        """Register the blocks the step filled in the prefix cache and bill the tenant's fair-share counter."""
+        if request.status == RequestStatus.RUNNING:  # a request preempted since has no blocks to register
+            self.kv.cache_computed_blocks(request)
+        # Prompt tokens are billed once, even if preemption makes them computed again.
+        prompt_done = min(request.num_computed_tokens, request.num_prompt_tokens)
+        new_prompt = max(prompt_done - request.num_charged_prompt_tokens, 0)
+        request.num_charged_prompt_tokens += new_prompt
+        self.vtc.charge(request, new_prompt, 1 if item.sample else 0)
+
+    def _check_stop(self, request: Request, token: int) -> RequestUpdate:
+        status = self._stop_status(request, token)
+        if status is not None:
+            self._finish(request, status)
+        return RequestUpdate(request, [token], status is not None)
+
+    # ---- overlapped steps -------------------------------------------------
+    def advance(self, sched_out: SchedulerOutput) -> None:
+        """Account for a launched step whose tokens are not read yet (overlapped steps): its requests' computed
+        counts move on, and each that samples gets a ``PLACEHOLDER`` token, so the next ``schedule()`` gives it
+        its next position. Requests that ended since ``schedule()`` are left alone. ``resolve`` follows."""
+        for item in sched_out.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # ended by the previous step's tokens: this step's token for it is dropped
+            request.num_computed_tokens += item.num_new_tokens
+            if item.sample:
+                request.append_output_token(PLACEHOLDER)
+
+    def resolve(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[RequestUpdate]:
+        """``update()`` for a step that went through ``advance()``: fill each placeholder with its token, register
+        the blocks computed, bill, run the stop checks (finishing what is done). Requests that ended meanwhile
+        (aborted, stopped by the step before) are skipped: their token is never emitted nor counted."""
+        start = time.perf_counter()
+        assert len(sampled_token_ids) == len(sched_out.scheduled)
+        updates: list[RequestUpdate] = []
+        for item, token in zip(sched_out.scheduled, sampled_token_ids):
+            request = item.request
+            if request.is_finished:
+                continue
+            if item.sample:
+                position = item.start + item.num_new_tokens  # where advance() put its placeholder
+                assert request.all_token_ids[position] == PLACEHOLDER and token is not None
+                request.all_token_ids[position] = token
+                request.output_token_ids[position - request.num_prompt_tokens] = token
+            self._account_computed(request, item)
+            if item.sample:
+                updates.append(self._check_stop(request, token))
+        self.last_step_ms += (time.perf_counter() - start) * 1e3
         return updates
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

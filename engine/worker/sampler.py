@@ -97,6 +97,15 @@ class Sampler:
                 logprobs[i] = lp
         return SamplerOutput(tokens, logprobs)
 
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits [N, V] -> token ids [N] left on the device, with no host sync (overlapped steps).
+
+        Only for requests that need no host work on their token: no grammar, no logprobs, no penalties
+        (those read the token history, whose last token may still be on the device).
+        """
+        self._suppress_stop_tokens(logits, requests)
+        return self._sample(logits, requests)
+
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits [N, V] (adjusted) -> sampled token ids [N] on the device."""
         params = [r.sampling_params for r in requests]

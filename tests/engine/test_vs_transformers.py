@@ -22,7 +22,12 @@ MODES = {
     "default": dict(),
     "chunked_prefill": dict(max_num_batched_tokens=24),  # prompts up to 200 tokens: many chunks, mixed with decodes
     "preemption": dict(num_kv_blocks=18, block_size=16, max_num_batched_tokens=64),  # room for ~1-2 sequences
+    # Overlapped scheduling (tokens fed to the next step on the device, stop checks one step behind), chunked
+    # prefill and preemption included: the small pool preempts here too.
+    "overlap": dict(overlap_scheduling=True, num_kv_blocks=18, block_size=16, max_num_batched_tokens=48),
 }
+for _mode in ("default", "chunked_prefill", "preemption"):
+    MODES[_mode].setdefault("overlap_scheduling", False)  # the synchronous loop, whatever the device's default
 
 
 def make_requests(rng: random.Random, vocab: int, n: int = 8) -> list[tuple[list[int], int]]:
@@ -62,7 +67,7 @@ def test_greedy_matches_transformers(reference, mode):
         assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
         assert out.num_prompt_tokens == len(prompt)
     scheduler = llm.engine.scheduler
-    if mode == "preemption":
+    if mode in ("preemption", "overlap"):
         assert scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
     scheduler.kv.pool.check_all_free()
     assert not scheduler.running and not scheduler.waiting
