@@ -1,0 +1,169 @@
+"""Overlapped scheduling against the synchronous loop on the same engine settings (the reference).
+
+The overlapped loop launches step N+1 before it reads step N's tokens; these tests check that it
+produces the synchronous loop's greedy tokens, finish reasons and usage counts, never computes a token
+past a request's stop or ``max_tokens``, and frees every block after aborts and preemptions.
+"""
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.scheduler import PLACEHOLDER
+from tests.hf_models import make_hf_model
+
+VOCAB = 211
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("overlap"))
+    make_hf_model("qwen3_moe", path, seed=random.randrange(2**31), vocab_size=VOCAB)
+    return path
+
+
+def engine(path: str, overlap: bool, **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 96)  # room for every request at once, without the default pool's allocation
+    return LLM(model=path, dtype="float32", device="cpu", overlap_scheduling=overlap, block_size=16, **kw)
+
+
+def workload(rng: random.Random, n: int = 12) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts sharing prefixes (prefix-cache hits), long ones (chunked prefill), short and long outputs."""
+    shared = [rng.randrange(1, VOCAB) for _ in range(40)]
+    reqs = []
+    for i in range(n):
+        own = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 90))]
+        prompt = shared[:rng.choice([0, 17, 40])] + own
+        reqs.append((prompt, SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 30), ignore_eos=True)))
+    return reqs
+
+
+def watch_schedules(llm: LLM) -> list[str]:
+    """Record every scheduled part that would compute a token past its request's ``max_tokens``."""
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+    overruns: list[str] = []
+
+    def checked():
+        plan = schedule()
+        for s in plan.scheduled:
+            r = s.request
+            sampled_index = s.start + s.num_new_tokens - r.num_prompt_tokens  # output index of the token sampled
+            if s.sample and sampled_index >= r.max_tokens:
+                overruns.append(f"{r.request_id}: samples output {sampled_index} of max_tokens {r.max_tokens}")
+        return plan
+
+    scheduler.schedule = checked
+    return overruns
+
+
+def run(llm: LLM, reqs) -> list:
+    outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    scheduler = llm.engine.scheduler
+    scheduler.kv.pool.check_all_free()
+    assert not scheduler.running and not scheduler.waiting and not llm.engine.has_unfinished()
+    return outs
+
+
+def summary(out) -> tuple:
+    return out.token_ids, out.finish_reason, out.stop_reason, out.num_output_tokens, out.num_cached_tokens > 0
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_num_batched_tokens=32),  # chunked prefill mixed with decodes, prefix hits
+    dict(num_kv_blocks=14, max_num_batched_tokens=48),  # preemption (asserted below)
+], ids=["chunked", "preemption"])
+def test_overlap_equals_synchronous_loop(model_path, settings):
+    seed = random.randrange(2**31)
+    reqs = workload(random.Random(seed))
+    sync, overlapped = engine(model_path, False, **settings), engine(model_path, True, **settings)
+    overruns = watch_schedules(overlapped)
+    expected, got = run(sync, reqs), run(overlapped, reqs)
+    for (prompt, sp), e, g in zip(reqs, expected, got):
+        assert g.token_ids == e.token_ids, f"seed={seed} prompt_len={len(prompt)}"
+        assert g.finish_reason == "length" and g.num_output_tokens == sp.max_tokens == len(g.token_ids)
+    assert not overruns, overruns
+    stats = overlapped.engine.stats()
+    assert stats.prefix_hit_tokens > 0, "shared prefixes should hit the prefix cache"
+    if "num_kv_blocks" in settings:
+        # 14 blocks of 16 tokens hold about two of these requests at their longest: both loops must preempt.
+        assert sync.engine.scheduler.num_preemptions > 0 and overlapped.engine.scheduler.num_preemptions > 0
+
+
+def test_stops_are_never_overrun(model_path):
+    """Stop token ids and max_tokens end a request at the same token as the synchronous loop, with the same
+    usage; the token its next (already launched) step sampled is never emitted."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 60))] for _ in range(10)]
+    free = engine(model_path, False).generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    params = []
+    for out in free:
+        # Stop at a token the free run produced in its middle (so the stop lands mid-generation), or by length.
+        stop = out.token_ids[rng.randint(1, 20)]
+        params.append(SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 24), ignore_eos=True,
+                                     stop_token_ids=[stop] if rng.random() < 0.7 else []))
+    reqs = list(zip(prompts, params))
+    sync, overlapped = engine(model_path, False), engine(model_path, True)
+    overruns = watch_schedules(overlapped)
+    expected, got = run(sync, reqs), run(overlapped, reqs)
+    assert [summary(g) for g in got] == [summary(e) for e in expected], f"seed={seed}"
+    assert any(e.finish_reason == "stop" for e in expected) and any(e.finish_reason == "length" for e in expected)
+    assert not overruns, overruns
+    for (_, sp), g in zip(reqs, got):
+        stops = [i for i, t in enumerate(g.token_ids) if t in sp.stop_token_ids]
+        assert stops in ([], [len(g.token_ids) - 1]), "nothing is emitted after a stop token"
+
+
+def test_aborts_and_preemptions_free_every_block(model_path):
+    """Aborts while a step is in flight (the aborted request's token still on the device) and preemptions
+    leave the pool as it started; the requests left run to the synchronous loop's tokens."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    reqs = [([rng.randrange(1, VOCAB) for _ in range(rng.randint(20, 70))],
+             SamplingParams(temperature=0.0, max_tokens=rng.randint(10, 30), ignore_eos=True)) for _ in range(8)]
+    settings = dict(num_kv_blocks=12, max_num_batched_tokens=48)
+    expected = run(engine(model_path, False, **settings), reqs)
+    llm = engine(model_path, True, **settings)
+    eng = llm.engine
+    free_at_start = eng.scheduler.kv.pool.num_free_blocks
+    for i, (prompt, sp) in enumerate(reqs):
+        eng.add_request(prompt, sp, request_id=str(i))
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(reqs))}
+    aborted = set()
+    steps = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            outputs[out.request_id] += out.token_ids
+        steps += 1
+        in_flight = [r for r in eng.scheduler.running if r.all_token_ids[-1] == PLACEHOLDER]
+        if steps % 5 == 0 and in_flight:  # abort a request whose token is still on the device
+            victim = rng.choice(in_flight)
+            eng.abort(victim.request_id)
+            aborted.add(victim.request_id)
+            assert PLACEHOLDER not in victim.all_token_ids and victim.num_output_tokens == len(outputs[victim.request_id])
+    assert aborted and eng.scheduler.num_preemptions > 0, f"seed={seed}: the workload should abort and preempt"
+    assert eng.scheduler.kv.pool.num_free_blocks == free_at_start
+    eng.scheduler.kv.pool.check_all_free()
+    for i, e in enumerate(expected):
+        got = outputs[str(i)]
+        assert got == (e.token_ids[:len(got)] if str(i) in aborted else e.token_ids), f"seed={seed} request {i}"
+
+
+def test_host_work_falls_back_to_synchronous_steps(model_path):
+    """Requests that need their token on the host before their next step (logprobs, penalties) share the
+    batch with overlapped ones: every request gets the synchronous loop's tokens and logprobs."""
+    rng = random.Random(random.randrange(2**31))
+    reqs = []
+    for i in range(6):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 40))]
+        extra = [dict(), dict(logprobs=2), dict(repetition_penalty=1.3)][i % 3]
+        reqs.append((prompt, SamplingParams(temperature=0.0, max_tokens=rng.randint(5, 20), ignore_eos=True, **extra)))
+    expected, got = run(engine(model_path, False), reqs), run(engine(model_path, True), reqs)
+    for e, g in zip(expected, got):
+        assert summary(g) == summary(e)
+        assert (g.logprobs is None) == (e.logprobs is None)
+        if e.logprobs is not None:
+            assert g.logprobs.token_ids == e.logprobs.token_ids
+            assert g.logprobs.logprobs == pytest.approx(e.logprobs.logprobs, abs=1e-5)
