@@ -183,7 +183,8 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
         background_token_budget=args.background_token_budget, background_window_s=args.background_window_seconds,
-        cpu_threads=args.cpu_threads, quantization=args.quantization, **engine_cli.parallel_fields(args),
+        cpu_threads=args.cpu_threads, quantization=args.quantization, overlap_scheduling=args.overlap_scheduling,
+        **engine_cli.parallel_fields(args),
     )
     if args.random_weights is not None:
         import dataclasses
@@ -221,6 +222,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--background-window-seconds", type=float, default=defaults.background_window_s,
                    help="how long after live traffic batch work stays capped, and the engine leaves a core to "
                         f"the gateway on the CPU (default {defaults.background_window_s:g})")
+    p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and prepare the next step while the device runs this one, stop checks one step "
+                        "behind (default: on with CUDA, off on the CPU, where it measured no gain)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads of the engine on the CPU, whatever it serves (default: one core fewer "
                         "than the machine while live traffic is recent, every core otherwise)")

@@ -78,3 +78,6 @@ def test_serve_engine_settings_reach_the_engine_config():
     reference = EngineConfig(model="m")
     assert (defaults.background_token_budget, defaults.background_window_s, defaults.cpu_threads) == (
         reference.background_token_budget, reference.background_window_s, None)
+    assert defaults.overlap_scheduling is reference.overlap_scheduling is None  # the device decides
+    for flag, value in (("--overlap-scheduling", True), ("--no-overlap-scheduling", False)):
+        assert serve_engine_config(build_parser().parse_args(["serve", "--model", "m", flag])).overlap_scheduling is value
