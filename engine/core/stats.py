@@ -25,7 +25,9 @@ class SchedulerStats(msgspec.Struct):
     expert_load_by_rank: list[int] | None = None
     # Host time of the last step, milliseconds: the scheduler's Python (schedule + update), the
     # runner's batch building (metadata and staging, part of execute), and execute as a whole
-    # (which waits for the sampled tokens, so on a GPU it includes the device time).
+    # (which waits for the sampled tokens, so on a GPU it includes the device time). With overlapped
+    # scheduling: schedule + resolve, the next step's batch building, and its launch plus the wait for
+    # the previous step's tokens.
     step_schedule_ms: float = 0.0
     step_prepare_ms: float = 0.0
     step_execute_ms: float = 0.0

@@ -19,6 +19,7 @@ HOT_PATH = [
     ROOT / "engine/worker/staging.py",
     ROOT / "engine/transforms/cuda_graphs.py",
     ROOT / "engine/worker/sampler.py",
+    ROOT / "engine/worker/overlap.py",
     ROOT / "moe_kernels/routing.py",
     ROOT / "moe_kernels/align.py",
     ROOT / "moe_kernels/dispatch.py",
@@ -28,7 +29,8 @@ SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "unique", "binco
 # (file, function): the justified ones.
 ALLOWED = {
     ("engine/worker/sampler.py", "__call__"),  # reading the sampled tokens: the step's one sync
-    ("engine/worker/runner.py", "expert_load"),  # statistics, every EXPERT_LOAD_EVERY_CUDA steps, after that sync
+    ("engine/worker/runner.py", "expert_load"),
+    ("engine/worker/overlap.py", "collect"),  # overlapped steps: reading a step's tokens, one step late  # statistics, every EXPERT_LOAD_EVERY_CUDA steps, after that sync
 }
 
 
