@@ -167,3 +167,28 @@ def test_host_work_falls_back_to_synchronous_steps(model_path):
         if e.logprobs is not None:
             assert g.logprobs.token_ids == e.logprobs.token_ids
             assert g.logprobs.logprobs == pytest.approx(e.logprobs.logprobs, abs=1e-5)
+
+
+def test_stop_strings_one_step_behind(tmp_path):
+    """With a tokenizer (the demo checkpoint): stop strings, applied one step behind, end requests
+    where the synchronous loop ends them, with the same text and usage."""
+    from engine.loading.demo_model import write_demo_model
+
+    seed = random.randrange(2**31)
+    write_demo_model(str(tmp_path), seed=seed)
+    rng = random.Random(seed)
+    prompts = ["The lighthouse keeper", "Numbers appear everywhere", "Once upon a time", "héllo wörld"]
+    settings = dict(max_num_batched_tokens=64)
+    free = engine(str(tmp_path), False, **settings).generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
+    params = []
+    for out in free:
+        text = out.text
+        cut = rng.randint(len(text) // 3, max(len(text) // 3, len(text) - 3)) if len(text) > 6 else 0
+        stop = [text[cut:cut + 3]] if cut else []  # a stop string the free run prints mid-way
+        params.append(SamplingParams(temperature=0.0, max_tokens=30, stop=stop))
+    reqs = list(zip(prompts, params))
+    sync, overlapped = engine(str(tmp_path), False, **settings), engine(str(tmp_path), True, **settings)
+    expected, got = run(sync, reqs), run(overlapped, reqs)
+    for e, g in zip(expected, got):
+        assert (g.text, *summary(g)) == (e.text, *summary(e)), f"seed={seed}"
+    assert any(e.finish_reason == "stop" for e in expected), f"seed={seed}: a stop string should end a request"
