@@ -1,6 +1,7 @@
 """Host time per step on the critical path, synchronous vs overlapped scheduling, at several batch sizes.
 
     python -m benchmarks.step_overlap [--batches 1,8,64] [--threads 1] [--rounds 15] [--steps 10] [--model SPEC]
+    python -m benchmarks.step_overlap --device cuda   # on a GPU (bfloat16)
 
 Two engines on the same random-weight model (default: a small Qwen3-MoE, hidden 256, 4 layers, 16 experts,
 top-4, Qwen3's vocabulary), one with ``overlap_scheduling`` off and one with it on, each holding ``batch``
@@ -8,8 +9,9 @@ requests in steady decode (32-token prompts, outputs long enough never to finish
 engines, ``steps`` steps each; each number is a round's mean per step, median over the rounds. Per step:
 
 * ``step``: wall time of ``engine.step()`` (the loop's period);
-* ``compute``: the forward, logits and sampling themselves (synchronous: ``execute`` minus its batch
-  building; overlapped: the worker's time on each step launched);
+* ``compute``: on the CPU the forward, logits and sampling themselves (synchronous: ``execute`` minus its
+  batch building; overlapped: the worker's time on each step launched); on CUDA the forwards' device time
+  (CUDA events around each);
 * ``host``: the round's ``step - compute``: the host time on the critical path, what the device (here: the
   thread running the forward) does not hide (the time it sat idle);
 * ``sched``, ``prep``: the scheduler's Python (schedule + update) and the batch building, wherever they ran.
@@ -33,9 +35,9 @@ SMALL = ("qwen3-30b-a3b:hidden_size=256,num_hidden_layers=4,num_experts=16,num_e
          "moe_intermediate_size=128,intermediate_size=512,num_attention_heads=4,num_key_value_heads=2,head_dim=64")
 
 
-def build(model: str, batch: int, overlap: bool, threads: int) -> LLMEngine:
-    config = EngineConfig(model="bench", random_weights=model, device="cpu", dtype="float32", block_size=16,
-                          num_kv_blocks=batch * 24 + 8, max_num_seqs=max(batch, 1), cpu_threads=threads,
+def build(model: str, batch: int, overlap: bool, threads: int, device: str) -> LLMEngine:
+    config = EngineConfig(model="bench", random_weights=model, device=device, dtype="float32" if device == "cpu" else "auto",
+                          block_size=16, num_kv_blocks=batch * 24 + 8, max_num_seqs=max(batch, 1), cpu_threads=threads,
                           overlap_scheduling=overlap)
     engine = LLMEngine(config)
     rng = random.Random(0)
@@ -47,9 +49,36 @@ def build(model: str, batch: int, overlap: bool, threads: int) -> LLMEngine:
     return engine
 
 
-def timed_round(engine: LLMEngine, steps: int, into: dict[str, list[float]]) -> None:
+class CudaForwardTimer:
+    """CUDA: events around each forward of ``engine``; ``read`` waits for the device and returns the forwards'
+    device time since the last read, milliseconds."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        forward = engine.runner.forward
+
+        def timed(batch):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            hidden = forward(batch)
+            end.record()
+            self.pairs.append((start, end))
+            return hidden
+
+        engine.runner.forward = timed
+
+    def read(self) -> float:
+        torch.cuda.synchronize()
+        ms = sum(start.elapsed_time(end) for start, end in self.pairs)
+        self.pairs.clear()
+        return ms
+
+
+def timed_round(engine: LLMEngine, steps: int, into: dict[str, list[float]],
+                cuda_timer: CudaForwardTimer | None = None) -> None:
     """``steps`` steps; appends this round's means per step. ``host`` is the round's wall time minus the
-    compute of the steps it ran, divided by the steps: the time the forward's thread sat idle.
+    compute of the steps it ran, divided by the steps: the time the device (the forward's thread on the
+    CPU) sat idle.
 
     The overlapped engine's last step of a round is waited for inside the round (its compute is the
     round's), so the other engine's round never runs beside it.
@@ -62,15 +91,17 @@ def timed_round(engine: LLMEngine, steps: int, into: dict[str, list[float]]) -> 
         wall += (time.perf_counter() - start) * 1e3
         if engine._in_flight is not None:  # the overlapped loop: the step this call launched
             launched.append(engine._in_flight)
-        else:
+        elif cuda_timer is None:
             compute += engine.runner.last_execute_ms - engine.runner.last_prepare_ms
         schedule += engine.scheduler.last_step_ms
         prepare += engine.runner.last_prepare_ms
-    if launched:
-        start = time.perf_counter()
+    start = time.perf_counter()
+    if cuda_timer is not None:
+        compute = cuda_timer.read()  # waits for the round's last step
+    elif launched:
         launched[-1].device_tokens()  # the worker's last step of the round
-        wall += (time.perf_counter() - start) * 1e3
         compute += sum(step.compute_ms for step in launched)
+    wall += (time.perf_counter() - start) * 1e3
     for key, total in (("step", wall), ("compute", compute), ("host", wall - compute), ("schedule", schedule),
                        ("prepare", prepare)):
         into[key].append(total / steps)
@@ -82,18 +113,20 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--model", default=SMALL, help="a random-weights spec (engine.loading.random_weights)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} intra-op thread(s), model {args.model}")
     print(f"{'batch':>5} {'mode':<11} {'step ms':>8} {'compute':>8} {'host':>7} {'sched':>6} {'prep':>6} {'tok/s':>8}")
     for batch in [int(b) for b in args.batches.split(",")]:
-        engines = {"synchronous": build(args.model, batch, False, args.threads),
-                   "overlapped": build(args.model, batch, True, args.threads)}
+        engines = {"synchronous": build(args.model, batch, False, args.threads, args.device),
+                   "overlapped": build(args.model, batch, True, args.threads, args.device)}
+        timers = {name: CudaForwardTimer(e) if args.device == "cuda" else None for name, e in engines.items()}
         times = {name: {k: [] for k in ("step", "compute", "host", "schedule", "prepare")} for name in engines}
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                timed_round(engine, args.steps, times[name])
+                timed_round(engine, args.steps, times[name], timers[name])
         for name, t in times.items():
             med = {k: statistics.median(v) for k, v in t.items()}
             print(f"{batch:>5} {name:<11} {med['step']:>8.2f} {med['compute']:>8.2f} {med['host']:>7.2f} "
