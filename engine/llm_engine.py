@@ -233,7 +233,11 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update: one iteration of continuous batching; returns what changed."""
+        """Schedule, execute, update: one iteration of continuous batching; returns what changed.
+
+        With overlapped scheduling the outputs returned are those of the step launched by the previous call
+        (this call launches the next one), so each request's outputs arrive one call later; the outputs
+        themselves are the synchronous loop's."""
         plan = self.scheduler.schedule()
         outputs = self._run_synchronously(plan) if self._overlap is None else self._step_overlapped(plan)
         # Copies of an n > 1 request whose leader has now computed the prompt join the queue for the next step.

@@ -192,3 +192,15 @@ def test_stop_strings_one_step_behind(tmp_path):
     for e, g in zip(expected, got):
         assert (g.text, *summary(g)) == (e.text, *summary(e)), f"seed={seed}"
     assert any(e.finish_reason == "stop" for e in expected), f"seed={seed}: a stop string should end a request"
+
+
+def test_seeded_sampling_matches(model_path):
+    """Seeded random sampling (each request its own generator) draws the same tokens overlapped: the
+    tokens fed on the device are the ones the host later reads."""
+    rng = random.Random(random.randrange(2**31))
+    reqs = [([rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 50))],
+             SamplingParams(temperature=rng.uniform(0.5, 1.5), top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 20]),
+                            seed=rng.randrange(2**31), max_tokens=rng.randint(5, 25), ignore_eos=True))
+            for _ in range(6)]
+    expected, got = run(engine(model_path, False), reqs), run(engine(model_path, True), reqs)
+    assert [summary(g) for g in got] == [summary(e) for e in expected]
