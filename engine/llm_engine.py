@@ -280,6 +280,9 @@ class LLMEngine:
         stats.step_prepare_ms = self.runner.last_prepare_ms
         stats.step_execute_ms = self.runner.last_execute_ms
         steps = self.runner.num_steps
+        # With overlapped steps on CUDA the read also waits for the step in flight: a one-step bubble
+        # every EXPERT_LOAD_EVERY_CUDA steps. On the CPU it reads counters the worker may be adding to (a
+        # count at most one step stale).
         if self.device.type == "cpu" or steps - self._expert_load_read_at >= EXPERT_LOAD_EVERY_CUDA:
             self._expert_load_read_at = steps
             stats.expert_load = self.runner.expert_load()
