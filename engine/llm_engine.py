@@ -17,6 +17,7 @@ from engine.worker.model_setup import build_rank
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, needs_host_between_steps
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.speculation import Speculator
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA, SchedulerStats
 from engine.structured_output.matchers import GrammarMatchers
 from engine.text.tokenizer import load_tokenizer
@@ -89,6 +90,7 @@ class LLMEngine:
                 background_window_s=config.background_window_s,
             ),
             cache_config,
+            speculator=Speculator(config.speculative_config, self.max_model_len) if config.speculative else None,
         )
         self._expert_load_read_at = -EXPERT_LOAD_EVERY_CUDA  # runner.num_steps at the last expert-load read
         tokenizer_dir = config.tokenizer or (None if config.random_weights else config.model)
@@ -103,8 +105,8 @@ class LLMEngine:
         # Overlapped steps: the host prepares step N+1 while the device runs step N (engine.worker.overlap).
         # Every rank must see each plan before it runs, and data-parallel peers step in lockstep: those stay synchronous.
         overlap = config.overlap_scheduling
-        if overlap is None:
-            overlap = self.device.type in OVERLAP_BY_DEFAULT
+        if overlap is None:  # speculative decoding needs each step's verified tokens before the next
+            overlap = self.device.type in OVERLAP_BY_DEFAULT and config.speculative is None
         if overlap and (self.model.tp.size > 1 or self.runner.steps_with_peers):
             logger.info("overlapped scheduling is off: it needs a single-process engine")
             overlap = False

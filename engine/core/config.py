@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from engine.core.speculation import SpeculativeConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 KERNEL_OPTIONS = ("auto", "torch", "triton")
@@ -55,6 +57,11 @@ class EngineConfig:
     request's extra token past its stop is dropped). None: on on CUDA, off on the CPU. Steps with a request
     that needs its token on the host first (grammars, logprobs, penalties, ``n`` > 1) and multi-process
     engines run synchronously.
+    ``speculative``: "ngram" turns speculative decoding on (None: off): each decoding request proposes up to
+    ``num_speculative_tokens`` tokens by prompt lookup, verified in the step's one forward; a request stops
+    proposing while its recent acceptance is below ``speculative_min_acceptance``, and none proposes while
+    more than ``speculative_max_batch`` requests run (``engine.core.speculation``). It needs overlapped
+    scheduling off (None then means off).
     ``cpu_threads``: torch's intra-op threads when the model runs on the CPU; None
     is torch's default (every core) in-process; in the engine process, which
     shares the machine with the gateway feeding it, one core fewer while
@@ -92,8 +99,24 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     overlap_scheduling: bool | None = None
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 4
+    speculative_min_acceptance: float = 0.3
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """Speculative decoding's settings, or None when it is off."""
+        if self.speculative is None:
+            return None
+        return SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.speculative_max_batch,
+                                 self.speculative_min_acceptance)
 
     def __post_init__(self) -> None:
+        _ = self.speculative_config  # ValueError naming the field for a bad speculative setting
+        if self.speculative is not None and self.overlap_scheduling:
+            raise ValueError("speculative decoding runs with overlap_scheduling off (--no-overlap-scheduling): "
+                             "a step's verified tokens decide the next step's drafts")
         if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size), got {self.data_parallel_rank} "
                              f"of {self.data_parallel_size}")

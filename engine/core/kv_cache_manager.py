@@ -91,6 +91,17 @@ class KVCacheManager:
             if i < len(hashes):
                 self.pool.register(blocks[i], hashes[i])
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Return the request's blocks past the first ``num_tokens`` tokens' (speculative decoding's rejected
+        drafts). Those blocks hold no computed full block, so none of them is in the prefix cache."""
+        blocks = self._blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            assert all(b.block_hash is None for b in extra), "a block past the verified tokens was cached"
+            self.pool.release(list(reversed(extra)))
+
     def free(self, request: Request) -> None:
         """Return every block of the request; full blocks stay cached until evicted."""
         blocks = self._blocks.pop(request.request_id, [])

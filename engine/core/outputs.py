@@ -157,15 +157,22 @@ class OutputProcessor:
         state = self._states[request.request_id]
         finished = update.finished
         stops = request.sampling_params.stop_strings
+        new_ids = update.new_token_ids
         if state.detok is not None:
             # A token that ended the request by id (EOS, stop_token_ids) contributes no text.
             ended_by_token = finished and request.status == RequestStatus.FINISHED_STOPPED
+            text_ids = new_ids[:-1] if ended_by_token else new_ids
             before = len(state.text)
-            if not ended_by_token:
-                state.text += state.detok.add(update.new_token_ids)
+            if stops and len(text_ids) > 1:  # a speculative step's tokens: cut where one completes a stop string
+                kept = self._add_until_stop(stops, state, text_ids, before)
+                if len(kept) < len(text_ids):  # what followed the stop (an EOS too) was never generated
+                    request.truncate_output(request.num_output_tokens - (len(new_ids) - len(kept)))
+                    new_ids = kept
+            elif text_ids:
+                state.text += state.detok.add(text_ids)
             if finished:
                 state.text += state.detok.flush()  # a character held back before the end still counts
-            if not ended_by_token:
+            if text_ids:
                 if stops and self._apply_stop_strings(request, state, before):
                     scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
                     request.status = RequestStatus.FINISHED_STOPPED  # also if it already ended by length
@@ -176,7 +183,17 @@ class OutputProcessor:
         state.emitted = upto
         if finished:
             del self._states[request.request_id]
-        return self._output(request, state, update.new_token_ids, delta)
+        return self._output(request, state, new_ids, delta)
+
+    @staticmethod
+    def _add_until_stop(stops: list[str], state: _TextState, token_ids: list[int], before: int) -> list[int]:
+        """Add tokens' text one by one, up to the one that completes a stop string; returns the tokens added."""
+        search_from = max(0, before - max(len(s) for s in stops) + 1)
+        for i, token in enumerate(token_ids):
+            state.text += state.detok.add([token])
+            if any(state.text.find(s, search_from) >= 0 for s in stops):
+                return token_ids[:i + 1]
+        return token_ids
 
     @staticmethod
     def _apply_stop_strings(request: Request, state: _TextState, before: int) -> bool:

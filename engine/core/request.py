@@ -41,7 +41,7 @@ class Request:
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "cache_salt", "num_preemptions", "stop_reason",
         "priority", "tenant", "weight", "preemptible", "may_preempt", "admit_seq", "num_charged_prompt_tokens",
-        "first_scheduled_time", "background", "parent_id", "index",
+        "first_scheduled_time", "background", "parent_id", "index", "spec_acceptance", "spec_idle_steps",
     )
 
     def __init__(
@@ -95,6 +95,8 @@ class Request:
         self.num_charged_prompt_tokens = 0  # prompt tokens already billed to the tenant's fair-share counter
         self.parent_id = parent_id
         self.index = index
+        self.spec_acceptance = 1.0  # moving average of accepted / proposed drafts (engine.core.speculation)
+        self.spec_idle_steps = 0  # steps without proposing since its acceptance fell below the threshold
 
     @property
     def output_id(self) -> str:
@@ -116,6 +118,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first ``num_output_tokens`` (a speculative step that emitted several
+        tokens of which an earlier one completed a stop string)."""
+        extra = self.num_output_tokens - num_output_tokens
+        if extra > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - extra:]
 
     @property
     def is_finished(self) -> bool:

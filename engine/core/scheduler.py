@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
+from engine.core.speculation import Speculator, accepted_prefix
 from engine.core.stats import SchedulerStats
 from engine.core.waiting_queue import VirtualTokenCounter, WaitingQueue
 
@@ -76,15 +77,20 @@ class ScheduledRequest:
     token_ids: list[int] = field(default_factory=list)  # the num_new_tokens tokens to compute
     # Prompt logprobs: the first this-many rows of the chunk score the prompt token that follows each of them.
     prompt_logprob_rows: int = 0
+    # Speculative decoding: the last K of the num_new_tokens are drafts (not yet the request's tokens); the
+    # step samples at each of the last K + 1 rows and keeps the drafts the model agrees with.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int, block_ids: list[int], sample: bool) -> "ScheduledRequest":
+    def of(cls, request: Request, num_new_tokens: int, block_ids: list[int], sample: bool,
+           drafts: list[int] | None = None) -> "ScheduledRequest":
         start = request.num_computed_tokens
         rows = 0
         if request.sampling_params.prompt_logprobs is not None:
             rows = max(0, min(start + num_new_tokens, request.num_prompt_tokens - 1) - start)
-        return cls(request, num_new_tokens, block_ids, sample, start,
-                   request.all_token_ids[start:start + num_new_tokens], rows)
+        drafts = drafts or []
+        known = request.all_token_ids[start:start + num_new_tokens - len(drafts)]
+        return cls(request, num_new_tokens, block_ids, sample, start, known + drafts, rows, drafts)
 
 
 @dataclass(slots=True)
@@ -115,8 +121,11 @@ def _running_order(request: Request) -> tuple[int, int]:
 class Scheduler:
     """Owns the waiting queue, the running list (sorted by rank, then admission) and the KV cache manager."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, clock=time.monotonic) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, clock=time.monotonic,
+                 speculator: Speculator | None = None) -> None:
+        """``speculator``: speculative decoding's proposer (None: off)."""
         self.config = scheduler_config
+        self.speculator = speculator
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.vtc = VirtualTokenCounter()
         self.waiting = WaitingQueue(self.vtc)
@@ -130,6 +139,9 @@ class Scheduler:
         self._last_decode_tokens = 0
         self.total_prefill_tokens = 0
         self.total_decode_tokens = 0
+        self.spec_draft_tokens = 0  # cumulative: drafts scheduled for verification
+        self.spec_accepted_tokens = 0  # cumulative: drafts the model agreed with
+        self.spec_steps = 0  # cumulative: request-steps that verified drafts (each emits 1 + its accepted)
         self._num_foreground = 0  # requests waiting or running that are not background
         self._foreground_seen = -float("inf")  # clock() when foreground work was last present
         self._background_left: float = float("inf")  # background tokens this step may still take
@@ -249,7 +261,8 @@ class Scheduler:
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
         scheduled = self._scheduled
-        self._last_decode_tokens = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.sample)
+        self._last_decode_tokens = sum(s.num_new_tokens for s in scheduled
+                                       if s.sample and s.num_new_tokens - len(s.draft_token_ids) == 1)
         self._last_prefill_tokens = self.config.max_num_batched_tokens - self._budget - self._last_decode_tokens
         self.total_prefill_tokens += self._last_prefill_tokens
         self.total_decode_tokens += self._last_decode_tokens
@@ -287,6 +300,8 @@ class Scheduler:
                 if num_new <= 0:
                     continue  # it keeps its blocks and waits for a step with room
             assert num_new > 0, "a running request always has a token to compute"
+            if num_new == 1 and self.speculator is not None and self._schedule_drafts(request):
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 pressure = True
                 victim = self._memory_victim(self._served)
@@ -302,6 +317,15 @@ class Scheduler:
         again would compute a token past ``max_tokens``."""
         return request.all_token_ids[-1] == PLACEHOLDER and (
             request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len)
+
+    def _schedule_drafts(self, request: Request) -> bool:
+        """Schedule a decoding request with its drafts, if it has any and they fit without preempting anyone."""
+        room = self._budget if not request.background else min(self._budget, self._background_left)
+        drafts = self.speculator.propose(request, len(self.running))[:max(int(room) - 1, 0)]
+        if not drafts or not self.kv.allocate_slots(request, 1 + len(drafts)):
+            return False
+        self._add_scheduled(request, 1 + len(drafts), drafts)
+        return True
 
     def _admit(self, rank: int, preempted: list[str]) -> None:
         """Admit waiting requests of ``rank`` (fairly across tenants) while budget, slots and blocks allow."""
@@ -339,26 +363,28 @@ class Scheduler:
             bisect.insort(self.running, request, key=_running_order)
             self._add_scheduled(request, num_new)
 
-    def _add_scheduled(self, request: Request, num_new: int) -> None:
-        sample = request.num_computed_tokens + num_new == request.num_tokens
-        self._scheduled.append(ScheduledRequest.of(request, num_new, self.kv.block_ids(request.request_id), sample))
+    def _add_scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> None:
+        sample = request.num_computed_tokens + num_new - len(drafts or ()) == request.num_tokens
+        self._scheduled.append(ScheduledRequest.of(request, num_new, self.kv.block_ids(request.request_id), sample,
+                                                   drafts))
         self._served.add(request.request_id)
         self._budget -= num_new
         if request.background:
             self._background_left -= num_new
 
-    def update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[RequestUpdate]:
+    def update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> list[RequestUpdate]:
         """Apply a step's sampled tokens to its requests; returns what changed for each."""
         start = time.perf_counter()
         updates = self._update(sched_out, sampled_token_ids)
         self.last_step_ms += (time.perf_counter() - start) * 1e3
         return updates
 
-    def _update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[RequestUpdate]:
+    def _update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, bill fair-share counters, finish what is done.
 
         ``sampled_token_ids`` is aligned with ``sched_out.scheduled``; None where
-        the chunk did not reach the end of the request (nothing sampled).
+        the chunk did not reach the end of the request (nothing sampled); for a part with drafts, the token
+        sampled at each of its 1 + K rows.
         """
         assert len(sampled_token_ids) == len(sched_out.scheduled)
         updates: list[RequestUpdate] = []
@@ -366,16 +392,48 @@ class Scheduler:
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and update()
-            request.num_computed_tokens += item.num_new_tokens
-            self._account_computed(request, item)
+            drafts = item.draft_token_ids
+            if drafts:
+                tokens = accepted_prefix(drafts, token)
+                self._count_speculation(request, len(drafts), len(tokens) - 1)
+                computed = request.num_computed_tokens + len(tokens)
+            else:
+                request.num_computed_tokens += item.num_new_tokens
+                tokens = [token] if item.sample else []
+            status, appended = None, []
+            if item.sample:
+                assert tokens and tokens[0] is not None
+                status, appended = self._append_tokens(request, tokens)
+            if drafts:
+                # KV is kept for the last known token and the accepted drafts (up to a stop, if one came first);
+                # the rejected rows' KV is dropped. Blocks are hashed only once their tokens are appended.
+                request.num_computed_tokens = min(computed, request.num_tokens - 1)
+            self._account_computed(request, len(appended))
             if not item.sample:
                 continue
-            assert token is not None
-            request.append_output_token(token)
-            updates.append(self._check_stop(request, token))
+            if status is not None:
+                self._finish(request, status)
+            elif drafts:
+                self.kv.trim(request, request.num_tokens)  # blocks that only rejected drafts used go back
+            updates.append(RequestUpdate(request, appended, status is not None))
         return updates
 
-    def _account_computed(self, request: Request, item: ScheduledRequest) -> None:
+    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[RequestStatus | None, list[int]]:
+        """Append tokens one by one, stopping where decoding one token a step would have (EOS, stop ids, length)."""
+        for i, token in enumerate(tokens):
+            request.append_output_token(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                return status, tokens[:i + 1]
+        return None, tokens
+
+    def _count_speculation(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        self.spec_draft_tokens += num_drafts
+        self.spec_accepted_tokens += num_accepted
+        self.spec_steps += 1
+        self.speculator.record(request, num_drafts, num_accepted)
+
+    def _account_computed(self, request: Request, num_output: int) -> None:
         """Register the blocks the step filled in the prefix cache and bill the tenant's fair-share counter."""
         if request.status == RequestStatus.RUNNING:  # a request preempted since has no blocks to register
             self.kv.cache_computed_blocks(request)
@@ -383,7 +441,7 @@ class Scheduler:
         prompt_done = min(request.num_computed_tokens, request.num_prompt_tokens)
         new_prompt = max(prompt_done - request.num_charged_prompt_tokens, 0)
         request.num_charged_prompt_tokens += new_prompt
-        self.vtc.charge(request, new_prompt, 1 if item.sample else 0)
+        self.vtc.charge(request, new_prompt, num_output)
 
     def _check_stop(self, request: Request, token: int) -> RequestUpdate:
         status = self._stop_status(request, token)
@@ -420,7 +478,7 @@ class Scheduler:
                 assert request.all_token_ids[position] == PLACEHOLDER and token is not None
                 request.all_token_ids[position] = token
                 request.output_token_ids[position - request.num_prompt_tokens] = token
-            self._account_computed(request, item)
+            self._account_computed(request, 1 if item.sample else 0)
             if item.sample:
                 updates.append(self._check_stop(request, token))
         self.last_step_ms += (time.perf_counter() - start) * 1e3
@@ -453,4 +511,7 @@ class Scheduler:
             step_decode_tokens=self._last_decode_tokens,
             total_prefill_tokens=self.total_prefill_tokens,
             total_decode_tokens=self.total_decode_tokens,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_steps=self.spec_steps,
         )

@@ -18,6 +18,11 @@ class SchedulerStats(msgspec.Struct):
     step_decode_tokens: int
     total_prefill_tokens: int  # cumulative tokens computed as prefill (prompt, chunks, recompute)
     total_decode_tokens: int  # cumulative
+    # Speculative decoding, cumulative: drafts verified, drafts accepted, and request-steps that verified
+    # drafts (each emitted 1 + its accepted drafts). Zero while speculation is off.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0
     # Tokens routed to each expert per MoE layer since start; refreshed every step on the CPU and
     # every EXPERT_LOAD_EVERY_CUDA steps on CUDA (reading it syncs the device), else None.
     expert_load: list[list[int]] | None = None
@@ -31,6 +36,16 @@ class SchedulerStats(msgspec.Struct):
     step_schedule_ms: float = 0.0
     step_prepare_ms: float = 0.0
     step_execute_ms: float = 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed drafts since start (0 before any)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Tokens a speculating request emitted per step, on average (1 + its accepted drafts; 0 before any)."""
+        return (self.spec_steps + self.spec_accepted_tokens) / self.spec_steps if self.spec_steps else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -27,7 +27,9 @@ class FlatBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata | TritonAttentionMetadata
-    sample_rows: torch.Tensor  # [N] int64: flat row of the last token of each sampling request, in scheduled order
+    # [N] int64: flat row of the last token of each sampling request, in scheduled order (the last K + 1 rows
+    # of a request with K drafts: N counts rows, not requests)
+    sample_rows: torch.Tensor
     prompt_rows: torch.Tensor  # [Q] int64: flat rows scoring prompt tokens (prompt logprobs), in scheduled order
     num_decodes: int  # D; a batch with T == D is decode-only (CUDA-graph eligible)
     max_blocks: int  # W of the widest decode table
@@ -57,9 +59,11 @@ def _flatten(order: list[ScheduledRequest], block_size: int) -> _Flat:
 
 
 def _sample_rows(scheduled: list[ScheduledRequest], order: list[ScheduledRequest], flat: _Flat) -> list[int]:
-    # Row of the last token of each request in scheduled order (sampling rows map back to it).
+    # Row of the last token of each request in scheduled order (sampling rows map back to it); a request with
+    # K drafts samples at its last K + 1 rows.
     last_index = {id(item): flat.ranges[i][1] - 1 for i, item in enumerate(order)}
-    return [last_index[id(item)] for item in scheduled if item.sample]
+    return [row for item in scheduled if item.sample
+            for row in range(last_index[id(item)] - len(item.draft_token_ids), last_index[id(item)] + 1)]
 
 
 def _prompt_rows(scheduled: list[ScheduledRequest], order: list[ScheduledRequest], flat: _Flat) -> list[int]:

@@ -21,7 +21,7 @@ class StepSamples:
     """What a step sampled: a token per scheduled request (None where it did not sample), and the
     logprobs (by request id) of the requests that asked for them."""
 
-    token_ids: list[int | None]
+    token_ids: list[int | list[int] | None]  # a part with K drafts: the token sampled at each of its K + 1 rows
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # request id -> (position of its first entry, logprobs of the prompt tokens this step scored); position 0
     # (the first prompt token) is never scored: nothing precedes it.
@@ -113,19 +113,28 @@ class ModelRunner:
         batch = self.prepare(sched_out.scheduled)
         self.last_prepare_ms = (time.perf_counter() - start) * 1e3
         hidden = self.forward(batch)  # [T, H]
-        sampling = [s.request for s in sched_out.scheduled if s.sample]
+        # One sampling row per sampling part, K + 1 for a part with K drafts (offsets 0..K).
+        rows = [(s.request, j) for s in sched_out.scheduled if s.sample for j in range(len(s.draft_token_ids) + 1)]
         result = StepSamples([None] * len(sched_out.scheduled))
         logits = self._logits(hidden, batch)  # [N + Q, V]
         if batch.prompt_rows.numel():
-            self._prompt_logprobs(logits[len(sampling):], sched_out.scheduled, result)
-        if sampling:
-            out = self.sampler(logits[:len(sampling)], sampling)  # the step's one host sync: reading the tokens
-            it = iter(zip(out.token_ids, out.logprobs))
+            self._prompt_logprobs(logits[len(rows):], sched_out.scheduled, result)
+        if rows:
+            offsets = [j for _, j in rows] if len(rows) > sum(s.sample for s in sched_out.scheduled) else None
+            # The step's one host sync: reading the tokens.
+            out = self.sampler(logits[:len(rows)], [r for r, _ in rows], offsets)
+            row = 0
             for i, s in enumerate(sched_out.scheduled):
-                if s.sample:
-                    result.token_ids[i], lp = next(it)
-                    if lp is not None:
-                        result.logprobs[s.request.request_id] = lp
+                if not s.sample:
+                    continue
+                if s.draft_token_ids:
+                    result.token_ids[i] = out.token_ids[row:row + len(s.draft_token_ids) + 1]
+                    row += len(s.draft_token_ids) + 1
+                    continue
+                result.token_ids[i], lp = out.token_ids[row], out.logprobs[row]
+                row += 1
+                if lp is not None:
+                    result.logprobs[s.request.request_id] = lp
         return result
 
     def _logits(self, hidden: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
@@ -172,5 +181,5 @@ class ModelRunner:
 
 def follower_plan(sched_out: SchedulerOutput) -> list[ScheduledRequest]:
     """The step as plain data for the other ranks: each scheduled part without the scheduler's Request."""
-    return [ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids, s.prompt_logprob_rows)
-            for s in sched_out.scheduled]
+    return [ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids, s.prompt_logprob_rows,
+                             s.draft_token_ids) for s in sched_out.scheduled]

@@ -26,7 +26,16 @@ class Sampler:
 
     Random draws use the exponential-race trick (argmax of p / Exp(1) noise is
     a sample from p). A request with a ``seed`` draws its noise from its own
-    generator, so its tokens do not depend on what else is in the batch.
+    generator, seeded by (seed, position of the token drawn), so its tokens do not
+    depend on what else is in the batch, on preemption, or on speculative decoding.
+
+    Speculative decoding passes one row per query row of a speculating request
+    (the same request repeated, ``offsets`` 0..K). Sampling each row as usual and
+    keeping a draft where the row's sample equals it is rejection sampling for a
+    point-mass draft: draft x is kept with probability p(x), and on a miss the
+    row's sample is distributed as p without x, renormalised, which is what
+    max(p - q, 0) normalised is when q is a point mass. With a seed, the emitted
+    tokens are the ones decoding one token a step would have drawn.
     """
 
     def __init__(self, device: torch.device, seed: int) -> None:
@@ -43,12 +52,14 @@ class Sampler:
         if self.grammars is not None:
             self.grammars.forget(request_ids)
 
-    def _generator_for(self, request: Request) -> torch.Generator:
+    def _generator_for(self, request: Request, position: int) -> torch.Generator:
+        """The request's generator, seeded for drawing its token at ``position``."""
         gen = self._request_generators.get(request.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(request.sampling_params.seed)
             self._request_generators[request.request_id] = gen
+        # A tuple of ints hashes the same in every process (no hash randomisation for ints).
+        gen.manual_seed(hash((request.sampling_params.seed, position)) & (2**63 - 1))
         return gen
 
     @staticmethod
@@ -68,9 +79,12 @@ class Sampler:
             index = to_device([rows, cols], torch.int64, logits.device)  # [2, n]
             logits.index_put_((index[0], index[1]), logits.new_full((), float("-inf")))  # a fill, not a copy
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[Request], offsets: list[int] | None = None) -> SamplerOutput:
         """logits [N, V] float32, one row per request -> N token ids (and logprobs where asked).
 
+        ``offsets`` (speculative decoding): row i draws the token at position ``requests[i].num_tokens +
+        offsets[i]`` (default 0); a request is repeated over its rows and asks for nothing that depends on
+        the tokens before each row (``engine.core.speculation.may_speculate``).
         A step where no request asks for penalties, logit_bias, min_p or logprobs runs none of their code.
         """
         params = [r.sampling_params for r in requests]
@@ -82,7 +96,7 @@ class Sampler:
         self._suppress_stop_tokens(logits, requests)
         if self.grammars is not None:
             self.grammars.apply(logits, requests)
-        sampled = self._sample(logits, requests)  # [N] on the device
+        sampled = self._sample(logits, requests, offsets)  # [N] on the device
         tokens = sampled.tolist()  # the step's one host sync
         chosen = sampled
         if self.grammars is not None:
@@ -106,7 +120,7 @@ class Sampler:
         self._suppress_stop_tokens(logits, requests)
         return self._sample(logits, requests)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], offsets: list[int] | None = None) -> torch.Tensor:
         """logits [N, V] (adjusted) -> sampled token ids [N] on the device."""
         params = [r.sampling_params for r in requests]
         greedy = logits.argmax(dim=-1)  # [N]
@@ -128,7 +142,8 @@ class Sampler:
         noise.exponential_(generator=self.generator)
         for row, request in enumerate(requests):
             if request.sampling_params.seed is not None:
-                noise[row].exponential_(generator=self._generator_for(request))
+                position = request.num_tokens + (offsets[row] if offsets else 0)
+                noise[row].exponential_(generator=self._generator_for(request, position))
         sampled = (probs / noise).argmax(dim=-1)  # [N]
         is_greedy = to_device([p.is_greedy for p in params], torch.bool, logits.device)
         return torch.where(is_greedy, greedy, sampled)
