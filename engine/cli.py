@@ -43,6 +43,31 @@ def parallel_fields(args: argparse.Namespace) -> dict:
                 local_ranks=args.local_ranks, distributed_timeout_s=args.distributed_timeout)
 
 
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding's options (``EngineConfig.speculative*``)."""
+    from engine.core.config import EngineConfig
+
+    d = EngineConfig(model="-")
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="speculative decoding: 'ngram' proposes the tokens that followed the latest earlier "
+                        "occurrence of a request's last tokens, verified in the same step (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                   help=f"draft tokens a request proposes per step (default {d.num_speculative_tokens})")
+    p.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch,
+                   help="no request speculates while more than this many run "
+                        f"(default {d.speculative_max_batch})")
+    p.add_argument("--speculative-min-acceptance", type=float, default=d.speculative_min_acceptance,
+                   help="a request whose recent acceptance rate is below this stops proposing, trying again "
+                        f"every few steps (default {d.speculative_min_acceptance:g})")
+
+
+def speculative_fields(args: argparse.Namespace) -> dict:
+    """``EngineConfig`` fields from ``add_speculative_arguments``' options."""
+    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                speculative_max_batch=args.speculative_max_batch,
+                speculative_min_acceptance=args.speculative_min_acceptance)
+
+
 def add_rank_arguments(p: argparse.ArgumentParser) -> None:
     """The options of one follower rank (``moegate engine-rank``, ``python -m engine.distributed.follower``)."""
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

@@ -184,7 +184,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
         background_token_budget=args.background_token_budget, background_window_s=args.background_window_seconds,
         cpu_threads=args.cpu_threads, quantization=args.quantization, overlap_scheduling=args.overlap_scheduling,
-        **engine_cli.parallel_fields(args),
+        **engine_cli.parallel_fields(args), **engine_cli.speculative_fields(args),
     )
     if args.random_weights is not None:
         import dataclasses
@@ -228,6 +228,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads of the engine on the CPU, whatever it serves (default: one core fewer "
                         "than the machine while live traffic is recent, every core otherwise)")
+    engine_cli.add_speculative_arguments(p)
 
 
 def _add_serve(subparsers) -> None:

@@ -44,6 +44,13 @@ class _EngineCollector:
             "expert_ranks": CounterMetricFamily("moegate_expert_rank_tokens",
                                                 "tokens routed to the experts each rank holds (experts divided)",
                                                 labels=["replica", "rank"]),
+            "spec_draft": CounterMetricFamily("moegate_spec_draft_tokens",
+                                              "speculative decoding: draft tokens verified", labels=["replica"]),
+            "spec_accepted": CounterMetricFamily("moegate_spec_accepted_tokens",
+                                                 "speculative decoding: draft tokens accepted", labels=["replica"]),
+            "spec_steps": CounterMetricFamily("moegate_spec_steps",
+                                              "speculative decoding: request-steps that verified drafts (each "
+                                              "emitted 1 + its accepted drafts)", labels=["replica"]),
             "gie_waiting": GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting (queue depth)", labels=["replica"]),
             "gie_running": GaugeMetricFamily("vllm:num_requests_running", "requests running", labels=["replica"]),
             # The endpoint picker's KV metric was renamed in vLLM; both names, same value (0..1).
@@ -72,6 +79,9 @@ class _EngineCollector:
                     families["experts"].add_metric([name, str(layer), str(expert)], count)
             for rank, count in enumerate(stats.expert_load_by_rank or ()):
                 families["expert_ranks"].add_metric([name, str(rank)], count)
+            families["spec_draft"].add_metric([name], stats.spec_draft_tokens)
+            families["spec_accepted"].add_metric([name], stats.spec_accepted_tokens)
+            families["spec_steps"].add_metric([name], stats.spec_steps)
             families["gie_waiting"].add_metric([name], waiting)
             families["gie_running"].add_metric([name], stats.num_running)
             families["gie_kv"].add_metric([name], kv)

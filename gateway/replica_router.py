@@ -183,7 +183,7 @@ class ReplicaRouter:
 # SchedulerStats fields that add up over replicas (the rest are per step or per replica).
 _SUMMED = ("num_running", "kv_blocks_used", "kv_blocks_total", "prefix_query_tokens", "prefix_hit_tokens",
            "blocks_evicted", "num_preemptions", "step_prefill_tokens", "step_decode_tokens", "total_prefill_tokens",
-           "total_decode_tokens")
+           "total_decode_tokens", "spec_draft_tokens", "spec_accepted_tokens", "spec_steps")
 
 
 def replicas_of(engine: EngineClient) -> list[tuple[str, EngineClient]]:
