@@ -101,7 +101,7 @@ class EngineConfig:
     overlap_scheduling: bool | None = None
     speculative: str | None = None
     num_speculative_tokens: int = 4
-    speculative_max_batch: int = 4
+    speculative_max_batch: int = 8
     speculative_min_acceptance: float = 0.3
 
     @property
