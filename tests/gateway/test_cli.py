@@ -81,3 +81,24 @@ def test_serve_engine_settings_reach_the_engine_config():
     assert defaults.overlap_scheduling is reference.overlap_scheduling is None  # the device decides
     for flag, value in (("--overlap-scheduling", True), ("--no-overlap-scheduling", False)):
         assert serve_engine_config(build_parser().parse_args(["serve", "--model", "m", flag])).overlap_scheduling is value
+
+
+def test_speculative_settings_reach_the_engine_config():
+    import random
+
+    from engine.core.config import EngineConfig
+    from gateway.cli import build_parser, serve_engine_config
+
+    rng = random.Random()
+    k, batch, accept = rng.randint(1, 16), rng.randint(1, 256), round(rng.uniform(0, 1), 3)
+    args = build_parser().parse_args(["serve", "--model", "m", "--speculative", "ngram", "--num-speculative-tokens",
+                                      str(k), "--speculative-max-batch", str(batch),
+                                      "--speculative-min-acceptance", str(accept)])
+    got = serve_engine_config(args)
+    assert (got.speculative, got.num_speculative_tokens, got.speculative_max_batch,
+            got.speculative_min_acceptance) == ("ngram", k, batch, accept)
+    defaults = serve_engine_config(build_parser().parse_args(["serve", "--model", "m"]))
+    reference = EngineConfig(model="m")
+    assert defaults.speculative is None
+    assert (defaults.num_speculative_tokens, defaults.speculative_max_batch, defaults.speculative_min_acceptance) == (
+        reference.num_speculative_tokens, reference.speculative_max_batch, reference.speculative_min_acceptance)

@@ -25,3 +25,17 @@ def test_expert_tokens_per_expert_and_per_rank():
     assert per_expert == {(str(l), str(e)): load[l][e] for l in range(layers) for e in range(experts)}
     per_rank = [s.value for s in families["moegate_expert_rank_tokens"].samples if s.name.endswith("_total")]
     assert per_rank == by_rank and sum(per_rank) == sum(map(sum, load))
+
+
+def test_speculative_decoding_counters():
+    rng = random.Random()
+    drafts, accepted, steps = rng.randint(10, 1000), rng.randint(0, 9), rng.randint(1, 9)
+    stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, spec_draft_tokens=drafts,
+                           spec_accepted_tokens=accepted, spec_steps=steps)
+    families = {f.name: f for f in _EngineCollector(_Engine(stats)).collect()}
+    totals = {name: [s.value for s in families[name].samples if s.name == name + "_total"]
+              for name in ("moegate_spec_draft_tokens", "moegate_spec_accepted_tokens", "moegate_spec_steps")}
+    assert totals == {"moegate_spec_draft_tokens": [drafts], "moegate_spec_accepted_tokens": [accepted],
+                      "moegate_spec_steps": [steps]}
+    assert stats.spec_acceptance_rate == accepted / drafts
+    assert stats.spec_tokens_per_step == (steps + accepted) / steps
