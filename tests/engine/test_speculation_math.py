@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from engine.core.block_pool import hash_block_tokens
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -112,6 +113,13 @@ def test_seeded_rows_draw_by_position():
     assert together == alone
 
 
+def _hash_chain(tokens: list[int], num_blocks: int, block_size: int = 4) -> list[bytes]:
+    hashes: list[bytes] = []
+    for i in range(num_blocks):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * block_size:(i + 1) * block_size], None))
+    return hashes
+
+
 def _spec_scheduler(num_blocks: int, max_batch: int = 8) -> Scheduler:
     spec = Speculator(SpeculativeConfig("ngram", 3, max_batch, 0.3), max_model_len=512)
     return Scheduler(SchedulerConfig(8, 64, 512), CacheConfig(4, num_blocks, True), speculator=spec)
@@ -137,6 +145,8 @@ def test_rejected_drafts_blocks_return_and_nothing_leaks():
             else:
                 sampled.append(rng.randrange(3) if s.sample else None)
         scheduler.update(plan, sampled)
+        for r in scheduler.running:  # registered prefix hashes are those of the request's real tokens
+            assert scheduler.kv._hashes.get(r.request_id, []) == _hash_chain(r.all_token_ids, len(scheduler.kv._hashes.get(r.request_id, [])))
         for s in plan.scheduled:  # a speculating request keeps the blocks of its verified tokens and the next one
             r = s.request
             if s.draft_token_ids and not r.is_finished:
