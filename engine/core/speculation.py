@@ -51,14 +51,20 @@ def ngram_proposal(tokens: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest suffix of ``tokens``
     (``n_max`` down to ``n_min`` tokens long) in the last ``SEARCH_WINDOW`` tokens; [] if none occurs."""
     length = len(tokens)
-    lo = max(0, length - SEARCH_WINDOW)
+    # Reversed, the suffix is a prefix and the latest earlier occurrence is the first match at j >= 1; list.index
+    # walks the candidates in C (a 2048-token context costs microseconds, not a Python loop over every token).
+    rev = tokens[max(0, length - SEARCH_WINDOW):][::-1]
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        pattern = tokens[length - n:]
-        first = pattern[0]
-        # Latest start i < length - n whose n tokens equal the suffix (the suffix itself is excluded).
-        for i in range(length - n - 1, lo - 1, -1):
-            if tokens[i] == first and tokens[i:i + n] == pattern:
-                return tokens[i + n:i + n + k]
+        pattern = rev[:n]
+        j = 1
+        while j + n <= len(rev):
+            try:
+                j = rev.index(pattern[0], j, len(rev) - n + 1)
+            except ValueError:
+                break
+            if rev[j:j + n] == pattern:
+                return tokens[length - j:length - j + k]
+            j += 1
     return []
 
 

@@ -76,3 +76,21 @@ def test_triton_attention_matches_torch_attention(family, tmp_path):
     assert _generate(llm, prompts) == tokens["torch"], f"seed={seed} (graph buffers)"
     assert 1 in sizes_run and 3 in sizes_run, f"padded sizes never exercised: {sorted(set(sizes_run))}"
     assert llm.engine.runner.scratch_block == llm.engine.scheduler.kv.pool.num_blocks  # owned by no request
+
+
+def test_speculative_rows_with_triton_attention(tmp_path):
+    """Draft rows are extra query rows over the paged cache (the prefill kernel's path, chunk after chunk):
+    greedy tokens with n-gram speculation on Triton attention equal plain decoding's on torch attention."""
+    seed = random.randrange(2**31)
+    make_hf_model("qwen3_moe", str(tmp_path), seed=seed, vocab_size=VOCAB, num_layers=2)
+    rng = random.Random(seed)
+    prompts = [([rng.randrange(1, VOCAB - 1) for _ in range(n)] * 6)[:m] for n, m in ((2, 11), (3, 17), (5, 26))]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    plain = LLM(model=str(tmp_path), kernel_choice=KernelChoice(attention="torch"), **ENGINE)
+    want = [out.token_ids for out in plain.generate(prompts, params)]
+    spec = LLM(model=str(tmp_path), kernel_choice=KernelChoice(attention="triton"), speculative="ngram",
+               num_speculative_tokens=3, **ENGINE)
+    got = [out.token_ids for out in spec.generate(prompts, params)]
+    assert got == want, f"seed={seed}"
+    assert spec.engine.stats().spec_accepted_tokens > 0, f"seed={seed}: no draft was accepted"
+    spec.engine.scheduler.kv.pool.check_all_free()
