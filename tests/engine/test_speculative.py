@@ -194,3 +194,16 @@ def test_bad_speculative_settings_are_refused(bad):
 
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(model="m", **bad)
+
+
+def test_parallel_sampling_copies_speculate_each_on_its_own(reference):
+    path, prompts, _, _ = reference
+    params = SamplingParams(n=3, temperature=0.1, seed=SEED, max_tokens=30, ignore_eos=True)
+    plain = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=64)
+    spec = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=64, **SPEC)
+    want = [(o.index, o.token_ids) for o in plain.generate(prompts[:3], params)]
+    got = [(o.index, o.token_ids) for o in spec.generate(prompts[:3], params)]
+    assert got == want and len(got) == 9, f"seed={SEED}"
+    stats = spec.engine.stats()
+    assert stats.spec_accepted_tokens > 0, (SEED, stats.spec_draft_tokens, stats.spec_steps)
+    spec.engine.scheduler.kv.pool.check_all_free()
