@@ -48,13 +48,14 @@ class _SamplingView:
     """What the sampler reads of a request, copied at launch: the host moves the request on (its next
     placeholder, its stop checks) while the worker thread samples."""
 
-    __slots__ = ("request_id", "sampling_params", "num_output_tokens", "eos_token_id")
+    __slots__ = ("request_id", "sampling_params", "num_output_tokens", "eos_token_id", "num_tokens")
 
     def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
         self.sampling_params = request.sampling_params
         self.num_output_tokens = request.num_output_tokens
         self.eos_token_id = request.eos_token_id
+        self.num_tokens = request.num_tokens  # the position of the token it samples (seeded draws use it)
 
 
 @dataclass(slots=True)

@@ -188,7 +188,8 @@ def test_stop_strings_cut_where_plain_decoding_does(text_model):
 
 @pytest.mark.parametrize("bad", [dict(speculative="medusa"), dict(speculative="ngram", num_speculative_tokens=0),
                                  dict(speculative="ngram", speculative_max_batch=0),
-                                 dict(speculative="ngram", speculative_min_acceptance=1.5)])
+                                 dict(speculative="ngram", speculative_min_acceptance=1.5),
+                                 dict(speculative="ngram", overlap_scheduling=True)])
 def test_bad_speculative_settings_are_refused(bad):
     from engine.core.config import EngineConfig
 
