@@ -11,7 +11,7 @@ from tests.hf_models import make_hf_model
 
 VOCAB = 211
 MODES = {"default": dict(), "chunked_prefill": dict(max_num_batched_tokens=24),
-         "preemption": dict(num_kv_blocks=8, block_size=16, max_num_batched_tokens=64)}  # room for one whole request
+         "preemption": dict(num_kv_blocks=8, block_size=16, max_num_batched_tokens=64)}  # 8 blocks: less than the requests admitted together need
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,10 @@ def test_logprobs_match_transformers(checkpoint, mode):
     path, hf, seed = checkpoint
     rng = random.Random(seed + len(mode))
     llm = LLM(model=path, dtype="float32", device="cpu", **MODES[mode])
-    # Preemption: requests of 86-120 tokens (6-8 blocks), so one fits the 8-block pool and two never finish together.
-    shortest, longest = (56, (30, 40)) if mode == "preemption" else (2, (10, 20))
-    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(shortest, 80))] for _ in range(6)]
+    # Preemption: prompts of 17-32 tokens (2 blocks of 16) and 30-40 generated (3-5 blocks in all), so four
+    # requests are admitted into the 8-block pool and the first to need a new block finds none: always preempts.
+    prompt_range, longest = ((17, 32), (30, 40)) if mode == "preemption" else ((2, 80), (10, 20))
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(*prompt_range))] for _ in range(6)]
     params = []
     for i in range(len(prompts)):
         params.append(SamplingParams(
