@@ -13,6 +13,7 @@ from engine.distributed.ranks import DataParallelPeers, EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request
+from engine.worker.cpu_allocator import keep_freed_memory
 from engine.worker.model_setup import build_rank
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, needs_host_between_steps
 from engine.core.sampling_params import SamplingParams
@@ -61,6 +62,8 @@ class LLMEngine:
         self.ranks: EngineRanks | DataParallelPeers | None = None
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # step activations reuse heap pages: fewer page faults per step
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
         self.kernels = kernel_choice or KernelChoice.resolve(config.kernels, self.device.type)
         if self.kernels.uses_triton:
