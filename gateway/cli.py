@@ -184,7 +184,8 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
         background_token_budget=args.background_token_budget, background_window_s=args.background_window_seconds,
         cpu_threads=args.cpu_threads, quantization=args.quantization, overlap_scheduling=args.overlap_scheduling,
-        **engine_cli.parallel_fields(args), **engine_cli.speculative_fields(args),
+        cuda_graph_token_sizes=args.cuda_graph_token_sizes, **engine_cli.parallel_fields(args),
+        **engine_cli.speculative_fields(args),
     )
     if args.random_weights is not None:
         import dataclasses
@@ -194,6 +195,17 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         engine_config = dataclasses.replace(engine_config, model=served_name(args.random_weights),
                                             random_weights=args.random_weights, tokenizer=args.model)
     return engine_config
+
+
+def token_sizes(text: str) -> tuple[int, ...]:
+    """``--cuda-graph-token-sizes``: "16,32,64" or "none" (an empty tuple: piecewise graphs off)."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cuda-graph-token-sizes takes comma-separated token counts or none, "
+                                         f"got {text!r}") from None
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -225,6 +237,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and prepare the next step while the device runs this one, stop checks one step "
                         "behind (default: on with CUDA, off on the CPU, where it measured no gain)")
+    p.add_argument("--cuda-graph-token-sizes", type=token_sizes, default=None, metavar="N,N,...|none",
+                   help="token counts prefill and mixed steps are padded to and replayed as piecewise CUDA graphs "
+                        "(attention eager between them); none: off (default 16,32,...,512 up to "
+                        "--max-num-batched-tokens; CUDA with the Triton MoE kernels only)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch threads of the engine on the CPU, whatever it serves (default: one core fewer "
                         "than the machine while live traffic is recent, every core otherwise)")

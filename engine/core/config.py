@@ -29,6 +29,11 @@ class EngineConfig:
     CUDA graphs replay decode-only steps at ``cuda_graph_batch_sizes`` (default:
     1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``), padded up to the nearest
     size; they need CUDA and Triton attention, and ``enforce_eager`` turns them off.
+    Other steps (prefill chunks, mixed prefill and decode) of at most the largest of
+    ``cuda_graph_token_sizes`` tokens replay piecewise CUDA graphs (everything but
+    attention captured, padded up to the nearest token count; default 16, 32, ... 512,
+    capped at ``max_num_batched_tokens``; an empty tuple turns them off). They need CUDA
+    and the Triton MoE kernels; capturing them costs start-up time, which is logged.
     ``random_weights`` (a preset name or config.json path, see ``engine.loading.random_weights``)
     builds a model of that shape with RANDOM weights instead of loading ``model``,
     which then only names it; tokenizer files come from ``tokenizer`` if given.
@@ -85,6 +90,7 @@ class EngineConfig:
     kernels: str = "auto"
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    cuda_graph_token_sizes: tuple[int, ...] | None = None
     random_weights: str | None = None
     background_token_budget: int = 64
     background_window_s: float = 5.0
@@ -150,6 +156,12 @@ class EngineConfig:
             self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
             if not self.cuda_graph_batch_sizes or self.cuda_graph_batch_sizes[0] < 1:
                 raise ValueError(f"cuda_graph_batch_sizes must be positive batch sizes, got {self.cuda_graph_batch_sizes}")
+        if self.cuda_graph_token_sizes is not None:
+            self.cuda_graph_token_sizes = tuple(sorted(set(self.cuda_graph_token_sizes)))
+            if self.cuda_graph_token_sizes and not (
+                    1 <= self.cuda_graph_token_sizes[0] and self.cuda_graph_token_sizes[-1] <= self.max_num_batched_tokens):
+                raise ValueError(f"cuda_graph_token_sizes must be token counts between 1 and max_num_batched_tokens "
+                                 f"({self.max_num_batched_tokens}), got {self.cuda_graph_token_sizes}")
         if self.random_weights is not None and not self.random_weights.strip():
             raise ValueError("random_weights must name a preset or a config.json path")
         if not self.model:

@@ -73,19 +73,31 @@ class Attention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | TritonAttentionMetadata) -> torch.Tensor:
+        return self.output(self.attend(*self.project(x, positions), meta))  # [T, H]
+
+    # The three parts below are what piecewise CUDA graphs (engine.transforms.piecewise_graphs) split the
+    # forward at: ``project`` and ``output`` are fixed-shape per token and captured; ``attend`` reads
+    # per-step metadata and runs eagerly between the captured pieces.
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [T, H] -> q [T, h, d], k and v [T, kvh, d]: the packed projection, q/k norms and RoPE."""
         qkv = self.qkv_proj(x)  # [T, q + 2kv]
         if self.fused_rope and self.qk_norm != "full" and self.clip_qkv is None:
-            q, k, v = self._fused_norm_rope(qkv, positions)
-        else:
-            q, k, v = self._norm_rope(qkv, positions)
+            return self._fused_norm_rope(qkv, positions)
+        return self._norm_rope(qkv, positions)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               meta: AttentionMetadata | TritonAttentionMetadata) -> torch.Tensor:
+        """The attention core: writes k, v into the paged cache at ``meta.slot_mapping``, returns [T, h, d]."""
         k_cache, v_cache = self.kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         # The metadata's type is the backend the runner chose (``KernelChoice.attention``).
         if isinstance(meta, TritonAttentionMetadata):
-            out = triton_paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, h, d]
-        else:
-            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(x.shape[0], self.q_size)))  # [T, H]
+            return triton_paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """out [T, h, d] (or [T, h * d]) -> [T, H]: o_proj, summed over the tensor-parallel ranks."""
+        return self.tp.all_reduce(self.o_proj(out.reshape(out.shape[0], self.q_size)))
 
     def _fused_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor):
         # q heads then k heads are adjacent columns of qkv: one launch rotates (and normalizes) both, in place.

@@ -72,12 +72,22 @@ class DecoderLayer(nn.Module):
 
         Returns (this layer's MLP output, the residual sum it adds to).
         """
+        q, k, v, residual = self.pre_attention(x, residual, positions)
+        return self.post_attention(self.self_attn.attend(q, k, v, meta), residual)
+
+    # The forward in two halves around the attention core, for piecewise CUDA graphs: each half is
+    # fixed-shape per token (captured), the core between them is not.
+    def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
+        """-> q [T, h, d], k, v [T, kvh, d], and the residual sum before attention [T, H]."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        return *self.self_attn.project(h, positions), residual
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn [T, h, d], the attention core's output -> (this layer's MLP output, the residual sum)."""
+        h, residual = self.post_attention_layernorm(self.self_attn.output(attn), residual)
         return self.mlp(h), residual
 
 

@@ -56,7 +56,8 @@ def kv_blocks_for_memory(config: EngineConfig, model: MoECausalLM, device: torch
 
 def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheConfig, kernels: KernelChoice,
                 device: torch.device, dtype: torch.dtype, max_len: int) -> ModelRunner:
-    """The runner over ``model`` with its KV caches, MoE kernels compiled and, where they apply, decode CUDA graphs."""
+    """The runner over ``model`` with its KV caches, MoE kernels compiled and, where they apply, decode and
+    piecewise CUDA graphs."""
     runner = ModelRunner(model, cache_config, device, dtype, config.seed, kernels.attention)
     # The torch MoE backend reads expert counts on the host, which a graph capture forbids.
     graph_safe_moe = kernels.moe != "torch"
@@ -70,6 +71,12 @@ def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheCon
         from engine.transforms.cuda_graphs import enable_decode_graphs
 
         enable_decode_graphs(runner, config.cuda_graph_batch_sizes, config.max_num_seqs, max_len)
+    # Prefill and mixed steps: attention runs eagerly between the captured pieces, so either attention backend.
+    if device.type == "cuda" and graph_safe_moe and not config.enforce_eager and model.tp.size == 1 \
+            and model.tp.expert_parallel is None and config.cuda_graph_token_sizes != ():
+        from engine.transforms.piecewise_graphs import default_token_sizes, enable_piecewise_graphs
+
+        enable_piecewise_graphs(runner, config.cuda_graph_token_sizes or default_token_sizes(config.max_num_batched_tokens))
     return runner
 
 

@@ -52,6 +52,7 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.scratch_block = cache_config.num_blocks
         self.decode_graphs = None  # a cuda_graphs.DecodeGraphs, installed by cuda_graphs.enable_decode_graphs
+        self.piecewise_graphs = None  # a piecewise_graphs.PiecewiseGraphs (prefill and mixed steps), likewise
         self.last_prepare_ms = 0.0  # host time building the last step's batch (metadata and staging)
         self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
         self.num_steps = 0  # execute() calls that ran a forward
@@ -85,9 +86,12 @@ class ModelRunner:
         return torch.stack(counters).tolist()
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
-        """hidden [T, H] of the batch: a captured CUDA graph replay for decode-only batches it covers, else eager."""
+        """hidden [T, H] of the batch: a whole-forward CUDA graph for decode-only batches it covers, piecewise
+        graphs (attention eager between them) for other batches they cover, else eager."""
         if self.decode_graphs is not None and self.decode_graphs.covers(batch):
             return self.decode_graphs.run(batch)
+        if self.piecewise_graphs is not None and self.piecewise_graphs.covers(batch):
+            return self.piecewise_graphs.run(batch)
         return self.model(batch.input_ids, batch.positions, batch.meta)
 
     # ---- one step ------------------------------------------------------------
