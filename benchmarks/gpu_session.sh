@@ -4,6 +4,7 @@
 #   benchmarks/gpu_session.sh STAGE[:SECONDS] ...
 #
 # Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf,
+# bench-piecewise (prefill and mixed steps, piecewise CUDA graphs off vs on),
 # bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), batch-three-ways, batch-goals
 # (plus any stage name below). Each runs under its own time limit, so one that fails or
 # hangs still leaves the others' results; logs and JSON land in $OUT (default
@@ -45,7 +46,7 @@ for spec in "$@"; do
         env) run_stage env "$limit" bash -c 'nvidia-smi; '"$PY"' -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
         tests) run_stage tests "$limit" $PY -m pytest -q -ra -p no:cacheprovider --durations=15 tests/moe_kernels \
             tests/engine/test_triton_elementwise.py tests/engine/test_dense_gemv.py \
-            tests/engine/test_cuda_graphs.py tests/engine/test_triton_attention.py tests/engine/test_triton_attention_engine.py \
+            tests/engine/test_cuda_graphs.py tests/engine/test_piecewise_graphs.py tests/engine/test_triton_attention.py tests/engine/test_triton_attention_engine.py \
             tests/engine/test_triton_backend_engine.py tests/engine/test_host_syncs.py tests/engine/test_random_weights.py \
             tests/engine/test_quantized_experts.py \
             --deselect tests/engine/test_random_weights.py::test_command_lines_take_random_weights ;;
@@ -67,6 +68,9 @@ for spec in "$@"; do
             $PY -m benchmarks.engine_gpu --skip-hf --preset ${QUANT_PRESET:-olmoe-1b-7b} --concurrency 1,8,64 \$args \
                 --json $WORK/bench_quant_\$q.json || echo bench-quant: \$q failed; done; \
             $PY -m benchmarks.quantized_experts memory" ;;
+        # Prefill 512 against its floor and mixed prefill+decode steps, piecewise CUDA graphs off vs on, and the
+        # start-up time capturing them costs.
+        bench-piecewise) run_stage bench-piecewise "$limit" $PY -m benchmarks.piecewise_graphs --json "$WORK/bench_piecewise.json" ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m benchmarks.engine_gpu --json "$WORK/bench_engine_hf.json" ;;
         # Batch API goal 2 (issue 7) where the gateway has cores of its own and the engine a GPU (the demo model).
         # Needs the gateway's packages the device lacks, as wheels: benchmarks/device_wheels.sh here, then carry

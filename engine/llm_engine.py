@@ -117,11 +117,13 @@ class LLMEngine:
         self._in_flight: StepInFlight | None = None
         logger.info(
             "engine ready: %s%s on %s/%s x%d ranks%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, "
-            "CUDA graphs %s, overlapped scheduling %s",
+            "CUDA graphs %s, piecewise CUDA graphs %s, overlapped scheduling %s",
             self.model_config.architecture, " (RANDOM WEIGHTS)" if config.random_weights else "", self.device, self.dtype,
             config.tensor_parallel_size, " (experts divided)" if config.enable_expert_parallel else "",
             self.kernels.attention, cache_config.num_blocks, config.block_size, self.max_model_len,
-            self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off", "on" if overlap else "off",
+            self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off",
+            f"{pw.sizes} (captured in {pw.capture_s:.1f} s)" if (pw := self.runner.piecewise_graphs) else "off",
+            "on" if overlap else "off",
         )
 
     def close(self) -> None:

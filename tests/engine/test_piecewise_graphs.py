@@ -120,3 +120,22 @@ def test_engine_with_piecewise_buffers_gives_the_eager_tokens(family, tmp_path):
     assert tokens[True] == tokens[False], f"seed={seed}"
     assert any(n < size for n, size in seen), "some steps should have been padded"
     assert any(n > 1 for n, _ in seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_pieces_give_the_eager_tokens(tmp_path):
+    """On a GPU: the engine's own captured pieces (Triton kernels, chunked mixed steps) give the eager tokens."""
+    make_hf_model("qwen3_moe", str(tmp_path), seed=0, vocab_size=VOCAB)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (3, 70, 40, 5, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for sizes in ((), (16, 32, 48)):
+        llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", num_kv_blocks=64, max_num_seqs=8,
+                  max_num_batched_tokens=48, cuda_graph_token_sizes=sizes)
+        tokens[sizes] = [o.token_ids for o in llm.generate(prompts, params)]
+        graphs = llm.engine.runner.piecewise_graphs
+        assert (graphs is None) == (sizes == ())
+        if graphs is not None:
+            assert graphs.replays > 0 and sorted(graphs.graphs) == [16, 32, 48] and graphs.capture_s > 0
+    assert tokens[()] == tokens[(16, 32, 48)]
