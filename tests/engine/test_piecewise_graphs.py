@@ -14,7 +14,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.transforms.piecewise_graphs import default_token_sizes, enable_piecewise_graphs
-from gateway.cli import token_sizes
+from gateway.cli import build_parser, serve_engine_config, token_sizes
 from tests.engine.test_vs_transformers import make_requests
 from tests.hf_models import make_hf_model
 
@@ -33,16 +33,20 @@ def test_default_token_sizes_and_their_validation():
     assert token_sizes("16,64") == (16, 64) and token_sizes("none") == ()
     with pytest.raises(argparse.ArgumentTypeError, match="--cuda-graph-token-sizes"):
         token_sizes("16,x")
+    for flag, sizes in ((["--cuda-graph-token-sizes", "64,16"], (16, 64)), (["--cuda-graph-token-sizes", "none"], ()),
+                        ([], None)):
+        args = build_parser().parse_args(["serve", "--model", "m", *flag])
+        assert serve_engine_config(args).cuda_graph_token_sizes == sizes
 
 
-def _record_sizes(graphs) -> list[tuple[int, int]]:
-    """(real tokens, captured size) of every step the graphs serve."""
+def _record_sizes(graphs) -> list[tuple[int, int, int]]:
+    """(real tokens, captured size, decode tokens) of every step the graphs serve."""
     seen = []
     real_run = graphs.run
 
     def recording(batch):
         n = batch.input_ids.shape[0]
-        seen.append((n, min(s for s in graphs.sizes if s >= n)))
+        seen.append((n, min(s for s in graphs.sizes if s >= n), batch.meta.num_decodes))
         return real_run(batch)
 
     graphs.run = recording
@@ -56,6 +60,8 @@ def test_padded_rows_do_not_change_real_rows(tmp_path):
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kernels="torch", num_kv_blocks=64, block_size=4,
               max_num_batched_tokens=20, overlap_scheduling=False)
     engine, runner = llm.engine, llm.engine.runner
+    with pytest.raises(ValueError, match="Triton MoE"):  # the torch MoE path cannot be captured
+        enable_piecewise_graphs(runner, (8, 32), capture=True)
     graphs = enable_piecewise_graphs(runner, (8, 32), capture=False)
     rng = random.Random(0)
     for n in (30, 5, 12):
@@ -116,10 +122,11 @@ def test_engine_with_piecewise_buffers_gives_the_eager_tokens(family, tmp_path):
         tokens[pieces] = [o.token_ids for o in first + outs]
         scheduler = llm.engine.scheduler
         assert scheduler.num_preemptions > 0, f"seed={seed}: the small KV pool should have forced preemption"
+        assert scheduler.kv.prefix_hit_tokens >= 32, f"seed={seed}: the last prompt should hit the cached prefix"
         scheduler.kv.pool.check_all_free()
     assert tokens[True] == tokens[False], f"seed={seed}"
-    assert any(n < size for n, size in seen), "some steps should have been padded"
-    assert any(n > 1 for n, _ in seen)
+    assert any(n < size for n, size, _ in seen), "some steps should have been padded"
+    assert any(0 < decodes < n for n, _, decodes in seen), "some steps should have mixed decodes and prefill"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
