@@ -491,6 +491,15 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def emit(report: dict, json_path: str | None, table: str) -> int:
+    """Write ``report`` as JSON to ``json_path`` (if given), print ``table``; the exit status."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the same code on the CPU: tiny model, Triton interpreter")
@@ -526,11 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = replace(profile, profile_concurrency=args.profile)
     report = run(profile, device, skip_hf=args.skip_hf, elementwise=args.elementwise, dense_gemv=args.dense_gemv,
                  quantization=args.quantization)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    print(format_table(report))
-    return 0
+    return emit(report, args.json, format_table(report))
 
 
 if __name__ == "__main__":

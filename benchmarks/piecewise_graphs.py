@@ -19,7 +19,6 @@ eagerly (no capture without CUDA): numbers meaningless, it proves the script run
 
 import argparse
 import gc
-import json
 import os
 import random
 import statistics
@@ -30,7 +29,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks.engine_gpu import GPU, SMOKE, _log, _params, _random_prompt, _timed_step, bench_prefill, build_engine, \
-    measure_peaks
+    emit, measure_peaks
 
 
 def _mixes(text: str) -> tuple[tuple[int, int], ...]:
@@ -141,11 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(spec=profile.spec, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)",
                   torch=torch.__version__, mixes=mixes, **peaks,
                   settings=[run_setting(pieces, profile, device, peaks, mixes, profile.prefill_reps) for pieces in (False, True)])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    print(format_table(report))
-    return 0
+    return emit(report, args.json, format_table(report))
 
 
 if __name__ == "__main__":
