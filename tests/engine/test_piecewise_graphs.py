@@ -97,7 +97,7 @@ def test_padded_rows_do_not_change_real_rows(tmp_path):
     assert padded > 0 and graphs.replays > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen2_moe"])  # qwen2_moe: shared expert, a dense layer
 def test_engine_with_piecewise_buffers_gives_the_eager_tokens(family, tmp_path):
     """Greedy tokens with prefill and mixed steps routed through the pieces equal the eager engine's, through
     chunked prefill, preemption (a small pool) and prefix-cache hits."""
