@@ -97,8 +97,13 @@ def test_padded_rows_do_not_change_real_rows(tmp_path):
     assert padded > 0 and graphs.replays > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen2_moe"])  # qwen2_moe: shared expert, a dense layer
-def test_engine_with_piecewise_buffers_gives_the_eager_tokens(family, tmp_path):
+# qwen2_moe: a shared expert and a dense-MLP layer inside the pieces; speculative: drafts verified in the pieces.
+CASES = [("qwen3_moe", {}), ("olmoe", {}), ("qwen2_moe", {}),
+         ("qwen3_moe", dict(speculative="ngram", num_speculative_tokens=4, speculative_max_batch=64))]
+
+
+@pytest.mark.parametrize("family,extra", CASES, ids=["qwen3_moe", "olmoe", "qwen2_moe", "qwen3_moe-speculative"])
+def test_engine_with_piecewise_buffers_gives_the_eager_tokens(family, extra, tmp_path):
     """Greedy tokens with prefill and mixed steps routed through the pieces equal the eager engine's, through
     chunked prefill, preemption (a small pool) and prefix-cache hits."""
     seed = random.randrange(2**31)
@@ -113,17 +118,19 @@ def test_engine_with_piecewise_buffers_gives_the_eager_tokens(family, tmp_path):
     tokens, seen = {}, []
     for pieces in (False, True):
         llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kernels="torch", num_kv_blocks=18, block_size=16,
-                  max_num_batched_tokens=48, overlap_scheduling=False)
+                  max_num_batched_tokens=48, overlap_scheduling=False, **extra)
         if pieces:
             graphs = enable_piecewise_graphs(llm.engine.runner, (16, 32, 48), capture=False)
             seen = _record_sizes(graphs)
         first = llm.generate(prompts[-2:-1], params[-2:-1])  # cached, so the last prompt hits its prefix
-        outs = llm.generate(prompts[:-2] + prompts[-1:], params[:-2] + params[-1:])
+        # The prefix hit admitted first, before the others' blocks push the cached ones out of the small pool.
+        outs = llm.generate(prompts[-1:] + prompts[:-2], params[-1:] + params[:-2])
         tokens[pieces] = [o.token_ids for o in first + outs]
         scheduler = llm.engine.scheduler
         assert scheduler.num_preemptions > 0, f"seed={seed}: the small KV pool should have forced preemption"
         assert scheduler.kv.prefix_hit_tokens >= 32, f"seed={seed}: the last prompt should hit the cached prefix"
         scheduler.kv.pool.check_all_free()
+        assert not extra or llm.engine.stats().spec_draft_tokens > 0, f"seed={seed}: no drafts were verified"
     assert tokens[True] == tokens[False], f"seed={seed}"
     assert any(n < size for n, size, _ in seen), "some steps should have been padded"
     assert any(0 < decodes < n for n, _, decodes in seen), "some steps should have mixed decodes and prefill"
