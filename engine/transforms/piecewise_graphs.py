@@ -166,7 +166,8 @@ def enable_piecewise_graphs(runner, sizes: tuple[int, ...], capture: bool = True
     model = runner.model
     if model.tp.size > 1 or model.tp.expert_parallel is not None:
         raise ValueError("piecewise CUDA graphs would replay one rank's collectives alone: they need a single rank")
-    if capture and any(m.backend == "torch" for m in model.modules() if isinstance(m, SparseMoeBlock)):
+    # "auto" is Triton on CUDA, which capturing needs anyway.
+    if capture and any(m.backend not in ("triton", "auto") for m in model.modules() if isinstance(m, SparseMoeBlock)):
         raise ValueError("piecewise CUDA graphs need the Triton MoE kernels: the torch MoE path reads its "
                          "per-expert counts on the host, which a capture forbids")
     if not sizes:
