@@ -7,16 +7,20 @@ paths keep this fast on the CPU: attention runs outside the pieces anyway.
 """
 
 import argparse
+import os
 import random
 
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.transforms.piecewise_graphs import default_token_sizes, enable_piecewise_graphs
-from gateway.cli import build_parser, serve_engine_config, token_sizes
-from tests.engine.test_vs_transformers import make_requests
-from tests.hf_models import make_hf_model
+if not torch.cuda.is_available():  # the Triton-kernel case below runs interpreted (before any Triton import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine import LLM, EngineConfig, KernelChoice, SamplingParams  # noqa: E402
+from engine.transforms.piecewise_graphs import default_token_sizes, enable_piecewise_graphs  # noqa: E402
+from gateway.cli import build_parser, serve_engine_config, token_sizes  # noqa: E402
+from tests.engine.test_vs_transformers import make_requests  # noqa: E402
+from tests.hf_models import make_hf_model  # noqa: E402
 
 VOCAB = 97
 
@@ -53,21 +57,30 @@ def _record_sizes(graphs) -> list[tuple[int, int, int]]:
     return seen
 
 
-def test_padded_rows_do_not_change_real_rows(tmp_path):
+# torch: every part in torch ops. triton-pieces: what the GPU captures inside the pieces (fused norms, RoPE and
+# routing, the Triton fused MoE), interpreted; attention stays torch's (it runs outside the pieces).
+PIECE_KERNELS = {"torch": KernelChoice(), "triton-pieces": KernelChoice("torch", "triton", "triton", "off")}
+
+
+@pytest.mark.parametrize("kernels", list(PIECE_KERNELS))
+def test_padded_rows_do_not_change_real_rows(kernels, tmp_path):
     """Each step of a chunked, mixed workload: the piecewise forward over a padded bucket, its buffers full of
     garbage beforehand, gives the unpadded eager forward's hidden states and KV writes, and writes no other slot."""
-    make_hf_model("qwen3_moe", str(tmp_path), seed=random.randrange(2**31), vocab_size=VOCAB)
-    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kernels="torch", num_kv_blocks=64, block_size=4,
-              max_num_batched_tokens=20, overlap_scheduling=False)
+    # 4 experts: the interpreter pays per program.
+    make_hf_model("qwen3_moe", str(tmp_path), seed=random.randrange(2**31), vocab_size=VOCAB, num_experts=4,
+                  num_experts_per_tok=2)
+    llm = LLM(model=str(tmp_path), kernel_choice=PIECE_KERNELS[kernels], dtype="float32", device="cpu", num_kv_blocks=64,
+              block_size=4, max_num_batched_tokens=12, overlap_scheduling=False)
     engine, runner = llm.engine, llm.engine.runner
-    with pytest.raises(ValueError, match="Triton MoE"):  # the torch MoE path cannot be captured
-        enable_piecewise_graphs(runner, (8, 32), capture=True)
+    if kernels == "torch":
+        with pytest.raises(ValueError, match="Triton MoE"):  # the torch MoE path cannot be captured
+            enable_piecewise_graphs(runner, (8, 32), capture=True)
     graphs = enable_piecewise_graphs(runner, (8, 32), capture=False)
     rng = random.Random(0)
-    for n in (30, 5, 12):
+    for n in (17, 4, 6):  # chunks of 12 tokens: prefill chunks alone, then mixed with decodes, then decodes
         engine.add_request([rng.randrange(1, VOCAB - 1) for _ in range(n)],
-                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    padded = 0
+                           SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    padded = mixed = 0
     while engine.scheduler.has_unfinished():
         sched_out = engine.scheduler.schedule()
         with torch.inference_mode():
@@ -83,6 +96,7 @@ def test_padded_rows_do_not_change_real_rows(tmp_path):
             got = graphs.run(batch)
         n = batch.input_ids.shape[0]
         padded += n not in graphs.sizes
+        mixed += 0 < batch.meta.num_decodes < n
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         for (k, v), (k1, v1) in zip(runner.kv_caches, after):
             torch.testing.assert_close(k, k1, rtol=1e-5, atol=1e-5)
@@ -94,7 +108,7 @@ def test_padded_rows_do_not_change_real_rows(tmp_path):
             assert torch.equal(k.view(-1, *k.shape[2:])[~written], k0.view(-1, *k0.shape[2:])[~written])
         engine.scheduler.update(sched_out, [rng.randrange(1, VOCAB - 1) if s.sample else None
                                             for s in sched_out.scheduled])
-    assert padded > 0 and graphs.replays > 0
+    assert padded > 0 and mixed > 0 and graphs.replays > 0
 
 
 # qwen2_moe: a shared expert and a dense-MLP layer inside the pieces; speculative: drafts verified in the pieces.
