@@ -2,8 +2,9 @@
 
 No GPU here: ``capture=False`` runs the same padding, static-buffer and piece code eagerly, with the
 attention cores between the pieces, so everything but the capture itself is compared with the plain
-eager forward (itself compared with transformers in test_vs_transformers). The torch attention and MoE
-paths keep this fast on the CPU: attention runs outside the pieces anyway.
+eager forward (itself compared with transformers in test_vs_transformers). Torch attention keeps this
+fast on the CPU (attention runs outside the pieces anyway); one case runs the Triton kernels the GPU
+captures inside the pieces, interpreted.
 """
 
 import argparse
