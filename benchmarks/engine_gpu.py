@@ -23,6 +23,7 @@ Without CUDA and without ``--smoke`` it exits 2 with one line.
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -119,6 +120,18 @@ def _timed_step(engine) -> float:
     return time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def _eager(engine):
+    """Steps inside run every kernel from Python: the decode and the piecewise CUDA graphs set aside."""
+    runner = engine.runner
+    saved = runner.decode_graphs, runner.piecewise_graphs
+    runner.decode_graphs = runner.piecewise_graphs = None
+    try:
+        yield
+    finally:
+        runner.decode_graphs, runner.piecewise_graphs = saved
+
+
 def _count_syncs(engine) -> int:
     """Host syncs in one whole eager step (scheduler, batch, forward, sampling; CUDA only, else 0).
 
@@ -127,16 +140,14 @@ def _count_syncs(engine) -> int:
     """
     if engine.device.type != "cuda":
         return 0
-    graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, None
     _sync(engine.device)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _eager(engine):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
             engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            engine.runner.decode_graphs = graphs
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
@@ -144,12 +155,8 @@ def _experts_hit(engine) -> int:
     """Run one step eagerly with router hooks; experts hit summed over MoE layers."""
     from benchmarks.roofline import ExpertHits
 
-    graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, None
-    try:
-        with ExpertHits(engine.model) as hits:
-            engine.step()
-    finally:
-        engine.runner.decode_graphs = graphs
+    with _eager(engine), ExpertHits(engine.model) as hits:  # a replay runs no hooks
+        engine.step()
     return hits.total()
 
 
@@ -163,16 +170,12 @@ def profile_step(engine, rows: int = 25) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     report = []
-    graphs = engine.runner.decode_graphs
     for label, use_graphs in (("eager", False), ("graph replay", True)):
-        engine.runner.decode_graphs = graphs if use_graphs else None
-        try:
+        with contextlib.nullcontext() if use_graphs else _eager(engine):
             engine.step()  # warm: the eager path may compile kernel variants the graphs did not need
             _sync(engine.device)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 seconds = _timed_step(engine)
-        finally:
-            engine.runner.decode_graphs = graphs
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy_ms = sum(e.device_time for e in kernels) / 1e3
         report.append(f"--- {label} step: {len(kernels)} kernels, {busy_ms:.2f} ms busy, {seconds * 1e3:.2f} ms wall")
@@ -409,15 +412,16 @@ def run(profile: Profile, device: torch.device, skip_hf: bool = False, elementwi
         decode_profile = profile_decode(engine, profile, rng)
         _log(f"profile of one decode step at C={profile.profile_concurrency}:\n{decode_profile}")
     model_config, dtype = engine.model_config, engine.dtype
-    graphs = engine.runner.decode_graphs
+    graphs, pieces = engine.runner.decode_graphs, engine.runner.piecewise_graphs
     report = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run, Triton interpreter)",
         torch=torch.__version__, profile=asdict(profile), dtype=str(dtype).removeprefix("torch."),
         attention_backend=engine.kernels.attention, elementwise_backend=engine.kernels.elementwise, cuda_graph_sizes=list(graphs.sizes) if graphs else None,
+        piecewise_token_sizes=list(pieces.sizes) if pieces else None, piecewise_capture_s=pieces.capture_s if pieces else None,
         kv_blocks=engine.scheduler.kv.pool.num_blocks, costs=asdict(costs), decode_profile=decode_profile,
         dense_gemv=dense_gemv, quantization=quantization, dense_gemv_choices=dense_gemv_choices, dense_gemv_table=dense_gemv_table, **peaks,
     )
-    del engine, graphs
+    del engine, graphs, pieces
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -439,7 +443,8 @@ def format_table(report: dict) -> str:
     lines = [
         f"moegate engine benchmark: {p['spec']} with RANDOM weights, {report['dtype']}, {report['device']}, "
         f"attention {report['attention_backend']}, elementwise {report['elementwise_backend']}, "
-        f"CUDA graphs {report['cuda_graph_sizes'] and 'on' or 'off'}, dense gemv {report.get('dense_gemv', 'auto')}, "
+        f"CUDA graphs {report['cuda_graph_sizes'] and 'on' or 'off'}, piecewise CUDA graphs "
+        f"{report.get('piecewise_token_sizes') and 'on' or 'off'}, dense gemv {report.get('dense_gemv', 'auto')}, "
         f"experts {report.get('quantization') or report['dtype']}",
         f"measured peaks: {report['bandwidth_gbps']:.0f} GB/s (device copy), {report['peak_tflops']:.1f} TFLOP/s (matmul)",
         "",
