@@ -40,7 +40,8 @@ from engine.worker.batch_builder import FlatBatch
 
 logger = logging.getLogger(__name__)
 
-# Above this many tokens a step's matrix work dwarfs its launches: it stays eager (capturing costs time).
+# Larger steps stay eager by default: each captured size costs start-up time, and a step's matrix work grows
+# with its tokens while its launches do not (an 8192-token prefill ran at 2.85x its floor eagerly on an H100).
 DEFAULT_LARGEST_TOKEN_SIZE = 512
 
 
