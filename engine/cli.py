@@ -48,9 +48,13 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     from engine.core.config import EngineConfig
 
     d = EngineConfig(model="-")
-    p.add_argument("--speculative", default=None, choices=["ngram"],
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: 'ngram' proposes the tokens that followed the latest earlier "
-                        "occurrence of a request's last tokens, verified in the same step (default: off)")
+                        "occurrence of a request's last tokens, 'draft' the greedy tokens of a small draft model "
+                        "(--speculative-model); verified in the same step (default: off)")
+    p.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="the draft model's checkpoint directory for --speculative draft (same vocabulary as "
+                        "the served model)")
     p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                    help=f"draft tokens a request proposes per step (default {d.num_speculative_tokens})")
     p.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch,
@@ -65,7 +69,8 @@ def speculative_fields(args: argparse.Namespace) -> dict:
     """``EngineConfig`` fields from ``add_speculative_arguments``' options."""
     return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_max_batch=args.speculative_max_batch,
-                speculative_min_acceptance=args.speculative_min_acceptance)
+                speculative_min_acceptance=args.speculative_min_acceptance,
+                speculative_model=args.speculative_model)
 
 
 def add_rank_arguments(p: argparse.ArgumentParser) -> None:

@@ -62,8 +62,9 @@ class EngineConfig:
     request's extra token past its stop is dropped). None: on on CUDA, off on the CPU. Steps with a request
     that needs its token on the host first (grammars, logprobs, penalties, ``n`` > 1) and multi-process
     engines run synchronously.
-    ``speculative``: "ngram" turns speculative decoding on (None: off): each decoding request proposes up to
-    ``num_speculative_tokens`` tokens by prompt lookup, verified in the step's one forward; a request stops
+    ``speculative``: "ngram" or "draft" turns speculative decoding on (None: off): each decoding request
+    proposes up to ``num_speculative_tokens`` tokens, by prompt lookup ("ngram") or as the greedy tokens of
+    the draft model at ``speculative_model`` ("draft": a checkpoint with the target's vocabulary), verified in the step's one forward; a request stops
     proposing while its recent acceptance is below ``speculative_min_acceptance``, and none proposes while
     more than ``speculative_max_batch`` requests run (``engine.core.speculation``). It needs overlapped
     scheduling off (None then means off).
@@ -109,6 +110,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_max_batch: int = 8
     speculative_min_acceptance: float = 0.3
+    speculative_model: str | None = None
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -116,13 +118,16 @@ class EngineConfig:
         if self.speculative is None:
             return None
         return SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.speculative_max_batch,
-                                 self.speculative_min_acceptance)
+                                 self.speculative_min_acceptance, self.speculative_model)
 
     def __post_init__(self) -> None:
         _ = self.speculative_config  # ValueError naming the field for a bad speculative setting
         if self.speculative is not None and self.overlap_scheduling:
             raise ValueError("speculative decoding runs with overlap_scheduling off (--no-overlap-scheduling): "
                              "a step's verified tokens decide the next step's drafts")
+        if self.speculative == "draft" and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
+            raise ValueError("speculative='draft' runs on a single-process engine (tensor_parallel_size and "
+                             "data_parallel_size 1)")
         if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size), got {self.data_parallel_rank} "
                              f"of {self.data_parallel_size}")

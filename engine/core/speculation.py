@@ -1,6 +1,10 @@
 """Speculative decoding's host side (plain Python, no torch): n-gram prompt-lookup proposals, which requests
 may speculate, and when speculation switches itself off.
 
+With the "draft" method the proposals come from a small draft model on the device: the scheduler reserves the
+K rows (``DRAFT_PENDING`` tokens) and the runner fills them in before the step's forward
+(``engine.worker.draft_model``).
+
 A decoding request with a proposal is scheduled with 1 + K tokens: its last sampled token and K draft tokens,
 as extra query rows of the same forward as the rest of the step. The runner samples a token at each of the
 1 + K rows (``engine.worker.sampler``) and keeps the drafts up to the first one the model did not sample, plus
@@ -16,7 +20,8 @@ from dataclasses import dataclass
 
 from engine.core.request import Request
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
+DRAFT_PENDING = -1  # a draft row the draft model fills in before the forward (method "draft")
 NGRAM_MAX = 3  # longest suffix looked up in the request's own tokens
 NGRAM_MIN = 2  # shortest: a single repeated token proposes too often to pay
 SEARCH_WINDOW = 2048  # most recent tokens searched (keeps the host cost per step bounded)
@@ -27,7 +32,8 @@ PROBE_EVERY = 16  # a request below min_acceptance proposes again after this man
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """``method``: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
-    request's last 3, else 2, tokens). ``num_tokens``: K, drafts per step. ``max_batch``: no request proposes
+    request's last 3, else 2, tokens) or "draft" (greedy tokens of the draft model at ``model``, a checkpoint
+    directory sharing the target's tokenizer). ``num_tokens``: K, drafts per step. ``max_batch``: no request proposes
     while more than this many run. ``min_acceptance``: a request whose recent acceptance is below it stops
     proposing (it probes again now and then)."""
 
@@ -35,10 +41,15 @@ class SpeculativeConfig:
     num_tokens: int
     max_batch: int
     min_acceptance: float
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError("speculative_model (--speculative-model) is the draft checkpoint: it is needed with "
+                             f"speculative='draft' and only then (speculative={self.method!r}, "
+                             f"speculative_model={self.model!r})")
         if not 1 <= self.num_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 1..16, got {self.num_tokens}")
         if self.max_batch < 1:
@@ -110,6 +121,8 @@ class Speculator:
         k = min(c.num_tokens, room)
         if k <= 0:
             return []
+        if c.method == "draft":
+            return [DRAFT_PENDING] * k
         return ngram_proposal(request.all_token_ids, k)
 
     @staticmethod

@@ -1,15 +1,16 @@
 """Building a rank's model and runner from an ``EngineConfig``: the same on rank 0 and on follower ranks."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.core.config import CacheConfig, EngineConfig, KernelChoice
-from engine.distributed.collectives import TensorParallel
-from engine.loading.model_config import ModelConfig
+from engine.distributed.collectives import SINGLE, TensorParallel
+from engine.loading.model_config import ModelConfig, load_model_config
 from engine.loading.model_loader import build_model
 from engine.loading.quantization import check_supported, resolve_scheme
 from engine.models import MoECausalLM
+from engine.worker.draft_model import DraftProposer
 from engine.worker.runner import ModelRunner, kv_bytes_per_block
 
 
@@ -41,11 +42,29 @@ def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: Ke
     return model, dense_gemv_choices
 
 
-def kv_blocks_for_memory(config: EngineConfig, model: MoECausalLM, device: torch.device, dtype: torch.dtype) -> int:
-    """KV blocks this rank's memory budget holds (``num_kv_blocks`` if set); ranks agree on the smallest."""
+def load_draft_model(config: EngineConfig, model_config: ModelConfig, kernels: KernelChoice, dtype: torch.dtype,
+                     device: torch.device, max_len: int) -> MoECausalLM:
+    """Speculative decoding's draft model (``speculative_model``), built as the target is; its vocabulary must be
+    the target's (the drafts are the target's token ids)."""
+    draft_config = load_model_config(config.speculative_model)
+    if draft_config.vocab_size != model_config.vocab_size:
+        raise ValueError(f"speculative_model {config.speculative_model!r} has a vocabulary of "
+                         f"{draft_config.vocab_size} tokens, the model {model_config.vocab_size}: the draft model "
+                         "must share the served model's tokenizer")
+    model, _ = load_rank_model(replace(config, model=config.speculative_model, random_weights=None), draft_config,
+                               kernels, dtype, device, max_len, SINGLE)
+    return model
+
+
+def kv_blocks_for_memory(config: EngineConfig, model: MoECausalLM, device: torch.device, dtype: torch.dtype,
+                         draft: MoECausalLM | None = None) -> int:
+    """KV blocks this rank's memory budget holds (``num_kv_blocks`` if set); ranks agree on the smallest. A
+    block's bytes include the draft model's K/V of its tokens, if there is one."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model, config.block_size, dtype)
+    if draft is not None:
+        per_block += kv_bytes_per_block(draft, config.block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - config.gpu_memory_utilization) * total
@@ -97,8 +116,13 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
     max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
     torch.manual_seed(config.seed)
     model, dense_gemv_choices = load_rank_model(config, model_config, kernels, dtype, device, max_len, tp)
-    num_blocks = kv_blocks_for_memory(config, model, device, dtype)
+    draft = None
+    if config.speculative == "draft":  # a single-process engine (EngineConfig checks)
+        draft = load_draft_model(config, model_config, kernels, dtype, device, max_len)
+    num_blocks = kv_blocks_for_memory(config, model, device, dtype, draft)
     max_len = min(max_len, num_blocks * config.block_size)  # a sequence never holds more than the whole pool
     cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
     runner = make_runner(config, model, cache_config, kernels, device, dtype, max_len)
+    if draft is not None:
+        runner.draft = DraftProposer(draft, cache_config, device, dtype, kernels.attention)
     return RankParts(model, runner, cache_config, max_len, dense_gemv_choices)

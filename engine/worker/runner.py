@@ -53,6 +53,7 @@ class ModelRunner:
         self.scratch_block = cache_config.num_blocks
         self.decode_graphs = None  # a cuda_graphs.DecodeGraphs, installed by cuda_graphs.enable_decode_graphs
         self.piecewise_graphs = None  # a piecewise_graphs.PiecewiseGraphs (prefill and mixed steps), likewise
+        self.draft = None  # a draft_model.DraftProposer (speculative="draft"), installed by model_setup.build_rank
         self.last_prepare_ms = 0.0  # host time building the last step's batch (metadata and staging)
         self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
         self.num_steps = 0  # execute() calls that ran a forward
@@ -106,6 +107,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, sched_out: SchedulerOutput) -> StepSamples:
         self.sampler.forget(sched_out.finished_ids)
+        if self.draft is not None:  # the drafts the scheduler left pending, proposed by the draft model
+            self.draft.propose(sched_out)
         if sched_out.is_empty:
             if self.steps_with_peers:
                 self.dummy_step()
