@@ -78,9 +78,11 @@ def test_triton_attention_matches_torch_attention(family, tmp_path):
     assert llm.engine.runner.scratch_block == llm.engine.scheduler.kv.pool.num_blocks  # owned by no request
 
 
-def test_speculative_rows_with_triton_attention(tmp_path):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_rows_with_triton_attention(tmp_path, proposer):
     """Draft rows are extra query rows over the paged cache (the prefill kernel's path, chunk after chunk):
-    greedy tokens with n-gram speculation on Triton attention equal plain decoding's on torch attention."""
+    greedy tokens with speculation on Triton attention equal plain decoding's on torch attention. The draft
+    proposer's model is the model itself (its own caches, Triton attention too): every draft is accepted."""
     seed = random.randrange(2**31)
     make_hf_model("qwen3_moe", str(tmp_path), seed=seed, vocab_size=VOCAB, num_layers=2)
     rng = random.Random(seed)
@@ -88,9 +90,13 @@ def test_speculative_rows_with_triton_attention(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     plain = LLM(model=str(tmp_path), kernel_choice=KernelChoice(attention="torch"), **ENGINE)
     want = [out.token_ids for out in plain.generate(prompts, params)]
-    spec = LLM(model=str(tmp_path), kernel_choice=KernelChoice(attention="triton"), speculative="ngram",
-               num_speculative_tokens=3, **ENGINE)
+    draft = dict(speculative_model=str(tmp_path)) if proposer == "draft" else {}
+    spec = LLM(model=str(tmp_path), kernel_choice=KernelChoice(attention="triton"), speculative=proposer,
+               num_speculative_tokens=3, **draft, **ENGINE)
     got = [out.token_ids for out in spec.generate(prompts, params)]
     assert got == want, f"seed={seed}"
-    assert spec.engine.stats().spec_accepted_tokens > 0, f"seed={seed}: no draft was accepted"
+    stats = spec.engine.stats()
+    assert stats.spec_accepted_tokens > 0, f"seed={seed}: no draft was accepted"
+    if proposer == "draft":
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens, (seed, stats)
     spec.engine.scheduler.kv.pool.check_all_free()

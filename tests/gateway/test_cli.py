@@ -99,6 +99,9 @@ def test_speculative_settings_reach_the_engine_config():
             got.speculative_min_acceptance) == ("ngram", k, batch, accept)
     defaults = serve_engine_config(build_parser().parse_args(["serve", "--model", "m"]))
     reference = EngineConfig(model="m")
-    assert defaults.speculative is None
+    assert defaults.speculative is None and defaults.speculative_model is None
+    draft = serve_engine_config(build_parser().parse_args(["serve", "--model", "m", "--speculative", "draft",
+                                                           "--speculative-model", "small"]))
+    assert (draft.speculative, draft.speculative_model) == ("draft", "small")
     assert (defaults.num_speculative_tokens, defaults.speculative_max_batch, defaults.speculative_min_acceptance) == (
         reference.num_speculative_tokens, reference.speculative_max_batch, reference.speculative_min_acceptance)
