@@ -31,6 +31,7 @@ from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.speculation import DRAFT_PENDING
 from engine.models import MoECausalLM
 from engine.worker.batch_builder import build_torch_batch, build_triton_batch
+from engine.worker.runner import attach_kv_caches
 
 
 class DraftProposer:
@@ -42,15 +43,7 @@ class DraftProposer:
         self.device = device
         self.attention_backend = attention_backend
         self.block_size = cache_config.block_size
-        c = model.config
-        # One block more than the pool, as the target's caches: the scratch block takes padding rows' writes.
-        shape = (cache_config.num_blocks + 1, cache_config.block_size, model.num_local_kv_heads, c.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(c.num_layers)
-        ]
-        for attn, cache in zip(model.attention_layers(), self.kv_caches):
-            attn.kv_cache = cache
+        self.kv_caches = attach_kv_caches(model, cache_config, device, dtype)  # the target's block count
         # request id -> (its preemption count when last seen, positions holding the draft K/V of its tokens)
         self.computed: dict[str, tuple[int, int]] = {}
         self.num_forwards = 0  # draft forwards run (each over every speculating request of its step)

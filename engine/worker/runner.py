@@ -33,6 +33,19 @@ def kv_bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) 
     return 2 * c.num_layers * block_size * model.num_local_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+def attach_kv_caches(model: MoECausalLM, cache_config: CacheConfig, device: torch.device,
+                     dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed (K, V) caches [num_blocks + 1, block_size, kv_heads, head_dim] per layer, given to the model's
+    attention layers; the extra block is the scratch block padding rows write to."""
+    c = model.config
+    shape = (cache_config.num_blocks + 1, cache_config.block_size, model.num_local_kv_heads, c.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(c.num_layers)]
+    for attn, cache in zip(model.attention_layers(), caches):
+        attn.kv_cache = cache
+    return caches
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler.
 
@@ -57,15 +70,8 @@ class ModelRunner:
         self.last_prepare_ms = 0.0  # host time building the last step's batch (metadata and staging)
         self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
         self.num_steps = 0  # execute() calls that ran a forward
-        c = model.config
-        shape = (cache_config.num_blocks + 1, cache_config.block_size, model.num_local_kv_heads, c.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(c.num_layers)
-        ]
-        for attn, cache in zip(model.attention_layers(), self.kv_caches):
-            attn.kv_cache = cache
-        self.sliding_window = c.sliding_window
+        self.kv_caches = attach_kv_caches(model, cache_config, device, dtype)
+        self.sliding_window = model.config.sliding_window
         self.sampler = Sampler(device, seed)
         self.dtype = dtype
         self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
