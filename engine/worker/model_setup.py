@@ -6,7 +6,7 @@ import torch
 
 from engine.core.config import CacheConfig, EngineConfig, KernelChoice
 from engine.distributed.collectives import SINGLE, TensorParallel
-from engine.loading.model_config import ModelConfig, load_model_config
+from engine.loading.model_config import CheckpointError, ModelConfig, load_model_config
 from engine.loading.model_loader import build_model
 from engine.loading.quantization import check_supported, resolve_scheme
 from engine.models import MoECausalLM
@@ -46,7 +46,10 @@ def load_draft_model(config: EngineConfig, model_config: ModelConfig, kernels: K
                      device: torch.device, max_len: int) -> MoECausalLM:
     """Speculative decoding's draft model (``speculative_model``), built as the target is; its vocabulary must be
     the target's (the drafts are the target's token ids)."""
-    draft_config = load_model_config(config.speculative_model)
+    try:
+        draft_config = load_model_config(config.speculative_model)
+    except CheckpointError as e:  # the message names the directory; say which option gave it
+        raise CheckpointError(f"speculative_model: {e}") from None
     if draft_config.vocab_size != model_config.vocab_size:
         raise ValueError(f"speculative_model {config.speculative_model!r} has a vocabulary of "
                          f"{draft_config.vocab_size} tokens, the model {model_config.vocab_size}: the draft model "

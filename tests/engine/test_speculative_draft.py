@@ -98,3 +98,5 @@ def test_draft_settings_are_checked(models, tmp_path):
     make_hf_model("qwen3_moe", other, seed=SEED, vocab_size=VOCAB + 2, num_layers=1)
     with pytest.raises(ValueError, match="speculative_model .* vocabulary of 213 tokens, the model 211"):
         spec_llm(models[0], other)
+    with pytest.raises(ValueError, match="speculative_model: .*missing.*not a directory"):
+        spec_llm(models[0], str(tmp_path / "missing"))
