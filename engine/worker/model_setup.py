@@ -1,5 +1,6 @@
 """Building a rank's model and runner from an ``EngineConfig``: the same on rank 0 and on follower ranks."""
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -12,6 +13,8 @@ from engine.loading.quantization import check_supported, resolve_scheme
 from engine.models import MoECausalLM
 from engine.worker.draft_model import DraftProposer
 from engine.worker.runner import ModelRunner, kv_bytes_per_block
+
+logger = logging.getLogger(__name__)
 
 
 def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: KernelChoice, dtype: torch.dtype,
@@ -56,6 +59,8 @@ def load_draft_model(config: EngineConfig, model_config: ModelConfig, kernels: K
                          "must share the served model's tokenizer")
     model, _ = load_rank_model(replace(config, model=config.speculative_model, random_weights=None), draft_config,
                                kernels, dtype, device, max_len, SINGLE)
+    logger.info("speculative draft model: %s (%s, %d layers)", config.speculative_model, draft_config.architecture,
+                draft_config.num_layers)
     return model
 
 
