@@ -22,6 +22,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
 from tenants.store import TenantStore
+from tests.gateway.tenant_keys import new_tenant_key
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +33,8 @@ def demo_dir(tmp_path_factory):
 
 
 async def _tenants(url: str, quota: dict | None = None) -> dict[str, str]:
-    store = TenantStore.open(url)
-    try:
-        keys = {}
-        for name in ("acme", "other"):
-            await store.create_tenant(name)
-            keys[name] = (await store.create_key(name))[1]
-        if quota:
-            await store.set_quota("acme", **quota)
-        return keys
-    finally:
-        await store.close()
+    """Tenants acme (with ``quota``) and other, each with a key."""
+    return {"acme": await new_tenant_key(url, "acme", **(quota or {})), "other": await new_tenant_key(url, "other")}
 
 
 def _server(demo_dir, tmp_path, **config):

@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.cli import main as moegate_main
 from tenants.migrate import upgrade
 from tenants.store import TenantStore
+from tests.gateway.tenant_keys import new_tenant_key
 
 BLOCK = 16  # EngineConfig's default block size
 MAX_MODEL_LEN = 128
@@ -41,15 +42,7 @@ def _text(rng: random.Random, n: int) -> str:
 
 
 async def _tenants(url: str) -> dict[str, str]:
-    store = TenantStore.open(url)
-    try:
-        keys = {}
-        for name in ("t", "capped"):
-            await store.create_tenant(name)
-            keys[name] = (await store.create_key(name))[1]
-        return keys
-    finally:
-        await store.close()
+    return {name: await new_tenant_key(url, name) for name in ("t", "capped")}
 
 
 async def _usage(url: str, tenant: str) -> list[dict]:
