@@ -211,3 +211,11 @@ def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, slidin
         prefill_masks=pre_masks,
     )
     return FlatBatch(input_ids, positions, meta, sample_rows, prompt_rows, num_decodes, max(widths, default=0))
+
+
+def build_batch(scheduled: list[ScheduledRequest], attention_backend: str, block_size: int,
+                sliding_window: int | None, num_kv_heads: int, device: torch.device) -> FlatBatch:
+    """The flat batch of ``scheduled`` with the metadata ``attention_backend`` ("torch" or "triton") reads."""
+    if attention_backend == "triton":
+        return build_triton_batch(scheduled, block_size, sliding_window, num_kv_heads, device)
+    return build_torch_batch(scheduled, block_size, sliding_window, device)

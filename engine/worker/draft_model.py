@@ -30,7 +30,7 @@ from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.speculation import DRAFT_PENDING
 from engine.models import MoECausalLM
-from engine.worker.batch_builder import build_torch_batch, build_triton_batch
+from engine.worker.batch_builder import build_batch
 from engine.worker.runner import attach_kv_caches
 
 
@@ -93,11 +93,8 @@ class DraftProposer:
 
     def _greedy(self, parts: list[ScheduledRequest]) -> list[int]:
         """The draft model's argmax token after the last row of each part (each part samples once)."""
-        if self.attention_backend == "triton":
-            batch = build_triton_batch(parts, self.block_size, self.model.config.sliding_window,
-                                       self.model.num_local_kv_heads, self.device)
-        else:
-            batch = build_torch_batch(parts, self.block_size, self.model.config.sliding_window, self.device)
+        batch = build_batch(parts, self.attention_backend, self.block_size, self.model.config.sliding_window,
+                            self.model.num_local_kv_heads, self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [T, H]
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [S, V]
         self.num_forwards += 1

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.worker.batch_builder import FlatBatch, build_torch_batch, build_triton_batch
+from engine.worker.batch_builder import FlatBatch, build_batch
 from engine.core.config import CacheConfig
 from engine.core.logprobs import Logprobs
 from engine.layers.moe import SparseMoeBlock
@@ -79,9 +79,8 @@ class ModelRunner:
     # ---- batch construction -----------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
         """The step's flat batch (input_ids [T], positions [T], metadata, sampling rows) on the device."""
-        if self.attention_backend == "triton":
-            return build_triton_batch(scheduled, self.block_size, self.sliding_window, self.model.num_local_kv_heads, self.device)
-        return build_torch_batch(scheduled, self.block_size, self.sliding_window, self.device)
+        return build_batch(scheduled, self.attention_backend, self.block_size, self.sliding_window,
+                           self.model.num_local_kv_heads, self.device)
 
     def expert_load(self) -> list[list[int]]:
         """Tokens routed to each expert since start, per MoE layer (reads the device: not every step on GPU)."""
