@@ -88,8 +88,7 @@ def may_speculate(request: Request) -> bool:
     """Requests whose sampling depends on more than each row's logits do not speculate: logprobs, penalties and
     logit_bias, structured output, and min_tokens not reached yet (its stop-token ban depends on the position)."""
     p = request.sampling_params
-    return (p.logprobs is None and p.prompt_logprobs is None and not p.adjusts_logits and p.structured_output is None
-            and request.num_output_tokens >= p.min_tokens)
+    return not p.needs_each_token_on_host and request.num_output_tokens >= p.min_tokens
 
 
 def accepted_prefix(drafts: list[int], sampled: list[int]) -> list[int]:

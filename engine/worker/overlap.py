@@ -31,9 +31,7 @@ def needs_host_between_steps(request: Request) -> bool:
     """Whether the host must see this request's token before its next step is built (the engine then runs
     that step synchronously): grammars advance per token, penalties read the token history, logprobs and
     prompt logprobs are read with the token, and ``n`` > 1 copies wait on their leader's computed prompt."""
-    params = request.sampling_params
-    return (params.structured_output is not None or params.logprobs is not None
-            or params.prompt_logprobs is not None or params.adjusts_logits or request.parent_id is not None)
+    return request.sampling_params.needs_each_token_on_host or request.parent_id is not None
 
 
 def fill_placeholders(plan: SchedulerOutput) -> None:

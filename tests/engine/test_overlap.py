@@ -121,8 +121,10 @@ def test_aborts_and_preemptions_free_every_block(model_path):
     leave the pool as it started; the requests left run to the synchronous loop's tokens."""
     seed = random.randrange(2**31)
     rng = random.Random(seed)
-    reqs = [([rng.randrange(1, VOCAB) for _ in range(rng.randint(20, 70))],
-             SamplingParams(temperature=0.0, max_tokens=rng.randint(10, 30), ignore_eos=True)) for _ in range(8)]
+    # Prompts of 28-32 tokens (2 blocks of 16) that need a third block within a few tokens: six are admitted into
+    # the 12-block pool and grow together, so it preempts before the aborts thin them out.
+    reqs = [([rng.randrange(1, VOCAB) for _ in range(rng.randint(28, 32))],
+             SamplingParams(temperature=0.0, max_tokens=rng.randint(20, 30), ignore_eos=True)) for _ in range(8)]
     settings = dict(num_kv_blocks=12, max_num_batched_tokens=48)
     expected = run(engine(model_path, False, **settings), reqs)
     llm = engine(model_path, True, **settings)

@@ -132,7 +132,7 @@ def test_rejected_drafts_blocks_return_and_nothing_leaks():
     scheduler = _spec_scheduler(num_blocks=24)
     for i in range(6):
         pattern = [rng.randrange(3) for _ in range(rng.randint(1, 4))]
-        scheduler.add_request(Request(f"r{i}", pattern * 6, SamplingParams(ignore_eos=True), max_tokens=rng.randint(5, 40)))
+        scheduler.add_request(Request(f"r{i}", pattern * 6, SamplingParams(ignore_eos=True), max_tokens=rng.randint(30, 40)))
     steps = drafted = 0
     while scheduler.has_unfinished():
         plan = scheduler.schedule()

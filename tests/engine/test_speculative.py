@@ -91,10 +91,21 @@ def test_greedy_matches_transformers(reference, mode):
     path, prompts, max_tokens, expected = reference
     llm = LLM(model=path, dtype="float32", device="cpu", **MODES[mode], **SPEC)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    got, outs, ended_in_run = drive(llm, prompts, params)
+    chunks: list = []
+    got, outs, ended_in_run = drive(llm, prompts, params, chunks)
     for prompt, tokens, out, ref in zip(prompts, got, outs, expected):
         assert tokens == ref, f"seed={SEED} prompt_len={len(prompt)}"
         assert out.finish_reason == "length" and out.num_output_tokens == len(ref)
+    # Again with max_tokens cut after the second token of each request's first run of 3 or more tokens, so the
+    # limit falls inside an accepted run wherever the random limits above missed every run.
+    cuts = [next((sum(map(len, steps[:i])) + 2 for i, c in enumerate(steps) if len(c) >= 3), len(ref))
+            for steps, ref in zip(chunks, expected)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in cuts]
+    got, outs, ended_again = drive(llm, prompts, params)
+    for prompt, tokens, out, ref, m in zip(prompts, got, outs, expected, cuts):
+        assert tokens == ref[:m], f"seed={SEED} prompt_len={len(prompt)}"
+        assert out.finish_reason == "length" and out.num_output_tokens == m
+    ended_in_run += ended_again
     scheduler = llm.engine.scheduler
     stats = llm.engine.stats()
     assert stats.spec_accepted_tokens > 0 and stats.spec_steps > 0, f"seed={SEED}: nothing was accepted"
