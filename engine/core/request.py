@@ -41,8 +41,7 @@ class Request:
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "cache_salt", "num_preemptions", "stop_reason",
         "priority", "tenant", "weight", "preemptible", "may_preempt", "admit_seq", "num_charged_prompt_tokens",
-        "first_scheduled_time", "background", "parent_id", "index",
-        "spec_acceptance", "spec_idle_steps", "spec_probe_every",
+        "first_scheduled_time", "background", "parent_id", "index", "spec_acceptance", "spec_idle_steps",
     )
 
     def __init__(
@@ -96,12 +95,8 @@ class Request:
         self.num_charged_prompt_tokens = 0  # prompt tokens already billed to the tenant's fair-share counter
         self.parent_id = parent_id
         self.index = index
-        # Speculative decoding (engine.core.speculation): the moving average of accepted / proposed drafts (None
-        # until the request first proposes: it then starts from the deployment's), the steps since it last
-        # proposed while below the threshold, and how many such steps it waits before probing again.
-        self.spec_acceptance: float | None = None
-        self.spec_idle_steps = 0
-        self.spec_probe_every = 0  # set when it first proposes
+        self.spec_acceptance = 1.0  # moving average of accepted / proposed drafts (engine.core.speculation)
+        self.spec_idle_steps = 0  # steps without proposing since its acceptance fell below the threshold
 
     @property
     def output_id(self) -> str:

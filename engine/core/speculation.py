@@ -12,11 +12,8 @@ the model's own token at that row (``accepted_prefix``); the scheduler rolls the
 
 Proposals are cheap only when they are accepted; each costs K rows of compute. So a request stops proposing
 when the exponential moving average of its acceptance (accepted / proposed, per step) falls below
-``min_acceptance`` and probes again after ``PROBE_EVERY`` steps, twice as long after each probe that fails
-(up to ``PROBE_MAX``); a new request starts from the deployment's recent acceptance, so where the proposer
-rarely agrees with the model (a poor draft model, text that never repeats) new requests do not each pay to
-learn it. And no request proposes while more than ``max_batch`` requests run (large decode batches are
-compute-bound: extra rows cost about as much as they save).
+``min_acceptance``, and tries again every ``PROBE_EVERY`` steps; and no request proposes while more than
+``max_batch`` requests run (large decode batches are compute-bound: extra rows cost about as much as they save).
 """
 
 from dataclasses import dataclass
@@ -29,9 +26,7 @@ NGRAM_MAX = 3  # longest suffix looked up in the request's own tokens
 NGRAM_MIN = 2  # shortest: a single repeated token proposes too often to pay
 SEARCH_WINDOW = 2048  # most recent tokens searched (keeps the host cost per step bounded)
 EMA_DECAY = 0.7  # weight of the past in the acceptance average (about the last 3 steps)
-PROBE_EVERY = 16  # a request below min_acceptance proposes again after this many steps (the first time)
-PROBE_MAX = 256  # the longest wait between probes (it doubles after each failed one)
-DEPLOYMENT_DECAY = 0.9  # weight of the past in the deployment's acceptance average (about the last 10 verifications)
+PROBE_EVERY = 16  # a request below min_acceptance proposes again after this many steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,18 +105,15 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.acceptance = 1.0  # the deployment's moving average: where new requests start
 
     def propose(self, request: Request, num_running: int) -> list[int]:
         """Draft tokens for a decoding request this step ([] when it should not speculate)."""
         c = self.config
         if num_running > c.max_batch or not may_speculate(request):
             return []
-        if request.spec_acceptance is None:
-            request.spec_acceptance, request.spec_probe_every = self.acceptance, PROBE_EVERY
         if request.spec_acceptance < c.min_acceptance:
             request.spec_idle_steps += 1
-            if request.spec_idle_steps < request.spec_probe_every:
+            if request.spec_idle_steps < PROBE_EVERY:
                 return []
         # Room: the step emits up to K + 1 tokens, within max_tokens and the model's length.
         room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
@@ -132,17 +124,8 @@ class Speculator:
             return [DRAFT_PENDING] * k
         return ngram_proposal(request.all_token_ids, k)
 
-    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Fold one step's acceptance into the request's and the deployment's moving averages; a probe that
-        leaves the request below ``min_acceptance`` doubles its wait before the next one."""
-        rate = num_accepted / num_drafts
-        floor = self.config.min_acceptance
-        probed = request.spec_acceptance is not None and request.spec_acceptance < floor
-        before = self.acceptance if request.spec_acceptance is None else request.spec_acceptance
-        request.spec_acceptance = EMA_DECAY * before + (1 - EMA_DECAY) * rate
-        self.acceptance = DEPLOYMENT_DECAY * self.acceptance + (1 - DEPLOYMENT_DECAY) * rate
-        if request.spec_acceptance >= floor:
-            request.spec_probe_every = PROBE_EVERY
-        elif probed:
-            request.spec_probe_every = min(2 * request.spec_probe_every, PROBE_MAX)
+    @staticmethod
+    def record(request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Fold one step's acceptance into the request's moving average."""
+        request.spec_acceptance = EMA_DECAY * request.spec_acceptance + (1 - EMA_DECAY) * num_accepted / num_drafts
         request.spec_idle_steps = 0

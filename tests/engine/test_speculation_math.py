@@ -13,7 +13,7 @@ from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.speculation import (
-    PROBE_EVERY, PROBE_MAX, SpeculativeConfig, Speculator, accepted_prefix, ngram_proposal,
+    PROBE_EVERY, SpeculativeConfig, Speculator, accepted_prefix, ngram_proposal,
 )
 from engine.worker.sampler import Sampler
 
@@ -176,32 +176,3 @@ def test_speculation_switches_off_in_large_batches_and_at_low_acceptance():
     # Drafts never run past max_tokens: a step emits at most max_tokens - generated tokens.
     short = Request("c", [1, 2, 3] * 5, SamplingParams(), max_tokens=3)
     assert spec.propose(short, 1) == [1, 2]
-
-
-def test_failed_probes_wait_longer_and_new_requests_start_from_the_deployment():
-    spec = Speculator(SpeculativeConfig("ngram", 3, 8, 0.5), max_model_len=4096)
-    request = Request("a", [1, 2, 3] * 5, SamplingParams(), max_tokens=2000)
-    assert spec.propose(request, 1) == [1, 2, 3]
-    spec.record(request, 3, 0)
-    spec.record(request, 3, 0)  # below 0.5: it stops proposing
-    waits = []
-    for _ in range(5):  # each probe fails: the wait before the next one doubles, up to PROBE_MAX
-        steps = 1
-        while not spec.propose(request, 1):
-            steps += 1
-        waits.append(steps)
-        spec.record(request, 3, 0)
-    assert waits == [min(PROBE_EVERY * 2**i, PROBE_MAX) for i in range(5)]
-    spec.record(request, 3, 3)
-    spec.record(request, 3, 3)  # back above 0.5: it proposes every step, and the next failure waits PROBE_EVERY
-    assert spec.propose(request, 1) == [1, 2, 3]
-    assert request.spec_probe_every == PROBE_EVERY
-    # After many failures the deployment's average is low: a new request starts below the threshold and
-    # waits to probe instead of paying for its own first failures.
-    for _ in range(30):
-        spec.record(request, 3, 0)
-    fresh = Request("b", [1, 2, 3] * 5, SamplingParams(), max_tokens=100)
-    assert spec.propose(fresh, 1) == [] and fresh.spec_acceptance < 0.5
-    # A deployment whose drafts are accepted lets new requests propose at once.
-    good = Speculator(SpeculativeConfig("ngram", 3, 8, 0.5), max_model_len=4096)
-    assert good.propose(Request("c", [1, 2, 3] * 5, SamplingParams(), max_tokens=100), 1) == [1, 2, 3]
