@@ -20,7 +20,6 @@ if not torch.cuda.is_available():  # the Triton-kernel case below runs interpret
 from engine import LLM, EngineConfig, KernelChoice, SamplingParams  # noqa: E402
 from engine.transforms.piecewise_graphs import default_token_sizes, enable_piecewise_graphs  # noqa: E402
 from gateway.cli import build_parser, serve_engine_config, token_sizes  # noqa: E402
-from tests.engine.test_vs_transformers import make_requests  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 
 VOCAB = 97
@@ -126,7 +125,9 @@ def test_engine_with_piecewise_buffers_gives_the_eager_tokens(family, extra, tmp
     make_hf_model(family, str(tmp_path), seed=seed, vocab_size=VOCAB, **overrides)
     rng = random.Random(seed)
     shared = [rng.randrange(1, VOCAB - 1) for _ in range(40)]
-    reqs = make_requests(rng, VOCAB, n=5)
+    # Long outputs over an 18-block pool: the 200-token prompt alone grows to 15 blocks while the others run, so
+    # every seed preempts (a random workload with short outputs sometimes fit).
+    reqs = [([rng.randrange(1, VOCAB - 1) for _ in range(n)], rng.randint(32, 40)) for n in (3, 200, 57, 96, 130)]
     prompts = [p for p, _ in reqs] + [shared + [rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (3, 11)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     params += [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)] * 2
