@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gateway.replica_router import replicas_of
+from gateway.replica_router import ReplicaRouter, replicas_of
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -51,6 +51,9 @@ class _EngineCollector:
             "spec_steps": CounterMetricFamily("moegate_spec_steps",
                                               "speculative decoding: request-steps that verified drafts (each "
                                               "emitted 1 + its accepted drafts)", labels=["replica"]),
+            "moved": CounterMetricFamily("moegate_router_moved_requests",
+                                         "requests the router moved off this replica's queue, before they started, "
+                                         "to a replica with a free slot", labels=["replica"]),
             "gie_waiting": GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting (queue depth)", labels=["replica"]),
             "gie_running": GaugeMetricFamily("vllm:num_requests_running", "requests running", labels=["replica"]),
             # The endpoint picker's KV metric was renamed in vLLM; both names, same value (0..1).
@@ -58,6 +61,9 @@ class _EngineCollector:
             "gie_kv_old": GaugeMetricFamily("vllm:gpu_cache_usage_perc", "KV-cache utilisation, 1 = full",
                                             labels=["replica"]),
         }
+        if isinstance(self.engine, ReplicaRouter):
+            for name, moved in zip(self.engine.names, self.engine.moved_from):
+                families["moved"].add_metric([name], moved)
         for name, replica in replicas_of(self.engine):
             families["up"].add_metric([name], float(replica.dead is None and replica.info is not None))
             stats = replica.stats

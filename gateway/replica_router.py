@@ -13,9 +13,21 @@ started ends with the engine's error (the gateway writes a clean error
 event). A failed *step* (``EngineError.retryable`` False) is not retried
 elsewhere: the request may be its cause. Each replica is restarted on its own
 by the gateway's supervisor, and rejoins with an empty index when it is ready.
+
+Moves: each request is routed once, but a replica that frees a slot (a request
+there ended) while another live replica's load exceeds its slots takes a
+request from that queue (``gateway.routing_policy.rebalance``): the most
+recently routed request there that has produced no output, which under the
+engines' first-come order is the last to start. It is aborted there (its
+stream closed) and sent to the replica with the free slot, with the same
+request id, sampling and request policy (priority, tenant, cache salt ...).
+Until its first output arrives, ``generate`` waits on that output and on a
+move at once, so the client never sees a move; a request that has produced
+any output never moves. ``moved_from`` counts the moves off each replica.
 """
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -28,7 +40,7 @@ from engine.serving.async_engine import EngineError
 from engine.serving.client import EngineClient
 from engine.serving.protocol import Ready
 from gateway.prefix_index import ReplicaBlocks, block_hashes
-from gateway.routing_policy import ReplicaView, RouterConfig, choose
+from gateway.routing_policy import ReplicaView, RouterConfig, choose, rebalance
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +62,12 @@ class ReplicaRouter:
         self._turn = itertools.count()
         self._ids = itertools.count()
         self._ready: list[Ready | None] = [None] * len(self.replicas)  # each one's Ready when last routed to
+        self.moved_from = [0] * len(self.replicas)  # requests moved off each one's queue, ever (metrics)
+        # Per replica, its requests that have produced no output yet, oldest routed first (dicts keep order).
+        self._unstarted: list[dict[_Placement, None]] = [{} for _ in self.replicas]
+        # Per replica, requests moved off it while its latest stats were current: those stats still count
+        # them, and a second move on such stale figures could take a request that was running.
+        self._moved_off: list[tuple[SchedulerStats | None, int]] = [(None, 0)] * len(self.replicas)
 
     # -- EngineClient state: one engine as long as one replica serves --
 
@@ -134,17 +152,22 @@ class ReplicaRouter:
         live = [i for i in self.live() if i not in exclude]
         if not live:
             raise EngineError(self.dead or "no engine replica is ready")
+        return choose(self.policy, self._views(live, hashes), next(self._turn))
+
+    def _views(self, live: Sequence[int], hashes: Sequence[bytes]) -> list[ReplicaView]:
         views = []
         for i in live:
             stats = self.replicas[i].stats
             index = self._index[i]
             load, kv = self.in_flight[i], 0.0
             if stats is not None:
-                load = max(load, stats.num_running + sum(stats.num_waiting_by_rank.values()))
+                reported = stats.num_running + sum(stats.num_waiting_by_rank.values())
+                moved_stats, moved = self._moved_off[i]
+                load = max(load, reported - (moved if moved_stats is stats else 0))
                 kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
                 index.capacity = stats.kv_blocks_total
             views.append(ReplicaView(i, load, self.replicas[i].config.max_num_seqs, kv, index.matched(hashes), index.roots))
-        return choose(self.policy, views, next(self._turn))
+        return views
 
     def matched_blocks(self, prompt: Sequence[int], cache_salt: str | None) -> list[int]:
         """Per replica, how many of the prompt's leading blocks the index believes it holds."""
@@ -153,31 +176,113 @@ class ReplicaRouter:
 
     async def generate(self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None,
                        **request_policy) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs from the replica chosen for it; see the module's docstring for faults."""
+        """Stream the request's outputs from the replica chosen for it; see the module's docstring for
+        faults and moves."""
         request_id = request_id or f"req-{next(self._ids)}"
         hashes = block_hashes(prompt, self.block_size, request_policy.get("cache_salt"))
-        tried: set[int] = set()
-        while True:
-            i = self.pick(hashes, tried)
-            tried.add(i)
-            self._index[i].add(hashes)
-            self.in_flight[i] += 1
-            self.routed[i] += 1
-            stream = self.replicas[i].generate(prompt, sampling, request_id, **request_policy)
-            started = False
-            try:
-                async for out in stream:
+        placement = _Placement(hashes)
+        tried: set[int] = set()  # replicas that failed this request before it started
+        self._assign(placement, self.pick(hashes))
+        try:
+            while True:
+                i = placement.replica
+                stream = self.replicas[i].generate(prompt, sampling, request_id, **request_policy)
+                started = False
+                try:
+                    first = await self._first_output(stream, placement)
+                    if first is _MOVED:
+                        continue  # placement.replica is the new one; closing the stream aborts it here
+                    self._unstarted[i].pop(placement, None)
+                    if first is _ENDED:
+                        return
                     started = True
-                    yield out
+                    yield first
+                    async for out in stream:
+                        yield out
+                    return
+                except EngineError as e:
+                    if started or not e.retryable:
+                        raise
+                    logger.warning("replica %s failed before request %s started (%s); sending it to another",
+                                   self.names[i], request_id, e)
+                    tried.add(i)
+                    self._release(placement)
+                    self._assign(placement, self.pick(hashes, tried))
+                finally:
+                    await stream.aclose()  # aborts the request in that replica if it has not finished
+        finally:
+            self._release(placement)
+            self._rebalance()  # a slot may have freed here
+
+    async def _first_output(self, stream: AsyncIterator[RequestOutput], placement: "_Placement"):
+        """The stream's first output, ``_ENDED`` if it ended without one, or ``_MOVED`` if the router moved
+        the request first (a move wins a tie: its bookkeeping is done, and the client has seen nothing)."""
+        placement.moved.clear()
+        output = asyncio.ensure_future(anext(stream, _ENDED))
+        moved = asyncio.ensure_future(placement.moved.wait())
+        try:
+            await asyncio.wait((output, moved), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            moved.cancel()
+            if not output.done() or placement.moved.is_set():
+                output.cancel()  # the stream must be idle before it is closed
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await output
+        if placement.moved.is_set():
+            return _MOVED
+        return output.result()
+
+    # -- bookkeeping: a request counts on one replica at a time --
+
+    def _assign(self, placement: "_Placement", i: int) -> None:
+        placement.replica = i
+        self._index[i].add(placement.hashes)
+        self.in_flight[i] += 1
+        self.routed[i] += 1
+        self._unstarted[i][placement] = None
+
+    def _release(self, placement: "_Placement") -> None:
+        """The request leaves its replica (ended, failed over or moved); idempotent."""
+        i = placement.replica
+        if i is not None:
+            self.in_flight[i] -= 1
+            self._unstarted[i].pop(placement, None)
+            placement.replica = None
+
+    def _rebalance(self) -> None:
+        """Move queued requests to replicas with a free slot while the policy finds a move."""
+        for _ in range(sum(map(len, self._unstarted))):  # each move takes one unstarted request: a bound
+            live = self.live()
+            movable = {i: len(self._unstarted[i]) for i in live}
+            move = rebalance(self.policy, self._views(live, ()), movable)
+            if move is None:
                 return
-            except EngineError as e:
-                if started or not e.retryable:
-                    raise
-                logger.warning("replica %s failed before request %s started (%s); sending it to another",
-                               self.names[i], request_id, e)
-            finally:
-                self.in_flight[i] -= 1
-                await stream.aclose()  # aborts the request in that replica if it has not finished
+            source, target = move
+            placement = next(reversed(self._unstarted[source]))  # the most recently routed
+            stats = self.replicas[source].stats
+            moved_stats, moved = self._moved_off[source]
+            self._moved_off[source] = (stats, moved + 1 if moved_stats is stats else 1)
+            self.moved_from[source] += 1
+            self._release(placement)
+            self._assign(placement, target)
+            placement.moved.set()
+            logger.debug("moved a queued request from replica %s to replica %s, which had a free slot",
+                         self.names[source], self.names[target])
+
+
+class _Placement:
+    """Where one request counts now (``replica``; None once it left), and the signal that it was moved."""
+
+    __slots__ = ("hashes", "replica", "moved")
+
+    def __init__(self, hashes: Sequence[bytes]) -> None:
+        self.hashes = hashes
+        self.replica: int | None = None
+        self.moved = asyncio.Event()
+
+
+_MOVED = object()  # _first_output: the request was moved before its first output
+_ENDED = object()  # _first_output: the stream ended without an output
 
 
 # SchedulerStats fields that add up over replicas (the rest are per step or per replica).

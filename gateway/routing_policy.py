@@ -5,7 +5,8 @@ Cache-aware (the default), in the manner of SGLang's cache-aware router:
 1. **Balance first.** A replica with no free slot is out of the running for
    this request while another has one, or (all full) while another's queue is
    shorter: a request that must wait joins the shortest queue, so a burst
-   leaves no replica idle while another works through a backlog. So is one
+   leaves no replica idle while another works through a backlog (and moves,
+   below, keep it so while the burst drains unevenly). So is one
    whose load exceeds the least loaded replica's by more than
    ``balance_abs`` requests *and* by more than ``balance_rel`` times: no
    replica idles while another has a queue, whatever the cache says. Below
@@ -31,9 +32,21 @@ usage breaks ties between equally loaded replicas.
 
 Round-robin ignores both and takes the next live replica in turn (the
 baseline of the benchmark).
+
+**Moving queued requests** (cache-aware only; ``rebalance``). A request is
+routed once, so a burst split over replicas can leave one replica's engine
+with requests queued after another replica has drained (its requests were
+shorter, or it is faster). When a replica has a free slot and another's load
+exceeds its slots, the router moves one request from the longest queue to the
+least loaded replica with a free slot; it asks again after each move. Only a
+move from a queue to a free slot is made: after it the source has no free
+slot and the target no queue, so a move never sets up its own reverse and
+requests cannot bounce between replicas.
+Which request moves, and keeping the client from seeing it, is the router's
+business (``gateway.replica_router``).
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("cache-aware", "round-robin")
@@ -78,3 +91,22 @@ def choose(config: RouterConfig, views: Sequence[ReplicaView], turn: int) -> int
     if best.matched_blocks >= config.min_match_blocks:
         return best.index
     return min(fair, key=lambda v: (v.load, v.families, v.kv_usage)).index
+
+
+def rebalance(config: RouterConfig, views: Sequence[ReplicaView], movable: Mapping[int, int]) -> tuple[int, int] | None:
+    """(source, target) replica ``index`` for one queued request to move now, or None.
+
+    ``views``: the live replicas; ``movable``: per replica ``index``, how many requests sent there have
+    produced no output yet (only those may move). A move needs a target with a free slot (load < slots)
+    and a source with a queue (load > slots) holding a movable request: the source with the longest
+    queue gives one to the least loaded target (KV use breaks ties). Round-robin never moves requests.
+    """
+    if config.policy != "cache-aware":
+        return None
+    targets = [v for v in views if v.load < v.slots]
+    sources = [v for v in views if v.load > v.slots and movable.get(v.index, 0) > 0]
+    if not targets or not sources:
+        return None
+    source = max(sources, key=lambda v: v.load - v.slots)
+    target = min(targets, key=lambda v: (v.load, v.kv_usage))
+    return source.index, target.index

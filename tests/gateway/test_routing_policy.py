@@ -10,7 +10,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from gateway.prefix_index import ReplicaBlocks, block_hashes
-from gateway.routing_policy import ReplicaView, RouterConfig, choose
+from gateway.routing_policy import ReplicaView, RouterConfig, choose, rebalance
 
 
 def test_block_hashes_are_the_engines():
@@ -71,6 +71,39 @@ def test_affinity_wins_until_the_load_gap_is_too_wide():
 def test_round_robin_takes_turns():
     config = RouterConfig(policy="round-robin")
     assert [choose(config, _views([0, 9, 0], [5, 0, 0]), t) for t in range(4)] == [0, 1, 2, 0]
+
+
+def test_rebalance_moves_only_from_a_queue_to_a_free_slot_until_neither_is_left():
+    """Random loads over 2-5 replicas, moves applied until the policy stops: every move went from a
+    replica over its slots to one under them, the longest queue first, and at the end no replica has a
+    free slot while another has a queue with something movable (checked by brute force)."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    config = RouterConfig()
+    for _ in range(300):
+        n = rng.randint(2, 5)
+        slots = [rng.randint(1, 6) for _ in range(n)]
+        loads = [rng.randint(0, 2 * s + 2) for s in slots]
+        movable = {i: rng.randint(0, max(0, loads[i] - slots[i] + 1)) for i in range(n)}
+        if rng.random() < 0.5:  # force the precondition in half the cases: one idle, one queued
+            idle, busy = rng.sample(range(n), 2)
+            loads[idle], loads[busy], movable[busy] = 0, slots[busy] + 2, 2
+        assert rebalance(RouterConfig(policy="round-robin"), _loaded(loads, slots), movable) is None
+        moves = 0
+        while (move := rebalance(config, _loaded(loads, slots), movable)) is not None:
+            source, target = move
+            assert loads[target] < slots[target] and loads[source] > slots[source] and movable[source] > 0, seed
+            assert loads[source] - slots[source] == max(loads[i] - slots[i] for i in range(n) if movable[i]), seed
+            loads[source], loads[target], movable[source] = loads[source] - 1, loads[target] + 1, movable[source] - 1
+            moves += 1
+            assert moves <= 100, seed
+        free = [i for i in range(n) if loads[i] < slots[i]]
+        queued = [i for i in range(n) if loads[i] > slots[i] and movable[i]]
+        assert not (free and queued), (seed, loads, slots, movable)
+
+
+def _loaded(loads, slots):
+    return [ReplicaView(i, load, s, 0.0, 0, 0) for i, (load, s) in enumerate(zip(loads, slots))]
 
 
 def test_bad_router_config_is_refused():

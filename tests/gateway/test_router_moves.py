@@ -1,0 +1,226 @@
+"""The router moves a queued request to a replica that freed a slot, invisibly to the client.
+
+Two fake replicas run their requests first come, first served, ``slots`` at once, and produce a token only
+when the test says so, so which requests are running, queued or started is known exactly at every point.
+"""
+
+import asyncio
+import random
+
+import pytest
+
+from engine.core.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.serving.protocol import Ready
+from gateway.metrics import GatewayMetrics
+from gateway.replica_router import ReplicaRouter
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _token(request_id: str, position: int) -> int:
+    """The token a request produces at a position, wherever it runs (the reference for every stream)."""
+    return hash((request_id, position)) % 50_000
+
+
+class FifoReplica:
+    """An ``EngineClient`` double: its first ``slots`` live requests run, the rest wait in arrival order."""
+
+    def __init__(self, slots: int) -> None:
+        self.config = EngineConfig(model="fake", max_num_seqs=slots)
+        self.slots = slots
+        self.info: Ready | None = Ready("fake", "Fake", 4096, 50_000, has_tokenizer=False)
+        self.dead: str | None = None
+        self.stats = None
+        self.arrivals: list[tuple[str, dict]] = []  # (request id, request policy) of every request sent here
+        self.aborted: list[str] = []
+        self._live: dict[str, asyncio.Queue] = {}  # arrival order
+        self._emitted: dict[str, int] = {}
+
+    def running(self) -> list[str]:
+        return list(self._live)[:self.slots]
+
+    def queued(self) -> list[str]:
+        return list(self._live)[self.slots:]
+
+    def emit(self, request_id: str, finished: bool) -> None:
+        """One token for a running request (the last one if ``finished``)."""
+        assert request_id in self.running(), request_id
+        n = self._emitted[request_id] = self._emitted.get(request_id, 0) + 1
+        out = RequestOutput(request_id, [_token(request_id, n - 1)], "x", finished, "length" if finished else None,
+                            3, 0, n)
+        self._live[request_id].put_nowait(out)
+        if finished:
+            del self._live[request_id]  # its slot is free at once, as after an engine step
+
+    async def generate(self, prompt, sampling, request_id=None, **request_policy):
+        assert request_id not in self._live
+        queue: asyncio.Queue = asyncio.Queue()
+        self._live[request_id] = queue
+        self.arrivals.append((request_id, request_policy))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._live.pop(request_id, None)
+                self.aborted.append(request_id)
+
+
+async def _until(condition, what: str, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.001)
+
+
+async def _consume(router: ReplicaRouter, request_id: str, policy: dict) -> list[RequestOutput]:
+    return [out async for out in router.generate([1, 2, 3], SamplingParams(max_tokens=64), request_id, **policy)]
+
+
+class _Burst:
+    """Four requests per slot over replicas a and b (each: ``slots`` running, ``slots`` queued)."""
+
+    def __init__(self, rng: random.Random, slots: int) -> None:
+        self.a, self.b = FifoReplica(slots), FifoReplica(slots)
+        self.router = ReplicaRouter([self.a, self.b], ["a", "b"])
+        self.policies = {f"r{i}": {"priority": rng.randint(0, 3), "tenant": f"t{rng.randint(0, 9)}",
+                                   "cache_salt": f"s{rng.random()}", "weight": rng.uniform(0.5, 2)}
+                         for i in range(4 * slots)}
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    async def start(self) -> None:
+        for rid, policy in self.policies.items():
+            self.tasks[rid] = asyncio.create_task(_consume(self.router, rid, policy))
+        n = len(self.policies) // 2
+        await _until(lambda: len(self.a.arrivals) == n and len(self.b.arrivals) == n, "the burst was not split")
+        for replica in (self.a, self.b):  # every running request starts: from now on none of them may move
+            for rid in replica.running():
+                replica.emit(rid, finished=False)
+        await _until(lambda: [len(u) for u in self.router._unstarted] == [self.a.slots] * 2,
+                     "the router did not see the first outputs")
+
+    async def finish(self, replica: FifoReplica, request_id: str) -> None:
+        replica.emit(request_id, finished=True)
+        await _until(lambda: self.tasks[request_id].done(), f"{request_id} did not end")
+
+    async def drain(self, rng: random.Random) -> None:
+        """Tokens to every running request, some finishing, until every client has its whole stream."""
+        while not all(t.done() for t in self.tasks.values()):
+            for replica in (self.a, self.b):
+                for rid in replica.running():
+                    replica.emit(rid, finished=rng.random() < 0.3)
+            await asyncio.sleep(0.002)
+
+    def check_streams(self) -> None:
+        """Each client saw its request's tokens exactly once, in order, ending with one finished output."""
+        for rid, task in self.tasks.items():
+            outs = task.result()  # raises if the client saw an error
+            assert [o.num_output_tokens for o in outs] == list(range(1, len(outs) + 1)), (rid, outs)
+            assert [o.token_ids[0] for o in outs] == [_token(rid, j) for j in range(len(outs))], rid
+            assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], rid
+        assert self.router.in_flight == [0, 0] and not any(self.router._unstarted)
+        for replica in (self.a, self.b):  # only requests that had produced nothing there left it
+            assert all(replica._emitted.get(rid, 0) == 0 for rid in replica.aborted), replica.aborted
+
+
+def test_queued_requests_move_to_the_replica_that_freed_a_slot_and_started_ones_never_do():
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    slots = rng.randint(2, 4)
+    freed = rng.randint(1, slots)  # slots replica a frees once its own queue is done
+
+    async def scenario():
+        burst = _Burst(rng, slots)
+        a, b, router = burst.a, burst.b, burst.router
+        await burst.start()
+        started_on_b = b.running()
+        queued_on_b = b.queued()
+        assert len(started_on_b) == len(queued_on_b) == slots
+        # a finishes its first wave: its queue takes the freed slots, so it has none free and nothing moves.
+        for rid in a.running():
+            await burst.finish(a, rid)
+        assert len(a.running()) == slots and not a.queued() and router.moved_from == [0, 0], seed
+        for rid in a.running():
+            a.emit(rid, finished=False)
+        # a's second wave: each request that ends frees a slot, and one of b's queued requests moves there,
+        # the most recently routed first.
+        for rid in a.running()[:freed]:
+            await burst.finish(a, rid)
+        expected = queued_on_b[::-1][:freed]
+        await _until(lambda: [r for r, _ in a.arrivals[2 * slots:]] == expected, f"moved: {a.arrivals}, seed {seed}")
+        assert router.moved_from == [0, freed] and b.aborted == expected, seed
+        assert list(b._live) == started_on_b + queued_on_b[:slots - freed], seed
+        # A moved request keeps its request policy (priority, tenant, cache salt, weight).
+        assert all(policy == burst.policies[rid] for rid, policy in a.arrivals), seed
+        assert router.in_flight == [slots, 2 * slots - freed], seed
+        metrics = GatewayMetrics(router).render().body.decode()
+        assert f'moegate_router_moved_requests_total{{replica="b"}} {float(freed)}' in metrics
+
+        await burst.drain(rng)
+        burst.check_streams()
+        assert set(b.aborted) <= set(queued_on_b)  # more may move while the rest drains; none that started
+        assert router.routed == [2 * slots + len(b.aborted), 2 * slots], seed
+
+    asyncio.run(scenario())
+
+
+def test_no_move_to_a_replica_that_is_not_ready_until_it_is():
+    """While a is not ready nothing moves to it; once it is, the next request to end anywhere moves b's
+    queue to it, down to b's slots (a move never leaves the source with a free slot)."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    slots = rng.randint(2, 4)
+
+    async def scenario():
+        burst = _Burst(rng, slots)
+        a, b, router = burst.a, burst.b, burst.router
+        await burst.start()
+        queued_on_b = b.queued()
+        a.info = None  # restarting: not ready
+        while a.running():  # both of a's waves end
+            await burst.finish(a, a.running()[0])
+        assert router.moved_from == [0, 0] and router.in_flight == [0, 2 * slots] and b.queued() == queued_on_b
+        a.info = Ready("fake", "Fake", 4096, 50_000, has_tokenizer=False)
+        # One of b's running requests ends: b still has 2 * slots - 1 requests, so its slots - 1 newest move to a.
+        await burst.finish(b, b.running()[0])
+        await _until(lambda: router.moved_from == [0, slots - 1], f"{router.moved_from}, seed {seed}")
+        assert [r for r, _ in a.arrivals[2 * slots:]] == queued_on_b[::-1][:slots - 1], seed
+        assert router.in_flight == [slots - 1, slots], seed
+        await burst.drain(rng)
+        burst.check_streams()
+
+    asyncio.run(scenario())
+
+
+def test_an_output_that_arrives_as_the_request_moves_is_never_seen():
+    """An output reaches b's stream of a queued request in the same moment the router moves that request:
+    the move wins, the client sees that request's stream once, from a, and nothing of b's."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    slots = rng.randint(2, 4)
+
+    async def scenario():
+        burst = _Burst(rng, slots)
+        a, b, router = burst.a, burst.b, burst.router
+        await burst.start()
+        a.info = None  # a drains while not ready, so nothing moves yet
+        while a.running():
+            await burst.finish(a, a.running()[0])
+        a.info = Ready("fake", "Fake", 4096, 50_000, has_tokenizer=False)
+        newest = b.queued()[-1]
+        stale = RequestOutput(newest, [-1], "stale", False, None, 3, 0, 1)
+        b._live[newest].put_nowait(stale)  # as if b had just scheduled it
+        router._rebalance()  # in the same step of the loop: the output is queued, not yet consumed
+        assert router.moved_from == [0, slots], seed
+        await _until(lambda: newest in [r for r, _ in a.arrivals], f"{newest} did not move, seed {seed}")
+        assert newest in b.aborted, seed
+        await burst.drain(rng)
+        burst.check_streams()
+        assert all(o.text != "stale" for o in burst.tasks[newest].result()), seed
+
+    asyncio.run(scenario())
