@@ -24,13 +24,17 @@ def _token(request_id: str, position: int) -> int:
     return hash((request_id, position)) % 50_000
 
 
+def _ready() -> Ready:
+    return Ready("fake", "Fake", 4096, 50_000, has_tokenizer=False)
+
+
 class FifoReplica:
     """An ``EngineClient`` double: its first ``slots`` live requests run, the rest wait in arrival order."""
 
     def __init__(self, slots: int) -> None:
         self.config = EngineConfig(model="fake", max_num_seqs=slots)
         self.slots = slots
-        self.info: Ready | None = Ready("fake", "Fake", 4096, 50_000, has_tokenizer=False)
+        self.info: Ready | None = _ready()
         self.dead: str | None = None
         self.stats = None
         self.arrivals: list[tuple[str, dict]] = []  # (request id, request policy) of every request sent here
@@ -108,6 +112,14 @@ class _Burst:
         replica.emit(request_id, finished=True)
         await _until(lambda: self.tasks[request_id].done(), f"{request_id} did not end")
 
+    async def drain_a_while_not_ready(self) -> None:
+        """Every request on a ends while a restarts (not ready), so nothing moves to it; then it is ready."""
+        self.a.info = None
+        while self.a.running():  # both of a's waves
+            await self.finish(self.a, self.a.running()[0])
+        assert self.router.moved_from == [0, 0] and self.router.in_flight == [0, 2 * self.a.slots]
+        self.a.info = _ready()
+
     async def drain(self, rng: random.Random) -> None:
         """Tokens to every running request, some finishing, until every client has its whole stream."""
         while not all(t.done() for t in self.tasks.values()):
@@ -181,11 +193,8 @@ def test_no_move_to_a_replica_that_is_not_ready_until_it_is():
         a, b, router = burst.a, burst.b, burst.router
         await burst.start()
         queued_on_b = b.queued()
-        a.info = None  # restarting: not ready
-        while a.running():  # both of a's waves end
-            await burst.finish(a, a.running()[0])
-        assert router.moved_from == [0, 0] and router.in_flight == [0, 2 * slots] and b.queued() == queued_on_b
-        a.info = Ready("fake", "Fake", 4096, 50_000, has_tokenizer=False)
+        await burst.drain_a_while_not_ready()
+        assert b.queued() == queued_on_b, seed
         # One of b's running requests ends: b still has 2 * slots - 1 requests, so its slots - 1 newest move to a.
         await burst.finish(b, b.running()[0])
         await _until(lambda: router.moved_from == [0, slots - 1], f"{router.moved_from}, seed {seed}")
@@ -208,10 +217,7 @@ def test_an_output_that_arrives_as_the_request_moves_is_never_seen():
         burst = _Burst(rng, slots)
         a, b, router = burst.a, burst.b, burst.router
         await burst.start()
-        a.info = None  # a drains while not ready, so nothing moves yet
-        while a.running():
-            await burst.finish(a, a.running()[0])
-        a.info = Ready("fake", "Fake", 4096, 50_000, has_tokenizer=False)
+        await burst.drain_a_while_not_ready()
         newest = b.queued()[-1]
         stale = RequestOutput(newest, [-1], "stale", False, None, 3, 0, 1)
         b._live[newest].put_nowait(stale)  # as if b had just scheduled it
