@@ -70,20 +70,44 @@ def looping_prompts(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [p + o.token_ids for p, o in zip(prompts, outs)]
 
 
-def stop_inside_runs(chunks: list[list[list[int]]]) -> list[int | None]:
-    """Per request, a token first emitted inside a speculative run with more tokens after it (None if none):
-    stopping on it must drop the rest of that run."""
+def stop_inside_runs(chunks: list[list[list[int]]], usable=lambda token: True) -> list[int | None]:
+    """Per request, a ``usable`` token first emitted inside a speculative run with more tokens after it (None if
+    none): stopping on it must drop the rest of that run."""
     found = []
     for steps in chunks:
         seen: set[int] = set()
         pick = None
         for chunk in steps:
             for j, token in enumerate(chunk):
-                if pick is None and j < len(chunk) - 1 and token not in seen:
+                if pick is None and j < len(chunk) - 1 and token not in seen and usable(token):
                     pick = token
                 seen.add(token)
         found.append(pick)
     return found
+
+
+def prompts_opening_runs(spec: LLM, prompts: list[list[int]], max_tokens: int, usable=lambda token: True):
+    """Prompts whose decoding on ``spec`` (speculating, greedy, ``max_tokens``) starts with an accepted run that
+    holds a token new to the output, and the requests' step-by-step tokens on them.
+
+    A run mostly repeats tokens the output already emitted (the loop it follows), so a token first emitted inside
+    one is rare on a given prompt. Each prompt is extended with its greedy output up to the token before its first
+    run holding a ``usable`` token other than that one: the new prompt's first step emits that token, and its
+    second proposes the same drafts from the same context, which the model accepts as before (prompts without such
+    a run are kept). The step-by-step tokens come from decoding the new prompts, not from this reasoning."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    first: list = []
+    drive(spec, prompts, [greedy] * len(prompts), first)
+    opened = []
+    for prompt, steps in zip(prompts, first):
+        out = [t for c in steps for t in c]
+        starts = [sum(map(len, steps[:i])) for i in range(len(steps))]  # output index of each step's first token
+        cut = next((q for q, c in zip(starts, steps)
+                    if q and any(t != out[q - 1] and usable(t) for t in c[:-1])), None)
+        opened.append(prompt + out[:cut - 1] if cut else prompt)
+    chunks: list = []
+    drive(spec, opened, [greedy] * len(opened), chunks)
+    return opened, chunks
 
 
 @pytest.mark.parametrize("mode", ["default", "preemption"])
@@ -95,7 +119,7 @@ def test_greedy_matches_transformers(reference, mode):
     got, outs, ended_in_run = drive(llm, prompts, params, chunks)
     for prompt, tokens, out, ref in zip(prompts, got, outs, expected):
         assert tokens == ref, f"seed={SEED} prompt_len={len(prompt)}"
-        assert out.finish_reason == "length" and out.num_output_tokens == len(ref)
+        assert out.finish_reason == "length" and out.num_output_tokens == len(ref), f"seed={SEED}"
     # Again with max_tokens cut after the second token of each request's first run of 3 or more tokens, so the
     # limit falls inside an accepted run wherever the random limits above missed every run.
     cuts = [next((sum(map(len, steps[:i])) + 2 for i, c in enumerate(steps) if len(c) >= 3), len(ref))
@@ -104,14 +128,14 @@ def test_greedy_matches_transformers(reference, mode):
     got, outs, ended_again = drive(llm, prompts, params)
     for prompt, tokens, out, ref, m in zip(prompts, got, outs, expected, cuts):
         assert tokens == ref[:m], f"seed={SEED} prompt_len={len(prompt)}"
-        assert out.finish_reason == "length" and out.num_output_tokens == m
+        assert out.finish_reason == "length" and out.num_output_tokens == m, f"seed={SEED}"
     ended_in_run += ended_again
     scheduler = llm.engine.scheduler
     stats = llm.engine.stats()
     assert stats.spec_accepted_tokens > 0 and stats.spec_steps > 0, f"seed={SEED}: nothing was accepted"
     assert ended_in_run > 0, f"seed={SEED}: no max_tokens fell inside an accepted run"
     if mode == "preemption":
-        assert scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
+        assert scheduler.num_preemptions > 0, f"seed={SEED}: the small KV pool should have forced preemption"
     scheduler.kv.pool.check_all_free()
 
 
@@ -119,14 +143,14 @@ def test_stop_token_ids_and_seeded_sampling_match_plain_decoding(reference):
     path, prompts, max_tokens, expected = reference
     plain = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=64)
     spec = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=64, **SPEC)
-    # A stop token first emitted inside an accepted run, where the run must be cut (more prompts: more runs).
-    prompts = prompts + looping_prompts(plain, make_prompts(random.Random(SEED + 1), 8))
-    chunks: list = []
-    drive(spec, prompts, [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)] * len(prompts), chunks)
+    # A stop token first emitted inside an accepted run, where the run must be cut (prompts opened so each starts
+    # with such a run wherever its first pass had one).
+    more = looping_prompts(plain, make_prompts(random.Random(SEED + 1), 8))
+    prompts, chunks = prompts_opening_runs(spec, prompts + more, 60)
     picks = stop_inside_runs(chunks)
     assert any(t is not None for t in picks), f"seed={SEED}: no run to cut"
-    stops = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, stop_token_ids=[t] if t else None)
-             for t in picks]
+    stops = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True,
+                            stop_token_ids=[t] if t is not None else None) for t in picks]  # token 0 too
     # Seeded sampling draws by (seed, position): the same tokens with or without speculation.
     seeded = [SamplingParams(temperature=0.3, seed=SEED + i, max_tokens=40, ignore_eos=True) for i in range(len(prompts))]
     for params in (stops, seeded):
@@ -134,9 +158,10 @@ def test_stop_token_ids_and_seeded_sampling_match_plain_decoding(reference):
         got, got_outs, _ = drive(spec, prompts, params)
         assert got == want, f"seed={SEED}"
         assert [(o.finish_reason, o.stop_reason, o.num_output_tokens) for o in got_outs] == \
-            [(o.finish_reason, o.stop_reason, o.num_output_tokens) for o in want_outs]
-    assert [o.finish_reason == "stop" for o in drive(plain, prompts, stops)[1]] == [t is not None for t in picks]
-    assert spec.engine.stats().spec_accepted_tokens > 0
+            [(o.finish_reason, o.stop_reason, o.num_output_tokens) for o in want_outs], f"seed={SEED}"
+    assert [o.finish_reason == "stop" for o in drive(plain, prompts, stops)[1]] == [t is not None for t in picks], \
+        f"seed={SEED}"
+    assert spec.engine.stats().spec_accepted_tokens > 0, f"seed={SEED}"
     spec.engine.scheduler.kv.pool.check_all_free()
 
 
@@ -181,19 +206,23 @@ def test_stop_strings_cut_where_plain_decoding_does(text_model):
     spec = LLM(model=path, tokenizer=demo, dtype="float32", device="cpu", num_kv_blocks=64, **SPEC)
     vocab = plain.engine.model_config.vocab_size
     rng = random.Random(SEED)
-    prompts = looping_prompts(plain, [[t % vocab for t in p] for p in make_prompts(rng, 12)])
-    chunks: list = []
-    drive(spec, prompts, [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(prompts), chunks)
+    # The stop is a token's text, so it must be text the output shows: whole characters, not a special token.
+    text = lambda token: plain.tokenizer.decode([token], skip_special_tokens=True)  # noqa: E731
+    usable = lambda token: bool(text(token)) and "\ufffd" not in text(token)  # noqa: E731
+    prompts, chunks = prompts_opening_runs(
+        spec, looping_prompts(plain, [[t % vocab for t in p] for p in make_prompts(rng, 12)]), 40, usable)
     # The text of a token first emitted inside a run (plain decoding may find the string earlier: then both stop there).
-    stops = [plain.tokenizer.decode([t]) if t is not None else None for t in stop_inside_runs(chunks)]
-    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=stop if stop else None)
-              for stop in stops]
+    stops = [text(t) if t is not None else None for t in stop_inside_runs(chunks, usable)]
+    assert any(stops), f"seed={SEED}: no run to cut"
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=stop) for stop in stops]
     want, want_outs, _ = drive(plain, prompts, params)
-    got, got_outs, ended_in_run = drive(spec, prompts, params)
+    got, got_outs, _ = drive(spec, prompts, params)
     for w, g, wt, gt in zip(want_outs, got_outs, want, got):
         assert (gt, g.finish_reason, g.stop_reason, g.num_output_tokens) == \
             (wt, w.finish_reason, w.stop_reason, w.num_output_tokens), f"seed={SEED}"
-    assert any(o.finish_reason == "stop" for o in got_outs) and spec.engine.stats().spec_accepted_tokens > 0
+    # Every stop string is printed within max_tokens (its token is), so every request given one stops.
+    assert [o.finish_reason == "stop" for o in got_outs] == [s is not None for s in stops], f"seed={SEED}"
+    assert spec.engine.stats().spec_accepted_tokens > 0, f"seed={SEED}"
     spec.engine.scheduler.kv.pool.check_all_free()
 
 
