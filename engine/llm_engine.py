@@ -12,7 +12,7 @@ from engine.distributed.collectives import SINGLE
 from engine.distributed.ranks import DataParallelPeers, EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 from engine.worker.cpu_allocator import keep_freed_memory
 from engine.worker.model_setup import build_rank
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, needs_host_between_steps
@@ -222,6 +222,19 @@ class LLMEngine:
             outputs = [self._abort_one(r.request_id) for r in copies]
             return next((o for o in outputs if o is not None), None)
         return self._abort_one(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Drop a request that has not started: still waiting, no token computed or generated (a preempted
+        request has generated tokens and stays). True if dropped; False, with nothing changed, if it had
+        started, is unknown, or has ``n`` > 1 copies (they start at different times)."""
+        if request_id in self.choice_groups:
+            return False
+        request = self.scheduler.requests.get(request_id)
+        if (request is None or request.status != RequestStatus.WAITING or request.num_computed_tokens
+                or request.output_token_ids):
+            return False
+        self._abort_one(request_id)
+        return True
 
     def _abort_one(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)

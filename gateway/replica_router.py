@@ -18,12 +18,17 @@ Moves: each request is routed once, but a replica that frees a slot (a request
 there ended) while another live replica's load exceeds its slots takes a
 request from that queue (``gateway.routing_policy.rebalance``): the most
 recently routed request there that has produced no output, which under the
-engines' first-come order is the last to start. It is aborted there (its
-stream closed) and sent to the replica with the free slot, with the same
-request id, sampling and request policy (priority, tenant, cache salt ...).
-Until its first output arrives, ``generate`` waits on that output and on a
-move at once, so the client never sees a move; a request that has produced
-any output never moves. ``moved_from`` counts the moves off each replica.
+engines' first-come order is the last to start. The router asks that engine
+to release it (``EngineClient.release``): the engine drops it only if it has
+not started (still waiting, nothing computed or generated), since a request
+without output may be running (a ``stream=False`` one shows nothing until it
+ends; a newer request of a better rank starts before older ones). Released,
+it is sent to the replica with the free slot with the same request id,
+sampling and request policy (priority, tenant, cache salt ...); refused, it
+stays and is not asked again. Until its first output arrives, ``generate``
+waits on that output and on a move at once, so the client never sees a move;
+a request that has produced any output never moves. ``moved_from`` counts
+the moves off each replica.
 """
 
 import asyncio
@@ -68,6 +73,10 @@ class ReplicaRouter:
         # Per replica, requests moved off it while its latest stats were current: those stats still count
         # them, and a second move on such stale figures could take a request that was running.
         self._moved_off: list[tuple[SchedulerStats | None, int]] = [(None, 0)] * len(self.replicas)
+        # Per replica, moves off it (``_leaving``) and onto it (``_arriving``) whose release is not yet answered.
+        self._leaving = [0] * len(self.replicas)
+        self._arriving = [0] * len(self.replicas)
+        self._moves: set[asyncio.Task] = set()
 
     # -- EngineClient state: one engine as long as one replica serves --
 
@@ -166,6 +175,7 @@ class ReplicaRouter:
                 load = max(load, reported - (moved if moved_stats is stats else 0))
                 kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
                 index.capacity = stats.kv_blocks_total
+            load += self._arriving[i] - self._leaving[i]
             views.append(ReplicaView(i, load, self.replicas[i].config.max_num_seqs, kv, index.matched(hashes), index.roots))
         return views
 
@@ -180,7 +190,7 @@ class ReplicaRouter:
         faults and moves."""
         request_id = request_id or f"req-{next(self._ids)}"
         hashes = block_hashes(prompt, self.block_size, request_policy.get("cache_salt"))
-        placement = _Placement(hashes)
+        placement = _Placement(request_id, hashes)
         tried: set[int] = set()  # replicas that failed this request before it started
         self._assign(placement, self.pick(hashes))
         try:
@@ -213,6 +223,10 @@ class ReplicaRouter:
         finally:
             self._release(placement)
             self._rebalance()  # a slot may have freed here
+
+    async def release(self, request_id: str) -> bool:
+        """Always False: the router moves the requests sent through it itself (see the module's docstring)."""
+        return False
 
     async def _first_output(self, stream: AsyncIterator[RequestOutput], placement: "_Placement"):
         """The stream's first output, ``_ENDED`` if it ended without one, or ``_MOVED`` if the router moved
@@ -250,35 +264,62 @@ class ReplicaRouter:
             placement.replica = None
 
     def _rebalance(self) -> None:
-        """Move queued requests to replicas with a free slot while the policy finds a move."""
+        """Start moves while the policy finds one. Each asks the source engine to release the newest request
+        there that has produced no output (``EngineClient.release``): a request that had in fact started
+        (a quiet one shows no output until it ends; a newer one of a better rank runs first) stays. While
+        the engine answers, the loads count it as moved, so a free slot is offered once."""
         for _ in range(sum(map(len, self._unstarted))):  # each move takes one unstarted request: a bound
             live = self.live()
-            movable = {i: len(self._unstarted[i]) for i in live}
+            movable = {i: sum(not p.releasing for p in self._unstarted[i]) for i in live}
             move = rebalance(self.policy, self._views(live, ()), movable)
             if move is None:
                 return
             source, target = move
-            placement = next(reversed(self._unstarted[source]))  # the most recently routed
-            stats = self.replicas[source].stats
-            moved_stats, moved = self._moved_off[source]
-            self._moved_off[source] = (stats, moved + 1 if moved_stats is stats else 1)
-            self.moved_from[source] += 1
-            self._release(placement)
-            self._assign(placement, target)
-            placement.moved.set()
-            logger.debug("moved a queued request from replica %s to replica %s, which had a free slot",
-                         self.names[source], self.names[target])
+            placement = next(p for p in reversed(self._unstarted[source]) if not p.releasing)  # the newest
+            placement.releasing = True
+            self._leaving[source] += 1
+            self._arriving[target] += 1
+            task = asyncio.get_running_loop().create_task(self._move(placement, source, target))
+            self._moves.add(task)  # referenced until done, or the loop could drop it
+            task.add_done_callback(self._moves.discard)
+
+    async def _move(self, placement: "_Placement", source: int, target: int) -> None:
+        try:
+            released = await self.replicas[source].release(placement.request_id)
+        except Exception:  # the engine's own stream reports a failure; this move just does not happen
+            logger.debug("release of %s failed", placement.request_id, exc_info=True)
+            released = False
+        finally:
+            self._leaving[source] -= 1
+            self._arriving[target] -= 1
+            placement.releasing = False
+        if placement.replica == source:
+            if released:
+                stats = self.replicas[source].stats
+                moved_stats, moved = self._moved_off[source]
+                self._moved_off[source] = (stats, moved + 1 if moved_stats is stats else 1)
+                self.moved_from[source] += 1
+                self._release(placement)
+                self._assign(placement, target if target in self.live() else self.pick(placement.hashes))
+                placement.moved.set()
+                logger.debug("moved queued request %s from replica %s to replica %s",
+                             placement.request_id, self.names[source], self.names[placement.replica])
+            else:  # it has started there: never a candidate again
+                self._unstarted[source].pop(placement, None)
+        self._rebalance()
 
 
 class _Placement:
     """Where one request counts now (``replica``; None once it left), and the signal that it was moved."""
 
-    __slots__ = ("hashes", "replica", "moved")
+    __slots__ = ("request_id", "hashes", "replica", "moved", "releasing")
 
-    def __init__(self, hashes: Sequence[bytes]) -> None:
+    def __init__(self, request_id: str, hashes: Sequence[bytes]) -> None:
+        self.request_id = request_id
         self.hashes = hashes
         self.replica: int | None = None
         self.moved = asyncio.Event()
+        self.releasing = False  # a release is asked of its replica and not yet answered
 
 
 _MOVED = object()  # _first_output: the request was moved before its first output

@@ -19,7 +19,7 @@ from engine.core.stats import SchedulerStats
 from engine.serving.engine_process import run_engine_process
 from engine.text.prompts import ChatInput, InputProcessor, Turn, chat_size
 from engine.serving.protocol import (
-    AbortRequest, AddRequest, Fatal, Ready, RequestRejected, Shutdown, StepOutputs,
+    AbortRequest, AddRequest, Fatal, Ready, ReleaseRequest, Released, RequestRejected, Shutdown, StepOutputs,
     encoder, from_engine_decoder,
 )
 from engine.text.tokenizer import load_tokenizer
@@ -91,6 +91,7 @@ class AsyncEngine:
         self.stats: SchedulerStats | None = None  # the engine's latest step statistics
         self.messages_received = 0  # from the engine process (each woke this process twice)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._releases: dict[str, asyncio.Future] = {}  # request id -> the answer to its ReleaseRequest
         self._ids = itertools.count()
         self._process = None
         self._requests = None  # our end of the pipe to the engine process
@@ -200,6 +201,10 @@ class AsyncEngine:
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:
                     queue.put_nowait(delta)
+        elif isinstance(msg, Released):
+            answer = self._releases.pop(msg.request_id, None)
+            if answer is not None and not answer.done():
+                answer.set_result(msg.released)
         elif isinstance(msg, RequestRejected):
             queue = self._queues.get(msg.request_id)
             if queue is not None:
@@ -219,6 +224,14 @@ class AsyncEngine:
         self.dead = str(error)
         for queue in self._queues.values():
             queue.put_nowait(error)
+        self._answer_releases()
+
+    def _answer_releases(self) -> None:
+        """An engine that is gone releases nothing: its requests fail (and fail over) through their streams."""
+        releases, self._releases = self._releases, {}
+        for answer in releases.values():
+            if not answer.done():
+                answer.set_result(False)
 
     def _send(self, msg) -> None:
         with self._send_lock:
@@ -279,11 +292,29 @@ class AsyncEngine:
             if not finished and not self.dead:
                 self._send(AbortRequest(request_id))
 
+    async def release(self, request_id: str) -> bool:
+        """Ask the engine to drop a request that has not started (``LLMEngine.release``); True if it did.
+
+        After True the request's stream gets nothing more: close it (the abort it sends is ignored). After
+        False the request goes on as before."""
+        if self.dead or request_id not in self._queues:
+            return False
+        answer = self._releases.get(request_id)
+        if answer is None:
+            answer = self._releases[request_id] = self._loop.create_future()
+            try:
+                self._send(ReleaseRequest(request_id))
+            except EngineError:
+                self._releases.pop(request_id, None)
+                return False
+        return await answer
+
     async def shutdown(self) -> None:
         requests, replies = self._requests, self._replies
         if requests is None:
             return
         self._requests = self._replies = None  # the reader's EOF is now an orderly stop, not a death
+        self._answer_releases()
         try:
             with self._send_lock:
                 requests.send_bytes(encoder.encode(Shutdown()))

@@ -45,3 +45,8 @@ class EngineClient(Protocol):
                  **request_policy) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs until it finishes; closing the stream aborts the request."""
         ...
+
+    async def release(self, request_id: str) -> bool:
+        """Drop the request if it has not started (waiting, nothing computed or generated); True if dropped,
+        after which its stream gets nothing more. A router moves such requests to a replica with room."""
+        ...

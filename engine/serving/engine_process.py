@@ -5,7 +5,8 @@ from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
 from engine.serving.protocol import (
-    AbortRequest, AddRequest, Fatal, Ready, RequestRejected, Shutdown, StepOutputs, encoder, to_engine_decoder,
+    AbortRequest, AddRequest, Fatal, Ready, ReleaseRequest, Released, RequestRejected, Shutdown, StepOutputs, encoder,
+    to_engine_decoder,
 )
 from engine.serving.serving_threads import serving_threads
 from engine.serving.step_reports import StepReports
@@ -46,6 +47,12 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
             if isinstance(msg, AbortRequest):
                 reports.forget(msg.request_id)
                 idle_change |= engine.abort(msg.request_id) is not None
+            elif isinstance(msg, ReleaseRequest):
+                released = engine.release(msg.request_id)
+                if released:
+                    reports.forget(msg.request_id)
+                    idle_change = True
+                replies.send_bytes(encoder.encode(Released(msg.request_id, released)))
             elif isinstance(msg, AddRequest):
                 try:
                     engine.add_request(

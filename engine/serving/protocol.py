@@ -34,6 +34,14 @@ class AbortRequest(msgspec.Struct, tag=True):
     request_id: str
 
 
+class ReleaseRequest(msgspec.Struct, tag=True):
+    """Give the request back if it has not started (see ``LLMEngine.release``); answered by ``Released``.
+
+    A router sends it to move a queued request to a replica with a free slot."""
+
+    request_id: str
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -50,6 +58,14 @@ class RequestRejected(msgspec.Struct, tag=True):
     message: str
 
 
+class Released(msgspec.Struct, tag=True):
+    """The answer to ``ReleaseRequest``: True if the engine dropped the request (it sends nothing more for
+    it), False if it had started or is unknown (it goes on as before)."""
+
+    request_id: str
+    released: bool
+
+
 class Ready(msgspec.Struct, tag=True):
     model: str
     architecture: str
@@ -64,8 +80,8 @@ class Fatal(msgspec.Struct, tag=True):
     message: str
 
 
-ToEngine = AddRequest | AbortRequest | Shutdown
-FromEngine = StepOutputs | RequestRejected | Ready | Fatal
+ToEngine = AddRequest | AbortRequest | ReleaseRequest | Shutdown
+FromEngine = StepOutputs | RequestRejected | Released | Ready | Fatal
 
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

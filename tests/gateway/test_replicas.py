@@ -146,7 +146,7 @@ def test_balance_no_replica_idles_while_the_other_has_a_queue(server):
             # An engine reports after each step, so a replica busy with its first step of the burst still
             # shows its idle state from before: samples count once both have reported work. And two in a
             # row (50 ms apart, several steps): a report that is a step old is not idleness.
-            start = next(i for i, (_, running) in enumerate(samples) if min(running.values(), default=0) > 0)
+            start = next(i for i, (_, running) in enumerate(samples) if min(running.get(r, 0) for r in ("0", "1")) > 0)
             samples = samples[start:]
             idle = [(x, y) for x, y in zip(samples, samples[1:])
                     if any(idle_while_queued(x, a, b) and idle_while_queued(y, a, b) for a, b in (("0", "1"), ("1", "0")))]
