@@ -56,8 +56,9 @@ def test_only_a_request_that_has_not_started_is_released(model_dir):
     assert {rid for rid, _ in tokens} == {running, kept, several}  # nothing of the released one
     assert [len(tokens[running, 0]), len(tokens[kept, 0]), len(tokens[several, 0]), len(tokens[several, 1])] == [12, 6, 4, 4]
     engine.scheduler.kv.pool.check_all_free()
-    # The others' tokens are those of a run without the released request (independent engine, same model).
-    alone = LLM(model=model_dir, dtype="float32", device="cpu").generate(
+    # The others' tokens are those of a run without the released request (a second engine, same model and
+    # settings: one request at a time, so the same batch shapes and the same floating-point sums).
+    alone = LLM(model=model_dir, dtype="float32", device="cpu", max_num_seqs=1, num_kv_blocks=64, block_size=4).generate(
         [prompts[0], prompts[2]], [_greedy(12), _greedy(6)])
     assert [tokens[running, 0], tokens[kept, 0]] == [o.token_ids for o in alone]
 
@@ -71,7 +72,7 @@ def test_release_through_the_engine_process(model_dir):
                                           block_size=4, cpu_threads=1))
         await engine.start()
         try:
-            first = engine.generate(prompt, _greedy(40), "first")
+            first = engine.generate(prompt, _greedy(600), "first")  # runs throughout (one slot)
             await anext(first)  # running, with output
             second = engine.generate(prompt, _greedy(5), "second", stream=False)  # quiet: no output until it ends
             second_out = asyncio.ensure_future(anext(second, None))
@@ -83,11 +84,13 @@ def test_release_through_the_engine_process(model_dir):
             with contextlib.suppress(asyncio.CancelledError):
                 await second_out
             await second.aclose()
-            # The id is free again in that engine: sent anew, the request runs to its end.
+            # The refused request goes on; closed, it frees the slot.
+            more = [await anext(first) for _ in range(3)]
+            assert [o.num_output_tokens for o in more] == [more[0].num_output_tokens + i for i in range(3)]
+            await first.aclose()
+            # The released id is free again in that engine: sent anew, the request runs to its end.
             again = [o async for o in engine.generate(prompt, _greedy(5), "second")]
             assert again[-1].finished and again[-1].num_output_tokens == 5
-            rest = [o async for o in first]
-            assert rest[-1].finished and rest[-1].num_output_tokens == 40
         finally:
             await engine.shutdown()
         assert await engine.release("first") is False  # a stopped engine releases nothing
