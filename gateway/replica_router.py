@@ -14,9 +14,11 @@ event). A failed *step* (``EngineError.retryable`` False) is not retried
 elsewhere: the request may be its cause. Each replica is restarted on its own
 by the gateway's supervisor, and rejoins with an empty index when it is ready.
 
-Moves: each request is routed once, but a replica that frees a slot (a request
-there ended) while another live replica's load exceeds its slots takes a
-request from that queue (``gateway.routing_policy.rebalance``): the most
+Moves: each request is routed once, but a replica with a free slot (a request
+there ended, or it joined idle: the router looks whenever a request ends and
+every ``RouterConfig.rebalance_interval_s`` while requests wait unstarted)
+while another live replica's load exceeds its slots takes a request from that
+queue (``gateway.routing_policy.rebalance``): the most
 recently routed request there that has produced no output, which under the
 engines' first-come order is the last to start. The router asks that engine
 to release it (``EngineClient.release``): the engine drops it only if it has
@@ -77,6 +79,7 @@ class ReplicaRouter:
         self._leaving = [0] * len(self.replicas)
         self._arriving = [0] * len(self.replicas)
         self._moves: set[asyncio.Task] = set()
+        self._watch: asyncio.Task | None = None  # looks for moves every rebalance_interval_s while requests wait
 
     # -- EngineClient state: one engine as long as one replica serves --
 
@@ -125,6 +128,8 @@ class ReplicaRouter:
         return self.info
 
     async def shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await asyncio.gather(*(r.shutdown() for r in self.replicas), return_exceptions=True)
 
     async def prepare(self, prompt: str | list[int] | None = None, messages: Sequence | None = None,
@@ -193,6 +198,7 @@ class ReplicaRouter:
         placement = _Placement(request_id, hashes)
         tried: set[int] = set()  # replicas that failed this request before it started
         self._assign(placement, self.pick(hashes))
+        self._watch_queues()
         try:
             while True:
                 i = placement.replica
@@ -282,6 +288,18 @@ class ReplicaRouter:
             task = asyncio.get_running_loop().create_task(self._move(placement, source, target))
             self._moves.add(task)  # referenced until done, or the loop could drop it
             task.add_done_callback(self._moves.discard)
+
+    def _watch_queues(self) -> None:
+        """Look for moves every ``rebalance_interval_s`` while any request waits unstarted, not only when a
+        request ends: a replica that joins or rejoins idle, or reports less load, gets work at once."""
+        interval = self.policy.rebalance_interval_s
+        if interval and self.policy.policy == "cache-aware" and (self._watch is None or self._watch.done()):
+            self._watch = asyncio.get_running_loop().create_task(self._watch_loop(interval))
+
+    async def _watch_loop(self, interval: float) -> None:
+        while any(self._unstarted):
+            await asyncio.sleep(interval)
+            self._rebalance()
 
     async def _move(self, placement: "_Placement", source: int, target: int) -> None:
         try:

@@ -58,12 +58,17 @@ class RouterConfig:
     balance_abs: int = 8  # requests: a load gap up to this never overrides affinity (unless there is a queue)
     balance_rel: float = 1.5  # ... nor one up to this factor of the least loaded replica's load
     min_match_blocks: int = 1  # a shorter shared run of blocks is not worth a less idle replica
+    # Seconds between looks for a move while requests wait unstarted (besides one whenever a request ends):
+    # a replica that joins or rejoins idle gets work without waiting for a request to end. 0: only on ends.
+    rebalance_interval_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"router policy must be one of {POLICIES}, got {self.policy!r}")
         if self.balance_abs < 0 or self.balance_rel < 1.0 or self.min_match_blocks < 1:
             raise ValueError("balance_abs must be >= 0, balance_rel >= 1 and min_match_blocks >= 1")
+        if self.rebalance_interval_s < 0:
+            raise ValueError("rebalance_interval_s must be >= 0")
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.serving.protocol import Ready
 from gateway.metrics import GatewayMetrics
 from gateway.replica_router import ReplicaRouter
+from gateway.routing_policy import RouterConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,7 +102,8 @@ class _Burst:
 
     def __init__(self, rng: random.Random, slots: int) -> None:
         self.a, self.b = FifoReplica(slots), FifoReplica(slots)
-        self.router = ReplicaRouter([self.a, self.b], ["a", "b"])
+        # Moves only when a request ends (no periodic look), so the test knows when each can happen.
+        self.router = ReplicaRouter([self.a, self.b], ["a", "b"], RouterConfig(rebalance_interval_s=0))
         self.policies = {f"r{i}": {"priority": rng.randint(0, 3), "tenant": f"t{rng.randint(0, 9)}",
                                    "cache_salt": f"s{rng.random()}", "weight": rng.uniform(0.5, 2)}
                          for i in range(4 * slots)}
@@ -239,6 +241,33 @@ def test_a_request_running_without_output_is_refused_and_stays():
         assert newest not in [r for r, _ in a.arrivals] and newest in b.running(), seed
         assert [r for r, _ in b.releases].count(newest) == 1, seed
         assert router.in_flight == [slots - 1, slots], seed
+        await burst.drain(rng)
+        burst.check_streams()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_becomes_ready_takes_queued_requests_without_waiting_for_an_end():
+    """With periodic looks, b's queue moves to a as soon as a is ready again, though no request ends."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    slots = rng.randint(2, 4)
+
+    async def scenario():
+        burst = _Burst(rng, slots)
+        a, b, router = burst.a, burst.b, burst.router
+        router.policy = RouterConfig(rebalance_interval_s=0.01)
+        await burst.start()
+        queued_on_b = b.queued()
+        a.info = None
+        while a.running():  # a's requests all end while it is not ready: nothing can move to it
+            await burst.finish(a, a.running()[0])
+        await asyncio.sleep(0.05)  # several periodic looks, none finds a live target
+        assert router.moved_from == [0, 0] and b.queued() == queued_on_b, seed
+        a.info = _ready()  # no request ends from here until the moves are seen
+        await _until(lambda: router.moved_from == [0, slots], f"{router.moved_from}, seed {seed}")
+        assert [r for r, _ in a.arrivals[2 * slots:]] == queued_on_b[::-1], seed
+        assert not b.queued() and router.in_flight == [slots, slots], seed
         await burst.drain(rng)
         burst.check_streams()
 
