@@ -259,12 +259,8 @@ def test_a_replica_that_becomes_ready_takes_queued_requests_without_waiting_for_
         router.policy = RouterConfig(rebalance_interval_s=0.01)
         await burst.start()
         queued_on_b = b.queued()
-        a.info = None
-        while a.running():  # a's requests all end while it is not ready: nothing can move to it
-            await burst.finish(a, a.running()[0])
-        await asyncio.sleep(0.05)  # several periodic looks, none finds a live target
-        assert router.moved_from == [0, 0] and b.queued() == queued_on_b, seed
-        a.info = _ready()  # no request ends from here until the moves are seen
+        await burst.drain_a_while_not_ready()  # periodic looks meanwhile find no live target; then a is ready
+        # No request ends from here until the moves are seen.
         await _until(lambda: router.moved_from == [0, slots], f"{router.moved_from}, seed {seed}")
         assert [r for r, _ in a.arrivals[2 * slots:]] == queued_on_b[::-1], seed
         assert not b.queued() and router.in_flight == [slots, slots], seed
