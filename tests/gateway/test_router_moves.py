@@ -93,6 +93,18 @@ async def _until(condition, what: str, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.001)
 
 
+def _run_burst(body, rebalance_interval_s: float = 0.0) -> None:
+    """A fresh seeded burst, started, then ``body(burst)``. By default moves happen only when a request ends
+    (no periodic look), so a test knows when each can happen."""
+
+    async def scenario():
+        burst = _Burst(random.randrange(1 << 30), rebalance_interval_s)
+        await burst.start()
+        await body(burst)
+
+    asyncio.run(scenario())
+
+
 async def _consume(router: ReplicaRouter, request_id: str, policy: dict) -> list[RequestOutput]:
     return [out async for out in router.generate([1, 2, 3], SamplingParams(max_tokens=64), request_id, **policy)]
 
@@ -100,10 +112,12 @@ async def _consume(router: ReplicaRouter, request_id: str, policy: dict) -> list
 class _Burst:
     """Four requests per slot over replicas a and b (each: ``slots`` running, ``slots`` queued)."""
 
-    def __init__(self, rng: random.Random, slots: int) -> None:
+    def __init__(self, seed: int, rebalance_interval_s: float) -> None:
+        self.seed = seed
+        self.rng = rng = random.Random(seed)
+        self.slots = slots = rng.randint(2, 4)
         self.a, self.b = FifoReplica(slots), FifoReplica(slots)
-        # Moves only when a request ends (no periodic look), so the test knows when each can happen.
-        self.router = ReplicaRouter([self.a, self.b], ["a", "b"], RouterConfig(rebalance_interval_s=0))
+        self.router = ReplicaRouter([self.a, self.b], ["a", "b"], RouterConfig(rebalance_interval_s=rebalance_interval_s))
         self.policies = {f"r{i}": {"priority": rng.randint(0, 3), "tenant": f"t{rng.randint(0, 9)}",
                                    "cache_salt": f"s{rng.random()}", "weight": rng.uniform(0.5, 2)}
                          for i in range(4 * slots)}
@@ -132,13 +146,15 @@ class _Burst:
         assert self.router.moved_from == [0, 0] and self.router.in_flight == [0, 2 * self.a.slots]
         self.a.info = _ready()
 
-    async def drain(self, rng: random.Random) -> None:
-        """Tokens to every running request, some finishing, until every client has its whole stream."""
+    async def drain(self) -> None:
+        """Tokens to every running request, some finishing, until every client has its whole stream; then
+        ``check_streams``."""
         while not all(t.done() for t in self.tasks.values()):
             for replica in (self.a, self.b):
                 for rid in replica.running():
-                    replica.emit(rid, finished=rng.random() < 0.3)
+                    replica.emit(rid, finished=self.rng.random() < 0.3)
             await asyncio.sleep(0.002)
+        self.check_streams()
 
     def check_streams(self) -> None:
         """Each client saw its request's tokens exactly once, in order, ending with one finished output."""
@@ -153,15 +169,9 @@ class _Burst:
 
 
 def test_queued_requests_move_to_the_replica_that_freed_a_slot_and_started_ones_never_do():
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
-    slots = rng.randint(2, 4)
-    freed = rng.randint(1, slots)  # slots replica a frees once its own queue is done
-
-    async def scenario():
-        burst = _Burst(rng, slots)
-        a, b, router = burst.a, burst.b, burst.router
-        await burst.start()
+    async def body(burst):
+        a, b, router, slots, seed = burst.a, burst.b, burst.router, burst.slots, burst.seed
+        freed = burst.rng.randint(1, slots)  # slots replica a frees once its own queue is done
         started_on_b = b.running()
         queued_on_b = b.queued()
         assert len(started_on_b) == len(queued_on_b) == slots
@@ -185,25 +195,18 @@ def test_queued_requests_move_to_the_replica_that_freed_a_slot_and_started_ones_
         metrics = GatewayMetrics(router).render().body.decode()
         assert f'moegate_router_moved_requests_total{{replica="b"}} {float(freed)}' in metrics
 
-        await burst.drain(rng)
-        burst.check_streams()
+        await burst.drain()
         assert set(b.aborted) <= set(queued_on_b)  # more may move while the rest drains; none that started
         assert router.routed == [2 * slots + len(b.aborted), 2 * slots], seed
 
-    asyncio.run(scenario())
+    _run_burst(body)
 
 
 def test_no_move_to_a_replica_that_is_not_ready_until_it_is():
     """While a is not ready nothing moves to it; once it is, the next request to end anywhere moves b's
     queue to it, down to b's slots (a move never leaves the source with a free slot)."""
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
-    slots = rng.randint(2, 4)
-
-    async def scenario():
-        burst = _Burst(rng, slots)
-        a, b, router = burst.a, burst.b, burst.router
-        await burst.start()
+    async def body(burst):
+        a, b, router, slots, seed = burst.a, burst.b, burst.router, burst.slots, burst.seed
         queued_on_b = b.queued()
         await burst.drain_a_while_not_ready()
         assert b.queued() == queued_on_b, seed
@@ -212,23 +215,16 @@ def test_no_move_to_a_replica_that_is_not_ready_until_it_is():
         await _until(lambda: router.moved_from == [0, slots - 1], f"{router.moved_from}, seed {seed}")
         assert [r for r, _ in a.arrivals[2 * slots:]] == queued_on_b[::-1][:slots - 1], seed
         assert router.in_flight == [slots - 1, slots], seed
-        await burst.drain(rng)
-        burst.check_streams()
+        await burst.drain()
 
-    asyncio.run(scenario())
+    _run_burst(body)
 
 
 def test_a_request_running_without_output_is_refused_and_stays():
     """b's newest request runs without output yet (a better-ranked or quiet request): the router asks b to
     release it, b refuses, and it stays and is not asked again; b's queued requests move instead."""
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
-    slots = rng.randint(2, 4)
-
-    async def scenario():
-        burst = _Burst(rng, slots)
-        a, b, router = burst.a, burst.b, burst.router
-        await burst.start()
+    async def body(burst):
+        a, b, router, slots, seed = burst.a, burst.b, burst.router, burst.slots, burst.seed
         await burst.drain_a_while_not_ready()
         newest = b.queued()[-1]
         b._live = {newest: b._live[newest], **{r: q for r, q in b._live.items() if r != newest}}  # it runs first
@@ -241,30 +237,21 @@ def test_a_request_running_without_output_is_refused_and_stays():
         assert newest not in [r for r, _ in a.arrivals] and newest in b.running(), seed
         assert [r for r, _ in b.releases].count(newest) == 1, seed
         assert router.in_flight == [slots - 1, slots], seed
-        await burst.drain(rng)
-        burst.check_streams()
+        await burst.drain()
 
-    asyncio.run(scenario())
+    _run_burst(body)
 
 
 def test_a_replica_that_becomes_ready_takes_queued_requests_without_waiting_for_an_end():
     """With periodic looks, b's queue moves to a as soon as a is ready again, though no request ends."""
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
-    slots = rng.randint(2, 4)
-
-    async def scenario():
-        burst = _Burst(rng, slots)
-        a, b, router = burst.a, burst.b, burst.router
-        router.policy = RouterConfig(rebalance_interval_s=0.01)
-        await burst.start()
+    async def body(burst):
+        a, b, router, slots, seed = burst.a, burst.b, burst.router, burst.slots, burst.seed
         queued_on_b = b.queued()
         await burst.drain_a_while_not_ready()  # periodic looks meanwhile find no live target; then a is ready
         # No request ends from here until the moves are seen.
         await _until(lambda: router.moved_from == [0, slots], f"{router.moved_from}, seed {seed}")
         assert [r for r, _ in a.arrivals[2 * slots:]] == queued_on_b[::-1], seed
         assert not b.queued() and router.in_flight == [slots, slots], seed
-        await burst.drain(rng)
-        burst.check_streams()
+        await burst.drain()
 
-    asyncio.run(scenario())
+    _run_burst(body, rebalance_interval_s=0.01)
