@@ -1,6 +1,7 @@
 """Host time per step on the critical path, synchronous vs overlapped scheduling, at several batch sizes.
 
     python -m benchmarks.step_overlap [--batches 1,8,64] [--threads 1] [--rounds 15] [--steps 10] [--model SPEC]
+                                      [--asks none,logprobs,penalty]
     python -m benchmarks.step_overlap --device cuda   # on a GPU (bfloat16)
 
 Two engines on the same random-weight model (default: a small Qwen3-MoE, hidden 256, 4 layers, 16 experts,
@@ -15,6 +16,10 @@ engines, ``steps`` steps each; each number is a round's mean per step, median ov
 * ``host``: the round's ``step - compute``: the host time on the critical path, what the device (here: the
   thread running the forward) does not hide (the time it sat idle);
 * ``sched``, ``prep``: the scheduler's Python (schedule + update) and the batch building, wherever they ran.
+
+``--asks``: what one request of each batch asks besides greedy decoding (``none``: nothing; ``logprobs``: its
+5 most likely tokens' logprobs; ``penalty``: a frequency penalty over its history), one table row pair each:
+the cost of one such tenant to the whole batch.
 
 On the CPU the overlapped engine runs the forward on a worker thread; ``--threads`` is torch's intra-op
 thread count for both engines (the host's own thread needs a core of its own to overlap).
@@ -35,15 +40,19 @@ SMALL = ("qwen3-30b-a3b:hidden_size=256,num_hidden_layers=4,num_experts=16,num_e
          "moe_intermediate_size=128,intermediate_size=512,num_attention_heads=4,num_key_value_heads=2,head_dim=64")
 
 
-def build(model: str, batch: int, overlap: bool, threads: int, device: str) -> LLMEngine:
+ASKS = {"none": {}, "logprobs": {"logprobs": 5}, "penalty": {"frequency_penalty": 0.5}}
+
+
+def build(model: str, batch: int, overlap: bool, threads: int, device: str, ask: str = "none") -> LLMEngine:
     config = EngineConfig(model="bench", random_weights=model, device=device, dtype="float32" if device == "cpu" else "auto",
                           block_size=16, num_kv_blocks=batch * 24 + 8, max_num_seqs=max(batch, 1), cpu_threads=threads,
                           overlap_scheduling=overlap)
     engine = LLMEngine(config)
     rng = random.Random(0)
     for i in range(batch):
+        extra = ASKS[ask] if i == 0 else {}
         engine.add_request([rng.randrange(1, 1000) for _ in range(32)],
-                           SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), request_id=str(i))
+                           SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, **extra), request_id=str(i))
     for _ in range(4):  # prefill, then a few decode steps (the overlapped pipeline fills)
         engine.step()
     return engine
@@ -115,24 +124,27 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--model", default=SMALL, help="a random-weights spec (engine.loading.random_weights)")
+    p.add_argument("--asks", default="none", help=f"comma-separated, of {', '.join(ASKS)}")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} intra-op thread(s), model {args.model}")
-    print(f"{'batch':>5} {'mode':<11} {'step ms':>8} {'compute':>8} {'host':>7} {'sched':>6} {'prep':>6} {'tok/s':>8}")
+    print(f"{'batch':>5} {'asks':<9} {'mode':<11} {'step ms':>8} {'compute':>8} {'host':>7} {'sched':>6} {'prep':>6} "
+          f"{'tok/s':>8}")
     for batch in [int(b) for b in args.batches.split(",")]:
-        engines = {"synchronous": build(args.model, batch, False, args.threads, args.device),
-                   "overlapped": build(args.model, batch, True, args.threads, args.device)}
-        timers = {name: CudaForwardTimer(e) if args.device == "cuda" else None for name, e in engines.items()}
-        times = {name: {k: [] for k in ("step", "compute", "host", "schedule", "prepare")} for name in engines}
-        for _ in range(args.rounds):
-            for name, engine in engines.items():
-                timed_round(engine, args.steps, times[name], timers[name])
-        for name, t in times.items():
-            med = {k: statistics.median(v) for k, v in t.items()}
-            print(f"{batch:>5} {name:<11} {med['step']:>8.2f} {med['compute']:>8.2f} {med['host']:>7.2f} "
-                  f"{med['schedule']:>6.2f} {med['prepare']:>6.2f} {batch / med['step'] * 1e3:>8.0f}")
-        for engine in engines.values():
-            engine.close()
+        for ask in args.asks.split(","):
+            engines = {"synchronous": build(args.model, batch, False, args.threads, args.device, ask),
+                       "overlapped": build(args.model, batch, True, args.threads, args.device, ask)}
+            timers = {name: CudaForwardTimer(e) if args.device == "cuda" else None for name, e in engines.items()}
+            times = {name: {k: [] for k in ("step", "compute", "host", "schedule", "prepare")} for name in engines}
+            for _ in range(args.rounds):
+                for name, engine in engines.items():
+                    timed_round(engine, args.steps, times[name], timers[name])
+            for name, t in times.items():
+                med = {k: statistics.median(v) for k, v in t.items()}
+                print(f"{batch:>5} {ask:<9} {name:<11} {med['step']:>8.2f} {med['compute']:>8.2f} {med['host']:>7.2f} "
+                      f"{med['schedule']:>6.2f} {med['prepare']:>6.2f} {batch / med['step'] * 1e3:>8.0f}")
+            for engine in engines.values():
+                engine.close()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
 from engine.worker.cpu_allocator import keep_freed_memory
 from engine.worker.model_setup import build_rank
-from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, needs_host_between_steps
+from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, waits_for_step_in_flight
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.speculation import Speculator
@@ -275,22 +275,27 @@ class LLMEngine:
 
     def _step_overlapped(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Launch ``plan`` (step N+1), then read the step in flight (N) and return its outputs: stop checks and
-        detokenization run one step behind. A plan with a request that needs the host between its steps
-        (``needs_host_between_steps``) runs synchronously once the step in flight is read."""
+        detokenization run one step behind. A plan with a part that must see the step in flight's token first
+        (``waits_for_step_in_flight``) is launched once that step is read; an empty plan launches nothing."""
         prev, self._in_flight = self._in_flight, None
-        if plan.is_empty or any(needs_host_between_steps(s.request) for s in plan.scheduled):
+        outputs: list[RequestOutput] = []
+        if plan.is_empty or any(waits_for_step_in_flight(s) for s in plan.scheduled):
             outputs = self._resolve(prev) if prev is not None else []
+            prev = None
             fill_placeholders(plan)
-            return merge_step_outputs(outputs + self._run_synchronously(plan))
+            if plan.is_empty:
+                return merge_step_outputs(outputs + self._run_synchronously(plan))
         step = self._overlap.launch(plan, prev)
-        outputs = self._resolve(prev) if prev is not None else []
+        if prev is not None:
+            outputs = self._resolve(prev)
         self.scheduler.advance(plan)
         self._in_flight = step
         return outputs
 
     def _resolve(self, step: StepInFlight) -> list[RequestOutput]:
-        updates = self.scheduler.resolve(step.plan, self._overlap.collect(step))
-        return self.output_processor.process(updates, self.scheduler)
+        sampled = self._overlap.collect(step)
+        updates = self.scheduler.resolve(step.plan, sampled.token_ids)
+        return self.output_processor.process(updates, self.scheduler, sampled.logprobs, sampled.prompt_logprobs)
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counters and the last step's host times; the expert load where it is cheap to read

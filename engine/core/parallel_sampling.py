@@ -62,11 +62,15 @@ class ChoiceGroups:
         return self._members.get(parent_id, [])
 
     def release(self) -> list[Request]:
-        """Held copies whose leader has computed its whole prompt (or ended): schedule them now."""
+        """Held copies whose leader has computed its whole prompt (or ended): schedule them now.
+
+        The prompt counts as computed once the scheduler has accounted for it (billed it, and registered its
+        full blocks in the prefix cache): with overlapped steps that is when the step's results are read, one
+        step after its computed count moved, and copies admitted earlier would find no blocks to share."""
         ready = []
         for parent_id, held in list(self._held.items()):
             leader = self._members[parent_id][0]
-            if leader.is_finished or leader.num_computed_tokens >= leader.num_prompt_tokens:
+            if leader.is_finished or leader.num_charged_prompt_tokens >= leader.num_prompt_tokens:
                 ready += held
                 del self._held[parent_id]
         return ready

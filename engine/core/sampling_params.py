@@ -102,7 +102,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def needs_each_token_on_host(self) -> bool:
         """Sampling or reporting this request's next token needs the host to have seen the one before:
         logprobs and prompt logprobs are read with each token, penalties and logit_bias read the token
-        history, a grammar advances per token. Such a request neither speculates nor overlaps its steps."""
+        history, a grammar advances per token. Such a request does not speculate (overlapped steps handle
+        each of these: ``engine.worker.overlap``)."""
         return (self.logprobs is not None or self.prompt_logprobs is not None or self.adjusts_logits
                 or self.structured_output is not None)
 

@@ -1,13 +1,14 @@
 """One grammar matcher per constrained request, and the batch's token mask applied to the logits.
 
-The sampler calls ``apply`` before it picks tokens and ``accept`` with the tokens it picked. Masks are
-filled on the host (llguidance walks its parser there) into one preallocated int32 bitmask, copied to the
-device without waiting and expanded there, so constraining adds no host sync to a step, and a step whose
-requests have no grammar does nothing here at all.
+The sampler calls ``mask`` (on the host) and ``apply_mask`` (on the device) before it picks tokens, and
+``accept`` with the tokens it picked. Masks are filled on the host (llguidance walks its parser there) into
+one preallocated int32 bitmask, copied to the device without waiting and expanded there, so constraining
+adds no host sync to a step, and a step whose requests have no grammar does nothing here at all.
 """
 
 import collections
 import logging
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
@@ -22,6 +23,14 @@ from engine.worker.staging import to_device
 logger = logging.getLogger(__name__)
 # Untouched matchers kept per schema (cache_key), the most recently used ones.
 PROTOTYPES_KEPT = 256
+
+
+@dataclass(slots=True)
+class GrammarMask:
+    """A step's allowed tokens for its constrained rows, on the device."""
+
+    rows: torch.Tensor  # [R] int64: the rows (of the step's logits) with a grammar
+    words: torch.Tensor  # [R, W] int32: bit b of word w allows token 32 * w + b
 
 
 class GrammarMatchers:
@@ -70,25 +79,25 @@ class GrammarMatchers:
             self._matchers[request.request_id] = matcher
         return matcher
 
-    def apply(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Mask, in place, every token the grammar of a constrained row does not allow next.
-
-        logits [N, V] float32, one row per request; rows without a grammar are untouched.
-        """
+    def mask(self, requests: list[Request]) -> GrammarMask | None:
+        """The tokens each constrained row's grammar allows next, filled now on the host and on their way to
+        the device (``apply_mask`` uses them); None if no row has a grammar. One row per request."""
         rows = [row for row, r in enumerate(requests) if r.sampling_params.structured_output is not None]
         if not rows:
-            return
+            return None
         if self._bitmask.shape[0] < len(rows):
             self._bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
         bitmask = self._bitmask[: len(rows)]  # [R, W] int32, W = ceil(V / 32)
         for i, row in enumerate(rows):
             llguidance.torch.fill_next_token_bitmask(self._matcher_for(requests[row]), bitmask, i)
-        if self.device.type == "cuda":
-            bitmask = bitmask.pin_memory()
-        words = bitmask.to(self.device, non_blocking=True)  # [R, W]
-        allowed = ((words[:, :, None] >> self._bit) & 1).bool().flatten(1)[:, : logits.shape[1]]  # [R, V]
-        index = to_device(rows, torch.int64, logits.device)  # [R]
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        # A copy of the shared buffer (pinned on CUDA): the next step refills it while this one may still run.
+        words = bitmask.pin_memory() if self.device.type == "cuda" else bitmask.clone()
+        return GrammarMask(to_device(rows, torch.int64, self.device), words.to(self.device, non_blocking=True))
+
+    def apply_mask(self, logits: torch.Tensor, mask: GrammarMask) -> None:
+        """Set, in place, every token ``mask`` does not allow to -inf. logits [N, V] float32."""
+        allowed = ((mask.words[:, :, None] >> self._bit) & 1).bool().flatten(1)[:, : logits.shape[1]]  # [R, V]
+        logits[mask.rows] = logits[mask.rows].masked_fill(~allowed, float("-inf"))
 
     def accept(self, requests: list[Request], tokens: list[int]) -> list[int]:
         """Advance each constrained request's matcher by its sampled token; returns the tokens to keep.
@@ -97,8 +106,8 @@ class GrammarMatchers:
         e.g. ``min_tokens`` before the schema is complete) is replaced by EOS, ending the request there.
         """
         for row, request in enumerate(requests):
-            if request.sampling_params.structured_output is None:
-                continue
+            if request.sampling_params.structured_output is None or request.is_finished:
+                continue  # a request that ended while its step ran: its token is dropped, its matcher gone
             matcher = self._matcher_for(request)
             if not matcher.consume_token(tokens[row]) and self.eos_token_id is not None:
                 logger.warning("request %s: token %d breaks its grammar (%s); ending it", request.request_id,

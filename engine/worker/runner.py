@@ -10,9 +10,8 @@ from engine.core.config import CacheConfig
 from engine.core.logprobs import Logprobs
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
-from engine.sampling.logprobs import prompt_logprobs
+from engine.worker.prompt_scoring import prompt_scoring
 from engine.worker.sampler import Sampler
-from engine.worker.staging import stage_int64
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -129,8 +128,9 @@ class ModelRunner:
         rows = [(s.request, j) for s in sched_out.scheduled if s.sample for j in range(len(s.draft_token_ids) + 1)]
         result = StepSamples([None] * len(sched_out.scheduled))
         logits = self._logits(hidden, batch)  # [N + Q, V]
-        if batch.prompt_rows.numel():
-            self._prompt_logprobs(logits[len(rows):], sched_out.scheduled, result)
+        scoring = prompt_scoring(sched_out.scheduled, self.device)
+        if scoring is not None:  # computed before sampling adjusts logits in place, read after its sync
+            prompt_lp = scoring.compute(logits[len(rows):])
         if rows:
             offsets = [j for _, j in rows] if len(rows) > sum(s.sample for s in sched_out.scheduled) else None
             # The step's one host sync: reading the tokens.
@@ -147,6 +147,8 @@ class ModelRunner:
                 row += 1
                 if lp is not None:
                     result.logprobs[s.request.request_id] = lp
+        if scoring is not None:
+            result.prompt_logprobs = scoring.read(prompt_lp)
         return result
 
     def _logits(self, hidden: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
@@ -156,16 +158,6 @@ class ModelRunner:
         if batch.prompt_rows.numel():
             rows = torch.cat([rows, batch.prompt_rows])
         return self.model.compute_logits(hidden.index_select(0, rows)) if rows.numel() else None
-
-    def _prompt_logprobs(self, logits: torch.Tensor, scheduled: list[ScheduledRequest], result: StepSamples) -> None:
-        # logits [Q, V]: each asking request's rows score the prompt tokens that follow them.
-        asking = [s for s in scheduled if s.prompt_logprob_rows]
-        targets = [t for s in asking for t in s.request.all_token_ids[s.start + 1:s.start + 1 + s.prompt_logprob_rows]]
-        (targets_d,) = stage_int64([targets], self.device)
-        found = prompt_logprobs(logits, targets_d, [s.request.sampling_params.prompt_logprobs for s in asking],
-                                [s.prompt_logprob_rows for s in asking])
-        for s, lp in zip(asking, found):
-            result.prompt_logprobs[s.request.request_id] = (s.start + 1, lp)
 
     @property
     def steps_with_peers(self) -> bool:

@@ -7,9 +7,9 @@ import torch
 
 from engine.core.logprobs import Logprobs
 from engine.core.request import Request
-from engine.sampling.logprobs import gather_logprobs
-from engine.sampling.penalties import apply_min_p, apply_penalties
-from engine.structured_output.matchers import GrammarMatchers
+from engine.sampling.logprobs import gather_logprobs, logprob_tensors, unpack_logprobs
+from engine.sampling.penalties import PenaltyInputs, apply_min_p, apply_penalty_inputs, penalty_inputs
+from engine.structured_output.matchers import GrammarMask, GrammarMatchers
 from engine.worker.staging import stage_int64, to_device
 
 
@@ -19,6 +19,46 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[Logprobs | None]
+
+
+class SamplingView:
+    """What sampling reads of a request, copied when its step is built: an overlapped step samples while the
+    host moves the request on (its next placeholder, its stop checks)."""
+
+    __slots__ = ("request_id", "sampling_params", "num_output_tokens", "eos_token_id", "num_tokens")
+
+    def __init__(self, request: Request, offset: int = 0) -> None:
+        self.request_id = request.request_id
+        self.sampling_params = request.sampling_params
+        self.num_output_tokens = request.num_output_tokens
+        self.eos_token_id = request.eos_token_id
+        self.num_tokens = request.num_tokens + offset  # the position of the token it samples (seeded draws use it)
+
+
+@dataclass(slots=True)
+class StepSampling:
+    """A step's sampling inputs, built on the host by ``Sampler.prepare`` before the step runs."""
+
+    views: list[SamplingView]  # one per logits row
+    penalties: PenaltyInputs | None
+    grammar: GrammarMask | None
+    logprob_rows: list[int]  # the rows whose request reports logprobs (R of them)
+    logprob_rows_d: torch.Tensor | None  # [R] the same, on the device
+    logprob_counts: list[int]  # top tokens each of those rows reports
+
+
+@dataclass(slots=True)
+class DeviceSamples:
+    """A step's samples, still on the device: ``Sampler.finish`` turns them, read back, into a ``SamplerOutput``."""
+
+    tokens: torch.Tensor  # [N] int64
+    logprob_values: torch.Tensor | None = None  # [R, 1 + K] float32: the chosen token's, then the top K
+    logprob_ids: torch.Tensor | None = None  # [R, 1 + K] int64
+    raw_logits: torch.Tensor | None = None  # [R, V]: the logprob rows' logits, for a token a grammar replaces
+
+    def to_read(self) -> list[torch.Tensor]:
+        """The tensors the host reads back, in ``Sampler.finish``'s order."""
+        return [self.tokens] + ([self.logprob_values, self.logprob_ids] if self.logprob_values is not None else [])
 
 
 class Sampler:
@@ -47,32 +87,41 @@ class Sampler:
         self.grammars: GrammarMatchers | None = None
 
     def forget(self, request_ids: list[str]) -> None:
+        """Drop what the sampler keeps for ended requests: ``forget_generators`` and ``forget_grammars``."""
+        self.forget_generators(request_ids)
+        self.forget_grammars(request_ids)
+
+    def forget_generators(self, request_ids: list[str]) -> None:
+        """Drop ended requests' seeded generators (where steps run: a step in flight may still draw with one)."""
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
+
+    def forget_grammars(self, request_ids: list[str]) -> None:
+        """Drop ended requests' grammar matchers (on the host, which alone reads and advances them)."""
         if self.grammars is not None:
             self.grammars.forget(request_ids)
 
-    def _generator_for(self, request: Request, position: int) -> torch.Generator:
+    def _generator_for(self, view: SamplingView, position: int) -> torch.Generator:
         """The request's generator, seeded for drawing its token at ``position``."""
-        gen = self._request_generators.get(request.request_id)
+        gen = self._request_generators.get(view.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            self._request_generators[request.request_id] = gen
+            self._request_generators[view.request_id] = gen
         # A tuple of ints hashes the same in every process (no hash randomisation for ints).
-        gen.manual_seed(hash((request.sampling_params.seed, position)) & (2**63 - 1))
+        gen.manual_seed(hash((view.sampling_params.seed, position)) & (2**63 - 1))
         return gen
 
     @staticmethod
-    def _suppress_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    def _suppress_stop_tokens(logits: torch.Tensor, views: list[SamplingView]) -> None:
         # min_tokens: EOS and stop tokens are not allowed until that many tokens exist.
         rows: list[int] = []
         cols: list[int] = []
-        for row, request in enumerate(requests):
-            params = request.sampling_params
-            if request.num_output_tokens < params.min_tokens:
+        for row, view in enumerate(views):
+            params = view.sampling_params
+            if view.num_output_tokens < params.min_tokens:
                 banned = list(params.stop_token_ids)
-                if request.eos_token_id is not None and not params.ignore_eos:
-                    banned.append(request.eos_token_id)
+                if view.eos_token_id is not None and not params.ignore_eos:
+                    banned.append(view.eos_token_id)
                 rows += [row] * len(banned)
                 cols += banned
         if rows:  # one scatter for the whole batch
@@ -80,49 +129,72 @@ class Sampler:
             logits.index_put_((index[0], index[1]), logits.new_full((), float("-inf")))  # a fill, not a copy
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], offsets: list[int] | None = None) -> SamplerOutput:
-        """logits [N, V] float32, one row per request -> N token ids (and logprobs where asked).
+        """logits [N, V] float32, one row per request -> N token ids (and logprobs where asked); reads the device.
 
         ``offsets`` (speculative decoding): row i draws the token at position ``requests[i].num_tokens +
         offsets[i]`` (default 0); a request is repeated over its rows and asks for nothing that depends on
         the tokens before each row (``engine.core.speculation.may_speculate``).
-        A step where no request asks for penalties, logit_bias, min_p or logprobs runs none of their code.
         """
-        params = [r.sampling_params for r in requests]
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if lp_rows:  # the raw logits, before anything below adjusts them in place
-            (rows,) = stage_int64([lp_rows], logits.device)
-            raw = logits.index_select(0, rows)  # [R, V]
-        apply_penalties(logits, requests)
-        self._suppress_stop_tokens(logits, requests)
-        if self.grammars is not None:
-            self.grammars.apply(logits, requests)
-        sampled = self._sample(logits, requests, offsets)  # [N] on the device
-        tokens = sampled.tolist()  # the step's one host sync
-        chosen = sampled
-        if self.grammars is not None:
-            accepted = self.grammars.accept(requests, tokens)
-            if accepted != tokens:  # a token the grammar refused became EOS: report the EOS's logprob
-                chosen = to_device(accepted, torch.int64, logits.device)
-            tokens = accepted
+        step = self.prepare(requests, logits.shape[-1], offsets)
+        samples = self.sample(logits, step)
+        return self.finish(step, requests, [t.tolist() for t in samples.to_read()], samples)  # the step's host sync
+
+    def prepare(self, requests: list[Request], vocab: int, offsets: list[int] | None = None) -> StepSampling:
+        """Read what sampling ``requests`` (one per logits row) needs of them, on the host: their settings,
+        token histories (penalties) and grammar states (masks). Histories may hold a token in flight."""
+        views = [SamplingView(r, offsets[i] if offsets else 0) for i, r in enumerate(requests)]
+        lp_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        return StepSampling(
+            views,
+            penalty_inputs(requests, vocab, self.device),
+            self.grammars.mask(requests) if self.grammars is not None else None,
+            lp_rows,
+            stage_int64([lp_rows], self.device)[0] if lp_rows else None,
+            [requests[i].sampling_params.logprobs for i in lp_rows],
+        )
+
+    def sample(self, logits: torch.Tensor, step: StepSampling, last_tokens: torch.Tensor | None = None) -> DeviceSamples:
+        """logits [N, V] -> the step's samples, left on the device (no host sync). ``last_tokens`` [N]: each
+        row's input token, which resolves a penalised history's token in flight. Adjusts ``logits`` in place.
+        A step where no request asks for penalties, logit_bias, min_p or logprobs runs none of their code."""
+        raw = None
+        if step.logprob_rows:  # the raw logits, before anything below adjusts them in place
+            raw = logits.index_select(0, step.logprob_rows_d)  # [R, V]
+        if step.penalties is not None:
+            apply_penalty_inputs(logits, step.penalties, last_tokens)
+        self._suppress_stop_tokens(logits, step.views)
+        if step.grammar is not None:
+            self.grammars.apply_mask(logits, step.grammar)
+        tokens = self._sample(logits, step.views)  # [N]
+        if raw is None:
+            return DeviceSamples(tokens)
+        values, ids = logprob_tensors(raw, tokens.index_select(0, step.logprob_rows_d), max(step.logprob_counts))
+        return DeviceSamples(tokens, values, ids, raw)
+
+    def finish(self, step: StepSampling, requests: list[Request], read: list[list], samples: DeviceSamples) -> SamplerOutput:
+        """The host's part once a step's samples are read back (``read``: ``samples.to_read()`` as lists):
+        grammars advance by the tokens (a token one refuses becomes EOS, reported with EOS's logprob), and
+        logprobs are unpacked. Requests that ended while the step ran keep no token."""
+        tokens = read[0]
+        refused: set[int] = set()
+        if step.grammar is not None:
+            picked = list(tokens)
+            tokens = self.grammars.accept(requests, tokens)
+            refused = {i for i, (a, b) in enumerate(zip(picked, tokens)) if a != b}
         logprobs: list[Logprobs | None] = [None] * len(requests)
-        if lp_rows:  # only steps with a request that asks pay this read
-            found = gather_logprobs(raw, chosen.index_select(0, rows), [params[i].logprobs for i in lp_rows])
-            for i, lp in zip(lp_rows, found):
-                logprobs[i] = lp
+        if not step.logprob_rows:
+            return SamplerOutput(tokens, logprobs)
+        found = unpack_logprobs(read[1], read[2], step.logprob_counts)
+        for j, i in enumerate(step.logprob_rows):
+            logprobs[i] = found[j]
+            if i in refused:  # rare (see GrammarMatchers.accept): one more read, of this row
+                eos = to_device([tokens[i]], torch.int64, samples.raw_logits.device)
+                logprobs[i] = gather_logprobs(samples.raw_logits[j:j + 1], eos, [step.logprob_counts[j]])[0]
         return SamplerOutput(tokens, logprobs)
 
-    def sample_on_device(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """logits [N, V] -> token ids [N] left on the device, with no host sync (overlapped steps).
-
-        Only for requests that need no host work on their token: no grammar, no logprobs, no penalties
-        (those read the token history, whose last token may still be on the device).
-        """
-        self._suppress_stop_tokens(logits, requests)
-        return self._sample(logits, requests)
-
-    def _sample(self, logits: torch.Tensor, requests: list[Request], offsets: list[int] | None = None) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, views: list[SamplingView]) -> torch.Tensor:
         """logits [N, V] (adjusted) -> sampled token ids [N] on the device."""
-        params = [r.sampling_params for r in requests]
+        params = [v.sampling_params for v in views]
         greedy = logits.argmax(dim=-1)  # [N]
         if all(p.is_greedy for p in params):
             return greedy
@@ -140,10 +212,9 @@ class Sampler:
 
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self.generator)
-        for row, request in enumerate(requests):
-            if request.sampling_params.seed is not None:
-                position = request.num_tokens + (offsets[row] if offsets else 0)
-                noise[row].exponential_(generator=self._generator_for(request, position))
+        for row, view in enumerate(views):
+            if view.sampling_params.seed is not None:
+                noise[row].exponential_(generator=self._generator_for(view, view.num_tokens))
         sampled = (probs / noise).argmax(dim=-1)  # [N]
         is_greedy = to_device([p.is_greedy for p in params], torch.bool, logits.device)
         return torch.where(is_greedy, greedy, sampled)

@@ -20,6 +20,9 @@ HOT_PATH = [
     ROOT / "engine/transforms/cuda_graphs.py",
     ROOT / "engine/worker/sampler.py",
     ROOT / "engine/worker/overlap.py",
+    ROOT / "engine/worker/prompt_scoring.py",
+    *sorted((ROOT / "engine/sampling").glob("*.py")),
+    ROOT / "engine/structured_output/matchers.py",
     ROOT / "moe_kernels/routing.py",
     ROOT / "moe_kernels/align.py",
     ROOT / "moe_kernels/dispatch.py",
@@ -29,8 +32,10 @@ SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "unique", "binco
 # (file, function): the justified ones.
 ALLOWED = {
     ("engine/worker/sampler.py", "__call__"),  # reading the sampled tokens: the step's one sync
-    ("engine/worker/runner.py", "expert_load"),
-    ("engine/worker/overlap.py", "collect"),  # overlapped steps: reading a step's tokens, one step late  # statistics, every EXPERT_LOAD_EVERY_CUDA steps, after that sync
+    ("engine/worker/prompt_scoring.py", "read"),  # prompt logprobs of a synchronous step, read after that sync
+    ("engine/worker/runner.py", "expert_load"),  # statistics, every EXPERT_LOAD_EVERY_CUDA steps, after that sync
+    ("engine/worker/overlap.py", "collect"),  # overlapped steps: reading a step's results, one step late
+    ("engine/sampling/logprobs.py", "gather_logprobs"),  # a token a grammar refused, after the step's sync
 }
 
 

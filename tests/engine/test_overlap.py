@@ -5,12 +5,15 @@ produces the synchronous loop's greedy tokens, finish reasons and usage counts, 
 past a request's stop or ``max_tokens``, and frees every block after aborts and preemptions.
 """
 
+import json
 import random
 
+import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.scheduler import PLACEHOLDER
+from engine.core.structured_output import StructuredOutput
 from tests.hf_models import make_hf_model
 
 VOCAB = 211
@@ -20,6 +23,16 @@ VOCAB = 211
 def model_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("overlap"))
     make_hf_model("qwen3_moe", path, seed=random.randrange(2**31), vocab_size=VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory):
+    """The demo checkpoint (random weights with a real tokenizer): stop strings and grammars need text."""
+    from engine.loading.demo_model import write_demo_model
+
+    path = str(tmp_path_factory.mktemp("overlap-demo"))
+    write_demo_model(path, seed=random.randrange(2**31))
     return path
 
 
@@ -153,35 +166,74 @@ def test_aborts_and_preemptions_free_every_block(model_path):
         assert got == (e.token_ids[:len(got)] if str(i) in aborted else e.token_ids), f"seed={seed} request {i}"
 
 
-def test_host_work_falls_back_to_synchronous_steps(model_path):
-    """Requests that need their token on the host before their next step (logprobs, penalties) share the
-    batch with overlapped ones: every request gets the synchronous loop's tokens and logprobs."""
-    rng = random.Random(random.randrange(2**31))
+def watch_launches(llm: LLM) -> list[tuple[bool, bool]]:
+    """Record each launch made while a step was in flight: (whether it first waited for that step to be read,
+    whether the plan held a constrained request whose input token was that step's)."""
+    eng = llm.engine
+    step_overlapped, launch = eng._step_overlapped, eng._overlap.launch
+    launches: list[tuple[bool, bool]] = []
+    seen = {}
+
+    def stepping(plan):
+        seen["in_flight"] = eng._in_flight is not None
+        seen["grammar"] = any(s.token_ids[-1] == PLACEHOLDER and s.request.sampling_params.structured_output
+                              for s in plan.scheduled)  # read before a wait fills the placeholders
+        return step_overlapped(plan)
+
+    def launching(plan, prev):
+        if seen["in_flight"]:
+            launches.append((prev is None, seen["grammar"]))
+        return launch(plan, prev)
+
+    eng._step_overlapped, eng._overlap.launch = stepping, launching
+    return launches
+
+
+def same_logprobs(got, expected) -> bool:
+    if (got is None) != (expected is None):
+        return False
+    return got is None or (got.token_ids == expected.token_ids and got.top_ids == expected.top_ids
+                           and got.logprobs == pytest.approx(expected.logprobs, abs=1e-5))
+
+
+def test_host_work_overlaps_with_the_synchronous_tokens(model_path):
+    """Requests that ask for host work on their tokens (logprobs, prompt logprobs, penalties over a history
+    whose last token is still on the device, logit_bias, min_tokens, seeds, n > 1 copies sharing one
+    prefill) share overlapped steps with plain ones: every step overlaps (none waits for the step in flight)
+    and every request gets the synchronous loop's tokens, logprobs and prompt logprobs."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    kinds = [dict(), dict(logprobs=rng.randint(0, 5)), dict(prompt_logprobs=rng.randint(0, 3)),
+             dict(frequency_penalty=2.0, presence_penalty=1.0), dict(repetition_penalty=3.0),
+             dict(logit_bias={rng.randrange(VOCAB): 5.0, rng.randrange(VOCAB): -100.0}),
+             dict(min_tokens=6, stop_token_ids=[rng.randrange(VOCAB) for _ in range(8)]),
+             dict(temperature=1.0, seed=rng.randrange(2**31), logprobs=2, frequency_penalty=1.0), dict(n=2)]
     reqs = []
-    for i in range(6):
-        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 40))]
-        extra = [dict(), dict(logprobs=2), dict(repetition_penalty=1.3)][i % 3]
-        reqs.append((prompt, SamplingParams(temperature=0.0, max_tokens=rng.randint(5, 20), ignore_eos=True, **extra)))
-    expected, got = run(engine(model_path, False), reqs), run(engine(model_path, True), reqs)
+    for i in range(12):
+        kind = kinds[i % len(kinds)]
+        # The n=2 prompt fills two blocks, which its second copy finds in the prefix cache (summary() compares).
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(33, 40) if "n" in kind else rng.randint(3, 40))]
+        extra = dict(temperature=0.0, max_tokens=rng.randint(8, 24), ignore_eos=True) | kind
+        reqs.append((prompt, SamplingParams(**extra)))
+    sync, overlapped = engine(model_path, False, max_num_batched_tokens=64), engine(model_path, True, max_num_batched_tokens=64)
+    launches = watch_launches(overlapped)
+    expected, got = run(sync, reqs), run(overlapped, reqs)
+    assert len(got) == len(expected) == len(reqs) + 1  # the n=2 request's two choices
     for e, g in zip(expected, got):
-        assert summary(g) == summary(e)
-        assert (g.logprobs is None) == (e.logprobs is None)
-        if e.logprobs is not None:
-            assert g.logprobs.token_ids == e.logprobs.token_ids
-            assert g.logprobs.logprobs == pytest.approx(e.logprobs.logprobs, abs=1e-5)
+        assert summary(g) == summary(e), f"seed={seed} request {g.request_id}"
+        assert same_logprobs(g.logprobs, e.logprobs), f"seed={seed} request {g.request_id}"
+        assert same_logprobs(g.prompt_logprobs, e.prompt_logprobs), f"seed={seed} request {g.request_id}"
+    assert len(launches) > 20 and not any(waited for waited, _ in launches), f"seed={seed}: {launches}"
 
 
-def test_stop_strings_one_step_behind(tmp_path):
+def test_stop_strings_one_step_behind(demo_path):
     """With a tokenizer (the demo checkpoint): stop strings, applied one step behind, end requests
     where the synchronous loop ends them, with the same text and usage."""
-    from engine.loading.demo_model import write_demo_model
-
     seed = random.randrange(2**31)
-    write_demo_model(str(tmp_path), seed=seed)
     rng = random.Random(seed)
     prompts = ["The lighthouse keeper", "Numbers appear everywhere", "Once upon a time", "héllo wörld"]
     settings = dict(max_num_batched_tokens=64)
-    free = engine(str(tmp_path), False, **settings).generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
+    free = engine(demo_path, False, **settings).generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
     params = []
     for out in free:
         text = out.text
@@ -189,11 +241,44 @@ def test_stop_strings_one_step_behind(tmp_path):
         stop = [text[cut:cut + 3]] if cut else []  # a stop string the free run prints mid-way
         params.append(SamplingParams(temperature=0.0, max_tokens=30, stop=stop))
     reqs = list(zip(prompts, params))
-    sync, overlapped = engine(str(tmp_path), False, **settings), engine(str(tmp_path), True, **settings)
+    sync, overlapped = engine(demo_path, False, **settings), engine(demo_path, True, **settings)
     expected, got = run(sync, reqs), run(overlapped, reqs)
     for e, g in zip(expected, got):
         assert (g.text, *summary(g)) == (e.text, *summary(e)), f"seed={seed}"
     assert any(e.finish_reason == "stop" for e in expected), f"seed={seed}: a stop string should end a request"
+
+
+def test_constrained_requests_wait_only_for_their_own_tokens(demo_path):
+    """Grammar-constrained requests (the mask of a token follows from the one before) share the batch with
+    plain ones: a step waits for the step in flight to be read exactly when it holds a constrained request's
+    next token, and every output equals the synchronous loop's (text, usage, logprobs); each constrained one
+    validates against its schema (the independent ``jsonschema`` package)."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    constrained = StructuredOutput(json_schema=json.dumps(schema))
+    reqs = []
+    for i in range(6):
+        prompt = [rng.randrange(10, 1300) for _ in range(rng.randint(3, 40))]
+        if i % 2:
+            params = SamplingParams(temperature=1.0, seed=rng.randrange(2**31), max_tokens=80, logprobs=i % 3 or None,
+                                    structured_output=constrained)
+        else:  # long enough to go on after the constrained ones end: steps that overlap again
+            params = SamplingParams(temperature=0.0, max_tokens=rng.randint(30, 60), ignore_eos=True)
+        reqs.append((prompt, params))
+    sync, overlapped = engine(demo_path, False), engine(demo_path, True)
+    launches = watch_launches(overlapped)
+    expected, got = run(sync, reqs), run(overlapped, reqs)
+    for (_, sp), e, g in zip(reqs, expected, got):
+        assert (g.text, *summary(g)) == (e.text, *summary(e)), f"seed={seed}"
+        assert same_logprobs(g.logprobs, e.logprobs), f"seed={seed}"
+        if sp.structured_output is not None:
+            assert g.finish_reason == "stop", (seed, g.text)
+            jsonschema.validate(json.loads(g.text), schema)
+    assert all(waited == grammar for waited, grammar in launches), f"seed={seed}: {launches}"
+    assert any(waited for waited, _ in launches) and not all(waited for waited, _ in launches), f"seed={seed}"
 
 
 def test_seeded_sampling_matches(model_path):
