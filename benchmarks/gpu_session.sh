@@ -3,7 +3,7 @@
 #
 #   benchmarks/gpu_session.sh STAGE[:SECONDS] ...
 #
-# Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf,
+# Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf, bench-overlap,
 # bench-piecewise (prefill and mixed steps, piecewise CUDA graphs off vs on),
 # bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), batch-three-ways, batch-goals
 # (plus any stage name below). Each runs under its own time limit, so one that fails or
@@ -48,7 +48,7 @@ for spec in "$@"; do
             tests/engine/test_triton_elementwise.py tests/engine/test_dense_gemv.py \
             tests/engine/test_cuda_graphs.py tests/engine/test_piecewise_graphs.py tests/engine/test_triton_attention.py tests/engine/test_triton_attention_engine.py \
             tests/engine/test_triton_backend_engine.py tests/engine/test_host_syncs.py tests/engine/test_random_weights.py \
-            tests/engine/test_quantized_experts.py \
+            tests/engine/test_quantized_experts.py tests/engine/test_expert_load.py tests/engine/test_overlap.py \
             --deselect tests/engine/test_random_weights.py::test_command_lines_take_random_weights ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
         bench-moe) run_stage bench-moe "$limit" bash -c "$PY -m benchmarks.moe_backends --json > $WORK/bench_moe.json && $PY -c 'import json, benchmarks.moe_backends as b; print(b.format_table(json.load(open(\"$WORK/bench_moe.json\"))))'" ;;
@@ -71,6 +71,9 @@ for spec in "$@"; do
         # Prefill 512 against its floor and mixed prefill+decode steps, piecewise CUDA graphs off vs on, and the
         # start-up time capturing them costs.
         bench-piecewise) run_stage bench-piecewise "$limit" $PY -m benchmarks.piecewise_graphs --json "$WORK/bench_piecewise.json" ;;
+        # Host time per step on the critical path, synchronous vs overlapped, with one tenant asking for logprobs
+        # or a penalty in each batch (before, such a request ran the whole batch synchronously).
+        bench-overlap) run_stage bench-overlap "$limit" $PY -m benchmarks.step_overlap --device cuda --asks none,logprobs,penalty ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m benchmarks.engine_gpu --json "$WORK/bench_engine_hf.json" ;;
         # Batch API goal 2 (issue 7) where the gateway has cores of its own and the engine a GPU (the demo model).
         # Needs the gateway's packages the device lacks, as wheels: benchmarks/device_wheels.sh here, then carry

@@ -19,7 +19,7 @@ from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placehold
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.speculation import Speculator
-from engine.core.stats import EXPERT_LOAD_EVERY_CUDA, SchedulerStats
+from engine.core.stats import SchedulerStats
 from engine.structured_output.matchers import GrammarMatchers
 from engine.text.tokenizer import load_tokenizer
 
@@ -95,7 +95,6 @@ class LLMEngine:
             cache_config,
             speculator=Speculator(config.speculative_config, self.max_model_len) if config.speculative else None,
         )
-        self._expert_load_read_at = -EXPERT_LOAD_EVERY_CUDA  # runner.num_steps at the last expert-load read
         tokenizer_dir = config.tokenizer or (None if config.random_weights else config.model)
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
@@ -298,24 +297,21 @@ class LLMEngine:
         return self.output_processor.process(updates, self.scheduler, sampled.logprobs, sampled.prompt_logprobs)
 
     def stats(self) -> SchedulerStats:
-        """The scheduler's counters and the last step's host times; the expert load where it is cheap to read
-        (every step on the CPU, every ``EXPERT_LOAD_EVERY_CUDA`` steps on CUDA, where reading it syncs)."""
+        """The scheduler's counters and the last step's host times; the expert load where a read is ready
+        without waiting for the device (every step on the CPU; on CUDA a copy queued every
+        ``EXPERT_LOAD_EVERY_CUDA`` steps, handed out once done: ``engine.worker.expert_load``)."""
         stats = self.scheduler.stats()
         stats.step_schedule_ms = self.scheduler.last_step_ms
         stats.step_prepare_ms = self.runner.last_prepare_ms
         stats.step_execute_ms = self.runner.last_execute_ms
-        steps = self.runner.num_steps
-        # With overlapped steps on CUDA the read also waits for the step in flight: a one-step bubble
-        # every EXPERT_LOAD_EVERY_CUDA steps. On the CPU it reads counters the worker may be adding to (a
-        # count at most one step stale).
-        if self.device.type == "cpu" or steps - self._expert_load_read_at >= EXPERT_LOAD_EVERY_CUDA:
-            self._expert_load_read_at = steps
-            stats.expert_load = self.runner.expert_load()
-            ep = self.model.tp.expert_parallel
-            if ep is not None and stats.expert_load:
-                starts = ep.expert_starts(len(stats.expert_load[0]))
-                stats.expert_load_by_rank = [sum(sum(layer[a:b]) for layer in stats.expert_load)
-                                             for a, b in zip(starts, starts[1:])]
+        # On the CPU with overlapped steps this reads counters the worker may be adding to (a count at most
+        # one step stale).
+        stats.expert_load = self.runner.expert_load.poll(self.runner.num_steps)
+        ep = self.model.tp.expert_parallel
+        if ep is not None and stats.expert_load:
+            starts = ep.expert_starts(len(stats.expert_load[0]))
+            stats.expert_load_by_rank = [sum(sum(layer[a:b]) for layer in stats.expert_load)
+                                         for a, b in zip(starts, starts[1:])]
         return stats
 
 

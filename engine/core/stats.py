@@ -23,8 +23,8 @@ class SchedulerStats(msgspec.Struct):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_steps: int = 0
-    # Tokens routed to each expert per MoE layer since start; refreshed every step on the CPU and
-    # every EXPERT_LOAD_EVERY_CUDA steps on CUDA (reading it syncs the device), else None.
+    # Tokens routed to each expert per MoE layer since start; refreshed every step on the CPU and about
+    # every EXPERT_LOAD_EVERY_CUDA steps on CUDA (a copy read once done, never waited for), else None.
     expert_load: list[list[int]] | None = None
     # With experts divided among ranks: tokens routed to each rank's experts, all layers, read with expert_load.
     expert_load_by_rank: list[int] | None = None

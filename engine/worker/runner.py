@@ -10,6 +10,8 @@ from engine.core.config import CacheConfig
 from engine.core.logprobs import Logprobs
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
+from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
+from engine.worker.expert_load import ExpertLoadReader
 from engine.worker.prompt_scoring import prompt_scoring
 from engine.worker.sampler import Sampler
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -74,21 +76,13 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.dtype = dtype
         self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        self.expert_load = ExpertLoadReader([m.expert_tokens for m in self.moe_blocks], device, EXPERT_LOAD_EVERY_CUDA)
 
     # ---- batch construction -----------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
         """The step's flat batch (input_ids [T], positions [T], metadata, sampling rows) on the device."""
         return build_batch(scheduled, self.attention_backend, self.block_size, self.sliding_window,
                            self.model.num_local_kv_heads, self.device)
-
-    def expert_load(self) -> list[list[int]]:
-        """Tokens routed to each expert since start, per MoE layer (reads the device: not every step on GPU)."""
-        counters = [m.expert_tokens for m in self.moe_blocks]
-        if not counters:
-            return []
-        # One stacked read, not one per layer. On CUDA the engine calls this right after the sampler's
-        # sync (the stream is idle), every EXPERT_LOAD_EVERY_CUDA steps: it costs one small copy.
-        return torch.stack(counters).tolist()
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """hidden [T, H] of the batch: a whole-forward CUDA graph for decode-only batches it covers, piecewise

@@ -21,6 +21,7 @@ HOT_PATH = [
     ROOT / "engine/worker/sampler.py",
     ROOT / "engine/worker/overlap.py",
     ROOT / "engine/worker/prompt_scoring.py",
+    ROOT / "engine/worker/expert_load.py",
     *sorted((ROOT / "engine/sampling").glob("*.py")),
     ROOT / "engine/structured_output/matchers.py",
     ROOT / "moe_kernels/routing.py",
@@ -33,7 +34,7 @@ SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "unique", "binco
 ALLOWED = {
     ("engine/worker/sampler.py", "__call__"),  # reading the sampled tokens: the step's one sync
     ("engine/worker/prompt_scoring.py", "read"),  # prompt logprobs of a synchronous step, read after that sync
-    ("engine/worker/runner.py", "expert_load"),  # statistics, every EXPERT_LOAD_EVERY_CUDA steps, after that sync
+    ("engine/worker/expert_load.py", "poll"),  # pinned host memory a finished copy filled; the CPU's own counters
     ("engine/worker/overlap.py", "collect"),  # overlapped steps: reading a step's results, one step late
     ("engine/sampling/logprobs.py", "gather_logprobs"),  # a token a grammar refused, after the step's sync
 }
@@ -70,6 +71,7 @@ def test_the_audit_sees_a_sync(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import torch\ndef f(x):\n    return x.sum().item()\n"
                      "def g(d):\n    return torch.tensor([1], device=d)\n"
-                     "def expert_load(x):\n    return x.tolist()\n")
-    assert _findings(probe, "m.py") == ["m.py:3 f(): .item(", "m.py:5 g(): .tensor(", "m.py:7 expert_load(): .tolist("]
-    assert _findings(probe, "engine/worker/runner.py") == ["engine/worker/runner.py:3 f(): .item(", "engine/worker/runner.py:5 g(): .tensor("]
+                     "def poll(x):\n    return x.tolist()\n")
+    assert _findings(probe, "m.py") == ["m.py:3 f(): .item(", "m.py:5 g(): .tensor(", "m.py:7 poll(): .tolist("]
+    assert _findings(probe, "engine/worker/expert_load.py") == ["engine/worker/expert_load.py:3 f(): .item(",
+                                                               "engine/worker/expert_load.py:5 g(): .tensor("]

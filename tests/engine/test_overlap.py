@@ -10,6 +10,7 @@ import random
 
 import jsonschema
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.core.scheduler import PLACEHOLDER
@@ -17,6 +18,8 @@ from engine.core.structured_output import StructuredOutput
 from tests.hf_models import make_hf_model
 
 VOCAB = 211
+# On a GPU the same comparisons run on CUDA: pinned copies behind an event instead of a worker thread.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def demo_path(tmp_path_factory):
 
 def engine(path: str, overlap: bool, **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 96)  # room for every request at once, without the default pool's allocation
-    return LLM(model=path, dtype="float32", device="cpu", overlap_scheduling=overlap, block_size=16, **kw)
+    return LLM(model=path, dtype="float32", device=DEVICE, overlap_scheduling=overlap, block_size=16, **kw)
 
 
 def workload(rng: random.Random, n: int = 12) -> list[tuple[list[int], SamplingParams]]:
