@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent GPU is needed for, in one command: check, tune, measure.
+# Everything that needs a GPU, in one command: check, tune, measure.
 #
 #   benchmarks/gpu_session.sh STAGE[:SECONDS] ...
 #
@@ -72,12 +72,13 @@ for spec in "$@"; do
         # start-up time capturing them costs.
         bench-piecewise) run_stage bench-piecewise "$limit" $PY -m benchmarks.piecewise_graphs --json "$WORK/bench_piecewise.json" ;;
         # Host time per step on the critical path, synchronous vs overlapped, with one tenant asking for logprobs
-        # or a penalty in each batch (before, such a request ran the whole batch synchronously).
+        # or a penalty in each batch (such a request keeps the batch overlapped).
         bench-overlap) run_stage bench-overlap "$limit" $PY -m benchmarks.step_overlap --device cuda --asks none,logprobs,penalty ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m benchmarks.engine_gpu --json "$WORK/bench_engine_hf.json" ;;
-        # Batch API goal 2 (issue 7) where the gateway has cores of its own and the engine a GPU (the demo model).
-        # Needs the gateway's packages the device lacks, as wheels: benchmarks/device_wheels.sh here, then carry
-        # .whl and install them first (the script's comment has the command).
+        # Batch API goal 2 (with no live traffic, a batch's output tokens/s at 90% or more of the offline engine's on
+        # the same requests) where the gateway has cores of its own and the engine a GPU (the demo model).
+        # Needs the gateway's packages, which a bare GPU machine may lack: benchmarks/device_wheels.sh writes them
+        # as wheels into .whl/; copy that to the GPU machine and install them first (the script's comment has the command).
         batch-three-ways) run_stage batch-three-ways "$limit" $PY -m benchmarks.batch_three_ways --chunks 6 --lines 2000 ;;
         batch-goals) run_stage batch-goals "$limit" $PY -m benchmarks.batch_goals --skip-live --rounds 4 --cpu ;;
         *) echo "unknown stage $name" >&2; exit 2 ;;
