@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Installed before the project so pip never pulls a CUDA build of torch by accident.
+# torch first, the build TORCH_SPEC names, so installing the project keeps it rather than picking one itself
+# (read when .venv is created; `make clean` starts over).
 TORCH_SPEC ?= torch==2.13.0
 DEMO_MODEL ?= .moegate/demo-model
 HOST ?= 127.0.0.1

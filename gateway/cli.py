@@ -182,6 +182,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         background_token_budget=args.background_token_budget, background_window_s=args.background_window_seconds,
         cpu_threads=args.cpu_threads, quantization=args.quantization, overlap_scheduling=args.overlap_scheduling,
         cuda_graph_token_sizes=args.cuda_graph_token_sizes, **engine_cli.parallel_fields(args),
@@ -228,6 +229,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "a preset (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b) or a config.json path; "
                         "--model then only supplies the tokenizer")
     defaults = EngineConfig(model="-")
+    p.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
+                   help="share of the GPU's memory the engine may use: the KV pool takes what the weights leave of it "
+                        f"(default {defaults.gpu_memory_utilization:g})")
     p.add_argument("--background-token-budget", type=int, default=defaults.background_token_budget,
                    help="tokens a step batch work may take while live traffic is present or was within "
                         f"--background-window-seconds (default {defaults.background_token_budget})")
@@ -279,7 +283,8 @@ def _add_serve(subparsers) -> None:
     engine_cli.add_parallel_arguments(p)
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas on this node, each a whole engine with its own KV cache (default 1); "
-                        "on a GPU node replica i takes device i, on a CPU they share the cores")
+                        "on a GPU node replica i takes the --tensor-parallel-size GPUs after the previous "
+                        "replicas' (size 1: GPU i), on a CPU they share the cores")
     p.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
                    help="attach an engine started with `moegate engine --listen HOST:PORT` as one more replica "
                         "(repeatable; needs MOEGATE_ENGINE_KEY); --model still names the tokenizer")

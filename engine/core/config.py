@@ -59,9 +59,10 @@ class EngineConfig:
     scheme when its config.json has a ``quantization_config``.
     ``overlap_scheduling``: the host schedules and prepares step N+1 while the device runs step N, the
     sampled tokens fed to the next step on the device; stop checks and outputs run one step behind (a
-    request's extra token past its stop is dropped). None: on on CUDA, off on the CPU. Steps with a request
-    that needs its token on the host first (grammars, logprobs, penalties, ``n`` > 1) and multi-process
-    engines run synchronously.
+    request's extra token past its stop is dropped). None: on on CUDA, off on the CPU and with speculative
+    decoding. Logprobs, penalties and ``n`` > 1 overlap too; a step holding a grammar-constrained request
+    whose previous token is in flight is launched once that token is read; multi-process engines run
+    synchronously (``engine.worker.overlap``).
     ``speculative``: "ngram" or "draft" turns speculative decoding on (None: off): each decoding request
     proposes up to ``num_speculative_tokens`` tokens, by prompt lookup ("ngram") or as the greedy tokens of
     the draft model at ``speculative_model`` ("draft": a checkpoint with the target's vocabulary), verified in the step's one forward; a request stops

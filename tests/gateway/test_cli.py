@@ -53,7 +53,8 @@ def test_serve_rejects_bad_engine_settings_before_touching_anything(tmp_path):
     rng = random.Random()
     bad = [("--cpu-threads", str(-rng.randint(0, 8)), "cpu_threads"),
            ("--background-token-budget", str(-rng.randint(0, 100)), "background_token_budget"),
-           ("--background-window-seconds", str(-rng.uniform(0.001, 10)), "background_window_s")]
+           ("--background-window-seconds", str(-rng.uniform(0.001, 10)), "background_window_s"),
+           ("--gpu-memory-utilization", rng.choice(["0", str(rng.uniform(1.01, 3))]), "gpu_memory_utilization")]
     for flag, value, name in bad:
         # The model directory does not exist either: the setting is reported first, before any file is read.
         r = moegate("serve", "--model", str(tmp_path / "absent"), "--database-url", db, flag, value)
@@ -70,14 +71,18 @@ def test_serve_engine_settings_reach_the_engine_config():
 
     rng = random.Random()
     budget, window, threads = rng.randint(1, 4096), round(rng.uniform(0, 60), 3), rng.randint(1, 64)
+    share = round(rng.uniform(0.05, 1.0), 3)
     args = build_parser().parse_args(["serve", "--model", "m", "--background-token-budget", str(budget),
-                                      "--background-window-seconds", str(window), "--cpu-threads", str(threads)])
+                                      "--background-window-seconds", str(window), "--cpu-threads", str(threads),
+                                      "--gpu-memory-utilization", str(share)])
     got = serve_engine_config(args)
-    assert (got.background_token_budget, got.background_window_s, got.cpu_threads) == (budget, window, threads)
+    assert (got.background_token_budget, got.background_window_s, got.cpu_threads, got.gpu_memory_utilization) == (
+        budget, window, threads, share)
     defaults = serve_engine_config(build_parser().parse_args(["serve", "--model", "m"]))
     reference = EngineConfig(model="m")
-    assert (defaults.background_token_budget, defaults.background_window_s, defaults.cpu_threads) == (
-        reference.background_token_budget, reference.background_window_s, None)
+    assert (defaults.background_token_budget, defaults.background_window_s, defaults.cpu_threads,
+            defaults.gpu_memory_utilization) == (reference.background_token_budget, reference.background_window_s,
+                                                 None, reference.gpu_memory_utilization)
     assert defaults.overlap_scheduling is reference.overlap_scheduling is None  # the device decides
     for flag, value in (("--overlap-scheduling", True), ("--no-overlap-scheduling", False)):
         assert serve_engine_config(build_parser().parse_args(["serve", "--model", "m", flag])).overlap_scheduling is value
