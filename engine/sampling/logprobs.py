@@ -29,12 +29,6 @@ def unpack_logprobs(values: list[list[float]], ids: list[list[int]], top_counts:
             for row_ids, row_vals, n in zip(ids, values, top_counts)]
 
 
-def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_counts: list[int]) -> list[Logprobs]:
-    """One position per row: ``logprob_tensors`` with each row's ``top_counts[r]`` top tokens. Reads the device once."""
-    values, ids = logprob_tensors(logits, token_ids, max(top_counts, default=0))
-    return unpack_logprobs(values.tolist(), ids.tolist(), top_counts)
-
-
 def group_positions(rows: list[Logprobs], sizes: list[int]) -> list[Logprobs]:
     """One-position ``rows`` regrouped: request i's are the next ``sizes[i]`` of them, as one ``Logprobs``."""
     out, at = [], 0

@@ -90,8 +90,11 @@ class GrammarMatchers:
         bitmask = self._bitmask[: len(rows)]  # [R, W] int32, W = ceil(V / 32)
         for i, row in enumerate(rows):
             llguidance.torch.fill_next_token_bitmask(self._matcher_for(requests[row]), bitmask, i)
-        # A copy of the shared buffer (pinned on CUDA): the next step refills it while this one may still run.
-        words = bitmask.pin_memory() if self.device.type == "cuda" else bitmask.clone()
+        # A copy of the shared buffer, which the next step refills while this one may still run. On CUDA a
+        # fresh pinned block (the shared one may already be pinned, and pin_memory() would return it as is):
+        # the caching host allocator keeps it until the copy to the device has run.
+        words = torch.empty(bitmask.shape, dtype=bitmask.dtype, pin_memory=self.device.type == "cuda")
+        words.copy_(bitmask)
         return GrammarMask(to_device(rows, torch.int64, self.device), words.to(self.device, non_blocking=True))
 
     def apply_mask(self, logits: torch.Tensor, mask: GrammarMask) -> None:

@@ -173,7 +173,7 @@ class OverlappedRunner:
         out = StepSamples([None] * len(step.plan.scheduled))
         if step.sampling is not None:
             requests = [s.request for s in step.plan.scheduled if s.sample]
-            sampled = self.runner.sampler.finish(step.sampling, requests, read, results.samples)
+            sampled = self.runner.sampler.finish(step.sampling, requests, read)
             it = iter(zip(sampled.token_ids, sampled.logprobs))
             for i, s in enumerate(step.plan.scheduled):
                 if s.sample:

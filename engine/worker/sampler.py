@@ -7,7 +7,7 @@ import torch
 
 from engine.core.logprobs import Logprobs
 from engine.core.request import Request
-from engine.sampling.logprobs import gather_logprobs, logprob_tensors, unpack_logprobs
+from engine.sampling.logprobs import logprob_tensors, unpack_logprobs
 from engine.sampling.penalties import PenaltyInputs, apply_min_p, apply_penalty_inputs, penalty_inputs
 from engine.structured_output.matchers import GrammarMask, GrammarMatchers
 from engine.worker.staging import stage_int64, to_device
@@ -54,11 +54,16 @@ class DeviceSamples:
     tokens: torch.Tensor  # [N] int64
     logprob_values: torch.Tensor | None = None  # [R, 1 + K] float32: the chosen token's, then the top K
     logprob_ids: torch.Tensor | None = None  # [R, 1 + K] int64
-    raw_logits: torch.Tensor | None = None  # [R, V]: the logprob rows' logits, for a token a grammar replaces
+    eos_logprobs: torch.Tensor | None = None  # [R, 1] float32: EOS's, for a token a grammar replaces by EOS
 
     def to_read(self) -> list[torch.Tensor]:
         """The tensors the host reads back, in ``Sampler.finish``'s order."""
-        return [self.tokens] + ([self.logprob_values, self.logprob_ids] if self.logprob_values is not None else [])
+        reads = [self.tokens]
+        if self.logprob_values is not None:
+            reads += [self.logprob_values, self.logprob_ids]
+        if self.eos_logprobs is not None:
+            reads.append(self.eos_logprobs)
+        return reads
 
 
 class Sampler:
@@ -137,7 +142,7 @@ class Sampler:
         """
         step = self.prepare(requests, logits.shape[-1], offsets)
         samples = self.sample(logits, step)
-        return self.finish(step, requests, [t.tolist() for t in samples.to_read()], samples)  # the step's host sync
+        return self.finish(step, requests, [t.tolist() for t in samples.to_read()])  # the step's host sync
 
     def prepare(self, requests: list[Request], vocab: int, offsets: list[int] | None = None) -> StepSampling:
         """Read what sampling ``requests`` (one per logits row) needs of them, on the host: their settings,
@@ -169,9 +174,12 @@ class Sampler:
         if raw is None:
             return DeviceSamples(tokens)
         values, ids = logprob_tensors(raw, tokens.index_select(0, step.logprob_rows_d), max(step.logprob_counts))
-        return DeviceSamples(tokens, values, ids, raw)
+        eos = None
+        if step.grammar is not None and self.grammars.eos_token_id is not None:
+            eos = torch.log_softmax(raw.float(), dim=-1)[:, self.grammars.eos_token_id:self.grammars.eos_token_id + 1]
+        return DeviceSamples(tokens, values, ids, eos)
 
-    def finish(self, step: StepSampling, requests: list[Request], read: list[list], samples: DeviceSamples) -> SamplerOutput:
+    def finish(self, step: StepSampling, requests: list[Request], read: list[list]) -> SamplerOutput:
         """The host's part once a step's samples are read back (``read``: ``samples.to_read()`` as lists):
         grammars advance by the tokens (a token one refuses becomes EOS, reported with EOS's logprob), and
         logprobs are unpacked. Requests that ended while the step ran keep no token."""
@@ -187,9 +195,8 @@ class Sampler:
         found = unpack_logprobs(read[1], read[2], step.logprob_counts)
         for j, i in enumerate(step.logprob_rows):
             logprobs[i] = found[j]
-            if i in refused:  # rare (see GrammarMatchers.accept): one more read, of this row
-                eos = to_device([tokens[i]], torch.int64, samples.raw_logits.device)
-                logprobs[i] = gather_logprobs(samples.raw_logits[j:j + 1], eos, [step.logprob_counts[j]])[0]
+            if i in refused:  # the EOS that replaced the token (see GrammarMatchers.accept), with its logprob
+                logprobs[i].token_ids[0], logprobs[i].logprobs[0] = tokens[i], read[3][j][0]
         return SamplerOutput(tokens, logprobs)
 
     def _sample(self, logits: torch.Tensor, views: list[SamplingView]) -> torch.Tensor:

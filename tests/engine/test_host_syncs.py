@@ -36,7 +36,6 @@ ALLOWED = {
     ("engine/worker/prompt_scoring.py", "read"),  # prompt logprobs of a synchronous step, read after that sync
     ("engine/worker/expert_load.py", "poll"),  # pinned host memory a finished copy filled; the CPU's own counters
     ("engine/worker/overlap.py", "collect"),  # overlapped steps: reading a step's results, one step late
-    ("engine/sampling/logprobs.py", "gather_logprobs"),  # a token a grammar refused, after the step's sync
 }
 
 

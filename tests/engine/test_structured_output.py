@@ -8,6 +8,7 @@ import random
 
 import jsonschema
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.core.structured_output import StructuredOutput
@@ -98,3 +99,38 @@ def test_a_grammar_that_cannot_be_enforced_is_refused_before_queueing(model_dir,
     with pytest.raises(ValueError, match=message):
         llm.engine.add_request([5, 6, 7], params)
     assert not llm.engine.has_unfinished()
+
+
+def test_a_token_the_grammar_refuses_becomes_eos_with_eos_logprob(model_dir):
+    """When other settings ban every token a grammar allows (here: each allowed token is a stop token not
+    allowed before ``min_tokens``), the sampler's pick is refused and replaced by EOS, which ends the request;
+    its reported logprob is EOS's under the raw logits (float64 reference), its top tokens the raw ones'."""
+    import math
+
+    from engine.core.request import Request
+    from engine.structured_output.matchers import GrammarMatchers
+    from engine.text.tokenizer import load_tokenizer
+    from engine.worker.sampler import Sampler
+
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    tokenizer = load_tokenizer(model_dir)
+    vocab = len(tokenizer)
+    eos = rng.randrange(vocab)  # any id stands in for EOS here: the grammar never allows a plain one first
+    sampler = Sampler(torch.device("cpu"), seed)
+    sampler.grammars = GrammarMatchers(tokenizer, vocab, eos, torch.device("cpu"))
+    spec = StructuredOutput(json_schema=json.dumps({"type": "boolean"}))
+    probe = Request("probe", [1], SamplingParams(structured_output=spec), max_tokens=8, eos_token_id=eos)
+    words = sampler.grammars.mask([probe]).words[0]  # [W]: what the grammar allows first
+    allowed = [t for t in range(vocab) if (int(words[t // 32]) >> (t % 32)) & 1]
+    assert allowed and eos not in allowed, f"seed={seed}"
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=1, stop_token_ids=allowed, logprobs=3,
+                            structured_output=spec)
+    request = Request("r", [1, 2, 3], params, max_tokens=8, eos_token_id=eos)
+    raw = torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed))
+    out = sampler(raw.clone(), [request])
+    assert out.token_ids == [eos], f"seed={seed}"
+    lp = out.logprobs[0]
+    expected = torch.log_softmax(raw.double(), dim=-1)[0]
+    assert lp.token_ids == [eos] and math.isclose(lp.logprobs[0], float(expected[eos]), abs_tol=1e-5), f"seed={seed}"
+    assert lp.top_ids[0] == expected.topk(3).indices.tolist(), f"seed={seed}"
