@@ -182,7 +182,8 @@ class Sampler:
     def finish(self, step: StepSampling, requests: list[Request], read: list[list]) -> SamplerOutput:
         """The host's part once a step's samples are read back (``read``: ``samples.to_read()`` as lists):
         grammars advance by the tokens (a token one refuses becomes EOS, reported with EOS's logprob), and
-        logprobs are unpacked. Requests that ended while the step ran keep no token."""
+        logprobs are unpacked. The grammar of a request that ended while the step ran is left as it is (the
+        scheduler drops that request's token)."""
         tokens = read[0]
         refused: set[int] = set()
         if step.grammar is not None:
