@@ -1,10 +1,12 @@
-"""Run a function on N gloo ranks in fresh processes (one torch thread each), with a hard time limit."""
+"""Run a function on N gloo ranks in fresh processes (one torch thread each), with a hard time limit; or several
+runs of it (one per family, say) in one set of processes, so that their start-up is paid once."""
 
 import multiprocessing
 import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 
 
 def free_port() -> int:
@@ -50,3 +52,25 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 120.0) -> dict[int, tupl
                 p.kill()
                 p.join()
     return out
+
+
+def _each_run(rank: int, world: int, address: str, fn: Callable, runs: dict) -> dict:
+    """``fn`` for every run in turn in this process, each run's ranks meeting at their own port; one that fails
+    leaves the others' results: {name: ("ok", result) or ("error", message)}."""
+    out = {}
+    for name, (port, args) in runs.items():
+        try:
+            out[name] = ("ok", fn(rank, world, f"tcp://127.0.0.1:{port}", *args))
+        except Exception as e:  # noqa: BLE001 - reported to that run's test
+            out[name] = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    return out
+
+
+def run_ranks_each(fn, world: int, runs: dict[str, tuple], timeout_s: float = 120.0) -> dict[str, dict[int, tuple]]:
+    """``fn(rank, world, address, *args)`` for every ``name: args`` of ``runs``, one after another in one set of
+    ``world`` rank processes (started, and their imports paid, once rather than once a run): {name: what
+    ``run_ranks`` would give for that run alone}; ranks still alive after ``timeout_s`` (all runs) are killed."""
+    tagged = {name: (free_port(), args) for name, args in runs.items()}
+    results = run_ranks(_each_run, world, fn, tagged, timeout_s=timeout_s)
+    return {name: {rank: value[name] if status == "ok" else (status, value) for rank, (status, value) in results.items()}
+            for name in runs}

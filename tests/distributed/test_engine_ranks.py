@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.distributed.ranks import free_port, run_ranks
+from tests.distributed.ranks import free_port, run_ranks, run_ranks_each
 from tests.distributed.test_tensor_parallel import OVERRIDES, VOCAB
 from tests.hf_models import make_hf_model
 
@@ -44,29 +44,41 @@ MODES = {
 }
 
 
-@pytest.mark.timeout(240)
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+    """Every family's workload (its own random checkpoint, seed and prompts) generated single, tp, ep (and
+    ep_gather for qwen2_moe) in one rank process: {family: (seed, max_tokens, modes, (status, value))}."""
+    runs, seeds = {}, {}
+    for family in sorted(OVERRIDES):
+        seed = seeds[family] = random.randrange(2**31)
+        model_dir = str(tmp_path_factory.mktemp(f"split-{family}"))
+        make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
+        rng = random.Random(seed)
+        shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
+        prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 2, 13)]
+        prompts += [shared + [3], shared + [5, 7]]
+        max_tokens = [6, 6, 5, 6, 6, 11]
+        modes = {"single": {}, **MODES}
+        if family == "qwen2_moe":  # the shared expert and a dense layer beside divided experts, the simpler dispatch
+            modes["ep_gather"] = dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_dispatch="all_gather")
+        runs[family] = (model_dir, prompts, max_tokens, modes)
+    results = run_ranks_each(_generate_each_way, 1, runs, timeout_s=520)  # the process's start-up paid once
+    return {family: (seeds[family], runs[family][2], runs[family][3], results[family].get(0, ("missing", None)))
+            for family in runs}
+
+
+@pytest.mark.timeout(560)  # the first family's test builds every family's results (module fixture)
 @pytest.mark.parametrize("family", sorted(OVERRIDES))
-def test_split_engines_generate_the_single_process_tokens(family, tmp_path):
-    seed = random.randrange(2**31)
-    make_hf_model(family, str(tmp_path), seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
-    rng = random.Random(seed)
-    shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
-    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 2, 13)]
-    prompts += [shared + [3], shared + [5, 7]]
-    max_tokens = [6, 6, 5, 6, 6, 11]
-    modes = {"single": {}, **MODES}
-    if family == "qwen2_moe":  # the shared expert and a dense layer beside divided experts, the simpler dispatch
-        modes["ep_gather"] = dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_dispatch="all_gather")
-    results = run_ranks(_generate_each_way, 1, str(tmp_path), prompts, max_tokens, modes, timeout_s=220)
-    status, value = results.get(0, ("missing", None))
-    assert status == "ok", value
+def test_split_engines_generate_the_single_process_tokens(family, split_runs):
+    seed, max_tokens, modes, (status, value) = split_runs[family]
+    assert status == "ok", f"family={family} seed={seed}: {value}"
     single = value["single"]
     assert [len(t) for t in single] == max_tokens
     preemptions, hits, _ = value["single:stats"]
-    assert preemptions > 0 and hits > 0, "the workload must preempt and hit the prefix cache"
+    assert preemptions > 0 and hits > 0, f"the workload must preempt and hit the prefix cache (seed={seed})"
     for name in modes:
         assert value[name] == single, f"{name} differs from one process (family={family} seed={seed})"
-        assert value[name + ":stats"][:2] == value["single:stats"][:2], name
+        assert value[name + ":stats"][:2] == value["single:stats"][:2], f"{name} family={family} seed={seed}"
     by_rank = value["ep:stats"][2]
     assert by_rank is not None and len(by_rank) == 2 and sum(by_rank) > 0
 
@@ -183,24 +195,36 @@ def _data_parallel_engine(rank: int, world: int, address: str, model_dir: str, p
             "by_rank": stats.expert_load_by_rank, "preemptions": stats.num_preemptions, "hits": stats.prefix_hit_tokens}
 
 
-@pytest.mark.timeout(240)
+@pytest.fixture(scope="module")
+def data_parallel_runs(tmp_path_factory):
+    """Every family's two data-parallel engines (their own random checkpoint, seed and prompts), all in one pair of
+    rank processes: {family: (seed, transformers model, max_tokens, {rank: (status, value)})}."""
+    runs, refs = {}, {}
+    for family in sorted(OVERRIDES):
+        seed = random.randrange(2**31)
+        model_dir = str(tmp_path_factory.mktemp(f"dp-{family}"))
+        hf = make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
+        rng = random.Random(seed)
+        shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
+        prompts = {0: [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 13, 2)] + [shared + [3], shared + [5]],
+                   1: [[rng.randrange(1, VOCAB - 1) for _ in range(7)]]}
+        max_tokens = {0: [9, 12, 6, 10, 6, 6], 1: [3]}
+        dispatch = "all_gather" if family == "qwen2_moe" else "all_to_all"
+        runs[family] = (model_dir, prompts, max_tokens, dispatch)
+        refs[family] = (seed, hf, max_tokens)
+    results = run_ranks_each(_data_parallel_rank, 2, runs, timeout_s=520)  # the processes' start-up paid once
+    return {family: (*refs[family], results[family]) for family in runs}
+
+
+@pytest.mark.timeout(560)  # the first family's test builds every family's results (module fixture)
 @pytest.mark.parametrize("family", sorted(OVERRIDES))
-def test_data_parallel_engines_sharing_experts_generate_their_own_tokens(family, tmp_path):
+def test_data_parallel_engines_sharing_experts_generate_their_own_tokens(family, data_parallel_runs):
     """Two whole engines (each its own requests) whose MoE layers divide the experts: each generates what it
     would alone. Their batches differ in size every step, and the second runs out of work early, so for most
     steps it has no tokens and joins its peer's collectives with an empty step; the first prefills in chunks,
     is preempted and hits its prefix cache."""
-    seed = random.randrange(2**31)
-    hf = make_hf_model(family, str(tmp_path), seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
-    rng = random.Random(seed)
-    shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
-    prompts = {0: [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 13, 2)] + [shared + [3], shared + [5]],
-               1: [[rng.randrange(1, VOCAB - 1) for _ in range(7)]]}
-    max_tokens = {0: [9, 12, 6, 10, 6, 6], 1: [3]}
-    dispatch = "all_gather" if family == "qwen2_moe" else "all_to_all"
-
-    results = run_ranks(_data_parallel_rank, 2, str(tmp_path), prompts, max_tokens, dispatch, timeout_s=220)
-    assert sorted(results) == [0, 1] and all(s == "ok" for s, _ in results.values()), results
+    seed, hf, max_tokens, results = data_parallel_runs[family]
+    assert sorted(results) == [0, 1] and all(s == "ok" for s, _ in results.values()), (family, seed, results)
     num_experts = hf.config.num_local_experts if family == "mixtral" else hf.config.num_experts
     for rank in (0, 1):
         value = results[rank][1]
@@ -210,7 +234,7 @@ def test_data_parallel_engines_sharing_experts_generate_their_own_tokens(family,
             assert value["experts"] == num_experts // 2 + (rank < num_experts % 2)
         assert value["by_rank"] is not None and len(value["by_rank"]) == 2
     # The busy engine prefilled in chunks (16 tokens a step), was preempted and hit its prefix cache.
-    assert results[0][1]["preemptions"] > 0 and results[0][1]["hits"] > 0, results[0][1]
+    assert results[0][1]["preemptions"] > 0 and results[0][1]["hits"] > 0, (seed, results[0][1])
 
 
 def _data_parallel_rank(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, dispatch):

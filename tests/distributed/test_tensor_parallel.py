@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.distributed.ranks import run_ranks
+from tests.distributed.ranks import run_ranks_each
 from tests.hf_models import make_hf_model
 
 # Shapes that divide by 2 where tensor parallelism needs it; the vocabulary (97) does not, on purpose.
@@ -53,17 +53,30 @@ def _rank_logits(rank: int, world: int, address: str, model_dir: str, prompts: l
             "kv_heads": model.num_local_kv_heads}
 
 
+@pytest.fixture(scope="module")
+def split_logits(tmp_path_factory):
+    """Every family's random checkpoint, prompts and both ranks' logits: {family: (seed, hf model, prompts,
+    {rank: (status, value)})}."""
+    runs, refs = {}, {}
+    for family in sorted(OVERRIDES):
+        seed = random.randrange(2**31)
+        model_dir = str(tmp_path_factory.mktemp(f"tp-{family}"))
+        hf = make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (5, 17, 2)]
+        runs[family] = (model_dir, prompts)
+        refs[family] = (seed, hf, prompts)
+    results = run_ranks_each(_rank_logits, 2, runs, timeout_s=500)  # the processes' start-up paid once
+    return {family: (*refs[family], results[family]) for family in runs}
+
+
 @pytest.mark.parametrize("family", sorted(OVERRIDES))
-def test_two_ranks_give_the_reference_logits_and_hold_their_slices(family, tmp_path):
-    seed = random.randrange(2**31)
-    hf = make_hf_model(family, str(tmp_path), seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (5, 17, 2)]
-    results = run_ranks(_rank_logits, 2, str(tmp_path), prompts, timeout_s=240)
+def test_two_ranks_give_the_reference_logits_and_hold_their_slices(family, split_logits):
+    seed, hf, prompts, results = split_logits[family]
     assert sorted(results) == [0, 1] and all(s == "ok" for s, _ in results.values()), results
     (_, r0), (_, r1) = results[0], results[1]
-    assert r0["prefill"] == r1["prefill"] and r0["decode"] == r1["decode"], "ranks disagree after the gather"
     msg = f"family={family} seed={seed}"
+    assert r0["prefill"] == r1["prefill"] and r0["decode"] == r1["decode"], f"ranks disagree after the gather ({msg})"
     with torch.no_grad():
         for i, p in enumerate(prompts):
             want = hf(torch.tensor([p])).logits[0, -1]
