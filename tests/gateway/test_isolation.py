@@ -240,10 +240,10 @@ def test_engine_killed_mid_load_loses_nothing(strict_template_dir, tmp_path):
         async with server:
             async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {keys['a']}"},
                                              timeout=aiohttp.ClientTimeout(total=60)) as http:
-                stop = time.monotonic() + 10
+                stop = asyncio.Event()
 
                 async def client():
-                    while time.monotonic() < stop:
+                    while not stop.is_set():
                         body = {"model": "demo", "prompt": "tell me", "max_tokens": random.randint(2, 24)}
                         async with http.post(server.make_url("/v1/completions"), json=body) as r:
                             answer = await r.json()
@@ -253,8 +253,19 @@ def test_engine_killed_mid_load_loses_nothing(strict_template_dir, tmp_path):
                                 await asyncio.sleep(0.2)
 
                 async def killer():
-                    await asyncio.sleep(3)
+                    # Kill once the load is well under way (already more than the 20 answers asserted below) ...
+                    deadline = time.monotonic() + 60
+                    while statuses.count(200) < 40:
+                        assert time.monotonic() < deadline, f"only {statuses.count(200)} answers under load"
+                        await asyncio.sleep(0.02)
                     engine._process.kill()
+                    since_kill = len(statuses)
+                    # ... and keep every client sending through the outage until the restarted engine has answered
+                    # a round of them (200s after the first 503), rather than for a fixed time.
+                    while 503 not in (after := statuses[since_kill:]) or after[after.index(503):].count(200) < 12:
+                        assert time.monotonic() < deadline + 60, "the engine did not come back under load"
+                        await asyncio.sleep(0.05)
+                    stop.set()
 
                 await asyncio.gather(*(client() for _ in range(12)), killer())
                 deadline = time.monotonic() + 60
