@@ -1,5 +1,6 @@
 """The house rules, read from the source: product packages never import measurement or test code, no two
-packages import each other, and the request/scheduling modules stay free of torch."""
+packages import each other, the request/scheduling modules stay free of torch, and nothing imports a module that
+slows every process start for nothing."""
 
 import ast
 import pathlib
@@ -50,4 +51,12 @@ def test_no_two_packages_import_each_other():
 def test_request_and_scheduling_modules_do_not_import_torch():
     assert len(TORCH_FREE) > 10, TORCH_FREE
     bad = [f"{f}: {m}" for f in TORCH_FREE for m in _imports(ROOT / f) if m.split(".")[0] in ("torch", "triton")]
+    assert bad == []
+
+
+def test_no_product_module_imports_llguidance_torch():
+    """Importing llguidance.torch decorates a kernel with torch.compile, which loads torch._dynamo: ~1.8 s added to
+    every engine and rank process start for a kernel the engine does not use (it fills masks with llguidance.numpy)."""
+    bad = [f"{f}: {m}" for files in _package_imports().values() for f, mods in files.items() for m in mods
+           if m == "llguidance.torch"]
     assert bad == []

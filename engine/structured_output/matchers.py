@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+# The bitmask is a NumPy array shared with torch, not llguidance.torch's tensor: importing llguidance.torch decorates
+# a kernel we do not use with torch.compile, which loads torch._dynamo (~1.8 s on every engine and rank process start).
+import llguidance.numpy
 import torch
 
 from engine.core.request import Request
@@ -44,7 +46,7 @@ class GrammarMatchers:
         self.device = device
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._prototypes: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()  # LRU
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # [rows, ceil(V / 32)] int32
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)  # [rows, ceil(V / 32)] int32
         self._bit = torch.arange(32, dtype=torch.int32, device=device)  # [32]
 
     def __len__(self) -> int:
@@ -86,13 +88,12 @@ class GrammarMatchers:
         if not rows:
             return None
         if self._bitmask.shape[0] < len(rows):
-            self._bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
-        bitmask = self._bitmask[: len(rows)]  # [R, W] int32, W = ceil(V / 32)
+            self._bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), self.vocab_size)
         for i, row in enumerate(rows):
-            llguidance.torch.fill_next_token_bitmask(self._matcher_for(requests[row]), bitmask, i)
+            llguidance.numpy.fill_next_token_bitmask(self._matcher_for(requests[row]), self._bitmask, i)
+        bitmask = torch.from_numpy(self._bitmask[: len(rows)])  # [R, W] int32, W = ceil(V / 32): the same memory
         # A copy of the shared buffer, which the next step refills while this one may still run. On CUDA a
-        # fresh pinned block (the shared one may already be pinned, and pin_memory() would return it as is):
-        # the caching host allocator keeps it until the copy to the device has run.
+        # fresh pinned block: the caching host allocator keeps it until the copy to the device has run.
         words = torch.empty(bitmask.shape, dtype=bitmask.dtype, pin_memory=self.device.type == "cuda")
         words.copy_(bitmask)
         return GrammarMask(to_device(rows, torch.int64, self.device), words.to(self.device, non_blocking=True))
