@@ -17,10 +17,14 @@ VARIANTS = {
 }
 CASES = [(fam, i) for fam, variants in VARIANTS.items() for i in range(len(variants))]
 
-# Engine settings that force each code path on the same requests.
+# Engine settings that force each code path on the same requests. Without preemption, a pool of 256 blocks of 16
+# holds every request at once (8 of at most 240 tokens): the pool sized from memory (2 GB, ~1.5 s to build per
+# engine on the CPU) would compare nothing more.
+ROOMY_POOL = 256
 MODES = {
-    "default": dict(),
-    "chunked_prefill": dict(max_num_batched_tokens=24),  # prompts up to 200 tokens: many chunks, mixed with decodes
+    "default": dict(num_kv_blocks=ROOMY_POOL),
+    "chunked_prefill": dict(num_kv_blocks=ROOMY_POOL, max_num_batched_tokens=24),  # prompts up to 200 tokens: many
+    # chunks, mixed with decodes
     "preemption": dict(num_kv_blocks=18, block_size=16, max_num_batched_tokens=64),  # room for ~1-2 sequences
     # Overlapped scheduling (tokens fed to the next step on the device, stop checks one step behind), chunked
     # prefill and preemption included: the small pool preempts here too.
@@ -69,5 +73,7 @@ def test_greedy_matches_transformers(reference, mode):
     scheduler = llm.engine.scheduler
     if mode in ("preemption", "overlap"):
         assert scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
+    else:
+        assert scheduler.num_preemptions == 0, f"seed={seed}: the roomy pool should hold every request"
     scheduler.kv.pool.check_all_free()
     assert not scheduler.running and not scheduler.waiting
