@@ -10,7 +10,11 @@ from engine import LLM, SamplingParams
 from tests.hf_models import make_hf_model
 
 VOCAB = 211
-MODES = {"default": dict(), "chunked_prefill": dict(max_num_batched_tokens=24),
+# 64 blocks of 16 hold every request of a test at once (at most 6 x 100 tokens): the pool sized from memory (2 GB,
+# ~1.5 s to build per engine on the CPU) would compare nothing more.
+ROOMY_POOL = 64
+MODES = {"default": dict(num_kv_blocks=ROOMY_POOL),
+         "chunked_prefill": dict(num_kv_blocks=ROOMY_POOL, max_num_batched_tokens=24),
          "preemption": dict(num_kv_blocks=8, block_size=16, max_num_batched_tokens=64)}  # 8 blocks: less than the requests admitted together need
 
 
@@ -76,6 +80,8 @@ def test_logprobs_match_transformers(checkpoint, mode):
                            p.prompt_logprobs)
     if mode == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+    else:
+        assert llm.engine.scheduler.num_preemptions == 0, f"seed={seed}: the roomy pool should hold every request"
 
 
 @pytest.mark.timeout(120)
@@ -83,7 +89,7 @@ def test_prompt_logprobs_skip_the_prefix_cache(checkpoint):
     """A prompt whose blocks are cached is still scored at every position."""
     path, hf, seed = checkpoint
     rng = random.Random(seed)
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=16)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=16, num_kv_blocks=ROOMY_POOL)
     prompt = [rng.randrange(1, VOCAB - 1) for _ in range(70)]
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # caches its blocks
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1))[0]
@@ -99,7 +105,7 @@ def test_every_choice_of_n_has_its_logprobs(checkpoint):
     prompt's prefill but are scored under their own request ids)."""
     path, hf, seed = checkpoint
     rng = random.Random(seed + 1)
-    llm = LLM(model=path, dtype="float32", device="cpu", block_size=16)
+    llm = LLM(model=path, dtype="float32", device="cpu", block_size=16, num_kv_blocks=ROOMY_POOL)
     prompt = [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(3, 40))]
     params = SamplingParams(n=3, temperature=1.0, seed=rng.randrange(1000), max_tokens=rng.randint(4, 9),
                             ignore_eos=True, logprobs=2, prompt_logprobs=1)
