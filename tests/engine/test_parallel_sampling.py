@@ -9,6 +9,9 @@ from engine.core.parallel_sampling import choice_seed
 from tests.hf_models import make_hf_model
 
 BLOCK = 8
+# 64 blocks of 8 hold every request of a test at once (at most 4 copies of 79 tokens), where the pool sized from
+# memory (2 GB, ~1.5 s to build per engine on the CPU) holds nothing more that these tests look at.
+ROOMY_POOL = 64
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +29,14 @@ def _greedy(max_tokens: int, n: int = 1) -> SamplingParams:
 def test_copies_share_one_prefill(model_dir):
     rng = random.Random()
     prompt = [rng.randrange(1, 200) for _ in range(rng.randint(3 * BLOCK + 1, 5 * BLOCK - 1))]
-    llm = LLM(model=model_dir, block_size=BLOCK)
+    llm = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=ROOMY_POOL)
     (single,) = llm.generate([prompt], _greedy(5))
     before = llm.engine.stats().total_prefill_tokens
     outs = llm.generate([prompt, [7, 8, 9]], [_greedy(5, n=4), _greedy(3)])
     assert [o.index for o in outs] == [0, 1, 2, 3, 0]
     assert all(o.token_ids == single.token_ids for o in outs[:4])  # greedy: every copy is the n=1 answer
     # Fresh engine state for the prompt (its blocks were cached by the first run): count on a new engine.
-    llm = LLM(model=model_dir, block_size=BLOCK)
+    llm = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=ROOMY_POOL)
     outs = llm.generate([prompt], _greedy(5, n=4))
     prefill = llm.engine.stats().total_prefill_tokens
     tail = len(prompt) - (len(prompt) - 1) // BLOCK * BLOCK  # what a copy computes past the shared blocks
@@ -47,7 +50,7 @@ def test_copies_share_one_prefill(model_dir):
 def test_copies_under_preemption_equal_single_requests(model_dir):
     rng = random.Random()
     prompts = [[rng.randrange(1, 200) for _ in range(rng.randint(10, 30))] for _ in range(3)]
-    reference = LLM(model=model_dir, block_size=BLOCK).generate(prompts, _greedy(12))
+    reference = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=ROOMY_POOL).generate(prompts, _greedy(12))
     # 12 blocks of 8 tokens cannot hold 3 x 3 sequences of up to 42 tokens: copies preempt each other.
     llm = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=12, max_num_seqs=8)
     outs = llm.generate(prompts, _greedy(12, n=3))
@@ -62,7 +65,7 @@ def test_seeded_copies_are_reproducible(model_dir):
     rng = random.Random()
     prompt = [rng.randrange(1, 200) for _ in range(20)]
     seed = rng.randrange(2**40)
-    llm = LLM(model=model_dir, block_size=BLOCK)
+    llm = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=ROOMY_POOL)
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, n=3, seed=seed)
     first = llm.generate([prompt], params)
     again = llm.generate([prompt, prompt[:7]], [params, SamplingParams(max_tokens=4)])[:3]
@@ -77,7 +80,7 @@ def test_seeded_copies_are_reproducible(model_dir):
 
 @pytest.mark.timeout(120)
 def test_abort_ends_every_copy(model_dir):
-    llm = LLM(model=model_dir, block_size=BLOCK)
+    llm = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=ROOMY_POOL)
     engine = llm.engine
     rid = engine.add_request(list(range(1, 30)), _greedy(50, n=4))
     engine.step()  # the leader's prefill; the copies join the queue
