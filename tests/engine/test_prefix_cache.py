@@ -8,6 +8,10 @@ from engine import LLM, SamplingParams
 from tests.hf_models import make_hf_model
 
 BLOCK = 8
+# 256 blocks of 8 hold every request of a test at once, and keep every block it caches (at most 19 requests of 69
+# tokens): nothing is evicted or preempted unless a test asks for it with its own small pool, as with the pool sized
+# from memory (2 GB, ~1.5 s to build per engine on the CPU).
+ROOMY_POOL = 256
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +43,9 @@ def _run_in_waves(llm: LLM, prompts, max_tokens=6):
 def test_cache_on_equals_cache_off(model_dir):
     rng = random.Random()
     prompts = _prompts(rng)
-    off = _run_in_waves(LLM(model=model_dir, block_size=BLOCK, enable_prefix_caching=False), prompts)
-    llm = LLM(model=model_dir, block_size=BLOCK)
+    off = _run_in_waves(LLM(model=model_dir, block_size=BLOCK, enable_prefix_caching=False, num_kv_blocks=ROOMY_POOL),
+                        prompts)
+    llm = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=ROOMY_POOL)
     on = _run_in_waves(llm, prompts)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert all(o.num_cached_tokens == 0 for o in off)
@@ -57,7 +62,7 @@ def test_cache_after_eviction(model_dir):
     rng = random.Random()
     prompts = _prompts(rng)
     fresh = [[rng.randrange(1, 200) for _ in range(60)] for _ in range(3)]
-    off = LLM(model=model_dir, block_size=BLOCK, enable_prefix_caching=False)
+    off = LLM(model=model_dir, block_size=BLOCK, enable_prefix_caching=False, num_kv_blocks=ROOMY_POOL)
     expected = off.generate(prompts + fresh + prompts, _greedy(5))
     llm = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=24)  # too small to keep everything cached
     got = []
@@ -72,7 +77,7 @@ def test_cache_after_eviction(model_dir):
 def test_salts_do_not_share(model_dir):
     rng = random.Random()
     prompt = [rng.randrange(1, 200) for _ in range(4 * BLOCK + 1)]
-    llm = LLM(model=model_dir, block_size=BLOCK)
+    llm = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=ROOMY_POOL)
     engine = llm.engine
 
     def run(salt):
@@ -92,7 +97,7 @@ def test_salts_do_not_share(model_dir):
 
 
 def test_engine_stats_count_prefill_decode_and_expert_load(model_dir):
-    llm = LLM(model=model_dir, block_size=BLOCK)
+    llm = LLM(model=model_dir, block_size=BLOCK, num_kv_blocks=ROOMY_POOL)
     prompts = [[5] * 11, [6] * 3]
     llm.generate(prompts, _greedy(4))
     stats = llm.engine.stats()
