@@ -15,6 +15,9 @@ from engine.core.structured_output import StructuredOutput
 from engine.loading.demo_model import write_demo_model
 
 pytestmark = pytest.mark.timeout(300)
+# 256 blocks of 16 hold every request of a test at once (at most 12 of 60 + 160 tokens): nothing preempts unless a
+# test asks for it with its own small pool, as with the pool sized from memory (2 GB, ~1.5 s to build per engine).
+ROOMY_POOL = 256
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -52,7 +55,7 @@ def _check_valid(out, schema) -> None:
     jsonschema.validate(json.loads(out.text), schema)
 
 
-@pytest.mark.parametrize("mode", [dict(max_num_batched_tokens=32),  # long prompts: chunked prefill
+@pytest.mark.parametrize("mode", [dict(num_kv_blocks=ROOMY_POOL, max_num_batched_tokens=32),  # chunked prefill
                                   dict(num_kv_blocks=14, block_size=16, max_num_batched_tokens=64)])  # preemption
 def test_constrained_outputs_validate_and_unconstrained_requests_are_untouched(model_dir, mode):
     rng = random.Random()
@@ -69,15 +72,17 @@ def test_constrained_outputs_validate_and_unconstrained_requests_are_untouched(m
     for out, (schema, _) in zip(outs[4:], constrained):
         _check_valid(out, schema)
     scheduler = llm.engine.scheduler
-    if "num_kv_blocks" in mode:
+    if mode["num_kv_blocks"] < ROOMY_POOL:
         assert scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
+    else:
+        assert scheduler.num_preemptions == 0, "the roomy pool should hold every request"
     scheduler.kv.pool.check_all_free()
     llm.engine.step()  # the runner forgets requests on the step after they finish
     assert len(llm.engine.runner.sampler.grammars) == 0  # finished requests leave no matcher behind
 
 
 def test_json_object_and_greedy_constrained(model_dir):
-    llm = LLM(model=model_dir, dtype="float32", device="cpu")
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=ROOMY_POOL)
     rng = random.Random()
     prompt = [rng.randrange(10, 1300) for _ in range(10)]
     params = [SamplingParams(temperature=t, seed=rng.randrange(2**31), max_tokens=200,
@@ -95,7 +100,7 @@ def test_json_object_and_greedy_constrained(model_dir):
     (SamplingParams(structured_output=StructuredOutput(json_schema='{"type": "nonsense"}')), "nonsense"),
 ])
 def test_a_grammar_that_cannot_be_enforced_is_refused_before_queueing(model_dir, params, message):
-    llm = LLM(model=model_dir, dtype="float32", device="cpu")
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=ROOMY_POOL)
     with pytest.raises(ValueError, match=message):
         llm.engine.add_request([5, 6, 7], params)
     assert not llm.engine.has_unfinished()
