@@ -10,6 +10,10 @@ import torch
 from engine import LLM, CheckpointError, SamplingParams
 from tests.hf_models import make_hf_model
 
+# What is loaded, not the KV pool, is under test: 16 blocks of 16 hold the longest request here (64 tokens), where
+# the pool sized from memory (2 GB) takes ~1.5 s to build per engine on the CPU.
+SMALL_POOL = 16
+
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
@@ -26,8 +30,8 @@ def test_sharded_checkpoint_loads_same_weights(tmp_path):
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
     prompt = [random.randrange(1, 200) for _ in range(17)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    a = LLM(model=str(tmp_path / "one")).generate([prompt], params)[0]
-    b = LLM(model=str(tmp_path / "sharded")).generate([prompt], params)[0]
+    a = LLM(model=str(tmp_path / "one"), num_kv_blocks=SMALL_POOL).generate([prompt], params)[0]
+    b = LLM(model=str(tmp_path / "sharded"), num_kv_blocks=SMALL_POOL).generate([prompt], params)[0]
     assert a.token_ids == b.token_ids
     assert a.text == "" and b.text == ""  # no tokenizer files: token ids still served
 
@@ -92,7 +96,7 @@ def test_misshapen_tensor_is_named(tmp_path, qwen3_dir):
 
 
 def test_bad_requests_queue_nothing(qwen3_dir):
-    llm = LLM(model=qwen3_dir, max_model_len=64)
+    llm = LLM(model=qwen3_dir, max_model_len=64, num_kv_blocks=SMALL_POOL)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[1, 2], [5, 10_000]], SamplingParams(max_tokens=3))
     with pytest.raises(ValueError, match="at most 63 prompt tokens"):
