@@ -40,7 +40,9 @@ def test_greedy_matches_transformers_on_the_grouped_path(family, tmp_path, monke
 
     monkeypatch.setattr(torch_backend, "fused_moe_grouped", counting_grouped)
     monkeypatch.setattr(torch_backend, "fused_moe_loop", no_loop)
-    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=48)  # chunked prefill too
+    # 32 blocks of 16 hold the three requests at once (at most 136 tokens each), where the pool sized from memory
+    # (2 GB) takes ~1.5 s to build on the CPU. Chunked prefill too.
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=48, num_kv_blocks=32)
     outs = llm.generate([p for p, _ in reqs], [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs])
     assert grouped_calls, "no MoE layer ran through fused_moe_grouped"
     for out, ref in zip(outs, expected):
