@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.distributed.ranks import free_port, run_ranks, run_ranks_each
-from tests.distributed.test_tensor_parallel import OVERRIDES, VOCAB
+from tests.distributed.test_tensor_parallel import OVERRIDES, VOCAB, family_checkpoints
 from tests.hf_models import make_hf_model
 
 # A KV pool of 14 blocks of 4 tokens for 6 requests, 16 tokens a step: long prompts are prefilled in chunks,
@@ -49,11 +49,8 @@ def split_runs(tmp_path_factory):
     """Every family's workload (its own random checkpoint, seed and prompts) generated single, tp, ep (and
     ep_gather for qwen2_moe) in one rank process: {family: (seed, max_tokens, modes, (status, value))}."""
     runs, seeds = {}, {}
-    for family in sorted(OVERRIDES):
-        seed = seeds[family] = random.randrange(2**31)
-        model_dir = str(tmp_path_factory.mktemp(f"split-{family}"))
-        make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
-        rng = random.Random(seed)
+    for family, (seed, model_dir, _, rng) in family_checkpoints(tmp_path_factory, "split").items():
+        seeds[family] = seed
         shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
         prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 2, 13)]
         prompts += [shared + [3], shared + [5, 7]]
@@ -200,11 +197,7 @@ def data_parallel_runs(tmp_path_factory):
     """Every family's two data-parallel engines (their own random checkpoint, seed and prompts), all in one pair of
     rank processes: {family: (seed, transformers model, max_tokens, {rank: (status, value)})}."""
     runs, refs = {}, {}
-    for family in sorted(OVERRIDES):
-        seed = random.randrange(2**31)
-        model_dir = str(tmp_path_factory.mktemp(f"dp-{family}"))
-        hf = make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
-        rng = random.Random(seed)
+    for family, (seed, model_dir, hf, rng) in family_checkpoints(tmp_path_factory, "dp").items():
         shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
         prompts = {0: [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 13, 2)] + [shared + [3], shared + [5]],
                    1: [[rng.randrange(1, VOCAB - 1) for _ in range(7)]]}

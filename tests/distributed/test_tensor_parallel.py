@@ -53,16 +53,24 @@ def _rank_logits(rank: int, world: int, address: str, model_dir: str, prompts: l
             "kv_heads": model.num_local_kv_heads}
 
 
+def family_checkpoints(tmp_path_factory, prefix: str) -> dict:
+    """Every family's random 2-layer checkpoint in these shapes, each in its own folder and from its own seed:
+    {family: (seed, folder, the transformers model, a random.Random(seed) for its workload)}."""
+    out = {}
+    for family in sorted(OVERRIDES):
+        seed = random.randrange(2**31)
+        model_dir = str(tmp_path_factory.mktemp(f"{prefix}-{family}"))
+        hf = make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
+        out[family] = (seed, model_dir, hf, random.Random(seed))
+    return out
+
+
 @pytest.fixture(scope="module")
 def split_logits(tmp_path_factory):
     """Every family's random checkpoint, prompts and both ranks' logits: {family: (seed, hf model, prompts,
     {rank: (status, value)})}."""
     runs, refs = {}, {}
-    for family in sorted(OVERRIDES):
-        seed = random.randrange(2**31)
-        model_dir = str(tmp_path_factory.mktemp(f"tp-{family}"))
-        hf = make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
-        rng = random.Random(seed)
+    for family, (seed, model_dir, hf, rng) in family_checkpoints(tmp_path_factory, "tp").items():
         prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (5, 17, 2)]
         runs[family] = (model_dir, prompts)
         refs[family] = (seed, hf, prompts)
