@@ -30,6 +30,7 @@ from gateway.completion import (
 )
 from gateway.logprobs import CompletionLogprobs, chat_logprobs
 from gateway.config import GatewayConfig
+from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
 from gateway.errors import (
     BODY_TIMEOUT_S, REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, read_body, request_id_middleware,
 )
@@ -376,21 +377,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     """The app; the policy store and the engine process start with the app and stop with it."""
     http_protocol.install(config.max_connections)
-    # Middleware order: request id -> error mapping -> auth. Admission (quotas, overload) runs in the
-    # handler, after the body is parsed, because the reservation depends on max_tokens and the prompt.
+    # Middleware order: requests in flight (for the drain) -> request id -> error mapping -> auth. Admission
+    # (quotas, overload) runs in the handler, after the body is parsed, because the reservation depends on
+    # max_tokens and the prompt.
     app = web.Application(
-        middlewares=[request_id_middleware, error_middleware, auth_middleware], client_max_size=config.max_request_bytes
+        middlewares=[track_open_requests, request_id_middleware, error_middleware, auth_middleware],
+        client_max_size=config.max_request_bytes,
     )
     app[CONFIG] = config
     app[BODY_TIMEOUT_S] = config.body_timeout_s
     app[ENGINE] = engine
     app[INFLIGHT] = {}
     app[DRAINING] = asyncio.Event()
+    app[OPEN_REQUESTS] = {}
 
-    async def start_draining(app: web.Application) -> None:
-        app[DRAINING].set()
+    async def drain(app: web.Application) -> None:
+        app[DRAINING].set()  # new requests on kept-alive connections get 503 from now on
+        cut = await drain_open_requests(app, config.drain_timeout_s)
+        if cut:
+            logger.info("drain timeout (%gs): %d request(s) still running were cut", config.drain_timeout_s, cut)
 
-    app.on_shutdown.append(start_draining)
+    app.on_shutdown.append(drain)
 
     async def store_lifecycle(app: web.Application):
         store = TenantStore.open(config.database_url)

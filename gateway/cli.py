@@ -18,6 +18,7 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.serving.async_engine import EngineError
     from engine.serving.engine_server import parse_address
     from gateway.app import create_app
+    from gateway.drain import CUT_GRACE_S
     from gateway.config import GatewayConfig
     from tenants.db import SchemaError, database_url
     from tenants.migrate import ensure_schema
@@ -71,10 +72,11 @@ def _serve(args: argparse.Namespace) -> int:
                                            args.engine_stall_timeout))
     try:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine request.
-        # SIGTERM/SIGINT: stop accepting, let in-flight requests run up to the drain timeout (then cut
-        # them), and only then stop the engine and write the last usage (cleanup contexts).
+        # SIGTERM/SIGINT: stop accepting, let in-flight requests run up to the drain timeout, then cut them
+        # (the app's own drain, gateway/drain.py; aiohttp's shutdown_timeout is only a backstop after it),
+        # and only then stop the engine and write the last usage (cleanup contexts).
         web.run_app(app, host=config.host, port=config.port, print=lambda msg: logging.info(msg.strip()),
-                    handler_cancellation=True, shutdown_timeout=config.drain_timeout_s,
+                    handler_cancellation=True, shutdown_timeout=CUT_GRACE_S,
                     keepalive_timeout=config.keepalive_timeout_s)
     except EngineError as e:
         print(f"moegate serve: error: {e}", file=sys.stderr)
