@@ -46,20 +46,30 @@ class BlockPool:
         assert num_blocks >= 1
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # The blocks handed out at least once, by id: a block is made on its first use, so a large pool
+        # (hundreds of thousands of blocks on a CPU) costs nothing at start. Ids past the list are fresh.
+        self.blocks: list[Block] = []
+        # Blocks that were used and freed since, least recently freed first. Fresh blocks are handed out
+        # before any of these, as if they led the queue, so cached blocks are evicted as late as possible.
+        self._free: OrderedDict[int, Block] = OrderedDict()
         self._cached: dict[bytes, Block] = {}
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - len(self.blocks)
 
     def allocate(self, count: int) -> list[Block]:
-        """Take ``count`` blocks from the LRU end; a cached block taken here loses its hash."""
-        assert count <= len(self._free), "caller must check num_free_blocks first"
+        """Take ``count`` blocks: fresh ones first, then from the LRU end; a cached block taken here loses its hash."""
+        assert count <= self.num_free_blocks, "caller must check num_free_blocks first"
         taken = []
         for _ in range(count):
+            if len(self.blocks) < self.num_blocks:
+                block = Block(len(self.blocks))
+                self.blocks.append(block)
+                block.ref_count = 1
+                taken.append(block)
+                continue
             _, block = self._free.popitem(last=False)
             assert block.ref_count == 0
             if block.block_hash is not None:
@@ -100,4 +110,4 @@ class BlockPool:
         """Assert that nothing holds a block (tests call this after every request ended)."""
         held = [b for b in self.blocks if b.ref_count]
         assert not held, f"blocks still held: {held[:8]}"
-        assert len(self._free) == self.num_blocks
+        assert self.num_free_blocks == self.num_blocks

@@ -11,6 +11,7 @@ from engine.core.logprobs import Logprobs
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
+from engine.worker.kv_memory import zeros_on_first_touch
 from engine.worker.expert_load import ExpertLoadReader
 from engine.worker.prompt_scoring import prompt_scoring
 from engine.worker.sampler import Sampler
@@ -40,8 +41,13 @@ def attach_kv_caches(model: MoECausalLM, cache_config: CacheConfig, device: torc
     attention layers; the extra block is the scratch block padding rows write to."""
     c = model.config
     shape = (cache_config.num_blocks + 1, cache_config.block_size, model.num_local_kv_heads, c.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-              for _ in range(c.num_layers)]
+
+    def zeros() -> torch.Tensor:  # on the CPU, memory is taken as blocks are first written
+        if device.type == "cpu":
+            return zeros_on_first_touch(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    caches = [(zeros(), zeros()) for _ in range(c.num_layers)]
     for attn, cache in zip(model.attention_layers(), caches):
         attn.kv_cache = cache
     return caches
