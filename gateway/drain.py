@@ -46,5 +46,8 @@ async def drain_open_requests(app: web.Application, timeout_s: float) -> int:
     for task in cut:
         task.cancel()
     if cut:  # let the cancelled handlers unwind (abort, billing) before aiohttp closes their connections
-        await asyncio.wait([asyncio.ensure_future(open_requests[task].wait()) for task in cut], timeout=CUT_GRACE_S)
+        waiters = [asyncio.ensure_future(open_requests[task].wait()) for task in cut]
+        _, pending = await asyncio.wait(waiters, timeout=CUT_GRACE_S)
+        for waiter in pending:
+            waiter.cancel()
     return len(cut)
