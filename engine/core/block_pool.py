@@ -67,15 +67,13 @@ class BlockPool:
             if len(self.blocks) < self.num_blocks:
                 block = Block(len(self.blocks))
                 self.blocks.append(block)
-                block.ref_count = 1
-                taken.append(block)
-                continue
-            _, block = self._free.popitem(last=False)
-            assert block.ref_count == 0
-            if block.block_hash is not None:
-                del self._cached[block.block_hash]
-                block.block_hash = None
-                self.num_evictions += 1
+            else:
+                _, block = self._free.popitem(last=False)
+                assert block.ref_count == 0
+                if block.block_hash is not None:
+                    del self._cached[block.block_hash]
+                    block.block_hash = None
+                    self.num_evictions += 1
             block.ref_count = 1
             taken.append(block)
         return taken

@@ -14,7 +14,11 @@ from engine.core.logprobs import Logprobs
 def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The log-softmax of ``logits`` [R, V] (raw model logits) at ``token_ids`` [R] and at each row's ``k`` most
     likely tokens, most likely first: values [R, 1 + K] float32 and ids [R, 1 + K] int64, on the device."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    return gather_logprob_tensors(torch.log_softmax(logits.float(), dim=-1), token_ids, k)
+
+
+def gather_logprob_tensors(logp: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logprob_tensors`` from log-probabilities already computed: ``logp`` [R, V] float32."""
     chosen = logp.gather(1, token_ids[:, None])  # [R, 1]
     if not k:
         return chosen, token_ids[:, None]

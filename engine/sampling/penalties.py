@@ -112,13 +112,6 @@ def apply_penalty_inputs(logits: torch.Tensor, inputs: PenaltyInputs, last_token
         logits.index_put_((index[0], index[1]), values.to(logits.dtype), accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
-    """``apply_penalty_inputs`` for requests whose histories hold no token in flight (the synchronous loop)."""
-    inputs = penalty_inputs(requests, logits.shape[-1], logits.device)
-    if inputs is not None:
-        apply_penalty_inputs(logits, inputs)
-
-
 def apply_min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     """probs [N, V] with tokens below ``min_p`` times their row's largest probability set to 0 (not renormalised:
     the exponential race samples from the unnormalised weights the same way). Only rows with min_p > 0 are read."""

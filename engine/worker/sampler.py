@@ -7,7 +7,7 @@ import torch
 
 from engine.core.logprobs import Logprobs
 from engine.core.request import Request
-from engine.sampling.logprobs import logprob_tensors, unpack_logprobs
+from engine.sampling.logprobs import gather_logprob_tensors, unpack_logprobs
 from engine.sampling.penalties import PenaltyInputs, apply_min_p, apply_penalty_inputs, penalty_inputs
 from engine.structured_output.matchers import GrammarMask, GrammarMatchers
 from engine.worker.staging import stage_int64, to_device
@@ -173,10 +173,11 @@ class Sampler:
         tokens = self._sample(logits, step.views)  # [N]
         if raw is None:
             return DeviceSamples(tokens)
-        values, ids = logprob_tensors(raw, tokens.index_select(0, step.logprob_rows_d), max(step.logprob_counts))
+        logp = torch.log_softmax(raw.float(), dim=-1)  # [R, V]
+        values, ids = gather_logprob_tensors(logp, tokens.index_select(0, step.logprob_rows_d), max(step.logprob_counts))
         eos = None
         if step.grammar is not None and self.grammars.eos_token_id is not None:
-            eos = torch.log_softmax(raw.float(), dim=-1)[:, self.grammars.eos_token_id:self.grammars.eos_token_id + 1]
+            eos = logp[:, self.grammars.eos_token_id:self.grammars.eos_token_id + 1]  # [R, 1]
         return DeviceSamples(tokens, values, ids, eos)
 
     def finish(self, step: StepSampling, requests: list[Request], read: list[list]) -> SamplerOutput:

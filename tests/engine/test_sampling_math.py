@@ -9,7 +9,7 @@ import torch
 
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
-from engine.sampling.penalties import apply_min_p, apply_penalties
+from engine.sampling.penalties import apply_min_p, apply_penalty_inputs, penalty_inputs
 from engine.worker.sampler import Sampler
 
 VOCAB = 97
@@ -62,7 +62,7 @@ def test_penalties_and_logit_bias_match_reference():
         expected = [reference_adjust(row, r.prompt_token_ids, r.output_token_ids, r.sampling_params)
                     for row, r in zip(logits.double().tolist(), reqs)]
         got = logits.clone()
-        apply_penalties(got, reqs)
+        apply_penalty_inputs(got, penalty_inputs(reqs, VOCAB, got.device))
         assert torch.allclose(got.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-4), f"seed={seed}"
         # Greedy sampling follows the adjusted logits.
         tokens = Sampler(torch.device("cpu"), seed=0)(logits.clone(), reqs).token_ids
