@@ -247,7 +247,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         if stream is None or choices.finished:
             # Nothing left to abort: hand the usage over now, with no await before it. Going through
             # a shielded task costs every request a turn of the event loop behind whatever else is
-            # ready, which was the gateway's largest share of its slowest requests (issue 6).
+            # ready, which was the gateway's largest share of its slowest requests under load.
             app[LEDGER].submit(grant, usage)
             if stream is not None:
                 await stream.aclose()  # a finished stream closes without suspending
@@ -404,7 +404,8 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
         app[AUTHENTICATOR] = Authenticator(store, ttl_s=config.auth_cache_ttl_s)
         app[QUOTAS] = QuotaManager(store, policy_ttl_s=config.policy_cache_ttl_s)
         app[SETTLEMENTS] = Settlements()
-        # At most 100 ledger transactions a second: each holds the event loop for about 1 ms (issue 6).
+        # At most 100 ledger transactions a second: each holds the event loop for about 1 ms, so usage
+        # writes never starve request handling.
         app[LEDGER] = UsageLedger(app[QUOTAS], min_interval_s=0.01, journal_dir=Path(config.data_dir) / "usage-journal")
         await app[LEDGER].replay_journal()  # usage a previous run could not write (database down at its stop)
         app[LEDGER].start()
