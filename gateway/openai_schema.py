@@ -8,6 +8,7 @@ import msgspec
 from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams
 from gateway.choices import MAX_CHOICES
 from gateway.errors import APIError
+from gateway.json_types import decode_typed
 from gateway.response_format import ResponseFormat, structured_output_of
 
 # Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the
@@ -55,7 +56,7 @@ class ToolCallMessage(msgspec.Struct, forbid_unknown_fields=True):
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     # null only for an assistant turn that made tool calls; a string or an array of text parts otherwise.
-    content: str | list[TextPart] | None
+    content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)] | None
     name: str | None = None  # a participant's name: accepted, not used by the chat templates we render
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
@@ -181,17 +182,21 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 def error_param(err: msgspec.ValidationError) -> str | None:
     """The field a msgspec validation error points at (``$.messages[0].content`` -> ``messages[0].content``;
-    an unknown field, by its own name under the object that holds it)."""
+    an unknown or a missing field, by its own name under the object that holds it; a value in a map such as
+    ``logit_bias``, by the map's name)."""
     text = str(err)
-    unknown = _UNKNOWN_FIELD.match(text)
-    if unknown:
-        where = unknown.group(2) or "$"  # msgspec names no place for the top level
-        return f"{where[2:]}.{unknown.group(1)}" if where.startswith("$.") else unknown.group(1)
+    named = _UNKNOWN_FIELD.match(text) or _MISSING_FIELD.match(text)
+    if named:
+        where = named.group(2) or "$"  # msgspec names no place for the top level
+        return f"{where[2:]}.{named.group(1)}" if where.startswith("$.") else named.group(1)
     path = text.rsplit("at `$.", 1)
-    return path[1].rstrip("`") or None if len(path) == 2 else None
+    if len(path) != 2:
+        return None
+    return path[1].rstrip("`").removesuffix("[...]") or None
 
 
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `(\$[^`]*)`)?$")
+_MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`(?: - at `(\$[^`]*)`)?$")
 
 
 def check_implemented(req: msgspec.Struct) -> None:
@@ -204,14 +209,11 @@ def check_implemented(req: msgspec.Struct) -> None:
 
 
 def decode_json(data: bytes, cls):
-    """msgspec's decode; nesting too deep to decode and text that is not UTF-8 are a ``DecodeError``
-    like any bad JSON.
-
-    Not strict: JSON Schema (and so the OpenAPI document) counts ``1.0`` as an integer, and clients
-    written against it send that, so integral numbers are taken for integer fields (``1.5`` is not).
-    """
+    """``data`` decoded as ``cls`` (``decode_typed``: an integral number such as ``1.0`` is taken for an integer
+    field, as JSON Schema and so the OpenAPI document count it one, and no other value changes its type);
+    nesting too deep to decode and text that is not UTF-8 are a ``DecodeError`` like any bad JSON."""
     try:
-        return msgspec.json.decode(data, type=cls, strict=False)
+        return decode_typed(data, cls)
     except RecursionError:
         raise msgspec.DecodeError("JSON is nested too deeply") from None
     except UnicodeDecodeError as e:
@@ -306,6 +308,9 @@ def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingPara
     min_tokens = req.min_tokens or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true; leave it out or stream",
+                       param="stream_options")
     logprobs, prompt_logprobs = _logprobs_asked(req)
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=req.seed,

@@ -90,6 +90,23 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                           "response_format": {"type": "xml"}}, "response_format.type"),
+                # A missing field is named itself, not the object that lacks it; a bad value in a map by the map.
+                ("/v1/completions", {"max_tokens": 2}, "prompt"),
+                ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
+                ("/v1/completions", {"prompt": "x", "logit_bias": {"7": 101}}, "logit_bias"),
+                # JSON's types are the fields' types: a number in a string, 1 for true, "null" for null are
+                # refused (msgspec's lax mode would take them), as OpenAI refuses them.
+                ("/v1/completions", {"prompt": "x", "max_tokens": "2"}, "max_tokens"),
+                ("/v1/completions", {"prompt": "x", "temperature": "0.5"}, "temperature"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": 1}, "stream"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "true"},
+                 "logprobs"),
+                ("/v1/completions", {"prompt": "x", "echo": "null"}, "echo"),
+                ("/v1/completions", {"prompt": "x", "logit_bias": {"7": "5"}}, "logit_bias"),
+                # As OpenAI: stream_options only with stream: true, and content parts not an empty list.
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          "stream_options": {"include_usage": True}}, "stream_options"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
             ]:
                 status, answer = await post(path, body)
                 assert status == 400 and answer["error"]["param"] == param, (body, answer)
@@ -117,6 +134,9 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
             # JSON Schema counts 1.0 as an integer, so the server takes it as one; 1.5 is refused.
             status, answer = await post("/v1/completions", {"prompt": "hi", "n": 1.0, "max_tokens": 2.0})
             assert status == 200 and answer["usage"]["completion_tokens"] <= 2, answer
+            status, answer = await post("/v1/completions", {"prompt": [[5.0, 6.0], [7]], "max_tokens": 2.0,
+                                                            "temperature": 1, "echo": True})
+            assert status == 200 and answer["usage"]["prompt_tokens"] == 3, answer
             status, answer = await post("/v1/completions", {"prompt": "hi", "max_tokens": 2.5})
             assert status == 400 and answer["error"]["param"] == "max_tokens", answer
 

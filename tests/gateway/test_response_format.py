@@ -164,7 +164,7 @@ def test_bad_response_formats_are_400s_naming_the_field(served):
         (_schema_format({"type": "string", "pattern": "(("}), "response_format"),
         (_schema_format({"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}},
                          "required": ["a"]}), "response_format"),
-        ({"type": "json_schema"}, "response_format"),  # msgspec names the missing field under it
+        ({"type": "json_schema"}, "response_format.json_schema"),  # the missing field itself
         ({"type": "yaml"}, "response_format.type"),
         ({"type": "json_schema", "json_schema": {"name": "has space", "schema": {}}}, "response_format.json_schema.name"),
     ]
