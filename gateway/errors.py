@@ -63,6 +63,17 @@ async def read_body(request: web.Request) -> bytes:
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
                        headers={"Connection": "close"}) from None
+    except web.RequestPayloadError as e:
+        raise unreadable_body(e) from None
+
+
+def unreadable_body(err: web.RequestPayloadError) -> APIError:
+    """400 for a body aiohttp could not read: one its Content-Encoding (gzip, deflate) cannot decode, or a
+    broken chunked encoding. The connection is closed: what is left of the body cannot be skipped safely."""
+    cause = err.__cause__ or err
+    return APIError(400, f"the request body could not be read ({getattr(cause, 'message', cause)}); send it "
+                         "uncompressed, or compressed as its Content-Encoding header says", code="invalid_body",
+                    headers={"Connection": "close"})
 
 
 REQUEST_ID_HEADER = "X-Request-Id"

@@ -5,6 +5,11 @@
   header line next to ``Authorization``, the caller's API key went into the log
   and back over the wire. The gateway's answer names only the kind of error,
   and logs one line.
+- A body that cannot be read (a Content-Encoding that does not decode): the
+  handler answers it with a 400 (``gateway.errors.unreadable_body``), then
+  aiohttp, skipping what is left of the body, meets the same error again and
+  would log it as an unhandled exception with its traceback. It is logged as
+  one line.
 - A cap on open connections: past it a new connection is closed at once, so
   idle or half-sent connections cannot take every file descriptor (idle ones
   are closed after the keep-alive timeout, which aiohttp applies from the
@@ -26,6 +31,7 @@ import msgspec
 logger = logging.getLogger(__name__)
 _aiohttp_handle_error = RequestHandler.handle_error
 _aiohttp_connection_made = RequestHandler.connection_made
+_aiohttp_log_exception = RequestHandler.log_exception
 _max_connections: int | None = None
 
 
@@ -41,6 +47,14 @@ def _handle_error(self, request, status: int = 500, exc: BaseException | None = 
     return response
 
 
+def _log_exception(self, *args, **kw) -> None:
+    exc = kw.get("exc_info")
+    if isinstance(exc, web.RequestPayloadError):
+        logger.info("unreadable request body: %s", getattr(exc.__cause__, "message", exc))
+        return
+    _aiohttp_log_exception(self, *args, **kw)
+
+
 def _connection_made(self, transport) -> None:
     _aiohttp_connection_made(self, transport)
     server = self._manager
@@ -52,8 +66,10 @@ def _connection_made(self, transport) -> None:
 
 
 def install(max_connections: int | None = None) -> None:
-    """Replace aiohttp's answer to unparseable requests, and cap open connections, in this process."""
+    """Replace aiohttp's answer to unparseable requests and its log of unreadable bodies, and cap open connections,
+    in this process."""
     global _max_connections
     _max_connections = max_connections
     RequestHandler.handle_error = _handle_error
     RequestHandler.connection_made = _connection_made
+    RequestHandler.log_exception = _log_exception

@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.auth import PRINCIPAL
-from gateway.errors import BODY_TIMEOUT_S, APIError
+from gateway.errors import BODY_TIMEOUT_S, APIError, unreadable_body
 from gateway.replies import json_response, query_limit
 from tenants.batch_store import BatchStore, FileInfo
 
@@ -76,6 +76,8 @@ async def upload(request: web.Request) -> web.Response:
                 return await awaitable
         except (HttpProcessingError, ValueError, KeyError, AssertionError) as e:  # what aiohttp's parser raises
             raise _malformed_multipart(e) from None
+        except web.RequestPayloadError as e:
+            raise unreadable_body(e) from None
         except TimeoutError:
             raise APIError(408, f"the upload stalled: nothing arrived for {stall_s:g} s", code="request_timeout",
                            headers={"Connection": "close"}) from None
