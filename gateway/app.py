@@ -324,6 +324,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     prompts = choice_prompts(body, chat, choices.n)
     offsets: dict[int, CompletionLogprobs] = {}  # per choice: text_offset runs on across its chunks
     parsers = {}  # per choice: its chat output parser (tool calls, reasoning)
+    announced: set[int] = set()  # chat choices that have sent a chunk (the first carries the role)
     while True:
         if delta.finish_reason == "error":
             return await _write_error_event(response, output_failed())
@@ -339,7 +340,10 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
             if delta.finished:
                 piece += parser.finish()
             finish = chat_finish_reason(delta.finish_reason, parser.num_calls > 0) if delta.finished else None
-            out_choices = stream_choices(piece, finish, made, plan, chat_logprobs(delta.logprobs), index)
+            out_choices = stream_choices(piece, finish, made, plan, chat_logprobs(delta.logprobs), index,
+                                         first=index not in announced)
+            if out_choices:
+                announced.add(index)
             if finish is not None:
                 out_choices[-1]["stop_reason"] = delta.stop_reason if delta.finish_reason == "stop" else None
         for one in out_choices:

@@ -88,23 +88,35 @@ def chat_message(parsed: ParsedDelta, plan: ChatPlan) -> dict:
 
 
 def stream_choices(piece: ParsedDelta, finish: str | None, first_call: int, plan: ChatPlan,
-                   logprobs: dict | None = None, index: int = 0) -> list[dict]:
+                   logprobs: dict | None = None, index: int = 0, first: bool = True) -> list[dict]:
     """The streamed choices of one step's parsed text: content / reasoning as they come; each tool call as
     OpenAI sends it (one delta with its index, id, type, name and empty arguments, then the arguments);
     the finish reason on the last. ``first_call`` is the index of the first call in ``piece``; the step's
-    ``logprobs`` go with the first choice."""
+    ``logprobs`` go with the first choice.
+
+    ``first``: the choice has sent no chunk yet. Only its first chunk carries ``role``, as OpenAI sends it:
+    clients (the SDKs' stream helpers) concatenate every string field of the deltas, so a role in each
+    chunk would add up to "assistantassistant...". A step with nothing to show (text held back while a
+    tool call may be starting) sends no chunk, unless it carries the finish reason or logprobs: so a reply
+    that is only tool calls starts with the first call, and its ``content`` stays null."""
     out = []
     if piece.content or piece.reasoning:
-        delta = {"role": "assistant", "content": piece.content}
+        delta = {"content": piece.content}
         if plan.reasoning_parser is not None:
             delta["reasoning_content"] = piece.reasoning or None
         out.append(delta)
     for i, call in enumerate(piece.tool_calls, start=first_call):
-        out.append({"role": "assistant", "tool_calls": [
+        out.append({"tool_calls": [
             {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]})
         out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
-    if finish is not None or not out:
-        out.append({} if out else {"role": "assistant", "content": ""})
+    if not out:
+        if finish is None and logprobs is None:
+            return []
+        out.append({"content": ""} if first else {})
+    elif finish is not None:
+        out.append({})
+    if first:
+        out[0] = {"role": "assistant", **out[0]}
     choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in out]
     choices[-1]["finish_reason"] = finish
     choices[0]["logprobs"] = logprobs

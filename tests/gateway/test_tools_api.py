@@ -100,9 +100,11 @@ def test_round_trip_streamed(served):
                                             tool_choice="required", parallel_tool_calls=False, stream=True)
     calls: dict[int, dict] = {}
     finish = None
+    roles = []  # each chunk's delta.role: OpenAI sends it in the first chunk only
     for chunk in stream:
         c = chunk.choices[0]
         finish = c.finish_reason or finish
+        roles.append(c.delta.role)
         for d in c.delta.tool_calls or []:
             if d.index not in calls:  # the first delta of a call: its id, type and name, arguments empty
                 assert d.id.startswith("call_") and d.type == "function" and d.function.name in SCHEMAS
@@ -113,21 +115,34 @@ def test_round_trip_streamed(served):
                 calls[d.index]["arguments"] += d.function.arguments
         assert not c.delta.content
     assert finish == "tool_calls" and sorted(calls) == list(range(len(calls))) and calls
+    assert roles[0] == "assistant" and not any(roles[1:]), roles
     for call in calls.values():
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+    # The SDK's stream helper adds the deltas up into one message, as a non-streamed reply would be.
+    with client.chat.completions.stream(model="demo", messages=QUESTION, tools=TOOLS, seed=seed, max_tokens=300,
+                                        tool_choice="required", parallel_tool_calls=False) as helper:
+        message = helper.get_final_completion().choices[0].message
+    assert message.role == "assistant" and message.content is None, message
+    _check_calls(message.tool_calls, set(SCHEMAS))
 
     history = QUESTION + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
             for c in calls.values()]},
         *({"role": "tool", "tool_call_id": c["id"], "content": "22 degrees"} for c in calls.values())]
-    text, finish = "", None
+    text, finish, roles = "", None, []
     for chunk in client.chat.completions.create(model="demo", messages=history, tools=TOOLS, tool_choice="auto",
-                                                max_tokens=8, seed=seed, stream=True):
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
+                                                max_tokens=8, seed=seed, stream=True, n=2):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+            roles.append((c.index, c.delta.role))
     assert finish in ("stop", "length", "tool_calls")
+    first: dict[int, str | None] = {}
+    for i, role in roles:
+        first.setdefault(i, role)
+    assert first == {0: "assistant", 1: "assistant"} and sum(map(bool, (r for _, r in roles))) == 2, roles
 
 
 @pytest.mark.timeout(120)
