@@ -62,8 +62,11 @@ async def auth_middleware(request: web.Request, handler):
         return await handler(request)
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    if not header.strip():
         raise _unauthorized("missing API key: send the header 'Authorization: Bearer mg-...'")
+    if scheme.lower() != "bearer" or not token.strip():
+        # Not echoed back: a header without the scheme is often the key itself.
+        raise _unauthorized("the Authorization header must be 'Bearer <API key>': send 'Authorization: Bearer mg-...'")
     token = token.strip()
     if not (token.isascii() and token.isprintable()):  # keys are ASCII; other bytes cannot be one
         raise _unauthorized("invalid API key (unknown, revoked or expired)")

@@ -65,6 +65,10 @@ async def read_body(request: web.Request) -> bytes:
                        headers={"Connection": "close"}) from None
     except web.RequestPayloadError as e:
         raise unreadable_body(e) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"the request body is larger than this server's limit of {request.client_max_size} "
+                            "bytes; send a shorter one (large offline work goes through /v1/files and /v1/batches)",
+                       code="request_too_large") from None
 
 
 def unreadable_body(err: web.RequestPayloadError) -> APIError:

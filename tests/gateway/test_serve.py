@@ -176,13 +176,23 @@ def test_bad_requests_get_openai_errors(demo_dir, tmp_path):
                     assert resp.status == 400 and "JSON" in (await resp.json())["error"]["message"]
                 async with http.post(server.make_url("/v1/completions"), json={"prompt": "x"}) as resp:
                     assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
+                    assert (await resp.json())["error"]["message"].startswith("missing API key")
+                key = auth["Authorization"].split()[1]
+                for header in (f"Basic {key}", key, "Bearer  "):  # a wrong scheme, the key alone, no key
+                    async with http.post(server.make_url("/v1/completions"), json={"prompt": "x"},
+                                         headers={"Authorization": header}) as resp:
+                        message = (await resp.json())["error"]["message"]
+                        assert resp.status == 401 and "must be 'Bearer <API key>'" in message, message
+                        assert key not in message
                 async with http.get(server.make_url("/health")) as resp:
                     assert resp.status == 200  # open without a key
                     assert len(resp.headers["X-Request-Id"]) == 32  # generated when the caller sends none
                 async with http.post(server.make_url("/v1/completions"), json={}, headers={**auth, "X-Request-Id": "abc-123"}) as resp:
                     assert resp.status == 400 and resp.headers["X-Request-Id"] == "abc-123"  # errors carry it too
                 async with http.post(server.make_url("/v1/completions"), json={"prompt": "x" * 5000}, headers=auth) as resp:
-                    assert resp.status == 413 and (await resp.json())["error"]["message"]
+                    error = (await resp.json())["error"]
+                    assert resp.status == 413 and error["code"] == "request_too_large"
+                    assert "limit of 4096 bytes" in error["message"], error
                 async with http.get(server.make_url("/openapi.json")) as resp:
                     spec = await resp.json()
                 assert spec["openapi"].startswith("3.") and {"/v1/completions", "/v1/chat/completions", "/v1/files", "/v1/batches/{batch_id}/cancel"} <= set(spec["paths"])
