@@ -170,7 +170,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # needs logprobs: true
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], msgspec.Meta(min_length=1)] | None = None  # [] is refused, as OpenAI does
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # Chat-template options (vLLM's extensions): extra template variables such as enable_thinking, whether

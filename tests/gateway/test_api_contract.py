@@ -107,6 +107,7 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                           "stream_options": {"include_usage": True}}, "stream_options"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
             ]:
                 status, answer = await post(path, body)
                 assert status == 400 and answer["error"]["param"] == param, (body, answer)
