@@ -61,6 +61,7 @@ RATE_HEADERS = web.RequestKey("rate_headers", dict)
 INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
 LEDGER = web.AppKey("ledger", UsageLedger)
 DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503
+SERVING_SINCE = web.AppKey("serving_since", int)  # unix time the app was made: the model card's `created`
 METRICS_URL = web.AppKey("metrics_url", str)  # where the metrics listener answers (once started)
 ENGINE_RESTART_INTERVAL_S = 60.0  # at most one restart a minute for the same cause
 
@@ -143,7 +144,7 @@ async def serve_metrics(app: web.Application):
 
 
 def _model_card(app: web.Application) -> dict:
-    return {"id": _model_name(app), "object": "model", "created": 0, "owned_by": "moegate",
+    return {"id": _model_name(app), "object": "model", "created": app[SERVING_SINCE], "owned_by": "moegate",
             "max_model_len": app[ENGINE].info.max_model_len}
 
 
@@ -389,6 +390,7 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
         client_max_size=config.max_request_bytes,
     )
     app[CONFIG] = config
+    app[SERVING_SINCE] = int(time.time())
     app[BODY_TIMEOUT_S] = config.body_timeout_s
     app[ENGINE] = engine
     app[INFLIGHT] = {}

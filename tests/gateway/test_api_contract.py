@@ -5,6 +5,7 @@ dropped), explicit nulls taken as defaults, and 405s that say which methods are 
 import asyncio
 import json
 import random
+import time
 
 import aiohttp
 import pytest
@@ -127,6 +128,8 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
             # A model by name: the served one, or a 404 naming what is served.
             card = await client.models.retrieve("demo")
             assert card.id == "demo" and card.object == "model"
+            assert abs(card.created - time.time()) < 600, card  # a real unix time (when the server started)
+            assert (await client.models.list()).data[0].created == card.created
             with pytest.raises(openai.NotFoundError) as missing:
                 await client.models.retrieve(word)
             assert missing.value.body["code"] == "model_not_found" and "'demo'" in missing.value.body["message"]
