@@ -31,7 +31,8 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-init-method", default=None, metavar="tcp://HOST:PORT",
                    help="where the ranks meet (default: a free port on this node, every rank here)")
     p.add_argument("--local-ranks", type=int, default=None,
-                   help="ranks this node starts (default all); the others run `moegate engine-rank` elsewhere")
+                   help="ranks this node starts of each engine's --tensor-parallel-size (default all); the others "
+                        "run `moegate engine-rank` elsewhere")
     p.add_argument("--distributed-timeout", type=float, default=30.0,
                    help="seconds a collective may take before the engine fails and restarts (default 30)")
 

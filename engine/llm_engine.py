@@ -9,7 +9,7 @@ from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
 from engine.text.prompts import InputProcessor
 from engine.loading.model_config import CheckpointError, load_model_config
 from engine.distributed.collectives import SINGLE
-from engine.distributed.ranks import DataParallelPeers, EngineRanks
+from engine.distributed.ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
@@ -46,6 +46,16 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
     return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
 
 
+def _replica_note(config: EngineConfig) -> str:
+    """How the engine's ranks sit among the experts' group, for its start-up line."""
+    if not config.enable_expert_parallel:
+        return ""
+    if config.data_parallel_size == 1:
+        return " (experts divided)"
+    return (f", replica {config.data_parallel_rank} of {config.data_parallel_size} (experts divided over "
+            f"{config.data_parallel_size * config.tensor_parallel_size} ranks)")
+
+
 class LLMEngine:
     """Loads a checkpoint and serves requests step by step (no threads, no I/O beyond loading)."""
 
@@ -59,7 +69,7 @@ class LLMEngine:
             self.model_config = random_model_config(config.random_weights)
         else:
             self.model_config = load_model_config(config.model)
-        self.ranks: EngineRanks | DataParallelPeers | None = None
+        self.ranks: EngineRanks | None = None
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         if self.device.type == "cpu":
@@ -71,11 +81,10 @@ class LLMEngine:
 
             if "triton" not in moe_kernels.available_backends():
                 raise ValueError("the triton kernels need CUDA (or TRITON_INTERPRET=1 for CPU testing)")
-        # Several ranks: this process is rank 0 (it schedules and samples); the others follow its plans.
-        if config.tensor_parallel_size > 1:
+        # Several ranks: this process is its replica's rank 0 (it schedules and samples); the replica's other
+        # ranks follow its plans, and replicas sharing their experts step together.
+        if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
             self.ranks = EngineRanks(config, self.device)
-        elif config.data_parallel_size > 1:
-            self.ranks = DataParallelPeers(config, self.device)
         try:
             parts = build_rank(config, self.model_config, self.kernels, self.dtype, self.device,
                                self.ranks.tp if self.ranks else SINGLE)
@@ -118,7 +127,7 @@ class LLMEngine:
             "engine ready: %s%s on %s/%s x%d ranks%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, "
             "CUDA graphs %s, piecewise CUDA graphs %s, overlapped scheduling %s",
             self.model_config.architecture, " (RANDOM WEIGHTS)" if config.random_weights else "", self.device, self.dtype,
-            config.tensor_parallel_size, " (experts divided)" if config.enable_expert_parallel else "",
+            config.tensor_parallel_size, _replica_note(config),
             self.kernels.attention, cache_config.num_blocks, config.block_size, self.max_model_len,
             self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off",
             f"{pw.sizes} (captured in {pw.capture_s:.1f} s)" if (pw := self.runner.piecewise_graphs) else "off",
@@ -246,7 +255,7 @@ class LLMEngine:
     def step_needed(self) -> bool:
         """Whether to call ``step()`` now: this engine has work or, for data-parallel engines sharing experts,
         any of them has (a collective: call it once per loop on every engine of the group)."""
-        if isinstance(self.ranks, DataParallelPeers):
+        if self.ranks is not None:
             return self.ranks.any_busy(self.has_unfinished())
         return self.has_unfinished()
 

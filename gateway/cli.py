@@ -127,11 +127,12 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
     if local == 1 and not remote:
         return AsyncEngine(engine_config, stall_timeout_s=stall_timeout_s)
     if local > 1 and engine_config.cpu_threads is None and engine_config.device != "cuda":
-        # Replicas on the CPU share its cores: each gets its share, not all of them (oversubscribed
-        # threads wait at every parallel region's barrier for a descheduled peer).
+        # Replicas on the CPU share its cores: each rank process gets its share, not all of them
+        # (oversubscribed threads wait at every parallel region's barrier for a descheduled peer).
         import dataclasses
 
-        engine_config = dataclasses.replace(engine_config, cpu_threads=max(1, (os.cpu_count() or 1) // local))
+        processes = local * engine_config.tensor_parallel_size
+        engine_config = dataclasses.replace(engine_config, cpu_threads=max(1, (os.cpu_count() or 1) // processes))
     # On GPUs each local replica takes its own devices (on the CPU the variable is ignored); with
     # --enable-expert-parallel the replicas form one group that divides the experts.
     replicas = [AsyncEngine(config, process_env={"CUDA_VISIBLE_DEVICES": replica_devices(config, i)},
@@ -286,7 +287,8 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas on this node, each a whole engine with its own KV cache (default 1); "
                         "on a GPU node replica i takes the --tensor-parallel-size GPUs after the previous "
-                        "replicas' (size 1: GPU i), on a CPU they share the cores")
+                        "replicas' (size 1: GPU i), on a CPU they share the cores; with --enable-expert-parallel "
+                        "the replicas divide the experts among all their ranks")
     p.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
                    help="attach an engine started with `moegate engine --listen HOST:PORT` as one more replica "
                         "(repeatable; needs MOEGATE_ENGINE_KEY); --model still names the tokenizer")

@@ -52,7 +52,10 @@ class EngineConfig:
     ``data_parallel_size`` > 1 (with ``enable_expert_parallel``): this engine is data-parallel rank
     ``data_parallel_rank`` of that many whole engines (each its own scheduler, requests and KV cache)
     whose MoE layers share one expert-parallel group; they step together, an engine with nothing to
-    do running the MoE layers' collectives alone (a dummy step). They meet at ``distributed_init_method``.
+    do running the MoE layers' collectives alone (a dummy step). Each may itself be split over
+    ``tensor_parallel_size`` ranks (``local_ranks`` then counts this replica's ranks on this node):
+    the experts are divided among all data_parallel_size x tensor_parallel_size ranks, attention and
+    the dense layers within each replica. They meet at ``distributed_init_method``.
     ``quantization``: the routed experts stored in 8 bits, quantized at load time (``docs/quantization.md``):
     "fp8" (float8_e4m3fn, a scale per output channel), "fp8-block" (a scale per 128x128 block) or "int8"
     (weight-only, a scale per output channel); None keeps the model dtype, or the checkpoint's own FP8
@@ -136,9 +139,6 @@ class EngineConfig:
             if not self.enable_expert_parallel:
                 raise ValueError("data-parallel engines share work only through divided experts: set "
                                  "enable_expert_parallel (independent replicas need no engine setting)")
-            if self.tensor_parallel_size > 1:
-                raise ValueError("expert parallelism over data-parallel engines that are themselves split "
-                                 "(tensor_parallel_size > 1) is not supported yet")
             if not self.distributed_init_method:
                 raise ValueError("data-parallel engines meet at distributed_init_method (tcp://HOST:PORT)")
         if self.tensor_parallel_size < 1:

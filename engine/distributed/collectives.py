@@ -112,7 +112,7 @@ class TensorParallel:
         if self.size == 1:
             return obj
         box = [obj if self.rank == 0 else None]
-        self._run("broadcast of the step's plan", dist.broadcast_object_list, box, src=0,
+        self._run("broadcast of the step's plan", dist.broadcast_object_list, box, src=self.groups.first_global_rank,
                   group=self.groups.control_group)
         return box[0]
 

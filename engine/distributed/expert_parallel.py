@@ -90,13 +90,12 @@ class ExpertParallel:
 
     DISPATCH = {"all_gather": AllGatherDispatch, "all_to_all": AllToAllDispatch}
 
-    def __init__(self, tp: TensorParallel, dispatch: str = "all_to_all", tokens_replicated: bool = True) -> None:
-        """``tp``: the group the experts are divided among. ``tokens_replicated``: every rank of it holds the
-        same tokens (its attention is tensor parallel), so the MoE block divides them before dispatching and
-        gathers them after; False for data-parallel engines, each bringing its own tokens."""
+    def __init__(self, tp: TensorParallel, dispatch: str = "all_to_all") -> None:
+        """``tp``: the group the experts are divided among: one replica's tensor-parallel ranks, or every rank
+        of several replicas (each rank brings its share of its replica's tokens)."""
         if dispatch not in self.DISPATCH:
             raise ValueError(f"expert dispatch must be one of {tuple(self.DISPATCH)}, got {dispatch!r}")
-        self.tp, self.dispatch_name, self.tokens_replicated = tp, dispatch, tokens_replicated
+        self.tp, self.dispatch_name = tp, dispatch
 
     def expert_starts(self, num_experts: int) -> list[int]:
         """[N + 1]: rank i holds experts [starts[i], starts[i + 1])."""

@@ -1,9 +1,10 @@
-"""A follower rank of an engine: its slices of the model, stepping as rank 0's plans say, until told to stop.
+"""A follower rank of an engine: its slices of the model, stepping as its replica's rank 0's plans say, until
+told to stop.
 
 Run as ``python -m engine.distributed.follower`` (or ``moegate engine-rank``)
-with the ``torchrun`` variables set: rank 0 starts this node's followers so,
-and ranks on other nodes are started so by ``torchrun`` or by hand. The
-engine's config comes from rank 0 once the ranks have met.
+with the ``torchrun`` variables set: each engine process starts its node's
+followers so, and ranks on other nodes are started so by ``torchrun`` or by
+hand. The engine's config comes from world rank 0 once the ranks have met.
 """
 
 import argparse
@@ -14,17 +15,16 @@ import sys
 import torch
 
 from engine.core.config import EngineConfig, KernelChoice
-from engine.distributed.collectives import TensorParallel
 from engine.distributed.groups import CollectiveError, RankGroups, RankInfo
-from engine.distributed.ranks import parallel_group
+from engine.distributed.ranks import parallel_groups, take_world_config
 
 logger = logging.getLogger(__name__)
 
 
 def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: str | None = None) -> None:
-    """Join the group, take rank 0's config (``model_dir``: where this node keeps the same checkpoint, if
-    elsewhere), build this rank's model and runner as rank 0 builds its own, then follow its plans; returns
-    when rank 0 sends the empty plan, raises CollectiveError when rank 0 or a peer fails."""
+    """Join the world, take world rank 0's config (``model_dir``: where this node keeps the same checkpoint, if
+    elsewhere), build this rank's model and runner as its replica's rank 0 builds its own, then follow that
+    rank's plans; returns when it sends the empty plan (None), raises CollectiveError when it or a peer fails."""
     from engine.llm_engine import resolve_dtype
     from engine.loading.model_config import load_model_config
     from engine.worker.model_setup import build_rank
@@ -34,17 +34,20 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
         torch.cuda.set_device(device)
     groups = RankGroups(info, device, timeout_s)
     try:
-        config: EngineConfig = TensorParallel(groups).broadcast_object()  # rank 0 sends it first
-        if model_dir:
-            config = dataclasses.replace(config, model=model_dir)
+        config = take_world_config(groups)
+        replica, place = divmod(info.rank, config.tensor_parallel_size)
+        if place == 0:
+            raise ValueError(f"rank {info.rank} is replica {replica}'s engine process (moegate serve), not a "
+                             "follower: start only the other ranks with moegate engine-rank")
+        config = dataclasses.replace(config, data_parallel_rank=replica, model=model_dir or config.model)
         if device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
-        tp = parallel_group(groups, config)
+        tp = parallel_groups(groups, config).tp
         model_config = load_model_config(config.model)
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, device)
         runner = build_rank(config, model_config, KernelChoice.resolve(config.kernels, device.type), dtype, device,
                             tp).runner
-        while (plan := tp.broadcast_object()) is not None:
+        while (plan := tp.broadcast_object()) is not None:  # from this replica's rank 0
             runner.follow(plan)
     finally:
         groups.close()
@@ -65,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     except CollectiveError as e:  # rank 0 or a peer went away: the engine restarts its ranks as a whole
         logger.error("%s", e)
         return 1
+    except ValueError as e:  # this rank does not fit the world rank 0 describes
+        print(f"moegate engine-rank: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -118,11 +118,58 @@ class RankGroups:
         """Rank 0 runs the scheduler and talks to the gateway; the others follow its plans."""
         return self.rank == 0
 
+    @property
+    def first_global_rank(self) -> int:
+        """The world rank of this group's rank 0 (the world itself: 0)."""
+        return 0
+
+    def subgroup(self, members: list[list[int]], name: str, device: bool = True) -> "Subgroup | None":
+        """This rank's part of a partition of some world ranks into groups (``members``: each group's world
+        ranks, ascending), with the same timeouts; None if this rank is in none of them. Every rank of the
+        world calls it with the same arguments in the same order (``torch.distributed.new_group`` requires it).
+        ``device``: a group for the model's collectives too, not only a gloo control group."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        mine = None
+        try:
+            for ranks in members:
+                device_group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=self.timeout_s)) \
+                    if device else None
+                control_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=IDLE_TIMEOUT_S))
+                if self.rank in ranks:
+                    mine = Subgroup(self, ranks, name, device_group, control_group)
+        except Exception as e:
+            raise self.fail(f"forming the {name} groups", e) from None
+        return mine
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def fail(self, op: str, error: Exception) -> CollectiveError:
-        return CollectiveError(f"rank {self.rank} of {self.world_size}: {op} did not complete within "
-                               f"{self.timeout_s:g} s or a peer rank failed ({type(error).__name__}: "
-                               f"{str(error).splitlines()[0] if str(error) else ''})")
+        return collective_error(f"rank {self.rank} of {self.world_size}", op, self.timeout_s, error)
+
+
+class Subgroup:
+    """Some of the world's ranks (one replica's tensor-parallel ranks, say), with the interface of
+    ``RankGroups`` that the collectives use: ``rank`` of ``world_size`` inside the group."""
+
+    def __init__(self, world: RankGroups, ranks: list[int], name: str, device_group, control_group) -> None:
+        self.world, self.ranks, self.name = world, ranks, name
+        self.rank, self.world_size = ranks.index(world.rank), len(ranks)
+        self.timeout_s, self.device = world.timeout_s, world.device
+        self.device_group, self.control_group = device_group, control_group
+
+    @property
+    def first_global_rank(self) -> int:
+        return self.ranks[0]
+
+    def fail(self, op: str, error: Exception) -> CollectiveError:
+        who = f"rank {self.world.rank} of {self.world.world_size} ({self.rank} of its {self.name} group of {self.world_size})"
+        return collective_error(who, op, self.timeout_s, error)
+
+
+def collective_error(who: str, op: str, timeout_s: float, error: Exception) -> CollectiveError:
+    """The error a rank raises when ``op`` failed: which rank, what, and the first line of the cause."""
+    cause = str(error).splitlines()[0] if str(error) else ""
+    return CollectiveError(f"{who}: {op} did not complete within {timeout_s:g} s or a peer rank failed "
+                           f"({type(error).__name__}: {cause})")

@@ -1,17 +1,23 @@
-"""Rank 0's side of an engine that runs as several processes: start this node's other ranks, join them, stop them.
+"""An engine process's side of an engine that runs as several processes: start this node's other ranks, join
+them, form the groups, stop them.
 
-The other ranks are ordinary processes running ``engine.distributed.follower``
-with the standard ``torchrun`` variables (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so ranks on other nodes are
-started the same way, by ``torchrun`` or by hand (``moegate engine-rank``).
-Once the ranks have met, rank 0 sends them its ``EngineConfig``: every rank
-builds the same model the same way, whatever its own command line said.
+The world is ``data_parallel_size`` replicas of ``tensor_parallel_size`` ranks
+each (one replica and its split ranks, or several replicas sharing their
+experts): replica d is world ranks [d*T, (d+1)*T), and its rank 0 is the engine
+process that schedules for it. The other ranks are ordinary processes running
+``engine.distributed.follower`` with the standard ``torchrun`` variables
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
+so ranks on other nodes are started the same way, by ``torchrun`` or by hand
+(``moegate engine-rank``). Once the ranks have met, world rank 0 sends its
+``EngineConfig`` to all: every rank builds the same model the same way,
+whatever its own command line said.
 """
 
 import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -19,43 +25,99 @@ from engine.core.config import EngineConfig
 from engine.distributed.collectives import TensorParallel
 from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.groups import RankGroups, RankInfo
-from engine.distributed.replica_layout import free_port
+from engine.distributed.replica_layout import free_port, replica_world_ranks
 
 logger = logging.getLogger(__name__)
 
-def parallel_group(groups: RankGroups, config: EngineConfig) -> TensorParallel:
-    """The collectives of an engine's group of ranks, with experts divided among them if the config says so."""
-    tp = TensorParallel(groups)
+
+@dataclass(frozen=True, slots=True)
+class ParallelGroups:
+    """This rank's collectives: ``tp`` over its replica's ranks (the model's tensor parallelism; its
+    ``expert_parallel`` divides the experts among every replica's ranks), and ``drivers`` over the
+    replicas' rank-0 processes (on those only, when several replicas share their experts)."""
+
+    tp: TensorParallel
+    drivers: TensorParallel | None
+
+
+def parallel_groups(groups: RankGroups, config: EngineConfig) -> ParallelGroups:
+    """The groups of an engine's world of ``data_parallel_size`` x ``tensor_parallel_size`` ranks (replica d is
+    world ranks [d*T, (d+1)*T)), with the experts divided among all of them if the config says so. Every rank
+    of the world calls it, in the same order as its other collectives."""
+    replicas, split = config.data_parallel_size, config.tensor_parallel_size
+    if groups.world_size != replicas * split:
+        raise ValueError(f"{groups.world_size} ranks met, but data_parallel_size x tensor_parallel_size is "
+                         f"{replicas} x {split}")
+    world = TensorParallel(groups)
+    if replicas == 1:
+        tp, drivers = world, None
+    else:
+        layout = replica_world_ranks(replicas, split)
+        tp = TensorParallel(groups.subgroup(layout, "tensor-parallel")) if split > 1 else TensorParallel()
+        driver_ranks = [ranks[0] for ranks in layout]
+        driver_group = groups.subgroup([driver_ranks], "data-parallel", device=False) if split > 1 else groups
+        drivers = TensorParallel(driver_group) if groups.rank in driver_ranks else None
     if config.enable_expert_parallel:
-        tp.expert_parallel = ExpertParallel(tp, config.expert_dispatch)
-    return tp
+        tp.expert_parallel = ExpertParallel(world, config.expert_dispatch)
+    return ParallelGroups(tp, drivers)
+
+
+def take_world_config(groups: RankGroups, config: EngineConfig | None = None) -> EngineConfig:
+    """World rank 0's config, on every rank (rank 0 passes its own; the other replicas' rank-0 processes pass
+    theirs, which must lay out the same world). The first message once the ranks have met."""
+    sent = TensorParallel(groups).broadcast_object(config if groups.rank == 0 else None)
+    if config is not None and (sent.data_parallel_size, sent.tensor_parallel_size) != (
+            config.data_parallel_size, config.tensor_parallel_size):
+        raise ValueError(f"rank {groups.rank}: data_parallel_size x tensor_parallel_size is "
+                         f"{config.data_parallel_size} x {config.tensor_parallel_size} here, "
+                         f"{sent.data_parallel_size} x {sent.tensor_parallel_size} on rank 0")
+    return sent
 
 
 class EngineRanks:
-    """Started by rank 0 (the engine process) when ``tensor_parallel_size`` > 1."""
+    """The ranks of one engine process (a replica's rank 0): started when ``tensor_parallel_size`` > 1 or when
+    ``data_parallel_size`` replicas share their experts. It starts this replica's other ranks on this node,
+    meets every rank of the world, and forms the groups. Replicas step together: ``any_busy`` once per loop,
+    then a step on every replica (a dummy one where there is no work)."""
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         init = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         host, port = init[len("tcp://"):].rsplit(":", 1)
-        world = config.tensor_parallel_size
+        split = config.tensor_parallel_size
+        world = config.data_parallel_size * split
+        first = self.first_rank = config.data_parallel_rank * split  # this replica's ranks: [first, first + split)
         env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": port}
         command = [sys.executable, "-m", "engine.distributed.follower", "--device", device.type,
                    "--timeout", str(config.distributed_timeout_s)]
         self.processes: list[subprocess.Popen] = []
-        for rank in range(1, config.local_ranks or world):
-            self.processes.append(subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        for local in range(1, config.local_ranks or split):
+            self.processes.append(subprocess.Popen(
+                command, env={**env, "RANK": str(first + local), "LOCAL_RANK": str(local)}))
         try:
-            self.groups = RankGroups(RankInfo(0, world, 0, init), device, config.distributed_timeout_s,
+            self.groups = RankGroups(RankInfo(first, world, 0, init), device, config.distributed_timeout_s,
                                      starting=self._exited)
         except BaseException:
             self._end_processes(0)
             raise
-        self.tp = parallel_group(self.groups, config)
-        self.tp.broadcast_object(config)
-        logger.info("engine ranks joined: %d (%d on this node) at %s", world, len(self.processes) + 1, init)
+        try:
+            take_world_config(self.groups, config)
+            parts = parallel_groups(self.groups, config)
+        except BaseException:
+            self.abort()
+            raise
+        self.tp, self.drivers = parts.tp, parts.drivers
+        logger.info("engine ranks joined: %d of %d (%d on this node) at %s, replica %d of %d", split, world,
+                    len(self.processes) + 1, init, config.data_parallel_rank, config.data_parallel_size)
+
+    def any_busy(self, busy: bool) -> bool:
+        """Whether any replica of the group has work (then every replica steps): one collective among the
+        replicas' rank-0 processes, on each of them; ``busy`` itself when this engine is the only replica."""
+        if self.drivers is None:
+            return busy
+        return bool(self.drivers.max_over_ranks(int(busy), "agreeing whether to step"))
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Tell the other ranks to stop (an empty plan), wait for this node's, and leave the group."""
+        """Tell this replica's other ranks to stop (an empty plan), wait for this node's, and leave the group."""
         try:
             self.tp.broadcast_object(None)
         except Exception as e:  # a rank already gone: the rest end when their connections close
@@ -70,7 +132,7 @@ class EngineRanks:
 
     def _exited(self) -> str | None:
         """Which rank this node started has exited already (while the ranks meet), if one has."""
-        for rank, process in enumerate(self.processes, start=1):
+        for rank, process in enumerate(self.processes, start=self.first_rank + 1):
             if process.poll() is not None:
                 return f"rank {rank} exited with code {process.returncode}"
         return None
@@ -82,26 +144,4 @@ class EngineRanks:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-
-class DataParallelPeers:
-    """This engine's place among ``data_parallel_size`` whole engines whose MoE layers share one
-    expert-parallel group; they step together (``any_busy`` once per loop, then a step on every engine)."""
-
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        info = RankInfo(config.data_parallel_rank, config.data_parallel_size, 0, config.distributed_init_method)
-        self.groups = RankGroups(info, device, config.distributed_timeout_s)
-        self.peers = TensorParallel(self.groups)
-        self.tp = TensorParallel()  # this engine's own model is whole; only its experts are divided
-        self.tp.expert_parallel = ExpertParallel(self.peers, config.expert_dispatch, tokens_replicated=False)
-        logger.info("data-parallel engine %d of %d joined at %s", info.rank, info.world_size, info.init_method)
-
-    def any_busy(self, busy: bool) -> bool:
-        """Whether any engine of the group has work (then every engine steps): one collective, on every engine."""
-        return bool(self.peers.max_over_ranks(int(busy), "agreeing whether to step"))
-
-    def close(self) -> None:
-        self.groups.close()
-
-    abort = close
 

@@ -12,6 +12,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def replica_world_ranks(data_parallel_size: int, tensor_parallel_size: int) -> list[list[int]]:
+    """The world ranks of each replica of an expert-parallel group of ``data_parallel_size`` replicas, each
+    split over ``tensor_parallel_size`` ranks: replica d holds ranks [d*T, (d+1)*T), its rank 0 (d*T) the
+    process that schedules for it."""
+    t = tensor_parallel_size
+    return [list(range(d * t, (d + 1) * t)) for d in range(data_parallel_size)]
+
+
 def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
     """The config of each of ``replicas`` engines on this node: the same config, or with
     ``enable_expert_parallel`` data-parallel ranks of one expert-parallel group meeting at

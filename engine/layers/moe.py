@@ -71,12 +71,12 @@ class SparseMoeBlock(nn.Module):
     each expert's intermediate size (and of the shared expert's); the routed and shared partial
     outputs are added, then summed over the ranks in one all-reduce.
 
-    Expert parallel (``tp.expert_parallel`` set): rank r holds whole experts, a contiguous run of
-    about E/N of them. Under tensor parallelism the tokens (the same on every rank after attention)
-    are divided among the ranks, each rank's share goes through ``ExpertParallel``'s dispatch to the
+    Expert parallel (``tp.expert_parallel`` set): each rank of the experts' group (this replica's
+    ranks, or every rank of several data-parallel replicas) holds whole experts, a contiguous run of
+    about E/N of them. The tokens (the same on every rank of a replica after attention) are divided
+    among the replica's ranks, each rank's share goes through ``ExpertParallel``'s dispatch to the
     ranks holding its experts and back, and the shares are gathered again; the shared expert stays
-    split on its intermediate size, with its own all-reduce. Data-parallel engines dispatch their
-    own tokens as they are (and hold the shared expert whole).
+    split on its intermediate size over the replica's ranks, with its own all-reduce.
     """
 
     def __init__(
@@ -130,14 +130,13 @@ class SparseMoeBlock(nn.Module):
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H], this rank's partial sum
 
     def _expert_parallel(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        tp = self.tp
-        if not tp.expert_parallel.tokens_replicated:  # data-parallel engines: each brings its own tokens
-            out = self.dispatch.run(x, topk_weights, topk_ids, self._local_experts)  # [T, H]
-            return out + self._shared(x) if self.shared_expert is not None else out
-        counts = tp.split(x.shape[0])  # this step's tokens divided among the ranks (a rank may get none)
+        tp = self.tp  # this replica's ranks: they hold the same tokens after attention
+        counts = tp.split(x.shape[0])  # this step's tokens divided among them (a rank may get none)
         start = sum(counts[:tp.rank])
         mine = slice(start, start + counts[tp.rank])
         out = self.dispatch.run(x[mine], topk_weights[mine], topk_ids[mine], self._local_experts)  # [T_r, H]
+        if x.shape[0] == 0:  # a dummy step (a peer replica has work): every rank of this replica has nothing
+            return out
         out = tp.all_gather_rows(out, counts)  # [T, H]
         if self.shared_expert is not None:
             out = out + tp.all_reduce(self._shared(x))

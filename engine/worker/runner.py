@@ -115,6 +115,8 @@ class ModelRunner:
             self.draft.propose(sched_out)
         if sched_out.is_empty:
             if self.steps_with_peers:
+                if self.model.tp.size > 1:  # this replica's other ranks step empty too
+                    self.model.tp.broadcast_object([])
                 self.dummy_step()
             return StepSamples([])
         if self.model.tp.size > 1:  # the other ranks run the same forward on their slices of the model
@@ -161,9 +163,10 @@ class ModelRunner:
 
     @property
     def steps_with_peers(self) -> bool:
-        """Data-parallel engines sharing experts: every engine runs every step, with tokens or without."""
+        """Data-parallel replicas sharing experts (the experts' group is larger than this replica's): every
+        replica runs every step, with tokens or without."""
         ep = self.model.tp.expert_parallel
-        return ep is not None and not ep.tokens_replicated
+        return ep is not None and ep.tp.size > self.model.tp.size
 
     @torch.inference_mode()
     def dummy_step(self) -> None:
@@ -176,7 +179,11 @@ class ModelRunner:
     @torch.inference_mode()
     def follow(self, plan: list[ScheduledRequest]) -> None:
         """A follower rank's part of a step: the same forward as rank 0's over this rank's slices of the model
-        (its collectives pair with rank 0's), including the logits' gather; rank 0 alone samples."""
+        (its collectives pair with rank 0's), including the logits' gather; rank 0 alone samples. An empty plan
+        is a dummy step (this replica has no work while a peer replica has)."""
+        if not plan:
+            self.dummy_step()
+            return
         self.num_steps += 1
         batch = self.prepare(plan)
         hidden = self.forward(batch)  # [T, H]

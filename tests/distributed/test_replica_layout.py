@@ -1,11 +1,10 @@
 """A node's replicas: which GPUs each takes, and the configs of replicas that share their experts."""
 
+import os
 import random
 
-import pytest
-
 from engine.core.config import EngineConfig
-from engine.distributed.replica_layout import replica_configs, replica_devices
+from engine.distributed.replica_layout import replica_configs, replica_devices, replica_world_ranks
 
 
 def test_each_replica_takes_its_own_gpus_after_the_previous_ones():
@@ -23,8 +22,17 @@ def test_replicas_that_share_experts_are_ranks_of_one_group():
     configs = replica_configs(shared, 3)
     assert [c.data_parallel_rank for c in configs] == [0, 1, 2] and {c.data_parallel_size for c in configs} == {3}
     assert len({c.distributed_init_method for c in configs}) == 1 and configs[0].distributed_init_method.startswith("tcp://")
-    with pytest.raises(ValueError, match="not supported yet"):
-        replica_configs(EngineConfig(model="m", enable_expert_parallel=True, tensor_parallel_size=2), 2)
+    split = replica_configs(EngineConfig(model="m", enable_expert_parallel=True, tensor_parallel_size=2), 2)
+    assert [(c.data_parallel_rank, c.tensor_parallel_size) for c in split] == [(0, 2), (1, 2)]
+
+
+def test_replica_d_holds_world_ranks_d_times_t_to_the_next():
+    replicas, split = random.randint(1, 5), random.randint(1, 5)
+    layout = replica_world_ranks(replicas, split)
+    assert len(layout) == replicas and all(len(ranks) == split for ranks in layout)
+    assert sorted(r for ranks in layout for r in ranks) == list(range(replicas * split))
+    for d, ranks in enumerate(layout):
+        assert all(rank // split == d for rank in ranks) and ranks == sorted(ranks)
 
 
 def test_the_command_line_refuses_what_is_not_built_in_one_line(tmp_path):
@@ -33,5 +41,6 @@ def test_the_command_line_refuses_what_is_not_built_in_one_line(tmp_path):
 
     run = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--model", str(tmp_path), "--database-url",
                           f"sqlite:///{tmp_path}/p.db", "--data-parallel-size", "2", "--enable-expert-parallel",
-                          "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "not supported yet" in run.stderr, run.stderr
+                          "--tensor-parallel-size", "2", "--engine", "127.0.0.1:1"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "MOEGATE_ENGINE_KEY": "k" * 16})
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--engine cannot be combined" in run.stderr, run.stderr
