@@ -31,10 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 0 or (args.data_parallel_size == 0 and not remote):
         raise ValueError(f"--data-parallel-size must be >= 1 (0 only with --engine), got {args.data_parallel_size}")
     authkey = engine_authkey() if remote else b""
-    if engine_config.enable_expert_parallel and args.data_parallel_size > 1 and remote:
-        raise ValueError("replicas that share their experts all run on this node: --engine cannot be combined "
-                         "with --data-parallel-size > 1 and --enable-expert-parallel")
-    replica_configs(engine_config, args.data_parallel_size)  # checks the combination before anything starts
+    replica_configs(engine_config, args.data_parallel_size, len(remote))  # checks the combination first
     if args.engine_stall_timeout <= 0:
         raise ValueError(f"--engine-stall-timeout must be > 0, got {args.engine_stall_timeout}")
     config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
@@ -137,7 +134,7 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
     # --enable-expert-parallel the replicas form one group that divides the experts.
     replicas = [AsyncEngine(config, process_env={"CUDA_VISIBLE_DEVICES": replica_devices(config, i)},
                             stall_timeout_s=stall_timeout_s)
-                for i, config in enumerate(replica_configs(engine_config, local))]
+                for i, config in enumerate(replica_configs(engine_config, local, len(remote)))]
     replicas += [RemoteEngine(engine_config, address, authkey, stall_timeout_s) for address in remote]
     names = [str(i) for i in range(local)] + [f"{host}:{port}" for host, port in remote]
     return ReplicaRouter(replicas, names, RouterConfig(policy=policy))
@@ -176,6 +173,12 @@ def _add_engine(subparsers) -> None:
                    help="address to accept the gateway on (port 0: any free port, printed)")
     add_engine_options(p)
     engine_cli.add_parallel_arguments(p)
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="with --enable-expert-parallel: replicas in the group that divides the experts, on every "
+                        "node (the gateway's local replicas and every --engine it attaches); default 1")
+    p.add_argument("--data-parallel-rank", type=int, default=0,
+                   help="this engine's place in that group: the gateway's local replicas are 0 to L-1, its "
+                        "--engine addresses L, L+1, ... in the order given (default 0)")
     p.set_defaults(func=_engine)
 
 
@@ -189,6 +192,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         background_token_budget=args.background_token_budget, background_window_s=args.background_window_seconds,
         cpu_threads=args.cpu_threads, quantization=args.quantization, overlap_scheduling=args.overlap_scheduling,
         cuda_graph_token_sizes=args.cuda_graph_token_sizes, **engine_cli.parallel_fields(args),
+        **_replica_rank_fields(args),
         **engine_cli.speculative_fields(args),
     )
     if args.random_weights is not None:
@@ -199,6 +203,14 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         engine_config = dataclasses.replace(engine_config, model=served_name(args.random_weights),
                                             random_weights=args.random_weights, tokenizer=args.model)
     return engine_config
+
+
+def _replica_rank_fields(args: argparse.Namespace) -> dict:
+    """``moegate engine``'s place in a group of replicas that divide the experts (``moegate serve`` sets these
+    per local replica itself, from its own --data-parallel-size and --engine list)."""
+    if not hasattr(args, "data_parallel_rank"):  # moegate serve
+        return {}
+    return dict(data_parallel_size=args.data_parallel_size, data_parallel_rank=args.data_parallel_rank)
 
 
 def token_sizes(text: str) -> tuple[int, ...]:

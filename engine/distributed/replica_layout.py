@@ -20,14 +20,20 @@ def replica_world_ranks(data_parallel_size: int, tensor_parallel_size: int) -> l
     return [list(range(d * t, (d + 1) * t)) for d in range(data_parallel_size)]
 
 
-def replica_configs(config: EngineConfig, replicas: int) -> list[EngineConfig]:
+def replica_configs(config: EngineConfig, replicas: int, remote: int = 0) -> list[EngineConfig]:
     """The config of each of ``replicas`` engines on this node: the same config, or with
-    ``enable_expert_parallel`` data-parallel ranks of one expert-parallel group meeting at
-    ``distributed_init_method`` (a free local port if unset). ValueError for a combination not supported."""
-    if replicas <= 1 or not config.enable_expert_parallel:
+    ``enable_expert_parallel`` data-parallel ranks 0 to ``replicas`` - 1 of one expert-parallel group meeting at
+    ``distributed_init_method`` (a free local port if unset), whose ranks ``replicas`` and up are the ``remote``
+    engines other nodes serve (``moegate engine --data-parallel-rank``). ValueError for a combination not
+    supported."""
+    if not config.enable_expert_parallel or replicas + remote <= 1:
         return [config] * replicas
+    if remote and not config.distributed_init_method:
+        raise ValueError("replicas on other nodes that share the experts meet this node's at "
+                         "--distributed-init-method tcp://HOST:PORT (an address of this node they can reach)")
     init = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
-    return [dataclasses.replace(config, data_parallel_size=replicas, data_parallel_rank=i, distributed_init_method=init)
+    size = replicas + remote
+    return [dataclasses.replace(config, data_parallel_size=size, data_parallel_rank=i, distributed_init_method=init)
             for i in range(replicas)]
 
 

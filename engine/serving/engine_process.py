@@ -43,6 +43,7 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
         while requests.poll(0 if busy or engine.has_unfinished() or idle_change else idle_wait):
             msg = to_engine_decoder.decode(requests.recv_bytes())
             if isinstance(msg, Shutdown):
+                engine.close()  # an engine split over ranks tells them to stop, and they exit now
                 return
             if isinstance(msg, AbortRequest):
                 reports.forget(msg.request_id)

@@ -5,10 +5,12 @@ The gateway reaches it over TCP with ``multiprocessing.connection`` (the same
 authkey), and the engine loop is ``run_engine_process`` unchanged, with one
 duplex connection for both directions. One gateway at a time: a second one is
 told so (``Fatal``) and closed at once, so its start fails instead of hanging.
-When the gateway goes away (it stopped, or the network broke) the engine is
-dropped and built afresh for the next connection: the gateway's supervisor
-reconnects a replica it lost, and the new engine starts from an empty cache,
-as a restarted local replica does.
+Each connection's engine runs in a process of its own, which ends with the
+connection (the gateway stopped, the network broke, or the engine failed) or
+with the server: the gateway's supervisor reconnects a replica it lost, and
+the new engine starts in a fresh process from an empty cache, as a restarted
+local replica does (an engine split over several ranks, or one rank of
+replicas sharing their experts, meets its peers again from scratch).
 
 TCP keepalive (probes after 5 s idle, every 2 s, 3 lost) turns a peer that
 stopped answering at the network level into a closed connection within about
@@ -16,6 +18,8 @@ stopped answering at the network level into a closed connection within about
 """
 
 import logging
+import multiprocessing
+import os
 import queue
 import socket
 import threading
@@ -80,15 +84,51 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
             arrivals.put(conn)
 
     threading.Thread(target=accept_forever, name="moegate-engine-accept", daemon=True).start()
+    ctx = multiprocessing.get_context("spawn")
     while True:
         conn = arrivals.get()
         enable_keepalive(conn)
         logger.info("serving a gateway")
+        # Each gateway gets an engine in a fresh process, as a local replica does: whatever a failed or
+        # dropped engine leaves (process groups, follower ranks, device memory) ends with its process.
+        server_end, engine_end = ctx.Pipe()
+        engine = ctx.Process(target=_serve_one_gateway, args=(process_main, config, conn, engine_end),
+                             name="moegate-engine")
         try:
-            process_main(config, conn, conn)
-        except (EOFError, OSError) as e:
-            logger.warning("the gateway went away (%s); waiting for the next one", type(e).__name__)
+            engine.start()
         finally:
-            conn.close()
-            with lock:
-                busy[0] = False
+            conn.close()  # the engine process holds its own copy
+            engine_end.close()
+        try:
+            server_end.recv_bytes()  # the gateway is gone (or the engine process died)
+        except (EOFError, OSError):
+            pass
+        with lock:
+            busy[0] = False  # the next gateway may connect while this engine winds down
+        engine.join()  # and is served once it has
+        server_end.close()
+
+
+def _serve_one_gateway(process_main, config: EngineConfig, conn: Connection, server: Connection) -> None:
+    """The engine process of one gateway's connection. It tells ``server`` when the gateway is gone, and ends
+    with the server too (the server's end of the pipe closes when it exits or is killed)."""
+    threading.Thread(target=_exit_with_server, args=(server,), name="moegate-engine-server-watch",
+                     daemon=True).start()
+    try:
+        process_main(config, conn, conn)
+    except (EOFError, OSError) as e:
+        logger.warning("the gateway went away (%s); waiting for the next one", type(e).__name__)
+    finally:
+        conn.close()
+        try:
+            server.send_bytes(b"gone")
+        except OSError:
+            pass
+
+
+def _exit_with_server(server: Connection) -> None:
+    try:
+        server.recv_bytes()  # the server never writes: this returns only when its end closes
+    except (EOFError, OSError):
+        pass
+    os._exit(1)

@@ -14,6 +14,7 @@ import pytest
 from tests.distributed.ranks import free_port, run_ranks, run_ranks_each
 from tests.distributed.test_tensor_parallel import OVERRIDES, VOCAB, family_checkpoints
 from tests.hf_models import make_hf_model
+from tests.processes import child_pids
 
 # A KV pool of 14 blocks of 4 tokens for 6 requests, 16 tokens a step: long prompts are prefilled in chunks,
 # requests are preempted and resumed, and two prompts share a prefix (prefix-cache hits). The last request
@@ -120,19 +121,6 @@ def test_a_dead_rank_fails_the_engine_within_the_timeout(tmp_path):
     assert value["again"] == value["first"] and len(value["first"]) == 4  # a fresh group serves the same tokens
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
-
-
 @pytest.mark.timeout(180)
 def test_the_serving_engine_reports_a_dead_rank_and_restarts_whole(tmp_path):
     import asyncio
@@ -156,7 +144,7 @@ def test_the_serving_engine_reports_a_dead_rank_and_restarts_whole(tmp_path):
         await engine.start()
         try:
             first = await tokens(engine)
-            followers = _children(engine._process.pid)
+            followers = child_pids(engine._process.pid)
             assert len(followers) == 1, followers
             os.kill(followers[0], signal.SIGKILL)
             start = time.monotonic()
@@ -167,7 +155,7 @@ def test_the_serving_engine_reports_a_dead_rank_and_restarts_whole(tmp_path):
             assert engine.dead and elapsed < 10, (engine.dead, elapsed)
             await engine.restart()  # what the gateway's supervisor does
             assert await tokens(engine) == first
-            assert len(_children(engine._process.pid)) == 1
+            assert len(child_pids(engine._process.pid)) == 1
         finally:
             await engine.shutdown()
 

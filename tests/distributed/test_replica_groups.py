@@ -11,10 +11,11 @@ import time
 import pytest
 
 from tests.distributed.ranks import free_port, run_ranks_each
-from tests.distributed.test_engine_ranks import ENGINE, _children
+from tests.distributed.test_engine_ranks import ENGINE
 from tests.distributed.test_tensor_parallel import OVERRIDES, VOCAB, family_checkpoints
 from tests.engine.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
+from tests.processes import child_pids
 
 REPLICAS, SPLIT = 2, 2
 
@@ -109,7 +110,7 @@ def test_a_dead_follower_fails_both_split_replicas_and_they_restart(tmp_path):
         try:
             both = await asyncio.wait_for(asyncio.gather(*(tokens(e, p) for e, p in zip(engines, prompts))), 60)
             assert list(both) == want, seed
-            followers = _children(engines[1]._process.pid)
+            followers = child_pids(engines[1]._process.pid)
             assert len(followers) == 1, followers
             os.kill(followers[0], signal.SIGKILL)
             start = time.monotonic()
@@ -122,7 +123,7 @@ def test_a_dead_follower_fails_both_split_replicas_and_they_restart(tmp_path):
             await asyncio.gather(*(e.restart() for e in engines))  # the gateway's supervisors restart both
             again = await asyncio.wait_for(asyncio.gather(*(tokens(e, p) for e, p in zip(engines, prompts))), 60)
             assert list(again) == want, seed
-            assert all(len(_children(e._process.pid)) == 1 for e in engines)
+            assert all(len(child_pids(e._process.pid)) == 1 for e in engines)
         finally:
             await asyncio.gather(*(e.shutdown() for e in engines))
 

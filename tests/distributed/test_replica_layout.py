@@ -3,6 +3,8 @@
 import os
 import random
 
+import pytest
+
 from engine.core.config import EngineConfig
 from engine.distributed.replica_layout import replica_configs, replica_devices, replica_world_ranks
 
@@ -24,6 +26,14 @@ def test_replicas_that_share_experts_are_ranks_of_one_group():
     assert len({c.distributed_init_method for c in configs}) == 1 and configs[0].distributed_init_method.startswith("tcp://")
     split = replica_configs(EngineConfig(model="m", enable_expert_parallel=True, tensor_parallel_size=2), 2)
     assert [(c.data_parallel_rank, c.tensor_parallel_size) for c in split] == [(0, 2), (1, 2)]
+    # Two local replicas and three engines on other nodes: the local ones are ranks 0 and 1 of 5.
+    with pytest.raises(ValueError, match="distributed-init-method"):
+        replica_configs(shared, 2, remote=3)
+    meet = EngineConfig(model="m", enable_expert_parallel=True, distributed_init_method="tcp://10.0.0.1:29500")
+    with_remote = replica_configs(meet, 2, remote=3)
+    assert [(c.data_parallel_rank, c.data_parallel_size) for c in with_remote] == [(0, 5), (1, 5)]
+    assert {c.distributed_init_method for c in with_remote} == {"tcp://10.0.0.1:29500"}
+    assert replica_configs(meet, 1, remote=1)[0].data_parallel_size == 2
 
 
 def test_replica_d_holds_world_ranks_d_times_t_to_the_next():
@@ -35,7 +45,7 @@ def test_replica_d_holds_world_ranks_d_times_t_to_the_next():
         assert all(rank // split == d for rank in ranks) and ranks == sorted(ranks)
 
 
-def test_the_command_line_refuses_what_is_not_built_in_one_line(tmp_path):
+def test_the_command_line_refuses_remote_replicas_sharing_experts_without_a_meeting_address(tmp_path):
     import subprocess
     import sys
 
@@ -43,4 +53,4 @@ def test_the_command_line_refuses_what_is_not_built_in_one_line(tmp_path):
                           f"sqlite:///{tmp_path}/p.db", "--data-parallel-size", "2", "--enable-expert-parallel",
                           "--tensor-parallel-size", "2", "--engine", "127.0.0.1:1"], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "MOEGATE_ENGINE_KEY": "k" * 16})
-    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--engine cannot be combined" in run.stderr, run.stderr
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--distributed-init-method" in run.stderr, run.stderr

@@ -22,16 +22,18 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.loading.demo_model import write_demo_model
 from tests.gateway.serve_process import _drain, free_port, start_server, wait_ready
+from tests.processes import child_pids
 
 pytestmark = pytest.mark.timeout(180)
 
 KEY = "test-engine-key-0123456789"
 
 
-def _start_engine(model: str, port: int) -> subprocess.Popen:
+def start_engine(model: str, port: int, *flags: str) -> subprocess.Popen:
+    """``moegate engine --listen 127.0.0.1:port`` with ``flags``, once it listens (its log drained)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "engine", "--listen", f"127.0.0.1:{port}", "--model", model,
-         "--max-num-seqs", "4", "--cpu-threads", "1"],
+         "--max-num-seqs", "4", "--cpu-threads", "1", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "MOEGATE_ENGINE_KEY": KEY})
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -45,12 +47,12 @@ def _start_engine(model: str, port: int) -> subprocess.Popen:
     raise AssertionError("moegate engine did not start listening")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_engine(proc: subprocess.Popen) -> None:
     proc.kill()
     proc.wait(timeout=10)
 
 
-def _per_replica(text: str, name: str) -> dict[str, float]:
+def per_replica(text: str, name: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2))
             for m in re.finditer(rf'^{re.escape(name)}{{replica="([^"]+)"}} (\S+)$', text, re.M)}
 
@@ -65,7 +67,7 @@ def test_remote_engine_serves_fails_over_and_reconnects(tmp_path, monkeypatch):
 
     engine_port, port, metrics_port = free_port(), free_port(), free_port()
     remote = f"127.0.0.1:{engine_port}"
-    engine = _start_engine(model, engine_port)
+    engine = start_engine(model, engine_port)
     monkeypatch.setenv("MOEGATE_ENGINE_KEY", KEY)  # the gateway's process inherits it
     server, key = start_server(model, f"sqlite:///{tmp_path / 'policy.db'}", port, "--engine", remote,
                                "--cpu-threads", "1", "--metrics-port", str(metrics_port), "--served-model-name", "demo",
@@ -101,27 +103,29 @@ def test_remote_engine_serves_fails_over_and_reconnects(tmp_path, monkeypatch):
             results = [await complete(http, p) for p in prompts]
             assert results == [(200, o.text) for o in offline]
             async with http.get(metrics_url) as r:
-                prefill = _per_replica(await r.text(), "moegate_prefill_tokens_total")
+                prefill = per_replica(await r.text(), "moegate_prefill_tokens_total")
             assert prefill.get("0", 0) >= 40 and prefill.get(remote, 0) >= 40, prefill
 
-            _stop(engine)
+            stop_engine(engine)
             await wait_for(http, {"status": 200, "0": "ready", remote: "down"}, 30)
             assert [await complete(http, p) for p in prompts] == [(200, o.text) for o in offline]  # the local one
 
-            engine = _start_engine(model, engine_port)  # the same address: the supervisor reconnects
+            engine = start_engine(model, engine_port)  # the same address: the supervisor reconnects
             await wait_for(http, {"status": 200, "0": "ready", remote: "ready"}, 60)
             fresh = [rng.randrange(10, 1200) for _ in range(40)]  # a new family: the emptier (reconnected) one
             assert (await complete(http, fresh))[0] == 200
             async with http.get(metrics_url) as r:
-                assert _per_replica(await r.text(), "moegate_prefill_tokens_total").get(remote, 0) >= 40
+                assert per_replica(await r.text(), "moegate_prefill_tokens_total").get(remote, 0) >= 40
 
-            # Frozen (alive, silent): the request routed to it is moved after the stall timeout.
-            engine.send_signal(signal.SIGSTOP)
+            # Frozen (alive, silent): the request routed to it is moved after the stall timeout. The engine
+            # serving this gateway is a process of the server's own.
+            (frozen,) = child_pids(engine.pid, "spawn_main")  # not multiprocessing's resource tracker
+            os.kill(frozen, signal.SIGSTOP)
             t0 = time.monotonic()
             assert (await complete(http, fresh))[0] == 200
             assert time.monotonic() - t0 >= 3
             await wait_for(http, {"status": 200, "0": "ready", remote: "down"}, 5)
-            engine.send_signal(signal.SIGCONT)  # reconnecting resumes once it answers again
+            os.kill(frozen, signal.SIGCONT)  # reconnecting resumes once it answers again
             await wait_for(http, {"status": 200, "0": "ready", remote: "ready"}, 90)
 
     try:
@@ -132,4 +136,47 @@ def test_remote_engine_serves_fails_over_and_reconnects(tmp_path, monkeypatch):
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
-        _stop(engine)
+        stop_engine(engine)
+
+
+def test_a_remote_engine_split_over_ranks_serves_gateway_after_gateway(tmp_path):
+    """Each gateway connection gets a fresh engine process: an engine split over 2 ranks (its own process group
+    and follower) serves a second gateway as it served the first, and none of its processes outlive the server."""
+    from engine.core.config import EngineConfig
+    from engine.serving.remote_engine import RemoteEngine
+
+    model = str(tmp_path / "model")
+    write_demo_model(model, seed=3)
+    prompt = [random.randrange(10, 1200) for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = LLM(model=model, num_kv_blocks=16).generate([prompt], params)[0].token_ids
+    engine_port = free_port()
+    server = start_engine(model, engine_port, "--tensor-parallel-size", "2", "--kv-cache-memory-gb", "0.05")
+
+    async def one_gateway() -> list[int]:
+        engine = RemoteEngine(EngineConfig(model=model), ("127.0.0.1", engine_port), KEY.encode())
+        try:
+            await asyncio.wait_for(engine.start(), 90)
+            return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
+        finally:
+            await engine.shutdown()
+
+    async def gateways() -> list[list[int]]:
+        got = []
+        for _ in range(2):
+            got.append(await one_gateway())
+            deadline = time.monotonic() + 30  # the first gateway's engine winds down before the next is served
+            while child_pids(server.pid, "spawn_main") and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        return got
+
+    try:
+        assert asyncio.run(gateways()) == [want, want]
+    finally:
+        descendants = child_pids(server.pid)
+        descendants += [pid for child in descendants for pid in child_pids(child)]
+        stop_engine(server)
+    deadline = time.monotonic() + 20
+    while (alive := [pid for pid in descendants if os.path.exists(f"/proc/{pid}")]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, alive

@@ -1,0 +1,101 @@
+"""Replicas on two "nodes" that divide the experts between them: `moegate serve --enable-expert-parallel --engine
+HOST:PORT` (its local replica is rank 0) and `moegate engine --listen HOST:PORT --data-parallel-rank 1` (rank 1),
+meeting at one --distributed-init-method, all on loopback.
+
+Both replicas answer what the offline engine on the same checkpoint answers (greedy), and each counts tokens
+routed to both ranks' experts; the remote engine's server is killed, which fails the group (clients get 503s, or
+an answer the still-alive replica managed), and once it is started again on the same port the gateway restarts
+both replicas, which meet again and answer the same.
+"""
+
+import asyncio
+import random
+import re
+import signal
+import subprocess
+import time
+
+import aiohttp
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.loading.demo_model import write_demo_model
+from tests.gateway.serve_process import free_port, start_server, wait_ready
+from tests.gateway.test_remote_engine import KEY, per_replica, start_engine, stop_engine
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_replicas_on_two_nodes_share_their_experts_and_restart_together(tmp_path, monkeypatch):
+    model = str(tmp_path / "model")
+    write_demo_model(model, seed=7)
+    rng = random.Random()
+    prompts = [[rng.randrange(10, 1200) for _ in range(rng.randrange(8, 40))] for _ in range(6)]
+    offline = [o.text for o in LLM(model=model, num_kv_blocks=64).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+
+    engine_port, port, metrics_port, meet_port = free_port(), free_port(), free_port(), free_port()
+    remote, meet = f"127.0.0.1:{engine_port}", f"tcp://127.0.0.1:{meet_port}"
+    group = ("--enable-expert-parallel", "--distributed-init-method", meet, "--distributed-timeout", "5",
+             "--kv-cache-memory-gb", "0.05")
+    engine_flags = (*group, "--data-parallel-size", "2", "--data-parallel-rank", "1")
+    engine = start_engine(model, engine_port, *engine_flags)
+    monkeypatch.setenv("MOEGATE_ENGINE_KEY", KEY)  # the gateway's process inherits it
+    server, key = start_server(model, f"sqlite:///{tmp_path / 'policy.db'}", port, "--engine", remote, *group,
+                               "--cpu-threads", "1", "--metrics-port", str(metrics_port), "--served-model-name", "demo",
+                               "--data-dir", str(tmp_path / "data"), "--engine-stall-timeout", "20")
+    url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
+
+    async def complete(http, prompt) -> tuple[int, str | dict]:
+        async with http.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                             json={"model": "demo", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                   "ignore_eos": True}) as r:
+            body = await r.json()
+            return r.status, body["choices"][0]["text"] if r.status == 200 else body
+
+    async def health(http) -> dict:
+        async with http.get(f"{url}/health") as r:
+            return {x["replica"]: x["status"] for x in (await r.json())["replicas"]}
+
+    async def wait_for(http, want: dict, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (got := await health(http)) != want:
+            assert time.monotonic() < deadline, got
+            await asyncio.sleep(0.2)
+
+    async def both_answer(http) -> None:
+        results = await asyncio.gather(*(complete(http, p) for p in prompts))
+        assert list(results) == [(200, text) for text in offline]
+        async with http.get(metrics_url) as r:
+            text = await r.text()
+        prefill = per_replica(text, "moegate_prefill_tokens_total")
+        assert prefill.get("0", 0) > 0 and prefill.get(remote, 0) > 0, prefill  # both replicas served
+        ranks = {(m.group(1), m.group(2)) for m in re.finditer(
+            r'^moegate_expert_rank_tokens_total{rank="(\d+)",replica="([^"]+)"} [1-9]', text, re.M)}
+        assert {("0", "0"), ("1", "0"), ("0", remote), ("1", remote)} <= ranks, ranks
+
+    async def scenario():
+        nonlocal engine
+        await wait_ready(url)
+        async with aiohttp.ClientSession() as http:
+            await wait_for(http, {"0": "ready", remote: "ready"}, 60)
+            await both_answer(http)
+
+            stop_engine(engine)  # rank 1's whole server: the local replica fails at its next collective
+            statuses = [s for s, _ in await asyncio.gather(*(complete(http, p) for p in prompts))]
+            assert set(statuses) <= {200, 503}, statuses
+            await wait_for(http, {"0": "down", remote: "down"}, 30)
+
+            engine = start_engine(model, engine_port, *engine_flags)  # same port: both restart and meet again
+            await wait_for(http, {"0": "ready", remote: "ready"}, 90)
+            await both_answer(http)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        stop_engine(engine)

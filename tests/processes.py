@@ -1,0 +1,20 @@
+"""Looking at the processes a test started: which children a process has now (Linux /proc)."""
+
+import os
+
+
+def child_pids(pid: int, command_has: str = "") -> list[int]:
+    """The PIDs of ``pid``'s live child processes (those whose command line contains ``command_has``)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) != pid:
+                        continue
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if command_has.encode() in f.read().replace(b"\0", b" "):
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
