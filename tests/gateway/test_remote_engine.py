@@ -21,7 +21,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.loading.demo_model import write_demo_model
-from tests.gateway.serve_process import _drain, free_port, start_server, wait_ready
+from tests.gateway.serve_process import _drain, free_port, start_server, stop_server, wait_ready
 from tests.processes import child_pids
 
 pytestmark = pytest.mark.timeout(180)
@@ -131,11 +131,7 @@ def test_remote_engine_serves_fails_over_and_reconnects(tmp_path, monkeypatch):
     try:
         asyncio.run(scenario())
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
         stop_engine(engine)
 
 

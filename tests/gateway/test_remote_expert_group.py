@@ -11,8 +11,6 @@ both replicas, which meet again and answer the same.
 import asyncio
 import random
 import re
-import signal
-import subprocess
 import time
 
 import aiohttp
@@ -20,7 +18,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.loading.demo_model import write_demo_model
-from tests.gateway.serve_process import free_port, start_server, wait_ready
+from tests.gateway.serve_process import free_port, start_server, stop_server, wait_ready
 from tests.gateway.test_remote_engine import KEY, per_replica, start_engine, stop_engine
 
 pytestmark = pytest.mark.timeout(240)
@@ -93,9 +91,5 @@ def test_replicas_on_two_nodes_share_their_experts_and_restart_together(tmp_path
     try:
         asyncio.run(scenario())
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
         stop_engine(engine)
