@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
-# Wheels of the gateway's packages that the lent GPU machines lack (per the device library's
-# KINDS.md; and the newer anyio, idna and typing_extensions that openai and pydantic need), at the
-# versions in this checkout's .venv, into .whl/ (git-ignored here), for the
-# Batch API stages of gpu_session.sh (batch-three-ways, batch-goals).
+# Downloads the wheels of the gateway's Python packages that the Batch API benchmarks need (the
+# policy database's SQLAlchemy, Alembic and drivers, msgspec, the openai client with pydantic and
+# what they depend on, including the newer anyio, idna and typing_extensions they need) into
+# .whl/, for installing them on a GPU machine that has Python and torch but not these packages,
+# and cannot fetch them itself (no network, or no package index). Each wheel is the version
+# installed in this checkout's .venv, so the GPU machine runs the same versions as this checkout.
 #
-#   benchmarks/device_wheels.sh        # then: run(..., carry=[".whl"]) with a command that starts
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+# Run it from the repository root, on a machine with network access, pip and the .venv, before the
+# batch-three-ways and batch-goals stages of benchmarks/gpu_session.sh. Then copy .whl/ to the GPU
+# machine and install the wheels there, into a folder of their own put on PYTHONPATH (the
+# machine's own packages stay as they are; --no-deps: the list below is complete, nothing else is
+# looked for):
+#
+#   benchmarks/device_wheels.sh
+#   # on the GPU machine, in the copied repository (SITE: any folder):
+#   SITE=$HOME/moegate-site
+#   python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .whl/*.whl
+#   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+#
+# .whl/ is added to the checkout's .git/info/exclude, so the wheels never show up as files to commit.
 set -eu
 PACKAGES="SQLAlchemy greenlet aiosqlite alembic Mako openai httpx2 pydantic pydantic_core annotated-types
 typing-inspection jiter sniffio psycopg psycopg-binary asyncpg msgspec httpcore2 truststore typing_extensions anyio idna"
@@ -16,7 +28,8 @@ grep -qx "/.whl/" "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 mkdir -p .whl
 for name in $PACKAGES; do
     version=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
-    # The device's python3 is 3.12 on manylinux x86_64 (KINDS.md); pip matches each platform tag exactly.
+    # For the GPU machine, not this one: CPython 3.12 on x86_64 Linux (edit these for another target).
+    # pip matches platform tags exactly, so every manylinux tag a wheel may be published under is named.
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \

@@ -9,7 +9,6 @@ weight, preemptibility and cache salt.
 import asyncio
 import hmac
 import logging
-import math
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +30,7 @@ from gateway.completion import (
 from gateway.logprobs import CompletionLogprobs, chat_logprobs
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
+from gateway.engine_supervisor import supervise
 from gateway.errors import (
     BODY_TIMEOUT_S, REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, read_body, request_id_middleware,
 )
@@ -63,7 +63,6 @@ LEDGER = web.AppKey("ledger", UsageLedger)
 DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503
 SERVING_SINCE = web.AppKey("serving_since", int)  # unix time the app was made: the model card's `created`
 METRICS_URL = web.AppKey("metrics_url", str)  # where the metrics listener answers (once started)
-ENGINE_RESTART_INTERVAL_S = 60.0  # at most one restart a minute for the same cause
 
 
 def _model_name(app: web.Application) -> str:
@@ -423,41 +422,12 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
         await app[BATCH_STORE].close()
         await store.close()
 
-    async def supervise(name: str, replica: EngineClient) -> None:
-        """Restart one engine replica when it dies; until then it takes no requests (and /health says so).
-
-        A cause seen before is logged once and restarted at most once a minute, so an engine that
-        fails the same way again and again does not flood the log or spin on reloading the weights.
-        """
-        last_restart: dict[str, float] = {}  # cause -> when the engine was last restarted for it
-        backoff = 5.0  # after a restart that failed (a remote engine not reachable yet, say): 5 s, doubling
-        while True:
-            await asyncio.sleep(0.5)
-            if not replica.dead:
-                continue
-            cause = replica.dead
-            since = time.monotonic() - last_restart.get(cause, -math.inf)
-            if since < ENGINE_RESTART_INTERVAL_S:
-                logger.warning("engine replica %s down again for the same cause; restarting it in %.0f s",
-                               name, ENGINE_RESTART_INTERVAL_S - since)
-                await asyncio.sleep(ENGINE_RESTART_INTERVAL_S - since)
-            else:
-                logger.error("engine replica %s down (%s): restarting it", name, cause)
-            try:
-                await replica.restart()
-                # Only a restart that worked counts against the cause: failing to start is retried sooner.
-                last_restart[cause] = time.monotonic()
-                backoff = 5.0
-                logger.info("engine replica %s restarted", name)
-            except Exception as e:  # keep serving without it (503s if it is the only one) and try again
-                logger.error("engine replica %s restart failed (%s); trying again in %.0f s", name, e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, ENGINE_RESTART_INTERVAL_S)
-
     async def engine_lifecycle(app: web.Application):
         await engine.start()
         logger.info("serving %s (%s)", _model_name(app), engine.info.architecture)
-        supervisors = [asyncio.create_task(supervise(name, replica)) for name, replica in replicas_of(engine)]
+        supervisors = [asyncio.create_task(supervise(name, replica, config.engine_restart_backoff_s,
+                                                     config.engine_restart_backoff_max_s))
+                       for name, replica in replicas_of(engine)]
         yield
         for task in supervisors:
             task.cancel()

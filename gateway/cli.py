@@ -34,10 +34,15 @@ def _serve(args: argparse.Namespace) -> int:
     replica_configs(engine_config, args.data_parallel_size, len(remote))  # checks the combination first
     if args.engine_stall_timeout <= 0:
         raise ValueError(f"--engine-stall-timeout must be > 0, got {args.engine_stall_timeout}")
+    if not 0 < args.engine_restart_backoff <= args.engine_restart_backoff_max:
+        raise ValueError(f"--engine-restart-backoff must be > 0 and at most --engine-restart-backoff-max, got "
+                         f"{args.engine_restart_backoff:g} and {args.engine_restart_backoff_max:g}")
     config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
                            drain_timeout_s=args.drain_timeout, data_dir=args.data_dir,
                            keepalive_timeout_s=args.keepalive_timeout, body_timeout_s=args.body_timeout,
                            max_connections=args.max_connections, metrics_host=args.metrics_host,
+                           engine_restart_backoff_s=args.engine_restart_backoff,
+                           engine_restart_backoff_max_s=args.engine_restart_backoff_max,
                            metrics_port=args.metrics_port if args.metrics_port >= 0 else None,
                            metrics_token=os.environ.get("MOEGATE_METRICS_TOKEN") or None,
                            batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight,
@@ -307,6 +312,17 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--engine-stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="an engine that sends nothing for this long while requests wait on it is treated as dead "
                         "and replaced (default 60; it must exceed the longest step)")
+    from gateway.config import GatewayConfig
+
+    defaults = GatewayConfig()
+    p.add_argument("--engine-restart-backoff", type=float, default=defaults.engine_restart_backoff_s,
+                   metavar="SECONDS",
+                   help="an engine replica whose restart failed (a remote engine not reachable yet, say) is tried "
+                        "again after this, doubling each time up to --engine-restart-backoff-max "
+                        f"(default {defaults.engine_restart_backoff_s:g})")
+    p.add_argument("--engine-restart-backoff-max", type=float, default=defaults.engine_restart_backoff_max_s,
+                   metavar="SECONDS", help="the longest wait between failed restarts of an engine replica "
+                                           f"(default {defaults.engine_restart_backoff_max_s:g})")
     from gateway.tool_parsers import REASONING_PARSERS, TOOL_PARSERS
 
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_PARSERS],

@@ -25,6 +25,10 @@ class GatewayConfig:
     keepalive_timeout_s: float = 15.0
     body_timeout_s: float = 60.0
     max_connections: int = 4096
+    # An engine replica whose restart failed (a remote engine not reachable yet, say) is tried again after
+    # engine_restart_backoff_s, doubling up to engine_restart_backoff_max_s (see gateway.engine_supervisor).
+    engine_restart_backoff_s: float = 5.0
+    engine_restart_backoff_max_s: float = 60.0
     # /metrics carries tenant names: it is served on its own listener (metrics_port; the command line
     # defaults it to 9400 on loopback), and on the API's port only with ``Authorization: Bearer
     # <metrics_token>`` when a token is set. With neither, it is not served.
@@ -63,6 +67,9 @@ class GatewayConfig:
             raise ValueError("batch_max_inflight, batch_max_lines and batch_max_file_bytes must be >= 1")
         if self.keepalive_timeout_s <= 0 or self.body_timeout_s <= 0 or self.max_connections < 1:
             raise ValueError("keepalive_timeout_s and body_timeout_s must be > 0, max_connections >= 1")
+        if not 0 < self.engine_restart_backoff_s <= self.engine_restart_backoff_max_s:
+            raise ValueError(f"engine_restart_backoff_s must be > 0 and at most engine_restart_backoff_max_s, got "
+                             f"{self.engine_restart_backoff_s:g} and {self.engine_restart_backoff_max_s:g}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.default_reservation_tokens < 1:

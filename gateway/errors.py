@@ -9,6 +9,8 @@ import msgspec
 from aiohttp import web
 from sqlalchemy.exc import SQLAlchemyError
 
+from gateway import http_protocol
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,14 +63,20 @@ async def read_body(request: web.Request) -> bytes:
         async with asyncio.timeout(timeout):
             return await request.read()
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
-                       headers={"Connection": "close"}) from None
+        raise stalled_body(request, f"the request body did not arrive within {timeout:g} s") from None
     except web.RequestPayloadError as e:
         raise unreadable_body(e) from None
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"the request body is larger than this server's limit of {request.client_max_size} "
                             "bytes; send a shorter one (large offline work goes through /v1/files and /v1/batches)",
                        code="request_too_large") from None
+
+
+def stalled_body(request: web.Request, message: str) -> APIError:
+    """408 for a body that did not arrive in time. The connection is closed once the 408 is written, without
+    the lingering read aiohttp would give the rest of the body: the client already had the body timeout."""
+    http_protocol.close_without_lingering(request)
+    return APIError(408, message, code="request_timeout", headers={"Connection": "close"})
 
 
 def unreadable_body(err: web.RequestPayloadError) -> APIError:

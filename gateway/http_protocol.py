@@ -14,8 +14,16 @@
   idle or half-sent connections cannot take every file descriptor (idle ones
   are closed after the keep-alive timeout, which aiohttp applies from the
   connection's start).
+- A request whose body stalled past the body timeout (``close_without_lingering``):
+  its connection is closed as soon as the 408 is written. aiohttp would
+  otherwise keep reading and discarding the rest of the body for its
+  ``lingering_time`` (10 s) first, so a client that trickles or stalls its
+  body held its connection (counted against the cap) 10 s past its refusal.
+  Lingering stays on for every other response: a client still sending a
+  large body when it is refused (401, 413, 429) reads its answer instead of
+  a connection reset, which ``lingering_time`` for the whole server would cost.
 
-aiohttp has no hook for either, so ``RequestHandler``'s methods are replaced
+aiohttp has no hook for any of these, so ``RequestHandler``'s methods are replaced
 for this process when the app is created (``install``).
 """
 
@@ -32,7 +40,15 @@ logger = logging.getLogger(__name__)
 _aiohttp_handle_error = RequestHandler.handle_error
 _aiohttp_connection_made = RequestHandler.connection_made
 _aiohttp_log_exception = RequestHandler.log_exception
+_aiohttp_finish_response = RequestHandler.finish_response
 _max_connections: int | None = None
+_CLOSE_AT_ONCE = web.RequestKey("close_without_lingering", bool)
+
+
+def close_without_lingering(request: web.BaseRequest) -> None:
+    """Close ``request``'s connection as soon as its response is written, without reading what is left of its
+    body (for a body that stalled: waiting on it longer only lets the client hold the connection)."""
+    request[_CLOSE_AT_ONCE] = True
 
 
 def _handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
@@ -65,11 +81,21 @@ def _connection_made(self, transport) -> None:
         transport.close()
 
 
+async def _finish_response(self, request, resp, start_time):
+    result = await _aiohttp_finish_response(self, request, resp, start_time)
+    if request.get(_CLOSE_AT_ONCE):
+        # The response is written (the transport flushes it before closing); force_close also tells start()
+        # not to linger over the unread body.
+        self.force_close()
+    return result
+
+
 def install(max_connections: int | None = None) -> None:
-    """Replace aiohttp's answer to unparseable requests and its log of unreadable bodies, and cap open connections,
-    in this process."""
+    """Replace aiohttp's answer to unparseable requests and its log of unreadable bodies, cap open connections,
+    and let a handler skip the lingering close (``close_without_lingering``), in this process."""
     global _max_connections
     _max_connections = max_connections
     RequestHandler.handle_error = _handle_error
     RequestHandler.connection_made = _connection_made
     RequestHandler.log_exception = _log_exception
+    RequestHandler.finish_response = _finish_response

@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.auth import PRINCIPAL
-from gateway.errors import BODY_TIMEOUT_S, APIError, unreadable_body
+from gateway.errors import BODY_TIMEOUT_S, APIError, stalled_body, unreadable_body
 from gateway.replies import json_response, query_limit
 from tenants.batch_store import BatchStore, FileInfo
 
@@ -79,8 +79,7 @@ async def upload(request: web.Request) -> web.Response:
         except web.RequestPayloadError as e:
             raise unreadable_body(e) from None
         except TimeoutError:
-            raise APIError(408, f"the upload stalled: nothing arrived for {stall_s:g} s", code="request_timeout",
-                           headers={"Connection": "close"}) from None
+            raise stalled_body(request, f"the upload stalled: nothing arrived for {stall_s:g} s") from None
 
     try:
         while (part := await progress(reader.next())) is not None:

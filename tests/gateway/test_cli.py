@@ -63,6 +63,19 @@ def test_serve_rejects_bad_engine_settings_before_touching_anything(tmp_path):
     assert not (tmp_path / "policy.db").exists()  # the database was not opened
 
 
+def test_serve_rejects_bad_engine_restart_backoff_naming_the_flag(tmp_path, capsys):
+    from gateway.cli import main
+
+    db = f"sqlite:///{tmp_path / 'policy.db'}"
+    for flags in (["--engine-restart-backoff", "0"], ["--engine-restart-backoff", "-2"],
+                  ["--engine-restart-backoff", "30", "--engine-restart-backoff-max", "10"]):
+        # In-process (main's return value is the exit code): the check comes before anything starts.
+        assert main(["serve", "--model", str(tmp_path / "absent"), "--database-url", db, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "--engine-restart-backoff" in err, err
+    assert not (tmp_path / "policy.db").exists()
+
+
 def test_serve_engine_settings_reach_the_engine_config():
     import random
 

@@ -22,20 +22,23 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-async def _closed_by_server(sock: socket.socket, deadline: float) -> bool:
-    """True once the server closed ``sock`` (a read returns EOF or a reset)."""
+async def _read_until_closed(sock: socket.socket, deadline: float) -> bytes | None:
+    """What the server sent on ``sock`` once it closed it (a read returns EOF or a reset); None if it is still
+    open at ``deadline``."""
     loop = asyncio.get_running_loop()
     sock.setblocking(False)
+    received = b""
     while time.monotonic() < deadline:
         try:
             data = await asyncio.wait_for(loop.sock_recv(sock, 65536), 0.5)
         except TimeoutError:
             continue
         except ConnectionError:
-            return True
+            return received
         if not data:
-            return True
-    return False
+            return received
+        received += data
+    return None
 
 
 @pytest.mark.timeout(120)
@@ -75,12 +78,16 @@ def test_idle_half_sent_and_excess_connections_are_closed(tmp_path):
                 await loop.sock_connect(s, ("127.0.0.1", server.port))
                 extra.append(s)
             deadline = time.monotonic() + 5
-            closed_extra = await asyncio.gather(*(_closed_by_server(s, deadline) for s in extra))
-            assert all(closed_extra), closed_extra.count(False)  # past 500 open: closed at once
-            # Every idle or half-sent connection is closed by the server within the timeouts.
-            deadline = time.monotonic() + 20
-            closed = await asyncio.gather(*(_closed_by_server(s, deadline) for s in socks))
-            assert all(closed), f"{closed.count(False)} connections still open"
+            closed_extra = await asyncio.gather(*(_read_until_closed(s, deadline) for s in extra))
+            assert None not in closed_extra, closed_extra.count(None)  # past 500 open: closed at once
+            # Every idle or half-sent connection is closed by the server within the timeouts (1 s each, and
+            # slack for a loaded machine): a stalled body gets its 408 and its connection is closed then,
+            # not after aiohttp's 10 s lingering read of the rest of the body.
+            deadline = time.monotonic() + 8
+            closed = await asyncio.gather(*(_read_until_closed(s, deadline) for s in socks))
+            assert None not in closed, f"{closed.count(None)} connections still open"
+            stalled = [reply for reply in closed[400:] if not reply.startswith(b"HTTP/1.1 408 ")]
+            assert not stalled, stalled[:1]
             for s in socks + extra:
                 s.close()
             await asyncio.sleep(0.5)

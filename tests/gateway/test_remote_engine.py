@@ -71,7 +71,10 @@ def test_remote_engine_serves_fails_over_and_reconnects(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEGATE_ENGINE_KEY", KEY)  # the gateway's process inherits it
     server, key = start_server(model, f"sqlite:///{tmp_path / 'policy.db'}", port, "--engine", remote,
                                "--cpu-threads", "1", "--metrics-port", str(metrics_port), "--served-model-name", "demo",
-                               "--data-dir", str(tmp_path / "data"), "--engine-stall-timeout", "3")
+                               "--data-dir", str(tmp_path / "data"), "--engine-stall-timeout", "3",
+                               # Reconnecting is tried every second or so while the remote engine is down or frozen,
+                               # not after 5 s, 10 s, 20 s...: the test waits on each reconnection.
+                               "--engine-restart-backoff", "0.5", "--engine-restart-backoff-max", "1")
     url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
 
     async def complete(http, prompt) -> tuple[int, str]:
