@@ -41,7 +41,8 @@ def test_replicas_on_two_nodes_share_their_experts_and_restart_together(tmp_path
     monkeypatch.setenv("MOEGATE_ENGINE_KEY", KEY)  # the gateway's process inherits it
     server, key = start_server(model, f"sqlite:///{tmp_path / 'policy.db'}", port, "--engine", remote, *group,
                                "--cpu-threads", "1", "--metrics-port", str(metrics_port), "--served-model-name", "demo",
-                               "--data-dir", str(tmp_path / "data"), "--engine-stall-timeout", "20")
+                               "--data-dir", str(tmp_path / "data"), "--engine-stall-timeout", "20",
+                               "--engine-restart-backoff", "0.5", "--engine-restart-backoff-max", "1")
     url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
 
     async def complete(http, prompt) -> tuple[int, str | dict]:
