@@ -84,7 +84,7 @@ class LLMEngine:
         # Several ranks: this process is its replica's rank 0 (it schedules and samples); the replica's other
         # ranks follow its plans, and replicas sharing their experts step together.
         if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
-            self.ranks = EngineRanks(config, self.device)
+            self.ranks = EngineRanks(config, self.device, self.model_config)
         try:
             parts = build_rank(config, self.model_config, self.kernels, self.dtype, self.device,
                                self.ranks.tp if self.ranks else SINGLE)
@@ -134,13 +134,14 @@ class LLMEngine:
             "on" if overlap else "off",
         )
 
-    def close(self) -> None:
-        """Stop the other ranks of a multi-process engine (a no-op for one process)."""
+    def close(self, abrupt: bool = False) -> None:
+        """Stop the other ranks of a multi-process engine (a no-op for one process): tell them, or with ``abrupt``
+        (after a failure, when they may be inside a collective) leave the group and end this node's ranks."""
         if self._overlap is not None:
             self._overlap.close()
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
-            ranks.close()
+            ranks.abort() if abrupt else ranks.close()
 
     # ---- requests --------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

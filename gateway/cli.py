@@ -31,7 +31,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 0 or (args.data_parallel_size == 0 and not remote):
         raise ValueError(f"--data-parallel-size must be >= 1 (0 only with --engine), got {args.data_parallel_size}")
     authkey = engine_authkey() if remote else b""
-    replica_configs(engine_config, args.data_parallel_size, len(remote))  # checks the combination first
+    if args.engines_share_experts and not (engine_config.enable_expert_parallel and remote and args.data_parallel_size):
+        raise ValueError("--engines-share-experts makes the --engine replicas ranks of the local replicas' expert "
+                         "group: it needs --enable-expert-parallel, at least one --engine and a local replica")
+    group_remotes = len(remote) if args.engines_share_experts else 0
+    replica_configs(engine_config, args.data_parallel_size, group_remotes)  # checks the combination first
     if args.engine_stall_timeout <= 0:
         raise ValueError(f"--engine-stall-timeout must be > 0, got {args.engine_stall_timeout}")
     if not 0 < args.engine_restart_backoff <= args.engine_restart_backoff_max:
@@ -71,7 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     app = create_app(config, build_engines(engine_config, args.data_parallel_size, remote, authkey, args.router,
-                                           args.engine_stall_timeout))
+                                           args.engine_stall_timeout, group_remotes))
     try:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine request.
         # SIGTERM/SIGINT: stop accepting, let in-flight requests run up to the drain timeout, then cut them
@@ -117,10 +121,11 @@ def engine_authkey() -> bytes:
 
 
 def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[str, int]], authkey: bytes,
-                  policy: str, stall_timeout_s: float):
+                  policy: str, stall_timeout_s: float, group_remotes: int = 0):
     """The gateway's engine: one local engine process, or a router over ``local`` of them and the
     ``remote`` engines (``moegate engine --listen``); each is cut off after ``stall_timeout_s`` of silence
-    with requests waiting."""
+    with requests waiting. ``group_remotes``: how many of the remote engines are ranks of the local replicas'
+    expert group (all of them or none)."""
     from engine.serving.async_engine import AsyncEngine
     from engine.serving.remote_engine import RemoteEngine
     from gateway.replica_router import ReplicaRouter
@@ -139,7 +144,7 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
     # --enable-expert-parallel the replicas form one group that divides the experts.
     replicas = [AsyncEngine(config, process_env={"CUDA_VISIBLE_DEVICES": replica_devices(config, i)},
                             stall_timeout_s=stall_timeout_s)
-                for i, config in enumerate(replica_configs(engine_config, local, len(remote)))]
+                for i, config in enumerate(replica_configs(engine_config, local, group_remotes))]
     replicas += [RemoteEngine(engine_config, address, authkey, stall_timeout_s) for address in remote]
     names = [str(i) for i in range(local)] + [f"{host}:{port}" for host, port in remote]
     return ReplicaRouter(replicas, names, RouterConfig(policy=policy))
@@ -309,6 +314,11 @@ def _add_serve(subparsers) -> None:
     p.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
                    help="attach an engine started with `moegate engine --listen HOST:PORT` as one more replica "
                         "(repeatable; needs MOEGATE_ENGINE_KEY); --model still names the tokenizer")
+    p.add_argument("--engines-share-experts", action="store_true",
+                   help="with --enable-expert-parallel: the --engine replicas join the local replicas' group that "
+                        "divides the experts, as ranks L, L+1, ... in the order given (each started with moegate "
+                        "engine --data-parallel-size and --data-parallel-rank; needs --distributed-init-method); "
+                        "without it they are independent replicas")
     p.add_argument("--engine-stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="an engine that sends nothing for this long while requests wait on it is treated as dead "
                         "and replaced (default 60; it must exceed the longest step)")

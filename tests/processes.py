@@ -18,3 +18,12 @@ def child_pids(pid: int, command_has: str = "") -> list[int]:
             except (OSError, IndexError, ValueError):
                 pass
     return kids
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, exited but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

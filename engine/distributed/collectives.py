@@ -30,6 +30,8 @@ class TensorParallel:
         self.expert_parallel = None
 
     def _run(self, what: str, fn, *args, **kwargs) -> None:
+        # A group made for control messages only has no device group: group=None would mean the whole world.
+        assert kwargs.get("group", True) is not None, f"{what}: this group has no device group"
         try:
             fn(*args, **kwargs)
         except RuntimeError as e:
@@ -115,6 +117,14 @@ class TensorParallel:
         self._run("broadcast of the step's plan", dist.broadcast_object_list, box, src=self.groups.first_global_rank,
                   group=self.groups.control_group)
         return box[0]
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank (over the control group)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        self._run("gathering what every rank is", dist.all_gather_object, out, obj, group=self.groups.control_group)
+        return out
 
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's equal share of ``total`` items; ValueError if they do not divide."""

@@ -10,21 +10,26 @@ hand. The engine's config comes from world rank 0 once the ranks have met.
 import argparse
 import dataclasses
 import logging
+import os
 import sys
+import threading
+import time
 
 import torch
 
 from engine.core.config import EngineConfig, KernelChoice
 from engine.distributed.groups import CollectiveError, RankGroups, RankInfo
-from engine.distributed.ranks import parallel_groups, take_world_config
+from engine.distributed.ranks import EXIT_WITH_PARENT_ENV, parallel_groups
+from engine.distributed.world import agree_on_world
 
 logger = logging.getLogger(__name__)
 
 
 def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: str | None = None) -> None:
-    """Join the world, take world rank 0's config (``model_dir``: where this node keeps the same checkpoint, if
-    elsewhere), build this rank's model and runner as its replica's rank 0 builds its own, then follow that
-    rank's plans; returns when it sends the empty plan (None), raises CollectiveError when it or a peer fails."""
+    """Join the world, check with every rank that it fits, take this replica's config from its engine process
+    (``model_dir``: where this node keeps the same checkpoint, if elsewhere), build this rank's model and runner
+    as that process builds its own, then follow its plans; returns when it sends the empty plan (None), raises
+    CollectiveError when it or a peer fails, ValueError (on every rank) when the world does not fit."""
     from engine.llm_engine import resolve_dtype
     from engine.loading.model_config import load_model_config
     from engine.worker.model_setup import build_rank
@@ -34,20 +39,17 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
         torch.cuda.set_device(device)
     groups = RankGroups(info, device, timeout_s)
     try:
-        config = take_world_config(groups)
-        replica, place = divmod(info.rank, config.tensor_parallel_size)
-        if place == 0:
-            raise ValueError(f"rank {info.rank} is replica {replica}'s engine process (moegate serve), not a "
-                             "follower: start only the other ranks with moegate engine-rank")
-        config = dataclasses.replace(config, data_parallel_rank=replica, model=model_dir or config.model)
+        tp = parallel_groups(groups, agree_on_world(groups, None)).tp
+        config: EngineConfig = tp.broadcast_object()  # from this replica's engine process
+        if model_dir:
+            config = dataclasses.replace(config, model=model_dir)
         if device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
-        tp = parallel_groups(groups, config).tp
         model_config = load_model_config(config.model)
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, device)
         runner = build_rank(config, model_config, KernelChoice.resolve(config.kernels, device.type), dtype, device,
                             tp).runner
-        while (plan := tp.broadcast_object()) is not None:  # from this replica's rank 0
+        while (plan := tp.broadcast_object()) is not None:  # from this replica's engine process
             runner.follow(plan)
     finally:
         groups.close()
@@ -68,14 +70,29 @@ def run(args: argparse.Namespace) -> int:
     except CollectiveError as e:  # rank 0 or a peer went away: the engine restarts its ranks as a whole
         logger.error("%s", e)
         return 1
-    except ValueError as e:  # this rank does not fit the world rank 0 describes
+    except ValueError as e:  # the world does not fit together (every rank says the same)
         print(f"moegate engine-rank: error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
+def _exit_with_parent() -> None:
+    """End this rank when the engine process that started it is gone (killed mid-step, say): its collectives
+    would notice only at their timeout, holding the device's memory until then."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="moegate-rank-parent-watch", daemon=True).start()
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-rank %(levelname)s %(message)s")
+    if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":
+        _exit_with_parent()
     from engine.cli import add_rank_arguments
 
     parser = argparse.ArgumentParser(prog="python -m engine.distributed.follower", description=__doc__)

@@ -8,9 +8,10 @@ process that schedules for it. The other ranks are ordinary processes running
 ``engine.distributed.follower`` with the standard ``torchrun`` variables
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
 so ranks on other nodes are started the same way, by ``torchrun`` or by hand
-(``moegate engine-rank``). Once the ranks have met, world rank 0 sends its
-``EngineConfig`` to all: every rank builds the same model the same way,
-whatever its own command line said.
+(``moegate engine-rank``). Once the ranks have met they check together that
+the world fits (``engine.distributed.world``), and each replica's engine
+process sends its ``EngineConfig`` to its other ranks: every rank of a replica
+builds the same model the same way, whatever its own command line said.
 """
 
 import logging
@@ -26,6 +27,10 @@ from engine.distributed.collectives import TensorParallel
 from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.groups import RankGroups, RankInfo
 from engine.distributed.replica_layout import free_port, replica_world_ranks
+from engine.distributed.world import ReplicaClaim, agree_on_world
+from engine.loading.model_config import ModelConfig
+
+EXIT_WITH_PARENT_ENV = "MOEGATE_EXIT_WITH_PARENT"  # set for the follower ranks an engine process starts itself
 
 logger = logging.getLogger(__name__)
 
@@ -40,53 +45,41 @@ class ParallelGroups:
     drivers: TensorParallel | None
 
 
-def parallel_groups(groups: RankGroups, config: EngineConfig) -> ParallelGroups:
+def parallel_groups(groups: RankGroups, world: ReplicaClaim) -> ParallelGroups:
     """The groups of an engine's world of ``data_parallel_size`` x ``tensor_parallel_size`` ranks (replica d is
-    world ranks [d*T, (d+1)*T)), with the experts divided among all of them if the config says so. Every rank
-    of the world calls it, in the same order as its other collectives."""
-    replicas, split = config.data_parallel_size, config.tensor_parallel_size
-    if groups.world_size != replicas * split:
-        raise ValueError(f"{groups.world_size} ranks met, but data_parallel_size x tensor_parallel_size is "
-                         f"{replicas} x {split}")
-    world = TensorParallel(groups)
+    world ranks [d*T, (d+1)*T)), laid out as ``world`` (world rank 0's claim, checked by ``agree_on_world``), with
+    the experts divided among all of them if it says so. Every rank of the world calls it, in the same order as
+    its other collectives."""
+    replicas, split = world.data_parallel_size, world.tensor_parallel_size
+    everyone = TensorParallel(groups)
     if replicas == 1:
-        tp, drivers = world, None
+        tp, drivers = everyone, None
     else:
         layout = replica_world_ranks(replicas, split)
         tp = TensorParallel(groups.subgroup(layout, "tensor-parallel")) if split > 1 else TensorParallel()
         driver_ranks = [ranks[0] for ranks in layout]
         driver_group = groups.subgroup([driver_ranks], "data-parallel", device=False) if split > 1 else groups
         drivers = TensorParallel(driver_group) if groups.rank in driver_ranks else None
-    if config.enable_expert_parallel:
-        tp.expert_parallel = ExpertParallel(world, config.expert_dispatch)
+    if world.enable_expert_parallel:
+        tp.expert_parallel = ExpertParallel(everyone, world.expert_dispatch)
     return ParallelGroups(tp, drivers)
-
-
-def take_world_config(groups: RankGroups, config: EngineConfig | None = None) -> EngineConfig:
-    """World rank 0's config, on every rank (rank 0 passes its own; the other replicas' rank-0 processes pass
-    theirs, which must lay out the same world). The first message once the ranks have met."""
-    sent = TensorParallel(groups).broadcast_object(config if groups.rank == 0 else None)
-    if config is not None and (sent.data_parallel_size, sent.tensor_parallel_size) != (
-            config.data_parallel_size, config.tensor_parallel_size):
-        raise ValueError(f"rank {groups.rank}: data_parallel_size x tensor_parallel_size is "
-                         f"{config.data_parallel_size} x {config.tensor_parallel_size} here, "
-                         f"{sent.data_parallel_size} x {sent.tensor_parallel_size} on rank 0")
-    return sent
 
 
 class EngineRanks:
     """The ranks of one engine process (a replica's rank 0): started when ``tensor_parallel_size`` > 1 or when
     ``data_parallel_size`` replicas share their experts. It starts this replica's other ranks on this node,
-    meets every rank of the world, and forms the groups. Replicas step together: ``any_busy`` once per loop,
-    then a step on every replica (a dummy one where there is no work)."""
+    meets every rank of the world, checks with them that the world fits together, forms the groups and sends
+    its config to its replica's other ranks. Replicas step together: ``any_busy`` once per loop, then a step on
+    every replica (a dummy one where there is no work)."""
 
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, model_config: ModelConfig) -> None:
         init = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         host, port = init[len("tcp://"):].rsplit(":", 1)
         split = config.tensor_parallel_size
         world = config.data_parallel_size * split
         first = self.first_rank = config.data_parallel_rank * split  # this replica's ranks: [first, first + split)
-        env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": port}
+        env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": port,
+               EXIT_WITH_PARENT_ENV: "1"}
         command = [sys.executable, "-m", "engine.distributed.follower", "--device", device.type,
                    "--timeout", str(config.distributed_timeout_s)]
         self.processes: list[subprocess.Popen] = []
@@ -100,8 +93,8 @@ class EngineRanks:
             self._end_processes(0)
             raise
         try:
-            take_world_config(self.groups, config)
-            parts = parallel_groups(self.groups, config)
+            parts = parallel_groups(self.groups, agree_on_world(self.groups, ReplicaClaim.of(config, model_config)))
+            parts.tp.broadcast_object(config)  # this replica's other ranks build what this process builds
         except BaseException:
             self.abort()
             raise

@@ -38,7 +38,7 @@ def replica_configs(config: EngineConfig, replicas: int, remote: int = 0) -> lis
 
 
 def replica_devices(config: EngineConfig, replica: int) -> str:
-    """``CUDA_VISIBLE_DEVICES`` of local replica ``replica``: its ``tensor_parallel_size`` GPUs, after the
-    previous replicas' (ignored on the CPU)."""
-    n = config.tensor_parallel_size
+    """``CUDA_VISIBLE_DEVICES`` of local replica ``replica``: the GPUs of its ranks on this node (``local_ranks``,
+    or all ``tensor_parallel_size``), after the previous replicas' (ignored on the CPU)."""
+    n = config.local_ranks or config.tensor_parallel_size
     return ",".join(str(replica * n + i) for i in range(n))

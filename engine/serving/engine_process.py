@@ -30,6 +30,14 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
     except Exception as e:  # reported to the parent, which prints one line and exits
         replies.send_bytes(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
         return
+    try:
+        _serve(engine, config, threads, requests, replies)
+    finally:  # a failed step, a gone gateway: end this engine's other ranks now, not at their timeout
+        engine.close(abrupt=True)
+
+
+def _serve(engine, config: EngineConfig, threads, requests: Connection, replies: Connection) -> None:
+    """The engine loop: returns on Shutdown (the engine closed) or after reporting a failure (Fatal)."""
     mc = engine.model_config
     replies.send_bytes(encoder.encode(Ready(config.model, mc.architecture, engine.max_model_len, mc.vocab_size, engine.tokenizer is not None)))
 
@@ -43,7 +51,10 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
         while requests.poll(0 if busy or engine.has_unfinished() or idle_change else idle_wait):
             msg = to_engine_decoder.decode(requests.recv_bytes())
             if isinstance(msg, Shutdown):
-                engine.close()  # an engine split over ranks tells them to stop, and they exit now
+                try:
+                    engine.close()  # an engine split over ranks tells them to stop, and they exit now
+                except Exception as e:  # a rank already gone: the caller's abrupt close ends the rest
+                    logger.warning("could not stop the engine's ranks cleanly: %s", e)
                 return
             if isinstance(msg, AbortRequest):
                 reports.forget(msg.request_id)

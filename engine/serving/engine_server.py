@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import select
 import socket
 import threading
 from multiprocessing.connection import Connection, Listener
@@ -32,6 +33,7 @@ from engine.serving.protocol import Fatal, encoder
 logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "MOEGATE_ENGINE_KEY"
+WIND_DOWN_S = 30.0  # how long an engine may take to end once its gateway has left
 
 
 def enable_keepalive(conn: Connection) -> None:
@@ -90,28 +92,43 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
         enable_keepalive(conn)
         logger.info("serving a gateway")
         # Each gateway gets an engine in a fresh process, as a local replica does: whatever a failed or
-        # dropped engine leaves (process groups, follower ranks, device memory) ends with its process.
+        # dropped engine leaves (process groups, device memory) ends with its process, which also ends the
+        # follower ranks it started.
         server_end, engine_end = ctx.Pipe()
         engine = ctx.Process(target=_serve_one_gateway, args=(process_main, config, conn, engine_end),
-                             name="moegate-engine")
+                             name="moegate-engine", daemon=True)
+        gateway = os.dup(conn.fileno())  # watched, never read: tells when the gateway's side has closed
         try:
             engine.start()
         finally:
             conn.close()  # the engine process holds its own copy
             engine_end.close()
         try:
-            server_end.recv_bytes()  # the gateway is gone (or the engine process died)
-        except (EOFError, OSError):
-            pass
-        with lock:
-            busy[0] = False  # the next gateway may connect while this engine winds down
-        engine.join()  # and is served once it has
-        server_end.close()
+            _wait_for_gateway_to_go(engine, gateway)
+            with lock:
+                busy[0] = False  # the next gateway may connect while this engine winds down
+            engine.join(WIND_DOWN_S)
+            if engine.is_alive():  # stuck (in a collective, say): the next gateway gets a fresh one now
+                logger.warning("the engine did not end within %g s of its gateway leaving; killed", WIND_DOWN_S)
+                engine.kill()
+                engine.join()
+        finally:
+            os.close(gateway)
+            server_end.close()
+
+
+def _wait_for_gateway_to_go(engine: multiprocessing.process.BaseProcess, gateway: int) -> None:
+    """Until the gateway's side of the connection has closed (Shutdown or gone) or the engine process ended."""
+    poller = select.poll()
+    poller.register(gateway, select.POLLRDHUP | select.POLLHUP)
+    poller.register(engine.sentinel, select.POLLIN | select.POLLHUP)
+    while not poller.poll():
+        pass
 
 
 def _serve_one_gateway(process_main, config: EngineConfig, conn: Connection, server: Connection) -> None:
-    """The engine process of one gateway's connection. It tells ``server`` when the gateway is gone, and ends
-    with the server too (the server's end of the pipe closes when it exits or is killed)."""
+    """The engine process of one gateway's connection; it ends with the connection, or with the server (the
+    server's end of the pipe closes when it exits or is killed)."""
     threading.Thread(target=_exit_with_server, args=(server,), name="moegate-engine-server-watch",
                      daemon=True).start()
     try:
@@ -120,10 +137,6 @@ def _serve_one_gateway(process_main, config: EngineConfig, conn: Connection, ser
         logger.warning("the gateway went away (%s); waiting for the next one", type(e).__name__)
     finally:
         conn.close()
-        try:
-            server.send_bytes(b"gone")
-        except OSError:
-            pass
 
 
 def _exit_with_server(server: Connection) -> None:

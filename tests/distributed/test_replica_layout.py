@@ -46,11 +46,20 @@ def test_replica_d_holds_world_ranks_d_times_t_to_the_next():
 
 
 def test_the_command_line_refuses_remote_replicas_sharing_experts_without_a_meeting_address(tmp_path):
+    """Without --engines-share-experts the --engine replicas stay independent (the combination is accepted)."""
+    from gateway.cli import build_parser, serve_engine_config
+
+    alone = ["serve", "--model", "m", "--enable-expert-parallel", "--tensor-parallel-size", "2",
+             "--distributed-init-method", "tcp://10.0.0.1:29500", "--engine", "10.0.0.2:7000"]
+    args = build_parser().parse_args(alone)
+    assert not args.engines_share_experts
+    assert replica_configs(serve_engine_config(args), 1, 0)[0].data_parallel_size == 1
     import subprocess
     import sys
 
     run = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--model", str(tmp_path), "--database-url",
                           f"sqlite:///{tmp_path}/p.db", "--data-parallel-size", "2", "--enable-expert-parallel",
-                          "--tensor-parallel-size", "2", "--engine", "127.0.0.1:1"], capture_output=True, text=True,
+                          "--tensor-parallel-size", "2", "--engine", "127.0.0.1:1", "--engines-share-experts"],
+                         capture_output=True, text=True,
                          timeout=60, env={**os.environ, "MOEGATE_ENGINE_KEY": "k" * 16})
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--distributed-init-method" in run.stderr, run.stderr

@@ -22,7 +22,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.loading.demo_model import write_demo_model
 from tests.gateway.serve_process import _drain, free_port, start_server, stop_server, wait_ready
-from tests.processes import child_pids
+from tests.processes import child_pids, is_running
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -140,7 +140,9 @@ def test_remote_engine_serves_fails_over_and_reconnects(tmp_path, monkeypatch):
 
 def test_a_remote_engine_split_over_ranks_serves_gateway_after_gateway(tmp_path):
     """Each gateway connection gets a fresh engine process: an engine split over 2 ranks (its own process group
-    and follower) serves a second gateway as it served the first, and none of its processes outlive the server."""
+    and follower) serves a second gateway as it served the first, each engine process ends once its gateway has
+    gone, and when the server is killed while a gateway is connected, its engine process and that engine's
+    follower rank end too."""
     from engine.core.config import EngineConfig
     from engine.serving.remote_engine import RemoteEngine
 
@@ -152,30 +154,41 @@ def test_a_remote_engine_split_over_ranks_serves_gateway_after_gateway(tmp_path)
     engine_port = free_port()
     server = start_engine(model, engine_port, "--tensor-parallel-size", "2", "--kv-cache-memory-gb", "0.05")
 
-    async def one_gateway() -> list[int]:
-        engine = RemoteEngine(EngineConfig(model=model), ("127.0.0.1", engine_port), KEY.encode())
-        try:
-            await asyncio.wait_for(engine.start(), 90)
-            return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
-        finally:
-            await engine.shutdown()
+    def engine_processes() -> list[int]:
+        return child_pids(server.pid, "spawn_main")  # not multiprocessing's resource tracker
 
-    async def gateways() -> list[list[int]]:
+    async def tokens(engine) -> list[int]:
+        await asyncio.wait_for(engine.start(), 90)
+        return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
+
+    async def gateways() -> tuple[list[list[int]], list[int]]:
         got = []
         for _ in range(2):
-            got.append(await one_gateway())
-            deadline = time.monotonic() + 30  # the first gateway's engine winds down before the next is served
-            while child_pids(server.pid, "spawn_main") and time.monotonic() < deadline:
+            engine = RemoteEngine(EngineConfig(model=model), ("127.0.0.1", engine_port), KEY.encode())
+            try:
+                got.append(await tokens(engine))
+            finally:
+                await engine.shutdown()
+            deadline = time.monotonic() + 30
+            while engine_processes():  # the engine process (and its follower) ends with its gateway
+                assert time.monotonic() < deadline, "the engine process outlived its gateway"
                 await asyncio.sleep(0.1)
-        return got
+        third = RemoteEngine(EngineConfig(model=model), ("127.0.0.1", engine_port), KEY.encode())
+        got.append(await tokens(third))
+        (engine_process,) = engine_processes()
+        ranks = child_pids(engine_process, "engine.distributed.follower")
+        assert len(ranks) == 1, ranks
+        stop_engine(server)  # killed with a gateway connected
+        deadline = time.monotonic() + 20
+        while (alive := [p for p in (engine_process, *ranks) if is_running(p)]) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        await third.shutdown()
+        return got, alive
 
     try:
-        assert asyncio.run(gateways()) == [want, want]
+        got, alive = asyncio.run(gateways())
     finally:
-        descendants = child_pids(server.pid)
-        descendants += [pid for child in descendants for pid in child_pids(child)]
         stop_engine(server)
-    deadline = time.monotonic() + 20
-    while (alive := [pid for pid in descendants if os.path.exists(f"/proc/{pid}")]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not alive, alive
+    assert got == [want, want, want]
+    assert not alive, f"outlived the server: {alive}"

@@ -1,5 +1,5 @@
 """Replicas on two "nodes" that divide the experts between them: `moegate serve --enable-expert-parallel --engine
-HOST:PORT` (its local replica is rank 0) and `moegate engine --listen HOST:PORT --data-parallel-rank 1` (rank 1),
+HOST:PORT --engines-share-experts` (its local replica is rank 0) and `moegate engine --listen HOST:PORT --data-parallel-rank 1` (rank 1),
 meeting at one --distributed-init-method, all on loopback.
 
 Both replicas answer what the offline engine on the same checkpoint answers (greedy), and each counts tokens
@@ -40,6 +40,7 @@ def test_replicas_on_two_nodes_share_their_experts_and_restart_together(tmp_path
     engine = start_engine(model, engine_port, *engine_flags)
     monkeypatch.setenv("MOEGATE_ENGINE_KEY", KEY)  # the gateway's process inherits it
     server, key = start_server(model, f"sqlite:///{tmp_path / 'policy.db'}", port, "--engine", remote, *group,
+                               "--engines-share-experts",
                                "--cpu-threads", "1", "--metrics-port", str(metrics_port), "--served-model-name", "demo",
                                "--data-dir", str(tmp_path / "data"), "--engine-stall-timeout", "20",
                                "--engine-restart-backoff", "0.5", "--engine-restart-backoff-max", "1")
