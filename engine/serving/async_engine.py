@@ -320,7 +320,7 @@ class AsyncEngine:
                 requests.send_bytes(encoder.encode(Shutdown()))
         except OSError:  # it had died
             pass
-        await self._close()
+        await self._close(replies)
         requests.close()
         replies.close()
 
@@ -346,7 +346,7 @@ class AsyncEngine:
         replies_out.close()  # so the reader sees EOF when the engine process dies
         return requests_out, replies_in
 
-    async def _close(self) -> None:
+    async def _close(self, replies: Connection) -> None:
         """After Shutdown was sent: wait for the process to exit (10 s), then kill it."""
         process, self._process = self._process, None
         if process is None:

@@ -67,6 +67,7 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
     arrivals: queue.Queue[Connection] = queue.Queue()
     lock = threading.Lock()
     busy = [False]
+    serving: list = []  # (engine process, gateway socket) of the connection being served, once started
 
     def accept_forever() -> None:
         while True:
@@ -76,7 +77,9 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
                 logger.warning("refused a connection: %s: %s", type(e).__name__, e)
                 continue
             with lock:
-                if busy[0]:
+                # Busy, unless the gateway being served has just gone and the main loop has not yet seen it
+                # (a gateway reconnecting at once must not be told another one is being served).
+                if busy[0] and not (serving and _gateway_gone(*serving, wait=False)):
                     try:
                         conn.send_bytes(encoder.encode(Fatal("this engine is serving another gateway")))
                     finally:
@@ -103,10 +106,14 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
         finally:
             conn.close()  # the engine process holds its own copy
             engine_end.close()
+        with lock:
+            serving[:] = [engine, gateway]
         try:
-            _wait_for_gateway_to_go(engine, gateway)
+            _gateway_gone(engine, gateway, wait=True)
             with lock:
                 busy[0] = False  # the next gateway may connect while this engine winds down
+                serving.clear()
+            logger.info("the gateway is gone; its engine is ending")
             engine.join(WIND_DOWN_S)
             if engine.is_alive():  # stuck (in a collective, say): the next gateway gets a fresh one now
                 logger.warning("the engine did not end within %g s of its gateway leaving; killed", WIND_DOWN_S)
@@ -117,13 +124,15 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
             server_end.close()
 
 
-def _wait_for_gateway_to_go(engine: multiprocessing.process.BaseProcess, gateway: int) -> None:
-    """Until the gateway's side of the connection has closed (Shutdown or gone) or the engine process ended."""
+def _gateway_gone(engine: multiprocessing.process.BaseProcess, gateway: int, wait: bool) -> bool:
+    """Whether the gateway's side of the connection has closed (Shutdown, or gone) or the engine process has
+    ended; with ``wait``, returns once one has."""
     poller = select.poll()
     poller.register(gateway, select.POLLRDHUP | select.POLLHUP)
     poller.register(engine.sentinel, select.POLLIN | select.POLLHUP)
-    while not poller.poll():
+    while not (events := poller.poll(None if wait else 0)) and wait:
         pass
+    return bool(events)
 
 
 def _serve_one_gateway(process_main, config: EngineConfig, conn: Connection, server: Connection) -> None:

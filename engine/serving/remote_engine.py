@@ -71,5 +71,8 @@ class RemoteEngine(AsyncEngine):
     def _cut_off(self) -> None:
         _shut(self._replies)  # the reader's recv ends
 
-    async def _close(self) -> None:
-        pass  # the engine stays up for the next gateway; our end is closed by shutdown()
+    async def _close(self, replies: Connection) -> None:
+        # The engine stays up for the next gateway. Shut the socket down, not only close it: our reader thread
+        # is blocked reading it, which keeps it open (no FIN) until the engine's side closes, so the server
+        # would not see this gateway leave until its engine had ended.
+        _shut(replies)

@@ -140,9 +140,9 @@ def test_remote_engine_serves_fails_over_and_reconnects(tmp_path, monkeypatch):
 
 def test_a_remote_engine_split_over_ranks_serves_gateway_after_gateway(tmp_path):
     """Each gateway connection gets a fresh engine process: an engine split over 2 ranks (its own process group
-    and follower) serves a second gateway as it served the first, each engine process ends once its gateway has
-    gone, and when the server is killed while a gateway is connected, its engine process and that engine's
-    follower rank end too."""
+    and follower) serves a second gateway, connecting the moment the first has left, as it served the first;
+    the engine process ends once its gateway has gone; and when the server is killed while a gateway is
+    connected, its engine process and that engine's follower rank end too."""
     from engine.core.config import EngineConfig
     from engine.serving.remote_engine import RemoteEngine
 
@@ -163,16 +163,16 @@ def test_a_remote_engine_split_over_ranks_serves_gateway_after_gateway(tmp_path)
 
     async def gateways() -> tuple[list[list[int]], list[int]]:
         got = []
-        for _ in range(2):
+        for _ in range(2):  # the second gateway connects as soon as the first has gone: it waits its turn
             engine = RemoteEngine(EngineConfig(model=model), ("127.0.0.1", engine_port), KEY.encode())
             try:
                 got.append(await tokens(engine))
             finally:
                 await engine.shutdown()
-            deadline = time.monotonic() + 30
-            while engine_processes():  # the engine process (and its follower) ends with its gateway
-                assert time.monotonic() < deadline, "the engine process outlived its gateway"
-                await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while engine_processes():  # the engine process (and its follower) ends with its gateway
+            assert time.monotonic() < deadline, "the engine process outlived its gateway"
+            await asyncio.sleep(0.1)
         third = RemoteEngine(EngineConfig(model=model), ("127.0.0.1", engine_port), KEY.encode())
         got.append(await tokens(third))
         (engine_process,) = engine_processes()
