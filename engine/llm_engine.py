@@ -84,7 +84,7 @@ class LLMEngine:
         # Several ranks: this process is its replica's rank 0 (it schedules and samples); the replica's other
         # ranks follow its plans, and replicas sharing their experts step together.
         if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
-            self.ranks = EngineRanks(config, self.device, self.model_config)
+            self.ranks = EngineRanks(config, self.device, self.model_config, self.dtype)
         try:
             parts = build_rank(config, self.model_config, self.kernels, self.dtype, self.device,
                                self.ranks.tp if self.ranks else SINGLE)

@@ -12,8 +12,6 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
-import time
 
 import torch
 
@@ -21,6 +19,7 @@ from engine.core.config import EngineConfig, KernelChoice
 from engine.distributed.groups import CollectiveError, RankGroups, RankInfo
 from engine.distributed.ranks import EXIT_WITH_PARENT_ENV, parallel_groups
 from engine.distributed.world import agree_on_world
+from engine.serving.parent_watch import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -76,23 +75,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_with_parent() -> None:
-    """End this rank when the engine process that started it is gone (killed mid-step, say): its collectives
-    would notice only at their timeout, holding the device's memory until then."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="moegate-rank-parent-watch", daemon=True).start()
-
-
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-rank %(levelname)s %(message)s")
     if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":
-        _exit_with_parent()
+        exit_with_parent()
     from engine.cli import add_rank_arguments
 
     parser = argparse.ArgumentParser(prog="python -m engine.distributed.follower", description=__doc__)

@@ -72,11 +72,12 @@ class EngineRanks:
     its config to its replica's other ranks. Replicas step together: ``any_busy`` once per loop, then a step on
     every replica (a dummy one where there is no work)."""
 
-    def __init__(self, config: EngineConfig, device: torch.device, model_config: ModelConfig) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, model_config: ModelConfig,
+                 dtype: torch.dtype) -> None:
         init = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         host, port = init[len("tcp://"):].rsplit(":", 1)
         split = config.tensor_parallel_size
-        world = config.data_parallel_size * split
+        world = self.world_size = config.data_parallel_size * split
         first = self.first_rank = config.data_parallel_rank * split  # this replica's ranks: [first, first + split)
         env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": port,
                EXIT_WITH_PARENT_ENV: "1"}
@@ -88,12 +89,13 @@ class EngineRanks:
                 command, env={**env, "RANK": str(first + local), "LOCAL_RANK": str(local)}))
         try:
             self.groups = RankGroups(RankInfo(first, world, 0, init), device, config.distributed_timeout_s,
-                                     starting=self._exited)
+                                     starting=self.exited_rank)
         except BaseException:
             self._end_processes(0)
             raise
         try:
-            parts = parallel_groups(self.groups, agree_on_world(self.groups, ReplicaClaim.of(config, model_config)))
+            claim = ReplicaClaim.of(config, model_config, str(dtype))
+            parts = parallel_groups(self.groups, agree_on_world(self.groups, claim))
             parts.tp.broadcast_object(config)  # this replica's other ranks build what this process builds
         except BaseException:
             self.abort()
@@ -123,11 +125,11 @@ class EngineRanks:
         self.groups.close()  # their pending collectives fail as the connections close
         self._end_processes(5.0)
 
-    def _exited(self) -> str | None:
-        """Which rank this node started has exited already (while the ranks meet), if one has."""
+    def exited_rank(self) -> str | None:
+        """Which rank this node started has exited already, if one has (None: all alive)."""
         for rank, process in enumerate(self.processes, start=self.first_rank + 1):
             if process.poll() is not None:
-                return f"rank {rank} exited with code {process.returncode}"
+                return f"rank {rank} of {self.world_size} exited with code {process.returncode}"
         return None
 
     def _end_processes(self, timeout_s: float) -> None:

@@ -34,9 +34,11 @@ class ReplicaClaim:
     model_shape: tuple[str, int, int, int]  # architecture, hidden size, layers, vocabulary
 
     @classmethod
-    def of(cls, config: EngineConfig, model_config: ModelConfig) -> "ReplicaClaim":
+    def of(cls, config: EngineConfig, model_config: ModelConfig, dtype: str) -> "ReplicaClaim":
+        """``dtype``: the one the engine resolved (``--dtype auto`` on one replica and the model's own dtype named
+        on another agree)."""
         return cls(config.data_parallel_rank, config.data_parallel_size, config.tensor_parallel_size,
-                   config.enable_expert_parallel, config.expert_dispatch, config.dtype, config.quantization,
+                   config.enable_expert_parallel, config.expert_dispatch, dtype, config.quantization,
                    (model_config.architecture, model_config.hidden_size, model_config.num_layers,
                     model_config.vocab_size))
 

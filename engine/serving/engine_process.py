@@ -4,6 +4,7 @@ import logging
 from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
+from engine.serving.parent_watch import exit_with_parent
 from engine.serving.protocol import (
     AbortRequest, AddRequest, Fatal, Ready, ReleaseRequest, Released, RequestRejected, Shutdown, StepOutputs, encoder,
     to_engine_decoder,
@@ -14,6 +15,7 @@ from engine.serving.step_reports import StepReports
 logger = logging.getLogger(__name__)
 
 PEER_POLL_S = 0.005  # how long an idle engine with data-parallel peers waits for a request before asking them
+RANK_CHECK_S = 1.0  # how often an idle engine with ranks on this node checks that they are alive
 
 
 def run_engine_process(config: EngineConfig, requests: Connection, replies: Connection) -> None:
@@ -22,6 +24,7 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
     Blocks on ``requests`` when idle, steps while there is work.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    exit_with_parent()  # a gateway (or engine server) killed while this engine starts or steps takes it along
     from engine.llm_engine import LLMEngine
 
     try:
@@ -43,8 +46,10 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
 
     idle_change = False  # an abort freed blocks while idle: report the new state without a step
     reports = StepReports()
-    # Data-parallel engines sharing experts step together: an idle one asks its peers every few ms.
-    idle_wait = PEER_POLL_S if engine.runner.steps_with_peers else None
+    # Data-parallel engines sharing experts step together: an idle one asks its peers every few ms. An engine
+    # with ranks of its own on this node looks at them every second while idle, so one that died is replaced
+    # before a request finds out.
+    idle_wait = PEER_POLL_S if engine.runner.steps_with_peers else (RANK_CHECK_S if engine.ranks else None)
     busy = False  # this engine, or one of its peers, stepped last time round
     while True:
         # Drain every pending message; block for one only when there is nothing to step.
@@ -80,8 +85,10 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
                         logger.debug("request %s could not be added", msg.request_id, exc_info=True)
                     replies.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
         try:
+            if (gone := engine.ranks and engine.ranks.exited_rank()) is not None:
+                raise RuntimeError(gone)
             busy = engine.step_needed()
-        except Exception as e:  # a peer engine is gone: the group restarts as a whole
+        except Exception as e:  # a rank or a peer engine is gone: the group restarts as a whole
             replies.send_bytes(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
             return
         if not busy:

@@ -97,15 +97,13 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
         # Each gateway gets an engine in a fresh process, as a local replica does: whatever a failed or
         # dropped engine leaves (process groups, device memory) ends with its process, which also ends the
         # follower ranks it started.
-        server_end, engine_end = ctx.Pipe()
-        engine = ctx.Process(target=_serve_one_gateway, args=(process_main, config, conn, engine_end),
-                             name="moegate-engine", daemon=True)
+        engine = ctx.Process(target=_serve_one_gateway, args=(process_main, config, conn), name="moegate-engine",
+                             daemon=True)
         gateway = os.dup(conn.fileno())  # watched, never read: tells when the gateway's side has closed
         try:
             engine.start()
         finally:
             conn.close()  # the engine process holds its own copy
-            engine_end.close()
         with lock:
             serving[:] = [engine, gateway]
         try:
@@ -113,7 +111,7 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
             with lock:
                 busy[0] = False  # the next gateway may connect while this engine winds down
                 serving.clear()
-            logger.info("the gateway is gone; its engine is ending")
+            logger.info("the gateway has left or its engine has ended; serving the next gateway once it has")
             engine.join(WIND_DOWN_S)
             if engine.is_alive():  # stuck (in a collective, say): the next gateway gets a fresh one now
                 logger.warning("the engine did not end within %g s of its gateway leaving; killed", WIND_DOWN_S)
@@ -121,7 +119,6 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
                 engine.join()
         finally:
             os.close(gateway)
-            server_end.close()
 
 
 def _gateway_gone(engine: multiprocessing.process.BaseProcess, gateway: int, wait: bool) -> bool:
@@ -135,22 +132,12 @@ def _gateway_gone(engine: multiprocessing.process.BaseProcess, gateway: int, wai
     return bool(events)
 
 
-def _serve_one_gateway(process_main, config: EngineConfig, conn: Connection, server: Connection) -> None:
+def _serve_one_gateway(process_main, config: EngineConfig, conn: Connection) -> None:
     """The engine process of one gateway's connection; it ends with the connection, or with the server (the
-    server's end of the pipe closes when it exits or is killed)."""
-    threading.Thread(target=_exit_with_server, args=(server,), name="moegate-engine-server-watch",
-                     daemon=True).start()
+    engine process watches its parent: ``engine.serving.parent_watch``)."""
     try:
         process_main(config, conn, conn)
     except (EOFError, OSError) as e:
         logger.warning("the gateway went away (%s); waiting for the next one", type(e).__name__)
     finally:
         conn.close()
-
-
-def _exit_with_server(server: Connection) -> None:
-    try:
-        server.recv_bytes()  # the server never writes: this returns only when its end closes
-    except (EOFError, OSError):
-        pass
-    os._exit(1)

@@ -146,13 +146,14 @@ def test_the_serving_engine_reports_a_dead_rank_and_restarts_whole(tmp_path):
             first = await tokens(engine)
             followers = child_pids(engine._process.pid)
             assert len(followers) == 1, followers
-            os.kill(followers[0], signal.SIGKILL)
+            os.kill(followers[0], signal.SIGKILL)  # while idle: the engine notices it has lost the rank by itself
             start = time.monotonic()
-            with pytest.raises(EngineError) as failed:
+            while not engine.dead and time.monotonic() - start < 15:
+                await asyncio.sleep(0.1)
+            assert engine.dead and "rank 1 of 2 exited" in engine.dead, engine.dead
+            assert time.monotonic() - start < 10
+            with pytest.raises(EngineError):  # until the supervisor restarts it
                 await asyncio.wait_for(tokens(engine), 30)
-            elapsed = time.monotonic() - start
-            assert not failed.value.retryable and "rank 0 of 2" in str(failed.value), failed.value
-            assert engine.dead and elapsed < 10, (engine.dead, elapsed)
             await engine.restart()  # what the gateway's supervisor does
             assert await tokens(engine) == first
             assert len(child_pids(engine._process.pid)) == 1

@@ -13,7 +13,7 @@ def _world(rng: random.Random) -> list[ReplicaClaim | None]:
     """A random fitting world: D replicas of T ranks, each replica's engine process at rank d*T."""
     replicas, split = rng.randint(1, 4), rng.randint(1, 4)
     shared = dict(data_parallel_size=replicas, tensor_parallel_size=split, enable_expert_parallel=True,
-                  expert_dispatch=rng.choice(["all_to_all", "all_gather"]), dtype=rng.choice(["auto", "bfloat16"]),
+                  expert_dispatch=rng.choice(["all_to_all", "all_gather"]), dtype=rng.choice(["torch.float32", "torch.bfloat16"]),
                   quantization=rng.choice([None, "fp8"]), model_shape=("Qwen3MoeForCausalLM", 64, 2, 97))
     return [ReplicaClaim(data_parallel_rank=r // split, **shared) if r % split == 0 else None
             for r in range(replicas * split)]
