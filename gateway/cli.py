@@ -145,7 +145,10 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
     replicas = [AsyncEngine(config, process_env={"CUDA_VISIBLE_DEVICES": replica_devices(config, i)},
                             stall_timeout_s=stall_timeout_s)
                 for i, config in enumerate(replica_configs(engine_config, local, group_remotes))]
-    replicas += [RemoteEngine(engine_config, address, authkey, stall_timeout_s) for address in remote]
+    group_size = local + group_remotes
+    replicas += [RemoteEngine(engine_config, address, authkey, stall_timeout_s,
+                              group_place=(local + i, group_size) if group_remotes else None)
+                 for i, address in enumerate(remote)]
     names = [str(i) for i in range(local)] + [f"{host}:{port}" for host, port in remote]
     return ReplicaRouter(replicas, names, RouterConfig(policy=policy))
 

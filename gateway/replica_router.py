@@ -112,13 +112,16 @@ class ReplicaRouter:
     # -- lifecycle --
 
     async def start(self) -> Ready:
-        """Start every replica at once; if one fails, the others are stopped and the error raised."""
-        results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
-        failed = [e for e in results if isinstance(e, BaseException)]
-        if failed:
-            await self.shutdown()
-            raise failed[0]
-        return results[0]
+        """Start every replica at once; as soon as one fails, the others are stopped (replicas of one expert
+        group would otherwise wait for the failed one at their rendezvous for minutes) and its error raised."""
+        starts = [asyncio.ensure_future(r.start()) for r in self.replicas]
+        await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t.exception() for t in starts if t.done() and t.exception() is not None), None)
+        if failed is not None:
+            await self.shutdown()  # a starting engine is stopped too: its start then ends with an error
+            await asyncio.gather(*starts, return_exceptions=True)
+            raise failed
+        return starts[0].result()
 
     async def restart(self) -> Ready:
         """Restart the replicas that are down (the gateway's supervisor restarts each on its own instead)."""

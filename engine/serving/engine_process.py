@@ -42,7 +42,9 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
 def _serve(engine, config: EngineConfig, threads, requests: Connection, replies: Connection) -> None:
     """The engine loop: returns on Shutdown (the engine closed) or after reporting a failure (Fatal)."""
     mc = engine.model_config
-    replies.send_bytes(encoder.encode(Ready(config.model, mc.architecture, engine.max_model_len, mc.vocab_size, engine.tokenizer is not None)))
+    replies.send_bytes(encoder.encode(Ready(config.model, mc.architecture, engine.max_model_len, mc.vocab_size,
+                                            engine.tokenizer is not None, config.data_parallel_rank,
+                                            config.data_parallel_size)))
 
     idle_change = False  # an abort freed blocks while idle: report the new state without a step
     reports = StepReports()

@@ -72,6 +72,9 @@ class Ready(msgspec.Struct, tag=True):
     max_model_len: int
     vocab_size: int
     has_tokenizer: bool
+    # Its place in a group of replicas that divide the experts (rank 0 of 1: none).
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
 
 
 class Fatal(msgspec.Struct, tag=True):

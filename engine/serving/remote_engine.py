@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from engine.core.config import EngineConfig
 from engine.serving.async_engine import AsyncEngine, EngineError
 from engine.serving.engine_server import enable_keepalive
+from engine.serving.protocol import Ready
 
 
 CONNECT_TIMEOUT_S = 10.0
@@ -33,10 +34,24 @@ def _shut(conn: Connection) -> None:
 
 class RemoteEngine(AsyncEngine):
     def __init__(self, config: EngineConfig, address: tuple[str, int], authkey: bytes,
-                 stall_timeout_s: float | None = None) -> None:
+                 stall_timeout_s: float | None = None, group_place: tuple[int, int] | None = None) -> None:
+        """``group_place``: (rank, size) this engine must hold in the gateway's group of replicas that divide
+        the experts (None: an independent replica); one that reports another place fails its start."""
         super().__init__(config, stall_timeout_s=stall_timeout_s)
         self.address = address
         self._authkey = authkey
+        self.group_place = group_place
+
+    async def start(self) -> Ready:
+        ready = await super().start()
+        place = (ready.data_parallel_rank, ready.data_parallel_size)
+        if self.group_place is not None and place != self.group_place:
+            await self.shutdown()
+            rank, size = self.group_place
+            raise EngineError(f"{self.describe()} is data-parallel rank {place[0]} of {place[1]}, but this gateway "
+                              f"needs it as rank {rank} of {size} of its expert group: start it with "
+                              f"--enable-expert-parallel --data-parallel-size {size} --data-parallel-rank {rank}")
+        return ready
 
     def describe(self) -> str:
         return f"the engine at {self.address[0]}:{self.address[1]}"

@@ -95,3 +95,29 @@ def test_replicas_on_two_nodes_share_their_experts_and_restart_together(tmp_path
     finally:
         stop_server(server)
         stop_engine(engine)
+
+
+def test_an_engine_outside_the_group_is_refused_at_once(tmp_path):
+    """A plain `moegate engine` attached with --engines-share-experts: the gateway stops at once (not after the
+    local replica's five minutes at the meeting point) with one line saying how to start that engine."""
+    import os
+    import subprocess
+    import sys
+
+    model = str(tmp_path / "model")
+    write_demo_model(model, seed=1)
+    engine_port, meet_port = free_port(), free_port()
+    engine = start_engine(model, engine_port, "--kv-cache-memory-gb", "0.05")
+    try:
+        begin = time.monotonic()
+        run = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(free_port()),
+             "--database-url", f"sqlite:///{tmp_path / 'policy.db'}", "--metrics-port", "-1", "--cpu-threads", "1",
+             "--kv-cache-memory-gb", "0.05", "--enable-expert-parallel", "--engine", f"127.0.0.1:{engine_port}",
+             "--engines-share-experts", "--distributed-init-method", f"tcp://127.0.0.1:{meet_port}"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "MOEGATE_ENGINE_KEY": KEY})
+        elapsed = time.monotonic() - begin
+    finally:
+        stop_engine(engine)
+    assert run.returncode != 0 and "--data-parallel-size 2 --data-parallel-rank 1" in run.stderr, run.stderr[-2000:]
+    assert elapsed < 60, elapsed

@@ -1,0 +1,50 @@
+"""The router's start: when one replica fails to start, the others, still starting, are stopped at once and the
+failure is raised (replicas that divide the experts would otherwise wait for the failed one at their meeting
+point until its timeout)."""
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from engine.core.config import EngineConfig
+from engine.serving.async_engine import EngineError
+from gateway.replica_router import ReplicaRouter
+from gateway.routing_policy import RouterConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class StartingReplica:
+    """An ``EngineClient`` double whose start fails after ``fail_after_s``, or waits until it is shut down."""
+
+    def __init__(self, fail_after_s: float | None) -> None:
+        self.config = EngineConfig(model="fake")
+        self.info, self.dead, self.stats = None, None, None
+        self.fail_after_s = fail_after_s
+        self.stopped = asyncio.Event()
+
+    async def start(self):
+        if self.fail_after_s is not None:
+            await asyncio.sleep(self.fail_after_s)
+            raise EngineError("rank 1: could not join the 2 ranks")
+        await self.stopped.wait()  # a replica waiting at its group's rendezvous
+        raise EngineError("the engine process exited during start-up")
+
+    async def shutdown(self) -> None:
+        self.stopped.set()
+
+
+def test_one_failed_start_stops_the_replicas_still_starting():
+    async def scenario():
+        replicas = [StartingReplica(None) for _ in range(random.randint(1, 3))]
+        replicas.insert(random.randrange(len(replicas) + 1), StartingReplica(random.uniform(0.05, 0.3)))
+        router = ReplicaRouter(replicas, [str(i) for i in range(len(replicas))], RouterConfig())
+        begin = time.monotonic()
+        with pytest.raises(EngineError, match="could not join"):
+            await router.start()
+        assert time.monotonic() - begin < 5
+        assert all(r.stopped.is_set() for r in replicas)
+
+    asyncio.run(scenario())
