@@ -78,13 +78,16 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
                 continue
             with lock:
                 # Busy, unless the gateway being served has just gone and the main loop has not yet seen it
-                # (a gateway reconnecting at once must not be told another one is being served).
-                if busy[0] and not (serving and _gateway_gone(*serving, wait=False)):
-                    try:
-                        conn.send_bytes(encoder.encode(Fatal("this engine is serving another gateway")))
-                    finally:
-                        conn.close()
-                    continue
+                # (a gateway reconnecting at once must not be told another one is being served): then this one
+                # takes its turn (``serving`` emptied: the main loop leaves ``busy`` set for it).
+                if busy[0]:
+                    if not (serving and _gateway_gone(*serving, wait=False)):
+                        try:
+                            conn.send_bytes(encoder.encode(Fatal("this engine is serving another gateway")))
+                        finally:
+                            conn.close()
+                        continue
+                    serving.clear()
                 busy[0] = True
             arrivals.put(conn)
 
@@ -109,8 +112,9 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
         try:
             _gateway_gone(engine, gateway, wait=True)
             with lock:
-                busy[0] = False  # the next gateway may connect while this engine winds down
-                serving.clear()
+                if serving:  # no gateway has taken its turn yet: the next may connect while this engine winds down
+                    busy[0] = False
+                    serving.clear()
             logger.info("the gateway has left or its engine has ended; serving the next gateway once it has")
             engine.join(WIND_DOWN_S)
             if engine.is_alive():  # stuck (in a collective, say): the next gateway gets a fresh one now
