@@ -58,8 +58,7 @@ class Device:
 
 def shape_only_group(size: int, expert_parallel: bool) -> TensorParallel:
     """Rank 0 of ``size`` ranks, for building per-rank module shapes on the meta device (no collectives run)."""
-    tp = TensorParallel()
-    tp.size = size
+    tp = TensorParallel.shape_only(size)
     if expert_parallel:
         tp.expert_parallel = ExpertParallel(tp)
     return tp

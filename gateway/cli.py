@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--engines-share-experts makes the --engine replicas ranks of the local replicas' expert "
                          "group: it needs --enable-expert-parallel, at least one --engine and a local replica")
     group_remotes = len(remote) if args.engines_share_experts else 0
-    replica_configs(engine_config, args.data_parallel_size, group_remotes)  # checks the combination first
+    local_configs = replica_configs(engine_config, args.data_parallel_size, group_remotes)  # checks the combination
     if args.engine_stall_timeout <= 0:
         raise ValueError(f"--engine-stall-timeout must be > 0, got {args.engine_stall_timeout}")
     if not 0 < args.engine_restart_backoff <= args.engine_restart_backoff_max:
@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
                            default_reservation_tokens=args.default_reservation_tokens,
                            tool_call_parser=_parser_setting(args.tool_call_parser),
                            reasoning_parser=_parser_setting(args.reasoning_parser))
-    _check_model(args)
+    _check_model(args, local_configs[0] if local_configs else engine_config)  # as laid out in the group
     try:
         # The policy database must match this code; the embedded SQLite default upgrades itself.
         ensure_schema(url)
@@ -90,9 +90,10 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_model(args: argparse.Namespace) -> None:
-    """``--model``: the demo model, if that is the one, is written on first use; a bad checkpoint is bad input
-    (ValueError: one line, exit 2), found before any process starts."""
+def _check_model(args: argparse.Namespace, engine_config: EngineConfig) -> None:
+    """``--model``: the demo model, if that is the one, is written on first use; a bad checkpoint, or one that
+    cannot be split as ``engine_config`` says, is bad input (ValueError: one line, exit 2), found before any
+    process starts."""
     from engine.loading.model_config import load_model_config
     from engine.loading.model_loader import checkpoint_files
 
@@ -104,10 +105,14 @@ def _check_model(args: argparse.Namespace) -> None:
     if args.random_weights is not None:  # --model then only supplies the tokenizer
         from engine.loading.random_weights import random_model_config
 
-        random_model_config(args.random_weights)
+        model_config = random_model_config(args.random_weights)
     else:
-        load_model_config(args.model)
+        model_config = load_model_config(args.model)
         checkpoint_files(args.model)
+    if engine_config.tensor_parallel_size > 1 or engine_config.enable_expert_parallel:
+        from engine.distributed.split_check import check_split
+
+        check_split(model_config, engine_config)
 
 
 def engine_authkey() -> bytes:
@@ -161,7 +166,7 @@ def _engine(args: argparse.Namespace) -> int:
     authkey = engine_authkey()
     args.model = args.model or DEFAULT_DEMO_MODEL_DIR
     engine_config = serve_engine_config(args)
-    _check_model(args)
+    _check_model(args, engine_config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def listening(bound: tuple[str, int]) -> None:

@@ -29,6 +29,14 @@ class TensorParallel:
         self.size = groups.world_size if groups else 1
         self.expert_parallel = None
 
+    @classmethod
+    def shape_only(cls, size: int) -> "TensorParallel":
+        """Rank 0 of ``size`` ranks with no process group: for building one rank's module shapes (on the meta
+        device, say) without running anything; a collective on it fails."""
+        tp = cls()
+        tp.size = size
+        return tp
+
     def _run(self, what: str, fn, *args, **kwargs) -> None:
         # A group made for control messages only has no device group: group=None would mean the whole world.
         assert kwargs.get("group", True) is not None, f"{what}: this group has no device group"

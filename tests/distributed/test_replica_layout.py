@@ -63,3 +63,28 @@ def test_the_command_line_refuses_remote_replicas_sharing_experts_without_a_meet
                          capture_output=True, text=True,
                          timeout=60, env={**os.environ, "MOEGATE_ENGINE_KEY": "k" * 16})
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--distributed-init-method" in run.stderr, run.stderr
+
+
+def test_a_model_that_cannot_be_split_so_is_refused_before_anything_is_written(tmp_path):
+    """The demo model's 4 query heads do not divide over 3 ranks; its experts over 2 x 2 ranks do."""
+    import subprocess
+    import sys
+
+    from engine.core.config import EngineConfig
+    from engine.distributed.split_check import check_split
+    from engine.loading.demo_model import write_demo_model
+    from engine.loading.model_config import load_model_config
+
+    model = str(tmp_path / "model")
+    write_demo_model(model, seed=0)
+    config = load_model_config(model)
+    run = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--database-url",
+                          f"sqlite:///{tmp_path}/p.db", "--tensor-parallel-size", "3"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "divisible" in run.stderr, run.stderr
+    assert not (tmp_path / "p.db").exists()
+    check_split(config, EngineConfig(model=model, tensor_parallel_size=2, enable_expert_parallel=True,
+                                     data_parallel_size=2, distributed_init_method="tcp://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="experts"):
+        check_split(config, EngineConfig(model=model, enable_expert_parallel=True, data_parallel_size=1024,
+                                         distributed_init_method="tcp://127.0.0.1:1"))
