@@ -163,6 +163,20 @@ def test_the_serving_engine_reports_a_dead_rank_and_restarts_whole(tmp_path):
     asyncio.run(scenario())
 
 
+def replica_group_configs(model_dir: str, replicas: int, address: str, **extra) -> list:
+    """The EngineConfig of each of ``replicas`` engines sharing their experts, meeting at ``address`` (5 s timeout)."""
+    from engine.core.config import EngineConfig
+
+    return [EngineConfig(model=model_dir, **ENGINE, enable_expert_parallel=True, data_parallel_size=replicas,
+                         data_parallel_rank=r, distributed_init_method=address, distributed_timeout_s=5, **extra)
+            for r in range(replicas)]
+
+
+async def engine_tokens(engine, prompt, params) -> list[int]:
+    """Every token an AsyncEngine streams for ``prompt``."""
+    return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
+
+
 def _data_parallel_engine(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, dispatch):
     from engine import LLM, SamplingParams
 
@@ -228,7 +242,6 @@ def test_serving_data_parallel_engines_step_together_and_fail_together(tmp_path)
     import asyncio
 
     from engine import LLM
-    from engine.core.config import EngineConfig
     from engine.core.sampling_params import SamplingParams
     from engine.serving.async_engine import AsyncEngine, EngineError
 
@@ -238,12 +251,10 @@ def test_serving_data_parallel_engines_step_together_and_fail_together(tmp_path)
     alone = {**ENGINE, "cpu_threads": None}  # in this process: leave its thread count alone
     want = [out.token_ids for out in LLM(str(tmp_path), **alone).generate(prompts, params)]
     address = f"tcp://127.0.0.1:{free_port()}"
-    configs = [EngineConfig(model=str(tmp_path), **ENGINE, enable_expert_parallel=True, data_parallel_size=2,
-                            data_parallel_rank=r, distributed_init_method=address, distributed_timeout_s=5)
-               for r in range(2)]
+    configs = replica_group_configs(str(tmp_path), 2, address)
 
     async def tokens(engine, prompt) -> list[int]:
-        return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
+        return await engine_tokens(engine, prompt, params)
 
     async def scenario():
         engines = [AsyncEngine(c) for c in configs]

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.distributed.ranks import free_port, run_ranks_each
-from tests.distributed.test_engine_ranks import ENGINE
+from tests.distributed.test_engine_ranks import ENGINE, engine_tokens, replica_group_configs
 from tests.distributed.test_tensor_parallel import OVERRIDES, VOCAB, family_checkpoints
 from tests.engine.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
@@ -88,7 +88,6 @@ def test_a_dead_follower_fails_both_split_replicas_and_they_restart(tmp_path):
     gateway's supervisors restart both, which serve again."""
     import asyncio
 
-    from engine.core.config import EngineConfig
     from engine.core.sampling_params import SamplingParams
     from engine.serving.async_engine import AsyncEngine, EngineError
 
@@ -98,12 +97,10 @@ def test_a_dead_follower_fails_both_split_replicas_and_they_restart(tmp_path):
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5]]
     want = [hf_greedy(hf, p, 5) for p in prompts]
     address = f"tcp://127.0.0.1:{free_port()}"
-    configs = [EngineConfig(model=str(tmp_path), **ENGINE, tensor_parallel_size=SPLIT, enable_expert_parallel=True,
-                            data_parallel_size=REPLICAS, data_parallel_rank=r, distributed_init_method=address,
-                            distributed_timeout_s=5) for r in range(REPLICAS)]
+    configs = replica_group_configs(str(tmp_path), REPLICAS, address, tensor_parallel_size=SPLIT)
 
     async def tokens(engine, prompt) -> list[int]:
-        return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
+        return await engine_tokens(engine, prompt, params)
 
     async def scenario():
         engines = [AsyncEngine(c) for c in configs]

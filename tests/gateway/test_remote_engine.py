@@ -52,6 +52,15 @@ def stop_engine(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+async def complete_greedy(http, url: str, key: str, prompt) -> tuple[int, str | dict]:
+    """(status, text or error body) of a greedy 6-token completion from the "demo" model at ``url``."""
+    async with http.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                         json={"model": "demo", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                               "ignore_eos": True}) as r:
+        body = await r.json()
+        return r.status, body["choices"][0]["text"] if r.status == 200 else body
+
+
 def per_replica(text: str, name: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2))
             for m in re.finditer(rf'^{re.escape(name)}{{replica="([^"]+)"}} (\S+)$', text, re.M)}
@@ -77,12 +86,8 @@ def test_remote_engine_serves_fails_over_and_reconnects(tmp_path, monkeypatch):
                                "--engine-restart-backoff", "0.5", "--engine-restart-backoff-max", "1")
     url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
 
-    async def complete(http, prompt) -> tuple[int, str]:
-        async with http.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                             json={"model": "demo", "prompt": prompt, "max_tokens": 6, "temperature": 0,
-                                   "ignore_eos": True}) as r:
-            body = await r.json()
-            return r.status, body["choices"][0]["text"] if r.status == 200 else body
+    async def complete(http, prompt) -> tuple[int, str | dict]:
+        return await complete_greedy(http, url, key, prompt)
 
     async def health(http) -> dict:
         async with http.get(f"{url}/health") as r:

@@ -19,7 +19,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.loading.demo_model import write_demo_model
 from tests.gateway.serve_process import free_port, start_server, stop_server, wait_ready
-from tests.gateway.test_remote_engine import KEY, per_replica, start_engine, stop_engine
+from tests.gateway.test_remote_engine import KEY, complete_greedy, per_replica, start_engine, stop_engine
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -47,11 +47,7 @@ def test_replicas_on_two_nodes_share_their_experts_and_restart_together(tmp_path
     url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
 
     async def complete(http, prompt) -> tuple[int, str | dict]:
-        async with http.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                             json={"model": "demo", "prompt": prompt, "max_tokens": 6, "temperature": 0,
-                                   "ignore_eos": True}) as r:
-            body = await r.json()
-            return r.status, body["choices"][0]["text"] if r.status == 200 else body
+        return await complete_greedy(http, url, key, prompt)
 
     async def health(http) -> dict:
         async with http.get(f"{url}/health") as r:
