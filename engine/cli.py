@@ -29,7 +29,8 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-dispatch", default="all_to_all", choices=["all_to_all", "all_gather"],
                    help="how tokens reach their experts' ranks (default all_to_all: each token slot travels once)")
     p.add_argument("--distributed-init-method", default=None, metavar="tcp://HOST:PORT",
-                   help="where the ranks meet (default: a free port on this node, every rank here)")
+                   help="where the ranks meet (default: a free port on this node, every rank here); independent "
+                        "replicas split over ranks meet at PORT + their index")
     p.add_argument("--local-ranks", type=int, default=None,
                    help="ranks this node starts of each engine's --tensor-parallel-size (default all); the others "
                         "run `moegate engine-rank` elsewhere")

@@ -115,13 +115,24 @@ class ReplicaRouter:
         """Start every replica at once; as soon as one fails, the others are stopped (replicas of one expert
         group would otherwise wait for the failed one at their rendezvous for minutes) and its error raised."""
         starts = [asyncio.ensure_future(r.start()) for r in self.replicas]
-        await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        try:
+            await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:  # the gateway is stopping
+            await self._abandon(starts)
+            raise
         failed = next((t.exception() for t in starts if t.done() and t.exception() is not None), None)
         if failed is not None:
-            await self.shutdown()  # a starting engine is stopped too: its start then ends with an error
-            await asyncio.gather(*starts, return_exceptions=True)
+            await self._abandon(starts)
+            await self.shutdown()
             raise failed
         return starts[0].result()
+
+    @staticmethod
+    async def _abandon(starts: list[asyncio.Future]) -> None:
+        """Cancel the starts still running: each replica then ends its engine at once, not when it is up."""
+        for start in starts:
+            start.cancel()
+        await asyncio.gather(*starts, return_exceptions=True)
 
     async def restart(self) -> Ready:
         """Restart the replicas that are down (the gateway's supervisor restarts each on its own instead)."""

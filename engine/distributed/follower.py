@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-rank %(levelname)s %(message)s")
-    if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":
-        exit_with_parent()
+    if (parent := os.environ.get(EXIT_WITH_PARENT_ENV, "")).isdigit():
+        exit_with_parent(int(parent))
     from engine.cli import add_rank_arguments
 
     parser = argparse.ArgumentParser(prog="python -m engine.distributed.follower", description=__doc__)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 JOIN_TIMEOUT_S = 300.0  # ranks on other nodes may be started by hand, after rank 0
+MEET_POLL_S = 0.2  # how often rank 0 looks for the ranks still to arrive (and for ones of its own that died)
 
 
 class CollectiveError(RuntimeError):
@@ -102,16 +103,16 @@ class RankGroups:
             return store
         keys = [f"moegate/joined/{r}" for r in range(1, info.world_size)]
         deadline = time.monotonic() + join_timeout_s
-        while True:
-            try:
-                store.wait(keys, timedelta(seconds=0.5))
-                return store
-            except Exception:  # not every rank yet: one of ours may have died, or time may be up
-                gone = starting() if starting else None
-                if gone:
-                    raise CollectiveError(f"rank 0: {gone} before the ranks met at {info.init_method}") from None
-                if time.monotonic() > deadline:
-                    raise
+        # Polled, not waited on with a short timeout: every timed-out wait logs two c10d warnings.
+        while not store.check(keys):  # not every rank yet: one of ours may have died, or time may be up
+            gone = starting() if starting else None
+            if gone:
+                raise CollectiveError(f"rank 0: {gone} before the ranks met at {info.init_method}") from None
+            if time.monotonic() > deadline:
+                missing = [r for r, key in enumerate(keys, start=1) if not store.check([key])]
+                raise TimeoutError(f"rank(s) {', '.join(map(str, missing))} did not arrive")
+            time.sleep(MEET_POLL_S)
+        return store
 
     @property
     def is_driver(self) -> bool:

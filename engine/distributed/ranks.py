@@ -30,7 +30,8 @@ from engine.distributed.replica_layout import free_port, replica_world_ranks
 from engine.distributed.world import ReplicaClaim, agree_on_world
 from engine.loading.model_config import ModelConfig
 
-EXIT_WITH_PARENT_ENV = "MOEGATE_EXIT_WITH_PARENT"  # set for the follower ranks an engine process starts itself
+# The engine process's id, given to the follower ranks it starts itself: they end when it does.
+EXIT_WITH_PARENT_ENV = "MOEGATE_EXIT_WITH_PARENT"
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class EngineRanks:
         world = self.world_size = config.data_parallel_size * split
         first = self.first_rank = config.data_parallel_rank * split  # this replica's ranks: [first, first + split)
         env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": port,
-               EXIT_WITH_PARENT_ENV: "1"}
+               EXIT_WITH_PARENT_ENV: str(os.getpid())}
         command = [sys.executable, "-m", "engine.distributed.follower", "--device", device.type,
                    "--timeout", str(config.distributed_timeout_s)]
         self.processes: list[subprocess.Popen] = []

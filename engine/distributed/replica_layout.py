@@ -27,6 +27,10 @@ def replica_configs(config: EngineConfig, replicas: int, remote: int = 0) -> lis
     engines other nodes serve (``moegate engine --data-parallel-rank``). ValueError for a combination not
     supported."""
     if not config.enable_expert_parallel or replicas + remote <= 1:
+        if replicas > 1 and config.tensor_parallel_size > 1 and config.distributed_init_method:
+            # Independent replicas split over ranks each meet on their own: replica i at the given port + i.
+            return [dataclasses.replace(config, distributed_init_method=_port_plus(config.distributed_init_method, i))
+                    for i in range(replicas)]
         return [config] * replicas
     if remote and not config.distributed_init_method:
         raise ValueError("replicas on other nodes that share the experts meet this node's at "
@@ -35,6 +39,15 @@ def replica_configs(config: EngineConfig, replicas: int, remote: int = 0) -> lis
     size = replicas + remote
     return [dataclasses.replace(config, data_parallel_size=size, data_parallel_rank=i, distributed_init_method=init)
             for i in range(replicas)]
+
+
+def _port_plus(init_method: str, offset: int) -> str:
+    """``tcp://HOST:PORT`` with PORT + ``offset``; ValueError past the last port."""
+    host, port = init_method.rsplit(":", 1)
+    if int(port) + offset > 65535:
+        raise ValueError(f"--distributed-init-method {init_method}: replica {offset} would meet at port "
+                         f"{int(port) + offset}, past 65535 (independent replicas meet at the port given + their index)")
+    return f"{host}:{int(port) + offset}"
 
 
 def replica_devices(config: EngineConfig, replica: int) -> str:

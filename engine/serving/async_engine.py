@@ -120,8 +120,14 @@ class AsyncEngine:
 
     async def start(self) -> Ready:
         self._loop = asyncio.get_running_loop()
-        self._requests, self._replies = await self._open()
-        first = await self._loop.run_in_executor(None, self._recv)
+        self._requests, replies = await self._open()
+        self._replies = replies
+        try:
+            first = await self._loop.run_in_executor(None, self._recv, replies)
+        except asyncio.CancelledError:  # the gateway is stopping: end this start now, not once the engine is up
+            self._cut_off()  # (an engine split over ranks may wait minutes at its rendezvous for a missing one)
+            await self.shutdown()
+            raise
         if isinstance(first, Fatal) or first is None:
             await self.shutdown()
             raise EngineError(first.message if first else f"{self.describe()} exited during start-up")
@@ -129,10 +135,12 @@ class AsyncEngine:
             tokenizer_dir = self.config.tokenizer or (None if self.config.random_weights else self.config.model)
             tokenizer = await self._loop.run_in_executor(None, load_tokenizer, tokenizer_dir) if tokenizer_dir else None
             self.inputs = InputProcessor(tokenizer, first.vocab_size, first.max_model_len)
-        threading.Thread(target=self._reader, name="moegate-engine-reader", daemon=True).start()
+        if self._replies is not replies:  # shut down meanwhile (another replica of its group failed to start)
+            raise EngineError(f"{self.describe()} was stopped during start-up")
+        threading.Thread(target=self._reader, args=(replies,), name="moegate-engine-reader", daemon=True).start()
         if self.stall_timeout_s is not None:
             # Referenced, or the loop could drop the task before it ends.
-            self._watchdog_task = self._loop.create_task(self._watchdog(self._replies), name="moegate-engine-watchdog")
+            self._watchdog_task = self._loop.create_task(self._watchdog(replies), name="moegate-engine-watchdog")
         self.info = first
         return first
 
@@ -159,14 +167,16 @@ class AsyncEngine:
         """The checkpoint's chat template text (None without one, or before the engine has started)."""
         return self.inputs.chat_template if self.inputs is not None else None
 
-    def _recv(self):
+    @staticmethod
+    def _recv(conn: Connection):
+        """The next message on ``conn``; None once it has closed."""
         try:
-            return from_engine_decoder.decode(self._replies.recv_bytes())
+            return from_engine_decoder.decode(conn.recv_bytes())
         except (EOFError, OSError):
             return None
 
-    def _reader(self) -> None:
-        conn = self._replies  # this process's pipe; a restart makes a new one and a new reader
+    def _reader(self, conn: Connection) -> None:
+        """Dispatch what arrives on ``conn`` (this engine process's; a restart makes a new one and a new reader)."""
         while True:
             try:
                 msg = from_engine_decoder.decode(conn.recv_bytes())

@@ -43,8 +43,7 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
     """The engine loop: returns on Shutdown (the engine closed) or after reporting a failure (Fatal)."""
     mc = engine.model_config
     replies.send_bytes(encoder.encode(Ready(config.model, mc.architecture, engine.max_model_len, mc.vocab_size,
-                                            engine.tokenizer is not None, config.data_parallel_rank,
-                                            config.data_parallel_size)))
+                                            engine.tokenizer is not None)))
 
     idle_change = False  # an abort freed blocks while idle: report the new state without a step
     reports = StepReports()

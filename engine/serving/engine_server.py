@@ -5,6 +5,9 @@ The gateway reaches it over TCP with ``multiprocessing.connection`` (the same
 authkey), and the engine loop is ``run_engine_process`` unchanged, with one
 duplex connection for both directions. One gateway at a time: a second one is
 told so (``Fatal``) and closed at once, so its start fails instead of hanging.
+Before anything is built the engine says where it belongs (``Hello``: its place
+in a group of replicas that divide the experts, and where that group meets);
+the gateway attaches it only if that is the place it needs it in.
 Each connection's engine runs in a process of its own, which ends with the
 connection (the gateway stopped, the network broke, or the engine failed) or
 with the server: the gateway's supervisor reconnects a replica it lost, and
@@ -26,14 +29,17 @@ import socket
 import threading
 from multiprocessing.connection import Connection, Listener
 
+import msgspec
+
 from engine.core.config import EngineConfig
 from engine.serving.engine_process import run_engine_process
-from engine.serving.protocol import Fatal, encoder
+from engine.serving.protocol import Fatal, Hello, attach_decoder, encoder
 
 logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "MOEGATE_ENGINE_KEY"
 WIND_DOWN_S = 30.0  # how long an engine may take to end once its gateway has left
+ATTACH_TIMEOUT_S = 10.0  # how long a gateway may take to answer this engine's Hello
 
 
 def enable_keepalive(conn: Connection) -> None:
@@ -96,6 +102,11 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
     while True:
         conn = arrivals.get()
         enable_keepalive(conn)
+        if not _greet(conn, config):
+            conn.close()
+            with lock:
+                busy[0] = False
+            continue
         logger.info("serving a gateway")
         # Each gateway gets an engine in a fresh process, as a local replica does: whatever a failed or
         # dropped engine leaves (process groups, device memory) ends with its process, which also ends the
@@ -123,6 +134,25 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
                 engine.join()
         finally:
             os.close(gateway)
+
+
+def _greet(conn: Connection, config: EngineConfig) -> bool:
+    """Tell the gateway this engine's place (``Hello``) before building anything; whether it attached. A gateway
+    that needs this engine elsewhere closes the connection and says why on its side: nothing was started, so a
+    misplaced engine is refused at once instead of after its rendezvous timed out."""
+    try:
+        conn.send_bytes(encoder.encode(Hello(config.data_parallel_rank, config.data_parallel_size,
+                                             config.distributed_init_method)))
+        if conn.poll(ATTACH_TIMEOUT_S):
+            attach_decoder.decode(conn.recv_bytes())
+            return True
+        logger.warning("the gateway did not attach within %g s", ATTACH_TIMEOUT_S)
+    except (EOFError, OSError):
+        logger.warning("the gateway left without attaching (it needs this engine at another place in its "
+                       "group: see its error)")
+    except msgspec.DecodeError as e:
+        logger.warning("the gateway answered with something other than Attach: %s", e)
+    return False
 
 
 def _gateway_gone(engine: multiprocessing.process.BaseProcess, gateway: int, wait: bool) -> bool:

@@ -72,9 +72,20 @@ class Ready(msgspec.Struct, tag=True):
     max_model_len: int
     vocab_size: int
     has_tokenizer: bool
-    # Its place in a group of replicas that divide the experts (rank 0 of 1: none).
-    data_parallel_rank: int = 0
-    data_parallel_size: int = 1
+
+
+class Hello(msgspec.Struct, tag=True):
+    """What a remote engine (``moegate engine --listen``) says of itself as a gateway connects, before it builds
+    anything: its place in a group of replicas that divide the experts and where that group meets. The gateway
+    answers ``Attach`` to go on, or closes the connection (a place it cannot give this engine)."""
+
+    data_parallel_rank: int
+    data_parallel_size: int
+    distributed_init_method: str | None
+
+
+class Attach(msgspec.Struct, tag=True):
+    """The gateway's answer to ``Hello``: start the engine for me."""
 
 
 class Fatal(msgspec.Struct, tag=True):
@@ -89,3 +100,5 @@ FromEngine = StepOutputs | RequestRejected | Released | Ready | Fatal
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
+greeting_decoder = msgspec.msgpack.Decoder(Hello | Fatal)  # the first message of a remote engine's connection
+attach_decoder = msgspec.msgpack.Decoder(Attach)

@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from engine.core.config import EngineConfig
 from engine.serving.async_engine import AsyncEngine, EngineError
 from engine.serving.engine_server import enable_keepalive
-from engine.serving.protocol import Ready
+from engine.serving.protocol import Attach, Fatal, Hello, encoder, greeting_decoder
 
 
 CONNECT_TIMEOUT_S = 10.0
@@ -32,6 +32,12 @@ def _shut(conn: Connection) -> None:
         sock.detach()
 
 
+def _port(init_method: str | None) -> str | None:
+    """The port of a ``tcp://HOST:PORT`` meeting address: the part both sides must name alike (the host may be
+    spelled differently, a name on one side and an address on the other)."""
+    return init_method.rsplit(":", 1)[1] if init_method else None
+
+
 class RemoteEngine(AsyncEngine):
     def __init__(self, config: EngineConfig, address: tuple[str, int], authkey: bytes,
                  stall_timeout_s: float | None = None, group_place: tuple[int, int] | None = None) -> None:
@@ -41,17 +47,6 @@ class RemoteEngine(AsyncEngine):
         self.address = address
         self._authkey = authkey
         self.group_place = group_place
-
-    async def start(self) -> Ready:
-        ready = await super().start()
-        place = (ready.data_parallel_rank, ready.data_parallel_size)
-        if self.group_place is not None and place != self.group_place:
-            await self.shutdown()
-            rank, size = self.group_place
-            raise EngineError(f"{self.describe()} is data-parallel rank {place[0]} of {place[1]}, but this gateway "
-                              f"needs it as rank {rank} of {size} of its expert group: start it with "
-                              f"--enable-expert-parallel --data-parallel-size {size} --data-parallel-rank {rank}")
-        return ready
 
     def describe(self) -> str:
         return f"the engine at {self.address[0]}:{self.address[1]}"
@@ -75,13 +70,45 @@ class RemoteEngine(AsyncEngine):
         try:
             answer_challenge(conn, self._authkey)  # what Client does, in this order
             deliver_challenge(conn, self._authkey)
+            greeting = greeting_decoder.decode(conn.recv_bytes())
         except Exception as e:  # a wrong key (AuthenticationError), or cut by the timer (EOFError)
             conn.close()
             raise EngineError(f"cannot connect to {self.describe()}: {type(e).__name__}: {e or 'no answer'}") from None
         finally:
             timer.cancel()
+        try:
+            if isinstance(greeting, Fatal):  # serving another gateway
+                raise EngineError(f"{self.describe()}: {greeting.message}")
+            self._check_place(greeting)
+            conn.send_bytes(encoder.encode(Attach()))
+        except BaseException:
+            conn.close()  # the engine server sees this gateway leave, and has started nothing
+            raise
         enable_keepalive(conn)
         return conn
+
+    def _check_place(self, hello: Hello) -> None:
+        """EngineError, saying how to start the engine, unless it holds the place this gateway needs it in."""
+        place = (hello.data_parallel_rank, hello.data_parallel_size)
+        if self.group_place is None:
+            if place != (0, 1):
+                raise EngineError(
+                    f"{self.describe()} is data-parallel rank {place[0]} of {place[1]} of an expert group, but this "
+                    "gateway attaches it as an independent replica: attach the group's engines with "
+                    "--engines-share-experts, or start this one without --data-parallel-size/--data-parallel-rank")
+            return
+        rank, size = self.group_place
+        if place != self.group_place:
+            held = (f"is data-parallel rank {place[0]} of {place[1]}" if place[1] > 1
+                    else "was started as an independent engine")
+            raise EngineError(f"{self.describe()} {held}, but this gateway needs it as data-parallel rank {rank} of "
+                              f"{size} of its expert group: start it with "
+                              f"--enable-expert-parallel --data-parallel-size {size} --data-parallel-rank {rank}")
+        ours, theirs = _port(self.config.distributed_init_method), _port(hello.distributed_init_method)
+        if theirs != ours:
+            raise EngineError(f"{self.describe()} meets its expert group at {hello.distributed_init_method}, but "
+                              f"this gateway's group meets at {self.config.distributed_init_method}: start it with "
+                              f"--distributed-init-method {self.config.distributed_init_method}")
 
     def _cut_off(self) -> None:
         _shut(self._replies)  # the reader's recv ends

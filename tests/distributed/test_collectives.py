@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.distributed.ranks import run_ranks
+from tests.distributed.ranks import free_port, run_ranks
 
 
 def _collectives(rank: int, world: int, address: str, seed: int):
@@ -83,3 +83,18 @@ def test_rank_info_from_the_torchrun_environment():
         RankInfo.from_env({**env, "RANK": "one"})
     with pytest.raises(ValueError, match="rank 4 is not in a world of 4"):
         RankInfo.from_env({**env, "RANK": "4"})
+
+
+def test_ranks_that_never_arrive_are_named_when_the_meeting_times_out(capfd):
+    """Rank 0 alone in a world of 3: after the join timeout it fails naming ranks 1 and 2, without the two
+    c10d warnings per poll that waiting on the store with a short timeout used to print."""
+    import torch
+
+    from engine.distributed.groups import CollectiveError, RankGroups, RankInfo
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"rank\(s\) 1, 2 did not arrive"):
+        RankGroups(RankInfo(0, 3, 0, address), torch.device("cpu"), join_timeout_s=1.5)
+    assert 1.5 <= time.monotonic() - start < 10
+    assert "waitForInput" not in capfd.readouterr().err

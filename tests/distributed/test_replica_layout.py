@@ -36,6 +36,19 @@ def test_replicas_that_share_experts_are_ranks_of_one_group():
     assert replica_configs(meet, 1, remote=1)[0].data_parallel_size == 2
 
 
+def test_independent_replicas_split_over_ranks_each_meet_at_their_own_port():
+    """Two replicas' rank 0s cannot both host the rendezvous at one address."""
+    port, replicas = random.randint(20000, 30000), random.randint(2, 4)
+    split = EngineConfig(model="m", tensor_parallel_size=2, distributed_init_method=f"tcp://10.0.0.1:{port}")
+    configs = replica_configs(split, replicas)
+    assert [c.distributed_init_method for c in configs] == [f"tcp://10.0.0.1:{port + i}" for i in range(replicas)]
+    assert all(c.data_parallel_size == 1 for c in configs)
+    with pytest.raises(ValueError, match="past 65535"):
+        replica_configs(EngineConfig(model="m", tensor_parallel_size=2, distributed_init_method="tcp://h:65535"), 2)
+    whole = EngineConfig(model="m", distributed_init_method=f"tcp://10.0.0.1:{port}")  # no ranks: nothing meets
+    assert replica_configs(whole, replicas) == [whole] * replicas
+
+
 def test_replica_d_holds_world_ranks_d_times_t_to_the_next():
     replicas, split = random.randint(1, 5), random.randint(1, 5)
     layout = replica_world_ranks(replicas, split)

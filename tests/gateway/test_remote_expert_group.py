@@ -93,27 +93,51 @@ def test_replicas_on_two_nodes_share_their_experts_and_restart_together(tmp_path
         stop_engine(engine)
 
 
-def test_an_engine_outside_the_group_is_refused_at_once(tmp_path):
-    """A plain `moegate engine` attached with --engines-share-experts: the gateway stops at once (not after the
-    local replica's five minutes at the meeting point) with one line saying how to start that engine."""
+# (the remote engine's flags, the gateway's, what the gateway's one-line error must say). Before engines said
+# where they belong as the gateway connects, the last three waited at the rendezvous for five minutes.
+MISPLACED = {
+    "a plain engine in a group": ((), ("--engines-share-experts",), "--data-parallel-size 2 --data-parallel-rank 1"),
+    "a group's engine attached alone": (("--data-parallel-size", "2", "--data-parallel-rank", "1", "--meet"), (),
+                                        "attaches it as an independent replica"),
+    "two replicas claiming rank 0": (("--data-parallel-size", "2", "--data-parallel-rank", "0", "--meet"),
+                                     ("--engines-share-experts",), "--data-parallel-size 2 --data-parallel-rank 1"),
+    "another meeting place": (("--data-parallel-size", "2", "--data-parallel-rank", "1", "--meet-elsewhere"),
+                              ("--engines-share-experts",), "--distributed-init-method tcp://127.0.0.1:"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISPLACED))
+def test_an_engine_outside_its_place_is_refused_at_once(tmp_path, case):
+    """The gateway stops at once with one line saying how to start that engine; the engine server started no
+    engine for it (it said where it belongs before building anything) and is still there for the next one."""
     import os
     import subprocess
     import sys
 
+    from tests.processes import child_pids
+
+    engine_flags, gateway_flags, says = MISPLACED[case]
     model = str(tmp_path / "model")
     write_demo_model(model, seed=1)
     engine_port, meet_port = free_port(), free_port()
-    engine = start_engine(model, engine_port, "--kv-cache-memory-gb", "0.05")
+    meet = ("--distributed-init-method", f"tcp://127.0.0.1:{meet_port}")
+    place = {"--meet": meet, "--meet-elsewhere": ("--distributed-init-method", f"tcp://127.0.0.1:{free_port()}")}
+    engine_flags = [f for flag in engine_flags for f in place.get(flag, (flag,))]
+    if "--data-parallel-size" in engine_flags:
+        engine_flags.append("--enable-expert-parallel")
+    engine = start_engine(model, engine_port, "--kv-cache-memory-gb", "0.05", *engine_flags)
     try:
         begin = time.monotonic()
         run = subprocess.run(
             [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(free_port()),
              "--database-url", f"sqlite:///{tmp_path / 'policy.db'}", "--metrics-port", "-1", "--cpu-threads", "1",
              "--kv-cache-memory-gb", "0.05", "--enable-expert-parallel", "--engine", f"127.0.0.1:{engine_port}",
-             "--engines-share-experts", "--distributed-init-method", f"tcp://127.0.0.1:{meet_port}"],
+             *gateway_flags, *meet],
             capture_output=True, text=True, timeout=120, env={**os.environ, "MOEGATE_ENGINE_KEY": KEY})
         elapsed = time.monotonic() - begin
+        assert engine.poll() is None and child_pids(engine.pid, "spawn_main") == []
     finally:
         stop_engine(engine)
-    assert run.returncode != 0 and "--data-parallel-size 2 --data-parallel-rank 1" in run.stderr, run.stderr[-2000:]
-    assert elapsed < 60, elapsed
+    last = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""
+    assert run.returncode != 0 and last.startswith("moegate serve: error:") and says in last, run.stderr[-2000:]
+    assert elapsed < 40, elapsed

@@ -7,9 +7,12 @@ import signal
 import time
 
 import aiohttp
+import pytest
 
 from engine.loading.demo_model import write_demo_model
 from tenants.store import TenantStore
+
+from tests.processes import child_pids, is_running
 
 from .serve_process import free_port, start_server, wait_ready
 
@@ -89,3 +92,35 @@ def test_sigterm_drains_in_flight_requests_and_writes_their_usage(tmp_path):
     assert sum(r["requests"] for r in rows) == 2  # both requests are in the ledger, the cut one too
     completion = sum(r["completion_tokens"] for r in rows)
     assert 24 < completion < 24 + 4000
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_sigterm_while_engines_wait_for_their_ranks_stops_the_gateway_at_once(tmp_path, replicas):
+    """Each replica is split over two ranks, the second to be started by hand on another node (never, here), so
+    its engine process waits at the rendezvous for up to 5 minutes. SIGTERM then ends the gateway within
+    seconds and takes the waiting engine processes along (before: the gateway waited for them)."""
+    model = str(tmp_path / "model")
+    write_demo_model(model, seed=random.randrange(1000))
+    proc, _ = start_server(model, f"sqlite:///{tmp_path / 'policy.db'}", free_port(), "--data-dir", str(tmp_path / "data"),
+                           "--data-parallel-size", str(replicas), "--tensor-parallel-size", "2", "--local-ranks", "1",
+                           "--distributed-init-method", f"tcp://127.0.0.1:{free_port()}")
+    try:
+        deadline = time.monotonic() + 60
+        while len(engines := child_pids(proc.pid, "spawn_main")) < replicas and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(engines) == replicas, "the engine processes did not start"
+        time.sleep(3)  # well into start-up (the demo model builds in about a second)
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+        deadline = time.monotonic() + 10
+        while any(map(is_running, engines)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(is_running, engines)), "an engine process outlived the gateway"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert elapsed < 10, elapsed
+    assert proc.returncode == 0

@@ -1,0 +1,54 @@
+"""Engine processes and ranks end with the process that started them, even when it died while they were still
+starting up (before they began to watch it)."""
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+from tests.processes import is_running
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def late_watcher(delay_s: float) -> None:
+    """A spawned child that starts watching its parent only after ``delay_s`` (an engine importing torch)."""
+    time.sleep(delay_s)
+    from engine.serving.parent_watch import exit_with_parent
+
+    exit_with_parent()
+    time.sleep(60)
+
+
+def test_a_spawned_process_whose_parent_died_during_its_start_up_ends():
+    delay = random.uniform(1.0, 2.0)
+    starter = ("import multiprocessing, os\n"
+               "from tests.engine.test_parent_watch import late_watcher\n"
+               "child = multiprocessing.get_context('spawn').Process(target=late_watcher, args=(%r,))\n"
+               "child.start()\n"
+               "print(child.pid, flush=True)\n"
+               "os._exit(0)\n" % delay)  # gone at once, without waiting for its child
+    # Read, not run to the end: the child holds the starter's stdout open as long as it lives.
+    with subprocess.Popen([sys.executable, "-c", starter], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT}) as starting:
+        child = int(starting.stdout.readline())
+        starting.wait(timeout=30)
+    try:
+        deadline = time.monotonic() + delay + 10  # its own start-up, the delay, then one poll
+        while is_running(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not is_running(child), "the child outlived its parent"
+    finally:
+        if is_running(child):
+            os.kill(child, 9)
+
+
+def test_a_process_given_a_parent_that_is_gone_ends_at_once():
+    """A follower rank is told its engine process's id; if that process has ended, the rank ends."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    code = f"from engine.serving.parent_watch import exit_with_parent\nexit_with_parent({gone.pid})\nimport time\ntime.sleep(30)"
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=40, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 1 and time.monotonic() - t0 < 20
