@@ -7,14 +7,14 @@ import torch
 
 from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
 from engine.text.prompts import InputProcessor
-from engine.loading.model_config import CheckpointError, load_model_config
+from engine.loading.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
 from engine.distributed.ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
 from engine.worker.cpu_allocator import keep_freed_memory
-from engine.worker.model_setup import build_rank
+from engine.worker.model_setup import build_rank, engine_model_config
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, waits_for_step_in_flight
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
@@ -63,12 +63,7 @@ class LLMEngine:
         """``kernel_choice`` overrides what ``config.kernels`` resolves to (to compare one part's kernels)."""
         self.config = config
         self.device = resolve_device(config.device)
-        if config.random_weights:
-            from engine.loading.random_weights import random_model_config
-
-            self.model_config = random_model_config(config.random_weights)
-        else:
-            self.model_config = load_model_config(config.model)
+        self.model_config = engine_model_config(config)
         self.ranks: EngineRanks | None = None
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)

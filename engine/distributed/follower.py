@@ -30,8 +30,7 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
     as that process builds its own, then follow its plans; returns when it sends the empty plan (None), raises
     CollectiveError when it or a peer fails, ValueError (on every rank) when the world does not fit."""
     from engine.llm_engine import resolve_dtype
-    from engine.loading.model_config import load_model_config
-    from engine.worker.model_setup import build_rank
+    from engine.worker.model_setup import build_rank, engine_model_config
 
     device = torch.device("cuda", info.local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -44,7 +43,7 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
             config = dataclasses.replace(config, model=model_dir)
         if device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
-        model_config = load_model_config(config.model)
+        model_config = engine_model_config(config)  # a random-weight spec and its seed come in the config too
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, device)
         runner = build_rank(config, model_config, KernelChoice.resolve(config.kernels, device.type), dtype, device,
                             tp).runner

@@ -32,6 +32,9 @@ class ReplicaClaim:
     dtype: str
     quantization: str | None
     model_shape: tuple[str, int, int, int]  # architecture, hidden size, layers, vocabulary
+    # (spec, seed) of a random-weight model, None for a checkpoint: replicas that divide the experts must draw
+    # the same weights, or each would run experts of another model.
+    random_weights: tuple[str, int] | None = None
 
     @classmethod
     def of(cls, config: EngineConfig, model_config: ModelConfig, dtype: str) -> "ReplicaClaim":
@@ -40,7 +43,8 @@ class ReplicaClaim:
         return cls(config.data_parallel_rank, config.data_parallel_size, config.tensor_parallel_size,
                    config.enable_expert_parallel, config.expert_dispatch, dtype, config.quantization,
                    (model_config.architecture, model_config.hidden_size, model_config.num_layers,
-                    model_config.vocab_size))
+                    model_config.vocab_size),
+                   (config.random_weights, config.seed) if config.random_weights else None)
 
     def shared(self) -> dict:
         """The fields every replica must agree on."""

@@ -1,4 +1,9 @@
-"""Build a model from a local Hugging Face checkpoint directory (config.json + safetensors shards)."""
+"""Build a model from a local Hugging Face checkpoint directory (config.json + safetensors shards).
+
+``rank_part``, ``held_elsewhere``, ``part_of`` and ``copy_into`` say how one checkpoint tensor becomes this rank's
+slice of a parameter; random-weight models (``engine.loading.random_weights``) are cut by the same functions, so a
+split random model holds exactly the slices of the unsplit one.
+"""
 
 import glob
 import json
@@ -43,13 +48,13 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def _rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalLM):
+def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalLM):
     """The part of a checkpoint tensor of ``shape`` this tensor-parallel rank holds, as a safetensors slice
     index (a tuple of slices, or a list of them to concatenate along dim 1), or None for the whole tensor."""
     tp = model.tp
     if tp.expert_parallel is not None and target.endswith((".experts.w13", ".experts.w2")):
         if rule.shard == "expert":
-            return None  # one expert's tensor, whole (``_elsewhere`` skips those of other ranks' experts)
+            return None  # one expert's tensor, whole (``held_elsewhere`` skips those of other ranks' experts)
         block = _moe_block(model, target)  # packed [E, 2I, H] / [E, H, I]: this rank's run of experts
         return (slice(block.first_expert, block.first_expert + block.experts.w13.shape[0]),)
     if tp.size == 1:
@@ -93,7 +98,7 @@ def _moe_block(model: MoECausalLM, target: str) -> SparseMoeBlock:
     return model.get_submodule(target.rsplit(".experts.", 1)[0])
 
 
-def _elsewhere(target: str, rule: WeightRule, match, model: MoECausalLM) -> bool:
+def held_elsewhere(target: str, rule: WeightRule, match, model: MoECausalLM) -> bool:
     """True for one expert's tensor when another expert-parallel rank holds that expert (not read here)."""
     if model.tp.expert_parallel is None or rule.shard != "expert":
         return False
@@ -101,8 +106,8 @@ def _elsewhere(target: str, rule: WeightRule, match, model: MoECausalLM) -> bool
     return not 0 <= int(match.group(2)) - block.first_expert < block.experts.w13.shape[0]
 
 
-def _part_of(source, part) -> torch.Tensor:
-    """``part`` (a ``_rank_part`` index, not None) of a tensor or of a safetensors slice (which reads only it)."""
+def part_of(source, part) -> torch.Tensor:
+    """``part`` (a ``rank_part`` index, not None) of a tensor or of a safetensors slice (which reads only it)."""
     if isinstance(part, list):
         return torch.cat([source[index] for index in part], dim=1)
     return source[part]
@@ -112,7 +117,7 @@ def _read(f, name: str, part) -> torch.Tensor:
     """This rank's part of checkpoint tensor ``name`` (only that part is read from the file)."""
     if part is None:
         return f.get_tensor(name)
-    return _part_of(f.get_slice(name), part)
+    return part_of(f.get_slice(name), part)
 
 
 class _Scales:
@@ -137,10 +142,10 @@ class _Scales:
         with safe_open(self.where[scale_key], framework="pt", device="cpu") as g:
             scale = g.get_tensor(scale_key)
         full = dequantize_checkpoint_tensor(f.get_tensor(name), scale, self.block, name, path)
-        return full if part is None else _part_of(full, part)
+        return full if part is None else part_of(full, part)
 
 
-def _copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match, model: MoECausalLM, name: str, path: str) -> int:
+def copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match, model: MoECausalLM, name: str, path: str) -> int:
     """Copy one checkpoint tensor (this rank's part of it) into its slice of a parameter; returns elements written."""
     attn = model.model.layers[0].self_attn
     if rule.shard in _QKV_ORDER:
@@ -191,10 +196,10 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                     if target not in params:
                         logger.warning("%s: ignoring tensor %s (no matching parameter)", path, name)
                         continue
-                    if _elsewhere(target, rule, match, model):
+                    if held_elsewhere(target, rule, match, model):
                         continue
                     info = f.get_slice(name)
-                    part = _rank_part(target, rule, info.get_shape(), model)
+                    part = rank_part(target, rule, info.get_shape(), model)
                     if info.get_dtype() in CHECKPOINT_8BIT:
                         if scales is None:
                             raise CheckpointError(f"{path}: tensor {name} is {info.get_dtype()} but config.json has "
@@ -202,7 +207,7 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                         tensor = scales.dequantized(f, name, part, path)
                     else:
                         tensor = _read(f, name, part)
-                    written[target] += _copy_into(params[target].data, tensor, rule, match, model, name, path)
+                    written[target] += copy_into(params[target].data, tensor, rule, match, model, name, path)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
     if model.config.tie_word_embeddings:

@@ -10,21 +10,29 @@ a path to a config.json (or its directory), optionally followed by
     /path/to/config.json
 
 Weights are created on the target device in the target dtype (meta-device
-construction, then ``to_empty`` and in-place init with a device generator):
-a real-size model never has a CPU copy and no transformers model is built.
+construction, then ``to_empty`` and a fill one tensor at a time): a real-size
+model never has a CPU copy and no transformers model is built. Each weight is
+drawn from (seed, its checkpoint name) and cut to a rank's slice by the
+checkpoint loader's own slicing, so a model split over ranks (tensor or expert
+parallel) holds exactly the slices of the unsplit model of the same spec and
+seed, and generates the same greedy tokens.
 """
 
+import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from engine.layers.moe import ExpertWeights, SparseMoeBlock
+from engine.distributed.collectives import SINGLE, TensorParallel
+from engine.layers.moe import SparseMoeBlock
 from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading.model_config import SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig, model_config_from_hf
+from engine.loading.model_loader import copy_into, held_elsewhere, part_of, rank_part
 from engine.loading.quantization import quantize_experts_
 from engine.models import MODEL_REGISTRY, MoECausalLM
 from moe_kernels.quant import QuantScheme, quantize
@@ -135,48 +143,125 @@ def random_model_config(spec: str) -> ModelConfig:
     return model_config_from_hf(arch, hf, eos_ids, torch_dtype=dtype)
 
 
-@torch.no_grad()
-def _init_quantized_experts_(experts: ExpertWeights, dtype: torch.dtype, gen: torch.Generator) -> None:
-    """Random 8-bit experts: each expert drawn in ``dtype`` and quantized, so only one expert is ever in 16 bits."""
-    for name, halves in (("w13", 2), ("w2", 1)):
-        q, scale = getattr(experts, name), getattr(experts, f"{name}_scale")
-        for e in range(q.shape[0]):
-            w = torch.empty(q.shape[1:], dtype=dtype, device=q.device).normal_(0.0, INIT_STD, generator=gen)
-            q_e, s_e = quantize(w, experts.scheme, halves)
-            q[e].copy_(q_e)
-            scale[e].copy_(s_e)
+def _tensor_seed(seed: int, name: str) -> int:
+    """The generator seed of checkpoint tensor ``name``: a stable hash of (seed, name), the same in every process
+    (Python's ``hash`` of a str is salted per process)."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-@torch.no_grad()
-def _init_(model: MoECausalLM, device: torch.device, seed: int, dtype: torch.dtype) -> None:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    quantized = set()
-    for module in model.modules():
-        if isinstance(module, ExpertWeights) and module.scheme is not None:
-            _init_quantized_experts_(module, dtype, gen)
-            quantized.update(id(p) for p in module.parameters())
-    for name, param in model.named_parameters():
-        if id(param) in quantized:
-            continue
-        if id(param) in norm_weights:
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
+def _checkpoint_tensors(whole: MoECausalLM) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, full shape) of every tensor a checkpoint of ``whole`` (the unsplit model, on meta) would hold, named
+    as the loader reads them: q/k/v and gate/up unpacked, routed experts one tensor per expert and projection."""
+    c = whole.config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for name, param in whole.named_parameters():
+        shape = tuple(param.shape)
+        stem, _, leaf = name.rpartition(".")
+        if stem.endswith(".qkv_proj"):  # [q + 2kv, H] (or [q + 2kv] for a bias)
+            for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+                yield f"{stem[:-len('qkv_proj')]}{proj}_proj.{leaf}", (rows, *shape[1:])
+        elif stem.endswith(".gate_up_proj"):  # [2I, H]
+            for proj in ("gate", "up"):
+                yield f"{stem[:-len('gate_up_proj')]}{proj}_proj.{leaf}", (shape[0] // 2, shape[1])
+        elif name.endswith(".experts.w13"):  # [E, 2I, H]
+            for e in range(shape[0]):
+                for proj in ("gate", "up"):
+                    yield f"{stem}.{e}.{proj}_proj.weight", (shape[1] // 2, shape[2])
+        elif name.endswith(".experts.w2"):  # [E, H, I]
+            for e in range(shape[0]):
+                yield f"{stem}.{e}.down_proj.weight", shape[1:]
         else:
-            param.normal_(0.0, INIT_STD, generator=gen)  # in place, in the target dtype, on the device
+            yield name, shape
+
+
+class _Draws:
+    """Full-size tensors drawn from (seed, name) on the target device, cut to this rank's part by the checkpoint
+    loader's own slicing (``rank_part``): what a checkpoint of the unsplit random model would give this rank."""
+
+    def __init__(self, model: MoECausalLM, whole: MoECausalLM, seed: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model, self.seed, self.dtype, self.device = model, seed, dtype, device
+        self.gen = torch.Generator(device=device)
+        # Norm weights start at 1 (as in every family's init): their names in the whole model are the rank's.
+        self.norms = {f"{name}.weight" for name, m in whole.named_modules() if isinstance(m, RMSNorm)}
+
+    def full(self, name: str, target: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Checkpoint tensor ``name`` (``target``: the parameter it fills), whole, in the target dtype."""
+        if target in self.norms:
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        if name.endswith(".bias"):
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.gen.manual_seed(_tensor_seed(self.seed, name))
+        return torch.empty(shape, dtype=self.dtype, device=self.device).normal_(0.0, INIT_STD, generator=self.gen)
+
+    def part(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` (the whole one drawn, then cut)."""
+        target, rule, _ = self.model.map_weight_name(name)
+        full = self.full(name, target, shape)
+        index = rank_part(target, rule, list(shape), self.model)
+        return full if index is None else part_of(full, index)
+
+
+@torch.no_grad()
+def _fill_quantized_experts_(block_name: str, block: SparseMoeBlock, hidden: int, inter: int, draws: _Draws) -> None:
+    """This rank's 8-bit experts of one MoE block (``inter``: the unsplit expert intermediate size): each expert's
+    part drawn in the model dtype and quantized as the checkpoint path quantizes it (per expert, on this rank's
+    part), so only one expert is ever in 16 bits."""
+    experts = block.experts
+    for local in range(experts.w13.shape[0]):
+        stem = f"{block_name}.experts.{block.first_expert + local}"
+        gate, up = (draws.part(f"{stem}.{proj}_proj.weight", (inter, hidden)) for proj in ("gate", "up"))
+        down = draws.part(f"{stem}.down_proj.weight", (hidden, inter))
+        for name, halves, w in (("w13", 2, torch.cat([gate, up])), ("w2", 1, down)):  # [2I_r, H], [H, I_r]
+            q, scale = quantize(w, experts.scheme, halves)
+            getattr(experts, name)[local].copy_(q)
+            getattr(experts, f"{name}_scale")[local].copy_(scale)
+
+
+def _experts_block(target: str) -> str | None:
+    """The MoE block whose routed experts parameter ``target`` is (``...mlp.experts.w13`` -> ``...mlp``), else None."""
+    if target.endswith((".experts.w13", ".experts.w2")):
+        return target.rsplit(".experts.", 1)[0]
+    return None
+
+
+@torch.no_grad()
+def _init_(model: MoECausalLM, whole: MoECausalLM, device: torch.device, seed: int, dtype: torch.dtype) -> None:
+    """Fill this rank's parameters with its parts of the unsplit model's weights (``whole``, on meta)."""
+    draws = _Draws(model, whole, seed, dtype, device)
+    params = dict(model.named_parameters())
+    quantized = {name: m for name, m in model.named_modules()
+                 if isinstance(m, SparseMoeBlock) and m.experts.scheme is not None}
+    for name, shape in _checkpoint_tensors(whole):
+        target, rule, match = model.map_weight_name(name)
+        if held_elsewhere(target, rule, match, model) or _experts_block(target) in quantized:
+            continue  # another rank's experts; 8-bit experts are filled below
+        copy_into(params[target].data, draws.part(name, shape), rule, match, model, name, "random weights")
+    for block_name, block in quantized.items():
+        _, inter2, hidden = whole.get_submodule(f"{block_name}.experts").w13.shape  # [E, 2I, H]
+        _fill_quantized_experts_(block_name, block, hidden, inter2 // 2, draws)
 
 
 def build_random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_backend: str,
-                       max_positions: int, seed: int = 0, quantization: QuantScheme | None = None) -> MoECausalLM:
+                       max_positions: int, seed: int = 0, quantization: QuantScheme | None = None,
+                       tp: TensorParallel = SINGLE) -> MoECausalLM:
     """Our family class for ``config`` with random weights, allocated and filled on ``device`` in ``dtype``.
 
     ``device="meta"`` builds the shapes only (parameter counts of real-size models, no memory).
     ``quantization``: the routed experts are allocated 8-bit and filled one quantized expert at a time.
+    ``tp``: this rank's slices only, cut from the unsplit model's weights exactly as a checkpoint's are.
+
+    Every weight is a function of (``seed``, its checkpoint name) alone: each is drawn whole, one tensor at a
+    time, on ``device`` and cut to this rank's part, so the ranks of any split hold exactly the slices of the
+    unsplit model of the same seed. Transiently one full-size tensor (the largest is usually the embeddings or
+    the LM head; one expert's projection for the routed experts) is on the device beside this rank's model; no
+    copy is ever made on the CPU, and no rank holds more than its own slices plus that one tensor. Under tensor
+    parallelism 8-bit experts are quantized from each rank's part, as with a checkpoint.
     """
     cls = MODEL_REGISTRY[config.architecture]
     with torch.device("meta"):
-        model = cls(config, moe_backend=moe_backend, max_positions=max_positions)
+        model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp)
     quantize_experts_(model, quantization)  # on meta: 8-bit shapes, before any memory is taken
     model = model.to(dtype=dtype).to_empty(device=device)  # the cast is free on meta; memory comes once
     if config.tie_word_embeddings:  # to_empty may give the two names separate storage
@@ -187,10 +272,15 @@ def build_random_model(config: ModelConfig, dtype: torch.dtype, device: torch.de
                 module.build_cache()
             elif isinstance(module, SparseMoeBlock):
                 module.expert_tokens.zero_()
-        _init_(model, device, seed, dtype)
+        with torch.device("meta"):  # the unsplit model's names and full shapes, no memory
+            whole = cls(config, moe_backend="torch", max_positions=1)
+        _init_(model, whole, device, seed, dtype)
+        if device.type == "cuda":  # the drawn tensors' cached blocks: give them back before the KV pool is sized
+            torch.cuda.empty_cache()
         logger.warning(
-            "RANDOM WEIGHTS: %s with %.2fB parameters on %s/%s; its output is random text (for speed measurements only)",
-            config.architecture, sum(p.numel() for p in model.parameters()) / 1e9, device, dtype,
+            "RANDOM WEIGHTS: %s with %.2fB parameters on %s/%s%s; its output is random text (for speed measurements "
+            "only)", config.architecture, sum(p.numel() for p in model.parameters()) / 1e9, device, dtype,
+            f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else "",
         )
     return model.eval()
 

@@ -17,19 +17,26 @@ from engine.worker.runner import ModelRunner, kv_bytes_per_block
 logger = logging.getLogger(__name__)
 
 
+def engine_model_config(config: EngineConfig) -> ModelConfig:
+    """The config of the model ``config`` serves: its random-weight spec's, or its checkpoint's (every rank
+    reads it the same way, from the ``EngineConfig`` its engine process sent)."""
+    if config.random_weights:
+        from engine.loading.random_weights import random_model_config
+
+        return random_model_config(config.random_weights)
+    return load_model_config(config.model)
+
+
 def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: KernelChoice, dtype: torch.dtype,
                     device: torch.device, max_len: int, tp: TensorParallel) -> tuple[MoECausalLM, list]:
     """This rank's model (its slices of every weight), with the build-time transforms the kernels ask for;
     returns it with the dense gemv choices made (empty unless measured)."""
     quantization = resolve_scheme(config.quantization, model_config)
     check_supported(quantization, device, dtype, kernels.moe)
-    if config.random_weights:
-        if tp.size > 1:
-            raise ValueError("random weights are built whole on one rank; to split a model over ranks, serve a "
-                             "checkpoint directory (moegate demo-model DIR writes a small one)")
+    if config.random_weights:  # this rank's slices of the unsplit random model of this seed
         from engine.loading.random_weights import build_random_model
 
-        model = build_random_model(model_config, dtype, device, kernels.moe, max_len, config.seed, quantization)
+        model = build_random_model(model_config, dtype, device, kernels.moe, max_len, config.seed, quantization, tp)
     else:
         model = build_model(model_config, config.model, dtype, device, kernels.moe, max_len, tp, quantization)
     if kernels.elementwise == "triton":

@@ -87,3 +87,111 @@ def test_command_lines_take_random_weights(tmp_path, capsys):
     out = capsys.readouterr().out
     report = json.loads(out[out.index("{\n"):])
     assert [r["system"] for r in report["results"]] == ["moegate"] and report["results"][0]["output_tokens"] > 0
+
+
+# Heads, KV heads, the expert and dense intermediate sizes divide by 2; the vocabulary (127) does not, so the last
+# rank's final row of the embeddings and LM head is padding. Layer 0 of the Qwen1.5 variant is dense (qkv bias, a
+# shared expert beside the experts of layer 1).
+SPLIT = ("num_hidden_layers=2,hidden_size=64,intermediate_size=64,moe_intermediate_size=32,num_attention_heads=4,"
+         "num_key_value_heads=2,head_dim=16,vocab_size=127,max_position_embeddings=256,bos_token_id=null,"
+         "eos_token_id=126,num_experts=8")
+SPLIT_SPECS = {"qwen3": f"qwen3-30b-a3b:{SPLIT}",
+               "qwen1.5": f"qwen1.5-moe-a2.7b:{SPLIT},shared_expert_intermediate_size=64,mlp_only_layers=[0]"}
+
+
+def _rank_group(rank: int, size: int, experts_rank: int | None = None, experts_size: int = 0):
+    """A shape-only group that is rank ``rank`` of ``size`` (and rank ``experts_rank`` of ``experts_size`` ranks
+    dividing the experts, if given): what a rank builds, without processes."""
+    from engine.distributed.collectives import TensorParallel
+    from engine.distributed.expert_parallel import ExpertParallel
+
+    tp = TensorParallel.shape_only(size)
+    tp.rank = rank
+    if experts_rank is not None:
+        everyone = TensorParallel.shape_only(experts_size)
+        everyone.rank = experts_rank
+        tp.expert_parallel = ExpertParallel(everyone)
+    return tp
+
+
+def _tensor_parallel_slices(whole: dict, rank: int, moe_layer: int) -> dict:
+    """Rank ``rank`` of 2's slices of the unsplit weights, cut by hand from the layer definitions (4 heads, 2 KV
+    heads of 16, expert intermediate 32, vocabulary 127 padded to 2 x 64 rows)."""
+    r = rank
+    attn, moe = "model.layers.0.self_attn", f"model.layers.{moe_layer}.mlp"
+    qkv = whole[f"{attn}.qkv_proj.weight"]  # [64 q + 32 k + 32 v, 64]
+    w13 = whole[f"{moe}.experts.w13"]  # [8, 2 x 32, 64]
+    vocab_rows = torch.zeros(64, 64)
+    vocab_rows[:min(64, 127 - 64 * r)] = whole["lm_head.weight"][64 * r:64 * (r + 1)]
+    return {
+        f"{attn}.qkv_proj.weight": torch.cat([qkv[32 * r:32 * (r + 1)], qkv[64 + 16 * r:64 + 16 * (r + 1)],
+                                              qkv[96 + 16 * r:96 + 16 * (r + 1)]]),
+        f"{attn}.o_proj.weight": whole[f"{attn}.o_proj.weight"][:, 32 * r:32 * (r + 1)],
+        f"{moe}.experts.w13": torch.cat([w13[:, 16 * r:16 * (r + 1)], w13[:, 32 + 16 * r:32 + 16 * (r + 1)]], dim=1),
+        f"{moe}.experts.w2": whole[f"{moe}.experts.w2"][:, :, 16 * r:16 * (r + 1)],
+        f"{moe}.gate.weight": whole[f"{moe}.gate.weight"],  # the router: whole on every rank
+        "lm_head.weight": vocab_rows,
+        "model.norm.weight": whole["model.norm.weight"],
+    }
+
+
+@pytest.mark.parametrize("family", sorted(SPLIT_SPECS))
+def test_a_ranks_random_weights_are_the_slices_of_the_unsplit_weights(family):
+    """Tensor parallel, experts divided (2 ranks; 2 replicas x 2 ranks): every slice a rank holds is the
+    unsplit model's, for a fresh seed."""
+    import random
+
+    seed = random.randrange(2**31)
+    config = random_model_config(SPLIT_SPECS[family])
+    moe_layer = 1 if family == "qwen1.5" else 0
+
+    def build(tp=None):
+        kwargs = {} if tp is None else {"tp": tp}
+        model = build_random_model(config, torch.float32, torch.device("cpu"), "torch", 64, seed, **kwargs)
+        return {name: p.detach() for name, p in model.named_parameters()}
+
+    whole = build()
+    assert whole["lm_head.weight"].shape == (127, 64) and 0.015 < whole["lm_head.weight"].std() < 0.025
+    for rank in (0, 1):
+        held = build(_rank_group(rank, 2))
+        for name, want in _tensor_parallel_slices(whole, rank, moe_layer).items():
+            assert torch.equal(held[name], want), f"{name} rank {rank} seed={seed}"
+        if family == "qwen1.5":  # the shared expert: split like a dense MLP, gate rows then up rows
+            gate_up = whole["model.layers.1.mlp.shared_expert.gate_up_proj.weight"]  # [2 x 64, 64]
+            want = torch.cat([gate_up[32 * rank:32 * (rank + 1)], gate_up[64 + 32 * rank:64 + 32 * (rank + 1)]])
+            assert torch.equal(held["model.layers.1.mlp.shared_expert.gate_up_proj.weight"], want), seed
+        # The experts divided among the 2 ranks of one replica, then among 4 ranks of two replicas of 2.
+        for experts_rank, experts_size, first, count in ((rank, 2, 4 * rank, 4), (2 + rank, 4, 2 * (2 + rank), 2)):
+            held = build(_rank_group(rank, 2, experts_rank, experts_size))
+            for name in ("w13", "w2"):
+                key = f"model.layers.{moe_layer}.mlp.experts.{name}"
+                assert torch.equal(held[key], whole[key][first:first + count]), f"{key} {experts_rank} seed={seed}"
+            assert torch.equal(held["model.layers.0.self_attn.o_proj.weight"],
+                               whole["model.layers.0.self_attn.o_proj.weight"][:, 32 * rank:32 * (rank + 1)])
+
+
+def test_split_8bit_random_experts_are_quantized_from_the_ranks_slices():
+    """8-bit experts: divided whole among ranks they are the unsplit 8-bit experts; under tensor parallelism each
+    rank quantizes its slice of the unsplit float experts, as a checkpoint's are (per output channel: the gate/up
+    rows keep their scales, the down projection's channels are rescaled over the rank's half)."""
+    from engine.loading.quantization import scheme_for_option
+    from moe_kernels.quant import quantize
+
+    config = random_model_config(SPLIT_SPECS["qwen3"])
+    scheme = scheme_for_option("int8")
+
+    def experts(tp=None, quantization=None):
+        kwargs = {} if tp is None else {"tp": tp}
+        model = build_random_model(config, torch.float32, torch.device("cpu"), "torch", 64, 7, quantization, **kwargs)
+        return model.model.layers[1].mlp.experts
+
+    floats, whole = experts(), experts(quantization=scheme)
+    for rank in (0, 1):
+        divided = experts(_rank_group(rank, 2, rank, 2), scheme)
+        for name in ("w13", "w13_scale", "w2", "w2_scale"):
+            assert torch.equal(getattr(divided, name), getattr(whole, name)[4 * rank:4 * (rank + 1)]), name
+        split = experts(_rank_group(rank, 2), scheme)
+        rows = torch.cat([torch.arange(16 * rank, 16 * (rank + 1)), torch.arange(32 + 16 * rank, 32 + 16 * (rank + 1))])
+        assert torch.equal(split.w13, whole.w13[:, rows]) and torch.equal(split.w13_scale, whole.w13_scale[:, rows])
+        q, scale = quantize(floats.w2.detach()[:, :, 16 * rank:16 * (rank + 1)], scheme)  # [8, 64, 16]
+        assert torch.equal(split.w2, q) and torch.equal(split.w2_scale, scale)

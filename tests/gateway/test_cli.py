@@ -123,3 +123,25 @@ def test_speculative_settings_reach_the_engine_config():
     assert (draft.speculative, draft.speculative_model) == ("draft", "small")
     assert (defaults.num_speculative_tokens, defaults.speculative_max_batch, defaults.speculative_min_acceptance) == (
         reference.num_speculative_tokens, reference.speculative_max_batch, reference.speculative_min_acceptance)
+
+
+def test_serve_splits_random_weights_over_ranks_and_refuses_what_does_not_divide(tmp_path, capsys):
+    """--random-weights with --tensor-parallel-size 2 (and the experts divided over 2 x 2 ranks) passes the
+    command line's split check; 3 ranks for 4 heads is bad input (exit 2, one line), found before the database."""
+    from gateway.cli import _check_model, build_parser, main, serve_engine_config
+
+    spec = ("qwen3-30b-a3b:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+            "head_dim=16,vocab_size=512,num_experts=8,moe_intermediate_size=32,intermediate_size=64,bos_token_id=null,"
+            "eos_token_id=511")
+    for split in (["--tensor-parallel-size", "2"],
+                  ["--tensor-parallel-size", "2", "--enable-expert-parallel", "--data-parallel-size", "2"]):
+        args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--random-weights", spec, *split])
+        config = serve_engine_config(args)
+        assert config.random_weights == spec and config.tensor_parallel_size == 2
+        _check_model(args, config)  # no ValueError
+    db = f"sqlite:///{tmp_path / 'policy.db'}"
+    assert main(["serve", "--model", str(tmp_path), "--random-weights", spec, "--tensor-parallel-size", "3",
+                 "--database-url", db]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "divisible" in err, err
+    assert not (tmp_path / "policy.db").exists()
