@@ -27,7 +27,7 @@ async def supervise(name: str, replica: EngineClient, backoff_s: float, max_back
         await asyncio.sleep(0.5)
         if not replica.dead:
             continue
-        cause = replica.dead
+        cause = replica.dead_detail or replica.dead
         since = time.monotonic() - last_restart.get(cause, -math.inf)
         if since < ENGINE_RESTART_INTERVAL_S:
             logger.warning("engine replica %s down again for the same cause; restarting it in %.0f s",

@@ -91,10 +91,18 @@ class ReplicaRouter:
     @property
     def dead(self) -> str | None:
         """None while any replica runs or starts; why each is down once all are."""
+        return self._all_down(lambda r: r.dead)
+
+    @property
+    def dead_detail(self) -> str | None:
+        """``dead`` with what each replica's engine reported, for the log."""
+        return self._all_down(lambda r: r.dead_detail or r.dead)
+
+    def _all_down(self, why) -> str | None:
         if any(r.dead is None for r in self.replicas):
             return None
         return "every engine replica is down (" + "; ".join(
-            f"{n}: {r.dead}" for n, r in zip(self.names, self.replicas)) + ")"
+            f"{n}: {why(r)}" for n, r in zip(self.names, self.replicas)) + ")"
 
     @property
     def stats(self) -> SchedulerStats | None:

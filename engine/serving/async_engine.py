@@ -34,9 +34,12 @@ class EngineError(RuntimeError):
     running may have caused it, so sending them again could take the fresh engine down too.
     """
 
-    def __init__(self, message: str, retryable: bool = True) -> None:
+    def __init__(self, message: str, retryable: bool = True, detail: str | None = None) -> None:
+        """``message`` is for clients (what happened, no internals); ``detail`` adds what the engine reported
+        (exception text with peers' addresses, file paths), for the operator's log."""
         super().__init__(message)
         self.retryable = retryable
+        self.detail = detail or message
 
 
 class RequestRejectedError(ValueError):
@@ -98,7 +101,8 @@ class AsyncEngine:
         self._replies = None  # our end of the pipe from it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
-        self.dead: str | None = None  # why the engine is down (set until a restart has finished)
+        self.dead: str | None = None  # why the engine is down, for clients (set until a restart has finished)
+        self.dead_detail: str | None = None  # the same with what the engine reported, for the operator's log
         self.failure: str | None = None  # what the engine process reported before it exited (a failed step)
 
     @property
@@ -115,7 +119,7 @@ class AsyncEngine:
         self.info = None
         self.stats = None
         ready = await self.start()
-        self.dead = self.failure = self._stalled = None
+        self.dead = self.dead_detail = self.failure = self._stalled = None
         return ready
 
     async def start(self) -> Ready:
@@ -226,12 +230,13 @@ class AsyncEngine:
         if conn is not self._replies:
             return  # an orderly shutdown (or a restart) closed this pipe
         if self._stalled:
-            error = EngineError(self._stalled)
+            error = EngineError(f"{self.describe()} stopped answering", detail=self._stalled)
         elif self.failure:
-            error = EngineError(f"the engine failed while running this request ({self.failure})", retryable=False)
+            message = "the engine failed while running this request"
+            error = EngineError(message, retryable=False, detail=f"{message} ({self.failure})")
         else:
             error = EngineError(f"{self.describe()} stopped")
-        self.dead = str(error)
+        self.dead, self.dead_detail = str(error), error.detail
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._answer_releases()
@@ -250,7 +255,7 @@ class AsyncEngine:
             try:
                 self._requests.send_bytes(encoder.encode(msg))
             except OSError as e:  # the process died between our check and the write
-                raise EngineError(f"{self.describe()} stopped ({e})") from None
+                raise EngineError(f"{self.describe()} stopped", detail=f"{self.describe()} stopped ({e})") from None
 
     async def generate(
         self,

@@ -14,12 +14,15 @@ class EngineClient(Protocol):
     """An engine as the gateway sees it.
 
     ``info`` is set once the engine said Ready (None while starting or restarting); ``dead`` holds why it
-    stopped (None while it runs); ``stats`` is the engine's latest statistics (None before its first step).
+    stopped, in words for clients (None while it runs), ``dead_detail`` the same with what the engine reported
+    (exception text, peers' addresses) for the log; ``stats`` is the engine's latest statistics (None before
+    its first step).
     """
 
     config: EngineConfig
     info: Ready | None
     dead: str | None
+    dead_detail: str | None
     stats: SchedulerStats | None
 
     async def start(self) -> Ready: ...

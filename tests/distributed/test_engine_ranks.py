@@ -150,7 +150,8 @@ def test_the_serving_engine_reports_a_dead_rank_and_restarts_whole(tmp_path):
             start = time.monotonic()
             while not engine.dead and time.monotonic() - start < 15:
                 await asyncio.sleep(0.1)
-            assert engine.dead and "rank 1 of 2 exited" in engine.dead, engine.dead
+            assert engine.dead and "rank 1 of 2 exited" in engine.dead_detail, engine.dead_detail
+            assert engine.dead == "the engine failed while running this request"  # for clients: no internals
             assert time.monotonic() - start < 10
             with pytest.raises(EngineError):  # until the supervisor restarts it
                 await asyncio.wait_for(tokens(engine), 30)
@@ -268,7 +269,7 @@ def test_serving_data_parallel_engines_step_together_and_fail_together(tmp_path)
             start = time.monotonic()
             while not engines[0].dead and time.monotonic() - start < 15:
                 await asyncio.sleep(0.1)
-            assert engines[0].dead and "rank 0 of 2" in engines[0].dead, engines[0].dead
+            assert engines[0].dead and "rank 0 of 2" in engines[0].dead_detail, engines[0].dead_detail
             with pytest.raises(EngineError):
                 await tokens(engines[0], prompts[0])
             await asyncio.gather(*(e.restart() for e in engines))  # the gateway's supervisors restart both

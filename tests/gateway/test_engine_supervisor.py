@@ -13,6 +13,7 @@ class _FlakyReplica:
 
     def __init__(self, outcomes: list) -> None:
         self.dead: str | None = "first cause"
+        self.dead_detail: str | None = None
         self.outcomes = outcomes
         self.done = asyncio.Event()
 
