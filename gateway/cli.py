@@ -209,7 +209,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         background_token_budget=args.background_token_budget, background_window_s=args.background_window_seconds,
         cpu_threads=args.cpu_threads, quantization=args.quantization, overlap_scheduling=args.overlap_scheduling,
-        cuda_graph_token_sizes=args.cuda_graph_token_sizes, **engine_cli.parallel_fields(args),
+        cuda_graph_token_sizes=args.cuda_graph_token_sizes, seed=args.seed, **engine_cli.parallel_fields(args),
         **_replica_rank_fields(args),
         **engine_cli.speculative_fields(args),
     )
@@ -262,6 +262,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "a preset (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b) or a config.json path; "
                         "--model then only supplies the tokenizer")
     defaults = EngineConfig(model="-")
+    p.add_argument("--seed", type=int, default=defaults.seed,
+                   help="seed of --random-weights' weights (every rank and replica of a group must give the same) "
+                        f"and of sampling for requests that give none (default {defaults.seed})")
     p.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
                    help="share of the GPU's memory the engine may use: the KV pool takes what the weights leave of it "
                         f"(default {defaults.gpu_memory_utilization:g})")

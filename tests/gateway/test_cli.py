@@ -84,18 +84,21 @@ def test_serve_engine_settings_reach_the_engine_config():
 
     rng = random.Random()
     budget, window, threads = rng.randint(1, 4096), round(rng.uniform(0, 60), 3), rng.randint(1, 64)
-    share = round(rng.uniform(0.05, 1.0), 3)
+    share, seed = round(rng.uniform(0.05, 1.0), 3), rng.randint(1, 2**31)
     args = build_parser().parse_args(["serve", "--model", "m", "--background-token-budget", str(budget),
                                       "--background-window-seconds", str(window), "--cpu-threads", str(threads),
-                                      "--gpu-memory-utilization", str(share)])
+                                      "--gpu-memory-utilization", str(share), "--seed", str(seed)])
     got = serve_engine_config(args)
-    assert (got.background_token_budget, got.background_window_s, got.cpu_threads, got.gpu_memory_utilization) == (
-        budget, window, threads, share)
+    assert (got.background_token_budget, got.background_window_s, got.cpu_threads, got.gpu_memory_utilization,
+            got.seed) == (budget, window, threads, share, seed)
+    engine_args = build_parser().parse_args(["engine", "--listen", "127.0.0.1:1", "--model", "m", "--seed", str(seed)])
+    assert serve_engine_config(engine_args).seed == seed
     defaults = serve_engine_config(build_parser().parse_args(["serve", "--model", "m"]))
     reference = EngineConfig(model="m")
     assert (defaults.background_token_budget, defaults.background_window_s, defaults.cpu_threads,
-            defaults.gpu_memory_utilization) == (reference.background_token_budget, reference.background_window_s,
-                                                 None, reference.gpu_memory_utilization)
+            defaults.gpu_memory_utilization, defaults.seed) == (
+        reference.background_token_budget, reference.background_window_s, None, reference.gpu_memory_utilization,
+        reference.seed)
     assert defaults.overlap_scheduling is reference.overlap_scheduling is None  # the device decides
     for flag, value in (("--overlap-scheduling", True), ("--no-overlap-scheduling", False)):
         assert serve_engine_config(build_parser().parse_args(["serve", "--model", "m", flag])).overlap_scheduling is value
