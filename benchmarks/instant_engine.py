@@ -19,6 +19,7 @@ class InstantEngine:
         self.info: Ready | None = None
         self.stats = None
         self.dead: str | None = None
+        self.dead_detail: str | None = None
         self._max_model_len = max_model_len
 
     async def start(self) -> Ready:

@@ -90,19 +90,16 @@ class ReplicaRouter:
 
     @property
     def dead(self) -> str | None:
-        """None while any replica runs or starts; why each is down once all are."""
-        return self._all_down(lambda r: r.dead)
+        """None while any replica runs or starts; once all are down, that they are (for clients: no names)."""
+        return None if any(r.dead is None for r in self.replicas) else "every engine replica is down"
 
     @property
     def dead_detail(self) -> str | None:
-        """``dead`` with what each replica's engine reported, for the log."""
-        return self._all_down(lambda r: r.dead_detail or r.dead)
-
-    def _all_down(self, why) -> str | None:
-        if any(r.dead is None for r in self.replicas):
+        """``dead`` with each replica's name and what its engine reported, for the log."""
+        if self.dead is None:
             return None
-        return "every engine replica is down (" + "; ".join(
-            f"{n}: {why(r)}" for n, r in zip(self.names, self.replicas)) + ")"
+        return f"{self.dead} (" + "; ".join(
+            f"{n}: {r.dead_detail or r.dead}" for n, r in zip(self.names, self.replicas)) + ")"
 
     @property
     def stats(self) -> SchedulerStats | None:
@@ -127,6 +124,7 @@ class ReplicaRouter:
             await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:  # the gateway is stopping
             await self._abandon(starts)
+            await self.shutdown()  # the replicas that were up already
             raise
         failed = next((t.exception() for t in starts if t.done() and t.exception() is not None), None)
         if failed is not None:
@@ -242,7 +240,7 @@ class ReplicaRouter:
                     if started or not e.retryable:
                         raise
                     logger.warning("replica %s failed before request %s started (%s); sending it to another",
-                                   self.names[i], request_id, e)
+                                   self.names[i], request_id, e.detail)
                     tried.add(i)
                     self._release(placement)
                     self._assign(placement, self.pick(hashes, tried))

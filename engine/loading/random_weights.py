@@ -233,14 +233,22 @@ def _init_(model: MoECausalLM, whole: MoECausalLM, device: torch.device, seed: i
     params = dict(model.named_parameters())
     quantized = {name: m for name, m in model.named_modules()
                  if isinstance(m, SparseMoeBlock) and m.experts.scheme is not None}
+    written = {name: 0 for name in params}
     for name, shape in _checkpoint_tensors(whole):
         target, rule, match = model.map_weight_name(name)
         if held_elsewhere(target, rule, match, model) or _experts_block(target) in quantized:
             continue  # another rank's experts; 8-bit experts are filled below
-        copy_into(params[target].data, draws.part(name, shape), rule, match, model, name, "random weights")
+        written[target] += copy_into(params[target].data, draws.part(name, shape), rule, match, model, name,
+                                     "random weights")
     for block_name, block in quantized.items():
         _, inter2, hidden = whole.get_submodule(f"{block_name}.experts").w13.shape  # [E, 2I, H]
         _fill_quantized_experts_(block_name, block, hidden, inter2 // 2, draws)
+        for name, param in block.experts.named_parameters(prefix=f"{block_name}.experts"):
+            written[name] = param.numel()
+    # A parameter the tensor list missed (a family it does not know) would keep to_empty's garbage: refuse.
+    unfilled = [n for n, p in params.items() if written[n] < p.numel()]
+    if unfilled:
+        raise RuntimeError(f"random weights left parameters unfilled: {', '.join(unfilled[:4])}")
 
 
 def build_random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_backend: str,
@@ -255,8 +263,10 @@ def build_random_model(config: ModelConfig, dtype: torch.dtype, device: torch.de
     Every weight is a function of (``seed``, its checkpoint name) alone: each is drawn whole, one tensor at a
     time, on ``device`` and cut to this rank's part, so the ranks of any split hold exactly the slices of the
     unsplit model of the same seed. Transiently one full-size tensor (the largest is usually the embeddings or
-    the LM head; one expert's projection for the routed experts) is on the device beside this rank's model; no
-    copy is ever made on the CPU, and no rank holds more than its own slices plus that one tensor. Under tensor
+    the LM head; one expert's projection for the routed experts, with 8-bit experts its gate and up parts
+    joined besides) is on the device beside this rank's model; no copy is ever made on the CPU. The draws are
+    the same on GPUs of one model (CUDA lays a draw out by the GPU's multiprocessor count: GPUs of other
+    models give other weights for the same seed). Under tensor
     parallelism 8-bit experts are quantized from each rank's part, as with a checkpoint.
     """
     cls = MODEL_REGISTRY[config.architecture]

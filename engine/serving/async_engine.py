@@ -128,19 +128,19 @@ class AsyncEngine:
         self._replies = replies
         try:
             first = await self._loop.run_in_executor(None, self._recv, replies)
-        except asyncio.CancelledError:  # the gateway is stopping: end this start now, not once the engine is up
-            self._cut_off()  # (an engine split over ranks may wait minutes at its rendezvous for a missing one)
+            if isinstance(first, Fatal) or first is None:
+                raise EngineError(first.message if first else f"{self.describe()} exited during start-up")
+            if self.inputs is None:  # the tokenizer is the same after a restart
+                tokenizer_dir = self.config.tokenizer or (None if self.config.random_weights else self.config.model)
+                tokenizer = (await self._loop.run_in_executor(None, load_tokenizer, tokenizer_dir)
+                             if tokenizer_dir else None)
+                self.inputs = InputProcessor(tokenizer, first.vocab_size, first.max_model_len)
+            if self._replies is not replies:  # shut down meanwhile (another replica of its group failed to start)
+                raise EngineError(f"{self.describe()} was stopped during start-up")
+        except BaseException:  # failed, or cancelled (the gateway is stopping): end the engine now, not once it is
+            self._cut_off(replies)  # up (an engine split over ranks may wait minutes for a missing one)
             await self.shutdown()
             raise
-        if isinstance(first, Fatal) or first is None:
-            await self.shutdown()
-            raise EngineError(first.message if first else f"{self.describe()} exited during start-up")
-        if self.inputs is None:  # the tokenizer is the same after a restart
-            tokenizer_dir = self.config.tokenizer or (None if self.config.random_weights else self.config.model)
-            tokenizer = await self._loop.run_in_executor(None, load_tokenizer, tokenizer_dir) if tokenizer_dir else None
-            self.inputs = InputProcessor(tokenizer, first.vocab_size, first.max_model_len)
-        if self._replies is not replies:  # shut down meanwhile (another replica of its group failed to start)
-            raise EngineError(f"{self.describe()} was stopped during start-up")
         threading.Thread(target=self._reader, args=(replies,), name="moegate-engine-reader", daemon=True).start()
         if self.stall_timeout_s is not None:
             # Referenced, or the loop could drop the task before it ends.
@@ -197,11 +197,11 @@ class AsyncEngine:
             if self._queues and silent > self.stall_timeout_s and conn is self._replies and not self.dead:
                 self._stalled = f"{self.describe()} stopped answering ({silent:.0f} s without a reply)"
                 logger.error("%s; cutting it off", self._stalled)
-                self._cut_off()
+                self._cut_off(conn)
                 return
 
-    def _cut_off(self) -> None:
-        """Make the reader see the end of the connection (it then fails the waiting requests)."""
+    def _cut_off(self, replies: Connection) -> None:
+        """Make the reader of ``replies`` see its end (it then fails the waiting requests)."""
         if self._process is not None:
             self._process.kill()
 
@@ -229,13 +229,14 @@ class AsyncEngine:
     def _fail_all(self, conn) -> None:
         if conn is not self._replies:
             return  # an orderly shutdown (or a restart) closed this pipe
+        # Clients are told what happened, not where: the engine's address and report go to the log.
         if self._stalled:
-            error = EngineError(f"{self.describe()} stopped answering", detail=self._stalled)
+            error = EngineError("the engine stopped answering", detail=self._stalled)
         elif self.failure:
             message = "the engine failed while running this request"
             error = EngineError(message, retryable=False, detail=f"{message} ({self.failure})")
         else:
-            error = EngineError(f"{self.describe()} stopped")
+            error = EngineError("the engine stopped", detail=f"{self.describe()} stopped")
         self.dead, self.dead_detail = str(error), error.detail
         for queue in self._queues.values():
             queue.put_nowait(error)
@@ -251,11 +252,11 @@ class AsyncEngine:
     def _send(self, msg) -> None:
         with self._send_lock:
             if self._requests is None:
-                raise EngineError(f"{self.describe()} is stopped")
+                raise EngineError("the engine is stopped", detail=f"{self.describe()} is stopped")
             try:
                 self._requests.send_bytes(encoder.encode(msg))
             except OSError as e:  # the process died between our check and the write
-                raise EngineError(f"{self.describe()} stopped", detail=f"{self.describe()} stopped ({e})") from None
+                raise EngineError("the engine stopped", detail=f"{self.describe()} stopped ({e})") from None
 
     async def generate(
         self,

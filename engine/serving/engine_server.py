@@ -33,13 +33,13 @@ import msgspec
 
 from engine.core.config import EngineConfig
 from engine.serving.engine_process import run_engine_process
-from engine.serving.protocol import Fatal, Hello, attach_decoder, encoder
+from engine.serving.protocol import PROTOCOL_VERSION, Fatal, Hello, attach_decoder, encoder
 
 logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "MOEGATE_ENGINE_KEY"
 WIND_DOWN_S = 30.0  # how long an engine may take to end once its gateway has left
-ATTACH_TIMEOUT_S = 10.0  # how long a gateway may take to answer this engine's Hello
+ATTACH_TIMEOUT_S = 10.0  # how long a gateway's Attach may be awaited once its turn has come
 
 
 def enable_keepalive(conn: Connection) -> None:
@@ -95,14 +95,21 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
                         continue
                     serving.clear()
                 busy[0] = True
-            arrivals.put(conn)
+            # Said at once, even while the last gateway's engine is still ending (up to WIND_DOWN_S): the
+            # gateway decides with this whether to attach, within its connect timeout.
+            if _greet(conn, config):
+                arrivals.put(conn)
+            else:
+                conn.close()
+                with lock:
+                    busy[0] = False
 
     threading.Thread(target=accept_forever, name="moegate-engine-accept", daemon=True).start()
     ctx = multiprocessing.get_context("spawn")
     while True:
         conn = arrivals.get()
         enable_keepalive(conn)
-        if not _greet(conn, config):
+        if not _attached(conn):
             conn.close()
             with lock:
                 busy[0] = False
@@ -137,19 +144,28 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
 
 
 def _greet(conn: Connection, config: EngineConfig) -> bool:
-    """Tell the gateway this engine's place (``Hello``) before building anything; whether it attached. A gateway
-    that needs this engine elsewhere closes the connection and says why on its side: nothing was started, so a
-    misplaced engine is refused at once instead of after its rendezvous timed out."""
+    """Tell a gateway that just connected this engine's place (``Hello``), before anything is built; False if it
+    is gone already."""
     try:
-        conn.send_bytes(encoder.encode(Hello(config.data_parallel_rank, config.data_parallel_size,
+        conn.send_bytes(encoder.encode(Hello(PROTOCOL_VERSION, config.data_parallel_rank, config.data_parallel_size,
                                              config.distributed_init_method)))
+        return True
+    except OSError as e:
+        logger.warning("a gateway left as it connected: %s", e)
+        return False
+
+
+def _attached(conn: Connection) -> bool:
+    """Whether the gateway answered ``Hello`` with ``Attach``. One that needs this engine elsewhere closes the
+    connection and says why on its side: nothing was started, so a misplaced engine is refused at once instead
+    of after its rendezvous timed out."""
+    try:
         if conn.poll(ATTACH_TIMEOUT_S):
             attach_decoder.decode(conn.recv_bytes())
             return True
-        logger.warning("the gateway did not attach within %g s", ATTACH_TIMEOUT_S)
+        logger.warning("the gateway did not attach this engine within %g s", ATTACH_TIMEOUT_S)
     except (EOFError, OSError):
-        logger.warning("the gateway left without attaching (it needs this engine at another place in its "
-                       "group: see its error)")
+        logger.warning("the gateway closed the connection without attaching this engine (its log says why)")
     except msgspec.DecodeError as e:
         logger.warning("the gateway answered with something other than Attach: %s", e)
     return False

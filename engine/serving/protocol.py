@@ -74,11 +74,16 @@ class Ready(msgspec.Struct, tag=True):
     has_tokenizer: bool
 
 
+PROTOCOL_VERSION = 2  # of the messages between a gateway and a remote engine; raised when they change
+
+
 class Hello(msgspec.Struct, tag=True):
     """What a remote engine (``moegate engine --listen``) says of itself as a gateway connects, before it builds
     anything: its place in a group of replicas that divide the experts and where that group meets. The gateway
-    answers ``Attach`` to go on, or closes the connection (a place it cannot give this engine)."""
+    answers ``Attach`` to go on, or closes the connection (a place it cannot give this engine, or another
+    ``protocol``: the messages of another moegate version)."""
 
+    protocol: int
     data_parallel_rank: int
     data_parallel_size: int
     distributed_init_method: str | None

@@ -5,14 +5,18 @@ the failure handling. Prompts are prepared here, so the gateway needs the
 tokenizer files (``--model`` on the gateway's side names them).
 """
 
+import asyncio
 import socket
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+import msgspec
 
 from engine.core.config import EngineConfig
 from engine.serving.async_engine import AsyncEngine, EngineError
 from engine.serving.engine_server import enable_keepalive
-from engine.serving.protocol import Attach, Fatal, Hello, encoder, greeting_decoder
+from engine.serving.protocol import PROTOCOL_VERSION, Attach, Fatal, Hello, encoder, greeting_decoder
 
 
 CONNECT_TIMEOUT_S = 10.0
@@ -38,6 +42,15 @@ def _port(init_method: str | None) -> str | None:
     return init_method.rsplit(":", 1)[1] if init_method else None
 
 
+def _close_made(connecting: Future) -> None:
+    """Close the connection a cancelled start made after all (the engine server then starts nothing for it)."""
+    if not connecting.cancelled() and connecting.exception() is None:
+        connecting.result().close()
+
+
+_CONNECTS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="moegate-connect")  # a few remote engines at once
+
+
 class RemoteEngine(AsyncEngine):
     def __init__(self, config: EngineConfig, address: tuple[str, int], authkey: bytes,
                  stall_timeout_s: float | None = None, group_place: tuple[int, int] | None = None) -> None:
@@ -52,7 +65,12 @@ class RemoteEngine(AsyncEngine):
         return f"the engine at {self.address[0]}:{self.address[1]}"
 
     async def _open(self) -> tuple[Connection, Connection]:
-        conn = await self._loop.run_in_executor(None, self._connect)
+        connecting = _CONNECTS.submit(self._connect)
+        try:
+            conn = await asyncio.wrap_future(connecting)
+        except asyncio.CancelledError:  # the gateway is stopping: a connection made after all is closed at once
+            connecting.add_done_callback(_close_made)
+            raise
         return conn, conn
 
     def _connect(self) -> Connection:
@@ -71,14 +89,22 @@ class RemoteEngine(AsyncEngine):
             answer_challenge(conn, self._authkey)  # what Client does, in this order
             deliver_challenge(conn, self._authkey)
             greeting = greeting_decoder.decode(conn.recv_bytes())
+        except msgspec.DecodeError:  # a Hello of other fields
+            conn.close()
+            raise EngineError(f"{self.describe()} speaks another protocol: run the same moegate version on the "
+                              "gateway and its engines") from None
         except Exception as e:  # a wrong key (AuthenticationError), or cut by the timer (EOFError)
             conn.close()
-            raise EngineError(f"cannot connect to {self.describe()}: {type(e).__name__}: {e or 'no answer'}") from None
+            raise EngineError(f"cannot connect to {self.describe()}: {type(e).__name__}: {str(e) or 'no answer'}"
+                              ) from None
         finally:
             timer.cancel()
         try:
             if isinstance(greeting, Fatal):  # serving another gateway
                 raise EngineError(f"{self.describe()}: {greeting.message}")
+            if greeting.protocol != PROTOCOL_VERSION:
+                raise EngineError(f"{self.describe()} speaks protocol {greeting.protocol}, this gateway "
+                                  f"{PROTOCOL_VERSION}: run the same moegate version on the gateway and its engines")
             self._check_place(greeting)
             conn.send_bytes(encoder.encode(Attach()))
         except BaseException:
@@ -103,15 +129,16 @@ class RemoteEngine(AsyncEngine):
                     else "was started as an independent engine")
             raise EngineError(f"{self.describe()} {held}, but this gateway needs it as data-parallel rank {rank} of "
                               f"{size} of its expert group: start it with "
-                              f"--enable-expert-parallel --data-parallel-size {size} --data-parallel-rank {rank}")
+                              f"--enable-expert-parallel --data-parallel-size {size} --data-parallel-rank {rank} "
+                              f"--distributed-init-method {self.config.distributed_init_method}")
         ours, theirs = _port(self.config.distributed_init_method), _port(hello.distributed_init_method)
         if theirs != ours:
             raise EngineError(f"{self.describe()} meets its expert group at {hello.distributed_init_method}, but "
                               f"this gateway's group meets at {self.config.distributed_init_method}: start it with "
                               f"--distributed-init-method {self.config.distributed_init_method}")
 
-    def _cut_off(self) -> None:
-        _shut(self._replies)  # the reader's recv ends
+    def _cut_off(self, replies: Connection) -> None:
+        _shut(replies)  # the reader's recv ends
 
     async def _close(self, replies: Connection) -> None:
         # The engine stays up for the next gateway. Shut the socket down, not only close it: our reader thread

@@ -195,3 +195,19 @@ def test_split_8bit_random_experts_are_quantized_from_the_ranks_slices():
         assert torch.equal(split.w13, whole.w13[:, rows]) and torch.equal(split.w13_scale, whole.w13_scale[:, rows])
         q, scale = quantize(floats.w2.detach()[:, :, 16 * rank:16 * (rank + 1)], scheme)  # [8, 64, 16]
         assert torch.equal(split.w2, q) and torch.equal(split.w2_scale, scale)
+
+
+def test_a_parameter_the_tensor_list_misses_is_refused_not_left_unfilled(monkeypatch):
+    """A family whose weights the random fill does not list would otherwise serve ``to_empty``'s garbage."""
+    import random
+
+    from engine.loading import random_weights
+
+    listed = random_weights._checkpoint_tensors
+    names = [name for name, _ in listed(build_random_model(random_model_config(TINY), torch.float32,
+                                                           torch.device("meta"), "torch", 64))]
+    dropped = random.choice(names)
+    monkeypatch.setattr(random_weights, "_checkpoint_tensors",
+                        lambda whole: ((n, s) for n, s in listed(whole) if n != dropped))
+    with pytest.raises(RuntimeError, match="unfilled"):
+        build_random_model(random_model_config(TINY), torch.float32, torch.device("cpu"), "torch", 64)

@@ -4,6 +4,7 @@
 ``POISON_TOKEN`` in the engine raises, as a bug in a kernel or the sampler would.
 ``run_with_failing_detokenizer``: turning the output of a request whose prompt ends
 with ``POISON_TAIL`` into text raises, as a tokenizer bug would.
+``run_then_linger``: the engine ends slowly once its gateway has gone.
 """
 
 POISON_TOKEN = 7
@@ -38,3 +39,18 @@ def run_with_failing_detokenizer(config, requests, replies) -> None:
 
     IncrementalDetokenizer.add = add
     run_engine_process(config, requests, replies)
+
+
+LINGER_S = 12.0  # longer than a remote gateway's connect timeout
+
+
+def run_then_linger(config, requests, replies) -> None:
+    """An engine that takes ``LINGER_S`` to end once its gateway has gone (as one stuck in a collective would)."""
+    import time
+
+    from engine.serving.engine_process import run_engine_process
+
+    try:
+        run_engine_process(config, requests, replies)
+    finally:
+        time.sleep(LINGER_S)

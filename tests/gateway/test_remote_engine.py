@@ -197,3 +197,57 @@ def test_a_remote_engine_split_over_ranks_serves_gateway_after_gateway(tmp_path)
         stop_engine(server)
     assert got == [want, want, want]
     assert not alive, f"outlived the server: {alive}"
+
+
+def test_a_gateway_reconnecting_while_the_last_engine_is_still_ending_is_served_and_a_third_is_told_busy(tmp_path):
+    """The engine server says where its engine belongs the moment a gateway connects, so a gateway that
+    reconnects while the previous engine takes longer than the connect timeout to end (``LINGER_S``) attaches
+    and is served once that engine has ended; a gateway arriving while another is attached is told the engine
+    is busy, at once."""
+    from engine.core.config import EngineConfig
+    from engine.serving.async_engine import EngineError
+    from engine.serving.remote_engine import RemoteEngine
+    from tests.gateway.failing_step import LINGER_S
+
+    model = str(tmp_path / "model")
+    write_demo_model(model, seed=5)
+    prompt = [random.randrange(10, 1200) for _ in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    port = free_port()
+    code = ("import sys\n"
+            "from engine.core.config import EngineConfig\n"
+            "from engine.serving.engine_server import serve_engine\n"
+            "from tests.gateway.failing_step import run_then_linger\n"
+            f"serve_engine(EngineConfig(model={model!r}, num_kv_blocks=16, cpu_threads=1), ('127.0.0.1', {port}), "
+            f"{KEY.encode()!r}, on_listening=lambda a: print('engine listening on 127.0.0.1:%d' % a[1], flush=True), "
+            "process_main=run_then_linger)\n")
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, cwd=os.getcwd())
+    assert "engine listening" in server.stdout.readline()
+    _drain(server)
+
+    def gateway() -> RemoteEngine:
+        return RemoteEngine(EngineConfig(model=model), ("127.0.0.1", port), KEY.encode())
+
+    async def scenario():
+        first = gateway()
+        await asyncio.wait_for(first.start(), 90)
+        want = [t async for out in first.generate(prompt, params) for t in out.token_ids]
+        busy = gateway()
+        with pytest.raises(EngineError, match="serving another gateway"):
+            await asyncio.wait_for(busy.start(), 15)
+        await first.shutdown()  # its engine now takes LINGER_S to end
+        left = time.monotonic()
+        second = gateway()
+        await asyncio.wait_for(second.start(), 90 + LINGER_S)
+        waited = time.monotonic() - left
+        got = [t async for out in second.generate(prompt, params) for t in out.token_ids]
+        await second.shutdown()
+        return want, got, waited
+
+    try:
+        want, got, waited = asyncio.run(scenario())
+    finally:
+        stop_engine(server)
+    assert got == want and len(want) == 4
+    assert waited >= LINGER_S - 1, waited  # it was served by a fresh engine once the lingering one had ended

@@ -1,6 +1,7 @@
 """The router's start: when one replica fails to start, the others, still starting, are stopped at once and the
 failure is raised (replicas that divide the experts would otherwise wait for the failed one at their meeting
-point until its timeout)."""
+point until its timeout); when the start is cancelled (the gateway stopping), the replicas still starting are
+cancelled and the ones already up are shut down."""
 
 import asyncio
 import random
@@ -24,12 +25,20 @@ class StartingReplica:
         self.info, self.dead, self.stats = None, None, None
         self.fail_after_s = fail_after_s
         self.stopped = asyncio.Event()
+        self.cancelled = False
 
     async def start(self):
+        if self.fail_after_s == 0:  # up at once
+            self.info = object()
+            return self.info
         if self.fail_after_s is not None:
             await asyncio.sleep(self.fail_after_s)
             raise EngineError("rank 1: could not join the 2 ranks")
-        await self.stopped.wait()  # a replica waiting at its group's rendezvous
+        try:
+            await self.stopped.wait()  # a replica waiting at its group's rendezvous
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
         raise EngineError("the engine process exited during start-up")
 
     async def shutdown(self) -> None:
@@ -46,5 +55,21 @@ def test_one_failed_start_stops_the_replicas_still_starting():
             await router.start()
         assert time.monotonic() - begin < 5
         assert all(r.stopped.is_set() for r in replicas)
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_start_cancels_the_starting_replicas_and_stops_the_ones_up():
+    async def scenario():
+        up = [StartingReplica(0) for _ in range(random.randint(1, 2))]
+        waiting = [StartingReplica(None) for _ in range(random.randint(1, 2))]
+        replicas = random.sample(up + waiting, len(up) + len(waiting))
+        router = ReplicaRouter(replicas, [str(i) for i in range(len(replicas))], RouterConfig())
+        start = asyncio.create_task(router.start())
+        await asyncio.sleep(0.1)
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert all(r.cancelled for r in waiting) and all(r.stopped.is_set() for r in up)
 
     asyncio.run(scenario())
