@@ -357,8 +357,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         try:
             p, delta = await anext(stream)
         except EngineError as e:
-            return await _write_error_event(response, APIError(503, f"engine unavailable: {e}", "server_error",
-                                                               code="engine_unavailable"))
+            return await _write_error_event(response, engine_down(e))  # engine_failed if the step failed
         index = choices.add(p, delta)
         timer.delta(first=False)
     if include_usage:  # OpenAI's shape: a last chunk with no choices and the request's usage

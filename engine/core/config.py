@@ -150,8 +150,8 @@ class EngineConfig:
                              f"got {self.local_ranks}")
         if self.local_ranks is not None and self.local_ranks < self.tensor_parallel_size and not self.distributed_init_method:
             raise ValueError("ranks on other nodes need distributed_init_method (tcp://HOST:PORT reachable from them)")
-        if self.distributed_init_method is not None and not self.distributed_init_method.startswith("tcp://"):
-            raise ValueError(f"distributed_init_method must be tcp://HOST:PORT, got {self.distributed_init_method!r}")
+        if self.distributed_init_method is not None:
+            meeting_address(self.distributed_init_method)  # ValueError for a malformed one
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -272,3 +272,15 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2
         assert self.background_token_budget >= 1 and self.background_window_s >= 0
+
+
+def meeting_address(init_method: str) -> tuple[str, int]:
+    """(host, port) of a ``tcp://HOST:PORT`` meeting address (``tcp://[v6]:PORT`` too, brackets removed);
+    ValueError naming what is wrong."""
+    host, sep, port = init_method.removeprefix("tcp://").rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not init_method.startswith("tcp://") or not sep or not host or not port.isdigit() \
+            or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--distributed-init-method must be tcp://HOST:PORT (a port from 1 to 65535), got "
+                         f"{init_method!r}")
+    return host, int(port)

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -55,6 +56,12 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
 
 def run(args: argparse.Namespace) -> int:
     """``moegate engine-rank``: exit 2 with one line for missing or bad torchrun variables."""
+    # A rank started by hand ends at once on Ctrl-C, by the signal's default action: it holds nothing to save,
+    # and a Python handler would only run once torch returned from the rendezvous or collective it waits in
+    # (minutes). One its engine process started ignores it: it ends with that process, once the gateway has let
+    # its requests finish (a terminal's Ctrl-C reaches every process of the group at once).
+    started_by_engine = os.environ.get(EXIT_WITH_PARENT_ENV, "").isdigit()
+    signal.signal(signal.SIGINT, signal.SIG_IGN if started_by_engine else signal.SIG_DFL)
     try:
         info = RankInfo.from_env()
         if info.rank == 0:

@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.core.config import meeting_address
+
 
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 JOIN_TIMEOUT_S = 300.0  # ranks on other nodes may be started by hand, after rank 0
@@ -89,14 +91,14 @@ class RankGroups:
             raise
         except Exception as e:  # the store did not form: another rank never came, or the address is wrong
             raise CollectiveError(f"rank {info.rank}: could not join the {info.world_size} ranks at "
-                                  f"{info.init_method} within {join_timeout_s:g} s ({type(e).__name__}: "
+                                  f"{info.init_method} ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
     @staticmethod
     def _meet(info: RankInfo, join_timeout_s: float, starting: Callable[[], str | None] | None) -> dist.Store:
         """The rendezvous store at ``info.init_method`` (rank 0 hosts it), once every rank has said it is there."""
-        host, port = info.init_method[len("tcp://"):].rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), info.world_size, is_master=info.rank == 0,
+        host, port = meeting_address(info.init_method)
+        store = dist.TCPStore(host, port, info.world_size, is_master=info.rank == 0,
                               timeout=timedelta(seconds=join_timeout_s), wait_for_workers=False)
         store.set(f"moegate/joined/{info.rank}", "1")
         if info.rank != 0:
@@ -110,7 +112,7 @@ class RankGroups:
                 raise CollectiveError(f"rank 0: {gone} before the ranks met at {info.init_method}") from None
             if time.monotonic() > deadline:
                 missing = [r for r, key in enumerate(keys, start=1) if not store.check([key])]
-                raise TimeoutError(f"rank(s) {', '.join(map(str, missing))} did not arrive")
+                raise TimeoutError(f"rank(s) {', '.join(map(str, missing))} did not arrive within {join_timeout_s:g} s")
             time.sleep(MEET_POLL_S)
         return store
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, meeting_address
 from engine.distributed.collectives import TensorParallel
 from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.groups import RankGroups, RankInfo
@@ -76,11 +76,11 @@ class EngineRanks:
     def __init__(self, config: EngineConfig, device: torch.device, model_config: ModelConfig,
                  dtype: torch.dtype) -> None:
         init = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
-        host, port = init[len("tcp://"):].rsplit(":", 1)
+        host, port = meeting_address(init)
         split = config.tensor_parallel_size
         world = self.world_size = config.data_parallel_size * split
         first = self.first_rank = config.data_parallel_rank * split  # this replica's ranks: [first, first + split)
-        env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": port,
+        env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
                EXIT_WITH_PARENT_ENV: str(os.getpid())}
         command = [sys.executable, "-m", "engine.distributed.follower", "--device", device.type,
                    "--timeout", str(config.distributed_timeout_s)]

@@ -237,7 +237,9 @@ class AsyncEngine:
             error = EngineError(message, retryable=False, detail=f"{message} ({self.failure})")
         else:
             error = EngineError("the engine stopped", detail=f"{self.describe()} stopped")
-        self.dead, self.dead_detail = str(error), error.detail
+        # The requests in flight are told their step failed; /health and later requests, that the engine did.
+        self.dead = "the engine failed" if self.failure and not self._stalled else str(error)
+        self.dead_detail = error.detail
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._answer_releases()

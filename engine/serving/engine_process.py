@@ -1,6 +1,7 @@
 """The engine's own process: receives requests over a pipe, steps the engine, sends deltas back."""
 
 import logging
+import signal
 from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
@@ -25,6 +26,8 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     exit_with_parent()  # a gateway (or engine server) killed while this engine starts or steps takes it along
+    # A terminal's Ctrl-C reaches every process of the group: the gateway drains its requests, then stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from engine.llm_engine import LLMEngine
 
     try:

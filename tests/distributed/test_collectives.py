@@ -98,3 +98,26 @@ def test_ranks_that_never_arrive_are_named_when_the_meeting_times_out(capfd):
         RankGroups(RankInfo(0, 3, 0, address), torch.device("cpu"), join_timeout_s=1.5)
     assert 1.5 <= time.monotonic() - start < 10
     assert "waitForInput" not in capfd.readouterr().err
+
+
+def test_ctrl_c_ends_a_rank_waiting_for_its_group_at_once():
+    """Python would only see the interrupt once torch's rendezvous returned (after its 5-minute timeout)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}  # nobody hosts the meeting there
+    rank = subprocess.Popen([sys.executable, "-m", "gateway.cli", "engine-rank"], env=env, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        time.sleep(random.uniform(6, 8))  # into the rendezvous (imports take a few seconds)
+        assert rank.poll() is None
+        rank.send_signal(signal.SIGINT)
+        _, err = rank.communicate(timeout=10)
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+    assert rank.returncode == -signal.SIGINT, err[-2000:]  # ended by the signal itself
+    assert "Traceback" not in err

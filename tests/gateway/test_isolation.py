@@ -180,8 +180,18 @@ def test_a_failed_step_fails_its_requests_without_retry_and_the_engine_comes_bac
             # Default retries on: the SDK must not send the failed request again (x-should-retry: false).
             a = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=keys["a"], max_retries=2)
             pid = engine._process.pid
+            # Tenant b's stream is running when a's request fails the step: its error event says so too.
+            b = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=keys["b"], max_retries=0)
+            stream = await b.completions.create(model="demo", prompt=[1, 2, 3], max_tokens=2000, stream=True,
+                                                extra_body={"ignore_eos": True})
+            await anext(aiter(stream))
             with pytest.raises(openai.InternalServerError) as failed:
                 await a.completions.create(model="demo", prompt=[POISON_TOKEN, 1, 2], max_tokens=4)
+            with pytest.raises(openai.APIError) as cut:
+                async for _ in stream:
+                    pass
+            assert cut.value.body["code"] == "engine_failed", cut.value.body  # not a retryable engine_unavailable
+            assert "device-side" not in cut.value.message
             assert failed.value.status_code == 503
             assert failed.value.response.headers.get("x-should-retry") == "false"
             message = failed.value.body["message"]
