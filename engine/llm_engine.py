@@ -21,7 +21,7 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.speculation import Speculator
 from engine.core.stats import SchedulerStats
 from engine.structured_output.matchers import GrammarMatchers
-from engine.text.tokenizer import load_tokenizer
+from engine.text.tokenizer import check_vocabulary, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class LLMEngine:
         )
         tokenizer_dir = config.tokenizer or (None if config.random_weights else config.model)
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+        check_vocabulary(self.tokenizer, self.model_config.vocab_size, tokenizer_dir)
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         if self.tokenizer is not None:

@@ -104,8 +104,10 @@ def _check_model(args: argparse.Namespace, engine_config: EngineConfig) -> None:
         write_demo_model(args.model)
     if args.random_weights is not None:  # --model then only supplies the tokenizer
         from engine.loading.random_weights import random_model_config
+        from engine.text.tokenizer import check_vocabulary, load_tokenizer
 
         model_config = random_model_config(args.random_weights)
+        check_vocabulary(load_tokenizer(args.model), model_config.vocab_size, args.model)
     else:
         model_config = load_model_config(args.model)
         checkpoint_files(args.model)

@@ -117,8 +117,16 @@ class ReplicaRouter:
     # -- lifecycle --
 
     async def start(self) -> Ready:
-        """Start every replica at once; as soon as one fails, the others are stopped (replicas of one expert
-        group would otherwise wait for the failed one at their rendezvous for minutes) and its error raised."""
+        """Check every replica (``preflight``: a remote engine's place), then start them all at once; as soon as
+        one fails, the others are stopped (replicas of one expert group would otherwise wait for the failed one
+        at their rendezvous for minutes) and its error raised."""
+        checks = [asyncio.ensure_future(r.preflight()) for r in self.replicas]
+        try:
+            await asyncio.gather(*checks)
+        except BaseException:  # one is wrong or unreachable (or the gateway is stopping): none is started
+            await self._abandon(checks)
+            await self.shutdown()
+            raise
         starts = [asyncio.ensure_future(r.start()) for r in self.replicas]
         try:
             await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
@@ -135,7 +143,8 @@ class ReplicaRouter:
 
     @staticmethod
     async def _abandon(starts: list[asyncio.Future]) -> None:
-        """Cancel the starts still running: each replica then ends its engine at once, not when it is up."""
+        """Cancel the starts (or checks) still running: each replica then ends its engine, or closes its
+        connection, at once."""
         for start in starts:
             start.cancel()
         await asyncio.gather(*starts, return_exceptions=True)

@@ -25,6 +25,10 @@ class EngineClient(Protocol):
     dead_detail: str | None
     stats: SchedulerStats | None
 
+    async def preflight(self) -> None:
+        """What can be checked before any replica starts (a remote engine's place); EngineError if wrong."""
+        ...
+
     async def start(self) -> Ready: ...
 
     async def restart(self) -> Ready: ...

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "MOEGATE_ENGINE_KEY"
 WIND_DOWN_S = 30.0  # how long an engine may take to end once its gateway has left
-ATTACH_TIMEOUT_S = 10.0  # how long a gateway's Attach may be awaited once its turn has come
+# How long a gateway's Attach may be awaited once its turn has come: it checks every engine it needs first.
+ATTACH_TIMEOUT_S = 60.0
 
 
 def enable_keepalive(conn: Connection) -> None:

@@ -60,23 +60,48 @@ class RemoteEngine(AsyncEngine):
         self.address = address
         self._authkey = authkey
         self.group_place = group_place
+        self._greeted: Connection | None = None  # checked by preflight, not yet attached
 
     def describe(self) -> str:
         return f"the engine at {self.address[0]}:{self.address[1]}"
 
+    async def preflight(self) -> None:
+        """Connect and check the engine's place without attaching it (nothing is built yet); the start then
+        attaches on this connection. A gateway with several replicas checks them all before starting any, so
+        one that is wrong or unreachable leaves no other engine building for a group that will not form."""
+        self._greeted = await self._greeted_connection()
+
+    async def shutdown(self) -> None:
+        greeted, self._greeted = self._greeted, None
+        if greeted is not None:  # checked, never attached: the engine server has started nothing for it
+            greeted.close()
+        await super().shutdown()
+
     async def _open(self) -> tuple[Connection, Connection]:
+        conn, self._greeted = self._greeted, None
+        if conn is None:
+            conn = await self._greeted_connection()
+        try:
+            conn.send_bytes(encoder.encode(Attach()))
+        except OSError as e:
+            conn.close()
+            raise EngineError("the engine stopped", detail=f"{self.describe()} left before it was attached ({e})"
+                              ) from None
+        enable_keepalive(conn)
+        return conn, conn
+
+    async def _greeted_connection(self) -> Connection:
         connecting = _CONNECTS.submit(self._connect)
         try:
-            conn = await asyncio.wrap_future(connecting)
+            return await asyncio.wrap_future(connecting)
         except asyncio.CancelledError:  # the gateway is stopping: a connection made after all is closed at once
             connecting.add_done_callback(_close_made)
             raise
-        return conn, conn
 
     def _connect(self) -> Connection:
-        """Connect and authenticate within ``CONNECT_TIMEOUT_S``: a listener that accepts TCP but never
-        answers (a frozen engine: the kernel still completes the handshake) fails this start instead of
-        holding the supervisor forever, as ``multiprocessing.connection.Client`` would."""
+        """Connect, authenticate and check the engine's ``Hello`` within ``CONNECT_TIMEOUT_S``: a listener that
+        accepts TCP but never answers (a frozen engine: the kernel still completes the handshake) fails this
+        start instead of holding the supervisor forever, as ``multiprocessing.connection.Client`` would."""
         try:
             sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT_S)
         except OSError as e:  # refused, unreachable
@@ -106,11 +131,9 @@ class RemoteEngine(AsyncEngine):
                 raise EngineError(f"{self.describe()} speaks protocol {greeting.protocol}, this gateway "
                                   f"{PROTOCOL_VERSION}: run the same moegate version on the gateway and its engines")
             self._check_place(greeting)
-            conn.send_bytes(encoder.encode(Attach()))
         except BaseException:
             conn.close()  # the engine server sees this gateway leave, and has started nothing
             raise
-        enable_keepalive(conn)
         return conn
 
     def _check_place(self, hello: Hello) -> None:

@@ -22,6 +22,15 @@ def load_tokenizer(path: str):
         return None
 
 
+def check_vocabulary(tokenizer, vocab_size: int, tokenizer_dir: str) -> None:
+    """ValueError unless every token id of ``tokenizer`` is a row of the model's ``vocab_size`` (a random-weight
+    model's spec may give fewer than the tokenizer it borrows)."""
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        raise ValueError(f"the model's vocabulary has {vocab_size} tokens but the tokenizer in {tokenizer_dir} has "
+                         f"{len(tokenizer)}: give the model at least {len(tokenizer)} (with --random-weights, "
+                         f"vocab_size={len(tokenizer)} in its spec)")
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without splitting a character.
 

@@ -148,3 +148,25 @@ def test_serve_splits_random_weights_over_ranks_and_refuses_what_does_not_divide
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "divisible" in err, err
     assert not (tmp_path / "policy.db").exists()
+
+
+def test_a_random_model_smaller_than_its_tokenizer_is_bad_input(tmp_path, capsys):
+    """The demo model's tokenizer lent to a random model with fewer token rows: exit 2 with one line naming the
+    size to give, before anything is written or started (before, exit 1 after the model was built)."""
+    import random
+
+    from engine.loading.demo_model import write_demo_model
+    from engine.text.tokenizer import load_tokenizer
+    from gateway.cli import main
+
+    model = str(tmp_path / "demo")
+    write_demo_model(model, seed=random.randrange(100))
+    tokens = len(load_tokenizer(model))
+    spec = ("qwen3-30b-a3b:num_hidden_layers=1,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,head_dim=16,"
+            "num_experts=4,moe_intermediate_size=32,intermediate_size=64,bos_token_id=null,eos_token_id=1,"
+            f"vocab_size={random.randrange(64, tokens)}")
+    db = f"sqlite:///{tmp_path / 'policy.db'}"
+    assert main(["serve", "--model", model, "--random-weights", spec, "--database-url", db]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"vocab_size={tokens}" in err, err
+    assert not (tmp_path / "policy.db").exists()

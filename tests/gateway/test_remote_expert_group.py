@@ -93,17 +93,40 @@ def test_replicas_on_two_nodes_share_their_experts_and_restart_together(tmp_path
         stop_engine(engine)
 
 
-# (the remote engine's flags, the gateway's, what the gateway's one-line error must say). Before engines said
-# where they belong as the gateway connects, the last three waited at the rendezvous for five minutes.
+# (the remote engine's flags, the gateway's, what the gateway's one-line error must say), end to end; the other
+# misplacements are checked without processes below. Before engines said where they belong as the gateway
+# connects, the first waited at the rendezvous for five minutes, and in the second the reachable engine was
+# attached and built, then waited at its rendezvous until its server's wind-down.
 MISPLACED = {
-    "a plain engine in a group": ((), ("--engines-share-experts",), "--data-parallel-size 2 --data-parallel-rank 1"),
-    "a group's engine attached alone": (("--data-parallel-size", "2", "--data-parallel-rank", "1", "--meet"), (),
-                                        "attaches it as an independent replica"),
     "two replicas claiming rank 0": (("--data-parallel-size", "2", "--data-parallel-rank", "0", "--meet"),
                                      ("--engines-share-experts",), "--data-parallel-size 2 --data-parallel-rank 1"),
-    "another meeting place": (("--data-parallel-size", "2", "--data-parallel-rank", "1", "--meet-elsewhere"),
-                              ("--engines-share-experts",), "--distributed-init-method tcp://127.0.0.1:"),
+    "another replica unreachable": (("--data-parallel-size", "3", "--data-parallel-rank", "1", "--meet"),
+                                    ("--engines-share-experts", "--unreachable-engine"), "cannot reach the engine at"),
 }
+
+
+@pytest.mark.parametrize("place, hello, says", [
+    ((1, 2), (0, 1, None), "was started as an independent engine, but this gateway needs it as data-parallel rank 1 "
+                           "of 2 of its expert group: start it with --enable-expert-parallel --data-parallel-size 2 "
+                           "--data-parallel-rank 1 --distributed-init-method tcp://10.0.0.1:29500"),
+    (None, (1, 2, "tcp://10.0.0.1:29500"), "attaches it as an independent replica"),
+    ((1, 3), (2, 3, "tcp://10.0.0.1:29500"), "is data-parallel rank 2 of 3, but this gateway needs it as "
+                                             "data-parallel rank 1 of 3"),
+    ((1, 2), (1, 2, "tcp://10.0.0.1:29501"), "meets its expert group at tcp://10.0.0.1:29501, but this gateway's group "
+                                             "meets at tcp://10.0.0.1:29500"),
+])
+def test_the_gateway_names_the_flags_of_the_place_it_needs(place, hello, says):
+    from engine.core.config import EngineConfig
+    from engine.serving.async_engine import EngineError
+    from engine.serving.protocol import PROTOCOL_VERSION, Hello
+    from engine.serving.remote_engine import RemoteEngine
+
+    config = EngineConfig(model="m", enable_expert_parallel=True, distributed_init_method="tcp://10.0.0.1:29500")
+    engine = RemoteEngine(config, ("10.0.0.2", 7000), KEY.encode(), group_place=place)
+    with pytest.raises(EngineError, match=re.escape(says)):
+        engine._check_place(Hello(PROTOCOL_VERSION, *hello))
+    right = Hello(PROTOCOL_VERSION, *(place or (0, 1)), "tcp://nodeA:29500" if place else None)  # host spelled apart
+    engine._check_place(right)  # no error
 
 
 @pytest.mark.parametrize("case", list(MISPLACED))
@@ -123,6 +146,8 @@ def test_an_engine_outside_its_place_is_refused_at_once(tmp_path, case):
     meet = ("--distributed-init-method", f"tcp://127.0.0.1:{meet_port}")
     place = {"--meet": meet, "--meet-elsewhere": ("--distributed-init-method", f"tcp://127.0.0.1:{free_port()}")}
     engine_flags = [f for flag in engine_flags for f in place.get(flag, (flag,))]
+    gateway_flags = [f for flag in gateway_flags
+                     for f in {"--unreachable-engine": ("--engine", f"127.0.0.1:{free_port()}")}.get(flag, (flag,))]
     if "--data-parallel-size" in engine_flags:
         engine_flags.append("--enable-expert-parallel")
     engine = start_engine(model, engine_port, "--kv-cache-memory-gb", "0.05", *engine_flags)

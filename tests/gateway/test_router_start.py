@@ -20,14 +20,22 @@ pytestmark = pytest.mark.timeout(30)
 class StartingReplica:
     """An ``EngineClient`` double whose start fails after ``fail_after_s``, or waits until it is shut down."""
 
-    def __init__(self, fail_after_s: float | None) -> None:
+    def __init__(self, fail_after_s: float | None, misplaced: bool = False) -> None:
         self.config = EngineConfig(model="fake")
         self.info, self.dead, self.stats = None, None, None
         self.fail_after_s = fail_after_s
+        self.misplaced = misplaced
         self.stopped = asyncio.Event()
         self.cancelled = False
+        self.started = False
+
+    async def preflight(self) -> None:
+        await asyncio.sleep(random.uniform(0, 0.05))
+        if self.misplaced:
+            raise EngineError("the engine is data-parallel rank 0 of 2, but this gateway needs it as rank 1")
 
     async def start(self):
+        self.started = True
         if self.fail_after_s == 0:  # up at once
             self.info = object()
             return self.info
@@ -71,5 +79,18 @@ def test_a_cancelled_start_cancels_the_starting_replicas_and_stops_the_ones_up()
         with pytest.raises(asyncio.CancelledError):
             await start
         assert all(r.cancelled for r in waiting) and all(r.stopped.is_set() for r in up)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_fails_its_check_stops_the_start_before_any_replica_starts():
+    """Several remote engines: one in the wrong place (or unreachable) must not leave the others building."""
+    async def scenario():
+        replicas = [StartingReplica(random.choice([0, None])) for _ in range(random.randint(1, 3))]
+        replicas.insert(random.randrange(len(replicas) + 1), StartingReplica(None, misplaced=True))
+        router = ReplicaRouter(replicas, [str(i) for i in range(len(replicas))], RouterConfig())
+        with pytest.raises(EngineError, match="needs it as rank 1"):
+            await router.start()
+        assert not any(r.started for r in replicas) and all(r.stopped.is_set() for r in replicas)
 
     asyncio.run(scenario())
