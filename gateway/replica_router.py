@@ -120,34 +120,26 @@ class ReplicaRouter:
         """Check every replica (``preflight``: a remote engine's place), then start them all at once; as soon as
         one fails, the others are stopped (replicas of one expert group would otherwise wait for the failed one
         at their rendezvous for minutes) and its error raised."""
-        checks = [asyncio.ensure_future(r.preflight()) for r in self.replicas]
-        try:
-            await asyncio.gather(*checks)
-        except BaseException:  # one is wrong or unreachable (or the gateway is stopping): none is started
-            await self._abandon(checks)
-            await self.shutdown()
-            raise
-        starts = [asyncio.ensure_future(r.start()) for r in self.replicas]
-        try:
-            await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
-        except asyncio.CancelledError:  # the gateway is stopping
-            await self._abandon(starts)
-            await self.shutdown()  # the replicas that were up already
-            raise
-        failed = next((t.exception() for t in starts if t.done() and t.exception() is not None), None)
-        if failed is not None:
-            await self._abandon(starts)
-            await self.shutdown()
-            raise failed
-        return starts[0].result()
+        await self._all_or_none([r.preflight() for r in self.replicas])
+        return (await self._all_or_none([r.start() for r in self.replicas]))[0]
 
-    @staticmethod
-    async def _abandon(starts: list[asyncio.Future]) -> None:
-        """Cancel the starts (or checks) still running: each replica then ends its engine, or closes its
-        connection, at once."""
-        for start in starts:
-            start.cancel()
-        await asyncio.gather(*starts, return_exceptions=True)
+    async def _all_or_none(self, steps: list) -> list:
+        """Run one step (a check, a start) on every replica at once; their results, or, as soon as one fails or
+        the gateway stops, the others cancelled (each replica then ends its engine or closes its connection at
+        once), every replica shut down and the error raised."""
+        tasks = [asyncio.ensure_future(step) for step in steps]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t.exception() for t in tasks if t.done() and t.exception() is not None), None)
+            if failed is not None:
+                raise failed
+            return [t.result() for t in tasks]
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.shutdown()
+            raise
 
     async def restart(self) -> Ready:
         """Restart the replicas that are down (the gateway's supervisor restarts each on its own instead)."""

@@ -3,7 +3,7 @@
 import dataclasses
 import socket
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, meeting_address
 
 
 def free_port() -> int:
@@ -43,11 +43,11 @@ def replica_configs(config: EngineConfig, replicas: int, remote: int = 0) -> lis
 
 def _port_plus(init_method: str, offset: int) -> str:
     """``tcp://HOST:PORT`` with PORT + ``offset``; ValueError past the last port."""
-    host, port = init_method.rsplit(":", 1)
-    if int(port) + offset > 65535:
-        raise ValueError(f"--distributed-init-method {init_method}: replica {offset} would meet at port "
-                         f"{int(port) + offset}, past 65535 (independent replicas meet at the port given + their index)")
-    return f"{host}:{int(port) + offset}"
+    port = meeting_address(init_method)[1] + offset
+    if port > 65535:
+        raise ValueError(f"--distributed-init-method {init_method}: replica {offset} would meet at port {port}, "
+                         "past 65535 (independent replicas meet at the port given + their index)")
+    return f"{init_method.rsplit(':', 1)[0]}:{port}"
 
 
 def replica_devices(config: EngineConfig, replica: int) -> str:

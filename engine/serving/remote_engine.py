@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 
 import msgspec
 
-from engine.core.config import EngineConfig
+from engine.core.config import EngineConfig, meeting_address
 from engine.serving.async_engine import AsyncEngine, EngineError
 from engine.serving.engine_server import enable_keepalive
 from engine.serving.protocol import PROTOCOL_VERSION, Attach, Fatal, Hello, encoder, greeting_decoder
@@ -34,12 +34,6 @@ def _shut(conn: Connection) -> None:
         pass
     finally:
         sock.detach()
-
-
-def _port(init_method: str | None) -> str | None:
-    """The port of a ``tcp://HOST:PORT`` meeting address: the part both sides must name alike (the host may be
-    spelled differently, a name on one side and an address on the other)."""
-    return init_method.rsplit(":", 1)[1] if init_method else None
 
 
 def _close_made(connecting: Future) -> None:
@@ -154,7 +148,9 @@ class RemoteEngine(AsyncEngine):
                               f"{size} of its expert group: start it with "
                               f"--enable-expert-parallel --data-parallel-size {size} --data-parallel-rank {rank} "
                               f"--distributed-init-method {self.config.distributed_init_method}")
-        ours, theirs = _port(self.config.distributed_init_method), _port(hello.distributed_init_method)
+        # Only the ports must match: the host may be spelled differently on each side (a name, an address).
+        ours, theirs = (meeting_address(m)[1] if m else None
+                        for m in (self.config.distributed_init_method, hello.distributed_init_method))
         if theirs != ours:
             raise EngineError(f"{self.describe()} meets its expert group at {hello.distributed_init_method}, but "
                               f"this gateway's group meets at {self.config.distributed_init_method}: start it with "

@@ -60,22 +60,36 @@ def split_runs(tmp_path_factory):
         if family == "qwen2_moe":  # the shared expert and a dense layer beside divided experts, the simpler dispatch
             modes["ep_gather"] = dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_dispatch="all_gather")
         runs[family] = (model_dir, prompts, max_tokens, modes)
-    results = run_ranks_each(_generate_each_way, 1, runs, timeout_s=520)  # the process's start-up paid once
+    return generate_each_way(runs, seeds, timeout_s=520)
+
+
+def generate_each_way(runs: dict, seeds: dict, timeout_s: float) -> dict:
+    """Every family's ``runs`` entry (model, prompts, max_tokens, modes) generated each way in one rank process
+    (its start-up paid once): {family: (seed, max_tokens, modes, (status, value))}."""
+    results = run_ranks_each(_generate_each_way, 1, runs, timeout_s=timeout_s)
     return {family: (seeds[family], runs[family][2], runs[family][3], results[family].get(0, ("missing", None)))
             for family in runs}
+
+
+def check_each_way_generates_the_single_tokens(family: str, run: tuple) -> dict:
+    """Assert one ``generate_each_way`` entry ran, and every mode gave the single process's tokens; its values."""
+    seed, max_tokens, modes, (status, value) = run
+    assert status == "ok", f"family={family} seed={seed}: {value}"
+    single = value["single"]
+    assert [len(t) for t in single] == max_tokens
+    for name in modes:
+        assert value[name] == single, f"{name} differs from one process (family={family} seed={seed})"
+    return value
 
 
 @pytest.mark.timeout(560)  # the first family's test builds every family's results (module fixture)
 @pytest.mark.parametrize("family", sorted(OVERRIDES))
 def test_split_engines_generate_the_single_process_tokens(family, split_runs):
-    seed, max_tokens, modes, (status, value) = split_runs[family]
-    assert status == "ok", f"family={family} seed={seed}: {value}"
-    single = value["single"]
-    assert [len(t) for t in single] == max_tokens
+    value = check_each_way_generates_the_single_tokens(family, split_runs[family])
+    seed, modes = split_runs[family][0], split_runs[family][2]
     preemptions, hits, _ = value["single:stats"]
     assert preemptions > 0 and hits > 0, f"the workload must preempt and hit the prefix cache (seed={seed})"
     for name in modes:
-        assert value[name] == single, f"{name} differs from one process (family={family} seed={seed})"
         assert value[name + ":stats"][:2] == value["single:stats"][:2], f"{name} family={family} seed={seed}"
     by_rank = value["ep:stats"][2]
     assert by_rank is not None and len(by_rank) == 2 and sum(by_rank) > 0

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from tests.distributed.ranks import run_ranks_each
-from tests.distributed.test_engine_ranks import ENGINE, _generate_each_way
+from tests.distributed.test_engine_ranks import ENGINE, check_each_way_generates_the_single_tokens, generate_each_way
 
 # CPU-sized shapes of two presets: 4 heads and 2 KV heads of 16 (one KV head per rank), 8 experts.
 TINY = ("num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,head_dim=16,vocab_size=512,"
@@ -36,21 +36,14 @@ def random_split_runs():
         weights = dict(random_weights=spec, seed=seed)
         modes = {name: {**split, **weights} for name, split in {"single": {}, **SPLITS[family]}.items()}
         runs[family] = (f"random-{family}", prompts, max_tokens, modes)
-    results = run_ranks_each(_generate_each_way, 1, runs, timeout_s=150)  # the process's start-up paid once
-    return {family: (seeds[family], runs[family][2], runs[family][3], results[family].get(0, ("missing", None)))
-            for family in runs}
+    return generate_each_way(runs, seeds, timeout_s=150)
 
 
 @pytest.mark.timeout(180)  # the first family's test builds every family's results (module fixture)
 @pytest.mark.parametrize("family", sorted(SPECS))
 def test_split_random_weight_engines_generate_the_single_process_tokens(family, random_split_runs):
-    seed, max_tokens, modes, (status, value) = random_split_runs[family]
-    assert status == "ok", f"family={family} seed={seed}: {value}"
-    single = value["single"]
-    assert [len(t) for t in single] == max_tokens
-    for name in modes:
-        assert value[name] == single, f"{name} differs from one process (family={family} seed={seed})"
-    if "ep" in modes:
+    value = check_each_way_generates_the_single_tokens(family, random_split_runs[family])
+    if "ep" in random_split_runs[family][2]:
         by_rank = value["ep:stats"][2]
         assert by_rank is not None and len(by_rank) == 2 and sum(by_rank) > 0
 
