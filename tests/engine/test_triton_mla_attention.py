@@ -8,6 +8,7 @@ each assertion message and ATTN_TEST_SEED=<n> replays one. Outputs are pre-fille
 with NaN, so a row the kernels forget to write fails the test.
 """
 
+import json
 import os
 import random
 
@@ -167,3 +168,27 @@ def test_bad_shapes_name_the_problem():
         mla_decode_triton(q, torch.zeros(5, 4, 48), table, lens, 1.0, 48)
     with pytest.raises(ValueError, match="one row per decode request"):
         mla_decode_triton(q, torch.zeros(5, 4, 48), table[:1], lens, 1.0, 32)
+
+
+def test_benchmark_refuses_without_cuda_in_one_line(monkeypatch, capsys):
+    from benchmarks import mla_decode
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert mla_decode.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA device" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; a GPU runs the real one")
+def test_benchmark_smoke_run_checks_every_shape(tmp_path, capsys):
+    from benchmarks import mla_decode
+
+    path = tmp_path / "mla.json"
+    assert mla_decode.main(["--smoke", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    shapes = {(r["heads"], r["batch"], r["context"]) for r in report["records"]}
+    smoke = mla_decode.SMOKE
+    assert shapes == {(h, d, n) for h in smoke.heads for d in smoke.batches for n in smoke.contexts}
+    for r in report["records"]:
+        assert "error" not in r and r["ms"] > 0 and r["gbps"] > 0 and r["max_abs_err"] < 1e-4, r
+    assert "GB/s" in capsys.readouterr().out
