@@ -18,19 +18,28 @@ float64 reference on its first requests.
 iteration, warps, split counts) and prints the best per shape. ``--smoke`` runs
 the same code on tiny shapes on the CPU under the Triton interpreter (numbers
 meaningless). Without CUDA and without ``--smoke`` it exits 2.
+
+``--resources`` needs no GPU: it compiles the kernel for an H100 (sm_90) with
+every launch above at both head counts and prints what each program holds
+(registers a thread, bytes spilled to local memory, shared memory), read from
+the cubin with the ``cuobjdump`` that ships with Triton.
 """
 
 import argparse
 import dataclasses
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from engine.kernels.attention import _num_sms
-from engine.kernels.mla_attention import DEFAULT_MLA_LAUNCH, MlaDecodeLaunch, mla_decode_splits, mla_decode_triton
+from engine.kernels.mla_attention import (DEFAULT_MLA_LAUNCH, MlaDecodeLaunch, decode_constants, mla_decode_splits,
+                                          mla_decode_triton)
 from moe_kernels.timing import capture_graph, median_ms
 
 # Datasheet HBM bandwidth (GB/s) by device-name fragment, most specific first.
@@ -189,13 +198,67 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# Triton signature types of the decode kernel's runtime arguments (its constexprs come from decode_constants).
+_POINTER_TYPES = {"q_ptr": "model", "cache_ptr": "model", "out_ptr": "model", "part_out_ptr": "*fp32",
+                  "part_ml_ptr": "*fp32", "block_table_ptr": "*i64", "seq_lens_ptr": "*i64"}
+_TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+
+
+def sm90_resources(heads: int, launch: MlaDecodeLaunch, split: bool = True, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Compile the decode kernel for sm_90 on this machine (no GPU needed): registers, local bytes, shared bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kernels import mla_attention_kernels as kernels
+
+    fn = kernels.mla_decode_kernel
+    if not isinstance(fn, triton.runtime.JITFunction):
+        raise RuntimeError("--resources compiles the kernels: run it without TRITON_INTERPRET=1")
+    consts = decode_constants(heads, GPU.rank, GPU.rope, GPU.block_size, dtype, split, launch)
+    signature = {}
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in _POINTER_TYPES:
+            kind = _POINTER_TYPES[name]
+            signature[name] = _TRITON_TYPES[dtype] if kind == "model" else kind
+        else:
+            signature[name] = "fp32" if name == "scale" else "i32"
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=launch.num_warps(heads), num_stages=launch.num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage))
+    return dict(heads=heads, launch=_describe(launch), warps=launch.num_warps(heads), registers=int(found["REG"]),
+                spill_bytes=int(found["LOCAL"]) + int(found["STACK"]), shared_bytes=compiled.metadata.shared)
+
+
+def resources_report() -> list[dict]:
+    return [sm90_resources(heads, launch) for heads in GPU.heads for launch in (DEFAULT_MLA_LAUNCH, *SWEEP)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.mla_decode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--sweep", action="store_true", help="also time the launch alternatives and split counts")
+    parser.add_argument("--resources", action="store_true",
+                        help="no GPU needed: compile every launch for sm_90 and print registers, spills, shared memory")
     parser.add_argument("--reps", type=int, help="timed calls per measurement (median is reported)")
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON to PATH")
     args = parser.parse_args(argv)
+    if args.resources:
+        rows = resources_report()
+        for r in rows:
+            print(f"h={r['heads']:<4} {r['launch']:<44} warps={r['warps']:<3} registers={r['registers']:<4} "
+                  f"spilled={r['spill_bytes']:<5} shared={r['shared_bytes']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     if args.smoke:
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported

@@ -13,24 +13,28 @@ read once for K and V and once for all heads.
 Importing this module imports neither the kernels nor ``triton`` itself (see
 ``engine.kernels.attention``): TRITON_INTERPRET=1 set later still works.
 
-Launch choices for an H100 (``MlaDecodeLaunch``; not yet measured on one, which
-``benchmarks/mla_decode.py`` does, with a sweep of the alternatives):
+Launch choices for an H100 (``MlaDecodeLaunch``). Compiled for sm_90 they hold
+(``python -m benchmarks.mla_decode --resources``, no GPU needed) without spilling;
+their speed is not yet measured on a GPU (``benchmarks/mla_decode.py --sweep`` times
+them beside the alternatives):
 
-- Heads per program (BLOCK_H): 16 up to 16 local heads (V3 at TP8, V2-Lite), else 32.
-  The [BLOCK_H, R] float32 accumulator and the [BLOCK_H, R + P] query stay in
-  registers: at R = 512 that is 64 + 32 registers a thread for 16 heads on 4 warps
-  or 32 heads on 8 warps; 64 heads would need 16 warps or spill. Programs of the
-  same request and split run side by side (head tiles are the fastest grid axis),
-  so the 4 head tiles of 128 heads read each row from HBM about once.
-- Keys per iteration (BLOCK_N) 32 with 2 pipeline stages: a 32 x 576 bfloat16 row
-  tile is 36 KiB, two in flight fit shared memory beside the query tile.
+- Heads per program (BLOCK_H): 16 up to 16 local heads (V3 at TP8, V2-Lite), else 32,
+  with 4 warps per 16 heads. The [BLOCK_H, R] float32 accumulator and the query
+  tile live in registers: 254 a thread for 16 heads on 4 warps, 206 for 32 heads on
+  8 warps; 64 heads spill even on 16 warps. Programs of the same request and split
+  run side by side (head tiles are the fastest grid axis), so the 4 head tiles of
+  128 heads read each row from HBM about once and from L2 after.
+- Latent rows per iteration (BLOCK_N) 32 and 2 pipeline stages: a 32 x 576 bfloat16
+  tile is 36 KiB; 64 rows at 16 heads need 8 warps to stay under 255 registers.
 - Splits (flash decoding): enough programs to fill the GPU about twice
-  (``2 * SMs / (D * head tiles)``), at most ``max_splits``; with the context length
-  known on the host (``max_seq_len``) also few enough that each split reads at
-  least twice the bytes its partial result costs to write and merge (one [h, R]
-  float32 slab per split: at h = 128 a split needs ~900 keys to be worth it, at
-  h = 16 ~110). Without it the count depends on the batch shape only, so a CUDA
-  graph captured for a batch size stays valid.
+  (``2 * SMs / (D * head tiles)``), at most ``max_splits`` (64: a 16k context at
+  batch 1 still gets 256 rows a split); with the context length known on the host
+  (``max_seq_len``) also few enough that each split reads at least twice the bytes
+  its partial result costs to write and merge (one [h, R] float32 slab per split:
+  at h = 128 a split needs ~900 rows to be worth it, at h = 16 ~115). Without it
+  the count depends on the batch shape only, so a CUDA graph captured for a batch
+  size stays valid. The merge walks the splits one at a time, so their number
+  costs no registers.
 """
 
 import functools
@@ -98,6 +102,19 @@ def mla_decode_splits(num_decodes: int, num_heads: int, kv_lora_rank: int, row_b
     return splits
 
 
+def decode_constants(num_heads: int, kv_lora_rank: int, rope: int, block_size: int, dtype: torch.dtype, split: bool,
+                     launch: MlaDecodeLaunch = DEFAULT_MLA_LAUNCH, interpreter: bool = False) -> dict:
+    """The decode kernel's compile-time arguments for one shape (what a compiled variant is keyed on)."""
+    return dict(
+        NUM_HEADS=num_heads, RANK=kv_lora_rank, ROPE=rope, KV_BLOCK=block_size, BLOCK_H=launch.block_h(num_heads),
+        BLOCK_R=max(16, _next_pow2(kv_lora_rank)), BLOCK_P=max(16, _next_pow2(rope)), BLOCK_N=launch.block_n,
+        SPLIT=split,
+        # The interpreter multiplies bfloat16 tiles as raw integers: upcast there (exact in float32).
+        UPCAST=interpreter and dtype == torch.bfloat16,
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
+
+
 def _check(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            kv_lora_rank: int) -> None:
     if q.dim() != 3 or latent_cache.dim() != 3:
@@ -142,9 +159,6 @@ def mla_decode_triton(q: torch.Tensor, latent_cache: torch.Tensor, block_table: 
     if num_splits is None:
         num_splits = mla_decode_splits(num_decodes, num_heads, kv_lora_rank, width * q.element_size(),
                                        _num_sms(q.device), launch, max_seq_len)
-    block_h = launch.block_h(num_heads)
-    block_r = max(16, _next_pow2(kv_lora_rank))
-    interp = interpreted()
     split = num_splits > 1
     if split:
         part_out = torch.empty(num_decodes, num_heads, num_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
@@ -152,21 +166,16 @@ def mla_decode_triton(q: torch.Tensor, latent_cache: torch.Tensor, block_table: 
     else:
         part_out = part_ml = out  # unused
     kernels = _kernels()
-    kernels.mla_decode_kernel[(_cdiv(num_heads, block_h), num_splits, num_decodes)](
+    consts = decode_constants(num_heads, kv_lora_rank, rope, latent_cache.shape[1], q.dtype, split, launch, interpreted())
+    kernels.mla_decode_kernel[(_cdiv(num_heads, consts["BLOCK_H"]), num_splits, num_decodes)](
         q, latent_cache, out, part_out, part_ml, block_table, seq_lens, scale, num_splits,
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0),
-        NUM_HEADS=num_heads, RANK=kv_lora_rank, ROPE=rope, KV_BLOCK=latent_cache.shape[1],
-        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, _next_pow2(rope)), BLOCK_N=launch.block_n, SPLIT=split,
-        # The interpreter multiplies bfloat16 tiles as raw integers: upcast there (exact in float32).
-        UPCAST=interp and q.dtype == torch.bfloat16,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=launch.num_warps(num_heads), num_stages=launch.num_stages,
+        block_table.stride(0), **consts, num_warps=launch.num_warps(num_heads), num_stages=launch.num_stages,
     )
     if split:
         kernels.mla_merge_kernel[(num_heads, num_decodes)](
             part_out, part_ml, out, seq_lens, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_N=launch.block_n,
+            NUM_HEADS=num_heads, RANK=kv_lora_rank, BLOCK_R=consts["BLOCK_R"], BLOCK_N=launch.block_n,
             num_warps=4,
         )
     return out
