@@ -154,6 +154,9 @@ def mla_decode_triton(q: torch.Tensor, latent_cache: torch.Tensor, block_table: 
     rope = width - kv_lora_rank
     if out is None:
         out = torch.empty(num_decodes, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    elif out.shape != (num_decodes, num_heads, kv_lora_rank) or out.stride(-1) != 1 or out.device != q.device:
+        raise ValueError(f"out must be [D, h, kv_lora_rank] = {(num_decodes, num_heads, kv_lora_rank)} on {q.device}, "
+                         f"contiguous in its last dim; got {tuple(out.shape)} on {out.device}")
     if num_decodes == 0:
         return out
     if num_splits is None:

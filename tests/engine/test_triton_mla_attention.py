@@ -170,6 +170,8 @@ def test_bad_shapes_name_the_problem():
         mla_decode_triton(q, torch.zeros(5, 4, 48), table, lens, 1.0, 48)
     with pytest.raises(ValueError, match="one row per decode request"):
         mla_decode_triton(q, torch.zeros(5, 4, 48), table[:1], lens, 1.0, 32)
+    with pytest.raises(ValueError, match="out must be"):
+        mla_decode_triton(q, torch.zeros(5, 4, 48), table, lens, 1.0, 32, out=torch.zeros(2, 4, 48))
 
 
 def test_benchmark_refuses_without_cuda_in_one_line(monkeypatch, capsys):
