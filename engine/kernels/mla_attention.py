@@ -22,8 +22,8 @@ them beside the alternatives):
   with 4 warps per 16 heads. The [BLOCK_H, R] float32 accumulator and the query
   tile live in registers: 254 a thread for 16 heads on 4 warps, 206 for 32 heads on
   8 warps; 64 heads spill even on 16 warps. Programs of the same request and split
-  run side by side (head tiles are the fastest grid axis), so the 4 head tiles of
-  128 heads read each row from HBM about once and from L2 after.
+  are launched together (head tiles are the fastest grid axis), so the 4 head tiles
+  of 128 heads can share each row through L2 rather than read it 4 times from HBM.
 - Latent rows per iteration (BLOCK_N) 32 and 2 pipeline stages: a 32 x 576 bfloat16
   tile is 36 KiB; 64 rows at 16 heads need 8 warps to stay under 255 registers.
 - Splits (flash decoding): enough programs to fill the GPU about twice

@@ -55,8 +55,8 @@ def mla_decode_kernel(
     """Grid (cdiv(h, BLOCK_H), S, D). One program: BLOCK_H heads of one request over split S of its keys.
 
     q [D, h, R + P], out [D, h, R]; block_table [D, W]; seq_lens [D] (0: a padding row, output 0).
-    Head tiles are the fastest grid axis, so the programs that read the same rows run side by side
-    and all but the first find them in L2.
+    Head tiles are the fastest grid axis, so the programs that read the same rows are launched
+    together and can share them through L2.
     SPLIT: write unnormalised partial results to part_out [D, h, S, R] and (max, sum) to
     part_ml [D, h, S, 2] for ``mla_merge_kernel`` (splits past the context write nothing);
     else normalise and write out.
