@@ -201,7 +201,9 @@ def test_benchmark_smoke_run_checks_every_shape(tmp_path, capsys):
 def test_default_launch_compiles_for_h100_without_spilling():
     # The interpreter runs the kernel's logic; this compiles it for sm_90 (no GPU needed) in a process
     # without TRITON_INTERPRET, as a GPU run would, at both DeepSeek-V3 head counts, and reads the cubin.
-    code = ("import json; from benchmarks.mla_decode import sm90_resources, DEFAULT_MLA_LAUNCH; "
+    # First: importing the launcher (and the benchmark) leaves triton unimported, so TRITON_INTERPRET set later works.
+    code = ("import json, sys; from benchmarks.mla_decode import sm90_resources, DEFAULT_MLA_LAUNCH; "
+            "assert 'triton' not in sys.modules, 'importing the MLA launcher imported triton'; "
             "print(json.dumps([sm90_resources(h, DEFAULT_MLA_LAUNCH) for h in (16, 128)]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
