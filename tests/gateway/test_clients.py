@@ -167,3 +167,44 @@ def test_replies_sent_back_as_the_client_returned_them(served):
         body = decode_body(json.dumps({"messages": [*USER, {"role": "assistant", "content": "ok", field: thought},
                                                     follow_up]}).encode(), ChatCompletionRequest)
         assert chat_input(body).messages[1]["reasoning_content"] == thought
+
+
+def _words(n: int) -> str:
+    return " ".join(random.choice(["river", "bread", "lamp", "mill", "stone"]) for _ in range(n))
+
+
+def test_usage_on_every_chunk_for_guidellm_and_aiperf(served):
+    """stream_options.continuous_usage_stats (GuideLLM's default streaming bodies, chat and text, and
+    AIPerf's with --per-chunk-usage): every chunk carries the usage so far, the last one the request's."""
+    n = random.randint(5, 12)
+    text = _words(6)
+    so = {"include_usage": True, "continuous_usage_stats": True}
+    bodies = {  # as each tool builds them (GuideLLM's request_handlers.py, AIPerf's openai_chat.py)
+        "guidellm chat": ("/v1/chat/completions", {
+            "model": "demo", "stream": True, "stream_options": so, "max_completion_tokens": n, "stop": None,
+            "ignore_eos": True, "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}),
+        "guidellm text": ("/v1/completions", {
+            "model": "demo", "stream": True, "stream_options": so, "max_tokens": n, "stop": None, "ignore_eos": True,
+            "prompt": text}),
+        "aiperf": ("/v1/chat/completions", {
+            "messages": [{"role": "user", "name": "text", "content": text}], "model": "demo", "stream": True,
+            "max_completion_tokens": n, "stream_options": so, "ignore_eos": True}),
+    }
+    chat_prompt = _prompt_tokens(served.tok, [{"role": "user", "content": text}])
+    for name, (path, body) in bodies.items():
+        status, events = served.post(path, body)
+        assert status == 200, (name, events)
+        prompt = chat_prompt if "chat" in path else len(served.tok.encode(text))
+        usages = [e["usage"] for e in events]
+        assert all(u is not None for u in usages), (name, usages)
+        assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"]
+                   for u in usages), (name, usages)
+        counts = [u["completion_tokens"] for u in usages]
+        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == n, (name, counts)
+        assert events[-1]["choices"] == [] and usages[-2] == usages[-1], name  # OpenAI's closing usage chunk
+        if "chat" not in path:  # one chunk per decoding step here, each one token: counted as they come
+            assert counts[:-1] == list(range(1, n + 1)), (name, counts)
+    # include_usage alone: null on every chunk but the last, as OpenAI does.
+    status, events = served.post("/v1/completions", {**bodies["guidellm text"][1],
+                                                     "stream_options": {"include_usage": True}})
+    assert status == 200 and all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == n
