@@ -208,3 +208,61 @@ def test_usage_on_every_chunk_for_guidellm_and_aiperf(served):
     status, events = served.post("/v1/completions", {**bodies["guidellm text"][1],
                                                      "stream_options": {"include_usage": True}})
     assert status == 200 and all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == n
+
+
+def test_schemas_without_additional_properties_are_closed(served):
+    """A pydantic model's schema (what instructor, LangChain and llama-index send: no additionalProperties)
+    as response_format, guided_json and a forced tool's parameters: the model may write only its keys. A bias
+    towards '"' keeps strings short and makes a new key the likeliest way on; none appears."""
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):  # bounded values: the only way to run on is a key of the model's own
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=120)
+
+    schema = Person.model_json_schema()
+    assert "additionalProperties" not in schema
+    closed = {**schema, "additionalProperties": False}
+    bias = {str(served.tok.convert_tokens_to_ids('"')): 4.0}
+    seeds = random.sample(range(2**31), 12)
+    messages = [{"role": "user", "content": "Describe a person."}]
+
+    async def go(client):
+        def ask(i, seed):
+            common = dict(model="demo", messages=messages, temperature=1.0, seed=seed, max_tokens=120, logit_bias=bias)
+            if i % 3 == 0:
+                return client.chat.completions.create(**common, response_format={
+                    "type": "json_schema", "json_schema": {"name": "Person", "schema": schema}})
+            if i % 3 == 1:
+                return client.chat.completions.create(**common, extra_body={"guided_json": schema})
+            return client.chat.completions.create(**common, tools=[{"type": "function", "function": {
+                "name": "person", "parameters": schema}}], tool_choice={"type": "function", "function": {"name": "person"}})
+        return await asyncio.gather(*(ask(i, s) for i, s in enumerate(seeds)))
+
+    for reply in served.run(go):
+        choice = reply.choices[0]
+        calls = choice.message.tool_calls
+        text = calls[0].function.arguments if calls else choice.message.content
+        assert choice.finish_reason in ("stop", "tool_calls"), (choice.finish_reason, text)
+        jsonschema.validate(json.loads(text), closed)
+
+
+def test_closed_objects_leave_what_the_schema_says():
+    from gateway.response_format import closed_objects
+
+    item = {"type": "object", "properties": {"kind": {"const": {"type": "object"}}}}
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "object", "additionalProperties": {"type": "integer"}},  # a map: stays open
+        "meta": {"type": "object", "additionalProperties": True},
+        "items": {"type": "array", "items": item},
+        "either": {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}]},
+        "default": {"type": ["object", "null"], "properties": {}, "default": {"type": "object"}}},
+        "$defs": {"Pet": {"properties": {"name": {"type": "string"}}}}}
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False and schema.get("additionalProperties") is None  # a copy
+    props = out["properties"]
+    assert props["tags"]["additionalProperties"] == {"type": "integer"} and props["meta"]["additionalProperties"] is True
+    assert props["items"]["items"]["additionalProperties"] is False
+    assert props["items"]["items"]["properties"]["kind"] == {"const": {"type": "object"}}  # a value, not a schema
+    assert out["$defs"]["Pet"]["additionalProperties"] is False and "additionalProperties" not in props["either"]
+    assert props["default"]["additionalProperties"] is False and props["default"]["default"] == {"type": "object"}
