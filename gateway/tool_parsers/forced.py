@@ -53,7 +53,8 @@ def calls_from_output(text: str, named: str | None) -> list[ToolCall] | None:
 
 _decoder = json.JSONDecoder()
 # The start of one item of ``required``'s array, as the grammar writes it (compact, keys in schema order).
-_ITEM_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*")(?:,"parameters":)?')
+_ITEM_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*")')
+_PARAMETERS = ',"parameters":'
 
 
 def partial_calls(text: str, named: str | None) -> list[ToolCall]:
@@ -69,8 +70,10 @@ def partial_calls(text: str, named: str | None) -> list[ToolCall]:
             item, end = _decoder.raw_decode(text, pos)
         except ValueError:
             head = _ITEM_HEAD.match(text, pos)
-            if head is not None:
-                calls.append(ToolCall(json.loads(head.group(1)), text[head.end():]))
+            if head is not None:  # arguments begin after "parameters": (none yet while that key is cut)
+                rest = text[head.end():]
+                arguments = rest[len(_PARAMETERS):] if rest.startswith(_PARAMETERS) else ""
+                calls.append(ToolCall(json.loads(head.group(1)), arguments))
             break
         if isinstance(item, dict) and isinstance(item.get("name"), str):
             calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))

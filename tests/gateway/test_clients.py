@@ -266,3 +266,71 @@ def test_closed_objects_leave_what_the_schema_says():
     assert props["items"]["items"]["properties"]["kind"] == {"const": {"type": "object"}}  # a value, not a schema
     assert out["$defs"]["Pet"]["additionalProperties"] is False and "additionalProperties" not in props["either"]
     assert props["default"]["additionalProperties"] is False and props["default"]["default"] == {"type": "object"}
+
+
+def test_forced_tool_call_cut_by_max_tokens(served):
+    """A forced call (named or required) that max_tokens cuts comes back as that call with the arguments so
+    far and finish_reason "length", streamed or not (as vLLM returns it). A -100 bias on '"' keeps the note's
+    string open, so every run is cut inside the arguments."""
+    note = [TOOLS[0]]
+    quote = served.tok.convert_tokens_to_ids('"')
+    seed = random.randrange(2**31)
+    cases = {"named": ({"type": "function", "function": {"name": "take_note"}}, 16),
+             "required": ("required", 60)}
+
+    async def go(client):
+        out = {}
+        for name, (choice, max_tokens) in cases.items():
+            common = dict(model="demo", messages=USER, tools=note, tool_choice=choice, seed=seed, max_tokens=max_tokens,
+                          logit_bias={str(quote): -100}, parallel_tool_calls=False)
+            whole = await client.chat.completions.create(**common)
+            chunks = [c async for c in await client.chat.completions.create(**common, stream=True)]
+            out[name] = whole, chunks
+        return out
+
+    for name, (whole, chunks) in served.run(go).items():
+        choice = whole.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None, (name, choice)
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "take_note" and call.function.arguments.startswith('{"note":"'), (name, call)
+        with pytest.raises(ValueError):
+            json.loads(call.function.arguments)  # cut: as far as it got
+        streamed, finish = {}, None
+        for chunk in chunks:
+            c = chunk.choices[0]
+            finish = c.finish_reason or finish
+            assert not c.delta.content
+            for d in c.delta.tool_calls or []:
+                streamed.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+                streamed[d.index]["arguments"] += d.function.arguments or ""
+        assert finish == "length" and streamed == {0: {"name": "take_note", "arguments": call.function.arguments}}
+
+
+def test_langchain_sees_the_cut_call(served):
+    """LangChain's bind_tools(tool_choice=NAME) and with_structured_output(method="function_calling") on a cut
+    call: the call is there (its arguments incomplete, so LangChain files it as invalid: the structured
+    output is None, as with vLLM) with finish_reason "length", where it used to see no call at all."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class take_note(BaseModel):
+        """Write a note"""
+        note: str
+
+    quote = served.tok.convert_tokens_to_ids('"')
+    llm = ChatOpenAI(model="demo", base_url=served.base_url, api_key=served.key, max_tokens=16, max_retries=0,
+                     seed=random.randrange(2**31), logit_bias={quote: -100})
+
+    async def go(_):
+        bound = await llm.bind_tools([TOOLS[0]], tool_choice="take_note").ainvoke([HumanMessage(USER[0]["content"])])
+        structured = await llm.with_structured_output(take_note, method="function_calling", include_raw=True).ainvoke(
+            USER[0]["content"])
+        return bound, structured
+
+    bound, structured = served.run(go)
+    for message in (bound, structured["raw"]):
+        assert message.response_metadata["finish_reason"] == "length"
+        calls = message.tool_calls + message.invalid_tool_calls
+        assert [c["name"] for c in calls] == ["take_note"], message
+    assert structured["raw"].invalid_tool_calls[0]["args"].startswith('{"note":"')
