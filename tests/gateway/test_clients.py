@@ -334,3 +334,135 @@ def test_langchain_sees_the_cut_call(served):
         calls = message.tool_calls + message.invalid_tool_calls
         assert [c["name"] for c in calls] == ["take_note"], message
     assert structured["raw"].invalid_tool_calls[0]["args"].startswith('{"note":"')
+
+
+def test_vllm_text_fields(served):
+    """include_stop_str_in_output keeps the stop string (and the ending token's text); skip_special_tokens and
+    spaces_between_special_tokens reach the detokenizer (against transformers' decode); cache_control in a
+    content part and a null chat_template are accepted, a template of the request's own is refused by name."""
+    tok = served.tok
+    prompt = [random.randrange(3, 1300) for _ in range(6)]
+    special = 1  # <|im_start|>: a special token that is not EOS
+    assert special != tok.eos_token_id and tok.added_tokens_decoder[special].special
+
+    async def go(client):
+        async def text(**kwargs):
+            out = await client.completions.create(model="demo", prompt=prompt, temperature=0, **kwargs)
+            return out.choices[0]
+
+        free = await text(max_tokens=12, extra_body={"ignore_eos": True})
+        stop_at = next(i for i in range(1, len(free.text) - 1) if free.text[i:i + 2].strip())
+        stop = free.text[stop_at:stop_at + 2]
+        cut = {k: await text(max_tokens=12, stop=[stop], extra_body={"ignore_eos": True,
+                                                                     "include_stop_str_in_output": k})
+               for k in (False, True)}
+        eos = {str(tok.eos_token_id): 100}
+        ends = [await text(max_tokens=3, logit_bias=eos, extra_body=extra) for extra in (
+            {}, {"skip_special_tokens": False}, {"skip_special_tokens": False, "include_stop_str_in_output": True})]
+        specials = [await text(max_tokens=3, logit_bias={str(special): 100}, extra_body={"ignore_eos": True, **extra})
+                    for extra in ({}, {"skip_special_tokens": False, "spaces_between_special_tokens": True},
+                                  {"skip_special_tokens": False, "spaces_between_special_tokens": False})]
+        chat = {}
+        for name, content in (("plain", "hello there"), ("cached", [
+                {"type": "text", "text": "hello there", "cache_control": {"type": "ephemeral"}}])):
+            chat[name] = await client.chat.completions.create(
+                model="demo", messages=[{"role": "user", "content": content}], max_tokens=1,
+                extra_body={"chat_template": None})
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
+                                                 extra_body={"chat_template": "{{ messages }}"})
+        return free, stop, cut, ends, specials, chat, refused.value.body
+
+    free, stop, cut, ends, specials, chat, refused = served.run(go)
+    at = free.text.find(stop)
+    assert cut[False].text == free.text[:at] and cut[True].text == free.text[:at + len(stop)]
+    assert cut[True].finish_reason == cut[False].finish_reason == "stop" and cut[True].stop_reason == stop
+    assert [e.text for e in ends] == ["", "", tok.eos_token] and all(e.finish_reason == "stop" for e in ends)
+    assert specials[0].text == ""
+    for choice, spaces in zip(specials[1:], (True, False)):
+        assert choice.text == tok.decode([special] * 3, skip_special_tokens=False,
+                                         spaces_between_special_tokens=spaces) != ""
+    assert chat["cached"].usage.prompt_tokens == chat["plain"].usage.prompt_tokens
+    assert refused["param"] == "chat_template"
+
+
+def test_vllm_prompt_logprobs_and_token_ids(served):
+    """prompt_logprobs (vLLM's shape: per position the prompt's token and the k most likely, by id) against
+    transformers' float64 log-softmax; return_tokens_as_token_ids shows logprobs' tokens as token_id:N."""
+    tok = served.tok
+    prompt = [random.randrange(3, 1300) for _ in range(random.randint(5, 12))]
+    k = random.randint(1, 5)
+
+    async def go(client):
+        scored = await client.completions.create(model="demo", prompt=prompt, max_tokens=1, temperature=0,
+                                                 echo=True, logprobs=1, extra_body={"prompt_logprobs": k})
+        chat = await client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
+                                                    extra_body={"prompt_logprobs": 0})
+        runs = [await client.chat.completions.create(
+            model="demo", messages=USER, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": ids}) for ids in (False, True)]
+        as_ids = await client.completions.create(model="demo", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                                 extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+        return scored, chat, runs, as_ids
+
+    scored, chat, (plain, with_ids), as_ids = served.run(go)
+    logp = _log_softmax(served.hf, prompt)
+    got = scored.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    for pos in range(1, len(prompt)):
+        row, entry = logp[pos - 1], got[pos]
+        token = str(prompt[pos])
+        assert next(iter(entry)) == token and entry[token]["logprob"] == pytest.approx(row[prompt[pos]].item(), abs=2e-4)
+        top = row.topk(k)
+        ranked = {t: e for t, e in entry.items() if e["rank"] is not None}
+        assert sorted((e["rank"], int(t)) for t, e in ranked.items()) == list(enumerate(top.indices.tolist(), 1)) or \
+            len(ranked) == k  # a near tie may order two of the k differently
+        for t, e in ranked.items():
+            assert e["logprob"] == pytest.approx(row[int(t)].item(), abs=2e-4) and e["decoded_token"] == tok.decode([int(t)])
+    # echo's own top_logprobs keep their own count (logprobs=1: the top one and the prompt's token).
+    assert all(len(top) <= 2 for top in scored.choices[0].logprobs.top_logprobs[1:])
+    chat_lp = chat.model_extra["prompt_logprobs"]
+    assert len(chat_lp) == chat.usage.prompt_tokens and chat_lp[0] is None and all(len(e) == 1 for e in chat_lp[1:])
+
+    shown = [c.token for c in with_ids.choices[0].logprobs.content]
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in shown)
+    assert [tok.decode([int(t.split(":")[1])]) for t in shown] == [c.token for c in plain.choices[0].logprobs.content]
+    assert all(re.fullmatch(r"token_id:\d+", t.token) for c in with_ids.choices[0].logprobs.content for t in c.top_logprobs)
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in as_ids.choices[0].logprobs.tokens)
+
+
+def test_vllm_guided_fields(served):
+    """guided_regex, guided_choice, guided_json and structured_outputs hold the output to what they say;
+    two at once, or a structured_outputs kind this server lacks, are 400s naming the field."""
+    regex = "[a-c]{2}x[0-9]"
+    options = ["river bank", "mill", '"quoted"', "x|y"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    asks = [({"guided_regex": regex}, lambda t: re.fullmatch(regex, t)),
+            ({"guided_choice": options}, lambda t: t in options),
+            ({"guided_json": json.dumps(schema)}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
+            ({"structured_outputs": {"choice": options}}, lambda t: t in options),
+            ({"structured_outputs": {"regex": regex}}, lambda t: re.fullmatch(regex, t)),
+            ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+             lambda t: jsonschema.validate(json.loads(t), schema) is None)]
+    bad = [({"guided_regex": regex, "guided_choice": options}, "guided_choice"),
+           ({"guided_regex": "[a-"}, "guided_regex"),
+           ({"structured_outputs": {"grammar": "start: 'a'"}}, "structured_outputs.grammar"),
+           ({"structured_outputs": {}}, "structured_outputs"),
+           ({"guided_json": "{not json"}, "guided_json")]
+
+    async def go(client):
+        outs = await asyncio.gather(*(client.chat.completions.create(
+            model="demo", messages=USER, max_tokens=40, temperature=1.0, seed=random.randrange(2**31), extra_body=extra)
+            for extra, _ in asks for _ in range(2)))
+        refusals = []
+        for extra, _ in bad:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="demo", messages=USER, max_tokens=4, extra_body=extra)
+            refusals.append(refused.value.body["param"])
+        return outs, refusals
+
+    outs, refusals = served.run(go)
+    for (extra, check), out in zip([a for a in asks for _ in range(2)], outs):
+        text = out.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop" and check(text), (extra, text)
+    assert refusals == [param for _, param in bad]
