@@ -466,3 +466,45 @@ def test_vllm_guided_fields(served):
         text = out.choices[0].message.content
         assert out.choices[0].finish_reason == "stop" and check(text), (extra, text)
     assert refusals == [param for _, param in bad]
+
+
+def test_scoring_only_for_lm_eval(served):
+    """lm-eval's loglikelihood bodies (local-completions: token-id prompts, echo, logprobs 1, temperature 0, seed
+    1234), with max_tokens 0 (older releases, vLLM accepts it) and 1: the prompt's logprobs against
+    transformers'; with 0 nothing is generated or billed but the prompt, streamed or not."""
+    prompts = [[random.randrange(3, 1300) for _ in range(random.randint(4, 10))] for _ in range(2)]
+    body = {"model": "demo", "prompt": prompts, "temperature": 0, "max_tokens": 0, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    status, zero = served.post("/v1/completions", body)
+    assert status == 200, zero
+    status, one = served.post("/v1/completions", {**body, "max_tokens": 1})
+    assert status == 200, one
+    status, streamed = served.post("/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200, streamed
+    total = sum(map(len, prompts))
+    assert zero["usage"] == {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total,
+                             "prompt_tokens_details": zero["usage"]["prompt_tokens_details"]}
+    assert one["usage"]["completion_tokens"] == 2 and streamed[-1]["usage"]["completion_tokens"] == 0
+    for prompt, scored, generated in zip(prompts, zero["choices"], one["choices"]):
+        lp = scored["logprobs"]
+        logp = _log_softmax(served.hf, prompt)
+        echoed = "".join(served.tok.decode([t]) for t in prompt)  # a token-id prompt echoes its tokens' texts
+        assert scored["finish_reason"] == "length" and scored["text"] == echoed
+        assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None
+        want = [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+        assert lp["token_logprobs"][1:] == pytest.approx(want, abs=2e-4)
+        # lm-eval's parse: the continuation's logprobs and whether each was the greedy choice.
+        assert all(v == pytest.approx(max(top.values())) or v < max(top.values())
+                   for v, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]))
+        assert generated["logprobs"]["token_logprobs"][:len(prompt)] == pytest.approx(lp["token_logprobs"], abs=1e-5)
+        assert len(generated["logprobs"]["tokens"]) == len(prompt) + 1
+    chunks = [e for e in streamed if e["choices"]]
+    assert sorted("".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
+                  for i in range(2)) == sorted("".join(served.tok.decode([t]) for t in p) for p in prompts)
+
+    # Only as scoring: max_tokens 0 without echo, or in chat, is refused by name.
+    for path, extra in (("/v1/completions", {"echo": False}), ("/v1/chat/completions", {})):
+        refused = {"model": "demo", "max_tokens": 0, **extra}
+        refused.update({"messages": USER} if "chat" in path else {"prompt": "x"})
+        status, answer = served.post(path, refused)
+        assert status == 400 and answer["error"]["param"] == "max_tokens", answer
