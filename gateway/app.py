@@ -25,9 +25,9 @@ from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
 from gateway.completion import (
     apply_plan, chat_finish_reason, chat_plan_of, choice_prompts, collect, completion_body, engine_down, output_choice,
-    output_failed, prepare_prompts, start_streams, stream_choices, system_fingerprint,
+    order_in_rank, output_failed, output_view, prepare_prompts, start_streams, stream_choices, system_fingerprint,
 )
-from gateway.logprobs import CompletionLogprobs, chat_logprobs
+from gateway.logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_list
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
 from gateway.engine_supervisor import supervise
@@ -221,9 +221,9 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     choices = request[CHOICES] = Choices([len(p) for p in prompts], params.n, whole=not body.stream)
     try:
         stream = start_streams(
-            engine, prompts, params, rid,
+            engine, prompts, params, rid, output_view(body),
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
-            preemptible=cls.preemptible, may_preempt=cls.may_preempt,
+            preemptible=cls.preemptible, may_preempt=cls.may_preempt, order_in_rank=order_in_rank(body),
         )
         response = await _respond(request, body, chat, stream, rid, created, plan)
         status = 200
@@ -324,6 +324,8 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     await response.prepare(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    # vLLM's continuous_usage_stats: every chunk carries the request's usage so far, not null.
+    usage_per_chunk = include_usage and body.stream_options.continuous_usage_stats
     index = choices.add(*first)  # so usage is settled even if the client goes away mid-stream
     delta = first[1]
     prompts = choice_prompts(body, chat, choices.n)
@@ -351,11 +353,13 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
                 announced.add(index)
             if finish is not None:
                 out_choices[-1]["stop_reason"] = delta.stop_reason if delta.finish_reason == "stop" else None
-        for one in out_choices:
+        for k, one in enumerate(out_choices):
             event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
                      "system_fingerprint": fingerprint, "choices": [one]}
+            if chat and k == 0 and delta.prompt_logprobs is not None and body.prompt_logprobs is not None:
+                event["prompt_logprobs"] = prompt_logprobs_list(delta.prompt_logprobs, body.prompt_logprobs)
             if include_usage:
-                event["usage"] = None
+                event["usage"] = choices.usage() if usage_per_chunk else None
             await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
         if choices.finished:
             break
