@@ -33,6 +33,10 @@ def chat_request(req: ResponsesRequest, items: list[InputItem], tools: list[Func
     if not messages:
         raise APIError(400, "input has nothing to answer: give a message", param="input")
     fmt = req.text.format if req.text is not None else None
+    if req.tool_choice == "required" or isinstance(req.tool_choice, FunctionChoice):
+        # A forced call's output is the call, never text, so the text's format has nothing to apply to (agents
+        # send both: the answer's format with every request, the forced call on the first).
+        fmt = None
     if isinstance(fmt, JSONSchemaTextFormat):
         fmt = JSONSchemaFormat(json_schema=JSONSchemaSpec(name=fmt.name, schema=fmt.schema, strict=fmt.strict,
                                                           description=fmt.description))

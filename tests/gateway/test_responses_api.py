@@ -251,3 +251,84 @@ def test_bad_bodies_are_400_naming_the_field(served, body, param):
 
     err = _run(served, scenario)
     assert err.status_code == 400 and err.body["param"] == param, err.body
+
+
+def test_openai_agents_run_calls_a_tool_and_answers(served):
+    """openai-agents' own Responses model class (its request bodies, its parsing of our output and events): a
+    forced tool call runs the tool, whose output goes back as a function_call_output item for the answer."""
+    from typing import Annotated, Literal
+
+    from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
+    from agents.models.openai_responses import OpenAIResponsesModel
+
+    set_tracing_disabled(True)  # traces would go to OpenAI's servers
+    calls = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo", "Lima"], days: Annotated[int, pydantic.Field(ge=1, le=7)]) -> str:
+        """Weather forecast for a city."""
+        calls.append((city, days))
+        return f"clear in {city} for {days} days"
+
+    class Forecast(pydantic.BaseModel):  # the answer's format (text.format json_schema): it ends, so completes
+        sky: Literal["clear", "rain"]
+        days: Annotated[int, pydantic.Field(ge=1, le=7)]
+
+    async def scenario(client):
+        agent = Agent(name="forecaster", instructions="Use the tool, then answer.", tools=[get_weather],
+                      output_type=Forecast,
+                      model=OpenAIResponsesModel(model="demo", openai_client=client),
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=60, temperature=0,
+                                                   parallel_tool_calls=False))  # one call: the array has no bound
+        whole = await Runner.run(agent, "Weather in Paris for three days?", max_turns=4)
+        streamed = Runner.run_streamed(agent, "Weather in Oslo?", max_turns=4)
+        kinds = [event.type async for event in streamed.stream_events()]
+        return whole, streamed, kinds
+
+    whole, streamed, kinds = _run(served, scenario)
+    assert len(calls) == 2, calls  # one forced call per run; the choice is reset to auto after it, as agents do
+    for result in (whole, streamed):
+        items = [item.type for item in result.new_items]
+        assert items[:2] == ["tool_call_item", "tool_call_output_item"] and items[-1] == "message_output_item", items
+        assert isinstance(result.final_output, Forecast)
+        assert len(result.raw_responses) == 2 and all(r.usage.input_tokens > 0 for r in result.raw_responses)
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+
+
+def test_batch_lines_for_responses(served):
+    """/v1/responses lines in the Batch API: each output body is a response object (parsed by the openai types)
+    with the live route's greedy text; a line with previous_response_id fails validation, naming it."""
+    import io
+
+    from openai.types.responses import Response
+
+    inputs = [f"line {i} {random.choice(['sun', 'moon', 'tide'])}" for i in range(3)]
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+              "body": {"model": "demo", "input": text, "instructions": "Be terse.", "max_output_tokens": 6,
+                       "temperature": 0}} for i, text in enumerate(inputs)]
+
+    async def scenario(client):
+        live = [await client.responses.create(**line["body"]) for line in lines]
+        upload = await client.files.create(file=("in.jsonl", io.BytesIO("\n".join(json.dumps(x) for x in lines)
+                                                                        .encode())), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/responses", completion_window="24h")
+        for _ in range(600):
+            batch = await client.batches.retrieve(batch.id)
+            if batch.status in ("completed", "failed", "expired", "cancelled"):
+                break
+            await asyncio.sleep(0.1)
+        output = (await client.files.content(batch.output_file_id)).text if batch.output_file_id else ""
+        bad = dict(lines[0], body={**lines[0]["body"], "previous_response_id": live[0].id})
+        upload = await client.files.create(file=("bad.jsonl", io.BytesIO(json.dumps(bad).encode())), purpose="batch")
+        refused = await client.batches.create(input_file_id=upload.id, endpoint="/v1/responses", completion_window="24h")
+        return live, batch, output, refused
+
+    live, batch, output, refused = _run(served, scenario)
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+    results = {r["custom_id"]: r["response"] for r in map(json.loads, output.splitlines())}
+    for i, expected in enumerate(live):
+        assert results[f"r{i}"]["status_code"] == 200
+        body = Response.model_validate(results[f"r{i}"]["body"])
+        assert body.output_text == expected.output_text and body.status == expected.status
+        assert body.usage.input_tokens == expected.usage.input_tokens and body.store is False
+    assert refused.status == "failed" and refused.errors.data[0].param == "body.previous_response_id", refused.errors
