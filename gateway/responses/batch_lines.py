@@ -36,7 +36,7 @@ def renderer(req: ResponsesRequest, tools: list[FunctionTool]):
         out = whole.outputs[0]
         builder.feed(out.text, out.num_output_tokens, True)
         builder.finish(out.finish_reason, usage(whole.num_prompt_tokens, whole.num_cached_tokens,
-                                                whole.num_output_tokens, 0))
+                                                whole.num_output_tokens))
         return builder.response
 
     return render

@@ -44,9 +44,10 @@ def skeleton(req: ResponsesRequest, rid: str, created: int, model: str, tools: l
     }
 
 
-def usage(input_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict:
+def usage(input_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    """The response's usage; its reasoning tokens are filled in by ``ResponseBuilder.finish``."""
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 
 
@@ -57,7 +58,7 @@ class ResponseBuilder:
         self.response = response
         self.parser = parser
         self.sequence = 0
-        self.reasoning_tokens = 0  # output tokens of the steps whose text was reasoning only
+        self._reasoning_share = 0.0  # output tokens spent on reasoning, as far as the steps' text tells
         self._open: dict | None = None  # the item being written (reasoning or message)
         self._held = ""  # leading whitespace, kept until it turns out to start a message
 
@@ -82,8 +83,8 @@ class ResponseBuilder:
         piece = self.parser.feed(text)
         if last:
             piece += self.parser.finish()
-        if piece.reasoning and not piece.content:
-            self.reasoning_tokens += num_tokens
+        if piece.reasoning:  # a step's tokens are not tied to its characters: a mixed step counts its share
+            self._reasoning_share += num_tokens * len(piece.reasoning) / (len(piece.reasoning) + len(piece.content))
         events = []
         if piece.reasoning:
             events += self._part("reasoning", piece.reasoning)
@@ -173,7 +174,7 @@ class ResponseBuilder:
             events += self._part("message", "")  # nothing at all: an empty message, as a reply always has one
         cut = finish_reason == "length"
         events += self._close("incomplete" if cut else "completed")
-        usage_["output_tokens_details"]["reasoning_tokens"] = self.reasoning_tokens
+        usage_["output_tokens_details"]["reasoning_tokens"] = round(self._reasoning_share)
         self.response["usage"] = usage_
         if finish_reason == "error":
             self.response["status"] = "failed"

@@ -136,7 +136,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     async def finish() -> list[dict]:
         last = choices.outputs[0]
         events = builder.finish(last.finish_reason, usage(choices.num_prompt_tokens, choices.num_cached_tokens,
-                                                          choices.num_output_tokens, 0))
+                                                          choices.num_output_tokens))
         if req.store is not False and builder.response["status"] != "failed":
             items = [msgspec.to_builtins(item) for item in conversation] + builder.output
             try:

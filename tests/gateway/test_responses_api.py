@@ -141,12 +141,15 @@ def test_forced_call_then_its_output_as_input_items(served):
                    *[c.model_dump(exclude_none=True) for c in first.output], *results]
         follow = await client.responses.create(model="demo", input=history, tools=TOOLS, tool_choice="none",
                                                max_output_tokens=6, temperature=0)
+        # The same turn continued from the stored response: only the outputs are sent.
+        chained = await client.responses.create(model="demo", input=results, previous_response_id=first.id,
+                                                tools=TOOLS, tool_choice="none", max_output_tokens=6, temperature=0)
         events = [e async for e in await client.responses.create(
             model="demo", input="Weather in Oslo?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
             max_output_tokens=120, temperature=0, stream=True)]
-        return first, calls, follow, events
+        return first, calls, follow, chained, events
 
-    first, calls, follow, events = _run(served, scenario)
+    first, calls, follow, chained, events = _run(served, scenario)
     assert first.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
     assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_")
     arguments = json.loads(calls[0].arguments)
@@ -159,6 +162,7 @@ def test_forced_call_then_its_output_as_input_items(served):
                                                                                       "arguments": arguments}}]},
                 {"role": "tool", "tool_call_id": calls[0].call_id, "content": json.dumps({"sky": "clear"})}]
     assert follow.usage.input_tokens == _prompt_tokens(served, rendered)  # tool_choice none: tools not rendered
+    assert (chained.output_text, chained.usage.input_tokens) == (follow.output_text, follow.usage.input_tokens)
 
     kinds = [e.type for e in events]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]

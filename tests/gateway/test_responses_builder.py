@@ -38,7 +38,7 @@ def test_reasoning_message_and_call_from_random_steps():
     events = builder.start()
     for i, step in enumerate(steps):
         events += builder.feed(step, 1, i == len(steps) - 1)
-    events += builder.finish("stop", usage(10, 0, len(steps), 0))
+    events += builder.finish("stop", usage(10, 0, len(steps)))
 
     parsed = [EVENTS.validate_python(e) for e in events]
     assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
@@ -70,7 +70,7 @@ def test_reasoning_message_and_call_from_random_steps():
                               plan(chat, ("hermes", "qwen3")).output_parser())
     for i, step in enumerate(steps):
         builder.feed(step, 1, i == len(steps) - 1)
-    builder.finish("length", usage(10, 0, len(steps), 0))
+    builder.finish("length", usage(10, 0, len(steps)))
     cut = Response.model_validate(builder.response)
     assert cut.usage.output_tokens_details.reasoning_tokens == len(inside)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
