@@ -37,7 +37,7 @@ def skeleton(req: ResponsesRequest, rid: str, created: int, model: str, tools: l
         "reasoning": {"effort": reasoning.effort if reasoning else None, "summary": reasoning.summary if reasoning else None},
         "service_tier": "default", "store": req.store is not False,
         "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": {"format": msgspec.to_builtins(text_format) if text_format else {"type": "text"}, "verbosity": "medium"},
+        "text": {"format": msgspec.to_builtins(text_format) if text_format else {"type": "text"}, "verbosity": req.text.verbosity if req.text is not None and req.text.verbosity else "medium"},
         "tool_choice": choice if isinstance(choice, str) else msgspec.to_builtins(choice),
         "tools": [msgspec.to_builtins(t) for t in tools], "top_p": 1.0 if req.top_p is None else req.top_p,
         "truncation": "disabled", "usage": None, "user": req.user, "metadata": req.metadata or {},

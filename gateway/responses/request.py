@@ -13,7 +13,7 @@ import msgspec
 
 from gateway.errors import APIError
 from gateway.openai_schema import (
-    INT32_MAX, FunctionName, NonEmptyText, Temperature, TopP, decode_body, error_param,
+    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, Temperature, TopP, decode_body, error_param,
 )
 from gateway.response_format import JSONObjectFormat, SchemaName, TextFormat
 
@@ -94,14 +94,10 @@ ITEM_TYPES: dict[str, type] = {"message": MessageItem, "function_call": Function
                                "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 
 
-class FunctionTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The Responses API's flat function tool."""
+class FunctionTool(FunctionDefinition, kw_only=True):
+    """The Responses API's flat function tool: the chat API's function definition with the tool's type."""
 
     type: Literal["function"]
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # JSON Schema of the arguments object
-    strict: bool | None = None
 
 
 class FunctionChoice(msgspec.Struct, forbid_unknown_fields=True):
@@ -124,7 +120,7 @@ TextFormatConfig = TextFormat | JSONObjectFormat | JSONSchemaTextFormat
 
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
     format: TextFormatConfig | None = None
-    verbosity: Literal["medium"] | None = None  # GPT-5's length hint: only its default is taken
+    verbosity: Literal["low", "medium", "high"] | None = None  # GPT-5's length hint: accepted, echoed, not used
 
 
 class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -143,7 +139,6 @@ Metadata = Annotated[dict[str, Annotated[str, msgspec.Meta(max_length=512)]], ms
 
 # Fields this server does not implement, and the values that ask for nothing (null always does).
 UNSUPPORTED: dict[str, tuple] = {
-    "include": ([],),
     "background": (False,),
     "truncation": ("disabled",),
     "service_tier": ("auto", "default"),
@@ -176,7 +171,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    include: Any = None
+    # Extra output asked for: encrypted reasoning (which Codex and other agents ask for with store: false) is
+    # accepted and never produced, this server's reasoning items carry their text.
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
     background: Any = None
     truncation: Any = None
     service_tier: Any = None

@@ -240,7 +240,7 @@ def test_previous_response_id_per_tenant(served):
     ({"input": [{"role": "user", "content": "a", "colour": 1}]}, "input[0].colour"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
-    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include[0]"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
