@@ -13,7 +13,8 @@ import msgspec
 
 from gateway.errors import APIError
 from gateway.openai_schema import (
-    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, Temperature, TopP, decode_body, error_param,
+    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, Temperature, TopP, check_implemented, decode_body,
+    error_param,
 )
 from gateway.response_format import JSONObjectFormat, SchemaName, TextFormat
 
@@ -187,11 +188,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 def decode_request(data: bytes) -> tuple[ResponsesRequest, list[InputItem], list[FunctionTool]]:
     """The request, its input items and its tools, checked; a 400 naming the field otherwise."""
     req = decode_body(data, ResponsesRequest)
-    for field, nothing in UNSUPPORTED.items():
-        value = getattr(req, field)
-        if value is not None and value not in nothing:
-            raise APIError(400, f"`{field}` is not supported by this server; leave it out (or null)", param=field,
-                           code="unsupported_parameter")
+    check_implemented(req, UNSUPPORTED)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true; leave it out or stream",
                        param="stream_options")
