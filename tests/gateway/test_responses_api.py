@@ -35,7 +35,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(event loop, base url, {tenant: key}, checkpoint dir) of one in-process server on a fresh demo model."""
+    """(event loop, base url, {tenant: key}, checkpoint dir, database url) of one in-process server on a fresh
+    demo model; tenant "limited" may send one request a minute."""
     root = tmp_path_factory.mktemp("responses")
     write_demo_model(str(root / "demo"), seed=random.randrange(1000))
     url = f"sqlite:///{root / 'policy.db'}"
@@ -52,13 +53,14 @@ def served(tmp_path_factory):
         return server, keys
 
     server, keys = loop.run_until_complete(start())
-    yield loop, str(server.make_url("/v1")), keys, str(root / "demo")
+    keys["limited"] = loop.run_until_complete(new_tenant_key(url, "limited", requests_per_minute=1))
+    yield loop, str(server.make_url("/v1")), keys, str(root / "demo"), url
     loop.run_until_complete(server.close())
     loop.close()
 
 
 def _run(served, scenario, tenant="a"):
-    loop, base_url, keys, _ = served
+    loop, base_url, keys, *_ = served
 
     async def with_client():
         client = openai.AsyncOpenAI(base_url=base_url, api_key=keys[tenant], max_retries=0, timeout=120)
@@ -336,3 +338,31 @@ def test_batch_lines_for_responses(served):
         assert body.output_text == expected.output_text and body.status == expected.status
         assert body.usage.input_tokens == expected.usage.input_tokens and body.store is False
     assert refused.status == "failed" and refused.errors.data[0].param == "body.previous_response_id", refused.errors
+
+
+def test_quota_and_billing_as_for_chat(served):
+    """A tenant's request limit refuses a second response (429); the first is billed under its resp_ id."""
+    from sqlalchemy import select
+
+    from tenants.models import Usage
+    from tenants.store import TenantStore
+
+    async def scenario(client):
+        first = await client.responses.create(model="demo", input="one", max_output_tokens=3)
+        with pytest.raises(openai.RateLimitError):
+            await client.responses.create(model="demo", input="two", max_output_tokens=3)
+        store = TenantStore.open(served[4])
+        try:
+            for _ in range(200):  # the ledger writes in batches, shortly after the request
+                async with store.sessions() as s:
+                    rows = (await s.execute(select(Usage).where(Usage.request_id == first.id))).scalars().all()
+                if rows:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await store.close()
+        return first, rows
+
+    first, rows = _run(served, scenario, tenant="limited")
+    assert len(rows) == 1 and rows[0].http_status == 200
+    assert (rows[0].prompt_tokens, rows[0].completion_tokens) == (first.usage.input_tokens, first.usage.output_tokens)
