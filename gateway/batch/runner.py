@@ -82,14 +82,13 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
             render = batch_lines.renderer(req, tools)
         else:
             body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
-        try:
-            response, last = await complete(engine, body, chat, rid, int(time.time()), model,
-                                            system_fingerprint(engine.config, model), render=render,
-                                            priority=priority, tenant=tenant, weight=weight, preemptible=True,
-                                            background=True, cache_salt=tenant)
-        except APIError as e:
-            raise responses_error(e) if endpoint == batch_lines.ENDPOINT else e
+        response, last = await complete(engine, body, chat, rid, int(time.time()), model,
+                                        system_fingerprint(engine.config, model), render=render, priority=priority,
+                                        tenant=tenant, weight=weight, preemptible=True, background=True,
+                                        cache_salt=tenant)
     except APIError as e:
+        if endpoint == batch_lines.ENDPOINT:
+            e = responses_error(e)  # the chat fields it names, as the Responses API calls them
         if e.status >= 500 and e.code not in NOT_RETRIED:  # the engine is down: the line runs again later
             raise
         body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}

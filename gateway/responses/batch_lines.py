@@ -2,8 +2,6 @@
 batch runner, answered with the response object. A batch line is not stored (there is no later request in
 the batch to continue it), so ``previous_response_id`` cannot be used in one."""
 
-import time
-
 from gateway.choices import Choices
 from gateway.errors import APIError
 from gateway.openai_schema import ChatCompletionRequest
@@ -30,7 +28,7 @@ def renderer(req: ResponsesRequest, tools: list[FunctionTool]):
     """``completion.complete``'s ``render`` for this line: the whole output as a response object."""
 
     def render(rid: str, created: int, model: str, chat: bool, whole: Choices, body, fingerprint: str, plan) -> dict:
-        response = skeleton(req, new_item_id("resp"), created or int(time.time()), model, tools)
+        response = skeleton(req, new_item_id("resp"), created, model, tools)
         response["store"] = False
         builder = ResponseBuilder(response, plan.output_parser())
         out = whole.outputs[0]
