@@ -159,10 +159,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         return reply
 
     events = outputs()
-    try:
-        out, last = await anext(events)  # a prompt the engine refuses is still a 400, before the stream starts
-    except StopAsyncIteration:
-        raise engine_down("the engine ended the request without output") from None
+    out, last = await anext(events)  # a prompt the engine refuses is still a 400, before the stream starts
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **request[RATE_HEADERS]})
     response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]  # sent at prepare, before the middleware sees it
