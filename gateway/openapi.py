@@ -93,7 +93,10 @@ def _responses_paths(request_ref: str) -> dict:
     return {"/v1/responses": {"post": create},
             "/v1/responses/{response_id}": {
                 "get": _op("A stored response of the tenant's", "response object", params=("response_id",)),
-                "delete": _op("Delete a stored response", "deletion status", params=("response_id",))}}
+                "delete": _op("Delete a stored response", "deletion status", params=("response_id",))},
+            "/v1/responses/{response_id}/input_items": {"get": _op(
+                "A stored response's input items (?order asc|desc, default desc; ?after; ?limit 1..100)",
+                "list of items", params=("response_id",))}}
 
 
 def _batch_paths(create_batch_ref: str) -> dict:

@@ -22,7 +22,9 @@ from gateway.auth import PRINCIPAL
 from gateway.chat_plan import ChatPlan
 from gateway.completion import engine_down, output_failed
 from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, read_body
-from gateway.replies import json_response
+from gateway.batch.files import list_page
+from gateway.replies import json_response, query_limit
+from gateway.responses import stored_items
 from gateway.responses.builder import ResponseBuilder, skeleton, usage
 from gateway.responses.request import FunctionTool, InputItem, ResponsesRequest, decode_request, input_items
 from gateway.responses.translate import chat_request, responses_error
@@ -62,6 +64,16 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
     async def retrieve(request: web.Request) -> web.Response:
         return json_response((await _saved(request)).response)
 
+    async def list_input_items(request: web.Request) -> web.Response:
+        """The items the response answered (its conversation before its own output)."""
+        saved = await _saved(request)
+        order = request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+        inputs = saved.conversation[:len(saved.conversation) - len(saved.response["output"])]
+        items, more = stored_items.page(inputs, order, request.query.get("after"), query_limit(request, most=100))
+        return json_response(list_page(items, more))
+
     async def remove(request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
         if not await request.app[RESPONSE_STORE].delete(request[PRINCIPAL].tenant.id, response_id):
@@ -92,6 +104,7 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", remove)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
 
 
 async def _purge(store: ResponseStore, interval_s: float) -> None:
@@ -138,7 +151,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         events = builder.finish(last.finish_reason, usage(choices.num_prompt_tokens, choices.num_cached_tokens,
                                                           choices.num_output_tokens))
         if req.store is not False and builder.response["status"] != "failed":
-            items = [msgspec.to_builtins(item) for item in conversation] + builder.output
+            items = [stored_items.with_id(msgspec.to_builtins(item)) for item in conversation] + builder.output
             try:
                 await request.app[RESPONSE_STORE].put(request[PRINCIPAL].tenant.id, builder.response, items)
             except SQLAlchemyError:

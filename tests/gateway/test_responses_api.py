@@ -202,14 +202,22 @@ def test_previous_response_id_per_tenant(served):
         second = await client.responses.create(model="demo", input="And another?", previous_response_id=first.id,
                                                max_output_tokens=5, temperature=0)
         fetched = await client.responses.retrieve(second.id)
+        listed = [item async for item in client.responses.input_items.list(second.id, order="asc")]
+        newest = await client.responses.input_items.list(second.id, limit=1)
         unstored = await client.responses.create(model="demo", input="hi", store=False, max_output_tokens=2)
         with pytest.raises(openai.NotFoundError) as missing:
             await client.responses.create(model="demo", input="x", previous_response_id=unstored.id)
-        return first, second, fetched, missing.value
+        return first, second, fetched, missing.value, listed, newest
 
-    first, second, fetched, missing = _run(served, scenario)
+    first, second, fetched, missing, listed, newest = _run(served, scenario)
     assert second.previous_response_id == first.id and fetched == second
     assert missing.body["param"] == "previous_response_id"
+    # Its input items: the first turn (its output included) and the new input, as the openai types read them.
+    assert [(i.type, i.role, i.content[0].text) for i in listed] == [
+        ("message", "user", "Name a colour."), ("message", "assistant", first.output_text),
+        ("message", "user", "And another?")]
+    assert listed[1].id == first.output[0].id and len({i.id for i in listed}) == 3
+    assert newest.has_more and [i.id for i in newest.data] == [listed[-1].id]  # newest first by default
     # The follow-up's prompt is the whole conversation, without the first request's instructions (as OpenAI does).
     assert second.usage.input_tokens == _prompt_tokens(served, [
         {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": first.output_text},
