@@ -42,6 +42,7 @@ from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
 from gateway.usage_ledger import UsageLedger
 from gateway.batch import batches as batch_api, files as files_api
+from gateway.responses import routes as responses_api
 from gateway import tokenization
 from gateway.batch.batches import BATCH_SETTINGS, BATCH_WAKE, QUOTA_MANAGER
 from gateway.batch.runner import BatchRunner, BatchRunnerConfig
@@ -168,7 +169,9 @@ def _check_model(app: web.Application, model: str | None) -> None:
                        code="model_not_found")
 
 
-async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
+async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix: str | None = None) -> web.StreamResponse:
+    """One request through admission, the engine and the settle; ``respond`` (default: the chat / completion
+    reply) writes the reply, ``rid_prefix`` starts its id (the Responses API runs as chat with its own)."""
     app = request.app
     _check_model(app, body.model)
     engine = app[ENGINE]
@@ -184,7 +187,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         raise engine_down(engine.dead)
     principal: Principal = request[PRINCIPAL]
     tenant, cls = principal.tenant, principal.priority_class
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    rid = (rid_prefix or ("chatcmpl-" if chat else "cmpl-")) + uuid.uuid4().hex[:24]
     created = int(time.time())
     prompts = await prepare_prompts(engine, body, chat, plan)
     reserved = reservation([len(p) for p in prompts], params.n, params.max_tokens, engine.info.max_model_len,
@@ -225,7 +228,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
             preemptible=cls.preemptible, may_preempt=cls.may_preempt, order_in_rank=order_in_rank(body),
         )
-        response = await _respond(request, body, chat, stream, rid, created, plan)
+        response = await (respond or _respond)(request, body, chat, stream, rid, created, plan)
         status = 200
         return response
     except APIError as err:
@@ -471,6 +474,7 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
                            "window_s": config.batch_completion_window_s, "default_max_tokens": 1024}
     files_api.add_routes(app)
     batch_api.add_routes(app)
+    responses_api.add_routes(app, _run, lambda: _model_name(app), config.responses_retention_s)
     app[METRICS] = GatewayMetrics(engine)
     app.cleanup_ctx.append(serve_metrics)
     if config.metrics_token:

@@ -290,12 +290,13 @@ async def collect(stream, chat: bool, choices: Choices, on_output=None) -> Choic
 
 
 async def complete(engine, body, chat: bool, rid: str, created: int, model: str, fingerprint: str = "",
-                   parsers: ParserChoice | None = None, **request_policy) -> tuple[dict, Choices]:
+                   parsers: ParserChoice | None = None, render=completion_body, **request_policy) -> tuple[dict, Choices]:
     """Run one request to the end and return (response body, its choices); APIError as the live API would.
 
     ``request_policy`` is what ``engine.generate`` takes besides the prompt: priority, tenant,
     weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine requests.
     ``parsers``: the server's tool-call / reasoning parser settings (auto-detected when not given).
+    ``render``: the response body, from ``completion_body``'s arguments (the Responses API has its own).
     """
     plan = chat_plan_of(engine, body, parsers or ParserChoice()) if chat else None
     params = apply_plan(sampling_params(body, engine.info.vocab_size if engine.info is not None else None), plan)
@@ -307,4 +308,4 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
         whole = await collect(stream, chat, Choices([len(p) for p in prompts], params.n, whole=True))
     finally:
         await stream.aclose()
-    return completion_body(rid, created, model, chat, whole, body, fingerprint, plan), whole
+    return render(rid, created, model, chat, whole, body, fingerprint, plan), whole

@@ -232,9 +232,10 @@ _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `(
 _MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`(?: - at `(\$[^`]*)`)?$")
 
 
-def check_implemented(req: msgspec.Struct) -> None:
-    """400 naming the first OpenAI field that asks for something this server does not implement."""
-    for field, defaults in NOT_IMPLEMENTED.items():
+def check_implemented(req: msgspec.Struct, fields: dict[str, tuple] = NOT_IMPLEMENTED) -> None:
+    """400 naming the first OpenAI field (of ``fields``: name -> the values that ask for nothing) that asks for
+    something this server does not implement."""
+    for field, defaults in fields.items():
         value = getattr(req, field)
         if value is not None and value not in defaults:
             raise APIError(400, f"`{field}` is not supported by this server yet; leave it out (or null) and "
