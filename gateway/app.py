@@ -37,6 +37,7 @@ from gateway.errors import (
 from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
+from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
 from gateway.replica_router import replicas_of, unresponsive_after_s
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
@@ -56,9 +57,6 @@ logger = logging.getLogger(__name__)
 
 ENGINE = web.AppKey("engine", EngineClient)
 CONFIG = web.AppKey("config", GatewayConfig)
-CHOICES = web.RequestKey("choices", Choices)  # every choice's latest engine output, for usage at settle
-TIMER = web.RequestKey("timer", RequestTimer)
-RATE_HEADERS = web.RequestKey("rate_headers", dict)
 INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
 LEDGER = web.AppKey("ledger", UsageLedger)
 DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503

@@ -24,6 +24,7 @@ from gateway.completion import engine_down, output_failed
 from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, read_body
 from gateway.batch.files import list_page
 from gateway.replies import json_response, query_limit
+from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
 from gateway.responses import stored_items
 from gateway.responses.builder import ResponseBuilder, skeleton, usage
 from gateway.responses.request import FunctionTool, InputItem, ResponsesRequest, decode_request, input_items
@@ -123,8 +124,6 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
                    model: str) -> web.StreamResponse:
     """The engine's output as a response object or its events; the response is stored (``store``) before the
     client hears it is finished."""
-    from gateway.app import CHOICES, RATE_HEADERS, TIMER  # the app imports this module to register it
-
     choices, timer = request[CHOICES], request[TIMER]
     builder = ResponseBuilder(skeleton(req, rid, created, model, tools), plan.output_parser())
 
