@@ -76,25 +76,31 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(request, tmp_path_factory):
-    family, variant = request.param
-    seed = random.randrange(2**31)
-    path = str(tmp_path_factory.mktemp(f"{family}{variant}"))
-    vocab = 211
-    hf = make_hf_model(family, path, seed=seed, vocab_size=vocab, **VARIANTS[family][variant])
-    rng = random.Random(seed)
-    if FAMILY_MODES[family] == ["all_paths"]:
-        reqs, expected = make_path_requests(rng, vocab, hf)
-    else:
-        reqs = make_requests(rng, vocab)
-        expected = [hf_greedy(hf, p, m) for p, m in reqs]
-    return path, reqs, expected, seed
+def references(tmp_path_factory):
+    """(family, variant) -> its checkpoint, requests, transformers' tokens and seed; each built once per module."""
+    built = {}
+
+    def get(family: str, variant: int):
+        if (family, variant) not in built:
+            seed = random.randrange(2**31)
+            path = str(tmp_path_factory.mktemp(f"{family}{variant}"))
+            vocab = 211
+            hf = make_hf_model(family, path, seed=seed, vocab_size=vocab, **VARIANTS[family][variant])
+            rng = random.Random(seed)
+            if FAMILY_MODES[family] == ["all_paths"]:
+                reqs, expected = make_path_requests(rng, vocab, hf)
+            else:
+                reqs = make_requests(rng, vocab)
+                expected = [hf_greedy(hf, p, m) for p, m in reqs]
+            built[family, variant] = path, reqs, expected, seed
+        return built[family, variant]
+
+    return get
 
 
-@pytest.mark.parametrize("reference,mode", CASES, indirect=["reference"],
-                         ids=[f"{f}-v{i}-{mode}" for (f, i), mode in CASES])
-def test_greedy_matches_transformers(reference, mode):
-    path, reqs, expected, seed = reference
+@pytest.mark.parametrize("case,mode", CASES, ids=[f"{f}-v{i}-{mode}" for (f, i), mode in CASES])
+def test_greedy_matches_transformers(references, case, mode):
+    path, reqs, expected, seed = references(*case)
     llm = LLM(model=path, dtype="float32", device="cpu", **MODES[mode])
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     outs = llm.generate([p for p, _ in reqs], params)
