@@ -3,7 +3,7 @@ the streaming shared by Hermes, GLM-4.5 and MiniMax-M2; each format says how to 
 
 import abc
 
-from gateway.tool_parsers.base import ParsedDelta, ToolCall, ToolParser, held_prefix
+from gateway.tool_parsers.base import ParsedDelta, ToolCall, ToolParser, argument_types, held_prefix
 
 
 class BlockToolParser(ToolParser):
@@ -73,3 +73,14 @@ class BlockToolParser(ToolParser):
             return
         self._calls += len(calls)
         out.tool_calls.extend(calls)
+
+
+class TextArgumentsBlockParser(BlockToolParser):
+    """A block format that writes each argument as text (strings as they are, other values as JSON): the
+    request's tools give each argument's type (``base.typed_argument``)."""
+
+    reads_tools = True
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        super().__init__()
+        self.argument_types = argument_types(tools)  # {function: {argument: JSON Schema type}}

@@ -12,28 +12,23 @@ schema where the request gave one (``typed_argument``). Reasoning comes first, i
 import json
 import re
 
-from gateway.tool_parsers.base import ToolCall, argument_types, typed_argument
-from gateway.tool_parsers.blocks import BlockToolParser
+from gateway.tool_parsers.base import ToolCall, typed_argument
+from gateway.tool_parsers.blocks import TextArgumentsBlockParser
 
 _ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
-class Glm45ToolParser(BlockToolParser):
+class Glm45ToolParser(TextArgumentsBlockParser):
     name = "glm45"
     needs_special_tokens = True  # the markers are added tokens of GLM's tokenizer
-    reads_tools = True
     START, END = "<tool_call>", "</tool_call>"
-
-    def __init__(self, tools: list[dict] | None = None) -> None:
-        super().__init__()
-        self._types = argument_types(tools)
 
     def calls_in(self, body: str) -> list[ToolCall] | None:
         first = body.find("<arg_key>")
         name = (body if first < 0 else body[:first]).strip()
         if not name or any(c.isspace() for c in name):
             return None
-        rest, args, types = body[len(body) if first < 0 else first:], {}, self._types.get(name, {})
+        rest, args, types = body[len(body) if first < 0 else first:], {}, self.argument_types.get(name, {})
         while rest.strip():
             match = _ARG.match(rest)
             if match is None:

@@ -14,21 +14,16 @@ request gave one, ``typed_argument``). Reasoning comes first, in ``<think>...</t
 import json
 import re
 
-from gateway.tool_parsers.base import ToolCall, argument_types, typed_argument
-from gateway.tool_parsers.blocks import BlockToolParser
+from gateway.tool_parsers.base import ToolCall, typed_argument
+from gateway.tool_parsers.blocks import TextArgumentsBlockParser
 
 _INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.DOTALL)
 _PARAMETER = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
 
 
-class MiniMaxM2ToolParser(BlockToolParser):
+class MiniMaxM2ToolParser(TextArgumentsBlockParser):
     name = "minimax_m2"
-    reads_tools = True
     START, END = "<minimax:tool_call>", "</minimax:tool_call>"
-
-    def __init__(self, tools: list[dict] | None = None) -> None:
-        super().__init__()
-        self._types = argument_types(tools)
 
     def calls_in(self, body: str) -> list[ToolCall] | None:
         calls, rest = [], body
@@ -37,7 +32,7 @@ class MiniMaxM2ToolParser(BlockToolParser):
             if invoke is None:
                 return None
             name, params, args = invoke.group(1).strip(), invoke.group(2), {}
-            types = self._types.get(name, {})
+            types = self.argument_types.get(name, {})
             while params.strip():
                 param = _PARAMETER.match(params)
                 if param is None:

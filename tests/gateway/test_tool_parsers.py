@@ -123,35 +123,35 @@ TYPED_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"t
     "zip": {"type": "string"}}}}} for name in ("get_weather", "search")]
 
 
-def _text_args(rng: random.Random) -> dict:
-    return {**_random_args(rng), "zip": rng.choice(["75001", "8001", "null"])}
-
-
 def _as_written(value) -> str:
     """How both templates write an argument: strings as they are, anything else as JSON."""
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+def _text_args_case(rng: random.Random, proses: list[str], render) -> tuple[str, str, list]:
+    """Prose, then 1 to 3 calls with text arguments; ``render(calls)`` writes them in the format."""
+    prose = rng.choice(proses)
+    calls = [(rng.choice(["get_weather", "search"]), {**_random_args(rng), "zip": rng.choice(["75001", "8001", "null"])})
+             for _ in range(rng.randint(1, 3))]
+    return prose + render(calls), prose, calls
+
+
 def _glm45_case(rng: random.Random) -> tuple[str, str, list]:
-    """GLM-4.5 text as its chat template writes calls: prose, then <tool_call> blocks of key/value pairs."""
-    prose = rng.choice(["", "Let me look that up.\n", "2 < 3 and <tool_ is not a tag. "])
-    calls = [(rng.choice(["get_weather", "search"]), _text_args(rng)) for _ in range(rng.randint(1, 3))]
-    blocks = []
-    for name, args in calls:
-        pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_as_written(v)}</arg_value>\n" for k, v in args.items())
-        blocks.append(f"<tool_call>{name}\n{pairs}</tool_call>")
-    return prose + "\n".join(blocks), prose, calls
+    """GLM-4.5 text as its chat template writes calls: <tool_call> blocks of key/value pairs."""
+    def render(calls):
+        return "\n".join(f"<tool_call>{name}\n" + "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{_as_written(v)}</arg_value>\n" for k, v in args.items())
+            + "</tool_call>" for name, args in calls)
+    return _text_args_case(rng, ["", "Let me look that up.\n", "2 < 3 and <tool_ is not a tag. "], render)
 
 
 def _minimax_case(rng: random.Random) -> tuple[str, str, list]:
-    """MiniMax-M2 text: prose, then one <minimax:tool_call> block of one or more <invoke>s."""
-    prose = rng.choice(["", "Let me check.\n\n", "x <invoke name=\"f\"> is text here. "])
-    calls = [(rng.choice(["get_weather", "search"]), _text_args(rng)) for _ in range(rng.randint(1, 3))]
-    invokes = []
-    for name, args in calls:
-        params = "".join(f'<parameter name="{k}">{_as_written(v)}</parameter>\n' for k, v in args.items())
-        invokes.append(f'<invoke name="{name}">\n{params}</invoke>\n')
-    return prose + "<minimax:tool_call>\n" + "".join(invokes) + "</minimax:tool_call>", prose, calls
+    """MiniMax-M2 text: one <minimax:tool_call> block of one or more <invoke>s."""
+    def render(calls):
+        return "<minimax:tool_call>\n" + "".join(f'<invoke name="{name}">\n' + "".join(
+            f'<parameter name="{k}">{_as_written(v)}</parameter>\n' for k, v in args.items()) + "</invoke>\n"
+            for name, args in calls) + "</minimax:tool_call>"
+    return _text_args_case(rng, ["", "Let me check.\n\n", 'x <invoke name="f"> is text here. '], render)
 
 
 @pytest.mark.parametrize("seed", range(12))
