@@ -191,7 +191,10 @@ class ChatOutputParser:
     def __init__(self, plan: ChatPlan) -> None:
         self.plan = plan
         self._reasoning = REASONING_PARSERS[plan.reasoning_parser]() if plan.reasoning_parser else None
-        self._tools: ToolParser | None = TOOL_PARSERS[plan.tool_parser]() if plan.tool_parser else None
+        self._tools: ToolParser | None = None
+        if plan.tool_parser:
+            parser = TOOL_PARSERS[plan.tool_parser]
+            self._tools = parser(plan.chat.tools) if parser.reads_tools else parser()
         self._forced_text = ""
         self.num_calls = 0
 

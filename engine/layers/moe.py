@@ -67,7 +67,9 @@ class SparseMoeBlock(nn.Module):
 
     ``routing`` says how experts are picked (``moe_kernels.RoutingSpec``); with ``correction_bias`` the
     block holds a float32 ``e_score_correction_bias`` [E] (DeepSeek-V3, GLM-4.5, dots.llm1, MiniMax-M2)
-    that routing adds to the scores to choose experts.
+    that routing adds to the scores to choose experts. With ``router_float32`` the router's weight stays
+    float32 in a 16-bit model and the logits are computed in float32 (as those checkpoints store and run it):
+    the correction bias decides close calls between scores, which 16-bit logits would blur.
 
     ``shared_expert_size`` > 0 adds a shared expert that every token goes through: scaled by a sigmoid
     gate per token with ``shared_expert_gated`` (Qwen2-MoE), added as is without (DeepSeek, GLM, dots:
@@ -95,6 +97,7 @@ class SparseMoeBlock(nn.Module):
         shared_expert_size: int = 0,
         shared_expert_gated: bool = True,
         correction_bias: bool = False,
+        router_float32: bool = False,
         tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
@@ -112,6 +115,8 @@ class SparseMoeBlock(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
         else:
             self.register_parameter("e_score_correction_bias", None)
+        # Parameters that a model-wide cast leaves in float32 (``_apply``).
+        self.float32_params = ["gate.weight"] * router_float32 + ["e_score_correction_bias"] * correction_bias
         self.experts = ExpertWeights(local_experts, hidden_size, intermediate_size)
         self.shared_expert = GatedMLP(hidden_size, shared_expert_size, tp, reduce=False) if shared_expert_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_size and shared_expert_gated else None
@@ -120,7 +125,7 @@ class SparseMoeBlock(nn.Module):
         self.routing_backend = "torch"  # engine.transforms.fusion sets "triton": routing and counting in one launch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = self.gate(x)  # [T, E]
+        router_logits = self.gate(x.to(self.gate.weight.dtype))  # [T, E]; float32 with a float32 router
         topk_weights, topk_ids = moe_kernels.route(
             router_logits, self.routing, correction_bias=self.e_score_correction_bias,
             expert_counts=self.expert_tokens, backend=self.routing_backend,
@@ -144,16 +149,17 @@ class SparseMoeBlock(nn.Module):
         return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
 
     def _apply(self, fn, recurse=True):
-        # The correction bias only shifts scores in (0, 1) by amounts that decide close calls: a model-wide
-        # cast (``model.to(bfloat16)``) must not round it, as checkpoints keep it float32. It follows the device.
-        bias = self.e_score_correction_bias
-        if bias is None:
+        # A model-wide cast (``model.to(bfloat16)``) must not round the float32 routing parameters (see the class
+        # docstring); they follow the device only. ``_apply`` may overwrite a parameter's data in place: keep copies.
+        if not self.float32_params:
             return super()._apply(fn, recurse)
-        kept = bias.detach().clone()  # ``_apply`` may overwrite the parameter's data in place
+        kept = {name: self.get_parameter(name).detach().clone() for name in self.float32_params}
         super()._apply(fn, recurse)
         device = fn(torch.empty(0)).device
-        moved = torch.empty_like(kept, device=device) if kept.is_meta else kept.to(device)
-        self.e_score_correction_bias = nn.Parameter(moved, requires_grad=False)
+        for name, value in kept.items():
+            moved = torch.empty_like(value, device=device) if value.is_meta else value.to(device)
+            owner, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(owner) if owner else self, leaf, nn.Parameter(moved, requires_grad=False))
         return self
 
     def _expert_parallel(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

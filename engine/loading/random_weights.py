@@ -75,6 +75,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         torch_dtype="bfloat16",
     ),
+    # zai-org/GLM-4.5-Air: 106B parameters, 12B active (the card counts neither the embeddings nor the MTP layer).
+    "glm-4.5-air": dict(
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=151552, hidden_size=4096,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5, n_routed_experts=128, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+        first_k_dense_replace=1, num_nextn_predict_layers=1, attention_bias=True, use_qk_norm=False,
+        max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        pad_token_id=151329, eos_token_id=[151329, 151336, 151338], torch_dtype="bfloat16",
+    ),
+    # MiniMaxAI/MiniMax-M2: 230B parameters, 10B active (without the embeddings).
+    "minimax-m2": dict(
+        architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", vocab_size=200064, hidden_size=3072,
+        intermediate_size=1536, num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+        rotary_dim=64, num_local_experts=256, num_experts_per_tok=8, max_position_embeddings=196608,
+        rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=200034,
+        eos_token_id=200020, torch_dtype="bfloat16",
+    ),
 }
 
 INIT_STD = 0.02  # every preset's initializer_range

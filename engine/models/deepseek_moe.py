@@ -61,5 +61,6 @@ def deepseek_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, tp: Tens
         shared_expert_size=inter * (config.cfg("n_shared_experts") or 0),
         shared_expert_gated=False,
         correction_bias=correction_bias,
+        router_float32=True,
         tp=tp,
     )

@@ -23,6 +23,7 @@ class MiniMaxM2ForCausalLM(MoECausalLM):
             intermediate_size=c.cfg("intermediate_size"),
             backend=moe_backend,
             correction_bias=True,
+            router_float32=True,
             tp=self.tp,
         )
         return DecoderLayer(c, attn, moe)

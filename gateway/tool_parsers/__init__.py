@@ -6,17 +6,29 @@ Choose parsers with ``tool_parser_named`` / ``reasoning_parser_named`` (``--tool
 """
 
 from gateway.tool_parsers.base import ParsedDelta, ToolCall, ToolParser
+from gateway.tool_parsers.glm45 import Glm45ToolParser
 from gateway.tool_parsers.hermes import HermesToolParser
+from gateway.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 from gateway.tool_parsers.mistral import MistralToolParser
-from gateway.tool_parsers.reasoning import ThinkReasoningParser
+from gateway.tool_parsers.reasoning import OpenThinkReasoningParser, ThinkReasoningParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "mistral": MistralToolParser}
-REASONING_PARSERS = {"qwen3": ThinkReasoningParser, "think": ThinkReasoningParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser, "mistral": MistralToolParser, "glm45": Glm45ToolParser,
+    "minimax_m2": MiniMaxM2ToolParser,
+}
+REASONING_PARSERS = {"qwen3": ThinkReasoningParser, "think": ThinkReasoningParser, "glm45": ThinkReasoningParser,
+                     "minimax_m2": OpenThinkReasoningParser}
+# The opening of an assistant turn in MiniMax-M2's template, which then opens the <think> block itself.
+MINIMAX_TURN = "]~b]ai"
 
 
 def detect_tool_parser(chat_template: str | None, architecture: str | None) -> str | None:
     """The tool-call format a checkpoint's chat template (or, failing that, its architecture) writes; None if unknown."""
     template = chat_template or ""
+    if "<arg_key>" in template:  # before Hermes: GLM's calls open with <tool_call> too
+        return "glm45"
+    if "<minimax:tool_call>" in template:
+        return "minimax_m2"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -26,14 +38,22 @@ def detect_tool_parser(chat_template: str | None, architecture: str | None) -> s
         return "mistral"
     if arch.startswith("qwen"):
         return "hermes"
+    if arch.startswith("glm4moe"):
+        return "glm45"
+    if arch.startswith("minimaxm2"):
+        return "minimax_m2"
     return None
 
 
 def detect_reasoning_parser(chat_template: str | None) -> str | None:
-    """``qwen3`` for templates that know ``<think>`` blocks (the Qwen3 family), else None."""
-    return "qwen3" if "<think>" in (chat_template or "") else None
+    """``minimax_m2`` for MiniMax-M2's template (its prompt opens the ``<think>`` block), ``qwen3`` for other
+    templates that know ``<think>`` blocks (Qwen3, GLM-4.5), else None."""
+    template = chat_template or ""
+    if "<think>" not in template:
+        return None
+    return "minimax_m2" if MINIMAX_TURN in template else "qwen3"
 
 
-__all__ = ["ParsedDelta", "ToolCall", "ToolParser", "HermesToolParser", "MistralToolParser",
-           "ThinkReasoningParser", "TOOL_PARSERS", "REASONING_PARSERS", "detect_tool_parser",
+__all__ = ["ParsedDelta", "ToolCall", "ToolParser", "HermesToolParser", "MistralToolParser", "Glm45ToolParser",
+           "MiniMaxM2ToolParser", "ThinkReasoningParser", "OpenThinkReasoningParser", "TOOL_PARSERS", "REASONING_PARSERS", "detect_tool_parser",
            "detect_reasoning_parser"]

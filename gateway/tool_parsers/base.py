@@ -54,6 +54,27 @@ def call_from_json(value) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
 
 
+def argument_types(tools: list[dict] | None) -> dict[str, dict[str, object]]:
+    """{function name: {argument: its JSON Schema "type"}} from a request's tools (as templates read them)."""
+    types: dict[str, dict[str, object]] = {}
+    for tool in tools or []:
+        function = tool.get("function") or {}
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        types[function.get("name", "")] = {k: v.get("type") for k, v in properties.items() if isinstance(v, dict)}
+    return types
+
+
+def typed_argument(raw: str, schema_type: object) -> object:
+    """An argument written as text (the GLM-4.5 and MiniMax-M2 formats write strings as they are and other values
+    as JSON): a string where the tool's schema says so, else its JSON value if it reads as one, else the text."""
+    if schema_type == "string" or (isinstance(schema_type, list) and "string" in schema_type):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
 def held_prefix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that could begin ``marker`` (kept back while streaming)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
@@ -73,6 +94,8 @@ class ToolParser(abc.ABC):
     name = ""
     # Whether the format's markers are special tokens that detokenizing must keep.
     needs_special_tokens = False
+    # Whether the constructor takes the request's tools (formats that write arguments as text read their types).
+    reads_tools = False
 
     @abc.abstractmethod
     def feed(self, text: str) -> ParsedDelta:

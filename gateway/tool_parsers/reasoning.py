@@ -62,3 +62,14 @@ class ThinkReasoningParser:
         out = self.feed(text)
         out += self.finish()
         return out
+
+
+class OpenThinkReasoningParser(ThinkReasoningParser):
+    """MiniMax-M2: the chat template's generation prompt already opens ``<think>``, so the output starts as
+    reasoning and runs to ``</think>``; the rest, without the whitespace after it, is content."""
+
+    name = "minimax_m2"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "reasoning"

@@ -17,6 +17,8 @@ OVERRIDES = {
     "qwen3_moe": {},  # 1 KV head: replicated on both ranks
     "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=4),  # qkv bias, a shared expert, a dense layer
     "olmoe": dict(hidden_size=40, num_attention_heads=4, num_key_value_heads=4),  # q/k norm over all heads
+    "glm4_moe": {},  # partial rotary, grouped routing with a correction bias, an ungated shared expert
+    "dots1": {},  # an o_proj bias (held by rank 0 alone), 2 shared experts, a dense first layer
 }
 VOCAB = 97
 BLOCK = 16

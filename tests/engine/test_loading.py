@@ -108,3 +108,30 @@ def test_bad_requests_queue_nothing(qwen3_dir):
     # Generation stops at max_model_len even if max_tokens asks for more.
     out = llm.generate([[3] * 60], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_next_token_prediction_layer_is_skipped_with_one_log_line(tmp_path, caplog):
+    """A GLM-4.5 checkpoint with its MTP layer (model.layers.<num_hidden_layers>.*, as published): the layer's
+    tensors are skipped (one log line for all of them) and the model generates transformers' tokens."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.engine.test_vs_transformers import hf_greedy
+
+    seed = random.randrange(2**31)
+    hf = make_hf_model("glm4_moe", str(tmp_path), seed=seed)
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    layer = hf.config.num_hidden_layers
+    gen = torch.Generator().manual_seed(seed)
+    mtp = {f"model.layers.{layer}.{name}": torch.randn(shape, generator=gen) for name, shape in (
+        ("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("shared_head.norm.weight", (64,)),
+        ("mlp.experts.0.gate_proj.weight", (24, 64)), ("mlp.gate.e_score_correction_bias", (8,)))}
+    save_file({**tensors, **mtp}, path, metadata={"format": "pt"})
+    prompt = [random.Random(seed).randrange(1, 200) for _ in range(11)]
+    with caplog.at_level("INFO", logger="engine.loading.model_loader"):
+        llm = LLM(model=str(tmp_path), num_kv_blocks=SMALL_POOL, dtype="float32")
+    notes = [r.getMessage() for r in caplog.records if "next-token-prediction" in r.getMessage()]
+    assert len(notes) == 1 and f"skipped {len(mtp)} tensors" in notes[0], notes
+    assert not [r for r in caplog.records if "ignoring tensor" in r.getMessage()]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 6), f"seed={seed}"

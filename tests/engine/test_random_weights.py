@@ -15,6 +15,8 @@ PUBLISHED = {
     "qwen1.5-moe-a2.7b": (14.3, 2.7),
     "mixtral-8x7b": (46.7, 12.9),
 }
+# Cards that round to whole billions and count active parameters without the embeddings (nor GLM's MTP layer).
+PUBLISHED_ROUNDED = {"glm-4.5-air": (106, 12), "minimax-m2": (230, 10)}
 # A CPU-sized Qwen3-MoE: the preset with its sizes overridden.
 TINY = "qwen3-30b-a3b:num_hidden_layers=2,hidden_size=64,intermediate_size=96,moe_intermediate_size=32,num_experts=8,num_attention_heads=4,num_key_value_heads=2,head_dim=16,vocab_size=128,bos_token_id=null,eos_token_id=127,max_position_embeddings=256"
 
@@ -26,6 +28,33 @@ def test_presets_have_the_published_sizes(name):
     # Model cards round to 0.1B: within half of that, plus a little for the rounding of "active".
     assert abs(total / 1e9 - want_total) <= 0.05, (name, total)
     assert abs(active / 1e9 - want_active) <= 0.06, (name, active)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_ROUNDED))
+def test_rounded_presets_have_the_published_sizes(name):
+    config = random_model_config(name)
+    total, active = count_parameters(config)
+    embeddings = 2 * config.vocab_size * config.hidden_size  # input embeddings and LM head, untied
+    want_total, want_active = PUBLISHED_ROUNDED[name]
+    assert abs(total / 1e9 - want_total) <= 0.01 * want_total, (name, total)
+    assert abs((active - embeddings) / 1e9 - want_active) <= 0.5, (name, active)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_ROUNDED))
+def test_tiny_versions_of_the_new_presets_generate(name):
+    """The preset's family, shrunk: built with random weights (the correction biases drawn too) and served."""
+    tiny = {"glm-4.5-air": "n_routed_experts=8,num_experts_per_tok=2,moe_intermediate_size=32,num_attention_heads=4,n_group=2",
+            "minimax-m2": "num_local_experts=8,num_attention_heads=4,rotary_dim=8,head_dim=16"}[name]
+    spec = (f"{name}:num_hidden_layers=2,hidden_size=64,intermediate_size=64,num_key_value_heads=2,vocab_size=128,"
+            f"bos_token_id=null,pad_token_id=null,eos_token_id=127,max_position_embeddings=256,{tiny}")
+    # In bfloat16, the router and its correction bias stay float32 (as the checkpoints keep them).
+    model = build_random_model(random_model_config(spec), torch.bfloat16, torch.device("cpu"), "torch", 64, seed=3)
+    blocks = [m for m in model.modules() if getattr(m, "e_score_correction_bias", None) is not None]
+    assert blocks and all(b.e_score_correction_bias.dtype == b.gate.weight.dtype == torch.float32 for b in blocks)
+    assert all(b.e_score_correction_bias.std() > 0 and b.experts.w13.dtype == torch.bfloat16 for b in blocks)
+    llm = LLM(model="random-tiny", random_weights=spec, dtype="float32", device="cpu", num_kv_blocks=16)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
 
 
 def test_spec_overrides_and_errors():

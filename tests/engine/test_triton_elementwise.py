@@ -146,7 +146,7 @@ def test_triton_routing_of_no_tokens_and_float64_reference():
     assert rel_err(w, expected) < 1e-6
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2"])
 def test_engine_with_fused_elementwise_matches_transformers(family, tmp_path):
     """Greedy tokens with the fused norms/RoPE/routing equal transformers' (float32)."""
     seed = random.randrange(2**31)

@@ -34,7 +34,7 @@ MODES = {
 }
 # Every path in one run: chunked prefill, preemption (a small pool), prefix-cache hits (prompts sharing a
 # prefix, see ``make_requests``) and n-gram speculation (prompts that loop); each is asserted to have happened.
-MODES["all_paths"] = dict(num_kv_blocks=18, block_size=16, max_num_batched_tokens=24, speculative="ngram",
+MODES["all_paths"] = dict(num_kv_blocks=12, block_size=16, max_num_batched_tokens=24, speculative="ngram",
                           num_speculative_tokens=3, speculative_max_batch=64)
 for _mode in ("default", "chunked_prefill", "preemption", "all_paths"):
     MODES[_mode].setdefault("overlap_scheduling", False)  # the synchronous loop, whatever the device's default
@@ -54,15 +54,16 @@ def make_requests(rng: random.Random, vocab: int, n: int = 8) -> list[tuple[list
 def make_path_requests(rng: random.Random, vocab: int, hf) -> tuple[list[tuple[list[int], int]], list[list[int]]]:
     """Requests for the combined mode, and transformers' greedy tokens for each: three share a 40-token prefix
     (prefix-cache hits once the first has computed its blocks), two end in a greedy continuation of their own
-    (the output repeats the context, so n-gram drafts get accepted), one is long (preemption in a small pool)."""
+    (the output repeats the context, so n-gram drafts get accepted), two are long. Together they need about four
+    times the combined mode's pool while most of them run at once: some are preempted."""
     prefix = [rng.randrange(1, vocab - 1) for _ in range(40)]
     prompts = [prefix + [rng.randrange(1, vocab - 1) for _ in range(rng.randint(1, 30))] for _ in range(3)]
     for _ in range(2):
         pattern = [rng.randrange(1, vocab - 1) for _ in range(rng.randint(2, 5))]
         start = (pattern * 20)[:rng.randint(10, 40)]
         prompts.append(start + hf_greedy(hf, start, 16))
-    prompts.append([rng.randrange(1, vocab - 1) for _ in range(150)])
-    reqs = [(p, rng.randint(8, 24)) for p in prompts]
+    prompts += [[rng.randrange(1, vocab - 1) for _ in range(130)] for _ in range(2)]
+    reqs = [(p, rng.randint(16, 32)) for p in prompts]
     return reqs, [hf_greedy(hf, p, m) for p, m in reqs]
 
 
@@ -76,25 +77,31 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(request, tmp_path_factory):
-    family, variant = request.param
-    seed = random.randrange(2**31)
-    path = str(tmp_path_factory.mktemp(f"{family}{variant}"))
-    vocab = 211
-    hf = make_hf_model(family, path, seed=seed, vocab_size=vocab, **VARIANTS[family][variant])
-    rng = random.Random(seed)
-    if FAMILY_MODES[family] == ["all_paths"]:
-        reqs, expected = make_path_requests(rng, vocab, hf)
-    else:
-        reqs = make_requests(rng, vocab)
-        expected = [hf_greedy(hf, p, m) for p, m in reqs]
-    return path, reqs, expected, seed
+def references(tmp_path_factory):
+    """(family, variant) -> its checkpoint, requests, transformers' tokens and seed; each built once per module."""
+    built = {}
+
+    def get(family: str, variant: int):
+        if (family, variant) not in built:
+            seed = random.randrange(2**31)
+            path = str(tmp_path_factory.mktemp(f"{family}{variant}"))
+            vocab = 211
+            hf = make_hf_model(family, path, seed=seed, vocab_size=vocab, **VARIANTS[family][variant])
+            rng = random.Random(seed)
+            if FAMILY_MODES[family] == ["all_paths"]:
+                reqs, expected = make_path_requests(rng, vocab, hf)
+            else:
+                reqs = make_requests(rng, vocab)
+                expected = [hf_greedy(hf, p, m) for p, m in reqs]
+            built[family, variant] = path, reqs, expected, seed
+        return built[family, variant]
+
+    return get
 
 
-@pytest.mark.parametrize("reference,mode", CASES, indirect=["reference"],
-                         ids=[f"{f}-v{i}-{mode}" for (f, i), mode in CASES])
-def test_greedy_matches_transformers(reference, mode):
-    path, reqs, expected, seed = reference
+@pytest.mark.parametrize("case,mode", CASES, ids=[f"{f}-v{i}-{mode}" for (f, i), mode in CASES])
+def test_greedy_matches_transformers(references, case, mode):
+    path, reqs, expected, seed = references(*case)
     llm = LLM(model=path, dtype="float32", device="cpu", **MODES[mode])
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     outs = llm.generate([p for p, _ in reqs], params)

@@ -7,7 +7,10 @@ import random
 import jsonschema
 import pytest
 
-from gateway.tool_parsers import HermesToolParser, MistralToolParser, ThinkReasoningParser, detect_tool_parser
+from gateway.tool_parsers import (
+    Glm45ToolParser, HermesToolParser, MiniMaxM2ToolParser, MistralToolParser, OpenThinkReasoningParser,
+    ThinkReasoningParser, detect_reasoning_parser, detect_tool_parser,
+)
 from gateway.tool_parsers import forced
 
 
@@ -114,7 +117,92 @@ def test_reasoning_whole_and_streamed(seed):
     assert (streamed.reasoning, streamed.content) == want
 
 
+# The request's tools for the text-argument formats: "zip" is a string that looks like a number.
+TYPED_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"type": "string"}, "nested": {"type": "object"},
+    "zip": {"type": "string"}}}}} for name in ("get_weather", "search")]
+
+
+def _as_written(value) -> str:
+    """How both templates write an argument: strings as they are, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _text_args_case(rng: random.Random, proses: list[str], render) -> tuple[str, str, list]:
+    """Prose, then 1 to 3 calls with text arguments; ``render(calls)`` writes them in the format."""
+    prose = rng.choice(proses)
+    calls = [(rng.choice(["get_weather", "search"]), {**_random_args(rng), "zip": rng.choice(["75001", "8001", "null"])})
+             for _ in range(rng.randint(1, 3))]
+    return prose + render(calls), prose, calls
+
+
+def _glm45_case(rng: random.Random) -> tuple[str, str, list]:
+    """GLM-4.5 text as its chat template writes calls: <tool_call> blocks of key/value pairs."""
+    def render(calls):
+        return "\n".join(f"<tool_call>{name}\n" + "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{_as_written(v)}</arg_value>\n" for k, v in args.items())
+            + "</tool_call>" for name, args in calls)
+    return _text_args_case(rng, ["", "Let me look that up.\n", "2 < 3 and <tool_ is not a tag. "], render)
+
+
+def _minimax_case(rng: random.Random) -> tuple[str, str, list]:
+    """MiniMax-M2 text: one <minimax:tool_call> block of one or more <invoke>s."""
+    def render(calls):
+        return "<minimax:tool_call>\n" + "".join(f'<invoke name="{name}">\n' + "".join(
+            f'<parameter name="{k}">{_as_written(v)}</parameter>\n' for k, v in args.items()) + "</invoke>\n"
+            for name, args in calls) + "</minimax:tool_call>"
+    return _text_args_case(rng, ["", "Let me check.\n\n", 'x <invoke name="f"> is text here. '], render)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("parser,case", [(Glm45ToolParser, _glm45_case), (MiniMaxM2ToolParser, _minimax_case)])
+def test_text_argument_calls_whole_and_streamed(parser, case, seed):
+    rng = random.Random(seed * 104729 + 3)
+    text, prose, calls = case(rng)
+    for parsed in (parser(TYPED_TOOLS).parse(text), _streamed(parser(TYPED_TOOLS), text, rng)):
+        assert parsed.content == prose and _calls(parsed) == calls, text
+    # Without the schemas, a value that reads as JSON is taken as JSON: the number-like zip string is not kept.
+    untyped = _calls(parser().parse(text))
+    assert [name for name, _ in untyped] == [name for name, _ in calls]
+    assert all(args["city"] == want["city"] and args["days"] == want["days"] for (_, args), (_, want) in zip(untyped, calls))
+
+
+def test_text_argument_blocks_that_do_not_read_stay_content():
+    rng = random.Random(11)
+    glm_bad = "<tool_call>get weather\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"  # space in the name
+    glm_ok = "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>[1, 2]</arg_value>\n</tool_call>"
+    text = "Before. " + glm_bad + " After " + glm_ok
+    for parsed in (Glm45ToolParser().parse(text), _streamed(Glm45ToolParser(), text, rng)):
+        assert parsed.content == "Before. " + glm_bad + " After "
+        assert _calls(parsed) == [("f", {"a": [1, 2]})]
+    mm_bad = '<minimax:tool_call>\n<invoke name="f">\n<parameter name="a">1</param>\n</invoke>\n</minimax:tool_call>'
+    for parsed in (MiniMaxM2ToolParser().parse(mm_bad), _streamed(MiniMaxM2ToolParser(), mm_bad, rng)):
+        assert parsed.content == mm_bad and not parsed.tool_calls
+    # Cut off inside a block (max_tokens): a block that reads is still a call, one that does not is text.
+    cut = '<minimax:tool_call>\n<invoke name="f">\n<parameter name="a">x</parameter>\n</invoke>\n'
+    assert _calls(MiniMaxM2ToolParser().parse(cut)) == [("f", {"a": "x"})]
+    assert Glm45ToolParser().parse("<tool_call>f\n<arg_key>a</arg").content == "<tool_call>f\n<arg_key>a</arg"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_reasoning_opened_by_the_prompt_whole_and_streamed(seed):
+    rng = random.Random(seed)
+    thought = rng.choice(["", "Step 1: 2 < 3.\n", "Is </thin k> a tag?\n"])
+    answer = rng.choice(["Paris.", "", "Line one.\nLine two."])
+    closed = rng.random() < 0.7
+    text, want = (thought + "</think>\n\n" + answer, (thought, answer)) if closed else (thought, (thought, ""))
+    for parsed in (OpenThinkReasoningParser().parse(text),
+                   _streamed(OpenThinkReasoningParser(), text, rng) if len(text) > 1 else OpenThinkReasoningParser().parse(text)):
+        assert (parsed.reasoning, parsed.content) == want
+
+
 def test_parser_detection():
+    assert detect_tool_parser("... <tool_call>{{ name }}<arg_key>{{ k }}</arg_key> ...", None) == "glm45"
+    assert detect_tool_parser("<minimax:tool_call>", None) == "minimax_m2"
+    assert detect_tool_parser(None, "Glm4MoeForCausalLM") == "glm45"
+    assert detect_tool_parser(None, "MiniMaxM2ForCausalLM") == "minimax_m2"
+    assert detect_reasoning_parser("]~b]ai\n<think>\n") == "minimax_m2"
+    assert detect_reasoning_parser("<|assistant|><think></think>") == "qwen3"
     assert detect_tool_parser("... <tool_call> ...", None) == "hermes"
     assert detect_tool_parser("{% if x %}[TOOL_CALLS]{% endif %}", None) == "mistral"
     assert detect_tool_parser(None, "MixtralForCausalLM") == "mistral"
