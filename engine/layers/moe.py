@@ -6,20 +6,24 @@ from torch import nn
 import moe_kernels
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
+from moe_kernels.activation import SILU, ExpertActivation
 from moe_kernels.quant import QuantScheme, quantize
 
 
 class ExpertWeights(nn.Module):
-    """Packed expert weights: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I].
+    """Packed expert weights: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; with ``bias`` (gpt-oss)
+    also w13_bias [E, 2I] (gate then up) and w2_bias [E, H], which stay in float when the weights are quantized.
 
     After ``quantize_(scheme)`` they are 8-bit (``scheme.dtype``) with float32 ``w13_scale`` and ``w2_scale``
     (layouts in ``moe_kernels.quant``); ``kernel_args()`` is what ``moe_kernels.fused_moe`` then needs.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         self.register_parameter("w13_scale", None)
         self.register_parameter("w2_scale", None)
         self.scheme: QuantScheme | None = None
@@ -65,7 +69,8 @@ class SparseMoeBlock(nn.Module):
     """Legend: T tokens, H hidden, E experts, k top-k.
 
     ``shared_expert_size`` > 0 adds Qwen2-MoE's shared expert, scaled by a
-    sigmoid gate per token.
+    sigmoid gate per token. ``activation``, ``expert_bias`` and ``router_bias`` are gpt-oss's
+    expert variants (``moe_kernels.activation``; per-expert biases; a router with a bias).
 
     Tensor parallel: every rank routes (the router is replicated) and holds a 1/tp slice of
     each expert's intermediate size (and of the shared expert's); the routed and shared partial
@@ -77,6 +82,9 @@ class SparseMoeBlock(nn.Module):
     among the replica's ranks, each rank's share goes through ``ExpertParallel``'s dispatch to the
     ranks holding its experts and back, and the shares are gathered again; the shared expert stays
     split on its intermediate size over the replica's ranks, with its own all-reduce.
+    Expert biases: under tensor parallel the gate/up bias is split with the intermediate size and the
+    down bias is added on rank 0 only (the all-reduce would count it once per rank); under expert
+    parallel each rank adds its own experts' biases.
     """
 
     def __init__(
@@ -89,6 +97,9 @@ class SparseMoeBlock(nn.Module):
         backend: str,
         shared_expert_size: int = 0,
         tp: TensorParallel = SINGLE,
+        activation: ExpertActivation = SILU,
+        expert_bias: bool = False,
+        router_bias: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -99,8 +110,9 @@ class SparseMoeBlock(nn.Module):
         else:
             self.first_expert, local_experts = tp.expert_parallel.local_experts(num_experts)
         self.top_k, self.renormalize, self.backend = top_k, renormalize, backend
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router
-        self.experts = ExpertWeights(local_experts, hidden_size, intermediate_size)
+        self.activation = activation
+        self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias)  # router
+        self.experts = ExpertWeights(local_experts, hidden_size, intermediate_size, bias=expert_bias)
         if shared_expert_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_size, tp, reduce=False)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
@@ -120,11 +132,21 @@ class SparseMoeBlock(nn.Module):
             return self._expert_parallel(x, topk_weights, topk_ids)
         out = moe_kernels.fused_moe(
             x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend,
-            **self.experts.kernel_args(),
+            **self._expert_args(),
         )  # [T, H]
         if self.shared_expert is not None:
             out = out + self._shared(x)
         return self.tp.all_reduce(out)
+
+    def _expert_args(self) -> dict:
+        """``fused_moe``'s keyword arguments for this rank's experts: scales, activation, biases."""
+        args = dict(self.experts.kernel_args(), activation=self.activation)
+        if self.experts.w13_bias is not None:
+            args["w13_bias"] = self.experts.w13_bias
+            # Split on the intermediate size, every rank's partial sum would carry the whole down bias.
+            whole_experts = self.dispatch is not None or self.tp.rank == 0
+            args["w2_bias"] = self.experts.w2_bias if whole_experts else None
+        return args
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H], this rank's partial sum
@@ -148,4 +170,4 @@ class SparseMoeBlock(nn.Module):
             return x.new_zeros(x.shape)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)  # [S, 1]
         return moe_kernels.fused_moe(x, self.experts.w13, self.experts.w2, ones, local_ids[:, None], backend=self.backend,
-                                     **self.experts.kernel_args())
+                                     **self._expert_args())
