@@ -22,7 +22,25 @@ FAMILY_CONFIGS = {
         model_type="olmoe", hidden_size=36, intermediate_size=28, num_attention_heads=3, num_key_value_heads=3,
         num_experts=4, num_experts_per_tok=1, clip_qkv=None,
     ),
+    # Sliding layers (even) with a window of 8, so prompts go far past it; a clamp limit the random gate/up
+    # values reach; YaRN rope as published (factor 32 over 4096 original positions).
+    "gpt_oss": dict(
+        model_type="gpt_oss", hidden_size=64, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.4,
+    ),
 }
+# Families whose init leaves parameters constant (gpt-oss: zero expert and attention biases, unit norms):
+# those are drawn at random too, so a bias or norm the engine forgot changes the tokens.
+RANDOMIZE_CONSTANT = {"gpt_oss"}
+
+
+@torch.no_grad()
+def randomize_constant_parameters(model, std: float) -> None:
+    """Redraw every parameter that holds one value (zeros, ones): biases around 0, norm weights around 1."""
+    for param in model.parameters():
+        flat = param.reshape(-1)
+        if flat.numel() and bool((flat == flat[0]).all()):
+            param.copy_(flat[0] + torch.randn_like(param) * std)
 
 
 def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2, **overrides):
@@ -35,5 +53,7 @@ def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if family in RANDOMIZE_CONSTANT:
+        randomize_constant_parameters(model, kw["initializer_range"])
     model.save_pretrained(path)
     return model

@@ -48,11 +48,14 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
+_EXPERT_TENSORS = (".experts.w13", ".experts.w2", ".experts.w13_bias", ".experts.w2_bias")
+
+
 def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalLM):
     """The part of a checkpoint tensor of ``shape`` this tensor-parallel rank holds, as a safetensors slice
     index (a tuple of slices, or a list of them to concatenate along dim 1), or None for the whole tensor."""
     tp = model.tp
-    if tp.expert_parallel is not None and target.endswith((".experts.w13", ".experts.w2")):
+    if tp.expert_parallel is not None and target.endswith(_EXPERT_TENSORS):
         if rule.shard == "expert":
             return None  # one expert's tensor, whole (``held_elsewhere`` skips those of other ranks' experts)
         block = _moe_block(model, target)  # packed [E, 2I, H] / [E, H, I]: this rank's run of experts
@@ -75,7 +78,11 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         return rows(first * d, attn.num_kv_heads * d)
     if target.endswith("o_proj.weight"):
         return cols(r * attn.num_heads * d, attn.num_heads * d)
-    if target.endswith((".experts.w13", ".experts.w2")) and rule.shard != "expert":  # packed [E, 2I, H] / [E, H, I]
+    if target.endswith(".self_attn.sinks"):  # [h]: one per query head
+        return rows(r * attn.num_heads, attn.num_heads)
+    if target.endswith(".experts.w2_bias"):
+        return None  # [E, H]: whole on every rank, added by rank 0 (``SparseMoeBlock``)
+    if target.endswith(_EXPERT_TENSORS) and rule.shard != "expert":  # packed [E, 2I, H] / [E, H, I] / [E, 2I]
         if target.endswith("w2"):
             n = shape[2] // tp.size
             return cols(r * n, n, dim=2)
@@ -199,6 +206,13 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                     if held_elsewhere(target, rule, match, model):
                         continue
                     info = f.get_slice(name)
+                    layout = model.checkpoint_layout(name)
+                    if layout is not None:  # read whole, brought to our layout, then cut
+                        whole = layout(f.get_tensor(name))
+                        part = rank_part(target, rule, list(whole.shape), model)
+                        tensor = whole if part is None else part_of(whole, part)
+                        written[target] += copy_into(params[target].data, tensor, rule, match, model, name, path)
+                        continue
                     part = rank_part(target, rule, info.get_shape(), model)
                     if info.get_dtype() in CHECKPOINT_8BIT:
                         if scales is None:
