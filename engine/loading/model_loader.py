@@ -15,6 +15,7 @@ import torch
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
+from engine.loading import mxfp4
 from engine.loading.model_config import CheckpointError, ModelConfig
 from engine.loading.quantization import (
     CHECKPOINT_8BIT, checkpoint_scheme, dequantize_checkpoint_tensor, is_scale_name, quantize_experts_, scale_name,
@@ -193,13 +194,16 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
     files = checkpoint_files(model_dir)
     stored = checkpoint_scheme(model.config)
     scales = _Scales(files, stored.block) if stored is not None else None
+    fp4 = mxfp4.Mxfp4Reader(files) if model.config.cfg("quantization_config") is not None else None
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if scales is not None and is_scale_name(name):
                         continue  # read with the weight it scales
-                    target, rule, match = model.map_weight_name(name)
+                    if fp4 is not None and fp4.is_scales(name):
+                        continue  # read with its MXFP4 blocks
+                    target, rule, match = model.map_weight_name(mxfp4.weight_name(name))
                     if target not in params:
                         logger.warning("%s: ignoring tensor %s (no matching parameter)", path, name)
                         continue
@@ -207,8 +211,10 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                         continue
                     info = f.get_slice(name)
                     layout = model.checkpoint_layout(name)
-                    if layout is not None:  # read whole, brought to our layout, then cut
-                        whole = layout(f.get_tensor(name))
+                    packed_fp4 = fp4 is not None and mxfp4.is_blocks(name)
+                    if layout is not None or packed_fp4:  # read whole, brought to our layout, then cut
+                        whole = fp4.dequantized(f, name, path) if packed_fp4 else f.get_tensor(name)
+                        whole = whole if layout is None else layout(whole)
                         part = rank_part(target, rule, list(whole.shape), model)
                         tensor = whole if part is None else part_of(whole, part)
                         written[target] += copy_into(params[target].data, tensor, rule, match, model, name, path)

@@ -63,7 +63,11 @@ class GptOssForCausalLM(MoECausalLM):
         return DecoderLayer(c, attn, moe)
 
     def checkpoint_layout(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        # Expert tensors in transformers' layout (bf16 checkpoints; MXFP4 ones once dequantized, transposed back).
+        # MXFP4 experts (the published checkpoints), once dequantized: rows are output channels, [E, 2I, H]
+        # interleaved and [E, H, I] already ours.
+        if name.endswith(".experts.gate_up_proj_blocks"):
+            return _gate_up_rows
+        # Expert tensors in transformers' in-memory layout (bf16 checkpoints saved by transformers).
         if name.endswith(".experts.gate_up_proj"):
             return _gate_up_from_columns
         if name.endswith(".experts.gate_up_proj_bias"):
