@@ -261,7 +261,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--random-weights", metavar="SPEC", default=None,
                    help="serve a RANDOM-weight model of a real shape instead of --model's weights (for speed tests): "
-                        "a preset (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b) or a config.json path; "
+                        "a preset (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b, gpt-oss-20b, gpt-oss-120b) "
+                        "or a config.json path; "
                         "--model then only supplies the tokenizer")
     defaults = EngineConfig(model="-")
     p.add_argument("--seed", type=int, default=defaults.seed,
