@@ -48,7 +48,8 @@ class ChatPlan:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        return self.tool_parser is not None and TOOL_PARSERS[self.tool_parser].needs_special_tokens
+        chosen = [TOOL_PARSERS.get(self.tool_parser), REASONING_PARSERS.get(self.reasoning_parser)]
+        return any(getattr(parser, "needs_special_tokens", False) for parser in chosen)
 
     def output_parser(self) -> "ChatOutputParser":
         return ChatOutputParser(self)
@@ -170,6 +171,8 @@ class ChatOutputParser:
         self.plan = plan
         self._reasoning = REASONING_PARSERS[plan.reasoning_parser]() if plan.reasoning_parser else None
         self._tools: ToolParser | None = TOOL_PARSERS[plan.tool_parser]() if plan.tool_parser else None
+        if self._reasoning is not None and type(self._reasoning) is type(self._tools):
+            self._tools = None  # one parser reads both (harmony): its calls come with its reasoning
         self._forced_text = ""
         self.num_calls = 0
 

@@ -6,22 +6,29 @@ Choose parsers with ``tool_parser_named`` / ``reasoning_parser_named`` (``--tool
 """
 
 from gateway.tool_parsers.base import ParsedDelta, ToolCall, ToolParser
+from gateway.tool_parsers.harmony import HarmonyParser
 from gateway.tool_parsers.hermes import HermesToolParser
 from gateway.tool_parsers.mistral import MistralToolParser
 from gateway.tool_parsers.reasoning import ThinkReasoningParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "mistral": MistralToolParser}
-REASONING_PARSERS = {"qwen3": ThinkReasoningParser, "think": ThinkReasoningParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "mistral": MistralToolParser,
+                                              "harmony": HarmonyParser}
+# gpt-oss's harmony parser reads reasoning and calls at once: it is both kinds of parser.
+REASONING_PARSERS = {"qwen3": ThinkReasoningParser, "think": ThinkReasoningParser, "harmony": HarmonyParser}
 
 
 def detect_tool_parser(chat_template: str | None, architecture: str | None) -> str | None:
     """The tool-call format a checkpoint's chat template (or, failing that, its architecture) writes; None if unknown."""
     template = chat_template or ""
+    if "<|channel|>" in template:
+        return "harmony"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
         return "mistral"
     arch = (architecture or "").lower()
+    if arch.startswith("gptoss"):
+        return "harmony"
     if arch.startswith(("mistral", "mixtral")):
         return "mistral"
     if arch.startswith("qwen"):
@@ -30,10 +37,14 @@ def detect_tool_parser(chat_template: str | None, architecture: str | None) -> s
 
 
 def detect_reasoning_parser(chat_template: str | None) -> str | None:
-    """``qwen3`` for templates that know ``<think>`` blocks (the Qwen3 family), else None."""
-    return "qwen3" if "<think>" in (chat_template or "") else None
+    """``harmony`` for templates that write harmony channels (gpt-oss), ``qwen3`` for templates that know
+    ``<think>`` blocks (the Qwen3 family), else None."""
+    template = chat_template or ""
+    if "<|channel|>" in template:
+        return "harmony"
+    return "qwen3" if "<think>" in template else None
 
 
-__all__ = ["ParsedDelta", "ToolCall", "ToolParser", "HermesToolParser", "MistralToolParser",
+__all__ = ["ParsedDelta", "ToolCall", "ToolParser", "HarmonyParser", "HermesToolParser", "MistralToolParser",
            "ThinkReasoningParser", "TOOL_PARSERS", "REASONING_PARSERS", "detect_tool_parser",
            "detect_reasoning_parser"]
