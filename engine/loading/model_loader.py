@@ -194,7 +194,7 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
     files = checkpoint_files(model_dir)
     stored = checkpoint_scheme(model.config)
     scales = _Scales(files, stored.block) if stored is not None else None
-    fp4 = mxfp4.Mxfp4Reader(files) if model.config.cfg("quantization_config") is not None else None
+    fp4 = mxfp4.Mxfp4Reader(files) if mxfp4.declared(model.config) else None
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:

@@ -10,12 +10,20 @@ Dequantized values are exact in bfloat16 and float32 (a 2-bit mantissa times a p
 
 import torch
 
-from engine.loading.model_config import CheckpointError
+from engine.loading.model_config import CheckpointError, ModelConfig
 
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 # e2m1 by 4-bit code: sign bit 3, then exponent (2 bits) and mantissa (1 bit).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
+
+
+def declared(model_config: ModelConfig) -> bool:
+    """Whether the checkpoint's config.json says its experts are MXFP4 (``quant_method: mxfp4``)."""
+    qc = model_config.cfg("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    return bool(qc) and qc.get("quant_method") == "mxfp4"
 
 
 def is_blocks(name: str) -> bool:
