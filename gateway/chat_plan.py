@@ -15,7 +15,8 @@ from engine.text.prompts import RESERVED_TEMPLATE_KWARGS, ChatInput
 from gateway.errors import APIError
 from gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice, message_text
 from gateway.tool_parsers import (
-    REASONING_PARSERS, TOOL_PARSERS, ParsedDelta, ToolParser, detect_reasoning_parser, detect_tool_parser,
+    REASONING_PARSERS, TOOL_PARSERS, HarmonyParser, ParsedDelta, ToolParser, detect_reasoning_parser,
+    detect_tool_parser,
 )
 from gateway.tool_parsers import forced
 
@@ -171,8 +172,9 @@ class ChatOutputParser:
         self.plan = plan
         self._reasoning = REASONING_PARSERS[plan.reasoning_parser]() if plan.reasoning_parser else None
         self._tools: ToolParser | None = TOOL_PARSERS[plan.tool_parser]() if plan.tool_parser else None
-        if self._reasoning is not None and type(self._reasoning) is type(self._tools):
-            self._tools = None  # one parser reads both (harmony): its calls come with its reasoning
+        if isinstance(self._reasoning, HarmonyParser):  # it reads reasoning and calls at once
+            self._reasoning.reads_calls = self._tools is not None
+            self._tools = None
         self._forced_text = ""
         self.num_calls = 0
 

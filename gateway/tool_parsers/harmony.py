@@ -28,12 +28,14 @@ _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 class HarmonyParser(ToolParser):
     """Streaming parser of harmony messages; reasoning, content and tool calls at once (so it serves as both
-    the tool-call and the reasoning parser of a gpt-oss chat)."""
+    the tool-call and the reasoning parser of a gpt-oss chat). With ``reads_calls`` off (a chat that offered
+    no tools) a call's body stays in the content, as the model wrote it."""
 
     name = "harmony"
     needs_special_tokens = True
 
-    def __init__(self) -> None:
+    def __init__(self, reads_calls: bool = True) -> None:
+        self.reads_calls = reads_calls
         self._pending = ""
         self._in_body = False
         self._kind = "content"  # the current body's destination: "reasoning", "content" or "call"
@@ -114,7 +116,7 @@ class HarmonyParser(ToolParser):
             args = json.loads(body)
         except ValueError:
             args = None
-        if not isinstance(args, dict) or not name:  # not a call we can return: the text stays, as written
+        if not isinstance(args, dict) or not name or not self.reads_calls:  # the text stays, as written
             out.content += body
             return
         out.tool_calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))

@@ -205,4 +205,6 @@ def test_harmony_detection_and_chat_plan():
     parsed = ChatOutputParser(plan).parse(text)
     assert (parsed.reasoning, parsed.content, _calls(parsed)) == ("think", "", [("f", {"x": 1})])
     no_tools = ChatPlan(None, None, "harmony", None, None, False, True)  # tool_choice none: reasoning still read
-    assert no_tools.keeps_special_tokens and ChatOutputParser(no_tools).parse(text).reasoning == "think"
+    no_calls = ChatOutputParser(no_tools).parse(text)
+    assert no_tools.keeps_special_tokens and no_calls.reasoning == "think"
+    assert no_calls.content == '{"x": 1}' and not no_calls.tool_calls  # no tools offered: no calls returned
