@@ -52,7 +52,8 @@ def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
 
 def _check_biases(w13, w13_bias, w2_bias) -> None:
     num_experts, two_inter, hidden = w13.shape
-    for name, bias, shape in (("w13_bias", w13_bias, (num_experts, two_inter)), ("w2_bias", w2_bias, (num_experts, hidden))):
+    expected = (("w13_bias", w13_bias, (num_experts, two_inter)), ("w2_bias", w2_bias, (num_experts, hidden)))
+    for name, bias, shape in expected:
         if bias is not None and tuple(bias.shape) != shape:
             raise ValueError(f"{name} must be {list(shape)}, got {list(bias.shape)}")
 

@@ -32,7 +32,8 @@ def w13_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, out_ptr, scale_ptr, bias_ptr,  # x [T, H], w13 [E, 2I, H], ids [S] i32, out [S, I],
     top_k, inter_size, hidden_size,                        # scales, bias [E, 2I]
     stride_xt, stride_we, stride_wn, stride_os, stride_se, stride_sn, stride_sk, stride_be, act_alpha, act_limit,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
     QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
     slot = tl.program_id(0).to(tl.int64)
