@@ -132,13 +132,13 @@ class SparseMoeBlock(nn.Module):
             return self._expert_parallel(x, topk_weights, topk_ids)
         out = moe_kernels.fused_moe(
             x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend,
-            **self._expert_args(),
+            **self.expert_args(),
         )  # [T, H]
         if self.shared_expert is not None:
             out = out + self._shared(x)
         return self.tp.all_reduce(out)
 
-    def _expert_args(self) -> dict:
+    def expert_args(self) -> dict:
         """``fused_moe``'s keyword arguments for this rank's experts: scales, activation, biases."""
         args = dict(self.experts.kernel_args(), activation=self.activation)
         if self.experts.w13_bias is not None:
@@ -170,4 +170,4 @@ class SparseMoeBlock(nn.Module):
             return x.new_zeros(x.shape)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)  # [S, 1]
         return moe_kernels.fused_moe(x, self.experts.w13, self.experts.w2, ones, local_ids[:, None], backend=self.backend,
-                                     **self._expert_args())
+                                     **self.expert_args())
