@@ -14,9 +14,9 @@ VARIANTS = {
     "qwen2_moe": [{}, dict(num_key_value_heads=1, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[])],
     "qwen3_moe": [{}, dict(num_key_value_heads=4, num_experts=5, num_experts_per_tok=2, norm_topk_prob=False, head_dim=12)],
     "olmoe": [{}, dict(num_key_value_heads=1, num_experts=12, num_experts_per_tok=3, clip_qkv=0.9, norm_topk_prob=True)],
-    # One shape (each costs ~20 s of transformers' generate): three layers (sliding, full, sliding), the
+    # One shape (each costs ~20 s of transformers' generate): two layers (sliding, full; a window of 8), the
     # published YaRN rope but over 64 original positions, so the prompts reach well past them.
-    "gpt_oss": [dict(num_layers=3, rope_parameters=dict(
+    "gpt_oss": [dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
         original_max_position_embeddings=64))],
 }
