@@ -16,7 +16,8 @@ from gateway.errors import APIError
 from gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice, message_text
 from gateway.response_format import closed_objects
 from gateway.tool_parsers import (
-    REASONING_PARSERS, TOOL_PARSERS, ParsedDelta, ToolParser, detect_reasoning_parser, detect_tool_parser,
+    REASONING_PARSERS, TOOL_PARSERS, HarmonyParser, ParsedDelta, ToolParser, detect_reasoning_parser,
+    detect_tool_parser,
 )
 from gateway.tool_parsers import forced
 
@@ -49,7 +50,8 @@ class ChatPlan:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        return self.tool_parser is not None and TOOL_PARSERS[self.tool_parser].needs_special_tokens
+        chosen = [TOOL_PARSERS.get(self.tool_parser), REASONING_PARSERS.get(self.reasoning_parser)]
+        return any(getattr(parser, "needs_special_tokens", False) for parser in chosen)
 
     def output_parser(self) -> "ChatOutputParser":
         return ChatOutputParser(self)
@@ -195,6 +197,9 @@ class ChatOutputParser:
         if plan.tool_parser:
             parser = TOOL_PARSERS[plan.tool_parser]
             self._tools = parser(plan.chat.tools) if parser.reads_tools else parser()
+        if isinstance(self._reasoning, HarmonyParser):  # it reads reasoning and calls at once
+            self._reasoning.reads_calls = self._tools is not None
+            self._tools = None
         self._forced_text = ""
         self.num_calls = 0
 

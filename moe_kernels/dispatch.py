@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from moe_kernels.activation import ExpertActivation
 from moe_kernels.quant import check_scales
 from moe_kernels.torch_backend import fused_moe_loop, fused_moe_torch
 
@@ -49,6 +50,14 @@ def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
         )
 
 
+def _check_biases(w13, w13_bias, w2_bias) -> None:
+    num_experts, two_inter, hidden = w13.shape
+    expected = (("w13_bias", w13_bias, (num_experts, two_inter)), ("w2_bias", w2_bias, (num_experts, hidden)))
+    for name, bias, shape in expected:
+        if bias is not None and tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got {list(bias.shape)}")
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -56,11 +65,13 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     backend: str = "auto",
-    activation: str = "silu",
+    activation: str | ExpertActivation = "silu",
     *,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the routed experts of one MoE layer.
 
@@ -74,21 +85,27 @@ def fused_moe(
         topk_ids: [T, k] expert ids.
         backend: "auto" (Triton on CUDA, torch elsewhere), "torch" (grouped matmuls where
             ``torch._grouped_mm`` can run, the per-expert loop otherwise), "torch-loop" or "triton".
-        activation: "silu" (SwiGLU experts) or "gelu".
+        activation: an ``ExpertActivation`` (``moe_kernels.activation``), or the name of one of its kinds
+            with default constants: "silu" (SwiGLU experts), "gelu", "clamped_swiglu" (gpt-oss).
         w13_scale, w2_scale: float32 scales when w13 and w2 are 8-bit (float8_e4m3fn or int8, see
             ``moe_kernels.quant``): [E, 2I] and [E, H] per output channel, or with ``block_shape``
             (block_n, block_k) one per block, [E, 2*ceil(I/bn), ceil(H/bk)] (gate blocks, then up blocks)
             and [E, ceil(H/bn), ceil(I/bk)].
+        w13_bias, w2_bias: optional per-expert biases (gpt-oss), never quantized: [E, 2I] added to the gate/up
+            projection before the activation (gate then up, as w13's rows) and [E, H] to the down projection,
+            inside the routing weight.
 
     Returns:
         [T, H] in the dtype of ``x``: sum over k of weight * expert(x).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    activation = ExpertActivation.of(activation)
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    _check_biases(w13, w13_bias, w2_bias)
     check_scales(w13, w13_scale, block_shape, "w13", halves=2)
     check_scales(w2, w2_scale, block_shape, "w2")
-    quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)
+    quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape, w13_bias=w13_bias, w2_bias=w2_bias)
     if backend == "auto":
         backend = "triton" if x.is_cuda and "triton" in available_backends() else "torch"
     if x.shape[0] == 0:

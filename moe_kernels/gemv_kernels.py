@@ -9,8 +9,8 @@ ramp-up on a few microseconds of work. Here every program streams a
 [BLOCK_N, BLOCK_K] weight tile per step against one activation vector,
 keeping float32 partial products per lane and reducing once at the end:
 
-    kernel 1, grid (S, I / BLOCK_N):  inter[s] = act(gate[e] @ x[t]) * (up[e] @ x[t])
-    kernel 2, grid (T, H / BLOCK_N):  out[t] = sum_j w[t, j] * (w2[e_j] @ inter[t*k + j])
+    kernel 1, grid (S, I / BLOCK_N):  inter[s] = act(gate[e] @ x[t] + b_gate[e], up[e] @ x[t] + b_up[e])
+    kernel 2, grid (T, H / BLOCK_N):  out[t] = sum_j w[t, j] * (w2[e_j] @ inter[t*k + j] + b2[e_j])
 
 Kernel 2 sums the k experts of its token in a fixed order inside the
 program: no [S, H] buffer, no third launch, and the same result every run.
@@ -23,15 +23,17 @@ block) are read as such and converted to float32 in registers.
 import triton
 import triton.language as tl
 
+from moe_kernels.activation_triton import gated_act
 from moe_kernels.scales_triton import scale_cols
 
 
 @triton.jit
 def w13_gemv_kernel(
-    x_ptr, w_ptr, ids_ptr, out_ptr, scale_ptr,  # x [T, H], w13 [E, 2I, H], ids [S] i32, out [S, I], scales
-    top_k, inter_size, hidden_size,
-    stride_xt, stride_we, stride_wn, stride_os, stride_se, stride_sn, stride_sk,
-    ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr, w_ptr, ids_ptr, out_ptr, scale_ptr, bias_ptr,  # x [T, H], w13 [E, 2I, H], ids [S] i32, out [S, I],
+    top_k, inter_size, hidden_size,                        # scales, bias [E, 2I]
+    stride_xt, stride_we, stride_wn, stride_os, stride_se, stride_sn, stride_sk, stride_be, act_alpha, act_limit,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
     QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
     slot = tl.program_id(0).to(tl.int64)
@@ -77,19 +79,19 @@ def w13_gemv_kernel(
                            QUANT, QBLOCK_N, QBLOCK_K)
         up *= scale_cols(scale_ptr, expert, offs_n, n_ok, inter_size, 0, stride_se, stride_sn, stride_sk,
                          QUANT, QBLOCK_N, QBLOCK_K)
-    if ACTIVATION == "silu":
-        act = gate * tl.sigmoid(gate)
-    else:  # exact (erf) gelu
-        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
-    tl.store(out_ptr + slot * stride_os + offs_n, (act * up).to(out_ptr.dtype.element_ty), mask=n_ok)
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_ptr + expert * stride_be + inter_size + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    h = gated_act(gate, up, ACTIVATION, act_alpha, act_limit)
+    tl.store(out_ptr + slot * stride_os + offs_n, h.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
 def w2_gemv_sum_kernel(
-    h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr,  # h [S, I], w2 [E, H, I], ids [S] i32, weights [S] f32,
-    top_k, hidden_size, inter_size,                          # out [T, H], scales
-    stride_hs, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, scale_ptr, bias_ptr,  # h [S, I], w2 [E, H, I], ids [S] i32,
+    top_k, hidden_size, inter_size,                          # weights [S] f32, out [T, H], scales, bias [E, H]
+    stride_hs, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk, stride_be,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -125,5 +127,7 @@ def w2_gemv_sum_kernel(
         if QUANT == 1:
             row *= scale_cols(scale_ptr, expert, offs_n, n_ok, 0, 0, stride_se, stride_sn, stride_sk,
                               QUANT, QBLOCK_N, QBLOCK_K)
+        if HAS_BIAS:
+            row += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         total += weight * row
     tl.store(out_ptr + token * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from moe_kernels.activation import gated_activation_
+from moe_kernels.activation import ExpertActivation, gated_activation_
 from moe_kernels.expert_sort import sort_slots_by_expert
 
 # dtypes torch._grouped_mm accepts on the CPU (float64 is refused: the float64 references take the loop).
@@ -72,12 +72,15 @@ def fused_moe_grouped(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    activation: str = "silu",
+    activation: str | ExpertActivation = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts as two grouped matmuls; only where ``grouped_mm_supported(x, w13, w2)``.
 
     x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]
     -> [T, H] in the dtype of x: sum over k of weight * expert(x). T = 0 is allowed.
+    Optional biases w13_bias [E, 2I], w2_bias [E, H] are gathered per sorted row.
     """
     num_tokens, top_k = topk_ids.shape
     slots = sort_slots_by_expert(topk_ids, w13.shape[0])
@@ -85,9 +88,15 @@ def fused_moe_grouped(
     offs = torch.cumsum(slots.counts, 0, dtype=torch.int32)  # [E]
     xs = x.index_select(0, slots.tokens)  # [S, H], rows in expert order
     gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)  # [S, 2I]
+    if w13_bias is not None or w2_bias is not None:
+        row_experts = topk_ids.reshape(-1).to(torch.int64).index_select(0, slots.order)  # [S] expert of each row
+    if w13_bias is not None:
+        gate_up += w13_bias.to(gate_up.dtype).index_select(0, row_experts)
     # In place, so no [S, I] buffers: the op takes the [S, I] view (row stride 2I, a multiple of 16 bytes).
     hidden = gated_activation_(gate_up, activation)  # [S, I]
     ys = torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs).to(torch.float32)  # [S, H]
+    if w2_bias is not None:
+        ys += w2_bias.to(torch.float32).index_select(0, row_experts)
     # Combine: weights multiplied in (float32), rows back to slot order, each token's k rows summed. The k
     # terms are added in routing order whatever the batch, with no atomics on any device (index_add_ has them
     # on CUDA); and it is one [S, H] buffer fewer than weighting the un-permuted [T, k, H] rows.

@@ -7,7 +7,7 @@ The loop is also the readable reference the grouped path is tested against.
 
 import torch
 
-from moe_kernels.activation import gated_activation
+from moe_kernels.activation import ExpertActivation, gated_activation
 from moe_kernels.expert_sort import sort_slots_by_expert
 from moe_kernels.grouped_backend import fused_moe_grouped, grouped_mm_supported
 from moe_kernels.quant import dequantize
@@ -33,10 +33,12 @@ def fused_moe_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    activation: str = "silu",
+    activation: str | ExpertActivation = "silu",
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts with torch ops: ``fused_moe_grouped`` where supported, else ``fused_moe_loop``.
 
@@ -47,9 +49,10 @@ def fused_moe_torch(
     see ``moe_kernels.quant``) always take the loop.
     """
     if w13_scale is None and grouped_mm_supported(x, w13, w2) and _grouped_pays_off(x, w13, topk_ids.shape[1]):
-        return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, activation=activation)
+        return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, activation=activation, w13_bias=w13_bias,
+                                 w2_bias=w2_bias)
     return fused_moe_loop(x, w13, w2, topk_weights, topk_ids, activation=activation, w13_scale=w13_scale,
-                          w2_scale=w2_scale, block_shape=block_shape)
+                          w2_scale=w2_scale, block_shape=block_shape, w13_bias=w13_bias, w2_bias=w2_bias)
 
 
 def _int8pack_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -85,10 +88,12 @@ def fused_moe_loop(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    activation: str = "silu",
+    activation: str | ExpertActivation = "silu",
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One matmul pair per active expert; any dtype and layout, 8-bit weights too. Shapes as ``fused_moe_torch``."""
     num_tokens = topk_ids.shape[0]
@@ -106,9 +111,13 @@ def fused_moe_loop(
         tokens = slots.tokens[rows]  # [n]
         w13_s = None if w13_scale is None else w13_scale[expert]
         w2_s = None if w2_scale is None else w2_scale[expert]
-        hidden = gated_activation(expert_linear(x.index_select(0, tokens), w13[expert], w13_s, block_shape, halves=2),
-                                  activation)  # [n, I]
+        gate_up = expert_linear(x.index_select(0, tokens), w13[expert], w13_s, block_shape, halves=2)  # [n, 2I]
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[expert].to(gate_up.dtype)
+        hidden = gated_activation(gate_up, activation)  # [n, I]
         expert_out = expert_linear(hidden, w2[expert], w2_s, block_shape).to(acc_dtype)  # [n, H]
+        if w2_bias is not None:
+            expert_out += w2_bias[expert].to(acc_dtype)
         # Weight and scatter in one pass.
         out.index_add_(0, tokens, expert_out.mul_(slot_weights[rows, None]))
         start += count

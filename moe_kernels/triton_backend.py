@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 
 from moe_kernels import gemv_kernels
+from moe_kernels.activation import SILU, ExpertActivation
+from moe_kernels.activation_triton import gated_act
 from moe_kernels.scales_triton import scale_cols
 from moe_kernels.align import SlotBlocks, align_slots, flat_ids, unsorted_slots
 from moe_kernels.launch_config import GemmConfig, LaunchConfig, device_name, get_launch_config
@@ -38,7 +40,6 @@ from moe_kernels.quant import FP8_DTYPE
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_8BIT = (FP8_DTYPE, torch.int8)
-_ACTIVATIONS = ("silu", "gelu")
 
 
 @triton.jit
@@ -74,12 +75,13 @@ def _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED: tl
 # QUANT: 0 float weights, 1 8-bit with per-channel scales, 2 8-bit with QBLOCK_N x QBLOCK_K block scales.
 @triton.jit(do_not_specialize=["num_slots", "num_blocks_m"])
 def _w13_act_kernel(
-    x_ptr, w_ptr, out_ptr, scale_ptr,  # x [T, H], w13 [E, 2I, H], out [S, I], scale (see QUANT) or unused
+    x_ptr, w_ptr, out_ptr, scale_ptr, bias_ptr,  # x [T, H], w13 [E, 2I, H], out [S, I], scale (see QUANT), bias [E, 2I]
     sorted_slots_ptr, block_expert_ptr, num_padded_ptr,
     num_slots, top_k, inter_size, hidden_size, num_blocks_m,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_os, stride_oi,
-    stride_se, stride_sn, stride_sk,
-    SORTED: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    stride_se, stride_sn, stride_sk, stride_be, act_alpha, act_limit,
+    SORTED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
@@ -139,24 +141,24 @@ def _w13_act_kernel(
                              QUANT, QBLOCK_N, QBLOCK_K)[None, :]
         acc_u *= scale_cols(scale_ptr, expert, offs_n, n_ok, inter_size, 0, stride_se, stride_sn, stride_sk,
                              QUANT, QBLOCK_N, QBLOCK_K)[None, :]
+    if HAS_BIAS:  # gate bias then up bias, added in float32 before the activation
+        b_row = bias_ptr + expert * stride_be
+        acc_g += tl.load(b_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_row + inter_size + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
 
-    if ACTIVATION == "silu":
-        act = acc_g * tl.sigmoid(acc_g)
-    else:  # exact (erf) gelu, as torch.nn.functional.gelu's default
-        act = 0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476))
-    h = (act * acc_u).to(out_ptr.dtype.element_ty)
+    h = gated_act(acc_g, acc_u, ACTIVATION, act_alpha, act_limit).to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + slots[:, None] * stride_os + offs_n[None, :] * stride_oi
     tl.store(out_ptrs, h, mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_blocks_m"])
 def _w2_weighted_kernel(
-    h_ptr, w_ptr, topk_weights_ptr, out_ptr, scale_ptr,  # h [S, I], w2 [E, H, I], topk_weights [S] f32, out [S, H]
-    sorted_slots_ptr, block_expert_ptr, num_padded_ptr,
+    h_ptr, w_ptr, topk_weights_ptr, out_ptr, scale_ptr, bias_ptr,  # h [S, I], w2 [E, H, I], topk_weights [S] f32,
+    sorted_slots_ptr, block_expert_ptr, num_padded_ptr,             # out [S, H], scale, bias [E, H]
     num_slots, hidden_size, inter_size, num_blocks_m,
     stride_hs, stride_hi, stride_we, stride_wn, stride_wi, stride_os, stride_on,
-    stride_se, stride_sn, stride_sk,
-    SORTED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    stride_se, stride_sn, stride_sk, stride_be,
+    SORTED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
@@ -199,6 +201,8 @@ def _w2_weighted_kernel(
     if QUANT == 1:
         acc *= scale_cols(scale_ptr, expert, offs_n, n_ok, 0, 0, stride_se, stride_sn, stride_sk,
                            QUANT, QBLOCK_N, QBLOCK_K)[None, :]
+    if HAS_BIAS:  # inside the routing weight, as the expert's own output
+        acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
 
     # Routing weight in the epilogue, in float32, before the one rounding to the output dtype.
     weight = tl.load(topk_weights_ptr + slots, mask=row_ok, other=0.0)  # [BLOCK_M]
@@ -241,27 +245,42 @@ def _fit_scale_blocks(cfg: GemmConfig, block_shape: tuple[int, int] | None) -> G
     return dataclasses.replace(cfg, BLOCK_K=block_k)
 
 
+def _bias_args(w: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """(bias pointer, its expert stride) and the HAS_BIAS constexpr; bias [E, N] contiguous along N."""
+    if bias is None:
+        return (w, 0), {"HAS_BIAS": False}  # the pointer is never read
+    assert bias.stride(-1) == 1, "expert biases must be contiguous along their last dim"
+    return (bias, bias.stride(0)), {"HAS_BIAS": True}
+
+
+def _act_args(activation: ExpertActivation) -> tuple:
+    return (activation.alpha, activation.limit), {"ACTIVATION": activation.kind}
+
+
 def _grid(blocks: SlotBlocks, n_size: int, cfg: GemmConfig) -> tuple[int]:
     return (blocks.num_blocks * triton.cdiv(n_size, cfg.BLOCK_N),)
 
 
 def invoke_w13(x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: SlotBlocks, top_k: int,
-               cfg: GemmConfig, activation: str = "silu", scale: torch.Tensor | None = None,
-               block_shape: tuple[int, int] | None = None) -> None:
-    """Kernel 1: out[s] = act(x[s // k] @ gate[e]^T) * (x[s // k] @ up[e]^T) for every slot s.
+               cfg: GemmConfig, activation: ExpertActivation = SILU, scale: torch.Tensor | None = None,
+               block_shape: tuple[int, int] | None = None, bias: torch.Tensor | None = None) -> None:
+    """Kernel 1: out[s] = act(x[s // k] @ gate[e]^T + b_gate[e], x[s // k] @ up[e]^T + b_up[e]) for every slot s.
 
-    x [T, H], w13 [E, 2I, H], out [S, I] (written, every row); ``scale`` with 8-bit w13 (``fused_moe``'s layouts).
+    x [T, H], w13 [E, 2I, H], out [S, I] (written, every row); ``scale`` with 8-bit w13 (``fused_moe``'s layouts);
+    ``bias`` [E, 2I] or None.
     """
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
     cfg = _fit_scale_blocks(cfg, block_shape)
     (scale_ptr, *scale_strides), quant = _quant_args(w13, scale, block_shape)
+    (bias_ptr, bias_stride), has_bias = _bias_args(w13, bias)
+    act_values, act_kind = _act_args(activation)
     _w13_act_kernel[_grid(blocks, inter, cfg)](
-        x, w13, out, scale_ptr,
+        x, w13, out, scale_ptr, bias_ptr,
         blocks.sorted_slot_ids, blocks.block_expert_ids, blocks.num_padded,
         out.shape[0], top_k, inter, hidden, blocks.num_blocks,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), out.stride(0), out.stride(1),
-        *scale_strides, **quant,
-        SORTED=blocks.sorted, ACTIVATION=activation, EVEN_K=hidden % cfg.BLOCK_K == 0,
+        *scale_strides, bias_stride, *act_values, **quant, **has_bias, **act_kind,
+        SORTED=blocks.sorted, EVEN_K=hidden % cfg.BLOCK_K == 0,
         BLOCK_M=blocks.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_args(x.dtype),
     )
@@ -269,21 +288,22 @@ def invoke_w13(x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: Sl
 
 def invoke_w2(h: torch.Tensor, w2: torch.Tensor, slot_weights: torch.Tensor, out: torch.Tensor,
               blocks: SlotBlocks, cfg: GemmConfig, scale: torch.Tensor | None = None,
-              block_shape: tuple[int, int] | None = None) -> None:
-    """Kernel 2: out[s] = slot_weights[s] * (h[s] @ w2[e]^T) for every slot s.
+              block_shape: tuple[int, int] | None = None, bias: torch.Tensor | None = None) -> None:
+    """Kernel 2: out[s] = slot_weights[s] * (h[s] @ w2[e]^T + bias[e]) for every slot s.
 
     h [S, I], w2 [E, H, I], slot_weights [S] float32 contiguous, out [S, H] (written, every row);
-    ``scale`` with 8-bit w2.
+    ``scale`` with 8-bit w2; ``bias`` [E, H] or None.
     """
     hidden, inter = w2.shape[1], w2.shape[2]
     cfg = _fit_scale_blocks(cfg, block_shape)
     (scale_ptr, *scale_strides), quant = _quant_args(w2, scale, block_shape)
+    (bias_ptr, bias_stride), has_bias = _bias_args(w2, bias)
     _w2_weighted_kernel[_grid(blocks, hidden, cfg)](
-        h, w2, slot_weights, out, scale_ptr,
+        h, w2, slot_weights, out, scale_ptr, bias_ptr,
         blocks.sorted_slot_ids, blocks.block_expert_ids, blocks.num_padded,
         out.shape[0], hidden, inter, blocks.num_blocks,
         h.stride(0), h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
-        *scale_strides, **quant,
+        *scale_strides, bias_stride, **quant, **has_bias,
         SORTED=blocks.sorted, EVEN_K=inter % cfg.BLOCK_K == 0,
         BLOCK_M=blocks.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_args(h.dtype),
@@ -291,36 +311,40 @@ def invoke_w2(h: torch.Tensor, w2: torch.Tensor, slot_weights: torch.Tensor, out
 
 
 def invoke_w13_gemv(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, inter: torch.Tensor, top_k: int,
-                    cfg: GemmConfig, activation: str = "silu", scale: torch.Tensor | None = None,
-                    block_shape: tuple[int, int] | None = None) -> None:
-    """Matrix-vector kernel 1: inter[s] = act(gate[e] @ x[s // k]) * (up[e] @ x[s // k]); ids [S] int32.
+                    cfg: GemmConfig, activation: ExpertActivation = SILU, scale: torch.Tensor | None = None,
+                    block_shape: tuple[int, int] | None = None, bias: torch.Tensor | None = None) -> None:
+    """Matrix-vector kernel 1: inter[s] = act(gate[e] @ x[s // k] + b_gate[e], up[e] @ x[s // k] + b_up[e]);
+    ids [S] int32.
 
     w13 [E, 2I, H] contiguous along H; every row of inter [S, I] is written; ``scale`` with 8-bit w13.
     """
     inter_size, hidden = w13.shape[1] // 2, w13.shape[2]
     cfg = _fit_scale_blocks(cfg, block_shape)
     (scale_ptr, *scale_strides), quant = _quant_args(w13, scale, block_shape)
+    (bias_ptr, bias_stride), has_bias = _bias_args(w13, bias)
+    act_values, act_kind = _act_args(activation)
     gemv_kernels.w13_gemv_kernel[(ids.numel(), triton.cdiv(inter_size, cfg.BLOCK_N))](
-        x, w13, ids, inter, scale_ptr, top_k, inter_size, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        inter.stride(0), *scale_strides, **quant,
-        ACTIVATION=activation, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=hidden % cfg.BLOCK_K == 0,
+        x, w13, ids, inter, scale_ptr, bias_ptr, top_k, inter_size, hidden, x.stride(0), w13.stride(0),
+        w13.stride(1), inter.stride(0), *scale_strides, bias_stride, *act_values, **quant, **has_bias, **act_kind,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=hidden % cfg.BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def invoke_w2_gemv(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, slot_weights: torch.Tensor,
                    out: torch.Tensor, top_k: int, cfg: GemmConfig, scale: torch.Tensor | None = None,
-                   block_shape: tuple[int, int] | None = None) -> None:
-    """Matrix-vector kernel 2: out[t] = sum_j slot_weights[t*k+j] * (w2[e_j] @ inter[t*k+j]).
+                   block_shape: tuple[int, int] | None = None, bias: torch.Tensor | None = None) -> None:
+    """Matrix-vector kernel 2: out[t] = sum_j slot_weights[t*k+j] * (w2[e_j] @ inter[t*k+j] + bias[e_j]).
 
     w2 [E, H, I] contiguous along I; ids [S] int32; every row of out [T, H] is written; ``scale`` with 8-bit w2.
     """
     hidden, inter_size = w2.shape[1], w2.shape[2]
     cfg = _fit_scale_blocks(cfg, block_shape)
     (scale_ptr, *scale_strides), quant = _quant_args(w2, scale, block_shape)
+    (bias_ptr, bias_stride), has_bias = _bias_args(w2, bias)
     gemv_kernels.w2_gemv_sum_kernel[(out.shape[0], triton.cdiv(hidden, cfg.BLOCK_N))](
-        inter, w2, ids, slot_weights, out, scale_ptr, top_k, hidden, inter_size,
-        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *scale_strides, **quant,
+        inter, w2, ids, slot_weights, out, scale_ptr, bias_ptr, top_k, hidden, inter_size,
+        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *scale_strides, bias_stride, **quant, **has_bias,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=inter_size % cfg.BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -343,7 +367,7 @@ def _device_name(device: torch.device) -> str:
     return device_name(device)
 
 
-def _check_inputs(x, w13, w2, activation, block_shape) -> None:
+def _check_inputs(x, w13, w2, block_shape) -> None:
     if x.dtype not in _DTYPES:
         raise ValueError(f"triton backend supports {_DTYPES}, got {x.dtype}")
     if w13.dtype != w2.dtype or (w13.dtype != x.dtype and w13.dtype not in _WEIGHT_8BIT):
@@ -352,8 +376,6 @@ def _check_inputs(x, w13, w2, activation, block_shape) -> None:
     if block_shape is not None and (block_shape[1] % 16 or min(block_shape) < 16):
         raise ValueError(f"triton backend needs scale blocks of at least 16 with block_k a multiple of 16, "
                          f"got {block_shape}")
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"unsupported activation {activation!r}")
     if x.is_cuda == INTERPRETED:
         raise RuntimeError(
             "the triton backend needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before "
@@ -367,7 +389,7 @@ def fused_moe_triton(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    activation: str = "silu",
+    activation: "str | ExpertActivation" = "silu",
     *,
     config: LaunchConfig | None = None,
     inter: torch.Tensor | None = None,
@@ -376,6 +398,8 @@ def fused_moe_triton(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts with the Triton kernels; same contract as ``moe_kernels.fused_moe``.
 
@@ -383,16 +407,18 @@ def fused_moe_triton(
         x: [T, H] float32, bfloat16 or float16; w13 [E, 2I, H] and w2 [E, H, I] in the same dtype.
         topk_weights: [T, k] routing weights (float32 from ``route``).
         topk_ids: [T, k] int32 expert ids.
-        activation: "silu" or "gelu" applied to the gate half.
+        activation: an ``ExpertActivation`` (or its kind name) applied to the gate and up halves.
         config: launch parameters; default: looked up by shape, dtype, device and T.
         inter, slot_out, out: optional preallocated [T*k, I], [T*k, H] and [T, H]
             buffers in x's dtype (tests poison them to catch unwritten elements).
         w13_scale, w2_scale, block_shape: with 8-bit w13 and w2, their scales (layouts as ``moe_kernels.fused_moe``).
+        w13_bias, w2_bias: optional per-expert biases [E, 2I] (gate then up) and [E, H].
 
     Returns:
         [T, H] in x's dtype: sum over k of topk_weight * expert(x).
     """
-    _check_inputs(x, w13, w2, activation, block_shape)
+    _check_inputs(x, w13, w2, block_shape)
+    activation = ExpertActivation.of(activation)
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return torch.empty_like(x) if out is None else out
@@ -409,16 +435,16 @@ def fused_moe_triton(
         if out is None:
             out = torch.empty_like(x)  # [T, H]
         ids = flat_ids(topk_ids)
-        invoke_w13_gemv(x, w13, ids, inter, top_k, config.w13, activation, w13_scale, block_shape)
-        invoke_w2_gemv(inter, w2, ids, slot_weights, out, top_k, config.w2, w2_scale, block_shape)
+        invoke_w13_gemv(x, w13, ids, inter, top_k, config.w13, activation, w13_scale, block_shape, w13_bias)
+        invoke_w2_gemv(inter, w2, ids, slot_weights, out, top_k, config.w2, w2_scale, block_shape, w2_bias)
         return out
 
     blocks = slot_blocks(topk_ids, num_experts, config)
     if slot_out is None:
         slot_out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)  # [S, H]
 
-    invoke_w13(x, w13, inter, blocks, top_k, config.w13, activation, w13_scale, block_shape)
-    invoke_w2(inter, w2, slot_weights, slot_out, blocks, config.w2, w2_scale, block_shape)
+    invoke_w13(x, w13, inter, blocks, top_k, config.w13, activation, w13_scale, block_shape, w13_bias)
+    invoke_w2(inter, w2, slot_weights, slot_out, blocks, config.w2, w2_scale, block_shape, w2_bias)
 
     # Sum over k in torch rather than with atomics in kernel 2: the result is
     # deterministic (fixed summation order, run to run and batch to batch),

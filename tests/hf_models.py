@@ -42,6 +42,12 @@ FAMILY_CONFIGS = {
         model_type="minimax_m2", hidden_size=64, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
     ),
+    # Sliding layers (even) with a window of 8, so prompts go far past it; a clamp limit the random gate/up
+    # values reach.
+    "gpt_oss": dict(
+        model_type="gpt_oss", hidden_size=64, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.4,
+    ),
 }
 
 

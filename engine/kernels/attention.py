@@ -115,8 +115,10 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, .
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, num_splits: int, scale: float,
-                     sliding_window: int = 0, launch: AttentionLaunch = DEFAULT_LAUNCH) -> None:
-    """out [D, h, d] = attention of q [D, h, d] over each request's cached keys (written in place)."""
+                     sliding_window: int = 0, launch: AttentionLaunch = DEFAULT_LAUNCH,
+                     sinks: torch.Tensor | None = None) -> None:
+    """out [D, h, d] = attention of q [D, h, d] over each request's cached keys (written in place);
+    ``sinks`` [h]: per-head sink logits or None."""
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -130,23 +132,30 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_ml = torch.empty(num_decodes, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_out = part_ml = out  # unused
+    sinks_ptr = q if sinks is None else sinks  # never read without sinks
     kernels.paged_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_ml, block_table, seq_lens,
+        q, k_cache, v_cache, out, part_out, part_ml, block_table, seq_lens, sinks_ptr,
         scale, sliding_window, num_splits,
         q.stride(0), q.stride(1), *_cache_strides(k_cache, v_cache), out.stride(0), out.stride(1), block_table.stride(0),
         GROUP=group, BLOCK_G=max(16, _next_pow2(group)), BLOCK_N=launch.decode_block_n,
-        SPLIT=split, SLIDING=sliding_window > 0, num_warps=launch.decode_warps, num_stages=launch.num_stages, **common,
+        SPLIT=split, SLIDING=sliding_window > 0, HAS_SINKS=sinks is not None, num_warps=launch.decode_warps,
+        num_stages=launch.num_stages, **common,
     )
     if split:
         kernels.paged_decode_reduce_kernel[(num_decodes, num_heads)](
-            part_out, part_ml, out, num_splits, out.stride(0), out.stride(1),
+            part_out, part_ml, out, sinks_ptr, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=max(2, _next_pow2(num_splits)), BLOCK_D=common["BLOCK_D"],
+            HAS_SINKS=sinks is not None,
         )
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                      meta: TritonAttentionMetadata, scale: float, launch: AttentionLaunch = DEFAULT_LAUNCH) -> None:
-    """Write out's rows of every prefill chunk (q, out [T, h, d] flat; decode rows untouched)."""
+                      meta: TritonAttentionMetadata, scale: float, launch: AttentionLaunch = DEFAULT_LAUNCH,
+                      sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> None:
+    """Write out's rows of every prefill chunk (q, out [T, h, d] flat; decode rows untouched).
+
+    ``sliding_window``: this layer's own window, instead of ``meta.sliding_window``."""
+    window = meta.sliding_window if sliding_window is None else sliding_window
     num_tiles = meta.prefill_tile_req.shape[0]
     if num_tiles == 0:
         return
@@ -155,28 +164,33 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     kernels.paged_prefill_kernel[(num_tiles, num_heads)](
         q, k_cache, v_cache, out,
         meta.prefill_block_table, meta.prefill_seq_lens, meta.prefill_query_start, meta.prefill_query_len,
-        meta.prefill_tile_req, meta.prefill_tile_start,
-        scale, meta.sliding_window,
+        meta.prefill_tile_req, meta.prefill_tile_start, q if sinks is None else sinks,
+        scale, window,
         q.stride(0), q.stride(1), *_cache_strides(k_cache, v_cache), out.stride(0), out.stride(1),
         meta.prefill_block_table.stride(0),
         GROUP=num_heads // k_cache.shape[2], BLOCK_M=launch.prefill_block_m, BLOCK_N=launch.prefill_block_n,
-        SLIDING=meta.sliding_window > 0, num_warps=launch.prefill_warps, num_stages=launch.num_stages,
+        SLIDING=window > 0, HAS_SINKS=sinks is not None, num_warps=launch.prefill_warps,
+        num_stages=launch.num_stages,
         **_common_args(q, k_cache, v_cache),
     )
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: TritonAttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                           launch: AttentionLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
+                           launch: AttentionLaunch = DEFAULT_LAUNCH, sinks: torch.Tensor | None = None,
+                           sliding_window: int | None = None) -> torch.Tensor:
     """q [T, h, d] against the paged caches [N_blocks, bs, kvh, d] -> [T, h, d]; every row written.
 
-    ``meta.prefill_tile_*`` must come from ``prefill_tiles`` with ``launch.prefill_block_m``.
+    ``meta.prefill_tile_*`` must come from ``prefill_tiles`` with ``launch.prefill_block_m``. ``sinks`` [h]:
+    per-head sink logits (gpt-oss) or None; ``sliding_window``: the layer's own window (0: none), or None for
+    ``meta.sliding_window``.
     """
     if out is None:
         out = torch.empty_like(q)
+    window = meta.sliding_window if sliding_window is None else sliding_window
     d = meta.num_decodes
     decode_attention(q[:d], k_cache, v_cache, out[:d], meta.decode_block_table, meta.decode_seq_lens,
-                     meta.decode_splits, scale, meta.sliding_window, launch)
+                     meta.decode_splits, scale, window, launch, sinks)
     if meta.num_prefills:
-        prefill_attention(q, k_cache, v_cache, out, meta, scale, launch)
+        prefill_attention(q, k_cache, v_cache, out, meta, scale, launch, sinks, window)
     return out

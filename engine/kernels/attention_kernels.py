@@ -9,6 +9,10 @@ written). Both kernels walk keys BLOCK_N at a time, finding each key's block
 through the request's block table (so BLOCK_N need not equal bs), and keep a
 running max / normaliser (online softmax) in float32.
 
+Attention sinks (gpt-oss, HAS_SINKS): one learned logit per query head joins the
+softmax's denominator (and attends to nothing); it is folded in once, after the
+last key tile (``_fold_sink``), or in the split merge for split decodes.
+
 Imported lazily by ``triton_attention``: ``triton.jit`` decides at decoration
 whether kernels are compiled or run in the CPU interpreter (TRITON_INTERPRET=1).
 """
@@ -36,24 +40,35 @@ def _scores_mask_update(s, visible, m_i, l_i, acc, v, UPCAST: tl.constexpr, PREC
     return m_new, l_i, acc
 
 
+@triton.jit
+def _fold_sink(m_i, l_i, acc, sink):
+    # The sink logit as one more softmax term with no value: rescale to the larger max, add its exp to the sum.
+    # -> (normaliser, unnormalised output) sharing that max; a row with no keys gets l = 1 (from the sink), acc 0.
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp(m_i - m_new)
+    return l_i * alpha + tl.exp(sink - m_new), acc * alpha[:, None]
+
+
 # Per-step ints (split count, block-table width) are not specialized on: each new value's divisibility
 # would otherwise be a fresh compile in the middle of serving.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr,
-    block_table_ptr, seq_lens_ptr,
+    block_table_ptr, seq_lens_ptr, sinks_ptr,
     scale, window, num_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (D, kvh, S). One program: the g query heads of one KV head of one request, over split S of its keys.
 
     q [D, h, d], out [D, h, d]; block_table [D, W]; seq_lens [D] (0: a padding row, output 0).
     SPLIT: write unnormalised partial results to part_out [D, h, S, d] and (max, sum) to
-    part_ml [D, h, S, 2] for ``paged_decode_reduce_kernel``; else normalise and write out.
+    part_ml [D, h, S, 2] for ``paged_decode_reduce_kernel`` (which folds in the sinks [h]); else normalise and
+    write out.
     """
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -102,6 +117,9 @@ def paged_decode_kernel(
         tl.store(part_ml_ptr + row * 2, m_i, mask=g_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_ok)
     else:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0).to(tl.float32)
+            l_i, acc = _fold_sink(m_i, l_i, acc, sink)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a padding row (no keys) writes zeros
         tl.store(out_ptr + req * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
@@ -109,8 +127,8 @@ def paged_decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def paged_decode_reduce_kernel(
-    part_out_ptr, part_ml_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr, part_ml_ptr, out_ptr, sinks_ptr, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Grid (D, h). Merge the S partial results of one query head by their log-sum-exp."""
     req = tl.program_id(0).to(tl.int64)
@@ -123,10 +141,15 @@ def paged_decode_reduce_kernel(
     m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty (a padding row)
     w = tl.exp(m - m_max)  # [BLOCK_S]; 0 for empty splits
     parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     total = tl.sum(l * w, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - m_max)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # [BLOCK_D]
     tl.store(out_ptr + req * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -134,13 +157,13 @@ def paged_decode_reduce_kernel(
 @triton.jit(do_not_specialize=["stride_bt"])
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_ptr, query_len_ptr, tile_req_ptr, tile_start_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_ptr, query_len_ptr, tile_req_ptr, tile_start_ptr, sinks_ptr,
     scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SLIDING: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (tiles, h). One program: BLOCK_M query tokens of one prefill chunk, one query head.
 
@@ -194,6 +217,9 @@ def paged_prefill_kernel(
             visible &= pos[None, :] > q_pos[:, None] - window
         m_i, l_i, acc = _scores_mask_update(s, visible, m_i, l_i, acc, v, UPCAST, PRECISION)
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        l_i, acc = _fold_sink(m_i, l_i, acc, sink + tl.zeros((BLOCK_M,), tl.float32))
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])

@@ -1,6 +1,7 @@
 """Self-attention block over the paged KV cache: packed qkv projection, optional q/k norms, RoPE."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.collectives import SINGLE, TensorParallel
@@ -23,7 +24,10 @@ class Attention(nn.Module):
     Tensor parallel (``tp``): each rank holds ``num_heads / tp.size`` query heads and
     ``num_kv_heads / tp.size`` KV heads (one replicated KV head where there are fewer KV
     heads than ranks); ``qkv_proj`` is column-parallel, ``o_proj`` row-parallel, and the
-    block's output is summed over the ranks (one all-reduce).
+    block's output is summed over the ranks (one all-reduce); an ``o_bias`` is added on rank 0 only.
+
+    gpt-oss: ``sinks`` adds a learned sink logit per query head to every softmax (split with the heads),
+    ``sliding_window`` gives this layer its own window (``ModelConfig.own_window``; None: the batch's).
     """
 
     def __init__(
@@ -39,6 +43,9 @@ class Attention(nn.Module):
         clip_qkv: float | None = None,
         o_bias: bool = False,
         tp: TensorParallel = SINGLE,
+        o_bias: bool = False,
+        sinks: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -58,6 +65,8 @@ class Attention(nn.Module):
         # Packed q, k, v rows: one matmul instead of three (loaded from q_proj/k_proj/v_proj).
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None  # [h] this rank's heads
+        self.sliding_window = sliding_window
         self.rotary = rotary
         self.qk_norm = qk_norm
         self.clip_qkv = clip_qkv
@@ -95,12 +104,17 @@ class Attention(nn.Module):
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         # The metadata's type is the backend the runner chose (``KernelChoice.attention``).
         if isinstance(meta, TritonAttentionMetadata):
-            return triton_paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            return triton_paged_attention(q, k_cache, v_cache, meta, self.scale, sinks=self.sinks,
+                                          sliding_window=self.sliding_window)
+        return paged_attention(q, k, v, k_cache, v_cache, meta.for_window(self.sliding_window is not None),
+                               self.scale, self.sinks)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, h, d] (or [T, h * d]) -> [T, H]: o_proj, summed over the tensor-parallel ranks."""
-        return self.tp.all_reduce(self.o_proj(out.reshape(out.shape[0], self.q_size)))
+        flat = out.reshape(out.shape[0], self.q_size)
+        if self.o_proj.bias is not None and self.tp.rank > 0:
+            return self.tp.all_reduce(F.linear(flat, self.o_proj.weight))  # summed over the ranks: rank 0 adds it
+        return self.tp.all_reduce(self.o_proj(flat))
 
     def _fused_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor):
         # q heads then k heads are adjacent columns of qkv: one launch rotates (and normalizes) both, in place.

@@ -6,21 +6,25 @@ from torch import nn
 import moe_kernels
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
+from moe_kernels.activation import SILU, ExpertActivation
 from moe_kernels.quant import QuantScheme, quantize
 from moe_kernels.routing import RoutingSpec
 
 
 class ExpertWeights(nn.Module):
-    """Packed expert weights: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I].
+    """Packed expert weights: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; with ``bias`` (gpt-oss)
+    also w13_bias [E, 2I] (gate then up) and w2_bias [E, H], which stay in float when the weights are quantized.
 
     After ``quantize_(scheme)`` they are 8-bit (``scheme.dtype``) with float32 ``w13_scale`` and ``w2_scale``
     (layouts in ``moe_kernels.quant``); ``kernel_args()`` is what ``moe_kernels.fused_moe`` then needs.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         self.register_parameter("w13_scale", None)
         self.register_parameter("w2_scale", None)
         self.scheme: QuantScheme | None = None
@@ -75,6 +79,9 @@ class SparseMoeBlock(nn.Module):
     gate per token with ``shared_expert_gated`` (Qwen2-MoE), added as is without (DeepSeek, GLM, dots:
     ``n_shared_experts`` experts of ``moe_intermediate_size`` as one MLP of their summed width).
 
+    ``activation``, ``expert_bias`` and ``router_bias`` are gpt-oss's expert variants
+    (``moe_kernels.activation``; per-expert biases; a router with a bias).
+
     Tensor parallel: every rank routes (the router is replicated) and holds a 1/tp slice of
     each expert's intermediate size (and of the shared expert's); the routed and shared partial
     outputs are added, then summed over the ranks in one all-reduce.
@@ -85,6 +92,9 @@ class SparseMoeBlock(nn.Module):
     among the replica's ranks, each rank's share goes through ``ExpertParallel``'s dispatch to the
     ranks holding its experts and back, and the shares are gathered again; the shared expert stays
     split on its intermediate size over the replica's ranks, with its own all-reduce.
+    Expert biases: under tensor parallel the gate/up bias is split with the intermediate size and the
+    down bias is added on rank 0 only (the all-reduce would count it once per rank); under expert
+    parallel each rank adds its own experts' biases.
     """
 
     def __init__(
@@ -99,6 +109,9 @@ class SparseMoeBlock(nn.Module):
         correction_bias: bool = False,
         router_float32: bool = False,
         tp: TensorParallel = SINGLE,
+        activation: ExpertActivation = SILU,
+        expert_bias: bool = False,
+        router_bias: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -110,14 +123,15 @@ class SparseMoeBlock(nn.Module):
             self.first_expert, local_experts = tp.expert_parallel.local_experts(num_experts)
         routing.check(num_experts)
         self.routing, self.backend = routing, backend
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router
+        self.activation = activation
+        self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias)  # router
         if correction_bias:  # a Parameter so that the loader fills it; kept float32 by ``_apply``
             self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
         else:
             self.register_parameter("e_score_correction_bias", None)
         # Parameters that a model-wide cast leaves in float32 (``_apply``).
         self.float32_params = ["gate.weight"] * router_float32 + ["e_score_correction_bias"] * correction_bias
-        self.experts = ExpertWeights(local_experts, hidden_size, intermediate_size)
+        self.experts = ExpertWeights(local_experts, hidden_size, intermediate_size, bias=expert_bias)
         self.shared_expert = GatedMLP(hidden_size, shared_expert_size, tp, reduce=False) if shared_expert_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_size and shared_expert_gated else None
         # [E] tokens routed to each expert since start; accumulated on the device, read only for stats.
@@ -134,7 +148,7 @@ class SparseMoeBlock(nn.Module):
             return self._expert_parallel(x, topk_weights, topk_ids)
         out = moe_kernels.fused_moe(
             x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend,
-            **self.experts.kernel_args(),
+            **self.expert_args(),
         )  # [T, H]
         if self.shared_expert is not None:
             out = out + self._shared(x)
@@ -143,6 +157,16 @@ class SparseMoeBlock(nn.Module):
     @property
     def top_k(self) -> int:
         return self.routing.top_k
+
+    def expert_args(self) -> dict:
+        """``fused_moe``'s keyword arguments for this rank's experts: scales, activation, biases."""
+        args = dict(self.experts.kernel_args(), activation=self.activation)
+        if self.experts.w13_bias is not None:
+            args["w13_bias"] = self.experts.w13_bias
+            # Split on the intermediate size, every rank's partial sum would carry the whole down bias.
+            whole_experts = self.dispatch is not None or self.tp.rank == 0
+            args["w2_bias"] = self.experts.w2_bias if whole_experts else None
+        return args
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_expert(x)  # [T, H], this rank's partial sum
@@ -181,4 +205,4 @@ class SparseMoeBlock(nn.Module):
             return x.new_zeros(x.shape)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)  # [S, 1]
         return moe_kernels.fused_moe(x, self.experts.w13, self.experts.w2, ones, local_ids[:, None], backend=self.backend,
-                                     **self.experts.kernel_args())
+                                     **self.expert_args())

@@ -2,6 +2,10 @@
 
 The interface (flat tokens + AttentionMetadata + per-layer cache tensors) is the
 one a Triton paged-attention kernel implements on the GPU.
+
+Attention sinks (gpt-oss): a learned logit per query head that joins each softmax's
+denominator and attends to nothing, so a head can put weight on "no token". SDPA has no
+such term; with sinks the same masks go through ``_sink_sdpa`` (explicit float32 math).
 """
 
 import torch
@@ -24,6 +28,29 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, num_kv_heads, head_dim)
 
 
+def _sink_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+               scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """SDPA with a sink logit per head in the denominator: q [B, h, n, d], k/v [B, kvh, L, d], mask
+    [B|1, 1, n, L] bool (True: visible) or ``causal``, sinks [h] -> [B, h, n, d] in q's dtype."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, h, L, d]
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [B, h, n, L]
+    if causal:
+        n, length = scores.shape[-2:]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # [B, h, n, 1]
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
+    return (probs @ v.float()).to(q.dtype)
+
+
+def _sdpa(q, k, v, mask, causal: bool, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    if sinks is not None:
+        return _sink_sdpa(q, k, v, mask, causal, scale, sinks)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -32,20 +59,22 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, h, d] against cached K/V (already holding this step's k, v [T, kvh, d]) -> [T, h, d]."""
+    """q [T, h, d] against cached K/V (already holding this step's k, v [T, kvh, d]) -> [T, h, d].
+
+    ``sinks`` [h]: per-head sink logits (this rank's heads), or None.
+    """
     out = torch.empty_like(q)
     for group in meta.decode_groups:
         if group.shared_blocks is not None:
-            out[group.start:group.end] = _shared_prefix_decode(q[group.start:group.end], k_cache, v_cache, group, scale)
+            out[group.start:group.end] = _shared_prefix_decode(q[group.start:group.end], k_cache, v_cache, group,
+                                                               scale, sinks)
             continue
         keys = _gather(k_cache, group.block_table)  # [G, L, kvh, d]
         values = _gather(v_cache, group.block_table)
         qd = q[group.start:group.end].unsqueeze(2)  # [G, h, 1, d]
-        o = F.scaled_dot_product_attention(
-            qd, keys.transpose(1, 2), values.transpose(1, 2),  # [G, kvh, L, d]
-            attn_mask=group.key_mask, scale=scale, enable_gqa=True,
-        )  # [G, h, 1, d]
+        o = _sdpa(qd, keys.transpose(1, 2), values.transpose(1, 2), group.key_mask, False, scale, sinks)  # [G, h, 1, d]
         out[group.start:group.end] = o.squeeze(2)
     for (start, end), table, seq_len, mask in zip(
         meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
@@ -56,10 +85,8 @@ def paged_attention(
             keys = _gather(k_cache, table)[:seq_len]  # [L, kvh, d]
             values = _gather(v_cache, table)[:seq_len]
         # 4-D inputs: with 3-D ones the CPU backend falls back to the slow math path.
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],  # [1, h|kvh, q|L, d]
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
-        )  # [1, h, q, d]
+        o = _sdpa(q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],  # [1, h|kvh, q|L, d]
+                  mask, mask is None, scale, sinks)  # [1, h, q, d]
         out[start:end] = o[0].transpose(0, 1)
     return out
 
@@ -77,7 +104,8 @@ def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return weights @ v, peak, weights.sum(dim=-1, keepdim=True)
 
 
-def _shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group, scale: float) -> torch.Tensor:
+def _shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group, scale: float,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention for G requests whose tables start with the same blocks. q [G, h, d] -> [G, h, d].
 
     The shared keys are read once for the whole group instead of once per request.
@@ -101,5 +129,8 @@ def _shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     peak = torch.maximum(m1, m2)
     a1, a2 = torch.exp(m1 - peak), torch.exp(m2 - peak)
-    out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)  # [G, kvh, g, d]
+    denominator = l1 * a1 + l2 * a2  # [G, kvh, g, 1]
+    if sinks is not None:  # the sink is one more term of the softmax's sum
+        denominator = denominator + torch.exp(sinks.to(peak.dtype).view(1, num_kv_heads, group_size, 1) - peak)
+    out = (o1 * a1 + o2 * a2) / denominator  # [G, kvh, g, d]
     return out.reshape(num_reqs, num_heads, head_dim)

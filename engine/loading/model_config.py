@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "Glm4MoeForCausalLM",
     "Dots1ForCausalLM",
     "MiniMaxM2ForCausalLM",
+    "GptOssForCausalLM",
 )
 
 
@@ -38,11 +39,18 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: list[int] = field(default_factory=list)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of every layer
     torch_dtype: str = "float32"
+    # Models whose layers differ (gpt-oss's ``layer_types``): the window of the layers in ``sliding_layers`` only.
+    layer_sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     def cfg(self, name: str, default: Any = None) -> Any:
         return getattr(self.hf_config, name, default)
+
+    def own_window(self, layer_idx: int) -> int | None:
+        """The window layer ``layer_idx`` has on its own (beyond ``sliding_window``), or None."""
+        return self.layer_sliding_window if layer_idx in self.sliding_layers else None
 
 
 def _read_json(path: str) -> dict:
@@ -108,6 +116,12 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
         sliding = None  # full attention in every layer, whatever the config says
     if arch == "Dots1ForCausalLM":
         sliding = _dots1_window(hf)
+    layer_types = list(getattr(hf, "layer_types", None) or [])
+    sliding_layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    layer_window = None
+    if arch == "GptOssForCausalLM":
+        # gpt-oss alternates windowed and full layers: the window is per layer, never the whole model's.
+        layer_window, sliding = (sliding or None) if sliding_layers else None, None
     return ModelConfig(
         architecture=arch,
         hf_config=hf,
@@ -124,4 +138,6 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
         eos_token_ids=eos_ids,
         sliding_window=sliding or None,
         torch_dtype=torch_dtype.replace("torch.", ""),
+        layer_sliding_window=layer_window,
+        sliding_layers=sliding_layers if layer_window else (),
     )

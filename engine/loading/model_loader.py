@@ -15,6 +15,7 @@ import torch
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
+from engine.loading import mxfp4
 from engine.loading.model_config import CheckpointError, ModelConfig
 from engine.loading.quantization import (
     CHECKPOINT_8BIT, checkpoint_scheme, dequantize_checkpoint_tensor, is_scale_name, quantize_experts_, scale_name,
@@ -48,11 +49,14 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
+_EXPERT_TENSORS = (".experts.w13", ".experts.w2", ".experts.w13_bias", ".experts.w2_bias")
+
+
 def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalLM):
     """The part of a checkpoint tensor of ``shape`` this tensor-parallel rank holds, as a safetensors slice
     index (a tuple of slices, or a list of them to concatenate along dim 1), or None for the whole tensor."""
     tp = model.tp
-    if tp.expert_parallel is not None and target.endswith((".experts.w13", ".experts.w2")):
+    if tp.expert_parallel is not None and target.endswith(_EXPERT_TENSORS):
         if rule.shard == "expert":
             return None  # one expert's tensor, whole (``held_elsewhere`` skips those of other ranks' experts)
         block = _moe_block(model, target)  # packed [E, 2I, H] / [E, H, I]: this rank's run of experts
@@ -75,7 +79,11 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         return rows(first * d, attn.num_kv_heads * d)
     if target.endswith("o_proj.weight"):
         return cols(r * attn.num_heads * d, attn.num_heads * d)
-    if target.endswith((".experts.w13", ".experts.w2")) and rule.shard != "expert":  # packed [E, 2I, H] / [E, H, I]
+    if target.endswith(".self_attn.sinks"):  # [h]: one per query head
+        return rows(r * attn.num_heads, attn.num_heads)
+    if target.endswith(".experts.w2_bias"):
+        return None  # [E, H]: whole on every rank, added by rank 0 (``SparseMoeBlock``)
+    if target.endswith(_EXPERT_TENSORS) and rule.shard != "expert":  # packed [E, 2I, H] / [E, H, I] / [E, 2I]
         if target.endswith("w2"):
             n = shape[2] // tp.size
             return cols(r * n, n, dim=2)
@@ -187,6 +195,7 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
     stored = checkpoint_scheme(model.config)
     scales = _Scales(files, stored.block) if stored is not None else None
     extra = 0  # tensors of layers past the last one (next-token-prediction layers)
+    fp4 = mxfp4.Mxfp4Reader(files) if mxfp4.declared(model.config) else None
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
@@ -196,13 +205,24 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                     if model.extra_layer(name):
                         extra += 1
                         continue
-                    target, rule, match = model.map_weight_name(name)
+                    if fp4 is not None and fp4.is_scales(name):
+                        continue  # read with its MXFP4 blocks
+                    target, rule, match = model.map_weight_name(mxfp4.weight_name(name))
                     if target not in params:
                         logger.warning("%s: ignoring tensor %s (no matching parameter)", path, name)
                         continue
                     if held_elsewhere(target, rule, match, model):
                         continue
                     info = f.get_slice(name)
+                    layout = model.checkpoint_layout(name)
+                    packed_fp4 = fp4 is not None and mxfp4.is_blocks(name)
+                    if layout is not None or packed_fp4:  # read whole, brought to our layout, then cut
+                        whole = fp4.dequantized(f, name, path) if packed_fp4 else f.get_tensor(name)
+                        whole = whole if layout is None else layout(whole)
+                        part = rank_part(target, rule, list(whole.shape), model)
+                        tensor = whole if part is None else part_of(whole, part)
+                        written[target] += copy_into(params[target].data, tensor, rule, match, model, name, path)
+                        continue
                     part = rank_part(target, rule, info.get_shape(), model)
                     if info.get_dtype() in CHECKPOINT_8BIT:
                         if scales is None:

@@ -33,9 +33,12 @@ def checkpoint_scheme(model_config: ModelConfig) -> QuantScheme | None:
     if not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
     method = qc.get("quant_method")
+    if method == "mxfp4":
+        return None  # gpt-oss's MXFP4 experts: dequantized as read (``engine.loading.mxfp4``), stored as asked
     if method != "fp8":
         raise CheckpointError(f"config.json quantization_config.quant_method {method!r} is not supported "
-                              "(supported: 'fp8', with float8_e4m3fn weights and weight_scale or weight_scale_inv)")
+                              "(supported: 'fp8', with float8_e4m3fn weights and weight_scale or weight_scale_inv; "
+                              "'mxfp4' for gpt-oss's experts)")
     block = qc.get("weight_block_size")
     if block is not None:
         if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):

@@ -6,6 +6,7 @@ a path to a config.json (or its directory), optionally followed by
 ``:key=value,...`` overrides of config fields, e.g.::
 
     qwen3-30b-a3b                                   # the real shape (30.5B parameters)
+    gpt-oss-120b                                    # 116.8B parameters, 5.1B active
     qwen3-30b-a3b:num_hidden_layers=2,hidden_size=64,num_experts=8,vocab_size=512   # CPU tests
     /path/to/config.json
 
@@ -93,7 +94,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=200034,
         eos_token_id=200020, torch_dtype="bfloat16",
     ),
+    # openai/gpt-oss-20b: 20.91B parameters, 3.61B active (the model card counts the unembedding, not the
+    # embedding lookup). Windowed (128) and full attention alternate (sliding first, the config's default
+    # ``layer_types``); the published experts are MXFP4.
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,  # layer_types: the config's default
+        max_position_embeddings=131072,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=4096),
+        rms_norm_eps=1e-5, swiglu_limit=7.0, attention_bias=True, tie_word_embeddings=False,
+        eos_token_id=200002, pad_token_id=199999, torch_dtype="bfloat16",
+    ),
 }
+# openai/gpt-oss-120b: 116.83B parameters, 5.13B active: the 20b's layers, 36 of them, 128 experts each.
+PRESETS["gpt-oss-120b"] = dict(PRESETS["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128)
 
 INIT_STD = 0.02  # every preset's initializer_range
 

@@ -3,6 +3,7 @@
 from engine.models.base import MoECausalLM
 from engine.models.dots1 import Dots1ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
@@ -12,7 +13,7 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     cls.__name__: cls
     for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM,
-                Dots1ForCausalLM, MiniMaxM2ForCausalLM)
+                Dots1ForCausalLM, MiniMaxM2ForCausalLM, GptOssForCausalLM)
 }
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]

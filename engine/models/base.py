@@ -6,6 +6,7 @@ config, and lists how checkpoint names map onto our packed parameters.
 
 import abc
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,11 @@ class MoECausalLM(nn.Module, abc.ABC):
     @abc.abstractmethod
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
         """One decoder layer of this family."""
+
+    def checkpoint_layout(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """How checkpoint tensor ``name``, read whole, becomes the layout of the parameter it maps to (before
+        this rank's part is cut from it), or None when it already has that layout (most families)."""
+        return None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -43,16 +43,18 @@ def warm_up_moe(model: torch.nn.Module, max_tokens: int, device: torch.device, d
     for block in model.modules():
         if isinstance(block, SparseMoeBlock) and block.backend != "torch":
             w13 = block.experts.w13
-            shapes.setdefault((tuple(w13.shape), block.top_k), block.experts)
+            # The kernels specialize on the activation and on biases too: warm the variant the layer runs.
+            shapes.setdefault((tuple(w13.shape), block.top_k, block.activation, w13.dtype), block)
     calls = 0
-    for (w13_shape, top_k), experts in shapes.items():
+    for (w13_shape, top_k, _, _), block in shapes.items():
         num_experts, two_inter, hidden = w13_shape
         path = config_path(num_experts, two_inter, hidden, dtype, device_name(device))
         for num_tokens in warmup_token_counts(list(load_config_file(path)), max_tokens):
             x = torch.randn(num_tokens, hidden, device=device, dtype=dtype)  # [T, H]
             logits = torch.randn(num_tokens, num_experts, device=device)  # [T, E]
             weights, ids = moe_kernels.route(logits, top_k, renormalize=True)  # [T, k]
-            moe_kernels.fused_moe(x, experts.w13, experts.w2, weights, ids, backend="triton", **experts.kernel_args())
+            moe_kernels.fused_moe(x, block.experts.w13, block.experts.w2, weights, ids, backend="triton",
+                                  **block.expert_args())
             calls += 1
     if calls:
         torch.cuda.synchronize(device)

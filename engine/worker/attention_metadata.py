@@ -38,6 +38,17 @@ class AttentionMetadata:
     # each [1, 1, q_len, L] bool; None for a chunk that starts at position 0 without a sliding window:
     # its keys are exactly its own tokens, so it runs causal attention on them with no cache read.
     prefill_masks: list[torch.Tensor | None]
+    # Models whose layers differ in window (gpt-oss: ``ModelConfig.layer_sliding_window``): the same batch with
+    # the masks of that window, for the layers that use it; None when every layer reads the masks above.
+    windowed: "AttentionMetadata | None" = None
+
+    def for_window(self, own_window: bool) -> "AttentionMetadata":
+        """The metadata a layer reads: ``windowed`` for a layer with its own window, else this."""
+        if not own_window:
+            return self
+        if self.windowed is None:
+            raise RuntimeError("a layer with its own sliding window needs a batch built with layer_window")
+        return self.windowed
 
 
 @dataclass(slots=True)

@@ -156,10 +156,14 @@ def decode_groups(decodes: list[ScheduledRequest], sliding_window: int | None) -
 
 
 def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, sliding_window: int | None,
-                      device: torch.device) -> FlatBatch:
-    """The flat batch for the torch path: decodes in length-sorted (or prefix-sharing) groups with masks."""
+                      device: torch.device, layer_window: int | None = None) -> FlatBatch:
+    """The flat batch for the torch path: decodes in length-sorted (or prefix-sharing) groups with masks.
+
+    ``layer_window``: the window of some layers only (``ModelConfig.layer_sliding_window``); their masks go in
+    ``meta.windowed`` (the groups, and so the flat order, are the same for every layer).
+    """
     bs = block_size
-    groups_host = decode_groups([s for s in scheduled if s.num_new_tokens == 1], sliding_window)
+    groups_host = decode_groups([s for s in scheduled if s.num_new_tokens == 1], sliding_window or layer_window)
     decodes = [item for group, _ in groups_host for item in group]  # flat order follows the groups
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
     order = decodes + prefills
@@ -180,42 +184,47 @@ def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, slidin
     staged = iter(stage_int64(arrays, device))
     input_ids, positions, slots, sample_rows, prompt_rows = (next(staged) for _ in range(5))
 
-    groups = []
+    groups, windowed_groups = [], []
     g0 = 0
     for (group, num_shared), width in zip(groups_host, widths):
         table, seq_lens, shared = next(staged), next(staged)[:, None], next(staged)  # [G, W], [G, 1], [S]
         key_pos = num_shared * bs + torch.arange(width * bs, device=device)[None, :]  # [1, L]
-        mask = _visible(seq_lens - 1, key_pos, seq_lens, sliding_window)[:, None, None, :]  # [G, 1, 1, L]
-        groups.append(DecodeGroup(g0, g0 + len(group), table.view(len(group), width), mask, shared if num_shared else None))
+        for window, into in ((sliding_window, groups), (layer_window, windowed_groups)):
+            mask = _visible(seq_lens - 1, key_pos, seq_lens, window)[:, None, None, :]  # [G, 1, 1, L]
+            into.append(DecodeGroup(g0, g0 + len(group), table.view(len(group), width), mask,
+                                    shared if num_shared else None))
         g0 += len(group)
-    pre_tables, pre_lens, pre_masks = [], [], []
+    pre_tables, pre_lens, pre_masks, windowed_masks = [], [], [], []
     for item in prefills:
         start = item.start
         seq_len = start + item.num_new_tokens
         pre_tables.append(next(staged))
         pre_lens.append(seq_len)
-        if start == 0 and not sliding_window:
-            pre_masks.append(None)
-            continue
         query_pos = torch.arange(start, seq_len, device=device)[:, None]  # [q, 1]
         key_pos = torch.arange(seq_len, device=device)[None, :]  # [1, L]
-        pre_masks.append(_visible(query_pos, key_pos, seq_len, sliding_window)[None, None])  # [1, 1, q, L]
+        for window, into in ((sliding_window, pre_masks), (layer_window, windowed_masks)):
+            fresh_causal = start == 0 and not window
+            into.append(None if fresh_causal else _visible(query_pos, key_pos, seq_len, window)[None, None])  # [1, 1, q, L]
 
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        num_decodes=num_decodes,
-        decode_groups=groups,
-        prefill_query_ranges=flat.ranges[num_decodes:],
-        prefill_block_tables=pre_tables,
-        prefill_seq_lens=pre_lens,
-        prefill_masks=pre_masks,
-    )
+    def metadata(decode: list[DecodeGroup], masks: list, windowed: AttentionMetadata | None) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=slots, num_decodes=num_decodes, decode_groups=decode,
+            prefill_query_ranges=flat.ranges[num_decodes:], prefill_block_tables=pre_tables,
+            prefill_seq_lens=pre_lens, prefill_masks=masks, windowed=windowed,
+        )
+
+    meta = metadata(groups, pre_masks, metadata(windowed_groups, windowed_masks, None) if layer_window else None)
     return FlatBatch(input_ids, positions, meta, sample_rows, prompt_rows, num_decodes, max(widths, default=0))
 
 
 def build_batch(scheduled: list[ScheduledRequest], attention_backend: str, block_size: int,
-                sliding_window: int | None, num_kv_heads: int, device: torch.device) -> FlatBatch:
-    """The flat batch of ``scheduled`` with the metadata ``attention_backend`` ("torch" or "triton") reads."""
+                sliding_window: int | None, num_kv_heads: int, device: torch.device,
+                layer_window: int | None = None) -> FlatBatch:
+    """The flat batch of ``scheduled`` with the metadata ``attention_backend`` ("torch" or "triton") reads.
+
+    ``sliding_window``: every layer's window; ``layer_window``: some layers' own (the Triton kernels take
+    those layers' window as an argument, so only the torch path's masks need it).
+    """
     if attention_backend == "triton":
         return build_triton_batch(scheduled, block_size, sliding_window, num_kv_heads, device)
-    return build_torch_batch(scheduled, block_size, sliding_window, device)
+    return build_torch_batch(scheduled, block_size, sliding_window, device, layer_window)

@@ -93,8 +93,9 @@ class DraftProposer:
 
     def _greedy(self, parts: list[ScheduledRequest]) -> list[int]:
         """The draft model's argmax token after the last row of each part (each part samples once)."""
-        batch = build_batch(parts, self.attention_backend, self.block_size, self.model.config.sliding_window,
-                            self.model.num_local_kv_heads, self.device)
+        config = self.model.config
+        batch = build_batch(parts, self.attention_backend, self.block_size, config.sliding_window,
+                            self.model.num_local_kv_heads, self.device, config.layer_sliding_window)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [T, H]
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [S, V]
         self.num_forwards += 1

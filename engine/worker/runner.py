@@ -88,7 +88,7 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
         """The step's flat batch (input_ids [T], positions [T], metadata, sampling rows) on the device."""
         return build_batch(scheduled, self.attention_backend, self.block_size, self.sliding_window,
-                           self.model.num_local_kv_heads, self.device)
+                           self.model.num_local_kv_heads, self.device, self.model.config.layer_sliding_window)
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """hidden [T, H] of the batch: a whole-forward CUDA graph for decode-only batches it covers, piecewise

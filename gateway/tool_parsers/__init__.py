@@ -7,6 +7,7 @@ Choose parsers with ``tool_parser_named`` / ``reasoning_parser_named`` (``--tool
 
 from gateway.tool_parsers.base import ParsedDelta, ToolCall, ToolParser
 from gateway.tool_parsers.glm45 import Glm45ToolParser
+from gateway.tool_parsers.harmony import HarmonyParser
 from gateway.tool_parsers.hermes import HermesToolParser
 from gateway.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 from gateway.tool_parsers.mistral import MistralToolParser
@@ -14,10 +15,11 @@ from gateway.tool_parsers.reasoning import OpenThinkReasoningParser, ThinkReason
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "mistral": MistralToolParser, "glm45": Glm45ToolParser,
-    "minimax_m2": MiniMaxM2ToolParser,
+    "minimax_m2": MiniMaxM2ToolParser, "harmony": HarmonyParser,
 }
+# gpt-oss's harmony parser reads reasoning and calls at once: it is both kinds of parser.
 REASONING_PARSERS = {"qwen3": ThinkReasoningParser, "think": ThinkReasoningParser, "glm45": ThinkReasoningParser,
-                     "minimax_m2": OpenThinkReasoningParser}
+                     "minimax_m2": OpenThinkReasoningParser, "harmony": HarmonyParser}
 # The opening of an assistant turn in MiniMax-M2's template, which then opens the <think> block itself.
 MINIMAX_TURN = "]~b]ai"
 
@@ -25,6 +27,8 @@ MINIMAX_TURN = "]~b]ai"
 def detect_tool_parser(chat_template: str | None, architecture: str | None) -> str | None:
     """The tool-call format a checkpoint's chat template (or, failing that, its architecture) writes; None if unknown."""
     template = chat_template or ""
+    if "<|channel|>" in template:
+        return "harmony"
     if "<arg_key>" in template:  # before Hermes: GLM's calls open with <tool_call> too
         return "glm45"
     if "<minimax:tool_call>" in template:
@@ -34,6 +38,8 @@ def detect_tool_parser(chat_template: str | None, architecture: str | None) -> s
     if "[TOOL_CALLS]" in template:
         return "mistral"
     arch = (architecture or "").lower()
+    if arch.startswith("gptoss"):
+        return "harmony"
     if arch.startswith(("mistral", "mixtral")):
         return "mistral"
     if arch.startswith("qwen"):
@@ -46,14 +52,18 @@ def detect_tool_parser(chat_template: str | None, architecture: str | None) -> s
 
 
 def detect_reasoning_parser(chat_template: str | None) -> str | None:
-    """``minimax_m2`` for MiniMax-M2's template (its prompt opens the ``<think>`` block), ``qwen3`` for other
-    templates that know ``<think>`` blocks (Qwen3, GLM-4.5), else None."""
+    """``harmony`` for templates that write harmony channels (gpt-oss), ``minimax_m2`` for MiniMax-M2's template
+    (its prompt opens the ``<think>`` block), ``qwen3`` for other templates that know ``<think>`` blocks (Qwen3,
+    GLM-4.5), else None."""
     template = chat_template or ""
+    if "<|channel|>" in template:
+        return "harmony"
     if "<think>" not in template:
         return None
     return "minimax_m2" if MINIMAX_TURN in template else "qwen3"
 
 
-__all__ = ["ParsedDelta", "ToolCall", "ToolParser", "HermesToolParser", "MistralToolParser", "Glm45ToolParser",
-           "MiniMaxM2ToolParser", "ThinkReasoningParser", "OpenThinkReasoningParser", "TOOL_PARSERS", "REASONING_PARSERS", "detect_tool_parser",
+__all__ = ["ParsedDelta", "ToolCall", "ToolParser", "HarmonyParser", "HermesToolParser", "MistralToolParser",
+           "Glm45ToolParser", "MiniMaxM2ToolParser", "ThinkReasoningParser", "OpenThinkReasoningParser", "TOOL_PARSERS",
+           "REASONING_PARSERS", "detect_tool_parser",
            "detect_reasoning_parser"]

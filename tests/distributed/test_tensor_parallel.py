@@ -1,6 +1,6 @@
 """Tensor parallelism on real gloo ranks against transformers: every family's prefill and decode logits with the
 model split over 2 ranks (heads, KV heads replicated where fewer than ranks, MLP and expert intermediate sizes, a
-shared expert, a whole-projection q/k norm, a vocabulary that does not divide) match the unsplit reference, and
+shared expert, a whole-projection q/k norm, gpt-oss's sinks and biases, a vocabulary that does not divide) match the unsplit reference, and
 each rank holds only its slices."""
 
 import random
@@ -19,6 +19,8 @@ OVERRIDES = {
     "olmoe": dict(hidden_size=40, num_attention_heads=4, num_key_value_heads=4),  # q/k norm over all heads
     "glm4_moe": {},  # partial rotary, grouped routing with a correction bias, an ungated shared expert
     "dots1": {},  # an o_proj bias (held by rank 0 alone), 2 shared experts, a dense first layer
+    # Sinks split with the heads, o_proj and down biases added once, a sliding layer: prompts past its window of 8.
+    "gpt_oss": {},
 }
 VOCAB = 97
 BLOCK = 16

@@ -14,16 +14,24 @@ PUBLISHED = {
     "olmoe-1b-7b": (6.9, 1.3),
     "qwen1.5-moe-a2.7b": (14.3, 2.7),
     "mixtral-8x7b": (46.7, 12.9),
+    "gpt-oss-20b": (20.91, 3.61),  # the model card's table gives two decimals
+    "gpt-oss-120b": (116.83, 5.13),
 }
 # Cards that round to whole billions and count active parameters without the embeddings (nor GLM's MTP layer).
 PUBLISHED_ROUNDED = {"glm-4.5-air": (106, 12), "minimax-m2": (230, 10)}
+# Model cards whose "active" leaves out the input embedding (a lookup, not a matmul).
+ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b", "gpt-oss-120b"}
 # A CPU-sized Qwen3-MoE: the preset with its sizes overridden.
+TINY_GPT_OSS = "gpt-oss-20b:num_hidden_layers=2,hidden_size=64,intermediate_size=32,num_local_experts=4,num_attention_heads=4,num_key_value_heads=2,head_dim=16,vocab_size=128,sliding_window=4,eos_token_id=127,pad_token_id=0,max_position_embeddings=256"
 TINY = "qwen3-30b-a3b:num_hidden_layers=2,hidden_size=64,intermediate_size=96,moe_intermediate_size=32,num_experts=8,num_attention_heads=4,num_key_value_heads=2,head_dim=16,vocab_size=128,bos_token_id=null,eos_token_id=127,max_position_embeddings=256"
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_presets_have_the_published_sizes(name):
-    total, active = count_parameters(random_model_config(name))
+    config = random_model_config(name)
+    total, active = count_parameters(config)
+    if name in ACTIVE_WITHOUT_EMBEDDING:
+        active -= config.vocab_size * config.hidden_size
     want_total, want_active = PUBLISHED[name]
     # Model cards round to 0.1B: within half of that, plus a little for the rounding of "active".
     assert abs(total / 1e9 - want_total) <= 0.05, (name, total)
@@ -240,3 +248,14 @@ def test_a_parameter_the_tensor_list_misses_is_refused_not_left_unfilled(monkeyp
                         lambda whole: ((n, s) for n, s in listed(whole) if n != dropped))
     with pytest.raises(RuntimeError, match="unfilled"):
         build_random_model(random_model_config(TINY), torch.float32, torch.device("cpu"), "torch", 64)
+
+
+def test_gpt_oss_random_model_serves():
+    """The gpt-oss preset, made tiny: its first layer is windowed, and its tokens do not depend on the batch."""
+    config = random_model_config(TINY_GPT_OSS)
+    assert config.sliding_layers == (0,) and config.layer_sliding_window == 4 and config.sliding_window is None
+    llm = LLM(model="random-gpt-oss", random_weights=TINY_GPT_OSS, dtype="float32", device="cpu", num_kv_blocks=32)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate([[1, 2, 3] * 5, [7] * 9], params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in ([1, 2, 3] * 5, [7] * 9)]
+    assert together == alone and all(len(t) == 5 for t in together)

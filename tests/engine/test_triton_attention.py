@@ -8,7 +8,10 @@ kernels forget to write fails the test.
 
 A step mixes decodes (one new token over a cached context; two of them share
 prefix blocks, as after a prefix-cache hit), prefill chunks that start at 0, and
-chunks over a cached prefix, one longer than a 64-query tile.
+chunks over a cached prefix, one longer than a 64-query tile. gpt-oss's variants:
+attention sinks (random per-head logits in the softmax's denominator) and a window
+that only some layers have (given to the kernels per call; the torch path reads the
+batch's windowed masks).
 """
 
 import os
@@ -59,8 +62,10 @@ def make_step(rng: random.Random, specs: list[tuple[int, int]], block_size: int,
     return scheduled
 
 
-def reference_float64(q_rows, k_cache, v_cache, item: ScheduledRequest, scale: float, window: int) -> torch.Tensor:
-    """Attention of one request's new tokens (q_rows [n, h, d]) in float64, key by key from the block table."""
+def reference_float64(q_rows, k_cache, v_cache, item: ScheduledRequest, scale: float, window: int,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one request's new tokens (q_rows [n, h, d]) in float64, key by key from the block table;
+    ``sinks`` [h]: one more logit per head in the softmax, with no value."""
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     group = q_rows.shape[1] // kvh
     start = item.request.num_computed_tokens
@@ -73,7 +78,10 @@ def reference_float64(q_rows, k_cache, v_cache, item: ScheduledRequest, scale: f
         v = v_cache.reshape(-1, kvh, v_cache.shape[-1])[slots].double().cpu()
         for head in range(q_rows.shape[1]):
             scores = (k[:, head // group] @ q_rows[j, head].double().cpu()) * scale  # [L]
-            out[j, head] = torch.softmax(scores, 0) @ v[:, head // group]
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[head].double().cpu().view(1)])
+            probs = torch.softmax(scores, 0)[:len(keys)]
+            out[j, head] = probs @ v[:, head // group]
     return out
 
 
@@ -86,7 +94,8 @@ def flat_order(scheduled: list[ScheduledRequest], backend: str, window: int) -> 
 
 def run_case(seed: int, specs, *, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
              window: int = 0, splits: int | None = None, shared_prefix=(0, 1),
-             launch: AttentionLaunch = DEFAULT_LAUNCH) -> None:
+             launch: AttentionLaunch = DEFAULT_LAUNCH, sinks: bool = False, own_window: bool = False) -> None:
+    """``own_window``: the window is the layer's own (gpt-oss), not the batch's."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in specs) + 3
@@ -97,26 +106,30 @@ def run_case(seed: int, specs, *, heads: int, kv_heads: int, head_dim: int, bloc
     v_cache = torch.randn(cache_shape, generator=gen).to(DEVICE, dtype)
     q_by_request = {id(s): torch.randn(s.num_new_tokens, heads, head_dim, generator=gen).to(DEVICE, dtype) for s in scheduled}
     scale = head_dim**-0.5
+    sink_logits = (torch.randn(heads, generator=gen) * 2).to(DEVICE, dtype) if sinks else None  # [h]
+    batch_window, layer_window = (0, window) if own_window else (window, None)
 
     outputs = {}
     for backend in ("triton", "torch"):
         if backend == "triton":
-            batch = build_triton_batch(scheduled, block_size, window, kv_heads, DEVICE)
+            batch = build_triton_batch(scheduled, block_size, batch_window, kv_heads, DEVICE)
             if splits is not None:
                 batch.meta.decode_splits = splits
         else:
-            batch = build_torch_batch(scheduled, block_size, window, DEVICE)
+            batch = build_torch_batch(scheduled, block_size, batch_window, DEVICE, layer_window)
         order = flat_order(scheduled, backend, window)
         q = torch.cat([q_by_request[id(s)] for s in order])  # [T, h, d]
         if backend == "triton":
             out = torch.full_like(q, float("nan"))
-            triton_paged_attention(q, k_cache, v_cache, batch.meta, scale, out=out, launch=launch)
+            triton_paged_attention(q, k_cache, v_cache, batch.meta, scale, out=out, launch=launch, sinks=sink_logits,
+                                   sliding_window=layer_window)
             assert not out.isnan().any(), f"seed={seed}: rows left unwritten"
         else:
             # The torch path reads this step's own K/V for fresh chunks: the cache holds them already.
             slots = batch.meta.slot_mapping
             k_new, v_new = (c.view(-1, kv_heads, head_dim)[slots] for c in (k_cache, v_cache))  # [T, kvh, d]
-            out = paged_attention(q, k_new, v_new, k_cache, v_cache, batch.meta, scale)
+            meta = batch.meta.for_window(own_window)
+            out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale, sink_logits)
         row = 0
         for item in order:
             outputs.setdefault(id(item), {})[backend] = out[row:row + item.num_new_tokens].double().cpu()
@@ -124,7 +137,7 @@ def run_case(seed: int, specs, *, heads: int, kv_heads: int, head_dim: int, bloc
 
     tol = TOLERANCE[dtype]
     for item in scheduled:
-        ref = reference_float64(q_by_request[id(item)], k_cache, v_cache, item, scale, window)
+        ref = reference_float64(q_by_request[id(item)], k_cache, v_cache, item, scale, window, sink_logits)
         got = outputs[id(item)]
         what = f"seed={seed} request {item.request.request_id} (cached {item.request.num_computed_tokens}, new {item.num_new_tokens})"
         torch.testing.assert_close(got["triton"], ref, atol=tol, rtol=tol, msg=lambda m: f"triton vs float64, {what}: {m}")
@@ -156,3 +169,17 @@ def test_split_decode_merges_partial_results(seed, splits):
 def test_sliding_window(seed):
     run_case(seed, [(30, 1), (12, 1), (0, 11), (9, 20)], heads=2, kv_heads=2, head_dim=16, block_size=4,
              dtype=torch.float32, window=7, splits=2, shared_prefix=None, launch=SMALL_TILES)
+
+
+@pytest.mark.parametrize(("dtype", "heads"), [(torch.float32, 4), (torch.bfloat16, 6)])
+def test_sinks_mixed_step(seed, dtype, heads):
+    # Decodes sharing prefix blocks (the torch path's shared-prefix merge), fresh and cached prefill chunks.
+    run_case(seed, MIXED_STEP, heads=heads, kv_heads=2, head_dim=24, block_size=4, dtype=dtype, sinks=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sinks_with_split_decode_and_a_layer_window(seed, splits):
+    # The sink folded in by the split merge (or by the one program); the window is the layer's own.
+    run_case(seed, [(30, 1), (12, 1), (2, 1), (0, 11), (9, 20)], heads=4, kv_heads=2, head_dim=16, block_size=4,
+             dtype=torch.float32, window=7, splits=splits, shared_prefix=None, launch=SMALL_TILES, sinks=True,
+             own_window=True)

@@ -17,8 +17,9 @@ if not torch.cuda.is_available():
 from engine import LLM, KernelChoice, SamplingParams  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 
-# Tiny one-layer models: two families with different E, k and renormalization.
-FAMILIES = {"mixtral": dict(), "qwen3_moe": dict(norm_topk_prob=False)}
+# Tiny one-layer models: families with different E, k and renormalization; gpt-oss's experts have biases and
+# the clamped SwiGLU.
+FAMILIES = {"mixtral": dict(), "qwen3_moe": dict(norm_topk_prob=False), "gpt_oss": dict()}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -17,6 +17,11 @@ VARIANTS = {
     "glm4_moe": [{}],
     "dots1": [{}],
     "minimax_m2": [{}],
+    # Two layers (sliding, full; a window of 8), the published YaRN rope but over 64 original positions, so the
+    # prompts reach well past both.
+    "gpt_oss": [dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+        original_max_position_embeddings=64))],
 }
 
 # Engine settings that force each code path on the same requests. Without preemption, a pool of 256 blocks of 16
@@ -41,7 +46,7 @@ for _mode in ("default", "chunked_prefill", "preemption", "all_paths"):
 
 # The families served before the routing kinds run every mode but the combined one; the newer ones (a few
 # seconds each) run the combined one alone.
-FAMILY_MODES = {fam: ["all_paths"] if fam in ("glm4_moe", "dots1", "minimax_m2") else ["default", "chunked_prefill",
+FAMILY_MODES = {fam: ["all_paths"] if fam in ("glm4_moe", "dots1", "minimax_m2", "gpt_oss") else ["default", "chunked_prefill",
                 "preemption", "overlap"] for fam in VARIANTS}
 CASES = [((fam, i), mode) for fam, variants in VARIANTS.items() for i in range(len(variants)) for mode in FAMILY_MODES[fam]]
 
