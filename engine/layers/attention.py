@@ -18,8 +18,8 @@ class Attention(nn.Module):
 
     ``qk_norm``: "none"; "per_head" (Qwen3: RMSNorm over d of each head);
     "full" (OLMoE, MiniMax-M2: RMSNorm over all heads' projections before the split).
-    ``o_bias``: o_proj has a bias (dots.llm1 with ``attention_bias``); under tensor parallelism only rank 0
-    holds it (zeros elsewhere, see the loader), so the all-reduce adds it once.
+    ``o_bias``: o_proj has a bias (dots.llm1 with ``attention_bias``, gpt-oss); under tensor parallelism every
+    rank holds it and only rank 0 adds it (``output``), so the all-reduce adds it once.
 
     Tensor parallel (``tp``): each rank holds ``num_heads / tp.size`` query heads and
     ``num_kv_heads / tp.size`` KV heads (one replicated KV head where there are fewer KV
@@ -43,7 +43,6 @@ class Attention(nn.Module):
         clip_qkv: float | None = None,
         o_bias: bool = False,
         tp: TensorParallel = SINGLE,
-        o_bias: bool = False,
         sinks: bool = False,
         sliding_window: int | None = None,
     ) -> None:

@@ -231,8 +231,6 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                         tensor = scales.dequantized(f, name, part, path)
                     else:
                         tensor = _read(f, name, part)
-                    if model.tp.rank and target.endswith("o_proj.bias"):
-                        tensor = torch.zeros_like(tensor)  # row-parallel: the ranks' sum adds rank 0's bias once
                     written[target] += copy_into(params[target].data, tensor, rule, match, model, name, path)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
