@@ -22,7 +22,17 @@ FAMILY_CONFIGS = {
         model_type="olmoe", hidden_size=36, intermediate_size=28, num_attention_heads=3, num_key_value_heads=3,
         num_experts=4, num_experts_per_tok=1, clip_qkv=None,
     ),
+    # DeepSeek-V2-Lite's shape: no q LoRA, softmax greedy routing, a dense first layer, two shared experts.
+    "deepseek_v2": dict(
+        model_type="deepseek_v2", hidden_size=64, intermediate_size=48, num_attention_heads=4, q_lora_rank=None,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=20, n_shared_experts=2, first_k_dense_replace=1,
+        topk_method="greedy", routed_scaling_factor=1.0,
+    ),
 }
+
+# Families whose norms and routing buffers are drawn at random too (their init leaves them at 1 and 0).
+RANDOM_NORMS_AND_BUFFERS = {"deepseek_v2", "deepseek_v3"}
 
 
 def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2, **overrides):
@@ -35,5 +45,12 @@ def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if family in RANDOM_NORMS_AND_BUFFERS:
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith("norm.weight"):
+                    tensor.copy_(1 + 0.3 * torch.randn_like(tensor))
+                elif name.endswith("e_score_correction_bias"):
+                    tensor.copy_(0.1 * torch.randn_like(tensor))
     model.save_pretrained(path)
     return model

@@ -9,6 +9,7 @@ import glob
 import json
 import logging
 import os
+import re
 
 import torch
 
@@ -26,6 +27,7 @@ from moe_kernels.quant import QuantScheme
 logger = logging.getLogger(__name__)
 
 _QKV_ORDER = ("q", "k", "v")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -59,6 +61,11 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         return (slice(block.first_expert, block.first_expert + block.experts.w13.shape[0]),)
     if tp.size == 1:
         return None
+    if ".self_attn." in target:  # an attention layer that says how it is split (MLA's head-wise projections)
+        layer, _, local = target.partition(".self_attn.")
+        own = getattr(model.get_submodule(layer + ".self_attn"), "tp_slices", None)
+        if own is not None:
+            return own(local, tp.rank)
     attn, d, r = model.model.layers[0].self_attn, model.config.head_dim, tp.rank
 
     def rows(start: int, n: int):
@@ -186,12 +193,17 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
     files = checkpoint_files(model_dir)
     stored = checkpoint_scheme(model.config)
     scales = _Scales(files, stored.block) if stored is not None else None
+    extra_layers = set()  # next-token-prediction (MTP) layers past num_hidden_layers: not used for serving
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if scales is not None and is_scale_name(name):
                         continue  # read with the weight it scales
+                    layer = _LAYER_INDEX.match(name)
+                    if layer is not None and int(layer.group(1)) >= model.config.num_layers:
+                        extra_layers.add(int(layer.group(1)))
+                        continue
                     target, rule, match = model.map_weight_name(name)
                     if target not in params:
                         logger.warning("%s: ignoring tensor %s (no matching parameter)", path, name)
@@ -210,6 +222,9 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                     written[target] += copy_into(params[target].data, tensor, rule, match, model, name, path)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
+    if extra_layers:
+        logger.info("%s: skipped the tensors of layers %s (past num_hidden_layers=%d: next-token-prediction "
+                    "layers, not used here)", model_dir, sorted(extra_layers), model.config.num_layers)
     if model.config.tie_word_embeddings:
         written["lm_head.weight"] = written.get("model.embed_tokens.weight", 0)
     missing = [n for n, p in params.items() if written.get(n, 0) < p.numel()]

@@ -1,6 +1,7 @@
 """Model families, keyed by the `architectures` entry of config.json."""
 
 from engine.models.base import MoECausalLM
+from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -8,7 +9,8 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     cls.__name__: cls
-    for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM)
+    for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM,
+                DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
 }
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]
