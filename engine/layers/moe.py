@@ -1,4 +1,4 @@
-"""The sparse MoE block: router, routed experts via moe_kernels, optional gated shared expert."""
+"""The sparse MoE block: router, routed experts via moe_kernels, optional shared expert (gated or not)."""
 
 import torch
 from torch import nn
@@ -7,6 +7,7 @@ import moe_kernels
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
 from moe_kernels.quant import QuantScheme, quantize
+from moe_kernels.routing import RoutingSpec
 
 
 class ExpertWeights(nn.Module):
@@ -64,8 +65,13 @@ class ExpertWeights(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Legend: T tokens, H hidden, E experts, k top-k.
 
-    ``shared_expert_size`` > 0 adds Qwen2-MoE's shared expert, scaled by a
-    sigmoid gate per token.
+    ``routing`` says how experts are picked (``moe_kernels.RoutingSpec``); with ``correction_bias`` the
+    block holds a float32 ``e_score_correction_bias`` [E] (DeepSeek-V3, GLM-4.5, dots.llm1, MiniMax-M2)
+    that routing adds to the scores to choose experts.
+
+    ``shared_expert_size`` > 0 adds a shared expert that every token goes through: scaled by a sigmoid
+    gate per token with ``shared_expert_gated`` (Qwen2-MoE), added as is without (DeepSeek, GLM, dots:
+    ``n_shared_experts`` experts of ``moe_intermediate_size`` as one MLP of their summed width).
 
     Tensor parallel: every rank routes (the router is replicated) and holds a 1/tp slice of
     each expert's intermediate size (and of the shared expert's); the routed and shared partial
@@ -83,11 +89,12 @@ class SparseMoeBlock(nn.Module):
         self,
         hidden_size: int,
         num_experts: int,
-        top_k: int,
+        routing: RoutingSpec,
         intermediate_size: int,
-        renormalize: bool,
         backend: str,
         shared_expert_size: int = 0,
+        shared_expert_gated: bool = True,
+        correction_bias: bool = False,
         tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
@@ -98,14 +105,16 @@ class SparseMoeBlock(nn.Module):
             self.first_expert, local_experts = 0, num_experts
         else:
             self.first_expert, local_experts = tp.expert_parallel.local_experts(num_experts)
-        self.top_k, self.renormalize, self.backend = top_k, renormalize, backend
+        routing.check(num_experts)
+        self.routing, self.backend = routing, backend
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # router
-        self.experts = ExpertWeights(local_experts, hidden_size, intermediate_size)
-        if shared_expert_size:
-            self.shared_expert = GatedMLP(hidden_size, shared_expert_size, tp, reduce=False)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        if correction_bias:  # a Parameter so that the loader fills it; kept float32 by ``_apply``
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
         else:
-            self.shared_expert = None
+            self.register_parameter("e_score_correction_bias", None)
+        self.experts = ExpertWeights(local_experts, hidden_size, intermediate_size)
+        self.shared_expert = GatedMLP(hidden_size, shared_expert_size, tp, reduce=False) if shared_expert_size else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_size and shared_expert_gated else None
         # [E] tokens routed to each expert since start; accumulated on the device, read only for stats.
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.routing_backend = "torch"  # engine.transforms.fusion sets "triton": routing and counting in one launch
@@ -113,8 +122,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)  # [T, E]
         topk_weights, topk_ids = moe_kernels.route(
-            router_logits, self.top_k, renormalize=self.renormalize, expert_counts=self.expert_tokens,
-            backend=self.routing_backend,
+            router_logits, self.routing, correction_bias=self.e_score_correction_bias,
+            expert_counts=self.expert_tokens, backend=self.routing_backend,
         )  # [T, k]
         if self.dispatch is not None:
             return self._expert_parallel(x, topk_weights, topk_ids)
@@ -126,8 +135,26 @@ class SparseMoeBlock(nn.Module):
             out = out + self._shared(x)
         return self.tp.all_reduce(out)
 
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
+
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H], this rank's partial sum
+        out = self.shared_expert(x)  # [T, H], this rank's partial sum
+        return out if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * out
+
+    def _apply(self, fn, recurse=True):
+        # The correction bias only shifts scores in (0, 1) by amounts that decide close calls: a model-wide
+        # cast (``model.to(bfloat16)``) must not round it, as checkpoints keep it float32. It follows the device.
+        bias = self.e_score_correction_bias
+        if bias is None:
+            return super()._apply(fn, recurse)
+        kept = bias.detach().clone()  # ``_apply`` may overwrite the parameter's data in place
+        super()._apply(fn, recurse)
+        device = fn(torch.empty(0)).device
+        moved = torch.empty_like(kept, device=device) if kept.is_meta else kept.to(device)
+        self.e_score_correction_bias = nn.Parameter(moved, requires_grad=False)
+        return self
 
     def _expert_parallel(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         tp = self.tp  # this replica's ranks: they hold the same tokens after attention

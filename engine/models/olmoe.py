@@ -4,6 +4,7 @@ from engine.layers.attention import Attention
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.base import DecoderLayer, MoECausalLM
+from moe_kernels import RoutingSpec
 
 
 class OlmoeForCausalLM(MoECausalLM):
@@ -16,9 +17,8 @@ class OlmoeForCausalLM(MoECausalLM):
         moe = SparseMoeBlock(
             c.hidden_size,
             num_experts=c.cfg("num_experts"),
-            top_k=c.cfg("num_experts_per_tok"),
+            routing=RoutingSpec(top_k=c.cfg("num_experts_per_tok"), renormalize=bool(c.cfg("norm_topk_prob", False))),
             intermediate_size=c.cfg("intermediate_size"),
-            renormalize=bool(c.cfg("norm_topk_prob", False)),
             backend=moe_backend,
             tp=self.tp,
         )

@@ -6,6 +6,7 @@ from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.loading.model_config import ModelConfig
+from moe_kernels import RoutingSpec
 
 
 def qwen_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, shared_expert_size: int = 0,
@@ -19,9 +20,8 @@ def qwen_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, shared_exper
     return SparseMoeBlock(
         config.hidden_size,
         num_experts=num_experts,
-        top_k=config.cfg("num_experts_per_tok"),
+        routing=RoutingSpec(top_k=config.cfg("num_experts_per_tok"), renormalize=bool(config.cfg("norm_topk_prob", False))),
         intermediate_size=config.cfg("moe_intermediate_size"),
-        renormalize=bool(config.cfg("norm_topk_prob", False)),
         backend=moe_backend,
         shared_expert_size=shared_expert_size,
         tp=tp,
