@@ -29,6 +29,12 @@ FAMILY_CONFIGS = {
         num_experts_per_tok=2, moe_intermediate_size=20, n_shared_experts=2, first_k_dense_replace=1,
         topk_method="greedy", routed_scaling_factor=1.0,
     ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", hidden_size=64, intermediate_size=48, num_attention_heads=4, q_lora_rank=24,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=20, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    ),
 }
 
 # Families whose norms and routing buffers are drawn at random too (their init leaves them at 1 and 0).

@@ -12,6 +12,7 @@ from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading.model_config import ModelConfig
 from engine.models.base import DecoderLayer, MoECausalLM, WeightRule
+from moe_kernels.routing import RoutingSpec
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -34,40 +35,43 @@ def mla_from_config(config: ModelConfig, rotary: RotaryEmbedding, tp: TensorPara
     )
 
 
-class DeepseekMoE(SparseMoeBlock):
-    """Routed experts plus ``n_shared_experts`` shared ones (one MLP of that many times the expert size) that
-    every token goes through, ungated."""
-
-    def __init__(self, hidden_size: int, shared_expert_size: int, tp: TensorParallel = SINGLE, **routed) -> None:
-        super().__init__(hidden_size, tp=tp, **routed)
-        self.shared_expert = GatedMLP(hidden_size, shared_expert_size, tp, reduce=False) if shared_expert_size else None
-
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        return self.shared_expert(x)  # [T, H], this rank's partial sum
+def deepseek_routing(config: ModelConfig) -> RoutingSpec:
+    """V3: sigmoid scores, the correction bias choosing, top-2-sum groups, ``norm_topk_prob``, scaled. V2: softmax,
+    ``group_limited_greedy`` groups scored by their best expert (``greedy``: no groups), never renormalised."""
+    c = config
+    common = dict(top_k=c.cfg("num_experts_per_tok"), scaling_factor=float(c.cfg("routed_scaling_factor", 1.0)))
+    if c.architecture == "DeepseekV3ForCausalLM":
+        return RoutingSpec(scoring="sigmoid", renormalize=bool(c.cfg("norm_topk_prob", True)),
+                           n_group=c.cfg("n_group") or 1, topk_group=c.cfg("topk_group") or 1, **common)
+    method = c.cfg("topk_method", "greedy")
+    if method == "greedy":
+        return RoutingSpec(**common)
+    if method != "group_limited_greedy":
+        raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy are)")
+    return RoutingSpec(n_group=c.cfg("n_group"), topk_group=c.cfg("topk_group"), group_scoring="max", **common)
 
 
 def deepseek_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, tp: TensorParallel) -> torch.nn.Module:
+    """Dense SwiGLU for the first ``first_k_dense_replace`` layers, then routed experts plus ``n_shared_experts``
+    shared ones (one MLP of that many times the expert size) that every token goes through, ungated."""
     c = config
     num_experts = c.cfg("n_routed_experts") or 0
     if layer_idx < (c.cfg("first_k_dense_replace") or 0) or not num_experts:
         return GatedMLP(c.hidden_size, c.cfg("intermediate_size"), tp)
-    method = c.cfg("topk_method", "greedy")
-    if c.architecture == "DeepseekV2ForCausalLM" and (method != "greedy" or c.cfg("routed_scaling_factor", 1.0) != 1.0):
-        raise ValueError(f"DeepSeek-V2 routing {method!r} with routed_scaling_factor "
-                         f"{c.cfg('routed_scaling_factor')} is not supported yet (greedy top-k with factor 1 is)")
-    return DeepseekMoE(
-        c.hidden_size, c.cfg("moe_intermediate_size") * (c.cfg("n_shared_experts") or 0), tp=tp,
-        num_experts=num_experts, top_k=c.cfg("num_experts_per_tok"), intermediate_size=c.cfg("moe_intermediate_size"),
-        # V2's router never renormalises its top-k weights (``norm_topk_prob`` is V3's).
-        renormalize=c.architecture != "DeepseekV2ForCausalLM" and bool(c.cfg("norm_topk_prob", False)),
-        backend=moe_backend,
+    return SparseMoeBlock(
+        c.hidden_size, num_experts=num_experts, routing=deepseek_routing(c),
+        intermediate_size=c.cfg("moe_intermediate_size"), backend=moe_backend,
+        shared_expert_size=c.cfg("moe_intermediate_size") * (c.cfg("n_shared_experts") or 0),
+        shared_expert_gated=False, correction_bias=c.architecture == "DeepseekV3ForCausalLM", tp=tp,
     )
 
 
 class DeepseekV2ForCausalLM(MoECausalLM):
-    # MLA's own q_proj (no packed qkv); the checkpoints' ``shared_experts`` is our ``shared_expert``.
+    # MLA's own q_proj (no packed qkv); the checkpoints' ``shared_experts`` is our ``shared_expert``, their
+    # router's ``gate.e_score_correction_bias`` the block's.
     weight_rules = (WeightRule(r"^(.*\.self_attn)\.q_proj\.weight$", r"\1.q_proj.weight"),)
-    name_aliases = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
+    name_aliases = ((".mlp.shared_experts.", ".mlp.shared_expert."),
+                    (".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"))
 
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
         return DecoderLayer(self.config, mla_from_config(self.config, rotary, self.tp),

@@ -14,6 +14,13 @@ VARIANTS = {
     "qwen2_moe": [{}, dict(num_key_value_heads=1, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[])],
     "qwen3_moe": [{}, dict(num_key_value_heads=4, num_experts=5, num_experts_per_tok=2, norm_topk_prob=False, head_dim=12)],
     "olmoe": [{}, dict(num_key_value_heads=1, num_experts=12, num_experts_per_tok=3, clip_qkv=0.9, norm_topk_prob=True)],
+    # V2-Lite's shape, then V2's grouped softmax routing (groups scored by their best expert, scaled weights).
+    "deepseek_v2": [{}, dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.7,
+                             num_attention_heads=2, v_head_dim=16)],
+    # V3's shape, then plain (non-interleaved) rope with YaRN scaling whose mscale_all_dim scales the softmax.
+    "deepseek_v3": [{}, dict(rope_interleave=False, n_group=2, topk_group=1, num_experts_per_tok=3,
+                             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8,
+                                                  mscale_all_dim=0.7, original_max_position_embeddings=256))],
 }
 CASES = [(fam, i) for fam, variants in VARIANTS.items() for i in range(len(variants))]
 
@@ -29,8 +36,11 @@ MODES = {
     # Overlapped scheduling (tokens fed to the next step on the device, stop checks one step behind), chunked
     # prefill and preemption included: the small pool preempts here too.
     "overlap": dict(overlap_scheduling=True, num_kv_blocks=18, block_size=16, max_num_batched_tokens=48),
+    # The requests twice: the second pass hits the prefix cache; n-gram drafts verified in the forward.
+    "prefix_speculation": dict(num_kv_blocks=ROOMY_POOL, speculative="ngram", num_speculative_tokens=3,
+                               speculative_max_batch=64),
 }
-for _mode in ("default", "chunked_prefill", "preemption"):
+for _mode in ("default", "chunked_prefill", "preemption", "prefix_speculation"):
     MODES[_mode].setdefault("overlap_scheduling", False)  # the synchronous loop, whatever the device's default
 
 
@@ -66,11 +76,18 @@ def test_greedy_matches_transformers(reference, mode):
     llm = LLM(model=path, dtype="float32", device="cpu", **MODES[mode])
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     outs = llm.generate([p for p, _ in reqs], params)
-    for (prompt, max_tokens), out, ref in zip(reqs, outs, expected):
+    if mode == "prefix_speculation":
+        outs += llm.generate([p for p, _ in reqs], params)
+    for (prompt, max_tokens), out, ref in zip(reqs * (len(outs) // len(reqs)), outs, expected * (len(outs) // len(reqs))):
         assert out.token_ids == ref, f"seed={seed} prompt_len={len(prompt)}"
         assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
         assert out.num_prompt_tokens == len(prompt)
     scheduler = llm.engine.scheduler
+    if mode == "chunked_prefill":
+        assert max(len(p) for p, _ in reqs) > MODES[mode]["max_num_batched_tokens"], "a prompt must span chunks"
+    if mode == "prefix_speculation":
+        assert scheduler.kv.prefix_hit_tokens > 0, f"seed={seed}: the second pass should hit the prefix cache"
+        assert scheduler.spec_draft_tokens > 0, f"seed={seed}: prompt lookup should have proposed drafts"
     if mode in ("preemption", "overlap"):
         assert scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
     else:
