@@ -51,7 +51,7 @@ def replica_runs(tmp_path_factory):
                    1: [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (7, 3)]}
         max_tokens = {0: [9, 12, 6, 10, 6, 6], 1: [3, 4]}
         dispatch = "all_gather" if family == "qwen2_moe" else "all_to_all"
-        num_experts = hf.config.num_local_experts if family == "mixtral" else hf.config.num_experts
+        num_experts = hf.config.num_local_experts if family in ("mixtral", "deepseek_v3") else hf.config.num_experts
         runs[family] = (model_dir, prompts, max_tokens, dispatch)
         refs[family] = (seed, num_experts,
                         {r: [hf_greedy(hf, p, n) for p, n in zip(prompts[r], max_tokens[r])] for r in prompts})
