@@ -5,7 +5,8 @@
 #
 # Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf, bench-overlap,
 # bench-piecewise (prefill and mixed steps, piecewise CUDA graphs off vs on),
-# bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), batch-three-ways, batch-goals
+# bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), bench-mla (the MLA decode
+# kernel on DeepSeek-V3 shapes, with a sweep of its launch alternatives), batch-three-ways, batch-goals
 # (plus any stage name below). Each runs under its own time limit, so one that fails or
 # hangs still leaves the others' results; logs and JSON land in $OUT (default
 # /tmp/moegate-gpu), re-archived after every stage as gpu_session.tgz so a
@@ -47,6 +48,7 @@ for spec in "$@"; do
         tests) run_stage tests "$limit" $PY -m pytest -q -ra -p no:cacheprovider --durations=15 tests/moe_kernels \
             tests/engine/test_triton_elementwise.py tests/engine/test_dense_gemv.py \
             tests/engine/test_cuda_graphs.py tests/engine/test_piecewise_graphs.py tests/engine/test_triton_attention.py tests/engine/test_triton_attention_engine.py \
+            tests/engine/test_triton_mla_attention.py \
             tests/engine/test_triton_backend_engine.py tests/engine/test_host_syncs.py tests/engine/test_random_weights.py \
             tests/engine/test_quantized_experts.py tests/engine/test_expert_load.py tests/engine/test_overlap.py \
             --deselect tests/engine/test_random_weights.py::test_command_lines_take_random_weights ;;
@@ -57,6 +59,10 @@ for spec in "$@"; do
         # Decode with every projection on cuBLAS, to set beside bench-engine's default (measured gemv choice).
         bench-engine-gemv-off) run_stage bench-engine-gemv-off "$limit" $PY -m benchmarks.engine_gpu --skip-hf --dense-gemv off \
             --concurrency 1,8 --json "$WORK/bench_engine_gemv_off.json" ;;
+        # The MLA decode kernel alone: h = 16 and 128 heads, batch 1/32/128, context 1k/4k/16k, GB/s against the
+        # copy peak and the datasheet, each shape checked against float64; the sweep times the launch alternatives.
+        # About 18 shapes x 17 timings plus ~25 compiles: should fit 300 s (not yet run on a GPU).
+        bench-mla) run_stage bench-mla "$limit" $PY -m benchmarks.mla_decode --sweep --json "$WORK/bench_mla.json" ;;
         bench-engine) run_stage bench-engine "$limit" $PY -m benchmarks.engine_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
         bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m benchmarks.engine_gpu --skip-hf --elementwise torch \
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;

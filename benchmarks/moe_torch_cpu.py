@@ -35,7 +35,7 @@ from moe_kernels.grouped_backend import fused_moe_grouped
 from moe_kernels.routing import route
 from moe_kernels.torch_backend import fused_moe_loop
 
-# (name, H, I, E, k): the small model of ``e2e`` and the offline bench model (loadgen.offline.BENCH_MODEL_CONFIG).
+# (name, H, I, E, k): the small model of ``e2e`` and the offline bench model (loadgen.bench_model.BENCH_MODEL_CONFIG).
 KERNEL_SHAPES = (("small-h256", 256, 256, 16, 4), ("bench-h512", 512, 256, 16, 4))
 KERNEL_TOKENS = (1, 4, 16, 64, 256, 1024, 2048)
 
@@ -120,7 +120,7 @@ def run_e2e_once(backend: str, threads: int, reqs) -> tuple[float, int, list[lis
 
 
 def bench_e2e(threads: int, pairs: int, num_requests: int, seed: int) -> None:
-    from loadgen.offline import make_workload
+    from loadgen.bench_model import make_workload
 
     reqs = make_workload(num_requests, seed, 8192, prompt_range=(16, 256), output_range=(8, 128))
     print(f"torch {torch.__version__}, {threads} thread(s); {num_requests} requests, prompts 16-256, outputs 8-128")

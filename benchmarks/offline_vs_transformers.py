@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.offline_vs_transformers --rounds 3
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.offline_vs_transformers --shapes deepseek-v2-lite-small
 
-Each round runs, for each shape (the bench model of ``loadgen.offline`` and a small one: hidden
+Each round runs, for each shape (the bench model of ``loadgen.bench_model`` and a small one: hidden
 256), moegate then transformers on the same requests; the rounds alternate so machine drift hits
 both systems alike. Prints each round's tokens/s and the median ratio per shape.
 
@@ -20,7 +20,7 @@ import tempfile
 import torch
 
 from engine.worker.cpu_allocator import keep_freed_memory
-from loadgen import offline
+from loadgen import bench_model, offline
 
 # The bench model with hidden 256 (heads 4/2, experts of 128): the small shape.
 SMALL_OVERRIDES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=128,
@@ -53,7 +53,7 @@ def _write_model(path: str, overrides: dict, seed: int) -> None:
         fields = dict(overrides)
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     else:
-        config = AutoConfig.for_model("qwen3_moe", **{**offline.BENCH_MODEL_CONFIG, **overrides})
+        config = AutoConfig.for_model("qwen3_moe", **{**bench_model.BENCH_MODEL_CONFIG, **overrides})
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
 
@@ -76,7 +76,7 @@ def main() -> None:
                 num_requests = args.bench_requests
             path = f"{root}/{name}"
             _write_model(path, overrides, args.seed)
-            reqs = offline.make_workload(num_requests, args.seed, offline.BENCH_MODEL_CONFIG["vocab_size"], prompts, outputs)
+            reqs = bench_model.make_workload(num_requests, args.seed, bench_model.BENCH_MODEL_CONFIG["vocab_size"], prompts, outputs)
             setups[name] = (path, reqs)
         ratios: dict[str, list[float]] = {name: [] for name in shapes}
         for rnd in range(args.rounds):

@@ -37,7 +37,7 @@ from gateway.errors import (
 from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
-from gateway.replica_router import replicas_of
+from gateway.replica_router import replicas_of, unresponsive_after_s
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
 from gateway.usage_ledger import UsageLedger
@@ -74,7 +74,7 @@ async def health(request: web.Request) -> web.Response:
     """ready (200) while any engine replica serves; starting / engine down (503 with Retry-After) while none
     does. ``replicas`` gives each replica's own status (and why it is down)."""
     engine = request.app[ENGINE]
-    replicas = [_replica_health(name, r) for name, r in replicas_of(engine)]
+    replicas = [_replica_health(name, r, unresponsive_after_s(engine)) for name, r in replicas_of(engine)]
     if request.app[DRAINING].is_set():
         response = json_response({"status": "draining", "replicas": replicas}, status=503)
     elif engine.dead:
@@ -87,10 +87,15 @@ async def health(request: web.Request) -> web.Response:
     return response
 
 
-def _replica_health(name: str, replica: EngineClient) -> dict:
+def _replica_health(name: str, replica: EngineClient, silence_limit_s: float) -> dict:
     if replica.dead:
         return {"replica": name, "status": "down", "reason": replica.dead}
-    return {"replica": name, "status": "starting" if replica.info is None else "ready"}
+    if replica.info is None:
+        return {"replica": name, "status": "starting"}
+    silent = replica.silent_s()
+    if silent >= silence_limit_s:  # no new requests go there until it speaks again
+        return {"replica": name, "status": "unresponsive", "silent_s": round(silent, 1)}
+    return {"replica": name, "status": "ready"}
 
 
 async def openapi_endpoint(request: web.Request) -> web.Response:

@@ -165,13 +165,21 @@ class ReplicaRouter:
         ready = [r for r in self.replicas if not r.dead and r.info is not None]
         return (ready or self.replicas)[0]
 
+    def silent_s(self) -> float:
+        return min(r.silent_s() for r in self.replicas)
+
     def chat_template(self) -> str | None:
         return self.replicas[0].chat_template()  # the replicas serve the same checkpoint
 
     # -- routing --
 
+    def responsive(self, i: int) -> bool:
+        """Whether replica ``i`` has spoken within ``RouterConfig.unresponsive_after_s``."""
+        return self.replicas[i].silent_s() < self.policy.unresponsive_after_s
+
     def live(self) -> list[int]:
-        """Replicas that may take a request now (ready, not down)."""
+        """Replicas that may take a request now: ready, not down, and responsive unless none is (a request then
+        waits on a silent replica rather than failing at once)."""
         out = []
         for i, r in enumerate(self.replicas):
             if r.dead is not None or r.info is None:
@@ -180,7 +188,7 @@ class ReplicaRouter:
                 self._index[i].clear()
                 self._ready[i] = r.info
             out.append(i)
-        return out
+        return [i for i in out if self.responsive(i)] or out
 
     def pick(self, hashes: Sequence[bytes], exclude: set[int] = frozenset()) -> int:
         """The replica for a prompt with these block hashes; EngineError if none is live."""
@@ -369,6 +377,11 @@ _ENDED = object()  # _first_output: the stream ended without an output
 _SUMMED = ("num_running", "kv_blocks_used", "kv_blocks_total", "prefix_query_tokens", "prefix_hit_tokens",
            "blocks_evicted", "num_preemptions", "step_prefill_tokens", "step_decode_tokens", "total_prefill_tokens",
            "total_decode_tokens", "spec_draft_tokens", "spec_accepted_tokens", "spec_steps")
+
+
+def unresponsive_after_s(engine: EngineClient) -> float:
+    """After how many silent seconds a replica of ``engine`` gets no new requests (the router's setting)."""
+    return engine.policy.unresponsive_after_s if isinstance(engine, ReplicaRouter) else RouterConfig().unresponsive_after_s
 
 
 def replicas_of(engine: EngineClient) -> list[tuple[str, EngineClient]]:

@@ -61,6 +61,9 @@ class RouterConfig:
     # Seconds between looks for a move while requests wait unstarted (besides one whenever a request ends):
     # a replica that joins or rejoins idle gets work without waiting for a request to end. 0: only on ends.
     rebalance_interval_s: float = 0.1
+    # A replica silent this long (a running engine speaks every second: a frozen process, a stalled link) gets no
+    # new requests until it speaks again; its stall timeout, much longer, decides whether it is dead.
+    unresponsive_after_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -69,6 +72,8 @@ class RouterConfig:
             raise ValueError("balance_abs must be >= 0, balance_rel >= 1 and min_match_blocks >= 1")
         if self.rebalance_interval_s < 0:
             raise ValueError("rebalance_interval_s must be >= 0")
+        if not self.unresponsive_after_s > 0:
+            raise ValueError("unresponsive_after_s must be > 0")
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ leave), ``datasets`` (what they ask), ``client`` (one timed HTTP request),
 scenario), ``batch_jobs`` (Batch API turnaround), ``records`` (one record per
 request), ``metrics`` (numbers from records), ``report`` (console, JSON, CSV),
 ``report_html`` (plotly pages), ``sweep``, ``progress``. Offline, against the
-in-process engine: ``offline``, ``shared_prefix``, ``compare_batching``.
-``cli`` registers ``moegate loadgen ...``. Nothing here imports ``gateway``
-or ``tenants``.
+in-process engine: ``offline``, ``shared_prefix``, ``compare_batching``, on
+``bench_model``'s model and workloads. ``cli`` registers ``moegate loadgen
+...``. Nothing here imports ``gateway`` or ``tenants``.
 """

@@ -141,7 +141,7 @@ def run_compare(config: CompareConfig, echo=print) -> dict:
     import torch
 
     from engine import LLM, SamplingParams
-    from loadgen.offline import BENCH_MODEL_CONFIG
+    from loadgen.bench_model import BENCH_MODEL_CONFIG
 
     threads_before = torch.get_num_threads()
     torch.set_num_threads(config.threads)

@@ -9,7 +9,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-from loadgen.offline import BENCH_MODEL_CONFIG, BenchRequest
+from loadgen.bench_model import BENCH_MODEL_CONFIG, BenchRequest
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.routing import RoutingSpec
+from moe_kernels.routing_spec import RoutingSpec
 
 @triton.jit
 def _route_kernel(

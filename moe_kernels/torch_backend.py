@@ -16,7 +16,7 @@ from moe_kernels.quant import dequantize
 # pays page faults for them (glibc gives large freed blocks back to the OS), while the loop's per-expert
 # buffers stay small and are reused. Measured (benchmarks/moe_torch_cpu.py, float32, 1 thread): one layer
 # 1.1-1.6x faster grouped up to T=64 (0.5 MiB), 0.45-1.14x from T=256 (2 MiB) on. End to end the
-# difference was within the shared test machine's noise (docs/performance.md).
+# difference was within the shared test machine's noise (docs/decisions/cpu-moe-path.md).
 CPU_GROUPED_MAX_BYTES = 1 << 20
 
 
@@ -55,7 +55,7 @@ def fused_moe_torch(
 def _int8pack_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     # torch 2.13's CPU kernel is fast only for bfloat16 activations: [1, 1024] x [1024, 1024], 1 thread, 26 us
     # against 70 us for the bfloat16 matmul (52 vs 73 us at 4 rows); for float32 and float16 it is a slow
-    # fallback (700-780 us), slower than converting the weight (benchmarks/quantized_experts.py, docs/performance.md).
+    # fallback (700-780 us), slower than converting the weight (benchmarks/quantized_experts.py).
     # bfloat16 needs K a multiple of 16: other K gave garbage or crashed when probed.
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and w.shape[1] % 16 == 0
 

@@ -1,4 +1,5 @@
-"""Preemption policy between priority classes."""
+"""A priority class as the gateway reads it: its rank, default weight and preemption flags (the engine's
+scheduler applies them: ``engine.core.scheduler``)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,3 @@ class ClassInfo:
         if not self.default_weight > 0:
             raise ValueError(f"weight must be > 0, got {self.default_weight}")
 
-
-def can_preempt(attacker: ClassInfo, victim: ClassInfo) -> bool:
-    """A request may preempt another only from a strictly better (lower) rank, if its class may preempt
-    and the victim's class is preemptible."""
-    return attacker.may_preempt and victim.preemptible and attacker.rank < victim.rank

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from tenants import keys as keylib
 from tenants.db import backend, create_engine_for
 from tenants.models import QUOTA_LIMIT_FIELDS, ApiKey, PriorityClass, Quota, Tenant, Usage, utcnow
+from tenants.names import valid_name
 from tenants.policy import ClassInfo
 
 
@@ -32,6 +33,14 @@ class NotFound(StoreError):
 
 class Conflict(StoreError):
     pass
+
+
+def _checked(kind: str, value: str, column) -> str:
+    """``value`` checked against its column's length and tenants.names' rules, as a StoreError."""
+    try:
+        return valid_name(kind, value, column.type.length)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
 
 
 @dataclass(slots=True, frozen=True)
@@ -152,9 +161,7 @@ class TenantStore:
 
     async def create_tenant(self, name: str, priority_class: str = "standard", weight: float | None = None) -> TenantInfo:
         """Create a tenant (and its empty, unlimited quota row); the weight defaults to the class's."""
-        name = name.strip()
-        if not name:
-            raise StoreError("tenant name must not be empty")
+        name = _checked("tenant name", name, Tenant.name)
         if weight is not None and not weight > 0:
             raise StoreError(f"weight must be > 0, got {weight}")
         async with self.sessions.begin() as s:
@@ -189,16 +196,15 @@ class TenantStore:
                             weight: float | None = None) -> TenantInfo:
         if weight is not None and not weight > 0:
             raise StoreError(f"weight must be > 0, got {weight}")
-        if name is not None and not name.strip():
-            raise StoreError("tenant name must not be empty")
+        if name is not None:
+            name = _checked("tenant name", name, Tenant.name)
         async with self.sessions.begin() as s:
             tenant = await self._tenant(s, ref)
             if priority_class is not None:
                 tenant.priority_class = (await self._class(s, priority_class)).name
             if weight is not None:
                 tenant.weight = weight
-            if name is not None and name.strip() != tenant.name:
-                name = name.strip()
+            if name is not None and name != tenant.name:
                 if (await s.execute(select(Tenant.id).where(Tenant.name == name))).first():
                     raise Conflict(f"tenant {name!r} already exists")
                 tenant.name = name
@@ -221,6 +227,8 @@ class TenantStore:
         only copy that will ever exist."""
         if expires_at is not None and expires_at <= utcnow():
             raise ValueError("a key's expiry must be in the future")
+        if label is not None:
+            label = _checked("key label", label, ApiKey.label)
         plaintext = keylib.generate_key()
         async with self.sessions.begin() as s:
             tenant = await self._tenant(s, tenant_ref)
@@ -334,7 +342,7 @@ class TenantStore:
     @staticmethod
     def _valid_class(name, rank, default_weight, preemptible, may_preempt) -> ClassInfo:
         try:
-            return ClassInfo(name.strip(), rank, default_weight, preemptible, may_preempt)
+            return ClassInfo(_checked("class name", name, PriorityClass.name), rank, default_weight, preemptible, may_preempt)
         except ValueError as e:
             raise StoreError(str(e)) from e
 

@@ -29,16 +29,47 @@ FAMILY_CONFIGS = {
         num_experts_per_tok=2, moe_intermediate_size=20, n_shared_experts=2, first_k_dense_replace=1,
         topk_method="greedy", routed_scaling_factor=1.0,
     ),
+    # MLA with q LoRA, grouped sigmoid routing with a correction bias, scaled and renormalised, a shared expert.
     "deepseek_v3": dict(
         model_type="deepseek_v3", hidden_size=64, intermediate_size=48, num_attention_heads=4, q_lora_rank=24,
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=20, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
         topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
     ),
+    # Partial rotary (half of each head), qkv bias, per-head q/k norm, grouped sigmoid routing with a
+    # correction bias, scaled and renormalised, a shared expert, one dense first layer.
+    "glm4_moe": dict(
+        model_type="glm4_moe", hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+        n_group=2, topk_group=1, routed_scaling_factor=1.7, norm_topk_prob=True, first_k_dense_replace=1,
+        attention_bias=True, use_qk_norm=True,
+    ),
+    # Per-head q/k norm, q/k/v and o_proj biases, 4 groups of 2 experts (2 kept), not renormalised, 2 shared.
+    "dots1": dict(
+        model_type="dots1", hidden_size=64, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=2,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=False, first_k_dense_replace=1,
+        attention_bias=True, sliding_window=None,
+    ),
+    # q/k norm over the whole projections, partial rotary (rotary_dim 8 of 16), sigmoid + correction bias.
+    "minimax_m2": dict(
+        model_type="minimax_m2", hidden_size=64, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
+    ),
 }
 
-# Families whose norms and routing buffers are drawn at random too (their init leaves them at 1 and 0).
-RANDOM_NORMS_AND_BUFFERS = {"deepseek_v2", "deepseek_v3"}
+
+@torch.no_grad()
+def randomize_constants_(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Draw every parameter and persistent buffer that init left constant (norm weights at 1, biases and
+    routing correction biases at 0) at random around its init value, so a test cannot pass by leaving one out."""
+    persistent = set(model.state_dict())
+    tensors = [(n, p) for n, p in model.named_parameters()]
+    tensors += [(n, b) for n, b in model.named_buffers() if n in persistent and b.is_floating_point()]
+    for _, t in tensors:
+        if t.numel() > 1 and bool((t == t.flatten()[0]).all()):
+            noise = torch.randn(t.shape, generator=generator, dtype=torch.float32)
+            t.copy_(t + (0.2 if float(t.flatten()[0]) else 0.1) * noise)
 
 
 def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2, **overrides):
@@ -51,12 +82,6 @@ def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if family in RANDOM_NORMS_AND_BUFFERS:
-        with torch.no_grad():
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if name.endswith("norm.weight"):
-                    tensor.copy_(1 + 0.3 * torch.randn_like(tensor))
-                elif name.endswith("e_score_correction_bias"):
-                    tensor.copy_(0.1 * torch.randn_like(tensor))
+    randomize_constants_(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(path)
     return model

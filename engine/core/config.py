@@ -2,119 +2,129 @@
 
 from dataclasses import dataclass
 
-from engine.core.speculation import SpeculativeConfig
+from engine.core.speculation import SPECULATIVE_METHODS, SpeculativeConfig
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
 KERNEL_OPTIONS = ("auto", "torch", "triton")
 QUANTIZATION_OPTIONS = ("fp8", "fp8-block", "int8")  # engine.loading.quantization maps them to schemes
 EXPERT_DISPATCH = ("all_to_all", "all_gather")
+# The EngineConfig fields that take one of a few values (their flags' choices).
+CHOICES = {"dtype": DTYPES, "device": DEVICES, "kernels": KERNEL_OPTIONS, "quantization": QUANTIZATION_OPTIONS,
+           "expert_dispatch": EXPERT_DISPATCH, "speculative": SPECULATIVE_METHODS}
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Everything a user may set when building an engine (``LLM(**kwargs)`` maps onto it).
-
-    ``num_kv_blocks`` fixes the KV pool size (tests use it to force preemption);
-    otherwise the pool takes ``kv_cache_memory_gb`` on the CPU, or
-    ``gpu_memory_utilization`` of the GPU minus what the weights use.
-
-    ``kernels``: "triton" runs paged attention, the routed experts and the fused
-    norms, RoPE and routing (``engine.transforms.fusion``) as Triton kernels and,
-    on CUDA, measures a Triton matrix-vector kernel against ``F.linear`` for each
-    dense projection shape at start and keeps it where faster
-    (``engine.transforms.gemv_select``); "torch" runs torch ops only (any
-    device); "auto" is "triton" on CUDA and "torch" elsewhere. Triton on a CPU
-    needs ``TRITON_INTERPRET=1`` (for testing: it is slow).
-    CUDA graphs replay decode-only steps at ``cuda_graph_batch_sizes`` (default:
-    1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``), padded up to the nearest
-    size; they need CUDA and Triton attention, and ``enforce_eager`` turns them off.
-    Other steps (prefill chunks, mixed prefill and decode) of at most the largest of
-    ``cuda_graph_token_sizes`` tokens replay piecewise CUDA graphs (everything but
-    attention captured, padded up to the nearest token count; default 16, 32, ... 512,
-    capped at ``max_num_batched_tokens``; an empty tuple turns them off). They need CUDA
-    and the Triton MoE kernels; capturing them costs start-up time, which is logged.
-    ``random_weights`` (a preset name or config.json path, see ``engine.loading.random_weights``)
-    builds a model of that shape with RANDOM weights instead of loading ``model``,
-    which then only names it; tokenizer files come from ``tokenizer`` if given.
-    ``background_*``: how Batch API work yields to live work (see ``SchedulerConfig``).
-    ``tensor_parallel_size``: ranks (processes, one device each) the model is split over, Megatron
-    style; rank 0 runs the scheduler and broadcasts each step's plan (``engine.distributed``).
-    ``enable_expert_parallel``: the routed experts are divided whole among those ranks (E/N each)
-    instead of each being split N ways; ``expert_dispatch`` moves tokens to their experts' ranks by
-    "all_to_all" (uneven splits: each token slot travels once) or "all_gather" (every rank sees
-    every token, outputs reduce-scattered back: simpler, more traffic).
-    ``distributed_init_method``: the ``tcp://host:port`` the ranks meet at (None: a free local port,
-    every rank on this node); ``local_ranks``: how many ranks this node starts (None: all), the rest
-    joining from other nodes (``moegate engine-rank`` under ``torchrun``).
-    ``distributed_timeout_s``: a collective inside a step that does not complete within it (a rank
-    hung or died) fails the step with a message naming the rank.
-    ``data_parallel_size`` > 1 (with ``enable_expert_parallel``): this engine is data-parallel rank
-    ``data_parallel_rank`` of that many whole engines (each its own scheduler, requests and KV cache)
-    whose MoE layers share one expert-parallel group; they step together, an engine with nothing to
-    do running the MoE layers' collectives alone (a dummy step). Each may itself be split over
-    ``tensor_parallel_size`` ranks (``local_ranks`` then counts this replica's ranks on this node):
-    the experts are divided among all data_parallel_size x tensor_parallel_size ranks, attention and
-    the dense layers within each replica. They meet at ``distributed_init_method``.
-    ``quantization``: the routed experts stored in 8 bits, quantized at load time (``docs/quantization.md``):
-    "fp8" (float8_e4m3fn, a scale per output channel), "fp8-block" (a scale per 128x128 block) or "int8"
-    (weight-only, a scale per output channel); None keeps the model dtype, or the checkpoint's own FP8
-    scheme when its config.json has a ``quantization_config``.
-    ``overlap_scheduling``: the host schedules and prepares step N+1 while the device runs step N, the
-    sampled tokens fed to the next step on the device; stop checks and outputs run one step behind (a
-    request's extra token past its stop is dropped). None: on on CUDA, off on the CPU and with speculative
-    decoding. Logprobs, penalties and ``n`` > 1 overlap too; a step holding a grammar-constrained request
-    whose previous token is in flight is launched once that token is read; multi-process engines run
-    synchronously (``engine.worker.overlap``).
-    ``speculative``: "ngram" or "draft" turns speculative decoding on (None: off): each decoding request
-    proposes up to ``num_speculative_tokens`` tokens, by prompt lookup ("ngram") or as the greedy tokens of
-    the draft model at ``speculative_model`` ("draft": a checkpoint with the target's vocabulary), verified in the step's one forward; a request stops
-    proposing while its recent acceptance is below ``speculative_min_acceptance``, and none proposes while
-    more than ``speculative_max_batch`` requests run (``engine.core.speculation``). It needs overlapped
-    scheduling off (None then means off).
-    ``cpu_threads``: torch's intra-op threads when the model runs on the CPU; None
-    is torch's default (every core) in-process; in the engine process, which
-    shares the machine with the gateway feeding it, one core fewer while
-    foreground work is present or was within ``background_window_s``, and every
-    core otherwise (see ``engine.serving.serving_threads``).
+    """Everything a user may set when building an engine: ``LLM(**kwargs)`` maps onto it, and each field is a
+    flag of ``moegate serve``, ``moegate engine`` and ``moegate run-batch`` (``engine.engine_flags``), its help
+    the string under the field. A name in double backquotes there is another field; the help shows its flag.
     """
 
     model: str
+    """local checkpoint directory (with ``random_weights``: only the name served)"""
     dtype: str = "auto"
+    """the weights' and activations' dtype; auto: float32 on the CPU, on a GPU the checkpoint's (bfloat16 for a
+    float32 one)"""
     device: str = "auto"
+    """where the model runs; auto: CUDA when there is a GPU"""
     block_size: int = 16
+    """tokens per KV block (a power of two): the unit of the KV pool and of prefix caching"""
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
+    """requests running at once, at most (a cap: a smaller batch costs nothing)"""
+    max_num_batched_tokens: int = 2048
+    """tokens one step computes, at most: longer prompts are prefilled in chunks of this, so a long prompt
+    delays the running requests' next tokens by one such step at most"""
     max_model_len: int | None = None
+    """prompt plus output tokens of one request, at most (default: the checkpoint's context length)"""
     enable_prefix_caching: bool = True
+    """share the KV blocks of prompt prefixes already computed (salted per tenant)"""
     num_kv_blocks: int | None = None
+    """fix the KV pool at this many blocks (default: sized from ``kv_cache_memory_gb`` on the CPU, or
+    ``gpu_memory_utilization`` on a GPU)"""
     kv_cache_memory_gb: float = 2.0
+    """KV pool size on the CPU, in GB (taken only as blocks are first written)"""
     gpu_memory_utilization: float = 0.9
+    """share of the GPU's memory the engine may use: the KV pool takes what the weights leave of it"""
     seed: int = 0
+    """seed of ``random_weights``' weights (every rank and replica of a group must give the same) and of
+    sampling for requests that give none"""
     tokenizer: str | None = None
+    """tokenizer files' directory (default: ``model``'s)"""
     kernels: str = "auto"
+    """triton: paged attention, the routed experts, the fused norms, RoPE and routing as Triton kernels, and on
+    CUDA a Triton matrix-vector kernel for each dense projection shape where it measures faster than
+    F.linear at start; torch: torch ops only (any device); auto: triton on CUDA, torch elsewhere (Triton on
+    a CPU needs TRITON_INTERPRET=1, for testing: it is slow)"""
     enforce_eager: bool = False
+    """never capture or replay CUDA graphs"""
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    """batch sizes decode-only steps are padded to and replayed as whole CUDA graphs (default 1, 2, 4, 8, then
+    steps of 8 up to ``max_num_seqs``; CUDA with the Triton attention kernels only)"""
     cuda_graph_token_sizes: tuple[int, ...] | None = None
+    """token counts prefill and mixed steps are padded to and replayed as piecewise CUDA graphs (attention
+    eager between them); none (an empty tuple): off (default 16, 32, ..., 512 up to
+    ``max_num_batched_tokens``; CUDA with the Triton MoE kernels only; capturing costs start-up time, which
+    is logged)"""
     random_weights: str | None = None
+    """serve a RANDOM-weight model of a real shape instead of ``model``'s weights (for speed tests): a preset
+    (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b) or a config.json path
+    (``engine.loading.random_weights``)"""
     background_token_budget: int = 64
+    """tokens a step's batch work may take while live traffic is present or was within
+    ``background_window_s`` (``engine.core.config.SchedulerConfig``)"""
     background_window_s: float = 5.0
+    """how long after live traffic batch work stays capped, and the engine leaves a core to the gateway on
+    the CPU"""
     cpu_threads: int | None = None
+    """torch threads of the engine on the CPU (default: in the engine process, which shares the machine with
+    the gateway, one core fewer than the machine while live traffic is recent and every core otherwise; in
+    process, torch's own) (``engine.serving.serving_threads``)"""
     tensor_parallel_size: int = 1
+    """ranks (processes, one device each) the model is split over: attention heads, MLPs, experts,
+    vocabulary; rank 0 schedules and broadcasts each step's plan (``engine.distributed``)"""
     enable_expert_parallel: bool = False
+    """divide the routed experts whole among the ranks instead of splitting each one"""
     expert_dispatch: str = "all_to_all"
+    """how tokens reach their experts' ranks: all_to_all (uneven splits: each token slot travels once) or
+    all_gather (every rank sees every token, outputs reduce-scattered back: simpler, more traffic)"""
     distributed_init_method: str | None = None
+    """tcp://HOST:PORT where the ranks meet (default: a free port on this node, every rank here); independent
+    replicas split over ranks meet at PORT + their index"""
     local_ranks: int | None = None
+    """ranks this node starts of each engine's ``tensor_parallel_size`` (default all; with
+    ``data_parallel_size``, of this replica's); the others run `moegate engine-rank` elsewhere"""
     distributed_timeout_s: float = 30.0
+    """seconds a collective may take before the step fails with a message naming the rank, and the engine
+    restarts"""
     quantization: str | None = None
+    """store the routed experts in 8 bits, quantized at load time (docs/quantization.md): fp8 (e4m3, a scale
+    per output channel), fp8-block (a scale per 128x128 block) or int8 (weight-only, a scale per output
+    channel); default: the model dtype, or an FP8 checkpoint's own scheme"""
     data_parallel_size: int = 1
+    """with ``enable_expert_parallel``: whole engines (each its own scheduler, requests and KV cache) whose MoE
+    layers share one expert-parallel group, meeting at ``distributed_init_method``; they step together, one
+    with nothing to do running the MoE layers' collectives alone. Each may be split over
+    ``tensor_parallel_size`` ranks: the experts are divided among all of their ranks"""
     data_parallel_rank: int = 0
+    """this engine's place among the ``data_parallel_size`` engines"""
     overlap_scheduling: bool | None = None
+    """schedule and prepare the next step while the device runs this one, stop checks one step behind
+    (default: on with CUDA, off on the CPU, where it measured no gain, and with speculative decoding;
+    multi-process engines run synchronously) (``engine.worker.overlap``)"""
     speculative: str | None = None
+    """speculative decoding: ngram proposes the tokens that followed the latest
+    earlier occurrence of a request's last tokens, draft the greedy tokens of a small draft model
+    (``speculative_model``); verified in the same step; needs overlapped scheduling off (default: off)
+    (``engine.core.speculation``)"""
     num_speculative_tokens: int = 4
+    """draft tokens a request proposes per step"""
     speculative_max_batch: int = 8
+    """no request speculates while more than this many run"""
     speculative_min_acceptance: float = 0.3
+    """a request whose recent acceptance rate is below this stops proposing, trying again every few steps"""
     speculative_model: str | None = None
+    """the draft model's checkpoint directory for speculative draft (the served model's vocabulary)"""
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -174,10 +184,10 @@ class EngineConfig:
             raise ValueError("model must be a path to a checkpoint directory (or a name, with random_weights)")
         if self.quantization is not None and self.quantization not in QUANTIZATION_OPTIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_OPTIONS} (or None), got {self.quantization!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.device not in _DEVICES:
-            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

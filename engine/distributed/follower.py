@@ -18,6 +18,7 @@ import torch
 
 from engine.core.config import EngineConfig, KernelChoice
 from engine.distributed.groups import CollectiveError, RankGroups, RankInfo
+from engine.distributed.rank_flags import add_rank_flags
 from engine.distributed.ranks import EXIT_WITH_PARENT_ENV, parallel_groups
 from engine.distributed.world import agree_on_world
 from engine.serving.parent_watch import exit_with_parent
@@ -85,10 +86,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-rank %(levelname)s %(message)s")
     if (parent := os.environ.get(EXIT_WITH_PARENT_ENV, "")).isdigit():
         exit_with_parent(int(parent))
-    from engine.cli import add_rank_arguments
-
     parser = argparse.ArgumentParser(prog="python -m engine.distributed.follower", description=__doc__)
-    add_rank_arguments(parser)
+    add_rank_flags(parser)
     return run(parser.parse_args())
 
 

@@ -58,18 +58,21 @@ def rope_inplace(x: torch.Tensor, num_heads: int, num_norm_heads_first: int, pos
 
     With norm weights, each head is first RMS-normalized (per head, as Qwen3's
     q_norm/k_norm): heads below ``num_norm_heads_first`` use ``q_weight``, the
-    rest ``k_weight``. cos/sin: [P, d] float32 tables holding cat(freqs, freqs).
+    rest ``k_weight``. cos/sin: [P, r] float32 tables holding cat(freqs, freqs);
+    r < d is partial rotary: only each head's first r columns are rotated.
     """
     _check_device(x)
     num_tokens = x.shape[0]
     assert x.stride(-1) == 1 and cos_cache.is_contiguous() and sin_cache.is_contiguous()
+    rotated = cos_cache.shape[1]
+    assert rotated % 2 == 0 and rotated <= head_dim, (rotated, head_dim)
     if num_tokens == 0:
         return
     norm = q_weight is not None
-    half = head_dim // 2
+    half, rest = rotated // 2, head_dim - rotated
     _kernels().qk_norm_rope_kernel[(num_tokens, num_heads)](
         x, positions, cos_cache, sin_cache, q_weight if norm else cos_cache, k_weight if norm else cos_cache,
         num_norm_heads_first, eps, x.stride(0), cos_cache.stride(0),
-        HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), NORM=norm,
-        num_warps=1,
+        HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), PASS=rest,
+        BLOCK_PASS=triton.next_power_of_2(max(rest, 1)), NORM=norm, num_warps=1,
     )

@@ -42,31 +42,45 @@ def rms_norm_kernel(
 
 @triton.jit
 def qk_norm_rope_kernel(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,  # qkv [T, (h + 2 kvh) d]; cos/sin [P, d] f32; q/k norm w [d]
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,  # qkv [T, (h + 2 kvh) d]; cos/sin [P, r] f32; q/k norm w [d]
     num_q_heads, eps, stride_t, stride_cache,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, NORM: tl.constexpr,
 ):
     # Program (t, j): head j of token t, j < h a query head, else key head j - h. q heads then k heads
     # are contiguous columns of the packed projection, so head j starts at column j * d; rewritten in place.
+    # The first r = 2 * HALF columns of a head are rotated (NeoX halves); the PASS = d - r after them
+    # (partial rotary) are only normalized, when NORM.
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)
     ok = cols < HALF
     base = qkv_ptr + t * stride_t + head * HEAD_DIM
-    x1 = tl.load(base + cols, mask=ok, other=0.0)  # first half of the head
+    x1 = tl.load(base + cols, mask=ok, other=0.0)  # first half of the rotated part
     x2 = tl.load(base + HALF + cols, mask=ok, other=0.0)  # second half
     dtype = x1.dtype
     if NORM:  # per-head RMSNorm (Qwen3), torch's rounding: weight * (x32 * rstd).to(dtype)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
+        square_sum = tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)
+        if PASS > 0:
+            pcols = tl.arange(0, BLOCK_PASS)
+            pok = pcols < PASS
+            xp = tl.load(base + 2 * HALF + pcols, mask=pok, other=0.0)
+            fp = xp.to(tl.float32)
+            square_sum += tl.sum(fp * fp, axis=0)
+        rstd = tl.rsqrt(square_sum / HEAD_DIM + eps)
         if head < num_q_heads:
-            w1 = tl.load(qw_ptr + cols, mask=ok, other=0.0)
-            w2 = tl.load(qw_ptr + HALF + cols, mask=ok, other=0.0)
+            w_ptr = qw_ptr
         else:
-            w1 = tl.load(kw_ptr + cols, mask=ok, other=0.0)
-            w2 = tl.load(kw_ptr + HALF + cols, mask=ok, other=0.0)
+            w_ptr = kw_ptr
+        w1 = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        w2 = tl.load(w_ptr + HALF + cols, mask=ok, other=0.0)
         x1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype)
         x2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype)
+        if PASS > 0:
+            wp = tl.load(w_ptr + 2 * HALF + pcols, mask=pok, other=0.0)
+            tl.store(base + 2 * HALF + pcols, ((fp * rstd).to(dtype).to(tl.float32) * wp.to(tl.float32)).to(dtype),
+                     mask=pok)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     # The tables hold cat(freqs, freqs): both halves share one cos/sin. torch casts them to the dtype first.
     c = tl.load(cos_ptr + pos * stride_cache + cols, mask=ok, other=0.0).to(dtype).to(tl.float32)

@@ -17,7 +17,9 @@ class Attention(nn.Module):
     """Legend: T tokens, H hidden, h query heads, kvh KV heads, d head dim (h and kvh: this rank's).
 
     ``qk_norm``: "none"; "per_head" (Qwen3: RMSNorm over d of each head);
-    "full" (OLMoE: RMSNorm over all heads' projections before the split).
+    "full" (OLMoE, MiniMax-M2: RMSNorm over all heads' projections before the split).
+    ``o_bias``: o_proj has a bias (dots.llm1 with ``attention_bias``); under tensor parallelism only rank 0
+    holds it (zeros elsewhere, see the loader), so the all-reduce adds it once.
 
     Tensor parallel (``tp``): each rank holds ``num_heads / tp.size`` query heads and
     ``num_kv_heads / tp.size`` KV heads (one replicated KV head where there are fewer KV
@@ -36,6 +38,7 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         qk_norm: str = "none",
         clip_qkv: float | None = None,
+        o_bias: bool = False,
         tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
@@ -55,7 +58,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # Packed q, k, v rows: one matmul instead of three (loaded from q_proj/k_proj/v_proj).
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
         self.rotary = rotary
         self.qk_norm = qk_norm
         self.clip_qkv = clip_qkv

@@ -75,9 +75,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(kv_lora_rank, h * (qk_nope_head_dim + v_head_dim), bias=False)
-        if bias and tp.size > 1:
-            raise ValueError("an o_proj bias under tensor parallelism is not supported")
-        self.o_proj = nn.Linear(h * v_head_dim, hidden_size, bias=bias)
+        self.o_proj = nn.Linear(h * v_head_dim, hidden_size, bias=bias)  # row-parallel: rank 0 alone loads its bias
         self.rotary, self.rope_interleave, self.scale = rotary, rope_interleave, scale
         self.decode_form = "absorbed"
         # [N_blocks + 1, block_size, r + p]: latent first, rope key last; bound by the runner.

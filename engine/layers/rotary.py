@@ -1,4 +1,9 @@
-"""Rotary position embedding (NeoX layout: rotate the two halves of each head)."""
+"""Rotary position embedding (NeoX layout: rotate the two halves of each head's rotated part).
+
+Partial rotary (GLM-4.5, MiniMax-M2: ``partial_rotary_factor`` in the rope parameters) rotates only the
+first ``rotary_dim`` of each head's d dimensions (its two halves) and passes the rest through, as
+transformers' ``apply_rotary_pos_emb`` does when cos/sin are narrower than the head.
+"""
 
 import torch
 from torch import nn
@@ -6,12 +11,22 @@ from torch import nn
 from engine.loading.model_config import ModelConfig
 
 
-def _inv_freq(config: ModelConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+def rotary_dim(config: ModelConfig, head_dim: int) -> int:
+    """How many of each head's ``head_dim`` dimensions are rotated (all, unless a partial factor is set)."""
+    factor = float(config.rope_parameters.get("partial_rotary_factor", 1.0) or 1.0)
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} gives {dim} rotated dims of {head_dim}: need an even "
+                         "number in (0, head_dim]")
+    return dim
+
+
+def _inv_freq(config: ModelConfig, rot_dim: int) -> tuple[torch.Tensor, float]:
     rope = config.rope_parameters
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         base = float(rope["rope_theta"])
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim
         return 1.0 / (base**exponents), 1.0
     # Scaled variants (linear, llama3, yarn, ...): transformers knows their formulas.
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -23,23 +38,24 @@ def _inv_freq(config: ModelConfig, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k given absolute positions; cos/sin cached up to max_positions."""
+    """Applies RoPE to q and k given absolute positions; cos/sin [P, rotary_dim] cached up to max_positions."""
 
     def __init__(self, config: ModelConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.config, self.head_dim, self.max_positions = config, head_dim, max_positions
-        self.register_buffer("cos_cache", torch.empty(max_positions, head_dim), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(max_positions, head_dim), persistent=False)
+        self.rotary_dim = rotary_dim(config, head_dim)
+        self.register_buffer("cos_cache", torch.empty(max_positions, self.rotary_dim), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(max_positions, self.rotary_dim), persistent=False)
         if self.cos_cache.device.type != "meta":
             self.build_cache()
 
     @torch.no_grad()
     def build_cache(self) -> None:
         """Fill the cos/sin tables in float32 (called again after a model is built on the meta device)."""
-        inv_freq, scaling = _inv_freq(self.config, self.head_dim)
+        inv_freq, scaling = _inv_freq(self.config, self.rotary_dim)
         positions = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [P, d/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, d]
+        freqs = torch.outer(positions, inv_freq)  # [P, r/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, r]
         self.cos_cache = (emb.cos() * scaling).to(self.cos_cache.device)
         self.sin_cache = (emb.sin() * scaling).to(self.sin_cache.device)
 
@@ -50,8 +66,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, h, d]; k [T, kvh, d]
-        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]  # [T, 1, d]
+        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]  # [T, 1, r]
         sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
+        if self.rotary_dim == self.head_dim:
+            return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        r = self.rotary_dim
+        q = torch.cat([q[..., :r] * cos + self._rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
+        k = torch.cat([k[..., :r] * cos + self._rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
         return q, k

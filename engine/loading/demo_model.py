@@ -18,6 +18,7 @@ import json
 import os
 
 # Marks a config.json written here, so a later run may overwrite that directory.
+DEFAULT_DEMO_MODEL_DIR = ".moegate/demo-model"  # the Makefile's DEMO_MODEL: `make run` and `moegate serve` agree
 DEMO_MARKER = "moegate_demo_model"
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]

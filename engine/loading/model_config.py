@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "Glm4MoeForCausalLM",
+    "Dots1ForCausalLM",
+    "MiniMaxM2ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 )
@@ -89,6 +92,17 @@ def load_model_config(model_dir: str) -> ModelConfig:
     return model_config_from_hf(arch, hf, eos_ids, torch_dtype=str(getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float32"))
 
 
+def _dots1_window(hf: Any) -> int | None:
+    """dots.llm1 lists each layer's attention; its published checkpoints attend fully in every layer."""
+    kinds = set(getattr(hf, "layer_types", None) or ["full_attention"])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return getattr(hf, "sliding_window", None)
+    raise CheckpointError("dots.llm1 with both sliding and full attention layers (layer_types / max_window_layers) "
+                          "is not supported: every layer must attend the same way")
+
+
 def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: str = "float32") -> ModelConfig:
     """Normalise a transformers config object (read from a checkpoint, or built in memory) into a ModelConfig."""
     num_heads = hf.num_attention_heads
@@ -100,8 +114,10 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
     sliding = getattr(hf, "sliding_window", None)
     if arch == "Qwen2MoeForCausalLM" and not getattr(hf, "use_sliding_window", False):
         sliding = None
-    if arch == "OlmoeForCausalLM":
-        sliding = None
+    if arch in ("OlmoeForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"):
+        sliding = None  # full attention in every layer, whatever the config says
+    if arch == "Dots1ForCausalLM":
+        sliding = _dots1_window(hf)
     return ModelConfig(
         architecture=arch,
         hf_config=hf,

@@ -9,7 +9,6 @@ import glob
 import json
 import logging
 import os
-import re
 
 import torch
 
@@ -27,7 +26,6 @@ from moe_kernels.quant import QuantScheme
 logger = logging.getLogger(__name__)
 
 _QKV_ORDER = ("q", "k", "v")
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -193,16 +191,15 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
     files = checkpoint_files(model_dir)
     stored = checkpoint_scheme(model.config)
     scales = _Scales(files, stored.block) if stored is not None else None
-    extra_layers = set()  # next-token-prediction (MTP) layers past num_hidden_layers: not used for serving
+    extra = 0  # tensors of layers past the last one (next-token-prediction layers)
     for path in files:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if scales is not None and is_scale_name(name):
                         continue  # read with the weight it scales
-                    layer = _LAYER_INDEX.match(name)
-                    if layer is not None and int(layer.group(1)) >= model.config.num_layers:
-                        extra_layers.add(int(layer.group(1)))
+                    if model.extra_layer(name):
+                        extra += 1
                         continue
                     target, rule, match = model.map_weight_name(name)
                     if target not in params:
@@ -219,12 +216,14 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                         tensor = scales.dequantized(f, name, part, path)
                     else:
                         tensor = _read(f, name, part)
+                    if model.tp.rank and target.endswith("o_proj.bias"):
+                        tensor = torch.zeros_like(tensor)  # row-parallel: the ranks' sum adds rank 0's bias once
                     written[target] += copy_into(params[target].data, tensor, rule, match, model, name, path)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
-    if extra_layers:
-        logger.info("%s: skipped the tensors of layers %s (past num_hidden_layers=%d: next-token-prediction "
-                    "layers, not used here)", model_dir, sorted(extra_layers), model.config.num_layers)
+    if extra:
+        logger.info("%s: skipped %d tensors of layers past num_hidden_layers=%d (next-token-prediction layers, "
+                    "not used for serving)", model_dir, extra, model.config.num_layers)
     if model.config.tie_word_embeddings:
         written["lm_head.weight"] = written.get("model.embed_tokens.weight", 0)
     missing = [n for n, p in params.items() if written.get(n, 0) < p.numel()]

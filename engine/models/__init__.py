@@ -2,6 +2,9 @@
 
 from engine.models.base import MoECausalLM
 from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from engine.models.dots1 import Dots1ForCausalLM
+from engine.models.glm4_moe import Glm4MoeForCausalLM
+from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -9,8 +12,8 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     cls.__name__: cls
-    for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM,
-                DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
+    for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM,
+                Dots1ForCausalLM, MiniMaxM2ForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
 }
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]

@@ -51,6 +51,9 @@ COMMON_WEIGHT_RULES: tuple[WeightRule, ...] = (
 )
 
 
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
@@ -170,6 +173,12 @@ class MoECausalLM(nn.Module, abc.ABC):
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, :self.config.vocab_size]  # [N, V]
+
+    def extra_layer(self, name: str) -> bool:
+        """True for a checkpoint tensor of a layer past ``num_hidden_layers``: the next-token-prediction (MTP)
+        layers that GLM-4.5 and DeepSeek-V3 checkpoints carry for speculative decoding, not served here."""
+        match = _LAYER_INDEX.match(name)
+        return match is not None and int(match.group(1)) >= self.config.num_layers
 
     def map_weight_name(self, name: str) -> tuple[str, WeightRule, re.Match]:
         for old, new in self.name_aliases:

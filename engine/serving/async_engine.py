@@ -84,6 +84,7 @@ class AsyncEngine:
         self.config = config
         self.stall_timeout_s = stall_timeout_s
         self._last_progress = 0.0  # when the engine last sent anything, or work arrived at an idle engine
+        self._last_heard = 0.0  # when the engine last sent anything (idle engines say so every second)
         self._stalled: str | None = None  # why the watchdog cut the engine off
         self._watchdog_task: asyncio.Task | None = None
         self._process_main = process_main
@@ -149,6 +150,7 @@ class AsyncEngine:
         if self.stall_timeout_s is not None:
             # Referenced, or the loop could drop the task before it ends.
             self._watchdog_task = self._loop.create_task(self._watchdog(replies), name="moegate-engine-watchdog")
+        self._last_heard = time.monotonic()
         self.info = first
         return first
 
@@ -209,8 +211,14 @@ class AsyncEngine:
         if self._process is not None:
             self._process.kill()
 
+    def silent_s(self) -> float:
+        """Seconds since the running engine last sent anything (0 while it is not running)."""
+        if self.info is None or self.dead:
+            return 0.0
+        return time.monotonic() - self._last_heard
+
     def _dispatch(self, msg) -> None:
-        self._last_progress = time.monotonic()
+        self._last_progress = self._last_heard = time.monotonic()
         self.messages_received += 1
         if isinstance(msg, StepOutputs):
             if msg.stats is not None:

@@ -25,6 +25,11 @@ class EngineClient(Protocol):
     dead_detail: str | None
     stats: SchedulerStats | None
 
+    def silent_s(self) -> float:
+        """Seconds since the running engine last sent anything (it speaks at least every second while it runs
+        normally); 0 while it is not running."""
+        ...
+
     async def preflight(self) -> None:
         """What can be checked before any replica starts (a remote engine's place); EngineError if wrong."""
         ...

@@ -2,6 +2,7 @@
 
 import logging
 import signal
+import time
 from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
@@ -17,6 +18,9 @@ logger = logging.getLogger(__name__)
 
 PEER_POLL_S = 0.005  # how long an idle engine with data-parallel peers waits for a request before asking them
 RANK_CHECK_S = 1.0  # how often an idle engine with ranks on this node checks that they are alive
+# An idle engine says it is alive this often (statistics, no outputs): the gateway stops routing to a replica
+# it has not heard from for a few seconds (a frozen process), long before its stall timeout declares it dead.
+HEARTBEAT_S = 1.0
 
 
 def run_engine_process(config: EngineConfig, requests: Connection, replies: Connection) -> None:
@@ -53,7 +57,15 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
     # Data-parallel engines sharing experts step together: an idle one asks its peers every few ms. An engine
     # with ranks of its own on this node looks at them every second while idle, so one that died is replaced
     # before a request finds out.
-    idle_wait = PEER_POLL_S if engine.runner.steps_with_peers else (RANK_CHECK_S if engine.ranks else None)
+    idle_wait = PEER_POLL_S if engine.runner.steps_with_peers else (RANK_CHECK_S if engine.ranks else HEARTBEAT_S)
+    idle_wait = min(idle_wait, HEARTBEAT_S)
+    last_sent = time.monotonic()
+
+    def send(message) -> None:
+        nonlocal last_sent
+        replies.send_bytes(encoder.encode(message))
+        last_sent = time.monotonic()
+
     busy = False  # this engine, or one of its peers, stepped last time round
     while True:
         # Drain every pending message; block for one only when there is nothing to step.
@@ -73,7 +85,7 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
                 if released:
                     reports.forget(msg.request_id)
                     idle_change = True
-                replies.send_bytes(encoder.encode(Released(msg.request_id, released)))
+                send(Released(msg.request_id, released))
             elif isinstance(msg, AddRequest):
                 try:
                     engine.add_request(
@@ -87,17 +99,17 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
                         # quote the prompt), the whole traceback at debug
                         logger.error("request %s could not be added: %s", msg.request_id, type(e).__name__)
                         logger.debug("request %s could not be added", msg.request_id, exc_info=True)
-                    replies.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
+                    send(RequestRejected(msg.request_id, str(e)))
         try:
             if (gone := engine.ranks and engine.ranks.exited_rank()) is not None:
                 raise RuntimeError(gone)
             busy = engine.step_needed()
         except Exception as e:  # a rank or a peer engine is gone: the group restarts as a whole
-            replies.send_bytes(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
+            send(Fatal(f"{type(e).__name__}: {e}"))
             return
         if not busy:
-            if idle_change:
-                replies.send_bytes(encoder.encode(StepOutputs([], engine.scheduler.stats())))
+            if idle_change or time.monotonic() - last_sent >= HEARTBEAT_S:
+                send(StepOutputs([], engine.scheduler.stats()))
                 idle_change = False
             continue
         if threads is not None:
@@ -106,8 +118,8 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
             outputs = engine.step()
         except Exception as e:  # not one request's fault: say why, and let the parent start a fresh engine
             logger.exception("engine step failed")
-            replies.send_bytes(encoder.encode(Fatal(f"a step failed: {type(e).__name__}: {e}")))
+            send(Fatal(f"a step failed: {type(e).__name__}: {e}"))
             return
         message = reports.after_step(outputs, engine.stats(), engine.has_unfinished())
         if message is not None:
-            replies.send_bytes(encoder.encode(message))
+            send(message)

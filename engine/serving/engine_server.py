@@ -1,9 +1,9 @@
 """An engine that serves a gateway on another machine: ``moegate engine --listen HOST:PORT``.
 
-The gateway reaches it over TCP with ``multiprocessing.connection`` (the same
-``Connection`` API as the local pipes, after a challenge-response on a shared
-authkey), and the engine loop is ``run_engine_process`` unchanged, with one
-duplex connection for both directions. One gateway at a time: a second one is
+The gateway reaches it over TCP with ``multiprocessing.connection``'s
+``Connection`` (the same API as the local pipes, after a mutual
+challenge-response on a shared key: ``engine.serving.handshake``), and the
+engine loop is ``run_engine_process`` unchanged, with one duplex connection for both directions. One gateway at a time: a second one is
 told so (``Fatal``) and closed at once, so its start fails instead of hanging.
 Before anything is built the engine says where it belongs (``Hello``: its place
 in a group of replicas that divide the experts, and where that group meets);
@@ -14,6 +14,10 @@ with the server: the gateway's supervisor reconnects a replica it lost, and
 the new engine starts in a fresh process from an empty cache, as a restarted
 local replica does (an engine split over several ranks, or one rank of
 replicas sharing their experts, meets its peers again from scratch).
+
+Each connection is authenticated on a thread of its own, under a deadline, at most
+``MAX_HANDSHAKES`` at a time: a peer that connects and says nothing (no key needed
+for that) costs one thread for ``HANDSHAKE_TIMEOUT_S`` and never holds up a gateway.
 
 TCP keepalive (probes after 5 s idle, every 2 s, 3 lost) turns a peer that
 stopped answering at the network level into a closed connection within about
@@ -27,12 +31,14 @@ import queue
 import select
 import socket
 import threading
-from multiprocessing.connection import Connection, Listener
+import time
+from multiprocessing.connection import Connection
 
 import msgspec
 
 from engine.core.config import EngineConfig
 from engine.serving.engine_process import run_engine_process
+from engine.serving.handshake import authenticate
 from engine.serving.protocol import PROTOCOL_VERSION, Fatal, Hello, attach_decoder, encoder
 
 logger = logging.getLogger(__name__)
@@ -41,6 +47,7 @@ AUTHKEY_ENV = "MOEGATE_ENGINE_KEY"
 WIND_DOWN_S = 30.0  # how long an engine may take to end once its gateway has left
 # How long a gateway's Attach may be awaited once its turn has come: it checks every engine it needs first.
 ATTACH_TIMEOUT_S = 60.0
+MAX_HANDSHAKES = 16  # connections being authenticated at once; more are closed unanswered
 
 
 def enable_keepalive(conn: Connection) -> None:
@@ -68,42 +75,65 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
                  process_main=run_engine_process) -> None:
     """Serve the engine to one gateway at a time, forever. ``on_listening((host, port))`` is called once
     the socket is bound (port 0 picks a free one)."""
-    listener = Listener(address, family="AF_INET", authkey=authkey)
+    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    listener = socket.create_server(address, family=family, backlog=64)
     if on_listening is not None:
-        on_listening(listener.address)
+        on_listening(listener.getsockname()[:2])
     arrivals: queue.Queue[Connection] = queue.Queue()
     lock = threading.Lock()
     busy = [False]
     serving: list = []  # (engine process, gateway socket) of the connection being served, once started
+    handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+
+    def admit(conn: Connection, peer) -> None:
+        """Authenticate one connection, then greet it or tell it another gateway is being served."""
+        try:
+            try:
+                authenticate(conn, authkey, listening_side=True)
+            except Exception as e:  # a wrong key (AuthenticationError), silent past the deadline, or gone
+                logger.warning("refused a connection from %s: %s: %s", peer[0], type(e).__name__, e or "no answer")
+                conn.close()
+                return
+        finally:
+            handshakes.release()
+        with lock:
+            # Busy, unless the gateway being served has just gone and the main loop has not yet seen it
+            # (a gateway reconnecting at once must not be told another one is being served): then this one
+            # takes its turn (``serving`` emptied: the main loop leaves ``busy`` set for it).
+            if busy[0]:
+                if not (serving and _gateway_gone(*serving, wait=False)):
+                    try:
+                        conn.send_bytes(encoder.encode(Fatal("this engine is serving another gateway")))
+                    except OSError:
+                        pass
+                    finally:
+                        conn.close()
+                    return
+                serving.clear()
+            busy[0] = True
+        # Said at once, even while the last gateway's engine is still ending (up to WIND_DOWN_S): the
+        # gateway decides with this whether to attach, within its connect timeout.
+        if _greet(conn, config):
+            arrivals.put(conn)
+        else:
+            conn.close()
+            with lock:
+                busy[0] = False
 
     def accept_forever() -> None:
         while True:
             try:
-                conn = listener.accept()  # the authkey challenge runs here
-            except Exception as e:  # a wrong key (AuthenticationError), or a peer gone mid-handshake
-                logger.warning("refused a connection: %s: %s", type(e).__name__, e)
+                sock, peer = listener.accept()
+            except OSError as e:  # out of descriptors, say: keep serving the connections already made
+                logger.warning("accept failed: %s", e)
+                time.sleep(0.1)
                 continue
-            with lock:
-                # Busy, unless the gateway being served has just gone and the main loop has not yet seen it
-                # (a gateway reconnecting at once must not be told another one is being served): then this one
-                # takes its turn (``serving`` emptied: the main loop leaves ``busy`` set for it).
-                if busy[0]:
-                    if not (serving and _gateway_gone(*serving, wait=False)):
-                        try:
-                            conn.send_bytes(encoder.encode(Fatal("this engine is serving another gateway")))
-                        finally:
-                            conn.close()
-                        continue
-                    serving.clear()
-                busy[0] = True
-            # Said at once, even while the last gateway's engine is still ending (up to WIND_DOWN_S): the
-            # gateway decides with this whether to attach, within its connect timeout.
-            if _greet(conn, config):
-                arrivals.put(conn)
-            else:
-                conn.close()
-                with lock:
-                    busy[0] = False
+            if not handshakes.acquire(blocking=False):  # a flood of connections: refuse the excess unanswered
+                logger.warning("refused a connection from %s: %d others are authenticating", peer[0], MAX_HANDSHAKES)
+                sock.close()
+                continue
+            conn = Connection(sock.detach())  # blocking descriptor: accept() sockets have no timeout
+            threading.Thread(target=admit, args=(conn, peer), name="moegate-engine-handshake", daemon=True).start()
 
     threading.Thread(target=accept_forever, name="moegate-engine-accept", daemon=True).start()
     ctx = multiprocessing.get_context("spawn")

@@ -9,31 +9,18 @@ import asyncio
 import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 
 import msgspec
 
 from engine.core.config import EngineConfig, meeting_address
 from engine.serving.async_engine import AsyncEngine, EngineError
 from engine.serving.engine_server import enable_keepalive
+from engine.serving.handshake import authenticate, shut
 from engine.serving.protocol import PROTOCOL_VERSION, Attach, Fatal, Hello, encoder, greeting_decoder
 
 
 CONNECT_TIMEOUT_S = 10.0
-
-
-def _shut(conn: Connection) -> None:
-    """End both directions of the connection's socket: a thread blocked reading it gets EOF."""
-    try:
-        sock = socket.socket(fileno=conn.fileno())  # the same socket, not a copy
-    except OSError:  # already closed
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.detach()
 
 
 def _close_made(connecting: Future) -> None:
@@ -102,11 +89,10 @@ class RemoteEngine(AsyncEngine):
             raise EngineError(f"cannot reach {self.describe()}: {e.strerror or e}") from None
         sock.settimeout(None)  # Connection reads the descriptor in blocking mode
         conn = Connection(sock.detach())
-        timer = threading.Timer(CONNECT_TIMEOUT_S, _shut, (conn,))
+        timer = threading.Timer(CONNECT_TIMEOUT_S, shut, (conn,))
         timer.start()
         try:
-            answer_challenge(conn, self._authkey)  # what Client does, in this order
-            deliver_challenge(conn, self._authkey)
+            authenticate(conn, self._authkey, listening_side=False, timeout_s=CONNECT_TIMEOUT_S)
             greeting = greeting_decoder.decode(conn.recv_bytes())
         except msgspec.DecodeError:  # a Hello of other fields
             conn.close()
@@ -157,10 +143,10 @@ class RemoteEngine(AsyncEngine):
                               f"--distributed-init-method {self.config.distributed_init_method}")
 
     def _cut_off(self, replies: Connection) -> None:
-        _shut(replies)  # the reader's recv ends
+        shut(replies)  # the reader's recv ends
 
     async def _close(self, replies: Connection) -> None:
         # The engine stays up for the next gateway. Shut the socket down, not only close it: our reader thread
         # is blocked reading it, which keeps it open (no FIN) until the engine's side closes, so the server
         # would not see this gateway leave until its engine had ended.
-        _shut(replies)
+        shut(replies)

@@ -1,7 +1,7 @@
 """StructuredOutput -> llguidance grammar, validated without a tokenizer and cached.
 
 llguidance was chosen over xgrammar by measurement (benchmarks/structured_output_backends.py, recorded in
-docs/performance.md): it builds its token masks lazily, so preparing a schema costs about a millisecond
+docs/decisions/structured-output-library.md): it builds its token masks lazily, so preparing a schema costs about a millisecond
 whatever the vocabulary (xgrammar's compile grows with it: ~35 ms at 32k tokens), its per-step masks cost
 about the same, and every output it allowed was valid JSON, while xgrammar let raw control characters
 into strings (text that strict JSON parsers, Python's included, refuse).

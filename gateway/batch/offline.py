@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from engine import engine_flags
 from engine.core.config import EngineConfig
 
 
@@ -20,12 +21,9 @@ def register(subparsers) -> None:
     p.add_argument("-i", "--input", required=True, help="input .jsonl (Batch API format)")
     p.add_argument("-o", "--output", required=True, help="output .jsonl (one line per successful request)")
     p.add_argument("--errors", default=None, help="error .jsonl (default: OUTPUT with .errors.jsonl)")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-lines", type=int, default=50_000)
     p.add_argument("--no-progress", action="store_true")
+    engine_flags.add_engine_flags(p, exclude=engine_flags.REPLICA_FIELDS)
     p.set_defaults(func=_run_batch)
 
 
@@ -46,19 +44,10 @@ def _run_batch(args: argparse.Namespace) -> int:
         for e in checked.errors:
             print(f"moegate run-batch: {src}:{e['line'] or '-'}: {e['code']}: {e['message']}", file=sys.stderr)
         return 2
-    if args.model is None:
-        import os
+    from engine.loading.model_check import check_model
 
-        from engine.loading.demo_model import write_demo_model
-        from gateway.cli import DEFAULT_DEMO_MODEL_DIR
-
-        args.model = DEFAULT_DEMO_MODEL_DIR
-        if not os.path.exists(os.path.join(args.model, "config.json")):
-            write_demo_model(args.model)
-    from engine.loading.model_config import load_model_config
-
-    load_model_config(args.model)  # a bad checkpoint is one line, exit 2
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    config = engine_flags.engine_config(args)
+    check_model(config)  # a bad checkpoint is one line, exit 2
     errors_path = Path(args.errors) if args.errors else Path(args.output).with_suffix(".errors.jsonl")
     ok, failed = asyncio.run(_execute(config, endpoint, checked, Path(args.output), errors_path, not args.no_progress))
     print(f"{ok} succeeded -> {args.output}" + (f", {failed} failed -> {errors_path}" if failed else ""))

@@ -60,13 +60,14 @@ def test_replica_d_holds_world_ranks_d_times_t_to_the_next():
 
 def test_the_command_line_refuses_remote_replicas_sharing_experts_without_a_meeting_address(tmp_path):
     """Without --engines-share-experts the --engine replicas stay independent (the combination is accepted)."""
-    from gateway.cli import build_parser, serve_engine_config
+    from engine.engine_flags import engine_config
+    from gateway.cli import build_parser
 
     alone = ["serve", "--model", "m", "--enable-expert-parallel", "--tensor-parallel-size", "2",
              "--distributed-init-method", "tcp://10.0.0.1:29500", "--engine", "10.0.0.2:7000"]
     args = build_parser().parse_args(alone)
     assert not args.engines_share_experts
-    assert replica_configs(serve_engine_config(args), 1, 0)[0].data_parallel_size == 1
+    assert replica_configs(engine_config(args), 1, 0)[0].data_parallel_size == 1
     import subprocess
     import sys
 

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():  # the Triton-kernel case below runs interpret
 
 from engine import LLM, EngineConfig, KernelChoice, SamplingParams  # noqa: E402
 from engine.transforms.piecewise_graphs import default_token_sizes, enable_piecewise_graphs  # noqa: E402
-from gateway.cli import build_parser, serve_engine_config, token_sizes  # noqa: E402
+from engine.engine_flags import engine_config, token_sizes  # noqa: E402
+from gateway.cli import build_parser  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 
 VOCAB = 97
@@ -40,7 +41,7 @@ def test_default_token_sizes_and_their_validation():
     for flag, sizes in ((["--cuda-graph-token-sizes", "64,16"], (16, 64)), (["--cuda-graph-token-sizes", "none"], ()),
                         ([], None)):
         args = build_parser().parse_args(["serve", "--model", "m", *flag])
-        assert serve_engine_config(args).cuda_graph_token_sizes == sizes
+        assert engine_config(args).cuda_graph_token_sizes == sizes
 
 
 def _record_sizes(graphs) -> list[tuple[int, int, int]]:

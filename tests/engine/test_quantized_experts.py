@@ -248,10 +248,11 @@ def test_expert_parallel_8bit_matches_one_process(tmp_path):
 
 
 def test_serve_flag_reaches_the_engine_config():
-    from gateway.cli import build_parser, serve_engine_config
+    from engine.engine_flags import engine_config
+    from gateway.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--model", "m", "--quantization", "fp8-block"])
-    assert serve_engine_config(args).quantization == "fp8-block"
-    assert serve_engine_config(build_parser().parse_args(["serve", "--model", "m"])).quantization is None
+    assert engine_config(args).quantization == "fp8-block"
+    assert engine_config(build_parser().parse_args(["serve", "--model", "m"])).quantization is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "int4"])

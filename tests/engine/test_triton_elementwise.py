@@ -66,24 +66,27 @@ def test_rms_norm_with_and_without_residual(dtype, rows, hidden):
 
 
 def rope_f64(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    # x [T, n, d] float64; NeoX halves
-    half = x.shape[-1] // 2
-    angles = positions.double()[:, None] * inv_freq.double()[None, :]  # [T, d/2]
+    # x [T, n, d] float64; NeoX halves of the first r = 2 * len(inv_freq) columns, the rest passed through
+    half = inv_freq.shape[0]
+    angles = positions.double()[:, None] * inv_freq.double()[None, :]  # [T, r/2]
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,num_q,num_kv,per_head_norm", [(16, 4, 2, True), (24, 3, 1, True), (32, 2, 2, False)])
-def test_rope_with_per_head_norm(dtype, head_dim, num_q, num_kv, per_head_norm):
+@pytest.mark.parametrize("head_dim,rotary_dim,num_q,num_kv,per_head_norm", [
+    (16, 16, 4, 2, True), (24, 24, 3, 1, True), (32, 32, 2, 2, False),
+    (32, 16, 4, 2, True), (24, 12, 2, 1, False), (40, 20, 3, 3, True),  # partial rotary (GLM-4.5: half the head)
+])
+def test_rope_with_per_head_norm(dtype, head_dim, rotary_dim, num_q, num_kv, per_head_norm):
     num_tokens, max_pos, base, eps = 7, 300, 10000.0, 1e-6
     width = (num_q + 2 * num_kv) * head_dim
     qkv = torch.randn(num_tokens, width, device=DEVICE, dtype=dtype)
     positions = torch.randint(0, max_pos, (num_tokens,), device=DEVICE)
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).double() / head_dim)  # [d/2]
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2).double() / rotary_dim)  # [r/2]
     angles = torch.arange(max_pos).double()[:, None] * inv_freq[None, :]
-    cos_cache = torch.cat([angles.cos(), angles.cos()], -1).float().to(DEVICE)  # [P, d]
+    cos_cache = torch.cat([angles.cos(), angles.cos()], -1).float().to(DEVICE)  # [P, r]
     sin_cache = torch.cat([angles.sin(), angles.sin()], -1).float().to(DEVICE)
     q_w = (torch.rand(head_dim) + 0.5).to(DEVICE, dtype) if per_head_norm else None
     k_w = (torch.rand(head_dim) + 0.5).to(DEVICE, dtype) if per_head_norm else None

@@ -14,6 +14,9 @@ VARIANTS = {
     "qwen2_moe": [{}, dict(num_key_value_heads=1, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[])],
     "qwen3_moe": [{}, dict(num_key_value_heads=4, num_experts=5, num_experts_per_tok=2, norm_topk_prob=False, head_dim=12)],
     "olmoe": [{}, dict(num_key_value_heads=1, num_experts=12, num_experts_per_tok=3, clip_qkv=0.9, norm_topk_prob=True)],
+    "glm4_moe": [{}],
+    "dots1": [{}],
+    "minimax_m2": [{}],
     # V2-Lite's shape, then V2's grouped softmax routing (groups scored by their best expert, scaled weights).
     "deepseek_v2": [{}, dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.7,
                              num_attention_heads=2, v_head_dim=16)],
@@ -22,7 +25,6 @@ VARIANTS = {
                              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8,
                                                   mscale_all_dim=0.7, original_max_position_embeddings=256))],
 }
-CASES = [(fam, i) for fam, variants in VARIANTS.items() for i in range(len(variants))]
 
 # Engine settings that force each code path on the same requests. Without preemption, a pool of 256 blocks of 16
 # holds every request at once (8 of at most 240 tokens): the pool sized from memory (2 GB, ~1.5 s to build per
@@ -36,19 +38,41 @@ MODES = {
     # Overlapped scheduling (tokens fed to the next step on the device, stop checks one step behind), chunked
     # prefill and preemption included: the small pool preempts here too.
     "overlap": dict(overlap_scheduling=True, num_kv_blocks=18, block_size=16, max_num_batched_tokens=48),
-    # The requests twice: the second pass hits the prefix cache; n-gram drafts verified in the forward.
-    "prefix_speculation": dict(num_kv_blocks=ROOMY_POOL, speculative="ngram", num_speculative_tokens=3,
-                               speculative_max_batch=64),
 }
-# Modes run for some families only (their paths are covered for the others by their own test files).
-FAMILY_MODES = {"prefix_speculation": {"deepseek_v2", "deepseek_v3"}}
-for _mode in ("default", "chunked_prefill", "preemption", "prefix_speculation"):
+# Every path in one run: chunked prefill, preemption (a small pool), prefix-cache hits (prompts sharing a
+# prefix, see ``make_requests``) and n-gram speculation (prompts that loop); each is asserted to have happened.
+MODES["all_paths"] = dict(num_kv_blocks=18, block_size=16, max_num_batched_tokens=24, speculative="ngram",
+                          num_speculative_tokens=3, speculative_max_batch=64)
+for _mode in ("default", "chunked_prefill", "preemption", "all_paths"):
     MODES[_mode].setdefault("overlap_scheduling", False)  # the synchronous loop, whatever the device's default
+
+# The families served before the routing kinds run every mode but the combined one; the newer ones (a few
+# seconds each) run the combined one alone.
+FAMILY_MODES = {fam: ["all_paths"] if fam in ("glm4_moe", "dots1", "minimax_m2") else ["default", "chunked_prefill",
+                "preemption", "overlap"] for fam in VARIANTS}
+# MLA's latent cache under every path at once, and under overlapped steps.
+FAMILY_MODES.update(deepseek_v2=["all_paths", "overlap"], deepseek_v3=["all_paths", "overlap"])
+CASES = [((fam, i), mode) for fam, variants in VARIANTS.items() for i in range(len(variants)) for mode in FAMILY_MODES[fam]]
 
 
 def make_requests(rng: random.Random, vocab: int, n: int = 8) -> list[tuple[list[int], int]]:
     lengths = [3, 200] + [rng.randint(3, 200) for _ in range(n - 2)]
     return [([rng.randrange(1, vocab - 1) for _ in range(length)], rng.randint(4, 40)) for length in lengths]
+
+
+def make_path_requests(rng: random.Random, vocab: int, hf) -> tuple[list[tuple[list[int], int]], list[list[int]]]:
+    """Requests for the combined mode, and transformers' greedy tokens for each: three share a 40-token prefix
+    (prefix-cache hits once the first has computed its blocks), two end in a greedy continuation of their own
+    (the output repeats the context, so n-gram drafts get accepted), one is long (preemption in a small pool)."""
+    prefix = [rng.randrange(1, vocab - 1) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(1, vocab - 1) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+    for _ in range(2):
+        pattern = [rng.randrange(1, vocab - 1) for _ in range(rng.randint(2, 5))]
+        start = (pattern * 20)[:rng.randint(10, 40)]
+        prompts.append(start + hf_greedy(hf, start, 16))
+    prompts.append([rng.randrange(1, vocab - 1) for _ in range(150)])
+    reqs = [(p, rng.randint(8, 24)) for p in prompts]
+    return reqs, [hf_greedy(hf, p, m) for p, m in reqs]
 
 
 def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
@@ -60,40 +84,39 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-v{i}" for f, i in CASES])
+@pytest.fixture(scope="module")
 def reference(request, tmp_path_factory):
     family, variant = request.param
     seed = random.randrange(2**31)
     path = str(tmp_path_factory.mktemp(f"{family}{variant}"))
     vocab = 211
     hf = make_hf_model(family, path, seed=seed, vocab_size=vocab, **VARIANTS[family][variant])
-    reqs = make_requests(random.Random(seed), vocab)
-    expected = [hf_greedy(hf, p, m) for p, m in reqs]
+    rng = random.Random(seed)
+    if FAMILY_MODES[family] == ["all_paths"]:
+        reqs, expected = make_path_requests(rng, vocab, hf)
+    else:
+        reqs = make_requests(rng, vocab)
+        expected = [hf_greedy(hf, p, m) for p, m in reqs]
     return path, reqs, expected, seed
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_matches_transformers(reference, mode, request):
+@pytest.mark.parametrize("reference,mode", CASES, indirect=["reference"],
+                         ids=[f"{f}-v{i}-{mode}" for (f, i), mode in CASES])
+def test_greedy_matches_transformers(reference, mode):
     path, reqs, expected, seed = reference
-    family = request.node.callspec.params["reference"][0]
-    if mode in FAMILY_MODES and family not in FAMILY_MODES[mode]:
-        pytest.skip(f"{mode} runs for {sorted(FAMILY_MODES[mode])} (the others: tests/engine/test_speculative.py)")
     llm = LLM(model=path, dtype="float32", device="cpu", **MODES[mode])
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     outs = llm.generate([p for p, _ in reqs], params)
-    if mode == "prefix_speculation":
-        outs += llm.generate([p for p, _ in reqs], params)
-    for (prompt, max_tokens), out, ref in zip(reqs * (len(outs) // len(reqs)), outs, expected * (len(outs) // len(reqs))):
+    for (prompt, max_tokens), out, ref in zip(reqs, outs, expected):
         assert out.token_ids == ref, f"seed={seed} prompt_len={len(prompt)}"
         assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
         assert out.num_prompt_tokens == len(prompt)
     scheduler = llm.engine.scheduler
-    if mode == "chunked_prefill":
-        assert max(len(p) for p, _ in reqs) > MODES[mode]["max_num_batched_tokens"], "a prompt must span chunks"
-    if mode == "prefix_speculation":
-        assert scheduler.kv.prefix_hit_tokens > 0, f"seed={seed}: the second pass should hit the prefix cache"
-        assert scheduler.spec_draft_tokens > 0, f"seed={seed}: prompt lookup should have proposed drafts"
-    if mode in ("preemption", "overlap"):
+    if mode == "all_paths":
+        assert scheduler.kv.prefix_hit_tokens > 0, f"seed={seed}: no prefix-cache hit"
+        assert scheduler.spec_accepted_tokens > 0, f"seed={seed}: no n-gram draft was accepted"
+        assert max(len(p) for p, _ in reqs) > MODES[mode]["max_num_batched_tokens"]  # prompts chunked
+    if mode in ("preemption", "overlap", "all_paths"):
         assert scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
     else:
         assert scheduler.num_preemptions == 0, f"seed={seed}: the roomy pool should hold every request"

@@ -80,7 +80,8 @@ def test_serve_engine_settings_reach_the_engine_config():
     import random
 
     from engine.core.config import EngineConfig
-    from gateway.cli import build_parser, serve_engine_config
+    from engine.engine_flags import engine_config
+    from gateway.cli import build_parser
 
     rng = random.Random()
     budget, window, threads = rng.randint(1, 4096), round(rng.uniform(0, 60), 3), rng.randint(1, 64)
@@ -88,12 +89,12 @@ def test_serve_engine_settings_reach_the_engine_config():
     args = build_parser().parse_args(["serve", "--model", "m", "--background-token-budget", str(budget),
                                       "--background-window-seconds", str(window), "--cpu-threads", str(threads),
                                       "--gpu-memory-utilization", str(share), "--seed", str(seed)])
-    got = serve_engine_config(args)
+    got = engine_config(args)
     assert (got.background_token_budget, got.background_window_s, got.cpu_threads, got.gpu_memory_utilization,
             got.seed) == (budget, window, threads, share, seed)
     engine_args = build_parser().parse_args(["engine", "--listen", "127.0.0.1:1", "--model", "m", "--seed", str(seed)])
-    assert serve_engine_config(engine_args).seed == seed
-    defaults = serve_engine_config(build_parser().parse_args(["serve", "--model", "m"]))
+    assert engine_config(engine_args).seed == seed
+    defaults = engine_config(build_parser().parse_args(["serve", "--model", "m"]))
     reference = EngineConfig(model="m")
     assert (defaults.background_token_budget, defaults.background_window_s, defaults.cpu_threads,
             defaults.gpu_memory_utilization, defaults.seed) == (
@@ -101,27 +102,28 @@ def test_serve_engine_settings_reach_the_engine_config():
         reference.seed)
     assert defaults.overlap_scheduling is reference.overlap_scheduling is None  # the device decides
     for flag, value in (("--overlap-scheduling", True), ("--no-overlap-scheduling", False)):
-        assert serve_engine_config(build_parser().parse_args(["serve", "--model", "m", flag])).overlap_scheduling is value
+        assert engine_config(build_parser().parse_args(["serve", "--model", "m", flag])).overlap_scheduling is value
 
 
 def test_speculative_settings_reach_the_engine_config():
     import random
 
     from engine.core.config import EngineConfig
-    from gateway.cli import build_parser, serve_engine_config
+    from engine.engine_flags import engine_config
+    from gateway.cli import build_parser
 
     rng = random.Random()
     k, batch, accept = rng.randint(1, 16), rng.randint(1, 256), round(rng.uniform(0, 1), 3)
     args = build_parser().parse_args(["serve", "--model", "m", "--speculative", "ngram", "--num-speculative-tokens",
                                       str(k), "--speculative-max-batch", str(batch),
                                       "--speculative-min-acceptance", str(accept)])
-    got = serve_engine_config(args)
+    got = engine_config(args)
     assert (got.speculative, got.num_speculative_tokens, got.speculative_max_batch,
             got.speculative_min_acceptance) == ("ngram", k, batch, accept)
-    defaults = serve_engine_config(build_parser().parse_args(["serve", "--model", "m"]))
+    defaults = engine_config(build_parser().parse_args(["serve", "--model", "m"]))
     reference = EngineConfig(model="m")
     assert defaults.speculative is None and defaults.speculative_model is None
-    draft = serve_engine_config(build_parser().parse_args(["serve", "--model", "m", "--speculative", "draft",
+    draft = engine_config(build_parser().parse_args(["serve", "--model", "m", "--speculative", "draft",
                                                            "--speculative-model", "small"]))
     assert (draft.speculative, draft.speculative_model) == ("draft", "small")
     assert (defaults.num_speculative_tokens, defaults.speculative_max_batch, defaults.speculative_min_acceptance) == (
@@ -131,7 +133,9 @@ def test_speculative_settings_reach_the_engine_config():
 def test_serve_splits_random_weights_over_ranks_and_refuses_what_does_not_divide(tmp_path, capsys):
     """--random-weights with --tensor-parallel-size 2 (and the experts divided over 2 x 2 ranks) passes the
     command line's split check; 3 ranks for 4 heads is bad input (exit 2, one line), found before the database."""
-    from gateway.cli import _check_model, build_parser, main, serve_engine_config
+    from engine.engine_flags import engine_config
+    from engine.loading.model_check import check_model
+    from gateway.cli import build_parser, main
 
     spec = ("qwen3-30b-a3b:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
             "head_dim=16,vocab_size=512,num_experts=8,moe_intermediate_size=32,intermediate_size=64,bos_token_id=null,"
@@ -139,9 +143,9 @@ def test_serve_splits_random_weights_over_ranks_and_refuses_what_does_not_divide
     for split in (["--tensor-parallel-size", "2"],
                   ["--tensor-parallel-size", "2", "--enable-expert-parallel", "--data-parallel-size", "2"]):
         args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--random-weights", spec, *split])
-        config = serve_engine_config(args)
+        config = engine_config(args)
         assert config.random_weights == spec and config.tensor_parallel_size == 2
-        _check_model(args, config)  # no ValueError
+        check_model(config)  # no ValueError
     db = f"sqlite:///{tmp_path / 'policy.db'}"
     assert main(["serve", "--model", str(tmp_path), "--random-weights", spec, "--tensor-parallel-size", "3",
                  "--database-url", db]) == 2

@@ -211,6 +211,36 @@ def _engine_pids(server_pid: int) -> list[int]:
     return sorted(pids)
 
 
+def test_a_silent_replica_gets_no_new_requests_until_it_speaks_again(server):
+    """One idle replica's process is frozen (SIGSTOP). Running engines speak every second, so a few seconds
+    later /health calls it unresponsive and new requests all go to the other replica at once (none waits for
+    the stall timeout); it is not killed (it had no requests), and once it runs again it is ready again."""
+    proc, key, url, _ = server
+
+    async def scenario():
+        async with aiohttp.ClientSession() as http:
+            await _all_ready(http, url, 90)
+            frozen = _engine_pids(proc.pid)[1]
+            os.kill(frozen, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(4.5)  # past the router's 3 s window
+                async with http.get(f"{url}/health") as r:
+                    statuses = sorted(x["status"] for x in (await r.json())["replicas"])
+                assert statuses == ["ready", "unresponsive"], statuses
+                t0 = time.monotonic()
+                results = await asyncio.gather(*(_stream(http, url, key, _prefix(5 + i % 2) + [37, i], 4)
+                                                  for i in range(8)))
+                waited = time.monotonic() - t0
+            finally:
+                os.kill(frozen, signal.SIGCONT)
+            assert all(r[0] == 200 and r[2] is None and r[3] for r in results), results
+            assert waited < STALL_S, f"requests waited {waited:.1f} s: some went to the frozen replica"
+            await _all_ready(http, url, 30)
+            assert frozen in _engine_pids(proc.pid)
+
+    asyncio.run(scenario())
+
+
 def test_a_replica_that_stops_answering_is_cut_off_and_replaced(server):
     """One replica's process is frozen (SIGSTOP: alive, silent). Requests sent to it wait until the stall
     timeout, then run on the other replica: every one completes, none sees an error; the frozen one is

@@ -34,6 +34,16 @@ def test_tenant_commands(db_url, capsys):
     (["admin", "class", "create", "premium"], "--rank"),
     (["admin", "key", "create", "acme", "--expires-in", "soon"], "--expires-in"),
     (["admin", "key", "create", "acme", "--expires-in", "0d"], "--expires-in"),
+    # Names and labels: the same rule on SQLite (which does not enforce String(n)) and PostgreSQL.
+    (["admin", "tenant", "create", "evil\x1b[2J\x1b[31m"], "control character U+001B"),
+    (["admin", "tenant", "create", "a\u202eb"], "control character U+202E"),
+    (["admin", "tenant", "create", "x" * 5000], "at most 128 characters"),
+    (["admin", "tenant", "update", "acme", "--name", "bell\x07"], "control character U+0007"),
+    (["admin", "tenant", "update", "acme", "--name", "y" * 129], "at most 128 characters"),
+    (["admin", "class", "create", "c\nlass", "--rank", "3"], "control character U+000A"),
+    (["admin", "class", "create", "c" * 65, "--rank", "3"], "at most 64 characters"),
+    (["admin", "key", "create", "acme", "--label", "l\x1b]0;pwned\x07"], "control character U+001B"),
+    (["admin", "key", "create", "acme", "--label", "l" * 129], "at most 128 characters"),
 ])
 def test_bad_input_exits_2_with_one_line_and_changes_nothing(db_url, capsys, argv, message):
     cli(capsys, db_url, "admin", "tenant", "create", "acme")

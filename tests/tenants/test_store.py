@@ -3,7 +3,6 @@ from datetime import date, datetime, timedelta
 import pytest
 
 from tenants import keys as keylib
-from tenants.policy import ClassInfo, can_preempt
 from tenants.store import Conflict, NotFound, QuotaConfig, StoreError, UsageRecord
 
 from .helpers import with_store
@@ -115,14 +114,6 @@ def test_priority_classes(db_url):
             await store.update_class("nope", rank=1)
 
     with_store(db_url, body)
-
-
-def test_preemption_policy():
-    rt, std, batch = (ClassInfo("realtime", 0, 1.0, False, True), ClassInfo("standard", 1, 1.0, True, True),
-                      ClassInfo("batch", 2, 1.0, True, False))
-    assert can_preempt(rt, std) and can_preempt(rt, batch) and can_preempt(std, batch)
-    assert not can_preempt(std, rt) and not can_preempt(batch, std) and not can_preempt(batch, batch)
-    assert not can_preempt(std, std)
 
 
 def test_usage_ledger_and_summary(db_url):

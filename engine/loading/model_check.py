@@ -1,0 +1,33 @@
+"""The model a command is about to serve, checked before any process starts: the demo model written if it is
+the one named and missing; a bad checkpoint, a random-weight model its tokenizer does not fit, or a model that
+cannot be split as the config says is bad input (ValueError: one line, exit 2)."""
+
+import os
+
+from engine.core.config import EngineConfig
+
+
+def check_model(config: EngineConfig) -> None:
+    """Check ``config``'s model (with ``random_weights``: its spec, and ``tokenizer`` its tokenizer) as laid out
+    in its group; writes the demo model on first use."""
+    from engine.loading.demo_model import DEFAULT_DEMO_MODEL_DIR, write_demo_model
+    from engine.loading.model_config import load_model_config
+    from engine.loading.model_loader import checkpoint_files
+
+    files = config.tokenizer if config.random_weights is not None else config.model
+    if files == DEFAULT_DEMO_MODEL_DIR and not os.path.exists(os.path.join(files, "config.json")):
+        print(f"no --model given: writing the random-weight demo model to {files} (its output is random text)")
+        write_demo_model(files)
+    if config.random_weights is not None:  # the model then only supplies the tokenizer
+        from engine.loading.random_weights import random_model_config
+        from engine.text.tokenizer import check_vocabulary, load_tokenizer
+
+        model_config = random_model_config(config.random_weights)
+        check_vocabulary(load_tokenizer(files), model_config.vocab_size, files)
+    else:
+        model_config = load_model_config(config.model)
+        checkpoint_files(config.model)
+    if config.tensor_parallel_size > 1 or config.enable_expert_parallel:
+        from engine.distributed.split_check import check_split
+
+        check_split(model_config, config)

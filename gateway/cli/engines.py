@@ -1,0 +1,49 @@
+"""Building the gateway's engine from the command line's settings: local engine processes, remote engines
+(``moegate engine --listen``) and the router over them; the key a gateway and its remote engines share."""
+
+import dataclasses
+import os
+
+from engine.core.config import EngineConfig
+from engine.distributed.replica_layout import replica_configs, replica_devices
+
+
+def engine_authkey() -> bytes:
+    """The key a gateway and its remote engines share (``$MOEGATE_ENGINE_KEY``); ValueError if unset."""
+    from engine.serving.engine_server import AUTHKEY_ENV
+
+    key = os.environ.get(AUTHKEY_ENV, "")
+    if len(key) < 16:
+        raise ValueError(f"set {AUTHKEY_ENV} to the same secret (16 characters or more) on the gateway and its engines")
+    return key.encode()
+
+
+def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[str, int]], authkey: bytes,
+                  policy: str, stall_timeout_s: float, group_remotes: int = 0):
+    """The gateway's engine: one local engine process, or a router over ``local`` of them and the
+    ``remote`` engines (``moegate engine --listen``); each is cut off after ``stall_timeout_s`` of silence
+    with requests waiting. ``group_remotes``: how many of the remote engines are ranks of the local replicas'
+    expert group (all of them or none)."""
+    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.remote_engine import RemoteEngine
+    from gateway.replica_router import ReplicaRouter
+    from gateway.routing_policy import RouterConfig
+
+    if local == 1 and not remote:
+        return AsyncEngine(engine_config, stall_timeout_s=stall_timeout_s)
+    if local > 1 and engine_config.cpu_threads is None and engine_config.device != "cuda":
+        # Replicas on the CPU share its cores: each rank process gets its share, not all of them
+        # (oversubscribed threads wait at every parallel region's barrier for a descheduled peer).
+        processes = local * engine_config.tensor_parallel_size
+        engine_config = dataclasses.replace(engine_config, cpu_threads=max(1, (os.cpu_count() or 1) // processes))
+    # On GPUs each local replica takes its own devices (on the CPU the variable is ignored); with
+    # --enable-expert-parallel the replicas form one group that divides the experts.
+    replicas = [AsyncEngine(config, process_env={"CUDA_VISIBLE_DEVICES": replica_devices(config, i)},
+                            stall_timeout_s=stall_timeout_s)
+                for i, config in enumerate(replica_configs(engine_config, local, group_remotes))]
+    group_size = local + group_remotes
+    replicas += [RemoteEngine(engine_config, address, authkey, stall_timeout_s,
+                              group_place=(local + i, group_size) if group_remotes else None)
+                 for i, address in enumerate(remote)]
+    names = [str(i) for i in range(local)] + [f"{host}:{port}" for host, port in remote]
+    return ReplicaRouter(replicas, names, RouterConfig(policy=policy))
