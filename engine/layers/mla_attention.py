@@ -24,7 +24,7 @@ from engine.layers.cache_spec import CacheSpec
 from engine.layers.norms import RMSNorm
 from engine.layers.paged_attention import _gather, _partial_attention
 from engine.layers.rotary import RotaryEmbedding
-from engine.worker.attention_metadata import AttentionMetadata, DecodeGroup
+from engine.worker.attention_metadata import AttentionMetadata, DecodeGroup, TritonAttentionMetadata
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 
@@ -53,7 +53,7 @@ class MLAttention(nn.Module):
     ``decode_form``: "absorbed" (the default) or "expanded" (decode as prefill does: for comparison).
     """
 
-    backends = ("torch",)  # attention backends it runs under (the runner falls back to torch otherwise)
+    backends = ("torch", "triton")  # attention backends it runs under (the runner falls back to torch otherwise)
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rotary: RotaryEmbedding,
@@ -117,31 +117,68 @@ class MLAttention(nn.Module):
         k_pe = rotate(k_pe[:, None, :], cos, sin, self.rope_interleave)[:, 0]  # [T, p]
         return q, latent, k_pe
 
-    def attend(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+               meta: AttentionMetadata | TritonAttentionMetadata) -> torch.Tensor:
         """Writes [latent, k_pe] at ``meta.slot_mapping``, returns [T, h, v]."""
         (cache,) = self.kv_cache
         width = self.kv_lora_rank + self.rope_dim
         cache.view(-1, width).index_copy_(0, meta.slot_mapping, torch.cat([latent, k_pe], dim=-1))
         rows = cache.view(*cache.shape[:2], 1, width)  # [N, bs, 1, r + p]: the layout the gather helpers read
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        if isinstance(meta, TritonAttentionMetadata):
+            return self._attend_triton(q, latent, k_pe, meta, rows, out)
         for group in meta.decode_groups:
             decode = self._decode_absorbed if self.decode_form == "absorbed" else self._decode_expanded
             out[group.start:group.end] = decode(q[group.start:group.end], rows, group)
         for (start, end), table, seq_len, mask in zip(
             meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
         ):
-            if mask is None:  # a fresh prompt chunk: its own latents, causal
-                ctx_latent, ctx_pe = latent[start:end], k_pe[start:end]
-            else:
-                ctx = _gather(rows, table)[:seq_len, 0]  # [L, r + p]
-                ctx_latent, ctx_pe = ctx[:, :self.kv_lora_rank], ctx[:, self.kv_lora_rank:]
-            keys, values = self._expand(ctx_latent, ctx_pe)  # [L, h, n + p], [L, h, v]
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, scale=self.scale,
-            )  # [1, h, q, v]
-            out[start:end] = o[0].transpose(0, 1)
+            out[start:end] = self._prefill(q[start:end], latent[start:end], k_pe[start:end], rows, table, seq_len, mask)
         return out
+
+    def _attend_triton(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, meta: TritonAttentionMetadata,
+                       rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Decodes absorbed in the Triton MLA kernel (no host sync: CUDA graphs capture it); prefill chunks in the
+        expanded torch form, their extents read on the host."""
+        from engine.kernels.mla_attention import mla_decode_triton
+
+        num_decodes = meta.num_decodes
+        if num_decodes:
+            w_uk, w_uv = self._w_kv()
+            qa = torch.cat([torch.einsum("dhn,hnr->dhr", q[:num_decodes, :, :self.nope_dim], w_uk),
+                            q[:num_decodes, :, self.nope_dim:]], dim=-1)  # [D, h, r + p]
+            latent_out = mla_decode_triton(qa, self.kv_cache[0], meta.decode_block_table, meta.decode_seq_lens,
+                                           self.scale, self.kv_lora_rank)  # [D, h, r]
+            out[:num_decodes] = torch.einsum("dhr,hvr->dhv", latent_out, w_uv)
+        if meta.num_prefills:
+            starts, lens, seq_lens = (t.tolist() for t in (meta.prefill_query_start, meta.prefill_query_len,
+                                                           meta.prefill_seq_lens))
+            block_size = rows.shape[1]
+            for i, (start, n, seq_len) in enumerate(zip(starts, lens, seq_lens)):
+                mask = None
+                if seq_len > n:  # a chunk over a cached prefix: query j sees keys up to its own position
+                    query_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]  # [q, 1]
+                    mask = (torch.arange(seq_len, device=q.device)[None, :] <= query_pos)[None, None]  # [1, 1, q, L]
+                table = meta.prefill_block_table[i, :-(-seq_len // block_size)]
+                end = start + n
+                out[start:end] = self._prefill(q[start:end], latent[start:end], k_pe[start:end], rows, table, seq_len, mask)
+        return out
+
+    def _prefill(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, rows: torch.Tensor,
+                 table: torch.Tensor, seq_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """One prefill chunk, expanded: q [q, h, n + p] over its context -> [q, h, v]. ``mask`` None: the chunk is
+        the whole context (its own latents, causal); else the context's latents are read from the cache."""
+        if mask is None:
+            ctx_latent, ctx_pe = latent, k_pe
+        else:
+            ctx = _gather(rows, table)[:seq_len, 0]  # [L, r + p]
+            ctx_latent, ctx_pe = ctx[:, :self.kv_lora_rank], ctx[:, self.kv_lora_rank:]
+        keys, values = self._expand(ctx_latent, ctx_pe)  # [L, h, n + p], [L, h, v]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=mask is None, scale=self.scale,
+        )  # [1, h, q, v]
+        return o[0].transpose(0, 1)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, h, v] -> [T, H]: o_proj, summed over the tensor-parallel ranks."""
