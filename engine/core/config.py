@@ -68,7 +68,8 @@ class EngineConfig:
     is logged)"""
     random_weights: str | None = None
     """serve a RANDOM-weight model of a real shape instead of ``model``'s weights (for speed tests): a preset
-    (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b) or a config.json path
+    (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b, deepseek-v3, deepseek-v2-lite, ...) or a
+    config.json path
     (``engine.loading.random_weights``)"""
     background_token_budget: int = 64
     """tokens a step's batch work may take while live traffic is present or was within
