@@ -50,8 +50,8 @@ for _mode in ("default", "chunked_prefill", "preemption", "all_paths"):
 # seconds each) run the combined one alone.
 FAMILY_MODES = {fam: ["all_paths"] if fam in ("glm4_moe", "dots1", "minimax_m2") else ["default", "chunked_prefill",
                 "preemption", "overlap"] for fam in VARIANTS}
-# MLA's latent cache under every path at once, and under overlapped steps.
-FAMILY_MODES.update(deepseek_v2=["all_paths", "overlap"], deepseek_v3=["all_paths", "overlap"])
+# MLA's latent cache under every path at once.
+FAMILY_MODES.update(deepseek_v2=["all_paths"], deepseek_v3=["all_paths"])
 CASES = [((fam, i), mode) for fam, variants in VARIANTS.items() for i in range(len(variants)) for mode in FAMILY_MODES[fam]]
 
 
