@@ -80,6 +80,13 @@ class Attention(nn.Module):
         """K and V of this rank's KV heads per token."""
         return CacheSpec(((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)))
 
+    def project_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shapes of what ``project`` returns (q, k, v); ``attend_shape``: of what ``attend`` returns."""
+        return (self.num_heads, self.head_dim), (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+
+    def attend_shape(self) -> tuple[int, ...]:
+        return self.num_heads, self.head_dim
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | TritonAttentionMetadata) -> torch.Tensor:
         return self.output(self.attend(*self.project(x, positions), meta))  # [T, H]
 

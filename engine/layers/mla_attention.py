@@ -85,6 +85,13 @@ class MLAttention(nn.Module):
         """One latent row per token: ``kv_lora_rank + qk_rope_head_dim`` values, the same on every rank."""
         return CacheSpec(((self.kv_lora_rank + self.rope_dim,),))
 
+    def project_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shapes of what ``project`` returns (q, latent, k_pe); ``attend_shape``: of ``attend``'s output."""
+        return (self.num_heads, self.qk_dim), (self.kv_lora_rank,), (self.rope_dim,)
+
+    def attend_shape(self) -> tuple[int, ...]:
+        return self.num_heads, self.v_dim
+
     def tp_slices(self, local_name: str, rank: int) -> tuple[slice, ...] | None:
         """This rank's part of checkpoint tensor ``self_attn.<local_name>`` (None: replicated, whole)."""
         per_head_rows = {"q_proj.weight": self.qk_dim, "q_b_proj.weight": self.qk_dim,

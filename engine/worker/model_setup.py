@@ -7,7 +7,6 @@ import torch
 
 from engine.core.config import CacheConfig, EngineConfig, KernelChoice
 from engine.distributed.collectives import SINGLE, TensorParallel
-from engine.layers.attention import Attention
 from engine.loading.model_config import CheckpointError, ModelConfig, load_model_config
 from engine.loading.model_loader import build_model
 from engine.loading.quantization import check_supported, resolve_scheme
@@ -117,10 +116,8 @@ def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheCon
 
         enable_decode_graphs(runner, config.cuda_graph_batch_sizes, config.max_num_seqs, max_len)
     # Prefill and mixed steps: attention runs eagerly between the captured pieces, so either attention backend.
-    # The pieces hand (q, k, v) of standard attention between them; MLA layers run eagerly.
-    standard = all(isinstance(attn, Attention) for attn in model.attention_layers())
     if device.type == "cuda" and graph_safe_moe and not config.enforce_eager and model.tp.size == 1 \
-            and model.tp.expert_parallel is None and config.cuda_graph_token_sizes != () and standard:
+            and model.tp.expert_parallel is None and config.cuda_graph_token_sizes != ():
         from engine.transforms.piecewise_graphs import default_token_sizes, enable_piecewise_graphs
 
         enable_piecewise_graphs(runner, config.cuda_graph_token_sizes or default_token_sizes(config.max_num_batched_tokens))
