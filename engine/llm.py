@@ -1,5 +1,6 @@
 """The offline API: ``LLM(model=PATH, ...).generate(prompts, sampling_params)``."""
 
+import weakref
 from collections.abc import Sequence
 
 from engine.core.config import EngineConfig, KernelChoice
@@ -10,10 +11,33 @@ from engine.core.sampling_params import SamplingParams
 
 class LLM:
     """Batch generation in-process. Keyword arguments are ``EngineConfig`` fields; ``kernel_choice`` overrides
-    what ``kernels`` resolves to (to compare one part's kernels, see ``engine.core.config.KernelChoice``)."""
+    what ``kernels`` resolves to (to compare one part's kernels, see ``engine.core.config.KernelChoice``).
+
+    An engine over several processes (``tensor_parallel_size``, ``data_parallel_size``) holds its other
+    ranks and the process group until it is closed: by ``close()``, at the end of a ``with LLM(...) as
+    llm:`` block, when the object is collected, or when the interpreter exits, whichever comes first. So
+    a second ``LLM`` in the same process can form its own group once the first is closed or dropped.
+    """
 
     def __init__(self, model: str, kernel_choice: KernelChoice | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs), kernel_choice)
+        # Holds the engine, not this object: it runs once, at close(), collection or interpreter exit.
+        self._finalizer = weakref.finalize(self, self.engine.close)
+
+    def close(self) -> None:
+        """Stop the engine's other ranks and leave its process group (nothing to do for one process);
+        calling it again does nothing. The object generates no more afterwards."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):
@@ -30,6 +54,8 @@ class LLM:
         token ids. ``sampling_params`` is one for all or one per prompt. A prompt
         whose params ask for ``n`` > 1 gives its n choices, by ``index``, in its place.
         """
+        if self.closed:
+            raise RuntimeError("this LLM is closed; make a new one")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -160,6 +160,7 @@ class LLMEngine:
         preemptible: bool = True,
         background: bool = False,
         may_preempt: bool = True,
+        order_in_rank: int = 0,
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) for a prompt that cannot be served.
 
@@ -182,7 +183,7 @@ class LLMEngine:
             return Request(
                 rid, prompt_ids, sampling, max_tokens, eos_token_id=eos, cache_salt=cache_salt,
                 priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, background=background,
-                may_preempt=may_preempt, parent_id=parent_id, index=index,
+                may_preempt=may_preempt, parent_id=parent_id, index=index, order_in_rank=order_in_rank,
             )
 
         if params.n == 1:

@@ -25,9 +25,9 @@ from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
 from gateway.completion import (
     apply_plan, chat_finish_reason, chat_plan_of, choice_prompts, collect, completion_body, engine_down, output_choice,
-    output_failed, prepare_prompts, start_streams, stream_choices, system_fingerprint,
+    order_in_rank, output_failed, output_view, prepare_prompts, start_streams, stream_choices, system_fingerprint,
 )
-from gateway.logprobs import CompletionLogprobs, chat_logprobs
+from gateway.logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_list
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
 from gateway.engine_supervisor import supervise
@@ -37,11 +37,13 @@ from gateway.errors import (
 from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
+from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
 from gateway.replica_router import replicas_of, unresponsive_after_s
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
 from gateway.usage_ledger import UsageLedger
 from gateway.batch import batches as batch_api, files as files_api
+from gateway.responses import routes as responses_api
 from gateway import tokenization
 from gateway.batch.batches import BATCH_SETTINGS, BATCH_WAKE, QUOTA_MANAGER
 from gateway.batch.runner import BatchRunner, BatchRunnerConfig
@@ -55,9 +57,6 @@ logger = logging.getLogger(__name__)
 
 ENGINE = web.AppKey("engine", EngineClient)
 CONFIG = web.AppKey("config", GatewayConfig)
-CHOICES = web.RequestKey("choices", Choices)  # every choice's latest engine output, for usage at settle
-TIMER = web.RequestKey("timer", RequestTimer)
-RATE_HEADERS = web.RequestKey("rate_headers", dict)
 INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
 LEDGER = web.AppKey("ledger", UsageLedger)
 DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503
@@ -168,7 +167,9 @@ def _check_model(app: web.Application, model: str | None) -> None:
                        code="model_not_found")
 
 
-async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
+async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix: str | None = None) -> web.StreamResponse:
+    """One request through admission, the engine and the settle; ``respond`` (default: the chat / completion
+    reply) writes the reply, ``rid_prefix`` starts its id (the Responses API runs as chat with its own)."""
     app = request.app
     _check_model(app, body.model)
     engine = app[ENGINE]
@@ -184,7 +185,7 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
         raise engine_down(engine.dead)
     principal: Principal = request[PRINCIPAL]
     tenant, cls = principal.tenant, principal.priority_class
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    rid = (rid_prefix or ("chatcmpl-" if chat else "cmpl-")) + uuid.uuid4().hex[:24]
     created = int(time.time())
     prompts = await prepare_prompts(engine, body, chat, plan)
     reserved = reservation([len(p) for p in prompts], params.n, params.max_tokens, engine.info.max_model_len,
@@ -221,11 +222,11 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     choices = request[CHOICES] = Choices([len(p) for p in prompts], params.n, whole=not body.stream)
     try:
         stream = start_streams(
-            engine, prompts, params, rid,
+            engine, prompts, params, rid, output_view(body),
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
-            preemptible=cls.preemptible, may_preempt=cls.may_preempt,
+            preemptible=cls.preemptible, may_preempt=cls.may_preempt, order_in_rank=order_in_rank(body),
         )
-        response = await _respond(request, body, chat, stream, rid, created, plan)
+        response = await (respond or _respond)(request, body, chat, stream, rid, created, plan)
         status = 200
         return response
     except APIError as err:
@@ -324,6 +325,8 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     await response.prepare(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    # vLLM's continuous_usage_stats: every chunk carries the request's usage so far, not null.
+    usage_per_chunk = include_usage and body.stream_options.continuous_usage_stats
     index = choices.add(*first)  # so usage is settled even if the client goes away mid-stream
     delta = first[1]
     prompts = choice_prompts(body, chat, choices.n)
@@ -351,11 +354,13 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
                 announced.add(index)
             if finish is not None:
                 out_choices[-1]["stop_reason"] = delta.stop_reason if delta.finish_reason == "stop" else None
-        for one in out_choices:
+        for k, one in enumerate(out_choices):
             event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
                      "system_fingerprint": fingerprint, "choices": [one]}
+            if chat and k == 0 and delta.prompt_logprobs is not None and body.prompt_logprobs is not None:
+                event["prompt_logprobs"] = prompt_logprobs_list(delta.prompt_logprobs, body.prompt_logprobs)
             if include_usage:
-                event["usage"] = None
+                event["usage"] = choices.usage() if usage_per_chunk else None
             await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
         if choices.finished:
             break
@@ -467,6 +472,7 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
                            "window_s": config.batch_completion_window_s, "default_max_tokens": 1024}
     files_api.add_routes(app)
     batch_api.add_routes(app)
+    responses_api.add_routes(app, _run, lambda: _model_name(app), config.responses_retention_s)
     app[METRICS] = GatewayMetrics(engine)
     app.cleanup_ctx.append(serve_metrics)
     if config.metrics_token:

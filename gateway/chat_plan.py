@@ -14,6 +14,7 @@ from engine.structured_output.grammar import grammar_of
 from engine.text.prompts import RESERVED_TEMPLATE_KWARGS, ChatInput
 from gateway.errors import APIError
 from gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice, message_text
+from gateway.response_format import closed_objects
 from gateway.tool_parsers import (
     REASONING_PARSERS, TOOL_PARSERS, ParsedDelta, ToolParser, detect_reasoning_parser, detect_tool_parser,
 )
@@ -61,6 +62,13 @@ def _message(m: ChatMessage, i: int) -> dict:
     turn: dict = {"role": m.role, "content": None if m.content is None else message_text(m)}
     if m.name is not None:
         turn["name"] = m.name
+    if m.function_call is not None:
+        raise APIError(400, f"{where}.function_call is the legacy form of tool calls, which this server does not "
+                            "take; send the call in tool_calls (or leave function_call null)",
+                       param=f"{where}.function_call")
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None and m.role == "assistant":  # for templates that render earlier reasoning (Qwen3's)
+        turn["reasoning_content"] = reasoning
     if m.tool_calls:
         if m.role != "assistant":
             raise APIError(400, f"{where}.tool_calls: only assistant messages carry tool calls", param=f"{where}.tool_calls")
@@ -100,6 +108,11 @@ def chat_input(body: ChatCompletionRequest, render_tools: bool = True) -> ChatIn
     if continue_final and messages[-1]["role"] != "assistant":
         raise APIError(400, "continue_final_message needs the last message to be the assistant's (the text to continue)",
                        param="continue_final_message")
+    if body.chat_template is not None:
+        raise APIError(400, "chat_template: this server renders every chat with the served checkpoint's template "
+                            "(a template sent with a request would run its own code on the server); leave it out, "
+                            "or render the prompt yourself and send it to /v1/completions",
+                       param="chat_template", code="unsupported_parameter")
     kwargs = dict(body.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
@@ -137,9 +150,9 @@ def plan(body: ChatCompletionRequest, parsers: tuple[str | None, str | None]) ->
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not in tools",
                            param="tool_choice")
         forced_name = tool.function.name
-        structured = StructuredOutput(json_schema=forced.named_schema(tool_dict(tool)))
+        structured = StructuredOutput(json_schema=forced.named_schema(_forced_tool(tool)))
     elif choice == "required":
-        structured = StructuredOutput(json_schema=forced.required_schema([tool_dict(t) for t in tools], parallel))
+        structured = StructuredOutput(json_schema=forced.required_schema([_forced_tool(t) for t in tools], parallel))
     if structured is not None:
         try:  # checked here, by the library the engine enforces it with: a schema it refuses is the client's 400
             grammar_of(structured)
@@ -153,6 +166,15 @@ def plan(body: ChatCompletionRequest, parsers: tuple[str | None, str | None]) ->
     chat = chat_input(body, render_tools=choice != "none")
     return ChatPlan(chat, tool_parser if choice == "auto" else None, None if structured else reasoning_parser,
                     structured, forced_name, structured is not None, parallel)
+
+
+def _forced_tool(tool) -> dict:
+    """A tool as its forcing schema takes it: the parameters' objects closed, as for response_format (the
+    template still shows the tool as the client wrote it)."""
+    out = tool_dict(tool)
+    if out["function"].get("parameters") is not None:
+        out["function"]["parameters"] = closed_objects(out["function"]["parameters"])
+    return out
 
 
 def _without_nulls(value):
@@ -182,8 +204,8 @@ class ChatOutputParser:
     def finish(self) -> ParsedDelta:
         if self.plan.forced:
             calls = forced.calls_from_output(self._forced_text, self.plan.forced_name)
-            if calls is None:  # cut off (max_tokens) before the JSON was complete: the text, as it is
-                return ParsedDelta(content=self._forced_text)
+            if calls is None:  # cut off (max_tokens) before the JSON was complete: the calls begun, as vLLM
+                calls = forced.partial_calls(self._forced_text, self.plan.forced_name)  # returns them
             return self._limit(ParsedDelta(tool_calls=calls))
         out = self._split(self._reasoning.finish()) if self._reasoning else ParsedDelta()
         if self._tools is not None:

@@ -2,15 +2,18 @@
 
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
+
+import msgspec
 
 from engine.serving.async_engine import EngineError, RequestRejectedError
 from engine.text.prompts import InvalidPrompt
 from engine.core.outputs import RequestOutput
 from gateway.choices import Choices, merged
 from gateway.errors import APIError
-from gateway.logprobs import CompletionLogprobs, chat_logprobs, echo_text
-from gateway.openai_schema import check_choices, prompts_of, sampling_params, text_messages
+from gateway.logprobs import CompletionLogprobs, as_token_ids, chat_logprobs, echo_text, prompt_logprobs_list, top_k
+from gateway.openai_schema import check_choices, prompts_of, sampling_params, scoring_only, text_messages
 from gateway.chat_plan import ChatPlan, ParserChoice, plan as plan_chat
 from gateway.tool_parsers import ParsedDelta
 
@@ -66,13 +69,19 @@ def output_choice(chat: bool, body, out: RequestOutput, index: int, delta: bool,
     if chat:
         logprobs = chat_logprobs(out.logprobs)
     elif body.logprobs is not None:
-        logprobs = (offsets or CompletionLogprobs()).format(out.prompt_logprobs if echo else None, out.logprobs)
+        prompt_lp = top_k(out.prompt_logprobs, body.logprobs) if echo else None
+        logprobs = (offsets or CompletionLogprobs()).format(prompt_lp, out.logprobs)
     stop_reason = out.stop_reason if out.finish_reason == "stop" else None
-    return choice(chat, text, out.finish_reason, delta, logprobs, index, stop_reason)
+    body_choice = choice(chat, text, out.finish_reason, delta, logprobs, index, stop_reason)
+    if not chat and body.prompt_logprobs is not None and first:  # vLLM's field, in the choice
+        body_choice["prompt_logprobs"] = prompt_logprobs_list(out.prompt_logprobs, body.prompt_logprobs)
+    return body_choice
 
 
 def chat_finish_reason(finish: str | None, made_calls: bool) -> str | None:
-    return "tool_calls" if made_calls and finish in ("stop", "length") else finish
+    """"tool_calls" for a reply that made calls and ended on its own; one cut by max_tokens says "length"
+    (its last call's arguments may be incomplete), as OpenAI and vLLM report it."""
+    return "tool_calls" if made_calls and finish == "stop" else finish
 
 
 def chat_message(parsed: ParsedDelta, plan: ChatPlan) -> dict:
@@ -143,8 +152,11 @@ def completion_body(rid: str, created: int, model: str, chat: bool, whole: Choic
     prompts = choice_prompts(body, chat, whole.n)
     choices = [parsed_choice(out, i, plan) if chat and plan is not None
                else output_choice(chat, body, out, i, False, prompt=prompts[i]) for i, out in enumerate(whole.outputs)]
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-            "system_fingerprint": fingerprint, "choices": choices, "usage": whole.usage()}
+    response = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model, "system_fingerprint": fingerprint, "choices": choices, "usage": whole.usage()}
+    if chat and body.prompt_logprobs is not None:  # vLLM's field: the prompt's, once for the response
+        response["prompt_logprobs"] = prompt_logprobs_list(whole.outputs[0].prompt_logprobs, body.prompt_logprobs)
+    return response
 
 
 def chat_plan_of(engine, body, parsers: ParserChoice) -> ChatPlan:
@@ -212,10 +224,49 @@ async def prepare_prompts(engine, body, chat: bool, plan: ChatPlan | None = None
         raise engine_down(e) from None
 
 
-def start_streams(engine, prompts: list[list[int]], params, rid: str, **request_policy):
-    """One engine request per prompt (ids ``rid``, or ``rid-0``, ``rid-1``, ... for several), merged."""
+def output_view(body) -> Callable[[RequestOutput], RequestOutput] | None:
+    """How the request's engine outputs are shown to its client, where that differs from what the engine
+    produced (None: as they are): scoring only (``max_tokens: 0``) drops the one token the engine sampled,
+    so the response carries and bills the prompt alone; ``return_tokens_as_token_ids`` shows logprobs'
+    tokens as ``token_id:N``."""
+    score, as_ids = scoring_only(body), bool(body.return_tokens_as_token_ids)
+    if not score and not as_ids:
+        return None
+
+    def view(out: RequestOutput) -> RequestOutput:
+        if score:
+            out = msgspec.structs.replace(out, token_ids=[], text="", logprobs=None, num_output_tokens=0,
+                                          finish_reason="length" if out.finished else None, stop_reason=None)
+        if as_ids:
+            out = msgspec.structs.replace(out, logprobs=as_token_ids(out.logprobs),
+                                          prompt_logprobs=as_token_ids(out.prompt_logprobs))
+        return out
+
+    return view
+
+
+def order_in_rank(body) -> int:
+    """vLLM's request ``priority`` (larger waits longer) as the engine's place within the request's rank: it
+    can only put a request behind others of its class, never ahead of them (a negative value counts as 0),
+    so a tenant's class still decides how it is served."""
+    return max(body.priority or 0, 0)
+
+
+async def _viewed(stream, view: Callable[[RequestOutput], RequestOutput]):
+    try:
+        async for out in stream:
+            yield view(out)
+    finally:
+        await stream.aclose()
+
+
+def start_streams(engine, prompts: list[list[int]], params, rid: str,
+                  view: Callable[[RequestOutput], RequestOutput] | None = None, **request_policy):
+    """One engine request per prompt (ids ``rid``, or ``rid-0``, ``rid-1``, ... for several), merged; each
+    output through ``view`` (``output_view``) when given."""
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    return merged([engine.generate(p, params, request_id=i, **request_policy) for p, i in zip(prompts, ids)])
+    streams = [engine.generate(p, params, request_id=i, **request_policy) for p, i in zip(prompts, ids)]
+    return merged(streams if view is None else [_viewed(s, view) for s in streams])
 
 
 async def collect(stream, chat: bool, choices: Choices, on_output=None) -> Choices:
@@ -239,20 +290,22 @@ async def collect(stream, chat: bool, choices: Choices, on_output=None) -> Choic
 
 
 async def complete(engine, body, chat: bool, rid: str, created: int, model: str, fingerprint: str = "",
-                   parsers: ParserChoice | None = None, **request_policy) -> tuple[dict, Choices]:
+                   parsers: ParserChoice | None = None, render=completion_body, **request_policy) -> tuple[dict, Choices]:
     """Run one request to the end and return (response body, its choices); APIError as the live API would.
 
     ``request_policy`` is what ``engine.generate`` takes besides the prompt: priority, tenant,
     weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine requests.
     ``parsers``: the server's tool-call / reasoning parser settings (auto-detected when not given).
+    ``render``: the response body, from ``completion_body``'s arguments (the Responses API has its own).
     """
     plan = chat_plan_of(engine, body, parsers or ParserChoice()) if chat else None
     params = apply_plan(sampling_params(body, engine.info.vocab_size if engine.info is not None else None), plan)
     prompts = await prepare_prompts(engine, body, chat, plan)
     # Only the result is wanted: one message from the engine at the end, not one per token.
-    stream = start_streams(engine, prompts, params, rid, stream=False, **request_policy)
+    request_policy.setdefault("order_in_rank", order_in_rank(body))
+    stream = start_streams(engine, prompts, params, rid, output_view(body), stream=False, **request_policy)
     try:
         whole = await collect(stream, chat, Choices([len(p) for p in prompts], params.n, whole=True))
     finally:
         await stream.aclose()
-    return completion_body(rid, created, model, chat, whole, body, fingerprint, plan), whole
+    return render(rid, created, model, chat, whole, body, fingerprint, plan), whole

@@ -49,6 +49,9 @@ class GatewayConfig:
     # lines queue inside the engine and take a slot the step after one frees (see gateway.batch.runner).
     batch_max_inflight: int | None = None
     batch_poll_s: float = 0.5
+    # Responses API: how long a stored response (store: true, the default) can be continued with
+    # previous_response_id or read back, before it is deleted.
+    responses_retention_s: float = 30 * 24 * 3600.0
     # Chat output parsing: a name from gateway.tool_parsers (TOOL_PARSERS / REASONING_PARSERS), "auto" (from
     # the checkpoint's chat template and architecture) or None (off).
     tool_call_parser: str | None = "auto"
@@ -72,6 +75,8 @@ class GatewayConfig:
                              f"{self.engine_restart_backoff_s:g} and {self.engine_restart_backoff_max_s:g}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if not self.responses_retention_s > 0:
+            raise ValueError(f"responses_retention_s must be > 0, got {self.responses_retention_s:g}")
         if self.default_reservation_tokens < 1:
             raise ValueError("default_reservation_tokens must be >= 1")
         if self.max_request_bytes < 1024:

@@ -27,6 +27,43 @@ def chat_logprobs(lp: Logprobs | None) -> dict | None:
     return {"content": content, "refusal": None}
 
 
+def prompt_logprobs_list(lp: Logprobs | None, k: int) -> list | None:
+    """vLLM's ``prompt_logprobs`` response field: per prompt position, null for the first, else
+    ``{token id: {"logprob", "rank", "decoded_token"}}`` for the prompt's token and the ``k`` most likely
+    (rank 1 is the most likely; the prompt's token has rank null when it is not among them)."""
+    if lp is None:
+        return None
+    out: list = []
+    for i, token_id in enumerate(lp.token_ids):
+        value = lp.logprobs[i]
+        if value is None:
+            out.append(None)
+            continue
+        ranked = {str(t): {"logprob": _value(v), "rank": r, "decoded_token": text}
+                  for r, (t, v, text) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k], lp.top_tokens[i][:k]),
+                                                   start=1)}
+        own = ranked.pop(str(token_id), {"logprob": _value(value), "rank": None, "decoded_token": lp.tokens[i]})
+        out.append({str(token_id): own, **ranked})
+    return out
+
+
+def top_k(lp: Logprobs | None, k: int | None) -> Logprobs | None:
+    """``lp`` with at most ``k`` top tokens per position (the engine computed the most any field asked)."""
+    if lp is None or k is None or all(len(top) <= k for top in lp.top_ids):
+        return lp
+    return Logprobs(lp.token_ids, lp.logprobs, [t[:k] for t in lp.top_ids], [t[:k] for t in lp.top_logprobs],
+                    lp.tokens, [t[:k] for t in lp.top_tokens])
+
+
+def as_token_ids(lp: Logprobs | None) -> Logprobs | None:
+    """``lp`` with every token shown as ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``: text that
+    does not decode on its own, a piece of a multi-byte character, stays unambiguous)."""
+    if lp is None:
+        return None
+    return Logprobs(lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, [f"token_id:{t}" for t in lp.token_ids],
+                    [[f"token_id:{t}" for t in top] for top in lp.top_ids])
+
+
 class CompletionLogprobs:
     """The completions logprobs object of one choice, chunk by chunk (``text_offset`` runs on across chunks)."""
 

@@ -9,7 +9,7 @@ from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, Sam
 from gateway.choices import MAX_CHOICES
 from gateway.errors import APIError
 from gateway.json_types import decode_typed
-from gateway.response_format import ResponseFormat, structured_output_of
+from gateway.response_format import ResponseFormat, StructuredOutputs, structured_output_of
 
 # Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the
 # engine's message encoding, a seed for torch). Refused while decoding, with the field named.
@@ -38,11 +38,13 @@ class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fiel
     """A ``{"type": "text", "text": ...}`` content part; other part types (images, audio) are refused."""
 
     text: str
+    cache_control: Any = None  # Anthropic-style prompt caching hint (sent through LiteLLM): accepted, ignored
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
     name: NonEmptyText
     arguments: str  # JSON text of an object, as the assistant's reply carried it
+    parsed_arguments: Any = None  # the openai SDK's parse helpers add it to their messages: ignored
 
 
 class ToolCallMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -51,15 +53,29 @@ class ToolCallMessage(msgspec.Struct, forbid_unknown_fields=True):
     id: str
     function: FunctionCall
     type: Literal["function"] = "function"
+    index: int | None = None  # a streamed call's position, kept by clients that add up deltas: ignored
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
-    # null only for an assistant turn that made tool calls; a string or an array of text parts otherwise.
-    content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)] | None
+    # null (or left out) only for an assistant turn that made tool calls; a string or an array of text parts
+    # otherwise.
+    content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)] | None = None
     name: str | None = None  # a participant's name: accepted, not used by the chat templates we render
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    # What an assistant message carries when a client sends a reply back as it came (the openai SDK's
+    # message object, or its model_dump()). The reasoning reaches the chat template as `reasoning_content`
+    # (Qwen3's renders it for the turns after the last user message); `reasoning` is newer vLLM's name
+    # for it. The rest are output-only and ignored; `function_call` (the legacy form of tool_calls) only
+    # when null.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+    parsed: Any = None  # the openai SDK's parse helpers
 
 
 FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
@@ -102,6 +118,8 @@ def text_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk carries the usage so far (not only the last).
+    continuous_usage_stats: bool = False
 
 
 # Fields of OpenAI's request bodies that this server does not implement yet, and the values that mean
@@ -157,9 +175,22 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+    # vLLM's extensions that evaluation and benchmark harnesses send (docs/api.md says what each does here).
+    skip_special_tokens: bool | None = None  # True
+    spaces_between_special_tokens: bool | None = None  # True
+    include_stop_str_in_output: bool | None = None  # False
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    return_tokens_as_token_ids: bool | None = None  # False
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], msgspec.Meta(min_length=1)] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # Larger waits longer: it may only lower a request's place within its tenant's priority class.
+    priority: Annotated[int, msgspec.Meta(ge=-INT32_MAX, le=INT32_MAX)] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] | None = None  # 0 with echo: scoring only
     # A string, token ids, or a list of either (one prompt each); checked for a mix by ``prompts_of``.
     prompt: NonEmptyText | Annotated[list[NonEmptyText | TokenId | TokenIds], msgspec.Meta(min_length=1)]
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None  # top tokens per position; null: none
@@ -178,6 +209,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # A template for this request instead of the checkpoint's (vLLM's extension): see chat_plan.
+    chat_template: str | None = None
 
 
 def error_param(err: msgspec.ValidationError) -> str | None:
@@ -199,9 +232,10 @@ _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `(
 _MISSING_FIELD = re.compile(r"Object missing required field `([^`]*)`(?: - at `(\$[^`]*)`)?$")
 
 
-def check_implemented(req: msgspec.Struct) -> None:
-    """400 naming the first OpenAI field that asks for something this server does not implement."""
-    for field, defaults in NOT_IMPLEMENTED.items():
+def check_implemented(req: msgspec.Struct, fields: dict[str, tuple] = NOT_IMPLEMENTED) -> None:
+    """400 naming the first OpenAI field (of ``fields``: name -> the values that ask for nothing) that asks for
+    something this server does not implement."""
+    for field, defaults in fields.items():
         value = getattr(req, field)
         if value is not None and value not in defaults:
             raise APIError(400, f"`{field}` is not supported by this server yet; leave it out (or null) and "
@@ -272,16 +306,35 @@ def _logit_bias(req: _Common, vocab_size: int | None) -> dict[int, float] | None
 
 
 def _logprobs_asked(req: _Common) -> tuple[int | None, int | None]:
-    """(top count for generated tokens, top count for prompt tokens), None where not asked."""
+    """(top count for generated tokens, top count for prompt tokens), None where not asked. vLLM's
+    ``prompt_logprobs`` asks for the prompt's too; with echo's, the larger count is computed."""
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        return (req.top_logprobs or 0) if req.logprobs else None, None
+        return (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs
     if not req.echo:
-        return req.logprobs, None
+        return req.logprobs, req.prompt_logprobs
     # echo: the prompt's logprobs with the completion's; a token-id prompt's text comes from them too.
     prompt_k = req.logprobs if req.logprobs is not None else (0 if not isinstance(req.prompt, str) else None)
+    if req.prompt_logprobs is not None:
+        prompt_k = max(prompt_k or 0, req.prompt_logprobs)
     return req.logprobs, prompt_k
+
+
+def max_tokens_of(req: _Common) -> int | None:
+    """The request's output limit (``max_completion_tokens`` over ``max_tokens``; 16 for completions, as
+    OpenAI's API; None: to the end of the context)."""
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None and isinstance(req, CompletionRequest):
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+    return max_tokens
+
+
+def scoring_only(req: _Common) -> bool:
+    """``max_tokens: 0`` with ``echo``: the prompt and its logprobs, nothing generated (lm-eval's loglikelihood,
+    as vLLM serves it). The engine samples one token, which costs nothing past the prompt's forward; the
+    response drops it and bills the prompt alone."""
+    return isinstance(req, CompletionRequest) and max_tokens_of(req) == 0
 
 
 def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingParams:
@@ -293,11 +346,16 @@ def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingPara
         raise APIError(400, "temperature must be between 0 and 2", param="temperature")
     if not 0.0 < top_p <= 1.0:
         raise APIError(400, "top_p must be in (0, 1]", param="top_p")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if max_tokens is None and isinstance(req, CompletionRequest):
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS  # OpenAI's default for /v1/completions (chat: to the end)
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
+    max_tokens = max_tokens_of(req)
+    if scoring_only(req):
+        if not req.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it is for scoring the prompt, with echo: true "
+                                "(and logprobs for its logprobs); otherwise ask for at least 1 token",
+                           param="max_tokens")
+        max_tokens = 1
+    elif max_tokens is not None and max_tokens < 1:
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        raise APIError(400, f"{param} must be at least 1", param=param)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")
@@ -311,6 +369,9 @@ def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingPara
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true; leave it out or stream",
                        param="stream_options")
+    if req.min_tokens and scoring_only(req):
+        raise APIError(400, "min_tokens needs max_tokens of at least 1 (max_tokens 0 only scores the prompt)",
+                       param="min_tokens")
     logprobs, prompt_logprobs = _logprobs_asked(req)
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=req.seed,
@@ -319,5 +380,8 @@ def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingPara
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0, min_tokens=min_tokens, stop_token_ids=stop_token_ids,
         logit_bias=_logit_bias(req, vocab_size), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        structured_output=structured_output_of(req.response_format, bool(req.ignore_eos)),
+        structured_output=structured_output_of(req, bool(req.ignore_eos)),
+        skip_special_tokens=req.skip_special_tokens is not False,
+        spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
     )

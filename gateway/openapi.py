@@ -4,6 +4,7 @@ import msgspec
 
 from gateway.batch.batches import CreateBatch
 from gateway.openai_schema import NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
+from gateway.responses.request import ITEM_TYPES, UNSUPPORTED, FunctionTool, ResponsesRequest
 from gateway.tokenization import DetokenizeRequest, TokenizeRequest
 
 _ERROR = {
@@ -33,15 +34,22 @@ def _generation(summary: str, schema_ref: str) -> dict:
 
 
 def openapi_document(version: str) -> dict:
-    (completion, chat, create_batch, tokenize, detokenize), components = msgspec.json.schema_components(
-        [CompletionRequest, ChatCompletionRequest, CreateBatch, TokenizeRequest, DetokenizeRequest],
-        ref_template="#/components/schemas/{name}"
-    )
+    (completion, chat, create_batch, tokenize, detokenize, responses, tool, *items), components = \
+        msgspec.json.schema_components(
+            [CompletionRequest, ChatCompletionRequest, CreateBatch, TokenizeRequest, DetokenizeRequest, ResponsesRequest,
+             FunctionTool, *ITEM_TYPES.values()], ref_template="#/components/schemas/{name}")
     components["Error"] = _ERROR
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         properties = components[name]["properties"]
         for field, off in NOT_IMPLEMENTED.items():  # what the server accepts for them: null or "off"
             properties[field] = {"enum": [None, *off], "description": "not supported yet: leave it out"}
+    # Input items and tools are decoded one by one (a message item may leave out its type); documented as
+    # the item types they are decoded as.
+    properties = components["ResponsesRequest"]["properties"]
+    properties["input"]["anyOf"][1]["items"] = {"anyOf": items}
+    properties["tools"]["anyOf"][0]["items"] = tool
+    for field, nothing in UNSUPPORTED.items():
+        properties[field] = {"enum": [None, *nothing], "description": "not supported: leave it out"}
     return {
         "openapi": "3.1.0",
         "info": {"title": "moegate", "version": version,
@@ -55,6 +63,7 @@ def openapi_document(version: str) -> dict:
                                    "responses": {"200": {"description": "model list"}, **_ERRORS}}},
             "/v1/models/{model}": {"get": _op("A served model (404 model_not_found for any other name)", "model object",
                                               params=("model",))},
+            **_responses_paths(responses["$ref"]),
             **_batch_paths(create_batch["$ref"]),
             "/tokenize": {"post": _op("Token ids of a prompt or of chat messages, as the generation routes would run "
                                       "them: {tokens, count, max_model_len}", "token ids",
@@ -75,6 +84,19 @@ def _op(summary: str, ok: str, body: dict | None = None, params: tuple[str, ...]
     if params:
         op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
     return op
+
+
+def _responses_paths(request_ref: str) -> dict:
+    create = _op("Create a response (the Responses API, run as a chat completion); with stream=true, "
+                 "text/event-stream events (`event:` and `data:` lines) ending with response.completed",
+                 "response object", {"application/json": {"schema": {"$ref": request_ref}}})
+    return {"/v1/responses": {"post": create},
+            "/v1/responses/{response_id}": {
+                "get": _op("A stored response of the tenant's", "response object", params=("response_id",)),
+                "delete": _op("Delete a stored response", "deletion status", params=("response_id",))},
+            "/v1/responses/{response_id}/input_items": {"get": _op(
+                "A stored response's input items (?order asc|desc, default desc; ?after; ?limit 1..100)",
+                "list of items", params=("response_id",))}}
 
 
 def _batch_paths(create_batch_ref: str) -> dict:

@@ -256,3 +256,20 @@ class BatchLine(Base):
         Index("ix_batch_lines_claim", "status", "batch_id", "line_no"),
         CheckConstraint("status IN (%s)" % ", ".join(f"'{s}'" for s in LINE_STATUSES), name="ck_batch_lines_status"),
     )
+
+
+class StoredResponse(Base):
+    """A Responses API response kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` until
+    ``expires_at`` (the gateway's retention); ``conversation_json`` is every input item of its conversation
+    and its own output items, so a follow-up needs this one row."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # "resp_..."
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False)
+    response_json: Mapped[str] = mapped_column(String, nullable=False)
+    conversation_json: Mapped[str] = mapped_column(String, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
+
+    __table_args__ = (Index("ix_responses_expires", "expires_at"),)

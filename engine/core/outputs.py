@@ -84,7 +84,9 @@ class OutputProcessor:
     def add_request(self, request: Request) -> None:
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens)
+            params = request.sampling_params
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens)
         prompt_lp = None
         if request.sampling_params.prompt_logprobs is not None:  # the first prompt token has no logprob
             prompt_lp = Logprobs([request.prompt_token_ids[0]], [None], [[]], [[]])
@@ -159,8 +161,9 @@ class OutputProcessor:
         stops = request.sampling_params.stop_strings
         new_ids = update.new_token_ids
         if state.detok is not None:
-            # A token that ended the request by id (EOS, stop_token_ids) contributes no text.
-            ended_by_token = finished and request.status == RequestStatus.FINISHED_STOPPED
+            # A token that ended the request by id (EOS, stop_token_ids) contributes no text, unless asked.
+            ended_by_token = (finished and request.status == RequestStatus.FINISHED_STOPPED
+                              and not request.sampling_params.include_stop_str_in_output)
             text_ids = new_ids[:-1] if ended_by_token else new_ids
             before = len(state.text)
             if stops and len(text_ids) > 1:  # a speculative step's tokens: cut where one completes a stop string
@@ -204,7 +207,8 @@ class OutputProcessor:
         if not hits:
             return False
         index, stop = min(hits)
-        state.text = state.text[:index]
+        keep = request.sampling_params.include_stop_str_in_output
+        state.text = state.text[:index + len(stop) if keep else index]
         request.stop_reason = stop
         return True
 

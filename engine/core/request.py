@@ -42,6 +42,7 @@ class Request:
         "max_tokens", "cache_salt", "num_preemptions", "stop_reason",
         "priority", "tenant", "weight", "preemptible", "may_preempt", "admit_seq", "num_charged_prompt_tokens",
         "first_scheduled_time", "background", "parent_id", "index", "spec_acceptance", "spec_idle_steps",
+        "order_in_rank",
     )
 
     def __init__(
@@ -61,12 +62,15 @@ class Request:
         may_preempt: bool = True,
         parent_id: str | None = None,
         index: int = 0,
+        order_in_rank: int = 0,
     ) -> None:
         """``parent_id`` and ``index``: this is choice ``index`` of the ``n`` copies of request ``parent_id``
         (its outputs carry that id and index). ``priority`` is a rank (lower is more urgent); ``weight`` is the tenant's fair share in its rank;
         ``preemptible`` lets a waiting request of a better rank take this one's place, and ``may_preempt``
         lets this one take the place of a preemptible request of a worse rank; ``background``
-        work (the Batch API's) takes idle capacity only (see ``SchedulerConfig``)."""
+        work (the Batch API's) takes idle capacity only (see ``SchedulerConfig``). ``order_in_rank`` (>= 0)
+        places the request within its rank: one waits behind every waiting request of its rank with a smaller
+        value, whichever tenant's (the API's ``priority``, which can so lower a request but never raise it)."""
         assert prompt_token_ids, "a request needs at least one prompt token"
         assert max_tokens >= 1
         self.request_id = request_id
@@ -95,6 +99,8 @@ class Request:
         self.num_charged_prompt_tokens = 0  # prompt tokens already billed to the tenant's fair-share counter
         self.parent_id = parent_id
         self.index = index
+        assert order_in_rank >= 0
+        self.order_in_rank = order_in_rank
         self.spec_acceptance = 1.0  # moving average of accepted / proposed drafts (engine.core.speculation)
         self.spec_idle_steps = 0  # steps without proposing since its acceptance fell below the threshold
 

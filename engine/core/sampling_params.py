@@ -19,8 +19,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     shares its batch. ``n`` copies of the prompt are generated as choices
     0..n-1 sharing the prompt's KV (``engine.core.parallel_sampling``); with a
     seed, choice i draws from its own seed derived from it. ``stop`` strings end generation and are not included in
-    the returned text; ``stop_token_ids`` end it too (the token is kept in
-    ``token_ids`` and its text dropped, as for EOS).
+    the returned text (``include_stop_str_in_output`` keeps them, and the text of the stop token or EOS that
+    ended it); ``stop_token_ids`` end it too (the token is kept in ``token_ids`` and its text dropped, as for
+    EOS). ``skip_special_tokens`` and ``spaces_between_special_tokens`` are passed to the tokenizer's decode
+    (fast tokenizers join special tokens without spaces whatever the latter says).
 
     The same struct crosses the pipe to the engine process (msgpack); it is
     validated when built and again when decoded there.
@@ -36,6 +38,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -1,4 +1,8 @@
-"""The waiting queue: by priority rank, then weighted fairness across tenants (VTC), then arrival.
+"""The waiting queue: by priority rank, then order in the rank, then weighted fairness across tenants (VTC),
+then arrival.
+
+A request's ``order_in_rank`` (0 unless the client asked to wait) puts it behind every waiting request of
+its rank with a smaller one: among the tenants whose next request has the smallest order, VTC picks.
 
 Virtual token counter ("Fairness in Serving Large Language Models", OSDI 2024):
 each tenant's counter grows by (prompt tokens + 2 x output tokens) / weight as
@@ -72,9 +76,14 @@ class WaitingQueue:
         return {rank: len(q) for rank, q in sorted(self._ranks.items())}
 
     def add(self, request: Request) -> None:
-        """A new arrival: behind earlier arrivals of its tenant."""
+        """A new arrival: behind earlier arrivals of its tenant with the same or a smaller order in the rank."""
         rq = self._ranks.setdefault(request.priority, _RankQueue())
-        rq.tenants.setdefault(request.tenant, deque()).append(request)
+        queue = rq.tenants.setdefault(request.tenant, deque())
+        if queue and queue[-1].order_in_rank > request.order_in_rank:  # rare: ahead of its tenant's later orders
+            i = next(i for i, r in enumerate(queue) if r.order_in_rank > request.order_in_rank)
+            queue.insert(i, request)
+        else:
+            queue.append(request)
         self._len += 1
         self.num_foreground += not request.background
 
@@ -95,7 +104,7 @@ class WaitingQueue:
         if rq.resumed:
             return rq.resumed[0]
         counters = self.vtc.counters
-        tenant = min(rq.tenants, key=lambda t: (counters[t], rq.tenants[t][0].arrival_time))
+        tenant = min(rq.tenants, key=lambda t: (rq.tenants[t][0].order_in_rank, counters[t], rq.tenants[t][0].arrival_time))
         return rq.tenants[tenant][0]
 
     def remove(self, request: Request) -> None:

@@ -285,6 +285,7 @@ class AsyncEngine:
         background: bool = False,
         stream: bool = True,
         may_preempt: bool = True,
+        order_in_rank: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
 
@@ -306,7 +307,7 @@ class AsyncEngine:
         unfinished = sampling.n  # choices still running: the request ends with the last of them
         try:
             self._send(AddRequest(request_id, prompt, sampling, cache_salt, priority, tenant, weight, preemptible,
-                                  may_preempt, background, stream))
+                                  may_preempt, background, stream, order_in_rank))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -28,6 +28,7 @@ class AddRequest(msgspec.Struct, tag=True):
     # callers that only want the result (the Batch API): a batch of 32 then costs the gateway one
     # message a finished line instead of 32 wakeups a step.
     stream: bool = True
+    order_in_rank: int = 0  # Request.order_in_rank
 
 
 class AbortRequest(msgspec.Struct, tag=True):

@@ -38,6 +38,23 @@ def _grammar_for_schema(schema: str) -> str:
     return grammar
 
 
+@functools.lru_cache(maxsize=1024)
+def _grammar_for(kind: str, text: str) -> str:
+    """A regex's or a Lark grammar's llguidance grammar; ValueError (the library's message) if it is refused."""
+    try:
+        grammar = llguidance.grammar_from(kind, text)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(error)
+    return grammar
+
+
 def grammar_of(spec: StructuredOutput) -> str:
-    """The grammar enforcing ``spec`` (cached by schema text); ValueError saying why a schema is refused."""
+    """The grammar enforcing ``spec`` (cached by its text); ValueError saying why it is refused."""
+    if spec.regex is not None:
+        return _grammar_for("regex", spec.regex)
+    if spec.choice is not None:  # one Lark rule of quoted literals: no escaping rules of a regex to get wrong
+        return _grammar_for("lark", "start: " + " | ".join(json.dumps(c) for c in spec.choice))
     return _grammar_for_schema(_ANY_OBJECT if spec.json_object else spec.json_schema)

@@ -42,9 +42,11 @@ class IncrementalDetokenizer:
 
     _CONTEXT_TOKENS = 4
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         # Byte-fallback tokenizers turn a run of bytes with a bad start into U+FFFD: move the
         # context start back (a few tokens at most) until it no longer begins mid-character.
         n = len(prompt_token_ids)
@@ -57,7 +59,8 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 from gateway.batch.validation import ENDPOINTS
 from engine.serving.client import EngineClient
-from gateway.completion import NOT_RETRIED, complete, system_fingerprint
+from gateway.completion import NOT_RETRIED, complete, completion_body, system_fingerprint
+from gateway.responses import batch_lines
+from gateway.responses.translate import responses_error
 from gateway.errors import APIError
 from gateway.openai_schema import decode_body
 from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, FinishedLine, new_id
@@ -71,15 +73,22 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
     a failed engine step the line was part of (it may be the cause: never retried into a fresh
     engine); an engine outage raises APIError(503) so the caller can retry the line later.
     """
-    chat = endpoint == "/v1/chat/completions"
+    chat = endpoint != "/v1/completions"
     rid = new_id("batch_req_")
     try:
-        body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
+        render = completion_body
+        if endpoint == batch_lines.ENDPOINT:
+            req, body, tools = batch_lines.line_request(body_json.encode())
+            render = batch_lines.renderer(req, tools)
+        else:
+            body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
         response, last = await complete(engine, body, chat, rid, int(time.time()), model,
-                                        system_fingerprint(engine.config, model), priority=priority,
+                                        system_fingerprint(engine.config, model), render=render, priority=priority,
                                         tenant=tenant, weight=weight, preemptible=True, background=True,
                                         cache_salt=tenant)
     except APIError as e:
+        if endpoint == batch_lines.ENDPOINT:
+            e = responses_error(e)  # the chat fields it names, as the Responses API calls them
         if e.status >= 500 and e.code not in NOT_RETRIED:  # the engine is down: the line runs again later
             raise
         body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}

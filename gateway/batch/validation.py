@@ -13,12 +13,14 @@ import msgspec
 
 from gateway.admission import estimate_prompt_tokens
 from gateway.errors import APIError
+from gateway.responses import batch_lines
 from gateway.openai_schema import (
     ChatCompletionRequest, CompletionRequest, check_choices, decode_body, decode_json, message_text, prompts_of,
     sampling_params,
 )
 
-ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+             batch_lines.ENDPOINT: ChatCompletionRequest}  # a Responses API line runs as chat
 MAX_ERRORS = 100  # a file with thousands of bad lines reports the first hundred
 
 
@@ -96,7 +98,8 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
                   f"{endpoint!r}", line_no, "url")
             continue
         try:
-            body = decode_body(line.body, body_type)
+            body = (batch_lines.line_request(line.body)[1] if endpoint == batch_lines.ENDPOINT
+                    else decode_body(line.body, body_type))
             sampling_params(body)
             if body.stream:
                 raise APIError(400, "stream is not supported in a batch", param="stream")
@@ -113,16 +116,16 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
         if body.model is not None and served_model is not None and body.model != served_model:
             error("model_not_found", f"line {line_no}: model {body.model!r} does not exist; this server serves "
                   f"{served_model!r}", line_no, "body.model")
+        chat = line.url != "/v1/completions"
         try:
-            prompt = ([message_text(m) for m in body.messages] if line.url == "/v1/chat/completions"
-                      else prompts_of(body))
+            prompt = [message_text(m) for m in body.messages] if chat else prompts_of(body)
             params = sampling_params(body)
-            if line.url != "/v1/chat/completions":
+            if not chat:
                 check_choices(len(prompt), params.n)
         except APIError as e:
             error("invalid_request", f"line {line_no}: {e.message}", line_no, f"body.{e.param}" if e.param else "body")
             continue
-        outputs = (params.max_tokens or max_new_tokens) * params.n * (1 if line.url == "/v1/chat/completions" else len(prompt))
+        outputs = (params.max_tokens or max_new_tokens) * params.n * (1 if chat else len(prompt))
         out.token_estimate += sum(estimate_prompt_tokens(p) for p in prompt) + outputs
         out.lines.append(BatchLineSpec(line_no, line.custom_id, bytes(line.body).decode()))
     return out

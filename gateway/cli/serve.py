@@ -50,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
                            metrics_token=os.environ.get("MOEGATE_METRICS_TOKEN") or None,
                            batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight,
                            default_reservation_tokens=args.default_reservation_tokens,
+                           responses_retention_s=args.responses_retention_days * 86400,
                            tool_call_parser=_parser_setting(args.tool_call_parser),
                            reasoning_parser=_parser_setting(args.reasoning_parser))
     check_model(local_configs[0] if local_configs else engine_config)  # as laid out in the group
@@ -146,6 +147,9 @@ def register(subparsers) -> None:
                    help="an engine replica whose restart failed (a remote engine not reachable yet, say) is tried "
                         "again after this, doubling each time up to --engine-restart-backoff-max "
                         f"(default {defaults.engine_restart_backoff_s:g})")
+    p.add_argument("--responses-retention-days", type=float, default=defaults.responses_retention_s / 86400,
+                   help="how long a stored Responses API response can be continued (previous_response_id) or read "
+                        f"back before it is deleted (default {defaults.responses_retention_s / 86400:g})")
     p.add_argument("--engine-restart-backoff-max", type=float, default=defaults.engine_restart_backoff_max_s,
                    metavar="SECONDS", help="the longest wait between failed restarts of an engine replica "
                                            f"(default {defaults.engine_restart_backoff_max_s:g})")

@@ -7,6 +7,7 @@ tool calls).
 """
 
 import json
+import re
 
 from gateway.tool_parsers.base import ToolCall
 
@@ -47,4 +48,34 @@ def calls_from_output(text: str, named: str | None) -> list[ToolCall] | None:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(item.get("parameters"), dict):
             return None
         calls.append(ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+    return calls
+
+
+_decoder = json.JSONDecoder()
+# The start of one item of ``required``'s array, as the grammar writes it (compact, keys in schema order).
+_ITEM_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*")')
+_PARAMETERS = ',"parameters":'
+
+
+def partial_calls(text: str, named: str | None) -> list[ToolCall]:
+    """The calls an output cut off by max_tokens had begun: every complete one, and the last with its
+    arguments as far as they got (JSON text that does not parse), as vLLM returns them; a call whose name
+    was not complete yet is dropped. ``named``: the whole text is that function's arguments."""
+    if named is not None:
+        return [ToolCall(named, text)]
+    calls = []
+    pos = 1 if text.startswith("[") else len(text)
+    while pos < len(text):
+        try:
+            item, end = _decoder.raw_decode(text, pos)
+        except ValueError:
+            head = _ITEM_HEAD.match(text, pos)
+            if head is not None:  # arguments begin after "parameters": (none yet while that key is cut)
+                rest = text[head.end():]
+                arguments = rest[len(_PARAMETERS):] if rest.startswith(_PARAMETERS) else ""
+                calls.append(ToolCall(json.loads(head.group(1)), arguments))
+            break
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+        pos = end + 1 if text.startswith(",", end) else len(text)
     return calls

@@ -15,11 +15,11 @@ _ids = itertools.count()
 
 
 def req(prompt_len=8, max_tokens=8, priority=1, tenant="t", weight=1.0, preemptible=True, arrival=None,
-        may_preempt=True):
+        may_preempt=True, order_in_rank=0):
     return Request(
         f"q{next(_ids)}", [1] * prompt_len, SamplingParams(ignore_eos=True), max_tokens,
         priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, arrival_time=arrival,
-        may_preempt=may_preempt,
+        may_preempt=may_preempt, order_in_rank=order_in_rank,
     )
 
 
@@ -195,3 +195,30 @@ def test_stats_record():
     assert stats.kv_blocks_used == 4 and stats.kv_blocks_total == 50
     step(sched)
     assert sched.stats().step_decode_tokens == 2
+
+
+def test_order_in_rank_only_puts_a_request_behind_its_class():
+    """vLLM's request priority as order_in_rank: within a rank, every waiting request with a smaller order
+    starts first, whichever tenant's; a rank still goes before any worse rank whatever the orders."""
+    rng = random.Random()
+    sched = make_scheduler(num_blocks=400, max_num_seqs=1, max_num_batched_tokens=64)
+    reqs = []
+    for _ in range(24):
+        r = req(rng.randint(2, 9), 2, priority=rng.choice([0, 1]), tenant=rng.choice("abc"),
+                order_in_rank=rng.choice([0, 0, 3, 7]))
+        reqs.append(r)
+        sched.add_request(r)
+    started = []
+    while sched.waiting or sched.running:
+        for s in step(sched).scheduled:
+            if s.request.request_id not in started:
+                started.append(s.request.request_id)
+    place = {rid: i for i, rid in enumerate(started)}
+    assert len(place) == len(reqs)
+    for x in reqs:
+        for y in reqs:
+            if (x.priority, x.order_in_rank) < (y.priority, y.order_in_rank):
+                assert place[x.request_id] < place[y.request_id], (x.priority, x.order_in_rank, y.priority, y.order_in_rank)
+            if x.tenant == y.tenant and (x.priority, x.order_in_rank) == (y.priority, y.order_in_rank) and \
+                    x.arrival_time < y.arrival_time:
+                assert place[x.request_id] < place[y.request_id]  # a tenant's own requests keep arrival order

@@ -187,3 +187,29 @@ def test_forcing_schemas_accept_calls_and_refuse_others():
     assert [(c.name, json.loads(c.arguments)) for c in named] == [("get_weather", {"city": "Oslo"})]
     assert forced.calls_from_output('{"city": "Os', "get_weather") is None
     assert json.loads(forced.named_schema(tools[1])) == forced.EMPTY_PARAMETERS
+
+
+def test_partial_calls_of_a_cut_output():
+    """A required-call array cut anywhere: the complete calls, then the begun one (once its name is whole)
+    with its arguments as far as they got; a named call's arguments are the text itself."""
+    import random
+
+    items = [{"name": random.choice(["get_weather", "take_note"]),
+              "parameters": {"city": random.choice(["Oslo", "Lima"]), "days": random.randint(1, 7)}}
+             for _ in range(random.randint(1, 3))]
+    text = json.dumps(items, separators=(",", ":"))  # compact, as the grammar writes it
+    starts, pos = [], 1
+    for item in items:
+        starts.append(pos)
+        pos += len(json.dumps(item, separators=(",", ":"))) + 1
+    for cut in range(len(text) + 1):
+        calls = forced.partial_calls(text[:cut], None)
+        for i, call in enumerate(calls):
+            assert call.name == items[i]["name"]
+            if cut >= starts[i] + len(json.dumps(items[i], separators=(",", ":"))):  # this item is whole
+                assert json.loads(call.arguments) == items[i]["parameters"]
+            else:
+                assert json.dumps(items[i]["parameters"], separators=(",", ":")).startswith(call.arguments)
+        whole_names = sum(cut >= s + len('{"name":"') + len(it["name"]) + 1 for s, it in zip(starts, items))
+        assert len(calls) == whole_names, (cut, text[:cut], calls)
+    assert forced.partial_calls('{"city":"Os', "get_weather")[0].arguments == '{"city":"Os'

@@ -1,0 +1,234 @@
+"""The body of ``POST /v1/responses``, decoded and checked with msgspec; every refusal is a 400 naming its field.
+
+Input items are decoded one by one (``input_items``): OpenAI's short message form ``{"role", "content"}`` has
+no ``type``, so the item's type is read first and the item then decoded as that type, its errors named under
+``input[i]``. Fields of OpenAI's API that this server does not implement are refused unless they ask for
+nothing (``UNSUPPORTED``); hints the server has no use for (``prompt_cache_key``, ``safety_identifier``,
+``reasoning``, ``service_tier`` auto/default) are accepted.
+"""
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from gateway.errors import APIError
+from gateway.openai_schema import (
+    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, Temperature, TopP, check_implemented, decode_body,
+    error_param,
+)
+from gateway.response_format import JSONObjectFormat, SchemaName, TextFormat
+
+
+class InputText(msgspec.Struct, tag="input_text", tag_field="type", forbid_unknown_fields=True):
+    text: str
+
+
+class OutputText(msgspec.Struct, tag="output_text", tag_field="type", forbid_unknown_fields=True):
+    """Text of an earlier assistant message (sent back in the history, as the response gave it)."""
+
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class Refusal(msgspec.Struct, tag="refusal", tag_field="type", forbid_unknown_fields=True):
+    refusal: str
+
+
+ContentPart = InputText | OutputText | Refusal
+Content = str | list[ContentPart]
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class MessageItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Content
+    type: Literal["message"] = "message"
+    id: str | None = None
+    status: ItemStatus | None = None
+    phase: str | None = None  # an assistant message's phase (commentary, final_answer): kept by clients, not used
+
+
+class FunctionCallItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A call the model made earlier (sent back before its output)."""
+
+    type: Literal["function_call"]
+    call_id: NonEmptyText
+    name: FunctionName
+    arguments: str  # JSON text of an object
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+class FunctionCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The result of a call, answering ``call_id``."""
+
+    type: Literal["function_call_output"]
+    call_id: NonEmptyText
+    output: Content
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+class SummaryText(msgspec.Struct, tag="summary_text", tag_field="type", forbid_unknown_fields=True):
+    text: str
+
+
+class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type", forbid_unknown_fields=True):
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Earlier reasoning, sent back by agents as the response gave it; not rendered into the prompt (the chat
+    templates drop the reasoning of earlier turns)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[SummaryText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: ItemStatus | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+ITEM_TYPES: dict[str, type] = {"message": MessageItem, "function_call": FunctionCallItem,
+                               "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+
+
+class FunctionTool(FunctionDefinition, kw_only=True):
+    """The Responses API's flat function tool: the chat API's function definition with the tool's type."""
+
+    type: Literal["function"]
+
+
+class FunctionChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    name: FunctionName
+
+
+class JSONSchemaTextFormat(msgspec.Struct, tag="json_schema", tag_field="type", kw_only=True,
+                           forbid_unknown_fields=True):
+    """``text.format`` for one JSON value valid against ``schema`` (the chat API's json_schema, flattened)."""
+
+    name: SchemaName
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+TextFormatConfig = TextFormat | JSONObjectFormat | JSONSchemaTextFormat
+
+
+class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
+    format: TextFormatConfig | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # GPT-5's length hint: accepted, echoed, not used
+
+
+class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Accepted and echoed: whether the served model thinks is its chat template's business."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_obfuscation: bool | None = None  # padding against length side channels: not sent by this server
+
+
+Metadata = Annotated[dict[str, Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=16)]
+
+# Fields this server does not implement, and the values that ask for nothing (null always does).
+UNSUPPORTED: dict[str, tuple] = {
+    "background": (False,),
+    "truncation": ("disabled",),
+    "service_tier": ("auto", "default"),
+    "top_logprobs": (0,),
+    "max_tool_calls": (),
+    "prompt": (),
+    "conversation": (),
+    "context_management": (),
+}
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    input: NonEmptyText | Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    store: bool | None = None  # default true: kept for previous_response_id and GET /v1/responses/{id}
+    previous_response_id: NonEmptyText | None = None
+    metadata: Metadata | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    # Extra output asked for: encrypted reasoning (which Codex and other agents ask for with store: false) is
+    # accepted and never produced, this server's reasoning items carry their text.
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    background: Any = None
+    truncation: Any = None
+    service_tier: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+    prompt: Any = None
+    conversation: Any = None
+    context_management: Any = None
+
+
+def decode_request(data: bytes) -> tuple[ResponsesRequest, list[InputItem], list[FunctionTool]]:
+    """The request, its input items and its tools, checked; a 400 naming the field otherwise."""
+    req = decode_body(data, ResponsesRequest)
+    check_implemented(req, UNSUPPORTED)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true; leave it out or stream",
+                       param="stream_options")
+    return req, input_items(req.input), [_tool(t, i) for i, t in enumerate(req.tools or [])]
+
+
+def input_items(given: str | list[dict]) -> list[InputItem]:
+    """``input`` as items: a string is one user message."""
+    if isinstance(given, str):
+        return [MessageItem(role="user", content=given)]
+    return [_item(raw, i) for i, raw in enumerate(given)]
+
+
+def _item(raw: dict, i: int) -> InputItem:
+    kind = raw.get("type", "message")
+    cls = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise APIError(400, f"input[{i}].type {kind!r} is not supported by this server; input items may be "
+                            f"{', '.join(ITEM_TYPES)}", param=f"input[{i}].type", code="unsupported_parameter")
+    return _convert(raw, cls, f"input[{i}]")
+
+
+def _tool(raw: dict, i: int) -> FunctionTool:
+    if raw.get("type") != "function":
+        raise APIError(400, f"tools[{i}].type {raw.get('type')!r} is not supported by this server; only function "
+                            "tools are (run other tools in the client)", param=f"tools[{i}].type",
+                       code="unsupported_parameter")
+    return _convert(raw, FunctionTool, f"tools[{i}]")
+
+
+def _convert(raw: dict, cls, where: str):
+    """``raw`` as ``cls``; a validation error is a 400 naming its place under ``where``."""
+    try:
+        return msgspec.convert(raw, cls)
+    except msgspec.ValidationError as e:
+        text = str(e).replace("`$", f"`$.{where}", 1) if "`$" in str(e) else f"{e} - at `$.{where}`"
+        param = error_param(msgspec.ValidationError(text))
+        hint = ""
+        if ".content[" in (param or "") and (param or "").endswith(".type"):
+            hint = " (content parts may be input_text, output_text or refusal: send other media another way)"
+        elif "unknown field" in text:
+            hint = " (not a field of this item: check its spelling, or remove it)"
+        raise APIError(400, f"invalid request body: {text}{hint}", param=param) from None

@@ -1,0 +1,197 @@
+"""``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``.
+
+A create runs as a chat completion through the app's one request path (admission, quotas, priorities,
+billing: ``run``), with its own reply: the response object, or its events as SSE (``event:`` and ``data:``
+lines). A response made with ``store`` (the default) is kept per tenant in the policy database for the
+retention period, so ``previous_response_id`` continues its conversation.
+"""
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+from sqlalchemy.exc import SQLAlchemyError
+
+from engine.serving.async_engine import EngineError, RequestRejectedError
+from gateway.admission import QUOTAS
+from gateway.auth import PRINCIPAL
+from gateway.chat_plan import ChatPlan
+from gateway.completion import engine_down, output_failed
+from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, read_body
+from gateway.batch.files import list_page
+from gateway.replies import json_response, query_limit
+from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
+from gateway.responses import stored_items
+from gateway.responses.builder import ResponseBuilder, skeleton, usage
+from gateway.responses.request import FunctionTool, InputItem, ResponsesRequest, decode_request, input_items
+from gateway.responses.translate import chat_request, responses_error
+from tenants.response_store import ResponseStore
+
+logger = logging.getLogger(__name__)
+
+RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
+PURGE_INTERVAL_S = 3600.0  # expired responses are deleted at least this often
+
+
+def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResponse]], model_name: Callable[[], str],
+               retention_s: float) -> None:
+    """Register the routes. ``run(request, chat_body, chat, respond=, rid_prefix=)`` is the app's request path;
+    the store opens after the policy database (register after the app's store lifecycle)."""
+
+    async def create(request: web.Request) -> web.StreamResponse:
+        req, items, tools = decode_request(await read_body(request))
+        tenant_id = request[PRINCIPAL].tenant.id
+        history: list[InputItem] = []
+        if req.previous_response_id is not None:
+            saved = await request.app[RESPONSE_STORE].get(tenant_id, req.previous_response_id)
+            if saved is None:
+                raise APIError(404, f"previous_response_id {req.previous_response_id!r} names no stored response of "
+                                    f"yours (never stored, deleted, made with store: false, or older than the "
+                                    f"{retention_s / 86400:g}-day retention); send the whole conversation as input",
+                               param="previous_response_id", code="previous_response_not_found")
+            history = input_items(saved.conversation)
+        conversation = history + items
+        body = chat_request(req, conversation, tools)
+        respond = functools.partial(_respond, req=req, tools=tools, conversation=conversation, model=model_name())
+        try:
+            return await run(request, body, True, respond=respond, rid_prefix="resp_")
+        except APIError as err:
+            raise responses_error(err) from None
+
+    async def retrieve(request: web.Request) -> web.Response:
+        return json_response((await _saved(request)).response)
+
+    async def list_input_items(request: web.Request) -> web.Response:
+        """The items the response answered (its conversation before its own output)."""
+        saved = await _saved(request)
+        order = request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+        inputs = saved.conversation[:len(saved.conversation) - len(saved.response["output"])]
+        items, more = stored_items.page(inputs, order, request.query.get("after"), query_limit(request, most=100))
+        return json_response(list_page(items, more))
+
+    async def remove(request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        if not await request.app[RESPONSE_STORE].delete(request[PRINCIPAL].tenant.id, response_id):
+            raise _not_found(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def _saved(request: web.Request):
+        response_id = request.match_info["response_id"]
+        saved = await request.app[RESPONSE_STORE].get(request[PRINCIPAL].tenant.id, response_id)
+        if saved is None:
+            raise _not_found(response_id)
+        return saved
+
+    def _not_found(response_id: str) -> APIError:
+        return APIError(404, f"no stored response {response_id!r} of yours (never stored, deleted, made with store: "
+                             f"false, or older than the {retention_s / 86400:g}-day retention)", "not_found_error",
+                        param="response_id", code="response_not_found")
+
+    async def store_lifecycle(app: web.Application):
+        app[RESPONSE_STORE] = store = ResponseStore(app[QUOTAS].store, retention_s)
+        purger = asyncio.create_task(_purge(store, min(PURGE_INTERVAL_S, retention_s / 4)), name="responses-purge")
+        yield
+        purger.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await purger
+
+    app.cleanup_ctx.append(store_lifecycle)
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", remove)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
+
+
+async def _purge(store: ResponseStore, interval_s: float) -> None:
+    while True:
+        try:
+            purged = await store.purge_expired()
+            if purged:
+                logger.info("deleted %d expired stored response(s)", purged)
+        except Exception:  # the database is down: try again next time
+            logger.exception("purging expired responses failed")
+        await asyncio.sleep(interval_s)
+
+
+async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int, plan: ChatPlan, *,
+                   req: ResponsesRequest, tools: list[FunctionTool], conversation: list[InputItem],
+                   model: str) -> web.StreamResponse:
+    """The engine's output as a response object or its events; the response is stored (``store``) before the
+    client hears it is finished."""
+    choices, timer = request[CHOICES], request[TIMER]
+    builder = ResponseBuilder(skeleton(req, rid, created, model, tools), plan.output_parser())
+
+    async def outputs():
+        """(engine output, last) as they come, each recorded in choices so the usage is settled if the client
+        goes away."""
+        first = True
+        while True:
+            try:
+                out = await anext(stream)
+            except RequestRejectedError as e:
+                raise APIError(400, str(e), param="input") from None
+            except EngineError as e:
+                raise engine_down(e) from None
+            timer.delta(first=first, queue_time_s=out[1].queue_time_s if first else None)
+            first = False
+            choices.add(*out)
+            yield out[1], choices.finished
+            if choices.finished:
+                return
+
+    async def finish() -> list[dict]:
+        last = choices.outputs[0]
+        events = builder.finish(last.finish_reason, usage(choices.num_prompt_tokens, choices.num_cached_tokens,
+                                                          choices.num_output_tokens))
+        if req.store is not False and builder.response["status"] != "failed":
+            items = [stored_items.with_id(msgspec.to_builtins(item)) for item in conversation] + builder.output
+            try:
+                await request.app[RESPONSE_STORE].put(request[PRINCIPAL].tenant.id, builder.response, items)
+            except SQLAlchemyError:
+                logger.exception("storing response %s failed", rid)
+                raise APIError(503, "the response was made but could not be stored (the policy database is "
+                                    "unavailable); retry shortly, or send store: false", "server_error",
+                               code="database_unavailable", headers={"Retry-After": "2"}) from None
+        return events
+
+    if not req.stream:
+        async for out, last in outputs():
+            builder.feed(out.text, len(out.token_ids), last)
+        if choices.failed:
+            raise output_failed()
+        await finish()
+        reply = json_response(builder.response)
+        reply.headers.update(request[RATE_HEADERS])
+        return reply
+
+    events = outputs()
+    out, last = await anext(events)  # a prompt the engine refuses is still a 400, before the stream starts
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **request[RATE_HEADERS]})
+    response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]  # sent at prepare, before the middleware sees it
+    await response.prepare(request)
+    await _write(response, builder.start())
+    try:
+        while True:
+            await _write(response, builder.feed(out.text, len(out.token_ids), last))
+            if last:
+                break
+            out, last = await anext(events)
+        await _write(response, await finish())
+    except APIError as err:  # the engine went down mid-stream, or the store did not answer
+        await _write(response, [{"type": "error", "sequence_number": builder.sequence, "code": err.code,
+                                 "message": err.message, "param": err.param}])
+    await response.write_eof()
+    return response
+
+
+async def _write(response: web.StreamResponse, events: list[dict]) -> None:
+    if events:
+        await response.write(b"".join(b"event: " + e["type"].encode() + b"\ndata: " + msgspec.json.encode(e) + b"\n\n"
+                                      for e in events))

@@ -1,0 +1,510 @@
+"""Third-party clients against an in-process server on the demo checkpoint: the official `openai` client's
+own message objects sent back, LangChain's tool and structured-output helpers, and the request bodies that
+GuideLLM, AIPerf and lm-eval send (copied from their sources), replayed byte for byte. Values against
+transformers' logits and tokenizer of the same checkpoint, JSON against the independent `jsonschema`."""
+
+import asyncio
+import functools
+import json
+import random
+import re
+
+import aiohttp
+import jsonschema
+import openai
+import pytest
+import torch
+from aiohttp.test_utils import TestServer
+
+from engine.core.config import EngineConfig
+from engine.loading.demo_model import write_demo_model
+from engine.serving.async_engine import AsyncEngine
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tenants.migrate import upgrade
+from tests.gateway.tenant_keys import new_tenant_key
+
+pytestmark = pytest.mark.timeout(240)
+
+NOTE = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
+TOOLS = [{"type": "function", "function": {"name": "take_note", "description": "Write a note", "parameters": NOTE}},
+         {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+             "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"]}}}]
+USER = [{"role": "user", "content": "Write down that the river is high."}]
+
+
+class Served:
+    """One server for the module: ``run(fn)`` awaits ``fn(client)`` with the official async client; ``post``
+    sends a raw body and returns (status, JSON or the SSE events)."""
+
+    def __init__(self, loop, server, key, demo: str):
+        from transformers import AutoTokenizer
+
+        self.loop, self.server, self.key, self.demo = loop, server, key, demo
+        self.tok = AutoTokenizer.from_pretrained(demo)
+        self.base_url = str(server.make_url("/v1"))
+        self.client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0)
+
+    @functools.cached_property
+    def hf(self):
+        """transformers' float32 model of the checkpoint (loaded by the first test that compares values)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.demo, dtype=torch.float32).eval()
+
+    def run(self, fn):
+        return self.loop.run_until_complete(fn(self.client))
+
+    def post(self, path: str, body: dict):
+        async def go():
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.key}"}) as http:
+                async with http.post(self.server.make_url(path), json=body) as r:
+                    if not body.get("stream") or r.status != 200:
+                        return r.status, await r.json()
+                    text = await r.text()
+            lines = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+            assert lines[-1] == "[DONE]", lines[-3:]
+            return r.status, [json.loads(line) for line in lines[:-1]]
+
+        return self.loop.run_until_complete(go())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clients")
+    demo = str(tmp / "demo")
+    write_demo_model(demo, seed=random.randrange(1000))
+    url = f"sqlite:///{tmp / 'policy.db'}"
+    upgrade(url)
+    loop = asyncio.new_event_loop()
+    key = loop.run_until_complete(new_tenant_key(url))
+    engine = AsyncEngine(EngineConfig(model=demo, dtype="float32", num_kv_blocks=512, max_num_seqs=16,
+                                      max_num_batched_tokens=256, max_model_len=2048))
+    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(tmp / "data")), engine)
+    server = TestServer(app, host="127.0.0.1")
+    loop.run_until_complete(server.start_server())
+    served = Served(loop, server, key, demo)
+    yield served
+    loop.run_until_complete(served.client.close())
+    loop.run_until_complete(server.close())
+    loop.close()
+
+
+def _prompt_tokens(tok, messages: list[dict], **kwargs) -> int:
+    return len(tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)))
+
+
+def _log_softmax(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' float64 log-softmax [len(ids), V] over ``ids``."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+
+
+def _assistant_turn(message) -> dict:
+    """An assistant reply as transformers' template reads it (arguments as objects)."""
+    turn = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in message.tool_calls]
+    return turn
+
+
+def test_replies_sent_back_as_the_client_returned_them(served):
+    """The openai SDK's message object appended to the conversation, and its model_dump() (which adds
+    refusal, annotations, audio, function_call: null and keeps the server's reasoning_content), are taken
+    and rendered as the assistant turn they are; so are a forced tool call's and a streamed reply's."""
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    follow_up = {"role": "user", "content": "And tomorrow?"}
+
+    async def go(client):
+        seed = random.randrange(2**31)
+        reply = (await client.chat.completions.create(model="demo", messages=USER, max_tokens=6, seed=seed)).choices[0]
+        called = (await client.chat.completions.create(model="demo", messages=USER, max_tokens=40, seed=seed,
+                                                       tools=TOOLS, tool_choice=weather)).choices[0]
+        async with client.chat.completions.stream(model="demo", messages=USER, max_tokens=40, seed=seed, tools=TOOLS,
+                                                  tool_choice=weather) as stream:
+            streamed = (await stream.get_final_completion()).choices[0]
+        answers = []
+        for message in (reply.message, called.message, streamed.message):
+            for sent in (message, message.model_dump(), message.model_dump(exclude_none=True)):
+                history = [*USER, sent]
+                if message.tool_calls:
+                    history.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "8 degrees"})
+                else:
+                    history.append(follow_up)
+                answers.append((message, await client.chat.completions.create(
+                    model="demo", messages=history, max_tokens=1, tools=TOOLS if message.tool_calls else openai.omit)))
+        return reply, called, answers
+
+    reply, called, answers = served.run(go)
+    dumped = reply.message.model_dump()
+    assert {"reasoning_content", "refusal", "annotations", "audio", "function_call"} <= dumped.keys(), dumped
+    assert called.message.tool_calls and called.finish_reason == "tool_calls"
+    assert len(answers) == 9
+    for message, answer in answers:
+        history = [*USER, _assistant_turn(message)]
+        if message.tool_calls:
+            history.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "8 degrees"})
+        else:
+            history.append(follow_up)
+        kwargs = {"tools": TOOLS} if message.tool_calls else {}
+        assert answer.usage.prompt_tokens == _prompt_tokens(served.tok, history, **kwargs), message
+
+    # A legacy function_call that is not null is refused by name; reasoning reaches the template's input.
+    async def legacy(client):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="demo", max_tokens=1, messages=[
+                *USER, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+                follow_up])
+        return refused.value.body
+
+    assert served.run(legacy)["param"] == "messages[1].function_call"
+    from gateway.chat_plan import chat_input
+    from gateway.openai_schema import ChatCompletionRequest, decode_body
+
+    thought = "".join(random.choice("abcdef ") for _ in range(12))
+    for field in ("reasoning_content", "reasoning"):
+        body = decode_body(json.dumps({"messages": [*USER, {"role": "assistant", "content": "ok", field: thought},
+                                                    follow_up]}).encode(), ChatCompletionRequest)
+        assert chat_input(body).messages[1]["reasoning_content"] == thought
+
+
+def _words(n: int) -> str:
+    return " ".join(random.choice(["river", "bread", "lamp", "mill", "stone"]) for _ in range(n))
+
+
+def test_usage_on_every_chunk_for_guidellm_and_aiperf(served):
+    """stream_options.continuous_usage_stats (GuideLLM's default streaming bodies, chat and text, and
+    AIPerf's with --per-chunk-usage): every chunk carries the usage so far, the last one the request's."""
+    n = random.randint(5, 12)
+    text = _words(6)
+    so = {"include_usage": True, "continuous_usage_stats": True}
+    bodies = {  # as each tool builds them (GuideLLM's request_handlers.py, AIPerf's openai_chat.py)
+        "guidellm chat": ("/v1/chat/completions", {
+            "model": "demo", "stream": True, "stream_options": so, "max_completion_tokens": n, "stop": None,
+            "ignore_eos": True, "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}),
+        "guidellm text": ("/v1/completions", {
+            "model": "demo", "stream": True, "stream_options": so, "max_tokens": n, "stop": None, "ignore_eos": True,
+            "prompt": text}),
+        "aiperf": ("/v1/chat/completions", {
+            "messages": [{"role": "user", "name": "text", "content": text}], "model": "demo", "stream": True,
+            "max_completion_tokens": n, "stream_options": so, "ignore_eos": True}),
+    }
+    chat_prompt = _prompt_tokens(served.tok, [{"role": "user", "content": text}])
+    for name, (path, body) in bodies.items():
+        status, events = served.post(path, body)
+        assert status == 200, (name, events)
+        prompt = chat_prompt if "chat" in path else len(served.tok.encode(text))
+        usages = [e["usage"] for e in events]
+        assert all(u is not None for u in usages), (name, usages)
+        assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"]
+                   for u in usages), (name, usages)
+        counts = [u["completion_tokens"] for u in usages]
+        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == n, (name, counts)
+        assert events[-1]["choices"] == [] and usages[-2] == usages[-1], name  # OpenAI's closing usage chunk
+        if "chat" not in path:  # one chunk per decoding step here, each one token: counted as they come
+            assert counts[:-1] == list(range(1, n + 1)), (name, counts)
+    # include_usage alone: null on every chunk but the last, as OpenAI does.
+    status, events = served.post("/v1/completions", {**bodies["guidellm text"][1],
+                                                     "stream_options": {"include_usage": True}})
+    assert status == 200 and all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == n
+
+
+def test_schemas_without_additional_properties_are_closed(served):
+    """A pydantic model's schema (what instructor, LangChain and llama-index send: no additionalProperties)
+    as response_format, guided_json and a forced tool's parameters: the model may write only its keys. A bias
+    towards '"' keeps strings short and makes a new key the likeliest way on; none appears."""
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):  # bounded values: the only way to run on is a key of the model's own
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=120)
+
+    schema = Person.model_json_schema()
+    assert "additionalProperties" not in schema
+    closed = {**schema, "additionalProperties": False}
+    bias = {str(served.tok.convert_tokens_to_ids('"')): 4.0}
+    seeds = random.sample(range(2**31), 12)
+    messages = [{"role": "user", "content": "Describe a person."}]
+
+    async def go(client):
+        def ask(i, seed):
+            common = dict(model="demo", messages=messages, temperature=1.0, seed=seed, max_tokens=120, logit_bias=bias)
+            if i % 3 == 0:
+                return client.chat.completions.create(**common, response_format={
+                    "type": "json_schema", "json_schema": {"name": "Person", "schema": schema}})
+            if i % 3 == 1:
+                return client.chat.completions.create(**common, extra_body={"guided_json": schema})
+            return client.chat.completions.create(**common, tools=[{"type": "function", "function": {
+                "name": "person", "parameters": schema}}], tool_choice={"type": "function", "function": {"name": "person"}})
+        return await asyncio.gather(*(ask(i, s) for i, s in enumerate(seeds)))
+
+    for reply in served.run(go):
+        choice = reply.choices[0]
+        calls = choice.message.tool_calls
+        text = calls[0].function.arguments if calls else choice.message.content
+        assert choice.finish_reason in ("stop", "tool_calls"), (choice.finish_reason, text)
+        jsonschema.validate(json.loads(text), closed)
+
+
+def test_closed_objects_leave_what_the_schema_says():
+    from gateway.response_format import closed_objects
+
+    item = {"type": "object", "properties": {"kind": {"const": {"type": "object"}}}}
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "object", "additionalProperties": {"type": "integer"}},  # a map: stays open
+        "meta": {"type": "object", "additionalProperties": True},
+        "items": {"type": "array", "items": item},
+        "either": {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}]},
+        "default": {"type": ["object", "null"], "properties": {}, "default": {"type": "object"}}},
+        "$defs": {"Pet": {"properties": {"name": {"type": "string"}}}}}
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False and schema.get("additionalProperties") is None  # a copy
+    props = out["properties"]
+    assert props["tags"]["additionalProperties"] == {"type": "integer"} and props["meta"]["additionalProperties"] is True
+    assert props["items"]["items"]["additionalProperties"] is False
+    assert props["items"]["items"]["properties"]["kind"] == {"const": {"type": "object"}}  # a value, not a schema
+    assert out["$defs"]["Pet"]["additionalProperties"] is False and "additionalProperties" not in props["either"]
+    assert props["default"]["additionalProperties"] is False and props["default"]["default"] == {"type": "object"}
+
+
+def test_forced_tool_call_cut_by_max_tokens(served):
+    """A forced call (named or required) that max_tokens cuts comes back as that call with the arguments so
+    far and finish_reason "length", streamed or not (as vLLM returns it). A -100 bias on '"' keeps the note's
+    string open, so every run is cut inside the arguments."""
+    note = [TOOLS[0]]
+    quote = served.tok.convert_tokens_to_ids('"')
+    seed = random.randrange(2**31)
+    cases = {"named": ({"type": "function", "function": {"name": "take_note"}}, 16),
+             "required": ("required", 60)}
+
+    async def go(client):
+        out = {}
+        for name, (choice, max_tokens) in cases.items():
+            common = dict(model="demo", messages=USER, tools=note, tool_choice=choice, seed=seed, max_tokens=max_tokens,
+                          logit_bias={str(quote): -100}, parallel_tool_calls=False)
+            whole = await client.chat.completions.create(**common)
+            chunks = [c async for c in await client.chat.completions.create(**common, stream=True)]
+            out[name] = whole, chunks
+        return out
+
+    for name, (whole, chunks) in served.run(go).items():
+        choice = whole.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None, (name, choice)
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "take_note" and call.function.arguments.startswith('{"note":"'), (name, call)
+        with pytest.raises(ValueError):
+            json.loads(call.function.arguments)  # cut: as far as it got
+        streamed, finish = {}, None
+        for chunk in chunks:
+            c = chunk.choices[0]
+            finish = c.finish_reason or finish
+            assert not c.delta.content
+            for d in c.delta.tool_calls or []:
+                streamed.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+                streamed[d.index]["arguments"] += d.function.arguments or ""
+        assert finish == "length" and streamed == {0: {"name": "take_note", "arguments": call.function.arguments}}
+
+
+def test_langchain_sees_the_cut_call(served):
+    """LangChain's bind_tools(tool_choice=NAME) and with_structured_output(method="function_calling") on a cut
+    call: the call is there (its arguments incomplete, so LangChain files it as invalid: the structured
+    output is None, as with vLLM) with finish_reason "length", where it used to see no call at all."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class take_note(BaseModel):
+        """Write a note"""
+        note: str
+
+    quote = served.tok.convert_tokens_to_ids('"')
+    llm = ChatOpenAI(model="demo", base_url=served.base_url, api_key=served.key, max_tokens=16, max_retries=0,
+                     seed=random.randrange(2**31), logit_bias={quote: -100})
+
+    async def go(_):
+        bound = await llm.bind_tools([TOOLS[0]], tool_choice="take_note").ainvoke([HumanMessage(USER[0]["content"])])
+        structured = await llm.with_structured_output(take_note, method="function_calling", include_raw=True).ainvoke(
+            USER[0]["content"])
+        return bound, structured
+
+    bound, structured = served.run(go)
+    for message in (bound, structured["raw"]):
+        assert message.response_metadata["finish_reason"] == "length"
+        calls = message.tool_calls + message.invalid_tool_calls
+        assert [c["name"] for c in calls] == ["take_note"], message
+    assert structured["raw"].invalid_tool_calls[0]["args"].startswith('{"note":"')
+
+
+def test_vllm_text_fields(served):
+    """include_stop_str_in_output keeps the stop string (and the ending token's text); skip_special_tokens and
+    spaces_between_special_tokens reach the detokenizer (against transformers' decode); cache_control in a
+    content part and a null chat_template are accepted, a template of the request's own is refused by name."""
+    tok = served.tok
+    prompt = [random.randrange(3, 1300) for _ in range(6)]
+    special = 1  # <|im_start|>: a special token that is not EOS
+    assert special != tok.eos_token_id and tok.added_tokens_decoder[special].special
+
+    async def go(client):
+        async def text(**kwargs):
+            out = await client.completions.create(model="demo", prompt=prompt, temperature=0, **kwargs)
+            return out.choices[0]
+
+        free = await text(max_tokens=12, extra_body={"ignore_eos": True})
+        stop_at = next(i for i in range(1, len(free.text) - 1) if free.text[i:i + 2].strip())
+        stop = free.text[stop_at:stop_at + 2]
+        cut = {k: await text(max_tokens=12, stop=[stop], extra_body={"ignore_eos": True,
+                                                                     "include_stop_str_in_output": k})
+               for k in (False, True)}
+        eos = {str(tok.eos_token_id): 100}
+        ends = [await text(max_tokens=3, logit_bias=eos, extra_body=extra) for extra in (
+            {}, {"skip_special_tokens": False}, {"skip_special_tokens": False, "include_stop_str_in_output": True})]
+        specials = [await text(max_tokens=3, logit_bias={str(special): 100}, extra_body={"ignore_eos": True, **extra})
+                    for extra in ({}, {"skip_special_tokens": False, "spaces_between_special_tokens": True},
+                                  {"skip_special_tokens": False, "spaces_between_special_tokens": False})]
+        chat = {}
+        for name, content in (("plain", "hello there"), ("cached", [
+                {"type": "text", "text": "hello there", "cache_control": {"type": "ephemeral"}}])):
+            chat[name] = await client.chat.completions.create(
+                model="demo", messages=[{"role": "user", "content": content}], max_tokens=1,
+                extra_body={"chat_template": None})
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
+                                                 extra_body={"chat_template": "{{ messages }}"})
+        return free, stop, cut, ends, specials, chat, refused.value.body
+
+    free, stop, cut, ends, specials, chat, refused = served.run(go)
+    at = free.text.find(stop)
+    assert cut[False].text == free.text[:at] and cut[True].text == free.text[:at + len(stop)]
+    assert cut[True].finish_reason == cut[False].finish_reason == "stop" and cut[True].stop_reason == stop
+    assert [e.text for e in ends] == ["", "", tok.eos_token] and all(e.finish_reason == "stop" for e in ends)
+    assert specials[0].text == ""
+    for choice, spaces in zip(specials[1:], (True, False)):
+        assert choice.text == tok.decode([special] * 3, skip_special_tokens=False,
+                                         spaces_between_special_tokens=spaces) != ""
+    assert chat["cached"].usage.prompt_tokens == chat["plain"].usage.prompt_tokens
+    assert refused["param"] == "chat_template"
+
+
+def test_vllm_prompt_logprobs_and_token_ids(served):
+    """prompt_logprobs (vLLM's shape: per position the prompt's token and the k most likely, by id) against
+    transformers' float64 log-softmax; return_tokens_as_token_ids shows logprobs' tokens as token_id:N."""
+    tok = served.tok
+    prompt = [random.randrange(3, 1300) for _ in range(random.randint(5, 12))]
+    k = random.randint(1, 5)
+
+    async def go(client):
+        scored = await client.completions.create(model="demo", prompt=prompt, max_tokens=1, temperature=0,
+                                                 echo=True, logprobs=1, extra_body={"prompt_logprobs": k})
+        chat = await client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
+                                                    extra_body={"prompt_logprobs": 0})
+        runs = [await client.chat.completions.create(
+            model="demo", messages=USER, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": ids}) for ids in (False, True)]
+        as_ids = await client.completions.create(model="demo", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                                 extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+        return scored, chat, runs, as_ids
+
+    scored, chat, (plain, with_ids), as_ids = served.run(go)
+    logp = _log_softmax(served.hf, prompt)
+    got = scored.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    for pos in range(1, len(prompt)):
+        row, entry = logp[pos - 1], got[pos]
+        token = str(prompt[pos])
+        assert next(iter(entry)) == token and entry[token]["logprob"] == pytest.approx(row[prompt[pos]].item(), abs=2e-4)
+        top = row.topk(k)
+        ranked = {t: e for t, e in entry.items() if e["rank"] is not None}
+        assert sorted((e["rank"], int(t)) for t, e in ranked.items()) == list(enumerate(top.indices.tolist(), 1)) or \
+            len(ranked) == k  # a near tie may order two of the k differently
+        for t, e in ranked.items():
+            assert e["logprob"] == pytest.approx(row[int(t)].item(), abs=2e-4) and e["decoded_token"] == tok.decode([int(t)])
+    # echo's own top_logprobs keep their own count (logprobs=1: the top one and the prompt's token).
+    assert all(len(top) <= 2 for top in scored.choices[0].logprobs.top_logprobs[1:])
+    chat_lp = chat.model_extra["prompt_logprobs"]
+    assert len(chat_lp) == chat.usage.prompt_tokens and chat_lp[0] is None and all(len(e) == 1 for e in chat_lp[1:])
+
+    shown = [c.token for c in with_ids.choices[0].logprobs.content]
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in shown)
+    assert [tok.decode([int(t.split(":")[1])]) for t in shown] == [c.token for c in plain.choices[0].logprobs.content]
+    assert all(re.fullmatch(r"token_id:\d+", t.token) for c in with_ids.choices[0].logprobs.content for t in c.top_logprobs)
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in as_ids.choices[0].logprobs.tokens)
+
+
+def test_vllm_guided_fields(served):
+    """guided_regex, guided_choice, guided_json and structured_outputs hold the output to what they say;
+    two at once, or a structured_outputs kind this server lacks, are 400s naming the field."""
+    regex = "[a-c]{2}x[0-9]"
+    options = ["river bank", "mill", '"quoted"', "x|y"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    asks = [({"guided_regex": regex}, lambda t: re.fullmatch(regex, t)),
+            ({"guided_choice": options}, lambda t: t in options),
+            ({"guided_json": json.dumps(schema)}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
+            ({"structured_outputs": {"choice": options}}, lambda t: t in options),
+            ({"structured_outputs": {"regex": regex}}, lambda t: re.fullmatch(regex, t)),
+            ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+             lambda t: jsonschema.validate(json.loads(t), schema) is None)]
+    bad = [({"guided_regex": regex, "guided_choice": options}, "guided_choice"),
+           ({"guided_regex": "[a-"}, "guided_regex"),
+           ({"structured_outputs": {"grammar": "start: 'a'"}}, "structured_outputs.grammar"),
+           ({"structured_outputs": {}}, "structured_outputs"),
+           ({"guided_json": "{not json"}, "guided_json")]
+
+    async def go(client):
+        outs = await asyncio.gather(*(client.chat.completions.create(
+            model="demo", messages=USER, max_tokens=40, temperature=1.0, seed=random.randrange(2**31), extra_body=extra)
+            for extra, _ in asks for _ in range(2)))
+        refusals = []
+        for extra, _ in bad:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="demo", messages=USER, max_tokens=4, extra_body=extra)
+            refusals.append(refused.value.body["param"])
+        return outs, refusals
+
+    outs, refusals = served.run(go)
+    for (extra, check), out in zip([a for a in asks for _ in range(2)], outs):
+        text = out.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop" and check(text), (extra, text)
+    assert refusals == [param for _, param in bad]
+
+
+def test_scoring_only_for_lm_eval(served):
+    """lm-eval's loglikelihood bodies (local-completions: token-id prompts, echo, logprobs 1, temperature 0, seed
+    1234), with max_tokens 0 (older releases, vLLM accepts it) and 1: the prompt's logprobs against
+    transformers'; with 0 nothing is generated or billed but the prompt, streamed or not."""
+    prompts = [[random.randrange(3, 1300) for _ in range(random.randint(4, 10))] for _ in range(2)]
+    body = {"model": "demo", "prompt": prompts, "temperature": 0, "max_tokens": 0, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    status, zero = served.post("/v1/completions", body)
+    assert status == 200, zero
+    status, one = served.post("/v1/completions", {**body, "max_tokens": 1})
+    assert status == 200, one
+    status, streamed = served.post("/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200, streamed
+    total = sum(map(len, prompts))
+    assert zero["usage"] == {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total,
+                             "prompt_tokens_details": zero["usage"]["prompt_tokens_details"]}
+    assert one["usage"]["completion_tokens"] == 2 and streamed[-1]["usage"]["completion_tokens"] == 0
+    for prompt, scored, generated in zip(prompts, zero["choices"], one["choices"]):
+        lp = scored["logprobs"]
+        logp = _log_softmax(served.hf, prompt)
+        echoed = "".join(served.tok.decode([t]) for t in prompt)  # a token-id prompt echoes its tokens' texts
+        assert scored["finish_reason"] == "length" and scored["text"] == echoed
+        assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None
+        want = [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+        assert lp["token_logprobs"][1:] == pytest.approx(want, abs=2e-4)
+        # lm-eval's parse: the continuation's logprobs and whether each was the greedy choice.
+        assert all(v == pytest.approx(max(top.values())) or v < max(top.values())
+                   for v, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]))
+        assert generated["logprobs"]["token_logprobs"][:len(prompt)] == pytest.approx(lp["token_logprobs"], abs=1e-5)
+        assert len(generated["logprobs"]["tokens"]) == len(prompt) + 1
+    chunks = [e for e in streamed if e["choices"]]
+    assert sorted("".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
+                  for i in range(2)) == sorted("".join(served.tok.decode([t]) for t in p) for p in prompts)
+
+    # Only as scoring: max_tokens 0 without echo, or in chat, is refused by name.
+    for path, extra in (("/v1/completions", {"echo": False}), ("/v1/chat/completions", {})):
+        refused = {"model": "demo", "max_tokens": 0, **extra}
+        refused.update({"messages": USER} if "chat" in path else {"prompt": "x"})
+        status, answer = served.post(path, refused)
+        assert status == 400 and answer["error"]["param"] == "max_tokens", answer
