@@ -509,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the same code on the CPU: tiny model, Triton interpreter")
     parser.add_argument("--preset", help="random-weights spec (default qwen3-30b-a3b; e.g. olmoe-1b-7b, gpt-oss-20b, "
-                        "mixtral-8x7b or gpt-oss-120b on an H200, glm-4.5-air:num_hidden_layers=12 with 8-bit experts)")
+                        "deepseek-v2-lite (MLA), mixtral-8x7b or gpt-oss-120b on an H200, "
+                        "glm-4.5-air:num_hidden_layers=12 with 8-bit experts)")
     parser.add_argument("--concurrency", type=_ints, help="decode concurrencies (default 1,8,32,128,256)")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers comparison")
     parser.add_argument("--elementwise", choices=("torch", "triton"), default="triton",

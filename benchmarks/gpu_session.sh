@@ -6,7 +6,8 @@
 # Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf, bench-overlap,
 # bench-piecewise (prefill and mixed steps, piecewise CUDA graphs off vs on),
 # bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), bench-mla (the MLA decode
-# kernel on DeepSeek-V3 shapes, with a sweep of its launch alternatives), batch-three-ways, batch-goals
+# kernel on DeepSeek-V3 shapes, with a sweep of its launch alternatives), bench-engine-deepseek (the engine on
+# DeepSeek-V2-Lite's shape), batch-three-ways, batch-goals
 # (plus any stage name below). Each runs under its own time limit, so one that fails or
 # hangs still leaves the others' results; logs and JSON land in $OUT (default
 # /tmp/moegate-gpu), re-archived after every stage as gpu_session.tgz so a
@@ -63,6 +64,10 @@ for spec in "$@"; do
         # copy peak and the datasheet, each shape checked against float64; the sweep times the launch alternatives.
         # About 18 shapes x 17 timings plus ~25 compiles: should fit 300 s (not yet run on a GPU).
         bench-mla) run_stage bench-mla "$limit" $PY -m benchmarks.mla_decode --sweep --json "$WORK/bench_mla.json" ;;
+        # The engine on DeepSeek-V2-Lite's shape (MLA: latent cache, Triton MLA decode, decode CUDA graphs; 15.7B
+        # parameters in bf16), against transformers too.
+        bench-engine-deepseek) run_stage bench-engine-deepseek "$limit" $PY -m benchmarks.engine_gpu --preset deepseek-v2-lite \
+            --json "$WORK/bench_engine_deepseek.json" ;;
         bench-engine) run_stage bench-engine "$limit" $PY -m benchmarks.engine_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
         bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m benchmarks.engine_gpu --skip-hf --elementwise torch \
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;

@@ -1,6 +1,7 @@
-"""Offline throughput, moegate vs transformers' best mode (static batches of 16), on two model shapes side by side.
+"""Offline throughput, moegate vs transformers' best mode (static batches of 16), on model shapes side by side.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.offline_vs_transformers --rounds 3
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.offline_vs_transformers --shapes deepseek-v2-lite-small
 
 Each round runs, for each shape (the bench model of ``loadgen.bench_model`` and a small one: hidden
 256), moegate then transformers on the same requests; the rounds alternate so machine drift hits
@@ -25,17 +26,34 @@ from loadgen import bench_model, offline
 SMALL_OVERRIDES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=128,
                        intermediate_size=512)
 
-# name -> (config overrides, number of requests, prompt range, output range)
+# A small DeepSeek-V2-Lite shape (MLA without q LoRA, softmax greedy routing, a dense first layer, 2 shared
+# experts), with the bench model's vocabulary, depth and hidden 256.
+DEEPSEEK_V2_LITE_SMALL = dict(
+    model_type="deepseek_v2", vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
+    v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, n_shared_experts=2,
+    first_k_dense_replace=1, intermediate_size=512, topk_method="greedy", routed_scaling_factor=1.0,
+    max_position_embeddings=2048, initializer_range=0.05, eos_token_id=8191, bos_token_id=None, pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+# name -> (config overrides of the qwen3_moe bench model, or a whole config with its model_type; number of
+# requests, prompt range, output range)
 SHAPES = {
     "small": (SMALL_OVERRIDES, 64, (16, 256), (8, 128)),
     "bench": ({}, 128, (16, 512), (8, 256)),
+    "deepseek-v2-lite-small": (DEEPSEEK_V2_LITE_SMALL, 64, (16, 256), (8, 128)),
 }
 
 
 def _write_model(path: str, overrides: dict, seed: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3_moe", **{**bench_model.BENCH_MODEL_CONFIG, **overrides})
+    if "model_type" in overrides:
+        fields = dict(overrides)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        config = AutoConfig.for_model("qwen3_moe", **{**bench_model.BENCH_MODEL_CONFIG, **overrides})
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
 

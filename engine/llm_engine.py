@@ -124,7 +124,7 @@ class LLMEngine:
             "CUDA graphs %s, piecewise CUDA graphs %s, overlapped scheduling %s",
             self.model_config.architecture, " (RANDOM WEIGHTS)" if config.random_weights else "", self.device, self.dtype,
             config.tensor_parallel_size, _replica_note(config),
-            self.kernels.attention, cache_config.num_blocks, config.block_size, self.max_model_len,
+            self.runner.attention_backend, cache_config.num_blocks, config.block_size, self.max_model_len,
             self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off",
             f"{pw.sizes} (captured in {pw.capture_s:.1f} s)" if (pw := self.runner.piecewise_graphs) else "off",
             "on" if overlap else "off",

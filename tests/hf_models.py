@@ -22,6 +22,20 @@ FAMILY_CONFIGS = {
         model_type="olmoe", hidden_size=36, intermediate_size=28, num_attention_heads=3, num_key_value_heads=3,
         num_experts=4, num_experts_per_tok=1, clip_qkv=None,
     ),
+    # DeepSeek-V2-Lite's shape: no q LoRA, softmax greedy routing, a dense first layer, two shared experts.
+    "deepseek_v2": dict(
+        model_type="deepseek_v2", hidden_size=64, intermediate_size=48, num_attention_heads=4, q_lora_rank=None,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=20, n_shared_experts=2, first_k_dense_replace=1,
+        topk_method="greedy", routed_scaling_factor=1.0,
+    ),
+    # MLA with q LoRA, grouped sigmoid routing with a correction bias, scaled and renormalised, a shared expert.
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", hidden_size=64, intermediate_size=48, num_attention_heads=4, q_lora_rank=24,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=20, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    ),
     # Partial rotary (half of each head), qkv bias, per-head q/k norm, grouped sigmoid routing with a
     # correction bias, scaled and renormalised, a shared expert, one dense first layer.
     "glm4_moe": dict(

@@ -6,6 +6,7 @@ from torch import nn
 
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.worker.attention_metadata import AttentionMetadata, TritonAttentionMetadata
+from engine.layers.cache_spec import CacheSpec
 from engine.layers.norms import RMSNorm
 from engine.layers.paged_attention import paged_attention, write_kv
 from engine.layers.rotary import RotaryEmbedding
@@ -82,6 +83,17 @@ class Attention(nn.Module):
         self.fused_rope = False
         # [N_blocks, block_size, kvh, d] each; bound by the runner once the pool is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+
+    def cache_spec(self) -> CacheSpec:
+        """K and V of this rank's KV heads per token."""
+        return CacheSpec(((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)))
+
+    def project_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shapes of what ``project`` returns (q, k, v); ``attend_shape``: of what ``attend`` returns."""
+        return (self.num_heads, self.head_dim), (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+
+    def attend_shape(self) -> tuple[int, ...]:
+        return self.num_heads, self.head_dim
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | TritonAttentionMetadata) -> torch.Tensor:
         return self.output(self.attend(*self.project(x, positions), meta))  # [T, H]

@@ -19,7 +19,13 @@ SUPPORTED_ARCHITECTURES = (
     "Dots1ForCausalLM",
     "MiniMaxM2ForCausalLM",
     "GptOssForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+
+# model_type of checkpoints whose config class ships as remote code -> the transformers config it is: Kimi-K2
+# is the DeepSeek-V3 architecture (``architectures``: DeepseekV3ForCausalLM).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 @dataclass(slots=True)
@@ -78,7 +84,11 @@ def load_model_config(model_dir: str) -> ModelConfig:
     from transformers import AutoConfig
 
     try:
-        hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        if raw.get("model_type") in MODEL_TYPE_ALIASES:  # a config class transformers only has as remote code
+            fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "transformers_version")}
+            hf = AutoConfig.for_model(MODEL_TYPE_ALIASES[raw["model_type"]], **fields)
+        else:
+            hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad config
         raise CheckpointError(f"{path}: cannot be parsed by transformers: {str(e).splitlines()[0]}") from None
 

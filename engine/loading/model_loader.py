@@ -63,6 +63,11 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         return (slice(block.first_expert, block.first_expert + block.experts.w13.shape[0]),)
     if tp.size == 1:
         return None
+    if ".self_attn." in target:  # an attention layer that says how it is split (MLA's head-wise projections)
+        layer, _, local = target.partition(".self_attn.")
+        own = getattr(model.get_submodule(layer + ".self_attn"), "tp_slices", None)
+        if own is not None:
+            return own(local, tp.rank)
     attn, d, r = model.model.layers[0].self_attn, model.config.head_dim, tp.rank
 
     def rows(start: int, n: int):

@@ -107,6 +107,32 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, swiglu_limit=7.0, attention_bias=True, tie_word_embeddings=False,
         eos_token_id=200002, pad_token_id=199999, torch_dtype="bfloat16",
     ),
+    # deepseek-ai/DeepSeek-V3 (and R1, V3.1; Kimi-K2 and Moonlight share the architecture): 671B parameters,
+    # 37B active; MLA (a 576-value latent per token and layer), 3 dense layers, 256 routed + 1 shared expert.
+    "deepseek-v3": dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+        n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+        max_position_embeddings=163840, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0, mscale_all_dim=1.0, beta_fast=32,
+            beta_slow=1, original_max_position_embeddings=4096),
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16",
+    ),
+    # deepseek-ai/DeepSeek-V2-Lite: 15.7B parameters, 2.4B active; no q LoRA, softmax greedy routing.
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+        topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=6, first_k_dense_replace=1,
+        norm_topk_prob=False, max_position_embeddings=163840, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=0.707, mscale_all_dim=0.707, beta_fast=32,
+            beta_slow=1, original_max_position_embeddings=4096),
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001,
+        torch_dtype="bfloat16",
+    ),
 }
 # openai/gpt-oss-120b: 116.83B parameters, 5.13B active: the 20b's layers, 36 of them, 128 experts each.
 PRESETS["gpt-oss-120b"] = dict(PRESETS["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128)

@@ -1,6 +1,7 @@
 """Model families, keyed by the `architectures` entry of config.json."""
 
 from engine.models.base import MoECausalLM
+from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.dots1 import Dots1ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
@@ -13,7 +14,7 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     cls.__name__: cls
     for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM,
-                Dots1ForCausalLM, MiniMaxM2ForCausalLM, GptOssForCausalLM)
+                Dots1ForCausalLM, MiniMaxM2ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
 }
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]

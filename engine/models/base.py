@@ -135,6 +135,8 @@ class MoECausalLM(nn.Module, abc.ABC):
 
     # Family-specific renames applied to checkpoint names before COMMON_WEIGHT_RULES.
     name_aliases: tuple[tuple[str, str], ...] = ()
+    # Family-specific rules tried before COMMON_WEIGHT_RULES.
+    weight_rules: tuple[WeightRule, ...] = ()
 
     def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         """``tp``: this rank's tensor-parallel group; layers hold only this rank's slices of the weights."""
@@ -157,7 +159,8 @@ class MoECausalLM(nn.Module, abc.ABC):
         this rank's part is cut from it), or None when it already has that layout (most families)."""
         return None
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[nn.Module]:
+        """Each layer's attention: an ``Attention`` or an ``MLAttention`` (both expose ``cache_spec()``)."""
         return [layer.self_attn for layer in self.model.layers]
 
     @property
@@ -186,7 +189,7 @@ class MoECausalLM(nn.Module, abc.ABC):
     def map_weight_name(self, name: str) -> tuple[str, WeightRule, re.Match]:
         for old, new in self.name_aliases:
             name = name.replace(old, new)
-        for rule in COMMON_WEIGHT_RULES:
+        for rule in (*self.weight_rules, *COMMON_WEIGHT_RULES):
             match = re.match(rule.pattern, name)
             if match:
                 return match.expand(rule.target), rule, match

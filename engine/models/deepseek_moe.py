@@ -25,7 +25,7 @@ DEEPSEEK_MOE_ALIASES: tuple[tuple[str, str], ...] = (
 def moe_routing(config: ModelConfig) -> tuple[RoutingSpec, bool]:
     """The routing of a DeepSeek-style config, and whether it has a correction bias.
 
-    ``scoring_func`` (default sigmoid: GLM-4.5, dots.llm1, DeepSeek-V3) and ``topk_method``: "noaux_tc"
+    ``scoring_func`` (default sigmoid: GLM-4.5, dots.llm1, DeepSeek-V3; softmax for DeepSeek-V2) and ``topk_method``: "noaux_tc"
     (or none given: GLM, dots) is the bias-corrected grouped top-k with groups scored by their top-2 sum;
     "group_limited_greedy" (DeepSeek-V2) scores groups by their best expert, without a bias; "greedy"
     ignores the groups.
@@ -34,10 +34,11 @@ def moe_routing(config: ModelConfig) -> tuple[RoutingSpec, bool]:
     if method not in ("noaux_tc", "group_limited_greedy", "greedy"):
         raise ValueError(f"unsupported topk_method {method!r}")
     n_group = int(config.cfg("n_group") or 1) if method != "greedy" else 1
+    v2 = config.architecture == "DeepseekV2ForCausalLM"  # softmax scores; its router ignores norm_topk_prob
     spec = RoutingSpec(
         top_k=config.cfg("num_experts_per_tok"),
-        scoring=config.cfg("scoring_func") or "sigmoid",
-        renormalize=bool(config.cfg("norm_topk_prob", False)),
+        scoring=config.cfg("scoring_func") or ("softmax" if v2 else "sigmoid"),
+        renormalize=not v2 and bool(config.cfg("norm_topk_prob", False)),
         n_group=n_group,
         topk_group=int(config.cfg("topk_group") or 1) if n_group > 1 else 1,
         group_scoring="max" if method == "group_limited_greedy" else "top2_sum",

@@ -56,18 +56,18 @@ def default_token_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
 class StaticStepBuffers:
     """What the pieces read and write, sized for the largest captured token count."""
 
-    def __init__(self, max_tokens: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, hidden: int, project_shapes: tuple[tuple[int, ...], ...],
+                 attend_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         def zeros(*shape, dtype=dtype):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.input_ids = zeros(max_tokens, dtype=torch.int64)  # [T_max]
         self.positions = zeros(max_tokens, dtype=torch.int64)  # [T_max]
-        self.q = zeros(max_tokens, heads, head_dim)  # [T_max, h, d]
-        self.k = zeros(max_tokens, kv_heads, head_dim)  # [T_max, kvh, d]
-        self.v = zeros(max_tokens, kv_heads, head_dim)
+        # What the attention layers' ``project`` hands their ``attend``, per token: q [h, d], k and v [kvh, d] for
+        # standard attention; q [h, n + p], the latent [r] and the rope key [p] for MLA.
+        self.q, self.k, self.v = (zeros(max_tokens, *shape) for shape in project_shapes)
         self.residual = zeros(max_tokens, hidden)  # [T_max, H]: the running residual sum between pieces
-        self.attn = zeros(max_tokens, heads, head_dim)  # [T_max, h, d]: the attention cores' output
+        self.attn = zeros(max_tokens, *attend_shape)  # [T_max, h, d]: the attention cores' output
         self.out = zeros(max_tokens, hidden)  # [T_max, H]: the final norm's output
 
     def load(self, batch: FlatBatch, size: int) -> None:
@@ -90,8 +90,8 @@ class PiecewiseGraphs:
         self.sizes = tuple(sorted(set(sizes)))
         self.capture = capture
         attn = self.layers[0].self_attn
-        self.buffers = StaticStepBuffers(self.sizes[-1], model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
-                                         attn.head_dim, model.model.embed_tokens.weight.dtype, device)
+        self.buffers = StaticStepBuffers(self.sizes[-1], model.config.hidden_size, attn.project_shapes(),
+                                         attn.attend_shape(), model.model.embed_tokens.weight.dtype, device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # T -> its L + 1 pieces
         self.replays = 0  # steps served from the buffers (graph replays, or eager pieces when not capturing)
         self.capture_s = 0.0  # start-up time spent capturing (warm-ups included)

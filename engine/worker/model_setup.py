@@ -88,11 +88,21 @@ def kv_blocks_for_memory(config: EngineConfig, model: MoECausalLM, device: torch
     return model.tp.min_over_ranks(max(int(budget // per_block), 1))
 
 
+def attention_backend(model: MoECausalLM, wanted: str) -> str:
+    """``wanted`` if every attention layer runs under it, else "torch" (said once in the log)."""
+    missing = {type(attn).__name__ for attn in model.attention_layers() if wanted not in getattr(attn, "backends", (wanted,))}
+    if missing:
+        logger.info("attention: %s runs the torch path (no %s kernels for it yet)", ", ".join(sorted(missing)), wanted)
+        return "torch"
+    return wanted
+
+
 def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheConfig, kernels: KernelChoice,
                 device: torch.device, dtype: torch.dtype, max_len: int) -> ModelRunner:
     """The runner over ``model`` with its KV caches, MoE kernels compiled and, where they apply, decode and
     piecewise CUDA graphs."""
-    runner = ModelRunner(model, cache_config, device, dtype, config.seed, kernels.attention)
+    attention = attention_backend(model, kernels.attention)
+    runner = ModelRunner(model, cache_config, device, dtype, config.seed, attention)
     # The torch MoE backend reads expert counts on the host, which a graph capture forbids.
     graph_safe_moe = kernels.moe != "torch"
     if device.type == "cuda" and graph_safe_moe:
@@ -100,7 +110,7 @@ def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheCon
 
         warm_up_moe(model, config.max_num_batched_tokens, device, dtype)
     # Captured graphs would replay one rank's collectives alone: several ranks run eagerly.
-    if (device.type == "cuda" and kernels.attention == "triton" and graph_safe_moe and not config.enforce_eager
+    if (device.type == "cuda" and attention == "triton" and graph_safe_moe and not config.enforce_eager
             and model.tp.size == 1 and model.tp.expert_parallel is None):
         from engine.transforms.cuda_graphs import enable_decode_graphs
 

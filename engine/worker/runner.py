@@ -31,25 +31,27 @@ class StepSamples:
 
 
 def kv_bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) -> int:
-    c = model.config
-    return 2 * c.num_layers * block_size * model.num_local_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
+    """Bytes one block of ``block_size`` tokens takes over every attention layer, as their cache specs say."""
+    return block_size * sum(attn.cache_spec().bytes_per_token(dtype) for attn in model.attention_layers())
 
 
 def attach_kv_caches(model: MoECausalLM, cache_config: CacheConfig, device: torch.device,
-                     dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed (K, V) caches [num_blocks + 1, block_size, kv_heads, head_dim] per layer, given to the model's
-    attention layers; the extra block is the scratch block padding rows write to."""
-    c = model.config
-    shape = (cache_config.num_blocks + 1, cache_config.block_size, model.num_local_kv_heads, c.head_dim)
+                     dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+    """Zeroed caches per attention layer, each tensor [num_blocks + 1, block_size, *its per-token shape] as the
+    layer's ``cache_spec()`` says ((K, V) for standard attention, one latent tensor for MLA), given to the layer
+    as ``kv_cache``; the extra block is the scratch block padding rows write to."""
 
-    def zeros() -> torch.Tensor:  # on the CPU, memory is taken as blocks are first written
-        if device.type == "cpu":
-            return zeros_on_first_touch(shape, dtype)
-        return torch.zeros(shape, dtype=dtype, device=device)
+    def zeros(shape: tuple[int, ...], cache_dtype: torch.dtype) -> torch.Tensor:
+        if device.type == "cpu":  # on the CPU, memory is taken as blocks are first written
+            return zeros_on_first_touch(shape, cache_dtype)
+        return torch.zeros(shape, dtype=cache_dtype, device=device)
 
-    caches = [(zeros(), zeros()) for _ in range(c.num_layers)]
-    for attn, cache in zip(model.attention_layers(), caches):
-        attn.kv_cache = cache
+    caches = []
+    for attn in model.attention_layers():
+        spec = attn.cache_spec()
+        attn.kv_cache = tuple(zeros((cache_config.num_blocks + 1, cache_config.block_size, *shape), spec.dtype or dtype)
+                              for shape in spec.per_token)
+        caches.append(attn.kv_cache)
     return caches
 
 

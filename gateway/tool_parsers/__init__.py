@@ -8,6 +8,7 @@ Choose parsers with ``tool_parser_named`` / ``reasoning_parser_named`` (``--tool
 from gateway.tool_parsers.base import ParsedDelta, ToolCall, ToolParser
 from gateway.tool_parsers.glm45 import Glm45ToolParser
 from gateway.tool_parsers.harmony import HarmonyParser
+from gateway.tool_parsers.deepseek import CALLS_BEGIN as DEEPSEEK_CALLS_BEGIN, DeepSeekR1ReasoningParser, DeepSeekToolParser
 from gateway.tool_parsers.hermes import HermesToolParser
 from gateway.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 from gateway.tool_parsers.mistral import MistralToolParser
@@ -15,11 +16,12 @@ from gateway.tool_parsers.reasoning import OpenThinkReasoningParser, ThinkReason
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "mistral": MistralToolParser, "glm45": Glm45ToolParser,
-    "minimax_m2": MiniMaxM2ToolParser, "harmony": HarmonyParser,
+    "minimax_m2": MiniMaxM2ToolParser, "harmony": HarmonyParser, "deepseek_v3": DeepSeekToolParser,
 }
 # gpt-oss's harmony parser reads reasoning and calls at once: it is both kinds of parser.
 REASONING_PARSERS = {"qwen3": ThinkReasoningParser, "think": ThinkReasoningParser, "glm45": ThinkReasoningParser,
-                     "minimax_m2": OpenThinkReasoningParser, "harmony": HarmonyParser}
+                     "minimax_m2": OpenThinkReasoningParser, "harmony": HarmonyParser,
+                     "deepseek_r1": DeepSeekR1ReasoningParser}
 # The opening of an assistant turn in MiniMax-M2's template, which then opens the <think> block itself.
 MINIMAX_TURN = "]~b]ai"
 
@@ -37,9 +39,13 @@ def detect_tool_parser(chat_template: str | None, architecture: str | None) -> s
         return "hermes"
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if DEEPSEEK_CALLS_BEGIN in template:
+        return "deepseek_v3"
     arch = (architecture or "").lower()
     if arch.startswith("gptoss"):
         return "harmony"
+    if arch.startswith("deepseek"):
+        return "deepseek_v3"
     if arch.startswith(("mistral", "mixtral")):
         return "mistral"
     if arch.startswith("qwen"):
@@ -64,6 +70,7 @@ def detect_reasoning_parser(chat_template: str | None) -> str | None:
 
 
 __all__ = ["ParsedDelta", "ToolCall", "ToolParser", "HarmonyParser", "HermesToolParser", "MistralToolParser",
-           "Glm45ToolParser", "MiniMaxM2ToolParser", "ThinkReasoningParser", "OpenThinkReasoningParser", "TOOL_PARSERS",
-           "REASONING_PARSERS", "detect_tool_parser",
+           "Glm45ToolParser", "MiniMaxM2ToolParser", "DeepSeekToolParser", "ThinkReasoningParser",
+           "OpenThinkReasoningParser", "DeepSeekR1ReasoningParser", "TOOL_PARSERS", "REASONING_PARSERS",
+           "detect_tool_parser",
            "detect_reasoning_parser"]

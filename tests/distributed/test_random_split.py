@@ -16,10 +16,23 @@ TINY = ("num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_
 SPECS = {
     "qwen3": f"qwen3-30b-a3b:{TINY},num_experts=8,moe_intermediate_size=32,intermediate_size=64",
     "olmoe": f"olmoe-1b-7b:{TINY},num_experts=8,intermediate_size=32",  # a q/k norm over every rank's heads
+    # MLA (q LoRA, a 48-value latent), grouped sigmoid routing with a correction bias, a dense first layer.
+    "deepseek_v3": ("deepseek-v3:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=4,"
+                    "q_lora_rank=24,kv_lora_rank=32,qk_nope_head_dim=16,qk_rope_head_dim=16,v_head_dim=16,"
+                    "n_routed_experts=8,num_experts_per_tok=3,n_group=4,topk_group=2,moe_intermediate_size=32,intermediate_size=64,"
+                    "first_k_dense_replace=1,vocab_size=512,max_position_embeddings=256,bos_token_id=null,"
+                    "eos_token_id=511"),
+    # V2-Lite: MLA without q LoRA (q_proj split by heads), softmax greedy routing.
+    "deepseek_v2": ("deepseek-v2-lite:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=4,"
+                    "kv_lora_rank=32,qk_nope_head_dim=16,qk_rope_head_dim=16,v_head_dim=16,n_routed_experts=8,"
+                    "num_experts_per_tok=2,moe_intermediate_size=32,intermediate_size=64,vocab_size=512,"
+                    "max_position_embeddings=256,bos_token_id=null,eos_token_id=511"),
 }
 SPLITS = {
     "qwen3": {"tp": dict(tensor_parallel_size=2), "ep": dict(tensor_parallel_size=2, enable_expert_parallel=True)},
     "olmoe": {"tp": dict(tensor_parallel_size=2)},
+    "deepseek_v3": {"tp": dict(tensor_parallel_size=2), "ep": dict(tensor_parallel_size=2, enable_expert_parallel=True)},
+    "deepseek_v2": {"tp": dict(tensor_parallel_size=2)},
 }
 
 

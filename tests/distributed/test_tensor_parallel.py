@@ -21,6 +21,7 @@ OVERRIDES = {
     "dots1": {},  # an o_proj bias (held by rank 0 alone), 2 shared experts, a dense first layer
     # Sinks split with the heads, o_proj and down biases added once, a sliding layer: prompts past its window of 8.
     "gpt_oss": {},
+    "deepseek_v3": {},  # MLA: heads split, the latent cache replicated; grouped sigmoid routing, a dense layer
 }
 VOCAB = 97
 BLOCK = 16
@@ -54,7 +55,7 @@ def _rank_logits(rank: int, world: int, address: str, model_dir: str, prompts: l
     params = sum(p.numel() for p in model.parameters())
     groups.close()
     return {"prefill": prefill.tolist(), "decode": decode.tolist(), "next": nexts, "params": params,
-            "kv_heads": model.num_local_kv_heads}
+            "kv_heads": model.num_local_kv_heads, "cache_values": model.attention_layers()[0].cache_spec().values_per_token()}
 
 
 def family_checkpoints(tmp_path_factory, prefix: str) -> dict:
@@ -97,4 +98,7 @@ def test_two_ranks_give_the_reference_logits_and_hold_their_slices(family, split
             assert torch.allclose(torch.tensor(r0["decode"][i]), want, atol=2e-4, rtol=1e-4), msg
     full = sum(p.numel() for p in hf.parameters())
     assert r0["params"] < 0.75 * full and r1["params"] < 0.75 * full, (r0["params"], full)
-    assert r0["kv_heads"] == max(1, hf.config.num_key_value_heads // 2)
+    if family.startswith("deepseek"):  # every rank caches the whole latent row
+        assert r0["cache_values"] == hf.config.kv_lora_rank + hf.config.qk_rope_head_dim
+    else:
+        assert r0["kv_heads"] == max(1, hf.config.num_key_value_heads // 2)

@@ -113,11 +113,13 @@ def test_padded_rows_do_not_change_real_rows(kernels, tmp_path):
 
 
 # qwen2_moe: a shared expert and a dense-MLP layer inside the pieces; speculative: drafts verified in the pieces.
+# deepseek_v3: MLA's q, latent and rope key handed between the pieces.
 CASES = [("qwen3_moe", {}), ("olmoe", {}), ("qwen2_moe", {}),
-         ("qwen3_moe", dict(speculative="ngram", num_speculative_tokens=4, speculative_max_batch=64))]
+         ("qwen3_moe", dict(speculative="ngram", num_speculative_tokens=4, speculative_max_batch=64)), ("deepseek_v3", {})]
 
 
-@pytest.mark.parametrize("family,extra", CASES, ids=["qwen3_moe", "olmoe", "qwen2_moe", "qwen3_moe-speculative"])
+@pytest.mark.parametrize("family,extra", CASES, ids=["qwen3_moe", "olmoe", "qwen2_moe", "qwen3_moe-speculative",
+                                                     "deepseek_v3"])
 def test_engine_with_piecewise_buffers_gives_the_eager_tokens(family, extra, tmp_path):
     """Greedy tokens with prefill and mixed steps routed through the pieces equal the eager engine's, through
     chunked prefill, preemption (a small pool) and prefix-cache hits."""

@@ -57,7 +57,8 @@ def _with_graph_buffers(llm: LLM) -> list[int]:
 
 
 # gpt-oss: sinks, and a window (8) on its first layer only that the 30-token prompt goes past.
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+# deepseek_v3: MLA, decodes in the Triton MLA kernel over the latent cache, prefill chunks expanded in torch.
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_triton_attention_matches_torch_attention(family, tmp_path):
     seed = random.randrange(2**31)
     make_hf_model(family, str(tmp_path), seed=seed, vocab_size=VOCAB, num_layers=2)

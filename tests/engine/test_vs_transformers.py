@@ -22,6 +22,13 @@ VARIANTS = {
     "gpt_oss": [dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
         original_max_position_embeddings=64))],
+    # V2-Lite's shape, then V2's grouped softmax routing (groups scored by their best expert, scaled weights).
+    "deepseek_v2": [{}, dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.7,
+                             num_attention_heads=2, v_head_dim=16)],
+    # V3's shape, then plain (non-interleaved) rope with YaRN scaling whose mscale_all_dim scales the softmax.
+    "deepseek_v3": [{}, dict(rope_interleave=False, n_group=2, topk_group=1, num_experts_per_tok=3,
+                             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8,
+                                                  mscale_all_dim=0.7, original_max_position_embeddings=256))],
 }
 
 # Engine settings that force each code path on the same requests. Without preemption, a pool of 256 blocks of 16
@@ -48,6 +55,8 @@ for _mode in ("default", "chunked_prefill", "preemption", "all_paths"):
 # seconds each) run the combined one alone.
 FAMILY_MODES = {fam: ["all_paths"] if fam in ("glm4_moe", "dots1", "minimax_m2", "gpt_oss") else ["default", "chunked_prefill",
                 "preemption", "overlap"] for fam in VARIANTS}
+# MLA's latent cache under every path at once.
+FAMILY_MODES.update(deepseek_v2=["all_paths"], deepseek_v3=["all_paths"])
 CASES = [((fam, i), mode) for fam, variants in VARIANTS.items() for i in range(len(variants)) for mode in FAMILY_MODES[fam]]
 
 

@@ -8,8 +8,9 @@ import jsonschema
 import pytest
 
 from gateway.tool_parsers import (
-    Glm45ToolParser, HarmonyParser, HermesToolParser, MiniMaxM2ToolParser, MistralToolParser,
-    OpenThinkReasoningParser, ThinkReasoningParser, detect_reasoning_parser, detect_tool_parser,
+    DeepSeekR1ReasoningParser, DeepSeekToolParser, Glm45ToolParser, HarmonyParser, HermesToolParser,
+    MiniMaxM2ToolParser, MistralToolParser, OpenThinkReasoningParser, ThinkReasoningParser, detect_reasoning_parser,
+    detect_tool_parser,
 )
 from gateway.tool_parsers import forced
 
@@ -196,6 +197,49 @@ def test_reasoning_opened_by_the_prompt_whole_and_streamed(seed):
         assert (parsed.reasoning, parsed.content) == want
 
 
+def _deepseek_case(rng: random.Random) -> tuple[str, str, list]:
+    """DeepSeek-V3's section of calls (type, name, fenced JSON) or V3.1's (name, bare JSON), after optional prose."""
+    prose = rng.choice(["", "Let me check.\n\n", "Comparing 2 < 3 first. "])
+    calls = [(rng.choice(["get_weather", "search"]), _random_args(rng)) for _ in range(rng.randint(1, 3))]
+    v31 = rng.random() < 0.5
+    blocks = []
+    for name, args in calls:
+        js = json.dumps(args, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 2]))
+        body = f"{name}<｜tool▁sep｜>{js}" if v31 else f"function<｜tool▁sep｜>{name}\n```json\n{js}\n```"
+        blocks.append(f"<｜tool▁call▁begin｜>{body}<｜tool▁call▁end｜>")
+    sep = rng.choice(["", "\n"])
+    return prose + "<｜tool▁calls▁begin｜>" + sep.join(blocks) + "<｜tool▁calls▁end｜>", prose, calls
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_deepseek_calls_whole_and_streamed(seed):
+    rng = random.Random(seed * 7927 + 5)
+    text, prose, calls = _deepseek_case(rng)
+    for parsed in (DeepSeekToolParser().parse(text), _streamed(DeepSeekToolParser(), text, rng)):
+        assert parsed.content == prose and _calls(parsed) == calls, text
+
+
+def test_deepseek_broken_call_stays_content():
+    body = "function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \n```"
+    text = f"Hi <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{body}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    parsed = DeepSeekToolParser().parse(text)
+    assert not parsed.tool_calls and parsed.content == f"Hi <｜tool▁call▁begin｜>{body}<｜tool▁call▁end｜>"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_deepseek_r1_reasoning_whole_and_streamed(seed):
+    """R1 starts inside its reasoning (the prompt opened <think>); an explicit opening tag is accepted too."""
+    rng = random.Random(seed)
+    thought = rng.choice(["The user wants <b>bold</b>; 2 < 3.\n", "Think </thin k> twice.\n"])
+    answer = rng.choice(["Paris.", "Line one.\nLine two."])
+    opening = rng.choice(["", "<think>\n", "<think>"])
+    said = opening.removeprefix("<think>") + thought  # what follows an explicit tag is kept, as with Qwen3's
+    cases = [(opening + thought + "</think>\n\n" + answer, (said, answer)), (opening + thought, (said, ""))]
+    for text, want in cases:
+        for parsed in (DeepSeekR1ReasoningParser().parse(text), _streamed(DeepSeekR1ReasoningParser(), text, rng)):
+            assert (parsed.reasoning, parsed.content) == want, text
+
+
 def test_parser_detection():
     assert detect_tool_parser("... <tool_call>{{ name }}<arg_key>{{ k }}</arg_key> ...", None) == "glm45"
     assert detect_tool_parser("<minimax:tool_call>", None) == "minimax_m2"
@@ -207,6 +251,8 @@ def test_parser_detection():
     assert detect_tool_parser("{% if x %}[TOOL_CALLS]{% endif %}", None) == "mistral"
     assert detect_tool_parser(None, "MixtralForCausalLM") == "mistral"
     assert detect_tool_parser("", "OlmoeForCausalLM") is None
+    assert detect_tool_parser("{{'<｜tool▁calls▁begin｜>'}}", None) == "deepseek_v3"
+    assert detect_tool_parser(None, "DeepseekV3ForCausalLM") == "deepseek_v3"
 
 
 def test_forcing_schemas_accept_calls_and_refuse_others():
