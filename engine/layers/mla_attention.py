@@ -146,7 +146,7 @@ class MLAttention(nn.Module):
     def _attend_triton(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, meta: TritonAttentionMetadata,
                        rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Decodes absorbed in the Triton MLA kernel (no host sync: CUDA graphs capture it); prefill chunks in the
-        expanded torch form, their extents read on the host."""
+        expanded torch form, their extents from the metadata's host copy."""
         from engine.kernels.mla_attention import mla_decode_triton
 
         num_decodes = meta.num_decodes
@@ -158,10 +158,9 @@ class MLAttention(nn.Module):
                                            self.scale, self.kv_lora_rank)  # [D, h, r]
             out[:num_decodes] = torch.einsum("dhr,hvr->dhv", latent_out, w_uv)
         if meta.num_prefills:
-            starts, lens, seq_lens = (t.tolist() for t in (meta.prefill_query_start, meta.prefill_query_len,
-                                                           meta.prefill_seq_lens))
+            assert len(meta.prefill_extents) == meta.num_prefills, "the batch builder gives every chunk's extent"
             block_size = rows.shape[1]
-            for i, (start, n, seq_len) in enumerate(zip(starts, lens, seq_lens)):
+            for i, (start, n, seq_len) in enumerate(meta.prefill_extents):
                 mask = None
                 if seq_len > n:  # a chunk over a cached prefix: query j sees keys up to its own position
                     query_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]  # [q, 1]

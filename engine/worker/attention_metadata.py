@@ -73,3 +73,6 @@ class TritonAttentionMetadata:
     prefill_tile_req: torch.Tensor  # [n] the chunk of each BLOCK_M-query tile
     prefill_tile_start: torch.Tensor  # [n] offset of the tile's first query within its chunk
     sliding_window: int = 0  # 0: none
+    # (first flat token, query length, context length) of each prefill chunk, on the host: what a path that loops
+    # over the chunks in Python (MLA's expanded prefill) reads without copying the device tensors back.
+    prefill_extents: tuple[tuple[int, int, int], ...] = ()

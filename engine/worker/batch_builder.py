@@ -111,6 +111,8 @@ def build_triton_batch(scheduled: list[ScheduledRequest], block_size: int, slidi
         prefill_tile_req=t_req,
         prefill_tile_start=t_start,
         sliding_window=sliding_window or 0,
+        prefill_extents=tuple((start, s.num_new_tokens, s.start + s.num_new_tokens)
+                              for (start, _), s in zip(flat.ranges[num_decodes:], prefills)),
     )
     max_blocks = len(dec_tables[0]) if dec_tables else 0
     return FlatBatch(input_ids, positions, meta, sample_rows, prompt_rows, num_decodes, max_blocks)
