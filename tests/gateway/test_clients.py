@@ -371,6 +371,9 @@ def test_vllm_text_fields(served):
         with pytest.raises(openai.BadRequestError) as refused:
             await client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
                                                  extra_body={"chat_template": "{{ messages }}"})
+        for priority in (5, 0, -3):  # larger waits longer; a negative one cannot raise it, and is not refused
+            await client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
+                                                 extra_body={"priority": priority})
         return free, stop, cut, ends, specials, chat, refused.value.body
 
     free, stop, cut, ends, specials, chat, refused = served.run(go)
@@ -384,6 +387,12 @@ def test_vllm_text_fields(served):
                                          spaces_between_special_tokens=spaces) != ""
     assert chat["cached"].usage.prompt_tokens == chat["plain"].usage.prompt_tokens
     assert refused["param"] == "chat_template"
+    from gateway.completion import order_in_rank
+    from gateway.openai_schema import ChatCompletionRequest, decode_body
+
+    for priority, order in ((None, 0), (7, 7), (-4, 0)):
+        body = decode_body(json.dumps({"messages": USER, "priority": priority}).encode(), ChatCompletionRequest)
+        assert order_in_rank(body) == order
 
 
 def test_vllm_prompt_logprobs_and_token_ids(served):
@@ -398,14 +407,16 @@ def test_vllm_prompt_logprobs_and_token_ids(served):
                                                  echo=True, logprobs=1, extra_body={"prompt_logprobs": k})
         chat = await client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
                                                     extra_body={"prompt_logprobs": 0})
+        chunks = [c async for c in await client.chat.completions.create(
+            model="demo", messages=USER, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 0})]
         runs = [await client.chat.completions.create(
             model="demo", messages=USER, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": ids}) for ids in (False, True)]
         as_ids = await client.completions.create(model="demo", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
                                                  extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
-        return scored, chat, runs, as_ids
+        return scored, chat, chunks, runs, as_ids
 
-    scored, chat, (plain, with_ids), as_ids = served.run(go)
+    scored, chat, chunks, (plain, with_ids), as_ids = served.run(go)
     logp = _log_softmax(served.hf, prompt)
     got = scored.choices[0].model_extra["prompt_logprobs"]
     assert len(got) == len(prompt) and got[0] is None
@@ -423,6 +434,12 @@ def test_vllm_prompt_logprobs_and_token_ids(served):
     assert all(len(top) <= 2 for top in scored.choices[0].logprobs.top_logprobs[1:])
     chat_lp = chat.model_extra["prompt_logprobs"]
     assert len(chat_lp) == chat.usage.prompt_tokens and chat_lp[0] is None and all(len(e) == 1 for e in chat_lp[1:])
+    streamed = [c.model_extra["prompt_logprobs"] for c in chunks if (c.model_extra or {}).get("prompt_logprobs")]
+    assert len(streamed) == 1 and len(streamed[0]) == len(chat_lp)  # with the first chunk: the same prompt's
+    for got_entry, want_entry in zip(streamed[0][1:], chat_lp[1:]):
+        assert got_entry.keys() == want_entry.keys()
+        assert [e["logprob"] for e in got_entry.values()] == pytest.approx([e["logprob"] for e in want_entry.values()],
+                                                                           abs=1e-4)
 
     shown = [c.token for c in with_ids.choices[0].logprobs.content]
     assert all(re.fullmatch(r"token_id:\d+", t) for t in shown)
