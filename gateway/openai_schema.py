@@ -67,8 +67,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     # What an assistant message carries when a client sends a reply back as it came (the openai SDK's
     # message object, or its model_dump()). The reasoning reaches the chat template as `reasoning_content`
     # (Qwen3's renders it for the turns after the last user message); `reasoning` is newer vLLM's name
-    # for it. The rest are output-only and ignored; `function_call` (the legacy form of tool_calls) only
-    # when null.
+    # for it. A refusal is the turn's text when content is null. The rest are output-only and ignored;
+    # `function_call` (the legacy form of tool_calls) only when null.
     reasoning_content: str | None = None
     reasoning: str | None = None
     refusal: str | None = None

@@ -162,6 +162,10 @@ def test_replies_sent_back_as_the_client_returned_them(served):
     from gateway.chat_plan import chat_input
     from gateway.openai_schema import ChatCompletionRequest, decode_body
 
+    said = "I cannot help with that."
+    body = decode_body(json.dumps({"messages": [*USER, {"role": "assistant", "content": None, "refusal": said},
+                                                follow_up]}).encode(), ChatCompletionRequest)
+    assert chat_input(body).messages[1] == {"role": "assistant", "content": said}
     thought = "".join(random.choice("abcdef ") for _ in range(12))
     for field in ("reasoning_content", "reasoning"):
         body = decode_body(json.dumps({"messages": [*USER, {"role": "assistant", "content": "ok", field: thought},
