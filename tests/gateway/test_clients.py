@@ -250,6 +250,24 @@ def test_schemas_without_additional_properties_are_closed(served):
         assert choice.finish_reason in ("stop", "tool_calls"), (choice.finish_reason, text)
         jsonschema.validate(json.loads(text), closed)
 
+    # LangChain as the client: with_structured_output sends the same schema (json_schema and function_calling).
+    from langchain_openai import ChatOpenAI
+
+    async def langchain(_):
+        out = []
+        for seed, method in zip(seeds[:4], ["json_schema", "function_calling"] * 2):
+            llm = ChatOpenAI(model="demo", base_url=served.base_url, api_key=served.key, max_tokens=120,
+                             max_retries=0, seed=seed, temperature=1.0, logit_bias={int(k): v for k, v in bias.items()})
+            out.append(await llm.with_structured_output(Person, method=method, include_raw=True).ainvoke(
+                messages[0]["content"]))
+        return out
+
+    for result in served.run(langchain):
+        raw = result["raw"]
+        text = raw.tool_calls[0]["args"] if raw.tool_calls else json.loads(raw.content)
+        assert isinstance(result["parsed"], Person) and raw.response_metadata["finish_reason"] in ("stop", "tool_calls")
+        jsonschema.validate(text, closed)
+
 
 def test_closed_objects_leave_what_the_schema_says():
     from gateway.response_format import closed_objects
