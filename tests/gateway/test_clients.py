@@ -476,7 +476,7 @@ def test_vllm_guided_fields(served):
     regex = "[a-c]{2}x[0-9]"
     options = ["river bank", "mill", '"quoted"', "x|y"]
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    asks = [({"guided_regex": regex}, lambda t: re.fullmatch(regex, t)),
+    asks = [({"guided_regex": regex, "response_format": {"type": "text"}}, lambda t: re.fullmatch(regex, t)),
             ({"guided_choice": options}, lambda t: t in options),
             ({"guided_json": json.dumps(schema)}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
             ({"structured_outputs": {"choice": options}}, lambda t: t in options),
