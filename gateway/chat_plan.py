@@ -62,6 +62,8 @@ def _message(m: ChatMessage, i: int) -> dict:
     if m.role not in ROLES:
         raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}; got {m.role!r}", param=f"{where}.role")
     turn: dict = {"role": m.role, "content": None if m.content is None else message_text(m)}
+    if turn["content"] is None and m.refusal is not None and m.role == "assistant":
+        turn["content"] = m.refusal  # what the assistant said, when it refused (OpenAI's reply shape)
     if m.name is not None:
         turn["name"] = m.name
     if m.function_call is not None:

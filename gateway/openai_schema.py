@@ -9,7 +9,7 @@ from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, Sam
 from gateway.choices import MAX_CHOICES
 from gateway.errors import APIError
 from gateway.json_types import decode_typed
-from gateway.response_format import ResponseFormat, StructuredOutputs, structured_output_of
+from gateway.response_format import ResponseFormat, StructuredOutputs, requested_structured_output
 
 # Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the
 # engine's message encoding, a seed for torch). Refused while decoding, with the field named.
@@ -67,8 +67,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     # What an assistant message carries when a client sends a reply back as it came (the openai SDK's
     # message object, or its model_dump()). The reasoning reaches the chat template as `reasoning_content`
     # (Qwen3's renders it for the turns after the last user message); `reasoning` is newer vLLM's name
-    # for it. The rest are output-only and ignored; `function_call` (the legacy form of tool_calls) only
-    # when null.
+    # for it. A refusal is the turn's text when content is null. The rest are output-only and ignored;
+    # `function_call` (the legacy form of tool_calls) only when null.
     reasoning_content: str | None = None
     reasoning: str | None = None
     refusal: str | None = None
@@ -380,7 +380,7 @@ def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingPara
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0, min_tokens=min_tokens, stop_token_ids=stop_token_ids,
         logit_bias=_logit_bias(req, vocab_size), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        structured_output=structured_output_of(req, bool(req.ignore_eos)),
+        structured_output=requested_structured_output(req, bool(req.ignore_eos)),
         skip_special_tokens=req.skip_special_tokens is not False,
         spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
         include_stop_str_in_output=bool(req.include_stop_str_in_output),

@@ -154,13 +154,20 @@ def _structured_outputs_spec(so: StructuredOutputs) -> StructuredOutput:
     return StructuredOutput(json_object=True)
 
 
-def structured_output_of(req, ignore_eos: bool) -> StructuredOutput | None:
-    """What the engine must enforce for the request's ``response_format``, ``guided_json`` /
-    ``guided_regex`` / ``guided_choice`` or ``structured_outputs`` (at most one of them; None: free text);
-    400 naming the field if the grammar library refuses it."""
+def structured_output_of(response_format: ResponseFormat | None, ignore_eos: bool) -> StructuredOutput | None:
+    """What the engine must enforce for ``response_format`` (None: free text); 400 naming the field if the
+    grammar library refuses the schema."""
+    spec = None if response_format is None else _format_spec(response_format)
+    return _enforced([("response_format", spec, "JSON schema")] if spec else [], ignore_eos)
+
+
+def requested_structured_output(req, ignore_eos: bool) -> StructuredOutput | None:
+    """What the engine must enforce for a completions or chat request: its ``response_format``, or vLLM's
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` or ``structured_outputs`` (at most one of them;
+    None: free text); 400 naming the field if the grammar library refuses it."""
     asked = []  # (field, spec, what)
-    if req.response_format is not None:
-        asked.append(("response_format", _format_spec(req.response_format), "JSON schema"))
+    if req.response_format is not None and (spec := _format_spec(req.response_format)) is not None:
+        asked.append(("response_format", spec, "JSON schema"))
     if req.guided_json is not None:
         schema = _json_value(req.guided_json, "guided_json")
         asked.append(("guided_json", StructuredOutput(json_schema=schema_text(schema)), "JSON schema"))
@@ -173,7 +180,12 @@ def structured_output_of(req, ignore_eos: bool) -> StructuredOutput | None:
     if len(asked) > 1:
         raise APIError(400, f"{' and '.join(a[0] for a in asked)} each fix the output's format: send one of them",
                        param=asked[1][0])
-    if not asked or asked[0][1] is None:
+    return _enforced(asked, ignore_eos)
+
+
+def _enforced(asked: list[tuple[str, StructuredOutput, str]], ignore_eos: bool) -> StructuredOutput | None:
+    """The one format asked for (none: None), checked by the grammar library."""
+    if not asked:
         return None
     param, spec, what = asked[0]
     if ignore_eos:

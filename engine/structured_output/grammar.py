@@ -20,6 +20,18 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 _ANY_OBJECT = json.dumps({"type": "object"})
 
 
+def _checked(build, *args) -> str:
+    """``build(*args)``'s grammar if llguidance takes it; ValueError (the library's message) if not."""
+    try:
+        grammar = build(*args)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(error)
+    return grammar
+
+
 @functools.lru_cache(maxsize=1024)
 def _grammar_for_schema(schema: str) -> str:
     """A schema's llguidance grammar; ValueError (the library's message) if it cannot be enforced."""
@@ -28,27 +40,13 @@ def _grammar_for_schema(schema: str) -> str:
         schema = "{}"
     elif json.loads(schema) is False:
         raise ValueError("the schema `false` allows no value at all")
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-    except ValueError as e:
-        raise ValueError(str(e)) from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(error)
-    return grammar
+    return _checked(lambda text: llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS), schema)
 
 
 @functools.lru_cache(maxsize=1024)
 def _grammar_for(kind: str, text: str) -> str:
     """A regex's or a Lark grammar's llguidance grammar; ValueError (the library's message) if it is refused."""
-    try:
-        grammar = llguidance.grammar_from(kind, text)
-    except ValueError as e:
-        raise ValueError(str(e)) from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(error)
-    return grammar
+    return _checked(llguidance.grammar_from, kind, text)
 
 
 def grammar_of(spec: StructuredOutput) -> str:

@@ -162,6 +162,10 @@ def test_replies_sent_back_as_the_client_returned_them(served):
     from gateway.chat_plan import chat_input
     from gateway.openai_schema import ChatCompletionRequest, decode_body
 
+    said = "I cannot help with that."
+    body = decode_body(json.dumps({"messages": [*USER, {"role": "assistant", "content": None, "refusal": said},
+                                                follow_up]}).encode(), ChatCompletionRequest)
+    assert chat_input(body).messages[1] == {"role": "assistant", "content": said}
     thought = "".join(random.choice("abcdef ") for _ in range(12))
     for field in ("reasoning_content", "reasoning"):
         body = decode_body(json.dumps({"messages": [*USER, {"role": "assistant", "content": "ok", field: thought},
@@ -245,6 +249,24 @@ def test_schemas_without_additional_properties_are_closed(served):
         text = calls[0].function.arguments if calls else choice.message.content
         assert choice.finish_reason in ("stop", "tool_calls"), (choice.finish_reason, text)
         jsonschema.validate(json.loads(text), closed)
+
+    # LangChain as the client: with_structured_output(method="function_calling") sends the schema as it is
+    # (its json_schema method goes through the openai SDK's parse helper, which closes objects itself).
+    from langchain_openai import ChatOpenAI
+
+    async def langchain(_):
+        async def one(seed):
+            llm = ChatOpenAI(model="demo", base_url=served.base_url, api_key=served.key, max_tokens=120,
+                             max_retries=0, seed=seed, temperature=1.0, logit_bias={int(k): v for k, v in bias.items()})
+            return await llm.with_structured_output(Person, method="function_calling", include_raw=True).ainvoke(
+                messages[0]["content"])
+        return await asyncio.gather(*(one(seed) for seed in seeds[:8]))
+
+    for result in served.run(langchain):
+        raw = result["raw"]
+        text = raw.tool_calls[0]["args"] if raw.tool_calls else json.loads(raw.content)
+        assert isinstance(result["parsed"], Person) and raw.response_metadata["finish_reason"] in ("stop", "tool_calls")
+        jsonschema.validate(text, closed)
 
 
 def test_closed_objects_leave_what_the_schema_says():
@@ -371,6 +393,9 @@ def test_vllm_text_fields(served):
         with pytest.raises(openai.BadRequestError) as refused:
             await client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
                                                  extra_body={"chat_template": "{{ messages }}"})
+        for priority in (5, 0, -3):  # larger waits longer; a negative one cannot raise it, and is not refused
+            await client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
+                                                 extra_body={"priority": priority})
         return free, stop, cut, ends, specials, chat, refused.value.body
 
     free, stop, cut, ends, specials, chat, refused = served.run(go)
@@ -384,6 +409,12 @@ def test_vllm_text_fields(served):
                                          spaces_between_special_tokens=spaces) != ""
     assert chat["cached"].usage.prompt_tokens == chat["plain"].usage.prompt_tokens
     assert refused["param"] == "chat_template"
+    from gateway.completion import order_in_rank
+    from gateway.openai_schema import ChatCompletionRequest, decode_body
+
+    for priority, order in ((None, 0), (7, 7), (-4, 0)):
+        body = decode_body(json.dumps({"messages": USER, "priority": priority}).encode(), ChatCompletionRequest)
+        assert order_in_rank(body) == order
 
 
 def test_vllm_prompt_logprobs_and_token_ids(served):
@@ -398,14 +429,16 @@ def test_vllm_prompt_logprobs_and_token_ids(served):
                                                  echo=True, logprobs=1, extra_body={"prompt_logprobs": k})
         chat = await client.chat.completions.create(model="demo", messages=USER, max_tokens=1,
                                                     extra_body={"prompt_logprobs": 0})
+        chunks = [c async for c in await client.chat.completions.create(
+            model="demo", messages=USER, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 0})]
         runs = [await client.chat.completions.create(
             model="demo", messages=USER, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": ids}) for ids in (False, True)]
         as_ids = await client.completions.create(model="demo", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
                                                  extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
-        return scored, chat, runs, as_ids
+        return scored, chat, chunks, runs, as_ids
 
-    scored, chat, (plain, with_ids), as_ids = served.run(go)
+    scored, chat, chunks, (plain, with_ids), as_ids = served.run(go)
     logp = _log_softmax(served.hf, prompt)
     got = scored.choices[0].model_extra["prompt_logprobs"]
     assert len(got) == len(prompt) and got[0] is None
@@ -423,6 +456,12 @@ def test_vllm_prompt_logprobs_and_token_ids(served):
     assert all(len(top) <= 2 for top in scored.choices[0].logprobs.top_logprobs[1:])
     chat_lp = chat.model_extra["prompt_logprobs"]
     assert len(chat_lp) == chat.usage.prompt_tokens and chat_lp[0] is None and all(len(e) == 1 for e in chat_lp[1:])
+    streamed = [c.model_extra["prompt_logprobs"] for c in chunks if (c.model_extra or {}).get("prompt_logprobs")]
+    assert len(streamed) == 1 and len(streamed[0]) == len(chat_lp)  # with the first chunk: the same prompt's
+    for got_entry, want_entry in zip(streamed[0][1:], chat_lp[1:]):
+        assert got_entry.keys() == want_entry.keys()
+        assert [e["logprob"] for e in got_entry.values()] == pytest.approx([e["logprob"] for e in want_entry.values()],
+                                                                           abs=1e-4)
 
     shown = [c.token for c in with_ids.choices[0].logprobs.content]
     assert all(re.fullmatch(r"token_id:\d+", t) for t in shown)
@@ -437,7 +476,7 @@ def test_vllm_guided_fields(served):
     regex = "[a-c]{2}x[0-9]"
     options = ["river bank", "mill", '"quoted"', "x|y"]
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    asks = [({"guided_regex": regex}, lambda t: re.fullmatch(regex, t)),
+    asks = [({"guided_regex": regex, "response_format": {"type": "text"}}, lambda t: re.fullmatch(regex, t)),
             ({"guided_choice": options}, lambda t: t in options),
             ({"guided_json": json.dumps(schema)}, lambda t: jsonschema.validate(json.loads(t), schema) is None),
             ({"structured_outputs": {"choice": options}}, lambda t: t in options),
