@@ -37,7 +37,9 @@ from gateway.errors import (
 from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
+from gateway.refusals import count_refusals
 from gateway.replica_router import replicas_of
+from gateway.schema_check import check_schema
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
 from gateway.usage_ledger import UsageLedger
@@ -215,6 +217,8 @@ async def _run(request: web.Request, body, chat: bool) -> web.StreamResponse:
     stream = None
     choices = request[CHOICES] = Choices([len(p) for p in prompts], params.n, whole=not body.stream)
     try:
+        # Compiled once admitted (counted and rate-limited), on a worker thread, within a time budget.
+        await check_schema(params.structured_output, forced_call=plan is not None and plan.structured_output is not None)
         stream = start_streams(
             engine, prompts, params, rid,
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
@@ -384,7 +388,7 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     # (quotas, overload) runs in the handler, after the body is parsed, because the reservation depends on
     # max_tokens and the prompt.
     app = web.Application(
-        middlewares=[track_open_requests, request_id_middleware, error_middleware, auth_middleware],
+        middlewares=[track_open_requests, request_id_middleware, error_middleware, auth_middleware, count_refusals],
         client_max_size=config.max_request_bytes,
     )
     app[CONFIG] = config

@@ -13,7 +13,6 @@ from typing import Annotated, Any
 import msgspec
 
 from engine.core.structured_output import StructuredOutput
-from engine.structured_output.grammar import grammar_of
 from gateway.errors import APIError
 
 # OpenAI: a-z, A-Z, 0-9, underscores and dashes, at most 64 characters.
@@ -44,8 +43,7 @@ ResponseFormat = TextFormat | JSONObjectFormat | JSONSchemaFormat
 
 
 def structured_output_of(response_format: ResponseFormat | None, ignore_eos: bool) -> StructuredOutput | None:
-    """What the engine must enforce for ``response_format`` (None: free text); 400 naming the field if the
-    grammar library refuses the schema."""
+    """What the engine must enforce for ``response_format`` (None: free text)."""
     if response_format is None or isinstance(response_format, TextFormat):
         return None
     if isinstance(response_format, JSONObjectFormat):
@@ -57,9 +55,4 @@ def structured_output_of(response_format: ResponseFormat | None, ignore_eos: boo
     if ignore_eos:
         raise APIError(400, "ignore_eos cannot be combined with a JSON response_format: the output ends where "
                             "the JSON value is complete; drop ignore_eos", param="ignore_eos")
-    try:
-        grammar_of(spec)
-    except ValueError as e:
-        raise APIError(400, f"response_format: this JSON schema cannot be enforced ({e}); simplify the schema "
-                            "or remove the unsupported keyword", param="response_format") from None
-    return spec
+    return spec  # its grammar is compiled after admission (gateway.schema_check)

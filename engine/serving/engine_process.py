@@ -5,6 +5,7 @@ import signal
 from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
+from engine.serving.grammar_builds import GrammarBuilds
 from engine.serving.parent_watch import exit_with_parent
 from engine.serving.protocol import (
     AbortRequest, AddRequest, Fatal, Ready, ReleaseRequest, Released, RequestRejected, Shutdown, StepOutputs, encoder,
@@ -17,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 PEER_POLL_S = 0.005  # how long an idle engine with data-parallel peers waits for a request before asking them
 RANK_CHECK_S = 1.0  # how often an idle engine with ranks on this node checks that they are alive
+BUILD_POLL_S = 0.005  # how often an idle engine looks whether a schema's matcher is built
 
 
 def run_engine_process(config: EngineConfig, requests: Connection, replies: Connection) -> None:
@@ -55,9 +57,11 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
     # before a request finds out.
     idle_wait = PEER_POLL_S if engine.runner.steps_with_peers else (RANK_CHECK_S if engine.ranks else None)
     busy = False  # this engine, or one of its peers, stepped last time round
+    builds = GrammarBuilds(engine.runner.sampler.grammars)  # requests waiting for their schema's matcher
     while True:
         # Drain every pending message; block for one only when there is nothing to step.
-        while requests.poll(0 if busy or engine.has_unfinished() or idle_change else idle_wait):
+        while requests.poll(0 if busy or engine.has_unfinished() or idle_change else
+                            (min(idle_wait or BUILD_POLL_S, BUILD_POLL_S) if builds else idle_wait)):
             msg = to_engine_decoder.decode(requests.recv_bytes())
             if isinstance(msg, Shutdown):
                 try:
@@ -66,6 +70,7 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
                     logger.warning("could not stop the engine's ranks cleanly: %s", e)
                 return
             if isinstance(msg, AbortRequest):
+                builds.drop(msg.request_id)
                 reports.forget(msg.request_id)
                 idle_change |= engine.abort(msg.request_id) is not None
             elif isinstance(msg, ReleaseRequest):
@@ -74,20 +79,10 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
                     reports.forget(msg.request_id)
                     idle_change = True
                 replies.send_bytes(encoder.encode(Released(msg.request_id, released)))
-            elif isinstance(msg, AddRequest):
-                try:
-                    engine.add_request(
-                        msg.prompt, msg.sampling, msg.request_id, cache_salt=msg.cache_salt,
-                        priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
-                        background=msg.background, may_preempt=msg.may_preempt,
-                    )
-                    reports.add(msg.request_id, msg.stream, msg.background, msg.sampling.n)
-                except Exception as e:  # whatever one request brings fails that request, never the engine
-                    if not isinstance(e, ValueError):  # a bug: the type at the default level (the message may
-                        # quote the prompt), the whole traceback at debug
-                        logger.error("request %s could not be added: %s", msg.request_id, type(e).__name__)
-                        logger.debug("request %s could not be added", msg.request_id, exc_info=True)
-                    replies.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
+            elif isinstance(msg, AddRequest) and not builds.hold(msg):
+                _add(engine, msg, reports, replies)
+        for msg, error in builds.ready():
+            _add(engine, msg, reports, replies, error)
         try:
             if (gone := engine.ranks and engine.ranks.exited_rank()) is not None:
                 raise RuntimeError(gone)
@@ -111,3 +106,22 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
         message = reports.after_step(outputs, engine.stats(), engine.has_unfinished())
         if message is not None:
             replies.send_bytes(encoder.encode(message))
+
+
+def _add(engine, msg: AddRequest, reports: StepReports, replies: Connection, error: BaseException | None = None) -> None:
+    """Add one request to the engine, or answer why not (``error``: its grammar could not be built)."""
+    try:
+        if error is not None:
+            raise error
+        engine.add_request(
+            msg.prompt, msg.sampling, msg.request_id, cache_salt=msg.cache_salt,
+            priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
+            background=msg.background, may_preempt=msg.may_preempt,
+        )
+        reports.add(msg.request_id, msg.stream, msg.background, msg.sampling.n)
+    except Exception as e:  # whatever one request brings fails that request, never the engine
+        if not isinstance(e, ValueError):  # a bug: the type at the default level (the message may
+            # quote the prompt), the whole traceback at debug
+            logger.error("request %s could not be added: %s", msg.request_id, type(e).__name__)
+            logger.debug("request %s could not be added", msg.request_id, exc_info=True)
+        replies.send_bytes(encoder.encode(RequestRejected(msg.request_id, str(e))))
