@@ -32,7 +32,7 @@ MAX_SCHEMA_BYTES = 128 * 1024
 # errors quote parser state, not for clients.
 GRAMMAR_LIMITS = dict(verbose_errors=False)
 # Checked grammars kept, by the bytes of their schema and grammar text.
-GRAMMAR_CACHE_BYTES = 64 * 1024 * 1024
+GRAMMAR_CACHE_BYTES = 16 * 1024 * 1024
 _GRAMMARS: ByteBudgetCache[str] = ByteBudgetCache(GRAMMAR_CACHE_BYTES)
 
 

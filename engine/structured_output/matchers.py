@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 # Untouched matchers kept per schema (cache_key), the most recently used ones, by their estimated bytes. The
 # library does not report a matcher's memory; measured, it is about 40 times its grammar's text (a 300-property
 # schema's: 0.7 MB), plus a base, so the estimate takes 64 times and 64 kB.
-PROTOTYPE_CACHE_BYTES = 256 * 1024 * 1024
+PROTOTYPE_CACHE_BYTES = 64 * 1024 * 1024
 
 
 def prototype_bytes(grammar: str) -> int:
