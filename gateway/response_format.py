@@ -2,9 +2,9 @@
 
 ``{"type": "text"}`` asks for nothing; ``{"type": "json_object"}`` for any JSON object;
 ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`` for one JSON value
-valid against the schema. Schemas are checked here, at admission, by the same grammar library the engine
-enforces them with, so a schema it cannot enforce is a 400 naming ``response_format`` before anything is
-queued.
+valid against the schema. Schemas are compiled once the request is admitted (``gateway.schema_check``), by the
+same grammar library the engine enforces them with, so a schema it cannot enforce is a 400 naming
+``response_format`` before anything is queued.
 """
 
 import json
