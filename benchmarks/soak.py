@@ -134,7 +134,7 @@ async def _kv_blocks_used(http, metrics_url: str) -> int | None:
             text = await r.text()
     except aiohttp.ClientError:
         return None
-    found = re.search(r"^moegate_kv_blocks_used (\S+)", text, re.M)
+    found = re.search(r"^moegate_kv_blocks_used(?:\{[^}]*\})? (\S+)", text, re.M)
     return int(float(found.group(1))) if found else None
 
 
@@ -148,8 +148,11 @@ async def soak(args) -> dict:
         write_demo_model(model, seed=0)
     db = os.path.join(tmp, "policy.db")
     port, metrics_port = free_port(), free_port()
+    # The KV pool's memory is taken as its blocks are first written: a pool the load fills only after minute 2
+    # would read as growth. --kv-cache-memory-gb sizes it (a quarter GB fills within the first minute here).
     proc, default_key = start_server(model, f"sqlite:///{db}", port, "--served-model-name", "demo",
-                                     "--data-dir", os.path.join(tmp, "data"), "--metrics-port", str(metrics_port))
+                                     "--data-dir", os.path.join(tmp, "data"), "--metrics-port", str(metrics_port),
+                                     "--kv-cache-memory-gb", str(args.kv_cache_memory_gb))
     url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
     await wait_ready(url)
     env = {**os.environ, "MOEGATE_DATABASE_URL": f"sqlite:///{db}"}
@@ -258,6 +261,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--sample-s", type=float, default=15.0)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="the server's KV pool (CPU)")
     parser.add_argument("--idle-s", type=float, default=30.0, help="the realtime probe alone first, for its idle TTFT")
     args = parser.parse_args()
     print(json.dumps(asyncio.run(soak(args)), indent=2))

@@ -44,8 +44,7 @@ def client_message(error: str) -> str:
     """The grammar library's error as a client may see it: never a native panic or backtrace."""
     if "panic" in error or "backtrace" in error.lower():
         return "the grammar library could not compile it (it is too large or too complex)"
-    first = error.strip().splitlines()[0] if error.strip() else "refused by the grammar library"
-    return first[:300]
+    return " ".join(error.split())[:300] or "refused by the grammar library"
 
 
 class _ByteTokenizer:
