@@ -8,7 +8,10 @@ directory) and, for ``--minutes``, sends from four tenants at once:
 * ``steady``: streamed completions with usage, 4 at a time;
 * ``cutter``: streams it drops after the first event (client cancels);
 * ``limited``: a 60 requests/minute limit it keeps exceeding (429s);
-* ``bulk``: one 400-line Batch API job at the start, then another each time one completes.
+* ``bulk``: one 400-line Batch API job at the start, then another each time one completes;
+* abuse (``benchmarks/soak_abuse.py``): ``hoarder``'s streams that are never read, ``schemer``'s flood of new
+  and refused JSON schemas; and ``probe``, a realtime-class tenant whose time to first token is measured alone
+  for ``--idle-s`` before everything starts (idle) and then under the whole load.
 
 Every ``--sample-s`` it records the gateway's and the engine's RSS and open file
 descriptors and the KV blocks in use (from /metrics). At the end it waits for the
@@ -18,9 +21,9 @@ stream, one row per dropped stream (499, or 200 if it had been sent whole before
 the client left), no row for a 429, one row per batch line.
 
 Prints one table of samples and a JSON verdict: RSS growth from the sample at
-minute 2 to the last (goal: within 10%), file descriptors at minute 2 and at the
+minute 2 to the last (goal: within 5%), file descriptors at minute 2 and at the
 end (goal: flat), the ledger against the clients (goal: equal), KV blocks at the
-end (goal: 0).
+end (goal: 0), the probe's TTFT p99 under load against idle (goal: at most 3x).
 """
 
 import argparse
@@ -38,6 +41,7 @@ import time
 
 import aiohttp
 
+from benchmarks.soak_abuse import AbuseTally, hoarder, percentile, realtime_probe, schemer
 from tests.gateway.serve_process import free_port, start_server, wait_ready
 
 
@@ -130,7 +134,7 @@ async def _kv_blocks_used(http, metrics_url: str) -> int | None:
             text = await r.text()
     except aiohttp.ClientError:
         return None
-    found = re.search(r"^moegate_kv_blocks_used (\S+)", text, re.M)
+    found = re.search(r"^moegate_kv_blocks_used(?:\{[^}]*\})? (\S+)", text, re.M)
     return int(float(found.group(1))) if found else None
 
 
@@ -144,20 +148,28 @@ async def soak(args) -> dict:
         write_demo_model(model, seed=0)
     db = os.path.join(tmp, "policy.db")
     port, metrics_port = free_port(), free_port()
+    # The KV pool's memory is taken as its blocks are first written: a pool the load fills only after minute 2
+    # would read as growth. --kv-cache-memory-gb sizes it (a quarter GB fills within the first minute here).
     proc, default_key = start_server(model, f"sqlite:///{db}", port, "--served-model-name", "demo",
-                                     "--data-dir", os.path.join(tmp, "data"), "--metrics-port", str(metrics_port))
+                                     "--data-dir", os.path.join(tmp, "data"), "--metrics-port", str(metrics_port),
+                                     "--kv-cache-memory-gb", str(args.kv_cache_memory_gb))
     url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
     await wait_ready(url)
     env = {**os.environ, "MOEGATE_DATABASE_URL": f"sqlite:///{db}"}
     keys = {}
-    for name in ("steady", "cutter", "limited", "bulk"):
-        subprocess.run([sys.executable, "-m", "gateway.cli", "admin", "tenant", "create", name], env=env, check=True,
+    for name in ("steady", "cutter", "limited", "bulk", "hoarder", "schemer", "probe"):
+        subprocess.run([sys.executable, "-m", "gateway.cli", "admin", "tenant", "create", name,
+                        "--class", "realtime" if name == "probe" else "standard"], env=env, check=True,
                        capture_output=True)
         made = subprocess.run([sys.executable, "-m", "gateway.cli", "admin", "key", "create", name, "--json"], env=env,
                               check=True, capture_output=True, text=True)
         keys[name] = json.loads(made.stdout)["key"]
     subprocess.run([sys.executable, "-m", "gateway.cli", "admin", "quota", "set", "limited", "--rpm", "60"], env=env,
                    check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "gateway.cli", "admin", "quota", "set", "schemer", "--rpm", "120"], env=env,
+                   check=True, capture_output=True)
+    idle, abuse = AbuseTally(), AbuseTally()
+    await realtime_probe(url, keys["probe"], idle, time.monotonic() + args.idle_s)  # alone: the idle baseline
 
     tallies = {name: Tally() for name in ("steady", "cutter", "limited")}
     batches_done: list[int] = []
@@ -184,6 +196,9 @@ async def soak(args) -> dict:
         _tenant_loop(url, keys["cutter"], tallies["cutter"], stop, 2, cut=True, pause_s=0.5),
         _tenant_loop(url, keys["limited"], tallies["limited"], stop, 1, cut=False, pause_s=0.2),
         _batches(url, keys["bulk"], stop, batches_done),
+        hoarder("127.0.0.1", port, keys["hoarder"], abuse, stop),
+        schemer(url, keys["schemer"], abuse, stop),
+        realtime_probe(url, keys["probe"], abuse, stop),
     )
     # Quiet: cut streams' aborts and the last batch lines have left the engine.
     async with aiohttp.ClientSession() as http:
@@ -230,6 +245,12 @@ async def soak(args) -> dict:
         "batches_completed_lines": batches_done,
         "ledger_rows": rows, "ledger_completion_tokens": tokens, "ledger_batch_rows": batch_rows,
         "ledger_equals_clients": ledger_ok,
+        "abuse": {"unread_streams": abuse.unread_streams, "schema_statuses": abuse.schema_statuses},
+        "realtime_ttft_ms": {"idle_p50": percentile(idle.ttft_ms, 0.5), "idle_p99": percentile(idle.ttft_ms, 0.99),
+                             "load_p50": percentile(abuse.ttft_ms, 0.5), "load_p99": percentile(abuse.ttft_ms, 0.99),
+                             "idle_n": len(idle.ttft_ms), "load_n": len(abuse.ttft_ms)},
+        "realtime_ttft_p99_ratio": round(percentile(abuse.ttft_ms, 0.99) / percentile(idle.ttft_ms, 0.99), 2)
+        if idle.ttft_ms and abuse.ttft_ms else None,
         "after_idle": end_sample,
     }
     return verdict
@@ -240,6 +261,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--sample-s", type=float, default=15.0)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="the server's KV pool (CPU)")
+    parser.add_argument("--idle-s", type=float, default=30.0, help="the realtime probe alone first, for its idle TTFT")
     args = parser.parse_args()
     print(json.dumps(asyncio.run(soak(args)), indent=2))
 

@@ -38,7 +38,10 @@ from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
+from gateway.refusals import count_refusals
 from gateway.replica_router import replicas_of, unresponsive_after_s
+from gateway.schema_check import check_schema
+from gateway.stream_journal import JOURNALED, STREAM_JOURNAL, JournaledStream, StreamJournal
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
 from gateway.usage_ledger import UsageLedger
@@ -217,10 +220,16 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
     request[RATE_HEADERS] = rate_limit_headers(grant)
     usage: UsageRecord | None = None
     started_at = utcnow()
+    if body.stream:  # its usage is journaled as it is delivered, so a killed gateway still bills it
+        request[JOURNALED] = JournaledStream(app[STREAM_JOURNAL], grant, UsageRecord(
+            tenant_id=tenant.id, request_id=rid, model=_model_name(app), prompt_tokens=0, completion_tokens=0,
+            key_id=principal.key.id, started_at=started_at))
     status = 500
     stream = None
     choices = request[CHOICES] = Choices([len(p) for p in prompts], params.n, whole=not body.stream)
     try:
+        # Compiled once admitted (counted and rate-limited), on a worker thread, within a time budget.
+        await check_schema(params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
         stream = start_streams(
             engine, prompts, params, rid, output_view(body),
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
@@ -362,6 +371,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
             if include_usage:
                 event["usage"] = choices.usage() if usage_per_chunk else None
             await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+        request[JOURNALED].delivered(choices)
         if choices.finished:
             break
         try:
@@ -394,7 +404,7 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     # (quotas, overload) runs in the handler, after the body is parsed, because the reservation depends on
     # max_tokens and the prompt.
     app = web.Application(
-        middlewares=[track_open_requests, request_id_middleware, error_middleware, auth_middleware],
+        middlewares=[track_open_requests, request_id_middleware, error_middleware, auth_middleware, count_refusals],
         client_max_size=config.max_request_bytes,
     )
     app[CONFIG] = config
@@ -422,12 +432,16 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
         # writes never starve request handling.
         app[LEDGER] = UsageLedger(app[QUOTAS], min_interval_s=0.01, journal_dir=Path(config.data_dir) / "usage-journal")
         await app[LEDGER].replay_journal()  # usage a previous run could not write (database down at its stop)
+        app[STREAM_JOURNAL] = StreamJournal(Path(config.data_dir) / "usage-journal")
+        await app[STREAM_JOURNAL].replay(app[QUOTAS])  # streams a killed run had delivered: billed once
+        app[LEDGER].on_written = app[STREAM_JOURNAL].settled
         app[LEDGER].start()
         app[BATCH_STORE] = BatchStore(store, app[QUOTAS], model=_model_name(app))
         app[QUOTA_MANAGER] = app[QUOTAS]
         yield
         await app[SETTLEMENTS].drain()  # every finished or cut request has handed its usage to the ledger
         await app[LEDGER].close()  # ... and the ledger has written it
+        app[STREAM_JOURNAL].close()
         await app[BATCH_STORE].close()
         await store.close()
 

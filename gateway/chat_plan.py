@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import msgspec
 
 from engine.core.structured_output import StructuredOutput
-from engine.structured_output.grammar import grammar_of
 from engine.text.prompts import RESERVED_TEMPLATE_KWARGS, ChatInput
 from gateway.errors import APIError
 from gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice, message_text
@@ -157,13 +156,8 @@ def plan(body: ChatCompletionRequest, parsers: tuple[str | None, str | None]) ->
         structured = StructuredOutput(json_schema=forced.named_schema(_forced_tool(tool)))
     elif choice == "required":
         structured = StructuredOutput(json_schema=forced.required_schema([_forced_tool(t) for t in tools], parallel))
-    if structured is not None:
-        try:  # checked here, by the library the engine enforces it with: a schema it refuses is the client's 400
-            grammar_of(structured)
-        except ValueError as e:
-            raise APIError(400, f"tool_choice forces a call, but a tool's parameters schema cannot be enforced ({e}); "
-                                "simplify the schema or use tool_choice 'auto'", param="tools") from None
-    elif choice == "auto" and tool_parser is None:
+    # A forcing schema is compiled after admission (gateway.schema_check), like response_format's.
+    if structured is None and choice == "auto" and tool_parser is None:
         raise APIError(400, "this model has no tool-call parser, so tool_choice 'auto' cannot return calls; use "
                             "tool_choice 'required' or a named function, or start the server with --tool-call-parser",
                        param="tool_choice")

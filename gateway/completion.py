@@ -7,7 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import msgspec
 
-from engine.serving.async_engine import EngineError, RequestRejectedError
+from engine.serving.async_engine import EngineError, RequestRejectedError, UnreadStreamError
 from engine.text.prompts import InvalidPrompt
 from engine.core.outputs import RequestOutput
 from gateway.choices import Choices, merged
@@ -16,6 +16,7 @@ from gateway.logprobs import CompletionLogprobs, as_token_ids, chat_logprobs, ec
 from gateway.openai_schema import check_choices, prompts_of, sampling_params, scoring_only, text_messages
 from gateway.chat_plan import ChatPlan, ParserChoice, plan as plan_chat
 from gateway.tool_parsers import ParsedDelta
+from gateway.schema_check import check_schema
 
 
 # (id of the engine's config, model name) -> (that config, kept so that its id is not reused; fingerprint)
@@ -184,6 +185,8 @@ def apply_plan(params, plan: ChatPlan | None):
 def engine_down(err: Exception | str) -> APIError:
     """503 for an engine that is down or restarting. A request the engine failed while running it is
     not marked for retry (``x-should-retry: false``, which the OpenAI SDKs honour): it may be the cause."""
+    if isinstance(err, UnreadStreamError):
+        return APIError(408, str(err), code="stream_not_read", headers={"x-should-retry": "false"})
     if isinstance(err, EngineError) and not err.retryable:
         return APIError(503, f"{err}; this request was not retried, check it before sending it again", "server_error",
                         code="engine_failed", headers={"x-should-retry": "false"})
@@ -301,6 +304,7 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
     plan = chat_plan_of(engine, body, parsers or ParserChoice()) if chat else None
     params = apply_plan(sampling_params(body, engine.info.vocab_size if engine.info is not None else None), plan)
     prompts = await prepare_prompts(engine, body, chat, plan)
+    await check_schema(params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
     # Only the result is wanted: one message from the engine at the end, not one per token.
     request_policy.setdefault("order_in_rank", order_in_rank(body))
     stream = start_streams(engine, prompts, params, rid, output_view(body), stream=False, **request_policy)

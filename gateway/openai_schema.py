@@ -9,6 +9,7 @@ from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, Sam
 from gateway.choices import MAX_CHOICES
 from gateway.errors import APIError
 from gateway.json_types import decode_typed
+from gateway.nesting import check_nesting
 from gateway.response_format import ResponseFormat, StructuredOutputs, requested_structured_output
 
 # Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the
@@ -269,6 +270,7 @@ def decode_body(body: bytes, cls):
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if isinstance(req, _Common):
         check_implemented(req)
+    check_nesting(req)  # before any recursive code (templates, json.dumps, the grammar compiler) reads it
     return req
 
 

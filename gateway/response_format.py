@@ -6,9 +6,9 @@ engine is asked to enforce for them.
 valid against the schema. vLLM's ``guided_json`` (a schema), ``guided_regex``, ``guided_choice`` and its
 ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``json_object``) ask for the same things.
 Objects in a schema are closed (``additionalProperties: false``) unless the schema says otherwise, as
-OpenAI's strict mode and vLLM do. Schemas are checked here, at admission, by the same grammar library the
-engine enforces them with, so a schema it cannot enforce is a 400 naming its field before anything is
-queued.
+OpenAI's strict mode and vLLM do. What is asked for is compiled once the request is admitted
+(``gateway.schema_check``), by the same grammar library the engine enforces it with, so a format it cannot
+enforce is a 400 naming its field before anything is queued.
 """
 
 import json
@@ -17,7 +17,6 @@ from typing import Annotated, Any
 import msgspec
 
 from engine.core.structured_output import StructuredOutput
-from engine.structured_output.grammar import grammar_of
 from gateway.errors import APIError
 
 # OpenAI: a-z, A-Z, 0-9, underscores and dashes, at most 64 characters.
@@ -106,16 +105,6 @@ def schema_text(schema) -> str:
     return json.dumps(closed_objects({} if schema is None else schema))
 
 
-def checked(spec: StructuredOutput, param: str, what: str) -> StructuredOutput:
-    """``spec`` if the grammar library can enforce it, else a 400 naming ``param``."""
-    try:
-        grammar_of(spec)
-    except ValueError as e:
-        raise APIError(400, f"{param}: this {what} cannot be enforced ({e}); simplify it or remove the "
-                            "unsupported keyword", param=param) from None
-    return spec
-
-
 def _format_spec(response_format: ResponseFormat) -> StructuredOutput | None:
     if isinstance(response_format, TextFormat):
         return None
@@ -155,8 +144,7 @@ def _structured_outputs_spec(so: StructuredOutputs) -> StructuredOutput:
 
 
 def structured_output_of(response_format: ResponseFormat | None, ignore_eos: bool) -> StructuredOutput | None:
-    """What the engine must enforce for ``response_format`` (None: free text); 400 naming the field if the
-    grammar library refuses the schema."""
+    """What the engine must enforce for ``response_format`` (None: free text)."""
     spec = None if response_format is None else _format_spec(response_format)
     return _enforced([("response_format", spec, "JSON schema")] if spec else [], ignore_eos)
 
@@ -164,7 +152,7 @@ def structured_output_of(response_format: ResponseFormat | None, ignore_eos: boo
 def requested_structured_output(req, ignore_eos: bool) -> StructuredOutput | None:
     """What the engine must enforce for a completions or chat request: its ``response_format``, or vLLM's
     ``guided_json`` / ``guided_regex`` / ``guided_choice`` or ``structured_outputs`` (at most one of them;
-    None: free text); 400 naming the field if the grammar library refuses it."""
+    None: free text)."""
     asked = []  # (field, spec, what)
     if req.response_format is not None and (spec := _format_spec(req.response_format)) is not None:
         asked.append(("response_format", spec, "JSON schema"))
@@ -184,11 +172,25 @@ def requested_structured_output(req, ignore_eos: bool) -> StructuredOutput | Non
 
 
 def _enforced(asked: list[tuple[str, StructuredOutput, str]], ignore_eos: bool) -> StructuredOutput | None:
-    """The one format asked for (none: None), checked by the grammar library."""
+    """The one format asked for (none: None); its grammar is compiled after admission (``gateway.schema_check``)."""
     if not asked:
         return None
-    param, spec, what = asked[0]
+    param = asked[0][0]
     if ignore_eos:
         raise APIError(400, f"ignore_eos cannot be combined with {param}: the output ends where the format is "
                             "complete; drop ignore_eos", param="ignore_eos")
-    return checked(spec, param, what)
+    return asked[0][1]
+
+
+# The fields that may fix the output's format (at most one per request), and what each names in a refusal.
+_FORMAT_FIELDS = (("response_format", "JSON schema"), ("guided_json", "JSON schema"), ("guided_regex", "regular expression"),
+                  ("guided_choice", "choice"), ("structured_outputs", "structured output"))
+
+
+def format_source(req) -> tuple[str, str]:
+    """(field, what it holds) of the field that fixed a request's format, for a refusal of its grammar."""
+    for field, what in _FORMAT_FIELDS:
+        value = getattr(req, field, None)
+        if value is not None and not isinstance(value, TextFormat):
+            return field, what
+    return _FORMAT_FIELDS[0]

@@ -47,6 +47,9 @@ class UsageLedger:
         self.close_attempts = 5  # failed writes tolerated at shutdown before giving up (and saying so)
         self.flushes = 0  # transactions written (for tests and the benchmark)
         self.settled = 0  # items written
+        # Called with the request ids of usage rows once committed (or kept in the journal): the stream journal
+        # (gateway.stream_journal) stops keeping them.
+        self.on_written = None
 
     def submit(self, grant: Granted, usage: UsageRecord | None) -> None:
         """Queue one settle (``usage`` given) or release (None); never blocks, never raises."""
@@ -64,8 +67,13 @@ class UsageLedger:
         batch = self._pending[: self.max_batch]
         await self.quotas.settle_many(batch)
         del self._pending[: len(batch)]  # only after the commit: a failed write keeps its items
+        self._written(batch)
         self.flushes += 1
         self.settled += len(batch)
+
+    def _written(self, items: list) -> None:
+        if self.on_written is not None:
+            self.on_written([usage.request_id for _, usage in items if usage is not None])
 
     async def _run(self) -> None:
         failures = 0
@@ -108,6 +116,7 @@ class UsageLedger:
         self.journal_dir.mkdir(parents=True, exist_ok=True)
         path = self.journal_dir / f"usage-{os.getpid()}-{uuid.uuid4().hex[:12]}.json"
         _write_journal(path, self._pending)
+        self._written(self._pending)
         logger.error("usage ledger: the database is unavailable; %d settles kept in %s, written at the next start",
                      len(self._pending), path)
         self._pending.clear()

@@ -42,6 +42,20 @@ class EngineError(RuntimeError):
         self.detail = detail or message
 
 
+class UnreadStreamError(EngineError):
+    """A request ended because its caller stopped reading: ``max_unread_outputs`` outputs waited unread."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the stream was not read: {limit} outputs waited unread, so the request was ended; read "
+                         "streams as they arrive", retryable=False)
+
+
+# Outputs one request may have waiting for its caller. A caller that stops reading (a client that does not read
+# its stream: the gateway's write to it waits) has its request aborted in the engine at this bound, so it costs
+# neither unbounded gateway memory nor engine time. 256 outputs is seconds of output for a reader that merely lags.
+MAX_UNREAD_OUTPUTS = 256
+
+
 class RequestRejectedError(ValueError):
     """The engine refused a request; the message says why, for the user."""
 
@@ -73,7 +87,8 @@ class AsyncEngine:
     INLINE_PROMPT_CHARS = 2048
 
     def __init__(self, config: EngineConfig, process_main=run_engine_process,
-                 process_env: dict[str, str] | None = None, stall_timeout_s: float | None = None) -> None:
+                 process_env: dict[str, str] | None = None, stall_timeout_s: float | None = None,
+                 max_unread_outputs: int = MAX_UNREAD_OUTPUTS) -> None:
         """``process_main(config, requests, replies)`` is the engine process's entry point (importable: the
         process is spawned); tests pass one that wraps ``run_engine_process`` to make a step fail.
         ``process_env``: environment variables set in the engine process only (a data-parallel replica's
@@ -83,6 +98,8 @@ class AsyncEngine:
         reports after every step, so this must exceed the longest step; None: never."""
         self.config = config
         self.stall_timeout_s = stall_timeout_s
+        self.max_unread_outputs = max_unread_outputs  # see MAX_UNREAD_OUTPUTS
+        self._unread_cut: set[str] = set()  # requests ended for that: the rest of their outputs is dropped
         self._last_progress = 0.0  # when the engine last sent anything, or work arrived at an idle engine
         self._last_heard = 0.0  # when the engine last sent anything (idle engines say so every second)
         self._stalled: str | None = None  # why the watchdog cut the engine off
@@ -225,8 +242,11 @@ class AsyncEngine:
                 self.stats = msg.stats
             for delta in msg.outputs:
                 queue = self._queues.get(delta.request_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
+                if queue is not None and delta.request_id not in self._unread_cut:
+                    if queue.qsize() >= self.max_unread_outputs:
+                        self._end_unread(delta.request_id, queue)
+                    else:
+                        queue.put_nowait(delta)
         elif isinstance(msg, Released):
             answer = self._releases.pop(msg.request_id, None)
             if answer is not None and not answer.done():
@@ -237,6 +257,16 @@ class AsyncEngine:
                 queue.put_nowait(RequestRejectedError(msg.message))
         elif isinstance(msg, Fatal):  # the process exits next; _fail_all tells the waiting requests why
             self.failure = msg.message
+
+    def _end_unread(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Abort a request whose caller stopped reading; the caller finds the reason after what it has not read."""
+        self._unread_cut.add(request_id)
+        queue.put_nowait(UnreadStreamError(self.max_unread_outputs))
+        logger.warning("request %s: %d outputs unread; aborting it", request_id, self.max_unread_outputs)
+        try:
+            self._send(AbortRequest(request_id))
+        except EngineError:  # the engine is gone: nothing runs any more
+            pass
 
     def _fail_all(self, conn) -> None:
         if conn is not self._replies:
@@ -320,6 +350,7 @@ class AsyncEngine:
                     return
         finally:
             del self._queues[request_id]
+            self._unread_cut.discard(request_id)
             if not finished and not self.dead:
                 self._send(AbortRequest(request_id))
 

@@ -6,6 +6,7 @@ import time
 from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
+from engine.serving.grammar_builds import GrammarBuilds
 from engine.serving.parent_watch import exit_with_parent
 from engine.serving.protocol import (
     AbortRequest, AddRequest, Fatal, Ready, ReleaseRequest, Released, RequestRejected, Shutdown, StepOutputs, encoder,
@@ -21,6 +22,7 @@ RANK_CHECK_S = 1.0  # how often an idle engine with ranks on this node checks th
 # An idle engine says it is alive this often (statistics, no outputs): the gateway stops routing to a replica
 # it has not heard from for a few seconds (a frozen process), long before its stall timeout declares it dead.
 HEARTBEAT_S = 1.0
+BUILD_POLL_S = 0.005  # how often an idle engine looks whether a schema's matcher is built
 
 
 def run_engine_process(config: EngineConfig, requests: Connection, replies: Connection) -> None:
@@ -67,9 +69,11 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
         last_sent = time.monotonic()
 
     busy = False  # this engine, or one of its peers, stepped last time round
+    builds = GrammarBuilds(engine.runner.sampler.grammars)  # requests waiting for their schema's matcher
     while True:
         # Drain every pending message; block for one only when there is nothing to step.
-        while requests.poll(0 if busy or engine.has_unfinished() or idle_change else idle_wait):
+        while requests.poll(0 if busy or engine.has_unfinished() or idle_change else
+                            (min(idle_wait, BUILD_POLL_S) if builds else idle_wait)):
             msg = to_engine_decoder.decode(requests.recv_bytes())
             if isinstance(msg, Shutdown):
                 try:
@@ -78,6 +82,7 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
                     logger.warning("could not stop the engine's ranks cleanly: %s", e)
                 return
             if isinstance(msg, AbortRequest):
+                builds.drop(msg.request_id)
                 reports.forget(msg.request_id)
                 idle_change |= engine.abort(msg.request_id) is not None
             elif isinstance(msg, ReleaseRequest):
@@ -86,20 +91,10 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
                     reports.forget(msg.request_id)
                     idle_change = True
                 send(Released(msg.request_id, released))
-            elif isinstance(msg, AddRequest):
-                try:
-                    engine.add_request(
-                        msg.prompt, msg.sampling, msg.request_id, cache_salt=msg.cache_salt,
-                        priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
-                        background=msg.background, may_preempt=msg.may_preempt, order_in_rank=msg.order_in_rank,
-                    )
-                    reports.add(msg.request_id, msg.stream, msg.background, msg.sampling.n)
-                except Exception as e:  # whatever one request brings fails that request, never the engine
-                    if not isinstance(e, ValueError):  # a bug: the type at the default level (the message may
-                        # quote the prompt), the whole traceback at debug
-                        logger.error("request %s could not be added: %s", msg.request_id, type(e).__name__)
-                        logger.debug("request %s could not be added", msg.request_id, exc_info=True)
-                    send(RequestRejected(msg.request_id, str(e)))
+            elif isinstance(msg, AddRequest) and not builds.hold(msg):
+                _add(engine, msg, reports, send)
+        for msg, error in builds.ready():
+            _add(engine, msg, reports, send, error)
         try:
             if (gone := engine.ranks and engine.ranks.exited_rank()) is not None:
                 raise RuntimeError(gone)
@@ -123,3 +118,22 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
         message = reports.after_step(outputs, engine.stats(), engine.has_unfinished())
         if message is not None:
             send(message)
+
+
+def _add(engine, msg: AddRequest, reports: StepReports, send, error: BaseException | None = None) -> None:
+    """Add one request to the engine, or answer why not (``error``: its grammar could not be built)."""
+    try:
+        if error is not None:
+            raise error
+        engine.add_request(
+            msg.prompt, msg.sampling, msg.request_id, cache_salt=msg.cache_salt,
+            priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
+            background=msg.background, may_preempt=msg.may_preempt, order_in_rank=msg.order_in_rank,
+        )
+        reports.add(msg.request_id, msg.stream, msg.background, msg.sampling.n)
+    except Exception as e:  # whatever one request brings fails that request, never the engine
+        if not isinstance(e, ValueError):  # a bug: the type at the default level (the message may
+            # quote the prompt), the whole traceback at debug
+            logger.error("request %s could not be added: %s", msg.request_id, type(e).__name__)
+            logger.debug("request %s could not be added", msg.request_id, exc_info=True)
+        send(RequestRejected(msg.request_id, str(e)))

@@ -6,7 +6,6 @@ one preallocated int32 bitmask, copied to the device without waiting and expande
 adds no host sync to a step, and a step whose requests have no grammar does nothing here at all.
 """
 
-import collections
 import logging
 from dataclasses import dataclass
 
@@ -19,12 +18,20 @@ import torch
 
 from engine.core.request import Request
 from engine.core.structured_output import StructuredOutput
-from engine.structured_output.grammar import grammar_of
+from engine.structured_output.byte_budget_cache import ByteBudgetCache
+from engine.structured_output.grammar import client_message, grammar_of, limits
 from engine.worker.staging import to_device
 
 logger = logging.getLogger(__name__)
-# Untouched matchers kept per schema (cache_key), the most recently used ones.
-PROTOTYPES_KEPT = 256
+# Untouched matchers kept per schema (cache_key), the most recently used ones, by their estimated bytes. The
+# library does not report a matcher's memory; measured, it is about 40 times its grammar's text (a 300-property
+# schema's: 0.7 MB), plus a base, so the estimate takes 64 times and 64 kB.
+PROTOTYPE_CACHE_BYTES = 64 * 1024 * 1024
+
+
+def prototype_bytes(grammar: str) -> int:
+    """The memory a compiled matcher of ``grammar`` is reckoned to hold."""
+    return 64 * 1024 + 64 * len(grammar)
 
 
 @dataclass(slots=True)
@@ -45,7 +52,7 @@ class GrammarMatchers:
         self.eos_token_id = eos_token_id
         self.device = device
         self._matchers: dict[str, llguidance.LLMatcher] = {}
-        self._prototypes: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()  # LRU
+        self._prototypes: ByteBudgetCache[llguidance.LLMatcher] = ByteBudgetCache(PROTOTYPE_CACHE_BYTES)
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)  # [rows, ceil(V / 32)] int32
         self._bit = torch.arange(32, dtype=torch.int32, device=device)  # [32]
 
@@ -56,16 +63,25 @@ class GrammarMatchers:
         """Build ``spec``'s grammar and a fresh matcher for it, when a request is queued rather than in a step:
         ValueError if it cannot be enforced. Each request then starts from a copy (~1 us, where making a
         matcher costs ~0.4 ms), so a burst of requests with one schema adds nothing to the step they join."""
-        key = spec.cache_key
-        if key in self._prototypes:
-            self._prototypes.move_to_end(key)
-            return
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar_of(spec))
+        if self._prototypes.get(spec.cache_key) is None:
+            self.keep(spec, self.build(spec))
+
+    def prepared(self, spec: StructuredOutput) -> bool:
+        """Whether ``spec``'s matcher is built (``prepare`` costs nothing now)."""
+        return spec.cache_key in self._prototypes
+
+    def build(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """``spec``'s matcher, built now: seconds for a large schema, with the GIL released, so the engine runs it
+        on a worker thread (``engine.serving.grammar_builds``) and keeps it with ``keep``. ValueError, in words
+        a client may read, if it cannot be enforced."""
+        grammar = grammar_of(spec)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits())
         if matcher.is_error():  # what only this vocabulary shows
-            raise ValueError(matcher.get_error())
-        self._prototypes[key] = matcher
-        if len(self._prototypes) > PROTOTYPES_KEPT:
-            self._prototypes.popitem(last=False)
+            raise ValueError(client_message(matcher.get_error()))
+        return matcher
+
+    def keep(self, spec: StructuredOutput, matcher: llguidance.LLMatcher) -> None:
+        self._prototypes.put(spec.cache_key, matcher, prototype_bytes(grammar_of(spec)))
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -76,8 +92,11 @@ class GrammarMatchers:
         if matcher is None:
             # Made when the request samples its first token; preemption keeps it (the request keeps its tokens).
             spec = request.sampling_params.structured_output
-            self.prepare(spec)  # already done at admission unless many other schemas came since
-            matcher = self._prototypes[spec.cache_key].deep_copy()
+            prototype = self._prototypes.get(spec.cache_key)
+            if prototype is None:  # built at admission; gone only if many other schemas came since
+                prototype = self.build(spec)
+                self.keep(spec, prototype)
+            matcher = prototype.deep_copy()
             self._matchers[request.request_id] = matcher
         return matcher
 

@@ -1,0 +1,47 @@
+"""Grammar matchers built beside the engine loop, so a large schema never stalls a step.
+
+Building a schema's matcher for the model's vocabulary can take seconds (the gateway bounds a schema's size, but
+an offline caller or another client need not). An ``AddRequest`` whose schema has no matcher yet waits here
+while one worker thread builds it (the grammar library releases the GIL meanwhile), and is added to the engine
+once it is built; the engine steps for everybody else in the meantime. An abort of a waiting request drops it.
+"""
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from engine.serving.protocol import AddRequest
+
+
+class GrammarBuilds:
+    def __init__(self, grammars) -> None:
+        self.grammars = grammars  # engine.structured_output.matchers.GrammarMatchers, or None without a tokenizer
+        self._pool: ThreadPoolExecutor | None = None
+        self._waiting: dict[str, tuple[AddRequest, Future]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def hold(self, msg: AddRequest) -> bool:
+        """True if ``msg`` waits for its matcher (the caller adds it later, from ``ready``); False to add now."""
+        spec = msg.sampling.structured_output
+        if spec is None or self.grammars is None or self.grammars.prepared(spec):
+            return False
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-build")
+        self._waiting[msg.request_id] = (msg, self._pool.submit(self.grammars.build, spec))
+        return True
+
+    def drop(self, request_id: str) -> bool:
+        return self._waiting.pop(request_id, None) is not None
+
+    def ready(self) -> list[tuple[AddRequest, BaseException | None]]:
+        """The held requests whose build ended, in arrival order, each with the build's error (None: built, and
+        now kept by the matchers, so adding the request costs nothing)."""
+        done = []
+        for request_id, (msg, future) in list(self._waiting.items()):
+            if future.done():
+                del self._waiting[request_id]
+                error = future.exception()
+                if error is None:
+                    self.grammars.keep(msg.sampling.structured_output, future.result())
+                done.append((msg, error))
+        return done

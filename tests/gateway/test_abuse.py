@@ -1,0 +1,219 @@
+"""Abusive requests against a real server (in-process, the random-weight demo model): each costs its sender, not
+the other tenants. Schema floods are admitted (counted, rate-limited) before their grammar is compiled, compile off
+the event loop and off the engine's step, and are counted per tenant in /metrics; a schema the grammar library
+crashes on is a 400 without native text; deep nesting is a 400 naming the field, never a 500; a schema with no
+finite value is a 400; a stream nobody reads is ended in the engine at a bounded backlog."""
+
+import asyncio
+import json
+import random
+import time
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.core.structured_output import StructuredOutput
+from engine.loading.demo_model import write_demo_model
+from engine.serving.async_engine import AsyncEngine, UnreadStreamError
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tenants.migrate import upgrade
+from tests.gateway.tenant_keys import new_tenant_key
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(loop, server, engine, key of an unlimited tenant, key of a tenant limited to 1 request a minute)."""
+    root = tmp_path_factory.mktemp("abuse")
+    write_demo_model(str(root / "demo"), seed=random.randrange(1000))
+    url = f"sqlite:///{root / 'policy.db'}"
+    upgrade(url)
+    engine = AsyncEngine(EngineConfig(model=str(root / "demo"), num_kv_blocks=256, max_num_seqs=16,
+                                      max_num_batched_tokens=256, max_model_len=512), max_unread_outputs=24)
+    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(root / "data"),
+                                   metrics_token="m"), engine)
+    loop = asyncio.new_event_loop()
+
+    async def start():
+        free = await new_tenant_key(url, "free")
+        limited = await new_tenant_key(url, "limited", requests_per_minute=1)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        return server, free, limited
+
+    server, free, limited = loop.run_until_complete(start())
+    yield loop, server, engine, free, limited
+    loop.run_until_complete(server.close())
+    loop.close()
+
+
+async def _post(server, key: str, body: dict | str) -> tuple[int, dict]:
+    data = body if isinstance(body, str) else json.dumps(body)
+    async with aiohttp.ClientSession() as http, http.post(
+            server.make_url("/v1/chat/completions"), data=data,
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}) as r:
+        return r.status, await r.json()
+
+
+def _chat(**extra) -> dict:
+    return {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+
+
+def _schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+def _wide_schema(properties: int, tag: str) -> dict:
+    names = [f"{tag}{i}" for i in range(properties)]
+    return {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names}
+
+
+async def _loop_lag_while(work) -> tuple[float, object]:
+    """(the longest the event loop was held while ``work`` ran, its result)."""
+    worst, stop = 0.0, False
+
+    async def tick():
+        nonlocal worst
+        while not stop:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            worst = max(worst, time.perf_counter() - t - 0.005)
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        return worst, await work
+    finally:
+        stop = True
+        await ticker
+
+
+def test_schema_flood_is_admitted_first_and_counted(served):
+    loop, server, engine, free, limited = served
+    huge_enum = _schema_format({"enum": [f"value-{i}-{random.random()}" for i in range(20_000)]})
+
+    async def scenario():
+        answers = [await _post(server, limited, _chat(response_format=huge_enum)) for _ in range(6)]
+        async with aiohttp.ClientSession() as http, http.get(server.make_url("/metrics"),
+                                                             headers={"Authorization": "Bearer m"}) as r:
+            metrics = await r.text()
+        return answers, metrics
+
+    answers, metrics = loop.run_until_complete(scenario())
+    statuses = [status for status, _ in answers]
+    # Only the first was admitted, so only it was compiled (and refused: too large); the rest wait their minute.
+    assert statuses == [400] + [429] * 5, statuses
+    assert answers[0][1]["error"]["param"] == "response_format"
+    counted = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("moegate_rejections_total") and 'tenant="limited"' in line}
+    assert sum(counted.values()) == 6, counted
+
+
+def test_schema_compiles_off_the_event_loop_and_off_the_engine_step(served):
+    loop, server, engine, free, limited = served
+    tag = f"k{random.randrange(10**6)}_"
+
+    async def scenario():
+        # Compiled in the gateway (on its worker thread) and by the engine (beside its loop): seconds here.
+        heavy = _post(server, free, _chat(response_format=_schema_format(_wide_schema(2500, tag)), max_tokens=2))
+        started = time.perf_counter()
+        heavy_task = asyncio.ensure_future(heavy)
+        # Meanwhile another tenant's stream goes on at its pace; its longest gap between outputs is measured.
+        gaps, last = [], None
+        stream = engine.generate(list(range(5, 12)), SamplingParams(max_tokens=400, ignore_eos=True))
+        async for _ in stream:
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            if heavy_task.done():
+                break
+        await stream.aclose()
+        lag, (status, body) = await _loop_lag_while(heavy_task)
+        return time.perf_counter() - started, max(gaps), status, body
+
+    took, worst_gap, status, body = loop.run_until_complete(scenario())
+    assert status == 200, body
+    assert took > 1.0, "the schema compiled too fast to show anything; make it wider"
+    assert worst_gap < took / 3, (worst_gap, took)
+
+
+def test_a_schema_the_library_crashes_on_is_a_clean_400(served):
+    loop, server, engine, free, limited = served
+    names = [f"p{i}" for i in range(12_000)]
+    crashing = {"type": "object", "properties": {n: {"type": "string"} for n in names}}
+    status, body = loop.run_until_complete(_post(server, free, _chat(response_format=_schema_format(crashing))))
+    assert status == 400 and body["error"]["param"] == "response_format", body
+    assert "panic" not in body["error"]["message"] and "backtrace" not in body["error"]["message"]
+
+    async def in_engine():  # the engine, asked directly, refuses it as plainly
+        spec = StructuredOutput(json_schema=json.dumps(crashing))
+        stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=2, structured_output=spec))
+        with pytest.raises(ValueError) as refused:
+            await anext(stream)
+        return str(refused.value)
+
+    message = loop.run_until_complete(in_engine())
+    assert "panic" not in message and "backtrace" not in message and "/" not in message, message
+
+
+@pytest.mark.parametrize("field", ["tools", "response_format"])
+def test_deep_nesting_is_a_400_naming_the_field(served, field):
+    loop, server, engine, free, limited = served
+    # Levels of {"properties": {"a": ...}} (two JSON levels each): past the bound, short of what the decoder refuses.
+    depth = random.randrange(260, 400) if field == "tools" else random.randrange(400, 460)
+    # Written as text: Python's own json module cannot encode what it is about to send.
+    nested = '{"type":"object","properties":{"a":' * depth + '{"type":"object"}' + "}}" * depth
+    if field == "tools":
+        body = json.dumps(_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "@"}}],
+                                tool_choice="required"))
+        where = "tools[0].function"
+    else:
+        body = json.dumps(_chat(response_format=_schema_format("@")))
+        where = "response_format.json_schema"
+    body = body.replace('"@"', nested)
+    status, answer = loop.run_until_complete(_post(server, free, body))
+    assert status == 400, answer
+    assert (answer["error"]["param"] or "").startswith(where), answer
+
+
+def test_a_schema_with_no_finite_value_is_refused(served):
+    loop, server, engine, free, limited = served
+    node = random.choice(["a", "node", "tree"])
+    endless = {"$defs": {node: {"type": "object", "properties": {"next": {"$ref": f"#/$defs/{node}"}},
+                                "required": ["next"]}}, "$ref": f"#/$defs/{node}"}
+    status, body = loop.run_until_complete(_post(server, free, _chat(response_format=_schema_format(endless))))
+    assert status == 400 and body["error"]["param"] == "response_format", body
+    assert "infinite" in body["error"]["message"]
+    # With a way out (next may be null) it is served, and its output validates.
+    endless["$defs"][node]["properties"]["next"] = {"anyOf": [{"$ref": f"#/$defs/{node}"}, {"type": "null"}]}
+    status, body = loop.run_until_complete(_post(server, free, _chat(response_format=_schema_format(endless),
+                                                                     max_tokens=64)))
+    assert status == 200, body
+
+
+def test_a_stream_nobody_reads_is_ended_in_the_engine(served):
+    loop, server, engine, free, limited = served
+
+    async def scenario():
+        params = SamplingParams(max_tokens=400, ignore_eos=True, n=4, logprobs=20, seed=random.randrange(2**31))
+        stream = engine.generate(list(range(5, 15)), params)
+        await anext(stream)  # then nothing is read for a while
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and engine.stats.num_running + sum(engine.stats.num_waiting_by_rank.values()):
+            await asyncio.sleep(0.1)
+        running = engine.stats.num_running + sum(engine.stats.num_waiting_by_rank.values())
+        unread = []
+        with pytest.raises(UnreadStreamError):
+            async for out in stream:
+                unread.append(out)
+        return running, unread
+
+    running, unread = loop.run_until_complete(scenario())
+    assert running == 0  # aborted in the engine, long before its 4 x 400 tokens
+    assert len(unread) <= 24  # what waited for the reader: the bound, no more
+    assert sum(len(o.token_ids) for o in unread) < 4 * 400
