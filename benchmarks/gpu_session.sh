@@ -3,7 +3,8 @@
 #
 #   benchmarks/gpu_session.sh STAGE[:SECONDS] ...
 #
-# Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf, bench-overlap,
+# Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf, bench-overlap, bench-mla,
+# bench-engine-deepseek, bench-engine-families (gpt-oss-20b; GLM-4.5-Air fp8 on an H200),
 # bench-piecewise (prefill and mixed steps, piecewise CUDA graphs off vs on),
 # bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), bench-mla (the MLA decode
 # kernel on DeepSeek-V3 shapes, with a sweep of its launch alternatives), bench-engine-deepseek (the engine on
@@ -12,18 +13,37 @@
 # hangs still leaves the others' results; logs and JSON land in $OUT (default
 # /tmp/moegate-gpu), re-archived after every stage as gpu_session.tgz so a
 # session cut off at its limit still returns what it did.
+#
+#   benchmarks/gpu_session.sh --dry-run STAGE ...
+#
+# checks the stages on any machine in seconds: each `$PY -m MODULE ARGS` a stage would run is recorded instead
+# (benchmarks/dry_run.py), then every module is imported and its arguments parsed by its own parser; exit 1 names
+# a command that would fail (the test suite runs this for every stage).
 set -u
-OUT=${OUT:-/tmp/moegate-gpu}
-WORK=/tmp/moegate-gpu-work
+DRY_RUN=
+if [ "${1:-}" = --dry-run ]; then
+    DRY_RUN=$(mktemp -d)
+    shift
+fi
+OUT=${OUT:-${DRY_RUN:-/tmp}/moegate-gpu}
+WORK=${DRY_RUN:-/tmp}/moegate-gpu-work
 mkdir -p "$OUT" "$WORK/configs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Tuned launch configs go where launch_config looks first, and travel back in the archive.
 export MOEGATE_MOE_CONFIG_DIR=$WORK/configs
 export PY=${PY:-python3}
+if [ -n "$DRY_RUN" ]; then
+    CHECK_PY=$PY
+    export PY="$PY benchmarks/dry_run.py --record $DRY_RUN/commands.jsonl"
+fi
 
 run_stage() {  # name seconds command...
     local name=$1 limit=$2
     shift 2
+    if [ -n "$DRY_RUN" ]; then  # record the stage's python commands; nothing else runs
+        [ "$name" = env ] || "$@" >/dev/null 2>&1
+        return
+    fi
     echo "=== $name (limit ${limit}s) $(date +%T)"
     timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
     echo "=== $name rc=$? $(date +%T)" | tee -a "$WORK/$name.log"
@@ -68,6 +88,16 @@ for spec in "$@"; do
         # parameters in bf16), against transformers too.
         bench-engine-deepseek) run_stage bench-engine-deepseek "$limit" $PY -m benchmarks.engine_gpu --preset deepseek-v2-lite \
             --json "$WORK/bench_engine_deepseek.json" ;;
+        # The newer families at real size with random weights, one process each: gpt-oss-20b (bf16, ~39 GiB) and
+        # GLM-4.5-Air with fp8 experts (~110 GB: only where the GPU has room, an H200).
+        bench-engine-families) run_stage bench-engine-families "$limit" bash -c "\
+            $PY -m benchmarks.engine_gpu --preset gpt-oss-20b --concurrency 1,32,128 --json $WORK/bench_engine_gpt_oss.json \
+                || echo bench-engine-families: gpt-oss-20b failed; \
+            if [ \$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || echo 0) -gt 120000 ] \
+                || [ -n '$DRY_RUN' ]; then \
+                $PY -m benchmarks.engine_gpu --skip-hf --preset glm-4.5-air --quantization fp8 --concurrency 1,32,128 \
+                    --json $WORK/bench_engine_glm45_air_fp8.json || echo bench-engine-families: glm-4.5-air failed; \
+            else echo bench-engine-families: glm-4.5-air fp8 needs more than 120 GB of GPU memory, skipped; fi" ;;
         bench-engine) run_stage bench-engine "$limit" $PY -m benchmarks.engine_gpu --skip-hf ${ENGINE_ARGS:-} --json "$WORK/bench_engine.json" ;;
         bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m benchmarks.engine_gpu --skip-hf --elementwise torch \
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;
@@ -95,3 +125,9 @@ for spec in "$@"; do
         *) echo "unknown stage $name" >&2; exit 2 ;;
     esac
 done
+if [ -n "$DRY_RUN" ]; then
+    $CHECK_PY benchmarks/dry_run.py --check "$DRY_RUN/commands.jsonl"
+    rc=$?
+    rm -rf "$DRY_RUN"
+    exit $rc
+fi
