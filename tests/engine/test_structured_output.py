@@ -121,7 +121,8 @@ def test_a_token_the_grammar_refuses_becomes_eos_with_eos_logprob(model_dir):
     rng = random.Random(seed)
     tokenizer = load_tokenizer(model_dir)
     vocab = len(tokenizer)
-    eos = rng.randrange(vocab)  # any id stands in for EOS here: the grammar never allows a plain one first
+    # Any id that cannot begin `true` or `false` stands in for EOS here (the grammar allows only those first).
+    eos = rng.choice([t for t in range(vocab) if tokenizer.decode([t])[:1] not in ("t", "f")])
     sampler = Sampler(torch.device("cpu"), seed)
     sampler.grammars = GrammarMatchers(tokenizer, vocab, eos, torch.device("cpu"))
     spec = StructuredOutput(json_schema=json.dumps({"type": "boolean"}))
