@@ -367,7 +367,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
             event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
                      "system_fingerprint": fingerprint, "choices": [one]}
             if chat and k == 0 and delta.prompt_logprobs is not None and body.prompt_logprobs is not None:
-                event["prompt_logprobs"] = prompt_logprobs_list(delta.prompt_logprobs, body.prompt_logprobs)
+                event["prompt_logprobs"] = prompt_logprobs_list(delta.prompt_logprobs, body)
             if include_usage:
                 event["usage"] = choices.usage() if usage_per_chunk else None
             await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")

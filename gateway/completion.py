@@ -71,11 +71,13 @@ def output_choice(chat: bool, body, out: RequestOutput, index: int, delta: bool,
         logprobs = chat_logprobs(out.logprobs)
     elif body.logprobs is not None:
         prompt_lp = top_k(out.prompt_logprobs, body.logprobs) if echo else None
+        if body.return_tokens_as_token_ids:  # the echoed text above keeps the prompt tokens' texts
+            prompt_lp = as_token_ids(prompt_lp)
         logprobs = (offsets or CompletionLogprobs()).format(prompt_lp, out.logprobs)
     stop_reason = out.stop_reason if out.finish_reason == "stop" else None
     body_choice = choice(chat, text, out.finish_reason, delta, logprobs, index, stop_reason)
     if not chat and body.prompt_logprobs is not None and first:  # vLLM's field, in the choice
-        body_choice["prompt_logprobs"] = prompt_logprobs_list(out.prompt_logprobs, body.prompt_logprobs)
+        body_choice["prompt_logprobs"] = prompt_logprobs_list(out.prompt_logprobs, body)
     return body_choice
 
 
@@ -156,7 +158,7 @@ def completion_body(rid: str, created: int, model: str, chat: bool, whole: Choic
     response = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model, "system_fingerprint": fingerprint, "choices": choices, "usage": whole.usage()}
     if chat and body.prompt_logprobs is not None:  # vLLM's field: the prompt's, once for the response
-        response["prompt_logprobs"] = prompt_logprobs_list(whole.outputs[0].prompt_logprobs, body.prompt_logprobs)
+        response["prompt_logprobs"] = prompt_logprobs_list(whole.outputs[0].prompt_logprobs, body)
     return response
 
 
@@ -230,19 +232,20 @@ async def prepare_prompts(engine, body, chat: bool, plan: ChatPlan | None = None
 def output_view(body) -> Callable[[RequestOutput], RequestOutput] | None:
     """How the request's engine outputs are shown to its client, where that differs from what the engine
     produced (None: as they are): scoring only (``max_tokens: 0``) drops the one token the engine sampled,
-    so the response carries and bills the prompt alone; ``return_tokens_as_token_ids`` shows logprobs'
-    tokens as ``token_id:N``."""
+    so the response carries and bills the prompt alone; ``return_tokens_as_token_ids`` shows the generated
+    tokens' logprobs as ``token_id:N`` (the prompt's are shown so where they are formatted: an echo of a
+    token-id prompt is its tokens' texts)."""
     score, as_ids = scoring_only(body), bool(body.return_tokens_as_token_ids)
     if not score and not as_ids:
         return None
 
     def view(out: RequestOutput) -> RequestOutput:
         if score:
+            ended = out.finish_reason in ("stop", "length")  # an error or an abort stays what it is
             out = msgspec.structs.replace(out, token_ids=[], text="", logprobs=None, num_output_tokens=0,
-                                          finish_reason="length" if out.finished else None, stop_reason=None)
+                                          finish_reason="length" if ended else out.finish_reason, stop_reason=None)
         if as_ids:
-            out = msgspec.structs.replace(out, logprobs=as_token_ids(out.logprobs),
-                                          prompt_logprobs=as_token_ids(out.prompt_logprobs))
+            out = msgspec.structs.replace(out, logprobs=as_token_ids(out.logprobs))
         return out
 
     return view

@@ -27,12 +27,16 @@ def chat_logprobs(lp: Logprobs | None) -> dict | None:
     return {"content": content, "refusal": None}
 
 
-def prompt_logprobs_list(lp: Logprobs | None, k: int) -> list | None:
+def prompt_logprobs_list(lp: Logprobs | None, body) -> list | None:
     """vLLM's ``prompt_logprobs`` response field: per prompt position, null for the first, else
     ``{token id: {"logprob", "rank", "decoded_token"}}`` for the prompt's token and the ``k`` most likely
-    (rank 1 is the most likely; the prompt's token has rank null when it is not among them)."""
+    (``k``: the request's ``prompt_logprobs``; rank 1 is the most likely; the prompt's token has rank null
+    when it is not among them). Tokens as ``token_id:N`` with ``return_tokens_as_token_ids``."""
     if lp is None:
         return None
+    k = body.prompt_logprobs
+    if body.return_tokens_as_token_ids:
+        lp = as_token_ids(lp)
     out: list = []
     for i, token_id in enumerate(lp.token_ids):
         value = lp.logprobs[i]

@@ -435,7 +435,8 @@ def test_vllm_prompt_logprobs_and_token_ids(served):
             model="demo", messages=USER, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": ids}) for ids in (False, True)]
         as_ids = await client.completions.create(model="demo", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
-                                                 extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+                                                 echo=True, extra_body={"return_tokens_as_token_ids": True,
+                                                                        "ignore_eos": True, "prompt_logprobs": 1})
         return scored, chat, chunks, runs, as_ids
 
     scored, chat, chunks, (plain, with_ids), as_ids = served.run(go)
@@ -467,7 +468,12 @@ def test_vllm_prompt_logprobs_and_token_ids(served):
     assert all(re.fullmatch(r"token_id:\d+", t) for t in shown)
     assert [tok.decode([int(t.split(":")[1])]) for t in shown] == [c.token for c in plain.choices[0].logprobs.content]
     assert all(re.fullmatch(r"token_id:\d+", t.token) for c in with_ids.choices[0].logprobs.content for t in c.top_logprobs)
-    assert all(re.fullmatch(r"token_id:\d+", t) for t in as_ids.choices[0].logprobs.tokens)
+    shown = as_ids.choices[0].logprobs.tokens
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in shown) and len(shown) == len(prompt) + 3
+    assert [int(t.split(":")[1]) for t in shown[:len(prompt)]] == prompt
+    assert as_ids.choices[0].text.startswith("".join(tok.decode([t]) for t in prompt))  # the echo stays text
+    assert all(e["decoded_token"].startswith("token_id:") for p in as_ids.choices[0].model_extra["prompt_logprobs"][1:]
+               for e in p.values())
 
 
 def test_vllm_guided_fields(served):
