@@ -1,6 +1,6 @@
 """Soak: minutes of mixed multi-tenant load on a real `moegate serve`, watching for leaks.
 
-    python -m benchmarks.soak [--minutes 10] [--sample-s 15] [--model DIR]
+    python -m benchmarks.soak [--minutes 10] [--sample-s 15] [--model DIR] [--no-abuse]
 
 Starts `moegate serve` (the demo model unless --model, SQLite in a temporary
 directory) and, for ``--minutes``, sends from four tenants at once:
@@ -196,8 +196,8 @@ async def soak(args) -> dict:
         _tenant_loop(url, keys["cutter"], tallies["cutter"], stop, 2, cut=True, pause_s=0.5),
         _tenant_loop(url, keys["limited"], tallies["limited"], stop, 1, cut=False, pause_s=0.2),
         _batches(url, keys["bulk"], stop, batches_done),
-        hoarder("127.0.0.1", port, keys["hoarder"], abuse, stop),
-        schemer(url, keys["schemer"], abuse, stop),
+        *([hoarder("127.0.0.1", port, keys["hoarder"], abuse, stop), schemer(url, keys["schemer"], abuse, stop)]
+          if args.abuse else []),
         realtime_probe(url, keys["probe"], abuse, stop),
     )
     # Quiet: cut streams' aborts and the last batch lines have left the engine.
@@ -234,7 +234,7 @@ async def soak(args) -> dict:
         and all(n > 0 for n in batches_done) and batch_rows == sum(batches_done)
     )
     verdict = {
-        "minutes": args.minutes,
+        "minutes": args.minutes, "with_abuse": args.abuse,
         "gateway_rss_growth_pct": round(100 * (last["gateway_rss_mb"] / at2["gateway_rss_mb"] - 1), 1),
         "engine_rss_growth_pct": round(100 * (last["engine_rss_mb"] / at2["engine_rss_mb"] - 1), 1)
         if last["engine_rss_mb"] and at2["engine_rss_mb"] else None,
@@ -262,6 +262,8 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=15.0)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="the server's KV pool (CPU)")
+    parser.add_argument("--no-abuse", dest="abuse", action="store_false",
+                        help="without the abusive tenants: the realtime probe under the ordinary load alone")
     parser.add_argument("--idle-s", type=float, default=30.0, help="the realtime probe alone first, for its idle TTFT")
     args = parser.parse_args()
     print(json.dumps(asyncio.run(soak(args)), indent=2))
