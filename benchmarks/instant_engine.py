@@ -29,6 +29,9 @@ class InstantEngine:
     async def restart(self) -> Ready:
         return await self.start()
 
+    def silent_s(self) -> float:
+        return 0.0  # answers at once, always
+
     async def shutdown(self) -> None:
         pass
 

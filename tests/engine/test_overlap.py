@@ -92,7 +92,14 @@ def summary(out) -> tuple:
 ], ids=["chunked", "preemption"])
 def test_overlap_equals_synchronous_loop(model_path, settings):
     seed = random.randrange(2**31)
-    reqs = workload(random.Random(seed))
+    rng = random.Random(seed)
+    reqs = workload(rng)
+    if "num_kv_blocks" in settings:
+        # Two long requests first, each needing 9 of the 14 blocks at its end: both run at once from the start, so
+        # the pool runs out before either can finish, whatever the rest of the workload is.
+        reqs = [([rng.randrange(1, VOCAB) for _ in range(110)], SamplingParams(temperature=0.0, max_tokens=30,
+                                                                                 ignore_eos=True))
+                for _ in range(2)] + reqs
     sync, overlapped = engine(model_path, False, **settings), engine(model_path, True, **settings)
     overruns = watch_schedules(overlapped)
     expected, got = run(sync, reqs), run(overlapped, reqs)
@@ -103,7 +110,7 @@ def test_overlap_equals_synchronous_loop(model_path, settings):
     stats = overlapped.engine.stats()
     assert stats.prefix_hit_tokens > 0, "shared prefixes should hit the prefix cache"
     if "num_kv_blocks" in settings:
-        # 14 blocks of 16 tokens hold about two of these requests at their longest: both loops must preempt.
+        # The two long requests cannot both finish in 14 blocks: both loops must preempt.
         assert sync.engine.scheduler.num_preemptions > 0 and overlapped.engine.scheduler.num_preemptions > 0
 
 

@@ -11,16 +11,11 @@ import time
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
-from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.core.structured_output import StructuredOutput
-from engine.loading.demo_model import write_demo_model
-from engine.serving.async_engine import AsyncEngine, UnreadStreamError
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from tenants.migrate import upgrade
+from engine.serving.async_engine import UnreadStreamError
+from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,27 +24,12 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(loop, server, engine, key of an unlimited tenant, key of a tenant limited to 1 request a minute)."""
-    root = tmp_path_factory.mktemp("abuse")
-    write_demo_model(str(root / "demo"), seed=random.randrange(1000))
-    url = f"sqlite:///{root / 'policy.db'}"
-    upgrade(url)
-    engine = AsyncEngine(EngineConfig(model=str(root / "demo"), num_kv_blocks=256, max_num_seqs=16,
-                                      max_num_batched_tokens=256, max_model_len=512), max_unread_outputs=24)
-    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(root / "data"),
-                                   metrics_token="m"), engine)
-    loop = asyncio.new_event_loop()
-
-    async def start():
-        free = await new_tenant_key(url, "free")
-        limited = await new_tenant_key(url, "limited", requests_per_minute=1)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        return server, free, limited
-
-    server, free, limited = loop.run_until_complete(start())
-    yield loop, server, engine, free, limited
-    loop.run_until_complete(server.close())
-    loop.close()
+    with in_process_server(tmp_path_factory.mktemp("abuse"), dict(
+            num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512),
+            gateway=dict(metrics_token="m"), engine_options=dict(max_unread_outputs=24)) as srv:
+        free = srv.run(new_tenant_key(srv.database_url, "free"))
+        limited = srv.run(new_tenant_key(srv.database_url, "limited", requests_per_minute=1))
+        yield srv.loop, srv.server, srv.engine, free, limited
 
 
 async def _post(server, key: str, body: dict | str) -> tuple[int, dict]:

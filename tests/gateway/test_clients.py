@@ -14,14 +14,8 @@ import jsonschema
 import openai
 import pytest
 import torch
-from aiohttp.test_utils import TestServer
 
-from engine.core.config import EngineConfig
-from engine.loading.demo_model import write_demo_model
-from engine.serving.async_engine import AsyncEngine
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from tenants.migrate import upgrade
+from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key
 
 pytestmark = pytest.mark.timeout(240)
@@ -71,23 +65,11 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("clients")
-    demo = str(tmp / "demo")
-    write_demo_model(demo, seed=random.randrange(1000))
-    url = f"sqlite:///{tmp / 'policy.db'}"
-    upgrade(url)
-    loop = asyncio.new_event_loop()
-    key = loop.run_until_complete(new_tenant_key(url))
-    engine = AsyncEngine(EngineConfig(model=demo, dtype="float32", num_kv_blocks=512, max_num_seqs=16,
-                                      max_num_batched_tokens=256, max_model_len=2048))
-    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(tmp / "data")), engine)
-    server = TestServer(app, host="127.0.0.1")
-    loop.run_until_complete(server.start_server())
-    served = Served(loop, server, key, demo)
-    yield served
-    loop.run_until_complete(served.client.close())
-    loop.run_until_complete(server.close())
-    loop.close()
+    with in_process_server(tmp_path_factory.mktemp("clients"), dict(
+            dtype="float32", num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048)) as srv:
+        served = Served(srv.loop, srv.server, srv.run(new_tenant_key(srv.database_url)), srv.demo)
+        yield served
+        srv.run(served.client.close())
 
 
 def _prompt_tokens(tok, messages: list[dict], **kwargs) -> int:

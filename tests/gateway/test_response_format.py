@@ -12,15 +12,9 @@ import random
 import jsonschema
 import openai
 import pytest
-from aiohttp.test_utils import TestServer
 from transformers import AutoTokenizer
 
-from engine.core.config import EngineConfig
-from engine.loading.demo_model import write_demo_model
-from engine.serving.async_engine import AsyncEngine
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from tenants.migrate import upgrade
+from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,25 +44,9 @@ CHOICE = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(event loop, base url, api key, checkpoint dir) of one server on a fresh demo checkpoint, for the module."""
-    root = tmp_path_factory.mktemp("response_format")
-    write_demo_model(str(root / "demo"), seed=random.randrange(1000))
-    url = f"sqlite:///{root / 'policy.db'}"
-    upgrade(url)
-    engine = AsyncEngine(EngineConfig(model=str(root / "demo"), num_kv_blocks=512, max_num_seqs=64,
-                                      max_num_batched_tokens=512, max_model_len=512))
-    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(root / "data")), engine)
-    loop = asyncio.new_event_loop()
-
-    async def start():
-        key = await new_tenant_key(url)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        return server, key
-
-    server, key = loop.run_until_complete(start())
-    yield loop, str(server.make_url("/v1")), key, str(root / "demo")
-    loop.run_until_complete(server.close())
-    loop.close()
+    with in_process_server(tmp_path_factory.mktemp("response_format"), dict(
+            num_kv_blocks=512, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512)) as srv:
+        yield srv.loop, srv.base_url, srv.run(new_tenant_key(srv.database_url)), srv.demo
 
 
 def _run(served, scenario):

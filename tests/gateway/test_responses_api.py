@@ -13,15 +13,9 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from aiohttp.test_utils import TestServer
 from transformers import AutoTokenizer
 
-from engine.core.config import EngineConfig
-from engine.loading.demo_model import write_demo_model
-from engine.serving.async_engine import AsyncEngine
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from tenants.migrate import upgrade
+from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,26 +31,11 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for
 def served(tmp_path_factory):
     """(event loop, base url, {tenant: key}, checkpoint dir, database url) of one in-process server on a fresh
     demo model; tenant "limited" may send one request a minute."""
-    root = tmp_path_factory.mktemp("responses")
-    write_demo_model(str(root / "demo"), seed=random.randrange(1000))
-    url = f"sqlite:///{root / 'policy.db'}"
-    upgrade(url)
-    engine = AsyncEngine(EngineConfig(model=str(root / "demo"), num_kv_blocks=256, max_num_seqs=16,
-                                      max_num_batched_tokens=512, max_model_len=1024))
-    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(root / "data")), engine)
-    loop = asyncio.new_event_loop()
-
-    async def start():
-        keys = {name: await new_tenant_key(url, name) for name in ("a", "b")}
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        return server, keys
-
-    server, keys = loop.run_until_complete(start())
-    keys["limited"] = loop.run_until_complete(new_tenant_key(url, "limited", requests_per_minute=1))
-    yield loop, str(server.make_url("/v1")), keys, str(root / "demo"), url
-    loop.run_until_complete(server.close())
-    loop.close()
+    with in_process_server(tmp_path_factory.mktemp("responses"), dict(
+            num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024)) as srv:
+        keys = {name: srv.run(new_tenant_key(srv.database_url, name)) for name in ("a", "b")}
+        keys["limited"] = srv.run(new_tenant_key(srv.database_url, "limited", requests_per_minute=1))
+        yield srv.loop, srv.base_url, keys, srv.demo, srv.database_url
 
 
 def _run(served, scenario, tenant="a"):

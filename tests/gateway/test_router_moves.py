@@ -44,6 +44,9 @@ class FifoReplica:
         self._live: dict[str, asyncio.Queue] = {}  # arrival order
         self._emitted: dict[str, int] = {}
 
+    def silent_s(self) -> float:
+        return 0.0  # a double that always answers: the router's silence rule is tested with real replicas
+
     def running(self) -> list[str]:
         return list(self._live)[:self.slots]
 

@@ -7,14 +7,8 @@ import random
 import openai
 import pytest
 import torch
-from aiohttp.test_utils import TestServer
 
-from engine.core.config import EngineConfig
-from engine.loading.demo_model import write_demo_model
-from engine.serving.async_engine import AsyncEngine
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from tenants.migrate import upgrade
+from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,30 +20,14 @@ def served(tmp_path_factory):
     one server started for the module."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = tmp_path_factory.mktemp("sampling_api")
-    demo = str(tmp / "demo")
-    write_demo_model(demo, seed=random.randrange(1000))
-    url = f"sqlite:///{tmp / 'policy.db'}"
-    upgrade(url)
-    hf = AutoModelForCausalLM.from_pretrained(demo, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(demo)
-
-    loop = asyncio.new_event_loop()
-    key = loop.run_until_complete(new_tenant_key(url))
-    engine = AsyncEngine(EngineConfig(model=demo, dtype="float32", num_kv_blocks=128, max_num_seqs=8,
-                                      max_num_batched_tokens=32, max_model_len=512))
-    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(tmp / "data")), engine)
-    server = TestServer(app, host="127.0.0.1")
-    loop.run_until_complete(server.start_server())
-    client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
-
-    def run(fn):
-        return loop.run_until_complete(fn(client))
-
-    yield hf, tok, run
-    loop.run_until_complete(client.close())
-    loop.run_until_complete(server.close())
-    loop.close()
+    with in_process_server(tmp_path_factory.mktemp("sampling_api"), dict(
+            dtype="float32", num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=512)) as srv:
+        hf = AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(srv.demo)
+        client = openai.AsyncOpenAI(base_url=srv.base_url, api_key=srv.run(new_tenant_key(srv.database_url)),
+                                    max_retries=0)
+        yield hf, tok, lambda fn: srv.run(fn(client))
+        srv.run(client.close())
 
 
 def hf_continue(hf, prompt: list[int], n: int, banned: int | None = None, ban_steps: int = 0,

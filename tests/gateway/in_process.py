@@ -1,0 +1,53 @@
+"""One gateway and engine in this process on a fresh random demo checkpoint: the server the API tests talk to."""
+
+import asyncio
+import contextlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp.test_utils import TestServer
+
+from engine.core.config import EngineConfig
+from engine.loading.demo_model import write_demo_model
+from engine.serving.async_engine import AsyncEngine
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tenants.migrate import upgrade
+
+
+@dataclass
+class InProcessServer:
+    loop: asyncio.AbstractEventLoop
+    server: TestServer
+    engine: AsyncEngine
+    demo: str  # the checkpoint directory
+    database_url: str
+
+    @property
+    def base_url(self) -> str:
+        return str(self.server.make_url("/v1"))
+
+    def run(self, awaitable):
+        return self.loop.run_until_complete(awaitable)
+
+
+@contextlib.contextmanager
+def in_process_server(root: Path, engine: dict, gateway: dict | None = None, engine_options: dict | None = None):
+    """A served demo model (weights drawn from a random seed) under ``root``: ``engine`` and ``gateway`` are
+    ``EngineConfig`` / ``GatewayConfig`` fields, ``engine_options`` ``AsyncEngine``'s own; stopped on exit."""
+    demo = str(root / "demo")
+    write_demo_model(demo, seed=random.randrange(1000))
+    url = f"sqlite:///{root / 'policy.db'}"
+    upgrade(url)
+    async_engine = AsyncEngine(EngineConfig(model=demo, **engine), **(engine_options or {}))
+    app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(root / "data"),
+                                   **(gateway or {})), async_engine)
+    loop = asyncio.new_event_loop()
+    server = TestServer(app, host="127.0.0.1")
+    loop.run_until_complete(server.start_server())
+    try:
+        yield InProcessServer(loop, server, async_engine, demo, url)
+    finally:
+        loop.run_until_complete(server.close())
+        loop.close()
