@@ -363,6 +363,9 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
                 announced.add(index)
             if finish is not None:
                 out_choices[-1]["stop_reason"] = delta.stop_reason if delta.finish_reason == "stop" else None
+        # Journaled before it is written: a gateway killed between the two bills this chunk (as a client that
+        # leaves mid-stream is billed what was generated), never less than the client received.
+        request[JOURNALED].delivered(choices)
         for k, one in enumerate(out_choices):
             event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
                      "system_fingerprint": fingerprint, "choices": [one]}
@@ -371,7 +374,6 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
             if include_usage:
                 event["usage"] = choices.usage() if usage_per_chunk else None
             await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
-        request[JOURNALED].delivered(choices)
         if choices.finished:
             break
         try:
