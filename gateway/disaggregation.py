@@ -1,0 +1,148 @@
+"""Disaggregated serving: prefill engines compute prompts, decode engines receive their KV and generate.
+
+One request: the router picks a decode engine (fewest requests in flight, then most free KV blocks) and a
+prefill engine (the one holding the longest run of the prompt's leading blocks, by the gateway's prefix index,
+unless it is busier than the least loaded by more than ``AFFINITY_SLACK`` requests; else the least loaded). The
+decode engine gets the request with a ``KVSource`` and answers which blocks its own prefix cache lacks
+(``KVWanted``, tenant-salted hashes); the prefill engine then computes the prompt with ``max_tokens`` 1 and
+sends exactly those blocks (``KVSink``); the decode engine continues from them and streams. Only the decode
+engine's outputs reach the caller, so usage is counted once. A prompt the decode engine would rather prefill
+itself (short, mostly cached) never reaches a prefill engine; if the prefill engine fails, the decode engine is
+told at once (``KVSourceLost``) and prefills the prompt itself: the caller sees no error.
+"""
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.serving.async_engine import AsyncEngine, EngineError
+from engine.serving.protocol import KVSink, KVSource
+from gateway.prefix_index import ReplicaBlocks, block_hashes
+
+logger = logging.getLogger(__name__)
+
+AFFINITY_SLACK = 4  # requests a prefill engine with the prompt's prefix may have beyond the least loaded one
+
+
+class DisaggregatedEngines:
+    """Prefill and decode engines behind one ``generate`` (see the module docstring)."""
+
+    def __init__(self, prefill: Sequence[AsyncEngine], decode: Sequence[AsyncEngine]) -> None:
+        assert prefill and decode
+        self.prefill = list(prefill)
+        self.decode = list(decode)
+        self._in_flight: dict[int, int] = {}  # id(engine) -> requests the router has there
+        self._prefixes = {id(p): ReplicaBlocks() for p in self.prefill}
+        self._pairs: dict[tuple[int, int], tuple[object, object, str]] = {}  # -> (p.info, d.info, pair id)
+        self._pair_ids = itertools.count()
+        self._transfer_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.fallbacks = 0  # requests whose prefill engine failed under them (the decode engine prefilled)
+
+    @property
+    def engines(self) -> list[AsyncEngine]:
+        return self.prefill + self.decode
+
+    @property
+    def info(self):
+        return next((d.info for d in self.decode if d.info is not None), None)
+
+    async def start(self) -> None:
+        await asyncio.gather(*(e.start() for e in self.engines))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(e.shutdown() for e in self.engines))
+
+    async def prepare(self, *args, **kwargs) -> list[int]:
+        return await self._live(self.decode)[0].prepare(*args, **kwargs)
+
+    @staticmethod
+    def _live(engines: list[AsyncEngine]) -> list[AsyncEngine]:
+        live = [e for e in engines if e.info is not None and not e.dead]
+        if not live:
+            raise EngineError("no engine of this kind is running")
+        return live
+
+    def _load(self, engine: AsyncEngine) -> int:
+        return self._in_flight.get(id(engine), 0)
+
+    def _pick_decode(self) -> AsyncEngine:
+        def key(d: AsyncEngine):
+            used = d.stats.kv_blocks_used / d.stats.kv_blocks_total if d.stats else 0.0
+            return self._load(d), used
+        return min(self._live(self.decode), key=key)
+
+    def _pick_prefill(self, hashes: list[bytes]) -> AsyncEngine | None:
+        live = [p for p in self.prefill if p.info is not None and not p.dead]
+        if not live:
+            return None
+        least = min(self._load(p) for p in live)
+        near = [p for p in live if self._load(p) <= least + AFFINITY_SLACK]
+        return max(near, key=lambda p: (self._prefixes[id(p)].matched(hashes), -self._load(p)))
+
+    def _pair(self, p: AsyncEngine, d: AsyncEngine) -> str:
+        """The pair id of (p, d), pairing them first (again after either restarted)."""
+        known = self._pairs.get((id(p), id(d)))
+        if known is not None and known[0] is p.info and known[1] is d.info:
+            return known[2]
+        pair_id = f"p{self.prefill.index(p)}d{self.decode.index(d)}n{next(self._pair_ids)}"
+        d.pair_kv(pair_id, 0, d.info.kv_address)
+        p.pair_kv(pair_id, 1, d.info.kv_address)
+        self._pairs[id(p), id(d)] = (p.info, d.info, pair_id)
+        return pair_id
+
+    async def generate(self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None,
+                       **policy) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs from its decode engine (see the module docstring)."""
+        request_id = request_id or f"dreq-{next(self._request_ids)}"
+        d = self._pick_decode()
+        hashes = block_hashes(prompt, d.info.block_size, policy.get("cache_salt"))
+        p = self._pick_prefill(hashes)
+        self._in_flight[id(d)] = self._load(d) + 1
+        prefill_task: asyncio.Task | None = None
+        try:
+            if p is None:  # no prefill engine up: the decode engine serves it whole
+                async for out in d.generate(prompt, sampling, request_id, **policy):
+                    yield out
+                return
+            pair_id = self._pair(p, d)
+            source = KVSource(pair_id, next(self._transfer_ids))
+            wanted = d.kv_wanted(request_id)
+            stream = d.generate(prompt, sampling, request_id, kv_source=source, **policy)
+            first = asyncio.ensure_future(anext(stream))
+            done, _ = await asyncio.wait({first, wanted}, return_when=asyncio.FIRST_COMPLETED)
+            if wanted in done and wanted.result():
+                sink = KVSink(pair_id, source.transfer_id, wanted.result())
+                prefill_task = asyncio.create_task(self._prefill(p, d, prompt, request_id, sink, policy))
+            try:
+                yield await first
+            except StopAsyncIteration:
+                return
+            async for out in stream:
+                yield out
+        finally:
+            self._in_flight[id(d)] -= 1
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()  # closes the prefill stream: the prefill engine aborts it
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await prefill_task
+
+    async def _prefill(self, p: AsyncEngine, d: AsyncEngine, prompt: list[int], request_id: str, sink: KVSink,
+                       policy: dict) -> None:
+        """Compute the prompt on ``p`` (one token, discarded) so that it sends its blocks; on failure tell ``d``."""
+        self._in_flight[id(p)] = self._load(p) + 1
+        self._prefixes[id(p)].add(sink.block_hashes)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        try:
+            async for _ in p.generate(prompt, one, f"{request_id}-prefill", kv_sink=sink, **policy):
+                pass
+        except (EngineError, ValueError) as e:
+            self.fallbacks += 1
+            logger.warning("request %s: prefill engine failed (%s); the decode engine prefills it", request_id, e)
+            d.kv_source_lost(request_id)
+        finally:
+            self._in_flight[id(p)] -= 1

@@ -1,0 +1,107 @@
+"""Disaggregated serving with real processes on gloo: a prefill engine computes prompts and sends their KV to a
+decode engine over torch.distributed, the decode engine generates.
+
+Reference: one aggregated engine (the offline ``LLM``) with the same checkpoint and settings; greedy tokens must
+be identical. The decode engine's statistics prove it computed no prompt token but each prompt's last, partial
+block; faults (the prefill engine killed, a transfer that never comes, an abort while the KV is awaited) end
+with every request answered and every decode block free again.
+"""
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.config import EngineConfig
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.protocol import KVSource
+from gateway.disaggregation import DisaggregatedEngines
+from tests.hf_models import make_hf_model
+
+VOCAB = 211
+BS = 4
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _settings(path: str, **extra) -> dict:
+    return dict(model=path, dtype="float32", device="cpu", block_size=BS, num_kv_blocks=96, max_num_seqs=4,
+                cpu_threads=1, **extra)
+
+
+async def _collect(stream) -> list[int]:
+    tokens = []
+    async for out in stream:
+        tokens.extend(out.token_ids)
+    return tokens
+
+
+def _computed_here(prompt_len: int) -> int:
+    """Prompt tokens a decode engine computes as prefill for a transferred prompt: its last partial block (the
+    last token of a prompt that is one past a block boundary is a decode step, not prefill)."""
+    rest = prompt_len - (prompt_len - 1) // BS * BS
+    return rest if rest > 1 else 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_last_block(family, tmp_path):
+    rng = random.Random()
+    path = str(tmp_path / family)
+    make_hf_model(family, path, seed=rng.randrange(2**31), vocab_size=VOCAB)
+    shared = [rng.randrange(1, VOCAB - 1) for _ in range(4 * BS)]
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(14, 40))] for _ in range(3)]
+    # Two prompts sharing 4 blocks: the second finds them on the decode engine; 2 or more of its blocks still move.
+    prompts.append(shared + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(3, 9))])
+    prompts.append(shared + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(10, 14))])
+    short = [rng.randrange(1, VOCAB - 1) for _ in range(5)]  # under local_prefill_tokens: prefilled on the decode engine
+    lengths = [rng.randint(3, 8) for _ in range(len(prompts) + 1)]
+    llm = LLM(**_settings(path))
+    expected = [o.token_ids for o in llm.generate(prompts + [short], [_greedy(n) for n in lengths])]
+    expected_salted = llm.generate([prompts[0]], _greedy(lengths[0]))[0].token_ids
+
+    async def main():
+        prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill")))
+        decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", local_prefill_tokens=2 * BS)))
+        router = DisaggregatedEngines([prefill], [decode])
+        await router.start()
+        try:
+            # The first and the two sharing a prefix one after another (so the second finds the first's blocks
+            # on the decode engine); the rest at once.
+            first = await _collect(router.generate(prompts[0], _greedy(lengths[0]), cache_salt="tenant-a"))
+            first_bytes = decode.stats.kv_transfer_bytes  # the stats of the step that finished it
+            assert first_bytes > 0
+            sequential = [await _collect(router.generate(prompts[i], _greedy(lengths[i]), cache_salt="tenant-a"))
+                          for i in (3, 4)]
+            rest = await asyncio.gather(*(_collect(router.generate(p, _greedy(n), cache_salt="tenant-a"))
+                                          for p, n in ((prompts[1], lengths[1]), (prompts[2], lengths[2]),
+                                                       (short, lengths[5]))))
+            got = [first, rest[0], rest[1], sequential[0], sequential[1], rest[2]]
+            assert got == expected
+            await asyncio.sleep(1.2)  # an idle engine reports its state every second
+            stats = decode.stats
+            assert stats.kv_transfers == 5 and stats.kv_transfer_fallbacks == 0
+            assert stats.kv_transfer_bytes > 0
+            # Prompt 4 found prompt 3's shared blocks in the decode engine's own cache: only the rest moved.
+            assert stats.prefix_hit_tokens >= len(shared)
+            computed = sum(_computed_here(len(p)) for p in prompts) + len(short)
+            assert stats.total_prefill_tokens == computed
+            assert stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
+
+            # Another tenant, the same prompt: no block crosses tenants, every block of it is sent again.
+            before = stats.kv_transfer_bytes
+            other = await _collect(router.generate(prompts[0], _greedy(lengths[0]), cache_salt="tenant-b"))
+            assert other == expected_salted
+            await asyncio.sleep(1.2)
+            assert decode.stats.kv_transfer_bytes - before == first_bytes  # every block again, none shared
+            assert decode.stats.kv_transfers == 6
+            assert decode.stats.total_prefill_tokens == computed + _computed_here(len(prompts[0]))
+        finally:
+            await router.shutdown()
+
+    asyncio.run(main())
