@@ -105,3 +105,77 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
             await router.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_faults_end_with_every_request_answered_and_every_block_free(tmp_path):
+    """The prefill engine killed while the decode engine waits for its KV, a transfer that never comes (timeout),
+    a request aborted while its KV is awaited and that KV arriving afterwards (drained, never written)."""
+    rng = random.Random()
+    path = str(tmp_path / "model")
+    make_hf_model("qwen3_moe", path, seed=rng.randrange(2**31), vocab_size=VOCAB)
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(60, 90))] for _ in range(5)]
+    llm = LLM(**_settings(path))
+    expected = [o.token_ids for o in llm.generate(prompts, _greedy(6))]
+
+    async def main():
+        # The prefill engine computes 8 tokens a step, so a prompt takes it many steps: time to kill it.
+        prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill", max_num_batched_tokens=8)))
+        decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", kv_transfer_timeout_s=3.0, local_prefill_tokens=8)))
+        router = DisaggregatedEngines([prefill], [decode])
+        await router.start()
+        try:
+            # 1. The prefill engine dies after the decode engine has set blocks aside for the prompt's KV: the
+            # router tells the decode engine, which prefills the prompt itself at once; the client sees no error.
+            plain_prefill = router._prefill
+
+            async def killed_meanwhile(p, *args):
+                os.kill(p.pid, signal.SIGKILL)
+                while not p.dead:
+                    await asyncio.sleep(0.01)
+                await plain_prefill(p, *args)
+
+            router._prefill = killed_meanwhile
+            started = asyncio.get_running_loop().time()
+            assert await _collect(router.generate(prompts[0], _greedy(6))) == expected[0]
+            assert asyncio.get_running_loop().time() - started < 3.0  # not the transfer timeout: told at once
+            router._prefill = plain_prefill
+            assert router.fallbacks == 1
+            await asyncio.sleep(1.2)
+            assert decode.stats.kv_transfer_fallbacks == 1 and decode.stats.kv_blocks_used == 0
+            # A fresh prefill engine pairs again and transfers (no hang on the old pair).
+            await prefill.restart()
+            assert await _collect(router.generate(prompts[1], _greedy(6))) == expected[1]
+            assert decode.stats.kv_transfers == 1
+
+            # 2. A transfer that never comes: the decode engine gives up after its timeout and prefills itself.
+            pair_id = router._pair(prefill, decode)
+            stream = decode.generate(prompts[2], _greedy(6), "orphan", kv_source=KVSource(pair_id, 10_000))
+            assert await _collect(stream) == expected[2]
+            assert decode.stats.kv_transfer_fallbacks == 2
+
+            # 3. Aborted while its KV is awaited: its blocks are free at once; the KV that still comes later is
+            # drained and dropped while another request holds those blocks, whose tokens stay right.
+            wanted = decode.kv_wanted("aborted")
+            stream = decode.generate(prompts[3], _greedy(6), "aborted", kv_source=KVSource(pair_id, 10_001))
+            consumer = asyncio.create_task(_collect(stream))
+            hashes = await wanted
+            assert hashes
+            consumer.cancel()  # the client goes away: the stream's end aborts the request
+            with pytest.raises(asyncio.CancelledError):
+                await consumer
+            await asyncio.sleep(1.2)
+            assert decode.stats.kv_blocks_used == 0
+            other = asyncio.ensure_future(_collect(decode.generate(prompts[4], _greedy(6))))  # takes those blocks
+            from engine.serving.protocol import KVSink
+
+            await _collect(prefill.generate(prompts[3], _greedy(1), "late", kv_sink=KVSink(pair_id, 10_001, hashes)))
+            assert await other == expected[4]
+            await asyncio.sleep(1.2)
+            assert decode.stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
+            assert decode.stats.kv_transfers == 1  # the late one was not counted as received...
+            assert prefill.stats.kv_transfers == 2  # ...though it was sent (and drained by the decode engine)
+        finally:
+            await router.shutdown()
+
+    asyncio.run(main())
