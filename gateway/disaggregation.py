@@ -32,9 +32,13 @@ class DisaggregatedEngines:
     """Prefill and decode engines behind one ``generate`` (see the module docstring)."""
 
     def __init__(self, prefill: Sequence[AsyncEngine], decode: Sequence[AsyncEngine]) -> None:
-        assert prefill and decode
+        if not prefill or not decode:
+            raise ValueError("disaggregated serving needs at least one prefill and one decode engine")
         self.prefill = list(prefill)
         self.decode = list(decode)
+        self.config = self.decode[0].config
+        # The replica label of each engine in /health and /metrics.
+        self.names = [f"prefill-{i}" for i in range(len(prefill))] + [f"decode-{i}" for i in range(len(decode))]
         self._in_flight: dict[int, int] = {}  # id(engine) -> requests the router has there
         self._prefixes = {id(p): ReplicaBlocks() for p in self.prefill}
         self._pairs: dict[tuple[int, int], tuple[object, object, str]] = {}  # -> (p.info, d.info, pair id)
@@ -43,22 +47,65 @@ class DisaggregatedEngines:
         self._request_ids = itertools.count()
         self.fallbacks = 0  # requests whose prefill engine failed under them (the decode engine prefilled)
 
+    # -- EngineClient: one engine as long as a decode engine serves (prefill engines only make it faster) --
+
     @property
-    def engines(self) -> list[AsyncEngine]:
+    def replicas(self) -> list[AsyncEngine]:
         return self.prefill + self.decode
 
     @property
     def info(self):
-        return next((d.info for d in self.decode if d.info is not None), None)
+        return next((d.info for d in self.decode if d.info is not None and not d.dead), None)
 
-    async def start(self) -> None:
-        await asyncio.gather(*(e.start() for e in self.engines))
+    @property
+    def dead(self) -> str | None:
+        return None if any(d.dead is None for d in self.decode) else "every decode engine is down"
+
+    @property
+    def dead_detail(self) -> str | None:
+        return None if self.dead is None else "; ".join(d.dead_detail or d.dead for d in self.decode)
+
+    @property
+    def stats(self):
+        return next((d.stats for d in self.decode if d.stats is not None), None)
+
+    def silent_s(self) -> float:
+        return min(d.silent_s() for d in self.decode)
+
+    async def preflight(self) -> None:
+        for e in self.replicas:
+            await e.preflight()
+
+    async def start(self):
+        readies = await asyncio.gather(*(e.start() for e in self.replicas))
+        for e, ready in zip(self.replicas, readies):
+            want = "prefill" if e in self.prefill else "decode"
+            if ready.role != want:
+                raise EngineError(f"{e.describe()} runs with role {ready.role}; start it with --role {want}")
+        if len({r.block_size for r in readies}) != 1:
+            raise EngineError("prefill and decode engines must use the same --block-size")
+        return self.info
+
+    async def restart(self):
+        for e in self.replicas:
+            if e.dead:
+                await e.restart()
+        return self.info
 
     async def shutdown(self) -> None:
-        await asyncio.gather(*(e.shutdown() for e in self.engines))
+        await asyncio.gather(*(e.shutdown() for e in self.replicas))
 
     async def prepare(self, *args, **kwargs) -> list[int]:
         return await self._live(self.decode)[0].prepare(*args, **kwargs)
+
+    def chat_template(self) -> str | None:
+        return next((d.chat_template() for d in self.decode if d.info is not None), None)
+
+    async def detokenize(self, token_ids) -> str:
+        return await self._live(self.decode)[0].detokenize(token_ids)
+
+    async def release(self, request_id: str) -> bool:
+        return False  # requests are placed once
 
     @staticmethod
     def _live(engines: list[AsyncEngine]) -> list[AsyncEngine]:

@@ -179,3 +179,70 @@ def test_faults_end_with_every_request_answered_and_every_block_free(tmp_path):
             await router.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_metrics(tmp_path, capsys):
+    """`moegate serve --prefill-replicas 1 --decode-replicas 1`'s engines behind the real app, driven by the
+    official openai client; reference: the offline engine on the same demo checkpoint."""
+    import openai
+    from aiohttp import ClientSession
+    from aiohttp.test_utils import TestServer
+
+    from engine import engine_flags
+    from engine.loading.demo_model import write_demo_model
+    from engine.serving.engine_server import parse_address
+    from gateway.app import METRICS_URL, create_app
+    from gateway.cli import build_parser, main
+    from gateway.cli.disaggregated import build_disaggregated, disaggregation_layout
+    from gateway.config import GatewayConfig
+    from tenants.migrate import upgrade
+    from tenants.store import TenantStore
+
+    # Bad input: one line, exit 2.
+    demo = str(tmp_path / "demo")
+    write_demo_model(demo, seed=random.randrange(1000))
+    assert main(["serve", "--model", demo, "--prefill-replicas", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decode engine" in err[0]
+
+    rng = random.Random()
+    words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(30, 50))) for _ in range(2)]
+    settings = ["--num-kv-blocks", "128", "--block-size", "4", "--local-prefill-tokens", "8", "--cpu-threads", "1"]
+    offline = LLM(model=demo, num_kv_blocks=128, block_size=4).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    args = build_parser().parse_args(["serve", "--model", demo, "--prefill-replicas", "1", "--decode-replicas", "1",
+                                      *settings])
+    layout = disaggregation_layout(args, engine_flags.engine_config(args), parse_address)
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
+
+    async def main_():
+        store = TenantStore.open(url)
+        await store.create_tenant("web")
+        key = (await store.create_key("web"))[1]
+        await store.close()
+        engines = build_disaggregated(layout, b"", 60.0)
+        app = create_app(GatewayConfig(served_model_name="demo", database_url=url, metrics_port=0), engines)
+        async with TestServer(app, host="127.0.0.1") as server:
+            client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
+            for prompt, ref in zip(prompts, offline):
+                stream = await client.completions.create(
+                    model="demo", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                chunks = [c async for c in stream]
+                assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+                usage = chunks[-1].usage
+                assert usage.prompt_tokens == ref.num_prompt_tokens and usage.completion_tokens == 8
+            async with ClientSession() as http:
+                health = await (await http.get(server.make_url("/health"))).json()
+                assert [r["replica"] for r in health["replicas"]] == ["prefill-0", "decode-0"]
+                assert health["status"] == "ready"
+                await asyncio.sleep(1.2)  # the idle engines' latest statistics
+                metrics = await (await http.get(app[METRICS_URL])).text()
+            assert 'moegate_kv_transfers_total{replica="decode-0"} 2.0' in metrics
+            assert 'moegate_kv_transfers_total{replica="prefill-0"} 2.0' in metrics
+            assert 'moegate_kv_transfer_fallbacks_total{replica="decode-0"} 0.0' in metrics
+
+    asyncio.run(main_())
