@@ -99,7 +99,7 @@ class _EngineCollector:
             families["spec_draft"].add_metric([name], stats.spec_draft_tokens)
             families["spec_accepted"].add_metric([name], stats.spec_accepted_tokens)
             families["spec_steps"].add_metric([name], stats.spec_steps)
-            if replica.config.role != "both":
+            if stats.kv_transfers or stats.kv_transfer_fallbacks:  # a prefill or decode engine that has worked
                 families["kv_transfers"].add_metric([name], stats.kv_transfers)
                 families["kv_bytes"].add_metric([name], stats.kv_transfer_bytes)
                 families["kv_seconds"].add_metric([name], stats.kv_transfer_seconds)

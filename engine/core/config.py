@@ -128,7 +128,7 @@ class EngineConfig:
     speculative_model: str | None = None
     """the draft model's checkpoint directory for speculative draft (the served model's vocabulary)"""
     role: str = "both"
-    """what this engine does with prompts: both (prefill and decode, the default), prefill (computes prompts and
+    """what this engine does with prompts: both (prefill and decode), prefill (computes prompts and
     hands their KV blocks to decode engines) or decode (receives prompts' KV from prefill engines and
     generates) (docs/disaggregation.md)"""
     kv_transfer_address: str | None = None
