@@ -8,7 +8,8 @@ decode engine gets the request with a ``KVSource`` and answers which blocks its 
 sends exactly those blocks (``KVSink``); the decode engine continues from them and streams. Only the decode
 engine's outputs reach the caller, so usage is counted once. A prompt the decode engine would rather prefill
 itself (short, mostly cached) never reaches a prefill engine; if the prefill engine fails, the decode engine is
-told at once (``KVSourceLost``) and prefills the prompt itself: the caller sees no error.
+told at once (``KVSourceLost``) and prefills the prompt itself: the caller sees no error. A decode engine that
+fails before the request's first output: the request is placed again on another decode engine.
 """
 
 import asyncio
@@ -117,11 +118,14 @@ class DisaggregatedEngines:
     def _load(self, engine: AsyncEngine) -> int:
         return self._in_flight.get(id(engine), 0)
 
-    def _pick_decode(self) -> AsyncEngine:
+    def _pick_decode(self, exclude: set[int] = frozenset()) -> AsyncEngine:
         def key(d: AsyncEngine):
             used = d.stats.kv_blocks_used / d.stats.kv_blocks_total if d.stats else 0.0
             return self._load(d), used
-        return min(self._live(self.decode), key=key)
+        live = [d for d in self._live(self.decode) if id(d) not in exclude]
+        if not live:
+            raise EngineError("no decode engine is running")
+        return min(live, key=key)
 
     def _pick_prefill(self, hashes: list[bytes]) -> AsyncEngine | None:
         live = [p for p in self.prefill if p.info is not None and not p.dead]
@@ -144,16 +148,40 @@ class DisaggregatedEngines:
 
     async def generate(self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None,
                        **policy) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs from its decode engine (see the module docstring)."""
+        """Stream one request's outputs from its decode engine (see the module docstring). A decode engine that
+        fails before the request's first output: the request goes to another decode engine, if one runs."""
         request_id = request_id or f"dreq-{next(self._request_ids)}"
-        d = self._pick_decode()
+        tried: set[int] = set()
+        while True:
+            d = self._pick_decode(exclude=tried)
+            produced = False
+            try:
+                async with contextlib.aclosing(self._on(d, prompt, sampling, request_id, policy)) as outputs:
+                    async for out in outputs:
+                        produced = True
+                        yield out
+                return
+            except EngineError as e:
+                tried.add(id(d))
+                if produced or not e.retryable or not any(
+                        x.info is not None and not x.dead and id(x) not in tried for x in self.decode):
+                    raise
+                logger.warning("request %s: decode engine failed before its first output (%s); placing it again",
+                               request_id, e)
+
+    async def _on(self, d: AsyncEngine, prompt: list[int], sampling: SamplingParams, request_id: str,
+                  policy: dict) -> AsyncIterator[RequestOutput]:
+        """The request on decode engine ``d``, its prompt computed by a prefill engine where that pays."""
         hashes = block_hashes(prompt, d.info.block_size, policy.get("cache_salt"))
         p = self._pick_prefill(hashes)
         self._in_flight[id(d)] = self._load(d) + 1
         prefill_task: asyncio.Task | None = None
+        first: asyncio.Future | None = None
+        stream = None
         try:
             if p is None:  # no prefill engine up: the decode engine serves it whole
-                async for out in d.generate(prompt, sampling, request_id, **policy):
+                stream = d.generate(prompt, sampling, request_id, **policy)
+                async for out in stream:
                     yield out
                 return
             pair_id = self._pair(p, d)
@@ -161,8 +189,8 @@ class DisaggregatedEngines:
             wanted = d.kv_wanted(request_id)
             stream = d.generate(prompt, sampling, request_id, kv_source=source, **policy)
             first = asyncio.ensure_future(anext(stream))
-            done, _ = await asyncio.wait({first, wanted}, return_when=asyncio.FIRST_COMPLETED)
-            if wanted in done and wanted.result():
+            await asyncio.wait({first, wanted}, return_when=asyncio.FIRST_COMPLETED)
+            if wanted.done() and wanted.result():
                 sink = KVSink(pair_id, source.transfer_id, wanted.result())
                 prefill_task = asyncio.create_task(self._prefill(p, d, prompt, request_id, sink, policy))
             try:
@@ -173,6 +201,12 @@ class DisaggregatedEngines:
                 yield out
         finally:
             self._in_flight[id(d)] -= 1
+            if first is not None and not first.done():  # cancelled while waiting: the stream's end aborts it
+                first.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await first
+            if stream is not None:
+                await stream.aclose()
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()  # closes the prefill stream: the prefill engine aborts it
                 with contextlib.suppress(asyncio.CancelledError, Exception):
