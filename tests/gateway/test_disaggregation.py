@@ -109,8 +109,9 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
 
 @pytest.mark.timeout(300)
 def test_faults_end_with_every_request_answered_and_every_block_free(tmp_path):
-    """The prefill engine killed while the decode engine waits for its KV, a transfer that never comes (timeout),
-    a request aborted while its KV is awaited and that KV arriving afterwards (drained, never written)."""
+    """A decode engine killed before a request's first output (placed again on the other), the prefill engine
+    killed while the decode engine waits for its KV, a transfer that never comes (timeout), a request aborted
+    while its KV is awaited and that KV arriving afterwards (drained, never written)."""
     rng = random.Random()
     path = str(tmp_path / "model")
     make_hf_model("qwen3_moe", path, seed=rng.randrange(2**31), vocab_size=VOCAB)
@@ -121,13 +122,26 @@ def test_faults_end_with_every_request_answered_and_every_block_free(tmp_path):
     async def main():
         # The prefill engine computes 8 tokens a step, so a prompt takes it many steps: time to kill it.
         prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill", max_num_batched_tokens=8)))
-        decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", kv_transfer_timeout_s=3.0, local_prefill_tokens=8)))
-        router = DisaggregatedEngines([prefill], [decode])
+        decode, spare = (AsyncEngine(EngineConfig(**_settings(path, role="decode", kv_transfer_timeout_s=3.0,
+                                                              local_prefill_tokens=8))) for _ in range(2))
+        router = DisaggregatedEngines([prefill], [spare, decode])  # equally loaded: the first is picked first
         await router.start()
         try:
+            # 0. The decode engine dies after it set blocks aside, before any output: the request runs on the
+            # other decode engine, the client sees no error.
+            plain_prefill = router._prefill
+
+            async def decode_killed(p, d, *args):
+                router._prefill = plain_prefill  # once
+                os.kill(d.pid, signal.SIGKILL)
+                await plain_prefill(p, d, *args)
+
+            router._prefill = decode_killed
+            assert await _collect(router.generate(prompts[4], _greedy(6))) == expected[4]
+            assert spare.dead and decode.stats.kv_transfers == 1 and decode.stats.kv_blocks_used == 0
+
             # 1. The prefill engine dies after the decode engine has set blocks aside for the prompt's KV: the
             # router tells the decode engine, which prefills the prompt itself at once; the client sees no error.
-            plain_prefill = router._prefill
 
             async def killed_meanwhile(p, *args):
                 os.kill(p.pid, signal.SIGKILL)
@@ -146,7 +160,7 @@ def test_faults_end_with_every_request_answered_and_every_block_free(tmp_path):
             # A fresh prefill engine pairs again and transfers (no hang on the old pair).
             await prefill.restart()
             assert await _collect(router.generate(prompts[1], _greedy(6))) == expected[1]
-            assert decode.stats.kv_transfers == 1
+            assert decode.stats.kv_transfers == 2
 
             # 2. A transfer that never comes: the decode engine gives up after its timeout and prefills itself.
             pair_id = router._pair(prefill, decode)
@@ -173,7 +187,7 @@ def test_faults_end_with_every_request_answered_and_every_block_free(tmp_path):
             assert await other == expected[4]
             await asyncio.sleep(1.2)
             assert decode.stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
-            assert decode.stats.kv_transfers == 1  # the late one was not counted as received...
+            assert decode.stats.kv_transfers == 2  # the late one was not counted as received...
             assert prefill.stats.kv_transfers == 2  # ...though it was sent (and drained by the decode engine)
         finally:
             await router.shutdown()
