@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from engine.core.config import EngineConfig
+from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.loading.demo_model import write_demo_model
 from engine.serving.async_engine import AsyncEngine
@@ -51,7 +52,7 @@ async def _run(router, args, vocab: int, seed: int) -> dict:
             prompt = [rng.randrange(1, vocab) for _ in range(16)]
             last = None
             async for _ in router.generate(prompt, SamplingParams(temperature=0, max_tokens=96, ignore_eos=True),
-                                           f"s{i}-{next(ids)}", cache_salt=f"t{i}"):
+                                           f"s{i}-{next(ids)}", policy=RequestPolicy(cache_salt=f"t{i}")):
                 now = time.monotonic()
                 if last is not None:
                     itl.append(now - last)
@@ -62,7 +63,7 @@ async def _run(router, args, vocab: int, seed: int) -> dict:
         start = time.monotonic()
         first = None
         async for _ in router.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                                       f"l{k}", cache_salt="docs"):
+                                       f"l{k}", policy=RequestPolicy(cache_salt="docs")):
             first = first or time.monotonic() - start
         ttft.append(first)
 

@@ -19,6 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 from engine.core.outputs import RequestOutput
+from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.serving.async_engine import AsyncEngine, EngineError
 from engine.serving.protocol import KVSink, KVSource
@@ -146,8 +147,8 @@ class DisaggregatedEngines:
         self._pairs[id(p), id(d)] = (p.info, d.info, pair_id)
         return pair_id
 
-    async def generate(self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None,
-                       **policy) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: list[int], sampling_params: SamplingParams, request_id: str | None = None,
+                       policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs from its decode engine (see the module docstring). A decode engine that
         fails before the request's first output: the request goes to another decode engine, if one runs."""
         request_id = request_id or f"dreq-{next(self._request_ids)}"
@@ -156,7 +157,8 @@ class DisaggregatedEngines:
             d = self._pick_decode(exclude=tried)
             produced = False
             try:
-                async with contextlib.aclosing(self._on(d, prompt, sampling, request_id, policy)) as outputs:
+                outputs = self._on(d, prompt, sampling_params, request_id, policy, stream)
+                async with contextlib.aclosing(outputs):
                     async for out in outputs:
                         produced = True
                         yield out
@@ -169,10 +171,10 @@ class DisaggregatedEngines:
                 logger.warning("request %s: decode engine failed before its first output (%s); placing it again",
                                request_id, e)
 
-    async def _on(self, d: AsyncEngine, prompt: list[int], sampling: SamplingParams, request_id: str,
-                  policy: dict) -> AsyncIterator[RequestOutput]:
+    async def _on(self, d: AsyncEngine, prompt: list[int], sampling_params: SamplingParams, request_id: str,
+                  policy: RequestPolicy, stream_outputs: bool) -> AsyncIterator[RequestOutput]:
         """The request on decode engine ``d``, its prompt computed by a prefill engine where that pays."""
-        hashes = block_hashes(prompt, d.info.block_size, policy.get("cache_salt"))
+        hashes = block_hashes(prompt, d.info.block_size, policy.cache_salt)
         p = self._pick_prefill(hashes)
         self._in_flight[id(d)] = self._load(d) + 1
         prefill_task: asyncio.Task | None = None
@@ -180,14 +182,14 @@ class DisaggregatedEngines:
         stream = None
         try:
             if p is None:  # no prefill engine up: the decode engine serves it whole
-                stream = d.generate(prompt, sampling, request_id, **policy)
+                stream = d.generate(prompt, sampling_params, request_id, policy, stream_outputs)
                 async for out in stream:
                     yield out
                 return
             pair_id = self._pair(p, d)
             source = KVSource(pair_id, next(self._transfer_ids))
             wanted = d.kv_wanted(request_id)
-            stream = d.generate(prompt, sampling, request_id, kv_source=source, **policy)
+            stream = d.generate(prompt, sampling_params, request_id, policy, stream_outputs, kv_source=source)
             first = asyncio.ensure_future(anext(stream))
             await asyncio.wait({first, wanted}, return_when=asyncio.FIRST_COMPLETED)
             if wanted.done() and wanted.result():
@@ -213,13 +215,13 @@ class DisaggregatedEngines:
                     await prefill_task
 
     async def _prefill(self, p: AsyncEngine, d: AsyncEngine, prompt: list[int], request_id: str, sink: KVSink,
-                       policy: dict) -> None:
+                       policy: RequestPolicy) -> None:
         """Compute the prompt on ``p`` (one token, discarded) so that it sends its blocks; on failure tell ``d``."""
         self._in_flight[id(p)] = self._load(p) + 1
         self._prefixes[id(p)].add(sink.block_hashes)
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         try:
-            async for _ in p.generate(prompt, one, f"{request_id}-prefill", kv_sink=sink, **policy):
+            async for _ in p.generate(prompt, one, f"{request_id}-prefill", policy, stream=False, kv_sink=sink):
                 pass
         except (EngineError, ValueError) as e:
             self.fallbacks += 1

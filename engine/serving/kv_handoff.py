@@ -70,13 +70,13 @@ class KVHandoff:
             prompt = self.engine.prepare_prompt(msg.prompt)
         except ValueError:
             return []  # the caller's add rejects it with the reason
-        if msg.sampling.prompt_logprobs is not None or msg.request_id in self._parked:
+        if msg.sampling_params.prompt_logprobs is not None or msg.request_id in self._parked:
             return []  # prompt logprobs need every prompt position computed here
         bs = self.block_size
         hashes: list[bytes] = []
         for i in range((len(prompt) - 1) // bs):  # the last token is always computed here, for its logits
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt[i * bs:(i + 1) * bs],
-                                            msg.cache_salt))
+                                            msg.policy.cache_salt))
         hits: list[Block] = []
         for h in hashes:
             block = pool.lookup(h)

@@ -16,6 +16,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.config import EngineConfig
+from engine.core.request_policy import RequestPolicy
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.protocol import KVSource
 from gateway.disaggregation import DisaggregatedEngines
@@ -23,6 +24,7 @@ from tests.hf_models import make_hf_model
 
 VOCAB = 211
 BS = 4
+TENANT_A, TENANT_B = RequestPolicy(tenant="a", cache_salt="tenant-a"), RequestPolicy(tenant="b", cache_salt="tenant-b")
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -59,7 +61,7 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
     # Two prompts sharing 4 blocks: the second finds them on the decode engine; 2 or more of its blocks still move.
     prompts.append(shared + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(3, 9))])
     prompts.append(shared + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(10, 14))])
-    short = [rng.randrange(1, VOCAB - 1) for _ in range(5)]  # under local_prefill_tokens: prefilled on the decode engine
+    short = [rng.randrange(1, VOCAB - 1) for _ in range(5)]  # under local_prefill_tokens: computed by the decode engine
     lengths = [rng.randint(3, 8) for _ in range(len(prompts) + 1)]
     llm = LLM(**_settings(path))
     expected = [o.token_ids for o in llm.generate(prompts + [short], [_greedy(n) for n in lengths])]
@@ -73,12 +75,12 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
         try:
             # The first and the two sharing a prefix one after another (so the second finds the first's blocks
             # on the decode engine); the rest at once.
-            first = await _collect(router.generate(prompts[0], _greedy(lengths[0]), cache_salt="tenant-a"))
+            first = await _collect(router.generate(prompts[0], _greedy(lengths[0]), policy=TENANT_A))
             first_bytes = decode.stats.kv_transfer_bytes  # the stats of the step that finished it
             assert first_bytes > 0
-            sequential = [await _collect(router.generate(prompts[i], _greedy(lengths[i]), cache_salt="tenant-a"))
+            sequential = [await _collect(router.generate(prompts[i], _greedy(lengths[i]), policy=TENANT_A))
                           for i in (3, 4)]
-            rest = await asyncio.gather(*(_collect(router.generate(p, _greedy(n), cache_salt="tenant-a"))
+            rest = await asyncio.gather(*(_collect(router.generate(p, _greedy(n), policy=TENANT_A))
                                           for p, n in ((prompts[1], lengths[1]), (prompts[2], lengths[2]),
                                                        (short, lengths[5]))))
             got = [first, rest[0], rest[1], sequential[0], sequential[1], rest[2]]
@@ -95,7 +97,7 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
 
             # Another tenant, the same prompt: no block crosses tenants, every block of it is sent again.
             before = stats.kv_transfer_bytes
-            other = await _collect(router.generate(prompts[0], _greedy(lengths[0]), cache_salt="tenant-b"))
+            other = await _collect(router.generate(prompts[0], _greedy(lengths[0]), policy=TENANT_B))
             assert other == expected_salted
             await asyncio.sleep(1.2)
             assert decode.stats.kv_transfer_bytes - before == first_bytes  # every block again, none shared
