@@ -5,7 +5,7 @@ prefill engine which of its blocks it sends (``save_blocks``, the blocks found b
 learn from ``done`` when a transfer has ended. Blocks are bytes laid out as the engine's cache specs say
 (``engine.kv_transfer.block_io``), so K/V caches and MLA latent caches move the same way. The default
 connector is ``engine.kv_transfer.p2p`` (torch.distributed point-to-point); another transport (NIXL,
-Mooncake's transfer engine) implements the same five calls.
+Mooncake's transfer engine) implements the same calls.
 """
 
 from abc import ABC, abstractmethod
@@ -51,6 +51,10 @@ class KVConnector(ABC):
     def done(self) -> list[TransferResult]:
         """Transfers ended since the last call. A received transfer's blocks are written here, on the caller's
         thread (between steps), never while a step may read them; loads past their timeout end as failed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """End every pair (the engine is stopping)."""
 
     @abstractmethod
     def abort(self, pair_id: str, transfer_id: int) -> None:

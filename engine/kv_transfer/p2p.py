@@ -142,7 +142,14 @@ class P2PConnector(KVConnector):
         return bool(self._loads)
 
     def close(self) -> None:
+        """End every pair's group (a gloo group left to the interpreter's exit aborts the process)."""
         self._closed.set()
+        for p in self._pairs.values():
+            if p.group is not None:
+                try:
+                    p.group.shutdown()
+                except Exception as e:  # a peer already gone: nothing left to end cleanly
+                    logger.debug("KV pair %s: shutdown: %s", p.pair_id, e)
 
 
 class _Pair:
@@ -154,6 +161,7 @@ class _Pair:
         self.rank = rank
         self.address = address
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.group = None  # once formed
         self.thread = threading.Thread(target=self._run, name=f"moegate-kv-{pair_id}", daemon=True)
 
     def _group(self):
@@ -174,6 +182,7 @@ class _Pair:
         c = self.connector
         try:
             store, group = self._group()
+            self.group = group
         except Exception as e:
             logger.error("KV pair %s could not form: %s", self.pair_id, e)
             self._fail(f"the pair could not form: {e}")

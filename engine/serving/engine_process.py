@@ -50,6 +50,8 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
     try:
         _serve(engine, config, threads, requests, replies, handoff)
     finally:  # a failed step, a gone gateway: end this engine's other ranks now, not at their timeout
+        if handoff is not None:
+            handoff.close()
         engine.close(abrupt=True)
 
 

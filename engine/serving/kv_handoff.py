@@ -173,6 +173,9 @@ class KVHandoff:
         else:
             logger.warning("KV transfer %s/%d not sent: %s", result.pair_id, result.transfer_id, result.error)
 
+    def close(self) -> None:
+        self.connector.close()
+
     def fill(self, stats: SchedulerStats) -> SchedulerStats:
         stats.kv_transfers, stats.kv_transfer_bytes = self.transfers, self.bytes
         stats.kv_transfer_seconds, stats.kv_transfer_fallbacks = self.seconds, self.fallbacks
