@@ -295,3 +295,38 @@ def test_preemption_on_the_decode_engine_keeps_greedy_tokens(tmp_path):
             await router.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(240)
+def test_a_remote_decode_engine_started_with_its_role_receives_a_local_prefill_engines_kv(tmp_path):
+    """`moegate engine --listen ... --role decode` (its own process tree, over TCP) paired with a local prefill
+    engine: the same tokens as one engine, the KV moved over the pair."""
+    from engine.serving.remote_engine import RemoteEngine
+    from tests.gateway.serve_process import free_port
+    from tests.gateway.test_remote_engine import KEY, start_engine, stop_engine
+
+    rng = random.Random()
+    path = str(tmp_path / "model")
+    make_hf_model("qwen3_moe", path, seed=rng.randrange(2**31), vocab_size=VOCAB)
+    prompt = [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(30, 60))]
+    expected = LLM(**_settings(path)).generate([prompt], _greedy(8))[0].token_ids
+    port = free_port()
+    flags = ["--dtype", "float32", "--device", "cpu", "--block-size", str(BS), "--num-kv-blocks", "96",
+             "--cpu-threads", "1", "--local-prefill-tokens", "8"]
+    server = start_engine(path, port, "--role", "decode", *flags)
+    try:
+        async def main():
+            prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill")))
+            decode = RemoteEngine(EngineConfig(**_settings(path, role="decode")), ("127.0.0.1", port), KEY.encode(),
+                                  60.0)
+            router = DisaggregatedEngines([prefill], [decode])
+            await router.start()
+            try:
+                assert await _collect(router.generate(prompt, _greedy(8))) == expected
+                assert decode.stats.kv_transfers == 1 and decode.stats.kv_transfer_fallbacks == 0
+            finally:
+                await router.shutdown()
+
+        asyncio.run(main())
+    finally:
+        stop_engine(server)
