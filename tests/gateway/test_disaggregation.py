@@ -265,31 +265,43 @@ def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_met
 
 
 @pytest.mark.timeout(300)
-def test_preemption_on_the_decode_engine_keeps_greedy_tokens(tmp_path):
+def test_preemption_on_both_sides_keeps_greedy_tokens(tmp_path):
     """A decode pool that holds one request's prompt and output but not two: requests that arrived with their
-    KV are preempted while they grow and computed again from the prefix cache; tokens still equal one
-    engine's, and the prefill engine's small steps (chunked prompts) change nothing either."""
+    KV are preempted while they grow and computed again from the prefix cache. A prefill engine with one slot,
+    computing one token a step: a request of a more urgent class preempts the one it is computing. Tokens
+    still equal one engine's."""
     rng = random.Random()
     path = str(tmp_path / "model")
     make_hf_model("mixtral", path, seed=rng.randrange(2**31), vocab_size=VOCAB)
-    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(30, 40))] for _ in range(4)]
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(30, 40))] for _ in range(6)]
     llm = LLM(**_settings(path))
     expected = [o.token_ids for o in llm.generate(prompts, _greedy(24))]
 
     async def main():
-        prefill = AsyncEngine(EngineConfig(**{**_settings(path, role="prefill", max_num_batched_tokens=8),
-                                              "num_kv_blocks": 24}))
+        prefill = AsyncEngine(EngineConfig(**{**_settings(path, role="prefill", max_num_batched_tokens=1),
+                                              "num_kv_blocks": 24, "max_num_seqs": 1}))
         # Each request needs at most (40 + 24) / 4 = 16 blocks: 20 hold one, never two at their ends.
         decode = AsyncEngine(EngineConfig(**{**_settings(path, role="decode", local_prefill_tokens=BS),
                                              "num_kv_blocks": 20}))
         router = DisaggregatedEngines([prefill], [decode])
         await router.start()
         try:
-            got = await asyncio.gather(*(_collect(router.generate(p, _greedy(24))) for p in prompts))
-            assert got == expected
+            got = await asyncio.gather(*(_collect(router.generate(p, _greedy(24))) for p in prompts[:4]))
+            assert got == expected[:4]
             await asyncio.sleep(1.2)
             assert decode.stats.num_preemptions > 0
             assert decode.stats.kv_transfers >= 1
+            assert prefill.stats.num_preemptions == 0  # one at a time, in order
+
+            # A batch-class request's prompt is being computed (30+ steps of one token) when an urgent one comes.
+            batch, urgent = RequestPolicy(priority=2), RequestPolicy(priority=0)
+            slow = asyncio.create_task(_collect(router.generate(prompts[4], _greedy(24), policy=batch)))
+            while not router._load(prefill):
+                await asyncio.sleep(0.001)
+            assert await _collect(router.generate(prompts[5], _greedy(24), policy=urgent)) == expected[5]
+            assert await slow == expected[4]
+            await asyncio.sleep(1.2)
+            assert prefill.stats.num_preemptions > 0
             assert decode.stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
         finally:
             await router.shutdown()
