@@ -3,6 +3,7 @@
   2 aggregated replicas (cache-aware router)  |  1 prefill + 1 decode engine
 
     python -m benchmarks.disaggregation [--streams 8] [--long-tokens 1024] [--burst 2] [--every 3] [--seconds 30]
+                                        [--fault]
 
 The workload: ``--streams`` steady streams (16-token prompts, 96 tokens each, a new one as soon as one ends:
 latency-sensitive chat), and every ``--every`` seconds a burst of ``--burst`` long prompts of
@@ -12,13 +13,17 @@ latency-sensitive chat), and every ``--every`` seconds a burst of ``--burst`` lo
 Every engine is a real engine process (``AsyncEngine``) with one torch thread, so both layouts use two
 processes; requests go through the gateway's router objects in this process (``ReplicaRouter``,
 ``DisaggregatedEngines``; no HTTP). The model is the demo model (random-weight Qwen3-MoE layout, about 8M
-parameters). At the end the decode engine's pool must be back to 0 blocks in use (``leaked``).
+parameters). At the end every pool must be back to 0 blocks in use (``leaked``). ``--fault`` adds a third
+run of 1P+1D whose prefill engine is killed (SIGKILL) halfway, during a burst, and restarted: no request may fail, and no
+block may leak.
 """
 
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
 import statistics
 import tempfile
 import time
@@ -82,6 +87,15 @@ async def _run(router, args, vocab: int, seed: int) -> dict:
             "ttft_p50_ms": 1e3 * _pct(ttft, 0.5), "ttft_p99_ms": 1e3 * _pct(ttft, 0.99), "long_prompts": len(ttft)}
 
 
+async def _kill_and_restart(prefill: AsyncEngine, after_s: float) -> None:
+    """SIGKILL the prefill engine after ``after_s`` and start it again once its death is noticed."""
+    await asyncio.sleep(after_s)
+    os.kill(prefill.pid, signal.SIGKILL)
+    while not prefill.dead:
+        await asyncio.sleep(0.01)
+    await prefill.restart()
+
+
 async def main(args) -> None:
     model = tempfile.mkdtemp(prefix="moegate-disagg-")
     write_demo_model(model, seed=0)
@@ -89,7 +103,8 @@ async def main(args) -> None:
                 max_num_seqs=64, max_num_batched_tokens=args.max_batched_tokens)
     vocab = 200  # token ids from the demo vocabulary's first ids: any id is a valid prompt token
     results = {}
-    for name in ("aggregated x2", "1 prefill + 1 decode"):
+    layouts = ["aggregated x2", "1 prefill + 1 decode"] + (["1P + 1D, prefill killed"] if args.fault else [])
+    for name in layouts:
         if name.startswith("aggregated"):
             engines = [AsyncEngine(EngineConfig(**base)) for _ in range(2)]
             router = ReplicaRouter(engines, ["0", "1"], RouterConfig())
@@ -98,17 +113,28 @@ async def main(args) -> None:
                        AsyncEngine(EngineConfig(**base, role="decode"))]
             router = DisaggregatedEngines(engines[:1], engines[1:])
         await router.start()
+        # Killed 0.3 s into the burst nearest halfway, while it computes those long prompts.
+        kill_at = args.every / 2 + args.every * int(args.seconds / 2 / args.every) + 0.3
+        fault = asyncio.create_task(_kill_and_restart(engines[0], kill_at)) if "killed" in name else None
         try:
             results[name] = await _run(router, args, vocab, seed=1)
+            if fault is not None:
+                await fault
             await asyncio.sleep(1.5)
             results[name]["leaked_blocks"] = sum(e.stats.kv_blocks_used for e in engines)
             if not name.startswith("aggregated"):
+                results[name]["router_fallbacks"] = router.fallbacks
                 d = engines[1].stats
                 results[name].update(transfers=d.kv_transfers, fallbacks=d.kv_transfer_fallbacks,
                                      transfer_mb=round(d.kv_transfer_bytes / 2**20, 1),
                                      transfer_ms_mean=round(1e3 * d.kv_transfer_seconds / max(d.kv_transfers, 1), 1))
         finally:
             await router.shutdown()
+    if args.fault:
+        f = results["1P + 1D, prefill killed"]
+        print(f"prefill killed halfway: {f['long_prompts']} long prompts served, ITL p99 {f['itl_p99_ms']:.1f} ms, "
+              f"TTFT p50 {f['ttft_p50_ms']:.1f} ms, decode-side fallbacks {f['fallbacks']} (router saw "
+              f"{f['router_fallbacks']}), leaked blocks {f['leaked_blocks']}")
     if args.json:
         print(json.dumps(results))
         return
@@ -132,5 +158,6 @@ if __name__ == "__main__":
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--kv-blocks", type=int, default=2048)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--fault", action="store_true", help="add a run whose prefill engine is killed halfway")
     p.add_argument("--json", action="store_true")
     asyncio.run(main(p.parse_args()))
