@@ -211,7 +211,7 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                     if model.extra_layer(name):
                         extra += 1
                         continue
-                    if model.held_elsewhere(name):  # another pipeline stage's layer: never read here
+                    if model.on_other_stage(name):  # another pipeline stage's layer: never read here
                         continue
                     if fp4 is not None and fp4.is_scales(name):
                         continue  # read with its MXFP4 blocks

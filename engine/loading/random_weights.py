@@ -296,7 +296,7 @@ def _init_(model: MoECausalLM, whole: MoECausalLM, device: torch.device, seed: i
                  if isinstance(m, SparseMoeBlock) and m.experts.scheme is not None}
     written = {name: 0 for name in params}
     for name, shape in _checkpoint_tensors(whole):
-        if model.held_elsewhere(name):  # another pipeline stage's
+        if model.on_other_stage(name):  # another pipeline stage's
             continue
         target, rule, match = model.map_weight_name(name)
         if held_elsewhere(target, rule, match, model) or _experts_block(target) in quantized:

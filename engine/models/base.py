@@ -121,22 +121,22 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
 
-class HeldElsewhere(nn.Module):
+class OnOtherStage(nn.Module):
     """A layer (or the embedding, head or final norm) another pipeline stage holds: no parameters here, so
     the checkpoint names of the layers this stage holds stay those of the whole model."""
 
 
 class DecoderStack(nn.Module):
-    """``model.*`` in the checkpoint: embeddings, layers, final norm (each ``HeldElsewhere`` where another
+    """``model.*`` in the checkpoint: embeddings, layers, final norm (each ``OnOtherStage`` where another
     pipeline stage holds it: the embedding on the first stage, the final norm on the last)."""
 
     def __init__(self, config: ModelConfig, layers: list[nn.Module], tp: TensorParallel = SINGLE,
                  stage: PipelineStage = WHOLE) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) \
-            if stage.is_first else HeldElsewhere()
+            if stage.is_first else OnOtherStage()
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else HeldElsewhere()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else OnOtherStage()
 
 
 class MoECausalLM(nn.Module, abc.ABC):
@@ -150,13 +150,13 @@ class MoECausalLM(nn.Module, abc.ABC):
     def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,
                  stage: PipelineStage = WHOLE) -> None:
         """``tp``: this rank's tensor-parallel group; layers hold only this rank's slices of the weights.
-        ``stage``: this rank's pipeline stage; only its layers are built (the others are ``HeldElsewhere``)."""
+        ``stage``: this rank's pipeline stage; only its layers are built (the others are ``OnOtherStage``)."""
         super().__init__()
         self.config = config
         self.tp = tp
         self.stage = stage
         rotary = RotaryEmbedding(config, config.head_dim, max_positions)
-        layers = [self.build_layer(i, rotary, moe_backend) if stage.holds_layer(i) else HeldElsewhere()
+        layers = [self.build_layer(i, rotary, moe_backend) if stage.holds_layer(i) else OnOtherStage()
                   for i in range(config.num_layers)]
         self.model = DecoderStack(config, layers, tp, stage)
         # Vocabulary-parallel like the embeddings: each rank computes its rows' logits, then they are gathered.
@@ -166,7 +166,7 @@ class MoECausalLM(nn.Module, abc.ABC):
             if config.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
         else:
-            self.lm_head = HeldElsewhere()
+            self.lm_head = OnOtherStage()
 
     @abc.abstractmethod
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
@@ -179,7 +179,7 @@ class MoECausalLM(nn.Module, abc.ABC):
 
     def local_layers(self) -> list[DecoderLayer]:
         """The decoder layers this rank holds (every layer unless pipelined)."""
-        return [layer for layer in self.model.layers if not isinstance(layer, HeldElsewhere)]
+        return [layer for layer in self.model.layers if not isinstance(layer, OnOtherStage)]
 
     def attention_layers(self) -> list[nn.Module]:
         """Each local layer's attention: an ``Attention`` or an ``MLAttention`` (both expose ``cache_spec()``)."""
@@ -212,7 +212,7 @@ class MoECausalLM(nn.Module, abc.ABC):
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, :self.config.vocab_size]  # [N, V]
 
-    def held_elsewhere(self, name: str) -> bool:
+    def on_other_stage(self, name: str) -> bool:
         """True for a checkpoint tensor another pipeline stage holds (another stage's layer, or the embedding,
         LM head or final norm off this stage): this rank never reads it."""
         if not self.stage.pipelined:
