@@ -142,3 +142,17 @@ def test_a_dead_stage_fails_the_engine_within_the_timeout_naming_the_rank(tmp_pa
     assert value["error"] is not None and "rank 0 of 2" in value["error"], value
     assert value["elapsed"] < 10, value
     assert value["again"] == value["first"] and len(value["first"]) == 4  # a fresh engine serves the same tokens
+
+
+def test_a_pipeline_that_does_not_fit_the_model_is_refused_before_any_process_starts(tmp_path):
+    from engine.core.config import EngineConfig
+    from engine.loading.model_check import check_model
+
+    make_hf_model("mixtral", str(tmp_path), seed=random.randrange(2**31), vocab_size=VOCAB, num_layers=2)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size \(3\) exceeds the model's 2 layers"):
+        check_model(EngineConfig(model=str(tmp_path), device="cpu", pipeline_parallel_size=3))
+    check_model(EngineConfig(model=str(tmp_path), device="cpu", pipeline_parallel_size=2))  # one layer a stage
+    for bad in (dict(pipeline_parallel_size=0), dict(pipeline_micro_batches=0),
+                dict(pipeline_parallel_size=2, speculative="ngram")):
+        with pytest.raises(ValueError, match="pipeline"):
+            EngineConfig(model=str(tmp_path), **bad)
