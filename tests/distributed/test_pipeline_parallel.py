@@ -1,4 +1,4 @@
-"""An engine split into 2 pipeline stages (and 2 stages of 2 tensor-parallel ranks), on gloo with 1 thread per
+"""An engine split into 2 pipeline stages (and 2 stages of 2 tensor-parallel ranks, experts divided or split), on gloo with 1 thread per
 process, generates exactly the single-process engine's greedy tokens for a workload that prefills in chunks,
 preempts, hits the prefix cache and has steps where a micro-batch is empty; each stage holds only its layers; a
 stage killed mid-run fails the engine within the timeout, naming the rank."""
@@ -45,12 +45,12 @@ def test_micro_batches_cut_parts_into_pieces_that_cover_them_in_order():
             assert len({id(p.block_ids) for p in mb}) == len(mb)
 
 
-def _generate_each_way(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens):
+def _generate_each_way(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, modes):
     from engine import LLM, SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     results = {}
-    for name, extra in {"single": {}, **MODES}.items():
+    for name, extra in {"single": {}, **modes}.items():
         llm = LLM(model_dir, **ENGINE, **extra)
         try:
             results[name] = [out.token_ids for out in llm.generate(prompts, params)]
@@ -74,10 +74,17 @@ def pipeline_runs(tmp_path_factory):
         shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
         prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 2, 13)]
         prompts += [shared + [3], shared + [5, 7]]
-        runs[family] = (model_dir, prompts, [6, 6, 5, 6, 6, 11])
+        runs[family] = (model_dir, prompts, [6, 6, 5, 6, 6, 11], modes_of(family))
         seeds[family] = seed
     results = run_ranks_each(_generate_each_way, 1, runs, timeout_s=560)
     return {family: (seeds[family], results[family].get(0, ("missing", None))) for family in runs}
+
+
+def modes_of(family: str) -> dict:
+    """The ways a family runs: every family PP and PP x TP; one also with the experts divided in each stage."""
+    if family == "qwen3_moe":
+        return {**MODES, "pp_ep": dict(pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)}
+    return MODES
 
 
 @pytest.mark.timeout(600)  # the first family's test builds every family's results (module fixture)
@@ -88,12 +95,12 @@ def test_pipeline_stages_generate_the_single_process_tokens(family, pipeline_run
     single = value["single"]
     preemptions, hits = value["single:stats"]
     assert preemptions > 0 and hits > 0, f"the workload must preempt and hit the prefix cache (seed={seed})"
-    for name in MODES:
+    for name, mode in modes_of(family).items():
         assert value[name] == single, f"{name} differs from one process (family={family} seed={seed})"
         assert value[name + ":stats"] == value["single:stats"], f"{name} family={family} seed={seed}"
         timings = value[name + ":timings"]
-        stages = 2 * MODES[name].get("tensor_parallel_size", 1)
-        assert [t[0] for t in timings] == sorted([s // (stages // 2) for s in range(stages)])
+        ranks = 2 * mode.get("tensor_parallel_size", 1)
+        assert [t[0] for t in timings] == [r // (ranks // 2) for r in range(ranks)]  # world rank order
         assert all(t[1] == timings[0][1] > 0 for t in timings)  # every rank ran every step
         assert timings[0][2] > 0, "some step must have had an empty micro-batch (a decode of one token)"
         # Stage 0 holds the embedding, LM head and one of the two layers: well under the whole model.
