@@ -4,7 +4,8 @@ them, form the groups, stop them.
 The world is ``data_parallel_size`` replicas of ``tensor_parallel_size`` ranks
 each (one replica and its split ranks, or several replicas sharing their
 experts): replica d is world ranks [d*T, (d+1)*T), and its rank 0 is the engine
-process that schedules for it. The other ranks are ordinary processes running
+process that schedules for it. A pipelined engine (one replica) is
+``pipeline_parallel_size`` stages of T ranks: stage s is world ranks [s*T, (s+1)*T). The other ranks are ordinary processes running
 ``engine.distributed.follower`` with the standard ``torchrun`` variables
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
 so ranks on other nodes are started the same way, by ``torchrun`` or by hand
@@ -46,7 +47,7 @@ class ParallelGroups:
     tp: TensorParallel
     drivers: TensorParallel | None
     # The group the engine process's plans (and its config) go over: its tensor-parallel ranks, or every stage's.
-    plans: TensorParallel | None = None
+    plans: TensorParallel
     stage: PipelineStage = field(default_factory=PipelineStage)
 
 
