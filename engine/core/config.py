@@ -85,6 +85,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """ranks (processes, one device each) the model is split over: attention heads, MLPs, experts,
     vocabulary; rank 0 schedules and broadcasts each step's plan (``engine.distributed``)"""
+    pipeline_parallel_size: int = 1
+    """stages the model's layers are split over, each of ``tensor_parallel_size`` ranks (world: the
+    product): a stage holds only its layers and their KV cache and sends (hidden, residual) on to the next;
+    the first stage also holds the embedding, the LM head and the sampler (``engine.distributed.pipeline``)"""
+    pipeline_micro_batches: int = 4
+    """pieces (by token ranges) each step is cut into so that the stages work on different pieces at once"""
     enable_expert_parallel: bool = False
     """divide the routed experts whole among the ranks instead of splitting each one"""
     expert_dispatch: str = "all_to_all"
@@ -94,7 +100,7 @@ class EngineConfig:
     """tcp://HOST:PORT where the ranks meet (default: a free port on this node, every rank here); independent
     replicas split over ranks meet at PORT + their index"""
     local_ranks: int | None = None
-    """ranks this node starts of each engine's ``tensor_parallel_size`` (default all; with
+    """ranks this node starts of each engine's ``pipeline_parallel_size`` x ``tensor_parallel_size`` (default all; with
     ``data_parallel_size``, of this replica's); the others run `moegate engine-rank` elsewhere"""
     distributed_timeout_s: float = 30.0
     """seconds a collective may take before the step fails with a message naming the rank, and the engine
@@ -142,6 +148,11 @@ class EngineConfig:
     prefix cache (short prompts, mostly cached ones): a transfer would cost more than it saves"""
 
     @property
+    def engine_ranks(self) -> int:
+        """Ranks (processes) of one engine: ``pipeline_parallel_size`` x ``tensor_parallel_size``."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
     def speculative_config(self) -> SpeculativeConfig | None:
         """Speculative decoding's settings, or None when it is off."""
         if self.speculative is None:
@@ -168,12 +179,19 @@ class EngineConfig:
                 raise ValueError("data-parallel engines meet at distributed_init_method (tcp://HOST:PORT)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_micro_batches < 1:
+            raise ValueError(f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
+        if self.pipeline_parallel_size > 1 and (self.data_parallel_size > 1 or self.speculative is not None):
+            raise ValueError("pipeline_parallel_size > 1 runs one engine without speculative decoding "
+                             "(data_parallel_size 1, speculative off)")
         if self.expert_dispatch not in EXPERT_DISPATCH:
             raise ValueError(f"expert_dispatch must be one of {EXPERT_DISPATCH}, got {self.expert_dispatch!r}")
-        if self.local_ranks is not None and not 1 <= self.local_ranks <= self.tensor_parallel_size:
-            raise ValueError(f"local_ranks must be between 1 and tensor_parallel_size ({self.tensor_parallel_size}), "
-                             f"got {self.local_ranks}")
-        if self.local_ranks is not None and self.local_ranks < self.tensor_parallel_size and not self.distributed_init_method:
+        if self.local_ranks is not None and not 1 <= self.local_ranks <= self.engine_ranks:
+            raise ValueError(f"local_ranks must be between 1 and pipeline_parallel_size x tensor_parallel_size "
+                             f"({self.engine_ranks}), got {self.local_ranks}")
+        if self.local_ranks is not None and self.local_ranks < self.engine_ranks and not self.distributed_init_method:
             raise ValueError("ranks on other nodes need distributed_init_method (tcp://HOST:PORT reachable from them)")
         if self.distributed_init_method is not None:
             meeting_address(self.distributed_init_method)  # ValueError for a malformed one
