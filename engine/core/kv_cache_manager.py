@@ -1,7 +1,19 @@
-"""Per-request block tables over the block pool, with prefix-cache lookups."""
+"""Per-request block tables over the block pool, with prefix-cache lookups (device, then the outer tiers)."""
+
+from typing import Protocol
 
 from engine.core.block_pool import Block, BlockPool, hash_block_tokens
 from engine.core.request import Request
+
+
+class PrefixTiers(Protocol):
+    """The prefix-cache tiers below the device pool, as the scheduler sees them (``engine.kv_tiers.store``)."""
+
+    def lookup(self, block_hashes: list[bytes], tenant: str, may_wait: bool) -> tuple[list[bytes], bool]: ...
+
+    def claim(self, tenant: str, block_hashes: list[bytes]) -> None: ...
+
+    def release(self, block_hashes: list[bytes]) -> None: ...
 
 
 class KVCacheManager:
@@ -11,10 +23,17 @@ class KVCacheManager:
     they are returned. Full blocks get a chained hash once their KV is written.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, tiers: PrefixTiers | None = None) -> None:
+        """``tiers``: host and disk tiers below the pool (None: blocks evicted from the pool are dropped)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
+        self.tiers = tiers if enable_caching else None
+        if self.tiers is not None:
+            self.pool.evicted = []
+        # (block id, hash, tenant) of blocks to fill from the host tier before the next forward.
+        self.loads: list[tuple[int, bytes, str]] = []
+        self._waited: set[str] = set()  # requests that already waited once for blocks read from disk
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks, in order
         self.prefix_query_tokens = 0
@@ -55,19 +74,55 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def find_tier_prefix(self, request: Request, num_device_hits: int) -> list[bytes] | None:
+        """Hashes of the blocks after the device's hits that the host tier holds (pinned: pass them to
+        ``allocate_slots`` or ``release_tier_hits``), or None: the request waits a step or more while its
+        blocks are read from disk (once; after that it takes what the host has)."""
+        if self.tiers is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)[num_device_hits:]
+        if not hashes:
+            return []
+        may_wait = request.request_id not in self._waited
+        found, wait = self.tiers.lookup(hashes, request.tenant, may_wait)
+        if wait:
+            self._waited.add(request.request_id)
+            return None
+        return found
+
+    def release_tier_hits(self, tier_hits: list[bytes]) -> None:
+        if tier_hits:
+            self.tiers.release(tier_hits)
+
+    def take_transfers(self) -> tuple[list[tuple[int, bytes, str]], list[tuple[int, bytes, str]]]:
+        """(blocks to save, blocks to load) since the last call: the runner does both before the step's forward,
+        saves first (a block evicted this step may be a load's target)."""
+        if self.tiers is None:
+            return [], []
+        saves, self.pool.evicted = self.pool.evicted, []
+        loads, self.loads = self.loads, []
+        return saves, loads
+
     def record_prefix_hit(self, request: Request, num_cached_tokens: int) -> None:
         """Count one admission's prefix lookup (once, however often admission retried)."""
         if self.enable_caching:
             self.prefix_query_tokens += request.num_tokens
             self.prefix_hit_tokens += num_cached_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more tokens; False (and no change) if the pool is short."""
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] | None = None,
+                       tier_hits: list[bytes] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; False (and no change) if the pool is short.
+
+        ``tier_hits``: hashes of the blocks after ``cached_prefix`` found in the host tier; they get new blocks,
+        filled from the host before the next forward (``take_transfers``)."""
         held = self._blocks.get(request.request_id, [])
         cached_prefix = cached_prefix or []
-        assert not (held and cached_prefix), "prefix hits only apply to a request with no blocks"
-        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        tier_hits = tier_hits or []
+        assert not (held and (cached_prefix or tier_hits)), "prefix hits only apply to a request with no blocks"
+        num_computed = request.num_computed_tokens + (len(cached_prefix) + len(tier_hits)) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(cached_prefix)
+        assert needed >= len(tier_hits)
         # Reviving cached blocks that sit in the free queue also consumes free blocks.
         revived = sum(1 for b in cached_prefix if b.ref_count == 0)
         if needed + revived > self.pool.num_free_blocks:
@@ -76,6 +131,9 @@ class KVCacheManager:
             self.pool.acquire(cached_prefix)
         new_blocks = self.pool.allocate(max(needed, 0))
         self._blocks[request.request_id] = held + cached_prefix + new_blocks
+        if tier_hits:
+            self.tiers.claim(request.tenant, tier_hits)
+            self.loads.extend((b.block_id, h, request.tenant) for b, h in zip(new_blocks, tier_hits))
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -89,7 +147,7 @@ class KVCacheManager:
             if blocks[i].block_hash is not None:
                 break  # everything before it was registered in an earlier step
             if i < len(hashes):
-                self.pool.register(blocks[i], hashes[i])
+                self.pool.register(blocks[i], hashes[i], request.tenant)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Return the request's blocks past the first ``num_tokens`` tokens' (speculative decoding's rejected
@@ -106,4 +164,6 @@ class KVCacheManager:
         """Return every block of the request; full blocks stay cached until evicted."""
         blocks = self._blocks.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
+        if request.is_finished:
+            self._waited.discard(request.request_id)
         self.pool.release(list(reversed(blocks)))

@@ -5,6 +5,19 @@ import msgspec
 EXPERT_LOAD_EVERY_CUDA = 32
 
 
+class TierStats(msgspec.Struct, array_like=True):
+    """One prefix-cache tier's cumulative counters for one tenant (``engine.kv_tiers.counters``): block lookups
+    found and not found there, bytes written to and read from it, blocks evicted from it."""
+
+    tier: str  # "host" or "disk"
+    tenant: str
+    hits: int
+    misses: int
+    bytes_in: int
+    bytes_out: int
+    evictions: int
+
+
 class SchedulerStats(msgspec.Struct):
     num_running: int
     num_waiting_by_rank: dict[int, int]
@@ -36,6 +49,8 @@ class SchedulerStats(msgspec.Struct):
     step_schedule_ms: float = 0.0
     step_prepare_ms: float = 0.0
     step_execute_ms: float = 0.0
+    # Prefix-cache tiers below the pool, per tier and tenant (empty when off).
+    cache_tiers: list[TierStats] = []
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -1,0 +1,214 @@
+"""The tiers together: what the scheduler asks (which blocks of a prefix the tiers hold) and what the runner
+does between steps (save blocks leaving the device pool, load hits back).
+
+Flow of one block:
+- it leaves the device pool (evicted from the pool's free queue to be reused): the step that reuses it first
+  saves it into a host slot (``save``), then the disk writer thread writes it to a file (write-through
+  from host, so the disk tier holds everything the host tier got and survives a restart);
+- a prefix lookup (``lookup``) continues past the device's hits into host; a block found only on disk is read
+  into a host slot by the reader thread, and the request waits for it (``lookup`` says wait; the scheduler
+  admits it at a later step), while every other request keeps stepping;
+- an admitted request's host hits are pinned (never evicted) until the runner copies them into its new device
+  blocks, before the forward of the step that admitted it (``load``).
+
+Thread safety: the scheduler and the runner call from the engine's thread (on the CPU with overlapped steps,
+``save``/``load`` run on the step worker); the writer and reader threads touch the host index under ``lock``.
+"""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from engine.kv_tiers.block_copier import BlockCopier
+from engine.kv_tiers.counters import TierCounters
+from engine.kv_tiers.disk_tier import DiskTier
+from engine.kv_tiers.host_tier import HostTier
+from engine.kv_tiers.keys import tier_key
+
+# A lookup reads at most this share of the host tier's slots from disk for one request (so promotions of a
+# long prefix cannot evict each other before the request is admitted).
+PROMOTE_SHARE = 0.5
+
+
+class TieredStore:
+    """Host (and optionally disk) tiers over one engine's KV caches."""
+
+    def __init__(self, copier: BlockCopier, fingerprint: bytes, host_bytes: int, disk_dir: str | None = None,
+                 disk_bytes: int = 0) -> None:
+        self.copier = copier
+        self.fingerprint = fingerprint
+        self.block_bytes = copier.block_bytes
+        self.host = HostTier(host_bytes, self.block_bytes, pin_memory=copier.device.type == "cuda")
+        self.disk = DiskTier(disk_dir, disk_bytes, self.block_bytes) if disk_dir else None
+        self.lock = threading.RLock()
+        self.counters = TierCounters()
+        self.shares: dict[str, float] = {}  # tenant -> share of each tier (absent: shared LRU)
+        self._promoting: set[bytes] = set()  # keys being read from disk into host slots
+        self._loading: list[tuple[object | None, list[bytes]]] = []  # (copy event, hashes) of loads in flight
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="moegate-tier-write") if self.disk else None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="moegate-tier-read") if self.disk else None
+
+    def key(self, block_hash: bytes) -> bytes:
+        return tier_key(self.fingerprint, block_hash)
+
+    # ---- the scheduler's side (plain data in, plain data out) ---------------
+    def set_share(self, tenant: str, share: float | None) -> None:
+        """The tenant's share of each tier (0 < share <= 1) from its policy; None: shared LRU."""
+        with self.lock:
+            if share is None:
+                self.shares.pop(tenant, None)
+            else:
+                self.shares[tenant] = share
+
+    def lookup(self, block_hashes: list[bytes], tenant: str, may_wait: bool) -> tuple[list[bytes], bool]:
+        """The leading run of ``block_hashes`` the host tier holds, pinned for loading (``claim`` or ``release``
+        them), and whether the request should wait: the run continues on disk and reading it has started
+        (only with ``may_wait``). Waiting pins nothing."""
+        with self.lock:
+            self._retire_loads()
+            found: list[bytes] = []
+            for block_hash in block_hashes:
+                key = self.key(block_hash)
+                if key in self._promoting:
+                    if may_wait:
+                        self._unpin(found)
+                        return [], True
+                    break
+                slot = self.host.slot_of(key)
+                if slot is None:
+                    self.counters.add("host", tenant, "misses")
+                    if self.disk is not None and may_wait and self._promote(block_hashes[len(found):], tenant):
+                        self._unpin(found)
+                        return [], True
+                    if self.disk is not None:
+                        self.counters.add("disk", tenant, "misses")
+                    break
+                self.host.index.get(key).pins += 1
+                found.append(block_hash)
+            return found, False
+
+    def claim(self, tenant: str, block_hashes: list[bytes]) -> None:
+        """Count the hits of an admitted request (the runner unpins them once loaded)."""
+        with self.lock:
+            self.counters.add("host", tenant, "hits", len(block_hashes))
+
+    def release(self, block_hashes: list[bytes]) -> None:
+        """Unpin hits of a request that was not admitted after all."""
+        with self.lock:
+            self._unpin(block_hashes)
+
+    def _unpin(self, block_hashes: list[bytes]) -> None:
+        for block_hash in block_hashes:
+            entry = self.host.index.get(self.key(block_hash), touch=False)
+            entry.pins -= 1
+
+    def _promote(self, block_hashes: list[bytes], tenant: str) -> bool:
+        """Start reading the leading run of ``block_hashes`` that is on disk into host slots; False if the first
+        is not on disk."""
+        limit = max(1, int(self.host.num_slots * PROMOTE_SHARE))
+        keys = []
+        for block_hash in block_hashes[:limit]:
+            key = self.key(block_hash)
+            if key in self.host.index or key in self._promoting or not self.disk.contains(key):
+                break
+            keys.append(key)
+        if not keys:
+            return False
+        self._promoting.update(keys)
+        self._reader.submit(self._read_from_disk, keys, tenant)
+        return True
+
+    def _read_from_disk(self, keys: list[bytes], tenant: str) -> None:
+        """Reader thread: each block from its file into a host slot, in chain order, stopping at the first that is
+        missing or corrupt (a corrupt file is deleted by ``DiskTier.read``)."""
+        try:
+            for i, key in enumerate(keys):
+                got = self.disk.read(key)
+                if got is None:
+                    self.counters.add("disk", tenant, "misses")
+                    break
+                owner, payload = got
+                with self.lock:
+                    slot, evicted = self.host.reserve(key, owner, self.shares.get(owner))
+                    self._count_evictions("host", evicted)
+                    if slot is None:
+                        break
+                    self.host.slab[slot].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+                    self.counters.add("disk", owner, "hits")
+                    self.counters.add("disk", owner, "bytes_out", len(payload))
+                    self.counters.add("host", owner, "bytes_in", len(payload))
+                    self._promoting.discard(key)
+        finally:
+            with self.lock:
+                self._promoting.difference_update(keys)
+
+    # ---- the runner's side (between steps, before the forward) --------------
+    def save(self, blocks: list[tuple[int, bytes, str]]) -> None:
+        """Copy (block id, block hash, tenant) leaving the device pool into host slots (write-through to disk)."""
+        pairs, written = [], []
+        with self.lock:
+            for block_id, block_hash, tenant in blocks:
+                key = self.key(block_hash)
+                if self.host.slot_of(key) is not None or key in self._promoting:
+                    continue  # the host already has these bytes (it was loaded from there)
+                slot, evicted = self.host.reserve(key, tenant, self.shares.get(tenant))
+                self._count_evictions("host", evicted)
+                if slot is None:
+                    continue
+                pairs.append((block_id, self.host.slab[slot]))
+                self.counters.add("host", tenant, "bytes_in", self.block_bytes)
+                if self._writer is not None and not self.disk.contains(key):
+                    self.host.index.get(key).pins += 1  # the writer reads the slot
+                    written.append((key, tenant, slot))
+        done = self.copier.save(pairs)
+        for key, tenant, slot in written:
+            self._writer.submit(self._write_to_disk, key, tenant, slot, done)
+
+    def _write_to_disk(self, key: bytes, tenant: str, slot: int, done) -> None:
+        if done is not None:
+            done.synchronize()
+        payload = self.host.slab[slot].numpy().tobytes()
+        with self.lock:
+            self.host.index.get(key, touch=False).pins -= 1
+            share = self.shares.get(tenant)
+        evicted = self.disk.write(key, tenant, payload, share)
+        with self.lock:
+            self.counters.add("disk", tenant, "bytes_in", len(payload))
+            self._count_evictions("disk", evicted)
+
+    def load(self, blocks: list[tuple[int, bytes, str]]) -> None:
+        """Copy pinned host hits (block id, block hash, tenant) into their new device blocks, then unpin them."""
+        with self.lock:
+            pairs = []
+            for block_id, block_hash, tenant in blocks:
+                slot = self.host.slot_of(self.key(block_hash))
+                pairs.append((self.host.slab[slot], block_id))
+                self.counters.add("host", tenant, "bytes_out", self.block_bytes)
+            done = self.copier.load(pairs)
+            # The rows stay pinned until the copies have read them (at once on the CPU).
+            self._loading.append((done, [h for _, h, _ in blocks]))
+            self._retire_loads()
+
+    def _retire_loads(self) -> None:
+        still = []
+        for done, hashes in self._loading:
+            if done is None or done.query():
+                self._unpin(hashes)
+            else:
+                still.append((done, hashes))
+        self._loading = still
+
+    def _count_evictions(self, tier: str, evicted: list) -> None:
+        for _, entry in evicted:
+            self.counters.add(tier, entry.tenant, "evictions")
+
+    def flush(self) -> None:
+        """Wait for the disk writes queued so far (tests; engine shutdown)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._reader.shutdown(wait=True)
