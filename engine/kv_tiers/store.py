@@ -63,18 +63,16 @@ class TieredStore:
 
     def lookup(self, block_hashes: list[bytes], tenant: str, may_wait: bool) -> tuple[list[bytes], bool]:
         """The leading run of ``block_hashes`` the host tier holds, pinned for loading (``claim`` or ``release``
-        them), and whether the request should wait: the run continues on disk and reading it has started
-        (only with ``may_wait``). Waiting pins nothing."""
+        them), and whether the request should wait: the run continues on blocks being read from disk (a read
+        is started here only with ``may_wait``). Waiting pins nothing."""
         with self.lock:
             self._retire_loads()
             found: list[bytes] = []
             for block_hash in block_hashes:
                 key = self.key(block_hash)
-                if key in self._promoting:
-                    if may_wait:
-                        self._unpin(found)
-                        return [], True
-                    break
+                if key in self._promoting:  # a read started for this request (or another): wait for it
+                    self._unpin(found)
+                    return [], True
                 slot = self.host.slot_of(key)
                 if slot is None:
                     self.counters.add("host", tenant, "misses")
@@ -159,18 +157,24 @@ class TieredStore:
                 pairs.append((block_id, self.host.slab[slot]))
                 self.counters.add("host", tenant, "bytes_in", self.block_bytes)
                 if self._writer is not None and not self.disk.contains(key):
-                    self.host.index.get(key).pins += 1  # the writer reads the slot
                     written.append((key, tenant, slot))
+                    if self.copier.stream is not None:  # CUDA: pinned until the writer has read the slot
+                        self.host.index.get(key).pins += 1
         done = self.copier.save(pairs)
         for key, tenant, slot in written:
-            self._writer.submit(self._write_to_disk, key, tenant, slot, done)
+            if done is None:  # the CPU copied already: the writer gets the bytes, the slot stays free to reuse
+                self._writer.submit(self._write_to_disk, key, tenant, self.host.slab[slot].numpy().tobytes())
+            else:  # CUDA: the writer reads the slot once the copy's event is done
+                self._writer.submit(self._write_to_disk, key, tenant, (slot, done))
 
-    def _write_to_disk(self, key: bytes, tenant: str, slot: int, done) -> None:
-        if done is not None:
+    def _write_to_disk(self, key: bytes, tenant: str, payload) -> None:
+        if not isinstance(payload, bytes):
+            slot, done = payload
             done.synchronize()
-        payload = self.host.slab[slot].numpy().tobytes()
+            payload = self.host.slab[slot].numpy().tobytes()
+            with self.lock:
+                self.host.index.get(key, touch=False).pins -= 1
         with self.lock:
-            self.host.index.get(key, touch=False).pins -= 1
             share = self.shares.get(tenant)
         evicted = self.disk.write(key, tenant, payload, share)
         with self.lock:

@@ -1,0 +1,152 @@
+"""Prefix-cache tiers below the device pool (host memory, disk): they change where cached blocks come from,
+never what is generated, and never cross tenants."""
+
+import os
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.hf_models import make_hf_model
+
+BLOCK = 8
+HOST_GB = 0.002  # a few hundred blocks of these tiny models: nothing is evicted from host unless a test asks
+
+
+def _engine(**kwargs):
+    """An engine kept alive by its LLM (an LLM closes its engine when collected)."""
+    llm = LLM(**kwargs)
+    llm.engine.llm = llm
+    return llm.engine
+
+
+def _greedy(max_tokens):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _run(engine, prompts, tenant="acme", max_tokens=5, share=None):
+    """Run every prompt at once as ``tenant`` (its cache salt too); outputs in prompt order."""
+    ids = [engine.add_request(p, _greedy(max_tokens), cache_salt=tenant, tenant=tenant, cache_share=share)
+           for p in prompts]
+    whole = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            whole[o.request_id] = o if o.request_id not in whole else whole[o.request_id].merge(o)
+    return [whole[i] for i in ids]
+
+
+def _tier(engine, tier, tenant, field):
+    return sum(getattr(s, field) for s in engine.stats().cache_tiers if s.tier == tier and s.tenant == tenant)
+
+
+def _check_capacity(engine):
+    for index in [engine.tiers.host.index] + ([engine.tiers.disk.index] if engine.tiers.disk else []):
+        assert index.used == sum(e.size for e in index.entries.values()) <= index.capacity
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family,overlap", [("qwen2_moe", False), ("mixtral", True), ("deepseek_v2", False),
+                                            ("olmoe", False)])
+def test_tiers_on_equals_off(tmp_path, family, overlap):
+    """A pool too small for the workload: chunked prefill and preemption in every wave (asserted), evicted
+    prefixes come back from the host tier, and every greedy token equals the engine without tiers."""
+    torch.set_num_threads(1)
+    seed = random.randrange(2**31)
+    make_hf_model(family, str(tmp_path), seed=seed)
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 200) for _ in range(3 * BLOCK + 2)]
+    first = [system + [rng.randrange(1, 200) for _ in range(rng.randint(6, 20))] for _ in range(4)]
+    fresh = [[rng.randrange(1, 200) for _ in range(40)] for _ in range(3)]
+    settings = dict(model=str(tmp_path), block_size=BLOCK, num_kv_blocks=14, max_num_batched_tokens=24,
+                    overlap_scheduling=overlap)
+    assert max(len(p) for p in first) > settings["max_num_batched_tokens"]  # chunked prefill, by construction
+    outs = {}
+    for tiers in (False, True):
+        engine = _engine(**settings, host_cache_gb=HOST_GB if tiers else 0.0)
+        waves = [_run(engine, first), _run(engine, fresh), _run(engine, first)]
+        outs[tiers] = [o.token_ids for wave in waves for o in wave]
+        assert engine.scheduler.num_preemptions > 0, f"seed={seed}: the workload must preempt"
+        if tiers:
+            assert _tier(engine, "host", "acme", "hits") > 0, f"seed={seed}"
+            assert sum(o.num_cached_tokens for o in waves[2]) > sum(o.num_cached_tokens for o in waves[0])
+            _check_capacity(engine)
+        engine.scheduler.kv.pool.check_all_free()
+        engine.close()
+    assert outs[True] == outs[False], f"seed={seed}"
+
+
+@pytest.mark.timeout(600)
+def test_host_disk_restart_tenants_layouts_and_corruption(tmp_path):
+    """One workload through every tier: host after the pool was flushed, disk after a restart, never another
+    tenant's blocks, never another model's or dtype's, never a corrupt file."""
+    torch.set_num_threads(1)
+    seed = random.randrange(2**31)
+    model, other_model, disk = str(tmp_path / "m"), str(tmp_path / "m2"), str(tmp_path / "disk")
+    make_hf_model("qwen3_moe", model, seed=seed)
+    make_hf_model("qwen3_moe", other_model, seed=seed + 1)  # the same shapes, other weights
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 200) for _ in range(5 * BLOCK + 3)]
+    fillers = [[rng.randrange(1, 200) for _ in range(6 * BLOCK)] for _ in range(3)]
+    full = (len(prompt) - 1) // BLOCK * BLOCK  # a full hit: every block but the one with the last token
+    settings = dict(block_size=BLOCK, num_kv_blocks=16, host_cache_gb=HOST_GB, disk_cache_dir=disk,
+                    disk_cache_gb=0.01)
+    reference = _run(_engine(model=model, block_size=BLOCK, num_kv_blocks=64), [prompt])[0].token_ids
+
+    engine = _engine(model=model, **settings)
+    assert _run(engine, [prompt])[0].num_cached_tokens == 0
+    for filler in fillers:  # flush the device pool: every block of the prompt is evicted (to host)
+        _run(engine, [filler], tenant="filler")
+    assert not any(engine.scheduler.kv.pool.lookup(h) for h in engine.scheduler.kv._block_hashes(
+        _probe(prompt, "acme"), len(prompt) // BLOCK))
+    again = _run(engine, [prompt])[0]
+    assert again.token_ids == reference and again.num_cached_tokens == full
+    assert _tier(engine, "host", "acme", "hits") == full // BLOCK
+    for filler in fillers:
+        _run(engine, [filler], tenant="filler")
+    stranger = _run(engine, [prompt], tenant="intruder")[0]
+    assert stranger.token_ids == reference and stranger.num_cached_tokens == 0
+    assert _tier(engine, "host", "intruder", "hits") == _tier(engine, "disk", "intruder", "hits") == 0
+    _check_capacity(engine)
+    engine.tiers.flush()
+    engine.close()
+
+    restarted = _engine(model=model, **settings)  # an empty pool and host tier: only the disk remembers
+    assert _run(restarted, [prompt], tenant="intruder")[0].num_cached_tokens == 0
+    assert _tier(restarted, "disk", "intruder", "hits") == 0
+    back = _run(restarted, [prompt])[0]
+    assert back.token_ids == reference and back.num_cached_tokens == full
+    assert _tier(restarted, "disk", "acme", "hits") == full // BLOCK
+    _check_capacity(restarted)
+    restarted.tiers.flush()
+    restarted.close()
+
+    for other in (dict(model=other_model), dict(model=model, dtype="bfloat16")):
+        engine = _engine(**other, **settings)
+        out = _run(engine, [prompt])[0]
+        assert out.num_cached_tokens == 0, other
+        assert _tier(engine, "disk", "acme", "hits") == 0 and _tier(engine, "host", "acme", "hits") == 0
+        engine.close()
+
+    files = sorted(os.listdir(disk))
+    assert files
+    for i, name in enumerate(files):  # flip a payload byte in some, truncate the others
+        path = os.path.join(disk, name)
+        data = bytearray(open(path, "rb").read())
+        if i % 2:
+            data[-1] ^= 0xFF
+        else:
+            data = data[:len(data) - 7]
+        open(path, "wb").write(bytes(data))
+    engine = _engine(model=model, **settings)
+    out = _run(engine, [prompt])[0]
+    assert out.token_ids == reference and out.num_cached_tokens == 0
+    assert engine.tiers.disk.num_deleted_corrupt >= 1 and _tier(engine, "disk", "acme", "hits") == 0
+    engine.tiers.flush()
+    engine.close()
+
+
+def _probe(prompt, salt):
+    from engine.core.request import Request
+
+    return Request("probe", prompt, _greedy(1), 1, cache_salt=salt)
