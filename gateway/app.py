@@ -234,6 +234,7 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
             engine, prompts, params, rid, output_view(body),
             cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
             preemptible=cls.preemptible, may_preempt=cls.may_preempt, order_in_rank=order_in_rank(body),
+            cache_share=grant.cache_share,
         )
         response = await (respond or _respond)(request, body, chat, stream, rid, created, plan)
         status = 200

@@ -316,6 +316,7 @@ class AsyncEngine:
         stream: bool = True,
         may_preempt: bool = True,
         order_in_rank: int = 0,
+        cache_share: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
 
@@ -337,7 +338,7 @@ class AsyncEngine:
         unfinished = sampling.n  # choices still running: the request ends with the last of them
         try:
             self._send(AddRequest(request_id, prompt, sampling, cache_salt, priority, tenant, weight, preemptible,
-                                  may_preempt, background, stream, order_in_rank))
+                                  may_preempt, background, stream, order_in_rank, cache_share))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

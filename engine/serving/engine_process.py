@@ -129,6 +129,7 @@ def _add(engine, msg: AddRequest, reports: StepReports, send, error: BaseExcepti
             msg.prompt, msg.sampling, msg.request_id, cache_salt=msg.cache_salt,
             priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
             background=msg.background, may_preempt=msg.may_preempt, order_in_rank=msg.order_in_rank,
+            cache_share=msg.cache_share,
         )
         reports.add(msg.request_id, msg.stream, msg.background, msg.sampling.n)
     except Exception as e:  # whatever one request brings fails that request, never the engine

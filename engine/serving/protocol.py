@@ -29,6 +29,7 @@ class AddRequest(msgspec.Struct, tag=True):
     # message a finished line instead of 32 wakeups a step.
     stream: bool = True
     order_in_rank: int = 0  # Request.order_in_rank
+    cache_share: float | None = None  # the tenant's share of the prefix-cache tiers (None: shared LRU)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
