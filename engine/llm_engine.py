@@ -328,6 +328,7 @@ class LLMEngine:
         stats.step_execute_ms = self.runner.last_execute_ms
         if self.tiers is not None:
             stats.cache_tiers = [TierStats(tier, tenant, *counts) for tier, tenant, counts in self.tiers.counters.rows()]
+            stats.host_tier_blocks = self.tiers.host.num_slots
         # On the CPU with overlapped steps this reads counters the worker may be adding to (a count at most
         # one step stale).
         stats.expert_load = self.runner.expert_load.poll(self.runner.num_steps)

@@ -49,8 +49,10 @@ class SchedulerStats(msgspec.Struct):
     step_schedule_ms: float = 0.0
     step_prepare_ms: float = 0.0
     step_execute_ms: float = 0.0
-    # Prefix-cache tiers below the pool, per tier and tenant (empty when off).
+    # Prefix-cache tiers below the pool, per tier and tenant (empty when off), and the blocks the host tier
+    # holds at most (0 when off): a router's prefix index counts them with the pool's.
     cache_tiers: list[TierStats] = []
+    host_tier_blocks: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

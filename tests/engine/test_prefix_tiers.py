@@ -150,3 +150,27 @@ def _probe(prompt, salt):
     from engine.core.request import Request
 
     return Request("probe", prompt, _greedy(1), 1, cache_salt=salt)
+
+
+@pytest.mark.timeout(300)
+def test_router_index_counts_the_host_tier(tmp_path):
+    """A router's prefix index sized from the engine's report still believes a replica holds a prefix the pool
+    evicted to its host tier, and the engine does serve that prefix from cache."""
+    from gateway.prefix_index import ReplicaBlocks, block_hashes, remembered_blocks
+
+    torch.set_num_threads(1)
+    seed = random.randrange(2**31)
+    make_hf_model("olmoe", str(tmp_path), seed=seed)
+    rng = random.Random(seed)
+    engine = _engine(model=str(tmp_path), block_size=BLOCK, num_kv_blocks=16, host_cache_gb=HOST_GB)
+    stats = engine.stats()
+    assert stats.host_tier_blocks > 16
+    pool_only, with_tiers = ReplicaBlocks(stats.kv_blocks_total), ReplicaBlocks(remembered_blocks(stats))
+    prompts = [[rng.randrange(1, 200) for _ in range(6 * BLOCK + 1)] for _ in range(5)]  # 30 blocks > the pool
+    for p in prompts:
+        _run(engine, [p])
+        for index in (pool_only, with_tiers):
+            index.add(block_hashes(p, BLOCK, "acme"))
+    first = block_hashes(prompts[0], BLOCK, "acme")
+    assert pool_only.matched(first) == 0 and with_tiers.matched(first) == len(first)
+    assert _run(engine, [prompts[0]])[0].num_cached_tokens == len(first) * BLOCK
