@@ -36,6 +36,7 @@ class KVCacheManager:
         self._waited: set[str] = set()  # requests that already waited once for blocks read from disk
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks, in order
+        self._num_registered: dict[str, int] = {}  # leading full blocks of the request already registered
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -74,26 +75,43 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def find_tier_prefix(self, request: Request, num_device_hits: int) -> list[bytes] | None:
-        """Hashes of the blocks after the device's hits that the host tier holds (pinned: pass them to
-        ``allocate_slots`` or ``release_tier_hits``), or None: the request waits a step or more while its
-        blocks are read from disk (once; after that it takes what the host has)."""
+    def find_tier_prefix(self, request: Request, num_device_hits: int) -> list[Block | bytes] | None:
+        """The cached run after the device's leading hits, through the pool and the host tier: per block, the
+        pool's block, or the hash of a block the host tier holds (pinned: pass the run to ``allocate_slots`` or
+        ``release_tier_hits``). A chain may alternate (the pool evicts a sequence's tail first, but requests
+        interleave). None: the request waits a step or more while its blocks are read from disk (once; after
+        that it takes what the host has)."""
         if self.tiers is None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(request, max_blocks)[num_device_hits:]
-        if not hashes:
-            return []
+        hashes = self._block_hashes(request, max_blocks)
         may_wait = request.request_id not in self._waited
-        found, wait = self.tiers.lookup(hashes, request.tenant, may_wait)
-        if wait:
-            self._waited.add(request.request_id)
-            return None
-        return found
+        run: list[Block | bytes] = []
+        i = num_device_hits
+        while i < len(hashes):
+            block = self.pool.lookup(hashes[i])
+            if block is not None:
+                run.append(block)
+                i += 1
+                continue
+            j = i + 1
+            while j < len(hashes) and self.pool.lookup(hashes[j]) is None:
+                j += 1
+            found, wait = self.tiers.lookup(hashes[i:j], request.tenant, may_wait)
+            if wait:
+                self.release_tier_hits(run)
+                self._waited.add(request.request_id)
+                return None
+            run.extend(found)
+            if len(found) < j - i:
+                break
+            i = j
+        return run
 
-    def release_tier_hits(self, tier_hits: list[bytes]) -> None:
-        if tier_hits:
-            self.tiers.release(tier_hits)
+    def release_tier_hits(self, tier_hits: list[Block | bytes]) -> None:
+        pinned = [h for h in tier_hits if isinstance(h, bytes)]
+        if pinned:
+            self.tiers.release(pinned)
 
     def take_transfers(self) -> tuple[list[tuple[int, bytes, str]], list[tuple[int, bytes, str]]]:
         """(blocks to save, blocks to load) since the last call: the runner does both before the step's forward,
@@ -111,29 +129,40 @@ class KVCacheManager:
             self.prefix_hit_tokens += num_cached_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] | None = None,
-                       tier_hits: list[bytes] | None = None) -> bool:
+                       tier_hits: list[Block | bytes] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens; False (and no change) if the pool is short.
 
-        ``tier_hits``: hashes of the blocks after ``cached_prefix`` found in the host tier; they get new blocks,
-        filled from the host before the next forward (``take_transfers``)."""
+        ``tier_hits``: the cached run after ``cached_prefix`` (``find_tier_prefix``): pool blocks are shared as
+        usual; each hash of a host-tier block gets a new block, filled from the host before the next forward
+        (``take_transfers``)."""
         held = self._blocks.get(request.request_id, [])
-        cached_prefix = cached_prefix or []
-        tier_hits = tier_hits or []
-        assert not (held and (cached_prefix or tier_hits)), "prefix hits only apply to a request with no blocks"
-        num_computed = request.num_computed_tokens + (len(cached_prefix) + len(tier_hits)) * self.block_size
-        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(cached_prefix)
-        assert needed >= len(tier_hits)
+        hits: list[Block | bytes] = list(cached_prefix or []) + list(tier_hits or [])
+        assert not (held and hits), "prefix hits only apply to a request with no blocks"
+        shared = [b for b in hits if isinstance(b, Block)]
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        # New blocks: the host tier's hits, then the tokens to compute.
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(shared)
         # Reviving cached blocks that sit in the free queue also consumes free blocks.
-        revived = sum(1 for b in cached_prefix if b.ref_count == 0)
+        revived = sum(1 for b in shared if b.ref_count == 0)
         if needed + revived > self.pool.num_free_blocks:
             return False
-        if cached_prefix:
-            self.pool.acquire(cached_prefix)
-        new_blocks = self.pool.allocate(max(needed, 0))
-        self._blocks[request.request_id] = held + cached_prefix + new_blocks
-        if tier_hits:
-            self.tiers.claim(request.tenant, tier_hits)
-            self.loads.extend((b.block_id, h, request.tenant) for b, h in zip(new_blocks, tier_hits))
+        if shared:
+            self.pool.acquire(shared)
+        new_blocks = iter(self.pool.allocate(max(needed, 0)))
+        table = list(held)
+        loaded = []
+        for hit in hits:
+            if isinstance(hit, Block):
+                table.append(hit)
+            else:
+                block = next(new_blocks)
+                table.append(block)
+                self.loads.append((block.block_id, hit, request.tenant))
+                loaded.append(hit)
+        table.extend(new_blocks)
+        self._blocks[request.request_id] = table
+        if loaded:
+            self.tiers.claim(request.tenant, loaded)
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -143,11 +172,12 @@ class KVCacheManager:
         blocks = self._blocks[request.request_id]
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         hashes = self._block_hashes(request, num_full)
-        for i in range(num_full - 1, -1, -1):
-            if blocks[i].block_hash is not None:
-                break  # everything before it was registered in an earlier step
-            if i < len(hashes):
+        # From the first block not looked at in an earlier step (a run of hits may mix shared pool blocks,
+        # already registered, with blocks just loaded from the host tier, not yet).
+        for i in range(self._num_registered.get(request.request_id, 0), num_full):
+            if blocks[i].block_hash is None:
                 self.pool.register(blocks[i], hashes[i], request.tenant)
+        self._num_registered[request.request_id] = max(num_full, self._num_registered.get(request.request_id, 0))
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Return the request's blocks past the first ``num_tokens`` tokens' (speculative decoding's rejected
@@ -164,6 +194,7 @@ class KVCacheManager:
         """Return every block of the request; full blocks stay cached until evicted."""
         blocks = self._blocks.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
         if request.is_finished:
             self._waited.discard(request.request_id)
         self.pool.release(list(reversed(blocks)))
