@@ -174,3 +174,39 @@ def test_router_index_counts_the_host_tier(tmp_path):
     first = block_hashes(prompts[0], BLOCK, "acme")
     assert pool_only.matched(first) == 0 and with_tiers.matched(first) == len(first)
     assert _run(engine, [prompts[0]])[0].num_cached_tokens == len(first) * BLOCK
+
+
+@pytest.mark.timeout(300)
+def test_tenant_over_its_share_evicts_only_its_own(tmp_path):
+    """A tenant flooding the host tier with unique prompts under a 25% share leaves another tenant's evicted
+    prefix in the host tier, and that tenant's repeat is still served from it."""
+    torch.set_num_threads(1)
+    seed = random.randrange(2**31)
+    make_hf_model("qwen3_moe", str(tmp_path), seed=seed)
+    rng = random.Random(seed)
+    probe = _engine(model=str(tmp_path), block_size=BLOCK, num_kv_blocks=8, host_cache_gb=HOST_GB)
+    slots = 24
+    engine = _engine(model=str(tmp_path), block_size=BLOCK, num_kv_blocks=8,
+                     host_cache_gb=slots * probe.tiers.block_bytes / 1e9)
+    probe.close()
+    assert engine.tiers.host.num_slots == slots
+    calm = [rng.randrange(1, 200) for _ in range(4 * BLOCK + 1)]
+    _run(engine, [calm], tenant="calm")
+    for _ in range(8):  # 5 blocks each through an 8-block pool: everything is evicted to host
+        _run(engine, [[rng.randrange(1, 200) for _ in range(5 * BLOCK + 1)]], tenant="flood", share=0.25)
+        host = engine.tiers.host.index
+        assert host.used_by_tenant.get("flood", 0) <= 0.25 * host.capacity and host.used <= host.capacity
+    assert _tier(engine, "host", "flood", "evictions") > 0 and _tier(engine, "host", "calm", "evictions") == 0
+    assert _run(engine, [calm], tenant="calm")[0].num_cached_tokens == 4 * BLOCK
+    engine.close()
+
+
+def test_tier_settings_are_checked():
+    from engine.core.config import EngineConfig
+
+    for bad, field in ((dict(host_cache_gb=-1), "host_cache_gb"), (dict(disk_cache_dir="/tmp/x"), "disk_cache_dir"),
+                       (dict(disk_cache_dir="/tmp/x", disk_cache_gb=1), "host_cache_gb"),
+                       (dict(host_cache_gb=1, enable_prefix_caching=False), "enable_prefix_caching"),
+                       (dict(host_cache_gb=1, tensor_parallel_size=2), "tensor_parallel_size")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(model="m", **bad)
