@@ -45,7 +45,8 @@ class TieredStore:
         self.counters = TierCounters()
         self.shares: dict[str, float] = {}  # tenant -> share of each tier (absent: shared LRU)
         self._promoting: set[bytes] = set()  # keys being read from disk into host slots
-        self._loading: list[tuple[object | None, list[bytes]]] = []  # (copy event, hashes) of loads in flight
+        # (copy event, keys) of saves and loads whose slots are pinned until their copies are done (CUDA).
+        self._copying: list[tuple[object | None, list[bytes]]] = []
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="moegate-tier-write") if self.disk else None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="moegate-tier-read") if self.disk else None
 
@@ -66,7 +67,7 @@ class TieredStore:
         them), and whether the request should wait: the run continues on blocks being read from disk (a read
         is started here only with ``may_wait``). Waiting pins nothing."""
         with self.lock:
-            self._retire_loads()
+            self._retire_copies()
             found: list[bytes] = []
             for block_hash in block_hashes:
                 key = self.key(block_hash)
@@ -97,9 +98,11 @@ class TieredStore:
             self._unpin(block_hashes)
 
     def _unpin(self, block_hashes: list[bytes]) -> None:
-        for block_hash in block_hashes:
-            entry = self.host.index.get(self.key(block_hash), touch=False)
-            entry.pins -= 1
+        self._unpin_keys([self.key(h) for h in block_hashes])
+
+    def _unpin_keys(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self.host.index.get(key, touch=False).pins -= 1
 
     def _promote(self, block_hashes: list[bytes], tenant: str) -> bool:
         """Start reading the leading run of ``block_hashes`` that is on disk into host slots; False if the first
@@ -144,7 +147,7 @@ class TieredStore:
     # ---- the runner's side (between steps, before the forward) --------------
     def save(self, blocks: list[tuple[int, bytes, str]]) -> None:
         """Copy (block id, block hash, tenant) leaving the device pool into host slots (write-through to disk)."""
-        pairs, written = [], []
+        pairs, written, saved = [], [], []
         with self.lock:
             for block_id, block_hash, tenant in blocks:
                 key = self.key(block_hash)
@@ -155,12 +158,17 @@ class TieredStore:
                 if slot is None:
                     continue
                 pairs.append((block_id, self.host.slab[slot]))
+                self.host.index.get(key).pins += 1  # until the copy is done: the reader thread may not reuse it
+                saved.append(key)
                 self.counters.add("host", tenant, "bytes_in", self.block_bytes)
                 if self._writer is not None and not self.disk.contains(key):
                     written.append((key, tenant, slot))
                     if self.copier.stream is not None:  # CUDA: pinned until the writer has read the slot
                         self.host.index.get(key).pins += 1
         done = self.copier.save(pairs)
+        with self.lock:
+            self._copying.append((done, saved))
+            self._retire_copies()
         for key, tenant, slot in written:
             if done is None:  # the CPU copied already: the writer gets the bytes, the slot stays free to reuse
                 self._writer.submit(self._write_to_disk, key, tenant, self.host.slab[slot].numpy().tobytes())
@@ -191,17 +199,17 @@ class TieredStore:
                 self.counters.add("host", tenant, "bytes_out", self.block_bytes)
             done = self.copier.load(pairs)
             # The rows stay pinned until the copies have read them (at once on the CPU).
-            self._loading.append((done, [h for _, h, _ in blocks]))
-            self._retire_loads()
+            self._copying.append((done, [self.key(h) for _, h, _ in blocks]))
+            self._retire_copies()
 
-    def _retire_loads(self) -> None:
+    def _retire_copies(self) -> None:
         still = []
-        for done, hashes in self._loading:
+        for done, keys in self._copying:
             if done is None or done.query():
-                self._unpin(hashes)
+                self._unpin_keys(keys)
             else:
-                still.append((done, hashes))
-        self._loading = still
+                still.append((done, keys))
+        self._copying = still
 
     def _count_evictions(self, tier: str, evicted: list) -> None:
         for _, entry in evicted:
