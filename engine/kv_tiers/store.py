@@ -127,7 +127,8 @@ class TieredStore:
             for i, key in enumerate(keys):
                 got = self.disk.read(key)
                 if got is None:
-                    self.counters.add("disk", tenant, "misses")
+                    with self.lock:
+                        self.counters.add("disk", tenant, "misses")
                     break
                 owner, payload = got
                 with self.lock:
