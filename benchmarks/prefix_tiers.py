@@ -34,6 +34,7 @@ import torch
 
 from engine.core.block_pool import hash_block_tokens
 from engine.core.config import EngineConfig
+from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from loadgen.conversations import tenant_conversations
@@ -77,7 +78,7 @@ def run_conversations(engine: LLMEngine, convs, turns: int, concurrency: int) ->
             if len(conv.replies) < turn:
                 break  # its previous turn is still running (only with tiny tenant counts)
             prompt = conv.prompt(turn)
-            rid = engine.add_request(prompt, params, cache_salt=conv.tenant, tenant=conv.tenant)
+            rid = engine.add_request(prompt, params, policy=RequestPolicy(tenant=conv.tenant, cache_salt=conv.tenant))
             pending[rid] = (conv, prompt, time.perf_counter(), None, [])
             nxt += 1
         for out in engine.step():
@@ -112,7 +113,7 @@ def run_unique(engine: LLMEngine, prompts: list[list[int]], concurrency: int) ->
     live = 0
     while queue or live:
         while queue and live < concurrency:
-            engine.add_request(queue.pop(0), params, cache_salt="solo", tenant="solo")
+            engine.add_request(queue.pop(0), params, policy=RequestPolicy(tenant="solo", cache_salt="solo"))
             live += 1
         live -= sum(o.finished for o in engine.step())
     return time.perf_counter() - start

@@ -56,7 +56,7 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs], request.cache_salt))
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs], request.policy.cache_salt))
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
@@ -97,7 +97,7 @@ class KVCacheManager:
             j = i + 1
             while j < len(hashes) and self.pool.lookup(hashes[j]) is None:
                 j += 1
-            found, wait = self.tiers.lookup(hashes[i:j], request.tenant, may_wait)
+            found, wait = self.tiers.lookup(hashes[i:j], request.policy.tenant, may_wait)
             if wait:
                 self.release_tier_hits(run)
                 self._waited.add(request.request_id)
@@ -157,12 +157,12 @@ class KVCacheManager:
             else:
                 block = next(new_blocks)
                 table.append(block)
-                self.loads.append((block.block_id, hit, request.tenant))
+                self.loads.append((block.block_id, hit, request.policy.tenant))
                 loaded.append(hit)
         table.extend(new_blocks)
         self._blocks[request.request_id] = table
         if loaded:
-            self.tiers.claim(request.tenant, loaded)
+            self.tiers.claim(request.policy.tenant, loaded)
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -176,7 +176,7 @@ class KVCacheManager:
         # already registered, with blocks just loaded from the host tier, not yet).
         for i in range(self._num_registered.get(request.request_id, 0), num_full):
             if blocks[i].block_hash is None:
-                self.pool.register(blocks[i], hashes[i], request.tenant)
+                self.pool.register(blocks[i], hashes[i], request.policy.tenant)
         self._num_registered[request.request_id] = max(num_full, self._num_registered.get(request.request_id, 0))
 
     def trim(self, request: Request, num_tokens: int) -> None:

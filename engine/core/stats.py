@@ -20,7 +20,7 @@ class TierStats(msgspec.Struct, array_like=True):
 
 class SchedulerStats(msgspec.Struct):
     num_running: int
-    num_waiting_by_rank: dict[int, int]
+    num_waiting_by_priority: dict[int, int]
     kv_blocks_used: int
     kv_blocks_total: int
     prefix_query_tokens: int  # cumulative

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestPolicy, SamplingParams
 from tests.hf_models import make_hf_model
 
 BLOCK = 8
@@ -27,8 +27,8 @@ def _greedy(max_tokens):
 
 def _run(engine, prompts, tenant="acme", max_tokens=5, share=None):
     """Run every prompt at once as ``tenant`` (its cache salt too); outputs in prompt order."""
-    ids = [engine.add_request(p, _greedy(max_tokens), cache_salt=tenant, tenant=tenant, cache_share=share)
-           for p in prompts]
+    policy = RequestPolicy(tenant=tenant, cache_salt=tenant, cache_share=share)
+    ids = [engine.add_request(p, _greedy(max_tokens), policy=policy) for p in prompts]
     whole = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -149,7 +149,7 @@ def test_host_disk_restart_tenants_layouts_and_corruption(tmp_path):
 def _probe(prompt, salt):
     from engine.core.request import Request
 
-    return Request("probe", prompt, _greedy(1), 1, cache_salt=salt)
+    return Request("probe", prompt, _greedy(1), 1, policy=RequestPolicy(cache_salt=salt))
 
 
 @pytest.mark.timeout(300)
