@@ -9,6 +9,8 @@ from engine.core.request import Request
 class PrefixTiers(Protocol):
     """The prefix-cache tiers below the device pool, as the scheduler sees them (``engine.kv_tiers.store``)."""
 
+    def reserve(self, blocks: list[tuple[int, bytes, str]]) -> list[tuple[int, bytes, str]]: ...
+
     def lookup(self, block_hashes: list[bytes], tenant: str, may_wait: bool) -> tuple[list[bytes], bool]: ...
 
     def claim(self, tenant: str, block_hashes: list[bytes]) -> None: ...
@@ -31,7 +33,9 @@ class KVCacheManager:
         self.tiers = tiers if enable_caching else None
         if self.tiers is not None:
             self.pool.evicted = []
-        # (block id, hash, tenant) of blocks to fill from the host tier before the next forward.
+        # (block id, hash, tenant) of evicted blocks given host slots, to save, and of blocks to fill from the
+        # host tier, both before the next forward.
+        self.saves: list[tuple[int, bytes, str]] = []
         self.loads: list[tuple[int, bytes, str]] = []
         self._waited: set[str] = set()  # requests that already waited once for blocks read from disk
         self._blocks: dict[str, list[Block]] = {}
@@ -83,6 +87,7 @@ class KVCacheManager:
         that it takes what the host has)."""
         if self.tiers is None:
             return []
+        self._reserve_evicted()  # blocks evicted earlier in this step are found in the host tier
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)
         may_wait = request.request_id not in self._waited
@@ -118,9 +123,15 @@ class KVCacheManager:
         saves first (a block evicted this step may be a load's target)."""
         if self.tiers is None:
             return [], []
-        saves, self.pool.evicted = self.pool.evicted, []
+        self._reserve_evicted()
+        saves, self.saves = self.saves, []
         loads, self.loads = self.loads, []
         return saves, loads
+
+    def _reserve_evicted(self) -> None:
+        if self.pool.evicted:
+            self.saves.extend(self.tiers.reserve(self.pool.evicted))
+            self.pool.evicted = []
 
     def record_prefix_hit(self, request: Request, num_cached_tokens: int) -> None:
         """Count one admission's prefix lookup (once, however often admission retried)."""

@@ -2,9 +2,10 @@
 does between steps (save blocks leaving the device pool, load hits back).
 
 Flow of one block:
-- it leaves the device pool (evicted from the pool's free queue to be reused): the step that reuses it first
-  saves it into a host slot (``save``), then the disk writer thread writes it to a file (write-through
-  from host, so the disk tier holds everything the host tier got and survives a restart);
+- it leaves the device pool (evicted from the pool's free queue to be reused): the scheduler reserves a host
+  slot for it at once (``reserve``: a lookup in the same step finds it there), the step that reuses it first
+  saves it into that slot (``save``), then the disk writer thread writes it to a file (write-through from
+  host, so the disk tier holds everything the host tier got and survives a restart);
 - a prefix lookup (``lookup``) continues past the device's hits into host; a block found only on disk is read
   into a host slot by the reader thread, and the request waits for it (``lookup`` says wait; the scheduler
   admits it at a later step), while every other request keeps stepping;
@@ -146,20 +147,34 @@ class TieredStore:
                 self._promoting.difference_update(keys)
 
     # ---- the runner's side (between steps, before the forward) --------------
-    def save(self, blocks: list[tuple[int, bytes, str]]) -> None:
-        """Copy (block id, block hash, tenant) leaving the device pool into host slots (write-through to disk)."""
-        pairs, written, saved = [], [], []
+    def reserve(self, blocks: list[tuple[int, bytes, str]]) -> list[tuple[int, bytes, str]]:
+        """Host slots for (block id, block hash, tenant) leaving the device pool, taken when the scheduler evicts
+        them: from then on a lookup finds them in the host tier (the runner saves their bytes before it loads
+        anything). Returns the blocks to ``save``, each pinned until then; blocks the host already holds (they
+        were loaded from there) or cannot take (full of pinned blocks, or past the tenant's share) are left out."""
+        reserved = []
         with self.lock:
             for block_id, block_hash, tenant in blocks:
                 key = self.key(block_hash)
                 if self.host.slot_of(key) is not None or key in self._promoting:
-                    continue  # the host already has these bytes (it was loaded from there)
+                    continue
                 slot, evicted = self.host.reserve(key, tenant, self.shares.get(tenant))
                 self._count_evictions("host", evicted)
                 if slot is None:
                     continue
+                self.host.index.get(key).pins += 1  # until its bytes are copied (``save``)
+                reserved.append((block_id, block_hash, tenant))
+        return reserved
+
+    def save(self, blocks: list[tuple[int, bytes, str]]) -> None:
+        """Copy reserved blocks (``reserve``) from the device into their host slots, then unpin them once the
+        copies are done; with a disk tier, queue each for the writer thread (write-through)."""
+        pairs, written, saved = [], [], []
+        with self.lock:
+            for block_id, block_hash, tenant in blocks:
+                key = self.key(block_hash)
+                slot = self.host.slot_of(key, touch=False)
                 pairs.append((block_id, self.host.slab[slot]))
-                self.host.index.get(key).pins += 1  # until the copy is done: the reader thread may not reuse it
                 saved.append(key)
                 self.counters.add("host", tenant, "bytes_in", self.block_bytes)
                 if self._writer is not None and not self.disk.contains(key):

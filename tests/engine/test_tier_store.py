@@ -33,9 +33,9 @@ def test_round_trip_capacity_and_shares(tmp_path):
     originals = {i: _block(caches, i) for i in range(BLOCKS)}
     store.set_share("flood", 0.3)  # at most 3 of the 10 slots
     # "calm" saves 6 blocks, then "flood" saves 20: it may only ever push out its own.
-    store.save([(i, hashes[i], "calm") for i in range(6)])
+    store.save(store.reserve([(i, hashes[i], "calm") for i in range(6)]))
     for i in range(6, 26):
-        store.save([(i, hashes[i], "flood")])
+        store.save(store.reserve([(i, hashes[i], "flood")]))
         assert store.host.index.used <= store.host.index.capacity and len(store.host.index) <= slots
         assert store.host.index.used_by_tenant.get("flood", 0) <= 0.3 * store.host.index.capacity
     held = {e.tenant for e in store.host.index.entries.values()}
@@ -43,7 +43,7 @@ def test_round_trip_capacity_and_shares(tmp_path):
     assert store.counters.get("host", "calm", "evictions") == 0 and store.counters.get("host", "flood", "evictions") == 17
     assert held == {"calm", "flood"}
     # Shared LRU: "other" without a share evicts the least recently used blocks, whoever's.
-    store.save([(i, hashes[i], "other") for i in range(26, 30)])
+    store.save(store.reserve([(i, hashes[i], "other") for i in range(26, 30)]))
     assert len(store.host.index) == slots and store.counters.get("host", "calm", "evictions") == 3
     # Load back what survived into other device blocks: byte for byte what was saved.
     found, wait = store.lookup([hashes[4], hashes[5]], "calm", may_wait=True)
@@ -53,6 +53,16 @@ def test_round_trip_capacity_and_shares(tmp_path):
     store.load([(30, hashes[4], "calm"), (31, hashes[5], "calm")])
     for target, source in ((30, 4), (31, 5)):
         assert all(torch.equal(a, b) for a, b in zip(_block(caches, target), originals[source])), f"seed={seed}"
+    assert all(e.pins == 0 for e in store.host.index.entries.values())
+    # A block reserved at eviction is found before its bytes are saved (a lookup in the same step); the runner
+    # saves before it loads, so the load gets the saved bytes.
+    reserved = store.reserve([(33, hashes[33], "calm")])
+    found, _ = store.lookup([hashes[33]], "calm", may_wait=True)
+    assert reserved and found == [hashes[33]]
+    store.save(reserved)
+    caches[0][0][34].normal_(generator=gen)
+    store.load([(34, hashes[33], "calm")])
+    assert torch.equal(caches[0][0][34], caches[0][0][33]) and torch.equal(caches[1][0][34], caches[1][0][33])
     assert all(e.pins == 0 for e in store.host.index.entries.values())
     # A lookup stops at the first block the host lacks; pins are released when not admitted.
     found, _ = store.lookup([hashes[4], hashes[0], hashes[5]], "calm", may_wait=True)
@@ -71,7 +81,7 @@ def test_disk_capacity_corruption_and_restart(tmp_path):
     store = TieredStore(copier, b"f" * 16, 4 * copier.block_bytes, disk, 6 * file_bytes)
     hashes = [bytes([i + 1]) * 16 for i in range(BLOCKS)]
     for i in range(9):
-        store.save([(i, hashes[i], "acme")])
+        store.save(store.reserve([(i, hashes[i], "acme")]))
     store.flush()
     assert len(os.listdir(disk)) == 6 and store.disk.index.used <= store.disk.index.capacity
     assert store.counters.get("disk", "acme", "evictions") == 3
