@@ -213,3 +213,35 @@ def test_tier_settings_are_checked():
                        (dict(host_cache_gb=1, tensor_parallel_size=2), "tensor_parallel_size")):
         with pytest.raises(ValueError, match=field):
             EngineConfig(model="m", **bad)
+
+
+@pytest.mark.timeout(300)
+def test_blocks_evicted_earlier_in_the_same_step_are_found_in_host(tmp_path):
+    """Two requests admitted in one step: the first one's blocks evict the second one's cached prefix; the
+    second still finds that prefix (in the host tier, saved before it is loaded), all of it."""
+    torch.set_num_threads(1)
+    seed = random.randrange(2**31)
+    make_hf_model("mixtral", str(tmp_path), seed=seed)
+    rng = random.Random(seed)
+    engine = _engine(model=str(tmp_path), block_size=BLOCK, num_kv_blocks=30, max_num_batched_tokens=256,
+                     host_cache_gb=HOST_GB)
+
+    def tokens(n):
+        return [rng.randrange(1, 200) for _ in range(n)]
+
+    a = tokens(4 * BLOCK + 1)
+    reference = _run(engine, [a], max_tokens=2)[0].token_ids  # 5 blocks: 4 cached, least recently freed
+    _run(engine, [tokens(9 * BLOCK + 1)], max_tokens=2)  # 10 more, freed after a's
+    # 15 fresh blocks are left; b needs 18: it evicts a's last blocks (the pool evicts a sequence's tail first)
+    policy = RequestPolicy(tenant="acme", cache_salt="acme")
+    b = engine.add_request(tokens(17 * BLOCK + 1), _greedy(1), policy=policy)
+    again = engine.add_request(a, _greedy(2), policy=policy)
+    plan = engine.scheduler.schedule()
+    assert [s.request.request_id for s in plan.scheduled] == [b, again] and plan.tier_saves and plan.tier_loads
+    assert engine.scheduler.requests[again].num_cached_tokens == 4 * BLOCK
+    got = engine._run_synchronously(plan)
+    while engine.has_unfinished():
+        got += engine.step()
+    out = [o for o in got if o.request_id == again]
+    assert [t for o in out for t in o.token_ids] == reference, f"seed={seed}"
+    engine.scheduler.kv.pool.check_all_free()
