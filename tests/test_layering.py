@@ -32,6 +32,7 @@ ENGINE_LAYERS = (
     ("engine/models",),
     ("engine/transforms",),
     ("engine/worker",),
+    ("engine/kv_tiers",),  # the prefix-cache tiers: the engine builds them over the worker's KV caches
     ("engine/llm_engine.py", "engine/llm.py"),
     ("engine/serving",),
 )
