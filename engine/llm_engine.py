@@ -21,7 +21,8 @@ from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placehold
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.speculation import Speculator
-from engine.core.stats import SchedulerStats
+from engine.core.stats import SchedulerStats, TierStats
+from engine.kv_tiers.setup import build_tiers
 from engine.structured_output.matchers import GrammarMatchers
 from engine.text.tokenizer import check_vocabulary, load_tokenizer
 
@@ -92,6 +93,9 @@ class LLMEngine:
         self.model, self.runner, self.max_model_len = parts.model, parts.runner, parts.max_model_len
         self.dense_gemv_choices = parts.dense_gemv_choices
         cache_config = parts.cache_config
+        # Prefix-cache tiers below the pool (host memory, disk): blocks the pool evicts are saved there.
+        self.tiers = build_tiers(config, self.model, self.runner.kv_caches, self.device, self.dtype)
+        self.runner.tiers = self.tiers
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
@@ -100,6 +104,7 @@ class LLMEngine:
             ),
             cache_config,
             speculator=Speculator(config.speculative_config, self.max_model_len) if config.speculative else None,
+            tiers=self.tiers,
         )
         tokenizer_dir = config.tokenizer or (None if config.random_weights else config.model)
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
@@ -137,6 +142,8 @@ class LLMEngine:
         (after a failure, when they may be inside a collective) leave the group and end this node's ranks."""
         if self._overlap is not None:
             self._overlap.close()
+        if self.tiers is not None:
+            self.tiers.close()  # the disk writes queued so far land
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             ranks.abort() if abrupt else ranks.close()
@@ -184,6 +191,9 @@ class LLMEngine:
             copies = [make(child_id(request_id, i), choice_params(sampling_params, i), request_id, i)
                       for i in range(sampling_params.n)]
             now = self.choice_groups.add(request_id, copies)
+        if self.tiers is not None and not policy.background:
+            # The tenant's live requests carry its quota's share (Batch API lines do not look it up).
+            self.tiers.set_share(policy.tenant, policy.cache_share)
         for request in copies:
             self.output_processor.add_request(request)
         added = []
@@ -311,6 +321,9 @@ class LLMEngine:
         stats.step_schedule_ms = self.scheduler.last_step_ms
         stats.step_prepare_ms = self.runner.last_prepare_ms
         stats.step_execute_ms = self.runner.last_execute_ms
+        if self.tiers is not None:
+            stats.cache_tiers = [TierStats(tier, tenant, *counts) for tier, tenant, counts in self.tiers.counters.rows()]
+            stats.host_tier_blocks = self.tiers.host.num_slots
         # On the CPU with overlapped steps this reads counters the worker may be adding to (a count at most
         # one step stale).
         stats.expert_load = self.runner.expert_load.poll(self.runner.num_steps)

@@ -72,6 +72,14 @@ class _EngineCollector:
             "gie_kv_old": GaugeMetricFamily("vllm:gpu_cache_usage_perc", "KV-cache utilisation, 1 = full",
                                             labels=["replica"]),
         }
+        # Prefix-cache tiers below the KV pool (host memory, disk), per tier and tenant (the engine's tenant id).
+        tier_help = {"hits": "block lookups found in the tier", "misses": "block lookups that ended in the tier",
+                     "bytes_in": "bytes written to the tier", "bytes_out": "bytes read from the tier",
+                     "evictions": "blocks evicted from the tier"}
+        for field, text in tier_help.items():
+            families["tier_" + field] = CounterMetricFamily(f"moegate_prefix_tier_{field}",
+                                                            f"prefix-cache tiers: {text}",
+                                                            labels=["replica", "tier", "tenant"])
         if isinstance(self.engine, ReplicaRouter):
             for name, moved in zip(self.engine.names, self.engine.moved_from):
                 families["moved"].add_metric([name], moved)
@@ -96,6 +104,9 @@ class _EngineCollector:
                     families["experts"].add_metric([name, str(layer), str(expert)], count)
             for rank, count in enumerate(stats.expert_load_by_rank or ()):
                 families["expert_ranks"].add_metric([name, str(rank)], count)
+            for row in stats.cache_tiers:
+                for field in tier_help:
+                    families["tier_" + field].add_metric([name, row.tier, row.tenant], getattr(row, field))
             families["spec_draft"].add_metric([name], stats.spec_draft_tokens)
             families["spec_accepted"].add_metric([name], stats.spec_accepted_tokens)
             families["spec_steps"].add_metric([name], stats.spec_steps)

@@ -6,8 +6,10 @@ hashes a prompt the same way and remembers, per replica, the hashes of the
 prompts it sent there, as SGLang's cache-aware router and llm-d's prefix
 scorer do. The index is approximate on purpose: it never asks the engine what
 it holds. It forgets a replica's oldest blocks once it holds as many as that
-replica's KV pool (the engine evicts least recently used blocks too), and
-everything when the replica restarts. A wrong guess costs a prefill, never a
+replica's KV pool and host prefix-cache tier together (the engine evicts least
+recently used blocks too, from the pool to the host tier, then from the host
+tier), and everything when the replica restarts (its disk tier may remember more:
+a hit the index does not predict is a bonus). A wrong guess costs a prefill, never a
 wrong answer: the engine checks its own cache.
 """
 
@@ -15,6 +17,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from engine.core.block_pool import hash_block_tokens
+from engine.core.stats import SchedulerStats
+
+
+def remembered_blocks(stats: SchedulerStats) -> int:
+    """How many blocks a replica may still hold, as it reports: its KV pool's and its host tier's."""
+    return stats.kv_blocks_total + stats.host_tier_blocks
 
 
 def block_hashes(prompt: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:

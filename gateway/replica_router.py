@@ -48,7 +48,7 @@ from engine.serving.async_engine import EngineError
 from gateway.disaggregation import DisaggregatedEngines
 from engine.serving.client import EngineClient
 from engine.serving.protocol import Ready
-from gateway.prefix_index import ReplicaBlocks, block_hashes
+from gateway.prefix_index import ReplicaBlocks, block_hashes, remembered_blocks
 from gateway.routing_policy import ReplicaView, RouterConfig, choose, rebalance
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class ReplicaRouter:
                 moved_stats, moved = self._moved_off[i]
                 load = max(load, reported - (moved if moved_stats is stats else 0))
                 kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
-                index.capacity = stats.kv_blocks_total
+                index.capacity = remembered_blocks(stats)
             load += self._arriving[i] - self._leaving[i]
             views.append(ReplicaView(i, load, self.replicas[i].config.max_num_seqs, kv, index.matched(hashes), index.roots))
         return views

@@ -57,6 +57,18 @@ def _discount(text: str) -> float | None:
     return value
 
 
+def _share(text: str) -> float | None:
+    if text.strip().lower() in NONE_WORDS:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number greater than 0 and at most 1, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be greater than 0 and at most 1, got {value}")
+    return value
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -215,9 +227,11 @@ async def _quota_set(args, store) -> int:
     changes = {field: getattr(args, flag) for flag, field in QUOTA_FLAGS.items() if getattr(args, flag) is not _UNSET}
     if args.batch_discount is not _UNSET:
         changes["batch_discount"] = args.batch_discount
+    if args.cache_share is not _UNSET:
+        changes["cache_share"] = args.cache_share
     if not changes:
         raise CliError("nothing to set: give at least one of --rpm --tpm --max-concurrency --max-tokens "
-                       "--daily-tokens --monthly-tokens --max-batch-queue-tokens --batch-discount")
+                       "--daily-tokens --monthly-tokens --max-batch-queue-tokens --batch-discount --cache-share")
     _emit(args, await store.set_quota(args.tenant, **changes), title="quota")
     return 0
 
@@ -376,6 +390,9 @@ def register(subparsers) -> None:
     for flag in QUOTA_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=_limit, default=_UNSET, metavar="N|none")
     p.add_argument("--batch-discount", type=_discount, default=_UNSET, metavar="F|none")
+    p.add_argument("--cache-share", type=_share, default=_UNSET, metavar="F|none",
+                   help="share of each engine's host and disk prefix-cache tiers the tenant may fill, in (0, 1]; "
+                        "past it, its new blocks evict only its own (none: shared LRU)")
     _leaf(quota, "show", _quota_show, common, "show a tenant's limits").add_argument("tenant")
 
     klass = groups.add_parser("class", help="priority classes").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)

@@ -111,10 +111,12 @@ class Quota(Base):
     monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
     max_batch_queue_tokens: Mapped[int | None] = mapped_column(BigInteger)
     batch_discount: Mapped[float] = mapped_column(Float, nullable=False, default=0.5)
+    cache_share: Mapped[float | None] = mapped_column(Float)  # of the prefix-cache tiers; NULL: shared LRU
 
     __table_args__ = tuple(
         CheckConstraint(f"{f} IS NULL OR {f} >= 0", name=f"ck_quotas_{f}") for f in QUOTA_LIMIT_FIELDS
-    ) + (CheckConstraint("batch_discount >= 0 AND batch_discount <= 1", name="ck_quotas_batch_discount"),)
+    ) + (CheckConstraint("batch_discount >= 0 AND batch_discount <= 1", name="ck_quotas_batch_discount"),
+         CheckConstraint("cache_share IS NULL OR (cache_share > 0 AND cache_share <= 1)", name="ck_quotas_cache_share"))
 
 
 class Usage(Base):

@@ -82,6 +82,7 @@ class Granted:
     windows: dict[str, tuple[int, int, float]] = field(default_factory=dict)
     day_reserved: bool = True  # whether ``billed`` was reserved on the daily counter (only when it is limited)
     month_reserved: bool = True
+    cache_share: float | None = None  # the tenant's share of the engine's prefix-cache tiers (QuotaConfig)
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,7 +139,7 @@ class QuotaManager:
         status, q = row
         cfg = QuotaConfig() if q is None else QuotaConfig(
             q.requests_per_minute, q.tokens_per_minute, q.max_concurrency, q.max_tokens_per_request,
-            q.daily_tokens, q.monthly_tokens, q.max_batch_queue_tokens, q.batch_discount)
+            q.daily_tokens, q.monthly_tokens, q.max_batch_queue_tokens, q.batch_discount, q.cache_share)
         return status, cfg
 
     async def _bump(self, s, tenant_id: int, kind: str, window: int, delta: int, limit: int | None) -> int | None:
@@ -177,7 +178,8 @@ class QuotaManager:
             return Denied("max_tokens", None, cfg.max_tokens_per_request, cfg.max_tokens_per_request, None)
         minute, day, month, _, _ = self._windows()
         return Granted(tenant_id, requests, tokens, cfg.billed(tokens, batch), batch, cfg.batch_discount,
-                       minute, day, month, False, {}, day_reserved=False, month_reserved=False)
+                       minute, day, month, False, {}, day_reserved=False, month_reserved=False,
+                       cache_share=cfg.cache_share)
 
     def _windows(self) -> tuple[int, int, int, date, float]:
         """(minute, day, month window starts, today, now) at this moment."""
@@ -234,7 +236,7 @@ class QuotaManager:
                         raise _Refused(Denied(reason, retry, int(limit), max(0, int(limit) - used), reset_s))
                 return Granted(tenant_id, requests, tokens, billed, batch, cfg.batch_discount, minute, day, month,
                                cfg.max_concurrency is not None, windows, day_reserved=cfg.daily_tokens is not None,
-                               month_reserved=cfg.monthly_tokens is not None)
+                               month_reserved=cfg.monthly_tokens is not None, cache_share=cfg.cache_share)
         except _Refused as refused:
             return refused.denied
 

@@ -79,6 +79,9 @@ class QuotaConfig:
     monthly_tokens: int | None = None
     max_batch_queue_tokens: int | None = None
     batch_discount: float = 0.5
+    # Share (0 < s <= 1) of each engine's host and disk prefix-cache tiers the tenant's blocks may hold; past
+    # it, its new blocks evict its own oldest ones. None: the tiers are one LRU shared by every tenant.
+    cache_share: float | None = None
 
     def __post_init__(self) -> None:
         for name in QUOTA_LIMIT_FIELDS:
@@ -87,6 +90,10 @@ class QuotaConfig:
                 raise StoreError(f"{name} must be a non-negative integer or none, got {value!r}")
         if not (isinstance(self.batch_discount, (int, float)) and 0 <= self.batch_discount <= 1):
             raise StoreError(f"batch_discount must be between 0 and 1, got {self.batch_discount!r}")
+        if self.cache_share is not None and not (
+                isinstance(self.cache_share, (int, float)) and not isinstance(self.cache_share, bool)
+                and 0 < self.cache_share <= 1):
+            raise StoreError(f"cache_share must be greater than 0 and at most 1 (or none), got {self.cache_share!r}")
 
     def billed(self, tokens: int, batch: bool) -> int:
         """Tokens charged against budgets: batch requests pay the discounted share, rounded up."""

@@ -23,12 +23,13 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int] | tuple[in
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash")
+    __slots__ = ("block_id", "ref_count", "block_hash", "tenant")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: bytes | None = None
+        self.tenant = ""  # whose prefix a cached block holds (for the outer tiers' shares)
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
@@ -54,6 +55,9 @@ class BlockPool:
         self._free: OrderedDict[int, Block] = OrderedDict()
         self._cached: dict[bytes, Block] = {}
         self.num_evictions = 0
+        # With prefix-cache tiers: (block id, hash, tenant) of cached blocks evicted since the last step; the
+        # runner saves them before the step's forward reuses them. None: evicted blocks are dropped.
+        self.evicted: list[tuple[int, bytes, str]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +76,8 @@ class BlockPool:
                 assert block.ref_count == 0
                 if block.block_hash is not None:
                     del self._cached[block.block_hash]
+                    if self.evicted is not None:
+                        self.evicted.append((block.block_id, block.block_hash, block.tenant))
                     block.block_hash = None
                     self.num_evictions += 1
             block.ref_count = 1
@@ -96,12 +102,13 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block.block_id] = block
 
-    def register(self, block: Block, block_hash: bytes) -> None:
+    def register(self, block: Block, block_hash: bytes, tenant: str = "") -> None:
         """Mark a full, computed block as reusable by hash."""
         assert block.block_hash is None and block.ref_count > 0
         if not self.enable_caching or block_hash in self._cached:
             return  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
+        block.tenant = tenant
         self._cached[block_hash] = block
 
     def check_all_free(self) -> None:

@@ -147,6 +147,16 @@ class EngineConfig:
     """a decode engine prefills a prompt itself when fewer than this many of its tokens are missing from its
     prefix cache (short prompts, mostly cached ones): a transfer would cost more than it saves"""
 
+    host_cache_gb: float = 0.0
+    """host memory, in GB, for prefix-cache blocks evicted from the KV pool (pinned on CUDA): a later prompt
+    with the same prefix (same tenant) loads them back instead of computing them; 0: off
+    (docs/prefix_cache_tiers.md)"""
+    disk_cache_dir: str | None = None
+    """directory for prefix-cache blocks below the host tier, one file per block, kept across restarts (needs
+    ``host_cache_gb`` and ``disk_cache_gb``)"""
+    disk_cache_gb: float = 0.0
+    """size of ``disk_cache_dir``'s prefix cache in GB, least recently used blocks deleted first"""
+
     @property
     def engine_ranks(self) -> int:
         """Ranks (processes) of one engine: ``pipeline_parallel_size`` x ``tensor_parallel_size``."""
@@ -236,6 +246,7 @@ class EngineConfig:
         if self.background_token_budget < 1 or self.background_window_s < 0:
             raise ValueError("background_token_budget must be >= 1 and background_window_s >= 0, got "
                              f"{self.background_token_budget} and {self.background_window_s}")
+        self._check_cache_tiers()
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.role not in ROLES:
@@ -246,6 +257,26 @@ class EngineConfig:
         if self.kv_transfer_timeout_s <= 0 or self.local_prefill_tokens < 0:
             raise ValueError("kv_transfer_timeout_s must be > 0 and local_prefill_tokens >= 0, got "
                              f"{self.kv_transfer_timeout_s} and {self.local_prefill_tokens}")
+
+    def _check_cache_tiers(self) -> None:
+        if self.host_cache_gb < 0 or self.disk_cache_gb < 0:
+            raise ValueError(f"host_cache_gb and disk_cache_gb must be >= 0, got {self.host_cache_gb} and "
+                             f"{self.disk_cache_gb}")
+        if (self.disk_cache_dir is None) != (self.disk_cache_gb == 0):
+            raise ValueError("disk_cache_dir and disk_cache_gb go together: set both (--disk-cache-dir DIR "
+                             "--disk-cache-gb N) or neither")
+        if self.host_cache_gb == 0:
+            if self.disk_cache_dir is not None:
+                raise ValueError("the disk cache tier loads through the host tier: set host_cache_gb > 0 too")
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("host_cache_gb needs enable_prefix_caching: the tiers hold prefix-cache blocks")
+        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
+            raise ValueError("the prefix-cache tiers (host_cache_gb) run on single-process engines for now "
+                             "(tensor_parallel_size and data_parallel_size 1)")
+        if self.speculative == "draft":
+            raise ValueError("the prefix-cache tiers (host_cache_gb) do not hold the draft model's cache: "
+                             "use speculative='ngram' or no speculation with them")
 
 
 _PARTS = ("torch", "triton")

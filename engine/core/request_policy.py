@@ -20,6 +20,8 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     its place; ``may_preempt``: it may take the place of a preemptible request of a less urgent class.
     ``background``: it takes idle capacity only (the Batch API's lines; ``SchedulerConfig``).
     ``cache_salt``: its prefix-cache blocks are shared only with requests of the same salt (the tenant).
+    ``cache_share`` (0 < share <= 1): the tenant's share of the engine's host and disk prefix-cache tiers (its
+    quota's; past it, its new blocks evict its own); None: the tiers are one LRU shared by every tenant.
 
     Validated when built and again when decoded in the engine process (a ValueError naming the field).
     """
@@ -32,6 +34,7 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     may_preempt: bool = True
     background: bool = False
     cache_salt: str | None = None
+    cache_share: float | None = None
 
     def __post_init__(self) -> None:
         if self.priority < 0:
@@ -40,6 +43,8 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
             raise ValueError(f"order_in_class must be >= 0, got {self.order_in_class}")
         if not self.weight > 0:
             raise ValueError(f"weight must be > 0, got {self.weight}")
+        if self.cache_share is not None and not 0 < self.cache_share <= 1:
+            raise ValueError(f"cache_share must be in (0, 1] or None, got {self.cache_share}")
 
 
 DEFAULT_POLICY = RequestPolicy()

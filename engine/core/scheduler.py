@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.config import CacheConfig, SchedulerConfig
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import KVCacheManager, PrefixTiers
 from engine.core.request import Request, RequestStatus
 from engine.core.speculation import Speculator, accepted_prefix
 from engine.core.stats import SchedulerStats
@@ -100,6 +100,11 @@ class SchedulerOutput:
     num_batched_tokens: int
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step: runner drops their state
+    # Prefix-cache tiers, done by the runner before the forward, in this order: (block id, hash, tenant) of
+    # cached blocks evicted from the pool by this plan (saved to host), then of host hits to copy into the
+    # blocks this plan gave them.
+    tier_saves: list[tuple[int, bytes, str]] = field(default_factory=list)
+    tier_loads: list[tuple[int, bytes, str]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -123,11 +128,13 @@ class Scheduler:
     """Owns the waiting queue, the running list (sorted by priority, then admission) and the KV cache manager."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, clock=time.monotonic,
-                 speculator: Speculator | None = None) -> None:
-        """``speculator``: speculative decoding's proposer (None: off)."""
+                 speculator: Speculator | None = None, tiers: PrefixTiers | None = None) -> None:
+        """``speculator``: speculative decoding's proposer (None: off). ``tiers``: the prefix-cache tiers below
+        the device pool (None: none)."""
         self.config = scheduler_config
         self.speculator = speculator
-        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 tiers)
         self.vtc = VirtualTokenCounter()
         self.waiting = WaitingQueue(self.vtc)
         self.running: list[Request] = []
@@ -262,6 +269,7 @@ class Scheduler:
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
         scheduled = self._scheduled
+        saves, loads = self.kv.take_transfers()
         self._last_decode_tokens = sum(s.num_new_tokens for s in scheduled
                                        if s.sample and s.num_new_tokens - len(s.draft_token_ids) == 1)
         self._last_prefill_tokens = self.config.max_num_batched_tokens - self._budget - self._last_decode_tokens
@@ -272,6 +280,8 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - self._budget,
             preempted_ids=preempted,
             finished_ids=finished,
+            tier_saves=saves,
+            tier_loads=loads,
         )
 
     def _background_allowance(self) -> float:
@@ -341,12 +351,20 @@ class Scheduler:
                 self._preempt(victim, preempted)
                 continue
             # Prompt logprobs need every prompt position computed: no prefix-cache hits for them.
-            cached = [] if request.sampling_params.prompt_logprobs is not None else self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
+            cached, tier_hits = [], []
+            if request.sampling_params.prompt_logprobs is None:
+                cached = self.kv.find_cached_prefix(request)
+                tier_hits = self.kv.find_tier_prefix(request, len(cached))
+                if tier_hits is None:
+                    # Its next blocks are being read from disk: it waits (for a step or a few), and so do the
+                    # requests behind it in this rank's queue; running requests keep stepping.
+                    return
+            num_cached = (len(cached) + len(tier_hits)) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, self._budget)
             if request.policy.background:
                 num_new = min(num_new, self._background_left)
-            if not self.kv.allocate_slots(request, num_new, cached):
+            if not self.kv.allocate_slots(request, num_new, cached, tier_hits):
+                self.kv.release_tier_hits(tier_hits)
                 victim = self._admission_victim(request)
                 if victim is None:
                     return

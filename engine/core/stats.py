@@ -5,6 +5,19 @@ import msgspec
 EXPERT_LOAD_EVERY_CUDA = 32
 
 
+class TierStats(msgspec.Struct, array_like=True):
+    """One prefix-cache tier's cumulative counters for one tenant (``engine.kv_tiers.counters``): block lookups
+    found and not found there, bytes written to and read from it, blocks evicted from it."""
+
+    tier: str  # "host" or "disk"
+    tenant: str
+    hits: int
+    misses: int
+    bytes_in: int
+    bytes_out: int
+    evictions: int
+
+
 class SchedulerStats(msgspec.Struct):
     num_running: int
     num_waiting_by_priority: dict[int, int]
@@ -44,6 +57,10 @@ class SchedulerStats(msgspec.Struct):
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     kv_transfer_fallbacks: int = 0
+    # Prefix-cache tiers below the pool, per tier and tenant (empty when off), and the blocks the host tier
+    # holds at most (0 when off): a router's prefix index counts them with the pool's.
+    cache_tiers: list[TierStats] = []
+    host_tier_blocks: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -1,6 +1,7 @@
 """How a node's engine replicas are laid out: each one's config and devices (no torch: the command line uses it)."""
 
 import dataclasses
+import os
 import socket
 
 from engine.core.config import EngineConfig, meeting_address
@@ -29,9 +30,10 @@ def replica_configs(config: EngineConfig, replicas: int, remote: int = 0) -> lis
     if not config.enable_expert_parallel or replicas + remote <= 1:
         if replicas > 1 and config.engine_ranks > 1 and config.distributed_init_method:
             # Independent replicas split over ranks each meet on their own: replica i at the given port + i.
-            return [dataclasses.replace(config, distributed_init_method=_port_plus(config.distributed_init_method, i))
+            return [dataclasses.replace(_own_disk_cache(config, i, replicas),
+                                        distributed_init_method=_port_plus(config.distributed_init_method, i))
                     for i in range(replicas)]
-        return [config] * replicas
+        return [_own_disk_cache(config, i, replicas) for i in range(replicas)]
     if remote and not config.distributed_init_method:
         raise ValueError("replicas on other nodes that share the experts meet this node's at "
                          "--distributed-init-method tcp://HOST:PORT (an address of this node they can reach)")
@@ -39,6 +41,14 @@ def replica_configs(config: EngineConfig, replicas: int, remote: int = 0) -> lis
     size = replicas + remote
     return [dataclasses.replace(config, data_parallel_size=size, data_parallel_rank=i, distributed_init_method=init)
             for i in range(replicas)]
+
+
+def _own_disk_cache(config: EngineConfig, index: int, replicas: int) -> EngineConfig:
+    """Independent replicas each keep their prefix-cache disk tier in ``disk_cache_dir``/replica-<index> (an
+    engine indexes and sizes its own directory)."""
+    if replicas <= 1 or config.disk_cache_dir is None:
+        return config
+    return dataclasses.replace(config, disk_cache_dir=os.path.join(config.disk_cache_dir, f"replica-{index}"))
 
 
 def _port_plus(init_method: str, offset: int) -> str:

@@ -143,6 +143,7 @@ class OverlappedRunner:
              fill_d: torch.Tensor | None, src_d: torch.Tensor | None) -> _DeviceResults:
         runner = self.runner
         runner.sampler.forget_generators(step.plan.finished_ids)
+        runner.move_tier_blocks(step.plan)  # in the step's order: after the step before, before this forward
         if fill_d is not None:
             # input_ids [T]: each placeholder row takes prev's sampled token [F], on the device.
             rows = batch.sample_rows.index_select(0, fill_d)

@@ -78,6 +78,8 @@ class ModelRunner:
         self.decode_graphs = None  # a cuda_graphs.DecodeGraphs, installed by cuda_graphs.enable_decode_graphs
         self.piecewise_graphs = None  # a piecewise_graphs.PiecewiseGraphs (prefill and mixed steps), likewise
         self.draft = None  # a draft_model.DraftProposer (speculative="draft"), installed by model_setup.build_rank
+        self.tiers = None  # a kv_tiers.store.TieredStore (host/disk prefix-cache tiers), installed by the engine
+        self.tier_copy_ms = 0.0  # cumulative host time saving and loading tier blocks (on the CPU: the copies)
         self.last_prepare_ms = 0.0  # host time building the last step's batch (metadata and staging)
         self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
         self.num_steps = 0  # execute() calls that ran a forward
@@ -116,9 +118,19 @@ class ModelRunner:
         self.last_execute_ms = (time.perf_counter() - start) * 1e3
         return sampled
 
+    def move_tier_blocks(self, sched_out: SchedulerOutput) -> None:
+        """Before the step's forward: save the cached blocks the plan evicted from the pool to the host tier,
+        then fill the blocks of the plan's host-tier hits (a block just saved may be a load's target)."""
+        if self.tiers is not None and (sched_out.tier_saves or sched_out.tier_loads):
+            start = time.perf_counter()
+            self.tiers.save(sched_out.tier_saves)
+            self.tiers.load(sched_out.tier_loads)
+            self.tier_copy_ms += (time.perf_counter() - start) * 1e3
+
     @torch.inference_mode()
     def _execute(self, sched_out: SchedulerOutput) -> StepSamples:
         self.sampler.forget(sched_out.finished_ids)
+        self.move_tier_blocks(sched_out)
         if self.draft is not None:  # the drafts the scheduler left pending, proposed by the draft model
             self.draft.propose(sched_out)
         if sched_out.is_empty:

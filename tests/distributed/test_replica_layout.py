@@ -102,3 +102,11 @@ def test_a_model_that_cannot_be_split_so_is_refused_before_anything_is_written(t
     with pytest.raises(ValueError, match="experts"):
         check_split(config, EngineConfig(model=model, enable_expert_parallel=True, data_parallel_size=1024,
                                          distributed_init_method="tcp://127.0.0.1:1"))
+
+
+def test_independent_replicas_each_keep_their_own_disk_cache_directory(tmp_path):
+    replicas = random.randint(2, 5)
+    config = EngineConfig(model="m", host_cache_gb=1, disk_cache_dir=str(tmp_path), disk_cache_gb=2)
+    dirs = [c.disk_cache_dir for c in replica_configs(config, replicas)]
+    assert dirs == [os.path.join(str(tmp_path), f"replica-{i}") for i in range(replicas)]
+    assert replica_configs(config, 1)[0].disk_cache_dir == str(tmp_path)

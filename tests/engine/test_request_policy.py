@@ -18,7 +18,8 @@ from tenants.store import TenantInfo
 def _random_policy(rng: random.Random) -> RequestPolicy:
     return RequestPolicy(priority=rng.randint(0, 5), order_in_class=rng.randint(0, 9), tenant=f"t{rng.random()}",
                          weight=rng.uniform(0.1, 8), preemptible=rng.random() < 0.5, may_preempt=rng.random() < 0.5,
-                         background=rng.random() < 0.5, cache_salt=rng.choice([None, f"s{rng.random()}"]))
+                         background=rng.random() < 0.5, cache_salt=rng.choice([None, f"s{rng.random()}"]),
+                         cache_share=rng.choice([None, rng.uniform(0.01, 1)]))
 
 
 def test_policy_crosses_the_pipe_unchanged_and_is_checked_there():
@@ -28,7 +29,8 @@ def test_policy_crosses_the_pipe_unchanged_and_is_checked_there():
         msg = AddRequest("r", [1, 2], SamplingParams(max_tokens=3), policy, rng.random() < 0.5)
         back = to_engine_decoder.decode(encoder.encode(msg))
         assert back == msg and back.policy == policy and back.policy is not policy
-    for field, bad in (("weight", 0.0), ("priority", -1), ("order_in_class", -2)):
+    for field, bad in (("weight", 0.0), ("priority", -1), ("order_in_class", -2), ("cache_share", 0.0),
+                       ("cache_share", 1.5)):
         with pytest.raises(ValueError, match=field):
             RequestPolicy(**{field: bad})
         wire = msgspec.msgpack.encode({"type": "AddRequest", "request_id": "r", "prompt": [1],
@@ -47,3 +49,5 @@ def test_the_gateway_builds_it_from_the_tenant_and_its_class():
     assert principal.policy(order) == RequestPolicy(
         priority=cls.priority, order_in_class=order, tenant=str(tenant.id), weight=tenant.weight,
         preemptible=cls.preemptible, may_preempt=cls.may_preempt, background=False, cache_salt=str(tenant.id))
+    share = rng.uniform(0.01, 1)
+    assert principal.policy(order, cache_share=share).cache_share == share

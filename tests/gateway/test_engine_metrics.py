@@ -39,3 +39,22 @@ def test_speculative_decoding_counters():
                       "moegate_spec_steps": [steps]}
     assert stats.spec_acceptance_rate == accepted / drafts
     assert stats.spec_tokens_per_step == (steps + accepted) / steps
+
+
+def test_prefix_tier_counters_per_tier_and_tenant():
+    """Per tier and tenant, as the engine sends them over its pipe (msgpack) and the collector exports them."""
+    import msgspec
+
+    from engine.core.stats import TierStats
+
+    rng = random.Random()
+    rows = [TierStats(tier, tenant, *(rng.randrange(10**6) for _ in range(5)))
+            for tier in ("host", "disk") for tenant in ("1", "2", "17")]
+    stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, cache_tiers=rows)
+    stats = msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=SchedulerStats)
+    families = {f.name: f for f in _EngineCollector(_Engine(stats)).collect()}
+    for field in ("hits", "misses", "bytes_in", "bytes_out", "evictions"):
+        name = f"moegate_prefix_tier_{field}"
+        got = {(s.labels["tier"], s.labels["tenant"]): s.value for s in families[name].samples
+               if s.name == name + "_total"}
+        assert got == {(r.tier, r.tenant): getattr(r, field) for r in rows}

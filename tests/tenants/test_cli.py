@@ -28,6 +28,8 @@ def test_tenant_commands(db_url, capsys):
     (["admin", "tenant", "create", "x", "--class", "nope"], "unknown priority class"),
     (["admin", "quota", "set", "acme", "--rpm", "-5"], "must be >= 0"),
     (["admin", "quota", "set", "acme", "--batch-discount", "1.5"], "between 0 and 1"),
+    (["admin", "quota", "set", "acme", "--cache-share", "0"], "greater than 0 and at most 1"),
+    (["admin", "quota", "set", "acme", "--cache-share", "lots"], "greater than 0 and at most 1"),
     (["admin", "quota", "set", "acme"], "nothing to set"),
     (["admin", "key", "revoke", "mg-nope0"], "unknown api key"),
     (["admin", "usage", "--by", "week"], "invalid choice"),
@@ -95,13 +97,17 @@ def test_quota_commands(db_url, capsys):
     code, out, _ = cli(capsys, db_url, "admin", "quota", "set", "acme", "--rpm", "60", "--tpm", "1000",
                        "--max-concurrency", "4", "--max-tokens", "512", "--daily-tokens", "10000",
                        "--monthly-tokens", "100000", "--max-batch-queue-tokens", "5000",
-                       "--batch-discount", "0.4", as_json=True)
+                       "--batch-discount", "0.4", "--cache-share", "0.2", as_json=True)
     assert code == 0 and out == {
         "requests_per_minute": 60, "tokens_per_minute": 1000, "max_concurrency": 4, "max_tokens_per_request": 512,
-        "daily_tokens": 10000, "monthly_tokens": 100000, "max_batch_queue_tokens": 5000, "batch_discount": 0.4}
+        "daily_tokens": 10000, "monthly_tokens": 100000, "max_batch_queue_tokens": 5000, "batch_discount": 0.4,
+        "cache_share": 0.2}
     cli(capsys, db_url, "admin", "quota", "set", "acme", "--tpm", "none", "--batch-discount", "none")
     out = cli(capsys, db_url, "admin", "quota", "show", "acme", as_json=True)[1]
     assert out["tokens_per_minute"] is None and out["requests_per_minute"] == 60 and out["batch_discount"] == 0.5
+    assert out["cache_share"] == 0.2
+    cli(capsys, db_url, "admin", "quota", "set", "acme", "--cache-share", "none")
+    assert cli(capsys, db_url, "admin", "quota", "show", "acme", as_json=True)[1]["cache_share"] is None
     assert cli(capsys, db_url, "admin", "quota", "show", "acme")[0] == 0
 
 

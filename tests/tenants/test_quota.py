@@ -249,3 +249,20 @@ def test_cached_admission_answers_only_what_the_cached_policy_decides(db_url):
         assert QuotaManager(store, Clock()).try_acquire_cached(free.id) is None  # no policy cache: never
 
     with_store(db_url, body)
+
+
+def test_grants_carry_the_tenants_cache_share(db_url):
+    """The share travels with every grant to the engine: on the counted path and the cached one."""
+    async def body(store):
+        counted = await store.create_tenant("counted")
+        free = await store.create_tenant("free")
+        await store.set_quota("counted", requests_per_minute=100, cache_share=0.25)
+        await store.set_quota("free", cache_share=0.5)
+        for ttl in (None, 5.0):
+            qm = QuotaManager(store, Clock(), policy_ttl_s=ttl) if ttl else QuotaManager(store, Clock())
+            assert (await qm.try_acquire(counted.id, tokens=10)).cache_share == 0.25
+            assert (await qm.try_acquire(free.id, tokens=10)).cache_share == 0.5
+        await store.set_quota("free", cache_share=None)
+        assert (await QuotaManager(store, Clock()).try_acquire(free.id)).cache_share is None
+
+    with_store(db_url, body)
