@@ -254,6 +254,9 @@ class EngineConfig:
         if self.role != "both" and not self.enable_prefix_caching:
             raise ValueError(f"role {self.role} finds the blocks it hands over by their prefix hashes: keep "
                              "enable_prefix_caching on")
+        if self.role != "both" and (self.engine_ranks > 1 or self.data_parallel_size > 1):
+            raise ValueError(f"role {self.role} runs in one process for now: its KV blocks are read and written "
+                             "where the scheduler runs (tensor, pipeline and data parallel sizes 1)")
         if self.kv_transfer_timeout_s <= 0 or self.local_prefill_tokens < 0:
             raise ValueError("kv_transfer_timeout_s must be > 0 and local_prefill_tokens >= 0, got "
                              f"{self.kv_transfer_timeout_s} and {self.local_prefill_tokens}")
@@ -271,9 +274,9 @@ class EngineConfig:
             return
         if not self.enable_prefix_caching:
             raise ValueError("host_cache_gb needs enable_prefix_caching: the tiers hold prefix-cache blocks")
-        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
+        if self.engine_ranks > 1 or self.data_parallel_size > 1:
             raise ValueError("the prefix-cache tiers (host_cache_gb) run on single-process engines for now "
-                             "(tensor_parallel_size and data_parallel_size 1)")
+                             "(tensor, pipeline and data parallel sizes 1)")
         if self.speculative == "draft":
             raise ValueError("the prefix-cache tiers (host_cache_gb) do not hold the draft model's cache: "
                              "use speculative='ngram' or no speculation with them")

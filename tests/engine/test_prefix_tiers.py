@@ -210,7 +210,7 @@ def test_tier_settings_are_checked():
     for bad, field in ((dict(host_cache_gb=-1), "host_cache_gb"), (dict(disk_cache_dir="/tmp/x"), "disk_cache_dir"),
                        (dict(disk_cache_dir="/tmp/x", disk_cache_gb=1), "host_cache_gb"),
                        (dict(host_cache_gb=1, enable_prefix_caching=False), "enable_prefix_caching"),
-                       (dict(host_cache_gb=1, tensor_parallel_size=2), "tensor_parallel_size")):
+                       (dict(host_cache_gb=1, tensor_parallel_size=2), "tensor, pipeline and data parallel")):
         with pytest.raises(ValueError, match=field):
             EngineConfig(model="m", **bad)
 
