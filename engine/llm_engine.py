@@ -20,6 +20,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.speculation import Speculator
 from engine.core.stats import SchedulerStats
+from engine.eplb.policy import mean_imbalance
 from engine.structured_output.matchers import GrammarMatchers
 from engine.text.tokenizer import check_vocabulary, load_tokenizer
 
@@ -314,11 +315,23 @@ class LLMEngine:
         # On the CPU with overlapped steps this reads counters the worker may be adding to (a count at most
         # one step stale).
         stats.expert_load = self.runner.expert_load.poll(self.runner.num_steps)
-        ep = self.model.tp.expert_parallel
-        if ep is not None and stats.expert_load:
+        ep, balancer = self.model.tp.expert_parallel, self.runner.eplb
+        if balancer is not None:
+            balancer.observe(self.runner.num_steps)
+            stats.expert_load_by_rank = list(balancer.rank_tokens)
+            stats.expert_imbalance = balancer.imbalance()
+            done = balancer.stats
+            stats.eplb_rebalances, stats.eplb_bytes_moved = done.rebalances, done.bytes_moved
+            stats.eplb_slots_copied, stats.eplb_last_rebalance_ms = done.slots_copied, done.last_rebalance_ms
+            stats.eplb_slots_reassigned = done.slots_reassigned
+            stats.eplb_replicated_experts = balancer.replicated_experts()
+            stats.eplb_rank_load_before, stats.eplb_rank_load_after = done.rank_load_before, done.rank_load_after
+            stats.eplb_imbalance_before, stats.eplb_imbalance_after = done.imbalance_before, done.imbalance_after
+        elif ep is not None and stats.expert_load:
             starts = ep.expert_starts(len(stats.expert_load[0]))
-            stats.expert_load_by_rank = [sum(sum(layer[a:b]) for layer in stats.expert_load)
-                                         for a, b in zip(starts, starts[1:])]
+            per_layer = [[sum(layer[a:b]) for a, b in zip(starts, starts[1:])] for layer in stats.expert_load]
+            stats.expert_load_by_rank = [sum(col) for col in zip(*per_layer)]
+            stats.expert_imbalance = mean_imbalance(per_layer)
         return stats
 
 

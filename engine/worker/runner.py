@@ -75,6 +75,7 @@ class ModelRunner:
         self.scratch_block = cache_config.num_blocks
         self.decode_graphs = None  # a cuda_graphs.DecodeGraphs, installed by cuda_graphs.enable_decode_graphs
         self.piecewise_graphs = None  # a piecewise_graphs.PiecewiseGraphs (prefill and mixed steps), likewise
+        self.eplb = None  # an engine.eplb.balancer.ExpertBalancer (enable_eplb), installed by model_setup.build_rank
         self.draft = None  # a draft_model.DraftProposer (speculative="draft"), installed by model_setup.build_rank
         self.last_prepare_ms = 0.0  # host time building the last step's batch (metadata and staging)
         self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
@@ -121,6 +122,11 @@ class ModelRunner:
                     self.model.tp.broadcast_object([])
                 self.dummy_step()
             return StepSamples([])
+        if self.eplb is not None and (rebalance := self.eplb.due(self.num_steps)) is not None:
+            # Between two steps, on every rank at once: the decision goes on the plans' channel, ahead of the plan.
+            if self.model.tp.size > 1:
+                self.model.tp.broadcast_object(rebalance)
+            self.eplb.apply(rebalance)
         if self.model.tp.size > 1:  # the other ranks run the same forward on their slices of the model
             self.model.tp.broadcast_object(follower_plan(sched_out))
         self.num_steps += 1
@@ -179,10 +185,14 @@ class ModelRunner:
             block(empty)
 
     @torch.inference_mode()
-    def follow(self, plan: list[ScheduledRequest]) -> None:
+    def follow(self, plan) -> None:
         """A follower rank's part of a step: the same forward as rank 0's over this rank's slices of the model
         (its collectives pair with rank 0's), including the logits' gather; rank 0 alone samples. An empty plan
-        is a dummy step (this replica has no work while a peer replica has)."""
+        is a dummy step (this replica has no work while a peer replica has). A ``Rebalance`` in place of a plan
+        moves expert weights between two steps (``engine.eplb``)."""
+        if self.eplb is not None and not isinstance(plan, list):
+            self.eplb.apply(plan)
+            return
         if not plan:
             self.dummy_step()
             return

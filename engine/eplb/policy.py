@@ -1,0 +1,153 @@
+"""Where each layer's experts go: how many replicas each logical expert gets and which physical slot holds each.
+
+Pure Python, no torch: it is a function of the measured load. Legend: E logical experts, N ranks, S slots per
+rank, P = N * S physical slots (E of them for the experts, P - E spare ones for replicas).
+
+Per layer, from each expert's load over the window (tokens routed to it):
+
+1. Replicas: every expert gets one; each spare slot goes to the expert whose load per replica is the highest
+   (a token of a replicated expert goes to one of its replicas, spread evenly: each replica takes load / count),
+   at most one replica per rank.
+2. Packing: replicas from the heaviest down, each onto the rank with the least load so far that has a free slot
+   and no replica of that expert yet (greedy longest-processing-time bin packing with a slot capacity). Among
+   equally loaded ranks the one already holding the expert wins, so that nothing moves for nothing.
+3. Slots: on each rank, an expert it already holds keeps its slot; the others take the slots left.
+
+The predicted imbalance of a placement is max over ranks / mean over ranks of the load it would give them.
+"""
+
+import heapq
+
+EMPTY = -1  # a slot holding no expert (the spare slots before the first rebalance)
+
+
+def replica_counts(load: list[float], num_slots: int, num_ranks: int, hot_spares: int | None = None) -> list[int]:
+    """[E] replicas per expert: one each, then ``hot_spares`` (default: every spare slot) each to the expert with
+    the most load per replica, the rest each to the expert with the least (a slot must hold some expert; a replica
+    of an idle one costs nothing); the lowest expert id on ties, never more replicas than ranks."""
+    counts = [1] * len(load)
+    spares = num_slots - len(load)
+    hot = spares if hot_spares is None else hot_spares
+    for sign, n in ((-1.0, hot), (1.0, spares - hot)):
+        heap = [(sign * load[e] / counts[e], e) for e in range(len(load)) if counts[e] < num_ranks]
+        heapq.heapify(heap)
+        for _ in range(n):
+            _, e = heapq.heappop(heap)
+            counts[e] += 1
+            if counts[e] < num_ranks:
+                heapq.heappush(heap, (sign * load[e] / counts[e], e))
+    return counts
+
+
+def place_layer(load: list[float], num_ranks: int, slots_per_rank: int, current: list[int]) -> list[int]:
+    """[P] the logical expert each physical slot holds after rebalancing one layer from ``load`` [E] (rank r holds
+    slots [r*S, (r+1)*S)); ``current`` [P] is what they hold now (``EMPTY`` for none).
+
+    A few splits of the spare slots between hot experts and idle ones are packed (replicating every spare into the
+    hottest experts is not always best: three equal hot experts on two ranks pack better with one of them
+    replicated than two), and the least imbalanced packing wins."""
+    num_experts, num_slots = len(load), num_ranks * slots_per_rank
+    if not num_experts <= num_slots <= num_experts * num_ranks:
+        raise ValueError(f"{num_slots} slots over {num_ranks} ranks cannot hold {num_experts} experts (at most one "
+                         "replica of an expert per rank)")
+    spares = num_slots - num_experts
+    best = None  # (max rank load, -hot spares, chosen experts per rank)
+    for hot in sorted({spares, spares - 1, spares - 2, *(spares * i // 4 for i in range(4))}, reverse=True):
+        if hot < 0:
+            continue
+        chosen, rank_load = _pack(load, replica_counts(load, num_slots, num_ranks, hot), num_ranks, slots_per_rank,
+                                  current)
+        if best is None or max(rank_load) < best[0] - 1e-9 * max(1.0, best[0]):
+            best = (max(rank_load), chosen)
+    chosen = best[1]
+    placement = []
+    for r in range(num_ranks):
+        slots = current[r * slots_per_rank:(r + 1) * slots_per_rank]
+        wanted = sorted(chosen[r])
+        kept = [EMPTY] * slots_per_rank
+        for i, e in enumerate(slots):  # an expert staying on this rank keeps its slot: no copy
+            if e in wanted:
+                wanted.remove(e)
+                kept[i] = e
+        rest = iter(wanted)
+        placement += [e if e != EMPTY else next(rest) for e in kept]
+    return placement
+
+
+def _pack(load: list[float], counts: list[int], num_ranks: int, slots_per_rank: int,
+          current: list[int]) -> tuple[list[list[int]], list[float]]:
+    """The experts each rank holds ([N] lists of S) and the load each gets, packing ``counts`` replicas."""
+    replicas = sorted(((load[e] / counts[e], e) for e in range(len(load)) for _ in range(counts[e])),
+                      key=lambda item: (-item[0], item[1]))
+    holds_now = [set(current[r * slots_per_rank:(r + 1) * slots_per_rank]) for r in range(num_ranks)]
+    rank_load, free = [0.0] * num_ranks, [slots_per_rank] * num_ranks
+    chosen: list[list[int]] = [[] for _ in range(num_ranks)]
+    for weight, e in replicas:
+        open_ranks = [r for r in range(num_ranks) if free[r] and e not in chosen[r]]
+        # Only the last slots can leave no rank without this expert; then any free rank.
+        open_ranks = open_ranks or [r for r in range(num_ranks) if free[r]]
+        r = min(open_ranks, key=lambda r: (rank_load[r], e not in holds_now[r], r))
+        chosen[r].append(e)
+        rank_load[r] += weight
+        free[r] -= 1
+    _improve_by_swaps(chosen, rank_load, [load[e] / counts[e] for e in range(len(load))])
+    return chosen, rank_load
+
+
+def _improve_by_swaps(chosen: list[list[int]], rank_load: list[float], weight: list[float],
+                      max_rounds: int = 64) -> None:
+    """Swap single replicas between the most loaded rank and another while that lowers the larger of the two
+    (the greedy packing leaves such swaps when slots, not load, bound a rank)."""
+    for _ in range(max_rounds):
+        hot = max(range(len(chosen)), key=lambda r: (rank_load[r], -r))
+        best = None  # (new max of the pair, other rank, index on hot, index on other)
+        for other in range(len(chosen)):
+            if other == hot:
+                continue
+            for i, a in enumerate(chosen[hot]):
+                for j, b in enumerate(chosen[other]):
+                    delta = weight[a] - weight[b]
+                    if delta <= 0 or (a != b and (a in chosen[other] or b in chosen[hot])):
+                        continue
+                    pair_max = max(rank_load[hot] - delta, rank_load[other] + delta)
+                    if pair_max < rank_load[hot] - 1e-12 and (best is None or pair_max < best[0]):
+                        best = (pair_max, other, i, j)
+        if best is None:
+            return
+        _, other, i, j = best
+        a, b = chosen[hot][i], chosen[other][j]
+        chosen[hot][i], chosen[other][j] = b, a
+        delta = weight[a] - weight[b]
+        rank_load[hot] -= delta
+        rank_load[other] += delta
+
+
+def rebalance(load: list[list[float]], num_ranks: int, slots_per_rank: int,
+              current: list[list[int]]) -> list[list[int]]:
+    """[L][P] new placement of every layer from its ``load`` [L][E]; a layer with no load keeps ``current``."""
+    return [place_layer(layer, num_ranks, slots_per_rank, now) if sum(layer) > 0 else list(now)
+            for layer, now in zip(load, current)]
+
+
+def rank_loads(load: list[float], placement: list[int], num_ranks: int) -> list[float]:
+    """[N] the load each rank would get under ``placement`` [P]: each expert's load spread evenly over its
+    replicas (an expert with no slot counts nowhere)."""
+    counts = [0] * len(load)
+    for e in placement:
+        if e != EMPTY:
+            counts[e] += 1
+    slots_per_rank = len(placement) // num_ranks
+    return [sum(load[e] / counts[e] for e in placement[r * slots_per_rank:(r + 1) * slots_per_rank] if e != EMPTY)
+            for r in range(num_ranks)]
+
+
+def imbalance(per_rank: list[float]) -> float:
+    """max / mean of per-rank loads (1.0 is perfectly even; 1.0 for no load at all)."""
+    total = sum(per_rank)
+    return max(per_rank) * len(per_rank) / total if total > 0 else 1.0
+
+
+def mean_imbalance(per_layer: list[list[float]]) -> float | None:
+    """Mean over layers of ``imbalance`` of each layer's per-rank loads ([L][N]); None when nothing was routed."""
+    loaded = [layer for layer in per_layer if sum(layer) > 0]
+    return sum(imbalance(layer) for layer in loaded) / len(loaded) if loaded else None

@@ -1,0 +1,114 @@
+"""Expert load balancing on real gloo ranks (1 thread each): engines with the experts divided over 2 and 4 ranks,
+rebalancing every few steps (hot experts replicated into spare slots, experts moved between ranks, weights sent
+point to point while serving), generate exactly the single-process engine's greedy tokens, for three families, on a
+workload that preempts and hits the prefix cache; and a rank killed while weights move fails the engine within its
+timeout."""
+
+import random
+import sys
+import time
+
+import pytest
+
+from tests.distributed.ranks import free_port, run_ranks, run_ranks_each
+from tests.distributed.test_engine_ranks import ENGINE, check_each_way_generates_the_single_tokens, generate_each_way
+from tests.distributed.test_tensor_parallel import VOCAB
+from tests.hf_models import make_hf_model
+
+# Rebalancing every 3 steps from the last 4 steps' load: the workload's ~20 steps see several rebalances, the
+# first filling the spare slots with replicas of the hot experts, the later ones moving experts as the load shifts.
+EPLB = dict(enable_expert_parallel=True, enable_eplb=True, eplb_window_steps=4, eplb_interval_steps=3)
+MODES = {
+    "eplb2": dict(tensor_parallel_size=2, num_redundant_experts=2, **EPLB),
+    "eplb4": dict(tensor_parallel_size=4, num_redundant_experts=4, **EPLB),
+}
+FAMILIES = {  # experts, top-k: qwen3_moe 16/4, mixtral 8/2, deepseek_v3 8/2 (grouped sigmoid routing, a dense layer)
+    "qwen3_moe": {"ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True), **MODES},
+    "mixtral": MODES,
+    "deepseek_v3": MODES,
+}
+
+
+@pytest.fixture(scope="module")
+def eplb_runs(tmp_path_factory):
+    runs, seeds = {}, {}
+    for family, modes in FAMILIES.items():
+        seed = seeds[family] = random.randrange(2**31)
+        model_dir = str(tmp_path_factory.mktemp(f"eplb-{family}"))
+        make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2)
+        rng = random.Random(seed)
+        shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
+        prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 2, 13)]
+        prompts += [shared + [3], shared + [5, 7]]
+        runs[family] = (model_dir, prompts, [6, 6, 5, 6, 6, 11], {"single": {}, **modes})
+    return generate_each_way(runs, seeds, timeout_s=400)
+
+
+@pytest.mark.timeout(440)  # the first family's test builds every family's results (module fixture)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_balanced_experts_generate_the_single_process_tokens(family, eplb_runs):
+    value = check_each_way_generates_the_single_tokens(family, eplb_runs[family])
+    seed = eplb_runs[family][0]
+    preemptions, hits, _ = value["single:stats"]
+    assert preemptions > 0 and hits > 0, f"the workload must preempt and hit the prefix cache (seed={seed})"
+    for name in MODES:
+        stats = value[name + ":eplb"]
+        assert value[name + ":stats"][:2] == (preemptions, hits), (name, seed)
+        # Rebalanced mid-run: replicas made, weights sent between ranks, experts moved off slots.
+        assert stats["rebalances"] >= 2 and stats["replicated"] > 0, (name, seed, stats)
+        assert stats["copied"] > 0 and stats["bytes"] > 0 and stats["reassigned"] > 0, (name, seed, stats)
+        ranks = int(name[-1])
+        assert len(stats["by_rank"]) == ranks and sum(stats["by_rank"]) > 0, stats
+        assert stats["imbalance"] is not None and stats["imbalance"] >= 1.0, stats
+
+
+_DIES_MOVING_WEIGHTS = """
+import os, signal, sys
+from engine.distributed import collectives, follower
+send_recv = collectives.TensorParallel.send_recv
+def dying(self, sends, recvs, what):
+    if sends or recvs:  # in the middle of a layer's weight move: nothing of it sent or received
+        os.kill(os.getpid(), signal.SIGKILL)
+    return send_recv(self, sends, recvs, what)
+collectives.TensorParallel.send_recv = dying
+sys.argv = ["engine-rank", "--device", "cpu", "--timeout", "5"]
+sys.exit(follower.main())
+"""
+
+
+def _kill_during_a_move(rank: int, world: int, address: str, model_dir: str, port: int):
+    import os
+    import subprocess
+
+    from engine import LLM, SamplingParams
+    from engine.distributed.groups import CollectiveError
+
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    follower = subprocess.Popen([sys.executable, "-c", _DIES_MOVING_WEIGHTS], env=env)
+    llm = LLM(model_dir, **ENGINE, tensor_parallel_size=2, local_ranks=1, distributed_timeout_s=5,
+              distributed_init_method=f"tcp://127.0.0.1:{port}", **{**EPLB, "num_redundant_experts": 2})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    start = time.monotonic()
+    try:
+        llm.generate([[1, 2, 3, 4, 5, 6, 7]], params)
+        error = None
+    except CollectiveError as e:
+        error = str(e)
+    elapsed = time.monotonic() - start
+    llm.engine.close(abrupt=True)
+    follower.wait(timeout=10)
+    return {"error": error, "elapsed": elapsed, "follower_code": follower.returncode,
+            "rebalances": llm.engine.runner.eplb.stats.rebalances}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_while_weights_move_fails_the_engine_within_the_timeout(tmp_path):
+    make_hf_model("mixtral", str(tmp_path), seed=random.randrange(2**31), vocab_size=VOCAB, num_layers=2)
+    results = run_ranks(_kill_during_a_move, 1, str(tmp_path), free_port(), timeout_s=100)
+    status, value = results.get(0, ("missing", None))
+    assert status == "ok", value
+    assert value["follower_code"] == -9, value  # it died inside the move, as arranged
+    assert value["error"] is not None and "expert weights" in value["error"], value
+    assert value["elapsed"] < 10, value  # the 5 s timeout at most, not a hang
+    assert value["rebalances"] == 0, value  # the move never completed: no rank switched to it
