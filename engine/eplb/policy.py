@@ -45,7 +45,7 @@ def place_layer(load: list[float], num_ranks: int, slots_per_rank: int, current:
 
     A few splits of the spare slots between hot experts and idle ones are packed (replicating every spare into the
     hottest experts is not always best: three equal hot experts on two ranks pack better with one of them
-    replicated than two), and the least imbalanced packing wins."""
+    replicated than two), and the least imbalanced packing wins, then improved by swaps."""
     num_experts, num_slots = len(load), num_ranks * slots_per_rank
     if not num_experts <= num_slots <= num_experts * num_ranks:
         raise ValueError(f"{num_slots} slots over {num_ranks} ranks cannot hold {num_experts} experts (at most one "
@@ -55,11 +55,12 @@ def place_layer(load: list[float], num_ranks: int, slots_per_rank: int, current:
     for hot in sorted({spares, spares - 1, spares - 2, *(spares * i // 4 for i in range(4))}, reverse=True):
         if hot < 0:
             continue
-        chosen, rank_load = _pack(load, replica_counts(load, num_slots, num_ranks, hot), num_ranks, slots_per_rank,
-                                  current)
+        counts = replica_counts(load, num_slots, num_ranks, hot)
+        chosen, rank_load = _pack(load, counts, num_ranks, slots_per_rank, current)
         if best is None or max(rank_load) < best[0] - 1e-9 * max(1.0, best[0]):
-            best = (max(rank_load), chosen)
-    chosen = best[1]
+            best = (max(rank_load), chosen, rank_load, counts)
+    _, chosen, rank_load, counts = best
+    _improve_by_swaps(chosen, rank_load, [load[e] / counts[e] for e in range(num_experts)])
     placement = []
     for r in range(num_ranks):
         slots = current[r * slots_per_rank:(r + 1) * slots_per_rank]
@@ -82,32 +83,56 @@ def _pack(load: list[float], counts: list[int], num_ranks: int, slots_per_rank: 
     holds_now = [set(current[r * slots_per_rank:(r + 1) * slots_per_rank]) for r in range(num_ranks)]
     rank_load, free = [0.0] * num_ranks, [slots_per_rank] * num_ranks
     chosen: list[list[int]] = [[] for _ in range(num_ranks)]
+    chosen_sets: list[set[int]] = [set() for _ in range(num_ranks)]
     for weight, e in replicas:
-        open_ranks = [r for r in range(num_ranks) if free[r] and e not in chosen[r]]
+        open_ranks = [r for r in range(num_ranks) if free[r] and e not in chosen_sets[r]]
         # Only the last slots can leave no rank without this expert; then any free rank.
         open_ranks = open_ranks or [r for r in range(num_ranks) if free[r]]
         r = min(open_ranks, key=lambda r: (rank_load[r], e not in holds_now[r], r))
         chosen[r].append(e)
+        chosen_sets[r].add(e)
         rank_load[r] += weight
         free[r] -= 1
-    _improve_by_swaps(chosen, rank_load, [load[e] / counts[e] for e in range(len(load))])
+    weight = [load[e] / counts[e] for e in range(len(load))]
+    _separate_replicas(chosen, rank_load, weight)
     return chosen, rank_load
 
 
+def _separate_replicas(chosen: list[list[int]], rank_load: list[float], weight: list[float]) -> None:
+    """Where the last free slots left two replicas of an expert on one rank, swap one of them with an expert of
+    another rank that holds neither (the swap that keeps the larger rank load lowest)."""
+    for r, mine in enumerate(chosen):
+        for i, e in enumerate(mine):
+            if mine.count(e) < 2:
+                continue
+            options = [(max(rank_load[r] - weight[e] + weight[b], rank_load[o] - weight[b] + weight[e]), o, j)
+                       for o, theirs in enumerate(chosen) if o != r and e not in theirs
+                       for j, b in enumerate(theirs) if b not in mine]
+            if not options:
+                continue
+            _, o, j = min(options)
+            b = chosen[o][j]
+            mine[i], chosen[o][j] = b, e
+            rank_load[r] += weight[b] - weight[e]
+            rank_load[o] += weight[e] - weight[b]
+
+
 def _improve_by_swaps(chosen: list[list[int]], rank_load: list[float], weight: list[float],
-                      max_rounds: int = 64) -> None:
-    """Swap single replicas between the most loaded rank and another while that lowers the larger of the two
-    (the greedy packing leaves such swaps when slots, not load, bound a rank)."""
+                      max_rounds: int = 32, partners: int = 4) -> None:
+    """Swap single replicas between the most loaded rank and one of the ``partners`` least loaded ones while that
+    lowers the larger of the two (the greedy packing leaves such swaps when slots, not load, bound a rank)."""
     for _ in range(max_rounds):
         hot = max(range(len(chosen)), key=lambda r: (rank_load[r], -r))
         best = None  # (new max of the pair, other rank, index on hot, index on other)
-        for other in range(len(chosen)):
-            if other == hot:
-                continue
+        on_hot = set(chosen[hot])
+        for other in sorted((r for r in range(len(chosen)) if r != hot), key=lambda r: (rank_load[r], r))[:partners]:
+            on_other = set(chosen[other])
             for i, a in enumerate(chosen[hot]):
+                if a in on_other:
+                    continue
                 for j, b in enumerate(chosen[other]):
                     delta = weight[a] - weight[b]
-                    if delta <= 0 or (a != b and (a in chosen[other] or b in chosen[hot])):
+                    if delta <= 0 or b in on_hot:
                         continue
                     pair_max = max(rank_load[hot] - delta, rank_load[other] + delta)
                     if pair_max < rank_load[hot] - 1e-12 and (best is None or pair_max < best[0]):
