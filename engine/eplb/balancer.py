@@ -48,7 +48,7 @@ class BalanceStats:
     bytes_moved: int = 0  # over all ranks, cumulative
     slots_copied: int = 0  # slot copies between ranks, cumulative
     slots_reassigned: int = 0  # slots whose expert was replaced by another one (moved away or dropped), cumulative
-    last_rebalance_ms: float = 0.0
+    last_rebalance_ms: float = 0.0  # deciding (rank 0's policy) plus moving, on rank 0
     imbalance_before: float | None = None  # measured over the window before the last rebalance
     imbalance_after: float | None = None  # predicted for the same window under the new placement
     rank_load_before: list[int] | None = None  # [N] tokens over that window, measured
@@ -99,6 +99,7 @@ class ExpertBalancer:
         self._rank_window: collections.deque = collections.deque()  # (step, [L][N] tokens each rank received)
         self.rank_tokens = [0] * self.num_ranks  # tokens each rank's slots received since start, all layers
         self._decided_at = 0
+        self._decide_ms = 0.0  # the policy's time for the decision being applied (rank 0)
         self._watch_slots()
 
     @property
@@ -146,6 +147,7 @@ class ExpertBalancer:
         if num_steps == 0 or num_steps % self.interval_steps or num_steps == self._decided_at or not self._window:
             return None
         self._decided_at = num_steps
+        start = time.perf_counter()
         load = [[sum(col) for col in zip(*layers)] for layers in zip(*(entry for _, entry in self._window))]  # [L][E]
         new = rebalance(load, self.num_ranks, self.slots_per_rank, self.placements)
         if new == self.placements:
@@ -161,6 +163,7 @@ class ExpertBalancer:
         else:
             self.stats.rank_load_before = [round(sum(col)) for col in zip(*before)]
         self.stats.rank_load_after = [sum(col) for col in zip(*after)]
+        self._decide_ms = (time.perf_counter() - start) * 1e3
         return Rebalance(new)
 
     def apply(self, decision: Rebalance) -> None:
@@ -179,7 +182,7 @@ class ExpertBalancer:
             block.placement = ExpertPlacement(new, block.expert_tokens.shape[0], block.expert_tokens.device)
         self.tp.min_over_ranks(1, "finishing the move of expert weights")
         self._watch_slots()
-        elapsed_ms = (time.perf_counter() - start) * 1e3
+        elapsed_ms = (time.perf_counter() - start) * 1e3 + self._decide_ms
         self.stats.rebalances += 1
         self.stats.bytes_moved += moved
         self.stats.slots_copied += copied
