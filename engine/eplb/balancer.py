@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.distributed.collectives import TensorParallel
 from engine.eplb.placement import ExpertPlacement
-from engine.eplb.policy import EMPTY, mean_imbalance, rank_loads, rebalance
+from engine.eplb.policy import EMPTY, mean_imbalance, rank_loads, rebalance, slots_per_rank
 from engine.eplb.transfer import move_layer, plan_copies, slot_bytes
 from engine.worker.expert_load import ExpertLoadReader
 
@@ -63,11 +63,8 @@ def install(blocks: list[nn.Module], num_redundant: int) -> tuple[int, int]:
     for block in blocks:
         ep = block.tp.expert_parallel
         num_experts, num_ranks = block.expert_tokens.shape[0], ep.tp.size
-        total = num_experts + num_redundant
-        if total % num_ranks or total // num_ranks > num_experts:
-            raise ValueError(f"num_redundant_experts: {num_experts} experts + {num_redundant} spare slots must divide "
-                             f"evenly among the {num_ranks} expert-parallel ranks, at most {num_experts} per rank")
-        slots = total // num_ranks
+        slots = slots_per_rank(num_experts, num_redundant, num_ranks)
+        total = slots * num_ranks
         starts = ep.expert_starts(num_experts)
         held = block.experts.w13.shape[0]
         for name, p in block.experts.named_parameters(recurse=False):

@@ -21,6 +21,17 @@ import heapq
 EMPTY = -1  # a slot holding no expert (the spare slots before the first rebalance)
 
 
+def slots_per_rank(num_experts: int, num_redundant: int, num_ranks: int) -> int:
+    """S: the slots each rank holds for ``num_experts`` experts and ``num_redundant`` spare slots over ``num_ranks``
+    ranks; ValueError, naming the setting, when they do not divide evenly or a rank would hold more slots than
+    there are experts (it would hold an expert twice)."""
+    total = num_experts + num_redundant
+    if total % num_ranks or total // num_ranks > num_experts:
+        raise ValueError(f"num_redundant_experts: {num_experts} experts + {num_redundant} spare slots must divide "
+                         f"evenly among the {num_ranks} expert-parallel ranks, at most {num_experts} per rank")
+    return total // num_ranks
+
+
 def replica_counts(load: list[float], num_slots: int, num_ranks: int, hot_spares: int | None = None) -> list[int]:
     """[E] replicas per expert: one each, then ``hot_spares`` (default: every spare slot) each to the expert with
     the most load per replica, the rest each to the expert with the least (a slot must hold some expert; a replica

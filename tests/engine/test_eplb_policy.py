@@ -113,3 +113,27 @@ def test_the_planned_copies_turn_the_old_placement_into_the_new():
             assert old[c.src] == new[c.dst]
             held[c.dst] = old[c.src]
         assert held == new
+
+
+@pytest.mark.timeout(60)
+def test_bad_balancing_settings_are_refused_before_any_process_starts(tmp_path):
+    from engine.core.config import EngineConfig
+    from engine.distributed.split_check import check_split
+    from engine.loading.model_config import load_model_config
+    from tests.hf_models import make_hf_model
+
+    make_hf_model("mixtral", str(tmp_path), seed=random.randrange(2**31), vocab_size=97)  # 8 experts
+    model_config = load_model_config(str(tmp_path))
+    split = dict(model=str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True)
+    check_split(model_config, EngineConfig(**split, num_redundant_experts=2))  # 10 slots: 5 a rank
+    for spare in (1, 10):  # 9 slots do not divide by 2; 18 would put 9 slots for 8 experts on a rank
+        with pytest.raises(ValueError, match="num_redundant_experts"):
+            check_split(model_config, EngineConfig(**split, num_redundant_experts=spare))
+    for bad, says in ((dict(enable_expert_parallel=False), "enable_expert_parallel"),
+                      (dict(tensor_parallel_size=1), "tensor_parallel_size"),
+                      (dict(num_redundant_experts=-1), "num_redundant_experts"),
+                      (dict(eplb_interval_steps=0), "eplb_interval_steps"),
+                      (dict(enable_eplb=False, num_redundant_experts=2), "enable_eplb"),
+                      (dict(data_parallel_size=2, distributed_init_method="tcp://127.0.0.1:1"), "data_parallel_size")):
+        with pytest.raises(ValueError, match=says):
+            EngineConfig(**{**split, **bad})
