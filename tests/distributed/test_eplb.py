@@ -22,36 +22,43 @@ MODES = {
     "eplb2": dict(tensor_parallel_size=2, num_redundant_experts=2, **EPLB),
     "eplb4": dict(tensor_parallel_size=4, num_redundant_experts=4, **EPLB),
 }
-FAMILIES = {  # experts, top-k: qwen3_moe 16/4, mixtral 8/2, deepseek_v3 8/2 (grouped sigmoid routing, a dense layer)
-    "qwen3_moe": {"ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True), **MODES},
-    "mixtral": MODES,
-    "deepseek_v3": MODES,
+# Runs: (family, settings every mode of the run shares, modes); each compared with one process of those settings.
+# Experts, top-k: qwen3_moe 16/4, mixtral 8/2, deepseek_v3 8/2 (grouped sigmoid routing, a dense layer); mixtral
+# again with its experts in int8 (the scales move with the weights).
+RUNS = {
+    "qwen3_moe": ("qwen3_moe", {}, {"ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True), **MODES}),
+    "mixtral": ("mixtral", {}, MODES),
+    "mixtral-int8": ("mixtral", dict(quantization="int8"), {"eplb2": MODES["eplb2"]}),
+    "deepseek_v3": ("deepseek_v3", {}, MODES),
 }
 
 
 @pytest.fixture(scope="module")
 def eplb_runs(tmp_path_factory):
     runs, seeds = {}, {}
-    for family, modes in FAMILIES.items():
-        seed = seeds[family] = random.randrange(2**31)
-        model_dir = str(tmp_path_factory.mktemp(f"eplb-{family}"))
+    for name, (family, common, modes) in RUNS.items():
+        seed = seeds[name] = random.randrange(2**31)
+        model_dir = str(tmp_path_factory.mktemp(f"eplb-{name}"))
         make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2)
         rng = random.Random(seed)
         shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
         prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 2, 13)]
         prompts += [shared + [3], shared + [5, 7]]
-        runs[family] = (model_dir, prompts, [6, 6, 5, 6, 6, 11], {"single": {}, **modes})
+        every = {"single": common, **{mode: {**extra, **common} for mode, extra in modes.items()}}
+        runs[name] = (model_dir, prompts, [6, 6, 5, 6, 6, 11], every)
     return generate_each_way(runs, seeds, timeout_s=400)
 
 
 @pytest.mark.timeout(440)  # the first family's test builds every family's results (module fixture)
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_balanced_experts_generate_the_single_process_tokens(family, eplb_runs):
-    value = check_each_way_generates_the_single_tokens(family, eplb_runs[family])
-    seed = eplb_runs[family][0]
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_balanced_experts_generate_the_single_process_tokens(run, eplb_runs):
+    value = check_each_way_generates_the_single_tokens(run, eplb_runs[run])
+    seed = eplb_runs[run][0]
     preemptions, hits, _ = value["single:stats"]
     assert preemptions > 0 and hits > 0, f"the workload must preempt and hit the prefix cache (seed={seed})"
-    for name in MODES:
+    for name in RUNS[run][2]:
+        if name not in MODES:
+            continue
         stats = value[name + ":eplb"]
         assert value[name + ":stats"][:2] == (preemptions, hits), (name, seed)
         # Rebalanced mid-run: replicas made, weights sent between ranks, experts moved off slots.
