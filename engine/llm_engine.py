@@ -317,16 +317,7 @@ class LLMEngine:
         stats.expert_load = self.runner.expert_load.poll(self.runner.num_steps)
         ep, balancer = self.model.tp.expert_parallel, self.runner.eplb
         if balancer is not None:
-            balancer.observe(self.runner.num_steps)
-            stats.expert_load_by_rank = list(balancer.rank_tokens)
-            stats.expert_imbalance = balancer.imbalance()
-            done = balancer.stats
-            stats.eplb_rebalances, stats.eplb_bytes_moved = done.rebalances, done.bytes_moved
-            stats.eplb_slots_copied, stats.eplb_last_rebalance_ms = done.slots_copied, done.last_rebalance_ms
-            stats.eplb_slots_reassigned = done.slots_reassigned
-            stats.eplb_replicated_experts = balancer.replicated_experts()
-            stats.eplb_rank_load_before, stats.eplb_rank_load_after = done.rank_load_before, done.rank_load_after
-            stats.eplb_imbalance_before, stats.eplb_imbalance_after = done.imbalance_before, done.imbalance_after
+            balancer.fill_stats(stats, self.runner.num_steps)
         elif ep is not None and stats.expert_load:
             starts = ep.expert_starts(len(stats.expert_load[0]))
             per_layer = [[sum(layer[a:b]) for a, b in zip(starts, starts[1:])] for layer in stats.expert_load]

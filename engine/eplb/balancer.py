@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.core.stats import SchedulerStats
 from engine.distributed.collectives import TensorParallel
 from engine.eplb.placement import ExpertPlacement
 from engine.eplb.policy import EMPTY, mean_imbalance, rank_loads, rebalance, slots_per_rank
@@ -188,6 +189,19 @@ class ExpertBalancer:
             logger.info("experts rebalanced in %.1f ms: %d slot copies between ranks, %.1f MB moved; predicted "
                         "imbalance %.3f -> %.3f", elapsed_ms, copied, moved / 1e6,
                         self.stats.imbalance_before or 0.0, self.stats.imbalance_after or 0.0)
+
+    def fill_stats(self, stats: SchedulerStats, num_steps: int) -> None:
+        """Rank 0: the balance's fields of ``stats`` (the load read up to step ``num_steps``)."""
+        self.observe(num_steps)
+        done = self.stats
+        stats.expert_load_by_rank = list(self.rank_tokens)
+        stats.expert_imbalance = self.imbalance()
+        stats.eplb_rebalances, stats.eplb_bytes_moved = done.rebalances, done.bytes_moved
+        stats.eplb_slots_copied, stats.eplb_slots_reassigned = done.slots_copied, done.slots_reassigned
+        stats.eplb_last_rebalance_ms = done.last_rebalance_ms
+        stats.eplb_replicated_experts = self.replicated_experts()
+        stats.eplb_rank_load_before, stats.eplb_rank_load_after = done.rank_load_before, done.rank_load_after
+        stats.eplb_imbalance_before, stats.eplb_imbalance_after = done.imbalance_before, done.imbalance_after
 
     def replicated_experts(self) -> int:
         """Logical experts holding more than one slot now, summed over the layers."""
