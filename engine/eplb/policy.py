@@ -158,11 +158,20 @@ def _improve_by_swaps(chosen: list[list[int]], rank_load: list[float], weight: l
         rank_load[other] += delta
 
 
-def rebalance(load: list[list[float]], num_ranks: int, slots_per_rank: int,
-              current: list[list[int]]) -> list[list[int]]:
-    """[L][P] new placement of every layer from its ``load`` [L][E]; a layer with no load keeps ``current``."""
-    return [place_layer(layer, num_ranks, slots_per_rank, now) if sum(layer) > 0 else list(now)
-            for layer, now in zip(load, current)]
+def rebalance(load: list[list[float]], num_ranks: int, slots_per_rank: int, current: list[list[int]],
+              min_gain: float = 0.02) -> list[list[int]]:
+    """[L][P] new placement of every layer from its ``load`` [L][E]. A layer keeps ``current`` when it had no load,
+    or when the new placement would lower its predicted imbalance by less than ``min_gain`` (a move pauses
+    serving; chasing noise would pay that for nothing)."""
+    out = []
+    for layer, now in zip(load, current):
+        if sum(layer) <= 0:
+            out.append(list(now))
+            continue
+        placed = place_layer(layer, num_ranks, slots_per_rank, now)
+        gain = imbalance(rank_loads(layer, now, num_ranks)) - imbalance(rank_loads(layer, placed, num_ranks))
+        out.append(placed if gain >= min_gain else list(now))
+    return out
 
 
 def rank_loads(load: list[float], placement: list[int], num_ranks: int) -> list[float]:

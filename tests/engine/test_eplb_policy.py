@@ -137,3 +137,17 @@ def test_bad_balancing_settings_are_refused_before_any_process_starts(tmp_path):
                       (dict(data_parallel_size=2, distributed_init_method="tcp://127.0.0.1:1"), "data_parallel_size")):
         with pytest.raises(ValueError, match=says):
             EngineConfig(**{**split, **bad})
+
+
+def test_a_layer_moves_only_for_a_real_gain():
+    from engine.eplb.policy import rebalance
+
+    rng = random.Random()
+    current = [0, 1, 2, 3, EMPTY, 4, 5, 6, 7, EMPTY]  # 8 experts on 2 ranks, a spare slot each
+    even = [rng.uniform(99, 101) for _ in range(8)]  # within 2% per expert: no placement gains 0.02
+    skewed = [rng.uniform(0, 1) for _ in range(7)] + [100.0]  # expert 7 takes nearly everything
+    idle = [0.0] * 8
+    kept_even, moved, kept_idle = rebalance([even, skewed, idle], 2, 5, [current] * 3)
+    assert kept_even == current and kept_idle == current
+    assert moved != current and moved.count(7) == 2  # the hot expert replicated onto both ranks
+    assert imbalance(rank_loads(skewed, moved, 2)) < imbalance(rank_loads(skewed, current, 2)) - 0.02
