@@ -231,12 +231,9 @@ class EngineConfig:
                              "that only the rebalancing fills")
         if not self.enable_eplb:
             return
-        if not self.enable_expert_parallel or self.tensor_parallel_size < 2:
+        if not self.enable_expert_parallel or self.tensor_parallel_size * self.data_parallel_size < 2:
             raise ValueError("enable_eplb balances experts divided among ranks: set enable_expert_parallel and "
-                             "tensor_parallel_size >= 2")
-        if self.data_parallel_size > 1:
-            raise ValueError("enable_eplb is not built yet for replicas sharing their experts (data_parallel_size "
-                             "> 1): run one replica split over tensor_parallel_size ranks")
+                             "tensor_parallel_size or data_parallel_size >= 2")
 
 
 _PARTS = ("torch", "triton")

@@ -25,4 +25,5 @@ def check_split(model_config: ModelConfig, config: EngineConfig) -> None:
         from engine.eplb.policy import slots_per_rank
 
         for num_experts in {m.expert_tokens.shape[0] for m in model.modules() if hasattr(m, "expert_tokens")}:
-            slots_per_rank(num_experts, config.num_redundant_experts, config.tensor_parallel_size)
+            slots_per_rank(num_experts, config.num_redundant_experts,
+                           config.tensor_parallel_size * config.data_parallel_size)

@@ -97,6 +97,7 @@ class ExpertBalancer:
         self._rank_window: collections.deque = collections.deque()  # (step, [L][N] tokens each rank received)
         self.rank_tokens = [0] * self.num_ranks  # tokens each rank's slots received since start, all layers
         self._decided_at = 0
+        self.drivers: TensorParallel | None = None  # the replicas' rank-0 processes, when several share experts
         self._decide_ms = 0.0  # the policy's time for the decision being applied (rank 0)
         self._watch_slots()
 
@@ -139,14 +140,33 @@ class ExpertBalancer:
         per_layer = [[sum(col) for col in zip(*layers)] for layers in zip(*(entry for _, entry in self._rank_window))]
         return mean_imbalance(per_layer)
 
+    def join_replicas(self, drivers: TensorParallel | None, settings: tuple) -> None:
+        """With replicas sharing their experts: ``drivers`` (the replicas' rank-0 processes, this one among them)
+        sum their windows before each decision, so that all of them make the same one. ValueError on every
+        replica when their balancing ``settings`` differ (they would decide at different steps)."""
+        if drivers is None or drivers.size == 1:
+            return
+        every = drivers.all_gather_object(settings)
+        if any(s != every[0] for s in every):
+            raise ValueError(f"replicas sharing their experts must balance them alike (enable_eplb, "
+                             f"num_redundant_experts, eplb_window_steps, eplb_interval_steps); they have {every}")
+        self.drivers = drivers
+
     def due(self, num_steps: int) -> Rebalance | None:
-        """Rank 0, before step ``num_steps`` + 1: a rebalance to apply now, or None."""
+        """Rank 0, before step ``num_steps`` + 1: a rebalance to apply now, or None. With replicas sharing their
+        experts every replica's rank 0 calls it at the same step and they sum their windows (a collective)."""
         self.observe(num_steps)
-        if num_steps == 0 or num_steps % self.interval_steps or num_steps == self._decided_at or not self._window:
+        if num_steps == 0 or num_steps % self.interval_steps or num_steps == self._decided_at:
             return None
         self._decided_at = num_steps
         start = time.perf_counter()
         load = [[sum(col) for col in zip(*layers)] for layers in zip(*(entry for _, entry in self._window))]  # [L][E]
+        if not load:
+            load = [[0] * len(p) for p in self._expert_counts()]
+        if self.drivers is not None:  # every replica's tokens: the same sum, so the same decision, on each
+            load = [[sum(col) for col in zip(*layers)] for layers in zip(*self.drivers.all_gather_object(load))]
+        if not any(map(any, load)):
+            return None
         new = rebalance(load, self.num_ranks, self.slots_per_rank, self.placements)
         if new == self.placements:
             return None
@@ -189,6 +209,9 @@ class ExpertBalancer:
             logger.info("experts rebalanced in %.1f ms: %d slot copies between ranks, %.1f MB moved; predicted "
                         "imbalance %.3f -> %.3f", elapsed_ms, copied, moved / 1e6,
                         self.stats.imbalance_before or 0.0, self.stats.imbalance_after or 0.0)
+
+    def _expert_counts(self) -> list[list[int]]:
+        return [[0] * b.expert_tokens.shape[0] for b in self.blocks]
 
     def fill_stats(self, stats: SchedulerStats, num_steps: int) -> None:
         """Rank 0: the balance's fields of ``stats`` (the load read up to step ``num_steps``)."""

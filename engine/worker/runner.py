@@ -80,6 +80,7 @@ class ModelRunner:
         self.last_prepare_ms = 0.0  # host time building the last step's batch (metadata and staging)
         self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
         self.num_steps = 0  # execute() calls that ran a forward
+        self.group_steps = 0  # steps with a forward or a dummy step (with peer replicas): expert balancing's clock
         self.kv_caches = attach_kv_caches(model, cache_config, device, dtype)
         self.sliding_window = model.config.sliding_window
         self.sampler = Sampler(device, seed)
@@ -118,15 +119,12 @@ class ModelRunner:
             self.draft.propose(sched_out)
         if sched_out.is_empty:
             if self.steps_with_peers:
+                self._rebalance_if_due()
                 if self.model.tp.size > 1:  # this replica's other ranks step empty too
                     self.model.tp.broadcast_object([])
                 self.dummy_step()
             return StepSamples([])
-        if self.eplb is not None and (rebalance := self.eplb.due(self.num_steps)) is not None:
-            # Between two steps, on every rank at once: the decision goes on the plans' channel, ahead of the plan.
-            if self.model.tp.size > 1:
-                self.model.tp.broadcast_object(rebalance)
-            self.eplb.apply(rebalance)
+        self._rebalance_if_due()
         if self.model.tp.size > 1:  # the other ranks run the same forward on their slices of the model
             self.model.tp.broadcast_object(follower_plan(sched_out))
         self.num_steps += 1
@@ -160,6 +158,18 @@ class ModelRunner:
         if scoring is not None:
             result.prompt_logprobs = scoring.read(prompt_lp)
         return result
+
+    def _rebalance_if_due(self) -> None:
+        """Expert load balancing between two steps, on every rank at once: rank 0's decision goes on the plans'
+        channel, ahead of the plan. Counted in steps every replica of the experts' group takes together (a
+        dummy step included), so replicas sharing their experts decide at the same step."""
+        if self.eplb is None:
+            return
+        self.group_steps += 1
+        if (rebalance := self.eplb.due(self.group_steps - 1)) is not None:
+            if self.model.tp.size > 1:
+                self.model.tp.broadcast_object(rebalance)
+            self.eplb.apply(rebalance)
 
     def _logits(self, hidden: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
         """logits [N + Q, V]: the sampling rows', then the rows scoring prompt tokens (prompt logprobs); None if

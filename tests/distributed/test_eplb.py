@@ -119,3 +119,44 @@ def test_a_rank_killed_while_weights_move_fails_the_engine_within_the_timeout(tm
     assert value["error"] is not None and "expert weights" in value["error"], value
     assert value["elapsed"] < 10, value  # the 5 s timeout at most, not a hang
     assert value["rebalances"] == 0, value  # the move never completed: no rank switched to it
+
+
+def _balanced_replica(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens):
+    from engine import LLM, SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens[rank]]
+    reference = [out.token_ids for out in LLM(model_dir, **ENGINE).generate(prompts[rank], params)]
+    llm = LLM(model_dir, **ENGINE, data_parallel_size=world, data_parallel_rank=rank, distributed_init_method=address,
+              **{**EPLB, "num_redundant_experts": 2})
+    try:
+        got = [out.token_ids for out in llm.generate(prompts[rank], params)]
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.close()
+    return {"reference": reference, "got": got, "rebalances": stats.eplb_rebalances,
+            "replicated": stats.eplb_replicated_experts, "copied": stats.eplb_slots_copied,
+            "placements": llm.engine.runner.eplb.placements, "preemptions": stats.num_preemptions,
+            "hits": stats.prefix_hit_tokens}
+
+
+@pytest.mark.timeout(200)
+def test_replicas_sharing_experts_balance_them_together(tmp_path):
+    """Two whole engines whose MoE layers divide qwen3_moe's 16 experts (+2 spare slots) among them, each with
+    its own requests: they sum their measured load, make the same decisions at the same steps (the busy one
+    steps with work while the other runs dummy steps for most of the run) and each generates what it would
+    alone."""
+    seed = random.randrange(2**31)
+    make_hf_model("qwen3_moe", str(tmp_path), seed=seed, vocab_size=VOCAB, num_layers=2)
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
+    prompts = {0: [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 13, 2)] + [shared + [3], shared + [5]],
+               1: [[rng.randrange(1, VOCAB - 1) for _ in range(7)]]}
+    max_tokens = {0: [9, 12, 6, 10, 6, 6], 1: [3]}
+    results = run_ranks(_balanced_replica, 2, str(tmp_path), prompts, max_tokens, timeout_s=180)
+    assert sorted(results) == [0, 1] and all(s == "ok" for s, _ in results.values()), (seed, results)
+    busy, idle = results[0][1], results[1][1]
+    for value in (busy, idle):
+        assert value["got"] == value["reference"], f"seed={seed}"
+    assert busy["placements"] == idle["placements"], seed  # one decision, made on both
+    assert busy["rebalances"] == idle["rebalances"] >= 2 and busy["replicated"] > 0 and busy["copied"] > 0, busy
+    assert busy["preemptions"] > 0 and busy["hits"] > 0, busy
