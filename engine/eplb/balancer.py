@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.core.stats import SchedulerStats
+from engine.core.stats import EXPERT_LOAD_EVERY_CUDA, SchedulerStats
 from engine.distributed.collectives import TensorParallel
 from engine.eplb.placement import ExpertPlacement
 from engine.eplb.policy import EMPTY, mean_imbalance, rank_loads, rebalance, slots_per_rank
@@ -89,7 +89,8 @@ class ExpertBalancer:
         self.num_ranks, self.slots_per_rank = install(blocks, num_redundant)
         self.window_steps, self.interval_steps = window_steps, interval_steps
         self.stats = BalanceStats()
-        self._logical = ExpertLoadReader([b.expert_tokens for b in blocks], device, 1)
+        # On CUDA the counters are copied every EXPERT_LOAD_EVERY_CUDA steps, never waited for: the window's grain.
+        self._logical = ExpertLoadReader([b.expert_tokens for b in blocks], device, EXPERT_LOAD_EVERY_CUDA)
         self._last_logical: list[list[int]] | None = None
         self._window: collections.deque = collections.deque()  # (step, [L][E] tokens routed since the last read)
         self._physical: ExpertLoadReader | None = None
@@ -106,7 +107,8 @@ class ExpertBalancer:
         return [b.placement.slot_experts for b in self.blocks]
 
     def _watch_slots(self) -> None:
-        self._physical = ExpertLoadReader([b.placement.slot_tokens for b in self.blocks], self.device, 1)
+        self._physical = ExpertLoadReader([b.placement.slot_tokens for b in self.blocks], self.device,
+                                          EXPERT_LOAD_EVERY_CUDA)
         self._last_physical = [[0] * (self.num_ranks * self.slots_per_rank) for _ in self.blocks]
         self._rank_window.clear()
 
