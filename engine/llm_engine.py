@@ -321,7 +321,7 @@ class LLMEngine:
         stats.expert_load = self.runner.expert_load.poll(self.runner.num_steps)
         ep, balancer = self.model.tp.expert_parallel, self.runner.eplb
         if balancer is not None:
-            balancer.fill_stats(stats, self.runner.num_steps)
+            balancer.fill_stats(stats, self.runner.group_steps)
         elif ep is not None and stats.expert_load:
             starts = ep.expert_starts(len(stats.expert_load[0]))
             per_layer = [[sum(layer[a:b]) for a, b in zip(starts, starts[1:])] for layer in stats.expert_load]

@@ -3,9 +3,11 @@
 
 Legend: L MoE layers, E logical experts, N expert-parallel ranks, S slots per rank, P = N * S = E + R slots.
 
-Timeline, on rank 0's step count (steps that ran a forward):
+Timeline, on rank 0's step count (steps that ran a forward, and dummy steps taken with peer replicas):
 
-    step n, n % interval == 0:  rank 0 reads the window's load, runs the policy; if the placement changes it
+    step n, n % interval == 0:  rank 0 reads the window's load (with replicas sharing their experts, every
+                                replica's rank 0 adds up all their windows, so all decide alike), runs the
+                                policy; if the placement changes it
                                 broadcasts a ``Rebalance`` before the step's plan, and every rank moves the
                                 weights (``transfer``) layer by layer and installs the layer's new map once the
                                 layer's copies are done; a control-group barrier ends the move on every rank
@@ -216,7 +218,8 @@ class ExpertBalancer:
         return [[0] * b.expert_tokens.shape[0] for b in self.blocks]
 
     def fill_stats(self, stats: SchedulerStats, num_steps: int) -> None:
-        """Rank 0: the balance's fields of ``stats`` (the load read up to step ``num_steps``)."""
+        """Rank 0: the balance's fields of ``stats`` (the load read up to step ``num_steps``, on the clock ``due``
+        is given: steps every replica of the experts' group takes together)."""
         self.observe(num_steps)
         done = self.stats
         stats.expert_load_by_rank = list(self.rank_tokens)
