@@ -85,9 +85,7 @@ class LLMEngine:
             parts = build_rank(config, self.model_config, self.kernels, self.dtype, self.device,
                                self.ranks.tp if self.ranks else SINGLE)
             if parts.runner.eplb is not None and self.ranks is not None:  # replicas sharing experts decide together
-                parts.runner.eplb.join_replicas(self.ranks.drivers, (
-                    config.enable_eplb, config.num_redundant_experts, config.eplb_window_steps,
-                    config.eplb_interval_steps))
+                parts.runner.eplb.join_replicas(self.ranks.drivers)
         except BaseException:
             if self.ranks is not None:  # the other ranks may be inside a collective: end them, do not talk
                 self.ranks.abort()

@@ -144,17 +144,12 @@ class ExpertBalancer:
         per_layer = [[sum(col) for col in zip(*layers)] for layers in zip(*(entry for _, entry in self._rank_window))]
         return mean_imbalance(per_layer)
 
-    def join_replicas(self, drivers: TensorParallel | None, settings: tuple) -> None:
+    def join_replicas(self, drivers: TensorParallel | None) -> None:
         """With replicas sharing their experts: ``drivers`` (the replicas' rank-0 processes, this one among them)
-        sum their windows before each decision, so that all of them make the same one. ValueError on every
-        replica when their balancing ``settings`` differ (they would decide at different steps)."""
-        if drivers is None or drivers.size == 1:
-            return
-        every = drivers.all_gather_object(settings)
-        if any(s != every[0] for s in every):
-            raise ValueError(f"replicas sharing their experts must balance them alike (enable_eplb, "
-                             f"num_redundant_experts, eplb_window_steps, eplb_interval_steps); they have {every}")
-        self.drivers = drivers
+        sum their windows before each decision, so that all of them make the same one (their balancing settings
+        are the same: ``engine.distributed.world`` checks them as the replicas meet)."""
+        if drivers is not None and drivers.size > 1:
+            self.drivers = drivers
 
     def due(self, num_steps: int) -> Rebalance | None:
         """Rank 0, before step ``num_steps`` + 1: a rebalance to apply now, or None. With replicas sharing their
