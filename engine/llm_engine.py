@@ -22,6 +22,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.speculation import Speculator
 from engine.core.stats import SchedulerStats, TierStats
+from engine.eplb.policy import mean_imbalance
 from engine.kv_tiers.setup import build_tiers
 from engine.structured_output.matchers import GrammarMatchers
 from engine.text.tokenizer import check_vocabulary, load_tokenizer
@@ -86,6 +87,8 @@ class LLMEngine:
         try:
             parts = build_rank(config, self.model_config, self.kernels, self.dtype, self.device,
                                self.ranks.tp if self.ranks else SINGLE, self.ranks.stage if self.ranks else WHOLE)
+            if parts.runner.eplb is not None and self.ranks is not None:  # replicas sharing experts decide together
+                parts.runner.eplb.join_replicas(self.ranks.drivers)
         except BaseException:
             if self.ranks is not None:  # the other ranks may be inside a collective: end them, do not talk
                 self.ranks.abort()
@@ -327,11 +330,14 @@ class LLMEngine:
         # On the CPU with overlapped steps this reads counters the worker may be adding to (a count at most
         # one step stale).
         stats.expert_load = self.runner.expert_load.poll(self.runner.num_steps)
-        ep = self.model.tp.expert_parallel
-        if ep is not None and stats.expert_load:
+        ep, balancer = self.model.tp.expert_parallel, self.runner.eplb
+        if balancer is not None:
+            balancer.fill_stats(stats, self.runner.group_steps)
+        elif ep is not None and stats.expert_load:
             starts = ep.expert_starts(len(stats.expert_load[0]))
-            stats.expert_load_by_rank = [sum(sum(layer[a:b]) for layer in stats.expert_load)
-                                         for a, b in zip(starts, starts[1:])]
+            per_layer = [[sum(layer[a:b]) for a, b in zip(starts, starts[1:])] for layer in stats.expert_load]
+            stats.expert_load_by_rank = [sum(col) for col in zip(*per_layer)]
+            stats.expert_imbalance = mean_imbalance(per_layer)
         return stats
 
 

@@ -44,6 +44,27 @@ class _EngineCollector:
             "expert_ranks": CounterMetricFamily("moegate_expert_rank_tokens",
                                                 "tokens routed to the experts each rank holds (experts divided)",
                                                 labels=["replica", "rank"]),
+            "imbalance": GaugeMetricFamily("moegate_expert_imbalance",
+                                           "max over ranks / mean of the tokens routed to each rank's experts, per "
+                                           "MoE layer, averaged over layers (experts divided; over the balancing "
+                                           "window with --enable-eplb, since start without)", labels=["replica"]),
+            "eplb_rebalances": CounterMetricFamily("moegate_eplb_rebalances", "expert rebalances applied",
+                                                   labels=["replica"]),
+            "eplb_bytes": CounterMetricFamily("moegate_eplb_moved_bytes",
+                                              "bytes of expert weights moved between ranks by rebalancing",
+                                              labels=["replica"]),
+            "eplb_seconds": GaugeMetricFamily("moegate_eplb_last_rebalance_seconds",
+                                              "how long the last rebalance held the engine", labels=["replica"]),
+            "eplb_replicated": GaugeMetricFamily("moegate_eplb_replicated_experts",
+                                                 "experts holding more than one slot now, all layers", labels=["replica"]),
+            "eplb_load": GaugeMetricFamily("moegate_eplb_rank_tokens",
+                                           "each rank's tokens over the window before the last rebalance: measured "
+                                           "(when=before) and predicted under the new placement (when=after)",
+                                           labels=["replica", "rank", "when"]),
+            "eplb_imbalance": GaugeMetricFamily("moegate_eplb_imbalance",
+                                                "imbalance over the window before the last rebalance (when=before, "
+                                                "measured) and predicted after it (when=after)",
+                                                labels=["replica", "when"]),
             "spec_draft": CounterMetricFamily("moegate_spec_draft_tokens",
                                               "speculative decoding: draft tokens verified", labels=["replica"]),
             "spec_accepted": CounterMetricFamily("moegate_spec_accepted_tokens",
@@ -107,6 +128,7 @@ class _EngineCollector:
             for row in stats.cache_tiers:
                 for field in tier_help:
                     families["tier_" + field].add_metric([name, row.tier, row.tenant], getattr(row, field))
+            _add_balance(families, name, stats)
             families["spec_draft"].add_metric([name], stats.spec_draft_tokens)
             families["spec_accepted"].add_metric([name], stats.spec_accepted_tokens)
             families["spec_steps"].add_metric([name], stats.spec_steps)
@@ -120,6 +142,23 @@ class _EngineCollector:
             families["gie_kv"].add_metric([name], kv)
             families["gie_kv_old"].add_metric([name], kv)
         yield from (f for f in families.values() if f.samples)
+
+
+def _add_balance(families: dict, name: str, stats) -> None:
+    """The expert-balance series of one replica's stats (none unless its experts are divided)."""
+    if stats.expert_imbalance is not None:
+        families["imbalance"].add_metric([name], stats.expert_imbalance)
+    if stats.eplb_rebalances:
+        families["eplb_rebalances"].add_metric([name], stats.eplb_rebalances)
+        families["eplb_bytes"].add_metric([name], stats.eplb_bytes_moved)
+        families["eplb_seconds"].add_metric([name], stats.eplb_last_rebalance_ms / 1e3)
+        families["eplb_replicated"].add_metric([name], stats.eplb_replicated_experts)
+        for when, loads, ratio in (("before", stats.eplb_rank_load_before, stats.eplb_imbalance_before),
+                                   ("after", stats.eplb_rank_load_after, stats.eplb_imbalance_after)):
+            for rank, tokens in enumerate(loads or ()):
+                families["eplb_load"].add_metric([name, str(rank), when], tokens)
+            if ratio is not None:
+                families["eplb_imbalance"].add_metric([name, when], ratio)
 
 
 class GatewayMetrics:

@@ -17,7 +17,8 @@ TORCH_FREE = tuple(sorted(str(f.relative_to(ROOT)) for room in TORCH_FREE_ROOMS 
 # The engine's rooms, lowest first: a module may import its own layer and the layers below, never one above.
 # Request state and text sit at the bottom (the gateway runs them); then what one forward reads, the grammar and
 # sampling math, the kernels, the layers built on them, the models built from layers, the transforms applied to a
-# loaded model, the worker that runs a step, the engine that steps, and the engine as a process at the top.
+# loaded model, the worker that runs a step (with the expert balancing it runs between steps, one layer: the
+# worker builds the balancer, the balancer reads the worker's load counters), the engine that steps, and the engine as a process at the top.
 # Not ranked: engine/loading and engine/distributed hold a low part (checkpoint configs; the collectives the layers
 # call) and a high part (building a model; a follower rank's loop), and engine/cli.py, engine/engine_flags.py
 # are command-line entry points.
@@ -31,7 +32,7 @@ ENGINE_LAYERS = (
     ("engine/layers",),
     ("engine/models",),
     ("engine/transforms",),
-    ("engine/worker",),
+    ("engine/worker", "engine/eplb"),
     ("engine/kv_transfer",),  # reads and writes the worker's KV caches as bytes; the serving room drives it
     ("engine/kv_tiers",),  # the prefix-cache tiers: the engine builds them over the worker's KV caches
     ("engine/llm_engine.py", "engine/llm.py"),

@@ -96,6 +96,18 @@ class EngineConfig:
     expert_dispatch: str = "all_to_all"
     """how tokens reach their experts' ranks: all_to_all (uneven splits: each token slot travels once) or
     all_gather (every rank sees every token, outputs reduce-scattered back: simpler, more traffic)"""
+    enable_eplb: bool = False
+    """with ``enable_expert_parallel``: balance the experts' load over the ranks while serving: every
+    ``eplb_interval_steps`` steps the most loaded experts get replicas in the ``num_redundant_experts`` spare
+    slots and experts are re-placed among the ranks from the load of the last ``eplb_window_steps`` steps, the
+    weights moved between steps (``engine.eplb``)"""
+    num_redundant_experts: int = 0
+    """with ``enable_eplb``: spare expert slots over all ranks, for replicas of hot experts (the routed experts
+    plus these must divide evenly among the expert-parallel ranks)"""
+    eplb_window_steps: int = 1000
+    """steps of measured expert load the rebalancing looks at"""
+    eplb_interval_steps: int = 3000
+    """steps between two rebalances"""
     distributed_init_method: str | None = None
     """tcp://HOST:PORT where the ranks meet (default: a free port on this node, every rank here); independent
     replicas split over ranks meet at PORT + their index"""
@@ -187,6 +199,7 @@ class EngineConfig:
                                  "enable_expert_parallel (independent replicas need no engine setting)")
             if not self.distributed_init_method:
                 raise ValueError("data-parallel engines meet at distributed_init_method (tcp://HOST:PORT)")
+        self._check_eplb()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
@@ -280,6 +293,24 @@ class EngineConfig:
         if self.speculative == "draft":
             raise ValueError("the prefix-cache tiers (host_cache_gb) do not hold the draft model's cache: "
                              "use speculative='ngram' or no speculation with them")
+
+    def _check_eplb(self) -> None:
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.eplb_window_steps < 1 or self.eplb_interval_steps < 1:
+            raise ValueError(f"eplb_window_steps and eplb_interval_steps must be >= 1, got {self.eplb_window_steps} "
+                             f"and {self.eplb_interval_steps}")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("num_redundant_experts needs enable_eplb (--enable-eplb): the spare slots hold replicas "
+                             "that only the rebalancing fills")
+        if not self.enable_eplb:
+            return
+        if not self.enable_expert_parallel or self.tensor_parallel_size * self.data_parallel_size < 2:
+            raise ValueError("enable_eplb balances experts divided among ranks: set enable_expert_parallel and "
+                             "tensor_parallel_size or data_parallel_size >= 2")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("enable_eplb balances the experts of one stage's ranks; with pipeline_parallel_size > 1 "
+                             "it is not supported yet: leave one of them off")
 
 
 _PARTS = ("torch", "triton")

@@ -41,6 +41,23 @@ class SchedulerStats(msgspec.Struct):
     expert_load: list[list[int]] | None = None
     # With experts divided among ranks: tokens routed to each rank's experts, all layers, read with expert_load.
     expert_load_by_rank: list[int] | None = None
+    # With experts divided: max over ranks / mean of the tokens routed to each rank's experts, per MoE layer,
+    # averaged over the layers (1.0 is even); over the balancing window with enable_eplb, since start without.
+    expert_imbalance: float | None = None
+    # Expert load balancing (enable_eplb), cumulative: rebalances applied, bytes of expert weights moved between
+    # ranks (all ranks), slot copies between ranks, slots whose expert was replaced by another; how long the last one took; logical experts with replicas now
+    # (all layers); and for the last one, each rank's tokens over the window before it (measured) and the same
+    # tokens under the new placement (predicted), with the imbalance of each.
+    eplb_rebalances: int = 0
+    eplb_bytes_moved: int = 0
+    eplb_slots_copied: int = 0
+    eplb_slots_reassigned: int = 0
+    eplb_last_rebalance_ms: float = 0.0
+    eplb_replicated_experts: int = 0
+    eplb_rank_load_before: list[int] | None = None
+    eplb_rank_load_after: list[float] | None = None
+    eplb_imbalance_before: float | None = None
+    eplb_imbalance_after: float | None = None
     # Host time of the last step, milliseconds: the scheduler's Python (schedule + update), the
     # runner's batch building (metadata and staging, part of execute), and execute as a whole
     # (which waits for the sampled tokens, so on a GPU it includes the device time). With overlapped

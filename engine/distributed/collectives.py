@@ -102,6 +102,22 @@ class TensorParallel:
             return [n]
         return self.all_gather(torch.tensor([n], dtype=torch.int64, device=device), dim=0).tolist()
 
+    def send_recv(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]],
+                  what: str) -> None:
+        """Point to point: each ``(tensor, rank, tag)`` of ``sends`` goes to that rank of this group, each of
+        ``recvs`` is filled from that rank by the send with the same tag; returns once all are done (both sides
+        must post their messages between a pair of ranks in the same order)."""
+        if not sends and not recvs:
+            return
+        group = self.groups.device_group
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, r), group, tag) for t, r, tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, r), group, tag) for t, r, tag in recvs]
+        try:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        except RuntimeError as e:
+            raise self.groups.fail(what, e) from None
+
     def min_over_ranks(self, value: int, what: str = "agreeing on the KV cache size") -> int:
         """The smallest ``value`` any rank holds (e.g. the KV blocks every rank's memory allows), over the control group."""
         return self._control_reduce(value, dist.ReduceOp.MIN, what)

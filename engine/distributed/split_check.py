@@ -20,4 +20,10 @@ def check_split(model_config: ModelConfig, config: EngineConfig) -> None:
         experts = TensorParallel.shape_only(config.tensor_parallel_size * config.data_parallel_size)
         tp.expert_parallel = ExpertParallel(experts, config.expert_dispatch)
     with torch.device("meta"):
-        MODEL_REGISTRY[model_config.architecture](model_config, moe_backend="torch", max_positions=1, tp=tp)
+        model = MODEL_REGISTRY[model_config.architecture](model_config, moe_backend="torch", max_positions=1, tp=tp)
+    if config.enable_eplb:  # the spare expert slots must divide among the ranks too
+        from engine.eplb.policy import slots_per_rank
+
+        for num_experts in {m.expert_tokens.shape[0] for m in model.modules() if hasattr(m, "expert_tokens")}:
+            slots_per_rank(num_experts, config.num_redundant_experts,
+                           config.tensor_parallel_size * config.data_parallel_size)

@@ -36,6 +36,8 @@ class ReplicaClaim:
     # the same weights, or each would run experts of another model.
     random_weights: tuple[str, int] | None = None
     pipeline_parallel_size: int = 1
+    # (spare slots, window, interval) of expert load balancing, None when off: replicas decide together.
+    expert_balance: tuple[int, int, int] | None = None
 
     @classmethod
     def of(cls, config: EngineConfig, model_config: ModelConfig, dtype: str) -> "ReplicaClaim":
@@ -46,7 +48,9 @@ class ReplicaClaim:
                    (model_config.architecture, model_config.hidden_size, model_config.num_layers,
                     model_config.vocab_size),
                    (config.random_weights, config.seed) if config.random_weights else None,
-                   config.pipeline_parallel_size)
+                   config.pipeline_parallel_size,
+                   (config.num_redundant_experts, config.eplb_window_steps, config.eplb_interval_steps)
+                   if config.enable_eplb else None)
 
     def shared(self) -> dict:
         """The fields every replica must agree on."""

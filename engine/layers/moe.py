@@ -92,6 +92,8 @@ class SparseMoeBlock(nn.Module):
     among the replica's ranks, each rank's share goes through ``ExpertParallel``'s dispatch to the
     ranks holding its experts and back, and the shares are gathered again; the shared expert stays
     split on its intermediate size over the replica's ranks, with its own all-reduce.
+    With load balancing (``placement``, ``engine.eplb``) each rank holds S slots instead, some holding
+    replicas of hot experts, and every routed pick goes to one replica's slot before the dispatch.
     Expert biases: under tensor parallel the gate/up bias is split with the intermediate size and the
     down bias is added on rank 0 only (the all-reduce would count it once per rank); under expert
     parallel each rank adds its own experts' biases.
@@ -137,6 +139,8 @@ class SparseMoeBlock(nn.Module):
         # [E] tokens routed to each expert since start; accumulated on the device, read only for stats.
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.routing_backend = "torch"  # engine.transforms.fusion sets "triton": routing and counting in one launch
+        # With load balancing (engine.eplb): which slot holds which expert; the dispatch then runs over slots.
+        self.placement = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x.to(self.gate.weight.dtype))  # [T, E]; float32 with a float32 router
@@ -145,6 +149,8 @@ class SparseMoeBlock(nn.Module):
             expert_counts=self.expert_tokens, backend=self.routing_backend,
         )  # [T, k]
         if self.dispatch is not None:
+            if self.placement is not None:  # load balancing: each pick to one slot holding a replica of its expert
+                topk_ids = self.placement.to_physical(topk_ids)  # [T, k] physical slots
             return self._expert_parallel(x, topk_weights, topk_ids)
         out = moe_kernels.fused_moe(
             x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend,

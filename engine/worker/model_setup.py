@@ -10,6 +10,7 @@ from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.loading.model_config import CheckpointError, ModelConfig, load_model_config
 from engine.loading.model_loader import build_model
+from engine.layers.moe import SparseMoeBlock
 from engine.loading.quantization import check_supported, resolve_scheme
 from engine.models import MoECausalLM
 from engine.worker.draft_model import DraftProposer
@@ -150,6 +151,13 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
     draft = None
     if config.speculative == "draft":  # a single-process engine (EngineConfig checks)
         draft = load_draft_model(config, model_config, kernels, dtype, device, max_len)
+    balancer = None
+    if config.enable_eplb:  # before the KV pool is sized: the spare expert slots take memory
+        from engine.eplb.balancer import ExpertBalancer
+
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        balancer = ExpertBalancer(blocks, tp.expert_parallel.tp, config.num_redundant_experts,
+                                  config.eplb_window_steps, config.eplb_interval_steps, device)
     num_blocks = kv_blocks_for_memory(config, model, device, dtype, draft)
     max_len = min(max_len, num_blocks * config.block_size)  # a sequence never holds more than the whole pool
     cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
@@ -157,4 +165,5 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
     runner.micro_batches = config.pipeline_micro_batches
     if draft is not None:
         runner.draft = DraftProposer(draft, cache_config, device, dtype, kernels.attention)
+    runner.eplb = balancer
     return RankParts(model, runner, cache_config, max_len, dense_gemv_choices)

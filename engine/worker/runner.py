@@ -77,12 +77,14 @@ class ModelRunner:
         self.scratch_block = cache_config.num_blocks
         self.decode_graphs = None  # a cuda_graphs.DecodeGraphs, installed by cuda_graphs.enable_decode_graphs
         self.piecewise_graphs = None  # a piecewise_graphs.PiecewiseGraphs (prefill and mixed steps), likewise
+        self.eplb = None  # an engine.eplb.balancer.ExpertBalancer (enable_eplb), installed by model_setup.build_rank
         self.draft = None  # a draft_model.DraftProposer (speculative="draft"), installed by model_setup.build_rank
         self.tiers = None  # a kv_tiers.store.TieredStore (host/disk prefix-cache tiers), installed by the engine
         self.tier_copy_ms = 0.0  # cumulative host time saving and loading tier blocks (on the CPU: the copies)
         self.last_prepare_ms = 0.0  # host time building the last step's batch (metadata and staging)
         self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
         self.num_steps = 0  # execute() calls that ran a forward
+        self.group_steps = 0  # steps with a forward or a dummy step (with peer replicas): expert balancing's clock
         self.kv_caches = attach_kv_caches(model, cache_config, device, dtype)
         self.sliding_window = model.config.sliding_window
         self.sampler = Sampler(device, seed)
@@ -135,10 +137,12 @@ class ModelRunner:
             self.draft.propose(sched_out)
         if sched_out.is_empty:
             if self.steps_with_peers:
+                self._rebalance_if_due()
                 if self.model.tp.size > 1:  # this replica's other ranks step empty too
                     self.model.tp.broadcast_object([])
                 self.dummy_step()
             return StepSamples([])
+        self._rebalance_if_due()
         if self.plans.size > 1:  # the other ranks run the same forward on their slices (or stages) of the model
             self.plans.broadcast_object(follower_plan(sched_out))
         self.num_steps += 1
@@ -177,6 +181,18 @@ class ModelRunner:
             result.prompt_logprobs = scoring.read(prompt_lp)
         return result
 
+    def _rebalance_if_due(self) -> None:
+        """Expert load balancing between two steps, on every rank at once: rank 0's decision goes on the plans'
+        channel, ahead of the plan. Counted in steps every replica of the experts' group takes together (a
+        dummy step included), so replicas sharing their experts decide at the same step."""
+        if self.eplb is None:
+            return
+        self.group_steps += 1
+        if (rebalance := self.eplb.due(self.group_steps - 1)) is not None:
+            if self.model.tp.size > 1:
+                self.model.tp.broadcast_object(rebalance)
+            self.eplb.apply(rebalance)
+
     def _logits(self, hidden: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
         """logits [N + Q, V]: the sampling rows', then the rows scoring prompt tokens (prompt logprobs); None if
         there are neither. Every rank computes the same rows (the LM head gathers across ranks)."""
@@ -201,10 +217,14 @@ class ModelRunner:
             block(empty)
 
     @torch.inference_mode()
-    def follow(self, plan: list[ScheduledRequest]) -> None:
+    def follow(self, plan) -> None:
         """A follower rank's part of a step: the same forward as rank 0's over this rank's slices of the model
         (its collectives pair with rank 0's), including the logits' gather; rank 0 alone samples. An empty plan
-        is a dummy step (this replica has no work while a peer replica has)."""
+        is a dummy step (this replica has no work while a peer replica has). A ``Rebalance`` in place of a plan
+        moves expert weights between two steps (``engine.eplb``)."""
+        if self.eplb is not None and not isinstance(plan, list):
+            self.eplb.apply(plan)
+            return
         if not plan:
             self.dummy_step()
             return

@@ -34,6 +34,13 @@ def _generate_each_way(rank: int, world: int, address: str, model_dir: str, prom
             results[name] = [out.token_ids for out in llm.generate(prompts, params)]
             stats = llm.engine.stats()
             results[name + ":stats"] = (stats.num_preemptions, stats.prefix_hit_tokens, stats.expert_load_by_rank)
+            if extra.get("enable_eplb"):  # what the expert load balancing did (tests/distributed/test_eplb.py)
+                results[name + ":eplb"] = dict(
+                    rebalances=stats.eplb_rebalances, replicated=stats.eplb_replicated_experts,
+                    copied=stats.eplb_slots_copied, bytes=stats.eplb_bytes_moved,
+                    reassigned=stats.eplb_slots_reassigned, by_rank=stats.expert_load_by_rank,
+                    imbalance=stats.expert_imbalance, before=stats.eplb_imbalance_before,
+                    after=stats.eplb_imbalance_after, ms=stats.eplb_last_rebalance_ms)
         finally:
             llm.engine.close()
     return results

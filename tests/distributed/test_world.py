@@ -32,7 +32,8 @@ def test_a_fitting_world_passes_and_each_misfit_is_named(case):
     r = rng.choice(engines)
     field, value = rng.choice([("expert_dispatch", "other"), ("dtype", "float16"), ("quantization", "int8"),
                                ("model_shape", ("MixtralForCausalLM", 64, 2, 97)), ("enable_expert_parallel", False),
-                               ("random_weights", ("qwen3-30b-a3b:num_hidden_layers=2", 7))])
+                               ("random_weights", ("qwen3-30b-a3b:num_hidden_layers=2", 7)),
+                               ("expert_balance", (4, 1000, 3000))])
     if r:
         wrong = list(claims)
         wrong[r] = dataclasses.replace(claims[r], **{field: value})

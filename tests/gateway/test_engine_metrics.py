@@ -58,3 +58,35 @@ def test_prefix_tier_counters_per_tier_and_tenant():
         got = {(s.labels["tier"], s.labels["tenant"]): s.value for s in families[name].samples
                if s.name == name + "_total"}
         assert got == {(r.tier, r.tenant): getattr(r, field) for r in rows}
+
+def test_expert_balance_series():
+    rng = random.Random()
+    ranks = rng.randint(2, 8)
+    before = [rng.randrange(1000) for _ in range(ranks)]
+    after = [rng.uniform(0, 1000) for _ in range(ranks)]
+    values = dict(expert_imbalance=rng.uniform(1, 3), eplb_rebalances=rng.randint(1, 50),
+                  eplb_bytes_moved=rng.randrange(1, 10**12), eplb_last_rebalance_ms=rng.uniform(0, 900),
+                  eplb_replicated_experts=rng.randint(0, 64), eplb_rank_load_before=before, eplb_rank_load_after=after,
+                  eplb_imbalance_before=rng.uniform(1, 3), eplb_imbalance_after=rng.uniform(1, 3))
+    stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, **values)
+    families = {f.name: f for f in _EngineCollector(_Engine(stats)).collect()}
+
+    def one(name, suffix=""):
+        [sample] = [s for s in families[name].samples if s.name == name + suffix]
+        return sample.value
+
+    assert one("moegate_expert_imbalance") == values["expert_imbalance"]
+    assert one("moegate_eplb_rebalances", "_total") == values["eplb_rebalances"]
+    assert one("moegate_eplb_moved_bytes", "_total") == values["eplb_bytes_moved"]
+    assert one("moegate_eplb_last_rebalance_seconds") == values["eplb_last_rebalance_ms"] / 1e3
+    assert one("moegate_eplb_replicated_experts") == values["eplb_replicated_experts"]
+    loads = {(s.labels["when"], int(s.labels["rank"])): s.value for s in families["moegate_eplb_rank_tokens"].samples}
+    assert loads == {**{("before", r): v for r, v in enumerate(before)}, **{("after", r): v for r, v in enumerate(after)}}
+    ratios = {s.labels["when"]: s.value for s in families["moegate_eplb_imbalance"].samples}
+    assert ratios == {"before": values["eplb_imbalance_before"], "after": values["eplb_imbalance_after"]}
+
+
+def test_no_balance_series_without_divided_experts():
+    stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+    names = {f.name for f in _EngineCollector(_Engine(stats)).collect()}
+    assert not any(n.startswith(("moegate_eplb", "moegate_expert_imbalance")) for n in names), names
