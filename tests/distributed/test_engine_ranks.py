@@ -58,7 +58,7 @@ def split_runs(tmp_path_factory):
         prompts += [shared + [3], shared + [5, 7]]
         max_tokens = [6, 6, 5, 6, 6, 11]
         modes = {"single": {}, **MODES}
-        if family == GATHER_FAMILY:  # shared experts and a dense layer beside divided experts, the simpler dispatch
+        if family == GATHER_FAMILY:  # the shared expert and a dense layer beside divided experts, the simpler dispatch
             modes["ep_gather"] = dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_dispatch="all_gather")
         runs[family] = (model_dir, prompts, max_tokens, modes)
     return generate_each_way(runs, seeds, timeout_s=520)
@@ -242,7 +242,7 @@ def test_data_parallel_engines_sharing_experts_generate_their_own_tokens(family,
         value = results[rank][1]
         assert value["got"] == value["reference"], f"rank {rank} family={family} seed={seed}"
         assert [len(t) for t in value["got"]] == max_tokens[rank]
-        if value["experts"] is not None:  # a family whose first layer is dense (deepseek_v3) has no experts there
+        if value["experts"] is not None:  # a dense first layer (qwen2_moe, deepseek_v3) holds no experts
             assert value["experts"] == num_experts // 2 + (rank < num_experts % 2)
         assert value["by_rank"] is not None and len(value["by_rank"]) == 2
     # The busy engine prefilled in chunks (16 tokens a step), was preempted and hit its prefix cache.

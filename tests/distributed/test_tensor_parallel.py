@@ -29,10 +29,12 @@ BLOCK = 16
 # what differs between families inside the layers' slices is checked for every family by the logits test below
 # (on the paged cache, prefill and decode); these are the ones whose split engine differs beyond it. Qwen3-MoE: a
 # KV head replicated on both ranks; OLMoE: a q/k norm over every rank's heads; gpt-oss: sinks, biases added once, a
-# sliding window, experts with biases; DeepSeek-V3: MLA's replicated latent cache, grouped sigmoid routing, shared
-# experts and a dense first layer beside divided experts, and the all-gather dispatch (GATHER_FAMILY).
-ENGINE_FAMILIES = ("deepseek_v3", "gpt_oss", "olmoe", "qwen3_moe")
-GATHER_FAMILY = "deepseek_v3"
+# sliding window, experts with biases; DeepSeek-V3: MLA's replicated latent cache, grouped sigmoid routing, ungated
+# shared experts and a dense first layer beside divided experts; Qwen2-MoE: a gated shared expert and a dense layer
+# beside divided experts, and the all-gather dispatch (GATHER_FAMILY). Mixtral, GLM-4.5 and dots.llm1 take paths
+# these cover (KV heads split per rank; ungated shared experts, grouped routing, an o_proj bias in the logits test).
+ENGINE_FAMILIES = ("deepseek_v3", "gpt_oss", "olmoe", "qwen2_moe", "qwen3_moe")
+GATHER_FAMILY = "qwen2_moe"
 
 
 def _rank_logits(rank: int, world: int, address: str, model_dir: str, prompts: list[list[int]]):
