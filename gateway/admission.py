@@ -12,7 +12,7 @@ from tenants.quota import Denied, Granted, QuotaManager
 from tenants.policy import ClassInfo
 
 QUOTAS = web.AppKey("quotas", QuotaManager)
-INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> engine sequences admitted and not finished
+INFLIGHT = web.AppKey("inflight", dict)  # class priority -> engine sequences admitted and not finished
 
 # Which x-ratelimit-* family a refused counter belongs to.
 _HEADER_FAMILY = {"rpm": "requests", "concurrency": "requests", "tpm": "tokens",
@@ -131,17 +131,17 @@ def reservation(prompt_lengths: list[int], n: int, max_tokens: int | None, max_m
 async def admit(app: web.Application, caps: dict[int, int], cls: ClassInfo, tenant_id: int, sequences: int,
                 tokens: int) -> Granted:
     """Count ``sequences`` engine sequences in flight for ``cls`` (503 ``overloaded`` if its class already has
-    ``caps[cls.rank]`` or more) and reserve ``tokens`` of the tenant's quotas (``APIError`` as ``denied_error``
+    ``caps[cls.priority]`` or more) and reserve ``tokens`` of the tenant's quotas (``APIError`` as ``denied_error``
     says). Refused or cancelled, nothing stays counted; admitted, the caller gives the sequences back with
     ``release``."""
     inflight = app[INFLIGHT]
-    cap = caps.get(cls.rank)
-    if cap is not None and inflight.get(cls.rank, 0) >= cap:
+    cap = caps.get(cls.priority)
+    if cap is not None and inflight.get(cls.priority, 0) >= cap:
         raise APIError(503, f"server overloaded for priority class {cls.name!r}; retry shortly", "server_error",
                        code="overloaded", headers={"Retry-After": "2"})
     # Counted from here, before any await, so a burst cannot all pass the check above at once.
     # Engine sequences, not HTTP requests: n copies of each prompt load the engine as n requests would.
-    inflight[cls.rank] = inflight.get(cls.rank, 0) + sequences
+    inflight[cls.priority] = inflight.get(cls.priority, 0) + sequences
     try:
         return await app[SETTLEMENTS].acquire(app[QUOTAS], tenant_id, tokens)
     except BaseException:
@@ -151,4 +151,4 @@ async def admit(app: web.Application, caps: dict[int, int], cls: ClassInfo, tena
 
 def release(app: web.Application, cls: ClassInfo, sequences: int) -> None:
     """The end of ``sequences`` that ``admit`` counted for ``cls``."""
-    app[INFLIGHT][cls.rank] -= sequences
+    app[INFLIGHT][cls.priority] -= sequences

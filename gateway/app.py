@@ -2,8 +2,8 @@
 
 Middleware order: error mapping -> auth (key -> tenant) -> handler; the
 handler does quota admission (reserve prompt + max_tokens, settle the real
-counts at the end) and gives the engine request its tenant's priority rank,
-weight, preemptibility and cache salt.
+counts at the end) and gives the engine request its tenant's policy (priority,
+weight, preemptibility, cache salt).
 """
 
 import asyncio
@@ -25,7 +25,7 @@ from gateway.replies import json_response
 from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
 from gateway.completion import (
-    apply_plan, chat_plan_of, collect, engine_down, order_in_rank, output_view, prepare_prompts, start_streams,
+    apply_plan, chat_plan_of, collect, engine_down, order_in_class, output_view, prepare_prompts, start_streams,
 )
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
@@ -42,7 +42,7 @@ from gateway.schema_check import check_schema
 from gateway.sse import stream_reply
 from gateway.stream_journal import JOURNALED, STREAM_JOURNAL, JournaledStream, StreamJournal
 from gateway.openapi import openapi_document
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params_of
 from gateway.usage_ledger import UsageLedger
 from gateway.batch import batches as batch_api, files as files_api
 from gateway.responses import routes as responses_api
@@ -166,30 +166,27 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
     app = request.app
     _check_model(app, body.model)
     engine = app[ENGINE]
-    params, plan = _sampling_and_plan(app, body, chat)
+    sampling_params, plan = _sampling_and_plan(app, body, chat)
     _refuse_while_unavailable(app)
     principal: Principal = request[PRINCIPAL]
-    tenant, cls = principal.tenant, principal.priority_class
+    cls = principal.priority_class
     rid = (rid_prefix or ("chatcmpl-" if chat else "cmpl-")) + uuid.uuid4().hex[:24]
     created = int(time.time())
     prompts = await prepare_prompts(engine, body, chat, plan)
-    sequences = len(prompts) * params.n
-    grant = await _admit(request, principal, prompts, params)
+    sequences = len(prompts) * sampling_params.n
+    grant = await _admit(request, principal, prompts, sampling_params)
     started_at = utcnow()
     if body.stream:  # its usage is journaled as it is delivered, so a killed gateway still bills it
         request[JOURNALED] = JournaledStream(app[STREAM_JOURNAL], grant, _usage_record(
             request, rid, started_at, prompt_tokens=0, completion_tokens=0))
     status = 500
     stream = None
-    choices = request[CHOICES] = Choices([len(p) for p in prompts], params.n, whole=not body.stream)
+    choices = request[CHOICES] = Choices([len(p) for p in prompts], sampling_params.n, whole=not body.stream)
     try:
         # Compiled once admitted (counted and rate-limited), on a worker thread, within a time budget.
-        await check_schema(params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
+        await check_schema(sampling_params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
         stream = start_streams(
-            engine, prompts, params, rid, output_view(body),
-            cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
-            preemptible=cls.preemptible, may_preempt=cls.may_preempt, order_in_rank=order_in_rank(body),
-        )
+            engine, prompts, sampling_params, rid, principal.policy(order_in_class(body)), output_view(body))
         response = await (respond or _respond)(request, body, chat, stream, rid, created, plan)
         status = 200
         return response
@@ -207,12 +204,12 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
 def _sampling_and_plan(app: web.Application, body, chat: bool):
     """The request's sampling settings and, for chat, how it is rendered and read (which may change them)."""
     engine = app[ENGINE]
-    params = sampling_params(body, engine.info.vocab_size if engine.info is not None else None)
+    sampling_params = sampling_params_of(body, engine.info.vocab_size if engine.info is not None else None)
     plan = None
     if chat:
         plan = chat_plan_of(engine, body, _parsers(app[CONFIG]))
-        apply_plan(params, plan)
-    return params, plan
+        apply_plan(sampling_params, plan)
+    return sampling_params, plan
 
 
 def _refuse_while_unavailable(app: web.Application) -> None:
@@ -224,16 +221,17 @@ def _refuse_while_unavailable(app: web.Application) -> None:
         raise engine_down(app[ENGINE].dead)
 
 
-async def _admit(request: web.Request, principal: Principal, prompts: list[list[int]], params) -> Granted:
+async def _admit(request: web.Request, principal: Principal, prompts: list[list[int]], sampling_params) -> Granted:
     """Admission (``gateway.admission.admit``) with its reservation; a refusal is counted and timed, an admitted
     request gets its timer and rate-limit headers."""
     app, config = request.app, request.app[CONFIG]
     tenant, cls = principal.tenant, principal.priority_class
-    reserved = reservation([len(p) for p in prompts], params.n, params.max_tokens, app[ENGINE].info.max_model_len,
-                           config.default_reservation_tokens)
+    reserved = reservation([len(p) for p in prompts], sampling_params.n, sampling_params.max_tokens,
+                           app[ENGINE].info.max_model_len, config.default_reservation_tokens)
     timer = RequestTimer(app[METRICS], tenant.name, cls.name)
     try:
-        grant = await admit(app, config.max_inflight_by_rank, cls, tenant.id, len(prompts) * params.n, reserved)
+        grant = await admit(app, config.max_inflight_by_priority, cls, tenant.id, len(prompts) * sampling_params.n,
+                            reserved)
     except APIError as refused:
         app[METRICS].rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
         timer.finish(refused.status, None)
@@ -428,14 +426,14 @@ async def _batch_lifecycle(app: web.Application):
     """Cleanup context: the batch runner starts once the engine is up and stops before it."""
     config, engine = app[CONFIG], app[ENGINE]
     try:
-        batch_rank = (await app[BATCH_STORE].store.get_class("batch")).rank
+        batch_priority = (await app[BATCH_STORE].store.get_class("batch")).priority
     except NotFound:
-        batch_rank = max(c.rank for c in await app[BATCH_STORE].store.list_classes())
+        batch_priority = max(c.priority for c in await app[BATCH_STORE].store.list_classes())
     # Lines queue inside every replica (the router spreads them by load), so twice each one's slots.
     inflight = config.batch_max_inflight or 2 * engine.config.max_num_seqs * len(replicas_of(engine))
     runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
         lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
-        batch_rank=batch_rank, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
+        batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
     task = asyncio.create_task(runner.run(), name="batch-runner")
     yield
     task.cancel()

@@ -7,7 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from engine.core.outputs import RequestOutput
 from gateway.choices import Choices
-from gateway.logprobs import CompletionLogprobs, as_token_ids, chat_logprobs, echo_text, prompt_logprobs_list, top_k
+from gateway.openai_logprobs import CompletionLogprobs, as_token_ids, chat_logprobs, echo_text, prompt_logprobs_list, top_k
 from gateway.openai_schema import prompts_of
 from gateway.chat_plan import ChatPlan
 from gateway.tool_parsers import ParsedDelta

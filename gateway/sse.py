@@ -12,7 +12,7 @@ from engine.serving.async_engine import EngineError
 from gateway.chat_plan import ChatPlan
 from gateway.completion import engine_down, output_failed
 from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError
-from gateway.logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_list
+from gateway.openai_logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_list
 from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
 from gateway.response_bodies import chat_finish_reason, choice_prompts, output_choice, stream_choices
 from gateway.stream_journal import JOURNALED

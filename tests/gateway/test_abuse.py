@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from engine.core.sampling_params import SamplingParams
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from engine.serving.async_engine import UnreadStreamError
 from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key
@@ -184,9 +184,9 @@ def test_a_stream_nobody_reads_is_ended_in_the_engine(served):
         stream = engine.generate(list(range(5, 15)), params)
         await anext(stream)  # then nothing is read for a while
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and engine.stats.num_running + sum(engine.stats.num_waiting_by_rank.values()):
+        while time.monotonic() < deadline and engine.stats.num_running + sum(engine.stats.num_waiting_by_priority.values()):
             await asyncio.sleep(0.1)
-        running = engine.stats.num_running + sum(engine.stats.num_waiting_by_rank.values())
+        running = engine.stats.num_running + sum(engine.stats.num_waiting_by_priority.values())
         unread = []
         with pytest.raises(UnreadStreamError):
             async for out in stream:
