@@ -9,6 +9,7 @@ from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
 from engine.text.prompts import InputProcessor
 from engine.loading.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
+from engine.distributed.pipeline import STAGE_TIMINGS, WHOLE, StageTiming
 from engine.distributed.ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
@@ -79,11 +80,11 @@ class LLMEngine:
                 raise ValueError("the triton kernels need CUDA (or TRITON_INTERPRET=1 for CPU testing)")
         # Several ranks: this process is its replica's rank 0 (it schedules and samples); the replica's other
         # ranks follow its plans, and replicas sharing their experts step together.
-        if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
+        if config.engine_ranks > 1 or config.data_parallel_size > 1:
             self.ranks = EngineRanks(config, self.device, self.model_config, self.dtype)
         try:
             parts = build_rank(config, self.model_config, self.kernels, self.dtype, self.device,
-                               self.ranks.tp if self.ranks else SINGLE)
+                               self.ranks.tp if self.ranks else SINGLE, self.ranks.stage if self.ranks else WHOLE)
         except BaseException:
             if self.ranks is not None:  # the other ranks may be inside a collective: end them, do not talk
                 self.ranks.abort()
@@ -115,7 +116,7 @@ class LLMEngine:
         overlap = config.overlap_scheduling
         if overlap is None:  # speculative decoding needs each step's verified tokens before the next
             overlap = self.device.type in OVERLAP_BY_DEFAULT and config.speculative is None
-        if overlap and (self.model.tp.size > 1 or self.runner.steps_with_peers):
+        if overlap and (self.runner.plans.size > 1 or self.runner.steps_with_peers):
             logger.info("overlapped scheduling is off: it needs a single-process engine")
             overlap = False
         self._overlap = OverlappedRunner(self.runner) if overlap else None
@@ -124,7 +125,7 @@ class LLMEngine:
             "engine ready: %s%s on %s/%s x%d ranks%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, "
             "CUDA graphs %s, piecewise CUDA graphs %s, overlapped scheduling %s",
             self.model_config.architecture, " (RANDOM WEIGHTS)" if config.random_weights else "", self.device, self.dtype,
-            config.tensor_parallel_size, _replica_note(config),
+            config.engine_ranks, _replica_note(config),
             self.runner.attention_backend, cache_config.num_blocks, config.block_size, self.max_model_len,
             self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off",
             f"{pw.sizes} (captured in {pw.capture_s:.1f} s)" if (pw := self.runner.piecewise_graphs) else "off",
@@ -293,6 +294,14 @@ class LLMEngine:
         sampled = self._overlap.collect(step)
         updates = self.scheduler.resolve(step.plan, sampled.token_ids)
         return self.output_processor.process(updates, self.scheduler, sampled.logprobs, sampled.prompt_logprobs)
+
+    def stage_timings(self) -> list[StageTiming]:
+        """How every rank of a pipelined engine spent its steps so far (each stage's busy and waiting time),
+        in world rank order; a collective with every rank, between steps. Empty unless pipelined."""
+        if not self.runner.stage.pipelined:
+            return []
+        self.runner.plans.broadcast_object(STAGE_TIMINGS)
+        return self.runner.plans.all_gather_object(self.runner.stage.timing)
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counters and the last step's host times; the expert load where a read is ready

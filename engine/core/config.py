@@ -9,9 +9,10 @@ DEVICES = ("auto", "cpu", "cuda")
 KERNEL_OPTIONS = ("auto", "torch", "triton")
 QUANTIZATION_OPTIONS = ("fp8", "fp8-block", "int8")  # engine.loading.quantization maps them to schemes
 EXPERT_DISPATCH = ("all_to_all", "all_gather")
+ROLES = ("both", "prefill", "decode")  # EngineConfig.role
 # The EngineConfig fields that take one of a few values (their flags' choices).
 CHOICES = {"dtype": DTYPES, "device": DEVICES, "kernels": KERNEL_OPTIONS, "quantization": QUANTIZATION_OPTIONS,
-           "expert_dispatch": EXPERT_DISPATCH, "speculative": SPECULATIVE_METHODS}
+           "expert_dispatch": EXPERT_DISPATCH, "speculative": SPECULATIVE_METHODS, "role": ROLES}
 
 
 @dataclass(slots=True)
@@ -84,6 +85,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """ranks (processes, one device each) the model is split over: attention heads, MLPs, experts,
     vocabulary; rank 0 schedules and broadcasts each step's plan (``engine.distributed``)"""
+    pipeline_parallel_size: int = 1
+    """stages the model's layers are split over, each of ``tensor_parallel_size`` ranks (world: the
+    product): a stage holds only its layers and their KV cache and sends (hidden, residual) on to the next;
+    the first stage also holds the embedding, the LM head and the sampler (``engine.distributed.pipeline``)"""
+    pipeline_micro_batches: int = 4
+    """pieces (by token ranges) each step is cut into so that the stages work on different pieces at once"""
     enable_expert_parallel: bool = False
     """divide the routed experts whole among the ranks instead of splitting each one"""
     expert_dispatch: str = "all_to_all"
@@ -93,7 +100,7 @@ class EngineConfig:
     """tcp://HOST:PORT where the ranks meet (default: a free port on this node, every rank here); independent
     replicas split over ranks meet at PORT + their index"""
     local_ranks: int | None = None
-    """ranks this node starts of each engine's ``tensor_parallel_size`` (default all; with
+    """ranks this node starts of each engine's ``pipeline_parallel_size`` x ``tensor_parallel_size`` (default all; with
     ``data_parallel_size``, of this replica's); the others run `moegate engine-rank` elsewhere"""
     distributed_timeout_s: float = 30.0
     """seconds a collective may take before the step fails with a message naming the rank, and the engine
@@ -126,6 +133,24 @@ class EngineConfig:
     """a request whose recent acceptance rate is below this stops proposing, trying again every few steps"""
     speculative_model: str | None = None
     """the draft model's checkpoint directory for speculative draft (the served model's vocabulary)"""
+    role: str = "both"
+    """what this engine does with prompts: both (prefill and decode), prefill (computes prompts and
+    hands their KV blocks to decode engines) or decode (receives prompts' KV from prefill engines and
+    generates) (docs/disaggregation.md)"""
+    kv_transfer_address: str | None = None
+    """HOST or HOST:PORT where a decode engine waits for its prefill engines' KV transfers (default: 127.0.0.1
+    and a free port; name an address other nodes reach when prefill engines run there)"""
+    kv_transfer_timeout_s: float = 30.0
+    """seconds a decode engine waits for a prompt's KV from a prefill engine before it prefills the prompt
+    itself"""
+    local_prefill_tokens: int = 64
+    """a decode engine prefills a prompt itself when fewer than this many of its tokens are missing from its
+    prefix cache (short prompts, mostly cached ones): a transfer would cost more than it saves"""
+
+    @property
+    def engine_ranks(self) -> int:
+        """Ranks (processes) of one engine: ``pipeline_parallel_size`` x ``tensor_parallel_size``."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -154,12 +179,19 @@ class EngineConfig:
                 raise ValueError("data-parallel engines meet at distributed_init_method (tcp://HOST:PORT)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_micro_batches < 1:
+            raise ValueError(f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
+        if self.pipeline_parallel_size > 1 and (self.data_parallel_size > 1 or self.speculative is not None):
+            raise ValueError("pipeline_parallel_size > 1 runs one engine without speculative decoding "
+                             "(data_parallel_size 1, speculative off)")
         if self.expert_dispatch not in EXPERT_DISPATCH:
             raise ValueError(f"expert_dispatch must be one of {EXPERT_DISPATCH}, got {self.expert_dispatch!r}")
-        if self.local_ranks is not None and not 1 <= self.local_ranks <= self.tensor_parallel_size:
-            raise ValueError(f"local_ranks must be between 1 and tensor_parallel_size ({self.tensor_parallel_size}), "
-                             f"got {self.local_ranks}")
-        if self.local_ranks is not None and self.local_ranks < self.tensor_parallel_size and not self.distributed_init_method:
+        if self.local_ranks is not None and not 1 <= self.local_ranks <= self.engine_ranks:
+            raise ValueError(f"local_ranks must be between 1 and pipeline_parallel_size x tensor_parallel_size "
+                             f"({self.engine_ranks}), got {self.local_ranks}")
+        if self.local_ranks is not None and self.local_ranks < self.engine_ranks and not self.distributed_init_method:
             raise ValueError("ranks on other nodes need distributed_init_method (tcp://HOST:PORT reachable from them)")
         if self.distributed_init_method is not None:
             meeting_address(self.distributed_init_method)  # ValueError for a malformed one
@@ -206,6 +238,14 @@ class EngineConfig:
                              f"{self.background_token_budget} and {self.background_window_s}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role != "both" and not self.enable_prefix_caching:
+            raise ValueError(f"role {self.role} finds the blocks it hands over by their prefix hashes: keep "
+                             "enable_prefix_caching on")
+        if self.kv_transfer_timeout_s <= 0 or self.local_prefill_tokens < 0:
+            raise ValueError("kv_transfer_timeout_s must be > 0 and local_prefill_tokens >= 0, got "
+                             f"{self.kv_transfer_timeout_s} and {self.local_prefill_tokens}")
 
 
 _PARTS = ("torch", "triton")

@@ -18,6 +18,7 @@ import torch
 
 from engine.core.config import EngineConfig, KernelChoice
 from engine.distributed.groups import CollectiveError, RankGroups, RankInfo
+from engine.distributed.pipeline import STAGE_TIMINGS
 from engine.distributed.rank_flags import add_rank_flags
 from engine.distributed.ranks import EXIT_WITH_PARENT_ENV, parallel_groups
 from engine.distributed.world import agree_on_world
@@ -39,8 +40,9 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
         torch.cuda.set_device(device)
     groups = RankGroups(info, device, timeout_s)
     try:
-        tp = parallel_groups(groups, agree_on_world(groups, None)).tp
-        config: EngineConfig = tp.broadcast_object()  # from this replica's engine process
+        parts = parallel_groups(groups, agree_on_world(groups, None))
+        plans = parts.plans
+        config: EngineConfig = plans.broadcast_object()  # from this replica's engine process
         if model_dir:
             config = dataclasses.replace(config, model=model_dir)
         if device.type == "cpu" and config.cpu_threads is not None:
@@ -48,8 +50,11 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
         model_config = engine_model_config(config)  # a random-weight spec and its seed come in the config too
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, device)
         runner = build_rank(config, model_config, KernelChoice.resolve(config.kernels, device.type), dtype, device,
-                            tp).runner
-        while (plan := tp.broadcast_object()) is not None:  # from this replica's engine process
+                            parts.tp, parts.stage).runner
+        while (plan := plans.broadcast_object()) is not None:  # from this replica's engine process
+            if plan == STAGE_TIMINGS:  # the engine process asks how each stage spent its time
+                plans.all_gather_object(parts.stage.timing)
+                continue
             runner.follow(plan)
     finally:
         groups.close()

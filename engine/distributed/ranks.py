@@ -4,7 +4,8 @@ them, form the groups, stop them.
 The world is ``data_parallel_size`` replicas of ``tensor_parallel_size`` ranks
 each (one replica and its split ranks, or several replicas sharing their
 experts): replica d is world ranks [d*T, (d+1)*T), and its rank 0 is the engine
-process that schedules for it. The other ranks are ordinary processes running
+process that schedules for it. A pipelined engine (one replica) is
+``pipeline_parallel_size`` stages of T ranks: stage s is world ranks [s*T, (s+1)*T). The other ranks are ordinary processes running
 ``engine.distributed.follower`` with the standard ``torchrun`` variables
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
 so ranks on other nodes are started the same way, by ``torchrun`` or by hand
@@ -18,7 +19,7 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +27,7 @@ from engine.core.config import EngineConfig, meeting_address
 from engine.distributed.collectives import TensorParallel
 from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.groups import RankGroups, RankInfo
+from engine.distributed.pipeline import PipelineStage
 from engine.distributed.replica_layout import free_port, replica_world_ranks
 from engine.distributed.world import ReplicaClaim, agree_on_world
 from engine.loading.model_config import ModelConfig
@@ -44,6 +46,9 @@ class ParallelGroups:
 
     tp: TensorParallel
     drivers: TensorParallel | None
+    # The group the engine process's plans (and its config) go over: its tensor-parallel ranks, or every stage's.
+    plans: TensorParallel
+    stage: PipelineStage = field(default_factory=PipelineStage)
 
 
 def parallel_groups(groups: RankGroups, world: ReplicaClaim) -> ParallelGroups:
@@ -53,6 +58,13 @@ def parallel_groups(groups: RankGroups, world: ReplicaClaim) -> ParallelGroups:
     its other collectives."""
     replicas, split = world.data_parallel_size, world.tensor_parallel_size
     everyone = TensorParallel(groups)
+    if world.pipeline_parallel_size > 1:  # one engine (config checks): stage s is world ranks [s*T, (s+1)*T)
+        stages = [list(range(s * split, (s + 1) * split)) for s in range(world.pipeline_parallel_size)]
+        tp = TensorParallel(groups.subgroup(stages, "tensor-parallel")) if split > 1 else TensorParallel()
+        if world.enable_expert_parallel and split > 1:  # the experts are divided inside each stage
+            tp.expert_parallel = ExpertParallel(tp, world.expert_dispatch)
+        stage = PipelineStage.of(groups, split, world.model_shape[2])
+        return ParallelGroups(tp, None, stage.plans, stage)
     if replicas == 1:
         tp, drivers = everyone, None
     else:
@@ -63,7 +75,7 @@ def parallel_groups(groups: RankGroups, world: ReplicaClaim) -> ParallelGroups:
         drivers = TensorParallel(driver_group) if groups.rank in driver_ranks else None
     if world.enable_expert_parallel:
         tp.expert_parallel = ExpertParallel(everyone, world.expert_dispatch)
-    return ParallelGroups(tp, drivers)
+    return ParallelGroups(tp, drivers, tp)
 
 
 class EngineRanks:
@@ -77,7 +89,7 @@ class EngineRanks:
                  dtype: torch.dtype) -> None:
         init = config.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         host, port = meeting_address(init)
-        split = config.tensor_parallel_size
+        split = config.engine_ranks  # this replica's ranks: its stages of tensor-parallel ranks
         world = self.world_size = config.data_parallel_size * split
         first = self.first_rank = config.data_parallel_rank * split  # this replica's ranks: [first, first + split)
         env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
@@ -97,11 +109,11 @@ class EngineRanks:
         try:
             claim = ReplicaClaim.of(config, model_config, str(dtype))
             parts = parallel_groups(self.groups, agree_on_world(self.groups, claim))
-            parts.tp.broadcast_object(config)  # this replica's other ranks build what this process builds
+            parts.plans.broadcast_object(config)  # this replica's other ranks build what this process builds
         except BaseException:
             self.abort()
             raise
-        self.tp, self.drivers = parts.tp, parts.drivers
+        self.tp, self.drivers, self.plans, self.stage = parts.tp, parts.drivers, parts.plans, parts.stage
         logger.info("engine ranks joined: %d of %d (%d on this node) at %s, replica %d of %d", split, world,
                     len(self.processes) + 1, init, config.data_parallel_rank, config.data_parallel_size)
 
@@ -115,7 +127,7 @@ class EngineRanks:
     def close(self, timeout_s: float = 10.0) -> None:
         """Tell this replica's other ranks to stop (an empty plan), wait for this node's, and leave the group."""
         try:
-            self.tp.broadcast_object(None)
+            self.plans.broadcast_object(None)
         except Exception as e:  # a rank already gone: the rest end when their connections close
             logger.warning("could not tell every rank to stop: %s", e)
         self._end_processes(timeout_s)

@@ -27,7 +27,7 @@ def replica_configs(config: EngineConfig, replicas: int, remote: int = 0) -> lis
     engines other nodes serve (``moegate engine --data-parallel-rank``). ValueError for a combination not
     supported."""
     if not config.enable_expert_parallel or replicas + remote <= 1:
-        if replicas > 1 and config.tensor_parallel_size > 1 and config.distributed_init_method:
+        if replicas > 1 and config.engine_ranks > 1 and config.distributed_init_method:
             # Independent replicas split over ranks each meet on their own: replica i at the given port + i.
             return [dataclasses.replace(config, distributed_init_method=_port_plus(config.distributed_init_method, i))
                     for i in range(replicas)]
@@ -52,6 +52,6 @@ def _port_plus(init_method: str, offset: int) -> str:
 
 def replica_devices(config: EngineConfig, replica: int) -> str:
     """``CUDA_VISIBLE_DEVICES`` of local replica ``replica``: the GPUs of its ranks on this node (``local_ranks``,
-    or all ``tensor_parallel_size``), after the previous replicas' (ignored on the CPU)."""
-    n = config.local_ranks or config.tensor_parallel_size
+    or all ``engine_ranks``), after the previous replicas' (ignored on the CPU)."""
+    n = config.local_ranks or config.engine_ranks
     return ",".join(str(replica * n + i) for i in range(n))

@@ -35,6 +35,7 @@ class ReplicaClaim:
     # (spec, seed) of a random-weight model, None for a checkpoint: replicas that divide the experts must draw
     # the same weights, or each would run experts of another model.
     random_weights: tuple[str, int] | None = None
+    pipeline_parallel_size: int = 1
 
     @classmethod
     def of(cls, config: EngineConfig, model_config: ModelConfig, dtype: str) -> "ReplicaClaim":
@@ -44,7 +45,8 @@ class ReplicaClaim:
                    config.enable_expert_parallel, config.expert_dispatch, dtype, config.quantization,
                    (model_config.architecture, model_config.hidden_size, model_config.num_layers,
                     model_config.vocab_size),
-                   (config.random_weights, config.seed) if config.random_weights else None)
+                   (config.random_weights, config.seed) if config.random_weights else None,
+                   config.pipeline_parallel_size)
 
     def shared(self) -> dict:
         """The fields every replica must agree on."""
@@ -60,10 +62,11 @@ def world_problem(claims: list[ReplicaClaim | None]) -> str | None:
     first = claims[0]
     if first is None:
         return "world rank 0 is a follower (moegate engine-rank); it must be replica 0's engine process"
-    replicas, split = first.data_parallel_size, first.tensor_parallel_size
+    # A replica's ranks: its pipeline stages of tensor-parallel ranks, its engine process first.
+    replicas, split = first.data_parallel_size, first.tensor_parallel_size * first.pipeline_parallel_size
     if len(claims) != replicas * split:
-        return (f"{len(claims)} ranks met, but data_parallel_size x tensor_parallel_size is "
-                f"{replicas} x {split} on world rank 0")
+        return (f"{len(claims)} ranks met, but data_parallel_size x pipeline_parallel_size x tensor_parallel_size "
+                f"is {replicas} x {first.pipeline_parallel_size} x {first.tensor_parallel_size} on world rank 0")
     for rank, claim in enumerate(claims):
         replica, place = divmod(rank, split)
         if place and claim is not None:

@@ -27,6 +27,10 @@ def check_model(config: EngineConfig) -> None:
     else:
         model_config = load_model_config(config.model)
         checkpoint_files(config.model)
+    if config.pipeline_parallel_size > 1:  # ValueError when a stage would get no layer
+        from engine.distributed.pipeline import stage_layers
+
+        stage_layers(model_config.num_layers, config.pipeline_parallel_size, 0)
     if config.tensor_parallel_size > 1 or config.enable_expert_parallel:
         from engine.distributed.split_check import check_split
 

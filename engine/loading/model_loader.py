@@ -13,6 +13,7 @@ import os
 import torch
 
 from engine.distributed.collectives import SINGLE, TensorParallel
+from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading import mxfp4
@@ -68,7 +69,7 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         own = getattr(model.get_submodule(layer + ".self_attn"), "tp_slices", None)
         if own is not None:
             return own(local, tp.rank)
-    attn, d, r = model.model.layers[0].self_attn, model.config.head_dim, tp.rank
+    attn, d, r = model.attention_layers()[0], model.config.head_dim, tp.rank
 
     def rows(start: int, n: int):
         return (slice(start, start + n),)
@@ -160,7 +161,7 @@ class _Scales:
 
 def copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match, model: MoECausalLM, name: str, path: str) -> int:
     """Copy one checkpoint tensor (this rank's part of it) into its slice of a parameter; returns elements written."""
-    attn = model.model.layers[0].self_attn
+    attn = model.attention_layers()[0]
     if rule.shard in _QKV_ORDER:
         q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         start = {"q": 0, "k": q, "v": q + kv}[rule.shard]
@@ -210,6 +211,8 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                     if model.extra_layer(name):
                         extra += 1
                         continue
+                    if model.on_other_stage(name):  # another pipeline stage's layer: never read here
+                        continue
                     if fp4 is not None and fp4.is_scales(name):
                         continue  # read with its MXFP4 blocks
                     target, rule, match = model.map_weight_name(mxfp4.weight_name(name))
@@ -242,7 +245,7 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
     if extra:
         logger.info("%s: skipped %d tensors of layers past num_hidden_layers=%d (next-token-prediction layers, "
                     "not used for serving)", model_dir, extra, model.config.num_layers)
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and "lm_head.weight" in written:
         written["lm_head.weight"] = written.get("model.embed_tokens.weight", 0)
     missing = [n for n, p in params.items() if written.get(n, 0) < p.numel()]
     if missing:
@@ -251,7 +254,8 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
 
 
 def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device, moe_backend: str,
-                max_positions: int, tp: TensorParallel = SINGLE, quantization: QuantScheme | None = None) -> MoECausalLM:
+                max_positions: int, tp: TensorParallel = SINGLE, quantization: QuantScheme | None = None,
+                stage: PipelineStage = WHOLE) -> MoECausalLM:
     """Instantiate our family class for the checkpoint, load its weights (this rank's slices), cast and move it.
 
     With ``quantization`` the routed experts are quantized from the float32 weights on the CPU, before the
@@ -261,7 +265,7 @@ def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device:
     """
     cls = MODEL_REGISTRY[config.architecture]
     with torch.device("meta"):
-        model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp)
+        model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp, stage=stage)
     # Materialise on the CPU in float32, load, then cast once: loading stays simple and exact.
     model = model.to_empty(device="cpu")
     for module in model.modules():  # non-persistent buffers were meta, now uninitialised: rebuild them

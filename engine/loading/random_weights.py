@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from engine.distributed.collectives import SINGLE, TensorParallel
+from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -295,6 +296,8 @@ def _init_(model: MoECausalLM, whole: MoECausalLM, device: torch.device, seed: i
                  if isinstance(m, SparseMoeBlock) and m.experts.scheme is not None}
     written = {name: 0 for name in params}
     for name, shape in _checkpoint_tensors(whole):
+        if model.on_other_stage(name):  # another pipeline stage's
+            continue
         target, rule, match = model.map_weight_name(name)
         if held_elsewhere(target, rule, match, model) or _experts_block(target) in quantized:
             continue  # another rank's experts; 8-bit experts are filled below
@@ -313,7 +316,7 @@ def _init_(model: MoECausalLM, whole: MoECausalLM, device: torch.device, seed: i
 
 def build_random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, moe_backend: str,
                        max_positions: int, seed: int = 0, quantization: QuantScheme | None = None,
-                       tp: TensorParallel = SINGLE) -> MoECausalLM:
+                       tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> MoECausalLM:
     """Our family class for ``config`` with random weights, allocated and filled on ``device`` in ``dtype``.
 
     ``device="meta"`` builds the shapes only (parameter counts of real-size models, no memory).
@@ -331,10 +334,10 @@ def build_random_model(config: ModelConfig, dtype: torch.dtype, device: torch.de
     """
     cls = MODEL_REGISTRY[config.architecture]
     with torch.device("meta"):
-        model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp)
+        model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp, stage=stage)
     quantize_experts_(model, quantization)  # on meta: 8-bit shapes, before any memory is taken
     model = model.to(dtype=dtype).to_empty(device=device)  # the cast is free on meta; memory comes once
-    if config.tie_word_embeddings:  # to_empty may give the two names separate storage
+    if config.tie_word_embeddings and stage.is_first:  # to_empty may give the two names separate storage
         model.lm_head.weight = model.model.embed_tokens.weight
     if device.type != "meta":
         for module in model.modules():  # non-persistent buffers were meta, now uninitialised: rebuild them

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from engine.distributed.collectives import SINGLE, TensorParallel
+from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.device_batch.attention_metadata import AttentionMetadata
 from engine.layers.attention import Attention
 from engine.layers.norms import RMSNorm
@@ -120,14 +121,22 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
 
-class DecoderStack(nn.Module):
-    """``model.*`` in the checkpoint: embeddings, layers, final norm."""
+class OnOtherStage(nn.Module):
+    """A layer (or the embedding, head or final norm) another pipeline stage holds: no parameters here, so
+    the checkpoint names of the layers this stage holds stay those of the whole model."""
 
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], tp: TensorParallel = SINGLE) -> None:
+
+class DecoderStack(nn.Module):
+    """``model.*`` in the checkpoint: embeddings, layers, final norm (each ``OnOtherStage`` where another
+    pipeline stage holds it: the embedding on the first stage, the final norm on the last)."""
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], tp: TensorParallel = SINGLE,
+                 stage: PipelineStage = WHOLE) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) \
+            if stage.is_first else OnOtherStage()
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else OnOtherStage()
 
 
 class MoECausalLM(nn.Module, abc.ABC):
@@ -138,17 +147,26 @@ class MoECausalLM(nn.Module, abc.ABC):
     # Family-specific rules tried before COMMON_WEIGHT_RULES.
     weight_rules: tuple[WeightRule, ...] = ()
 
-    def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE) -> None:
-        """``tp``: this rank's tensor-parallel group; layers hold only this rank's slices of the weights."""
+    def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,
+                 stage: PipelineStage = WHOLE) -> None:
+        """``tp``: this rank's tensor-parallel group; layers hold only this rank's slices of the weights.
+        ``stage``: this rank's pipeline stage; only its layers are built (the others are ``OnOtherStage``)."""
         super().__init__()
         self.config = config
         self.tp = tp
+        self.stage = stage
         rotary = RotaryEmbedding(config, config.head_dim, max_positions)
-        self.model = DecoderStack(config, [self.build_layer(i, rotary, moe_backend) for i in range(config.num_layers)], tp)
+        layers = [self.build_layer(i, rotary, moe_backend) if stage.holds_layer(i) else OnOtherStage()
+                  for i in range(config.num_layers)]
+        self.model = DecoderStack(config, layers, tp, stage)
         # Vocabulary-parallel like the embeddings: each rank computes its rows' logits, then they are gathered.
-        self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.rows, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        # The first stage holds it beside the embedding (tied or not): it samples (engine.distributed.pipeline).
+        if stage.is_first:
+            self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.rows, bias=False)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = OnOtherStage()
 
     @abc.abstractmethod
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
@@ -159,19 +177,33 @@ class MoECausalLM(nn.Module, abc.ABC):
         this rank's part is cut from it), or None when it already has that layout (most families)."""
         return None
 
+    def local_layers(self) -> list[DecoderLayer]:
+        """The decoder layers this rank holds (every layer unless pipelined)."""
+        return [layer for layer in self.model.layers if not isinstance(layer, OnOtherStage)]
+
     def attention_layers(self) -> list[nn.Module]:
-        """Each layer's attention: an ``Attention`` or an ``MLAttention`` (both expose ``cache_spec()``)."""
-        return [layer.self_attn for layer in self.model.layers]
+        """Each local layer's attention: an ``Attention`` or an ``MLAttention`` (both expose ``cache_spec()``)."""
+        return [layer.self_attn for layer in self.local_layers()]
 
     @property
     def num_local_kv_heads(self) -> int:
         """KV heads this rank caches (all of them without tensor parallelism)."""
-        return self.model.layers[0].self_attn.num_kv_heads
+        return self.attention_layers()[0].num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None  # [T, H]
-        for layer in self.model.layers:
+        x, residual = self.run_layers(self.model.embed_tokens(input_ids), None, positions, meta)  # [T, H]
+        return self.final_norm(x, residual)
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's layers over x [T, H] (the embeddings, residual None, on the first stage; what the stage
+        before sent elsewhere) -> (the last layer's MLP output, the residual sum), each [T, H]."""
+        for layer in self.local_layers():
             x, residual = layer(x, residual, positions, meta)
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """hidden [T, H]: the final norm over the last layer's output plus the residual sum."""
         return self.model.norm(x, residual)[0] if residual is not None else self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -179,6 +211,20 @@ class MoECausalLM(nn.Module, abc.ABC):
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, :self.config.vocab_size]  # [N, V]
+
+    def on_other_stage(self, name: str) -> bool:
+        """True for a checkpoint tensor another pipeline stage holds (another stage's layer, or the embedding,
+        LM head or final norm off this stage): this rank never reads it."""
+        if not self.stage.pipelined:
+            return False
+        match = _LAYER_INDEX.match(name)
+        if match is not None:
+            return not self.stage.holds_layer(int(match.group(1)))
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return not self.stage.is_first
+        if name.startswith("model.norm."):
+            return not self.stage.is_last
+        return False
 
     def extra_layer(self, name: str) -> bool:
         """True for a checkpoint tensor of a layer past ``num_hidden_layers``: the next-token-prediction (MTP)

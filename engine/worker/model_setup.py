@@ -7,6 +7,7 @@ import torch
 
 from engine.core.config import CacheConfig, EngineConfig, KernelChoice
 from engine.distributed.collectives import SINGLE, TensorParallel
+from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.loading.model_config import CheckpointError, ModelConfig, load_model_config
 from engine.loading.model_loader import build_model
 from engine.loading.quantization import check_supported, resolve_scheme
@@ -28,7 +29,8 @@ def engine_model_config(config: EngineConfig) -> ModelConfig:
 
 
 def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: KernelChoice, dtype: torch.dtype,
-                    device: torch.device, max_len: int, tp: TensorParallel) -> tuple[MoECausalLM, list]:
+                    device: torch.device, max_len: int, tp: TensorParallel,
+                    stage: PipelineStage = WHOLE) -> tuple[MoECausalLM, list]:
     """This rank's model (its slices of every weight), with the build-time transforms the kernels ask for;
     returns it with the dense gemv choices made (empty unless measured)."""
     quantization = resolve_scheme(config.quantization, model_config)
@@ -36,9 +38,10 @@ def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: Ke
     if config.random_weights:  # this rank's slices of the unsplit random model of this seed
         from engine.loading.random_weights import build_random_model
 
-        model = build_random_model(model_config, dtype, device, kernels.moe, max_len, config.seed, quantization, tp)
+        model = build_random_model(model_config, dtype, device, kernels.moe, max_len, config.seed, quantization, tp,
+                                   stage)
     else:
-        model = build_model(model_config, config.model, dtype, device, kernels.moe, max_len, tp, quantization)
+        model = build_model(model_config, config.model, dtype, device, kernels.moe, max_len, tp, quantization, stage)
     if kernels.elementwise == "triton":
         from engine.transforms.fusion import enable_triton_elementwise
 
@@ -85,7 +88,9 @@ def kv_blocks_for_memory(config: EngineConfig, model: MoECausalLM, device: torch
         budget = free - (1 - config.gpu_memory_utilization) * total
     else:
         budget = config.kv_cache_memory_gb * 2**30
-    return model.tp.min_over_ranks(max(int(budget // per_block), 1))
+    # Every rank of the engine (each stage caches only its layers) agrees on the smallest.
+    agree = model.stage.plans if model.stage.pipelined else model.tp
+    return agree.min_over_ranks(max(int(budget // per_block), 1))
 
 
 def attention_backend(model: MoECausalLM, wanted: str) -> str:
@@ -111,13 +116,13 @@ def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheCon
         warm_up_moe(model, config.max_num_batched_tokens, device, dtype)
     # Captured graphs would replay one rank's collectives alone: several ranks run eagerly.
     if (device.type == "cuda" and attention == "triton" and graph_safe_moe and not config.enforce_eager
-            and model.tp.size == 1 and model.tp.expert_parallel is None):
+            and model.tp.size == 1 and model.tp.expert_parallel is None and not model.stage.pipelined):
         from engine.transforms.cuda_graphs import enable_decode_graphs
 
         enable_decode_graphs(runner, config.cuda_graph_batch_sizes, config.max_num_seqs, max_len)
     # Prefill and mixed steps: attention runs eagerly between the captured pieces, so either attention backend.
     if device.type == "cuda" and graph_safe_moe and not config.enforce_eager and model.tp.size == 1 \
-            and model.tp.expert_parallel is None and config.cuda_graph_token_sizes != ():
+            and model.tp.expert_parallel is None and not model.stage.pipelined and config.cuda_graph_token_sizes != ():
         from engine.transforms.piecewise_graphs import default_token_sizes, enable_piecewise_graphs
 
         enable_piecewise_graphs(runner, config.cuda_graph_token_sizes or default_token_sizes(config.max_num_batched_tokens))
@@ -136,11 +141,12 @@ class RankParts:
 
 
 def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelChoice, dtype: torch.dtype,
-               device: torch.device, tp: TensorParallel) -> RankParts:
-    """This rank's model, KV pool and runner, the same steps on rank 0 and on every follower."""
+               device: torch.device, tp: TensorParallel, stage: PipelineStage = WHOLE) -> RankParts:
+    """This rank's model (its stage's layers of it), KV pool and runner, the same steps on rank 0 and on every
+    follower."""
     max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
     torch.manual_seed(config.seed)
-    model, dense_gemv_choices = load_rank_model(config, model_config, kernels, dtype, device, max_len, tp)
+    model, dense_gemv_choices = load_rank_model(config, model_config, kernels, dtype, device, max_len, tp, stage)
     draft = None
     if config.speculative == "draft":  # a single-process engine (EngineConfig checks)
         draft = load_draft_model(config, model_config, kernels, dtype, device, max_len)
@@ -148,6 +154,7 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
     max_len = min(max_len, num_blocks * config.block_size)  # a sequence never holds more than the whole pool
     cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
     runner = make_runner(config, model, cache_config, kernels, device, dtype, max_len)
+    runner.micro_batches = config.pipeline_micro_batches
     if draft is not None:
         runner.draft = DraftProposer(draft, cache_config, device, dtype, kernels.attention)
     return RankParts(model, runner, cache_config, max_len, dense_gemv_choices)

@@ -14,6 +14,7 @@ from engine.models import MoECausalLM
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
 from engine.worker.kv_memory import zeros_on_first_touch
 from engine.worker.expert_load import ExpertLoadReader
+from engine.worker.pipeline_step import run_stage
 from engine.sampling.prompt_scoring import prompt_scoring
 from engine.sampling.sampler import Sampler
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -86,6 +87,10 @@ class ModelRunner:
         self.dtype = dtype
         self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         self.expert_load = ExpertLoadReader([m.expert_tokens for m in self.moe_blocks], device, EXPERT_LOAD_EVERY_CUDA)
+        self.stage = model.stage
+        # Where the step's plan goes: this engine's tensor-parallel ranks, or every pipeline stage's.
+        self.plans = self.stage.plans if self.stage.pipelined else model.tp
+        self.micro_batches = 1  # per pipelined step (EngineConfig.pipeline_micro_batches; set by model_setup)
 
     # ---- batch construction -----------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
@@ -122,17 +127,21 @@ class ModelRunner:
                     self.model.tp.broadcast_object([])
                 self.dummy_step()
             return StepSamples([])
-        if self.model.tp.size > 1:  # the other ranks run the same forward on their slices of the model
-            self.model.tp.broadcast_object(follower_plan(sched_out))
+        if self.plans.size > 1:  # the other ranks run the same forward on their slices (or stages) of the model
+            self.plans.broadcast_object(follower_plan(sched_out))
         self.num_steps += 1
-        start = time.perf_counter()
-        batch = self.prepare(sched_out.scheduled)
-        self.last_prepare_ms = (time.perf_counter() - start) * 1e3
-        hidden = self.forward(batch)  # [T, H]
+        if self.stage.pipelined:  # the last stage's final hidden rows, sampled here
+            hidden_rows = run_stage(self, sched_out.scheduled, self.stage, self.micro_batches)  # [N + Q, H]
+            logits = self.model.compute_logits(hidden_rows) if hidden_rows.numel() else None
+        else:
+            start = time.perf_counter()
+            batch = self.prepare(sched_out.scheduled)
+            self.last_prepare_ms = (time.perf_counter() - start) * 1e3
+            hidden = self.forward(batch)  # [T, H]
+            logits = self._logits(hidden, batch)  # [N + Q, V]
         # One sampling row per sampling part, K + 1 for a part with K drafts (offsets 0..K).
         rows = [(s.request, j) for s in sched_out.scheduled if s.sample for j in range(len(s.draft_token_ids) + 1)]
         result = StepSamples([None] * len(sched_out.scheduled))
-        logits = self._logits(hidden, batch)  # [N + Q, V]
         scoring = prompt_scoring(sched_out.scheduled, self.device)
         if scoring is not None:  # computed before sampling adjusts logits in place, read after its sync
             prompt_lp = scoring.compute(logits[len(rows):])
@@ -188,6 +197,11 @@ class ModelRunner:
             self.dummy_step()
             return
         self.num_steps += 1
+        if self.stage.pipelined:
+            hidden_rows = run_stage(self, plan, self.stage, self.micro_batches)
+            if hidden_rows is not None and hidden_rows.numel():  # stage 0: the LM head's gather
+                self.model.compute_logits(hidden_rows)
+            return
         batch = self.prepare(plan)
         hidden = self.forward(batch)  # [T, H]
         self._logits(hidden, batch)

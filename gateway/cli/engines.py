@@ -34,7 +34,7 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
     if local > 1 and engine_config.cpu_threads is None and engine_config.device != "cuda":
         # Replicas on the CPU share its cores: each rank process gets its share, not all of them
         # (oversubscribed threads wait at every parallel region's barrier for a descheduled peer).
-        processes = local * engine_config.tensor_parallel_size
+        processes = local * engine_config.engine_ranks
         engine_config = dataclasses.replace(engine_config, cpu_threads=max(1, (os.cpu_count() or 1) // processes))
     # On GPUs each local replica takes its own devices (on the CPU the variable is ignored); with
     # --enable-expert-parallel the replicas form one group that divides the experts.
