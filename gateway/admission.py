@@ -1,4 +1,5 @@
-"""Admission by quota: reserve before the engine runs, settle with the real counts afterwards."""
+"""Admission: a request's engine sequences counted against its priority class's overload cap, its tokens reserved
+against its tenant's quotas before the engine runs, settled with the real counts afterwards."""
 
 import asyncio
 import math
@@ -8,8 +9,10 @@ from aiohttp import web
 
 from gateway.errors import APIError
 from tenants.quota import Denied, Granted, QuotaManager
+from tenants.policy import ClassInfo
 
 QUOTAS = web.AppKey("quotas", QuotaManager)
+INFLIGHT = web.AppKey("inflight", dict)  # class priority -> engine sequences admitted and not finished
 
 # Which x-ratelimit-* family a refused counter belongs to.
 _HEADER_FAMILY = {"rpm": "requests", "concurrency": "requests", "tpm": "tokens",
@@ -111,3 +114,41 @@ SETTLEMENTS = web.AppKey("settlements", Settlements)
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def reservation(prompt_lengths: list[int], n: int, max_tokens: int | None, max_model_len: int,
+                default_tokens: int) -> int:
+    """Tokens to reserve at admission: each prompt once, plus ``n`` outputs of ``max_tokens`` each (never more
+    than the context leaves room for). Without ``max_tokens`` an output may run to the end of the context;
+    ``default_tokens`` of it are reserved, and the settle charges what it really used."""
+    total = 0
+    for length in prompt_lengths:
+        room = max_model_len - length
+        total += length + n * min(max_tokens if max_tokens is not None else default_tokens, room)
+    return total
+
+
+async def admit(app: web.Application, caps: dict[int, int], cls: ClassInfo, tenant_id: int, sequences: int,
+                tokens: int) -> Granted:
+    """Count ``sequences`` engine sequences in flight for ``cls`` (503 ``overloaded`` if its class already has
+    ``caps[cls.priority]`` or more) and reserve ``tokens`` of the tenant's quotas (``APIError`` as ``denied_error``
+    says). Refused or cancelled, nothing stays counted; admitted, the caller gives the sequences back with
+    ``release``."""
+    inflight = app[INFLIGHT]
+    cap = caps.get(cls.priority)
+    if cap is not None and inflight.get(cls.priority, 0) >= cap:
+        raise APIError(503, f"server overloaded for priority class {cls.name!r}; retry shortly", "server_error",
+                       code="overloaded", headers={"Retry-After": "2"})
+    # Counted from here, before any await, so a burst cannot all pass the check above at once.
+    # Engine sequences, not HTTP requests: n copies of each prompt load the engine as n requests would.
+    inflight[cls.priority] = inflight.get(cls.priority, 0) + sequences
+    try:
+        return await app[SETTLEMENTS].acquire(app[QUOTAS], tenant_id, tokens)
+    except BaseException:
+        release(app, cls, sequences)
+        raise
+
+
+def release(app: web.Application, cls: ClassInfo, sequences: int) -> None:
+    """The end of ``sequences`` that ``admit`` counted for ``cls``."""
+    app[INFLIGHT][cls.priority] -= sequences

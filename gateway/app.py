@@ -2,8 +2,8 @@
 
 Middleware order: error mapping -> auth (key -> tenant) -> handler; the
 handler does quota admission (reserve prompt + max_tokens, settle the real
-counts at the end) and gives the engine request its tenant's priority rank,
-weight, preemptibility and cache salt.
+counts at the end) and gives the engine request its tenant's policy (priority,
+weight, preemptibility, cache salt).
 """
 
 import asyncio
@@ -13,34 +13,33 @@ import time
 import uuid
 from pathlib import Path
 
-import msgspec
 from aiohttp import web
 
 from engine.serving.async_engine import EngineError, RequestRejectedError
 from engine.serving.client import EngineClient
-from gateway.admission import QUOTAS, SETTLEMENTS, Settlements, rate_limit_headers, utcnow
+from gateway.admission import (
+    INFLIGHT, QUOTAS, SETTLEMENTS, Settlements, admit, rate_limit_headers, release, reservation, utcnow,
+)
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
 from gateway.replies import json_response
 from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
 from gateway.completion import (
-    apply_plan, chat_finish_reason, chat_plan_of, choice_prompts, collect, completion_body, engine_down, output_choice,
-    order_in_class, output_failed, output_view, prepare_prompts, start_streams, stream_choices, system_fingerprint,
+    apply_plan, chat_plan_of, collect, engine_down, order_in_class, output_view, prepare_prompts, start_streams,
 )
-from gateway.openai_logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_list
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
 from gateway.engine_supervisor import supervise
-from gateway.errors import (
-    BODY_TIMEOUT_S, REQUEST_ID, REQUEST_ID_HEADER, APIError, error_middleware, read_body, request_id_middleware,
-)
+from gateway.errors import BODY_TIMEOUT_S, APIError, error_middleware, read_body, request_id_middleware
 from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
 from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
 from gateway.refusals import count_refusals
 from gateway.replica_router import replicas_of, unresponsive_after_s
+from gateway.response_bodies import completion_body, system_fingerprint
 from gateway.schema_check import check_schema
+from gateway.sse import stream_reply
 from gateway.stream_journal import JOURNALED, STREAM_JOURNAL, JournaledStream, StreamJournal
 from gateway.openapi import openapi_document
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params_of
@@ -48,19 +47,18 @@ from gateway.usage_ledger import UsageLedger
 from gateway.batch import batches as batch_api, files as files_api
 from gateway.responses import routes as responses_api
 from gateway import tokenization
-from gateway.batch.batches import BATCH_SETTINGS, BATCH_WAKE, QUOTA_MANAGER
+from gateway.batch.batches import BATCH_SETTINGS, BATCH_WAKE
 from gateway.batch.runner import BatchRunner, BatchRunnerConfig
 from gateway.batch.files import BATCH_STORE, DATA_DIR, MAX_FILE_BYTES
 from tenants.batch_store import BatchStore
 from tenants.store import NotFound
-from tenants.quota import QuotaManager
+from tenants.quota import Granted, QuotaManager
 from tenants.store import TenantStore, UsageRecord
 
 logger = logging.getLogger(__name__)
 
 ENGINE = web.AppKey("engine", EngineClient)
 CONFIG = web.AppKey("config", GatewayConfig)
-INFLIGHT = web.AppKey("inflight", dict)  # priority rank -> requests admitted and not finished
 LEDGER = web.AppKey("ledger", UsageLedger)
 DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503
 SERVING_SINCE = web.AppKey("serving_since", int)  # unix time the app was made: the model card's `created`
@@ -120,14 +118,6 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return request.app[METRICS].render()
 
 
-async def _write_error_event(response: web.StreamResponse, err: APIError) -> web.StreamResponse:
-    """End a stream whose headers are gone with one event in the OpenAI error shape."""
-    error = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-    await response.write(b"data: " + msgspec.json.encode(error) + b"\n\n")
-    await response.write_eof()
-    return response
-
-
 async def serve_metrics(app: web.Application):
     """Cleanup context: /metrics alone on ``metrics_host:metrics_port`` (a listener for the scraper only)."""
     config = app[CONFIG]
@@ -176,54 +166,19 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
     app = request.app
     _check_model(app, body.model)
     engine = app[ENGINE]
-    sampling_params = sampling_params_of(body, engine.info.vocab_size if engine.info is not None else None)
-    plan = None
-    if chat:
-        plan = chat_plan_of(engine, body, _parsers(app[CONFIG]))
-        apply_plan(sampling_params, plan)
-    if app[DRAINING].is_set():  # a new request on a kept-alive connection during shutdown
-        raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
-                       code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
-    if engine.dead:
-        raise engine_down(engine.dead)
+    sampling_params, plan = _sampling_and_plan(app, body, chat)
+    _refuse_while_unavailable(app)
     principal: Principal = request[PRINCIPAL]
-    tenant, cls = principal.tenant, principal.priority_class
+    cls = principal.priority_class
     rid = (rid_prefix or ("chatcmpl-" if chat else "cmpl-")) + uuid.uuid4().hex[:24]
     created = int(time.time())
     prompts = await prepare_prompts(engine, body, chat, plan)
-    reserved = reservation([len(p) for p in prompts], sampling_params.n, sampling_params.max_tokens, engine.info.max_model_len,
-                           app[CONFIG].default_reservation_tokens)
-    metrics = app[METRICS]
-    timer = RequestTimer(metrics, tenant.name, cls.name)
-    inflight = app[INFLIGHT]
-    cap = app[CONFIG].max_inflight_by_priority.get(cls.priority)
-    if cap is not None and inflight.get(cls.priority, 0) >= cap:
-        metrics.rejections.labels(tenant.name, cls.name, "overloaded").inc()
-        timer.finish(503, None)
-        raise APIError(503, f"server overloaded for priority class {cls.name!r}; retry shortly", "server_error",
-                       code="overloaded", headers={"Retry-After": "2"})
-    # Counted from here, before any await, so a burst cannot all pass the check above at once.
-    # Engine sequences, not HTTP requests: n copies of each prompt load the engine as n requests would.
     sequences = len(prompts) * sampling_params.n
-    inflight[cls.priority] = inflight.get(cls.priority, 0) + sequences
-    try:
-        grant = await app[SETTLEMENTS].acquire(app[QUOTAS], tenant.id, reserved)
-    except APIError as refused:
-        inflight[cls.priority] -= sequences
-        metrics.rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
-        timer.finish(refused.status, None)
-        raise
-    except BaseException:
-        inflight[cls.priority] -= sequences
-        raise
-    request[TIMER] = timer
-    request[RATE_HEADERS] = rate_limit_headers(grant)
-    usage: UsageRecord | None = None
+    grant = await _admit(request, principal, prompts, sampling_params)
     started_at = utcnow()
     if body.stream:  # its usage is journaled as it is delivered, so a killed gateway still bills it
-        request[JOURNALED] = JournaledStream(app[STREAM_JOURNAL], grant, UsageRecord(
-            tenant_id=tenant.id, request_id=rid, model=_model_name(app), prompt_tokens=0, completion_tokens=0,
-            key_id=principal.key.id, started_at=started_at))
+        request[JOURNALED] = JournaledStream(app[STREAM_JOURNAL], grant, _usage_record(
+            request, rid, started_at, prompt_tokens=0, completion_tokens=0))
     status = 500
     stream = None
     choices = request[CHOICES] = Choices([len(p) for p in prompts], sampling_params.n, whole=not body.stream)
@@ -242,30 +197,86 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
         status = 499  # the client went away; the engine request was aborted
         raise
     finally:
-        inflight[cls.priority] -= sequences
-        started = choices.started
-        if status == 200 and started and not choices.finished:
-            status = 503  # a stream the engine failed mid-way: 200 went out with the headers, the row says so
-        elif status == 200 and choices.failed:
-            status = 500  # a stream whose output failed (its error event went out after the 200)
-        if started:
-            usage = UsageRecord(
-                tenant_id=tenant.id, request_id=rid, model=_model_name(app), prompt_tokens=choices.num_prompt_tokens,
-                completion_tokens=choices.num_output_tokens, cached_prompt_tokens=choices.num_cached_tokens,
-                key_id=principal.key.id, finish_reason=choices.finish_reason or "abort", started_at=started_at,
-                finished_at=utcnow(), http_status=status,
-            )
-        timer.finish(status, usage)
-        if stream is None or choices.finished:
-            # Nothing left to abort: hand the usage over now, with no await before it. Going through
-            # a shielded task costs every request a turn of the event loop behind whatever else is
-            # ready, which was the gateway's largest share of its slowest requests under load.
-            app[LEDGER].submit(grant, usage)
-            if stream is not None:
-                await stream.aclose()  # a finished stream closes without suspending
-        else:
-            # Created before any await, so a second cancellation cannot skip it.
-            await asyncio.shield(app[SETTLEMENTS].run(_close_and_settle(app, stream, grant, usage)))
+        release(app, cls, sequences)
+        await _settle(request, stream, grant, _final_status(status, choices), rid, started_at)
+
+
+def _sampling_and_plan(app: web.Application, body, chat: bool):
+    """The request's sampling settings and, for chat, how it is rendered and read (which may change them)."""
+    engine = app[ENGINE]
+    sampling_params = sampling_params_of(body, engine.info.vocab_size if engine.info is not None else None)
+    plan = None
+    if chat:
+        plan = chat_plan_of(engine, body, _parsers(app[CONFIG]))
+        apply_plan(sampling_params, plan)
+    return sampling_params, plan
+
+
+def _refuse_while_unavailable(app: web.Application) -> None:
+    """503 while the server shuts down (a new request on a kept-alive connection) or its engine is down."""
+    if app[DRAINING].is_set():
+        raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
+                       code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
+    if app[ENGINE].dead:
+        raise engine_down(app[ENGINE].dead)
+
+
+async def _admit(request: web.Request, principal: Principal, prompts: list[list[int]], sampling_params) -> Granted:
+    """Admission (``gateway.admission.admit``) with its reservation; a refusal is counted and timed, an admitted
+    request gets its timer and rate-limit headers."""
+    app, config = request.app, request.app[CONFIG]
+    tenant, cls = principal.tenant, principal.priority_class
+    reserved = reservation([len(p) for p in prompts], sampling_params.n, sampling_params.max_tokens,
+                           app[ENGINE].info.max_model_len, config.default_reservation_tokens)
+    timer = RequestTimer(app[METRICS], tenant.name, cls.name)
+    try:
+        grant = await admit(app, config.max_inflight_by_priority, cls, tenant.id, len(prompts) * sampling_params.n,
+                            reserved)
+    except APIError as refused:
+        app[METRICS].rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
+        timer.finish(refused.status, None)
+        raise
+    request[TIMER] = timer
+    request[RATE_HEADERS] = rate_limit_headers(grant)
+    return grant
+
+
+def _usage_record(request: web.Request, rid: str, started_at, **counts) -> UsageRecord:
+    principal: Principal = request[PRINCIPAL]
+    return UsageRecord(tenant_id=principal.tenant.id, request_id=rid, model=_model_name(request.app),
+                       key_id=principal.key.id, started_at=started_at, **counts)
+
+
+def _final_status(status: int, choices: Choices) -> int:
+    """The status the usage row records: a stream's 200 went out with its headers, before its end."""
+    if status == 200 and choices.started and not choices.finished:
+        return 503  # a stream the engine failed mid-way: 200 went out with the headers, the row says so
+    if status == 200 and choices.failed:
+        return 500  # a stream whose output failed (its error event went out after the 200)
+    return status
+
+
+async def _settle(request: web.Request, stream, grant: Granted, status: int, rid: str, started_at) -> None:
+    """The request's usage (None if it never started) to its timer and the ledger, its engine streams closed."""
+    app, choices = request.app, request[CHOICES]
+    usage: UsageRecord | None = None
+    if choices.started:
+        usage = _usage_record(
+            request, rid, started_at, prompt_tokens=choices.num_prompt_tokens,
+            completion_tokens=choices.num_output_tokens, cached_prompt_tokens=choices.num_cached_tokens,
+            finish_reason=choices.finish_reason or "abort", finished_at=utcnow(), http_status=status,
+        )
+    request[TIMER].finish(status, usage)
+    if stream is None or choices.finished:
+        # Nothing left to abort: hand the usage over now, with no await before it. Going through
+        # a shielded task costs every request a turn of the event loop behind whatever else is
+        # ready, which was the gateway's largest share of its slowest requests under load.
+        app[LEDGER].submit(grant, usage)
+        if stream is not None:
+            await stream.aclose()  # a finished stream closes without suspending
+    else:
+        # Created before any await, so a second cancellation cannot skip it.
+        await asyncio.shield(app[SETTLEMENTS].run(_close_and_settle(app, stream, grant, usage)))
 
 
 async def _close_and_settle(app: web.Application, stream, grant, usage: UsageRecord | None) -> None:
@@ -274,18 +285,6 @@ async def _close_and_settle(app: web.Application, stream, grant, usage: UsageRec
         # its KV blocks come back at once.
         await stream.aclose()
     app[LEDGER].submit(grant, usage)  # usage None: the request never ran, the reservation is released
-
-
-def reservation(prompt_lengths: list[int], n: int, max_tokens: int | None, max_model_len: int,
-                default_tokens: int) -> int:
-    """Tokens to reserve at admission: each prompt once, plus ``n`` outputs of ``max_tokens`` each (never more
-    than the context leaves room for). Without ``max_tokens`` an output may run to the end of the context;
-    ``default_tokens`` of it are reserved, and the settle charges what it really used."""
-    total = 0
-    for length in prompt_lengths:
-        room = max_model_len - length
-        total += length + n * min(max_tokens if max_tokens is not None else default_tokens, room)
-    return total
 
 
 def _parsers(config: GatewayConfig) -> ParserChoice:
@@ -299,93 +298,38 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     app = request.app
     model = _model_name(app)
     fingerprint = system_fingerprint(app[ENGINE].config, model)
-    choices = request[CHOICES]
+    first = await _first_output(stream, chat)
+    request[TIMER].delta(first=True, queue_time_s=first[1].queue_time_s)
+    if body.stream:
+        return await stream_reply(request, body, chat, stream, first, rid, created, model, fingerprint, plan)
+    return await _whole_reply(request, body, chat, stream, first, rid, created, model, fingerprint, plan)
 
+
+async def _first_output(stream, chat: bool) -> tuple:
+    """The streams' first (choice, output): a prompt the engine refused is a 400, an engine down a 503."""
     try:
-        first = await anext(stream)
+        return await anext(stream)
     except RequestRejectedError as e:
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
     except EngineError as e:
         raise engine_down(e) from None
 
+
+async def _whole_reply(request: web.Request, body, chat: bool, stream, first: tuple, rid: str, created: int,
+                       model: str, fingerprint: str, plan: ChatPlan | None) -> web.Response:
     timer = request[TIMER]
-    timer.delta(first=True, queue_time_s=first[1].queue_time_s)
 
-    if not body.stream:
-        async def from_first():
-            yield first
-            async for item in stream:
-                yield item
-                timer.delta(first=False)
+    async def from_first():
+        yield first
+        async for item in stream:
+            yield item
+            timer.delta(first=False)
 
-        # collect records each output in request[CHOICES], so usage is settled even if the client goes away.
-        whole = await collect(from_first(), chat, choices)
-        body_json = json_response(completion_body(rid, created, model, chat, whole, body, fingerprint, plan))
-        body_json.headers.update(request[RATE_HEADERS])
-        return body_json
-
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **request[RATE_HEADERS]}
-    )
-    response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]  # sent at prepare, before the middleware sees it
-    await response.prepare(request)
-    chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    # vLLM's continuous_usage_stats: every chunk carries the request's usage so far, not null.
-    usage_per_chunk = include_usage and body.stream_options.continuous_usage_stats
-    index = choices.add(*first)  # so usage is settled even if the client goes away mid-stream
-    delta = first[1]
-    prompts = choice_prompts(body, chat, choices.n)
-    offsets: dict[int, CompletionLogprobs] = {}  # per choice: text_offset runs on across its chunks
-    parsers = {}  # per choice: its chat output parser (tool calls, reasoning)
-    announced: set[int] = set()  # chat choices that have sent a chunk (the first carries the role)
-    while True:
-        if delta.finish_reason == "error":
-            return await _write_error_event(response, output_failed())
-        first_chunk = index not in offsets
-        if plan is None:
-            out_choices = [output_choice(chat, body, delta, index, True, first_chunk,
-                                         offsets.setdefault(index, CompletionLogprobs()), prompts[index])]
-        else:
-            offsets.setdefault(index, CompletionLogprobs())
-            parser = parsers.setdefault(index, plan.output_parser())
-            made = parser.num_calls
-            piece = parser.feed(delta.text)
-            if delta.finished:
-                piece += parser.finish()
-            finish = chat_finish_reason(delta.finish_reason, parser.num_calls > 0) if delta.finished else None
-            out_choices = stream_choices(piece, finish, made, plan, chat_logprobs(delta.logprobs), index,
-                                         first=index not in announced)
-            if out_choices:
-                announced.add(index)
-            if finish is not None:
-                out_choices[-1]["stop_reason"] = delta.stop_reason if delta.finish_reason == "stop" else None
-        # Journaled before it is written: a gateway killed between the two bills this chunk (as a client that
-        # leaves mid-stream is billed what was generated), never less than the client received.
-        request[JOURNALED].delivered(choices)
-        for k, one in enumerate(out_choices):
-            event = {"id": rid, "object": chunk_obj, "created": created, "model": model,
-                     "system_fingerprint": fingerprint, "choices": [one]}
-            if chat and k == 0 and delta.prompt_logprobs is not None and body.prompt_logprobs is not None:
-                event["prompt_logprobs"] = prompt_logprobs_list(delta.prompt_logprobs, body)
-            if include_usage:
-                event["usage"] = choices.usage() if usage_per_chunk else None
-            await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
-        if choices.finished:
-            break
-        try:
-            p, delta = await anext(stream)
-        except EngineError as e:
-            return await _write_error_event(response, engine_down(e))  # engine_failed if the step failed
-        index = choices.add(p, delta)
-        timer.delta(first=False)
-    if include_usage:  # OpenAI's shape: a last chunk with no choices and the request's usage
-        event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "system_fingerprint": fingerprint,
-                 "choices": [], "usage": choices.usage()}
-        await response.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    # collect records each output in request[CHOICES], so usage is settled even if the client goes away.
+    whole = await collect(from_first(), chat, request[CHOICES])
+    body_json = json_response(completion_body(rid, created, model, chat, whole, body, fingerprint, plan))
+    body_json.headers.update(request[RATE_HEADERS])
+    return body_json
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -413,81 +357,98 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     app[INFLIGHT] = {}
     app[DRAINING] = asyncio.Event()
     app[OPEN_REQUESTS] = {}
-
-    async def drain(app: web.Application) -> None:
-        app[DRAINING].set()  # new requests on kept-alive connections get 503 from now on
-        cut = await drain_open_requests(app, config.drain_timeout_s)
-        if cut:
-            logger.info("drain timeout (%gs): %d request(s) still running were cut", config.drain_timeout_s, cut)
-
-    app.on_shutdown.append(drain)
-
-    async def store_lifecycle(app: web.Application):
-        store = TenantStore.open(config.database_url)
-        app[AUTHENTICATOR] = Authenticator(store, ttl_s=config.auth_cache_ttl_s)
-        app[QUOTAS] = QuotaManager(store, policy_ttl_s=config.policy_cache_ttl_s)
-        app[SETTLEMENTS] = Settlements()
-        # At most 100 ledger transactions a second: each holds the event loop for about 1 ms, so usage
-        # writes never starve request handling.
-        app[LEDGER] = UsageLedger(app[QUOTAS], min_interval_s=0.01, journal_dir=Path(config.data_dir) / "usage-journal")
-        await app[LEDGER].replay_journal()  # usage a previous run could not write (database down at its stop)
-        app[STREAM_JOURNAL] = StreamJournal(Path(config.data_dir) / "usage-journal")
-        await app[STREAM_JOURNAL].replay(app[QUOTAS])  # streams a killed run had delivered: billed once
-        app[LEDGER].on_written = app[STREAM_JOURNAL].settled
-        app[LEDGER].start()
-        app[BATCH_STORE] = BatchStore(store, app[QUOTAS], model=_model_name(app))
-        app[QUOTA_MANAGER] = app[QUOTAS]
-        yield
-        await app[SETTLEMENTS].drain()  # every finished or cut request has handed its usage to the ledger
-        await app[LEDGER].close()  # ... and the ledger has written it
-        app[STREAM_JOURNAL].close()
-        await app[BATCH_STORE].close()
-        await store.close()
-
-    async def engine_lifecycle(app: web.Application):
-        await engine.start()
-        logger.info("serving %s (%s)", _model_name(app), engine.info.architecture)
-        supervisors = [asyncio.create_task(supervise(name, replica, config.engine_restart_backoff_s,
-                                                     config.engine_restart_backoff_max_s))
-                       for name, replica in replicas_of(engine)]
-        yield
-        for task in supervisors:
-            task.cancel()
-        await asyncio.gather(*supervisors, return_exceptions=True)
-        await engine.shutdown()
-
-    async def batch_lifecycle(app: web.Application):
-        """The batch runner starts once the engine is up and stops before it."""
-        try:
-            batch_priority = (await app[BATCH_STORE].store.get_class("batch")).priority
-        except NotFound:
-            batch_priority = max(c.priority for c in await app[BATCH_STORE].store.list_classes())
-        # Lines queue inside every replica (the router spreads them by load), so twice each one's slots.
-        inflight = config.batch_max_inflight or 2 * engine.config.max_num_seqs * len(replicas_of(engine))
-        runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
-            lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
-            batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
-        task = asyncio.create_task(runner.run(), name="batch-runner")
-        yield
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    app.cleanup_ctx.append(store_lifecycle)
-    app.cleanup_ctx.append(engine_lifecycle)
-    app.cleanup_ctx.append(batch_lifecycle)
+    app.on_shutdown.append(_drain)
+    app.cleanup_ctx.append(_store_lifecycle)
+    app.cleanup_ctx.append(_engine_lifecycle)
+    app.cleanup_ctx.append(_batch_lifecycle)
     # After every cleanup context above has started (aiohttp runs them as the first startup signal).
     app.on_startup.append(freeze_startup_heap)
     app.on_cleanup.append(unfreeze_heap)  # after the cleanup contexts have closed everything
-    app[DATA_DIR] = Path(config.data_dir)
-    app[MAX_FILE_BYTES] = config.batch_max_file_bytes
-    app[BATCH_WAKE] = asyncio.Event()
-    app[BATCH_SETTINGS] = {"model": lambda: _model_name(app), "max_lines": config.batch_max_lines,
-                           "window_s": config.batch_completion_window_s, "default_max_tokens": 1024}
+    _configure_batch_api(app, config)
     files_api.add_routes(app)
     batch_api.add_routes(app)
     responses_api.add_routes(app, _run, lambda: _model_name(app), config.responses_retention_s)
     app[METRICS] = GatewayMetrics(engine)
     app.cleanup_ctx.append(serve_metrics)
+    _add_routes(app, config)
+    return app
+
+
+async def _drain(app: web.Application) -> None:
+    config = app[CONFIG]
+    app[DRAINING].set()  # new requests on kept-alive connections get 503 from now on
+    cut = await drain_open_requests(app, config.drain_timeout_s)
+    if cut:
+        logger.info("drain timeout (%gs): %d request(s) still running were cut", config.drain_timeout_s, cut)
+
+
+async def _store_lifecycle(app: web.Application):
+    """Cleanup context: the policy store, auth, quotas, the usage ledger and stream journal (each replayed), the
+    Batch API's store; at the end, every request's usage written before the store closes."""
+    config = app[CONFIG]
+    store = TenantStore.open(config.database_url)
+    app[AUTHENTICATOR] = Authenticator(store, ttl_s=config.auth_cache_ttl_s)
+    app[QUOTAS] = QuotaManager(store, policy_ttl_s=config.policy_cache_ttl_s)
+    app[SETTLEMENTS] = Settlements()
+    # At most 100 ledger transactions a second: each holds the event loop for about 1 ms, so usage
+    # writes never starve request handling.
+    app[LEDGER] = UsageLedger(app[QUOTAS], min_interval_s=0.01, journal_dir=Path(config.data_dir) / "usage-journal")
+    await app[LEDGER].replay_journal()  # usage a previous run could not write (database down at its stop)
+    app[STREAM_JOURNAL] = StreamJournal(Path(config.data_dir) / "usage-journal")
+    await app[STREAM_JOURNAL].replay(app[QUOTAS])  # streams a killed run had delivered: billed once
+    app[LEDGER].on_written = app[STREAM_JOURNAL].settled
+    app[LEDGER].start()
+    app[BATCH_STORE] = BatchStore(store, app[QUOTAS], model=_model_name(app))
+    yield
+    await app[SETTLEMENTS].drain()  # every finished or cut request has handed its usage to the ledger
+    await app[LEDGER].close()  # ... and the ledger has written it
+    app[STREAM_JOURNAL].close()
+    await app[BATCH_STORE].close()
+    await store.close()
+
+
+async def _engine_lifecycle(app: web.Application):
+    """Cleanup context: the engine (every replica) and a supervisor per replica that restarts it."""
+    config, engine = app[CONFIG], app[ENGINE]
+    await engine.start()
+    logger.info("serving %s (%s)", _model_name(app), engine.info.architecture)
+    supervisors = [asyncio.create_task(supervise(name, replica, config.engine_restart_backoff_s,
+                                                 config.engine_restart_backoff_max_s))
+                   for name, replica in replicas_of(engine)]
+    yield
+    for task in supervisors:
+        task.cancel()
+    await asyncio.gather(*supervisors, return_exceptions=True)
+    await engine.shutdown()
+
+
+async def _batch_lifecycle(app: web.Application):
+    """Cleanup context: the batch runner starts once the engine is up and stops before it."""
+    config, engine = app[CONFIG], app[ENGINE]
+    try:
+        batch_priority = (await app[BATCH_STORE].store.get_class("batch")).priority
+    except NotFound:
+        batch_priority = max(c.priority for c in await app[BATCH_STORE].store.list_classes())
+    # Lines queue inside every replica (the router spreads them by load), so twice each one's slots.
+    inflight = config.batch_max_inflight or 2 * engine.config.max_num_seqs * len(replicas_of(engine))
+    runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
+        lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
+        batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
+    task = asyncio.create_task(runner.run(), name="batch-runner")
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def _configure_batch_api(app: web.Application, config: GatewayConfig) -> None:
+    app[DATA_DIR] = Path(config.data_dir)
+    app[MAX_FILE_BYTES] = config.batch_max_file_bytes
+    app[BATCH_WAKE] = asyncio.Event()
+    app[BATCH_SETTINGS] = {"model": lambda: _model_name(app), "max_lines": config.batch_max_lines,
+                           "window_s": config.batch_completion_window_s, "default_max_tokens": 1024}
+
+
+def _add_routes(app: web.Application, config: GatewayConfig) -> None:
     if config.metrics_token:
         app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/openapi.json", openapi_endpoint)
@@ -497,4 +458,3 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     tokenization.add_routes(app, ENGINE, _check_model)
-    return app

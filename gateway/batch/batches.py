@@ -12,6 +12,7 @@ import math
 import msgspec
 from aiohttp import web
 
+from gateway.admission import QUOTAS
 from gateway.auth import PRINCIPAL
 from gateway.batch.validation import ENDPOINTS, validate_batch_file
 from gateway.errors import APIError, read_body
@@ -19,9 +20,8 @@ from gateway.batch.files import BATCH_STORE, list_page, read_content
 from gateway.replies import json_response, query_limit
 from gateway.openai_schema import decode_body
 from tenants.models import Batch
-from tenants.quota import Denied, QuotaManager
+from tenants.quota import Denied
 
-QUOTA_MANAGER = web.AppKey("batch_quotas", QuotaManager)
 BATCH_SETTINGS = web.AppKey("batch_settings", dict)  # served model name, limits, window
 
 
@@ -83,7 +83,7 @@ async def create_batch(request: web.Request) -> web.Response:
         batch = await store.create_batch(tenant.id, req.endpoint, info.id, settings["window_s"], req.completion_window,
                                          req.metadata, checked.model, [], checked.errors, 0)
         return json_response(batch_object(batch))
-    quotas = app[QUOTA_MANAGER]
+    quotas = app[QUOTAS]
     held = await quotas.reserve_batch_queue(tenant.id, checked.token_estimate)
     if isinstance(held, Denied):
         headers = {} if held.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(held.retry_after_s)))}

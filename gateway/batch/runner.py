@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from gateway.batch.validation import ENDPOINTS
 from engine.core.request_policy import RequestPolicy
 from engine.serving.client import EngineClient
-from gateway.completion import NOT_RETRIED, complete, completion_body, system_fingerprint
+from gateway.completion import NOT_RETRIED, complete
+from gateway.response_bodies import completion_body, system_fingerprint
 from gateway.responses import batch_lines
 from gateway.responses.translate import responses_error
 from gateway.errors import APIError

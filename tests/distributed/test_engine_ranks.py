@@ -1,5 +1,6 @@
 """An engine split over 2 processes (gloo, 1 thread each) generates exactly the single-process engine's greedy
-tokens, for every family, with tensor parallelism and with the experts divided among the ranks; and a rank that dies
+tokens, for each family whose split engine differs (``ENGINE_FAMILIES``; test_tensor_parallel checks every family's
+split logits), with tensor parallelism and with the experts divided among the ranks; and a rank that dies
 fails the engine within its timeout, with the rank named, after which a fresh engine serves again."""
 
 import os
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from tests.distributed.ranks import free_port, run_ranks, run_ranks_each
-from tests.distributed.test_tensor_parallel import OVERRIDES, VOCAB, family_checkpoints
+from tests.distributed.test_tensor_parallel import ENGINE_FAMILIES, GATHER_FAMILY, VOCAB, family_checkpoints
 from tests.hf_models import make_hf_model
 from tests.processes import child_pids
 
@@ -54,17 +55,17 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def split_runs(tmp_path_factory):
-    """Every family's workload (its own random checkpoint, seed and prompts) generated single, tp, ep (and
-    ep_gather for qwen2_moe) in one rank process: {family: (seed, max_tokens, modes, (status, value))}."""
+    """Each engine family's workload (its own random checkpoint, seed and prompts) generated single, tp, ep (and
+    ep_gather for GATHER_FAMILY) in one rank process: {family: (seed, max_tokens, modes, (status, value))}."""
     runs, seeds = {}, {}
-    for family, (seed, model_dir, _, rng) in family_checkpoints(tmp_path_factory, "split").items():
+    for family, (seed, model_dir, _, rng) in family_checkpoints(tmp_path_factory, "split", ENGINE_FAMILIES).items():
         seeds[family] = seed
         shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
         prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 2, 13)]
         prompts += [shared + [3], shared + [5, 7]]
         max_tokens = [6, 6, 5, 6, 6, 11]
         modes = {"single": {}, **MODES}
-        if family == "qwen2_moe":  # the shared expert and a dense layer beside divided experts, the simpler dispatch
+        if family == GATHER_FAMILY:  # the shared expert and a dense layer beside divided experts, the simpler dispatch
             modes["ep_gather"] = dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_dispatch="all_gather")
         runs[family] = (model_dir, prompts, max_tokens, modes)
     return generate_each_way(runs, seeds, timeout_s=520)
@@ -90,7 +91,7 @@ def check_each_way_generates_the_single_tokens(family: str, run: tuple) -> dict:
 
 
 @pytest.mark.timeout(560)  # the first family's test builds every family's results (module fixture)
-@pytest.mark.parametrize("family", sorted(OVERRIDES))
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_split_engines_generate_the_single_process_tokens(family, split_runs):
     value = check_each_way_generates_the_single_tokens(family, split_runs[family])
     seed, modes = split_runs[family][0], split_runs[family][2]
@@ -219,15 +220,15 @@ def _data_parallel_engine(rank: int, world: int, address: str, model_dir: str, p
 
 @pytest.fixture(scope="module")
 def data_parallel_runs(tmp_path_factory):
-    """Every family's two data-parallel engines (their own random checkpoint, seed and prompts), all in one pair of
+    """Each engine family's two data-parallel engines (their own random checkpoint, seed and prompts), all in one pair of
     rank processes: {family: (seed, transformers model, max_tokens, {rank: (status, value)})}."""
     runs, refs = {}, {}
-    for family, (seed, model_dir, hf, rng) in family_checkpoints(tmp_path_factory, "dp").items():
+    for family, (seed, model_dir, hf, rng) in family_checkpoints(tmp_path_factory, "dp", ENGINE_FAMILIES).items():
         shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
         prompts = {0: [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 13, 2)] + [shared + [3], shared + [5]],
                    1: [[rng.randrange(1, VOCAB - 1) for _ in range(7)]]}
         max_tokens = {0: [9, 12, 6, 10, 6, 6], 1: [3]}
-        dispatch = "all_gather" if family == "qwen2_moe" else "all_to_all"
+        dispatch = "all_gather" if family == GATHER_FAMILY else "all_to_all"
         runs[family] = (model_dir, prompts, max_tokens, dispatch)
         refs[family] = (seed, hf, max_tokens)
     results = run_ranks_each(_data_parallel_rank, 2, runs, timeout_s=520)  # the processes' start-up paid once
@@ -235,7 +236,7 @@ def data_parallel_runs(tmp_path_factory):
 
 
 @pytest.mark.timeout(560)  # the first family's test builds every family's results (module fixture)
-@pytest.mark.parametrize("family", sorted(OVERRIDES))
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_data_parallel_engines_sharing_experts_generate_their_own_tokens(family, data_parallel_runs):
     """Two whole engines (each its own requests) whose MoE layers divide the experts: each generates what it
     would alone. Their batches differ in size every step, and the second runs out of work early, so for most
@@ -248,7 +249,7 @@ def test_data_parallel_engines_sharing_experts_generate_their_own_tokens(family,
         value = results[rank][1]
         assert value["got"] == value["reference"], f"rank {rank} family={family} seed={seed}"
         assert [len(t) for t in value["got"]] == max_tokens[rank]
-        if value["experts"] is not None:  # qwen2_moe's first layer is dense
+        if value["experts"] is not None:  # a dense first layer (qwen2_moe, deepseek_v3) holds no experts
             assert value["experts"] == num_experts // 2 + (rank < num_experts % 2)
         assert value["by_rank"] is not None and len(value["by_rank"]) == 2
     # The busy engine prefilled in chunks (16 tokens a step), was preempted and hit its prefix cache.

@@ -1,6 +1,7 @@
 """Two engine replicas, each split over 2 ranks (tensor parallel), whose MoE layers divide the experts among all 4
-ranks (gloo, 1 thread each): each replica generates transformers' greedy tokens for its own requests, for every
-family and both dispatches, while the other replica's batches differ in size every step or it has no work at all;
+ranks (gloo, 1 thread each): each replica generates transformers' greedy tokens for its own requests, for each
+family whose split engine differs (``ENGINE_FAMILIES``; test_tensor_parallel checks every family's split logits) and
+both dispatches, while the other replica's batches differ in size every step or it has no work at all;
 and a follower rank of one replica that dies fails both replicas with the rank named."""
 
 import os
@@ -12,7 +13,7 @@ import pytest
 
 from tests.distributed.ranks import free_port, run_ranks_each
 from tests.distributed.test_engine_ranks import ENGINE, engine_tokens, replica_group_configs
-from tests.distributed.test_tensor_parallel import OVERRIDES, VOCAB, family_checkpoints
+from tests.distributed.test_tensor_parallel import ENGINE_FAMILIES, GATHER_FAMILY, VOCAB, family_checkpoints
 from tests.engine.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
 from tests.processes import child_pids
@@ -42,15 +43,15 @@ def _replica(rank: int, world: int, address: str, model_dir: str, prompts, max_t
 
 @pytest.fixture(scope="module")
 def replica_runs(tmp_path_factory):
-    """Every family's two split replicas (its own random checkpoint, seed and prompts), all in one pair of engine
+    """Each engine family's two split replicas (its own random checkpoint, seed and prompts), all in one pair of engine
     processes: {family: (seed, experts in the model, transformers' tokens per replica, {replica: (status, value)})}."""
     runs, refs = {}, {}
-    for family, (seed, model_dir, hf, rng) in family_checkpoints(tmp_path_factory, "dp-tp").items():
+    for family, (seed, model_dir, hf, rng) in family_checkpoints(tmp_path_factory, "dp-tp", ENGINE_FAMILIES).items():
         shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
         prompts = {0: [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 13, 2)] + [shared + [3], shared + [5]],
                    1: [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (7, 3)]}
         max_tokens = {0: [9, 12, 6, 10, 6, 6], 1: [3, 4]}
-        dispatch = "all_gather" if family == "qwen2_moe" else "all_to_all"
+        dispatch = "all_gather" if family == GATHER_FAMILY else "all_to_all"
         num_experts = getattr(hf.config, "num_local_experts", None) or hf.config.num_experts
         runs[family] = (model_dir, prompts, max_tokens, dispatch)
         refs[family] = (seed, num_experts,
@@ -60,7 +61,7 @@ def replica_runs(tmp_path_factory):
 
 
 @pytest.mark.timeout(560)  # the first family's test builds every family's results (module fixture)
-@pytest.mark.parametrize("family", sorted(OVERRIDES))
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_split_replicas_sharing_experts_generate_transformers_tokens(family, replica_runs):
     """Replica 0 prefills in chunks (16 tokens a step), is preempted and hits its prefix cache; replica 1 runs out
     of work after a few steps, so for most steps it and its follower join replica 0's expert collectives with

@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 from engine.core.config import EngineConfig
 from engine.loading.demo_model import write_demo_model
 from engine.serving.async_engine import AsyncEngine
-from gateway.app import INFLIGHT, create_app
+from gateway.admission import INFLIGHT
+from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.cli import main as moegate_main
 from tenants.migrate import upgrade
