@@ -185,8 +185,8 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
     try:
         # Compiled once admitted (counted and rate-limited), on a worker thread, within a time budget.
         await check_schema(sampling_params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
-        stream = start_streams(
-            engine, prompts, sampling_params, rid, principal.policy(order_in_class(body), cache_share=grant.cache_share), output_view(body))
+        policy = principal.policy(order_in_class(body), cache_share=grant.cache_share)
+        stream = start_streams(engine, prompts, sampling_params, rid, policy, output_view(body))
         response = await (respond or _respond)(request, body, chat, stream, rid, created, plan)
         status = 200
         return response
