@@ -255,6 +255,9 @@ class CacheConfig:
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
+    # The window of the sliding-window layers when they keep their own block tables (a second cache group whose
+    # blocks go back to the pool once the window has passed them); None: one block table for every layer.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         assert self.block_size >= 1 and self.num_blocks >= 1

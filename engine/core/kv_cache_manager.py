@@ -1,24 +1,67 @@
-"""Per-request block tables over the block pool, with prefix-cache lookups."""
+"""Per-request block tables over the block pool, with prefix-cache lookups.
+
+A model whose layers all attend to the whole context has one cache group: one block table per request. A model
+that mixes full-attention layers with sliding-window layers of equal number (gpt-oss) has two: group 0 (the
+full layers) and group 1 (the sliding layers, window W). Both groups draw blocks from the one pool (a block is
+one block of K/V for as many layers as a group has, see ``engine.worker.cache_groups``), and each request has a
+table per group. In the sliding group, a block that lies wholly before ``computed - W`` can never be read again:
+it is handed back to the pool and its table entry points at the null block (the runner's scratch block, which
+the attention masks never let a query see), so the table keeps its shape and positions.
+"""
+
+from dataclasses import dataclass, field
 
 from engine.core.block_pool import Block, BlockPool, hash_block_tokens
 from engine.core.request import Request
 
 
-class KVCacheManager:
-    """Maps each running request to its append-only list of blocks.
+def first_live_block(num_computed: int, window: int | None, block_size: int) -> int:
+    """Index of the first block a request's next queries can read in a group with ``window`` (None: full).
 
-    ``allocate_slots`` is the only way blocks are added; ``free`` the only way
-    they are returned. Full blocks get a chained hash once their KV is written.
+    The next query sits at position ``num_computed`` or later and sees keys after ``position - window``; every
+    block ending at or before ``num_computed - window`` is out of reach for good."""
+    if window is None:
+        return 0
+    return max(0, (num_computed - window) // block_size)
+
+
+def sliding_blocks_bound(window: int, block_size: int, num_new_tokens: int) -> int:
+    """Most blocks one request holds in a sliding group while a step computes ``num_new_tokens`` of its tokens:
+    those after ``first_live_block`` up to the step's last token (``ceil(W / block_size) + 1`` for a decode)."""
+    return -(-(window + num_new_tokens) // block_size) + 1
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """A prefix-cache hit: ``num_blocks`` leading full blocks, with each group's blocks for them (None where a
+    sliding group needs none: out of the window of the first token left to compute)."""
+
+    num_blocks: int = 0
+    groups: list[list[Block | None]] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Maps each running request to one append-only block table per cache group.
+
+    ``allocate_slots`` is the only way blocks are added; ``free``, ``trim`` and a sliding group's window the
+    only ways they are returned. Full blocks get a chained hash once their KV is written.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None) -> None:
+        """``sliding_window``: the window of the second cache group's layers (None: one group, every layer full)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
-        self._blocks: dict[str, list[Block]] = {}
+        # The window of each group: None for full attention. Group 0 is always the full group.
+        self.windows: tuple[int | None, ...] = (None,) if sliding_window is None else (None, sliding_window)
+        # Where a released block's table entry points: the runner's scratch block (never handed out).
+        self.null_block_id = num_blocks
+        self._tables: dict[str, list[list[Block | None]]] = {}  # request -> one table per group
         self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks, in order
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # Most blocks one request held at once in each group (the sliding group's stays bounded by its window).
+        self.peak_request_blocks = [0] * len(self.windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -27,8 +70,27 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
+    def _ids(self, table: list[Block | None]) -> list[int]:
+        null = self.null_block_id
+        return [null if b is None else b.block_id for b in table]
+
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's table in group 0 (every layer's table when there is one group)."""
+        tables = self._tables.get(request_id)
+        return [b.block_id for b in tables[0]] if tables else []
+
+    def window_block_ids(self, request_id: str) -> list[int]:
+        """The request's table in the sliding group, the null block where blocks left the window; [] with one
+        group. As long as group 0's table: position p is in entry p // block_size of either."""
+        tables = self._tables.get(request_id)
+        return self._ids(tables[1]) if tables and len(tables) > 1 else []
+
+    def blocks_held(self, request_id: str) -> list[int]:
+        """Blocks the request holds in each group (its share of the pool)."""
+        tables = self._tables.get(request_id)
+        if not tables:
+            return [0] * len(self.windows)
+        return [sum(b is not None for b in table) for table in tables]
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -39,21 +101,39 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs], request.cache_salt))
         return hashes
 
-    def find_cached_prefix(self, request: Request) -> list[Block]:
-        """Longest run of cached full blocks matching the request's tokens.
+    @staticmethod
+    def _key(block_hash: bytes, group: int) -> bytes:
+        # Each group caches its own blocks of the same tokens; group 0 keeps the plain hash.
+        return block_hash if group == 0 else bytes([group]) + block_hash
 
-        The last token is always left to compute so the step has its logits.
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """Longest run of cached full blocks matching the request's tokens, in every group.
+
+        The last token is always left to compute so the step has its logits. In a sliding group only the
+        blocks the first token left to compute can see must be cached (blocks further back may be gone), so
+        the hit is the longest run of the full group's blocks whose window is whole in every sliding group.
         """
         if not self.enable_caching:
-            return []
+            return CachedPrefix()
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[Block] = []
-        for block_hash in self._block_hashes(request, max_blocks):
+        hashes = self._block_hashes(request, max_blocks)
+        full: list[Block] = []
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
-            hits.append(block)
-        return hits
+            full.append(block)
+        for n in range(len(full), -1, -1):
+            groups: list[list[Block | None]] = [full[:n]]
+            for g, window in enumerate(self.windows[1:], start=1):
+                first = first_live_block(n * self.block_size, window, self.block_size)
+                live = [self.pool.lookup(self._key(h, g)) for h in hashes[first:n]]
+                if any(b is None for b in live):
+                    break
+                groups.append([None] * first + live)
+            else:
+                return CachedPrefix(n, groups)
+        raise AssertionError("an empty prefix is always a hit")
 
     def record_prefix_hit(self, request: Request, num_cached_tokens: int) -> None:
         """Count one admission's prefix lookup (once, however often admission retried)."""
@@ -61,49 +141,73 @@ class KVCacheManager:
             self.prefix_query_tokens += request.num_tokens
             self.prefix_hit_tokens += num_cached_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more tokens; False (and no change) if the pool is short."""
-        held = self._blocks.get(request.request_id, [])
-        cached_prefix = cached_prefix or []
-        assert not (held and cached_prefix), "prefix hits only apply to a request with no blocks"
-        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
-        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(cached_prefix)
+    def _release_out_of_window(self, request: Request, tables: list[list[Block | None]]) -> None:
+        # Sliding groups: blocks the next queries cannot see go back to the pool (tail-first, like ``free``).
+        for window, table in zip(self.windows[1:], tables[1:]):
+            first = min(first_live_block(request.num_computed_tokens, window, self.block_size), len(table))
+            gone = [b for b in table[:first] if b is not None]
+            if gone:
+                table[:first] = [None] * first
+                self.pool.release(list(reversed(gone)))
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: CachedPrefix | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens in every group; False (and no new block) if the pool is
+        short. A sliding group first hands back the blocks its window has passed, so it holds at most
+        ``ceil(W / block_size) + 1`` blocks plus those of the new tokens."""
+        tables = self._tables.get(request.request_id)
+        hit = cached_prefix or CachedPrefix()
+        assert not (tables and hit.num_blocks), "prefix hits only apply to a request with no blocks"
+        if tables is not None:
+            self._release_out_of_window(request, tables)
+        held = tables or [[] for _ in self.windows]
+        prefix = hit.groups or [[] for _ in self.windows]
+        num_computed = request.num_computed_tokens + hit.num_blocks * self.block_size
+        total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
+        needed = [max(total_blocks - len(h) - len(p), 0) for h, p in zip(held, prefix)]
         # Reviving cached blocks that sit in the free queue also consumes free blocks.
-        revived = sum(1 for b in cached_prefix if b.ref_count == 0)
-        if needed + revived > self.pool.num_free_blocks:
+        revived = sum(1 for blocks in prefix for b in blocks if b is not None and b.ref_count == 0)
+        if sum(needed) + revived > self.pool.num_free_blocks:
             return False
-        if cached_prefix:
-            self.pool.acquire(cached_prefix)
-        new_blocks = self.pool.allocate(max(needed, 0))
-        self._blocks[request.request_id] = held + cached_prefix + new_blocks
+        new_tables = []
+        for g, (h, p, n) in enumerate(zip(held, prefix, needed)):
+            hits = [b for b in p if b is not None]
+            if hits:
+                self.pool.acquire(hits)
+            table = h + p + self.pool.allocate(n)
+            new_tables.append(table)
+            self.peak_request_blocks[g] = max(self.peak_request_blocks[g], sum(b is not None for b in table))
+        self._tables[request.request_id] = new_tables
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register blocks that became full and computed this step, so later requests can share them."""
         if not self.enable_caching:
             return
-        blocks = self._blocks[request.request_id]
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        tables = self._tables[request.request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
         hashes = self._block_hashes(request, num_full)
-        for i in range(num_full - 1, -1, -1):
-            if blocks[i].block_hash is not None:
-                break  # everything before it was registered in an earlier step
-            if i < len(hashes):
-                self.pool.register(blocks[i], hashes[i])
+        for g, blocks in enumerate(tables):
+            for i in range(num_full - 1, -1, -1):
+                block = blocks[i]
+                if block is None or block.block_hash is not None:
+                    break  # everything before it was registered (or released) in an earlier step
+                self.pool.register(block, self._key(hashes[i], g))
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Return the request's blocks past the first ``num_tokens`` tokens' (speculative decoding's rejected
         drafts). Those blocks hold no computed full block, so none of them is in the prefix cache."""
-        blocks = self._blocks.get(request.request_id)
+        tables = self._tables.get(request.request_id)
         keep = -(-num_tokens // self.block_size)
-        if blocks is not None and len(blocks) > keep:
-            extra = blocks[keep:]
-            del blocks[keep:]
-            assert all(b.block_hash is None for b in extra), "a block past the verified tokens was cached"
-            self.pool.release(list(reversed(extra)))
+        for blocks in tables or ():
+            if len(blocks) > keep:
+                extra = [b for b in blocks[keep:] if b is not None]
+                del blocks[keep:]
+                assert all(b.block_hash is None for b in extra), "a block past the verified tokens was cached"
+                self.pool.release(list(reversed(extra)))
 
     def free(self, request: Request) -> None:
         """Return every block of the request; full blocks stay cached until evicted."""
-        blocks = self._blocks.pop(request.request_id, [])
+        tables = self._tables.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
-        self.pool.release(list(reversed(blocks)))
+        for blocks in reversed(tables):
+            self.pool.release([b for b in reversed(blocks) if b is not None])
