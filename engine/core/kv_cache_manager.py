@@ -168,11 +168,12 @@ class KVCacheManager:
         revived = sum(1 for blocks in prefix for b in blocks if b is not None and b.ref_count == 0)
         if sum(needed) + revived > self.pool.num_free_blocks:
             return False
+        # Every group's hits are taken before any block is allocated: a hit may sit in the free queue.
+        hits = [b for blocks in prefix for b in blocks if b is not None]
+        if hits:
+            self.pool.acquire(hits)
         new_tables = []
         for g, (h, p, n) in enumerate(zip(held, prefix, needed)):
-            hits = [b for b in p if b is not None]
-            if hits:
-                self.pool.acquire(hits)
             table = h + p + self.pool.allocate(n)
             new_tables.append(table)
             self.peak_request_blocks[g] = max(self.peak_request_blocks[g], sum(b is not None for b in table))
