@@ -41,7 +41,8 @@ class EngineConfig:
     """share the KV blocks of prompt prefixes already computed (salted per tenant)"""
     num_kv_blocks: int | None = None
     """fix the KV pool at this many blocks (default: sized from ``kv_cache_memory_gb`` on the CPU, or
-    ``gpu_memory_utilization`` on a GPU)"""
+    ``gpu_memory_utilization`` on a GPU); where sliding-window layers keep their own block tables (gpt-oss), a
+    block holds half the layers"""
     kv_cache_memory_gb: float = 2.0
     """KV pool size on the CPU, in GB (taken only as blocks are first written)"""
     gpu_memory_utilization: float = 0.9
