@@ -151,9 +151,13 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
     if window is not None:
         logger.info("KV cache: the %d-token sliding-window layers keep their own block tables, their blocks "
                     "returned to the pool as the window passes them", window)
-    # A sequence never holds more than the whole pool, less what its sliding layers hold at most besides.
-    reserve = 0 if window is None else sliding_blocks_bound(window, config.block_size, config.max_num_batched_tokens)
-    max_len = min(max_len, max(num_blocks - reserve, 1) * config.block_size)
+    # A sequence never holds more than the whole pool. With a sliding group it holds a block there for each of
+    # its own at most, and at most the window's and a step's besides.
+    max_blocks = num_blocks
+    if window is not None:
+        bound = sliding_blocks_bound(window, config.block_size, config.max_num_batched_tokens)
+        max_blocks = max(num_blocks // 2, num_blocks - bound)
+    max_len = min(max_len, max_blocks * config.block_size)
     cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching, window)
     runner = make_runner(config, model, cache_config, kernels, device, dtype, max_len)
     if draft is not None:

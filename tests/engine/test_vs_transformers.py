@@ -52,7 +52,7 @@ MODES["all_paths"] = dict(num_kv_blocks=12, block_size=16, max_num_batched_token
 # gpt-oss's sliding layers keep their own block tables (a second KV cache group) whose blocks go back to the pool
 # as the window passes them: blocks of 4 tokens, so its window of 8 passes most of every prompt. A block then holds
 # one layer's K/V (the other group's layer shares its tensors): 96 such blocks are the memory of the 12 above.
-ALL_PATHS_OVERRIDES = {"gpt_oss": dict(block_size=4, num_kv_blocks=96)}
+FAMILY_OVERRIDES = {"gpt_oss": dict(block_size=4, num_kv_blocks=96)}
 for _mode in ("default", "chunked_prefill", "preemption", "all_paths"):
     MODES[_mode].setdefault("overlap_scheduling", False)  # the synchronous loop, whatever the device's default
 
@@ -60,8 +60,8 @@ for _mode in ("default", "chunked_prefill", "preemption", "all_paths"):
 # seconds each) run the combined one alone.
 FAMILY_MODES = {fam: ["all_paths"] if fam in ("glm4_moe", "dots1", "minimax_m2", "gpt_oss") else ["default", "chunked_prefill",
                 "preemption", "overlap"] for fam in VARIANTS}
-# MLA's latent cache under every path at once.
-FAMILY_MODES.update(deepseek_v2=["all_paths"], deepseek_v3=["all_paths"])
+# MLA's latent cache under every path at once; gpt-oss's sliding cache group also with overlapped steps.
+FAMILY_MODES.update(deepseek_v2=["all_paths"], deepseek_v3=["all_paths"], gpt_oss=["all_paths", "overlap"])
 CASES = [((fam, i), mode) for fam, variants in VARIANTS.items() for i in range(len(variants)) for mode in FAMILY_MODES[fam]]
 
 
@@ -107,7 +107,7 @@ def references(tmp_path_factory):
             vocab = 211
             hf = make_hf_model(family, path, seed=seed, vocab_size=vocab, **VARIANTS[family][variant])
             rng = random.Random(seed)
-            if FAMILY_MODES[family] == ["all_paths"]:
+            if "all_paths" in FAMILY_MODES[family]:
                 reqs, expected = make_path_requests(rng, vocab, hf)
             else:
                 reqs = make_requests(rng, vocab)
@@ -121,7 +121,7 @@ def references(tmp_path_factory):
 @pytest.mark.parametrize("case,mode", CASES, ids=[f"{f}-v{i}-{mode}" for (f, i), mode in CASES])
 def test_greedy_matches_transformers(references, case, mode):
     path, reqs, expected, seed = references(*case)
-    settings = {**MODES[mode], **(ALL_PATHS_OVERRIDES.get(case[0], {}) if mode == "all_paths" else {})}
+    settings = {**MODES[mode], **FAMILY_OVERRIDES.get(case[0], {})}
     llm = LLM(model=path, dtype="float32", device="cpu", **settings)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     outs = llm.generate([p for p, _ in reqs], params)
