@@ -123,17 +123,19 @@ class KVCacheManager:
             if block is None:
                 break
             full.append(block)
-        for n in range(len(full), -1, -1):
+        n = len(full)
+        while True:  # n only shrinks: a hit ends at or before the last block found missing
             groups: list[list[Block | None]] = [full[:n]]
             for g, window in enumerate(self.windows[1:], start=1):
                 first = first_live_block(n * self.block_size, window, self.block_size)
                 live = [self.pool.lookup(self._key(h, g)) for h in hashes[first:n]]
-                if any(b is None for b in live):
+                missing = [i for i, b in enumerate(live) if b is None]
+                if missing:
+                    n = first + missing[-1]  # a hit must end at or before the last missing block
                     break
                 groups.append([None] * first + live)
             else:
                 return CachedPrefix(n, groups)
-        raise AssertionError("an empty prefix is always a hit")
 
     def record_prefix_hit(self, request: Request, num_cached_tokens: int) -> None:
         """Count one admission's prefix lookup (once, however often admission retried)."""

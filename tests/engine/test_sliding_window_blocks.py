@@ -91,3 +91,58 @@ def test_more_long_requests_fit_in_the_same_memory():
     assert one_tokens <= 120 * 4  # every resident token holds its slot in every layer
     assert two_tokens >= 1.6 * one_tokens, (one_tokens, two_tokens)
     assert two_running > one_running and two_preempted < one_preempted
+
+
+def _brute_force_hit(manager, request, window: int) -> int:
+    """The longest n whose n full blocks and whose window's blocks before position n * block_size are all
+    cached, by trying every n (the reference for the manager's search)."""
+    bs = manager.block_size
+    hashes = manager._block_hashes(request, (request.num_tokens - 1) // bs)
+    best = 0
+    for n in range(len(hashes) + 1):
+        if any(manager.pool.lookup(h) is None for h in hashes[:n]):
+            break
+        first = max(0, (n * bs - window) // bs)
+        if all(manager.pool.lookup(bytes([1]) + h) is not None for h in hashes[first:n]):
+            best = n
+    return best
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_prefix_hit_needs_only_the_window_before_it(trial):
+    """A request computes a 64-token prompt and ends; some of its cached blocks are then evicted (least recently
+    used first, or at random). A request with the same prompt and more hits the longest prefix whose full
+    blocks are cached and whose sliding group still holds the window before it, as trying every length says."""
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    window, bs = rng.choice([(8, 4), (6, 4), (13, 4)])
+    sched = make_scheduler(num_blocks=48, block_size=bs, max_num_batched_tokens=16, sliding_window=window)
+    manager = sched.kv
+    prompt = [rng.randrange(50) for _ in range(64)]
+    first = make_requests(1, rng, prompt_len=(1, 1), max_tokens=(3, 3))[0]
+    first.all_token_ids[:] = first.prompt_token_ids = list(prompt)
+    sched.add_request(first)
+    run_to_completion(sched, rng)
+    # Evict some cached blocks: by handing them out (fresh blocks go first, then the least recently freed), or
+    # at random (as a pool shared with other prompts would over time: hits then end anywhere).
+    taken = []
+    if trial % 2:
+        for block in [b for b in manager.pool._cached.values() if rng.random() < 0.15]:
+            del manager.pool._cached[block.block_hash]  # what BlockPool.allocate does to a cached block it reuses
+            block.block_hash = None
+    else:
+        taken = manager.pool.allocate(rng.randint(0, manager.num_free_blocks))
+    again = make_requests(1, rng, prompt_len=(1, 1), max_tokens=(1, 1))[0]
+    again.request_id = "again"
+    again.all_token_ids[:] = again.prompt_token_ids = prompt + [1, 2, 3]
+    hit = manager.find_cached_prefix(again)
+    assert hit.num_blocks == _brute_force_hit(manager, again, window), seed
+    live = first_live_block(hit.num_blocks * bs, window, bs)
+    assert all(b is not None for b in hit.groups[1][live:]) and all(b is None for b in hit.groups[1][:live]), seed
+    assert len(hit.groups[0]) == len(hit.groups[1]) == hit.num_blocks, seed
+    manager.pool.release(taken)
+    assert manager.allocate_slots(again, again.num_tokens - hit.num_blocks * bs, hit), seed
+    again.num_computed_tokens = hit.num_blocks * bs
+    manager.free(again)
+    manager.pool.check_all_free()
