@@ -43,6 +43,7 @@ MAX_TOKENS = 16
 
 
 async def bare_tok_s(engine, bodies: list[dict], inflight: int = 64) -> float:
+    from engine.core.request_policy import RequestPolicy
     from engine.core.sampling_params import SamplingParams
 
     slots = asyncio.Semaphore(inflight)
@@ -53,8 +54,9 @@ async def bare_tok_s(engine, bodies: list[dict], inflight: int = 64) -> float:
             prompt = await engine.prepare(body["prompt"])
             async for delta in engine.generate(
                 prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
-                request_id=f"bare-{time.monotonic_ns()}-{i}", stream=False, priority=2, tenant="bulk",
-                preemptible=True, background=True, cache_salt="bulk",
+                f"bare-{time.monotonic_ns()}-{i}",
+                RequestPolicy(priority=2, tenant="bulk", preemptible=True, background=True, cache_salt="bulk"),
+                stream=False,
             ):
                 tokens = delta.num_output_tokens
             return tokens

@@ -222,7 +222,7 @@ def bench_decode(engine, profile: Profile, peaks: dict, costs, rng: random.Rando
             stats = engine.stats()
             if stats.step_prefill_tokens == 0 and stats.num_running == conc:
                 break
-            if stats.num_running < conc and not any(stats.num_waiting_by_rank.values()):
+            if stats.num_running < conc and not any(stats.num_waiting_by_priority.values()):
                 raise RuntimeError(f"only {stats.num_running} of {conc} requests could run (KV pool too small?)")
         for _ in range(profile.decode_warmup_steps):
             engine.step()

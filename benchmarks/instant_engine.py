@@ -41,9 +41,9 @@ class InstantEngine:
             return [65] * max(1, sum(len(m.content) for m in messages) // 4 + 4 * len(messages))
         return list(prompt) if isinstance(prompt, list) else [65] * max(1, len(prompt) // 4)
 
-    async def generate(self, prompt, sampling, request_id=None, **_) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, sampling_params, request_id=None, policy=None, stream=True) -> AsyncIterator[RequestOutput]:
         prompt_tokens = len(prompt)
-        wanted = min(self.num_tokens, sampling.max_tokens or self.num_tokens)
+        wanted = min(self.num_tokens, sampling_params.max_tokens or self.num_tokens)
         for i in range(1, wanted + 1):
             done = i == wanted
             yield RequestOutput(request_id or "r", [65], "A", done, "length" if done else None, prompt_tokens, 0, i)

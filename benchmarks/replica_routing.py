@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from engine.core.config import EngineConfig
+from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.serving.async_engine import AsyncEngine
 from gateway.replica_router import ReplicaRouter
@@ -118,9 +119,10 @@ async def run_mode(mode: str, n: int, policy: str, model: str, reqs: list[Reques
 
 
 async def _one(router: ReplicaRouter, prompt: list[int], max_tokens: int, tenant: str) -> int:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sampling_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     n = 0
-    async for out in router.generate(prompt, params, cache_salt=tenant, tenant=tenant, stream=False):
+    policy = RequestPolicy(tenant=tenant, cache_salt=tenant)
+    async for out in router.generate(prompt, sampling_params, policy=policy, stream=False):
         n = out.num_output_tokens
     return n
 

@@ -18,6 +18,7 @@ _EXPORTS = {
     "EngineConfig": "engine.core.config",
     "KernelChoice": "engine.core.config",
     "SamplingParams": "engine.core.sampling_params",
+    "RequestPolicy": "engine.core.request_policy",
     "RequestOutput": "engine.core.outputs",
     "CheckpointError": "engine.loading.model_config",
 }

@@ -13,6 +13,7 @@ from engine.distributed.ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
+from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.worker.cpu_allocator import keep_freed_memory
 from engine.worker.model_setup import build_rank, engine_model_config
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, waits_for_step_in_flight
@@ -151,46 +152,36 @@ class LLMEngine:
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        sampling_params: SamplingParams,
         request_id: str | None = None,
-        cache_salt: str | None = None,
-        priority: int = 1,
-        tenant: str = "default",
-        weight: float = 1.0,
-        preemptible: bool = True,
-        background: bool = False,
-        may_preempt: bool = True,
-        order_in_rank: int = 0,
+        policy: RequestPolicy = DEFAULT_POLICY,
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) for a prompt that cannot be served.
 
-        ``params.n`` > 1 queues n copies sharing the prompt's prefill (``engine.core.parallel_sampling``);
+        ``sampling_params.n`` > 1 queues n copies sharing the prompt's prefill (``engine.core.parallel_sampling``);
         their outputs carry ``request_id`` and their ``index``, and aborting ``request_id`` ends them all.
+        ``policy``: how the scheduler treats it (priority class, tenant, preemption, ...), shared by the copies.
         """
         prompt_ids = self.prepare_prompt(prompt)
         room = self.max_model_len - len(prompt_ids)
-        max_tokens = min(params.max_tokens or room, room)
+        max_tokens = min(sampling_params.max_tokens or room, room)
         request_id = request_id if request_id is not None else str(next(self._ids))
         eos = self._eos_token_id
-        if weight <= 0:
-            raise ValueError(f"weight must be > 0, got {weight}")
-        if params.structured_output is not None:
-            self._check_structured_output(params)
+        if sampling_params.structured_output is not None:
+            self._check_structured_output(sampling_params)
         if request_id in self.choice_groups:
             raise ValueError(f"duplicate request id {request_id}")
 
-        def make(rid: str, sampling: SamplingParams, parent_id: str | None, index: int) -> Request:
-            return Request(
-                rid, prompt_ids, sampling, max_tokens, eos_token_id=eos, cache_salt=cache_salt,
-                priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, background=background,
-                may_preempt=may_preempt, parent_id=parent_id, index=index, order_in_rank=order_in_rank,
-            )
+        def make(rid: str, copy_params: SamplingParams, parent_id: str | None, index: int) -> Request:
+            return Request(rid, prompt_ids, copy_params, max_tokens, eos_token_id=eos, policy=policy,
+                           parent_id=parent_id, index=index)
 
-        if params.n == 1:
-            copies = [make(request_id, params, None, 0)]
+        if sampling_params.n == 1:
+            copies = [make(request_id, sampling_params, None, 0)]
             now = copies
         else:
-            copies = [make(child_id(request_id, i), choice_params(params, i), request_id, i) for i in range(params.n)]
+            copies = [make(child_id(request_id, i), choice_params(sampling_params, i), request_id, i)
+                      for i in range(sampling_params.n)]
             now = self.choice_groups.add(request_id, copies)
         for request in copies:
             self.output_processor.add_request(request)
@@ -212,12 +203,12 @@ class LLMEngine:
     def _eos_token_id(self) -> int | None:
         return self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
 
-    def _check_structured_output(self, params: SamplingParams) -> None:
+    def _check_structured_output(self, sampling_params: SamplingParams) -> None:
         if self.runner.sampler.grammars is None:
             raise ValueError("structured output needs the checkpoint's tokenizer, and this engine has none")
-        if params.ignore_eos:
+        if sampling_params.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured output: a finished output ends with EOS")
-        self.runner.sampler.grammars.prepare(params.structured_output)  # ValueError naming what the library refuses
+        self.runner.sampler.grammars.prepare(sampling_params.structured_output)  # ValueError naming what the library refuses
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request (every copy of an ``n`` > 1 one); its last output, or None if it was not running."""

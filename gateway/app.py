@@ -25,7 +25,7 @@ from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
 from gateway.completion import (
     apply_plan, chat_finish_reason, chat_plan_of, choice_prompts, collect, completion_body, engine_down, output_choice,
-    order_in_rank, output_failed, output_view, prepare_prompts, start_streams, stream_choices, system_fingerprint,
+    order_in_class, output_failed, output_view, prepare_prompts, start_streams, stream_choices, system_fingerprint,
 )
 from gateway.logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_list
 from gateway.config import GatewayConfig
@@ -43,7 +43,7 @@ from gateway.replica_router import replicas_of, unresponsive_after_s
 from gateway.schema_check import check_schema
 from gateway.stream_journal import JOURNALED, STREAM_JOURNAL, JournaledStream, StreamJournal
 from gateway.openapi import openapi_document
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params_of
 from gateway.usage_ledger import UsageLedger
 from gateway.batch import batches as batch_api, files as files_api
 from gateway.responses import routes as responses_api
@@ -176,11 +176,11 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
     app = request.app
     _check_model(app, body.model)
     engine = app[ENGINE]
-    params = sampling_params(body, engine.info.vocab_size if engine.info is not None else None)
+    sampling_params = sampling_params_of(body, engine.info.vocab_size if engine.info is not None else None)
     plan = None
     if chat:
         plan = chat_plan_of(engine, body, _parsers(app[CONFIG]))
-        apply_plan(params, plan)
+        apply_plan(sampling_params, plan)
     if app[DRAINING].is_set():  # a new request on a kept-alive connection during shutdown
         raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
                        code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
@@ -191,30 +191,30 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
     rid = (rid_prefix or ("chatcmpl-" if chat else "cmpl-")) + uuid.uuid4().hex[:24]
     created = int(time.time())
     prompts = await prepare_prompts(engine, body, chat, plan)
-    reserved = reservation([len(p) for p in prompts], params.n, params.max_tokens, engine.info.max_model_len,
+    reserved = reservation([len(p) for p in prompts], sampling_params.n, sampling_params.max_tokens, engine.info.max_model_len,
                            app[CONFIG].default_reservation_tokens)
     metrics = app[METRICS]
     timer = RequestTimer(metrics, tenant.name, cls.name)
     inflight = app[INFLIGHT]
-    cap = app[CONFIG].max_inflight_by_rank.get(cls.rank)
-    if cap is not None and inflight.get(cls.rank, 0) >= cap:
+    cap = app[CONFIG].max_inflight_by_priority.get(cls.priority)
+    if cap is not None and inflight.get(cls.priority, 0) >= cap:
         metrics.rejections.labels(tenant.name, cls.name, "overloaded").inc()
         timer.finish(503, None)
         raise APIError(503, f"server overloaded for priority class {cls.name!r}; retry shortly", "server_error",
                        code="overloaded", headers={"Retry-After": "2"})
     # Counted from here, before any await, so a burst cannot all pass the check above at once.
     # Engine sequences, not HTTP requests: n copies of each prompt load the engine as n requests would.
-    sequences = len(prompts) * params.n
-    inflight[cls.rank] = inflight.get(cls.rank, 0) + sequences
+    sequences = len(prompts) * sampling_params.n
+    inflight[cls.priority] = inflight.get(cls.priority, 0) + sequences
     try:
         grant = await app[SETTLEMENTS].acquire(app[QUOTAS], tenant.id, reserved)
     except APIError as refused:
-        inflight[cls.rank] -= sequences
+        inflight[cls.priority] -= sequences
         metrics.rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
         timer.finish(refused.status, None)
         raise
     except BaseException:
-        inflight[cls.rank] -= sequences
+        inflight[cls.priority] -= sequences
         raise
     request[TIMER] = timer
     request[RATE_HEADERS] = rate_limit_headers(grant)
@@ -226,15 +226,12 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
             key_id=principal.key.id, started_at=started_at))
     status = 500
     stream = None
-    choices = request[CHOICES] = Choices([len(p) for p in prompts], params.n, whole=not body.stream)
+    choices = request[CHOICES] = Choices([len(p) for p in prompts], sampling_params.n, whole=not body.stream)
     try:
         # Compiled once admitted (counted and rate-limited), on a worker thread, within a time budget.
-        await check_schema(params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
+        await check_schema(sampling_params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
         stream = start_streams(
-            engine, prompts, params, rid, output_view(body),
-            cache_salt=str(tenant.id), priority=cls.rank, tenant=str(tenant.id), weight=tenant.weight,
-            preemptible=cls.preemptible, may_preempt=cls.may_preempt, order_in_rank=order_in_rank(body),
-        )
+            engine, prompts, sampling_params, rid, principal.policy(order_in_class(body)), output_view(body))
         response = await (respond or _respond)(request, body, chat, stream, rid, created, plan)
         status = 200
         return response
@@ -245,7 +242,7 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
         status = 499  # the client went away; the engine request was aborted
         raise
     finally:
-        inflight[cls.rank] -= sequences
+        inflight[cls.priority] -= sequences
         started = choices.started
         if status == 200 and started and not choices.finished:
             status = 503  # a stream the engine failed mid-way: 200 went out with the headers, the row says so
@@ -462,14 +459,14 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     async def batch_lifecycle(app: web.Application):
         """The batch runner starts once the engine is up and stops before it."""
         try:
-            batch_rank = (await app[BATCH_STORE].store.get_class("batch")).rank
+            batch_priority = (await app[BATCH_STORE].store.get_class("batch")).priority
         except NotFound:
-            batch_rank = max(c.rank for c in await app[BATCH_STORE].store.list_classes())
+            batch_priority = max(c.priority for c in await app[BATCH_STORE].store.list_classes())
         # Lines queue inside every replica (the router spreads them by load), so twice each one's slots.
         inflight = config.batch_max_inflight or 2 * engine.config.max_num_seqs * len(replicas_of(engine))
         runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
             lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
-            batch_rank=batch_rank, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
+            batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
         task = asyncio.create_task(runner.run(), name="batch-runner")
         yield
         task.cancel()

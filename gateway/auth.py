@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from engine.core.request_policy import RequestPolicy
 from gateway.errors import APIError
 from tenants.policy import ClassInfo
 from tenants.store import KeyInfo, TenantInfo, TenantStore
@@ -19,6 +20,14 @@ class Principal:
     tenant: TenantInfo
     key: KeyInfo
     priority_class: ClassInfo
+
+    def policy(self, order_in_class: int = 0, background: bool = False) -> RequestPolicy:
+        """The engine's policy for this caller's requests: the class's priority and preemption rules, the
+        tenant's fair-share weight, its prefix cache kept to itself (salted by its id)."""
+        tenant, cls = self.tenant, self.priority_class
+        return RequestPolicy(priority=cls.priority, order_in_class=order_in_class, tenant=str(tenant.id),
+                             weight=tenant.weight, preemptible=cls.preemptible, may_preempt=cls.may_preempt,
+                             background=background, cache_salt=str(tenant.id))
 
 
 class Authenticator:

@@ -10,10 +10,12 @@ import msgspec
 from engine.serving.async_engine import EngineError, RequestRejectedError, UnreadStreamError
 from engine.text.prompts import InvalidPrompt
 from engine.core.outputs import RequestOutput
+from engine.core.request_policy import RequestPolicy
+from engine.core.sampling_params import SamplingParams
 from gateway.choices import Choices, merged
 from gateway.errors import APIError
 from gateway.logprobs import CompletionLogprobs, as_token_ids, chat_logprobs, echo_text, prompt_logprobs_list, top_k
-from gateway.openai_schema import check_choices, prompts_of, sampling_params, scoring_only, text_messages
+from gateway.openai_schema import check_choices, prompts_of, sampling_params_of, scoring_only, text_messages
 from gateway.chat_plan import ChatPlan, ParserChoice, plan as plan_chat
 from gateway.tool_parsers import ParsedDelta
 from gateway.schema_check import check_schema
@@ -168,20 +170,20 @@ def chat_plan_of(engine, body, parsers: ParserChoice) -> ChatPlan:
     return plan_chat(body, parsers.resolve(engine.chat_template(), architecture))
 
 
-def apply_plan(params, plan: ChatPlan | None):
+def apply_plan(sampling_params, plan: ChatPlan | None):
     """Sampling settings a chat plan needs: the forcing schema, special tokens kept for formats that use them."""
     if plan is not None:
         if plan.structured_output is not None:
-            if params.structured_output is not None:
+            if sampling_params.structured_output is not None:
                 raise APIError(400, "tool_choice 'required' or a named function already fixes the output's format; "
                                     "leave response_format out", param="response_format")
-            if params.ignore_eos:
+            if sampling_params.ignore_eos:
                 raise APIError(400, "a forced tool call ends where its JSON does; leave ignore_eos out",
                                param="ignore_eos")
-            params.structured_output = plan.structured_output
+            sampling_params.structured_output = plan.structured_output
         if plan.keeps_special_tokens:
-            params.skip_special_tokens = False
-    return params
+            sampling_params.skip_special_tokens = False
+    return sampling_params
 
 
 def engine_down(err: Exception | str) -> APIError:
@@ -251,10 +253,10 @@ def output_view(body) -> Callable[[RequestOutput], RequestOutput] | None:
     return view
 
 
-def order_in_rank(body) -> int:
-    """vLLM's request ``priority`` (larger waits longer) as the engine's place within the request's rank: it
-    can only put a request behind others of its class, never ahead of them (a negative value counts as 0),
-    so a tenant's class still decides how it is served."""
+def order_in_class(body) -> int:
+    """vLLM's request ``priority`` (larger waits longer) as the engine's place within the request's priority
+    class (``RequestPolicy.order_in_class``): it can only put a request behind others of its class, never ahead
+    of them (a negative value counts as 0), so a tenant's class still decides how it is served."""
     return max(body.priority or 0, 0)
 
 
@@ -266,12 +268,12 @@ async def _viewed(stream, view: Callable[[RequestOutput], RequestOutput]):
         await stream.aclose()
 
 
-def start_streams(engine, prompts: list[list[int]], params, rid: str,
-                  view: Callable[[RequestOutput], RequestOutput] | None = None, **request_policy):
+def start_streams(engine, prompts: list[list[int]], sampling_params: SamplingParams, rid: str, policy: RequestPolicy,
+                  view: Callable[[RequestOutput], RequestOutput] | None = None, stream: bool = True):
     """One engine request per prompt (ids ``rid``, or ``rid-0``, ``rid-1``, ... for several), merged; each
-    output through ``view`` (``output_view``) when given."""
+    output through ``view`` (``output_view``) when given. ``stream=False``: one output per request, at its end."""
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    streams = [engine.generate(p, params, request_id=i, **request_policy) for p, i in zip(prompts, ids)]
+    streams = [engine.generate(p, sampling_params, i, policy, stream) for p, i in zip(prompts, ids)]
     return merged(streams if view is None else [_viewed(s, view) for s in streams])
 
 
@@ -296,23 +298,24 @@ async def collect(stream, chat: bool, choices: Choices, on_output=None) -> Choic
 
 
 async def complete(engine, body, chat: bool, rid: str, created: int, model: str, fingerprint: str = "",
-                   parsers: ParserChoice | None = None, render=completion_body, **request_policy) -> tuple[dict, Choices]:
+                   *, policy: RequestPolicy, parsers: ParserChoice | None = None,
+                   render=completion_body) -> tuple[dict, Choices]:
     """Run one request to the end and return (response body, its choices); APIError as the live API would.
 
-    ``request_policy`` is what ``engine.generate`` takes besides the prompt: priority, tenant,
-    weight, preemptible, background, cache_salt. Closing (or cancelling) aborts the engine requests.
+    ``policy``: how the engine schedules it (its ``order_in_class`` is taken from the body's ``priority``).
+    Closing (or cancelling) aborts the engine requests.
     ``parsers``: the server's tool-call / reasoning parser settings (auto-detected when not given).
     ``render``: the response body, from ``completion_body``'s arguments (the Responses API has its own).
     """
     plan = chat_plan_of(engine, body, parsers or ParserChoice()) if chat else None
-    params = apply_plan(sampling_params(body, engine.info.vocab_size if engine.info is not None else None), plan)
+    sampling_params = apply_plan(sampling_params_of(body, engine.info.vocab_size if engine.info is not None else None), plan)
     prompts = await prepare_prompts(engine, body, chat, plan)
-    await check_schema(params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
+    await check_schema(sampling_params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
     # Only the result is wanted: one message from the engine at the end, not one per token.
-    request_policy.setdefault("order_in_rank", order_in_rank(body))
-    stream = start_streams(engine, prompts, params, rid, output_view(body), stream=False, **request_policy)
+    policy = msgspec.structs.replace(policy, order_in_class=order_in_class(body))
+    stream = start_streams(engine, prompts, sampling_params, rid, policy, output_view(body), stream=False)
     try:
-        whole = await collect(stream, chat, Choices([len(p) for p in prompts], params.n, whole=True))
+        whole = await collect(stream, chat, Choices([len(p) for p in prompts], sampling_params.n, whole=True))
     finally:
         await stream.aclose()
     return render(rid, created, model, chat, whole, body, fingerprint, plan), whole

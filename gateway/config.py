@@ -35,7 +35,7 @@ class GatewayConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     metrics_token: str | None = None
-    max_inflight_by_rank: dict[int, int] = field(default_factory=_default_inflight_caps)
+    max_inflight_by_priority: dict[int, int] = field(default_factory=_default_inflight_caps)
     # Output tokens reserved per choice at admission when a request sets no max_tokens (the OpenAI SDKs'
     # default for chat), instead of the whole context; the settle charges what was really generated.
     default_reservation_tokens: int = 512
@@ -60,8 +60,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if any(cap < 1 for cap in self.max_inflight_by_rank.values()):
-            raise ValueError("max_inflight_by_rank caps must be >= 1")
+        if any(cap < 1 for cap in self.max_inflight_by_priority.values()):
+            raise ValueError("max_inflight_by_priority caps must be >= 1")
         if self.policy_cache_ttl_s < 0 or self.auth_cache_ttl_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("cache TTLs and drain_timeout_s must be >= 0")
         if self.batch_lease_s <= 0 or self.batch_poll_s <= 0 or self.batch_completion_window_s <= 0:

@@ -70,10 +70,10 @@ class _EngineCollector:
             if stats is None:
                 continue
             kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
-            waiting = sum(stats.num_waiting_by_rank.values())
+            waiting = sum(stats.num_waiting_by_priority.values())
             families["running"].add_metric([name], stats.num_running)
-            for rank, count in stats.num_waiting_by_rank.items():
-                families["waiting"].add_metric([name, str(rank)], count)
+            for priority, count in stats.num_waiting_by_priority.items():
+                families["waiting"].add_metric([name, str(priority)], count)
             families["used"].add_metric([name], stats.kv_blocks_used)
             families["total"].add_metric([name], stats.kv_blocks_total)
             families["hit"].add_metric([name], stats.prefix_hit_rate)

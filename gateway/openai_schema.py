@@ -339,7 +339,7 @@ def scoring_only(req: _Common) -> bool:
     return isinstance(req, CompletionRequest) and max_tokens_of(req) == 0
 
 
-def sampling_params(req: _Common, vocab_size: int | None = None) -> SamplingParams:
+def sampling_params_of(req: _Common, vocab_size: int | None = None) -> SamplingParams:
     """Validate OpenAI sampling fields; 400 with the offending parameter named. With ``vocab_size``, token
     ids (logit_bias, stop_token_ids) are checked against the vocabulary."""
     temperature = 1.0 if req.temperature is None else req.temperature

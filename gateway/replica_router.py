@@ -3,7 +3,7 @@
 Each request goes to one replica, chosen by ``gateway.routing_policy`` from
 the prompt's tenant-salted block hashes (``gateway.prefix_index``) and each
 replica's load. Priorities, quotas and fairness stay where they are: admission
-in the gateway, ranks and weighted shares in each replica's scheduler.
+in the gateway, priority classes and weighted shares in each replica's scheduler.
 
 Faults: a replica whose process died (or whose connection dropped) has
 ``dead`` set by its reader at once and is skipped from the next request on. A
@@ -24,9 +24,9 @@ engines' first-come order is the last to start. The router asks that engine
 to release it (``EngineClient.release``): the engine drops it only if it has
 not started (still waiting, nothing computed or generated), since a request
 without output may be running (a ``stream=False`` one shows nothing until it
-ends; a newer request of a better rank starts before older ones). Released,
+ends; a newer request of a more urgent class starts before older ones). Released,
 it is sent to the replica with the free slot with the same request id,
-sampling and request policy (priority, tenant, cache salt ...); refused, it
+``SamplingParams`` and ``RequestPolicy``; refused, it
 stays and is not asked again. Until its first output arrives, ``generate``
 waits on that output and on a move at once, so the client never sees a move;
 a request that has produced any output never moves. ``moved_from`` counts
@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from engine.core.config import EngineConfig
 from engine.core.outputs import RequestOutput
+from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.async_engine import EngineError
@@ -109,10 +110,10 @@ class ReplicaRouter:
             return None
         waiting: dict[int, int] = {}
         for s in reports:
-            for rank, n in s.num_waiting_by_rank.items():
-                waiting[rank] = waiting.get(rank, 0) + n
+            for priority, n in s.num_waiting_by_priority.items():
+                waiting[priority] = waiting.get(priority, 0) + n
         total = {f: sum(getattr(s, f) for s in reports) for f in _SUMMED}
-        return SchedulerStats(num_waiting_by_rank=waiting, **total)
+        return SchedulerStats(num_waiting_by_priority=waiting, **total)
 
     # -- lifecycle --
 
@@ -204,7 +205,7 @@ class ReplicaRouter:
             index = self._index[i]
             load, kv = self.in_flight[i], 0.0
             if stats is not None:
-                reported = stats.num_running + sum(stats.num_waiting_by_rank.values())
+                reported = stats.num_running + sum(stats.num_waiting_by_priority.values())
                 moved_stats, moved = self._moved_off[i]
                 load = max(load, reported - (moved if moved_stats is stats else 0))
                 kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
@@ -218,12 +219,12 @@ class ReplicaRouter:
         hashes = block_hashes(prompt, self.block_size, cache_salt)
         return [index.matched(hashes) for index in self._index]
 
-    async def generate(self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None,
-                       **request_policy) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: list[int], sampling_params: SamplingParams, request_id: str | None = None,
+                       policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs from the replica chosen for it; see the module's docstring for
         faults and moves."""
         request_id = request_id or f"req-{next(self._ids)}"
-        hashes = block_hashes(prompt, self.block_size, request_policy.get("cache_salt"))
+        hashes = block_hashes(prompt, self.block_size, policy.cache_salt)
         placement = _Placement(request_id, hashes)
         tried: set[int] = set()  # replicas that failed this request before it started
         self._assign(placement, self.pick(hashes))
@@ -231,10 +232,10 @@ class ReplicaRouter:
         try:
             while True:
                 i = placement.replica
-                stream = self.replicas[i].generate(prompt, sampling, request_id, **request_policy)
+                outputs = self.replicas[i].generate(prompt, sampling_params, request_id, policy, stream)
                 started = False
                 try:
-                    first = await self._first_output(stream, placement)
+                    first = await self._first_output(outputs, placement)
                     if first is _MOVED:
                         continue  # placement.replica is the new one; closing the stream aborts it here
                     self._unstarted[i].pop(placement, None)
@@ -242,7 +243,7 @@ class ReplicaRouter:
                         return
                     started = True
                     yield first
-                    async for out in stream:
+                    async for out in outputs:
                         yield out
                     return
                 except EngineError as e:
@@ -254,7 +255,7 @@ class ReplicaRouter:
                     self._release(placement)
                     self._assign(placement, self.pick(hashes, tried))
                 finally:
-                    await stream.aclose()  # aborts the request in that replica if it has not finished
+                    await outputs.aclose()  # aborts the request in that replica if it has not finished
         finally:
             self._release(placement)
             self._rebalance()  # a slot may have freed here
@@ -301,7 +302,7 @@ class ReplicaRouter:
     def _rebalance(self) -> None:
         """Start moves while the policy finds one. Each asks the source engine to release the newest request
         there that has produced no output (``EngineClient.release``): a request that had in fact started
-        (a quiet one shows no output until it ends; a newer one of a better rank runs first) stays. While
+        (a quiet one shows no output until it ends; a newer one of a more urgent class runs first) stays. While
         the engine answers, the loads count it as moved, so a free slot is offered once."""
         for _ in range(sum(map(len, self._unstarted))):  # each move takes one unstarted request: a bound
             live = self.live()

@@ -67,7 +67,7 @@ def _positive(text: str) -> float:
     return value
 
 
-def _rank(text: str) -> int:
+def _priority(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -125,7 +125,7 @@ def _emit(args: argparse.Namespace, data, columns: list[str] | None = None, titl
 
 TENANT_COLS = ["id", "name", "priority_class", "weight", "status", "created_at", "updated_at"]
 KEY_COLS = ["id", "tenant", "label", "prefix", "created_at", "expires_at", "last_used_at", "revoked_at"]
-CLASS_COLS = ["name", "rank", "default_weight", "preemptible", "may_preempt"]
+CLASS_COLS = ["name", "priority", "default_weight", "preemptible", "may_preempt"]
 
 
 async def _admin(args: argparse.Namespace) -> int:
@@ -228,7 +228,7 @@ async def _quota_show(args, store) -> int:
 
 
 async def _class_create(args, store) -> int:
-    info = await store.create_class(args.name, args.rank, args.weight, args.preemptible, args.may_preempt)
+    info = await store.create_class(args.name, args.priority, args.weight, args.preemptible, args.may_preempt)
     _emit(args, info, CLASS_COLS)
     return 0
 
@@ -239,7 +239,7 @@ async def _class_list(args, store) -> int:
 
 
 async def _class_update(args, store) -> int:
-    info = await store.update_class(args.name, rank=args.rank, default_weight=args.weight,
+    info = await store.update_class(args.name, priority=args.priority, default_weight=args.weight,
                                     preemptible=args.preemptible, may_preempt=args.may_preempt)
     _emit(args, info, CLASS_COLS)
     return 0
@@ -381,14 +381,17 @@ def register(subparsers) -> None:
     klass = groups.add_parser("class", help="priority classes").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
     p = _leaf(klass, "create", _class_create, common, "create a priority class")
     p.add_argument("name")
-    p.add_argument("--rank", type=_rank, required=True)
+    # --rank: the flag's first name, still accepted (the database column keeps it).
+    p.add_argument("--priority", "--rank", dest="priority", type=_priority, required=True,
+                   help="lower is more urgent (0 first)")
     p.add_argument("--weight", type=_positive, default=1.0)
     _bool_pair(p, "preemptible", True)
     _bool_pair(p, "may-preempt", False)
     _leaf(klass, "list", _class_list, common, "list priority classes")
     p = _leaf(klass, "update", _class_update, common, "change a priority class")
     p.add_argument("name")
-    p.add_argument("--rank", type=_rank, default=None)
+    p.add_argument("--priority", "--rank", dest="priority", type=_priority, default=None,
+                   help="lower is more urgent (0 first)")
     p.add_argument("--weight", type=_positive, default=None)
     _bool_pair(p, "preemptible", None)
     _bool_pair(p, "may-preempt", None)

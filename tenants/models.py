@@ -41,7 +41,8 @@ class PriorityClass(Base):
     __tablename__ = "priority_classes"
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, nullable=False)
+    # The column keeps its first name (``rank``); everywhere above the database it is ``priority``.
+    priority: Mapped[int] = mapped_column("rank", Integer, nullable=False)
     default_weight: Mapped[float] = mapped_column(Float, nullable=False, default=1.0)
     preemptible: Mapped[bool] = mapped_column(Boolean, nullable=False)
     may_preempt: Mapped[bool] = mapped_column(Boolean, nullable=False)

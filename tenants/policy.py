@@ -1,5 +1,6 @@
-"""A priority class as the gateway reads it: its rank, default weight and preemption flags (the engine's
-scheduler applies them: ``engine.core.scheduler``)."""
+"""A priority class as the gateway reads it: its priority (lower is more urgent), default weight and preemption
+flags (the gateway turns them into each request's ``engine.core.request_policy.RequestPolicy``; the engine's
+scheduler applies them)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 @dataclass(slots=True, frozen=True)
 class ClassInfo:
     name: str
-    rank: int
+    priority: int
     default_weight: float
     preemptible: bool
     may_preempt: bool
@@ -17,8 +18,8 @@ class ClassInfo:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("class name must not be empty")
-        if self.rank < 0:
-            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if self.priority < 0:
+            raise ValueError(f"priority must be >= 0, got {self.priority}")
         if not self.default_weight > 0:
             raise ValueError(f"weight must be > 0, got {self.default_weight}")
 

@@ -119,7 +119,7 @@ def _tenant_info(t: Tenant) -> TenantInfo:
 
 
 def _class_info(c: PriorityClass) -> ClassInfo:
-    return ClassInfo(c.name, c.rank, c.default_weight, c.preemptible, c.may_preempt)
+    return ClassInfo(c.name, c.priority, c.default_weight, c.preemptible, c.may_preempt)
 
 
 def _quota_config(q: Quota | None) -> QuotaConfig:
@@ -321,44 +321,45 @@ class TenantStore:
 
     async def list_classes(self) -> list[ClassInfo]:
         async with self.sessions() as s:
-            rows = (await s.execute(select(PriorityClass).order_by(PriorityClass.rank, PriorityClass.name))).scalars()
+            rows = (await s.execute(select(PriorityClass).order_by(PriorityClass.priority, PriorityClass.name))).scalars()
             return [_class_info(c) for c in rows]
 
     async def get_class(self, name: str) -> ClassInfo:
         async with self.sessions() as s:
             return _class_info(await self._class(s, name))
 
-    async def create_class(self, name: str, rank: int, default_weight: float = 1.0, preemptible: bool = True,
+    async def create_class(self, name: str, priority: int, default_weight: float = 1.0, preemptible: bool = True,
                            may_preempt: bool = False) -> ClassInfo:
-        info = self._valid_class(name, rank, default_weight, preemptible, may_preempt)
+        info = self._valid_class(name, priority, default_weight, preemptible, may_preempt)
         async with self.sessions.begin() as s:
             if await s.get(PriorityClass, info.name) is not None:
                 raise Conflict(f"priority class {info.name!r} already exists")
-            s.add(PriorityClass(name=info.name, rank=info.rank, default_weight=info.default_weight,
+            s.add(PriorityClass(name=info.name, priority=info.priority, default_weight=info.default_weight,
                                 preemptible=info.preemptible, may_preempt=info.may_preempt))
             await self._flush_unique(s, f"priority class {info.name!r} already exists")
             return info
 
     @staticmethod
-    def _valid_class(name, rank, default_weight, preemptible, may_preempt) -> ClassInfo:
+    def _valid_class(name, priority, default_weight, preemptible, may_preempt) -> ClassInfo:
         try:
-            return ClassInfo(_checked("class name", name, PriorityClass.name), rank, default_weight, preemptible, may_preempt)
+            return ClassInfo(_checked("class name", name, PriorityClass.name), priority, default_weight, preemptible,
+                             may_preempt)
         except ValueError as e:
             raise StoreError(str(e)) from e
 
-    async def update_class(self, name: str, *, rank: int | None = None, default_weight: float | None = None,
+    async def update_class(self, name: str, *, priority: int | None = None, default_weight: float | None = None,
                            preemptible: bool | None = None, may_preempt: bool | None = None) -> ClassInfo:
         async with self.sessions.begin() as s:
             c = await self._class(s, name)
             info = self._valid_class(
                 c.name,
-                c.rank if rank is None else rank,
+                c.priority if priority is None else priority,
                 c.default_weight if default_weight is None else default_weight,
                 c.preemptible if preemptible is None else preemptible,
                 c.may_preempt if may_preempt is None else may_preempt,
             )
-            c.rank, c.default_weight, c.preemptible, c.may_preempt = (
-                info.rank, info.default_weight, info.preemptible, info.may_preempt)
+            c.priority, c.default_weight, c.preemptible, c.may_preempt = (
+                info.priority, info.default_weight, info.preemptible, info.may_preempt)
             return info
 
     # -- usage ledger ------------------------------------------------------------------------------------

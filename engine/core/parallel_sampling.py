@@ -33,9 +33,9 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(digest, "little") & _INT63
 
 
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+def choice_params(sampling_params: SamplingParams, index: int) -> SamplingParams:
     """One copy's settings: n=1 and its own seed."""
-    return msgspec.structs.replace(params, n=1, seed=choice_seed(params.seed, index))
+    return msgspec.structs.replace(sampling_params, n=1, seed=choice_seed(sampling_params.seed, index))
 
 
 def child_id(request_id: str, index: int) -> str:

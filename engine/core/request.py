@@ -3,6 +3,7 @@
 import enum
 import time
 
+from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 
 
@@ -39,10 +40,8 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
-        "max_tokens", "cache_salt", "num_preemptions", "stop_reason",
-        "priority", "tenant", "weight", "preemptible", "may_preempt", "admit_seq", "num_charged_prompt_tokens",
-        "first_scheduled_time", "background", "parent_id", "index", "spec_acceptance", "spec_idle_steps",
-        "order_in_rank",
+        "max_tokens", "policy", "num_preemptions", "stop_reason", "admit_seq", "num_charged_prompt_tokens",
+        "first_scheduled_time", "parent_id", "index", "spec_acceptance", "spec_idle_steps",
     )
 
     def __init__(
@@ -52,25 +51,14 @@ class Request:
         sampling_params: SamplingParams,
         max_tokens: int,
         eos_token_id: int | None = None,
-        cache_salt: str | None = None,
         arrival_time: float | None = None,
-        priority: int = 1,
-        tenant: str = "default",
-        weight: float = 1.0,
-        preemptible: bool = True,
-        background: bool = False,
-        may_preempt: bool = True,
+        policy: RequestPolicy = DEFAULT_POLICY,
         parent_id: str | None = None,
         index: int = 0,
-        order_in_rank: int = 0,
     ) -> None:
         """``parent_id`` and ``index``: this is choice ``index`` of the ``n`` copies of request ``parent_id``
-        (its outputs carry that id and index). ``priority`` is a rank (lower is more urgent); ``weight`` is the tenant's fair share in its rank;
-        ``preemptible`` lets a waiting request of a better rank take this one's place, and ``may_preempt``
-        lets this one take the place of a preemptible request of a worse rank; ``background``
-        work (the Batch API's) takes idle capacity only (see ``SchedulerConfig``). ``order_in_rank`` (>= 0)
-        places the request within its rank: one waits behind every waiting request of its rank with a smaller
-        value, whichever tenant's (the API's ``priority``, which can so lower a request but never raise it)."""
+        (its outputs carry that id and index). ``policy``: its priority class, tenant, fair-share weight,
+        preemption, background and prefix-cache salt (``RequestPolicy``)."""
         assert prompt_token_ids, "a request needs at least one prompt token"
         assert max_tokens >= 1
         self.request_id = request_id
@@ -80,7 +68,7 @@ class Request:
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
-        self.cache_salt = cache_salt
+        self.policy = policy
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -88,19 +76,10 @@ class Request:
         self.first_scheduled_time: float | None = None  # when it first left the waiting queue (queue time)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        assert weight > 0
-        self.priority = priority
-        self.tenant = tenant
-        self.weight = weight
-        self.preemptible = preemptible
-        self.may_preempt = may_preempt
-        self.background = background
         self.admit_seq = -1  # order of (re)admission: the most recently started is preempted first
         self.num_charged_prompt_tokens = 0  # prompt tokens already billed to the tenant's fair-share counter
         self.parent_id = parent_id
         self.index = index
-        assert order_in_rank >= 0
-        self.order_in_rank = order_in_rank
         self.spec_acceptance = 1.0  # moving average of accepted / proposed drafts (engine.core.speculation)
         self.spec_idle_steps = 0  # steps without proposing since its acceptance fell below the threshold
 

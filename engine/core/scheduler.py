@@ -5,28 +5,29 @@ Plain Python, no torch. One step is ``schedule()`` then (after the runner)
 ``num_computed_tokens`` and ``num_tokens`` and gets up to the difference
 within the step's token budget.
 
-A step serves priority ranks best first. Within a rank, running requests
-(in admission order) come first, then waiting ones are admitted (fairly
-across tenants, see ``waiting_queue``). So lower-rank work never takes
+A step serves priority classes most urgent first (``RequestPolicy.priority``:
+lower is more urgent). Within a class, running requests (in admission order)
+come first, then waiting ones are admitted (fairly across tenants, see
+``waiting_queue``). So less urgent work never takes
 budget, sequence slots or blocks ahead of more urgent work:
 
 - admission preemption: a waiting request that does not fit (no free blocks
-  or ``max_num_seqs`` reached) preempts the worst-ranked, most recently
-  admitted running request of a *worse* rank that is ``preemptible``; equal
-  ranks never preempt each other this way;
+  or ``max_num_seqs`` reached) preempts the least urgent, most recently
+  admitted running request of a *less urgent* class that is ``preemptible``;
+  requests of one class never preempt each other this way;
 - memory preemption: a running request that cannot grow preempts the
-  worst-ranked, most recently admitted request not yet served this step
+  least urgent, most recently admitted request not yet served this step
   (possibly itself). This one ignores ``preemptible``: without it the engine
   could stall with every block held.
 
 Preemption is recompute: the victim's blocks are freed, its full blocks stay
-in the prefix cache, and it waits first in its rank. Starvation: a rank is
-served whenever every better rank's work fits in the step, and the running
-requests of any rank keep their blocks while they wait for budget, so batch
+in the prefix cache, and it waits first in its class. Starvation: a class is
+served whenever every more urgent class's work fits in the step, and the running
+requests of any class keep their blocks while they wait for budget, so batch
 work advances whenever capacity is idle.
 
-Background work (``Request.background``, the Batch API's lines, in their own
-worst rank) also yields step *time*, which matters where a step's duration
+Background work (``RequestPolicy.background``, the Batch API's lines, in their own
+least urgent class) also yields step *time*, which matters where a step's duration
 grows with its size (a CPU, a small GPU batch): a foreground request's first
 token waits for the step in flight and then for its own prefill step. So a step
 that prefills foreground work serves no background work at all, and while
@@ -119,11 +120,11 @@ class RequestUpdate:
 
 
 def _running_order(request: Request) -> tuple[int, int]:
-    return (request.priority, request.admit_seq)
+    return (request.policy.priority, request.admit_seq)
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list (sorted by rank, then admission) and the KV cache manager."""
+    """Owns the waiting queue, the running list (sorted by priority, then admission) and the KV cache manager."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, clock=time.monotonic,
                  speculator: Speculator | None = None) -> None:
@@ -157,8 +158,8 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         assert request.num_tokens < self.config.max_model_len, "the engine rejects prompts that leave no room to generate"
         self.requests[request.request_id] = request
-        self._num_foreground += not request.background
-        self.vtc.on_arrival(request.tenant)
+        self._num_foreground += not request.policy.background
+        self.vtc.on_arrival(request.policy.tenant)
         self.waiting.add(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -187,8 +188,8 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
-        self._num_foreground -= not request.background
-        self.vtc.on_departure(request.tenant)
+        self._num_foreground -= not request.policy.background
+        self.vtc.on_departure(request.policy.tenant)
         self._finished_since_last_step.append(request.request_id)
 
     def has_unfinished(self) -> bool:
@@ -227,15 +228,15 @@ class Scheduler:
                 return request
         raise AssertionError("the request asking for memory is itself unserved")
 
-    def _has_preemptible_below(self, rank: int) -> bool:
-        return any(r.priority > rank and r.preemptible for r in self.running)
+    def _has_preemptible_below(self, priority: int) -> bool:
+        return any(r.policy.priority > priority and r.policy.preemptible for r in self.running)
 
     def _admission_victim(self, request: Request) -> Request | None:
-        if not request.may_preempt:  # its priority class waits for room like everyone else
+        if not request.policy.may_preempt:  # its priority class waits for room like everyone else
             return None
         candidates = [
             r for r in self.running
-            if r.priority > request.priority and r.preemptible and r.request_id not in self._served
+            if r.policy.priority > request.policy.priority and r.policy.preemptible and r.request_id not in self._served
         ]
         return max(candidates, key=_running_order) if candidates else None
 
@@ -254,14 +255,14 @@ class Scheduler:
         preempted: list[str] = []
         self._background_left = self._background_allowance()
 
-        ranks = sorted({r.priority for r in self.running} | set(self.waiting.ranks()))
+        priorities = sorted({r.policy.priority for r in self.running} | set(self.waiting.priorities()))
         memory_pressure = False
-        for rank in ranks:
-            memory_pressure |= self._schedule_running(rank, preempted)
-            # After a memory preemption, admit only where worse-ranked work can make room: admitting
-            # equal-rank work into blocks just taken from a running request would thrash.
-            if not memory_pressure or self._has_preemptible_below(rank):
-                self._admit(rank, preempted)
+        for priority in priorities:
+            memory_pressure |= self._schedule_running(priority, preempted)
+            # After a memory preemption, admit only where less urgent work can make room: admitting
+            # equal-priority work into blocks just taken from a running request would thrash.
+            if not memory_pressure or self._has_preemptible_below(priority):
+                self._admit(priority, preempted)
 
         finished = self._finished_since_last_step
         self._finished_since_last_step = []
@@ -286,13 +287,13 @@ class Scheduler:
         if now - self._foreground_seen > self.config.background_window_s:
             return float("inf")
         foreground_prefill = self.waiting.num_foreground > 0 or any(
-            not r.background and r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+            not r.policy.background and r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
         return 0 if foreground_prefill else self.config.background_token_budget
 
-    def _schedule_running(self, rank: int, preempted: list[str]) -> bool:
-        """Serve this rank's running requests; True if memory ran out and forced a preemption."""
+    def _schedule_running(self, priority: int, preempted: list[str]) -> bool:
+        """Serve this priority's running requests; True if memory ran out and forced a preemption."""
         pressure = False
-        for request in [r for r in self.running if r.priority == rank]:
+        for request in [r for r in self.running if r.policy.priority == priority]:
             if self._budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -300,7 +301,7 @@ class Scheduler:
             if self._ends_in_flight(request):
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
-            if request.background:
+            if request.policy.background:
                 num_new = min(num_new, self._background_left)
                 if num_new <= 0:
                     continue  # it keeps its blocks and waits for a step with room
@@ -325,18 +326,18 @@ class Scheduler:
 
     def _schedule_drafts(self, request: Request) -> bool:
         """Schedule a decoding request with its drafts, if it has any and they fit without preempting anyone."""
-        room = self._budget if not request.background else min(self._budget, self._background_left)
+        room = self._budget if not request.policy.background else min(self._budget, self._background_left)
         drafts = self.speculator.propose(request, len(self.running))[:max(int(room) - 1, 0)]
         if not drafts or not self.kv.allocate_slots(request, 1 + len(drafts)):
             return False
         self._add_scheduled(request, 1 + len(drafts), drafts)
         return True
 
-    def _admit(self, rank: int, preempted: list[str]) -> None:
-        """Admit waiting requests of ``rank`` (fairly across tenants) while budget, slots and blocks allow."""
+    def _admit(self, priority: int, preempted: list[str]) -> None:
+        """Admit waiting requests of ``priority`` (fairly across tenants) while budget, slots and blocks allow."""
         while self._budget > 0:
-            request = self.waiting.peek(rank)
-            if request is None or (request.background and self._background_left <= 0):
+            request = self.waiting.peek(priority)
+            if request is None or (request.policy.background and self._background_left <= 0):
                 return
             if len(self.running) >= self.config.max_num_seqs:
                 victim = self._admission_victim(request)
@@ -349,7 +350,7 @@ class Scheduler:
                 else self.kv.find_cached_prefix(request)
             num_cached = cached.num_blocks * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, self._budget)
-            if request.background:
+            if request.policy.background:
                 num_new = min(num_new, self._background_left)
             if not self.kv.allocate_slots(request, num_new, cached):
                 victim = self._admission_victim(request)
@@ -376,7 +377,7 @@ class Scheduler:
                                                    self.kv.window_block_ids(rid)))
         self._served.add(request.request_id)
         self._budget -= num_new
-        if request.background:
+        if request.policy.background:
             self._background_left -= num_new
 
     def update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> list[RequestUpdate]:
@@ -507,7 +508,7 @@ class Scheduler:
         pool = self.kv.pool
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting_by_rank=self.waiting.count_by_rank(),
+            num_waiting_by_priority=self.waiting.count_by_priority(),
             kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
             kv_blocks_total=pool.num_blocks,
             prefix_query_tokens=self.kv.prefix_query_tokens,

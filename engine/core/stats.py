@@ -7,7 +7,7 @@ EXPERT_LOAD_EVERY_CUDA = 32
 
 class SchedulerStats(msgspec.Struct):
     num_running: int
-    num_waiting_by_rank: dict[int, int]
+    num_waiting_by_priority: dict[int, int]
     kv_blocks_used: int
     kv_blocks_total: int
     prefix_query_tokens: int  # cumulative

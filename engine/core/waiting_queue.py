@@ -1,12 +1,12 @@
-"""The waiting queue: by priority rank, then order in the rank, then weighted fairness across tenants (VTC),
+"""The waiting queue: by priority class, then order in the class, then weighted fairness across tenants (VTC),
 then arrival.
 
-A request's ``order_in_rank`` (0 unless the client asked to wait) puts it behind every waiting request of
-its rank with a smaller one: among the tenants whose next request has the smallest order, VTC picks.
+A request's ``order_in_class`` (0 unless the client asked to wait) puts it behind every waiting request of
+its class with a smaller one: among the tenants whose next request has the smallest order, VTC picks.
 
 Virtual token counter ("Fairness in Serving Large Language Models", OSDI 2024):
 each tenant's counter grows by (prompt tokens + 2 x output tokens) / weight as
-it is served; within a rank, the backlogged tenant with the smallest counter
+it is served; within a class, the backlogged tenant with the smallest counter
 goes next. A tenant that becomes backlogged again is lifted to the smallest
 counter among the other backlogged tenants, so idle time earns no credit.
 Plain Python, no torch.
@@ -40,10 +40,10 @@ class VirtualTokenCounter:
             del self._active[tenant]
 
     def charge(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
-        self.counters[request.tenant] += (prompt_tokens + OUTPUT_TOKEN_COST * output_tokens) / request.weight
+        self.counters[request.policy.tenant] += (prompt_tokens + OUTPUT_TOKEN_COST * output_tokens) / request.policy.weight
 
 
-class _RankQueue:
+class _ClassQueue:
     __slots__ = ("resumed", "tenants")
 
     def __init__(self) -> None:
@@ -55,11 +55,11 @@ class _RankQueue:
 
 
 class WaitingQueue:
-    """Requests not running. ``peek(rank)`` gives the next one to admit in that rank."""
+    """Requests not running. ``peek(priority)`` gives the next one to admit from that priority class."""
 
     def __init__(self, vtc: VirtualTokenCounter) -> None:
         self.vtc = vtc
-        self._ranks: dict[int, _RankQueue] = {}
+        self._classes: dict[int, _ClassQueue] = {}
         self._len = 0
         self.num_foreground = 0  # waiting requests that are not background work
 
@@ -69,70 +69,70 @@ class WaitingQueue:
     def __bool__(self) -> bool:
         return self._len > 0
 
-    def ranks(self) -> list[int]:
-        return sorted(self._ranks)
+    def priorities(self) -> list[int]:
+        return sorted(self._classes)
 
-    def count_by_rank(self) -> dict[int, int]:
-        return {rank: len(q) for rank, q in sorted(self._ranks.items())}
+    def count_by_priority(self) -> dict[int, int]:
+        return {priority: len(q) for priority, q in sorted(self._classes.items())}
 
     def add(self, request: Request) -> None:
-        """A new arrival: behind earlier arrivals of its tenant with the same or a smaller order in the rank."""
-        rq = self._ranks.setdefault(request.priority, _RankQueue())
-        queue = rq.tenants.setdefault(request.tenant, deque())
-        if queue and queue[-1].order_in_rank > request.order_in_rank:  # rare: ahead of its tenant's later orders
-            i = next(i for i, r in enumerate(queue) if r.order_in_rank > request.order_in_rank)
+        """A new arrival: behind earlier arrivals of its tenant with the same or a smaller order in the class."""
+        rq = self._classes.setdefault(request.policy.priority, _ClassQueue())
+        queue = rq.tenants.setdefault(request.policy.tenant, deque())
+        if queue and queue[-1].policy.order_in_class > request.policy.order_in_class:  # rare: ahead of its tenant's later orders
+            i = next(i for i, r in enumerate(queue) if r.policy.order_in_class > request.policy.order_in_class)
             queue.insert(i, request)
         else:
             queue.append(request)
         self._len += 1
-        self.num_foreground += not request.background
+        self.num_foreground += not request.policy.background
 
     def add_preempted(self, request: Request) -> None:
-        """A preempted request: first in its rank among later arrivals (ordered by its own arrival)."""
-        rq = self._ranks.setdefault(request.priority, _RankQueue())
+        """A preempted request: first in its class among later arrivals (ordered by its own arrival)."""
+        rq = self._classes.setdefault(request.policy.priority, _ClassQueue())
         i = len(rq.resumed)
         while i > 0 and rq.resumed[i - 1].arrival_time > request.arrival_time:
             i -= 1
         rq.resumed.insert(i, request)
         self._len += 1
-        self.num_foreground += not request.background
+        self.num_foreground += not request.policy.background
 
-    def peek(self, rank: int) -> Request | None:
-        rq = self._ranks.get(rank)
+    def peek(self, priority: int) -> Request | None:
+        rq = self._classes.get(priority)
         if rq is None:
             return None
         if rq.resumed:
             return rq.resumed[0]
         counters = self.vtc.counters
-        tenant = min(rq.tenants, key=lambda t: (rq.tenants[t][0].order_in_rank, counters[t], rq.tenants[t][0].arrival_time))
+        tenant = min(rq.tenants, key=lambda t: (rq.tenants[t][0].policy.order_in_class, counters[t], rq.tenants[t][0].arrival_time))
         return rq.tenants[tenant][0]
 
     def remove(self, request: Request) -> None:
-        rq = self._ranks[request.priority]
+        rq = self._classes[request.policy.priority]
         if request in rq.resumed:
             rq.resumed.remove(request)
         else:
-            queue = rq.tenants[request.tenant]
+            queue = rq.tenants[request.policy.tenant]
             if queue[0] is request:
                 queue.popleft()
             else:
                 queue.remove(request)
             if not queue:
-                del rq.tenants[request.tenant]
+                del rq.tenants[request.policy.tenant]
         if not rq.resumed and not rq.tenants:
-            del self._ranks[request.priority]
+            del self._classes[request.policy.priority]
         self._len -= 1
-        self.num_foreground -= not request.background
+        self.num_foreground -= not request.policy.background
 
     def __contains__(self, request: Request) -> bool:
-        rq = self._ranks.get(request.priority)
+        rq = self._classes.get(request.policy.priority)
         if rq is None:
             return False
-        return request in rq.resumed or request in rq.tenants.get(request.tenant, ())
+        return request in rq.resumed or request in rq.tenants.get(request.policy.tenant, ())
 
     def __iter__(self):
-        for rank in self.ranks():
-            rq = self._ranks[rank]
+        for priority in self.priorities():
+            rq = self._classes[priority]
             yield from rq.resumed
             for queue in rq.tenants.values():
                 yield from queue

@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
 from engine.core.outputs import RequestOutput
+from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.engine_process import run_engine_process
@@ -305,24 +306,17 @@ class AsyncEngine:
     async def generate(
         self,
         prompt: list[int],
-        sampling: SamplingParams,
+        sampling_params: SamplingParams,
         request_id: str | None = None,
-        cache_salt: str | None = None,
-        priority: int = 1,
-        tenant: str = "default",
-        weight: float = 1.0,
-        preemptible: bool = True,
-        background: bool = False,
+        policy: RequestPolicy = DEFAULT_POLICY,
         stream: bool = True,
-        may_preempt: bool = True,
-        order_in_rank: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
 
-        ``sampling.n`` > 1: the outputs of its n choices (``RequestOutput.index``), interleaved as the
+        ``sampling_params.n`` > 1: the outputs of its n choices (``RequestOutput.index``), interleaved as the
         engine produces them; the stream ends when every choice has finished.
 
-        ``prompt``: token ids from ``prepare``.
+        ``prompt``: token ids from ``prepare``. ``policy``: how the engine's scheduler treats it, sent as is.
 
         ``stream=False``: a single delta when the request finishes, with the whole output in it.
         """
@@ -334,10 +328,9 @@ class AsyncEngine:
             self._last_progress = time.monotonic()
         self._queues[request_id] = queue
         finished = False
-        unfinished = sampling.n  # choices still running: the request ends with the last of them
+        unfinished = sampling_params.n  # choices still running: the request ends with the last of them
         try:
-            self._send(AddRequest(request_id, prompt, sampling, cache_salt, priority, tenant, weight, preemptible,
-                                  may_preempt, background, stream, order_in_rank))
+            self._send(AddRequest(request_id, prompt, sampling_params, policy, stream))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -5,6 +5,7 @@ from typing import Protocol
 
 from engine.core.config import EngineConfig
 from engine.core.outputs import RequestOutput
+from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.protocol import Ready
@@ -53,9 +54,12 @@ class EngineClient(Protocol):
         """The text of token ids (``InvalidPrompt`` for ids outside the vocabulary)."""
         ...
 
-    def generate(self, prompt: list[int], sampling: SamplingParams, request_id: str | None = None,
-                 **request_policy) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs until it finishes; closing the stream aborts the request."""
+    def generate(self, prompt: list[int], sampling_params: SamplingParams, request_id: str | None = None,
+                 policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs until it finishes; closing the stream aborts the request.
+
+        ``policy`` goes to the engine's scheduler unchanged. ``stream=False``: one output when the request
+        finishes, with the whole generation in it."""
         ...
 
     async def release(self, request_id: str) -> bool:

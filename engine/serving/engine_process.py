@@ -125,12 +125,8 @@ def _add(engine, msg: AddRequest, reports: StepReports, send, error: BaseExcepti
     try:
         if error is not None:
             raise error
-        engine.add_request(
-            msg.prompt, msg.sampling, msg.request_id, cache_salt=msg.cache_salt,
-            priority=msg.priority, tenant=msg.tenant, weight=msg.weight, preemptible=msg.preemptible,
-            background=msg.background, may_preempt=msg.may_preempt, order_in_rank=msg.order_in_rank,
-        )
-        reports.add(msg.request_id, msg.stream, msg.background, msg.sampling.n)
+        engine.add_request(msg.prompt, msg.sampling_params, msg.request_id, msg.policy)
+        reports.add(msg.request_id, msg.stream, msg.policy.background, msg.sampling_params.n)
     except Exception as e:  # whatever one request brings fails that request, never the engine
         if not isinstance(e, ValueError):  # a bug: the type at the default level (the message may
             # quote the prompt), the whole traceback at debug

@@ -22,7 +22,7 @@ class GrammarBuilds:
 
     def hold(self, msg: AddRequest) -> bool:
         """True if ``msg`` waits for its matcher (the caller adds it later, from ``ready``); False to add now."""
-        spec = msg.sampling.structured_output
+        spec = msg.sampling_params.structured_output
         if spec is None or self.grammars is None or self.grammars.prepared(spec):
             return False
         if self._pool is None:
@@ -42,6 +42,6 @@ class GrammarBuilds:
                 del self._waiting[request_id]
                 error = future.exception()
                 if error is None:
-                    self.grammars.keep(msg.sampling.structured_output, future.result())
+                    self.grammars.keep(msg.sampling_params.structured_output, future.result())
                 done.append((msg, error))
         return done

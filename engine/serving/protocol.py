@@ -7,6 +7,7 @@ tokens and text of the requests it advanced.
 import msgspec
 
 from engine.core.outputs import RequestOutput
+from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 
@@ -16,19 +17,12 @@ class AddRequest(msgspec.Struct, tag=True):
 
     request_id: str
     prompt: list[int]
-    sampling: SamplingParams
-    cache_salt: str | None = None
-    priority: int = 1
-    tenant: str = "default"
-    weight: float = 1.0
-    preemptible: bool = True
-    may_preempt: bool = True  # may take the place of preemptible work of a worse rank
-    background: bool = False
+    sampling_params: SamplingParams
+    policy: RequestPolicy = DEFAULT_POLICY
     # False: no delta per step, one at the end carrying the whole output (token ids and text). For
     # callers that only want the result (the Batch API): a batch of 32 then costs the gateway one
     # message a finished line instead of 32 wakeups a step.
     stream: bool = True
-    order_in_rank: int = 0  # Request.order_in_rank
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -75,7 +69,7 @@ class Ready(msgspec.Struct, tag=True):
     has_tokenizer: bool
 
 
-PROTOCOL_VERSION = 2  # of the messages between a gateway and a remote engine; raised when they change
+PROTOCOL_VERSION = 3  # of the messages between a gateway and a remote engine; raised when they change
 
 
 class Hello(msgspec.Struct, tag=True):

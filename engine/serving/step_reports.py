@@ -15,7 +15,7 @@ goal 2). So the engine sends only what someone is waiting for:
   nothing is left waiting in the engine (the batch runner refills the engine
   from the lines it hears have finished, so it must hear before the engine runs
   dry) or the engine falls idle;
-- statistics with no delta go out when the set of priority ranks that have
+- statistics with no delta go out when the set of priority classes that have
   requests waiting changes (the batch runner claims lines only while no live
   request waits), when the engine falls idle, and at least every ``interval_s``
   (the gateway's metrics).
@@ -38,7 +38,7 @@ class StepReports:
         self.deferrable: set[str] = set()  # quiet and background: that output may wait up to interval_s
         self._pending: list[RequestOutput] = []  # final outputs of deferrable requests, not yet sent
         self._last_at = float("-inf")
-        self._last_waiting_ranks: frozenset[int] | None = None
+        self._last_waiting_priorities: frozenset[int] | None = None
 
     def add(self, request_id: str, stream: bool, background: bool, n: int = 1) -> None:
         """``n``: the request's choices (each sends its own final output)."""
@@ -57,10 +57,10 @@ class StepReports:
     def after_step(self, outputs: list[RequestOutput], stats: SchedulerStats | None, busy: bool) -> StepOutputs | None:
         """The message to send after this step (``busy``: the engine still has unfinished work), or None."""
         urgent = self._collect(outputs)
-        waiting_ranks = frozenset(r for r, n in stats.num_waiting_by_rank.items() if n) if stats is not None else None
+        waiting_priorities = frozenset(r for r, n in stats.num_waiting_by_priority.items() if n) if stats is not None else None
         due = (bool(urgent) or not busy
-               or (stats is not None and waiting_ranks != self._last_waiting_ranks)
-               or (self._pending and not waiting_ranks)
+               or (stats is not None and waiting_priorities != self._last_waiting_priorities)
+               or (self._pending and not waiting_priorities)
                or ((stats is not None or self._pending) and self.clock() - self._last_at >= self.interval_s))
         if not due:
             return None
@@ -69,7 +69,7 @@ class StepReports:
             return None
         self._last_at = self.clock()
         if stats is not None:
-            self._last_waiting_ranks = waiting_ranks
+            self._last_waiting_priorities = waiting_priorities
         return StepOutputs(outputs, stats)
 
     def _collect(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -58,6 +58,7 @@ async def _execute(config: EngineConfig, endpoint: str, checked, out_path: Path,
                    progress: bool) -> tuple[int, int]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
+    from engine.core.request_policy import RequestPolicy
     from engine.serving.async_engine import AsyncEngine
     from gateway.batch.runner import execute_line
 
@@ -74,7 +75,7 @@ async def _execute(config: EngineConfig, endpoint: str, checked, out_path: Path,
             async def run(i: int, line) -> None:
                 async with limit:
                     ok, result, _ = await execute_line(engine, model, endpoint, line.custom_id, line.body_json,
-                                                       priority=2, tenant="offline")
+                                                       RequestPolicy(priority=2, tenant="offline"))
                 results[i] = (ok, result)
                 bar.advance(task)
 

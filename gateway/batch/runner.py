@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.batch.validation import ENDPOINTS
+from engine.core.request_policy import RequestPolicy
 from engine.serving.client import EngineClient
 from gateway.completion import NOT_RETRIED, complete, completion_body, system_fingerprint
 from gateway.responses import batch_lines
@@ -48,7 +49,7 @@ class BatchRunnerConfig:
     lease_s: float = 60.0
     max_inflight: int = 32
     poll_s: float = 0.5
-    batch_rank: int = 2  # the `batch` priority class's rank
+    batch_priority: int = 2  # the `batch` priority class's priority (RequestPolicy.priority)
     expiry_check_s: float = 5.0
     max_write_batch: int = 512  # line results per transaction
     retry_s: float = 1.0  # after a failed write
@@ -65,8 +66,15 @@ def error_result(custom_id: str, code: str, message: str) -> dict:
             "error": {"code": code, "message": message}}
 
 
-async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_json: str, priority: int,
-                       tenant: str, weight: float = 1.0) -> tuple[bool, dict, object]:
+def batch_line_policy(priority: int, tenant_id: int) -> RequestPolicy:
+    """A Batch API line's policy: the batch class's priority, idle capacity only (background), preemptible,
+    its tenant's fair share and prefix cache."""
+    return RequestPolicy(priority=priority, tenant=str(tenant_id), preemptible=True, background=True,
+                         cache_salt=str(tenant_id))
+
+
+async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_json: str,
+                       policy: RequestPolicy) -> tuple[bool, dict, object]:
     """Run one batch line like the live API would; (ok, output line, its choices' usage or None).
 
     A 4xx the live API would answer becomes the line's response (status and error body), and so does
@@ -83,9 +91,7 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
         else:
             body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
         response, last = await complete(engine, body, chat, rid, int(time.time()), model,
-                                        system_fingerprint(engine.config, model), render=render, priority=priority,
-                                        tenant=tenant, weight=weight, preemptible=True, background=True,
-                                        cache_salt=tenant)
+                                        system_fingerprint(engine.config, model), policy=policy, render=render)
     except APIError as e:
         if endpoint == batch_lines.ENDPOINT:
             e = responses_error(e)  # the chat fields it names, as the Responses API calls them
@@ -118,7 +124,7 @@ class BatchRunner:
         stats = self.engine.stats
         if stats is None:
             return 0
-        return sum(n for rank, n in stats.num_waiting_by_rank.items() if rank < self.config.batch_rank)
+        return sum(n for priority, n in stats.num_waiting_by_priority.items() if priority < self.config.batch_priority)
 
     async def run(self) -> None:
         """The long-lived loop (started and cancelled with the app)."""
@@ -198,7 +204,8 @@ class BatchRunner:
     async def _run_line(self, line: ClaimedLine) -> None:
         try:
             ok, result, last = await execute_line(self.engine, self.model_name(), line.endpoint, line.custom_id,
-                                                  line.body_json, self.config.batch_rank, str(line.tenant_id))
+                                                  line.body_json,
+                                                  batch_line_policy(self.config.batch_priority, line.tenant_id))
             usage = None
             if last is not None:
                 usage = UsageRecord(tenant_id=line.tenant_id, request_id=result["id"], model=self.model_name(),

@@ -16,7 +16,7 @@ from gateway.errors import APIError
 from gateway.responses import batch_lines
 from gateway.openai_schema import (
     ChatCompletionRequest, CompletionRequest, check_choices, decode_body, decode_json, message_text, prompts_of,
-    sampling_params,
+    sampling_params_of,
 )
 
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
@@ -100,7 +100,7 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
         try:
             body = (batch_lines.line_request(line.body)[1] if endpoint == batch_lines.ENDPOINT
                     else decode_body(line.body, body_type))
-            sampling_params(body)
+            sampling_params_of(body)
             if body.stream:
                 raise APIError(400, "stream is not supported in a batch", param="stream")
         except APIError as e:
@@ -119,13 +119,13 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
         chat = line.url != "/v1/completions"
         try:
             prompt = [message_text(m) for m in body.messages] if chat else prompts_of(body)
-            params = sampling_params(body)
+            sampling_params = sampling_params_of(body)
             if not chat:
-                check_choices(len(prompt), params.n)
+                check_choices(len(prompt), sampling_params.n)
         except APIError as e:
             error("invalid_request", f"line {line_no}: {e.message}", line_no, f"body.{e.param}" if e.param else "body")
             continue
-        outputs = (params.max_tokens or max_new_tokens) * params.n * (1 if chat else len(prompt))
+        outputs = (sampling_params.max_tokens or max_new_tokens) * sampling_params.n * (1 if chat else len(prompt))
         out.token_estimate += sum(estimate_prompt_tokens(p) for p in prompt) + outputs
         out.lines.append(BatchLineSpec(line_no, line.custom_id, bytes(line.body).decode()))
     return out

@@ -14,6 +14,7 @@ import pytest
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.request import Request, RequestStatus
+from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 
@@ -36,9 +37,10 @@ def make(clock: Clock, budget: int = 6, window_s: float = 1.0, max_num_seqs: int
 
 def req(prompt_len=8, max_tokens=8, background=False, priority=None) -> Request:
     n = next(_ids)  # distinct prompts: no prefix-cache hits to blur the token counts
+    policy = RequestPolicy(priority=(2 if background else 1) if priority is None else priority,
+                           tenant="bulk" if background else "web", background=background)
     return Request(f"b{n}", [n * 1000 + i for i in range(prompt_len)], SamplingParams(ignore_eos=True), max_tokens,
-                   priority=(2 if background else 1) if priority is None else priority,
-                   tenant="bulk" if background else "web", background=background)
+                   policy=policy)
 
 
 def step(sched: Scheduler):
@@ -48,7 +50,7 @@ def step(sched: Scheduler):
 
 
 def background_tokens(out) -> int:
-    return sum(s.num_new_tokens for s in out.scheduled if s.request.background)
+    return sum(s.num_new_tokens for s in out.scheduled if s.request.policy.background)
 
 
 def test_foreground_prefill_gets_the_step_to_itself_then_background_is_capped():
@@ -123,7 +125,7 @@ def test_random_traffic_follows_the_rules_and_everything_finishes(seed):
             everyone.append(r)
             sched.add_request(r)
         # The rules, from the requests' state before the step.
-        foreground = [r for r in sched.requests.values() if not r.background]
+        foreground = [r for r in sched.requests.values() if not r.policy.background]
         if foreground:
             last_foreground = clock.t
         # What the engine process sizes its CPU threads by (engine.serving.serving_threads).

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestPolicy, SamplingParams
 from tests.hf_models import make_hf_model
 
 BLOCK = 8
@@ -81,7 +81,7 @@ def test_salts_do_not_share(model_dir):
     engine = llm.engine
 
     def run(salt):
-        rid = engine.add_request(prompt, _greedy(3), cache_salt=salt)
+        rid = engine.add_request(prompt, _greedy(3), policy=RequestPolicy(cache_salt=salt))
         whole = None
         while engine.has_unfinished():
             for o in engine.step():

@@ -7,6 +7,7 @@ import pytest
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.request import Request, RequestStatus
+from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from tests.engine.helpers import make_scheduler
@@ -14,13 +15,9 @@ from tests.engine.helpers import make_scheduler
 _ids = itertools.count()
 
 
-def req(prompt_len=8, max_tokens=8, priority=1, tenant="t", weight=1.0, preemptible=True, arrival=None,
-        may_preempt=True, order_in_rank=0):
-    return Request(
-        f"q{next(_ids)}", [1] * prompt_len, SamplingParams(ignore_eos=True), max_tokens,
-        priority=priority, tenant=tenant, weight=weight, preemptible=preemptible, arrival_time=arrival,
-        may_preempt=may_preempt, order_in_rank=order_in_rank,
-    )
+def req(prompt_len=8, max_tokens=8, arrival=None, **policy):
+    return Request(f"q{next(_ids)}", [1] * prompt_len, SamplingParams(ignore_eos=True), max_tokens,
+                   arrival_time=arrival, policy=RequestPolicy(**{"tenant": "t", **policy}))
 
 
 def step(sched: Scheduler):
@@ -39,13 +36,13 @@ def test_weighted_fair_share_1_to_3():
     service = {"a": [], "b": []}  # per step, prompt tokens + 2 x output tokens (VTC's cost, unweighted)
     for _ in range(1500):
         for tenant, weight in (("a", 1.0), ("b", 3.0)):  # both always backlogged
-            while sum(1 for r in sched.waiting if r.tenant == tenant) < 3:
+            while sum(1 for r in sched.waiting if r.policy.tenant == tenant) < 3:
                 sched.add_request(req(rng.randint(4, 30), rng.randint(4, 30), tenant=tenant, weight=weight))
         out = step(sched)
         for tenant in service:
             service[tenant].append(sum(
                 s.num_new_tokens + (1 if s.sample else 0)  # a sampled token counts 2: 1 computed + 1 extra
-                for s in out.scheduled if s.request.tenant == tenant
+                for s in out.scheduled if s.request.policy.tenant == tenant
             ))
     window = 300
     for start in range(200, 1500 - window + 1, 50):  # every window after warm-up
@@ -77,7 +74,7 @@ def test_realtime_scheduled_within_one_step_of_a_full_engine():
         out = step(sched)
         assert urgent.request_id in scheduled_ids(out), full_by
         assert out.preempted_ids, "a worse-ranked preemptible request made room"
-        assert all(sched.requests[p].priority > 0 for p in out.preempted_ids)
+        assert all(sched.requests[p].policy.priority > 0 for p in out.preempted_ids)
 
 
 def test_equal_ranks_never_preempt_for_admission():
@@ -190,22 +187,22 @@ def test_stats_record():
         sched.add_request(req(prompt_len=6, priority=priority))
     step(sched)
     stats = sched.stats()
-    assert stats.num_running == 2 and stats.num_waiting_by_rank == {2: 2}
+    assert stats.num_running == 2 and stats.num_waiting_by_priority == {2: 2}
     assert stats.step_prefill_tokens == 12 and stats.step_decode_tokens == 0
     assert stats.kv_blocks_used == 4 and stats.kv_blocks_total == 50
     step(sched)
     assert sched.stats().step_decode_tokens == 2
 
 
-def test_order_in_rank_only_puts_a_request_behind_its_class():
-    """vLLM's request priority as order_in_rank: within a rank, every waiting request with a smaller order
-    starts first, whichever tenant's; a rank still goes before any worse rank whatever the orders."""
+def test_order_in_class_only_puts_a_request_behind_its_class():
+    """vLLM's request priority as order_in_class: within a priority class, every waiting request with a smaller
+    order starts first, whichever tenant's; a class still goes before any less urgent class whatever the orders."""
     rng = random.Random()
     sched = make_scheduler(num_blocks=400, max_num_seqs=1, max_num_batched_tokens=64)
     reqs = []
     for _ in range(24):
         r = req(rng.randint(2, 9), 2, priority=rng.choice([0, 1]), tenant=rng.choice("abc"),
-                order_in_rank=rng.choice([0, 0, 3, 7]))
+                order_in_class=rng.choice([0, 0, 3, 7]))
         reqs.append(r)
         sched.add_request(r)
     started = []
@@ -217,8 +214,9 @@ def test_order_in_rank_only_puts_a_request_behind_its_class():
     assert len(place) == len(reqs)
     for x in reqs:
         for y in reqs:
-            if (x.priority, x.order_in_rank) < (y.priority, y.order_in_rank):
-                assert place[x.request_id] < place[y.request_id], (x.priority, x.order_in_rank, y.priority, y.order_in_rank)
-            if x.tenant == y.tenant and (x.priority, x.order_in_rank) == (y.priority, y.order_in_rank) and \
+            xp, yp = x.policy, y.policy
+            if (xp.priority, xp.order_in_class) < (yp.priority, yp.order_in_class):
+                assert place[x.request_id] < place[y.request_id], (xp, yp)
+            if xp.tenant == yp.tenant and (xp.priority, xp.order_in_class) == (yp.priority, yp.order_in_class) and \
                     x.arrival_time < y.arrival_time:
                 assert place[x.request_id] < place[y.request_id]  # a tenant's own requests keep arrival order

@@ -184,9 +184,9 @@ def test_a_stream_nobody_reads_is_ended_in_the_engine(served):
         stream = engine.generate(list(range(5, 15)), params)
         await anext(stream)  # then nothing is read for a while
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and engine.stats.num_running + sum(engine.stats.num_waiting_by_rank.values()):
+        while time.monotonic() < deadline and engine.stats.num_running + sum(engine.stats.num_waiting_by_priority.values()):
             await asyncio.sleep(0.1)
-        running = engine.stats.num_running + sum(engine.stats.num_waiting_by_rank.values())
+        running = engine.stats.num_running + sum(engine.stats.num_waiting_by_priority.values())
         unread = []
         with pytest.raises(UnreadStreamError):
             async for out in stream:

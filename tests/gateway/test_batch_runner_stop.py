@@ -24,9 +24,9 @@ class Line:
 class JitteryEngine(InstantEngine):
     """Answers after a random few milliseconds, so stops land while lines, writes and claims are in flight."""
 
-    async def generate(self, prompt, sampling, request_id=None, **kw):
+    async def generate(self, prompt, sampling_params, request_id=None, policy=None, stream=True):
         await asyncio.sleep(random.uniform(0, 0.004))
-        async for delta in super().generate(prompt, sampling, request_id, **kw):
+        async for delta in super().generate(prompt, sampling_params, request_id, policy, stream):
             yield delta
 
 

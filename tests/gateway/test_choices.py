@@ -131,7 +131,7 @@ def test_choices_prompts_tokenize_and_quota(demo_dir, tmp_path):
             for _ in range(100):
                 await asyncio.sleep(0.05)
                 stats = engine.stats
-                idle = stats.num_running == 0 and not any(stats.num_waiting_by_rank.values()) and stats.kv_blocks_used == 0
+                idle = stats.num_running == 0 and not any(stats.num_waiting_by_priority.values()) and stats.kv_blocks_used == 0
                 if idle and app[INFLIGHT].get(1, 0) == 0:
                     break
             assert (stats.num_running, stats.kv_blocks_used, app[INFLIGHT].get(1, 0)) == (0, 0, 0), stats

@@ -391,12 +391,12 @@ def test_vllm_text_fields(served):
                                          spaces_between_special_tokens=spaces) != ""
     assert chat["cached"].usage.prompt_tokens == chat["plain"].usage.prompt_tokens
     assert refused["param"] == "chat_template"
-    from gateway.completion import order_in_rank
+    from gateway.completion import order_in_class
     from gateway.openai_schema import ChatCompletionRequest, decode_body
 
     for priority, order in ((None, 0), (7, 7), (-4, 0)):
         body = decode_body(json.dumps({"messages": USER, "priority": priority}).encode(), ChatCompletionRequest)
-        assert order_in_rank(body) == order
+        assert order_in_class(body) == order
 
 
 def test_vllm_prompt_logprobs_and_token_ids(served):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from gateway.batch.validation import validate_batch_file
 from gateway.errors import APIError
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params_of
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
           "stream", "stream_options", "stop", "seed", "ignore_eos", "user", "role", "content"]
@@ -28,7 +28,7 @@ bodies = (st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8).map(
 def test_the_request_decoder_answers_anything_with_a_request_or_a_4xx(body, chat):
     try:
         request = decode_body(body, ChatCompletionRequest if chat else CompletionRequest)
-        sampling_params(request)
+        sampling_params_of(request)
     except APIError as e:
         assert 400 <= e.status < 500 and e.message
 

@@ -11,6 +11,7 @@ import pytest
 
 from engine.core.config import EngineConfig
 from engine.core.outputs import RequestOutput
+from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.serving.protocol import Ready
 from gateway.metrics import GatewayMetrics
@@ -38,7 +39,7 @@ class FifoReplica:
         self.info: Ready | None = _ready()
         self.dead: str | None = None
         self.stats = None
-        self.arrivals: list[tuple[str, dict]] = []  # (request id, request policy) of every request sent here
+        self.arrivals: list[tuple[str, RequestPolicy]] = []  # (request id, its policy) of every request sent here
         self.aborted: list[str] = []
         self.releases: list[tuple[str, bool]] = []  # (request id, released) of every release asked
         self._live: dict[str, asyncio.Queue] = {}  # arrival order
@@ -72,11 +73,11 @@ class FifoReplica:
         self.releases.append((request_id, released))
         return released
 
-    async def generate(self, prompt, sampling, request_id=None, **request_policy):
+    async def generate(self, prompt, sampling_params, request_id=None, policy=None, stream=True):
         assert request_id not in self._live
         queue: asyncio.Queue = asyncio.Queue()
         self._live[request_id] = queue
-        self.arrivals.append((request_id, request_policy))
+        self.arrivals.append((request_id, policy))
         finished = False
         try:
             while not finished:
@@ -108,8 +109,8 @@ def _run_burst(body, rebalance_interval_s: float = 0.0) -> None:
     asyncio.run(scenario())
 
 
-async def _consume(router: ReplicaRouter, request_id: str, policy: dict) -> list[RequestOutput]:
-    return [out async for out in router.generate([1, 2, 3], SamplingParams(max_tokens=64), request_id, **policy)]
+async def _consume(router: ReplicaRouter, request_id: str, policy: RequestPolicy) -> list[RequestOutput]:
+    return [out async for out in router.generate([1, 2, 3], SamplingParams(max_tokens=64), request_id, policy)]
 
 
 class _Burst:
@@ -121,8 +122,8 @@ class _Burst:
         self.slots = slots = rng.randint(2, 4)
         self.a, self.b = FifoReplica(slots), FifoReplica(slots)
         self.router = ReplicaRouter([self.a, self.b], ["a", "b"], RouterConfig(rebalance_interval_s=rebalance_interval_s))
-        self.policies = {f"r{i}": {"priority": rng.randint(0, 3), "tenant": f"t{rng.randint(0, 9)}",
-                                   "cache_salt": f"s{rng.random()}", "weight": rng.uniform(0.5, 2)}
+        self.policies = {f"r{i}": RequestPolicy(priority=rng.randint(0, 3), tenant=f"t{rng.randint(0, 9)}",
+                                                cache_salt=f"s{rng.random()}", weight=rng.uniform(0.5, 2))
                          for i in range(4 * slots)}
         self.tasks: dict[str, asyncio.Task] = {}
 

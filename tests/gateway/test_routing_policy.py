@@ -8,6 +8,7 @@ import pytest
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
+from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from gateway.prefix_index import ReplicaBlocks, block_hashes
 from gateway.routing_policy import ReplicaView, RouterConfig, choose, rebalance
@@ -18,7 +19,8 @@ def test_block_hashes_are_the_engines():
     rng = random.Random(0)
     prompt = [rng.randrange(1, 500) for _ in range(16 * 5 + 7)]
     manager = KVCacheManager(num_blocks=64, block_size=16, enable_caching=True)
-    request = Request("r", prompt, SamplingParams(max_tokens=1), max_tokens=1, cache_salt="tenant-a")
+    request = Request("r", prompt, SamplingParams(max_tokens=1), max_tokens=1,
+                      policy=RequestPolicy(cache_salt="tenant-a"))
     assert manager.allocate_slots(request, len(prompt))
     request.num_computed_tokens = len(prompt)
     manager.cache_computed_blocks(request)  # what the engine does after the prompt's step

@@ -230,7 +230,7 @@ def test_cut_streams_free_their_blocks(demo_dir, tmp_path):
                     await asyncio.gather(*(cut_one(http) for _ in range(25)))
             for _ in range(300):  # the engine reports its state after the aborts
                 stats = engine.stats
-                if stats is not None and stats.num_running == 0 and stats.kv_blocks_used == 0 and not stats.num_waiting_by_rank:
+                if stats is not None and stats.num_running == 0 and stats.kv_blocks_used == 0 and not stats.num_waiting_by_priority:
                     break
                 await asyncio.sleep(0.1)
             assert stats.kv_blocks_used == 0 and stats.num_running == 0, stats
@@ -310,7 +310,7 @@ def test_overload_sheds_batch_and_serves_realtime(demo_dir, tmp_path):
         finally:
             await store.close()
         engine = AsyncEngine(EngineConfig(model=demo_dir, num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=128))
-        config = GatewayConfig(served_model_name="demo", database_url=url, max_inflight_by_rank={1: 16, 2: 3})
+        config = GatewayConfig(served_model_name="demo", database_url=url, max_inflight_by_priority={1: 16, 2: 3})
         async with TestServer(create_app(config, engine), host="127.0.0.1") as server, aiohttp.ClientSession() as http:
             async def call(key):
                 body = {"prompt": "overload", "max_tokens": 24, "ignore_eos": True}

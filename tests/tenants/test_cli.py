@@ -31,7 +31,7 @@ def test_tenant_commands(db_url, capsys):
     (["admin", "quota", "set", "acme"], "nothing to set"),
     (["admin", "key", "revoke", "mg-nope0"], "unknown api key"),
     (["admin", "usage", "--by", "week"], "invalid choice"),
-    (["admin", "class", "create", "premium"], "--rank"),
+    (["admin", "class", "create", "premium"], "--priority"),
     (["admin", "key", "create", "acme", "--expires-in", "soon"], "--expires-in"),
     (["admin", "key", "create", "acme", "--expires-in", "0d"], "--expires-in"),
     # Names and labels: the same rule on SQLite (which does not enforce String(n)) and PostgreSQL.
@@ -40,8 +40,8 @@ def test_tenant_commands(db_url, capsys):
     (["admin", "tenant", "create", "x" * 5000], "at most 128 characters"),
     (["admin", "tenant", "update", "acme", "--name", "bell\x07"], "control character U+0007"),
     (["admin", "tenant", "update", "acme", "--name", "y" * 129], "at most 128 characters"),
-    (["admin", "class", "create", "c\nlass", "--rank", "3"], "control character U+000A"),
-    (["admin", "class", "create", "c" * 65, "--rank", "3"], "at most 64 characters"),
+    (["admin", "class", "create", "c\nlass", "--priority", "3"], "control character U+000A"),
+    (["admin", "class", "create", "c" * 65, "--priority", "3"], "at most 64 characters"),
     (["admin", "key", "create", "acme", "--label", "l\x1b]0;pwned\x07"], "control character U+001B"),
     (["admin", "key", "create", "acme", "--label", "l" * 129], "at most 128 characters"),
 ])
@@ -108,7 +108,7 @@ def test_quota_commands(db_url, capsys):
 def test_class_commands(db_url, capsys):
     code, out, _ = cli(capsys, db_url, "admin", "class", "create", "premium", "--rank", "1", "--weight", "2",
                        "--no-preemptible", "--may-preempt", as_json=True)
-    assert code == 0 and out == {"name": "premium", "rank": 1, "default_weight": 2.0, "preemptible": False,
+    assert code == 0 and out == {"name": "premium", "priority": 1, "default_weight": 2.0, "preemptible": False,
                                  "may_preempt": True}
     out = cli(capsys, db_url, "admin", "class", "update", "premium", "--preemptible", as_json=True)[1]
     assert out["preemptible"] is True and out["may_preempt"] is True

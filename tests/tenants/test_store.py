@@ -100,18 +100,18 @@ def test_priority_classes(db_url):
     async def body(store):
         names = [c.name for c in await store.list_classes()]
         assert names == ["realtime", "standard", "batch"]
-        c = await store.create_class("premium", rank=1, default_weight=4.0, preemptible=False, may_preempt=True)
+        c = await store.create_class("premium", priority=1, default_weight=4.0, preemptible=False, may_preempt=True)
         assert c.default_weight == 4.0
         with pytest.raises(Conflict):
-            await store.create_class("premium", rank=1)
+            await store.create_class("premium", priority=1)
         with pytest.raises(StoreError):
-            await store.create_class("bad", rank=-1)
+            await store.create_class("bad", priority=-1)
         assert (await store.create_tenant("p", "premium")).weight == 4.0
-        u = await store.update_class("premium", rank=3, preemptible=True)
-        assert (u.rank, u.preemptible, u.may_preempt) == (3, True, True)
+        u = await store.update_class("premium", priority=3, preemptible=True)
+        assert (u.priority, u.preemptible, u.may_preempt) == (3, True, True)
         assert await store.get_class("premium") == u
         with pytest.raises(NotFound):
-            await store.update_class("nope", rank=1)
+            await store.update_class("nope", priority=1)
 
     with_store(db_url, body)
 
