@@ -57,6 +57,8 @@ class KVCacheManager:
         # Where a released block's table entry points: the runner's scratch block (never handed out).
         self.null_block_id = num_blocks
         self._tables: dict[str, list[list[Block | None]]] = {}  # request -> one table per group
+        # request -> per group, how many leading entries are released (None): they always lead the table
+        self._released: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks, in order
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -90,7 +92,7 @@ class KVCacheManager:
         tables = self._tables.get(request_id)
         if not tables:
             return [0] * len(self.windows)
-        return [sum(b is not None for b in table) for table in tables]
+        return [len(table) - released for table, released in zip(tables, self._released[request_id])]
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -145,11 +147,14 @@ class KVCacheManager:
 
     def _release_out_of_window(self, request: Request, tables: list[list[Block | None]]) -> None:
         # Sliding groups: blocks the next queries cannot see go back to the pool (tail-first, like ``free``).
-        for window, table in zip(self.windows[1:], tables[1:]):
+        released = self._released[request.request_id]
+        for g, window in enumerate(self.windows[1:], start=1):
+            table = tables[g]
             first = min(first_live_block(request.num_computed_tokens, window, self.block_size), len(table))
-            gone = [b for b in table[:first] if b is not None]
-            if gone:
-                table[:first] = [None] * first
+            if first > released[g]:
+                gone = table[released[g]:first]
+                table[released[g]:first] = [None] * len(gone)
+                released[g] = first
                 self.pool.release(list(reversed(gone)))
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: CachedPrefix | None = None) -> bool:
@@ -174,12 +179,14 @@ class KVCacheManager:
         hits = [b for blocks in prefix for b in blocks if b is not None]
         if hits:
             self.pool.acquire(hits)
-        new_tables = []
-        for g, (h, p, n) in enumerate(zip(held, prefix, needed)):
-            table = h + p + self.pool.allocate(n)
-            new_tables.append(table)
-            self.peak_request_blocks[g] = max(self.peak_request_blocks[g], sum(b is not None for b in table))
-        self._tables[request.request_id] = new_tables
+        if tables is None:  # a hit's sliding tables lead with the blocks its window has passed
+            tables = self._tables[request.request_id] = [[] for _ in self.windows]
+            self._released[request.request_id] = [len(p) - sum(b is not None for b in p) for p in prefix]
+        released = self._released[request.request_id]
+        for g, (table, p, n) in enumerate(zip(tables, prefix, needed)):
+            table += p
+            table += self.pool.allocate(n)
+            self.peak_request_blocks[g] = max(self.peak_request_blocks[g], len(table) - released[g])
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -211,6 +218,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return every block of the request; full blocks stay cached until evicted."""
         tables = self._tables.pop(request.request_id, [])
+        self._released.pop(request.request_id, None)
         self._hashes.pop(request.request_id, None)
         for blocks in reversed(tables):
             self.pool.release([b for b in reversed(blocks) if b is not None])

@@ -40,8 +40,10 @@ def test_window_blocks_present_and_the_rest_released(trial):
         preempted.extend(out.preempted_ids)
         live = {0: set(), 1: set()}
         for r in sched.running:
-            live[0].update(sched.kv.block_ids(r.request_id))
-            live[1].update(b for b in sched.kv.window_block_ids(r.request_id) if b != null)
+            full, sliding = sched.kv.block_ids(r.request_id), sched.kv.window_block_ids(r.request_id)
+            live[0].update(full)
+            live[1].update(b for b in sliding if b != null)
+            assert sched.kv.blocks_held(r.request_id) == [len(full), sum(b != null for b in sliding)], seed
         assert not live[0] & live[1], f"seed={seed}: a block held in both groups"
         for s in out.scheduled:
             full, sliding = s.block_ids, s.window_block_ids
