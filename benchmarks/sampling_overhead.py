@@ -19,7 +19,7 @@ import torch
 
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
-from engine.worker.sampler import Sampler
+from engine.sampling.sampler import Sampler
 
 PENALISED = dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5)
 

@@ -23,7 +23,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from engine.loading.demo_model import write_demo_model
 from engine.structured_output import grammar
 

@@ -27,7 +27,7 @@ from gateway.completion import (
     apply_plan, chat_finish_reason, chat_plan_of, choice_prompts, collect, completion_body, engine_down, output_choice,
     order_in_class, output_failed, output_view, prepare_prompts, start_streams, stream_choices, system_fingerprint,
 )
-from gateway.logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_list
+from gateway.openai_logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs_list
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
 from gateway.engine_supervisor import supervise

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from engine.text.prompts import RESERVED_TEMPLATE_KWARGS, ChatInput
 from gateway.errors import APIError
 from gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice, message_text

@@ -14,7 +14,7 @@ from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from gateway.choices import Choices, merged
 from gateway.errors import APIError
-from gateway.logprobs import CompletionLogprobs, as_token_ids, chat_logprobs, echo_text, prompt_logprobs_list, top_k
+from gateway.openai_logprobs import CompletionLogprobs, as_token_ids, chat_logprobs, echo_text, prompt_logprobs_list, top_k
 from gateway.openai_schema import check_choices, prompts_of, sampling_params_of, scoring_only, text_messages
 from gateway.chat_plan import ChatPlan, ParserChoice, plan as plan_chat
 from gateway.tool_parsers import ParsedDelta

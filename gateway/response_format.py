@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from gateway.errors import APIError
 
 # OpenAI: a-z, A-Z, 0-9, underscores and dashes, at most 64 characters.

@@ -10,7 +10,7 @@ schema seen before is found in the grammar cache without a thread hop.
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from engine.structured_output.grammar import cached_grammar, grammar_of
 from gateway.errors import APIError
 from gateway.response_format import format_source

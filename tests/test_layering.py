@@ -1,6 +1,6 @@
 """The house rules, read from the source: product packages never import measurement or test code, no two
-packages import each other, the request/scheduling modules stay free of torch, and nothing imports a module that
-slows every process start for nothing."""
+packages import each other, the engine's rooms import only rooms below them, the request/scheduling modules stay
+free of torch, and nothing imports a module that slows every process start for nothing."""
 
 import ast
 import pathlib
@@ -12,6 +12,47 @@ PRODUCT = ("engine", "moe_kernels", "tenants", "gateway", "loadgen", "migrations
 TORCH_FREE_ROOMS = ("engine/core", "engine/text")
 TORCH_FREE = tuple(sorted(str(f.relative_to(ROOT)) for room in TORCH_FREE_ROOMS for f in (ROOT / room).rglob("*.py"))) + (
     "engine/serving/protocol.py",)
+
+
+# The engine's rooms, lowest first: a module may import its own layer and the layers below, never one above.
+# Request state and text sit at the bottom (the gateway runs them); then what one forward reads, the grammar and
+# sampling math, the kernels, the layers built on them, the models built from layers, the transforms applied to a
+# loaded model, the worker that runs a step, the engine that steps, and the engine as a process at the top.
+# Not ranked: engine/loading and engine/distributed hold a low part (checkpoint configs; the collectives the layers
+# call) and a high part (building a model; a follower rank's loop), and engine/cli.py, engine/engine_flags.py
+# are command-line entry points.
+ENGINE_LAYERS = (
+    ("engine/text",),
+    ("engine/core",),
+    ("engine/device_batch",),
+    ("engine/structured_output",),
+    ("engine/sampling",),
+    ("engine/kernels",),
+    ("engine/layers",),
+    ("engine/models",),
+    ("engine/transforms",),
+    ("engine/worker",),
+    ("engine/llm_engine.py", "engine/llm.py"),
+    ("engine/serving",),
+)
+UNRANKED = ("engine/loading", "engine/distributed", "engine/cli.py", "engine/engine_flags.py", "engine/__init__.py")
+
+
+def _engine_layer(path: str) -> int | None:
+    """The index in ``ENGINE_LAYERS`` of an engine file (``engine/core/x.py``), None where unranked."""
+    for i, rooms in enumerate(ENGINE_LAYERS):
+        if any(path == room or path.startswith(room + "/") for room in rooms):
+            return i
+    return None
+
+
+def _module_file(module: str) -> str | None:
+    """The repository path of a product module name (a package's ``__init__.py``), None if it is not a file here."""
+    base = ROOT / module.replace(".", "/")
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return str(candidate.relative_to(ROOT))
+    return None
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -60,3 +101,27 @@ def test_no_product_module_imports_llguidance_torch():
     bad = [f"{f}: {m}" for files in _package_imports().values() for f, mods in files.items() for m in mods
            if m == "llguidance.torch"]
     assert bad == []
+
+
+def _upward_imports(files: dict[str, set[str]]) -> list[str]:
+    """Each import (file -> module) of a ranked engine room from a room ranked above it."""
+    upward = []
+    for f, mods in files.items():
+        mine = _engine_layer(f)
+        for m in mods:
+            target = _module_file(m) if m.startswith("engine.") else None
+            theirs = None if target is None else _engine_layer(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                upward.append(f"{f} -> {m} ({ENGINE_LAYERS[mine][0]} imports {ENGINE_LAYERS[theirs][0]})")
+    return upward
+
+
+def test_engine_rooms_import_only_rooms_below_them():
+    engine_files = _package_imports()["engine"]
+    unplaced = [f for f in engine_files if _engine_layer(f) is None and not f.startswith(UNRANKED)]
+    assert unplaced == [], f"place these in ENGINE_LAYERS (or UNRANKED, saying why): {unplaced}"
+    assert _upward_imports(engine_files) == []
+    # The check sees an upward import where one is written: a layer reading the worker, core reading serving.
+    planted = {"engine/layers/attention.py": {"engine.worker.runner", "engine.kernels.attention", "torch"},
+               "engine/core/request.py": {"engine.serving.protocol", "engine.text.tokenizer"}}
+    assert [u.split(" ")[0] for u in _upward_imports(planted)] == ["engine/layers/attention.py", "engine/core/request.py"]

@@ -4,7 +4,7 @@ import logging
 
 import msgspec
 
-from engine.core.logprobs import Logprobs, merge_logprobs
+from engine.core.logprob_outputs import Logprobs, merge_logprobs
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import RequestUpdate, Scheduler
 from engine.text.tokenizer import IncrementalDetokenizer

@@ -2,7 +2,7 @@
 
 import msgspec
 
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)

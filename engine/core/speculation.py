@@ -7,7 +7,7 @@ K rows (``DRAFT_PENDING`` tokens) and the runner fills them in before the step's
 
 A decoding request with a proposal is scheduled with 1 + K tokens: its last sampled token and K draft tokens,
 as extra query rows of the same forward as the rest of the step. The runner samples a token at each of the
-1 + K rows (``engine.worker.sampler``) and keeps the drafts up to the first one the model did not sample, plus
+1 + K rows (``engine.sampling.sampler``) and keeps the drafts up to the first one the model did not sample, plus
 the model's own token at that row (``accepted_prefix``); the scheduler rolls the rest back.
 
 Proposals are cheap only when they are accepted; each costs K rows of compute. So a request stops proposing

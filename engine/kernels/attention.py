@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.worker.attention_metadata import TritonAttentionMetadata
+from engine.device_batch.attention_metadata import TritonAttentionMetadata
 
 
 def _cdiv(a: int, b: int) -> int:

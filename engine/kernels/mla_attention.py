@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels.attention import _cdiv, _next_pow2, _num_sms, interpreted
-from engine.worker.attention_metadata import TritonAttentionMetadata
+from engine.device_batch.attention_metadata import TritonAttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.collectives import SINGLE, TensorParallel
-from engine.worker.attention_metadata import AttentionMetadata, TritonAttentionMetadata
+from engine.device_batch.attention_metadata import AttentionMetadata, TritonAttentionMetadata
 from engine.layers.cache_spec import CacheSpec
 from engine.layers.norms import RMSNorm
 from engine.layers.paged_attention import paged_attention, write_kv

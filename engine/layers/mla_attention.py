@@ -24,7 +24,7 @@ from engine.layers.cache_spec import CacheSpec
 from engine.layers.norms import RMSNorm
 from engine.layers.paged_attention import _gather, _partial_attention
 from engine.layers.rotary import RotaryEmbedding
-from engine.worker.attention_metadata import AttentionMetadata, DecodeGroup, TritonAttentionMetadata
+from engine.device_batch.attention_metadata import AttentionMetadata, DecodeGroup, TritonAttentionMetadata
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 

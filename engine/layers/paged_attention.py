@@ -11,7 +11,7 @@ such term; with sinks the same masks go through ``_sink_sdpa`` (explicit float32
 import torch
 import torch.nn.functional as F
 
-from engine.worker.attention_metadata import AttentionMetadata
+from engine.device_batch.attention_metadata import AttentionMetadata
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.distributed.collectives import SINGLE, TensorParallel
-from engine.worker.attention_metadata import AttentionMetadata
+from engine.device_batch.attention_metadata import AttentionMetadata
 from engine.layers.attention import Attention
 from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding

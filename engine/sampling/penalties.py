@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.request import Request
-from engine.worker.staging import stage_int64, to_device
+from engine.device_batch.staging import stage_int64, to_device
 
 _IN_FLIGHT = -1  # scheduler.PLACEHOLDER: a sampled token the host has not read yet
 

@@ -17,7 +17,7 @@ import json
 
 import llguidance
 
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from engine.structured_output.byte_budget_cache import ByteBudgetCache
 from engine.structured_output.satisfiable import unsatisfiable_reason
 

@@ -17,10 +17,10 @@ import llguidance.numpy
 import torch
 
 from engine.core.request import Request
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from engine.structured_output.byte_budget_cache import ByteBudgetCache
 from engine.structured_output.grammar import client_message, grammar_of, limits
-from engine.worker.staging import to_device
+from engine.device_batch.staging import to_device
 
 logger = logging.getLogger(__name__)
 # Untouched matchers kept per schema (cache_key), the most recently used ones, by their estimated bytes. The

@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.worker.attention_metadata import TritonAttentionMetadata
-from engine.worker.batch_builder import FlatBatch
+from engine.device_batch.attention_metadata import TritonAttentionMetadata
+from engine.device_batch.flat_batch import FlatBatch
 from engine.kernels.attention import decode_splits
 
 logger = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ import torch
 
 from engine.layers.moe import SparseMoeBlock
 from engine.transforms.cuda_graphs import pick_batch_size
-from engine.worker.batch_builder import FlatBatch
+from engine.device_batch.flat_batch import FlatBatch
 
 logger = logging.getLogger(__name__)
 

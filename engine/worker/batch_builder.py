@@ -11,28 +11,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.worker.attention_metadata import AttentionMetadata, DecodeGroup, TritonAttentionMetadata
+from engine.device_batch.attention_metadata import AttentionMetadata, DecodeGroup, TritonAttentionMetadata
+from engine.device_batch.flat_batch import FlatBatch
 from engine.kernels.attention import DEFAULT_LAUNCH, decode_splits, prefill_tiles
 from engine.core.scheduler import ScheduledRequest
-from engine.worker.staging import stage_int64
+from engine.device_batch.staging import stage_int64
 
 # Decodes attended together in one padded SDPA call; bigger groups pad more, smaller ones call more.
 DECODE_GROUP_SIZE = 16
 # Decodes sharing a cached prompt prefix, attended together: the shared blocks are read once per group.
 SHARED_GROUP_SIZE = 64
-
-
-@dataclass(slots=True)
-class FlatBatch:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata | TritonAttentionMetadata
-    # [N] int64: flat row of the last token of each sampling request, in scheduled order (the last K + 1 rows
-    # of a request with K drafts: N counts rows, not requests)
-    sample_rows: torch.Tensor
-    prompt_rows: torch.Tensor  # [Q] int64: flat rows scoring prompt tokens (prompt logprobs), in scheduled order
-    num_decodes: int  # D; a batch with T == D is decode-only (CUDA-graph eligible)
-    max_blocks: int  # W of the widest decode table
 
 
 @dataclass(slots=True)

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.scheduler import PLACEHOLDER, ScheduledRequest, SchedulerOutput
-from engine.worker.batch_builder import FlatBatch
-from engine.worker.prompt_scoring import PromptScoring, prompt_scoring
+from engine.device_batch.flat_batch import FlatBatch
+from engine.sampling.prompt_scoring import PromptScoring, prompt_scoring
 from engine.worker.runner import ModelRunner, StepSamples
-from engine.worker.sampler import DeviceSamples, StepSampling
-from engine.worker.staging import stage_int64
+from engine.sampling.sampler import DeviceSamples, StepSampling
+from engine.device_batch.staging import stage_int64
 
 
 def waits_for_step_in_flight(item: ScheduledRequest) -> bool:

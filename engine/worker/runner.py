@@ -5,17 +5,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.worker.batch_builder import FlatBatch, build_batch
+from engine.device_batch.flat_batch import FlatBatch
+from engine.worker.batch_builder import build_batch
 from engine.core.config import CacheConfig
-from engine.core.logprobs import Logprobs
+from engine.core.logprob_outputs import Logprobs
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
 from engine.worker.cache_groups import cache_slots
 from engine.worker.kv_memory import zeros_on_first_touch
 from engine.worker.expert_load import ExpertLoadReader
-from engine.worker.prompt_scoring import prompt_scoring
-from engine.worker.sampler import Sampler
+from engine.sampling.prompt_scoring import prompt_scoring
+from engine.sampling.sampler import Sampler
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 

@@ -8,7 +8,7 @@ import random
 import torch
 from transformers import AutoTokenizer
 
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from engine.loading.demo_model import write_demo_model
 from engine.structured_output import matchers
 from engine.structured_output.matchers import GrammarMatchers

@@ -16,11 +16,11 @@ HOT_PATH = [
     *sorted((ROOT / "engine/models").glob("*.py")),
     ROOT / "engine/worker/runner.py",
     ROOT / "engine/worker/batch_builder.py",
-    ROOT / "engine/worker/staging.py",
+    ROOT / "engine/device_batch/staging.py",
     ROOT / "engine/transforms/cuda_graphs.py",
-    ROOT / "engine/worker/sampler.py",
+    ROOT / "engine/sampling/sampler.py",
     ROOT / "engine/worker/overlap.py",
-    ROOT / "engine/worker/prompt_scoring.py",
+    ROOT / "engine/sampling/prompt_scoring.py",
     ROOT / "engine/worker/expert_load.py",
     *sorted((ROOT / "engine/sampling").glob("*.py")),
     ROOT / "engine/structured_output/matchers.py",
@@ -32,8 +32,8 @@ HOT_PATH = [
 SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "unique", "bincount", "masked_select"}
 # (file, function): the justified ones.
 ALLOWED = {
-    ("engine/worker/sampler.py", "__call__"),  # reading the sampled tokens: the step's one sync
-    ("engine/worker/prompt_scoring.py", "read"),  # prompt logprobs of a synchronous step, read after that sync
+    ("engine/sampling/sampler.py", "__call__"),  # reading the sampled tokens: the step's one sync
+    ("engine/sampling/prompt_scoring.py", "read"),  # prompt logprobs of a synchronous step, read after that sync
     ("engine/worker/expert_load.py", "poll"),  # pinned host memory a finished copy filled; the CPU's own counters
     ("engine/worker/overlap.py", "collect"),  # overlapped steps: reading a step's results, one step late
 }

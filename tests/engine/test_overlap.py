@@ -14,7 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.scheduler import PLACEHOLDER
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from tests.hf_models import make_hf_model
 
 VOCAB = 211

@@ -112,7 +112,7 @@ def test_shared_prefix_decode_attention_matches_plain_gather():
     """The shared-prefix decode path (shared blocks read once, merged by log-sum-exp) vs per-request SDPA."""
     import torch
 
-    from engine.worker.attention_metadata import AttentionMetadata, DecodeGroup
+    from engine.device_batch.attention_metadata import AttentionMetadata, DecodeGroup
     from engine.layers.paged_attention import paged_attention
 
     seed = random.randrange(2**31)

@@ -7,7 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import Request
-from engine.worker.sampler import Sampler
+from engine.sampling.sampler import Sampler
 from tests.hf_models import make_hf_model
 
 

@@ -10,7 +10,7 @@ import torch
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.sampling.penalties import apply_min_p, apply_penalty_inputs, penalty_inputs
-from engine.worker.sampler import Sampler
+from engine.sampling.sampler import Sampler
 
 VOCAB = 97
 

@@ -15,7 +15,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.speculation import (
     PROBE_EVERY, SpeculativeConfig, Speculator, accepted_prefix, ngram_proposal,
 )
-from engine.worker.sampler import Sampler
+from engine.sampling.sampler import Sampler
 
 
 def _brute_ngram(tokens: list[int], k: int) -> list[int]:

@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from engine.worker.staging import stage_int64
+from engine.device_batch.staging import stage_int64
 
 
 def test_views_round_trip_and_are_16_byte_aligned():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from engine.loading.demo_model import write_demo_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -115,7 +115,7 @@ def test_a_token_the_grammar_refuses_becomes_eos_with_eos_logprob(model_dir):
     from engine.core.request import Request
     from engine.structured_output.matchers import GrammarMatchers
     from engine.text.tokenizer import load_tokenizer
-    from engine.worker.sampler import Sampler
+    from engine.sampling.sampler import Sampler
 
     seed = random.randrange(2**31)
     rng = random.Random(seed)

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from engine.core.sampling_params import SamplingParams
-from engine.core.structured_output import StructuredOutput
+from engine.core.structured_output_spec import StructuredOutput
 from engine.serving.async_engine import UnreadStreamError
 from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key

@@ -1,7 +1,7 @@
 """Logprobs in OpenAI's response shapes: chat ``choices[i].logprobs.content`` and the completions object
 (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
 
-from engine.core.logprobs import Logprobs
+from engine.core.logprob_outputs import Logprobs
 from engine.core.outputs import RequestOutput
 
 # JSON has no -inf; OpenAI reports such tokens at this value.

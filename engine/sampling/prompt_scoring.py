@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.logprobs import Logprobs
+from engine.core.logprob_outputs import Logprobs
 from engine.core.scheduler import ScheduledRequest
-from engine.sampling.logprobs import group_positions, logprob_tensors, unpack_logprobs
-from engine.worker.staging import stage_int64
+from engine.sampling.logprob_tensors import group_positions, logprob_tensors, unpack_logprobs
+from engine.device_batch.staging import stage_int64
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ with its tokens); ``unpack_logprobs`` turns the rows read back into ``Logprobs``
 
 import torch
 
-from engine.core.logprobs import Logprobs
+from engine.core.logprob_outputs import Logprobs
 
 
 def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,12 +5,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.logprobs import Logprobs
+from engine.core.logprob_outputs import Logprobs
 from engine.core.request import Request
-from engine.sampling.logprobs import gather_logprob_tensors, unpack_logprobs
+from engine.sampling.logprob_tensors import gather_logprob_tensors, unpack_logprobs
 from engine.sampling.penalties import PenaltyInputs, apply_min_p, apply_penalty_inputs, penalty_inputs
 from engine.structured_output.matchers import GrammarMask, GrammarMatchers
-from engine.worker.staging import stage_int64, to_device
+from engine.device_batch.staging import stage_int64, to_device
 
 
 @dataclass(slots=True)
