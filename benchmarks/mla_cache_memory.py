@@ -13,7 +13,7 @@ import torch
 
 from engine.layers.cache_spec import CacheSpec
 from engine.loading.random_weights import build_random_model, random_model_config
-from engine.worker.runner import kv_bytes_per_block
+from engine.worker.cache_groups import kv_bytes_per_block
 
 
 def main() -> None:

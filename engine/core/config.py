@@ -42,7 +42,8 @@ class EngineConfig:
     """share the KV blocks of prompt prefixes already computed (salted per tenant)"""
     num_kv_blocks: int | None = None
     """fix the KV pool at this many blocks (default: sized from ``kv_cache_memory_gb`` on the CPU, or
-    ``gpu_memory_utilization`` on a GPU)"""
+    ``gpu_memory_utilization`` on a GPU); where sliding-window layers keep their own block tables (gpt-oss), a
+    block holds half the layers"""
     kv_cache_memory_gb: float = 2.0
     """KV pool size on the CPU, in GB (taken only as blocks are first written)"""
     gpu_memory_utilization: float = 0.9
@@ -360,6 +361,9 @@ class CacheConfig:
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
+    # The window of the sliding-window layers when they keep their own block tables (a second cache group whose
+    # blocks go back to the pool once the window has passed them); None: one block table for every layer.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         assert self.block_size >= 1 and self.num_blocks >= 1

@@ -1,5 +1,18 @@
-"""Per-request block tables over the block pool, with prefix-cache lookups (device, then the outer tiers)."""
+"""Per-request block tables over the block pool, with prefix-cache lookups (device, then the outer tiers).
 
+A model whose layers all attend to the whole context has one cache group: one block table per request. A model
+that mixes full-attention layers with sliding-window layers of equal number (gpt-oss) has two: group 0 (the
+full layers) and group 1 (the sliding layers, window W). Both groups draw blocks from the one pool (a block is
+one block of K/V for as many layers as a group has, see ``engine.worker.cache_groups``), and each request has a
+table per group. In the sliding group, a block that lies wholly before ``computed - W`` can never be read again:
+it is handed back to the pool and its table entry points at the null block (the runner's scratch block, which
+the attention masks never let a query see), so the table keeps its shape and positions.
+
+The prefix-cache tiers below the pool (host memory, disk) hold one group's blocks: they serve models with one
+cache group.
+"""
+
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.core.block_pool import Block, BlockPool, hash_block_tokens
@@ -18,31 +31,70 @@ class PrefixTiers(Protocol):
     def release(self, block_hashes: list[bytes]) -> None: ...
 
 
-class KVCacheManager:
-    """Maps each running request to its append-only list of blocks.
+def first_live_block(num_computed: int, window: int | None, block_size: int) -> int:
+    """Index of the first block a request's next queries can read in a group with ``window`` (None: full).
 
-    ``allocate_slots`` is the only way blocks are added; ``free`` the only way
-    they are returned. Full blocks get a chained hash once their KV is written.
+    The next query sits at position ``num_computed`` or later and sees keys after ``position - window``; every
+    block ending at or before ``num_computed - window`` is out of reach for good."""
+    if window is None:
+        return 0
+    return max(0, (num_computed - window) // block_size)
+
+
+def sliding_blocks_bound(window: int, block_size: int, num_new_tokens: int) -> int:
+    """Most blocks one request holds in a sliding group while a step computes ``num_new_tokens`` of its tokens:
+    those after ``first_live_block`` up to the step's last token (``ceil(W / block_size) + 1`` for a decode)."""
+    return -(-(window + num_new_tokens) // block_size) + 1
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """A prefix-cache hit: ``num_blocks`` leading full blocks, with each group's blocks for them (None where a
+    sliding group needs none: out of the window of the first token left to compute)."""
+
+    num_blocks: int = 0
+    groups: list[list[Block | None]] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Maps each running request to one append-only block table per cache group.
+
+    ``allocate_slots`` is the only way blocks are added; ``free``, ``trim`` and a sliding group's window the
+    only ways they are returned. Full blocks get a chained hash once their KV is written.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, tiers: PrefixTiers | None = None) -> None:
-        """``tiers``: host and disk tiers below the pool (None: blocks evicted from the pool are dropped)."""
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None,
+                 tiers: PrefixTiers | None = None) -> None:
+        """``sliding_window``: the window of the second cache group's layers (None: one group, every layer full).
+        ``tiers``: host and disk tiers below the pool (None: blocks evicted from the pool are dropped); one
+        cache group only."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self.tiers = tiers if enable_caching else None
         if self.tiers is not None:
+            if sliding_window is not None:
+                raise ValueError("the prefix-cache tiers hold one cache group's blocks: a model with sliding-window "
+                                 "layers runs without them (host_cache_gb 0)")
             self.pool.evicted = []
         # (block id, hash, tenant) of evicted blocks given host slots, to save, and of blocks to fill from the
         # host tier, both before the next forward.
         self.saves: list[tuple[int, bytes, str]] = []
         self.loads: list[tuple[int, bytes, str]] = []
         self._waited: set[str] = set()  # requests that already waited once for blocks read from disk
-        self._blocks: dict[str, list[Block]] = {}
-        self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks, in order
         self._num_registered: dict[str, int] = {}  # leading full blocks of the request already registered
+        # The window of each group: None for full attention. Group 0 is always the full group.
+        self.windows: tuple[int | None, ...] = (None,) if sliding_window is None else (None, sliding_window)
+        # Where a released block's table entry points: the runner's scratch block (never handed out).
+        self.null_block_id = num_blocks
+        self._tables: dict[str, list[list[Block | None]]] = {}  # request -> one table per group
+        # request -> per group, how many leading entries are released (None): they always lead the table
+        self._released: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks, in order
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        # Most blocks one request held at once in each group (the sliding group's stays bounded by its window).
+        self.peak_request_blocks = [0] * len(self.windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -51,8 +103,27 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
+    def _ids(self, table: list[Block | None]) -> list[int]:
+        null = self.null_block_id
+        return [null if b is None else b.block_id for b in table]
+
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's table in group 0 (every layer's table when there is one group)."""
+        tables = self._tables.get(request_id)
+        return [b.block_id for b in tables[0]] if tables else []
+
+    def window_block_ids(self, request_id: str) -> list[int]:
+        """The request's table in the sliding group, the null block where blocks left the window; [] with one
+        group. As long as group 0's table: position p is in entry p // block_size of either."""
+        tables = self._tables.get(request_id)
+        return self._ids(tables[1]) if tables and len(tables) > 1 else []
+
+    def blocks_held(self, request_id: str) -> list[int]:
+        """Blocks the request holds in each group (its share of the pool)."""
+        tables = self._tables.get(request_id)
+        if not tables:
+            return [0] * len(self.windows)
+        return [len(table) - released for table, released in zip(tables, self._released[request_id])]
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -63,21 +134,47 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs], request.policy.cache_salt))
         return hashes
 
-    def find_cached_prefix(self, request: Request) -> list[Block]:
-        """Longest run of cached full blocks matching the request's tokens.
+    @staticmethod
+    def _key(block_hash: bytes, group: int) -> bytes:
+        # Each group caches its own blocks of the same tokens; group 0 keeps the plain hash.
+        return block_hash if group == 0 else bytes([group]) + block_hash
 
-        The last token is always left to compute so the step has its logits.
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """Longest run of cached full blocks matching the request's tokens, in every group.
+
+        The last token is always left to compute so the step has its logits. In a sliding group only the
+        blocks the first token left to compute can see must be cached (blocks further back may be gone), so
+        the hit is the longest run of the full group's blocks whose window is whole in every sliding group.
         """
         if not self.enable_caching:
-            return []
+            return CachedPrefix()
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[Block] = []
-        for block_hash in self._block_hashes(request, max_blocks):
+        hashes = self._block_hashes(request, max_blocks)
+        full: list[Block] = []
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
-            hits.append(block)
-        return hits
+            full.append(block)
+        n = len(full)
+        while True:  # n only shrinks: a hit ends at or before the last block found missing
+            groups: list[list[Block | None]] = [full[:n]]
+            for g, window in enumerate(self.windows[1:], start=1):
+                first = first_live_block(n * self.block_size, window, self.block_size)
+                live = [self.pool.lookup(self._key(h, g)) for h in hashes[first:n]]
+                missing = [i for i, b in enumerate(live) if b is None]
+                if missing:
+                    n = first + missing[-1]  # a hit must end at or before the last missing block
+                    break
+                groups.append([None] * first + live)
+            else:
+                return CachedPrefix(n, groups)
+
+    def record_prefix_hit(self, request: Request, num_cached_tokens: int) -> None:
+        """Count one admission's prefix lookup (once, however often admission retried)."""
+        if self.enable_caching:
+            self.prefix_query_tokens += request.num_tokens
+            self.prefix_hit_tokens += num_cached_tokens
 
     def find_tier_prefix(self, request: Request, num_device_hits: int) -> list[Block | bytes] | None:
         """The cached run after the device's leading hits, through the pool and the host tier: per block, the
@@ -133,45 +230,68 @@ class KVCacheManager:
             self.saves.extend(self.tiers.reserve(self.pool.evicted))
             self.pool.evicted = []
 
-    def record_prefix_hit(self, request: Request, num_cached_tokens: int) -> None:
-        """Count one admission's prefix lookup (once, however often admission retried)."""
-        if self.enable_caching:
-            self.prefix_query_tokens += request.num_tokens
-            self.prefix_hit_tokens += num_cached_tokens
+    def _release_out_of_window(self, request: Request, tables: list[list[Block | None]]) -> None:
+        # Sliding groups: blocks the next queries cannot see go back to the pool (tail-first, like ``free``).
+        released = self._released[request.request_id]
+        for g, window in enumerate(self.windows[1:], start=1):
+            table = tables[g]
+            first = min(first_live_block(request.num_computed_tokens, window, self.block_size), len(table))
+            if first > released[g]:
+                gone = table[released[g]:first]
+                table[released[g]:first] = [None] * len(gone)
+                released[g] = first
+                self.pool.release(list(reversed(gone)))
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] | None = None,
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: CachedPrefix | None = None,
                        tier_hits: list[Block | bytes] | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more tokens; False (and no change) if the pool is short.
+        """Make room for ``num_new_tokens`` more tokens in every group; False (and no new block) if the pool is
+        short. A sliding group first hands back the blocks its window has passed, so it holds at most
+        ``ceil(W / block_size) + 1`` blocks plus those of the new tokens.
 
-        ``tier_hits``: the cached run after ``cached_prefix`` (``find_tier_prefix``): pool blocks are shared as
-        usual; each hash of a host-tier block gets a new block, filled from the host before the next forward
-        (``take_transfers``)."""
-        held = self._blocks.get(request.request_id, [])
-        hits: list[Block | bytes] = list(cached_prefix or []) + list(tier_hits or [])
-        assert not (held and hits), "prefix hits only apply to a request with no blocks"
-        shared = [b for b in hits if isinstance(b, Block)]
-        num_computed = request.num_computed_tokens + len(hits) * self.block_size
-        # New blocks: the host tier's hits, then the tokens to compute.
-        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(shared)
-        # Reviving cached blocks that sit in the free queue also consumes free blocks.
-        revived = sum(1 for b in shared if b.ref_count == 0)
-        if needed + revived > self.pool.num_free_blocks:
+        ``tier_hits`` (one cache group): the cached run after ``cached_prefix`` (``find_tier_prefix``): pool
+        blocks are shared as usual; each hash of a host-tier block gets a new block, filled from the host
+        before the next forward (``take_transfers``)."""
+        tables = self._tables.get(request.request_id)
+        hit = cached_prefix or CachedPrefix()
+        tier_hits = tier_hits or []
+        assert not (tables and (hit.num_blocks or tier_hits)), "prefix hits only apply to a request with no blocks"
+        if tables is not None:
+            self._release_out_of_window(request, tables)
+        held = tables or [[] for _ in self.windows]
+        prefix = hit.groups or [[] for _ in self.windows]
+        shared_tier = [b for b in tier_hits if isinstance(b, Block)]
+        num_computed = request.num_computed_tokens + (hit.num_blocks + len(tier_hits)) * self.block_size
+        total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
+        # New blocks per group (group 0's include one per host-tier hit, filled from the host).
+        needed = [max(total_blocks - len(h) - len(p) - (len(shared_tier) if g == 0 else 0), 0)
+                  for g, (h, p) in enumerate(zip(held, prefix))]
+        # Every group's hits are taken before any block is allocated: a hit may sit in the free queue, and
+        # reviving it there also consumes a free block.
+        hits = [b for blocks in prefix for b in blocks if b is not None] + shared_tier
+        revived = sum(1 for b in hits if b.ref_count == 0)
+        if sum(needed) + revived > self.pool.num_free_blocks:
             return False
-        if shared:
-            self.pool.acquire(shared)
-        new_blocks = iter(self.pool.allocate(max(needed, 0)))
-        table = list(held)
+        if hits:
+            self.pool.acquire(hits)
+        if tables is None:  # a hit's sliding tables lead with the blocks its window has passed
+            tables = self._tables[request.request_id] = [[] for _ in self.windows]
+            self._released[request.request_id] = [len(p) - sum(b is not None for b in p) for p in prefix]
+        released = self._released[request.request_id]
         loaded = []
-        for hit in hits:
-            if isinstance(hit, Block):
-                table.append(hit)
-            else:
-                block = next(new_blocks)
-                table.append(block)
-                self.loads.append((block.block_id, hit, request.policy.tenant))
-                loaded.append(hit)
-        table.extend(new_blocks)
-        self._blocks[request.request_id] = table
+        for g, (table, p, n) in enumerate(zip(tables, prefix, needed)):
+            table += p
+            new_blocks = iter(self.pool.allocate(n))
+            if g == 0:
+                for tier_hit in tier_hits:
+                    if isinstance(tier_hit, Block):
+                        table.append(tier_hit)
+                    else:
+                        block = next(new_blocks)
+                        table.append(block)
+                        self.loads.append((block.block_id, tier_hit, request.policy.tenant))
+                        loaded.append(tier_hit)
+            table.extend(new_blocks)
+            self.peak_request_blocks[g] = max(self.peak_request_blocks[g], len(table) - released[g])
         if loaded:
             self.tiers.claim(request.policy.tenant, loaded)
         return True
@@ -180,32 +300,38 @@ class KVCacheManager:
         """Register blocks that became full and computed this step, so later requests can share them."""
         if not self.enable_caching:
             return
-        blocks = self._blocks[request.request_id]
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        tables = self._tables[request.request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
         hashes = self._block_hashes(request, num_full)
         # From the first block not looked at in an earlier step (a run of hits may mix shared pool blocks,
-        # already registered, with blocks just loaded from the host tier, not yet).
-        for i in range(self._num_registered.get(request.request_id, 0), num_full):
-            if blocks[i].block_hash is None:
-                self.pool.register(blocks[i], hashes[i], request.policy.tenant)
-        self._num_registered[request.request_id] = max(num_full, self._num_registered.get(request.request_id, 0))
+        # already registered, with blocks just loaded from the host tier, not yet; released entries are None).
+        start = self._num_registered.get(request.request_id, 0)
+        for g, blocks in enumerate(tables):
+            for i in range(start, num_full):
+                block = blocks[i]
+                if block is not None and block.block_hash is None:
+                    self.pool.register(block, self._key(hashes[i], g), request.policy.tenant)
+        self._num_registered[request.request_id] = max(num_full, start)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Return the request's blocks past the first ``num_tokens`` tokens' (speculative decoding's rejected
         drafts). Those blocks hold no computed full block, so none of them is in the prefix cache."""
-        blocks = self._blocks.get(request.request_id)
+        tables = self._tables.get(request.request_id)
         keep = -(-num_tokens // self.block_size)
-        if blocks is not None and len(blocks) > keep:
-            extra = blocks[keep:]
-            del blocks[keep:]
-            assert all(b.block_hash is None for b in extra), "a block past the verified tokens was cached"
-            self.pool.release(list(reversed(extra)))
+        for blocks in tables or ():
+            if len(blocks) > keep:
+                extra = [b for b in blocks[keep:] if b is not None]
+                del blocks[keep:]
+                assert all(b.block_hash is None for b in extra), "a block past the verified tokens was cached"
+                self.pool.release(list(reversed(extra)))
 
     def free(self, request: Request) -> None:
         """Return every block of the request; full blocks stay cached until evicted."""
-        blocks = self._blocks.pop(request.request_id, [])
+        tables = self._tables.pop(request.request_id, [])
+        self._released.pop(request.request_id, None)
         self._hashes.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
         if request.is_finished:
             self._waited.discard(request.request_id)
-        self.pool.release(list(reversed(blocks)))
+        for blocks in reversed(tables):
+            self.pool.release([b for b in reversed(blocks) if b is not None])

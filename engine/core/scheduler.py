@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.config import CacheConfig, SchedulerConfig
-from engine.core.kv_cache_manager import KVCacheManager, PrefixTiers
+from engine.core.kv_cache_manager import CachedPrefix, KVCacheManager, PrefixTiers
 from engine.core.request import Request, RequestStatus
 from engine.core.speculation import Speculator, accepted_prefix
 from engine.core.stats import SchedulerStats
@@ -81,17 +81,21 @@ class ScheduledRequest:
     # Speculative decoding: the last K of the num_new_tokens are drafts (not yet the request's tokens); the
     # step samples at each of the last K + 1 rows and keeps the drafts the model agrees with.
     draft_token_ids: list[int] = field(default_factory=list)
+    # The block table of the sliding-window layers' cache group (the null block where blocks left the window),
+    # as long as ``block_ids``; empty when every layer reads ``block_ids`` (one cache group).
+    window_block_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, request: Request, num_new_tokens: int, block_ids: list[int], sample: bool,
-           drafts: list[int] | None = None) -> "ScheduledRequest":
+           drafts: list[int] | None = None, window_block_ids: list[int] | None = None) -> "ScheduledRequest":
         start = request.num_computed_tokens
         rows = 0
         if request.sampling_params.prompt_logprobs is not None:
             rows = max(0, min(start + num_new_tokens, request.num_prompt_tokens - 1) - start)
         drafts = drafts or []
         known = request.all_token_ids[start:start + num_new_tokens - len(drafts)]
-        return cls(request, num_new_tokens, block_ids, sample, start, known + drafts, rows, drafts)
+        return cls(request, num_new_tokens, block_ids, sample, start, known + drafts, rows, drafts,
+                   window_block_ids or [])
 
 
 @dataclass(slots=True)
@@ -134,7 +138,7 @@ class Scheduler:
         self.config = scheduler_config
         self.speculator = speculator
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 tiers)
+                                 cache_config.sliding_window, tiers)
         self.vtc = VirtualTokenCounter()
         self.waiting = WaitingQueue(self.vtc)
         self.running: list[Request] = []
@@ -351,15 +355,15 @@ class Scheduler:
                 self._preempt(victim, preempted)
                 continue
             # Prompt logprobs need every prompt position computed: no prefix-cache hits for them.
-            cached, tier_hits = [], []
+            cached, tier_hits = CachedPrefix(), []
             if request.sampling_params.prompt_logprobs is None:
                 cached = self.kv.find_cached_prefix(request)
-                tier_hits = self.kv.find_tier_prefix(request, len(cached))
+                tier_hits = self.kv.find_tier_prefix(request, cached.num_blocks)
                 if tier_hits is None:
                     # Its next blocks are being read from disk: it waits (for a step or a few), and so do the
                     # requests behind it in this rank's queue; running requests keep stepping.
                     return
-            num_cached = (len(cached) + len(tier_hits)) * self.kv.block_size
+            num_cached = (cached.num_blocks + len(tier_hits)) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, self._budget)
             if request.policy.background:
                 num_new = min(num_new, self._background_left)
@@ -384,8 +388,9 @@ class Scheduler:
 
     def _add_scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> None:
         sample = request.num_computed_tokens + num_new - len(drafts or ()) == request.num_tokens
-        self._scheduled.append(ScheduledRequest.of(request, num_new, self.kv.block_ids(request.request_id), sample,
-                                                   drafts))
+        rid = request.request_id
+        self._scheduled.append(ScheduledRequest.of(request, num_new, self.kv.block_ids(rid), sample, drafts,
+                                                   self.kv.window_block_ids(rid)))
         self._served.add(request.request_id)
         self._budget -= num_new
         if request.policy.background:
@@ -533,4 +538,5 @@ class Scheduler:
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
             spec_steps=self.spec_steps,
+            kv_peak_request_blocks=list(self.kv.peak_request_blocks),
         )

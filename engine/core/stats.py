@@ -36,6 +36,9 @@ class SchedulerStats(msgspec.Struct):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_steps: int = 0
+    # Per KV cache group (one, or the full-attention group then the sliding-window one): the most blocks one
+    # request held at once since start. A sliding group's stays within its window's blocks plus a step's.
+    kv_peak_request_blocks: list[int] = []
     # Tokens routed to each expert per MoE layer since start; refreshed every step on the CPU and about
     # every EXPERT_LOAD_EVERY_CUDA steps on CUDA (a copy read once done, never waited for), else None.
     expert_load: list[list[int]] | None = None

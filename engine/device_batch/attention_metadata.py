@@ -39,7 +39,8 @@ class AttentionMetadata:
     # its keys are exactly its own tokens, so it runs causal attention on them with no cache read.
     prefill_masks: list[torch.Tensor | None]
     # Models whose layers differ in window (gpt-oss: ``ModelConfig.layer_sliding_window``): the same batch with
-    # the masks of that window, for the layers that use it; None when every layer reads the masks above.
+    # the masks of that window, for the layers that use it (and their own slots and block tables where those
+    # layers are a cache group of their own); None when every layer reads the masks above.
     windowed: "AttentionMetadata | None" = None
 
     def for_window(self, own_window: bool) -> "AttentionMetadata":
@@ -76,3 +77,11 @@ class TritonAttentionMetadata:
     # (first flat token, query length, context length) of each prefill chunk, on the host: what a path that loops
     # over the chunks in Python (MLA's expanded prefill) reads without copying the device tensors back.
     prefill_extents: tuple[tuple[int, int, int], ...] = ()
+    # The sliding-window layers' own cache group: the same batch over that group's slots and block tables
+    # (lengths and tiles shared); None when every layer reads the tables above.
+    windowed: "TritonAttentionMetadata | None" = None
+
+    def for_window(self, own_window: bool) -> "TritonAttentionMetadata":
+        """The metadata a layer reads: ``windowed`` for a layer with its own window where the batch has it (the
+        kernels take the layer's window as an argument), else this."""
+        return self.windowed if own_window and self.windowed is not None else self

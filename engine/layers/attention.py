@@ -112,13 +112,14 @@ class Attention(nn.Module):
                meta: AttentionMetadata | TritonAttentionMetadata) -> torch.Tensor:
         """The attention core: writes k, v into the paged cache at ``meta.slot_mapping``, returns [T, h, d]."""
         k_cache, v_cache = self.kv_cache
+        # A layer with its own window reads (and writes) its cache group's tables and masks.
+        meta = meta.for_window(self.sliding_window is not None)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         # The metadata's type is the backend the runner chose (``KernelChoice.attention``).
         if isinstance(meta, TritonAttentionMetadata):
             return triton_paged_attention(q, k_cache, v_cache, meta, self.scale, sinks=self.sinks,
                                           sliding_window=self.sliding_window)
-        return paged_attention(q, k, v, k_cache, v_cache, meta.for_window(self.sliding_window is not None),
-                               self.scale, self.sinks)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sinks)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, h, d] (or [T, h * d]) -> [T, H]: o_proj, summed over the tensor-parallel ranks."""

@@ -253,26 +253,44 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
         raise CheckpointError(f"{model_dir}: checkpoint lacks weights for {shown}")
 
 
-def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device, moe_backend: str,
-                max_positions: int, tp: TensorParallel = SINGLE, quantization: QuantScheme | None = None,
-                stage: PipelineStage = WHOLE) -> MoECausalLM:
-    """Instantiate our family class for the checkpoint, load its weights (this rank's slices), cast and move it.
-
-    With ``quantization`` the routed experts are quantized from the float32 weights on the CPU, before the
-    move, so the device never holds them in 16 bits. An 8-bit checkpoint's tensors are dequantized as they are
-    read (float32, exact for its float8 values times float32 scales up to float32 rounding); its experts are
-    then quantized again with the scheme asked for, which for the checkpoint's own scheme gives back its values.
-    """
-    cls = MODEL_REGISTRY[config.architecture]
-    with torch.device("meta"):
-        model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp, stage=stage)
-    # Materialise on the CPU in float32, load, then cast once: loading stays simple and exact.
-    model = model.to_empty(device="cpu")
-    for module in model.modules():  # non-persistent buffers were meta, now uninitialised: rebuild them
+def _rebuild_buffers(model: MoECausalLM) -> None:
+    """Non-persistent buffers were meta, and are uninitialised once materialised: compute them again."""
+    for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache()
         elif isinstance(module, SparseMoeBlock):
             module.expert_tokens.zero_()
+
+
+def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device, moe_backend: str,
+                max_positions: int, tp: TensorParallel = SINGLE, quantization: QuantScheme | None = None,
+                stage: PipelineStage = WHOLE) -> MoECausalLM:
+    """Instantiate our family class for the checkpoint and load its weights (this rank's slices; with
+    ``stage``, only its pipeline stage's layers).
+
+    Without ``quantization`` the model is allocated once, on ``device`` in ``dtype`` (the cast is free on the
+    meta device; parameters kept in float32 stay so), and each checkpoint tensor is copied into its place as it
+    is read: the host holds one checkpoint tensor at a time (an MXFP4 or 8-bit one dequantized to float32), never
+    the model. Each copy rounds the tensor to ``dtype`` exactly as a cast of the whole model would.
+
+    With ``quantization`` the routed experts are quantized from the float32 weights on the CPU, before the
+    move, so the device never holds them in 16 bits: the model is materialised on the CPU in float32 first. An
+    8-bit checkpoint's tensors are dequantized as they are read (float32, exact for its float8 values times
+    float32 scales up to float32 rounding); its experts are then quantized again with the scheme asked for, which
+    for the checkpoint's own scheme gives back its values.
+    """
+    cls = MODEL_REGISTRY[config.architecture]
+    with torch.device("meta"):
+        model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp, stage=stage)
+    if quantization is None:
+        model = model.to(dtype=dtype).to_empty(device=device)
+    else:  # float32 on the CPU, loaded, quantized, then cast and moved once
+        model = model.to_empty(device="cpu")
+    if config.tie_word_embeddings and stage.is_first:  # to_empty may give the two names separate storage
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _rebuild_buffers(model)
     load_weights(model, model_dir)
+    if quantization is None:  # the parameters are in dtype already; this casts the rebuilt float32 buffers only
+        return model.to(dtype=dtype).eval()
     quantize_experts_(model, quantization)
     return model.to(device=device, dtype=dtype).eval()

@@ -42,6 +42,11 @@ class KVHandoff:
     """The engine process's part of disaggregated serving (see the module docstring)."""
 
     def __init__(self, engine, config: EngineConfig, connector: KVConnector | None = None) -> None:
+        if len(engine.scheduler.kv.windows) > 1:
+            # A block id means other layers' memory in each cache group: moving one group's blocks for every
+            # layer would overwrite the other group's blocks.
+            raise ValueError(f"role {config.role} moves one cache group's blocks: a model with sliding-window "
+                             "layers (gpt-oss) runs aggregated (role both) for now")
         self.engine = engine
         self.role = config.role
         self.block_size = config.block_size

@@ -21,7 +21,7 @@ is how the CPU tests exercise everything here but the capture itself.
 
 import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,13 +56,19 @@ class StaticDecodeBuffers:
     block_table: torch.Tensor  # [B_max, W_max] int64
     seq_lens: torch.Tensor  # [B_max] int64
     empty: torch.Tensor  # [0] int64: the (absent) prefill fields
+    # The sliding-window layers' own cache group (``TritonAttentionMetadata.windowed``), or None: one group.
+    window_slot_mapping: torch.Tensor | None = None  # [B_max] int64
+    window_block_table: torch.Tensor | None = None  # [B_max, W_max] int64
 
     @classmethod
-    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> "StaticDecodeBuffers":
+    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device,
+                 window_tables: bool = False) -> "StaticDecodeBuffers":
         def zeros(*shape):
             return torch.zeros(shape, dtype=torch.int64, device=device)
 
-        return cls(zeros(max_batch), zeros(max_batch), zeros(max_batch), zeros(max_batch, max_blocks), zeros(max_batch), zeros(0))
+        window = (zeros(max_batch), zeros(max_batch, max_blocks)) if window_tables else (None, None)
+        return cls(zeros(max_batch), zeros(max_batch), zeros(max_batch), zeros(max_batch, max_blocks), zeros(max_batch),
+                   zeros(0), *window)
 
     def load(self, batch: FlatBatch, size: int, scratch_slot: int) -> None:
         """Copy a decode-only batch of n <= size requests into rows [0, n); rows [n, size) become padding."""
@@ -74,6 +80,9 @@ class StaticDecodeBuffers:
         # Columns past ``width`` keep older steps' entries; seq_lens bounds every read, so they are never used.
         self.block_table[:n, :width].copy_(meta.decode_block_table, non_blocking=True)
         self.seq_lens[:n].copy_(meta.decode_seq_lens, non_blocking=True)
+        if self.window_slot_mapping is not None:
+            self.window_slot_mapping[:n].copy_(meta.windowed.slot_mapping, non_blocking=True)
+            self.window_block_table[:n, :width].copy_(meta.windowed.decode_block_table, non_blocking=True)
         self.pad(n, size, scratch_slot)
 
     def pad(self, start: int, end: int, scratch_slot: int) -> None:
@@ -81,23 +90,31 @@ class StaticDecodeBuffers:
         self.positions[start:end].zero_()
         self.slot_mapping[start:end].fill_(scratch_slot)
         self.seq_lens[start:end].zero_()
+        if self.window_slot_mapping is not None:
+            self.window_slot_mapping[start:end].fill_(scratch_slot)
 
     def metadata(self, size: int, splits: int, sliding_window: int) -> TritonAttentionMetadata:
         """Metadata over the first ``size`` rows (views: a graph captured with it reads later contents)."""
-        return TritonAttentionMetadata(
+        meta = TritonAttentionMetadata(
             slot_mapping=self.slot_mapping[:size], num_decodes=size,
             decode_block_table=self.block_table[:size], decode_seq_lens=self.seq_lens[:size], decode_splits=splits,
             num_prefills=0, prefill_block_table=self.empty.view(0, 1), prefill_seq_lens=self.empty,
             prefill_query_start=self.empty, prefill_query_len=self.empty, prefill_tile_req=self.empty,
             prefill_tile_start=self.empty, sliding_window=sliding_window,
         )
+        if self.window_slot_mapping is not None:
+            meta.windowed = replace(meta, slot_mapping=self.window_slot_mapping[:size],
+                                    decode_block_table=self.window_block_table[:size])
+        return meta
 
 
 class DecodeGraphs:
     """One captured forward per batch size; ``run`` replays the smallest that fits a decode-only batch."""
 
     def __init__(self, model: torch.nn.Module, sizes: tuple[int, ...], max_blocks: int, device: torch.device,
-                 num_kv_heads: int, sliding_window: int, scratch_slot: int, capture: bool) -> None:
+                 num_kv_heads: int, sliding_window: int, scratch_slot: int, capture: bool,
+                 window_tables: bool = False) -> None:
+        """``window_tables``: the sliding-window layers have their own block tables (two cache groups)."""
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
@@ -105,7 +122,7 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.scratch_slot = scratch_slot
         self.capture = capture
-        self.buffers = StaticDecodeBuffers.allocate(self.sizes[-1], max_blocks, device)
+        self.buffers = StaticDecodeBuffers.allocate(self.sizes[-1], max_blocks, device, window_tables)
         self.metas = {b: self.buffers.metadata(b, decode_splits(b, num_kv_heads, device), sliding_window) for b in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [B, H] each, written by its graph's replay
@@ -159,7 +176,8 @@ def enable_decode_graphs(runner, sizes: tuple[int, ...] | None, max_num_seqs: in
     max_blocks = -(-max_model_len // runner.block_size)
     config = runner.model.config
     graphs = DecodeGraphs(runner.model, sizes, max_blocks, runner.device, runner.model.num_local_kv_heads,
-                          config.sliding_window or 0, runner.scratch_block * runner.block_size, capture)
+                          config.sliding_window or 0, runner.scratch_block * runner.block_size, capture,
+                          window_tables=runner.window_tables)
     if capture:
         graphs.capture_all()
         logger.info("captured decode CUDA graphs for batch sizes %s", graphs.sizes)

@@ -23,6 +23,8 @@ Drafts are greedy (a point mass), which the step's verification turns into exact
 (``engine.core.speculation.accepted_prefix``).
 """
 
+from dataclasses import replace
+
 import torch
 
 from engine.core.config import CacheConfig
@@ -43,7 +45,9 @@ class DraftProposer:
         self.device = device
         self.attention_backend = attention_backend
         self.block_size = cache_config.block_size
-        self.kv_caches = attach_kv_caches(model, cache_config, device, dtype)  # the target's block count
+        # The target's block count; every draft layer reads the target's full-attention tables (``block_ids``),
+        # so its caches are one group whatever the target's layout.
+        self.kv_caches = attach_kv_caches(model, replace(cache_config, sliding_window=None), device, dtype)
         # request id -> (its preemption count when last seen, positions holding the draft K/V of its tokens)
         self.computed: dict[str, tuple[int, int]] = {}
         self.num_forwards = 0  # draft forwards run (each over every speculating request of its step)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.core.config import CacheConfig, EngineConfig, KernelChoice
+from engine.core.kv_cache_manager import sliding_blocks_bound
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.loading.model_config import CheckpointError, ModelConfig, load_model_config
@@ -14,7 +15,8 @@ from engine.layers.moe import SparseMoeBlock
 from engine.loading.quantization import check_supported, resolve_scheme
 from engine.models import MoECausalLM
 from engine.worker.draft_model import DraftProposer
-from engine.worker.runner import ModelRunner, kv_bytes_per_block
+from engine.worker.cache_groups import kv_bytes_per_block, sliding_group_window
+from engine.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ def kv_blocks_for_memory(config: EngineConfig, model: MoECausalLM, device: torch
     block's bytes include the draft model's K/V of its tokens, if there is one."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model, config.block_size, dtype)
+    per_block = kv_bytes_per_block(model, config.block_size, dtype, sliding_group_window(model))
     if draft is not None:
         per_block += kv_bytes_per_block(draft, config.block_size, dtype)
     if device.type == "cuda":
@@ -159,8 +161,18 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
         balancer = ExpertBalancer(blocks, tp.expert_parallel.tp, config.num_redundant_experts,
                                   config.eplb_window_steps, config.eplb_interval_steps, device)
     num_blocks = kv_blocks_for_memory(config, model, device, dtype, draft)
-    max_len = min(max_len, num_blocks * config.block_size)  # a sequence never holds more than the whole pool
-    cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
+    window = sliding_group_window(model)
+    if window is not None:
+        logger.info("KV cache: the %d-token sliding-window layers keep their own block tables, their blocks "
+                    "returned to the pool as the window passes them", window)
+    # A sequence never holds more than the whole pool. With a sliding group it holds a block there for each of
+    # its own at most, and at most the window's and a step's besides.
+    max_blocks = num_blocks
+    if window is not None:
+        bound = sliding_blocks_bound(window, config.block_size, config.max_num_batched_tokens)
+        max_blocks = max(num_blocks // 2, num_blocks - bound)
+    max_len = min(max_len, max_blocks * config.block_size)
+    cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching, window)
     runner = make_runner(config, model, cache_config, kernels, device, dtype, max_len)
     runner.micro_batches = config.pipeline_micro_batches
     if draft is not None:

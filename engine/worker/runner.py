@@ -12,6 +12,7 @@ from engine.core.logprob_outputs import Logprobs
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
+from engine.worker.cache_groups import cache_slots
 from engine.worker.kv_memory import zeros_on_first_touch
 from engine.worker.expert_load import ExpertLoadReader
 from engine.worker.pipeline_step import run_stage
@@ -32,16 +33,13 @@ class StepSamples:
     prompt_logprobs: dict[str, tuple[int, Logprobs]] = field(default_factory=dict)
 
 
-def kv_bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block of ``block_size`` tokens takes over every attention layer, as their cache specs say."""
-    return block_size * sum(attn.cache_spec().bytes_per_token(dtype) for attn in model.attention_layers())
-
-
 def attach_kv_caches(model: MoECausalLM, cache_config: CacheConfig, device: torch.device,
                      dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
     """Zeroed caches per attention layer, each tensor [num_blocks + 1, block_size, *its per-token shape] as the
     layer's ``cache_spec()`` says ((K, V) for standard attention, one latent tensor for MLA), given to the layer
-    as ``kv_cache``; the extra block is the scratch block padding rows write to."""
+    as ``kv_cache``; the extra block is the scratch block padding rows write to. With two cache groups
+    (``cache_config.sliding_window``) the i-th full and the i-th sliding layer share their tensors
+    (``cache_groups``): the pool hands each block to one group of one request at a time."""
 
     def zeros(shape: tuple[int, ...], cache_dtype: torch.dtype) -> torch.Tensor:
         if device.type == "cpu":  # on the CPU, memory is taken as blocks are first written
@@ -49,10 +47,13 @@ def attach_kv_caches(model: MoECausalLM, cache_config: CacheConfig, device: torc
         return torch.zeros(shape, dtype=cache_dtype, device=device)
 
     caches = []
-    for attn in model.attention_layers():
-        spec = attn.cache_spec()
-        attn.kv_cache = tuple(zeros((cache_config.num_blocks + 1, cache_config.block_size, *shape), spec.dtype or dtype)
-                              for shape in spec.per_token)
+    by_slot: dict[int, tuple[torch.Tensor, ...]] = {}
+    for attn, slot in zip(model.attention_layers(), cache_slots(model, cache_config.sliding_window)):
+        if slot not in by_slot:
+            spec = attn.cache_spec()
+            by_slot[slot] = tuple(zeros((cache_config.num_blocks + 1, cache_config.block_size, *shape),
+                                        spec.dtype or dtype) for shape in spec.per_token)
+        attn.kv_cache = by_slot[slot]
         caches.append(attn.kv_cache)
     return caches
 
@@ -86,6 +87,8 @@ class ModelRunner:
         self.num_steps = 0  # execute() calls that ran a forward
         self.group_steps = 0  # steps with a forward or a dummy step (with peer replicas): expert balancing's clock
         self.kv_caches = attach_kv_caches(model, cache_config, device, dtype)
+        # The sliding-window layers read their own block tables (a second KV cache group, ``cache_groups``).
+        self.window_tables = cache_config.sliding_window is not None
         self.sliding_window = model.config.sliding_window
         self.sampler = Sampler(device, seed)
         self.dtype = dtype
@@ -242,4 +245,4 @@ class ModelRunner:
 def follower_plan(sched_out: SchedulerOutput) -> list[ScheduledRequest]:
     """The step as plain data for the other ranks: each scheduled part without the scheduler's Request."""
     return [ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids, s.prompt_logprob_rows,
-                             s.draft_token_ids) for s in sched_out.scheduled]
+                             s.draft_token_ids, s.window_block_ids) for s in sched_out.scheduled]

@@ -22,6 +22,10 @@ from tests.processes import child_pids
 # generates longest, so the final steps decode one token: with the experts divided, one rank gets no tokens,
 # and odd token counts split unevenly between the ranks.
 ENGINE = dict(device="cpu", cpu_threads=1, block_size=4, num_kv_blocks=14, max_num_batched_tokens=16, max_num_seqs=4)
+# gpt-oss's sliding layer keeps its own block tables, so one of its blocks holds one of its two layers, and the
+# sliding layer's blocks go back to the pool as its window (8) passes them: 16 such blocks (about half the others'
+# 14 blocks' memory) preempt and hit the prefix cache on this workload.
+POOL = {"gpt_oss": dict(num_kv_blocks=16)}
 
 
 def _generate_each_way(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, modes):
@@ -30,7 +34,7 @@ def _generate_each_way(rank: int, world: int, address: str, model_dir: str, prom
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     results = {}
     for name, extra in modes.items():
-        llm = LLM(model_dir, **ENGINE, **extra)
+        llm = LLM(model_dir, **{**ENGINE, **extra})
         try:
             results[name] = [out.token_ids for out in llm.generate(prompts, params)]
             stats = llm.engine.stats()
@@ -67,6 +71,7 @@ def split_runs(tmp_path_factory):
         modes = {"single": {}, **MODES}
         if family == GATHER_FAMILY:  # the shared expert and a dense layer beside divided experts, the simpler dispatch
             modes["ep_gather"] = dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_dispatch="all_gather")
+        modes = {name: {**extra, **POOL.get(family, {})} for name, extra in modes.items()}
         runs[family] = (model_dir, prompts, max_tokens, modes)
     return generate_each_way(runs, seeds, timeout_s=520)
 
@@ -200,13 +205,15 @@ async def engine_tokens(engine, prompt, params) -> list[int]:
     return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
 
 
-def _data_parallel_engine(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, dispatch):
+def _data_parallel_engine(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, dispatch,
+                          pool: dict | None = None):
     from engine import LLM, SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    alone = LLM(model_dir, **ENGINE)
+    engine = {**ENGINE, **(pool or {})}
+    alone = LLM(model_dir, **engine)
     reference = [out.token_ids for out in alone.generate(prompts, params)]
-    llm = LLM(model_dir, **ENGINE, enable_expert_parallel=True, expert_dispatch=dispatch, data_parallel_size=world,
+    llm = LLM(model_dir, **engine, enable_expert_parallel=True, expert_dispatch=dispatch, data_parallel_size=world,
               data_parallel_rank=rank, distributed_init_method=address)
     try:
         got = [out.token_ids for out in llm.generate(prompts, params)]
@@ -229,7 +236,7 @@ def data_parallel_runs(tmp_path_factory):
                    1: [[rng.randrange(1, VOCAB - 1) for _ in range(7)]]}
         max_tokens = {0: [9, 12, 6, 10, 6, 6], 1: [3]}
         dispatch = "all_gather" if family == GATHER_FAMILY else "all_to_all"
-        runs[family] = (model_dir, prompts, max_tokens, dispatch)
+        runs[family] = (model_dir, prompts, max_tokens, dispatch, POOL.get(family, {}))
         refs[family] = (seed, hf, max_tokens)
     results = run_ranks_each(_data_parallel_rank, 2, runs, timeout_s=520)  # the processes' start-up paid once
     return {family: (*refs[family], results[family]) for family in runs}
@@ -256,8 +263,8 @@ def test_data_parallel_engines_sharing_experts_generate_their_own_tokens(family,
     assert results[0][1]["preemptions"] > 0 and results[0][1]["hits"] > 0, (seed, results[0][1])
 
 
-def _data_parallel_rank(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, dispatch):
-    return _data_parallel_engine(rank, world, address, model_dir, prompts[rank], max_tokens[rank], dispatch)
+def _data_parallel_rank(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, dispatch, pool):
+    return _data_parallel_engine(rank, world, address, model_dir, prompts[rank], max_tokens[rank], dispatch, pool)
 
 
 @pytest.mark.timeout(180)

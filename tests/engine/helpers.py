@@ -9,10 +9,12 @@ from engine.core.scheduler import Scheduler
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 32, max_model_len: int = 256, caching: bool = True) -> Scheduler:
+                   max_num_batched_tokens: int = 32, max_model_len: int = 256, caching: bool = True,
+                   sliding_window: int | None = None) -> Scheduler:
+    """``sliding_window``: a second KV cache group of sliding-window layers with that window."""
     return Scheduler(
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
-        CacheConfig(block_size, num_blocks, caching),
+        CacheConfig(block_size, num_blocks, caching, sliding_window),
     )
 
 

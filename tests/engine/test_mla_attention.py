@@ -14,7 +14,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.loading.model_config import model_config_from_hf
 from engine.models.deepseek import mla_from_config
 from engine.worker.batch_builder import build_batch, decode_groups
-from engine.worker.runner import kv_bytes_per_block
+from engine.worker.cache_groups import kv_bytes_per_block
 
 SEED = random.randrange(2**31)
 BLOCK = 4

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.kv_cache_manager import sliding_blocks_bound
 from tests.hf_models import make_hf_model
 
 # family -> a second shape that flips GQA/MHA, top-k and expert count.
@@ -48,6 +49,10 @@ MODES = {
 # prefix, see ``make_requests``) and n-gram speculation (prompts that loop); each is asserted to have happened.
 MODES["all_paths"] = dict(num_kv_blocks=12, block_size=16, max_num_batched_tokens=24, speculative="ngram",
                           num_speculative_tokens=3, speculative_max_batch=64)
+# gpt-oss's sliding layers keep their own block tables (a second KV cache group) whose blocks go back to the pool
+# as the window passes them: blocks of 4 tokens, so its window of 8 passes most of every prompt. A block then holds
+# one layer's K/V (the other group's layer shares its tensors): 96 such blocks are the memory of the 12 above.
+FAMILY_OVERRIDES = {"gpt_oss": dict(block_size=4, num_kv_blocks=96)}
 for _mode in ("default", "chunked_prefill", "preemption", "all_paths"):
     MODES[_mode].setdefault("overlap_scheduling", False)  # the synchronous loop, whatever the device's default
 
@@ -55,8 +60,8 @@ for _mode in ("default", "chunked_prefill", "preemption", "all_paths"):
 # seconds each) run the combined one alone.
 FAMILY_MODES = {fam: ["all_paths"] if fam in ("glm4_moe", "dots1", "minimax_m2", "gpt_oss") else ["default", "chunked_prefill",
                 "preemption", "overlap"] for fam in VARIANTS}
-# MLA's latent cache under every path at once.
-FAMILY_MODES.update(deepseek_v2=["all_paths"], deepseek_v3=["all_paths"])
+# MLA's latent cache under every path at once; gpt-oss's sliding cache group also with overlapped steps.
+FAMILY_MODES.update(deepseek_v2=["all_paths"], deepseek_v3=["all_paths"], gpt_oss=["all_paths", "overlap"])
 CASES = [((fam, i), mode) for fam, variants in VARIANTS.items() for i in range(len(variants)) for mode in FAMILY_MODES[fam]]
 
 
@@ -102,7 +107,7 @@ def references(tmp_path_factory):
             vocab = 211
             hf = make_hf_model(family, path, seed=seed, vocab_size=vocab, **VARIANTS[family][variant])
             rng = random.Random(seed)
-            if FAMILY_MODES[family] == ["all_paths"]:
+            if "all_paths" in FAMILY_MODES[family]:
                 reqs, expected = make_path_requests(rng, vocab, hf)
             else:
                 reqs = make_requests(rng, vocab)
@@ -116,7 +121,8 @@ def references(tmp_path_factory):
 @pytest.mark.parametrize("case,mode", CASES, ids=[f"{f}-v{i}-{mode}" for (f, i), mode in CASES])
 def test_greedy_matches_transformers(references, case, mode):
     path, reqs, expected, seed = references(*case)
-    llm = LLM(model=path, dtype="float32", device="cpu", **MODES[mode])
+    settings = {**MODES[mode], **FAMILY_OVERRIDES.get(case[0], {})}
+    llm = LLM(model=path, dtype="float32", device="cpu", **settings)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     outs = llm.generate([p for p, _ in reqs], params)
     for (prompt, max_tokens), out, ref in zip(reqs, outs, expected):
@@ -128,6 +134,14 @@ def test_greedy_matches_transformers(references, case, mode):
         assert scheduler.kv.prefix_hit_tokens > 0, f"seed={seed}: no prefix-cache hit"
         assert scheduler.spec_accepted_tokens > 0, f"seed={seed}: no n-gram draft was accepted"
         assert max(len(p) for p, _ in reqs) > MODES[mode]["max_num_batched_tokens"]  # prompts chunked
+    # gpt-oss alone has a sliding group (every other family keeps one block table); its blocks per request stay
+    # within its window's while the full group's grow with the request.
+    assert len(scheduler.kv.windows) == (2 if case[0] == "gpt_oss" else 1)
+    if case[0] == "gpt_oss":
+        window, block_size = scheduler.kv.windows[1], settings["block_size"]
+        full_peak, sliding_peak = scheduler.stats().kv_peak_request_blocks
+        assert sliding_peak <= sliding_blocks_bound(window, block_size, settings["max_num_batched_tokens"])
+        assert full_peak >= -(-max(len(p) for p, _ in reqs) // block_size) > sliding_peak
     if mode in ("preemption", "overlap", "all_paths"):
         assert scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
     else:
