@@ -87,10 +87,13 @@ def make_path_requests(rng: random.Random, vocab: int, hf) -> tuple[list[tuple[l
 
 
 def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    # The attention mask is explicit: generate would otherwise infer one from pad_token_id and mask every prompt
+    # token 0 as padding (a prompt built from an earlier greedy continuation can hold token 0).
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
         )
     return out[0, len(prompt):].tolist()
 
