@@ -17,17 +17,20 @@ def sliding_group_window(model: MoECausalLM) -> int | None:
     """The window of the sliding layers when they form a cache group of their own, else None (one group).
 
     They do when the model's layers differ in window (``ModelConfig.layer_sliding_window``), no window applies to
-    every layer, the sliding layers are exactly half of them, and every layer caches the same per-token shape
-    (so the two groups can share tensors slot for slot)."""
+    every layer, the sliding layers are exactly half of the model's, and every layer caches the same per-token
+    shape (so the two groups can share tensors slot for slot). Decided from the whole model's configuration, so
+    every pipeline stage (holding some of the layers) agrees with the scheduler's rank on the groups."""
     config = model.config
     layers = model.attention_layers()
     window = config.layer_sliding_window
-    if not window or config.sliding_window or 2 * len(config.sliding_layers) != len(layers):
+    if not window or config.sliding_window or 2 * len(config.sliding_layers) != config.num_layers:
         return None
     specs = {attn.cache_spec() for attn in layers}
     windows = [getattr(attn, "sliding_window", None) for attn in layers]
-    if len(specs) != 1 or sum(w == window for w in windows) != len(config.sliding_layers):
+    if len(specs) > 1 or any(w not in (None, window) for w in windows):
         return None
+    if len(layers) == config.num_layers and sum(w == window for w in windows) != len(config.sliding_layers):
+        return None  # the model's layers do not apply the windows its configuration names
     return window
 
 

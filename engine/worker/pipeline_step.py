@@ -41,7 +41,8 @@ def micro_batches(scheduled: list[ScheduledRequest], count: int) -> list[list[Sc
             n = min(room, s.num_new_tokens - done)
             last = done + n == s.num_new_tokens
             out[index].append(s if done == 0 and last else ScheduledRequest(
-                s.request, n, s.block_ids, s.sample and last, s.start + done, s.token_ids[done:done + n]))
+                s.request, n, s.block_ids, s.sample and last, s.start + done, s.token_ids[done:done + n],
+                window_block_ids=s.window_block_ids))
             done += n
             room -= n
     return out
