@@ -67,12 +67,12 @@ for spec in "$@"; do
     case $name in
         env) run_stage env "$limit" bash -c 'nvidia-smi; '"$PY"' -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
         tests) run_stage tests "$limit" $PY -m pytest -q -ra -p no:cacheprovider --durations=15 tests/moe_kernels \
-            tests/engine/test_triton_elementwise.py tests/engine/test_dense_gemv.py \
-            tests/engine/test_cuda_graphs.py tests/engine/test_piecewise_graphs.py tests/engine/test_triton_attention.py tests/engine/test_triton_attention_engine.py \
-            tests/engine/test_triton_mla_attention.py \
-            tests/engine/test_triton_backend_engine.py tests/engine/test_host_syncs.py tests/engine/test_random_weights.py \
-            tests/engine/test_quantized_experts.py tests/engine/test_expert_load.py tests/engine/test_overlap.py \
-            --deselect tests/engine/test_random_weights.py::test_command_lines_take_random_weights ;;
+            tests/engine/kernels/test_triton_elementwise.py tests/engine/kernels/test_dense_gemv.py \
+            tests/engine/worker/test_cuda_graphs.py tests/engine/worker/test_piecewise_graphs.py tests/engine/kernels/test_triton_attention.py tests/engine/kernels/test_triton_attention_engine.py \
+            tests/engine/kernels/test_triton_mla_attention.py \
+            tests/engine/kernels/test_triton_backend_engine.py tests/engine/worker/test_host_syncs.py tests/engine/loading/test_random_weights.py \
+            tests/engine/loading/test_quantized_experts.py tests/engine/worker/test_expert_load.py tests/engine/worker/test_overlap.py \
+            --deselect tests/engine/loading/test_random_weights.py::test_command_lines_take_random_weights ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
         bench-moe) run_stage bench-moe "$limit" bash -c "$PY -m benchmarks.moe_backends --json > $WORK/bench_moe.json && $PY -c 'import json, benchmarks.moe_backends as b; print(b.format_table(json.load(open(\"$WORK/bench_moe.json\"))))'" ;;
         # The dense projections: Triton gemv vs F.linear per shape at 1/4/8 rows (the engine-start selection).

@@ -14,7 +14,7 @@ import pytest
 from tests.distributed.ranks import free_port, run_ranks_each
 from tests.distributed.test_engine_ranks import ENGINE, engine_tokens, replica_group_configs
 from tests.distributed.test_tensor_parallel import ENGINE_FAMILIES, GATHER_FAMILY, VOCAB, family_checkpoints
-from tests.engine.test_vs_transformers import hf_greedy
+from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
 from tests.processes import child_pids
 

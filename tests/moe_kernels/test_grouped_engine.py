@@ -1,6 +1,6 @@
 """Greedy output equals transformers' for all four families with every MoE layer on the grouped path.
 
-tests/engine/test_vs_transformers.py covers the engine's modes; this one
+tests/engine/models/test_vs_transformers.py covers the engine's modes; this one
 pins which torch path runs: the per-expert loop is made to fail, and the
 grouped path must have been called.
 """

@@ -19,7 +19,7 @@ from engine import LLM, KernelChoice, SamplingParams  # noqa: E402
 from engine.layers.norms import RMSNorm  # noqa: E402
 from engine.kernels.elementwise import rms_norm, rope_inplace  # noqa: E402
 from moe_kernels.routing import route  # noqa: E402
-from tests.engine.test_vs_transformers import hf_greedy  # noqa: E402
+from tests.engine.models.test_vs_transformers import hf_greedy  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -2,7 +2,7 @@
 
 Plain Python (no torch, no model): the scheduler and KV cache manager with two cache groups, driven with random
 tokens. The model-level check (greedy tokens identical to transformers with gpt-oss's sliding layers on their
-own tables) is ``tests/engine/test_vs_transformers.py -k gpt_oss``.
+own tables) is ``tests/engine/models/test_vs_transformers.py -k gpt_oss``.
 """
 
 import random

@@ -10,7 +10,7 @@ to the device synchronously (torch.tensor(..., device=...)).
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HOT_PATH = [
     *sorted((ROOT / "engine/layers").glob("*.py")),
     *sorted((ROOT / "engine/models").glob("*.py")),

@@ -12,13 +12,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from tests.engine.test_quantized_experts import write_variants
-from tests.engine.test_vs_transformers import hf_greedy
+from tests.engine.loading.test_quantized_experts import write_variants
+from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
 
 VOCAB = 211
 # The attention and dense/shared MLP projections stored FP8 (the routed experts are covered by
-# tests/engine/test_quantized_experts.py), in blocks that do not divide every shape.
+# tests/engine/loading/test_quantized_experts.py), in blocks that do not divide every shape.
 FP8_NAMES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -17,7 +17,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from engine import LLM, SamplingParams
 from engine.loading.mxfp4 import dequantize_mxfp4
 from moe_kernels.quant import dequantize
-from tests.engine.test_vs_transformers import hf_greedy
+from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
 
 E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 from engine.worker.batch_builder import build_triton_batch  # noqa: E402
 from engine.transforms.cuda_graphs import StaticDecodeBuffers, default_batch_sizes, pick_batch_size  # noqa: E402
-from tests.engine.test_triton_attention import make_step  # noqa: E402
+from tests.engine.kernels.test_triton_attention import make_step  # noqa: E402
 
 
 def test_default_sizes_cover_every_batch_up_to_max_num_seqs():

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.test_speculative import VOCAB, drive, make_prompts
-from tests.engine.test_vs_transformers import hf_greedy
+from tests.engine.core.test_speculative import VOCAB, drive, make_prompts
+from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
 
 SEED = random.randrange(2**31)  # fresh weights and prompts each run; every message names the seed

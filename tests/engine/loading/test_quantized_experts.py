@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from engine import LLM, KernelChoice, SamplingParams  # noqa: E402
-from tests.engine.test_vs_transformers import hf_greedy  # noqa: E402
+from tests.engine.models.test_vs_transformers import hf_greedy  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 
 VOCAB = 211

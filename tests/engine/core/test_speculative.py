@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.loading.demo_model import write_demo_model
-from tests.engine.test_vs_transformers import MODES, hf_greedy
+from tests.engine.models.test_vs_transformers import MODES, hf_greedy
 from tests.hf_models import make_hf_model
 
 SEED = random.randrange(2**31)  # fresh weights and prompts each run; every message names the seed

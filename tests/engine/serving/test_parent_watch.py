@@ -9,7 +9,7 @@ import time
 
 from tests.processes import is_running
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def late_watcher(delay_s: float) -> None:
@@ -24,7 +24,7 @@ def late_watcher(delay_s: float) -> None:
 def test_a_spawned_process_whose_parent_died_during_its_start_up_ends():
     delay = random.uniform(1.0, 2.0)
     starter = ("import multiprocessing, os\n"
-               "from tests.engine.test_parent_watch import late_watcher\n"
+               "from tests.engine.serving.test_parent_watch import late_watcher\n"
                "child = multiprocessing.get_context('spawn').Process(target=late_watcher, args=(%r,))\n"
                "child.start()\n"
                "print(child.pid, flush=True)\n"

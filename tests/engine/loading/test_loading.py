@@ -115,7 +115,7 @@ def test_next_token_prediction_layer_is_skipped_with_one_log_line(tmp_path, capl
     tensors are skipped (one log line for all of them) and the model generates transformers' tokens."""
     from safetensors.torch import load_file, save_file
 
-    from tests.engine.test_vs_transformers import hf_greedy
+    from tests.engine.models.test_vs_transformers import hf_greedy
 
     seed = random.randrange(2**31)
     hf = make_hf_model("glm4_moe", str(tmp_path), seed=seed)
