@@ -91,17 +91,22 @@ async def stream_reply(request: web.Request, body, chat: bool, stream: AsyncIter
     chunk_choices = _ChunkChoices(body, chat, plan, choices.n)
     index = choices.add(*first)
     delta = first[1]
+    # vLLM's prompt_logprobs (chat): with the first chunk written, which may come after an output that wrote none
+    # (a first token with no text yet).
+    prompt_lp = None
     while True:
         if delta.finish_reason == "error":
             return await write_error_event(response, output_failed())
+        if chat and delta.prompt_logprobs is not None and body.prompt_logprobs is not None:
+            prompt_lp = prompt_logprobs_list(delta.prompt_logprobs, body)
         out_choices = chunk_choices.of(delta, index)
         # Journaled before it is written: a gateway killed between the two bills this chunk (as a client that
         # leaves mid-stream is billed what was generated), never less than the client received.
         request[JOURNALED].delivered(choices)
-        for k, one in enumerate(out_choices):
+        for one in out_choices:
             extra = {}
-            if chat and k == 0 and delta.prompt_logprobs is not None and body.prompt_logprobs is not None:
-                extra["prompt_logprobs"] = prompt_logprobs_list(delta.prompt_logprobs, body)
+            if prompt_lp is not None:
+                extra["prompt_logprobs"], prompt_lp = prompt_lp, None
             if include_usage:
                 extra["usage"] = choices.usage() if usage_per_chunk else None
             await response.write(envelope.event([one], **extra))

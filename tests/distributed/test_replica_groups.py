@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.distributed.ranks import free_port, run_ranks_each
-from tests.distributed.test_engine_ranks import ENGINE, engine_tokens, replica_group_configs
+from tests.distributed.test_engine_ranks import ENGINE, POOL, engine_tokens, replica_group_configs
 from tests.distributed.test_tensor_parallel import ENGINE_FAMILIES, GATHER_FAMILY, VOCAB, family_checkpoints
 from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
@@ -21,12 +21,12 @@ from tests.processes import child_pids
 REPLICAS, SPLIT = 2, 2
 
 
-def _replica(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, dispatch):
+def _replica(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, dispatch, pool):
     """Replica ``rank``'s engine process (it starts its own follower rank): its tokens and what it holds."""
     from engine import LLM, SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens[rank]]
-    llm = LLM(model_dir, **ENGINE, tensor_parallel_size=SPLIT, enable_expert_parallel=True, expert_dispatch=dispatch,
+    llm = LLM(model_dir, **{**ENGINE, **pool}, tensor_parallel_size=SPLIT, enable_expert_parallel=True, expert_dispatch=dispatch,
               data_parallel_size=world, data_parallel_rank=rank, distributed_init_method=address)
     try:
         got = [out.token_ids for out in llm.generate(prompts[rank], params)]
@@ -53,7 +53,7 @@ def replica_runs(tmp_path_factory):
         max_tokens = {0: [9, 12, 6, 10, 6, 6], 1: [3, 4]}
         dispatch = "all_gather" if family == GATHER_FAMILY else "all_to_all"
         num_experts = getattr(hf.config, "num_local_experts", None) or hf.config.num_experts
-        runs[family] = (model_dir, prompts, max_tokens, dispatch)
+        runs[family] = (model_dir, prompts, max_tokens, dispatch, POOL.get(family, {}))
         refs[family] = (seed, num_experts,
                         {r: [hf_greedy(hf, p, n) for p, n in zip(prompts[r], max_tokens[r])] for r in prompts})
     results = run_ranks_each(_replica, REPLICAS, runs, timeout_s=520)  # the processes' start-up paid once
