@@ -169,6 +169,11 @@ class LLMEngine:
         eos = self._eos_token_id
         if sampling_params.structured_output is not None:
             self._check_structured_output(sampling_params)
+        if policy.lora_adapter is not None:
+            # No adapter is loaded into this engine yet: serving the base model under an adapter's name would
+            # be a silent wrong answer, so the request is refused before anything is queued.
+            raise ValueError(f"lora_adapter {policy.lora_adapter!r} is not loaded in this engine; "
+                             "leave it out to use the base model")
         if request_id in self.choice_groups:
             raise ValueError(f"duplicate request id {request_id}")
 

@@ -20,6 +20,8 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     its place; ``may_preempt``: it may take the place of a preemptible request of a less urgent class.
     ``background``: it takes idle capacity only (the Batch API's lines; ``SchedulerConfig``).
     ``cache_salt``: its prefix-cache blocks are shared only with requests of the same salt (the tenant).
+    ``lora_adapter``: the registered LoRA adapter it runs under (None: the base model); a separate, typed part of
+    every prefix-cache block hash, so the same prompt under two adapters never shares blocks.
 
     Validated when built and again when decoded in the engine process (a ValueError naming the field).
     """
@@ -32,6 +34,7 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     may_preempt: bool = True
     background: bool = False
     cache_salt: str | None = None
+    lora_adapter: str | None = None
 
     def __post_init__(self) -> None:
         if self.priority < 0:
@@ -40,6 +43,8 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
             raise ValueError(f"order_in_class must be >= 0, got {self.order_in_class}")
         if not self.weight > 0:
             raise ValueError(f"weight must be > 0, got {self.weight}")
+        if self.lora_adapter is not None and not self.lora_adapter:
+            raise ValueError("lora_adapter must be a non-empty adapter name or None (the base model)")
 
 
 DEFAULT_POLICY = RequestPolicy()
