@@ -23,9 +23,14 @@ class LoraBatch:
     groups: tuple[tuple[int, torch.Tensor], ...]
 
     @staticmethod
-    def build(slot_ids: torch.Tensor) -> "LoraBatch":
-        present = sorted(set(slot_ids.tolist()) - {0})
-        return LoraBatch(slot_ids, tuple((s, (slot_ids == s).nonzero().squeeze(1)) for s in present))
+    def build(slot_ids: list[int], device: torch.device | str = "cpu") -> "LoraBatch":
+        """From the host list of per-token slots: the groups are found on the host (no device sync)."""
+        rows: dict[int, list[int]] = {}
+        for t, s in enumerate(slot_ids):
+            if s:
+                rows.setdefault(s, []).append(t)
+        return LoraBatch(torch.tensor(slot_ids, device=device),
+                         tuple((s, torch.tensor(r, device=device)) for s, r in sorted(rows.items())))
 
 
 class LinearSlots:
@@ -109,3 +114,22 @@ class ExpertSlots:
             s, e = divmod(k, num_experts)
             out.index_add_(0, rows, (x[rows] @ self.a[s, e].T) @ self.b[s, e].T)  # [c, R] -> [c, out]
         return out
+
+
+class LoraStep:
+    """The current step's adapter layout, shared by every adapted layer: set by the runner before the forward,
+    cleared after (None: no token of the step uses an adapter, the layers skip the deltas)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self) -> None:
+        self.batch: LoraBatch | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLora:
+    """An attention block's slot tables (packed qkv_proj, o_proj) and the shared step layout."""
+
+    qkv: LinearSlots
+    o: LinearSlots
+    step: LoraStep

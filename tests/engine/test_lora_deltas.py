@@ -75,7 +75,7 @@ def test_mixed_batch_deltas_equal_transformers_peft(family, tmp_path):
 
     num_tokens, top_k = 23, base.config.num_experts_per_tok
     slot_ids = torch.tensor([0, 1, 2, 3] + [random.randrange(4) for _ in range(num_tokens - 4)])[torch.randperm(num_tokens)]
-    batch = LoraBatch.build(slot_ids)
+    batch = LoraBatch.build(slot_ids.tolist())
     x = torch.randn(num_tokens, hidden)
     attn_in = torch.randn(num_tokens, attn.o_proj.weight.shape[1])
     top_idx = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])  # [T, k]

@@ -1,0 +1,69 @@
+"""Serving LoRA adapters beside the base model: each adapted layer gets slot tables, each request a slot.
+
+Every adapter named at start is read from its PEFT directory and written into its own slot (1..n; slot 0 is the
+base model) of every attention block's qkv_proj and o_proj tables, so all of them are resident and one step mixes
+any of them with base-model requests. Each step the runner sets the per-token slot layout before the forward.
+"""
+
+import torch
+from torch import nn
+
+from engine.core.scheduler import ScheduledRequest
+from engine.layers.attention import Attention
+from engine.lora.peft_format import LoraAdapter, load_adapter
+from engine.lora.slots import AttentionLora, LinearSlots, LoraBatch, LoraStep
+
+
+class LoraAdapters:
+    """The resident adapters of one engine: name -> slot, and the slot tables bound into the model's layers."""
+
+    def __init__(self, model: nn.Module, paths: dict[str, str], max_loras: int, max_rank: int,
+                 num_experts: int | None, hidden_size: int) -> None:
+        if getattr(model, "tp", None) is not None and model.tp.size > 1:
+            raise ValueError("lora_adapters: serving adapters under tensor parallelism is not supported yet")
+        self.step = LoraStep()
+        self.slots: dict[str, int] = {}
+        adapters: list[LoraAdapter] = []
+        for name, path in paths.items():
+            adapter = load_adapter(name, path, num_experts, hidden_size)
+            if adapter.rank > max_rank:
+                raise ValueError(f"lora_adapters: {name} has rank {adapter.rank} > max_lora_rank {max_rank}")
+            adapters.append(adapter)
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        bound: set[str] = set()
+        for module_name, module in model.named_modules():
+            if not isinstance(module, Attention):
+                continue
+            qkv_name, o_name = f"{module_name}.qkv_proj", f"{module_name}.o_proj"
+            q, kv = module.q_size, module.kv_size
+            qkv = LinearSlots(max_loras + 1, max_rank, module.qkv_proj.in_features,
+                              [(0, q), (q, q + kv), (q + kv, q + 2 * kv)], dtype, device)
+            o = LinearSlots(max_loras + 1, max_rank, module.o_proj.in_features,
+                            [(0, module.o_proj.out_features)], dtype, device)
+            for slot, adapter in enumerate(adapters, start=1):
+                qkv.load(slot, adapter.linears.get(qkv_name))
+                o.load(slot, adapter.linears.get(o_name))
+            module.lora = AttentionLora(qkv, o, self.step)
+            bound.update((qkv_name, o_name))
+        for adapter in adapters:
+            unserved = sorted(set(adapter.linears) - bound) + sorted(adapter.experts)
+            if unserved:  # serving it without them would be a silently different model
+                raise ValueError(f"lora_adapters: {adapter.name} adapts {unserved[0]}, which is not served yet "
+                                 "(attention projections are)")
+        self.slots = {a.name: slot for slot, a in enumerate(adapters, start=1)}
+
+    def begin_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
+                   num_tokens: int, device: torch.device) -> None:
+        """Set the step's per-token slots from each scheduled request's adapter (none: the layers skip LoRA)."""
+        slot_ids = [0] * num_tokens  # [T]
+        any_adapter = False
+        for item, (start, end) in zip(scheduled, ranges):
+            name = item.request.policy.lora_adapter if item.request is not None else None
+            if name is not None:
+                slot_ids[start:end] = [self.slots[name]] * (end - start)
+                any_adapter = True
+        self.step.batch = LoraBatch.build(slot_ids, device) if any_adapter else None
+
+    def end_step(self) -> None:
+        self.step.batch = None
