@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.peft_format import ExpertsLora, LinearLora
+from engine.lora.peft_format import ExpertsLora as ExpertFactors, LinearLora
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ class ExpertSlots:
         self.a = torch.zeros(num_slots, num_experts, max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, num_experts, out_features, max_rank, dtype=dtype, device=device)
 
-    def load(self, slot: int, pair: ExpertsLora | None, experts: slice = slice(None)) -> None:
+    def load(self, slot: int, pair: ExpertFactors | None, experts: slice = slice(None)) -> None:
         """Write an adapter's per-expert factors into ``slot``; ``experts``: the rows this rank holds (EP)."""
         assert slot > 0, "slot 0 is the base model"
         self.a[slot].zero_()
@@ -132,4 +132,13 @@ class AttentionLora:
 
     qkv: LinearSlots
     o: LinearSlots
+    step: LoraStep
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsLora:
+    """A MoE block's routed-expert slot tables (w13, w2) and the shared step layout."""
+
+    w13: ExpertSlots
+    w2: ExpertSlots
     step: LoraStep

@@ -1,7 +1,7 @@
 """Serving LoRA adapters beside the base model: each adapted layer gets slot tables, each request a slot.
 
 Every adapter named at start is read from its PEFT directory and written into its own slot (1..n; slot 0 is the
-base model) of every attention block's qkv_proj and o_proj tables, so all of them are resident and one step mixes
+base model) of every attention block's qkv_proj and o_proj tables and every MoE block's routed experts, so all of them are resident and one step mixes
 any of them with base-model requests. Each step the runner sets the per-token slot layout before the forward.
 """
 
@@ -10,8 +10,9 @@ from torch import nn
 
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import Attention
+from engine.layers.moe import SparseMoeBlock
 from engine.lora.peft_format import LoraAdapter, load_adapter
-from engine.lora.slots import AttentionLora, LinearSlots, LoraBatch, LoraStep
+from engine.lora.slots import AttentionLora, ExpertSlots, ExpertsLora, LinearSlots, LoraBatch, LoraStep
 
 
 class LoraAdapters:
@@ -33,6 +34,9 @@ class LoraAdapters:
         device = next(model.parameters()).device
         bound: set[str] = set()
         for module_name, module in model.named_modules():
+            if isinstance(module, SparseMoeBlock) and any(f"{module_name}.experts.w13" in a.experts
+                                                          or f"{module_name}.experts.w2" in a.experts for a in adapters):
+                bound.update(self._bind_experts(module_name, module, adapters, max_loras, max_rank))
             if not isinstance(module, Attention):
                 continue
             qkv_name, o_name = f"{module_name}.qkv_proj", f"{module_name}.o_proj"
@@ -47,11 +51,26 @@ class LoraAdapters:
             module.lora = AttentionLora(qkv, o, self.step)
             bound.update((qkv_name, o_name))
         for adapter in adapters:
-            unserved = sorted(set(adapter.linears) - bound) + sorted(adapter.experts)
+            unserved = sorted((set(adapter.linears) | set(adapter.experts)) - bound)
             if unserved:  # serving it without them would be a silently different model
                 raise ValueError(f"lora_adapters: {adapter.name} adapts {unserved[0]}, which is not served yet "
                                  "(attention projections are)")
         self.slots = {a.name: slot for slot, a in enumerate(adapters, start=1)}
+
+    def _bind_experts(self, name: str, block: SparseMoeBlock, adapters: list[LoraAdapter], max_loras: int,
+                      max_rank: int) -> set[str]:
+        if block.dispatch is not None or block.experts.w13_scale is not None:
+            raise ValueError("lora_adapters: LoRA on routed experts is served with whole, unquantized experts only "
+                             "(no expert parallelism, no quantized experts) for now")
+        w13, w2 = block.experts.w13, block.experts.w2  # [E, 2I, H], [E, H, I]
+        num_experts = w13.shape[0]
+        w13_slots = ExpertSlots(max_loras + 1, max_rank, num_experts, w13.shape[1], w13.shape[2], w13.dtype, w13.device)
+        w2_slots = ExpertSlots(max_loras + 1, max_rank, num_experts, w2.shape[1], w2.shape[2], w2.dtype, w2.device)
+        for slot, adapter in enumerate(adapters, start=1):
+            w13_slots.load(slot, adapter.experts.get(f"{name}.experts.w13"))
+            w2_slots.load(slot, adapter.experts.get(f"{name}.experts.w2"))
+        block.lora = ExpertsLora(w13_slots, w2_slots, self.step)
+        return {f"{name}.experts.w13", f"{name}.experts.w2"}
 
     def begin_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
                    num_tokens: int, device: torch.device) -> None:

@@ -12,11 +12,13 @@ from tests.hf_models import make_hf_model
 
 peft = pytest.importorskip("peft")
 
-# Attention adapters at three ranks, random A and B (init_lora_weights=False).
+# Adapters at three ranks on attention and on the fused routed experts (PEFT target_parameters; PEFT loads several
+# adapters side by side only when they target the same parameters), random A and B (init_lora_weights=False).
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ADAPTERS = {
-    "ad1": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "ad2": dict(r=2, lora_alpha=5, target_modules=["q_proj", "v_proj"]),
-    "ad3": dict(r=3, lora_alpha=3, use_rslora=True, target_modules=["k_proj", "o_proj"]),
+    "ad1": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], target_parameters=EXPERTS),
+    "ad2": dict(r=2, lora_alpha=5, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS),
+    "ad3": dict(r=3, lora_alpha=3, use_rslora=True, target_modules=["k_proj", "o_proj"], target_parameters=EXPERTS),
 }
 VOCAB = 211
 
