@@ -142,3 +142,12 @@ class ExpertsLora:
     w13: ExpertSlots
     w2: ExpertSlots
     step: LoraStep
+
+
+@dataclass(frozen=True, slots=True)
+class MlpLora:
+    """A dense SwiGLU MLP's (dense layer or shared expert) slot tables (packed gate_up_proj, down_proj)."""
+
+    gate_up: LinearSlots
+    down: LinearSlots
+    step: LoraStep

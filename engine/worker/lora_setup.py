@@ -1,7 +1,7 @@
 """Serving LoRA adapters beside the base model: each adapted layer gets slot tables, each request a slot.
 
 Every adapter named at start is read from its PEFT directory and written into its own slot (1..n; slot 0 is the
-base model) of every attention block's qkv_proj and o_proj tables and every MoE block's routed experts, so all of them are resident and one step mixes
+base model) of every attention block's qkv_proj and o_proj tables every dense MLP and shared expert, and every MoE block's routed experts, so all of them are resident and one step mixes
 any of them with base-model requests. Each step the runner sets the per-token slot layout before the forward.
 """
 
@@ -10,9 +10,10 @@ from torch import nn
 
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import Attention
+from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.lora.peft_format import LoraAdapter, load_adapter
-from engine.lora.slots import AttentionLora, ExpertSlots, ExpertsLora, LinearSlots, LoraBatch, LoraStep
+from engine.lora.slots import AttentionLora, ExpertSlots, ExpertsLora, LinearSlots, LoraBatch, LoraStep, MlpLora
 
 
 class LoraAdapters:
@@ -37,6 +38,8 @@ class LoraAdapters:
             if isinstance(module, SparseMoeBlock) and any(f"{module_name}.experts.w13" in a.experts
                                                           or f"{module_name}.experts.w2" in a.experts for a in adapters):
                 bound.update(self._bind_experts(module_name, module, adapters, max_loras, max_rank))
+            if isinstance(module, GatedMLP):
+                bound.update(self._bind_mlp(module_name, module, adapters, max_loras, max_rank))
             if not isinstance(module, Attention):
                 continue
             qkv_name, o_name = f"{module_name}.qkv_proj", f"{module_name}.o_proj"
@@ -56,6 +59,22 @@ class LoraAdapters:
                 raise ValueError(f"lora_adapters: {adapter.name} adapts {unserved[0]}, which is not served yet "
                                  "(attention projections are)")
         self.slots = {a.name: slot for slot, a in enumerate(adapters, start=1)}
+
+    def _bind_mlp(self, name: str, mlp: GatedMLP, adapters: list[LoraAdapter], max_loras: int,
+                  max_rank: int) -> set[str]:
+        gate_up_name, down_name = f"{name}.gate_up_proj", f"{name}.down_proj"
+        if not any(gate_up_name in a.linears or down_name in a.linears for a in adapters):
+            return set()
+        w = mlp.gate_up_proj.weight  # [2I, H]
+        half = w.shape[0] // 2
+        gate_up = LinearSlots(max_loras + 1, max_rank, w.shape[1], [(0, half), (half, 2 * half)], w.dtype, w.device)
+        down = LinearSlots(max_loras + 1, max_rank, mlp.down_proj.in_features, [(0, mlp.down_proj.out_features)],
+                           w.dtype, w.device)
+        for slot, adapter in enumerate(adapters, start=1):
+            gate_up.load(slot, adapter.linears.get(gate_up_name))
+            down.load(slot, adapter.linears.get(down_name))
+        mlp.lora = MlpLora(gate_up, down, self.step)
+        return {gate_up_name, down_name}
 
     def _bind_experts(self, name: str, block: SparseMoeBlock, adapters: list[LoraAdapter], max_loras: int,
                       max_rank: int) -> set[str]:

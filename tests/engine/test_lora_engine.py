@@ -20,6 +20,13 @@ ADAPTERS = {
     "ad2": dict(r=2, lora_alpha=5, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS),
     "ad3": dict(r=3, lora_alpha=3, use_rslora=True, target_modules=["k_proj", "o_proj"], target_parameters=EXPERTS),
 }
+# Qwen2-MoE: a shared expert in every MoE layer and a dense MLP layer (layer 1): LoRA on those MLPs too.
+MLP_ADAPTERS = {
+    "ad1": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj", "v_proj"], target_parameters=EXPERTS),
+    "ad2": dict(r=2, lora_alpha=5, target_modules=["up_proj", "q_proj"], target_parameters=EXPERTS),
+    "ad3": dict(r=3, lora_alpha=3, use_rslora=True, target_modules=["down_proj"], target_parameters=EXPERTS),
+}
+FAMILY_ADAPTERS = {"qwen3_moe": ADAPTERS, "mixtral": ADAPTERS, "qwen2_moe": MLP_ADAPTERS}
 VOCAB = 211
 
 
@@ -36,7 +43,7 @@ def _reference_tokens(ref, adapter: str | None, prompt: list[int], max_new: int)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", list(FAMILY_ADAPTERS))
 def test_mixed_adapters_match_transformers_peft(family, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -46,7 +53,8 @@ def test_mixed_adapters_match_transformers_peft(family, tmp_path):
     torch.manual_seed(seed)
     model_dir = str(tmp_path / "base")
     make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB)
-    for name, cfg in ADAPTERS.items():
+    adapters = FAMILY_ADAPTERS[family]
+    for name, cfg in adapters.items():
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         get_peft_model(model, LoraConfig(init_lora_weights=False, **cfg)).save_pretrained(str(tmp_path / name))
     ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
@@ -64,7 +72,7 @@ def test_mixed_adapters_match_transformers_peft(family, tmp_path):
     max_new = 8
     expected = [_reference_tokens(ref, a, p, max_new) for a, p in reqs]
 
-    paths = ",".join(f"{n}={tmp_path / n}" for n in ADAPTERS)
+    paths = ",".join(f"{n}={tmp_path / n}" for n in adapters)
     llm = LLM(model=model_dir, dtype="float32", device="cpu", lora_adapters=paths, max_loras=3, max_lora_rank=4,
               num_kv_blocks=12, block_size=16, max_num_batched_tokens=24, overlap_scheduling=False)
     engine = llm.engine
