@@ -94,10 +94,12 @@ def _scaling(config: dict) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def load_adapter(name: str, path: str, num_experts: int | None = None, hidden_size: int | None = None) -> LoraAdapter:
+def load_adapter(name: str, path: str, num_experts: int | None = None, hidden_size: int | None = None,
+                 expert_size: int | None = None) -> LoraAdapter:
     """Read the adapter at ``path`` (float32, on the CPU); AdapterFormatError (one line) for anything unservable.
 
-    ``num_experts``, ``hidden_size``: the base model's (to unfold fused expert factors).
+    ``num_experts``, ``hidden_size``, ``expert_size`` (the experts' intermediate size): the base model's, to
+    unfold fused expert factors and tell which fused tensor they adapt.
     """
     config = read_config(path)
     rank, scaling = config["r"], _scaling(config)
@@ -124,7 +126,7 @@ def load_adapter(name: str, path: str, num_experts: int | None = None, hidden_si
             raise _fail(path, f"{owner}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not match r={rank}")
         base, leaf = owner.rsplit(".", 1)
         if leaf in ("experts", "experts#inner"):
-            _add_experts(adapter, base + ".experts", owner, a, b, num_experts, hidden_size, path)
+            _add_experts(adapter, base + ".experts", owner, a, b, num_experts, hidden_size, expert_size, path)
         elif leaf in _PACKED:
             target, part = _PACKED[leaf]
             adapter.linears.setdefault(f"{base}.{target}", {})[part] = LinearLora(a, b)
@@ -136,20 +138,22 @@ def load_adapter(name: str, path: str, num_experts: int | None = None, hidden_si
 
 
 def _add_experts(adapter: LoraAdapter, owner: str, key: str, a: torch.Tensor, b: torch.Tensor,
-                 num_experts: int | None, hidden_size: int | None, path: str) -> None:
+                 num_experts: int | None, hidden_size: int | None, expert_size: int | None, path: str) -> None:
     """PEFT's fused-expert factors: a [E*r, in] (expert-major), b [out, r*E] (rank-major, expert-minor).
 
     Which fused tensor they belong to is read from the shapes (PEFT nests two wrapped parameters of one module,
-    in an order its config does not keep): ``down_proj`` maps to the hidden size, ``gate_up_proj`` from it.
+    in an order its config does not keep): ``gate_up_proj`` maps H -> 2I, ``down_proj`` I -> H (never both).
     """
-    if num_experts is None or hidden_size is None or a.shape[0] % num_experts:
+    if num_experts is None or hidden_size is None or expert_size is None or a.shape[0] % num_experts:
         raise _fail(path, f"{key!r} does not match the base model's {num_experts} experts")
-    if b.shape[0] == hidden_size and a.shape[1] != hidden_size:
-        leaf = "down_proj"
-    elif a.shape[1] == hidden_size and b.shape[0] != hidden_size:
+    fan_in, fan_out = a.shape[1], b.shape[0]
+    if (fan_in, fan_out) == (hidden_size, 2 * expert_size):
         leaf = "gate_up_proj"
+    elif (fan_in, fan_out) == (expert_size, hidden_size):
+        leaf = "down_proj"
     else:
-        raise _fail(path, f"{key!r}: cannot tell gate_up_proj from down_proj by shape (hidden size {hidden_size})")
+        raise _fail(path, f"{key!r}: factors {fan_in} -> {fan_out} fit neither gate_up_proj ({hidden_size} -> "
+                          f"{2 * expert_size}) nor down_proj ({expert_size} -> {hidden_size}) of the base model")
     rank = a.shape[0] // num_experts
     a_e = a.reshape(num_experts, rank, a.shape[1])  # [E, r, in]
     b_e = b.reshape(b.shape[0], rank, num_experts).permute(2, 0, 1).contiguous()  # [E, out, r]

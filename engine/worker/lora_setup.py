@@ -26,8 +26,10 @@ class LoraAdapters:
         self.step = LoraStep()
         self.slots: dict[str, int] = {}
         adapters: list[LoraAdapter] = []
+        moe = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
+        expert_size = moe.experts.w2.shape[2] if moe is not None else None  # I (whole: no TP with adapters)
         for name, path in paths.items():
-            adapter = load_adapter(name, path, num_experts, hidden_size)
+            adapter = load_adapter(name, path, num_experts, hidden_size, expert_size)
             if adapter.rank > max_rank:
                 raise ValueError(f"lora_adapters: {name} has rank {adapter.rank} > max_lora_rank {max_rank}")
             adapters.append(adapter)

@@ -50,7 +50,8 @@ def test_mixed_batch_deltas_equal_transformers_peft(family, tmp_path):
     for name in ("ad2", "ad3"):
         ref.load_adapter(str(tmp_path / name), adapter_name=name)
     hidden, num_experts = base.config.hidden_size, _num_experts(family)
-    adapters = [load_adapter(n, str(tmp_path / n), num_experts, hidden) for n in ADAPTERS]
+    expert_size = base.model.layers[0].mlp.experts.down_proj.shape[2]
+    adapters = [load_adapter(n, str(tmp_path / n), num_experts, hidden, expert_size) for n in ADAPTERS]
 
     layer_index = 1
     prefix = f"model.layers.{layer_index}"
