@@ -63,6 +63,9 @@ OVERRIDES: dict[str, FlagOverride] = {
     "distributed_init_method": FlagOverride(metavar="tcp://HOST:PORT"),
     "random_weights": FlagOverride(metavar="SPEC", help_suffix="(--model then only supplies the tokenizer)"),
     "speculative_model": FlagOverride(metavar="PATH"),
+    "kv_transfer_address": FlagOverride(metavar="HOST[:PORT]"),
+    "kv_transfer_timeout_s": FlagOverride(flag="--kv-transfer-timeout", metavar="SECONDS"),
+    "local_prefill_tokens": FlagOverride(metavar="N"),
 }
 # Fields the commands fill in themselves: with --random-weights, --model names the tokenizer.
 NOT_FLAGS = ("tokenizer",)

@@ -54,6 +54,17 @@ class _EngineCollector:
             "moved": CounterMetricFamily("moegate_router_moved_requests",
                                          "requests the router moved off this replica's queue, before they started, "
                                          "to a replica with a free slot", labels=["replica"]),
+            "kv_transfers": CounterMetricFamily("moegate_kv_transfers", "prompts' KV moved between a prefill and a "
+                                                "decode engine (sent by a prefill, received by a decode engine)",
+                                                labels=["replica"]),
+            "kv_bytes": CounterMetricFamily("moegate_kv_transfer_bytes", "bytes of KV blocks moved between engines",
+                                            labels=["replica"]),
+            "kv_seconds": CounterMetricFamily("moegate_kv_transfer_seconds", "seconds KV transfers took, summed (on a "
+                                              "decode engine: from asking for the blocks to their arrival)",
+                                              labels=["replica"]),
+            "kv_fallbacks": CounterMetricFamily("moegate_kv_transfer_fallbacks", "prompts a decode engine prefilled "
+                                                "itself because their KV transfer failed or timed out",
+                                                labels=["replica"]),
             "gie_waiting": GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting (queue depth)", labels=["replica"]),
             "gie_running": GaugeMetricFamily("vllm:num_requests_running", "requests running", labels=["replica"]),
             # The endpoint picker's KV metric was renamed in vLLM; both names, same value (0..1).
@@ -88,6 +99,11 @@ class _EngineCollector:
             families["spec_draft"].add_metric([name], stats.spec_draft_tokens)
             families["spec_accepted"].add_metric([name], stats.spec_accepted_tokens)
             families["spec_steps"].add_metric([name], stats.spec_steps)
+            if stats.kv_transfers or stats.kv_transfer_fallbacks:  # a prefill or decode engine that has worked
+                families["kv_transfers"].add_metric([name], stats.kv_transfers)
+                families["kv_bytes"].add_metric([name], stats.kv_transfer_bytes)
+                families["kv_seconds"].add_metric([name], stats.kv_transfer_seconds)
+                families["kv_fallbacks"].add_metric([name], stats.kv_transfer_fallbacks)
             families["gie_waiting"].add_metric([name], waiting)
             families["gie_running"].add_metric([name], stats.num_running)
             families["gie_kv"].add_metric([name], kv)

@@ -45,6 +45,7 @@ from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.async_engine import EngineError
+from gateway.disaggregation import DisaggregatedEngines
 from engine.serving.client import EngineClient
 from engine.serving.protocol import Ready
 from gateway.prefix_index import ReplicaBlocks, block_hashes
@@ -386,7 +387,8 @@ def unresponsive_after_s(engine: EngineClient) -> float:
 
 
 def replicas_of(engine: EngineClient) -> list[tuple[str, EngineClient]]:
-    """(name, client) of each replica behind the gateway's engine: a router's, or the one engine as "0"."""
-    if isinstance(engine, ReplicaRouter):
+    """(name, client) of each replica behind the gateway's engine: a router's (replicas, or prefill and decode
+    engines), or the one engine as "0"."""
+    if isinstance(engine, (ReplicaRouter, DisaggregatedEngines)):
         return list(zip(engine.names, engine.replicas))
     return [("0", engine)]

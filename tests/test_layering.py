@@ -33,6 +33,7 @@ ENGINE_LAYERS = (
     ("engine/models",),
     ("engine/transforms",),
     ("engine/worker",),
+    ("engine/kv_transfer",),  # reads and writes the worker's KV caches as bytes; the serving room drives it
     ("engine/llm_engine.py", "engine/llm.py"),
     ("engine/serving",),
 )

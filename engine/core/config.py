@@ -9,9 +9,10 @@ DEVICES = ("auto", "cpu", "cuda")
 KERNEL_OPTIONS = ("auto", "torch", "triton")
 QUANTIZATION_OPTIONS = ("fp8", "fp8-block", "int8")  # engine.loading.quantization maps them to schemes
 EXPERT_DISPATCH = ("all_to_all", "all_gather")
+ROLES = ("both", "prefill", "decode")  # EngineConfig.role
 # The EngineConfig fields that take one of a few values (their flags' choices).
 CHOICES = {"dtype": DTYPES, "device": DEVICES, "kernels": KERNEL_OPTIONS, "quantization": QUANTIZATION_OPTIONS,
-           "expert_dispatch": EXPERT_DISPATCH, "speculative": SPECULATIVE_METHODS}
+           "expert_dispatch": EXPERT_DISPATCH, "speculative": SPECULATIVE_METHODS, "role": ROLES}
 
 
 @dataclass(slots=True)
@@ -134,6 +135,19 @@ class EngineConfig:
     """a request whose recent acceptance rate is below this stops proposing, trying again every few steps"""
     speculative_model: str | None = None
     """the draft model's checkpoint directory for speculative draft (the served model's vocabulary)"""
+    role: str = "both"
+    """what this engine does with prompts: both (prefill and decode), prefill (computes prompts and
+    hands their KV blocks to decode engines) or decode (receives prompts' KV from prefill engines and
+    generates) (docs/disaggregation.md)"""
+    kv_transfer_address: str | None = None
+    """HOST or HOST:PORT where a decode engine waits for its prefill engines' KV transfers (default: 127.0.0.1
+    and a free port; name an address other nodes reach when prefill engines run there)"""
+    kv_transfer_timeout_s: float = 30.0
+    """seconds a decode engine waits for a prompt's KV from a prefill engine before it prefills the prompt
+    itself"""
+    local_prefill_tokens: int = 64
+    """a decode engine prefills a prompt itself when fewer than this many of its tokens are missing from its
+    prefix cache (short prompts, mostly cached ones): a transfer would cost more than it saves"""
 
     @property
     def lora_adapter_paths(self) -> dict[str, str]:
@@ -232,6 +246,14 @@ class EngineConfig:
                              f"{self.background_token_budget} and {self.background_window_s}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role != "both" and not self.enable_prefix_caching:
+            raise ValueError(f"role {self.role} finds the blocks it hands over by their prefix hashes: keep "
+                             "enable_prefix_caching on")
+        if self.kv_transfer_timeout_s <= 0 or self.local_prefill_tokens < 0:
+            raise ValueError("kv_transfer_timeout_s must be > 0 and local_prefill_tokens >= 0, got "
+                             f"{self.kv_transfer_timeout_s} and {self.local_prefill_tokens}")
 
 
 _PARTS = ("torch", "triton")

@@ -36,6 +36,14 @@ class SchedulerStats(msgspec.Struct):
     step_schedule_ms: float = 0.0
     step_prepare_ms: float = 0.0
     step_execute_ms: float = 0.0
+    # KV transfers between prefill and decode engines (docs/disaggregation.md), cumulative: transfers this engine
+    # sent (prefill) or received into its cache (decode), their bytes and seconds (from the request for the
+    # blocks to their arrival, on the decode side), and prompts a decode engine prefilled itself after a
+    # transfer failed or timed out.
+    kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_fallbacks: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -20,8 +20,8 @@ from engine.core.stats import SchedulerStats
 from engine.serving.engine_process import run_engine_process
 from engine.text.prompts import ChatInput, InputProcessor, Turn, chat_size
 from engine.serving.protocol import (
-    AbortRequest, AddRequest, Fatal, Ready, ReleaseRequest, Released, RequestRejected, Shutdown, StepOutputs,
-    encoder, from_engine_decoder,
+    AbortRequest, AddRequest, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, PairKV, Ready, ReleaseRequest, Released,
+    RequestRejected, Shutdown, StepOutputs, encoder, from_engine_decoder,
 )
 from engine.text.tokenizer import load_tokenizer
 
@@ -114,6 +114,7 @@ class AsyncEngine:
         self.messages_received = 0  # from the engine process (each woke this process twice)
         self._queues: dict[str, asyncio.Queue] = {}
         self._releases: dict[str, asyncio.Future] = {}  # request id -> the answer to its ReleaseRequest
+        self._kv_wanted: dict[str, asyncio.Future] = {}  # request id -> a decode engine's KVWanted hashes
         self._ids = itertools.count()
         self._process = None
         self._requests = None  # our end of the pipe to the engine process
@@ -248,6 +249,10 @@ class AsyncEngine:
                         self._end_unread(delta.request_id, queue)
                     else:
                         queue.put_nowait(delta)
+        elif isinstance(msg, KVWanted):
+            answer = self._kv_wanted.pop(msg.request_id, None)
+            if answer is not None and not answer.done():
+                answer.set_result(msg.block_hashes)
         elif isinstance(msg, Released):
             answer = self._releases.pop(msg.request_id, None)
             if answer is not None and not answer.done():
@@ -288,11 +293,31 @@ class AsyncEngine:
         self._answer_releases()
 
     def _answer_releases(self) -> None:
-        """An engine that is gone releases nothing: its requests fail (and fail over) through their streams."""
+        """An engine that is gone releases nothing: its requests fail (and fail over) through their streams; it
+        wants no KV either."""
         releases, self._releases = self._releases, {}
         for answer in releases.values():
             if not answer.done():
                 answer.set_result(False)
+        wanted, self._kv_wanted = self._kv_wanted, {}
+        for answer in wanted.values():
+            if not answer.done():
+                answer.set_result([])
+
+    def kv_wanted(self, request_id: str) -> asyncio.Future:
+        """The block hashes a decode engine will answer for ``request_id``'s ``KVSource`` (call before
+        ``generate``); [] if it prefills the prompt itself or is gone."""
+        answer = self._kv_wanted[request_id] = self._loop.create_future()
+        return answer
+
+    def pair_kv(self, pair_id: str, rank: int, address: str) -> None:
+        """Join a prefill-decode pair's transfer group (``PairKV``); EngineError if the engine is gone."""
+        self._send(PairKV(pair_id, rank, address))
+
+    def kv_source_lost(self, request_id: str) -> None:
+        """Tell a decode engine that the prefill engine computing this request's prompt is gone."""
+        with contextlib.suppress(EngineError):
+            self._send(KVSourceLost(request_id))
 
     def _send(self, msg) -> None:
         with self._send_lock:
@@ -310,6 +335,8 @@ class AsyncEngine:
         request_id: str | None = None,
         policy: RequestPolicy = DEFAULT_POLICY,
         stream: bool = True,
+        kv_source: KVSource | None = None,
+        kv_sink: KVSink | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
 
@@ -319,6 +346,9 @@ class AsyncEngine:
         ``prompt``: token ids from ``prepare``. ``policy``: how the engine's scheduler treats it, sent as is.
 
         ``stream=False``: a single delta when the request finishes, with the whole output in it.
+
+        ``kv_source`` / ``kv_sink``: disaggregated serving (``gateway.disaggregation``): a decode engine's
+        request whose prompt KV comes from a prefill engine, or a prefill engine's request whose KV goes to one.
         """
         if self.dead:
             raise EngineError(self.dead)
@@ -330,7 +360,7 @@ class AsyncEngine:
         finished = False
         unfinished = sampling_params.n  # choices still running: the request ends with the last of them
         try:
-            self._send(AddRequest(request_id, prompt, sampling_params, policy, stream))
+            self._send(AddRequest(request_id, prompt, sampling_params, policy, stream, kv_source, kv_sink))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -9,8 +9,8 @@ from engine.core.config import EngineConfig
 from engine.serving.grammar_builds import GrammarBuilds
 from engine.serving.parent_watch import exit_with_parent
 from engine.serving.protocol import (
-    AbortRequest, AddRequest, Fatal, Ready, ReleaseRequest, Released, RequestRejected, Shutdown, StepOutputs, encoder,
-    to_engine_decoder,
+    AbortRequest, AddRequest, Fatal, KVSourceLost, KVWanted, PairKV, Ready, ReleaseRequest, Released, RequestRejected,
+    Shutdown, StepOutputs, encoder, to_engine_decoder,
 )
 from engine.serving.serving_threads import serving_threads
 from engine.serving.step_reports import StepReports
@@ -39,20 +39,30 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
     try:
         threads = serving_threads(config)
         engine = LLMEngine(config)
+        handoff = None
+        if config.role != "both":  # a prefill or decode engine of a disaggregated deployment
+            from engine.serving.kv_handoff import KVHandoff
+
+            handoff = KVHandoff(engine, config)
     except Exception as e:  # reported to the parent, which prints one line and exits
         replies.send_bytes(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
         return
     try:
-        _serve(engine, config, threads, requests, replies)
+        _serve(engine, config, threads, requests, replies, handoff)
     finally:  # a failed step, a gone gateway: end this engine's other ranks now, not at their timeout
+        if handoff is not None:
+            handoff.close()
         engine.close(abrupt=True)
 
 
-def _serve(engine, config: EngineConfig, threads, requests: Connection, replies: Connection) -> None:
-    """The engine loop: returns on Shutdown (the engine closed) or after reporting a failure (Fatal)."""
+def _serve(engine, config: EngineConfig, threads, requests: Connection, replies: Connection, handoff=None) -> None:
+    """The engine loop: returns on Shutdown (the engine closed) or after reporting a failure (Fatal).
+
+    ``handoff`` (a ``KVHandoff``): this engine prefills for, or decodes after, other engines."""
     mc = engine.model_config
     replies.send_bytes(encoder.encode(Ready(config.model, mc.architecture, engine.max_model_len, mc.vocab_size,
-                                            engine.tokenizer is not None)))
+                                            engine.tokenizer is not None, config.role, config.block_size,
+                                            handoff.address if handoff else None)))
 
     idle_change = False  # an abort freed blocks while idle: report the new state without a step
     reports = StepReports()
@@ -70,10 +80,18 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
 
     busy = False  # this engine, or one of its peers, stepped last time round
     builds = GrammarBuilds(engine.runner.sampler.grammars)  # requests waiting for their schema's matcher
+
+    def add(msg: AddRequest) -> None:
+        if not builds.hold(msg):
+            _add(engine, msg, reports, send, handoff=handoff)
+
+    def stats():
+        return handoff.fill(engine.stats()) if handoff else engine.stats()
+
     while True:
         # Drain every pending message; block for one only when there is nothing to step.
         while requests.poll(0 if busy or engine.has_unfinished() or idle_change else
-                            (min(idle_wait, BUILD_POLL_S) if builds else idle_wait)):
+                            (min(idle_wait, BUILD_POLL_S) if builds or (handoff and handoff.pending) else idle_wait)):
             msg = to_engine_decoder.decode(requests.recv_bytes())
             if isinstance(msg, Shutdown):
                 try:
@@ -82,6 +100,8 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
                     logger.warning("could not stop the engine's ranks cleanly: %s", e)
                 return
             if isinstance(msg, AbortRequest):
+                if handoff is not None and handoff.abort(msg.request_id):
+                    idle_change = True  # parked for its KV: its blocks are free again
                 builds.drop(msg.request_id)
                 reports.forget(msg.request_id)
                 idle_change |= engine.abort(msg.request_id) is not None
@@ -91,10 +111,23 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
                     reports.forget(msg.request_id)
                     idle_change = True
                 send(Released(msg.request_id, released))
-            elif isinstance(msg, AddRequest) and not builds.hold(msg):
-                _add(engine, msg, reports, send)
+            elif isinstance(msg, PairKV):
+                if handoff is not None:
+                    handoff.pair(msg)
+            elif isinstance(msg, KVSourceLost):
+                if handoff is not None:
+                    handoff.source_lost(msg.request_id, add)
+            elif isinstance(msg, AddRequest):
+                if msg.kv_source is not None and handoff is not None:
+                    wanted = handoff.park(msg)
+                    send(KVWanted(msg.request_id, wanted))
+                    if wanted:
+                        continue  # it joins the scheduler when its blocks arrive (or their transfer fails)
+                add(msg)
         for msg, error in builds.ready():
-            _add(engine, msg, reports, send, error)
+            _add(engine, msg, reports, send, error, handoff)
+        if handoff is not None:
+            idle_change |= handoff.poll(add)
         try:
             if (gone := engine.ranks and engine.ranks.exited_rank()) is not None:
                 raise RuntimeError(gone)
@@ -104,7 +137,7 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
             return
         if not busy:
             if idle_change or time.monotonic() - last_sent >= HEARTBEAT_S:
-                send(StepOutputs([], engine.scheduler.stats()))
+                send(StepOutputs([], handoff.fill(engine.scheduler.stats()) if handoff else engine.scheduler.stats()))
                 idle_change = False
             continue
         if threads is not None:
@@ -115,18 +148,23 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
             logger.exception("engine step failed")
             send(Fatal(f"a step failed: {type(e).__name__}: {e}"))
             return
-        message = reports.after_step(outputs, engine.stats(), engine.has_unfinished())
+        if handoff is not None:
+            handoff.after_step(outputs)
+        message = reports.after_step(outputs, stats(), engine.has_unfinished())
         if message is not None:
             send(message)
 
 
-def _add(engine, msg: AddRequest, reports: StepReports, send, error: BaseException | None = None) -> None:
+def _add(engine, msg: AddRequest, reports: StepReports, send, error: BaseException | None = None,
+         handoff=None) -> None:
     """Add one request to the engine, or answer why not (``error``: its grammar could not be built)."""
     try:
         if error is not None:
             raise error
         engine.add_request(msg.prompt, msg.sampling_params, msg.request_id, msg.policy)
         reports.add(msg.request_id, msg.stream, msg.policy.background, msg.sampling_params.n)
+        if msg.kv_sink is not None and handoff is not None:
+            handoff.expect_sink(msg)
     except Exception as e:  # whatever one request brings fails that request, never the engine
         if not isinstance(e, ValueError):  # a bug: the type at the default level (the message may
             # quote the prompt), the whole traceback at debug

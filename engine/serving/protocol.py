@@ -12,6 +12,23 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 
 
+class KVSource(msgspec.Struct):
+    """For a decode engine: this prompt's KV comes from the prefill engine of pair ``pair_id`` as transfer
+    ``transfer_id``. The engine answers ``KVWanted`` with the blocks its own prefix cache lacks."""
+
+    pair_id: str
+    transfer_id: int
+
+
+class KVSink(msgspec.Struct):
+    """For a prefill engine: once the prompt is computed, send its blocks with these prefix hashes (in order) to
+    the decode engine of pair ``pair_id`` as transfer ``transfer_id``."""
+
+    pair_id: str
+    transfer_id: int
+    block_hashes: list[bytes]
+
+
 class AddRequest(msgspec.Struct, tag=True):
     """``prompt``: token ids, already checked by the sender (``engine.text.prompts``); the engine checks them again."""
 
@@ -23,6 +40,8 @@ class AddRequest(msgspec.Struct, tag=True):
     # callers that only want the result (the Batch API): a batch of 32 then costs the gateway one
     # message a finished line instead of 32 wakeups a step.
     stream: bool = True
+    kv_source: KVSource | None = None  # a decode engine's request whose prompt KV another engine computes
+    kv_sink: KVSink | None = None  # a prefill engine's request whose prompt KV goes to a decode engine
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -33,6 +52,21 @@ class ReleaseRequest(msgspec.Struct, tag=True):
     """Give the request back if it has not started (see ``LLMEngine.release``); answered by ``Released``.
 
     A router sends it to move a queued request to a replica with a free slot."""
+
+    request_id: str
+
+
+class PairKV(msgspec.Struct, tag=True):
+    """Join the two-process group ``pair_id`` that moves KV blocks between a prefill and a decode engine: the
+    decode engine is rank 0 (its ``Ready.kv_address`` hosts the group's store), the prefill engine rank 1."""
+
+    pair_id: str
+    rank: int
+    address: str
+
+
+class KVSourceLost(msgspec.Struct, tag=True):
+    """The prefill engine computing this request's prompt is gone: prefill it here, now."""
 
     request_id: str
 
@@ -61,15 +95,26 @@ class Released(msgspec.Struct, tag=True):
     released: bool
 
 
+class KVWanted(msgspec.Struct, tag=True):
+    """A decode engine's answer to a request with a ``KVSource``: the prefix hashes of the prompt's blocks it
+    lacks, in order (empty: it prefills the prompt itself, no transfer)."""
+
+    request_id: str
+    block_hashes: list[bytes]
+
+
 class Ready(msgspec.Struct, tag=True):
     model: str
     architecture: str
     max_model_len: int
     vocab_size: int
     has_tokenizer: bool
+    role: str = "both"  # EngineConfig.role
+    block_size: int = 16
+    kv_address: str | None = None  # a decode engine's HOST:PORT for its prefill engines (PairKV)
 
 
-PROTOCOL_VERSION = 3  # of the messages between a gateway and a remote engine; raised when they change
+PROTOCOL_VERSION = 4  # of the messages between a gateway and a remote engine; raised when they change
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -94,8 +139,8 @@ class Fatal(msgspec.Struct, tag=True):
     message: str
 
 
-ToEngine = AddRequest | AbortRequest | ReleaseRequest | Shutdown
-FromEngine = StepOutputs | RequestRejected | Released | Ready | Fatal
+ToEngine = AddRequest | AbortRequest | ReleaseRequest | PairKV | KVSourceLost | Shutdown
+FromEngine = StepOutputs | RequestRejected | Released | KVWanted | Ready | Fatal
 
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

@@ -8,6 +8,7 @@ import sys
 
 from engine import engine_flags
 from engine.distributed.replica_layout import replica_configs
+from gateway.cli.disaggregated import build_disaggregated, disaggregation_layout
 from gateway.cli.engines import build_engines, engine_authkey
 
 
@@ -27,14 +28,16 @@ def _serve(args: argparse.Namespace) -> int:
     # Bad settings are bad input (ValueError: one line, exit 2), found before anything is written.
     engine_config = engine_flags.engine_config(args)
     remote = [parse_address(a) for a in args.engine]
-    if args.local_replicas < 0 or (args.local_replicas == 0 and not remote):
+    disaggregated = disaggregation_layout(args, engine_config, parse_address)  # None: not asked for
+    if disaggregated is None and args.local_replicas < 0 or (args.local_replicas == 0 and not remote):
         raise ValueError(f"--data-parallel-size must be >= 1 (0 only with --engine), got {args.local_replicas}")
-    authkey = engine_authkey() if remote else b""
+    authkey = engine_authkey() if remote or (disaggregated and disaggregated.remote) else b""
     if args.engines_share_experts and not (engine_config.enable_expert_parallel and remote and args.local_replicas):
         raise ValueError("--engines-share-experts makes the --engine replicas ranks of the local replicas' expert "
                          "group: it needs --enable-expert-parallel, at least one --engine and a local replica")
     group_remotes = len(remote) if args.engines_share_experts else 0
-    local_configs = replica_configs(engine_config, args.local_replicas, group_remotes)  # checks the combination
+    local_configs = ([disaggregated.decode] if disaggregated is not None else
+                     replica_configs(engine_config, args.local_replicas, group_remotes))  # checks the combination
     if args.engine_stall_timeout <= 0:
         raise ValueError(f"--engine-stall-timeout must be > 0, got {args.engine_stall_timeout}")
     if not 0 < args.engine_restart_backoff <= args.engine_restart_backoff_max:
@@ -74,8 +77,12 @@ def _serve(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
-    app = create_app(config, build_engines(engine_config, args.local_replicas, remote, authkey, args.router,
-                                           args.engine_stall_timeout, group_remotes))
+    if disaggregated is not None:
+        engines = build_disaggregated(disaggregated, authkey, args.engine_stall_timeout)
+    else:
+        engines = build_engines(engine_config, args.local_replicas, remote, authkey, args.router,
+                                args.engine_stall_timeout, group_remotes)
+    app = create_app(config, engines)
     try:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine request.
         # SIGTERM/SIGINT: stop accepting, let in-flight requests run up to the drain timeout, then cut them
@@ -128,6 +135,15 @@ def register(subparsers) -> None:
                         "on a GPU node replica i takes the --tensor-parallel-size GPUs after the previous "
                         "replicas' (size 1: GPU i), on a CPU they share the cores; with --enable-expert-parallel "
                         "the replicas divide the experts among all their ranks")
+    p.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
+                   help="disaggregated serving: P local engines that only prefill prompts and hand their KV to the "
+                        "decode engines (with --decode-replicas; docs/disaggregation.md)")
+    p.add_argument("--decode-replicas", type=int, default=0, metavar="D",
+                   help="disaggregated serving: D local engines that receive prompts' KV and generate")
+    p.add_argument("--prefill-engine", action="append", default=[], metavar="HOST:PORT",
+                   help="a remote prefill engine (moegate engine --listen HOST:PORT --role prefill); repeatable")
+    p.add_argument("--decode-engine", action="append", default=[], metavar="HOST:PORT",
+                   help="a remote decode engine (moegate engine --listen HOST:PORT --role decode); repeatable")
     p.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
                    help="attach an engine started with `moegate engine --listen HOST:PORT` as one more replica "
                         "(repeatable; needs MOEGATE_ENGINE_KEY); --model still names the tokenizer")

@@ -80,7 +80,8 @@ def test_given_values_reach_the_engine_config():
               "--block-size": 2 ** rng.randint(0, 6), "--background-window-seconds": round(rng.uniform(0, 60), 3),
               "--distributed-timeout": round(rng.uniform(0.5, 99), 3), "--seed": rng.randint(0, 2**31),
               "--cuda-graph-batch-sizes": sorted(rng.sample(range(1, 64), 3))}
-    choices = {name: rng.choice(options) for name, options in CHOICES.items() if name != "speculative"}
+    # role: a prefill or decode engine needs the prefix cache, which this test turns off (checked below).
+    choices = {name: rng.choice(options) for name, options in CHOICES.items() if name not in ("speculative", "role")}
     flags = [str(part) for flag, value in values.items()
              for part in (flag, ",".join(map(str, value)) if isinstance(value, list) else value)]
     flags += [part for name, value in choices.items() for part in (flag_name(name), value)]
@@ -92,6 +93,10 @@ def test_given_values_reach_the_engine_config():
         assert got == {flag: tuple(v) if isinstance(v, list) else v for flag, v in values.items()}, command
         assert {name: getattr(config, name) for name in choices} == choices
         assert config.enforce_eager and not config.enable_prefix_caching
+        role = rng.choice(["prefill", "decode"])
+        assert engine_config(build_parser().parse_args([*head, "--role", role])).role == role
+        with pytest.raises(ValueError, match="enable_prefix_caching"):
+            engine_config(build_parser().parse_args([*head, "--role", role, "--no-prefix-caching"]))
 
 
 def test_a_bad_value_is_one_line_naming_the_flag(capsys):

@@ -1,0 +1,182 @@
+"""A prefill or decode engine process's side of handing a prompt's KV over, in the engine process.
+
+Decode side: a request that comes with a ``KVSource`` is parked before the scheduler sees it. Its prompt's full
+blocks (all but the last token's, which the engine computes itself for its logits) are hashed as the prefix
+cache hashes them (chained, salted by tenant); the blocks already cached here are taken, blocks for the rest
+are allocated, and the engine answers with the hashes it lacks. When they arrive the new blocks are registered
+in the prefix cache under those hashes and released, and the request joins the scheduler like any other: its
+admission finds the whole prefix cached and computes only the last, partial block. If the transfer fails or
+times out the request joins the same way without the blocks and its prompt is computed here. Too few missing
+tokens (``EngineConfig.local_prefill_tokens``), or too few free blocks: no transfer at all.
+
+Prefill side: a request with a ``KVSink`` runs as usual (the gateway asks for one token); when it finishes its
+blocks are still in the prefix cache under the sink's hashes, found there and copied out at once
+(``KVConnector.save_blocks``), so no block is held or reused while the copy travels.
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.core.block_pool import Block, hash_block_tokens
+from engine.core.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.stats import SchedulerStats
+from engine.kv_transfer.block_io import BlockLayout
+from engine.kv_transfer.connector import KVConnector
+from engine.kv_transfer.p2p import P2PConnector
+from engine.serving.protocol import AddRequest, KVSink, PairKV
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Parked:
+    msg: AddRequest
+    hits: list[Block]  # cached here already: held so they stay while the rest arrives
+    new_blocks: list[Block]  # what the transfer fills
+    hashes: list[bytes]  # of new_blocks
+
+
+class KVHandoff:
+    """The engine process's part of disaggregated serving (see the module docstring)."""
+
+    def __init__(self, engine, config: EngineConfig, connector: KVConnector | None = None) -> None:
+        self.engine = engine
+        self.role = config.role
+        self.block_size = config.block_size
+        self.local_prefill_tokens = config.local_prefill_tokens
+        self.connector = connector or P2PConnector(BlockLayout(engine.runner.kv_caches), config.role,
+                                                   config.kv_transfer_address, config.kv_transfer_timeout_s)
+        self._parked: dict[str, _Parked] = {}
+        self._by_transfer: dict[tuple[str, int], str] = {}  # (pair, transfer) -> parked request id
+        self._sinks: dict[str, KVSink] = {}
+        self.transfers = self.bytes = self.fallbacks = 0
+        self.seconds = 0.0
+
+    @property
+    def address(self) -> str | None:
+        return self.connector.address
+
+    def pair(self, msg: PairKV) -> None:
+        self.connector.pair(msg.pair_id, msg.rank, msg.address)
+
+    # ---- decode side ------------------------------------------------------
+    def park(self, msg: AddRequest) -> list[bytes]:
+        """Park a request whose prompt KV comes from elsewhere; the hashes of the blocks wanted (empty: not
+        parked, the caller adds it as usual)."""
+        pool = self.engine.scheduler.kv.pool
+        try:
+            prompt = self.engine.prepare_prompt(msg.prompt)
+        except ValueError:
+            return []  # the caller's add rejects it with the reason
+        if msg.sampling_params.prompt_logprobs is not None or msg.request_id in self._parked:
+            return []  # prompt logprobs need every prompt position computed here
+        bs = self.block_size
+        hashes: list[bytes] = []
+        for i in range((len(prompt) - 1) // bs):  # the last token is always computed here, for its logits
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt[i * bs:(i + 1) * bs],
+                                            msg.policy.cache_salt))
+        hits: list[Block] = []
+        for h in hashes:
+            block = pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        missing = hashes[len(hits):]
+        revived = sum(1 for b in hits if b.ref_count == 0)
+        if len(missing) * bs < max(self.local_prefill_tokens, 1) or len(missing) + revived > pool.num_free_blocks:
+            return []
+        pool.acquire(hits)
+        new_blocks = pool.allocate(len(missing))
+        source = msg.kv_source
+        self._parked[msg.request_id] = _Parked(msg, hits, new_blocks, missing)
+        self._by_transfer[source.pair_id, source.transfer_id] = msg.request_id
+        self.connector.load_blocks(source.pair_id, source.transfer_id, [b.block_id for b in new_blocks])
+        return missing
+
+    def poll(self, add: Callable[[AddRequest], None]) -> bool:
+        """Apply the transfers that ended; True if any request joined the scheduler."""
+        changed = False
+        for result in self.connector.done():
+            if result.sent:
+                self._count(result)
+                continue
+            request_id = self._by_transfer.pop((result.pair_id, result.transfer_id), None)
+            parked = self._parked.pop(request_id, None) if request_id is not None else None
+            if parked is None:
+                continue
+            pool = self.engine.scheduler.kv.pool
+            if result.ok:
+                for block, h in zip(parked.new_blocks, parked.hashes):
+                    pool.register(block, h)
+                self._count(result)
+            else:
+                self.fallbacks += 1
+                logger.warning("KV transfer %s/%d for request %s failed (%s): prefilling it here", result.pair_id,
+                               result.transfer_id, request_id, result.error)
+            pool.release(list(reversed(parked.hits + parked.new_blocks)))
+            add(parked.msg)
+            changed = True
+        return changed
+
+    def source_lost(self, request_id: str, add: Callable[[AddRequest], None]) -> None:
+        """Its prefill engine is gone: stop waiting and prefill the request here."""
+        parked = self._unpark(request_id)
+        if parked is not None:
+            self.fallbacks += 1
+            logger.warning("request %s: its prefill engine is gone; prefilling it here", request_id)
+            add(parked.msg)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a parked request (True) and free its blocks: the connector drops its data if it still comes."""
+        self._sinks.pop(request_id, None)
+        return self._unpark(request_id) is not None
+
+    def _unpark(self, request_id: str) -> _Parked | None:
+        parked = self._parked.pop(request_id, None)
+        if parked is None:
+            return None
+        source = parked.msg.kv_source
+        self._by_transfer.pop((source.pair_id, source.transfer_id), None)
+        self.connector.abort(source.pair_id, source.transfer_id)
+        self.engine.scheduler.kv.pool.release(list(reversed(parked.hits + parked.new_blocks)))
+        return parked
+
+    @property
+    def pending(self) -> bool:
+        """Whether the engine loop must keep polling (transfers awaited or being sent)."""
+        return bool(self._parked)
+
+    # ---- prefill side -----------------------------------------------------
+    def expect_sink(self, msg: AddRequest) -> None:
+        self._sinks[msg.request_id] = msg.kv_sink
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        """Send the blocks of sink requests that finished this step (still cached: nothing was allocated since)."""
+        pool = self.engine.scheduler.kv.pool
+        for out in outputs:
+            if not out.finished or out.request_id not in self._sinks:
+                continue
+            sink = self._sinks.pop(out.request_id)
+            blocks = [pool.lookup(h) for h in sink.block_hashes]
+            if out.finish_reason not in ("length", "stop") or any(b is None for b in blocks):
+                self.connector.save_blocks(sink.pair_id, sink.transfer_id, None)
+                continue
+            self.connector.save_blocks(sink.pair_id, sink.transfer_id, [b.block_id for b in blocks])
+
+    def _count(self, result) -> None:
+        if result.ok:
+            self.transfers += 1
+            self.bytes += result.num_bytes
+            self.seconds += result.seconds
+        else:
+            logger.warning("KV transfer %s/%d not sent: %s", result.pair_id, result.transfer_id, result.error)
+
+    def close(self) -> None:
+        self.connector.close()
+
+    def fill(self, stats: SchedulerStats) -> SchedulerStats:
+        stats.kv_transfers, stats.kv_transfer_bytes = self.transfers, self.bytes
+        stats.kv_transfer_seconds, stats.kv_transfer_fallbacks = self.seconds, self.fallbacks
+        return stats

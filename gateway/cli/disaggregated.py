@@ -1,0 +1,70 @@
+"""``moegate serve --prefill-replicas P --decode-replicas D``: the prefill and decode engines of disaggregated
+serving, local processes and remote engines (``--prefill-engine`` / ``--decode-engine HOST:PORT``), and the
+router over them (``gateway.disaggregation``)."""
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from engine.core.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregatedLayout:
+    prefill: EngineConfig  # each local prefill engine's settings
+    decode: EngineConfig
+    local_prefill: int
+    local_decode: int
+    remote_prefill: list[tuple[str, int]]
+    remote_decode: list[tuple[str, int]]
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.remote_prefill or self.remote_decode)
+
+
+def disaggregation_layout(args: argparse.Namespace, config: EngineConfig, parse_address) -> DisaggregatedLayout | None:
+    """The layout the flags ask for, None without disaggregation flags; ValueError (one line) for a bad one."""
+    remote_p = [parse_address(a) for a in args.prefill_engine]
+    remote_d = [parse_address(a) for a in args.decode_engine]
+    if not (args.prefill_replicas or args.decode_replicas or remote_p or remote_d):
+        return None
+    if args.prefill_replicas < 0 or args.decode_replicas < 0:
+        raise ValueError("--prefill-replicas and --decode-replicas must be >= 0")
+    if args.prefill_replicas + len(remote_p) < 1 or args.decode_replicas + len(remote_d) < 1:
+        raise ValueError("disaggregated serving needs at least one prefill engine (--prefill-replicas or "
+                         "--prefill-engine) and one decode engine (--decode-replicas or --decode-engine)")
+    if args.engine or args.local_replicas != 1:
+        raise ValueError("--prefill-replicas/--decode-replicas replace --data-parallel-size and --engine: give "
+                         "remote engines with --prefill-engine and --decode-engine")
+    if config.role != "both":
+        raise ValueError("--role is for `moegate engine --listen`; `moegate serve` gives its engines their roles")
+    if config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
+        raise ValueError("prefill and decode engines run one process each: --tensor-parallel-size and "
+                         "--data-parallel-size must be 1 with --prefill-replicas/--decode-replicas")
+    local = args.prefill_replicas + args.decode_replicas
+    if local > 1 and config.cpu_threads is None and config.device != "cuda":
+        # Engines on the CPU share its cores, as replicas do (gateway.cli.engines).
+        config = dataclasses.replace(config, cpu_threads=max(1, (os.cpu_count() or 1) // local))
+    return DisaggregatedLayout(dataclasses.replace(config, role="prefill"), dataclasses.replace(config, role="decode"),
+                               args.prefill_replicas, args.decode_replicas, remote_p, remote_d)
+
+
+def build_disaggregated(layout: DisaggregatedLayout, authkey: bytes, stall_timeout_s: float):
+    """The router over the layout's engines; local engine i of either kind takes GPU i of its kind's share."""
+    from engine.serving.async_engine import AsyncEngine
+    from engine.serving.remote_engine import RemoteEngine
+    from gateway.disaggregation import DisaggregatedEngines
+
+    def local(config: EngineConfig, count: int, first_gpu: int) -> list:
+        return [AsyncEngine(config, process_env={"CUDA_VISIBLE_DEVICES": str(first_gpu + i)},
+                            stall_timeout_s=stall_timeout_s) for i in range(count)]
+
+    def remote(config: EngineConfig, addresses) -> list:
+        return [RemoteEngine(config, address, authkey, stall_timeout_s) for address in addresses]
+
+    prefill = local(layout.prefill, layout.local_prefill, 0) + remote(layout.prefill, layout.remote_prefill)
+    decode = (local(layout.decode, layout.local_decode, layout.local_prefill)
+              + remote(layout.decode, layout.remote_decode))
+    return DisaggregatedEngines(prefill, decode)

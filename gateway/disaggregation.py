@@ -1,0 +1,231 @@
+"""Disaggregated serving: prefill engines compute prompts, decode engines receive their KV and generate.
+
+One request: the router picks a decode engine (fewest requests in flight, then most free KV blocks) and a
+prefill engine (the one holding the longest run of the prompt's leading blocks, by the gateway's prefix index,
+unless it is busier than the least loaded by more than ``AFFINITY_SLACK`` requests; else the least loaded). The
+decode engine gets the request with a ``KVSource`` and answers which blocks its own prefix cache lacks
+(``KVWanted``, tenant-salted hashes); the prefill engine then computes the prompt with ``max_tokens`` 1 and
+sends exactly those blocks (``KVSink``); the decode engine continues from them and streams. Only the decode
+engine's outputs reach the caller, so usage is counted once. A prompt the decode engine would rather prefill
+itself (short, mostly cached) never reaches a prefill engine; if the prefill engine fails, the decode engine is
+told at once (``KVSourceLost``) and prefills the prompt itself: the caller sees no error. A decode engine that
+fails before the request's first output: the request is placed again on another decode engine.
+"""
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+from engine.core.outputs import RequestOutput
+from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
+from engine.core.sampling_params import SamplingParams
+from engine.serving.async_engine import AsyncEngine, EngineError
+from engine.serving.protocol import KVSink, KVSource
+from gateway.prefix_index import ReplicaBlocks, block_hashes
+
+logger = logging.getLogger(__name__)
+
+AFFINITY_SLACK = 4  # requests a prefill engine with the prompt's prefix may have beyond the least loaded one
+
+
+class DisaggregatedEngines:
+    """Prefill and decode engines behind one ``generate`` (see the module docstring)."""
+
+    def __init__(self, prefill: Sequence[AsyncEngine], decode: Sequence[AsyncEngine]) -> None:
+        if not prefill or not decode:
+            raise ValueError("disaggregated serving needs at least one prefill and one decode engine")
+        self.prefill = list(prefill)
+        self.decode = list(decode)
+        self.config = self.decode[0].config
+        # The replica label of each engine in /health and /metrics.
+        self.names = [f"prefill-{i}" for i in range(len(prefill))] + [f"decode-{i}" for i in range(len(decode))]
+        self._in_flight: dict[int, int] = {}  # id(engine) -> requests the router has there
+        self._prefixes = {id(p): ReplicaBlocks() for p in self.prefill}
+        self._pairs: dict[tuple[int, int], tuple[object, object, str]] = {}  # -> (p.info, d.info, pair id)
+        self._pair_ids = itertools.count()
+        self._transfer_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.fallbacks = 0  # requests whose prefill engine failed under them (the decode engine prefilled)
+
+    # -- EngineClient: one engine as long as a decode engine serves (prefill engines only make it faster) --
+
+    @property
+    def replicas(self) -> list[AsyncEngine]:
+        return self.prefill + self.decode
+
+    @property
+    def info(self):
+        return next((d.info for d in self.decode if d.info is not None and not d.dead), None)
+
+    @property
+    def dead(self) -> str | None:
+        return None if any(d.dead is None for d in self.decode) else "every decode engine is down"
+
+    @property
+    def dead_detail(self) -> str | None:
+        return None if self.dead is None else "; ".join(d.dead_detail or d.dead for d in self.decode)
+
+    @property
+    def stats(self):
+        return next((d.stats for d in self.decode if d.stats is not None), None)
+
+    def silent_s(self) -> float:
+        return min(d.silent_s() for d in self.decode)
+
+    async def preflight(self) -> None:
+        for e in self.replicas:
+            await e.preflight()
+
+    async def start(self):
+        readies = await asyncio.gather(*(e.start() for e in self.replicas))
+        for e, ready in zip(self.replicas, readies):
+            want = "prefill" if e in self.prefill else "decode"
+            if ready.role != want:
+                raise EngineError(f"{e.describe()} runs with role {ready.role}; start it with --role {want}")
+        if len({r.block_size for r in readies}) != 1:
+            raise EngineError("prefill and decode engines must use the same --block-size")
+        return self.info
+
+    async def restart(self):
+        for e in self.replicas:
+            if e.dead:
+                await e.restart()
+        return self.info
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(e.shutdown() for e in self.replicas))
+
+    async def prepare(self, *args, **kwargs) -> list[int]:
+        return await self._live(self.decode)[0].prepare(*args, **kwargs)
+
+    def chat_template(self) -> str | None:
+        return next((d.chat_template() for d in self.decode if d.info is not None), None)
+
+    async def detokenize(self, token_ids) -> str:
+        return await self._live(self.decode)[0].detokenize(token_ids)
+
+    async def release(self, request_id: str) -> bool:
+        return False  # requests are placed once
+
+    @staticmethod
+    def _live(engines: list[AsyncEngine]) -> list[AsyncEngine]:
+        live = [e for e in engines if e.info is not None and not e.dead]
+        if not live:
+            raise EngineError("no engine of this kind is running")
+        return live
+
+    def _load(self, engine: AsyncEngine) -> int:
+        return self._in_flight.get(id(engine), 0)
+
+    def _pick_decode(self, exclude: set[int] = frozenset()) -> AsyncEngine:
+        def key(d: AsyncEngine):
+            used = d.stats.kv_blocks_used / d.stats.kv_blocks_total if d.stats else 0.0
+            return self._load(d), used
+        live = [d for d in self._live(self.decode) if id(d) not in exclude]
+        if not live:
+            raise EngineError("no decode engine is running")
+        return min(live, key=key)
+
+    def _pick_prefill(self, hashes: list[bytes]) -> AsyncEngine | None:
+        live = [p for p in self.prefill if p.info is not None and not p.dead]
+        if not live:
+            return None
+        least = min(self._load(p) for p in live)
+        near = [p for p in live if self._load(p) <= least + AFFINITY_SLACK]
+        return max(near, key=lambda p: (self._prefixes[id(p)].matched(hashes), -self._load(p)))
+
+    def _pair(self, p: AsyncEngine, d: AsyncEngine) -> str:
+        """The pair id of (p, d), pairing them first (again after either restarted)."""
+        known = self._pairs.get((id(p), id(d)))
+        if known is not None and known[0] is p.info and known[1] is d.info:
+            return known[2]
+        pair_id = f"p{self.prefill.index(p)}d{self.decode.index(d)}n{next(self._pair_ids)}"
+        d.pair_kv(pair_id, 0, d.info.kv_address)
+        p.pair_kv(pair_id, 1, d.info.kv_address)
+        self._pairs[id(p), id(d)] = (p.info, d.info, pair_id)
+        return pair_id
+
+    async def generate(self, prompt: list[int], sampling_params: SamplingParams, request_id: str | None = None,
+                       policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs from its decode engine (see the module docstring). A decode engine that
+        fails before the request's first output: the request goes to another decode engine, if one runs."""
+        request_id = request_id or f"dreq-{next(self._request_ids)}"
+        tried: set[int] = set()
+        while True:
+            d = self._pick_decode(exclude=tried)
+            produced = False
+            try:
+                outputs = self._on(d, prompt, sampling_params, request_id, policy, stream)
+                async with contextlib.aclosing(outputs):
+                    async for out in outputs:
+                        produced = True
+                        yield out
+                return
+            except EngineError as e:
+                tried.add(id(d))
+                if produced or not e.retryable or not any(
+                        x.info is not None and not x.dead and id(x) not in tried for x in self.decode):
+                    raise
+                logger.warning("request %s: decode engine failed before its first output (%s); placing it again",
+                               request_id, e)
+
+    async def _on(self, d: AsyncEngine, prompt: list[int], sampling_params: SamplingParams, request_id: str,
+                  policy: RequestPolicy, stream_outputs: bool) -> AsyncIterator[RequestOutput]:
+        """The request on decode engine ``d``, its prompt computed by a prefill engine where that pays."""
+        hashes = block_hashes(prompt, d.info.block_size, policy.cache_salt)
+        p = self._pick_prefill(hashes)
+        self._in_flight[id(d)] = self._load(d) + 1
+        prefill_task: asyncio.Task | None = None
+        first: asyncio.Future | None = None
+        stream = None
+        try:
+            if p is None:  # no prefill engine up: the decode engine serves it whole
+                stream = d.generate(prompt, sampling_params, request_id, policy, stream_outputs)
+                async for out in stream:
+                    yield out
+                return
+            pair_id = self._pair(p, d)
+            source = KVSource(pair_id, next(self._transfer_ids))
+            wanted = d.kv_wanted(request_id)
+            stream = d.generate(prompt, sampling_params, request_id, policy, stream_outputs, kv_source=source)
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.wait({first, wanted}, return_when=asyncio.FIRST_COMPLETED)
+            if wanted.done() and wanted.result():
+                sink = KVSink(pair_id, source.transfer_id, wanted.result())
+                prefill_task = asyncio.create_task(self._prefill(p, d, prompt, request_id, sink, policy))
+            try:
+                yield await first
+            except StopAsyncIteration:
+                return
+            async for out in stream:
+                yield out
+        finally:
+            self._in_flight[id(d)] -= 1
+            if first is not None and not first.done():  # cancelled while waiting: the stream's end aborts it
+                first.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await first
+            if stream is not None:
+                await stream.aclose()
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()  # closes the prefill stream: the prefill engine aborts it
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await prefill_task
+
+    async def _prefill(self, p: AsyncEngine, d: AsyncEngine, prompt: list[int], request_id: str, sink: KVSink,
+                       policy: RequestPolicy) -> None:
+        """Compute the prompt on ``p`` (one token, discarded) so that it sends its blocks; on failure tell ``d``."""
+        self._in_flight[id(p)] = self._load(p) + 1
+        self._prefixes[id(p)].add(sink.block_hashes)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        try:
+            async for _ in p.generate(prompt, one, f"{request_id}-prefill", policy, stream=False, kv_sink=sink):
+                pass
+        except (EngineError, ValueError) as e:
+            self.fallbacks += 1
+            logger.warning("request %s: prefill engine failed (%s); the decode engine prefills it", request_id, e)
+            d.kv_source_lost(request_id)
+        finally:
+            self._in_flight[id(p)] -= 1

@@ -1,0 +1,38 @@
+"""Blocks as bytes (engine.kv_transfer.block_io): gathered from one set of caches and scattered into another
+laid out alike, the chosen blocks' rows arrive bit for bit and no other row changes, whatever the layers cache
+(K/V pairs, MLA latent rows, mixed dtypes)."""
+
+import random
+
+import torch
+
+from engine.kv_transfer.block_io import BlockLayout
+
+
+def _caches(num_blocks: int, block_size: int, layers, generator) -> list[tuple[torch.Tensor, ...]]:
+    return [tuple(torch.randn(num_blocks + 1, block_size, *shape, generator=generator).to(dtype)
+                  for shape in shapes) for shapes, dtype in layers]
+
+
+def test_gathered_blocks_scatter_bit_for_bit_and_touch_nothing_else():
+    rng = random.Random()
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    block_size, num_blocks = 2 ** rng.randint(0, 4), rng.randint(8, 40)
+    layers = [(((2, 8), (2, 8)), torch.float32),  # K, V of 2 KV heads
+              (((rng.randint(3, 40),),), torch.bfloat16),  # one MLA latent row
+              (((1, 16), (1, 16)), torch.float16)]
+    source, target = _caches(num_blocks, block_size, layers, g), _caches(num_blocks, block_size, layers, g)
+    before = [[t.clone() for t in layer] for layer in target]
+    src_ids = rng.sample(range(num_blocks), rng.randint(1, num_blocks // 2))
+    dst_ids = rng.sample(range(num_blocks), len(src_ids))
+    data = BlockLayout(source).gather(src_ids)
+    layout = BlockLayout(target)
+    # Independent reference for the size: every tensor's bytes per block, summed.
+    assert data.shape == (len(src_ids), sum(t[0].numel() * t.element_size() for layer in source for t in layer))
+    layout.scatter(dst_ids, data)
+    for src_layer, dst_layer, old_layer in zip(source, target, before):
+        for src, dst, old in zip(src_layer, dst_layer, old_layer):
+            for s, d in zip(src_ids, dst_ids):
+                assert torch.equal(dst[d].view(torch.uint8), src[s].view(torch.uint8))
+            untouched = [b for b in range(num_blocks + 1) if b not in dst_ids]
+            assert torch.equal(dst[untouched].view(torch.uint8), old[untouched].view(torch.uint8))

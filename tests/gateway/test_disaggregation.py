@@ -1,0 +1,344 @@
+"""Disaggregated serving with real processes on gloo: a prefill engine computes prompts and sends their KV to a
+decode engine over torch.distributed, the decode engine generates.
+
+Reference: one aggregated engine (the offline ``LLM``) with the same checkpoint and settings; greedy tokens must
+be identical. The decode engine's statistics prove it computed no prompt token but each prompt's last, partial
+block; faults (the prefill engine killed, a transfer that never comes, an abort while the KV is awaited) end
+with every request answered and every decode block free again.
+"""
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.request_policy import RequestPolicy
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.protocol import KVSource
+from gateway.disaggregation import DisaggregatedEngines
+from tests.hf_models import make_hf_model
+
+VOCAB = 211
+BS = 4
+TENANT_A, TENANT_B = RequestPolicy(tenant="a", cache_salt="tenant-a"), RequestPolicy(tenant="b", cache_salt="tenant-b")
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _settings(path: str, **extra) -> dict:
+    return dict(model=path, dtype="float32", device="cpu", block_size=BS, num_kv_blocks=96, max_num_seqs=4,
+                cpu_threads=1, **extra)
+
+
+async def _collect(stream) -> list[int]:
+    tokens = []
+    async for out in stream:
+        tokens.extend(out.token_ids)
+    return tokens
+
+
+def _computed_here(prompt_len: int) -> int:
+    """Prompt tokens a decode engine computes as prefill for a transferred prompt: its last partial block (the
+    last token of a prompt that is one past a block boundary is a decode step, not prefill)."""
+    rest = prompt_len - (prompt_len - 1) // BS * BS
+    return rest if rest > 1 else 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_last_block(family, tmp_path):
+    rng = random.Random()
+    path = str(tmp_path / family)
+    make_hf_model(family, path, seed=rng.randrange(2**31), vocab_size=VOCAB)
+    shared = [rng.randrange(1, VOCAB - 1) for _ in range(4 * BS)]
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(14, 40))] for _ in range(3)]
+    # Two prompts sharing 4 blocks: the second finds them on the decode engine; 2 or more of its blocks still move.
+    prompts.append(shared + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(3, 9))])
+    prompts.append(shared + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(10, 14))])
+    short = [rng.randrange(1, VOCAB - 1) for _ in range(5)]  # under local_prefill_tokens: computed by the decode engine
+    lengths = [rng.randint(3, 8) for _ in range(len(prompts) + 1)]
+    llm = LLM(**_settings(path))
+    expected = [o.token_ids for o in llm.generate(prompts + [short], [_greedy(n) for n in lengths])]
+    expected_salted = llm.generate([prompts[0]], _greedy(lengths[0]))[0].token_ids
+
+    async def main():
+        prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill")))
+        decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", local_prefill_tokens=2 * BS)))
+        router = DisaggregatedEngines([prefill], [decode])
+        await router.start()
+        try:
+            # The first and the two sharing a prefix one after another (so the second finds the first's blocks
+            # on the decode engine); the rest at once.
+            first = await _collect(router.generate(prompts[0], _greedy(lengths[0]), policy=TENANT_A))
+            first_bytes = decode.stats.kv_transfer_bytes  # the stats of the step that finished it
+            assert first_bytes > 0
+            sequential = [await _collect(router.generate(prompts[i], _greedy(lengths[i]), policy=TENANT_A))
+                          for i in (3, 4)]
+            rest = await asyncio.gather(*(_collect(router.generate(p, _greedy(n), policy=TENANT_A))
+                                          for p, n in ((prompts[1], lengths[1]), (prompts[2], lengths[2]),
+                                                       (short, lengths[5]))))
+            got = [first, rest[0], rest[1], sequential[0], sequential[1], rest[2]]
+            assert got == expected
+            await asyncio.sleep(1.2)  # an idle engine reports its state every second
+            stats = decode.stats
+            assert stats.kv_transfers == 5 and stats.kv_transfer_fallbacks == 0
+            assert stats.kv_transfer_bytes > 0
+            # Prompt 4 found prompt 3's shared blocks in the decode engine's own cache: only the rest moved.
+            assert stats.prefix_hit_tokens >= len(shared)
+            computed = sum(_computed_here(len(p)) for p in prompts) + len(short)
+            assert stats.total_prefill_tokens == computed
+            assert stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
+
+            # Another tenant, the same prompt: no block crosses tenants, every block of it is sent again.
+            before = stats.kv_transfer_bytes
+            other = await _collect(router.generate(prompts[0], _greedy(lengths[0]), policy=TENANT_B))
+            assert other == expected_salted
+            await asyncio.sleep(1.2)
+            assert decode.stats.kv_transfer_bytes - before == first_bytes  # every block again, none shared
+            assert decode.stats.kv_transfers == 6
+            assert decode.stats.total_prefill_tokens == computed + _computed_here(len(prompts[0]))
+        finally:
+            await router.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_faults_end_with_every_request_answered_and_every_block_free(tmp_path):
+    """A decode engine killed before a request's first output (placed again on the other), the prefill engine
+    killed while the decode engine waits for its KV, a transfer that never comes (timeout), a request aborted
+    while its KV is awaited and that KV arriving afterwards (drained, never written)."""
+    rng = random.Random()
+    path = str(tmp_path / "model")
+    make_hf_model("qwen3_moe", path, seed=rng.randrange(2**31), vocab_size=VOCAB)
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(60, 90))] for _ in range(5)]
+    llm = LLM(**_settings(path))
+    expected = [o.token_ids for o in llm.generate(prompts, _greedy(6))]
+
+    async def main():
+        # The prefill engine computes 8 tokens a step, so a prompt takes it many steps: time to kill it.
+        prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill", max_num_batched_tokens=8)))
+        decode, spare = (AsyncEngine(EngineConfig(**_settings(path, role="decode", kv_transfer_timeout_s=3.0,
+                                                              local_prefill_tokens=8))) for _ in range(2))
+        router = DisaggregatedEngines([prefill], [spare, decode])  # equally loaded: the first is picked first
+        await router.start()
+        try:
+            # 0. The decode engine dies after it set blocks aside, before any output: the request runs on the
+            # other decode engine, the client sees no error.
+            plain_prefill = router._prefill
+
+            async def decode_killed(p, d, *args):
+                router._prefill = plain_prefill  # once
+                os.kill(d.pid, signal.SIGKILL)
+                await plain_prefill(p, d, *args)
+
+            router._prefill = decode_killed
+            assert await _collect(router.generate(prompts[4], _greedy(6))) == expected[4]
+            assert spare.dead and decode.stats.kv_transfers == 1 and decode.stats.kv_blocks_used == 0
+
+            # 1. The prefill engine dies after the decode engine has set blocks aside for the prompt's KV: the
+            # router tells the decode engine, which prefills the prompt itself at once; the client sees no error.
+
+            async def killed_meanwhile(p, *args):
+                os.kill(p.pid, signal.SIGKILL)
+                while not p.dead:
+                    await asyncio.sleep(0.01)
+                await plain_prefill(p, *args)
+
+            router._prefill = killed_meanwhile
+            started = asyncio.get_running_loop().time()
+            assert await _collect(router.generate(prompts[0], _greedy(6))) == expected[0]
+            assert asyncio.get_running_loop().time() - started < 3.0  # not the transfer timeout: told at once
+            router._prefill = plain_prefill
+            assert router.fallbacks == 1
+            await asyncio.sleep(1.2)
+            assert decode.stats.kv_transfer_fallbacks == 1 and decode.stats.kv_blocks_used == 0
+            # A fresh prefill engine pairs again and transfers (no hang on the old pair).
+            await prefill.restart()
+            assert await _collect(router.generate(prompts[1], _greedy(6))) == expected[1]
+            assert decode.stats.kv_transfers == 2
+
+            # 2. A transfer that never comes: the decode engine gives up after its timeout and prefills itself.
+            pair_id = router._pair(prefill, decode)
+            stream = decode.generate(prompts[2], _greedy(6), "orphan", kv_source=KVSource(pair_id, 10_000))
+            assert await _collect(stream) == expected[2]
+            assert decode.stats.kv_transfer_fallbacks == 2
+
+            # 3. Aborted while its KV is awaited: its blocks are free at once; the KV that still comes later is
+            # drained and dropped while another request holds those blocks, whose tokens stay right.
+            wanted = decode.kv_wanted("aborted")
+            stream = decode.generate(prompts[3], _greedy(6), "aborted", kv_source=KVSource(pair_id, 10_001))
+            consumer = asyncio.create_task(_collect(stream))
+            hashes = await wanted
+            assert hashes
+            consumer.cancel()  # the client goes away: the stream's end aborts the request
+            with pytest.raises(asyncio.CancelledError):
+                await consumer
+            await asyncio.sleep(1.2)
+            assert decode.stats.kv_blocks_used == 0
+            other = asyncio.ensure_future(_collect(decode.generate(prompts[4], _greedy(6))))  # takes those blocks
+            from engine.serving.protocol import KVSink
+
+            await _collect(prefill.generate(prompts[3], _greedy(1), "late", kv_sink=KVSink(pair_id, 10_001, hashes)))
+            assert await other == expected[4]
+            await asyncio.sleep(1.2)
+            assert decode.stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
+            assert decode.stats.kv_transfers == 2  # the late one was not counted as received...
+            assert prefill.stats.kv_transfers == 2  # ...though it was sent (and drained by the decode engine)
+        finally:
+            await router.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_metrics(tmp_path, capsys):
+    """`moegate serve --prefill-replicas 1 --decode-replicas 1`'s engines behind the real app, driven by the
+    official openai client; reference: the offline engine on the same demo checkpoint."""
+    import openai
+    from aiohttp import ClientSession
+    from aiohttp.test_utils import TestServer
+
+    from engine import engine_flags
+    from engine.loading.demo_model import write_demo_model
+    from engine.serving.engine_server import parse_address
+    from gateway.app import METRICS_URL, create_app
+    from gateway.cli import build_parser, main
+    from gateway.cli.disaggregated import build_disaggregated, disaggregation_layout
+    from gateway.config import GatewayConfig
+    from tenants.migrate import upgrade
+    from tenants.store import TenantStore
+
+    # Bad input: one line, exit 2.
+    demo = str(tmp_path / "demo")
+    write_demo_model(demo, seed=random.randrange(1000))
+    assert main(["serve", "--model", demo, "--prefill-replicas", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decode engine" in err[0]
+
+    rng = random.Random()
+    words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(30, 50))) for _ in range(2)]
+    settings = ["--num-kv-blocks", "128", "--block-size", "4", "--local-prefill-tokens", "8", "--cpu-threads", "1"]
+    offline = LLM(model=demo, num_kv_blocks=128, block_size=4).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    args = build_parser().parse_args(["serve", "--model", demo, "--prefill-replicas", "1", "--decode-replicas", "1",
+                                      *settings])
+    layout = disaggregation_layout(args, engine_flags.engine_config(args), parse_address)
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
+
+    async def main_():
+        store = TenantStore.open(url)
+        await store.create_tenant("web")
+        key = (await store.create_key("web"))[1]
+        await store.close()
+        engines = build_disaggregated(layout, b"", 60.0)
+        app = create_app(GatewayConfig(served_model_name="demo", database_url=url, metrics_port=0), engines)
+        async with TestServer(app, host="127.0.0.1") as server:
+            client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
+            for prompt, ref in zip(prompts, offline):
+                stream = await client.completions.create(
+                    model="demo", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                chunks = [c async for c in stream]
+                assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+                usage = chunks[-1].usage
+                assert usage.prompt_tokens == ref.num_prompt_tokens and usage.completion_tokens == 8
+            async with ClientSession() as http:
+                health = await (await http.get(server.make_url("/health"))).json()
+                assert [r["replica"] for r in health["replicas"]] == ["prefill-0", "decode-0"]
+                assert health["status"] == "ready"
+                await asyncio.sleep(1.2)  # the idle engines' latest statistics
+                metrics = await (await http.get(app[METRICS_URL])).text()
+            assert 'moegate_kv_transfers_total{replica="decode-0"} 2.0' in metrics
+            assert 'moegate_kv_transfers_total{replica="prefill-0"} 2.0' in metrics
+            assert 'moegate_kv_transfer_fallbacks_total{replica="decode-0"} 0.0' in metrics
+
+    asyncio.run(main_())
+
+
+@pytest.mark.timeout(300)
+def test_preemption_on_both_sides_keeps_greedy_tokens(tmp_path):
+    """A decode pool that holds one request's prompt and output but not two: requests that arrived with their
+    KV are preempted while they grow and computed again from the prefix cache. A prefill engine with one slot,
+    computing one token a step: a request of a more urgent class preempts the one it is computing. Tokens
+    still equal one engine's."""
+    rng = random.Random()
+    path = str(tmp_path / "model")
+    make_hf_model("mixtral", path, seed=rng.randrange(2**31), vocab_size=VOCAB)
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(30, 40))] for _ in range(6)]
+    llm = LLM(**_settings(path))
+    expected = [o.token_ids for o in llm.generate(prompts, _greedy(24))]
+
+    async def main():
+        prefill = AsyncEngine(EngineConfig(**{**_settings(path, role="prefill", max_num_batched_tokens=1),
+                                              "num_kv_blocks": 24, "max_num_seqs": 1}))
+        # Each request needs at most (40 + 24) / 4 = 16 blocks: 20 hold one, never two at their ends.
+        decode = AsyncEngine(EngineConfig(**{**_settings(path, role="decode", local_prefill_tokens=BS),
+                                             "num_kv_blocks": 20}))
+        router = DisaggregatedEngines([prefill], [decode])
+        await router.start()
+        try:
+            got = await asyncio.gather(*(_collect(router.generate(p, _greedy(24))) for p in prompts[:4]))
+            assert got == expected[:4]
+            await asyncio.sleep(1.2)
+            assert decode.stats.num_preemptions > 0
+            assert decode.stats.kv_transfers >= 1
+            assert prefill.stats.num_preemptions == 0  # one at a time, in order
+
+            # A batch-class request's prompt is being computed (30+ steps of one token) when an urgent one comes.
+            batch, urgent = RequestPolicy(priority=2), RequestPolicy(priority=0)
+            slow = asyncio.create_task(_collect(router.generate(prompts[4], _greedy(24), policy=batch)))
+            while not router._load(prefill):
+                await asyncio.sleep(0.001)
+            assert await _collect(router.generate(prompts[5], _greedy(24), policy=urgent)) == expected[5]
+            assert await slow == expected[4]
+            await asyncio.sleep(1.2)
+            assert prefill.stats.num_preemptions > 0
+            assert decode.stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
+        finally:
+            await router.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(240)
+def test_a_remote_decode_engine_started_with_its_role_receives_a_local_prefill_engines_kv(tmp_path):
+    """`moegate engine --listen ... --role decode` (its own process tree, over TCP) paired with a local prefill
+    engine: the same tokens as one engine, the KV moved over the pair."""
+    from engine.serving.remote_engine import RemoteEngine
+    from tests.gateway.serve_process import free_port
+    from tests.gateway.test_remote_engine import KEY, start_engine, stop_engine
+
+    rng = random.Random()
+    path = str(tmp_path / "model")
+    make_hf_model("qwen3_moe", path, seed=rng.randrange(2**31), vocab_size=VOCAB)
+    prompt = [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(30, 60))]
+    expected = LLM(**_settings(path)).generate([prompt], _greedy(8))[0].token_ids
+    port = free_port()
+    flags = ["--dtype", "float32", "--device", "cpu", "--block-size", str(BS), "--num-kv-blocks", "96",
+             "--cpu-threads", "1", "--local-prefill-tokens", "8"]
+    server = start_engine(path, port, "--role", "decode", *flags)
+    try:
+        async def main():
+            prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill")))
+            decode = RemoteEngine(EngineConfig(**_settings(path, role="decode")), ("127.0.0.1", port), KEY.encode(),
+                                  60.0)
+            router = DisaggregatedEngines([prefill], [decode])
+            await router.start()
+            try:
+                assert await _collect(router.generate(prompt, _greedy(8))) == expected
+                assert decode.stats.kv_transfers == 1 and decode.stats.kv_transfer_fallbacks == 0
+            finally:
+                await router.shutdown()
+
+        asyncio.run(main())
+    finally:
+        stop_engine(server)
