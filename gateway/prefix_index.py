@@ -25,12 +25,13 @@ def remembered_blocks(stats: SchedulerStats) -> int:
     return stats.kv_blocks_total + stats.host_tier_blocks
 
 
-def block_hashes(prompt: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
-    """The chained, salted hashes of the prompt's full blocks, as the engine computes them."""
+def block_hashes(prompt: Sequence[int], block_size: int, cache_salt: str | None,
+                 lora_adapter: str | None = None) -> list[bytes]:
+    """The chained, salted hashes of the prompt's full blocks (under ``lora_adapter``), as the engine computes them."""
     hashes: list[bytes] = []
     parent = None
     for start in range(0, len(prompt) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, prompt[start:start + block_size], cache_salt)
+        parent = hash_block_tokens(parent, prompt[start:start + block_size], cache_salt, lora_adapter)
         hashes.append(parent)
     return hashes
 

@@ -29,6 +29,7 @@ ENGINE_LAYERS = (
     ("engine/structured_output",),
     ("engine/sampling",),
     ("engine/kernels",),
+    ("engine/lora",),
     ("engine/layers",),
     ("engine/models",),
     ("engine/transforms",),

@@ -58,6 +58,14 @@ class EngineConfig:
     CUDA a Triton matrix-vector kernel for each dense projection shape where it measures faster than
     F.linear at start; torch: torch ops only (any device); auto: triton on CUDA, torch elsewhere (Triton on
     a CPU needs TRITON_INTERPRET=1, for testing: it is slow)"""
+    lora_adapters: str | None = None
+    """LoRA adapters to serve beside the base model, as NAME=DIR pairs separated by commas (PEFT directories:
+    adapter_config.json and adapter_model.safetensors); a request names one as its policy's ``lora_adapter``
+    (at most ``max_loras`` of them, all resident; attention projections; one tensor-parallel rank)"""
+    max_loras: int = 4
+    """adapters resident on the device at once, each in its own slot of every adapted layer"""
+    max_lora_rank: int = 16
+    """the largest adapter rank served (slots are this wide; smaller ranks are zero-padded)"""
     enforce_eager: bool = False
     """never capture or replay CUDA graphs"""
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
@@ -176,6 +184,21 @@ class EngineConfig:
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
+    def lora_adapter_paths(self) -> dict[str, str]:
+        """``lora_adapters`` parsed: adapter name -> directory, in the order given."""
+        paths: dict[str, str] = {}
+        for item in (self.lora_adapters or "").split(","):
+            if not item.strip():
+                continue
+            name, sep, path = item.strip().partition("=")
+            if not sep or not name or not path or name in paths:
+                raise ValueError(f"lora_adapters: {item.strip()!r} is not NAME=DIR with a new NAME")
+            paths[name] = path
+        if len(paths) > self.max_loras:
+            raise ValueError(f"lora_adapters: {len(paths)} adapters need max_loras >= {len(paths)}")
+        return paths
+
+    @property
     def speculative_config(self) -> SpeculativeConfig | None:
         """Speculative decoding's settings, or None when it is off."""
         if self.speculative is None:
@@ -184,6 +207,11 @@ class EngineConfig:
                                  self.speculative_min_acceptance, self.speculative_model)
 
     def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.lora_adapter_paths and (self.engine_ranks > 1 or self.data_parallel_size > 1):
+            raise ValueError("lora_adapters are served by single-process engines for now (tensor, pipeline and data "
+                             "parallel sizes 1)")
         _ = self.speculative_config  # ValueError naming the field for a bad speculative setting
         if self.speculative is not None and self.overlap_scheduling:
             raise ValueError("speculative decoding runs with overlap_scheduling off (--no-overlap-scheduling): "

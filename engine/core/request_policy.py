@@ -22,6 +22,8 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     ``cache_salt``: its prefix-cache blocks are shared only with requests of the same salt (the tenant).
     ``cache_share`` (0 < share <= 1): the tenant's share of the engine's host and disk prefix-cache tiers (its
     quota's; past it, its new blocks evict its own); None: the tiers are one LRU shared by every tenant.
+    ``lora_adapter``: the registered LoRA adapter it runs under (None: the base model); a separate, typed part of
+    every prefix-cache block hash, so the same prompt under two adapters never shares blocks.
 
     Validated when built and again when decoded in the engine process (a ValueError naming the field).
     """
@@ -35,6 +37,7 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     background: bool = False
     cache_salt: str | None = None
     cache_share: float | None = None
+    lora_adapter: str | None = None
 
     def __post_init__(self) -> None:
         if self.priority < 0:
@@ -45,6 +48,8 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
             raise ValueError(f"weight must be > 0, got {self.weight}")
         if self.cache_share is not None and not 0 < self.cache_share <= 1:
             raise ValueError(f"cache_share must be in (0, 1] or None, got {self.cache_share}")
+        if self.lora_adapter is not None and not self.lora_adapter:
+            raise ValueError("lora_adapter must be a non-empty adapter name or None (the base model)")
 
 
 DEFAULT_POLICY = RequestPolicy()

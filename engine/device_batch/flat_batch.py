@@ -19,3 +19,5 @@ class FlatBatch:
     prompt_rows: torch.Tensor  # [Q] int64: flat rows scoring prompt tokens (prompt logprobs), in scheduled order
     num_decodes: int  # D; a batch with T == D is decode-only (CUDA-graph eligible)
     max_blocks: int  # W of the widest decode table
+    # Flat rows [start, end) of each scheduled part, in scheduled order (per-request data such as LoRA slots).
+    scheduled_ranges: tuple[tuple[int, int], ...] = ()

@@ -7,6 +7,7 @@ from torch import nn
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.device_batch.attention_metadata import AttentionMetadata, TritonAttentionMetadata
 from engine.layers.cache_spec import CacheSpec
+from engine.lora.slots import AttentionLora
 from engine.layers.norms import RMSNorm
 from engine.layers.paged_attention import paged_attention, write_kv
 from engine.layers.rotary import RotaryEmbedding
@@ -81,6 +82,9 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         # Set by engine.transforms.fusion: q/k norms and RoPE in one Triton pass over the packed projection.
         self.fused_rope = False
+        # LoRA slot tables of qkv_proj and o_proj, and the step's adapter layout (engine.worker.lora_setup);
+        # None: no adapters served.
+        self.lora: AttentionLora | None = None
         # [N_blocks, block_size, kvh, d] each; bound by the runner once the pool is allocated.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
@@ -104,6 +108,8 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T, H] -> q [T, h, d], k and v [T, kvh, d]: the packed projection, q/k norms and RoPE."""
         qkv = self.qkv_proj(x)  # [T, q + 2kv]
+        if self.lora is not None and self.lora.step.batch is not None:
+            qkv = self.lora.qkv.add_delta(x, qkv, self.lora.step.batch)  # each token's adapter's delta
         if self.fused_rope and self.qk_norm != "full" and self.clip_qkv is None:
             return self._fused_norm_rope(qkv, positions)
         return self._norm_rope(qkv, positions)
@@ -125,8 +131,12 @@ class Attention(nn.Module):
         """out [T, h, d] (or [T, h * d]) -> [T, H]: o_proj, summed over the tensor-parallel ranks."""
         flat = out.reshape(out.shape[0], self.q_size)
         if self.o_proj.bias is not None and self.tp.rank > 0:
-            return self.tp.all_reduce(F.linear(flat, self.o_proj.weight))  # summed over the ranks: rank 0 adds it
-        return self.tp.all_reduce(self.o_proj(flat))
+            out = F.linear(flat, self.o_proj.weight)  # summed over the ranks: rank 0 adds the bias
+        else:
+            out = self.o_proj(flat)  # [T, H]
+        if self.lora is not None and self.lora.step.batch is not None:
+            out = self.lora.o.add_delta(flat, out, self.lora.step.batch)
+        return self.tp.all_reduce(out)
 
     def _fused_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor):
         # q heads then k heads are adjacent columns of qkv: one launch rotates (and normalizes) both, in place.

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.collectives import SINGLE, TensorParallel
+from engine.lora.slots import MlpLora
 
 
 class GatedMLP(nn.Module):
@@ -22,8 +23,16 @@ class GatedMLP(nn.Module):
         # Packed gate then up rows, loaded from gate_proj/up_proj.
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.lora: MlpLora | None = None  # LoRA slot tables (engine.worker.lora_setup); None: no adapters served
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        out = self.down_proj(F.silu(gate) * up)  # [T, H], this rank's part of the sum
+        batch = self.lora.step.batch if self.lora is not None else None
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if batch is not None:
+            gate_up = self.lora.gate_up.add_delta(x, gate_up, batch)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+        hidden = F.silu(gate) * up
+        out = self.down_proj(hidden)  # [T, H], this rank's part of the sum
+        if batch is not None:
+            out = self.lora.down.add_delta(hidden, out, batch)
         return self.tp.all_reduce(out) if self.reduce else out

@@ -6,6 +6,8 @@ from torch import nn
 import moe_kernels
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
+from engine.lora.experts import lora_experts
+from engine.lora.slots import ExpertsLora, LoraBatch
 from moe_kernels.activation import SILU, ExpertActivation
 from moe_kernels.quant import QuantScheme, quantize
 from moe_kernels.routing import RoutingSpec
@@ -141,6 +143,7 @@ class SparseMoeBlock(nn.Module):
         self.routing_backend = "torch"  # engine.transforms.fusion sets "triton": routing and counting in one launch
         # With load balancing (engine.eplb): which slot holds which expert; the dispatch then runs over slots.
         self.placement = None
+        self.lora: ExpertsLora | None = None  # routed experts' LoRA slot tables (engine.worker.lora_setup)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x.to(self.gate.weight.dtype))  # [T, E]; float32 with a float32 router
@@ -152,10 +155,15 @@ class SparseMoeBlock(nn.Module):
             if self.placement is not None:  # load balancing: each pick to one slot holding a replica of its expert
                 topk_ids = self.placement.to_physical(topk_ids)  # [T, k] physical slots
             return self._expert_parallel(x, topk_weights, topk_ids)
-        out = moe_kernels.fused_moe(
-            x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend,
-            **self.expert_args(),
-        )  # [T, H]
+        batch = self.lora.step.batch if self.lora is not None else None
+        if batch is None:
+            out = moe_kernels.fused_moe(
+                x, self.experts.w13, self.experts.w2, topk_weights, topk_ids, backend=self.backend,
+                **self.expert_args(),
+            )  # [T, H]
+        else:
+            out = self._experts_with_lora(x, topk_weights, topk_ids, batch)
+
         if self.shared_expert is not None:
             out = out + self._shared(x)
         return self.tp.all_reduce(out)
@@ -173,6 +181,21 @@ class SparseMoeBlock(nn.Module):
             whole_experts = self.dispatch is not None or self.tp.rank == 0
             args["w2_bias"] = self.experts.w2_bias if whole_experts else None
         return args
+
+    def _experts_with_lora(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                           batch: LoraBatch) -> torch.Tensor:
+        """Base-model tokens through the usual kernels, adapter tokens through the LoRA-aware experts."""
+        adapted = torch.cat([rows for _, rows in batch.groups])  # [T_a] rows of adapter tokens
+        base = (batch.slot_ids == 0).nonzero().squeeze(1)  # [T_b]
+        out = torch.empty_like(x)  # [T, H]
+        args = self.expert_args()
+        if base.numel():
+            out[base] = moe_kernels.fused_moe(x[base], self.experts.w13, self.experts.w2, topk_weights[base],
+                                              topk_ids[base], backend=self.backend, **args)
+        out[adapted] = lora_experts(x[adapted], topk_weights[adapted], topk_ids[adapted], batch.slot_ids[adapted],
+                                    self.experts.w13, self.experts.w2, self.lora.w13, self.lora.w2, self.activation,
+                                    args.get("w13_bias"), args.get("w2_bias"))
+        return out
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_expert(x)  # [T, H], this rank's partial sum

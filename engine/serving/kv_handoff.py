@@ -81,7 +81,7 @@ class KVHandoff:
         hashes: list[bytes] = []
         for i in range((len(prompt) - 1) // bs):  # the last token is always computed here, for its logits
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt[i * bs:(i + 1) * bs],
-                                            msg.policy.cache_salt))
+                                            msg.policy.cache_salt, msg.policy.lora_adapter))
         hits: list[Block] = []
         for h in hashes:
             block = pool.lookup(h)

@@ -64,6 +64,12 @@ def _sample_rows(scheduled: list[ScheduledRequest], order: list[ScheduledRequest
             for row in range(last_index[id(item)] - len(item.draft_token_ids), last_index[id(item)] + 1)]
 
 
+def _scheduled_ranges(scheduled: list[ScheduledRequest], order: list[ScheduledRequest],
+                      flat: _Flat) -> tuple[tuple[int, int], ...]:
+    by_item = {id(item): rows for item, rows in zip(order, flat.ranges)}
+    return tuple(by_item[id(item)] for item in scheduled)
+
+
 def _prompt_rows(scheduled: list[ScheduledRequest], order: list[ScheduledRequest], flat: _Flat) -> list[int]:
     # Flat rows whose logits score a prompt token (prompt logprobs), in scheduled order.
     first_index = {id(item): flat.ranges[i][0] for i, item in enumerate(order)}
@@ -131,7 +137,8 @@ def build_triton_batch(scheduled: list[ScheduledRequest], block_size: int, slidi
         meta.windowed = replace(meta, slot_mapping=window_slots, decode_block_table=window_dec,
                                 prefill_block_table=window_pre)
     max_blocks = len(dec_tables[0]) if dec_tables else 0
-    return FlatBatch(input_ids, positions, meta, sample_rows, prompt_rows, num_decodes, max_blocks)
+    return FlatBatch(input_ids, positions, meta, sample_rows, prompt_rows, num_decodes, max_blocks,
+                     _scheduled_ranges(scheduled, order, flat))
 
 
 # ---- the torch path --------------------------------------------------------------
@@ -251,7 +258,8 @@ def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, slidin
 
     windowed = metadata(window_slots, windowed_groups, window_pre_tables, windowed_masks, None) if layer_window else None
     meta = metadata(slots, groups, pre_tables, pre_masks, windowed)
-    return FlatBatch(input_ids, positions, meta, sample_rows, prompt_rows, num_decodes, max(widths, default=0))
+    return FlatBatch(input_ids, positions, meta, sample_rows, prompt_rows, num_decodes, max(widths, default=0),
+                     _scheduled_ranges(scheduled, order, flat))
 
 
 def build_batch(scheduled: list[ScheduledRequest], attention_backend: str, block_size: int,

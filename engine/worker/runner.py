@@ -79,6 +79,7 @@ class ModelRunner:
         self.decode_graphs = None  # a cuda_graphs.DecodeGraphs, installed by cuda_graphs.enable_decode_graphs
         self.piecewise_graphs = None  # a piecewise_graphs.PiecewiseGraphs (prefill and mixed steps), likewise
         self.eplb = None  # an engine.eplb.balancer.ExpertBalancer (enable_eplb), installed by model_setup.build_rank
+        self.lora = None  # a lora_setup.LoraAdapters where the engine serves adapters (graphs are then off)
         self.draft = None  # a draft_model.DraftProposer (speculative="draft"), installed by model_setup.build_rank
         self.tiers = None  # a kv_tiers.store.TieredStore (host/disk prefix-cache tiers), installed by the engine
         self.tier_copy_ms = 0.0  # cumulative host time saving and loading tier blocks (on the CPU: the copies)
@@ -156,7 +157,13 @@ class ModelRunner:
             start = time.perf_counter()
             batch = self.prepare(sched_out.scheduled)
             self.last_prepare_ms = (time.perf_counter() - start) * 1e3
-            hidden = self.forward(batch)  # [T, H]
+            if self.lora is not None:
+                self.lora.begin_step(sched_out.scheduled, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
+            try:
+                hidden = self.forward(batch)  # [T, H]
+            finally:
+                if self.lora is not None:
+                    self.lora.end_step()
             logits = self._logits(hidden, batch)  # [N + Q, V]
         # One sampling row per sampling part, K + 1 for a part with K drafts (offsets 0..K).
         rows = [(s.request, j) for s in sched_out.scheduled if s.sample for j in range(len(s.draft_token_ids) + 1)]

@@ -138,3 +138,39 @@ def test_shared_prefix_decode_attention_matches_plain_gather():
     own_mask = ((len(shared) * bs + torch.arange(own_w * bs))[None, :] < lens)[:, None, None, :]
     got = paged_attention(q, None, None, k_cache, v_cache, meta(DecodeGroup(0, 5, own, own_mask, torch.tensor(shared))), 0.3)
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), f"seed={seed}"
+
+
+def test_adapters_do_not_share_blocks_and_never_collide_with_salts():
+    """The adapter is its own typed part of every block hash: same prompt under two adapters (or under an adapter
+    named like a tenant's salt) gets a different chain; same prompt, salt and adapter gets the same chain."""
+    from engine.core.block_pool import hash_block_tokens
+    from engine.core.kv_cache_manager import KVCacheManager
+    from engine.core.request import Request
+
+    rng = random.Random()
+    prompt = [rng.randrange(1, 200) for _ in range(3 * BLOCK + 1)]
+    manager = KVCacheManager(num_blocks=32, block_size=BLOCK, enable_caching=True)
+
+    def admit(rid: str, policy: RequestPolicy) -> tuple[int, list[int]]:
+        """Returns (cached blocks found, the request's block ids) after computing its whole prompt."""
+        request = Request(rid, prompt, _greedy(1), 1, policy=policy)
+        hits = manager.find_cached_prefix(request)
+        assert manager.allocate_slots(request, len(prompt) - len(hits) * BLOCK, hits) is not None
+        request.num_computed_tokens = len(prompt)
+        manager.cache_computed_blocks(request)
+        return len(hits), manager.block_ids(rid)
+
+    first, blocks_a = admit("a", RequestPolicy(cache_salt="t", lora_adapter="ad-1"))
+    second, blocks_b = admit("b", RequestPolicy(cache_salt="t", lora_adapter="ad-2"))
+    base, blocks_c = admit("c", RequestPolicy(cache_salt="t"))
+    again, blocks_d = admit("d", RequestPolicy(cache_salt="t", lora_adapter="ad-1"))
+    assert (first, second, base) == (0, 0, 0), "another adapter's (or the base model's) blocks were reused"
+    assert not set(blocks_a) & set(blocks_b) and not set(blocks_a) & set(blocks_c)
+    assert again == 3 and blocks_d[:3] == blocks_a[:3], "the same adapter must hit its own prefix"
+    # Typed parts: a salt never reproduces an adapter's hash, nor does moving bytes between the two.
+    tokens = prompt[:BLOCK]
+    assert hash_block_tokens(None, tokens, "x") != hash_block_tokens(None, tokens, None, "x")
+    assert hash_block_tokens(None, tokens, "ab", "c") != hash_block_tokens(None, tokens, "a", "bc")
+    assert hash_block_tokens(None, tokens, None) != hash_block_tokens(None, tokens, "")
+    with pytest.raises(ValueError, match="lora_adapter"):
+        RequestPolicy(lora_adapter="")

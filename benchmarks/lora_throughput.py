@@ -1,0 +1,117 @@
+"""Many LoRA adapters vs the base model: the same requests, generated side by side, tokens/s and their ratio.
+
+    python -m benchmarks.lora_throughput [--requests 64] [--adapters 8] [--rank 16] [--max-tokens 32] [--rounds 2]
+
+A random small Qwen3-MoE checkpoint (written by transformers) and ``--adapters`` PEFT-format adapters of rank
+``--rank`` on every attention projection and both fused expert tensors (random factors, written directly in
+PEFT's layout). Two engines: one serving the adapters, one the base model alone. Each round runs the same
+``--requests`` random prompts through both (alternating which goes first): with adapters, request i runs under
+adapter i mod N; on the base engine, under none. Reported: tokens/s of each (all generated tokens over the
+wall time of the whole batch) and the median of the rounds' own ratios (adapters / base; goal >= 0.8).
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from engine import LLM, RequestPolicy, SamplingParams
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4,
+             vocab_size=4096, bos_token_id=0, eos_token_id=1, max_position_embeddings=2048)
+
+
+def write_base(path: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_moe", **SHAPE)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+
+
+def write_adapter(path: str, rank: int, seed: int) -> None:
+    """PEFT's layout: lora_A [r, in], lora_B [out, r] per projection; fused experts A [E*r, in], B [out, r*E]."""
+    g = torch.Generator().manual_seed(seed)
+    h, d, e, i = SHAPE["hidden_size"], SHAPE["head_dim"], SHAPE["num_experts"], SHAPE["moe_intermediate_size"]
+    q, kv = SHAPE["num_attention_heads"] * d, SHAPE["num_key_value_heads"] * d
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    tensors = {}
+    for layer in range(SHAPE["num_hidden_layers"]):
+        pre = f"base_model.model.model.layers.{layer}"
+        for name, (fan_in, fan_out) in shapes.items():
+            tensors[f"{pre}.self_attn.{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.05
+            tensors[f"{pre}.self_attn.{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.05
+        tensors[f"{pre}.mlp.experts.base_layer.lora_A.weight"] = torch.randn(e * rank, h, generator=g) * 0.05
+        tensors[f"{pre}.mlp.experts.base_layer.lora_B.weight"] = torch.randn(2 * i, rank * e, generator=g) * 0.05
+        tensors[f"{pre}.mlp.experts.lora_A.weight"] = torch.randn(e * rank, i, generator=g) * 0.05
+        tensors[f"{pre}.mlp.experts.lora_B.weight"] = torch.randn(h, rank * e, generator=g) * 0.05
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                   "target_modules": list(shapes), "target_parameters": ["mlp.experts.gate_up_proj",
+                                                                         "mlp.experts.down_proj"]}, f)
+
+
+def run(llm: LLM, prompts: list[list[int]], adapters: list[str | None], max_tokens: int) -> float:
+    """Tokens/s of the whole batch."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for p, a in zip(prompts, adapters):
+        engine.add_request(p, params, policy=RequestPolicy(lora_adapter=a))
+    tokens = 0
+    while engine.has_unfinished():
+        tokens += sum(len(o.token_ids) for o in engine.step())
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_base(f"{tmp}/base")
+        names = [f"ad{k}" for k in range(args.adapters)]
+        for k, name in enumerate(names):
+            write_adapter(f"{tmp}/{name}", args.rank, seed=k + 1)
+        common = dict(model=f"{tmp}/base", dtype="float32", device="cpu", num_kv_blocks=1024, block_size=16)
+        engines = {"base": LLM(**common),
+                   "lora": LLM(**common, lora_adapters=",".join(f"{n}={tmp}/{n}" for n in names),
+                               max_loras=args.adapters, max_lora_rank=args.rank)}
+        rng = random.Random(0)
+        prompts = [[rng.randrange(2, SHAPE["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+        per = {"base": [None] * args.requests, "lora": [names[i % len(names)] for i in range(args.requests)]}
+        run(engines["base"], prompts[:4], per["base"][:4], 4)  # warm both once
+        run(engines["lora"], prompts[:4], per["lora"][:4], 4)
+        speeds: dict[str, list[float]] = {"base": [], "lora": []}
+        ratios = []
+        for r in range(args.rounds):
+            order = ["base", "lora"] if r % 2 == 0 else ["lora", "base"]
+            got = {name: run(engines[name], prompts, per[name], args.max_tokens) for name in order}
+            for name in got:
+                speeds[name].append(got[name])
+            ratios.append(got["lora"] / got["base"])
+        print(f"{args.requests} requests, {args.adapters} adapters of rank {args.rank} (attention + experts), "
+              f"{args.prompt_len}-token prompts, {args.max_tokens} new tokens, {args.threads} thread(s)")
+        for name in ("base", "lora"):
+            print(f"  {name:5s} {statistics.median(speeds[name]):8.1f} tokens/s")
+        print(f"  ratio lora/base (median of rounds): {statistics.median(ratios):.2f}x (goal >= 0.8x)")
+
+
+if __name__ == "__main__":
+    main()
