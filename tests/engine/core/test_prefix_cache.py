@@ -155,10 +155,10 @@ def test_adapters_do_not_share_blocks_and_never_collide_with_salts():
         """Returns (cached blocks found, the request's block ids) after computing its whole prompt."""
         request = Request(rid, prompt, _greedy(1), 1, policy=policy)
         hits = manager.find_cached_prefix(request)
-        assert manager.allocate_slots(request, len(prompt) - len(hits) * BLOCK, hits) is not None
+        assert manager.allocate_slots(request, len(prompt) - hits.num_blocks * BLOCK, hits)
         request.num_computed_tokens = len(prompt)
         manager.cache_computed_blocks(request)
-        return len(hits), manager.block_ids(rid)
+        return hits.num_blocks, manager.block_ids(rid)
 
     first, blocks_a = admit("a", RequestPolicy(cache_salt="t", lora_adapter="ad-1"))
     second, blocks_b = admit("b", RequestPolicy(cache_salt="t", lora_adapter="ad-2"))
