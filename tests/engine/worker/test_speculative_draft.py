@@ -56,8 +56,9 @@ def test_greedy_matches_transformers_under_preemption(models, which):
         assert ended_in_run > 0, f"seed={SEED}: no max_tokens fell inside an accepted run"
         assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens, \
             (SEED, stats.spec_accepted_tokens, stats.spec_draft_tokens)
-    else:  # random models agree on some tokens, not all
-        assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, \
+    else:  # the truncated random draft is rejected (some seeds' drafts agree on no token at all: 0 of 517 once),
+        # so verification rolls its drafts back; full acceptance is the case above
+        assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens < stats.spec_draft_tokens, \
             (SEED, stats.spec_accepted_tokens, stats.spec_draft_tokens)
     llm.engine.scheduler.kv.pool.check_all_free()
     llm.engine.step()  # hands the runner the ids that finished in the last step
