@@ -40,18 +40,21 @@ def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
     num_experts, two_inter, hidden = w13.shape
+    if w13.dtype == torch.uint8:  # MXFP4: two values a byte along H
+        hidden *= 2
     if hidden != x.shape[1] or two_inter % 2:
         raise ValueError(f"w13 must be [E, 2I, H] with H={x.shape[1]}, got {tuple(w13.shape)}")
-    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
-        raise ValueError(f"w2 must be [E, H, I]={num_experts, hidden, two_inter // 2}, got {tuple(w2.shape)}")
+    w2_inter = two_inter // 4 if w2.dtype == torch.uint8 else two_inter // 2
+    if tuple(w2.shape) != (num_experts, hidden, w2_inter):
+        raise ValueError(f"w2 must be [E, H, I]={num_experts, hidden, w2_inter}, got {tuple(w2.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T, k]"
         )
 
 
-def _check_biases(w13, w13_bias, w2_bias) -> None:
-    num_experts, two_inter, hidden = w13.shape
+def _check_biases(w13, w2, w13_bias, w2_bias) -> None:
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], w2.shape[1]
     expected = (("w13_bias", w13_bias, (num_experts, two_inter)), ("w2_bias", w2_bias, (num_experts, hidden)))
     for name, bias, shape in expected:
         if bias is not None and tuple(bias.shape) != shape:
@@ -90,7 +93,8 @@ def fused_moe(
         w13_scale, w2_scale: float32 scales when w13 and w2 are 8-bit (float8_e4m3fn or int8, see
             ``moe_kernels.quant``): [E, 2I] and [E, H] per output channel, or with ``block_shape``
             (block_n, block_k) one per block, [E, 2*ceil(I/bn), ceil(H/bk)] (gate blocks, then up blocks)
-            and [E, ceil(H/bn), ceil(I/bk)].
+            and [E, ceil(H/bn), ceil(I/bk)]. When w13 and w2 are uint8 they are MXFP4 (``moe_kernels.mxfp4``):
+            packed w13 [E, 2I, H/2] and w2 [E, H, I/2] with uint8 e8m0 scales [E, 2I, H/32] and [E, H, I/32].
         w13_bias, w2_bias: optional per-expert biases (gpt-oss), never quantized: [E, 2I] added to the gate/up
             projection before the activation (gate then up, as w13's rows) and [E, H] to the down projection,
             inside the routing weight.
@@ -102,7 +106,7 @@ def fused_moe(
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     activation = ExpertActivation.of(activation)
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
-    _check_biases(w13, w13_bias, w2_bias)
+    _check_biases(w13, w2, w13_bias, w2_bias)
     check_scales(w13, w13_scale, block_shape, "w13", halves=2)
     check_scales(w2, w2_scale, block_shape, "w2")
     quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape, w13_bias=w13_bias, w2_bias=w2_bias)

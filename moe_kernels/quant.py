@@ -21,16 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_kernels.mxfp4 import check_mxfp4, dequantize_mxfp4, packed_shape, quantize_mxfp4
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127  # symmetric: -128 is never produced
-METHODS = ("fp8", "int8")
+METHODS = ("fp8", "int8", "mxfp4")
 
 
 @dataclass(frozen=True, slots=True)
 class QuantScheme:
-    """How weights are stored: ``method`` "fp8" or "int8"; ``block`` (block_n, block_k) scales (fp8 only) or
-    None for one scale per output channel."""
+    """How weights are stored: ``method`` "fp8", "int8" or "mxfp4" (4 bits, ``moe_kernels.mxfp4``); ``block``
+    (block_n, block_k) scales (fp8 only) or None for one scale per output channel (per 32 values for mxfp4)."""
 
     method: str
     block: tuple[int, int] | None = None
@@ -46,7 +48,11 @@ class QuantScheme:
 
     @property
     def dtype(self) -> torch.dtype:
-        return FP8_DTYPE if self.method == "fp8" else torch.int8
+        return {"fp8": FP8_DTYPE, "int8": torch.int8, "mxfp4": torch.uint8}[self.method]
+
+    def stored_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored weight's shape for a weight [.., N, K]: the same, or [.., N, K/2] for mxfp4's packed bytes."""
+        return packed_shape(weight_shape) if self.method == "mxfp4" else tuple(weight_shape)
 
 
 def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] | None, halves: int = 1) -> tuple[int, ...]:
@@ -69,7 +75,10 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme, halves: int = 1) -> tupl
     The scale maps each channel's (or block's) largest magnitude onto the format's largest value; an
     all-zero channel gets scale 1. Computed in float32 (float64 input stays float64 until the cast).
     ``halves=2`` for a packed gate/up weight: block scales restart at its middle row.
+    mxfp4: (packed uint8 [.., N, K/2], uint8 scales [.., N, K/32]), see ``moe_kernels.mxfp4``.
     """
+    if scheme.method == "mxfp4":
+        return quantize_mxfp4(weight)
     if halves > 1 and scheme.block is not None:
         parts = [quantize(part, scheme) for part in weight.chunk(halves, dim=-2)]
         return torch.cat([q for q, _ in parts], dim=-2), torch.cat([s for _, s in parts], dim=-2)
@@ -96,6 +105,8 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme, halves: int = 1) -> tupl
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
                dtype: torch.dtype = torch.float32, halves: int = 1) -> torch.Tensor:
     """q [.., N, K] and its scale -> [.., N, K] in ``dtype`` (the product taken in float32, or float64 for float64)."""
+    if q.dtype == torch.uint8:
+        return dequantize_mxfp4(q, scale, dtype)
     if halves > 1 and block is not None:
         parts = zip(q.chunk(halves, dim=-2), scale.chunk(halves, dim=-2))
         return torch.cat([dequantize(q_h, s_h, block, dtype) for q_h, s_h in parts], dim=-2)
@@ -108,6 +119,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
 def check_scales(w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, name: str,
                  halves: int = 1) -> None:
     """ValueError unless ``scale`` fits the 8-bit weight ``w`` [E, N, K] (None: ``w`` must be a float weight)."""
+    if w.dtype == torch.uint8:
+        if block is not None:
+            raise ValueError("block_shape is for 8-bit weights; MXFP4 (uint8) weights have their own groups of 32")
+        check_mxfp4(w, scale, name)
+        return
     quantized = w.dtype in (FP8_DTYPE, torch.int8)
     if scale is None:
         if quantized:

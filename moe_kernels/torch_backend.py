@@ -75,6 +75,8 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     """
     if scale is None:
         return x @ w.t()
+    if w.dtype == torch.uint8:  # MXFP4: this expert dequantized for the call (exact in x's dtype)
+        return x @ dequantize(w, scale, None, x.dtype).t()
     if block_shape is not None:
         return x @ dequantize(w, scale, block_shape, x.dtype, halves).t()
     if w.dtype == torch.int8 and _int8pack_ok(x, w):

@@ -18,6 +18,11 @@ the float32 accumulator's columns once, after the K loop; block scales
 multiply each K step's partial product (BLOCK_K is cut to divide the scale
 block, so a K step never straddles two scale blocks).
 
+MXFP4 weights (``moe_kernels.mxfp4``: packed uint8 nibbles and uint8 e8m0
+scales, one per 32 values along K) are dequantized tile by tile in registers
+(``mxfp4_tile``: the nibble's e2m1 value times 2**(scale - 127), in float32),
+converted to the activation dtype (exact) and multiplied as float weights.
+
 Set ``TRITON_INTERPRET=1`` before this module is first imported to run the
 kernels on the CPU (tests): ``triton.jit`` picks compiled or interpreted at
 decoration time.
@@ -34,12 +39,14 @@ from moe_kernels import gemv_kernels
 from moe_kernels.activation import SILU, ExpertActivation
 from moe_kernels.activation_triton import gated_act
 from moe_kernels.scales_triton import scale_cols
+from moe_kernels.mxfp4_triton import mxfp4_tile
 from moe_kernels.align import SlotBlocks, align_slots, flat_ids, unsorted_slots
 from moe_kernels.launch_config import GemmConfig, LaunchConfig, device_name, get_launch_config
 from moe_kernels.quant import FP8_DTYPE
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_8BIT = (FP8_DTYPE, torch.int8)
+_WEIGHT_QUANTIZED = (*_WEIGHT_8BIT, torch.uint8)  # uint8: MXFP4
 
 
 @triton.jit
@@ -72,7 +79,8 @@ def _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED: tl
 
 # num_slots and num_blocks_m change with every token count: specializing on their divisibility would
 # compile each launch config up to four times, at whatever step first hits each variant.
-# QUANT: 0 float weights, 1 8-bit with per-channel scales, 2 8-bit with QBLOCK_N x QBLOCK_K block scales.
+# QUANT: 0 float weights, 1 8-bit with per-channel scales, 2 8-bit with QBLOCK_N x QBLOCK_K block scales,
+# 3 MXFP4 (w: packed uint8 [E, N, K/2], scale: uint8 [E, N, K/32]).
 @triton.jit(do_not_specialize=["num_slots", "num_blocks_m"])
 def _w13_act_kernel(
     x_ptr, w_ptr, out_ptr, scale_ptr, bias_ptr,  # x [T, H], w13 [E, 2I, H], out [S, I], scale (see QUANT), bias [E, 2I]
@@ -107,7 +115,15 @@ def _w13_act_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(hidden_size, BLOCK_K)):
-        if EVEN_K:
+        if QUANT == 3:
+            k_offs = kk * BLOCK_K + offs_k
+            k_ok = k_offs < hidden_size
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, k_offs, k_ok, stride_we, stride_wn,
+                           stride_se, stride_sn)
+            u = mxfp4_tile(w_ptr, scale_ptr, expert, inter_size + offs_n, n_ok, k_offs, k_ok, stride_we, stride_wn,
+                           stride_se, stride_sn)
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
@@ -179,7 +195,13 @@ def _w2_weighted_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(inter_size, BLOCK_K)):
-        if EVEN_K:
+        if QUANT == 3:
+            k_offs = kk * BLOCK_K + offs_k
+            k_ok = k_offs < inter_size
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, k_offs, k_ok, stride_we, stride_wn,
+                           stride_se, stride_sn)
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
@@ -229,6 +251,9 @@ def _quant_args(w: torch.Tensor, scale: torch.Tensor | None, block_shape: tuple[
     """(scale pointer, its three strides), then the QUANT constexprs, for weight ``w`` [E, N, K]."""
     if scale is None:
         return (w, 0, 0, 0), {"QUANT": 0, "QBLOCK_N": 1, "QBLOCK_K": 1}  # the pointer is never read
+    if w.dtype == torch.uint8:  # MXFP4: ``mxfp4_tile`` steps along K by bytes and scales, both contiguous
+        assert w.stride(2) == 1 and scale.stride(2) == 1, "MXFP4 weights and scales must be contiguous along K"
+        return (scale, scale.stride(0), scale.stride(1), 1), {"QUANT": 3, "QBLOCK_N": 1, "QBLOCK_K": 1}
     if block_shape is None:
         return (scale, scale.stride(0), scale.stride(1), 0), {"QUANT": 1, "QBLOCK_N": 1, "QBLOCK_K": 1}
     return ((scale, *scale.stride()),
@@ -269,7 +294,7 @@ def invoke_w13(x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: Sl
     x [T, H], w13 [E, 2I, H], out [S, I] (written, every row); ``scale`` with 8-bit w13 (``fused_moe``'s layouts);
     ``bias`` [E, 2I] or None.
     """
-    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    inter, hidden = w13.shape[1] // 2, x.shape[1]  # not w13.shape[2]: MXFP4 packs two values a byte
     cfg = _fit_scale_blocks(cfg, block_shape)
     (scale_ptr, *scale_strides), quant = _quant_args(w13, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w13, bias)
@@ -294,7 +319,7 @@ def invoke_w2(h: torch.Tensor, w2: torch.Tensor, slot_weights: torch.Tensor, out
     h [S, I], w2 [E, H, I], slot_weights [S] float32 contiguous, out [S, H] (written, every row);
     ``scale`` with 8-bit w2; ``bias`` [E, H] or None.
     """
-    hidden, inter = w2.shape[1], w2.shape[2]
+    hidden, inter = w2.shape[1], h.shape[1]  # not w2.shape[2]: MXFP4 packs two values a byte
     cfg = _fit_scale_blocks(cfg, block_shape)
     (scale_ptr, *scale_strides), quant = _quant_args(w2, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w2, bias)
@@ -370,8 +395,8 @@ def _device_name(device: torch.device) -> str:
 def _check_inputs(x, w13, w2, block_shape) -> None:
     if x.dtype not in _DTYPES:
         raise ValueError(f"triton backend supports {_DTYPES}, got {x.dtype}")
-    if w13.dtype != w2.dtype or (w13.dtype != x.dtype and w13.dtype not in _WEIGHT_8BIT):
-        raise ValueError(f"w13 and w2 must share x's dtype or be 8-bit ({_WEIGHT_8BIT}), got {x.dtype}, "
+    if w13.dtype != w2.dtype or (w13.dtype != x.dtype and w13.dtype not in _WEIGHT_QUANTIZED):
+        raise ValueError(f"w13 and w2 must share x's dtype or be 8-bit or MXFP4 ({_WEIGHT_QUANTIZED}), got {x.dtype}, "
                          f"{w13.dtype}, {w2.dtype}")
     if block_shape is not None and (block_shape[1] % 16 or min(block_shape) < 16):
         raise ValueError(f"triton backend needs scale blocks of at least 16 with block_k a multiple of 16, "
@@ -431,7 +456,8 @@ def fused_moe_triton(
     if inter is None:
         inter = torch.empty(num_slots, two_inter // 2, dtype=x.dtype, device=x.device)  # [S, I]
     slot_weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [S], a no-op for route()'s output
-    if config.gemv and w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1:
+    # The matrix-vector kernels read 8-bit or float weights only: MXFP4 decodes take the grouped kernels.
+    if config.gemv and w13.dtype != torch.uint8 and w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1:
         if out is None:
             out = torch.empty_like(x)  # [T, H]
         ids = flat_ids(topk_ids)
