@@ -7,7 +7,7 @@ from engine.core.speculation import SPECULATIVE_METHODS, SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KERNEL_OPTIONS = ("auto", "torch", "triton")
-QUANTIZATION_OPTIONS = ("fp8", "fp8-block", "int8")  # engine.loading.quantization maps them to schemes
+QUANTIZATION_OPTIONS = ("fp8", "fp8-block", "int8", "mxfp4")  # engine.loading.quantization maps them to schemes
 EXPERT_DISPATCH = ("all_to_all", "all_gather")
 ROLES = ("both", "prefill", "decode")  # EngineConfig.role
 # The EngineConfig fields that take one of a few values (their flags' choices).

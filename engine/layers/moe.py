@@ -18,7 +18,8 @@ class ExpertWeights(nn.Module):
     also w13_bias [E, 2I] (gate then up) and w2_bias [E, H], which stay in float when the weights are quantized.
 
     After ``quantize_(scheme)`` they are 8-bit (``scheme.dtype``) with float32 ``w13_scale`` and ``w2_scale``
-    (layouts in ``moe_kernels.quant``); ``kernel_args()`` is what ``moe_kernels.fused_moe`` then needs.
+    (layouts in ``moe_kernels.quant``), or MXFP4 (packed uint8 w13 [E, 2I, H/2], w2 [E, H, I/2] with uint8 scales,
+    ``moe_kernels.mxfp4``); ``kernel_args()`` is what ``moe_kernels.fused_moe`` then needs.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
@@ -37,7 +38,7 @@ class ExpertWeights(nn.Module):
         quantizing stay one expert's size). Works on the meta device (shapes only)."""
         for name, halves in (("w13", 2), ("w2", 1)):
             weight = getattr(self, name)
-            q = torch.empty(weight.shape, dtype=scheme.dtype, device=weight.device)
+            q = torch.empty(scheme.stored_shape(tuple(weight.shape)), dtype=scheme.dtype, device=weight.device)
             scales = []
             for e in range(weight.shape[0]):
                 q_e, s_e = quantize(weight[e], scheme, halves)

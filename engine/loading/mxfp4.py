@@ -5,17 +5,17 @@ values per byte (element 2j in the low nibble, 2j+1 in the high one), and ``<nam
 one power-of-two scale per 32 consecutive values of a row, as an e8m0 exponent biased by 127:
 W[.., n, 32g + i] = e2m1(code) * 2**(scales[.., n, g] - 127).
 
-Dequantized values are exact in bfloat16 and float32 (a 2-bit mantissa times a power of two).
+Dequantized values are exact in bfloat16 and float32 (a 2-bit mantissa times a power of two). The format and its
+arithmetic are ``moe_kernels.mxfp4``'s (whose packed layout is these blocks with their last two dims merged);
+``--quantization mxfp4`` keeps the experts in it (``engine.loading.quantization``).
 """
 
 import torch
 
 from engine.loading.model_config import CheckpointError, ModelConfig
+from moe_kernels import mxfp4 as mx
 
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
-# e2m1 by 4-bit code: sign bit 3, then exponent (2 bits) and mantissa (1 bit).
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-SCALE_BIAS = 127
 
 
 def declared(model_config: ModelConfig) -> bool:
@@ -41,12 +41,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} must be scales {tuple(scales.shape)} + (16,)")
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    low, high = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]  # [.., N, G, 16] each
-    values = torch.stack([low, high], dim=-1).flatten(-2)  # [.., N, G, 32]: low nibble first
-    exponents = scales.to(torch.int32) - SCALE_BIAS  # [.., N, G]
-    values = torch.ldexp(values, exponents.unsqueeze(-1).to(torch.float32))
-    return values.flatten(-2).to(dtype)  # [.., N, K]
+    return mx.dequantize_mxfp4(mx.from_checkpoint(blocks), scales, dtype)
 
 
 class Mxfp4Reader:

@@ -1,14 +1,18 @@
-"""8-bit routed experts: which scheme a deployment runs, whether its device can, and checkpoints stored in 8 bits.
+"""Quantized routed experts: which scheme a deployment runs, whether its device can, and checkpoints stored in 8 bits.
 
 ``--quantization`` names the scheme (``QUANTIZATION_OPTIONS``): "fp8" (float8_e4m3fn, one scale per output
 channel), "fp8-block" (float8_e4m3fn, one scale per 128x128 block), "int8" (int8 weight-only, one scale per
-output channel). Left unset, a checkpoint whose config.json carries an FP8 ``quantization_config`` runs its
-own scheme; otherwise the experts stay in the model dtype. Only the routed experts are stored in 8 bits.
+output channel), "mxfp4" (4-bit e2m1 with a power-of-two scale per 32 values, ``moe_kernels.mxfp4``). Left
+unset, a checkpoint whose config.json carries an FP8 ``quantization_config`` runs its own scheme, and so does
+gpt-oss's MXFP4 one on CUDA with the Triton MoE backend (elsewhere its experts are dequantized at load: the
+torch path would dequantize an expert per call); otherwise the experts stay in the model dtype. Only the routed
+experts are quantized.
 """
 
 import torch
 
 from engine.core.config import QUANTIZATION_OPTIONS
+from engine.loading import mxfp4
 from engine.loading.model_config import CheckpointError, ModelConfig
 from moe_kernels.quant import FP8_DTYPE, QuantScheme, dequantize
 
@@ -48,10 +52,15 @@ def checkpoint_scheme(model_config: ModelConfig) -> QuantScheme | None:
     return QuantScheme("fp8", block)
 
 
-def resolve_scheme(option: str | None, model_config: ModelConfig) -> QuantScheme | None:
-    """The experts' storage: ``option`` if set, else the checkpoint's own scheme, else None (model dtype)."""
+def resolve_scheme(option: str | None, model_config: ModelConfig, device: torch.device | None = None,
+                   moe_backend: str = "auto") -> QuantScheme | None:
+    """The experts' storage: ``option`` if set, else the checkpoint's own scheme (MXFP4 only on CUDA with the
+    Triton kernels, which read it in 4 bits), else None (model dtype)."""
     if option is not None:
         return scheme_for_option(option)
+    if mxfp4.declared(model_config):
+        on_triton = device is not None and device.type == "cuda" and moe_backend in ("auto", "triton")
+        return QuantScheme("mxfp4") if on_triton else None
     return checkpoint_scheme(model_config)
 
 

@@ -48,6 +48,7 @@ def warm_up_moe(model: torch.nn.Module, max_tokens: int, device: torch.device, d
     calls = 0
     for (w13_shape, top_k, _, _), block in shapes.items():
         num_experts, two_inter, hidden = w13_shape
+        hidden = block.experts.w2.shape[1]  # H: w13's last dim is H/2 bytes when MXFP4
         path = config_path(num_experts, two_inter, hidden, dtype, device_name(device))
         for num_tokens in warmup_token_counts(list(load_config_file(path)), max_tokens):
             x = torch.randn(num_tokens, hidden, device=device, dtype=dtype)  # [T, H]

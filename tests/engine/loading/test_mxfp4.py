@@ -79,7 +79,7 @@ def write_mxfp4_checkpoint(hf, path: str) -> None:
         json.dump(config, f)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "mxfp4"])
 def test_mxfp4_checkpoint_generates_transformers_tokens(seed, quantization, tmp_path):
     hf = make_hf_model("gpt_oss", str(tmp_path), seed=seed, vocab_size=97, intermediate_size=32)
     write_mxfp4_checkpoint(hf, str(tmp_path))
@@ -89,11 +89,19 @@ def test_mxfp4_checkpoint_generates_transformers_tokens(seed, quantization, tmp_
     block = llm.engine.runner.model.model.layers[0].mlp
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     want = hf.model.layers[0].mlp.experts.down_proj.detach().transpose(1, 2)  # [E, H, I]
-    if quantization is None:
+    if quantization == "mxfp4":  # kept in 4 bits (the torch path dequantizes per call): the same values, tokens
+        experts = block.experts
+        assert experts.w2.dtype == torch.uint8 and tuple(experts.w2.shape) == (*want.shape[:-1], want.shape[-1] // 2)
+        assert torch.equal(dequantize(experts.w2.detach(), experts.w2_scale.detach()), want), f"seed={seed}"
+        gate_up = hf.model.layers[0].mlp.experts.gate_up_proj.detach().transpose(1, 2)  # [E, 2I, H], interleaved
+        w13 = dequantize(experts.w13.detach(), experts.w13_scale.detach())  # [E, 2I, H], gate rows then up rows
+        assert torch.equal(w13, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)), f"seed={seed}"
+    if quantization in (None, "mxfp4"):
         expected = [hf_greedy(hf, p, 8) for p in prompts]
         assert [o.token_ids for o in outs] == expected, f"seed={seed}"
+    if quantization is None:
         assert torch.equal(block.experts.w2.detach(), want), f"seed={seed}: w2 is the dequantized down_proj"
-    else:  # 8-bit storage of the dequantized experts: within half an int8 step of them
+    if quantization == "int8":  # 8-bit storage of the dequantized experts: within half an int8 step of them
         experts = block.experts
         assert experts.w2.dtype == torch.int8 and all(len(o.token_ids) == 8 for o in outs)
         held = dequantize(experts.w2.detach(), experts.w2_scale.detach(), None, torch.float64)
