@@ -18,7 +18,6 @@ import torch
 # e2m1 by 4-bit code: sign bit 3, then exponent (2 bits) and mantissa (1 bit).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E2M1_MAX = 6.0
-E2M1_EMAX = 2  # 6 = 1.5 * 2**2: the largest value's exponent
 SCALE_BIAS = 127
 VALUES_PER_SCALE = 32
 
@@ -70,18 +69,20 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [.., N, K] (any float dtype) -> (packed uint8 [.., N, K/2], scales uint8 [.., N, K/32]).
 
-    Each group of 32 gets the OCP MX scale 2**(floor(log2(amax)) - 2) (clamped to e8m0's range), and each value
-    the nearest e2m1 code. Weights that are MXFP4 values already (a checkpoint dequantized as read) come back
-    exactly: their values, though a group whose largest code is below 4 gets a smaller scale and larger codes.
+    Each group of 32 gets the smallest power-of-two scale that brings its largest magnitude within 6 (e2m1's
+    largest value; clamped to e8m0's range), so nothing saturates, and each value the nearest e2m1 code. Weights
+    that are MXFP4 values already (a checkpoint dequantized as read) come back exactly: the same values, though a
+    group whose largest code is below 4 gets a smaller scale and larger codes than the checkpoint stored.
     """
     *lead, n, k = weight.shape
     _check_k(k)
     w = weight.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
     groups = w.unflatten(-1, (k // VALUES_PER_SCALE, VALUES_PER_SCALE))  # [.., N, G, 32]
     amax = groups.abs().amax(dim=-1)  # [.., N, G]
-    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(torch.finfo(w.dtype).tiny))) - E2M1_EMAX,
+    tiny = torch.finfo(w.dtype).tiny
+    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax.clamp_min(tiny) / E2M1_MAX)),
                            torch.zeros_like(amax)).clamp(-SCALE_BIAS, SCALE_BIAS)  # [.., N, G]
-    scaled = groups / torch.exp2(exponent).unsqueeze(-1)  # [.., N, G, 32], |scaled| < 8
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)  # [.., N, G, 32], |scaled| <= 6
     magnitudes = torch.tensor(E2M1_VALUES[:8], dtype=w.dtype, device=w.device)
     midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
     codes = torch.bucketize(scaled.abs().clamp(max=E2M1_MAX), midpoints).to(torch.uint8)  # [.., N, G, 32] in 0..7
