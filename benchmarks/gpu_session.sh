@@ -6,7 +6,8 @@
 # Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf, bench-overlap, bench-mla,
 # bench-engine-deepseek, bench-engine-families (gpt-oss-20b; GLM-4.5-Air fp8 on an H200),
 # bench-piecewise (prefill and mixed steps, piecewise CUDA graphs off vs on),
-# bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), bench-mla (the MLA decode
+# bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), bench-mxfp4 (the MoE kernel
+# with MXFP4 experts against bf16 and 8 bits at gpt-oss-20b's expert shape), bench-mla (the MLA decode
 # kernel on DeepSeek-V3 shapes, with a sweep of its launch alternatives), bench-engine-deepseek (the engine on
 # DeepSeek-V2-Lite's shape), batch-three-ways, batch-goals
 # (plus any stage name below). Each runs under its own time limit, so one that fails or
@@ -109,6 +110,11 @@ for spec in "$@"; do
             $PY -m benchmarks.engine_gpu --skip-hf --preset ${QUANT_PRESET:-olmoe-1b-7b} --concurrency 1,8,64 \$args \
                 --json $WORK/bench_quant_\$q.json || echo bench-quant: \$q failed; done; \
             $PY -m benchmarks.quantized_experts memory" ;;
+        # gpt-oss's experts in MXFP4: the fused MoE kernel's tokens/s at gpt-oss-20b's expert shape, bf16 vs int8 vs
+        # fp8 vs mxfp4 side by side, then the expert weight memory per mode; then the MXFP4 tests on the GPU.
+        bench-mxfp4) run_stage bench-mxfp4 "$limit" bash -c "$PY -m benchmarks.mxfp4_experts kernel --tokens 1,8,64,512 \
+            --rounds 5; $PY -m benchmarks.mxfp4_experts memory; \
+            $PY -m pytest -q -p no:cacheprovider tests/moe_kernels/test_mxfp4.py tests/engine/loading/test_mxfp4.py" ;;
         # Prefill 512 against its floor and mixed prefill+decode steps, piecewise CUDA graphs off vs on, and the
         # start-up time capturing them costs.
         bench-piecewise) run_stage bench-piecewise "$limit" $PY -m benchmarks.piecewise_graphs --json "$WORK/bench_piecewise.json" ;;
