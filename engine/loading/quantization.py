@@ -53,14 +53,19 @@ def checkpoint_scheme(model_config: ModelConfig) -> QuantScheme | None:
 
 
 def resolve_scheme(option: str | None, model_config: ModelConfig, device: torch.device | None = None,
-                   moe_backend: str = "auto") -> QuantScheme | None:
-    """The experts' storage: ``option`` if set, else the checkpoint's own scheme (MXFP4 only on CUDA with the
-    Triton kernels, which read it in 4 bits), else None (model dtype)."""
+                   moe_backend: str = "auto", expert_split: int = 1) -> QuantScheme | None:
+    """The experts' storage: ``option`` if set, else the checkpoint's own scheme, else None (model dtype).
+
+    An MXFP4 checkpoint keeps its scheme only on CUDA with the Triton kernels (which read it in 4 bits), and only
+    when each rank's expert slices (the intermediate size split ``expert_split`` ways) hold whole groups of 32.
+    """
     if option is not None:
         return scheme_for_option(option)
     if mxfp4.declared(model_config):
         on_triton = device is not None and device.type == "cuda" and moe_backend in ("auto", "triton")
-        return QuantScheme("mxfp4") if on_triton else None
+        inter = model_config.cfg("intermediate_size") or 0
+        fits = model_config.hidden_size % 32 == 0 and inter % (32 * expert_split) == 0
+        return QuantScheme("mxfp4") if on_triton and fits else None
     return checkpoint_scheme(model_config)
 
 

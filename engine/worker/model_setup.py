@@ -36,7 +36,8 @@ def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: Ke
                     stage: PipelineStage = WHOLE) -> tuple[MoECausalLM, list]:
     """This rank's model (its slices of every weight), with the build-time transforms the kernels ask for;
     returns it with the dense gemv choices made (empty unless measured)."""
-    quantization = resolve_scheme(config.quantization, model_config, device, kernels.moe)
+    quantization = resolve_scheme(config.quantization, model_config, device, kernels.moe,
+                                  tp.size if tp.expert_parallel is None else 1)
     check_supported(quantization, device, dtype, kernels.moe)
     if config.random_weights:  # this rank's slices of the unsplit random model of this seed
         from engine.loading.random_weights import build_random_model
