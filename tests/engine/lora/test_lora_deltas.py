@@ -8,10 +8,11 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from engine.lora.experts import lora_experts
 from engine.lora.peft_format import AdapterFormatError, load_adapter
 from engine.lora.slots import ExpertSlots, LinearSlots, LoraBatch
+from moe_kernels.activation import SILU
 from tests.hf_models import FAMILY_CONFIGS, make_hf_model
 
 peft = pytest.importorskip("peft")
@@ -85,14 +86,8 @@ def test_mixed_batch_deltas_equal_transformers_peft(family, tmp_path):
     with torch.no_grad():
         got_qkv = qkv_slots.add_delta(x, x @ qkv_w.T, batch)  # [T, q+2kv]
         got_o = o_slots.add_delta(attn_in, attn_in @ attn.o_proj.weight.T, batch)  # [T, H]
-        # The experts: (token, expert) pairs, each under its token's adapter.
-        pair_x = x.repeat_interleave(top_k, 0)  # [N, H]
-        pair_e, pair_s = top_idx.reshape(-1), slot_ids.repeat_interleave(top_k)  # [N]
-        gate_up = w13_slots.add_delta(pair_x, pair_e, pair_s, torch.einsum("noh,nh->no", w13[pair_e], pair_x))
-        gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
-        act = F.silu(gate) * up
-        down = w2_slots.add_delta(act, pair_e, pair_s, torch.einsum("nhi,ni->nh", w2[pair_e], act))  # [N, H]
-        got_moe = (down.reshape(num_tokens, top_k, hidden) * top_w.unsqueeze(-1)).sum(1)  # [T, H]
+        # The routed experts: every (token, expert) pair under its token's adapter.
+        got_moe = lora_experts(x, top_w, top_idx, batch, w13, w2, w13_slots, w2_slots, SILU)  # [T, H]
 
         for t in range(num_tokens):
             s = int(slot_ids[t])
