@@ -24,6 +24,9 @@ RANK_ALIGN = 8
 # few pairs and one grouped matmul per group costs more in per-group overhead than the padding (measured on the
 # CPU: 144 groups of ~2 rows, rank 16, hidden 256: 220 us grouped against 130 us padded to 6 rows).
 PADDED_MAX_ROWS = 16
+# Dense layers take the padded batched matmuls while the padded rows are at most this many times the adapter
+# tokens (one adapter with many tokens beside one with few would pad the few).
+LINEAR_PADDING_MAX = 2
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -40,13 +43,20 @@ class LoraBatch:
     """One step's adapter layout, built once on the host: ``slot_ids`` [T] (0: base model); for each adapter
     slot present, the rows of its tokens (``groups``: (slot, rows [T_s])); the same rows in slot order
     (``order`` [T_a]) with ``ends`` [S_b] int32, the end of each slot 0..S_b-1's run of ``order`` (slot 0's run
-    is empty: base tokens need no delta); ``max_rows``, the most tokens of one adapter."""
+    is empty: base tokens need no delta); ``max_rows``, the most tokens of one adapter.
+
+    When the adapters' token counts are even enough (``LINEAR_PADDING_MAX``), the padded layout of the dense
+    deltas: slot s (1..S_b-1) owns rows (s-1)*M..s*M-1 of a [(S_b-1)*M] buffer, M = ``max_rows``;
+    ``padded_source`` [(S_b-1)*M] is the token each row holds (any token past a slot's count: computed, never
+    read), ``padded_rows`` [T_a] the row of each token of ``order``. None otherwise."""
 
     slot_ids: torch.Tensor
     groups: tuple[tuple[int, torch.Tensor], ...]
     order: torch.Tensor
     ends: torch.Tensor
     max_rows: int
+    padded_source: torch.Tensor | None = None
+    padded_rows: torch.Tensor | None = None
 
     @staticmethod
     def build(slot_ids: list[int], device: torch.device | str = "cpu") -> "LoraBatch":
@@ -61,11 +71,21 @@ class LoraBatch:
             end += len(rows.get(s, ()))
             ends[s] = end
         order = [t for s in sorted(rows) for t in rows[s]]
+        max_rows = max((len(r) for r in rows.values()), default=0)
+        padded = None
+        if order and top * max_rows <= LINEAR_PADDING_MAX * len(order):
+            source = [order[0]] * (top * max_rows)
+            padded_rows = []
+            for s, r in sorted(rows.items()):
+                source[(s - 1) * max_rows:(s - 1) * max_rows + len(r)] = r
+                padded_rows.extend(range((s - 1) * max_rows, (s - 1) * max_rows + len(r)))
+            padded = (torch.tensor(source, dtype=torch.int64, device=device),
+                      torch.tensor(padded_rows, dtype=torch.int64, device=device))
         return LoraBatch(torch.tensor(slot_ids, device=device),
                          tuple((s, torch.tensor(r, device=device)) for s, r in sorted(rows.items())),
                          torch.tensor(order, dtype=torch.int64, device=device),
                          torch.tensor(ends, dtype=torch.int32, device=device),
-                         max((len(r) for r in rows.values()), default=0))
+                         max_rows, *(padded or (None, None)))
 
 
 class LinearSlots:
@@ -103,8 +123,15 @@ class LinearSlots:
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         """out [T, out] += each token's adapter delta of x [T, in]; returns out.
 
-        Two grouped matmuls over the adapter tokens in slot order where ``torch._grouped_mm`` runs (whatever
-        the number of adapters), else a pair of matmuls per adapter present."""
+        Adapters with even token counts (decode): two batched matmuls over their tokens padded to one count.
+        Otherwise two grouped matmuls over the adapter tokens in slot order where ``torch._grouped_mm`` runs
+        (whatever the number of adapters), else a pair of matmuls per adapter present."""
+        if batch.padded_source is not None:
+            adapters = batch.ends.shape[0] - 1  # slots 1..S_b-1
+            xp = x.index_select(0, batch.padded_source).view(adapters, batch.max_rows, -1)  # [S_b-1, M, in]
+            low = torch.bmm(xp, self.a[1:adapters + 1].transpose(1, 2))  # [S_b-1, M, W]
+            delta = torch.bmm(low, self.b[1:adapters + 1].transpose(1, 2)).view(-1, out.shape[1])  # [(S_b-1)*M, out]
+            return out.index_add_(0, batch.order, delta.index_select(0, batch.padded_rows).to(out.dtype))
         if _grouped_ok(x, x.shape[1], self.a.shape[1], out.shape[1]) and x.dtype == self.a.dtype:
             groups = batch.ends.shape[0]  # slots 0..S_b-1: the higher ones have no tokens this step
             xs = x.index_select(0, batch.order)  # [T_a, in]

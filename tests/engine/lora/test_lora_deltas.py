@@ -152,7 +152,7 @@ def _reference_experts(x, top_w, top_idx, slot_ids, w13, w2, w13_bias, w2_bias, 
 def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
     """``lora_experts`` and ``LinearSlots.add_delta`` against float64 loops over tokens, through each way of
     computing the deltas: padded batched matmuls (few rows per group), grouped matmuls, and the per-group loop
-    (dtypes ``torch._grouped_mm`` does not run: float64). Random factors of random ranks, slots (base tokens
+    (dtypes ``torch._grouped_mm`` does not run: float64); each forced by the thresholds that choose them. Random factors of random ranks, slots (base tokens
     and an adapter slot without tokens included), experts and biases."""
     import engine.lora.slots as slots_module
     from engine.lora.peft_format import ExpertsLora as ExpertFactors, LinearLora
@@ -160,8 +160,9 @@ def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     dtype = torch.float64 if path == "loop" else torch.float32
-    if path != "padded":
-        monkeypatch.setattr(slots_module, "PADDED_MAX_ROWS", 0)
+    padded = path == "padded"
+    monkeypatch.setattr(slots_module, "PADDED_MAX_ROWS", 10**6 if padded else 0)
+    monkeypatch.setattr(slots_module, "LINEAR_PADDING_MAX", 10**6 if padded else 0)
     num_tokens, hidden, inter, num_experts, top_k, max_rank = random.choice([(29, 32, 16, 6, 2, 4), (41, 48, 24, 8, 3, 6)])
     num_slots = 5  # base + 4 adapter slots; one of them gets no token
     w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=dtype) / hidden**0.5
@@ -184,6 +185,7 @@ def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
     used = [s for s in range(num_slots) if s != unused]
     slot_ids = torch.tensor(used + [random.choice(used) for _ in range(num_tokens - len(used))])[torch.randperm(num_tokens)]
     batch = LoraBatch.build(slot_ids.tolist())
+    assert (batch.padded_source is not None) == padded
     x = torch.randn(num_tokens, hidden, dtype=dtype)
     top_idx = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])  # [T, k]
     top_w = torch.rand(num_tokens, top_k, dtype=dtype)
