@@ -27,6 +27,9 @@ PADDED_MAX_ROWS = 16
 # Dense layers take the padded batched matmuls while the padded rows are at most this many times the adapter
 # tokens (one adapter with many tokens beside one with few would pad the few).
 LINEAR_PADDING_MAX = 2
+# Devices where the routed experts' deltas run as the Triton kernel (``engine.kernels.lora_experts``): every
+# (expert, adapter) group in one launch, with no padding and no read-back.
+TRITON_DELTA_DEVICES = ("cuda",)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -162,7 +165,8 @@ class ExpertPairs:
     expert_ends: torch.Tensor  # [E] int32: end of each expert's run of the sorted pairs
     adapted: torch.Tensor  # [N_a] sorted positions of the adapter pairs, in group order
     ends: torch.Tensor  # [E*(S-1)] int32: end of each group's run of ``adapted``
-    rows: int  # M: padded rows per group; 0: no padded layout (groups too large for it)
+    max_rows: int  # no group holds more pairs (the largest group's size, or a bound known on the host)
+    rows: int  # M: padded rows per group; 0: no padded layout (groups too large for it, or the Triton kernel)
     padded_source: torch.Tensor | None  # [E*(S-1)*M] padded row -> sorted position of the pair it holds
     padded_rows: torch.Tensor | None  # [N_a] adapter pair (in ``adapted`` order) -> its padded row
 
@@ -183,9 +187,10 @@ class ExpertPairs:
         num_adapted = batch.order.shape[0] * top_k  # known on the host: the batch's adapter tokens times k
         # Sorted positions of the adapter pairs first (stable: in key order, which is group order).
         adapted = torch.sort((key % num_slots == 0).to(torch.int8), stable=True)[1][:num_adapted]  # [N_a]
-        rows = batch.max_rows  # no group is larger: a token meets an expert once
+        max_rows = batch.max_rows  # no group is larger: a token meets an expert once
         if key.device.type == "cpu" and num_adapted:
-            rows = int(group_counts.max())
+            max_rows = int(group_counts.max())
+        rows = 0 if key.device.type in TRITON_DELTA_DEVICES else max_rows
         padded_source = padded_rows = None
         if 0 < rows <= PADDED_MAX_ROWS:
             starts = ends - group_counts  # [G]
@@ -197,7 +202,7 @@ class ExpertPairs:
             padded_source = adapted.index_select(0, source)  # [G*M] sorted positions
         else:
             rows = 0
-        return ExpertPairs(order, key // num_slots, expert_ends, adapted, ends.to(torch.int32), rows,
+        return ExpertPairs(order, key // num_slots, expert_ends, adapted, ends.to(torch.int32), max_rows, rows,
                            padded_source, padded_rows)
 
 
@@ -237,14 +242,19 @@ class ExpertSlots:
         """out [N, out] += each adapter pair's delta on x [N, in] (both in ``pairs``' sorted order): the factors
         of the pair's expert under its token's adapter. Returns out.
 
-        Few rows per group (``pairs.rows``): two batched matmuls over the groups padded to one size. Otherwise
-        two grouped matmuls over the groups, or where ``torch._grouped_mm`` does not run, a pair of matmuls per
-        group (reading the group sizes back)."""
+        On ``TRITON_DELTA_DEVICES``: the Triton kernel, every group in one launch. Few rows per group
+        (``pairs.rows``): two batched matmuls over the groups padded to one size. Otherwise two grouped matmuls
+        over the groups, or where ``torch._grouped_mm`` does not run, a pair of matmuls per group (reading the
+        group sizes back)."""
         num_experts, adapters, rank, fan_in = self.a.shape
         a = self.a.view(num_experts * adapters, rank, fan_in)  # [G, R, in]
         b = self.b.view(num_experts * adapters, -1, rank)  # [G, out, R]
         if pairs.adapted.shape[0] == 0:
             return out
+        if x.device.type in TRITON_DELTA_DEVICES and x.stride(1) == 1 and out.stride(1) == 1 and x.dtype == a.dtype:
+            from engine.kernels.lora_experts import expert_lora_delta  # Triton: imported where it runs
+
+            return expert_lora_delta(x, pairs.adapted, pairs.ends, a, b, out, pairs.max_rows)
         if pairs.rows:
             xp = x.index_select(0, pairs.padded_source).view(a.shape[0], pairs.rows, fan_in)  # [G, M, in]
             low = torch.bmm(xp, a.transpose(1, 2))  # [G, M, R]

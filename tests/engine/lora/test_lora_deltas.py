@@ -9,6 +9,9 @@ import random
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # the experts' Triton delta kernel runs in Triton's CPU interpreter here
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from engine.lora.experts import lora_experts
 from engine.lora.peft_format import AdapterFormatError, load_adapter
 from engine.lora.slots import ExpertSlots, LinearSlots, LoraBatch
@@ -148,11 +151,12 @@ def _reference_experts(x, top_w, top_idx, slot_ids, w13, w2, w13_bias, w2_bias, 
     return out
 
 
-@pytest.mark.parametrize("path", ["padded", "grouped", "loop"])
+@pytest.mark.parametrize("path", ["padded", "grouped", "loop", "triton"])
 def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
     """``lora_experts`` and ``LinearSlots.add_delta`` against float64 loops over tokens, through each way of
     computing the deltas: padded batched matmuls (few rows per group), grouped matmuls, and the per-group loop
-    (dtypes ``torch._grouped_mm`` does not run: float64); each forced by the thresholds that choose them. Random factors of random ranks, slots (base tokens
+    (dtypes ``torch._grouped_mm`` does not run: float64), and for the experts the Triton kernel (CUDA; here in
+    Triton's interpreter); each forced by the thresholds that choose them. Random factors of random ranks, slots (base tokens
     and an adapter slot without tokens included), experts and biases."""
     import engine.lora.slots as slots_module
     from engine.lora.peft_format import ExpertsLora as ExpertFactors, LinearLora
@@ -163,6 +167,8 @@ def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
     padded = path == "padded"
     monkeypatch.setattr(slots_module, "PADDED_MAX_ROWS", 10**6 if padded else 0)
     monkeypatch.setattr(slots_module, "LINEAR_PADDING_MAX", 10**6 if padded else 0)
+    if path == "triton":
+        monkeypatch.setattr(slots_module, "TRITON_DELTA_DEVICES", ("cpu", "cuda"))
     num_tokens, hidden, inter, num_experts, top_k, max_rank = random.choice([(29, 32, 16, 6, 2, 4), (41, 48, 24, 8, 3, 6)])
     num_slots = 5  # base + 4 adapter slots; one of them gets no token
     w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=dtype) / hidden**0.5
