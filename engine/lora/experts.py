@@ -13,13 +13,14 @@ from moe_kernels.grouped_backend import grouped_mm_supported
 from moe_kernels.torch_backend import CPU_GROUPED_MAX_BYTES
 
 
-def _grouped_base(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """The base matmuls as two grouped matmuls where they run and, on the CPU, where the [N, 2I] and [N, H]
-    buffers stay small (``CPU_GROUPED_MAX_BYTES``: the same rule as the base model's torch path)."""
-    if not grouped_mm_supported(xs, w13, w2):
-        return False
+def _whole_batch(x: torch.Tensor, num_pairs: int, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the step's pairs go through the experts all at once (off the CPU always; on the CPU where the
+    base model's torch path takes its grouped matmuls: decode sizes) rather than expert by expert (the CPU at
+    prefill sizes, where whole-batch [N, 2I] and [N, H] buffers cost page faults: ``CPU_GROUPED_MAX_BYTES``)."""
+    if x.device.type != "cpu":
+        return True
     widest = max(w13.shape[1], w13.shape[2])
-    return xs.device.type != "cpu" or xs.shape[0] * widest * xs.element_size() <= CPU_GROUPED_MAX_BYTES
+    return grouped_mm_supported(x, w13, w2) and num_pairs * widest * x.element_size() <= CPU_GROUPED_MAX_BYTES
 
 
 def lora_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, batch: LoraBatch,
@@ -30,9 +31,12 @@ def lora_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     w2 [E, H, I] (unquantized) -> [T, H], the weighted sum of each token's experts with its adapter's deltas
     (none for base-model tokens)."""
     num_tokens, top_k = topk_ids.shape
+    if not _whole_batch(x, topk_ids.numel(), w13, w2):
+        return _expert_by_expert(x, topk_weights, topk_ids, batch, w13, w2, w13_slots, w2_slots, activation,
+                                 w13_bias, w2_bias)
     pairs = ExpertPairs.sort(topk_ids, batch, w13.shape[0], w13_slots.num_slots)
     xs = x.index_select(0, pairs.order // top_k)  # [N, H], pairs in (expert, slot) order
-    grouped = _grouped_base(xs, w13, w2)
+    grouped = grouped_mm_supported(xs, w13, w2)
     if grouped:
         gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=pairs.expert_ends)  # [N, 2I]
     else:  # per expert, over its run of the sorted pairs (group sizes read back, as the base model's loop does)
@@ -63,3 +67,42 @@ def lora_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     weighted = down.to(acc_dtype).mul_(topk_weights.reshape(-1).index_select(0, pairs.order).to(acc_dtype)[:, None])
     unsorted = torch.empty_like(weighted).index_copy_(0, pairs.order, weighted)  # [N, H] in pair order
     return unsorted.view(num_tokens, top_k, -1).sum(1).to(x.dtype)  # [T, H]
+
+
+def _expert_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, batch: LoraBatch,
+                      w13: torch.Tensor, w2: torch.Tensor, w13_slots: ExpertSlots, w2_slots: ExpertSlots,
+                      activation: ExpertActivation, w13_bias: torch.Tensor | None,
+                      w2_bias: torch.Tensor | None) -> torch.Tensor:
+    """``lora_experts`` one expert at a time, as the base model's CPU loop runs prefill-sized batches: per expert,
+    its pairs (base-model ones first, then adapter by adapter) through its matmuls and its adapters' deltas, in
+    buffers of that expert's size. Group sizes are read on the host (the CPU's own memory)."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, num_slots = w13.shape[0], w13_slots.num_slots
+    slots = batch.slot_ids.to(torch.int64).repeat_interleave(top_k)  # [N]
+    key, order = torch.sort(topk_ids.reshape(-1).to(torch.int64) * num_slots + slots, stable=True)
+    counts = torch.bincount(key, minlength=num_experts * num_slots).view(num_experts, num_slots).tolist()
+    tokens = order // top_k  # [N] token of each sorted pair
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    weights = topk_weights.reshape(-1).index_select(0, order).to(acc_dtype)  # [N]
+    out = torch.zeros(num_tokens, x.shape[1], dtype=acc_dtype, device=x.device)  # [T, H]
+    start = 0
+    for e, per_slot in enumerate(counts):
+        num_rows, base = sum(per_slot), per_slot[0]  # this expert's pairs; the base-model ones come first
+        if num_rows == 0:
+            continue
+        rows = slice(start, start + num_rows)
+        start += num_rows
+        xe = x.index_select(0, tokens[rows])  # [n, H]
+        gate_up = xe @ w13[e].T  # [n, 2I]
+        if w13_bias is not None:
+            gate_up += w13_bias[e].to(gate_up.dtype)
+        if num_rows > base:
+            w13_slots.add_expert_delta(e, xe[base:], per_slot[1:], gate_up[base:])
+        hidden = gated_activation_(gate_up, activation)  # [n, I]
+        down = hidden @ w2[e].T  # [n, H]
+        if w2_bias is not None:
+            down += w2_bias[e].to(down.dtype)
+        if num_rows > base:
+            w2_slots.add_expert_delta(e, hidden[base:], per_slot[1:], down[base:])
+        out.index_add_(0, tokens[rows], down.to(acc_dtype).mul_(weights[rows, None]))
+    return out.to(x.dtype)

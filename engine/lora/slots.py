@@ -10,6 +10,7 @@ one size. So one forward serves the base model and any mix of resident adapters.
 R max rank (padded), P packed parts, E experts, N (token, expert) pairs, M padded rows per (expert, slot) group.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -272,6 +273,23 @@ class ExpertSlots:
                 delta[rows] = (xa[rows] @ a[group].T) @ b[group].T  # [c, R] -> [c, out]
                 start = end
         return out.index_add_(0, pairs.adapted, delta.to(out.dtype))
+
+    def add_expert_delta(self, expert: int, x: torch.Tensor, counts: list[int], out: torch.Tensor) -> torch.Tensor:
+        """out [n, out] += the deltas of one expert on x [n, in], whose rows run adapter by adapter: ``counts[i]``
+        rows of slot i+1 (host counts). Two grouped matmuls over the adapters where ``torch._grouped_mm`` runs,
+        else a pair of matmuls per adapter. Returns out."""
+        a, b = self.a[expert], self.b[expert]  # [S-1, R, in], [S-1, out, R]
+        if _grouped_ok(x, a.shape[2], a.shape[1], out.shape[1]) and x.dtype == a.dtype and x.stride(1) == 1:
+            ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)  # [S-1]
+            low = torch._grouped_mm(x, a.transpose(-2, -1), offs=ends)  # [n, R]
+            return out.add_(torch._grouped_mm(low, b.transpose(-2, -1), offs=ends).to(out.dtype))
+        start = 0
+        for adapter, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                out[rows] += ((x[rows] @ a[adapter].T) @ b[adapter].T).to(out.dtype)  # [c, R] -> [c, out]
+            start += count
+        return out
 
 
 class LoraStep:

@@ -151,19 +151,24 @@ def _reference_experts(x, top_w, top_idx, slot_ids, w13, w2, w13_bias, w2_bias, 
     return out
 
 
-@pytest.mark.parametrize("path", ["padded", "grouped", "loop", "triton"])
+@pytest.mark.parametrize("path", ["padded", "grouped", "loop", "triton", "by_expert", "by_expert_loop"])
 def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
     """``lora_experts`` and ``LinearSlots.add_delta`` against float64 loops over tokens, through each way of
     computing the deltas: padded batched matmuls (few rows per group), grouped matmuls, and the per-group loop
     (dtypes ``torch._grouped_mm`` does not run: float64), and for the experts the Triton kernel (CUDA; here in
-    Triton's interpreter); each forced by the thresholds that choose them. Random factors of random ranks, slots (base tokens
+    Triton's interpreter) and the expert-by-expert path of prefill-sized CPU batches (grouped matmuls over one
+    expert's adapters, or their loop); each forced by the thresholds that choose them. Random factors of random ranks, slots (base tokens
     and an adapter slot without tokens included), experts and biases."""
+    import engine.lora.experts as experts_module
     import engine.lora.slots as slots_module
     from engine.lora.peft_format import ExpertsLora as ExpertFactors, LinearLora
 
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
-    dtype = torch.float64 if path == "loop" else torch.float32
+    dtype = torch.float64 if path in ("loop", "by_expert_loop") else torch.float32
+    # Whole batch at once (the float64 loop too, which the CPU would otherwise take expert by expert), or not.
+    by_expert = path.startswith("by_expert")
+    monkeypatch.setattr(experts_module, "_whole_batch", lambda *args: not by_expert)
     padded = path == "padded"
     monkeypatch.setattr(slots_module, "PADDED_MAX_ROWS", 10**6 if padded else 0)
     monkeypatch.setattr(slots_module, "LINEAR_PADDING_MAX", 10**6 if padded else 0)
