@@ -151,6 +151,10 @@ def _reference_experts(x, top_w, top_idx, slot_ids, w13, w2, w13_bias, w2_bias, 
     return out
 
 
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
 @pytest.mark.parametrize("path", ["padded", "grouped", "loop", "triton", "by_expert", "by_expert_loop"])
 def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
     """``lora_experts`` and ``LinearSlots.add_delta`` against float64 loops over tokens, through each way of
@@ -164,6 +168,7 @@ def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
     from engine.lora.peft_format import ExpertsLora as ExpertFactors, LinearLora
 
     seed = random.randrange(2**31)
+    rng = random.Random(seed)
     torch.manual_seed(seed)
     dtype = torch.float64 if path in ("loop", "by_expert_loop") else torch.float32
     # Whole batch at once (the float64 loop too, which the CPU would otherwise take expert by expert), or not.
@@ -174,7 +179,7 @@ def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
     monkeypatch.setattr(slots_module, "LINEAR_PADDING_MAX", 10**6 if padded else 0)
     if path == "triton":
         monkeypatch.setattr(slots_module, "TRITON_DELTA_DEVICES", ("cpu", "cuda"))
-    num_tokens, hidden, inter, num_experts, top_k, max_rank = random.choice([(29, 32, 16, 6, 2, 4), (41, 48, 24, 8, 3, 6)])
+    num_tokens, hidden, inter, num_experts, top_k, max_rank = rng.choice([(29, 32, 16, 6, 2, 4), (41, 48, 24, 8, 3, 6)])
     num_slots = 5  # base + 4 adapter slots; one of them gets no token
     w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=dtype) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inter, dtype=dtype) / inter**0.5
@@ -184,7 +189,7 @@ def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
     linear = LinearSlots(num_slots, max_rank, hidden, [(0, 8), (8, 24)], dtype)  # two packed parts
     factors, linear_factors = {}, {}
     for slot in range(1, num_slots):
-        rank = random.randint(1, max_rank)
+        rank = rng.randint(1, max_rank)
         factors[slot] = (ExpertFactors(torch.randn(num_experts, rank, hidden), torch.randn(num_experts, 2 * inter, rank)),
                          ExpertFactors(torch.randn(num_experts, rank, inter), torch.randn(num_experts, hidden, rank)))
         w13_slots.load(slot, factors[slot][0])
@@ -192,9 +197,9 @@ def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
         linear_factors[slot] = {p: LinearLora(torch.randn(rank, hidden), torch.randn(hi - lo, rank))
                                 for p, (lo, hi) in enumerate(linear.part_rows)}
         linear.load(slot, linear_factors[slot])
-    unused = random.randrange(1, num_slots)
+    unused = rng.randrange(1, num_slots)
     used = [s for s in range(num_slots) if s != unused]
-    slot_ids = torch.tensor(used + [random.choice(used) for _ in range(num_tokens - len(used))])[torch.randperm(num_tokens)]
+    slot_ids = torch.tensor(used + [rng.choice(used) for _ in range(num_tokens - len(used))])[torch.randperm(num_tokens)]
     batch = LoraBatch.build(slot_ids.tolist())
     assert (batch.padded_source is not None) == padded
     x = torch.randn(num_tokens, hidden, dtype=dtype)
@@ -203,8 +208,8 @@ def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
 
     got = lora_experts(x, top_w, top_idx, batch, w13, w2, w13_slots, w2_slots, SILU, w13_bias, w2_bias)
     want = _reference_experts(x, top_w, top_idx, slot_ids, w13, w2, w13_bias, w2_bias, factors)
-    tol = 1e-10 if dtype == torch.float64 else 2e-4
-    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=f"seed {seed}")
+    tol = 1e-12 if dtype == torch.float64 else 1e-6  # relative to the output's norm: float32 sums differ in order
+    assert _relative_error(got, want) < tol, f"seed {seed}: {_relative_error(got, want)}"
     no_delta = _reference_experts(x, top_w, top_idx, torch.zeros(num_tokens), w13, w2, w13_bias, w2_bias, factors)
     assert not torch.allclose(got.double(), no_delta, rtol=1e-3, atol=1e-3)  # the deltas were applied
 
@@ -216,4 +221,4 @@ def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
             if s:
                 pair = linear_factors[s][p]
                 want_linear[t, lo:hi] += pair.b.double() @ (pair.a.double() @ x[t].double())
-    torch.testing.assert_close(got_linear.double(), want_linear, rtol=tol, atol=tol, msg=f"seed {seed}")
+    assert _relative_error(got_linear, want_linear) < tol, f"seed {seed}: {_relative_error(got_linear, want_linear)}"
