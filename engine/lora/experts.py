@@ -1,7 +1,8 @@
 """Routed experts under LoRA: every (token, expert) pair of the step, sorted once by (expert, adapter slot). The
 base matmuls run per expert over that order (grouped, as the base model's torch path does), the low-rank deltas
-per (expert, slot) group (``ExpertSlots.add_delta``). The deltas act before the activation (gate/up) and on the
-down projection, so they cannot be added after the experts' output.
+per (expert, slot) group: all groups at once (``ExpertSlots.add_delta``), or on the CPU at prefill sizes one
+expert at a time with the base matmuls (``ExpertSlots.add_expert_delta``). The deltas act before the activation
+(gate/up) and on the down projection, so they cannot be added after the experts' output.
 
 Legend: T tokens, H hidden, I expert intermediate, E experts, S slots, k top-k, N = T*k pairs."""
 
