@@ -117,7 +117,20 @@ def test_host_disk_restart_tenants_layouts_and_corruption(tmp_path):
     restarted = _engine(model=model, **settings)  # an empty pool and host tier: only the disk remembers
     assert _run(restarted, [prompt], tenant="intruder")[0].num_cached_tokens == 0
     assert _tier(restarted, "disk", "intruder", "hits") == 0
-    back = _run(restarted, [prompt])[0]
+    # Its blocks are read from disk while it waits in its place: a request behind it in the same priority class
+    # (a later order in the class) is admitted meanwhile, not held up behind it.
+    ahead = restarted.add_request(prompt, _greedy(5), policy=RequestPolicy(tenant="acme", cache_salt="acme"))
+    behind = restarted.add_request(fillers[0], _greedy(5), policy=RequestPolicy(
+        tenant="other", cache_salt="other", order_in_class=1))
+    whole = {}
+    for o in restarted.step():
+        whole[o.request_id] = o
+    running = {r.request_id for r in restarted.scheduler.running}
+    assert behind in running and ahead not in running
+    while restarted.has_unfinished():
+        for o in restarted.step():
+            whole[o.request_id] = o if o.request_id not in whole else whole[o.request_id].merge(o)
+    back = whole[ahead]
     assert back.token_ids == reference and back.num_cached_tokens == full
     assert _tier(restarted, "disk", "acme", "hits") == full // BLOCK
     _check_capacity(restarted)
