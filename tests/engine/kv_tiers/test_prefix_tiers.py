@@ -223,7 +223,9 @@ def test_tier_settings_are_checked():
     for bad, field in ((dict(host_cache_gb=-1), "host_cache_gb"), (dict(disk_cache_dir="/tmp/x"), "disk_cache_dir"),
                        (dict(disk_cache_dir="/tmp/x", disk_cache_gb=1), "host_cache_gb"),
                        (dict(host_cache_gb=1, enable_prefix_caching=False), "enable_prefix_caching"),
-                       (dict(host_cache_gb=1, tensor_parallel_size=2), "tensor, pipeline and data parallel")):
+                       (dict(host_cache_gb=1, pipeline_parallel_size=2), "pipeline or data parallelism"),
+                       (dict(host_cache_gb=1, disk_cache_dir="/tmp/x", disk_cache_gb=1, tensor_parallel_size=2),
+                        "single-process")):
         with pytest.raises(ValueError, match=field):
             EngineConfig(model="m", **bad)
 
