@@ -51,6 +51,18 @@ def _check_capacity(engine):
 def test_tiers_on_equals_off(tmp_path, family, overlap):
     """A pool too small for the workload: chunked prefill and preemption in every wave (asserted), evicted
     prefixes come back from the host tier, and every greedy token equals the engine without tiers."""
+    tiers_on_equals_off(tmp_path, family, overlap, "cpu")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiers_on_equals_off_cuda(tmp_path):
+    """The same on CUDA: pinned host slots, saves on a side stream, loads before the forward, overlapped steps
+    and CUDA graphs as the engine's CUDA defaults have them."""
+    tiers_on_equals_off(tmp_path, "qwen3_moe", True, "cuda")
+
+
+def tiers_on_equals_off(tmp_path, family: str, overlap: bool, device: str) -> None:
     torch.set_num_threads(1)
     seed = random.randrange(2**31)
     make_hf_model(family, str(tmp_path), seed=seed)
@@ -59,7 +71,7 @@ def test_tiers_on_equals_off(tmp_path, family, overlap):
     first = [system + [rng.randrange(1, 200) for _ in range(rng.randint(6, 20))] for _ in range(4)]
     fresh = [[rng.randrange(1, 200) for _ in range(40)] for _ in range(3)]
     settings = dict(model=str(tmp_path), block_size=BLOCK, num_kv_blocks=14, max_num_batched_tokens=24,
-                    overlap_scheduling=overlap)
+                    overlap_scheduling=overlap, device=device)
     assert max(len(p) for p in first) > settings["max_num_batched_tokens"]  # chunked prefill, by construction
     outs = {}
     for tiers in (False, True):
