@@ -44,6 +44,9 @@ class ChatInput:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Rendered by openai-harmony (gpt-oss) instead of the chat template; its reasoning effort (low, medium, high).
+    harmony: bool = False
+    reasoning_effort: str | None = None
 
     def num_chars(self) -> int:
         """About how much text goes into the template (bounds the prompt before rendering it)."""
@@ -134,6 +137,19 @@ class InputProcessor:
         except Exception as e:  # jinja2's TemplateError from raise_exception(), or any bug in the template
             raise InvalidPrompt(f"the model's chat template refused these messages: {e}", "messages") from None
 
+    def render_harmony(self, chat: ChatInput) -> list[int]:
+        """A gpt-oss chat's prompt token ids, rendered by openai-harmony (``engine.text.harmony_chat``); its
+        vocabulary comes from this tokenizer (``engine.text.harmony_vocab``, whose HarmonyVocabError is raised
+        for a tokenizer that is not o200k)."""
+        from engine.text import harmony_chat
+        from engine.text.harmony_vocab import harmony_encoding
+
+        self._require_tokenizer("chat needs one", "messages")
+        if not chat.messages:
+            raise InvalidPrompt("messages must not be empty", "messages")
+        self._check_size(chat.num_chars(), "messages")
+        return harmony_chat.render(chat, harmony_encoding(self.tokenizer))
+
     # ---- the whole step ---------------------------------------------------------
     def token_ids(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
         """Text or token ids -> checked token ids (each id in the vocabulary)."""
@@ -149,6 +165,8 @@ class InputProcessor:
     def prepare(self, prompt: str | Sequence[int] | None = None,
                 messages: "Sequence[Turn] | ChatInput | None" = None, add_generation_prompt: bool = True) -> list[int]:
         """The prompt token ids of a completion (``prompt``) or a chat request (``messages``)."""
+        if isinstance(messages, ChatInput) and messages.harmony:
+            return self._check_ids(self.render_harmony(messages), "messages")
         if messages is not None:
             text = self.render_chat(messages, add_generation_prompt)
             return self._check_ids(self.encode(text, "messages"), "messages")
