@@ -35,7 +35,8 @@ class ParserChoice:
 
     def resolve(self, chat_template: str | None, architecture: str | None) -> tuple[str | None, str | None]:
         tool = detect_tool_parser(chat_template, architecture) if self.tool_call_parser == "auto" else self.tool_call_parser
-        reasoning = detect_reasoning_parser(chat_template, architecture) if self.reasoning_parser == "auto" else self.reasoning_parser
+        reasoning = (detect_reasoning_parser(chat_template, architecture) if self.reasoning_parser == "auto"
+                     else self.reasoning_parser)
         return tool, reasoning
 
 

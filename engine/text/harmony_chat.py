@@ -11,7 +11,7 @@ message's instructions, the tools as its ``functions`` namespace; earlier assist
 import datetime
 import json
 
-from engine.text.prompts import ChatInput, InvalidPrompt
+from engine.text.chat_input import ChatInput, InvalidPrompt
 
 EFFORTS = ("low", "medium", "high")
 # chat_template_kwargs that gpt-oss's template reads and harmony's system message takes.

@@ -8,16 +8,11 @@ being tokenized, never stalling the engine's loop for other tenants.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-
-class InvalidPrompt(ValueError):
-    """A prompt that cannot be served; ``message`` is for the user, ``param`` names the request field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
+from engine.text import harmony_chat
+from engine.text.chat_input import ChatInput, InvalidPrompt  # the gateway imports them from here too
+from engine.text.harmony_vocab import harmony_encoding
 
 
 class Turn(Protocol):
@@ -31,27 +26,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
-
-
-@dataclass
-class ChatInput:
-    """A chat request's template inputs: turns as the template reads them (``content`` text or None,
-    assistant ``tool_calls`` with ``arguments`` objects, ``tool_call_id``), the tools (OpenAI's
-    ``{"type": "function", "function": {...}}`` entries) and the template options."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Rendered by openai-harmony (gpt-oss) instead of the chat template; its reasoning effort (low, medium, high).
-    harmony: bool = False
-    reasoning_effort: str | None = None
-
-    def num_chars(self) -> int:
-        """About how much text goes into the template (bounds the prompt before rendering it)."""
-        size = sum(len(m.get("content") or "") for m in self.messages)
-        return size + (len(repr(self.tools)) if self.tools else 0)
 
 
 def chat_size(messages: "Sequence[Turn] | ChatInput") -> int:
@@ -141,9 +115,6 @@ class InputProcessor:
         """A gpt-oss chat's prompt token ids, rendered by openai-harmony (``engine.text.harmony_chat``); its
         vocabulary comes from this tokenizer (``engine.text.harmony_vocab``, whose HarmonyVocabError is raised
         for a tokenizer that is not o200k)."""
-        from engine.text import harmony_chat
-        from engine.text.harmony_vocab import harmony_encoding
-
         self._require_tokenizer("chat needs one", "messages")
         if not chat.messages:
             raise InvalidPrompt("messages must not be empty", "messages")

@@ -10,25 +10,24 @@ whole and streamed, and the official ``openai`` client must get answers from it.
 
 import datetime
 import hashlib
+import importlib.util
 import json
 import random
 from pathlib import Path
 
 import aiohttp
-import litellm
 import msgspec
 import openai
 import pytest
 from openai_harmony import (
     Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent, ToolDescription,
 )
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from engine.core.outputs import RequestOutput
 from engine.text import harmony_vocab
-from engine.text.tokenizer import load_tokenizer
 from gateway.chat_plan import ParserChoice, plan as plan_chat
 from gateway.openai_schema import ChatCompletionRequest
 from gateway.response_bodies import parsed_choice
@@ -39,8 +38,10 @@ from tests.hf_models import make_hf_model
 
 pytestmark = pytest.mark.timeout(300)
 
-# tiktoken's cache name for o200k_base (the SHA-1 of its URL), as the litellm wheel ships it.
-O200K_FILE = Path(litellm.__file__).parent / "litellm_core_utils" / "tokenizers" / "fb374d419588a4632f3f557e76b4b70aebbca790"
+# tiktoken's cache name for o200k_base (the SHA-1 of its URL), as the litellm wheel ships it (found without
+# importing litellm, which takes seconds).
+O200K_FILE = (Path(importlib.util.find_spec("litellm").origin).parent / "litellm_core_utils" / "tokenizers"
+              / "fb374d419588a4632f3f557e76b4b70aebbca790")
 O200K_PATTERN = "|".join([
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
@@ -111,10 +112,9 @@ def test_vocabulary_file_rebuilt_from_the_tokenizer(tokenizer, tmp_path):
     written = path.stat().st_mtime_ns
     assert harmony_vocab.write_vocab_file(tokenizer, tmp_path / "cache").stat().st_mtime_ns == written
 
-    from engine.loading.demo_model import write_demo_model
-    write_demo_model(str(tmp_path / "demo"), seed=0)
+    byte_level = Tokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))  # not o200k: ranks missing
     with pytest.raises(harmony_vocab.HarmonyVocabError, match="not the o200k vocabulary") as err:
-        harmony_vocab.write_vocab_file(load_tokenizer(str(tmp_path / "demo")), tmp_path / "other")
+        harmony_vocab.write_vocab_file(byte_level, tmp_path / "other")
     assert "\n" not in str(err.value) and not (tmp_path / "other" / harmony_vocab.FILE_NAME).exists()
 
 
@@ -188,9 +188,9 @@ def _completion(rng: random.Random, encoding) -> tuple[list[int], dict]:
             name = rng.choice(["get_weather", "search"])
             args = {"city": rng.choice(["Paris", "São Paulo", 'a "quoted" name']), "days": rng.randint(1, 9)} \
                 if name == "get_weather" else {"q": rng.choice(["x", "ünïcode", "a\nb"])}
-            messages.append(Message.from_role_and_content(Role.ASSISTANT, json.dumps(args, ensure_ascii=rng.random() < 0.5))
-                            .with_channel("commentary").with_recipient(f"functions.{name}")
-                            .with_content_type("<|constrain|>json"))
+            arguments = json.dumps(args, ensure_ascii=rng.random() < 0.5)
+            messages.append(Message.from_role_and_content(Role.ASSISTANT, arguments).with_channel("commentary")
+                            .with_recipient(f"functions.{name}").with_content_type("<|constrain|>json"))
             calls.append((name, args))
     else:
         content = rng.choice(["Paris.", "Line one.\nLine <two>.", "It is 20 °C in São Paulo."])
