@@ -25,7 +25,8 @@ from gateway.replies import json_response
 from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
 from gateway.completion import (
-    apply_plan, chat_plan_of, collect, engine_down, order_in_class, output_view, prepare_prompts, start_streams,
+    apply_plan, chat_plan_of, collect, engine_down, load_harmony, order_in_class, output_view, prepare_prompts,
+    start_streams,
 )
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
@@ -411,6 +412,11 @@ async def _engine_lifecycle(app: web.Application):
     """Cleanup context: the engine (every replica) and a supervisor per replica that restarts it."""
     config, engine = app[CONFIG], app[ENGINE]
     await engine.start()
+    try:
+        await load_harmony(engine, _parsers(config))
+    except EngineError:  # the model cannot be served as configured: stop its engine, then the server
+        await engine.shutdown()
+        raise
     logger.info("serving %s (%s)", _model_name(app), engine.info.architecture)
     supervisors = [asyncio.create_task(supervise(name, replica, config.engine_restart_backoff_s,
                                                  config.engine_restart_backoff_max_s))

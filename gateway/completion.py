@@ -8,7 +8,7 @@ import msgspec
 
 from engine.serving.async_engine import EngineError, RequestRejectedError, UnreadStreamError
 from engine.text.harmony_vocab import HarmonyVocabError, harmony_encoding
-from engine.text.prompts import InvalidPrompt
+from engine.text.prompts import ChatInput, InvalidPrompt
 from engine.core.outputs import RequestOutput
 from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
@@ -16,7 +16,7 @@ from gateway.choices import Choices, merged
 from gateway.errors import APIError
 from gateway.openai_logprobs import as_token_ids
 from gateway.openai_schema import check_choices, prompts_of, sampling_params_of, scoring_only, text_messages
-from gateway.chat_plan import ChatPlan, ParserChoice, plan as plan_chat
+from gateway.chat_plan import HARMONY, ChatPlan, ParserChoice, plan as plan_chat
 from gateway.response_bodies import completion_body
 from gateway.schema_check import check_schema
 
@@ -25,6 +25,20 @@ def chat_plan_of(engine, body, parsers: ParserChoice) -> ChatPlan:
     """How a chat request is rendered and read, with the parsers the served checkpoint takes."""
     architecture = engine.info.architecture if engine.info is not None else None  # None while (re)starting
     return plan_chat(body, parsers.resolve(engine.chat_template(), architecture))
+
+
+async def load_harmony(engine, parsers: ParserChoice) -> None:
+    """At start-up, for a model whose chats openai-harmony renders (gpt-oss): load the package's encoding (its
+    vocabulary file written from the model's tokenizer), so that a tokenizer it cannot use stops the server with
+    one line (an EngineError) instead of failing every chat."""
+    if HARMONY not in parsers.resolve(engine.chat_template(), engine.info.architecture):
+        return
+    try:
+        await engine.prepare(None, ChatInput([{"role": "user", "content": "hi"}], harmony=True))
+    except HarmonyVocabError as e:
+        raise EngineError(str(e)) from None
+    except InvalidPrompt:  # no tokenizer: every chat is refused with its own 400
+        pass
 
 
 def apply_plan(sampling_params, plan: ChatPlan | None):

@@ -27,8 +27,10 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.text import harmony_vocab
 from gateway.chat_plan import ParserChoice, plan as plan_chat
+from gateway.completion import prepare_prompts
 from gateway.openai_schema import ChatCompletionRequest
 from gateway.response_bodies import parsed_choice
 from gateway.sse import _ChunkChoices
@@ -160,6 +162,10 @@ def test_prompt_rendered_by_harmony(served):
     assert ids == _reference_prompt(harmony_vocab.harmony_encoding())
     for token, name in SPECIALS.items():  # the checkpoint's specials are harmony's
         assert harmony_vocab.harmony_encoding().encode(name, allowed_special="all") == [token]
+    # The request's own stop tokens, then the package's for the assistant's actions (<|return|>, <|call|>).
+    sampling = SamplingParams(stop_token_ids=[7])
+    assert srv.run(prepare_prompts(srv.engine, _history_body(), True, plan, sampling)) == [ids]
+    assert sampling.stop_token_ids == [7, *harmony_vocab.harmony_encoding().stop_tokens_for_assistant_actions()]
 
     async def post(body: dict) -> tuple[int, dict]:
         async with aiohttp.ClientSession() as http, http.post(
