@@ -463,4 +463,4 @@ def _add_routes(app: web.Application, config: GatewayConfig) -> None:
     app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    tokenization.add_routes(app, ENGINE, _check_model)
+    tokenization.add_routes(app, ENGINE, _check_model, _parsers(config))

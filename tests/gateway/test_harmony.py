@@ -167,9 +167,9 @@ def test_prompt_rendered_by_harmony(served):
     assert srv.run(prepare_prompts(srv.engine, _history_body(), True, plan, sampling)) == [ids]
     assert sampling.stop_token_ids == [7, *harmony_vocab.harmony_encoding().stop_tokens_for_assistant_actions()]
 
-    async def post(body: dict) -> tuple[int, dict]:
+    async def post(body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
         async with aiohttp.ClientSession() as http, http.post(
-                srv.server.make_url("/v1/chat/completions"), json=body,
+                srv.server.make_url(path), json=body,
                 headers={"Authorization": f"Bearer {key}"}) as r:
             return r.status, await r.json()
 
@@ -178,6 +178,11 @@ def test_prompt_rendered_by_harmony(served):
     assert status == 400 and err["error"]["param"] == "messages[1].tool_call_id", err
     status, err = srv.run(post({"model": "demo", "messages": messages[:1], "reasoning_effort": "extreme"}))
     assert status == 400 and err["error"]["param"] == "reasoning_effort", err
+    # /tokenize renders messages as the chat route does.
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    status, tokenized = srv.run(post({"model": "demo", "messages": chat}, "/tokenize"))
+    rendered = srv.run(srv.engine.prepare(None, _plan(srv, _body(messages=chat)).chat))
+    assert status == 200 and tokenized["tokens"] == rendered
 
 
 def _completion(rng: random.Random, encoding) -> tuple[list[int], dict]:
