@@ -14,8 +14,9 @@ import json
 from engine.text.chat_input import ChatInput, InvalidPrompt
 
 EFFORTS = ("low", "medium", "high")
-# chat_template_kwargs that gpt-oss's template reads and harmony's system message takes.
-TEMPLATE_KWARGS = ("reasoning_effort", "model_identity")
+# chat_template_kwargs that gpt-oss's template reads and harmony's system message takes; enable_thinking (which
+# switches thinking off in the templates that can) is taken and has no effect: gpt-oss always reasons.
+TEMPLATE_KWARGS = ("reasoning_effort", "model_identity", "enable_thinking")
 
 
 def _system(chat: ChatInput, effort: str | None):

@@ -33,6 +33,8 @@ from gateway.chat_plan import ParserChoice, plan as plan_chat
 from gateway.completion import prepare_prompts
 from gateway.openai_schema import ChatCompletionRequest
 from gateway.response_bodies import parsed_choice
+from gateway.responses.request import decode_request
+from gateway.responses.translate import chat_request
 from gateway.sse import _ChunkChoices
 from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key
@@ -183,6 +185,15 @@ def test_prompt_rendered_by_harmony(served):
     status, tokenized = srv.run(post({"model": "demo", "messages": chat}, "/tokenize"))
     rendered = srv.run(srv.engine.prepare(None, _plan(srv, _body(messages=chat)).chat))
     assert status == 200 and tokenized["tokens"] == rendered
+    # The Responses API's reasoning effort is the system message's.
+    responses = {"model": "demo", "input": "hi", "reasoning": {"effort": "low"}}
+    req, items, tools = decode_request(json.dumps(responses).encode())
+    ids = srv.run(srv.engine.prepare(None, _plan(srv, chat_request(req, items, tools)).chat))
+    system = SystemContent.new().with_conversation_start_date(datetime.date.today().isoformat()) \
+        .with_reasoning_effort(ReasoningEffort.LOW)
+    assert ids == harmony_vocab.harmony_encoding().render_conversation_for_completion(Conversation.from_messages(
+        [Message.from_role_and_content(Role.SYSTEM, system), Message.from_role_and_content(Role.USER, "hi")]),
+        Role.ASSISTANT)
 
 
 def _completion(rng: random.Random, encoding) -> tuple[list[int], dict]:
