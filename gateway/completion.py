@@ -88,7 +88,7 @@ async def prepare_prompts(engine, body, chat: bool, plan: ChatPlan | None = None
         if chat:
             ids = await engine.prepare(None, plan.chat if plan is not None else text_messages(body.messages))
             if plan is not None and plan.harmony and sampling_params is not None:
-                stops = harmony_encoding().stop_tokens_for_assistant_actions()  # <|return|> and <|call|>
+                stops = sorted(harmony_encoding().stop_tokens_for_assistant_actions())  # <|return|>, <|call|>
                 own = sampling_params.stop_token_ids or []
                 sampling_params.stop_token_ids = own + [t for t in stops if t not in own]
             return [ids]

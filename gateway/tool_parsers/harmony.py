@@ -37,6 +37,7 @@ class HarmonyParser(ToolParser):
         self.reads_calls = reads_calls
         self._encoding = harmony_encoding()  # loaded when the request's prompt was rendered
         self._parser = StreamableParser(self._encoding, role=Role.ASSISTANT)
+        self._ends = frozenset(self._encoding.stop_tokens())  # <|end|>, <|call|>, <|return|>: a message is whole
         self._done = 0  # messages of the parser already read
         self._header: list[int] = []  # tokens since the last message began its body or ended (a header, so far)
         self._off_format = False
@@ -54,7 +55,9 @@ class HarmonyParser(ToolParser):
                 out.content += self._encoding.decode(self._header + list(token_ids[i:]))
                 self._off_format = True
                 return out
-            if not self._ended(out):
+            if token in self._ends:
+                self._ended(out)
+            else:
                 self._stream(token, out)
         return out
 
@@ -75,25 +78,25 @@ class HarmonyParser(ToolParser):
             self._header = []
         return out
 
-    def _ended(self, out: ParsedDelta) -> bool:
-        """Read the messages the parser completed since the last call; True if there were any."""
+    def _ended(self, out: ParsedDelta) -> None:
+        """Read the messages the parser completed since the last call. (Only at a message's end: the package
+        decodes every message, and its state every token so far, from JSON on each read.)"""
         messages = self._parser.messages
         if len(messages) == self._done:
-            return False
+            return
         for message in messages[self._done:]:
             self._close(message, out)
         self._done = len(messages)
         self._header = []
-        return True
 
     def _stream(self, token: int, out: ParsedDelta) -> None:
         """The piece of the current body ``token`` wrote, or the token kept as part of a header."""
         parser = self._parser
-        if parser.state.name != "CONTENT":
+        delta = parser.last_content_delta  # None in a header (and for a character's first bytes)
+        if delta is None and parser.current_channel is None and parser.current_recipient is None:
             self._header.append(token)
             return
         self._header = []
-        delta = parser.last_content_delta
         if delta and self._streams(parser.current_recipient):
             if parser.current_channel == "analysis":
                 out.reasoning += delta

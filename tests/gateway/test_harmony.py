@@ -167,7 +167,7 @@ def test_prompt_rendered_by_harmony(served):
     # The request's own stop tokens, then the package's for the assistant's actions (<|return|>, <|call|>).
     sampling = SamplingParams(stop_token_ids=[7])
     assert srv.run(prepare_prompts(srv.engine, _history_body(), True, plan, sampling)) == [ids]
-    assert sampling.stop_token_ids == [7, *harmony_vocab.harmony_encoding().stop_tokens_for_assistant_actions()]
+    assert sampling.stop_token_ids == [7, *sorted(harmony_vocab.harmony_encoding().stop_tokens_for_assistant_actions())]
 
     async def post(body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
         async with aiohttp.ClientSession() as http, http.post(
@@ -199,7 +199,7 @@ def test_prompt_rendered_by_harmony(served):
 def _completion(rng: random.Random, encoding) -> tuple[list[int], dict]:
     """A gpt-oss output rendered by the package (after the prompt's ``<|start|>assistant``) and what the reply
     must hold: reasoning, maybe a preamble, then calls or a final answer."""
-    thought = rng.choice(["The user wants the weather. 2 < 3.", "Need tools.\nCall get_weather.", "Zürich? Ça va."])
+    thought = rng.choice(["The user wants the weather. 2 < 3.", "Need tools.\nCall get_weather.", "Zürich? Ça va 🦜𝔘."])
     messages = [Message.from_role_and_content(Role.ASSISTANT, thought).with_channel("analysis")]
     content, calls = "", []
     if rng.random() < 0.6:
