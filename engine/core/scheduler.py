@@ -344,8 +344,9 @@ class Scheduler:
 
     def _admit(self, priority: int, preempted: list[str]) -> None:
         """Admit waiting requests of ``priority`` (fairly across tenants) while budget, slots and blocks allow."""
+        passed: set[str] = set()  # requests of this class waiting for their blocks from disk this step
         while self._budget > 0:
-            request = self.waiting.peek(priority)
+            request = self.waiting.peek(priority, passed)
             if request is None or (request.policy.background and self._background_left <= 0):
                 return
             if len(self.running) >= self.config.max_num_seqs:
@@ -360,9 +361,10 @@ class Scheduler:
                 cached = self.kv.find_cached_prefix(request)
                 tier_hits = self.kv.find_tier_prefix(request, cached.num_blocks)
                 if tier_hits is None:
-                    # Its next blocks are being read from disk: it waits (for a step or a few), and so do the
-                    # requests behind it in this rank's queue; running requests keep stepping.
-                    return
+                    # Its next blocks are being read from disk: it waits (for a step or a few) in its place, and
+                    # the requests behind it are admitted meanwhile; running requests keep stepping.
+                    passed.add(request.request_id)
+                    continue
             num_cached = (cached.num_blocks + len(tier_hits)) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, self._budget)
             if request.policy.background:
