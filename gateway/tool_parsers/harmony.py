@@ -41,6 +41,7 @@ class HarmonyParser(ToolParser):
         self._done = 0  # messages of the parser already read
         self._header: list[int] = []  # tokens since the last message began its body or ended (a header, so far)
         self._off_format = False
+        self._started = False  # a token of the output has been read
 
     def feed_output(self, text: str, token_ids: Sequence[int]) -> ParsedDelta:
         """One step's tokens (``text``: their detokenized text, used once the output is off-format)."""
@@ -48,6 +49,12 @@ class HarmonyParser(ToolParser):
         if self._off_format:
             out.content += text
             return out
+        if not self._started and token_ids:
+            self._started = True
+            if not self._opens_header(token_ids[0]):  # plain text (or JSON a response_format forces): content,
+                self._off_format = True  # streamed as it comes; ``text`` is all of the output so far
+                out.content += text
+                return out
         for i, token in enumerate(token_ids):
             try:
                 self._parser.process(token)
@@ -60,6 +67,11 @@ class HarmonyParser(ToolParser):
             else:
                 self._stream(token, out)
         return out
+
+    def _opens_header(self, token: int) -> bool:
+        """Whether an output may start with ``token``: a marker (``<|channel|>``), or ``to=`` when the header
+        names its recipient first."""
+        return self._encoding.is_special_token(token) or self._encoding.decode([token]).strip() in ("to", "to=")
 
     def feed(self, text: str) -> ParsedDelta:
         raise TypeError("the harmony parser reads token ids: use feed_output")

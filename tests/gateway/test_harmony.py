@@ -296,6 +296,17 @@ def test_off_format_output_is_content(served):
     cut = encoding.encode("<|channel|>analysis<|message|>still thinking", allowed_special="all")
     message = parsed_choice(_output(cut, encoding, True), 0, plan)["message"]
     assert message["reasoning_content"] == "still thinking" and message["content"] == ""
+    # Off-format text streams as it comes (JSON that response_format forces from the first token, say).
+    chunks = _ChunkChoices(_body(messages=[{"role": "user", "content": "hi"}]), True, plan, 1)
+    tokens = encoding.encode('{"answer": "Paris", "sure": true}')
+    first = chunks.of(_output(tokens[:2], encoding, False), 0)
+    assert first and first[0]["delta"]["content"] == encoding.decode(tokens[:2])
+    # A header that names its recipient first (the prompt already wrote <|start|>assistant).
+    called = encoding.encode(' to=functions.search<|channel|>commentary json<|message|>{"q": "x"}<|call|>',
+                             allowed_special="all")
+    message = parsed_choice(_output(called, encoding, True), 0, plan)["message"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("search", {"q": "x"})] and message["content"] is None
 
 
 def test_openai_client_against_the_server(served):
