@@ -325,13 +325,20 @@ def test_openai_client_against_the_server(served):
                 model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=12, stream=True,
                 stream_options={"include_usage": True})
             chunks = [chunk async for chunk in stream]
-            return reply, chunks
+            response = await client.responses.create(model="demo", input="hi", max_output_tokens=8,
+                                                     reasoning={"effort": "low"})
+            events = [e async for e in await client.responses.create(
+                model="demo", input="hi", max_output_tokens=8, tools=[{"type": "function", "name": "search",
+                                                                       "parameters": {"type": "object"}}], stream=True)]
+            return reply, chunks, response, events
         finally:
             await client.close()
 
-    reply, chunks = srv.run(run())
+    reply, chunks, response, events = srv.run(run())
     choice = reply.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls") and choice.message.role == "assistant"
     assert reply.usage.prompt_tokens == len(_reference_prompt(harmony_vocab.harmony_encoding()))
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
     assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+    assert response.status in ("completed", "incomplete") and response.usage.output_tokens >= 1
+    assert events[-1].type in ("response.completed", "response.incomplete")
