@@ -3,15 +3,15 @@
 The output is a run of harmony messages (after the prompt's ``<|start|>assistant``)::
 
     <|channel|>analysis<|message|>...reasoning...<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
     <|start|>assistant<|channel|>final<|message|>...the answer...<|return|>
 
 ``analysis`` is reasoning (``reasoning_content``); ``final`` is content, and so is ``commentary`` without a
 recipient (a preamble the model writes for the user); a message addressed ``to=functions.NAME`` is a tool call whose
 body is its JSON arguments, returned once the message is whole. Reasoning and content stream as the tokens come.
 
-Output that is not harmony (the package raises on it: a model that answers off-format, a random test model) is
-content from there on, as the engine detokenized it.
+Output that is not harmony is content from there on, as the engine detokenized it: text from its first token (a
+model that answers off-format, JSON that a ``response_format`` grammar forces), or tokens the package refuses.
 """
 
 from collections.abc import Sequence
