@@ -1,5 +1,6 @@
-"""Tool calls and reasoning in a chat completion's text: streaming parsers for each model family's format,
-and the JSON schemas that force a call (``tool_choice`` required or named).
+"""Tool calls and reasoning in a chat completion's text: streaming parsers for each model family's format
+(gpt-oss's harmony read from its token ids, by openai-harmony), and the JSON schemas that force a call
+(``tool_choice`` required or named).
 
 Choose parsers with ``tool_parser_named`` / ``reasoning_parser_named`` (``--tool-call-parser``,
 ``--reasoning-parser``) or from the checkpoint with ``detect_tool_parser`` / ``detect_reasoning_parser``.
