@@ -439,7 +439,8 @@ async def _batch_lifecycle(app: web.Application):
     inflight = config.batch_max_inflight or 2 * engine.config.max_num_seqs * len(replicas_of(engine))
     runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
         lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
-        batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
+        batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE],
+        cache_share=app[QUOTAS].cache_share)
     task = asyncio.create_task(runner.run(), name="batch-runner")
     yield
     task.cancel()

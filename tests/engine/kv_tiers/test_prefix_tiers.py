@@ -47,7 +47,7 @@ def _check_capacity(engine):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family,overlap", [("qwen2_moe", False), ("mixtral", True), ("deepseek_v2", False),
-                                            ("olmoe", False)])
+                                            ("olmoe", False), ("gpt_oss", False)])  # gpt-oss: a sliding cache group
 def test_tiers_on_equals_off(tmp_path, family, overlap):
     """A pool too small for the workload: chunked prefill and preemption in every wave (asserted), evicted
     prefixes come back from the host tier, and every greedy token equals the engine without tiers."""
@@ -86,6 +86,9 @@ def tiers_on_equals_off(tmp_path, family: str, overlap: bool, device: str) -> No
             assert [o.num_cached_tokens for o in waves[2]] == [(len(p) - 1) // BLOCK * BLOCK for p in first], \
                 f"seed={seed}"
             _check_capacity(engine)
+            kv = engine.scheduler.kv
+            if len(kv.windows) > 1:  # the sliding group's window blocks came back from the host tier too
+                assert kv.tier_loads_by_group[1] > 0, f"seed={seed}: {kv.tier_loads_by_group}"
         engine.scheduler.kv.pool.check_all_free()
         engine.close()
     assert outs[True] == outs[False], f"seed={seed}"
@@ -272,3 +275,34 @@ def test_blocks_evicted_earlier_in_the_same_step_are_found_in_host(tmp_path):
     out = [o for o in got if o.request_id == again]
     assert [t for o in out for t in o.token_ids] == reference, f"seed={seed}"
     engine.scheduler.kv.pool.check_all_free()
+
+
+@pytest.mark.timeout(300)
+def test_sliding_window_model_from_host_and_disk(tmp_path):
+    """gpt-oss (a full and a sliding cache group): after the pool was flushed, and after a restart (disk only),
+    the prompt is served whole from the tiers, the sliding group's window blocks coming back with the full
+    group's, and generates the tokens of an engine that never evicted."""
+    torch.set_num_threads(1)
+    seed = random.randrange(2**31)
+    model, disk = str(tmp_path / "m"), str(tmp_path / "disk")
+    make_hf_model("gpt_oss", model, seed=seed)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 200) for _ in range(5 * BLOCK + 3)]
+    fillers = [[rng.randrange(1, 200) for _ in range(6 * BLOCK)] for _ in range(3)]
+    full = (len(prompt) - 1) // BLOCK * BLOCK
+    settings = dict(block_size=BLOCK, num_kv_blocks=16, host_cache_gb=HOST_GB, disk_cache_dir=disk,
+                    disk_cache_gb=0.01)
+    reference = _run(_engine(model=model, block_size=BLOCK, num_kv_blocks=64), [prompt])[0].token_ids
+    for restart in (False, True):
+        engine = _engine(model=model, **settings)
+        if not restart:
+            _run(engine, [prompt])
+            for filler in fillers:
+                _run(engine, [filler], tenant="filler")
+        out = _run(engine, [prompt])[0]
+        assert out.token_ids == reference and out.num_cached_tokens == full, f"restart={restart} seed={seed}"
+        assert engine.scheduler.kv.tier_loads_by_group[1] > 0, f"restart={restart} seed={seed}"
+        if restart:
+            assert _tier(engine, "disk", "acme", "hits") > full // BLOCK  # the window's sliding blocks too
+        engine.tiers.flush()
+        engine.close()
