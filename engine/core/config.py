@@ -129,7 +129,8 @@ class EngineConfig:
     quantization: str | None = None
     """store the routed experts in 8 bits, quantized at load time (docs/quantization.md): fp8 (e4m3, a scale
     per output channel), fp8-block (a scale per 128x128 block) or int8 (weight-only, a scale per output
-    channel); default: the model dtype, or an FP8 checkpoint's own scheme"""
+    channel); or in 4 bits: mxfp4 (e2m1, a power-of-two scale per 32 values, gpt-oss's format); default: the
+    model dtype, or an FP8 checkpoint's own scheme, or an MXFP4 checkpoint's on CUDA with the Triton kernels"""
     data_parallel_size: int = 1
     """with ``enable_expert_parallel``: whole engines (each its own scheduler, requests and KV cache) whose MoE
     layers share one expert-parallel group, meeting at ``distributed_init_method``; they step together, one
