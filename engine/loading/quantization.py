@@ -56,16 +56,15 @@ def resolve_scheme(option: str | None, model_config: ModelConfig, device: torch.
                    moe_backend: str = "auto", expert_split: int = 1) -> QuantScheme | None:
     """The experts' storage: ``option`` if set, else the checkpoint's own scheme, else None (model dtype).
 
-    An MXFP4 checkpoint keeps its scheme only on CUDA with the Triton kernels (which read it in 4 bits), and only
-    when each rank's expert slices (the intermediate size split ``expert_split`` ways) hold whole groups of 32.
+    An MXFP4 checkpoint is dequantized into the model dtype unless ``--quantization mxfp4`` asks for 4 bits: a
+    quantized model is built in float32 on the host before it moves (``build_model``), which for gpt-oss-20b
+    takes about 84 GB of host memory where the dequantizing load holds one tensor at a time.
+    (``device``, ``moe_backend`` and ``expert_split`` are kept for the day the 4 bits load tensor by tensor.)
     """
     if option is not None:
         return scheme_for_option(option)
     if mxfp4.declared(model_config):
-        on_triton = device is not None and device.type == "cuda" and moe_backend in ("auto", "triton")
-        inter = model_config.cfg("intermediate_size") or 0
-        fits = model_config.hidden_size % 32 == 0 and inter % (32 * expert_split) == 0
-        return QuantScheme("mxfp4") if on_triton and fits else None
+        return None
     return checkpoint_scheme(model_config)
 
 

@@ -38,8 +38,6 @@ def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: Ke
     returns it with the dense gemv choices made (empty unless measured)."""
     quantization = resolve_scheme(config.quantization, model_config, device, kernels.moe,
                                   tp.size if tp.expert_parallel is None else 1)
-    if config.quantization is None and config.lora_adapters and getattr(quantization, "method", None) == "mxfp4":
-        quantization = None  # not an MXFP4 checkpoint's own 4 bits: LoRA on routed experts needs them unquantized
     check_supported(quantization, device, dtype, kernels.moe)
     if config.random_weights:  # this rank's slices of the unsplit random model of this seed
         from engine.loading.random_weights import build_random_model
