@@ -101,6 +101,9 @@ class LoraResidency:
 
     # ---- requests -----------------------------------------------------------
     def request_added(self, name: str) -> None:
+        if name not in self.paths:  # a copy of an n > 1 request accepted before its adapter was removed
+            self.paths[name] = self.bound[name]
+            self.removed.add(name)
         self.live[name] = self.live.get(name, 0) + 1
 
     def request_ended(self, name: str) -> None:

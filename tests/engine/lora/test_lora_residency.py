@@ -142,3 +142,12 @@ def test_adapters_beyond_slots_match_transformers_peft(tmp_path):
     assert outs[rid].token_ids == expected[0]
     engine.scheduler.kv.pool.check_all_free()
     engine.close()
+
+
+def test_max_cpu_loras_default_and_bounds():
+    from engine.core.config import EngineConfig
+
+    assert EngineConfig(model="m", max_loras=3).cpu_loras == 3  # default: max_loras (as vLLM)
+    assert EngineConfig(model="m", max_loras=3, max_cpu_loras=7).cpu_loras == 7
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineConfig(model="m", max_loras=3, max_cpu_loras=2)
