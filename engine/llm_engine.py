@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # Devices where overlapped scheduling is on unless EngineConfig.overlap_scheduling says otherwise.
 OVERLAP_BY_DEFAULT = ("cuda",)
+# An engine with nothing to run but requests waiting for adapters' reads waits this long at most per step.
+LORA_READ_WAIT_S = 0.05
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -322,6 +324,8 @@ class LLMEngine:
         (this call launches the next one), so each request's outputs arrive one call later; the outputs
         themselves are the synchronous loop's."""
         plan = self.scheduler.schedule()
+        if plan.is_empty and self._in_flight is None and self.lora is not None and self.scheduler.num_lora_waiting:
+            self.lora.host.wait_for_reads(LORA_READ_WAIT_S)  # nothing to run until an adapter is read
         outputs = self._run_synchronously(plan) if self._overlap is None else self._step_overlapped(plan)
         # Copies of an n > 1 request whose leader has now computed the prompt join the queue for the next step.
         for request in self.choice_groups.release():

@@ -10,7 +10,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from engine.lora.peft_format import LoraAdapter
 
@@ -66,6 +66,14 @@ class HostLoraCache:
         with self._lock:
             self._insert(key, adapter)
         return adapter
+
+    def wait_for_reads(self, timeout_s: float) -> None:
+        """Block until a background read ends (or ``timeout_s``): for an engine with nothing to run but requests
+        waiting for adapters, instead of spinning on empty steps (which would also slow the reader)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def discard(self, name: str, path: str) -> None:
         with self._lock:

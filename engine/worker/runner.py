@@ -140,6 +140,12 @@ class ModelRunner:
         self.move_tier_blocks(sched_out)
         if self.draft is not None:  # the drafts the scheduler left pending, proposed by the draft model
             self.draft.propose(sched_out)
+        # Adapters the scheduler placed in slots, written on every rank before the forward; also with an empty
+        # plan (the requests that waited for them may not fit this step), or a later plan would miss them.
+        if sched_out.lora_loads:
+            if self.plans.size > 1:
+                self.plans.broadcast_object(LoraLoads(tuple(sched_out.lora_loads)))
+            self.lora.apply(sched_out.lora_loads)
         if sched_out.is_empty:
             if self.steps_with_peers:
                 self._rebalance_if_due()
@@ -148,10 +154,6 @@ class ModelRunner:
                 self.dummy_step()
             return StepSamples([])
         self._rebalance_if_due()
-        if sched_out.lora_loads:  # adapters the scheduler placed in slots: written on every rank before the forward
-            if self.plans.size > 1:
-                self.plans.broadcast_object(LoraLoads(tuple(sched_out.lora_loads)))
-            self.lora.apply(sched_out.lora_loads)
         if self.plans.size > 1:  # the other ranks run the same forward on their slices (or stages) of the model
             self.plans.broadcast_object(follower_plan(sched_out))
         self.num_steps += 1

@@ -1,6 +1,6 @@
 """More adapters than device slots and host copies: five adapters over two slots and three host copies, mixed with
 the base model, give each request transformers + PEFT's greedy tokens for its adapter, while slot evictions, host
-evictions and reads from disk happen (asserted); adapters added and removed while serving; bad adapters refused
+evictions, reads from disk and preemption happen (asserted); adapters added and removed while serving; bad adapters refused
 with one line while the engine keeps serving."""
 
 import contextlib
@@ -24,6 +24,7 @@ ADAPTERS = {
     "ad5": dict(r=1, lora_alpha=4, target_modules=["v_proj"], target_parameters=EXPERTS),  # added while serving
 }
 VOCAB = 211
+MAX_NEW = 6
 
 
 def _reference_tokens(ref, adapter: str | None, prompt: list[int], max_new: int) -> list[int]:
@@ -38,11 +39,13 @@ def _reference_tokens(ref, adapter: str | None, prompt: list[int], max_new: int)
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.timeout(600)
-def test_adapters_beyond_slots_match_transformers_peft(tmp_path):
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The checkpoint, the adapters (and two unservable ones), the workload's waves and PEFT's tokens for each."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    tmp_path = tmp_path_factory.mktemp("residency")
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -55,6 +58,10 @@ def test_adapters_beyond_slots_match_transformers_peft(tmp_path):
         return str(tmp_path / name)
 
     paths = {name: save(name, **cfg) for name, cfg in ADAPTERS.items()}
+    paths["wide"] = save("wide", r=8, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS)
+    paths["router"] = save("router", r=2, lora_alpha=4, target_modules=["gate"], target_parameters=EXPERTS)
+    (tmp_path / "empty").mkdir()
+    paths["empty"] = str(tmp_path / "empty")
     ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                                     paths["ad1"], adapter_name="ad1")
     for name in list(ADAPTERS)[1:]:
@@ -63,18 +70,28 @@ def test_adapters_beyond_slots_match_transformers_peft(tmp_path):
     def prompt(n):
         return [rng.randrange(1, VOCAB) for _ in range(n)]
 
-    max_new = 6
     # ad1's prompt comes back in the last wave, after ad1 left its slot and host memory: read from disk again.
     again = prompt(13)
-    first = [("ad1", again), (None, prompt(9)), ("ad2", prompt(12)), ("ad3", prompt(7)), ("ad4", prompt(10)),
-             ("ad2", prompt(5)), (None, prompt(11)), ("ad3", prompt(14)), ("ad4", prompt(6)), ("ad1", prompt(8))]
-    second = [("ad5", prompt(9)), ("ad4", prompt(7)), (None, prompt(6)), ("ad3", prompt(10)), ("ad5", prompt(12))]
-    third = [("ad2", prompt(8)), ("ad1", again), ("ad3", prompt(9))]
-    expected = {i: _reference_tokens(ref, a, p, max_new) for i, (a, p) in enumerate(first + second + third)}
+    waves = ([("ad1", again), (None, prompt(9)), ("ad2", prompt(12)), ("ad3", prompt(7)), ("ad4", prompt(10)),
+              ("ad2", prompt(5)), (None, prompt(11)), ("ad3", prompt(14)), ("ad4", prompt(6)), ("ad1", prompt(8))],
+             [("ad5", prompt(9)), ("ad4", prompt(7)), (None, prompt(6)), ("ad3", prompt(10)), ("ad5", prompt(12))],
+             [("ad2", prompt(8)), ("ad1", again), ("ad3", prompt(9))])
+    expected = [_reference_tokens(ref, a, p, MAX_NEW) for a, p in sum(waves, [])]
+    adapted_differs = any(want != _reference_tokens(ref, None, p, MAX_NEW)
+                          for (a, p), want in zip(sum(waves, []), expected) if a)
+    return dict(seed=seed, model_dir=model_dir, paths=paths, prompt=prompt, waves=waves, expected=expected,
+                adapted_differs=adapted_differs)
 
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+def test_adapters_beyond_slots_match_transformers_peft(overlap, world):
+    seed, model_dir, paths, prompt = world["seed"], world["model_dir"], world["paths"], world["prompt"]
+    first, second, third = world["waves"]
+    expected, max_new = world["expected"], MAX_NEW
     start = ",".join(f"{n}={paths[n]}" for n in ("ad1", "ad2", "ad3", "ad4"))
     llm = LLM(model=model_dir, dtype="float32", device="cpu", lora_adapters=start, max_loras=2, max_cpu_loras=3,
-              max_lora_rank=4, num_kv_blocks=64, block_size=16, max_num_seqs=4, overlap_scheduling=True)
+              max_lora_rank=4, num_kv_blocks=7, block_size=8, max_num_seqs=4, overlap_scheduling=overlap)
     engine = llm.engine
     assert engine.list_loras() == ["ad1", "ad2", "ad3", "ad4"]
     assert engine.stats().lora_host_evictions == 1  # four adapters read at start, three kept
@@ -121,15 +138,12 @@ def test_adapters_beyond_slots_match_transformers_peft(tmp_path):
     assert stats.lora_host_evictions > 1 and stats.lora_host_misses > 0, f"seed={seed}: no host eviction and reload"
     assert stats.lora_slot_loads >= 6 and stats.lora_host_hits > 0
     assert overlap_seen > 0, f"seed={seed}: requests waiting for a slot never ran beside others"
-    assert any(expected[i] != _reference_tokens(ref, None, p, max_new)
-               for i, (a, p) in enumerate(first + second + third) if a)
+    assert engine.scheduler.num_preemptions > 0, f"seed={seed}: the small KV pool should have forced preemption"
+    assert world["adapted_differs"]  # a base-model answer would have failed above for some adapter request
 
     # Bad adapters: one line each, nothing registered, the engine keeps serving.
-    (tmp_path / "empty").mkdir()
-    wide = save("wide", r=8, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS)
-    router = save("router", r=2, lora_alpha=4, target_modules=["gate"], target_parameters=EXPERTS)
-    for name, path, why in (("bad", str(tmp_path / "empty"), "adapter_config.json"), ("wide", wide, "max_lora_rank"),
-                            ("router", router, "not supported"), ("ad1", paths["ad2"], "registered with"),
+    for name, path, why in (("bad", paths["empty"], "adapter_config.json"), ("wide", paths["wide"], "max_lora_rank"),
+                            ("router", paths["router"], "not supported"), ("ad1", paths["ad2"], "registered with"),
                             ("ad4", paths["ad2"], "registered with")):
         with pytest.raises(ValueError, match=why) as err:
             engine.add_lora(name, path)
@@ -137,7 +151,7 @@ def test_adapters_beyond_slots_match_transformers_peft(tmp_path):
     assert engine.list_loras() == ["ad1", "ad2", "ad3", "ad5"]
     with pytest.raises(ValueError, match="not registered"):
         engine.remove_lora("ad4")
-    rid = engine.add_request(again, params, policy=RequestPolicy(lora_adapter="ad1"))
+    rid = engine.add_request(first[0][1], params, policy=RequestPolicy(lora_adapter="ad1"))
     drain()
     assert outs[rid].token_ids == expected[0]
     engine.scheduler.kv.pool.check_all_free()
