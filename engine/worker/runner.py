@@ -18,6 +18,7 @@ from engine.worker.expert_load import ExpertLoadReader
 from engine.worker.pipeline_step import run_stage
 from engine.sampling.prompt_scoring import prompt_scoring
 from engine.sampling.sampler import Sampler
+from engine.core.lora_residency import LoraLoads
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.tier_copies import TierCopies
 
@@ -143,6 +144,12 @@ class ModelRunner:
         self.move_tier_blocks(sched_out)
         if self.draft is not None:  # the drafts the scheduler left pending, proposed by the draft model
             self.draft.propose(sched_out)
+        # Adapters the scheduler placed in slots, written on every rank before the forward; also with an empty
+        # plan (the requests that waited for them may not fit this step), or a later plan would miss them.
+        if sched_out.lora_loads:
+            if self.plans.size > 1:
+                self.plans.broadcast_object(LoraLoads(tuple(sched_out.lora_loads)))
+            self.lora.apply(sched_out.lora_loads)
         if sched_out.is_empty:
             if self.steps_with_peers:
                 self._rebalance_if_due()
@@ -236,7 +243,11 @@ class ModelRunner:
         (its collectives pair with rank 0's), including the logits' gather; rank 0 alone samples. An empty plan
         is a dummy step (this replica has no work while a peer replica has). A ``Rebalance`` in place of a plan
         moves expert weights between two steps (``engine.eplb``); ``TierCopies`` copy this rank's slices of
-        host-tier blocks before the step (``engine.kv_tiers.rank_mirror``)."""
+        host-tier blocks before the step (``engine.kv_tiers.rank_mirror``); ``LoraLoads`` write LoRA adapters into
+        slots before the step (``engine.core.lora_residency``)."""
+        if isinstance(plan, LoraLoads):
+            self.lora.apply(plan.loads)
+            return
         if isinstance(plan, TierCopies):
             self.tier_mirror.apply(plan)
             return
