@@ -61,7 +61,7 @@ class EngineConfig:
     lora_adapters: str | None = None
     """LoRA adapters to serve beside the base model, as NAME=DIR pairs separated by commas (PEFT directories:
     adapter_config.json and adapter_model.safetensors); a request names one as its policy's ``lora_adapter``
-    (at most ``max_loras`` of them, all resident; attention projections; one tensor-parallel rank)"""
+    (at most ``max_loras`` of them, all resident; served under tensor and expert parallelism)"""
     max_loras: int = 4
     """adapters resident on the device at once, each in its own slot of every adapted layer"""
     max_lora_rank: int = 16
@@ -209,9 +209,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
-        if self.lora_adapter_paths and (self.engine_ranks > 1 or self.data_parallel_size > 1):
-            raise ValueError("lora_adapters are served by single-process engines for now (tensor, pipeline and data "
-                             "parallel sizes 1)")
+        if self.lora_adapter_paths:  # tensor and expert parallelism serve adapters (engine.lora.lora_shard)
+            for unsupported, what in ((self.pipeline_parallel_size > 1, "pipeline_parallel_size 1"),
+                                      (self.data_parallel_size > 1, "data_parallel_size 1"),
+                                      (self.role != "both", "role 'both' (no disaggregated prefill/decode)"),
+                                      (self.enable_eplb, "enable_eplb off")):
+                if unsupported:
+                    raise ValueError(f"lora_adapters are served with {what} for now")
         _ = self.speculative_config  # ValueError naming the field for a bad speculative setting
         if self.speculative is not None and self.overlap_scheduling:
             raise ValueError("speculative decoding runs with overlap_scheduling off (--no-overlap-scheduling): "

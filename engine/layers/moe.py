@@ -220,7 +220,12 @@ class SparseMoeBlock(nn.Module):
         counts = tp.split(x.shape[0])  # this step's tokens divided among them (a rank may get none)
         start = sum(counts[:tp.rank])
         mine = slice(start, start + counts[tp.rank])
-        out = self.dispatch.run(x[mine], topk_weights[mine], topk_ids[mine], self._local_experts)  # [T_r, H]
+        slot_ids = None
+        if self.lora is not None:  # every rank sends slots (zeros without adapters) so the collectives pair up
+            batch = self.lora.step.batch
+            slot_ids = batch.slot_ids[mine] if batch is not None else x.new_zeros(counts[tp.rank], dtype=torch.int64)
+        out = self.dispatch.run(x[mine], topk_weights[mine], topk_ids[mine], self._local_experts,
+                                slot_ids)  # [T_r, H]
         if x.shape[0] == 0:  # a dummy step (a peer replica has work): every rank of this replica has nothing
             return out
         out = tp.all_gather_rows(out, counts)  # [T, H]
@@ -228,10 +233,17 @@ class SparseMoeBlock(nn.Module):
             out = out + tp.all_reduce(self._shared(x))
         return out
 
-    def _local_experts(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """x [S, H] slots, local_ids [S] -> [S, H]: each slot through one of this rank's experts, unweighted."""
+    def _local_experts(self, x: torch.Tensor, local_ids: torch.Tensor,
+                       slot_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [S, H] slots, local_ids [S] -> [S, H]: each slot through one of this rank's experts, unweighted;
+        with ``slot_ids`` [S] (LoRA adapter slots from the dispatch) each adapter slot with its adapter's delta."""
         if x.shape[0] == 0:
             return x.new_zeros(x.shape)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)  # [S, 1]
+        if slot_ids is not None and self.lora is not None and self.lora.step.batch is not None:
+            args = self.expert_args()
+            return lora_experts(x, ones, local_ids[:, None].to(torch.int64), slot_ids, self.experts.w13,
+                                self.experts.w2, self.lora.w13, self.lora.w2, self.activation,
+                                args.get("w13_bias"), args.get("w2_bias"))
         return moe_kernels.fused_moe(x, self.experts.w13, self.experts.w2, ones, local_ids[:, None], backend=self.backend,
                                      **self.expert_args())

@@ -12,8 +12,16 @@ from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
+from engine.distributed.collectives import SINGLE
+from engine.lora.lora_shard import expert_rows, shard_experts, shard_in_cols, shard_out_rows, shard_qkv
 from engine.lora.peft_format import LoraAdapter, load_adapter
 from engine.lora.slots import AttentionLora, ExpertSlots, ExpertsLora, LinearSlots, LoraBatch, LoraStep, MlpLora
+
+
+def whole_expert_size(block: SparseMoeBlock) -> int:
+    """The experts' intermediate size I as the adapter's factors have it (tensor-parallel ranks hold 1/tp)."""
+    local = block.experts.w2.shape[2]  # [E, H, I / tp]
+    return local if block.dispatch is not None else local * block.tp.size
 
 
 class LoraAdapters:
@@ -21,13 +29,11 @@ class LoraAdapters:
 
     def __init__(self, model: nn.Module, paths: dict[str, str], max_loras: int, max_rank: int,
                  num_experts: int | None, hidden_size: int) -> None:
-        if getattr(model, "tp", None) is not None and model.tp.size > 1:
-            raise ValueError("lora_adapters: serving adapters under tensor parallelism is not supported yet")
         self.step = LoraStep()
         self.slots: dict[str, int] = {}
         adapters: list[LoraAdapter] = []
         moe = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
-        expert_size = moe.experts.w2.shape[2] if moe is not None else None  # I (whole: no TP with adapters)
+        expert_size = whole_expert_size(moe) if moe is not None else None
         for name, path in paths.items():
             adapter = load_adapter(name, path, num_experts, hidden_size, expert_size)
             if adapter.rank > max_rank:
@@ -51,8 +57,9 @@ class LoraAdapters:
             o = LinearSlots(max_loras + 1, max_rank, module.o_proj.in_features,
                             [(0, module.o_proj.out_features)], dtype, device)
             for slot, adapter in enumerate(adapters, start=1):
-                qkv.load(slot, adapter.linears.get(qkv_name))
-                o.load(slot, adapter.linears.get(o_name))
+                qkv.load(slot, shard_qkv(adapter.linears.get(qkv_name), module.tp, module.num_heads,
+                                         module.num_kv_heads, module.total_kv_heads, module.head_dim))
+                o.load(slot, shard_in_cols(adapter.linears.get(o_name), module.tp))
             module.lora = AttentionLora(qkv, o, self.step)
             bound.update((qkv_name, o_name))
         for adapter in adapters:
@@ -73,23 +80,26 @@ class LoraAdapters:
         down = LinearSlots(max_loras + 1, max_rank, mlp.down_proj.in_features, [(0, mlp.down_proj.out_features)],
                            w.dtype, w.device)
         for slot, adapter in enumerate(adapters, start=1):
-            gate_up.load(slot, adapter.linears.get(gate_up_name))
-            down.load(slot, adapter.linears.get(down_name))
+            gate_up.load(slot, shard_out_rows(adapter.linears.get(gate_up_name), mlp.tp))
+            down.load(slot, shard_in_cols(adapter.linears.get(down_name), mlp.tp))
         mlp.lora = MlpLora(gate_up, down, self.step)
         return {gate_up_name, down_name}
 
     def _bind_experts(self, name: str, block: SparseMoeBlock, adapters: list[LoraAdapter], max_loras: int,
                       max_rank: int) -> set[str]:
-        if block.dispatch is not None or block.experts.w13_scale is not None:
-            raise ValueError("lora_adapters: LoRA on routed experts is served with whole, unquantized experts only "
-                             "(no expert parallelism, no quantized experts) for now")
+        if block.experts.w13_scale is not None:
+            raise ValueError("lora_adapters: LoRA on routed experts is served with unquantized experts only "
+                             "(no quantized experts) for now")
         w13, w2 = block.experts.w13, block.experts.w2  # [E, 2I, H], [E, H, I]
         num_experts = w13.shape[0]
         w13_slots = ExpertSlots(max_loras + 1, max_rank, num_experts, w13.shape[1], w13.shape[2], w13.dtype, w13.device)
         w2_slots = ExpertSlots(max_loras + 1, max_rank, num_experts, w2.shape[1], w2.shape[2], w2.dtype, w2.device)
+        # Expert parallel: whole experts, this rank's run of them; tensor parallel: every expert, a slice of each.
+        split = SINGLE if block.dispatch is not None else block.tp
+        mine = expert_rows(block.first_expert, num_experts)
         for slot, adapter in enumerate(adapters, start=1):
-            w13_slots.load(slot, adapter.experts.get(f"{name}.experts.w13"))
-            w2_slots.load(slot, adapter.experts.get(f"{name}.experts.w2"))
+            w13_slots.load(slot, shard_experts(adapter.experts.get(f"{name}.experts.w13"), "w13", split), mine)
+            w2_slots.load(slot, shard_experts(adapter.experts.get(f"{name}.experts.w2"), "w2", split), mine)
         block.lora = ExpertsLora(w13_slots, w2_slots, self.step)
         return {f"{name}.experts.w13", f"{name}.experts.w2"}
 
@@ -99,7 +109,7 @@ class LoraAdapters:
         slot_ids = [0] * num_tokens  # [T]
         any_adapter = False
         for item, (start, end) in zip(scheduled, ranges):
-            name = item.request.policy.lora_adapter if item.request is not None else None
+            name = item.request.policy.lora_adapter if item.request is not None else item.lora_adapter
             if name is not None:
                 slot_ids[start:end] = [self.slots[name]] * (end - start)
                 any_adapter = True
@@ -107,3 +117,17 @@ class LoraAdapters:
 
     def end_step(self) -> None:
         self.step.batch = None
+
+
+def serve_adapters(config, model_config, runner) -> LoraAdapters | None:
+    """The engine config's adapters bound into ``runner``'s model (this rank's slices of them), or None; on every
+    rank of a split engine alike. Graphs are turned off: captured without the per-step adapter layout they would
+    replay the base model."""
+    if not config.lora_adapter_paths:
+        return None
+    mc = model_config
+    num_experts = mc.cfg("num_experts") or mc.cfg("num_local_experts") or mc.cfg("n_routed_experts")
+    lora = LoraAdapters(runner.model, config.lora_adapter_paths, config.max_loras, config.max_lora_rank,
+                        num_experts, mc.hidden_size)
+    runner.lora, runner.decode_graphs, runner.piecewise_graphs = lora, None, None
+    return lora
