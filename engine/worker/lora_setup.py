@@ -3,6 +3,9 @@
 Every adapter named at start is read from its PEFT directory and written into its own slot (1..n; slot 0 is the
 base model) of every attention block's qkv_proj and o_proj tables every dense MLP and shared expert, and every MoE block's routed experts, so all of them are resident and one step mixes
 any of them with base-model requests. Each step the runner sets the per-token slot layout before the forward.
+On a split engine every rank builds its own tables from the same directories, holding its slice of each
+adapter's factors (``engine.lora.lora_shard``: as the base weights are split, and its own experts under expert
+parallelism).
 """
 
 import torch

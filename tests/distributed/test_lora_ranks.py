@@ -25,12 +25,13 @@ MODES = {
 }
 
 
-def _generate_each_way(rank: int, world: int, address: str, model_dir: str, paths: str, reqs, max_new: int):
+def _generate_each_way(rank: int, world: int, address: str, model_dir: str, paths: str, reqs, max_new: int,
+                       modes: dict):
     from engine import LLM, RequestPolicy, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     results = {}
-    for name, extra in MODES.items():
+    for name, extra in modes.items():
         llm = LLM(model_dir, lora_adapters=paths, **ENGINE, **extra)
         engine = llm.engine
         try:
@@ -83,11 +84,29 @@ def test_split_engines_serve_adapters_as_one_process_and_peft(tmp_path_factory):
         # The adapters matter: some adapter request's answer differs from the base model's.
         assert any(want != _reference_tokens(ref, None, p, max_new) for (a, p), want in zip(reqs, expected[family]) if a)
         paths = ",".join(f"{name}={model_dir}-{name}" for name in adapters)
-        runs[family] = (model_dir, paths, reqs, max_new)
+        # The simpler all-gather dispatch on one family (with the shared expert and the dense layer).
+        modes = {m: extra for m, extra in MODES.items() if m != "ep_gather" or family == "qwen2_moe"}
+        runs[family] = (model_dir, paths, reqs, max_new, modes)
     results = run_ranks_each(_generate_each_way, 1, runs, timeout_s=360)
     for family in FAMILIES:
         status, value = results[family].get(0, ("missing", None))
         assert status == "ok", f"family={family} seed={seeds[family]}: {value}"
-        for mode in MODES:
+        assert set(value) == set(runs[family][4])
+        for mode in value:
             assert value[mode] == expected[family], f"{mode} differs from transformers + PEFT " \
                                                     f"(family={family} seed={seeds[family]})"
+
+
+@pytest.mark.parametrize("split, needs", [
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size 1"),
+    (dict(data_parallel_size=2), "data_parallel_size 1"),
+    (dict(role="prefill"), "role 'both'"),
+    (dict(tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True), "enable_eplb off"),
+])
+def test_adapters_on_splits_not_served_are_refused_with_one_line(split, needs):
+    from engine.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^lora_adapters are served with {needs}") as e:
+        EngineConfig(model="m", lora_adapters="a=/adapters/a", **split)
+    assert "\n" not in str(e.value)
+    EngineConfig(model="m", lora_adapters="a=/adapters/a", tensor_parallel_size=2, enable_expert_parallel=True)
