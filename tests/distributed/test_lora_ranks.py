@@ -1,8 +1,8 @@
 """LoRA adapters on an engine split over 2 processes (gloo, 1 thread each): a batch mixing the base model and three
-adapters gives, with tensor parallelism and with the experts divided among the ranks (both dispatches), exactly the
-single process's greedy tokens, and those are transformers + PEFT's. Qwen3-MoE: one KV head replicated on both
-ranks, adapters on q/k/v/o and the routed experts; Qwen2-MoE: a shared expert and a dense layer, adapters on
-their gate/up/down too."""
+adapters gives, with tensor parallelism and with the experts divided among the ranks, exactly the single process's
+greedy tokens, and those are transformers + PEFT's. Qwen3-MoE: one KV head replicated on both ranks, adapters on
+q/k/v/o and the routed experts, the all-to-all dispatch; Qwen2-MoE: a shared expert and a dense layer, adapters on
+their gate/up/down too, the all-gather dispatch. Splits adapters are not served on are refused with one line."""
 
 import contextlib
 
@@ -84,8 +84,8 @@ def test_split_engines_serve_adapters_as_one_process_and_peft(tmp_path_factory):
         # The adapters matter: some adapter request's answer differs from the base model's.
         assert any(want != _reference_tokens(ref, None, p, max_new) for (a, p), want in zip(reqs, expected[family]) if a)
         paths = ",".join(f"{name}={model_dir}-{name}" for name in adapters)
-        # The simpler all-gather dispatch on one family (with the shared expert and the dense layer).
-        modes = {m: extra for m, extra in MODES.items() if m != "ep_gather" or family == "qwen2_moe"}
+        # Each dispatch on one family: all-to-all on Qwen3-MoE, all-gather beside the shared expert and dense layer.
+        modes = {m: extra for m, extra in MODES.items() if m != ("ep" if family == "qwen2_moe" else "ep_gather")}
         runs[family] = (model_dir, paths, reqs, max_new, modes)
     results = run_ranks_each(_generate_each_way, 1, runs, timeout_s=360)
     for family in FAMILIES:
