@@ -15,8 +15,7 @@ from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
-from engine.distributed.collectives import SINGLE
-from engine.lora.lora_shard import expert_rows, shard_experts, shard_in_cols, shard_out_rows, shard_qkv
+from engine.lora.lora_shard import rank_slice
 from engine.lora.peft_format import LoraAdapter, load_adapter
 from engine.lora.slots import AttentionLora, ExpertSlots, ExpertsLora, LinearSlots, LoraBatch, LoraStep, MlpLora
 
@@ -38,7 +37,7 @@ class LoraAdapters:
         moe = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
         expert_size = whole_expert_size(moe) if moe is not None else None
         for name, path in paths.items():
-            adapter = load_adapter(name, path, num_experts, hidden_size, expert_size)
+            adapter = rank_slice(load_adapter(name, path, num_experts, hidden_size, expert_size), model)
             if adapter.rank > max_rank:
                 raise ValueError(f"lora_adapters: {name} has rank {adapter.rank} > max_lora_rank {max_rank}")
             adapters.append(adapter)
@@ -60,9 +59,8 @@ class LoraAdapters:
             o = LinearSlots(max_loras + 1, max_rank, module.o_proj.in_features,
                             [(0, module.o_proj.out_features)], dtype, device)
             for slot, adapter in enumerate(adapters, start=1):
-                qkv.load(slot, shard_qkv(adapter.linears.get(qkv_name), module.tp, module.num_heads,
-                                         module.num_kv_heads, module.total_kv_heads, module.head_dim))
-                o.load(slot, shard_in_cols(adapter.linears.get(o_name), module.tp))
+                qkv.load(slot, adapter.linears.get(qkv_name))
+                o.load(slot, adapter.linears.get(o_name))
             module.lora = AttentionLora(qkv, o, self.step)
             bound.update((qkv_name, o_name))
         for adapter in adapters:
@@ -83,8 +81,8 @@ class LoraAdapters:
         down = LinearSlots(max_loras + 1, max_rank, mlp.down_proj.in_features, [(0, mlp.down_proj.out_features)],
                            w.dtype, w.device)
         for slot, adapter in enumerate(adapters, start=1):
-            gate_up.load(slot, shard_out_rows(adapter.linears.get(gate_up_name), mlp.tp))
-            down.load(slot, shard_in_cols(adapter.linears.get(down_name), mlp.tp))
+            gate_up.load(slot, adapter.linears.get(gate_up_name))
+            down.load(slot, adapter.linears.get(down_name))
         mlp.lora = MlpLora(gate_up, down, self.step)
         return {gate_up_name, down_name}
 
@@ -97,12 +95,9 @@ class LoraAdapters:
         num_experts = w13.shape[0]
         w13_slots = ExpertSlots(max_loras + 1, max_rank, num_experts, w13.shape[1], w13.shape[2], w13.dtype, w13.device)
         w2_slots = ExpertSlots(max_loras + 1, max_rank, num_experts, w2.shape[1], w2.shape[2], w2.dtype, w2.device)
-        # Expert parallel: whole experts, this rank's run of them; tensor parallel: every expert, a slice of each.
-        split = SINGLE if block.dispatch is not None else block.tp
-        mine = expert_rows(block.first_expert, num_experts)
         for slot, adapter in enumerate(adapters, start=1):
-            w13_slots.load(slot, shard_experts(adapter.experts.get(f"{name}.experts.w13"), "w13", split), mine)
-            w2_slots.load(slot, shard_experts(adapter.experts.get(f"{name}.experts.w2"), "w2", split), mine)
+            w13_slots.load(slot, adapter.experts.get(f"{name}.experts.w13"))
+            w2_slots.load(slot, adapter.experts.get(f"{name}.experts.w2"))
         block.lora = ExpertsLora(w13_slots, w2_slots, self.step)
         return {f"{name}.experts.w13", f"{name}.experts.w2"}
 
