@@ -184,18 +184,11 @@ class SparseMoeBlock(nn.Module):
 
     def _experts_with_lora(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                            batch: LoraBatch) -> torch.Tensor:
-        """Base-model tokens through the usual kernels, adapter tokens through the LoRA-aware experts."""
-        adapted = torch.cat([rows for _, rows in batch.groups])  # [T_a] rows of adapter tokens
-        base = (batch.slot_ids == 0).nonzero().squeeze(1)  # [T_b]
-        out = torch.empty_like(x)  # [T, H]
+        """Every token through the LoRA-aware experts, base-model tokens with slot 0's zero deltas: no split of
+        the batch (which would read its sizes back), one sort of the pairs for the base matmuls and the deltas."""
         args = self.expert_args()
-        if base.numel():
-            out[base] = moe_kernels.fused_moe(x[base], self.experts.w13, self.experts.w2, topk_weights[base],
-                                              topk_ids[base], backend=self.backend, **args)
-        out[adapted] = lora_experts(x[adapted], topk_weights[adapted], topk_ids[adapted], batch.slot_ids[adapted],
-                                    self.experts.w13, self.experts.w2, self.lora.w13, self.lora.w2, self.activation,
-                                    args.get("w13_bias"), args.get("w2_bias"))
-        return out
+        return lora_experts(x, topk_weights, topk_ids, batch, self.experts.w13, self.experts.w2, self.lora.w13,
+                            self.lora.w2, self.activation, args.get("w13_bias"), args.get("w2_bias"))
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_expert(x)  # [T, H], this rank's partial sum
@@ -242,7 +235,10 @@ class SparseMoeBlock(nn.Module):
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)  # [S, 1]
         if slot_ids is not None and self.lora is not None and self.lora.step.batch is not None:
             args = self.expert_args()
-            return lora_experts(x, ones, local_ids[:, None].to(torch.int64), slot_ids, self.experts.w13,
+            # The slots came from other ranks: their layout is read back once per layer (as the dispatch's
+            # split sizes are), so the grouped deltas see the same host-built layout as the local step's.
+            batch = LoraBatch.build(slot_ids.tolist(), x.device)
+            return lora_experts(x, ones, local_ids[:, None].to(torch.int64), batch, self.experts.w13,
                                 self.experts.w2, self.lora.w13, self.lora.w2, self.activation,
                                 args.get("w13_bias"), args.get("w2_bias"))
         return moe_kernels.fused_moe(x, self.experts.w13, self.experts.w2, ones, local_ids[:, None], backend=self.backend,
