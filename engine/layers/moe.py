@@ -99,6 +99,8 @@ class SparseMoeBlock(nn.Module):
     Expert biases: under tensor parallel the gate/up bias is split with the intermediate size and the
     down bias is added on rank 0 only (the all-reduce would count it once per rank); under expert
     parallel each rank adds its own experts' biases.
+    LoRA (``lora``): under tensor parallel each rank's tables hold its slice of every expert's factors; under
+    expert parallel its own experts' factors, and each token's adapter slot travels with it through the dispatch.
     """
 
     def __init__(
@@ -213,10 +215,10 @@ class SparseMoeBlock(nn.Module):
         counts = tp.split(x.shape[0])  # this step's tokens divided among them (a rank may get none)
         start = sum(counts[:tp.rank])
         mine = slice(start, start + counts[tp.rank])
-        slot_ids = None
-        if self.lora is not None:  # every rank sends slots (zeros without adapters) so the collectives pair up
-            batch = self.lora.step.batch
-            slot_ids = batch.slot_ids[mine] if batch is not None else x.new_zeros(counts[tp.rank], dtype=torch.int64)
+        # Each token's adapter slot travels with it. The ranks of the experts' group share one plan (adapters are
+        # served without data-parallel replicas), so all of them send slots, or none, and the collectives pair up.
+        batch = self.lora.step.batch if self.lora is not None else None
+        slot_ids = batch.slot_ids[mine] if batch is not None else None
         out = self.dispatch.run(x[mine], topk_weights[mine], topk_ids[mine], self._local_experts,
                                 slot_ids)  # [T_r, H]
         if x.shape[0] == 0:  # a dummy step (a peer replica has work): every rank of this replica has nothing
