@@ -16,7 +16,7 @@ from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
 from engine.core.lora_residency import LoraResidency
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
-from engine.worker.lora_setup import LoraAdapters
+from engine.worker.lora_setup import serve_adapters
 from engine.worker.cpu_allocator import keep_freed_memory
 from engine.worker.model_setup import build_rank, engine_model_config
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, waits_for_step_in_flight
@@ -99,14 +99,12 @@ class LLMEngine:
             raise
         self.model, self.runner, self.max_model_len = parts.model, parts.runner, parts.max_model_len
         self.dense_gemv_choices = parts.dense_gemv_choices
-        self.lora = None
-        if config.lora_enabled:
-            mc = self.model_config
-            num_experts = mc.cfg("num_experts") or mc.cfg("num_local_experts") or mc.cfg("n_routed_experts")
-            self.lora = LoraAdapters(self.model, config.max_loras, config.max_lora_rank, config.cpu_loras,
-                                     num_experts, mc.hidden_size)
-            # Graphs captured without the per-step adapter layout would replay the base model.
-            self.runner.lora, self.runner.decode_graphs, self.runner.piecewise_graphs = self.lora, None, None
+        try:  # every rank binds slot tables (its slices of the adapters arrive as slot writes)
+            self.lora = serve_adapters(config, self.model_config, self.runner)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.abort()
+            raise
         cache_config = parts.cache_config
         # Prefix-cache tiers below the pool (host memory, disk): blocks the pool evicts are saved there.
         self.tiers = build_tiers(config, self.model, self.runner.kv_caches, self.device, self.dtype)

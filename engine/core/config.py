@@ -62,7 +62,7 @@ class EngineConfig:
     """LoRA adapters to serve beside the base model, as NAME=DIR pairs separated by commas (PEFT directories:
     adapter_config.json and adapter_model.safetensors); a request names one as its policy's ``lora_adapter``
     (any number: ``max_loras`` resident on the device, the others loaded while their requests wait; more can be
-    added and removed while serving); implies ``enable_lora``"""
+    added and removed while serving; served under tensor and expert parallelism); implies ``enable_lora``"""
     enable_lora: bool = False
     """serve LoRA adapters (slot tables in every adaptable layer), also with none named at start: adapters can then
     be added while serving"""
@@ -227,9 +227,13 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if self.lora_enabled and (self.engine_ranks > 1 or self.data_parallel_size > 1):
-            raise ValueError("lora_adapters are served by single-process engines for now (tensor, pipeline and data "
-                             "parallel sizes 1)")
+        if self.lora_enabled:  # tensor and expert parallelism serve adapters (engine.lora.lora_shard)
+            for unsupported, what in ((self.pipeline_parallel_size > 1, "pipeline_parallel_size 1"),
+                                      (self.data_parallel_size > 1, "data_parallel_size 1"),
+                                      (self.role != "both", "role 'both' (no disaggregated prefill/decode)"),
+                                      (self.enable_eplb, "enable_eplb off")):
+                if unsupported:
+                    raise ValueError(f"lora_adapters are served with {what} for now")
         _ = self.speculative_config  # ValueError naming the field for a bad speculative setting
         if self.speculative is not None and self.overlap_scheduling:
             raise ValueError("speculative decoding runs with overlap_scheduling off (--no-overlap-scheduling): "

@@ -85,6 +85,8 @@ class ScheduledRequest:
     # The block table of the sliding-window layers' cache group (the null block where blocks left the window),
     # as long as ``block_ids``; empty when every layer reads ``block_ids`` (one cache group).
     window_block_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter the part runs under (None: the base model), for ranks whose plans carry no ``request``.
+    lora_adapter: str | None = None
 
     @classmethod
     def of(cls, request: Request, num_new_tokens: int, block_ids: list[int], sample: bool,

@@ -29,14 +29,17 @@ class Dispatch(abc.ABC):
         self.expert_starts = expert_starts  # [N + 1]: rank i holds experts [starts[i], starts[i+1])
 
     @abc.abstractmethod
-    def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts) -> torch.Tensor:
+    def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, experts,
+            slot_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H], topk_weights/topk_ids [T, k] (global expert ids) -> [T, H]: the weighted sum of each
         token's experts' outputs, for this rank's own tokens. ``experts(x [S, H], local_ids [S]) -> [S, H]``
-        runs slots through this rank's experts, unweighted."""
+        runs slots through this rank's experts, unweighted. With ``slot_ids`` [T] (each token's LoRA adapter
+        slot, 0: the base model) the slots carry their token's adapter along: ``experts(x, local_ids,
+        slot_ids [S])``. Every rank of the group passes ``slot_ids`` or none (the collectives pair up)."""
 
 
 class AllGatherDispatch(Dispatch):
-    def run(self, x, topk_weights, topk_ids, experts):
+    def run(self, x, topk_weights, topk_ids, experts, slot_ids=None):
         tp, device = self.tp, x.device
         counts = tp.gather_counts(x.shape[0], device)
         most = max(counts)
@@ -47,14 +50,18 @@ class AllGatherDispatch(Dispatch):
         mine = (every_ids >= start) & (every_ids < end)  # [N * max T, k]; padding rows hold -1: never mine
         token, slot = mine.nonzero(as_tuple=True)  # [S], [S]
         local_ids = every_ids[token, slot] - start  # [S]
-        y = experts(every_x.index_select(0, token), local_ids)  # [S, H]
+        if slot_ids is None:
+            y = experts(every_x.index_select(0, token), local_ids)  # [S, H]
+        else:
+            every_slots = tp.all_gather_rows(_pad_rows(slot_ids, most), [most] * tp.size)  # [N * max T]
+            y = experts(every_x.index_select(0, token), local_ids, every_slots.index_select(0, token))
         out = torch.zeros(every_x.shape, dtype=torch.float32, device=device)  # [N * max T, H]
         out.index_add_(0, token, y.float() * every_w[token, slot].float()[:, None])
         return tp.reduce_scatter_rows(out)[:x.shape[0]].to(x.dtype)  # [T, H]
 
 
 class AllToAllDispatch(Dispatch):
-    def run(self, x, topk_weights, topk_ids, experts):
+    def run(self, x, topk_weights, topk_ids, experts, slot_ids=None):
         tp, device = self.tp, x.device
         top_k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1).to(torch.int64)  # [T*k]
@@ -68,7 +75,11 @@ class AllToAllDispatch(Dispatch):
         local_ids = flat_ids.index_select(0, order) - starts.index_select(0, owner_sorted)  # [S]
         recv_x = tp.all_to_all_rows(x.index_select(0, token), send_counts, recv_counts)  # [S_in, H]
         recv_ids = tp.all_to_all_rows(local_ids.to(torch.int32), send_counts, recv_counts)  # [S_in]
-        y = experts(recv_x, recv_ids)  # [S_in, H]
+        if slot_ids is None:
+            y = experts(recv_x, recv_ids)  # [S_in, H]
+        else:  # each slot's adapter travels with it
+            recv_slots = tp.all_to_all_rows(slot_ids.index_select(0, token).to(torch.int32), send_counts, recv_counts)
+            y = experts(recv_x, recv_ids, recv_slots.to(torch.int64))  # [S_in, H]
         back = tp.all_to_all_rows(y, recv_counts, send_counts)  # [S, H] in send order
         weights = topk_weights.reshape(-1).index_select(0, order).float()  # [S]
         out = torch.zeros(x.shape, dtype=torch.float32, device=device)  # [T, H]

@@ -34,6 +34,7 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
     CollectiveError when it or a peer fails, ValueError (on every rank) when the world does not fit."""
     from engine.kv_tiers.setup import build_rank_mirror
     from engine.llm_engine import resolve_dtype
+    from engine.worker.lora_setup import serve_adapters
     from engine.worker.model_setup import build_rank, engine_model_config
 
     device = torch.device("cuda", info.local_rank) if device_type == "cuda" else torch.device("cpu")
@@ -52,6 +53,7 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, device)
         runner = build_rank(config, model_config, KernelChoice.resolve(config.kernels, device.type), dtype, device,
                             parts.tp, parts.stage).runner
+        serve_adapters(config, model_config, runner)  # its slices of the adapters' factors (engine.lora.lora_shard)
         runner.tier_mirror = build_rank_mirror(config, runner.kv_caches, device, parts.tp.size)
         while (plan := plans.broadcast_object()) is not None:  # from this replica's engine process
             if plan == STAGE_TIMINGS:  # the engine process asks how each stage spent its time

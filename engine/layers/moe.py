@@ -100,6 +100,8 @@ class SparseMoeBlock(nn.Module):
     Expert biases: under tensor parallel the gate/up bias is split with the intermediate size and the
     down bias is added on rank 0 only (the all-reduce would count it once per rank); under expert
     parallel each rank adds its own experts' biases.
+    LoRA (``lora``): under tensor parallel each rank's tables hold its slice of every expert's factors; under
+    expert parallel its own experts' factors, and each token's adapter slot travels with it through the dispatch.
     """
 
     def __init__(
@@ -214,7 +216,12 @@ class SparseMoeBlock(nn.Module):
         counts = tp.split(x.shape[0])  # this step's tokens divided among them (a rank may get none)
         start = sum(counts[:tp.rank])
         mine = slice(start, start + counts[tp.rank])
-        out = self.dispatch.run(x[mine], topk_weights[mine], topk_ids[mine], self._local_experts)  # [T_r, H]
+        # Each token's adapter slot travels with it. The ranks of the experts' group share one plan (adapters are
+        # served without data-parallel replicas), so all of them send slots, or none, and the collectives pair up.
+        batch = self.lora.step.batch if self.lora is not None else None
+        slot_ids = batch.slot_ids[mine] if batch is not None else None
+        out = self.dispatch.run(x[mine], topk_weights[mine], topk_ids[mine], self._local_experts,
+                                slot_ids)  # [T_r, H]
         if x.shape[0] == 0:  # a dummy step (a peer replica has work): every rank of this replica has nothing
             return out
         out = tp.all_gather_rows(out, counts)  # [T, H]
@@ -222,10 +229,20 @@ class SparseMoeBlock(nn.Module):
             out = out + tp.all_reduce(self._shared(x))
         return out
 
-    def _local_experts(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """x [S, H] slots, local_ids [S] -> [S, H]: each slot through one of this rank's experts, unweighted."""
+    def _local_experts(self, x: torch.Tensor, local_ids: torch.Tensor,
+                       slot_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [S, H] slots, local_ids [S] -> [S, H]: each slot through one of this rank's experts, unweighted;
+        with ``slot_ids`` [S] (LoRA adapter slots from the dispatch) each adapter slot with its adapter's delta."""
         if x.shape[0] == 0:
             return x.new_zeros(x.shape)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)  # [S, 1]
+        if slot_ids is not None and self.lora is not None and self.lora.step.batch is not None:
+            args = self.expert_args()
+            # The slots came from other ranks: their layout is read back once per layer (as the dispatch's
+            # split sizes are), so the grouped deltas see the same host-built layout as the local step's.
+            batch = LoraBatch.build(slot_ids.tolist(), x.device)
+            return lora_experts(x, ones, local_ids[:, None].to(torch.int64), batch, self.experts.w13,
+                                self.experts.w2, self.lora.w13, self.lora.w2, self.activation,
+                                args.get("w13_bias"), args.get("w2_bias"))
         return moe_kernels.fused_moe(x, self.experts.w13, self.experts.w2, ones, local_ids[:, None], backend=self.backend,
                                      **self.expert_args())

@@ -1,11 +1,12 @@
 """Serving LoRA adapters beside the base model: each adapted layer gets slot tables, each request a slot.
 
 Every attention block's qkv_proj and o_proj, every dense MLP and shared expert, and every MoE block's routed
-experts (whole and unquantized) get slot tables at start (slot 0 is the base model, 1..max_loras adapters), so an
-adapter added while serving may adapt any of them. Which adapter sits in which slot is decided by the scheduler
+experts (unquantized) get slot tables at start (slot 0 is the base model, 1..max_loras adapters), so an adapter
+added while serving may adapt any of them. Which adapter sits in which slot is decided by the scheduler
 (``engine.core.lora_residency``); every rank writes the same slot (``load_into_slot``) from its host copy of the
 factors (``engine.lora.host_cache``) between steps. Each step the runner sets the per-token slot layout before the
-forward.
+forward. On a split engine every rank holds its slice of each adapter's factors (``engine.lora.lora_shard``: as
+the base weights are split, and its own experts under expert parallelism).
 """
 
 import time
@@ -19,8 +20,15 @@ from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.lora.host_cache import HostLoraCache
+from engine.lora.lora_shard import rank_slice
 from engine.lora.peft_format import LoraAdapter, load_adapter
 from engine.lora.slots import AttentionLora, ExpertSlots, ExpertsLora, LinearSlots, LoraBatch, LoraStep, MlpLora
+
+
+def whole_expert_size(block: SparseMoeBlock) -> int:
+    """The experts' intermediate size I as the adapter's factors have it (tensor-parallel ranks hold 1/tp)."""
+    local = block.experts.w2.shape[2]  # [E, H, I / tp]
+    return local if block.dispatch is not None else local * block.tp.size
 
 
 class LoraAdapters:
@@ -28,14 +36,13 @@ class LoraAdapters:
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
                  num_experts: int | None, hidden_size: int) -> None:
-        if getattr(model, "tp", None) is not None and model.tp.size > 1:
-            raise ValueError("lora_adapters: serving adapters under tensor parallelism is not supported yet")
         self.step = LoraStep()
         self.max_rank = max_rank
         self.slots: dict[str, int] = {}  # adapter -> the slot it was last written into (this rank's tables)
         self._num_experts, self._hidden_size = num_experts, hidden_size
         moe = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
-        self._expert_size = moe.experts.w2.shape[2] if moe is not None else None  # I (whole: no TP with adapters)
+        self._model = model
+        self._expert_size = whole_expert_size(moe) if moe is not None else None  # I as the adapters have it
         self.linears: dict[str, LinearSlots] = {}  # target module -> its slot table
         self.experts: dict[str, ExpertSlots] = {}
         self.unserved_experts = ""  # why routed experts have no tables ("" where they have)
@@ -68,9 +75,8 @@ class LoraAdapters:
         self.linears[f"{name}.gate_up_proj"], self.linears[f"{name}.down_proj"] = gate_up, down
 
     def _bind_experts(self, name: str, block: SparseMoeBlock, max_loras: int, max_rank: int) -> None:
-        if block.dispatch is not None or block.experts.w13_scale is not None:
-            self.unserved_experts = (" (LoRA on routed experts is served with whole, unquantized experts only: no "
-                                     "expert parallelism, no quantized experts, for now)")
+        if block.experts.w13_scale is not None:
+            self.unserved_experts = (" (LoRA on routed experts is served with unquantized experts only, for now)")
             return
         w13, w2 = block.experts.w13, block.experts.w2  # [E, 2I, H], [E, H, I]
         num_experts = w13.shape[0]
@@ -82,7 +88,8 @@ class LoraAdapters:
     def read(self, name: str, path: str) -> LoraAdapter:
         """Read and check the adapter at ``path`` (host memory); ValueError (one line) if this engine cannot serve
         it: not a PEFT LoRA directory, a rank above ``max_lora_rank``, or a module without slot tables."""
-        adapter = load_adapter(name, path, self._num_experts, self._hidden_size, self._expert_size)
+        adapter = rank_slice(load_adapter(name, path, self._num_experts, self._hidden_size, self._expert_size),
+                             self._model)  # this rank's slices, under the same names
         if adapter.rank > self.max_rank:
             raise ValueError(f"lora adapter {name}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
         unserved = sorted((set(adapter.linears) - set(self.linears)) | (set(adapter.experts) - set(self.experts)))
@@ -123,7 +130,7 @@ class LoraAdapters:
         slot_ids = [0] * num_tokens  # [T]
         any_adapter = False
         for item, (start, end) in zip(scheduled, ranges):
-            name = item.request.policy.lora_adapter if item.request is not None else None
+            name = item.request.policy.lora_adapter if item.request is not None else item.lora_adapter
             if name is not None:
                 slot_ids[start:end] = [self.slots[name]] * (end - start)
                 any_adapter = True
@@ -131,3 +138,17 @@ class LoraAdapters:
 
     def end_step(self) -> None:
         self.step.batch = None
+
+
+def serve_adapters(config, model_config, runner) -> LoraAdapters | None:
+    """Slot tables bound into ``runner``'s model when the engine serves adapters (``lora_enabled``), else None; on
+    every rank of a split engine alike (the adapters themselves arrive as slot writes). Graphs are turned off:
+    captured without the per-step adapter layout they would replay the base model."""
+    if not config.lora_enabled:
+        return None
+    mc = model_config
+    num_experts = mc.cfg("num_experts") or mc.cfg("num_local_experts") or mc.cfg("n_routed_experts")
+    lora = LoraAdapters(runner.model, config.max_loras, config.max_lora_rank, config.cpu_loras, num_experts,
+                        mc.hidden_size)
+    runner.lora, runner.decode_graphs, runner.piecewise_graphs = lora, None, None
+    return lora

@@ -264,11 +264,18 @@ class ModelRunner:
                 self.model.compute_logits(hidden_rows)
             return
         batch = self.prepare(plan)
-        hidden = self.forward(batch)  # [T, H]
+        if self.lora is not None:  # the plan names each part's adapter, as rank 0's requests do
+            self.lora.begin_step(plan, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
+        try:
+            hidden = self.forward(batch)  # [T, H]
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         self._logits(hidden, batch)
 
 
 def follower_plan(sched_out: SchedulerOutput) -> list[ScheduledRequest]:
     """The step as plain data for the other ranks: each scheduled part without the scheduler's Request."""
     return [ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids, s.prompt_logprob_rows,
-                             s.draft_token_ids, s.window_block_ids) for s in sched_out.scheduled]
+                             s.draft_token_ids, s.window_block_ids, s.request.policy.lora_adapter)
+            for s in sched_out.scheduled]

@@ -36,6 +36,9 @@ ALLOWED = {
     ("engine/sampling/prompt_scoring.py", "read"),  # prompt logprobs of a synchronous step, read after that sync
     ("engine/worker/expert_load.py", "poll"),  # pinned host memory a finished copy filled; the CPU's own counters
     ("engine/worker/overlap.py", "collect"),  # overlapped steps: reading a step's results, one step late
+    # Expert parallel with LoRA adapters: the adapter slots that came with other ranks' tokens are read back to
+    # lay out their deltas, one read per layer beside the dispatch's own (its all-to-all split sizes).
+    ("engine/layers/moe.py", "_local_experts"),
 }
 
 
