@@ -3,6 +3,9 @@ adapter registered with ``moegate admin adapter add`` is a ``model`` its owner a
 with transformers + PEFT's greedy tokens; for anyone else it is the unknown-model 404. /v1/models, usage rows,
 /metrics and grants that change while the server runs."""
 
+import asyncio
+import io
+import json
 import random
 import time
 
@@ -60,7 +63,8 @@ def served(tmp_path_factory):
 
     with in_process_server(root, dict(dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
                                       max_model_len=256, max_loras=2, max_lora_rank=8),
-                           gateway=dict(policy_cache_ttl_s=POLICY_TTL_S, auth_cache_ttl_s=POLICY_TTL_S),
+                           gateway=dict(policy_cache_ttl_s=POLICY_TTL_S, auth_cache_ttl_s=POLICY_TTL_S,
+                                        batch_poll_s=0.05),
                            before_start=before_start) as srv:
         clients = {t: openai.AsyncOpenAI(base_url=srv.base_url, api_key=k, max_retries=0) for t, k in keys.items()}
         yield srv, clients, adapter_dir
@@ -70,7 +74,7 @@ def served(tmp_path_factory):
 
 def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     srv, clients, adapter_dir = served
     base_hf = AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32).eval()
@@ -129,7 +133,7 @@ def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
             await store.close()
     deadline = time.monotonic() + 10
     while True:
-        rows = {r["adapter"]: r for r in srv.run(usage_by_adapter())}
+        rows = {r["adapter"]: r for r in srv.run(usage_by_adapter()) if r["kind"] == "live"}
         if rows.get("support", {}).get("requests") == 3 or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -139,6 +143,39 @@ def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
     assert metrics.adapter_requests.labels("support")._value.get() == 3
     assert metrics.adapter_prompt_tokens.labels("support")._value.get() == rows["support"]["prompt_tokens"]
 
+    # The Batch API: a line naming the adapter runs under it (its body says so) and is billed to it; a tenant
+    # without the grant cannot even create the batch.
+    lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "support", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}}
+             for i in range(2)]
+    data = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+
+    async def batch(client):
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        created = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while created.status not in ("completed", "failed") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            created = await client.batches.retrieve(created.id)
+        if created.status != "completed":
+            return created, None
+        return created, [json.loads(x) for x in (await client.files.content(created.output_file_id)).text.splitlines()]
+    done, out = srv.run(batch(clients["granted"]))
+    assert done.status == "completed" and len(out) == 2
+    tok = AutoTokenizer.from_pretrained(srv.demo)
+    for line in out:
+        body = line["response"]["body"]
+        assert body["model"] == "support" and body["choices"][0]["text"] == tok.decode(want_adapter)
+    refused_batch, _ = srv.run(batch(clients["other"]))
+    assert refused_batch.status == "failed" and refused_batch.errors.data[0].code == "model_not_found"
+    deadline = time.monotonic() + 10
+    while True:
+        batch_rows = [r for r in srv.run(usage_by_adapter()) if r["adapter"] == "support" and r["kind"] == "batch"]
+        if (batch_rows and batch_rows[0]["requests"] == 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert batch_rows and batch_rows[0]["requests"] == 2 and batch_rows[0]["completion_tokens"] == 16
+
     # A revoke applies within the policy cache's TTL: the adapter is then unknown to that tenant.
     url = srv.database_url
     assert moegate(["admin", "adapter", "revoke", "support", "granted", "--database-url", url, "--json"]) == 0
@@ -146,3 +183,40 @@ def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
     with pytest.raises(openai.NotFoundError):
         srv.run(complete(clients["granted"], "support"))
     capsys.readouterr()
+
+
+def test_adapter_added_while_serving(served, tmp_path):
+    """``adapter add`` while the server runs: the gateway gives the engine the adapter (``add_lora``) on the first
+    request that names it. An engine that cannot add adapters while it runs answers that as a one-line 400 naming
+    ``model``, and goes on serving."""
+    from engine.llm_engine import LLMEngine
+
+    srv, clients, _ = served
+    late = str(tmp_path / "late")
+    _make_adapter(srv.demo, late)
+    assert moegate(["admin", "adapter", "add", "late", "--path", late, "--public", "--database-url", srv.database_url,
+                    "--json"]) == 0
+    time.sleep(POLICY_TTL_S * 1.5)
+    prompt = [5, 17, 23, 42, 99, 7, 3, 11]
+
+    async def complete(model):
+        return await clients["other"].completions.create(
+            model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    if hasattr(LLMEngine, "add_lora"):
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32),
+                                        late).eval()
+        answers = srv.run(asyncio.gather(*(complete("late") for _ in range(3))))  # concurrent first uses: one add
+        for answer in answers:
+            got = [int(t.removeprefix("token_id:")) for t in answer.choices[0].logprobs.tokens]
+            assert answer.model == "late" and got == _greedy(ref, prompt, 6)
+    else:
+        with pytest.raises(openai.BadRequestError) as refused:
+            srv.run(complete("late"))
+        body = refused.value.body
+        assert body["code"] == "adapter_unavailable" and body["param"] == "model" and "\n" not in body["message"]
+        assert "cannot change its LoRA adapters while it runs" in body["message"]
+    assert srv.run(complete("demo")).model == "demo"  # the engine goes on
