@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from aiohttp import web
 
@@ -41,7 +42,7 @@ class AdapterCatalog:
         self.adapters = AdapterStore(store)
         self._usable: RefreshingCache[dict[str, str]] = RefreshingCache(ttl_s)
         # replica -> (the Ready of its engine process, {adapter name: its add_lora call}): a restart resets it.
-        self._given: dict[int, tuple[object, dict[str, asyncio.Future]]] = {}
+        self._given: dict[int, tuple[object, dict[tuple[str, str], asyncio.Future]]] = {}
 
     async def usable(self, tenant_id: int) -> dict[str, str]:
         """Adapter name -> directory, for every adapter tenant ``tenant_id`` may use (cached)."""
@@ -59,9 +60,11 @@ class AdapterCatalog:
 
     async def configure(self, replicas) -> None:
         """Before the engines start: name the database's adapters in each local replica's configuration (after
-        those its flags name, up to ``max_loras``); the rest are added when first used."""
-        paths = await self.adapters.all_paths()
-        if not paths:
+        those its flags name, up to ``max_loras``); the rest are added when first used. An adapter that would
+        stop an engine from starting (its files gone since it was added, a rank above ``max_lora_rank``) is left
+        out, with a warning: its requests then get the one-line 400 of ``serve_on``."""
+        adapters = await self.adapters.list()
+        if not adapters:
             return
         for _, replica in replicas:
             config = replica.config
@@ -69,7 +72,17 @@ class AdapterCatalog:
                 continue  # a remote engine has its own flags; multi-process engines serve no adapters yet
             named = config.lora_adapter_paths
             room = config.max_loras - len(named)
-            extra = [(n, p) for n, p in paths.items() if n not in named][:max(room, 0)]
+            extra = []
+            for a in adapters:
+                if a.name in named or len(extra) >= room:
+                    continue
+                if a.rank > config.max_lora_rank or not all(
+                        os.path.isfile(os.path.join(a.path, f)) for f in ("adapter_config.json",
+                                                                          "adapter_model.safetensors")):
+                    logger.warning("adapter %r (%s, rank %d) is not named at the engine's start: its files are gone "
+                                   "or its rank is above max_lora_rank %d", a.name, a.path, a.rank, config.max_lora_rank)
+                    continue
+                extra.append((a.name, a.path))
             if extra:
                 config.lora_adapters = ",".join([f"{n}={p}" for n, p in named.items()] + [f"{n}={p}" for n, p in extra])
                 logger.info("engine replica given %d adapter(s) from the policy database", len(extra))
@@ -81,15 +94,15 @@ class AdapterCatalog:
         for _, replica in replicas:
             if replica.dead or replica.info is None:
                 continue
-            if name in replica.config.lora_adapter_paths and replica.config.lora_adapter_paths[name] == path:
+            if replica.config.lora_adapter_paths.get(name) == path:
                 continue  # named at its start
             info, given = self._given.get(id(replica), (None, {}))
             if info is not replica.info:  # a new engine process: it knows only its configuration
                 given = {}
                 self._given[id(replica)] = (replica.info, given)
-            call = given.get(name)
+            call = given.get((name, path))
             if call is None or (call.done() and call.exception() is not None):
-                call = given[name] = asyncio.ensure_future(replica.add_lora(name, path))
+                call = given[(name, path)] = asyncio.ensure_future(replica.add_lora(name, path))
             calls.append(call)
         if calls:
             # Shielded: one request that goes away does not cancel the call others wait on.
@@ -106,11 +119,6 @@ class AdapterCatalog:
             logger.warning("adapter %r could not be given to an engine: %s", name, e)
             raise APIError(400, f"model {name!r} cannot be served now: {e}", param="model",
                            code="adapter_unavailable") from None
-
-    def forget(self, name: str) -> None:
-        """``name`` was removed from the engines (or is about to be added anew)."""
-        for _, given in self._given.values():
-            given.pop(name, None)
 
 
 ADAPTERS = web.AppKey("adapters", AdapterCatalog)

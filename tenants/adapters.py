@@ -120,8 +120,3 @@ class AdapterStore:
                 Adapter.owner_tenant_id.is_(None), Adapter.owner_tenant_id == tenant_id,
                 Adapter.id.in_(select(AdapterGrant.adapter_id).where(AdapterGrant.tenant_id == tenant_id)))))).all()
             return dict(rows)
-
-    async def all_paths(self) -> dict[str, str]:
-        """Every adapter: name -> directory (what the engines are given at start)."""
-        async with self.store.sessions() as s:
-            return dict((await s.execute(select(Adapter.name, Adapter.path).order_by(Adapter.id))).all())
