@@ -14,6 +14,7 @@ from engine.distributed.ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
+from engine.core.lora_residency import LoraResidency
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.worker.lora_setup import LoraAdapters
 from engine.worker.cpu_allocator import keep_freed_memory
@@ -97,10 +98,10 @@ class LLMEngine:
         self.model, self.runner, self.max_model_len = parts.model, parts.runner, parts.max_model_len
         self.dense_gemv_choices = parts.dense_gemv_choices
         self.lora = None
-        if config.lora_adapter_paths:
+        if config.lora_enabled:
             mc = self.model_config
             num_experts = mc.cfg("num_experts") or mc.cfg("num_local_experts") or mc.cfg("n_routed_experts")
-            self.lora = LoraAdapters(self.model, config.lora_adapter_paths, config.max_loras, config.max_lora_rank,
+            self.lora = LoraAdapters(self.model, config.max_loras, config.max_lora_rank, config.cpu_loras,
                                      num_experts, mc.hidden_size)
             # Graphs captured without the per-step adapter layout would replay the base model.
             self.runner.lora, self.runner.decode_graphs, self.runner.piecewise_graphs = self.lora, None, None
@@ -118,6 +119,8 @@ class LLMEngine:
             speculator=Speculator(config.speculative_config, self.max_model_len) if config.speculative else None,
             tiers=self.tiers,
         )
+        if self.lora is not None:
+            self.scheduler.lora = LoraResidency(config.max_loras, self.lora.host)
         tokenizer_dir = config.tokenizer or (None if config.random_weights else config.model)
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         check_vocabulary(self.tokenizer, self.model_config.vocab_size, tokenizer_dir)
@@ -138,6 +141,12 @@ class LLMEngine:
             overlap = False
         self._overlap = OverlappedRunner(self.runner) if overlap else None
         self._in_flight: StepInFlight | None = None
+        try:
+            for name, path in config.lora_adapter_paths.items():  # the same path as adapters added while serving
+                self.add_lora(name, path)
+        except BaseException:
+            self.close(abrupt=True)
+            raise
         logger.info(
             "engine ready: %s%s on %s/%s x%d ranks%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, "
             "CUDA graphs %s, piecewise CUDA graphs %s, overlapped scheduling %s",
@@ -156,6 +165,8 @@ class LLMEngine:
             self._overlap.close()
         if self.tiers is not None:
             self.tiers.close()  # the disk writes queued so far land
+        if self.lora is not None:
+            self.lora.host.close()
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             ranks.abort() if abrupt else ranks.close()
@@ -189,10 +200,11 @@ class LLMEngine:
         eos = self._eos_token_id
         if sampling_params.structured_output is not None:
             self._check_structured_output(sampling_params)
-        if policy.lora_adapter is not None and (self.lora is None or policy.lora_adapter not in self.lora.slots):
+        if policy.lora_adapter is not None and (self.lora is None
+                                                or not self.scheduler.lora.is_registered(policy.lora_adapter)):
             # Serving the base model under an adapter's name would be a silent wrong answer: refused, nothing queued.
             raise ValueError(f"lora_adapter {policy.lora_adapter!r} is not loaded in this engine "
-                             f"(loaded: {sorted(self.lora.slots) if self.lora else 'none'})")
+                             f"(loaded: {self.list_loras() or 'none'})")
         if request_id in self.choice_groups:
             raise ValueError(f"duplicate request id {request_id}")
 
@@ -225,6 +237,33 @@ class LLMEngine:
             self.choice_groups.forget(request_id)
             raise
         return request_id
+
+    # ---- LoRA adapters ------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Register the PEFT LoRA adapter at ``path`` as ``name``; requests may name it from now on. Its directory
+        is read and checked now (ValueError, one line: not a LoRA directory, rank above ``max_lora_rank``, a module
+        this engine does not adapt); it is written into a device slot when a request needs it. Adding the same
+        name and path again does nothing; a name registered (or once registered) with another path is refused."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
+        residency = self.scheduler.lora
+        if not residency.check_new(name, path):
+            return
+        adapter = self.lora.read(name, path)  # ValueError naming what is wrong; nothing registered
+        self.lora.host.put(name, path, adapter)
+        residency.register(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister adapter ``name``: new requests naming it are refused from now on; requests already added
+        finish under it (as vLLM lets requests in flight finish), then its slot and host copy are freed.
+        ValueError if it is not registered."""
+        if self.lora is None:
+            raise ValueError(f"lora adapter {name!r} is not registered (this engine serves no LoRA adapters)")
+        self.scheduler.lora.remove(name)
+
+    def list_loras(self) -> list[str]:
+        """The registered adapters' names, in registration order."""
+        return self.scheduler.lora.names() if self.lora is not None else []
 
     @property
     def _eos_token_id(self) -> int | None:
@@ -342,6 +381,8 @@ class LLMEngine:
             stats.host_tier_blocks = self.tiers.host.num_slots
         # On the CPU with overlapped steps this reads counters the worker may be adding to (a count at most
         # one step stale).
+        if self.lora is not None:
+            self._fill_lora_stats(stats)
         stats.expert_load = self.runner.expert_load.poll(self.runner.num_steps)
         ep, balancer = self.model.tp.expert_parallel, self.runner.eplb
         if balancer is not None:
@@ -352,6 +393,17 @@ class LLMEngine:
             stats.expert_load_by_rank = [sum(col) for col in zip(*per_layer)]
             stats.expert_imbalance = mean_imbalance(per_layer)
         return stats
+
+
+    def _fill_lora_stats(self, stats: SchedulerStats) -> None:
+        residency, host = self.scheduler.lora, self.lora.host
+        stats.lora_registered = len(residency.names())
+        stats.lora_resident = len(residency.slots)
+        stats.lora_waiting_requests = self.scheduler.num_lora_waiting
+        stats.lora_slot_loads, stats.lora_slot_evictions = residency.slot_loads, residency.slot_evictions
+        stats.lora_host_hits, stats.lora_host_misses = host.hits, host.misses
+        stats.lora_host_evictions, stats.lora_sync_reads = host.evictions, host.sync_reads
+        stats.lora_read_seconds, stats.lora_slot_load_seconds = host.read_seconds, self.lora.slot_load_seconds
 
 
 __all__ = ["LLMEngine", "CheckpointError"]

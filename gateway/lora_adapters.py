@@ -4,17 +4,15 @@ The adapters and who may use them live in the policy database (``tenants.adapter
 Per tenant, the usable ones are cached for ``ttl_s`` (so a grant, a revoke or a new adapter applies within it).
 An adapter the tenant may not use is the same ``404 model_not_found`` as a model that does not exist.
 
-Engines learn adapters two ways: those in the database when the server starts are named in each local
-replica's ``EngineConfig.lora_adapters`` (as many as it keeps); any other is given to a replica with
-``add_lora`` the first time a request needs it there (once per replica and engine process: a restarted engine
-starts from its configuration again; concurrent requests wait for the one call).
+Engines learn an adapter with ``add_lora`` the first time a request needs it there (once per replica and engine
+process: a restarted engine starts from its configuration again; concurrent requests wait for the one call).
+Where the database holds adapters when the server starts, local replicas are started with ``enable_lora``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from aiohttp import web
 
@@ -59,33 +57,20 @@ class AdapterCatalog:
         return model, path
 
     async def configure(self, replicas) -> None:
-        """Before the engines start: name the database's adapters in each local replica's configuration (after
-        those its flags name, up to ``max_loras``); the rest are added when first used. An adapter that would
-        stop an engine from starting (its files gone since it was added, a rank above ``max_lora_rank``) is left
-        out, with a warning: its requests then get the one-line 400 of ``serve_on``."""
-        adapters = await self.adapters.list()
-        if not adapters:
+        """Before the engines start: where the database holds adapters, each local replica serves LoRA
+        (``enable_lora``), so that requests can name them. None is named in its configuration: each is given
+        with ``add_lora`` on first use, so an adapter that cannot be served (its files gone or changed since it
+        was added, made for another base model, a rank above ``max_lora_rank``) fails its own requests with one
+        line and never stops an engine from starting."""
+        if not await self.adapters.list():
             return
         for _, replica in replicas:
             config = replica.config
             if getattr(replica, "address", None) is not None or config.engine_ranks > 1 or config.data_parallel_size > 1:
                 continue  # a remote engine has its own flags; multi-process engines serve no adapters yet
-            named = config.lora_adapter_paths
-            room = config.max_loras - len(named)
-            extra = []
-            for a in adapters:
-                if a.name in named or len(extra) >= room:
-                    continue
-                if a.rank > config.max_lora_rank or not all(
-                        os.path.isfile(os.path.join(a.path, f)) for f in ("adapter_config.json",
-                                                                          "adapter_model.safetensors")):
-                    logger.warning("adapter %r (%s, rank %d) is not named at the engine's start: its files are gone "
-                                   "or its rank is above max_lora_rank %d", a.name, a.path, a.rank, config.max_lora_rank)
-                    continue
-                extra.append((a.name, a.path))
-            if extra:
-                config.lora_adapters = ",".join([f"{n}={p}" for n, p in named.items()] + [f"{n}={p}" for n, p in extra])
-                logger.info("engine replica given %d adapter(s) from the policy database", len(extra))
+            if not config.lora_enabled:
+                config.enable_lora = True
+                logger.info("engine replica serves LoRA: the policy database holds adapters")
 
     async def ensure_loaded(self, replicas, name: str, path: str) -> None:
         """Have every live replica serve adapter ``name`` (``add_lora`` where it was not given it yet). A replica

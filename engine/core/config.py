@@ -61,9 +61,16 @@ class EngineConfig:
     lora_adapters: str | None = None
     """LoRA adapters to serve beside the base model, as NAME=DIR pairs separated by commas (PEFT directories:
     adapter_config.json and adapter_model.safetensors); a request names one as its policy's ``lora_adapter``
-    (at most ``max_loras`` of them, all resident; attention projections; one tensor-parallel rank)"""
+    (any number: ``max_loras`` resident on the device, the others loaded while their requests wait; more can be
+    added and removed while serving); implies ``enable_lora``"""
+    enable_lora: bool = False
+    """serve LoRA adapters (slot tables in every adaptable layer), also with none named at start: adapters can then
+    be added while serving"""
     max_loras: int = 4
-    """adapters resident on the device at once, each in its own slot of every adapted layer"""
+    """adapters resident on the device at once, each in its own slot of every adapted layer (a device-slot LRU)"""
+    max_cpu_loras: int | None = None
+    """adapters whose factors are kept in host memory (an LRU; others are read from disk again when needed); at
+    least ``max_loras``, default ``max_loras``"""
     max_lora_rank: int = 16
     """the largest adapter rank served (slots are this wide; smaller ranks are zero-padded)"""
     enforce_eager: bool = False
@@ -194,9 +201,17 @@ class EngineConfig:
             if not sep or not name or not path or name in paths:
                 raise ValueError(f"lora_adapters: {item.strip()!r} is not NAME=DIR with a new NAME")
             paths[name] = path
-        if len(paths) > self.max_loras:
-            raise ValueError(f"lora_adapters: {len(paths)} adapters need max_loras >= {len(paths)}")
         return paths
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves LoRA adapters: ``enable_lora`` or adapters named at start."""
+        return self.enable_lora or bool(self.lora_adapter_paths)
+
+    @property
+    def cpu_loras(self) -> int:
+        """``max_cpu_loras`` resolved: adapters kept in host memory (``max_loras`` unless set)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -209,7 +224,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
-        if self.lora_adapter_paths and (self.engine_ranks > 1 or self.data_parallel_size > 1):
+        if self.cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.lora_enabled and (self.engine_ranks > 1 or self.data_parallel_size > 1):
             raise ValueError("lora_adapters are served by single-process engines for now (tensor, pipeline and data "
                              "parallel sizes 1)")
         _ = self.speculative_config  # ValueError naming the field for a bad speculative setting

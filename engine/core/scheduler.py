@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import CachedPrefix, KVCacheManager, PrefixTiers
+from engine.core.lora_residency import LoraLoad, LoraResidency
 from engine.core.request import Request, RequestStatus
 from engine.core.speculation import Speculator, accepted_prefix
 from engine.core.stats import SchedulerStats
@@ -109,6 +110,8 @@ class SchedulerOutput:
     # blocks this plan gave them.
     tier_saves: list[tuple[int, bytes, str]] = field(default_factory=list)
     tier_loads: list[tuple[int, bytes, str]] = field(default_factory=list)
+    # LoRA adapters written into device slots before this step's forward (``engine.core.lora_residency``).
+    lora_loads: list[LoraLoad] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -157,6 +160,10 @@ class Scheduler:
         self._num_foreground = 0  # requests waiting or running that are not background
         self._foreground_seen = -float("inf")  # clock() when foreground work was last present
         self._background_left: float = float("inf")  # background tokens this step may still take
+        # LoRA adapters beyond the device slots (None: the engine serves none): requests whose adapter is not
+        # resident wait here, by adapter in the order first asked for, not in the waiting queue.
+        self.lora: LoraResidency | None = None
+        self._lora_waiting: dict[str, list[Request]] = {}
         self.last_step_ms = 0.0  # host time of the last step's schedule() plus update(), milliseconds
 
     # ---- queue management -------------------------------------------------
@@ -166,6 +173,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._num_foreground += not request.policy.background
         self.vtc.on_arrival(request.policy.tenant)
+        if request.policy.lora_adapter is not None and self.lora is not None:
+            self.lora.request_added(request.policy.lora_adapter)
         self.waiting.add(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -187,10 +196,17 @@ class Scheduler:
         if request.all_token_ids[-1] == PLACEHOLDER:  # aborted while its step ran: that token is never known
             request.all_token_ids.pop()
             request.output_token_ids.pop()
+        adapter = request.policy.lora_adapter
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif adapter is not None and request in self._lora_waiting.get(adapter, ()):
+            self._lora_waiting[adapter].remove(request)
+            if not self._lora_waiting[adapter]:
+                del self._lora_waiting[adapter]
         else:
             self.waiting.remove(request)
+        if adapter is not None and self.lora is not None:
+            self.lora.request_ended(adapter)
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
@@ -215,7 +231,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + self.num_lora_waiting
+
+    @property
+    def num_lora_waiting(self) -> int:
+        """Requests set aside until their LoRA adapter is written into a device slot."""
+        return sum(len(q) for q in self._lora_waiting.values())
 
     # ---- preemption -------------------------------------------------------
     def _preempt(self, victim: Request, preempted: list[str]) -> None:
@@ -260,6 +281,7 @@ class Scheduler:
         self._served: set[str] = set()
         preempted: list[str] = []
         self._background_left = self._background_allowance()
+        lora_loads = self._plan_lora_loads() if self.lora is not None else []
 
         priorities = sorted({r.policy.priority for r in self.running} | set(self.waiting.priorities()))
         memory_pressure = False
@@ -286,7 +308,34 @@ class Scheduler:
             finished_ids=finished,
             tier_saves=saves,
             tier_loads=loads,
+            lora_loads=lora_loads,
         )
+
+    def _plan_lora_loads(self) -> list[LoraLoad]:
+        """Adapters that waiting requests need, written into slots before this step (those whose factors are in
+        host memory, into free slots or ones no running request pins); their requests rejoin the queue."""
+        if not self._lora_waiting:
+            return []
+        in_use = {r.policy.lora_adapter for r in self.running if r.policy.lora_adapter is not None}
+        loads = self.lora.plan_loads(list(self._lora_waiting), in_use)
+        for load in loads:
+            for request in self._lora_waiting.pop(load.name):
+                if request.status == RequestStatus.PREEMPTED:
+                    self.waiting.add_preempted(request)
+                else:
+                    self.waiting.add(request)
+        return loads
+
+    def _wait_for_adapter(self, request: Request) -> bool:
+        """True (and the request set aside until its adapter is written into a slot) if its adapter is not
+        resident: it neither runs nor holds back the requests behind it."""
+        name = request.policy.lora_adapter
+        if name is None or self.lora is None or self.lora.slot(name) is not None:
+            return False
+        self.waiting.remove(request)
+        self._lora_waiting.setdefault(name, []).append(request)
+        self.lora.prefetch(name)
+        return True
 
     def _background_allowance(self) -> float:
         """Tokens background requests may take this step (see the module docstring)."""
@@ -348,6 +397,8 @@ class Scheduler:
             request = self.waiting.peek(priority)
             if request is None or (request.policy.background and self._background_left <= 0):
                 return
+            if self._wait_for_adapter(request):
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 victim = self._admission_victim(request)
                 if victim is None:
@@ -520,11 +571,18 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _waiting_by_priority(self) -> dict[int, int]:
+        counts = self.waiting.count_by_priority()
+        for queue in self._lora_waiting.values():
+            for request in queue:
+                counts[request.policy.priority] = counts.get(request.policy.priority, 0) + 1
+        return dict(sorted(counts.items()))
+
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting_by_priority=self.waiting.count_by_priority(),
+            num_waiting_by_priority=self._waiting_by_priority(),
             kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
             kv_blocks_total=pool.num_blocks,
             prefix_query_tokens=self.kv.prefix_query_tokens,

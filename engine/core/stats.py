@@ -81,6 +81,22 @@ class SchedulerStats(msgspec.Struct):
     # holds at most (0 when off): a router's prefix index counts them with the pool's.
     cache_tiers: list[TierStats] = []
     host_tier_blocks: int = 0
+    # LoRA adapters (zero when the engine serves none): registered, resident in device slots, and requests waiting
+    # for theirs to be written into a slot; cumulative: slot writes, resident adapters evicted from a slot for
+    # another, slot writes served from host memory (hits) and disk reads (misses), adapters dropped from host
+    # memory for room, slot writes that had to read the disk themselves, and seconds spent reading and parsing
+    # adapters (off the step loop) and writing slots (between steps).
+    lora_registered: int = 0
+    lora_resident: int = 0
+    lora_waiting_requests: int = 0
+    lora_slot_loads: int = 0
+    lora_slot_evictions: int = 0
+    lora_host_hits: int = 0
+    lora_host_misses: int = 0
+    lora_host_evictions: int = 0
+    lora_sync_reads: int = 0
+    lora_read_seconds: float = 0.0
+    lora_slot_load_seconds: float = 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:

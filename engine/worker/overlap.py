@@ -148,7 +148,14 @@ class OverlappedRunner:
             # input_ids [T]: each placeholder row takes prev's sampled token [F], on the device.
             rows = batch.sample_rows.index_select(0, fill_d)
             batch.input_ids.index_copy_(0, rows, prev.device_tokens().index_select(0, src_d))
-        hidden = runner.forward(batch)  # [T, H]
+        if runner.lora is not None:  # slot writes after the step before, then this step's adapter layout
+            runner.lora.apply(step.plan.lora_loads)
+            runner.lora.begin_step(step.plan.scheduled, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
+        try:
+            hidden = runner.forward(batch)  # [T, H]
+        finally:
+            if runner.lora is not None:
+                runner.lora.end_step()
         logits = runner._logits(hidden, batch)  # [N + Q, V]
         results = _DeviceResults(None)
         num_sampling = len(step.rows)

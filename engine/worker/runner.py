@@ -18,6 +18,7 @@ from engine.worker.expert_load import ExpertLoadReader
 from engine.worker.pipeline_step import run_stage
 from engine.sampling.prompt_scoring import prompt_scoring
 from engine.sampling.sampler import Sampler
+from engine.core.lora_residency import LoraLoads
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -147,6 +148,10 @@ class ModelRunner:
                 self.dummy_step()
             return StepSamples([])
         self._rebalance_if_due()
+        if sched_out.lora_loads:  # adapters the scheduler placed in slots: written on every rank before the forward
+            if self.plans.size > 1:
+                self.plans.broadcast_object(LoraLoads(tuple(sched_out.lora_loads)))
+            self.lora.apply(sched_out.lora_loads)
         if self.plans.size > 1:  # the other ranks run the same forward on their slices (or stages) of the model
             self.plans.broadcast_object(follower_plan(sched_out))
         self.num_steps += 1
@@ -232,6 +237,9 @@ class ModelRunner:
         (its collectives pair with rank 0's), including the logits' gather; rank 0 alone samples. An empty plan
         is a dummy step (this replica has no work while a peer replica has). A ``Rebalance`` in place of a plan
         moves expert weights between two steps (``engine.eplb``)."""
+        if isinstance(plan, LoraLoads):  # LoRA slot writes ahead of a plan (engine.core.lora_residency)
+            self.lora.apply(plan.loads)
+            return
         if self.eplb is not None and not isinstance(plan, list):
             self.eplb.apply(plan)
             return

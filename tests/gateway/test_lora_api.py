@@ -26,14 +26,14 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 POLICY_TTL_S = 0.3  # how long a grant or revoke takes to apply (the gateway's policy cache)
 
 
-def _make_adapter(base_dir: str, out_dir: str) -> None:
+def _make_adapter(base_dir: str, out_dir: str, rank: int = 4) -> None:
     """A PEFT adapter on attention and the routed experts with random, non-zero A and B."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(random.randrange(2**31))
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(init_lora_weights=False, r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"],
+    config = LoraConfig(init_lora_weights=False, r=rank, lora_alpha=4 * rank, target_modules=["q_proj", "v_proj", "o_proj"],
                         target_parameters=EXPERTS)
     get_peft_model(model, config).save_pretrained(out_dir)
 
@@ -186,37 +186,37 @@ def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
 
 
 def test_adapter_added_while_serving(served, tmp_path):
-    """``adapter add`` while the server runs: the gateway gives the engine the adapter (``add_lora``) on the first
-    request that names it. An engine that cannot add adapters while it runs answers that as a one-line 400 naming
-    ``model``, and goes on serving."""
-    from engine.llm_engine import LLMEngine
+    """``adapter add`` while the server runs: the gateway gives each engine the adapter (``add_lora``) on the first
+    requests that name it, concurrent ones included, and they get transformers + PEFT's tokens. One the engine
+    cannot serve (a rank above its max_lora_rank, which only the engine knows) is a one-line 400 naming
+    ``model``, and the engine goes on serving."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
     srv, clients, _ = served
-    late = str(tmp_path / "late")
+    late, wide = str(tmp_path / "late"), str(tmp_path / "wide")
     _make_adapter(srv.demo, late)
-    assert moegate(["admin", "adapter", "add", "late", "--path", late, "--public", "--database-url", srv.database_url,
-                    "--json"]) == 0
+    _make_adapter(srv.demo, wide, rank=16)  # the server's max_lora_rank is 8
+    for name, path in (("late", late), ("wide", wide)):
+        assert moegate(["admin", "adapter", "add", name, "--path", path, "--public", "--database-url",
+                        srv.database_url, "--json"]) == 0
     time.sleep(POLICY_TTL_S * 1.5)
-    prompt = [5, 17, 23, 42, 99, 7, 3, 11]
+    rng = random.Random()
+    prompt = [rng.randrange(3, 200) for _ in range(12)]
 
     async def complete(model):
         return await clients["other"].completions.create(
             model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-    if hasattr(LLMEngine, "add_lora"):
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-
-        ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32),
-                                        late).eval()
-        answers = srv.run(asyncio.gather(*(complete("late") for _ in range(3))))  # concurrent first uses: one add
-        for answer in answers:
-            got = [int(t.removeprefix("token_id:")) for t in answer.choices[0].logprobs.tokens]
-            assert answer.model == "late" and got == _greedy(ref, prompt, 6)
-    else:
-        with pytest.raises(openai.BadRequestError) as refused:
-            srv.run(complete("late"))
-        body = refused.value.body
-        assert body["code"] == "adapter_unavailable" and body["param"] == "model" and "\n" not in body["message"]
-        assert "cannot change its LoRA adapters while it runs" in body["message"]
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32), late).eval()
+    want = _greedy(ref, prompt, 6)
+    answers = srv.run(asyncio.gather(*(complete("late") for _ in range(3))))  # concurrent first uses: one add
+    for answer in answers:
+        got = [int(t.removeprefix("token_id:")) for t in answer.choices[0].logprobs.tokens]
+        assert answer.model == "late" and got == want
+    with pytest.raises(openai.BadRequestError) as refused:
+        srv.run(complete("wide"))
+    body = refused.value.body
+    assert body["code"] == "adapter_unavailable" and body["param"] == "model" and "\n" not in body["message"]
+    assert "rank" in body["message"]
     assert srv.run(complete("demo")).model == "demo"  # the engine goes on

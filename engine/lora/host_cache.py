@@ -1,0 +1,100 @@
+"""LoRA adapters' factors in host memory: an LRU of at most ``max_cpu_loras`` adapters, filled by a background
+thread so the disk read and the safetensors parse never run inside the step loop.
+
+The scheduler asks ``ready`` (starting a read if the factors are absent); the slot write between two steps
+``take``s them (read synchronously only if they were evicted in between, counted as ``sync_reads``).
+"""
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from engine.lora.peft_format import LoraAdapter
+
+logger = logging.getLogger(__name__)
+
+
+class HostLoraCache:
+    """(name, path) -> parsed adapter, least recently used first; counters for the engine's stats."""
+
+    def __init__(self, capacity: int, read: Callable[[str, str], LoraAdapter]) -> None:
+        """``read(name, path)``: the parsed, checked adapter (``LoraAdapters.read``)."""
+        self.capacity = capacity
+        self._read = read
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, str], LoraAdapter] = OrderedDict()
+        self._pending: dict[tuple[str, str], Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read")
+        self.hits = 0  # cumulative: slot writes served from host memory
+        self.misses = 0  # cumulative: reads from disk (background or synchronous)
+        self.evictions = 0  # cumulative: adapters dropped from host memory for room
+        self.sync_reads = 0  # cumulative: slot writes that had to read the disk themselves
+        self.read_seconds = 0.0  # cumulative time of the disk reads and parses
+
+    def put(self, name: str, path: str, adapter: LoraAdapter) -> None:
+        """Keep an adapter read elsewhere (the check when it is added)."""
+        with self._lock:
+            self._insert((name, path), adapter)
+
+    def ready(self, name: str, path: str) -> bool:
+        """Whether the factors are in host memory now (marks them used); if not, start reading them (once)."""
+        key = (name, path)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return True
+            if key not in self._pending:
+                self.misses += 1
+                self._pending[key] = self._pool.submit(self._background_read, key)
+            return False
+
+    def take(self, name: str, path: str) -> LoraAdapter:
+        """The factors, for a slot write: from host memory, or read now if they were evicted meanwhile."""
+        key = (name, path)
+        with self._lock:
+            adapter = self._entries.get(key)
+            if adapter is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return adapter
+            self.misses += 1
+            self.sync_reads += 1
+        adapter = self._timed_read(key)
+        with self._lock:
+            self._insert(key, adapter)
+        return adapter
+
+    def discard(self, name: str, path: str) -> None:
+        with self._lock:
+            self._entries.pop((name, path), None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _background_read(self, key: tuple[str, str]) -> None:
+        try:
+            adapter = self._timed_read(key)
+        except Exception as e:  # the directory changed since it was added: asked again at the next step
+            logger.error("LoRA adapter %s: reading %s failed: %s", key[0], key[1], e)
+            with self._lock:
+                self._pending.pop(key, None)
+            return
+        with self._lock:
+            self._pending.pop(key, None)
+            self._insert(key, adapter)
+
+    def _timed_read(self, key: tuple[str, str]) -> LoraAdapter:
+        start = time.perf_counter()
+        adapter = self._read(*key)
+        self.read_seconds += time.perf_counter() - start
+        return adapter
+
+    def _insert(self, key: tuple[str, str], adapter: LoraAdapter) -> None:
+        self._entries[key] = adapter
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+            self.evictions += 1
