@@ -210,7 +210,9 @@ def test_adapter_added_while_serving(served, tmp_path):
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32), late).eval()
     want = _greedy(ref, prompt, 6)
-    answers = srv.run(asyncio.gather(*(complete("late") for _ in range(3))))  # concurrent first uses: one add
+    async def concurrently():  # three first uses at once: they share the one add_lora call
+        return await asyncio.gather(*(complete("late") for _ in range(3)))
+    answers = srv.run(concurrently())
     for answer in answers:
         got = [int(t.removeprefix("token_id:")) for t in answer.choices[0].logprobs.tokens]
         assert answer.model == "late" and got == want
