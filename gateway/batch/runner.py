@@ -28,7 +28,7 @@ import time
 import uuid
 
 import msgspec
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.batch.validation import ENDPOINTS
@@ -70,11 +70,13 @@ def error_result(custom_id: str, code: str, message: str) -> dict:
             "error": {"code": code, "message": message}}
 
 
-def batch_line_policy(priority: int, tenant_id: int, lora_adapter: str | None = None) -> RequestPolicy:
+def batch_line_policy(priority: int, tenant_id: int, cache_share: float | None = None,
+                      lora_adapter: str | None = None) -> RequestPolicy:
     """A Batch API line's policy: the batch class's priority, idle capacity only (background), preemptible,
-    its tenant's fair share and prefix cache, the LoRA adapter its ``model`` named (None: the base model)."""
+    its tenant's fair share, prefix cache and share of the prefix-cache tiers, the LoRA adapter its ``model``
+    named (None: the base model)."""
     return RequestPolicy(priority=priority, tenant=str(tenant_id), preemptible=True, background=True,
-                         cache_salt=str(tenant_id), lora_adapter=lora_adapter)
+                         cache_salt=str(tenant_id), cache_share=cache_share, lora_adapter=lora_adapter)
 
 
 async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_json: str,
@@ -118,10 +120,13 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
 
 class BatchRunner:
     def __init__(self, batches: BatchStore, engine: EngineClient, model_name: Callable[[], str], config: BatchRunnerConfig,
-                 wake: asyncio.Event | None = None, adapters: AdapterCatalog | None = None) -> None:
-        """``adapters``: the LoRA adapters lines may name as their model (None: the base model only)."""
+                 wake: asyncio.Event | None = None,
+                 cache_share: Callable[[int], Awaitable[float | None]] | None = None,
+                 adapters: AdapterCatalog | None = None) -> None:
+        """``cache_share``: a tenant's share of the prefix-cache tiers (``QuotaManager.cache_share``; None: shared);
+        ``adapters``: the LoRA adapters lines may name as their model (None: the base model only)."""
         self.batches, self.engine, self.model_name, self.config = batches, engine, model_name, config
-        self.adapters = adapters
+        self.cache_share, self.adapters = cache_share, adapters
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.wake = wake or asyncio.Event()
         self._running: dict[int, asyncio.Task] = {}  # line id -> task
@@ -217,10 +222,11 @@ class BatchRunner:
 
     async def _run_line(self, line: ClaimedLine) -> None:
         try:
+            share = await self.cache_share(line.tenant_id) if self.cache_share is not None else None
             base = self.model_name()
             ok, result, last = await execute_line(self.engine, base, line.endpoint, line.custom_id,
                                                   line.body_json,
-                                                  batch_line_policy(self.config.batch_priority, line.tenant_id),
+                                                  batch_line_policy(self.config.batch_priority, line.tenant_id, share),
                                                   self.adapters, line.tenant_id)
             usage = None
             if last is not None:
