@@ -33,9 +33,10 @@ from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_request
 from gateway.engine_supervisor import supervise
 from gateway.errors import BODY_TIMEOUT_S, APIError, error_middleware, read_body, request_id_middleware
 from gateway.heap import freeze_startup_heap, unfreeze_heap
+from gateway.lora_adapters import ADAPTERS, AdapterCatalog, unknown_model
 from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
-from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
+from gateway.request_keys import CHOICES, RATE_HEADERS, SERVED_MODEL, TIMER
 from gateway.refusals import count_refusals
 from gateway.replica_router import replicas_of, unresponsive_after_s
 from gateway.response_bodies import completion_body, system_fingerprint
@@ -140,42 +141,51 @@ async def serve_metrics(app: web.Application):
     await runner.cleanup()
 
 
-def _model_card(app: web.Application) -> dict:
-    return {"id": _model_name(app), "object": "model", "created": app[SERVING_SINCE], "owned_by": "moegate",
+def _model_card(app: web.Application, adapter: str | None = None) -> dict:
+    """The base model's card, or an adapter's: its ``parent`` is the base model (vLLM's LoRA cards)."""
+    base = _model_name(app)
+    card = {"id": adapter or base, "object": "model", "created": app[SERVING_SINCE], "owned_by": "moegate",
             "max_model_len": app[ENGINE].info.max_model_len}
+    if adapter is not None:
+        card["parent"] = base
+    return card
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [_model_card(request.app)]})
+    """The base model and every LoRA adapter the caller may use."""
+    usable = await request.app[ADAPTERS].usable(request[PRINCIPAL].tenant.id)
+    cards = [_model_card(request.app)] + [_model_card(request.app, name) for name in sorted(usable)]
+    return json_response({"object": "list", "data": cards})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    """``GET /v1/models/{model}``: the served model's card, or 404 ``model_not_found`` naming what is served."""
-    _check_model(request.app, request.match_info["model"])
-    return json_response(_model_card(request.app))
+    """``GET /v1/models/{model}``: the base model's or a usable adapter's card, or 404 ``model_not_found``."""
+    adapter, _ = await request.app[ADAPTERS].resolve(request[PRINCIPAL].tenant.id, request.match_info["model"],
+                                                     _model_name(request.app))
+    return json_response(_model_card(request.app, adapter))
 
 
 def _check_model(app: web.Application, model: str | None) -> None:
     if model is not None and model != _model_name(app):
-        raise APIError(404, f"model {model!r} does not exist; this server serves {_model_name(app)!r}", param="model",
-                       code="model_not_found")
+        raise unknown_model(model, _model_name(app))
 
 
 async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix: str | None = None) -> web.StreamResponse:
     """One request through admission, the engine and the settle; ``respond`` (default: the chat / completion
     reply) writes the reply, ``rid_prefix`` starts its id (the Responses API runs as chat with its own)."""
     app = request.app
-    _check_model(app, body.model)
+    principal: Principal = request[PRINCIPAL]
+    adapter, adapter_path = await app[ADAPTERS].resolve(principal.tenant.id, body.model, _model_name(app))
+    request[SERVED_MODEL] = adapter or _model_name(app)
     engine = app[ENGINE]
     sampling_params, plan = _sampling_and_plan(app, body, chat)
     _refuse_while_unavailable(app)
-    principal: Principal = request[PRINCIPAL]
     cls = principal.priority_class
     rid = (rid_prefix or ("chatcmpl-" if chat else "cmpl-")) + uuid.uuid4().hex[:24]
     created = int(time.time())
     prompts = await prepare_prompts(engine, body, chat, plan, sampling_params)
     sequences = len(prompts) * sampling_params.n
-    grant = await _admit(request, principal, prompts, sampling_params)
+    grant = await _admit(request, principal, prompts, sampling_params, adapter)
     started_at = utcnow()
     if body.stream:  # its usage is journaled as it is delivered, so a killed gateway still bills it
         request[JOURNALED] = JournaledStream(app[STREAM_JOURNAL], grant, _usage_record(
@@ -186,7 +196,9 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
     try:
         # Compiled once admitted (counted and rate-limited), on a worker thread, within a time budget.
         await check_schema(sampling_params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
-        policy = principal.policy(order_in_class(body), cache_share=grant.cache_share)
+        if adapter is not None:
+            await app[ADAPTERS].serve_on(engine, adapter, adapter_path)
+        policy = principal.policy(order_in_class(body), cache_share=grant.cache_share, lora_adapter=adapter)
         stream = start_streams(engine, prompts, sampling_params, rid, policy, output_view(body))
         response = await (respond or _respond)(request, body, chat, stream, rid, created, plan)
         status = 200
@@ -222,14 +234,15 @@ def _refuse_while_unavailable(app: web.Application) -> None:
         raise engine_down(app[ENGINE].dead)
 
 
-async def _admit(request: web.Request, principal: Principal, prompts: list[list[int]], sampling_params) -> Granted:
+async def _admit(request: web.Request, principal: Principal, prompts: list[list[int]], sampling_params,
+                 adapter: str | None = None) -> Granted:
     """Admission (``gateway.admission.admit``) with its reservation; a refusal is counted and timed, an admitted
     request gets its timer and rate-limit headers."""
     app, config = request.app, request.app[CONFIG]
     tenant, cls = principal.tenant, principal.priority_class
     reserved = reservation([len(p) for p in prompts], sampling_params.n, sampling_params.max_tokens,
                            app[ENGINE].info.max_model_len, config.default_reservation_tokens)
-    timer = RequestTimer(app[METRICS], tenant.name, cls.name)
+    timer = RequestTimer(app[METRICS], tenant.name, cls.name, adapter)
     try:
         grant = await admit(app, config.max_inflight_by_priority, cls, tenant.id, len(prompts) * sampling_params.n,
                             reserved)
@@ -244,8 +257,10 @@ async def _admit(request: web.Request, principal: Principal, prompts: list[list[
 
 def _usage_record(request: web.Request, rid: str, started_at, **counts) -> UsageRecord:
     principal: Principal = request[PRINCIPAL]
-    return UsageRecord(tenant_id=principal.tenant.id, request_id=rid, model=_model_name(request.app),
-                       key_id=principal.key.id, started_at=started_at, **counts)
+    base = _model_name(request.app)
+    served = request.get(SERVED_MODEL, base)
+    return UsageRecord(tenant_id=principal.tenant.id, request_id=rid, model=base, key_id=principal.key.id,
+                       started_at=started_at, adapter=None if served == base else served, **counts)
 
 
 def _final_status(status: int, choices: Choices) -> int:
@@ -297,7 +312,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     """Run the merged engine streams to a JSON body or SSE events; request[CHOICES] keeps every choice's
     latest output for usage."""
     app = request.app
-    model = _model_name(app)
+    model = request.get(SERVED_MODEL) or _model_name(app)  # an adapter's name when the request named one
     fingerprint = system_fingerprint(app[ENGINE].config, model)
     first = await _first_output(stream, chat)
     request[TIMER].delta(first=True, queue_time_s=first[1].queue_time_s)
@@ -389,6 +404,7 @@ async def _store_lifecycle(app: web.Application):
     config = app[CONFIG]
     store = TenantStore.open(config.database_url)
     app[AUTHENTICATOR] = Authenticator(store, ttl_s=config.auth_cache_ttl_s)
+    app[ADAPTERS] = AdapterCatalog(store, ttl_s=config.policy_cache_ttl_s)
     app[QUOTAS] = QuotaManager(store, policy_ttl_s=config.policy_cache_ttl_s)
     app[SETTLEMENTS] = Settlements()
     # At most 100 ledger transactions a second: each holds the event loop for about 1 ms, so usage
@@ -411,6 +427,7 @@ async def _store_lifecycle(app: web.Application):
 async def _engine_lifecycle(app: web.Application):
     """Cleanup context: the engine (every replica) and a supervisor per replica that restarts it."""
     config, engine = app[CONFIG], app[ENGINE]
+    await app[ADAPTERS].configure(replicas_of(engine))  # the database's adapters, named at the engines' start
     await engine.start()
     try:
         await load_harmony(engine, _parsers(config))
@@ -440,7 +457,7 @@ async def _batch_lifecycle(app: web.Application):
     runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
         lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
         batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE],
-        cache_share=app[QUOTAS].cache_share)
+        cache_share=app[QUOTAS].cache_share, adapters=app[ADAPTERS])
     task = asyncio.create_task(runner.run(), name="batch-runner")
     yield
     task.cancel()

@@ -178,6 +178,14 @@ class GatewayMetrics:
         self.queue = Histogram("moegate_queue_time_seconds", "time in the engine's waiting queue before first scheduled",
                                labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("moegate_e2e_latency_seconds", "request latency, end to end", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        # Per LoRA adapter (a bounded set: adapters are made by operators); requests under the base model are not
+        # counted here. Tenants, classes and statuses stay on the series above, so the label sets do not multiply.
+        self.adapter_requests = Counter("moegate_adapter_requests", "finished requests that ran under a LoRA adapter",
+                                        ["adapter"], registry=r)
+        self.adapter_prompt_tokens = Counter("moegate_adapter_prompt_tokens", "prompt tokens under a LoRA adapter",
+                                             ["adapter"], registry=r)
+        self.adapter_completion_tokens = Counter("moegate_adapter_completion_tokens",
+                                                 "completion tokens under a LoRA adapter", ["adapter"], registry=r)
         r.register(_EngineCollector(engine))
         self._series: dict[tuple[str, str], _Series] = {}
 
@@ -217,10 +225,11 @@ class _Series:
 class RequestTimer:
     """Latency bookkeeping for one request; feeds TTFT, inter-token and end-to-end histograms."""
 
-    __slots__ = ("series", "start", "last")
+    __slots__ = ("series", "start", "last", "metrics", "adapter")
 
-    def __init__(self, metrics: GatewayMetrics, tenant: str, priority_class: str) -> None:
+    def __init__(self, metrics: GatewayMetrics, tenant: str, priority_class: str, adapter: str | None = None) -> None:
         self.series = metrics.series(tenant, priority_class)
+        self.metrics, self.adapter = metrics, adapter  # adapter: the LoRA adapter the request runs under
         self.start = self.last = time.perf_counter()
 
     def delta(self, first: bool, queue_time_s: float | None = None) -> None:
@@ -241,6 +250,11 @@ class RequestTimer:
             series.prompt.inc(usage.prompt_tokens)
             series.cached.inc(usage.cached_prompt_tokens)
             series.completion.inc(usage.completion_tokens)
+            if self.adapter is not None:
+                m = self.metrics
+                m.adapter_requests.labels(self.adapter).inc()
+                m.adapter_prompt_tokens.labels(self.adapter).inc(usage.prompt_tokens)
+                m.adapter_completion_tokens.labels(self.adapter).inc(usage.completion_tokens)
 
 
 METRICS = web.AppKey("metrics", GatewayMetrics)

@@ -82,6 +82,9 @@ class ReplicaRouter:
         self._arriving = [0] * len(self.replicas)
         self._moves: set[asyncio.Task] = set()
         self._watch: asyncio.Task | None = None  # looks for moves every rebalance_interval_s while requests wait
+        # Per replica, the LoRA adapters of the requests sent there, most recent last, as many as it keeps resident
+        # (max_loras): the router's guess at which adapters each has loaded (``ReplicaView.has_adapter``).
+        self._adapters: list[dict[str, None]] = [{} for _ in self.replicas]
 
     # -- EngineClient state: one engine as long as one replica serves --
 
@@ -188,18 +191,19 @@ class ReplicaRouter:
                 continue
             if r.info is not self._ready[i]:  # started (or restarted) since we last looked: an empty cache
                 self._index[i].clear()
+                self._adapters[i].clear()
                 self._ready[i] = r.info
             out.append(i)
         return [i for i in out if self.responsive(i)] or out
 
-    def pick(self, hashes: Sequence[bytes], exclude: set[int] = frozenset()) -> int:
-        """The replica for a prompt with these block hashes; EngineError if none is live."""
+    def pick(self, hashes: Sequence[bytes], exclude: set[int] = frozenset(), adapter: str | None = None) -> int:
+        """The replica for a prompt with these block hashes (under LoRA ``adapter``); EngineError if none is live."""
         live = [i for i in self.live() if i not in exclude]
         if not live:
             raise EngineError(self.dead or "no engine replica is ready")
-        return choose(self.policy, self._views(live, hashes), next(self._turn))
+        return choose(self.policy, self._views(live, hashes, adapter), next(self._turn))
 
-    def _views(self, live: Sequence[int], hashes: Sequence[bytes]) -> list[ReplicaView]:
+    def _views(self, live: Sequence[int], hashes: Sequence[bytes], adapter: str | None = None) -> list[ReplicaView]:
         views = []
         for i in live:
             stats = self.replicas[i].stats
@@ -212,7 +216,8 @@ class ReplicaRouter:
                 kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
                 index.capacity = remembered_blocks(stats)
             load += self._arriving[i] - self._leaving[i]
-            views.append(ReplicaView(i, load, self.replicas[i].config.max_num_seqs, kv, index.matched(hashes), index.roots))
+            views.append(ReplicaView(i, load, self.replicas[i].config.max_num_seqs, kv, index.matched(hashes), index.roots,
+                                     adapter is not None and adapter in self._adapters[i]))
         return views
 
     def matched_blocks(self, prompt: Sequence[int], cache_salt: str | None) -> list[int]:
@@ -225,10 +230,10 @@ class ReplicaRouter:
         """Stream the request's outputs from the replica chosen for it; see the module's docstring for
         faults and moves."""
         request_id = request_id or f"req-{next(self._ids)}"
-        hashes = block_hashes(prompt, self.block_size, policy.cache_salt)
-        placement = _Placement(request_id, hashes)
+        hashes = block_hashes(prompt, self.block_size, policy.cache_salt, policy.lora_adapter)
+        placement = _Placement(request_id, hashes, policy.lora_adapter)
         tried: set[int] = set()  # replicas that failed this request before it started
-        self._assign(placement, self.pick(hashes))
+        self._assign(placement, self.pick(hashes, adapter=placement.adapter))
         self._watch_queues()
         try:
             while True:
@@ -254,7 +259,7 @@ class ReplicaRouter:
                                    self.names[i], request_id, e.detail)
                     tried.add(i)
                     self._release(placement)
-                    self._assign(placement, self.pick(hashes, tried))
+                    self._assign(placement, self.pick(hashes, tried, placement.adapter))
                 finally:
                     await outputs.aclose()  # aborts the request in that replica if it has not finished
         finally:
@@ -291,6 +296,12 @@ class ReplicaRouter:
         self.in_flight[i] += 1
         self.routed[i] += 1
         self._unstarted[i][placement] = None
+        if placement.adapter is not None:
+            sent = self._adapters[i]
+            sent.pop(placement.adapter, None)
+            sent[placement.adapter] = None  # the most recent, last
+            while len(sent) > max(self.replicas[i].config.max_loras, 1):
+                del sent[next(iter(sent))]
 
     def _release(self, placement: "_Placement") -> None:
         """The request leaves its replica (ended, failed over or moved); idempotent."""
@@ -349,7 +360,7 @@ class ReplicaRouter:
                 self._moved_off[source] = (stats, moved + 1 if moved_stats is stats else 1)
                 self.moved_from[source] += 1
                 self._release(placement)
-                self._assign(placement, target if target in self.live() else self.pick(placement.hashes))
+                self._assign(placement, target if target in self.live() else self.pick(placement.hashes, adapter=placement.adapter))
                 placement.moved.set()
                 logger.debug("moved queued request %s from replica %s to replica %s",
                              placement.request_id, self.names[source], self.names[placement.replica])
@@ -361,11 +372,12 @@ class ReplicaRouter:
 class _Placement:
     """Where one request counts now (``replica``; None once it left), and the signal that it was moved."""
 
-    __slots__ = ("request_id", "hashes", "replica", "moved", "releasing")
+    __slots__ = ("request_id", "hashes", "adapter", "replica", "moved", "releasing")
 
-    def __init__(self, request_id: str, hashes: Sequence[bytes]) -> None:
+    def __init__(self, request_id: str, hashes: Sequence[bytes], adapter: str | None = None) -> None:
         self.request_id = request_id
         self.hashes = hashes
+        self.adapter = adapter  # the request's LoRA adapter (None: the base model)
         self.replica: int | None = None
         self.moved = asyncio.Event()
         self.releasing = False  # a release is asked of its replica and not yet answered

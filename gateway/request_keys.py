@@ -12,3 +12,4 @@ from gateway.metrics import RequestTimer
 CHOICES = web.RequestKey("choices", Choices)  # every choice's latest engine output, for usage at settle
 TIMER = web.RequestKey("timer", RequestTimer)
 RATE_HEADERS = web.RequestKey("rate_headers", dict)
+SERVED_MODEL = web.RequestKey("served_model", str)  # the request's model: the base model's name or a LoRA adapter's

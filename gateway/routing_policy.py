@@ -19,6 +19,11 @@ Cache-aware (the default), in the manner of SGLang's cache-aware router:
    this prompt's leading blocks (tenant-salted, see ``gateway.prefix_index``)
    wins, if that run is at least ``min_match_blocks`` long; ties go to the
    less loaded one.
+   A request under a LoRA adapter first prefers, among the rest, the replicas
+   that hold its adapter (``has_adapter``: it was among the last ``max_loras``
+   adapters sent there, so likely still resident): loading an adapter costs a
+   copy of its weights and evicts another's, where a missed prefix costs one
+   prefill.
 3. **Otherwise** (a prefix no replica holds): the least loaded replica, then
    the one holding the fewest prompt families (distinct first blocks), so new
    tenants' prefixes split evenly over the replicas instead of piling onto
@@ -86,6 +91,7 @@ class ReplicaView:
     kv_usage: float  # fraction of its KV pool in use (0 before its first report)
     matched_blocks: int  # leading blocks of this prompt it was sent
     families: int  # distinct prompt families (first blocks) its index holds
+    has_adapter: bool = False  # the request's LoRA adapter is among those recently sent there (False: none asked)
 
 
 def choose(config: RouterConfig, views: Sequence[ReplicaView], turn: int) -> int:
@@ -97,6 +103,8 @@ def choose(config: RouterConfig, views: Sequence[ReplicaView], turn: int) -> int
     fair = [v for v in views
             if not (v.load >= v.slots and v.load - v.slots > max(shortest_queue, -1))
             and not (v.load - least > config.balance_abs and v.load > config.balance_rel * least)]
+    if any(v.has_adapter for v in fair):
+        fair = [v for v in fair if v.has_adapter]  # within the balance bounds: the adapter's residency first
     best = max(fair, key=lambda v: (v.matched_blocks, -v.load, -v.kv_usage))
     if best.matched_blocks >= config.min_match_blocks:
         return best.index

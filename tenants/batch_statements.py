@@ -14,7 +14,7 @@ from sqlalchemy import String, and_, bindparam, insert, or_, select, update
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
-from tenants.models import Batch, BatchLine, Quota, Usage
+from tenants.models import Adapter, Batch, BatchLine, Quota, Usage
 
 
 class by_rowid(FunctionElement):
@@ -60,7 +60,9 @@ class BatchStatements:
         """``model``: only batches for this model are claimed and finalized (gateways serving other
         models may share the database); None takes every batch."""
         lines, batches, quotas = BatchLine.__table__, Batch.__table__, Quota.__table__
-        served = batches.c.model == model if model is not None else True
+        # The adapters in the database are served over this gateway's base model: their batches are its too.
+        served = (or_(batches.c.model == model, batches.c.model.in_(select(Adapter.__table__.c.name)))
+                  if model is not None else True)
         ids = bindparam("ids", expanding=True)
         status = by_rowid(lines.c.status)  # in statements that name their lines by id
         # A claim reads the open batches oldest first, then each one's pending lines in line order

@@ -259,6 +259,55 @@ async def _class_update(args, store) -> int:
     return 0
 
 
+ADAPTER_COLS = ["name", "owner", "granted", "rank", "target_modules", "base_model", "path", "created_at"]
+
+
+async def _adapter_add(args, store) -> int:
+    from tenants.adapters import AdapterStore
+
+    if (args.tenant is None) == (not args.public):
+        raise CliError("give the adapter an owner: --tenant NAME, or --public for every tenant")
+    # The directory is checked here, before anything is written, and never reaches an engine if malformed.
+    from engine.lora.peft_format import check_adapter_dir
+
+    summary = check_adapter_dir(args.path)
+    info = await AdapterStore(store).add(args.name, args.path, args.tenant, summary.rank, summary.target_modules,
+                                         summary.base_model)
+    _emit(args, _adapter_row(info), ADAPTER_COLS)
+    return 0
+
+
+def _adapter_row(info) -> dict:
+    row = _plain(info)
+    row["owner"] = info.owner or "(public)"
+    row["granted"] = ",".join(info.granted) or None
+    return row
+
+
+async def _adapter_list(args, store) -> int:
+    from tenants.adapters import AdapterStore
+
+    _emit(args, [_adapter_row(a) for a in await AdapterStore(store).list(args.tenant)], ADAPTER_COLS, "adapters")
+    return 0
+
+
+async def _adapter_remove(args, store) -> int:
+    from tenants.adapters import AdapterStore
+
+    await AdapterStore(store).remove(args.name)
+    _emit(args, {"removed": args.name})
+    return 0
+
+
+async def _adapter_grant(args, store) -> int:
+    from tenants.adapters import AdapterStore
+
+    adapters = AdapterStore(store)
+    await (adapters.grant if args.grant else adapters.revoke)(args.name, args.tenant)
+    _emit(args, {"adapter": args.name, "tenant": args.tenant, "granted": args.grant})
+    return 0
+
+
 async def _usage(args, store) -> int:
     rows = await store.usage_summary(args.tenant, args.since, args.until, args.by)
     cols = [args.by, "kind", "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "billed_tokens"]
@@ -355,7 +404,8 @@ def _bool_pair(p: argparse.ArgumentParser, name: str, default) -> None:
 def register(subparsers) -> None:
     """Add ``admin`` and ``db`` to the ``moegate`` subparsers; each leaf sets ``func(args) -> int``."""
     common = _common()
-    admin = subparsers.add_parser("admin", help="manage tenants, keys, quotas, priority classes; show usage")
+    admin = subparsers.add_parser("admin", help="manage tenants, keys, quotas, priority classes, LoRA adapters; "
+                                                "show usage")
     groups = admin.add_subparsers(dest="admin_group", required=True, parser_class=_OneLineParser)
 
     tenant = groups.add_parser("tenant", help="tenants").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
@@ -413,12 +463,30 @@ def register(subparsers) -> None:
     _bool_pair(p, "preemptible", None)
     _bool_pair(p, "may-preempt", None)
 
+    adapter = groups.add_parser("adapter", help="LoRA adapters (a request names one as its model)").add_subparsers(
+        dest="action", required=True, parser_class=_OneLineParser)
+    p = _leaf(adapter, "add", _adapter_add, common,
+              "register a PEFT LoRA adapter directory under NAME (checked first: a malformed one is refused)")
+    p.add_argument("name", help="what requests send as their model")
+    p.add_argument("--path", required=True, help="the directory save_pretrained wrote (adapter_config.json and "
+                                                 "adapter_model.safetensors)")
+    p.add_argument("--tenant", default=None, help="the owning tenant (others use it once granted)")
+    p.add_argument("--public", action="store_true", help="every tenant may use it")
+    _leaf(adapter, "list", _adapter_list, common, "list adapters (or those TENANT may use)").add_argument(
+        "tenant", nargs="?", default=None)
+    _leaf(adapter, "remove", _adapter_remove, common, "remove an adapter and its grants").add_argument("name")
+    for action, grant in (("grant", True), ("revoke", False)):
+        p = _leaf(adapter, action, _adapter_grant, common, f"{action} a tenant's use of an adapter it does not own")
+        p.add_argument("name")
+        p.add_argument("tenant")
+        p.set_defaults(grant=grant)
+
     p = groups.add_parser("usage", parents=[common], help="usage from the ledger")
     p.set_defaults(func=_admin_entry, admin_func=_usage)
     p.add_argument("tenant", nargs="?", default=None)
     p.add_argument("--since", type=_day, default=None, help="first day, YYYY-MM-DD (UTC)")
     p.add_argument("--until", type=_day, default=None, help="last day, inclusive")
-    p.add_argument("--by", choices=["day", "key", "model", "tenant"], default="day")
+    p.add_argument("--by", choices=["day", "key", "model", "adapter", "tenant"], default="day")
 
     db = subparsers.add_parser("db", help="database schema migrations")
     actions = db.add_subparsers(dest="db_action", required=True, parser_class=_OneLineParser)

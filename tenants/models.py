@@ -136,6 +136,7 @@ class Usage(Base):
     batch: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     http_status: Mapped[int] = mapped_column(Integer, nullable=False, default=200)
+    adapter: Mapped[str | None] = mapped_column(String(128))  # the LoRA adapter the request ran under; NULL: base
     started_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
     finished_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
     # The UTC day of finished_at, stored so per-tenant per-day queries use an index on both backends.
@@ -276,3 +277,34 @@ class StoredResponse(Base):
     expires_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
 
     __table_args__ = (Index("ix_responses_expires", "expires_at"),)
+
+
+class Adapter(Base):
+    """A LoRA adapter directory served under ``name`` (a request's ``model``): owned by one tenant, or public
+    (``owner_tenant_id`` NULL); others use it through ``AdapterGrant`` rows. ``rank``, ``target_modules`` (comma
+    separated) and ``base_model`` summarise the directory as checked when it was added."""
+
+    __tablename__ = "adapters"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), nullable=False, unique=True)
+    path: Mapped[str] = mapped_column(String(1024), nullable=False)
+    owner_tenant_id: Mapped[int | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer, nullable=False)
+    target_modules: Mapped[str] = mapped_column(String(512), nullable=False)
+    base_model: Mapped[str | None] = mapped_column(String(1024))
+    created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
+
+    __table_args__ = (CheckConstraint("rank > 0", name="ck_adapters_rank"),)
+
+
+class AdapterGrant(Base):
+    """Tenant ``tenant_id`` may use adapter ``adapter_id`` (besides its owner); gone with either."""
+
+    __tablename__ = "adapter_grants"
+
+    adapter_id: Mapped[int] = mapped_column(ForeignKey("adapters.id", ondelete="CASCADE"), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
+
+    __table_args__ = (Index("ix_adapter_grants_tenant", "tenant_id"),)

@@ -116,9 +116,10 @@ class UsageRecord:
     http_status: int = 200
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    adapter: str | None = None  # the LoRA adapter the request ran under (its ``model``); None: the base model
 
 
-USAGE_GROUPS = ("day", "key", "model", "tenant")
+USAGE_GROUPS = ("day", "key", "model", "adapter", "tenant")
 
 
 def _tenant_info(t: Tenant) -> TenantInfo:
@@ -382,7 +383,7 @@ class TenantStore:
             tenant_id=record.tenant_id, key_id=record.key_id, request_id=record.request_id, model=record.model,
             prompt_tokens=record.prompt_tokens, cached_prompt_tokens=record.cached_prompt_tokens,
             completion_tokens=record.completion_tokens, billed_tokens=billed_tokens, batch=record.batch,
-            finish_reason=record.finish_reason, http_status=record.http_status,
+            finish_reason=record.finish_reason, http_status=record.http_status, adapter=record.adapter,
             started_at=record.started_at or finished, finished_at=finished, day=finished.date(),
         )
 
@@ -401,13 +402,15 @@ class TenantStore:
 
     async def usage_summary(self, tenant_ref: str | int | None = None, since: date | None = None,
                             until: date | None = None, by: str = "day") -> list[dict]:
-        """Sums of the ledger grouped by ``day``, ``key``, ``model`` or ``tenant``, live and batch apart
+        """Sums of the ledger grouped by ``day``, ``key``, ``model``, ``adapter`` (none: the base model) or
+        ``tenant``, live and batch apart
         (``kind``); ``until`` is inclusive."""
         if by not in USAGE_GROUPS:
             raise StoreError(f"--by must be one of {', '.join(USAGE_GROUPS)}, got {by!r}")
         if since and until and since > until:
             raise StoreError(f"--since {since} is after --until {until}")
-        group_col = {"day": Usage.day, "key": ApiKey.prefix, "model": Usage.model, "tenant": Tenant.name}[by]
+        group_col = {"day": Usage.day, "key": ApiKey.prefix, "model": Usage.model, "adapter": Usage.adapter,
+                     "tenant": Tenant.name}[by]
         q = (
             select(
                 group_col.label(by),

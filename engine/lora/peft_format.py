@@ -158,3 +158,80 @@ def _add_experts(adapter: LoraAdapter, owner: str, key: str, a: torch.Tensor, b:
     a_e = a.reshape(num_experts, rank, a.shape[1])  # [E, r, in]
     b_e = b.reshape(b.shape[0], rank, num_experts).permute(2, 0, 1).contiguous()  # [E, out, r]
     adapter.experts[owner + "." + _EXPERTS[leaf].split(".", 1)[1]] = ExpertsLora(a_e, b_e)
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterSummary:
+    """What an adapter directory holds, read without the base model: its rank, the projections it adapts
+    (``q_proj``, ``experts``...) and the base model it was made for (``base_model_name_or_path``; None if unsaid)."""
+
+    rank: int
+    target_modules: tuple[str, ...]
+    base_model: str | None
+
+
+_HEADER_LIMIT = 100 << 20  # a safetensors header is JSON; anything near this is not an adapter's
+
+
+def _safetensors_header(path: str) -> dict:
+    """The tensor entries of a safetensors file's header (name -> {"dtype", "shape", ...}), read without its data."""
+    file = os.path.join(path, WEIGHTS_FILE)
+    try:
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            size = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 2 <= size <= _HEADER_LIMIT:
+                raise ValueError("no safetensors header")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError) as e:
+        raise _fail(path, f"{WEIGHTS_FILE} cannot be read ({' '.join(str(e).split())[:120]})") from None
+    if not isinstance(header, dict):
+        raise _fail(path, f"{WEIGHTS_FILE} cannot be read (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    for key, entry in header.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise _fail(path, f"{WEIGHTS_FILE} cannot be read (tensor {key!r} has no shape)")
+    return header
+
+
+def check_adapter_dir(path: str) -> AdapterSummary:
+    """Check that ``path`` is an adapter the engine serves, from ``adapter_config.json`` and the safetensors
+    header alone (no base model, no tensor data): what ``load_adapter`` refuses for the adapter itself
+    (missing files, bad JSON, not plain LoRA, unexpected or unpaired tensors, factors whose shapes disagree)
+    is an ``AdapterFormatError`` (a ValueError) with one line. What only the base model can tell (a layer it
+    lacks, expert factors that fit none of its tensors, a rank above the engine's ``max_lora_rank``) is left to
+    ``load_adapter``."""
+    if not os.path.isdir(path):
+        raise _fail(path, "not a directory")
+    config = read_config(path)
+    rank = config["r"]
+    header = _safetensors_header(path)
+    if not header:
+        raise _fail(path, f"{WEIGHTS_FILE} holds no LoRA weights")
+    pairs: dict[str, dict[str, list[int]]] = {}
+    for key, entry in header.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise _fail(path, f"unexpected tensor {key!r} (only lora_A/lora_B weights are served)")
+        owner = m.group(1) + ("#inner" if ".base_layer.lora_" in key else "")
+        pairs.setdefault(owner, {})[m.group(2)] = entry["shape"]
+    targets: set[str] = set()
+    for owner, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise _fail(path, f"{owner} has lora_{'A' if 'A' not in ab else 'B'} missing")
+        a, b = ab["A"], ab["B"]
+        # Experts stack E pairs along the rank dimension ([E*r, in] and [out, r*E]), so a multiple of r.
+        if len(a) != 2 or len(b) != 2 or a[0] == 0 or a[0] % rank or b[1] != a[0]:
+            raise _fail(path, f"{owner}: lora_A {tuple(a)} and lora_B {tuple(b)} do not match r={rank}")
+        leaf = owner.rsplit(".", 1)[-1]
+        if leaf in ("experts", "experts#inner"):
+            targets.add("experts")
+        elif leaf in _PACKED or leaf in _PLAIN:
+            if a[0] != rank:
+                raise _fail(path, f"{owner}: lora_A {tuple(a)} and lora_B {tuple(b)} do not match r={rank}")
+            targets.add(leaf)
+        else:
+            raise _fail(path, f"LoRA on {owner!r} is not supported (attention, MLP and expert projections are)")
+    base = config.get("base_model_name_or_path")
+    return AdapterSummary(rank, tuple(sorted(targets)), base if isinstance(base, str) and base else None)

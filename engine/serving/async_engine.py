@@ -20,8 +20,8 @@ from engine.core.stats import SchedulerStats
 from engine.serving.engine_process import run_engine_process
 from engine.text.prompts import ChatInput, InputProcessor, Turn, chat_size
 from engine.serving.protocol import (
-    AbortRequest, AddRequest, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, PairKV, Ready, ReleaseRequest, Released,
-    RequestRejected, Shutdown, StepOutputs, encoder, from_engine_decoder,
+    AbortRequest, AddLora, AddRequest, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, LoraDone, PairKV, Ready,
+    ReleaseRequest, Released, RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, from_engine_decoder,
 )
 from engine.text.tokenizer import load_tokenizer
 
@@ -115,6 +115,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._releases: dict[str, asyncio.Future] = {}  # request id -> the answer to its ReleaseRequest
         self._kv_wanted: dict[str, asyncio.Future] = {}  # request id -> a decode engine's KVWanted hashes
+        self._lora_ops: dict[int, asyncio.Future] = {}  # AddLora / RemoveLora op id -> its LoraDone's error
         self._ids = itertools.count()
         self._process = None
         self._requests = None  # our end of the pipe to the engine process
@@ -257,6 +258,10 @@ class AsyncEngine:
             answer = self._releases.pop(msg.request_id, None)
             if answer is not None and not answer.done():
                 answer.set_result(msg.released)
+        elif isinstance(msg, LoraDone):
+            answer = self._lora_ops.pop(msg.op_id, None)
+            if answer is not None and not answer.done():
+                answer.set_result(msg.error)
         elif isinstance(msg, RequestRejected):
             queue = self._queues.get(msg.request_id)
             if queue is not None:
@@ -303,6 +308,10 @@ class AsyncEngine:
         for answer in wanted.values():
             if not answer.done():
                 answer.set_result([])
+        lora_ops, self._lora_ops = self._lora_ops, {}
+        for answer in lora_ops.values():
+            if not answer.done():
+                answer.set_exception(EngineError("the engine stopped", detail=f"{self.describe()} stopped"))
 
     def kv_wanted(self, request_id: str) -> asyncio.Future:
         """The block hashes a decode engine will answer for ``request_id``'s ``KVSource`` (call before
@@ -393,6 +402,30 @@ class AsyncEngine:
                 self._releases.pop(request_id, None)
                 return False
         return await answer
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Have the engine serve the LoRA adapter at ``path`` as ``name`` (the same pair again: nothing changes).
+        ValueError with the engine's one line if it cannot (a malformed directory, a rank above its
+        ``max_lora_rank``, an engine that cannot add adapters while it runs); EngineError if it is gone."""
+        await self._lora_op(lambda op_id: AddLora(op_id, name, path))
+
+    async def remove_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; ValueError (one line) if the engine cannot, EngineError if it is gone."""
+        await self._lora_op(lambda op_id: RemoveLora(op_id, name))
+
+    async def _lora_op(self, message) -> None:
+        if self.dead or self._loop is None:
+            raise EngineError(self.dead or "the engine is starting")
+        op_id = next(self._ids)
+        answer = self._lora_ops[op_id] = self._loop.create_future()
+        try:
+            self._send(message(op_id))
+        except EngineError:
+            self._lora_ops.pop(op_id, None)
+            raise
+        error = await answer
+        if error is not None:
+            raise ValueError(error)
 
     async def shutdown(self) -> None:
         requests, replies = self._requests, self._replies

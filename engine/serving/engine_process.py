@@ -9,8 +9,8 @@ from engine.core.config import EngineConfig
 from engine.serving.grammar_builds import GrammarBuilds
 from engine.serving.parent_watch import exit_with_parent
 from engine.serving.protocol import (
-    AbortRequest, AddRequest, Fatal, KVSourceLost, KVWanted, PairKV, Ready, ReleaseRequest, Released, RequestRejected,
-    Shutdown, StepOutputs, encoder, to_engine_decoder,
+    AbortRequest, AddLora, AddRequest, Fatal, KVSourceLost, KVWanted, LoraDone, PairKV, Ready, ReleaseRequest, Released,
+    RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, to_engine_decoder,
 )
 from engine.serving.serving_threads import serving_threads
 from engine.serving.step_reports import StepReports
@@ -111,6 +111,8 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
                     reports.forget(msg.request_id)
                     idle_change = True
                 send(Released(msg.request_id, released))
+            elif isinstance(msg, (AddLora, RemoveLora)):
+                send(_change_loras(engine, msg))
             elif isinstance(msg, PairKV):
                 if handoff is not None:
                     handoff.pair(msg)
@@ -153,6 +155,20 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
         message = reports.after_step(outputs, stats(), engine.has_unfinished())
         if message is not None:
             send(message)
+
+
+def _change_loras(engine, msg: AddLora | RemoveLora) -> LoraDone:
+    """Add or remove one adapter; what goes wrong is the answer's one line, never the engine's end."""
+    change = getattr(engine, "add_lora" if isinstance(msg, AddLora) else "remove_lora", None)
+    if change is None:
+        return LoraDone(msg.op_id, "this engine cannot change its LoRA adapters while it runs: name them at its start")
+    try:
+        change(msg.name, msg.path) if isinstance(msg, AddLora) else change(msg.name)
+    except Exception as e:  # a bad directory (ValueError) or a bug: that change fails, the engine goes on
+        if not isinstance(e, ValueError):
+            logger.exception("adapter %r could not be changed", msg.name)
+        return LoraDone(msg.op_id, " ".join(f"{e}".split()) or type(e).__name__)
+    return LoraDone(msg.op_id)
 
 
 def _add(engine, msg: AddRequest, reports: StepReports, send, error: BaseException | None = None,

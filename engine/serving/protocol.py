@@ -71,6 +71,22 @@ class KVSourceLost(msgspec.Struct, tag=True):
     request_id: str
 
 
+class AddLora(msgspec.Struct, tag=True):
+    """Serve the LoRA adapter at ``path`` as ``name`` from now on (``LLMEngine.add_lora``: the same name and path
+    again is a no-op); answered by ``LoraDone`` with the same ``op_id``."""
+
+    op_id: int
+    name: str
+    path: str
+
+
+class RemoveLora(msgspec.Struct, tag=True):
+    """Stop serving adapter ``name`` (``LLMEngine.remove_lora``); answered by ``LoraDone``."""
+
+    op_id: int
+    name: str
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -95,6 +111,14 @@ class Released(msgspec.Struct, tag=True):
     released: bool
 
 
+class LoraDone(msgspec.Struct, tag=True):
+    """The answer to ``AddLora`` / ``RemoveLora`` ``op_id``: ``error`` None if done, else one line saying why not
+    (a malformed directory, an unknown name, an engine that cannot change its adapters while it runs)."""
+
+    op_id: int
+    error: str | None = None
+
+
 class KVWanted(msgspec.Struct, tag=True):
     """A decode engine's answer to a request with a ``KVSource``: the prefix hashes of the prompt's blocks it
     lacks, in order (empty: it prefills the prompt itself, no transfer)."""
@@ -114,7 +138,7 @@ class Ready(msgspec.Struct, tag=True):
     kv_address: str | None = None  # a decode engine's HOST:PORT for its prefill engines (PairKV)
 
 
-PROTOCOL_VERSION = 4  # of the messages between a gateway and a remote engine; raised when they change
+PROTOCOL_VERSION = 5  # of the messages between a gateway and a remote engine; raised when they change
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -139,8 +163,8 @@ class Fatal(msgspec.Struct, tag=True):
     message: str
 
 
-ToEngine = AddRequest | AbortRequest | ReleaseRequest | PairKV | KVSourceLost | Shutdown
-FromEngine = StepOutputs | RequestRejected | Released | KVWanted | Ready | Fatal
+ToEngine = AddRequest | AbortRequest | ReleaseRequest | PairKV | KVSourceLost | AddLora | RemoveLora | Shutdown
+FromEngine = StepOutputs | RequestRejected | Released | LoraDone | KVWanted | Ready | Fatal
 
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

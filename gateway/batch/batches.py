@@ -16,6 +16,7 @@ from gateway.admission import QUOTAS
 from gateway.auth import PRINCIPAL
 from gateway.batch.validation import ENDPOINTS, validate_batch_file
 from gateway.errors import APIError, read_body
+from gateway.lora_adapters import ADAPTERS
 from gateway.batch.files import BATCH_STORE, list_page, read_content
 from gateway.replies import json_response, query_limit
 from gateway.openai_schema import decode_body
@@ -78,7 +79,7 @@ async def create_batch(request: web.Request) -> web.Response:
         raise APIError(400, f"file {info.id!r} has purpose {info.purpose!r}, not 'batch'", param="input_file_id")
     data = await read_content(app, info)
     checked = validate_batch_file(data, req.endpoint, settings["model"](), settings["max_lines"],
-                                  settings["default_max_tokens"])
+                                  settings["default_max_tokens"], await app[ADAPTERS].usable(tenant.id))
     if not checked.ok:
         batch = await store.create_batch(tenant.id, req.endpoint, info.id, settings["window_s"], req.completion_window,
                                          req.metadata, checked.model, [], checked.errors, 0)

@@ -26,6 +26,8 @@ import os
 import socket
 import time
 import uuid
+
+import msgspec
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -37,6 +39,7 @@ from gateway.response_bodies import completion_body, system_fingerprint
 from gateway.responses import batch_lines
 from gateway.responses.translate import responses_error
 from gateway.errors import APIError
+from gateway.lora_adapters import AdapterCatalog
 from gateway.openai_schema import decode_body
 from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, FinishedLine, new_id
 from tenants.models import utcnow
@@ -67,20 +70,25 @@ def error_result(custom_id: str, code: str, message: str) -> dict:
             "error": {"code": code, "message": message}}
 
 
-def batch_line_policy(priority: int, tenant_id: int, cache_share: float | None = None) -> RequestPolicy:
+def batch_line_policy(priority: int, tenant_id: int, cache_share: float | None = None,
+                      lora_adapter: str | None = None) -> RequestPolicy:
     """A Batch API line's policy: the batch class's priority, idle capacity only (background), preemptible,
-    its tenant's fair share, prefix cache and share of the prefix-cache tiers."""
+    its tenant's fair share, prefix cache and share of the prefix-cache tiers, the LoRA adapter its ``model``
+    named (None: the base model)."""
     return RequestPolicy(priority=priority, tenant=str(tenant_id), preemptible=True, background=True,
-                         cache_salt=str(tenant_id), cache_share=cache_share)
+                         cache_salt=str(tenant_id), cache_share=cache_share, lora_adapter=lora_adapter)
 
 
 async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_json: str,
-                       policy: RequestPolicy) -> tuple[bool, dict, object]:
+                       policy: RequestPolicy, adapters: AdapterCatalog | None = None,
+                       tenant_id: int | None = None) -> tuple[bool, dict, object]:
     """Run one batch line like the live API would; (ok, output line, its choices' usage or None).
 
     A 4xx the live API would answer becomes the line's response (status and error body), and so does
     a failed engine step the line was part of (it may be the cause: never retried into a fresh
-    engine); an engine outage raises APIError(503) so the caller can retry the line later.
+    engine); an engine outage raises APIError(503) so the caller can retry the line later. With ``adapters``,
+    a line whose ``model`` names a LoRA adapter tenant ``tenant_id`` may use runs under it (its response's
+    ``model`` says which); any other model is the live API's 404.
     """
     chat = endpoint != "/v1/completions"
     rid = new_id("batch_req_")
@@ -91,6 +99,11 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
             render = batch_lines.renderer(req, tools)
         else:
             body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
+        if adapters is not None:
+            adapter, path = await adapters.resolve(tenant_id, body.model, model)
+            if adapter is not None:
+                await adapters.serve_on(engine, adapter, path)
+                policy, model = msgspec.structs.replace(policy, lora_adapter=adapter), adapter
         response, last = await complete(engine, body, chat, rid, int(time.time()), model,
                                         system_fingerprint(engine.config, model), policy=policy, render=render)
     except APIError as e:
@@ -108,10 +121,12 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
 class BatchRunner:
     def __init__(self, batches: BatchStore, engine: EngineClient, model_name: Callable[[], str], config: BatchRunnerConfig,
                  wake: asyncio.Event | None = None,
-                 cache_share: Callable[[int], Awaitable[float | None]] | None = None) -> None:
-        """``cache_share``: a tenant's share of the prefix-cache tiers (``QuotaManager.cache_share``; None: shared)."""
+                 cache_share: Callable[[int], Awaitable[float | None]] | None = None,
+                 adapters: AdapterCatalog | None = None) -> None:
+        """``cache_share``: a tenant's share of the prefix-cache tiers (``QuotaManager.cache_share``; None: shared);
+        ``adapters``: the LoRA adapters lines may name as their model (None: the base model only)."""
         self.batches, self.engine, self.model_name, self.config = batches, engine, model_name, config
-        self.cache_share = cache_share
+        self.cache_share, self.adapters = cache_share, adapters
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.wake = wake or asyncio.Event()
         self._running: dict[int, asyncio.Task] = {}  # line id -> task
@@ -208,15 +223,19 @@ class BatchRunner:
     async def _run_line(self, line: ClaimedLine) -> None:
         try:
             share = await self.cache_share(line.tenant_id) if self.cache_share is not None else None
-            ok, result, last = await execute_line(self.engine, self.model_name(), line.endpoint, line.custom_id,
+            base = self.model_name()
+            ok, result, last = await execute_line(self.engine, base, line.endpoint, line.custom_id,
                                                   line.body_json,
-                                                  batch_line_policy(self.config.batch_priority, line.tenant_id, share))
+                                                  batch_line_policy(self.config.batch_priority, line.tenant_id, share),
+                                                  self.adapters, line.tenant_id)
             usage = None
             if last is not None:
-                usage = UsageRecord(tenant_id=line.tenant_id, request_id=result["id"], model=self.model_name(),
+                served = result["response"]["body"].get("model", base)  # an adapter's name if the line named one
+                usage = UsageRecord(tenant_id=line.tenant_id, request_id=result["id"], model=base,
                                     prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
                                     cached_prompt_tokens=last.num_cached_tokens, batch=True,
-                                    finish_reason=last.finish_reason, finished_at=utcnow())
+                                    finish_reason=last.finish_reason, finished_at=utcnow(),
+                                    adapter=None if served == base else served)
             # Handed to the writer; the lease stays held (and renewed) until the result is committed.
             self._unwritten[line.id] = FinishedLine(line, ok, result, usage)
             self._results_ready.set()

@@ -9,6 +9,8 @@ custom_ids must be unique.
 
 from dataclasses import dataclass, field
 
+from collections.abc import Collection
+
 import msgspec
 
 from gateway.admission import estimate_prompt_tokens
@@ -51,10 +53,11 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, max_lines: int,
-                        max_new_tokens: int) -> ValidatedBatch:
+                        max_new_tokens: int, adapters: Collection[str] = ()) -> ValidatedBatch:
     """Check every line of ``data``; ``max_new_tokens`` stands in for a line without max_tokens.
 
-    ``served_model`` None accepts any model name (still one per file), as ``moegate run-batch`` does.
+    ``served_model`` None accepts any model name (still one per file), as ``moegate run-batch`` does;
+    ``adapters``: the LoRA adapters the batch's tenant may name instead of the served model.
     """
     out = ValidatedBatch()
 
@@ -113,7 +116,8 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
         elif body.model != out.model:
             error("mismatched_model", f"line {line_no}: model {body.model!r} differs from {out.model!r} used above",
                   line_no, "body.model")
-        if body.model is not None and served_model is not None and body.model != served_model:
+        if body.model is not None and served_model is not None and body.model != served_model \
+                and body.model not in adapters:
             error("model_not_found", f"line {line_no}: model {body.model!r} does not exist; this server serves "
                   f"{served_model!r}", line_no, "body.model")
         chat = line.url != "/v1/completions"

@@ -24,7 +24,7 @@ from gateway.completion import engine_down, output_failed
 from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, read_body
 from gateway.batch.files import list_page
 from gateway.replies import json_response, query_limit
-from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
+from gateway.request_keys import CHOICES, RATE_HEADERS, SERVED_MODEL, TIMER
 from gateway.responses import stored_items
 from gateway.responses.builder import ResponseBuilder, skeleton, usage
 from gateway.responses.request import FunctionTool, InputItem, ResponsesRequest, decode_request, input_items
@@ -125,7 +125,8 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     """The engine's output as a response object or its events; the response is stored (``store``) before the
     client hears it is finished."""
     choices, timer = request[CHOICES], request[TIMER]
-    builder = ResponseBuilder(skeleton(req, rid, created, model, tools), plan.output_parser())
+    # The adapter's name when the request's model named one (gateway.lora_adapters).
+    builder = ResponseBuilder(skeleton(req, rid, created, request.get(SERVED_MODEL, model), tools), plan.output_parser())
 
     async def outputs():
         """(engine output, last) as they come, each recorded in choices so the usage is settled if the client

@@ -34,15 +34,18 @@ class InProcessServer:
 
 @contextlib.contextmanager
 def in_process_server(root: Path, engine: dict, gateway: dict | None = None, engine_options: dict | None = None,
-                      checkpoint: str | None = None):
+                      checkpoint: str | None = None, before_start=None):
     """A served demo model (weights drawn from a random seed) under ``root``, or ``checkpoint``: ``engine`` and
     ``gateway`` are ``EngineConfig`` / ``GatewayConfig`` fields, ``engine_options`` ``AsyncEngine``'s own; stopped
-    on exit."""
+    on exit. ``before_start(checkpoint_dir, database_url)`` runs once the checkpoint and the database exist, before
+    the server starts (to register what the server reads at its start)."""
     demo = checkpoint or str(root / "demo")
     if checkpoint is None:
         write_demo_model(demo, seed=random.randrange(1000))
     url = f"sqlite:///{root / 'policy.db'}"
     upgrade(url)
+    if before_start is not None:
+        before_start(demo, url)
     async_engine = AsyncEngine(EngineConfig(model=demo, **engine), **(engine_options or {}))
     app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(root / "data"),
                                    **(gateway or {})), async_engine)

@@ -33,6 +33,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("replicas")
     model = str(root / "model")
     write_demo_model(model, seed=3)
+    _public_adapter(model, str(root / "adapter"), f"sqlite:///{root / 'policy.db'}")
     port, metrics_port = free_port(), free_port()
     proc, key = start_server(model, f"sqlite:///{root / 'policy.db'}", port, "--data-parallel-size", "2",
                              "--max-num-seqs", str(SLOTS), "--metrics-port", str(metrics_port),
@@ -49,6 +50,21 @@ def server(tmp_path_factory):
         except Exception:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def _public_adapter(model: str, path: str, db_url: str) -> None:
+    """A PEFT LoRA adapter of ``model`` registered as the public ``ad`` before the server starts (its replicas then
+    serve LoRA, and the router prefers the replicas holding an adapter: ``test_adapter_requests_stay_together``)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from gateway.cli import main as moegate
+    from tenants.migrate import upgrade
+
+    base = AutoModelForCausalLM.from_pretrained(model)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(path)
+    upgrade(db_url)
+    assert moegate(["admin", "adapter", "add", "ad", "--path", path, "--public", "--database-url", db_url]) == 0
 
 
 def _prefix(seed: int) -> list[int]:
@@ -117,6 +133,30 @@ def test_affinity_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(se
             assert set(prefill) == {"0", "1"} and all(v >= PREFIX for v in prefill.values()), prefill
 
     asyncio.run(scenario())
+
+
+def test_adapter_requests_stay_on_the_replica_holding_their_adapter(server):
+    """One after another, prompts no replica holds: base-model ones alternate (a prefix nobody holds goes to the
+    replica with the fewest prompt families), while an adapter's all go to the replica that first got it."""
+    _, key, url, metrics_url = server
+    rng = random.Random()
+
+    async def run(model: str) -> dict[str, float]:
+        async with aiohttp.ClientSession() as http:
+            before = _per_replica(await _metrics(http, metrics_url), "moegate_prefill_tokens_total")
+            for _ in range(4):
+                prompt = [rng.randrange(10, 1200) for _ in range(40)]  # two full blocks, a new family each time
+                async with http.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                     json={"model": model, "prompt": prompt, "max_tokens": 1}) as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["model"] == model
+            after = _per_replica(await _metrics(http, metrics_url), "moegate_prefill_tokens_total")
+            return {k: after[k] - before.get(k, 0) for k in after}
+
+    base = asyncio.run(run("demo"))
+    assert all(v > 0 for v in base.values()) and len(base) == 2, base  # spread: the preference below is real
+    adapter = asyncio.run(run("ad"))
+    assert sorted(adapter.values())[0] == 0 and sum(adapter.values()) >= 4 * 40, adapter
 
 
 def test_balance_no_replica_idles_while_the_other_has_a_queue(server):

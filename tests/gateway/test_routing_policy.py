@@ -180,3 +180,21 @@ def test_simulated_cache_aware_routing_keeps_each_tenants_prefix_on_one_replica(
     assert min(routed_ca) >= 0.35 * sum(routed_ca), routed_ca  # both replicas work
     assert gap <= RouterConfig().balance_abs + 1
     assert routed_rr == [1000, 1000]
+
+
+def test_an_adapter_request_prefers_replicas_holding_its_adapter_within_the_balance_bounds():
+    config, rng = RouterConfig(), random.Random()
+    for _ in range(200):
+        load = rng.randrange(0, 4)
+        views = [ReplicaView(i, load + rng.randrange(0, 3), 8, rng.random(), rng.randrange(0, 4), rng.randrange(0, 5),
+                             has_adapter=False) for i in range(4)]
+        holder = rng.randrange(4)
+        views[holder].has_adapter = True
+        assert choose(config, views, 0) == holder  # over more cached blocks and less load elsewhere
+    # Past the balance bounds the adapter does not hold the request: a queue beats a resident adapter.
+    busy = ReplicaView(0, 8, 8, 0.5, 0, 1, has_adapter=True)
+    idle = ReplicaView(1, 0, 8, 0.0, 0, 1)
+    assert choose(config, [busy, idle], 0) == 1
+    # Nobody holds it: the usual choice (the prefix, then load).
+    views = [ReplicaView(0, 1, 8, 0.0, 3, 1), ReplicaView(1, 0, 8, 0.0, 0, 1)]
+    assert choose(config, views, 0) == 0

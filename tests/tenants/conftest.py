@@ -18,7 +18,7 @@ from tenants import migrate
 PG_HOST = os.environ.get("MOEGATE_TEST_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("MOEGATE_TEST_PG_PORT", "5432"))
 PG_USERS = ("postgres", "root")
-TABLES = "responses, batch_lines, batches, files, usage, quota_counters, quotas, api_keys, tenants"
+TABLES = "adapter_grants, adapters, responses, batch_lines, batches, files, usage, quota_counters, quotas, api_keys, tenants"
 
 
 def _pg_connect(dbname: str = "test"):

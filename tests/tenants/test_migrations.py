@@ -7,7 +7,8 @@ from tenants import migrate
 from tenants.db import SchemaError, sync_url
 from tenants.models import Base
 
-TABLES = {"priority_classes", "tenants", "api_keys", "quotas", "usage", "quota_counters", "alembic_version"}
+TABLES = {"priority_classes", "tenants", "api_keys", "quotas", "usage", "quota_counters", "adapters",
+          "adapter_grants", "alembic_version"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

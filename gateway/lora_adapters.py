@@ -1,0 +1,109 @@
+"""LoRA adapters through the API: a request's ``model`` names the base model or an adapter its tenant may use.
+
+The adapters and who may use them live in the policy database (``tenants.adapters``; ``moegate admin adapter``).
+Per tenant, the usable ones are cached for ``ttl_s`` (so a grant, a revoke or a new adapter applies within it).
+An adapter the tenant may not use is the same ``404 model_not_found`` as a model that does not exist.
+
+Engines learn an adapter with ``add_lora`` the first time a request needs it there (once per replica and engine
+process: a restarted engine starts from its configuration again; concurrent requests wait for the one call).
+Where the database holds adapters when the server starts, local replicas are started with ``enable_lora``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from engine.serving.async_engine import EngineError
+from gateway.completion import engine_down
+from gateway.errors import APIError
+from gateway.replica_router import replicas_of
+from tenants.adapters import AdapterStore
+from tenants.store import TenantStore
+from tenants.ttl_cache import RefreshingCache
+
+logger = logging.getLogger(__name__)
+
+
+def unknown_model(model: str, served: str) -> APIError:
+    """The 404 of a model that does not exist, or of an adapter the caller may not use (the same body)."""
+    return APIError(404, f"model {model!r} does not exist; this server serves {served!r}", param="model",
+                    code="model_not_found")
+
+
+class AdapterCatalog:
+    """The gateway's view of the adapters: who may use which (cached per tenant), which replica has which."""
+
+    def __init__(self, store: TenantStore, ttl_s: float) -> None:
+        self.adapters = AdapterStore(store)
+        self._usable: RefreshingCache[dict[str, str]] = RefreshingCache(ttl_s)
+        # replica -> (the Ready of its engine process, {adapter name: its add_lora call}): a restart resets it.
+        self._given: dict[int, tuple[object, dict[tuple[str, str], asyncio.Future]]] = {}
+
+    async def usable(self, tenant_id: int) -> dict[str, str]:
+        """Adapter name -> directory, for every adapter tenant ``tenant_id`` may use (cached)."""
+        return await self._usable.get(tenant_id, lambda: self.adapters.usable(tenant_id))
+
+    async def resolve(self, tenant_id: int, model: str | None, base: str) -> tuple[str | None, str | None]:
+        """(adapter name, its directory) for a request's ``model``: (None, None) for the base model (or no model
+        given); the unknown-model 404 for anything else this tenant may not use."""
+        if model is None or model == base:
+            return None, None
+        path = (await self.usable(tenant_id)).get(model)
+        if path is None:
+            raise unknown_model(model, base)
+        return model, path
+
+    async def configure(self, replicas) -> None:
+        """Before the engines start: where the database holds adapters, each local replica serves LoRA
+        (``enable_lora``), so that requests can name them. None is named in its configuration: each is given
+        with ``add_lora`` on first use, so an adapter that cannot be served (its files gone or changed since it
+        was added, made for another base model, a rank above ``max_lora_rank``) fails its own requests with one
+        line and never stops an engine from starting."""
+        if not await self.adapters.list():
+            return
+        for _, replica in replicas:
+            config = replica.config
+            if getattr(replica, "address", None) is not None or config.engine_ranks > 1 or config.data_parallel_size > 1:
+                continue  # a remote engine has its own flags; multi-process engines serve no adapters yet
+            if not config.lora_enabled:
+                config.enable_lora = True
+                logger.info("engine replica serves LoRA: the policy database holds adapters")
+
+    async def ensure_loaded(self, replicas, name: str, path: str) -> None:
+        """Have every live replica serve adapter ``name`` (``add_lora`` where it was not given it yet). A replica
+        that cannot is a ValueError with its one line."""
+        calls = []
+        for _, replica in replicas:
+            if replica.dead or replica.info is None:
+                continue
+            if replica.config.lora_adapter_paths.get(name) == path:
+                continue  # named at its start
+            info, given = self._given.get(id(replica), (None, {}))
+            if info is not replica.info:  # a new engine process: it knows only its configuration
+                given = {}
+                self._given[id(replica)] = (replica.info, given)
+            call = given.get((name, path))
+            if call is None or (call.done() and call.exception() is not None):
+                call = given[(name, path)] = asyncio.ensure_future(replica.add_lora(name, path))
+            calls.append(call)
+        if calls:
+            # Shielded: one request that goes away does not cancel the call others wait on.
+            await asyncio.gather(*(asyncio.shield(c) for c in calls))
+
+    async def serve_on(self, engine, name: str, path: str) -> None:
+        """``ensure_loaded`` on the gateway's engine (every replica), its failures as API errors: an adapter an
+        engine cannot serve (its one line) is a 400 naming ``model``, an engine that is gone a 503."""
+        try:
+            await self.ensure_loaded(replicas_of(engine), name, path)
+        except EngineError as e:
+            raise engine_down(e) from None
+        except ValueError as e:
+            logger.warning("adapter %r could not be given to an engine: %s", name, e)
+            raise APIError(400, f"model {name!r} cannot be served now: {e}", param="model",
+                           code="adapter_unavailable") from None
+
+
+ADAPTERS = web.AppKey("adapters", AdapterCatalog)

@@ -1,0 +1,224 @@
+"""LoRA adapters through the HTTP API (official `openai` client, in-process server on the demo checkpoint): an
+adapter registered with ``moegate admin adapter add`` is a ``model`` its owner and the tenants granted it may use,
+with transformers + PEFT's greedy tokens; for anyone else it is the unknown-model 404. /v1/models, usage rows,
+/metrics and grants that change while the server runs."""
+
+import asyncio
+import io
+import json
+import random
+import time
+
+import openai
+import pytest
+import torch
+
+from gateway.cli import main as moegate
+from gateway.metrics import METRICS
+from tenants.store import TenantStore
+from tests.gateway.in_process import in_process_server
+from tests.gateway.tenant_keys import new_tenant_key
+
+peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.timeout(300)
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+POLICY_TTL_S = 0.3  # how long a grant or revoke takes to apply (the gateway's policy cache)
+
+
+def _make_adapter(base_dir: str, out_dir: str, rank: int = 4) -> None:
+    """A PEFT adapter on attention and the routed experts with random, non-zero A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(random.randrange(2**31))
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(init_lora_weights=False, r=rank, lora_alpha=4 * rank, target_modules=["q_proj", "v_proj", "o_proj"],
+                        target_parameters=EXPERTS)
+    get_peft_model(model, config).save_pretrained(out_dir)
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_api")
+    adapter_dir = str(root / "support")
+    keys = {}
+
+    def before_start(demo: str, url: str) -> None:
+        _make_adapter(demo, adapter_dir)
+        import asyncio
+
+        for tenant in ("owner", "granted", "other"):
+            keys[tenant] = asyncio.run(new_tenant_key(url, tenant))
+        assert moegate(["admin", "adapter", "add", "support", "--path", adapter_dir, "--tenant", "owner",
+                        "--database-url", url, "--json"]) == 0
+        assert moegate(["admin", "adapter", "grant", "support", "granted", "--database-url", url, "--json"]) == 0
+
+    with in_process_server(root, dict(dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=256, max_loras=2, max_lora_rank=8),
+                           gateway=dict(policy_cache_ttl_s=POLICY_TTL_S, auth_cache_ttl_s=POLICY_TTL_S,
+                                        batch_poll_s=0.05),
+                           before_start=before_start) as srv:
+        clients = {t: openai.AsyncOpenAI(base_url=srv.base_url, api_key=k, max_retries=0) for t, k in keys.items()}
+        yield srv, clients, adapter_dir
+        for c in clients.values():
+            srv.run(c.close())
+
+
+def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    srv, clients, adapter_dir = served
+    base_hf = AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32).eval()
+    rng = random.Random()
+    prompt = [rng.randrange(3, base_hf.config.vocab_size) for _ in range(rng.randint(8, 30))]
+    want_base = _greedy(base_hf, prompt, 8)
+    ref = PeftModel.from_pretrained(base_hf, adapter_dir).eval()
+    want_adapter = _greedy(ref, prompt, 8)
+    assert want_adapter != want_base  # the adapter changes the greedy tokens: a base-model answer would fail below
+
+    def ids(choice) -> list[int]:
+        return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+    async def complete(client, model):
+        return await client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                               extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+
+    for tenant in ("owner", "granted"):
+        answer = srv.run(complete(clients[tenant], "support"))
+        assert answer.model == "support" and ids(answer.choices[0]) == want_adapter, tenant
+    base = srv.run(complete(clients["granted"], "demo"))
+    assert base.model == "demo" and ids(base.choices[0]) == want_base
+
+    # Streaming chat under the adapter echoes its name in every chunk.
+    async def chat(client):
+        stream = await client.chat.completions.create(model="support", messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=4, stream=True)
+        return [c async for c in stream]
+    chunks = srv.run(chat(clients["granted"]))
+    assert chunks and {c.model for c in chunks} == {"support"}
+
+    # Not granted: the very 404 of a model that does not exist (the name aside).
+    with pytest.raises(openai.NotFoundError) as refused:
+        srv.run(complete(clients["other"], "support"))
+    with pytest.raises(openai.NotFoundError) as unknown:
+        srv.run(complete(clients["other"], "no-such-model"))
+    assert refused.value.body == {**unknown.value.body,
+                                  "message": unknown.value.body["message"].replace("no-such-model", "support")}
+    assert refused.value.body["code"] == "model_not_found" and refused.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        srv.run(clients["other"].models.retrieve("support"))
+
+    # /v1/models: the base model and the adapters this tenant may use (parent: the base model).
+    for tenant, expected in (("owner", ["demo", "support"]), ("granted", ["demo", "support"]), ("other", ["demo"])):
+        listed = srv.run(clients[tenant].models.list()).data
+        assert [m.id for m in listed] == expected, tenant
+        assert all(getattr(m, "parent", None) == ("demo" if m.id == "support" else None) for m in listed)
+    assert srv.run(clients["granted"].models.retrieve("support")).parent == "demo"
+
+    # Usage rows carry the adapter; /metrics counts requests and tokens per adapter.
+    async def usage_by_adapter():
+        store = TenantStore.open(srv.database_url)
+        try:
+            return await store.usage_summary(by="adapter")
+        finally:
+            await store.close()
+    deadline = time.monotonic() + 10
+    while True:
+        rows = {r["adapter"]: r for r in srv.run(usage_by_adapter()) if r["kind"] == "live"}
+        if rows.get("support", {}).get("requests") == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert rows["support"]["requests"] == 3 and 16 < rows["support"]["completion_tokens"] <= 16 + 4
+    assert rows["support"]["prompt_tokens"] >= 2 * len(prompt) and rows[None]["requests"] >= 1
+    metrics = srv.server.app[METRICS]
+    assert metrics.adapter_requests.labels("support")._value.get() == 3
+    assert metrics.adapter_prompt_tokens.labels("support")._value.get() == rows["support"]["prompt_tokens"]
+
+    # The Batch API: a line naming the adapter runs under it (its body says so) and is billed to it; a tenant
+    # without the grant cannot even create the batch.
+    lines = [{"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "support", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}}
+             for i in range(2)]
+    data = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+
+    async def batch(client):
+        f = await client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        created = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while created.status not in ("completed", "failed") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            created = await client.batches.retrieve(created.id)
+        if created.status != "completed":
+            return created, None
+        return created, [json.loads(x) for x in (await client.files.content(created.output_file_id)).text.splitlines()]
+    done, out = srv.run(batch(clients["granted"]))
+    assert done.status == "completed" and len(out) == 2
+    tok = AutoTokenizer.from_pretrained(srv.demo)
+    for line in out:
+        body = line["response"]["body"]
+        assert body["model"] == "support" and body["choices"][0]["text"] == tok.decode(want_adapter)
+    refused_batch, _ = srv.run(batch(clients["other"]))
+    assert refused_batch.status == "failed" and refused_batch.errors.data[0].code == "model_not_found"
+    deadline = time.monotonic() + 10
+    while True:
+        batch_rows = [r for r in srv.run(usage_by_adapter()) if r["adapter"] == "support" and r["kind"] == "batch"]
+        if (batch_rows and batch_rows[0]["requests"] == 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert batch_rows and batch_rows[0]["requests"] == 2 and batch_rows[0]["completion_tokens"] == 16
+
+    # A revoke applies within the policy cache's TTL: the adapter is then unknown to that tenant.
+    url = srv.database_url
+    assert moegate(["admin", "adapter", "revoke", "support", "granted", "--database-url", url, "--json"]) == 0
+    time.sleep(POLICY_TTL_S * 1.5)  # a cached entry is never served past its TTL
+    with pytest.raises(openai.NotFoundError):
+        srv.run(complete(clients["granted"], "support"))
+    capsys.readouterr()
+
+
+def test_adapter_added_while_serving(served, tmp_path):
+    """``adapter add`` while the server runs: the gateway gives each engine the adapter (``add_lora``) on the first
+    requests that name it, concurrent ones included, and they get transformers + PEFT's tokens. One the engine
+    cannot serve (a rank above its max_lora_rank, which only the engine knows) is a one-line 400 naming
+    ``model``, and the engine goes on serving."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    srv, clients, _ = served
+    late, wide = str(tmp_path / "late"), str(tmp_path / "wide")
+    _make_adapter(srv.demo, late)
+    _make_adapter(srv.demo, wide, rank=16)  # the server's max_lora_rank is 8
+    for name, path in (("late", late), ("wide", wide)):
+        assert moegate(["admin", "adapter", "add", name, "--path", path, "--public", "--database-url",
+                        srv.database_url, "--json"]) == 0
+    time.sleep(POLICY_TTL_S * 1.5)
+    rng = random.Random()
+    prompt = [rng.randrange(3, 200) for _ in range(12)]
+
+    async def complete(model):
+        return await clients["other"].completions.create(
+            model=model, prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32), late).eval()
+    want = _greedy(ref, prompt, 6)
+    async def concurrently():  # three first uses at once: they share the one add_lora call
+        return await asyncio.gather(*(complete("late") for _ in range(3)))
+    answers = srv.run(concurrently())
+    for answer in answers:
+        got = [int(t.removeprefix("token_id:")) for t in answer.choices[0].logprobs.tokens]
+        assert answer.model == "late" and got == want
+    with pytest.raises(openai.BadRequestError) as refused:
+        srv.run(complete("wide"))
+    body = refused.value.body
+    assert body["code"] == "adapter_unavailable" and body["param"] == "model" and "\n" not in body["message"]
+    assert "rank" in body["message"]
+    assert srv.run(complete("demo")).model == "demo"  # the engine goes on
