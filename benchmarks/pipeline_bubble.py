@@ -7,7 +7,7 @@ a long-prompt workload, side by side in one run, with the share of its time each
 Each configuration runs the same requests (random prompts, 4 output tokens, greedy) on a random-weight MoE
 model, after one warm-up request, in interleaved rounds (median and range of each); throughput is prompt plus output tokens per second of wall time. A
 stage's wait share is its time blocked receiving from the stage before it (stage 0: the final rows back from
-the last stage) over the wall time; its busy CPU time (thread time) shows how much of its busy wall time it
+the last stage) or on its sends' completion, over the wall time; its busy CPU time (thread time) shows how much of its busy wall time it
 really ran, which matters on a machine whose cores are shared. The goal is 2 stages >= 1.6x one process; on a machine with fewer free
 cores than processes the stages share cores and the ratio says little.
 """
@@ -82,7 +82,7 @@ def main() -> None:
     single_cpu = statistics.median(r[3] for r in results["one process"])
     print("throughput: median (range) of the rounds; ratio: median of each round's rate over the median single "
           "process.\nA stage's shares are of its median round's wall time: busy (cpu: its thread's CPU time, "
-          "the rest it was runnable but off a core), wait (blocked receiving), other (rank 0: scheduling, plan "
+          "the rest it was runnable but off a core), wait (blocked on a receive or a send's completion), other (rank 0: scheduling, plan "
           "broadcast, LM head, sampling, outputs; other ranks: waiting for the next plan)")
     for name, runs in results.items():
         rates = sorted(r[0] for r in runs)

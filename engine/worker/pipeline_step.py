@@ -87,8 +87,10 @@ def run_stage(runner, scheduled: list[ScheduledRequest], stage: PipelineStage, c
             rows_back.append(batch.sample_rows.numel() + batch.prompt_rows.numel())
         timing.busy_s += time.perf_counter() - start
         timing.busy_cpu_s += time.thread_time() - cpu
+    wait = time.perf_counter()
     for work, _ in sends:  # the tensors stay referenced until sent
         stage.wait(work, "send to the next stage")
+    timing.wait_s += time.perf_counter() - wait  # a send completes once the next stage has taken it
     if not stage.is_first:
         return None
     wait = time.perf_counter()
