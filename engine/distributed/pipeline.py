@@ -37,12 +37,16 @@ def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int
 
 @dataclass(slots=True)
 class StageTiming:
-    """Where one rank's step time went: ``busy_s`` computing its stage, ``wait_s`` waiting for a transfer
-    from the stage before it (or, on stage 0, for the rows back from the last one)."""
+    """Where one rank's step time went: ``busy_s`` computing its stage, ``wait_s`` waiting for transfers
+    (receiving from the stage before it, on stage 0 the rows back from the last one, and the step's sends to
+    complete), both wall time;
+    ``busy_cpu_s`` the CPU time of this rank's thread in ``busy_s`` (on a machine whose cores are shared,
+    busy wall time minus it is time the rank was ready but not running)."""
 
     stage: int
     busy_s: float = 0.0
     wait_s: float = 0.0
+    busy_cpu_s: float = 0.0
     steps: int = 0
     empty_micro_batches: int = 0
 

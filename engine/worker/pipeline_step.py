@@ -60,15 +60,16 @@ def run_stage(runner, scheduled: list[ScheduledRequest], stage: PipelineStage, c
     timing.steps += 1
     sends, rows_back = [], []
     for mb in parts:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         batch = runner.prepare(mb)
         tokens = batch.input_ids.shape[0]
         if stage.is_first:
             x, residual = model.model.embed_tokens(batch.input_ids), None  # [T, H]
         else:
-            wait = time.perf_counter()
+            wait, wait_cpu = time.perf_counter(), time.thread_time()
             carried = stage.recv((2, tokens, hidden_size), dtype, device, stage.stage - 1)  # [2, T, H]
             start += time.perf_counter() - wait
+            cpu += time.thread_time() - wait_cpu
             timing.wait_s += time.perf_counter() - wait
             x, residual = carried[0], carried[1]
         x, residual = model.run_layers(x, residual, batch.positions, batch.meta)
@@ -85,8 +86,11 @@ def run_stage(runner, scheduled: list[ScheduledRequest], stage: PipelineStage, c
         if stage.is_first:  # how many rows of this micro-batch the last stage sends back
             rows_back.append(batch.sample_rows.numel() + batch.prompt_rows.numel())
         timing.busy_s += time.perf_counter() - start
+        timing.busy_cpu_s += time.thread_time() - cpu
+    wait = time.perf_counter()
     for work, _ in sends:  # the tensors stay referenced until sent
         stage.wait(work, "send to the next stage")
+    timing.wait_s += time.perf_counter() - wait  # a send completes once the next stage has taken it
     if not stage.is_first:
         return None
     wait = time.perf_counter()

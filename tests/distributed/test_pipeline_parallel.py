@@ -56,7 +56,8 @@ def _generate_each_way(rank: int, world: int, address: str, model_dir: str, prom
             results[name] = [out.token_ids for out in llm.generate(prompts, params)]
             stats = llm.engine.stats()
             results[name + ":stats"] = (stats.num_preemptions, stats.prefix_hit_tokens)
-            results[name + ":timings"] = [(t.stage, t.steps, t.empty_micro_batches) for t in llm.engine.stage_timings()]
+            results[name + ":timings"] = [(t.stage, t.steps, t.empty_micro_batches, t.busy_s, t.busy_cpu_s)
+                                          for t in llm.engine.stage_timings()]
             results[name + ":params"] = sum(p.numel() for p in llm.engine.model.parameters())
         finally:
             llm.engine.close()
@@ -103,6 +104,8 @@ def test_pipeline_stages_generate_the_single_process_tokens(family, pipeline_run
         assert [t[0] for t in timings] == [r // (ranks // 2) for r in range(ranks)]  # world rank order
         assert all(t[1] == timings[0][1] > 0 for t in timings)  # every rank ran every step
         assert timings[0][2] > 0, "some step must have had an empty micro-batch (a decode of one token)"
+        # A stage's CPU time in its busy spans is positive and within their wall time (a thread runs on one core).
+        assert all(0 < t[4] <= t[3] + 0.05 for t in timings), timings
         # Stage 0 holds the embedding, LM head and one of the two layers: well under the whole model.
         assert value[name + ":params"] < 0.9 * value["single:params"], (name, value[name + ":params"])
 
