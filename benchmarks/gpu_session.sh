@@ -72,6 +72,7 @@ for spec in "$@"; do
             tests/engine/kernels/test_triton_mla_attention.py \
             tests/engine/kernels/test_triton_backend_engine.py tests/engine/worker/test_host_syncs.py tests/engine/loading/test_random_weights.py \
             tests/engine/loading/test_quantized_experts.py tests/engine/worker/test_expert_load.py tests/engine/worker/test_overlap.py \
+            tests/engine/kv_tiers/test_prefix_tiers.py::test_tiers_on_equals_off_cuda \
             --deselect tests/engine/loading/test_random_weights.py::test_command_lines_take_random_weights ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
         bench-moe) run_stage bench-moe "$limit" bash -c "$PY -m benchmarks.moe_backends --json > $WORK/bench_moe.json && $PY -c 'import json, benchmarks.moe_backends as b; print(b.format_table(json.load(open(\"$WORK/bench_moe.json\"))))'" ;;

@@ -3,6 +3,7 @@ with a device pool holding about a quarter of the tenants' system prompts.
 
     python -m benchmarks.prefix_tiers [--tenants 64] [--system-len 1000] [--turns 3] [--concurrency 4]
                                       [--threads 2] [--model SPEC] [--no-repeat 24] [--rounds 3]
+                                      [--overhead-only]
 
 One process, the same random-weight model (default: a small Qwen3-MoE, hidden 256, 4 layers, 16 experts) and
 the same workload for every mode, run one after another:
@@ -22,11 +23,12 @@ the unlimited pool's, TTFT (time from adding a request to its first token) p50/p
 cached tokens beyond the leading blocks the request shares with its own tenant's earlier sequences (prompts and
 replies), which must be 0. Then the overhead where nothing repeats (``--no-repeat`` unique prompts of
 ``system-len`` tokens through the small pool, so every request evicts): total time with tiers over without,
-rounds alternating, median of the ratios; and, less exposed to a shared machine's noise, the host time the
+rounds alternating, median of the ratios of wall time and of the process's CPU time; and, less exposed to a shared machine's noise, the host time the
 tiers' copies took (``ModelRunner.tier_copy_ms``, on the CPU the copies themselves) over the run's time.
 """
 
 import argparse
+import random
 import statistics
 import time
 
@@ -105,10 +107,11 @@ def run_conversations(engine: LLMEngine, convs, turns: int, concurrency: int) ->
                 ttft_p50=statistics.median(ttft), ttft_p90=ttft[int(0.9 * (len(ttft) - 1))], requests=len(ttft))
 
 
-def run_unique(engine: LLMEngine, prompts: list[list[int]], concurrency: int) -> float:
-    """Seconds to run every prompt (4 output tokens each, ``concurrency`` in flight)."""
+def run_unique(engine: LLMEngine, prompts: list[list[int]], concurrency: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) to run every prompt (4 output tokens each, ``concurrency`` in
+    flight). CPU time is what a busy shared machine disturbs least: other processes' work is not counted."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     queue = list(prompts)
     live = 0
     while queue or live:
@@ -116,32 +119,11 @@ def run_unique(engine: LLMEngine, prompts: list[list[int]], concurrency: int) ->
             engine.add_request(queue.pop(0), params, policy=RequestPolicy(tenant="solo", cache_salt="solo"))
             live += 1
         live -= sum(o.finished for o in engine.step())
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tenants", type=int, default=64)
-    ap.add_argument("--system-len", type=int, default=1000)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model", default=SMALL)
-    ap.add_argument("--no-repeat", type=int, default=24, help="unique prompts per overhead round (0: skip)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    turns, max_tokens, user = args.turns, 16, (20, 60)
-    convs = tenant_conversations(args.tenants, args.system_len, turns, user, max_tokens, 8192, args.seed,
-                                 shared_every=8)
-    longest = args.system_len + turns * (user[1] + max_tokens)
-    max_len = longest + 64
-    everything = args.tenants * (-(-max_len // BLOCK)) + 64
-    quarter = max(args.tenants * args.system_len // BLOCK // 4, args.concurrency * (-(-max_len // BLOCK)))
-    print(f"{args.tenants} tenants x {args.system_len}-token system prompts, {turns} turns, "
-          f"{args.concurrency} in flight; pools: unlimited {everything} blocks, small {quarter} blocks of {BLOCK}",
-          flush=True)
+def run_modes(args, convs, turns: int, everything: int, quarter: int, max_len: int) -> None:
+    """The conversations through each mode: cache served, TTFT, cross-tenant hits."""
     results = {}
     for mode, blocks, host_gb in (("unlimited", everything, 0.0), ("device", quarter, 0.0), ("tiers", quarter, 4.0)):
         engine = _engine(args.model, blocks, host_gb, max_len)
@@ -159,29 +141,62 @@ def main() -> None:
     print(f"served from cache, tiers vs unlimited pool: {fraction:.1%} (goal >= 90%)")
     print(f"TTFT p50, device pool alone / tiers: {speedup:.2f}x (goal >= 3x)")
     print(f"cross-tenant cached tokens, all modes: {sum(r['cross'] for r in results.values())} (goal 0)")
+
+
+def run_overhead(args, quarter: int, max_len: int) -> None:
+    """Where nothing repeats: tiers on vs off, rounds alternating."""
+    rng = random.Random(args.seed + 1)
+    ratios, cpu_ratios, copy_shares = [], [], []
+    for k in range(args.rounds):
+        prompts = [[rng.randrange(1, 8191) for _ in range(args.system_len)] for _ in range(args.no_repeat)]
+        times = {}
+        for mode in (("device", "tiers") if k % 2 == 0 else ("tiers", "device")):
+            engine = _engine(args.model, quarter, 4.0 if mode == "tiers" else 0.0, max_len)
+            run_unique(engine, prompts[:2], args.concurrency)  # warm-up (not timed)
+            copy_ms = engine.runner.tier_copy_ms
+            times[mode] = run_unique(engine, prompts[2:], args.concurrency)
+            if mode == "tiers":
+                copy_shares.append((engine.runner.tier_copy_ms - copy_ms) / 1e3 / times[mode][0])
+            engine.close()
+        ratios.append(times["tiers"][0] / times["device"][0])
+        cpu_ratios.append(times["tiers"][1] / times["device"][1])
+        print(f"no-repeat round {k}: device {times['device'][0]:.2f} s ({times['device'][1]:.2f} s CPU), "
+              f"tiers {times['tiers'][0]:.2f} s ({times['tiers'][1]:.2f} s CPU), ratio {ratios[-1]:.3f} "
+              f"(CPU {cpu_ratios[-1]:.3f}), tier copies {copy_shares[-1]:.2%} of the tiers run", flush=True)
+    print(f"overhead where nothing repeats: {statistics.median(ratios) - 1:+.1%} wall time, "
+          f"{statistics.median(cpu_ratios) - 1:+.1%} CPU time (medians of {args.rounds} rounds, range "
+          f"{min(cpu_ratios) - 1:+.1%} to {max(cpu_ratios) - 1:+.1%}), tier copies "
+          f"{statistics.median(copy_shares):.2%} of the run's time (goal < 2%)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tenants", type=int, default=64)
+    ap.add_argument("--system-len", type=int, default=1000)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=SMALL)
+    ap.add_argument("--no-repeat", type=int, default=24, help="unique prompts per overhead round (0: skip)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overhead-only", action="store_true", help="only the no-repeat overhead rounds")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    turns, max_tokens, user = args.turns, 16, (20, 60)
+    convs = tenant_conversations(args.tenants, args.system_len, turns, user, max_tokens, 8192, args.seed,
+                                 shared_every=8)
+    longest = args.system_len + turns * (user[1] + max_tokens)
+    max_len = longest + 64
+    everything = args.tenants * (-(-max_len // BLOCK)) + 64
+    quarter = max(args.tenants * args.system_len // BLOCK // 4, args.concurrency * (-(-max_len // BLOCK)))
+    print(f"{args.tenants} tenants x {args.system_len}-token system prompts, {turns} turns, "
+          f"{args.concurrency} in flight; pools: unlimited {everything} blocks, small {quarter} blocks of {BLOCK}",
+          flush=True)
+    if not args.overhead_only:
+        run_modes(args, convs, turns, everything, quarter, max_len)
     if args.no_repeat:
-        import random
-
-        rng = random.Random(args.seed + 1)
-        ratios, copy_shares = [], []
-        for k in range(args.rounds):
-            prompts = [[rng.randrange(1, 8191) for _ in range(args.system_len)] for _ in range(args.no_repeat)]
-            times = {}
-            for mode in (("device", "tiers") if k % 2 == 0 else ("tiers", "device")):
-                engine = _engine(args.model, quarter, 4.0 if mode == "tiers" else 0.0, max_len)
-                run_unique(engine, prompts[:2], args.concurrency)  # warm-up (not timed)
-                copy_ms = engine.runner.tier_copy_ms
-                times[mode] = run_unique(engine, prompts[2:], args.concurrency)
-                if mode == "tiers":
-                    copy_shares.append((engine.runner.tier_copy_ms - copy_ms) / 1e3 / times[mode])
-                engine.close()
-            ratios.append(times["tiers"] / times["device"])
-            print(f"no-repeat round {k}: device {times['device']:.2f} s, tiers {times['tiers']:.2f} s, "
-                  f"ratio {ratios[-1]:.3f}, tier copies {copy_shares[-1]:.2%} of the tiers run", flush=True)
-        print(f"overhead where nothing repeats: {statistics.median(ratios) - 1:+.1%} wall time (median of "
-              f"{args.rounds} rounds), tier copies {statistics.median(copy_shares):.2%} of the run's time "
-              f"(goal < 2%)")
-
+        run_overhead(args, quarter, max_len)
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,8 @@ from gateway.replies import json_response
 from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
 from gateway.completion import (
-    apply_plan, chat_plan_of, collect, engine_down, order_in_class, output_view, prepare_prompts, start_streams,
+    apply_plan, chat_plan_of, collect, engine_down, load_harmony, order_in_class, output_view, prepare_prompts,
+    start_streams,
 )
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
@@ -172,7 +173,7 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
     cls = principal.priority_class
     rid = (rid_prefix or ("chatcmpl-" if chat else "cmpl-")) + uuid.uuid4().hex[:24]
     created = int(time.time())
-    prompts = await prepare_prompts(engine, body, chat, plan)
+    prompts = await prepare_prompts(engine, body, chat, plan, sampling_params)
     sequences = len(prompts) * sampling_params.n
     grant = await _admit(request, principal, prompts, sampling_params)
     started_at = utcnow()
@@ -411,6 +412,11 @@ async def _engine_lifecycle(app: web.Application):
     """Cleanup context: the engine (every replica) and a supervisor per replica that restarts it."""
     config, engine = app[CONFIG], app[ENGINE]
     await engine.start()
+    try:
+        await load_harmony(engine, _parsers(config))
+    except EngineError:  # the model cannot be served as configured: stop its engine, then the server
+        await engine.shutdown()
+        raise
     logger.info("serving %s (%s)", _model_name(app), engine.info.architecture)
     supervisors = [asyncio.create_task(supervise(name, replica, config.engine_restart_backoff_s,
                                                  config.engine_restart_backoff_max_s))
@@ -433,7 +439,8 @@ async def _batch_lifecycle(app: web.Application):
     inflight = config.batch_max_inflight or 2 * engine.config.max_num_seqs * len(replicas_of(engine))
     runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
         lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
-        batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE])
+        batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE],
+        cache_share=app[QUOTAS].cache_share)
     task = asyncio.create_task(runner.run(), name="batch-runner")
     yield
     task.cancel()
@@ -457,4 +464,4 @@ def _add_routes(app: web.Application, config: GatewayConfig) -> None:
     app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    tokenization.add_routes(app, ENGINE, _check_model)
+    tokenization.add_routes(app, ENGINE, _check_model, _parsers(config))

@@ -5,6 +5,7 @@ Built in the gateway before the request reaches the engine; every refusal is a 4
 """
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -21,6 +22,7 @@ from gateway.tool_parsers import (
 from gateway.tool_parsers import forced
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+HARMONY = HarmonyParser.name
 
 
 @dataclass
@@ -33,7 +35,8 @@ class ParserChoice:
 
     def resolve(self, chat_template: str | None, architecture: str | None) -> tuple[str | None, str | None]:
         tool = detect_tool_parser(chat_template, architecture) if self.tool_call_parser == "auto" else self.tool_call_parser
-        reasoning = detect_reasoning_parser(chat_template) if self.reasoning_parser == "auto" else self.reasoning_parser
+        reasoning = (detect_reasoning_parser(chat_template, architecture) if self.reasoning_parser == "auto"
+                     else self.reasoning_parser)
         return tool, reasoning
 
 
@@ -46,6 +49,11 @@ class ChatPlan:
     forced_name: str | None  # the named function (tool_choice named)
     forced: bool
     parallel_tool_calls: bool
+
+    @property
+    def harmony(self) -> bool:
+        """gpt-oss's chat: rendered and read by openai-harmony (``chat.harmony``)."""
+        return self.chat is not None and self.chat.harmony
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -162,6 +170,12 @@ def plan(body: ChatCompletionRequest, parsers: tuple[str | None, str | None]) ->
                             "tool_choice 'required' or a named function, or start the server with --tool-call-parser",
                        param="tool_choice")
     chat = chat_input(body, render_tools=choice != "none")
+    chat.harmony = HARMONY in parsers  # gpt-oss: openai-harmony renders the prompt and reads the output
+    if body.reasoning_effort is not None:
+        if not chat.harmony:
+            raise APIError(400, "reasoning_effort is taken by models whose chat format has one (gpt-oss's harmony); "
+                                "leave it out for this model", param="reasoning_effort")
+        chat.reasoning_effort = body.reasoning_effort
     return ChatPlan(chat, tool_parser if choice == "auto" else None, None if structured else reasoning_parser,
                     structured, forced_name, structured is not None, parallel)
 
@@ -188,22 +202,30 @@ class ChatOutputParser:
 
     def __init__(self, plan: ChatPlan) -> None:
         self.plan = plan
-        self._reasoning = REASONING_PARSERS[plan.reasoning_parser]() if plan.reasoning_parser else None
+        self._reasoning = None
         self._tools: ToolParser | None = None
-        if plan.tool_parser:
-            parser = TOOL_PARSERS[plan.tool_parser]
-            self._tools = parser(plan.chat.tools) if parser.reads_tools else parser()
-        if isinstance(self._reasoning, HarmonyParser):  # it reads reasoning and calls at once
-            self._reasoning.reads_calls = self._tools is not None
-            self._tools = None
+        if plan.harmony and not plan.forced:  # openai-harmony reads reasoning and calls at once, from the token ids
+            self._reasoning = HarmonyParser(reads_calls=plan.tool_parser is not None)
+        else:
+            self._reasoning = REASONING_PARSERS[plan.reasoning_parser]() if plan.reasoning_parser else None
+            if plan.tool_parser:
+                parser = TOOL_PARSERS[plan.tool_parser]
+                self._tools = parser(plan.chat.tools) if parser.reads_tools else parser()
         self._forced_text = ""
         self.num_calls = 0
 
-    def feed(self, text: str) -> ParsedDelta:
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> ParsedDelta:
+        """One step's output: its text, and its token ids (which the harmony parser reads instead)."""
         if self.plan.forced:  # one JSON value: read once it is whole
             self._forced_text += text
             return ParsedDelta()
-        return self._limit(self._split(self._reasoning.feed(text) if self._reasoning else ParsedDelta(content=text)))
+        if self._reasoning is None:
+            piece = ParsedDelta(content=text)
+        elif getattr(self._reasoning, "reads_tokens", False):
+            piece = self._reasoning.feed_output(text, token_ids)
+        else:
+            piece = self._reasoning.feed(text)
+        return self._limit(self._split(piece))
 
     def finish(self) -> ParsedDelta:
         if self.plan.forced:
@@ -216,9 +238,9 @@ class ChatOutputParser:
             out += self._tools.finish()
         return self._limit(out)
 
-    def parse(self, text: str) -> ParsedDelta:
+    def parse(self, text: str, token_ids: Sequence[int] = ()) -> ParsedDelta:
         """A whole output at once."""
-        out = self.feed(text)
+        out = self.feed(text, token_ids)
         out += self.finish()
         return out
 

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import msgspec
 
 from engine.serving.async_engine import EngineError, RequestRejectedError, UnreadStreamError
-from engine.text.prompts import InvalidPrompt
+from engine.text.harmony_vocab import HarmonyVocabError, harmony_encoding
+from engine.text.prompts import ChatInput, InvalidPrompt
 from engine.core.outputs import RequestOutput
 from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
@@ -15,7 +16,7 @@ from gateway.choices import Choices, merged
 from gateway.errors import APIError
 from gateway.openai_logprobs import as_token_ids
 from gateway.openai_schema import check_choices, prompts_of, sampling_params_of, scoring_only, text_messages
-from gateway.chat_plan import ChatPlan, ParserChoice, plan as plan_chat
+from gateway.chat_plan import HARMONY, ChatPlan, ParserChoice, plan as plan_chat
 from gateway.response_bodies import completion_body
 from gateway.schema_check import check_schema
 
@@ -24,6 +25,20 @@ def chat_plan_of(engine, body, parsers: ParserChoice) -> ChatPlan:
     """How a chat request is rendered and read, with the parsers the served checkpoint takes."""
     architecture = engine.info.architecture if engine.info is not None else None  # None while (re)starting
     return plan_chat(body, parsers.resolve(engine.chat_template(), architecture))
+
+
+async def load_harmony(engine, parsers: ParserChoice) -> None:
+    """At start-up, for a model whose chats openai-harmony renders (gpt-oss): load the package's encoding (its
+    vocabulary file written from the model's tokenizer), so that a tokenizer it cannot use stops the server with
+    one line (an EngineError) instead of failing every chat."""
+    if HARMONY not in parsers.resolve(engine.chat_template(), engine.info.architecture):
+        return
+    try:
+        await engine.prepare(None, ChatInput([{"role": "user", "content": "hi"}], harmony=True))
+    except HarmonyVocabError as e:
+        raise EngineError(str(e)) from None
+    except InvalidPrompt:  # no tokenizer: every chat is refused with its own 400
+        pass
 
 
 def apply_plan(sampling_params, plan: ChatPlan | None):
@@ -64,12 +79,19 @@ def output_failed() -> APIError:
 NOT_RETRIED = ("engine_failed", "request_failed")  # error codes a batch line fails with instead of running again
 
 
-async def prepare_prompts(engine, body, chat: bool, plan: ChatPlan | None = None) -> list[list[int]]:
+async def prepare_prompts(engine, body, chat: bool, plan: ChatPlan | None = None,
+                          sampling_params: SamplingParams | None = None) -> list[list[int]]:
     """The request's checked prompts as token ids (a chat request has one); a 400 naming the field if one
-    cannot be served."""
+    cannot be served. A gpt-oss chat's stop tokens join ``sampling_params``' once openai-harmony, which names
+    them, has rendered its prompt."""
     try:
         if chat:
-            return [await engine.prepare(None, plan.chat if plan is not None else text_messages(body.messages))]
+            ids = await engine.prepare(None, plan.chat if plan is not None else text_messages(body.messages))
+            if plan is not None and plan.harmony and sampling_params is not None:
+                stops = sorted(harmony_encoding().stop_tokens_for_assistant_actions())  # <|return|>, <|call|>
+                own = sampling_params.stop_token_ids or []
+                sampling_params.stop_token_ids = own + [t for t in stops if t not in own]
+            return [ids]
         prompts = prompts_of(body)
         check_choices(len(prompts), body.n or 1)
         out = []
@@ -83,6 +105,9 @@ async def prepare_prompts(engine, body, chat: bool, plan: ChatPlan | None = None
         return out
     except InvalidPrompt as e:
         raise APIError(400, e.message, param=e.param) from None
+    except HarmonyVocabError as e:  # the server's model cannot be served through openai-harmony
+        raise APIError(500, str(e), "server_error", code="harmony_vocabulary",
+                       headers={"x-should-retry": "false"}) from None
     except EngineError as e:
         raise engine_down(e) from None
 
@@ -165,7 +190,7 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
     """
     plan = chat_plan_of(engine, body, parsers or ParserChoice()) if chat else None
     sampling_params = apply_plan(sampling_params_of(body, engine.info.vocab_size if engine.info is not None else None), plan)
-    prompts = await prepare_prompts(engine, body, chat, plan)
+    prompts = await prepare_prompts(engine, body, chat, plan, sampling_params)
     await check_schema(sampling_params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
     # Only the result is wanted: one message from the engine at the end, not one per token.
     policy = msgspec.structs.replace(policy, order_in_class=order_in_class(body))

@@ -139,6 +139,8 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "reasoning_effort": (),
     "web_search_options": (),
 }
+# A chat's reasoning_effort is read where its model's format has one (gpt-oss's harmony: gateway.chat_plan).
+CHAT_NOT_IMPLEMENTED = {field: off for field, off in NOT_IMPLEMENTED.items() if field != "reasoning_effort"}
 
 
 class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -212,6 +214,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     continue_final_message: bool | None = None
     # A template for this request instead of the checkpoint's (vLLM's extension): see chat_plan.
     chat_template: str | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # gpt-oss's (harmony's system message)
 
 
 def error_param(err: msgspec.ValidationError) -> str | None:
@@ -269,7 +272,7 @@ def decode_body(body: bytes, cls):
     except msgspec.DecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if isinstance(req, _Common):
-        check_implemented(req)
+        check_implemented(req, CHAT_NOT_IMPLEMENTED if isinstance(req, ChatCompletionRequest) else NOT_IMPLEMENTED)
     check_nesting(req)  # before any recursive code (templates, json.dumps, the grammar compiler) reads it
     return req
 

@@ -3,7 +3,7 @@
 import msgspec
 
 from gateway.batch.batches import CreateBatch
-from gateway.openai_schema import NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
+from gateway.openai_schema import CHAT_NOT_IMPLEMENTED, NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
 from gateway.responses.request import ITEM_TYPES, UNSUPPORTED, FunctionTool, ResponsesRequest
 from gateway.tokenization import DetokenizeRequest, TokenizeRequest
 
@@ -39,9 +39,9 @@ def openapi_document(version: str) -> dict:
             [CompletionRequest, ChatCompletionRequest, CreateBatch, TokenizeRequest, DetokenizeRequest, ResponsesRequest,
              FunctionTool, *ITEM_TYPES.values()], ref_template="#/components/schemas/{name}")
     components["Error"] = _ERROR
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name, fields in (("CompletionRequest", NOT_IMPLEMENTED), ("ChatCompletionRequest", CHAT_NOT_IMPLEMENTED)):
         properties = components[name]["properties"]
-        for field, off in NOT_IMPLEMENTED.items():  # what the server accepts for them: null or "off"
+        for field, off in fields.items():  # what the server accepts for them: null or "off"
             properties[field] = {"enum": [None, *off], "description": "not supported yet: leave it out"}
     # Input items and tools are decoded one by one (a message item may leave out its type); documented as
     # the item types they are decoded as.

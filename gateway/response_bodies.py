@@ -136,7 +136,7 @@ def choice_prompts(body, chat: bool, n: int) -> list:
 
 def parsed_choice(out: RequestOutput, index: int, plan: ChatPlan) -> dict:
     """A whole chat choice read through the plan: content, tool calls, reasoning."""
-    parsed = plan.output_parser().parse(out.text)
+    parsed = plan.output_parser().parse(out.text, out.token_ids)
     body = {"index": index, "message": chat_message(parsed, plan), "logprobs": chat_logprobs(out.logprobs),
             "finish_reason": chat_finish_reason(out.finish_reason, bool(parsed.tool_calls))}
     body["stop_reason"] = out.stop_reason if out.finish_reason == "stop" else None

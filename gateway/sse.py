@@ -55,7 +55,7 @@ class _ChunkChoices:
                                   self.offsets.setdefault(index, CompletionLogprobs()), self.prompts[index])]
         parser = self.parsers.setdefault(index, self.plan.output_parser())
         made = parser.num_calls
-        piece = parser.feed(delta.text)
+        piece = parser.feed(delta.text, delta.token_ids)
         if delta.finished:
             piece += parser.finish()
         finish = chat_finish_reason(delta.finish_reason, parser.num_calls > 0) if delta.finished else None

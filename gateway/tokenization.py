@@ -12,10 +12,14 @@ import msgspec
 from aiohttp import web
 
 from engine.serving.async_engine import EngineError
+from engine.text.harmony_vocab import HarmonyVocabError
 from engine.text.prompts import InvalidPrompt
+from gateway.chat_plan import HARMONY, ParserChoice, chat_input
 from gateway.completion import engine_down
 from gateway.errors import APIError, read_body
-from gateway.openai_schema import ChatMessage, NonEmptyText, TokenId, TokenIds, decode_body, text_messages
+from gateway.openai_schema import (
+    ChatCompletionRequest, ChatMessage, NonEmptyText, TokenId, TokenIds, decode_body, text_messages,
+)
 from gateway.replies import json_response
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -27,13 +31,24 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     add_generation_prompt: bool | None = None  # messages only; default true
 
 
+def _chat(engine, body: TokenizeRequest, parsers: ParserChoice):
+    """The messages as the chat route renders them: through openai-harmony for gpt-oss, else the template."""
+    architecture = engine.info.architecture if engine.info is not None else None
+    if HARMONY not in parsers.resolve(engine.chat_template(), architecture):
+        return text_messages(body.messages)
+    chat = chat_input(ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt))
+    chat.harmony = True
+    return chat
+
+
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     tokens: list[TokenId]
 
 
-def add_routes(app: web.Application, engine_key, check_model) -> None:
-    """Register both routes; ``check_model(app, name)`` raises the 404 for a model not served."""
+def add_routes(app: web.Application, engine_key, check_model, parsers: ParserChoice | None = None) -> None:
+    """Register both routes; ``check_model(app, name)`` raises the 404 for a model not served; ``parsers``: the
+    server's parser settings (a gpt-oss chat is rendered by openai-harmony, as the chat route renders it)."""
 
     async def tokenize(request: web.Request) -> web.Response:
         body = decode_body(await read_body(request), TokenizeRequest)
@@ -47,11 +62,14 @@ def add_routes(app: web.Application, engine_key, check_model) -> None:
         engine = request.app[engine_key]
         try:
             if body.messages is not None:
-                ids = await engine.prepare(None, text_messages(body.messages), body.add_generation_prompt is not False)
+                ids = await engine.prepare(None, _chat(engine, body, parsers or ParserChoice()),
+                                           body.add_generation_prompt is not False)
             else:
                 ids = await engine.prepare(body.prompt, None)
         except InvalidPrompt as e:
             raise APIError(400, e.message, param=e.param) from None
+        except HarmonyVocabError as e:
+            raise APIError(500, str(e), "server_error", code="harmony_vocabulary") from None
         except EngineError as e:
             raise engine_down(e) from None
         info = engine.info

@@ -156,6 +156,12 @@ class QuotaManager:
             QuotaCounter.tenant_id == tenant_id, QuotaCounter.kind == kind, QuotaCounter.window == window))
         return int(v or 0)
 
+    async def cache_share(self, tenant_id: int) -> float | None:
+        """The tenant's share of the engine's prefix-cache tiers (None: shared LRU), through the policy cache."""
+        load = lambda: self._load_policy(tenant_id)  # noqa: E731
+        status_cfg = await (self._policy.get(tenant_id, load) if self._policy is not None else load())
+        return status_cfg[1].cache_share
+
     def try_acquire_cached(self, tenant_id: int, requests: int = 1, tokens: int = 0,
                            batch: bool = False) -> Granted | Denied | None:
         """``try_acquire``'s answer where the cached policy alone decides it (an active tenant with no

@@ -175,8 +175,8 @@ class EngineConfig:
 
     host_cache_gb: float = 0.0
     """host memory, in GB, for prefix-cache blocks evicted from the KV pool (pinned on CUDA): a later prompt
-    with the same prefix (same tenant) loads them back instead of computing them; 0: off
-    (docs/prefix_cache_tiers.md)"""
+    with the same prefix (same tenant) loads them back instead of computing them; 0: off; the whole engine's:
+    tensor-parallel ranks each hold an equal part (docs/prefix_cache_tiers.md)"""
     disk_cache_dir: str | None = None
     """directory for prefix-cache blocks below the host tier, one file per block, kept across restarts (needs
     ``host_cache_gb`` and ``disk_cache_gb``)"""
@@ -322,9 +322,12 @@ class EngineConfig:
             return
         if not self.enable_prefix_caching:
             raise ValueError("host_cache_gb needs enable_prefix_caching: the tiers hold prefix-cache blocks")
-        if self.engine_ranks > 1 or self.data_parallel_size > 1:
-            raise ValueError("the prefix-cache tiers (host_cache_gb) run on single-process engines for now "
-                             "(tensor, pipeline and data parallel sizes 1)")
+        if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
+            raise ValueError("the prefix-cache tiers (host_cache_gb) are not served with pipeline or data "
+                             "parallelism yet (tensor parallelism is): set their sizes to 1")
+        if self.disk_cache_dir is not None and self.engine_ranks > 1:
+            raise ValueError("the disk cache tier is served by single-process engines for now: with tensor "
+                             "parallelism use the host tier alone (no disk_cache_dir)")
         if self.speculative == "draft":
             raise ValueError("the prefix-cache tiers (host_cache_gb) do not hold the draft model's cache: "
                              "use speculative='ngram' or no speculation with them")

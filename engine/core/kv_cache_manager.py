@@ -8,8 +8,9 @@ table per group. In the sliding group, a block that lies wholly before ``compute
 it is handed back to the pool and its table entry points at the null block (the runner's scratch block, which
 the attention masks never let a query see), so the table keeps its shape and positions.
 
-The prefix-cache tiers below the pool (host memory, disk) hold one group's blocks: they serve models with one
-cache group.
+The prefix-cache tiers below the pool (host memory, disk) hold every group's blocks, each under its group's key
+(``_key``), so a hit from the tiers follows the same rule as one from the pool: the full group's blocks of the
+whole prefix, a sliding group's only for the window of the first token left to compute.
 """
 
 from dataclasses import dataclass, field
@@ -49,11 +50,13 @@ def sliding_blocks_bound(window: int, block_size: int, num_new_tokens: int) -> i
 
 @dataclass(slots=True)
 class CachedPrefix:
-    """A prefix-cache hit: ``num_blocks`` leading full blocks, with each group's blocks for them (None where a
-    sliding group needs none: out of the window of the first token left to compute)."""
+    """A prefix-cache hit: ``num_blocks`` leading full blocks, with each group's blocks for them: a pool block
+    (shared), the hash of a block the host tier holds (pinned there; copied into a new block before the forward
+    that needs it), or None where a sliding group needs none (out of the window of the first token left to
+    compute; Nones lead a group's list)."""
 
     num_blocks: int = 0
-    groups: list[list[Block | None]] = field(default_factory=list)
+    groups: list[list[Block | bytes | None]] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -66,16 +69,12 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None,
                  tiers: PrefixTiers | None = None) -> None:
         """``sliding_window``: the window of the second cache group's layers (None: one group, every layer full).
-        ``tiers``: host and disk tiers below the pool (None: blocks evicted from the pool are dropped); one
-        cache group only."""
+        ``tiers``: host and disk tiers below the pool (None: blocks evicted from the pool are dropped)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self.tiers = tiers if enable_caching else None
         if self.tiers is not None:
-            if sliding_window is not None:
-                raise ValueError("the prefix-cache tiers hold one cache group's blocks: a model with sliding-window "
-                                 "layers runs without them (host_cache_gb 0)")
             self.pool.evicted = []
         # (block id, hash, tenant) of evicted blocks given host slots, to save, and of blocks to fill from the
         # host tier, both before the next forward.
@@ -95,6 +94,7 @@ class KVCacheManager:
         self.prefix_hit_tokens = 0
         # Most blocks one request held at once in each group (the sliding group's stays bounded by its window).
         self.peak_request_blocks = [0] * len(self.windows)
+        self.tier_loads_by_group = [0] * len(self.windows)  # blocks each group's hits took from the host tier
 
     @property
     def num_free_blocks(self) -> int:
@@ -177,42 +177,81 @@ class KVCacheManager:
             self.prefix_query_tokens += request.num_tokens
             self.prefix_hit_tokens += num_cached_tokens
 
-    def find_tier_prefix(self, request: Request, num_device_hits: int) -> list[Block | bytes] | None:
-        """The cached run after the device's leading hits, through the pool and the host tier: per block, the
-        pool's block, or the hash of a block the host tier holds (pinned: pass the run to ``allocate_slots`` or
-        ``release_tier_hits``). A chain may alternate (the pool evicts a sequence's tail first, but requests
-        interleave). None: the request waits a step or more while its blocks are read from disk (once; after
-        that it takes what the host has)."""
+    def find_tier_prefix(self, request: Request, cached: CachedPrefix) -> CachedPrefix | None:
+        """``cached`` (the pool's hit) extended through the pool and the host tier: the full group's run of blocks
+        after the pool's leading hits (a chain may alternate between pool and host: the pool evicts a sequence's
+        tail first, but requests interleave), shortened until every sliding group has its window's blocks. The
+        host blocks of the result are pinned: pass it to ``allocate_slots`` or ``release_tier_hits``. None: the
+        request waits a step or more while its blocks are read from disk (once; after that it takes what the
+        host has)."""
         if self.tiers is None:
-            return []
+            return cached
         self._reserve_evicted()  # blocks evicted earlier in this step are found in the host tier
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)
         may_wait = request.request_id not in self._waited
+        n0 = cached.num_blocks
+        run, wait = self._tier_run(hashes, 0, n0, len(hashes), request.policy.tenant, may_wait)
+        if wait:  # while the full group's blocks are read, so are the sliding groups' for the whole prefix's window
+            for g, window in enumerate(self.windows[1:], start=1):
+                first = max(first_live_block(len(hashes) * self.block_size, window, self.block_size), n0)
+                found, _ = self.tiers.lookup([self._key(h, g) for h in hashes[first:]], request.policy.tenant, True)
+                self.tiers.release(found)
+            return self._wait_for_disk(request)
+        n = n0 + len(run)
+        base = [list(g) for g in cached.groups] or [[] for _ in self.windows]
+        while n > n0:
+            groups = [base[0] + run[:n - n0]]
+            for g, window in enumerate(self.windows[1:], start=1):
+                first = first_live_block(n * self.block_size, window, self.block_size)
+                kept = base[g][first:n0] if first < n0 else []  # the pool hit's window blocks still needed
+                start = max(first, n0)
+                found, wait = self._tier_run(hashes, g, start, n, request.policy.tenant, may_wait)
+                if wait:  # unpin what this lookup holds: the full group's run up to n, the sliding groups' so far
+                    self.release_tier_hits(CachedPrefix(n, groups))
+                    return self._wait_for_disk(request)
+                if len(found) < n - start:  # a hit must end at or before the first block missing here
+                    shorter = start + len(found)
+                    self.release_tier_hits(CachedPrefix(0, groups[1:] + [found, run[shorter - n0:n - n0]]))
+                    n = shorter
+                    break
+                groups.append([None] * first + kept + found)
+            else:
+                return CachedPrefix(n, groups)
+        return cached  # (every host block of the full group's run was unpinned as n shrank to n0)
+
+    def _tier_run(self, hashes: list[bytes], group: int, start: int, end: int, tenant: str,
+                  may_wait: bool) -> tuple[list[Block | bytes], bool]:
+        """Group ``group``'s blocks ``start..end-1`` as far as they are cached: per block, the pool's block, or the
+        key of a block the host tier holds (pinned); stops at the first missing. True: wait (read from disk)."""
         run: list[Block | bytes] = []
-        i = num_device_hits
-        while i < len(hashes):
-            block = self.pool.lookup(hashes[i])
+        i = start
+        while i < end:
+            block = self.pool.lookup(self._key(hashes[i], group))
             if block is not None:
                 run.append(block)
                 i += 1
                 continue
             j = i + 1
-            while j < len(hashes) and self.pool.lookup(hashes[j]) is None:
+            while j < end and self.pool.lookup(self._key(hashes[j], group)) is None:
                 j += 1
-            found, wait = self.tiers.lookup(hashes[i:j], request.policy.tenant, may_wait)
+            found, wait = self.tiers.lookup([self._key(h, group) for h in hashes[i:j]], tenant, may_wait)
             if wait:
-                self.release_tier_hits(run)
-                self._waited.add(request.request_id)
-                return None
+                self.release_tier_hits(CachedPrefix(0, [run]))
+                return [], True
             run.extend(found)
             if len(found) < j - i:
                 break
             i = j
-        return run
+        return run, False
 
-    def release_tier_hits(self, tier_hits: list[Block | bytes]) -> None:
-        pinned = [h for h in tier_hits if isinstance(h, bytes)]
+    def _wait_for_disk(self, request: Request) -> None:
+        self._waited.add(request.request_id)
+        return None
+
+    def release_tier_hits(self, prefix: CachedPrefix) -> None:
+        """Unpin the host-tier blocks of a prefix that was not admitted after all."""
+        pinned = [h for group in prefix.groups for h in group if isinstance(h, bytes)]
         if pinned:
             self.tiers.release(pinned)
 
@@ -243,32 +282,28 @@ class KVCacheManager:
                 released[g] = first
                 self.pool.release(list(reversed(gone)))
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: CachedPrefix | None = None,
-                       tier_hits: list[Block | bytes] | None = None) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: CachedPrefix | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens in every group; False (and no new block) if the pool is
         short. A sliding group first hands back the blocks its window has passed, so it holds at most
         ``ceil(W / block_size) + 1`` blocks plus those of the new tokens.
 
-        ``tier_hits`` (one cache group): the cached run after ``cached_prefix`` (``find_tier_prefix``): pool
-        blocks are shared as usual; each hash of a host-tier block gets a new block, filled from the host
-        before the next forward (``take_transfers``)."""
+        ``cached_prefix`` (``find_cached_prefix``, extended by ``find_tier_prefix``): its pool blocks are shared;
+        each host-tier block gets a new block, filled from the host before the next forward (``take_transfers``)."""
         tables = self._tables.get(request.request_id)
         hit = cached_prefix or CachedPrefix()
-        tier_hits = tier_hits or []
-        assert not (tables and (hit.num_blocks or tier_hits)), "prefix hits only apply to a request with no blocks"
+        assert not (tables and hit.num_blocks), "prefix hits only apply to a request with no blocks"
         if tables is not None:
             self._release_out_of_window(request, tables)
         held = tables or [[] for _ in self.windows]
         prefix = hit.groups or [[] for _ in self.windows]
-        shared_tier = [b for b in tier_hits if isinstance(b, Block)]
-        num_computed = request.num_computed_tokens + (hit.num_blocks + len(tier_hits)) * self.block_size
+        num_computed = request.num_computed_tokens + hit.num_blocks * self.block_size
         total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
-        # New blocks per group (group 0's include one per host-tier hit, filled from the host).
-        needed = [max(total_blocks - len(h) - len(p) - (len(shared_tier) if g == 0 else 0), 0)
-                  for g, (h, p) in enumerate(zip(held, prefix))]
+        # New blocks per group: past what it holds and its hit, plus one per host-tier block of its hit.
+        needed = [max(total_blocks - len(h) - len(p), 0) + sum(isinstance(b, bytes) for b in p)
+                  for h, p in zip(held, prefix)]
         # Every group's hits are taken before any block is allocated: a hit may sit in the free queue, and
         # reviving it there also consumes a free block.
-        hits = [b for blocks in prefix for b in blocks if b is not None] + shared_tier
+        hits = [b for blocks in prefix for b in blocks if isinstance(b, Block)]
         revived = sum(1 for b in hits if b.ref_count == 0)
         if sum(needed) + revived > self.pool.num_free_blocks:
             return False
@@ -276,21 +311,20 @@ class KVCacheManager:
             self.pool.acquire(hits)
         if tables is None:  # a hit's sliding tables lead with the blocks its window has passed
             tables = self._tables[request.request_id] = [[] for _ in self.windows]
-            self._released[request.request_id] = [len(p) - sum(b is not None for b in p) for p in prefix]
+            self._released[request.request_id] = [sum(b is None for b in p) for p in prefix]
         released = self._released[request.request_id]
         loaded = []
         for g, (table, p, n) in enumerate(zip(tables, prefix, needed)):
-            table += p
             new_blocks = iter(self.pool.allocate(n))
-            if g == 0:
-                for tier_hit in tier_hits:
-                    if isinstance(tier_hit, Block):
-                        table.append(tier_hit)
-                    else:
-                        block = next(new_blocks)
-                        table.append(block)
-                        self.loads.append((block.block_id, tier_hit, request.policy.tenant))
-                        loaded.append(tier_hit)
+            for entry in p:
+                if isinstance(entry, bytes):
+                    block = next(new_blocks)
+                    table.append(block)
+                    self.loads.append((block.block_id, entry, request.policy.tenant))
+                    loaded.append(entry)
+                    self.tier_loads_by_group[g] += 1
+                else:
+                    table.append(entry)
             table.extend(new_blocks)
             self.peak_request_blocks[g] = max(self.peak_request_blocks[g], len(table) - released[g])
         if loaded:

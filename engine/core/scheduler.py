@@ -344,8 +344,9 @@ class Scheduler:
 
     def _admit(self, priority: int, preempted: list[str]) -> None:
         """Admit waiting requests of ``priority`` (fairly across tenants) while budget, slots and blocks allow."""
+        passed: set[str] = set()  # requests of this class waiting for their blocks from disk this step
         while self._budget > 0:
-            request = self.waiting.peek(priority)
+            request = self.waiting.peek(priority, passed)
             if request is None or (request.policy.background and self._background_left <= 0):
                 return
             if len(self.running) >= self.config.max_num_seqs:
@@ -355,20 +356,20 @@ class Scheduler:
                 self._preempt(victim, preempted)
                 continue
             # Prompt logprobs need every prompt position computed: no prefix-cache hits for them.
-            cached, tier_hits = CachedPrefix(), []
+            cached = CachedPrefix()
             if request.sampling_params.prompt_logprobs is None:
-                cached = self.kv.find_cached_prefix(request)
-                tier_hits = self.kv.find_tier_prefix(request, cached.num_blocks)
-                if tier_hits is None:
-                    # Its next blocks are being read from disk: it waits (for a step or a few), and so do the
-                    # requests behind it in this rank's queue; running requests keep stepping.
-                    return
-            num_cached = (cached.num_blocks + len(tier_hits)) * self.kv.block_size
+                cached = self.kv.find_tier_prefix(request, self.kv.find_cached_prefix(request))
+                if cached is None:
+                    # Its next blocks are being read from disk: it waits (for a step or a few) in its place, and
+                    # the requests behind it are admitted meanwhile; running requests keep stepping.
+                    passed.add(request.request_id)
+                    continue
+            num_cached = cached.num_blocks * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, self._budget)
             if request.policy.background:
                 num_new = min(num_new, self._background_left)
-            if not self.kv.allocate_slots(request, num_new, cached, tier_hits):
-                self.kv.release_tier_hits(tier_hits)
+            if not self.kv.allocate_slots(request, num_new, cached):
+                self.kv.release_tier_hits(cached)
                 victim = self._admission_victim(request)
                 if victim is None:
                     return

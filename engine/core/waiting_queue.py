@@ -97,15 +97,26 @@ class WaitingQueue:
         self._len += 1
         self.num_foreground += not request.policy.background
 
-    def peek(self, priority: int) -> Request | None:
+    def peek(self, priority: int, passed: frozenset[str] | set[str] = frozenset()) -> Request | None:
+        """The next request to admit from ``priority``'s class, passing over the request ids in ``passed`` (not
+        ready this step, e.g. their cached blocks are still being read from disk): the requests behind them go
+        first, and they keep their places for the next step."""
         rq = self._classes.get(priority)
         if rq is None:
             return None
-        if rq.resumed:
-            return rq.resumed[0]
+        for request in rq.resumed:
+            if request.request_id not in passed:
+                return request
         counters = self.vtc.counters
-        tenant = min(rq.tenants, key=lambda t: (rq.tenants[t][0].policy.order_in_class, counters[t], rq.tenants[t][0].arrival_time))
-        return rq.tenants[tenant][0]
+        heads = {}
+        for tenant, queue in rq.tenants.items():
+            head = next((r for r in queue if r.request_id not in passed), None)
+            if head is not None:
+                heads[tenant] = head
+        if not heads:
+            return None
+        tenant = min(heads, key=lambda t: (heads[t].policy.order_in_class, counters[t], heads[t].arrival_time))
+        return heads[tenant]
 
     def remove(self, request: Request) -> None:
         rq = self._classes[request.policy.priority]

@@ -32,6 +32,7 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
     (``model_dir``: where this node keeps the same checkpoint, if elsewhere), build this rank's model and runner
     as that process builds its own, then follow its plans; returns when it sends the empty plan (None), raises
     CollectiveError when it or a peer fails, ValueError (on every rank) when the world does not fit."""
+    from engine.kv_tiers.setup import build_rank_mirror
     from engine.llm_engine import resolve_dtype
     from engine.worker.model_setup import build_rank, engine_model_config
 
@@ -51,6 +52,7 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, device)
         runner = build_rank(config, model_config, KernelChoice.resolve(config.kernels, device.type), dtype, device,
                             parts.tp, parts.stage).runner
+        runner.tier_mirror = build_rank_mirror(config, runner.kv_caches, device, parts.tp.size)
         while (plan := plans.broadcast_object()) is not None:  # from this replica's engine process
             if plan == STAGE_TIMINGS:  # the engine process asks how each stage spent its time
                 plans.all_gather_object(parts.stage.timing)

@@ -11,8 +11,10 @@ import torch
 
 class BlockCopier:
     def __init__(self, kv_caches: list[tuple[torch.Tensor, ...]], device: torch.device) -> None:
-        # Every cache tensor [num_blocks + 1, block_size, *per-token shape]; one block is tensor[block_id].
-        self.tensors = [t for layer in kv_caches for t in layer]
+        # Every cache tensor [num_blocks + 1, block_size, *per-token shape]; one block is tensor[block_id]. With two
+        # cache groups two layers share their tensors (engine.worker.cache_groups): each is copied once.
+        unique = {id(t): t for layer in kv_caches for t in layer}
+        self.tensors = list(unique.values())
         self.device = device
         self.sizes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.block_bytes = sum(self.sizes)

@@ -166,14 +166,16 @@ class TieredStore:
                 reserved.append((block_id, block_hash, tenant))
         return reserved
 
-    def save(self, blocks: list[tuple[int, bytes, str]]) -> None:
+    def save(self, blocks: list[tuple[int, bytes, str]]) -> list[tuple[int, int]]:
         """Copy reserved blocks (``reserve``) from the device into their host slots, then unpin them once the
-        copies are done; with a disk tier, queue each for the writer thread (write-through)."""
-        pairs, written, saved = [], [], []
+        copies are done; with a disk tier, queue each for the writer thread (write-through). Returns the
+        (block id, host slot) pairs copied, for the engine's other ranks (``TierCopies``)."""
+        pairs, written, saved, slots = [], [], [], []
         with self.lock:
             for block_id, block_hash, tenant in blocks:
                 key = self.key(block_hash)
                 slot = self.host.slot_of(key, touch=False)
+                slots.append((block_id, slot))
                 pairs.append((block_id, self.host.slab[slot]))
                 saved.append(key)
                 self.counters.add("host", tenant, "bytes_in", self.block_bytes)
@@ -190,6 +192,7 @@ class TieredStore:
                 self._writer.submit(self._write_to_disk, key, tenant, self.host.slab[slot].numpy().tobytes())
             else:  # CUDA: the writer reads the slot once the copy's event is done
                 self._writer.submit(self._write_to_disk, key, tenant, (slot, done))
+        return slots
 
     def _write_to_disk(self, key: bytes, tenant: str, payload) -> None:
         if not isinstance(payload, bytes):
@@ -205,18 +208,21 @@ class TieredStore:
             self.counters.add("disk", tenant, "bytes_in", len(payload))
             self._count_evictions("disk", evicted)
 
-    def load(self, blocks: list[tuple[int, bytes, str]]) -> None:
-        """Copy pinned host hits (block id, block hash, tenant) into their new device blocks, then unpin them."""
+    def load(self, blocks: list[tuple[int, bytes, str]]) -> list[tuple[int, int]]:
+        """Copy pinned host hits (block id, block hash, tenant) into their new device blocks, then unpin them.
+        Returns the (host slot, block id) pairs copied, for the engine's other ranks (``TierCopies``)."""
         with self.lock:
-            pairs = []
+            pairs, slots = [], []
             for block_id, block_hash, tenant in blocks:
                 slot = self.host.slot_of(self.key(block_hash))
+                slots.append((slot, block_id))
                 pairs.append((self.host.slab[slot], block_id))
                 self.counters.add("host", tenant, "bytes_out", self.block_bytes)
             done = self.copier.load(pairs)
             # The rows stay pinned until the copies have read them (at once on the CPU).
             self._copying.append((done, [self.key(h) for _, h, _ in blocks]))
             self._retire_copies()
+        return slots
 
     def _retire_copies(self) -> None:
         still = []

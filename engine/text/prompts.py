@@ -8,16 +8,11 @@ being tokenized, never stalling the engine's loop for other tenants.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-
-class InvalidPrompt(ValueError):
-    """A prompt that cannot be served; ``message`` is for the user, ``param`` names the request field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
+from engine.text import harmony_chat
+from engine.text.chat_input import ChatInput, InvalidPrompt  # the gateway imports them from here too
+from engine.text.harmony_vocab import harmony_encoding
 
 
 class Turn(Protocol):
@@ -31,24 +26,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
-
-
-@dataclass
-class ChatInput:
-    """A chat request's template inputs: turns as the template reads them (``content`` text or None,
-    assistant ``tool_calls`` with ``arguments`` objects, ``tool_call_id``), the tools (OpenAI's
-    ``{"type": "function", "function": {...}}`` entries) and the template options."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def num_chars(self) -> int:
-        """About how much text goes into the template (bounds the prompt before rendering it)."""
-        size = sum(len(m.get("content") or "") for m in self.messages)
-        return size + (len(repr(self.tools)) if self.tools else 0)
 
 
 def chat_size(messages: "Sequence[Turn] | ChatInput") -> int:
@@ -134,6 +111,16 @@ class InputProcessor:
         except Exception as e:  # jinja2's TemplateError from raise_exception(), or any bug in the template
             raise InvalidPrompt(f"the model's chat template refused these messages: {e}", "messages") from None
 
+    def render_harmony(self, chat: ChatInput) -> list[int]:
+        """A gpt-oss chat's prompt token ids, rendered by openai-harmony (``engine.text.harmony_chat``); its
+        vocabulary comes from this tokenizer (``engine.text.harmony_vocab``, whose HarmonyVocabError is raised
+        for a tokenizer that is not o200k)."""
+        self._require_tokenizer("chat needs one", "messages")
+        if not chat.messages:
+            raise InvalidPrompt("messages must not be empty", "messages")
+        self._check_size(chat.num_chars(), "messages")
+        return harmony_chat.render(chat, harmony_encoding(self.tokenizer))
+
     # ---- the whole step ---------------------------------------------------------
     def token_ids(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
         """Text or token ids -> checked token ids (each id in the vocabulary)."""
@@ -149,6 +136,8 @@ class InputProcessor:
     def prepare(self, prompt: str | Sequence[int] | None = None,
                 messages: "Sequence[Turn] | ChatInput | None" = None, add_generation_prompt: bool = True) -> list[int]:
         """The prompt token ids of a completion (``prompt``) or a chat request (``messages``)."""
+        if isinstance(messages, ChatInput) and messages.harmony:
+            return self._check_ids(self.render_harmony(messages), "messages")
         if messages is not None:
             text = self.render_chat(messages, add_generation_prompt)
             return self._check_ids(self.encode(text, "messages"), "messages")

@@ -19,6 +19,7 @@ from engine.worker.pipeline_step import run_stage
 from engine.sampling.prompt_scoring import prompt_scoring
 from engine.sampling.sampler import Sampler
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine.core.tier_copies import TierCopies
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class ModelRunner:
         self.lora = None  # a lora_setup.LoraAdapters where the engine serves adapters (graphs are then off)
         self.draft = None  # a draft_model.DraftProposer (speculative="draft"), installed by model_setup.build_rank
         self.tiers = None  # a kv_tiers.store.TieredStore (host/disk prefix-cache tiers), installed by the engine
+        self.tier_mirror = None  # a follower rank's slice of the host tier (kv_tiers.rank_mirror), set at its start
         self.tier_copy_ms = 0.0  # cumulative host time saving and loading tier blocks (on the CPU: the copies)
         self.last_prepare_ms = 0.0  # host time building the last step's batch (metadata and staging)
         self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
@@ -129,8 +131,10 @@ class ModelRunner:
         then fill the blocks of the plan's host-tier hits (a block just saved may be a load's target)."""
         if self.tiers is not None and (sched_out.tier_saves or sched_out.tier_loads):
             start = time.perf_counter()
-            self.tiers.save(sched_out.tier_saves)
-            self.tiers.load(sched_out.tier_loads)
+            copies = TierCopies(tuple(self.tiers.save(sched_out.tier_saves)),
+                                tuple(self.tiers.load(sched_out.tier_loads)))
+            if self.model.tp.size > 1:  # the other ranks copy their slices of the same blocks, ahead of the plan
+                self.model.tp.broadcast_object(copies)
             self.tier_copy_ms += (time.perf_counter() - start) * 1e3
 
     @torch.inference_mode()
@@ -231,7 +235,11 @@ class ModelRunner:
         """A follower rank's part of a step: the same forward as rank 0's over this rank's slices of the model
         (its collectives pair with rank 0's), including the logits' gather; rank 0 alone samples. An empty plan
         is a dummy step (this replica has no work while a peer replica has). A ``Rebalance`` in place of a plan
-        moves expert weights between two steps (``engine.eplb``)."""
+        moves expert weights between two steps (``engine.eplb``); ``TierCopies`` copy this rank's slices of
+        host-tier blocks before the step (``engine.kv_tiers.rank_mirror``)."""
+        if isinstance(plan, TierCopies):
+            self.tier_mirror.apply(plan)
+            return
         if self.eplb is not None and not isinstance(plan, list):
             self.eplb.apply(plan)
             return

@@ -26,7 +26,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.batch.validation import ENDPOINTS
@@ -67,11 +67,11 @@ def error_result(custom_id: str, code: str, message: str) -> dict:
             "error": {"code": code, "message": message}}
 
 
-def batch_line_policy(priority: int, tenant_id: int) -> RequestPolicy:
+def batch_line_policy(priority: int, tenant_id: int, cache_share: float | None = None) -> RequestPolicy:
     """A Batch API line's policy: the batch class's priority, idle capacity only (background), preemptible,
-    its tenant's fair share and prefix cache."""
+    its tenant's fair share, prefix cache and share of the prefix-cache tiers."""
     return RequestPolicy(priority=priority, tenant=str(tenant_id), preemptible=True, background=True,
-                         cache_salt=str(tenant_id))
+                         cache_salt=str(tenant_id), cache_share=cache_share)
 
 
 async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_json: str,
@@ -107,8 +107,11 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
 
 class BatchRunner:
     def __init__(self, batches: BatchStore, engine: EngineClient, model_name: Callable[[], str], config: BatchRunnerConfig,
-                 wake: asyncio.Event | None = None) -> None:
+                 wake: asyncio.Event | None = None,
+                 cache_share: Callable[[int], Awaitable[float | None]] | None = None) -> None:
+        """``cache_share``: a tenant's share of the prefix-cache tiers (``QuotaManager.cache_share``; None: shared)."""
         self.batches, self.engine, self.model_name, self.config = batches, engine, model_name, config
+        self.cache_share = cache_share
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.wake = wake or asyncio.Event()
         self._running: dict[int, asyncio.Task] = {}  # line id -> task
@@ -204,9 +207,10 @@ class BatchRunner:
 
     async def _run_line(self, line: ClaimedLine) -> None:
         try:
+            share = await self.cache_share(line.tenant_id) if self.cache_share is not None else None
             ok, result, last = await execute_line(self.engine, self.model_name(), line.endpoint, line.custom_id,
                                                   line.body_json,
-                                                  batch_line_policy(self.config.batch_priority, line.tenant_id))
+                                                  batch_line_policy(self.config.batch_priority, line.tenant_id, share))
             usage = None
             if last is not None:
                 usage = UsageRecord(tenant_id=line.tenant_id, request_id=result["id"], model=self.model_name(),

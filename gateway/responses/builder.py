@@ -12,6 +12,7 @@ the engine could not produce it); each event has the next ``sequence_number``.
 """
 
 import secrets
+from collections.abc import Sequence
 
 import msgspec
 
@@ -78,9 +79,10 @@ class ResponseBuilder:
         return [self._event("response.created", response=self._snapshot()),
                 self._event("response.in_progress", response=self._snapshot())]
 
-    def feed(self, text: str, num_tokens: int, last: bool) -> list[dict]:
-        """One step's text (``num_tokens`` tokens); ``last``: the output ends here."""
-        piece = self.parser.feed(text)
+    def feed(self, text: str, token_ids: Sequence[int], last: bool) -> list[dict]:
+        """One step's text and tokens; ``last``: the output ends here."""
+        num_tokens = len(token_ids)
+        piece = self.parser.feed(text, token_ids)
         if last:
             piece += self.parser.finish()
         if piece.reasoning:  # a step's tokens are not tied to its characters: a mixed step counts its share

@@ -162,7 +162,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
 
     if not req.stream:
         async for out, last in outputs():
-            builder.feed(out.text, len(out.token_ids), last)
+            builder.feed(out.text, out.token_ids, last)
         if choices.failed:
             raise output_failed()
         await finish()
@@ -179,7 +179,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     await _write(response, builder.start())
     try:
         while True:
-            await _write(response, builder.feed(out.text, len(out.token_ids), last))
+            await _write(response, builder.feed(out.text, out.token_ids, last))
             if last:
                 break
             out, last = await anext(events)

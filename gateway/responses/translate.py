@@ -49,8 +49,15 @@ def chat_request(req: ResponsesRequest, items: list[InputItem], tools: list[Func
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, stream=req.stream, user=req.user, response_format=fmt, tools=chat_tools or None,
         tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
-        # Effort "none" switches thinking off in the templates that can (the Qwen3 family); the others ignore it.
-        chat_template_kwargs={"enable_thinking": False} if req.reasoning and req.reasoning.effort == "none" else None)
+        chat_template_kwargs=_effort_kwargs(req.reasoning.effort if req.reasoning else None))
+
+
+def _effort_kwargs(effort: str | None) -> dict | None:
+    """Effort "none" switches thinking off in the templates that can (the Qwen3 family); low, medium and high are
+    gpt-oss's reasoning effort (read by openai-harmony); the templates that know neither ignore them."""
+    if effort == "none":
+        return {"enable_thinking": False}
+    return {"reasoning_effort": effort} if effort in ("low", "medium", "high") else None
 
 
 def chat_messages(items: list[InputItem]) -> list[ChatMessage]:

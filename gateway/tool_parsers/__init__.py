@@ -1,5 +1,6 @@
-"""Tool calls and reasoning in a chat completion's text: streaming parsers for each model family's format,
-and the JSON schemas that force a call (``tool_choice`` required or named).
+"""Tool calls and reasoning in a chat completion's text: streaming parsers for each model family's format
+(gpt-oss's harmony read from its token ids, by openai-harmony), and the JSON schemas that force a call
+(``tool_choice`` required or named).
 
 Choose parsers with ``tool_parser_named`` / ``reasoning_parser_named`` (``--tool-call-parser``,
 ``--reasoning-parser``) or from the checkpoint with ``detect_tool_parser`` / ``detect_reasoning_parser``.
@@ -18,7 +19,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "mistral": MistralToolParser, "glm45": Glm45ToolParser,
     "minimax_m2": MiniMaxM2ToolParser, "harmony": HarmonyParser, "deepseek_v3": DeepSeekToolParser,
 }
-# gpt-oss's harmony parser reads reasoning and calls at once: it is both kinds of parser.
+# gpt-oss's harmony parser (openai-harmony's, from token ids) reads reasoning and calls at once: it is both kinds.
 REASONING_PARSERS = {"qwen3": ThinkReasoningParser, "think": ThinkReasoningParser, "glm45": ThinkReasoningParser,
                      "minimax_m2": OpenThinkReasoningParser, "harmony": HarmonyParser,
                      "deepseek_r1": DeepSeekR1ReasoningParser}
@@ -57,12 +58,12 @@ def detect_tool_parser(chat_template: str | None, architecture: str | None) -> s
     return None
 
 
-def detect_reasoning_parser(chat_template: str | None) -> str | None:
-    """``harmony`` for templates that write harmony channels (gpt-oss), ``minimax_m2`` for MiniMax-M2's template
-    (its prompt opens the ``<think>`` block), ``qwen3`` for other templates that know ``<think>`` blocks (Qwen3,
-    GLM-4.5), else None."""
+def detect_reasoning_parser(chat_template: str | None, architecture: str | None = None) -> str | None:
+    """``harmony`` for templates that write harmony channels and for gpt-oss's architecture, ``minimax_m2`` for
+    MiniMax-M2's template (its prompt opens the ``<think>`` block), ``qwen3`` for other templates that know
+    ``<think>`` blocks (Qwen3, GLM-4.5), else None."""
     template = chat_template or ""
-    if "<|channel|>" in template:
+    if "<|channel|>" in template or (architecture or "").lower().startswith("gptoss"):
         return "harmony"
     if "<think>" not in template:
         return None

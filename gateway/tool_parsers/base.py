@@ -96,6 +96,8 @@ class ToolParser(abc.ABC):
     needs_special_tokens = False
     # Whether the constructor takes the request's tools (formats that write arguments as text read their types).
     reads_tools = False
+    # Whether it reads token ids (``feed_output``) rather than text (gpt-oss's harmony, through openai-harmony).
+    reads_tokens = False
 
     @abc.abstractmethod
     def feed(self, text: str) -> ParsedDelta:

@@ -1,128 +1,133 @@
-"""gpt-oss's harmony format: the output is a run of messages, each a header then a body.
+"""gpt-oss's output read by the ``openai-harmony`` package's ``StreamableParser``, token by token.
+
+The output is a run of harmony messages (after the prompt's ``<|start|>assistant``)::
 
     <|channel|>analysis<|message|>...reasoning...<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
     <|start|>assistant<|channel|>final<|message|>...the answer...<|return|>
 
-The ``analysis`` channel is reasoning (``reasoning_content``); ``final`` is content; ``commentary`` addressed
-``to=functions.NAME`` is a tool call whose body is its JSON arguments, and ``commentary`` without a recipient (a
-preamble the model writes for the user) is content. The markers are special tokens, so they must be kept when
-detokenizing (``needs_special_tokens``).
+``analysis`` is reasoning (``reasoning_content``); ``final`` is content, and so is ``commentary`` without a
+recipient (a preamble the model writes for the user); a message addressed ``to=functions.NAME`` is a tool call whose
+body is its JSON arguments, returned once the message is whole. Reasoning and content stream as the tokens come.
 
-Parsed here from the text, with no tokenizer: the ``openai-harmony`` package parses the same format from token ids,
-but it needs the o200k vocabulary file, which it downloads at first use; an offline server cannot rely on that.
+Output that is not harmony is content from there on, as the engine detokenized it: text from its first token (a
+model that answers off-format, JSON that a ``response_format`` grammar forces), or tokens the package refuses.
 """
 
-import json
-import re
+from collections.abc import Sequence
 
-from gateway.tool_parsers.base import ParsedDelta, ToolCall, ToolParser, held_prefix
+from gateway.tool_parsers.base import ParsedDelta, ToolParser, call_from_json
 
-START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
-TERMINATORS = ("<|end|>", "<|return|>", "<|call|>", START)  # a message ends at one, or where the next begins
-_HEADER_OPENINGS = ("<|", "to=")
-MAX_HEADER = 512  # characters: longer without <|message|> is not a header (the text is then content)
-_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
-_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+FUNCTIONS = "functions."
 
 
 class HarmonyParser(ToolParser):
-    """Streaming parser of harmony messages; reasoning, content and tool calls at once (so it serves as both
-    the tool-call and the reasoning parser of a gpt-oss chat). With ``reads_calls`` off (a chat that offered
+    """Streaming parser of harmony messages from token ids: reasoning, content and tool calls at once (so it serves
+    as both the tool-call and the reasoning parser of a gpt-oss chat). With ``reads_calls`` off (a chat that offered
     no tools) a call's body stays in the content, as the model wrote it."""
 
     name = "harmony"
-    needs_special_tokens = True
+    reads_tokens = True  # fed token ids (``feed_output``), not text
 
     def __init__(self, reads_calls: bool = True) -> None:
+        from openai_harmony import Role, StreamableParser
+
+        from engine.text.harmony_vocab import harmony_encoding
+
         self.reads_calls = reads_calls
-        self._pending = ""
-        self._in_body = False
-        self._kind = "content"  # the current body's destination: "reasoning", "content" or "call"
-        self._recipient = ""
+        self._encoding = harmony_encoding()  # loaded when the request's prompt was rendered
+        self._parser = StreamableParser(self._encoding, role=Role.ASSISTANT)
+        self._ends = frozenset(self._encoding.stop_tokens())  # <|end|>, <|call|>, <|return|>: a message is whole
+        self._done = 0  # messages of the parser already read
+        self._header: list[int] = []  # tokens since the last message began its body or ended (a header, so far)
+        self._off_format = False
+        self._started = False  # a token of the output has been read
+
+    def feed_output(self, text: str, token_ids: Sequence[int]) -> ParsedDelta:
+        """One step's tokens (``text``: their detokenized text, used once the output is off-format)."""
+        out = ParsedDelta()
+        if self._off_format:
+            out.content += text
+            return out
+        if not self._started and token_ids:
+            self._started = True
+            if not self._opens_header(token_ids[0]):  # plain text (or JSON a response_format forces): content,
+                self._off_format = True  # streamed as it comes; ``text`` is all of the output so far
+                out.content += text
+                return out
+        for i, token in enumerate(token_ids):
+            try:
+                self._parser.process(token)
+            except Exception:  # HarmonyError: not harmony from here on
+                out.content += self._encoding.decode(self._header + list(token_ids[i:]))
+                self._off_format = True
+                return out
+            if token in self._ends:
+                self._ended(out)
+            else:
+                self._stream(token, out)
+        return out
+
+    def _opens_header(self, token: int) -> bool:
+        """Whether an output may start with ``token``: a marker (``<|channel|>``), or ``to=`` when the header
+        names its recipient first."""
+        return self._encoding.is_special_token(token) or self._encoding.decode([token]).strip() in ("to", "to=")
 
     def feed(self, text: str) -> ParsedDelta:
-        self._pending += text
-        out = ParsedDelta()
-        while self._step(out, at_end=False):
-            pass
-        return out
+        raise TypeError("the harmony parser reads token ids: use feed_output")
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
-        while self._step(out, at_end=True):
+        if self._off_format:
+            return out
+        try:
+            self._parser.process_eos()  # a body cut off (max_tokens) ends its message
+        except Exception:  # cut off inside a header
             pass
-        if self._in_body:
-            self._close(self._pending, out)
-        elif self._pending.strip():  # a header that never got its <|message|>: text after all
-            out.content += self._pending
-        self._pending, self._in_body = "", False
+        self._ended(out)
+        if self._header:  # a header that never got its <|message|>: text after all
+            out.content += self._encoding.decode(self._header)
+            self._header = []
         return out
 
-    def _step(self, out: ParsedDelta, at_end: bool) -> bool:
-        """Consume what can be decided now; True if more may follow in the pending text."""
-        if not self._in_body:
-            return self._header(out)
-        end, marker = _first(self._pending, TERMINATORS)
-        if end >= 0:
-            self._close(self._pending[:end], out)
-            # <|start|> opens the next header: keep it there; the others are consumed.
-            self._pending = self._pending[end + (0 if marker == START else len(marker)):]
-            self._in_body = False
-            return True
-        if self._kind != "call" and not at_end:  # stream the body, holding back what may begin a terminator
-            keep = max(held_prefix(self._pending, m) for m in TERMINATORS)
-            self._emit(self._pending[:len(self._pending) - keep], out)
-            self._pending = self._pending[len(self._pending) - keep:]
-        return False
-
-    def _header(self, out: ParsedDelta) -> bool:
-        head = self._pending.lstrip()
-        # A header opens with a marker, or with its recipient when the prompt already wrote <|start|>assistant.
-        if head and not any(head.startswith(o) or o.startswith(head) for o in _HEADER_OPENINGS):
-            # Plain text where a header should be (a model that answers directly): content until a terminator.
-            self._in_body, self._kind, self._recipient = True, "content", ""
-            self._pending = head
-            return True
-        at = self._pending.find(MESSAGE)
-        if at < 0:
-            if len(self._pending) > MAX_HEADER:
-                self._in_body, self._kind, self._recipient = True, "content", ""
-                return True
-            return False
-        header, self._pending = self._pending[:at], self._pending[at + len(MESSAGE):]
-        channel = _CHANNEL.search(header)
-        recipient = _RECIPIENT.search(header)
-        self._recipient = recipient.group(1) if recipient else ""
-        if self._recipient:
-            self._kind = "call"
-        else:
-            self._kind = "reasoning" if channel and channel.group(1) == "analysis" else "content"
-        self._in_body = True
-        return True
-
-    def _emit(self, text: str, out: ParsedDelta) -> None:
-        if self._kind == "reasoning":
-            out.reasoning += text
-        else:
-            out.content += text
-
-    def _close(self, body: str, out: ParsedDelta) -> None:
-        if self._kind != "call":
-            self._emit(body, out)
+    def _ended(self, out: ParsedDelta) -> None:
+        """Read the messages the parser completed since the last call. (Only at a message's end: the package
+        decodes every message, and its state every token so far, from JSON on each read.)"""
+        messages = self._parser.messages
+        if len(messages) == self._done:
             return
-        name = self._recipient.removeprefix("functions.")
-        try:
-            args = json.loads(body)
-        except ValueError:
-            args = None
-        if not isinstance(args, dict) or not name or not self.reads_calls:  # the text stays, as written
+        for message in messages[self._done:]:
+            self._close(message, out)
+        self._done = len(messages)
+        self._header = []
+
+    def _stream(self, token: int, out: ParsedDelta) -> None:
+        """The piece of the current body ``token`` wrote, or the token kept as part of a header."""
+        parser = self._parser
+        delta = parser.last_content_delta  # None in a header (and for a character's first bytes)
+        if delta is None and parser.current_channel is None and parser.current_recipient is None:
+            self._header.append(token)
+            return
+        self._header = []
+        if delta and self._streams(parser.current_recipient):
+            if parser.current_channel == "analysis":
+                out.reasoning += delta
+            else:
+                out.content += delta
+
+    def _streams(self, recipient: str | None) -> bool:
+        """Whether a body addressed to ``recipient`` is text shown as it comes (not a call read when whole)."""
+        return not recipient or (recipient.startswith(FUNCTIONS) and not self.reads_calls)
+
+    def _close(self, message, out: ParsedDelta) -> None:
+        """A whole message: a call's arguments are read now; text bodies were streamed already."""
+        if self._streams(message.recipient):
+            return
+        body = "".join(getattr(part, "text", "") for part in message.content)
+        call = None
+        if message.recipient.startswith(FUNCTIONS):
+            call = call_from_json({"name": message.recipient.removeprefix(FUNCTIONS), "arguments": body})
+        if call is None:  # arguments that are not a JSON object, or a tool this server does not run: the text
             out.content += body
             return
-        out.tool_calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
-
-
-def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
-    """(index, marker) of the earliest of ``markers`` in ``text``, or (-1, "")."""
-    found = [(i, m) for m in markers if (i := text.find(m)) >= 0]
-    return min(found) if found else (-1, "")
+        out.tool_calls.append(call)

@@ -33,11 +33,14 @@ class InProcessServer:
 
 
 @contextlib.contextmanager
-def in_process_server(root: Path, engine: dict, gateway: dict | None = None, engine_options: dict | None = None):
-    """A served demo model (weights drawn from a random seed) under ``root``: ``engine`` and ``gateway`` are
-    ``EngineConfig`` / ``GatewayConfig`` fields, ``engine_options`` ``AsyncEngine``'s own; stopped on exit."""
-    demo = str(root / "demo")
-    write_demo_model(demo, seed=random.randrange(1000))
+def in_process_server(root: Path, engine: dict, gateway: dict | None = None, engine_options: dict | None = None,
+                      checkpoint: str | None = None):
+    """A served demo model (weights drawn from a random seed) under ``root``, or ``checkpoint``: ``engine`` and
+    ``gateway`` are ``EngineConfig`` / ``GatewayConfig`` fields, ``engine_options`` ``AsyncEngine``'s own; stopped
+    on exit."""
+    demo = checkpoint or str(root / "demo")
+    if checkpoint is None:
+        write_demo_model(demo, seed=random.randrange(1000))
     url = f"sqlite:///{root / 'policy.db'}"
     upgrade(url)
     async_engine = AsyncEngine(EngineConfig(model=demo, **engine), **(engine_options or {}))

@@ -37,7 +37,7 @@ def test_reasoning_message_and_call_from_random_steps():
     steps = _steps(text)
     events = builder.start()
     for i, step in enumerate(steps):
-        events += builder.feed(step, 1, i == len(steps) - 1)
+        events += builder.feed(step, [0], i == len(steps) - 1)  # one token each
     events += builder.finish("stop", usage(10, 0, len(steps)))
 
     parsed = [EVENTS.validate_python(e) for e in events]
@@ -69,7 +69,7 @@ def test_reasoning_message_and_call_from_random_steps():
     builder = ResponseBuilder(skeleton(ResponsesRequest(input="weather?"), "resp_y", 1, "demo", []),
                               plan(chat, ("hermes", "qwen3")).output_parser())
     for i, step in enumerate(steps):
-        builder.feed(step, 1, i == len(steps) - 1)
+        builder.feed(step, [0], i == len(steps) - 1)  # one token each
     builder.finish("length", usage(10, 0, len(steps)))
     cut = Response.model_validate(builder.response)
     assert cut.usage.output_tokens_details.reasoning_tokens == len(inside)

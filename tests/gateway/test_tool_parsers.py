@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from gateway.tool_parsers import (
-    DeepSeekR1ReasoningParser, DeepSeekToolParser, Glm45ToolParser, HarmonyParser, HermesToolParser,
+    DeepSeekR1ReasoningParser, DeepSeekToolParser, Glm45ToolParser, HermesToolParser,
     MiniMaxM2ToolParser, MistralToolParser, OpenThinkReasoningParser, ThinkReasoningParser, detect_reasoning_parser,
     detect_tool_parser,
 )
@@ -301,67 +301,10 @@ def test_partial_calls_of_a_cut_output():
     assert forced.partial_calls('{"city":"Os', "get_weather")[0].arguments == '{"city":"Os'
 
 
-def _harmony_case(rng: random.Random) -> tuple[str, str, str, list]:
-    """gpt-oss output as the model writes it (after the prompt's ``<|start|>assistant``): analysis, maybe a
-    preamble, calls or a final answer; the terminating stop token present or not (the engine may strip it)."""
-    thought = rng.choice(["The user wants the weather. 2 < 3 and <b>.", "Need tools.\nCall get_weather.", ""])
-    text, content, calls = "<|channel|>analysis<|message|>" + thought + "<|end|>", "", []
-    if rng.random() < 0.2:  # a call straight away, its recipient first (the prompt wrote <|start|>assistant)
-        text, thought = ' to=functions.search<|channel|>commentary json<|message|>{"q": "x"}<|call|>', ""
-        return text, thought, content, [("search", {"q": "x"})]
-    if rng.random() < 0.4:
-        preamble = rng.choice(["Checking now.", "One moment: <looking>"])
-        text += "<|start|>assistant<|channel|>commentary<|message|>" + preamble + "<|end|>"
-        content += preamble
-    if rng.random() < 0.5:
-        for _ in range(rng.randint(1, 2)):
-            name, args = rng.choice(["get_weather", "search"]), _random_args(rng)
-            header = rng.choice([f"<|channel|>commentary to=functions.{name} <|constrain|>json",
-                                 f" to=functions.{name}<|channel|>commentary json"])
-            text += "<|start|>assistant" + header + "<|message|>" + json.dumps(args, ensure_ascii=rng.random() < 0.5)
-            text += "<|call|>"
-            calls.append((name, args))
-        if rng.random() < 0.5:
-            text = text.removesuffix("<|call|>")
-    else:
-        answer = rng.choice(["Paris.", "Line one.\nLine <two>.", "It is 20 °C in São Paulo."])
-        text += "<|start|>assistant<|channel|>final<|message|>" + answer + rng.choice(["<|return|>", ""])
-        content += answer
-    return text, thought, content, calls
-
-
-@pytest.mark.parametrize("seed", range(30))
-def test_harmony_whole_and_streamed(seed):
-    rng = random.Random(seed * 31 + 7)
-    text, thought, content, calls = _harmony_case(rng)
-    whole = HarmonyParser().parse(text)
-    assert (whole.reasoning, whole.content, _calls(whole)) == (thought, content, calls)
-    streamed = _streamed(HarmonyParser(), text, rng)
-    assert (streamed.reasoning, streamed.content, _calls(streamed)) == (thought, content, calls)
-
-
-def test_harmony_cut_off_plain_and_broken():
-    parser = HarmonyParser()
-    assert (parser.parse("<|channel|>analysis<|message|>still thinking").reasoning) == "still thinking"
-    plain = HarmonyParser().parse("Just an answer, no channels.")
-    assert plain.content == "Just an answer, no channels." and not plain.reasoning
-    broken = HarmonyParser().parse('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1<|call|>')
-    assert broken.content == '{"a": 1' and not broken.tool_calls  # JSON that does not parse stays text
-
-
-def test_harmony_detection_and_chat_plan():
-    from gateway.chat_plan import ChatOutputParser, ChatPlan
-
+def test_harmony_detection():
+    """gpt-oss's output is read by openai-harmony from token ids (tests/gateway/test_harmony.py); picked here by the
+    template's channels or the architecture."""
     template = "{{- '<|start|>assistant<|channel|>final<|message|>' }}"
     assert detect_tool_parser(template, None) == detect_reasoning_parser(template) == "harmony"
-    assert detect_tool_parser(None, "GptOssForCausalLM") == "harmony"
-    plan = ChatPlan(None, "harmony", "harmony", None, None, False, True)
-    assert plan.keeps_special_tokens
-    text = ('<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>commentary to=functions.f '
-            '<|constrain|>json<|message|>{"x": 1}<|call|>')
-    parsed = ChatOutputParser(plan).parse(text)
-    assert (parsed.reasoning, parsed.content, _calls(parsed)) == ("think", "", [("f", {"x": 1})])
-    no_tools = ChatPlan(None, None, "harmony", None, None, False, True)  # tool_choice none: reasoning still read
-    no_calls = ChatOutputParser(no_tools).parse(text)
-    assert no_tools.keeps_special_tokens and no_calls.reasoning == "think"
-    assert no_calls.content == '{"x": 1}' and not no_calls.tool_calls  # no tools offered: no calls returned
+    assert detect_tool_parser(None, "GptOssForCausalLM") == detect_reasoning_parser(None, "GptOssForCausalLM") == "harmony"
+    assert detect_reasoning_parser(None, "Qwen3MoeForCausalLM") is None

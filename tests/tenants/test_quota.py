@@ -262,7 +262,10 @@ def test_grants_carry_the_tenants_cache_share(db_url):
             qm = QuotaManager(store, Clock(), policy_ttl_s=ttl) if ttl else QuotaManager(store, Clock())
             assert (await qm.try_acquire(counted.id, tokens=10)).cache_share == 0.25
             assert (await qm.try_acquire(free.id, tokens=10)).cache_share == 0.5
+            # Batch API lines, which take no grant, look the share up the same way (BatchRunner's cache_share).
+            assert (await qm.cache_share(counted.id), await qm.cache_share(free.id)) == (0.25, 0.5)
         await store.set_quota("free", cache_share=None)
         assert (await QuotaManager(store, Clock()).try_acquire(free.id)).cache_share is None
+        assert await QuotaManager(store, Clock()).cache_share(free.id) is None
 
     with_store(db_url, body)

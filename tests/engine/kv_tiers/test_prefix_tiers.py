@@ -47,10 +47,22 @@ def _check_capacity(engine):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family,overlap", [("qwen2_moe", False), ("mixtral", True), ("deepseek_v2", False),
-                                            ("olmoe", False)])
+                                            ("olmoe", False), ("gpt_oss", False)])  # gpt-oss: a sliding cache group
 def test_tiers_on_equals_off(tmp_path, family, overlap):
     """A pool too small for the workload: chunked prefill and preemption in every wave (asserted), evicted
     prefixes come back from the host tier, and every greedy token equals the engine without tiers."""
+    tiers_on_equals_off(tmp_path, family, overlap, "cpu")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiers_on_equals_off_cuda(tmp_path):
+    """The same on CUDA: pinned host slots, saves on a side stream, loads before the forward, overlapped steps
+    and CUDA graphs as the engine's CUDA defaults have them."""
+    tiers_on_equals_off(tmp_path, "qwen3_moe", True, "cuda")
+
+
+def tiers_on_equals_off(tmp_path, family: str, overlap: bool, device: str) -> None:
     torch.set_num_threads(1)
     seed = random.randrange(2**31)
     make_hf_model(family, str(tmp_path), seed=seed)
@@ -59,7 +71,7 @@ def test_tiers_on_equals_off(tmp_path, family, overlap):
     first = [system + [rng.randrange(1, 200) for _ in range(rng.randint(6, 20))] for _ in range(4)]
     fresh = [[rng.randrange(1, 200) for _ in range(40)] for _ in range(3)]
     settings = dict(model=str(tmp_path), block_size=BLOCK, num_kv_blocks=14, max_num_batched_tokens=24,
-                    overlap_scheduling=overlap)
+                    overlap_scheduling=overlap, device=device)
     assert max(len(p) for p in first) > settings["max_num_batched_tokens"]  # chunked prefill, by construction
     outs = {}
     for tiers in (False, True):
@@ -74,6 +86,9 @@ def test_tiers_on_equals_off(tmp_path, family, overlap):
             assert [o.num_cached_tokens for o in waves[2]] == [(len(p) - 1) // BLOCK * BLOCK for p in first], \
                 f"seed={seed}"
             _check_capacity(engine)
+            kv = engine.scheduler.kv
+            if len(kv.windows) > 1:  # the sliding group's window blocks came back from the host tier too
+                assert kv.tier_loads_by_group[1] > 0, f"seed={seed}: {kv.tier_loads_by_group}"
         engine.scheduler.kv.pool.check_all_free()
         engine.close()
     assert outs[True] == outs[False], f"seed={seed}"
@@ -117,7 +132,20 @@ def test_host_disk_restart_tenants_layouts_and_corruption(tmp_path):
     restarted = _engine(model=model, **settings)  # an empty pool and host tier: only the disk remembers
     assert _run(restarted, [prompt], tenant="intruder")[0].num_cached_tokens == 0
     assert _tier(restarted, "disk", "intruder", "hits") == 0
-    back = _run(restarted, [prompt])[0]
+    # Its blocks are read from disk while it waits in its place: a request behind it in the same priority class
+    # (a later order in the class) is admitted meanwhile, not held up behind it.
+    ahead = restarted.add_request(prompt, _greedy(5), policy=RequestPolicy(tenant="acme", cache_salt="acme"))
+    behind = restarted.add_request(fillers[0], _greedy(5), policy=RequestPolicy(
+        tenant="other", cache_salt="other", order_in_class=1))
+    whole = {}
+    for o in restarted.step():
+        whole[o.request_id] = o
+    running = {r.request_id for r in restarted.scheduler.running}
+    assert behind in running and ahead not in running
+    while restarted.has_unfinished():
+        for o in restarted.step():
+            whole[o.request_id] = o if o.request_id not in whole else whole[o.request_id].merge(o)
+    back = whole[ahead]
     assert back.token_ids == reference and back.num_cached_tokens == full
     assert _tier(restarted, "disk", "acme", "hits") == full // BLOCK
     _check_capacity(restarted)
@@ -210,7 +238,9 @@ def test_tier_settings_are_checked():
     for bad, field in ((dict(host_cache_gb=-1), "host_cache_gb"), (dict(disk_cache_dir="/tmp/x"), "disk_cache_dir"),
                        (dict(disk_cache_dir="/tmp/x", disk_cache_gb=1), "host_cache_gb"),
                        (dict(host_cache_gb=1, enable_prefix_caching=False), "enable_prefix_caching"),
-                       (dict(host_cache_gb=1, tensor_parallel_size=2), "tensor, pipeline and data parallel")):
+                       (dict(host_cache_gb=1, pipeline_parallel_size=2), "pipeline or data parallelism"),
+                       (dict(host_cache_gb=1, disk_cache_dir="/tmp/x", disk_cache_gb=1, tensor_parallel_size=2),
+                        "single-process")):
         with pytest.raises(ValueError, match=field):
             EngineConfig(model="m", **bad)
 
@@ -245,3 +275,34 @@ def test_blocks_evicted_earlier_in_the_same_step_are_found_in_host(tmp_path):
     out = [o for o in got if o.request_id == again]
     assert [t for o in out for t in o.token_ids] == reference, f"seed={seed}"
     engine.scheduler.kv.pool.check_all_free()
+
+
+@pytest.mark.timeout(300)
+def test_sliding_window_model_from_host_and_disk(tmp_path):
+    """gpt-oss (a full and a sliding cache group): after the pool was flushed, and after a restart (disk only),
+    the prompt is served whole from the tiers, the sliding group's window blocks coming back with the full
+    group's, and generates the tokens of an engine that never evicted."""
+    torch.set_num_threads(1)
+    seed = random.randrange(2**31)
+    model, disk = str(tmp_path / "m"), str(tmp_path / "disk")
+    make_hf_model("gpt_oss", model, seed=seed)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 200) for _ in range(5 * BLOCK + 3)]
+    fillers = [[rng.randrange(1, 200) for _ in range(6 * BLOCK)] for _ in range(3)]
+    full = (len(prompt) - 1) // BLOCK * BLOCK
+    settings = dict(block_size=BLOCK, num_kv_blocks=16, host_cache_gb=HOST_GB, disk_cache_dir=disk,
+                    disk_cache_gb=0.01)
+    reference = _run(_engine(model=model, block_size=BLOCK, num_kv_blocks=64), [prompt])[0].token_ids
+    for restart in (False, True):
+        engine = _engine(model=model, **settings)
+        if not restart:
+            _run(engine, [prompt])
+            for filler in fillers:
+                _run(engine, [filler], tenant="filler")
+        out = _run(engine, [prompt])[0]
+        assert out.token_ids == reference and out.num_cached_tokens == full, f"restart={restart} seed={seed}"
+        assert engine.scheduler.kv.tier_loads_by_group[1] > 0, f"restart={restart} seed={seed}"
+        if restart:
+            assert _tier(engine, "disk", "acme", "hits") > full // BLOCK  # the window's sliding blocks too
+        engine.tiers.flush()
+        engine.close()

@@ -55,11 +55,12 @@ def test_static_buffers_hold_the_batch_then_inert_padding():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_captured_graphs_give_the_eager_tokens(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])  # gpt-oss: sinks, a sliding cache group
+def test_captured_graphs_give_the_eager_tokens(tmp_path, family):
     from engine import LLM, SamplingParams
     from tests.hf_models import make_hf_model
 
-    make_hf_model("qwen3_moe", str(tmp_path), seed=0, vocab_size=97, num_layers=2)
+    make_hf_model(family, str(tmp_path), seed=0, vocab_size=97, num_layers=2)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (3, 17, 40, 5, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
