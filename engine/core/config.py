@@ -168,9 +168,10 @@ class EngineConfig:
     """a decode engine prefills a prompt itself when fewer than this many of its tokens are missing from its
     prefix cache (short prompts, mostly cached ones): a transfer would cost more than it saves"""
     prefill_queue_tokens: int = 1024
-    """conditional disaggregation, read by the gateway from the decode engines' settings: when every prefill
-    engine already has at least this many prompt tokens queued or computing, a decode engine that is not
-    already computing such a prompt itself computes the new prompt itself rather than queueing it behind them
+    """conditional disaggregation, read by the gateway from the decode engines' settings: when the prefill
+    engine picked for a long prompt already has at least this many prompt tokens queued or computing, a decode
+    engine that is not already computing such a prompt itself computes the new prompt itself rather than
+    queueing it behind them
     (its streams see that one prompt's chunked prefill); 0: every long prompt goes to a prefill engine"""
 
     host_cache_gb: float = 0.0
