@@ -7,10 +7,11 @@ decode engine gets the request with a ``KVSource`` and answers which blocks its 
 (``KVWanted``, tenant-salted hashes); the prefill engine then computes the prompt with ``max_tokens`` 1 and
 sends exactly those blocks (``KVSink``); the decode engine continues from them and streams. Only the decode
 engine's outputs reach the caller, so usage is counted once. A prompt the decode engine would rather prefill
-itself (short, mostly cached) never reaches a prefill engine, and neither does a long prompt while every prefill
-engine picked for it is busy (see ``_prefill_locally``: conditional disaggregation); if the prefill engine fails, the decode engine is
-told at once (``KVSourceLost``) and prefills the prompt itself: the caller sees no error. A decode engine that
-fails before the request's first output: the request is placed again on another decode engine.
+itself (short, mostly cached) never reaches a prefill engine, and neither does a long prompt while the prefill
+engine picked for it is busy (``_prefill_locally``: conditional disaggregation); if the prefill engine fails,
+the decode engine is told at once (``KVSourceLost``) and prefills the prompt itself: the caller sees no error.
+A decode engine that fails before the request's first output: the request is placed again on another decode
+engine.
 """
 
 import asyncio
