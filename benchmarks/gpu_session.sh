@@ -8,7 +8,8 @@
 # bench-piecewise (prefill and mixed steps, piecewise CUDA graphs off vs on),
 # bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), bench-mla (the MLA decode
 # kernel on DeepSeek-V3 shapes, with a sweep of its launch alternatives), bench-engine-deepseek (the engine on
-# DeepSeek-V2-Lite's shape), batch-three-ways, batch-goals
+# DeepSeek-V2-Lite's shape), lora-tests and bench-lora (LoRA adapters: the delta kernel, tests, throughput against
+# the base model), batch-three-ways, batch-goals
 # (plus any stage name below). Each runs under its own time limit, so one that fails or
 # hangs still leaves the others' results; logs and JSON land in $OUT (default
 # /tmp/moegate-gpu), re-archived after every stage as gpu_session.tgz so a
@@ -115,6 +116,12 @@ for spec in "$@"; do
         bench-piecewise) run_stage bench-piecewise "$limit" $PY -m benchmarks.piecewise_graphs --json "$WORK/bench_piecewise.json" ;;
         # Host time per step on the critical path, synchronous vs overlapped, with one tenant asking for logprobs
         # or a penalty in each batch (such a request keeps the batch overlapped).
+        # LoRA: the experts' delta kernel and the mixed-batch tests (transformers + PEFT) on CUDA, then 8 adapters
+        # against the base model on a small Qwen3-MoE in bfloat16 (not yet run on a GPU).
+        lora-tests) run_stage lora-tests "$limit" $PY -m pytest -q -ra -p no:cacheprovider \
+            tests/engine/kernels/test_lora_experts_kernel.py tests/engine/lora ;;
+        bench-lora) run_stage bench-lora "$limit" $PY -m benchmarks.lora_throughput --device cuda --dtype bfloat16 \
+            --requests 256 --rounds 3 ;;
         bench-overlap) run_stage bench-overlap "$limit" $PY -m benchmarks.step_overlap --device cuda --asks none,logprobs,penalty ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m benchmarks.engine_gpu --json "$WORK/bench_engine_hf.json" ;;
         # Batch API goal 2 (with no live traffic, a batch's output tokens/s at 90% or more of the offline engine's on

@@ -40,6 +40,19 @@ def _operand_ok(mat: torch.Tensor, align: int, aligned_start: bool) -> bool:
     return False
 
 
+def grouped_mm_runs_on(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` exists for x's device and dtype (float32/bfloat16/float16 on the CPU,
+    bfloat16 on CUDA sm90+); the operands' layout rule is ``_operand_ok``'s, the caller's to meet."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in _CPU_DTYPES
+    if x.device.type == "cuda":
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        return x.dtype == torch.bfloat16 and _cuda_has_grouped_mm(index)
+    return False
+
+
 def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether ``fused_moe_grouped`` can run these operands; cheap enough to ask on every call.
 
@@ -48,16 +61,7 @@ def grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -
     sm90+), H and I multiples of 16 bytes (the gathered x and the activation
     are row-major [S, H] and [S, I]) and weights laid out as the op requires.
     """
-    if not hasattr(torch, "_grouped_mm") or not (x.dtype == w13.dtype == w2.dtype):
-        return False
-    if x.device.type == "cpu":
-        if x.dtype not in _CPU_DTYPES:
-            return False
-    elif x.device.type == "cuda":
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        if x.dtype != torch.bfloat16 or not _cuda_has_grouped_mm(index):
-            return False
-    else:
+    if not (x.dtype == w13.dtype == w2.dtype) or not grouped_mm_runs_on(x):
         return False
     align = 16 // x.element_size()  # elements per 16 bytes
     hidden, inter = w2.shape[1], w2.shape[2]

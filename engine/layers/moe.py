@@ -184,18 +184,11 @@ class SparseMoeBlock(nn.Module):
 
     def _experts_with_lora(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                            batch: LoraBatch) -> torch.Tensor:
-        """Base-model tokens through the usual kernels, adapter tokens through the LoRA-aware experts."""
-        adapted = torch.cat([rows for _, rows in batch.groups])  # [T_a] rows of adapter tokens
-        base = (batch.slot_ids == 0).nonzero().squeeze(1)  # [T_b]
-        out = torch.empty_like(x)  # [T, H]
+        """Every token through the LoRA-aware experts, base-model tokens with slot 0's zero deltas: no split of
+        the batch (which would read its sizes back), one sort of the pairs for the base matmuls and the deltas."""
         args = self.expert_args()
-        if base.numel():
-            out[base] = moe_kernels.fused_moe(x[base], self.experts.w13, self.experts.w2, topk_weights[base],
-                                              topk_ids[base], backend=self.backend, **args)
-        out[adapted] = lora_experts(x[adapted], topk_weights[adapted], topk_ids[adapted], batch.slot_ids[adapted],
-                                    self.experts.w13, self.experts.w2, self.lora.w13, self.lora.w2, self.activation,
-                                    args.get("w13_bias"), args.get("w2_bias"))
-        return out
+        return lora_experts(x, topk_weights, topk_ids, batch, self.experts.w13, self.experts.w2, self.lora.w13,
+                            self.lora.w2, self.activation, args.get("w13_bias"), args.get("w2_bias"))
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_expert(x)  # [T, H], this rank's partial sum

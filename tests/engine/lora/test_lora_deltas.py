@@ -8,10 +8,14 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+if not torch.cuda.is_available():  # the experts' Triton delta kernel runs in Triton's CPU interpreter here
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.lora.experts import lora_experts
 from engine.lora.peft_format import AdapterFormatError, load_adapter
 from engine.lora.slots import ExpertSlots, LinearSlots, LoraBatch
+from moe_kernels.activation import SILU
 from tests.hf_models import FAMILY_CONFIGS, make_hf_model
 
 peft = pytest.importorskip("peft")
@@ -85,14 +89,8 @@ def test_mixed_batch_deltas_equal_transformers_peft(family, tmp_path):
     with torch.no_grad():
         got_qkv = qkv_slots.add_delta(x, x @ qkv_w.T, batch)  # [T, q+2kv]
         got_o = o_slots.add_delta(attn_in, attn_in @ attn.o_proj.weight.T, batch)  # [T, H]
-        # The experts: (token, expert) pairs, each under its token's adapter.
-        pair_x = x.repeat_interleave(top_k, 0)  # [N, H]
-        pair_e, pair_s = top_idx.reshape(-1), slot_ids.repeat_interleave(top_k)  # [N]
-        gate_up = w13_slots.add_delta(pair_x, pair_e, pair_s, torch.einsum("noh,nh->no", w13[pair_e], pair_x))
-        gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
-        act = F.silu(gate) * up
-        down = w2_slots.add_delta(act, pair_e, pair_s, torch.einsum("nhi,ni->nh", w2[pair_e], act))  # [N, H]
-        got_moe = (down.reshape(num_tokens, top_k, hidden) * top_w.unsqueeze(-1)).sum(1)  # [T, H]
+        # The routed experts: every (token, expert) pair under its token's adapter.
+        got_moe = lora_experts(x, top_w, top_idx, batch, w13, w2, w13_slots, w2_slots, SILU)  # [T, H]
 
         for t in range(num_tokens):
             s = int(slot_ids[t])
@@ -131,3 +129,96 @@ def test_malformed_adapter_dirs_are_refused_with_one_line(tmp_path):
     with pytest.raises(AdapterFormatError, match="not readable JSON"):
         load_adapter("x", str(empty))
     assert os.path.isdir(empty)
+
+
+def _reference_experts(x, top_w, top_idx, slot_ids, w13, w2, w13_bias, w2_bias, factors):
+    """Float64, token by token: each of the token's experts with its adapter's deltas (none on slot 0)."""
+    x, top_w, w13, w2 = x.double(), top_w.double(), w13.double(), w2.double()
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        s = int(slot_ids[t])
+        for j in range(top_idx.shape[1]):
+            e = int(top_idx[t, j])
+            gate_up = w13[e] @ x[t] + w13_bias[e].double()
+            if s:
+                gate_up += factors[s][0].b[e].double() @ (factors[s][0].a[e].double() @ x[t])
+            hidden = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            down = w2[e] @ hidden + w2_bias[e].double()
+            if s:
+                down += factors[s][1].b[e].double() @ (factors[s][1].a[e].double() @ hidden)
+            out[t] += top_w[t, j] * down
+    return out
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("path", ["padded", "grouped", "loop", "triton", "by_expert", "by_expert_loop"])
+def test_expert_and_linear_deltas_equal_a_float64_loop(path, monkeypatch):
+    """``lora_experts`` and ``LinearSlots.add_delta`` against float64 loops over tokens, through each way of
+    computing the deltas: padded batched matmuls (few rows per group), grouped matmuls, and the per-group loop
+    (dtypes ``torch._grouped_mm`` does not run: float64), and for the experts the Triton kernel (CUDA; here in
+    Triton's interpreter) and the expert-by-expert path of prefill-sized CPU batches (grouped matmuls over one
+    expert's adapters, or their loop); each forced by the thresholds that choose them. Random factors of random ranks, slots (base tokens
+    and an adapter slot without tokens included), experts and biases."""
+    import engine.lora.experts as experts_module
+    import engine.lora.slots as slots_module
+    from engine.lora.peft_format import ExpertsLora as ExpertFactors, LinearLora
+
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    dtype = torch.float64 if path in ("loop", "by_expert_loop") else torch.float32
+    # Whole batch at once (the float64 loop too, which the CPU would otherwise take expert by expert), or not.
+    by_expert = path.startswith("by_expert")
+    monkeypatch.setattr(experts_module, "_whole_batch", lambda *args: not by_expert)
+    padded = path == "padded"
+    monkeypatch.setattr(slots_module, "PADDED_MAX_ROWS", 10**6 if padded else 0)
+    monkeypatch.setattr(slots_module, "LINEAR_PADDING_MAX", 10**6 if padded else 0)
+    if path == "triton":
+        monkeypatch.setattr(slots_module, "TRITON_DELTA_DEVICES", ("cpu", "cuda"))
+    num_tokens, hidden, inter, num_experts, top_k, max_rank = rng.choice([(29, 32, 16, 6, 2, 4), (41, 48, 24, 8, 3, 6)])
+    num_slots = 5  # base + 4 adapter slots; one of them gets no token
+    w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=dtype) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, dtype=dtype) / inter**0.5
+    w13_bias, w2_bias = torch.randn(num_experts, 2 * inter, dtype=dtype), torch.randn(num_experts, hidden, dtype=dtype)
+    w13_slots = ExpertSlots(num_slots, max_rank, num_experts, 2 * inter, hidden, dtype)
+    w2_slots = ExpertSlots(num_slots, max_rank, num_experts, hidden, inter, dtype)
+    linear = LinearSlots(num_slots, max_rank, hidden, [(0, 8), (8, 24)], dtype)  # two packed parts
+    factors, linear_factors = {}, {}
+    for slot in range(1, num_slots):
+        rank = rng.randint(1, max_rank)
+        factors[slot] = (ExpertFactors(torch.randn(num_experts, rank, hidden), torch.randn(num_experts, 2 * inter, rank)),
+                         ExpertFactors(torch.randn(num_experts, rank, inter), torch.randn(num_experts, hidden, rank)))
+        w13_slots.load(slot, factors[slot][0])
+        w2_slots.load(slot, factors[slot][1])
+        linear_factors[slot] = {p: LinearLora(torch.randn(rank, hidden), torch.randn(hi - lo, rank))
+                                for p, (lo, hi) in enumerate(linear.part_rows)}
+        linear.load(slot, linear_factors[slot])
+    unused = rng.randrange(1, num_slots)
+    used = [s for s in range(num_slots) if s != unused]
+    slot_ids = torch.tensor(used + [rng.choice(used) for _ in range(num_tokens - len(used))])[torch.randperm(num_tokens)]
+    batch = LoraBatch.build(slot_ids.tolist())
+    assert (batch.padded_source is not None) == padded
+    x = torch.randn(num_tokens, hidden, dtype=dtype)
+    top_idx = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])  # [T, k]
+    top_w = torch.rand(num_tokens, top_k, dtype=dtype)
+
+    got = lora_experts(x, top_w, top_idx, batch, w13, w2, w13_slots, w2_slots, SILU, w13_bias, w2_bias)
+    want = _reference_experts(x, top_w, top_idx, slot_ids, w13, w2, w13_bias, w2_bias, factors)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6  # relative to the output's norm: float32 sums differ in order
+    assert _relative_error(got, want) < tol, f"seed {seed}: {_relative_error(got, want)}"
+    no_delta = _reference_experts(x, top_w, top_idx, torch.zeros(num_tokens), w13, w2, w13_bias, w2_bias, factors)
+    assert not torch.allclose(got.double(), no_delta, rtol=1e-3, atol=1e-3)  # the deltas were applied
+
+    base_out = torch.randn(num_tokens, linear.part_rows[-1][1], dtype=dtype)
+    got_linear = linear.add_delta(x, base_out.clone(), batch)
+    want_linear = base_out.double().clone()
+    for t, s in enumerate(slot_ids.tolist()):
+        for p, (lo, hi) in enumerate(linear.part_rows):
+            if s:
+                pair = linear_factors[s][p]
+                want_linear[t, lo:hi] += pair.b.double() @ (pair.a.double() @ x[t].double())
+    assert _relative_error(got_linear, want_linear) < tol, f"seed {seed}: {_relative_error(got_linear, want_linear)}"

@@ -36,9 +36,6 @@ ALLOWED = {
     ("engine/sampling/prompt_scoring.py", "read"),  # prompt logprobs of a synchronous step, read after that sync
     ("engine/worker/expert_load.py", "poll"),  # pinned host memory a finished copy filled; the CPU's own counters
     ("engine/worker/overlap.py", "collect"),  # overlapped steps: reading a step's results, one step late
-    # Steps that serve LoRA adapters (CUDA graphs off): the base model's tokens are split from the adapters' by
-    # count; a per-(expert, adapter) kernel without it is the Triton step still to come.
-    ("engine/layers/moe.py", "_experts_with_lora"),
 }
 
 
