@@ -3,7 +3,7 @@
   2 aggregated replicas (cache-aware router)  |  1 prefill + 1 decode engine
 
     python -m benchmarks.disaggregation [--streams 8] [--long-tokens 1024] [--burst 2] [--every 3] [--seconds 30]
-                                        [--fault]
+                                        [--prefill-queue-tokens 1024] [--fault]
 
 The workload: ``--streams`` steady streams (16-token prompts, 96 tokens each, a new one as soon as one ends:
 latency-sensitive chat), and every ``--every`` seconds a burst of ``--burst`` long prompts of
@@ -16,10 +16,18 @@ processes; requests go through the gateway's router objects in this process (``R
 parameters). At the end every pool must be back to 0 blocks in use (``leaked``). ``--fault`` adds a third
 run of 1P+1D whose prefill engine is killed (SIGKILL) halfway, during a burst, and restarted: no request may fail, and no
 block may leak.
+
+The 1P+1D layout runs twice: with conditional disaggregation (``--prefill-queue-tokens``, the decode engine
+computes a long prompt itself while the prefill engine is busy) and without it (``prefill_queue_tokens`` 0).
+For 1P+1D runs, each long prompt's TTFT is broken down (medians): until the decode engine answered which
+blocks it lacks, the prefill engine's queue wait, its compute (until its output, the blocks queued for
+sending), and from there to the first token (transfer, the decode engine's admission and first step); long
+prompts the decode engine computed itself are counted apart.
 """
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -38,6 +46,9 @@ from gateway.replica_router import ReplicaRouter
 from gateway.routing_policy import RouterConfig
 
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -49,6 +60,7 @@ async def _run(router, args, vocab: int, seed: int) -> dict:
     rng = random.Random(seed)
     itl: list[float] = []
     ttft: list[float] = []
+    phases: list[dict] = []
     stop = time.monotonic() + args.seconds
     ids = iter(range(10**9))
 
@@ -71,6 +83,8 @@ async def _run(router, args, vocab: int, seed: int) -> dict:
                                        f"l{k}", policy=RequestPolicy(cache_salt="docs")):
             first = first or time.monotonic() - start
         ttft.append(first)
+        if getattr(router, "phases", None) is not None:
+            phases.append(dict(router.phases.pop(f"l{k}", {}), ttft=first))
 
     async def bursts() -> None:
         k = 0
@@ -82,9 +96,27 @@ async def _run(router, args, vocab: int, seed: int) -> dict:
             await asyncio.sleep(args.every)
         await asyncio.gather(*tasks)
 
+    if isinstance(router, DisaggregatedEngines):
+        router.phases = {}
     await asyncio.gather(bursts(), *(stream_loop(i) for i in range(args.streams)))
-    return {"itl_p50_ms": 1e3 * _pct(itl, 0.5), "itl_p99_ms": 1e3 * _pct(itl, 0.99),
+    breakdown = _breakdown(phases) if phases else {}
+    return {**breakdown, "itl_p50_ms": 1e3 * _pct(itl, 0.5), "itl_p99_ms": 1e3 * _pct(itl, 0.99),
             "ttft_p50_ms": 1e3 * _pct(ttft, 0.5), "ttft_p99_ms": 1e3 * _pct(ttft, 0.99), "long_prompts": len(ttft)}
+
+
+def _breakdown(phases: list[dict]) -> dict:
+    """Medians (ms) of each phase of the long prompts' TTFT in a 1P+1D run (see the module docstring)."""
+    remote = [p for p in phases if "prefilled" in p and "first" in p]
+    local = [p for p in phases if "local" in p]
+    med = lambda xs: round(1e3 * statistics.median(xs), 1) if xs else float("nan")  # noqa: E731
+    return {"remote_prompts": len(remote), "local_prompts": len(local),
+            "ttft_remote_p50_ms": med([p["ttft"] for p in remote]),
+            "ttft_local_p50_ms": med([p["ttft"] for p in local]),
+            "phase_wanted_ms": med([p["wanted"] - p["start"] for p in remote]),
+            "phase_prefill_queue_ms": med([p.get("prefill_queue_s", 0.0) for p in remote]),
+            "phase_prefill_compute_ms": med([p["prefilled"] - p["wanted"] - p.get("prefill_queue_s", 0.0)
+                                             for p in remote]),
+            "phase_transfer_to_first_ms": med([p["first"] - p["prefilled"] for p in remote])}
 
 
 async def _kill_and_restart(prefill: AsyncEngine, after_s: float) -> None:
@@ -103,14 +135,16 @@ async def main(args) -> None:
                 max_num_seqs=64, max_num_batched_tokens=args.max_batched_tokens)
     vocab = 200  # token ids from the demo vocabulary's first ids: any id is a valid prompt token
     results = {}
-    layouts = ["aggregated x2", "1 prefill + 1 decode"] + (["1P + 1D, prefill killed"] if args.fault else [])
+    layouts = (["aggregated x2", "1P + 1D, rule off", "1 prefill + 1 decode"]
+               + (["1P + 1D, prefill killed"] if args.fault else []))
     for name in layouts:
+        queue_limit = 0 if "rule off" in name else args.prefill_queue_tokens
         if name.startswith("aggregated"):
             engines = [AsyncEngine(EngineConfig(**base)) for _ in range(2)]
             router = ReplicaRouter(engines, ["0", "1"], RouterConfig())
         else:
             engines = [AsyncEngine(EngineConfig(**base, role="prefill")),
-                       AsyncEngine(EngineConfig(**base, role="decode"))]
+                       AsyncEngine(EngineConfig(**base, role="decode", prefill_queue_tokens=queue_limit))]
             router = DisaggregatedEngines(engines[:1], engines[1:])
         await router.start()
         # Killed 0.3 s into the burst nearest halfway, while it computes those long prompts.
@@ -124,6 +158,7 @@ async def main(args) -> None:
             results[name]["leaked_blocks"] = sum(e.stats.kv_blocks_used for e in engines)
             if not name.startswith("aggregated"):
                 results[name]["router_fallbacks"] = router.fallbacks
+                results[name]["local_prefills"] = router.local_prefills
                 d = engines[1].stats
                 results[name].update(transfers=d.kv_transfers, fallbacks=d.kv_transfer_fallbacks,
                                      transfer_mb=round(d.kv_transfer_bytes / 2**20, 1),
@@ -138,10 +173,14 @@ async def main(args) -> None:
     if args.json:
         print(json.dumps(results))
         return
-    agg, dis = results["aggregated x2"], results["1 prefill + 1 decode"]
-    print(f"{'':24}{'aggregated x2':>16}{'1P + 1D':>16}{'ratio':>10}")
+    agg, dis, off = results["aggregated x2"], results["1 prefill + 1 decode"], results["1P + 1D, rule off"]
+    print(f"{'':28}{'aggregated x2':>16}{'1P+1D rule off':>16}{'ratio':>8}{'1P + 1D':>16}{'ratio':>8}")
     for key in ("itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
-        print(f"{key:24}{agg[key]:16.1f}{dis[key]:16.1f}{dis[key] / agg[key]:10.2f}")
+        print(f"{key:28}{agg[key]:16.1f}{off[key]:16.1f}{off[key] / agg[key]:8.2f}{dis[key]:16.1f}"
+              f"{dis[key] / agg[key]:8.2f}")
+    for key in ("remote_prompts", "local_prompts", "ttft_remote_p50_ms", "ttft_local_p50_ms", "phase_wanted_ms",
+                "phase_prefill_queue_ms", "phase_prefill_compute_ms", "phase_transfer_to_first_ms"):
+        print(f"{key:28}{'':16}{off.get(key, float('nan')):16}{'':8}{dis.get(key, float('nan')):16}")
     print(f"long prompts served: {agg['long_prompts']} / {dis['long_prompts']}; leaked blocks: "
           f"{agg['leaked_blocks']} / {dis['leaked_blocks']}; 1P+1D transfers {dis['transfers']}, fallbacks "
           f"{dis['fallbacks']}, {dis['transfer_mb']} MB, {dis['transfer_ms_mean']} ms mean")
@@ -158,6 +197,8 @@ if __name__ == "__main__":
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--kv-blocks", type=int, default=2048)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--prefill-queue-tokens", type=int, default=_DEFAULTS["prefill_queue_tokens"],
+                   help="the decode engine's prefill_queue_tokens in the 1P+1D run (the other 1P+1D run: 0)")
     p.add_argument("--fault", action="store_true", help="add a run whose prefill engine is killed halfway")
     p.add_argument("--json", action="store_true")
     asyncio.run(main(p.parse_args()))

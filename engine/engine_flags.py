@@ -66,6 +66,7 @@ OVERRIDES: dict[str, FlagOverride] = {
     "kv_transfer_address": FlagOverride(metavar="HOST[:PORT]"),
     "kv_transfer_timeout_s": FlagOverride(flag="--kv-transfer-timeout", metavar="SECONDS"),
     "local_prefill_tokens": FlagOverride(metavar="N"),
+    "prefill_queue_tokens": FlagOverride(metavar="N"),
 }
 # Fields the commands fill in themselves: with --random-weights, --model names the tokenizer.
 NOT_FLAGS = ("tokenizer",)

@@ -7,15 +7,18 @@ decode engine gets the request with a ``KVSource`` and answers which blocks its 
 (``KVWanted``, tenant-salted hashes); the prefill engine then computes the prompt with ``max_tokens`` 1 and
 sends exactly those blocks (``KVSink``); the decode engine continues from them and streams. Only the decode
 engine's outputs reach the caller, so usage is counted once. A prompt the decode engine would rather prefill
-itself (short, mostly cached) never reaches a prefill engine; if the prefill engine fails, the decode engine is
-told at once (``KVSourceLost``) and prefills the prompt itself: the caller sees no error. A decode engine that
-fails before the request's first output: the request is placed again on another decode engine.
+itself (short, mostly cached) never reaches a prefill engine, and neither does a long prompt while the prefill
+engine picked for it is busy (``_prefill_locally``: conditional disaggregation); if the prefill engine fails,
+the decode engine is told at once (``KVSourceLost``) and prefills the prompt itself: the caller sees no error.
+A decode engine that fails before the request's first output: the request is placed again on another decode
+engine.
 """
 
 import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from engine.core.outputs import RequestOutput
@@ -48,6 +51,12 @@ class DisaggregatedEngines:
         self._transfer_ids = itertools.count()
         self._request_ids = itertools.count()
         self.fallbacks = 0  # requests whose prefill engine failed under them (the decode engine prefilled)
+        self.local_prefills = 0  # long prompts a decode engine computed itself, every prefill engine being busy
+        self._queued_tokens: dict[int, int] = {}  # id(prefill engine) -> prompt tokens sent there, not yet computed
+        self._local_long: dict[int, int] = {}  # id(decode engine) -> long prompts it computes itself right now
+        # Per request id, when each phase of its first token ended (time.monotonic()): set to a dict to record
+        # them (the disaggregation benchmark's TTFT breakdown); None: nothing is recorded.
+        self.phases: dict[str, dict[str, float]] | None = None
 
     # -- EngineClient: one engine as long as a decode engine serves (prefill engines only make it faster) --
 
@@ -136,6 +145,20 @@ class DisaggregatedEngines:
         near = [p for p in live if self._load(p) <= least + AFFINITY_SLACK]
         return max(near, key=lambda p: (self._prefixes[id(p)].matched(hashes), -self._load(p)))
 
+    def _prefill_locally(self, p: AsyncEngine, d: AsyncEngine, prompt: list[int]) -> bool:
+        """Conditional disaggregation: whether decode engine ``d`` computes this long prompt itself because
+        ``p``, the least busy prefill engine fit for it, already has ``prefill_queue_tokens`` prompt tokens
+        queued or computing (the prompt would wait behind them) while ``d`` computes no long prompt itself (its
+        spare compute: at most one such prompt at a time, so its streams see at most one chunked prefill).
+        Short prompts are not counted: the decode engine computes those itself anyway."""
+        limit = self.config.prefill_queue_tokens
+        return (limit > 0 and len(prompt) >= self.config.local_prefill_tokens
+                and self._queued_tokens.get(id(p), 0) >= limit and self._local_long.get(id(d), 0) == 0)
+
+    def _mark(self, request_id: str, phase: str, value: float | None = None) -> None:
+        if self.phases is not None:
+            self.phases.setdefault(request_id, {})[phase] = time.monotonic() if value is None else value
+
     def _pair(self, p: AsyncEngine, d: AsyncEngine) -> str:
         """The pair id of (p, d), pairing them first (again after either restarted)."""
         known = self._pairs.get((id(p), id(d)))
@@ -176,33 +199,60 @@ class DisaggregatedEngines:
         """The request on decode engine ``d``, its prompt computed by a prefill engine where that pays."""
         hashes = block_hashes(prompt, d.info.block_size, policy.cache_salt)
         p = self._pick_prefill(hashes)
+        self._mark(request_id, "start")
+        local_long = p is not None and self._prefill_locally(p, d, prompt)
         self._in_flight[id(d)] = self._load(d) + 1
         prefill_task: asyncio.Task | None = None
         first: asyncio.Future | None = None
         stream = None
+        queued = 0  # prompt tokens this request counts in p's queue until its prefill ends
         try:
-            if p is None:  # no prefill engine up: the decode engine serves it whole
+            if p is None or local_long:  # no prefill engine up, or all busy: the decode engine serves it whole
+                if local_long:
+                    self.local_prefills += 1
+                    self._local_long[id(d)] = self._local_long.get(id(d), 0) + 1
+                    self._mark(request_id, "local")
                 stream = d.generate(prompt, sampling_params, request_id, policy, stream_outputs)
                 async for out in stream:
+                    if local_long:  # its prompt is computed: the decode engine may take another one
+                        self._local_long[id(d)] -= 1
+                        local_long = False
+                        self._mark(request_id, "first")
                     yield out
                 return
+            queued = len(prompt)
+            self._queued_tokens[id(p)] = self._queued_tokens.get(id(p), 0) + queued
             pair_id = self._pair(p, d)
             source = KVSource(pair_id, next(self._transfer_ids))
             wanted = d.kv_wanted(request_id)
             stream = d.generate(prompt, sampling_params, request_id, policy, stream_outputs, kv_source=source)
             first = asyncio.ensure_future(anext(stream))
             await asyncio.wait({first, wanted}, return_when=asyncio.FIRST_COMPLETED)
+            self._mark(request_id, "wanted")
             if wanted.done() and wanted.result():
                 sink = KVSink(pair_id, source.transfer_id, wanted.result())
                 prefill_task = asyncio.create_task(self._prefill(p, d, prompt, request_id, sink, policy))
+                # Out of p's queue when the prefill ends (a callback: it runs even if the task is cancelled
+                # before it started).
+                prefill_task.add_done_callback(lambda _, key=id(p), n=queued: self._dequeue(key, n))
+                queued = 0
+            else:  # the decode engine computes it (short, cached, or no room): nothing queues at p
+                self._dequeue(id(p), queued)
+                queued = 0
             try:
-                yield await first
+                out = await first
+                self._mark(request_id, "first")
+                yield out
             except StopAsyncIteration:
                 return
             async for out in stream:
                 yield out
         finally:
             self._in_flight[id(d)] -= 1
+            if local_long:  # ended before its first output
+                self._local_long[id(d)] -= 1
+            if queued:
+                self._dequeue(id(p), queued)
             if first is not None and not first.done():  # cancelled while waiting: the stream's end aborts it
                 first.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -221,11 +271,16 @@ class DisaggregatedEngines:
         self._prefixes[id(p)].add(sink.block_hashes)
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         try:
-            async for _ in p.generate(prompt, one, f"{request_id}-prefill", policy, stream=False, kv_sink=sink):
-                pass
+            async for out in p.generate(prompt, one, f"{request_id}-prefill", policy, stream=False, kv_sink=sink):
+                if out.queue_time_s is not None:
+                    self._mark(request_id, "prefill_queue_s", out.queue_time_s)
+            self._mark(request_id, "prefilled")
         except (EngineError, ValueError) as e:
             self.fallbacks += 1
             logger.warning("request %s: prefill engine failed (%s); the decode engine prefills it", request_id, e)
             d.kv_source_lost(request_id)
         finally:
             self._in_flight[id(p)] -= 1
+
+    def _dequeue(self, key: int, tokens: int) -> None:
+        self._queued_tokens[key] -= tokens

@@ -175,6 +175,12 @@ class EngineConfig:
     local_prefill_tokens: int = 64
     """a decode engine prefills a prompt itself when fewer than this many of its tokens are missing from its
     prefix cache (short prompts, mostly cached ones): a transfer would cost more than it saves"""
+    prefill_queue_tokens: int = 1024
+    """conditional disaggregation, read by the gateway from the decode engines' settings: when the prefill
+    engine picked for a long prompt already has at least this many prompt tokens queued or computing, a decode
+    engine that is not already computing such a prompt itself computes the new prompt itself rather than
+    queueing it behind them
+    (its streams see that one prompt's chunked prefill); 0: every long prompt goes to a prefill engine"""
 
     host_cache_gb: float = 0.0
     """host memory, in GB, for prefix-cache blocks evicted from the KV pool (pinned on CUDA): a later prompt
@@ -321,9 +327,10 @@ class EngineConfig:
         if self.role != "both" and (self.engine_ranks > 1 or self.data_parallel_size > 1):
             raise ValueError(f"role {self.role} runs in one process for now: its KV blocks are read and written "
                              "where the scheduler runs (tensor, pipeline and data parallel sizes 1)")
-        if self.kv_transfer_timeout_s <= 0 or self.local_prefill_tokens < 0:
-            raise ValueError("kv_transfer_timeout_s must be > 0 and local_prefill_tokens >= 0, got "
-                             f"{self.kv_transfer_timeout_s} and {self.local_prefill_tokens}")
+        if self.kv_transfer_timeout_s <= 0 or self.local_prefill_tokens < 0 or self.prefill_queue_tokens < 0:
+            raise ValueError("kv_transfer_timeout_s must be > 0, local_prefill_tokens and prefill_queue_tokens >= "
+                             f"0, got {self.kv_transfer_timeout_s}, {self.local_prefill_tokens} and "
+                             f"{self.prefill_queue_tokens}")
 
     def _check_cache_tiers(self) -> None:
         if self.host_cache_gb < 0 or self.disk_cache_gb < 0:

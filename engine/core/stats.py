@@ -77,6 +77,7 @@ class SchedulerStats(msgspec.Struct):
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     kv_transfer_fallbacks: int = 0
+    kv_transfer_pieces: int = 0  # pieces those transfers came in (more than one each: chunks sent while computing)
     # Prefix-cache tiers below the pool, per tier and tenant (empty when off), and the blocks the host tier
     # holds at most (0 when off): a router's prefix index counts them with the pool's.
     cache_tiers: list[TierStats] = []

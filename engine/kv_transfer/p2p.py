@@ -6,11 +6,13 @@ two ranks under that id's prefix of the store: the decode engine rank 0, the pre
 prefill engine gets a new pair id, so nothing of the old pair is read again.
 
 A gloo receive that times out closes the pair, so the receiver never posts a receive before data is on its way:
-the sender first writes a header under ``seq/<n>`` in the store (transfer id, blocks, or that it has none),
-then sends the payload; the receiver waits on the store key (a timeout there breaks nothing), reads the header,
-and receives exactly that payload. Payloads land in a buffer of their own and are written into the cache by
-``done`` on the engine's thread, so a transfer the decode engine gave up on (aborted, timed out) is drained and
-dropped and never writes a block that was freed meanwhile.
+the sender first writes a header under ``seq/<n>`` in the store (transfer id, the piece's first block index,
+its block count or -1 for "the blocks are gone", whether it is the last piece), then sends the payload; the
+receiver waits on the store key (a timeout there breaks nothing), reads the header, and receives exactly that
+payload. A transfer may come in several pieces (a chunked prefill sends the blocks of each chunk as it is
+computed). Payloads land in a buffer of their own and are written into the cache by ``done`` on the engine's
+thread, so a transfer the decode engine gave up on (aborted, timed out) is drained and dropped, every piece of
+it still to come too, and never writes a block that was freed meanwhile.
 """
 
 import datetime
@@ -42,6 +44,9 @@ def _host_port(address: str) -> tuple[str, int]:
 class _Load:
     block_ids: list[int]
     started: float
+    arrived: int = 0  # blocks written so far
+    num_bytes: int = 0
+    pieces: int = 0
 
 
 @dataclass(slots=True)
@@ -49,8 +54,10 @@ class _Arrival:
     pair_id: str
     transfer_id: int
     payload: torch.Tensor | None
-    error: str | None
+    error: str | None  # set: the transfer ended without (the rest of) its blocks
     num_blocks: int = 0
+    first: int = 0
+    last: bool = True
 
 
 class P2PConnector(KVConnector):
@@ -81,13 +88,17 @@ class P2PConnector(KVConnector):
         self._pairs[pair_id] = p
         p.thread.start()
 
-    def save_blocks(self, pair_id: str, transfer_id: int, block_ids: list[int] | None) -> None:
-        payload = self.layout.gather(block_ids) if block_ids else None  # a copy: the blocks may be reused now
+    def save_blocks(self, pair_id: str, transfer_id: int, block_ids: list[int] | None, first: int = 0,
+                    last: bool = True) -> None:
+        # A copy: the blocks may be reused now. uint8 [len(block_ids), bytes_per_block]; None: the blocks are gone.
+        payload = self.layout.gather(block_ids) if block_ids else None
+        num_blocks = -1 if block_ids is None else len(block_ids)
         p = self._pairs.get(pair_id)
         if p is None:
-            self._events.put(TransferResult(pair_id, transfer_id, True, False, error="unknown pair"))
+            if last or block_ids is None:
+                self._events.put(TransferResult(pair_id, transfer_id, True, False, error="unknown pair"))
             return
-        p.outbox.put((transfer_id, payload, time.monotonic()))
+        p.outbox.put(_Piece(transfer_id, first, num_blocks, last or block_ids is None, payload, time.monotonic()))
 
     def load_blocks(self, pair_id: str, transfer_id: int, block_ids: list[int]) -> None:
         self._loads[pair_id, transfer_id] = _Load(block_ids, time.monotonic())
@@ -115,19 +126,31 @@ class P2PConnector(KVConnector):
                 self._outstanding -= {k for k in self._outstanding if k[0] == event.pair_id}
             else:
                 keys = [(event.pair_id, event.transfer_id)]
-                self._outstanding.discard(keys[0])
+                if event.last:
+                    self._outstanding.discard(keys[0])
             for key in keys:
-                load = self._loads.pop(key, None)
+                load = self._loads.get(key)
                 if load is None:
                     continue  # given up on (aborted, timed out): the data was drained, nothing to write
-                if event.error is None and event.num_blocks != len(load.block_ids):
-                    event.error = f"{event.num_blocks} blocks arrived for {len(load.block_ids)} asked"
+                if event.error is None and event.first != load.arrived:
+                    event.error = f"blocks from {event.first} arrived after {load.arrived}"
+                if event.error is None and load.arrived + event.num_blocks > len(load.block_ids):
+                    event.error = f"{load.arrived + event.num_blocks} blocks arrived for {len(load.block_ids)} asked"
+                if event.error is None and event.last and load.arrived + event.num_blocks != len(load.block_ids):
+                    event.error = f"{load.arrived + event.num_blocks} blocks arrived for {len(load.block_ids)} asked"
                 if event.error is not None:
+                    del self._loads[key]
                     results.append(TransferResult(key[0], key[1], False, False, error=event.error))
                     continue
-                self.layout.scatter(load.block_ids, event.payload)
-                results.append(TransferResult(key[0], key[1], False, True, event.payload.numel(),
-                                              now - load.started))
+                if event.num_blocks:
+                    self.layout.scatter(load.block_ids[load.arrived:load.arrived + event.num_blocks], event.payload)
+                    load.arrived += event.num_blocks
+                    load.num_bytes += event.payload.numel()
+                    load.pieces += 1
+                if event.last:
+                    del self._loads[key]
+                    results.append(TransferResult(key[0], key[1], False, True, load.num_bytes, now - load.started,
+                                                  pieces=load.pieces))
         for key, load in list(self._loads.items()):
             if now - load.started > self.timeout_s:
                 del self._loads[key]
@@ -150,6 +173,18 @@ class P2PConnector(KVConnector):
                     p.group.shutdown()
                 except Exception as e:  # a peer already gone: nothing left to end cleanly
                     logger.debug("KV pair %s: shutdown: %s", p.pair_id, e)
+
+
+@dataclass(slots=True)
+class _Piece:
+    """Blocks ``first .. first + num_blocks - 1`` of a transfer, on their way out (num_blocks -1: gone)."""
+
+    transfer_id: int
+    first: int
+    num_blocks: int
+    last: bool
+    payload: torch.Tensor | None  # uint8 [num_blocks, bytes_per_block]
+    queued: float
 
 
 class _Pair:
@@ -201,29 +236,37 @@ class _Pair:
             return
         while True:  # sends queued or still to come fail at once
             try:
-                transfer_id, _, _ = self.outbox.get(timeout=None if not c._closed.is_set() else 0)
+                piece = self.outbox.get(timeout=None if not c._closed.is_set() else 0)
             except queue.Empty:
                 return
-            c._events.put(TransferResult(self.pair_id, transfer_id, True, False, error=error))
+            if piece.last:
+                c._events.put(TransferResult(self.pair_id, piece.transfer_id, True, False, error=error))
 
     def _send_loop(self, store, group) -> None:
         c = self.connector
         seq = 0
+        sending: dict[int, list] = {}  # transfer id -> [bytes sent, pieces, when its first piece was queued]
         while True:
-            transfer_id, payload, queued = self.outbox.get()
-            n = 0 if payload is None else payload.shape[0]
-            store.set(f"seq/{seq}", f"{transfer_id} {n}")
+            piece = self.outbox.get()
+            store.set(f"seq/{seq}", f"{piece.transfer_id} {piece.first} {piece.num_blocks} {int(piece.last)}")
             seq += 1
-            if payload is not None:
-                group.send([payload], 0, 0).wait(c.timeout)
-                logger.info("KV transfer %s/%d sent: %d blocks, %d bytes in %.3f s", self.pair_id, transfer_id, n,
-                            payload.numel(), time.monotonic() - queued)
-                c._events.put(TransferResult(self.pair_id, transfer_id, True, True, payload.numel(),
-                                             time.monotonic() - queued))
+            sent = sending.setdefault(piece.transfer_id, [0, 0, piece.queued])
+            if piece.payload is not None:
+                group.send([piece.payload], 0, 0).wait(c.timeout)
+                sent[0] += piece.payload.numel()
+                sent[1] += 1
+            if not piece.last:
+                continue
+            del sending[piece.transfer_id]
+            if piece.num_blocks >= 0:
+                logger.info("KV transfer %s/%d sent: %d bytes in %d pieces, %.3f s from the first", self.pair_id,
+                            piece.transfer_id, sent[0], sent[1], time.monotonic() - sent[2])
+                c._events.put(TransferResult(self.pair_id, piece.transfer_id, True, True, sent[0],
+                                             time.monotonic() - sent[2], pieces=sent[1]))
             else:
                 logger.warning("KV transfer %s/%d: the blocks were gone; the decode engine prefills itself",
-                               self.pair_id, transfer_id)
-                c._events.put(TransferResult(self.pair_id, transfer_id, True, False, error="blocks gone"))
+                               self.pair_id, piece.transfer_id)
+                c._events.put(TransferResult(self.pair_id, piece.transfer_id, True, False, error="blocks gone"))
 
     def _receive_loop(self, store, group) -> None:
         c = self.connector
@@ -235,12 +278,14 @@ class _Pair:
             if not store.check([key]):
                 time.sleep(STORE_POLL_S)
                 continue
-            transfer_id, n = (int(x) for x in store.get(key).decode().split())
+            transfer_id, first, n, last = (int(x) for x in store.get(key).decode().split())
             store.delete_key(key)
             seq += 1
-            if n == 0:
+            if n < 0:
                 c._events.put(_Arrival(self.pair_id, transfer_id, None, "the prefill engine no longer held the blocks"))
                 continue
-            payload = torch.empty((n, c.layout.bytes_per_block), dtype=torch.uint8, device=c.layout.device)
-            group.recv([payload], 1, 0).wait(c.timeout)
-            c._events.put(_Arrival(self.pair_id, transfer_id, payload, None, n))
+            payload = None
+            if n:
+                payload = torch.empty((n, c.layout.bytes_per_block), dtype=torch.uint8, device=c.layout.device)
+                group.recv([payload], 1, 0).wait(c.timeout)
+            c._events.put(_Arrival(self.pair_id, transfer_id, payload, None, n, first, bool(last)))

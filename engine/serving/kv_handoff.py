@@ -9,9 +9,12 @@ admission finds the whole prefix cached and computes only the last, partial bloc
 times out the request joins the same way without the blocks and its prompt is computed here. Too few missing
 tokens (``EngineConfig.local_prefill_tokens``), or too few free blocks: no transfer at all.
 
-Prefill side: a request with a ``KVSink`` runs as usual (the gateway asks for one token); when it finishes its
-blocks are still in the prefix cache under the sink's hashes, found there and copied out at once
-(``KVConnector.save_blocks``), so no block is held or reused while the copy travels.
+Prefill side: a request with a ``KVSink`` runs as usual (the gateway asks for one token). After every step the
+sink's blocks that have become computed (registered in the prefix cache under the sink's hashes, in order) are
+copied out and sent as one piece (``KVConnector.save_blocks``): a prompt longer than one chunk of the chunked
+prefill sends each chunk's blocks while the next chunk computes, and when the request finishes only the rest
+goes. Each piece is a copy, so no block is held or reused while it travels. A sink request that ends otherwise
+(aborted, failed, its blocks evicted) tells the decode engine the blocks are gone: it prefills itself.
 """
 
 import logging
@@ -28,6 +31,12 @@ from engine.kv_transfer.p2p import P2PConnector
 from engine.serving.protocol import AddRequest, KVSink, PairKV
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Sending:
+    sink: KVSink
+    sent: int = 0  # of sink.block_hashes, the leading ones sent so far
 
 
 @dataclass(slots=True)
@@ -55,8 +64,8 @@ class KVHandoff:
                                                    config.kv_transfer_address, config.kv_transfer_timeout_s)
         self._parked: dict[str, _Parked] = {}
         self._by_transfer: dict[tuple[str, int], str] = {}  # (pair, transfer) -> parked request id
-        self._sinks: dict[str, KVSink] = {}
-        self.transfers = self.bytes = self.fallbacks = 0
+        self._sinks: dict[str, _Sending] = {}
+        self.transfers = self.bytes = self.fallbacks = self.pieces = 0
         self.seconds = 0.0
 
     @property
@@ -134,8 +143,12 @@ class KVHandoff:
             add(parked.msg)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a parked request (True) and free its blocks: the connector drops its data if it still comes."""
-        self._sinks.pop(request_id, None)
+        """Drop a parked request (True) and free its blocks: the connector drops its data if it still comes. A
+        sink request (prefill side): its decode engine is told the blocks will not come (False: the caller
+        aborts the request in the engine)."""
+        sending = self._sinks.pop(request_id, None)
+        if sending is not None:
+            self.connector.save_blocks(sending.sink.pair_id, sending.sink.transfer_id, None)
         return self._unpark(request_id) is not None
 
     def _unpark(self, request_id: str) -> _Parked | None:
@@ -155,26 +168,44 @@ class KVHandoff:
 
     # ---- prefill side -----------------------------------------------------
     def expect_sink(self, msg: AddRequest) -> None:
-        self._sinks[msg.request_id] = msg.kv_sink
+        self._sinks[msg.request_id] = _Sending(msg.kv_sink)
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
-        """Send the blocks of sink requests that finished this step (still cached: nothing was allocated since)."""
+        """Send each sink request's blocks computed since the last piece; a request that finished this step sends
+        the rest and ends its transfer (its blocks are still cached: nothing was allocated since)."""
+        if not self._sinks:
+            return
         pool = self.engine.scheduler.kv.pool
-        for out in outputs:
-            if not out.finished or out.request_id not in self._sinks:
-                continue
-            sink = self._sinks.pop(out.request_id)
-            blocks = [pool.lookup(h) for h in sink.block_hashes]
-            if out.finish_reason not in ("length", "stop") or any(b is None for b in blocks):
+        finished = {out.request_id: out for out in outputs if out.finished}
+        for request_id, sending in list(self._sinks.items()):
+            sink, out = sending.sink, finished.get(request_id)
+            if out is not None and out.finish_reason not in ("length", "stop"):
+                del self._sinks[request_id]
                 self.connector.save_blocks(sink.pair_id, sink.transfer_id, None)
                 continue
-            self.connector.save_blocks(sink.pair_id, sink.transfer_id, [b.block_id for b in blocks])
+            ready: list[int] = []  # block ids of the next computed blocks, in order
+            for h in sink.block_hashes[sending.sent:]:
+                block = pool.lookup(h)
+                if block is None:
+                    break
+                ready.append(block.block_id)
+            if out is None:  # still computing: send what is ready, the rest follows
+                if ready:
+                    self.connector.save_blocks(sink.pair_id, sink.transfer_id, ready, sending.sent, last=False)
+                    sending.sent += len(ready)
+                continue
+            del self._sinks[request_id]
+            if sending.sent + len(ready) < len(sink.block_hashes):  # evicted before it finished: they are gone
+                self.connector.save_blocks(sink.pair_id, sink.transfer_id, None)
+                continue
+            self.connector.save_blocks(sink.pair_id, sink.transfer_id, ready, sending.sent, last=True)
 
     def _count(self, result) -> None:
         if result.ok:
             self.transfers += 1
             self.bytes += result.num_bytes
             self.seconds += result.seconds
+            self.pieces += result.pieces
         else:
             logger.warning("KV transfer %s/%d not sent: %s", result.pair_id, result.transfer_id, result.error)
 
@@ -184,4 +215,5 @@ class KVHandoff:
     def fill(self, stats: SchedulerStats) -> SchedulerStats:
         stats.kv_transfers, stats.kv_transfer_bytes = self.transfers, self.bytes
         stats.kv_transfer_seconds, stats.kv_transfer_fallbacks = self.seconds, self.fallbacks
+        stats.kv_transfer_pieces = self.pieces
         return stats

@@ -8,6 +8,7 @@ with every request answered and every decode block free again.
 """
 
 import asyncio
+import dataclasses
 import os
 import random
 import signal
@@ -63,12 +64,17 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
     prompts.append(shared + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(10, 14))])
     short = [rng.randrange(1, VOCAB - 1) for _ in range(5)]  # under local_prefill_tokens: computed by the decode engine
     lengths = [rng.randint(3, 8) for _ in range(len(prompts) + 1)]
+    # Three long prompts at once while the prefill engine's queue limit is 1 token: the second finds the first
+    # queued there and is computed by the decode engine itself (conditional disaggregation).
+    busy = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(24, 40))] for _ in range(3)]
     llm = LLM(**_settings(path))
-    expected = [o.token_ids for o in llm.generate(prompts + [short], [_greedy(n) for n in lengths])]
+    expected = [o.token_ids for o in llm.generate(prompts + [short] + busy, [_greedy(n) for n in lengths + [4] * 3])]
+    expected, expected_busy = expected[:len(prompts) + 1], expected[len(prompts) + 1:]
     expected_salted = llm.generate([prompts[0]], _greedy(lengths[0]))[0].token_ids
 
     async def main():
-        prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill")))
+        # Chunks of 2 blocks: each prompt's blocks leave the prefill engine in pieces, while it computes the rest.
+        prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill", max_num_batched_tokens=2 * BS)))
         decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", local_prefill_tokens=2 * BS)))
         router = DisaggregatedEngines([prefill], [decode])
         await router.start()
@@ -89,6 +95,7 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
             stats = decode.stats
             assert stats.kv_transfers == 5 and stats.kv_transfer_fallbacks == 0
             assert stats.kv_transfer_bytes > 0
+            assert stats.kv_transfer_pieces > stats.kv_transfers  # some prompt's blocks came in several pieces
             # Prompt 4 found prompt 3's shared blocks in the decode engine's own cache: only the rest moved.
             assert stats.prefix_hit_tokens >= len(shared)
             computed = sum(_computed_here(len(p)) for p in prompts) + len(short)
@@ -102,7 +109,24 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
             await asyncio.sleep(1.2)
             assert decode.stats.kv_transfer_bytes - before == first_bytes  # every block again, none shared
             assert decode.stats.kv_transfers == 6
-            assert decode.stats.total_prefill_tokens == computed + _computed_here(len(prompts[0]))
+            computed += _computed_here(len(prompts[0]))
+            assert decode.stats.total_prefill_tokens == computed
+
+            # Conditional disaggregation, forced: a queue limit of 1 token; the router records each request's
+            # phases, "local" for a prompt the decode engine computed itself.
+            router.config = dataclasses.replace(router.config, prefill_queue_tokens=1)
+            router.phases = {}
+            got = await asyncio.gather(*(_collect(router.generate(p, _greedy(4), f"busy{i}", policy=TENANT_A))
+                                         for i, p in enumerate(busy)))
+            assert got == expected_busy
+            local = [i for i in range(3) if "local" in router.phases[f"busy{i}"]]
+            assert 1 in local and 0 not in local and router.local_prefills == len(local)
+            await asyncio.sleep(1.2)
+            stats = decode.stats
+            assert stats.kv_transfers == 6 + 3 - len(local)
+            assert stats.total_prefill_tokens == computed + sum(
+                len(p) if i in local else _computed_here(len(p)) for i, p in enumerate(busy))
+            assert stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
         finally:
             await router.shutdown()
 
