@@ -35,6 +35,9 @@ class InstantEngine:
     async def shutdown(self) -> None:
         pass
 
+    def chat_template(self) -> str | None:
+        return None  # no checkpoint: the default parsers
+
     async def prepare(self, prompt=None, messages=None) -> list[int]:
         """About one token per 4 characters of text, as a stand-in for a tokenizer."""
         if messages is not None:

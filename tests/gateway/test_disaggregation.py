@@ -9,9 +9,13 @@ with every request answered and every decode block free again.
 
 import asyncio
 import dataclasses
+import io
+import json
 import os
 import random
 import signal
+import sqlite3
+import time
 
 import pytest
 
@@ -224,7 +228,8 @@ def test_faults_end_with_every_request_answered_and_every_block_free(tmp_path):
 @pytest.mark.timeout(300)
 def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_metrics(tmp_path, capsys):
     """`moegate serve --prefill-replicas 1 --decode-replicas 1`'s engines behind the real app, driven by the
-    official openai client; reference: the offline engine on the same demo checkpoint."""
+    official openai client, live and through the Batch API; reference: the offline engine on the same demo
+    checkpoint."""
     import openai
     from aiohttp import ClientSession
     from aiohttp.test_utils import TestServer
@@ -264,7 +269,8 @@ def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_met
         key = (await store.create_key("web"))[1]
         await store.close()
         engines = build_disaggregated(layout, b"", 60.0)
-        app = create_app(GatewayConfig(served_model_name="demo", database_url=url, metrics_port=0), engines)
+        app = create_app(GatewayConfig(served_model_name="demo", database_url=url, metrics_port=0,
+                                       data_dir=str(tmp_path / "data"), batch_poll_s=0.1), engines)
         async with TestServer(app, host="127.0.0.1") as server:
             client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
             for prompt, ref in zip(prompts, offline):
@@ -284,6 +290,32 @@ def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_met
             assert 'moegate_kv_transfers_total{replica="decode-0"} 2.0' in metrics
             assert 'moegate_kv_transfers_total{replica="prefill-0"} 2.0' in metrics
             assert 'moegate_kv_transfer_fallbacks_total{replica="decode-0"} 0.0' in metrics
+
+            # The Batch API through the same pair of engines: the lines' text is the offline engine's, and every
+            # request, live or batch, is billed once (one usage row each, its tokens once).
+            lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                      "body": {"model": "demo", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}}
+                     for i, p in enumerate(prompts)]
+            data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+            upload = await client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+            batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                                completion_window="24h")
+            deadline = time.monotonic() + 90
+            while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                batch = await client.batches.retrieve(batch.id)
+            assert batch.status == "completed" and batch.request_counts.completed == len(prompts), batch
+            out = {o["custom_id"]: o for o in map(json.loads, (await client.files.content(batch.output_file_id)).text.splitlines())}
+            for i, ref in enumerate(offline):
+                assert out[f"line-{i}"]["response"]["body"]["choices"][0]["text"] == ref.text
+            rows = []
+            while time.monotonic() < deadline:  # live rows go through the usage ledger's writer
+                with sqlite3.connect(tmp_path / "policy.db") as db:
+                    rows = db.execute("SELECT batch, completion_tokens FROM usage").fetchall()
+                if len(rows) >= 2 * len(prompts):
+                    break
+                await asyncio.sleep(0.1)
+            assert sorted(rows) == [(0, 8)] * len(prompts) + [(1, 8)] * len(prompts), rows
 
     asyncio.run(main_())
 

@@ -30,10 +30,22 @@ STALL_S = 3  # --engine-stall-timeout
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    yield from _serve(tmp_path_factory, with_adapter=False)
+
+
+@pytest.fixture
+def adapter_server(tmp_path_factory):
+    """Replicas that serve LoRA (a public adapter registered before the server starts), for the adapter test
+    alone: the other tests keep replicas without adapter slot tables."""
+    yield from _serve(tmp_path_factory, with_adapter=True)
+
+
+def _serve(tmp_path_factory, with_adapter: bool):
     root = tmp_path_factory.mktemp("replicas")
     model = str(root / "model")
     write_demo_model(model, seed=3)
-    _public_adapter(model, str(root / "adapter"), f"sqlite:///{root / 'policy.db'}")
+    if with_adapter:
+        _public_adapter(model, str(root / "adapter"), f"sqlite:///{root / 'policy.db'}")
     port, metrics_port = free_port(), free_port()
     proc, key = start_server(model, f"sqlite:///{root / 'policy.db'}", port, "--data-parallel-size", "2",
                              "--max-num-seqs", str(SLOTS), "--metrics-port", str(metrics_port),
@@ -135,10 +147,10 @@ def test_affinity_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(se
     asyncio.run(scenario())
 
 
-def test_adapter_requests_stay_on_the_replica_holding_their_adapter(server):
+def test_adapter_requests_stay_on_the_replica_holding_their_adapter(adapter_server):
     """One after another, prompts no replica holds: base-model ones alternate (a prefix nobody holds goes to the
     replica with the fewest prompt families), while an adapter's all go to the replica that first got it."""
-    _, key, url, metrics_url = server
+    _, key, url, metrics_url = adapter_server
     rng = random.Random()
 
     async def run(model: str) -> dict[str, float]:
