@@ -9,12 +9,13 @@ import glob
 import json
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
-from engine.layers.moe import SparseMoeBlock
+from engine.layers.moe import ExpertWeights, SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading import mxfp4
 from engine.loading.model_config import CheckpointError, ModelConfig
@@ -191,12 +192,23 @@ def copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match
     return full.numel()
 
 
-def load_weights(model: MoECausalLM, model_dir: str) -> None:
-    """Fill every parameter from the checkpoint; a missing or misshapen tensor is a CheckpointError."""
+def load_weights(model: MoECausalLM, model_dir: str, on_complete: Callable[[str], None] | None = None) -> None:
+    """Fill every parameter from the checkpoint; a missing or misshapen tensor is a CheckpointError.
+
+    ``on_complete(name)`` runs once a parameter has all its values; the caller may then replace it (e.g. by its
+    quantized form): the loader keeps no reference to a completed parameter, so its memory can go back at once."""
     from safetensors import SafetensorError, safe_open
 
     params = dict(model.named_parameters())
+    sizes = {name: p.numel() for name, p in params.items()}
     written = {name: 0 for name in params}
+
+    def wrote(target: str, count: int) -> None:
+        written[target] += count
+        if on_complete is not None and written[target] >= sizes[target]:
+            del params[target]  # no reference kept: a replaced parameter's memory goes back now
+            on_complete(target)
+
     files = checkpoint_files(model_dir)
     stored = checkpoint_scheme(model.config)
     scales = _Scales(files, stored.block) if stored is not None else None
@@ -229,7 +241,7 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                         whole = whole if layout is None else layout(whole)
                         part = rank_part(target, rule, list(whole.shape), model)
                         tensor = whole if part is None else part_of(whole, part)
-                        written[target] += copy_into(params[target].data, tensor, rule, match, model, name, path)
+                        wrote(target, copy_into(params[target].data, tensor, rule, match, model, name, path))
                         continue
                     part = rank_part(target, rule, info.get_shape(), model)
                     if info.get_dtype() in CHECKPOINT_8BIT:
@@ -239,7 +251,7 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                         tensor = scales.dequantized(f, name, part, path)
                     else:
                         tensor = _read(f, name, part)
-                    written[target] += copy_into(params[target].data, tensor, rule, match, model, name, path)
+                    wrote(target, copy_into(params[target].data, tensor, rule, match, model, name, path))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
     if extra:
@@ -247,7 +259,7 @@ def load_weights(model: MoECausalLM, model_dir: str) -> None:
                     "not used for serving)", model_dir, extra, model.config.num_layers)
     if model.config.tie_word_embeddings and "lm_head.weight" in written:
         written["lm_head.weight"] = written.get("model.embed_tokens.weight", 0)
-    missing = [n for n, p in params.items() if written.get(n, 0) < p.numel()]
+    missing = [n for n, size in sizes.items() if written.get(n, 0) < size]
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise CheckpointError(f"{model_dir}: checkpoint lacks weights for {shown}")
@@ -274,7 +286,8 @@ def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device:
     the model. Each copy rounds the tensor to ``dtype`` exactly as a cast of the whole model would.
 
     With ``quantization`` the routed experts are quantized from the float32 weights on the CPU, before the
-    move, so the device never holds them in 16 bits: the model is materialised on the CPU in float32 first. An
+    move, so the device never holds them in 16 bits: the model is laid out on the CPU in float32 (memory taken as
+    tensors are written) and each layer's experts are quantized, and their float32 freed, as soon as read. An
     8-bit checkpoint's tensors are dequantized as they are read (float32, exact for its float8 values times
     float32 scales up to float32 rounding); its experts are then quantized again with the scheme asked for, which
     for the checkpoint's own scheme gives back its values.
@@ -289,8 +302,23 @@ def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device:
     if config.tie_word_embeddings and stage.is_first:  # to_empty may give the two names separate storage
         model.lm_head.weight = model.model.embed_tokens.weight
     _rebuild_buffers(model)
-    load_weights(model, model_dir)
-    if quantization is None:  # the parameters are in dtype already; this casts the rebuilt float32 buffers only
-        return model.to(dtype=dtype).eval()
-    quantize_experts_(model, quantization)
+    if quantization is None:
+        load_weights(model, model_dir)
+        return model.to(dtype=dtype).eval()  # the parameters are in dtype already: this casts the float32 buffers
+    # Each MoE layer's experts are quantized as soon as both their tensors are read, and their float32 copies
+    # freed: the host holds the quantized experts, one layer's float32 experts and the rest of the model, never
+    # every expert in float32 (on the CPU, memory is taken as tensors are first written).
+    expert_modules = {f"{name}.{w}": module for name, module in model.named_modules()
+                      if isinstance(module, ExpertWeights) for w in ("w13", "w2")}
+    read: dict[int, set[str]] = {}
+
+    def quantize_when_read(param: str) -> None:
+        module = expert_modules.get(param)
+        if module is not None:
+            read.setdefault(id(module), set()).add(param.rsplit(".", 1)[1])
+            if read[id(module)] == {"w13", "w2"}:
+                module.quantize_(quantization)
+
+    load_weights(model, model_dir, quantize_when_read)
+    quantize_experts_(model, quantization)  # (any not yet: none after a complete load)
     return model.to(device=device, dtype=dtype).eval()

@@ -56,10 +56,11 @@ def resolve_scheme(option: str | None, model_config: ModelConfig, device: torch.
                    moe_backend: str = "auto", expert_split: int = 1) -> QuantScheme | None:
     """The experts' storage: ``option`` if set, else the checkpoint's own scheme, else None (model dtype).
 
-    An MXFP4 checkpoint is dequantized into the model dtype unless ``--quantization mxfp4`` asks for 4 bits: a
-    quantized model is built in float32 on the host before it moves (``build_model``), which for gpt-oss-20b
-    takes about 84 GB of host memory where the dequantizing load holds one tensor at a time.
-    (``device``, ``moe_backend`` and ``expert_split`` are kept for the day the 4 bits load tensor by tensor.)
+    An MXFP4 checkpoint is dequantized into the model dtype unless ``--quantization mxfp4`` asks for 4 bits: the
+    MXFP4 Triton kernel has not been measured on a GPU yet, and a quantized load holds the model's non-expert
+    weights and one layer's experts in float32 on the host (``build_model``), where the dequantizing load holds
+    one tensor at a time. (``device``, ``moe_backend`` and ``expert_split`` are kept for the day it is the
+    default on CUDA.)
     """
     if option is not None:
         return scheme_for_option(option)
@@ -92,7 +93,7 @@ def quantize_experts_(model: torch.nn.Module, scheme: QuantScheme | None) -> Non
     from engine.layers.moe import ExpertWeights
 
     for module in model.modules():
-        if isinstance(module, ExpertWeights):
+        if isinstance(module, ExpertWeights) and module.scheme is None:  # (the loader quantizes layers as read)
             module.quantize_(scheme)
 
 
