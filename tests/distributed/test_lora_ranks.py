@@ -4,13 +4,13 @@ greedy tokens, and those are transformers + PEFT's. Qwen3-MoE: one KV head repli
 q/k/v/o and the routed experts, the all-to-all dispatch; Qwen2-MoE: a shared expert and a dense layer, adapters on
 their gate/up/down too, the all-gather dispatch. Splits that do not serve adapters yet are refused with one line."""
 
-import contextlib
 
 import pytest
 import torch
 
 from tests.distributed.ranks import run_ranks_each
 from tests.distributed.test_tensor_parallel import VOCAB, family_checkpoints
+from tests.engine.lora.peft_reference import peft_greedy_tokens
 
 peft = pytest.importorskip("peft")
 
@@ -46,18 +46,6 @@ def _generate_each_way(rank: int, world: int, address: str, model_dir: str, path
     return results
 
 
-def _reference_tokens(ref, adapter: str | None, prompt: list[int], max_new: int) -> list[int]:
-    if adapter is None:
-        ctx = ref.disable_adapter()
-    else:
-        ref.set_adapter(adapter)
-        ctx = contextlib.nullcontext()
-    with ctx, torch.no_grad():
-        out = ref.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.timeout(400)
 def test_split_engines_serve_adapters_as_one_process_and_peft(tmp_path_factory):
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -80,9 +68,9 @@ def test_split_engines_serve_adapters_as_one_process_and_peft(tmp_path_factory):
         prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (19, 5, 11, 2, 14, 7)]
         reqs = list(zip((None, "ad1", "ad2", "ad3", "ad1", "ad3"), prompts))
         max_new = 6
-        expected[family] = [_reference_tokens(ref, a, p, max_new) for a, p in reqs]
+        expected[family] = [peft_greedy_tokens(ref, a, p, max_new) for a, p in reqs]
         # The adapters matter: some adapter request's answer differs from the base model's.
-        assert any(want != _reference_tokens(ref, None, p, max_new) for (a, p), want in zip(reqs, expected[family]) if a)
+        assert any(want != peft_greedy_tokens(ref, None, p, max_new) for (a, p), want in zip(reqs, expected[family]) if a)
         paths = ",".join(f"{name}={model_dir}-{name}" for name in adapters)
         # Each dispatch on one family: all-to-all on Qwen3-MoE, all-gather beside the shared expert and dense layer.
         modes = {m: extra for m, extra in MODES.items() if m != ("ep" if family == "qwen2_moe" else "ep_gather")}

@@ -1,7 +1,6 @@
 """A batch mixing the base model and three LoRA adapters gives each request exactly transformers + PEFT's greedy
 tokens for its adapter, through chunked prefill, preemption and prefix-cache hits (each forced and asserted)."""
 
-import contextlib
 import random
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 
 from engine import LLM, RequestPolicy, SamplingParams
 from tests.hf_models import make_hf_model
+from tests.engine.lora.peft_reference import peft_greedy_tokens
 
 peft = pytest.importorskip("peft")
 
@@ -28,18 +28,6 @@ MLP_ADAPTERS = {
 }
 FAMILY_ADAPTERS = {"qwen3_moe": ADAPTERS, "mixtral": ADAPTERS, "qwen2_moe": MLP_ADAPTERS}
 VOCAB = 211
-
-
-def _reference_tokens(ref, adapter: str | None, prompt: list[int], max_new: int) -> list[int]:
-    if adapter is None:
-        ctx = ref.disable_adapter()
-    else:
-        ref.set_adapter(adapter)
-        ctx = contextlib.nullcontext()
-    with ctx, torch.no_grad():
-        out = ref.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.timeout(600)
@@ -70,7 +58,7 @@ def test_mixed_adapters_match_transformers_peft(family, tmp_path):
             ("ad1", shared + prompt(9)), ("ad1", same), (None, shared + prompt(3)), ("ad3", prompt(20)),
             ("ad2", prompt(50))]
     max_new = 8
-    expected = [_reference_tokens(ref, a, p, max_new) for a, p in reqs]
+    expected = [peft_greedy_tokens(ref, a, p, max_new) for a, p in reqs]
 
     paths = ",".join(f"{n}={tmp_path / n}" for n in adapters)
     llm = LLM(model=model_dir, dtype="float32", device="cpu", lora_adapters=paths, max_loras=3, max_lora_rank=4,
@@ -95,7 +83,7 @@ def test_mixed_adapters_match_transformers_peft(family, tmp_path):
     assert scheduler.kv.prefix_hit_tokens > 0, f"seed={seed}: no prefix-cache hit"
     assert max(len(p) for _, p in reqs) > 24  # prompts were chunked
     # The adapters matter: a base-model answer would have failed above for some adapter request.
-    assert any(want != _reference_tokens(ref, None, p, max_new) for (a, p), want in zip(reqs, expected) if a)
+    assert any(want != peft_greedy_tokens(ref, None, p, max_new) for (a, p), want in zip(reqs, expected) if a)
     with pytest.raises(ValueError, match="not loaded"):
         engine.add_request(same, params, policy=RequestPolicy(lora_adapter="missing"))
     scheduler.kv.pool.check_all_free()

@@ -3,7 +3,6 @@ the base model, give each request transformers + PEFT's greedy tokens for its ad
 evictions, reads from disk and preemption happen (asserted); adapters added and removed while serving; bad adapters refused
 with one line while the engine keeps serving."""
 
-import contextlib
 import random
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from engine import LLM, RequestPolicy, SamplingParams
 from tests.hf_models import make_hf_model
+from tests.engine.lora.peft_reference import peft_greedy_tokens
 
 peft = pytest.importorskip("peft")
 
@@ -25,18 +25,6 @@ ADAPTERS = {
 }
 VOCAB = 211
 MAX_NEW = 6
-
-
-def _reference_tokens(ref, adapter: str | None, prompt: list[int], max_new: int) -> list[int]:
-    if adapter is None:
-        ctx = ref.disable_adapter()
-    else:
-        ref.set_adapter(adapter)
-        ctx = contextlib.nullcontext()
-    with ctx, torch.no_grad():
-        out = ref.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +64,8 @@ def world(tmp_path_factory):
               ("ad2", prompt(5)), (None, prompt(11)), ("ad3", prompt(14)), ("ad4", prompt(6)), ("ad1", prompt(8))],
              [("ad5", prompt(9)), ("ad4", prompt(7)), (None, prompt(6)), ("ad3", prompt(10)), ("ad5", prompt(12))],
              [("ad2", prompt(8)), ("ad1", again), ("ad3", prompt(9))])
-    expected = [_reference_tokens(ref, a, p, MAX_NEW) for a, p in sum(waves, [])]
-    adapted_differs = any(want != _reference_tokens(ref, None, p, MAX_NEW)
+    expected = [peft_greedy_tokens(ref, a, p, MAX_NEW) for a, p in sum(waves, [])]
+    adapted_differs = any(want != peft_greedy_tokens(ref, None, p, MAX_NEW)
                           for (a, p), want in zip(sum(waves, []), expected) if a)
     return dict(seed=seed, model_dir=model_dir, paths=paths, prompt=prompt, waves=waves, expected=expected,
                 adapted_differs=adapted_differs)
