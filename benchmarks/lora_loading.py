@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.lora_throughput import SHAPE, write_adapter, write_base
+from benchmarks.lora_throughput import SHAPE, write_base_and_adapters
 from engine import LLM, RequestPolicy, SamplingParams
 
 
@@ -73,10 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        write_base(f"{tmp}/base")
-        names = [f"ad{k}" for k in range(args.adapters)]
-        for k, name in enumerate(names):
-            write_adapter(f"{tmp}/{name}", args.rank, seed=k + 1)
+        names = write_base_and_adapters(tmp, args.adapters, args.rank)
         common = dict(model=f"{tmp}/base", dtype="float32", device="cpu", num_kv_blocks=1024, block_size=16,
                       lora_adapters=",".join(f"{n}={tmp}/{n}" for n in names), max_lora_rank=args.rank,
                       overlap_scheduling=False)

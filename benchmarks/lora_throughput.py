@@ -37,6 +37,15 @@ def write_base(path: str) -> None:
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
 
 
+def write_base_and_adapters(tmp: str, num_adapters: int, rank: int) -> list[str]:
+    """The base model in ``tmp/base`` and adapters ``ad0..`` beside it (seeds 1..n); returns their names."""
+    write_base(f"{tmp}/base")
+    names = [f"ad{k}" for k in range(num_adapters)]
+    for k, name in enumerate(names):
+        write_adapter(f"{tmp}/{name}", rank, seed=k + 1)
+    return names
+
+
 def write_adapter(path: str, rank: int, seed: int) -> None:
     """PEFT's layout: lora_A [r, in], lora_B [out, r] per projection; fused experts A [E*r, in], B [out, r*E]."""
     g = torch.Generator().manual_seed(seed)
@@ -88,10 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        write_base(f"{tmp}/base")
-        names = [f"ad{k}" for k in range(args.adapters)]
-        for k, name in enumerate(names):
-            write_adapter(f"{tmp}/{name}", args.rank, seed=k + 1)
+        names = write_base_and_adapters(tmp, args.adapters, args.rank)
         common = dict(model=f"{tmp}/base", dtype=args.dtype, device=args.device, num_kv_blocks=1024, block_size=16)
         engines = {"base": LLM(**common),
                    "lora": LLM(**common, lora_adapters=",".join(f"{n}={tmp}/{n}" for n in names),

@@ -42,23 +42,21 @@ def shard_qkv(parts: dict[int, LinearLora] | None, tp: TensorParallel, num_heads
 
 def shard_out_rows(parts: dict[int, LinearLora] | None, tp: TensorParallel) -> dict[int, LinearLora] | None:
     """Column-parallel pairs cut evenly by output rows, each packed part on its own (gate_up_proj's halves)."""
-    if parts is None or tp.size == 1:
-        return parts
-    out = {}
-    for p, pair in parts.items():
-        n = pair.b.shape[0] // tp.size
-        out[p] = _rows(pair, tp.rank * n, n)
-    return out
+    return _cut_evenly(parts, tp, by_rows=True)
 
 
 def shard_in_cols(parts: dict[int, LinearLora] | None, tp: TensorParallel) -> dict[int, LinearLora] | None:
     """Row-parallel pairs (o_proj, down_proj) cut evenly by input columns."""
+    return _cut_evenly(parts, tp, by_rows=False)
+
+
+def _cut_evenly(parts: dict[int, LinearLora] | None, tp: TensorParallel, by_rows: bool) -> dict[int, LinearLora] | None:
     if parts is None or tp.size == 1:
         return parts
     out = {}
     for p, pair in parts.items():
-        n = pair.a.shape[1] // tp.size
-        out[p] = _cols(pair, tp.rank * n, n)
+        n = (pair.b.shape[0] if by_rows else pair.a.shape[1]) // tp.size
+        out[p] = (_rows if by_rows else _cols)(pair, tp.rank * n, n)
     return out
 
 
