@@ -106,7 +106,11 @@ class LinearSlots:
         self.max_rank, self.part_rows = max_rank, part_rows
         width = _round_up(len(part_rows) * max_rank, RANK_ALIGN)
         out = part_rows[-1][1]
-        self.a = torch.zeros(num_slots, width, in_features, dtype=dtype, device=device)  # [S, W, in]
+        # [S, W, in]; stored in-major on the CPU, as ``ExpertSlots.a`` (its batched matmuls read A faster so).
+        if torch.device(device).type == "cpu":
+            self.a = torch.zeros(num_slots, in_features, width, dtype=dtype, device=device).transpose(1, 2)
+        else:
+            self.a = torch.zeros(num_slots, width, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out, width, dtype=dtype, device=device)  # [S, out, W]
 
     def load(self, slot: int, parts: dict[int, LinearLora] | None) -> None:
@@ -216,7 +220,14 @@ class ExpertSlots:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.max_rank = max_rank
         rank = _round_up(max_rank, RANK_ALIGN)
-        self.a = torch.zeros(num_experts, num_slots - 1, rank, in_features, dtype=dtype, device=device)
+        # Off the Triton devices A is stored in-major ([in, R] per group): the CPU's batched matmuls read a
+        # contiguous right operand about 1.5x faster than a transposed one (rank 16, hidden 256). ``a`` is the
+        # [E, S-1, R, in] view either way; the Triton kernel takes it contiguous.
+        if torch.device(device).type not in TRITON_DELTA_DEVICES:
+            self.a = torch.zeros(num_experts, num_slots - 1, in_features, rank, dtype=dtype,
+                                 device=device).transpose(-2, -1)
+        else:
+            self.a = torch.zeros(num_experts, num_slots - 1, rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_experts, num_slots - 1, out_features, rank, dtype=dtype, device=device)
 
     @property
@@ -248,7 +259,7 @@ class ExpertSlots:
         over the groups, or where ``torch._grouped_mm`` does not run, a pair of matmuls per group (reading the
         group sizes back)."""
         num_experts, adapters, rank, fan_in = self.a.shape
-        a = self.a.view(num_experts * adapters, rank, fan_in)  # [G, R, in]
+        a = self.a.flatten(0, 1)  # [G, R, in] (a view: in-major storage flattens its two leading dims alike)
         b = self.b.view(num_experts * adapters, -1, rank)  # [G, out, R]
         if pairs.adapted.shape[0] == 0:
             return out
