@@ -18,7 +18,8 @@ of experts. ``--shape``:
 - ``small`` (default): hidden 256, moe_intermediate 128, 16 experts (top-4), 4 layers. 8 adapters of rank 16
   are 117% of the experts' bytes: about 7x more LoRA-heavy than a real model.
 - ``realistic``: Qwen3-30B-A3B's hidden 2048 and moe_intermediate 768 (so the same 17% for 8 adapters of rank
-  16 as on that model), with 16 experts (top-4) and 2 layers so that it runs in a few minutes on 2 cores.
+  16 as on that model), with 8 experts (top-2; as many pairs per (expert, adapter) group in decode as the small
+  shape), 16 heads and 2 layers so that 3 rounds run in a few minutes on 2 cores.
 """
 
 import argparse
@@ -37,9 +38,11 @@ from engine import LLM, RequestPolicy, SamplingParams
 SHAPE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4,
              vocab_size=4096, bos_token_id=0, eos_token_id=1, max_position_embeddings=2048)
-# Qwen3-30B-A3B's expert and attention widths (so its adapter:expert byte ratio), fewer experts and layers.
+# Qwen3-30B-A3B's hidden and expert widths (so its adapter:expert byte ratio), fewer heads, experts and layers.
+# Top-2 of 8 keeps the small shape's pairs per (expert, adapter) group at 64 decode tokens and halves the work.
 REALISTIC_SHAPE = dict(SHAPE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                       num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
+                       num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                       num_experts=8, num_experts_per_tok=2)
 SHAPES = {"small": SHAPE, "realistic": REALISTIC_SHAPE}
 QWEN3_30B_A3B = dict(hidden_size=2048, moe_intermediate_size=768)
 
