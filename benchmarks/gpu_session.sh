@@ -9,8 +9,8 @@
 # bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), bench-mxfp4 (the MoE kernel
 # with MXFP4 experts against bf16 and 8 bits at gpt-oss-20b's expert shape), bench-mla (the MLA decode
 # kernel on DeepSeek-V3 shapes, with a sweep of its launch alternatives), bench-engine-deepseek (the engine on
-# DeepSeek-V2-Lite's shape), lora-tests and bench-lora (LoRA adapters: the delta kernel, tests, throughput against
-# the base model), batch-three-ways, batch-goals
+# DeepSeek-V2-Lite's shape), lora-tests, bench-lora and bench-lora-realistic (LoRA adapters: the delta kernel, tests, throughput
+# against the base model at the small and the realistic shape), batch-three-ways, batch-goals
 # (plus any stage name below). Each runs under its own time limit, so one that fails or
 # hangs still leaves the others' results; logs and JSON land in $OUT (default
 # /tmp/moegate-gpu), re-archived after every stage as gpu_session.tgz so a
@@ -128,6 +128,9 @@ for spec in "$@"; do
             tests/engine/kernels/test_lora_experts_kernel.py tests/engine/lora ;;
         bench-lora) run_stage bench-lora "$limit" $PY -m benchmarks.lora_throughput --device cuda --dtype bfloat16 \
             --requests 256 --rounds 3 ;;
+        # The same at Qwen3-30B-A3B's hidden and expert widths (adapter factors 17% of the experts' bytes).
+        bench-lora-realistic) run_stage bench-lora-realistic "$limit" $PY -m benchmarks.lora_throughput --device cuda \
+            --dtype bfloat16 --shape realistic --requests 256 --rounds 3 ;;
         bench-overlap) run_stage bench-overlap "$limit" $PY -m benchmarks.step_overlap --device cuda --asks none,logprobs,penalty ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m benchmarks.engine_gpu --json "$WORK/bench_engine_hf.json" ;;
         # Batch API goal 2 (with no live traffic, a batch's output tokens/s at 90% or more of the offline engine's on
