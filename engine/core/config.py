@@ -148,7 +148,9 @@ class EngineConfig:
     overlap_scheduling: bool | None = None
     """schedule and prepare the next step while the device runs this one, stop checks one step behind
     (default: on with CUDA, off on the CPU, where it measured no gain, and with speculative decoding;
-    multi-process engines run synchronously) (``engine.worker.overlap``)"""
+    tensor- and data-parallel engines run synchronously) (``engine.worker.overlap``). A pipelined engine
+    overlaps its steps across stages unless this is False: stage 0 runs the next step while the last stage
+    finishes this one (``engine.worker.pipeline_overlap``)"""
     speculative: str | None = None
     """speculative decoding: ngram proposes the tokens that followed the latest
     earlier occurrence of a request's last tokens, draft the greedy tokens of a small draft model
@@ -209,6 +211,11 @@ class EngineConfig:
                 raise ValueError(f"lora_adapters: {item.strip()!r} is not NAME=DIR with a new NAME")
             paths[name] = path
         return paths
+
+    @property
+    def overlaps_pipeline_steps(self) -> bool:
+        """Whether a pipelined engine keeps two steps in flight (``overlap_scheduling`` not False)."""
+        return self.pipeline_parallel_size > 1 and self.overlap_scheduling is not False
 
     @property
     def lora_enabled(self) -> bool:

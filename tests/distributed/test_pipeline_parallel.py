@@ -50,13 +50,16 @@ def _generate_each_way(rank: int, world: int, address: str, model_dir: str, prom
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     results = {}
-    for name, extra in {"single": {}, **modes}.items():
+    # One process overlapping its steps makes the scheduling decisions of overlapped pipeline stages (a step is
+    # scheduled before the one in flight is sampled): the reference for their preemptions and prefix hits.
+    for name, extra in {"single": {}, "single_overlap": dict(overlap_scheduling=True), **modes}.items():
         llm = LLM(model_dir, **ENGINE, **extra)
         try:
             results[name] = [out.token_ids for out in llm.generate(prompts, params)]
             stats = llm.engine.stats()
             results[name + ":stats"] = (stats.num_preemptions, stats.prefix_hit_tokens)
-            results[name + ":timings"] = [(t.stage, t.steps, t.empty_micro_batches, t.busy_s, t.busy_cpu_s)
+            results[name + ":timings"] = [(t.stage, t.steps, t.empty_micro_batches, t.busy_s, t.busy_cpu_s,
+                                           t.overlapped_steps)
                                           for t in llm.engine.stage_timings()]
             results[name + ":params"] = sum(p.numel() for p in llm.engine.model.parameters())
         finally:
@@ -82,9 +85,12 @@ def pipeline_runs(tmp_path_factory):
 
 
 def modes_of(family: str) -> dict:
-    """The ways a family runs: every family PP and PP x TP; one also with the experts divided in each stage."""
+    """The ways a family runs: every family PP and PP x TP (steps overlapped across the stages, the default);
+    one also with the experts divided in each stage, one also with synchronous steps."""
     if family == "qwen3_moe":
         return {**MODES, "pp_ep": dict(pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)}
+    if family == "mixtral":
+        return {**MODES, "pp_sync": dict(pipeline_parallel_size=2, overlap_scheduling=False)}
     return MODES
 
 
@@ -96,9 +102,11 @@ def test_pipeline_stages_generate_the_single_process_tokens(family, pipeline_run
     single = value["single"]
     preemptions, hits = value["single:stats"]
     assert preemptions > 0 and hits > 0, f"the workload must preempt and hit the prefix cache (seed={seed})"
+    assert value["single_overlap"] == single, f"overlapped steps in one process (family={family} seed={seed})"
     for name, mode in modes_of(family).items():
         assert value[name] == single, f"{name} differs from one process (family={family} seed={seed})"
-        assert value[name + ":stats"] == value["single:stats"], f"{name} family={family} seed={seed}"
+        reference = "single" if mode.get("overlap_scheduling") is False else "single_overlap"
+        assert value[name + ":stats"] == value[reference + ":stats"], f"{name} family={family} seed={seed}"
         timings = value[name + ":timings"]
         ranks = 2 * mode.get("tensor_parallel_size", 1)
         assert [t[0] for t in timings] == [r // (ranks // 2) for r in range(ranks)]  # world rank order
@@ -106,6 +114,14 @@ def test_pipeline_stages_generate_the_single_process_tokens(family, pipeline_run
         assert timings[0][2] > 0, "some step must have had an empty micro-batch (a decode of one token)"
         # A stage's CPU time in its busy spans is positive and within their wall time (a thread runs on one core).
         assert all(0 < t[4] <= t[3] + 0.05 for t in timings), timings
+        # Overlapped steps: stage 0 began steps while the step before was still in the last stage (a prefill chunk
+        # ahead of the decodes waiting for that step's tokens); synchronous steps never.
+        overlapped = [t[5] for t in timings if t[0] == 0]
+        if mode.get("overlap_scheduling") is False:
+            assert overlapped == [0] * len(overlapped), timings
+        else:
+            assert all(n > 0 for n in overlapped), f"{name}: no step overlapped the one before {timings}"
+        assert all(t[5] == 0 for t in timings if t[0] > 0), timings
         # Stage 0 holds the embedding, LM head and one of the two layers: well under the whole model.
         assert value[name + ":params"] < 0.9 * value["single:params"], (name, value[name + ":params"])
 
