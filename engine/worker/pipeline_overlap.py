@@ -4,14 +4,14 @@ Rank 0 schedules step N+1 right after stage 0 has sent step N's last micro-batch
 placeholders (``scheduler.PLACEHOLDER``) standing for step N's tokens, and hands the plan to a sending thread
 (a gloo broadcast returns only once every rank has posted its receive, and the last stage is still busy with
 step N). Only stage 0 embeds token ids, so only its micro-batches wait for step N's tokens: the parts ending
-with a placeholder (decodes) are cut last (``pipeline_step.placeholders_last``), and just before stage 0 embeds
-the first micro-batch holding one, it receives step N's rows from the last stage, computes their logits, rank 0
-samples them, and the tokens are written into the placeholders (sent to the stage's other tensor-parallel
-ranks). A step with no placeholder finishes step N after its own micro-batches.
+with a placeholder (decodes) form a last micro-batch of their own (``pipeline_step.micro_batches``), and just
+before stage 0 embeds it, it receives step N's rows from the last stage, computes their logits, rank 0 samples
+them, and the tokens are written into the placeholders (sent to the stage's other tensor-parallel ranks). A
+step with no placeholder finishes step N after its own micro-batches.
 
 ```
-stage 0:  N+1: mb0  mb1  mb2 │ rows of N back, sample N, fill │ mb3 (decodes) ── N+2: mb0 ...
-stage 1:  N: mb2  mb3 ─> rows back │ N+1: mb0  mb1  mb2  mb3 ...
+stage 0:  N+1: prefill mbs │ rows of N back, sample N, fill │ decodes ── N+2: prefill mbs ...
+stage 1:  N: prefill mbs, decodes ─> rows back │ N+1: prefill mbs, decodes ...
 ```
 
 Every stage-0 rank follows the same rule (``StageZeroSteps``), so their collectives (the LM head's gather, the

@@ -29,21 +29,20 @@ def has_placeholder(part: ScheduledRequest) -> bool:
     return bool(part.token_ids) and part.token_ids[-1] == PLACEHOLDER
 
 
-def placeholders_last(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """The parts, those ending with a placeholder (decodes) after the others, each group in its order."""
-    return sorted(scheduled, key=has_placeholder)  # stable
-
-
 def micro_batches(scheduled: list[ScheduledRequest], count: int) -> list[list[ScheduledRequest]]:
     """The step cut into ``count`` micro-batches of about equal tokens, in order: a part that crosses a boundary
     is cut into pieces (a prefill chunk in two chunks: the later piece's attention reads the earlier's KV, which
     each stage wrote one micro-batch before); only its last piece samples. Micro-batches may be empty (fewer
     tokens than micro-batches); they are skipped on every stage. A step with prompt logprobs or drafts is one
-    micro-batch (their rows are per part). Parts whose input is a placeholder are cut last
-    (``placeholders_last``), so that the micro-batches before theirs need no token of the step in flight."""
-    if _one_micro_batch(scheduled, count):
+    micro-batch (their rows are per part).
+
+    Parts whose input ends with a placeholder (decodes of overlapped steps) come after those micro-batches, in
+    one more micro-batch of their own: the ones before need no token of the step in flight, so stage 0 runs
+    them while the last stage finishes that step."""
+    if _one_micro_batch(scheduled):
         return [list(scheduled)]
-    scheduled = placeholders_last(scheduled)
+    waiting = [s for s in scheduled if has_placeholder(s)]
+    scheduled = [s for s in scheduled if not has_placeholder(s)]
     total = sum(s.num_new_tokens for s in scheduled)
     size = -(-total // count)
     out: list[list[ScheduledRequest]] = [[] for _ in range(count)]
@@ -60,7 +59,7 @@ def micro_batches(scheduled: list[ScheduledRequest], count: int) -> list[list[Sc
                 window_block_ids=s.window_block_ids))
             done += n
             room -= n
-    return out
+    return out + [waiting] if waiting else out
 
 
 @dataclass(slots=True)
@@ -85,7 +84,7 @@ class RowsBack:
 
 
 def _sampling_order(scheduled: list[ScheduledRequest], device: torch.device) -> torch.Tensor | None:
-    """For each scheduled sampling part, its row among the cut's sampled rows (``placeholders_last`` moves the
+    """For each scheduled sampling part, its row among the cut's sampled rows (``micro_batches`` moves the
     parts ending with a placeholder after the others); None when the cut keeps the scheduled order."""
     sampling = [s for s in scheduled if s.sample]
     cut = sorted(range(len(sampling)), key=lambda k: has_placeholder(sampling[k]))  # cut row j: part cut[j]
@@ -97,8 +96,8 @@ def _sampling_order(scheduled: list[ScheduledRequest], device: torch.device) -> 
     return torch.tensor(order, dtype=torch.int64, device=device)
 
 
-def _one_micro_batch(scheduled: list[ScheduledRequest], count: int) -> bool:
-    return count == 1 or any(s.prompt_logprob_rows or s.draft_token_ids for s in scheduled)
+def _one_micro_batch(scheduled: list[ScheduledRequest]) -> bool:
+    return any(s.prompt_logprob_rows or s.draft_token_ids for s in scheduled)
 
 
 @torch.inference_mode()
@@ -114,7 +113,7 @@ def run_stage(runner, scheduled: list[ScheduledRequest], stage: PipelineStage, c
     hidden_size, dtype, device = model.config.hidden_size, runner.dtype, runner.device
     parts = micro_batches(scheduled, count)
     # Before ``fill`` writes the placeholders: which of them the cut moved.
-    order = None if _one_micro_batch(scheduled, count) or not stage.is_first else _sampling_order(scheduled, device)
+    order = None if _one_micro_batch(scheduled) or not stage.is_first else _sampling_order(scheduled, device)
     timing.empty_micro_batches += sum(not mb for mb in parts)
     parts = [mb for mb in parts if mb]
     timing.steps += 1 if parts else 0

@@ -45,6 +45,33 @@ def test_micro_batches_cut_parts_into_pieces_that_cover_them_in_order():
             assert len({id(p.block_ids) for p in mb}) == len(mb)
 
 
+def test_micro_batches_put_the_parts_waiting_for_a_token_in_flight_in_a_last_one_and_rows_come_back_in_order():
+    import torch
+
+    from engine.core.scheduler import PLACEHOLDER, ScheduledRequest
+    from engine.worker.pipeline_step import _sampling_order, micro_batches
+
+    rng = random.Random()
+    for _ in range(50):
+        parts = []
+        for _ in range(rng.randrange(1, 7)):
+            waits = rng.random() < 0.5  # a decode (or a re-prefill) whose last input token is in flight
+            n = 1 if waits and rng.random() < 0.7 else rng.randrange(1, 12)
+            ids = list(range(100, 100 + n - waits)) + [PLACEHOLDER] * waits
+            parts.append(ScheduledRequest(None, n, [len(parts)], waits or rng.random() < 0.7, 0, ids))
+        count = rng.randrange(1, 5)
+        mbs = micro_batches(parts, count)
+        waiting = [p for p in parts if p.token_ids[-1] == PLACEHOLDER]
+        assert len(mbs) == count + bool(waiting)
+        assert (mbs[-1] if waiting else []) == waiting  # whole, in order, and nowhere else
+        assert all(p.token_ids[-1] != PLACEHOLDER for mb in mbs[:count] for p in mb)
+        # The last stage sends the sampled rows in the cut's order; stage 0 puts them back in the plan's.
+        cut_rows = [p.block_ids[0] for mb in mbs for p in mb if p.sample]
+        order = _sampling_order(parts, torch.device("cpu"))
+        rows = torch.tensor(cut_rows) if order is None else torch.tensor(cut_rows).index_select(0, order)
+        assert rows.tolist() == [p.block_ids[0] for p in parts if p.sample]
+
+
 def _generate_each_way(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, modes):
     from engine import LLM, SamplingParams
 
