@@ -23,11 +23,12 @@ import copy
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from engine.distributed.collectives import TensorParallel
 from engine.distributed.groups import CollectiveError
 from engine.worker.pipeline_step import RowsBack, has_placeholder, micro_batches, run_stage
@@ -130,6 +131,23 @@ class StageZeroSteps:
         self.in_flight = rows if scheduled else None
 
 
+@contextmanager
+def _without_own_placeholders(plan: SchedulerOutput):
+    """The plan's sampling requests without the placeholder ``advance()`` appended for the token being sampled:
+    sampling sees each request as the synchronous loop does (penalty histories, ``min_tokens``, the position a
+    seeded draw uses); the placeholders are back afterwards, for ``resolve()`` to fill."""
+    mine = [s.request for s in plan.scheduled if s.sample and s.request.num_tokens == s.start + s.num_new_tokens + 1
+            and s.request.all_token_ids[-1] == PLACEHOLDER]
+    for request in mine:
+        request.output_token_ids.pop()
+        request.all_token_ids.pop()
+    try:
+        yield
+    finally:
+        for request in mine:
+            request.append_output_token(PLACEHOLDER)
+
+
 class PipelinedSteps:
     """Rank 0's overlapped pipelined steps (see the module docstring): ``step`` runs stage 0's part of a plan
     and, on the way, samples and resolves the step in flight."""
@@ -153,7 +171,8 @@ class PipelinedSteps:
         prev, self.plan_in_flight = self.plan_in_flight, None
 
         def on_rows(logits: torch.Tensor | None) -> dict[str, int]:
-            sampled = runner.sample(prev, logits)
+            with _without_own_placeholders(prev):
+                sampled = runner.sample(prev, logits)
             runner.sampler.forget(plan.finished_ids)  # only now: the step in flight may have sampled them
             resolve(prev, sampled)
             return {s.request.request_id: t for s, t in zip(prev.scheduled, sampled.token_ids) if s.sample}

@@ -1,6 +1,7 @@
 """An engine split into 2 pipeline stages (and 2 stages of 2 tensor-parallel ranks, experts divided or split), on gloo with 1 thread per
-process, generates exactly the single-process engine's greedy tokens for a workload that prefills in chunks,
-preempts, hits the prefix cache and has steps where a micro-batch is empty; each stage holds only its layers; a
+process, generates exactly the single-process engine's tokens for a workload that prefills in chunks,
+preempts, hits the prefix cache and has steps where a micro-batch is empty (greedy, penalties, a seeded draw), its
+steps overlapped across the stages or not; each stage holds only its layers; a
 stage killed mid-run fails the engine within the timeout, naming the rank."""
 
 import os
@@ -75,7 +76,12 @@ def test_micro_batches_put_the_parts_waiting_for_a_token_in_flight_in_a_last_one
 def _generate_each_way(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, modes):
     from engine import LLM, SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    # Greedy, and sampling that reads each request's history and position (penalties, a seeded draw): a step
+    # is sampled while the next one is in flight.
+    asks = [dict(frequency_penalty=0.8, presence_penalty=0.3), dict(repetition_penalty=1.5),
+            dict(temperature=1.0, seed=11)]
+    params = [SamplingParams(**{"temperature": 0, **(asks[i] if i < len(asks) else {})}, max_tokens=n,
+                             ignore_eos=True) for i, n in enumerate(max_tokens)]
     results = {}
     # One process overlapping its steps makes the scheduling decisions of overlapped pipeline stages (a step is
     # scheduled before the one in flight is sampled): the reference for their preemptions and prefix hits.
