@@ -172,11 +172,14 @@ class LLMEngine:
         (after a failure, when they may be inside a collective) leave the group and end this node's ranks."""
         if self._overlap is not None:
             self._overlap.close()
-        if self._pipeline is not None and not abrupt:
+        if self._pipeline is not None:
             try:
-                self._finish_pipeline()
+                if not abrupt:
+                    self._finish_pipeline()
             except CollectiveError as e:  # a rank already gone: the others end when their connections close
                 logger.warning("could not finish the step in flight: %s", e)
+            finally:
+                self._pipeline.close()
         if self.tiers is not None:
             self.tiers.close()  # the disk writes queued so far land
         if self.lora is not None:

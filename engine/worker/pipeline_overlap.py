@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from engine.worker.runner import StepSamples
 
 
+_STOP = object()  # PlanSender's thread ends when it takes this
+
+
 class PlanSender:
     """Broadcasts rank 0's plans to the other ranks from a thread of its own, in order, so that rank 0 goes on
     with stage 0's work while the later stages finish the step before. Every other message on the plans'
@@ -68,9 +71,12 @@ class PlanSender:
         if self._error is not None:
             raise self._error
 
+    def close(self) -> None:
+        """End the thread once the plans handed over are sent (or failed)."""
+        self._queue.put(_STOP)
+
     def _loop(self) -> None:
-        while True:
-            plan = self._queue.get()
+        while (plan := self._queue.get()) is not _STOP:
             try:
                 if self._error is None:
                     self._plans.broadcast_object(plan)
@@ -186,4 +192,4 @@ class PipelinedSteps:
         self.plan_in_flight = None if plan.is_empty else plan
 
     def close(self) -> None:
-        self.sender.drain()
+        self.sender.close()
