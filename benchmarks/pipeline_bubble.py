@@ -1,7 +1,7 @@
 """Pipeline parallelism on the CPU: throughput of 2 stages (1 torch thread each) against one 1-thread process, on
 a long-prompt workload, side by side in one run, with the share of its time each stage waited.
 
-    python -m benchmarks.pipeline_bubble                        # 8 prompts of 1024 tokens; 1 and 4 micro-batches
+    python -m benchmarks.pipeline_bubble                        # 8 prompts of 1024 tokens; 1, 2 and 4 micro-batches
     python -m benchmarks.pipeline_bubble --micro-batches 1 2 4 8 --prompts 4 --prompt-len 512
     python -m benchmarks.pipeline_bubble --overlap on off          # steps overlapped across the stages or not
 
@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--output", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--overlap", nargs="+", choices=("on", "off"), default=["on"],
                         help="pipelined steps overlapped across the stages (overlap_scheduling) or synchronous")
     parser.add_argument("--rounds", type=int, default=3)

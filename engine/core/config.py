@@ -105,8 +105,9 @@ class EngineConfig:
     """stages the model's layers are split over, each of ``tensor_parallel_size`` ranks (world: the
     product): a stage holds only its layers and their KV cache and sends (hidden, residual) on to the next;
     the first stage also holds the embedding, the LM head and the sampler (``engine.distributed.pipeline``)"""
-    pipeline_micro_batches: int = 4
-    """pieces (by token ranges) each step is cut into so that the stages work on different pieces at once"""
+    pipeline_micro_batches: int = 2
+    """pieces (by token ranges) each step is cut into so that the stages work on different pieces at once
+    (with steps overlapped, the decodes waiting for the step in flight are one more piece)"""
     enable_expert_parallel: bool = False
     """divide the routed experts whole among the ranks instead of splitting each one"""
     expert_dispatch: str = "all_to_all"
