@@ -1,11 +1,12 @@
 """Pipeline parallelism on the CPU: throughput of 2 stages (1 torch thread each) against one 1-thread process, on
 a long-prompt workload, side by side in one run, with the share of its time each stage waited.
 
-    python -m benchmarks.pipeline_bubble                        # 8 prompts of 1024 tokens; 1 and 4 micro-batches
+    python -m benchmarks.pipeline_bubble                        # 8 prompts of 1024 tokens; 1, 2 and 4 micro-batches
     python -m benchmarks.pipeline_bubble --micro-batches 1 2 4 8 --prompts 4 --prompt-len 512
+    python -m benchmarks.pipeline_bubble --overlap on off          # steps overlapped across the stages or not
 
 Each configuration runs the same requests (random prompts, 4 output tokens, greedy) on a random-weight MoE
-model, after one warm-up request, in interleaved rounds (median and range of each); throughput is prompt plus output tokens per second of wall time. A
+model, after one warm-up request, in interleaved rounds, every other round in reverse order (median and range of each); throughput is prompt plus output tokens per second of wall time. A
 stage's wait share is its time blocked receiving from the stage before it (stage 0: the final rows back from
 the last stage) or on its sends' completion, over the wall time; its busy CPU time (thread time) shows how much of its busy wall time it
 really ran, which matters on a machine whose cores are shared. The goal is 2 stages >= 1.6x one process; on a machine with fewer free
@@ -42,6 +43,8 @@ def run(prompts: list[list[int]], output: int, chunk: int, **parallel) -> tuple[
         first = engine.stage_timings()
         before = {t.stage: (t.busy_s, t.wait_s) for t in first}
         before_cpu = {t.stage: t.busy_cpu_s for t in first}
+        before_steps = {t.stage: t.steps for t in first}
+        before_overlapped = {t.stage: t.overlapped_steps for t in first}
         start, cpu = time.perf_counter(), time.thread_time()
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, params, request_id=str(i))
@@ -53,6 +56,8 @@ def run(prompts: list[list[int]], output: int, chunk: int, **parallel) -> tuple[
             busy, wait = before.get(t.stage, (0.0, 0.0))
             busy_cpu = before_cpu.get(t.stage, 0.0)
             t.busy_s, t.wait_s, t.busy_cpu_s = t.busy_s - busy, t.wait_s - wait, t.busy_cpu_s - busy_cpu
+            t.steps -= before_steps.get(t.stage, 0)
+            t.overlapped_steps -= before_overlapped.get(t.stage, 0)
         return sum(len(p) + output for p in prompts) / elapsed, timings, elapsed, cpu
     finally:
         engine.close()
@@ -64,20 +69,23 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--output", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--overlap", nargs="+", choices=("on", "off"), default=["on"],
+                        help="pipelined steps overlapped across the stages (overlap_scheduling) or synchronous")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 8000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     print(f"{os.cpu_count()} CPUs; {args.prompts} prompts of {args.prompt_len} tokens, {args.output} output tokens, "
           f"chunks of {args.chunk}; 1 torch thread per process; {args.rounds} interleaved rounds")
-    configs = {"one process": {}, **{f"2 stages, {m} micro-batches": dict(pipeline_parallel_size=2,
-                                                                      pipeline_micro_batches=m)
-                                     for m in args.micro_batches}}
+    configs = {"one process": {}, **{
+        f"2 stages, {m} mb, overlap {o}": dict(pipeline_parallel_size=2, pipeline_micro_batches=m,
+                                               overlap_scheduling=o == "on")
+        for m in args.micro_batches for o in args.overlap}}
     results: dict[str, list[tuple[float, list, float, float]]] = {name: [] for name in configs}
-    for _ in range(args.rounds):  # interleaved, so that drift in the machine's load hits every configuration
-        for name, parallel in configs.items():
-            results[name].append(run(prompts, args.output, args.chunk, **parallel))
+    for round_ in range(args.rounds):  # interleaved and alternating, so that drift in the load hits every one
+        for name in (list(configs) if round_ % 2 == 0 else list(configs)[::-1]):
+            results[name].append(run(prompts, args.output, args.chunk, **configs[name]))
     single = statistics.median(r[0] for r in results["one process"])
     single_cpu = statistics.median(r[3] for r in results["one process"])
     print("throughput: median (range) of the rounds; ratio: median of each round's rate over the median single "
@@ -95,7 +103,8 @@ def main() -> None:
         for t in timings:
             other = max(elapsed - t.busy_s - t.wait_s, 0.0)
             print(f"{'':<28} stage {t.stage}: busy {100 * t.busy_s / elapsed:3.0f}% (cpu {t.busy_cpu_s:.2f}s), "
-                  f"wait {100 * t.wait_s / elapsed:3.0f}%, other {100 * other / elapsed:3.0f}% of {elapsed:.2f}s")
+                  f"wait {100 * t.wait_s / elapsed:3.0f}%, other {100 * other / elapsed:3.0f}% of {elapsed:.2f}s"
+                  + (f", {t.overlapped_steps} of {t.steps} steps overlapped" if t.stage == 0 else ""))
         if timings:
             print(f"{'':<28} stages' compute CPU {sum(t.busy_cpu_s for t in timings):.2f}s against one process's "
                   f"{single_cpu:.2f}s")

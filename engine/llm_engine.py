@@ -9,6 +9,7 @@ from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
 from engine.text.prompts import InputProcessor
 from engine.loading.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
+from engine.distributed.groups import CollectiveError
 from engine.distributed.pipeline import STAGE_TIMINGS, WHOLE, StageTiming
 from engine.distributed.ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
@@ -19,6 +20,8 @@ from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.worker.lora_setup import serve_adapters
 from engine.worker.cpu_allocator import keep_freed_memory
 from engine.worker.model_setup import build_rank, engine_model_config
+from engine.worker.pipeline_overlap import PipelinedSteps
+from engine.worker.runner import follower_plan
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, waits_for_step_in_flight
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
@@ -137,10 +140,16 @@ class LLMEngine:
         if overlap is None:  # speculative decoding needs each step's verified tokens before the next
             overlap = self.device.type in OVERLAP_BY_DEFAULT and config.speculative is None
         if overlap and (self.runner.plans.size > 1 or self.runner.steps_with_peers):
-            logger.info("overlapped scheduling is off: it needs a single-process engine")
+            if not self.runner.stage.pipelined:
+                logger.info("overlapped scheduling is off: it needs a single-process engine")
             overlap = False
         self._overlap = OverlappedRunner(self.runner) if overlap else None
         self._in_flight: StepInFlight | None = None
+        # A pipelined engine's steps overlap across its stages instead (engine.worker.pipeline_overlap).
+        self._pipeline = (PipelinedSteps(self.runner, config.distributed_timeout_s)
+                          if config.overlaps_pipeline_steps else None)
+        overlap = overlap or self._pipeline is not None
+        self._held_outputs: list[RequestOutput] = []  # of a pipelined step finished between two step() calls
         try:
             for name, path in config.lora_adapter_paths.items():  # the same path as adapters added while serving
                 self.add_lora(name, path)
@@ -155,7 +164,7 @@ class LLMEngine:
             self.runner.attention_backend, cache_config.num_blocks, config.block_size, self.max_model_len,
             self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off",
             f"{pw.sizes} (captured in {pw.capture_s:.1f} s)" if (pw := self.runner.piecewise_graphs) else "off",
-            "on" if overlap else "off",
+            ("on (pipeline stages)" if self._pipeline is not None else "on") if overlap else "off",
         )
 
     def close(self, abrupt: bool = False) -> None:
@@ -163,6 +172,14 @@ class LLMEngine:
         (after a failure, when they may be inside a collective) leave the group and end this node's ranks."""
         if self._overlap is not None:
             self._overlap.close()
+        if self._pipeline is not None:
+            try:
+                if not abrupt:
+                    self._finish_pipeline()
+            except CollectiveError as e:  # a rank already gone: the others end when their connections close
+                logger.warning("could not finish the step in flight: %s", e)
+            finally:
+                self._pipeline.close()
         if self.tiers is not None:
             self.tiers.close()  # the disk writes queued so far land
         if self.lora is not None:
@@ -304,7 +321,8 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Whether a request is unfinished, or a step is still in flight (overlapped scheduling)."""
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return (self.scheduler.has_unfinished() or self._in_flight is not None
+                or (self._pipeline is not None and (self._pipeline.busy or bool(self._held_outputs))))
 
     def step_needed(self) -> bool:
         """Whether to call ``step()`` now: this engine has work or, for data-parallel engines sharing experts,
@@ -323,7 +341,10 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty and self._in_flight is None and self.lora is not None and self.scheduler.num_lora_waiting:
             self.lora.host.wait_for_reads(LORA_READ_WAIT_S)  # nothing to run until an adapter is read
-        outputs = self._run_synchronously(plan) if self._overlap is None else self._step_overlapped(plan)
+        if self._pipeline is not None:
+            outputs = self._step_pipelined(plan)
+        else:
+            outputs = self._run_synchronously(plan) if self._overlap is None else self._step_overlapped(plan)
         # Copies of an n > 1 request whose leader has now computed the prompt join the queue for the next step.
         for request in self.choice_groups.release():
             self.scheduler.add_request(request)
@@ -356,6 +377,32 @@ class LLMEngine:
         self._in_flight = step
         return outputs
 
+    def _step_pipelined(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Send ``plan`` (step N+1) into the pipeline's first stage; on the way the step in flight (N) comes back
+        from the last stage, is sampled, and its outputs are returned (one call later, as overlapped). An empty
+        plan with a step in flight finishes that step on every rank."""
+        if plan.is_empty and not self._pipeline.busy:
+            outputs, self._held_outputs = self._held_outputs, []
+            return merge_step_outputs(outputs + self._run_synchronously(plan))
+        outputs, self._held_outputs = self._held_outputs, []
+
+        def resolve(prev: SchedulerOutput, sampled) -> None:
+            updates = self.scheduler.resolve(prev, sampled.token_ids)
+            outputs.extend(self.output_processor.process(updates, self.scheduler, sampled.logprobs,
+                                                         sampled.prompt_logprobs))
+
+        self._pipeline.step(plan, follower_plan(plan), resolve)
+        if not plan.is_empty:
+            self.scheduler.advance(plan)
+        return merge_step_outputs(outputs)
+
+    def _finish_pipeline(self) -> None:
+        """Finish the pipelined step in flight (its outputs come with the next ``step()``) and wait until every
+        plan is sent: before another message on the plans' channel."""
+        if self._pipeline.busy:
+            self._held_outputs += self._step_pipelined(SchedulerOutput([], 0))
+        self._pipeline.sender.drain()
+
     def _resolve(self, step: StepInFlight) -> list[RequestOutput]:
         sampled = self._overlap.collect(step)
         updates = self.scheduler.resolve(step.plan, sampled.token_ids)
@@ -366,6 +413,8 @@ class LLMEngine:
         in world rank order; a collective with every rank, between steps. Empty unless pipelined."""
         if not self.runner.stage.pipelined:
             return []
+        if self._pipeline is not None:
+            self._finish_pipeline()
         self.runner.plans.broadcast_object(STAGE_TIMINGS)
         return self.runner.plans.all_gather_object(self.runner.stage.timing)
 

@@ -105,8 +105,9 @@ class EngineConfig:
     """stages the model's layers are split over, each of ``tensor_parallel_size`` ranks (world: the
     product): a stage holds only its layers and their KV cache and sends (hidden, residual) on to the next;
     the first stage also holds the embedding, the LM head and the sampler (``engine.distributed.pipeline``)"""
-    pipeline_micro_batches: int = 4
-    """pieces (by token ranges) each step is cut into so that the stages work on different pieces at once"""
+    pipeline_micro_batches: int = 2
+    """pieces (by token ranges) each step is cut into so that the stages work on different pieces at once
+    (with steps overlapped, the decodes waiting for the step in flight are one more piece)"""
     enable_expert_parallel: bool = False
     """divide the routed experts whole among the ranks instead of splitting each one"""
     expert_dispatch: str = "all_to_all"
@@ -148,7 +149,9 @@ class EngineConfig:
     overlap_scheduling: bool | None = None
     """schedule and prepare the next step while the device runs this one, stop checks one step behind
     (default: on with CUDA, off on the CPU, where it measured no gain, and with speculative decoding;
-    multi-process engines run synchronously) (``engine.worker.overlap``)"""
+    tensor- and data-parallel engines run synchronously) (``engine.worker.overlap``). A pipelined engine
+    overlaps its steps across stages unless this is False: stage 0 runs the next step while the last stage
+    finishes this one (``engine.worker.pipeline_overlap``)"""
     speculative: str | None = None
     """speculative decoding: ngram proposes the tokens that followed the latest
     earlier occurrence of a request's last tokens, draft the greedy tokens of a small draft model
@@ -209,6 +212,11 @@ class EngineConfig:
                 raise ValueError(f"lora_adapters: {item.strip()!r} is not NAME=DIR with a new NAME")
             paths[name] = path
         return paths
+
+    @property
+    def overlaps_pipeline_steps(self) -> bool:
+        """Whether a pipelined engine keeps two steps in flight (``overlap_scheduling`` not False)."""
+        return self.pipeline_parallel_size > 1 and self.overlap_scheduling is not False
 
     @property
     def lora_enabled(self) -> bool:

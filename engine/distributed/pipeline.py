@@ -49,6 +49,8 @@ class StageTiming:
     busy_cpu_s: float = 0.0
     steps: int = 0
     empty_micro_batches: int = 0
+    # Steps stage 0 began while the step before was still in flight (overlapped pipelined steps).
+    overlapped_steps: int = 0
 
     @property
     def wait_share(self) -> float:
@@ -70,6 +72,8 @@ class PipelineStage:
     groups: RankGroups | None = None
     tp_size: int = 1
     timing: StageTiming = field(default_factory=lambda: StageTiming(0))
+    # The last step's sends, (work, tensor): waited at the end of the next step (engine.worker.pipeline_step).
+    pending_sends: list = field(default_factory=list)
 
     @classmethod
     def of(cls, groups: RankGroups, tp_size: int, num_layers: int) -> "PipelineStage":
@@ -105,10 +109,16 @@ class PipelineStage:
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, stage: int) -> torch.Tensor:
         """The tensor of ``shape`` this rank's peer in ``stage`` sends."""
-        out = torch.empty(shape, dtype=dtype, device=device)
-        work = self._run(f"receive from stage {stage} (rank {self.peer(stage)})", dist.irecv, out, self.peer(stage))
+        work, out = self.irecv(shape, dtype, device, stage)
         self.wait(work, f"receive from stage {stage} (rank {self.peer(stage)})")
         return out
+
+    def irecv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              stage: int) -> tuple["dist.Work", torch.Tensor]:
+        """Start receiving the tensor of ``shape`` this rank's peer in ``stage`` sends: (work, tensor), the
+        tensor filled once ``wait(work)`` returns."""
+        out = torch.empty(shape, dtype=dtype, device=device)
+        return self._run(f"receive from stage {stage} (rank {self.peer(stage)})", dist.irecv, out, self.peer(stage)), out
 
     def wait(self, work, what: str) -> None:
         try:

@@ -9,6 +9,7 @@ from engine.core.config import CacheConfig, EngineConfig, KernelChoice
 from engine.core.kv_cache_manager import sliding_blocks_bound
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
+from engine.worker.pipeline_overlap import StageZeroSteps
 from engine.loading.model_config import CheckpointError, ModelConfig, load_model_config
 from engine.loading.model_loader import build_model
 from engine.layers.moe import SparseMoeBlock
@@ -176,6 +177,8 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
     cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching, window)
     runner = make_runner(config, model, cache_config, kernels, device, dtype, max_len)
     runner.micro_batches = config.pipeline_micro_batches
+    if config.overlaps_pipeline_steps and model.stage.is_first:
+        runner.stage_zero = StageZeroSteps(runner)
     if draft is not None:
         runner.draft = DraftProposer(draft, cache_config, device, dtype, kernels.attention)
     runner.eplb = balancer

@@ -15,6 +15,7 @@ from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
 from engine.worker.cache_groups import cache_slots
 from engine.worker.kv_memory import zeros_on_first_touch
 from engine.worker.expert_load import ExpertLoadReader
+from engine.worker.pipeline_overlap import StageZeroSteps
 from engine.worker.pipeline_step import run_stage
 from engine.sampling.prompt_scoring import prompt_scoring
 from engine.sampling.sampler import Sampler
@@ -102,6 +103,8 @@ class ModelRunner:
         # Where the step's plan goes: this engine's tensor-parallel ranks, or every pipeline stage's.
         self.plans = self.stage.plans if self.stage.pipelined else model.tp
         self.micro_batches = 1  # per pipelined step (EngineConfig.pipeline_micro_batches; set by model_setup)
+        # A follower stage-0 rank's overlapped pipelined steps (EngineConfig.overlaps_pipeline_steps; model_setup).
+        self.stage_zero: StageZeroSteps | None = None
 
     # ---- batch construction -----------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
@@ -162,8 +165,8 @@ class ModelRunner:
             self.plans.broadcast_object(follower_plan(sched_out))
         self.num_steps += 1
         if self.stage.pipelined:  # the last stage's final hidden rows, sampled here
-            hidden_rows = run_stage(self, sched_out.scheduled, self.stage, self.micro_batches)  # [N + Q, H]
-            logits = self.model.compute_logits(hidden_rows) if hidden_rows.numel() else None
+            hidden_rows = run_stage(self, sched_out.scheduled, self.stage, self.micro_batches).wait(self.stage)
+            logits = self.model.compute_logits(hidden_rows) if hidden_rows.numel() else None  # [N + Q, V]
         else:
             start = time.perf_counter()
             batch = self.prepare(sched_out.scheduled)
@@ -176,6 +179,12 @@ class ModelRunner:
                 if self.lora is not None:
                     self.lora.end_step()
             logits = self._logits(hidden, batch)  # [N + Q, V]
+        return self.sample(sched_out, logits)
+
+    @torch.inference_mode()
+    def sample(self, sched_out: SchedulerOutput, logits: torch.Tensor | None) -> StepSamples:
+        """The step's tokens and logprobs from its logits [N + Q, V] (None: no row): the sampling rows (K + 1
+        for a part with K drafts), then the prompt-scoring rows."""
         # One sampling row per sampling part, K + 1 for a part with K drafts (offsets 0..K).
         rows = [(s.request, j) for s in sched_out.scheduled if s.sample for j in range(len(s.draft_token_ids) + 1)]
         result = StepSamples([None] * len(sched_out.scheduled))
@@ -254,15 +263,18 @@ class ModelRunner:
         if self.eplb is not None and not isinstance(plan, list):
             self.eplb.apply(plan)
             return
+        if self.stage.pipelined:  # an empty plan: no micro-batch (it finishes an overlapped step in flight)
+            self.num_steps += 1 if plan else 0
+            if self.stage_zero is not None:  # overlapped steps: the LM head's gather one step behind
+                self.stage_zero.step(plan, None)
+            elif (rows := run_stage(self, plan, self.stage, self.micro_batches)) is not None:
+                if (hidden_rows := rows.wait(self.stage)).numel():  # stage 0: the LM head's gather
+                    self.model.compute_logits(hidden_rows)
+            return
         if not plan:
             self.dummy_step()
             return
         self.num_steps += 1
-        if self.stage.pipelined:
-            hidden_rows = run_stage(self, plan, self.stage, self.micro_batches)
-            if hidden_rows is not None and hidden_rows.numel():  # stage 0: the LM head's gather
-                self.model.compute_logits(hidden_rows)
-            return
         batch = self.prepare(plan)
         if self.lora is not None:  # the plan names each part's adapter, as rank 0's requests do
             self.lora.begin_step(plan, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)

@@ -1,6 +1,7 @@
 """An engine split into 2 pipeline stages (and 2 stages of 2 tensor-parallel ranks, experts divided or split), on gloo with 1 thread per
-process, generates exactly the single-process engine's greedy tokens for a workload that prefills in chunks,
-preempts, hits the prefix cache and has steps where a micro-batch is empty; each stage holds only its layers; a
+process, generates exactly the single-process engine's tokens for a workload that prefills in chunks,
+preempts, hits the prefix cache and has steps where a micro-batch is empty (greedy, penalties, a seeded draw), its
+steps overlapped across the stages or not; each stage holds only its layers; a
 stage killed mid-run fails the engine within the timeout, naming the rank."""
 
 import os
@@ -45,18 +46,53 @@ def test_micro_batches_cut_parts_into_pieces_that_cover_them_in_order():
             assert len({id(p.block_ids) for p in mb}) == len(mb)
 
 
+def test_micro_batches_put_the_parts_waiting_for_a_token_in_flight_in_a_last_one_and_rows_come_back_in_order():
+    import torch
+
+    from engine.core.scheduler import PLACEHOLDER, ScheduledRequest
+    from engine.worker.pipeline_step import _sampling_order, micro_batches
+
+    rng = random.Random()
+    for _ in range(50):
+        parts = []
+        for _ in range(rng.randrange(1, 7)):
+            waits = rng.random() < 0.5  # a decode (or a re-prefill) whose last input token is in flight
+            n = 1 if waits and rng.random() < 0.7 else rng.randrange(1, 12)
+            ids = list(range(100, 100 + n - waits)) + [PLACEHOLDER] * waits
+            parts.append(ScheduledRequest(None, n, [len(parts)], waits or rng.random() < 0.7, 0, ids))
+        count = rng.randrange(1, 5)
+        mbs = micro_batches(parts, count)
+        waiting = [p for p in parts if p.token_ids[-1] == PLACEHOLDER]
+        assert len(mbs) == count + bool(waiting)
+        assert (mbs[-1] if waiting else []) == waiting  # whole, in order, and nowhere else
+        assert all(p.token_ids[-1] != PLACEHOLDER for mb in mbs[:count] for p in mb)
+        # The last stage sends the sampled rows in the cut's order; stage 0 puts them back in the plan's.
+        cut_rows = [p.block_ids[0] for mb in mbs for p in mb if p.sample]
+        order = _sampling_order(parts, torch.device("cpu"))
+        rows = torch.tensor(cut_rows) if order is None else torch.tensor(cut_rows).index_select(0, order)
+        assert rows.tolist() == [p.block_ids[0] for p in parts if p.sample]
+
+
 def _generate_each_way(rank: int, world: int, address: str, model_dir: str, prompts, max_tokens, modes):
     from engine import LLM, SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    # Greedy, and sampling that reads each request's history and position (penalties, a seeded draw): a step
+    # is sampled while the next one is in flight.
+    asks = [dict(frequency_penalty=0.8, presence_penalty=0.3), dict(repetition_penalty=1.5),
+            dict(temperature=1.0, seed=11)]
+    params = [SamplingParams(**{"temperature": 0, **(asks[i] if i < len(asks) else {})}, max_tokens=n,
+                             ignore_eos=True) for i, n in enumerate(max_tokens)]
     results = {}
-    for name, extra in {"single": {}, **modes}.items():
+    # One process overlapping its steps makes the scheduling decisions of overlapped pipeline stages (a step is
+    # scheduled before the one in flight is sampled): the reference for their preemptions and prefix hits.
+    for name, extra in {"single": {}, "single_overlap": dict(overlap_scheduling=True), **modes}.items():
         llm = LLM(model_dir, **ENGINE, **extra)
         try:
             results[name] = [out.token_ids for out in llm.generate(prompts, params)]
             stats = llm.engine.stats()
             results[name + ":stats"] = (stats.num_preemptions, stats.prefix_hit_tokens)
-            results[name + ":timings"] = [(t.stage, t.steps, t.empty_micro_batches, t.busy_s, t.busy_cpu_s)
+            results[name + ":timings"] = [(t.stage, t.steps, t.empty_micro_batches, t.busy_s, t.busy_cpu_s,
+                                           t.overlapped_steps)
                                           for t in llm.engine.stage_timings()]
             results[name + ":params"] = sum(p.numel() for p in llm.engine.model.parameters())
         finally:
@@ -82,9 +118,12 @@ def pipeline_runs(tmp_path_factory):
 
 
 def modes_of(family: str) -> dict:
-    """The ways a family runs: every family PP and PP x TP; one also with the experts divided in each stage."""
+    """The ways a family runs: every family PP and PP x TP (steps overlapped across the stages, the default);
+    one also with the experts divided in each stage, one also with synchronous steps."""
     if family == "qwen3_moe":
         return {**MODES, "pp_ep": dict(pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)}
+    if family == "mixtral":
+        return {**MODES, "pp_sync": dict(pipeline_parallel_size=2, overlap_scheduling=False)}
     return MODES
 
 
@@ -96,9 +135,11 @@ def test_pipeline_stages_generate_the_single_process_tokens(family, pipeline_run
     single = value["single"]
     preemptions, hits = value["single:stats"]
     assert preemptions > 0 and hits > 0, f"the workload must preempt and hit the prefix cache (seed={seed})"
+    assert value["single_overlap"] == single, f"overlapped steps in one process (family={family} seed={seed})"
     for name, mode in modes_of(family).items():
         assert value[name] == single, f"{name} differs from one process (family={family} seed={seed})"
-        assert value[name + ":stats"] == value["single:stats"], f"{name} family={family} seed={seed}"
+        reference = "single" if mode.get("overlap_scheduling") is False else "single_overlap"
+        assert value[name + ":stats"] == value[reference + ":stats"], f"{name} family={family} seed={seed}"
         timings = value[name + ":timings"]
         ranks = 2 * mode.get("tensor_parallel_size", 1)
         assert [t[0] for t in timings] == [r // (ranks // 2) for r in range(ranks)]  # world rank order
@@ -106,6 +147,14 @@ def test_pipeline_stages_generate_the_single_process_tokens(family, pipeline_run
         assert timings[0][2] > 0, "some step must have had an empty micro-batch (a decode of one token)"
         # A stage's CPU time in its busy spans is positive and within their wall time (a thread runs on one core).
         assert all(0 < t[4] <= t[3] + 0.05 for t in timings), timings
+        # Overlapped steps: stage 0 began steps while the step before was still in the last stage (a prefill chunk
+        # ahead of the decodes waiting for that step's tokens); synchronous steps never.
+        overlapped = [t[5] for t in timings if t[0] == 0]
+        if mode.get("overlap_scheduling") is False:
+            assert overlapped == [0] * len(overlapped), timings
+        else:
+            assert all(n > 0 for n in overlapped), f"{name}: no step overlapped the one before {timings}"
+        assert all(t[5] == 0 for t in timings if t[0] > 0), timings
         # Stage 0 holds the embedding, LM head and one of the two layers: well under the whole model.
         assert value[name + ":params"] < 0.9 * value["single:params"], (name, value[name + ":params"])
 
