@@ -56,7 +56,7 @@ def _computed_here(prompt_len: int) -> int:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_last_block(family, tmp_path):
     rng = random.Random()
     path = str(tmp_path / family)
