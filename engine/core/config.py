@@ -332,9 +332,13 @@ class EngineConfig:
         if self.role != "both" and not self.enable_prefix_caching:
             raise ValueError(f"role {self.role} finds the blocks it hands over by their prefix hashes: keep "
                              "enable_prefix_caching on")
-        if self.role != "both" and (self.engine_ranks > 1 or self.data_parallel_size > 1):
-            raise ValueError(f"role {self.role} runs in one process for now: its KV blocks are read and written "
-                             "where the scheduler runs (tensor, pipeline and data parallel sizes 1)")
+        for size, value in (("tensor_parallel_size", self.tensor_parallel_size),
+                            ("pipeline_parallel_size", self.pipeline_parallel_size),
+                            ("data_parallel_size", self.data_parallel_size)):
+            if self.role != "both" and value > 1:
+                # The connector reads and writes KV blocks in the scheduler's process only: other ranks' slices
+                # (heads, layers) would stay behind.
+                raise ValueError(f"role {self.role} runs in one process for now: {size} must be 1, got {value}")
         if self.kv_transfer_timeout_s <= 0 or self.local_prefill_tokens < 0 or self.prefill_queue_tokens < 0:
             raise ValueError("kv_transfer_timeout_s must be > 0, local_prefill_tokens and prefill_queue_tokens >= "
                              f"0, got {self.kv_transfer_timeout_s}, {self.local_prefill_tokens} and "

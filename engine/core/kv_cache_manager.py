@@ -32,6 +32,12 @@ class PrefixTiers(Protocol):
     def release(self, block_hashes: list[bytes]) -> None: ...
 
 
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of ``group``'s block of these tokens: each group caches its own blocks of the same
+    tokens; group 0 keeps the plain hash."""
+    return block_hash if group == 0 else bytes([group]) + block_hash
+
+
 def first_live_block(num_computed: int, window: int | None, block_size: int) -> int:
     """Index of the first block a request's next queries can read in a group with ``window`` (None: full).
 
@@ -137,8 +143,7 @@ class KVCacheManager:
 
     @staticmethod
     def _key(block_hash: bytes, group: int) -> bytes:
-        # Each group caches its own blocks of the same tokens; group 0 keeps the plain hash.
-        return block_hash if group == 0 else bytes([group]) + block_hash
+        return group_key(block_hash, group)
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Longest run of cached full blocks matching the request's tokens, in every group.

@@ -3,7 +3,8 @@
 Each attention layer holds the tensors its ``CacheSpec`` describes, each ``[num_blocks + 1, block_size,
 *per_token_shape]`` ((K, V) for standard attention, one latent tensor for MLA). A block's bytes are the
 concatenation of its rows in every layer's tensors, in order: both engines of a pair run the same model and
-block size, so they lay blocks out the same way.
+block size, so they lay blocks out the same way. Tensors shared by several layers (the two cache groups of a
+model with sliding-window layers) count once: a block is then one group's block, whichever the pool gave it to.
 """
 
 import math
@@ -15,7 +16,10 @@ class BlockLayout:
     """Gathers blocks out of and scatters them into a model's KV caches."""
 
     def __init__(self, caches: list[tuple[torch.Tensor, ...]]) -> None:
-        self.tensors = [t for layer in caches for t in layer]
+        # Once each: with two cache groups the i-th full and the i-th sliding layer share their tensors
+        # (``engine.worker.cache_groups``), and a block of them belongs to whichever group holds its id.
+        seen: set[int] = set()
+        self.tensors = [t for layer in caches for t in layer if id(t) not in seen and not seen.add(id(t))]
         # Bytes of one block in each tensor: block_size * prod(per-token shape) * element size.
         self.sizes = [math.prod(t.shape[1:]) * t.element_size() for t in self.tensors]
         self.bytes_per_block = sum(self.sizes)

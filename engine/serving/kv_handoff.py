@@ -3,7 +3,9 @@
 Decode side: a request that comes with a ``KVSource`` is parked before the scheduler sees it. Its prompt's full
 blocks (all but the last token's, which the engine computes itself for its logits) are hashed as the prefix
 cache hashes them (chained, salted by tenant); the blocks already cached here are taken, blocks for the rest
-are allocated, and the engine answers with the hashes it lacks. When they arrive the new blocks are registered
+are allocated, and the engine answers with the hashes it lacks. A model with a sliding-window cache group
+(gpt-oss) asks for that group's blocks too, under the group's prefix-cache keys, but only those in the window
+of the prompt's last token: what admission looks up. When they arrive the new blocks are registered
 in the prefix cache under those hashes and released, and the request joins the scheduler like any other: its
 admission finds the whole prefix cached and computes only the last, partial block. If the transfer fails or
 times out the request joins the same way without the blocks and its prompt is computed here. Too few missing
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from engine.core.block_pool import Block, hash_block_tokens
 from engine.core.config import EngineConfig
+from engine.core.kv_cache_manager import first_live_block, group_key
 from engine.core.outputs import RequestOutput
 from engine.core.stats import SchedulerStats
 from engine.kv_transfer.block_io import BlockLayout
@@ -51,11 +54,6 @@ class KVHandoff:
     """The engine process's part of disaggregated serving (see the module docstring)."""
 
     def __init__(self, engine, config: EngineConfig, connector: KVConnector | None = None) -> None:
-        if len(engine.scheduler.kv.windows) > 1:
-            # A block id means other layers' memory in each cache group: moving one group's blocks for every
-            # layer would overwrite the other group's blocks.
-            raise ValueError(f"role {config.role} moves one cache group's blocks: a model with sliding-window "
-                             "layers (gpt-oss) runs aggregated (role both) for now")
         self.engine = engine
         self.role = config.role
         self.block_size = config.block_size
@@ -92,14 +90,17 @@ class KVHandoff:
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt[i * bs:(i + 1) * bs],
                                             msg.policy.cache_salt, msg.policy.lora_adapter))
         hits: list[Block] = []
-        for h in hashes:
-            block = pool.lookup(h)
+        missing: list[bytes] = []
+        positions: set[int] = set()  # of the blocks missing in some group: the tokens a transfer saves computing
+        for i, key in self._wanted(hashes):
+            block = pool.lookup(key)
             if block is None:
-                break
-            hits.append(block)
-        missing = hashes[len(hits):]
+                missing.append(key)
+                positions.add(i)
+            else:
+                hits.append(block)
         revived = sum(1 for b in hits if b.ref_count == 0)
-        if len(missing) * bs < max(self.local_prefill_tokens, 1) or len(missing) + revived > pool.num_free_blocks:
+        if len(positions) * bs < max(self.local_prefill_tokens, 1) or len(missing) + revived > pool.num_free_blocks:
             return []
         pool.acquire(hits)
         new_blocks = pool.allocate(len(missing))
@@ -108,6 +109,16 @@ class KVHandoff:
         self._by_transfer[source.pair_id, source.transfer_id] = msg.request_id
         self.connector.load_blocks(source.pair_id, source.transfer_id, [b.block_id for b in new_blocks])
         return missing
+
+    def _wanted(self, hashes: list[bytes]) -> list[tuple[int, bytes]]:
+        """The block positions and prefix-cache keys of the blocks admission needs for a prefix of these full blocks, by position (a
+        position's full-group block, then its sliding groups'): every block of the full group, a sliding group's
+        only within the window of the first token left to compute (``KVCacheManager.find_cached_prefix``). The
+        prefill engine sends them in this order, so each chunk's blocks leave as it computes them."""
+        kv = self.engine.scheduler.kv
+        n = len(hashes)
+        firsts = [first_live_block(n * self.block_size, w, self.block_size) for w in kv.windows]
+        return [(i, group_key(h, g)) for i, h in enumerate(hashes) for g, first in enumerate(firsts) if i >= first]
 
     def poll(self, add: Callable[[AddRequest], None]) -> bool:
         """Apply the transfers that ended; True if any request joined the scheduler."""
