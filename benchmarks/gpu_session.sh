@@ -12,7 +12,9 @@
 #   stages.tsv        one row per stage: status (ok, failed, timeout, skipped), exit code, seconds, estimate, limit
 #   gpu_session.tgz   every stage's log and JSON (and tuned launch configs), so a run killed at its limit still
 #                     returns what finished
-# and the end of the output names the command for a second call that runs what did not finish.
+# and the end of the output names the command for a second call that runs what did not finish (its budget:
+# NEXT_BUDGET, default 240 s, what a 15-minute lease leaves after a machine start and a first call of 8 minutes;
+# make that call at once, while the machine is still warm, since a fresh start needs 4 minutes left).
 #
 # Wheels: where .whl/ holds wheels (benchmarks/device_wheels.sh writes them: msgspec, llguidance, openai-harmony
 # and the gateway's packages, which the GPU image lacks), they are installed first into a folder of their own
@@ -146,7 +148,9 @@ tune_all() {  # the three benchmark shapes (bench.MODELS); TUNE_TOKENS=1,2,4 re-
 }
 export -f tune_all
 
-PYTEST="$PY -m pytest -q -ra -p no:cacheprovider --durations=15"
+# Four test processes: most of a test stage's time is Triton compiling kernels on the host, one at a time per
+# process, and the GPU machine has 16 cores.
+PYTEST="$PY -m pytest -q -ra -p no:cacheprovider --durations=15 -n ${TEST_WORKERS:-4} --dist loadfile"
 for spec in $SPECS; do
     name=${spec%%:*}
     limit=${spec#*:}
@@ -260,5 +264,5 @@ echo "=== summary ($((SECONDS - START))s of a ${BUDGET}s budget; estimates are g
 column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
 if [ -n "$NOT_DONE" ]; then
     echo "=== not done (failed, timed out or skipped): run them in the next call with"
-    echo "benchmarks/gpu_session.sh --budget 540 --stages $(echo $NOT_DONE | tr ' ' ',')"
+    echo "benchmarks/gpu_session.sh --budget ${NEXT_BUDGET:-240} --stages $(echo $NOT_DONE | tr ' ' ',')"
 fi

@@ -58,7 +58,7 @@ def test_a_stage_that_no_longer_fits_the_budget_is_skipped_and_named_for_the_nex
     rows = [line.split("\t") for line in (tmp_path / "stages.tsv").read_text().splitlines()]
     assert rows[0][:3] == ["stage", "status", "rc"]
     assert [(r[0], r[1], r[5]) for r in rows[1:]] == [("env", "skipped", "60"), ("goal-moe", "skipped", "100")]
-    assert "gpu_session.sh --budget 540 --stages env,goal-moe" in done.stdout
+    assert "gpu_session.sh --budget 240 --stages env,goal-moe" in done.stdout
     assert (tmp_path / "gpu_session.tgz").exists()
 
 
