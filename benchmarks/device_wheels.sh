@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Downloads the wheels of the gateway's Python packages that the Batch API benchmarks need (the
 # policy database's SQLAlchemy, Alembic and drivers, msgspec, the openai client with pydantic and
-# what they depend on, including the newer anyio, idna and typing_extensions they need) into
-# .whl/, for installing them on a GPU machine that has Python and torch but not these packages,
+# what they depend on, including the newer anyio, idna and typing_extensions they need), and the
+# engine's own packages the GPU image lacks (msgspec, llguidance for structured output,
+# openai-harmony for gpt-oss's chat format) into .whl/, for installing them on a GPU machine that has Python and torch but not these packages,
 # and cannot fetch them itself (no network, or no package index). Each wheel is the version
 # installed in this checkout's .venv, so the GPU machine runs the same versions as this checkout.
 #
-# Run it from the repository root, on a machine with network access, pip and the .venv, before the
-# batch-three-ways and batch-goals stages of benchmarks/gpu_session.sh. Then copy .whl/ to the GPU
-# machine and install the wheels there, into a folder of their own put on PYTHONPATH (the
+# Run it from the repository root, on a machine with network access, pip and the .venv, before
+# benchmarks/gpu_session.sh (which installs .whl/*.whl itself, first, when the folder is there). Or copy
+# .whl/ to the GPU machine and install the wheels by hand, into a folder of their own put on PYTHONPATH (the
 # machine's own packages stay as they are; --no-deps: the list below is complete, nothing else is
 # looked for):
 #
@@ -21,7 +22,8 @@
 # .whl/ is added to the checkout's .git/info/exclude, so the wheels never show up as files to commit.
 set -eu
 PACKAGES="SQLAlchemy greenlet aiosqlite alembic Mako openai httpx2 pydantic pydantic_core annotated-types
-typing-inspection jiter sniffio psycopg psycopg-binary asyncpg msgspec httpcore2 truststore typing_extensions anyio idna"
+typing-inspection jiter sniffio psycopg psycopg-binary asyncpg msgspec httpcore2 truststore typing_extensions anyio idna
+llguidance openai-harmony"
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx "/.whl/" "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"

@@ -4,7 +4,8 @@ The script runs its stages with ``PY`` pointing here (``python benchmarks/dry_ru
 ``$PY -m MODULE ARGS...`` a stage would run is only written down, with the arguments exactly as the shell
 expanded them. Then ``--check FILE`` imports every module named and parses each command's arguments with the
 module's own ``argparse`` parser, stopping right after the parse: a misspelt module, a missing import or a flag
-the benchmark does not take fails here (exit 1, one line per bad command) instead of on the GPU.
+the benchmark does not take fails here (exit 1, one line per bad command) instead of on the GPU. For ``pytest``
+every test file (and ``--deselect``) named must exist, and a ``::test`` named must be defined in its file.
 """
 
 import argparse
@@ -12,6 +13,8 @@ import contextlib
 import importlib
 import io
 import json
+import os
+import re
 import runpy
 import sys
 
@@ -67,6 +70,32 @@ def _parse_only(module: str, args: list[str]) -> str | None:
         sys.argv = saved_argv
 
 
+def _missing_tests(args: list[str]) -> str | None:
+    """The first test path (or ``path::test``) in pytest's ``args`` that does not exist; None if all do."""
+    takes_value = {"-k", "-m", "-p", "-n", "--durations", "--dist", "--timeout", "-W", "-o"}
+    skip_next = False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+            continue
+        if arg in takes_value:
+            skip_next = True
+            continue
+        if arg.startswith("-") and arg != "--deselect":
+            continue
+        if arg == "--deselect":
+            continue  # the next argument is a path, checked like the others
+        file, _, test = arg.partition("::")
+        if not os.path.exists(file):
+            return f"no such test path: {file}"
+        if test and os.path.isfile(file):
+            name = test.split("::")[-1].split("[")[0]
+            with open(file) as f:
+                if not re.search(rf"^\s*(def|class) {re.escape(name)}\b", f.read(), re.M):
+                    return f"{file} defines no {name}"
+    return None
+
+
 def check(path: str) -> int:
     with open(path) as f:
         commands = [json.loads(line) for line in f if line.strip()]
@@ -78,7 +107,7 @@ def check(path: str) -> int:
         except Exception as e:
             problem = f"cannot import: {type(e).__name__}: {e}"
         else:
-            problem = _parse_only(module, args)
+            problem = _missing_tests(args) if module == "pytest" else _parse_only(module, args)
         if problem:
             bad += 1
             print(f"dry run: {' '.join(['python -m', module, *args])}: {problem}")

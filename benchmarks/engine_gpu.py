@@ -114,9 +114,17 @@ def _params(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _timed_step(engine) -> float:
+def _timed_step(engine, alone: bool = False) -> float:
+    """Seconds of one ``engine.step()``. With overlapped scheduling (the default on CUDA) a step queues its own
+    work and returns after reading the previous step's tokens, so in a run of like steps (decode) the time
+    between returns is the step time. ``alone``: the time of this step's own work, whatever ran before it
+    (a prefill, a mixed step): the device is drained before, and waited for after."""
+    if alone:
+        _sync(engine.device)
     start = time.perf_counter()
-    engine.step()  # returns after reading the sampled tokens: the device work of the step is done
+    engine.step()
+    if alone:
+        _sync(engine.device)
     return time.perf_counter() - start
 
 
@@ -175,7 +183,7 @@ def profile_step(engine, rows: int = 25) -> str:
             engine.step()  # warm: the eager path may compile kernel variants the graphs did not need
             _sync(engine.device)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                seconds = _timed_step(engine)
+                seconds = _timed_step(engine, alone=True)
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy_ms = sum(e.device_time for e in kernels) / 1e3
         report.append(f"--- {label} step: {len(kernels)} kernels, {busy_ms:.2f} ms busy, {seconds * 1e3:.2f} ms wall")
@@ -270,7 +278,7 @@ def bench_prefill(engine, profile: Profile, peaks: dict, costs, rng: random.Rand
             if rep == profile.prefill_reps:  # the last run only counts the experts hit
                 hits.append(_experts_hit(engine))
             else:
-                times.append(_timed_step(engine))
+                times.append(_timed_step(engine, alone=True))
                 assert engine.stats().step_prefill_tokens == length, "the prompt did not fit in one step"
             while engine.has_unfinished():
                 engine.step()

@@ -1,32 +1,95 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one command: check, tune, measure.
+# Everything that needs a GPU, in one command, in priority order, inside a time budget.
 #
-#   benchmarks/gpu_session.sh STAGE[:SECONDS] ...
+#   benchmarks/gpu_session.sh [--budget SECONDS] [--stages NAME[:SECONDS],...] [STAGE[:SECONDS] ...]
+#   benchmarks/gpu_session.sh --list
+#   benchmarks/gpu_session.sh --dry-run [STAGE ...]
 #
-# Stages: env, tests, tune, bench-moe, bench-dense-gemv, bench-engine, bench-engine-hf, bench-overlap, bench-mla,
-# bench-engine-deepseek, bench-engine-families (gpt-oss-20b; GLM-4.5-Air fp8 on an H200),
-# bench-piecewise (prefill and mixed steps, piecewise CUDA graphs off vs on),
-# bench-quant (8-bit experts: bench-engine with bf16, int8, fp8, fp8-block experts), bench-mxfp4 (the MoE kernel
-# with MXFP4 experts against bf16 and 8 bits at gpt-oss-20b's expert shape), bench-mla (the MLA decode
-# kernel on DeepSeek-V3 shapes, with a sweep of its launch alternatives), bench-engine-deepseek (the engine on
-# DeepSeek-V2-Lite's shape), lora-tests, bench-lora and bench-lora-realistic (LoRA adapters: the delta kernel, tests, throughput
-# against the base model at the small and the realistic shape), batch-three-ways, batch-goals
-# (plus any stage name below). Each runs under its own time limit, so one that fails or
-# hangs still leaves the others' results; logs and JSON land in $OUT (default
-# /tmp/moegate-gpu), re-archived after every stage as gpu_session.tgz so a
-# session cut off at its limit still returns what it did.
+# With no stages named it runs DEFAULT_STAGES (below) in order: correctness of the CUDA-only paths first, then the
+# headline goals, then the rest. Each stage runs under its own time limit (the table's, or NAME:SECONDS), cut to
+# what is left of --budget (default 480 s: a first call of about 8 minutes, wheel installs included); a stage
+# that no longer fits is skipped, not started. After every stage $OUT (default /tmp/moegate-gpu) gets:
+#   stages.tsv        one row per stage: status (ok, failed, timeout, skipped), exit code, seconds, estimate, limit
+#   gpu_session.tgz   every stage's log and JSON (and tuned launch configs), so a run killed at its limit still
+#                     returns what finished
+# and the end of the output names the command for a second call that runs what did not finish (its budget:
+# NEXT_BUDGET, default 240 s, what a 15-minute lease leaves after a machine start and a first call of 8 minutes;
+# make that call at once, while the machine is still warm, since a fresh start needs 4 minutes left).
 #
-#   benchmarks/gpu_session.sh --dry-run STAGE ...
+# Wheels: where .whl/ holds wheels (benchmarks/device_wheels.sh writes them: msgspec, llguidance, openai-harmony
+# and the gateway's packages, which the GPU image lacks), they are installed first into a folder of their own
+# on PYTHONPATH; the time counts against the budget.
 #
-# checks the stages on any machine in seconds: each `$PY -m MODULE ARGS` a stage would run is recorded instead
-# (benchmarks/dry_run.py), then every module is imported and its arguments parsed by its own parser; exit 1 names
-# a command that would fail (the test suite runs this for every stage).
+# --dry-run checks the stages on any machine in seconds: each `$PY -m MODULE ARGS` a stage would run is recorded
+# instead (benchmarks/dry_run.py), then every module is imported and its arguments parsed by its own parser, and
+# every test path a pytest stage names must exist; exit 1 names a command that would fail (the test suite runs
+# this for every stage). No budget applies in a dry run.
 set -u
-DRY_RUN=
-if [ "${1:-}" = --dry-run ]; then
-    DRY_RUN=$(mktemp -d)
+
+# name  estimate_s  limit_s. The estimates are guesses made before any of these ran on a GPU (model build,
+# Triton compiles and transformers' generate counted in), to be replaced by stages.tsv's seconds after a run.
+STAGE_TABLE="
+env 15 60
+tests-cuda 150 240
+tests-paths 120 210
+goal-engine 150 270
+goal-moe 60 150
+goal-hf 240 420
+bench-piecewise 150 300
+bench-overlap 90 200
+bench-quant 300 540
+bench-mxfp4 120 240
+bench-mla 200 300
+bench-engine-deepseek 300 540
+bench-engine-families 420 590
+tune 420 590
+bench-moe 200 400
+bench-dense-gemv 90 200
+bench-engine 300 540
+bench-engine-hf 420 590
+bench-engine-unfused 240 400
+bench-engine-gemv-off 200 400
+lora-tests 120 240
+bench-lora 200 400
+bench-lora-realistic 240 480
+batch-three-ways 300 540
+batch-goals 300 540
+"
+# The first call's order: never-run CUDA paths' correctness, then the issue's goals (decode batch 1 and prefill
+# 512 against their floors, the fused MoE against HBM and torch._grouped_mm, transformers at 128 concurrent),
+# then graphs, overlap, 8-bit and MXFP4 experts, MLA and the newer families at real size.
+DEFAULT_STAGES="env tests-cuda tests-paths goal-engine goal-moe goal-hf bench-piecewise bench-overlap bench-quant
+bench-mxfp4 bench-mla bench-engine-deepseek bench-engine-families"
+
+usage() { echo "usage: benchmarks/gpu_session.sh [--dry-run] [--list] [--budget SECONDS] [--stages A,B:SECONDS,...] [STAGE[:SECONDS] ...]" >&2; exit 2; }
+table_field() {  # stage column(2: estimate, 3: limit); empty for an unknown stage
+    echo "$STAGE_TABLE" | awk -v s="$1" -v c="$2" '$1 == s { print $c }'
+}
+
+DRY_RUN= BUDGET=480 SPECS=
+while [ $# -gt 0 ]; do
+    case $1 in
+        --dry-run) DRY_RUN=$(mktemp -d) ;;
+        --list) echo "stage estimate_s limit_s (estimates: guesses until a GPU run replaces them)"; echo "$STAGE_TABLE" | sed '/^$/d'
+                echo "default order: $DEFAULT_STAGES" | tr '\n' ' '; echo; exit 0 ;;
+        --budget) [ $# -ge 2 ] || usage; BUDGET=$2; shift ;;
+        --budget=*) BUDGET=${1#--budget=} ;;
+        --stages) [ $# -ge 2 ] || usage; SPECS="$SPECS ${2//,/ }"; shift ;;
+        --stages=*) v=${1#--stages=}; SPECS="$SPECS ${v//,/ }" ;;
+        -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 0 ;;
+        -*) echo "gpu_session.sh: unknown option $1" >&2; usage ;;
+        *) SPECS="$SPECS $1" ;;
+    esac
     shift
-fi
+done
+case $BUDGET in ''|*[!0-9]*) echo "gpu_session.sh: --budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
+[ -n "${SPECS// /}" ] || SPECS=$DEFAULT_STAGES
+for spec in $SPECS; do  # refuse an unknown stage or a bad limit before anything runs
+    name=${spec%%:*}
+    [ -n "$(table_field "$name" 3)" ] || { echo "gpu_session.sh: unknown stage $name (see --list)" >&2; exit 2; }
+    case $spec in *:*) case ${spec#*:} in ''|*[!0-9]*) echo "gpu_session.sh: bad limit in $spec" >&2; exit 2 ;; esac ;; esac
+done
+
 OUT=${OUT:-${DRY_RUN:-/tmp}/moegate-gpu}
 WORK=${DRY_RUN:-/tmp}/moegate-gpu-work
 mkdir -p "$OUT" "$WORK/configs"
@@ -38,20 +101,44 @@ if [ -n "$DRY_RUN" ]; then
     CHECK_PY=$PY
     export PY="$PY benchmarks/dry_run.py --record $DRY_RUN/commands.jsonl"
 fi
+SUMMARY=$OUT/stages.tsv
+START=$SECONDS
+[ -n "$DRY_RUN" ] || printf 'stage\tstatus\trc\tseconds\testimate_s\tlimit_s\n' >"$SUMMARY"
+NOT_DONE=
 
-run_stage() {  # name seconds command...
-    local name=$1 limit=$2
+summarize() {  # stage status rc seconds estimate limit: one row in stages.tsv, then the archive
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$SUMMARY"
+    cp "$SUMMARY" "$WORK/stages.tsv"
+    tar czf "$OUT/gpu_session.tgz" -C "$WORK" .
+}
+
+run_stage() {  # name limit command...
+    local name=$1 limit=$2 began rc status
     shift 2
     if [ -n "$DRY_RUN" ]; then  # record the stage's python commands; nothing else runs
         [ "$name" = env ] || "$@" >/dev/null 2>&1
         return
     fi
-    echo "=== $name (limit ${limit}s) $(date +%T)"
+    echo "=== $name (limit ${limit}s, estimate $(table_field "$name" 2)s) $(date +%T)"
+    began=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
-    echo "=== $name rc=$? $(date +%T)" | tee -a "$WORK/$name.log"
+    rc=$?
+    case $rc in 0) status=ok ;; 124|137) status=timeout ;; *) status=failed ;; esac
+    [ $status = ok ] || NOT_DONE="$NOT_DONE $name"
+    echo "=== $name $status rc=$rc $((SECONDS - began))s $(date +%T)" | tee -a "$WORK/$name.log"
     tail -n "${TAIL:-25}" "$WORK/$name.log"
-    tar czf "$OUT/gpu_session.tgz" -C "$WORK" .
+    summarize "$name" "$status" "$rc" "$((SECONDS - began))" "$(table_field "$name" 2)" "$limit"
 }
+
+if [ -z "$DRY_RUN" ] && compgen -G ".whl/*.whl" >/dev/null; then
+    began=$SECONDS
+    # --no-deps: the wheels are the complete list; a folder of their own keeps the image's packages as they are.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl
+    rc=$?
+    export PYTHONPATH=$PYTHONPATH:$WORK/site  # after the image's own: torch's dependencies stay the image's
+    echo "=== wheels rc=$rc $((SECONDS - began))s"
+    summarize wheels "$([ $rc = 0 ] && echo ok || echo failed)" "$rc" "$((SECONDS - began))" 20 -
+fi
 
 tune_all() {  # the three benchmark shapes (bench.MODELS); TUNE_TOKENS=1,2,4 re-tunes only those (merged)
     local tokens=${TUNE_TOKENS:+--tokens $TUNE_TOKENS}
@@ -62,13 +149,31 @@ tune_all() {  # the three benchmark shapes (bench.MODELS); TUNE_TOKENS=1,2,4 re-
 }
 export -f tune_all
 
-for spec in "$@"; do
+# Four test processes: most of a test stage's time is Triton compiling kernels on the host, one at a time per
+# process, and the GPU machine has 16 cores.
+PYTEST="$PY -m pytest -q -ra -p no:cacheprovider --durations=15 -n ${TEST_WORKERS:-4} --dist loadfile"
+for spec in $SPECS; do
     name=${spec%%:*}
     limit=${spec#*:}
-    [ "$limit" = "$spec" ] && limit=300
+    [ "$limit" = "$spec" ] && limit=$(table_field "$name" 3)
+    if [ -z "$DRY_RUN" ]; then
+        left=$((BUDGET - (SECONDS - START)))
+        estimate=$(table_field "$name" 2)
+        # Start a stage only where what is left covers half its estimate (and 30 s): a stage cut short early
+        # returns nothing, and the time is better left to the next call.
+        if [ "$left" -lt 30 ] || [ "$((2 * left))" -lt "$estimate" ]; then
+            echo "=== $name skipped: ${left}s of the budget left, estimate ${estimate}s"
+            NOT_DONE="$NOT_DONE $name"
+            summarize "$name" skipped - 0 "$estimate" "$limit"
+            continue
+        fi
+        [ "$limit" -le "$left" ] || limit=$left
+    fi
     case $name in
         env) run_stage env "$limit" bash -c 'nvidia-smi; '"$PY"' -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
-        tests) run_stage tests "$limit" $PY -m pytest -q -ra -p no:cacheprovider --durations=15 tests/moe_kernels \
+        # The Triton kernels compiled (not interpreted), decode and piecewise CUDA graphs, overlap, quantized
+        # experts, the prefix-cache tiers' pinned copies and side stream.
+        tests-cuda) run_stage tests-cuda "$limit" $PYTEST tests/moe_kernels \
             tests/engine/kernels/test_triton_elementwise.py tests/engine/kernels/test_dense_gemv.py \
             tests/engine/worker/test_cuda_graphs.py tests/engine/worker/test_piecewise_graphs.py tests/engine/kernels/test_triton_attention.py tests/engine/kernels/test_triton_attention_engine.py \
             tests/engine/kernels/test_triton_mla_attention.py \
@@ -76,8 +181,25 @@ for spec in "$@"; do
             tests/engine/loading/test_quantized_experts.py tests/engine/worker/test_expert_load.py tests/engine/worker/test_overlap.py \
             tests/engine/kv_tiers/test_prefix_tiers.py::test_tiers_on_equals_off_cuda \
             --deselect tests/engine/loading/test_random_weights.py::test_command_lines_take_random_weights ;;
+        # The other never-run device paths, each test's CUDA case (tests/devices.py): grammar masks on the device,
+        # the sampler's device path, speculative verification through the decode graphs, MXFP4 experts and gpt-oss's
+        # attention sinks against transformers, and the LoRA expert-delta kernel.
+        tests-paths) run_stage tests-paths "$limit" bash -c "$PYTEST -k cuda \
+            tests/engine/structured_output/test_structured_output.py tests/engine/sampling/test_sampling.py \
+            tests/engine/core/test_speculative.py::test_greedy_matches_transformers tests/engine/loading/test_mxfp4.py; \
+            a=\$?; $PYTEST tests/engine/kernels/test_lora_experts_kernel.py && exit \$a" ;;
+        # Goals: decode at batch 1 (and 128) and prefill 512 (and 8192) against their memory/compute floors.
+        goal-engine) run_stage goal-engine "$limit" $PY -m benchmarks.engine_gpu --skip-hf --concurrency 1,128 \
+            --json "$WORK/goal_engine.json" ;;
+        # Goals: the fused MoE's share of HBM bandwidth at 1-64 tokens on Qwen3-30B-A3B's expert shape, and its
+        # speed against torch._grouped_mm at >= 4k tokens on Mixtral's.
+        goal-moe) run_stage goal-moe "$limit" bash -c "$PY -m benchmarks.moe_backends --models qwen3-30b-a3b \
+            --tokens 1,2,4,8,16,32,64 --out $WORK/goal_moe_qwen3.json && $PY -m benchmarks.moe_backends \
+            --models mixtral-8x7b --tokens 4096,8192,16384 --out $WORK/goal_moe_mixtral.json" ;;
+        # Goal: end to end against transformers (generate and generate_batch) with 128 concurrent requests.
+        goal-hf) run_stage goal-hf "$limit" $PY -m benchmarks.engine_gpu --concurrency 128 --json "$WORK/goal_hf.json" ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
-        bench-moe) run_stage bench-moe "$limit" bash -c "$PY -m benchmarks.moe_backends --json > $WORK/bench_moe.json && $PY -c 'import json, benchmarks.moe_backends as b; print(b.format_table(json.load(open(\"$WORK/bench_moe.json\"))))'" ;;
+        bench-moe) run_stage bench-moe "$limit" $PY -m benchmarks.moe_backends --out "$WORK/bench_moe.json" ;;
         # The dense projections: Triton gemv vs F.linear per shape at 1/4/8 rows (the engine-start selection).
         bench-dense-gemv) run_stage bench-dense-gemv "$limit" $PY -m benchmarks.dense_gemv --json "$WORK/bench_dense_gemv.json" ;;
         # Decode with every projection on cuBLAS, to set beside bench-engine's default (measured gemv choice).
@@ -85,7 +207,6 @@ for spec in "$@"; do
             --concurrency 1,8 --json "$WORK/bench_engine_gemv_off.json" ;;
         # The MLA decode kernel alone: h = 16 and 128 heads, batch 1/32/128, context 1k/4k/16k, GB/s against the
         # copy peak and the datasheet, each shape checked against float64; the sweep times the launch alternatives.
-        # About 18 shapes x 17 timings plus ~25 compiles: should fit 300 s (not yet run on a GPU).
         bench-mla) run_stage bench-mla "$limit" $PY -m benchmarks.mla_decode --sweep --json "$WORK/bench_mla.json" ;;
         # The engine on DeepSeek-V2-Lite's shape (MLA: latent cache, Triton MLA decode, decode CUDA graphs; 15.7B
         # parameters in bf16), against transformers too.
@@ -105,41 +226,36 @@ for spec in "$@"; do
         bench-engine-unfused) run_stage bench-engine-unfused "$limit" $PY -m benchmarks.engine_gpu --skip-hf --elementwise torch \
             --concurrency 1,8,128 --json "$WORK/bench_engine_unfused.json" ;;
         # 8-bit routed experts: bench-engine with bf16 experts, then int8, fp8 and fp8-block (128x128) on the same
-        # preset (QUANT_PRESET, default olmoe-1b-7b, small enough that the four runs should fit one 10-minute
-        # command; not yet timed on a GPU), one process each; then the weight memory of every preset.
+        # preset (QUANT_PRESET, default olmoe-1b-7b), one process each; then the weight memory of every preset.
         bench-quant) run_stage bench-quant "$limit" bash -c "for q in none int8 fp8 fp8-block; do \
             args=\$([ \$q = none ] || echo --quantization \$q); \
             $PY -m benchmarks.engine_gpu --skip-hf --preset ${QUANT_PRESET:-olmoe-1b-7b} --concurrency 1,8,64 \$args \
                 --json $WORK/bench_quant_\$q.json || echo bench-quant: \$q failed; done; \
             $PY -m benchmarks.quantized_experts memory" ;;
         # gpt-oss's experts in MXFP4: the fused MoE kernel's tokens/s at gpt-oss-20b's expert shape, bf16 vs int8 vs
-        # fp8 vs mxfp4 side by side, then the expert weight memory per mode; then the MXFP4 tests on the GPU.
+        # fp8 vs mxfp4 side by side, then the expert weight memory per mode.
         bench-mxfp4) run_stage bench-mxfp4 "$limit" bash -c "$PY -m benchmarks.mxfp4_experts kernel --tokens 1,8,64,512 \
-            --rounds 5; $PY -m benchmarks.mxfp4_experts memory; \
-            $PY -m pytest -q -p no:cacheprovider tests/moe_kernels/test_mxfp4.py tests/engine/loading/test_mxfp4.py" ;;
+            --rounds 5; $PY -m benchmarks.mxfp4_experts memory" ;;
         # Prefill 512 against its floor and mixed prefill+decode steps, piecewise CUDA graphs off vs on, and the
         # start-up time capturing them costs.
         bench-piecewise) run_stage bench-piecewise "$limit" $PY -m benchmarks.piecewise_graphs --json "$WORK/bench_piecewise.json" ;;
         # Host time per step on the critical path, synchronous vs overlapped, with one tenant asking for logprobs
         # or a penalty in each batch (such a request keeps the batch overlapped).
+        bench-overlap) run_stage bench-overlap "$limit" $PY -m benchmarks.step_overlap --device cuda --asks none,logprobs,penalty ;;
         # LoRA: the experts' delta kernel and the mixed-batch tests (transformers + PEFT) on CUDA, then 8 adapters
-        # against the base model on a small Qwen3-MoE in bfloat16 (not yet run on a GPU).
-        lora-tests) run_stage lora-tests "$limit" $PY -m pytest -q -ra -p no:cacheprovider \
-            tests/engine/kernels/test_lora_experts_kernel.py tests/engine/lora ;;
+        # against the base model on a small Qwen3-MoE in bfloat16.
+        lora-tests) run_stage lora-tests "$limit" $PYTEST tests/engine/kernels/test_lora_experts_kernel.py tests/engine/lora ;;
         bench-lora) run_stage bench-lora "$limit" $PY -m benchmarks.lora_throughput --device cuda --dtype bfloat16 \
             --requests 256 --rounds 3 ;;
         # The same at Qwen3-30B-A3B's hidden and expert widths (adapter factors 17% of the experts' bytes).
         bench-lora-realistic) run_stage bench-lora-realistic "$limit" $PY -m benchmarks.lora_throughput --device cuda \
             --dtype bfloat16 --shape realistic --requests 256 --rounds 3 ;;
-        bench-overlap) run_stage bench-overlap "$limit" $PY -m benchmarks.step_overlap --device cuda --asks none,logprobs,penalty ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m benchmarks.engine_gpu --json "$WORK/bench_engine_hf.json" ;;
         # Batch API goal 2 (with no live traffic, a batch's output tokens/s at 90% or more of the offline engine's on
         # the same requests) where the gateway has cores of its own and the engine a GPU (the demo model).
-        # Needs the gateway's packages, which a bare GPU machine may lack: benchmarks/device_wheels.sh writes them
-        # as wheels into .whl/; copy that to the GPU machine and install them first (the script's comment has the command).
+        # Needs the gateway's packages as wheels in .whl/ (benchmarks/device_wheels.sh).
         batch-three-ways) run_stage batch-three-ways "$limit" $PY -m benchmarks.batch_three_ways --chunks 6 --lines 2000 ;;
         batch-goals) run_stage batch-goals "$limit" $PY -m benchmarks.batch_goals --skip-live --rounds 4 --cpu ;;
-        *) echo "unknown stage $name" >&2; exit 2 ;;
     esac
 done
 if [ -n "$DRY_RUN" ]; then
@@ -147,4 +263,10 @@ if [ -n "$DRY_RUN" ]; then
     rc=$?
     rm -rf "$DRY_RUN"
     exit $rc
+fi
+echo "=== summary ($((SECONDS - START))s of a ${BUDGET}s budget; estimates are guesses until replaced by these seconds)"
+column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
+if [ -n "$NOT_DONE" ]; then
+    echo "=== not done (failed, timed out or skipped): run them in the next call with"
+    echo "benchmarks/gpu_session.sh --budget ${NEXT_BUDGET:-240} --stages $(echo $NOT_DONE | tr ' ' ',')"
 fi

@@ -182,12 +182,23 @@ def _positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _model_names(text: str) -> tuple[str, ...]:
+    names = tuple(text.split(","))
+    unknown = sorted(set(names) - {m.name for m in MODELS})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown model {unknown[0]!r}; known: {', '.join(m.name for m in MODELS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_backends", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--tokens", type=_positive_ints, help="comma-separated token counts (default: 1,16,64,256,1024,4096,16384)")
     parser.add_argument("--reps", type=lambda v: _positive_ints(v)[0], help="timed calls per measurement (median is reported)")
+    parser.add_argument("--models", type=_model_names,
+                        help=f"comma-separated model shapes (default: all of {', '.join(m.name for m in MODELS)})")
+    parser.add_argument("--out", metavar="PATH", help="also write the JSON to PATH (the table is still printed)")
     args = parser.parse_args(argv)
 
     if args.smoke:
@@ -202,9 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         profile = replace(profile, tokens=args.tokens)
     if args.reps:
         profile = replace(profile, reps=args.reps)
+    if args.models and not args.smoke:
+        profile = replace(profile, models=tuple(m for m in MODELS if m.name in args.models))
 
     with torch.inference_mode():
         result = run(profile, device, torch.bfloat16)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0
 

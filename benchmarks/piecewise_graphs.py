@@ -54,7 +54,7 @@ def bench_mixed(engine, mixes: tuple[tuple[int, int], ...], reps: int, rng: rand
         times = []
         for _ in range(reps + 1):  # the first one warms up
             engine.add_request(_random_prompt(rng, prompt_len, vocab), _params(1))
-            times.append(_timed_step(engine))
+            times.append(_timed_step(engine, alone=True))  # this mixed step's work, not the decode before it
             stats = engine.stats()
             assert stats.step_prefill_tokens == prompt_len and stats.step_decode_tokens == decodes, "not one mixed step"
             while engine.stats().num_running > decodes:  # the prompt's request samples its token and ends

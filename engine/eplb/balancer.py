@@ -196,7 +196,7 @@ class ExpertBalancer:
             moved += remote * slot_bytes(block.experts)
             copied += remote
             self.stats.slots_reassigned += sum(a != EMPTY and a != b for a, b in zip(old, new))
-            block.placement = ExpertPlacement(new, block.expert_tokens.shape[0], block.expert_tokens.device)
+            block.placement.update(new)  # in place: captured CUDA graphs read the old tables' addresses
         self.tp.min_over_ranks(1, "finishing the move of expert weights")
         self._watch_slots()
         elapsed_ms = (time.perf_counter() - start) * 1e3 + self._decide_ms

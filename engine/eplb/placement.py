@@ -22,6 +22,15 @@ class ExpertPlacement:
 
     def __init__(self, slot_experts: list[int], num_experts: int, device: torch.device) -> None:
         self.slot_experts = list(slot_experts)
+        replicas, slots = self._tables(slot_experts, num_experts)
+        self.replicas = replicas.to(device)  # [E]
+        self.slots = slots.to(device)  # [E, M]: the slots of each expert's replicas (padded: its first)
+        # [P] tokens each slot received since this placement was installed (read for the balance statistics).
+        self.slot_tokens = torch.zeros(len(slot_experts), dtype=torch.int64, device=device)
+
+    @staticmethod
+    def _tables(slot_experts: list[int], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(replicas [E], slots [E, M]) on the host for ``slot_experts``; M = P - E + 1 whatever the placement."""
         counts = [0] * num_experts
         for e in slot_experts:
             if e != EMPTY:
@@ -33,12 +42,23 @@ class ExpertPlacement:
         for slot, e in enumerate(slot_experts):
             if e != EMPTY:
                 table[e].append(slot)
-        width = max(counts)
-        self.replicas = torch.tensor(counts, dtype=torch.int64, device=device)  # [E]
-        self.slots = torch.tensor([row + [row[0]] * (width - len(row)) for row in table], dtype=torch.int64,
-                                  device=device)  # [E, M]: the slots of each expert's replicas (padded: its first)
-        # [P] tokens each slot received since this placement was installed (read for the balance statistics).
-        self.slot_tokens = torch.zeros(len(slot_experts), dtype=torch.int64, device=device)
+        # M is the most replicas any placement of P slots can give one expert, so that ``update`` refills these
+        # same tensors: captured CUDA graphs read them by address.
+        width = len(slot_experts) - num_experts + 1
+        replicas = torch.tensor(counts, dtype=torch.int64)  # [E]
+        slots = torch.tensor([row + [row[0]] * (width - len(row)) for row in table], dtype=torch.int64)  # [E, M]
+        return replicas, slots
+
+    def update(self, slot_experts: list[int]) -> None:
+        """Install a new placement of the same P slots in place: the device tables keep their storage, so CUDA
+        graphs captured with the old placement replay with the new one; the slot counts restart at zero."""
+        if len(slot_experts) != len(self.slot_experts):
+            raise ValueError(f"a new placement must keep the {len(self.slot_experts)} slots, got {len(slot_experts)}")
+        replicas, slots = self._tables(slot_experts, self.replicas.shape[0])
+        self.slot_experts = list(slot_experts)
+        self.replicas.copy_(replicas)  # between steps, at a rebalance: the copy's host wait is rare
+        self.slots.copy_(slots)
+        self.slot_tokens.zero_()
 
     @property
     def num_slots(self) -> int:

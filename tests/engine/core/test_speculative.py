@@ -11,6 +11,7 @@ from engine import LLM, SamplingParams
 from engine.loading.demo_model import write_demo_model
 from tests.engine.models.test_vs_transformers import MODES, hf_greedy
 from tests.hf_models import make_hf_model
+from tests.devices import DEVICES
 
 SEED = random.randrange(2**31)  # fresh weights and prompts each run; every message names the seed
 VOCAB = 211
@@ -111,9 +112,10 @@ def prompts_opening_runs(spec: LLM, prompts: list[list[int]], max_tokens: int, u
 
 
 @pytest.mark.parametrize("mode", ["default", "preemption"])
-def test_greedy_matches_transformers(reference, mode):
+@pytest.mark.parametrize("device", DEVICES)  # on CUDA the verification runs through the decode graphs
+def test_greedy_matches_transformers(reference, mode, device):
     path, prompts, max_tokens, expected = reference
-    llm = LLM(model=path, dtype="float32", device="cpu", **MODES[mode], **SPEC)
+    llm = LLM(model=path, dtype="float32", device=device, **MODES[mode], **SPEC)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     chunks: list = []
     got, outs, ended_in_run = drive(llm, prompts, params, chunks)

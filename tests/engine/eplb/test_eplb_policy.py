@@ -150,3 +150,26 @@ def test_a_layer_moves_only_for_a_real_gain():
     assert kept_even == current and kept_idle == current
     assert moved != current and moved.count(7) == 2  # the hot expert replicated onto both ranks
     assert imbalance(rank_loads(skewed, moved, 2)) < imbalance(rank_loads(skewed, current, 2)) - 0.02
+
+
+def test_a_new_placement_is_installed_in_the_same_device_tables():
+    """A rebalance refills the tables in place: captured CUDA graphs hold their addresses, so a new table object
+    would leave every graph replaying the old map (tokens sent to slots that now hold other experts)."""
+    rng = random.Random()
+    num_experts, num_ranks, slots = 8, 2, 6  # 4 spare slots
+    first = [e for r in range(num_ranks) for e in list(range(4 * r, 4 * r + 4)) + [EMPTY, EMPTY]]
+    mapped = ExpertPlacement(first, num_experts, torch.device("cpu"))
+    tables = [t.data_ptr() for t in (mapped.replicas, mapped.slots, mapped.slot_tokens)]
+    mapped.to_physical(torch.randint(0, num_experts, (50, 2)))
+    for _ in range(3):  # each: the 4 spare slots given to random experts (one of them up to 5 replicas)
+        new = list(range(num_experts)) + [rng.randrange(num_experts) for _ in range(num_ranks * slots - num_experts)]
+        rng.shuffle(new)
+        mapped.update(new)
+        assert [t.data_ptr() for t in (mapped.replicas, mapped.slots, mapped.slot_tokens)] == tables
+        assert int(mapped.slot_tokens.sum()) == 0
+        hot = torch.randint(0, num_experts, (200, 2))
+        physical = mapped.to_physical(hot)
+        assert torch.equal(torch.tensor(new)[physical.long()], hot)  # every pick reaches a replica of its expert
+        assert torch.equal(mapped.slot_tokens, torch.bincount(physical.flatten().long(), minlength=len(new)))
+    with pytest.raises(ValueError, match="keep the 12 slots"):
+        mapped.update(new[:-1])

@@ -19,6 +19,7 @@ from engine.loading.model_config import load_model_config
 from engine.loading.mxfp4 import dequantize_mxfp4
 from engine.loading.quantization import resolve_scheme
 from moe_kernels.quant import QuantScheme, dequantize
+from tests.devices import DEVICES
 from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
 
@@ -82,27 +83,28 @@ def write_mxfp4_checkpoint(hf, path: str) -> None:
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "mxfp4"])
-def test_mxfp4_checkpoint_generates_transformers_tokens(seed, quantization, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)  # on CUDA: the Triton MoE kernel on 4-bit experts, attention sinks
+def test_mxfp4_checkpoint_generates_transformers_tokens(seed, quantization, device, tmp_path):
     hf = make_hf_model("gpt_oss", str(tmp_path), seed=seed, vocab_size=97, intermediate_size=32)
     write_mxfp4_checkpoint(hf, str(tmp_path))
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 96) for _ in range(n)] for n in (21, 4)]
-    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=32, quantization=quantization)
+    llm = LLM(model=str(tmp_path), dtype="float32", device=device, num_kv_blocks=32, quantization=quantization)
     block = llm.engine.runner.model.model.layers[0].mlp
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     want = hf.model.layers[0].mlp.experts.down_proj.detach().transpose(1, 2)  # [E, H, I]
     if quantization == "mxfp4":  # kept in 4 bits (the torch path dequantizes per call): the same values, tokens
         experts = block.experts
         assert experts.w2.dtype == torch.uint8 and tuple(experts.w2.shape) == (*want.shape[:-1], want.shape[-1] // 2)
-        assert torch.equal(dequantize(experts.w2.detach(), experts.w2_scale.detach()), want), f"seed={seed}"
+        assert torch.equal(dequantize(experts.w2.detach().cpu(), experts.w2_scale.detach().cpu()), want), f"seed={seed}"
         gate_up = hf.model.layers[0].mlp.experts.gate_up_proj.detach().transpose(1, 2)  # [E, 2I, H], interleaved
-        w13 = dequantize(experts.w13.detach(), experts.w13_scale.detach())  # [E, 2I, H], gate rows then up rows
+        w13 = dequantize(experts.w13.detach().cpu(), experts.w13_scale.detach().cpu())  # [E, 2I, H], gate rows then up rows
         assert torch.equal(w13, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)), f"seed={seed}"
     if quantization in (None, "mxfp4"):
         expected = [hf_greedy(hf, p, 8) for p in prompts]
         assert [o.token_ids for o in outs] == expected, f"seed={seed}"
     if quantization is None:
-        assert torch.equal(block.experts.w2.detach(), want), f"seed={seed}: w2 is the dequantized down_proj"
+        assert torch.equal(block.experts.w2.detach().cpu(), want), f"seed={seed}: w2 is the dequantized down_proj"
         # Left unset, the checkpoint's MXFP4 experts are dequantized everywhere (the 4-bit load builds the model in
         # float32 on the host first): 4 bits only when asked for.
         config = load_model_config(str(tmp_path))
@@ -112,5 +114,5 @@ def test_mxfp4_checkpoint_generates_transformers_tokens(seed, quantization, tmp_
     if quantization == "int8":  # 8-bit storage of the dequantized experts: within half an int8 step of them
         experts = block.experts
         assert experts.w2.dtype == torch.int8 and all(len(o.token_ids) == 8 for o in outs)
-        held = dequantize(experts.w2.detach(), experts.w2_scale.detach(), None, torch.float64)
-        assert ((held - want.double()).abs() <= experts.w2_scale.double().unsqueeze(-1) / 2 + 1e-9).all(), f"seed={seed}"
+        held = dequantize(experts.w2.detach().cpu(), experts.w2_scale.detach().cpu(), None, torch.float64)
+        assert ((held - want.double()).abs() <= experts.w2_scale.detach().cpu().double().unsqueeze(-1) / 2 + 1e-9).all(), f"seed={seed}"

@@ -9,6 +9,7 @@ from engine import LLM, SamplingParams
 from engine.core.request import Request
 from engine.sampling.sampler import Sampler
 from tests.hf_models import make_hf_model
+from tests.devices import DEVICES
 
 
 @pytest.fixture(scope="module")
@@ -55,19 +56,20 @@ def _requests(params_list):
     return [Request(str(i), [1], p, max_tokens=10) for i, p in enumerate(params_list)]
 
 
-def test_sampler_filters_and_distribution():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampler_filters_and_distribution(device):
     torch.manual_seed(0)
-    sampler = Sampler(torch.device("cpu"), seed=random.randrange(2**31))
-    logits = torch.randn(1, 50)
+    sampler = Sampler(torch.device(device), seed=random.randrange(2**31))
+    logits = torch.randn(1, 50, device=device)
     n = 4000
     reqs = _requests([SamplingParams(temperature=1.0)] * n)
     counts = torch.bincount(torch.tensor(sampler(logits.repeat(n, 1), reqs).token_ids), minlength=50).double()
-    probs = torch.softmax(logits[0].double(), -1)
+    probs = torch.softmax(logits[0].double().cpu(), -1)
     # Every token's frequency within 5 standard errors of its probability.
     se = (probs * (1 - probs) / n).sqrt()
     assert ((counts / n - probs).abs() <= 5 * se + 1e-3).all()
 
-    top5 = set(logits[0].topk(5).indices.tolist())
+    top5 = set(logits[0].cpu().topk(5).indices.tolist())
     got = sampler(logits.repeat(300, 1), _requests([SamplingParams(temperature=1.0, top_k=5)] * 300)).token_ids
     assert set(got) <= top5 and len(set(got)) > 1
 

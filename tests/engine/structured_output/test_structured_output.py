@@ -13,6 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.structured_output_spec import StructuredOutput
 from engine.loading.demo_model import write_demo_model
+from tests.devices import DEVICES
 
 pytestmark = pytest.mark.timeout(300)
 # 256 blocks of 16 hold every request of a test at once (at most 12 of 60 + 160 tokens): nothing preempts unless a
@@ -57,9 +58,10 @@ def _check_valid(out, schema) -> None:
 
 @pytest.mark.parametrize("mode", [dict(num_kv_blocks=ROOMY_POOL, max_num_batched_tokens=32),  # chunked prefill
                                   dict(num_kv_blocks=14, block_size=16, max_num_batched_tokens=64)])  # preemption
-def test_constrained_outputs_validate_and_unconstrained_requests_are_untouched(model_dir, mode):
+@pytest.mark.parametrize("device", DEVICES)
+def test_constrained_outputs_validate_and_unconstrained_requests_are_untouched(model_dir, mode, device):
     rng = random.Random()
-    llm = LLM(model=model_dir, dtype="float32", device="cpu", **mode)
+    llm = LLM(model=model_dir, dtype="float32", device=device, **mode)
     prompts = [[rng.randrange(10, 1300) for _ in range(rng.randint(5, 60))] for _ in range(12)]
     free = [SamplingParams(temperature=0.0, max_tokens=rng.randint(20, 60), ignore_eos=True) for _ in range(4)]
     alone = [llm.generate([p], s)[0].token_ids for p, s in zip(prompts[:4], free)]
