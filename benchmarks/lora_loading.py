@@ -115,21 +115,29 @@ def main() -> None:
                    "resident": LLM(**common, max_loras=args.adapters)}
         if not args.no_gc_freeze:
             freeze_startup_heap()  # as a served engine's process does once its engine is built
-        results: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
-        for r in range(args.rounds):
-            for name in (["loading", "resident"] if r % 2 == 0 else ["resident", "loading"]):
-                results[name].append(run(engines[name], names, args))
-        print(f"{args.adapters} adapters of rank {args.rank}, {args.long} base-model requests decoding, "
-              f"{args.arrivals} adapter requests one every {args.every} steps; {args.rounds} rounds, "
-              f"{args.threads} thread(s); median [min, max] over rounds")
-        for name, rounds in results.items():
-            def col(key):
-                values = [x[key] for x in rounds]
-                return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
-            slots = args.max_loras if name == "loading" else args.adapters
-            print(f"  {name:8s} (max_loras {slots}): decode step p50 {col('p50')} ms, max {col('max')} ms, "
-                  f"max/p50 {col('ratio')} (goal <= 1.5); steps with a slot write: {col('load_steps')}, their "
-                  f"max {col('load_max')} ms; disk reads {col('disk_reads')}")
+        try:
+            compare(engines, names, args)
+        finally:
+            gc.unfreeze()
+
+
+def compare(engines: dict[str, LLM], names: list[str], args) -> None:
+    """The rounds, alternating which engine runs first, and the report."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    for r in range(args.rounds):
+        for name in (["loading", "resident"] if r % 2 == 0 else ["resident", "loading"]):
+            results[name].append(run(engines[name], names, args))
+    print(f"{args.adapters} adapters of rank {args.rank}, {args.long} base-model requests decoding, "
+          f"{args.arrivals} adapter requests one every {args.every} steps; {args.rounds} rounds, "
+          f"{args.threads} thread(s); median [min, max] over rounds")
+    for name, rounds in results.items():
+        def col(key):
+            values = [x[key] for x in rounds]
+            return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+        slots = args.max_loras if name == "loading" else args.adapters
+        print(f"  {name:8s} (max_loras {slots}): decode step p50 {col('p50')} ms, max {col('max')} ms, "
+              f"max/p50 {col('ratio')} (goal <= 1.5); steps with a slot write: {col('load_steps')}, their "
+              f"max {col('load_max')} ms; disk reads {col('disk_reads')}")
     print("per round (run order alternates): max/p50 | decode steps with a read in flight p50, without p50 (max) | "
           "GC and slot-write ms inside decode steps")
     for r in range(args.rounds):
