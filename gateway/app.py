@@ -7,7 +7,6 @@ weight, preemptibility, cache salt).
 """
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -20,7 +19,8 @@ from engine.serving.client import EngineClient
 from gateway.admission import (
     INFLIGHT, QUOTAS, SETTLEMENTS, Settlements, admit, rate_limit_headers, release, reservation, utcnow,
 )
-from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware
+from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware, require_token
+from gateway import admin_lora
 from gateway.replies import json_response
 from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
@@ -112,11 +112,7 @@ async def openapi_endpoint(request: web.Request) -> web.Response:
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     """/metrics on the API's listener: only for the holder of the metrics token (series name tenants)."""
-    token = request.app[CONFIG].metrics_token
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise APIError(401, "metrics need 'Authorization: Bearer <metrics token>'", "authentication_error",
-                       code="invalid_metrics_token", headers={"WWW-Authenticate": "Bearer"})
+    require_token(request, request.app[CONFIG].metrics_token, "metrics")
     return request.app[METRICS].render()
 
 
@@ -435,7 +431,8 @@ async def _engine_lifecycle(app: web.Application):
         await engine.shutdown()
         raise
     logger.info("serving %s (%s)", _model_name(app), engine.info.architecture)
-    supervisors = [asyncio.create_task(supervise(name, replica, config.engine_restart_backoff_s,
+    forget = asyncio.create_task(_forget_removed_adapters(app))
+    supervisors = [forget] + [asyncio.create_task(supervise(name, replica, config.engine_restart_backoff_s,
                                                  config.engine_restart_backoff_max_s))
                    for name, replica in replicas_of(engine)]
     yield
@@ -443,6 +440,16 @@ async def _engine_lifecycle(app: web.Application):
         task.cancel()
     await asyncio.gather(*supervisors, return_exceptions=True)
     await engine.shutdown()
+
+
+async def _forget_removed_adapters(app: web.Application) -> None:
+    """Every policy TTL: engines drop the adapters the database no longer holds (``adapter remove`` from the CLI)."""
+    while True:
+        await asyncio.sleep(max(app[CONFIG].policy_cache_ttl_s, 0.05))
+        try:
+            await app[ADAPTERS].forget_removed(replicas_of(app[ENGINE]))
+        except Exception:  # the database away for a moment: the next round tries again
+            logger.warning("could not check for removed LoRA adapters", exc_info=True)
 
 
 async def _batch_lifecycle(app: web.Application):
@@ -475,6 +482,7 @@ def _configure_batch_api(app: web.Application, config: GatewayConfig) -> None:
 def _add_routes(app: web.Application, config: GatewayConfig) -> None:
     if config.metrics_token:
         app.router.add_get("/metrics", metrics_endpoint)
+    admin_lora.add_routes(app, config.admin_token, app[ENGINE])
     app.router.add_get("/openapi.json", openapi_endpoint)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)

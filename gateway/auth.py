@@ -1,6 +1,7 @@
 """Authentication: `Authorization: Bearer mg-...` -> the tenant, with a short-lived lookup cache."""
 
 import hashlib
+import hmac
 import time
 from dataclasses import dataclass
 
@@ -58,6 +59,15 @@ class Authenticator:
 
 
 PRINCIPAL = web.RequestKey("principal", Principal)
+
+
+def require_token(request: web.Request, token: str, what: str) -> None:
+    """401 unless the request carries ``Authorization: Bearer <token>`` (the operator's token for ``what``:
+    metrics, admin), compared in constant time."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise APIError(401, f"{what} needs 'Authorization: Bearer <{what} token>'", "authentication_error",
+                       code=f"invalid_{what}_token", headers={"WWW-Authenticate": "Bearer"})
 KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/ (vLLM's paths), behind the key all the same
 AUTHENTICATOR = web.AppKey("authenticator", Authenticator)
 

@@ -35,6 +35,9 @@ class GatewayConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     metrics_token: str | None = None
+    # The operator's endpoints (/admin/...: load and unload LoRA adapters) exist only with this token set
+    # (the command line reads MOEGATE_ADMIN_TOKEN), for ``Authorization: Bearer <admin_token>`` alone.
+    admin_token: str | None = None
     max_inflight_by_priority: dict[int, int] = field(default_factory=_default_inflight_caps)
     # Output tokens reserved per choice at admission when a request sets no max_tokens (the OpenAI SDKs'
     # default for chat), instead of the whole context; the settle charges what was really generated.

@@ -7,6 +7,11 @@ An adapter the tenant may not use is the same ``404 model_not_found`` as a model
 Engines learn an adapter with ``add_lora`` the first time a request needs it there (once per replica and engine
 process: a restarted engine starts from its configuration again; concurrent requests wait for the one call).
 Where the database holds adapters when the server starts, local replicas are started with ``enable_lora``.
+
+Removal unloads: the admin endpoint (``gateway.admin_lora``) calls ``remove_lora`` on every engine given the adapter
+at once; an adapter removed from the database another way (``moegate admin adapter remove``) is removed from the
+engines within ``ttl_s`` (``forget_removed``, run by the gateway every ``ttl_s``). Requests already running under
+it finish under it; the engine then frees its slot and host copy.
 """
 
 from __future__ import annotations
@@ -72,6 +77,52 @@ class AdapterCatalog:
                 config.enable_lora = True
                 logger.info("engine replica serves LoRA: the policy database holds adapters")
 
+    def changed(self) -> None:
+        """The database's adapters changed from this gateway: every tenant's view applies from the next request."""
+        self._usable.clear()
+
+    def _given_to(self, replica) -> dict[tuple[str, str], asyncio.Future]:
+        """The adapters given to ``replica``'s current engine process (a new process starts from none)."""
+        info, given = self._given.get(id(replica), (None, {}))
+        if info is not replica.info:
+            given = {}
+            self._given[id(replica)] = (replica.info, given)
+        return given
+
+    async def unload(self, replicas, keep: dict[str, str] | None = None, name: str | None = None) -> int:
+        """``remove_lora`` on every live replica for adapter ``name`` (None: every adapter given to it that
+        ``keep``, name -> directory, no longer holds under the same directory). Returns how many engines removed
+        one. A replica gone meanwhile is skipped (a restarted engine starts without it)."""
+        calls, keys = [], []
+        for _, replica in replicas:
+            if replica.dead or replica.info is None:
+                continue
+            given = self._given_to(replica)
+            named = replica.config.lora_adapter_paths
+            for key, call in list(given.items()):
+                gone = key[0] == name if name is not None else keep.get(key[0]) != key[1]
+                if gone and call.done() and call.exception() is None:
+                    del given[key]
+                    calls.append(replica.remove_lora(key[0]))
+                    keys.append(key)
+            if name is not None and name in named and (name, named[name]) not in keys:
+                calls.append(replica.remove_lora(name))  # named at its start
+                keys.append((name, named[name]))
+        removed = 0
+        for key, result in zip(keys, await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(result, BaseException):
+                logger.warning("adapter %r could not be removed from an engine: %s", key[0], result)
+            else:
+                removed += 1
+        return removed
+
+    async def forget_removed(self, replicas) -> int:
+        """Unload what the database no longer holds (removed by ``moegate admin adapter remove``)."""
+        if not any(given for _, given in self._given.values()):
+            return 0
+        held = {a.name: a.path for a in await self.adapters.list()}
+        return await self.unload(replicas, keep=held)
+
     async def ensure_loaded(self, replicas, name: str, path: str) -> None:
         """Have every live replica serve adapter ``name`` (``add_lora`` where it was not given it yet). A replica
         that cannot is a ValueError with its one line."""
@@ -81,10 +132,7 @@ class AdapterCatalog:
                 continue
             if replica.config.lora_adapter_paths.get(name) == path:
                 continue  # named at its start
-            info, given = self._given.get(id(replica), (None, {}))
-            if info is not replica.info:  # a new engine process: it knows only its configuration
-                given = {}
-                self._given[id(replica)] = (replica.info, given)
+            given = self._given_to(replica)  # a new engine process knows only its configuration
             call = given.get((name, path))
             if call is None or (call.done() and call.exception() is not None):
                 call = given[(name, path)] = asyncio.ensure_future(replica.add_lora(name, path))

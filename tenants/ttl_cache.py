@@ -54,6 +54,10 @@ class RefreshingCache(Generic[V]):
     def invalidate(self, key: Hashable) -> None:
         self._entries.pop(key, None)
 
+    def clear(self) -> None:
+        """Forget every entry: the next lookups load again (a change that must apply at once)."""
+        self._entries.clear()
+
     def _start(self, key: Hashable, load: Callable[[], Awaitable[V]]) -> asyncio.Future:
         future = self._loading.get(key)
         if future is None:

@@ -67,6 +67,11 @@ class HostLoraCache:
             self._insert(key, adapter)
         return adapter
 
+    @property
+    def reading(self) -> bool:
+        """Whether a background read is in flight now."""
+        return bool(self._pending)
+
     def wait_for_reads(self, timeout_s: float) -> None:
         """Block until a background read ends (or ``timeout_s``): for an engine with nothing to run but requests
         waiting for adapters, instead of spinning on empty steps (which would also slow the reader)."""

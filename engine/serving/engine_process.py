@@ -1,5 +1,6 @@
 """The engine's own process: receives requests over a pipe, steps the engine, sends deltas back."""
 
+import gc
 import logging
 import signal
 import time
@@ -39,6 +40,7 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
     try:
         threads = serving_threads(config)
         engine = LLMEngine(config)
+        freeze_startup_heap()
         handoff = None
         if config.role != "both":  # a prefill or decode engine of a disaggregated deployment
             from engine.serving.kv_handoff import KVHandoff
@@ -53,6 +55,20 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
         if handoff is not None:
             handoff.close()
         engine.close(abrupt=True)
+        gc.unfreeze()  # frozen objects are never finalized at exit (nanobind then reports leaks)
+
+
+def freeze_startup_heap() -> None:
+    """Collect what the engine's start threw away, then move everything left out of the garbage collector's reach.
+
+    The engine process holds some 400,000 tracked objects once the model is built (torch, transformers, the
+    model's modules); a full collection walks all of them, and one that fires inside a step holds that step
+    (measured: ~580 ms for a full collection on a loaded 2-core machine, a 52 ms collection inside one decode
+    step of the LoRA loading benchmark). Frozen, the collections that still run walk only what serving makes.
+    As vLLM does after its engine starts; unfrozen when the engine ends.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _serve(engine, config: EngineConfig, threads, requests: Connection, replies: Connection, handoff=None) -> None:

@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
                            engine_restart_backoff_max_s=args.engine_restart_backoff_max,
                            metrics_port=args.metrics_port if args.metrics_port >= 0 else None,
                            metrics_token=os.environ.get("MOEGATE_METRICS_TOKEN") or None,
+                           admin_token=os.environ.get("MOEGATE_ADMIN_TOKEN") or None,
                            batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight,
                            default_reservation_tokens=args.default_reservation_tokens,
                            responses_retention_s=args.responses_retention_days * 86400,

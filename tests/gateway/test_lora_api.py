@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 POLICY_TTL_S = 0.3  # how long a grant or revoke takes to apply (the gateway's policy cache)
+ADMIN_TOKEN = "operator-" + "".join(random.choices("abcdef0123456789", k=16))
 
 
 def _make_adapter(base_dir: str, out_dir: str, rank: int = 4) -> None:
@@ -64,7 +65,7 @@ def served(tmp_path_factory):
     with in_process_server(root, dict(dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
                                       max_model_len=256, max_loras=2, max_lora_rank=8),
                            gateway=dict(policy_cache_ttl_s=POLICY_TTL_S, auth_cache_ttl_s=POLICY_TTL_S,
-                                        batch_poll_s=0.05),
+                                        batch_poll_s=0.05, admin_token=ADMIN_TOKEN),
                            before_start=before_start) as srv:
         clients = {t: openai.AsyncOpenAI(base_url=srv.base_url, api_key=k, max_retries=0) for t, k in keys.items()}
         yield srv, clients, adapter_dir
@@ -222,3 +223,113 @@ def test_adapter_added_while_serving(served, tmp_path):
     assert body["code"] == "adapter_unavailable" and body["param"] == "model" and "\n" not in body["message"]
     assert "rank" in body["message"]
     assert srv.run(complete("demo")).model == "demo"  # the engine goes on
+
+
+def test_admin_load_and_unload(served, tmp_path):
+    """The admin endpoints: load registers an adapter and gives it to the engine (the next request gets
+    transformers + PEFT's tokens); unload answers while a request under the adapter still streams, that request
+    finishes with PEFT's tokens, new ones get the unknown-model 404 and the engine drops it. Only the admin token
+    opens them; a bad directory is a 400 naming ``lora_path`` with nothing written; an unknown adapter a 404.
+    An adapter removed with ``moegate admin adapter remove`` leaves the engine too."""
+    import aiohttp
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tenants.adapters import AdapterStore
+
+    srv, clients, _ = served
+    hot, spare = str(tmp_path / "hot"), str(tmp_path / "spare")
+    _make_adapter(srv.demo, hot)
+    _make_adapter(srv.demo, spare)
+    root = str(srv.server.make_url(""))
+    engine = srv.engine  # the one replica
+    rng = random.Random()
+    prompt = [rng.randrange(3, 200) for _ in range(10)]
+    n_long = 200  # long enough to still stream when the unload answers (asserted below)
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32), hot).eval()
+    want = _greedy(ref, prompt, n_long)
+
+    async def admin(path, body, token=ADMIN_TOKEN):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(root + path, json=body, headers=headers) as r:
+                return r.status, await r.json()
+
+    async def names():
+        store = TenantStore.open(srv.database_url)
+        try:
+            return [a.name for a in await AdapterStore(store).list()]
+        finally:
+            await store.close()
+
+    async def complete(model, n=6, client="owner"):
+        return await clients[client].completions.create(
+            model=model, prompt=prompt, max_tokens=n, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+
+    def ids(choice) -> list[int]:
+        return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+    # Who may call: the admin token alone (a tenant's key is a 401 like no key).
+    load = {"lora_name": "hot", "lora_path": hot, "tenant": "owner"}
+    for token in (None, "wrong", clients["owner"].api_key):
+        status, body = srv.run(admin("/admin/load_lora_adapter", load, token))
+        assert status == 401 and body["error"]["code"] == "invalid_admin_token"
+    # Bad input: one line naming the field, nothing written.
+    before = srv.run(names())
+    for bad, field in (({**load, "lora_path": str(tmp_path / "nowhere")}, "lora_path"),
+                       ({**load, "lora_path": srv.demo}, "lora_path"),  # a directory, but no adapter
+                       ({"lora_name": "hot", "lora_path": hot}, "tenant"),
+                       ({**load, "tenant": "nobody"}, "tenant"),
+                       ({**load, "rank": 4}, "rank")):
+        status, body = srv.run(admin("/admin/load_lora_adapter", bad))
+        assert 400 <= status < 500 and body["error"]["param"] == field and "\n" not in body["error"]["message"], bad
+    assert srv.run(names()) == before
+    status, body = srv.run(admin("/admin/unload_lora_adapter", {"lora_name": "no-such-adapter"}))
+    assert status == 404 and body["error"]["param"] == "lora_name"
+
+    # Load: served at once, with PEFT's tokens.
+    status, body = srv.run(admin("/admin/load_lora_adapter", load))
+    assert status == 200 and body["name"] == "hot" and body["engines"] == 1, body
+    answer = srv.run(complete("hot"))
+    assert ids(answer.choices[0]) == want[:6]
+    registered = engine.stats.lora_registered
+
+    # Unload while a request under it streams: it finishes under it; new ones get the 404; the engine drops it.
+    async def unload_mid_stream():
+        stream = await clients["owner"].completions.create(
+            model="hot", prompt=prompt, max_tokens=n_long, temperature=0, logprobs=0, stream=True,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        got, unloaded_at = [], None
+        async for chunk in stream:
+            got += [int(t.removeprefix("token_id:")) for t in chunk.choices[0].logprobs.tokens]
+            if unloaded_at is None:
+                status, _ = await admin("/admin/unload_lora_adapter", {"lora_name": "hot"})
+                assert status == 200
+                unloaded_at = len(got)
+                with pytest.raises(openai.NotFoundError) as refused:
+                    await complete("hot")
+                assert refused.value.body["code"] == "model_not_found"
+        return got, unloaded_at
+    got, unloaded_at = srv.run(unload_mid_stream())
+    assert unloaded_at < n_long and got == want
+    srv.run(complete("demo", n=2))  # a step after the last request under it ended
+    assert engine.stats.lora_registered == registered - 1 and "hot" not in srv.run(names())
+
+    # Removed from the database by the CLI: the engine drops it within the policy TTL.
+    status, _ = srv.run(admin("/admin/load_lora_adapter", {"lora_name": "spare", "lora_path": spare, "public": True}))
+    assert status == 200 and srv.run(complete("spare", client="other")).model == "spare"
+    registered = engine.stats.lora_registered
+    # On a thread, the server's loop running meanwhile (a paused loop may hold the database).
+    cli = ["admin", "adapter", "remove", "spare", "--database-url", srv.database_url, "--json"]
+    assert srv.run(asyncio.to_thread(moegate, cli)) == 0
+
+    async def dropped():
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            await complete("demo", n=1)
+            if engine.stats.lora_registered == registered - 1:
+                return True
+            await asyncio.sleep(POLICY_TTL_S / 2)
+        return False
+    assert srv.run(dropped())
