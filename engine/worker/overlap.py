@@ -29,7 +29,8 @@ import torch
 from engine.core.scheduler import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from engine.device_batch.flat_batch import FlatBatch
 from engine.sampling.prompt_scoring import PromptScoring, prompt_scoring
-from engine.worker.runner import ModelRunner, StepSamples
+from engine.worker.runner import ModelRunner
+from engine.worker.step_samples import StepSamples
 from engine.sampling.sampler import DeviceSamples, StepSampling
 from engine.device_batch.staging import stage_int64
 

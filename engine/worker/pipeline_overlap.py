@@ -24,17 +24,15 @@ import queue
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.core.scheduler import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from engine.distributed.collectives import TensorParallel
 from engine.distributed.groups import CollectiveError
+from engine.worker.step_samples import StepSamples
 from engine.worker.pipeline_step import RowsBack, has_placeholder, micro_batches, run_stage
 
-if TYPE_CHECKING:
-    from engine.worker.runner import StepSamples
 
 
 _STOP = object()  # PlanSender's thread ends when it takes this
@@ -169,7 +167,7 @@ class PipelinedSteps:
         return self.plan_in_flight is not None
 
     def step(self, plan: SchedulerOutput, followers_plan: list[ScheduledRequest],
-             resolve: Callable[[SchedulerOutput, "StepSamples"], None]) -> None:
+             resolve: Callable[[SchedulerOutput, StepSamples], None]) -> None:
         """Send ``plan`` (as ``followers_plan``) to the other ranks and run stage 0's part of it; the step in
         flight is sampled (``runner.sample``) and handed to ``resolve`` before ``plan``'s first micro-batch
         holding a placeholder, or after its micro-batches. ``plan`` is then in flight (unless empty)."""

@@ -1,7 +1,6 @@
 """The model runner: one forward over all scheduled tokens of a step, then sampling."""
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -16,24 +15,13 @@ from engine.worker.cache_groups import cache_slots
 from engine.worker.kv_memory import zeros_on_first_touch
 from engine.worker.expert_load import ExpertLoadReader
 from engine.worker.pipeline_overlap import StageZeroSteps
+from engine.worker.step_samples import StepSamples
 from engine.worker.pipeline_step import run_stage
 from engine.sampling.prompt_scoring import prompt_scoring
 from engine.sampling.sampler import Sampler
 from engine.core.lora_residency import LoraLoads
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.tier_copies import TierCopies
-
-
-@dataclass(slots=True)
-class StepSamples:
-    """What a step sampled: a token per scheduled request (None where it did not sample), and the
-    logprobs (by request id) of the requests that asked for them."""
-
-    token_ids: list[int | list[int] | None]  # a part with K drafts: the token sampled at each of its K + 1 rows
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
-    # request id -> (position of its first entry, logprobs of the prompt tokens this step scored); position 0
-    # (the first prompt token) is never scored: nothing precedes it.
-    prompt_logprobs: dict[str, tuple[int, Logprobs]] = field(default_factory=dict)
 
 
 def attach_kv_caches(model: MoECausalLM, cache_config: CacheConfig, device: torch.device,
