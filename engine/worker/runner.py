@@ -7,7 +7,6 @@ import torch
 from engine.device_batch.flat_batch import FlatBatch
 from engine.worker.batch_builder import build_batch
 from engine.core.config import CacheConfig
-from engine.core.logprob_outputs import Logprobs
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
