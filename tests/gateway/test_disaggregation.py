@@ -353,9 +353,12 @@ def test_preemption_on_both_sides_keeps_greedy_tokens(tmp_path):
 
             # A batch-class request's prompt is being computed (30+ steps of one token) when an urgent one comes.
             batch, urgent = RequestPolicy(priority=2), RequestPolicy(priority=0)
+            computed = prefill.stats.total_prefill_tokens
             slow = asyncio.create_task(_collect(router.generate(prompts[4], _greedy(24), policy=batch)))
-            while not router._load(prefill):
-                await asyncio.sleep(0.001)
+            # Until the prefill engine has computed 2 of its tokens (stats come at least every 50 ms while busy):
+            # sent is not enough, as an urgent request that finds it still waiting is simply scheduled first.
+            while prefill.stats.total_prefill_tokens < computed + 2:
+                await asyncio.sleep(0.005)
             assert await _collect(router.generate(prompts[5], _greedy(24), policy=urgent)) == expected[5]
             assert await slow == expected[4]
             await asyncio.sleep(1.2)
