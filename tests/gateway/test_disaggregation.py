@@ -79,7 +79,10 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
     async def main():
         # Chunks of 2 blocks: each prompt's blocks leave the prefill engine in pieces, while it computes the rest.
         prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill", max_num_batched_tokens=2 * BS)))
-        decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", local_prefill_tokens=2 * BS)))
+        # The prompts it computes itself in chunks of 5 tokens (not a block's multiple): each chunk shares its step
+        # with the decode steps of the others.
+        decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", local_prefill_tokens=2 * BS,
+                                                      decode_prefill_chunk_tokens=BS + 1)))
         router = DisaggregatedEngines([prefill], [decode])
         await router.start()
         try:
@@ -125,6 +128,11 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
             assert got == expected_busy
             local = [i for i in range(3) if "local" in router.phases[f"busy{i}"]]
             assert 1 in local and 0 not in local and router.local_prefills == len(local)
+            assert router.local_prefills_by == {("decode-0", "not_wanted"): 1, ("decode-0", "prefill_busy"): len(local)}
+            from gateway.metrics import _EngineCollector
+            samples = {(s.labels["replica"], s.labels["reason"]): s.value for f in _EngineCollector(router).collect()
+                       if f.name == "moegate_kv_local_prefills" for s in f.samples if s.name.endswith("_total")}
+            assert samples == router.local_prefills_by
             await asyncio.sleep(1.2)
             stats = decode.stats
             assert stats.kv_transfers == 6 + 3 - len(local)

@@ -7,7 +7,9 @@ import sys
 import pytest
 
 from engine.core.block_pool import BlockPool
+from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler
 from tests.engine.helpers import make_requests, make_scheduler, run_to_completion
 
 
@@ -116,3 +118,30 @@ def test_block_pool_lru_and_double_free():
     assert pool.lookup(b"h" * 16) is None and pool.num_evictions == 1
     with pytest.raises(AssertionError):
         pool.release([b, b])
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_prefill_chunk_cap_bounds_every_prompt_chunk_not_decodes(trial):
+    """A decode engine's cap on one request's prompt tokens a step: every chunk of more than one token stays under
+    it, decodes still run every step, and every request ends with its blocks freed."""
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    cap = rng.randint(2, 9)
+    sched = Scheduler(SchedulerConfig(8, 32, 256, prefill_chunk_tokens=cap), CacheConfig(4, 64, True, None))
+    reqs = make_requests(rng.randint(3, 10), rng, prompt_len=(1, 40), max_tokens=(1, 12))
+    for r in reqs:
+        sched.add_request(r)
+    chunks: list[int] = []
+
+    def check(out):
+        for s in out.scheduled:
+            assert s.num_new_tokens <= cap, seed
+            chunks.append(s.num_new_tokens)
+
+    run_to_completion(sched, rng, on_step=check)
+    for r in reqs:
+        assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens, seed
+    if any(len(r.prompt_token_ids) > cap for r in reqs):
+        assert cap in chunks, seed  # a long prompt took the whole cap, not less
+    sched.kv.pool.check_all_free()
