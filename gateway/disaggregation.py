@@ -35,7 +35,8 @@ AFFINITY_SLACK = 4  # requests a prefill engine with the prompt's prefix may hav
 # Why a decode engine computed a prompt itself (moegate_kv_local_prefills' reason label). A transfer that failed or
 # timed out on the decode engine is counted there (moegate_kv_transfer_fallbacks).
 LOCAL_REASONS = {
-    "not_wanted": "the decode engine wanted no blocks: prompt short or mostly cached, or no free blocks",
+    "not_wanted": "the decode engine wanted no blocks: prompt short or mostly cached, prompt logprobs asked, or no "
+                  "free blocks",
     "prefill_busy": "conditional disaggregation: the prefill engine picked had prefill_queue_tokens queued",
     "no_prefill_engine": "no prefill engine was up",
     "prefill_failed": "the prefill engine failed while computing the prompt",
