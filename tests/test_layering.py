@@ -129,3 +129,17 @@ def test_engine_rooms_import_only_rooms_below_them():
     planted = {"engine/layers/attention.py": {"engine.worker.runner", "engine.kernels.attention", "torch"},
                "engine/core/request.py": {"engine.serving.protocol", "engine.text.tokenizer"}}
     assert [u.split(" ")[0] for u in _upward_imports(planted)] == ["engine/layers/attention.py", "engine/core/request.py"]
+
+
+def test_the_gateway_process_starts_without_torch():
+    """The gateway's process never needs torch (the engine runs in its own process): importing it would add 2-4 s
+    and some 300 MB to every gateway start. A module-level import of a torch-using module anywhere under
+    ``gateway.app`` or the ``serve`` command brings it in."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gateway.app, gateway.cli.serve; "
+            "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,5 +1,11 @@
 """Run a function on N gloo ranks in fresh processes (one torch thread each), with a hard time limit; or several
-runs of it (one per family, say) in one set of processes, so that their start-up is paid once."""
+runs of it (one per family, say) in one set of processes, so that their start-up is paid once.
+
+The processes are forked from a forkserver that imported torch, transformers and the engine once (per test
+process): a spawned rank spent 3-4 s of CPU importing them, the largest part of a small distributed test's time.
+The forkserver imports but never computes, so a forked rank inherits no thread pool and no device state; the
+environment is the test process's when the server started (tests here pass what differs as arguments).
+"""
 
 import multiprocessing
 import queue
@@ -25,9 +31,19 @@ def _entry(fn, rank: int, world: int, port: int, args, results) -> None:
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+PRELOAD = ["torch", "transformers", "engine.llm", "engine.llm_engine", "engine.distributed.follower", "tests.hf_models"]
+
+
+def rank_context():
+    """The multiprocessing context ranks start from (see the module docstring)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_ranks(fn, world: int, *args, timeout_s: float = 120.0) -> dict[int, tuple[str, object]]:
     """{rank: ("ok", fn's result) or ("error", message)}; ranks still alive after ``timeout_s`` are killed."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results), daemon=True) for r in range(world)]
