@@ -63,27 +63,34 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    """The server, the tenants' clients and two adapters: ``support`` (owned by "owner", granted to "granted"),
+    added to the database before the start, and ``pinned`` (owned by "pinner"), also named in the engine's own
+    configuration (``lora_adapters``), so the engine serves it from its start."""
     root = tmp_path_factory.mktemp("lora_api")
-    adapter_dir = str(root / "support")
+    adapter_dir, pinned_dir = str(root / "support"), str(root / "pinned")
     keys = {}
 
     def before_start(demo: str, url: str) -> None:
         _make_adapter(demo, adapter_dir)
+        _make_adapter(demo, pinned_dir)
         import asyncio
 
-        for tenant in ("owner", "granted", "other"):
+        for tenant in ("owner", "granted", "other", "pinner"):
             keys[tenant] = asyncio.run(new_tenant_key(url, tenant))
         assert moegate(["admin", "adapter", "add", "support", "--path", adapter_dir, "--tenant", "owner",
                         "--database-url", url, "--json"]) == 0
         assert moegate(["admin", "adapter", "grant", "support", "granted", "--database-url", url, "--json"]) == 0
+        assert moegate(["admin", "adapter", "add", "pinned", "--path", pinned_dir, "--tenant", "pinner",
+                        "--database-url", url, "--json"]) == 0
 
     with in_process_server(root, dict(dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
-                                      max_model_len=256, max_loras=2, max_lora_rank=8),
+                                      max_model_len=256, max_loras=2, max_lora_rank=8,
+                                      lora_adapters=f"pinned={pinned_dir}"),
                            gateway=dict(policy_cache_ttl_s=POLICY_TTL_S, auth_cache_ttl_s=POLICY_TTL_S,
                                         batch_poll_s=0.05, admin_token=ADMIN_TOKEN),
                            before_start=before_start) as srv:
         clients = {t: openai.AsyncOpenAI(base_url=srv.base_url, api_key=k, max_retries=0) for t, k in keys.items()}
-        yield srv, clients, adapter_dir
+        yield srv, clients, adapter_dir, pinned_dir
         for c in clients.values():
             srv.run(c.close())
 
@@ -92,7 +99,7 @@ def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    srv, clients, adapter_dir = served
+    srv, clients, adapter_dir, _ = served
     base_hf = AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32).eval()
     rng = random.Random()
     prompt = [rng.randrange(3, base_hf.config.vocab_size) for _ in range(rng.randint(8, 30))]
@@ -206,7 +213,7 @@ def test_adapter_added_while_serving(served, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    srv, clients, _ = served
+    srv, clients, _, _ = served
     late, wide = str(tmp_path / "late"), str(tmp_path / "wide")
     _make_adapter(srv.demo, late)
     _make_adapter(srv.demo, wide, rank=16)  # the server's max_lora_rank is 8
@@ -248,7 +255,7 @@ def test_admin_load_and_unload(served, tmp_path):
 
     from tenants.adapters import AdapterStore
 
-    srv, clients, _ = served
+    srv, clients, _, _ = served
     hot, spare = str(tmp_path / "hot"), str(tmp_path / "spare")
     _make_adapter(srv.demo, hot)
     _make_adapter(srv.demo, spare)
@@ -350,7 +357,7 @@ def test_admin_load_again_from_another_directory(served, tmp_path):
 
     from tests.engine.lora.peft_reference import peft_greedy_tokens
 
-    srv, clients, _ = served
+    srv, clients, _, _ = served
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
     _make_adapter(srv.demo, first)
     _make_adapter(srv.demo, second)
@@ -399,3 +406,41 @@ def test_admin_load_again_from_another_directory(served, tmp_path):
     status, _ = srv.run(_admin(root, "/admin/unload_lora_adapter", {"lora_name": "swap"}))
     assert status == 200
 
+
+def test_adapter_named_at_engine_start_unloaded_and_loaded_again(served, tmp_path):
+    """An adapter the engine's configuration names (served from its start) that the admin endpoints unload and then
+    load again is served again, with transformers + PEFT's tokens: from its own directory, then from another."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.lora.peft_reference import peft_greedy_tokens
+
+    srv, clients, _, pinned = served
+    other = str(tmp_path / "other")
+    _make_adapter(srv.demo, other)
+    root = str(srv.server.make_url(""))
+    rng = random.Random()
+    prompt = [rng.randrange(3, 200) for _ in range(rng.randint(8, 30))]
+    n = 8
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32), pinned,
+                                    adapter_name="pinned").eval()
+    ref.load_adapter(other, adapter_name="other")
+    want = {name: peft_greedy_tokens(ref, name, prompt, n) for name in ("pinned", "other")}
+    assert want["pinned"] != want["other"]
+
+    async def complete():
+        return await clients["pinner"].completions.create(
+            model="pinned", prompt=prompt, max_tokens=n, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+
+    assert _token_ids(srv.run(complete()).choices[0]) == want["pinned"]  # as the engine started with it
+    for path, expected in ((pinned, want["pinned"]), (other, want["other"])):
+        status, body = srv.run(_admin(root, "/admin/unload_lora_adapter", {"lora_name": "pinned"}))
+        assert status == 200 and body["engines"] == 1, body
+        with pytest.raises(openai.NotFoundError):
+            srv.run(complete())
+        load = {"lora_name": "pinned", "lora_path": path, "tenant": "pinner"}
+        status, body = srv.run(_admin(root, "/admin/load_lora_adapter", load))
+        assert status == 200 and body["engines"] == 1, body
+        answer = srv.run(complete())
+        assert answer.model == "pinned" and _token_ids(answer.choices[0]) == expected, path
