@@ -118,6 +118,8 @@ class LLMEngine:
                 config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                 background_token_budget=config.background_token_budget,
                 background_window_s=config.background_window_s,
+                # A decode engine's own prefills share steps with its streams: short chunks keep those steps short.
+                prefill_chunk_tokens=config.decode_prefill_chunk_tokens if config.role == "decode" else 0,
             ),
             cache_config,
             speculator=Speculator(config.speculative_config, self.max_model_len) if config.speculative else None,

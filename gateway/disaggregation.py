@@ -32,6 +32,16 @@ logger = logging.getLogger(__name__)
 
 AFFINITY_SLACK = 4  # requests a prefill engine with the prompt's prefix may have beyond the least loaded one
 
+# Why a decode engine computed a prompt itself (moegate_kv_local_prefills' reason label). A transfer that failed or
+# timed out on the decode engine is counted there (moegate_kv_transfer_fallbacks).
+LOCAL_REASONS = {
+    "not_wanted": "the decode engine wanted no blocks: prompt short or mostly cached, prompt logprobs asked, or no "
+                  "free blocks",
+    "prefill_busy": "conditional disaggregation: the prefill engine picked had prefill_queue_tokens queued",
+    "no_prefill_engine": "no prefill engine was up",
+    "prefill_failed": "the prefill engine failed while computing the prompt",
+}
+
 
 class DisaggregatedEngines:
     """Prefill and decode engines behind one ``generate`` (see the module docstring)."""
@@ -52,6 +62,8 @@ class DisaggregatedEngines:
         self._request_ids = itertools.count()
         self.fallbacks = 0  # requests whose prefill engine failed under them (the decode engine prefilled)
         self.local_prefills = 0  # long prompts a decode engine computed itself, every prefill engine being busy
+        # (decode engine's name, reason) -> prompts it computed itself: LOCAL_REASONS' keys (/metrics).
+        self.local_prefills_by: dict[tuple[str, str], int] = {}
         self._queued_tokens: dict[int, int] = {}  # id(prefill engine) -> prompt tokens sent there, not yet computed
         self._local_long: dict[int, int] = {}  # id(decode engine) -> long prompts it computes itself right now
         # Per request id, when each phase of its first token ended (time.monotonic()): set to a dict to record
@@ -208,6 +220,7 @@ class DisaggregatedEngines:
         queued = 0  # prompt tokens this request counts in p's queue until its prefill ends
         try:
             if p is None or local_long:  # no prefill engine up, or all busy: the decode engine serves it whole
+                self._count_local(d, "prefill_busy" if local_long else "no_prefill_engine")
                 if local_long:
                     self.local_prefills += 1
                     self._local_long[id(d)] = self._local_long.get(id(d), 0) + 1
@@ -237,6 +250,7 @@ class DisaggregatedEngines:
                 prefill_task.add_done_callback(lambda _, key=id(p), n=queued: self._dequeue(key, n))
                 queued = 0
             else:  # the decode engine computes it (short, cached, or no room): nothing queues at p
+                self._count_local(d, "not_wanted")
                 self._dequeue(id(p), queued)
                 queued = 0
             try:
@@ -277,10 +291,15 @@ class DisaggregatedEngines:
             self._mark(request_id, "prefilled")
         except (EngineError, ValueError) as e:
             self.fallbacks += 1
+            self._count_local(d, "prefill_failed")
             logger.warning("request %s: prefill engine failed (%s); the decode engine prefills it", request_id, e)
             d.kv_source_lost(request_id)
         finally:
             self._in_flight[id(p)] -= 1
+
+    def _count_local(self, d: AsyncEngine, reason: str) -> None:
+        key = (self.names[len(self.prefill) + self.decode.index(d)], reason)
+        self.local_prefills_by[key] = self.local_prefills_by.get(key, 0) + 1
 
     def _dequeue(self, key: int, tokens: int) -> None:
         self._queued_tokens[key] -= tokens

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.disaggregation import LOCAL_REASONS, DisaggregatedEngines
 from gateway.replica_router import ReplicaRouter, replicas_of
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -86,6 +87,10 @@ class _EngineCollector:
             "kv_fallbacks": CounterMetricFamily("moegate_kv_transfer_fallbacks", "prompts a decode engine prefilled "
                                                 "itself because their KV transfer failed or timed out",
                                                 labels=["replica"]),
+            "kv_local": CounterMetricFamily("moegate_kv_local_prefills", "prompts a decode engine computed itself "
+                                            "instead of receiving their KV, by reason: " + "; ".join(
+                                                f"{k}: {v}" for k, v in LOCAL_REASONS.items()),
+                                            labels=["replica", "reason"]),
             "gie_waiting": GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting (queue depth)", labels=["replica"]),
             "gie_running": GaugeMetricFamily("vllm:num_requests_running", "requests running", labels=["replica"]),
             # The endpoint picker's KV metric was renamed in vLLM; both names, same value (0..1).
@@ -104,6 +109,9 @@ class _EngineCollector:
         if isinstance(self.engine, ReplicaRouter):
             for name, moved in zip(self.engine.names, self.engine.moved_from):
                 families["moved"].add_metric([name], moved)
+        if isinstance(self.engine, DisaggregatedEngines):
+            for (name, reason), count in sorted(self.engine.local_prefills_by.items()):
+                families["kv_local"].add_metric([name, reason], count)
         for name, replica in replicas_of(self.engine):
             families["up"].add_metric([name], float(replica.dead is None and replica.info is not None))
             stats = replica.stats

@@ -184,6 +184,10 @@ class EngineConfig:
     engine that is not already computing such a prompt itself computes the new prompt itself rather than
     queueing it behind them
     (its streams see that one prompt's chunked prefill); 0: every long prompt goes to a prefill engine"""
+    decode_prefill_chunk_tokens: int = 256
+    """a decode engine computes the prompts it prefills itself (short ones, conditional disaggregation's, those
+    whose transfer failed) at most this many tokens a step, so its streams' steps stay short; 0: as many as
+    ``max_num_batched_tokens`` allows. Other roles: unused"""
 
     host_cache_gb: float = 0.0
     """host memory, in GB, for prefix-cache blocks evicted from the KV pool (pinned on CUDA): a later prompt
@@ -339,6 +343,8 @@ class EngineConfig:
                 # The connector reads and writes KV blocks in the scheduler's process only: other ranks' slices
                 # (heads, layers) would stay behind.
                 raise ValueError(f"role {self.role} runs in one process for now: {size} must be 1, got {value}")
+        if self.decode_prefill_chunk_tokens < 0:
+            raise ValueError(f"decode_prefill_chunk_tokens must be >= 0, got {self.decode_prefill_chunk_tokens}")
         if self.kv_transfer_timeout_s <= 0 or self.local_prefill_tokens < 0 or self.prefill_queue_tokens < 0:
             raise ValueError("kv_transfer_timeout_s must be > 0, local_prefill_tokens and prefill_queue_tokens >= "
                              f"0, got {self.kv_transfer_timeout_s}, {self.local_prefill_tokens} and "
@@ -460,9 +466,11 @@ class SchedulerConfig:
     max_model_len: int
     background_token_budget: int = 64
     background_window_s: float = 5.0
+    prefill_chunk_tokens: int = 0  # at most this many of one request's prompt tokens a step (0: no cap)
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2
+        assert self.prefill_chunk_tokens >= 0
         assert self.background_token_budget >= 1 and self.background_window_s >= 0
 
 

@@ -360,7 +360,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if self._ends_in_flight(request):
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens)
             if request.policy.background:
                 num_new = min(num_new, self._background_left)
                 if num_new <= 0:
@@ -418,7 +418,7 @@ class Scheduler:
                     passed.add(request.request_id)
                     continue
             num_cached = cached.num_blocks * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, self._budget)
+            num_new = self._chunk(request.num_tokens - num_cached)
             if request.policy.background:
                 num_new = min(num_new, self._background_left)
             if not self.kv.allocate_slots(request, num_new, cached):
@@ -439,6 +439,13 @@ class Scheduler:
             request.admit_seq = next(self._admit_seq)
             bisect.insort(self.running, request, key=_running_order)
             self._add_scheduled(request, num_new)
+
+    def _chunk(self, num_left: int) -> int:
+        """Tokens of a request with ``num_left`` to compute that this step takes: what the budget allows, and a
+        prompt's chunk at most ``prefill_chunk_tokens`` (a decode token, or a decode token with drafts, is not
+        capped)."""
+        cap = self.config.prefill_chunk_tokens
+        return min(num_left, self._budget, cap if cap and num_left > 1 else num_left)
 
     def _add_scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> None:
         sample = request.num_computed_tokens + num_new - len(drafts or ()) == request.num_tokens

@@ -40,6 +40,10 @@ class BlockLayout:
         data = data.to(self.device)
         start = 0
         for t, size in zip(self.tensors, self.sizes):
-            rows = data[:, start:start + size].contiguous().view(t.dtype).view(len(block_ids), *t.shape[1:])
+            # A fresh buffer, not .contiguous(): a one-block slice already counts as contiguous, keeping the
+            # whole row's stride and an odd byte offset, which cannot be viewed as a wider dtype.
+            part = torch.empty((len(block_ids), size), dtype=torch.uint8, device=self.device)
+            part.copy_(data[:, start:start + size])
+            rows = part.view(t.dtype).view(len(block_ids), *t.shape[1:])
             t.index_copy_(0, ids, rows)
             start += size

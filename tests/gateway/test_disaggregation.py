@@ -29,6 +29,7 @@ from tests.hf_models import make_hf_model
 
 VOCAB = 211
 BS = 4
+CHUNK = BS + 1  # the decode engine's decode_prefill_chunk_tokens: not a multiple of the block size
 TENANT_A, TENANT_B = RequestPolicy(tenant="a", cache_salt="tenant-a"), RequestPolicy(tenant="b", cache_salt="tenant-b")
 
 
@@ -55,6 +56,14 @@ def _computed_here(prompt_len: int) -> int:
     return rest if rest > 1 else 0
 
 
+def _computed_locally(prompt_len: int) -> int:
+    """Prompt tokens a decode engine counts as prefill for a prompt it computes itself from its first token, in
+    chunks of ``CHUNK``: all of them but the last of a prompt one past a chunk boundary. That token is computed
+    alone in its step, a one-token part that samples, which the runner computes on the decode path and the
+    scheduler counts as decode (as ``_computed_here``'s one past a block boundary)."""
+    return prompt_len - 1 if prompt_len % CHUNK == 1 else prompt_len
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_last_block(family, tmp_path):
@@ -70,7 +79,9 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
     lengths = [rng.randint(3, 8) for _ in range(len(prompts) + 1)]
     # Three long prompts at once while the prefill engine's queue limit is 1 token: the second finds the first
     # queued there and is computed by the decode engine itself (conditional disaggregation).
-    busy = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(24, 40))] for _ in range(3)]
+    # The second (the one computed there) is one token past a chunk boundary: its last token is computed alone.
+    busy = [[rng.randrange(1, VOCAB - 1) for _ in range(n)]
+            for n in (rng.randint(24, 40), CHUNK * rng.randint(5, 7) + 1, rng.randint(24, 40))]
     llm = LLM(**_settings(path))
     expected = [o.token_ids for o in llm.generate(prompts + [short] + busy, [_greedy(n) for n in lengths + [4] * 3])]
     expected, expected_busy = expected[:len(prompts) + 1], expected[len(prompts) + 1:]
@@ -79,7 +90,10 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
     async def main():
         # Chunks of 2 blocks: each prompt's blocks leave the prefill engine in pieces, while it computes the rest.
         prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill", max_num_batched_tokens=2 * BS)))
-        decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", local_prefill_tokens=2 * BS)))
+        # The prompts it computes itself in chunks of 5 tokens (not a block's multiple): each chunk shares its step
+        # with the decode steps of the others.
+        decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", local_prefill_tokens=2 * BS,
+                                                      decode_prefill_chunk_tokens=CHUNK)))
         router = DisaggregatedEngines([prefill], [decode])
         await router.start()
         try:
@@ -102,7 +116,7 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
             assert stats.kv_transfer_pieces > stats.kv_transfers  # some prompt's blocks came in several pieces
             # Prompt 4 found prompt 3's shared blocks in the decode engine's own cache: only the rest moved.
             assert stats.prefix_hit_tokens >= len(shared)
-            computed = sum(_computed_here(len(p)) for p in prompts) + len(short)
+            computed = sum(_computed_here(len(p)) for p in prompts) + _computed_locally(len(short))
             assert stats.total_prefill_tokens == computed
             assert stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
 
@@ -125,11 +139,16 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
             assert got == expected_busy
             local = [i for i in range(3) if "local" in router.phases[f"busy{i}"]]
             assert 1 in local and 0 not in local and router.local_prefills == len(local)
+            assert router.local_prefills_by == {("decode-0", "not_wanted"): 1, ("decode-0", "prefill_busy"): len(local)}
+            from gateway.metrics import _EngineCollector
+            samples = {(s.labels["replica"], s.labels["reason"]): s.value for f in _EngineCollector(router).collect()
+                       if f.name == "moegate_kv_local_prefills" for s in f.samples if s.name.endswith("_total")}
+            assert samples == router.local_prefills_by
             await asyncio.sleep(1.2)
             stats = decode.stats
             assert stats.kv_transfers == 6 + 3 - len(local)
             assert stats.total_prefill_tokens == computed + sum(
-                len(p) if i in local else _computed_here(len(p)) for i, p in enumerate(busy))
+                _computed_locally(len(p)) if i in local else _computed_here(len(p)) for i, p in enumerate(busy))
             assert stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
         finally:
             await router.shutdown()
@@ -187,6 +206,7 @@ def test_faults_end_with_every_request_answered_and_every_block_free(tmp_path):
             assert asyncio.get_running_loop().time() - started < 3.0  # not the transfer timeout: told at once
             router._prefill = plain_prefill
             assert router.fallbacks == 1
+            assert router.local_prefills_by.get(("decode-1", "prefill_failed")) == 1, router.local_prefills_by
             await asyncio.sleep(1.2)
             assert decode.stats.kv_transfer_fallbacks == 1 and decode.stats.kv_blocks_used == 0
             # A fresh prefill engine pairs again and transfers (no hang on the old pair).
@@ -353,9 +373,12 @@ def test_preemption_on_both_sides_keeps_greedy_tokens(tmp_path):
 
             # A batch-class request's prompt is being computed (30+ steps of one token) when an urgent one comes.
             batch, urgent = RequestPolicy(priority=2), RequestPolicy(priority=0)
+            computed = prefill.stats.total_prefill_tokens
             slow = asyncio.create_task(_collect(router.generate(prompts[4], _greedy(24), policy=batch)))
-            while not router._load(prefill):
-                await asyncio.sleep(0.001)
+            # Until the prefill engine has computed 2 of its tokens (stats come at least every 50 ms while busy):
+            # sent is not enough, as an urgent request that finds it still waiting is simply scheduled first.
+            while prefill.stats.total_prefill_tokens < computed + 2:
+                await asyncio.sleep(0.005)
             assert await _collect(router.generate(prompts[5], _greedy(24), policy=urgent)) == expected[5]
             assert await slow == expected[4]
             await asyncio.sleep(1.2)

@@ -7,7 +7,9 @@ import sys
 import pytest
 
 from engine.core.block_pool import BlockPool
+from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler
 from tests.engine.helpers import make_requests, make_scheduler, run_to_completion
 
 
@@ -116,3 +118,58 @@ def test_block_pool_lru_and_double_free():
     assert pool.lookup(b"h" * 16) is None and pool.num_evictions == 1
     with pytest.raises(AssertionError):
         pool.release([b, b])
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_prefill_chunk_cap_bounds_every_prompt_chunk_not_decodes(trial):
+    """A decode engine's cap on one request's prompt tokens a step: every chunk of more than one token stays under
+    it, decodes still run every step, and every request ends with its blocks freed."""
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    cap = rng.randint(2, 9)
+    sched = Scheduler(SchedulerConfig(8, 32, 256, prefill_chunk_tokens=cap), CacheConfig(4, 64, True, None))
+    reqs = make_requests(rng.randint(3, 10), rng, prompt_len=(1, 40), max_tokens=(1, 12))
+    for r in reqs:
+        sched.add_request(r)
+    chunks: list[int] = []
+
+    def check(out):
+        for s in out.scheduled:
+            assert s.num_new_tokens <= cap, seed
+            chunks.append(s.num_new_tokens)
+
+    run_to_completion(sched, rng, on_step=check)
+    for r in reqs:
+        assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens, seed
+    if any(len(r.prompt_token_ids) > cap for r in reqs):
+        assert cap in chunks, seed  # a long prompt took the whole cap, not less
+    sched.kv.pool.check_all_free()
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_prefill_chunk_cap_a_lone_last_prompt_token_counts_as_decode(trial):
+    """A prompt computed alone in capped chunks: chunks of the cap from its first token, and when it is one token
+    past a chunk boundary its last token is a one-token part that samples, which the statistics count as decode
+    (the runner computes every one-token part on the decode path), the rest as prefill. The prompt lengths are
+    forced to both sides of that boundary."""
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    cap = rng.randint(2, 9)
+    one_past, inside = cap * rng.randint(1, 5) + 1, cap * rng.randint(1, 5) + rng.randint(2, cap)
+    for prompt_len, lone in ((one_past, True), (inside, False)):
+        max_tokens = rng.randint(1, 6)
+        sched = Scheduler(SchedulerConfig(4, 64, 256, prefill_chunk_tokens=cap), CacheConfig(4, 64, True, None))
+        (req,) = make_requests(1, rng, prompt_len=(prompt_len, prompt_len), max_tokens=(max_tokens, max_tokens))
+        sched.add_request(req)
+        parts: list[int] = []
+        run_to_completion(sched, rng, on_step=lambda out: parts.extend(s.num_new_tokens for s in out.scheduled))
+        # Reference: the prompt cut into chunks of the cap (the last one shorter), then one token a step.
+        whole, rest = divmod(prompt_len, cap)
+        expected_parts = [cap] * whole + ([rest] if rest else []) + [1] * (max_tokens - 1)
+        assert parts == expected_parts, (seed, cap, prompt_len)
+        assert (expected_parts[len(expected_parts) - max_tokens] == 1) == lone  # the part that samples first
+        assert sched.total_prefill_tokens == prompt_len - lone, (seed, cap, prompt_len)
+        assert sched.total_decode_tokens == max_tokens - 1 + lone, (seed, cap, prompt_len)
+        sched.kv.pool.check_all_free()

@@ -4,6 +4,7 @@ laid out alike, the chosen blocks' rows arrive bit for bit and no other row chan
 
 import random
 
+import pytest
 import torch
 
 from engine.kv_transfer.block_io import BlockLayout
@@ -14,16 +15,22 @@ def _caches(num_blocks: int, block_size: int, layers, generator) -> list[tuple[t
                   for shape in shapes) for shapes, dtype in layers]
 
 
-def test_gathered_blocks_scatter_bit_for_bit_and_touch_nothing_else():
+@pytest.mark.parametrize("one_odd_block", [False, True])
+def test_gathered_blocks_scatter_bit_for_bit_and_touch_nothing_else(one_odd_block):
+    """``one_odd_block``: a single block of 1 token with an odd-length bf16 latent row, so a block's bytes are not a
+    multiple of 4 (a one-row slice of them keeps that stride, which a float32 view refuses)."""
     rng = random.Random()
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     block_size, num_blocks = 2 ** rng.randint(0, 4), rng.randint(8, 40)
+    latent = rng.randint(3, 40)
+    if one_odd_block:
+        block_size, latent = 1, rng.randrange(3, 40, 2)
     layers = [(((2, 8), (2, 8)), torch.float32),  # K, V of 2 KV heads
-              (((rng.randint(3, 40),),), torch.bfloat16),  # one MLA latent row
+              (((latent,),), torch.bfloat16),  # one MLA latent row
               (((1, 16), (1, 16)), torch.float16)]
     source, target = _caches(num_blocks, block_size, layers, g), _caches(num_blocks, block_size, layers, g)
     before = [[t.clone() for t in layer] for layer in target]
-    src_ids = rng.sample(range(num_blocks), rng.randint(1, num_blocks // 2))
+    src_ids = rng.sample(range(num_blocks), 1 if one_odd_block else rng.randint(1, num_blocks // 2))
     dst_ids = rng.sample(range(num_blocks), len(src_ids))
     data = BlockLayout(source).gather(src_ids)
     layout = BlockLayout(target)
