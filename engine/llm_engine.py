@@ -3,6 +3,7 @@
 import itertools
 import logging
 
+import msgspec
 import torch
 
 from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
@@ -15,7 +16,7 @@ from engine.distributed.ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
-from engine.core.lora_residency import LoraResidency
+from engine.core.lora_residency import LoraResidency, registration_key
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.worker.lora_setup import serve_adapters
 from engine.worker.cpu_allocator import keep_freed_memory
@@ -224,6 +225,8 @@ class LLMEngine:
             # Serving the base model under an adapter's name would be a silent wrong answer: refused, nothing queued.
             raise ValueError(f"lora_adapter {policy.lora_adapter!r} is not loaded in this engine "
                              f"(loaded: {self.list_loras() or 'none'})")
+        if policy.lora_adapter is not None:  # the registration it runs under: a name added again later is another
+            policy = msgspec.structs.replace(policy, lora_adapter=self.scheduler.lora.key(policy.lora_adapter))
         if request_id in self.choice_groups:
             raise ValueError(f"duplicate request id {request_id}")
 
@@ -261,14 +264,16 @@ class LLMEngine:
         """Register the PEFT LoRA adapter at ``path`` as ``name``; requests may name it from now on. Its directory
         is read and checked now (ValueError, one line: not a LoRA directory, rank above ``max_lora_rank``, a module
         this engine does not adapt); it is written into a device slot when a request needs it. Adding the same
-        name and path again does nothing; a name registered (or once registered) with another path is refused."""
+        name and path again does nothing; a name registered now with another path is refused (remove it first).
+        A name removed earlier may be added again from any directory: requests added from then on run under the
+        directory read now, requests still running under the earlier one finish under it."""
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
         residency = self.scheduler.lora
         if not residency.check_new(name, path):
             return
         adapter = self.lora.read(name, path)  # ValueError naming what is wrong; nothing registered
-        self.lora.host.put(name, path, adapter)
+        self.lora.host.put(registration_key(name, path), path, adapter)
         residency.register(name, path)
 
     def remove_lora(self, name: str) -> None:

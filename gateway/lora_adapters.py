@@ -5,7 +5,9 @@ Per tenant, the usable ones are cached for ``ttl_s`` (so a grant, a revoke or a 
 An adapter the tenant may not use is the same ``404 model_not_found`` as a model that does not exist.
 
 Engines learn an adapter with ``add_lora`` the first time a request needs it there (once per replica and engine
-process: a restarted engine starts from its configuration again; concurrent requests wait for the one call).
+process: a restarted engine starts from its configuration again; concurrent requests wait for the one call). What an
+engine's configuration names (``lora_adapters``) counts as given to it at its start: it is unloaded and given again
+like any other, and unloaded within ``ttl_s`` if the database does not hold it under that directory.
 Where the database holds adapters when the server starts, local replicas are started with ``enable_lora``.
 
 Removal unloads: the admin endpoint (``gateway.admin_lora``) calls ``remove_lora`` on every engine given the adapter
@@ -82,10 +84,14 @@ class AdapterCatalog:
         self._usable.clear()
 
     def _given_to(self, replica) -> dict[tuple[str, str], asyncio.Future]:
-        """The adapters given to ``replica``'s current engine process (a new process starts from none)."""
+        """The adapters given to ``replica``'s current engine process (a new process starts from those its
+        configuration names)."""
         info, given = self._given.get(id(replica), (None, {}))
         if info is not replica.info:
             given = {}
+            for key in replica.config.lora_adapter_paths.items():  # added by the engine itself at its start
+                given[key] = asyncio.get_running_loop().create_future()
+                given[key].set_result(None)
             self._given[id(replica)] = (replica.info, given)
         return given
 
@@ -98,16 +104,12 @@ class AdapterCatalog:
             if replica.dead or replica.info is None:
                 continue
             given = self._given_to(replica)
-            named = replica.config.lora_adapter_paths
             for key, call in list(given.items()):
                 gone = key[0] == name if name is not None else keep.get(key[0]) != key[1]
                 if gone and call.done() and call.exception() is None:
                     del given[key]
                     calls.append(replica.remove_lora(key[0]))
                     keys.append(key)
-            if name is not None and name in named and (name, named[name]) not in keys:
-                calls.append(replica.remove_lora(name))  # named at its start
-                keys.append((name, named[name]))
         removed = 0
         for key, result in zip(keys, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(result, BaseException):
@@ -130,8 +132,6 @@ class AdapterCatalog:
         for _, replica in replicas:
             if replica.dead or replica.info is None:
                 continue
-            if replica.config.lora_adapter_paths.get(name) == path:
-                continue  # named at its start
             given = self._given_to(replica)  # a new engine process knows only its configuration
             call = given.get((name, path))
             if call is None or (call.done() and call.exception() is not None):

@@ -27,7 +27,9 @@ def remembered_blocks(stats: SchedulerStats) -> int:
 
 def block_hashes(prompt: Sequence[int], block_size: int, cache_salt: str | None,
                  lora_adapter: str | None = None) -> list[bytes]:
-    """The chained, salted hashes of the prompt's full blocks (under ``lora_adapter``), as the engine computes them."""
+    """The chained, salted hashes of the prompt's full blocks (under adapter ``lora_adapter``), as the engine computes
+    them for the base model (under an adapter the engine's also hold its directory; the router compares these with
+    what it sent, never with the engine's)."""
     hashes: list[bytes] = []
     parent = None
     for start in range(0, len(prompt) - block_size + 1, block_size):

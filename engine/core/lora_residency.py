@@ -6,6 +6,10 @@ request whose adapter is not in a slot is set aside by the scheduler (not runnin
 adapter's factors are read into host memory off the step loop (``HostReads``); once they are there and a slot is
 free or evictable, the plan of the next step carries the slot write (``LoraLoad``), which every rank does before
 that step's forward. Plain Python, no torch.
+
+A registration is keyed by its name and directory (``registration_key``): a name removed and added again from
+another directory is another adapter here (its own slot, its own cached prompt blocks), so requests still running
+under the earlier directory finish under its weights while new ones get the new directory's.
 """
 
 from collections import OrderedDict
@@ -13,9 +17,16 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
+def registration_key(name: str, path: str) -> str:
+    """What requests, slots, host copies and cached prompt blocks know a registered adapter by: its name and
+    directory (names hold no ``=``, so a key is never a name)."""
+    return f"{name}={path}"
+
+
 @dataclass(frozen=True, slots=True)
 class LoraLoad:
-    """Write adapter ``name`` (read from ``path``) into device slot ``slot`` (1..max_loras) before the step's forward."""
+    """Write the adapter registered as ``name`` (a ``registration_key``; read from ``path``) into device slot
+    ``slot`` (1..max_loras) before the step's forward."""
 
     slot: int
     name: str
@@ -40,92 +51,101 @@ class HostReads(Protocol):
 
 
 class LoraResidency:
-    """Registered adapters, device slots (an LRU over adapters) and the counters of slot loads and evictions."""
+    """Registered adapters, device slots (an LRU over adapters) and the counters of slot loads and evictions.
+
+    Requests name their adapter by its ``registration_key`` (``LLMEngine.add_request`` puts it in their policy);
+    ``check_new``, ``register``, ``remove``, ``names`` and ``is_registered`` take the names users gave."""
 
     def __init__(self, max_loras: int, host: HostReads) -> None:
         self.max_loras = max_loras
         self.host = host
-        self.paths: dict[str, str] = {}  # registered adapters and removed ones that still have requests
-        self.removed: set[str] = set()  # removed: refused for new requests, dropped once their last request ends
-        self.bound: dict[str, str] = {}  # every name ever registered: its directory (cached prefixes are keyed by name)
-        self.live: dict[str, int] = {}  # unfinished requests per adapter (waiting, set aside, running)
-        self.slots: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, least recently used first
+        self.current: dict[str, str] = {}  # registered name -> its key, in registration order
+        self.paths: dict[str, str] = {}  # key -> directory: registered keys and removed ones that still have requests
+        self.removed: set[str] = set()  # keys removed: refused for new requests, dropped once their last one ends
+        self.bound: dict[str, str] = {}  # every key ever registered: its directory
+        self.live: dict[str, int] = {}  # unfinished requests per key (waiting, set aside, running)
+        self.slots: OrderedDict[str, int] = OrderedDict()  # resident key -> slot, least recently used first
         self.free = list(range(max_loras, 0, -1))  # free slots, popped from the end (slot 1 first)
         self.slot_loads = 0  # cumulative: adapters written into a slot
         self.slot_evictions = 0  # cumulative: resident adapters whose slot was given to another
 
-    # ---- registration -------------------------------------------------------
+    # ---- registration (by name) ---------------------------------------------
     def names(self) -> list[str]:
         """Registered adapters (not removed), in registration order."""
-        return [n for n in self.paths if n not in self.removed]
+        return list(self.current)
 
     def is_registered(self, name: str) -> bool:
-        return name in self.paths and name not in self.removed
+        return name in self.current
+
+    def key(self, name: str) -> str:
+        """The registration key of registered adapter ``name``, for its requests."""
+        return self.current[name]
 
     def check_new(self, name: str, path: str) -> bool:
-        """False if ``name`` is registered with ``path`` already (nothing to do); ValueError if another directory
-        holds the name now, or held it earlier in this engine (cached prefix blocks are keyed by the name)."""
+        """False if ``name`` is registered with ``path`` already (nothing to do); ValueError if it is registered
+        with another directory (remove it first). A name removed earlier may be added again, with any directory."""
         if not name or "," in name or "=" in name:
             raise ValueError(f"lora adapter name {name!r} must be non-empty without ',' or '='")
-        held = self.bound.get(name)
-        if held is not None and held != path:
-            when = "is" if self.is_registered(name) else "was"
-            raise ValueError(f"lora adapter {name!r} {when} registered with {held}, not {path}: pick another name")
-        if self.is_registered(name):
-            return False
-        if name in self.removed:
-            raise ValueError(f"lora adapter {name!r} is being removed (its requests are still running): "
-                             "add it again once they finish")
-        return True
+        held = self.current.get(name)
+        if held is not None and held != registration_key(name, path):
+            raise ValueError(f"lora adapter {name!r} is registered with {self.paths[held]}, not {path}: "
+                             "remove it first")
+        return held is None
 
     def register(self, name: str, path: str) -> None:
-        self.paths[name] = self.bound[name] = path
+        """Serve ``name`` from ``path`` for new requests (the same name and directory removed while requests still
+        ran under it: those and the new ones share the registration)."""
+        key = registration_key(name, path)
+        self.current[name] = key
+        self.paths[key] = self.bound[key] = path
+        self.removed.discard(key)
 
     def remove(self, name: str) -> None:
         """Refuse new requests for ``name`` from now on; the ones already accepted finish under it (as vLLM lets
         requests in flight finish), then its slot and host copy are dropped."""
         if not self.is_registered(name):
             raise ValueError(f"lora adapter {name!r} is not registered (registered: {self.names()})")
-        self.removed.add(name)
-        if not self.live.get(name):
-            self._drop(name)
+        key = self.current.pop(name)
+        self.removed.add(key)
+        if not self.live.get(key):
+            self._drop(key)
 
-    def _drop(self, name: str) -> None:
-        path = self.paths.pop(name)
-        self.removed.discard(name)
-        self.live.pop(name, None)
-        slot = self.slots.pop(name, None)
+    def _drop(self, key: str) -> None:
+        path = self.paths.pop(key)
+        self.removed.discard(key)
+        self.live.pop(key, None)
+        slot = self.slots.pop(key, None)
         if slot is not None:
             self.free.append(slot)
-        self.host.discard(name, path)
+        self.host.discard(key, path)
 
-    # ---- requests -----------------------------------------------------------
-    def request_added(self, name: str) -> None:
-        if name not in self.paths:  # a copy of an n > 1 request accepted before its adapter was removed
-            self.paths[name] = self.bound[name]
-            self.removed.add(name)
-        self.live[name] = self.live.get(name, 0) + 1
+    # ---- requests (by key) -----------------------------------------------------
+    def request_added(self, key: str) -> None:
+        if key not in self.paths:  # a copy of an n > 1 request accepted before its adapter was removed
+            self.paths[key] = self.bound[key]
+            self.removed.add(key)
+        self.live[key] = self.live.get(key, 0) + 1
 
-    def request_ended(self, name: str) -> None:
-        self.live[name] -= 1
-        if not self.live[name] and name in self.removed:
-            self._drop(name)
+    def request_ended(self, key: str) -> None:
+        self.live[key] -= 1
+        if not self.live[key] and key in self.removed:
+            self._drop(key)
 
-    def slot(self, name: str) -> int | None:
+    def slot(self, key: str) -> int | None:
         """The adapter's slot if it is resident (and marks it used now), else None."""
-        slot = self.slots.get(name)
+        slot = self.slots.get(key)
         if slot is not None:
-            self.slots.move_to_end(name)
+            self.slots.move_to_end(key)
         return slot
 
-    def prefetch(self, name: str) -> None:
-        """A request for ``name`` waits for a slot: start reading its factors into host memory now."""
-        self.host.ready(name, self.paths[name])
+    def prefetch(self, key: str) -> None:
+        """A request for ``key`` waits for a slot: start reading its factors into host memory now."""
+        self.host.ready(key, self.paths[key])
 
     # ---- between steps --------------------------------------------------------
     def plan_loads(self, wanted: list[str], in_use: set[str]) -> list[LoraLoad]:
-        """Slot writes for the next step: each ``wanted`` adapter (in order) whose factors are in host memory gets
-        a free slot, or the least recently used slot whose adapter no running request uses (``in_use``)."""
+        """Slot writes for the next step: each ``wanted`` adapter (keys, in order) whose factors are in host memory
+        gets a free slot, or the least recently used slot whose adapter no running request uses (``in_use``)."""
         loads: list[LoraLoad] = []
         loaded: set[str] = set()  # written this step: not evictable by the next wanted one
         for name in wanted:

@@ -39,6 +39,21 @@ def _make_adapter(base_dir: str, out_dir: str, rank: int = 4) -> None:
     get_peft_model(model, config).save_pretrained(out_dir)
 
 
+async def _admin(root: str, path: str, body: dict, token: str | None = ADMIN_TOKEN) -> tuple[int, dict]:
+    """POST ``body`` to the admin endpoint ``path`` of the server at ``root``: (status, JSON answer)."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(root + path, json=body, headers=headers) as r:
+            return r.status, await r.json()
+
+
+def _token_ids(choice) -> list[int]:
+    """A completion choice's token ids (asked with ``return_tokens_as_token_ids``)."""
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+
 def _greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -48,27 +63,34 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    """The server, the tenants' clients and two adapters: ``support`` (owned by "owner", granted to "granted"),
+    added to the database before the start, and ``pinned`` (owned by "pinner"), also named in the engine's own
+    configuration (``lora_adapters``), so the engine serves it from its start."""
     root = tmp_path_factory.mktemp("lora_api")
-    adapter_dir = str(root / "support")
+    adapter_dir, pinned_dir = str(root / "support"), str(root / "pinned")
     keys = {}
 
     def before_start(demo: str, url: str) -> None:
         _make_adapter(demo, adapter_dir)
+        _make_adapter(demo, pinned_dir)
         import asyncio
 
-        for tenant in ("owner", "granted", "other"):
+        for tenant in ("owner", "granted", "other", "pinner"):
             keys[tenant] = asyncio.run(new_tenant_key(url, tenant))
         assert moegate(["admin", "adapter", "add", "support", "--path", adapter_dir, "--tenant", "owner",
                         "--database-url", url, "--json"]) == 0
         assert moegate(["admin", "adapter", "grant", "support", "granted", "--database-url", url, "--json"]) == 0
+        assert moegate(["admin", "adapter", "add", "pinned", "--path", pinned_dir, "--tenant", "pinner",
+                        "--database-url", url, "--json"]) == 0
 
     with in_process_server(root, dict(dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
-                                      max_model_len=256, max_loras=2, max_lora_rank=8),
+                                      max_model_len=256, max_loras=2, max_lora_rank=8,
+                                      lora_adapters=f"pinned={pinned_dir}"),
                            gateway=dict(policy_cache_ttl_s=POLICY_TTL_S, auth_cache_ttl_s=POLICY_TTL_S,
                                         batch_poll_s=0.05, admin_token=ADMIN_TOKEN),
                            before_start=before_start) as srv:
         clients = {t: openai.AsyncOpenAI(base_url=srv.base_url, api_key=k, max_retries=0) for t, k in keys.items()}
-        yield srv, clients, adapter_dir
+        yield srv, clients, adapter_dir, pinned_dir
         for c in clients.values():
             srv.run(c.close())
 
@@ -77,7 +99,7 @@ def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    srv, clients, adapter_dir = served
+    srv, clients, adapter_dir, _ = served
     base_hf = AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32).eval()
     rng = random.Random()
     prompt = [rng.randrange(3, base_hf.config.vocab_size) for _ in range(rng.randint(8, 30))]
@@ -86,18 +108,15 @@ def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
     want_adapter = _greedy(ref, prompt, 8)
     assert want_adapter != want_base  # the adapter changes the greedy tokens: a base-model answer would fail below
 
-    def ids(choice) -> list[int]:
-        return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
-
     async def complete(client, model):
         return await client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
                                                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
 
     for tenant in ("owner", "granted"):
         answer = srv.run(complete(clients[tenant], "support"))
-        assert answer.model == "support" and ids(answer.choices[0]) == want_adapter, tenant
+        assert answer.model == "support" and _token_ids(answer.choices[0]) == want_adapter, tenant
     base = srv.run(complete(clients["granted"], "demo"))
-    assert base.model == "demo" and ids(base.choices[0]) == want_base
+    assert base.model == "demo" and _token_ids(base.choices[0]) == want_base
 
     # Streaming chat under the adapter echoes its name in every chunk.
     async def chat(client):
@@ -194,7 +213,7 @@ def test_adapter_added_while_serving(served, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    srv, clients, _ = served
+    srv, clients, _, _ = served
     late, wide = str(tmp_path / "late"), str(tmp_path / "wide")
     _make_adapter(srv.demo, late)
     _make_adapter(srv.demo, wide, rank=16)  # the server's max_lora_rank is 8
@@ -231,13 +250,12 @@ def test_admin_load_and_unload(served, tmp_path):
     finishes with PEFT's tokens, new ones get the unknown-model 404 and the engine drops it. Only the admin token
     opens them; a bad directory is a 400 naming ``lora_path`` with nothing written; an unknown adapter a 404.
     An adapter removed with ``moegate admin adapter remove`` leaves the engine too."""
-    import aiohttp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from tenants.adapters import AdapterStore
 
-    srv, clients, _ = served
+    srv, clients, _, _ = served
     hot, spare = str(tmp_path / "hot"), str(tmp_path / "spare")
     _make_adapter(srv.demo, hot)
     _make_adapter(srv.demo, spare)
@@ -249,11 +267,8 @@ def test_admin_load_and_unload(served, tmp_path):
     ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32), hot).eval()
     want = _greedy(ref, prompt, n_long)
 
-    async def admin(path, body, token=ADMIN_TOKEN):
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        async with aiohttp.ClientSession() as http:
-            async with http.post(root + path, json=body, headers=headers) as r:
-                return r.status, await r.json()
+    def admin(path, body, token=ADMIN_TOKEN):
+        return _admin(root, path, body, token)
 
     async def names():
         store = TenantStore.open(srv.database_url)
@@ -266,9 +281,6 @@ def test_admin_load_and_unload(served, tmp_path):
         return await clients[client].completions.create(
             model=model, prompt=prompt, max_tokens=n, temperature=0, logprobs=0,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-
-    def ids(choice) -> list[int]:
-        return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
 
     # Who may call: the admin token alone (a tenant's key is a 401 like no key).
     load = {"lora_name": "hot", "lora_path": hot, "tenant": "owner"}
@@ -292,7 +304,7 @@ def test_admin_load_and_unload(served, tmp_path):
     status, body = srv.run(admin("/admin/load_lora_adapter", load))
     assert status == 200 and body["name"] == "hot" and body["engines"] == 1, body
     answer = srv.run(complete("hot"))
-    assert ids(answer.choices[0]) == want[:6]
+    assert _token_ids(answer.choices[0]) == want[:6]
     registered = engine.stats.lora_registered
 
     # Unload while a request under it streams: it finishes under it; new ones get the 404; the engine drops it.
@@ -333,3 +345,102 @@ def test_admin_load_and_unload(served, tmp_path):
             await asyncio.sleep(POLICY_TTL_S / 2)
         return False
     assert srv.run(dropped())
+
+
+def test_admin_load_again_from_another_directory(served, tmp_path):
+    """Unload an adapter while a request under it streams, then load the name again from another directory (as a
+    vLLM user swaps an adapter's weights): the next request gets transformers + PEFT's tokens for the new directory,
+    on the same prompt as the streaming one (whose blocks, cached by the server, the old weights made), and the
+    streaming request finishes with the old directory's tokens."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.lora.peft_reference import peft_greedy_tokens
+
+    srv, clients, _, _ = served
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    _make_adapter(srv.demo, first)
+    _make_adapter(srv.demo, second)
+    root = str(srv.server.make_url(""))
+    rng = random.Random()
+    prompt = [rng.randrange(3, 200) for _ in range(40)]  # two full blocks of 16, cached under the first directory
+    n_long, n_new = 200, 8
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32), first,
+                                    adapter_name="first").eval()
+    ref.load_adapter(second, adapter_name="second")
+    want_first = peft_greedy_tokens(ref, "first", prompt, n_long)
+    want_second = peft_greedy_tokens(ref, "second", prompt, n_new)
+    assert want_first[:n_new] != want_second  # an answer under the old weights would fail below
+
+    def load(path):
+        return _admin(root, "/admin/load_lora_adapter", {"lora_name": "swap", "lora_path": path, "tenant": "owner"})
+
+    async def complete(n, stream=False):
+        return await clients["owner"].completions.create(
+            model="swap", prompt=prompt, max_tokens=n, temperature=0, logprobs=0, stream=stream,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+
+    status, body = srv.run(load(first))
+    assert status == 200, body
+    assert _token_ids(srv.run(complete(n_new)).choices[0]) == want_first[:n_new]
+    registered = srv.engine.stats.lora_registered  # as of that request's last step
+
+    async def swap_mid_stream():
+        got, swapped_at, new = [], None, None
+        async for chunk in await complete(n_long, stream=True):
+            got += _token_ids(chunk.choices[0])
+            if swapped_at is None:
+                swapped_at = len(got)
+                status, body = await _admin(root, "/admin/unload_lora_adapter", {"lora_name": "swap"})
+                assert status == 200, body
+                status, body = await load(second)
+                assert status == 200 and body["path"] == second and body["engines"] == 1, body
+                new = await complete(n_new)
+        return got, swapped_at, new
+    got, swapped_at, new = srv.run(swap_mid_stream())
+    assert swapped_at < n_long // 2  # the first directory's request streamed on while the second was loaded
+    assert new.model == "swap" and _token_ids(new.choices[0]) == want_second
+    assert got == want_first
+    assert _token_ids(srv.run(complete(n_new)).choices[0]) == want_second  # and from then on
+    assert srv.engine.stats.lora_registered == registered  # the first registration left once its request ended
+    status, _ = srv.run(_admin(root, "/admin/unload_lora_adapter", {"lora_name": "swap"}))
+    assert status == 200
+
+
+def test_adapter_named_at_engine_start_unloaded_and_loaded_again(served, tmp_path):
+    """An adapter the engine's configuration names (served from its start) that the admin endpoints unload and then
+    load again is served again, with transformers + PEFT's tokens: from its own directory, then from another."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.lora.peft_reference import peft_greedy_tokens
+
+    srv, clients, _, pinned = served
+    other = str(tmp_path / "other")
+    _make_adapter(srv.demo, other)
+    root = str(srv.server.make_url(""))
+    rng = random.Random()
+    prompt = [rng.randrange(3, 200) for _ in range(rng.randint(8, 30))]
+    n = 8
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32), pinned,
+                                    adapter_name="pinned").eval()
+    ref.load_adapter(other, adapter_name="other")
+    want = {name: peft_greedy_tokens(ref, name, prompt, n) for name in ("pinned", "other")}
+    assert want["pinned"] != want["other"]
+
+    async def complete():
+        return await clients["pinner"].completions.create(
+            model="pinned", prompt=prompt, max_tokens=n, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+
+    assert _token_ids(srv.run(complete()).choices[0]) == want["pinned"]  # as the engine started with it
+    for path, expected in ((pinned, want["pinned"]), (other, want["other"])):
+        status, body = srv.run(_admin(root, "/admin/unload_lora_adapter", {"lora_name": "pinned"}))
+        assert status == 200 and body["engines"] == 1, body
+        with pytest.raises(openai.NotFoundError):
+            srv.run(complete())
+        load = {"lora_name": "pinned", "lora_path": path, "tenant": "pinner"}
+        status, body = srv.run(_admin(root, "/admin/load_lora_adapter", load))
+        assert status == 200 and body["engines"] == 1, body
+        answer = srv.run(complete())
+        assert answer.model == "pinned" and _token_ids(answer.choices[0]) == expected, path
