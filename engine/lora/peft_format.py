@@ -15,8 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.lora.safetensors_file import load_tensors, read_header
+from safetensors.torch import load_file
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
@@ -65,10 +64,6 @@ def _fail(path: str, what: str) -> AdapterFormatError:
     return AdapterFormatError(f"adapter at {path}: {what}")
 
 
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())[:120]
-
-
 def read_config(path: str) -> dict:
     """The adapter's config, checked for what the engine serves; AdapterFormatError (one line) otherwise."""
     config_path = os.path.join(path, CONFIG_FILE)
@@ -108,10 +103,10 @@ def load_adapter(name: str, path: str, num_experts: int | None = None, hidden_si
     """
     config = read_config(path)
     rank, scaling = config["r"], _scaling(config)
-    try:  # one read, tensors as views of it (engine.lora.safetensors_file)
-        tensors = load_tensors(os.path.join(path, WEIGHTS_FILE))
-    except (OSError, ValueError) as e:
-        raise _fail(path, f"{WEIGHTS_FILE} cannot be read ({_one_line(e)})") from None
+    try:
+        tensors = load_file(os.path.join(path, WEIGHTS_FILE))
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise _fail(path, f"{WEIGHTS_FILE} cannot be read ({type(e).__name__})") from None
     if not tensors:
         raise _fail(path, f"{WEIGHTS_FILE} holds no LoRA weights")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -121,14 +116,12 @@ def load_adapter(name: str, path: str, num_experts: int | None = None, hidden_si
             raise _fail(path, f"unexpected tensor {key!r} (only lora_A/lora_B weights are served)")
         # ".base_layer." marks PEFT's nesting of two target_parameters on one module: the inner one.
         owner = m.group(1) + ("#inner" if ".base_layer.lora_" in key else "")
-        pairs.setdefault(owner, {})[m.group(2)] = tensor
+        pairs.setdefault(owner, {})[m.group(2)] = tensor.float()
     adapter = LoraAdapter(name, rank)
     for owner, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise _fail(path, f"{owner} has lora_{'A' if 'A' not in ab else 'B'} missing")
-        # Both copied (A even when it is float32 already): the adapter then holds no view of the file's buffer,
-        # whose unused parts would otherwise stay in host memory as long as the adapter does.
-        a, b = ab["A"].to(torch.float32, copy=True), ab["B"].float() * scaling
+        a, b = ab["A"], ab["B"] * scaling
         if a.shape[0] > rank * max(num_experts or 1, 1) or b.shape[1] != a.shape[0]:
             raise _fail(path, f"{owner}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not match r={rank}")
         base, leaf = owner.rsplit(".", 1)
@@ -177,14 +170,24 @@ class AdapterSummary:
     base_model: str | None
 
 
+_HEADER_LIMIT = 100 << 20  # a safetensors header is JSON; anything near this is not an adapter's
+
+
 def _safetensors_header(path: str) -> dict:
     """The tensor entries of a safetensors file's header (name -> {"dtype", "shape", ...}), read without its data."""
     file = os.path.join(path, WEIGHTS_FILE)
     try:
         with open(file, "rb") as f:
-            header, _ = read_header(f)
+            prefix = f.read(8)
+            size = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 2 <= size <= _HEADER_LIMIT:
+                raise ValueError("no safetensors header")
+            header = json.loads(f.read(size))
     except (OSError, ValueError) as e:
-        raise _fail(path, f"{WEIGHTS_FILE} cannot be read ({_one_line(e)})") from None
+        raise _fail(path, f"{WEIGHTS_FILE} cannot be read ({' '.join(str(e).split())[:120]})") from None
+    if not isinstance(header, dict):
+        raise _fail(path, f"{WEIGHTS_FILE} cannot be read (its header is not a JSON object)")
+    header.pop("__metadata__", None)
     for key, entry in header.items():
         shape = entry.get("shape") if isinstance(entry, dict) else None
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
