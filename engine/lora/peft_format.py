@@ -116,7 +116,9 @@ def load_adapter(name: str, path: str, num_experts: int | None = None, hidden_si
             raise _fail(path, f"unexpected tensor {key!r} (only lora_A/lora_B weights are served)")
         # ".base_layer." marks PEFT's nesting of two target_parameters on one module: the inner one.
         owner = m.group(1) + ("#inner" if ".base_layer.lora_" in key else "")
-        pairs.setdefault(owner, {})[m.group(2)] = tensor.float()
+        # A copy even when already float32: load_file's tensors are views of a mapping of the file, which a file
+        # rewritten in place would change under the host cache (or fault at a later slot write).
+        pairs.setdefault(owner, {})[m.group(2)] = tensor.to(torch.float32, copy=True)
     adapter = LoraAdapter(name, rank)
     for owner, ab in pairs.items():
         if set(ab) != {"A", "B"}:

@@ -30,3 +30,23 @@ def test_malformed_adapter_is_refused_with_one_line(tmp_path, case):
 def test_not_a_directory(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         check_adapter_dir(str(tmp_path / "missing"))
+
+
+def test_a_loaded_adapter_keeps_its_weights_when_the_file_is_rewritten_in_place(tmp_path):
+    """The loader's tensors are copies: safetensors' own are views of a mapping of the file, so bytes written
+    into the file afterwards (an adapter replaced in place) would otherwise show up in the loaded adapter."""
+    import os
+
+    import torch
+
+    path = write_adapter(str(tmp_path / "good"), rank=2)
+    adapter = load_adapter("good", path, num_experts=EXPERTS, hidden_size=HIDDEN, expert_size=EXPERT_SIZE)
+    before = [t.clone() for lin in adapter.linears.values() for part in lin.values() for t in (part.a, part.b)]
+    weights = os.path.join(path, "adapter_model.safetensors")
+    with open(weights, "r+b") as f:  # every data byte changed, the header kept: same file, same inode
+        header = 8 + int.from_bytes(f.read(8), "little")
+        size = os.path.getsize(weights)
+        f.seek(header)
+        f.write(os.urandom(size - header))
+    after = [t for lin in adapter.linears.values() for part in lin.values() for t in (part.a, part.b)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
