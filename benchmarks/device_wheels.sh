@@ -3,7 +3,7 @@
 # policy database's SQLAlchemy, Alembic and drivers, msgspec, the openai client with pydantic and
 # what they depend on, including the newer anyio, idna and typing_extensions they need), and the
 # engine's own packages the GPU image lacks (msgspec, llguidance for structured output,
-# openai-harmony for gpt-oss's chat format) into .whl/, for installing them on a GPU machine that has Python and torch but not these packages,
+# openai-harmony for gpt-oss's chat format; jsonschema and its needs for the structured-output tests) into .whl/, for installing them on a GPU machine that has Python and torch but not these packages,
 # and cannot fetch them itself (no network, or no package index). Each wheel is the version
 # installed in this checkout's .venv, so the GPU machine runs the same versions as this checkout.
 #
@@ -23,7 +23,7 @@
 set -eu
 PACKAGES="SQLAlchemy greenlet aiosqlite alembic Mako openai httpx2 pydantic pydantic_core annotated-types
 typing-inspection jiter sniffio psycopg psycopg-binary asyncpg msgspec httpcore2 truststore typing_extensions anyio idna
-llguidance openai-harmony"
+llguidance openai-harmony jsonschema jsonschema-specifications referencing rpds-py"
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx "/.whl/" "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
@@ -31,10 +31,13 @@ mkdir -p .whl
 for name in $PACKAGES; do
     version=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
     # For the GPU machine, not this one: CPython 3.12 on x86_64 Linux (edit these for another target).
-    # pip matches platform tags exactly, so every manylinux tag a wheel may be published under is named.
+    # pip matches platform tags exactly, so every manylinux tag a wheel may be published under is named
+    # (llguidance's newer wheels are tagged manylinux_2_3x only).
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+        --platform manylinux_2_39_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 \
         -d .whl "$name==$version"
 done
 ls .whl

@@ -26,20 +26,20 @@
 # this for every stage). No budget applies in a dry run.
 set -u
 
-# name  estimate_s  limit_s. The estimates are guesses made before any of these ran on a GPU (model build,
-# Triton compiles and transformers' generate counted in), to be replaced by stages.tsv's seconds after a run.
+# name  estimate_s  limit_s. Estimates: seconds measured on an H100 (2026-11-27, a little added) where the stage
+# ran (env through bench-mla), guesses elsewhere (model build, Triton compiles and transformers' generate counted in).
 STAGE_TABLE="
 env 15 60
-tests-cuda 150 240
-tests-paths 120 210
-goal-engine 150 270
-goal-moe 60 150
-goal-hf 240 420
-bench-piecewise 150 300
-bench-overlap 90 200
+tests-cuda 210 260
+tests-paths 90 210
+goal-engine 60 270
+goal-moe 25 150
+goal-hf 90 420
+bench-piecewise 60 300
+bench-overlap 45 200
 bench-quant 300 540
 bench-mxfp4 120 240
-bench-mla 200 300
+bench-mla 40 300
 bench-engine-deepseek 300 540
 bench-engine-families 420 590
 tune 420 590
@@ -70,7 +70,7 @@ DRY_RUN= BUDGET=480 SPECS=
 while [ $# -gt 0 ]; do
     case $1 in
         --dry-run) DRY_RUN=$(mktemp -d) ;;
-        --list) echo "stage estimate_s limit_s (estimates: guesses until a GPU run replaces them)"; echo "$STAGE_TABLE" | sed '/^$/d'
+        --list) echo "stage estimate_s limit_s (estimates: H100 seconds where measured, guesses elsewhere)"; echo "$STAGE_TABLE" | sed '/^$/d'
                 echo "default order: $DEFAULT_STAGES" | tr '\n' ' '; echo; exit 0 ;;
         --budget) [ $# -ge 2 ] || usage; BUDGET=$2; shift ;;
         --budget=*) BUDGET=${1#--budget=} ;;
@@ -130,12 +130,14 @@ run_stage() {  # name limit command...
     summarize "$name" "$status" "$rc" "$((SECONDS - began))" "$(table_field "$name" 2)" "$limit"
 }
 
-if [ -z "$DRY_RUN" ] && compgen -G ".whl/*.whl" >/dev/null; then
+WHEELS=${WHEELS:-.whl}  # another folder (or an empty one) for a test of the script
+if [ -z "$DRY_RUN" ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
     began=$SECONDS
     # --no-deps: the wheels are the complete list; a folder of their own keeps the image's packages as they are.
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl
+    # Beside $WORK, not in it: the archive of $WORK must stay under the 16 MiB a returned file may have.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK-site" "$WHEELS"/*.whl
     rc=$?
-    export PYTHONPATH=$PYTHONPATH:$WORK/site  # after the image's own: torch's dependencies stay the image's
+    export PYTHONPATH=$PYTHONPATH:$WORK-site  # after the image's own: torch's dependencies stay the image's
     echo "=== wheels rc=$rc $((SECONDS - began))s"
     summarize wheels "$([ $rc = 0 ] && echo ok || echo failed)" "$rc" "$((SECONDS - began))" 20 -
 fi
@@ -264,7 +266,7 @@ if [ -n "$DRY_RUN" ]; then
     rm -rf "$DRY_RUN"
     exit $rc
 fi
-echo "=== summary ($((SECONDS - START))s of a ${BUDGET}s budget; estimates are guesses until replaced by these seconds)"
+echo "=== summary ($((SECONDS - START))s of a ${BUDGET}s budget; put these seconds in STAGE_TABLE)"
 column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
 if [ -n "$NOT_DONE" ]; then
     echo "=== not done (failed, timed out or skipped): run them in the next call with"

@@ -89,5 +89,10 @@ def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize_constants_(model, torch.Generator().manual_seed(seed))
+    if model_type == "gpt_oss":
+        # Older transformers (5.17 among them) hard-code the experts' clamp (alpha 1.702, limit 7.0) and ignore
+        # the config's: save the values the reference computes with, so the engine reads the same ones.
+        experts = model.model.layers[0].mlp.experts
+        model.config.swiglu_limit, model.config.swiglu_alpha = float(experts.limit), float(experts.alpha)
     model.save_pretrained(path)
     return model

@@ -51,7 +51,8 @@ def test_a_flag_the_benchmark_does_not_take_fails_the_dry_run(tmp_path, capsys):
 
 
 def test_a_stage_that_no_longer_fits_the_budget_is_skipped_and_named_for_the_next_call(tmp_path):
-    env = {**os.environ, "PY": sys.executable, "OUT": str(tmp_path)}
+    # No wheels to install, whatever this checkout's .whl/ holds.
+    env = {**os.environ, "PY": sys.executable, "OUT": str(tmp_path), "WHEELS": str(tmp_path / "no-wheels")}
     done = subprocess.run(["bash", str(SCRIPT), "--budget", "10", "--stages", "env,goal-moe:100"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -13,6 +13,13 @@ from moe_kernels.quant import QuantScheme, quantize
 from moe_kernels.routing import RoutingSpec
 
 
+def target_device(fn, tensor: torch.Tensor) -> torch.device:
+    """Where ``nn.Module._apply``'s ``fn`` sends ``tensor``: read from what it does to an empty tensor on the same
+    device. A dtype-only cast (``model.to(bfloat16)`` after ``model.to("cuda")``) keeps the tensor's device, so the
+    probe must start there, not on the CPU."""
+    return fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device)).device
+
+
 class ExpertWeights(nn.Module):
     """Packed expert weights: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; with ``bias`` (gpt-oss)
     also w13_bias [E, 2I] (gate then up) and w2_bias [E, H], which stay in float when the weights are quantized.
@@ -60,10 +67,9 @@ class ExpertWeights(nn.Module):
         if self.scheme is None:
             return super()._apply(fn, recurse)
         # 8-bit weights and their float32 scales only change device: a model-wide cast (``model.to(bfloat16)``)
-        # must neither turn float8 back into bfloat16 nor round the scales. The target device is read from
-        # what ``fn`` does to an empty float tensor.
-        device = fn(torch.empty(0)).device
+        # must neither turn float8 back into bfloat16 nor round the scales.
         for name, param in self._parameters.items():
+            device = target_device(fn, param)
             moved = torch.empty_like(param, device=device) if param.is_meta else param.detach().to(device)
             self._parameters[name] = nn.Parameter(moved, requires_grad=False)
         return self
@@ -204,8 +210,8 @@ class SparseMoeBlock(nn.Module):
             return super()._apply(fn, recurse)
         kept = {name: self.get_parameter(name).detach().clone() for name in self.float32_params}
         super()._apply(fn, recurse)
-        device = fn(torch.empty(0)).device
         for name, value in kept.items():
+            device = target_device(fn, value)
             moved = torch.empty_like(value, device=device) if value.is_meta else value.to(device)
             owner, _, leaf = name.rpartition(".")
             setattr(self.get_submodule(owner) if owner else self, leaf, nn.Parameter(moved, requires_grad=False))

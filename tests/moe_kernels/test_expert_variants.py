@@ -17,6 +17,7 @@ from moe_kernels.activation import ExpertActivation
 from moe_kernels.launch_config import GemmConfig, LaunchConfig
 from moe_kernels.quant import QuantScheme, dequantize, quantize
 from moe_kernels.triton_backend import fused_moe_triton
+from tests.moe_kernels.test_triton import DEVICE
 
 ACT = ExpertActivation("clamped_swiglu", alpha=1.702, limit=1.5)
 
@@ -80,8 +81,9 @@ def test_torch_paths_float(seed):
 def test_triton_float(seed, gemv):
     x, w13, w2, b13, b2, weights, ids = make(seed)
     ref, _ = reference(x, w13, w2, b13, b2, weights, ids)
-    out = fused_moe_triton(x, w13, w2, weights, ids, ACT, config=launch(gemv), w13_bias=b13, w2_bias=b2)
-    assert rel_err(out, ref) < 1e-5, f"seed={seed} gemv={gemv}"
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]  # compiled kernels on a GPU, interpreted without
+    out = fused_moe_triton(*args, ACT, config=launch(gemv), w13_bias=b13.to(DEVICE), w2_bias=b2.to(DEVICE))
+    assert rel_err(out.cpu(), ref) < 1e-5, f"seed={seed} gemv={gemv}"
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme("int8"), QuantScheme("fp8", (16, 16))], ids=["int8", "fp8-block"])
@@ -99,7 +101,9 @@ def test_quantized(seed, scheme, backend):
     if backend == "torch":
         out = moe_kernels.fused_moe(x, q13, q2, weights, ids, backend="torch", activation=ACT, **scales)
     else:
-        out = fused_moe_triton(x, q13, q2, weights, ids, ACT, config=launch(backend.endswith("gemv")), **scales)
+        on_device = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in scales.items()}
+        args = [t.to(DEVICE) for t in (x, q13, q2, weights, ids)]
+        out = fused_moe_triton(*args, ACT, config=launch(backend.endswith("gemv")), **on_device).cpu()
     assert rel_err(out, ref) < 1e-5, f"seed={seed} {scheme} {backend}"
 
 

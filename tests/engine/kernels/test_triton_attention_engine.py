@@ -67,7 +67,9 @@ def test_triton_attention_matches_torch_attention(family, tmp_path):
     for backend in ("torch", "triton"):
         llm = LLM(model=str(tmp_path), kernel_choice=KernelChoice(attention=backend), **ENGINE)
         tokens[backend] = _generate(llm, prompts)
-        assert llm.engine.scheduler.kv.prefix_hit_tokens > 0, "the shared prefix was never a cache hit"
+        kv = llm.engine.scheduler.kv
+        assert kv.prefix_hit_tokens > 0, (f"the shared prefix was never a cache hit ({backend}, windows {kv.windows}, "
+                                          f"{kv.prefix_query_tokens} tokens looked up)")
     assert tokens["triton"] == tokens["torch"], f"seed={seed} family={family}"
     if family == "mixtral":
         return

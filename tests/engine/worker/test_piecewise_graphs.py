@@ -70,7 +70,9 @@ def test_padded_rows_do_not_change_real_rows(kernels, tmp_path):
     # 4 experts: the interpreter pays per program.
     make_hf_model("qwen3_moe", str(tmp_path), seed=random.randrange(2**31), vocab_size=VOCAB, num_experts=4,
                   num_experts_per_tok=2)
-    llm = LLM(model=str(tmp_path), kernel_choice=PIECE_KERNELS[kernels], dtype="float32", device="cpu", num_kv_blocks=64,
+    # The Triton kernels compiled where there is a GPU (interpreted only without one).
+    device = "cuda" if kernels == "triton-pieces" and torch.cuda.is_available() else "cpu"
+    llm = LLM(model=str(tmp_path), kernel_choice=PIECE_KERNELS[kernels], dtype="float32", device=device, num_kv_blocks=64,
               block_size=4, max_num_batched_tokens=12, overlap_scheduling=False)
     engine, runner = llm.engine, llm.engine.runner
     if kernels == "torch":
@@ -103,7 +105,7 @@ def test_padded_rows_do_not_change_real_rows(kernels, tmp_path):
             torch.testing.assert_close(k, k1, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v, v1, rtol=1e-5, atol=1e-5)
         # Slots nobody wrote are bit-identical: padding rows wrote no K/V (not even to the scratch block).
-        written = torch.zeros(runner.kv_caches[0][0].shape[:2], dtype=torch.bool).view(-1)
+        written = torch.zeros(runner.kv_caches[0][0].shape[:2], dtype=torch.bool, device=device).view(-1)
         written[batch.meta.slot_mapping] = True
         for (k, _), (k0, _) in zip(runner.kv_caches, before):
             assert torch.equal(k.view(-1, *k.shape[2:])[~written], k0.view(-1, *k0.shape[2:])[~written])
