@@ -27,3 +27,14 @@ def is_running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def engine_pids(pid: int) -> list[int]:
+    """The engine processes ``pid`` (a gateway, an engine server) started, oldest first: forked by its forkserver
+    (``engine.serving.process_start``: children of its child that runs ``multiprocessing.forkserver``), or spawned
+    (``MOEGATE_PROCESS_START=spawn``: its children that run ``spawn_main``). Not multiprocessing's resource
+    tracker, nor the forkserver itself."""
+    pids = child_pids(pid, "spawn_main")
+    for server in child_pids(pid, "multiprocessing.forkserver"):
+        pids += child_pids(server)
+    return sorted(pids)

@@ -5,7 +5,6 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -18,6 +17,7 @@ from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.engine_process import run_engine_process
+from engine.serving.process_start import start_process
 from engine.text.prompts import ChatInput, InputProcessor, Turn, chat_size
 from engine.serving.protocol import (
     AbortRequest, AddLora, AddRequest, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, LoraDone, PairKV, Ready,
@@ -59,21 +59,6 @@ MAX_UNREAD_OUTPUTS = 256
 
 class RequestRejectedError(ValueError):
     """The engine refused a request; the message says why, for the user."""
-
-
-@contextlib.contextmanager
-def _environment(overrides: dict[str, str]):
-    """``os.environ`` with ``overrides`` for the duration (the event loop's thread starts processes)."""
-    saved = {k: os.environ.get(k) for k in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class AsyncEngine:
@@ -450,16 +435,14 @@ class AsyncEngine:
 
     async def _open(self) -> tuple[Connection, Connection]:
         """Start the engine process; our ends of (the requests pipe, the replies pipe)."""
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or CUDA state
         # Two one-way pipes, not one duplex socket: on a Unix socket pair the engine reading our requests
         # wakes our reader thread blocked on the same socket (a wakeup per request read, ten per message
         # received, measured), and every wakeup takes a core the engine's threads were using.
-        requests_in, requests_out = ctx.Pipe(duplex=False)
-        replies_in, replies_out = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=self._process_main, args=(self.config, requests_in, replies_out),
-                                    name="moegate-engine", daemon=True)
-        with _environment(self._process_env):  # a spawned child takes this process's environment at start
-            self._process.start()
+        requests_in, requests_out = multiprocessing.Pipe(duplex=False)
+        replies_in, replies_out = multiprocessing.Pipe(duplex=False)
+        # No inherited threads or CUDA state (engine.serving.process_start).
+        self._process = start_process(self._process_main, (self.config, requests_in, replies_out), "moegate-engine",
+                                      self._process_env)
         requests_in.close()
         replies_out.close()  # so the reader sees EOF when the engine process dies
         return requests_out, replies_in

@@ -38,6 +38,7 @@ import msgspec
 
 from engine.core.config import EngineConfig
 from engine.serving.engine_process import run_engine_process
+from engine.serving.process_start import start_process
 from engine.serving.handshake import authenticate
 from engine.serving.protocol import PROTOCOL_VERSION, Fatal, Hello, attach_decoder, encoder
 
@@ -136,7 +137,6 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
             threading.Thread(target=admit, args=(conn, peer), name="moegate-engine-handshake", daemon=True).start()
 
     threading.Thread(target=accept_forever, name="moegate-engine-accept", daemon=True).start()
-    ctx = multiprocessing.get_context("spawn")
     while True:
         conn = arrivals.get()
         enable_keepalive(conn)
@@ -149,11 +149,9 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
         # Each gateway gets an engine in a fresh process, as a local replica does: whatever a failed or
         # dropped engine leaves (process groups, device memory) ends with its process, which also ends the
         # follower ranks it started.
-        engine = ctx.Process(target=_serve_one_gateway, args=(process_main, config, conn), name="moegate-engine",
-                             daemon=True)
         gateway = os.dup(conn.fileno())  # watched, never read: tells when the gateway's side has closed
         try:
-            engine.start()
+            engine = start_process(_serve_one_gateway, (process_main, config, conn), "moegate-engine")
         finally:
             conn.close()  # the engine process holds its own copy
         with lock:

@@ -22,7 +22,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.loading.demo_model import write_demo_model
 from tests.gateway.serve_process import _drain, free_port, start_server, stop_server, wait_ready
-from tests.processes import child_pids, is_running
+from tests.processes import child_pids, engine_pids, is_running
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -127,7 +127,7 @@ def test_remote_engine_serves_fails_over_and_reconnects(tmp_path, monkeypatch):
 
             # Frozen (alive, silent): the request routed to it is moved after the stall timeout. The engine
             # serving this gateway is a process of the server's own.
-            (frozen,) = child_pids(engine.pid, "spawn_main")  # not multiprocessing's resource tracker
+            (frozen,) = engine_pids(engine.pid)
             os.kill(frozen, signal.SIGSTOP)
             t0 = time.monotonic()
             assert (await complete(http, fresh))[0] == 200
@@ -160,7 +160,7 @@ def test_a_remote_engine_split_over_ranks_serves_gateway_after_gateway(tmp_path)
     server = start_engine(model, engine_port, "--tensor-parallel-size", "2", "--kv-cache-memory-gb", "0.05")
 
     def engine_processes() -> list[int]:
-        return child_pids(server.pid, "spawn_main")  # not multiprocessing's resource tracker
+        return engine_pids(server.pid)
 
     async def tokens(engine) -> list[int]:
         await asyncio.wait_for(engine.start(), 90)

@@ -137,7 +137,7 @@ def test_an_engine_outside_its_place_is_refused_at_once(tmp_path, case):
     import subprocess
     import sys
 
-    from tests.processes import child_pids
+    from tests.processes import engine_pids
 
     engine_flags, gateway_flags, says = MISPLACED[case]
     model = str(tmp_path / "model")
@@ -160,7 +160,7 @@ def test_an_engine_outside_its_place_is_refused_at_once(tmp_path, case):
              *gateway_flags, *meet],
             capture_output=True, text=True, timeout=120, env={**os.environ, "MOEGATE_ENGINE_KEY": KEY})
         elapsed = time.monotonic() - begin
-        assert engine.poll() is None and child_pids(engine.pid, "spawn_main") == []
+        assert engine.poll() is None and engine_pids(engine.pid) == []
     finally:
         stop_engine(engine)
     last = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""

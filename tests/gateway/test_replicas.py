@@ -20,6 +20,7 @@ import pytest
 
 from engine.loading.demo_model import write_demo_model
 from tests.gateway.serve_process import free_port, start_server, wait_ready
+from tests.processes import engine_pids
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -256,13 +257,6 @@ async def _all_ready(http, url: str, timeout_s: float) -> None:
         await asyncio.sleep(0.2)
 
 
-def _engine_pids(server_pid: int) -> list[int]:
-    """The server's engine processes (multiprocessing's spawned children), oldest first."""
-    children = open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()
-    pids = [int(p) for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
-    return sorted(pids)
-
-
 def test_a_silent_replica_gets_no_new_requests_until_it_speaks_again(server):
     """One idle replica's process is frozen (SIGSTOP). Running engines speak every second, so a few seconds
     later /health calls it unresponsive and new requests all go to the other replica at once (none waits for
@@ -272,7 +266,7 @@ def test_a_silent_replica_gets_no_new_requests_until_it_speaks_again(server):
     async def scenario():
         async with aiohttp.ClientSession() as http:
             await _all_ready(http, url, 90)
-            frozen = _engine_pids(proc.pid)[1]
+            frozen = engine_pids(proc.pid)[1]
             os.kill(frozen, signal.SIGSTOP)
             try:
                 await asyncio.sleep(4.5)  # past the router's 3 s window
@@ -288,7 +282,7 @@ def test_a_silent_replica_gets_no_new_requests_until_it_speaks_again(server):
             assert all(r[0] == 200 and r[2] is None and r[3] for r in results), results
             assert waited < STALL_S, f"requests waited {waited:.1f} s: some went to the frozen replica"
             await _all_ready(http, url, 30)
-            assert frozen in _engine_pids(proc.pid)
+            assert frozen in engine_pids(proc.pid)
 
     asyncio.run(scenario())
 
@@ -301,7 +295,7 @@ def test_a_replica_that_stops_answering_is_cut_off_and_replaced(server):
 
     async def scenario():
         async with aiohttp.ClientSession() as http:
-            frozen = _engine_pids(proc.pid)[0]
+            frozen = engine_pids(proc.pid)[0]
             os.kill(frozen, signal.SIGSTOP)
             try:
                 t0 = time.monotonic()
@@ -316,7 +310,7 @@ def test_a_replica_that_stops_answering_is_cut_off_and_replaced(server):
             assert all(r[0] == 200 and r[2] is None and r[3] for r in results), results
             assert waited >= STALL_S  # some went to the frozen replica and were moved
             await _all_ready(http, url, 60)
-            assert frozen not in _engine_pids(proc.pid)
+            assert frozen not in engine_pids(proc.pid)
         assert any("stopped answering" in line for line in proc.output_tail)
 
     asyncio.run(scenario())
@@ -332,7 +326,7 @@ def test_failover_a_killed_replica_leaves_the_rotation_and_rejoins(server):
     async def scenario():
         async with aiohttp.ClientSession() as http:
             await _all_ready(http, url, 90)  # whatever an earlier test did to the replicas is mended
-            pids = _engine_pids(proc.pid)
+            pids = engine_pids(proc.pid)
             assert len(pids) == 2, pids
             prefixes = [_prefix(1), _prefix(2)]
             burst = [asyncio.ensure_future(_stream(http, url, key, prefixes[i % 2] + [13, i], 48)) for i in range(16)]
@@ -344,9 +338,16 @@ def test_failover_a_killed_replica_leaves_the_rotation_and_rejoins(server):
                 assert time.monotonic() < deadline, "no queue formed"
                 await asyncio.sleep(0.02)
             os.kill(pids[0], signal.SIGKILL)
+            # /health names it until the supervisor's restart is up (an engine process starts in well under a
+            # second from the forkserver: look at once, and often).
+            deadline = time.monotonic() + 10
+            while True:
+                async with http.get(f"{url}/health") as r:
+                    health = (r.status, await r.json())
+                if any(x["status"] != "ready" for x in health[1]["replicas"]) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.01)
             during = [await _stream(http, url, key, prefixes[0] + [17, i], 4) for i in range(3)]
-            async with http.get(f"{url}/health") as r:
-                health = (r.status, await r.json())
             results = await asyncio.gather(*burst)
 
             assert all(status == 200 for status, *_ in results + during), results + during  # no 5xx

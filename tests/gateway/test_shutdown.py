@@ -11,7 +11,7 @@ import aiohttp
 from engine.loading.demo_model import write_demo_model
 from tenants.store import TenantStore
 
-from tests.processes import child_pids, is_running
+from tests.processes import engine_pids, is_running
 
 from .serve_process import free_port, start_server, wait_ready
 
@@ -105,7 +105,7 @@ def test_sigterm_while_engines_wait_for_their_ranks_stops_the_gateway_at_once(tm
                            "--distributed-init-method", f"tcp://127.0.0.1:{free_port()}")
     try:
         deadline = time.monotonic() + 60
-        while len(engines := child_pids(proc.pid, "spawn_main")) < replicas and time.monotonic() < deadline:
+        while len(engines := engine_pids(proc.pid)) < replicas and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(engines) == replicas, "the engine processes did not start"
         time.sleep(3)  # well into start-up (the demo model builds in about a second)

@@ -7,6 +7,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from engine.serving.process_start import START_METHOD_ENV
 from tests.processes import is_running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -21,17 +24,20 @@ def late_watcher(delay_s: float) -> None:
     time.sleep(60)
 
 
-def test_a_spawned_process_whose_parent_died_during_its_start_up_ends():
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_an_engine_process_whose_starter_died_during_its_start_up_ends(method):
+    """Started as the gateway starts engine processes (a forkserver's child has the server, which lives on a
+    moment, as its parent process: the watch must follow the starter, not the parent id)."""
     delay = random.uniform(1.0, 2.0)
-    starter = ("import multiprocessing, os\n"
+    starter = ("import os\n"
+               "from engine.serving.process_start import start_process\n"
                "from tests.engine.serving.test_parent_watch import late_watcher\n"
-               "child = multiprocessing.get_context('spawn').Process(target=late_watcher, args=(%r,))\n"
-               "child.start()\n"
+               "child = start_process(late_watcher, (%r,), 'watcher')\n"
                "print(child.pid, flush=True)\n"
                "os._exit(0)\n" % delay)  # gone at once, without waiting for its child
     # Read, not run to the end: the child holds the starter's stdout open as long as it lives.
     with subprocess.Popen([sys.executable, "-c", starter], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT}) as starting:
+                          env={**os.environ, "PYTHONPATH": ROOT, START_METHOD_ENV: method}) as starting:
         child = int(starting.stdout.readline())
         starting.wait(timeout=30)
     try:

@@ -1,0 +1,53 @@
+"""How moegate starts an engine process: forked from a server process that imported torch and the engine once.
+
+A fresh interpreter spends 3-4 s of CPU importing torch, transformers, Triton and the engine before an engine
+process does anything of its own; a gateway starts one per replica, again after every crash, and an engine
+server one per gateway. Python's multiprocessing forkserver imports ``PRELOAD`` once, in a server process of
+its own started at the first engine start, and forks each engine process from it. The server only imports:
+nothing in ``PRELOAD`` computes, starts a thread pool or touches a GPU (CUDA is initialised lazily, in the
+engine process, after its ``CUDA_VISIBLE_DEVICES`` is set), so a forked process starts as clean as a spawned
+one, in a few milliseconds.
+
+What a forked process does not get from the server is the starting process's environment at the moment of the
+start (the server has its own, from when it started): ``start_process`` passes it, with the overrides, and the
+new process takes it before anything else runs. Variables read at import time (``TRITON_INTERPRET``, which
+decides whether Triton kernels are compiled or interpreted) are the ones set when the first engine started.
+
+``MOEGATE_PROCESS_START=spawn`` starts every engine process in a fresh interpreter instead.
+"""
+
+import multiprocessing
+import os
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+
+START_METHOD_ENV = "MOEGATE_PROCESS_START"
+START_METHODS = ("forkserver", "spawn")
+# Imported once by the forkserver; what an engine process needs before its first step.
+PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process")
+
+
+def process_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context engine processes start from (``MOEGATE_PROCESS_START``, default forkserver)."""
+    method = os.environ.get(START_METHOD_ENV) or "forkserver"
+    if method not in START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV} must be one of {', '.join(START_METHODS)}, got {method!r}")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (the first start)
+    return ctx
+
+
+def _in_environment(environ: dict[str, str], target: Callable, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
+def start_process(target: Callable, args: tuple, name: str, env: dict[str, str] | None = None) -> BaseProcess:
+    """Start ``target(*args)`` in a new daemon process with this process's environment plus ``env`` (see the
+    module docstring); ``target`` and ``args`` must be picklable (connections are: they travel as descriptors)."""
+    environ = {**os.environ, **(env or {})}
+    process = process_context().Process(target=_in_environment, args=(environ, target, args), name=name, daemon=True)
+    process.start()
+    return process
