@@ -352,10 +352,11 @@ def invoke_w13_gemv(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, inter
     """Matrix-vector kernel 1: inter[s] = act(gate[e] @ x[s // k] + b_gate[e], up[e] @ x[s // k] + b_up[e]);
     ids [S] int32.
 
-    w13 [E, 2I, H] contiguous along H; every row of inter [S, I] is written; ``scale`` with 8-bit w13.
+    w13 [E, 2I, H] contiguous along H; every row of inter [S, I] is written; ``scale`` with 8-bit or MXFP4 w13.
     """
-    inter_size, hidden = w13.shape[1] // 2, w13.shape[2]
+    inter_size, hidden = w13.shape[1] // 2, x.shape[1]  # not w13.shape[2]: MXFP4 packs two values a byte
     cfg = _fit_scale_blocks(cfg, block_shape)
+    _check_block_k(w13, cfg)
     (scale_ptr, *scale_strides), quant = _quant_args(w13, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w13, bias)
     act_values, act_kind = _act_args(activation)
@@ -372,10 +373,11 @@ def invoke_w2_gemv(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, slo
                    block_shape: tuple[int, int] | None = None, bias: torch.Tensor | None = None) -> None:
     """Matrix-vector kernel 2: out[t] = sum_j slot_weights[t*k+j] * (w2[e_j] @ inter[t*k+j] + bias[e_j]).
 
-    w2 [E, H, I] contiguous along I; ids [S] int32; every row of out [T, H] is written; ``scale`` with 8-bit w2.
+    w2 [E, H, I] contiguous along I; ids [S] int32; every row of out [T, H] is written; ``scale`` with 8-bit or MXFP4 w2.
     """
-    hidden, inter_size = w2.shape[1], w2.shape[2]
+    hidden, inter_size = w2.shape[1], inter.shape[1]  # not w2.shape[2]: MXFP4 packs two values a byte
     cfg = _fit_scale_blocks(cfg, block_shape)
+    _check_block_k(w2, cfg)
     (scale_ptr, *scale_strides), quant = _quant_args(w2, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w2, bias)
     gemv_kernels.w2_gemv_sum_kernel[(out.shape[0], triton.cdiv(hidden, cfg.BLOCK_N))](
@@ -471,8 +473,7 @@ def fused_moe_triton(
     if inter is None:
         inter = torch.empty(num_slots, two_inter // 2, dtype=x.dtype, device=x.device)  # [S, I]
     slot_weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [S], a no-op for route()'s output
-    # The matrix-vector kernels read 8-bit or float weights only: MXFP4 decodes take the grouped kernels.
-    if config.gemv and w13.dtype != torch.uint8 and w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1:
+    if config.gemv and w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1:
         if out is None:
             out = torch.empty_like(x)  # [T, H]
         ids = flat_ids(topk_ids)
