@@ -3,10 +3,16 @@ fused MoE kernel's tokens/s at gpt-oss-20b's expert shape (CUDA), every mode in 
 
     python -m benchmarks.mxfp4_experts memory                 # bytes of expert weights per mode, gpt-oss-20b/120b
     python -m benchmarks.mxfp4_experts kernel --tokens 1,8,64,512 --rounds 5
+    python -m benchmarks.mxfp4_experts resources [--tokens 1,8,64,512] [--gemv]   # no GPU: compiled for sm_90
 
 ``memory``: the gpt-oss presets built on the meta device as the engine builds them (``build_random_model`` with
 each ``--quantization``), bytes of the routed experts (weights, scales, biases) summed from each parameter's numel
 and element size.
+
+``resources``: the launches ``fused_moe_triton`` makes at gpt-oss-20b's expert shape on an H100 (its launch configs,
+its argument specialization), each compiled for sm_90 on this machine: registers, spilled bytes, shared memory, and
+the SASS instructions (all, and global loads) of each kernel. Run the file with ``PYTHONPATH`` at another checkout
+to compare its kernels.
 
 ``kernel``: one MoE layer of gpt-oss-20b (E=32, top-4, H=I=2880, clamped SwiGLU, biases) through
 ``moe_kernels.fused_moe`` on the Triton backend, experts bf16, int8, fp8 and mxfp4 (each quantized from the same
@@ -15,8 +21,12 @@ call), ``--rounds`` times; median and range of tokens/s per mode.
 """
 
 import argparse
+import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -98,6 +108,113 @@ def kernel(tokens: list[int], rounds: int) -> None:
         print(f"{t:>6} " + " ".join(f"{c:>30}" for c in cells))
 
 
+H100_NAME = "NVIDIA H100 80GB HBM3"  # the device name launch configs are looked up by
+
+
+# The matrix-vector launch tuned for one token on an H100 (moe_kernels/configs/E=64,N=2048,K=2048,...): ``--gemv``.
+GEMV_LAUNCH = dict(align=False, BLOCK_M=16, gemv=True,
+                   w13=dict(BLOCK_N=16, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=4),
+                   w2=dict(BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=8, num_stages=2))
+
+
+def _capture_launches(mode: str | None, num_tokens: int, config: dict | None = None) -> list[tuple]:
+    """(kernel, args, kwargs) of each launch ``fused_moe_triton`` makes for one call at gpt-oss-20b's expert shape on
+    an H100, recorded instead of launched: CPU tensors of the real shapes (never read), the kernels compiled (not
+    interpreted), the launch config an H100 looks up (or ``config``, a ``LaunchConfig`` as a dict)."""
+    from moe_kernels.launch_config import LaunchConfig
+    from moe_kernels import gemv_kernels, triton_backend
+    from moe_kernels.mxfp4 import scale_shape as mxfp4_scale_shape
+    from moe_kernels.quant import QuantScheme, scale_shape
+
+    if triton_backend.INTERPRETED:
+        raise RuntimeError("resources compiles the kernels: run it without TRITON_INTERPRET=1")
+    e, h, i, k = SHAPE_20B["num_experts"], SHAPE_20B["hidden"], SHAPE_20B["inter"], SHAPE_20B["top_k"]
+    bf16 = torch.bfloat16
+    shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
+    args = dict(w13_bias=torch.empty(e, 2 * i, dtype=bf16), w2_bias=torch.empty(e, h, dtype=bf16),
+                activation="clamped_swiglu")
+    weights = {}
+    for name, shape in shapes.items():
+        if mode is None:
+            weights[name] = torch.empty(shape, dtype=bf16)
+            continue
+        scheme = QuantScheme(mode)
+        weights[name] = torch.empty(scheme.stored_shape(shape), dtype=scheme.dtype)
+        if mode == "mxfp4":
+            args[f"{name}_scale"] = torch.empty(mxfp4_scale_shape(shape), dtype=torch.uint8)
+        else:
+            args[f"{name}_scale"] = torch.empty(scale_shape(shape, None), dtype=torch.float32)
+    x = torch.empty(num_tokens, h, dtype=bf16)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(num_tokens)]).to(torch.int32)
+    topk_weights = torch.full((num_tokens, k), 1.0 / k)
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((self.fn, a, kw))
+
+    patches = [(triton_backend, "_check_inputs", lambda *a: None),
+               (triton_backend, "_device_name", lambda device: H100_NAME)]
+    patches += [(module, name, Recorder(getattr(module, name))) for module, name in
+                ((triton_backend, "_w13_act_kernel"), (triton_backend, "_w2_weighted_kernel"),
+                 (gemv_kernels, "w13_gemv_kernel"), (gemv_kernels, "w2_gemv_sum_kernel"))]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    try:
+        for module, name, value in patches:
+            setattr(module, name, value)
+        launch = LaunchConfig.from_dict(config) if config else None
+        triton_backend.fused_moe_triton(x, weights["w13"], weights["w2"], topk_weights, ids, config=launch, **args)
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+    return launches
+
+
+def _sm90_resources(fn, args: tuple, kwargs: dict) -> dict:
+    """Compile one recorded launch for sm_90 as the runtime would (its argument specialization: 16-byte aligned
+    pointers, integers divisible by 16) and read the cubin's resources."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage))
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    c = dict(bound)
+    return dict(kernel=fn.fn.__name__, QUANT=c.get("QUANT"), BLOCK_M=c.get("BLOCK_M"), BLOCK_N=c["BLOCK_N"],
+                BLOCK_K=c["BLOCK_K"], warps=kwargs.get("num_warps"), stages=kwargs.get("num_stages"),
+                registers=int(found["REG"]), spill_bytes=int(found["LOCAL"]) + int(found["STACK"]),
+                shared_bytes=compiled.metadata.shared, sass=len(ops),
+                global_loads=sum(op.startswith("LDG") for op in ops))
+
+
+def resources(tokens: list[int], modes: tuple = (None, "int8", "mxfp4"), config: dict | None = None) -> list[dict]:
+    rows = []
+    for mode in modes:
+        for t in tokens:
+            for fn, args, kwargs in _capture_launches(mode, t, config):
+                rows.append(dict(mode=mode or "bf16", tokens=t, **_sm90_resources(fn, args, kwargs)))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.mxfp4_experts", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,9 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("kernel", help="fused MoE tokens/s per mode at gpt-oss-20b's expert shape (CUDA)")
     p.add_argument("--tokens", default="1,8,64,512", help="comma-separated token counts (default 1,8,64,512)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of all modes per token count (default 5)")
+    p = sub.add_parser("resources", help="registers, spills, shared memory, SASS of the sm_90 kernels (no GPU)")
+    p.add_argument("--tokens", default="1,8,64,512", help="comma-separated token counts (default 1,8,64,512)")
+    p.add_argument("--gemv", action="store_true", help="the matrix-vector launch tuned for one token (GEMV_LAUNCH)")
     args = parser.parse_args(argv)
     if args.command == "memory":
         memory()
+    elif args.command == "resources":
+        for r in resources([int(t) for t in args.tokens.split(",")], config=GEMV_LAUNCH if args.gemv else None):
+            print(f"{r['mode']:>5} T={r['tokens']:<4} {r['kernel']:<20} QUANT={r['QUANT']} BLOCK_M={r['BLOCK_M']} "
+                  f"N={r['BLOCK_N']} K={r['BLOCK_K']} warps={r['warps']} stages={r['stages']}: "
+                  f"registers={r['registers']} spilled={r['spill_bytes']} shared={r['shared_bytes']} "
+                  f"sass={r['sass']} global_loads={r['global_loads']}")
     elif not torch.cuda.is_available():
         print("kernel needs CUDA", file=sys.stderr)
         return 2

@@ -17,13 +17,17 @@ program: no [S, H] buffer, no third launch, and the same result every run.
 Weights must be contiguous along K (the last dim), as packed checkpoints are.
 8-bit weights (QUANT 1: per-channel scales, applied to each row's sum; QUANT 2:
 block scales, applied to each BLOCK_K step, which must lie inside one scale
-block) are read as such and converted to float32 in registers.
+block) are read as such and converted to float32 in registers. MXFP4 weights
+(QUANT 3: packed uint8 [E, N, K/2], uint8 scales [E, N, K/32]) are decoded to
+float32 a [BLOCK_N, BLOCK_K] tile at a time by ``mxfp4_tile`` (BLOCK_K a
+multiple of 32).
 """
 
 import triton
 import triton.language as tl
 
 from moe_kernels.activation_triton import gated_act
+from moe_kernels.mxfp4_triton import mxfp4_tile
 from moe_kernels.scales_triton import scale_cols
 
 
@@ -51,11 +55,18 @@ def w13_gemv_kernel(
     for kk in range(0, tl.cdiv(hidden_size, BLOCK_K)):
         if EVEN_K:
             xv = tl.load(x_ptrs)
-            g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             k_ok = offs_k < hidden_size - kk * BLOCK_K
             xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        if QUANT == 3:  # MXFP4: [BLOCK_N, BLOCK_K] float32 tiles
+            g = mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, hidden_size, stride_we, stride_wn,
+                           stride_se, stride_sn, BLOCK_K, EVEN_K)
+            u = mxfp4_tile(w_ptr, scale_ptr, expert, inter_size + offs_n, n_ok, kk * BLOCK_K, hidden_size,
+                           stride_we, stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K)
+        elif EVEN_K:
+            g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
             g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         xf = xv.to(tl.float32)[None, :]
@@ -110,10 +121,15 @@ def w2_gemv_sum_kernel(
         for kk in range(0, tl.cdiv(inter_size, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
             else:
                 k_ok = offs_k < inter_size - kk * BLOCK_K
                 a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+            if QUANT == 3:  # MXFP4: a [BLOCK_N, BLOCK_K] float32 tile
+                b = mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, inter_size, stride_we,
+                               stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K)
+            elif EVEN_K:
+                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
                 b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if QUANT == 2:
                 s_b = scale_cols(scale_ptr, expert, offs_n, n_ok, 0, kk * BLOCK_K, stride_se, stride_sn, stride_sk,

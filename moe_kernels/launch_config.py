@@ -11,6 +11,7 @@ token count. Lookup order, first hit wins:
 3. ``moe_kernels/configs/default,dtype=<dtype>.json``, then ``default.json``.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -144,3 +145,12 @@ def get_launch_config(num_experts: int, n: int, k: int, dtype: torch.dtype, devi
         num_tokens: T of this call.
     """
     return nearest_entry(load_config_file(config_path(num_experts, n, k, dtype, device)), num_tokens)
+
+
+def with_min_block_k(config: LaunchConfig, block_k: int) -> LaunchConfig:
+    """``config`` with each GEMM's BLOCK_K raised to at least ``block_k`` (a power of two). Tiles are powers of two,
+    so raising BLOCK_K to 32 makes it a multiple of 32: what MXFP4 weights need (one scale per 32 values along K)."""
+    def fit(gemm: GemmConfig) -> GemmConfig:
+        return gemm if gemm.BLOCK_K >= block_k else dataclasses.replace(gemm, BLOCK_K=block_k)
+
+    return dataclasses.replace(config, w13=fit(config.w13), w2=fit(config.w2))

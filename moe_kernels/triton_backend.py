@@ -20,8 +20,11 @@ block, so a K step never straddles two scale blocks).
 
 MXFP4 weights (``moe_kernels.mxfp4``: packed uint8 nibbles and uint8 e8m0
 scales, one per 32 values along K) are dequantized tile by tile in registers
-(``mxfp4_tile``: the nibble's e2m1 value times 2**(scale - 127), in float32),
-converted to the activation dtype (exact) and multiplied as float weights.
+(``mxfp4_tile``: each packed byte and scale byte read once, the nibbles turned
+into float32 with integer ops and two multiplies, exactly), converted to the
+activation dtype (exact) and multiplied as float weights. A tile then holds
+whole scale groups: BLOCK_K must be a multiple of 32 (looked-up configs are
+raised to it; a config passed in that is not is refused).
 
 Set ``TRITON_INTERPRET=1`` before this module is first imported to run the
 kernels on the CPU (tests): ``triton.jit`` picks compiled or interpreted at
@@ -41,7 +44,8 @@ from moe_kernels.activation_triton import gated_act
 from moe_kernels.scales_triton import scale_cols
 from moe_kernels.mxfp4_triton import mxfp4_tile
 from moe_kernels.align import SlotBlocks, align_slots, flat_ids, unsorted_slots
-from moe_kernels.launch_config import GemmConfig, LaunchConfig, device_name, get_launch_config
+from moe_kernels.launch_config import GemmConfig, LaunchConfig, device_name, get_launch_config, with_min_block_k
+from moe_kernels.mxfp4 import VALUES_PER_SCALE
 from moe_kernels.quant import FP8_DTYPE
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -115,21 +119,20 @@ def _w13_act_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(hidden_size, BLOCK_K)):
-        if QUANT == 3:
-            k_offs = kk * BLOCK_K + offs_k
-            k_ok = k_offs < hidden_size
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, k_offs, k_ok, stride_we, stride_wn,
-                           stride_se, stride_sn)
-            u = mxfp4_tile(w_ptr, scale_ptr, expert, inter_size + offs_n, n_ok, k_offs, k_ok, stride_we, stride_wn,
-                           stride_se, stride_sn)
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < hidden_size - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANT == 3:  # [BLOCK_N, BLOCK_K] float32 tiles, transposed to [BLOCK_K, BLOCK_N]
+            g = tl.trans(mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, hidden_size, stride_we,
+                                    stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K))
+            u = tl.trans(mxfp4_tile(w_ptr, scale_ptr, expert, inter_size + offs_n, n_ok, kk * BLOCK_K, hidden_size,
+                                    stride_we, stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K))
+        elif EVEN_K:
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
             g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
@@ -195,18 +198,17 @@ def _w2_weighted_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(inter_size, BLOCK_K)):
-        if QUANT == 3:
-            k_offs = kk * BLOCK_K + offs_k
-            k_ok = k_offs < inter_size
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, k_offs, k_ok, stride_we, stride_wn,
-                           stride_se, stride_sn)
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < inter_size - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANT == 3:  # a [BLOCK_N, BLOCK_K] float32 tile, transposed to [BLOCK_K, BLOCK_N]
+            b = tl.trans(mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, inter_size, stride_we,
+                                    stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K))
+        elif EVEN_K:
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
@@ -270,6 +272,13 @@ def _fit_scale_blocks(cfg: GemmConfig, block_shape: tuple[int, int] | None) -> G
     return dataclasses.replace(cfg, BLOCK_K=block_k)
 
 
+def _check_block_k(w: torch.Tensor, cfg: GemmConfig) -> None:
+    """MXFP4 tiles hold whole scale groups: BLOCK_K a multiple of 32 (``mxfp4_tile``)."""
+    if w.dtype == torch.uint8 and cfg.BLOCK_K % VALUES_PER_SCALE:
+        raise ValueError(f"MXFP4 weights need launch configs with BLOCK_K a multiple of {VALUES_PER_SCALE} (one "
+                         f"scale per {VALUES_PER_SCALE} values along K), got BLOCK_K={cfg.BLOCK_K}")
+
+
 def _bias_args(w: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     """(bias pointer, its expert stride) and the HAS_BIAS constexpr; bias [E, N] contiguous along N."""
     if bias is None:
@@ -291,11 +300,12 @@ def invoke_w13(x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: Sl
                block_shape: tuple[int, int] | None = None, bias: torch.Tensor | None = None) -> None:
     """Kernel 1: out[s] = act(x[s // k] @ gate[e]^T + b_gate[e], x[s // k] @ up[e]^T + b_up[e]) for every slot s.
 
-    x [T, H], w13 [E, 2I, H], out [S, I] (written, every row); ``scale`` with 8-bit w13 (``fused_moe``'s layouts);
-    ``bias`` [E, 2I] or None.
+    x [T, H], w13 [E, 2I, H], out [S, I] (written, every row); ``scale`` with 8-bit or MXFP4 w13 (``fused_moe``'s
+    layouts); ``bias`` [E, 2I] or None.
     """
     inter, hidden = w13.shape[1] // 2, x.shape[1]  # not w13.shape[2]: MXFP4 packs two values a byte
     cfg = _fit_scale_blocks(cfg, block_shape)
+    _check_block_k(w13, cfg)
     (scale_ptr, *scale_strides), quant = _quant_args(w13, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w13, bias)
     act_values, act_kind = _act_args(activation)
@@ -317,10 +327,11 @@ def invoke_w2(h: torch.Tensor, w2: torch.Tensor, slot_weights: torch.Tensor, out
     """Kernel 2: out[s] = slot_weights[s] * (h[s] @ w2[e]^T + bias[e]) for every slot s.
 
     h [S, I], w2 [E, H, I], slot_weights [S] float32 contiguous, out [S, H] (written, every row);
-    ``scale`` with 8-bit w2; ``bias`` [E, H] or None.
+    ``scale`` with 8-bit or MXFP4 w2; ``bias`` [E, H] or None.
     """
     hidden, inter = w2.shape[1], h.shape[1]  # not w2.shape[2]: MXFP4 packs two values a byte
     cfg = _fit_scale_blocks(cfg, block_shape)
+    _check_block_k(w2, cfg)
     (scale_ptr, *scale_strides), quant = _quant_args(w2, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w2, bias)
     _w2_weighted_kernel[_grid(blocks, hidden, cfg)](
@@ -341,10 +352,11 @@ def invoke_w13_gemv(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, inter
     """Matrix-vector kernel 1: inter[s] = act(gate[e] @ x[s // k] + b_gate[e], up[e] @ x[s // k] + b_up[e]);
     ids [S] int32.
 
-    w13 [E, 2I, H] contiguous along H; every row of inter [S, I] is written; ``scale`` with 8-bit w13.
+    w13 [E, 2I, H] contiguous along H; every row of inter [S, I] is written; ``scale`` with 8-bit or MXFP4 w13.
     """
-    inter_size, hidden = w13.shape[1] // 2, w13.shape[2]
+    inter_size, hidden = w13.shape[1] // 2, x.shape[1]  # not w13.shape[2]: MXFP4 packs two values a byte
     cfg = _fit_scale_blocks(cfg, block_shape)
+    _check_block_k(w13, cfg)
     (scale_ptr, *scale_strides), quant = _quant_args(w13, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w13, bias)
     act_values, act_kind = _act_args(activation)
@@ -361,10 +373,11 @@ def invoke_w2_gemv(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, slo
                    block_shape: tuple[int, int] | None = None, bias: torch.Tensor | None = None) -> None:
     """Matrix-vector kernel 2: out[t] = sum_j slot_weights[t*k+j] * (w2[e_j] @ inter[t*k+j] + bias[e_j]).
 
-    w2 [E, H, I] contiguous along I; ids [S] int32; every row of out [T, H] is written; ``scale`` with 8-bit w2.
+    w2 [E, H, I] contiguous along I; ids [S] int32; every row of out [T, H] is written; ``scale`` with 8-bit or MXFP4 w2.
     """
-    hidden, inter_size = w2.shape[1], w2.shape[2]
+    hidden, inter_size = w2.shape[1], inter.shape[1]  # not w2.shape[2]: MXFP4 packs two values a byte
     cfg = _fit_scale_blocks(cfg, block_shape)
+    _check_block_k(w2, cfg)
     (scale_ptr, *scale_strides), quant = _quant_args(w2, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w2, bias)
     gemv_kernels.w2_gemv_sum_kernel[(out.shape[0], triton.cdiv(hidden, cfg.BLOCK_N))](
@@ -383,8 +396,11 @@ def slot_blocks(topk_ids: torch.Tensor, num_experts: int, cfg: LaunchConfig) -> 
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_config(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str, num_tokens: int) -> LaunchConfig:
-    return get_launch_config(num_experts, n, k, dtype, device, num_tokens)
+def _cached_config(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str, num_tokens: int,
+                   mxfp4: bool = False) -> LaunchConfig:
+    config = get_launch_config(num_experts, n, k, dtype, device, num_tokens)
+    # MXFP4 tiles hold whole scale groups along K (the shipped and tuned configs have BLOCK_K >= 32 already).
+    return with_min_block_k(config, VALUES_PER_SCALE) if mxfp4 else config
 
 
 @functools.lru_cache(maxsize=16)
@@ -451,13 +467,13 @@ def fused_moe_triton(
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
     if config is None:
-        config = _cached_config(num_experts, two_inter, hidden, x.dtype, _device_name(x.device), num_tokens)
+        config = _cached_config(num_experts, two_inter, hidden, x.dtype, _device_name(x.device), num_tokens,
+                                w13.dtype == torch.uint8)
 
     if inter is None:
         inter = torch.empty(num_slots, two_inter // 2, dtype=x.dtype, device=x.device)  # [S, I]
     slot_weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [S], a no-op for route()'s output
-    # The matrix-vector kernels read 8-bit or float weights only: MXFP4 decodes take the grouped kernels.
-    if config.gemv and w13.dtype != torch.uint8 and w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1:
+    if config.gemv and w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1:
         if out is None:
             out = torch.empty_like(x)  # [T, H]
         ids = flat_ids(topk_ids)
