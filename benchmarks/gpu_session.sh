@@ -55,11 +55,12 @@ bench-lora-realistic 240 480
 batch-three-ways 300 540
 batch-goals 300 540
 "
-# The first call's order: never-run CUDA paths' correctness, then the issue's goals (decode batch 1 and prefill
-# 512 against their floors, the fused MoE against HBM and torch._grouped_mm, transformers at 128 concurrent),
-# then graphs, overlap, 8-bit and MXFP4 experts, MLA and the newer families at real size.
-DEFAULT_STAGES="env tests-cuda tests-paths goal-engine goal-moe goal-hf bench-piecewise bench-overlap bench-quant
-bench-mxfp4 bench-mla bench-engine-deepseek bench-engine-families"
+# The first call's order: the CUDA tests first (every fix since the last GPU run is checked there), then what has
+# never run on a GPU (the MXFP4 kernels' new decode, 8-bit experts in the engine, DeepSeek-V2-Lite and the newer
+# families at real size), then the issue's goals again (decode batch 1 and prefill 512 against their floors, the
+# fused MoE against HBM and torch._grouped_mm, transformers at 128 concurrent), graphs, overlap and MLA.
+DEFAULT_STAGES="env tests-cuda tests-paths bench-mxfp4 bench-quant bench-engine-deepseek bench-engine-families
+goal-engine goal-moe goal-hf bench-piecewise bench-overlap bench-mla"
 
 usage() { echo "usage: benchmarks/gpu_session.sh [--dry-run] [--list] [--budget SECONDS] [--stages A,B:SECONDS,...] [STAGE[:SECONDS] ...]" >&2; exit 2; }
 table_field() {  # stage column(2: estimate, 3: limit); empty for an unknown stage

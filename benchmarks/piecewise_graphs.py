@@ -87,6 +87,7 @@ def run_setting(pieces: bool, profile, device: torch.device, peaks: dict, mixes,
     prefill = bench_prefill(engine, profile, peaks, model_costs(engine.model), rng)
     mixed = bench_mixed(engine, mixes, profile.prefill_reps, rng)
     row = dict(piecewise=pieces, startup_s=startup_s, capture_s=graphs.capture_s if graphs else 0.0,
+               capture_mib=graphs.capture_mib if graphs else 0.0,
                token_sizes=list(graphs.sizes) if graphs else [], replays=graphs.replays if graphs else 0,
                prefill=prefill, mixed=mixed)
     del engine, graphs
@@ -108,7 +109,8 @@ def format_table(report: dict) -> str:
         name = f"mixed {a['decodes']} dec + {a['prompt_tokens']} prefill"
         lines.append(f"{name:<30} {a['ms_per_step']:>9.2f} {b['ms_per_step']:>9.2f} {a['ms_per_step'] / b['ms_per_step']:>7.2f}")
     lines += ["", f"start-up: off {off['startup_s']:.1f} s (built first: it also pays one-time imports and compiles); "
-                  f"on {on['startup_s']:.1f} s, of which capturing {on['capture_s']:.1f} s for token counts {on['token_sizes']}"]
+                  f"on {on['startup_s']:.1f} s, of which capturing {on['capture_s']:.1f} s for token counts {on['token_sizes']} "
+                  f"({on['capture_mib']:.0f} MiB of device memory)"]
     prefill512 = next((r for r in on["prefill"] if r["tokens"] == 512), None)
     if prefill512:
         lines.append(f"goal: prefill 512 within 3x of its floor: {prefill512['time_over_floor']:.2f}x")

@@ -95,6 +95,7 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # T -> its L + 1 pieces
         self.replays = 0  # steps served from the buffers (graph replays, or eager pieces when not capturing)
         self.capture_s = 0.0  # start-up time spent capturing (warm-ups included)
+        self.capture_mib = 0.0  # device memory the capture reserved (its graphs' pool and workspaces)
 
     @property
     def num_pieces(self) -> int:
@@ -139,8 +140,9 @@ class PiecewiseGraphs:
             self.graphs[size] = pieces
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start
+        self.capture_mib = (torch.cuda.memory_reserved() - before) / 2**20
         logger.info("captured piecewise CUDA graphs (%d pieces) for token counts %s in %.1f s, %.0f MiB",
-                    self.num_pieces, self.sizes, self.capture_s, (torch.cuda.memory_reserved() - before) / 2**20)
+                    self.num_pieces, self.sizes, self.capture_s, self.capture_mib)
 
     def covers(self, batch: FlatBatch) -> bool:
         return 0 < batch.input_ids.shape[0] <= self.sizes[-1]
