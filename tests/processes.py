@@ -38,3 +38,9 @@ def engine_pids(pid: int) -> list[int]:
     for server in child_pids(pid, "multiprocessing.forkserver"):
         pids += child_pids(server)
     return sorted(pids)
+
+
+def rank_pids(pid: int) -> list[int]:
+    """The follower ranks an engine process (or a process running ``engine.LLM``) ``pid`` started on this node:
+    the children of its forkserver (``engine.distributed.follower.start_follower``)."""
+    return sorted(p for server in child_pids(pid, "multiprocessing.forkserver") for p in child_pids(server))

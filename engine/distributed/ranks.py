@@ -5,10 +5,12 @@ The world is ``data_parallel_size`` replicas of ``tensor_parallel_size`` ranks
 each (one replica and its split ranks, or several replicas sharing their
 experts): replica d is world ranks [d*T, (d+1)*T), and its rank 0 is the engine
 process that schedules for it. A pipelined engine (one replica) is
-``pipeline_parallel_size`` stages of T ranks: stage s is world ranks [s*T, (s+1)*T). The other ranks are ordinary processes running
+``pipeline_parallel_size`` stages of T ranks: stage s is world ranks [s*T, (s+1)*T). The other ranks run
 ``engine.distributed.follower`` with the standard ``torchrun`` variables
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
-so ranks on other nodes are started the same way, by ``torchrun`` or by hand
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``):
+this node's are forked from the engine process's forkserver
+(``engine.serving.process_start``, imports paid once however many ranks),
+ranks on other nodes are started by ``torchrun`` or by hand
 (``moegate engine-rank``). Once the ranks have met they check together that
 the world fits (``engine.distributed.world``), and each replica's engine
 process sends its ``EngineConfig`` to its other ranks: every rank of a replica
@@ -17,9 +19,8 @@ builds the same model the same way, whatever its own command line said.
 
 import logging
 import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 
 import torch
 
@@ -92,14 +93,14 @@ class EngineRanks:
         split = config.engine_ranks  # this replica's ranks: its stages of tensor-parallel ranks
         world = self.world_size = config.data_parallel_size * split
         first = self.first_rank = config.data_parallel_rank * split  # this replica's ranks: [first, first + split)
-        env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
+        env = {"WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
                EXIT_WITH_PARENT_ENV: str(os.getpid())}
-        command = [sys.executable, "-m", "engine.distributed.follower", "--device", device.type,
-                   "--timeout", str(config.distributed_timeout_s)]
-        self.processes: list[subprocess.Popen] = []
-        for local in range(1, config.local_ranks or split):
-            self.processes.append(subprocess.Popen(
-                command, env={**env, "RANK": str(first + local), "LOCAL_RANK": str(local)}))
+        argv = ["--device", device.type, "--timeout", str(config.distributed_timeout_s)]
+        from engine.distributed.follower import start_follower  # it imports this module
+
+        self.processes: list[BaseProcess] = [
+            start_follower(argv, {**env, "RANK": str(first + local), "LOCAL_RANK": str(local)})
+            for local in range(1, config.local_ranks or split)]
         try:
             self.groups = RankGroups(RankInfo(first, world, 0, init), device, config.distributed_timeout_s,
                                      starting=self.exited_rank)
@@ -141,15 +142,14 @@ class EngineRanks:
     def exited_rank(self) -> str | None:
         """Which rank this node started has exited already, if one has (None: all alive)."""
         for rank, process in enumerate(self.processes, start=self.first_rank + 1):
-            if process.poll() is not None:
-                return f"rank {rank} of {self.world_size} exited with code {process.returncode}"
+            if not process.is_alive():
+                return f"rank {rank} of {self.world_size} exited with code {process.exitcode}"
         return None
 
     def _end_processes(self, timeout_s: float) -> None:
         for process in self.processes:
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+            process.join(timeout_s)
+            if process.is_alive():
                 process.kill()
-                process.wait()
+                process.join()
 

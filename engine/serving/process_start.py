@@ -23,8 +23,8 @@ from multiprocessing.process import BaseProcess
 
 START_METHOD_ENV = "MOEGATE_PROCESS_START"
 START_METHODS = ("forkserver", "spawn")
-# Imported once by the forkserver; what an engine process needs before its first step.
-PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process")
+# Imported once by the forkserver; what an engine process, or a follower rank, needs before its first step.
+PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process", "engine.distributed.follower")
 
 
 def process_context() -> multiprocessing.context.BaseContext:
@@ -48,6 +48,9 @@ def start_process(target: Callable, args: tuple, name: str, env: dict[str, str] 
     """Start ``target(*args)`` in a new daemon process with this process's environment plus ``env`` (see the
     module docstring); ``target`` and ``args`` must be picklable (connections are: they travel as descriptors)."""
     environ = {**os.environ, **(env or {})}
+    current = multiprocessing.current_process()
+    if current.daemon:  # an engine process starting its ranks: multiprocessing refuses children to a daemonic
+        current.daemon = False  # process, a flag that only says its starter ends it at exit (and so it ends them)
     process = process_context().Process(target=_in_environment, args=(environ, target, args), name=name, daemon=True)
     process.start()
     return process

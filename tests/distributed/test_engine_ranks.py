@@ -15,7 +15,7 @@ import pytest
 from tests.distributed.ranks import free_port, run_ranks, run_ranks_each
 from tests.distributed.test_tensor_parallel import ENGINE_FAMILIES, GATHER_FAMILY, VOCAB, family_checkpoints
 from tests.hf_models import make_hf_model
-from tests.processes import child_pids
+from tests.processes import rank_pids
 
 # A KV pool of 14 blocks of 4 tokens for 6 requests, 16 tokens a step: long prompts are prefilled in chunks,
 # requests are preempted and resumed, and two prompts share a prefix (prefix-cache hits). The last request
@@ -171,7 +171,7 @@ def test_the_serving_engine_reports_a_dead_rank_and_restarts_whole(tmp_path):
         await engine.start()
         try:
             first = await tokens(engine)
-            followers = child_pids(engine._process.pid)
+            followers = rank_pids(engine._process.pid)
             assert len(followers) == 1, followers
             os.kill(followers[0], signal.SIGKILL)  # while idle: the engine notices it has lost the rank by itself
             start = time.monotonic()
@@ -184,7 +184,7 @@ def test_the_serving_engine_reports_a_dead_rank_and_restarts_whole(tmp_path):
                 await asyncio.wait_for(tokens(engine), 30)
             await engine.restart()  # what the gateway's supervisor does
             assert await tokens(engine) == first
-            assert len(child_pids(engine._process.pid)) == 1
+            assert len(rank_pids(engine._process.pid)) == 1
         finally:
             await engine.shutdown()
 

@@ -16,7 +16,7 @@ from tests.processes import is_running
 SCRIPT = r"""
 import gc, json, os, sys
 from engine import LLM, SamplingParams
-from tests.processes import child_pids, is_running
+from tests.processes import is_running, rank_pids
 
 model = sys.argv[1]
 engine = dict(device="cpu", cpu_threads=1, num_kv_blocks=16, max_num_batched_tokens=16, max_num_seqs=2,
@@ -26,7 +26,7 @@ prompt = [json.loads(sys.argv[2])]
 out = {}
 with LLM(model, **engine) as llm:
     out["with"] = llm.generate(prompt, params)[0].token_ids
-    ranks = child_pids(os.getpid(), "engine.distributed.follower")
+    ranks = rank_pids(os.getpid())
 out["with ranks ended"] = bool(ranks) and not any(is_running(p) for p in ranks)
 try:
     llm.generate(prompt, params)
@@ -38,7 +38,7 @@ del dropped
 gc.collect()
 last = LLM(model, **engine)  # never closed: the interpreter's exit closes it
 out["last"] = last.generate(prompt, params)[0].token_ids
-out["last ranks"] = child_pids(os.getpid(), "engine.distributed.follower")
+out["last ranks"] = rank_pids(os.getpid())
 print("RESULT " + json.dumps(out), flush=True)
 """
 

@@ -16,7 +16,7 @@ from tests.distributed.test_engine_ranks import ENGINE, POOL, engine_tokens, rep
 from tests.distributed.test_tensor_parallel import ENGINE_FAMILIES, GATHER_FAMILY, VOCAB, family_checkpoints
 from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
-from tests.processes import child_pids
+from tests.processes import rank_pids
 
 REPLICAS, SPLIT = 2, 2
 
@@ -109,7 +109,7 @@ def test_a_dead_follower_fails_both_split_replicas_and_they_restart(tmp_path):
         try:
             both = await asyncio.wait_for(asyncio.gather(*(tokens(e, p) for e, p in zip(engines, prompts))), 60)
             assert list(both) == want, seed
-            followers = child_pids(engines[1]._process.pid)
+            followers = rank_pids(engines[1]._process.pid)
             assert len(followers) == 1, followers
             os.kill(followers[0], signal.SIGKILL)  # while both idle: replica 1 notices, replica 0 through it
             start = time.monotonic()
@@ -123,7 +123,7 @@ def test_a_dead_follower_fails_both_split_replicas_and_they_restart(tmp_path):
             await asyncio.gather(*(e.restart() for e in engines))  # the gateway's supervisors restart both
             again = await asyncio.wait_for(asyncio.gather(*(tokens(e, p) for e, p in zip(engines, prompts))), 60)
             assert list(again) == want, seed
-            assert all(len(child_pids(e._process.pid)) == 1 for e in engines)
+            assert all(len(rank_pids(e._process.pid)) == 1 for e in engines)
         finally:
             await asyncio.gather(*(e.shutdown() for e in engines))
 

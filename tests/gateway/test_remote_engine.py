@@ -22,7 +22,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.loading.demo_model import write_demo_model
 from tests.gateway.serve_process import _drain, free_port, start_server, stop_server, wait_ready
-from tests.processes import child_pids, engine_pids, is_running
+from tests.processes import engine_pids, is_running, rank_pids
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -181,7 +181,7 @@ def test_a_remote_engine_split_over_ranks_serves_gateway_after_gateway(tmp_path)
         third = RemoteEngine(EngineConfig(model=model), ("127.0.0.1", engine_port), KEY.encode())
         got.append(await tokens(third))
         (engine_process,) = engine_processes()
-        ranks = child_pids(engine_process, "engine.distributed.follower")
+        ranks = rank_pids(engine_process)
         assert len(ranks) == 1, ranks
         stop_engine(server)  # killed with a gateway connected
         deadline = time.monotonic() + 20
