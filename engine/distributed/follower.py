@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import signal
 import sys
-from multiprocessing.process import BaseProcess
 
 import torch
 
@@ -25,7 +24,6 @@ from engine.distributed.rank_flags import add_rank_flags
 from engine.distributed.ranks import EXIT_WITH_PARENT_ENV, parallel_groups
 from engine.distributed.world import agree_on_world
 from engine.serving.parent_watch import exit_with_parent
-from engine.serving.process_start import start_process
 
 logger = logging.getLogger(__name__)
 
@@ -96,24 +94,13 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-rank %(levelname)s %(message)s")
-    if multiprocessing.parent_process() is not None:  # started by its engine process (``start_follower``)
+    if multiprocessing.parent_process() is not None:  # started by its engine process (``EngineRanks``)
         exit_with_parent()
     elif (parent := os.environ.get(EXIT_WITH_PARENT_ENV, "")).isdigit():
         exit_with_parent(int(parent))
     parser = argparse.ArgumentParser(prog="python -m engine.distributed.follower", description=__doc__)
     add_rank_flags(parser)
     return run(parser.parse_args(argv))
-
-
-def start_follower(argv: list[str], env: dict[str, str]) -> BaseProcess:
-    """Start a follower rank of this engine process on this node: ``main(argv)`` with the torchrun variables in
-    ``env``, forked from the forkserver (``engine.serving.process_start``: torch and this module imported once,
-    however many ranks), ending with this process. Its exit code is ``main``'s."""
-    return start_process(_started, (argv,), f"moegate-rank-{env.get('RANK', '?')}", env)
-
-
-def _started(argv: list[str]) -> None:
-    sys.exit(main(argv))
 
 
 if __name__ == "__main__":

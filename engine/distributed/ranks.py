@@ -32,6 +32,7 @@ from engine.distributed.pipeline import PipelineStage
 from engine.distributed.replica_layout import free_port, replica_world_ranks
 from engine.distributed.world import ReplicaClaim, agree_on_world
 from engine.loading.model_config import ModelConfig
+from engine.serving.process_start import run_main, start_process
 
 # The engine process's id, given to the follower ranks it starts itself: they end when it does.
 EXIT_WITH_PARENT_ENV = "MOEGATE_EXIT_WITH_PARENT"
@@ -96,10 +97,10 @@ class EngineRanks:
         env = {"WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
                EXIT_WITH_PARENT_ENV: str(os.getpid())}
         argv = ["--device", device.type, "--timeout", str(config.distributed_timeout_s)]
-        from engine.distributed.follower import start_follower  # it imports this module
-
+        # Forked from this process's forkserver (engine.serving.process_start): imports paid once, however many.
         self.processes: list[BaseProcess] = [
-            start_follower(argv, {**env, "RANK": str(first + local), "LOCAL_RANK": str(local)})
+            start_process(run_main, ("engine.distributed.follower", argv), f"moegate-rank-{first + local}",
+                          {**env, "RANK": str(first + local), "LOCAL_RANK": str(local)})
             for local in range(1, config.local_ranks or split)]
         try:
             self.groups = RankGroups(RankInfo(first, world, 0, init), device, config.distributed_timeout_s,

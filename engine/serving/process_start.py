@@ -16,8 +16,10 @@ decides whether Triton kernels are compiled or interpreted) are the ones set whe
 ``MOEGATE_PROCESS_START=spawn`` starts every engine process in a fresh interpreter instead.
 """
 
+import importlib
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
@@ -54,3 +56,9 @@ def start_process(target: Callable, args: tuple, name: str, env: dict[str, str] 
     process = process_context().Process(target=_in_environment, args=(environ, target, args), name=name, daemon=True)
     process.start()
     return process
+
+
+def run_main(module: str, argv: list[str]) -> None:
+    """A ``start_process`` target: ``module``'s ``main(argv)``, its return value the exit code (named, not
+    imported here, so that a module can start processes running a module that imports it)."""
+    sys.exit(importlib.import_module(module).main(argv))
