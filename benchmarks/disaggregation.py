@@ -3,7 +3,7 @@
   2 aggregated replicas (cache-aware router)  |  1 prefill + 1 decode engine
 
     python -m benchmarks.disaggregation [--streams 8] [--long-tokens 1024] [--burst 2] [--every 3] [--seconds 30]
-                                        [--prefill-queue-tokens 1024] [--fault]
+                                        [--prefill-queue-tokens 1024] [--decode-prefill-chunk-tokens 256] [--fault]
 
 The workload: ``--streams`` steady streams (16-token prompts, 96 tokens each, a new one as soon as one ends:
 latency-sensitive chat), and every ``--every`` seconds a burst of ``--burst`` long prompts of
@@ -144,7 +144,8 @@ async def main(args) -> None:
             router = ReplicaRouter(engines, ["0", "1"], RouterConfig())
         else:
             engines = [AsyncEngine(EngineConfig(**base, role="prefill")),
-                       AsyncEngine(EngineConfig(**base, role="decode", prefill_queue_tokens=queue_limit))]
+                       AsyncEngine(EngineConfig(**base, role="decode", prefill_queue_tokens=queue_limit,
+                                                decode_prefill_chunk_tokens=args.decode_prefill_chunk_tokens))]
             router = DisaggregatedEngines(engines[:1], engines[1:])
         await router.start()
         # Killed 0.3 s into the burst nearest halfway, while it computes those long prompts.
@@ -199,6 +200,8 @@ if __name__ == "__main__":
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--prefill-queue-tokens", type=int, default=_DEFAULTS["prefill_queue_tokens"],
                    help="the decode engine's prefill_queue_tokens in the 1P+1D run (the other 1P+1D run: 0)")
+    p.add_argument("--decode-prefill-chunk-tokens", type=int, default=_DEFAULTS["decode_prefill_chunk_tokens"],
+                   help="the decode engine's decode_prefill_chunk_tokens: prompt tokens a step of its own prefills take")
     p.add_argument("--fault", action="store_true", help="add a run whose prefill engine is killed halfway")
     p.add_argument("--json", action="store_true")
     asyncio.run(main(p.parse_args()))
