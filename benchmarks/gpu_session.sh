@@ -54,13 +54,15 @@ bench-lora 200 400
 bench-lora-realistic 240 480
 batch-three-ways 300 540
 batch-goals 300 540
+bench-structured 90 240
+bench-spec 120 300
 "
 # The first call's order: the CUDA tests first (every fix since the last GPU run is checked there), then what has
 # never run on a GPU (the MXFP4 kernels' new decode, 8-bit experts in the engine, DeepSeek-V2-Lite and the newer
-# families at real size), then the issue's goals again (decode batch 1 and prefill 512 against their floors, the
+# families at real size, structured output at 64 requests, speculative decoding at batch 1), then the issue's goals again (decode batch 1 and prefill 512 against their floors, the
 # fused MoE against HBM and torch._grouped_mm, transformers at 128 concurrent), graphs, overlap and MLA.
 DEFAULT_STAGES="env tests-cuda tests-paths bench-mxfp4 bench-quant bench-engine-deepseek bench-engine-families
-goal-engine goal-moe goal-hf bench-piecewise bench-overlap bench-mla"
+bench-structured bench-spec goal-engine goal-moe goal-hf bench-piecewise bench-overlap bench-mla"
 
 usage() { echo "usage: benchmarks/gpu_session.sh [--dry-run] [--list] [--budget SECONDS] [--stages A,B:SECONDS,...] [STAGE[:SECONDS] ...]" >&2; exit 2; }
 table_field() {  # stage column(2: estimate, 3: limit); empty for an unknown stage
@@ -253,6 +255,12 @@ for spec in $SPECS; do
         # The same at Qwen3-30B-A3B's hidden and expert widths (adapter factors 17% of the experts' bytes).
         bench-lora-realistic) run_stage bench-lora-realistic "$limit" $PY -m benchmarks.lora_throughput --device cuda \
             --dtype bfloat16 --shape realistic --requests 256 --rounds 3 ;;
+        # Structured output: 64 requests constrained by a schema against free, the token bitmask on the device.
+        bench-structured) run_stage bench-structured "$limit" $PY -m benchmarks.structured_output_throughput \
+            --device cuda --dtype bfloat16 --requests 64 --rounds 3 ;;
+        # Speculative decoding (n-gram) at batch 1 and 8 on repeating and sampled text, verification through graphs.
+        bench-spec) run_stage bench-spec "$limit" $PY -m benchmarks.speculative_decoding --device cuda \
+            --dtype bfloat16 --batches 1,8 --rounds 3 ;;
         bench-engine-hf) run_stage bench-engine-hf "$limit" $PY -m benchmarks.engine_gpu --json "$WORK/bench_engine_hf.json" ;;
         # Batch API goal 2 (with no live traffic, a batch's output tokens/s at 90% or more of the offline engine's on
         # the same requests) where the gateway has cores of its own and the engine a GPU (the demo model).

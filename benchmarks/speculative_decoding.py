@@ -106,10 +106,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--proposer", choices=["ngram", "draft"], default="ngram")
     ap.add_argument("--draft-layers", type=int, default=1, help="--proposer draft: the draft's layers (of 4)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: verification runs through the decode CUDA graphs")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    common = dict(dtype="float32", device="cpu", num_kv_blocks=2048, block_size=16,
+    common = dict(dtype=args.dtype, device=args.device, num_kv_blocks=2048, block_size=16,
                   max_num_seqs=max(batches), max_num_batched_tokens=8192, enable_prefix_caching=False)
     spec_kw = dict(speculative=args.proposer, num_speculative_tokens=args.num_speculative_tokens)
     if args.speculative_max_batch is not None:

@@ -1,8 +1,10 @@
 """Decode throughput with a JSON schema vs without, side by side in one run, and the time to prepare a schema.
 
     python -m benchmarks.structured_output_throughput [--requests 64] [--tokens 96] [--rounds 3]
+        [--device cpu|cuda] [--dtype float32|bfloat16]
 
-The offline engine on the random-weight demo checkpoint (CPU, float32, 1 torch thread) decodes --requests
+The offline engine on the random-weight demo checkpoint (by default the CPU, float32, 1 torch thread; on CUDA
+the token bitmask is applied on the device) decodes --requests
 concurrent requests of --tokens tokens each, alternately free and constrained by a schema whose shortest
 valid output is longer than --tokens (an array of at least 100 strict-mode objects), so both runs produce
 exactly the same number of tokens and differ only in the grammar work: the host walking llguidance's
@@ -44,11 +46,11 @@ def _decode(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) ->
     return time.perf_counter() - t0, time.process_time() - c0, sum(len(o.token_ids) for o in outs)
 
 
-def run(requests: int, tokens: int, rounds: int) -> None:
+def run(requests: int, tokens: int, rounds: int, device: str = "cpu", dtype: str = "float32") -> None:
     torch.set_num_threads(1)
     model_dir = tempfile.mkdtemp()
     write_demo_model(model_dir, seed=0)
-    llm = LLM(model=model_dir, dtype="float32", device="cpu", max_num_seqs=requests,
+    llm = LLM(model=model_dir, dtype=dtype, device=device, max_num_seqs=requests,
               num_kv_blocks=requests * 8, max_num_batched_tokens=2048)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 1300) for _ in range(16)] for _ in range(requests)]
@@ -77,7 +79,7 @@ def run(requests: int, tokens: int, rounds: int) -> None:
 
     _decode(llm, prompts, params(True, -1))  # warm-up: first steps, allocations, the matcher's lexer
     _decode(llm, prompts, params(False, -1))
-    print(f"{requests} requests x {tokens} tokens, demo model, 1 torch thread")
+    print(f"{requests} requests x {tokens} tokens, demo model, {device} {dtype}, 1 torch thread")
     print(f"{'round':>5} {'free tok/s':>11} {'schema tok/s':>13} {'wall ratio':>10} {'CPU-time ratio':>14}")
     walls, cpus = [], []
     for r in range(rounds):
@@ -100,5 +102,7 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
-    run(args.requests, args.tokens, args.rounds)
+    run(args.requests, args.tokens, args.rounds, args.device, args.dtype)
