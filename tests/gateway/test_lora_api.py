@@ -198,7 +198,10 @@ def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
 
     # A revoke applies within the policy cache's TTL: the adapter is then unknown to that tenant.
     url = srv.database_url
-    assert moegate(["admin", "adapter", "revoke", "support", "granted", "--database-url", url, "--json"]) == 0
+    # The CLI in a thread while the server's loop runs: a usage write the loop had begun must finish, or the
+    # CLI would wait on SQLite's write lock with the loop (and so the write) paused.
+    assert srv.run(asyncio.to_thread(
+        moegate, ["admin", "adapter", "revoke", "support", "granted", "--database-url", url, "--json"])) == 0
     time.sleep(POLICY_TTL_S * 1.5)  # a cached entry is never served past its TTL
     with pytest.raises(openai.NotFoundError):
         srv.run(complete(clients["granted"], "support"))
@@ -218,8 +221,8 @@ def test_adapter_added_while_serving(served, tmp_path):
     _make_adapter(srv.demo, late)
     _make_adapter(srv.demo, wide, rank=16)  # the server's max_lora_rank is 8
     for name, path in (("late", late), ("wide", wide)):
-        assert moegate(["admin", "adapter", "add", name, "--path", path, "--public", "--database-url",
-                        srv.database_url, "--json"]) == 0
+        assert srv.run(asyncio.to_thread(moegate, ["admin", "adapter", "add", name, "--path", path, "--public",
+                                                   "--database-url", srv.database_url, "--json"])) == 0
     time.sleep(POLICY_TTL_S * 1.5)
     rng = random.Random()
     prompt = [rng.randrange(3, 200) for _ in range(12)]
