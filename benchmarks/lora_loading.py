@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--short-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--thread-reads", action="store_true",
+                    help="a third engine that parses adapters on a thread of its own process (the GIL's cost)")
     ap.add_argument("--no-gc-freeze", action="store_true", help="leave the startup heap to the garbage collector")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -113,6 +115,11 @@ def main() -> None:
                       overlap_scheduling=False)
         engines = {"loading": LLM(**common, max_loras=args.max_loras, max_cpu_loras=args.max_loras),
                    "resident": LLM(**common, max_loras=args.adapters)}
+        if args.thread_reads:
+            thread = LLM(**common, max_loras=args.max_loras, max_cpu_loras=args.max_loras)
+            lora = thread.engine.lora
+            lora.host._background = lora.read  # the parse on the host cache's thread, as before the reader process
+            engines["loading-thread"] = thread
         if not args.no_gc_freeze:
             freeze_startup_heap()  # as a served engine's process does once its engine is built
         try:
@@ -125,7 +132,8 @@ def compare(engines: dict[str, LLM], names: list[str], args) -> None:
     """The rounds, alternating which engine runs first, and the report."""
     results: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     for r in range(args.rounds):
-        for name in (["loading", "resident"] if r % 2 == 0 else ["resident", "loading"]):
+        order = list(engines)
+        for name in (order if r % 2 == 0 else order[::-1]):
             results[name].append(run(engines[name], names, args))
     print(f"{args.adapters} adapters of rank {args.rank}, {args.long} base-model requests decoding, "
           f"{args.arrivals} adapter requests one every {args.every} steps; {args.rounds} rounds, "
@@ -134,8 +142,8 @@ def compare(engines: dict[str, LLM], names: list[str], args) -> None:
         def col(key):
             values = [x[key] for x in rounds]
             return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
-        slots = args.max_loras if name == "loading" else args.adapters
-        print(f"  {name:8s} (max_loras {slots}): decode step p50 {col('p50')} ms, max {col('max')} ms, "
+        slots = args.adapters if name == "resident" else args.max_loras
+        print(f"  {name:14s} (max_loras {slots}): decode step p50 {col('p50')} ms, max {col('max')} ms, "
               f"max/p50 {col('ratio')} (goal <= 1.5); steps with a slot write: {col('load_steps')}, their "
               f"max {col('load_max')} ms; disk reads {col('disk_reads')}")
     print("per round (run order alternates): max/p50 | decode steps with a read in flight p50, without p50 (max) | "

@@ -186,7 +186,7 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.close()  # the disk writes queued so far land
         if self.lora is not None:
-            self.lora.host.close()
+            self.lora.close()
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             ranks.abort() if abrupt else ranks.close()
@@ -275,6 +275,8 @@ class LLMEngine:
         adapter = self.lora.read(name, path)  # ValueError naming what is wrong; nothing registered
         self.lora.host.put(registration_key(name, path), path, adapter)
         residency.register(name, path)
+        if len(residency.names()) > self.lora.host.capacity:  # some will be read from disk again while serving
+            self.lora.start_reader()
 
     def remove_lora(self, name: str) -> None:
         """Unregister adapter ``name``: new requests naming it are refused from now on; requests already added

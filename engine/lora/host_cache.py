@@ -1,5 +1,6 @@
 """LoRA adapters' factors in host memory: an LRU of at most ``max_cpu_loras`` adapters, filled by a background
-thread so the disk read and the safetensors parse never run inside the step loop.
+thread so the disk read and the safetensors parse never run inside the step loop (the thread waits while a
+reader process parses, where there is one: ``engine.lora.reader_process``).
 
 The scheduler asks ``ready`` (starting a read if the factors are absent); the slot write between two steps
 ``take``s them (read synchronously only if they were evicted in between, counted as ``sync_reads``).
@@ -20,10 +21,13 @@ logger = logging.getLogger(__name__)
 class HostLoraCache:
     """(name, path) -> parsed adapter, least recently used first; counters for the engine's stats."""
 
-    def __init__(self, capacity: int, read: Callable[[str, str], LoraAdapter]) -> None:
-        """``read(name, path)``: the parsed, checked adapter (``LoraAdapters.read``)."""
+    def __init__(self, capacity: int, read: Callable[[str, str], LoraAdapter],
+                 background_read: Callable[[str, str], LoraAdapter] | None = None) -> None:
+        """``read(name, path)``: the parsed, checked adapter (``LoraAdapters.read``); ``background_read``: the
+        same, as the background thread does it (default ``read``)."""
         self.capacity = capacity
         self._read = read
+        self._background = background_read or read
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str], LoraAdapter] = OrderedDict()
         self._pending: dict[tuple[str, str], Future] = {}
@@ -62,7 +66,7 @@ class HostLoraCache:
                 return adapter
             self.misses += 1
             self.sync_reads += 1
-        adapter = self._timed_read(key)
+        adapter = self._timed_read(key, self._read)
         with self._lock:
             self._insert(key, adapter)
         return adapter
@@ -89,7 +93,7 @@ class HostLoraCache:
 
     def _background_read(self, key: tuple[str, str]) -> None:
         try:
-            adapter = self._timed_read(key)
+            adapter = self._timed_read(key, self._background)
         except Exception as e:  # the directory changed since it was added: asked again at the next step
             logger.error("LoRA adapter %s: reading %s failed: %s", key[0], key[1], e)
             with self._lock:
@@ -99,9 +103,9 @@ class HostLoraCache:
             self._pending.pop(key, None)
             self._insert(key, adapter)
 
-    def _timed_read(self, key: tuple[str, str]) -> LoraAdapter:
+    def _timed_read(self, key: tuple[str, str], read: Callable[[str, str], LoraAdapter]) -> LoraAdapter:
         start = time.perf_counter()
-        adapter = self._read(*key)
+        adapter = read(*key)
         self.read_seconds += time.perf_counter() - start
         return adapter
 

@@ -9,6 +9,7 @@ forward. On a split engine every rank holds its slice of each adapter's factors 
 the base weights are split, and its own experts under expert parallelism).
 """
 
+import logging
 import time
 
 import torch
@@ -20,9 +21,12 @@ from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.lora.host_cache import HostLoraCache
+from engine.lora import reader_process
 from engine.lora.lora_shard import rank_slice
 from engine.lora.peft_format import LoraAdapter, load_adapter
 from engine.lora.slots import AttentionLora, ExpertSlots, ExpertsLora, LinearSlots, LoraBatch, LoraStep, MlpLora
+
+logger = logging.getLogger(__name__)
 
 
 def whole_expert_size(block: SparseMoeBlock) -> int:
@@ -62,7 +66,11 @@ class LoraAdapters:
                             [(0, module.o_proj.out_features)], dtype, device)
             module.lora = AttentionLora(qkv, o, self.step)
             self.linears[f"{module_name}.qkv_proj"], self.linears[f"{module_name}.o_proj"] = qkv, o
-        self.host = HostLoraCache(max_cpu_loras, self.read)
+        # Background reads in a child process (engine.lora.reader_process: a read on a thread of this process
+        # would hold the GIL the step loop needs); the check at add time and a rare synchronous read stay here.
+        self._reader = reader_process.AdapterReaderProcess() if reader_process.available() else None
+        self.host = HostLoraCache(max_cpu_loras, self.read,
+                                  background_read=self._read_in_child if self._reader is not None else None)
         self.slot_load_seconds = 0.0  # cumulative host time of the slot writes (host-to-device copies)
 
     def _bind_mlp(self, name: str, mlp: GatedMLP, max_loras: int, max_rank: int) -> None:
@@ -88,8 +96,20 @@ class LoraAdapters:
     def read(self, name: str, path: str) -> LoraAdapter:
         """Read and check the adapter at ``path`` (host memory); ValueError (one line) if this engine cannot serve
         it: not a PEFT LoRA directory, a rank above ``max_lora_rank``, or a module without slot tables."""
-        adapter = rank_slice(load_adapter(name, path, self._num_experts, self._hidden_size, self._expert_size),
-                             self._model)  # this rank's slices, under the same names
+        return self._checked(name, load_adapter(name, path, self._num_experts, self._hidden_size, self._expert_size))
+
+    def _read_in_child(self, name: str, path: str) -> LoraAdapter:
+        """``read``, the parse done by the reader process (on a thread here, if that process is gone)."""
+        try:
+            whole = self._reader.read(name, path, self._num_experts, self._hidden_size, self._expert_size)
+        except OSError as e:
+            logger.warning("%s: reading it here instead", e)
+            return self.read(name, path)
+        return self._checked(name, whole)
+
+    def _checked(self, name: str, whole: LoraAdapter) -> LoraAdapter:
+        """This rank's slices of ``whole`` (under the same names), checked against the slot tables."""
+        adapter = rank_slice(whole, self._model)
         if adapter.rank > self.max_rank:
             raise ValueError(f"lora adapter {name}: rank {adapter.rank} > max_lora_rank {self.max_rank}")
         unserved = sorted((set(adapter.linears) - set(self.linears)) | (set(adapter.experts) - set(self.experts)))
@@ -104,6 +124,22 @@ class LoraAdapters:
                     raise ValueError(f"lora adapter {name}: {target} factors {tuple(pair.a.shape)}, "
                                      f"{tuple(pair.b.shape)} do not fit the base model's {hi - lo} x {table.a.shape[2]}")
         return adapter
+
+    @property
+    def reader_pid(self) -> int | None:
+        """The reader process's id while it runs (None if background reads run here or have not started)."""
+        return self._reader.pid if self._reader is not None else None
+
+    def start_reader(self) -> None:
+        """Start the reader process now (its interpreter's start takes seconds) if background reads use one."""
+        if self._reader is not None:
+            self._reader.start()
+
+    def close(self) -> None:
+        """Stop the background reads (and the reader process)."""
+        self.host.close()
+        if self._reader is not None:
+            self._reader.close()
 
     def load_into_slot(self, slot: int, name: str, path: str) -> None:
         """Write adapter ``name`` into ``slot`` of every table (zeros where it adapts nothing): a host-to-device

@@ -3,12 +3,14 @@ the base model, give each request transformers + PEFT's greedy tokens for its ad
 evictions, reads from disk and preemption happen (asserted); adapters added and removed while serving; bad adapters refused
 with one line while the engine keeps serving."""
 
+import os
 import random
 
 import pytest
 import torch
 
 from engine import LLM, RequestPolicy, SamplingParams
+from engine.lora import reader_process
 from tests.hf_models import make_hf_model
 from tests.engine.lora.peft_reference import peft_greedy_tokens
 
@@ -142,7 +144,13 @@ def test_adapters_beyond_slots_match_transformers_peft(overlap, world):
     drain()
     assert outs[rid].token_ids == expected[0]
     engine.scheduler.kv.pool.check_all_free()
+    reader = engine.lora.reader_pid  # more adapters than host copies: reads from disk in a reader process
+    assert reader is not None or not reader_process.available()
     engine.close()
+    assert engine.lora.reader_pid is None
+    if reader is not None:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(reader, os.WNOHANG)  # reaped by close: no longer this process's child
 
 
 def test_max_cpu_loras_default_and_bounds():
