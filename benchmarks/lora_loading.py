@@ -7,8 +7,8 @@ The same workload runs on two engines: "loading" has ``--max-loras`` slots and a
 (``max_cpu_loras``), so every adapter that comes back is read from disk in the background and written into a
 slot between steps; "resident" has a slot for every adapter (nothing is loaded after start). Workload:
 ``--long`` base-model requests decode throughout; every ``--every`` steps a short request arrives under the next
-adapter (cycling). Each step's wall time is recorded; "decode steps" are those without prefill tokens. Reported
-per engine (median over rounds, alternating which runs first): p50 and max decode step, max / p50 (goal: at most
+adapter (cycling). Each step's wall time is recorded; "decode steps" are those without prefill tokens. After one
+unrecorded pass per engine (warm-up), reported per engine (median over rounds, alternating which runs first): p50 and max decode step, max / p50 (goal: at most
 1.5x while adapters are loaded), and the steps that carried a slot write. CPU, float32.
 
 Then, per round, what the long decode steps had in them: max / p50, p50 of the decode steps during which a
@@ -131,6 +131,8 @@ def main() -> None:
 def compare(engines: dict[str, LLM], names: list[str], args) -> None:
     """The rounds, alternating which engine runs first, and the report."""
     results: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    for llm in engines.values():  # warm-up, not recorded: first-touch costs, and the reader process's start
+        run(llm, names, args)
     for r in range(args.rounds):
         order = list(engines)
         for name in (order if r % 2 == 0 else order[::-1]):

@@ -16,7 +16,7 @@ from engine.distributed.ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
-from engine.core.lora_residency import LoraResidency, registration_key
+from engine.core.lora_residency import LoraResidency
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.worker.lora_setup import serve_adapters
 from engine.worker.cpu_allocator import keep_freed_memory
@@ -272,8 +272,7 @@ class LLMEngine:
         residency = self.scheduler.lora
         if not residency.check_new(name, path):
             return
-        adapter = self.lora.read(name, path)  # ValueError naming what is wrong; nothing registered
-        self.lora.host.put(registration_key(name, path), path, adapter)
+        self.lora.hold(name, path)  # ValueError naming what is wrong; nothing registered
         residency.register(name, path)
         if len(residency.names()) > self.lora.host.capacity:  # some will be read from disk again while serving
             self.lora.start_reader()

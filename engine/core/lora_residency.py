@@ -34,6 +34,14 @@ class LoraLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraReads:
+    """Adapters (registration key, directory) whose reads rank 0 began this step, sent to the other ranks so that
+    they read their copies in the background too, ahead of the slot writes (instead of inside that step)."""
+
+    reads: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class LoraLoads:
     """The slot writes of one step, sent to the other ranks on the plans' channel ahead of the step's plan."""
 
@@ -138,9 +146,11 @@ class LoraResidency:
             self.slots.move_to_end(key)
         return slot
 
-    def prefetch(self, key: str) -> None:
-        """A request for ``key`` waits for a slot: start reading its factors into host memory now."""
+    def prefetch(self, key: str) -> tuple[str, str]:
+        """A request for ``key`` waits for a slot: start reading its factors into host memory now. Returns what
+        the other ranks read too (``LoraReads``)."""
         self.host.ready(key, self.paths[key])
+        return key, self.paths[key]
 
     # ---- between steps --------------------------------------------------------
     def plan_loads(self, wanted: list[str], in_use: set[str]) -> list[LoraLoad]:

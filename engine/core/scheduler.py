@@ -112,8 +112,10 @@ class SchedulerOutput:
     # blocks this plan gave them.
     tier_saves: list[tuple[int, bytes, str]] = field(default_factory=list)
     tier_loads: list[tuple[int, bytes, str]] = field(default_factory=list)
-    # LoRA adapters written into device slots before this step's forward (``engine.core.lora_residency``).
+    # LoRA adapters written into device slots before this step's forward (``engine.core.lora_residency``), and
+    # the (key, directory) of adapters rank 0 began reading since the last step (the other ranks read them too).
     lora_loads: list[LoraLoad] = field(default_factory=list)
+    lora_reads: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -166,6 +168,7 @@ class Scheduler:
         # resident wait here, by adapter in the order first asked for, not in the waiting queue.
         self.lora: LoraResidency | None = None
         self._lora_waiting: dict[str, list[Request]] = {}
+        self._lora_reads: list[tuple[str, str]] = []  # reads begun since the last plan (SchedulerOutput.lora_reads)
         self.last_step_ms = 0.0  # host time of the last step's schedule() plus update(), milliseconds
 
     # ---- queue management -------------------------------------------------
@@ -311,7 +314,12 @@ class Scheduler:
             tier_saves=saves,
             tier_loads=loads,
             lora_loads=lora_loads,
+            lora_reads=self._take_lora_reads(),
         )
+
+    def _take_lora_reads(self) -> list[tuple[str, str]]:
+        reads, self._lora_reads = self._lora_reads, []
+        return reads
 
     def _plan_lora_loads(self) -> list[LoraLoad]:
         """Adapters that waiting requests need, written into slots before this step (those whose factors are in
@@ -336,7 +344,7 @@ class Scheduler:
             return False
         self.waiting.remove(request)
         self._lora_waiting.setdefault(name, []).append(request)
-        self.lora.prefetch(name)
+        self._lora_reads.append(self.lora.prefetch(name))
         return True
 
     def _background_allowance(self) -> float:

@@ -54,7 +54,9 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, device)
         runner = build_rank(config, model_config, KernelChoice.resolve(config.kernels, device.type), dtype, device,
                             parts.tp, parts.stage).runner
-        serve_adapters(config, model_config, runner)  # its slices of the adapters' factors (engine.lora.lora_shard)
+        lora = serve_adapters(config, model_config, runner)  # its slices of the factors (engine.lora.lora_shard)
+        for name, path in (config.lora_adapter_paths.items() if lora is not None else ()):
+            lora.hold(name, path)  # host copies as rank 0 holds them once its adapters are added
         runner.tier_mirror = build_rank_mirror(config, runner.kv_caches, device, parts.tp.size)
         while (plan := plans.broadcast_object()) is not None:  # from this replica's engine process
             if plan == STAGE_TIMINGS:  # the engine process asks how each stage spent its time

@@ -16,6 +16,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from engine.lora.peft_format import LoraAdapter
 
 logger = logging.getLogger(__name__)
+# A slot write waits this long for a read of its adapter already in flight before reading the file itself.
+PENDING_READ_WAIT_S = 30.0
 
 
 class HostLoraCache:
@@ -56,8 +58,13 @@ class HostLoraCache:
             return False
 
     def take(self, name: str, path: str) -> LoraAdapter:
-        """The factors, for a slot write: from host memory, or read now if they were evicted meanwhile."""
+        """The factors, for a slot write: from host memory (after the background read of them in flight, if one
+        is: a follower rank's read may start just before its slot write), or read now if they were evicted."""
         key = (name, path)
+        with self._lock:
+            pending = self._pending.get(key)
+        if pending is not None:
+            wait([pending], timeout=PENDING_READ_WAIT_S)
         with self._lock:
             adapter = self._entries.get(key)
             if adapter is not None:

@@ -4,7 +4,8 @@ Every attention block's qkv_proj and o_proj, every dense MLP and shared expert, 
 experts (unquantized) get slot tables at start (slot 0 is the base model, 1..max_loras adapters), so an adapter
 added while serving may adapt any of them. Which adapter sits in which slot is decided by the scheduler
 (``engine.core.lora_residency``); every rank writes the same slot (``load_into_slot``) from its host copy of the
-factors (``engine.lora.host_cache``) between steps. Each step the runner sets the per-token slot layout before the
+factors (``engine.lora.host_cache``) between steps, each rank reading its copy in the background as soon as rank 0
+begins reading its own (``LoraReads``). Each step the runner sets the per-token slot layout before the
 forward. On a split engine every rank holds its slice of each adapter's factors (``engine.lora.lora_shard``: as
 the base weights are split, and its own experts under expert parallelism).
 """
@@ -15,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from engine.core.lora_residency import LoraLoad
+from engine.core.lora_residency import LoraLoad, registration_key
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
@@ -98,6 +99,10 @@ class LoraAdapters:
         it: not a PEFT LoRA directory, a rank above ``max_lora_rank``, or a module without slot tables."""
         return self._checked(name, load_adapter(name, path, self._num_experts, self._hidden_size, self._expert_size))
 
+    def hold(self, name: str, path: str) -> None:
+        """Read and check the adapter (``read``) and keep it in host memory under its registration key."""
+        self.host.put(registration_key(name, path), path, self.read(name, path))
+
     def _read_in_child(self, name: str, path: str) -> LoraAdapter:
         """``read``, the parse done by the reader process (on a thread here, if that process is gone)."""
         try:
@@ -153,6 +158,11 @@ class LoraAdapters:
             del self.slots[other]
         self.slots[name] = slot
 
+    def prefetch(self, reads: tuple[tuple[str, str], ...]) -> None:
+        """Start background reads of (key, directory) pairs rank 0 began reading (a follower's copies)."""
+        for key, path in reads:
+            self.host.ready(key, path)
+
     def apply(self, loads: tuple[LoraLoad, ...] | list[LoraLoad]) -> None:
         """A step's slot writes (the scheduler's decision, the same on every rank)."""
         start = time.perf_counter()
@@ -187,4 +197,6 @@ def serve_adapters(config, model_config, runner) -> LoraAdapters | None:
     lora = LoraAdapters(runner.model, config.max_loras, config.max_lora_rank, config.cpu_loras, num_experts,
                         mc.hidden_size)
     runner.lora, runner.decode_graphs, runner.piecewise_graphs = lora, None, None
+    if len(config.lora_adapter_paths) > config.cpu_loras:  # reads while serving: the reader starts beside the build
+        lora.start_reader()
     return lora

@@ -18,7 +18,7 @@ from engine.worker.step_samples import StepSamples
 from engine.worker.pipeline_step import run_stage
 from engine.sampling.prompt_scoring import prompt_scoring
 from engine.sampling.sampler import Sampler
-from engine.core.lora_residency import LoraLoads
+from engine.core.lora_residency import LoraLoads, LoraReads
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.tier_copies import TierCopies
 
@@ -136,6 +136,8 @@ class ModelRunner:
             self.draft.propose(sched_out)
         # Adapters the scheduler placed in slots, written on every rank before the forward; also with an empty
         # plan (the requests that waited for them may not fit this step), or a later plan would miss them.
+        if sched_out.lora_reads and self.plans.size > 1:
+            self.plans.broadcast_object(LoraReads(tuple(sched_out.lora_reads)))
         if sched_out.lora_loads:
             if self.plans.size > 1:
                 self.plans.broadcast_object(LoraLoads(tuple(sched_out.lora_loads)))
@@ -240,9 +242,12 @@ class ModelRunner:
         is a dummy step (this replica has no work while a peer replica has). A ``Rebalance`` in place of a plan
         moves expert weights between two steps (``engine.eplb``); ``TierCopies`` copy this rank's slices of
         host-tier blocks before the step (``engine.kv_tiers.rank_mirror``); ``LoraLoads`` write LoRA adapters into
-        slots before the step (``engine.core.lora_residency``)."""
+        slots before the step and ``LoraReads`` start reading them into host memory (``engine.core.lora_residency``)."""
         if isinstance(plan, LoraLoads):
             self.lora.apply(plan.loads)
+            return
+        if isinstance(plan, LoraReads):
+            self.lora.prefetch(plan.reads)
             return
         if isinstance(plan, TierCopies):
             self.tier_mirror.apply(plan)

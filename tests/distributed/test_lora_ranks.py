@@ -22,6 +22,8 @@ MODES = {
     "tp": dict(tensor_parallel_size=2),
     "ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
     "ep_gather": dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_dispatch="all_gather"),
+    # One slot and one host copy for three adapters: slot writes, and reads from disk on both ranks while serving
+    "tp_one_slot": dict(tensor_parallel_size=2, max_loras=1),
 }
 
 
@@ -32,7 +34,7 @@ def _generate_each_way(rank: int, world: int, address: str, model_dir: str, path
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     results = {}
     for name, extra in modes.items():
-        llm = LLM(model_dir, lora_adapters=paths, **ENGINE, **extra)
+        llm = LLM(model_dir, lora_adapters=paths, **{**ENGINE, **extra})
         engine = llm.engine
         try:
             ids = [engine.add_request(p, params, policy=RequestPolicy(lora_adapter=a)) for a, p in reqs]
@@ -40,7 +42,9 @@ def _generate_each_way(rank: int, world: int, address: str, model_dir: str, path
             while engine.has_unfinished():
                 for o in engine.step():
                     outs[o.request_id] = o if o.request_id not in outs else outs[o.request_id].merge(o)
-            results[name] = [list(outs[rid].token_ids) for rid in ids]
+            stats = engine.stats()
+            results[name] = ([list(outs[rid].token_ids) for rid in ids],
+                             (stats.lora_slot_evictions, stats.lora_host_misses, stats.lora_sync_reads))
         finally:
             engine.close()
     return results
@@ -73,16 +77,19 @@ def test_split_engines_serve_adapters_as_one_process_and_peft(tmp_path_factory):
         assert any(want != peft_greedy_tokens(ref, None, p, max_new) for (a, p), want in zip(reqs, expected[family]) if a)
         paths = ",".join(f"{name}={model_dir}-{name}" for name in adapters)
         # Each dispatch on one family: all-to-all on Qwen3-MoE, all-gather beside the shared expert and dense layer.
-        modes = {m: extra for m, extra in MODES.items() if m != ("ep" if family == "qwen2_moe" else "ep_gather")}
+        modes = {m: extra for m, extra in MODES.items()
+                 if m not in (("ep", "tp_one_slot") if family == "qwen2_moe" else ("ep_gather",))}
         runs[family] = (model_dir, paths, reqs, max_new, modes)
     results = run_ranks_each(_generate_each_way, 1, runs, timeout_s=360)
     for family in FAMILIES:
         status, value = results[family].get(0, ("missing", None))
         assert status == "ok", f"family={family} seed={seeds[family]}: {value}"
         assert set(value) == set(runs[family][4])
-        for mode in value:
-            assert value[mode] == expected[family], f"{mode} differs from transformers + PEFT " \
-                                                    f"(family={family} seed={seeds[family]})"
+        for mode, (tokens, _) in value.items():
+            assert tokens == expected[family], f"{mode} differs from transformers + PEFT " \
+                                               f"(family={family} seed={seeds[family]})"
+    evictions, misses, sync_reads = results["qwen3_moe"][0][1]["tp_one_slot"][1]
+    assert evictions > 0 and misses > 0 and sync_reads == 0, (evictions, misses, sync_reads)
 
 
 @pytest.mark.parametrize("split, needs", [
