@@ -24,8 +24,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("overlap"))
-    make_hf_model("qwen3_moe", path, seed=random.randrange(2**31), vocab_size=VOCAB)
+    seed = random.randrange(2**31)
+    path = str(tmp_path_factory.mktemp(f"overlap-model-seed{seed}-"))  # the seed in failures that name the path
+    make_hf_model("qwen3_moe", path, seed=seed, vocab_size=VOCAB)
     return path
 
 
@@ -37,6 +38,24 @@ def demo_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("overlap-demo"))
     write_demo_model(path, seed=random.randrange(2**31))
     return path
+
+
+def assert_greedy_equal_up_to_a_near_tie(path: str, prompt: list[int], got: list[int], want: list[int], where: str):
+    """``got`` equals ``want`` (over ``got``'s length), or up to a position where transformers' two most likely
+    tokens are within 1e-4 of each other (a tie that float sums in another order, from another batch
+    composition, may break either way); nothing after that position is compared."""
+    split = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if split is None:
+        assert len(got) <= len(want), where
+        return
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([prompt + want[:split]])).logits[0, -1].double(), dim=-1)
+    gap = abs(logp[got[split]].item() - logp[want[split]].item())
+    assert gap < 1e-4 and logp.topk(2).indices.tolist() in ([got[split], want[split]], [want[split], got[split]]), \
+        f"{where}: token {split} differs ({got[split]} vs {want[split]}), not a near tie (gap {gap:.2e})"
 
 
 def engine(path: str, overlap: bool, **kw) -> LLM:
@@ -173,7 +192,11 @@ def test_aborts_and_preemptions_free_every_block(model_path):
     eng.scheduler.kv.pool.check_all_free()
     for i, e in enumerate(expected):
         got = outputs[str(i)]
-        assert got == (e.token_ids[:len(got)] if str(i) in aborted else e.token_ids), f"seed={seed} request {i}"
+        if str(i) not in aborted:
+            assert len(got) == len(e.token_ids), f"seed={seed} request {i}"
+        # Preemptions fall on other steps than the synchronous run's, so batches (and float sums) differ.
+        assert_greedy_equal_up_to_a_near_tie(model_path, reqs[i][0], got, e.token_ids,
+                                              f"seed={seed} request {i} model {model_path}")
 
 
 def watch_launches(llm: LLM) -> list[tuple[bool, bool]]:
