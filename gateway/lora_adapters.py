@@ -126,13 +126,30 @@ class AdapterCatalog:
         return await self.unload(replicas, keep=held)
 
     async def ensure_loaded(self, replicas, name: str, path: str) -> None:
-        """Have every live replica serve adapter ``name`` (``add_lora`` where it was not given it yet). A replica
-        that cannot is a ValueError with its one line."""
+        """Have every live replica serve adapter ``name`` from ``path`` (``add_lora`` where it was not given it
+        yet). A replica given ``name`` from another directory is given ``path`` instead if the database holds the
+        adapter there now (removed and added again from the command line, not yet forgotten by
+        ``forget_removed``); if the database holds the other directory, this caller's view is the stale one and
+        the replica keeps what it serves. A replica that cannot serve it is a ValueError with its one line."""
         calls = []
+        held: dict[str, str] | None = None  # the database's adapters, read once, only if a replica disagrees
         for _, replica in replicas:
             if replica.dead or replica.info is None:
                 continue
             given = self._given_to(replica)  # a new engine process knows only its configuration
+            other = [key for key, c in given.items()
+                     if key[0] == name and key[1] != path and c.done() and c.exception() is None]
+            if other:
+                if held is None:
+                    held = {a.name: a.path for a in await self.adapters.list()}
+                    self._usable.clear()  # the database changed under every cached view: read it again
+                if held.get(name) != path:
+                    continue
+                logger.info("adapter %r is at %s in the database now: replacing %s on an engine", name, path,
+                            other[0][1])
+                for key in other:
+                    del given[key]
+                await replica.remove_lora(name)
             call = given.get((name, path))
             if call is None or (call.done() and call.exception() is not None):
                 call = given[(name, path)] = asyncio.ensure_future(replica.add_lora(name, path))

@@ -447,3 +447,51 @@ def test_adapter_named_at_engine_start_unloaded_and_loaded_again(served, tmp_pat
         assert status == 200 and body["engines"] == 1, body
         answer = srv.run(complete())
         assert answer.model == "pinned" and _token_ids(answer.choices[0]) == expected, path
+
+
+def test_adapter_moved_in_the_database_is_served_from_its_new_directory(served, tmp_path):
+    """``adapter remove`` and ``adapter add`` of the same name with another directory, from outside the gateway
+    (as the command line does), while an engine still serves the first directory: once the tenant's view holds
+    the new directory, its next request loads it in place of the old one (transformers + PEFT's tokens for the
+    new weights), rather than a 400 until the gateway forgets the removed adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from gateway.lora_adapters import ADAPTERS
+    from tests.engine.lora.peft_reference import peft_greedy_tokens
+
+    srv, clients, _, _ = served
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    _make_adapter(srv.demo, first)
+    _make_adapter(srv.demo, second)
+    rng = random.Random()
+    prompt = [rng.randrange(3, 200) for _ in range(12)]
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32), first,
+                                    adapter_name="first").eval()
+    ref.load_adapter(second, adapter_name="second")
+    want = {d: peft_greedy_tokens(ref, d, prompt, 6) for d in ("first", "second")}
+    assert want["first"] != want["second"]
+    catalog = srv.server.app[ADAPTERS]
+
+    async def complete():
+        answer = await clients["owner"].completions.create(
+            model="moved", prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        return _token_ids(answer.choices[0])
+
+    async def move():
+        await catalog.adapters.add("moved", first, "owner", 4, ["q_proj"])
+        catalog.changed()
+        before = await complete()  # the engine is given the first directory
+        # Moved from outside the gateway, then the tenant's cached view expires (forced here, not waited for):
+        # the gateway's periodic forget_removed has not seen the removal.
+        await catalog.adapters.remove("moved")
+        await catalog.adapters.add("moved", second, "owner", 4, ["q_proj"])
+        catalog.changed()
+        return before, await complete()
+    try:
+        before, after = srv.run(move())
+        assert before == want["first"] and after == want["second"]
+        assert srv.run(complete()) == want["second"]
+    finally:
+        srv.run(catalog.adapters.remove("moved"))
