@@ -76,11 +76,11 @@ MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread; past this the ti
 def _shared_memory_bytes(block_m: int, cfg: GemmConfig, weight_tiles: int, elem_bytes: int,
                          quantization: str | None = None) -> int:
     # Pipelined operand tiles: one activation tile plus 1 (w2) or 2 (w13: gate and up) weight tiles per stage.
-    # MXFP4 pipelines the packed bytes and scales, then stages the decoded tiles once for the dot.
+    # MXFP4 weight tiles as their packed bytes and scales: above what Triton compiles for sm_90 (w13, BLOCK_M 16,
+    # BLOCK_N 128, BLOCK_K 256, 3 stages: 82944 bytes, estimated 129024), so no config that fits is left out.
     tile = weight_tiles * cfg.BLOCK_N * cfg.BLOCK_K
     if quantization == "mxfp4":
-        return int(cfg.num_stages * (block_m * cfg.BLOCK_K * elem_bytes + tile * MXFP4_BYTES_PER_VALUE)
-                   + tile * elem_bytes)
+        return int(cfg.num_stages * (block_m * cfg.BLOCK_K * elem_bytes + tile * MXFP4_BYTES_PER_VALUE))
     return cfg.num_stages * (block_m * cfg.BLOCK_K + tile) * elem_bytes
 
 
