@@ -1,6 +1,7 @@
 """Search launch configs for one MoE layer shape and write them as JSON: ``python -m benchmarks.tune_moe``.
 
     python -m benchmarks.tune_moe --E 8 --H 4096 --I 14336 --dtype bfloat16 [--topk 2] [--tokens 1,16,...]
+    python -m benchmarks.tune_moe --E 32 --topk 4 --H 2880 --I 2880 --quantization mxfp4   # gpt-oss-20b
 
 For each token count it times, on random routing, every row tile (BLOCK_M,
 sorted or not) with the best tile of each GEMM for that BLOCK_M, and keeps
@@ -11,6 +12,11 @@ minutes rather than an hour of serial compiles. The file is keyed by
 (E, N=2I, K=H, dtype, device name) and lands in ``--out`` (default: the
 package's ``configs/``, where ``launch_config`` looks first after
 ``$MOEGATE_MOE_CONFIG_DIR``).
+
+``--quantization mxfp4`` tunes MXFP4 experts (``moe_kernels.mxfp4``: random
+packed bytes and e8m0 scales; activations stay ``--dtype``): every BLOCK_K a
+multiple of the 32-value scale group, and the file keyed by the quantization
+too, the name ``launch_config`` looks up for such weights before the dtype's.
 
 Timings mean something only on the GPU the file is named after. Without CUDA
 it refuses, unless TRITON_INTERPRET=1 is set, tiny shapes are given and
@@ -33,9 +39,14 @@ import torch
 from moe_kernels.align import flat_ids
 from moe_kernels.timing import capture_graph, median_ms
 from moe_kernels.launch_config import CONFIG_DIR, ENV_CONFIG_DIR, GemmConfig, LaunchConfig, config_file_name, device_name
+from moe_kernels.mxfp4 import VALUES_PER_SCALE
 from moe_kernels.routing import route
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("mxfp4",)  # the quantizations with config files of their own (launch_config.quantization_name)
+# Bytes a weight value takes in memory and in pipelined shared-memory tiles: MXFP4's half byte plus its scale byte
+# per 32 values.
+MXFP4_BYTES_PER_VALUE = 0.5 + 1 / VALUES_PER_SCALE
 GPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 INTERPRETER_TOKENS = (1, 16, 64)
 INTERPRETER_MAX_DIM = 128  # H and I under the interpreter: it runs every program in Python
@@ -62,20 +73,34 @@ GEMV_MAX_PARTIALS = 64  # float32 partial sums per thread in a matrix-vector pro
 MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread; past this the tile spills registers
 
 
-def _shared_memory_bytes(block_m: int, cfg: GemmConfig, weight_tiles: int, elem_bytes: int) -> int:
+def _shared_memory_bytes(block_m: int, cfg: GemmConfig, weight_tiles: int, elem_bytes: int,
+                         quantization: str | None = None) -> int:
     # Pipelined operand tiles: one activation tile plus 1 (w2) or 2 (w13: gate and up) weight tiles per stage.
-    return cfg.num_stages * (block_m * cfg.BLOCK_K + weight_tiles * cfg.BLOCK_N * cfg.BLOCK_K) * elem_bytes
+    # MXFP4 weight tiles as their packed bytes and scales: above what Triton compiles for sm_90 (w13, BLOCK_M 16,
+    # BLOCK_N 128, BLOCK_K 256, 3 stages: 82944 bytes, estimated 129024), so no config that fits is left out.
+    tile = weight_tiles * cfg.BLOCK_N * cfg.BLOCK_K
+    if quantization == "mxfp4":
+        return int(cfg.num_stages * (block_m * cfg.BLOCK_K * elem_bytes + tile * MXFP4_BYTES_PER_VALUE))
+    return cfg.num_stages * (block_m * cfg.BLOCK_K + tile) * elem_bytes
 
 
-def gemm_candidates(space: dict, block_m: int, weight_tiles: int, elem_bytes: int, smem_limit: int) -> list[GemmConfig]:
-    """Every GEMM config of ``space`` whose operand tiles fit in shared memory and accumulators in registers."""
+def _fits_weights(cfg: GemmConfig, quantization: str | None) -> bool:
+    # MXFP4 tiles hold whole scale groups (triton_backend refuses any other BLOCK_K).
+    return quantization != "mxfp4" or cfg.BLOCK_K % VALUES_PER_SCALE == 0
+
+
+def gemm_candidates(space: dict, block_m: int, weight_tiles: int, elem_bytes: int, smem_limit: int,
+                    quantization: str | None = None) -> list[GemmConfig]:
+    """Every GEMM config of ``space`` the weights allow whose operand tiles fit in shared memory and accumulators
+    in registers."""
     out = []
     for bn, bk, group_m, warps, stages in itertools.product(
         space["BLOCK_N"], space["BLOCK_K"], space["GROUP_M"], space["num_warps"], space["num_stages"]
     ):
         cfg = GemmConfig(bn, bk, group_m, warps, stages)
         acc_per_thread = block_m * bn * weight_tiles // (warps * 32)
-        if _shared_memory_bytes(block_m, cfg, weight_tiles, elem_bytes) <= smem_limit and acc_per_thread <= MAX_ACC_PER_THREAD:
+        smem = _shared_memory_bytes(block_m, cfg, weight_tiles, elem_bytes, quantization)
+        if smem <= smem_limit and acc_per_thread <= MAX_ACC_PER_THREAD and _fits_weights(cfg, quantization):
             out.append(cfg)
     return out
 
@@ -86,7 +111,8 @@ def space_for(spaces: tuple, num_tokens: int) -> dict:
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One tuning problem: a layer shape, a dtype and a token count."""
+    """One tuning problem: a layer shape, a dtype, the experts' quantization (None: weights in ``dtype``) and a
+    token count."""
 
     num_tokens: int
     E: int
@@ -94,6 +120,7 @@ class Problem:
     H: int
     I: int  # noqa: E741 (the legend's letter)
     dtype: str
+    quantization: str | None = None
 
 
 def row_tilings(problem: Problem, space: dict) -> list[tuple[str, int]]:
@@ -111,12 +138,13 @@ def launch_config(mode: str, block_m: int, w13: GemmConfig, w2: GemmConfig) -> L
     return LaunchConfig(mode == "sorted", block_m, w13, w2, gemv=mode == "gemv")
 
 
-def _gemv_candidates(space: dict, weight_tiles: int) -> list[GemmConfig]:
+def _gemv_candidates(space: dict, weight_tiles: int, quantization: str | None = None) -> list[GemmConfig]:
     out = []
     for bn, bk, warps, stages in itertools.product(space["BLOCK_N"], space["BLOCK_K"], space["num_warps"],
                                                    space["num_stages"]):
-        if bn * bk * weight_tiles // (warps * 32) <= GEMV_MAX_PARTIALS:
-            out.append(GemmConfig(bn, bk, 1, warps, stages))
+        cfg = GemmConfig(bn, bk, 1, warps, stages)
+        if bn * bk * weight_tiles // (warps * 32) <= GEMV_MAX_PARTIALS and _fits_weights(cfg, quantization):
+            out.append(cfg)
     return out
 
 
@@ -125,15 +153,28 @@ def candidates(problem: Problem, spaces: tuple, smem_limit: int) -> list[tuple[s
     space = space_for(spaces, problem.num_tokens)
     gemv_space = INTERPRETER_GEMV_SPACE if spaces is INTERPRETER_SPACES else GPU_GEMV_SPACE
     elem = torch.empty(0, dtype=DTYPES[problem.dtype]).element_size()
+    quant = problem.quantization
     out = []
     for mode, block_m in row_tilings(problem, space):
         if mode == "gemv":
-            out += [(mode, block_m, "w13", c) for c in _gemv_candidates(gemv_space, 2)]
-            out += [(mode, block_m, "w2", c) for c in _gemv_candidates(gemv_space, 1)]
+            out += [(mode, block_m, "w13", c) for c in _gemv_candidates(gemv_space, 2, quant)]
+            out += [(mode, block_m, "w2", c) for c in _gemv_candidates(gemv_space, 1, quant)]
             continue
-        out += [(mode, block_m, "w13", c) for c in gemm_candidates(space, block_m, 2, elem, smem_limit)]
-        out += [(mode, block_m, "w2", c) for c in gemm_candidates(space, block_m, 1, elem, smem_limit)]
+        out += [(mode, block_m, "w13", c) for c in gemm_candidates(space, block_m, 2, elem, smem_limit, quant)]
+        out += [(mode, block_m, "w2", c) for c in gemm_candidates(space, block_m, 1, elem, smem_limit, quant)]
     return out
+
+
+def _mxfp4_weight(n: int, k: int, problem: Problem, device: torch.device,
+                  gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed uint8 [E, n, k/2] and scales uint8 [E, n, k/32]: random bytes (every e2m1 code), random scales
+    2**-9 .. 2**-1 (finite outputs, as trained experts have); ``gen`` None leaves both uninitialized."""
+    packed, scales = (problem.E, n, k // 2), (problem.E, n, k // VALUES_PER_SCALE)
+    if gen is None:
+        return (torch.empty(packed, device=device, dtype=torch.uint8),
+                torch.empty(scales, device=device, dtype=torch.uint8))
+    return (torch.randint(0, 256, packed, device=device, dtype=torch.uint8, generator=gen),
+            torch.randint(118, 127, scales, device=device, dtype=torch.uint8, generator=gen))
 
 
 def _tensors(problem: Problem, device: torch.device, random_weights: bool = True) -> dict:
@@ -146,14 +187,19 @@ def _tensors(problem: Problem, device: torch.device, random_weights: bool = True
     dtype = DTYPES[problem.dtype]
     gen = torch.Generator(device=device).manual_seed(T)
     x = torch.randn(T, H, device=device, dtype=dtype, generator=gen)  # [T, H]
-    if random_weights:
+    w13_scale = w2_scale = None
+    if problem.quantization == "mxfp4":  # packed [E, 2I, H/2] and [E, H, I/2], scales [E, 2I, H/32] and [E, H, I/32]
+        w13, w13_scale = _mxfp4_weight(2 * I, H, problem, device, gen if random_weights else None)
+        w2, w2_scale = _mxfp4_weight(H, I, problem, device, gen if random_weights else None)
+    elif random_weights:
         w13 = torch.randn(E, 2 * I, H, device=device, dtype=dtype, generator=gen) / H**0.5  # [E, 2I, H]
         w2 = torch.randn(E, H, I, device=device, dtype=dtype, generator=gen) / I**0.5  # [E, H, I]
     else:
         w13 = torch.empty(E, 2 * I, H, device=device, dtype=dtype)
         w2 = torch.empty(E, H, I, device=device, dtype=dtype)
     topk_weights, topk_ids = route(torch.randn(T, E, device=device, generator=gen), k, renormalize=True)
-    return dict(x=x, w13=w13, w2=w2, topk_ids=topk_ids, slot_weights=topk_weights.reshape(-1).contiguous(),  # [S]
+    return dict(x=x, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, topk_ids=topk_ids,
+                slot_weights=topk_weights.reshape(-1).contiguous(),  # [S]
                 inter=torch.empty(T * k, I, device=device, dtype=dtype),  # [S, I]
                 slot_out=torch.empty(T * k, H, device=device, dtype=dtype),  # [S, H]
                 out=torch.empty(T, H, device=device, dtype=dtype))  # [T, H]
@@ -166,13 +212,16 @@ def _launcher(problem: Problem, t: dict, mode: str, block_m: int, which: str):
     if mode == "gemv":
         ids = flat_ids(t["topk_ids"])
         if which == "w13":
-            return lambda cfg: invoke_w13_gemv(t["x"], t["w13"], ids, t["inter"], problem.k, cfg)
-        return lambda cfg: invoke_w2_gemv(t["inter"], t["w2"], ids, t["slot_weights"], t["out"], problem.k, cfg)
+            return lambda cfg: invoke_w13_gemv(t["x"], t["w13"], ids, t["inter"], problem.k, cfg,
+                                               scale=t["w13_scale"])
+        return lambda cfg: invoke_w2_gemv(t["inter"], t["w2"], ids, t["slot_weights"], t["out"], problem.k, cfg,
+                                          scale=t["w2_scale"])
     placeholder = launch_config(mode, block_m, GemmConfig(16, 16), GemmConfig(16, 16))
     blocks = slot_blocks(t["topk_ids"], problem.E, placeholder)
     if which == "w13":
-        return lambda cfg: invoke_w13(t["x"], t["w13"], t["inter"], blocks, problem.k, cfg)
-    return lambda cfg: invoke_w2(t["inter"], t["w2"], t["slot_weights"], t["slot_out"], blocks, cfg)
+        return lambda cfg: invoke_w13(t["x"], t["w13"], t["inter"], blocks, problem.k, cfg, scale=t["w13_scale"])
+    return lambda cfg: invoke_w2(t["inter"], t["w2"], t["slot_weights"], t["slot_out"], blocks, cfg,
+                                 scale=t["w2_scale"])
 
 
 def _compile_chunk(job: tuple[Problem, list[tuple[bool, int, str, dict]]]) -> int:
@@ -288,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--E", type=int, required=True, help="experts")
     parser.add_argument("--H", type=int, required=True, help="hidden size")
     parser.add_argument("--I", type=int, required=True, help="expert intermediate size")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="activation dtype (and the "
+                        "weights', without --quantization)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, help="expert weight format (as the engine's "
+                        "--quantization); default: weights in --dtype")
     parser.add_argument("--topk", type=int, default=2, help="experts per token in the random routing (default 2)")
     parser.add_argument("--tokens", help="comma-separated token counts (default: a dense ladder 1..16384)")
     parser.add_argument("--reps", type=int, default=10)
@@ -299,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.E, args.H, args.I, args.topk, args.reps, args.jobs) < 1 or args.topk > args.E:
         parser.error("E, H, I, topk, reps, jobs must be positive and topk <= E")
+    if args.quantization == "mxfp4" and (args.H % VALUES_PER_SCALE or args.I % VALUES_PER_SCALE):
+        parser.error(f"MXFP4 needs H and I multiples of {VALUES_PER_SCALE}, got H={args.H} I={args.I}")
     try:
         tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None
     except ValueError:
@@ -323,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
 
     name = device_name(device)
     out_dir = Path(args.out or os.environ.get(ENV_CONFIG_DIR) or CONFIG_DIR)
-    problems = [Problem(t, args.E, args.topk, args.H, args.I, args.dtype) for t in tokens]
+    problems = [Problem(t, args.E, args.topk, args.H, args.I, args.dtype, args.quantization) for t in tokens]
     if not interpreting and args.jobs > 1:
         precompile(problems, spaces, smem_limit, args.jobs)
     configs = {}
@@ -337,12 +391,13 @@ def main(argv: list[str] | None = None) -> int:
 
     data = {
         "comment": f"written by benchmarks.tune_moe with topk={args.topk}, reps={args.reps}",
-        "E": args.E, "N": 2 * args.I, "K": args.H, "dtype": args.dtype, "device": name,
+        "E": args.E, "N": 2 * args.I, "K": args.H, "dtype": args.dtype,
+        **({"quantization": args.quantization} if args.quantization else {}), "device": name,
         "triton": triton.__version__, "torch": torch.__version__,
         "configs": configs,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / config_file_name(args.E, 2 * args.I, args.H, args.dtype, name)
+    path = out_dir / config_file_name(args.E, 2 * args.I, args.H, args.dtype, name, args.quantization)
     if path.is_file():  # re-tuning some token counts keeps the others
         kept = json.loads(path.read_text()).get("configs", {})
         data["configs"] = {t: c for t, c in sorted({**kept, **configs}.items(), key=lambda item: int(item[0]))}

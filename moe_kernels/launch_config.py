@@ -1,14 +1,18 @@
 """Launch parameters of the Triton MoE kernels, looked up from JSON data.
 
 A file covers one layer shape on one device: ``E`` experts, the first GEMM's
-``N`` (= 2I, rows of w13) and ``K`` (= H), a dtype and a device name. Inside,
-entries are keyed by token count; a call takes the entry nearest to its own
-token count. Lookup order, first hit wins:
+``N`` (= 2I, rows of w13) and ``K`` (= H), a dtype (the activations'), for
+quantized weights with their own tuned files a quantization (only ``mxfp4``:
+its tiles decode in registers, so its best tiles are not bf16's) and a device
+name. Inside, entries are keyed by token count; a call takes the entry nearest
+to its own token count. Lookup order, first hit wins:
 
-1. ``$MOEGATE_MOE_CONFIG_DIR/<exact name>`` (where ``benchmarks.tune_moe`` output
+1. with a quantization, ``$MOEGATE_MOE_CONFIG_DIR`` then ``moe_kernels/configs/``
+   for the exact name with the quantization in it,
+2. ``$MOEGATE_MOE_CONFIG_DIR/<exact name>`` (where ``benchmarks.tune_moe`` output
    can live outside the package),
-2. ``moe_kernels/configs/<exact name>`` (shipped, tuned files),
-3. ``moe_kernels/configs/default,dtype=<dtype>.json``, then ``default.json``.
+3. ``moe_kernels/configs/<exact name>`` (shipped, tuned files),
+4. ``moe_kernels/configs/default,dtype=<dtype>.json``, then ``default.json``.
 """
 
 import dataclasses
@@ -90,11 +94,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def config_file_name(num_experts: int, n: int, k: int, dtype: torch.dtype | str, device: str) -> str:
-    """File name for (E, N=2I, K=H, dtype, device); spaces and slashes become underscores."""
+def quantization_name(weight_dtype: torch.dtype) -> str | None:
+    """The quantization that keys its own config files for expert weights of this dtype: "mxfp4" for packed uint8
+    (MXFP4) weights, None otherwise (8-bit weights take the activation dtype's files, as float weights do)."""
+    return "mxfp4" if weight_dtype == torch.uint8 else None
+
+
+def config_file_name(num_experts: int, n: int, k: int, dtype: torch.dtype | str, device: str,
+                     quantization: str | None = None) -> str:
+    """File name for (E, N=2I, K=H, dtype, quantization, device); spaces and slashes become underscores."""
     dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
     safe_device = device.replace(" ", "_").replace("/", "_")
-    return f"E={num_experts},N={n},K={k},dtype={dtype},device={safe_device}.json"
+    quant = f",quantization={quantization}" if quantization else ""
+    return f"E={num_experts},N={n},K={k},dtype={dtype}{quant},device={safe_device}.json"
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,33 +130,39 @@ def nearest_entry(configs: dict[int, LaunchConfig], num_tokens: int) -> LaunchCo
 
 
 @functools.lru_cache(maxsize=256)
-def _find_file(num_experts: int, n: int, k: int, dtype: str, device: str, env_dir: str | None) -> str:
-    exact = config_file_name(num_experts, n, k, dtype, device)
-    candidates = [Path(env_dir) / exact] if env_dir else []
-    candidates += [CONFIG_DIR / exact, CONFIG_DIR / f"default,dtype={dtype}.json", CONFIG_DIR / "default.json"]
+def _find_file(num_experts: int, n: int, k: int, dtype: str, device: str, env_dir: str | None,
+               quantization: str | None) -> str:
+    # A quantization's own files first; without one, the dtype's tuned files beat the defaults.
+    names = [config_file_name(num_experts, n, k, dtype, device, q) for q in dict.fromkeys((quantization, None))]
+    candidates = [folder / name for name in names for folder in ([Path(env_dir)] if env_dir else []) + [CONFIG_DIR]]
+    candidates += [CONFIG_DIR / f"default,dtype={dtype}.json", CONFIG_DIR / "default.json"]
     for path in candidates:
         if path.is_file():
             return str(path)
     raise FileNotFoundError(f"no launch config among {[str(p) for p in candidates]}")
 
 
-def config_path(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str) -> str:
+def config_path(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str,
+                quantization: str | None = None) -> str:
     """The file ``get_launch_config`` reads for this key (exact match, else a default)."""
-    return _find_file(num_experts, n, k, dtype_name(dtype), device, os.environ.get(ENV_CONFIG_DIR) or None)
+    return _find_file(num_experts, n, k, dtype_name(dtype), device, os.environ.get(ENV_CONFIG_DIR) or None,
+                      quantization)
 
 
-def get_launch_config(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str, num_tokens: int) -> LaunchConfig:
+def get_launch_config(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str, num_tokens: int,
+                      quantization: str | None = None) -> LaunchConfig:
     """Launch parameters for a call with ``num_tokens`` tokens on a layer of this shape.
 
     Args:
         num_experts: E.
         n: rows of each expert's w13, 2I.
         k: hidden size H.
-        dtype: activation / weight dtype.
+        dtype: activation dtype (and the weights', unless quantized).
         device: ``device_name(x.device)``.
         num_tokens: T of this call.
+        quantization: ``quantization_name(w13.dtype)``: files tuned for those weights first, then the dtype's.
     """
-    return nearest_entry(load_config_file(config_path(num_experts, n, k, dtype, device)), num_tokens)
+    return nearest_entry(load_config_file(config_path(num_experts, n, k, dtype, device, quantization)), num_tokens)
 
 
 def with_min_block_k(config: LaunchConfig, block_k: int) -> LaunchConfig:

@@ -44,7 +44,9 @@ from moe_kernels.activation_triton import gated_act
 from moe_kernels.scales_triton import scale_cols
 from moe_kernels.mxfp4_triton import mxfp4_tile
 from moe_kernels.align import SlotBlocks, align_slots, flat_ids, unsorted_slots
-from moe_kernels.launch_config import GemmConfig, LaunchConfig, device_name, get_launch_config, with_min_block_k
+from moe_kernels.launch_config import (
+    GemmConfig, LaunchConfig, device_name, get_launch_config, quantization_name, with_min_block_k,
+)
 from moe_kernels.mxfp4 import VALUES_PER_SCALE
 from moe_kernels.quant import FP8_DTYPE
 
@@ -397,10 +399,11 @@ def slot_blocks(topk_ids: torch.Tensor, num_experts: int, cfg: LaunchConfig) -> 
 
 @functools.lru_cache(maxsize=1024)
 def _cached_config(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str, num_tokens: int,
-                   mxfp4: bool = False) -> LaunchConfig:
-    config = get_launch_config(num_experts, n, k, dtype, device, num_tokens)
-    # MXFP4 tiles hold whole scale groups along K (the shipped and tuned configs have BLOCK_K >= 32 already).
-    return with_min_block_k(config, VALUES_PER_SCALE) if mxfp4 else config
+                   quantization: str | None = None) -> LaunchConfig:
+    config = get_launch_config(num_experts, n, k, dtype, device, num_tokens, quantization)
+    # MXFP4 tiles hold whole scale groups along K (the shipped and tuned configs have BLOCK_K >= 32 already; a
+    # dtype's file it falls back to may not).
+    return with_min_block_k(config, VALUES_PER_SCALE) if quantization == "mxfp4" else config
 
 
 @functools.lru_cache(maxsize=16)
@@ -468,7 +471,7 @@ def fused_moe_triton(
     num_slots = num_tokens * top_k
     if config is None:
         config = _cached_config(num_experts, two_inter, hidden, x.dtype, _device_name(x.device), num_tokens,
-                                w13.dtype == torch.uint8)
+                                quantization_name(w13.dtype))
 
     if inter is None:
         inter = torch.empty(num_slots, two_inter // 2, dtype=x.dtype, device=x.device)  # [S, I]

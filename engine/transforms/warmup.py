@@ -16,7 +16,7 @@ import torch
 
 import moe_kernels
 from engine.layers.moe import SparseMoeBlock
-from moe_kernels.launch_config import config_path, device_name, load_config_file
+from moe_kernels.launch_config import config_path, device_name, load_config_file, quantization_name
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,10 @@ def warm_up_moe(model: torch.nn.Module, max_tokens: int, device: torch.device, d
             # The kernels specialize on the activation and on biases too: warm the variant the layer runs.
             shapes.setdefault((tuple(w13.shape), block.top_k, block.activation, w13.dtype), block)
     calls = 0
-    for (w13_shape, top_k, _, _), block in shapes.items():
+    for (w13_shape, top_k, _, w13_dtype), block in shapes.items():
         num_experts, two_inter, hidden = w13_shape
         hidden = block.experts.w2.shape[1]  # H: w13's last dim is H/2 bytes when MXFP4
-        path = config_path(num_experts, two_inter, hidden, dtype, device_name(device))
+        path = config_path(num_experts, two_inter, hidden, dtype, device_name(device), quantization_name(w13_dtype))
         for num_tokens in warmup_token_counts(list(load_config_file(path)), max_tokens):
             x = torch.randn(num_tokens, hidden, device=device, dtype=dtype)  # [T, H]
             logits = torch.randn(num_tokens, num_experts, device=device)  # [T, E]

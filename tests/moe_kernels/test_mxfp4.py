@@ -18,7 +18,10 @@ import triton
 import triton.language as tl
 
 import moe_kernels
-from moe_kernels.launch_config import ENV_CONFIG_DIR, config_file_name, device_name
+from moe_kernels import triton_backend
+from moe_kernels.launch_config import (
+    ENV_CONFIG_DIR, config_file_name, device_name, get_launch_config, quantization_name,
+)
 from moe_kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from moe_kernels.mxfp4_triton import mxfp4_tile
 from moe_kernels.quant import QuantScheme, dequantize
@@ -212,3 +215,45 @@ def test_mxfp4_block_k_whole_scale_groups(tmp_path, monkeypatch, seed):
     out = fused_moe_triton(*on, **scales)
     ref = moe_float64_loop(x, decode64(q13, s13), decode64(q2, s2), topk_weights, ids)
     assert rel_err(out.cpu(), ref) <= 1e-5, f"seed {seed}: relative error {rel_err(out.cpu(), ref)}"
+
+
+def test_mxfp4_weights_launch_with_their_own_config_file(tmp_path, monkeypatch, seed):
+    """A file under the MXFP4 name in $MOEGATE_MOE_CONFIG_DIR (where ``benchmarks.tune_moe --quantization mxfp4``
+    writes) is the config ``fused_moe_triton`` launches MXFP4 weights with, beside a file for the same shape in the
+    activation dtype, which float weights keep; without an MXFP4 file, MXFP4 weights fall back to the dtype's."""
+    if "triton" not in moe_kernels.available_backends():
+        pytest.skip("triton needs CUDA or TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(seed)
+    T, E, k, H, I = 2, 5, 2, 64, 32  # noqa: E741, N806 (a shape no other test looks up)
+    device = device_name(DEVICE)
+    mine, theirs = cfg(True, block_n=16, block_k=64), cfg(True, block_n=32, block_k=32)
+    assert quantization_name(torch.uint8) == "mxfp4" and quantization_name(torch.float32) is None
+    assert quantization_name(torch.int8) is None  # 8-bit weights keep the dtype's files
+    both, dtype_only = tmp_path / "both", tmp_path / "dtype_only"
+    for folder in (both, dtype_only):
+        folder.mkdir()
+        (folder / config_file_name(E, 2 * I, H, torch.float32, device)).write_text(
+            json.dumps({"configs": {"1": theirs.to_dict()}}))
+    mxfp4_file = both / config_file_name(E, 2 * I, H, torch.float32, device, "mxfp4")
+    assert mxfp4_file.name == f"E={E},N={2 * I},K={H},dtype=float32,quantization=mxfp4,device={device}.json"
+    mxfp4_file.write_text(json.dumps({"configs": {"1": mine.to_dict()}}))
+
+    monkeypatch.setenv(ENV_CONFIG_DIR, str(both))
+    assert get_launch_config(E, 2 * I, H, torch.float32, device, T, "mxfp4") == mine
+    assert get_launch_config(E, 2 * I, H, torch.float32, device, T) == theirs
+    launched = []
+    for name in ("invoke_w13", "invoke_w2"):  # record the GemmConfig (argument 5 of both) each kernel launches with
+        real = getattr(triton_backend, name)
+        monkeypatch.setattr(triton_backend, name, lambda *a, _f=real, **kw: launched.append(a[5]) or _f(*a, **kw))
+    (q13, s13), (q2, s2) = random_mxfp4(gen, E, 2 * I, H), random_mxfp4(gen, E, H, I)
+    x = torch.randn(T, H, generator=gen)
+    topk_weights, ids = moe_kernels.route(torch.randn(T, E, generator=gen), k, renormalize=True)
+    triton_backend._cached_config.cache_clear()  # keyed by shape, not by folder
+    out = fused_moe_triton(*[t.to(DEVICE) for t in (x, q13, q2, topk_weights, ids)], w13_scale=s13.to(DEVICE),
+                           w2_scale=s2.to(DEVICE))
+    assert launched == [mine.w13, mine.w2]
+    ref = moe_float64_loop(x, decode64(q13, s13), decode64(q2, s2), topk_weights, ids)
+    assert rel_err(out.cpu(), ref) <= 1e-5, f"seed {seed}: relative error {rel_err(out.cpu(), ref)}"
+
+    monkeypatch.setenv(ENV_CONFIG_DIR, str(dtype_only))
+    assert get_launch_config(E, 2 * I, H, torch.float32, device, T, "mxfp4") == theirs
