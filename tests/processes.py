@@ -29,18 +29,20 @@ def is_running(pid: int) -> bool:
         return False
 
 
+def forked_pids(pid: int) -> list[int]:
+    """The processes ``pid``'s forkserver forked (``engine.serving.process_start``: the children of its child that
+    runs ``multiprocessing.forkserver``), oldest first; not the forkserver itself."""
+    return sorted(p for server in child_pids(pid, "multiprocessing.forkserver") for p in child_pids(server))
+
+
 def engine_pids(pid: int) -> list[int]:
-    """The engine processes ``pid`` (a gateway, an engine server) started, oldest first: forked by its forkserver
-    (``engine.serving.process_start``: children of its child that runs ``multiprocessing.forkserver``), or spawned
-    (``MOEGATE_PROCESS_START=spawn``: its children that run ``spawn_main``). Not multiprocessing's resource
-    tracker, nor the forkserver itself."""
-    pids = child_pids(pid, "spawn_main")
-    for server in child_pids(pid, "multiprocessing.forkserver"):
-        pids += child_pids(server)
-    return sorted(pids)
+    """The engine processes ``pid`` (a gateway, an engine server) started, oldest first: forked by its forkserver,
+    or spawned (``MOEGATE_PROCESS_START=spawn``: its children that run ``spawn_main``). Not multiprocessing's
+    resource tracker, nor the forkserver itself."""
+    return sorted(child_pids(pid, "spawn_main") + forked_pids(pid))
 
 
 def rank_pids(pid: int) -> list[int]:
     """The follower ranks an engine process (or a process running ``engine.LLM``) ``pid`` started on this node:
-    the children of its forkserver (``engine.distributed.follower.start_follower``)."""
-    return sorted(p for server in child_pids(pid, "multiprocessing.forkserver") for p in child_pids(server))
+    the processes its forkserver forked (``engine.distributed.ranks.EngineRanks``)."""
+    return forked_pids(pid)

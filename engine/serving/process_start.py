@@ -1,19 +1,20 @@
-"""How moegate starts an engine process: forked from a server process that imported torch and the engine once.
+"""How moegate starts engine processes and follower ranks: forked from a server that imported torch and the engine once.
 
 A fresh interpreter spends 3-4 s of CPU importing torch, transformers, Triton and the engine before an engine
-process does anything of its own; a gateway starts one per replica, again after every crash, and an engine
-server one per gateway. Python's multiprocessing forkserver imports ``PRELOAD`` once, in a server process of
-its own started at the first engine start, and forks each engine process from it. The server only imports:
+process or a rank does anything of its own; a gateway starts one engine process per replica, again after every
+crash, an engine server one per gateway, and an engine split over ranks one process per follower rank on its
+node (``engine.distributed.ranks``). Python's multiprocessing forkserver imports ``PRELOAD`` once, in a server
+process of its own started at the first start, and forks each process from it. The server only imports:
 nothing in ``PRELOAD`` computes, starts a thread pool or touches a GPU (CUDA is initialised lazily, in the
-engine process, after its ``CUDA_VISIBLE_DEVICES`` is set), so a forked process starts as clean as a spawned
+started process, after its ``CUDA_VISIBLE_DEVICES`` is set), so a forked process starts as clean as a spawned
 one, in a few milliseconds.
 
 What a forked process does not get from the server is the starting process's environment at the moment of the
 start (the server has its own, from when it started): ``start_process`` passes it, with the overrides, and the
 new process takes it before anything else runs. Variables read at import time (``TRITON_INTERPRET``, which
-decides whether Triton kernels are compiled or interpreted) are the ones set when the first engine started.
+decides whether Triton kernels are compiled or interpreted) are the ones set when the first process started.
 
-``MOEGATE_PROCESS_START=spawn`` starts every engine process in a fresh interpreter instead.
+``MOEGATE_PROCESS_START=spawn`` starts every process in a fresh interpreter instead.
 """
 
 import importlib
@@ -30,7 +31,7 @@ PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process", "engin
 
 
 def process_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context engine processes start from (``MOEGATE_PROCESS_START``, default forkserver)."""
+    """The multiprocessing context processes start from (``MOEGATE_PROCESS_START``, default forkserver)."""
     method = os.environ.get(START_METHOD_ENV) or "forkserver"
     if method not in START_METHODS:
         raise ValueError(f"{START_METHOD_ENV} must be one of {', '.join(START_METHODS)}, got {method!r}")

@@ -1,18 +1,26 @@
-"""Run a function on N gloo ranks in fresh processes (one torch thread each), with a hard time limit; or several
-runs of it (one per family, say) in one set of processes, so that their start-up is paid once.
+"""Run a function on N gloo ranks in processes of their own (one torch thread each), with a hard time limit; or
+several runs of it (one per family, say) in one set of processes, so that their start-up is paid once.
 
-The processes are forked from a forkserver that imported torch, transformers and the engine once (per test
-process): a spawned rank spent 3-4 s of CPU importing them, the largest part of a small distributed test's time.
-The forkserver imports but never computes, so a forked rank inherits no thread pool and no device state; the
-environment is the test process's when the server started (tests here pass what differs as arguments).
+The ranks start as the engine's own processes do (``engine.serving.process_start.start_process``): forked from a
+forkserver that imported torch and the engine once per test process (a spawned rank spent 3-4 s of CPU importing
+them, the largest part of a small distributed test's time), with the test process's environment at the start.
 """
 
-import multiprocessing
 import queue
 import socket
 import time
 import traceback
 from collections.abc import Callable
+
+from engine.serving import process_start
+from engine.serving.process_start import process_context, start_process
+
+# A rank unpickles its function by importing the test module it lives in, which imports pytest and the reference
+# models (transformers' model classes): preloaded as well, a rank starts on about half the CPU (0.1-0.2 s rather than
+# 0.3-1 s). ``process_context`` reads PRELOAD at each start, and pytest imports this module while collecting, before
+# any test starts a process, so the forkserver that this test process starts imports them too.
+TEST_PRELOAD = ("pytest", "tests.hf_models")
+process_start.PRELOAD = (*process_start.PRELOAD, *TEST_PRELOAD)
 
 
 def free_port() -> int:
@@ -31,24 +39,11 @@ def _entry(fn, rank: int, world: int, port: int, args, results) -> None:
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-PRELOAD = ["torch", "transformers", "engine.llm", "engine.llm_engine", "engine.distributed.follower", "tests.hf_models"]
-
-
-def rank_context():
-    """The multiprocessing context ranks start from (see the module docstring)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
 def run_ranks(fn, world: int, *args, timeout_s: float = 120.0) -> dict[int, tuple[str, object]]:
     """{rank: ("ok", fn's result) or ("error", message)}; ranks still alive after ``timeout_s`` are killed."""
-    ctx = rank_context()
-    results = ctx.Queue()
+    results = process_context().Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    procs = [start_process(_entry, (fn, r, world, port, args, results), f"test-rank-{r}") for r in range(world)]
     out: dict[int, tuple[str, object]] = {}
     deadline = time.monotonic() + timeout_s
     try:
