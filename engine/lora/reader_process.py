@@ -102,8 +102,8 @@ class AdapterReaderProcess:
             self._conn.close()  # the child's next recv sees the end and returns
             self._conn = None
         if self._process is not None:
-            try:
-                self._process.wait(timeout=5)
+            try:  # it holds nothing to save: one still importing (or mid-read) a second from now is killed
+                self._process.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
