@@ -54,6 +54,10 @@ class HostReads(Protocol):
     def ready(self, name: str, path: str) -> bool:
         """Whether the factors are in host memory now; if not, start reading them in the background."""
 
+    def claim(self, name: str, path: str) -> bool:
+        """``ready``, and if so keep the factors in host memory until the slot write takes them (a background
+        read finishing meanwhile must not evict an adapter planned into a slot)."""
+
     def discard(self, name: str, path: str) -> None:
         """Forget the factors (a removed adapter)."""
 
@@ -162,14 +166,17 @@ class LoraResidency:
             if name in self.slots or name not in self.paths:
                 continue
             path = self.paths[name]
-            if not self.host.ready(name, path):
-                continue  # read in the background; asked again next step
-            if self.free:
-                slot = self.free.pop()
-            else:
+            victim = None
+            if not self.free:
                 victim = next((n for n in self.slots if n not in in_use and n not in loaded), None)
                 if victim is None:
+                    self.host.ready(name, path)  # its read goes on meanwhile
                     break  # every slot is pinned by running requests: wait for one to finish
+            if not self.host.claim(name, path):
+                continue  # read in the background; asked again next step
+            if victim is None:
+                slot = self.free.pop()
+            else:
                 slot = self.slots.pop(victim)
                 self.slot_evictions += 1
             self.slots[name] = slot

@@ -33,6 +33,7 @@ class HostLoraCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str], LoraAdapter] = OrderedDict()
         self._pending: dict[tuple[str, str], Future] = {}
+        self._claimed: set[tuple[str, str]] = set()  # planned into a slot, not yet taken: never evicted
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read")
         self.hits = 0  # cumulative: slot writes served from host memory
         self.misses = 0  # cumulative: reads from disk (background or synchronous)
@@ -57,6 +58,13 @@ class HostLoraCache:
                 self._pending[key] = self._pool.submit(self._background_read, key)
             return False
 
+    def claim(self, name: str, path: str) -> bool:
+        """``ready``, and if the factors are here, keep them until ``take`` (a slot write planned for them)."""
+        with self._lock:
+            if (name, path) in self._entries:
+                self._claimed.add((name, path))
+        return self.ready(name, path)
+
     def take(self, name: str, path: str) -> LoraAdapter:
         """The factors, for a slot write: from host memory (after the background read of them in flight, if one
         is: a follower rank's read may start just before its slot write), or read now if they were evicted."""
@@ -66,10 +74,14 @@ class HostLoraCache:
         if pending is not None:
             wait([pending], timeout=PENDING_READ_WAIT_S)
         with self._lock:
+            self._claimed.discard(key)
             adapter = self._entries.get(key)
             if adapter is not None:
-                self._entries.move_to_end(key)
                 self.hits += 1
+                if len(self._entries) > self.capacity:  # a claim kept more: the oldest unclaimed go (this one
+                    self._evict()  # first if it is the oldest: it has its slot now)
+                else:
+                    self._entries.move_to_end(key)
                 return adapter
             self.misses += 1
             self.sync_reads += 1
@@ -94,6 +106,7 @@ class HostLoraCache:
     def discard(self, name: str, path: str) -> None:
         with self._lock:
             self._entries.pop((name, path), None)
+            self._claimed.discard((name, path))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -119,6 +132,13 @@ class HostLoraCache:
     def _insert(self, key: tuple[str, str], adapter: LoraAdapter) -> None:
         self._entries[key] = adapter
         self._entries.move_to_end(key)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self._evict(keep=key)
+
+    def _evict(self, keep: tuple[str, str] | None = None) -> None:
+        """Drop the least recently used entries down to the capacity, but neither claimed ones nor ``keep`` (just
+        read for a waiting request): those may exceed it until the claims are taken."""
+        for key in [k for k in self._entries if k not in self._claimed and k != keep]:
+            if len(self._entries) <= self.capacity:
+                break
+            del self._entries[key]
             self.evictions += 1
