@@ -4,19 +4,21 @@ An adapter read is mostly Python (the safetensors parse, a copy and a reshape pe
 factors unfolded per expert): run on a thread of the engine process it takes the GIL from the step loop, whose
 own Python work then waits; decode steps ran twice as long while a thread read adapters back to back, and
 were unchanged while a child process did the same. The child (one per engine rank that reads adapters in the
-background, started when the engine has more adapters than host copies, or at its first read) runs ``load_adapter`` and returns the factors in one anonymous
-shared-memory file (``memfd``) whose descriptor travels over a socket pair; the engine process maps it and cuts
-the factors out as views: no copy, and a few microseconds of Python per factor.
+background, started when the engine has more adapters than host copies, or at its first read) runs
+``load_adapter`` and returns the factors in one anonymous shared-memory file (``memfd``) whose descriptor travels
+over a socket pair; the engine process maps it and cuts the factors out as views: no copy, and a few
+microseconds of Python per factor.
 
 The child is a fresh interpreter (``python -m engine.lora.reader_process FD``), not a multiprocessing child: a
 script using ``engine.LLM`` without a ``__main__`` guard would be run again by a multiprocessing start, and
-the fresh interpreter's start (importing torch, about 2 s, on another core) is paid once, by the first read.
+the fresh interpreter's start (importing torch, about 2 s, on another core) is paid once per engine.
 It ends when the engine process closes the socket, or dies.
 
 Where anonymous shared memory does not exist (``os.memfd_create`` is Linux's), ``available()`` is False and
 the engine reads on a thread as before.
 """
 
+import math
 import os
 import signal
 import socket
@@ -133,7 +135,7 @@ def _pack(adapter: LoraAdapter) -> tuple[int, int, list[Entry]]:
 def _unpack(name: str, rank: int, flat: torch.Tensor, entries: list[Entry]) -> LoraAdapter:
     """The adapter whose factors are views of ``flat`` [numel] at ``entries``."""
     def view(offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return flat[offset:offset + _numel(shape)].view(shape)
+        return flat[offset:offset + math.prod(shape)].view(shape)
 
     adapter = LoraAdapter(name, rank)
     for kind, target, part, a_offset, a_shape, b_offset, b_shape in entries:
@@ -143,13 +145,6 @@ def _unpack(name: str, rank: int, flat: torch.Tensor, entries: list[Entry]) -> L
         else:
             adapter.experts[target] = ExpertsLora(a, b)
     return adapter
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def main(argv: list[str]) -> None:
