@@ -320,7 +320,7 @@ def test_failover_a_killed_replica_leaves_the_rotation_and_rejoins(server):
     """Both replicas full with a queue each; one is killed. Requests it had not started run on the other
     (every response is a 200; no 5xx), its running streams end with a clean error event after their first
     tokens, new requests keep being served, /health names the replica that is down, and once the
-    supervisor has restarted it, /health and /metrics show it up and a new prefix is routed to it."""
+    supervisor has restarted it, /health and /metrics show it up and it takes new prefixes again."""
     proc, key, url, metrics_url = server
 
     async def scenario():
@@ -363,10 +363,23 @@ def test_failover_a_killed_replica_leaves_the_rotation_and_rejoins(server):
             await _all_ready(http, url, 90)  # the supervisor restarts it
             text = await _metrics(http, metrics_url)
             assert _per_replica(text, "moegate_engine_replica_up") == {"0": 1.0, "1": 1.0}
-            before = _per_replica(text, "moegate_prefill_tokens_total").get(down, 0)
-            await _complete(http, url, key, _prefix(3) + [1])  # nobody holds it: the emptiest index wins
-            after = _per_replica(await _metrics(http, metrics_url), "moegate_prefill_tokens_total")[down]
-            assert after - before >= PREFIX, (before, after)
+            # Back in the rotation: two new prefixes, the second sent while the first runs, go one to each replica
+            # (nobody holds them: the less loaded replica wins). One new prefix alone proves nothing: a replica
+            # that rejoins while the other still has a queue is given queued requests of both burst prefixes,
+            # and then the two hold the same prefix families and either may take it.
+            before = _per_replica(text, "moegate_prefill_tokens_total")  # a restarted engine counts from 0
+            async with http.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                 json={"model": "demo", "prompt": _prefix(4) + [1], "max_tokens": 2000,
+                                       "stream": True, "ignore_eos": True}) as held:
+                assert held.status == 200, await held.text()
+                line = b""
+                while not line.startswith(b"data: "):  # its first token: it runs, and counts on its replica
+                    line = await held.content.readline()
+                    assert line, "the held stream ended before its first token"
+                await _complete(http, url, key, _prefix(3) + [1])
+                held.close()  # the disconnect aborts it
+            after = _per_replica(await _metrics(http, metrics_url), "moegate_prefill_tokens_total")
+            assert all(after[r] - before.get(r, 0) >= PREFIX for r in ("0", "1")), (down, before, after)
         retried = [line for line in proc.output_tail if "sending it to another" in line]
         assert retried, "no request was moved off the killed replica"
 
