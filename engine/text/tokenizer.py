@@ -2,10 +2,12 @@
 
 import logging
 import os
+import re
 
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte as Llama's and Mixtral's tokenizers spell it
 
 
 def load_tokenizer(path: str):
@@ -36,8 +38,22 @@ class IncrementalDetokenizer:
 
     Decodes a short window (from ``prefix_offset``) and emits only what extends
     past the previously read text; a window ending in U+FFFD is a multi-byte
-    character still incomplete, so nothing is emitted until it completes.
-    A few prompt tokens seed the window so leading-space rules see context.
+    character still incomplete, so nothing is emitted until it completes, and
+    ``flush`` gives what is left at the end. The deltas and the flush add up to
+    ``decode(context + output)[len(decode(context)):]``: for a byte-level BPE,
+    ``decode(output)``.
+
+    A few prompt tokens (the context) seed the window so leading-space rules see
+    context. The context ends where the prompt's text is settled, before a trailing
+    byte-fallback run or incomplete character (a token-id prompt can end inside
+    one): the prompt keeps those bytes, so the output's first bytes decode as the
+    output's, as they do decoded alone, and are not joined to the prompt's into a
+    character that is neither's.
+
+    Not exact: byte fallback decodes a run of byte tokens all or nothing, so a
+    stray byte token right after a complete character spelled in byte tokens turns
+    the whole run (already emitted) into U+FFFD in a whole decode. Holding every
+    byte run back until it ends would delay such text for well-formed output.
     """
 
     _CONTEXT_TOKENS = 4
@@ -47,20 +63,33 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        # Byte-fallback tokenizers turn a run of bytes with a bad start into U+FFFD: move the
-        # context start back (a few tokens at most) until it no longer begins mid-character.
-        n = len(prompt_token_ids)
-        start = max(n - self._CONTEXT_TOKENS, 0)
-        lowest = max(n - self._CONTEXT_TOKENS - 4, 0)
-        while start > lowest and self._decode(prompt_token_ids[start:]).startswith("\ufffd"):
+        # The context's end: before a trailing run of byte-fallback tokens (byte fallback decodes a run all
+        # or nothing, so the output's first bytes would join it) and before the bytes of a character the
+        # prompt leaves incomplete (a byte-level BPE's); a prompt ending in too many of them gets no context.
+        end = len(prompt_token_ids)
+        lowest = max(end - 64, 0)
+        while end > 0 and self._is_byte_token(prompt_token_ids[end - 1]):
+            end = end - 1 if end > lowest else 0
+        lowest = max(end - 8, 0)
+        while end > 0 and self._decode(prompt_token_ids[max(end - self._CONTEXT_TOKENS, 0):end]).endswith("\ufffd"):
+            end = end - 1 if end > lowest else 0
+        # Its start: byte-fallback tokenizers turn a run of bytes with a bad start into U+FFFD: move the
+        # start back (a few tokens at most) until it no longer begins mid-character.
+        start = max(end - self._CONTEXT_TOKENS, 0)
+        lowest = max(end - self._CONTEXT_TOKENS - 4, 0)
+        while start > lowest and self._decode(prompt_token_ids[start:end]).startswith("\ufffd"):
             start -= 1
-        self.ids = list(prompt_token_ids[start:])
+        self.ids = list(prompt_token_ids[start:end])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      spaces_between_special_tokens=self.spaces_between_special_tokens)
+
+    def _is_byte_token(self, token_id: int) -> bool:
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        return isinstance(token, str) and _BYTE_FALLBACK_TOKEN.fullmatch(token) is not None
 
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)

@@ -185,7 +185,10 @@ def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
     tok = AutoTokenizer.from_pretrained(srv.demo)
     for line in out:
         body = line["response"]["body"]
-        assert body["model"] == "support" and body["choices"][0]["text"] == tok.decode(want_adapter)
+        # The answer's text is its tokens' decode with the request's defaults (special tokens skipped); a prompt
+        # of random ids may end inside a character, whose bytes the answer's text leaves to the prompt.
+        assert body["model"] == "support"
+        assert body["choices"][0]["text"] == tok.decode(want_adapter, skip_special_tokens=True), (prompt, want_adapter)
     refused_batch, _ = srv.run(batch(clients["other"]))
     assert refused_batch.status == "failed" and refused_batch.errors.data[0].code == "model_not_found"
     deadline = time.monotonic() + 10

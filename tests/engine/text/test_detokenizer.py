@@ -12,6 +12,9 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core.outputs import OutputProcessor
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import RequestUpdate
 from engine.loading.demo_model import write_demo_model
 from engine.text.tokenizer import IncrementalDetokenizer
 
@@ -175,7 +178,8 @@ def test_real_text_streams_like_full_decode(tokenizer, chunked):
 
 @pytest.mark.parametrize("skip", [True, False], ids=["skip_special", "keep_special"])
 def test_random_tokens_concatenate_to_full_decode(tokenizer, skip):
-    """Any ids (stray bytes, special tokens): deltas + flush == what decoding adds to the prompt's text."""
+    """Any ids (stray bytes, special tokens): deltas + flush == what decoding adds to the prompt's text; a
+    prompt's bytes of a character it does not complete are left out of that (the output's text is its own)."""
     rng = random.Random(SEED + 7 + skip)
     vocab = tokenizer.get_vocab()
     byte_ids = {vocab[f"<0x{b:02X}>"] for b in range(256) if f"<0x{b:02X}>" in vocab}
@@ -184,8 +188,14 @@ def test_random_tokens_concatenate_to_full_decode(tokenizer, skip):
     # There, draw whole characters as byte runs and other tokens at random; elsewhere, any id.
     ids = [i for i in range(len(tokenizer)) if i not in byte_ids]
     chars = sorted({c for w in WORDS for c in w if len(c.encode()) > 1})
+    byte_tok = [vocab[f"<0x{b:02X}>"] for b in range(256)] if byte_ids else byte_level_ids(tokenizer)
     for case in range(40):
         prompt_ids = tokenizer.encode(random_text(rng, rng.randint(1, 6))) if rng.random() < 0.8 else []
+        cut = []
+        if prompt_ids and rng.random() < 0.4:  # a token-id prompt that ends inside a character keeps those bytes
+            prompt_ids = tokenizer.encode(random_text(rng, rng.randint(1, 6)) + " the")
+            raw = rng.choice(chars).encode()
+            cut = [byte_tok[b] for b in raw[:rng.randint(1, len(raw) - 1)]]
         output_ids, n = [], rng.randint(1, 30)
         while len(output_ids) < n:
             if byte_ids and rng.random() < 0.3:
@@ -195,8 +205,8 @@ def test_random_tokens_concatenate_to_full_decode(tokenizer, skip):
         want = expected_text(tokenizer, prompt_ids, output_ids, skip)
         if not byte_ids:  # byte-level: that is simply the output's own decode
             assert want == tokenizer.decode(output_ids, skip_special_tokens=skip)
-        deltas, tail = stream(tokenizer, prompt_ids, output_ids, skip, rng=rng if case % 2 else None)
-        msg = f"seed={SEED} case={case} prompt={prompt_ids} output={output_ids}"
+        deltas, tail = stream(tokenizer, prompt_ids + cut, output_ids, skip, rng=rng if case % 2 else None)
+        msg = f"seed={SEED} case={case} prompt={prompt_ids}+{cut} output={output_ids}"
         assert "".join(deltas) + tail == want, msg
         if "\ufffd" not in want:
             assert "\ufffd" not in "".join(deltas) + tail, msg
@@ -260,3 +270,144 @@ def test_stop_string_completed_by_the_last_token(demo):
     assert out.text == text[:len(text) - len(stop)], msg
     assert out.stop_reason == stop, msg
     assert out.finish_reason == "stop", msg
+
+
+# ---- the demo model's tokenizer on any ids: prompts ending inside a character, stray bytes -------------------
+
+def byte_level_ids(tokenizer) -> list[int]:
+    """The id of each byte's own token in a byte-level BPE: GPT-2's printable spelling of the 256 bytes."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    spelled, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            spelled.append(chr(b))
+        else:
+            spelled.append(chr(256 + extra))
+            extra += 1
+    vocab = tokenizer.get_vocab()
+    return [vocab[c] for c in spelled]
+
+
+def random_ids(tokenizer, rng: random.Random, n: int) -> list[int]:
+    """``n`` or a few more ids of every kind: lead and continuation bytes alone, whole and cut multi-byte
+    characters as byte tokens, special and markup tokens, and any id at all."""
+    byte_tok = byte_level_ids(tokenizer)
+    chars = sorted({c for w in WORDS for c in w if len(c.encode()) > 1})
+    special = tokenizer.all_special_ids + tokenizer.convert_tokens_to_ids(["<think>", "</tool_call>"])
+    out = []
+    while len(out) < n:
+        r = rng.random()
+        if r < 0.15:
+            out.append(byte_tok[rng.randrange(0xC2, 0xF5)])  # a lead byte
+        elif r < 0.3:
+            out.append(byte_tok[rng.randrange(0x80, 0xC0)])  # a continuation byte
+        elif r < 0.5:
+            raw = rng.choice(chars).encode()
+            out += [byte_tok[b] for b in raw[:rng.randint(1, len(raw))]]  # a character, whole or cut short
+        elif r < 0.6:
+            out.append(rng.choice(special))
+        else:
+            out.append(rng.randrange(len(tokenizer)))
+    return out
+
+
+def test_demo_tokenizer_any_ids_stream_like_decoding_the_output(demo):
+    """The served tokenizer (the engine's own, byte-level): deltas + flush are ``decode(output)`` for any prompt
+    and output: a prompt ending in an incomplete character keeps its bytes (the output's first continuation
+    bytes are U+FFFD, as in the output decoded alone), stray and cut characters anywhere, special tokens
+    skipped or kept, tokens added one by one or in chunks."""
+    tok = demo.tokenizer
+    byte_tok = byte_level_ids(tok)
+    assert tok.decode([byte_tok[b] for b in "é€🙂".encode()]) == "é€🙂"  # the byte tokens are what they claim
+    assert tok.decode([byte_tok[0xE2]]) == tok.decode([byte_tok[0x82]]) == "\ufffd"
+    kinds = set()
+    for seed in range(500):
+        rng = random.Random(seed)
+        prompt = random_ids(tok, rng, rng.randint(0, 12))
+        if rng.random() < 0.5:  # the prompt ends inside a character
+            raw = rng.choice(["€", "🙂", "日", "é", "👍🏽"]).encode()
+            prompt += [byte_tok[b] for b in raw[:rng.randint(1, len(raw) - 1)]]
+        output = random_ids(tok, rng, rng.randint(1, 24))
+        if rng.random() < 0.5:  # and the output starts with continuation bytes (of that character, maybe)
+            output = [byte_tok[rng.randrange(0x80, 0xC0)] for _ in range(rng.randint(1, 3))] + output
+        skip = rng.random() < 0.5
+        deltas, tail = stream(tok, prompt, output, skip, rng=rng if seed % 2 else None)
+        want = tok.decode(output, skip_special_tokens=skip)
+        assert "".join(deltas) + tail == want, f"seed={seed} prompt={prompt} output={output} skip={skip} " \
+                                               f"deltas={deltas} tail={tail!r} want={want!r}"
+        kinds.add((want.startswith("\ufffd"), want.endswith("\ufffd"), tail != ""))
+    # Outputs with and without a leading and a trailing U+FFFD, alone and together; a flush gives text exactly
+    # when the output ends in U+FFFD (an incomplete character held back until the end).
+    assert kinds == {(lead, trail, trail) for lead in (False, True) for trail in (False, True)}
+
+
+class _Scheduler:
+    """What the output processor asks of the scheduler: to end a request (a stop string completed)."""
+
+    def __init__(self) -> None:
+        self.finished: list[tuple[str, RequestStatus]] = []
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        self.finished.append((request_id, status))
+
+
+def test_output_processor_text_at_the_end_and_at_stop_strings(demo):
+    """The engine's output path (OutputProcessor) on the demo tokenizer, with prompts ending inside a character
+    and random outputs fed in steps of one token or several (speculative), ending by length, by EOS or by a
+    stop string drawn from the output's own text (U+FFFD of a character cut short included): the streamed
+    deltas add up to the output's text, ``decode(output)`` (less an ending EOS) cut before the first stop string,
+    and no delta shows a stop string."""
+    tok = demo.tokenizer
+    byte_tok = byte_level_ids(tok)
+    eos = tok.eos_token_id
+    seen = set()
+    for seed in range(300):
+        rng = random.Random(seed)
+        prompt = random_ids(tok, rng, rng.randint(1, 10))
+        if rng.random() < 0.5:
+            raw = rng.choice(["€", "🙂", "日"]).encode()
+            prompt += [byte_tok[b] for b in raw[:rng.randint(1, len(raw) - 1)]]
+        output = [byte_tok[rng.randrange(0x80, 0xC0)]] * (rng.random() < 0.5)  # a continuation byte first, or not
+        output += random_ids(tok, rng, rng.randint(1, 16))
+        output = [t for t in output if t != eos] or [byte_tok[0xE2]]
+        end = rng.choice(["length", "eos", "stop"])
+        if end == "eos":
+            output.append(eos)
+        text_ids = output[:-1] if end == "eos" else output
+        skip = rng.random() < 0.5
+        whole = tok.decode(text_ids, skip_special_tokens=skip)
+        stop = None
+        if end == "stop" and whole:
+            i = rng.randrange(len(whole))
+            stop = whole[i:i + rng.randint(1, 3)]
+        params = SamplingParams(temperature=0, max_tokens=len(output), ignore_eos=end != "eos",
+                                skip_special_tokens=skip, stop=[stop] if stop else None)
+        request = Request(f"r{seed}", prompt, params, max_tokens=len(output), eos_token_id=eos)
+        request.status = RequestStatus.RUNNING
+        processor, scheduler = OutputProcessor(tok), _Scheduler()
+        processor.add_request(request)
+        deltas, final, i = [], None, 0
+        while final is None or not final.finished:
+            step = output[i:i + (rng.randint(1, 4) if seed % 2 else 1)]
+            i += len(step)
+            for t in step:
+                request.append_output_token(t)
+            if i == len(output):
+                request.status = RequestStatus.FINISHED_STOPPED if end == "eos" else RequestStatus.FINISHED_LENGTH
+            out, = processor.process([RequestUpdate(request, step, i == len(output))], scheduler)
+            deltas.append(out.text)
+            final = out if final is None else final.merge(out)
+        msg = f"seed={seed} prompt={prompt} output={output} skip={skip} stop={stop!r} deltas={deltas}"
+        if stop:
+            want = whole[:whole.find(stop)]
+            assert final.finish_reason == "stop" and final.stop_reason == stop, msg
+            assert scheduler.finished == [(request.request_id, RequestStatus.FINISHED_STOPPED)], msg
+            kept = final.token_ids  # up to the token that completed the stop string (a step's later ones dropped)
+            assert kept == output[:len(kept)] and stop in tok.decode(kept, skip_special_tokens=skip), msg
+            assert all(stop not in d for d in deltas), msg
+        else:
+            want = whole
+            assert final.finish_reason == ("stop" if end == "eos" else "length"), msg
+        assert "".join(deltas) == final.text == want, msg
+        seen.add((end, whole.startswith("\ufffd"), whole.endswith("\ufffd")))
+    assert len(seen) == 12  # every ending, with and without a leading and a trailing U+FFFD
