@@ -32,6 +32,9 @@ import torch
 
 from engine.lora.peft_format import AdapterFormatError, ExpertsLora, LinearLora, LoraAdapter, load_adapter
 
+# The child's scheduling niceness (added to the engine's): a background task's share of a busy core.
+READER_NICENESS = 10
+
 # One factor pair in the shared file: (kind, target, part, a_offset, a_shape, b_offset, b_shape); offsets in
 # float32 elements; kind "linear" (part: its index in a packed target) or "experts" (part unused, 0).
 Entry = tuple[str, str, int, int, tuple[int, ...], int, tuple[int, ...]]
@@ -152,6 +155,9 @@ def main(argv: list[str]) -> None:
     (descriptor ``argv[0]``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the engine process, which closes the socket
     torch.set_num_threads(1)  # one read at a time, beside an engine that owns the cores
+    # Where the cores are all busy, the engine's steps come first: a read that waits delays only the requests
+    # waiting for that adapter, a step that waits delays every request in it.
+    os.nice(READER_NICENESS)
     conn = Connection(int(argv[0]))
     while True:
         try:

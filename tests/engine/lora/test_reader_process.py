@@ -43,7 +43,9 @@ def test_reads_equal_load_adapter_and_survive_the_readers_death(tmp_path):
             reader.read("bad", bad, *DIMS)
         assert str(in_child.value) == str(here.value) and words in str(here.value)
 
-        child = reader._process
+        child = reader._process  # it yields a busy core to the engine's steps
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == min(
+            os.getpriority(os.PRIO_PROCESS, 0) + reader_process.READER_NICENESS, 19)
         child.kill()
         child.wait(timeout=10)
         with pytest.raises(OSError, match="reader process ended"):
