@@ -47,8 +47,13 @@ def disaggregation_layout(args: argparse.Namespace, config: EngineConfig, parse_
     if local > 1 and config.cpu_threads is None and config.device != "cuda":
         # Engines on the CPU share its cores, as replicas do (gateway.cli.engines).
         config = dataclasses.replace(config, cpu_threads=max(1, (os.cpu_count() or 1) // local))
-    return DisaggregatedLayout(dataclasses.replace(config, role="prefill"), dataclasses.replace(config, role="decode"),
-                               args.prefill_replicas, args.decode_replicas, remote_p, remote_d)
+    prefill = dataclasses.replace(config, role="prefill")
+    if args.prefill_max_num_batched_tokens is not None:
+        if args.prefill_max_num_batched_tokens < 1:
+            raise ValueError(f"--prefill-max-num-batched-tokens must be >= 1, got {args.prefill_max_num_batched_tokens}")
+        prefill = dataclasses.replace(prefill, max_num_batched_tokens=args.prefill_max_num_batched_tokens)
+    return DisaggregatedLayout(prefill, dataclasses.replace(config, role="decode"), args.prefill_replicas,
+                               args.decode_replicas, remote_p, remote_d)
 
 
 def build_disaggregated(layout: DisaggregatedLayout, authkey: bytes, stall_timeout_s: float):

@@ -141,6 +141,9 @@ def register(subparsers) -> None:
                         "decode engines (with --decode-replicas; docs/disaggregation.md)")
     p.add_argument("--decode-replicas", type=int, default=0, metavar="D",
                    help="disaggregated serving: D local engines that receive prompts' KV and generate")
+    p.add_argument("--prefill-max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="the local prefill engines' --max-num-batched-tokens (default: --max-num-batched-tokens): "
+                        "they keep no streams waiting, so their steps may be longer than the decode engines'")
     p.add_argument("--prefill-engine", action="append", default=[], metavar="HOST:PORT",
                    help="a remote prefill engine (moegate engine --listen HOST:PORT --role prefill); repeatable")
     p.add_argument("--decode-engine", action="append", default=[], metavar="HOST:PORT",

@@ -272,6 +272,10 @@ def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_met
     assert main(["serve", "--model", demo, "--prefill-replicas", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "decode engine" in err[0]
+    assert main(["serve", "--model", demo, "--prefill-replicas", "1", "--decode-replicas", "1",
+                 "--prefill-max-num-batched-tokens", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prefill-max-num-batched-tokens" in err[0]
 
     rng = random.Random()
     words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
@@ -279,9 +283,13 @@ def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_met
     settings = ["--num-kv-blocks", "128", "--block-size", "4", "--local-prefill-tokens", "8", "--cpu-threads", "1"]
     offline = LLM(model=demo, num_kv_blocks=128, block_size=4).generate(
         prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    # The prefill engine computes the prompts in steps of at most 16 tokens (several pieces each), the decode
+    # engine keeps the default.
     args = build_parser().parse_args(["serve", "--model", demo, "--prefill-replicas", "1", "--decode-replicas", "1",
-                                      *settings])
+                                      "--prefill-max-num-batched-tokens", "16", *settings])
     layout = disaggregation_layout(args, engine_flags.engine_config(args), parse_address)
+    assert layout.prefill.max_num_batched_tokens == 16
+    assert layout.decode.max_num_batched_tokens == engine_flags.engine_config(args).max_num_batched_tokens > 16
     url = f"sqlite:///{tmp_path / 'policy.db'}"
     upgrade(url)
 
@@ -310,6 +318,7 @@ def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_met
                 await asyncio.sleep(1.2)  # the idle engines' latest statistics
                 metrics = await (await http.get(app[METRICS_URL])).text()
             assert 'moegate_kv_transfers_total{replica="decode-0"} 2.0' in metrics
+            assert engines.decode[0].stats.kv_transfer_pieces > 2  # 16-token steps: prompts in several pieces
             assert 'moegate_kv_transfers_total{replica="prefill-0"} 2.0' in metrics
             assert 'moegate_kv_transfer_fallbacks_total{replica="decode-0"} 0.0' in metrics
 
@@ -352,12 +361,14 @@ def test_preemption_on_both_sides_keeps_greedy_tokens(tmp_path):
     path = str(tmp_path / "model")
     make_hf_model("mixtral", path, seed=rng.randrange(2**31), vocab_size=VOCAB)
     prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(30, 40))] for _ in range(6)]
+    # The batch-class prompt is long: at one token a step its prefill outlasts the engine's statistics
+    # interval (50 ms) many times over on any machine, so the urgent request finds it being computed.
+    prompts[4] = [rng.randrange(1, VOCAB - 1) for _ in range(240)]
     llm = LLM(**_settings(path))
     expected = [o.token_ids for o in llm.generate(prompts, _greedy(24))]
 
-    async def main():
-        prefill = AsyncEngine(EngineConfig(**{**_settings(path, role="prefill", max_num_batched_tokens=1),
-                                              "num_kv_blocks": 24, "max_num_seqs": 1}))
+    async def decode_preempted():
+        prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill")))
         # Each request needs at most (40 + 24) / 4 = 16 blocks: 20 hold one, never two at their ends.
         decode = AsyncEngine(EngineConfig(**{**_settings(path, role="decode", local_prefill_tokens=BS),
                                              "num_kv_blocks": 20}))
@@ -369,25 +380,37 @@ def test_preemption_on_both_sides_keeps_greedy_tokens(tmp_path):
             await asyncio.sleep(1.2)
             assert decode.stats.num_preemptions > 0
             assert decode.stats.kv_transfers >= 1
-            assert prefill.stats.num_preemptions == 0  # one at a time, in order
-
-            # A batch-class request's prompt is being computed (30+ steps of one token) when an urgent one comes.
-            batch, urgent = RequestPolicy(priority=2), RequestPolicy(priority=0)
-            computed = prefill.stats.total_prefill_tokens
-            slow = asyncio.create_task(_collect(router.generate(prompts[4], _greedy(24), policy=batch)))
-            # Until the prefill engine has computed 2 of its tokens (stats come at least every 50 ms while busy):
-            # sent is not enough, as an urgent request that finds it still waiting is simply scheduled first.
-            while prefill.stats.total_prefill_tokens < computed + 2:
-                await asyncio.sleep(0.005)
-            assert await _collect(router.generate(prompts[5], _greedy(24), policy=urgent)) == expected[5]
-            assert await slow == expected[4]
             await asyncio.sleep(1.2)
-            assert prefill.stats.num_preemptions > 0
             assert decode.stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
         finally:
             await router.shutdown()
 
-    asyncio.run(main())
+    async def prefill_preempted():
+        prefill = AsyncEngine(EngineConfig(**{**_settings(path, role="prefill", max_num_batched_tokens=1),
+                                              "max_num_seqs": 1}))
+        decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", local_prefill_tokens=BS)))
+        router = DisaggregatedEngines([prefill], [decode])
+        await router.start()
+        try:
+            # A batch-class request's prompt is being computed (240 steps of one token) when an urgent one comes.
+            batch, urgent = RequestPolicy(priority=2), RequestPolicy(priority=0)
+            slow = asyncio.create_task(_collect(router.generate(prompts[4], _greedy(24), policy=batch)))
+            # Until the prefill engine has computed 2 of its tokens (stats come at least every 50 ms while busy):
+            # sent is not enough, as an urgent request that finds it still waiting is simply scheduled first.
+            while prefill.stats is None or prefill.stats.total_prefill_tokens < 2:
+                await asyncio.sleep(0.005)
+            assert prefill.stats.total_prefill_tokens < len(prompts[4]), "the batch prompt was computed already"
+            assert await _collect(router.generate(prompts[5], _greedy(24), policy=urgent)) == expected[5]
+            assert await slow == expected[4]
+            await asyncio.sleep(1.2)
+            assert prefill.stats.num_preemptions > 0
+            assert decode.stats.kv_transfers == 2
+            assert decode.stats.kv_blocks_used == 0 and prefill.stats.kv_blocks_used == 0
+        finally:
+            await router.shutdown()
+
+    asyncio.run(decode_preempted())
+    asyncio.run(prefill_preempted())
 
 
 @pytest.mark.timeout(240)
