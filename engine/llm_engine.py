@@ -272,10 +272,8 @@ class LLMEngine:
         residency = self.scheduler.lora
         if not residency.check_new(name, path):
             return
-        self.lora.hold(name, path)  # ValueError naming what is wrong; nothing registered
+        self.lora.hold(name, path)  # ValueError naming what is wrong; nothing registered (starts the reader if needed)
         residency.register(name, path)
-        if len(residency.names()) > self.lora.host.capacity:  # some will be read from disk again while serving
-            self.lora.start_reader()
 
     def remove_lora(self, name: str) -> None:
         """Unregister adapter ``name``: new requests naming it are refused from now on; requests already added
@@ -284,6 +282,7 @@ class LLMEngine:
         if self.lora is None:
             raise ValueError(f"lora adapter {name!r} is not registered (this engine serves no LoRA adapters)")
         self.scheduler.lora.remove(name)
+        self.lora.forget(name)
 
     def list_loras(self) -> list[str]:
         """The registered adapters' names, in registration order."""

@@ -72,6 +72,7 @@ class LoraAdapters:
         self._reader = reader_process.AdapterReaderProcess() if reader_process.available() else None
         self.host = HostLoraCache(max_cpu_loras, self.read,
                                   background_read=self._read_in_child if self._reader is not None else None)
+        self._held: set[str] = set()  # the names ``hold`` was asked for, less those ``forget`` was told of
         self.slot_load_seconds = 0.0  # cumulative host time of the slot writes (host-to-device copies)
 
     def _bind_mlp(self, name: str, mlp: GatedMLP, max_loras: int, max_rank: int) -> None:
@@ -100,8 +101,20 @@ class LoraAdapters:
         return self._checked(name, load_adapter(name, path, self._num_experts, self._hidden_size, self._expert_size))
 
     def hold(self, name: str, path: str) -> None:
-        """Read and check the adapter (``read``) and keep it in host memory under its registration key."""
+        """Read and check the adapter (``read``) and keep it in host memory under its registration key. Once more
+        adapters are held (by name, less those removed: ``forget``) than the host has copies for, some will be read
+        from disk again while serving: the reader process starts now (``start_reader``), not at the first of those
+        reads. Every rank calls this for the configured adapters at start (a follower's copies; rank 0's through
+        ``add_lora``, which also calls it, and ``forget``, for adapters added and removed while serving)."""
         self.host.put(registration_key(name, path), path, self.read(name, path))
+        self._held.add(name)
+        if len(self._held) > self.host.capacity:
+            self.start_reader()
+
+    def forget(self, name: str) -> None:
+        """Adapter ``name`` was removed: it no longer counts toward the reader's start (``hold``); its host copy
+        goes when the scheduler drops it (``engine.core.lora_residency``)."""
+        self._held.discard(name)
 
     def _read_in_child(self, name: str, path: str) -> LoraAdapter:
         """``read``, the parse done by the reader process (on a thread here, if that process is gone)."""
@@ -197,6 +210,4 @@ def serve_adapters(config, model_config, runner) -> LoraAdapters | None:
     lora = LoraAdapters(runner.model, config.max_loras, config.max_lora_rank, config.cpu_loras, num_experts,
                         mc.hidden_size)
     runner.lora, runner.decode_graphs, runner.piecewise_graphs = lora, None, None
-    if len(config.lora_adapter_paths) > config.cpu_loras:  # reads while serving: the reader starts beside the build
-        lora.start_reader()
     return lora

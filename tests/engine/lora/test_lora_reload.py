@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, RequestPolicy, SamplingParams
+from engine.lora import reader_process
 from tests.engine.lora.peft_reference import peft_greedy_tokens
 from tests.hf_models import make_hf_model
 
@@ -112,4 +113,17 @@ def test_name_added_again_serves_the_new_directory_while_the_old_finishes(world,
     stats = engine.stats()
     assert stats.lora_registered == 1 and stats.lora_resident <= max_loras, msg
     engine.scheduler.kv.pool.check_all_free()
+
+    # The reader process starts once more adapters are registered than host copies (max_loras here), counting
+    # registered names: one name at a time under ever new names, nothing is read back from disk and none starts.
+    assert stats.lora_host_misses == 0, msg
+    previous = "x"
+    for i in range(max_loras + 1):
+        engine.remove_lora(previous)
+        previous = f"y{i}"
+        engine.add_lora(previous, paths["new" if i % 2 else "old"])
+        assert engine.lora.reader_pid is None, msg
+    for i in range(max_loras):
+        engine.add_lora(f"z{i}", paths["old"])
+    assert (engine.lora.reader_pid is not None) == reader_process.available(), msg
     engine.close()

@@ -85,6 +85,8 @@ def test_adapters_beyond_slots_match_transformers_peft(overlap, world):
     engine = llm.engine
     assert engine.list_loras() == ["ad1", "ad2", "ad3", "ad4"]
     assert engine.stats().lora_host_evictions == 1  # four adapters read at start, three kept
+    # More adapters than host copies: the reader process started at the start, before any read from disk.
+    assert (engine.lora.reader_pid is not None) == reader_process.available()
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     outs: dict[str, object] = {}
     overlap_seen = 0  # steps where requests waited for a slot while others (base model or adapters) ran
