@@ -3,8 +3,9 @@
 A fresh interpreter spends 3-4 s of CPU importing torch, transformers, Triton and the engine before an engine
 process or a rank does anything of its own; a gateway starts one engine process per replica, again after every
 crash, an engine server one per gateway, and an engine split over ranks one process per follower rank on its
-node (``engine.distributed.ranks``). Python's multiprocessing forkserver imports ``PRELOAD`` once, in a server
-process of its own started at the first start, and forks each process from it. The server only imports:
+node (``engine.distributed.ranks``). Python's multiprocessing forkserver imports ``PRELOAD`` (and the extra
+modules the first start asked for: ``process_context``) once, in a server process of its own started at the first
+start, and forks each process from it. The server only imports:
 nothing in ``PRELOAD`` computes, starts a thread pool or touches a GPU (CUDA is initialised lazily, in the
 started process, after its ``CUDA_VISIBLE_DEVICES`` is set), so a forked process starts as clean as a spawned
 one, in a few milliseconds.
@@ -30,14 +31,19 @@ START_METHODS = ("forkserver", "spawn")
 PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process", "engine.distributed.follower")
 
 
-def process_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context processes start from (``MOEGATE_PROCESS_START``, default forkserver)."""
+def process_context(preload: tuple[str, ...] = ()) -> multiprocessing.context.BaseContext:
+    """The multiprocessing context processes start from (``MOEGATE_PROCESS_START``, default forkserver).
+
+    ``preload``: modules the forkserver imports besides ``PRELOAD`` (what the started processes import anyway,
+    a test's modules, say; like ``PRELOAD``'s, importing them must do nothing else). There is one forkserver per process and its imports are the ones asked for by the call
+    before the start that started it (the first start): a later call asking for other modules changes nothing for
+    the running server, and the processes it starts import those themselves (slower, the same otherwise)."""
     method = os.environ.get(START_METHOD_ENV) or "forkserver"
     if method not in START_METHODS:
         raise ValueError(f"{START_METHOD_ENV} must be one of {', '.join(START_METHODS)}, got {method!r}")
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (the first start)
+        ctx.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, *preload))))  # read when the server starts
     return ctx
 
 
@@ -47,14 +53,17 @@ def _in_environment(environ: dict[str, str], target: Callable, args: tuple) -> N
     target(*args)
 
 
-def start_process(target: Callable, args: tuple, name: str, env: dict[str, str] | None = None) -> BaseProcess:
+def start_process(target: Callable, args: tuple, name: str, env: dict[str, str] | None = None,
+                  preload: tuple[str, ...] = ()) -> BaseProcess:
     """Start ``target(*args)`` in a new daemon process with this process's environment plus ``env`` (see the
-    module docstring); ``target`` and ``args`` must be picklable (connections are: they travel as descriptors)."""
+    module docstring); ``target`` and ``args`` must be picklable (connections are: they travel as descriptors).
+    ``preload``: as ``process_context``'s (effective only if this start starts the forkserver)."""
     environ = {**os.environ, **(env or {})}
     current = multiprocessing.current_process()
     if current.daemon:  # an engine process starting its ranks: multiprocessing refuses children to a daemonic
         current.daemon = False  # process, a flag that only says its starter ends it at exit (and so it ends them)
-    process = process_context().Process(target=_in_environment, args=(environ, target, args), name=name, daemon=True)
+    process = process_context(preload).Process(target=_in_environment, args=(environ, target, args), name=name,
+                                               daemon=True)
     process.start()
     return process
 

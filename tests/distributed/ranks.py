@@ -12,15 +12,14 @@ import time
 import traceback
 from collections.abc import Callable
 
-from engine.serving import process_start
 from engine.serving.process_start import process_context, start_process
 
 # A rank unpickles its function by importing the test module it lives in, which imports pytest and the reference
 # models (transformers' model classes): preloaded as well, a rank starts on about half the CPU (0.1-0.2 s rather than
-# 0.3-1 s). ``process_context`` reads PRELOAD at each start, and pytest imports this module while collecting, before
-# any test starts a process, so the forkserver that this test process starts imports them too.
+# 0.3-1 s). The forkserver imports them only if a rank's start is the test process's first start (its first
+# ``run_ranks``, before any engine started its processes): otherwise each rank imports them itself, as a spawned
+# one would.
 TEST_PRELOAD = ("pytest", "tests.hf_models")
-process_start.PRELOAD = (*process_start.PRELOAD, *TEST_PRELOAD)
 
 
 def free_port() -> int:
@@ -41,9 +40,10 @@ def _entry(fn, rank: int, world: int, port: int, args, results) -> None:
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 120.0) -> dict[int, tuple[str, object]]:
     """{rank: ("ok", fn's result) or ("error", message)}; ranks still alive after ``timeout_s`` are killed."""
-    results = process_context().Queue()
+    results = process_context(TEST_PRELOAD).Queue()
     port = free_port()
-    procs = [start_process(_entry, (fn, r, world, port, args, results), f"test-rank-{r}") for r in range(world)]
+    procs = [start_process(_entry, (fn, r, world, port, args, results), f"test-rank-{r}", preload=TEST_PRELOAD)
+             for r in range(world)]
     out: dict[int, tuple[str, object]] = {}
     deadline = time.monotonic() + timeout_s
     try:

@@ -1,9 +1,13 @@
 """Engine processes forked from the forkserver take the starting process's environment as it is at the start
-(not the server's, from when it started), with their own overrides, and import nothing the server did not."""
+(not the server's, from when it started), with their own overrides, and import nothing the server did not; the
+server imports the extra modules the first start asked for, and a later start's are not imported."""
 
+import ast
 import multiprocessing
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -15,6 +19,13 @@ def report(conn, names: list[str]) -> None:
 
     conn.send({"env": {n: os.environ.get(n) for n in names}, "torch": "torch" in sys.modules,
                "parent": multiprocessing.parent_process().pid})
+    conn.close()
+
+
+def imported(conn, names: list[str]) -> None:
+    import sys
+
+    conn.send({name: name in sys.modules for name in names})
     conn.close()
 
 
@@ -50,3 +61,27 @@ def test_the_start_method_is_checked(monkeypatch):
         process_context()
     monkeypatch.setenv(START_METHOD_ENV, "spawn")
     assert process_context().get_start_method() == "spawn"
+
+
+def test_the_first_start_s_extra_preload_is_imported_by_the_server():
+    """In a fresh test process (whose first start starts the server): two stdlib modules nothing here imports."""
+    first, later = random.sample(["colorsys", "graphlib"], 2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    starter = ("import multiprocessing\n"
+               "from engine.serving.process_start import start_process\n"
+               "from tests.engine.serving.test_process_start import imported\n"
+               "def run(preload):\n"
+               "    ours, theirs = multiprocessing.Pipe(duplex=False)\n"
+               "    process = start_process(imported, (theirs, [%r, %r]), 'reporter', preload=preload)\n"
+               "    theirs.close()\n"
+               "    got = ours.recv()\n"
+               "    process.join(10)\n"
+               "    return got\n"
+               "print([run((%r,)), run((%r,))])\n" % (first, later, first, later))
+    env = {**os.environ, "PYTHONPATH": root}
+    env.pop(START_METHOD_ENV, None)
+    run = subprocess.run([sys.executable, "-c", starter], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    want = {first: True, later: False}  # the later start's module: imported by neither process
+    assert ast.literal_eval(run.stdout) == [want, want]
