@@ -35,9 +35,10 @@ def process_context(preload: tuple[str, ...] = ()) -> multiprocessing.context.Ba
     """The multiprocessing context processes start from (``MOEGATE_PROCESS_START``, default forkserver).
 
     ``preload``: modules the forkserver imports besides ``PRELOAD`` (what the started processes import anyway,
-    a test's modules, say; like ``PRELOAD``'s, importing them must do nothing else). There is one forkserver per process and its imports are the ones asked for by the call
-    before the start that started it (the first start): a later call asking for other modules changes nothing for
-    the running server, and the processes it starts import those themselves (slower, the same otherwise)."""
+    a test's modules, say; like ``PRELOAD``'s, importing them must do nothing else). There is one forkserver per
+    process and its imports are the ones asked for by the call before the start that started it (the first
+    start): a later call asking for other modules changes nothing for the running server, and the processes it
+    starts import those themselves (slower, the same otherwise)."""
     method = os.environ.get(START_METHOD_ENV) or "forkserver"
     if method not in START_METHODS:
         raise ValueError(f"{START_METHOD_ENV} must be one of {', '.join(START_METHODS)}, got {method!r}")
