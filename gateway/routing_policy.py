@@ -108,7 +108,10 @@ def choose(config: RouterConfig, views: Sequence[ReplicaView], turn: int) -> int
     best = max(fair, key=lambda v: (v.matched_blocks, -v.load, -v.kv_usage))
     if best.matched_blocks >= config.min_match_blocks:
         return best.index
-    return min(fair, key=lambda v: (v.load, v.families, v.kv_usage)).index
+    # Replicas equal in all of these take new prefixes in turn (the first one would take them all, and each
+    # then starts a family there, which the next requests follow).
+    span = max(v.index for v in views) + 1
+    return min(fair, key=lambda v: (v.load, v.families, v.kv_usage, (v.index - turn) % span)).index
 
 
 def rebalance(config: RouterConfig, views: Sequence[ReplicaView], movable: Mapping[int, int]) -> tuple[int, int] | None:

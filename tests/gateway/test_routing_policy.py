@@ -70,6 +70,17 @@ def test_affinity_wins_until_the_load_gap_is_too_wide():
     assert choose(config, _views([1, 1], [0, 0], [50, 10]), 0) == 1
 
 
+def test_replicas_equal_in_every_respect_take_new_prefixes_in_turn():
+    config = RouterConfig()
+    views = _views([0, 0, 0], [0, 0, 0])
+    assert [choose(config, views, turn) for turn in range(6)] == [0, 1, 2, 0, 1, 2]
+    live = [v for v in _views([0, 0, 0, 0], [0, 0, 0, 0]) if v.index != 2]  # replica 2 is down
+    assert sorted({choose(config, live, turn) for turn in range(8)}) == [0, 1, 3]
+    # Anything that tells them apart still decides: fewer families, then less KV in use.
+    views = _views([0, 0, 0], [0, 0, 0], indexed=[2, 1, 2])
+    assert {choose(config, views, turn) for turn in range(6)} == {1}
+
+
 def test_round_robin_takes_turns():
     config = RouterConfig(policy="round-robin")
     assert [choose(config, _views([0, 9, 0], [5, 0, 0]), t) for t in range(4)] == [0, 1, 2, 0]
