@@ -1,6 +1,8 @@
 """A batch mixing the base model and three LoRA adapters gives each request exactly transformers + PEFT's greedy
-tokens for its adapter, through chunked prefill, preemption and prefix-cache hits (each forced and asserted)."""
+tokens for its adapter (up to a near tie: tests.greedy_ties), through chunked prefill, preemption and prefix-cache
+hits (each forced and asserted)."""
 
+import functools
 import random
 
 import pytest
@@ -8,7 +10,8 @@ import torch
 
 from engine import LLM, RequestPolicy, SamplingParams
 from tests.hf_models import make_hf_model
-from tests.engine.lora.peft_reference import peft_greedy_tokens
+from tests.engine.lora.peft_reference import peft_greedy_tokens, peft_last_logits
+from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 
 peft = pytest.importorskip("peft")
 
@@ -77,7 +80,8 @@ def test_mixed_adapters_match_transformers_peft(family, tmp_path):
     ids += [engine.add_request(p, params, policy=RequestPolicy(lora_adapter=a)) for a, p in reqs[4:]]
     drain()
     for rid, (adapter, p), want in zip(ids, reqs, expected):
-        assert outs[rid].token_ids == want, f"seed={seed} adapter={adapter} prompt_len={len(p)}"
+        assert_greedy_equal_up_to_a_near_tie(functools.partial(peft_last_logits, ref, adapter), p, outs[rid].token_ids,
+                                             want, f"seed={seed} adapter={adapter} prompt_len={len(p)}")
     scheduler = engine.scheduler
     assert scheduler.num_preemptions > 0, f"seed={seed}: the small KV pool should have forced preemption"
     assert scheduler.kv.prefix_hit_tokens > 0, f"seed={seed}: no prefix-cache hit"

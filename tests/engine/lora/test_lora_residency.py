@@ -1,8 +1,9 @@
 """More adapters than device slots and host copies: five adapters over two slots and three host copies, mixed with
-the base model, give each request transformers + PEFT's greedy tokens for its adapter, while slot evictions, host
+the base model, give each request transformers + PEFT's greedy tokens for its adapter (up to a near tie), while slot evictions, host
 evictions, reads from disk and preemption happen (asserted); adapters added and removed while serving; bad adapters refused
 with one line while the engine keeps serving."""
 
+import functools
 import os
 import random
 
@@ -12,7 +13,8 @@ import torch
 from engine import LLM, RequestPolicy, SamplingParams
 from engine.lora import reader_process
 from tests.hf_models import make_hf_model
-from tests.engine.lora.peft_reference import peft_greedy_tokens
+from tests.engine.lora.peft_reference import peft_greedy_tokens, peft_last_logits
+from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 
 peft = pytest.importorskip("peft")
 
@@ -70,7 +72,7 @@ def world(tmp_path_factory):
     adapted_differs = any(want != peft_greedy_tokens(ref, None, p, MAX_NEW)
                           for (a, p), want in zip(sum(waves, []), expected) if a)
     return dict(seed=seed, model_dir=model_dir, paths=paths, prompt=prompt, waves=waves, expected=expected,
-                adapted_differs=adapted_differs)
+                adapted_differs=adapted_differs, ref=ref)
 
 
 @pytest.mark.timeout(600)
@@ -122,7 +124,9 @@ def test_adapters_beyond_slots_match_transformers_peft(overlap, world):
     drain()
     assert engine.stats().lora_host_misses > misses, f"seed={seed}: ad1 should have been read from disk again"
     for i, (rid, (adapter, p)) in enumerate(zip(ids, first + second + third)):
-        assert outs[rid].token_ids == expected[i], f"seed={seed} request {i} adapter={adapter}"
+        assert_greedy_equal_up_to_a_near_tie(functools.partial(peft_last_logits, world["ref"], adapter), p,
+                                             outs[rid].token_ids, expected[i],
+                                             f"seed={seed} request {i} adapter={adapter}")
     assert outs[ids[0]].token_ids == outs[ids[-2]].token_ids  # evicted, reloaded from disk: the same tokens
 
     stats = engine.stats()

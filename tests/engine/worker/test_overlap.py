@@ -15,6 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.scheduler import PLACEHOLDER
 from engine.core.structured_output_spec import StructuredOutput
+from tests import greedy_ties
 from tests.hf_models import make_hf_model
 
 VOCAB = 211
@@ -41,21 +42,14 @@ def demo_path(tmp_path_factory):
 
 
 def assert_greedy_equal_up_to_a_near_tie(path: str, prompt: list[int], got: list[int], want: list[int], where: str):
-    """``got`` equals ``want`` (over ``got``'s length), or up to a position where transformers' two most likely
-    tokens are within 1e-4 of each other (a tie that float sums in another order, from another batch
-    composition, may break either way); nothing after that position is compared."""
-    split = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    if split is None:
-        assert len(got) <= len(want), where
-        return
-    from transformers import AutoModelForCausalLM
+    """``tests.greedy_ties``' check against transformers' model at ``path`` (loaded only where they differ)."""
+    def last_logits(ids: list[int]) -> torch.Tensor:
+        from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logp = torch.log_softmax(hf(torch.tensor([prompt + want[:split]])).logits[0, -1].double(), dim=-1)
-    gap = abs(logp[got[split]].item() - logp[want[split]].item())
-    assert gap < 1e-4 and logp.topk(2).indices.tolist() in ([got[split], want[split]], [want[split], got[split]]), \
-        f"{where}: token {split} differs ({got[split]} vs {want[split]}), not a near tie (gap {gap:.2e})"
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return hf(torch.tensor([ids])).logits[0, -1]  # [V]
+
+    greedy_ties.assert_greedy_equal_up_to_a_near_tie(last_logits, prompt, got, want, where)
 
 
 def engine(path: str, overlap: bool, **kw) -> LLM:
