@@ -1,16 +1,19 @@
 """LoRA adapters on an engine split over 2 processes (gloo, 1 thread each): a batch mixing the base model and three
 adapters gives, with tensor parallelism and with the experts divided among the ranks, exactly the single process's
-greedy tokens, and those are transformers + PEFT's. Qwen3-MoE: one KV head replicated on both ranks, adapters on
+greedy tokens, and those are transformers + PEFT's (up to a near tie). Qwen3-MoE: one KV head replicated on both ranks, adapters on
 q/k/v/o and the routed experts, the all-to-all dispatch; Qwen2-MoE: a shared expert and a dense layer, adapters on
 their gate/up/down too, the all-gather dispatch. Splits that do not serve adapters yet are refused with one line."""
 
+
+import functools
 
 import pytest
 import torch
 
 from tests.distributed.ranks import run_ranks_each
 from tests.distributed.test_tensor_parallel import VOCAB, family_checkpoints
-from tests.engine.lora.peft_reference import peft_greedy_tokens
+from tests.engine.lora.peft_reference import peft_greedy_tokens, peft_last_logits
+from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 
 peft = pytest.importorskip("peft")
 
@@ -57,7 +60,7 @@ def test_split_engines_serve_adapters_as_one_process_and_peft(tmp_path_factory):
 
     from tests.engine.lora.test_lora_engine import FAMILY_ADAPTERS
 
-    runs, expected, seeds = {}, {}, {}
+    runs, expected, seeds, refs = {}, {}, {}, {}
     for family, (seed, model_dir, _, rng) in family_checkpoints(tmp_path_factory, "lora", FAMILIES).items():
         seeds[family] = seed
         torch.manual_seed(seed)
@@ -69,6 +72,7 @@ def test_split_engines_serve_adapters_as_one_process_and_peft(tmp_path_factory):
                                         f"{model_dir}-ad1", adapter_name="ad1")
         for name in ("ad2", "ad3"):
             ref.load_adapter(f"{model_dir}-{name}", adapter_name=name)
+        refs[family] = ref
         prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (19, 5, 11, 2, 14, 7)]
         reqs = list(zip((None, "ad1", "ad2", "ad3", "ad1", "ad3"), prompts))
         max_new = 6
@@ -86,8 +90,11 @@ def test_split_engines_serve_adapters_as_one_process_and_peft(tmp_path_factory):
         assert status == "ok", f"family={family} seed={seeds[family]}: {value}"
         assert set(value) == set(runs[family][4])
         for mode, (tokens, _) in value.items():
-            assert tokens == expected[family], f"{mode} differs from transformers + PEFT " \
-                                               f"(family={family} seed={seeds[family]})"
+            assert len(tokens) == len(expected[family]), mode
+            for (adapter, prompt), got, want in zip(runs[family][2], tokens, expected[family]):
+                assert_greedy_equal_up_to_a_near_tie(
+                    functools.partial(peft_last_logits, refs[family], adapter), prompt, got, want,
+                    f"{mode} differs from transformers + PEFT (family={family} seed={seeds[family]} adapter={adapter})")
     evictions, misses, sync_reads = results["qwen3_moe"][0][1]["tp_one_slot"][1]
     assert evictions > 0 and misses > 0 and sync_reads == 0, (evictions, misses, sync_reads)
 
