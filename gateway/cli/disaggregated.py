@@ -50,7 +50,8 @@ def disaggregation_layout(args: argparse.Namespace, config: EngineConfig, parse_
     prefill = dataclasses.replace(config, role="prefill")
     if args.prefill_max_num_batched_tokens is not None:
         if args.prefill_max_num_batched_tokens < 1:
-            raise ValueError(f"--prefill-max-num-batched-tokens must be >= 1, got {args.prefill_max_num_batched_tokens}")
+            raise ValueError("--prefill-max-num-batched-tokens must be >= 1, "
+                             f"got {args.prefill_max_num_batched_tokens}")
         prefill = dataclasses.replace(prefill, max_num_batched_tokens=args.prefill_max_num_batched_tokens)
     return DisaggregatedLayout(prefill, dataclasses.replace(config, role="decode"), args.prefill_replicas,
                                args.decode_replicas, remote_p, remote_d)

@@ -1,8 +1,9 @@
 """LoRA adapters on an engine split over 2 processes (gloo, 1 thread each): a batch mixing the base model and three
 adapters gives, with tensor parallelism and with the experts divided among the ranks, exactly the single process's
-greedy tokens, and those are transformers + PEFT's (up to a near tie). Qwen3-MoE: one KV head replicated on both ranks, adapters on
-q/k/v/o and the routed experts, the all-to-all dispatch; Qwen2-MoE: a shared expert and a dense layer, adapters on
-their gate/up/down too, the all-gather dispatch. Splits that do not serve adapters yet are refused with one line."""
+greedy tokens, and those are transformers + PEFT's (up to a near tie). Qwen3-MoE: one KV head replicated on both
+ranks, adapters on q/k/v/o and the routed experts, the all-to-all dispatch; Qwen2-MoE: a shared expert and a dense
+layer, adapters on their gate/up/down too, the all-gather dispatch. Splits that do not serve adapters yet are refused
+with one line."""
 
 
 import functools

@@ -1,7 +1,7 @@
 """More adapters than device slots and host copies: five adapters over two slots and three host copies, mixed with
-the base model, give each request transformers + PEFT's greedy tokens for its adapter (up to a near tie), while slot evictions, host
-evictions, reads from disk and preemption happen (asserted); adapters added and removed while serving; bad adapters refused
-with one line while the engine keeps serving."""
+the base model, give each request transformers + PEFT's greedy tokens for its adapter (up to a near tie), while
+slot evictions, host evictions, reads from disk and preemption happen (asserted); adapters added and removed while
+serving; bad adapters refused with one line while the engine keeps serving."""
 
 import functools
 import os

@@ -6,6 +6,7 @@ a SentencePiece-style one (Metaspace "▁" + byte fallback, as Mixtral's) whose
 decoder strips a leading space, which the prompt context must compensate.
 """
 
+import functools
 import json
 import random
 
@@ -274,6 +275,7 @@ def test_stop_string_completed_by_the_last_token(demo):
 
 # ---- the demo model's tokenizer on any ids: prompts ending inside a character, stray bytes -------------------
 
+@functools.cache  # once per tokenizer: every random_ids call asks
 def byte_level_ids(tokenizer) -> list[int]:
     """The id of each byte's own token in a byte-level BPE: GPT-2's printable spelling of the 256 bytes."""
     printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
