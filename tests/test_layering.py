@@ -23,6 +23,7 @@ TORCH_FREE = tuple(sorted(str(f.relative_to(ROOT)) for room in TORCH_FREE_ROOMS 
 # call) and a high part (building a model; a follower rank's loop), and engine/cli.py, engine/engine_flags.py
 # are command-line entry points.
 ENGINE_LAYERS = (
+    ("engine/processes",),
     ("engine/text",),
     ("engine/core",),
     ("engine/device_batch",),

@@ -23,7 +23,7 @@ from engine.distributed.pipeline import STAGE_TIMINGS
 from engine.distributed.rank_flags import add_rank_flags
 from engine.distributed.ranks import EXIT_WITH_PARENT_ENV, parallel_groups
 from engine.distributed.world import agree_on_world
-from engine.serving.parent_watch import exit_with_parent
+from engine.processes.parent_watch import exit_with_parent
 
 logger = logging.getLogger(__name__)
 

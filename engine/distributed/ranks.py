@@ -9,7 +9,7 @@ process that schedules for it. A pipelined engine (one replica) is
 ``engine.distributed.follower`` with the standard ``torchrun`` variables
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``):
 this node's are forked from the engine process's forkserver
-(``engine.serving.process_start``, imports paid once however many ranks),
+(``engine.processes.process_start``, imports paid once however many ranks),
 ranks on other nodes are started by ``torchrun`` or by hand
 (``moegate engine-rank``). Once the ranks have met they check together that
 the world fits (``engine.distributed.world``), and each replica's engine
@@ -32,7 +32,7 @@ from engine.distributed.pipeline import PipelineStage
 from engine.distributed.replica_layout import free_port, replica_world_ranks
 from engine.distributed.world import ReplicaClaim, agree_on_world
 from engine.loading.model_config import ModelConfig
-from engine.serving.process_start import run_main, start_process
+from engine.processes.process_start import run_main, start_process
 
 # The engine process's id, given to the follower ranks it starts itself: they end when it does.
 EXIT_WITH_PARENT_ENV = "MOEGATE_EXIT_WITH_PARENT"
@@ -97,7 +97,7 @@ class EngineRanks:
         env = {"WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
                EXIT_WITH_PARENT_ENV: str(os.getpid())}
         argv = ["--device", device.type, "--timeout", str(config.distributed_timeout_s)]
-        # Forked from this process's forkserver (engine.serving.process_start): imports paid once, however many.
+        # Forked from this process's forkserver (engine.processes.process_start): imports paid once, however many.
         self.processes: list[BaseProcess] = [
             start_process(run_main, ("engine.distributed.follower", argv), f"moegate-rank-{first + local}",
                           {**env, "RANK": str(first + local), "LOCAL_RANK": str(local)})

@@ -17,7 +17,7 @@ from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.engine_process import run_engine_process
-from engine.serving.process_start import start_process
+from engine.processes.process_start import start_process
 from engine.text.prompts import ChatInput, InputProcessor, Turn, chat_size
 from engine.serving.protocol import (
     AbortRequest, AddLora, AddRequest, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, LoraDone, PairKV, Ready,
@@ -440,7 +440,7 @@ class AsyncEngine:
         # received, measured), and every wakeup takes a core the engine's threads were using.
         requests_in, requests_out = multiprocessing.Pipe(duplex=False)
         replies_in, replies_out = multiprocessing.Pipe(duplex=False)
-        # No inherited threads or CUDA state (engine.serving.process_start).
+        # No inherited threads or CUDA state (engine.processes.process_start).
         self._process = start_process(self._process_main, (self.config, requests_in, replies_out), "moegate-engine",
                                       self._process_env)
         requests_in.close()

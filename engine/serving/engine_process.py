@@ -8,7 +8,7 @@ from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
 from engine.serving.grammar_builds import GrammarBuilds
-from engine.serving.parent_watch import exit_with_parent
+from engine.processes.parent_watch import exit_with_parent
 from engine.serving.protocol import (
     AbortRequest, AddLora, AddRequest, Fatal, KVSourceLost, KVWanted, LoraDone, PairKV, Ready, ReleaseRequest, Released,
     RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, to_engine_decoder,
