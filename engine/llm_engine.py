@@ -8,7 +8,7 @@ import torch
 
 from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
 from engine.text.prompts import InputProcessor
-from engine.loading.model_config import CheckpointError
+from engine.core.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
 from engine.distributed.groups import CollectiveError
 from engine.distributed.pipeline import STAGE_TIMINGS, WHOLE, StageTiming

@@ -31,7 +31,7 @@ from engine.distributed.groups import RankGroups, RankInfo
 from engine.distributed.pipeline import PipelineStage
 from engine.distributed.replica_layout import free_port, replica_world_ranks
 from engine.distributed.world import ReplicaClaim, agree_on_world
-from engine.loading.model_config import ModelConfig
+from engine.core.model_config import ModelConfig
 from engine.processes.process_start import run_main, start_process
 
 # The engine process's id, given to the follower ranks it starts itself: they end when it does.

@@ -10,7 +10,7 @@ from engine.core.kv_cache_manager import sliding_blocks_bound
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.worker.pipeline_overlap import StageZeroSteps
-from engine.loading.model_config import CheckpointError, ModelConfig, load_model_config
+from engine.core.model_config import CheckpointError, ModelConfig, load_model_config
 from engine.loading.model_loader import build_model
 from engine.layers.moe import SparseMoeBlock
 from engine.loading.quantization import check_supported, resolve_scheme
