@@ -32,6 +32,6 @@ def check_model(config: EngineConfig) -> None:
 
         stage_layers(model_config.num_layers, config.pipeline_parallel_size, 0)
     if config.tensor_parallel_size > 1 or config.enable_expert_parallel:
-        from engine.distributed.split_check import check_split
+        from engine.loading.split_check import check_split
 
         check_split(model_config, config)

@@ -118,7 +118,7 @@ def test_the_planned_copies_turn_the_old_placement_into_the_new():
 @pytest.mark.timeout(60)
 def test_bad_balancing_settings_are_refused_before_any_process_starts(tmp_path):
     from engine.core.config import EngineConfig
-    from engine.distributed.split_check import check_split
+    from engine.loading.split_check import check_split
     from engine.core.model_config import load_model_config
     from tests.hf_models import make_hf_model
 
