@@ -428,7 +428,7 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         """The scheduler's counters and the last step's host times; the expert load where a read is ready
         without waiting for the device (every step on the CPU; on CUDA a copy queued every
-        ``EXPERT_LOAD_EVERY_CUDA`` steps, handed out once done: ``engine.worker.expert_load``)."""
+        ``EXPERT_LOAD_EVERY_CUDA`` steps, handed out once done: ``engine.eplb.expert_load``)."""
         stats = self.scheduler.stats()
         stats.step_schedule_ms = self.scheduler.last_step_ms
         stats.step_prepare_ms = self.runner.last_prepare_ms
