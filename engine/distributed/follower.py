@@ -34,9 +34,8 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
     as that process builds its own, then follow its plans; returns when it sends the empty plan (None), raises
     CollectiveError when it or a peer fails, ValueError (on every rank) when the world does not fit."""
     from engine.kv_tiers.setup import build_rank_mirror
-    from engine.llm_engine import resolve_dtype
     from engine.worker.lora_setup import serve_adapters
-    from engine.worker.model_setup import build_rank, engine_model_config
+    from engine.worker.model_setup import build_rank, engine_model_config, resolve_dtype
 
     device = torch.device("cuda", info.local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":

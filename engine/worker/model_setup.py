@@ -21,6 +21,18 @@ from engine.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype a rank computes in: ``name`` (``EngineConfig.dtype``), or for "auto" the checkpoint's half
+    precision on a GPU and float32 on the CPU."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half precision matmuls are slow and inexact on most CPUs
+    return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+
 
 def engine_model_config(config: EngineConfig) -> ModelConfig:
     """The config of the model ``config`` serves: its random-weight spec's, or its checkpoint's (every rank
