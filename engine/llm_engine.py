@@ -12,7 +12,7 @@ from engine.core.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
 from engine.distributed.groups import CollectiveError
 from engine.distributed.pipeline import STAGE_TIMINGS, WHOLE, StageTiming
-from engine.distributed.ranks import EngineRanks
+from engine.ranks.engine_ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus

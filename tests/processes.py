@@ -44,5 +44,5 @@ def engine_pids(pid: int) -> list[int]:
 
 def rank_pids(pid: int) -> list[int]:
     """The follower ranks an engine process (or a process running ``engine.LLM``) ``pid`` started on this node:
-    the processes its forkserver forked (``engine.distributed.ranks.EngineRanks``)."""
+    the processes its forkserver forked (``engine.ranks.engine_ranks.EngineRanks``)."""
     return forked_pids(pid)

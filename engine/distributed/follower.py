@@ -21,7 +21,8 @@ from engine.core.config import EngineConfig, KernelChoice
 from engine.distributed.groups import CollectiveError, RankGroups, RankInfo
 from engine.distributed.pipeline import STAGE_TIMINGS
 from engine.distributed.rank_flags import add_rank_flags
-from engine.distributed.ranks import EXIT_WITH_PARENT_ENV, parallel_groups
+from engine.distributed.parallel_groups import parallel_groups
+from engine.ranks.engine_ranks import EXIT_WITH_PARENT_ENV
 from engine.distributed.world import agree_on_world
 from engine.processes.parent_watch import exit_with_parent
 

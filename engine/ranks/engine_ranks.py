@@ -19,17 +19,14 @@ builds the same model the same way, whatever its own command line said.
 
 import logging
 import os
-from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
 import torch
 
 from engine.core.config import EngineConfig, meeting_address
-from engine.distributed.collectives import TensorParallel
-from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.groups import RankGroups, RankInfo
-from engine.distributed.pipeline import PipelineStage
-from engine.distributed.replica_layout import free_port, replica_world_ranks
+from engine.distributed.parallel_groups import parallel_groups
+from engine.distributed.replica_layout import free_port
 from engine.distributed.world import ReplicaClaim, agree_on_world
 from engine.core.model_config import ModelConfig
 from engine.processes.process_start import run_main, start_process
@@ -38,46 +35,6 @@ from engine.processes.process_start import run_main, start_process
 EXIT_WITH_PARENT_ENV = "MOEGATE_EXIT_WITH_PARENT"
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelGroups:
-    """This rank's collectives: ``tp`` over its replica's ranks (the model's tensor parallelism; its
-    ``expert_parallel`` divides the experts among every replica's ranks), and ``drivers`` over the
-    replicas' rank-0 processes (on those only, when several replicas share their experts)."""
-
-    tp: TensorParallel
-    drivers: TensorParallel | None
-    # The group the engine process's plans (and its config) go over: its tensor-parallel ranks, or every stage's.
-    plans: TensorParallel
-    stage: PipelineStage = field(default_factory=PipelineStage)
-
-
-def parallel_groups(groups: RankGroups, world: ReplicaClaim) -> ParallelGroups:
-    """The groups of an engine's world of ``data_parallel_size`` x ``tensor_parallel_size`` ranks (replica d is
-    world ranks [d*T, (d+1)*T)), laid out as ``world`` (world rank 0's claim, checked by ``agree_on_world``), with
-    the experts divided among all of them if it says so. Every rank of the world calls it, in the same order as
-    its other collectives."""
-    replicas, split = world.data_parallel_size, world.tensor_parallel_size
-    everyone = TensorParallel(groups)
-    if world.pipeline_parallel_size > 1:  # one engine (config checks): stage s is world ranks [s*T, (s+1)*T)
-        stages = [list(range(s * split, (s + 1) * split)) for s in range(world.pipeline_parallel_size)]
-        tp = TensorParallel(groups.subgroup(stages, "tensor-parallel")) if split > 1 else TensorParallel()
-        if world.enable_expert_parallel and split > 1:  # the experts are divided inside each stage
-            tp.expert_parallel = ExpertParallel(tp, world.expert_dispatch)
-        stage = PipelineStage.of(groups, split, world.model_shape[2])
-        return ParallelGroups(tp, None, stage.plans, stage)
-    if replicas == 1:
-        tp, drivers = everyone, None
-    else:
-        layout = replica_world_ranks(replicas, split)
-        tp = TensorParallel(groups.subgroup(layout, "tensor-parallel")) if split > 1 else TensorParallel()
-        driver_ranks = [ranks[0] for ranks in layout]
-        driver_group = groups.subgroup([driver_ranks], "data-parallel", device=False) if split > 1 else groups
-        drivers = TensorParallel(driver_group) if groups.rank in driver_ranks else None
-    if world.enable_expert_parallel:
-        tp.expert_parallel = ExpertParallel(everyone, world.expert_dispatch)
-    return ParallelGroups(tp, drivers, tp)
 
 
 class EngineRanks:
