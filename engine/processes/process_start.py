@@ -28,7 +28,7 @@ from multiprocessing.process import BaseProcess
 START_METHOD_ENV = "MOEGATE_PROCESS_START"
 START_METHODS = ("forkserver", "spawn")
 # Imported once by the forkserver; what an engine process, or a follower rank, needs before its first step.
-PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process", "engine.distributed.follower")
+PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process", "engine.ranks.follower")
 
 
 def process_context(preload: tuple[str, ...] = ()) -> multiprocessing.context.BaseContext:

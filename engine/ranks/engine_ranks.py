@@ -6,7 +6,7 @@ each (one replica and its split ranks, or several replicas sharing their
 experts): replica d is world ranks [d*T, (d+1)*T), and its rank 0 is the engine
 process that schedules for it. A pipelined engine (one replica) is
 ``pipeline_parallel_size`` stages of T ranks: stage s is world ranks [s*T, (s+1)*T). The other ranks run
-``engine.distributed.follower`` with the standard ``torchrun`` variables
+``engine.ranks.follower`` with the standard ``torchrun`` variables
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``):
 this node's are forked from the engine process's forkserver
 (``engine.processes.process_start``, imports paid once however many ranks),
@@ -56,7 +56,7 @@ class EngineRanks:
         argv = ["--device", device.type, "--timeout", str(config.distributed_timeout_s)]
         # Forked from this process's forkserver (engine.processes.process_start): imports paid once, however many.
         self.processes: list[BaseProcess] = [
-            start_process(run_main, ("engine.distributed.follower", argv), f"moegate-rank-{first + local}",
+            start_process(run_main, ("engine.ranks.follower", argv), f"moegate-rank-{first + local}",
                           {**env, "RANK": str(first + local), "LOCAL_RANK": str(local)})
             for local in range(1, config.local_ranks or split)]
         try:

@@ -1,7 +1,7 @@
 """A follower rank of an engine: its slices of the model, stepping as its replica's rank 0's plans say, until
 told to stop.
 
-Run as ``python -m engine.distributed.follower`` (or ``moegate engine-rank``)
+Run as ``python -m engine.ranks.follower`` (or ``moegate engine-rank``)
 with the ``torchrun`` variables set: each engine process starts its node's
 followers so, and ranks on other nodes are started so by ``torchrun`` or by
 hand. The engine's config comes from world rank 0 once the ranks have met.
@@ -20,7 +20,7 @@ import torch
 from engine.core.config import EngineConfig, KernelChoice
 from engine.distributed.groups import CollectiveError, RankGroups, RankInfo
 from engine.distributed.pipeline import STAGE_TIMINGS
-from engine.distributed.rank_flags import add_rank_flags
+from engine.ranks.rank_flags import add_rank_flags
 from engine.distributed.parallel_groups import parallel_groups
 from engine.ranks.engine_ranks import EXIT_WITH_PARENT_ENV
 from engine.distributed.world import agree_on_world
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_parent()
     elif (parent := os.environ.get(EXIT_WITH_PARENT_ENV, "")).isdigit():
         exit_with_parent(int(parent))
-    parser = argparse.ArgumentParser(prog="python -m engine.distributed.follower", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m engine.ranks.follower", description=__doc__)
     add_rank_flags(parser)
     return run(parser.parse_args(argv))
 
