@@ -128,10 +128,6 @@ class AsyncEngine:
         self.dead = self.dead_detail = self.failure = self._stalled = None
         return ready
 
-    async def preflight(self) -> None:
-        """Check, before any replica of a gateway starts, what can be checked without building (nothing for an
-        engine process of this node); EngineError if it is wrong."""
-
     async def start(self) -> Ready:
         self._loop = asyncio.get_running_loop()
         self._requests, replies = await self._open()
