@@ -44,7 +44,7 @@ ENGINE_LAYERS = (
     ("engine/ranks",),
     ("engine/llm_engine.py", "engine/llm.py"),
     ("engine/serving",),
-    ("engine/cli.py", "engine/engine_flags.py", "engine/__init__.py"),
+    ("engine/cli.py", "engine/engine_flags.py", "engine/config_flags.py", "engine/__init__.py"),
 )
 
 
