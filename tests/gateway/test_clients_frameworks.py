@@ -1,0 +1,200 @@
+"""Agent and evaluation frameworks against an in-process server on the demo checkpoint, used as their users use
+them: pydantic-ai's agents (text, streamed text, structured output through a forced output tool and through
+response_format, a function tool called and its result sent back), llama-index's LiteLLM model (chat, streamed
+chat, a required tool call answered, a function-calling program) and lm-eval's local-completions and
+local-chat-completions models (loglikelihood, rolling loglikelihood, generate_until).
+
+The demo model's text is random, so what is checked is what each client checks itself (its parse; types
+validated on the first try, with no retry; tool arguments as JSON) and values against transformers: prompt
+tokens against the checkpoint's chat template over the messages the client sent, lm-eval's scores against a
+float64 log-softmax, its generations against greedy decoding. Blocking clients run on a worker thread while the
+server's loop runs."""
+
+import asyncio
+import functools
+import json
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from tests.gateway.in_process import in_process_server
+from tests.gateway.tenant_keys import new_tenant_key
+from tests.greedy_ties import NEAR_TIE
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Person(BaseModel):
+    """A person"""
+
+    name: str = Field(max_length=8)  # bounded: a random model cannot run on inside it
+    age: int = Field(ge=0, le=120)
+
+
+CITIES = ("Oslo", "Lima")
+
+
+def weather_in(city: str) -> str:
+    return f"8 degrees in {city}"
+
+
+@dataclass
+class Served:
+    run: object  # run(awaitable) on the server's loop
+    base_url: str
+    key: str
+    demo: str
+
+    @functools.cached_property
+    def tok(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.demo)
+
+    @functools.cached_property
+    def hf(self):
+        """transformers' float32 model of the checkpoint."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.demo, dtype=torch.float32).eval()
+
+    def prompt_tokens(self, body: dict) -> int:
+        """The prompt length of a chat request's body, by transformers' rendering of its messages and tools."""
+        kwargs = {"tools": body["tools"]} if body.get("tools") else {}
+        return len(self.tok.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=True,
+                                                return_dict=True, **kwargs)["input_ids"])
+
+    def log_softmax(self, ids: list[int]) -> torch.Tensor:
+        """transformers' float64 log-softmax [len(ids), V] over ``ids``."""
+        with torch.no_grad():
+            return torch.log_softmax(self.hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with in_process_server(tmp_path_factory.mktemp("frameworks"), dict(
+            dtype="float32", num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048)) as srv:
+        yield Served(srv.run, srv.base_url, srv.run(new_tenant_key(srv.database_url)), srv.demo)
+
+
+def _words(n: int) -> str:
+    return " ".join(random.choice(["river", "bread", "lamp", "mill", "stone", "the", "is", "high"]) for _ in range(n))
+
+
+# --- pydantic-ai --------------------------------------------------------------------------------------------------
+
+def _pydantic_ai_model(served: Served, provider_class, bodies: list[dict]):
+    """pydantic-ai's chat-completions model on ``provider_class`` (OpenAIProvider or VLLMProvider), its openai
+    client recording each request's body in ``bodies``."""
+    import httpx2
+    import openai
+    from pydantic_ai.models.openai import OpenAIChatModel
+
+    async def record(request):
+        bodies.append(json.loads(request.content))
+
+    client = openai.AsyncOpenAI(base_url=served.base_url, api_key=served.key, max_retries=0,
+                                http_client=httpx2.AsyncClient(event_hooks={"request": [record]}))
+    return OpenAIChatModel("demo", provider=provider_class(openai_client=client))
+
+
+def test_pydantic_ai_text(served):
+    """An agent's text run and streamed run: the usage it reads (the streamed one from the closing usage chunk it
+    asks for) is the server's, against the chat template over the messages it sent."""
+    from pydantic_ai import Agent, ModelSettings
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    bodies = []
+    n = random.randint(3, 9)
+    agent = Agent(_pydantic_ai_model(served, OpenAIProvider, bodies), model_settings=ModelSettings(
+        max_tokens=n, seed=random.randrange(2**31), extra_body={"ignore_eos": True}))
+    prompt = _words(6)
+
+    async def go():
+        whole = await agent.run(prompt)
+        async with agent.run_stream(prompt) as stream:
+            deltas = [d async for d in stream.stream_text(delta=True)]
+            return whole, deltas, await stream.get_output(), stream.usage
+
+    whole, deltas, streamed, streamed_usage = served.run(go())
+    assert isinstance(whole.output, str) and "".join(deltas) == streamed
+    assert [b.get("stream", False) for b in bodies] == [False, True]
+    assert bodies[1]["stream_options"] == {"include_usage": True}
+    prompt_tokens = served.prompt_tokens(bodies[0])
+    for usage in (whole.usage, streamed_usage):
+        assert (usage.input_tokens, usage.output_tokens, usage.requests) == (prompt_tokens, n, 1), usage
+
+
+def test_pydantic_ai_tools_and_tool_output(served):
+    """An agent with a function tool and a structured output type (pydantic-ai's default: an output tool), the
+    function tool forced on the first step and the output tool on the second, as a capability that varies
+    tool_choice per step does: the forced calls come back, their arguments validate at once (the agent may not
+    retry), the tool's result is sent back and accepted; streamed the same."""
+    from pydantic_ai import Agent, ModelSettings
+    from pydantic_ai.capabilities import AbstractCapability
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    @dataclass
+    class WeatherFirst(AbstractCapability):
+        def get_model_settings(self):
+            return lambda ctx: ModelSettings(tool_choice=["get_weather"] if ctx.run_step <= 1 else ["final_result"])
+
+    bodies, asked = [], []
+    agent = Agent(_pydantic_ai_model(served, OpenAIProvider, bodies), output_type=Person, retries=0,
+                  capabilities=[WeatherFirst()], model_settings=ModelSettings(
+                      max_tokens=80, parallel_tool_calls=False, seed=random.randrange(2**31)))
+
+    @agent.tool_plain
+    def get_weather(city: Literal["Oslo", "Lima"]) -> str:
+        """Weather in a city"""
+        asked.append(city)
+        return weather_in(city)
+
+    async def go():
+        whole = await agent.run("Weather in Oslo, then describe a person.")
+        async with agent.run_stream("Weather in Lima, then describe a person.") as stream:
+            partial = [p async for p in stream.stream_output()]
+            return whole, partial, await stream.get_output(), stream.usage
+
+    whole, partial, streamed, streamed_usage = served.run(go())
+    assert isinstance(whole.output, Person) and isinstance(streamed, Person) and partial[-1] == streamed
+    assert len(asked) == 2 and set(asked) <= set(CITIES)
+    for usage in (whole.usage, streamed_usage):
+        assert (usage.requests, usage.tool_calls) == (2, 1), usage
+    assert len(bodies) == 4
+    for first, second in (bodies[0:2], bodies[2:4]):
+        assert first["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+        assert second["tool_choice"] == {"type": "function", "function": {"name": "final_result"}}
+        call, answer = second["messages"][-2:]
+        assert call["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert answer == {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"],
+                          "content": weather_in(json.loads(call["tool_calls"][0]["function"]["arguments"])["city"])}
+    first_response = next(m for m in whole.all_messages() if m.kind == "response")
+    assert first_response.usage.input_tokens == served.prompt_tokens(bodies[0])
+
+
+def test_pydantic_ai_native_output(served):
+    """NativeOutput on pydantic-ai's vLLM provider: response_format json_schema, the text parsed and validated
+    into the type at once, streamed and not."""
+    from pydantic_ai import Agent, ModelSettings, NativeOutput
+    from pydantic_ai.providers.vllm import VLLMProvider
+
+    bodies = []
+    agent = Agent(_pydantic_ai_model(served, VLLMProvider, bodies), output_type=NativeOutput(Person), retries=0,
+                  model_settings=ModelSettings(max_tokens=80, seed=random.randrange(2**31)))
+
+    async def go():
+        whole = await agent.run("Describe a person.")
+        async with agent.run_stream("Describe a person.") as stream:
+            partial = [p async for p in stream.stream_output()]
+            return whole, partial, await stream.get_output(), stream.usage
+
+    whole, partial, streamed, streamed_usage = served.run(go())
+    assert isinstance(whole.output, Person) and isinstance(streamed, Person) and partial[-1] == streamed
+    assert whole.usage.requests == streamed_usage.requests == 1
+    assert [b["response_format"]["type"] for b in bodies] == ["json_schema", "json_schema"]
+    assert whole.usage.input_tokens == served.prompt_tokens(bodies[0])
