@@ -198,3 +198,64 @@ def test_pydantic_ai_native_output(served):
     assert whole.usage.requests == streamed_usage.requests == 1
     assert [b["response_format"]["type"] for b in bodies] == ["json_schema", "json_schema"]
     assert whole.usage.input_tokens == served.prompt_tokens(bodies[0])
+
+
+# --- llama-index ----------------------------------------------------------------------------------------------
+
+def test_llama_index_litellm(served, monkeypatch):
+    """llama-index's LiteLLM model on moegate as a vLLM server (``hosted_vllm/``): chat (its usage against the
+    chat template), streamed chat, a required tool call read by get_tool_calls_from_response (streamed too) and
+    its result sent back, and a FunctionCallingProgram's structured output, whole and streamed."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else litellm's import fetches it from the web
+    import litellm
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.program import FunctionCallingProgram
+    from llama_index.core.tools import FunctionTool
+    from llama_index.llms.litellm import LiteLLM
+
+    # What a litellm user declares for a served model, so that llama-index builds function-calling programs on it.
+    litellm.register_model({"hosted_vllm/demo": {"litellm_provider": "hosted_vllm", "mode": "chat",
+                                                 "supports_function_calling": True}})
+    n = random.randint(3, 9)
+
+    def llm(max_tokens: int, **extra) -> LiteLLM:
+        return LiteLLM(model="hosted_vllm/demo", api_base=served.base_url, api_key=served.key, max_tokens=max_tokens,
+                       max_retries=0, additional_kwargs={"extra_body": {"seed": random.randrange(2**31), **extra}})
+
+    def get_weather(city: Literal["Oslo", "Lima"]) -> str:
+        """Weather in a city"""
+        return weather_in(city)
+
+    tool = FunctionTool.from_defaults(fn=get_weather)
+    prompt = _words(6)
+
+    async def go():
+        text = llm(n, ignore_eos=True)
+        chat = await text.achat([ChatMessage(role="user", content=prompt)])
+        chunks = [c async for c in await text.astream_chat([ChatMessage(role="user", content=prompt)])]
+        tools = llm(60)
+        called = await tools.achat_with_tools([tool], user_msg="Weather in Oslo?", tool_required=True)
+        streamed = [c async for c in await tools.astream_chat_with_tools([tool], user_msg="Weather in Lima?",
+                                                                         tool_required=True)]
+        (selection,) = tools.get_tool_calls_from_response(called)
+        output = await tool.acall(**selection.tool_kwargs)
+        history = [ChatMessage(role="user", content="Weather in Oslo?"), called.message,
+                   ChatMessage(role="tool", content=str(output), additional_kwargs={"tool_call_id": selection.tool_id})]
+        answer = await tools.achat_with_tools([tool], chat_history=history)
+        program = FunctionCallingProgram.from_defaults(output_cls=Person, prompt_template_str="Describe {who}.",
+                                                       llm=llm(80), tool_choice="required")
+        person = await program.acall(who="a person")
+        partial = [p async for p in await program.astream_call(who="a person")]
+        return chat, chunks, called, streamed, selection, answer, person, partial
+
+    chat, chunks, called, streamed, selection, answer, person, partial = served.run(go())
+    usage = chat.raw.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        served.prompt_tokens({"messages": [{"role": "user", "content": prompt}]}), n)
+    assert isinstance(chat.message.content, str)
+    assert chunks[-1].message.content == "".join(c.delta for c in chunks) != ""
+    assert selection.tool_name == "get_weather" and selection.tool_kwargs["city"] in CITIES
+    (streamed_selection,) = llm(1).get_tool_calls_from_response(streamed[-1])
+    assert streamed_selection.tool_name == "get_weather" and streamed_selection.tool_kwargs["city"] in CITIES
+    assert answer.raw.usage.prompt_tokens > called.raw.usage.prompt_tokens  # the call and its result were read
+    assert isinstance(person, Person) and isinstance(partial[-1], Person)
