@@ -259,3 +259,86 @@ def test_llama_index_litellm(served, monkeypatch):
     assert streamed_selection.tool_name == "get_weather" and streamed_selection.tool_kwargs["city"] in CITIES
     assert answer.raw.usage.prompt_tokens > called.raw.usage.prompt_tokens  # the call and its result were read
     assert isinstance(person, Person) and isinstance(partial[-1], Person)
+
+
+# --- lm-eval ------------------------------------------------------------------------------------------------------
+
+def _greedy(served: Served, ids: list[int], n: int) -> tuple[list[int], int]:
+    """transformers' greedy continuation of ``ids`` (up to ``n`` tokens, ending at EOS) and how many of its
+    tokens are sure: those before the first near tie, where another order of float sums may choose otherwise."""
+    out, sure = [], None
+    while len(out) < n and (not out or out[-1] != served.tok.eos_token_id):
+        top = served.log_softmax(ids + out)[-1].topk(2)  # [2]
+        if sure is None and (top.values[0] - top.values[1]).item() < NEAR_TIE:
+            sure = len(out)
+        out.append(top.indices[0].item())
+    return out, len(out) if sure is None else sure
+
+
+def _assert_generation(served: Served, got: str, ids: list[int], stop: str | None, n: int, where: str):
+    """``got`` is transformers' greedy text after ``ids`` cut at ``stop`` (up to its sure tokens)."""
+    greedy, sure = _greedy(served, ids, n)
+    want = served.tok.decode(greedy, skip_special_tokens=True)
+    if stop is not None and stop in want:
+        want = want[:want.index(stop)]
+    certain = served.tok.decode(greedy[:sure], skip_special_tokens=True)
+    if sure == len(greedy) or len(want) <= len(certain):
+        assert got == want, (where, got, want)
+    else:
+        assert got.startswith(certain), (where, got, certain)
+
+
+def test_lm_eval_local_models(served, monkeypatch):
+    """lm-eval's local-completions model (token-id prompts, a Hugging Face tokenizer) scores loglikelihood and
+    rolling loglikelihood as transformers' float64 log-softmax does, greedy flags included (one continuation is
+    the greedy one); its generate_until and local-chat-completions' return transformers' greedy text cut at the
+    stop string."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.api_models import JsonChatStr
+    from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
+
+    monkeypatch.setenv("OPENAI_API_KEY", served.key)  # where lm-eval's local models read the key
+    common = dict(model="demo", max_retries=1, num_concurrent=1, seed=random.randrange(2**31), max_length=2048)
+    lm = LocalCompletionsAPI(base_url=f"{served.base_url}/completions", tokenizer_backend="huggingface",
+                             tokenizer=served.demo, **common)
+    chat = LocalChatCompletion(base_url=f"{served.base_url}/chat/completions", tokenizer_backend=None, **common)
+
+    pairs = [(_words(random.randint(3, 8)), " " + _words(random.randint(1, 4))) for _ in range(2)]
+    for _ in range(20):  # one continuation greedy by construction: its text tokenizes back to the same ids
+        context = _words(random.randint(3, 8))
+        greedy, sure = _greedy(served, lm._encode_pair(context, " x")[0], 3)
+        if sure == len(greedy) == 3 and lm._encode_pair(context, served.tok.decode(greedy))[1] == greedy:
+            pairs.append((context, served.tok.decode(greedy)))
+            break
+    assert len(pairs) == 3, "no context with a greedy continuation that tokenizes back"
+    rolling = _words(random.randint(5, 12))
+    prompt, n = _words(5), 10
+    greedy_text = served.tok.decode(_greedy(served, lm.tok_encode(prompt), n)[0], skip_special_tokens=True)
+    stop = greedy_text[len(greedy_text) // 2:][:2] or None
+    messages = [{"role": "user", "content": _words(5)}]
+
+    def evaluate():
+        scores = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+        rolled = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (rolling,), 0)])
+        until = {"until": [stop] if stop else [], "max_gen_toks": n}
+        text = lm.generate_until([Instance("generate_until", {}, (prompt, dict(until)), 0)])
+        chatted = chat.generate_until([Instance("generate_until", {}, (JsonChatStr(json.dumps(messages)), dict(until)),
+                                                0)])
+        return scores, rolled, text, chatted
+
+    scores, rolled, (text,), (chatted,) = served.run(asyncio.to_thread(evaluate))
+    for (context, continuation), (logprob, is_greedy) in zip(pairs, scores):
+        ctx, cont = lm._encode_pair(context, continuation)
+        logp = served.log_softmax(ctx + cont)
+        steps = [logp[len(ctx) + i - 1] for i in range(len(cont))]  # each [V]: the row predicting cont[i]
+        assert logprob == pytest.approx(sum(row[t].item() for row, t in zip(steps, cont)), abs=2e-4 * len(cont))
+        if all((row.topk(2).values[0] - row.topk(2).values[1]).item() >= NEAR_TIE for row in steps):
+            assert is_greedy == all(row.argmax().item() == t for row, t in zip(steps, cont)), (context, continuation)
+    assert scores[-1][1], "the greedy continuation is not scored greedy"
+    ids = [lm.prefix_token_id] + lm.tok_encode(rolling)
+    logp = served.log_softmax(ids)
+    assert rolled[0] == pytest.approx(sum(logp[i - 1, ids[i]].item() for i in range(1, len(ids))), abs=2e-4 * len(ids))
+    _assert_generation(served, text, lm.tok_encode(prompt), stop, n, "local-completions")
+    chat_ids = served.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                              return_dict=True)["input_ids"]
+    _assert_generation(served, chatted, chat_ids, stop, n, "local-chat-completions")
