@@ -102,6 +102,20 @@ def _pydantic_ai_model(served: Served, provider_class, bodies: list[dict]):
     return OpenAIChatModel("demo", provider=provider_class(openai_client=client))
 
 
+def _person_runs(served: Served, agent, prompt: str, streamed_prompt: str):
+    """The agent's run on ``prompt`` and streamed run on ``streamed_prompt``, each ending in a Person (the
+    streamed one's last partial output too): (the run's result, the streamed run's usage)."""
+    async def go():
+        whole = await agent.run(prompt)
+        async with agent.run_stream(streamed_prompt) as stream:
+            partial = [p async for p in stream.stream_output()]
+            return whole, partial, await stream.get_output(), stream.usage
+
+    whole, partial, streamed, streamed_usage = served.run(go())
+    assert isinstance(whole.output, Person) and isinstance(streamed, Person) and partial[-1] == streamed
+    return whole, streamed_usage
+
+
 def test_pydantic_ai_text(served):
     """An agent's text run and streamed run: the usage it reads (the streamed one from the closing usage chunk it
     asks for) is the server's, against the chat template over the messages it sent."""
@@ -154,14 +168,8 @@ def test_pydantic_ai_tools_and_tool_output(served):
         asked.append(city)
         return weather_in(city)
 
-    async def go():
-        whole = await agent.run("Weather in Oslo, then describe a person.")
-        async with agent.run_stream("Weather in Lima, then describe a person.") as stream:
-            partial = [p async for p in stream.stream_output()]
-            return whole, partial, await stream.get_output(), stream.usage
-
-    whole, partial, streamed, streamed_usage = served.run(go())
-    assert isinstance(whole.output, Person) and isinstance(streamed, Person) and partial[-1] == streamed
+    whole, streamed_usage = _person_runs(served, agent, "Weather in Oslo, then describe a person.",
+                                         "Weather in Lima, then describe a person.")
     assert len(asked) == 2 and set(asked) <= set(CITIES)
     for usage in (whole.usage, streamed_usage):
         assert (usage.requests, usage.tool_calls) == (2, 1), usage
@@ -187,14 +195,7 @@ def test_pydantic_ai_native_output(served):
     agent = Agent(_pydantic_ai_model(served, VLLMProvider, bodies), output_type=NativeOutput(Person), retries=0,
                   model_settings=ModelSettings(max_tokens=80, seed=random.randrange(2**31)))
 
-    async def go():
-        whole = await agent.run("Describe a person.")
-        async with agent.run_stream("Describe a person.") as stream:
-            partial = [p async for p in stream.stream_output()]
-            return whole, partial, await stream.get_output(), stream.usage
-
-    whole, partial, streamed, streamed_usage = served.run(go())
-    assert isinstance(whole.output, Person) and isinstance(streamed, Person) and partial[-1] == streamed
+    whole, streamed_usage = _person_runs(served, agent, "Describe a person.", "Describe a person.")
     assert whole.usage.requests == streamed_usage.requests == 1
     assert [b["response_format"]["type"] for b in bodies] == ["json_schema", "json_schema"]
     assert whole.usage.input_tokens == served.prompt_tokens(bodies[0])
