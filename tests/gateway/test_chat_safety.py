@@ -147,3 +147,16 @@ def test_a_forced_function_without_parameters_takes_the_empty_object(served, par
     assert status == 200, body
     (item,) = [o for o in body["output"] if o["type"] == "function_call"]
     assert (item["name"], item["arguments"]) == ("ping", "{}"), body
+
+
+def test_an_output_that_breaks_its_grammar_is_an_error_not_a_stop(served):
+    """min_tokens with every token that can begin `true` or `false` a stop token leaves a boolean schema no
+    token it allows: the request ends as a 500 request_failed, never 200 with finish_reason "stop" and text
+    that is not JSON."""
+    tok = served.tok
+    texts = {i: tok.decode([i]) for i in range(len(tok))}
+    first = [i for i, t in texts.items() if t and ("true".startswith(t) or "false".startswith(t))]
+    status, body = served.post("/v1/chat/completions", {
+        "model": "demo", "messages": [{"role": "user", "content": "Yes?"}], "max_tokens": 8, "min_tokens": 2,
+        "stop_token_ids": first, "guided_json": {"type": "boolean"}})
+    assert status == 500 and body["error"]["code"] == "request_failed", (status, body)
