@@ -195,8 +195,8 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
     ``render``: the response body, from ``completion_body``'s arguments (the Responses API has its own).
     """
     plan = chat_plan_of(engine, body, parsers or ParserChoice()) if chat else None
-    sampling_params = apply_plan(sampling_params_of(body, engine.info.vocab_size if engine.info is not None else None), plan,
-                                 body)
+    vocab_size = engine.info.vocab_size if engine.info is not None else None
+    sampling_params = apply_plan(sampling_params_of(body, vocab_size), plan, body)
     prompts = await prepare_prompts(engine, body, chat, plan, sampling_params)
     await check_schema(sampling_params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
     # Only the result is wanted: one message from the engine at the end, not one per token.

@@ -126,7 +126,8 @@ class GrammarMatchers:
         """Advance each constrained request's matcher by its sampled token; returns the tokens to keep.
 
         A token the grammar refuses (another setting banned every token it allowed: ``min_tokens`` once the
-        output is complete) is replaced by EOS, ending the request there. Where the output so far is not yet
+        output is complete; or the library cannot follow a grammar it compiled, past its items in a row) is
+        replaced by EOS, ending the request there. Where the output so far is not yet
         complete for the grammar, that end is not a normal stop: the request is marked (``Request.output_invalid``)
         and the scheduler ends it with finish reason ``error``, never ``stop`` with text that breaks the format.
         """
@@ -137,8 +138,8 @@ class GrammarMatchers:
             complete = matcher.is_accepting()  # ~0.1 us; after a refused token the matcher can no longer say
             if matcher.consume_token(tokens[row]):
                 continue
-            logger.warning("request %s: token %d breaks its grammar; ending it (%s)", request.request_id,
-                           tokens[row], "its output is complete" if complete else "its output is incomplete")
+            logger.warning("request %s: token %d breaks its grammar (%s); ending it, its output %s", request.request_id,
+                           tokens[row], matcher.get_error(), "complete" if complete else "incomplete")
             request.output_invalid = not complete
             if self.eos_token_id is not None:
                 tokens[row] = self.eos_token_id

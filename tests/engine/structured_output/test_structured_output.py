@@ -156,7 +156,8 @@ def test_outputs_that_spell_added_tokens_match_their_constraint(model_dir):
     regexes = ["<tool_call>", "<\\|im_end\\|>x", "(<think>|</tool_call>)[a-c]{2}"]
     schemas = [{"type": "object", "properties": {"a": {"const": value}}, "required": ["a"],
                 "additionalProperties": False} for value in ("<tool_call>", "<|im_end|>", "x<tool_response>")]
-    specs = [StructuredOutput(regex=r) for r in regexes] + [StructuredOutput(json_schema=json.dumps(s)) for s in schemas]
+    specs = [StructuredOutput(regex=r) for r in regexes]
+    specs += [StructuredOutput(json_schema=json.dumps(s)) for s in schemas]
     prompt = [rng.randrange(10, 1300) for _ in range(8)]
     params = [SamplingParams(temperature=t, seed=rng.randrange(2**31), max_tokens=40, structured_output=spec)
               for spec in specs for t in (0.0, 1.0)]
@@ -195,7 +196,8 @@ def test_a_grammar_broken_before_its_output_is_complete_ends_with_finish_reason_
     assert out.finish_reason == "error" and out.text == "", (out.finish_reason, out.text)
     # "a" is complete after one token: min_tokens then bans the EOS the grammar allows, the pick is refused and
     # becomes EOS, which ends a valid output normally.
-    complete = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=2, structured_output=StructuredOutput(regex="a"))
+    complete = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=2,
+                              structured_output=StructuredOutput(regex="a"))
     out = llm.generate([prompt], complete)[0]
     assert (out.finish_reason, out.text) == ("stop", "a")
     assert not llm.engine.has_unfinished()
