@@ -217,7 +217,7 @@ def _sampling_and_plan(app: web.Application, body, chat: bool):
     plan = None
     if chat:
         plan = chat_plan_of(engine, body, _parsers(app[CONFIG]))
-        apply_plan(sampling_params, plan)
+        apply_plan(sampling_params, plan, body)
     return sampling_params, plan
 
 

@@ -182,10 +182,11 @@ def plan(body: ChatCompletionRequest, parsers: tuple[str | None, str | None]) ->
 
 def _forced_tool(tool) -> dict:
     """A tool as its forcing schema takes it: the parameters' objects closed, as for response_format (the
-    template still shows the tool as the client wrote it)."""
+    template still shows the tool as the client wrote it). A function without parameters (or with ``{}``) takes
+    the empty object only, as OpenAI's functions without parameters do: ``{}`` alone would allow any JSON value."""
     out = tool_dict(tool)
-    if out["function"].get("parameters") is not None:
-        out["function"]["parameters"] = closed_objects(out["function"]["parameters"])
+    parameters = out["function"].get("parameters") or {}
+    out["function"]["parameters"] = closed_objects({"type": "object", **parameters})
     return out
 
 
@@ -205,12 +206,11 @@ class ChatOutputParser:
         self._reasoning = None
         self._tools: ToolParser | None = None
         if plan.harmony and not plan.forced:  # openai-harmony reads reasoning and calls at once, from the token ids
-            self._reasoning = HarmonyParser(reads_calls=plan.tool_parser is not None)
+            self._reasoning = HarmonyParser(plan.chat.tools or [], reads_calls=plan.tool_parser is not None)
         else:
             self._reasoning = REASONING_PARSERS[plan.reasoning_parser]() if plan.reasoning_parser else None
             if plan.tool_parser:
-                parser = TOOL_PARSERS[plan.tool_parser]
-                self._tools = parser(plan.chat.tools) if parser.reads_tools else parser()
+                self._tools = TOOL_PARSERS[plan.tool_parser](plan.chat.tools or [])
         self._forced_text = ""
         self.num_calls = 0
 

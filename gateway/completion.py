@@ -18,6 +18,7 @@ from gateway.openai_logprobs import as_token_ids
 from gateway.openai_schema import check_choices, prompts_of, sampling_params_of, scoring_only, text_messages
 from gateway.chat_plan import HARMONY, ChatPlan, ParserChoice, plan as plan_chat
 from gateway.response_bodies import completion_body
+from gateway.response_format import format_source
 from gateway.schema_check import check_schema
 
 
@@ -41,13 +42,18 @@ async def load_harmony(engine, parsers: ParserChoice) -> None:
         pass
 
 
-def apply_plan(sampling_params, plan: ChatPlan | None):
-    """Sampling settings a chat plan needs: the forcing schema, special tokens kept for formats that use them."""
+def apply_plan(sampling_params, plan: ChatPlan | None, body=None):
+    """Sampling settings a chat plan needs: the forcing schema, special tokens kept for formats that use them.
+
+    A forced call's schema replaces ``response_format``'s, as OpenAI's API does (the output is the call, so the
+    answer's format has nothing to apply to; agents send both, the answer's format with every request);
+    vLLM's ``guided_*`` / ``structured_outputs`` with a forced call are refused (two constraints that conflict)."""
     if plan is not None:
         if plan.structured_output is not None:
-            if sampling_params.structured_output is not None:
-                raise APIError(400, "tool_choice 'required' or a named function already fixes the output's format; "
-                                    "leave response_format out", param="response_format")
+            field = format_source(body)[0] if body is not None else "response_format"
+            if sampling_params.structured_output is not None and field != "response_format":
+                raise APIError(400, f"tool_choice 'required' or a named function already fixes the output's format; "
+                                    f"leave {field} out", param=field)
             if sampling_params.ignore_eos:
                 raise APIError(400, "a forced tool call ends where its JSON does; leave ignore_eos out",
                                param="ignore_eos")
@@ -189,7 +195,8 @@ async def complete(engine, body, chat: bool, rid: str, created: int, model: str,
     ``render``: the response body, from ``completion_body``'s arguments (the Responses API has its own).
     """
     plan = chat_plan_of(engine, body, parsers or ParserChoice()) if chat else None
-    sampling_params = apply_plan(sampling_params_of(body, engine.info.vocab_size if engine.info is not None else None), plan)
+    vocab_size = engine.info.vocab_size if engine.info is not None else None
+    sampling_params = apply_plan(sampling_params_of(body, vocab_size), plan, body)
     prompts = await prepare_prompts(engine, body, chat, plan, sampling_params)
     await check_schema(sampling_params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
     # Only the result is wanted: one message from the engine at the end, not one per token.

@@ -18,7 +18,7 @@ from gateway.chat_plan import HARMONY, ParserChoice, chat_input
 from gateway.completion import engine_down
 from gateway.errors import APIError, read_body
 from gateway.openai_schema import (
-    ChatCompletionRequest, ChatMessage, NonEmptyText, TokenId, TokenIds, decode_body, text_messages,
+    ChatCompletionRequest, ChatMessage, NonEmptyText, TokenId, TokenIds, decode_body,
 )
 from gateway.replies import json_response
 
@@ -32,12 +32,11 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def _chat(engine, body: TokenizeRequest, parsers: ParserChoice):
-    """The messages as the chat route renders them: through openai-harmony for gpt-oss, else the template."""
+    """The messages as the chat route renders them (tool calls, tool results and names included): through
+    openai-harmony for gpt-oss, else the template."""
     architecture = engine.info.architecture if engine.info is not None else None
-    if HARMONY not in parsers.resolve(engine.chat_template(), architecture):
-        return text_messages(body.messages)
     chat = chat_input(ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt))
-    chat.harmony = True
+    chat.harmony = HARMONY in parsers.resolve(engine.chat_template(), architecture)
     return chat
 
 

@@ -41,7 +41,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "policy", "num_preemptions", "stop_reason", "admit_seq", "num_charged_prompt_tokens",
-        "first_scheduled_time", "parent_id", "index", "spec_acceptance", "spec_idle_steps",
+        "first_scheduled_time", "parent_id", "index", "spec_acceptance", "spec_idle_steps", "output_invalid",
     )
 
     def __init__(
@@ -82,6 +82,9 @@ class Request:
         self.index = index
         self.spec_acceptance = 1.0  # moving average of accepted / proposed drafts (engine.core.speculation)
         self.spec_idle_steps = 0  # steps without proposing since its acceptance fell below the threshold
+        # Its grammar refused a token before the output was complete (``GrammarMatchers.accept``): it ends with
+        # finish reason "error", never as a normal stop with text that breaks its format.
+        self.output_invalid = False
 
     @property
     def output_id(self) -> str:

@@ -575,6 +575,9 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.output_invalid:
+            request.stop_reason = "the output broke its structured-output grammar"
+            return RequestStatus.FINISHED_ERROR
         if request.num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 request.stop_reason = token  # the caller's stop token; EOS leaves it None (as vLLM reports)

@@ -10,7 +10,6 @@ import logging
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.hf
 # The bitmask is a NumPy array shared with torch, not llguidance.torch's tensor: importing llguidance.torch decorates
 # a kernel we do not use with torch.compile, which loads torch._dynamo (~1.8 s on every engine and rank process start).
 import llguidance.numpy
@@ -20,6 +19,7 @@ from engine.core.request import Request
 from engine.core.structured_output_spec import StructuredOutput
 from engine.structured_output.byte_budget_cache import ByteBudgetCache
 from engine.structured_output.grammar import client_message, grammar_of, limits
+from engine.structured_output.vocabulary import grammar_tokenizer
 from engine.device_batch.staging import to_device
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class GrammarMatchers:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, device: torch.device) -> None:
         # vocab_size is the model's (it may pad the tokenizer's): ids past the tokenizer are never allowed.
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
+        self.tokenizer = grammar_tokenizer(tokenizer, vocab_size, eos_token_id)
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.device = device
@@ -125,15 +125,22 @@ class GrammarMatchers:
     def accept(self, requests: list[Request], tokens: list[int]) -> list[int]:
         """Advance each constrained request's matcher by its sampled token; returns the tokens to keep.
 
-        A token the grammar refuses (possible only when another setting banned every token it allowed,
-        e.g. ``min_tokens`` before the schema is complete) is replaced by EOS, ending the request there.
+        A token the grammar refuses (another setting banned every token it allowed: ``min_tokens`` once the
+        output is complete; or the library cannot follow a grammar it compiled, past its items in a row) is
+        replaced by EOS, ending the request there. Where the output so far is not yet
+        complete for the grammar, that end is not a normal stop: the request is marked (``Request.output_invalid``)
+        and the scheduler ends it with finish reason ``error``, never ``stop`` with text that breaks the format.
         """
         for row, request in enumerate(requests):
             if request.sampling_params.structured_output is None or request.is_finished:
                 continue  # a request that ended while its step ran: its token is dropped, its matcher gone
             matcher = self._matcher_for(request)
-            if not matcher.consume_token(tokens[row]) and self.eos_token_id is not None:
-                logger.warning("request %s: token %d breaks its grammar (%s); ending it", request.request_id,
-                               tokens[row], matcher.get_error())
+            complete = matcher.is_accepting()  # ~0.1 us; after a refused token the matcher can no longer say
+            if matcher.consume_token(tokens[row]):
+                continue
+            logger.warning("request %s: token %d breaks its grammar (%s); ending it, its output %s", request.request_id,
+                           tokens[row], matcher.get_error(), "complete" if complete else "incomplete")
+            request.output_invalid = not complete
+            if self.eos_token_id is not None:
                 tokens[row] = self.eos_token_id
         return tokens

@@ -7,11 +7,13 @@ for the user, and a multi-megabyte prompt is refused by its size without
 being tokenized, never stalling the engine's loop for other tenants.
 """
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
 from engine.text import harmony_chat
 from engine.text.chat_input import ChatInput, InvalidPrompt  # the gateway imports them from here too
+from engine.text.control_tokens import ControlTokens
 from engine.text.harmony_vocab import harmony_encoding
 
 
@@ -87,18 +89,29 @@ class InputProcessor:
         template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
         return template if isinstance(template, str) else None
 
-    def render_chat(self, turns: "Sequence[Turn] | ChatInput", add_generation_prompt: bool = True) -> str:
-        """Chat turns -> prompt text through the checkpoint's chat template (a plain transcript without one).
+    @functools.cached_property
+    def control_tokens(self) -> ControlTokens:
+        """The tokens client text never becomes (``engine.text.control_tokens``), found once."""
+        return ControlTokens(self.tokenizer, self.chat_template)
 
-        A ``ChatInput`` brings tools and template options, passed to the template as transformers'
-        ``apply_chat_template`` does; plain turns take ``add_generation_prompt`` (end with the assistant's
-        turn opening)."""
+    def _chat(self, turns: "Sequence[Turn] | ChatInput", add_generation_prompt: bool) -> ChatInput:
+        """Chat turns as a checked ``ChatInput`` (plain turns take ``add_generation_prompt``)."""
         self._require_tokenizer("chat needs one", "messages")
         chat = turns if isinstance(turns, ChatInput) else ChatInput(
             [{"role": t.role, "content": t.content} for t in turns], add_generation_prompt=add_generation_prompt)
         if not chat.messages:
             raise InvalidPrompt("messages must not be empty", "messages")
         self._check_size(chat.num_chars(), "messages")
+        return chat
+
+    def render_chat(self, turns: "Sequence[Turn] | ChatInput", add_generation_prompt: bool = True) -> str:
+        """Chat turns -> prompt text through the checkpoint's chat template (a plain transcript without one).
+
+        A ``ChatInput`` brings tools and template options, passed to the template as transformers'
+        ``apply_chat_template`` does; plain turns take ``add_generation_prompt`` (end with the assistant's
+        turn opening). The text is the template's: tokenizing it reads control tokens spelled in client
+        strings as those tokens, which ``chat_token_ids`` never does."""
+        chat = self._chat(turns, add_generation_prompt)
         if not self.chat_template:
             if chat.tools:
                 raise InvalidPrompt("this model has no chat template, so it cannot be given tools", "tools")
@@ -110,6 +123,19 @@ class InputProcessor:
                 continue_final_message=chat.continue_final_message, **chat.template_kwargs)
         except Exception as e:  # jinja2's TemplateError from raise_exception(), or any bug in the template
             raise InvalidPrompt(f"the model's chat template refused these messages: {e}", "messages") from None
+
+    def chat_token_ids(self, turns: "Sequence[Turn] | ChatInput", add_generation_prompt: bool = True) -> list[int]:
+        """A chat's prompt token ids: rendered by the chat template, the template's markup tokenized as such and
+        the client's strings as plain text (``engine.text.control_tokens``)."""
+        shielded, sentinels = self.control_tokens.shield(self._chat(turns, add_generation_prompt))
+        text = self.render_chat(shielded)
+        if not sentinels:
+            return self.encode(text, "messages")
+        try:
+            return self.control_tokens.encode(text, sentinels)
+        except Exception as e:  # a tokenizer bug is this request's failure, not the server's
+            raise InvalidPrompt(f"the tokenizer could not encode the prompt ({type(e).__name__}: {e})",
+                                "messages") from None
 
     def render_harmony(self, chat: ChatInput) -> list[int]:
         """A gpt-oss chat's prompt token ids, rendered by openai-harmony (``engine.text.harmony_chat``); its
@@ -139,8 +165,7 @@ class InputProcessor:
         if isinstance(messages, ChatInput) and messages.harmony:
             return self._check_ids(self.render_harmony(messages), "messages")
         if messages is not None:
-            text = self.render_chat(messages, add_generation_prompt)
-            return self._check_ids(self.encode(text, "messages"), "messages")
+            return self._check_ids(self.chat_token_ids(messages, add_generation_prompt), "messages")
         if prompt is None:
             raise InvalidPrompt("a prompt is required", "prompt")
         return self.token_ids(prompt)

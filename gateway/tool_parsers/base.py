@@ -87,17 +87,26 @@ class ToolParser(abc.ABC):
     """Streaming parser of one family's tool-call format: ``feed`` model text as it arrives, ``finish`` at
     the end. The pieces returned, joined, are the same however the text was split.
 
-    Text outside calls is content; a call whose JSON does not parse is left in the content as written.
-    Whitespace between or after calls is dropped (OpenAI sends no content around calls).
+    Text outside calls is content; a call whose JSON does not parse, or that names a function the request did
+    not offer in ``tools``, is left in the content as written (a model's call to a function the client does not
+    have is not one the client can run; OpenAI-compatible servers leave it as text too). Whitespace between or
+    after calls is dropped (OpenAI sends no content around calls).
     """
 
     name = ""
     # Whether the format's markers are special tokens that detokenizing must keep.
     needs_special_tokens = False
-    # Whether the constructor takes the request's tools (formats that write arguments as text read their types).
-    reads_tools = False
     # Whether it reads token ids (``feed_output``) rather than text (gpt-oss's harmony, through openai-harmony).
     reads_tokens = False
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        """``tools``: the request's tools as templates read them (OpenAI's ``{"type": "function", "function":
+        {...}}``); calls to other names are text. None: any name is a call (reading a format on its own)."""
+        self.offered = None if tools is None else {(t.get("function") or {}).get("name") for t in tools}
+
+    def offers(self, name: str) -> bool:
+        """Whether a call to ``name`` is one of the request's functions."""
+        return self.offered is None or name in self.offered
 
     @abc.abstractmethod
     def feed(self, text: str) -> ParsedDelta:

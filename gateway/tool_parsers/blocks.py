@@ -13,7 +13,8 @@ class BlockToolParser(ToolParser):
     START = ""
     END = ""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        super().__init__(tools)
         self._pending = ""
         self._in_call = False
         self._calls = 0  # complete calls so far (whitespace after one is not content)
@@ -68,7 +69,7 @@ class BlockToolParser(ToolParser):
 
     def _close(self, body: str, out: ParsedDelta, closed: bool) -> None:
         calls = self.calls_in(body)
-        if not calls:  # not a call: the text stays, as the model wrote it
+        if not calls or not all(self.offers(c.name) for c in calls):  # not a call we offered: the text stays
             out.content += self.START + body + (self.END if closed else "")
             return
         self._calls += len(calls)
@@ -79,8 +80,6 @@ class TextArgumentsBlockParser(BlockToolParser):
     """A block format that writes each argument as text (strings as they are, other values as JSON): the
     request's tools give each argument's type (``base.typed_argument``)."""
 
-    reads_tools = True
-
     def __init__(self, tools: list[dict] | None = None) -> None:
-        super().__init__()
+        super().__init__(tools)
         self.argument_types = argument_types(tools)  # {function: {argument: JSON Schema type}}

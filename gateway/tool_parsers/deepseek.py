@@ -40,7 +40,8 @@ class DeepSeekToolParser(ToolParser):
     name = "deepseek_v3"
     needs_special_tokens = True
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        super().__init__(tools)
         self._pending = ""
         self._state = "content"  # content -> section (between calls) -> call -> section ... -> after
 
@@ -74,7 +75,7 @@ class DeepSeekToolParser(ToolParser):
                     return out
                 body, self._pending = self._pending[:end], self._pending[end + len(CALL_END):]
                 call = _call(body)
-                if call is None:
+                if call is None or not self.offers(call.name):
                     out.content += CALL_BEGIN + body + CALL_END
                 else:
                     out.tool_calls.append(call)
@@ -89,7 +90,7 @@ class DeepSeekToolParser(ToolParser):
         out = ParsedDelta()
         if self._state == "call":  # cut off inside a call: a call if it parses
             call = _call(self._pending)
-            if call is None:
+            if call is None or not self.offers(call.name):
                 out.content += CALL_BEGIN + self._pending
             else:
                 out.tool_calls.append(call)

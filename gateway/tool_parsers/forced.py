@@ -11,7 +11,7 @@ import re
 
 from gateway.tool_parsers.base import ToolCall
 
-EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # no arguments: {} only
 
 
 def parameters_of(tool: dict) -> dict:

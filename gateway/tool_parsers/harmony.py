@@ -29,11 +29,12 @@ class HarmonyParser(ToolParser):
     name = "harmony"
     reads_tokens = True  # fed token ids (``feed_output``), not text
 
-    def __init__(self, reads_calls: bool = True) -> None:
+    def __init__(self, tools: list[dict] | None = None, reads_calls: bool = True) -> None:
         from openai_harmony import Role, StreamableParser
 
         from engine.text.harmony_vocab import harmony_encoding
 
+        super().__init__(tools)
         self.reads_calls = reads_calls
         self._encoding = harmony_encoding()  # loaded when the request's prompt was rendered
         self._parser = StreamableParser(self._encoding, role=Role.ASSISTANT)
@@ -127,7 +128,8 @@ class HarmonyParser(ToolParser):
         call = None
         if message.recipient.startswith(FUNCTIONS):
             call = call_from_json({"name": message.recipient.removeprefix(FUNCTIONS), "arguments": body})
-        if call is None:  # arguments that are not a JSON object, or a tool this server does not run: the text
+        if call is None or not self.offers(call.name):  # arguments that are not a JSON object, or a function
+            # the request did not offer (or a tool this server does not run): the text
             out.content += body
             return
         out.tool_calls.append(call)

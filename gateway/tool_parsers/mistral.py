@@ -13,7 +13,8 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     needs_special_tokens = True
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        super().__init__(tools)
         self._pending = ""
         self._in_calls = False
         self._calls = 0
@@ -49,7 +50,7 @@ class MistralToolParser(ToolParser):
         items = value if isinstance(value, list) else [value]
         calls = [call_from_json(item) for item in items]
         self._in_calls = False
-        if not items or any(c is None for c in calls):
+        if not items or any(c is None or not self.offers(c.name) for c in calls):
             out.content += START + body[:end]
         else:
             out.tool_calls.extend(calls)

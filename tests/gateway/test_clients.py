@@ -535,3 +535,41 @@ def test_scoring_only_for_lm_eval(served):
         refused.update({"messages": USER} if "chat" in path else {"prompt": "x"})
         status, answer = served.post(path, refused)
         assert status == 400 and answer["error"]["param"] == "max_tokens", answer
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "get_weather"])
+def test_openai_agents_chat_model_with_output_type_and_forced_tools(served, tool_choice):
+    """openai-agents' chat-completions model, unchanged: an agent with an ``output_type`` sends its answer's
+    ``response_format`` with every request, the forced ``tool_choice`` on the first (the SDK then resets it to
+    auto). The forced call's schema wins over the answer's format (as OpenAI's API does), the tool runs with
+    arguments valid for its own schema (checked with `jsonschema`), and the final answer parses as the
+    output type."""
+    from typing import Literal
+
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from pydantic import BaseModel
+
+    set_tracing_disabled(True)  # nothing is sent to OpenAI's trace endpoint
+    calls = []
+
+    @function_tool
+    def get_weather(city: Literal["Oslo", "Lima"]) -> str:
+        """Weather in a city."""
+        calls.append(city)
+        return "sunny"
+
+    class Forecast(BaseModel):
+        city: Literal["Oslo", "Lima"]
+        warm: bool
+
+    async def go(client):
+        agent = Agent(name="weather", instructions="Answer with the forecast.", tools=[get_weather],
+                      output_type=Forecast, model=OpenAIChatCompletionsModel(model="demo", openai_client=client),
+                      model_settings=ModelSettings(tool_choice=tool_choice, max_tokens=48,
+                                                   extra_body={"seed": random.randrange(2**31)}))
+        return await Runner.run(agent, "What is the weather in Oslo?", max_turns=4)
+
+    result = served.run(go)
+    assert calls and all(c in ("Oslo", "Lima") for c in calls), calls
+    jsonschema.validate({"city": calls[0]}, get_weather.params_json_schema)
+    assert isinstance(result.final_output, Forecast), result.final_output

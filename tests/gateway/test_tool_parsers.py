@@ -308,3 +308,21 @@ def test_harmony_detection():
     assert detect_tool_parser(template, None) == detect_reasoning_parser(template) == "harmony"
     assert detect_tool_parser(None, "GptOssForCausalLM") == detect_reasoning_parser(None, "GptOssForCausalLM") == "harmony"
     assert detect_reasoning_parser(None, "Qwen3MoeForCausalLM") is None
+
+
+@pytest.mark.parametrize("parser, case", [
+    (HermesToolParser, _hermes_case), (MistralToolParser, _mistral_case), (Glm45ToolParser, _glm45_case),
+    (MiniMaxM2ToolParser, _minimax_case), (DeepSeekToolParser, _deepseek_case)])
+@pytest.mark.parametrize("seed", range(6))
+def test_calls_to_functions_not_offered_stay_text(parser, case, seed):
+    """A call naming a function the request's tools do not list is not a tool call: it stays in the content as
+    the model wrote it (its name is there), whole and streamed; offered names are calls as before."""
+    rng = random.Random(seed * 31 + 7)
+    text, prose, calls = case(rng)
+    offered = [t for t in TYPED_TOOLS if t["function"]["name"] in {n for n, _ in calls}]
+    for parsed in (parser(offered).parse(text), _streamed(parser(offered), text, rng)):
+        assert parsed.content == prose and [n for n, _ in _calls(parsed)] == [n for n, _ in calls], text
+    other = [{"type": "function", "function": {"name": "unrelated", "parameters": {"type": "object"}}}]
+    for parsed in (parser(other).parse(text), _streamed(parser(other), text, rng)):
+        assert not parsed.tool_calls, text
+        assert parsed.content.startswith(prose) and all(name in parsed.content for name, _ in calls), parsed.content

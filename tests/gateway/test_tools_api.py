@@ -186,8 +186,8 @@ def test_bad_tool_requests_name_the_field(served):
          "tools[0].function.name"),
         (dict(messages=QUESTION, tool_choice="required", tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}]), "tools"),
-        (dict(messages=QUESTION, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
-         "response_format"),
+        (dict(messages=QUESTION, tools=TOOLS, tool_choice="required", extra_body={"guided_json": {"type": "object"}}),
+         "guided_json"),
     ]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as refused:

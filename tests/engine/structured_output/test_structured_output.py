@@ -142,3 +142,62 @@ def test_a_token_the_grammar_refuses_becomes_eos_with_eos_logprob(model_dir):
     expected = torch.log_softmax(raw.double(), dim=-1)[0]
     assert lp.token_ids == [eos] and math.isclose(lp.logprobs[0], float(expected[eos]), abs_tol=1e-5), f"seed={seed}"
     assert lp.top_ids[0] == expected.topk(3).indices.tolist(), f"seed={seed}"
+
+
+def test_outputs_that_spell_added_tokens_match_their_constraint(model_dir):
+    """A grammar whose text spells a tokenizer's added tokens (`<tool_call>`, non-special in the Qwen family;
+    `<|im_end|>`, special) is met: the non-special token may write its text, the special one never is its text,
+    and each output matches its constraint (Python's `re` and `jsonschema`, independent of the grammar library)
+    with finish reason "stop". Greedy and sampled outputs, on a random model."""
+    import re
+
+    rng = random.Random()
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=ROOMY_POOL)
+    regexes = ["<tool_call>", "<\\|im_end\\|>x", "(<think>|</tool_call>)[a-c]{2}"]
+    schemas = [{"type": "object", "properties": {"a": {"const": value}}, "required": ["a"],
+                "additionalProperties": False} for value in ("<tool_call>", "<|im_end|>", "x<tool_response>")]
+    specs = [StructuredOutput(regex=r) for r in regexes]
+    specs += [StructuredOutput(json_schema=json.dumps(s)) for s in schemas]
+    prompt = [rng.randrange(10, 1300) for _ in range(8)]
+    params = [SamplingParams(temperature=t, seed=rng.randrange(2**31), max_tokens=40, structured_output=spec)
+              for spec in specs for t in (0.0, 1.0)]
+    outs = llm.generate([prompt] * len(params), params)
+    for out, p in zip(outs, params):
+        spec = p.structured_output
+        assert out.finish_reason == "stop", (spec, out.text)
+        if spec.regex is not None:
+            assert re.fullmatch(spec.regex, out.text), (spec.regex, out.text)
+        else:
+            jsonschema.validate(json.loads(out.text), json.loads(spec.json_schema))
+    special = set(llm.engine.tokenizer.all_special_ids)
+    for out in outs:  # no special token stood for text (EOS ends each output, its last token)
+        assert not special & set(out.token_ids[:-1]), out.token_ids
+
+
+def test_a_grammar_broken_before_its_output_is_complete_ends_with_finish_reason_error(model_dir):
+    """A token the grammar refuses mid-output (every allowed token banned by other settings: here min_tokens
+    with each allowed token a stop token) ends the request with finish reason "error", never "stop" with text
+    that breaks the format; refused once the output is complete (min_tokens past a finished value), it is a
+    normal stop with a valid output."""
+    from engine.core.request import Request
+    from engine.structured_output.matchers import GrammarMatchers
+
+    rng = random.Random()
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=ROOMY_POOL)
+    tokenizer = llm.engine.tokenizer
+    spec = StructuredOutput(json_schema=json.dumps({"type": "boolean"}))
+    grammars = GrammarMatchers(tokenizer, len(tokenizer), tokenizer.eos_token_id, torch.device("cpu"))
+    probe = Request("probe", [1], SamplingParams(structured_output=spec), max_tokens=8)
+    words = grammars.mask([probe]).words[0]  # [W]: what the grammar allows first
+    first = [t for t in range(len(tokenizer)) if (int(words[t // 32]) >> (t % 32)) & 1]
+    prompt = [rng.randrange(10, 1300) for _ in range(6)]
+    broken = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=2, stop_token_ids=first, structured_output=spec)
+    out = llm.generate([prompt], broken)[0]
+    assert out.finish_reason == "error" and out.text == "", (out.finish_reason, out.text)
+    # "a" is complete after one token: min_tokens then bans the EOS the grammar allows, the pick is refused and
+    # becomes EOS, which ends a valid output normally.
+    complete = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=2,
+                              structured_output=StructuredOutput(regex="a"))
+    out = llm.generate([prompt], complete)[0]
+    assert (out.finish_reason, out.text) == ("stop", "a")
+    assert not llm.engine.has_unfinished()
