@@ -482,7 +482,7 @@ def _configure_batch_api(app: web.Application, config: GatewayConfig) -> None:
 def _add_routes(app: web.Application, config: GatewayConfig) -> None:
     if config.metrics_token:
         app.router.add_get("/metrics", metrics_endpoint)
-    admin_lora.add_routes(app, config.admin_token, app[ENGINE])
+    admin_lora.add_routes(app, config.admin_token, app[ENGINE], lambda: _model_name(app))
     app.router.add_get("/openapi.json", openapi_endpoint)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
