@@ -242,9 +242,9 @@ def check_adapter_dir(path: str) -> AdapterSummary:
     header and then the tensors' values (no base model): what ``load_adapter`` refuses for the adapter itself
     (missing files, bad JSON, not plain LoRA, unexpected or unpaired tensors, factors whose shapes disagree,
     values that are not finite or past ``MAX_FACTOR_ABS``) is an ``AdapterFormatError`` (a ValueError) with one
-    line. The values are read one tensor at a time, after every header check has passed. What only the base model can tell (a layer it
-    lacks, expert factors that fit none of its tensors, a rank above the engine's ``max_lora_rank``) is left to
-    ``load_adapter``."""
+    line. The values are read one tensor at a time, after every header check has passed. What only the base
+    model can tell (a layer it lacks, expert factors that fit none of its tensors, a rank above the engine's
+    ``max_lora_rank``) is left to ``load_adapter``."""
     if not os.path.isdir(path):
         raise _fail(path, "not a directory")
     config = read_config(path)

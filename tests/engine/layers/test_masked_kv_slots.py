@@ -46,8 +46,8 @@ def poison_(llm: LLM, value: float) -> None:
 
 def make_requests(rng: random.Random) -> list[tuple[list[int], int]]:
     """Three sharing a 14-token prefix (prefix-cache hits: chunks over cached blocks, then a decode group reading
-    the shared blocks once), one of 1 token and one of 30 (padded decode groups, chunked prefill, past gpt-oss's window of 8), and two that repeat
-    a pattern (n-gram drafts, where speculation is on)."""
+    the shared blocks once), one of 1 token and one of 30 (padded decode groups, chunked prefill, past gpt-oss's
+    window of 8), and two that repeat a pattern (n-gram drafts, where speculation is on)."""
     shared = [rng.randrange(1, VOCAB - 1) for _ in range(14)]
     prompts = [shared + [rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (3, 9, 5)]
     prompts += [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (1, 30)]
