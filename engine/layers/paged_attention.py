@@ -33,15 +33,25 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, num_kv_heads, head_dim)
 
 
-def gather_visible(cache: torch.Tensor, block_table: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def gather_visible(cache: torch.Tensor, block_table: torch.Tensor, visible: torch.Tensor,
+                   seen_by_all: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """The first L slots of ``block_table``'s blocks with every slot ``visible`` hides set to 0.
 
     cache [N_blocks, bs, kvh, d], block_table [..., n], visible [..., L] bool (L <= n * bs; True: some query
     sees the slot) -> [..., L, kvh, d]. Masked scores alone are not enough: see the module docstring.
+    ``seen_by_all``: slots [lo, hi) that ``visible`` shows in every row, known on the host: only the slots
+    outside them are masked (a decode group's tails), not the whole copy.
     """
-    rows = _gather(cache, block_table)  # [..., n*bs, kvh, d], a copy: zeroed in place
-    rows = rows.narrow(visible.dim() - 1, 0, visible.shape[-1])  # [..., L, kvh, d]
-    return rows.masked_fill_(~visible[..., None, None], 0)
+    dim = visible.dim() - 1
+    length = visible.shape[-1]
+    rows = _gather(cache, block_table).narrow(dim, 0, length)  # [..., L, kvh, d], a copy: zeroed in place
+    lo, hi = seen_by_all
+    spans = ((0, lo), (hi, length)) if lo < hi else ((0, length),)
+    for start, end in spans:
+        if end > start:
+            hidden = ~visible.narrow(dim, start, end - start)[..., None, None]  # [..., span, 1, 1]
+            rows.narrow(dim, start, end - start).masked_fill_(hidden, 0)
+    return rows
 
 
 def _sink_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
@@ -88,8 +98,8 @@ def paged_attention(
                                                                scale, sinks)
             continue
         visible = group.key_mask[:, 0, 0]  # [G, L]
-        keys = gather_visible(k_cache, group.block_table, visible)  # [G, L, kvh, d]
-        values = gather_visible(v_cache, group.block_table, visible)
+        keys = gather_visible(k_cache, group.block_table, visible, group.seen_by_all)  # [G, L, kvh, d]
+        values = gather_visible(v_cache, group.block_table, visible, group.seen_by_all)
         qd = q[group.start:group.end].unsqueeze(2)  # [G, h, 1, d]
         o = _sdpa(qd, keys.transpose(1, 2), values.transpose(1, 2), group.key_mask, False, scale, sinks)  # [G, h, 1, d]
         out[group.start:group.end] = o.squeeze(2)
@@ -143,8 +153,8 @@ def _shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     # Own part: each request against its own (unshared) blocks; its newest token is always here.
     visible = group.key_mask[:, 0, 0]  # [G, L]
-    own_k = gather_visible(k_cache, group.block_table, visible).transpose(1, 2)  # [G, kvh, L, d]
-    own_v = gather_visible(v_cache, group.block_table, visible).transpose(1, 2)
+    own_k = gather_visible(k_cache, group.block_table, visible, group.seen_by_all).transpose(1, 2)  # [G, kvh, L, d]
+    own_v = gather_visible(v_cache, group.block_table, visible, group.seen_by_all).transpose(1, 2)
     o2, m2, l2 = _partial_attention(q4, own_k, own_v, group.key_mask, scale)  # [G, kvh, g, d|1]
 
     peak = torch.maximum(m1, m2)
