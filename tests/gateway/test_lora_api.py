@@ -49,6 +49,17 @@ async def _admin(root: str, path: str, body: dict, token: str | None = ADMIN_TOK
             return r.status, await r.json()
 
 
+async def _adapter_names(database_url: str) -> list[str]:
+    """The adapters the policy database holds, by name."""
+    from tenants.adapters import AdapterStore
+
+    store = TenantStore.open(database_url)
+    try:
+        return [a.name for a in await AdapterStore(store).list()]
+    finally:
+        await store.close()
+
+
 def _token_ids(choice) -> list[int]:
     """A completion choice's token ids (asked with ``return_tokens_as_token_ids``)."""
     return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
@@ -259,8 +270,6 @@ def test_admin_load_and_unload(served, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tenants.adapters import AdapterStore
-
     srv, clients, _, _ = served
     hot, spare = str(tmp_path / "hot"), str(tmp_path / "spare")
     _make_adapter(srv.demo, hot)
@@ -276,13 +285,6 @@ def test_admin_load_and_unload(served, tmp_path):
     def admin(path, body, token=ADMIN_TOKEN):
         return _admin(root, path, body, token)
 
-    async def names():
-        store = TenantStore.open(srv.database_url)
-        try:
-            return [a.name for a in await AdapterStore(store).list()]
-        finally:
-            await store.close()
-
     async def complete(model, n=6, client="owner"):
         return await clients[client].completions.create(
             model=model, prompt=prompt, max_tokens=n, temperature=0, logprobs=0,
@@ -294,7 +296,7 @@ def test_admin_load_and_unload(served, tmp_path):
         status, body = srv.run(admin("/admin/load_lora_adapter", load, token))
         assert status == 401 and body["error"]["code"] == "invalid_admin_token"
     # Bad input: one line naming the field, nothing written.
-    before = srv.run(names())
+    before = srv.run(_adapter_names(srv.database_url))
     for bad, field in (({**load, "lora_path": str(tmp_path / "nowhere")}, "lora_path"),
                        ({**load, "lora_path": srv.demo}, "lora_path"),  # a directory, but no adapter
                        ({"lora_name": "hot", "lora_path": hot}, "tenant"),
@@ -302,7 +304,7 @@ def test_admin_load_and_unload(served, tmp_path):
                        ({**load, "rank": 4}, "rank")):
         status, body = srv.run(admin("/admin/load_lora_adapter", bad))
         assert 400 <= status < 500 and body["error"]["param"] == field and "\n" not in body["error"]["message"], bad
-    assert srv.run(names()) == before
+    assert srv.run(_adapter_names(srv.database_url)) == before
     status, body = srv.run(admin("/admin/unload_lora_adapter", {"lora_name": "no-such-adapter"}))
     assert status == 404 and body["error"]["param"] == "lora_name"
 
@@ -332,7 +334,7 @@ def test_admin_load_and_unload(served, tmp_path):
     got, unloaded_at = srv.run(unload_mid_stream())
     assert unloaded_at < n_long and got == want
     srv.run(complete("demo", n=2))  # a step after the last request under it ended
-    assert engine.stats.lora_registered == registered - 1 and "hot" not in srv.run(names())
+    assert engine.stats.lora_registered == registered - 1 and "hot" not in srv.run(_adapter_names(srv.database_url))
 
     # Removed from the database by the CLI: the engine drops it within the policy TTL.
     status, _ = srv.run(admin("/admin/load_lora_adapter", {"lora_name": "spare", "lora_path": spare, "public": True}))
@@ -520,19 +522,9 @@ def test_broken_or_lookalike_adapters_are_refused_and_others_unharmed(served, tm
     tenant's base-model requests keep transformers' tokens."""
     from transformers import AutoModelForCausalLM
 
-    from tenants.adapters import AdapterStore
-
     srv, clients, _, _ = served
     root = str(srv.server.make_url(""))
-
-    async def names():
-        store = TenantStore.open(srv.database_url)
-        try:
-            return [a.name for a in await AdapterStore(store).list()]
-        finally:
-            await store.close()
-
-    before = srv.run(names())
+    before = srv.run(_adapter_names(srv.database_url))
     for k, value in enumerate((float("nan"), float("inf"), 1e30)):
         bad = str(tmp_path / f"bad{k}")
         _make_adapter(srv.demo, bad)
@@ -553,7 +545,7 @@ def test_broken_or_lookalike_adapters_are_refused_and_others_unharmed(served, tm
         status, body = srv.run(_admin(root, "/admin/load_lora_adapter", {"lora_name": name, "lora_path": good,
                                                                         "public": True}))
         assert status == 400 and body["error"]["param"] == "lora_name", (name, body)
-    assert srv.run(names()) == before
+    assert srv.run(_adapter_names(srv.database_url)) == before
 
     # Registered while its file was sound (the CLI: no engine reads it yet); spoiled before its first request.
     assert srv.run(asyncio.to_thread(moegate, ["admin", "adapter", "add", "spoiled", "--path", good, "--public",

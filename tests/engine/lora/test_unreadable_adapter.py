@@ -15,7 +15,7 @@ import torch
 from engine import LLM, RequestPolicy, SamplingParams
 from engine.core.config import EngineConfig
 from engine.serving.async_engine import AsyncEngine, RequestRejectedError
-from tests.engine.lora.peft_reference import peft_greedy_tokens, peft_last_logits
+from tests.engine.lora.peft_reference import peft_greedy_tokens, peft_last_logits, save_random_adapters
 from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 from tests.hf_models import make_hf_model
 
@@ -42,24 +42,14 @@ def _run(engine, requests: dict[str, tuple[list[int], RequestPolicy]], max_new: 
 
 @pytest.mark.timeout(300)
 def test_adapter_spoiled_on_disk_fails_its_requests_alone(tmp_path):
-    from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
 
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     model_dir = str(tmp_path / "base")
     make_hf_model("qwen3_moe", model_dir, seed=seed, vocab_size=VOCAB)
-    paths = {}
-    for name in ("a", "b"):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        get_peft_model(model, LoraConfig(init_lora_weights=False, r=2, lora_alpha=4, **TARGETS)).save_pretrained(
-            str(tmp_path / name))
-        paths[name] = str(tmp_path / name)
-    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                    paths["a"], adapter_name="a")
-    ref.load_adapter(paths["b"], adapter_name="b")
+    paths, ref = save_random_adapters(model_dir, tmp_path, {"a": 2, "b": 2}, TARGETS)
     prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(9, 20))]
     max_new = 8
 
