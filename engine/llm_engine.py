@@ -16,7 +16,7 @@ from engine.ranks.engine_ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
-from engine.core.lora_residency import LoraResidency
+from engine.core.lora_residency import LoraResidency, registered_name
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.worker.lora_setup import serve_adapters
 from engine.worker.cpu_allocator import keep_freed_memory
@@ -127,6 +127,8 @@ class LLMEngine:
             self.runner.sampler.grammars = GrammarMatchers(
                 self.tokenizer, self.model_config.vocab_size, self._eos_token_id, self.device)
         self.choice_groups = ChoiceGroups(share_prefill=cache_config.enable_prefix_caching)
+        # Requests ended because their adapter could not be read (output id -> why), until ``take_rejected``.
+        self._rejected: dict[str, str] = {}
         self._ids = itertools.count()
         # Overlapped steps: the host prepares step N+1 while the device runs step N (engine.worker.overlap).
         # Every rank must see each plan before it runs, and data-parallel peers step in lockstep: those stay synchronous.
@@ -336,6 +338,7 @@ class LLMEngine:
         With overlapped scheduling the outputs returned are those of the step launched by the previous call
         (this call launches the next one), so each request's outputs arrive one call later; the outputs
         themselves are the synchronous loop's."""
+        failed = self._fail_unreadable_adapters() if self.lora is not None else []
         plan = self.scheduler.schedule()
         if plan.is_empty and self._in_flight is None and self.lora is not None and self.scheduler.num_lora_waiting:
             self.lora.host.wait_for_reads(LORA_READ_WAIT_S)  # nothing to run until an adapter is read
@@ -346,10 +349,31 @@ class LLMEngine:
         # Copies of an n > 1 request whose leader has now computed the prompt join the queue for the next step.
         for request in self.choice_groups.release():
             self.scheduler.add_request(request)
+        outputs = failed + outputs
         for out in outputs:
             if out.finished and out.request_id in self.choice_groups and self.choice_groups.finished(out.request_id):
                 self.choice_groups.forget(out.request_id)
         return outputs
+
+    def _fail_unreadable_adapters(self) -> list[RequestOutput]:
+        """End the requests waiting for an adapter whose read failed (its directory changed since it was added:
+        gone, or its weights no longer finite), each with finish_reason 'error' and the reason as its stop_reason;
+        nothing else is touched. A later request for the adapter reads it again."""
+        outputs = []
+        for (key, _), reason in self.lora.host.failures().items():
+            why = f"model {registered_name(key)!r} cannot be served now: {reason}"
+            for request in self.scheduler.fail_lora_waiting(key, why):
+                self._rejected[request.output_id] = why
+                out = self.output_processor.abort(request)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
+
+    def take_rejected(self) -> dict[str, str]:
+        """Requests (output ids) that ``step`` ended because their adapter could not be read, and why, since the
+        last call: the engine process answers them as refused (naming ``model``), not as failed outputs."""
+        rejected, self._rejected = self._rejected, {}
+        return rejected
 
     def _run_synchronously(self, plan: SchedulerOutput) -> list[RequestOutput]:
         sampled = self.runner.execute(plan)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -32,6 +33,7 @@ from tenants.store import Conflict, NotFound, StoreError
 
 ADMIN_TOKEN = web.AppKey("admin_token", str)
 ENGINE = web.AppKey("admin_engine", object)  # the gateway's engine (its replicas)
+SERVED_MODEL = web.AppKey("admin_served_model", Callable[[], str])  # the base model's name as clients use it
 
 
 def _fields(raw: bytes, allowed: dict[str, type]) -> dict:
@@ -78,14 +80,15 @@ async def load_adapter(request: web.Request) -> web.Response:
     if ("tenant" in body) == bool(body.get("public")):
         raise APIError(400, "give the adapter an owner: 'tenant': NAME, or 'public': true for every tenant",
                        param="tenant")
-    try:  # the header and config only; nothing is written if the directory is not an adapter
+    try:  # config, header and values, off the event loop; nothing is written if the directory is not an adapter
         summary = await asyncio.to_thread(_check_adapter_dir, path)
     except ValueError as e:
-        raise APIError(400, str(e), param="lora_path", code="invalid_adapter") from None
+        raise APIError(400, f"adapter {name!r} cannot be added: {e}", param="lora_path",
+                       code="invalid_adapter") from None
     catalog = request.app[ADAPTERS]
     try:
         info = await catalog.adapters.add(name, path, body.get("tenant"), summary.rank, summary.target_modules,
-                                          summary.base_model)
+                                          summary.base_model, served_models=[request.app[SERVED_MODEL]()])
     except Conflict as e:
         raise APIError(409, str(e), param="lora_name", code="adapter_exists") from None
     except NotFound as e:
@@ -120,11 +123,13 @@ async def unload_adapter(request: web.Request) -> web.Response:
     return json_response({"object": "lora_adapter", "name": name, "deleted": True, "engines": engines})
 
 
-def add_routes(app: web.Application, token: str | None, engine) -> None:
-    """Serve the endpoints when ``token`` is set (no token: no admin endpoints at all)."""
+def add_routes(app: web.Application, token: str | None, engine, served_model: Callable[[], str]) -> None:
+    """Serve the endpoints when ``token`` is set (no token: no admin endpoints at all). ``served_model()``: the
+    base model's name as clients use it, which no adapter's name may read as."""
     if not token:
         return
     app[ADMIN_TOKEN] = token
     app[ENGINE] = engine
+    app[SERVED_MODEL] = served_model
     app.router.add_post("/admin/load_lora_adapter", load_adapter)
     app.router.add_post("/admin/unload_lora_adapter", unload_adapter)

@@ -26,7 +26,7 @@ from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
 from gateway.completion import (
     apply_plan, chat_plan_of, collect, engine_down, load_harmony, order_in_class, output_view, prepare_prompts,
-    start_streams,
+    rejected, start_streams,
 )
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
@@ -322,7 +322,7 @@ async def _first_output(stream, chat: bool) -> tuple:
     try:
         return await anext(stream)
     except RequestRejectedError as e:
-        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        raise rejected(e, "messages" if chat else "prompt") from None
     except EngineError as e:
         raise engine_down(e) from None
 
@@ -482,7 +482,7 @@ def _configure_batch_api(app: web.Application, config: GatewayConfig) -> None:
 def _add_routes(app: web.Application, config: GatewayConfig) -> None:
     if config.metrics_token:
         app.router.add_get("/metrics", metrics_endpoint)
-    admin_lora.add_routes(app, config.admin_token, app[ENGINE])
+    admin_lora.add_routes(app, config.admin_token, app[ENGINE], lambda: _model_name(app))
     app.router.add_get("/openapi.json", openapi_endpoint)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)

@@ -75,6 +75,12 @@ def engine_down(err: Exception | str) -> APIError:
                     headers={"Retry-After": "5"})
 
 
+def rejected(e: RequestRejectedError, prompt_param: str) -> APIError:
+    """The 400 of a request the engine refused: naming the field it names (``model`` for an adapter it could not
+    read), else ``prompt_param``, the request's prompt field."""
+    return APIError(400, str(e), param=e.param or prompt_param, code=e.code)
+
+
 def output_failed() -> APIError:
     """A request the engine ended with finish_reason 'error' (its output could not be produced); the
     other requests were not affected. Not marked for retry: the same request would fail the same way."""
@@ -176,7 +182,7 @@ async def collect(stream, chat: bool, choices: Choices, on_output=None) -> Choic
             if on_output is not None:
                 on_output(choices)
     except RequestRejectedError as e:
-        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        raise rejected(e, "messages" if chat else "prompt") from None
     except EngineError as e:
         raise engine_down(e) from None
     if choices.failed:

@@ -9,12 +9,14 @@ summary stored with it. Every method is one transaction; bad input is a ``StoreE
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import delete, or_, select
 
 from tenants.models import Adapter, AdapterGrant, Tenant, utcnow
+from tenants.names import reads_as
 from tenants.store import Conflict, NotFound, StoreError, TenantStore, _checked
 
 
@@ -30,12 +32,24 @@ class AdapterInfo:
     granted: tuple[str, ...] = ()  # tenants it is granted to besides its owner
 
 
-def _adapter_name(name: str) -> str:
-    """Names travel as ``NAME=DIR`` lists (``lora_adapters``) and as an API's ``model``: no ``,`` ``=`` or spaces."""
+# What an adapter name may hold: ASCII letters and digits and these, so that no name can pass for another (or for
+# the served model) with lookalike letters: Cyrillic or fullwidth ones, zero-width characters.
+NAME_PUNCTUATION = "-_./:"
+
+
+def _adapter_name(name: str, reserved: Iterable[str | None] = ()) -> str:
+    """Names travel as ``NAME=DIR`` lists (``lora_adapters``) and as an API's ``model``: ASCII letters, digits and
+    ``NAME_PUNCTUATION`` only, and never read as one of ``reserved`` (the served model's names: case aside)."""
     name = _checked("adapter name", name, Adapter.name)
-    bad = next((c for c in name if c in ",=" or c.isspace()), None)
+    bad = next((c for c in name if not (c.isascii() and c.isalnum()) and c not in NAME_PUNCTUATION), None)
     if bad is not None:
-        raise StoreError(f"adapter name {name!r} must not hold {bad!r} (use letters, digits, '-', '_', '.', '/', ':')")
+        shown = bad if bad.isascii() and bad.isprintable() else f"U+{ord(bad):04X}"
+        raise StoreError(f"adapter name {name!r} must not hold {shown!r} (use ASCII letters, digits, '-', '_', '.', "
+                         "'/', ':')")
+    model = reads_as(name, reserved)
+    if model is not None:
+        raise StoreError(f"adapter name {name!r} reads as the model {model!r}: requests naming it would be taken "
+                         "for the base model's; choose another name")
     return name
 
 
@@ -44,9 +58,12 @@ class AdapterStore:
         self.store = store
 
     async def add(self, name: str, path: str, owner: str | None, rank: int, target_modules: list[str] | tuple[str, ...],
-                  base_model: str | None = None) -> AdapterInfo:
-        """Register adapter ``name`` at ``path`` (made absolute), owned by tenant ``owner`` (None: public)."""
-        name = _adapter_name(name)
+                  base_model: str | None = None, served_models: Iterable[str] = ()) -> AdapterInfo:
+        """Register adapter ``name`` at ``path`` (made absolute), owned by tenant ``owner`` (None: public).
+        ``name`` must not read as ``served_models`` (the names clients use for the base model), ``base_model``
+        (the adapter's own, as saved), nor its last path part."""
+        reserved = [*served_models, base_model, base_model and base_model.rstrip("/").rsplit("/", 1)[-1]]
+        name = _adapter_name(name, reserved)
         path = os.path.abspath(path)
         if "," in path or len(path) > Adapter.path.type.length:
             raise StoreError(f"adapter path must hold no ',' and be at most {Adapter.path.type.length} characters")

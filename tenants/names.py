@@ -7,6 +7,7 @@ before it is written.
 """
 
 import unicodedata
+from collections.abc import Iterable
 
 
 def valid_name(kind: str, value: str, max_length: int) -> str:
@@ -21,3 +22,16 @@ def valid_name(kind: str, value: str, max_length: int) -> str:
     if bad is not None:
         raise ValueError(f"{kind} must be printable text: it holds the control character U+{ord(bad):04X}")
     return value
+
+
+def skeleton(value: str) -> str:
+    """How ``value`` reads: NFKC-normalised (fullwidth and compatibility forms to their plain letters), case-folded,
+    without format characters (zero-width spaces and joiners)."""
+    folded = unicodedata.normalize("NFKC", value).casefold()
+    return "".join(c for c in folded if unicodedata.category(c) != "Cf")
+
+
+def reads_as(value: str, names: Iterable[str | None]) -> str | None:
+    """The first of ``names`` (None ignored) that ``value`` reads the same as (``skeleton``), or None."""
+    mine = skeleton(value)
+    return next((n for n in names if n and skeleton(n) == mine), None)

@@ -23,6 +23,11 @@ def registration_key(name: str, path: str) -> str:
     return f"{name}={path}"
 
 
+def registered_name(key: str) -> str:
+    """The name users gave the adapter of ``registration_key`` ``key``."""
+    return key.split("=", 1)[0]
+
+
 @dataclass(frozen=True, slots=True)
 class LoraLoad:
     """Write the adapter registered as ``name`` (a ``registration_key``; read from ``path``) into device slot

@@ -332,6 +332,15 @@ class Scheduler:
                     self.waiting.add(request)
         return loads
 
+    def fail_lora_waiting(self, adapter: str, reason: str) -> list[Request]:
+        """End the requests set aside for ``adapter`` (a registration key) with finish_reason 'error' and ``reason``
+        as their stop_reason: its factors could not be read. Returns them; every other request goes on."""
+        ended = list(self._lora_waiting.get(adapter, ()))
+        for request in ended:
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            request.stop_reason = reason
+        return ended
+
     def _wait_for_adapter(self, request: Request) -> bool:
         """True (and the request set aside until its adapter is written into a slot) if its adapter is not
         resident: it neither runs nor holds back the requests behind it."""

@@ -16,6 +16,9 @@ class DecodeGroup:
     # Blocks at the head of every table in the group (a shared prompt prefix): attended once for all
     # G queries, then merged with each request's own blocks (``block_table``) by log-sum-exp.
     shared_blocks: torch.Tensor | None = None  # [S] int64
+    # Key columns [lo, hi) of ``block_table`` that every request of the group sees (host ints): reading the cache,
+    # only the columns outside it can hold slots to zero (``paged_attention.gather_visible``). (0, 0): none known.
+    seen_by_all: tuple[int, int] = (0, 0)
 
 
 @dataclass(slots=True)

@@ -9,6 +9,11 @@ written). Both kernels walk keys BLOCK_N at a time, finding each key's block
 through the request's block table (so BLOCK_N need not equal bs), and keep a
 running max / normaliser (online softmax) in float32.
 
+Slots a query does not see are never loaded: every K/V load is masked by key position (before the
+request's length; in prefill, before the tile's last query and inside the first query's window), with
+``other=0``. A reused block keeps an earlier request's values past this one's length, possibly NaN or
+inf; a softmax weight of 0 would not cancel them (0 * NaN is NaN), a load that skips them does.
+
 Attention sinks (gpt-oss, HAS_SINKS): one learned logit per query head joins the
 softmax's denominator (and attends to nothing); it is folded in once, after the
 last key tile (``_fold_sink``), or in the split merge for split decodes.

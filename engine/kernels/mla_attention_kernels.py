@@ -10,6 +10,8 @@ its first R values. So one program takes a tile of BLOCK_H heads of one request 
 loads each tile of BLOCK_N rows once for all of them: the scores are two tl.dot's
 (the R part and the P part, so R + P need not be one power of two) and the values
 are the c_kv part of the rows already loaded.
+As in ``attention_kernels``, only rows before the request's length are loaded (masked loads, ``other=0``): the
+stale rows a reused block holds past it never enter a sum, whatever they hold.
 
 Imported lazily by ``mla_attention``: ``triton.jit`` decides at decoration whether
 kernels are compiled or run in the CPU interpreter (TRITON_INTERPRET=1).

@@ -22,7 +22,7 @@ from torch import nn
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.cache_spec import CacheSpec
 from engine.layers.norms import RMSNorm
-from engine.layers.paged_attention import _gather, _partial_attention
+from engine.layers.paged_attention import _gather, _partial_attention, gather_visible
 from engine.layers.rotary import RotaryEmbedding
 from engine.device_batch.attention_metadata import AttentionMetadata, DecodeGroup, TritonAttentionMetadata
 
@@ -177,7 +177,7 @@ class MLAttention(nn.Module):
         if mask is None:
             ctx_latent, ctx_pe = latent, k_pe
         else:
-            ctx = _gather(rows, table)[:seq_len, 0]  # [L, r + p]
+            ctx = gather_visible(rows, table, mask[0, 0].any(dim=0))[:, 0]  # [L, r + p]; hidden slots zeroed
             ctx_latent, ctx_pe = ctx[:, :self.kv_lora_rank], ctx[:, self.kv_lora_rank:]
         keys, values = self._expand(ctx_latent, ctx_pe)  # [L, h, n + p], [L, h, v]
         o = F.scaled_dot_product_attention(
@@ -209,7 +209,8 @@ class MLAttention(nn.Module):
         r = self.kv_lora_rank
         q_latent = torch.einsum("ghn,hnr->ghr", q[..., :self.nope_dim], w_uk)
         qa = torch.cat([q_latent, q[..., self.nope_dim:]], dim=-1)  # [G, h, r + p]
-        own = _gather(rows, group.block_table)[:, :, 0]  # [G, L, r + p]
+        visible = group.key_mask[:, 0, 0]  # [G, L]
+        own = gather_visible(rows, group.block_table, visible, group.seen_by_all)[:, :, 0]  # [G, L, r + p]
         if group.shared_blocks is None:
             # One "KV head" with the h queries as its rows: [G, 1, h, r + p] against [G, 1, L, r + p].
             out = F.scaled_dot_product_attention(qa[:, None], own[:, None], own[:, None, :, :r],
@@ -227,7 +228,8 @@ class MLAttention(nn.Module):
 
     def _decode_expanded(self, q: torch.Tensor, rows: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         """q [G, h, n + p] against the group's cached rows expanded to per-head keys and values -> [G, h, v]."""
-        ctx = _gather(rows, group.block_table)[:, :, 0]  # [G, L, r + p]
+        visible = group.key_mask[:, 0, 0]  # [G, L]
+        ctx = gather_visible(rows, group.block_table, visible, group.seen_by_all)[:, :, 0]  # [G, L, r + p]
         mask = group.key_mask  # [G, 1, 1, L]
         if group.shared_blocks is not None:  # attention is order-free: the shared rows simply join each context
             shared = _gather(rows, group.shared_blocks)[:, 0]  # [S*bs, r + p]

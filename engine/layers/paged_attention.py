@@ -3,6 +3,11 @@
 The interface (flat tokens + AttentionMetadata + per-layer cache tensors) is the
 one a Triton paged-attention kernel implements on the GPU.
 
+Slots a query does not see never reach its output: a reused block keeps an earlier request's K/V past this
+request's length, and a decode group pads its block tables with block 0. The softmax weighs such slots 0,
+but 0 * NaN and 0 * inf are NaN, so an earlier request's non-finite values (a broken adapter's) would still
+poison the sum: every read of the cache goes through ``gather_visible``, which zeroes the hidden slots.
+
 Attention sinks (gpt-oss): a learned logit per query head that joins each softmax's
 denominator and attends to nothing, so a head can put weight on "no token". SDPA has no
 such term; with sinks the same masks go through ``_sink_sdpa`` (explicit float32 math).
@@ -26,6 +31,27 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     rows = cache.view(cache.shape[0], -1).index_select(0, block_table.reshape(-1))  # [..*n, bs*kvh*d]
     return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, num_kv_heads, head_dim)
+
+
+def gather_visible(cache: torch.Tensor, block_table: torch.Tensor, visible: torch.Tensor,
+                   seen_by_all: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """The first L slots of ``block_table``'s blocks with every slot ``visible`` hides set to 0.
+
+    cache [N_blocks, bs, kvh, d], block_table [..., n], visible [..., L] bool (L <= n * bs; True: some query
+    sees the slot) -> [..., L, kvh, d]. Masked scores alone are not enough: see the module docstring.
+    ``seen_by_all``: slots [lo, hi) that ``visible`` shows in every row, known on the host: only the slots
+    outside them are masked (a decode group's tails), not the whole copy.
+    """
+    dim = visible.dim() - 1
+    length = visible.shape[-1]
+    rows = _gather(cache, block_table).narrow(dim, 0, length)  # [..., L, kvh, d], a copy: zeroed in place
+    lo, hi = seen_by_all
+    spans = ((0, lo), (hi, length)) if lo < hi else ((0, length),)
+    for start, end in spans:
+        if end > start:
+            hidden = ~visible.narrow(dim, start, end - start)[..., None, None]  # [..., span, 1, 1]
+            rows.narrow(dim, start, end - start).masked_fill_(hidden, 0)
+    return rows
 
 
 def _sink_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
@@ -71,8 +97,9 @@ def paged_attention(
             out[group.start:group.end] = _shared_prefix_decode(q[group.start:group.end], k_cache, v_cache, group,
                                                                scale, sinks)
             continue
-        keys = _gather(k_cache, group.block_table)  # [G, L, kvh, d]
-        values = _gather(v_cache, group.block_table)
+        visible = group.key_mask[:, 0, 0]  # [G, L]
+        keys = gather_visible(k_cache, group.block_table, visible, group.seen_by_all)  # [G, L, kvh, d]
+        values = gather_visible(v_cache, group.block_table, visible, group.seen_by_all)
         qd = q[group.start:group.end].unsqueeze(2)  # [G, h, 1, d]
         o = _sdpa(qd, keys.transpose(1, 2), values.transpose(1, 2), group.key_mask, False, scale, sinks)  # [G, h, 1, d]
         out[group.start:group.end] = o.squeeze(2)
@@ -82,8 +109,9 @@ def paged_attention(
         if mask is None:  # a fresh prompt chunk: its own keys, causal (the fast SDPA path)
             keys, values = k[start:end], v[start:end]  # [q, kvh, d]
         else:
-            keys = _gather(k_cache, table)[:seq_len]  # [L, kvh, d]
-            values = _gather(v_cache, table)[:seq_len]
+            seen = mask[0, 0].any(dim=0)  # [L]: slots some query of the chunk sees (not those a window passed)
+            keys = gather_visible(k_cache, table, seen)  # [L, kvh, d]
+            values = gather_visible(v_cache, table, seen)
         # 4-D inputs: with 3-D ones the CPU backend falls back to the slow math path.
         o = _sdpa(q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],  # [1, h|kvh, q|L, d]
                   mask, mask is None, scale, sinks)  # [1, h, q, d]
@@ -115,7 +143,8 @@ def _shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     group_size = num_heads // num_kv_heads  # query heads per KV head
     q4 = q.view(num_reqs, num_kv_heads, group_size, head_dim)  # [G, kvh, g, d]
 
-    # Shared part: every query of the group against the shared keys, as one batched matmul per KV head.
+    # Shared part: every query of the group against the shared keys, as one batched matmul per KV head. Shared
+    # blocks are full prompt blocks that every query sees whole: no slot of them is hidden.
     shared_k = _gather(k_cache, group.shared_blocks).transpose(0, 1)  # [kvh, S*bs, d]
     shared_v = _gather(v_cache, group.shared_blocks).transpose(0, 1)
     q_shared = q4.permute(1, 0, 2, 3).reshape(num_kv_heads, num_reqs * group_size, head_dim)  # [kvh, G*g, d]
@@ -123,8 +152,9 @@ def _shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     o1, m1, l1 = (t.view(num_kv_heads, num_reqs, group_size, -1).permute(1, 0, 2, 3) for t in (o1, m1, l1))
 
     # Own part: each request against its own (unshared) blocks; its newest token is always here.
-    own_k = _gather(k_cache, group.block_table).transpose(1, 2)  # [G, kvh, L, d]
-    own_v = _gather(v_cache, group.block_table).transpose(1, 2)
+    visible = group.key_mask[:, 0, 0]  # [G, L]
+    own_k = gather_visible(k_cache, group.block_table, visible, group.seen_by_all).transpose(1, 2)  # [G, kvh, L, d]
+    own_v = gather_visible(v_cache, group.block_table, visible, group.seen_by_all).transpose(1, 2)
     o2, m2, l2 = _partial_attention(q4, own_k, own_v, group.key_mask, scale)  # [G, kvh, g, d|1]
 
     peak = torch.maximum(m1, m2)

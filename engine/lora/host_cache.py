@@ -3,7 +3,9 @@ thread so the disk read and the safetensors parse never run inside the step loop
 reader process parses, where there is one: ``engine.lora.reader_process``).
 
 The scheduler asks ``ready`` (starting a read if the factors are absent); the slot write between two steps
-``take``s them (read synchronously only if they were evicted in between, counted as ``sync_reads``).
+``take``s them (read synchronously only if they were evicted in between, counted as ``sync_reads``). A background
+read that fails (the directory changed since the adapter was added: gone, or its weights no longer finite) is
+kept as a one-line reason until the engine takes it (``failures``) and ends the requests waiting for it.
 """
 
 import logging
@@ -34,6 +36,7 @@ class HostLoraCache:
         self._entries: OrderedDict[tuple[str, str], LoraAdapter] = OrderedDict()
         self._pending: dict[tuple[str, str], Future] = {}
         self._claimed: set[tuple[str, str]] = set()  # planned into a slot, not yet taken: never evicted
+        self._failed: dict[tuple[str, str], str] = {}  # background reads that failed, and why (one line)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read")
         self.hits = 0  # cumulative: slot writes served from host memory
         self.misses = 0  # cumulative: reads from disk (background or synchronous)
@@ -103,6 +106,13 @@ class HostLoraCache:
         if pending:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
+    def failures(self) -> dict[tuple[str, str], str]:
+        """The background reads that failed since the last call: (name, path) -> why, in one line. A later
+        ``ready`` for the same adapter reads it again (its directory may have been mended)."""
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        return failed
+
     def discard(self, name: str, path: str) -> None:
         with self._lock:
             self._entries.pop((name, path), None)
@@ -114,10 +124,11 @@ class HostLoraCache:
     def _background_read(self, key: tuple[str, str]) -> None:
         try:
             adapter = self._timed_read(key, self._background)
-        except Exception as e:  # the directory changed since it was added: asked again at the next step
+        except Exception as e:  # the directory changed since it was added: its waiting requests fail (``failures``)
             logger.error("LoRA adapter %s: reading %s failed: %s", key[0], key[1], e)
             with self._lock:
                 self._pending.pop(key, None)
+                self._failed[key] = " ".join(str(e).split()) or type(e).__name__
             return
         with self._lock:
             self._pending.pop(key, None)

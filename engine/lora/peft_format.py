@@ -6,6 +6,10 @@ sub-projection the adapter has, by its index among the packed parts (each pair's
 sum of the sub-projections' deltas in their own rows; ``engine.lora.slots`` places them). Fused expert tensors (PEFT ``target_parameters`` on
 ``experts.gate_up_proj`` / ``experts.down_proj``) become per-expert pairs. The scaling (alpha / r, or
 alpha / sqrt(r) with rsLoRA) is folded into B once, here.
+
+Every factor as the engine applies it (A, and B times the scaling) must be finite and within
+``MAX_FACTOR_ABS``: an adapter's NaN or inf (or a value whose products overflow) would make its own requests'
+activations non-finite, and those reach the KV cache blocks that later requests reuse.
 """
 
 import json
@@ -15,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -24,6 +29,10 @@ _PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _PLAIN = {"o_proj": "o_proj", "down_proj": "down_proj"}
 _EXPERTS = {"gate_up_proj": "experts.w13", "down_proj": "experts.w2"}
+# PEFT initialises lora_A within +-1/sqrt(fan_in) and lora_B at 0, and trained factors stay around 1 or far below
+# (scaling included): a factor past 1e4 is a damaged or hostile file, not a fine-tune, and its products overflow
+# half precision.
+MAX_FACTOR_ABS = 1e4
 _KEY = re.compile(r"^base_model\.model\.(.+?)\.(?:base_layer\.)?lora_([AB])\.weight$")
 
 
@@ -81,6 +90,9 @@ def read_config(path: str) -> dict:
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
         raise _fail(path, f"r must be a positive integer, got {rank!r}")
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise _fail(path, f"lora_alpha must be a finite number, got {alpha!r}")
     for key, allowed in (("use_dora", (False, None)), ("bias", ("none", None)), ("rank_pattern", ({}, None)),
                          ("alpha_pattern", ({}, None)), ("modules_to_save", (None, [])),
                          ("fan_in_fan_out", (False, None)), ("lora_bias", (False, None))):
@@ -92,6 +104,20 @@ def read_config(path: str) -> dict:
 def _scaling(config: dict) -> float:
     alpha, rank = config.get("lora_alpha", 8), config["r"]
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def check_values(path: str, key: str, tensor: torch.Tensor, scaling: float = 1.0) -> None:
+    """AdapterFormatError naming tensor ``key`` unless ``tensor`` times ``scaling`` is finite and within
+    +-``MAX_FACTOR_ABS`` (the factor as the engine applies it; ``scaling``: lora_B's)."""
+    values = tensor.float()
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        raise _fail(path, f"tensor {key!r} holds {values[~finite][0].item()} (LoRA weights must be finite numbers)")
+    peak = values.abs().max().item() * abs(scaling) if values.numel() else 0.0
+    if peak > MAX_FACTOR_ABS:
+        scaled = f" (times the scaling {scaling:g})" if scaling != 1.0 else ""
+        raise _fail(path, f"tensor {key!r} holds a value of {peak:.3g}{scaled}, beyond +-{MAX_FACTOR_ABS:g}: "
+                          "not the factor of a trained LoRA adapter")
 
 
 def load_adapter(name: str, path: str, num_experts: int | None = None, hidden_size: int | None = None,
@@ -118,7 +144,9 @@ def load_adapter(name: str, path: str, num_experts: int | None = None, hidden_si
         owner = m.group(1) + ("#inner" if ".base_layer.lora_" in key else "")
         # A copy even when already float32: load_file's tensors are views of a mapping of the file, which a file
         # rewritten in place would change under the host cache (or fault at a later slot write).
-        pairs.setdefault(owner, {})[m.group(2)] = tensor.to(torch.float32, copy=True)
+        tensor = tensor.to(torch.float32, copy=True)
+        check_values(path, key, tensor, scaling if m.group(2) == "B" else 1.0)  # the copy: what the engine serves
+        pairs.setdefault(owner, {})[m.group(2)] = tensor
     adapter = LoraAdapter(name, rank)
     for owner, ab in pairs.items():
         if set(ab) != {"A", "B"}:
@@ -197,13 +225,26 @@ def _safetensors_header(path: str) -> dict:
     return header
 
 
+def _check_file_values(path: str, scaling: float) -> None:
+    """``check_values`` on every tensor of the adapter's file, one at a time (lora_B with the scaling)."""
+    try:
+        with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as f:
+            for key in f.keys():
+                check_values(path, key, f.get_tensor(key), scaling if ".lora_B." in key else 1.0)
+    except AdapterFormatError:
+        raise
+    except Exception as e:  # safetensors' own error types for data that does not match its header
+        raise _fail(path, f"{WEIGHTS_FILE} cannot be read ({type(e).__name__})") from None
+
+
 def check_adapter_dir(path: str) -> AdapterSummary:
-    """Check that ``path`` is an adapter the engine serves, from ``adapter_config.json`` and the safetensors
-    header alone (no base model, no tensor data): what ``load_adapter`` refuses for the adapter itself
-    (missing files, bad JSON, not plain LoRA, unexpected or unpaired tensors, factors whose shapes disagree)
-    is an ``AdapterFormatError`` (a ValueError) with one line. What only the base model can tell (a layer it
-    lacks, expert factors that fit none of its tensors, a rank above the engine's ``max_lora_rank``) is left to
-    ``load_adapter``."""
+    """Check that ``path`` is an adapter the engine serves, from ``adapter_config.json``, the safetensors
+    header and then the tensors' values (no base model): what ``load_adapter`` refuses for the adapter itself
+    (missing files, bad JSON, not plain LoRA, unexpected or unpaired tensors, factors whose shapes disagree,
+    values that are not finite or past ``MAX_FACTOR_ABS``) is an ``AdapterFormatError`` (a ValueError) with one
+    line. The values are read one tensor at a time, after every header check has passed. What only the base
+    model can tell (a layer it lacks, expert factors that fit none of its tensors, a rank above the engine's
+    ``max_lora_rank``) is left to ``load_adapter``."""
     if not os.path.isdir(path):
         raise _fail(path, "not a directory")
     config = read_config(path)
@@ -235,5 +276,6 @@ def check_adapter_dir(path: str) -> AdapterSummary:
             targets.add(leaf)
         else:
             raise _fail(path, f"LoRA on {owner!r} is not supported (attention, MLP and expert projections are)")
+    _check_file_values(path, _scaling(config))
     base = config.get("base_model_name_or_path")
     return AdapterSummary(rank, tuple(sorted(targets)), base if isinstance(base, str) and base else None)

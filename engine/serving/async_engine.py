@@ -58,7 +58,12 @@ MAX_UNREAD_OUTPUTS = 256
 
 
 class RequestRejectedError(ValueError):
-    """The engine refused a request; the message says why, for the user."""
+    """The engine refused a request; the message says why, for the user. ``param``: the request field at fault
+    (None: the prompt); ``code``: the API's error code, if one applies."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class AsyncEngine:
@@ -246,7 +251,7 @@ class AsyncEngine:
         elif isinstance(msg, RequestRejected):
             queue = self._queues.get(msg.request_id)
             if queue is not None:
-                queue.put_nowait(RequestRejectedError(msg.message))
+                queue.put_nowait(RequestRejectedError(msg.message, msg.param, msg.code))
         elif isinstance(msg, Fatal):  # the process exits next; _fail_all tells the waiting requests why
             self.failure = msg.message
 

@@ -170,6 +170,12 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
             logger.exception("engine step failed")
             send(Fatal(f"a step failed: {type(e).__name__}: {e}"))
             return
+        if rejected := engine.take_rejected():  # their adapter could not be read: refused, naming model
+            outputs = [o for o in outputs if o.request_id not in rejected]
+            for request_id, why in rejected.items():
+                engine.abort(request_id)  # its other choices (n > 1), if any run
+                reports.forget(request_id)
+                send(RequestRejected(request_id, why, param="model", code="adapter_unavailable"))
         if handoff is not None:
             handoff.after_step(outputs)
         message = reports.after_step(outputs, stats(), engine.has_unfinished())

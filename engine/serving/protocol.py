@@ -97,10 +97,13 @@ class StepOutputs(msgspec.Struct, tag=True):
 
 
 class RequestRejected(msgspec.Struct, tag=True):
-    """The engine could not accept a request (bad prompt): the message is for the user."""
+    """The engine could not accept a request (bad prompt), or could not serve the adapter it names (``param``
+    "model"): the message is for the user."""
 
     request_id: str
     message: str
+    param: str | None = None  # the request field at fault; None: the prompt
+    code: str | None = None  # the API's error code, where one applies
 
 
 class Released(msgspec.Struct, tag=True):

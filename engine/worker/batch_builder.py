@@ -230,10 +230,14 @@ def build_torch_batch(scheduled: list[ScheduledRequest], block_size: int, slidin
         table, seq_lens, shared = next(staged), next(staged)[:, None], next(staged)  # [G, W], [G, 1], [S]
         window_table = next(staged) if own_tables else table  # [G, W]
         key_pos = num_shared * bs + torch.arange(width * bs, device=device)[None, :]  # [1, L]
+        lens = [s.start + 1 for s in group]
         for window, into, t in ((sliding_window, groups, table), (layer_window, windowed_groups, window_table)):
             mask = _visible(seq_lens - 1, key_pos, seq_lens, window)[:, None, None, :]  # [G, 1, 1, L]
+            # Columns every member sees: before the shortest one's end, inside the longest one's window.
+            seen_by_all = (max(0, max(lens) - window - num_shared * bs) if window else 0,
+                           max(0, min(lens) - num_shared * bs))
             into.append(DecodeGroup(g0, g0 + len(group), t.view(len(group), width), mask,
-                                    shared if num_shared else None))
+                                    shared if num_shared else None, seen_by_all))
         g0 += len(group)
     pre_tables, window_pre_tables, pre_lens, pre_masks, windowed_masks = [], [], [], [], []
     for item in prefills:

@@ -20,7 +20,7 @@ from engine.serving.async_engine import EngineError, RequestRejectedError
 from gateway.admission import QUOTAS
 from gateway.auth import PRINCIPAL
 from gateway.chat_plan import ChatPlan
-from gateway.completion import engine_down, output_failed
+from gateway.completion import engine_down, output_failed, rejected
 from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, read_body
 from gateway.batch.files import list_page
 from gateway.replies import json_response, query_limit
@@ -136,7 +136,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
             try:
                 out = await anext(stream)
             except RequestRejectedError as e:
-                raise APIError(400, str(e), param="input") from None
+                raise rejected(e, "input") from None
             except EngineError as e:
                 raise engine_down(e) from None
             timer.delta(first=first, queue_time_s=out[1].queue_time_s if first else None)

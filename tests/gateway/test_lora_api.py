@@ -49,6 +49,17 @@ async def _admin(root: str, path: str, body: dict, token: str | None = ADMIN_TOK
             return r.status, await r.json()
 
 
+async def _adapter_names(database_url: str) -> list[str]:
+    """The adapters the policy database holds, by name."""
+    from tenants.adapters import AdapterStore
+
+    store = TenantStore.open(database_url)
+    try:
+        return [a.name for a in await AdapterStore(store).list()]
+    finally:
+        await store.close()
+
+
 def _token_ids(choice) -> list[int]:
     """A completion choice's token ids (asked with ``return_tokens_as_token_ids``)."""
     return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
@@ -259,8 +270,6 @@ def test_admin_load_and_unload(served, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tenants.adapters import AdapterStore
-
     srv, clients, _, _ = served
     hot, spare = str(tmp_path / "hot"), str(tmp_path / "spare")
     _make_adapter(srv.demo, hot)
@@ -276,13 +285,6 @@ def test_admin_load_and_unload(served, tmp_path):
     def admin(path, body, token=ADMIN_TOKEN):
         return _admin(root, path, body, token)
 
-    async def names():
-        store = TenantStore.open(srv.database_url)
-        try:
-            return [a.name for a in await AdapterStore(store).list()]
-        finally:
-            await store.close()
-
     async def complete(model, n=6, client="owner"):
         return await clients[client].completions.create(
             model=model, prompt=prompt, max_tokens=n, temperature=0, logprobs=0,
@@ -294,7 +296,7 @@ def test_admin_load_and_unload(served, tmp_path):
         status, body = srv.run(admin("/admin/load_lora_adapter", load, token))
         assert status == 401 and body["error"]["code"] == "invalid_admin_token"
     # Bad input: one line naming the field, nothing written.
-    before = srv.run(names())
+    before = srv.run(_adapter_names(srv.database_url))
     for bad, field in (({**load, "lora_path": str(tmp_path / "nowhere")}, "lora_path"),
                        ({**load, "lora_path": srv.demo}, "lora_path"),  # a directory, but no adapter
                        ({"lora_name": "hot", "lora_path": hot}, "tenant"),
@@ -302,7 +304,7 @@ def test_admin_load_and_unload(served, tmp_path):
                        ({**load, "rank": 4}, "rank")):
         status, body = srv.run(admin("/admin/load_lora_adapter", bad))
         assert 400 <= status < 500 and body["error"]["param"] == field and "\n" not in body["error"]["message"], bad
-    assert srv.run(names()) == before
+    assert srv.run(_adapter_names(srv.database_url)) == before
     status, body = srv.run(admin("/admin/unload_lora_adapter", {"lora_name": "no-such-adapter"}))
     assert status == 404 and body["error"]["param"] == "lora_name"
 
@@ -332,7 +334,7 @@ def test_admin_load_and_unload(served, tmp_path):
     got, unloaded_at = srv.run(unload_mid_stream())
     assert unloaded_at < n_long and got == want
     srv.run(complete("demo", n=2))  # a step after the last request under it ended
-    assert engine.stats.lora_registered == registered - 1 and "hot" not in srv.run(names())
+    assert engine.stats.lora_registered == registered - 1 and "hot" not in srv.run(_adapter_names(srv.database_url))
 
     # Removed from the database by the CLI: the engine drops it within the policy TTL.
     status, _ = srv.run(admin("/admin/load_lora_adapter", {"lora_name": "spare", "lora_path": spare, "public": True}))
@@ -498,3 +500,68 @@ def test_adapter_moved_in_the_database_is_served_from_its_new_directory(served, 
         assert srv.run(complete()) == want["second"]
     finally:
         srv.run(catalog.adapters.remove("moved"))
+
+
+def _spoil(adapter_dir: str, value: float) -> str:
+    """Set one entry of one lora_B of the PEFT adapter at ``adapter_dir`` to ``value``; returns that tensor's name."""
+    from safetensors.torch import load_file, save_file
+
+    file = f"{adapter_dir}/adapter_model.safetensors"
+    tensors = load_file(file)
+    key = random.choice(sorted(k for k in tensors if ".lora_B." in k))
+    tensors[key].view(-1)[random.randrange(tensors[key].numel())] = value
+    save_file(tensors, file, metadata={"format": "pt"})
+    return key
+
+
+def test_broken_or_lookalike_adapters_are_refused_and_others_unharmed(served, tmp_path, capsys):
+    """An adapter whose weights hold NaN, inf or 1e30 is refused when it is added: the admin endpoint's 400 names the
+    adapter, ``lora_path`` and the tensor, ``moegate admin adapter add`` exits 2 with one line; so is a name that
+    reads as the served model (case, Cyrillic or fullwidth letters, a zero-width space). Nothing is written. An
+    adapter whose file went bad after it was added fails its own requests (a 400 naming ``model``), and another
+    tenant's base-model requests keep transformers' tokens."""
+    from transformers import AutoModelForCausalLM
+
+    srv, clients, _, _ = served
+    root = str(srv.server.make_url(""))
+    before = srv.run(_adapter_names(srv.database_url))
+    for k, value in enumerate((float("nan"), float("inf"), 1e30)):
+        bad = str(tmp_path / f"bad{k}")
+        _make_adapter(srv.demo, bad)
+        key = _spoil(bad, value)
+        status, body = srv.run(_admin(root, "/admin/load_lora_adapter", {"lora_name": f"bad{k}", "lora_path": bad,
+                                                                        "public": True}))
+        message = body["error"]["message"]
+        assert status == 400 and body["error"]["param"] == "lora_path", body
+        assert f"'bad{k}'" in message and key in message and "\n" not in message, message
+        capsys.readouterr()
+        cli = ["admin", "adapter", "add", f"bad{k}", "--path", bad, "--public", "--database-url", srv.database_url]
+        assert srv.run(asyncio.to_thread(moegate, cli)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and key in err, err
+    good = str(tmp_path / "good")
+    _make_adapter(srv.demo, good)
+    for name in ("demo", "DEMO", "d\u0435mo", "\uff44\uff45\uff4d\uff4f", "de\u200bmo"):
+        status, body = srv.run(_admin(root, "/admin/load_lora_adapter", {"lora_name": name, "lora_path": good,
+                                                                        "public": True}))
+        assert status == 400 and body["error"]["param"] == "lora_name", (name, body)
+    assert srv.run(_adapter_names(srv.database_url)) == before
+
+    # Registered while its file was sound (the CLI: no engine reads it yet); spoiled before its first request.
+    assert srv.run(asyncio.to_thread(moegate, ["admin", "adapter", "add", "spoiled", "--path", good, "--public",
+                                               "--database-url", srv.database_url])) == 0
+    key = _spoil(good, float("nan"))
+    time.sleep(POLICY_TTL_S * 1.5)
+    rng = random.Random()
+    prompt = [rng.randrange(3, 200) for _ in range(12)]
+    with pytest.raises(openai.BadRequestError) as refused:
+        srv.run(clients["other"].completions.create(model="spoiled", prompt=prompt, max_tokens=4))
+    assert refused.value.body["param"] == "model" and key in refused.value.body["message"]
+    base_hf = AutoModelForCausalLM.from_pretrained(srv.demo, dtype=torch.float32).eval()
+    answer = srv.run(clients["owner"].completions.create(
+        model="demo", prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))
+    assert _token_ids(answer.choices[0]) == _greedy(base_hf, prompt, 8)
+    assert srv.run(asyncio.to_thread(moegate, ["admin", "adapter", "remove", "spoiled", "--database-url",
+                                               srv.database_url])) == 0
+    capsys.readouterr()

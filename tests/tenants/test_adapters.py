@@ -50,13 +50,22 @@ BAD = [
     (["add", "a,b", "--path", "GOOD", "--public"], "must not hold ','"),
     (["add", "a=b", "--path", "GOOD", "--public"], "must not hold '='"),
     (["add", "bell\x07", "--path", "GOOD", "--public"], "control character U+0007"),
+    # Named like the base model the adapter was saved for ("tiny-moe"), or a lookalike of it: case, Cyrillic
+    # letters, fullwidth forms, a zero-width space; and any other letter outside ASCII.
+    (["add", "tiny-moe", "--path", "GOOD", "--public"], "reads as the model 'tiny-moe'"),
+    (["add", "Tiny-MoE", "--path", "GOOD", "--public"], "reads as the model 'tiny-moe'"),
+    (["add", "t\u0456ny-m\u043ee", "--path", "GOOD", "--public"], "must not hold 'U+0456'"),
+    (["add", "\uff54\uff49\uff4e\uff59-moe", "--path", "GOOD", "--public"], "must not hold 'U+FF54'"),
+    (["add", "tiny\u200b-moe", "--path", "GOOD", "--public"], "U+200B"),
+    (["add", "caf\u00e9", "--path", "GOOD", "--public"], "must not hold 'U+00E9'"),
     (["add", "x", "--path", "NOWHERE", "--public"], "not a directory"),
     (["grant", "taken", "acme"], "owns adapter"),
     (["grant", "nope", "acme"], "unknown adapter"),
     (["revoke", "taken", "beta"], "not granted"),
     (["remove", "nope"], "unknown adapter"),
 ] + [(["add", "x", "--path", f"MALFORMED:{case}", "--public"], words) for case, (*_, words) in sorted(MALFORMED.items())
-     if case in ("no_config", "bad_json", "dora", "modules_to_save", "missing_b", "damaged_weights")]
+     if case in ("no_config", "bad_json", "dora", "modules_to_save", "missing_b", "damaged_weights", "nan_weights",
+                 "huge_weights")]
 
 
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(db_url, capsys, tmp_path):

@@ -46,6 +46,13 @@ def write_adapter(path: str, rank: int = 2, config: dict | None = None, tensors:
     return path
 
 
+def _with(rows: int, cols: int, value: float) -> torch.Tensor:
+    """Small random factors [rows, cols] with one entry set to ``value``, at a random place."""
+    t = torch.randn(rows, cols) * 0.1
+    t.view(-1)[random.randrange(rows * cols)] = value
+    return t
+
+
 def _remove(name):
     def go(path):
         os.remove(os.path.join(path, name))
@@ -78,6 +85,15 @@ MALFORMED = {
                    "not supported"),
     "shape_mismatch": ({}, {f"{LAYER}.self_attn.q_proj.lora_B.weight": torch.zeros(HIDDEN, 3)}, None, "do not match"),
     "damaged_weights": ({}, {}, _overwrite("adapter_model.safetensors", b"\xff" * 20), "cannot be read"),
+    # Values: the refusal names the tensor. Non-finite anywhere, one huge value, or a scaling that makes B huge.
+    "nan_weights": ({}, {f"{LAYER}.self_attn.o_proj.lora_B.weight": _with(HIDDEN, 2, float("nan"))}, None,
+                    f"tensor '{LAYER}.self_attn.o_proj.lora_B.weight' holds nan"),
+    "inf_weights": ({}, {f"{LAYER}.mlp.experts.lora_A.weight": _with(EXPERTS * 2, EXPERT_SIZE, float("-inf"))}, None,
+                    f"tensor '{LAYER}.mlp.experts.lora_A.weight' holds -inf"),
+    "huge_weights": ({}, {f"{LAYER}.self_attn.q_proj.lora_A.weight": _with(2, HIDDEN, 1e30)}, None,
+                     f"tensor '{LAYER}.self_attn.q_proj.lora_A.weight' holds a value of 1e+30"),
+    "huge_scaling": ({"lora_alpha": 1e9}, {}, None, "times the scaling 5e+08"),
+    "nan_alpha": ({"lora_alpha": float("nan")}, {}, None, "lora_alpha must be a finite number"),
 }
 
 

@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, RequestPolicy, SamplingParams
 from engine.lora import reader_process
-from tests.engine.lora.peft_reference import peft_greedy_tokens, peft_last_logits
+from tests.engine.lora.peft_reference import peft_greedy_tokens, peft_last_logits, save_random_adapters
 from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 from tests.hf_models import make_hf_model
 
@@ -27,24 +27,13 @@ VOCAB = 211
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The checkpoint, two adapters of different ranks and weights, a prompt of three full blocks and PEFT's tokens."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     tmp = tmp_path_factory.mktemp("reload")
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     model_dir = str(tmp / "base")
     make_hf_model("qwen3_moe", model_dir, seed=seed, vocab_size=VOCAB)
-    paths = {}
-    for name, rank in (("old", 2), ("new", 4)):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        config = LoraConfig(init_lora_weights=False, r=rank, lora_alpha=2 * rank, **TARGETS)
-        get_peft_model(model, config).save_pretrained(str(tmp / name))
-        paths[name] = str(tmp / name)
-    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                    paths["old"], adapter_name="old")
-    ref.load_adapter(paths["new"], adapter_name="new")
+    paths, ref = save_random_adapters(model_dir, tmp, {"old": 2, "new": 4}, TARGETS)
     prompt = [rng.randrange(1, VOCAB) for _ in range(3 * 8 + rng.randrange(1, 8))]
     max_new = 10
     want = {name: peft_greedy_tokens(ref, name, prompt, max_new) for name in ("old", "new")}

@@ -35,13 +35,14 @@ def test_reads_equal_load_adapter_and_survive_the_readers_death(tmp_path):
         for k, rank in enumerate((1, 3)):  # random factors each
             path = write_adapter(str(tmp_path / f"ad{k}"), rank=rank)
             assert_same_factors(reader.read(f"ad{k}", path, *DIMS), load_adapter(f"ad{k}", path, *DIMS))
-        config, tensors, after, words = MALFORMED["missing_b"]
-        bad = write_adapter(str(tmp_path / "bad"), config=config, tensors=tensors)
-        with pytest.raises(AdapterFormatError) as here:
-            load_adapter("bad", bad, *DIMS)
-        with pytest.raises(AdapterFormatError) as in_child:
-            reader.read("bad", bad, *DIMS)
-        assert str(in_child.value) == str(here.value) and words in str(here.value)
+        for case in ("missing_b", "nan_weights", "huge_weights"):  # the child refuses non-finite values too
+            config, tensors, after, words = MALFORMED[case]
+            bad = write_adapter(str(tmp_path / case), config=config, tensors=tensors)
+            with pytest.raises(AdapterFormatError) as here:
+                load_adapter(case, bad, *DIMS)
+            with pytest.raises(AdapterFormatError) as in_child:
+                reader.read(case, bad, *DIMS)
+            assert str(in_child.value) == str(here.value) and words in str(here.value)
 
         child = reader._process  # it yields a busy core to the engine's steps
         assert os.getpriority(os.PRIO_PROCESS, child.pid) == min(
