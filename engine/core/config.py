@@ -198,6 +198,10 @@ class EngineConfig:
     ``host_cache_gb`` and ``disk_cache_gb``)"""
     disk_cache_gb: float = 0.0
     """size of ``disk_cache_dir``'s prefix cache in GB, least recently used blocks deleted first"""
+    deployment_id: str | None = None
+    """the deployment (tenants database) this engine serves, set by ``moegate serve`` from its database: the disk
+    tier keeps only files written under the same one and deletes others' at start (None: an engine without a
+    database)"""
 
     @property
     def engine_ranks(self) -> int:

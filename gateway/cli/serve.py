@@ -2,6 +2,7 @@
 (``engine.engine_flags``) and its replicas laid out (``gateway.cli.engines``)."""
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -66,11 +67,15 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     import asyncio
 
-    from gateway.bootstrap import ensure_default_tenant
+    from gateway.bootstrap import bootstrap
 
-    key = asyncio.run(ensure_default_tenant(url))
+    key, deployment = asyncio.run(bootstrap(url))
     if key is not None:
         print(f"created tenant 'default' with API key (shown only this once): {key}", flush=True)
+    # The engines' disk tiers keep only this database's blocks (engine.kv_tiers.disk_dir).
+    engine_config = dataclasses.replace(engine_config, deployment_id=deployment)
+    if disaggregated is not None:
+        disaggregated = disaggregation_layout(args, engine_config, parse_address)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop
