@@ -198,7 +198,9 @@ class DiskTier:
             self._delete(old.handle)
         tmp = f"{path}.{threading.get_ident()}{TMP_SUFFIX}"
         try:
-            self._write_file(tmp, header, payload)
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
             os.replace(tmp, path)
         except OSError as e:
             try:
@@ -215,12 +217,6 @@ class DiskTier:
         with self.lock:
             self._writing.discard(key)
         return Written(evicted, True)
-
-    @staticmethod
-    def _write_file(path: str, header: bytes, payload: bytes) -> None:
-        with open(path, "wb") as f:
-            f.write(header)
-            f.write(payload)
 
     def _write_failed(self, error: OSError) -> None:
         if error.errno == errno.ENOENT and not os.path.isdir(self.dir):

@@ -1,0 +1,90 @@
+"""Through the gateway and the engine process: the disk prefix-cache tier serves a tenant's blocks after a restart
+on the same database, and never to a tenant of another database that reuses the tenant's numeric id."""
+
+import asyncio
+import random
+import time
+
+import aiohttp
+import pytest
+
+from engine.loading.demo_model import write_demo_model
+from tenants.migrate import upgrade
+from tenants.store import TenantStore
+from tests.gateway.in_process import in_process_server
+from tests.gateway.tenant_keys import new_tenant_key
+
+pytestmark = pytest.mark.timeout(300)
+BLOCK = 16
+
+
+async def _deployment(url: str) -> str:
+    store = TenantStore.open(url)
+    try:
+        return await store.deployment_id()
+    finally:
+        await store.close()
+
+
+def test_another_database_on_the_same_disk_cache_gets_no_hit(tmp_path):
+    rng = random.Random()
+    demo, disk = str(tmp_path / "demo"), tmp_path / "disk"
+    write_demo_model(demo, seed=rng.randrange(1000))
+    prompt = [rng.randrange(5, 200) for _ in range(4 * BLOCK + 3)]
+    settings = dict(block_size=BLOCK, num_kv_blocks=12, max_num_batched_tokens=128, max_model_len=256,
+                    host_cache_gb=0.05, disk_cache_dir=str(disk), disk_cache_gb=0.05)
+
+    def serve(root):
+        """A server on ``root``'s database, its engine given that database's deployment (as moegate serve does)."""
+        root.mkdir(exist_ok=True)
+        url = f"sqlite:///{root / 'policy.db'}"
+        upgrade(url)
+        deployment = asyncio.run(_deployment(url))
+        return in_process_server(root, dict(settings, deployment_id=deployment), checkpoint=demo)
+
+    async def cached(srv, key, ids):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(srv.server.make_url("/v1/completions"), headers={"Authorization": f"Bearer {key}"},
+                                 json={"model": "demo", "prompt": ids, "max_tokens": 2, "ignore_eos": True}) as r:
+                assert r.status == 200, await r.text()
+                return (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with serve(tmp_path / "a") as srv:
+        alice = srv.run(new_tenant_key(srv.database_url, "alice"))  # tenant id 1 of this database
+        assert srv.run(cached(srv, alice, prompt)) == 0
+        for _ in range(3):  # 5 blocks each through a 12-block pool: the prompt's blocks go to host, then disk
+            srv.run(cached(srv, alice, [rng.randrange(5, 200) for _ in range(5 * BLOCK)]))
+        deadline = time.monotonic() + 30
+        while len(list(disk.glob("*.kvb"))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    written = set(disk.glob("*.kvb"))
+    assert len(written) >= 4
+    with serve(tmp_path / "a") as srv:  # a restart on the same database: only the disk remembers the prompt
+        assert srv.run(cached(srv, alice, prompt)) == 4 * BLOCK
+    with serve(tmp_path / "b") as srv:  # another database on the same directory
+        mallory = srv.run(new_tenant_key(srv.database_url, "mallory"))  # tenant id 1 again
+        assert srv.run(cached(srv, mallory, prompt)) == 0
+        # Its engine deleted the other deployment's files at start (mallory's salt alone would miss them too).
+        assert (disk / "deployment").read_text() == asyncio.run(_deployment(srv.database_url))
+        assert not written & set(disk.glob("*.kvb"))
+
+
+def test_serve_gives_its_engines_the_database_deployment(tmp_path, monkeypatch, capsys):
+    """``moegate serve`` reads the deployment from its database and hands it to the engines it builds."""
+    from gateway.cli import main, serve
+
+    url = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(url)
+    demo = str(tmp_path / "demo")
+    write_demo_model(demo, seed=random.randrange(1000))
+    seen = []
+
+    def build_engines(config, *args):
+        seen.append(config)
+        raise ValueError("stopped before any engine starts")
+
+    monkeypatch.setattr(serve, "build_engines", build_engines)
+    assert main(["serve", "--model", demo, "--database-url", url, "--host-cache-gb", "0.01",
+                 "--disk-cache-dir", str(tmp_path / "disk"), "--disk-cache-gb", "0.01"]) == 2
+    assert "stopped before" in capsys.readouterr().err
+    assert [c.deployment_id for c in seen] == [asyncio.run(_deployment(url))]
