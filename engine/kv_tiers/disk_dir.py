@@ -42,13 +42,33 @@ def lock_directory(directory: str) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        error = _busy(directory, fd)
         os.close(fd)
-        raise DiskCacheBusy(f"--disk-cache-dir {directory} is in use by another engine (process {holder}): give "
-                            "each engine its own directory") from None
+        raise error from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def check_free(directory: str) -> None:
+    """DiskCacheBusy if an engine holds the directory now (the command line's check before it starts its own
+    engines, so that the error is its one line; nothing is created)."""
+    try:
+        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file: nobody uses it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(directory, fd) from None
+    finally:
+        os.close(fd)
+
+
+def _busy(directory: str, fd: int) -> DiskCacheBusy:
+    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    return DiskCacheBusy(f"--disk-cache-dir {directory} is in use by another engine (process {holder}): give each "
+                         "engine its own directory")
 
 
 def unlock(fd: int | None) -> None:

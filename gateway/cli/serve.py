@@ -16,6 +16,7 @@ from gateway.cli.engines import build_engines, engine_authkey
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from engine.kv_tiers.disk_dir import check_free
     from engine.loading.model_check import check_model
     from engine.serving.async_engine import EngineError
     from engine.serving.engine_server import parse_address
@@ -59,6 +60,9 @@ def _serve(args: argparse.Namespace) -> int:
                            tool_call_parser=_parser_setting(args.tool_call_parser),
                            reasoning_parser=_parser_setting(args.reasoning_parser))
     check_model(local_configs[0] if local_configs else engine_config)  # as laid out in the group
+    for local in local_configs:
+        if local.disk_cache_dir is not None:
+            check_free(local.disk_cache_dir)  # another server's engine holds it: one line, exit 2
     try:
         # The policy database must match this code; the embedded SQLite default upgrades itself.
         ensure_schema(url)
