@@ -3,6 +3,7 @@ or any other), kept across restarts, filled in by the migration for tenants made
 
 import re
 
+import pytest
 from sqlalchemy import create_engine, pool, text
 
 from tenants import migrate
@@ -37,11 +38,13 @@ async def _salts_and_deployment(store, salts):
     return {i: await store.cache_salt(i) for i in salts}, await store.deployment_id()
 
 
-def test_migration_fills_existing_tenants_with_fresh_salts(tmp_path):
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_migration_fills_existing_tenants_with_fresh_salts(tmp_path, request, backend):
     """Two databases with the same tenants before the migration get different salts from it."""
     found = []
     for name in ("a", "b"):
-        url = f"sqlite:///{tmp_path / name}.db"
+        url = (f"sqlite:///{tmp_path / name}.db" if backend == "sqlite"
+               else request.getfixturevalue("pg_server").create_database())
         migrate.upgrade(url, "0007")
         engine = create_engine(sync_url(url), poolclass=pool.NullPool)
         with engine.begin() as conn:
