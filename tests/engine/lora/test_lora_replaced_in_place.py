@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, RequestPolicy, SamplingParams
+from tests.engine.helpers import complete
 from tests.engine.lora.peft_reference import peft_greedy_tokens, peft_last_logits
 from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 from tests.hf_models import make_hf_model
@@ -54,10 +55,10 @@ def test_adapter_replaced_in_place_is_not_served_from_the_old_weights_blocks(tmp
                   num_kv_blocks=12, block_size=BLOCK, host_cache_gb=0.002, disk_cache_dir=disk, disk_cache_gb=0.01)
         engine = llm.engine
         try:
-            out = _complete(engine, prompt, params, x)
+            out = complete(engine, prompt, params, x)
             if flush:  # 5 blocks each through a 12-block pool: the prompt's blocks go to host, then disk
                 for filler in fillers:
-                    _complete(engine, filler, params, x)
+                    complete(engine, filler, params, x)
                 engine.tiers.flush()
             assert_greedy_equal_up_to_a_near_tie(functools.partial(peft_last_logits, ref, version_on_disk), prompt,
                                                  out.token_ids, want[version_on_disk], f"seed={seed}")
@@ -72,12 +73,3 @@ def test_adapter_replaced_in_place_is_not_served_from_the_old_weights_blocks(tmp
         shutil.copyfile(os.path.join(versions["new"], name), os.path.join(served, name))
     assert run("new", flush=False).num_cached_tokens == 0, f"seed={seed}: served from the old weights' blocks"
 
-
-def _complete(engine, prompt, params, policy):
-    rid = engine.add_request(prompt, params, policy=policy)
-    whole = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.request_id == rid:
-                whole = o if whole is None else whole.merge(o)
-    return whole
