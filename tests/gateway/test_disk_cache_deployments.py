@@ -106,3 +106,30 @@ def test_serve_on_a_disk_cache_another_engine_uses_is_one_line_exit_2(tmp_path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--disk-cache-dir" in err and "in use by another engine" in err, err
     assert not (tmp_path / "policy.db").exists()  # refused before the database was touched
+
+
+def report_deployment(config, requests, replies) -> None:
+    """A remote engine's process that only says which deployment it was given (as its start-up failure)."""
+    from engine.serving.protocol import Fatal, encoder
+
+    replies.send_bytes(encoder.encode(Fatal(f"deployment_id={config.deployment_id}")))
+
+
+def test_a_remote_engine_is_given_the_gateway_deployment():
+    """``moegate engine --listen`` starts each gateway's engine with that gateway's deployment (from its Attach)."""
+    import threading
+
+    from engine.core.config import EngineConfig
+    from engine.serving.async_engine import EngineError
+    from engine.serving.engine_server import serve_engine
+    from engine.serving.remote_engine import RemoteEngine
+
+    key, bound, ready = b"k" * 32, [], threading.Event()
+    threading.Thread(target=serve_engine, args=(EngineConfig(model="unused", cpu_threads=1), ("127.0.0.1", 0), key,
+                                                lambda a: (bound.append(a), ready.set())),
+                     kwargs=dict(process_main=report_deployment), daemon=True).start()
+    assert ready.wait(10)
+    deployment = "%064x" % random.getrandbits(256)
+    gateway = RemoteEngine(EngineConfig(model="unused", deployment_id=deployment), bound[0], key)
+    with pytest.raises(EngineError, match=f"deployment_id={deployment}"):
+        asyncio.run(asyncio.wait_for(gateway.start(), 60))
