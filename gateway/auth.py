@@ -3,7 +3,7 @@
 import hashlib
 import hmac
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -21,7 +21,7 @@ class Principal:
     tenant: TenantInfo
     key: KeyInfo
     priority_class: ClassInfo
-    cache_salt: str  # the tenant's secret prefix-cache salt (``TenantStore.cache_salt``)
+    cache_salt: str = field(repr=False)  # the tenant's secret prefix-cache salt (``TenantStore.cache_salt``)
 
     def policy(self, order_in_class: int = 0, background: bool = False, cache_share: float | None = None,
                lora_adapter: str | None = None) -> RequestPolicy:

@@ -26,10 +26,25 @@ class DiskCacheBusy(ValueError):
     """Another engine holds the directory; the message is one line naming ``--disk-cache-dir``."""
 
 
-def lock_directory(directory: str) -> int | None:
-    """Hold the directory's lock; returns its descriptor (``unlock`` it), or None where the directory is read-only
-    (nothing can be written there, so nobody else writes either: its files are served as they are).
-    DiskCacheBusy if another engine holds it."""
+class DirectoryLock:
+    """A held directory lock: its descriptor, closed (the lock released) by ``release`` or when collected."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)  # the flock goes with the descriptor
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def lock_directory(directory: str) -> DirectoryLock | None:
+    """Hold the directory's lock (``release`` it), or None where the directory is read-only (nothing can be
+    written there, so nobody else writes either: its files are served as they are). DiskCacheBusy if another
+    engine holds it."""
     path = os.path.join(directory, LOCK_FILE)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -47,7 +62,7 @@ def lock_directory(directory: str) -> int | None:
         raise error from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+    return DirectoryLock(fd)
 
 
 def check_free(directory: str) -> None:
@@ -69,11 +84,6 @@ def _busy(directory: str, fd: int) -> DiskCacheBusy:
     holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
     return DiskCacheBusy(f"--disk-cache-dir {directory} is in use by another engine (process {holder}): give each "
                          "engine its own directory")
-
-
-def unlock(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)  # the flock goes with the descriptor
 
 
 def owner_of(directory: str) -> str | None:

@@ -30,8 +30,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from engine.kv_tiers.disk_dir import (LOCK_FILE, NO_DEPLOYMENT, DiskCacheBusy, lock_directory, owner_of, record_owner,
-                                      unlock)
+from engine.kv_tiers.disk_dir import LOCK_FILE, NO_DEPLOYMENT, DiskCacheBusy, lock_directory, owner_of, record_owner
 from engine.kv_tiers.keys import KEY_BYTES
 from engine.kv_tiers.lru_index import Entry, LruIndex
 
@@ -80,18 +79,18 @@ class DiskTier:
         self._vanished = False  # the directory is gone and could not be recreated yet (logged once)
         self._repairing = threading.Lock()  # one thread recreates a vanished directory
         self._failures_unlogged, self._log_due = 0, 0.0
-        self._lock_fd = lock_directory(directory)
+        self._dir_lock = lock_directory(directory)
         try:
             if self._claim():
                 self._scan()
         except BaseException:
-            unlock(self._lock_fd)
+            self.close()
             raise
 
     def close(self) -> None:
         """Let another engine use the directory (the lock also goes when this process ends)."""
-        unlock(self._lock_fd)
-        self._lock_fd = None
+        if self._dir_lock is not None:
+            self._dir_lock.release()
 
     def _path(self, key: bytes) -> str:
         return os.path.join(self.dir, key.hex() + SUFFIX)
@@ -239,9 +238,9 @@ class DiskTier:
 
     def _still_ours(self) -> bool:
         """Whether the directory's lock file is the one this tier holds (not a directory made anew)."""
+        fd = self._dir_lock.fd if self._dir_lock is not None else None
         try:
-            return self._lock_fd is not None and os.fstat(self._lock_fd).st_ino == os.stat(
-                os.path.join(self.dir, LOCK_FILE)).st_ino
+            return fd is not None and os.fstat(fd).st_ino == os.stat(os.path.join(self.dir, LOCK_FILE)).st_ino
         except OSError:
             return False
 
@@ -252,9 +251,8 @@ class DiskTier:
         first = not self._vanished
         try:
             os.makedirs(self.dir, exist_ok=True)
-            unlock(self._lock_fd)
-            self._lock_fd = None
-            self._lock_fd = lock_directory(self.dir)
+            self.close()
+            self._dir_lock = lock_directory(self.dir)
             record_owner(self.dir, self.owner)
         except DiskCacheBusy as e:
             self.off = str(e)

@@ -91,7 +91,7 @@ def test_serve_gives_its_engines_the_database_deployment(tmp_path, monkeypatch, 
 
 
 def test_serve_on_a_disk_cache_another_engine_uses_is_one_line_exit_2(tmp_path, capsys):
-    from engine.kv_tiers.disk_dir import lock_directory, unlock
+    from engine.kv_tiers.disk_dir import lock_directory
     from gateway.cli import main
 
     demo, disk = str(tmp_path / "demo"), tmp_path / "disk"
@@ -102,7 +102,7 @@ def test_serve_on_a_disk_cache_another_engine_uses_is_one_line_exit_2(tmp_path, 
         assert main(["serve", "--model", demo, "--database-url", f"sqlite:///{tmp_path / 'policy.db'}",
                      "--host-cache-gb", "0.01", "--disk-cache-dir", str(disk), "--disk-cache-gb", "0.01"]) == 2
     finally:
-        unlock(held)
+        held.release()
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--disk-cache-dir" in err and "in use by another engine" in err, err
     assert not (tmp_path / "policy.db").exists()  # refused before the database was touched
