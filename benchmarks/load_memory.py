@@ -18,7 +18,7 @@ from tests.hf_models import make_hf_model
 CHILD = r"""
 import sys, torch
 torch.set_num_threads(1)
-from engine.loading.model_config import load_model_config
+from engine.core.model_config import load_model_config
 from engine.loading.model_loader import build_model
 
 def status_kib(field):

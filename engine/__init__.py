@@ -20,7 +20,7 @@ _EXPORTS = {
     "SamplingParams": "engine.core.sampling_params",
     "RequestPolicy": "engine.core.request_policy",
     "RequestOutput": "engine.core.outputs",
-    "CheckpointError": "engine.loading.model_config",
+    "CheckpointError": "engine.core.model_config",
 }
 
 __all__ = list(_EXPORTS)

@@ -4,7 +4,7 @@
 import argparse
 import sys
 
-from engine.distributed.rank_flags import add_rank_flags
+from engine.ranks.rank_flags import add_rank_flags
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -23,7 +23,7 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 
 def _engine_rank(args: argparse.Namespace) -> int:
-    from engine.distributed.follower import run
+    from engine.ranks.follower import run
 
     return run(args)
 

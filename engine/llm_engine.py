@@ -8,11 +8,11 @@ import torch
 
 from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
 from engine.text.prompts import InputProcessor
-from engine.loading.model_config import CheckpointError
+from engine.core.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
 from engine.distributed.groups import CollectiveError
 from engine.distributed.pipeline import STAGE_TIMINGS, WHOLE, StageTiming
-from engine.distributed.ranks import EngineRanks
+from engine.ranks.engine_ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
@@ -20,7 +20,7 @@ from engine.core.lora_residency import LoraResidency
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.worker.lora_setup import serve_adapters
 from engine.worker.cpu_allocator import keep_freed_memory
-from engine.worker.model_setup import build_rank, engine_model_config
+from engine.worker.model_setup import build_rank, engine_model_config, resolve_dtype
 from engine.worker.pipeline_overlap import PipelinedSteps
 from engine.worker.runner import follower_plan
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, waits_for_step_in_flight
@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 OVERLAP_BY_DEFAULT = ("cuda",)
 # An engine with nothing to run but requests waiting for adapters' reads waits this long at most per step.
 LORA_READ_WAIT_S = 0.05
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,14 +47,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but no CUDA device is available")
     return torch.device(name)
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # half precision matmuls are slow and inexact on most CPUs
-    return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
 
 
 def _replica_note(config: EngineConfig) -> str:
@@ -428,7 +419,7 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         """The scheduler's counters and the last step's host times; the expert load where a read is ready
         without waiting for the device (every step on the CPU; on CUDA a copy queued every
-        ``EXPERT_LOAD_EVERY_CUDA`` steps, handed out once done: ``engine.worker.expert_load``)."""
+        ``EXPERT_LOAD_EVERY_CUDA`` steps, handed out once done: ``engine.eplb.expert_load``)."""
         stats = self.scheduler.stats()
         stats.step_schedule_ms = self.scheduler.last_step_ms
         stats.step_prepare_ms = self.runner.last_prepare_ms

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from tenants.db import DEFAULT_DATABASE_URL
+
 
 def _default_inflight_caps() -> dict[int, int]:
     # rank -> most engine sequences in flight (queued in the engine or running; a request counts its choices,
@@ -12,53 +14,79 @@ def _default_inflight_caps() -> dict[int, int]:
 
 @dataclass(slots=True)
 class GatewayConfig:
+    """Everything a user may set about the gateway: each field but ``NOT_FLAGS``' (``gateway.cli.gateway_flags``)
+    is a flag of ``moegate serve``, its help the string under the field. A name in double backquotes there is
+    another field; the help shows its flag."""
+
     host: str = "127.0.0.1"
+    """address the API listens on"""
     port: int = 8000
-    served_model_name: str | None = None  # the `model` name clients use; defaults to the checkpoint dir name
+    """port the API listens on"""
+    served_model_name: str | None = None
+    """the ``model`` name clients use (default: the checkpoint directory's name)"""
     max_request_bytes: int = 4 * 2**20
-    database_url: str = "sqlite:///./moegate.db"
-    auth_cache_ttl_s: float = 5.0  # how long a revoked key may keep working
-    policy_cache_ttl_s: float = 5.0  # how long a changed quota or a disabled tenant may take to apply
-    drain_timeout_s: float = 30.0  # on SIGTERM/SIGINT: how long in-flight requests may run on
-    # Connections: an idle one (none sent yet, or between requests) is closed after keepalive_timeout_s;
-    # a request body must arrive within body_timeout_s; past max_connections new ones are closed at once.
+    """largest request body, in bytes"""
+    database_url: str = DEFAULT_DATABASE_URL
+    """policy database: sqlite:///PATH or postgresql://..."""
+    auth_cache_ttl_s: float = 5.0
+    """seconds a revoked key may keep working"""
+    policy_cache_ttl_s: float = 5.0
+    """seconds a changed quota or a disabled tenant may take to apply"""
+    drain_timeout_s: float = 30.0
+    """seconds in-flight requests may run on after SIGTERM/SIGINT"""
     keepalive_timeout_s: float = 15.0
+    """seconds an idle connection (nothing sent yet, or between requests) stays open"""
     body_timeout_s: float = 60.0
+    """seconds a request body may take to arrive; slower ones get a 408"""
     max_connections: int = 4096
-    # An engine replica whose restart failed (a remote engine not reachable yet, say) is tried again after
-    # engine_restart_backoff_s, doubling up to engine_restart_backoff_max_s (see gateway.engine_supervisor).
+    """open connections at most; past it new ones are closed at once"""
     engine_restart_backoff_s: float = 5.0
+    """an engine replica whose restart failed (a remote engine not reachable yet, say) is tried again after this
+    many seconds, doubling each time up to ``engine_restart_backoff_max_s`` (``gateway.engine_supervisor``)"""
     engine_restart_backoff_max_s: float = 60.0
-    # /metrics carries tenant names: it is served on its own listener (metrics_port; the command line
-    # defaults it to 9400 on loopback), and on the API's port only with ``Authorization: Bearer
+    """the longest wait, in seconds, between failed restarts of an engine replica"""
+    # /metrics carries tenant names: it is served on its own listener (metrics_port; None: none, the command
+    # line's default is 9400 on loopback), and on the API's port only with ``Authorization: Bearer
     # <metrics_token>`` when a token is set. With neither, it is not served.
     metrics_host: str = "127.0.0.1"
+    """address of the /metrics listener: the series name tenants"""
     metrics_port: int | None = None
+    """port of the /metrics listener; with MOEGATE_METRICS_TOKEN set, /metrics is also served on the API port to
+    'Authorization: Bearer <token>'"""
     metrics_token: str | None = None
-    # The operator's endpoints (/admin/...: load and unload LoRA adapters) exist only with this token set
-    # (the command line reads MOEGATE_ADMIN_TOKEN), for ``Authorization: Bearer <admin_token>`` alone.
+    """the token that reads /metrics on the API port (the command line reads MOEGATE_METRICS_TOKEN)"""
     admin_token: str | None = None
+    """the operator's endpoints (/admin/...: load and unload LoRA adapters) exist only with this token set (the
+    command line reads MOEGATE_ADMIN_TOKEN), for ``Authorization: Bearer <admin_token>`` alone"""
     max_inflight_by_priority: dict[int, int] = field(default_factory=_default_inflight_caps)
-    # Output tokens reserved per choice at admission when a request sets no max_tokens (the OpenAI SDKs'
-    # default for chat), instead of the whole context; the settle charges what was really generated.
+    """priority rank -> most engine sequences in flight past which its requests are shed (a 503)"""
     default_reservation_tokens: int = 512
-    # Batch API
-    data_dir: str = ".moegate/data"  # uploaded files and batch results (the database keeps the state)
+    """output tokens a request without max_tokens reserves per choice against its tenant's token limits (not the
+    whole context: the OpenAI SDKs send none for chat); what it really generates is charged when it ends"""
+    data_dir: str = ".moegate/data"
+    """Batch API files: uploads and results (the database keeps the state)"""
     batch_max_file_bytes: int = 100 * 2**20
+    """largest Batch API input file, in bytes"""
     batch_max_lines: int = 50_000
-    batch_completion_window_s: float = 24 * 3600.0  # what "24h" means (shorter in tests)
-    batch_lease_s: float = 60.0  # a crashed gateway's lines are taken over after this
-    # Batch lines in the engine at once, from this gateway; None: twice the engine's max_num_seqs, so
-    # lines queue inside the engine and take a slot the step after one frees (see gateway.batch.runner).
+    """most requests in one Batch API input file"""
+    batch_completion_window_s: float = 24 * 3600.0
+    """what a batch's "24h" completion window means, in seconds (shorter in tests)"""
+    batch_lease_s: float = 60.0
+    """seconds after which a crashed gateway's batch lines are taken over"""
     batch_max_inflight: int | None = None
+    """batch lines in the engine at once, from this gateway (default: twice the engine's --max-num-seqs, so lines
+    queue inside the engine and take a slot the step after one frees) (``gateway.batch.runner``)"""
     batch_poll_s: float = 0.5
-    # Responses API: how long a stored response (store: true, the default) can be continued with
-    # previous_response_id or read back, before it is deleted.
+    """seconds between looks for batch lines to run"""
     responses_retention_s: float = 30 * 24 * 3600.0
-    # Chat output parsing: a name from gateway.tool_parsers (TOOL_PARSERS / REASONING_PARSERS), "auto" (from
-    # the checkpoint's chat template and architecture) or None (off).
+    """how long a stored Responses API response (store: true, the default) can be continued
+    (previous_response_id) or read back before it is deleted"""
     tool_call_parser: str | None = "auto"
+    """how tool calls are read from chat output: hermes (Qwen, <tool_call>{...}</tool_call>), mistral
+    ([TOOL_CALLS][...]), ...; auto: from the checkpoint's chat template and architecture; none: off (None)"""
     reasoning_parser: str | None = "auto"
+    """move <think>...</think> into reasoning_content: qwen3, ...; auto: when the chat template uses <think>;
+    none: off (None)"""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -95,10 +95,6 @@ class DisaggregatedEngines:
     def silent_s(self) -> float:
         return min(d.silent_s() for d in self.decode)
 
-    async def preflight(self) -> None:
-        for e in self.replicas:
-            await e.preflight()
-
     async def start(self):
         readies = await asyncio.gather(*(e.start() for e in self.replicas))
         for e, ready in zip(self.replicas, readies):

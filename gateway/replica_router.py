@@ -46,7 +46,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.async_engine import EngineError
 from gateway.disaggregation import DisaggregatedEngines
-from engine.serving.client import EngineClient
+from engine.serving.client import CheckedBeforeStart, EngineClient
 from engine.serving.protocol import Ready
 from gateway.prefix_index import ReplicaBlocks, block_hashes, remembered_blocks
 from gateway.routing_policy import ReplicaView, RouterConfig, choose, rebalance
@@ -122,10 +122,11 @@ class ReplicaRouter:
     # -- lifecycle --
 
     async def start(self) -> Ready:
-        """Check every replica (``preflight``: a remote engine's place), then start them all at once; as soon as
-        one fails, the others are stopped (replicas of one expert group would otherwise wait for the failed one
-        at their rendezvous for minutes) and its error raised."""
-        await self._all_or_none([r.preflight() for r in self.replicas])
+        """Check every replica that has something to check (``CheckedBeforeStart``: a remote engine's place),
+        then start them all at once; as soon as one fails, the others are stopped (replicas of one expert group
+        would otherwise wait for the failed one at their rendezvous for minutes) and its error raised."""
+        if checks := [r.preflight() for r in self.replicas if isinstance(r, CheckedBeforeStart)]:
+            await self._all_or_none(checks)
         return (await self._all_or_none([r.start() for r in self.replicas]))[0]
 
     async def _all_or_none(self, steps: list) -> list:

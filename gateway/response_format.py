@@ -143,12 +143,6 @@ def _structured_outputs_spec(so: StructuredOutputs) -> StructuredOutput:
     return StructuredOutput(json_object=True)
 
 
-def structured_output_of(response_format: ResponseFormat | None, ignore_eos: bool) -> StructuredOutput | None:
-    """What the engine must enforce for ``response_format`` (None: free text)."""
-    spec = None if response_format is None else _format_spec(response_format)
-    return _enforced([("response_format", spec, "JSON schema")] if spec else [], ignore_eos)
-
-
 def requested_structured_output(req, ignore_eos: bool) -> StructuredOutput | None:
     """What the engine must enforce for a completions or chat request: its ``response_format``, or vLLM's
     ``guided_json`` / ``guided_regex`` / ``guided_choice`` or ``structured_outputs`` (at most one of them;

@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, is_dataclass
 from datetime import date, datetime, timedelta
 
-from tenants.db import SchemaError, database_url
+from tenants.db import DEFAULT_DATABASE_URL, ENV_VAR, SchemaError, database_url
 from tenants.models import utcnow
 
 NONE_WORDS = ("none", "unlimited", "")
@@ -384,7 +384,7 @@ class _OneLineParser(argparse.ArgumentParser):
 def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--database-url", default=None,
-                        help="database URL (default: $MOEGATE_DATABASE_URL or sqlite:///./moegate.db)")
+                        help=f"database URL (default: ${ENV_VAR} or {DEFAULT_DATABASE_URL})")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     return common
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
@@ -108,10 +107,3 @@ def sqlite_pragmas(sync_engine) -> None:
 
 def is_embedded_default(url: str) -> bool:
     return backend(url) == "sqlite"
-
-
-def sqlite_path(url: str) -> Path | None:
-    u = make_url(url)
-    if backend(url) != "sqlite" or not u.database or u.database == ":memory:":
-        return None
-    return Path(u.database)

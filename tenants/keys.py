@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 
 KEY_PREFIX = "mg-"
@@ -29,7 +28,3 @@ def display_prefix(key: str) -> str:
 
 def looks_like_key(key: str) -> bool:
     return key.startswith(KEY_PREFIX) and len(key) > len(KEY_PREFIX) + 16
-
-
-def hashes_equal(a: str, b: str) -> bool:
-    return hmac.compare_digest(a, b)

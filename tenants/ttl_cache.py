@@ -51,9 +51,6 @@ class RefreshingCache(Generic[V]):
         hit = self._entries.get(key)
         return hit[1] if hit is not None and self.clock() - hit[0] < self.ttl_s else None
 
-    def invalidate(self, key: Hashable) -> None:
-        self._entries.pop(key, None)
-
     def clear(self) -> None:
         """Forget every entry: the next lookups load again (a change that must apply at once)."""
         self._entries.clear()

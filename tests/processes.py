@@ -30,7 +30,7 @@ def is_running(pid: int) -> bool:
 
 
 def forked_pids(pid: int) -> list[int]:
-    """The processes ``pid``'s forkserver forked (``engine.serving.process_start``: the children of its child that
+    """The processes ``pid``'s forkserver forked (``engine.processes.process_start``: the children of its child that
     runs ``multiprocessing.forkserver``), oldest first; not the forkserver itself."""
     return sorted(p for server in child_pids(pid, "multiprocessing.forkserver") for p in child_pids(server))
 
@@ -44,5 +44,5 @@ def engine_pids(pid: int) -> list[int]:
 
 def rank_pids(pid: int) -> list[int]:
     """The follower ranks an engine process (or a process running ``engine.LLM``) ``pid`` started on this node:
-    the processes its forkserver forked (``engine.distributed.ranks.EngineRanks``)."""
+    the processes its forkserver forked (``engine.ranks.engine_ranks.EngineRanks``)."""
     return forked_pids(pid)

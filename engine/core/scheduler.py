@@ -235,10 +235,6 @@ class Scheduler:
         return len(self.running)
 
     @property
-    def num_waiting(self) -> int:
-        return len(self.waiting) + self.num_lora_waiting
-
-    @property
     def num_lora_waiting(self) -> int:
         """Requests set aside until their LoRA adapter is written into a device slot."""
         return sum(len(q) for q in self._lora_waiting.values())

@@ -117,11 +117,6 @@ class RankGroups:
         return store
 
     @property
-    def is_driver(self) -> bool:
-        """Rank 0 runs the scheduler and talks to the gateway; the others follow its plans."""
-        return self.rank == 0
-
-    @property
     def first_global_rank(self) -> int:
         """The world rank of this group's rank 0 (the world itself: 0)."""
         return 0

@@ -52,11 +52,6 @@ class StageTiming:
     # Steps stage 0 began while the step before was still in flight (overlapped pipelined steps).
     overlapped_steps: int = 0
 
-    @property
-    def wait_share(self) -> float:
-        total = self.busy_s + self.wait_s
-        return self.wait_s / total if total else 0.0
-
 
 @dataclass(slots=True)
 class PipelineStage:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from engine.core.config import EngineConfig
 from engine.distributed.collectives import TensorParallel
 from engine.distributed.groups import RankGroups
-from engine.loading.model_config import ModelConfig
+from engine.core.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

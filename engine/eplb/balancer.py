@@ -31,7 +31,7 @@ from engine.distributed.collectives import TensorParallel
 from engine.eplb.placement import ExpertPlacement
 from engine.eplb.policy import EMPTY, mean_imbalance, rank_loads, rebalance, slots_per_rank
 from engine.eplb.transfer import move_layer, plan_copies, slot_bytes
-from engine.worker.expert_load import ExpertLoadReader
+from engine.eplb.expert_load import ExpertLoadReader
 
 logger = logging.getLogger(__name__)
 

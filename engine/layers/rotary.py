@@ -8,7 +8,7 @@ transformers' ``apply_rotary_pos_emb`` does when cos/sin are narrower than the h
 import torch
 from torch import nn
 
-from engine.loading.model_config import ModelConfig
+from engine.core.model_config import ModelConfig
 
 
 def rotary_dim(config: ModelConfig, head_dim: int) -> int:

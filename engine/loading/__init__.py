@@ -1,1 +1,2 @@
-"""Building a model: checkpoint configs, safetensors loading, random-weight models and the demo checkpoint."""
+"""Building a model: safetensors loading, quantized experts, random-weight models, the demo checkpoint and the
+checks a checkpoint passes before any process starts."""

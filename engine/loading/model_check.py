@@ -11,7 +11,7 @@ def check_model(config: EngineConfig) -> None:
     """Check ``config``'s model (with ``random_weights``: its spec, and ``tokenizer`` its tokenizer) as laid out
     in its group; writes the demo model on first use."""
     from engine.loading.demo_model import DEFAULT_DEMO_MODEL_DIR, write_demo_model
-    from engine.loading.model_config import load_model_config
+    from engine.core.model_config import load_model_config
     from engine.loading.model_loader import checkpoint_files
 
     files = config.tokenizer if config.random_weights is not None else config.model
@@ -32,6 +32,6 @@ def check_model(config: EngineConfig) -> None:
 
         stage_layers(model_config.num_layers, config.pipeline_parallel_size, 0)
     if config.tensor_parallel_size > 1 or config.enable_expert_parallel:
-        from engine.distributed.split_check import check_split
+        from engine.loading.split_check import check_split
 
         check_split(model_config, config)

@@ -18,7 +18,7 @@ from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.layers.moe import ExpertWeights, SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading import mxfp4
-from engine.loading.model_config import CheckpointError, ModelConfig
+from engine.core.model_config import CheckpointError, ModelConfig
 from engine.loading.quantization import (
     CHECKPOINT_8BIT, checkpoint_scheme, dequantize_checkpoint_tensor, is_scale_name, quantize_experts_, scale_name,
 )

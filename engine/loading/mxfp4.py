@@ -12,7 +12,7 @@ arithmetic are ``moe_kernels.mxfp4``'s (whose packed layout is these blocks with
 
 import torch
 
-from engine.loading.model_config import CheckpointError, ModelConfig
+from engine.core.model_config import CheckpointError, ModelConfig
 from moe_kernels import mxfp4 as mx
 
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"

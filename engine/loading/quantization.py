@@ -13,7 +13,7 @@ import torch
 
 from engine.core.config import QUANTIZATION_OPTIONS
 from engine.loading import mxfp4
-from engine.loading.model_config import CheckpointError, ModelConfig
+from engine.core.model_config import CheckpointError, ModelConfig
 from moe_kernels.quant import FP8_DTYPE, QuantScheme, dequantize
 
 DEFAULT_BLOCK = (128, 128)  # the blocks of the published FP8 MoE checkpoints

@@ -33,7 +33,7 @@ from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.loading.model_config import SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig, model_config_from_hf
+from engine.core.model_config import SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig, model_config_from_hf
 from engine.loading.model_loader import copy_into, held_elsewhere, part_of, rank_part
 from engine.loading.quantization import quantize_experts_
 from engine.models import MODEL_REGISTRY, MoECausalLM

@@ -18,7 +18,7 @@ from engine.device_batch.attention_metadata import AttentionMetadata
 from engine.layers.attention import Attention
 from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.loading.model_config import ModelConfig
+from engine.core.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

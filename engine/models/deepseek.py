@@ -8,7 +8,7 @@ import math
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mla_attention import MLAttention
 from engine.layers.rotary import RotaryEmbedding
-from engine.loading.model_config import ModelConfig
+from engine.core.model_config import ModelConfig
 from engine.models.base import DecoderLayer, MoECausalLM, WeightRule
 from engine.models.deepseek_moe import DEEPSEEK_MOE_ALIASES, deepseek_mlp
 

@@ -11,7 +11,7 @@ from torch import nn
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
-from engine.loading.model_config import ModelConfig
+from engine.core.model_config import ModelConfig
 from moe_kernels import RoutingSpec
 
 # Checkpoint names of this plan -> ours: the shared experts are our one ungated shared expert, and the

@@ -5,7 +5,7 @@ from torch import nn
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
-from engine.loading.model_config import ModelConfig
+from engine.core.model_config import ModelConfig
 from moe_kernels import RoutingSpec
 
 

@@ -17,7 +17,7 @@ from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.engine_process import run_engine_process
-from engine.serving.process_start import start_process
+from engine.processes.process_start import start_process
 from engine.text.prompts import ChatInput, InputProcessor, Turn, chat_size
 from engine.serving.protocol import (
     AbortRequest, AddLora, AddRequest, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, LoraDone, PairKV, Ready,
@@ -127,10 +127,6 @@ class AsyncEngine:
         ready = await self.start()
         self.dead = self.dead_detail = self.failure = self._stalled = None
         return ready
-
-    async def preflight(self) -> None:
-        """Check, before any replica of a gateway starts, what can be checked without building (nothing for an
-        engine process of this node); EngineError if it is wrong."""
 
     async def start(self) -> Ready:
         self._loop = asyncio.get_running_loop()
@@ -440,7 +436,7 @@ class AsyncEngine:
         # received, measured), and every wakeup takes a core the engine's threads were using.
         requests_in, requests_out = multiprocessing.Pipe(duplex=False)
         replies_in, replies_out = multiprocessing.Pipe(duplex=False)
-        # No inherited threads or CUDA state (engine.serving.process_start).
+        # No inherited threads or CUDA state (engine.processes.process_start).
         self._process = start_process(self._process_main, (self.config, requests_in, replies_out), "moegate-engine",
                                       self._process_env)
         requests_in.close()

@@ -1,7 +1,7 @@
 """The one interface the gateway uses to talk to an engine (``AsyncEngine`` implements it; test doubles too)."""
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from engine.core.config import EngineConfig
 from engine.core.outputs import RequestOutput
@@ -29,10 +29,6 @@ class EngineClient(Protocol):
     def silent_s(self) -> float:
         """Seconds since the running engine last sent anything (it speaks at least every second while it runs
         normally); 0 while it is not running."""
-        ...
-
-    async def preflight(self) -> None:
-        """What can be checked before any replica starts (a remote engine's place); EngineError if wrong."""
         ...
 
     async def start(self) -> Ready: ...
@@ -65,4 +61,14 @@ class EngineClient(Protocol):
     async def release(self, request_id: str) -> bool:
         """Drop the request if it has not started (waiting, nothing computed or generated); True if dropped,
         after which its stream gets nothing more. A router moves such requests to a replica with room."""
+        ...
+
+
+@runtime_checkable
+class CheckedBeforeStart(Protocol):
+    """An engine with something to check before any replica of its gateway starts (a remote engine: its place in
+    the gateway's group, without attaching it); a gateway with several replicas checks them all first."""
+
+    async def preflight(self) -> None:
+        """EngineError if the engine is wrong for this gateway or cannot be reached."""
         ...

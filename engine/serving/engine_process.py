@@ -5,16 +5,20 @@ import logging
 import signal
 import time
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from engine.core.config import EngineConfig
 from engine.serving.grammar_builds import GrammarBuilds
-from engine.serving.parent_watch import exit_with_parent
+from engine.processes.parent_watch import exit_with_parent
 from engine.serving.protocol import (
     AbortRequest, AddLora, AddRequest, Fatal, KVSourceLost, KVWanted, LoraDone, PairKV, Ready, ReleaseRequest, Released,
     RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, to_engine_decoder,
 )
 from engine.serving.serving_threads import serving_threads
 from engine.serving.step_reports import StepReports
+
+if TYPE_CHECKING:  # imported in the engine process only: the gateway imports this module without torch
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -173,13 +177,13 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
             send(message)
 
 
-def _change_loras(engine, msg: AddLora | RemoveLora) -> LoraDone:
+def _change_loras(engine: "LLMEngine", msg: AddLora | RemoveLora) -> LoraDone:
     """Add or remove one adapter; what goes wrong is the answer's one line, never the engine's end."""
-    change = getattr(engine, "add_lora" if isinstance(msg, AddLora) else "remove_lora", None)
-    if change is None:
-        return LoraDone(msg.op_id, "this engine cannot change its LoRA adapters while it runs: name them at its start")
     try:
-        change(msg.name, msg.path) if isinstance(msg, AddLora) else change(msg.name)
+        if isinstance(msg, AddLora):
+            engine.add_lora(msg.name, msg.path)
+        else:
+            engine.remove_lora(msg.name)
     except Exception as e:  # a bad directory (ValueError) or a bug: that change fails, the engine goes on
         if not isinstance(e, ValueError):
             logger.exception("adapter %r could not be changed", msg.name)

@@ -39,7 +39,7 @@ import msgspec
 
 from engine.core.config import EngineConfig
 from engine.serving.engine_process import run_engine_process
-from engine.serving.process_start import start_process
+from engine.processes.process_start import start_process
 from engine.serving.handshake import authenticate
 from engine.serving.protocol import PROTOCOL_VERSION, Attach, Fatal, Hello, attach_decoder, encoder
 
@@ -216,7 +216,7 @@ def _gateway_gone(engine: multiprocessing.process.BaseProcess, gateway: int, wai
 
 def _serve_one_gateway(process_main, config: EngineConfig, conn: Connection) -> None:
     """The engine process of one gateway's connection; it ends with the connection, or with the server (the
-    engine process watches its parent: ``engine.serving.parent_watch``)."""
+    engine process watches its parent: ``engine.processes.parent_watch``)."""
     try:
         process_main(config, conn, conn)
     except (EOFError, OSError) as e:

@@ -113,7 +113,7 @@ class Released(msgspec.Struct, tag=True):
 
 class LoraDone(msgspec.Struct, tag=True):
     """The answer to ``AddLora`` / ``RemoveLora`` ``op_id``: ``error`` None if done, else one line saying why not
-    (a malformed directory, an unknown name, an engine that cannot change its adapters while it runs)."""
+    (a malformed directory, an unknown name, an engine that serves no adapters)."""
 
     op_id: int
     error: str | None = None

@@ -10,7 +10,7 @@ from engine.core.kv_cache_manager import sliding_blocks_bound
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.worker.pipeline_overlap import StageZeroSteps
-from engine.loading.model_config import CheckpointError, ModelConfig, load_model_config
+from engine.core.model_config import CheckpointError, ModelConfig, load_model_config
 from engine.loading.model_loader import build_model
 from engine.layers.moe import SparseMoeBlock
 from engine.loading.quantization import check_supported, resolve_scheme
@@ -20,6 +20,18 @@ from engine.worker.cache_groups import kv_bytes_per_block, sliding_group_window
 from engine.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype a rank computes in: ``name`` (``EngineConfig.dtype``), or for "auto" the checkpoint's half
+    precision on a GPU and float32 on the CPU."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half precision matmuls are slow and inexact on most CPUs
+    return _DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
 
 
 def engine_model_config(config: EngineConfig) -> ModelConfig:

@@ -12,7 +12,7 @@ from engine.models import MoECausalLM
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
 from engine.worker.cache_groups import cache_slots
 from engine.worker.kv_memory import zeros_on_first_touch
-from engine.worker.expert_load import ExpertLoadReader
+from engine.eplb.expert_load import ExpertLoadReader
 from engine.worker.pipeline_overlap import StageZeroSteps
 from engine.worker.step_samples import StepSamples
 from engine.worker.pipeline_step import run_stage

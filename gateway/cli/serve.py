@@ -10,7 +10,9 @@ import sys
 from engine import engine_flags
 from engine.distributed.replica_layout import replica_configs
 from gateway.cli.disaggregated import build_disaggregated, disaggregation_layout
+from gateway.cli import gateway_flags
 from gateway.cli.engines import build_engines, engine_authkey
+from gateway.routing_policy import POLICIES, RouterConfig
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -22,11 +24,9 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.serving.engine_server import parse_address
     from gateway.app import create_app
     from gateway.drain import CUT_GRACE_S
-    from gateway.config import GatewayConfig
-    from tenants.db import SchemaError, database_url
+    from tenants.db import SchemaError
     from tenants.migrate import ensure_schema
 
-    url = database_url(args.database_url)
     # Bad settings are bad input (ValueError: one line, exit 2), found before anything is written.
     engine_config = engine_flags.engine_config(args)
     remote = [parse_address(a) for a in args.engine]
@@ -42,23 +42,12 @@ def _serve(args: argparse.Namespace) -> int:
                      replica_configs(engine_config, args.local_replicas, group_remotes))  # checks the combination
     if args.engine_stall_timeout <= 0:
         raise ValueError(f"--engine-stall-timeout must be > 0, got {args.engine_stall_timeout}")
-    if not 0 < args.engine_restart_backoff <= args.engine_restart_backoff_max:
+    if not 0 < args.engine_restart_backoff_s <= args.engine_restart_backoff_max_s:
         raise ValueError(f"--engine-restart-backoff must be > 0 and at most --engine-restart-backoff-max, got "
-                         f"{args.engine_restart_backoff:g} and {args.engine_restart_backoff_max:g}")
-    config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, database_url=url,
-                           drain_timeout_s=args.drain_timeout, data_dir=args.data_dir,
-                           keepalive_timeout_s=args.keepalive_timeout, body_timeout_s=args.body_timeout,
-                           max_connections=args.max_connections, metrics_host=args.metrics_host,
-                           engine_restart_backoff_s=args.engine_restart_backoff,
-                           engine_restart_backoff_max_s=args.engine_restart_backoff_max,
-                           metrics_port=args.metrics_port if args.metrics_port >= 0 else None,
-                           metrics_token=os.environ.get("MOEGATE_METRICS_TOKEN") or None,
-                           admin_token=os.environ.get("MOEGATE_ADMIN_TOKEN") or None,
-                           batch_lease_s=args.batch_lease_seconds, batch_max_inflight=args.batch_max_inflight,
-                           default_reservation_tokens=args.default_reservation_tokens,
-                           responses_retention_s=args.responses_retention_days * 86400,
-                           tool_call_parser=_parser_setting(args.tool_call_parser),
-                           reasoning_parser=_parser_setting(args.reasoning_parser))
+                         f"{args.engine_restart_backoff_s:g} and {args.engine_restart_backoff_max_s:g}")
+    config = gateway_flags.gateway_config(args, metrics_token=os.environ.get("MOEGATE_METRICS_TOKEN") or None,
+                                          admin_token=os.environ.get("MOEGATE_ADMIN_TOKEN") or None)
+    url = config.database_url
     check_model(local_configs[0] if local_configs else engine_config)  # as laid out in the group
     for local in local_configs:
         if local.disk_cache_dir is not None:
@@ -107,39 +96,10 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser_setting(value: str) -> str | None:
-    return None if value == "none" else value
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="start the OpenAI-compatible server")
     engine_flags.add_engine_flags(p, exclude=engine_flags.REPLICA_FIELDS)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may run on after SIGTERM/SIGINT (default 30)")
-    p.add_argument("--default-reservation-tokens", type=int, default=512,
-                   help="output tokens a request without max_tokens reserves per choice against its tenant's token "
-                        "limits; what it really generates is charged when it ends (default 512)")
-    p.add_argument("--keepalive-timeout", type=float, default=15.0,
-                   help="seconds an idle connection (nothing sent yet, or between requests) stays open (default 15)")
-    p.add_argument("--body-timeout", type=float, default=60.0,
-                   help="seconds a request body may take to arrive; slower ones get a 408 (default 60)")
-    p.add_argument("--max-connections", type=int, default=4096,
-                   help="open connections at most; past it new ones are closed at once (default 4096)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address of the /metrics listener (default 127.0.0.1: the series name tenants)")
-    p.add_argument("--metrics-port", type=int, default=9400,
-                   help="port of the /metrics listener (default 9400; -1: none). With MOEGATE_METRICS_TOKEN set, "
-                        "/metrics is also served on the API port to 'Authorization: Bearer <token>'")
-    p.add_argument("--data-dir", default=".moegate/data", help="Batch API files (default .moegate/data)")
-    p.add_argument("--batch-lease-seconds", type=float, default=60.0,
-                   help="a crashed gateway's batch lines are taken over after this (default 60)")
-    p.add_argument("--batch-max-inflight", type=int, default=None,
-                   help="batch lines in the engine at once (default: twice --max-num-seqs)")
-    p.add_argument("--database-url", default=None,
-                   help="policy database (default: $MOEGATE_DATABASE_URL or sqlite:///./moegate.db)")
+    gateway_flags.add_gateway_flags(p)
     p.add_argument("--data-parallel-size", dest="local_replicas", type=int, default=1, metavar="N",
                    help="engine replicas on this node, each a whole engine with its own KV cache (default 1); "
                         "on a GPU node replica i takes the --tensor-parallel-size GPUs after the previous "
@@ -168,29 +128,7 @@ def register(subparsers) -> None:
     p.add_argument("--engine-stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="an engine that sends nothing for this long while requests wait on it is treated as dead "
                         "and replaced (default 60; it must exceed the longest step)")
-    from gateway.config import GatewayConfig
-
-    defaults = GatewayConfig()
-    p.add_argument("--engine-restart-backoff", type=float, default=defaults.engine_restart_backoff_s,
-                   metavar="SECONDS",
-                   help="an engine replica whose restart failed (a remote engine not reachable yet, say) is tried "
-                        "again after this, doubling each time up to --engine-restart-backoff-max "
-                        f"(default {defaults.engine_restart_backoff_s:g})")
-    p.add_argument("--responses-retention-days", type=float, default=defaults.responses_retention_s / 86400,
-                   help="how long a stored Responses API response can be continued (previous_response_id) or read "
-                        f"back before it is deleted (default {defaults.responses_retention_s / 86400:g})")
-    p.add_argument("--engine-restart-backoff-max", type=float, default=defaults.engine_restart_backoff_max_s,
-                   metavar="SECONDS", help="the longest wait between failed restarts of an engine replica "
-                                           f"(default {defaults.engine_restart_backoff_max_s:g})")
-    from gateway.tool_parsers import REASONING_PARSERS, TOOL_PARSERS
-
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_PARSERS],
-                   help="how tool calls are read from chat output: hermes (Qwen, <tool_call>{...}</tool_call>), "
-                        "mistral ([TOOL_CALLS][...]); auto (default): from the checkpoint's chat template; none: off")
-    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
-                   help="move <think>...</think> into reasoning_content: qwen3; auto (default): when the chat template "
-                        "uses <think>; none: off")
-    p.add_argument("--router", default="cache-aware", choices=["cache-aware", "round-robin"],
+    p.add_argument("--router", default=RouterConfig().policy, choices=POLICIES,
                    help="how requests are spread over replicas: by prefix-cache affinity traded against load "
                         "(default), or in turn")
     p.set_defaults(func=_serve)

@@ -1,7 +1,7 @@
 """Run a function on N gloo ranks in processes of their own (one torch thread each), with a hard time limit; or
 several runs of it (one per family, say) in one set of processes, so that their start-up is paid once.
 
-The ranks start as the engine's own processes do (``engine.serving.process_start.start_process``): forked from a
+The ranks start as the engine's own processes do (``engine.processes.process_start.start_process``): forked from a
 forkserver that imported torch and the engine once per test process (a spawned rank spent 3-4 s of CPU importing
 them, the largest part of a small distributed test's time), with the test process's environment at the start.
 """
@@ -12,7 +12,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from engine.serving.process_start import process_context, start_process
+from engine.processes.process_start import process_context, start_process
 
 # A rank unpickles its function by importing the test module it lives in, which imports pytest and the reference
 # models (transformers' model classes): preloaded as well, a rank starts on about half the CPU (0.1-0.2 s rather than

@@ -115,7 +115,7 @@ def _kill_a_rank(rank: int, world: int, address: str, model_dir: str, port: int)
     # Rank 1 started by hand, as on another node: the torchrun variables and `moegate engine-rank`'s entry point.
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}
-    command = [sys.executable, "-m", "engine.distributed.follower", "--device", "cpu", "--timeout", "5"]
+    command = [sys.executable, "-m", "engine.ranks.follower", "--device", "cpu", "--timeout", "5"]
     follower = subprocess.Popen(command, env=env)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = LLM(model_dir, **ENGINE, tensor_parallel_size=2, local_ranks=1, distributed_timeout_s=5,

@@ -173,7 +173,7 @@ def _kill_a_stage(rank: int, world: int, address: str, model_dir: str, port: int
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}
     # 15 s: on a loaded 2-core machine a healthy first step waited over 5 s for stage 1 (and failed the run).
-    command = [sys.executable, "-m", "engine.distributed.follower", "--device", "cpu", "--timeout", "15"]
+    command = [sys.executable, "-m", "engine.ranks.follower", "--device", "cpu", "--timeout", "15"]
     follower = subprocess.Popen(command, env=env)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine = {**ENGINE, "num_kv_blocks": 260}  # room for a long generation (the model's 1024 positions)

@@ -85,9 +85,9 @@ def test_a_model_that_cannot_be_split_so_is_refused_before_anything_is_written(t
     import sys
 
     from engine.core.config import EngineConfig
-    from engine.distributed.split_check import check_split
+    from engine.loading.split_check import check_split
     from engine.loading.demo_model import write_demo_model
-    from engine.loading.model_config import load_model_config
+    from engine.core.model_config import load_model_config
 
     model = str(tmp_path / "model")
     write_demo_model(model, seed=0)

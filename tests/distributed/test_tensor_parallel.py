@@ -42,7 +42,7 @@ def _rank_logits(rank: int, world: int, address: str, model_dir: str, prompts: l
     from engine.core.scheduler import ScheduledRequest
     from engine.distributed.collectives import TensorParallel
     from engine.distributed.groups import RankGroups, RankInfo
-    from engine.loading.model_config import load_model_config
+    from engine.core.model_config import load_model_config
     from engine.loading.model_loader import build_model
     from engine.worker.runner import ModelRunner
 

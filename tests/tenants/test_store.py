@@ -1,3 +1,4 @@
+import base64
 from datetime import date, datetime, timedelta
 
 import pytest
@@ -72,7 +73,9 @@ def test_keys_are_hashed_shown_once_and_revocable(db_url):
 def test_key_entropy_and_hash():
     a, b = keylib.generate_key(), keylib.generate_key()
     assert a != b and keylib.hash_key(a) != keylib.hash_key(b)
-    assert keylib.hashes_equal(keylib.hash_key(a), keylib.hash_key(a))
+    # mg- and 32 random bytes, url-safe base64 without padding; the key looks like one, a cut one does not.
+    assert a.startswith("mg-") and len(base64.urlsafe_b64decode(a[3:] + "=")) == 32
+    assert keylib.looks_like_key(a) and not keylib.looks_like_key(a[:19])
 
 
 def test_quota_set_and_clear(db_url):

@@ -118,8 +118,8 @@ def test_the_planned_copies_turn_the_old_placement_into_the_new():
 @pytest.mark.timeout(60)
 def test_bad_balancing_settings_are_refused_before_any_process_starts(tmp_path):
     from engine.core.config import EngineConfig
-    from engine.distributed.split_check import check_split
-    from engine.loading.model_config import load_model_config
+    from engine.loading.split_check import check_split
+    from engine.core.model_config import load_model_config
     from tests.hf_models import make_hf_model
 
     make_hf_model("mixtral", str(tmp_path), seed=random.randrange(2**31), vocab_size=97)  # 8 experts

@@ -7,7 +7,7 @@ from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
 from engine.layers.rotary import RotaryEmbedding
-from engine.loading.model_config import model_config_from_hf
+from engine.core.model_config import model_config_from_hf
 
 
 @pytest.mark.parametrize("truncate", [False, True])

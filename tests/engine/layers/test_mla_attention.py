@@ -11,7 +11,7 @@ from transformers import DeepseekV3Config
 
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.rotary import RotaryEmbedding
-from engine.loading.model_config import model_config_from_hf
+from engine.core.model_config import model_config_from_hf
 from engine.models.deepseek import mla_from_config
 from engine.worker.batch_builder import build_batch, decode_groups
 from engine.worker.cache_groups import kv_bytes_per_block

@@ -21,7 +21,7 @@ CHILD = r"""
 import json, sys
 import torch
 torch.set_num_threads(1)
-from engine.loading.model_config import load_model_config
+from engine.core.model_config import load_model_config
 from engine.loading.model_loader import build_model
 
 def status_kib(field):

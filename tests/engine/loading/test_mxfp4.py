@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from engine import LLM, SamplingParams
-from engine.loading.model_config import load_model_config
+from engine.core.model_config import load_model_config
 from engine.loading.mxfp4 import dequantize_mxfp4
 from engine.loading.quantization import resolve_scheme
 from moe_kernels.quant import QuantScheme, dequantize

@@ -194,7 +194,7 @@ def test_load_time_quantization_agreement(base, agreement_case, tmp_path, option
 
 def test_bad_settings_name_the_field(base, tmp_path):
     from engine.core.config import EngineConfig
-    from engine.loading.model_config import CheckpointError
+    from engine.core.model_config import CheckpointError
     from engine.loading.quantization import check_supported
     from moe_kernels.quant import QuantScheme
 

@@ -21,7 +21,7 @@ HOT_PATH = [
     ROOT / "engine/sampling/sampler.py",
     ROOT / "engine/worker/overlap.py",
     ROOT / "engine/sampling/prompt_scoring.py",
-    ROOT / "engine/worker/expert_load.py",
+    ROOT / "engine/eplb/expert_load.py",
     *sorted((ROOT / "engine/sampling").glob("*.py")),
     ROOT / "engine/structured_output/matchers.py",
     ROOT / "moe_kernels/routing.py",
@@ -34,7 +34,7 @@ SYNCING_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "unique", "binco
 ALLOWED = {
     ("engine/sampling/sampler.py", "__call__"),  # reading the sampled tokens: the step's one sync
     ("engine/sampling/prompt_scoring.py", "read"),  # prompt logprobs of a synchronous step, read after that sync
-    ("engine/worker/expert_load.py", "poll"),  # pinned host memory a finished copy filled; the CPU's own counters
+    ("engine/eplb/expert_load.py", "poll"),  # pinned host memory a finished copy filled; the CPU's own counters
     ("engine/worker/overlap.py", "collect"),  # overlapped steps: reading a step's results, one step late
     # Expert parallel with LoRA adapters: the adapter slots that came with other ranks' tokens are read back to
     # lay out their deltas, one read per layer beside the dispatch's own (its all-to-all split sizes).
@@ -75,5 +75,5 @@ def test_the_audit_sees_a_sync(tmp_path):
                      "def g(d):\n    return torch.tensor([1], device=d)\n"
                      "def poll(x):\n    return x.tolist()\n")
     assert _findings(probe, "m.py") == ["m.py:3 f(): .item(", "m.py:5 g(): .tensor(", "m.py:7 poll(): .tolist("]
-    assert _findings(probe, "engine/worker/expert_load.py") == ["engine/worker/expert_load.py:3 f(): .item(",
-                                                               "engine/worker/expert_load.py:5 g(): .tensor("]
+    assert _findings(probe, "engine/eplb/expert_load.py") == ["engine/eplb/expert_load.py:3 f(): .item(",
+                                                             "engine/eplb/expert_load.py:5 g(): .tensor("]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from engine.serving.process_start import START_METHOD_ENV, process_context, start_process
+from engine.processes.process_start import START_METHOD_ENV, process_context, start_process
 
 
 def report(conn, names: list[str]) -> None:
@@ -68,8 +68,8 @@ def test_the_first_start_s_extra_preload_is_imported_by_the_server():
     first, later = random.sample(["colorsys", "graphlib"], 2)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     starter = ("import multiprocessing\n"
-               "from engine.serving.process_start import start_process\n"
-               "from tests.engine.serving.test_process_start import imported\n"
+               "from engine.processes.process_start import start_process\n"
+               "from tests.engine.processes.test_process_start import imported\n"
                "def run(preload):\n"
                "    ours, theirs = multiprocessing.Pipe(duplex=False)\n"
                "    process = start_process(imported, (theirs, [%r, %r]), 'reporter', preload=preload)\n"

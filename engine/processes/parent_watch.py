@@ -13,7 +13,7 @@ def exit_with_parent(parent: int | None = None, poll_s: float = 0.5) -> None:
     devices until a timeout of its own. Watches from a daemon thread.
 
     ``parent``: the starter's process id, as the starter gave it (polled every ``poll_s``); None: the starter of
-    this ``multiprocessing`` child (spawned, or forked by a forkserver: ``engine.serving.process_start``), watched
+    this ``multiprocessing`` child (spawned, or forked by a forkserver: ``engine.processes.process_start``), watched
     through the pipe it holds open for as long as it lives, which closes when it ends, however. Not this process's
     parent id as it reads now: a forkserver's child has the server as its parent, and a starter that died while
     this process was still starting up (importing torch takes seconds) has already handed it to init."""

@@ -5,7 +5,7 @@ import torch
 from engine.core.config import EngineConfig
 from engine.distributed.collectives import TensorParallel
 from engine.distributed.expert_parallel import ExpertParallel
-from engine.loading.model_config import ModelConfig
+from engine.core.model_config import ModelConfig
 from engine.models import MODEL_REGISTRY
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.serving.process_start import START_METHOD_ENV
+from engine.processes.process_start import START_METHOD_ENV
 from tests.processes import is_running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 def late_watcher(delay_s: float) -> None:
     """A spawned child that starts watching its parent only after ``delay_s`` (an engine importing torch)."""
     time.sleep(delay_s)
-    from engine.serving.parent_watch import exit_with_parent
+    from engine.processes.parent_watch import exit_with_parent
 
     exit_with_parent()
     time.sleep(60)
@@ -30,8 +30,8 @@ def test_an_engine_process_whose_starter_died_during_its_start_up_ends(method):
     moment, as its parent process: the watch must follow the starter, not the parent id)."""
     delay = random.uniform(1.0, 2.0)
     starter = ("import os\n"
-               "from engine.serving.process_start import start_process\n"
-               "from tests.engine.serving.test_parent_watch import late_watcher\n"
+               "from engine.processes.process_start import start_process\n"
+               "from tests.engine.processes.test_parent_watch import late_watcher\n"
                "child = start_process(late_watcher, (%r,), 'watcher')\n"
                "print(child.pid, flush=True)\n"
                "os._exit(0)\n" % delay)  # gone at once, without waiting for its child
@@ -54,7 +54,7 @@ def test_a_process_given_a_parent_that_is_gone_ends_at_once():
     """A follower rank is told its engine process's id; if that process has ended, the rank ends."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    code = f"from engine.serving.parent_watch import exit_with_parent\nexit_with_parent({gone.pid})\nimport time\ntime.sleep(30)"
+    code = f"from engine.processes.parent_watch import exit_with_parent\nexit_with_parent({gone.pid})\nimport time\ntime.sleep(30)"
     t0 = time.monotonic()
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=40, env={**os.environ, "PYTHONPATH": ROOT})
     assert run.returncode == 1 and time.monotonic() - t0 < 20

@@ -3,7 +3,7 @@
 A fresh interpreter spends 3-4 s of CPU importing torch, transformers, Triton and the engine before an engine
 process or a rank does anything of its own; a gateway starts one engine process per replica, again after every
 crash, an engine server one per gateway, and an engine split over ranks one process per follower rank on its
-node (``engine.distributed.ranks``). Python's multiprocessing forkserver imports ``PRELOAD`` (and the extra
+node (``engine.ranks.engine_ranks``). Python's multiprocessing forkserver imports ``PRELOAD`` (and the extra
 modules the first start asked for: ``process_context``) once, in a server process of its own started at the first
 start, and forks each process from it. The server only imports:
 nothing in ``PRELOAD`` computes, starts a thread pool or touches a GPU (CUDA is initialised lazily, in the
@@ -28,7 +28,7 @@ from multiprocessing.process import BaseProcess
 START_METHOD_ENV = "MOEGATE_PROCESS_START"
 START_METHODS = ("forkserver", "spawn")
 # Imported once by the forkserver; what an engine process, or a follower rank, needs before its first step.
-PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process", "engine.distributed.follower")
+PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process", "engine.ranks.follower")
 
 
 def process_context(preload: tuple[str, ...] = ()) -> multiprocessing.context.BaseContext:

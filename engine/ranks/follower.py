@@ -1,7 +1,7 @@
 """A follower rank of an engine: its slices of the model, stepping as its replica's rank 0's plans say, until
 told to stop.
 
-Run as ``python -m engine.distributed.follower`` (or ``moegate engine-rank``)
+Run as ``python -m engine.ranks.follower`` (or ``moegate engine-rank``)
 with the ``torchrun`` variables set: each engine process starts its node's
 followers so, and ranks on other nodes are started so by ``torchrun`` or by
 hand. The engine's config comes from world rank 0 once the ranks have met.
@@ -20,10 +20,11 @@ import torch
 from engine.core.config import EngineConfig, KernelChoice
 from engine.distributed.groups import CollectiveError, RankGroups, RankInfo
 from engine.distributed.pipeline import STAGE_TIMINGS
-from engine.distributed.rank_flags import add_rank_flags
-from engine.distributed.ranks import EXIT_WITH_PARENT_ENV, parallel_groups
+from engine.ranks.rank_flags import add_rank_flags
+from engine.distributed.parallel_groups import parallel_groups
+from engine.ranks.engine_ranks import EXIT_WITH_PARENT_ENV
 from engine.distributed.world import agree_on_world
-from engine.serving.parent_watch import exit_with_parent
+from engine.processes.parent_watch import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +35,8 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
     as that process builds its own, then follow its plans; returns when it sends the empty plan (None), raises
     CollectiveError when it or a peer fails, ValueError (on every rank) when the world does not fit."""
     from engine.kv_tiers.setup import build_rank_mirror
-    from engine.llm_engine import resolve_dtype
     from engine.worker.lora_setup import serve_adapters
-    from engine.worker.model_setup import build_rank, engine_model_config
+    from engine.worker.model_setup import build_rank, engine_model_config, resolve_dtype
 
     device = torch.device("cuda", info.local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_parent()
     elif (parent := os.environ.get(EXIT_WITH_PARENT_ENV, "")).isdigit():
         exit_with_parent(int(parent))
-    parser = argparse.ArgumentParser(prog="python -m engine.distributed.follower", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m engine.ranks.follower", description=__doc__)
     add_rank_flags(parser)
     return run(parser.parse_args(argv))
 

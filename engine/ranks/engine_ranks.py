@@ -6,10 +6,10 @@ each (one replica and its split ranks, or several replicas sharing their
 experts): replica d is world ranks [d*T, (d+1)*T), and its rank 0 is the engine
 process that schedules for it. A pipelined engine (one replica) is
 ``pipeline_parallel_size`` stages of T ranks: stage s is world ranks [s*T, (s+1)*T). The other ranks run
-``engine.distributed.follower`` with the standard ``torchrun`` variables
+``engine.ranks.follower`` with the standard ``torchrun`` variables
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``):
 this node's are forked from the engine process's forkserver
-(``engine.serving.process_start``, imports paid once however many ranks),
+(``engine.processes.process_start``, imports paid once however many ranks),
 ranks on other nodes are started by ``torchrun`` or by hand
 (``moegate engine-rank``). Once the ranks have met they check together that
 the world fits (``engine.distributed.world``), and each replica's engine
@@ -19,65 +19,22 @@ builds the same model the same way, whatever its own command line said.
 
 import logging
 import os
-from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
 import torch
 
 from engine.core.config import EngineConfig, meeting_address
-from engine.distributed.collectives import TensorParallel
-from engine.distributed.expert_parallel import ExpertParallel
 from engine.distributed.groups import RankGroups, RankInfo
-from engine.distributed.pipeline import PipelineStage
-from engine.distributed.replica_layout import free_port, replica_world_ranks
+from engine.distributed.parallel_groups import parallel_groups
+from engine.distributed.replica_layout import free_port
 from engine.distributed.world import ReplicaClaim, agree_on_world
-from engine.loading.model_config import ModelConfig
-from engine.serving.process_start import run_main, start_process
+from engine.core.model_config import ModelConfig
+from engine.processes.process_start import run_main, start_process
 
 # The engine process's id, given to the follower ranks it starts itself: they end when it does.
 EXIT_WITH_PARENT_ENV = "MOEGATE_EXIT_WITH_PARENT"
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelGroups:
-    """This rank's collectives: ``tp`` over its replica's ranks (the model's tensor parallelism; its
-    ``expert_parallel`` divides the experts among every replica's ranks), and ``drivers`` over the
-    replicas' rank-0 processes (on those only, when several replicas share their experts)."""
-
-    tp: TensorParallel
-    drivers: TensorParallel | None
-    # The group the engine process's plans (and its config) go over: its tensor-parallel ranks, or every stage's.
-    plans: TensorParallel
-    stage: PipelineStage = field(default_factory=PipelineStage)
-
-
-def parallel_groups(groups: RankGroups, world: ReplicaClaim) -> ParallelGroups:
-    """The groups of an engine's world of ``data_parallel_size`` x ``tensor_parallel_size`` ranks (replica d is
-    world ranks [d*T, (d+1)*T)), laid out as ``world`` (world rank 0's claim, checked by ``agree_on_world``), with
-    the experts divided among all of them if it says so. Every rank of the world calls it, in the same order as
-    its other collectives."""
-    replicas, split = world.data_parallel_size, world.tensor_parallel_size
-    everyone = TensorParallel(groups)
-    if world.pipeline_parallel_size > 1:  # one engine (config checks): stage s is world ranks [s*T, (s+1)*T)
-        stages = [list(range(s * split, (s + 1) * split)) for s in range(world.pipeline_parallel_size)]
-        tp = TensorParallel(groups.subgroup(stages, "tensor-parallel")) if split > 1 else TensorParallel()
-        if world.enable_expert_parallel and split > 1:  # the experts are divided inside each stage
-            tp.expert_parallel = ExpertParallel(tp, world.expert_dispatch)
-        stage = PipelineStage.of(groups, split, world.model_shape[2])
-        return ParallelGroups(tp, None, stage.plans, stage)
-    if replicas == 1:
-        tp, drivers = everyone, None
-    else:
-        layout = replica_world_ranks(replicas, split)
-        tp = TensorParallel(groups.subgroup(layout, "tensor-parallel")) if split > 1 else TensorParallel()
-        driver_ranks = [ranks[0] for ranks in layout]
-        driver_group = groups.subgroup([driver_ranks], "data-parallel", device=False) if split > 1 else groups
-        drivers = TensorParallel(driver_group) if groups.rank in driver_ranks else None
-    if world.enable_expert_parallel:
-        tp.expert_parallel = ExpertParallel(everyone, world.expert_dispatch)
-    return ParallelGroups(tp, drivers, tp)
 
 
 class EngineRanks:
@@ -97,9 +54,9 @@ class EngineRanks:
         env = {"WORLD_SIZE": str(world), "MASTER_ADDR": host, "MASTER_PORT": str(port),
                EXIT_WITH_PARENT_ENV: str(os.getpid())}
         argv = ["--device", device.type, "--timeout", str(config.distributed_timeout_s)]
-        # Forked from this process's forkserver (engine.serving.process_start): imports paid once, however many.
+        # Forked from this process's forkserver (engine.processes.process_start): imports paid once, however many.
         self.processes: list[BaseProcess] = [
-            start_process(run_main, ("engine.distributed.follower", argv), f"moegate-rank-{first + local}",
+            start_process(run_main, ("engine.ranks.follower", argv), f"moegate-rank-{first + local}",
                           {**env, "RANK": str(first + local), "LOCAL_RANK": str(local)})
             for local in range(1, config.local_ranks or split)]
         try:

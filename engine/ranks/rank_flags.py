@@ -1,4 +1,4 @@
-"""The flags of one follower rank (``moegate engine-rank``, ``python -m engine.distributed.follower``). No torch
+"""The flags of one follower rank (``moegate engine-rank``, ``python -m engine.ranks.follower``). No torch
 here: ``moegate`` builds its parser with them."""
 
 import argparse
