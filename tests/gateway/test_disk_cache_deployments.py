@@ -34,13 +34,15 @@ def test_another_database_on_the_same_disk_cache_gets_no_hit(tmp_path):
     settings = dict(block_size=BLOCK, num_kv_blocks=12, max_num_batched_tokens=128, max_model_len=256,
                     host_cache_gb=0.05, disk_cache_dir=str(disk), disk_cache_gb=0.05)
 
+    deployments = {}
+
     def serve(root):
         """A server on ``root``'s database, its engine given that database's deployment (as moegate serve does)."""
         root.mkdir(exist_ok=True)
         url = f"sqlite:///{root / 'policy.db'}"
         upgrade(url)
-        deployment = asyncio.run(_deployment(url))
-        return in_process_server(root, dict(settings, deployment_id=deployment), checkpoint=demo)
+        deployments[root.name] = asyncio.run(_deployment(url))
+        return in_process_server(root, dict(settings, deployment_id=deployments[root.name]), checkpoint=demo)
 
     async def cached(srv, key, ids):
         async with aiohttp.ClientSession() as http:
@@ -65,7 +67,7 @@ def test_another_database_on_the_same_disk_cache_gets_no_hit(tmp_path):
         mallory = srv.run(new_tenant_key(srv.database_url, "mallory"))  # tenant id 1 again
         assert srv.run(cached(srv, mallory, prompt)) == 0
         # Its engine deleted the other deployment's files at start (mallory's salt alone would miss them too).
-        assert (disk / "deployment").read_text() == asyncio.run(_deployment(srv.database_url))
+        assert (disk / "deployment").read_text() == deployments["b"]
         assert not written & set(disk.glob("*.kvb"))
 
 
