@@ -39,8 +39,9 @@ OVERRIDES: dict[str, FlagOverride] = {
     "local_prefill_tokens": FlagOverride(metavar="N"),
     "prefill_queue_tokens": FlagOverride(metavar="N"),
 }
-# Fields the commands fill in themselves: with --random-weights, --model names the tokenizer.
-NOT_FLAGS = ("tokenizer",)
+# Fields the commands fill in themselves: with --random-weights, --model names the tokenizer; moegate serve reads
+# the deployment from its database (and hands it to its remote engines).
+NOT_FLAGS = ("tokenizer", "deployment_id")
 # A group of replicas dividing the experts: `moegate engine` takes these as they are; `moegate serve` lays its
 # local replicas out itself (its own --data-parallel-size) and `moegate run-batch` runs one engine.
 REPLICA_FIELDS = ("data_parallel_size", "data_parallel_rank")

@@ -265,8 +265,8 @@ class LLMEngine:
         residency = self.scheduler.lora
         if not residency.check_new(name, path):
             return
-        self.lora.hold(name, path)  # ValueError naming what is wrong; nothing registered (starts the reader if needed)
-        residency.register(name, path)
+        key = self.lora.hold(name, path)  # ValueError naming what is wrong; nothing registered (starts the reader)
+        residency.register(name, path, key)
 
     def remove_lora(self, name: str) -> None:
         """Unregister adapter ``name``: new requests naming it are refused from now on; requests already added

@@ -3,7 +3,7 @@
 import hashlib
 import hmac
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -21,17 +21,19 @@ class Principal:
     tenant: TenantInfo
     key: KeyInfo
     priority_class: ClassInfo
+    cache_salt: str = field(repr=False)  # the tenant's secret prefix-cache salt (``TenantStore.cache_salt``)
 
     def policy(self, order_in_class: int = 0, background: bool = False, cache_share: float | None = None,
                lora_adapter: str | None = None) -> RequestPolicy:
         """The engine's policy for this caller's requests: the class's priority and preemption rules, the
-        tenant's fair-share weight, its prefix cache kept to itself (salted by its id), its quota's share
-        of the engine's prefix-cache tiers (``Granted.cache_share``) and the LoRA adapter its ``model`` named
-        (``gateway.lora_adapters``; None: the base model)."""
+        tenant's fair-share weight, its prefix cache kept to itself (salted by its secret salt, never by its id,
+        which another database hands out again), its quota's share of the engine's prefix-cache tiers
+        (``Granted.cache_share``) and the LoRA adapter its ``model`` named (``gateway.lora_adapters``; None: the
+        base model)."""
         tenant, cls = self.tenant, self.priority_class
         return RequestPolicy(priority=cls.priority, order_in_class=order_in_class, tenant=str(tenant.id),
                              weight=tenant.weight, preemptible=cls.preemptible, may_preempt=cls.may_preempt,
-                             background=background, cache_salt=str(tenant.id), cache_share=cache_share,
+                             background=background, cache_salt=self.cache_salt, cache_share=cache_share,
                              lora_adapter=lora_adapter)
 
 
@@ -55,7 +57,8 @@ class Authenticator:
         if found is None:
             return None
         tenant, key = found
-        return Principal(tenant, key, await self.store.get_class(tenant.priority_class))
+        return Principal(tenant, key, await self.store.get_class(tenant.priority_class),
+                         await self.store.cache_salt(tenant.id))
 
 
 PRINCIPAL = web.RequestKey("principal", Principal)

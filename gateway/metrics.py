@@ -101,7 +101,8 @@ class _EngineCollector:
         # Prefix-cache tiers below the KV pool (host memory, disk), per tier and tenant (the engine's tenant id).
         tier_help = {"hits": "block lookups found in the tier", "misses": "block lookups that ended in the tier",
                      "bytes_in": "bytes written to the tier", "bytes_out": "bytes read from the tier",
-                     "evictions": "blocks evicted from the tier"}
+                     "evictions": "blocks evicted from the tier",
+                     "write_errors": "blocks the tier failed to write (a full disk, say); nothing of them is kept"}
         for field, text in tier_help.items():
             families["tier_" + field] = CounterMetricFamily(f"moegate_prefix_tier_{field}",
                                                             f"prefix-cache tiers: {text}",

@@ -13,6 +13,11 @@ def generate_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
+def new_secret() -> str:
+    """32 random bytes as 64 hex characters: a tenant's prefix-cache salt, a deployment's identity."""
+    return secrets.token_hex(32)
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 

@@ -22,8 +22,11 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from tenants.keys import new_secret
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit id.
 BigId = BigInteger().with_variant(Integer, "sqlite")
@@ -65,11 +68,25 @@ class Tenant(Base):
     status: Mapped[str] = mapped_column(String(16), nullable=False, default="active")
     created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow, onupdate=utcnow)
+    # Salts the tenant's prefix-cache blocks (``RequestPolicy.cache_salt``): random, secret (never shown by the API
+    # or the CLI) and never reused, unlike ``id``, which another database hands out again.
+    cache_salt: Mapped[str] = mapped_column(String(64), nullable=False, default=new_secret)
 
     __table_args__ = (
         CheckConstraint("status IN ('active', 'disabled')", name="ck_tenants_status"),
         CheckConstraint("weight > 0", name="ck_tenants_weight"),
+        UniqueConstraint("cache_salt", name="uq_tenants_cache_salt"),
     )
+
+
+class Deployment(Base):
+    """One row: this database's random identity. Engines' disk prefix-cache tiers record it and never read files
+    written under another (a new or restored database, another server's)."""
+
+    __tablename__ = "deployment"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=new_secret)
+    created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
 
 
 class ApiKey(Base):

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from tenants import keys as keylib
 from tenants.db import backend, create_engine_for
-from tenants.models import QUOTA_LIMIT_FIELDS, ApiKey, PriorityClass, Quota, Tenant, Usage, utcnow
+from tenants.models import QUOTA_LIMIT_FIELDS, ApiKey, Deployment, PriorityClass, Quota, Tenant, Usage, utcnow
 from tenants.names import valid_name
 from tenants.policy import ClassInfo
 
@@ -199,6 +199,24 @@ class TenantStore:
         async with self.sessions() as s:
             rows = (await s.execute(select(Tenant).order_by(Tenant.name))).scalars()
             return [_tenant_info(t) for t in rows]
+
+    async def cache_salt(self, tenant_id: int) -> str:
+        """The tenant's secret prefix-cache salt (``RequestPolicy.cache_salt``); NotFound for an unknown id. Never
+        part of ``TenantInfo``, so nothing that shows tenants shows it."""
+        async with self.sessions() as s:
+            salt = await s.scalar(select(Tenant.cache_salt).where(Tenant.id == tenant_id))
+        if salt is None:
+            raise NotFound(f"unknown tenant id {tenant_id}")
+        return salt
+
+    async def deployment_id(self) -> str:
+        """This database's random identity (written by its migrations): what engines' disk prefix-cache tiers
+        record, so a server on another database never reads their files."""
+        async with self.sessions() as s:
+            found = await s.scalar(select(Deployment.id))
+        if found is None:
+            raise StoreError("the database has no deployment identity: run `moegate db upgrade`")
+        return found
 
     async def update_tenant(self, ref: str | int, *, name: str | None = None, priority_class: str | None = None,
                             weight: float | None = None) -> TenantInfo:

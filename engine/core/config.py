@@ -195,9 +195,14 @@ class EngineConfig:
     tensor-parallel ranks each hold an equal part (docs/prefix_cache_tiers.md)"""
     disk_cache_dir: str | None = None
     """directory for prefix-cache blocks below the host tier, one file per block, kept across restarts (needs
-    ``host_cache_gb`` and ``disk_cache_gb``)"""
+    ``host_cache_gb`` and ``disk_cache_gb``); one engine at a time (a second is refused), and only the files of
+    its deployment (others' are deleted at start)"""
     disk_cache_gb: float = 0.0
     """size of ``disk_cache_dir``'s prefix cache in GB, least recently used blocks deleted first"""
+    deployment_id: str | None = None
+    """the deployment (tenants database) this engine serves, set by ``moegate serve`` from its database: the disk
+    tier keeps only files written under the same one and deletes others' at start (None: an engine without a
+    database)"""
 
     @property
     def engine_ranks(self) -> int:

@@ -7,9 +7,10 @@ adapter's factors are read into host memory off the step loop (``HostReads``); o
 free or evictable, the plan of the next step carries the slot write (``LoraLoad``), which every rank does before
 that step's forward. Plain Python, no torch.
 
-A registration is keyed by its name and directory (``registration_key``): a name removed and added again from
-another directory is another adapter here (its own slot, its own cached prompt blocks), so requests still running
-under the earlier directory finish under its weights while new ones get the new directory's.
+A registration is keyed by its name, directory and the digest of its files' content (``registration_key``): a name
+removed and added again from another directory, or from the same one with other weights, is another adapter here
+(its own slot, its own cached prompt blocks, in every prefix-cache tier and across restarts), so requests still
+running under the earlier weights finish under them while new ones get the new ones.
 """
 
 from collections import OrderedDict
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-def registration_key(name: str, path: str) -> str:
-    """What requests, slots, host copies and cached prompt blocks know a registered adapter by: its name and
-    directory (names hold no ``=``, so a key is never a name)."""
-    return f"{name}={path}"
+def registration_key(name: str, path: str, digest: str) -> str:
+    """What requests, slots, host copies and cached prompt blocks know a registered adapter by: its name, directory
+    and content digest (``engine.lora.identity.adapter_digest``; names hold no ``=``, so a key is never a name)."""
+    return f"{name}={path}#{digest}"
 
 
 def registered_name(key: str) -> str:
@@ -104,15 +105,14 @@ class LoraResidency:
         if not name or "," in name or "=" in name:
             raise ValueError(f"lora adapter name {name!r} must be non-empty without ',' or '='")
         held = self.current.get(name)
-        if held is not None and held != registration_key(name, path):
+        if held is not None and self.paths[held] != path:
             raise ValueError(f"lora adapter {name!r} is registered with {self.paths[held]}, not {path}: "
                              "remove it first")
         return held is None
 
-    def register(self, name: str, path: str) -> None:
-        """Serve ``name`` from ``path`` for new requests (the same name and directory removed while requests still
-        ran under it: those and the new ones share the registration)."""
-        key = registration_key(name, path)
+    def register(self, name: str, path: str, key: str) -> None:
+        """Serve ``name`` from ``path`` for new requests, under ``key`` (``registration_key``; the same key removed
+        while requests still ran under it: those and the new ones share the registration)."""
         self.current[name] = key
         self.paths[key] = self.bound[key] = path
         self.removed.discard(key)

@@ -7,7 +7,8 @@ EXPERT_LOAD_EVERY_CUDA = 32
 
 class TierStats(msgspec.Struct, array_like=True):
     """One prefix-cache tier's cumulative counters for one tenant (``engine.kv_tiers.counters``): block lookups
-    found and not found there, bytes written to and read from it, blocks evicted from it."""
+    found and not found there, bytes written to and read from it, blocks evicted from it, blocks that failed to be
+    written to it."""
 
     tier: str  # "host" or "disk"
     tenant: str
@@ -16,6 +17,7 @@ class TierStats(msgspec.Struct, array_like=True):
     bytes_in: int
     bytes_out: int
     evictions: int
+    write_errors: int = 0
 
 
 class SchedulerStats(msgspec.Struct):

@@ -2,12 +2,13 @@
 
 from collections import defaultdict
 
-FIELDS = ("hits", "misses", "bytes_in", "bytes_out", "evictions")
+FIELDS = ("hits", "misses", "bytes_in", "bytes_out", "evictions", "write_errors")
 
 
 class TierCounters:
     """Cumulative counts by (tier, tenant): hits and misses are block lookups (a lookup that ends in a tier is
-    one miss there), bytes in are written to the tier, bytes out read from it, evictions blocks dropped."""
+    one miss there), bytes in are written to the tier, bytes out read from it, evictions blocks dropped, write
+    errors blocks the disk tier failed to write (a full disk, say; nothing of them is kept)."""
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0] * len(FIELDS))

@@ -36,12 +36,13 @@ class TieredStore:
     """Host (and optionally disk) tiers over one engine's KV caches."""
 
     def __init__(self, copier: BlockCopier, fingerprint: bytes, host_bytes: int, disk_dir: str | None = None,
-                 disk_bytes: int = 0) -> None:
+                 disk_bytes: int = 0, deployment: str | None = None) -> None:
+        """``deployment``: whose files the disk tier's directory may hold (``EngineConfig.deployment_id``)."""
         self.copier = copier
         self.fingerprint = fingerprint
         self.block_bytes = copier.block_bytes
         self.host = HostTier(host_bytes, self.block_bytes, pin_memory=copier.device.type == "cuda")
-        self.disk = DiskTier(disk_dir, disk_bytes, self.block_bytes) if disk_dir else None
+        self.disk = DiskTier(disk_dir, disk_bytes, self.block_bytes, deployment) if disk_dir else None
         self.lock = threading.RLock()
         self.counters = TierCounters()
         self.shares: dict[str, float] = {}  # tenant -> share of each tier (absent: shared LRU)
@@ -203,10 +204,13 @@ class TieredStore:
                 self.host.index.get(key, touch=False).pins -= 1
         with self.lock:
             share = self.shares.get(tenant)
-        evicted = self.disk.write(key, tenant, payload, share)
+        written = self.disk.write(key, tenant, payload, share)
         with self.lock:
-            self.counters.add("disk", tenant, "bytes_in", len(payload))
-            self._count_evictions("disk", evicted)
+            if written.stored:
+                self.counters.add("disk", tenant, "bytes_in", len(payload))
+            if written.failed:
+                self.counters.add("disk", tenant, "write_errors")
+            self._count_evictions("disk", written.evicted)
 
     def load(self, blocks: list[tuple[int, bytes, str]]) -> list[tuple[int, int]]:
         """Copy pinned host hits (block id, block hash, tenant) into their new device blocks, then unpin them.
@@ -246,3 +250,4 @@ class TieredStore:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._reader.shutdown(wait=True)
+            self.disk.close()

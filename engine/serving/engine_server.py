@@ -24,6 +24,7 @@ stopped answering at the network level into a closed connection within about
 11 s on either side, so a replica behind a dead link leaves the rotation.
 """
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -40,7 +41,7 @@ from engine.core.config import EngineConfig
 from engine.serving.engine_process import run_engine_process
 from engine.processes.process_start import start_process
 from engine.serving.handshake import authenticate
-from engine.serving.protocol import PROTOCOL_VERSION, Fatal, Hello, attach_decoder, encoder
+from engine.serving.protocol import PROTOCOL_VERSION, Attach, Fatal, Hello, attach_decoder, encoder
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
     while True:
         conn = arrivals.get()
         enable_keepalive(conn)
-        if not _attached(conn):
+        attach = _attached(conn)
+        if attach is None:
             conn.close()
             with lock:
                 busy[0] = False
@@ -151,7 +153,9 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
         # follower ranks it started.
         gateway = os.dup(conn.fileno())  # watched, never read: tells when the gateway's side has closed
         try:
-            engine = start_process(_serve_one_gateway, (process_main, config, conn), "moegate-engine")
+            # The gateway's deployment: the disk tier keeps only its blocks (engine.kv_tiers.disk_dir).
+            served = dataclasses.replace(config, deployment_id=attach.deployment_id)
+            engine = start_process(_serve_one_gateway, (process_main, served, conn), "moegate-engine")
         finally:
             conn.close()  # the engine process holds its own copy
         with lock:
@@ -184,20 +188,19 @@ def _greet(conn: Connection, config: EngineConfig) -> bool:
         return False
 
 
-def _attached(conn: Connection) -> bool:
-    """Whether the gateway answered ``Hello`` with ``Attach``. One that needs this engine elsewhere closes the
+def _attached(conn: Connection) -> Attach | None:
+    """The gateway's ``Attach`` answer to ``Hello``, or None. One that needs this engine elsewhere closes the
     connection and says why on its side: nothing was started, so a misplaced engine is refused at once instead
     of after its rendezvous timed out."""
     try:
         if conn.poll(ATTACH_TIMEOUT_S):
-            attach_decoder.decode(conn.recv_bytes())
-            return True
+            return attach_decoder.decode(conn.recv_bytes())
         logger.warning("the gateway did not attach this engine within %g s", ATTACH_TIMEOUT_S)
     except (EOFError, OSError):
         logger.warning("the gateway closed the connection without attaching this engine (its log says why)")
     except msgspec.DecodeError as e:
         logger.warning("the gateway answered with something other than Attach: %s", e)
-    return False
+    return None
 
 
 def _gateway_gone(engine: multiprocessing.process.BaseProcess, gateway: int, wait: bool) -> bool:

@@ -141,7 +141,7 @@ class Ready(msgspec.Struct, tag=True):
     kv_address: str | None = None  # a decode engine's HOST:PORT for its prefill engines (PairKV)
 
 
-PROTOCOL_VERSION = 5  # of the messages between a gateway and a remote engine; raised when they change
+PROTOCOL_VERSION = 6  # of the messages between a gateway and a remote engine; raised when they change
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -157,7 +157,10 @@ class Hello(msgspec.Struct, tag=True):
 
 
 class Attach(msgspec.Struct, tag=True):
-    """The gateway's answer to ``Hello``: start the engine for me."""
+    """The gateway's answer to ``Hello``: start the engine for me. ``deployment_id``: the gateway's deployment
+    (``EngineConfig.deployment_id``), which the engine's disk tier keeps to."""
+
+    deployment_id: str | None = None
 
 
 class Fatal(msgspec.Struct, tag=True):

@@ -63,7 +63,7 @@ class RemoteEngine(AsyncEngine):
         if conn is None:
             conn = await self._greeted_connection()
         try:
-            conn.send_bytes(encoder.encode(Attach()))
+            conn.send_bytes(encoder.encode(Attach(self.config.deployment_id)))
         except OSError as e:
             conn.close()
             raise EngineError("the engine stopped", detail=f"{self.describe()} left before it was attached ({e})"

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.core.lora_residency import LoraLoad, registration_key
+from engine.lora.identity import adapter_digest
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
@@ -100,16 +101,23 @@ class LoraAdapters:
         it: not a PEFT LoRA directory, a rank above ``max_lora_rank``, or a module without slot tables."""
         return self._checked(name, load_adapter(name, path, self._num_experts, self._hidden_size, self._expert_size))
 
-    def hold(self, name: str, path: str) -> None:
-        """Read and check the adapter (``read``) and keep it in host memory under its registration key. Once more
+    def hold(self, name: str, path: str) -> str:
+        """Read and check the adapter (``read``) and keep it in host memory under its registration key, which it
+        returns (of its files' content: ``engine.lora.identity``; every rank reads the same files). Once more
         adapters are held (by name, less those removed: ``forget``) than the host has copies for, some will be read
         from disk again while serving: the reader process starts now (``start_reader``), not at the first of those
         reads. Every rank calls this for the configured adapters at start (a follower's copies; rank 0's through
         ``add_lora``, which also calls it, and ``forget``, for adapters added and removed while serving)."""
-        self.host.put(registration_key(name, path), path, self.read(name, path))
+        digest = adapter_digest(path)
+        adapter = self.read(name, path)  # ValueError naming what is wrong
+        if digest is None or adapter_digest(path) != digest:  # the factors read may not be what the key names
+            raise ValueError(f"lora adapter {name}: its files in {path} changed while they were read: add it again")
+        key = registration_key(name, path, digest)
+        self.host.put(key, path, adapter)
         self._held.add(name)
         if len(self._held) > self.host.capacity:
             self.start_reader()
+        return key
 
     def forget(self, name: str) -> None:
         """Adapter ``name`` was removed: it no longer counts toward the reader's start (``hold``); its host copy

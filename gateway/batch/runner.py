@@ -44,6 +44,7 @@ from gateway.openai_schema import decode_body
 from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, FinishedLine, new_id
 from tenants.models import utcnow
 from tenants.store import UsageRecord
+from tenants.ttl_cache import RefreshingCache
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +66,21 @@ class BatchRunnerConfig:
             raise ValueError("lease_s and poll_s must be > 0, retry_s >= 0")
 
 
+SALT_TTL_S = 60.0  # a tenant's salt never changes; the bound only keeps a deleted id's from being served on
+
+
 def error_result(custom_id: str, code: str, message: str) -> dict:
     return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message}}
 
 
-def batch_line_policy(priority: int, tenant_id: int, cache_share: float | None = None,
+def batch_line_policy(priority: int, tenant_id: int, cache_salt: str, cache_share: float | None = None,
                       lora_adapter: str | None = None) -> RequestPolicy:
     """A Batch API line's policy: the batch class's priority, idle capacity only (background), preemptible,
-    its tenant's fair share, prefix cache and share of the prefix-cache tiers, the LoRA adapter its ``model``
-    named (None: the base model)."""
+    its tenant's fair share, prefix cache (its secret ``cache_salt``, as its live requests) and share of the
+    prefix-cache tiers, the LoRA adapter its ``model`` named (None: the base model)."""
     return RequestPolicy(priority=priority, tenant=str(tenant_id), preemptible=True, background=True,
-                         cache_salt=str(tenant_id), cache_share=cache_share, lora_adapter=lora_adapter)
+                         cache_salt=cache_salt, cache_share=cache_share, lora_adapter=lora_adapter)
 
 
 async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_json: str,
@@ -128,6 +132,7 @@ class BatchRunner:
         self.batches, self.engine, self.model_name, self.config = batches, engine, model_name, config
         self.cache_share, self.adapters = cache_share, adapters
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._salts: RefreshingCache[str] = RefreshingCache(SALT_TTL_S)  # tenant id -> its prefix-cache salt
         self.wake = wake or asyncio.Event()
         self._running: dict[int, asyncio.Task] = {}  # line id -> task
         self._unwritten: dict[int, FinishedLine] = {}  # line id -> result not yet committed (lease still held)
@@ -223,11 +228,11 @@ class BatchRunner:
     async def _run_line(self, line: ClaimedLine) -> None:
         try:
             share = await self.cache_share(line.tenant_id) if self.cache_share is not None else None
+            salt = await self._salts.get(line.tenant_id, lambda: self.batches.store.cache_salt(line.tenant_id))
+            policy = batch_line_policy(self.config.batch_priority, line.tenant_id, salt, share)
             base = self.model_name()
             ok, result, last = await execute_line(self.engine, base, line.endpoint, line.custom_id,
-                                                  line.body_json,
-                                                  batch_line_policy(self.config.batch_priority, line.tenant_id, share),
-                                                  self.adapters, line.tenant_id)
+                                                  line.body_json, policy, self.adapters, line.tenant_id)
             usage = None
             if last is not None:
                 served = result["response"]["body"].get("model", base)  # an adapter's name if the line named one

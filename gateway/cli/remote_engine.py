@@ -23,6 +23,7 @@ def register(subparsers) -> None:
 
 
 def _engine(args: argparse.Namespace) -> int:
+    from engine.kv_tiers.disk_dir import check_free
     from engine.loading.model_check import check_model
     from engine.serving.engine_server import parse_address, serve_engine
 
@@ -30,6 +31,8 @@ def _engine(args: argparse.Namespace) -> int:
     authkey = engine_authkey()
     engine_config = engine_flags.engine_config(args)
     check_model(engine_config)
+    if engine_config.disk_cache_dir is not None:
+        check_free(engine_config.disk_cache_dir)  # another engine holds it: one line, exit 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def listening(bound: tuple[str, int]) -> None:

@@ -2,6 +2,7 @@
 (``engine.engine_flags``) and its replicas laid out (``gateway.cli.engines``)."""
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -17,6 +18,7 @@ from gateway.routing_policy import POLICIES, RouterConfig
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from engine.kv_tiers.disk_dir import check_free
     from engine.loading.model_check import check_model
     from engine.serving.async_engine import EngineError
     from engine.serving.engine_server import parse_address
@@ -47,6 +49,9 @@ def _serve(args: argparse.Namespace) -> int:
                                           admin_token=os.environ.get("MOEGATE_ADMIN_TOKEN") or None)
     url = config.database_url
     check_model(local_configs[0] if local_configs else engine_config)  # as laid out in the group
+    for local in local_configs:
+        if local.disk_cache_dir is not None:
+            check_free(local.disk_cache_dir)  # another server's engine holds it: one line, exit 2
     try:
         # The policy database must match this code; the embedded SQLite default upgrades itself.
         ensure_schema(url)
@@ -55,11 +60,15 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     import asyncio
 
-    from gateway.bootstrap import ensure_default_tenant
+    from gateway.bootstrap import bootstrap
 
-    key = asyncio.run(ensure_default_tenant(url))
+    key, deployment = asyncio.run(bootstrap(url))
     if key is not None:
         print(f"created tenant 'default' with API key (shown only this once): {key}", flush=True)
+    # The engines' disk tiers keep only this database's blocks (engine.kv_tiers.disk_dir).
+    engine_config = dataclasses.replace(engine_config, deployment_id=deployment)
+    if disaggregated is not None:
+        disaggregated = disaggregation_layout(args, engine_config, parse_address)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop

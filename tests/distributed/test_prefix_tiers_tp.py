@@ -17,17 +17,12 @@ def _flush_and_repeat(rank: int, world: int, address: str, model_dir: str, promp
     """Per mode: the prompt's tokens and cached tokens the second time (after fillers evicted it from the pool),
     and the host tier's hits."""
     from engine import LLM, RequestPolicy, SamplingParams
+    from tests.engine.helpers import complete
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     def run(engine, tokens, tenant="acme"):
-        rid = engine.add_request(tokens, params, policy=RequestPolicy(tenant=tenant, cache_salt=tenant))
-        whole = None
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.request_id == rid:
-                    whole = o if whole is None else whole.merge(o)
-        return whole
+        return complete(engine, tokens, params, RequestPolicy(tenant=tenant, cache_salt=tenant))
 
     out = {}
     for name, extra in (("reference", dict(host_cache_gb=0, num_kv_blocks=64)), ("single", {}),

@@ -1,9 +1,11 @@
-"""Small builders for scheduler tests (no torch, no model)."""
+"""Small builders for scheduler tests (no torch, no model), and one request run through an engine."""
 
 import random
 
 from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.outputs import RequestOutput
 from engine.core.request import Request
+from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 
@@ -37,3 +39,14 @@ def run_to_completion(scheduler: Scheduler, rng: random.Random, vocab: int = 50,
         steps += 1
         assert steps < max_steps, "scheduler made no progress"
     return steps
+
+
+def complete(engine, prompt: list[int], params: SamplingParams, policy: RequestPolicy) -> RequestOutput:
+    """Run one request through ``engine`` (an ``LLMEngine``) to its end; its whole output."""
+    rid = engine.add_request(prompt, params, policy=policy)
+    whole = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid:
+                whole = o if whole is None else whole.merge(o)
+    return whole

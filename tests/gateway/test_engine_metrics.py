@@ -48,12 +48,12 @@ def test_prefix_tier_counters_per_tier_and_tenant():
     from engine.core.stats import TierStats
 
     rng = random.Random()
-    rows = [TierStats(tier, tenant, *(rng.randrange(10**6) for _ in range(5)))
+    rows = [TierStats(tier, tenant, *(rng.randrange(10**6) for _ in range(6)))
             for tier in ("host", "disk") for tenant in ("1", "2", "17")]
     stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, cache_tiers=rows)
     stats = msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=SchedulerStats)
     families = {f.name: f for f in _EngineCollector(_Engine(stats)).collect()}
-    for field in ("hits", "misses", "bytes_in", "bytes_out", "evictions"):
+    for field in ("hits", "misses", "bytes_in", "bytes_out", "evictions", "write_errors"):
         name = f"moegate_prefix_tier_{field}"
         got = {(s.labels["tier"], s.labels["tenant"]): s.value for s in families[name].samples
                if s.name == name + "_total"}

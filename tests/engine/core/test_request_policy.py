@@ -3,6 +3,7 @@ from the caller's tenant and priority class."""
 
 import datetime
 import random
+import secrets
 
 import msgspec
 import pytest
@@ -44,10 +45,11 @@ def test_the_gateway_builds_it_from_the_tenant_and_its_class():
     now = datetime.datetime.now(datetime.timezone.utc)
     cls = ClassInfo("c", rng.randint(0, 4), 1.0, rng.random() < 0.5, rng.random() < 0.5)
     tenant = TenantInfo(rng.randint(1, 10**6), "acme", "c", rng.uniform(0.5, 4), "active", now, now)
-    principal = Principal(tenant, None, cls)  # type: ignore[arg-type]  # the key plays no part
+    salt = secrets.token_hex(32)
+    principal = Principal(tenant, None, cls, salt)  # type: ignore[arg-type]  # the key plays no part
     order = rng.randint(0, 9)
     assert principal.policy(order) == RequestPolicy(
         priority=cls.priority, order_in_class=order, tenant=str(tenant.id), weight=tenant.weight,
-        preemptible=cls.preemptible, may_preempt=cls.may_preempt, background=False, cache_salt=str(tenant.id))
+        preemptible=cls.preemptible, may_preempt=cls.may_preempt, background=False, cache_salt=salt)
     share = rng.uniform(0.01, 1)
     assert principal.policy(order, cache_share=share).cache_share == share

@@ -159,7 +159,7 @@ def test_host_disk_restart_tenants_layouts_and_corruption(tmp_path):
         assert _tier(engine, "disk", "acme", "hits") == 0 and _tier(engine, "host", "acme", "hits") == 0
         engine.close()
 
-    files = sorted(os.listdir(disk))
+    files = sorted(n for n in os.listdir(disk) if n.endswith(".kvb"))
     assert files
     for i, name in enumerate(files):  # flip a payload byte in some, truncate the others
         path = os.path.join(disk, name)
