@@ -59,6 +59,8 @@ class GatewayConfig:
     # the checkpoint's chat template and architecture) or None (off).
     tool_call_parser: str | None = "auto"
     reasoning_parser: str | None = "auto"
+    # Browser pages of these origins may call the API (gateway.cors): "*" for any; empty: none (no CORS headers).
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -21,6 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
     from gateway.drain import CUT_GRACE_S
     from gateway.config import GatewayConfig
+    from gateway.cors import parse_origins
     from tenants.db import SchemaError, database_url
     from tenants.migrate import ensure_schema
 
@@ -56,7 +57,8 @@ def _serve(args: argparse.Namespace) -> int:
                            default_reservation_tokens=args.default_reservation_tokens,
                            responses_retention_s=args.responses_retention_days * 86400,
                            tool_call_parser=_parser_setting(args.tool_call_parser),
-                           reasoning_parser=_parser_setting(args.reasoning_parser))
+                           reasoning_parser=_parser_setting(args.reasoning_parser),
+                           allowed_origins=parse_origins(args.allowed_origins))
     check_model(local_configs[0] if local_configs else engine_config)  # as laid out in the group
     try:
         # The policy database must match this code; the embedded SQLite default upgrades itself.
@@ -124,6 +126,9 @@ def register(subparsers) -> None:
     p.add_argument("--metrics-port", type=int, default=9400,
                    help="port of the /metrics listener (default 9400; -1: none). With MOEGATE_METRICS_TOKEN set, "
                         "/metrics is also served on the API port to 'Authorization: Bearer <token>'")
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="browser pages of these origins may call the API (CORS): scheme://host[:port] separated by "
+                        "commas, or * for any; preflight requests need no API key (default: none, no CORS headers)")
     p.add_argument("--data-dir", default=".moegate/data", help="Batch API files (default .moegate/data)")
     p.add_argument("--batch-lease-seconds", type=float, default=60.0,
                    help="a crashed gateway's batch lines are taken over after this (default 60)")
