@@ -118,3 +118,41 @@ def test_allowed_origins_flag_is_checked(served, capsys):
     srv, _ = served
     assert main(["serve", "--model", srv.demo, "--allowed-origins", "app.example.com/path"]) == 2
     assert "--allowed-origins" in capsys.readouterr().err
+
+
+def test_uploads_count_against_the_request_rate_and_the_storage_cap(served):
+    """Uploads through the official client: a tenant limited to a few requests a minute gets a 429 with
+    Retry-After for the upload past them (uploads used to bypass the rate); a tenant whose stored files would
+    pass its cap gets a 413 naming it, nothing stored, and room again once it deletes a file."""
+    srv, _ = served
+    rpm = random.randint(2, 4)
+    size = random.randint(20_000, 40_000)
+    cap = 2 * size + random.randint(0, size // 2)  # two files fit, a third does not
+
+    def content() -> bytes:
+        line = b'{"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+        return (line * (size // len(line) + 1))[:size]
+
+    async def go():
+        rated = await new_tenant_key(srv.database_url, "rated", requests_per_minute=rpm)
+        capped = await new_tenant_key(srv.database_url, "capped", max_stored_file_bytes=cap)
+        async with openai.AsyncOpenAI(base_url=srv.base_url, api_key=rated, max_retries=0) as client:
+            for _ in range(rpm):
+                await client.files.create(file=("a.jsonl", content()), purpose="batch")
+            with pytest.raises(openai.RateLimitError) as limited:
+                await client.files.create(file=("a.jsonl", content()), purpose="batch")
+            assert int(limited.value.response.headers["Retry-After"]) >= 1
+            assert len((await client.files.list()).data) == rpm
+        async with openai.AsyncOpenAI(base_url=srv.base_url, api_key=capped, max_retries=0) as client:
+            first = await client.files.create(file=("a.jsonl", content()), purpose="batch")
+            await client.files.create(file=("b.jsonl", content()), purpose="batch")
+            with pytest.raises(openai.APIStatusError) as full:
+                await client.files.create(file=("c.jsonl", content()), purpose="batch")
+            error = full.value.body
+            assert full.value.status_code == 413 and error["code"] == "storage_limit_exceeded", error
+            assert f"{cap:,}" in error["message"] and "DELETE /v1/files" in error["message"], error
+            assert len((await client.files.list()).data) == 2  # nothing of it stored
+            await client.files.delete(first.id)
+            await client.files.create(file=("c.jsonl", content()), purpose="batch")  # room again
+
+    srv.run(go())
