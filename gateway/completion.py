@@ -15,7 +15,9 @@ from engine.core.sampling_params import SamplingParams
 from gateway.choices import Choices, merged
 from gateway.errors import APIError
 from gateway.openai_logprobs import as_token_ids
-from gateway.openai_schema import check_choices, check_output_room, prompts_of, sampling_params_of, scoring_only, text_messages
+from gateway.openai_schema import (
+    check_choices, check_output_room, prompts_of, sampling_params_of, scoring_only, text_messages,
+)
 from gateway.chat_plan import HARMONY, ChatPlan, ParserChoice, plan as plan_chat
 from gateway.response_bodies import completion_body
 from gateway.schema_check import check_schema

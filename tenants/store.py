@@ -18,7 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from tenants import keys as keylib
 from tenants.db import backend, create_engine_for
-from tenants.models import DEFAULT_MAX_STORED_FILE_BYTES, QUOTA_LIMIT_FIELDS, ApiKey, PriorityClass, Quota, Tenant, Usage, utcnow
+from tenants.models import (
+    DEFAULT_MAX_STORED_FILE_BYTES, QUOTA_LIMIT_FIELDS, ApiKey, PriorityClass, Quota, Tenant, Usage, utcnow,
+)
 from tenants.names import valid_name
 from tenants.policy import ClassInfo
 

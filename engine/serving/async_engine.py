@@ -21,7 +21,7 @@ from engine.serving.pipe_writer import PipeWriter
 from engine.serving.process_start import start_process
 from engine.text.prompts import ChatInput, InputProcessor, Turn, chat_size
 from engine.serving.protocol import (
-    AbortRequest, AddLora, AddRequest, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, LoraDone, PairKV, Ready,
+    AbortRequest, AddLora, AddRequest, Alive, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, LoraDone, PairKV, Ready,
     ReleaseRequest, Released, RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, from_engine_decoder,
 )
 from engine.text.tokenizer import load_tokenizer
@@ -228,8 +228,11 @@ class AsyncEngine:
         return time.monotonic() - self._last_heard
 
     def _dispatch(self, msg) -> None:
-        self._last_progress = self._last_heard = time.monotonic()
+        self._last_heard = time.monotonic()
         self.messages_received += 1
+        if isinstance(msg, Alive):  # the process runs; whether its steps progress, the watchdog judges by the rest
+            return
+        self._last_progress = self._last_heard
         if isinstance(msg, StepOutputs):
             if msg.stats is not None:
                 self.stats = msg.stats
@@ -423,10 +426,11 @@ class AsyncEngine:
         self._requests = self._replies = None  # the reader's EOF is now an orderly stop, not a death
         self._answer_releases()
         requests.send(encoder.encode(Shutdown()))
-        requests.close()  # once Shutdown is written (or the engine is found gone)
+        requests.finish()
         # Written before the engine is waited for (or cut off); a frozen engine's pipe is left to its end.
         await self._loop.run_in_executor(None, requests.join, SHUTDOWN_WRITE_S)
         await self._close(replies)
+        requests.conn.close()
         replies.close()
 
     # -- the transport: a local engine process (subclasses reach an engine elsewhere) --

@@ -11,8 +11,8 @@ from engine.core.config import EngineConfig
 from engine.serving.grammar_builds import GrammarBuilds
 from engine.serving.parent_watch import exit_with_parent
 from engine.serving.protocol import (
-    AbortRequest, AddLora, AddRequest, Fatal, KVSourceLost, KVWanted, LoraDone, PairKV, Ready, ReleaseRequest, Released,
-    RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, to_engine_decoder,
+    AbortRequest, AddLora, AddRequest, Alive, Fatal, KVSourceLost, KVWanted, LoraDone, PairKV, Ready, ReleaseRequest,
+    Released, RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, to_engine_decoder,
 )
 from engine.serving.serving_threads import serving_threads
 from engine.serving.step_reports import StepReports
@@ -203,7 +203,7 @@ class _Liveness:
             time.sleep(LIVENESS_S)
             if time.monotonic() - self.last >= LIVENESS_S:
                 try:
-                    self.send(StepOutputs([]))
+                    self.send(Alive())
                 except (OSError, ValueError):  # the pipe is closed: the engine is stopping
                     return
 

@@ -16,14 +16,15 @@ from multiprocessing.connection import Connection
 
 logger = logging.getLogger(__name__)
 
-_CLOSE = object()  # after what was queued before it: close the connection, end the thread
+_FINISH = object()  # after what was queued before it: end the thread
 
 
 class PipeWriter:
-    """Sends bytes on ``conn`` in the order given, from its own thread; owns ``conn`` (``close`` closes it)."""
+    """Sends bytes on ``conn`` in the order given, from its own thread. The caller closes ``conn`` (after
+    ``finish``: the thread may still be blocked writing to a frozen engine, until that engine is ended)."""
 
     def __init__(self, conn: Connection, name: str) -> None:
-        self._conn = conn
+        self.conn = conn
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -32,20 +33,19 @@ class PipeWriter:
         """Queue one message (never blocks)."""
         self._queue.put(data)
 
-    def close(self) -> None:
-        """Close the connection once what was queued has been written (or could not be)."""
-        self._queue.put(_CLOSE)
+    def finish(self) -> None:
+        """End the thread once what was queued has been written (or could not be)."""
+        self._queue.put(_FINISH)
 
     def join(self, timeout_s: float) -> bool:
-        """Wait (blocking) up to ``timeout_s`` for the thread to end after ``close``; whether it did."""
+        """Wait (blocking) up to ``timeout_s`` for the thread to end after ``finish``; whether it did."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        while (data := self._queue.get()) is not _CLOSE:
+        while (data := self._queue.get()) is not _FINISH:
             try:
-                self._conn.send_bytes(data)
+                self.conn.send_bytes(data)
             except (OSError, ValueError) as e:  # the engine is gone (or the connection closed)
                 logger.debug("request pipe: %s", e)
-                break
-        self._conn.close()
+                return

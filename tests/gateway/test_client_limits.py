@@ -67,7 +67,8 @@ def test_errors_quote_a_huge_value_by_its_start_and_length(served):
     async def go():
         auth = {"Authorization": f"Bearer {key}"}
         async with aiohttp.ClientSession(headers=auth) as http:
-            for path, body in (("/v1/chat/completions", {"model": huge, "messages": [{"role": "user", "content": "x"}]}),
+            message = [{"role": "user", "content": "x"}]
+            for path, body in (("/v1/chat/completions", {"model": huge, "messages": message}),
                                ("/v1/chat/completions", {"messages": [{"role": huge, "content": "x"}]}),
                                ("/v1/completions", {"prompt": "x", huge: 1})):
                 async with http.post(srv.server.make_url(path), json=body) as r:
