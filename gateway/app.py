@@ -20,7 +20,7 @@ from gateway.admission import (
     INFLIGHT, QUOTAS, SETTLEMENTS, Settlements, admit, rate_limit_headers, release, reservation, utcnow,
 )
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware, require_token
-from gateway import admin_lora
+from gateway import admin_lora, cors
 from gateway.replies import json_response
 from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.choices import Choices
@@ -355,13 +355,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     """The app; the policy store and the engine process start with the app and stop with it."""
     http_protocol.install(config.max_connections)
-    # Middleware order: requests in flight (for the drain) -> request id -> error mapping -> auth. Admission
-    # (quotas, overload) runs in the handler, after the body is parsed, because the reservation depends on
-    # max_tokens and the prompt.
+    # Middleware order: requests in flight (for the drain) -> request id -> a browser's preflight (before the
+    # key is asked for) -> error mapping -> auth. Admission (quotas, overload) runs in the handler, after the body
+    # is parsed, because the reservation depends on max_tokens and the prompt.
     app = web.Application(
-        middlewares=[track_open_requests, request_id_middleware, error_middleware, auth_middleware, count_refusals],
+        middlewares=[track_open_requests, request_id_middleware, cors.preflight, error_middleware, auth_middleware,
+                     count_refusals],
         client_max_size=config.max_request_bytes,
     )
+    cors.install(app, config.allowed_origins)
     app[CONFIG] = config
     app[SERVING_SINCE] = int(time.time())
     app[BODY_TIMEOUT_S] = config.body_timeout_s

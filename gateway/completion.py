@@ -15,7 +15,9 @@ from engine.core.sampling_params import SamplingParams
 from gateway.choices import Choices, merged
 from gateway.errors import APIError
 from gateway.openai_logprobs import as_token_ids
-from gateway.openai_schema import check_choices, prompts_of, sampling_params_of, scoring_only, text_messages
+from gateway.openai_schema import (
+    check_choices, check_output_room, prompts_of, sampling_params_of, scoring_only, text_messages,
+)
 from gateway.chat_plan import HARMONY, ChatPlan, ParserChoice, plan as plan_chat
 from gateway.response_bodies import completion_body
 from gateway.response_format import format_source
@@ -96,6 +98,14 @@ async def prepare_prompts(engine, body, chat: bool, plan: ChatPlan | None = None
     """The request's checked prompts as token ids (a chat request has one); a 400 naming the field if one
     cannot be served. A gpt-oss chat's stop tokens join ``sampling_params``' once openai-harmony, which names
     them, has rendered its prompt."""
+    prompts = await _prepared(engine, body, chat, plan, sampling_params)
+    if engine.info is not None:
+        check_output_room(body, [len(p) for p in prompts], engine.info.max_model_len)
+    return prompts
+
+
+async def _prepared(engine, body, chat: bool, plan: ChatPlan | None,
+                    sampling_params: SamplingParams | None) -> list[list[int]]:
     try:
         if chat:
             ids = await engine.prepare(None, plan.chat if plan is not None else text_messages(body.messages))

@@ -87,6 +87,9 @@ class GatewayConfig:
     reasoning_parser: str | None = "auto"
     """move <think>...</think> into reasoning_content: qwen3, ...; auto: when the chat template uses <think>;
     none: off (None)"""
+    allowed_origins: tuple[str, ...] = ()
+    """browser pages of these origins may call the API (CORS): scheme://host[:port] separated by commas, or * for
+    any; preflight requests need no API key (default: none, no CORS headers) (``gateway.cors``)"""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

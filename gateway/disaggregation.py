@@ -10,6 +10,10 @@ engine's outputs reach the caller, so usage is counted once. A prompt the decode
 itself (short, mostly cached) never reaches a prefill engine, and neither does a long prompt while the prefill
 engine picked for it is busy (``_prefill_locally``: conditional disaggregation); if the prefill engine fails,
 the decode engine is told at once (``KVSourceLost``) and prefills the prompt itself: the caller sees no error.
+A prefill engine that stops answering (a frozen process: it speaks every ``LIVENESS_S``, busy or not) is taken
+as failed once it has been silent for ``PREFILL_SILENCE_S``: its requests' prompts are computed by their decode
+engines, it gets no new ones until it speaks again, and then it pairs afresh (a transfer cut by the freeze may
+have broken the old pair's group).
 A decode engine that fails before the request's first output: the request is placed again on another decode
 engine.
 """
@@ -31,6 +35,9 @@ from gateway.prefix_index import ReplicaBlocks, block_hashes
 logger = logging.getLogger(__name__)
 
 AFFINITY_SLACK = 4  # requests a prefill engine with the prompt's prefix may have beyond the least loaded one
+# A prefill engine silent this long is taken as hung (it speaks every engine_process.LIVENESS_S, 0.25 s, even
+# during a long step); a request waiting for its KV must not wait out the decode engine's --kv-transfer-timeout.
+PREFILL_SILENCE_S = 1.0
 
 # Why a decode engine computed a prompt itself (moegate_kv_local_prefills' reason label). A transfer that failed or
 # timed out on the decode engine is counted there (moegate_kv_transfer_fallbacks).
@@ -40,7 +47,12 @@ LOCAL_REASONS = {
     "prefill_busy": "conditional disaggregation: the prefill engine picked had prefill_queue_tokens queued",
     "no_prefill_engine": "no prefill engine was up",
     "prefill_failed": "the prefill engine failed while computing the prompt",
+    "prefill_unresponsive": "the prefill engine stopped answering while computing the prompt",
 }
+
+
+class PrefillSilent(EngineError):
+    """The prefill engine computing a prompt stopped answering (``PREFILL_SILENCE_S``)."""
 
 
 class DisaggregatedEngines:
@@ -146,7 +158,7 @@ class DisaggregatedEngines:
         return min(live, key=key)
 
     def _pick_prefill(self, hashes: list[bytes]) -> AsyncEngine | None:
-        live = [p for p in self.prefill if p.info is not None and not p.dead]
+        live = [p for p in self.prefill if p.info is not None and not p.dead and p.silent_s() < PREFILL_SILENCE_S]
         if not live:
             return None
         least = min(self._load(p) for p in live)
@@ -279,19 +291,43 @@ class DisaggregatedEngines:
         """Compute the prompt on ``p`` (one token, discarded) so that it sends its blocks; on failure tell ``d``."""
         self._in_flight[id(p)] = self._load(p) + 1
         self._prefixes[id(p)].add(sink.block_hashes)
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         try:
-            async for out in p.generate(prompt, one, f"{request_id}-prefill", policy, stream=False, kv_sink=sink):
-                if out.queue_time_s is not None:
-                    self._mark(request_id, "prefill_queue_s", out.queue_time_s)
+            await self._unless_silent(p, self._compute(p, prompt, request_id, sink, policy))
             self._mark(request_id, "prefilled")
         except (EngineError, ValueError) as e:
             self.fallbacks += 1
-            self._count_local(d, "prefill_failed")
+            silent = isinstance(e, PrefillSilent)
+            if silent:  # a transfer the freeze cut may have broken the pair's group: the next request pairs anew
+                self._pairs.pop((id(p), id(d)), None)
+            self._count_local(d, "prefill_unresponsive" if silent else "prefill_failed")
             logger.warning("request %s: prefill engine failed (%s); the decode engine prefills it", request_id, e)
             d.kv_source_lost(request_id)
         finally:
             self._in_flight[id(p)] -= 1
+
+    async def _compute(self, p: AsyncEngine, prompt: list[int], request_id: str, sink: KVSink,
+                       policy: RequestPolicy) -> None:
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        async for out in p.generate(prompt, one, f"{request_id}-prefill", policy, stream=False, kv_sink=sink):
+            if out.queue_time_s is not None:
+                self._mark(request_id, "prefill_queue_s", out.queue_time_s)
+
+    @staticmethod
+    async def _unless_silent(p: AsyncEngine, work) -> None:
+        """Await ``work`` on prefill engine ``p``; PrefillSilent (``work`` cancelled: its stream's end aborts the
+        request there) once ``p`` has been silent for ``PREFILL_SILENCE_S``."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=PREFILL_SILENCE_S / 4)
+                if not task.done() and p.silent_s() >= PREFILL_SILENCE_S:
+                    raise PrefillSilent(f"{p.describe()} stopped answering ({p.silent_s():.1f} s silent)")
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     def _count_local(self, d: AsyncEngine, reason: str) -> None:
         key = (self.names[len(self.prefill) + self.decode.index(d)], reason)

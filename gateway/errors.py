@@ -14,11 +14,34 @@ from gateway import http_protocol
 logger = logging.getLogger(__name__)
 
 
+# An error's message quotes what the client sent (a model name, a field, an enum value) to say what was wrong;
+# the client has it already, so a long value is shown by its start and its length, never in full.
+ECHO_CHARS = 256  # a run this long without a space or a quote is a value, not the server's words
+_KEPT_CHARS = 128  # of a long value: shown at its start
+_LONG_RUN = re.compile(r"""[^\s'"`]{%d,}""" % ECHO_CHARS)
+MAX_MESSAGE_CHARS = 2048  # past this (a long value with spaces in it), the message keeps its head and tail
+
+
+def capped(message: str) -> str:
+    """``message`` with every long value it quotes cut to its start and its length (one place for every error:
+    a body with a multi-megabyte bad value is not echoed back whole), and then, if still long, its middle."""
+    if len(message) <= ECHO_CHARS:
+        return message
+    message = _LONG_RUN.sub(lambda m: f"{m[0][:_KEPT_CHARS]}... ({len(m[0])} characters)", message)
+    if len(message) > MAX_MESSAGE_CHARS:
+        head, tail = message[:MAX_MESSAGE_CHARS // 2], message[-MAX_MESSAGE_CHARS // 4:]
+        message = f"{head}... ({len(message) - len(head) - len(tail)} characters left out) ...{tail}"
+    return message
+
+
 class APIError(Exception):
-    """An error a client can act on; becomes a JSON response with ``status``."""
+    """An error a client can act on; becomes a JSON response with ``status``. The message and ``param`` are
+    ``capped``: they quote what the client sent up to a few hundred characters."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = capped(message)
+        param = capped(param) if param is not None else None
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}

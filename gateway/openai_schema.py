@@ -335,6 +335,21 @@ def max_tokens_of(req: _Common) -> int | None:
     return max_tokens
 
 
+def check_output_room(req: _Common, prompt_lengths: list[int], max_model_len: int) -> None:
+    """400 when the output limit the request asks for does not fit the context after its longest prompt (as
+    OpenAI's API and vLLM answer, never cut silently); a request that names no limit fills the context."""
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    asked = getattr(req, param)
+    if asked is None or scoring_only(req) or not prompt_lengths:
+        return
+    prompt = max(prompt_lengths)
+    if prompt + asked > max_model_len:
+        raise APIError(400, f"this model's context is {max_model_len:,} tokens: the prompt's {prompt:,} tokens and "
+                            f"{param} {asked:,} ({prompt + asked:,} in all) do not fit; ask for at most "
+                            f"{max_model_len - prompt:,} tokens, leave {param} out to fill the context, or shorten "
+                            "the prompt", param=param, code="context_length_exceeded")
+
+
 def scoring_only(req: _Common) -> bool:
     """``max_tokens: 0`` with ``echo``: the prompt and its logprobs, nothing generated (lm-eval's loglikelihood,
     as vLLM serves it). The engine samples one token, which costs nothing past the prompt's forward; the

@@ -86,6 +86,14 @@ def _scalar(c: Connection, query):
         return session.scalar(query)
 
 
+class StorageFull(Exception):
+    """A file that would take a tenant's stored files past its cap (``QuotaConfig.max_stored_file_bytes``)."""
+
+    def __init__(self, used: int, size: int, limit: int) -> None:
+        super().__init__(f"{used} bytes stored + {size} > {limit}")
+        self.used, self.size, self.limit = used, size, limit
+
+
 class BatchStore:
     def __init__(self, store: TenantStore, quotas: QuotaManager, clock=time.time, model: str | None = None) -> None:
         """``model``: the model this gateway serves; its runner claims and finalizes only batches for it
@@ -103,14 +111,29 @@ class BatchStore:
 
     # -- files -----------------------------------------------------------------------------------------
 
+    async def stored_bytes(self, tenant_id: int) -> int:
+        """Bytes the tenant's stored files take together."""
+        async with self.sessions() as s:
+            return await self._stored_bytes(s, tenant_id)
+
+    @staticmethod
+    async def _stored_bytes(s, tenant_id: int) -> int:
+        return int(await s.scalar(select(func.coalesce(func.sum(StoredFile.bytes), 0))
+                                  .where(StoredFile.tenant_id == tenant_id)))
+
     async def add_file(self, tenant_id: int, filename: str, purpose: str, content: Path,
-                       file_id: str | None = None) -> FileInfo:
+                       file_id: str | None = None, max_stored_bytes: int | None = None) -> FileInfo:
         """Store a file whose bytes are at ``content`` (a local file, e.g. an upload's temporary copy):
-        the row and its chunks in one transaction, so every gateway sharing the database can serve it."""
+        the row and its chunks in one transaction, so every gateway sharing the database can serve it.
+        ``max_stored_bytes``: StorageFull (nothing stored) if the tenant's files would take more with it."""
         size = content.stat().st_size
         row = StoredFile(id=file_id or new_id("file-"), tenant_id=tenant_id, filename=filename, purpose=purpose,
                          bytes=size, path="", created_at=utcnow())
         async with self.sessions.begin() as s:
+            if max_stored_bytes is not None:
+                used = await self._stored_bytes(s, tenant_id)
+                if used + size > max_stored_bytes:
+                    raise StorageFull(used, size, max_stored_bytes)
             s.add(row)
             await s.flush()
             with open(content, "rb") as f:

@@ -111,7 +111,10 @@ QUOTA_LIMIT_FIELDS = (
     "daily_tokens",
     "monthly_tokens",
     "max_batch_queue_tokens",
+    "max_stored_file_bytes",
 )
+# A tenant's stored files (/v1/files) may take this many bytes unless its quota says otherwise (NULL: no cap).
+DEFAULT_MAX_STORED_FILE_BYTES = 2**30
 
 
 class Quota(Base):
@@ -129,6 +132,8 @@ class Quota(Base):
     max_batch_queue_tokens: Mapped[int | None] = mapped_column(BigInteger)
     batch_discount: Mapped[float] = mapped_column(Float, nullable=False, default=0.5)
     cache_share: Mapped[float | None] = mapped_column(Float)  # of the prefix-cache tiers; NULL: shared LRU
+    max_stored_file_bytes: Mapped[int | None] = mapped_column(
+        BigInteger, default=DEFAULT_MAX_STORED_FILE_BYTES, server_default=str(DEFAULT_MAX_STORED_FILE_BYTES))
 
     __table_args__ = tuple(
         CheckConstraint(f"{f} IS NULL OR {f} >= 0", name=f"ck_quotas_{f}") for f in QUOTA_LIMIT_FIELDS

@@ -18,7 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from tenants import keys as keylib
 from tenants.db import backend, create_engine_for
-from tenants.models import QUOTA_LIMIT_FIELDS, ApiKey, Deployment, PriorityClass, Quota, Tenant, Usage, utcnow
+from tenants.models import (
+    DEFAULT_MAX_STORED_FILE_BYTES, QUOTA_LIMIT_FIELDS, ApiKey, Deployment, PriorityClass, Quota, Tenant, Usage, utcnow,
+)
 from tenants.names import valid_name
 from tenants.policy import ClassInfo
 
@@ -82,6 +84,8 @@ class QuotaConfig:
     # Share (0 < s <= 1) of each engine's host and disk prefix-cache tiers the tenant's blocks may hold; past
     # it, its new blocks evict its own oldest ones. None: the tiers are one LRU shared by every tenant.
     cache_share: float | None = None
+    # Bytes the tenant's stored files (/v1/files) may take together; None: no cap.
+    max_stored_file_bytes: int | None = DEFAULT_MAX_STORED_FILE_BYTES
 
     def __post_init__(self) -> None:
         for name in QUOTA_LIMIT_FIELDS:

@@ -16,12 +16,21 @@ new process takes it before anything else runs. Variables read at import time (`
 decides whether Triton kernels are compiled or interpreted) are the ones set when the first process started.
 
 ``MOEGATE_PROCESS_START=spawn`` starts every process in a fresh interpreter instead.
+
+Neither runs the starting program's main module again: multiprocessing would, in every started process (to find
+what the target names there), so a script that builds ``engine.LLM(..., tensor_parallel_size=2)`` at top level,
+without an ``if __name__ == "__main__":`` guard, would build it again in each rank, which starts ranks in turn.
+The targets started here are moegate's own functions, so the main module is hidden from multiprocessing while a
+process starts (``_main_module_hidden``) and the started process never imports it.
 """
 
+import contextlib
 import importlib
 import multiprocessing
 import os
 import sys
+import threading
+import types
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
@@ -48,6 +57,22 @@ def process_context(preload: tuple[str, ...] = ()) -> multiprocessing.context.Ba
     return ctx
 
 
+_MAIN_SWAP = threading.Lock()  # one start at a time swaps the main module out and back
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """While a process starts: ``__main__`` is an empty module, so multiprocessing's preparation data names no
+    main module to run again in the new process (see the module docstring)."""
+    with _MAIN_SWAP:
+        main = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
+
+
 def _in_environment(environ: dict[str, str], target: Callable, args: tuple) -> None:
     os.environ.clear()
     os.environ.update(environ)
@@ -65,7 +90,8 @@ def start_process(target: Callable, args: tuple, name: str, env: dict[str, str] 
         current.daemon = False  # process, a flag that only says its starter ends it at exit (and so it ends them)
     process = process_context(preload).Process(target=_in_environment, args=(environ, target, args), name=name,
                                                daemon=True)
-    process.start()
+    with _main_module_hidden():
+        process.start()
     return process
 
 

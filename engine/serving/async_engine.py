@@ -18,14 +18,18 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.engine_process import run_engine_process
 from engine.processes.process_start import start_process
+from engine.serving.pipe_writer import PipeWriter
 from engine.text.prompts import ChatInput, InputProcessor, Turn, chat_size
 from engine.serving.protocol import (
-    AbortRequest, AddLora, AddRequest, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, LoraDone, PairKV, Ready,
+    AbortRequest, AddLora, AddRequest, Alive, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, LoraDone, PairKV, Ready,
     ReleaseRequest, Released, RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, from_engine_decoder,
 )
 from engine.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+SHUTDOWN_WRITE_S = 5.0  # how long a stopping engine's Shutdown may take to be written (a full pipe: a frozen one)
 
 
 class EngineError(RuntimeError):
@@ -108,7 +112,7 @@ class AsyncEngine:
         self._lora_ops: dict[int, asyncio.Future] = {}  # AddLora / RemoveLora op id -> its LoraDone's error
         self._ids = itertools.count()
         self._process = None
-        self._requests = None  # our end of the pipe to the engine process
+        self._requests: PipeWriter | None = None  # our end of the pipe to the engine process
         self._replies = None  # our end of the pipe from it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
@@ -135,7 +139,8 @@ class AsyncEngine:
 
     async def start(self) -> Ready:
         self._loop = asyncio.get_running_loop()
-        self._requests, replies = await self._open()
+        requests, replies = await self._open()
+        self._requests = PipeWriter(requests, "moegate-engine-writer")
         self._replies = replies
         try:
             first = await self._loop.run_in_executor(None, self._recv, replies)
@@ -224,8 +229,11 @@ class AsyncEngine:
         return time.monotonic() - self._last_heard
 
     def _dispatch(self, msg) -> None:
-        self._last_progress = self._last_heard = time.monotonic()
+        self._last_heard = time.monotonic()
         self.messages_received += 1
+        if isinstance(msg, Alive):  # the process runs; whether its steps progress, the watchdog judges by the rest
+            return
+        self._last_progress = self._last_heard
         if isinstance(msg, StepOutputs):
             if msg.stats is not None:
                 self.stats = msg.stats
@@ -315,13 +323,12 @@ class AsyncEngine:
             self._send(KVSourceLost(request_id))
 
     def _send(self, msg) -> None:
+        """Queue ``msg`` for the engine (written by the pipe's own thread: ``engine.serving.pipe_writer``); a
+        write that fails means the engine is gone, which its replies' end tells the waiting requests."""
         with self._send_lock:
             if self._requests is None:
                 raise EngineError("the engine is stopped", detail=f"{self.describe()} is stopped")
-            try:
-                self._requests.send_bytes(encoder.encode(msg))
-            except OSError as e:  # the process died between our check and the write
-                raise EngineError("the engine stopped", detail=f"{self.describe()} stopped ({e})") from None
+            self._requests.send(encoder.encode(msg))
 
     async def generate(
         self,
@@ -419,13 +426,12 @@ class AsyncEngine:
             return
         self._requests = self._replies = None  # the reader's EOF is now an orderly stop, not a death
         self._answer_releases()
-        try:
-            with self._send_lock:
-                requests.send_bytes(encoder.encode(Shutdown()))
-        except OSError:  # it had died
-            pass
+        requests.send(encoder.encode(Shutdown()))
+        requests.finish()
+        # Written before the engine is waited for (or cut off); a frozen engine's pipe is left to its end.
+        await self._loop.run_in_executor(None, requests.join, SHUTDOWN_WRITE_S)
         await self._close(replies)
-        requests.close()
+        requests.conn.close()
         replies.close()
 
     # -- the transport: a local engine process (subclasses reach an engine elsewhere) --

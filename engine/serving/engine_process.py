@@ -3,6 +3,7 @@
 import gc
 import logging
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -11,8 +12,8 @@ from engine.core.config import EngineConfig
 from engine.serving.grammar_builds import GrammarBuilds
 from engine.processes.parent_watch import exit_with_parent
 from engine.serving.protocol import (
-    AbortRequest, AddLora, AddRequest, Fatal, KVSourceLost, KVWanted, LoraDone, PairKV, Ready, ReleaseRequest, Released,
-    RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, to_engine_decoder,
+    AbortRequest, AddLora, AddRequest, Alive, Fatal, KVSourceLost, KVWanted, LoraDone, PairKV, Ready, ReleaseRequest,
+    Released, RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, to_engine_decoder,
 )
 from engine.serving.serving_threads import serving_threads
 from engine.serving.step_reports import StepReports
@@ -27,6 +28,10 @@ RANK_CHECK_S = 1.0  # how often an idle engine with ranks on this node checks th
 # An idle engine says it is alive this often (statistics, no outputs): the gateway stops routing to a replica
 # it has not heard from for a few seconds (a frozen process), long before its stall timeout declares it dead.
 HEARTBEAT_S = 1.0
+# A prefill or decode engine also says so from a thread of its own, this often, busy or not: the gateway takes
+# a prefill engine silent for about a second as hung (a frozen process) and has its requests' prompts computed
+# elsewhere (gateway.disaggregation), while a long step, during which the thread still speaks, is no silence.
+LIVENESS_S = 0.25
 BUILD_POLL_S = 0.005  # how often an idle engine looks whether a schema's matcher is built
 
 
@@ -91,11 +96,15 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
     # before a request finds out.
     idle_wait = PEER_POLL_S if engine.runner.steps_with_peers else (RANK_CHECK_S if engine.ranks else HEARTBEAT_S)
     idle_wait = min(idle_wait, HEARTBEAT_S)
-    last_sent = time.monotonic()
+    last_sent = time.monotonic()  # by this loop (the idle heartbeat carries statistics)
+    liveness = _Liveness(replies) if handoff is not None else None
 
     def send(message) -> None:
         nonlocal last_sent
-        replies.send_bytes(encoder.encode(message))
+        if liveness is not None:
+            liveness.send(message)
+        else:
+            replies.send_bytes(encoder.encode(message))
         last_sent = time.monotonic()
 
     busy = False  # this engine, or one of its peers, stepped last time round
@@ -181,6 +190,32 @@ def _serve(engine, config: EngineConfig, threads, requests: Connection, replies:
         message = reports.after_step(outputs, stats(), engine.has_unfinished())
         if message is not None:
             send(message)
+
+
+class _Liveness:
+    """A prefill or decode engine's sends, and its liveness thread (see ``LIVENESS_S``): an empty message
+    whenever nothing went out for that long, busy or not; it ends with the pipe."""
+
+    def __init__(self, replies: Connection) -> None:
+        self.replies = replies
+        self.lock = threading.Lock()  # one message on the pipe at a time
+        self.last = time.monotonic()
+        threading.Thread(target=self._run, name="moegate-liveness", daemon=True).start()
+
+    def send(self, message) -> None:
+        data = encoder.encode(message)
+        with self.lock:
+            self.replies.send_bytes(data)
+            self.last = time.monotonic()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(LIVENESS_S)
+            if time.monotonic() - self.last >= LIVENESS_S:
+                try:
+                    self.send(Alive())
+                except (OSError, ValueError):  # the pipe is closed: the engine is stopping
+                    return
 
 
 def _change_loras(engine: "LLMEngine", msg: AddLora | RemoveLora) -> LoraDone:

@@ -7,7 +7,9 @@ are allocated, and the engine answers with the hashes it lacks. A model with a s
 (gpt-oss) asks for that group's blocks too, under the group's prefix-cache keys, but only those in the window
 of the prompt's last token: what admission looks up. When they arrive the new blocks are registered
 in the prefix cache under those hashes and released, and the request joins the scheduler like any other: its
-admission finds the whole prefix cached and computes only the last, partial block. If the transfer fails or
+admission finds the whole prefix cached and computes only the last, partial block. Its outputs report as cached
+prompt tokens only what this engine's prefix cache held before the transfer (``usage``'s ``cached_tokens``
+means prefix-cache hits, not KV that was computed for this request elsewhere). If the transfer fails or
 times out the request joins the same way without the blocks and its prompt is computed here. Too few missing
 tokens (``EngineConfig.local_prefill_tokens``), or too few free blocks: no transfer at all.
 
@@ -48,6 +50,7 @@ class _Parked:
     hits: list[Block]  # cached here already: held so they stay while the rest arrives
     new_blocks: list[Block]  # what the transfer fills
     hashes: list[bytes]  # of new_blocks
+    cached_tokens: int  # the prompt's leading tokens whose blocks this engine's prefix cache already held
 
 
 class KVHandoff:
@@ -63,6 +66,8 @@ class KVHandoff:
         self._parked: dict[str, _Parked] = {}
         self._by_transfer: dict[tuple[str, int], str] = {}  # (pair, transfer) -> parked request id
         self._sinks: dict[str, _Sending] = {}
+        # Requests running on transferred KV -> the prompt tokens they may report as cached (prefix-cache hits).
+        self._cached_tokens: dict[str, int] = {}
         self.transfers = self.bytes = self.fallbacks = self.pieces = 0
         self.seconds = 0.0
 
@@ -105,7 +110,7 @@ class KVHandoff:
         pool.acquire(hits)
         new_blocks = pool.allocate(len(missing))
         source = msg.kv_source
-        self._parked[msg.request_id] = _Parked(msg, hits, new_blocks, missing)
+        self._parked[msg.request_id] = _Parked(msg, hits, new_blocks, missing, min(positions) * bs)
         self._by_transfer[source.pair_id, source.transfer_id] = msg.request_id
         self.connector.load_blocks(source.pair_id, source.transfer_id, [b.block_id for b in new_blocks])
         return missing
@@ -136,6 +141,7 @@ class KVHandoff:
                 for block, h in zip(parked.new_blocks, parked.hashes):
                     pool.register(block, h)
                 self._count(result)
+                self._cached_tokens[request_id] = parked.cached_tokens
             else:
                 self.fallbacks += 1
                 logger.warning("KV transfer %s/%d for request %s failed (%s): prefilling it here", result.pair_id,
@@ -157,6 +163,7 @@ class KVHandoff:
         """Drop a parked request (True) and free its blocks: the connector drops its data if it still comes. A
         sink request (prefill side): its decode engine is told the blocks will not come (False: the caller
         aborts the request in the engine)."""
+        self._cached_tokens.pop(request_id, None)
         sending = self._sinks.pop(request_id, None)
         if sending is not None:
             self.connector.save_blocks(sending.sink.pair_id, sending.sink.transfer_id, None)
@@ -182,8 +189,11 @@ class KVHandoff:
         self._sinks[msg.request_id] = _Sending(msg.kv_sink)
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
-        """Send each sink request's blocks computed since the last piece; a request that finished this step sends
-        the rest and ends its transfer (its blocks are still cached: nothing was allocated since)."""
+        """Decode side: outputs of requests on transferred KV count only prefix-cache hits as cached. Prefill
+        side: send each sink request's blocks computed since the last piece; a request that finished this step
+        sends the rest and ends its transfer (its blocks are still cached: nothing was allocated since)."""
+        if self._cached_tokens:
+            self._count_cached(outputs)
         if not self._sinks:
             return
         pool = self.engine.scheduler.kv.pool
@@ -210,6 +220,15 @@ class KVHandoff:
                 self.connector.save_blocks(sink.pair_id, sink.transfer_id, None)
                 continue
             self.connector.save_blocks(sink.pair_id, sink.transfer_id, ready, sending.sent, last=True)
+
+    def _count_cached(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            cached = self._cached_tokens.get(out.request_id)
+            if cached is None:
+                continue
+            out.num_cached_tokens = min(out.num_cached_tokens, cached)
+            if out.finished and out.request_id not in self.engine.choice_groups:  # its last choice (n > 1) ended
+                del self._cached_tokens[out.request_id]
 
     def _count(self, result) -> None:
         if result.ok:

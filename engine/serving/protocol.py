@@ -163,6 +163,11 @@ class Attach(msgspec.Struct, tag=True):
     deployment_id: str | None = None
 
 
+class Alive(msgspec.Struct, tag=True):
+    """A prefill or decode engine's liveness beat (``engine_process.LIVENESS_S``), from a thread beside its loop:
+    the process runs, though a step may not have ended (it says nothing about progress)."""
+
+
 class Fatal(msgspec.Struct, tag=True):
     """The engine cannot go on (start-up failed, or a step raised); the process exits after sending it."""
 
@@ -170,7 +175,7 @@ class Fatal(msgspec.Struct, tag=True):
 
 
 ToEngine = AddRequest | AbortRequest | ReleaseRequest | PairKV | KVSourceLost | AddLora | RemoveLora | Shutdown
-FromEngine = StepOutputs | RequestRejected | Released | LoraDone | KVWanted | Ready | Fatal
+FromEngine = StepOutputs | RequestRejected | Released | LoraDone | KVWanted | Ready | Fatal | Alive
 
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

@@ -5,6 +5,11 @@ stored in the database, row and content in one transaction, so a cut upload
 leaves neither a row nor a partial file, and every gateway sharing the database
 serves every file. Files written before contents moved into the database are
 still read from the data directory.
+
+An upload is a request like any other for the tenant's request rate and concurrency (admitted before its body
+is read: a 429 with ``Retry-After`` past them), and the tenant's stored files may take at most its quota's
+``max_stored_file_bytes`` together: an upload past it is a 413 ``storage_limit_exceeded``, refused as soon as
+its bytes pass the room left, and checked again in the transaction that stores it.
 """
 
 import asyncio
@@ -15,10 +20,12 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from gateway.admission import QUOTAS, SETTLEMENTS
 from gateway.auth import PRINCIPAL
 from gateway.errors import BODY_TIMEOUT_S, APIError, stalled_body, unreadable_body
+from gateway.metrics import METRICS
 from gateway.replies import json_response, query_limit
-from tenants.batch_store import BatchStore, FileInfo
+from tenants.batch_store import BatchStore, FileInfo, StorageFull
 
 BATCH_STORE = web.AppKey("batch_store", BatchStore)
 DATA_DIR = web.AppKey("data_dir", Path)
@@ -56,11 +63,36 @@ def _utf8_filename(name: str) -> str:
     return name
 
 
+def _storage_full(used: int, size: int, cap: int, partial: bool = False) -> APIError:
+    """413 for a file that does not fit the tenant's storage cap (``partial``: ``size`` is what arrived so far)."""
+    return APIError(413, f"this tenant's stored files take {used:,} bytes of its limit of {cap:,}, and this file "
+                         f"({'at least ' if partial else ''}{size:,} bytes) does not fit; delete files it no "
+                         "longer needs (DELETE /v1/files/{file_id}) or ask the operator to raise its "
+                         "max_stored_file_bytes", param="file", code="storage_limit_exceeded")
+
+
 async def upload(request: web.Request) -> web.Response:
+    """``POST /v1/files``: admitted as a request (rate, concurrency), stored within the tenant's storage cap."""
+    app, principal = request.app, request[PRINCIPAL]
+    try:
+        grant = await app[SETTLEMENTS].acquire(app[QUOTAS], principal.tenant.id, 0)
+    except APIError as refused:
+        app[METRICS].rejections.labels(principal.tenant.name, principal.priority_class.name,
+                                       refused.code or str(refused.status)).inc()
+        raise
+    try:
+        return await _store_upload(request)
+    finally:  # the request rate keeps it; its concurrency slot is free again
+        app[SETTLEMENTS].run(app[QUOTAS].release(grant))
+
+
+async def _store_upload(request: web.Request) -> web.Response:
     tenant = request[PRINCIPAL].tenant
     data_dir, limit = request.app[DATA_DIR], request.app[MAX_FILE_BYTES]
     if not request.content_type.startswith("multipart/"):
         raise APIError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'")
+    cap = (await request.app[QUOTAS].limits(tenant.id)).max_stored_file_bytes
+    used = await request.app[BATCH_STORE].stored_bytes(tenant.id) if cap is not None else 0
     try:
         reader = await request.multipart()
     except (HttpProcessingError, ValueError, KeyError, AssertionError) as e:
@@ -98,6 +130,8 @@ async def upload(request: web.Request) -> web.Response:
                         if size > limit:
                             raise APIError(413, f"file is larger than the limit of {limit} bytes", param="file",
                                            code="file_too_large")
+                        if cap is not None and used + size > cap:
+                            raise _storage_full(used, size, cap, partial=True)
                         out.write(chunk)
             else:
                 await progress(part.release())
@@ -106,7 +140,11 @@ async def upload(request: web.Request) -> web.Response:
         if purpose not in UPLOAD_PURPOSES:
             raise APIError(400, f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}", param="purpose")
         # Into the database (row and content in one transaction): any gateway sharing it serves the file.
-        info = await request.app[BATCH_STORE].add_file(tenant.id, filename, purpose, Path(tmp))
+        try:
+            info = await request.app[BATCH_STORE].add_file(tenant.id, filename, purpose, Path(tmp),
+                                                           max_stored_bytes=cap)
+        except StorageFull as full:  # other uploads of the tenant were stored meanwhile
+            raise _storage_full(full.used, full.size, full.limit) from None
     except OSError as e:  # the data directory's disk is full or failing: nothing was stored
         raise APIError(503, f"the upload could not be stored ({e.strerror or e}); retry later", "server_error",
                        code="insufficient_storage", headers={"Retry-After": "30"}) from None

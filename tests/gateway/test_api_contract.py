@@ -47,9 +47,14 @@ def test_defaults_reservations_schema_and_allow(demo_dir, tmp_path):
             status, answer = await post("/v1/completions", {"prompt": "hello", "ignore_eos": True})
             assert status == 200 and answer["usage"]["completion_tokens"] == 16, answer
 
-            # A max_tokens far past the context reserves only what the context leaves room for (< 512
-            # tokens here), so a 2,000 tokens-per-minute limit admits it.
+            # A max_tokens past the context is a 400 naming it and the numbers (OpenAI's and vLLM's answer), never
+            # cut short silently; left out on chat, the output fills the context (512 tokens here), and the
+            # reservation is only what the context leaves room for, so a 2,000 tokens-per-minute limit admits it.
             status, answer = await post("/v1/completions", {"prompt": "hello", "max_tokens": 200_000, "ignore_eos": True})
+            assert status == 400 and answer["error"]["param"] == "max_tokens", answer
+            assert "512" in answer["error"]["message"] and "200,000" in answer["error"]["message"], answer
+            status, answer = await post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                 "ignore_eos": True})
             assert status == 200, answer
             assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] == 512
 

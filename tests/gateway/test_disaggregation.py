@@ -446,3 +446,65 @@ def test_a_remote_decode_engine_started_with_its_role_receives_a_local_prefill_e
         asyncio.run(main())
     finally:
         stop_engine(server)
+
+
+@pytest.mark.timeout(200)
+def test_a_hung_prefill_engine_is_noticed_in_a_second_and_cached_tokens_are_prefix_hits_only(tmp_path):
+    """The prefill engine frozen (SIGSTOP) while the decode engine waits for a prompt's KV, with a transfer
+    timeout of 20 s: noticed within about a second of silence, the prompt computed by the decode engine (the
+    tokens those of one aggregated engine), another tenant's requests served meanwhile, no new request sent to
+    it; once it runs again (SIGCONT) it pairs anew and transfers. A transferred prompt's usage counts as cached
+    only what the decode engine's prefix cache held before: nothing for a fresh prompt, its leading blocks for a
+    prompt sent again."""
+    rng = random.Random()
+    path = str(tmp_path / "model")
+    make_hf_model("qwen3_moe", path, seed=rng.randrange(2**31), vocab_size=VOCAB)
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(40, 70))] for _ in range(4)]
+    short = [rng.randrange(1, VOCAB - 1) for _ in range(6)]
+    expected = [o.token_ids for o in LLM(**_settings(path)).generate(prompts + [short], _greedy(5))]
+
+    async def main():
+        prefill = AsyncEngine(EngineConfig(**_settings(path, role="prefill", max_num_batched_tokens=8)))
+        decode = AsyncEngine(EngineConfig(**_settings(path, role="decode", kv_transfer_timeout_s=20.0,
+                                                      local_prefill_tokens=8)))
+        router = DisaggregatedEngines([prefill], [decode])
+        await router.start()
+
+        async def run(prompt, policy=TENANT_A):
+            tokens, last = [], None
+            async for out in router.generate(prompt, _greedy(5), policy=policy):
+                tokens.extend(out.token_ids)
+                last = out
+            return tokens, last.num_cached_tokens
+
+        try:
+            tokens, cached = await run(prompts[0])  # transferred: a fresh prompt has nothing cached
+            assert tokens == expected[0] and decode.stats.kv_transfers == 1 and cached == 0
+            tokens, cached = await run(prompts[0])  # sent again: the decode engine's own prefix cache holds it
+            assert tokens == expected[0] and cached == (len(prompts[0]) - 1) // BS * BS
+
+            os.kill(prefill.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                waiting = asyncio.ensure_future(run(prompts[1]))  # its KV never comes: the prefill engine is frozen
+                assert (await run(short, TENANT_B))[0] == expected[4]  # another tenant's request goes on meanwhile
+                assert (await waiting)[0] == expected[1]
+                assert time.monotonic() - started < 5.0, "waited for the transfer timeout"
+                assert router.local_prefills_by.get(("decode-0", "prefill_unresponsive")) == 1
+                # While it is silent, a new long prompt is computed by the decode engine without asking it.
+                assert (await run(prompts[2]))[0] == expected[2]
+                assert router.local_prefills_by.get(("decode-0", "no_prefill_engine")) == 1
+            finally:
+                os.kill(prefill.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 10
+            while prefill.silent_s() >= 0.5 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            tokens, cached = await run(prompts[3])  # a fresh pair: transferred again
+            assert tokens == expected[3] and decode.stats.kv_transfers == 2 and cached == 0
+            await asyncio.sleep(1.2)
+            assert decode.stats.kv_blocks_used == 0
+        finally:
+            os.kill(prefill.pid, signal.SIGCONT)
+            await router.shutdown()
+
+    asyncio.run(main())

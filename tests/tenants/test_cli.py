@@ -3,6 +3,7 @@ import json
 import pytest
 
 from tenants import migrate
+from tenants.models import DEFAULT_MAX_STORED_FILE_BYTES
 from tenants.store import UsageRecord
 
 from .helpers import cli, with_store
@@ -101,7 +102,9 @@ def test_quota_commands(db_url, capsys):
     assert code == 0 and out == {
         "requests_per_minute": 60, "tokens_per_minute": 1000, "max_concurrency": 4, "max_tokens_per_request": 512,
         "daily_tokens": 10000, "monthly_tokens": 100000, "max_batch_queue_tokens": 5000, "batch_discount": 0.4,
-        "cache_share": 0.2}
+        "cache_share": 0.2, "max_stored_file_bytes": DEFAULT_MAX_STORED_FILE_BYTES}  # not set: the default cap
+    cli(capsys, db_url, "admin", "quota", "set", "acme", "--max-stored-file-bytes", "12345")
+    assert cli(capsys, db_url, "admin", "quota", "show", "acme", as_json=True)[1]["max_stored_file_bytes"] == 12345
     cli(capsys, db_url, "admin", "quota", "set", "acme", "--tpm", "none", "--batch-discount", "none")
     out = cli(capsys, db_url, "admin", "quota", "show", "acme", as_json=True)[1]
     assert out["tokens_per_minute"] is None and out["requests_per_minute"] == 60 and out["batch_discount"] == 0.5
