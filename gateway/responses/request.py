@@ -13,8 +13,8 @@ import msgspec
 
 from gateway.errors import APIError
 from gateway.openai_schema import (
-    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, Temperature, TopP, check_implemented, decode_body,
-    error_param,
+    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, SamplingFields, Temperature, TopP, check_implemented,
+    decode_body, error_param,
 )
 from gateway.response_format import JSONObjectFormat, SchemaName, TextFormat
 
@@ -49,15 +49,31 @@ class MessageItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     phase: str | None = None  # an assistant message's phase (commentary, final_answer): kept by clients, not used
 
 
+class DirectCaller(msgspec.Struct, tag="direct", tag_field="type", forbid_unknown_fields=True):
+    """A call the model made itself."""
+
+
+class ProgramCaller(msgspec.Struct, tag="program", tag_field="type", forbid_unknown_fields=True):
+    """A call made by a program item (OpenAI's code tools) whose call id is ``caller_id``."""
+
+    caller_id: str
+
+
 class FunctionCallItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A call the model made earlier (sent back before its output)."""
 
     type: Literal["function_call"]
     call_id: NonEmptyText
     name: FunctionName
-    arguments: str  # JSON text of an object
+    arguments: str  # as the model wrote it: JSON text of an object, or less where the output was cut
     id: str | None = None
     status: ItemStatus | None = None
+    # Fields of OpenAI's item that the openai SDK's own objects carry (null unless OpenAI's tools set them):
+    # accepted so that clients can send a response's items back as they got them; not used here.
+    namespace: str | None = None
+    caller: DirectCaller | ProgramCaller | None = None
+    async_: bool | None = msgspec.field(default=None, name="async")
+    async_field: bool | None = msgspec.field(default=None, name="async_")  # the same, as model_dump() names it
 
 
 class FunctionCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -151,7 +167,10 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's fields, and the sampling fields chat takes (``SamplingFields``: ``stop``, ``seed``, vLLM's
+    ``top_k``, ``ignore_eos``, ``min_tokens``, ... which benchmark clients such as GuideLLM send here too)."""
+
     model: str | None = None
     input: NonEmptyText | Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1)]
     instructions: str | None = None

@@ -163,7 +163,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
 
     if not req.stream:
         async for out, last in outputs():
-            builder.feed(out.text, out.token_ids, last)
+            builder.feed(out.text, out.token_ids, last, _cut(out, last))
         if choices.failed:
             raise output_failed()
         await finish()
@@ -180,7 +180,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     await _write(response, builder.start())
     try:
         while True:
-            await _write(response, builder.feed(out.text, out.token_ids, last))
+            await _write(response, builder.feed(out.text, out.token_ids, last, _cut(out, last)))
             if last:
                 break
             out, last = await anext(events)
@@ -190,6 +190,11 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
                                  "message": err.message, "param": err.param}])
     await response.write_eof()
     return response
+
+
+def _cut(out, last: bool) -> bool:
+    """Whether the output ends here at the token limit."""
+    return last and out.finish_reason == "length"
 
 
 async def _write(response: web.StreamResponse, events: list[dict]) -> None:
