@@ -26,6 +26,7 @@ QUOTA_FLAGS = {
     "daily_tokens": "daily_tokens",
     "monthly_tokens": "monthly_tokens",
     "max_batch_queue_tokens": "max_batch_queue_tokens",
+    "stored_response_bytes": "stored_response_bytes",
 }
 
 
@@ -231,7 +232,8 @@ async def _quota_set(args, store) -> int:
         changes["cache_share"] = args.cache_share
     if not changes:
         raise CliError("nothing to set: give at least one of --rpm --tpm --max-concurrency --max-tokens "
-                       "--daily-tokens --monthly-tokens --max-batch-queue-tokens --batch-discount --cache-share")
+                       "--daily-tokens --monthly-tokens --max-batch-queue-tokens --stored-response-bytes --batch-discount "
+                       "--cache-share")
     _emit(args, await store.set_quota(args.tenant, **changes), title="quota")
     return 0
 

@@ -139,7 +139,8 @@ class QuotaManager:
         status, q = row
         cfg = QuotaConfig() if q is None else QuotaConfig(
             q.requests_per_minute, q.tokens_per_minute, q.max_concurrency, q.max_tokens_per_request,
-            q.daily_tokens, q.monthly_tokens, q.max_batch_queue_tokens, q.batch_discount, q.cache_share)
+            q.daily_tokens, q.monthly_tokens, q.max_batch_queue_tokens, q.batch_discount, q.cache_share,
+            q.stored_response_bytes)
         return status, cfg
 
     async def _bump(self, s, tenant_id: int, kind: str, window: int, delta: int, limit: int | None) -> int | None:
@@ -156,11 +157,15 @@ class QuotaManager:
             QuotaCounter.tenant_id == tenant_id, QuotaCounter.kind == kind, QuotaCounter.window == window))
         return int(v or 0)
 
-    async def cache_share(self, tenant_id: int) -> float | None:
-        """The tenant's share of the engine's prefix-cache tiers (None: shared LRU), through the policy cache."""
+    async def limits(self, tenant_id: int) -> QuotaConfig:
+        """The tenant's limits, through the policy cache."""
         load = lambda: self._load_policy(tenant_id)  # noqa: E731
         status_cfg = await (self._policy.get(tenant_id, load) if self._policy is not None else load())
-        return status_cfg[1].cache_share
+        return status_cfg[1]
+
+    async def cache_share(self, tenant_id: int) -> float | None:
+        """The tenant's share of the engine's prefix-cache tiers (None: shared LRU), through the policy cache."""
+        return (await self.limits(tenant_id)).cache_share
 
     def try_acquire_cached(self, tenant_id: int, requests: int = 1, tokens: int = 0,
                            batch: bool = False) -> Granted | Denied | None:

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from tenants import keys as keylib
 from tenants.db import backend, create_engine_for
-from tenants.models import QUOTA_LIMIT_FIELDS, ApiKey, PriorityClass, Quota, Tenant, Usage, utcnow
+from tenants.models import DEFAULT_STORED_RESPONSE_BYTES, QUOTA_LIMIT_FIELDS, ApiKey, PriorityClass, Quota, Tenant, Usage, utcnow
 from tenants.names import valid_name
 from tenants.policy import ClassInfo
 
@@ -82,6 +82,9 @@ class QuotaConfig:
     # Share (0 < s <= 1) of each engine's host and disk prefix-cache tiers the tenant's blocks may hold; past
     # it, its new blocks evict its own oldest ones. None: the tiers are one LRU shared by every tenant.
     cache_share: float | None = None
+    # Bytes of stored Responses API responses the tenant may keep; past it, a response asking to be stored is
+    # refused (a 400 saying to delete old ones or send store: false). None: no limit.
+    stored_response_bytes: int | None = DEFAULT_STORED_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
         for name in QUOTA_LIMIT_FIELDS:

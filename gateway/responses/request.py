@@ -19,6 +19,9 @@ from gateway.openai_schema import (
 from gateway.response_format import JSONObjectFormat, SchemaName, TextFormat
 
 
+MAX_ENCRYPTED_CONTENT = 2**20  # characters of a reasoning item's encrypted_content (OpenAI's are a few KB)
+
+
 class InputText(msgspec.Struct, tag="input_text", tag_field="type", forbid_unknown_fields=True):
     text: str
 
@@ -96,13 +99,15 @@ class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type", forb
 
 class ReasoningItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Earlier reasoning, sent back by agents as the response gave it; not rendered into the prompt (the chat
-    templates drop the reasoning of earlier turns)."""
+    templates drop the reasoning of earlier turns), stored with its text (counted against the tenant's
+    stored-response bytes)."""
 
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[SummaryText] = []
     content: list[ReasoningText] | None = None
-    encrypted_content: str | None = None
+    # Another server's encrypted reasoning (this one makes none): taken back, neither stored nor rendered.
+    encrypted_content: Annotated[str, msgspec.Meta(max_length=MAX_ENCRYPTED_CONTENT)] | None = None
     status: ItemStatus | None = None
 
 
