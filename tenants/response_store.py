@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 import msgspec
 from sqlalchemy import delete, func, literal, select, update
@@ -64,7 +65,7 @@ class ResponseStore:
             raise ValueError(f"retention_s must be > 0, got {retention_s}")
         self.store, self.retention_s, self.max_depth = store, retention_s, max_depth
 
-    async def put(self, tenant_id: int, response: dict, inputs: list[dict], parent_id: str | None = None,
+    async def put(self, tenant_id: int, response: dict, inputs: list[dict] | msgspec.Raw, parent_id: str | None = None,
                   ancestors: tuple[str, ...] | list[str] = ()) -> SavedResponse:
         """Store ``response`` (which continued ``parent_id``) with the input items its request sent; the
         ``ancestors`` (its chain's ids) then expire no sooner than it does."""
@@ -89,12 +90,18 @@ class ResponseStore:
                 StoredResponse.id == response_id, StoredResponse.tenant_id == tenant_id,
                 StoredResponse.expires_at > utcnow()))).scalar_one_or_none()
             rows = [] if row is None else [_raw(row)]
-        return (await asyncio.to_thread(_decode, rows))[0] if rows else None
+        return (await asyncio.to_thread(decode_rows, rows))[0] if rows else None
 
     async def chain(self, tenant_id: int, response_id: str) -> list[SavedResponse] | None:
         """The conversation that ends with the tenant's response ``response_id``, oldest response first; None if
         there is no such response. ``ChainBroken`` if an earlier one is gone, ``ChainTooLong`` past
         ``max_depth``."""
+        rows = await self.chain_rows(tenant_id, response_id)
+        return None if rows is None else await asyncio.to_thread(decode_rows, rows)
+
+    async def chain_rows(self, tenant_id: int, response_id: str) -> list[StoredRow] | None:
+        """``chain``'s rows as stored, for the caller to decode with ``decode_rows`` on a thread of its own (where
+        what it builds from them is freed too)."""
         r = StoredResponse
         now = utcnow()
         live = (r.tenant_id == tenant_id) & (r.expires_at > now)
@@ -108,12 +115,12 @@ class ResponseStore:
             rows = [_raw(row) for row, _ in found]
         if not rows:
             return None
-        oldest_parent, depth = rows[0][4], found[0][1]
+        oldest_parent, depth = rows[0].parent_id, found[0][1]
         if oldest_parent is not None:
             if depth >= self.max_depth:
                 raise ChainTooLong(f"the conversation continues more than {self.max_depth} responses")
             raise ChainBroken(oldest_parent)
-        return await asyncio.to_thread(_decode, rows)
+        return rows
 
     async def stored_bytes(self, tenant_id: int) -> int:
         """Bytes the tenant's unexpired responses hold."""
@@ -135,19 +142,32 @@ class ResponseStore:
             return result.rowcount
 
 
-def _raw(row: StoredResponse) -> tuple:
-    return (row.id, row.tenant_id, row.response_json, row.input_json, row.parent_id, row.created_at, row.expires_at)
+class StoredRow(NamedTuple):
+    """A stored response's row, its JSON not yet decoded."""
+
+    id: str
+    tenant_id: int
+    response_json: str
+    input_json: str
+    parent_id: str | None
+    created_at: datetime
+    expires_at: datetime
 
 
-def _encode(response: dict, inputs: list[dict]) -> tuple[str, str, int]:
-    """(the response's JSON, the inputs' JSON, their size in bytes)."""
+def _raw(row: StoredResponse) -> StoredRow:
+    return StoredRow(row.id, row.tenant_id, row.response_json, row.input_json, row.parent_id, row.created_at,
+                     row.expires_at)
+
+
+def _encode(response: dict, inputs: list[dict] | msgspec.Raw) -> tuple[str, str, int]:
+    """(the response's JSON, the inputs' JSON, their size in bytes); inputs already encoded are ``msgspec.Raw``."""
     response_json, input_json = msgspec.json.encode(response), msgspec.json.encode(inputs)
     return response_json.decode(), input_json.decode(), len(response_json) + len(input_json)
 
 
-def _decode(rows: list[tuple]) -> list[SavedResponse]:
-    """Rows as saved responses (on a worker thread: one decode per row, so the event loop gets the interpreter
-    between rows)."""
-    return [SavedResponse(rid, tenant_id, msgspec.json.decode(response_json), msgspec.json.decode(input_json),
-                          parent_id, created_at, expires_at)
-            for rid, tenant_id, response_json, input_json, parent_id, created_at, expires_at in rows]
+def decode_rows(rows: list[StoredRow]) -> list[SavedResponse]:
+    """Rows as saved responses; for a worker thread: one decode per row, so the event loop gets the interpreter
+    between rows."""
+    return [SavedResponse(row.id, row.tenant_id, msgspec.json.decode(row.response_json),
+                          msgspec.json.decode(row.input_json), row.parent_id, row.created_at, row.expires_at)
+            for row in rows]

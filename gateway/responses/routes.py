@@ -27,15 +27,16 @@ from gateway.replies import json_response, query_limit
 from gateway.request_keys import CHOICES, RATE_HEADERS, SERVED_MODEL, TIMER
 from gateway.responses import stored_items
 from gateway.responses.builder import ResponseBuilder, skeleton, usage
-from gateway.responses.request import FunctionTool, InputItem, ResponsesRequest, decode_request, input_items
-from gateway.responses.translate import chat_request, responses_error
-from tenants.response_store import ChainBroken, ChainTooLong, ResponseStore, SavedResponse, conversation
+from gateway.responses.prepare import prepare, previous_response_id
+from gateway.responses.request import FunctionTool, ResponsesRequest
+from gateway.responses.translate import responses_error
+from tenants.response_store import ChainBroken, ChainTooLong, ResponseStore, StoredRow, conversation, decode_rows
 
 logger = logging.getLogger(__name__)
 
 RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
 PURGE_INTERVAL_S = 3600.0  # expired responses are deleted at least this often
-LARGE_BODY_BYTES = 1 << 16  # bodies past this are decoded and translated on a worker thread
+LARGE_BODY_BYTES = 1 << 16  # bodies past this are prepared on a worker thread
 
 
 def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResponse]], model_name: Callable[[], str],
@@ -45,40 +46,33 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
 
     async def create(request: web.Request) -> web.StreamResponse:
         data = await read_body(request)
-        # A large body's items are decoded (one msgspec call each) on a worker thread: the event loop serves
-        # other tenants meanwhile.
-        large = len(data) > LARGE_BODY_BYTES
-        req, items, tools = await asyncio.to_thread(decode_request, data) if large else decode_request(data)
         tenant_id = request[PRINCIPAL].tenant.id
-        store = request.app[RESPONSE_STORE]
-        history: list[InputItem] = []
-        ancestors: list[str] = []
-        if req.previous_response_id is not None:
-            chain = await _chain(store, tenant_id, req.previous_response_id, "previous_response_id", APIError(
-                404, f"previous_response_id {req.previous_response_id!r} names no stored response of yours (never "
-                     f"stored, deleted, made with store: false, or older than the {retention_s / 86400:g}-day "
-                     "retention); send the whole conversation as input", param="previous_response_id",
-                code="previous_response_not_found"))
-            history = await asyncio.to_thread(input_items, conversation(chain))
-            ancestors = [saved.id for saved in chain]
+        previous = previous_response_id(data)
+        history: list[StoredRow] = []
+        if previous is not None:
+            history = await _chain(request.app[RESPONSE_STORE], tenant_id, previous, "previous_response_id", APIError(
+                404, f"previous_response_id {previous!r} names no stored response of yours (never stored, deleted, "
+                     f"made with store: false, or older than the {retention_s / 86400:g}-day retention); send the "
+                     "whole conversation as input", param="previous_response_id", code="previous_response_not_found"))
+        # A large body or a stored conversation is decoded and translated on a worker thread (prepare.py).
+        req, tools, body, inputs = await asyncio.to_thread(prepare, data, history) \
+            if history or len(data) > LARGE_BODY_BYTES else prepare(data, history)
         if req.store is not False:
             await _check_room(request, tenant_id, len(data))
-        conversation_items = history + items
-        body = await asyncio.to_thread(chat_request, req, conversation_items, tools) if history or large \
-            else chat_request(req, conversation_items, tools)
-        respond = functools.partial(_respond, req=req, tools=tools, inputs=items, ancestors=ancestors,
-                                    model=model_name())
+        respond = functools.partial(_respond, req=req, tools=tools, inputs=inputs,
+                                    ancestors=[row.id for row in history], model=model_name())
         try:
             return await run(request, body, True, respond=respond, rid_prefix="resp_")
         except APIError as err:
             raise responses_error(err) from None
 
     async def _chain(store: ResponseStore, tenant_id: int, response_id: str, param: str,
-                     not_found: APIError) -> list[SavedResponse]:
-        """The conversation ending with the tenant's response ``response_id``; ``not_found`` if there is no
-        such response, a 404 if an earlier one of it was deleted, a 400 if it is too long (naming ``param``)."""
+                     not_found: APIError) -> list[StoredRow]:
+        """The rows of the conversation ending with the tenant's response ``response_id``; ``not_found`` if there
+        is no such response, a 404 if an earlier one of it was deleted, a 400 if it is too long (naming
+        ``param``)."""
         try:
-            chain = await store.chain(tenant_id, response_id)
+            chain = await store.chain_rows(tenant_id, response_id)
         except ChainBroken as gone:
             raise APIError(404, f"{param} {response_id!r} continues response {gone.missing!r}, which was deleted; "
                                 "send the whole conversation as input", param=param,
@@ -111,8 +105,9 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
         if order not in ("asc", "desc"):
             raise APIError(400, "order must be 'asc' or 'desc'", param="order")
         response_id = request.match_info["response_id"]
-        chain = await _chain(request.app[RESPONSE_STORE], request[PRINCIPAL].tenant.id, response_id, "response_id",
-                             _not_found(response_id))
+        rows = await _chain(request.app[RESPONSE_STORE], request[PRINCIPAL].tenant.id, response_id, "response_id",
+                            _not_found(response_id))
+        chain = await asyncio.to_thread(decode_rows, rows)
         inputs = conversation(chain[:-1]) + chain[-1].inputs
         items, more = stored_items.page(inputs, order, request.query.get("after"), query_limit(request, most=100))
         return json_response(list_page(items, more))
@@ -162,7 +157,7 @@ async def _purge(store: ResponseStore, interval_s: float) -> None:
 
 
 async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int, plan: ChatPlan, *,
-                   req: ResponsesRequest, tools: list[FunctionTool], inputs: list[InputItem], ancestors: list[str],
+                   req: ResponsesRequest, tools: list[FunctionTool], inputs: msgspec.Raw, ancestors: list[str],
                    model: str) -> web.StreamResponse:
     """The engine's output as a response object or its events; the response is stored (``store``: its own
     ``inputs``, linked to the response it continued, whose chain is ``ancestors``) before the client hears it
@@ -194,9 +189,8 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         events = builder.finish(last.finish_reason, usage(choices.num_prompt_tokens, choices.num_cached_tokens,
                                                           choices.num_output_tokens))
         if req.store is not False and builder.response["status"] != "failed":
-            items = await asyncio.to_thread(stored_items.stored, inputs)
             try:
-                await request.app[RESPONSE_STORE].put(request[PRINCIPAL].tenant.id, builder.response, items,
+                await request.app[RESPONSE_STORE].put(request[PRINCIPAL].tenant.id, builder.response, inputs,
                                                       req.previous_response_id, ancestors)
             except SQLAlchemyError:
                 logger.exception("storing response %s failed", rid)

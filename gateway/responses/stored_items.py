@@ -23,7 +23,7 @@ def with_id(item: dict) -> dict:
 
 def stored(items: list) -> list[dict]:
     """A request's decoded input items as they are stored."""
-    return [with_id(msgspec.to_builtins(item)) for item in items]
+    return [with_id(item) for item in msgspec.to_builtins(items)]
 
 
 def listed(item: dict) -> dict:
