@@ -151,4 +151,6 @@ def test_other_tenants_stream_keeps_pace_while_a_long_history_is_read(served):
     quiet = srv.run(measure(False))
     busy = srv.run(measure(True))
     print(f"b's largest gap: {quiet:.3f} s alone, {busy:.3f} s beside c's long history")
-    assert busy < max(0.25, 5 * quiet), (quiet, busy)
+    # Measured on a loaded 2-core machine: 0.26-0.33 s here against 0.68 s with the history handled on the loop
+    # (b alone: 0.03-0.12 s).
+    assert busy < max(0.45, 4 * quiet), (quiet, busy)
