@@ -416,9 +416,9 @@ def test_function_call_cut_by_the_limit_is_incomplete_and_goes_back(served):
         backs = []
         for history in ([*whole.output, result], [*(i.model_dump() for i in whole.output), result],
                         [*(i.model_dump(by_alias=True) for i in whole.output), result]):
-            backs.append(await client.responses.create(model="demo", input=[{"role": "user", "content": "Weather in Paris?"},
-                                                                            *history],
-                                                       max_output_tokens=2, temperature=0))
+            backs.append(await client.responses.create(
+                model="demo", input=[{"role": "user", "content": "Weather in Paris?"}, *history], max_output_tokens=2,
+                temperature=0))
         chat_cut = await client.chat.completions.create(
             model="demo", messages=[{"role": "user", "content": "Weather in Paris?"}], temperature=0,
             tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
