@@ -235,6 +235,8 @@ def test_previous_response_id_per_tenant(served):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{", "caller": {"type": "x"}}]},
      "input[0].caller.type"),
     ({"input": "hi", "top_k": -2}, "top_k"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "e" * (2**20 + 1)}]},
+     "input[0].encrypted_content"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "x-bad": {"$ref": "#/nope"}, "properties": {"a": {"$ref": "#/nope"}}}}}}, "text.format"),
     ({"input": []}, "input"),
 ])

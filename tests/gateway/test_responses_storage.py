@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 def served(tmp_path_factory):
     with in_process_server(tmp_path_factory.mktemp("responses_storage"), dict(
             num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512),
-            gateway=dict(max_request_bytes=8 * 2**20)) as srv:
+            gateway=dict(max_request_bytes=8 * 2**20, policy_cache_ttl_s=0.2)) as srv:
         keys = {name: srv.run(new_tenant_key(srv.database_url, name)) for name in ("a", "b", "c")}
         yield srv, keys
 
@@ -56,7 +56,9 @@ def test_chain_storage_is_linear_and_capped_per_tenant(served):
             # A reasoning item with text (stored, not rendered) makes each step's own input large.
             r = await client.responses.create(
                 model="demo", previous_response_id=previous, max_output_tokens=2, temperature=0,
-                input=[{"type": "reasoning", "summary": [{"type": "summary_text", "text": f"{i}" + "y" * size}]},
+                input=[{"type": "reasoning", "summary": [{"type": "summary_text", "text": f"{i}" + "y" * size}],
+                        # another server's encrypted reasoning: taken, not stored
+                        "encrypted_content": "e" * (4 * size if i == 0 else 0) or None},
                        {"role": "user", "content": f"step {i}"}])
             previous = r.id
             sizes.append(_stored_chars(srv.database_url, "a"))
@@ -65,7 +67,7 @@ def test_chain_storage_is_linear_and_capped_per_tenant(served):
     client = _client(srv, keys["a"])
     last, sizes = srv.run(chain(client))
     # Each step adds about its own input: the whole history again each step would be ~size * steps**2 / 2.
-    assert sizes[-1] < 1.5 * steps * size, sizes
+    assert sizes[-1] < 1.5 * steps * size and sizes[0] < 1.5 * size, sizes
     assert all(0.8 * size < b - a < 1.5 * size for a, b in zip(sizes, sizes[1:])), sizes
 
     async def capped():
@@ -74,7 +76,7 @@ def test_chain_storage_is_linear_and_capped_per_tenant(served):
             await store.set_quota("a", stored_response_bytes=sizes[-1] + size // 2)
         finally:
             await store.close()
-        await asyncio.sleep(5.2)  # the gateway's policy cache (5 s) takes the new limit
+        await asyncio.sleep(0.5)  # the gateway's policy cache (0.2 s here) takes the new limit
         body = {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "z" * size}]},
                           {"role": "user", "content": "more"}], "max_output_tokens": 2, "previous_response_id": last}
         with pytest.raises(openai.BadRequestError) as refused:
@@ -89,7 +91,7 @@ def test_chain_storage_is_linear_and_capped_per_tenant(served):
     assert refused.status_code == 400 and refused.body["param"] == "store", refused.body
     assert refused.body["code"] == "stored_responses_limit_exceeded" and "store: false" in refused.body["message"]
     assert unstored.status == "incomplete" and again.store is True
-    assert first.type == "reasoning"
+    assert first.type == "reasoning" and first.encrypted_content is None
     srv.run(client.close())
 
 
