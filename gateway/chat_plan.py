@@ -64,6 +64,16 @@ class ChatPlan:
         return ChatOutputParser(self)
 
 
+def _arguments(text: str) -> dict | str:
+    """A call's arguments as the templates take them: the object its JSON text holds, or the text itself where
+    it holds none (a call cut by the token limit, sent back as the reply gave it: OpenAI takes any string)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
 def _message(m: ChatMessage, i: int) -> dict:
     where = f"messages[{i}]"
     if m.role not in ROLES:
@@ -83,17 +93,9 @@ def _message(m: ChatMessage, i: int) -> dict:
     if m.tool_calls:
         if m.role != "assistant":
             raise APIError(400, f"{where}.tool_calls: only assistant messages carry tool calls", param=f"{where}.tool_calls")
-        calls = []
-        for j, call in enumerate(m.tool_calls):
-            try:
-                arguments = json.loads(call.function.arguments)
-            except ValueError:
-                arguments = None
-            if not isinstance(arguments, dict):
-                raise APIError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON object in a string",
-                               param=f"{where}.tool_calls[{j}].function.arguments")
-            calls.append({"id": call.id, "type": "function",
-                          "function": {"name": call.function.name, "arguments": arguments}})
+        calls = [{"id": call.id, "type": "function",
+                  "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                 for call in m.tool_calls]
         turn["tool_calls"] = calls
     if m.role == "tool":
         if m.tool_call_id is None:

@@ -143,23 +143,15 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
 CHAT_NOT_IMPLEMENTED = {field: off for field, off in NOT_IMPLEMENTED.items() if field != "reasoning_effort"}
 
 
-class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model: str | None = None
-    max_tokens: Count | None = None
-    max_completion_tokens: Count | None = None
-    # null means the default wherever OpenAI accepts it (clients send explicit nulls).
-    temperature: Temperature | None = None  # 1.0
-    top_p: TopP | None = None  # 1.0
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Sampling fields that OpenAI's chat API and vLLM's extensions add to every generating route: the chat
+    and completion bodies and the Responses API's (which runs as a chat request, so they reach the sampler
+    through ``sampling_params_of`` on every route). null means the default (clients send explicit nulls)."""
+
     top_k: TopK | None = None  # off
-    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
     stop: NonEmptyText | StopStrings | None = None
     seed: Seed | None = None
     ignore_eos: bool | None = None
-    user: str | None = None
-    suffix: Any = None
-    best_of: Any = None
     presence_penalty: Penalty | None = None  # 0
     frequency_penalty: Penalty | None = None  # 0
     repetition_penalty: RepetitionPenalty | None = None  # 1 (off); a vLLM extension
@@ -167,6 +159,27 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] | None = None  # 0; a vLLM extension
     logit_bias: LogitBias | None = None
     stop_token_ids: list[TokenId] | None = None  # a vLLM extension
+    # vLLM's extensions that evaluation and benchmark harnesses send (docs/api.md says what each does here).
+    skip_special_tokens: bool | None = None  # True
+    spaces_between_special_tokens: bool | None = None  # True
+    include_stop_str_in_output: bool | None = None  # False
+    # Larger waits longer: it may only lower a request's place within its tenant's priority class.
+    priority: Annotated[int, msgspec.Meta(ge=-INT32_MAX, le=INT32_MAX)] | None = None
+
+
+class _Common(SamplingFields, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    # null means the default wherever OpenAI accepts it (clients send explicit nulls).
+    temperature: Temperature | None = None  # 1.0
+    top_p: TopP | None = None  # 1.0
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None  # choices per prompt
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    suffix: Any = None
+    best_of: Any = None
     response_format: ResponseFormat | None = None
     functions: Any = None
     function_call: Any = None
@@ -178,18 +191,13 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    # vLLM's extensions that evaluation and benchmark harnesses send (docs/api.md says what each does here).
-    skip_special_tokens: bool | None = None  # True
-    spaces_between_special_tokens: bool | None = None  # True
-    include_stop_str_in_output: bool | None = None  # False
+    # vLLM's output and structured-output extensions.
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     return_tokens_as_token_ids: bool | None = None  # False
     guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], msgspec.Meta(min_length=1)] | None = None
     structured_outputs: StructuredOutputs | None = None
-    # Larger waits longer: it may only lower a request's place within its tenant's priority class.
-    priority: Annotated[int, msgspec.Meta(ge=-INT32_MAX, le=INT32_MAX)] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):

@@ -47,6 +47,7 @@ def openapi_document(version: str) -> dict:
     # the item types they are decoded as.
     properties = components["ResponsesRequest"]["properties"]
     properties["input"]["anyOf"][1]["items"] = {"anyOf": items}
+    components["MessageItem"]["required"].remove("type")  # a message item may leave its type out
     properties["tools"]["anyOf"][0]["items"] = tool
     for field, nothing in UNSUPPORTED.items():
         properties[field] = {"enum": [None, *nothing], "description": "not supported: leave it out"}

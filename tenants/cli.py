@@ -27,6 +27,7 @@ QUOTA_FLAGS = {
     "monthly_tokens": "monthly_tokens",
     "max_batch_queue_tokens": "max_batch_queue_tokens",
     "max_stored_file_bytes": "max_stored_file_bytes",
+    "stored_response_bytes": "stored_response_bytes",
 }
 
 
@@ -233,7 +234,7 @@ async def _quota_set(args, store) -> int:
     if not changes:
         raise CliError("nothing to set: give at least one of --rpm --tpm --max-concurrency --max-tokens "
                        "--daily-tokens --monthly-tokens --max-batch-queue-tokens --max-stored-file-bytes "
-                       "--batch-discount --cache-share")
+                       "--stored-response-bytes --batch-discount --cache-share")
     _emit(args, await store.set_quota(args.tenant, **changes), title="quota")
     return 0
 

@@ -112,9 +112,13 @@ QUOTA_LIMIT_FIELDS = (
     "monthly_tokens",
     "max_batch_queue_tokens",
     "max_stored_file_bytes",
+    "stored_response_bytes",
 )
 # A tenant's stored files (/v1/files) may take this many bytes unless its quota says otherwise (NULL: no cap).
 DEFAULT_MAX_STORED_FILE_BYTES = 2**30
+# Bytes of stored Responses API responses a tenant may keep (its unexpired rows' ``stored_bytes``) unless its
+# quota says otherwise; the default of new tenants' quotas and of migrated ones.
+DEFAULT_STORED_RESPONSE_BYTES = 256 * 2**20
 
 
 class Quota(Base):
@@ -134,6 +138,7 @@ class Quota(Base):
     cache_share: Mapped[float | None] = mapped_column(Float)  # of the prefix-cache tiers; NULL: shared LRU
     max_stored_file_bytes: Mapped[int | None] = mapped_column(
         BigInteger, default=DEFAULT_MAX_STORED_FILE_BYTES, server_default=str(DEFAULT_MAX_STORED_FILE_BYTES))
+    stored_response_bytes: Mapped[int | None] = mapped_column(BigInteger, default=DEFAULT_STORED_RESPONSE_BYTES)
 
     __table_args__ = tuple(
         CheckConstraint(f"{f} IS NULL OR {f} >= 0", name=f"ck_quotas_{f}") for f in QUOTA_LIMIT_FIELDS
@@ -286,19 +291,23 @@ class BatchLine(Base):
 
 class StoredResponse(Base):
     """A Responses API response kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` until
-    ``expires_at`` (the gateway's retention); ``conversation_json`` is every input item of its conversation
-    and its own output items, so a follow-up needs this one row."""
+    ``expires_at`` (the gateway's retention, moved on while a later response continues it). A conversation is
+    a chain: each row holds its own input items (``input_json``: those its request sent, not the earlier
+    responses') and its output (in ``response_json``), and names the response it continued (``parent_id``);
+    ``stored_bytes`` is what the row holds, counted against the tenant's ``stored_response_bytes``."""
 
     __tablename__ = "responses"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)  # "resp_..."
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False)
+    parent_id: Mapped[str | None] = mapped_column(String(64))  # the previous_response_id it continued
     response_json: Mapped[str] = mapped_column(String, nullable=False)
-    conversation_json: Mapped[str] = mapped_column(String, nullable=False)
+    input_json: Mapped[str] = mapped_column(String, nullable=False)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
     created_at: Mapped[datetime] = mapped_column(DateTime, nullable=False, default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
 
-    __table_args__ = (Index("ix_responses_expires", "expires_at"),)
+    __table_args__ = (Index("ix_responses_expires", "expires_at"), Index("ix_responses_tenant", "tenant_id"))
 
 
 class Adapter(Base):

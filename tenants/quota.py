@@ -140,7 +140,7 @@ class QuotaManager:
         cfg = QuotaConfig() if q is None else QuotaConfig(
             q.requests_per_minute, q.tokens_per_minute, q.max_concurrency, q.max_tokens_per_request,
             q.daily_tokens, q.monthly_tokens, q.max_batch_queue_tokens, q.batch_discount, q.cache_share,
-            q.max_stored_file_bytes)
+            q.max_stored_file_bytes, q.stored_response_bytes)
         return status, cfg
 
     async def _bump(self, s, tenant_id: int, kind: str, window: int, delta: int, limit: int | None) -> int | None:

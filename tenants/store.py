@@ -19,7 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from tenants import keys as keylib
 from tenants.db import backend, create_engine_for
 from tenants.models import (
-    DEFAULT_MAX_STORED_FILE_BYTES, QUOTA_LIMIT_FIELDS, ApiKey, Deployment, PriorityClass, Quota, Tenant, Usage, utcnow,
+    DEFAULT_MAX_STORED_FILE_BYTES, DEFAULT_STORED_RESPONSE_BYTES, QUOTA_LIMIT_FIELDS, ApiKey, Deployment, PriorityClass,
+    Quota, Tenant, Usage, utcnow,
 )
 from tenants.names import valid_name
 from tenants.policy import ClassInfo
@@ -86,6 +87,9 @@ class QuotaConfig:
     cache_share: float | None = None
     # Bytes the tenant's stored files (/v1/files) may take together; None: no cap.
     max_stored_file_bytes: int | None = DEFAULT_MAX_STORED_FILE_BYTES
+    # Bytes of stored Responses API responses the tenant may keep; past it, a response asking to be stored is
+    # refused (a 400 saying to delete old ones or send store: false). None: no limit.
+    stored_response_bytes: int | None = DEFAULT_STORED_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
         for name in QUOTA_LIMIT_FIELDS:

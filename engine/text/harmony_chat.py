@@ -59,8 +59,9 @@ def _assistant(turn: dict) -> list:
         channel = "commentary" if calls else "final"
         out.append(Message.from_role_and_content(Role.ASSISTANT, turn["content"]).with_channel(channel))
     for call in calls:
-        out.append(Message.from_role_and_content(Role.ASSISTANT, json.dumps(call["function"]["arguments"],
-                                                                            ensure_ascii=False))
+        arguments = call["function"]["arguments"]  # an object, or the text of a call cut short, as it was
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        out.append(Message.from_role_and_content(Role.ASSISTANT, text)
                    .with_channel("commentary").with_recipient(f"functions.{call['function']['name']}")
                    .with_content_type("<|constrain|>json"))
     return out

@@ -32,7 +32,7 @@ def renderer(req: ResponsesRequest, tools: list[FunctionTool]):
         response["store"] = False
         builder = ResponseBuilder(response, plan.output_parser())
         out = whole.outputs[0]
-        builder.feed(out.text, out.token_ids, True)
+        builder.feed(out.text, out.token_ids, True, cut=out.finish_reason == "length")
         builder.finish(out.finish_reason, usage(whole.num_prompt_tokens, whole.num_cached_tokens,
                                                 whole.num_output_tokens))
         return builder.response

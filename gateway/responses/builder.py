@@ -11,6 +11,7 @@ served model's reasoning parser splits off its thinking), ``message`` (the text,
 the engine could not produce it); each event has the next ``sequence_number``.
 """
 
+import json
 import secrets
 from collections.abc import Sequence
 
@@ -19,6 +20,13 @@ import msgspec
 from gateway.chat_plan import ChatOutputParser
 from gateway.responses.request import FunctionTool, ResponsesRequest
 from gateway.tool_parsers import ToolCall
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def new_item_id(prefix: str) -> str:
@@ -79,8 +87,9 @@ class ResponseBuilder:
         return [self._event("response.created", response=self._snapshot()),
                 self._event("response.in_progress", response=self._snapshot())]
 
-    def feed(self, text: str, token_ids: Sequence[int], last: bool) -> list[dict]:
-        """One step's text and tokens; ``last``: the output ends here."""
+    def feed(self, text: str, token_ids: Sequence[int], last: bool, cut: bool = False) -> list[dict]:
+        """One step's text and tokens; ``last``: the output ends here; ``cut``: it ends at the token limit (a
+        call it was writing, whose arguments are not a whole JSON object, is ``incomplete``)."""
         num_tokens = len(token_ids)
         piece = self.parser.feed(text, token_ids)
         if last:
@@ -93,7 +102,8 @@ class ResponseBuilder:
         if piece.content:
             events += self._text(piece.content)
         for call in piece.tool_calls:
-            events += self._call(call)
+            events += self._call(call, "incomplete" if cut and last and not _json_object(call.arguments)
+                                 else "completed")
         return events
 
     def _text(self, text: str) -> list[dict]:
@@ -148,14 +158,14 @@ class ResponseBuilder:
                 self._event("response.content_part.done", **where, part=dict(part)),
                 self._event("response.output_item.done", output_index=where["output_index"], item=self._copy(item))]
 
-    def _call(self, call: ToolCall) -> list[dict]:
+    def _call(self, call: ToolCall, status: str) -> list[dict]:
         events = self._close("completed")
         item = {"id": new_item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
                 "name": call.name, "arguments": ""}
         index = len(self.output)
         events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
         self.output.append(item)
-        item["arguments"], item["status"] = call.arguments, "completed"
+        item["arguments"], item["status"] = call.arguments, status
         events.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                                   delta=call.arguments))
         events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,

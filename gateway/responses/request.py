@@ -13,10 +13,13 @@ import msgspec
 
 from gateway.errors import APIError
 from gateway.openai_schema import (
-    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, Temperature, TopP, check_implemented, decode_body,
-    error_param,
+    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, SamplingFields, Temperature, TopP, check_implemented,
+    decode_body, error_param,
 )
 from gateway.response_format import JSONObjectFormat, SchemaName, TextFormat
+
+
+MAX_ENCRYPTED_CONTENT = 2**20  # characters of a reasoning item's encrypted_content (OpenAI's are a few KB)
 
 
 class InputText(msgspec.Struct, tag="input_text", tag_field="type", forbid_unknown_fields=True):
@@ -40,30 +43,47 @@ Content = str | list[ContentPart]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
-class MessageItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+# Input items are tagged by their ``type`` (which a message may leave out when decoded on its own), so that a
+# list of typed items, a stored conversation's, decodes in one call.
+class MessageItem(msgspec.Struct, tag="message", tag_field="type", kw_only=True, forbid_unknown_fields=True):
     role: Literal["user", "assistant", "system", "developer"]
     content: Content
-    type: Literal["message"] = "message"
     id: str | None = None
     status: ItemStatus | None = None
     phase: str | None = None  # an assistant message's phase (commentary, final_answer): kept by clients, not used
 
 
-class FunctionCallItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class DirectCaller(msgspec.Struct, tag="direct", tag_field="type", forbid_unknown_fields=True):
+    """A call the model made itself."""
+
+
+class ProgramCaller(msgspec.Struct, tag="program", tag_field="type", forbid_unknown_fields=True):
+    """A call made by a program item (OpenAI's code tools) whose call id is ``caller_id``."""
+
+    caller_id: str
+
+
+class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type", kw_only=True,
+                       forbid_unknown_fields=True):
     """A call the model made earlier (sent back before its output)."""
 
-    type: Literal["function_call"]
     call_id: NonEmptyText
     name: FunctionName
-    arguments: str  # JSON text of an object
+    arguments: str  # as the model wrote it: JSON text of an object, or less where the output was cut
     id: str | None = None
     status: ItemStatus | None = None
+    # Fields of OpenAI's item that the openai SDK's own objects carry (null unless OpenAI's tools set them):
+    # accepted so that clients can send a response's items back as they got them; not used here.
+    namespace: str | None = None
+    caller: DirectCaller | ProgramCaller | None = None
+    async_: bool | None = msgspec.field(default=None, name="async")
+    async_field: bool | None = msgspec.field(default=None, name="async_")  # the same, as model_dump() names it
 
 
-class FunctionCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class FunctionCallOutputItem(msgspec.Struct, tag="function_call_output", tag_field="type", kw_only=True,
+                             forbid_unknown_fields=True):
     """The result of a call, answering ``call_id``."""
 
-    type: Literal["function_call_output"]
     call_id: NonEmptyText
     output: Content
     id: str | None = None
@@ -78,15 +98,16 @@ class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type", forb
     text: str
 
 
-class ReasoningItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ReasoningItem(msgspec.Struct, tag="reasoning", tag_field="type", kw_only=True, forbid_unknown_fields=True):
     """Earlier reasoning, sent back by agents as the response gave it; not rendered into the prompt (the chat
-    templates drop the reasoning of earlier turns)."""
+    templates drop the reasoning of earlier turns), stored with its text (counted against the tenant's
+    stored-response bytes)."""
 
-    type: Literal["reasoning"]
     id: str | None = None
     summary: list[SummaryText] = []
     content: list[ReasoningText] | None = None
-    encrypted_content: str | None = None
+    # Another server's encrypted reasoning (this one makes none): taken back, neither stored nor rendered.
+    encrypted_content: Annotated[str, msgspec.Meta(max_length=MAX_ENCRYPTED_CONTENT)] | None = None
     status: ItemStatus | None = None
 
 
@@ -151,7 +172,10 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's fields, and the sampling fields chat takes (``SamplingFields``: ``stop``, ``seed``, vLLM's
+    ``top_k``, ``ignore_eos``, ``min_tokens``, ... which benchmark clients such as GuideLLM send here too)."""
+
     model: str | None = None
     input: NonEmptyText | Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1)]
     instructions: str | None = None
@@ -196,10 +220,29 @@ def decode_request(data: bytes) -> tuple[ResponsesRequest, list[InputItem], list
 
 
 def input_items(given: str | list[dict]) -> list[InputItem]:
-    """``input`` as items: a string is one user message."""
+    """``input`` as items: a string is one user message. A list is converted in one call (a message without its
+    type typed first), or, where that fails, item by item, to name the place of what is wrong."""
     if isinstance(given, str):
         return [MessageItem(role="user", content=given)]
-    return [_item(raw, i) for i, raw in enumerate(given)]
+    try:
+        return msgspec.convert([raw if "type" in raw else {**raw, "type": "message"} for raw in given],
+                               list[InputItem])
+    except msgspec.ValidationError:
+        return [_item(raw, i) for i, raw in enumerate(given)]
+
+
+class _Output(msgspec.Struct):
+    output: list[InputItem]
+
+
+def stored_input_items(input_json: str | bytes) -> list[InputItem]:
+    """A stored response's input items (stored with their types), decoded in one call."""
+    return msgspec.json.decode(input_json, type=list[InputItem])
+
+
+def stored_output_items(response_json: str | bytes) -> list[InputItem]:
+    """A stored response object's output items, decoded in one call (its other fields skipped)."""
+    return msgspec.json.decode(response_json, type=_Output).output
 
 
 def _item(raw: dict, i: int) -> InputItem:

@@ -27,14 +27,16 @@ from gateway.replies import json_response, query_limit
 from gateway.request_keys import CHOICES, RATE_HEADERS, SERVED_MODEL, TIMER
 from gateway.responses import stored_items
 from gateway.responses.builder import ResponseBuilder, skeleton, usage
-from gateway.responses.request import FunctionTool, InputItem, ResponsesRequest, decode_request, input_items
-from gateway.responses.translate import chat_request, responses_error
-from tenants.response_store import ResponseStore
+from gateway.responses.prepare import prepare, previous_response_id
+from gateway.responses.request import FunctionTool, ResponsesRequest
+from gateway.responses.translate import responses_error
+from tenants.response_store import ChainBroken, ChainTooLong, ResponseStore, StoredRow, conversation, decode_rows
 
 logger = logging.getLogger(__name__)
 
 RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
 PURGE_INTERVAL_S = 3600.0  # expired responses are deleted at least this often
+LARGE_BODY_BYTES = 1 << 16  # bodies past this are prepared on a worker thread
 
 
 def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResponse]], model_name: Callable[[], str],
@@ -43,35 +45,70 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
     the store opens after the policy database (register after the app's store lifecycle)."""
 
     async def create(request: web.Request) -> web.StreamResponse:
-        req, items, tools = decode_request(await read_body(request))
+        data = await read_body(request)
         tenant_id = request[PRINCIPAL].tenant.id
-        history: list[InputItem] = []
-        if req.previous_response_id is not None:
-            saved = await request.app[RESPONSE_STORE].get(tenant_id, req.previous_response_id)
-            if saved is None:
-                raise APIError(404, f"previous_response_id {req.previous_response_id!r} names no stored response of "
-                                    f"yours (never stored, deleted, made with store: false, or older than the "
-                                    f"{retention_s / 86400:g}-day retention); send the whole conversation as input",
-                               param="previous_response_id", code="previous_response_not_found")
-            history = input_items(saved.conversation)
-        conversation = history + items
-        body = chat_request(req, conversation, tools)
-        respond = functools.partial(_respond, req=req, tools=tools, conversation=conversation, model=model_name())
+        previous = previous_response_id(data)
+        history: list[StoredRow] = []
+        if previous is not None:
+            history = await _chain(request.app[RESPONSE_STORE], tenant_id, previous, "previous_response_id", APIError(
+                404, f"previous_response_id {previous!r} names no stored response of yours (never stored, deleted, "
+                     f"made with store: false, or older than the {retention_s / 86400:g}-day retention); send the "
+                     "whole conversation as input", param="previous_response_id", code="previous_response_not_found"))
+        # A large body or a stored conversation is decoded and translated on a worker thread (prepare.py).
+        req, tools, body, inputs = await asyncio.to_thread(prepare, data, history) \
+            if history or len(data) > LARGE_BODY_BYTES else prepare(data, history)
+        if req.store is not False:
+            await _check_room(request, tenant_id, len(data))
+        respond = functools.partial(_respond, req=req, tools=tools, inputs=inputs,
+                                    ancestors=[row.id for row in history], model=model_name())
         try:
             return await run(request, body, True, respond=respond, rid_prefix="resp_")
         except APIError as err:
             raise responses_error(err) from None
+
+    async def _chain(store: ResponseStore, tenant_id: int, response_id: str, param: str,
+                     not_found: APIError) -> list[StoredRow]:
+        """The rows of the conversation ending with the tenant's response ``response_id``; ``not_found`` if there
+        is no such response, a 404 if an earlier one of it was deleted, a 400 if it is too long (naming
+        ``param``)."""
+        try:
+            chain = await store.chain_rows(tenant_id, response_id)
+        except ChainBroken as gone:
+            raise APIError(404, f"{param} {response_id!r} continues response {gone.missing!r}, which was deleted; "
+                                "send the whole conversation as input", param=param,
+                           code="previous_response_not_found") from None
+        except ChainTooLong as e:
+            raise APIError(400, f"{param} {response_id!r}: {e}; send the conversation (or a summary of it) as "
+                                "input instead", param=param) from None
+        if chain is None:
+            raise not_found
+        return chain
+
+    async def _check_room(request: web.Request, tenant_id: int, incoming: int) -> None:
+        """A 400 if storing this request (about ``incoming`` bytes) would pass the tenant's stored-response cap."""
+        cap = (await request.app[QUOTAS].limits(tenant_id)).stored_response_bytes
+        if cap is None:
+            return
+        used = await request.app[RESPONSE_STORE].stored_bytes(tenant_id)
+        if used + incoming > cap:
+            raise APIError(400, f"your stored responses hold {used} bytes and this one would pass your limit of "
+                                f"{cap} bytes; delete responses you no longer continue (DELETE /v1/responses/{{id}}), "
+                                f"let them expire, or send store: false", param="store",
+                           code="stored_responses_limit_exceeded")
 
     async def retrieve(request: web.Request) -> web.Response:
         return json_response((await _saved(request)).response)
 
     async def list_input_items(request: web.Request) -> web.Response:
         """The items the response answered (its conversation before its own output)."""
-        saved = await _saved(request)
         order = request.query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise APIError(400, "order must be 'asc' or 'desc'", param="order")
-        inputs = saved.conversation[:len(saved.conversation) - len(saved.response["output"])]
+        response_id = request.match_info["response_id"]
+        rows = await _chain(request.app[RESPONSE_STORE], request[PRINCIPAL].tenant.id, response_id, "response_id",
+                            _not_found(response_id))
+        chain = await asyncio.to_thread(decode_rows, rows)
+        inputs = conversation(chain[:-1]) + chain[-1].inputs
         items, more = stored_items.page(inputs, order, request.query.get("after"), query_limit(request, most=100))
         return json_response(list_page(items, more))
 
@@ -120,10 +157,11 @@ async def _purge(store: ResponseStore, interval_s: float) -> None:
 
 
 async def _respond(request: web.Request, body, chat: bool, stream, rid: str, created: int, plan: ChatPlan, *,
-                   req: ResponsesRequest, tools: list[FunctionTool], conversation: list[InputItem],
+                   req: ResponsesRequest, tools: list[FunctionTool], inputs: msgspec.Raw, ancestors: list[str],
                    model: str) -> web.StreamResponse:
-    """The engine's output as a response object or its events; the response is stored (``store``) before the
-    client hears it is finished."""
+    """The engine's output as a response object or its events; the response is stored (``store``: its own
+    ``inputs``, linked to the response it continued, whose chain is ``ancestors``) before the client hears it
+    is finished."""
     choices, timer = request[CHOICES], request[TIMER]
     # The adapter's name when the request's model named one (gateway.lora_adapters).
     builder = ResponseBuilder(skeleton(req, rid, created, request.get(SERVED_MODEL, model), tools), plan.output_parser())
@@ -151,9 +189,9 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         events = builder.finish(last.finish_reason, usage(choices.num_prompt_tokens, choices.num_cached_tokens,
                                                           choices.num_output_tokens))
         if req.store is not False and builder.response["status"] != "failed":
-            items = [stored_items.with_id(msgspec.to_builtins(item)) for item in conversation] + builder.output
             try:
-                await request.app[RESPONSE_STORE].put(request[PRINCIPAL].tenant.id, builder.response, items)
+                await request.app[RESPONSE_STORE].put(request[PRINCIPAL].tenant.id, builder.response, inputs,
+                                                      req.previous_response_id, ancestors)
             except SQLAlchemyError:
                 logger.exception("storing response %s failed", rid)
                 raise APIError(503, "the response was made but could not be stored (the policy database is "
@@ -163,7 +201,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
 
     if not req.stream:
         async for out, last in outputs():
-            builder.feed(out.text, out.token_ids, last)
+            builder.feed(out.text, out.token_ids, last, _cut(out, last))
         if choices.failed:
             raise output_failed()
         await finish()
@@ -180,7 +218,7 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
     await _write(response, builder.start())
     try:
         while True:
-            await _write(response, builder.feed(out.text, out.token_ids, last))
+            await _write(response, builder.feed(out.text, out.token_ids, last, _cut(out, last)))
             if last:
                 break
             out, last = await anext(events)
@@ -190,6 +228,11 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
                                  "message": err.message, "param": err.param}])
     await response.write_eof()
     return response
+
+
+def _cut(out, last: bool) -> bool:
+    """Whether the output ends here at the token limit."""
+    return last and out.finish_reason == "length"
 
 
 async def _write(response: web.StreamResponse, events: list[dict]) -> None:

@@ -5,15 +5,25 @@ a message's content as parts (``input_text``, or ``output_text`` for the assista
 status.
 """
 
+import msgspec
+
 from gateway.responses.builder import new_item_id
 
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 def with_id(item: dict) -> dict:
-    """The stored item: an input item as decoded (``type`` set), with an id of its own if it had none."""
+    """The stored item: an input item as decoded (``type`` set), with an id of its own if it had none, without
+    a reasoning item's ``encrypted_content`` (another server's, which this one can neither read nor render)."""
     kind = item.get("type") or "message"
-    return {**item, "type": kind, "id": item.get("id") or new_item_id(_ID_PREFIX[kind])}
+    stored = {**item, "type": kind, "id": item.get("id") or new_item_id(_ID_PREFIX[kind])}
+    stored.pop("encrypted_content", None)
+    return stored
+
+
+def stored(items: list) -> list[dict]:
+    """A request's decoded input items as they are stored."""
+    return [with_id(item) for item in msgspec.to_builtins(items)]
 
 
 def listed(item: dict) -> dict:

@@ -7,12 +7,10 @@ function tools and ``tool_choice`` to the chat shapes, ``text.format`` to ``resp
 raised on the way back to the Responses API's own.
 """
 
-import json
-
 from gateway.errors import APIError
 from gateway.openai_schema import (
-    ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, NamedFunction, NamedToolChoice, Tool,
-    ToolCallMessage,
+    ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, NamedFunction, NamedToolChoice,
+    SamplingFields, Tool, ToolCallMessage,
 )
 from gateway.response_format import JSONSchemaFormat, JSONSchemaSpec
 from gateway.responses.request import (
@@ -49,7 +47,8 @@ def chat_request(req: ResponsesRequest, items: list[InputItem], tools: list[Func
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, stream=req.stream, user=req.user, response_format=fmt, tools=chat_tools or None,
         tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
-        chat_template_kwargs=_effort_kwargs(req.reasoning.effort if req.reasoning else None))
+        chat_template_kwargs=_effort_kwargs(req.reasoning.effort if req.reasoning else None),
+        **{name: getattr(req, name) for name in SamplingFields.__struct_fields__})
 
 
 def _effort_kwargs(effort: str | None) -> dict | None:
@@ -65,7 +64,7 @@ def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
     turn; a function call's output is a tool turn; a developer message is a system turn (the templates know
     no developer role); reasoning items are left out (templates drop earlier turns' reasoning)."""
     out: list[ChatMessage] = []
-    for i, item in enumerate(items):
+    for item in items:
         if isinstance(item, ReasoningItem):
             continue
         if isinstance(item, FunctionCallOutputItem):
@@ -73,7 +72,6 @@ def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
             continue
         last = out[-1] if out and out[-1].role == "assistant" else None
         if isinstance(item, FunctionCallItem):
-            _check_arguments(item.arguments, i)
             call = ToolCallMessage(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             if last is None:
                 out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
@@ -93,16 +91,6 @@ def _text(content) -> str:
     if isinstance(content, str):
         return content
     return "\n".join(p.text if isinstance(p, (InputText, OutputText)) else p.refusal for p in content)
-
-
-def _check_arguments(arguments: str, i: int) -> None:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise APIError(400, f"input[{i}].arguments must be a JSON object in a string (the call's arguments, as "
-                            "the response gave them)", param=f"input[{i}].arguments")
 
 
 def responses_error(err: APIError) -> APIError:

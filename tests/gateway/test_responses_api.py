@@ -232,7 +232,11 @@ def test_previous_response_id_per_tenant(served):
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include[0]"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{", "caller": {"type": "x"}}]},
+     "input[0].caller.type"),
+    ({"input": "hi", "top_k": -2}, "top_k"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "e" * (2**20 + 1)}]},
+     "input[0].encrypted_content"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "x-bad": {"$ref": "#/nope"}, "properties": {"a": {"$ref": "#/nope"}}}}}}, "text.format"),
     ({"input": []}, "input"),
 ])
@@ -353,3 +357,97 @@ def test_quota_and_billing_as_for_chat(served):
     first, rows = _run(served, scenario, tenant="limited")
     assert len(rows) == 1 and rows[0].http_status == 200
     assert (rows[0].prompt_tokens, rows[0].completion_tokens) == (first.usage.input_tokens, first.usage.output_tokens)
+
+
+def test_vllm_sampling_fields_as_guidellm_sends_them(served):
+    """GuideLLM's Responses body (its `ResponsesRequestHandler.format`: streamed, `max_output_tokens`, `stop: null`,
+    `ignore_eos: true`, input_text parts) runs and produces exactly the tokens asked for; `seed`, `top_k`,
+    `min_tokens`, `stop` and the penalties sample as the same fields do on chat."""
+    import httpx
+
+    loop, base_url, keys, *_ = served
+    words = " ".join(random.sample(["red", "blue", "stone", "river", "cloud", "seven", "glass"], 3))
+    wanted = random.randint(12, 20)
+    guidellm = {"model": "demo", "stream": True, "max_output_tokens": wanted, "stop": None, "ignore_eos": True,
+                "instructions": "prefix words", "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                    "text": words}]}]}
+
+    async def raw_stream():
+        async with httpx.AsyncClient(base_url=base_url, timeout=120,
+                                     headers={"Authorization": f"Bearer {keys['a']}"}) as http:
+            async with http.stream("POST", "/responses", json=guidellm) as reply:
+                assert reply.status_code == 200, await reply.aread()
+                return [json.loads(line[6:]) async for line in reply.aiter_lines() if line.startswith("data: ")]
+
+    events = loop.run_until_complete(raw_stream())
+    last = events[-1]["response"]
+    assert last["usage"]["output_tokens"] == wanted, last["usage"]  # ignore_eos: never ends before the limit
+    assert last["status"] == "incomplete" and last["incomplete_details"] == {"reason": "max_output_tokens"}
+
+    fields = {"seed": random.randrange(2**31), "top_k": random.randint(2, 8), "min_tokens": 6, "stop": ["\n\n"],
+              "presence_penalty": 0.5, "repetition_penalty": 1.1, "min_p": 0.05}
+
+    async def scenario(client):
+        responses = [await client.responses.create(model="demo", input=words, max_output_tokens=10, temperature=1.0,
+                                                   extra_body=fields) for _ in range(2)]
+        chat = await client.chat.completions.create(model="demo", messages=[{"role": "user", "content": words}],
+                                                    max_tokens=10, temperature=1.0, extra_body=fields)
+        return responses, chat
+
+    responses, chat = _run(served, scenario)
+    assert responses[0].output_text == responses[1].output_text == chat.choices[0].message.content  # one seed
+    assert responses[0].usage.output_tokens == chat.usage.completion_tokens >= 6  # min_tokens held
+    assert "\n\n" not in responses[0].output_text
+
+
+def test_function_call_cut_by_the_limit_is_incomplete_and_goes_back(served):
+    """A forced call cut at max_output_tokens is an `incomplete` item of an `incomplete` response, streamed and
+    whole; its truncated arguments sent back (the SDK's own output objects, and their model_dump() with the SDK's
+    null fields `namespace`, `caller`, `async`) are taken, as on chat, and rendered as the text they are."""
+    cut_at = random.randint(3, 6)
+
+    async def scenario(client):
+        whole = await client.responses.create(model="demo", input="Weather in Paris?", tools=TOOLS, temperature=0,
+                                              tool_choice={"type": "function", "name": "get_weather"},
+                                              max_output_tokens=cut_at)
+        events = [e async for e in await client.responses.create(
+            model="demo", input="Weather in Paris?", tools=TOOLS, temperature=0, stream=True,
+            tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=cut_at)]
+        call = whole.output[-1]
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "unknown"}
+        backs = []
+        for history in ([*whole.output, result], [*(i.model_dump() for i in whole.output), result],
+                        [*(i.model_dump(by_alias=True) for i in whole.output), result]):
+            backs.append(await client.responses.create(
+                model="demo", input=[{"role": "user", "content": "Weather in Paris?"}, *history], max_output_tokens=2,
+                temperature=0))
+        chat_cut = await client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Weather in Paris?"}], temperature=0,
+            tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=cut_at)
+        message = chat_cut.choices[0].message
+        chat_back = await client.chat.completions.create(
+            model="demo", max_tokens=2, temperature=0,
+            messages=[{"role": "user", "content": "Weather in Paris?"}, message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "unknown"}])
+        return whole, events, backs, chat_cut, chat_back
+
+    whole, events, backs, chat_cut, chat_back = _run(served, scenario)
+    call = whole.output[-1]
+    assert whole.status == "incomplete" and call.type == "function_call" and call.status == "incomplete", whole
+    with pytest.raises(ValueError):
+        json.loads(call.arguments)  # cut: not a whole JSON object
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete" and done[-1].status == "incomplete"
+    assert events[-1].response.output[-1].status == "incomplete"
+    assert chat_cut.choices[0].finish_reason == "length"
+    arguments = chat_cut.choices[0].message.tool_calls[0].function.arguments
+    assert arguments == call.arguments  # the same greedy text on both routes
+    rendered = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                                                                         "function": {"name": "get_weather",
+                                                                                      "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "unknown"}]
+    expected = _prompt_tokens(served, rendered)
+    assert [b.usage.input_tokens for b in backs] == [expected] * 3
+    assert chat_back.usage.prompt_tokens == expected

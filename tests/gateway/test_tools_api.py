@@ -176,9 +176,6 @@ def test_bad_tool_requests_name_the_field(served):
         (dict(messages=[*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
                         {"role": "tool", "content": "x"}], tools=TOOLS), "messages[3].tool_call_id"),
         (dict(messages=[*QUESTION, {"role": "assistant", "content": None}]), "messages[2].content"),
-        (dict(messages=[*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
-            {**call, "function": {"name": "get_weather", "arguments": "not json"}}]}]),
-         "messages[2].tool_calls[0].function.arguments"),
         (dict(messages=QUESTION, extra_body={"continue_final_message": True, "add_generation_prompt": True}),
          "continue_final_message"),
         (dict(messages=QUESTION, extra_body={"chat_template_kwargs": {"tools": []}}), "chat_template_kwargs"),

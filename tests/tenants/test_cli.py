@@ -98,11 +98,12 @@ def test_quota_commands(db_url, capsys):
     code, out, _ = cli(capsys, db_url, "admin", "quota", "set", "acme", "--rpm", "60", "--tpm", "1000",
                        "--max-concurrency", "4", "--max-tokens", "512", "--daily-tokens", "10000",
                        "--monthly-tokens", "100000", "--max-batch-queue-tokens", "5000",
-                       "--batch-discount", "0.4", "--cache-share", "0.2", as_json=True)
+                       "--batch-discount", "0.4", "--cache-share", "0.2", "--stored-response-bytes", "7000",
+                       as_json=True)
     assert code == 0 and out == {
         "requests_per_minute": 60, "tokens_per_minute": 1000, "max_concurrency": 4, "max_tokens_per_request": 512,
         "daily_tokens": 10000, "monthly_tokens": 100000, "max_batch_queue_tokens": 5000, "batch_discount": 0.4,
-        "cache_share": 0.2, "max_stored_file_bytes": DEFAULT_MAX_STORED_FILE_BYTES}  # not set: the default cap
+        "cache_share": 0.2, "stored_response_bytes": 7000, "max_stored_file_bytes": DEFAULT_MAX_STORED_FILE_BYTES}  # not set: the default cap
     cli(capsys, db_url, "admin", "quota", "set", "acme", "--max-stored-file-bytes", "12345")
     assert cli(capsys, db_url, "admin", "quota", "show", "acme", as_json=True)[1]["max_stored_file_bytes"] == 12345
     cli(capsys, db_url, "admin", "quota", "set", "acme", "--tpm", "none", "--batch-discount", "none")
@@ -147,7 +148,10 @@ def test_usage_command(db_url, capsys):
 def test_db_upgrade_and_downgrade(tmp_path, capsys, monkeypatch):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     assert cli(capsys, url, "db", "upgrade", as_json=True)[1] == {"revision": migrate.head_revision()}
-    one_down = f"{int(migrate.head_revision()) - 1:04d}"
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(migrate.alembic_config(url))
+    one_down = script.get_revision(migrate.head_revision()).down_revision
     assert cli(capsys, url, "db", "downgrade", as_json=True)[1] == {"revision": one_down}  # one step down
     monkeypatch.setenv("MOEGATE_DATABASE_URL", url)  # the environment picks the database too
     code, out, _ = cli(capsys, None, "db", "upgrade")

@@ -78,3 +78,45 @@ def test_script_location_does_not_depend_on_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     migrate.upgrade("sqlite:///elsewhere.db")
     assert (tmp_path / "elsewhere.db").exists()
+
+
+def test_response_chain_migration_keeps_stored_conversations(empty_url):
+    """A response stored whole (its conversation, its output last) before the chain layout: after the upgrade
+    its inputs are the conversation up to its output and its size is counted; existing tenants get the default
+    stored-response cap; the downgrade gives the whole conversation back, a follow-up's included."""
+    import json
+    import random
+
+    from tenants.models import DEFAULT_STORED_RESPONSE_BYTES
+
+    migrate.upgrade(empty_url, "0007")
+    output = [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": "é" * random.randint(5, 50), "annotations": []}]}]
+    inputs = [{"type": "message", "id": "msg_0", "role": "user", "content": "x" * random.randint(5, 50)}]
+    response = json.dumps({"id": "resp_1", "object": "response", "output": output})
+    engine = create_engine(sync_url(empty_url), poolclass=pool.NullPool)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO tenants (name, priority_class, weight, status, created_at, updated_at) "
+                              "VALUES ('t', 'standard', 1.0, 'active', '2026-01-01', '2026-01-01')"))
+            conn.execute(text("INSERT INTO quotas (tenant_id, batch_discount) VALUES (1, 0.5)"))
+            conn.execute(text("INSERT INTO responses VALUES ('resp_1', 1, :r, :c, '2026-01-01', '2099-01-01')"),
+                         {"r": response, "c": json.dumps(inputs + output)})
+        migrate.upgrade(empty_url)
+        with engine.connect() as conn:
+            row = conn.execute(text("SELECT input_json, stored_bytes, parent_id FROM responses")).one()
+            cap = conn.execute(text("SELECT stored_response_bytes FROM quotas")).scalar_one()
+        assert json.loads(row[0]) == inputs and row[2] is None and cap == DEFAULT_STORED_RESPONSE_BYTES
+        assert row[1] == len(response.encode()) + len(row[0].encode())
+        with engine.begin() as conn:  # a follow-up stored in the new layout
+            conn.execute(text("INSERT INTO responses (id, tenant_id, parent_id, response_json, input_json, stored_bytes,"
+                              " created_at, expires_at) VALUES ('resp_2', 1, 'resp_1', :r, :i, 1, '2026-01-02', "
+                              "'2099-01-01')"), {"r": json.dumps({"id": "resp_2", "output": output}),
+                                                 "i": json.dumps(inputs)})
+        migrate.downgrade(empty_url, "0007")
+        with engine.connect() as conn:
+            rows = dict(conn.execute(text("SELECT id, conversation_json FROM responses")).all())
+        assert json.loads(rows["resp_1"]) == inputs + output
+        assert json.loads(rows["resp_2"]) == (inputs + output) * 2
+    finally:
+        engine.dispose()
