@@ -18,6 +18,22 @@ FAMILY_CONFIGS = {
         model_type="qwen3_moe", hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1,
         head_dim=24, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=20, norm_topk_prob=True,
     ),
+    # Hybrid linear attention: a Gated DeltaNet layer then a gated full-attention one (their 3:1 plan cut to two
+    # layers), 4 value heads over 2 key heads, partial RoPE, routed experts and a sigmoid-gated shared expert.
+    "qwen3_next": dict(
+        model_type="qwen3_next", hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True,
+        layer_types=["linear_attention", "full_attention"],
+    ),
+    # Qwen3.5-MoE's text model: the same plan, its linear layers' projections kept apart, every MLP sparse.
+    "qwen3_5_moe": dict(
+        model_type="qwen3_5_moe_text", hidden_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+        linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20,
+        shared_expert_intermediate_size=28, layer_types=["linear_attention", "full_attention"],
+    ),
     "olmoe": dict(
         model_type="olmoe", hidden_size=36, intermediate_size=28, num_attention_heads=3, num_key_value_heads=3,
         num_experts=4, num_experts_per_tok=1, clip_qkv=None,

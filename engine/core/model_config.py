@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = (
     "GptOssForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
 
 # model_type of checkpoints whose config class ships as remote code -> the transformers config it is: Kimi-K2
@@ -50,6 +52,13 @@ class ModelConfig:
     # Models whose layers differ (gpt-oss's ``layer_types``): the window of the layers in ``sliding_layers`` only.
     layer_sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # Hybrid models (Qwen3-Next, Qwen3.5): the layers with linear attention (a fixed-size state per request
+    # instead of K and V per token); empty for every other family.
+    linear_layers: tuple[int, ...] = ()
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_layers)
 
     def cfg(self, name: str, default: Any = None) -> Any:
         return getattr(self.hf_config, name, default)
@@ -122,7 +131,8 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
     sliding = getattr(hf, "sliding_window", None)
     if arch == "Qwen2MoeForCausalLM" and not getattr(hf, "use_sliding_window", False):
         sliding = None
-    if arch in ("OlmoeForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"):
+    if arch in ("OlmoeForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
+                "Qwen3_5MoeForCausalLM"):
         sliding = None  # full attention in every layer, whatever the config says
     if arch == "Dots1ForCausalLM":
         sliding = _dots1_window(hf)
@@ -150,4 +160,5 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
         torch_dtype=torch_dtype.replace("torch.", ""),
         layer_sliding_window=layer_window,
         sliding_layers=sliding_layers if layer_window else (),
+        linear_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
     )
