@@ -53,6 +53,8 @@ class HybridCausalLM(MoECausalLM, abc.ABC):
     """Base of the hybrid families: a family says how its Gated DeltaNet lays out its input projections."""
 
     deltanet_layout: str = "per_key_head"
+    # Whether the router renormalises its top-k weights (None: the config's ``norm_topk_prob``).
+    renormalize: bool | None = None
     # q, k, v of the gated attention keep their names (not packed into qkv_proj: the gate doubles q).
     weight_rules = (WeightRule(r"^(.*\.self_attn\.[qkv]_proj\.(?:weight|bias))$", r"\1"),)
 
@@ -66,7 +68,8 @@ class HybridCausalLM(MoECausalLM, abc.ABC):
             mixer = GatedAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps,
                                    bias=bool(c.cfg("attention_bias", False)))
         shared = c.cfg("shared_expert_intermediate_size", 0) or 0
-        return HybridDecoderLayer(c, mixer, qwen_mlp(c, layer_idx, moe_backend, shared_expert_size=shared, tp=self.tp))
+        return HybridDecoderLayer(c, mixer, qwen_mlp(c, layer_idx, moe_backend, shared_expert_size=shared, tp=self.tp,
+                                                      renormalize=self.renormalize))
 
     def attention_layers(self) -> list[nn.Module]:
         """The full-attention layers: the KV cache is theirs."""

@@ -1,5 +1,6 @@
 """Qwen3.5-MoE's text model: Qwen3-Next's layer plan with the linear layers' projections kept apart
-(``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) and every layer's MLP sparse. Its rope sections
+(``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), every layer's MLP sparse and its router's
+top-k weights always renormalised. Its rope sections
 (``mrope_section``) only differ from plain RoPE for image and video positions: text positions are equal in
 every section."""
 
@@ -8,3 +9,4 @@ from engine.models.hybrid import HybridCausalLM
 
 class Qwen3_5MoeForCausalLM(HybridCausalLM):
     deltanet_layout = "split"
+    renormalize = True
