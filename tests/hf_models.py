@@ -94,6 +94,27 @@ def randomize_constants_(model: torch.nn.Module, generator: torch.Generator) -> 
             t.copy_(t + (0.2 if float(t.flatten()[0]) else 0.1) * noise)
 
 
+def make_hf_image_text_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2):
+    """``family``'s text model inside its published image-text wrapper (Qwen3.5-MoE's
+    ``Qwen3_5MoeForConditionalGeneration``: the language model under ``model.language_model.``, a tiny vision
+    tower under ``model.visual.``, the config's ``text_config``), saved to ``path``; returns it (eval, float32)."""
+    from transformers import AutoModelForImageTextToText
+
+    text = {**FAMILY_CONFIGS[family], "initializer_range": 0.08}
+    text.pop("model_type")
+    config = AutoConfig.for_model(
+        family, text_config=dict(vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=1024,
+                                 eos_token_id=vocab_size - 1, bos_token_id=None, pad_token_id=0, **text),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                           out_hidden_size=text["hidden_size"], patch_size=4, num_position_embeddings=16),
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    randomize_constants_(model, torch.Generator().manual_seed(seed))
+    model.save_pretrained(path)
+    return model
+
+
 def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2, **overrides):
     """Build a random model of ``family``, save it to ``path``, return the transformers model (eval, float32)."""
     kw = {**FAMILY_CONFIGS[family], "initializer_range": 0.08, **overrides}

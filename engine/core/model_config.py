@@ -23,7 +23,11 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Qwen3NextForCausalLM",
     "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
 )
+
+# Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.
+TEXT_PART_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration",)
 
 # model_type of checkpoints whose config class ships as remote code -> the transformers config it is: Kimi-K2
 # is the DeepSeek-V3 architecture (``architectures``: DeepseekV3ForCausalLM).
@@ -102,6 +106,9 @@ def load_model_config(model_dir: str) -> ModelConfig:
         raise CheckpointError(f"{path}: cannot be parsed by transformers: {str(e).splitlines()[0]}") from None
 
     eos = raw.get("eos_token_id")
+    if arch in TEXT_PART_ARCHITECTURES:
+        hf = hf.get_text_config()
+        eos = eos if eos is not None else getattr(hf, "eos_token_id", None)
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_path):
         eos = _read_json(gen_path).get("eos_token_id", eos)
@@ -132,7 +139,7 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
     if arch == "Qwen2MoeForCausalLM" and not getattr(hf, "use_sliding_window", False):
         sliding = None
     if arch in ("OlmoeForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
-                "Qwen3_5MoeForCausalLM"):
+                "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
         sliding = None  # full attention in every layer, whatever the config says
     if arch == "Dots1ForCausalLM":
         sliding = _dots1_window(hf)

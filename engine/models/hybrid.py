@@ -79,7 +79,12 @@ class HybridCausalLM(MoECausalLM, abc.ABC):
         """The linear-attention layers: each keeps a state per running request."""
         return [layer.linear_attn for layer in self.local_layers() if hasattr(layer, "linear_attn")]
 
+    def extra_layer(self, name: str) -> bool:
+        """Also the next-token-prediction module these checkpoints keep apart (``mtp.*``)."""
+        return name.startswith("mtp.") or super().extra_layer(name)
+
     def checkpoint_layout(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        if name.endswith(_ZERO_CENTRED) or name == "model.norm.weight":
+        # The final norm: ``model.norm`` (``model.language_model.norm`` in an image-text checkpoint).
+        if name.endswith(_ZERO_CENTRED) or name.endswith("model.norm.weight"):
             return lambda w: w + 1.0
         return None

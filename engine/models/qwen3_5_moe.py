@@ -10,3 +10,14 @@ from engine.models.hybrid import HybridCausalLM
 class Qwen3_5MoeForCausalLM(HybridCausalLM):
     deltanet_layout = "split"
     renormalize = True
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """The published image-text checkpoints, served as their text model: the language model's tensors sit under
+    ``model.language_model.``, the vision tower's (``model.visual.``) are skipped, and the config's
+    ``text_config`` is the model's (``engine.core.model_config``)."""
+
+    name_aliases = (("model.language_model.", "model."),)
+
+    def extra_layer(self, name: str) -> bool:
+        return name.startswith("model.visual.") or super().extra_layer(name)

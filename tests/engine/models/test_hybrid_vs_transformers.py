@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from engine.worker.model_setup import state_slots_for_memory
 from engine.worker.state_cache import state_bytes_per_slot
 from tests.engine.models.test_vs_transformers import hf_greedy
-from tests.hf_models import make_hf_model
+from tests.hf_models import make_hf_image_text_model, make_hf_model
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 VOCAB = 211
@@ -84,3 +84,19 @@ def test_state_slots_come_from_the_memory_budget(references):
     with pytest.raises(ValueError, match="--kv-cache-memory-gb"):
         state_slots_for_memory(dataclasses.replace(config, kv_cache_memory_gb=per_slot / 2**30), engine.model,
                                torch.device("cpu"), torch.float32)
+
+
+def test_published_qwen3_5_image_text_checkpoint_serves_its_text_model(tmp_path, caplog):
+    """Qwen3.5-MoE is published as an image-text model: its language model's tensors under
+    ``model.language_model.``, a vision tower beside them (skipped, said in one log line), the text model's config
+    under ``text_config``. Its greedy text tokens equal transformers' image-text model's on text prompts."""
+    seed = random.randrange(2**31)
+    hf = make_hf_image_text_model("qwen3_5_moe", str(tmp_path), seed=seed, vocab_size=VOCAB)
+    rng = random.Random(seed)
+    reqs = [([rng.randrange(1, VOCAB - 1) for _ in range(n)], 6) for n in (5, 40)]
+    expected = [hf_greedy(hf, p, m) for p, m in reqs]
+    with caplog.at_level("INFO"):
+        llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=16, max_num_batched_tokens=16)
+    assert _generate(llm, reqs) == expected, f"seed={seed}"
+    vision = [n for n in hf.state_dict() if n.startswith("model.visual.")]
+    assert any(f"skipped {len(vision)} tensors" in r.message for r in caplog.records), caplog.text
