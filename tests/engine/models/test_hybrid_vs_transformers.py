@@ -69,11 +69,14 @@ def test_unsupported_features_are_refused_at_start(references):
         LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=8, speculative="ngram")
 
 
-def test_state_slots_come_from_the_memory_budget(references):
-    """Slots: one per request max_num_seqs lets run, within half the budget; a budget that cannot hold one is a
-    ValueError naming the flag."""
+def test_state_slots_come_from_the_memory_budget(references, caplog):
+    """Slots: one per request max_num_seqs lets run, within half the budget, said at start beside the KV blocks;
+    a budget that cannot hold one is a ValueError naming the flag."""
     path = references("qwen3_5_moe")[0]
-    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=8, max_num_seqs=64)
+    with caplog.at_level("INFO"):
+        llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=8, max_num_seqs=64)
+    sizing = [r.message for r in caplog.records if r.message.startswith("state cache: ")]
+    assert len(sizing) == 1 and "64 slots" in sizing[0] and "KV cache: 8 blocks of 16 tokens" in sizing[0], sizing
     engine = llm.engine
     per_slot = state_bytes_per_slot(engine.model, torch.float32)
     # conv [C, K - 1] + state [h, dk, dv] (float32) of the one linear layer: C = 2 * 1 * 12 + 3 * 8
