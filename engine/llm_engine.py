@@ -8,6 +8,7 @@ import torch
 
 from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
 from engine.text.prompts import InputProcessor
+from engine.core.hybrid_support import check_hybrid_support
 from engine.core.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
 from engine.distributed.groups import CollectiveError
@@ -67,6 +68,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.model_config = engine_model_config(config)
+        check_hybrid_support(config, self.model_config)
         self.ranks: EngineRanks | None = None
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)

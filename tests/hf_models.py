@@ -18,6 +18,22 @@ FAMILY_CONFIGS = {
         model_type="qwen3_moe", hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1,
         head_dim=24, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=20, norm_topk_prob=True,
     ),
+    # Hybrid linear attention: a Gated DeltaNet layer then a gated full-attention one (their 3:1 plan cut to two
+    # layers), 4 value heads over 2 key heads, partial RoPE, routed experts and a sigmoid-gated shared expert.
+    "qwen3_next": dict(
+        model_type="qwen3_next", hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True,
+        layer_types=["linear_attention", "full_attention"],
+    ),
+    # Qwen3.5-MoE's text model: the same plan, its linear layers' projections kept apart, every MLP sparse.
+    "qwen3_5_moe": dict(
+        model_type="qwen3_5_moe_text", hidden_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+        linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20,
+        shared_expert_intermediate_size=28, layer_types=["linear_attention", "full_attention"],
+    ),
     "olmoe": dict(
         model_type="olmoe", hidden_size=36, intermediate_size=28, num_attention_heads=3, num_key_value_heads=3,
         num_experts=4, num_experts_per_tok=1, clip_qkv=None,
@@ -76,6 +92,27 @@ def randomize_constants_(model: torch.nn.Module, generator: torch.Generator) -> 
         if t.numel() > 1 and bool((t == t.flatten()[0]).all()):
             noise = torch.randn(t.shape, generator=generator, dtype=torch.float32)
             t.copy_(t + (0.2 if float(t.flatten()[0]) else 0.1) * noise)
+
+
+def make_hf_image_text_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2):
+    """``family``'s text model inside its published image-text wrapper (Qwen3.5-MoE's
+    ``Qwen3_5MoeForConditionalGeneration``: the language model under ``model.language_model.``, a tiny vision
+    tower under ``model.visual.``, the config's ``text_config``), saved to ``path``; returns it (eval, float32)."""
+    from transformers import AutoModelForImageTextToText
+
+    text = {**FAMILY_CONFIGS[family], "initializer_range": 0.08}
+    text.pop("model_type")
+    config = AutoConfig.for_model(
+        family, text_config=dict(vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=1024,
+                                 eos_token_id=vocab_size - 1, bos_token_id=None, pad_token_id=0, **text),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                           out_hidden_size=text["hidden_size"], patch_size=4, num_position_embeddings=16),
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    randomize_constants_(model, torch.Generator().manual_seed(seed))
+    model.save_pretrained(path)
+    return model
 
 
 def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2, **overrides):

@@ -447,9 +447,12 @@ class CacheConfig:
     # The window of the sliding-window layers when they keep their own block tables (a second cache group whose
     # blocks go back to the pool once the window has passed them); None: one block table for every layer.
     sliding_window: int | None = None
+    # Hybrid models: fixed-size recurrent states, one per running request (``engine.core.state_slots``), taken
+    # from the same memory budget as the blocks; 0: the model keeps none.
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
-        assert self.block_size >= 1 and self.num_blocks >= 1
+        assert self.block_size >= 1 and self.num_blocks >= 1 and self.num_state_slots >= 0
 
 
 @dataclass(slots=True)

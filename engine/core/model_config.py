@@ -21,7 +21,13 @@ SUPPORTED_ARCHITECTURES = (
     "GptOssForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
 )
+
+# Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.
+TEXT_PART_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration",)
 
 # model_type of checkpoints whose config class ships as remote code -> the transformers config it is: Kimi-K2
 # is the DeepSeek-V3 architecture (``architectures``: DeepseekV3ForCausalLM).
@@ -50,6 +56,13 @@ class ModelConfig:
     # Models whose layers differ (gpt-oss's ``layer_types``): the window of the layers in ``sliding_layers`` only.
     layer_sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # Hybrid models (Qwen3-Next, Qwen3.5): the layers with linear attention (a fixed-size state per request
+    # instead of K and V per token); empty for every other family.
+    linear_layers: tuple[int, ...] = ()
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_layers)
 
     def cfg(self, name: str, default: Any = None) -> Any:
         return getattr(self.hf_config, name, default)
@@ -93,6 +106,9 @@ def load_model_config(model_dir: str) -> ModelConfig:
         raise CheckpointError(f"{path}: cannot be parsed by transformers: {str(e).splitlines()[0]}") from None
 
     eos = raw.get("eos_token_id")
+    if arch in TEXT_PART_ARCHITECTURES:
+        hf = hf.get_text_config()
+        eos = eos if eos is not None else getattr(hf, "eos_token_id", None)
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_path):
         eos = _read_json(gen_path).get("eos_token_id", eos)
@@ -122,7 +138,8 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
     sliding = getattr(hf, "sliding_window", None)
     if arch == "Qwen2MoeForCausalLM" and not getattr(hf, "use_sliding_window", False):
         sliding = None
-    if arch in ("OlmoeForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"):
+    if arch in ("OlmoeForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
+                "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
         sliding = None  # full attention in every layer, whatever the config says
     if arch == "Dots1ForCausalLM":
         sliding = _dots1_window(hf)
@@ -150,4 +167,5 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
         torch_dtype=torch_dtype.replace("torch.", ""),
         layer_sliding_window=layer_window,
         sliding_layers=sliding_layers if layer_window else (),
+        linear_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
     )

@@ -56,6 +56,7 @@ from engine.core.kv_cache_manager import CachedPrefix, KVCacheManager, PrefixTie
 from engine.core.lora_residency import LoraLoad, LoraResidency
 from engine.core.request import Request, RequestStatus
 from engine.core.speculation import Speculator, accepted_prefix
+from engine.core.state_slots import StateSlots
 from engine.core.stats import SchedulerStats
 from engine.core.waiting_queue import VirtualTokenCounter, WaitingQueue
 
@@ -87,10 +88,13 @@ class ScheduledRequest:
     window_block_ids: list[int] = field(default_factory=list)
     # The LoRA adapter the part runs under (None: the base model), for ranks whose plans carry no ``request``.
     lora_adapter: str | None = None
+    # Hybrid models: the request's slot in the state cache (``engine.core.state_slots``); -1: the model keeps none.
+    state_slot: int = -1
 
     @classmethod
     def of(cls, request: Request, num_new_tokens: int, block_ids: list[int], sample: bool,
-           drafts: list[int] | None = None, window_block_ids: list[int] | None = None) -> "ScheduledRequest":
+           drafts: list[int] | None = None, window_block_ids: list[int] | None = None,
+           state_slot: int = -1) -> "ScheduledRequest":
         start = request.num_computed_tokens
         rows = 0
         if request.sampling_params.prompt_logprobs is not None:
@@ -98,7 +102,7 @@ class ScheduledRequest:
         drafts = drafts or []
         known = request.all_token_ids[start:start + num_new_tokens - len(drafts)]
         return cls(request, num_new_tokens, block_ids, sample, start, known + drafts, rows, drafts,
-                   window_block_ids or [])
+                   window_block_ids or [], state_slot=state_slot)
 
 
 @dataclass(slots=True)
@@ -146,6 +150,8 @@ class Scheduler:
         self.speculator = speculator
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.sliding_window, tiers)
+        # Hybrid models' recurrent states: a slot per running request (None: the model keeps none).
+        self.states = StateSlots(cache_config.num_state_slots) if cache_config.num_state_slots else None
         self.vtc = VirtualTokenCounter()
         self.waiting = WaitingQueue(self.vtc)
         self.running: list[Request] = []
@@ -214,6 +220,8 @@ class Scheduler:
             self.lora.request_ended(adapter)
         request.status = status
         self.kv.free(request)
+        if self.states is not None:
+            self.states.free(request.request_id)
         del self.requests[request.request_id]
         self._num_foreground -= not request.policy.background
         self.vtc.on_departure(request.policy.tenant)
@@ -243,6 +251,8 @@ class Scheduler:
     def _preempt(self, victim: Request, preempted: list[str]) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
+        if self.states is not None:  # its state is recomputed from its first token on resume, as its KV is
+            self.states.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -415,7 +425,7 @@ class Scheduler:
                 return
             if self._wait_for_adapter(request):
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= self.config.max_num_seqs or (self.states is not None and not self.states.num_free):
                 victim = self._admission_victim(request)
                 if victim is None:
                     return
@@ -450,6 +460,8 @@ class Scheduler:
                 request.first_scheduled_time = self.clock()
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_seq)
+            if self.states is not None:
+                self.states.allocate(request.request_id)
             bisect.insort(self.running, request, key=_running_order)
             self._add_scheduled(request, num_new)
 
@@ -464,7 +476,8 @@ class Scheduler:
         sample = request.num_computed_tokens + num_new - len(drafts or ()) == request.num_tokens
         rid = request.request_id
         self._scheduled.append(ScheduledRequest.of(request, num_new, self.kv.block_ids(rid), sample, drafts,
-                                                   self.kv.window_block_ids(rid)))
+                                                   self.kv.window_block_ids(rid),
+                                                   self.states.slot(rid) if self.states is not None else -1))
         self._served.add(request.request_id)
         self._budget -= num_new
         if request.policy.background:

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_batch.state_metadata import StateMetadata
+
 
 @dataclass(slots=True)
 class DecodeGroup:
@@ -45,6 +47,8 @@ class AttentionMetadata:
     # the masks of that window, for the layers that use it (and their own slots and block tables where those
     # layers are a cache group of their own); None when every layer reads the masks above.
     windowed: "AttentionMetadata | None" = None
+    # Hybrid models: each request's state slot, read by the linear-attention layers (None: no such layers).
+    states: StateMetadata | None = None
 
     def for_window(self, own_window: bool) -> "AttentionMetadata":
         """The metadata a layer reads: ``windowed`` for a layer with its own window, else this."""
@@ -83,6 +87,7 @@ class TritonAttentionMetadata:
     # The sliding-window layers' own cache group: the same batch over that group's slots and block tables
     # (lengths and tiles shared); None when every layer reads the tables above.
     windowed: "TritonAttentionMetadata | None" = None
+    states: StateMetadata | None = None  # as ``AttentionMetadata.states``
 
     def for_window(self, own_window: bool) -> "TritonAttentionMetadata":
         """The metadata a layer reads: ``windowed`` for a layer with its own window where the batch has it (the

@@ -23,3 +23,20 @@ class CacheSpec:
 
     def bytes_per_token(self, model_dtype: torch.dtype) -> int:
         return self.values_per_token() * (self.dtype or model_dtype).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """The fixed-size state one linear-attention layer keeps per running request (whatever its length).
+
+    ``conv``: the last ``kernel - 1`` inputs of its short convolution, ``[channels, kernel - 1]`` in the model's
+    dtype; ``recurrent``: its key-to-value state, ``[heads, key_dim, value_dim]`` in float32 (it accumulates over
+    every token, so it is kept at the precision the reference computes it in).
+    """
+
+    conv: tuple[int, ...]
+    recurrent: tuple[int, ...]
+    recurrent_dtype: torch.dtype = torch.float32
+
+    def bytes_per_slot(self, model_dtype: torch.dtype) -> int:
+        return math.prod(self.conv) * model_dtype.itemsize + math.prod(self.recurrent) * self.recurrent_dtype.itemsize

@@ -1,6 +1,6 @@
 """The model a command is about to serve, checked before any process starts: the demo model written if it is
-the one named and missing; a bad checkpoint, a random-weight model its tokenizer does not fit, or a model that
-cannot be split as the config says is bad input (ValueError: one line, exit 2)."""
+the one named and missing; a bad checkpoint, a random-weight model its tokenizer does not fit, a model that
+cannot be split as the config says, or a hybrid model with a setting it is not served with yet is bad input (ValueError: one line, exit 2)."""
 
 import os
 
@@ -25,8 +25,11 @@ def check_model(config: EngineConfig) -> None:
         model_config = random_model_config(config.random_weights)
         check_vocabulary(load_tokenizer(files), model_config.vocab_size, files)
     else:
+        from engine.core.hybrid_support import check_hybrid_support
+
         model_config = load_model_config(config.model)
         checkpoint_files(config.model)
+        check_hybrid_support(config, model_config)  # a setting a hybrid model's states do not follow yet
     if config.pipeline_parallel_size > 1:  # ValueError when a stage would get no layer
         from engine.distributed.pipeline import stage_layers
 

@@ -255,8 +255,8 @@ def load_weights(model: MoECausalLM, model_dir: str, on_complete: Callable[[str]
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({str(e).splitlines()[0]})") from None
     if extra:
-        logger.info("%s: skipped %d tensors of layers past num_hidden_layers=%d (next-token-prediction layers, "
-                    "not used for serving)", model_dir, extra, model.config.num_layers)
+        logger.info("%s: skipped %d tensors of layers past num_hidden_layers=%d (next-token-prediction layers) "
+                    "or of a vision tower, not used for serving", model_dir, extra, model.config.num_layers)
     if model.config.tie_word_embeddings and "lm_head.weight" in written:
         written["lm_head.weight"] = written.get("model.embed_tokens.weight", 0)
     missing = [n for n, size in sizes.items() if written.get(n, 0) < size]

@@ -9,12 +9,15 @@ from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.qwen2_moe import Qwen2MoeForCausalLM
+from engine.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     cls.__name__: cls
     for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM,
-                Dots1ForCausalLM, MiniMaxM2ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)
+                Dots1ForCausalLM, MiniMaxM2ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
+                Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration)
 }
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]

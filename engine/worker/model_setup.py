@@ -18,6 +18,7 @@ from engine.models import MoECausalLM
 from engine.worker.draft_model import DraftProposer
 from engine.worker.cache_groups import kv_bytes_per_block, sliding_group_window
 from engine.worker.runner import ModelRunner
+from engine.worker.state_cache import linear_layers, state_bytes_per_slot
 
 logger = logging.getLogger(__name__)
 
@@ -91,23 +92,47 @@ def load_draft_model(config: EngineConfig, model_config: ModelConfig, kernels: K
     return model
 
 
+def _memory_budget(config: EngineConfig, device: torch.device) -> float:
+    """Bytes the KV pool (and a hybrid model's state slots) may take on this rank."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free - (1 - config.gpu_memory_utilization) * total
+    return config.kv_cache_memory_gb * 2**30
+
+
+def _agree(model: MoECausalLM, count: int) -> int:
+    """The smallest ``count`` over every rank of the engine (each stage caches only its layers)."""
+    agree = model.stage.plans if model.stage.pipelined else model.tp
+    return agree.min_over_ranks(count)
+
+
+def state_slots_for_memory(config: EngineConfig, model: MoECausalLM, device: torch.device, dtype: torch.dtype) -> int:
+    """A hybrid model's state slots: one per request ``max_num_seqs`` lets run, within half the memory budget
+    (the rest holds the full-attention layers' KV blocks); 0 for a model without linear-attention layers."""
+    per_slot = state_bytes_per_slot(model, dtype)
+    if not per_slot:
+        return 0
+    budget = _memory_budget(config, device)
+    slots = min(config.max_num_seqs, int(budget / 2 // per_slot))
+    if slots < 1:
+        raise ValueError(f"the KV cache's memory ({budget / 2**20:.0f} MiB) cannot hold one request's recurrent "
+                         f"state twice ({per_slot / 2**20:.1f} MiB): raise --kv-cache-memory-gb (CPU) or "
+                         "--gpu-memory-utilization")
+    return _agree(model, slots)
+
+
 def kv_blocks_for_memory(config: EngineConfig, model: MoECausalLM, device: torch.device, dtype: torch.dtype,
-                         draft: MoECausalLM | None = None) -> int:
+                         draft: MoECausalLM | None = None, reserved: float = 0) -> int:
     """KV blocks this rank's memory budget holds (``num_kv_blocks`` if set); ranks agree on the smallest. A
-    block's bytes include the draft model's K/V of its tokens, if there is one."""
+    block's bytes include the draft model's K/V of its tokens, if there is one; ``reserved`` bytes of the budget
+    are taken already (a hybrid model's state slots)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model, config.block_size, dtype, sliding_group_window(model))
     if draft is not None:
         per_block += kv_bytes_per_block(draft, config.block_size, dtype)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - config.gpu_memory_utilization) * total
-    else:
-        budget = config.kv_cache_memory_gb * 2**30
-    # Every rank of the engine (each stage caches only its layers) agrees on the smallest.
-    agree = model.stage.plans if model.stage.pipelined else model.tp
-    return agree.min_over_ranks(max(int(budget // per_block), 1))
+    budget = _memory_budget(config, device) - reserved
+    return _agree(model, max(int(budget // per_block), 1))
 
 
 def attention_backend(model: MoECausalLM, wanted: str) -> str:
@@ -119,12 +144,24 @@ def attention_backend(model: MoECausalLM, wanted: str) -> str:
     return wanted
 
 
+def log_state_cache(model: MoECausalLM, slots: int, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    """The pool's sizing at start: the state slots beside the KV blocks, and what each costs."""
+    per_slot = state_bytes_per_slot(model, dtype)
+    per_block = kv_bytes_per_block(model, block_size, dtype)
+    logger.info("state cache: %d slots (one per running request) of %.2f MiB over %d linear-attention layers "
+                "= %.1f MiB; KV cache: %d blocks of %d tokens, %.3f MiB each over %d full-attention layers = %.1f MiB",
+                slots, per_slot / 2**20, len(linear_layers(model)), slots * per_slot / 2**20, num_blocks, block_size,
+                per_block / 2**20, len(model.attention_layers()), num_blocks * per_block / 2**20)
+
+
 def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheConfig, kernels: KernelChoice,
                 device: torch.device, dtype: torch.dtype, max_len: int) -> ModelRunner:
     """The runner over ``model`` with its KV caches, MoE kernels compiled and, where they apply, decode and
     piecewise CUDA graphs."""
     attention = attention_backend(model, kernels.attention)
     runner = ModelRunner(model, cache_config, device, dtype, config.seed, attention)
+    # The linear-attention layers read host-built state metadata in Python loops: no graphs capture them yet.
+    eager = config.enforce_eager or cache_config.num_state_slots > 0
     # The torch MoE backend reads expert counts on the host, which a graph capture forbids.
     graph_safe_moe = kernels.moe != "torch"
     if device.type == "cuda" and graph_safe_moe:
@@ -132,13 +169,13 @@ def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheCon
 
         warm_up_moe(model, config.max_num_batched_tokens, device, dtype)
     # Captured graphs would replay one rank's collectives alone: several ranks run eagerly.
-    if (device.type == "cuda" and attention == "triton" and graph_safe_moe and not config.enforce_eager
+    if (device.type == "cuda" and attention == "triton" and graph_safe_moe and not eager
             and model.tp.size == 1 and model.tp.expert_parallel is None and not model.stage.pipelined):
         from engine.transforms.cuda_graphs import enable_decode_graphs
 
         enable_decode_graphs(runner, config.cuda_graph_batch_sizes, config.max_num_seqs, max_len)
     # Prefill and mixed steps: attention runs eagerly between the captured pieces, so either attention backend.
-    if device.type == "cuda" and graph_safe_moe and not config.enforce_eager and model.tp.size == 1 \
+    if device.type == "cuda" and graph_safe_moe and not eager and model.tp.size == 1 \
             and model.tp.expert_parallel is None and not model.stage.pipelined and config.cuda_graph_token_sizes != ():
         from engine.transforms.piecewise_graphs import default_token_sizes, enable_piecewise_graphs
 
@@ -174,7 +211,16 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
         blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         balancer = ExpertBalancer(blocks, tp.expert_parallel.tp, config.num_redundant_experts,
                                   config.eplb_window_steps, config.eplb_interval_steps, device)
-    num_blocks = kv_blocks_for_memory(config, model, device, dtype, draft)
+    state_slots = state_slots_for_memory(config, model, device, dtype)
+    num_blocks = kv_blocks_for_memory(config, model, device, dtype, draft,
+                                      state_slots * state_bytes_per_slot(model, dtype))
+    prefix_caching = config.enable_prefix_caching
+    if state_slots:
+        log_state_cache(model, state_slots, num_blocks, config.block_size, dtype)
+        if prefix_caching:
+            logger.info("prefix caching is off for this hybrid model: its cached blocks would carry no "
+                        "linear-attention state to resume from")
+            prefix_caching = False
     window = sliding_group_window(model)
     if window is not None:
         logger.info("KV cache: the %d-token sliding-window layers keep their own block tables, their blocks "
@@ -186,7 +232,7 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
         bound = sliding_blocks_bound(window, config.block_size, config.max_num_batched_tokens)
         max_blocks = max(num_blocks // 2, num_blocks - bound)
     max_len = min(max_len, max_blocks * config.block_size)
-    cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching, window)
+    cache_config = CacheConfig(config.block_size, num_blocks, prefix_caching, window, state_slots)
     runner = make_runner(config, model, cache_config, kernels, device, dtype, max_len)
     runner.micro_batches = config.pipeline_micro_batches
     if config.overlaps_pipeline_steps and model.stage.is_first:

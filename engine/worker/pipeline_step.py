@@ -56,7 +56,7 @@ def micro_batches(scheduled: list[ScheduledRequest], count: int) -> list[list[Sc
             last = done + n == s.num_new_tokens
             out[index].append(s if done == 0 and last else ScheduledRequest(
                 s.request, n, s.block_ids, s.sample and last, s.start + done, s.token_ids[done:done + n],
-                window_block_ids=s.window_block_ids))
+                window_block_ids=s.window_block_ids, state_slot=s.state_slot))
             done += n
             room -= n
     return out + [waiting] if waiting else out

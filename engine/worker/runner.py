@@ -12,6 +12,7 @@ from engine.models import MoECausalLM
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
 from engine.worker.cache_groups import cache_slots
 from engine.worker.kv_memory import zeros_on_first_touch
+from engine.worker.state_cache import attach_state_caches, step_states
 from engine.eplb.expert_load import ExpertLoadReader
 from engine.worker.pipeline_overlap import StageZeroSteps
 from engine.worker.step_samples import StepSamples
@@ -79,6 +80,10 @@ class ModelRunner:
         self.num_steps = 0  # execute() calls that ran a forward
         self.group_steps = 0  # steps with a forward or a dummy step (with peer replicas): expert balancing's clock
         self.kv_caches = attach_kv_caches(model, cache_config, device, dtype)
+        # Hybrid models: the linear-attention layers' states, one per slot (``engine.core.state_slots``).
+        self.state_slots = cache_config.num_state_slots
+        if self.state_slots:
+            attach_state_caches(model, self.state_slots, device, dtype)
         # The sliding-window layers read their own block tables (a second KV cache group, ``cache_groups``).
         self.window_tables = cache_config.sliding_window is not None
         self.sliding_window = model.config.sliding_window
@@ -96,8 +101,11 @@ class ModelRunner:
     # ---- batch construction -----------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:
         """The step's flat batch (input_ids [T], positions [T], metadata, sampling rows) on the device."""
-        return build_batch(scheduled, self.attention_backend, self.block_size, self.sliding_window,
-                           self.model.num_local_kv_heads, self.device, self.model.config.layer_sliding_window)
+        batch = build_batch(scheduled, self.attention_backend, self.block_size, self.sliding_window,
+                            self.model.num_local_kv_heads, self.device, self.model.config.layer_sliding_window)
+        if self.state_slots:
+            batch.meta.states = step_states(scheduled, batch.scheduled_ranges, self.device)
+        return batch
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """hidden [T, H] of the batch: a whole-forward CUDA graph for decode-only batches it covers, piecewise
@@ -281,5 +289,5 @@ class ModelRunner:
 def follower_plan(sched_out: SchedulerOutput) -> list[ScheduledRequest]:
     """The step as plain data for the other ranks: each scheduled part without the scheduler's Request."""
     return [ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids, s.prompt_logprob_rows,
-                             s.draft_token_ids, s.window_block_ids, s.request.policy.lora_adapter)
+                             s.draft_token_ids, s.window_block_ids, s.request.policy.lora_adapter, s.state_slot)
             for s in sched_out.scheduled]

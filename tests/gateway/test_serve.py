@@ -5,11 +5,15 @@ keys and quotas in a fresh SQLite database.
 """
 
 import asyncio
+import json
+import os
 import random
+import shutil
 import time
 
 import openai
 import pytest
+import torch
 from aiohttp.test_utils import TestServer
 
 from engine import LLM, SamplingParams
@@ -20,6 +24,8 @@ from gateway.app import METRICS_URL, create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
 from tenants.store import TenantStore
+from tests.gateway.serve_process import free_port, start_server, stop_server, wait_ready
+from tests.hf_models import make_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -326,3 +332,41 @@ def test_overload_sheds_batch_and_serves_realtime(demo_dir, tmp_path):
             assert {r[0] for r in bulk} <= {200, 503} and any(r[0] == 200 for r in bulk)
 
     asyncio.run(scenario())
+
+
+def test_moegate_serve_answers_chat_on_a_hybrid_checkpoint(demo_dir, tmp_path):
+    """`moegate serve --model DIR` (a real process) on a tiny hybrid linear-attention checkpoint (Qwen3-Next's
+    layers with the demo model's tokenizer and chat template) answers the official client's chat request with
+    transformers' greedy reply to the same rendered prompt."""
+    from transformers import AutoTokenizer
+
+    seed = random.randrange(2**31)
+    model = str(tmp_path / "hybrid")
+    os.makedirs(model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # copied: the module's demo checkpoint stays as it is
+        shutil.copy(os.path.join(demo_dir, name), model)
+    with open(os.path.join(demo_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    hf = make_hf_model("qwen3_next", model, seed=seed, vocab_size=vocab)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    messages = [{"role": "user", "content": "Name three rivers of Europe, briefly."}]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          eos_token_id=hf.config.eos_token_id, pad_token_id=hf.config.eos_token_id)
+    generated = [t for t in out[0, len(prompt):].tolist() if t != hf.config.eos_token_id]
+
+    port = free_port()
+    proc, key = start_server(model, f"sqlite:///{tmp_path / 'policy.db'}", port, "--data-dir", str(tmp_path / "data"),
+                             "--served-model-name", "hybrid", "--reasoning-parser", "none", "--tool-call-parser", "none")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_ready(url))
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="hybrid", messages=messages, max_tokens=8, temperature=0)
+    finally:
+        stop_server(proc)
+    assert reply.usage.prompt_tokens == len(prompt), f"seed={seed}"
+    assert reply.usage.completion_tokens == len(generated), f"seed={seed}"
+    assert reply.choices[0].message.content == tokenizer.decode(generated, skip_special_tokens=True), f"seed={seed}"

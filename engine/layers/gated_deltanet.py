@@ -1,0 +1,130 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5): a linear-attention layer with a fixed-size state per request.
+
+Legend: T scheduled tokens, D decode requests, H hidden, hk key heads, h value heads (r = h / hk per key head),
+dk key dim, dv value dim, C conv channels (2 hk dk + h dv), K conv kernel, S state slots.
+
+Per token: project to q, k, v (and the output gate z, the write strength b, the decay input a), run q, k, v
+through a causal depthwise convolution of K taps (SiLU), L2-normalize q and k, then the gated delta rule
+(``engine.layers.delta_rule``) over each request's state, RMSNorm each head's output gated by SiLU(z), and
+project back. The state (the conv's last K - 1 inputs and the rule's [h, dk, dv] matrix) lives in the state
+cache at the request's slot (``StateMetadata``), carried between prefill chunks and decode steps.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.device_batch.state_metadata import StateMetadata
+from engine.layers.cache_spec import StateSpec
+from engine.layers.delta_rule import chunked_delta_rule, recurrent_delta_rule
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim (the published models' normalisation, eps inside the root)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+# How checkpoints lay out the input projections: Qwen3-Next packs q, k, v, z per key head (``in_proj_qkvz``) and
+# b, a likewise (``in_proj_ba``); Qwen3.5 keeps q, k, v contiguous (``in_proj_qkv``) and z, b, a apart.
+LAYOUTS = ("per_key_head", "split")
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, num_key_heads: int, num_value_heads: int, key_dim: int, value_dim: int,
+                 conv_kernel: int, rms_norm_eps: float, layout: str) -> None:
+        super().__init__()
+        assert layout in LAYOUTS, layout
+        if num_value_heads % num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({num_key_heads})")
+        self.layout = layout
+        self.hk, self.h, self.dk, self.dv = num_key_heads, num_value_heads, key_dim, value_dim
+        self.key_size, self.value_size = num_key_heads * key_dim, num_value_heads * value_dim
+        self.channels = 2 * self.key_size + self.value_size  # C
+        self.kernel = conv_kernel
+        if layout == "per_key_head":
+            self.in_proj_qkvz = nn.Linear(hidden_size, self.channels + self.value_size, bias=False)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * num_value_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, self.channels, bias=False)
+            self.in_proj_z = nn.Linear(hidden_size, self.value_size, bias=False)
+            self.in_proj_b = nn.Linear(hidden_size, num_value_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden_size, num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.channels, self.channels, conv_kernel, groups=self.channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(num_value_heads))
+        self.A_log = nn.Parameter(torch.empty(num_value_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(value_dim))
+        self.eps = rms_norm_eps
+        self.out_proj = nn.Linear(self.value_size, hidden_size, bias=False)
+        # (conv [S, C, K - 1], recurrent [S, h, dk, dv]); bound by the runner once the state cache is allocated.
+        self.state_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+
+    def state_spec(self) -> StateSpec:
+        return StateSpec((self.channels, self.kernel - 1), (self.h, self.dk, self.dv))
+
+    def forward(self, x: torch.Tensor, states: StateMetadata) -> torch.Tensor:
+        """x [T, H] -> [T, H]; reads and updates each request's state at its slot."""
+        mixed, z, b, a = self._project(x)  # [T, C], [T, h, dv], [T, h], [T, h]
+        mixed = self._convolve(mixed, states)  # [T, C]
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        num_tokens = x.shape[0]
+        q = _l2norm(q.float().view(num_tokens, self.hk, self.dk)) * self.dk ** -0.5
+        k = _l2norm(k.float().view(num_tokens, self.hk, self.dk))
+        r = self.h // self.hk
+        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # [T, h, dk]: value head j reads key head j // r
+        v = v.view(num_tokens, self.h, self.dv)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, h] log decay, <= 0
+        core = self._delta_rule(q, k, v, g, beta, states).to(x.dtype)  # [T, h, dv]
+        return self.out_proj(self._gated_norm(core, z).reshape(num_tokens, self.value_size))
+
+    def _project(self, x: torch.Tensor):
+        num_tokens = x.shape[0]
+        if self.layout == "split":
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(num_tokens, self.h, self.dv), self.in_proj_b(x),
+                    self.in_proj_a(x))
+        r = self.h // self.hk
+        per_head = self.in_proj_qkvz(x).view(num_tokens, self.hk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = per_head.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(num_tokens, self.hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)], dim=-1)
+        return mixed, z.reshape(num_tokens, self.h, self.dv), b.reshape(num_tokens, self.h), a.reshape(num_tokens, self.h)
+
+    def _convolve(self, mixed: torch.Tensor, states: StateMetadata) -> torch.Tensor:
+        """The causal depthwise conv with SiLU over each request's tokens, continuing from its last K - 1 inputs."""
+        conv_cache = self.state_cache[0]  # [S, C, K - 1]
+        weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        out = torch.empty_like(mixed)
+        d = states.num_decodes
+        if d:
+            slots = states.decode_slots
+            past = conv_cache[slots].masked_fill(states.decode_fresh[:, None, None], 0.0)  # [D, C, K - 1]
+            window = torch.cat([past, mixed[:d, :, None]], dim=-1)  # [D, C, K]
+            out[:d] = F.silu((window * weight).sum(-1))
+            conv_cache[slots] = window[:, :, 1:]
+        for row, end, slot, fresh in states.prefills:
+            past = conv_cache.new_zeros(self.channels, self.kernel - 1) if fresh else conv_cache[slot]
+            seq = torch.cat([past, mixed[row:end].t()], dim=-1)  # [C, K - 1 + L]
+            out[row:end] = F.silu(F.conv1d(seq[None], weight[:, None, :], groups=self.channels)[0]).t()
+            conv_cache[slot] = seq[:, seq.shape[1] - (self.kernel - 1):]
+        return out
+
+    def _delta_rule(self, q, k, v, g, beta, states: StateMetadata) -> torch.Tensor:
+        rec_cache = self.state_cache[1]  # [S, h, dk, dv]
+        out = torch.empty(q.shape[0], self.h, self.dv, dtype=torch.float32, device=q.device)
+        d = states.num_decodes
+        if d:
+            slots = states.decode_slots
+            past = rec_cache[slots].masked_fill(states.decode_fresh[:, None, None, None], 0.0)
+            out[:d], rec_cache[slots] = recurrent_delta_rule(q[:d], k[:d], v[:d], g[:d], beta[:d], past)
+        for row, end, slot, fresh in states.prefills:
+            past = rec_cache.new_zeros(self.h, self.dk, self.dv) if fresh else rec_cache[slot]
+            out[row:end], rec_cache[slot] = chunked_delta_rule(q[row:end], k[row:end], v[row:end], g[row:end],
+                                                                beta[row:end], past)
+        return out
+
+    def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each head's dv values (float32, scaled in the model dtype), times SiLU(z)."""
+        x32 = core.float()
+        normed = self.norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(core.dtype)
+        return (normed * F.silu(z.float())).to(core.dtype)
