@@ -12,7 +12,7 @@ from engine.core.hybrid_support import check_hybrid_support
 from engine.core.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
 from engine.distributed.groups import CollectiveError
-from engine.distributed.pipeline import STAGE_TIMINGS, WHOLE, StageTiming
+from engine.distributed.pipeline import WHOLE, StageTiming
 from engine.ranks.engine_ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
@@ -23,6 +23,7 @@ from engine.worker.lora_setup import serve_adapters
 from engine.worker.cpu_allocator import keep_freed_memory
 from engine.worker.model_setup import build_rank, engine_model_config, resolve_dtype
 from engine.worker.pipeline_overlap import PipelinedSteps
+from engine.worker.rank_messages import AskStageTimings
 from engine.worker.runner import follower_plan
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, waits_for_step_in_flight
 from engine.core.sampling_params import SamplingParams
@@ -439,7 +440,7 @@ class LLMEngine:
             return []
         if self._pipeline is not None:
             self._finish_pipeline()
-        self.runner.plans.broadcast_object(STAGE_TIMINGS)
+        self.runner.plans.broadcast_object(AskStageTimings())
         return self.runner.plans.all_gather_object(self.runner.stage.timing)
 
     def stats(self) -> SchedulerStats:

@@ -19,10 +19,6 @@ from engine.distributed.collectives import TensorParallel
 from engine.distributed.groups import RankGroups
 
 
-# The control message an engine process broadcasts instead of a plan to gather every rank's ``StageTiming``.
-STAGE_TIMINGS = "stage-timings"
-
-
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
     """[start, end) of the layers stage ``stage`` holds: equal shares, the remainder to the last stages (stage 0
     also runs the LM head and the sampler). ValueError when a stage would get no layer."""

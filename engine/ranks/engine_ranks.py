@@ -30,6 +30,7 @@ from engine.distributed.replica_layout import free_port
 from engine.distributed.world import ReplicaClaim, agree_on_world
 from engine.core.model_config import ModelConfig
 from engine.processes.process_start import run_main, start_process
+from engine.worker.rank_messages import Stop
 
 # The engine process's id, given to the follower ranks it starts itself: they end when it does.
 EXIT_WITH_PARENT_ENV = "MOEGATE_EXIT_WITH_PARENT"
@@ -84,9 +85,9 @@ class EngineRanks:
         return bool(self.drivers.max_over_ranks(int(busy), "agreeing whether to step"))
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Tell this replica's other ranks to stop (an empty plan), wait for this node's, and leave the group."""
+        """Tell this replica's other ranks to stop (``Stop``), wait for this node's, and leave the group."""
         try:
-            self.plans.broadcast_object(None)
+            self.plans.broadcast_object(Stop())
         except Exception as e:  # a rank already gone: the rest end when their connections close
             logger.warning("could not tell every rank to stop: %s", e)
         self._end_processes(timeout_s)

@@ -19,12 +19,12 @@ import torch
 
 from engine.core.config import EngineConfig, KernelChoice
 from engine.distributed.groups import CollectiveError, RankGroups, RankInfo
-from engine.distributed.pipeline import STAGE_TIMINGS
 from engine.ranks.rank_flags import add_rank_flags
 from engine.distributed.parallel_groups import parallel_groups
 from engine.ranks.engine_ranks import EXIT_WITH_PARENT_ENV
 from engine.distributed.world import agree_on_world
 from engine.processes.parent_watch import exit_with_parent
+from engine.worker.rank_messages import AskStageTimings, Stop
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: str | None = None) -> None:
     """Join the world, check with every rank that it fits, take this replica's config from its engine process
     (``model_dir``: where this node keeps the same checkpoint, if elsewhere), build this rank's model and runner
-    as that process builds its own, then follow its plans; returns when it sends the empty plan (None), raises
+    as that process builds its own, then follow its plans; returns when it sends ``Stop``, raises
     CollectiveError when it or a peer fails, ValueError (on every rank) when the world does not fit."""
     from engine.kv_tiers.setup import build_rank_mirror
     from engine.worker.lora_setup import serve_adapters
@@ -58,11 +58,11 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
         for name, path in (config.lora_adapter_paths.items() if lora is not None else ()):
             lora.hold(name, path)  # host copies as rank 0 holds them once its adapters are added
         runner.tier_mirror = build_rank_mirror(config, runner.kv_caches, device, parts.tp.size)
-        while (plan := plans.broadcast_object()) is not None:  # from this replica's engine process
-            if plan == STAGE_TIMINGS:  # the engine process asks how each stage spent its time
+        while not isinstance(message := plans.broadcast_object(), Stop):  # from this replica's engine process
+            if isinstance(message, AskStageTimings):  # how each stage spent its time
                 plans.all_gather_object(parts.stage.timing)
                 continue
-            runner.follow(plan)
+            runner.follow(message)  # a step's messages (engine.worker.rank_messages)
     finally:
         groups.close()
 

@@ -32,6 +32,7 @@ from engine.distributed.collectives import TensorParallel
 from engine.distributed.groups import CollectiveError
 from engine.worker.step_samples import StepSamples
 from engine.worker.pipeline_step import RowsBack, has_placeholder, micro_batches, run_stage
+from engine.worker.rank_messages import StepPlan
 
 
 
@@ -166,7 +167,7 @@ class PipelinedSteps:
     def busy(self) -> bool:
         return self.plan_in_flight is not None
 
-    def step(self, plan: SchedulerOutput, followers_plan: list[ScheduledRequest],
+    def step(self, plan: SchedulerOutput, followers_plan: StepPlan,
              resolve: Callable[[SchedulerOutput, StepSamples], None]) -> None:
         """Send ``plan`` (as ``followers_plan``) to the other ranks and run stage 0's part of it; the step in
         flight is sampled (``runner.sample``) and handed to ``resolve`` before ``plan``'s first micro-batch

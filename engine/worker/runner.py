@@ -1,6 +1,7 @@
 """The model runner: one forward over all scheduled tokens of a step, then sampling."""
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -22,6 +23,8 @@ from engine.sampling.sampler import Sampler
 from engine.core.lora_residency import LoraLoads, LoraReads
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.tier_copies import TierCopies
+from engine.eplb.balancer import Rebalance
+from engine.worker.rank_messages import StepMessage, StepPlan
 
 
 def attach_kv_caches(model: MoECausalLM, cache_config: CacheConfig, device: torch.device,
@@ -154,7 +157,7 @@ class ModelRunner:
             if self.steps_with_peers:
                 self._rebalance_if_due()
                 if self.model.tp.size > 1:  # this replica's other ranks step empty too
-                    self.model.tp.broadcast_object([])
+                    self.model.tp.broadcast_object(StepPlan([]))
                 self.dummy_step()
             return StepSamples([])
         self._rebalance_if_due()
@@ -244,25 +247,18 @@ class ModelRunner:
             block(empty)
 
     @torch.inference_mode()
-    def follow(self, plan) -> None:
-        """A follower rank's part of a step: the same forward as rank 0's over this rank's slices of the model
-        (its collectives pair with rank 0's), including the logits' gather; rank 0 alone samples. An empty plan
-        is a dummy step (this replica has no work while a peer replica has). A ``Rebalance`` in place of a plan
-        moves expert weights between two steps (``engine.eplb``); ``TierCopies`` copy this rank's slices of
-        host-tier blocks before the step (``engine.kv_tiers.rank_mirror``); ``LoraLoads`` write LoRA adapters into
-        slots before the step and ``LoraReads`` start reading them into host memory (``engine.core.lora_residency``)."""
-        if isinstance(plan, LoraLoads):
-            self.lora.apply(plan.loads)
-            return
-        if isinstance(plan, LoraReads):
-            self.lora.prefetch(plan.reads)
-            return
-        if isinstance(plan, TierCopies):
-            self.tier_mirror.apply(plan)
-            return
-        if self.eplb is not None and not isinstance(plan, list):
-            self.eplb.apply(plan)
-            return
+    def follow(self, message: StepMessage) -> None:
+        """A follower rank's part of what rank 0 sends on the plans' channel (``engine.worker.rank_messages``), by
+        its type (``FOLLOW``): a ``StepPlan``'s forward; a ``Rebalance`` moves expert weights between two steps
+        (``engine.eplb``); ``TierCopies`` copy this rank's slices of host-tier blocks before the step
+        (``engine.kv_tiers.rank_mirror``); ``LoraLoads`` write LoRA adapters into slots before the step and
+        ``LoraReads`` start reading them into host memory (``engine.core.lora_residency``)."""
+        FOLLOW[type(message)](self, message)
+
+    def _follow_plan(self, message: StepPlan) -> None:
+        """The same forward as rank 0's over this rank's slices of the model (its collectives pair with rank
+        0's), including the logits' gather; rank 0 alone samples. No parts: a dummy step."""
+        plan = message.parts
         if self.stage.pipelined:  # an empty plan: no micro-batch (it finishes an overlapped step in flight)
             self.num_steps += 1 if plan else 0
             if self.stage_zero is not None:  # overlapped steps: the LM head's gather one step behind
@@ -286,8 +282,19 @@ class ModelRunner:
         self._logits(hidden, batch)
 
 
-def follower_plan(sched_out: SchedulerOutput) -> list[ScheduledRequest]:
+# A follower rank's handler of each step message (``ModelRunner.follow``).
+FOLLOW: dict[type, Callable[[ModelRunner, StepMessage], None]] = {
+    StepPlan: ModelRunner._follow_plan,
+    Rebalance: lambda runner, message: runner.eplb.apply(message),
+    TierCopies: lambda runner, message: runner.tier_mirror.apply(message),
+    LoraLoads: lambda runner, message: runner.lora.apply(message.loads),
+    LoraReads: lambda runner, message: runner.lora.prefetch(message.reads),
+}
+
+
+def follower_plan(sched_out: SchedulerOutput) -> StepPlan:
     """The step as plain data for the other ranks: each scheduled part without the scheduler's Request."""
-    return [ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids, s.prompt_logprob_rows,
-                             s.draft_token_ids, s.window_block_ids, s.request.policy.lora_adapter, s.state_slot)
-            for s in sched_out.scheduled]
+    return StepPlan([ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids,
+                                      s.prompt_logprob_rows, s.draft_token_ids, s.window_block_ids,
+                                      s.request.policy.lora_adapter, s.state_slot)
+                     for s in sched_out.scheduled])
