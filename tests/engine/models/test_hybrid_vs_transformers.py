@@ -32,7 +32,10 @@ def references(tmp_path_factory):
             rng = random.Random(seed)
             # Past one 64-token chunk of the parallel form, and across many 16-token steps.
             lengths = [1, 2, 17, 70, 130] + [rng.randint(3, 60) for _ in range(2)]
-            reqs = [([rng.randrange(1, VOCAB - 1) for _ in range(n)], rng.randint(4, 16)) for n in lengths]
+            # The 70- and 130-token requests decode 16 tokens each, so one is still running (5-6 blocks) while the
+            # other's prompt needs 9 of the 12 blocks: a preemption is forced whatever the random lengths.
+            reqs = [([rng.randrange(1, VOCAB - 1) for _ in range(n)], 16 if n >= 70 else rng.randint(4, 16))
+                    for n in lengths]
             built[family] = path, reqs, [hf_greedy(hf, p, m) for p, m in reqs], seed
         return built[family]
 
