@@ -71,7 +71,7 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         if own is not None:
             return own(local, tp.rank)
     attn, r = _attention_of(model, target), tp.rank
-    d = attn.head_dim
+    d = getattr(attn, "head_dim", None)  # read below for a standard attention's own tensors only (MLA split above)
 
     def rows(start: int, n: int):
         return (slice(start, start + n),)
@@ -87,7 +87,7 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         width = d if rule.shard == "k" else attn.v_head_dim
         return rows(first * width, attn.num_kv_heads * width)
     if target.endswith("o_proj.weight"):
-        width = attn.num_heads * getattr(attn, "v_head_dim", d)
+        width = attn.num_heads * attn.v_head_dim
         return cols(r * width, width)
     if target.endswith(".self_attn.sinks"):  # [h]: one per query head
         return rows(r * attn.num_heads, attn.num_heads)
