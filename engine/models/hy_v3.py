@@ -7,12 +7,12 @@ from torch import nn
 
 from engine.core.model_config import CheckpointError, ModelConfig
 from engine.distributed.collectives import SINGLE, TensorParallel
-from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.base import DecoderLayer, MoECausalLM
 from engine.models.deepseek_moe import is_dense_layer
+from engine.models.dots1 import qk_norm_attention
 from moe_kernels import RoutingSpec
 
 
@@ -51,10 +51,5 @@ class HYV3ForCausalLM(MoECausalLM):
     )
 
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
-        c = self.config
-        bias = bool(c.cfg("attention_bias", False))
-        attn = Attention(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps, tp=self.tp,
-            qkv_bias=bias, o_bias=bias, qk_norm="per_head",
-        )
-        return DecoderLayer(c, attn, hy_v3_mlp(c, layer_idx, moe_backend, tp=self.tp))
+        return DecoderLayer(self.config, qk_norm_attention(self.config, rotary, self.tp),
+                            hy_v3_mlp(self.config, layer_idx, moe_backend, tp=self.tp))
