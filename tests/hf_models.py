@@ -97,9 +97,12 @@ def randomize_constants_(model: torch.nn.Module, generator: torch.Generator) -> 
             t.copy_(t + (0.2 if float(t.flatten()[0]) else 0.1) * noise)
 
 
-def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2, **overrides):
-    """Build a random model of ``family``, save it to ``path``, return the transformers model (eval, float32)."""
+def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int | None = None,
+                  **overrides):
+    """Build a random model of ``family``, save it to ``path``, return the transformers model (eval, float32).
+    ``num_layers``: by default as many as the config's ``layer_types`` lists, else 2."""
     kw = {**FAMILY_CONFIGS[family], "initializer_range": 0.08, **overrides}
+    num_layers = num_layers or len(kw.get("layer_types") or ()) or 2
     model_type = kw.pop("model_type")
     config = AutoConfig.for_model(
         model_type, vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=1024,

@@ -119,7 +119,7 @@ def test_mimo_split_engines_generate_the_single_process_tokens(tmp_path):
     while it prefills in chunks, preempts and hits its prefix cache. (Three layers, so that the sliding layers are
     not half of them: every way keeps one cache group and the same pool, see cache_groups.)"""
     seed = random.randrange(2**31)
-    make_hf_model("mimo_v2_flash", str(tmp_path), seed=seed, vocab_size=VOCAB, num_layers=3)
+    make_hf_model("mimo_v2_flash", str(tmp_path), seed=seed, vocab_size=VOCAB)
     prompts, max_tokens = split_workload(random.Random(seed))
     runs = {"mimo_v2_flash": (str(tmp_path), prompts, max_tokens, {"single": {}, **MODES})}
     run = generate_each_way(runs, {"mimo_v2_flash": seed}, timeout_s=280)["mimo_v2_flash"]

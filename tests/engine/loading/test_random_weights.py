@@ -267,7 +267,7 @@ def test_random_weights_from_a_config_json_whose_layers_differ(family, tmp_path)
     or that renames its tensors (Hy3): every layer's q/k/v drawn at its own widths, and the engine generates."""
     from tests.hf_models import make_hf_model
 
-    make_hf_model(family, str(tmp_path), seed=0, num_layers=3 if family == "mimo_v2_flash" else 2)
+    make_hf_model(family, str(tmp_path), seed=0)
     spec = str(tmp_path / "config.json")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     runs = [[o.token_ids for o in LLM(model="random", random_weights=spec, dtype="float32", device="cpu",

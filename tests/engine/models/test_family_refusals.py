@@ -17,7 +17,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def test_lora_is_refused_for_value_heads_narrower_than_query_heads(tmp_path):
-    make_hf_model("mimo_v2_flash", str(tmp_path), seed=random.randrange(2**31), num_layers=3)
+    make_hf_model("mimo_v2_flash", str(tmp_path), seed=random.randrange(2**31))
     with pytest.raises(ValueError) as caught:
         LLM(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=16, enable_lora=True)
     assert "--enable-lora" in _one_line(caught.value) and "v_head_dim" in str(caught.value)

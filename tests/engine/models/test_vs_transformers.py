@@ -27,8 +27,9 @@ VARIANTS = {
     "deepseek_v2": [{}, dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.7,
                              num_attention_heads=2, v_head_dim=16)],
     # V3's shape, then plain (non-interleaved) rope with YaRN scaling whose mscale_all_dim scales the softmax.
-    # Three layers (full, sliding, sliding): see tests/hf_models.py.
-    "mimo_v2_flash": [dict(num_layers=3, initializer_range=0.05)],
+    # Three layers (full, sliding, sliding; see tests/hf_models.py), weights drawn narrower: outputs that loop
+    # often enough for n-gram drafts to be accepted.
+    "mimo_v2_flash": [dict(initializer_range=0.05)],
     "hy_v3": [{}],
     "deepseek_v3": [{}, dict(rope_interleave=False, n_group=2, topk_group=1, num_experts_per_tok=3,
                              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8,
