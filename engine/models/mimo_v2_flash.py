@@ -46,5 +46,12 @@ class MiMoV2FlashForCausalLM(MoECausalLM):
                                              max_positions)
         return rotaries[kind]
 
+    def layers_cache_alike(self) -> bool:
+        # A sliding layer has twice the full layers' KV heads: alike only where both come to one per rank (fewer
+        # KV heads than ranks are replicated, one per rank, as ``Attention`` does).
+        def local(kv_heads: int) -> int:
+            return kv_heads // self.tp.size if kv_heads >= self.tp.size else 1
+        return local(self.config.num_kv_heads) == local(2 * self.config.num_kv_heads)
+
     def extra_layer(self, name: str) -> bool:
         return name.startswith("model.mtp.") or super().extra_layer(name)
