@@ -78,6 +78,25 @@ FAMILY_CONFIGS = {
         model_type="gpt_oss", hidden_size=64, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8, swiglu_limit=0.4,
     ),
+    # Layers full, sliding, sliding (window 8, below every long prompt), the sliding ones with twice the KV heads
+    # (2 against 1) and sinks; q/k heads of 24 (8 of them rotated, each kind at its own theta) over v heads of 8;
+    # values scaled; a dense first layer, then grouped bias-corrected sigmoid routing, renormalised and scaled.
+    "mimo_v2_flash": dict(
+        model_type="mimo_v2_flash", hidden_size=64, intermediate_size=48, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=24, v_head_dim=8, attention_value_scale=0.6, sliding_window=8,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=20, n_group=2, topk_group=1, routed_scaling_factor=1.7, norm_topk_prob=True,
+        rope_parameters={"full_attention": dict(rope_type="default", rope_theta=50000.0, partial_rotary_factor=0.334),
+                         "sliding_attention": dict(rope_type="default", rope_theta=500.0, partial_rotary_factor=0.334)},
+    ),
+    # GQA with per-head q/k norm and q/k/v/o biases; a dense first layer, then top-k of bias-corrected sigmoid
+    # scores, renormalised and scaled, beside one ungated shared expert.
+    "hy_v3": dict(
+        model_type="hy_v3", hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=20, num_shared_experts=1,
+        router_scaling_factor=2.3, attention_bias=True,
+    ),
 }
 
 
@@ -115,9 +134,12 @@ def make_hf_image_text_model(family: str, path: str, seed: int, vocab_size: int 
     return model
 
 
-def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2, **overrides):
-    """Build a random model of ``family``, save it to ``path``, return the transformers model (eval, float32)."""
+def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int | None = None,
+                  **overrides):
+    """Build a random model of ``family``, save it to ``path``, return the transformers model (eval, float32).
+    ``num_layers``: by default as many as the config's ``layer_types`` lists, else 2."""
     kw = {**FAMILY_CONFIGS[family], "initializer_range": 0.08, **overrides}
+    num_layers = num_layers or len(kw.get("layer_types") or ()) or 2
     model_type = kw.pop("model_type")
     config = AutoConfig.for_model(
         model_type, vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=1024,

@@ -24,6 +24,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3_5MoeForConditionalGeneration",
+    "MiMoV2FlashForCausalLM",
+    "HYV3ForCausalLM",
 )
 
 # Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.
@@ -53,7 +55,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None  # the window of every layer
     torch_dtype: str = "float32"
-    # Models whose layers differ (gpt-oss's ``layer_types``): the window of the layers in ``sliding_layers`` only.
+    # Models whose layers differ (``layer_types``: gpt-oss, MiMo-V2-Flash): the window of the layers in
+    # ``sliding_layers`` only.
     layer_sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     # Hybrid models (Qwen3-Next, Qwen3.5): the layers with linear attention (a fixed-size state per request
@@ -146,8 +149,8 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
     layer_types = list(getattr(hf, "layer_types", None) or [])
     sliding_layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     layer_window = None
-    if arch == "GptOssForCausalLM":
-        # gpt-oss alternates windowed and full layers: the window is per layer, never the whole model's.
+    if arch in ("GptOssForCausalLM", "MiMoV2FlashForCausalLM"):
+        # gpt-oss and MiMo-V2-Flash mix windowed and full layers: the window is per layer, never the whole model's.
         layer_window, sliding = (sliding or None) if sliding_layers else None, None
     return ModelConfig(
         architecture=arch,

@@ -30,6 +30,10 @@ class Attention(nn.Module):
 
     gpt-oss: ``sinks`` adds a learned sink logit per query head to every softmax (split with the heads),
     ``sliding_window`` gives this layer its own window (``ModelConfig.own_window``; None: the batch's).
+
+    MiMo-V2-Flash: ``v_head_dim`` (dv) narrower than the q/k heads' d, and ``v_scale`` multiplying the values.
+    The cache keeps V padded with zeros to d, so every attention kernel reads K and V of one width; the
+    padded columns of the output are zeros and are dropped before o_proj (which reads h * dv).
     """
 
     def __init__(
@@ -47,6 +51,8 @@ class Attention(nn.Module):
         tp: TensorParallel = SINGLE,
         sinks: bool = False,
         sliding_window: int | None = None,
+        v_head_dim: int | None = None,
+        v_scale: float = 1.0,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -62,10 +68,15 @@ class Attention(nn.Module):
             if qk_norm == "full":
                 raise ValueError("a whole-projection q/k norm needs at least one KV head per tensor-parallel rank")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.v_head_dim = v_head_dim or head_dim  # dv
+        if self.v_head_dim > head_dim:
+            raise ValueError(f"v_head_dim {self.v_head_dim} wider than head_dim {head_dim} is not supported")
+        self.v_scale = v_scale
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.v_size = num_kv_heads * self.v_head_dim
         # Packed q, k, v rows: one matmul instead of three (loaded from q_proj/k_proj/v_proj).
-        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + self.kv_size + self.v_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * self.v_head_dim, hidden_size, bias=o_bias)
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None  # [h] this rank's heads
         self.sliding_window = sliding_window
         self.rotary = rotary
@@ -89,7 +100,7 @@ class Attention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def cache_spec(self) -> CacheSpec:
-        """K and V of this rank's KV heads per token."""
+        """K and V of this rank's KV heads per token (V padded to d, see the class docstring)."""
         return CacheSpec(((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)))
 
     def project_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -129,7 +140,9 @@ class Attention(nn.Module):
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, h, d] (or [T, h * d]) -> [T, H]: o_proj, summed over the tensor-parallel ranks."""
-        flat = out.reshape(out.shape[0], self.q_size)
+        if self.v_head_dim != self.head_dim:  # the zero padding of V's columns: [T, h, d] -> [T, h, dv]
+            out = out.reshape(out.shape[0], self.num_heads, self.head_dim)[..., :self.v_head_dim]
+        flat = out.reshape(out.shape[0], self.num_heads * self.v_head_dim)
         if self.o_proj.bias is not None and self.tp.rank > 0:
             out = F.linear(flat, self.o_proj.weight)  # summed over the ranks: rank 0 adds the bias
         else:
@@ -147,24 +160,33 @@ class Attention(nn.Module):
             self.k_norm.weight if per_head else None, self.q_norm.eps if per_head else 0.0,
         )
         num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.v_size], dim=-1)
         return (q.reshape(num_tokens, self.num_heads, self.head_dim), k.reshape(num_tokens, self.num_kv_heads, self.head_dim),
-                v.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+                self._values(v))
 
     def _norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor):
         num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.v_size], dim=-1)
         if self.qk_norm == "full":
             q, k = self._full_norm(q, self.q_norm), self._full_norm(k, self.k_norm)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, h, d]
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self._values(v)
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return q, k, v
+
+    def _values(self, v: torch.Tensor) -> torch.Tensor:
+        """v [T, kvh * dv] -> [T, kvh, d]: scaled, zero-padded from dv to d where narrower."""
+        v = v.reshape(v.shape[0], self.num_kv_heads, self.v_head_dim)
+        if self.v_scale != 1.0:
+            v = v * self.v_scale
+        if self.v_head_dim != self.head_dim:
+            v = F.pad(v, (0, self.head_dim - self.v_head_dim))
+        return v
 
     def _full_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """``norm`` over every rank's heads of ``x`` [T, local width]; returns this rank's columns."""

@@ -70,7 +70,8 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         own = getattr(model.get_submodule(layer + ".self_attn"), "tp_slices", None)
         if own is not None:
             return own(local, tp.rank)
-    attn, d, r = model.attention_layers()[0], model.config.head_dim, tp.rank
+    attn, r = _attention_of(model, target), tp.rank
+    d = getattr(attn, "head_dim", None)  # read below for a standard attention's own tensors only (MLA split above)
 
     def rows(start: int, n: int):
         return (slice(start, start + n),)
@@ -83,9 +84,11 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
     if rule.shard in ("k", "v"):
         replicated = attn.total_kv_heads < tp.size
         first = r * attn.total_kv_heads // tp.size if replicated else r * attn.num_kv_heads
-        return rows(first * d, attn.num_kv_heads * d)
+        width = d if rule.shard == "k" else attn.v_head_dim
+        return rows(first * width, attn.num_kv_heads * width)
     if target.endswith("o_proj.weight"):
-        return cols(r * attn.num_heads * d, attn.num_heads * d)
+        width = attn.num_heads * attn.v_head_dim
+        return cols(r * width, width)
     if target.endswith(".self_attn.sinks"):  # [h]: one per query head
         return rows(r * attn.num_heads, attn.num_heads)
     if target.endswith(".experts.w2_bias"):
@@ -107,6 +110,13 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         n = model.model.embed_tokens.rows
         return rows(r * n, max(0, min(n, shape[0] - r * n)))
     return None  # norms, routers, shared-expert gates: every rank holds them whole
+
+
+def _attention_of(model: MoECausalLM, target: str):
+    """The attention block of the layer ``target`` names (layers may differ in heads and head widths), or the
+    first layer's for a tensor outside attention."""
+    layer, inside, _ = target.partition(".self_attn.")
+    return model.get_submodule(layer + ".self_attn") if inside else model.attention_layers()[0]
 
 
 def _moe_block(model: MoECausalLM, target: str) -> SparseMoeBlock:
@@ -162,11 +172,10 @@ class _Scales:
 
 def copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match, model: MoECausalLM, name: str, path: str) -> int:
     """Copy one checkpoint tensor (this rank's part of it) into its slice of a parameter; returns elements written."""
-    attn = model.attention_layers()[0]
     if rule.shard in _QKV_ORDER:
-        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        start = {"q": 0, "k": q, "v": q + kv}[rule.shard]
-        dest = param.narrow(0, start, q if rule.shard == "q" else kv)
+        attn = _attention_of(model, match.expand(rule.target))
+        start = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[rule.shard]
+        dest = param.narrow(0, start, {"q": attn.q_size, "k": attn.kv_size, "v": attn.v_size}[rule.shard])
     elif rule.shard == "expert":
         block = model.get_submodule(match.group(1))  # the MoE block holding this expert
         expert = int(match.group(2))

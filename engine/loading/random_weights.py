@@ -214,13 +214,12 @@ def _tensor_seed(seed: int, name: str) -> int:
 def _checkpoint_tensors(whole: MoECausalLM) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(name, full shape) of every tensor a checkpoint of ``whole`` (the unsplit model, on meta) would hold, named
     as the loader reads them: q/k/v and gate/up unpacked, routed experts one tensor per expert and projection."""
-    c = whole.config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     for name, param in whole.named_parameters():
         shape = tuple(param.shape)
         stem, _, leaf = name.rpartition(".")
-        if stem.endswith(".qkv_proj"):  # [q + 2kv, H] (or [q + 2kv] for a bias)
-            for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+        if stem.endswith(".qkv_proj"):  # [q + kv + v, H] (or [q + kv + v] for a bias): each layer's own widths
+            attn = whole.get_submodule(stem[:-len(".qkv_proj")])
+            for proj, rows in (("q", attn.q_size), ("k", attn.kv_size), ("v", attn.v_size)):
                 yield f"{stem[:-len('qkv_proj')]}{proj}_proj.{leaf}", (rows, *shape[1:])
         elif stem.endswith(".gate_up_proj"):  # [2I, H]
             for proj in ("gate", "up"):

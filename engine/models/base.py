@@ -185,6 +185,12 @@ class MoECausalLM(nn.Module, abc.ABC):
         """Each local layer's attention: an ``Attention`` or an ``MLAttention`` (both expose ``cache_spec()``)."""
         return [layer.self_attn for layer in self.local_layers()]
 
+    def layers_cache_alike(self) -> bool:
+        """Whether every layer of the whole model, this pipeline stage's or not, caches the same per-token shape on
+        this rank (what ``engine.worker.cache_groups`` needs to let two layers share cache tensors). True unless a
+        family's layers differ (MiMo-V2-Flash)."""
+        return True
+
     @property
     def num_local_kv_heads(self) -> int:
         """KV heads this rank caches (all of them without tensor parallelism)."""

@@ -1,7 +1,7 @@
 """The DeepSeek-style MoE layer plan, shared by GLM-4.5, dots.llm1 and the DeepSeek-V2/V3 families.
 
-The first ``first_k_dense_replace`` layers are dense SwiGLU MLPs of ``intermediate_size``; every later
-layer is a sparse block of ``n_routed_experts`` experts of ``moe_intermediate_size`` plus
+The first ``first_k_dense_replace`` layers (or those ``mlp_layer_types`` calls "dense": MiMo-V2-Flash, Hy3) are
+dense SwiGLU MLPs of ``intermediate_size``; every other layer is a sparse block of ``n_routed_experts`` experts of ``moe_intermediate_size`` plus
 ``n_shared_experts`` ungated shared experts (one MLP of their summed width), routed as ``moe_routing``
 reads from the config.
 """
@@ -47,9 +47,18 @@ def moe_routing(config: ModelConfig) -> tuple[RoutingSpec, bool]:
     return spec, method == "noaux_tc"
 
 
+def is_dense_layer(config: ModelConfig, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` has a dense MLP: below ``first_k_dense_replace``, or "dense" in
+    ``mlp_layer_types`` where the config lists each layer's kind."""
+    kinds = config.cfg("mlp_layer_types")
+    if kinds:
+        return kinds[layer_idx] == "dense"
+    return layer_idx < (config.cfg("first_k_dense_replace") or 0)
+
+
 def deepseek_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, tp: TensorParallel = SINGLE) -> nn.Module:
-    """Layer ``layer_idx``'s MLP: dense below ``first_k_dense_replace``, else routed plus shared experts."""
-    if layer_idx < (config.cfg("first_k_dense_replace") or 0):
+    """Layer ``layer_idx``'s MLP: dense (``is_dense_layer``), else routed plus shared experts."""
+    if is_dense_layer(config, layer_idx):
         return GatedMLP(config.hidden_size, config.cfg("intermediate_size"), tp)
     routing, correction_bias = moe_routing(config)
     inter = config.cfg("moe_intermediate_size")

@@ -18,7 +18,8 @@ def sliding_group_window(model: MoECausalLM) -> int | None:
 
     They do when the model's layers differ in window (``ModelConfig.layer_sliding_window``), no window applies to
     every layer, the sliding layers are exactly half of the model's, and every layer caches the same per-token
-    shape (so the two groups can share tensors slot for slot). Decided from the whole model's configuration, so
+    shape (so the two groups can share tensors slot for slot; ``MoECausalLM.layers_cache_alike`` says so for the
+    layers a pipeline stage does not hold). Decided from the whole model's configuration, so
     every pipeline stage (holding some of the layers) agrees with the scheduler's rank on the groups."""
     config = model.config
     layers = model.attention_layers()
@@ -27,7 +28,7 @@ def sliding_group_window(model: MoECausalLM) -> int | None:
         return None
     specs = {attn.cache_spec() for attn in layers}
     windows = [getattr(attn, "sliding_window", None) for attn in layers]
-    if len(specs) > 1 or any(w not in (None, window) for w in windows):
+    if len(specs) > 1 or not model.layers_cache_alike() or any(w not in (None, window) for w in windows):
         return None
     if len(layers) == config.num_layers and sum(w == window for w in windows) != len(config.sliding_layers):
         return None  # the model's layers do not apply the windows its configuration names

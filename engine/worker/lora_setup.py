@@ -61,6 +61,10 @@ class LoraAdapters:
                 self._bind_mlp(module_name, module, max_loras, max_rank)
             if not isinstance(module, Attention):
                 continue
+            if module.v_size != module.kv_size:  # the adapters' v rows and their split assume v heads of width d
+                raise ValueError("LoRA adapters (--enable-lora, --lora-adapters) are not supported for a model whose "
+                                 f"value heads are narrower than its query/key heads ({module_name}: v_head_dim "
+                                 f"{module.v_head_dim}, head_dim {module.head_dim}); serve it without adapters")
             q, kv = module.q_size, module.kv_size
             qkv = LinearSlots(max_loras + 1, max_rank, module.qkv_proj.in_features,
                               [(0, q), (q, q + kv), (q + kv, q + 2 * kv)], dtype, device)

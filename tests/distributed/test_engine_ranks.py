@@ -64,16 +64,20 @@ def split_runs(tmp_path_factory):
     runs, seeds = {}, {}
     for family, (seed, model_dir, _, rng) in family_checkpoints(tmp_path_factory, "split", ENGINE_FAMILIES).items():
         seeds[family] = seed
-        shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
-        prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 2, 13)]
-        prompts += [shared + [3], shared + [5, 7]]
-        max_tokens = [6, 6, 5, 6, 6, 11]
+        prompts, max_tokens = split_workload(rng)
         modes = {"single": {}, **MODES}
         if family == GATHER_FAMILY:  # the shared expert and a dense layer beside divided experts, the simpler dispatch
             modes["ep_gather"] = dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_dispatch="all_gather")
         modes = {name: {**extra, **POOL.get(family, {})} for name, extra in modes.items()}
         runs[family] = (model_dir, prompts, max_tokens, modes)
     return generate_each_way(runs, seeds, timeout_s=520)
+
+
+def split_workload(rng: random.Random) -> tuple[list[list[int]], list[int]]:
+    """Prompts (long ones chunked, two sharing a prefix) and their max_tokens, for the ENGINE pool."""
+    shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 2, 13)]
+    return prompts + [shared + [3], shared + [5, 7]], [6, 6, 5, 6, 6, 11]
 
 
 def generate_each_way(runs: dict, seeds: dict, timeout_s: float) -> dict:
@@ -106,6 +110,22 @@ def test_split_engines_generate_the_single_process_tokens(family, split_runs):
         assert value[name + ":stats"][:2] == value["single:stats"][:2], f"{name} family={family} seed={seed}"
     by_rank = value["ep:stats"][2]
     assert by_rank is not None and len(by_rank) == 2 and sum(by_rank) > 0
+
+
+@pytest.mark.timeout(300)
+def test_mimo_split_engines_generate_the_single_process_tokens(tmp_path):
+    """MiMo-V2-Flash's layers differ in KV heads: the full one has one (replicated on both ranks), the two sliding
+    ones two (one per rank) and sinks; split tensor and expert parallel, the engine gives the one process's tokens
+    while it prefills in chunks, preempts and hits its prefix cache. (Three layers, so that the sliding layers are
+    not half of them: every way keeps one cache group and the same pool, see cache_groups.)"""
+    seed = random.randrange(2**31)
+    make_hf_model("mimo_v2_flash", str(tmp_path), seed=seed, vocab_size=VOCAB)
+    prompts, max_tokens = split_workload(random.Random(seed))
+    runs = {"mimo_v2_flash": (str(tmp_path), prompts, max_tokens, {"single": {}, **MODES})}
+    run = generate_each_way(runs, {"mimo_v2_flash": seed}, timeout_s=280)["mimo_v2_flash"]
+    value = check_each_way_generates_the_single_tokens("mimo_v2_flash", run)
+    preemptions, hits, _ = value["single:stats"]
+    assert preemptions > 0 and hits > 0, f"the workload must preempt and hit the prefix cache (seed={seed})"
 
 
 def _kill_a_rank(rank: int, world: int, address: str, model_dir: str, port: int):

@@ -1,6 +1,6 @@
 """Tensor parallelism on real gloo ranks against transformers: every family's prefill and decode logits with the
 model split over 2 ranks (heads, KV heads replicated where fewer than ranks, MLP and expert intermediate sizes, a
-shared expert, a whole-projection q/k norm, gpt-oss's sinks and biases, a vocabulary that does not divide) match the unsplit reference, and
+shared expert, a whole-projection q/k norm, gpt-oss's sinks and biases, MiMo-V2-Flash's layers of differing KV heads, a vocabulary that does not divide) match the unsplit reference, and
 each rank holds only its slices."""
 
 import random
@@ -22,6 +22,10 @@ OVERRIDES = {
     # Sinks split with the heads, o_proj and down biases added once, a sliding layer: prompts past its window of 8.
     "gpt_oss": {},
     "deepseek_v3": {},  # MLA: heads split, the latent cache replicated; grouped sigmoid routing, a dense layer
+    # A full layer with one KV head (replicated) and a sliding one with two (split) and sinks, past its window of
+    # 8; v heads narrower than q/k; a dense first layer.
+    "mimo_v2_flash": dict(layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse"]),
+    "hy_v3": {},  # per-head q/k norm, q/k/v/o biases, a dense first layer, an ungated shared expert
 }
 VOCAB = 97
 BLOCK = 16

@@ -58,10 +58,11 @@ def _with_graph_buffers(llm: LLM) -> list[int]:
 
 # gpt-oss: sinks, and a window (8) on its first layer only that the 30-token prompt goes past.
 # deepseek_v3: MLA, decodes in the Triton MLA kernel over the latent cache, prefill chunks expanded in torch.
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+# mimo_v2_flash: layers of 1 and 2 KV heads, sinks and a window of 8 on two of its three, V cached zero-padded.
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "mimo_v2_flash"])
 def test_triton_attention_matches_torch_attention(family, tmp_path):
     seed = random.randrange(2**31)
-    make_hf_model(family, str(tmp_path), seed=seed, vocab_size=VOCAB, num_layers=2)
+    make_hf_model(family, str(tmp_path), seed=seed, vocab_size=VOCAB)
     prompts = _prompts(random.Random(seed))
     tokens = {}
     for backend in ("torch", "triton"):

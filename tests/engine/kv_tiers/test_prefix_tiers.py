@@ -47,7 +47,8 @@ def _check_capacity(engine):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family,overlap", [("qwen2_moe", False), ("mixtral", True), ("deepseek_v2", False),
-                                            ("olmoe", False), ("gpt_oss", False)])  # gpt-oss: a sliding cache group
+                                            ("olmoe", False), ("gpt_oss", False),  # gpt-oss: a sliding cache group
+                                            ("mimo_v2_flash", False)])  # layers of differing KV heads, V padded
 def test_tiers_on_equals_off(tmp_path, family, overlap):
     """A pool too small for the workload: chunked prefill and preemption in every wave (asserted), evicted
     prefixes come back from the host tier, and every greedy token equals the engine without tiers."""

@@ -259,3 +259,18 @@ def test_gpt_oss_random_model_serves():
     together = [o.token_ids for o in llm.generate([[1, 2, 3] * 5, [7] * 9], params)]
     alone = [llm.generate([p], params)[0].token_ids for p in ([1, 2, 3] * 5, [7] * 9)]
     assert together == alone and all(len(t) == 5 for t in together)
+
+
+@pytest.mark.parametrize("family", ["mimo_v2_flash", "hy_v3"])
+def test_random_weights_from_a_config_json_whose_layers_differ(family, tmp_path):
+    """A config.json path of a family whose layers differ in KV heads and whose v heads are narrower (MiMo-V2-Flash),
+    or that renames its tensors (Hy3): every layer's q/k/v drawn at its own widths, and the engine generates."""
+    from tests.hf_models import make_hf_model
+
+    make_hf_model(family, str(tmp_path), seed=0)
+    spec = str(tmp_path / "config.json")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    runs = [[o.token_ids for o in LLM(model="random", random_weights=spec, dtype="float32", device="cpu",
+                                      num_kv_blocks=32, seed=1).generate([[1, 2, 3], [5] * 20], params)]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(t) == 4 for t in runs[0])

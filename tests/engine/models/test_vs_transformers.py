@@ -27,6 +27,10 @@ VARIANTS = {
     "deepseek_v2": [{}, dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.7,
                              num_attention_heads=2, v_head_dim=16)],
     # V3's shape, then plain (non-interleaved) rope with YaRN scaling whose mscale_all_dim scales the softmax.
+    # Three layers (full, sliding, sliding; see tests/hf_models.py), weights drawn narrower: outputs that loop
+    # often enough for n-gram drafts to be accepted.
+    "mimo_v2_flash": [dict(initializer_range=0.05)],
+    "hy_v3": [{}],
     "deepseek_v3": [{}, dict(rope_interleave=False, n_group=2, topk_group=1, num_experts_per_tok=3,
                              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8,
                                                   mscale_all_dim=0.7, original_max_position_embeddings=256))],
@@ -52,16 +56,23 @@ MODES["all_paths"] = dict(num_kv_blocks=12, block_size=16, max_num_batched_token
 # gpt-oss's sliding layers keep their own block tables (a second KV cache group) whose blocks go back to the pool
 # as the window passes them: blocks of 4 tokens, so its window of 8 passes most of every prompt. A block then holds
 # one layer's K/V (the other group's layer shares its tensors): 96 such blocks are the memory of the 12 above.
-FAMILY_OVERRIDES = {"gpt_oss": dict(block_size=4, num_kv_blocks=96)}
+FAMILY_OVERRIDES = {"gpt_oss": dict(block_size=4, num_kv_blocks=96),
+                    # A token budget of 16: every long prompt is many chunks.
+                    "mimo_v2_flash": dict(max_num_batched_tokens=16), "hy_v3": dict(max_num_batched_tokens=16)}
+# Families checked again by a second pass over the same prompts on the same engine: every prompt's blocks are
+# cached by then, so the pass hits (more cached tokens than the first) and must give the same tokens.
+SECOND_PASS = ("mimo_v2_flash", "hy_v3")
 for _mode in ("default", "chunked_prefill", "preemption", "all_paths"):
     MODES[_mode].setdefault("overlap_scheduling", False)  # the synchronous loop, whatever the device's default
 
 # The families served before the routing kinds run every mode but the combined one; the newer ones (a few
 # seconds each) run the combined one alone.
-FAMILY_MODES = {fam: ["all_paths"] if fam in ("glm4_moe", "dots1", "minimax_m2", "gpt_oss") else ["default", "chunked_prefill",
+FAMILY_MODES = {fam: ["all_paths"] if fam in ("glm4_moe", "dots1", "minimax_m2", "gpt_oss", "mimo_v2_flash", "hy_v3") else ["default", "chunked_prefill",
                 "preemption", "overlap"] for fam in VARIANTS}
-# MLA's latent cache under every path at once; gpt-oss's sliding cache group also with overlapped steps.
-FAMILY_MODES.update(deepseek_v2=["all_paths"], deepseek_v3=["all_paths"], gpt_oss=["all_paths", "overlap"])
+# MLA's latent cache under every path at once; gpt-oss's sliding cache group and MiMo-V2-Flash's windowed layers
+# also with overlapped steps.
+FAMILY_MODES.update(deepseek_v2=["all_paths"], deepseek_v3=["all_paths"], gpt_oss=["all_paths", "overlap"],
+                    mimo_v2_flash=["all_paths", "overlap"])
 CASES = [((fam, i), mode) for fam, variants in VARIANTS.items() for i in range(len(variants)) for mode in FAMILY_MODES[fam]]
 
 
@@ -136,7 +147,7 @@ def test_greedy_matches_transformers(references, case, mode):
     if mode == "all_paths":
         assert scheduler.kv.prefix_hit_tokens > 0, f"seed={seed}: no prefix-cache hit"
         assert scheduler.spec_accepted_tokens > 0, f"seed={seed}: no n-gram draft was accepted"
-        assert max(len(p) for p, _ in reqs) > MODES[mode]["max_num_batched_tokens"]  # prompts chunked
+        assert max(len(p) for p, _ in reqs) > settings["max_num_batched_tokens"]  # prompts chunked
     # gpt-oss alone has a sliding group (every other family keeps one block table); its blocks per request stay
     # within its window's while the full group's grow with the request.
     assert len(scheduler.kv.windows) == (2 if case[0] == "gpt_oss" else 1)
@@ -151,3 +162,21 @@ def test_greedy_matches_transformers(references, case, mode):
         assert scheduler.num_preemptions == 0, f"seed={seed}: the roomy pool should hold every request"
     scheduler.kv.pool.check_all_free()
     assert not scheduler.running and not scheduler.waiting
+    if case[0] in SECOND_PASS and mode == "all_paths":
+        second_pass_hits(path, reqs, expected, seed)
+
+
+def second_pass_hits(path: str, reqs: list[tuple[list[int], int]], expected: list[list[int]], seed: int) -> None:
+    """Two passes over the same prompts on an engine whose pool holds them all (chunks of 16 tokens): both give
+    transformers' tokens, and the second takes every whole block of every prompt from the prefix cache."""
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=ROOMY_POOL, block_size=16,
+              max_num_batched_tokens=16, overlap_scheduling=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
+    kv = llm.engine.scheduler.kv
+    for attempt in ("first", "second"):
+        hits_before = kv.prefix_hit_tokens
+        outs = llm.generate([p for p, _ in reqs], params)
+        assert [o.token_ids for o in outs] == expected, f"seed={seed}: the {attempt} pass differs"
+    # The last prompt token is always computed (its logits are sampled), so a whole prompt hits its blocks before it.
+    assert kv.prefix_hit_tokens - hits_before == sum((len(p) - 1) // 16 * 16 for p, _ in reqs), f"seed={seed}"
+    kv.pool.check_all_free()
