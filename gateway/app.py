@@ -1,9 +1,11 @@
 """The aiohttp application: OpenAI-compatible routes over the engine process.
 
-Middleware order: error mapping -> auth (key -> tenant) -> handler; the
-handler does quota admission (reserve prompt + max_tokens, settle the real
-counts at the end) and gives the engine request its tenant's policy (priority,
-weight, preemptibility, cache salt).
+Middleware order: error mapping -> auth (key -> tenant) -> handler; a
+generation handler runs the request through the gateway's pipeline
+(``gateway/pipeline.py``) with the live API's admission
+(``gateway/live_admission.py``: reserve prompt + max_tokens, settle the real
+counts at the end), which gives the engine request its tenant's policy
+(priority, weight, preemptibility, cache salt).
 """
 
 import asyncio
