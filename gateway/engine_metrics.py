@@ -54,16 +54,18 @@ def _scheduler(engine: EngineClient, reported: Reported) -> list[Metric]:
     for name, replica in replicas_of(engine):
         families["up"].add_metric([name], float(replica.dead is None and replica.info is not None))
     for name, stats in reported:
-        families["running"].add_metric([name], stats.num_running)
         for priority, count in stats.num_waiting_by_priority.items():
             families["waiting"].add_metric([name, str(priority)], count)
-        families["used"].add_metric([name], stats.kv_blocks_used)
-        families["total"].add_metric([name], stats.kv_blocks_total)
-        families["hit"].add_metric([name], stats.prefix_hit_rate)
-        families["preempt"].add_metric([name], stats.num_preemptions)
-        families["prefill"].add_metric([name], stats.total_prefill_tokens)
-        families["decode"].add_metric([name], stats.total_decode_tokens)
+        _add_fields(families, name, stats, running="num_running", used="kv_blocks_used", total="kv_blocks_total",
+                    hit="prefix_hit_rate", preempt="num_preemptions", prefill="total_prefill_tokens",
+                    decode="total_decode_tokens")
     return list(families.values())
+
+
+def _add_fields(families: dict[str, Metric], name: str, stats: SchedulerStats, **fields: str) -> None:
+    """One sample per family named by ``fields``' keys: replica ``name``'s value of the stats field it maps to."""
+    for key, field in fields.items():
+        families[key].add_metric([name], getattr(stats, field))
 
 
 def _experts(engine: EngineClient, reported: Reported) -> list[Metric]:
@@ -135,9 +137,8 @@ def _speculative(engine: EngineClient, reported: Reported) -> list[Metric]:
                                           "emitted 1 + its accepted drafts)", labels=["replica"]),
     }
     for name, stats in reported:
-        families["spec_draft"].add_metric([name], stats.spec_draft_tokens)
-        families["spec_accepted"].add_metric([name], stats.spec_accepted_tokens)
-        families["spec_steps"].add_metric([name], stats.spec_steps)
+        _add_fields(families, name, stats, spec_draft="spec_draft_tokens", spec_accepted="spec_accepted_tokens",
+                    spec_steps="spec_steps")
     return list(families.values())
 
 
@@ -175,10 +176,8 @@ def _kv_transfers(engine: EngineClient, reported: Reported) -> list[Metric]:
     }
     for name, stats in reported:
         if stats.kv_transfers or stats.kv_transfer_fallbacks:  # a prefill or decode engine that has worked
-            families["kv_transfers"].add_metric([name], stats.kv_transfers)
-            families["kv_bytes"].add_metric([name], stats.kv_transfer_bytes)
-            families["kv_seconds"].add_metric([name], stats.kv_transfer_seconds)
-            families["kv_fallbacks"].add_metric([name], stats.kv_transfer_fallbacks)
+            _add_fields(families, name, stats, kv_transfers="kv_transfers", kv_bytes="kv_transfer_bytes",
+                        kv_seconds="kv_transfer_seconds", kv_fallbacks="kv_transfer_fallbacks")
     if isinstance(engine, DisaggregatedEngines):
         for (name, reason), count in sorted(engine.local_prefills_by.items()):
             families["kv_local"].add_metric([name, reason], count)
