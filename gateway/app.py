@@ -1,50 +1,49 @@
 """The aiohttp application: OpenAI-compatible routes over the engine process.
 
-Middleware order: error mapping -> auth (key -> tenant) -> handler; the
-handler does quota admission (reserve prompt + max_tokens, settle the real
-counts at the end) and gives the engine request its tenant's policy (priority,
-weight, preemptibility, cache salt).
+Middleware order: error mapping -> auth (key -> tenant) -> handler; a
+generation handler runs the request through the gateway's pipeline
+(``gateway/pipeline.py``) with the live API's admission
+(``gateway/live_admission.py``: reserve prompt + max_tokens, settle the real
+counts at the end), which gives the engine request its tenant's policy
+(priority, weight, preemptibility, cache salt).
 """
 
 import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
 
 from aiohttp import web
 
 from engine.serving.async_engine import EngineError, RequestRejectedError
 from engine.serving.client import EngineClient
-from gateway.admission import (
-    INFLIGHT, QUOTAS, SETTLEMENTS, Settlements, admit, rate_limit_headers, release, reservation, utcnow,
-)
-from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, Principal, auth_middleware, require_token
-from gateway import admin_lora, cors
+from gateway.admission import INFLIGHT, QUOTAS, SETTLEMENTS, Settlements
+from gateway.app_keys import CONFIG, DRAINING, ENGINE, LEDGER
+from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, auth_middleware, require_token
+from gateway import admin_lora, cors, pipeline
 from gateway.replies import json_response
 from gateway.chat_plan import ChatPlan, ParserChoice
-from gateway.choices import Choices
-from gateway.completion import (
-    apply_plan, chat_plan_of, collect, engine_down, load_harmony, order_in_class, output_view, prepare_prompts,
-    rejected, start_streams,
-)
+from gateway.completion import collect, engine_down, load_harmony, rejected
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
 from gateway.engine_supervisor import supervise
-from gateway.errors import BODY_TIMEOUT_S, APIError, error_middleware, read_body, request_id_middleware
+from gateway.errors import BODY_TIMEOUT_S, error_middleware, read_body, request_id_middleware
 from gateway.heap import freeze_startup_heap, unfreeze_heap
+from gateway.live_admission import LiveAdmission
 from gateway.lora_adapters import ADAPTERS, AdapterCatalog, unknown_model
 from gateway import http_protocol
-from gateway.metrics import METRICS, GatewayMetrics, RequestTimer
+from gateway.metrics import METRICS, GatewayMetrics
+from gateway.pipeline import Adapter, Outputs, Planned
 from gateway.request_keys import CHOICES, RATE_HEADERS, SERVED_MODEL, TIMER
 from gateway.refusals import count_refusals
 from gateway.replica_router import replicas_of, unresponsive_after_s
 from gateway.response_bodies import completion_body, system_fingerprint
-from gateway.schema_check import check_schema
 from gateway.sse import stream_reply
-from gateway.stream_journal import JOURNALED, STREAM_JOURNAL, JournaledStream, StreamJournal
+from gateway.stream_journal import STREAM_JOURNAL, StreamJournal
 from gateway.openapi import openapi_document
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body, sampling_params_of
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body
 from gateway.usage_ledger import UsageLedger
 from gateway.batch import batches as batch_api, files as files_api
 from gateway.responses import routes as responses_api
@@ -54,15 +53,11 @@ from gateway.batch.runner import BatchRunner, BatchRunnerConfig
 from gateway.batch.files import BATCH_STORE, DATA_DIR, MAX_FILE_BYTES
 from tenants.batch_store import BatchStore
 from tenants.store import NotFound
-from tenants.quota import Granted, QuotaManager
-from tenants.store import TenantStore, UsageRecord
+from tenants.quota import QuotaManager
+from tenants.store import TenantStore
 
 logger = logging.getLogger(__name__)
 
-ENGINE = web.AppKey("engine", EngineClient)
-CONFIG = web.AppKey("config", GatewayConfig)
-LEDGER = web.AppKey("ledger", UsageLedger)
-DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503
 SERVING_SINCE = web.AppKey("serving_since", int)  # unix time the app was made: the model card's `created`
 METRICS_URL = web.AppKey("metrics_url", str)  # where the metrics listener answers (once started)
 
@@ -167,136 +162,23 @@ def _check_model(app: web.Application, model: str | None) -> None:
 
 
 async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix: str | None = None) -> web.StreamResponse:
-    """One request through admission, the engine and the settle; ``respond`` (default: the chat / completion
-    reply) writes the reply, ``rid_prefix`` starts its id (the Responses API runs as chat with its own)."""
+    """One live request through the gateway's pipeline (``gateway/pipeline.py``), admitted and settled by
+    ``LiveAdmission``; ``respond`` (default: the chat / completion reply) writes the reply, ``rid_prefix`` starts
+    its id (the Responses API runs as chat with its own)."""
     app = request.app
-    principal: Principal = request[PRINCIPAL]
-    adapter, adapter_path = await app[ADAPTERS].resolve(principal.tenant.id, body.model, _model_name(app))
-    request[SERVED_MODEL] = adapter or _model_name(app)
-    engine = app[ENGINE]
-    sampling_params, plan = _sampling_and_plan(app, body, chat)
-    _refuse_while_unavailable(app)
-    cls = principal.priority_class
+    base = _model_name(app)
+    adapter, adapter_path = await app[ADAPTERS].resolve(request[PRINCIPAL].tenant.id, body.model, base)
+    request[SERVED_MODEL] = adapter or base
     rid = (rid_prefix or ("chatcmpl-" if chat else "cmpl-")) + uuid.uuid4().hex[:24]
     created = int(time.time())
-    prompts = await prepare_prompts(engine, body, chat, plan, sampling_params)
-    sequences = len(prompts) * sampling_params.n
-    grant = await _admit(request, principal, prompts, sampling_params, adapter)
-    started_at = utcnow()
-    if body.stream:  # its usage is journaled as it is delivered, so a killed gateway still bills it
-        request[JOURNALED] = JournaledStream(app[STREAM_JOURNAL], grant, _usage_record(
-            request, rid, started_at, prompt_tokens=0, completion_tokens=0))
-    status = 500
-    stream = None
-    choices = request[CHOICES] = Choices([len(p) for p in prompts], sampling_params.n, whole=not body.stream)
-    try:
-        # Compiled once admitted (counted and rate-limited), on a worker thread, within a time budget.
-        await check_schema(sampling_params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
-        if adapter is not None:
-            await app[ADAPTERS].serve_on(engine, adapter, adapter_path)
-        policy = principal.policy(order_in_class(body), cache_share=grant.cache_share, lora_adapter=adapter)
-        stream = start_streams(engine, prompts, sampling_params, rid, policy, output_view(body))
-        response = await (respond or _respond)(request, body, chat, stream, rid, created, plan)
-        status = 200
-        return response
-    except APIError as err:
-        status = err.status
-        raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        status = 499  # the client went away; the engine request was aborted
-        raise
-    finally:
-        release(app, cls, sequences)
-        await _settle(request, stream, grant, _final_status(status, choices), rid, started_at)
+    reply = respond or _respond
 
+    def respond_with(planned: Planned, outputs: Outputs) -> Awaitable[web.StreamResponse]:
+        return reply(request, body, chat, outputs, rid, created, planned.plan)
 
-def _sampling_and_plan(app: web.Application, body, chat: bool):
-    """The request's sampling settings and, for chat, how it is rendered and read (which may change them)."""
-    engine = app[ENGINE]
-    sampling_params = sampling_params_of(body, engine.info.vocab_size if engine.info is not None else None)
-    plan = None
-    if chat:
-        plan = chat_plan_of(engine, body, _parsers(app[CONFIG]))
-        apply_plan(sampling_params, plan, body)
-    return sampling_params, plan
-
-
-def _refuse_while_unavailable(app: web.Application) -> None:
-    """503 while the server shuts down (a new request on a kept-alive connection) or its engine is down."""
-    if app[DRAINING].is_set():
-        raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
-                       code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
-    if app[ENGINE].dead:
-        raise engine_down(app[ENGINE].dead)
-
-
-async def _admit(request: web.Request, principal: Principal, prompts: list[list[int]], sampling_params,
-                 adapter: str | None = None) -> Granted:
-    """Admission (``gateway.admission.admit``) with its reservation; a refusal is counted and timed, an admitted
-    request gets its timer and rate-limit headers."""
-    app, config = request.app, request.app[CONFIG]
-    tenant, cls = principal.tenant, principal.priority_class
-    reserved = reservation([len(p) for p in prompts], sampling_params.n, sampling_params.max_tokens,
-                           app[ENGINE].info.max_model_len, config.default_reservation_tokens)
-    timer = RequestTimer(app[METRICS], tenant.name, cls.name, adapter)
-    try:
-        grant = await admit(app, config.max_inflight_by_priority, cls, tenant.id, len(prompts) * sampling_params.n,
-                            reserved)
-    except APIError as refused:
-        app[METRICS].rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
-        timer.finish(refused.status, None)
-        raise
-    request[TIMER] = timer
-    request[RATE_HEADERS] = rate_limit_headers(grant)
-    return grant
-
-
-def _usage_record(request: web.Request, rid: str, started_at, **counts) -> UsageRecord:
-    principal: Principal = request[PRINCIPAL]
-    base = _model_name(request.app)
-    served = request.get(SERVED_MODEL, base)
-    return UsageRecord(tenant_id=principal.tenant.id, request_id=rid, model=base, key_id=principal.key.id,
-                       started_at=started_at, adapter=None if served == base else served, **counts)
-
-
-def _final_status(status: int, choices: Choices) -> int:
-    """The status the usage row records: a stream's 200 went out with its headers, before its end."""
-    if status == 200 and choices.started and not choices.finished:
-        return 503  # a stream the engine failed mid-way: 200 went out with the headers, the row says so
-    if status == 200 and choices.failed:
-        return 500  # a stream whose output failed (its error event went out after the 200)
-    return status
-
-
-async def _settle(request: web.Request, stream, grant: Granted, status: int, rid: str, started_at) -> None:
-    """The request's usage (None if it never started) to its timer and the ledger, its engine streams closed."""
-    app, choices = request.app, request[CHOICES]
-    usage: UsageRecord | None = None
-    if choices.started:
-        usage = _usage_record(
-            request, rid, started_at, prompt_tokens=choices.num_prompt_tokens,
-            completion_tokens=choices.num_output_tokens, cached_prompt_tokens=choices.num_cached_tokens,
-            finish_reason=choices.finish_reason or "abort", finished_at=utcnow(), http_status=status,
-        )
-    request[TIMER].finish(status, usage)
-    if stream is None or choices.finished:
-        # Nothing left to abort: hand the usage over now, with no await before it. Going through
-        # a shielded task costs every request a turn of the event loop behind whatever else is
-        # ready, which was the gateway's largest share of its slowest requests under load.
-        app[LEDGER].submit(grant, usage)
-        if stream is not None:
-            await stream.aclose()  # a finished stream closes without suspending
-    else:
-        # Created before any await, so a second cancellation cannot skip it.
-        await asyncio.shield(app[SETTLEMENTS].run(_close_and_settle(app, stream, grant, usage)))
-
-
-async def _close_and_settle(app: web.Application, stream, grant, usage: UsageRecord | None) -> None:
-    if stream is not None:
-        # Closing the stream aborts the engine request if it has not finished (client gone, error):
-        # its KV blocks come back at once.
-        await stream.aclose()
-    app[LEDGER].submit(grant, usage)  # usage None: the request never ran, the reservation is released
+    return await pipeline.run(app[ENGINE], body, chat, _parsers(app[CONFIG]),
+                              LiveAdmission(request, rid, base, adapter), rid, respond_with,
+                              adapter=Adapter(app[ADAPTERS], adapter, adapter_path) if adapter is not None else None)
 
 
 def _parsers(config: GatewayConfig) -> ParserChoice:

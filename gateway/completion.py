@@ -1,6 +1,6 @@
-"""One request's engine work, shared by the live routes and the Batch API: its sampling settings and prompts
-checked, its engine requests started and merged, run to the end; the engine's failures as the API's errors. The
-bodies built from its outputs are ``gateway/response_bodies.py``'s."""
+"""The engine work of one request, the steps ``gateway/pipeline.py`` puts in order for the live routes and the
+Batch API: its sampling settings and prompts checked, its engine requests started and merged, run to the end;
+the engine's failures as the API's errors. The bodies built from its outputs are ``gateway/response_bodies.py``'s."""
 
 from collections.abc import Callable
 
@@ -12,25 +12,24 @@ from engine.text.prompts import ChatInput, InvalidPrompt
 from engine.core.outputs import RequestOutput
 from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
+from engine.serving.client import EngineClient
 from gateway.choices import Choices, merged
 from gateway.errors import APIError
 from gateway.openai_logprobs import as_token_ids
 from gateway.openai_schema import (
-    check_choices, check_output_room, prompts_of, sampling_params_of, scoring_only, text_messages,
+    check_choices, check_output_room, prompts_of, scoring_only, text_messages,
 )
 from gateway.chat_plan import HARMONY, ChatPlan, ParserChoice, plan as plan_chat
-from gateway.response_bodies import completion_body
 from gateway.response_format import format_source
-from gateway.schema_check import check_schema
 
 
-def chat_plan_of(engine, body, parsers: ParserChoice) -> ChatPlan:
+def chat_plan_of(engine: EngineClient, body, parsers: ParserChoice) -> ChatPlan:
     """How a chat request is rendered and read, with the parsers the served checkpoint takes."""
     architecture = engine.info.architecture if engine.info is not None else None  # None while (re)starting
     return plan_chat(body, parsers.resolve(engine.chat_template(), architecture))
 
 
-async def load_harmony(engine, parsers: ParserChoice) -> None:
+async def load_harmony(engine: EngineClient, parsers: ParserChoice) -> None:
     """At start-up, for a model whose chats openai-harmony renders (gpt-oss): load the package's encoding (its
     vocabulary file written from the model's tokenizer), so that a tokenizer it cannot use stops the server with
     one line (an EngineError) instead of failing every chat."""
@@ -93,7 +92,7 @@ def output_failed() -> APIError:
 NOT_RETRIED = ("engine_failed", "request_failed")  # error codes a batch line fails with instead of running again
 
 
-async def prepare_prompts(engine, body, chat: bool, plan: ChatPlan | None = None,
+async def prepare_prompts(engine: EngineClient, body, chat: bool, plan: ChatPlan | None = None,
                           sampling_params: SamplingParams | None = None) -> list[list[int]]:
     """The request's checked prompts as token ids (a chat request has one); a 400 naming the field if one
     cannot be served. A gpt-oss chat's stop tokens join ``sampling_params``' once openai-harmony, which names
@@ -104,7 +103,7 @@ async def prepare_prompts(engine, body, chat: bool, plan: ChatPlan | None = None
     return prompts
 
 
-async def _prepared(engine, body, chat: bool, plan: ChatPlan | None,
+async def _prepared(engine: EngineClient, body, chat: bool, plan: ChatPlan | None,
                     sampling_params: SamplingParams | None) -> list[list[int]]:
     try:
         if chat:
@@ -171,7 +170,7 @@ async def _viewed(stream, view: Callable[[RequestOutput], RequestOutput]):
         await stream.aclose()
 
 
-def start_streams(engine, prompts: list[list[int]], sampling_params: SamplingParams, rid: str, policy: RequestPolicy,
+def start_streams(engine: EngineClient, prompts: list[list[int]], sampling_params: SamplingParams, rid: str, policy: RequestPolicy,
                   view: Callable[[RequestOutput], RequestOutput] | None = None, stream: bool = True):
     """One engine request per prompt (ids ``rid``, or ``rid-0``, ``rid-1``, ... for several), merged; each
     output through ``view`` (``output_view``) when given. ``stream=False``: one output per request, at its end."""
@@ -198,28 +197,3 @@ async def collect(stream, chat: bool, choices: Choices, on_output=None) -> Choic
     if choices.failed:
         raise output_failed()
     return choices
-
-
-async def complete(engine, body, chat: bool, rid: str, created: int, model: str, fingerprint: str = "",
-                   *, policy: RequestPolicy, parsers: ParserChoice | None = None,
-                   render=completion_body) -> tuple[dict, Choices]:
-    """Run one request to the end and return (response body, its choices); APIError as the live API would.
-
-    ``policy``: how the engine schedules it (its ``order_in_class`` is taken from the body's ``priority``).
-    Closing (or cancelling) aborts the engine requests.
-    ``parsers``: the server's tool-call / reasoning parser settings (auto-detected when not given).
-    ``render``: the response body, from ``completion_body``'s arguments (the Responses API has its own).
-    """
-    plan = chat_plan_of(engine, body, parsers or ParserChoice()) if chat else None
-    vocab_size = engine.info.vocab_size if engine.info is not None else None
-    sampling_params = apply_plan(sampling_params_of(body, vocab_size), plan, body)
-    prompts = await prepare_prompts(engine, body, chat, plan, sampling_params)
-    await check_schema(sampling_params.structured_output, body, forced_call=plan is not None and plan.structured_output is not None)
-    # Only the result is wanted: one message from the engine at the end, not one per token.
-    policy = msgspec.structs.replace(policy, order_in_class=order_in_class(body))
-    stream = start_streams(engine, prompts, sampling_params, rid, policy, output_view(body), stream=False)
-    try:
-        whole = await collect(stream, chat, Choices([len(p) for p in prompts], sampling_params.n, whole=True))
-    finally:
-        await stream.aclose()
-    return render(rid, created, model, chat, whole, body, fingerprint, plan), whole

@@ -27,20 +27,21 @@ import socket
 import time
 import uuid
 
-import msgspec
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.batch.validation import ENDPOINTS
 from engine.core.request_policy import RequestPolicy
 from engine.serving.client import EngineClient
-from gateway.completion import NOT_RETRIED, complete
+from gateway.batch.line_completion import complete
+from gateway.completion import NOT_RETRIED
 from gateway.response_bodies import completion_body, system_fingerprint
 from gateway.responses import batch_lines
 from gateway.responses.translate import responses_error
 from gateway.errors import APIError
 from gateway.lora_adapters import AdapterCatalog
 from gateway.openai_schema import decode_body
+from gateway.pipeline import Adapter
 from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, FinishedLine, new_id
 from tenants.models import utcnow
 from tenants.store import UsageRecord
@@ -83,7 +84,7 @@ def batch_line_policy(priority: int, tenant_id: int, cache_salt: str, cache_shar
                          cache_salt=cache_salt, cache_share=cache_share, lora_adapter=lora_adapter)
 
 
-async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_json: str,
+async def execute_line(engine: EngineClient, model: str, endpoint: str, custom_id: str, body_json: str,
                        policy: RequestPolicy, adapters: AdapterCatalog | None = None,
                        tenant_id: int | None = None) -> tuple[bool, dict, object]:
     """Run one batch line like the live API would; (ok, output line, its choices' usage or None).
@@ -103,13 +104,14 @@ async def execute_line(engine, model: str, endpoint: str, custom_id: str, body_j
             render = batch_lines.renderer(req, tools)
         else:
             body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
+        adapter = None
         if adapters is not None:
-            adapter, path = await adapters.resolve(tenant_id, body.model, model)
-            if adapter is not None:
-                await adapters.serve_on(engine, adapter, path)
-                policy, model = msgspec.structs.replace(policy, lora_adapter=adapter), adapter
+            name, path = await adapters.resolve(tenant_id, body.model, model)
+            if name is not None:  # loaded onto the engine by the pipeline, after the line's prompts are checked
+                adapter, model = Adapter(adapters, name, path), name
         response, last = await complete(engine, body, chat, rid, int(time.time()), model,
-                                        system_fingerprint(engine.config, model), policy=policy, render=render)
+                                        system_fingerprint(engine.config, model), policy=policy, adapter=adapter,
+                                        render=render)
     except APIError as e:
         if endpoint == batch_lines.ENDPOINT:
             e = responses_error(e)  # the chat fields it names, as the Responses API calls them

@@ -25,7 +25,7 @@ def line_request(body: bytes) -> tuple[ResponsesRequest, ChatCompletionRequest, 
 
 
 def renderer(req: ResponsesRequest, tools: list[FunctionTool]):
-    """``completion.complete``'s ``render`` for this line: the whole output as a response object."""
+    """``gateway.batch.line_completion.complete``'s ``render`` for this line: the whole output as a response object."""
 
     def render(rid: str, created: int, model: str, chat: bool, whole: Choices, body, fingerprint: str, plan) -> dict:
         response = skeleton(req, new_item_id("resp"), created, model, tools)

@@ -140,8 +140,8 @@ def test_greedy_tokens_equal_one_engine_and_the_decode_engine_computes_only_the_
             local = [i for i in range(3) if "local" in router.phases[f"busy{i}"]]
             assert 1 in local and 0 not in local and router.local_prefills == len(local)
             assert router.local_prefills_by == {("decode-0", "not_wanted"): 1, ("decode-0", "prefill_busy"): len(local)}
-            from gateway.metrics import _EngineCollector
-            samples = {(s.labels["replica"], s.labels["reason"]): s.value for f in _EngineCollector(router).collect()
+            from gateway.engine_metrics import EngineCollector
+            samples = {(s.labels["replica"], s.labels["reason"]): s.value for f in EngineCollector(router).collect()
                        if f.name == "moegate_kv_local_prefills" for s in f.samples if s.name.endswith("_total")}
             assert samples == router.local_prefills_by
             await asyncio.sleep(1.2)

@@ -4,7 +4,7 @@ experts are divided among ranks."""
 import random
 
 from engine.core.stats import SchedulerStats
-from gateway.metrics import _EngineCollector
+from gateway.engine_metrics import EngineCollector
 
 
 class _Engine:
@@ -19,7 +19,7 @@ def test_expert_tokens_per_expert_and_per_rank():
     split = rng.randint(1, experts - 1)  # rank 0 holds experts [0, split), rank 1 the rest
     by_rank = [sum(sum(layer[:split]) for layer in load), sum(sum(layer[split:]) for layer in load)]
     stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, expert_load=load, expert_load_by_rank=by_rank)
-    families = {f.name: f for f in _EngineCollector(_Engine(stats)).collect()}
+    families = {f.name: f for f in EngineCollector(_Engine(stats)).collect()}
     per_expert = {(s.labels["layer"], s.labels["expert"]): s.value for s in families["moegate_expert_tokens"].samples
                   if s.name.endswith("_total")}
     assert per_expert == {(str(l), str(e)): load[l][e] for l in range(layers) for e in range(experts)}
@@ -32,7 +32,7 @@ def test_speculative_decoding_counters():
     drafts, accepted, steps = rng.randint(10, 1000), rng.randint(0, 9), rng.randint(1, 9)
     stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, spec_draft_tokens=drafts,
                            spec_accepted_tokens=accepted, spec_steps=steps)
-    families = {f.name: f for f in _EngineCollector(_Engine(stats)).collect()}
+    families = {f.name: f for f in EngineCollector(_Engine(stats)).collect()}
     totals = {name: [s.value for s in families[name].samples if s.name == name + "_total"]
               for name in ("moegate_spec_draft_tokens", "moegate_spec_accepted_tokens", "moegate_spec_steps")}
     assert totals == {"moegate_spec_draft_tokens": [drafts], "moegate_spec_accepted_tokens": [accepted],
@@ -52,7 +52,7 @@ def test_prefix_tier_counters_per_tier_and_tenant():
             for tier in ("host", "disk") for tenant in ("1", "2", "17")]
     stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, cache_tiers=rows)
     stats = msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=SchedulerStats)
-    families = {f.name: f for f in _EngineCollector(_Engine(stats)).collect()}
+    families = {f.name: f for f in EngineCollector(_Engine(stats)).collect()}
     for field in ("hits", "misses", "bytes_in", "bytes_out", "evictions", "write_errors"):
         name = f"moegate_prefix_tier_{field}"
         got = {(s.labels["tier"], s.labels["tenant"]): s.value for s in families[name].samples
@@ -69,7 +69,7 @@ def test_expert_balance_series():
                   eplb_replicated_experts=rng.randint(0, 64), eplb_rank_load_before=before, eplb_rank_load_after=after,
                   eplb_imbalance_before=rng.uniform(1, 3), eplb_imbalance_after=rng.uniform(1, 3))
     stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, **values)
-    families = {f.name: f for f in _EngineCollector(_Engine(stats)).collect()}
+    families = {f.name: f for f in EngineCollector(_Engine(stats)).collect()}
 
     def one(name, suffix=""):
         [sample] = [s for s in families[name].samples if s.name == name + suffix]
@@ -88,5 +88,5 @@ def test_expert_balance_series():
 
 def test_no_balance_series_without_divided_experts():
     stats = SchedulerStats(0, {}, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0)
-    names = {f.name for f in _EngineCollector(_Engine(stats)).collect()}
+    names = {f.name for f in EngineCollector(_Engine(stats)).collect()}
     assert not any(n.startswith(("moegate_eplb", "moegate_expert_imbalance")) for n in names), names
