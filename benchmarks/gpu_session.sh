@@ -191,7 +191,7 @@ for spec in $SPECS; do
             tests/engine/worker/test_cuda_graphs.py tests/engine/worker/test_piecewise_graphs.py tests/engine/kernels/test_triton_attention.py tests/engine/kernels/test_triton_attention_engine.py \
             tests/engine/kernels/test_triton_mla_attention.py \
             tests/engine/kernels/test_triton_backend_engine.py tests/engine/worker/test_host_syncs.py tests/engine/loading/test_random_weights.py \
-            tests/engine/loading/test_quantized_experts.py tests/engine/worker/test_expert_load.py tests/engine/worker/test_overlap.py \
+            tests/engine/loading/test_quantized_experts.py tests/engine/eplb/test_expert_load.py tests/engine/worker/test_overlap.py \
             tests/engine/kv_tiers/test_prefix_tiers.py::test_tiers_on_equals_off_cuda \
             --deselect tests/engine/loading/test_random_weights.py::test_command_lines_take_random_weights ;;
         # The other never-run device paths, each test's CUDA case (tests/devices.py): grammar masks on the device,

@@ -44,7 +44,7 @@ def test_serve_help_shows_each_gateway_default_once_and_equal_to_gateway_configs
         text = helps[GATEWAY_FLAGS.flag_name(field.name)]
         default = getattr(reference, field.name)
         shown = re.findall(r"\(default ([^);]+)", text)
-        if default is None or field.name == "database_url":
+        if default in (None, ()) or field.name == "database_url":
             assert "(default " not in text, (field.name, text)  # what the program does instead, said in words
             continue
         assert len(shown) == 1 and text.count("(default") == 1, (field.name, text)
@@ -73,13 +73,16 @@ def test_given_values_reach_the_gateway_config(tmp_path):
               "--batch-lease-seconds": round(rng.uniform(1, 600), 3), "--batch-max-inflight": rng.randint(1, 99),
               "--responses-retention-days": days,
               "--tool-call-parser": rng.choice(CHOICES["tool_call_parser"][2:]),
-              "--reasoning-parser": rng.choice(CHOICES["reasoning_parser"][2:])}
+              "--reasoning-parser": rng.choice(CHOICES["reasoning_parser"][2:]),
+              "--allowed-origins": f"https://{rng.randrange(10**6)}.example,http://127.0.0.1:{rng.randint(1, 65535)}"}
     argv = ["serve"] + [str(x) for flag, value in values.items() for x in (flag, value)]
     config = gateway_config(build_parser().parse_args(argv))
     fields = {GATEWAY_FLAGS.flag_name(f.name): f.name for f in GATEWAY_FLAGS.fields()}
     assert sorted(fields) == sorted(values)  # every flag given once
     for flag, value in values.items():
         expected = value * 86400 if flag == "--responses-retention-days" else value
+        if flag == "--allowed-origins":
+            expected = tuple(value.split(","))
         assert getattr(config, fields[flag]) == pytest.approx(expected) if isinstance(value, float) \
             else getattr(config, fields[flag]) == expected, flag
     off = gateway_config(build_parser().parse_args(["serve", "--metrics-port", "-1", "--tool-call-parser", "none",
@@ -97,23 +100,23 @@ def test_the_database_url_from_the_environment_when_no_flag_says(monkeypatch, tm
 
 @dataclasses.dataclass
 class _WithOneMoreField(GatewayConfig):
-    allowed_origins: str = "https://a.example"
-    """origins whose browsers may call the API"""
+    welcome_banner: str = "hello there"
+    """a line the server prints when it starts"""
 
 
 @dataclasses.dataclass
 class _WithAnUndocumentedField(GatewayConfig):
-    allowed_origins: str = ""
+    welcome_banner: str = ""
 
 
 def test_a_field_added_to_the_config_is_a_flag():
     flags = ConfigFlags(_WithOneMoreField, OVERRIDES, NOT_FLAGS, CHOICES)
     parser = argparse.ArgumentParser()
     flags.add_flags(parser)
-    assert "origins whose browsers may call the API (default https://a.example)" in " ".join(
+    assert "a line the server prints when it starts (default hello there)" in " ".join(
         parser.format_help().split())
-    origin = f"https://{random.randrange(10**6)}.example"
-    assert flags.values(parser.parse_args(["--allowed-origins", origin]))["allowed_origins"] == origin
-    assert flags.values(parser.parse_args([]))["allowed_origins"] == "https://a.example"
-    with pytest.raises(TypeError, match="allowed_origins has no docstring"):
+    banner = f"banner {random.randrange(10**6)}"
+    assert flags.values(parser.parse_args(["--welcome-banner", banner]))["welcome_banner"] == banner
+    assert flags.values(parser.parse_args([]))["welcome_banner"] == "hello there"
+    with pytest.raises(TypeError, match="welcome_banner has no docstring"):
         ConfigFlags(_WithAnUndocumentedField, OVERRIDES, NOT_FLAGS, CHOICES).add_flags(argparse.ArgumentParser())
