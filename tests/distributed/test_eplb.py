@@ -71,7 +71,8 @@ def test_balanced_experts_generate_the_single_process_tokens(run, eplb_runs):
 
 _DIES_MOVING_WEIGHTS = """
 import os, signal, sys
-from engine.distributed import collectives, follower
+from engine.distributed import collectives
+from engine.ranks import follower
 send_recv = collectives.TensorParallel.send_recv
 def dying(self, sends, recvs, what):
     if sends or recvs:  # in the middle of a layer's weight move: nothing of it sent or received
