@@ -85,16 +85,22 @@ class ControlTokens:
         if not sentinels:
             return self.tokenizer.encode(text)
         pattern = re.compile("|".join(map(re.escape, sentinels)))
-        ids: list[int] = list(self._prefix)
+        pieces: list[str] = []  # the template's text between the sentinels, one more than ``spelled``
+        spelled: list[str] = []
         start = 0
         for match in pattern.finditer(text):
-            if match.start() > start:
-                ids += self.tokenizer.encode(text[start:match.start()], add_special_tokens=False)
-            ids += self.plain(sentinels[match.group()])
+            pieces.append(text[start:match.start()])
+            spelled.append(sentinels[match.group()])
             start = match.end()
-        if start < len(text):
-            ids += self.tokenizer.encode(text[start:], add_special_tokens=False)
-        return ids + self._suffix
+        pieces.append(text[start:])
+        # One batch call for every piece: a message of many spellings costs one tokenizer call, not one each
+        # (a Python loop of calls would hold the gateway's interpreter for seconds).
+        encoded = self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
+        ids: list[int] = list(self._prefix)
+        for piece, spelling in zip(encoded, spelled):
+            ids += piece
+            ids += self.plain(spelling)
+        return ids + encoded[-1] + self._suffix
 
     def plain(self, spelling: str) -> list[int]:
         """``spelling``'s tokens as text, none of them a control token (split further where a piece still reads

@@ -23,6 +23,18 @@ class DisaggregatedLayout:
     def remote(self) -> bool:
         return bool(self.remote_prefill or self.remote_decode)
 
+    def local_engines(self) -> tuple[list[EngineConfig], list[EngineConfig]]:
+        """Each local prefill and each local decode engine's settings. An engine holds its disk tier's directory
+        alone (engine.kv_tiers.disk_dir), so each keeps it in ``disk_cache_dir``/prefill-<i> or decode-<i>."""
+        return ([_own_disk_cache(self.prefill, f"prefill-{i}") for i in range(self.local_prefill)],
+                [_own_disk_cache(self.decode, f"decode-{i}") for i in range(self.local_decode)])
+
+
+def _own_disk_cache(config: EngineConfig, name: str) -> EngineConfig:
+    if config.disk_cache_dir is None:
+        return config
+    return dataclasses.replace(config, disk_cache_dir=os.path.join(config.disk_cache_dir, name))
+
 
 def disaggregation_layout(args: argparse.Namespace, config: EngineConfig, parse_address) -> DisaggregatedLayout | None:
     """The layout the flags ask for, None without disaggregation flags; ValueError (one line) for a bad one."""
@@ -63,14 +75,14 @@ def build_disaggregated(layout: DisaggregatedLayout, authkey: bytes, stall_timeo
     from engine.serving.remote_engine import RemoteEngine
     from gateway.disaggregation import DisaggregatedEngines
 
-    def local(config: EngineConfig, count: int, first_gpu: int) -> list:
+    def local(configs: list[EngineConfig], first_gpu: int) -> list:
         return [AsyncEngine(config, process_env={"CUDA_VISIBLE_DEVICES": str(first_gpu + i)},
-                            stall_timeout_s=stall_timeout_s) for i in range(count)]
+                            stall_timeout_s=stall_timeout_s) for i, config in enumerate(configs)]
 
     def remote(config: EngineConfig, addresses) -> list:
         return [RemoteEngine(config, address, authkey, stall_timeout_s) for address in addresses]
 
-    prefill = local(layout.prefill, layout.local_prefill, 0) + remote(layout.prefill, layout.remote_prefill)
-    decode = (local(layout.decode, layout.local_decode, layout.local_prefill)
-              + remote(layout.decode, layout.remote_decode))
+    local_prefill, local_decode = layout.local_engines()
+    prefill = local(local_prefill, 0) + remote(layout.prefill, layout.remote_prefill)
+    decode = local(local_decode, layout.local_prefill) + remote(layout.decode, layout.remote_decode)
     return DisaggregatedEngines(prefill, decode)

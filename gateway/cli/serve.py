@@ -38,7 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--engines-share-experts makes the --engine replicas ranks of the local replicas' expert "
                          "group: it needs --enable-expert-parallel, at least one --engine and a local replica")
     group_remotes = len(remote) if args.engines_share_experts else 0
-    local_configs = ([disaggregated.decode] if disaggregated is not None else
+    local_configs = (sum(disaggregated.local_engines(), []) if disaggregated is not None else
                      replica_configs(engine_config, args.local_replicas, group_remotes))  # checks the combination
     if args.engine_stall_timeout <= 0:
         raise ValueError(f"--engine-stall-timeout must be > 0, got {args.engine_stall_timeout}")

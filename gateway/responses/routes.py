@@ -58,6 +58,11 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
         req, tools, body, inputs = await asyncio.to_thread(prepare, data, history) \
             if history or len(data) > LARGE_BODY_BYTES else prepare(data, history)
         if req.store is not False:
+            if len(history) >= request.app[RESPONSE_STORE].max_depth:  # stored, it could not be read back
+                raise APIError(400, f"previous_response_id {previous!r}: the conversation already holds "
+                                    f"{len(history)} stored responses, the most one is read back with; send it (or a "
+                                    "summary of it) as input, or continue it with store: false",
+                               param="previous_response_id")
             await _check_room(request, tenant_id, len(data))
         respond = functools.partial(_respond, req=req, tools=tools, inputs=inputs,
                                     ancestors=[row.id for row in history], model=model_name())

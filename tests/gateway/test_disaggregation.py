@@ -280,7 +280,11 @@ def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_met
     rng = random.Random()
     words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
     prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(30, 50))) for _ in range(2)]
-    settings = ["--num-kv-blocks", "128", "--block-size", "4", "--local-prefill-tokens", "8", "--cpu-threads", "1"]
+    # Both engines with a disk tier under one --disk-cache-dir: each holds a directory of its own below it (one
+    # engine per directory, so a shared one stopped the second engine at its start).
+    disk = tmp_path / "kv"
+    settings = ["--num-kv-blocks", "128", "--block-size", "4", "--local-prefill-tokens", "8", "--cpu-threads", "1",
+                "--host-cache-gb", "0.01", "--disk-cache-dir", str(disk), "--disk-cache-gb", "0.01"]
     offline = LLM(model=demo, num_kv_blocks=128, block_size=4).generate(
         prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     # The prefill engine computes the prompts in steps of at most 16 tokens (several pieces each), the decode
@@ -289,6 +293,8 @@ def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_met
                                       "--prefill-max-num-batched-tokens", "16", *settings])
     layout = disaggregation_layout(args, engine_flags.engine_config(args), parse_address)
     assert layout.prefill.max_num_batched_tokens == 16
+    engine_dirs = [c.disk_cache_dir for configs in layout.local_engines() for c in configs]
+    assert engine_dirs == [str(disk / "prefill-0"), str(disk / "decode-0")]
     assert layout.decode.max_num_batched_tokens == engine_flags.engine_config(args).max_num_batched_tokens > 16
     url = f"sqlite:///{tmp_path / 'policy.db'}"
     upgrade(url)
@@ -315,6 +321,7 @@ def test_serve_flags_stream_through_the_gateway_with_usage_once_and_transfer_met
                 health = await (await http.get(server.make_url("/health"))).json()
                 assert [r["replica"] for r in health["replicas"]] == ["prefill-0", "decode-0"]
                 assert health["status"] == "ready"
+                assert all(os.path.isfile(os.path.join(d, "lock")) for d in engine_dirs), engine_dirs
                 await asyncio.sleep(1.2)  # the idle engines' latest statistics
                 metrics = await (await http.get(app[METRICS_URL])).text()
             assert 'moegate_kv_transfers_total{replica="decode-0"} 2.0' in metrics

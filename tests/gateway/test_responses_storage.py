@@ -13,6 +13,7 @@ import openai
 import pytest
 from sqlalchemy import create_engine, pool, text
 
+from gateway.responses.routes import RESPONSE_STORE
 from tenants.db import sync_url
 from tenants.store import TenantStore
 from tests.gateway.in_process import in_process_server
@@ -156,3 +157,34 @@ def test_other_tenants_stream_keeps_pace_while_a_long_history_is_read(served):
     # Measured on a loaded 2-core machine: 0.26-0.33 s here against 0.68 s with the history handled on the loop
     # (b alone: 0.03-0.12 s).
     assert busy < max(0.45, 4 * quiet), (quiet, busy)
+
+
+def test_a_stored_chain_never_grows_past_what_is_read_back(served):
+    """A conversation is read back up to the store's depth: continuing one that deep with store on is a 400 naming
+    previous_response_id (stored, the new step's own input_items would be refused), with store: false it goes on."""
+    srv, _ = served
+    store = srv.server.app[RESPONSE_STORE]
+    depth, kept = random.randint(2, 4), store.max_depth
+    key = srv.run(new_tenant_key(srv.database_url, "deep"))
+
+    async def go():
+        async with _client(srv, key) as client:
+            previous = None
+            for _ in range(depth):
+                r = await client.responses.create(model="demo", previous_response_id=previous, input="hi",
+                                                  max_output_tokens=2, temperature=0)
+                previous = r.id
+                assert len((await client.responses.input_items.list(previous)).data) >= 1
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.responses.create(model="demo", previous_response_id=previous, input="hi",
+                                              max_output_tokens=2)
+            assert refused.value.param == "previous_response_id"
+            r = await client.responses.create(model="demo", previous_response_id=previous, input="hi",
+                                              max_output_tokens=2, store=False)
+            assert r.status in ("completed", "incomplete")
+
+    store.max_depth = depth
+    try:
+        srv.run(go())
+    finally:
+        store.max_depth = kept
