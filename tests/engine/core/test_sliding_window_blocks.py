@@ -29,6 +29,12 @@ def test_window_blocks_present_and_the_rest_released(trial):
     null = sched.kv.null_block_id
     shared = [rng.randrange(50) for _ in range(24)]
     reqs = make_requests(14, rng, prompt_len=(10, 90), max_tokens=(4, 30))
+    # Two long requests one after the other, each decoding 30 tokens: the second's prompt fills while the first
+    # still holds about 30 full-attention blocks, more than the pool holds for both, so a preemption is forced
+    # whatever the other random lengths (short ones let every seed finish without one).
+    reqs[6:6] = make_requests(2, rng, prompt_len=(100, 100), max_tokens=(30, 30))
+    for i, r in enumerate(reqs):
+        r.request_id = f"r{i}"
     for r in reqs[:5]:  # these share a 24-token prefix
         r.all_token_ids[:0] = shared
         r.prompt_token_ids = list(r.all_token_ids)
