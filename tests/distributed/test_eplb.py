@@ -98,10 +98,15 @@ def _kill_during_a_move(rank: int, world: int, address: str, model_dir: str, por
     # such a run before any weight moved.
     llm = LLM(model_dir, **ENGINE, tensor_parallel_size=2, local_ranks=1, distributed_timeout_s=15,
               distributed_init_method=f"tcp://127.0.0.1:{port}", **{**EPLB, "num_redundant_experts": 2})
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # A rebalance moves weights only where the measured load asks for another placement: 40 steps (a rebalance
+    # every 3) over two random prompts, so one does (8 steps over one prompt left every placement as it was for
+    # some random models: no move, nothing killed).
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    rng = random.Random()
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(5, 12))] for _ in range(2)]
     start = time.monotonic()
     try:
-        llm.generate([[1, 2, 3, 4, 5, 6, 7]], params)
+        llm.generate(prompts, params)
         error = None
     except CollectiveError as e:
         error = str(e)
