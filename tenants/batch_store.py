@@ -28,7 +28,7 @@ from sqlalchemy import Connection, and_, case, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from tenants.batch_statements import BatchStatements
-from tenants.models import FILE_CHUNK_BYTES, Batch, BatchLine, FileChunk, StoredFile, utcnow
+from tenants.models import FILE_CHUNK_BYTES, Batch, BatchLine, FileChunk, StoredFile, Tenant, utcnow
 from tenants.quota import QuotaManager
 from tenants.store import QuotaConfig, TenantStore, UsageRecord
 from tenants.sync_transactions import SyncTransactions
@@ -131,6 +131,10 @@ class BatchStore:
                          bytes=size, path="", created_at=utcnow())
         async with self.sessions.begin() as s:
             if max_stored_bytes is not None:
+                # The check and the insert are one step for every gateway sharing the database: the tenant's
+                # row lock (PostgreSQL) or the write lock BEGIN IMMEDIATE took (SQLite: FOR UPDATE renders as
+                # nothing there) holds another upload of the tenant before its sum until this one commits.
+                await s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
                 used = await self._stored_bytes(s, tenant_id)
                 if used + size > max_stored_bytes:
                     raise StorageFull(used, size, max_stored_bytes)
