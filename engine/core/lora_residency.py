@@ -29,6 +29,11 @@ def registered_name(key: str) -> str:
     return key.split("=", 1)[0]
 
 
+def registered_digest(key: str) -> str | None:
+    """The content digest ``registration_key`` ``key`` was made with (None for a bare name: no registration)."""
+    return key.rsplit("#", 1)[1] if "=" in key and "#" in key else None
+
+
 @dataclass(frozen=True, slots=True)
 class LoraLoad:
     """Write the adapter registered as ``name`` (a ``registration_key``; read from ``path``) into device slot

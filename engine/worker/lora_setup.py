@@ -12,11 +12,12 @@ the base weights are split, and its own experts under expert parallelism).
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from engine.core.lora_residency import LoraLoad, registration_key
+from engine.core.lora_residency import LoraLoad, registered_digest, registered_name, registration_key
 from engine.lora.identity import adapter_digest
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import Attention
@@ -75,8 +76,8 @@ class LoraAdapters:
         # Background reads in a child process (engine.lora.reader_process: a read on a thread of this process
         # would hold the GIL the step loop needs); the check at add time and a rare synchronous read stay here.
         self._reader = reader_process.AdapterReaderProcess() if reader_process.available() else None
-        self.host = HostLoraCache(max_cpu_loras, self.read,
-                                  background_read=self._read_in_child if self._reader is not None else None)
+        self.host = HostLoraCache(max_cpu_loras, self._as_registered(self.read), background_read=self._as_registered(
+            self._read_in_child if self._reader is not None else self.read))
         self._held: set[str] = set()  # the names ``hold`` was asked for, less those ``forget`` was told of
         self.slot_load_seconds = 0.0  # cumulative host time of the slot writes (host-to-device copies)
 
@@ -122,6 +123,22 @@ class LoraAdapters:
         if len(self._held) > self.host.capacity:
             self.start_reader()
         return key
+
+    @staticmethod
+    def _as_registered(read: Callable[[str, str], LoraAdapter]) -> Callable[[str, str], LoraAdapter]:
+        """``read(key, path)`` for the host copies, which reads an adapter again from disk (after an eviction):
+        ValueError (one line) unless the files hold what was added, the content digest in its registration key
+        (files replaced while serving are another adapter: served under this key, they would be computed with
+        and cached as the old one's). That error fails only the adapter's requests (``HostLoraCache.failures``)."""
+        def checked(key: str, path: str) -> LoraAdapter:
+            digest = registered_digest(key)
+            before = adapter_digest(path) if digest is not None else None
+            adapter = read(key, path)  # a read that fails says why (a tensor no longer finite, a file gone)
+            if digest is not None and (before != digest or adapter_digest(path) != digest):
+                raise ValueError(f"lora adapter {registered_name(key)}: its files in {path} changed since it was "
+                                 "added (their content digest differs): add it again to serve the new files")
+            return adapter
+        return checked
 
     def forget(self, name: str) -> None:
         """Adapter ``name`` was removed: it no longer counts toward the reader's start (``hold``); its host copy

@@ -1,7 +1,9 @@
 """An adapter whose directory goes bad after it was added (its weights no longer finite) fails only the requests
 that need it, the next time the engine reads it from disk: they end with finish_reason 'error' and a reason naming
 the adapter and the tensor, the engine's other requests (base model and another adapter, in the same steps) keep
-transformers + PEFT's tokens, and once the file is mended the adapter is served again."""
+transformers + PEFT's tokens, and once the file is mended the adapter is served again. Files replaced by other
+sound weights while serving fail its requests the same way (they are not the adapter that was added), until the
+added files are back."""
 
 import asyncio
 import functools
@@ -83,6 +85,24 @@ def test_adapter_spoiled_on_disk_fails_its_requests_alone(tmp_path):
     mended = _run(engine, {"mended": (prompt, adapter["a"])}, max_new)["mended"]
     assert_greedy_equal_up_to_a_near_tie(functools.partial(peft_last_logits, ref, "a"), prompt, mended.token_ids,
                                          peft_greedy_tokens(ref, "a", prompt, max_new), f"seed={seed} mended")
+
+    # Other sound weights written over "a"'s files while serving ("b"'s: the same targets and rank). "b" pushes "a"
+    # out of the slot and the host copy again, so "a" is read from disk: its files no longer match the digest it
+    # was registered (and its cached blocks keyed) under, and serving them as "a" would mix two adapters.
+    _run(engine, {"warm-b2": (prompt, adapter["b"])}, 2)
+    shutil.copy(f"{paths['b']}/adapter_model.safetensors", weights)
+    outs = _run(engine, {"replaced": (prompt, adapter["a"]), "base2": (prompt, RequestPolicy())}, max_new)
+    failed = outs["replaced"]
+    assert failed.finished and failed.finish_reason == "error" and failed.token_ids == [], failed
+    assert "'a'" in failed.stop_reason and "changed since it was added" in failed.stop_reason, failed.stop_reason
+    assert engine.take_rejected() == {"replaced": failed.stop_reason}
+    assert_greedy_equal_up_to_a_near_tie(functools.partial(peft_last_logits, ref, None), prompt,
+                                         outs["base2"].token_ids, peft_greedy_tokens(ref, None, prompt, max_new),
+                                         f"seed={seed} request base2")
+    shutil.copy(tmp_path / "a-sound.safetensors", weights)  # its registered files back: served again
+    again = _run(engine, {"again": (prompt, adapter["a"])}, max_new)["again"]
+    assert_greedy_equal_up_to_a_near_tie(functools.partial(peft_last_logits, ref, "a"), prompt, again.token_ids,
+                                         peft_greedy_tokens(ref, "a", prompt, max_new), f"seed={seed} again")
     engine.scheduler.kv.pool.check_all_free()
     engine.close()
 
