@@ -140,8 +140,9 @@ class AsyncEngine:
     async def start(self) -> Ready:
         self._loop = asyncio.get_running_loop()
         requests, replies = await self._open()
-        self._requests = PipeWriter(requests, "moegate-engine-writer")
-        self._replies = replies
+        with self._send_lock:
+            self._requests = PipeWriter(requests, "moegate-engine-writer")
+            self._replies = replies
         try:
             first = await self._loop.run_in_executor(None, self._recv, replies)
             if isinstance(first, Fatal) or first is None:
@@ -421,18 +422,22 @@ class AsyncEngine:
             raise ValueError(error)
 
     async def shutdown(self) -> None:
-        requests, replies = self._requests, self._replies
-        if requests is None:
-            return
-        self._requests = self._replies = None  # the reader's EOF is now an orderly stop, not a death
+        # Under the send lock: a message another thread is queueing goes before Shutdown, and none after it (a
+        # later ``_send`` sees no pipe: EngineError).
+        with self._send_lock:
+            requests, replies = self._requests, self._replies
+            if requests is None:
+                return
+            self._requests = self._replies = None  # the reader's EOF is now an orderly stop, not a death
+            requests.send(encoder.encode(Shutdown()))
+            requests.finish()
         self._answer_releases()
-        requests.send(encoder.encode(Shutdown()))
-        requests.finish()
         # Written before the engine is waited for (or cut off); a frozen engine's pipe is left to its end.
         await self._loop.run_in_executor(None, requests.join, SHUTDOWN_WRITE_S)
         await self._close(replies)
-        requests.conn.close()
-        replies.close()
+        requests.close()  # now, or by the writer thread once its write in progress fails (the engine is gone)
+        if replies is not requests.conn:  # one connection both ways (an engine elsewhere): closed by the writer
+            replies.close()
 
     # -- the transport: a local engine process (subclasses reach an engine elsewhere) --
 
