@@ -135,10 +135,7 @@ async def admit(app: web.Application, caps: dict[int, int], cls: ClassInfo, tena
     says). Refused or cancelled, nothing stays counted; admitted, the caller gives the sequences back with
     ``release``."""
     inflight = app[INFLIGHT]
-    cap = caps.get(cls.priority)
-    if cap is not None and inflight.get(cls.priority, 0) >= cap:
-        raise APIError(503, f"server overloaded for priority class {cls.name!r}; retry shortly", "server_error",
-                       code="overloaded", headers={"Retry-After": "2"})
+    check_class_room(app, caps, cls)
     # Counted from here, before any await, so a burst cannot all pass the check above at once.
     # Engine sequences, not HTTP requests: n copies of each prompt load the engine as n requests would.
     inflight[cls.priority] = inflight.get(cls.priority, 0) + sequences
@@ -147,6 +144,24 @@ async def admit(app: web.Application, caps: dict[int, int], cls: ClassInfo, tena
     except BaseException:
         release(app, cls, sequences)
         raise
+
+
+def check_class_room(app: web.Application, caps: dict[int, int], cls: ClassInfo) -> None:
+    """503 ``overloaded`` if ``cls`` already has ``caps[cls.priority]`` engine sequences in flight."""
+    cap = caps.get(cls.priority)
+    if cap is not None and app[INFLIGHT].get(cls.priority, 0) >= cap:
+        raise APIError(503, f"server overloaded for priority class {cls.name!r}; retry shortly", "server_error",
+                       code="overloaded", headers={"Retry-After": "2"})
+
+
+async def check_quotas_open(quotas: QuotaManager, tenant_id: int) -> None:
+    """The tenant's refusal (``denied_error``) if a request of one token would be refused now; reserves nothing
+    (a dry run: ``admit`` reserves the request's real tokens later)."""
+    decided = quotas.try_acquire_cached(tenant_id, requests=1, tokens=1)
+    if decided is None:
+        decided = await quotas.try_acquire(tenant_id, requests=1, tokens=1, dry_run=True)
+    if isinstance(decided, Denied):
+        raise denied_error(decided)
 
 
 def release(app: web.Application, cls: ClassInfo, sequences: int) -> None:

@@ -11,7 +11,9 @@ import asyncio
 from aiohttp import web
 
 from engine.core.request_policy import RequestPolicy
-from gateway.admission import SETTLEMENTS, admit, rate_limit_headers, release, reservation, utcnow
+from gateway.admission import (
+    QUOTAS, SETTLEMENTS, admit, check_class_room, check_quotas_open, rate_limit_headers, release, reservation, utcnow,
+)
 from gateway.app_keys import CONFIG, DRAINING, ENGINE, LEDGER
 from gateway.auth import PRINCIPAL, Principal
 from gateway.choices import Choices
@@ -23,6 +25,32 @@ from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
 from gateway.stream_journal import JOURNALED, STREAM_JOURNAL, JournaledStream
 from tenants.quota import Granted
 from tenants.store import UsageRecord
+
+
+def check_open(app: web.Application) -> None:
+    """503 while the server shuts down (a new request on a kept-alive connection) or its engine is down."""
+    if app[DRAINING].is_set():
+        raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
+                       code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
+    if app[ENGINE].dead:
+        raise engine_down(app[ENGINE].dead)
+
+
+async def refuse_early(request: web.Request) -> None:
+    """The admission checks that need neither the prompt nor a reservation, for a route with costly work before
+    its prompt exists (the Responses API reads and decodes a stored conversation first): the server open
+    (``check_open``), room in the tenant's class, and the tenant's quotas open for a request of one token (a dry
+    run: 429 past a rate or budget, 403 disabled). A refusal is counted as ``LiveAdmission.admit``'s are; that
+    still reserves the request's tokens once its prompt is known."""
+    app, principal = request.app, request[PRINCIPAL]
+    check_open(app)
+    tenant, cls = principal.tenant, principal.priority_class
+    try:
+        check_class_room(app, app[CONFIG].max_inflight_by_priority, cls)
+        await check_quotas_open(app[QUOTAS], tenant.id)
+    except APIError as refused:
+        app[METRICS].rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
+        raise
 
 
 class LiveAdmission:
@@ -38,12 +66,7 @@ class LiveAdmission:
 
     def check_open(self) -> None:
         """503 while the server shuts down (a new request on a kept-alive connection) or its engine is down."""
-        app = self.request.app
-        if app[DRAINING].is_set():
-            raise APIError(503, "the server is shutting down; retry on another replica or shortly", "server_error",
-                           code="shutting_down", headers={"Retry-After": "5", "Connection": "close"})
-        if app[ENGINE].dead:
-            raise engine_down(app[ENGINE].dead)
+        check_open(self.request.app)
 
     async def admit(self, planned: Planned) -> RequestPolicy:
         """The reservation, the request's timer and rate-limit headers, its choices (and, streamed, its journal

@@ -106,8 +106,8 @@ def _needs_counters(cfg: QuotaConfig) -> bool:
 
 
 class _Refused(Exception):
-    def __init__(self, denied: Denied) -> None:
-        self.denied = denied
+    def __init__(self, denied: Denied | Granted) -> None:
+        self.denied = denied  # a Granted: a dry run's answer, its counters rolled back
 
 
 def _epoch(d: date) -> int:
@@ -199,8 +199,9 @@ class QuotaManager:
         return int(now // 60 * 60), _epoch(today), _epoch(today.replace(day=1)), today, now
 
     async def try_acquire(self, tenant_id: int, requests: int = 1, tokens: int = 0,
-                          batch: bool = False) -> Granted | Denied:
-        """Reserve ``requests`` and ``tokens`` (prompt + max new tokens) for a tenant, or say why not."""
+                          batch: bool = False, dry_run: bool = False) -> Granted | Denied:
+        """Reserve ``requests`` and ``tokens`` (prompt + max new tokens) for a tenant, or say why not.
+        ``dry_run``: only say (the counters' transaction is rolled back; nothing to release)."""
         if requests < 0 or tokens < 0:
             raise ValueError("requests and tokens must be >= 0")
         policy = None
@@ -245,9 +246,12 @@ class QuotaManager:
                             retry = None  # bigger than the whole limit: waiting will not help
                         # Raising rolls back the counters this acquire already bumped.
                         raise _Refused(Denied(reason, retry, int(limit), max(0, int(limit) - used), reset_s))
-                return Granted(tenant_id, requests, tokens, billed, batch, cfg.batch_discount, minute, day, month,
-                               cfg.max_concurrency is not None, windows, day_reserved=cfg.daily_tokens is not None,
-                               month_reserved=cfg.monthly_tokens is not None, cache_share=cfg.cache_share)
+                granted = Granted(tenant_id, requests, tokens, billed, batch, cfg.batch_discount, minute, day, month,
+                                  cfg.max_concurrency is not None, windows, day_reserved=cfg.daily_tokens is not None,
+                                  month_reserved=cfg.monthly_tokens is not None, cache_share=cfg.cache_share)
+                if dry_run:
+                    raise _Refused(granted)  # rolls back what this call bumped
+                return granted
         except _Refused as refused:
             return refused.denied
 

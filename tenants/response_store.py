@@ -20,7 +20,7 @@ from typing import NamedTuple
 import msgspec
 from sqlalchemy import delete, func, literal, select, update
 
-from tenants.models import StoredResponse, utcnow
+from tenants.models import StoredResponse, Tenant, utcnow
 from tenants.store import TenantStore
 
 MAX_CHAIN_DEPTH = 1024  # responses one conversation may chain through previous_response_id
@@ -59,6 +59,14 @@ def conversation(chain: list[SavedResponse]) -> list[dict]:
     return [item for saved in chain for item in saved.items]
 
 
+class StoredResponsesFull(Exception):
+    """A response that would take its tenant's stored responses past their cap (``stored_response_bytes``)."""
+
+    def __init__(self, used: int, size: int, limit: int) -> None:
+        super().__init__(f"{used} bytes stored + {size} > {limit}")
+        self.used, self.size, self.limit = used, size, limit
+
+
 class ResponseStore:
     def __init__(self, store: TenantStore, retention_s: float, max_depth: int = MAX_CHAIN_DEPTH) -> None:
         if not retention_s > 0:
@@ -66,9 +74,11 @@ class ResponseStore:
         self.store, self.retention_s, self.max_depth = store, retention_s, max_depth
 
     async def put(self, tenant_id: int, response: dict, inputs: list[dict] | msgspec.Raw, parent_id: str | None = None,
-                  ancestors: tuple[str, ...] | list[str] = ()) -> SavedResponse:
+                  ancestors: tuple[str, ...] | list[str] = (), max_stored_bytes: int | None = None) -> SavedResponse:
         """Store ``response`` (which continued ``parent_id``) with the input items its request sent; the
-        ``ancestors`` (its chain's ids) then expire no sooner than it does."""
+        ``ancestors`` (its chain's ids) then expire no sooner than it does. ``max_stored_bytes``:
+        StoredResponsesFull (nothing stored) if the tenant's responses would hold more with this one, its own
+        output included; checked and stored as one step for every gateway sharing the database."""
         response_json, input_json, size = await asyncio.to_thread(_encode, response, inputs)
         now = utcnow()
         expires = now + timedelta(seconds=self.retention_s)
@@ -76,6 +86,13 @@ class ResponseStore:
                              input_json=input_json, stored_bytes=size, created_at=now,
                              expires_at=expires)
         async with self.store.sessions.begin() as s:
+            if max_stored_bytes is not None:
+                # The tenant's row lock (PostgreSQL; BEGIN IMMEDIATE's write lock on SQLite) holds another store
+                # of the tenant's before its sum until this one commits.
+                await s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
+                used = await self._stored_bytes(s, tenant_id)
+                if used + size > max_stored_bytes:
+                    raise StoredResponsesFull(used, size, max_stored_bytes)
             s.add(row)
             if ancestors:
                 await s.execute(update(StoredResponse).where(
@@ -125,8 +142,12 @@ class ResponseStore:
     async def stored_bytes(self, tenant_id: int) -> int:
         """Bytes the tenant's unexpired responses hold."""
         async with self.store.sessions() as s:
-            return int(await s.scalar(select(func.coalesce(func.sum(StoredResponse.stored_bytes), 0)).where(
-                StoredResponse.tenant_id == tenant_id, StoredResponse.expires_at > utcnow())))
+            return await self._stored_bytes(s, tenant_id)
+
+    @staticmethod
+    async def _stored_bytes(s, tenant_id: int) -> int:
+        return int(await s.scalar(select(func.coalesce(func.sum(StoredResponse.stored_bytes), 0)).where(
+            StoredResponse.tenant_id == tenant_id, StoredResponse.expires_at > utcnow())))
 
     async def delete(self, tenant_id: int, response_id: str) -> bool:
         """Delete the tenant's response; False if it had none by that id."""

@@ -27,17 +27,33 @@ class Prepared(NamedTuple):
     inputs: msgspec.Raw  # this request's input items as stored (each with an id), encoded
 
 
-class _Head(msgspec.Struct):
-    """The fields the route needs before the rest of the body is decoded."""
+class Head(msgspec.Struct):
+    """The fields the route needs before the rest of the body is decoded (each checked again by ``prepare``)."""
 
     previous_response_id: str | None = None
+    store: bool | None = None
+    max_output_tokens: int | None = None
 
 
-def previous_response_id(data: bytes) -> str | None:
-    """The body's ``previous_response_id``, read without building the rest (None where the body does not
-    say, or does not decode: ``prepare`` then names what is wrong with it)."""
+# Stored bytes counted for each output token a response may make before it runs (the rest of its stored size is
+# its body's, counted whole, and RESPONSE_OVERHEAD_BYTES of ids, usage and status); the store checks the exact
+# size when it stores (docs/decisions/stored-responses-cap.md).
+STORED_BYTES_PER_OUTPUT_TOKEN = 4
+RESPONSE_OVERHEAD_BYTES = 1024
+
+
+def stored_bound(body_bytes: int, max_output_tokens: int | None, default_output_tokens: int) -> int:
+    """Bytes a request of ``body_bytes`` is counted as storing before it runs: its body, and its output at up to
+    ``max_output_tokens`` (``default_output_tokens`` where it sets none, as admission reserves tokens)."""
+    output = max_output_tokens if max_output_tokens is not None else default_output_tokens
+    return body_bytes + RESPONSE_OVERHEAD_BYTES + STORED_BYTES_PER_OUTPUT_TOKEN * output
+
+
+def head(data: bytes) -> Head | None:
+    """The body's ``Head``, read without building the rest; None where it does not decode (``prepare`` then
+    names what is wrong with the body)."""
     try:
-        return msgspec.json.decode(data, type=_Head).previous_response_id
+        return msgspec.json.decode(data, type=Head)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
 

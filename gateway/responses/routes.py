@@ -18,6 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from engine.serving.async_engine import EngineError, RequestRejectedError
 from gateway.admission import QUOTAS
+from gateway.app_keys import CONFIG
 from gateway.auth import PRINCIPAL
 from gateway.chat_plan import ChatPlan
 from gateway.completion import engine_down, output_failed, rejected
@@ -27,10 +28,13 @@ from gateway.replies import json_response, query_limit
 from gateway.request_keys import CHOICES, RATE_HEADERS, SERVED_MODEL, TIMER
 from gateway.responses import stored_items
 from gateway.responses.builder import ResponseBuilder, skeleton, usage
-from gateway.responses.prepare import prepare, previous_response_id
+from gateway.live_admission import refuse_early
+from gateway.responses.prepare import head, prepare, stored_bound
 from gateway.responses.request import FunctionTool, ResponsesRequest
 from gateway.responses.translate import responses_error
-from tenants.response_store import ChainBroken, ChainTooLong, ResponseStore, StoredRow, conversation, decode_rows
+from tenants.response_store import (
+    ChainBroken, ChainTooLong, ResponseStore, StoredResponsesFull, StoredRow, conversation, decode_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,14 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
     async def create(request: web.Request) -> web.StreamResponse:
         data = await read_body(request)
         tenant_id = request[PRINCIPAL].tenant.id
-        previous = previous_response_id(data)
+        first = head(data)
+        previous = first.previous_response_id if first is not None else None
+        # What can refuse the request cheaply does so before its stored conversation is read and decoded: a
+        # tenant past its rates, or out of stored-response room, costs the gateway no such work.
+        await refuse_early(request)
+        if first is not None and first.store is not False:
+            await _check_room(request, tenant_id, stored_bound(len(data), first.max_output_tokens,
+                                                               request.app[CONFIG].default_reservation_tokens))
         history: list[StoredRow] = []
         if previous is not None:
             history = await _chain(request.app[RESPONSE_STORE], tenant_id, previous, "previous_response_id", APIError(
@@ -63,7 +74,6 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
                                     f"{len(history)} stored responses, the most one is read back with; send it (or a "
                                     "summary of it) as input, or continue it with store: false",
                                param="previous_response_id")
-            await _check_room(request, tenant_id, len(data))
         respond = functools.partial(_respond, req=req, tools=tools, inputs=inputs,
                                     ancestors=[row.id for row in history], model=model_name())
         try:
@@ -90,7 +100,8 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
         return chain
 
     async def _check_room(request: web.Request, tenant_id: int, incoming: int) -> None:
-        """A 400 if storing this request (about ``incoming`` bytes) would pass the tenant's stored-response cap."""
+        """A 400 if storing this request and its output (about ``incoming`` bytes) would pass the tenant's
+        stored-response cap."""
         cap = (await request.app[QUOTAS].limits(tenant_id)).stored_response_bytes
         if cap is None:
             return
@@ -194,9 +205,17 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         events = builder.finish(last.finish_reason, usage(choices.num_prompt_tokens, choices.num_cached_tokens,
                                                           choices.num_output_tokens))
         if req.store is not False and builder.response["status"] != "failed":
+            tenant_id = request[PRINCIPAL].tenant.id
             try:
-                await request.app[RESPONSE_STORE].put(request[PRINCIPAL].tenant.id, builder.response, inputs,
-                                                      req.previous_response_id, ancestors)
+                cap = (await request.app[QUOTAS].limits(tenant_id)).stored_response_bytes
+                await request.app[RESPONSE_STORE].put(tenant_id, builder.response, inputs, req.previous_response_id,
+                                                      ancestors, max_stored_bytes=cap)
+            except StoredResponsesFull as full:
+                # Made and billed, but past the cap with its own output (a longer output than admission allowed
+                # for, or other responses stored meanwhile): the client gets it, saying it was not stored.
+                logger.info("response %s not stored: %s", rid, full)
+                builder.response["store"] = False
+                events[-1]["response"]["store"] = False  # the final event's copy of the response
             except SQLAlchemyError:
                 logger.exception("storing response %s failed", rid)
                 raise APIError(503, "the response was made but could not be stored (the policy database is "

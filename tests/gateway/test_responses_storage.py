@@ -14,6 +14,9 @@ import pytest
 from sqlalchemy import create_engine, pool, text
 
 from gateway.responses.routes import RESPONSE_STORE
+from gateway.app_keys import CONFIG
+from gateway.responses.prepare import stored_bound
+from tenants.response_store import ResponseStore
 from tenants.db import sync_url
 from tenants.store import TenantStore
 from tests.gateway.in_process import in_process_server
@@ -188,3 +191,111 @@ def test_a_stored_chain_never_grows_past_what_is_read_back(served):
         srv.run(go())
     finally:
         store.max_depth = kept
+
+
+def test_a_refused_tenant_costs_no_read_of_its_stored_conversation(served, monkeypatch):
+    """A tenant past its rate limit is refused (429) before its previous_response_id chain is read or decoded."""
+    srv, _ = served
+    key = srv.run(new_tenant_key(srv.database_url, "refused-early"))
+    client = _client(srv, key)
+    first = srv.run(client.responses.create(model="demo", input="hello", max_output_tokens=2))
+    reads = []
+    chain_rows = ResponseStore.chain_rows
+
+    async def counted(self, tenant_id, response_id):
+        reads.append(response_id)
+        return await chain_rows(self, tenant_id, response_id)
+
+    monkeypatch.setattr(ResponseStore, "chain_rows", counted)
+
+    async def refused():
+        store = TenantStore.open(srv.database_url)
+        try:
+            await store.set_quota("refused-early", requests_per_minute=0)
+        finally:
+            await store.close()
+        await asyncio.sleep(0.5)  # the gateway's policy cache (0.2 s here) takes the new limit
+        with pytest.raises(openai.RateLimitError) as e:
+            await client.responses.create(model="demo", input="more", max_output_tokens=2,
+                                          previous_response_id=first.id)
+        return e.value
+
+    error = srv.run(refused())
+    assert error.status_code == 429 and error.body["code"] == "rate_limit_exceeded", error.body
+    assert reads == [], f"the stored conversation was read for a refused request: {reads}"
+    srv.run(client.close())
+
+
+def test_the_cap_counts_the_responses_own_output(served, monkeypatch):
+    """A response whose output may not fit the tenant's stored-response room is refused before it runs (400 naming
+    store); one that passed that check but is past the cap once its real output is known (here: the check is made
+    to see an empty store) is answered with store: false and not stored. Either way the tenant never holds more
+    than its cap."""
+    srv, _ = served
+    rng = random.Random()
+    key = srv.run(new_tenant_key(srv.database_url, "own-output"))
+    client = _client(srv, key)
+    max_out = rng.randrange(20, 40)
+    body = {"input": "x" * rng.randrange(50, 200), "max_output_tokens": max_out, "temperature": 0}
+    size = len(json.dumps({"model": "demo", **body}))
+    stored = lambda: _stored_bytes(srv.database_url, "own-output")  # noqa: E731
+
+    async def set_cap(cap):
+        store = TenantStore.open(srv.database_url)
+        try:
+            await store.set_quota("own-output", stored_response_bytes=cap)
+        finally:
+            await store.close()
+        await asyncio.sleep(0.5)  # the gateway's policy cache (0.2 s here) takes the new limit
+
+    # Room for the body, not for its output: refused before it runs (it ran, and was stored past the cap, before).
+    srv.run(set_cap(size + 64))
+    with pytest.raises(openai.BadRequestError) as refused:
+        srv.run(client.responses.create(model="demo", **body))
+    assert refused.value.body["code"] == "stored_responses_limit_exceeded" and refused.value.body["param"] == "store"
+    assert stored() == 0
+
+    # A response stored first takes more than the cap set next, which still leaves room for the request's bound;
+    # the room check made to see nothing stored passes it, and the store's own check, with the real size, refuses.
+    bound = stored_bound(size, max_out, srv.server.app[CONFIG].default_reservation_tokens)
+    srv.run(set_cap(None))
+    filler = [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "y" * (bound + 100)}]},
+              {"role": "user", "content": "hi"}]  # a reasoning item's text: stored, not rendered
+    free = srv.run(client.responses.create(model="demo", input=filler, max_output_tokens=2))
+    before = stored()
+    assert before > bound + 16
+    srv.run(set_cap(bound + 16))
+    monkeypatch.setattr(ResponseStore, "stored_bytes", lambda self, tenant_id: _zero())
+    made = srv.run(client.responses.create(model="demo", **body))
+    assert made.store is False and made.output_text is not None
+    assert stored() == before
+    with pytest.raises(openai.NotFoundError):
+        srv.run(client.responses.retrieve(made.id))
+    streamed = srv.run(_stream_final(client, body))
+    assert streamed["store"] is False and stored() == before
+    assert srv.run(client.responses.retrieve(free.id)).id == free.id  # what was stored stays
+    srv.run(client.close())
+
+
+async def _zero() -> int:
+    return 0
+
+
+async def _stream_final(client, body) -> dict:
+    final = None
+    async with await client.responses.create(model="demo", stream=True, **body) as stream:
+        async for event in stream:
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response.model_dump()
+    return final
+
+
+def _stored_bytes(db_url: str, tenant: str) -> int:
+    """The stored_bytes of the tenant's stored responses, summed (as the cap counts them)."""
+    engine = create_engine(sync_url(db_url), poolclass=pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT COALESCE(SUM(r.stored_bytes), 0) FROM responses r JOIN tenants t "
+                                         "ON t.id = r.tenant_id WHERE t.name = :n"), {"n": tenant}).scalar())
+    finally:
+        engine.dispose()
