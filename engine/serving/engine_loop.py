@@ -118,8 +118,11 @@ class EngineLoop:
             self.idle_change = True
         self.send(Released(msg.request_id, released))
 
-    def _change_loras(self, msg: AddLora | RemoveLora) -> None:
-        self.send(change_loras(self.engine, msg))
+    def _add_lora(self, msg: AddLora) -> None:
+        self.send(lora_change(msg.op_id, msg.name, lambda: self.engine.add_lora(msg.name, msg.path)))
+
+    def _remove_lora(self, msg: RemoveLora) -> None:
+        self.send(lora_change(msg.op_id, msg.name, lambda: self.engine.remove_lora(msg.name)))
 
     def _pair_kv(self, msg: PairKV) -> None:
         if self.handoff is not None:
@@ -209,24 +212,22 @@ HANDLERS: dict[type, Callable[[EngineLoop, ToEngine], None]] = {
     ReleaseRequest: EngineLoop._release,
     PairKV: EngineLoop._pair_kv,
     KVSourceLost: EngineLoop._kv_source_lost,
-    AddLora: EngineLoop._change_loras,
-    RemoveLora: EngineLoop._change_loras,
+    AddLora: EngineLoop._add_lora,
+    RemoveLora: EngineLoop._remove_lora,
     Shutdown: EngineLoop._shutdown,
 }
 
 
-def change_loras(engine: "LLMEngine", msg: AddLora | RemoveLora) -> LoraDone:
-    """Add or remove one adapter; what goes wrong is the answer's one line, never the engine's end."""
+def lora_change(op_id: int, name: str, change: Callable[[], None]) -> LoraDone:
+    """The answer to adding or removing adapter ``name`` (``change`` does it): what goes wrong is the answer's one
+    line, never the engine's end."""
     try:
-        if isinstance(msg, AddLora):
-            engine.add_lora(msg.name, msg.path)
-        else:
-            engine.remove_lora(msg.name)
+        change()
     except Exception as e:  # a bad directory (ValueError) or a bug: that change fails, the engine goes on
         if not isinstance(e, ValueError):
-            logger.exception("adapter %r could not be changed", msg.name)
-        return LoraDone(msg.op_id, " ".join(f"{e}".split()) or type(e).__name__)
-    return LoraDone(msg.op_id)
+            logger.exception("adapter %r could not be changed", name)
+        return LoraDone(op_id, " ".join(f"{e}".split()) or type(e).__name__)
+    return LoraDone(op_id)
 
 
 class _Liveness:

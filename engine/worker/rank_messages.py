@@ -70,9 +70,8 @@ class Stop(msgspec.Struct, frozen=True, tag=True):
     """The engine is closing: a follower rank's loop returns."""
 
 
-# A message within a step's sequence, then every message of the channel.
-StepMessage = StepPlan | Rebalance | TierCopies | LoraLoads | LoraReads
-RankMessage = StepMessage | AskStageTimings | Stop
+# Every message of the channel: those of a step's sequence, then those outside steps.
+RankMessage = StepPlan | Rebalance | TierCopies | LoraLoads | LoraReads | AskStageTimings | Stop
 
 
 class RankMessageError(ValueError):
