@@ -23,8 +23,7 @@ from engine.worker.lora_setup import serve_adapters
 from engine.worker.cpu_allocator import keep_freed_memory
 from engine.worker.model_setup import build_rank, engine_model_config, resolve_dtype
 from engine.worker.pipeline_overlap import PipelinedSteps
-from engine.worker.rank_messages import AskStageTimings
-from engine.worker.runner import follower_plan
+from engine.worker.rank_messages import AskStageTimings, send_message
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, waits_for_step_in_flight
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
@@ -416,7 +415,7 @@ class LLMEngine:
             outputs.extend(self.output_processor.process(updates, self.scheduler, sampled.logprobs,
                                                          sampled.prompt_logprobs))
 
-        self._pipeline.step(plan, follower_plan(plan), resolve)
+        self._pipeline.step(plan, resolve)
         if not plan.is_empty:
             self.scheduler.advance(plan)
         return merge_step_outputs(outputs)
@@ -440,7 +439,7 @@ class LLMEngine:
             return []
         if self._pipeline is not None:
             self._finish_pipeline()
-        self.runner.plans.broadcast_object(AskStageTimings())
+        send_message(self.runner.plans, AskStageTimings())
         return self.runner.plans.all_gather_object(self.runner.stage.timing)
 
     def stats(self) -> SchedulerStats:

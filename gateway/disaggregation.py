@@ -35,7 +35,7 @@ from gateway.prefix_index import ReplicaBlocks, block_hashes
 logger = logging.getLogger(__name__)
 
 AFFINITY_SLACK = 4  # requests a prefill engine with the prompt's prefix may have beyond the least loaded one
-# A prefill engine silent this long is taken as hung (it speaks every engine_process.LIVENESS_S, 0.25 s, even
+# A prefill engine silent this long is taken as hung (it speaks every engine_loop.LIVENESS_S, 0.25 s, even
 # during a long step); a request waiting for its KV must not wait out the decode engine's --kv-transfer-timeout.
 PREFILL_SILENCE_S = 1.0
 

@@ -14,8 +14,9 @@ running under the earlier weights finish under them while new ones get the new o
 """
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 
 def registration_key(name: str, path: str, digest: str) -> str:
@@ -34,8 +35,7 @@ def registered_digest(key: str) -> str | None:
     return key.rsplit("#", 1)[1] if "=" in key and "#" in key else None
 
 
-@dataclass(frozen=True, slots=True)
-class LoraLoad:
+class LoraLoad(msgspec.Struct, frozen=True, array_like=True):
     """Write the adapter registered as ``name`` (a ``registration_key``; read from ``path``) into device slot
     ``slot`` (1..max_loras) before the step's forward."""
 
@@ -44,16 +44,14 @@ class LoraLoad:
     path: str
 
 
-@dataclass(frozen=True, slots=True)
-class LoraReads:
+class LoraReads(msgspec.Struct, frozen=True, tag=True):
     """Adapters (registration key, directory) whose reads rank 0 began this step, sent to the other ranks so that
     they read their copies in the background too, ahead of the slot writes (instead of inside that step)."""
 
     reads: tuple[tuple[str, str], ...]
 
 
-@dataclass(frozen=True, slots=True)
-class LoraLoads:
+class LoraLoads(msgspec.Struct, frozen=True, tag=True):
     """The slot writes of one step, sent to the other ranks on the plans' channel ahead of the step's plan."""
 
     loads: tuple[LoraLoad, ...]

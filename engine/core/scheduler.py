@@ -483,23 +483,23 @@ class Scheduler:
         if request.policy.background:
             self._background_left -= num_new
 
-    def update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> list[RequestUpdate]:
+    def update(self, plan: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> list[RequestUpdate]:
         """Apply a step's sampled tokens to its requests; returns what changed for each."""
         start = time.perf_counter()
-        updates = self._update(sched_out, sampled_token_ids)
+        updates = self._update(plan, sampled_token_ids)
         self.last_step_ms += (time.perf_counter() - start) * 1e3
         return updates
 
-    def _update(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> list[RequestUpdate]:
+    def _update(self, plan: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, bill fair-share counters, finish what is done.
 
-        ``sampled_token_ids`` is aligned with ``sched_out.scheduled``; None where
+        ``sampled_token_ids`` is aligned with ``plan.scheduled``; None where
         the chunk did not reach the end of the request (nothing sampled); for a part with drafts, the token
         sampled at each of its 1 + K rows.
         """
-        assert len(sampled_token_ids) == len(sched_out.scheduled)
+        assert len(sampled_token_ids) == len(plan.scheduled)
         updates: list[RequestUpdate] = []
-        for item, token in zip(sched_out.scheduled, sampled_token_ids):
+        for item, token in zip(plan.scheduled, sampled_token_ids):
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and update()
@@ -561,11 +561,11 @@ class Scheduler:
         return RequestUpdate(request, [token], status is not None)
 
     # ---- overlapped steps -------------------------------------------------
-    def advance(self, sched_out: SchedulerOutput) -> None:
+    def advance(self, plan: SchedulerOutput) -> None:
         """Account for a launched step whose tokens are not read yet (overlapped steps): its requests' computed
         counts move on, and each that samples gets a ``PLACEHOLDER`` token, so the next ``schedule()`` gives it
         its next position. Requests that ended since ``schedule()`` are left alone. ``resolve`` follows."""
-        for item in sched_out.scheduled:
+        for item in plan.scheduled:
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue  # ended by the previous step's tokens: this step's token for it is dropped
@@ -573,14 +573,14 @@ class Scheduler:
             if item.sample:
                 request.append_output_token(PLACEHOLDER)
 
-    def resolve(self, sched_out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[RequestUpdate]:
+    def resolve(self, plan: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[RequestUpdate]:
         """``update()`` for a step that went through ``advance()``: fill each placeholder with its token, register
         the blocks computed, bill, run the stop checks (finishing what is done). Requests that ended meanwhile
         (aborted, stopped by the step before) are skipped: their token is never emitted nor counted."""
         start = time.perf_counter()
-        assert len(sampled_token_ids) == len(sched_out.scheduled)
+        assert len(sampled_token_ids) == len(plan.scheduled)
         updates: list[RequestUpdate] = []
-        for item, token in zip(sched_out.scheduled, sampled_token_ids):
+        for item, token in zip(plan.scheduled, sampled_token_ids):
             request = item.request
             if request.is_finished:
                 continue

@@ -6,12 +6,12 @@ numbers its tiers chose, so each copies its slice of the same blocks to and from
 order (saves first: a block just saved may be a load's source).
 """
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass(frozen=True, slots=True)
-class TierCopies:
-    """``saves``: (device block id, host slot) to copy down; ``loads``: (host slot, device block id) to copy up."""
+class TierCopies(msgspec.Struct, frozen=True, tag=True):
+    """A message on the ranks' channel (``engine.worker.rank_messages``). ``saves``: (device block id, host
+    slot) to copy down; ``loads``: (host slot, device block id) to copy up."""
 
     saves: tuple[tuple[int, int], ...]
     loads: tuple[tuple[int, int], ...]

@@ -142,6 +142,21 @@ class TensorParallel:
                   group=self.groups.control_group)
         return box[0]
 
+    def broadcast_bytes(self, data: bytes | None = None, what: str = "broadcast of a rank message") -> bytes:
+        """Rank 0's ``data`` on every rank (an encoded control message, ``engine.worker.rank_messages``), over
+        the control group: its length, then its bytes. Others pass None."""
+        if self.size == 1:
+            return data
+        src = self.groups.first_global_rank
+        length = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
+        self._run(what, dist.broadcast, length, src=src, group=self.groups.control_group)
+        if self.rank == 0:
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buffer = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._run(what, dist.broadcast, buffer, src=src, group=self.groups.control_group)
+        return data if self.rank == 0 else buffer.numpy().tobytes()
+
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order, on every rank (over the control group)."""
         if self.size == 1:

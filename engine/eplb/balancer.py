@@ -1,5 +1,5 @@
 """Each rank's side of expert load balancing: the layers' placements, the measured load (rank 0), the decision
-(rank 0, sent to the other ranks on the step-plan channel), the weights moved and the maps switched.
+(rank 0, sent to the other ranks on the plans' channel), the weights moved and the maps switched.
 
 Legend: L MoE layers, E logical experts, N expert-parallel ranks, S slots per rank, P = N * S = E + R slots.
 
@@ -23,6 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 from torch import nn
 
@@ -36,9 +37,9 @@ from engine.eplb.expert_load import ExpertLoadReader
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class Rebalance:
-    """Rank 0's decision, sent to the other ranks between two steps: every layer's new placement [L][P]."""
+class Rebalance(msgspec.Struct, frozen=True, tag=True):
+    """Rank 0's decision, sent to the other ranks between two steps (``engine.worker.rank_messages``): every
+    layer's new placement [L][P]."""
 
     placements: list[list[int]]
 

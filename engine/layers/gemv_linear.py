@@ -2,10 +2,10 @@
 
 Like the fused elementwise kernels and CUDA graphs, this is applied to a model
 after it is built, not a branch in the family files: each ``nn.Linear`` whose
-shape has a plan is swapped for a ``GemvLinear`` that shares its parameters
+shape has gemv launches is swapped for a ``GemvLinear`` that shares its parameters
 (tied weights stay tied; state-dict names do not change).
 
-A plan says, per row count 0..MAX_GEMV_ROWS, which launch to use, or None for
+Its launches (``RowLaunches``) say, per row count 0..MAX_GEMV_ROWS, which launch to use, or None for
 ``F.linear``; ``engine.transforms.gemv_select`` measures it at engine start. The
 choice is a tuple lookup on the host, on the row count the batch has anyway:
 nothing syncs, and under a CUDA graph capture it is fixed per captured size.
@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.kernels.dense_gemv import MAX_GEMV_ROWS, GemvConfig, dense_gemv
 
-RowPlan = tuple[GemvConfig | None, ...]  # index: row count 0..MAX_GEMV_ROWS; None: F.linear
+RowLaunches = tuple[GemvConfig | None, ...]  # index: row count 0..MAX_GEMV_ROWS; None: F.linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +40,16 @@ class LinearShape:
 
 
 class GemvLinear(nn.Linear):
-    """``nn.Linear`` that runs ``dense_gemv`` for the row counts its plan covers and ``F.linear`` otherwise.
+    """``nn.Linear`` that runs ``dense_gemv`` for the row counts its launches cover and ``F.linear`` otherwise.
 
     Legend: M rows, N out features, K in features.
     """
 
-    plan: RowPlan
+    launches: RowLaunches
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, plan: RowPlan) -> "GemvLinear":
-        assert len(plan) == MAX_GEMV_ROWS + 1 and plan[0] is None
+    def from_linear(cls, linear: nn.Linear, launches: RowLaunches) -> "GemvLinear":
+        assert len(launches) == MAX_GEMV_ROWS + 1 and launches[0] is None
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
@@ -58,17 +58,17 @@ class GemvLinear(nn.Linear):
             new.register_parameter("bias", None)
         else:
             new.bias = linear.bias
-        new.plan = plan
+        new.launches = launches
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
-        cfg = self.plan[x.shape[0]] if x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS else None
+        cfg = self.launches[x.shape[0]] if x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS else None
         if cfg is None or x.stride(-1) != 1:
             return F.linear(x, self.weight, self.bias)
         return dense_gemv(x, self.weight, self.bias, cfg)
 
     def extra_repr(self) -> str:
-        used = [rows for rows, cfg in enumerate(self.plan) if cfg is not None]
+        used = [rows for rows, cfg in enumerate(self.launches) if cfg is not None]
         return f"{super().extra_repr()}, gemv_rows={used}"
 
 
@@ -77,15 +77,15 @@ def linear_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight.stride(1) == 1]
 
 
-def enable_dense_gemv(model: nn.Module, plans: dict[LinearShape, RowPlan]) -> int:
-    """Swap each ``nn.Linear`` whose shape has a plan using the gemv somewhere; returns the number swapped."""
+def enable_dense_gemv(model: nn.Module, launches: dict[LinearShape, RowLaunches]) -> int:
+    """Swap each ``nn.Linear`` whose shape's launches use the gemv somewhere; returns the number swapped."""
     swapped = 0
     for name, linear in linear_modules(model):
-        plan = plans.get(LinearShape.of(linear))
-        if plan is None or not any(plan):
+        rows = launches.get(LinearShape.of(linear))
+        if rows is None or not any(rows):
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, GemvLinear.from_linear(linear, plan))
+        setattr(parent, attr, GemvLinear.from_linear(linear, rows))
         swapped += 1
     return swapped

@@ -30,7 +30,7 @@ from engine.distributed.replica_layout import free_port
 from engine.distributed.world import ReplicaClaim, agree_on_world
 from engine.core.model_config import ModelConfig
 from engine.processes.process_start import run_main, start_process
-from engine.worker.rank_messages import Stop
+from engine.worker.rank_messages import Stop, send_message
 
 # The engine process's id, given to the follower ranks it starts itself: they end when it does.
 EXIT_WITH_PARENT_ENV = "MOEGATE_EXIT_WITH_PARENT"
@@ -87,7 +87,7 @@ class EngineRanks:
     def close(self, timeout_s: float = 10.0) -> None:
         """Tell this replica's other ranks to stop (``Stop``), wait for this node's, and leave the group."""
         try:
-            self.plans.broadcast_object(Stop())
+            send_message(self.plans, Stop())
         except Exception as e:  # a rank already gone: the rest end when their connections close
             logger.warning("could not tell every rank to stop: %s", e)
         self._end_processes(timeout_s)

@@ -24,7 +24,7 @@ from engine.distributed.parallel_groups import parallel_groups
 from engine.ranks.engine_ranks import EXIT_WITH_PARENT_ENV
 from engine.distributed.world import agree_on_world
 from engine.processes.parent_watch import exit_with_parent
-from engine.worker.rank_messages import AskStageTimings, Stop
+from engine.worker.rank_messages import Stop, receive_message
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,9 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
         for name, path in (config.lora_adapter_paths.items() if lora is not None else ()):
             lora.hold(name, path)  # host copies as rank 0 holds them once its adapters are added
         runner.tier_mirror = build_rank_mirror(config, runner.kv_caches, device, parts.tp.size)
-        while not isinstance(message := plans.broadcast_object(), Stop):  # from this replica's engine process
-            if isinstance(message, AskStageTimings):  # how each stage spent its time
-                plans.all_gather_object(parts.stage.timing)
-                continue
-            runner.follow(message)  # a step's messages (engine.worker.rank_messages)
+        # This replica's engine process's messages (engine.worker.rank_messages), each to its handler, until Stop.
+        while not isinstance(message := receive_message(plans), Stop):
+            runner.follow(message)
     finally:
         groups.close()
 

@@ -7,7 +7,7 @@ import logging
 import multiprocessing
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
@@ -22,7 +22,8 @@ from engine.serving.pipe_writer import PipeWriter
 from engine.text.prompts import ChatInput, InputProcessor, Turn, chat_size
 from engine.serving.protocol import (
     AbortRequest, AddLora, AddRequest, Alive, Fatal, KVSink, KVSource, KVSourceLost, KVWanted, LoraDone, PairKV, Ready,
-    ReleaseRequest, Released, RemoveLora, RequestRejected, Shutdown, StepOutputs, encoder, from_engine_decoder,
+    ReleaseRequest, Released, RemoveLora, RequestRejected, Shutdown, StepOutputs, FromEngine, encoder,
+    from_engine_decoder,
 )
 from engine.text.tokenizer import load_tokenizer
 
@@ -229,40 +230,50 @@ class AsyncEngine:
             return 0.0
         return time.monotonic() - self._last_heard
 
-    def _dispatch(self, msg) -> None:
+    def _dispatch(self, msg: FromEngine) -> None:
+        """Hand a message of the engine process to the handler of its type (``DISPATCH``), on the event loop."""
         self._last_heard = time.monotonic()
         self.messages_received += 1
-        if isinstance(msg, Alive):  # the process runs; whether its steps progress, the watchdog judges by the rest
-            return
-        self._last_progress = self._last_heard
-        if isinstance(msg, StepOutputs):
-            if msg.stats is not None:
-                self.stats = msg.stats
-            for delta in msg.outputs:
-                queue = self._queues.get(delta.request_id)
-                if queue is not None and delta.request_id not in self._unread_cut:
-                    if queue.qsize() >= self.max_unread_outputs:
-                        self._end_unread(delta.request_id, queue)
-                    else:
-                        queue.put_nowait(delta)
-        elif isinstance(msg, KVWanted):
-            answer = self._kv_wanted.pop(msg.request_id, None)
-            if answer is not None and not answer.done():
-                answer.set_result(msg.block_hashes)
-        elif isinstance(msg, Released):
-            answer = self._releases.pop(msg.request_id, None)
-            if answer is not None and not answer.done():
-                answer.set_result(msg.released)
-        elif isinstance(msg, LoraDone):
-            answer = self._lora_ops.pop(msg.op_id, None)
-            if answer is not None and not answer.done():
-                answer.set_result(msg.error)
-        elif isinstance(msg, RequestRejected):
-            queue = self._queues.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait(RequestRejectedError(msg.message, msg.param, msg.code))
-        elif isinstance(msg, Fatal):  # the process exits next; _fail_all tells the waiting requests why
-            self.failure = msg.message
+        if not isinstance(msg, Alive):  # the process runs; whether its steps progress, the watchdog judges by the rest
+            self._last_progress = self._last_heard
+        DISPATCH[type(msg)](self, msg)
+
+    def _on_step_outputs(self, msg: StepOutputs) -> None:
+        if msg.stats is not None:
+            self.stats = msg.stats
+        for delta in msg.outputs:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None and delta.request_id not in self._unread_cut:
+                if queue.qsize() >= self.max_unread_outputs:
+                    self._end_unread(delta.request_id, queue)
+                else:
+                    queue.put_nowait(delta)
+
+    def _on_kv_wanted(self, msg: KVWanted) -> None:
+        answer = self._kv_wanted.pop(msg.request_id, None)
+        if answer is not None and not answer.done():
+            answer.set_result(msg.block_hashes)
+
+    def _on_released(self, msg: Released) -> None:
+        answer = self._releases.pop(msg.request_id, None)
+        if answer is not None and not answer.done():
+            answer.set_result(msg.released)
+
+    def _on_lora_done(self, msg: LoraDone) -> None:
+        answer = self._lora_ops.pop(msg.op_id, None)
+        if answer is not None and not answer.done():
+            answer.set_result(msg.error)
+
+    def _on_request_rejected(self, msg: RequestRejected) -> None:
+        queue = self._queues.get(msg.request_id)
+        if queue is not None:
+            queue.put_nowait(RequestRejectedError(msg.message, msg.param, msg.code))
+
+    def _on_fatal(self, msg: Fatal) -> None:
+        self.failure = msg.message  # the process exits next; _fail_all tells the waiting requests why
+
+    def _on_nothing_new(self, msg: Alive | Ready) -> None:
+        """A liveness beat (counted as heard above), or a ``Ready`` once ``start`` has read the first one."""
 
     def _end_unread(self, request_id: str, queue: asyncio.Queue) -> None:
         """Abort a request whose caller stopped reading; the caller finds the reason after what it has not read."""
@@ -468,3 +479,16 @@ class AsyncEngine:
         if process.is_alive():
             process.kill()
             await self._loop.run_in_executor(None, process.join, 5)
+
+
+# The handler of each message the engine process sends (``FromEngine``): one per type, checked by the tests.
+DISPATCH: dict[type, Callable[[AsyncEngine, FromEngine], None]] = {
+    StepOutputs: AsyncEngine._on_step_outputs,
+    KVWanted: AsyncEngine._on_kv_wanted,
+    Released: AsyncEngine._on_released,
+    LoraDone: AsyncEngine._on_lora_done,
+    RequestRejected: AsyncEngine._on_request_rejected,
+    Fatal: AsyncEngine._on_fatal,
+    Alive: AsyncEngine._on_nothing_new,
+    Ready: AsyncEngine._on_nothing_new,
+}

@@ -164,7 +164,7 @@ class Attach(msgspec.Struct, tag=True):
 
 
 class Alive(msgspec.Struct, tag=True):
-    """A prefill or decode engine's liveness beat (``engine_process.LIVENESS_S``), from a thread beside its loop:
+    """A prefill or decode engine's liveness beat (``engine_loop.LIVENESS_S``), from a thread beside its loop:
     the process runs, though a step may not have ended (it says nothing about progress)."""
 
 

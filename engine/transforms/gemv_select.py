@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 
 from engine.kernels.dense_gemv import MAX_GEMV_ROWS, GemvConfig, dense_gemv
-from engine.layers.gemv_linear import LinearShape, RowPlan, enable_dense_gemv, linear_modules
+from engine.layers.gemv_linear import LinearShape, RowLaunches, enable_dense_gemv, linear_modules
 
 logger = logging.getLogger(__name__)
 
@@ -97,20 +97,20 @@ class BucketChoice:
 
 @dataclass(slots=True)
 class ShapeChoice:
-    """The choices for one (N, K, dtype, bias): one ``BucketChoice`` per row bucket, and the plan they make."""
+    """The choices for one (N, K, dtype, bias): one ``BucketChoice`` per row bucket, and the launches they make."""
 
     shape: LinearShape
     modules: list[str]  # qualified names (the first few) of the modules of this shape
     count: int
     buckets: list[BucketChoice] = field(default_factory=list)
 
-    def plan(self) -> RowPlan:
+    def launches(self) -> RowLaunches:
         """Launch per row count 0..MAX_GEMV_ROWS: the config of the smallest bucket >= M, if that bucket uses the gemv."""
-        plan: list[GemvConfig | None] = [None]
+        launches: list[GemvConfig | None] = [None]
         for rows in range(1, MAX_GEMV_ROWS + 1):
             choice = next(b for b in self.buckets if b.rows >= rows)
-            plan.append(choice.config if choice.use_gemv else None)
-        return tuple(plan)
+            launches.append(choice.config if choice.use_gemv else None)
+        return tuple(launches)
 
     def to_dict(self) -> dict:
         return dict(
@@ -211,7 +211,7 @@ def group_by_shape(model: torch.nn.Module) -> dict[LinearShape, list[tuple[str, 
 
 
 def apply_dense_gemv(model: torch.nn.Module, device: torch.device, mode: str, timer: Timer | None = None) -> list[ShapeChoice]:
-    """Measure (``mode`` "measure") or force (``mode`` "on") the gemv plans and swap the model's Linears.
+    """Measure (``mode`` "measure") or force (``mode`` "on") the gemv launches and swap the model's Linears.
 
     Returns the choices (also logged). "measure" needs CUDA unless a ``timer`` is given (tests).
     """
@@ -231,7 +231,7 @@ def apply_dense_gemv(model: torch.nn.Module, device: torch.device, mode: str, ti
         if own_timer:
             del timer
             torch.cuda.empty_cache()  # the flush buffer: give it back before the KV pool is sized
-    swapped = enable_dense_gemv(model, {c.shape: c.plan() for c in choices})
+    swapped = enable_dense_gemv(model, {c.shape: c.launches() for c in choices})
     logger.info("dense gemv (%s, %.1f s): %d of %d Linear modules switched\n%s", mode, time.perf_counter() - start,
                 swapped, sum(c.count for c in choices), format_choices(choices))
     return choices

@@ -57,10 +57,10 @@ class DraftProposer:
             self.computed.pop(rid, None)
 
     @torch.inference_mode()
-    def propose(self, sched_out: SchedulerOutput) -> None:
+    def propose(self, plan: SchedulerOutput) -> None:
         """Replace the ``DRAFT_PENDING`` drafts of the step's parts by the draft model's greedy tokens, in place."""
-        self.forget(sched_out.finished_ids)
-        parts = [s for s in sched_out.scheduled if s.draft_token_ids and s.draft_token_ids[0] == DRAFT_PENDING]
+        self.forget(plan.finished_ids)
+        parts = [s for s in plan.scheduled if s.draft_token_ids and s.draft_token_ids[0] == DRAFT_PENDING]
         if not parts:
             return
         # First forward: each request from its first position without draft K/V through its last token, the

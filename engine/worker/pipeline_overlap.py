@@ -19,7 +19,6 @@ tokens' broadcast) pair up. An empty plan (rank 0 has nothing to schedule) still
 step is in flight: it finishes that step.
 """
 
-import copy
 import queue
 import threading
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from engine.distributed.collectives import TensorParallel
 from engine.distributed.groups import CollectiveError
 from engine.worker.step_samples import StepSamples
 from engine.worker.pipeline_step import RowsBack, has_placeholder, micro_batches, run_stage
-from engine.worker.rank_messages import StepPlan
+from engine.worker.rank_messages import StepPlan, encode, send_message
 
 
 
@@ -53,11 +52,11 @@ class PlanSender:
         # A daemon: a thread blocked on a dead peer must not keep the process alive at exit.
         threading.Thread(target=self._loop, name="moegate-plans", daemon=True).start()
 
-    def send(self, plan) -> None:
-        """Queue ``plan`` for the broadcast; it is copied now (the caller fills placeholders in its lists)."""
+    def send(self, message: StepPlan) -> None:
+        """Queue ``message`` for the broadcast; it is encoded now (the caller fills placeholders in its lists)."""
         self._raise_error()
         self._queued += 1
-        self._queue.put(copy.deepcopy(plan))
+        self._queue.put(encode(message))
 
     def drain(self) -> None:
         """Wait until every plan handed over is sent; CollectiveError if one failed or the timeout passed."""
@@ -75,10 +74,10 @@ class PlanSender:
         self._queue.put(_STOP)
 
     def _loop(self) -> None:
-        while (plan := self._queue.get()) is not _STOP:
+        while (data := self._queue.get()) is not _STOP:
             try:
                 if self._error is None:
-                    self._plans.broadcast_object(plan)
+                    send_message(self._plans, data)
             except BaseException as e:  # the main thread raises it at its next send or drain
                 self._error = e
             with self._sent:
@@ -167,9 +166,8 @@ class PipelinedSteps:
     def busy(self) -> bool:
         return self.plan_in_flight is not None
 
-    def step(self, plan: SchedulerOutput, followers_plan: StepPlan,
-             resolve: Callable[[SchedulerOutput, StepSamples], None]) -> None:
-        """Send ``plan`` (as ``followers_plan``) to the other ranks and run stage 0's part of it; the step in
+    def step(self, plan: SchedulerOutput, resolve: Callable[[SchedulerOutput, StepSamples], None]) -> None:
+        """Send ``plan`` (as a ``StepPlan``) to the other ranks and run stage 0's part of it; the step in
         flight is sampled (``runner.sample``) and handed to ``resolve`` before ``plan``'s first micro-batch
         holding a placeholder, or after its micro-batches. ``plan`` is then in flight (unless empty)."""
         runner = self.runner
@@ -186,7 +184,7 @@ class PipelinedSteps:
             runner.sampler.forget(plan.finished_ids)
         if not plan.is_empty:
             runner.num_steps += 1
-        self.sender.send(followers_plan)
+        self.sender.send(StepPlan.of(plan))
         self.stage_zero.step(plan.scheduled, on_rows)
         self.plan_in_flight = None if plan.is_empty else plan
 

@@ -24,7 +24,7 @@ from engine.core.lora_residency import LoraLoads, LoraReads
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.tier_copies import TierCopies
 from engine.eplb.balancer import Rebalance
-from engine.worker.rank_messages import StepMessage, StepPlan
+from engine.worker.rank_messages import AskStageTimings, RankMessage, StepPlan, send_message
 
 
 def attach_kv_caches(model: MoECausalLM, cache_config: CacheConfig, device: torch.device,
@@ -120,83 +120,83 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.meta)
 
     # ---- one step ------------------------------------------------------------
-    def execute(self, sched_out: SchedulerOutput) -> StepSamples:
+    def execute(self, plan: SchedulerOutput) -> StepSamples:
         """Run the step's forward; returns the sampled token per scheduled request (None if it did not sample)
         and the logprobs of the requests that asked."""
         start = time.perf_counter()
-        sampled = self._execute(sched_out)
+        sampled = self._execute(plan)
         self.last_execute_ms = (time.perf_counter() - start) * 1e3
         return sampled
 
-    def move_tier_blocks(self, sched_out: SchedulerOutput) -> None:
+    def move_tier_blocks(self, plan: SchedulerOutput) -> None:
         """Before the step's forward: save the cached blocks the plan evicted from the pool to the host tier,
         then fill the blocks of the plan's host-tier hits (a block just saved may be a load's target)."""
-        if self.tiers is not None and (sched_out.tier_saves or sched_out.tier_loads):
+        if self.tiers is not None and (plan.tier_saves or plan.tier_loads):
             start = time.perf_counter()
-            copies = TierCopies(tuple(self.tiers.save(sched_out.tier_saves)),
-                                tuple(self.tiers.load(sched_out.tier_loads)))
+            copies = TierCopies(tuple(self.tiers.save(plan.tier_saves)),
+                                tuple(self.tiers.load(plan.tier_loads)))
             if self.model.tp.size > 1:  # the other ranks copy their slices of the same blocks, ahead of the plan
-                self.model.tp.broadcast_object(copies)
+                send_message(self.model.tp, copies)
             self.tier_copy_ms += (time.perf_counter() - start) * 1e3
 
     @torch.inference_mode()
-    def _execute(self, sched_out: SchedulerOutput) -> StepSamples:
-        self.sampler.forget(sched_out.finished_ids)
-        self.move_tier_blocks(sched_out)
+    def _execute(self, plan: SchedulerOutput) -> StepSamples:
+        self.sampler.forget(plan.finished_ids)
+        self.move_tier_blocks(plan)
         if self.draft is not None:  # the drafts the scheduler left pending, proposed by the draft model
-            self.draft.propose(sched_out)
+            self.draft.propose(plan)
         # Adapters the scheduler placed in slots, written on every rank before the forward; also with an empty
         # plan (the requests that waited for them may not fit this step), or a later plan would miss them.
-        if sched_out.lora_reads and self.plans.size > 1:
-            self.plans.broadcast_object(LoraReads(tuple(sched_out.lora_reads)))
-        if sched_out.lora_loads:
+        if plan.lora_reads and self.plans.size > 1:
+            send_message(self.plans, LoraReads(tuple(plan.lora_reads)))
+        if plan.lora_loads:
             if self.plans.size > 1:
-                self.plans.broadcast_object(LoraLoads(tuple(sched_out.lora_loads)))
-            self.lora.apply(sched_out.lora_loads)
-        if sched_out.is_empty:
+                send_message(self.plans, LoraLoads(tuple(plan.lora_loads)))
+            self.lora.apply(plan.lora_loads)
+        if plan.is_empty:
             if self.steps_with_peers:
                 self._rebalance_if_due()
                 if self.model.tp.size > 1:  # this replica's other ranks step empty too
-                    self.model.tp.broadcast_object(StepPlan([]))
+                    send_message(self.model.tp, StepPlan([]))
                 self.dummy_step()
             return StepSamples([])
         self._rebalance_if_due()
         if self.plans.size > 1:  # the other ranks run the same forward on their slices (or stages) of the model
-            self.plans.broadcast_object(follower_plan(sched_out))
+            send_message(self.plans, StepPlan.of(plan))
         self.num_steps += 1
         if self.stage.pipelined:  # the last stage's final hidden rows, sampled here
-            hidden_rows = run_stage(self, sched_out.scheduled, self.stage, self.micro_batches).wait(self.stage)
+            hidden_rows = run_stage(self, plan.scheduled, self.stage, self.micro_batches).wait(self.stage)
             logits = self.model.compute_logits(hidden_rows) if hidden_rows.numel() else None  # [N + Q, V]
         else:
             start = time.perf_counter()
-            batch = self.prepare(sched_out.scheduled)
+            batch = self.prepare(plan.scheduled)
             self.last_prepare_ms = (time.perf_counter() - start) * 1e3
             if self.lora is not None:
-                self.lora.begin_step(sched_out.scheduled, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
+                self.lora.begin_step(plan.scheduled, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
             try:
                 hidden = self.forward(batch)  # [T, H]
             finally:
                 if self.lora is not None:
                     self.lora.end_step()
             logits = self._logits(hidden, batch)  # [N + Q, V]
-        return self.sample(sched_out, logits)
+        return self.sample(plan, logits)
 
     @torch.inference_mode()
-    def sample(self, sched_out: SchedulerOutput, logits: torch.Tensor | None) -> StepSamples:
+    def sample(self, plan: SchedulerOutput, logits: torch.Tensor | None) -> StepSamples:
         """The step's tokens and logprobs from its logits [N + Q, V] (None: no row): the sampling rows (K + 1
         for a part with K drafts), then the prompt-scoring rows."""
         # One sampling row per sampling part, K + 1 for a part with K drafts (offsets 0..K).
-        rows = [(s.request, j) for s in sched_out.scheduled if s.sample for j in range(len(s.draft_token_ids) + 1)]
-        result = StepSamples([None] * len(sched_out.scheduled))
-        scoring = prompt_scoring(sched_out.scheduled, self.device)
+        rows = [(s.request, j) for s in plan.scheduled if s.sample for j in range(len(s.draft_token_ids) + 1)]
+        result = StepSamples([None] * len(plan.scheduled))
+        scoring = prompt_scoring(plan.scheduled, self.device)
         if scoring is not None:  # computed before sampling adjusts logits in place, read after its sync
             prompt_lp = scoring.compute(logits[len(rows):])
         if rows:
-            offsets = [j for _, j in rows] if len(rows) > sum(s.sample for s in sched_out.scheduled) else None
+            offsets = [j for _, j in rows] if len(rows) > sum(s.sample for s in plan.scheduled) else None
             # The step's one host sync: reading the tokens.
             out = self.sampler(logits[:len(rows)], [r for r, _ in rows], offsets)
             row = 0
-            for i, s in enumerate(sched_out.scheduled):
+            for i, s in enumerate(plan.scheduled):
                 if not s.sample:
                     continue
                 if s.draft_token_ids:
@@ -220,7 +220,7 @@ class ModelRunner:
         self.group_steps += 1
         if (rebalance := self.eplb.due(self.group_steps - 1)) is not None:
             if self.model.tp.size > 1:
-                self.model.tp.broadcast_object(rebalance)
+                send_message(self.model.tp, rebalance)
             self.eplb.apply(rebalance)
 
     def _logits(self, hidden: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
@@ -246,34 +246,36 @@ class ModelRunner:
         for block in self.moe_blocks:
             block(empty)
 
+    # ---- a follower rank ------------------------------------------------------
     @torch.inference_mode()
-    def follow(self, message: StepMessage) -> None:
-        """A follower rank's part of what rank 0 sends on the plans' channel (``engine.worker.rank_messages``), by
-        its type (``FOLLOW``): a ``StepPlan``'s forward; a ``Rebalance`` moves expert weights between two steps
-        (``engine.eplb``); ``TierCopies`` copy this rank's slices of host-tier blocks before the step
-        (``engine.kv_tiers.rank_mirror``); ``LoraLoads`` write LoRA adapters into slots before the step and
-        ``LoraReads`` start reading them into host memory (``engine.core.lora_residency``)."""
-        FOLLOW[type(message)](self, message)
+    def follow(self, message: RankMessage) -> None:
+        """A follower rank's part of what rank 0 sends on the plans' channel (``engine.worker.rank_messages``):
+        the handler of its type in ``FOLLOW``. TypeError for anything else (``Stop`` ends the follower's loop
+        before it comes here)."""
+        handler = FOLLOW.get(type(message))
+        if handler is None:
+            raise TypeError(f"a follower rank has no handler for {type(message).__name__} on the plans' channel")
+        handler(self, message)
 
-    def _follow_plan(self, message: StepPlan) -> None:
+    def _follow_step(self, message: StepPlan) -> None:
         """The same forward as rank 0's over this rank's slices of the model (its collectives pair with rank
         0's), including the logits' gather; rank 0 alone samples. No parts: a dummy step."""
-        plan = message.parts
-        if self.stage.pipelined:  # an empty plan: no micro-batch (it finishes an overlapped step in flight)
-            self.num_steps += 1 if plan else 0
+        scheduled = message.scheduled()
+        if self.stage.pipelined:  # no part: no micro-batch (it finishes an overlapped step in flight)
+            self.num_steps += 1 if scheduled else 0
             if self.stage_zero is not None:  # overlapped steps: the LM head's gather one step behind
-                self.stage_zero.step(plan, None)
-            elif (rows := run_stage(self, plan, self.stage, self.micro_batches)) is not None:
+                self.stage_zero.step(scheduled, None)
+            elif (rows := run_stage(self, scheduled, self.stage, self.micro_batches)) is not None:
                 if (hidden_rows := rows.wait(self.stage)).numel():  # stage 0: the LM head's gather
                     self.model.compute_logits(hidden_rows)
             return
-        if not plan:
+        if not scheduled:
             self.dummy_step()
             return
         self.num_steps += 1
-        batch = self.prepare(plan)
-        if self.lora is not None:  # the plan names each part's adapter, as rank 0's requests do
-            self.lora.begin_step(plan, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
+        batch = self.prepare(scheduled)
+        if self.lora is not None:  # each part names its adapter, as rank 0's requests do
+            self.lora.begin_step(scheduled, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
         try:
             hidden = self.forward(batch)  # [T, H]
         finally:
@@ -281,20 +283,33 @@ class ModelRunner:
                 self.lora.end_step()
         self._logits(hidden, batch)
 
+    def _follow_rebalance(self, message: Rebalance) -> None:
+        """Move expert weights between two steps, as rank 0 decided (``engine.eplb``)."""
+        self.eplb.apply(message)
 
-# A follower rank's handler of each step message (``ModelRunner.follow``).
-FOLLOW: dict[type, Callable[[ModelRunner, StepMessage], None]] = {
-    StepPlan: ModelRunner._follow_plan,
-    Rebalance: lambda runner, message: runner.eplb.apply(message),
-    TierCopies: lambda runner, message: runner.tier_mirror.apply(message),
-    LoraLoads: lambda runner, message: runner.lora.apply(message.loads),
-    LoraReads: lambda runner, message: runner.lora.prefetch(message.reads),
+    def _follow_tier_copies(self, message: TierCopies) -> None:
+        """Copy this rank's slices of host-tier blocks before the step (``engine.kv_tiers.rank_mirror``)."""
+        self.tier_mirror.apply(message)
+
+    def _follow_lora_loads(self, message: LoraLoads) -> None:
+        """Write LoRA adapters into slots before the step (``engine.core.lora_residency``)."""
+        self.lora.apply(message.loads)
+
+    def _follow_lora_reads(self, message: LoraReads) -> None:
+        """Start reading into host memory the adapters rank 0 began reading."""
+        self.lora.prefetch(message.reads)
+
+    def _answer_stage_timings(self, message: AskStageTimings) -> None:
+        """How this rank's stage spent its time, in the all-gather rank 0 reads (``LLMEngine``)."""
+        self.plans.all_gather_object(self.stage.timing)
+
+
+# A follower rank's handler of each message on the plans' channel (``ModelRunner.follow``); ``Stop`` has none.
+FOLLOW: dict[type, Callable[[ModelRunner, RankMessage], None]] = {
+    StepPlan: ModelRunner._follow_step,
+    Rebalance: ModelRunner._follow_rebalance,
+    TierCopies: ModelRunner._follow_tier_copies,
+    LoraLoads: ModelRunner._follow_lora_loads,
+    LoraReads: ModelRunner._follow_lora_reads,
+    AskStageTimings: ModelRunner._answer_stage_timings,
 }
-
-
-def follower_plan(sched_out: SchedulerOutput) -> StepPlan:
-    """The step as plain data for the other ranks: each scheduled part without the scheduler's Request."""
-    return StepPlan([ScheduledRequest(None, s.num_new_tokens, s.block_ids, s.sample, s.start, s.token_ids,
-                                      s.prompt_logprob_rows, s.draft_token_ids, s.window_block_ids,
-                                      s.request.policy.lora_adapter, s.state_slot)
-                     for s in sched_out.scheduled])

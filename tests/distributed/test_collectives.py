@@ -1,5 +1,6 @@
-"""Tensor-parallel collectives on real gloo ranks: sums and gathers against float64, the plan broadcast, and a
-dead peer failing the survivor within its timeout with a message that names it (never a hang)."""
+"""Tensor-parallel collectives on real gloo ranks: sums and gathers against float64, the plan broadcast, the rank
+messages' bytes, and a dead peer failing the survivor within its timeout with a message that names it (never a
+hang)."""
 
 import random
 import time
@@ -22,12 +23,15 @@ def _collectives(rank: int, world: int, address: str, seed: int):
     summed = tp.all_reduce(every[rank].clone())
     gathered = tp.all_gather(every[rank].clone(), dim=-1)
     plan = tp.broadcast_object({"step": seed, "ids": [1, 2, 3]} if rank == 0 else None)
+    # The rank messages' bytes (engine.worker.rank_messages): rank 0's, of a length the others do not know.
+    data = tp.broadcast_bytes(random.Random(seed).randbytes(seed % 5000 + 1) if rank == 0 else None)
     groups.close()
     want_sum = torch.stack([p.double() for p in every]).sum(0)
     return {
         "sum_err": (summed.double() - want_sum).abs().max().item(),
         "gather_ok": torch.equal(gathered, torch.cat(every, dim=-1)),
         "plan": plan,
+        "bytes": data,
         "shard": tp.shard(12, "heads"),
     }
 
@@ -40,6 +44,7 @@ def test_all_reduce_all_gather_and_plan_broadcast_on_three_ranks():
         assert status == "ok", value
         assert value["sum_err"] < 1e-5, (seed, value)
         assert value["gather_ok"] and value["plan"] == {"step": seed, "ids": [1, 2, 3]}
+        assert value["bytes"] == random.Random(seed).randbytes(seed % 5000 + 1), seed
         assert value["shard"] == (4 * rank, 4)
 
 

@@ -129,7 +129,7 @@ def test_sm90_build_reads_the_weights_with_16_byte_loads():
     assert ptx["dot"]["cp_async"] > 0  # the tensor-core path streams W through shared memory, pipelined
 
 
-def _plan(rows_with: set[int], cfg: GemvConfig) -> tuple:
+def _launches(rows_with: set[int], cfg: GemvConfig) -> tuple:
     return tuple(cfg if r in rows_with else None for r in range(MAX_GEMV_ROWS + 1))
 
 
@@ -148,8 +148,8 @@ def test_gemv_linear_dispatches_by_row_count_and_keeps_parameters(monkeypatch):
 
     model = Tiny().to(DEVICE)
     names = sorted(model.state_dict())
-    plan = _plan({1, 2, 3, 4}, GemvConfig(4, 16, 32, split_k=2))
-    swapped = gemv_linear.enable_dense_gemv(model, {LinearShape.of(model.proj): plan, LinearShape.of(model.head): plan})
+    launches = _launches({1, 2, 3, 4}, GemvConfig(4, 16, 32, split_k=2))
+    swapped = gemv_linear.enable_dense_gemv(model, {LinearShape.of(model.proj): launches, LinearShape.of(model.head): launches})
     assert swapped == 2 and isinstance(model.proj, GemvLinear) and isinstance(model.head, GemvLinear)
     assert model.head.weight is model.embed.weight and sorted(model.state_dict()) == names
     with torch.no_grad():
@@ -157,7 +157,7 @@ def test_gemv_linear_dispatches_by_row_count_and_keeps_parameters(monkeypatch):
             x = torch.randn(rows, 48, device=DEVICE)
             ref = F.linear(x.double(), model.proj.weight.double(), model.proj.bias.double())
             assert rel_err(model.proj(x), ref) < 1e-5
-    assert calls == [1, 3, 4], "the gemv must run exactly for the row counts the plan covers"
+    assert calls == [1, 3, 4], "the gemv must run exactly for the row counts the launches cover"
 
 
 class FakeTimer:
@@ -207,11 +207,11 @@ def test_selection_uses_the_gemv_only_where_measured_faster():
         for bucket in ROW_BUCKETS:
             timed = [cfg for seen_n, rows, cfg in timer.seen if seen_n == n and rows == bucket]
             assert timed.count(None) == 1 and len(timed) == 1 + len(candidates(shape, bucket, 2))
-    # The swap follows the plans: rows 1 only for N=96; every row count up to 8 for N=48; none for N=40.
+    # The swap follows the launches: rows 1 only for N=96; every row count up to 8 for N=48; none for N=40.
     assert isinstance(model.a1, GemvLinear) and isinstance(model.a2, GemvLinear) and not isinstance(model.b, GemvLinear)
-    assert [r for r, c in enumerate(model.a1.plan) if c] == [1]
-    assert [r for r, c in enumerate(model.c.plan) if c] == list(range(1, MAX_GEMV_ROWS + 1))
-    assert model.c.plan[2] is model.c.plan[4] and model.c.plan[5] is model.c.plan[8], "rows share their bucket's launch"
+    assert [r for r, c in enumerate(model.a1.launches) if c] == [1]
+    assert [r for r, c in enumerate(model.c.launches) if c] == list(range(1, MAX_GEMV_ROWS + 1))
+    assert model.c.launches[2] is model.c.launches[4] and model.c.launches[5] is model.c.launches[8], "rows share their bucket's launch"
     table = format_choices(choices)
     assert "F.linear" in table and "gemv" in table and "64->96 float32 +bias" in table
 
@@ -320,12 +320,12 @@ def test_gpu_captured_graphs_with_the_gemv_give_the_eager_cublas_tokens_without_
     engine = llm.engine
     engine.add_request(list(range(1, 6)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     for _ in range(3):  # prefill (F.linear), then 1-row decodes (the gemv)
-        sched_out = engine.scheduler.schedule()
+        plan = engine.scheduler.schedule()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.inference_mode():
-                engine.runner.forward(engine.runner.prepare(sched_out.scheduled))
+                engine.runner.forward(engine.runner.prepare(plan.scheduled))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        engine.scheduler.update(sched_out, [1 if s.sample else None for s in sched_out.scheduled])
+        engine.scheduler.update(plan, [1 if s.sample else None for s in plan.scheduled])

@@ -48,13 +48,15 @@ def test_requests_to_a_frozen_engine_never_block_the_event_loop(tmp_path):
         ticker = asyncio.create_task(tick())
         os.kill(engine.pid, signal.SIGSTOP)
         # Woken after 3 s whatever happens here: a held event loop cannot do it (it is the failure looked for).
-        threading.Timer(3.0, os.kill, (engine.pid, signal.SIGCONT)).start()
+        waker = threading.Timer(3.0, os.kill, (engine.pid, signal.SIGCONT))
+        waker.start()
         try:
             sent = [asyncio.create_task(refused(p)) for p in prompts]
             await asyncio.sleep(1.5)  # the loop runs on while the writes wait
             assert max(gaps) < 0.5, f"the event loop was held {max(gaps):.2f} s"
         finally:
             os.kill(engine.pid, signal.SIGCONT)
+            waker.cancel()  # or it may signal a process that has ended by then (an error in its thread)
         await asyncio.wait_for(asyncio.gather(*sent), 30)  # each reached the engine, in order, and was answered
         ticker.cancel()
         await engine.shutdown()

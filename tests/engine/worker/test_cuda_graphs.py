@@ -87,13 +87,13 @@ def test_forward_has_no_host_sync(tmp_path):
     engine = llm.engine
     engine.add_request(list(range(1, 30)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     for _ in range(3):  # prefill, then decodes
-        sched_out = engine.scheduler.schedule()
+        plan = engine.scheduler.schedule()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.inference_mode():
-                batch = engine.runner.prepare(sched_out.scheduled)
+                batch = engine.runner.prepare(plan.scheduled)
                 engine.runner.forward(batch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        engine.scheduler.update(sched_out, [1 if s.sample else None for s in sched_out.scheduled])
+        engine.scheduler.update(plan, [1 if s.sample else None for s in plan.scheduled])

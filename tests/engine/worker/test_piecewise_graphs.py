@@ -85,9 +85,9 @@ def test_padded_rows_do_not_change_real_rows(kernels, tmp_path):
                            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     padded = mixed = 0
     while engine.scheduler.has_unfinished():
-        sched_out = engine.scheduler.schedule()
+        plan = engine.scheduler.schedule()
         with torch.inference_mode():
-            batch = runner.prepare(sched_out.scheduled)
+            batch = runner.prepare(plan.scheduled)
             before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
             expected = runner.model(batch.input_ids, batch.positions, batch.meta)  # [n, H]
             after = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
@@ -109,8 +109,8 @@ def test_padded_rows_do_not_change_real_rows(kernels, tmp_path):
         written[batch.meta.slot_mapping] = True
         for (k, _), (k0, _) in zip(runner.kv_caches, before):
             assert torch.equal(k.view(-1, *k.shape[2:])[~written], k0.view(-1, *k0.shape[2:])[~written])
-        engine.scheduler.update(sched_out, [rng.randrange(1, VOCAB - 1) if s.sample else None
-                                            for s in sched_out.scheduled])
+        engine.scheduler.update(plan, [rng.randrange(1, VOCAB - 1) if s.sample else None
+                                            for s in plan.scheduled])
     assert padded > 0 and mixed > 0 and graphs.replays > 0
 
 
