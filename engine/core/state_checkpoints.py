@@ -11,7 +11,8 @@ i's key has a checkpoint: the scheduler cuts each hit back to its last such bloc
 Which boundaries: each prompt's last full block that a later identical prompt can hit ((L - 1) // block_size:
 the last token is always computed again) and every ``interval`` blocks of a sequence (a shared system prompt
 whose requests then diverge hits at the last multiple of ``interval`` before they do). A chunk of a prompt is cut
-at such a boundary so that the slot holds the state of exactly that prefix after the forward (``cap``).
+at the last such boundary inside it so that the slot holds the state of exactly that prefix after the forward
+(``cap``).
 
 Ordering, without locks: a plan's loads (checkpoint row -> the admitted request's slot) run before its forward,
 its saves (slot -> checkpoint row) after it; a checkpoint becomes findable only when the scheduler sees its
@@ -54,10 +55,14 @@ class StateCheckpoints:
                                     or num_blocks == (request.num_prompt_tokens - 1) // self.block_size)
 
     def cap(self, request: Request, start: int, num_new: int) -> int:
-        """``num_new`` tokens from position ``start``, cut at the first checkpoint boundary strictly inside them
-        (a chunk that ends at one is left whole): the slot then holds that prefix's state after the forward."""
-        bs = self.block_size
-        for k in range(start // bs + 1, (start + num_new - 1) // bs + 1):
+        """``num_new`` tokens from position ``start``, cut at the last checkpoint boundary strictly inside them
+        (a chunk that ends at one is left whole): the slot then holds that prefix's state after the forward. The
+        boundaries a chunk passes before its last are not checkpointed: a prompt's chunks are cut once each at
+        most, so the interval in effect is at least the chunk size."""
+        bs, end = self.block_size, start + num_new
+        if end % bs == 0 and self.is_boundary(request, end // bs):
+            return num_new
+        for k in range((end - 1) // bs, start // bs, -1):
             if self.is_boundary(request, k):
                 return k * bs - start
         return num_new

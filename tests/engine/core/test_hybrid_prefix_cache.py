@@ -76,7 +76,9 @@ def test_checkpoints_stay_within_their_rows_and_follow_lru():
     scheduler = _scheduler(checkpoints=2, interval=2)
     prompts = [[rng.randrange(VOCAB) for _ in range(21)] for _ in range(6)]
     for i, p in enumerate(prompts):  # one after another: each commits its checkpoints before the next starts
-        _run(scheduler, rng, [p], f"p{i}")
+        _, copies = _run(scheduler, rng, [p], f"p{i}")
+        # The first chunk (16 tokens) ends at 4 blocks, the interval's; the one after it is cut at 5 blocks.
+        assert sum(len(saves) for _, saves in copies) == 2
     assert scheduler.checkpoints.num_held == 2 and scheduler.checkpoints.num_evicted >= 8
     first_blocks = scheduler.kv.pool.lookup(scheduler.kv.prefix_key(Request("q", prompts[0], SamplingParams(), 1), 5))
     assert first_blocks is not None, "the first prompt's KV stays cached: only its checkpoints were evicted"
@@ -98,7 +100,7 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def test_second_pass_over_a_shared_prefix_hits_and_matches_transformers(qwen3_next):
+def test_second_pass_over_a_shared_prefix_hits_and_matches_transformers(qwen3_next, caplog):
     """Prompts sharing 40 tokens, checkpoints every 2 blocks (32 tokens) and at each prompt's last full block,
     prefill chunked 16 tokens a step. The second pass repeats two prompts (hits at their last full blocks: 48 and
     64 tokens) and adds a third that shares only the prefix (hit at 32: the interval's checkpoint); every greedy
@@ -107,8 +109,12 @@ def test_second_pass_over_a_shared_prefix_hits_and_matches_transformers(qwen3_ne
     shared = [rng.randrange(1, VOCAB - 1) for _ in range(40)]
     a, b, d = (shared + [rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (9, 25, 12))
     expected = {len(p): hf_greedy(hf, p, 6) for p in (a, b, d)}
-    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=32, block_size=16, max_num_batched_tokens=16,
-              state_checkpoint_interval=2)
+    with caplog.at_level("INFO"):
+        llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=32, block_size=16,
+                  max_num_batched_tokens=16, state_checkpoint_interval=2)
+    costs = [r.message for r in caplog.records if r.message.startswith("prefix cache: ")]
+    num = llm.engine.scheduler.checkpoints.num_checkpoints
+    assert len(costs) == 1 and costs[0].startswith(f"prefix cache: {num} state checkpoints of "), costs
     first = llm.generate([a, b], _greedy(6))
     assert [o.token_ids for o in first] == [expected[49], expected[65]], f"seed={seed}"
     second = llm.generate([a, b, d], _greedy(6))
