@@ -494,7 +494,8 @@ class Scheduler:
     def _resumable(self, cached: CachedPrefix) -> CachedPrefix:
         """A hybrid model's hit, cut back to its last block whose state the linear layers can resume from."""
         blocks = cached.groups[0] if cached.groups else []
-        assert all(isinstance(b, Block) for b in blocks) and len(cached.groups) <= 1, "tiers and windows: no checkpoints"
+        assert all(isinstance(b, Block) for b in blocks) and len(cached.groups) <= 1, \
+            "no checkpoints with the tiers or a sliding group"
         n = self.checkpoints.resumable(blocks)
         return CachedPrefix(n, [blocks[:n]]) if n else CachedPrefix()
 

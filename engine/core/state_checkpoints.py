@@ -139,4 +139,5 @@ class StateCheckpoints:
         """Every row is free, pending or held, exactly once (tests)."""
         pending = [row for rows in self._pending.values() for _, row in rows]
         rows = self._free + pending + list(self._rows.values())
-        assert sorted(rows) == sorted(set(rows)) and len(rows) == self.num_checkpoints, (self._free, pending, self._rows)
+        assert sorted(rows) == sorted(set(rows)) and len(rows) == self.num_checkpoints, \
+            (self._free, pending, self._rows)

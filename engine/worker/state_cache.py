@@ -1,9 +1,10 @@
 """The state cache of hybrid models: each linear-attention layer's fixed-size states, one per slot.
 
-Rows past the slots hold the prefix cache's state checkpoints (``engine.core.state_checkpoints``), copied to
-and from slots by ``copy_states``. A slot is one running request's (``engine.core.state_slots`` hands them out); its tensors hold the short
+A slot is one running request's (``engine.core.state_slots`` hands them out); its tensors hold the short
 convolution's last inputs and the delta rule's state matrix (``StateSpec``), whatever the request's length.
-The slots come out of the KV cache's memory budget (``model_setup.kv_blocks_for_memory``).
+Rows past the slots hold the prefix cache's state checkpoints (``engine.core.state_checkpoints``), copied to
+and from slots by ``copy_states``. Both come out of the KV cache's memory budget
+(``model_setup.kv_blocks_for_memory``).
 """
 
 import torch
