@@ -53,18 +53,22 @@ def _run(scheduler: Scheduler, rng: random.Random, prompts: list[list[int]], tag
 
 def test_identical_prompt_hits_its_last_full_block():
     """No interval checkpoint inside these prompts: the one at each prompt's last full block is what the repeat
-    hits ((L - 1) // 4 blocks; a prompt of whole blocks too), and the prompt's chunks are cut there."""
+    hits ((L - 1) // 4 blocks; a prompt of whole blocks too), and the prompt's chunks are cut there. The first
+    prompt comes twice in one step (9-12 tokens: both chunks end at 8), so two saves of one key are planned
+    before either is filed: one is kept, the other's row freed (``check_consistent`` every step)."""
     rng = random.Random(random.randrange(2**31))
     scheduler = _scheduler(checkpoints=8, interval=64)
-    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (rng.randint(9, 30), 28)]
+    x = [rng.randrange(VOCAB) for _ in range(rng.randint(9, 12))]
+    prompts = [x, x, [rng.randrange(VOCAB) for _ in range(28)]]
     _, copies = _run(scheduler, rng, prompts, "a")
-    assert sum(len(saves) for _, saves in copies) == 2
+    assert len(copies[0][1]) == 2 and sum(len(saves) for _, saves in copies) == 3
+    assert scheduler.checkpoints.num_held == scheduler.checkpoints.num_saved == 2
     again, copies = _run(scheduler, rng, prompts, "b")
-    assert [r.num_cached_tokens for r in again] == [(len(p) - 1) // 4 * 4 for p in prompts]
-    assert sum(len(loads) for loads, _ in copies) == 2 and sum(len(saves) for _, saves in copies) == 0
+    assert [r.num_cached_tokens for r in again] == [8, 8, 24]
+    assert sum(len(loads) for loads, _ in copies) == 3 and sum(len(saves) for _, saves in copies) == 0
     # Another tenant's salt: the same tokens find nothing.
     other, _ = _run(scheduler, rng, prompts, "c", salt="tenant-b")
-    assert [r.num_cached_tokens for r in other] == [0, 0]
+    assert [r.num_cached_tokens for r in other] == [0, 0, 0]
     scheduler.states.check_all_free()
     scheduler.kv.pool.check_all_free()
 
@@ -98,7 +102,13 @@ def qwen3_next(tmp_path_factory):
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+
+
+def _same_logprobs(hit, miss) -> bool:
+    """A hit resumes from the very state the miss computed (the same chunks): its tokens' logprobs are the
+    miss's, which catches a wrong state that a tiny random model's argmax happens to survive."""
+    return hit.logprobs.logprobs == pytest.approx(miss.logprobs.logprobs, abs=1e-5)
 
 
 def test_second_pass_over_a_shared_prefix_hits_and_matches_transformers(qwen3_next, caplog):
@@ -121,6 +131,7 @@ def test_second_pass_over_a_shared_prefix_hits_and_matches_transformers(qwen3_ne
     second = llm.generate([a, b, d], _greedy(6))
     assert [o.token_ids for o in second] == [expected[49], expected[65], expected[52]], f"seed={seed}"
     assert [o.num_cached_tokens for o in second] == [48, 64, 32], f"seed={seed}"
+    assert _same_logprobs(second[0], first[0]) and _same_logprobs(second[1], first[1]), f"seed={seed}"
     scheduler = llm.engine.scheduler
     scheduler.checkpoints.check_consistent()
     scheduler.states.check_all_free()
@@ -153,4 +164,5 @@ def test_evicted_checkpoint_and_other_tenants_find_nothing(qwen3_next):
     outs = [complete(engine, p, _greedy(5), RequestPolicy(cache_salt=salt)) for p, salt in runs]
     assert [o.token_ids for o in outs] == [expected[i] for i in (0, 1, 0, 0, 0)], f"seed={seed}"
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 32, 0], f"seed={seed}"
+    assert all(_same_logprobs(o, outs[0]) for o in outs[2:]), f"seed={seed}"
     engine.scheduler.kv.pool.check_all_free()
