@@ -40,6 +40,13 @@ class EngineConfig:
     """prompt plus output tokens of one request, at most (default: the checkpoint's context length)"""
     enable_prefix_caching: bool = True
     """share the KV blocks of prompt prefixes already computed (salted per tenant)"""
+    state_checkpoint_interval: int = 64
+    """hybrid linear-attention models' prefix cache: keep the linear layers' state after every this many blocks
+    of a sequence (and after each prompt's last full block); a hit resumes at the last block with one
+    (docs/decisions/hybrid_prefix_cache.md)"""
+    state_checkpoint_share: float = 0.25
+    """hybrid linear-attention models: the share of the KV cache's memory (blocks and checkpoints together) the
+    state checkpoints may take; 0: no checkpoints, so no prefix cache for them"""
     num_kv_blocks: int | None = None
     """fix the KV pool at this many blocks (default: sized from ``kv_cache_memory_gb`` on the CPU, or
     ``gpu_memory_utilization`` on a GPU); where sliding-window layers keep their own block tables (gpt-oss), a
@@ -328,6 +335,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.state_checkpoint_interval < 1 or not 0.0 <= self.state_checkpoint_share < 1.0:
+            raise ValueError("state_checkpoint_interval must be >= 1 and state_checkpoint_share in [0, 1), got "
+                             f"{self.state_checkpoint_interval} and {self.state_checkpoint_share}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.background_token_budget < 1 or self.background_window_s < 0:
@@ -450,9 +460,14 @@ class CacheConfig:
     # Hybrid models: fixed-size recurrent states, one per running request (``engine.core.state_slots``), taken
     # from the same memory budget as the blocks; 0: the model keeps none.
     num_state_slots: int = 0
+    # Their prefix cache's state checkpoints (``engine.core.state_checkpoints``): rows of the state cache after
+    # the slots, and a checkpoint every this many blocks besides each prompt's last full block; 0: none.
+    num_state_checkpoints: int = 0
+    state_checkpoint_interval: int = 64
 
     def __post_init__(self) -> None:
         assert self.block_size >= 1 and self.num_blocks >= 1 and self.num_state_slots >= 0
+        assert self.num_state_checkpoints >= 0 and self.state_checkpoint_interval >= 1
 
 
 @dataclass(slots=True)

@@ -2,8 +2,8 @@
 
 Their linear-attention layers keep one state per running request instead of K and V per token. What moves,
 splits or rolls back K and V per token does not do so for those states yet: such a setting is refused at start,
-in one line naming its flag, rather than served wrongly. The prefix cache is switched off for them (a cached
-block carries no state checkpoint yet), said once in the log.
+in one line naming its flag, rather than served wrongly. The prefix cache serves them through state checkpoints
+(``engine.core.state_checkpoints``); speculative decoding stays refused with it on or off.
 """
 
 from engine.core.config import EngineConfig

@@ -141,6 +141,10 @@ class KVCacheManager:
                                             request.policy.lora_adapter))
         return hashes
 
+    def prefix_key(self, request: Request, num_blocks: int) -> bytes:
+        """The prefix-cache key of the request's first ``num_blocks`` full blocks (their tokens must be known)."""
+        return self._block_hashes(request, num_blocks)[num_blocks - 1]
+
     @staticmethod
     def _key(block_hash: bytes, group: int) -> bytes:
         return group_key(block_hash, group)

@@ -52,10 +52,12 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.block_pool import Block
 from engine.core.kv_cache_manager import CachedPrefix, KVCacheManager, PrefixTiers
 from engine.core.lora_residency import LoraLoad, LoraResidency
 from engine.core.request import Request, RequestStatus
 from engine.core.speculation import Speculator, accepted_prefix
+from engine.core.state_checkpoints import StateCheckpoints
 from engine.core.state_slots import StateSlots
 from engine.core.stats import SchedulerStats
 from engine.core.waiting_queue import VirtualTokenCounter, WaitingQueue
@@ -120,6 +122,10 @@ class SchedulerOutput:
     # the (key, directory) of adapters rank 0 began reading since the last step (the other ranks read them too).
     lora_loads: list[LoraLoad] = field(default_factory=list)
     lora_reads: list[tuple[str, str]] = field(default_factory=list)
+    # Hybrid models' state checkpoints (``engine.core.state_checkpoints``), as (from row, to row) of the state
+    # cache: loads (checkpoint -> an admitted hit's slot) before the forward, saves (slot -> checkpoint) after it.
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -152,6 +158,11 @@ class Scheduler:
                                  cache_config.sliding_window, tiers)
         # Hybrid models' recurrent states: a slot per running request (None: the model keeps none).
         self.states = StateSlots(cache_config.num_state_slots) if cache_config.num_state_slots else None
+        # Their prefix-cache hits resume from state checkpoints (None: no checkpoints, or no prefix cache).
+        self.checkpoints: StateCheckpoints | None = None
+        if cache_config.num_state_checkpoints and cache_config.enable_prefix_caching:
+            self.checkpoints = StateCheckpoints(cache_config.num_state_checkpoints, cache_config.num_state_slots,
+                                                cache_config.block_size, cache_config.state_checkpoint_interval)
         self.vtc = VirtualTokenCounter()
         self.waiting = WaitingQueue(self.vtc)
         self.running: list[Request] = []
@@ -222,6 +233,8 @@ class Scheduler:
         self.kv.free(request)
         if self.states is not None:
             self.states.free(request.request_id)
+        if self.checkpoints is not None:
+            self.checkpoints.drop(request.request_id)
         del self.requests[request.request_id]
         self._num_foreground -= not request.policy.background
         self.vtc.on_departure(request.policy.tenant)
@@ -253,6 +266,8 @@ class Scheduler:
         self.kv.free(victim)
         if self.states is not None:  # its state is recomputed from its first token on resume, as its KV is
             self.states.free(victim.request_id)
+        if self.checkpoints is not None:
+            self.checkpoints.drop(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -307,6 +322,7 @@ class Scheduler:
         self._finished_since_last_step = []
         scheduled = self._scheduled
         saves, loads = self.kv.take_transfers()
+        state_loads, state_saves = self.checkpoints.take_copies() if self.checkpoints is not None else ([], [])
         self._last_decode_tokens = sum(s.num_new_tokens for s in scheduled
                                        if s.sample and s.num_new_tokens - len(s.draft_token_ids) == 1)
         self._last_prefill_tokens = self.config.max_num_batched_tokens - self._budget - self._last_decode_tokens
@@ -321,6 +337,8 @@ class Scheduler:
             tier_loads=loads,
             lora_loads=lora_loads,
             lora_reads=self._take_lora_reads(),
+            state_loads=state_loads,
+            state_saves=state_saves,
         )
 
     def _take_lora_reads(self) -> list[tuple[str, str]]:
@@ -388,6 +406,8 @@ class Scheduler:
                 num_new = min(num_new, self._background_left)
                 if num_new <= 0:
                     continue  # it keeps its blocks and waits for a step with room
+            if self.checkpoints is not None:
+                num_new = self.checkpoints.cap(request, request.num_computed_tokens, num_new)
             assert num_new > 0, "a running request always has a token to compute"
             if num_new == 1 and self.speculator is not None and self._schedule_drafts(request):
                 continue
@@ -440,10 +460,14 @@ class Scheduler:
                     # the requests behind it are admitted meanwhile; running requests keep stepping.
                     passed.add(request.request_id)
                     continue
+                if self.checkpoints is not None:
+                    cached = self._resumable(cached)
             num_cached = cached.num_blocks * self.kv.block_size
             num_new = self._chunk(request.num_tokens - num_cached)
             if request.policy.background:
                 num_new = min(num_new, self._background_left)
+            if self.checkpoints is not None and num_new > 0:
+                num_new = self.checkpoints.cap(request, num_cached, num_new)
             if not self.kv.allocate_slots(request, num_new, cached):
                 self.kv.release_tier_hits(cached)
                 victim = self._admission_victim(request)
@@ -461,9 +485,29 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_seq)
             if self.states is not None:
-                self.states.allocate(request.request_id)
+                slot = self.states.allocate(request.request_id)
+                if cached.num_blocks and self.checkpoints is not None:  # its state resumes after the hit
+                    self.checkpoints.plan_load(cached.groups[0][-1].block_hash, slot)
             bisect.insort(self.running, request, key=_running_order)
             self._add_scheduled(request, num_new)
+
+    def _resumable(self, cached: CachedPrefix) -> CachedPrefix:
+        """A hybrid model's hit, cut back to its last block whose state the linear layers can resume from."""
+        blocks = cached.groups[0] if cached.groups else []
+        assert all(isinstance(b, Block) for b in blocks) and len(cached.groups) <= 1, \
+            "no checkpoints with the tiers or a sliding group"
+        n = self.checkpoints.resumable(blocks)
+        return CachedPrefix(n, [blocks[:n]]) if n else CachedPrefix()
+
+    def _plan_checkpoint(self, request: Request, num_new: int, slot: int) -> None:
+        """A checkpoint of the state after this chunk, where it ends at a checkpoint boundary."""
+        end = request.num_computed_tokens + num_new
+        if end % self.kv.block_size or not self.checkpoints.is_boundary(request, end // self.kv.block_size):
+            return
+        k = end // self.kv.block_size
+        # The last token may still be on the device (overlapped steps): then its key is known only at commit.
+        key = self.kv.prefix_key(request, k) if request.all_token_ids[end - 1] != PLACEHOLDER else None
+        self.checkpoints.plan_save(request.request_id, k, key, slot, lambda h: self.kv.pool.lookup(h) is not None)
 
     def _chunk(self, num_left: int) -> int:
         """Tokens of a request with ``num_left`` to compute that this step takes: what the budget allows, and a
@@ -475,9 +519,11 @@ class Scheduler:
     def _add_scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> None:
         sample = request.num_computed_tokens + num_new - len(drafts or ()) == request.num_tokens
         rid = request.request_id
+        slot = self.states.slot(rid) if self.states is not None else -1
         self._scheduled.append(ScheduledRequest.of(request, num_new, self.kv.block_ids(rid), sample, drafts,
-                                                   self.kv.window_block_ids(rid),
-                                                   self.states.slot(rid) if self.states is not None else -1))
+                                                   self.kv.window_block_ids(rid), slot))
+        if self.checkpoints is not None and not drafts:
+            self._plan_checkpoint(request, num_new, slot)
         self._served.add(request.request_id)
         self._budget -= num_new
         if request.policy.background:
@@ -548,6 +594,8 @@ class Scheduler:
         """Register the blocks the step filled in the prefix cache and bill the tenant's fair-share counter."""
         if request.status == RequestStatus.RUNNING:  # a request preempted since has no blocks to register
             self.kv.cache_computed_blocks(request)
+            if self.checkpoints is not None:
+                self.checkpoints.commit(request, lambda k: self.kv.prefix_key(request, k))
         # Prompt tokens are billed once, even if preemption makes them computed again.
         prompt_done = min(request.num_computed_tokens, request.num_prompt_tokens)
         new_prompt = max(prompt_done - request.num_charged_prompt_tokens, 0)

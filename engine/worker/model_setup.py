@@ -121,6 +121,23 @@ def state_slots_for_memory(config: EngineConfig, model: MoECausalLM, device: tor
     return _agree(model, slots)
 
 
+def state_checkpoints_for_memory(config: EngineConfig, model: MoECausalLM, device: torch.device, dtype: torch.dtype,
+                                 state_slots: int) -> int:
+    """A hybrid model's prefix-cache state checkpoints (``engine.core.state_checkpoints``): as many as
+    ``state_checkpoint_share`` of the memory the KV blocks and the checkpoints share holds (with ``num_kv_blocks``
+    fixed, that share beside those blocks); 0 where it holds none, or without prefix caching."""
+    per_slot = state_bytes_per_slot(model, dtype)
+    share = config.state_checkpoint_share
+    if not per_slot or not config.enable_prefix_caching or share == 0:
+        return 0
+    if config.num_kv_blocks:
+        kv_bytes = config.num_kv_blocks * kv_bytes_per_block(model, config.block_size, dtype)
+        shared = kv_bytes / (1 - share)
+    else:
+        shared = _memory_budget(config, device) - state_slots * per_slot
+    return _agree(model, max(int(share * shared // per_slot), 0))
+
+
 def kv_blocks_for_memory(config: EngineConfig, model: MoECausalLM, device: torch.device, dtype: torch.dtype,
                          draft: MoECausalLM | None = None, reserved: float = 0) -> int:
     """KV blocks this rank's memory budget holds (``num_kv_blocks`` if set); ranks agree on the smallest. A
@@ -152,6 +169,18 @@ def log_state_cache(model: MoECausalLM, slots: int, num_blocks: int, block_size:
                 "= %.1f MiB; KV cache: %d blocks of %d tokens, %.3f MiB each over %d full-attention layers = %.1f MiB",
                 slots, per_slot / 2**20, len(linear_layers(model)), slots * per_slot / 2**20, num_blocks, block_size,
                 per_block / 2**20, len(model.attention_layers()), num_blocks * per_block / 2**20)
+
+
+def log_state_checkpoints(model: MoECausalLM, checkpoints: int, block_size: int, interval: int,
+                          dtype: torch.dtype) -> None:
+    """What a prefix-cache state checkpoint costs, said at start: its bytes, in KV blocks, and per cached block."""
+    per_slot = state_bytes_per_slot(model, dtype)
+    per_block = kv_bytes_per_block(model, block_size, dtype)
+    logger.info("prefix cache: %d state checkpoints of %.3f MiB (the KV bytes of %.1f blocks) = %.1f MiB, one "
+                "after each prompt's last full block and every %d blocks: at most %.3f MiB of checkpoint per "
+                "cached %d-token block on top of its %.3f MiB of KV", checkpoints, per_slot / 2**20,
+                per_slot / per_block, checkpoints * per_slot / 2**20, interval, per_slot / interval / 2**20,
+                block_size, per_block / 2**20)
 
 
 def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheConfig, kernels: KernelChoice,
@@ -212,14 +241,17 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
         balancer = ExpertBalancer(blocks, tp.expert_parallel.tp, config.num_redundant_experts,
                                   config.eplb_window_steps, config.eplb_interval_steps, device)
     state_slots = state_slots_for_memory(config, model, device, dtype)
+    checkpoints = state_checkpoints_for_memory(config, model, device, dtype, state_slots) if state_slots else 0
     num_blocks = kv_blocks_for_memory(config, model, device, dtype, draft,
-                                      state_slots * state_bytes_per_slot(model, dtype))
+                                      (state_slots + checkpoints) * state_bytes_per_slot(model, dtype))
     prefix_caching = config.enable_prefix_caching
     if state_slots:
         log_state_cache(model, state_slots, num_blocks, config.block_size, dtype)
-        if prefix_caching:
-            logger.info("prefix caching is off for this hybrid model: its cached blocks would carry no "
-                        "linear-attention state to resume from")
+        if checkpoints:
+            log_state_checkpoints(model, checkpoints, config.block_size, config.state_checkpoint_interval, dtype)
+        elif prefix_caching:
+            logger.info("prefix caching is off for this hybrid model: state_checkpoint_share leaves no room for one "
+                        "checkpoint of its linear-attention state, which a hit resumes from")
             prefix_caching = False
     window = sliding_group_window(model)
     if window is not None:
@@ -232,7 +264,8 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
         bound = sliding_blocks_bound(window, config.block_size, config.max_num_batched_tokens)
         max_blocks = max(num_blocks // 2, num_blocks - bound)
     max_len = min(max_len, max_blocks * config.block_size)
-    cache_config = CacheConfig(config.block_size, num_blocks, prefix_caching, window, state_slots)
+    cache_config = CacheConfig(config.block_size, num_blocks, prefix_caching, window, state_slots, checkpoints,
+                               config.state_checkpoint_interval)
     runner = make_runner(config, model, cache_config, kernels, device, dtype, max_len)
     runner.micro_batches = config.pipeline_micro_batches
     if config.overlaps_pipeline_steps and model.stage.is_first:

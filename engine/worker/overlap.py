@@ -30,6 +30,7 @@ from engine.core.scheduler import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from engine.device_batch.flat_batch import FlatBatch
 from engine.sampling.prompt_scoring import PromptScoring, prompt_scoring
 from engine.worker.runner import ModelRunner
+from engine.worker.state_cache import copy_states
 from engine.worker.step_samples import StepSamples
 from engine.sampling.sampler import DeviceSamples, StepSampling
 from engine.device_batch.staging import stage_int64
@@ -152,11 +153,13 @@ class OverlappedRunner:
         if runner.lora is not None:  # slot writes after the step before, then this step's adapter layout
             runner.lora.apply(step.plan.lora_loads)
             runner.lora.begin_step(step.plan.scheduled, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
+        copy_states(runner.model, step.plan.state_loads, self.device)  # hits resume from their checkpoints
         try:
             hidden = runner.forward(batch)  # [T, H]
         finally:
             if runner.lora is not None:
                 runner.lora.end_step()
+        copy_states(runner.model, step.plan.state_saves, self.device)  # chunks that ended at a checkpoint
         logits = runner._logits(hidden, batch)  # [N + Q, V]
         results = _DeviceResults(None)
         num_sampling = len(step.rows)

@@ -13,7 +13,7 @@ from engine.models import MoECausalLM
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
 from engine.worker.cache_groups import cache_slots
 from engine.worker.kv_memory import zeros_on_first_touch
-from engine.worker.state_cache import attach_state_caches, step_states
+from engine.worker.state_cache import attach_state_caches, copy_states, step_states
 from engine.eplb.expert_load import ExpertLoadReader
 from engine.worker.pipeline_overlap import StageZeroSteps
 from engine.worker.step_samples import StepSamples
@@ -85,8 +85,8 @@ class ModelRunner:
         self.kv_caches = attach_kv_caches(model, cache_config, device, dtype)
         # Hybrid models: the linear-attention layers' states, one per slot (``engine.core.state_slots``).
         self.state_slots = cache_config.num_state_slots
-        if self.state_slots:
-            attach_state_caches(model, self.state_slots, device, dtype)
+        if self.state_slots:  # the prefix cache's state checkpoints in the rows after the slots
+            attach_state_caches(model, self.state_slots + cache_config.num_state_checkpoints, device, dtype)
         # The sliding-window layers read their own block tables (a second KV cache group, ``cache_groups``).
         self.window_tables = cache_config.sliding_window is not None
         self.sliding_window = model.config.sliding_window
@@ -173,11 +173,13 @@ class ModelRunner:
             self.last_prepare_ms = (time.perf_counter() - start) * 1e3
             if self.lora is not None:
                 self.lora.begin_step(plan.scheduled, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
+            copy_states(self.model, plan.state_loads, self.device)  # hits resume from their checkpoints
             try:
                 hidden = self.forward(batch)  # [T, H]
             finally:
                 if self.lora is not None:
                     self.lora.end_step()
+            copy_states(self.model, plan.state_saves, self.device)  # chunks that ended at a checkpoint
             logits = self._logits(hidden, batch)  # [N + Q, V]
         return self.sample(plan, logits)
 

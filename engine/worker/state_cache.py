@@ -2,7 +2,9 @@
 
 A slot is one running request's (``engine.core.state_slots`` hands them out); its tensors hold the short
 convolution's last inputs and the delta rule's state matrix (``StateSpec``), whatever the request's length.
-The slots come out of the KV cache's memory budget (``model_setup.kv_blocks_for_memory``).
+Rows past the slots hold the prefix cache's state checkpoints (``engine.core.state_checkpoints``), copied to
+and from slots by ``copy_states``. Both come out of the KV cache's memory budget
+(``model_setup.kv_blocks_for_memory``).
 """
 
 import torch
@@ -35,6 +37,18 @@ def attach_state_caches(model: MoECausalLM, num_slots: int, device: torch.device
     for layer in linear_layers(model):
         spec = layer.state_spec()
         layer.state_cache = (empty((num_slots, *spec.conv), dtype), empty((num_slots, *spec.recurrent), spec.recurrent_dtype))
+
+
+def copy_states(model: MoECausalLM, copies: list[tuple[int, int]], device: torch.device) -> None:
+    """Copy rows of every linear layer's state tensors, (from row, to row) each (``StateCheckpoints``' loads and
+    saves; no two copies write the same row)."""
+    if not copies:
+        return
+    src = torch.tensor([a for a, _ in copies], dtype=torch.int64).to(device, non_blocking=True)  # [N]
+    dst = torch.tensor([b for _, b in copies], dtype=torch.int64).to(device, non_blocking=True)  # [N]
+    for layer in linear_layers(model):
+        for cache in layer.state_cache:  # [S + C, ...] each
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
 def step_states(scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
