@@ -19,6 +19,7 @@ from torch import nn
 from engine.device_batch.state_metadata import StateMetadata
 from engine.layers.cache_spec import StateSpec
 from engine.layers.kda_rule import chunked_kda_rule, recurrent_kda_rule
+from engine.layers.moe import target_device
 from engine.layers.short_conv import causal_short_conv
 
 
@@ -58,6 +59,16 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(width, hidden_size, bias=False)
         # (conv [S, C, K - 1], recurrent [S, h, d, d]); bound by the runner once the state cache is allocated.
         self.state_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
+
+    def _apply(self, fn, recurse=True):
+        # A model-wide cast (``model.to(bfloat16)``) leaves ``dt_bias`` float32, as the published checkpoints store
+        # and transformers runs it: it shifts every decay's softplus input. It follows the device only.
+        kept = self.dt_bias.detach().clone()
+        super()._apply(fn, recurse)
+        device = target_device(fn, kept)
+        self.dt_bias = nn.Parameter(torch.empty_like(kept, device=device) if kept.is_meta else kept.to(device),
+                                    requires_grad=False)
+        return self
 
     def state_spec(self) -> StateSpec:
         return StateSpec((self.channels, self.kernel - 1), (self.h, self.d, self.d))

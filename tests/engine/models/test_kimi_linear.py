@@ -3,14 +3,20 @@ bias-corrected sigmoid routing beside a shared expert): greedy tokens equal tran
 checkpoint, with prompts chunked 16 tokens a step and a preemption forced; the KDA rule's chunked and recurrent
 forms equal a float64 loop; what hybrid models are not served with yet is refused in one line."""
 
+import asyncio
+import json
+import os
 import random
 
+import openai
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
 from engine.layers.kda_rule import chunked_kda_rule, recurrent_kda_rule
+from engine.loading.demo_model import write_demo_tokenizer
+from tests.gateway.serve_process import free_port, start_server, stop_server, wait_ready
 from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import randomize_constants_
 
@@ -27,12 +33,13 @@ KIMI_CONFIG = dict(
 )
 
 
-def make_kimi_model(path: str, seed: int, vocab_size: int = VOCAB):
+def make_kimi_model(path: str, seed: int, vocab_size: int = VOCAB, eos_token_id: int | None = None):
     """A random Kimi-Linear saved to ``path`` in the published layout (``q_conv1d``, ``block_sparse_moe``, experts
     ``w1``/``w2``/``w3``: transformers writes it back so); every parameter and buffer random, the decay rates
     (``A_log``, ``dt_bias``) as initialised, the norms and the correction bias drawn around theirs."""
     config = AutoConfig.for_model("kimi_linear", vocab_size=vocab_size, num_hidden_layers=len(KIMI_CONFIG["layer_types"]),
-                                  max_position_embeddings=1024, eos_token_id=vocab_size - 1, bos_token_id=None,
+                                  max_position_embeddings=1024, bos_token_id=None,
+                                  eos_token_id=vocab_size - 1 if eos_token_id is None else eos_token_id,
                                   pad_token_id=0, initializer_range=0.08, **KIMI_CONFIG)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -115,3 +122,62 @@ def test_kda_rule_chunked_and_recurrent_equal_a_float64_loop():
         outs.append(o[0])
     torch.testing.assert_close(torch.stack(outs).double(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s[0].double(), want_state, rtol=1e-4, atol=1e-4)
+
+
+def write_published_config(path: str) -> None:
+    """Rewrite ``path``'s config.json as the published checkpoints lay it out: the layer plan in
+    ``linear_attn_config`` (1-based layer numbers, beside the KDA heads and kernel), ``first_k_dense_replace``
+    instead of ``mlp_layer_types``, ``mla_use_nope``, and an ``auto_map`` to remote code that is not there."""
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    kinds = config.pop("layer_types")
+    assert config.pop("mlp_layer_types") == ["dense"] + ["sparse"] * (len(kinds) - 1)
+    config.update(
+        linear_attn_config=dict(
+            kda_layers=[i + 1 for i, kind in enumerate(kinds) if kind == "linear_attention"],
+            full_attn_layers=[i + 1 for i, kind in enumerate(kinds) if kind == "full_attention"],
+            num_heads=config.pop("linear_num_heads"), head_dim=config.pop("linear_head_dim"),
+            short_conv_kernel_size=config.pop("linear_conv_kernel_dim")),
+        first_k_dense_replace=1, mla_use_nope=True,
+        auto_map={"AutoConfig": "configuration_kimi.KimiLinearConfig",
+                  "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"},
+    )
+    with open(file, "w") as f:
+        json.dump(config, f)
+
+
+# Plain ChatML turns: no reasoning or tool markup, so the reply is the generated text as it is.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_moegate_serve_answers_a_chat(tmp_path):
+    """``moegate serve --model DIR`` on a tiny Kimi-Linear (its config.json as published) with the demo tokenizer
+    and a ChatML template: a chat's greedy reply (its tokens shown as ids) is transformers' greedy continuation of
+    the templated prompt."""
+    path = str(tmp_path / "kimi")
+    vocab, eos = write_demo_tokenizer(path, CHATML)
+    seed = random.randrange(2**31)
+    hf = make_kimi_model(path, seed, vocab_size=vocab, eos_token_id=eos)
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+    prompt = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True,
+                                                                     tokenize=True, return_dict=True)["input_ids"]
+    expected = hf_greedy(hf, prompt, 8)
+    write_published_config(path)
+    port = free_port()
+    proc, key = start_server(path, f"sqlite:///{tmp_path / 'policy.db'}", port, "--data-dir", str(tmp_path / "data"),
+                             "--served-model-name", "kimi")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_ready(url))
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        reply = client.chat.completions.create(
+            model="kimi", messages=messages, temperature=0, max_tokens=8, logprobs=True,
+            extra_body=dict(ignore_eos=True, return_tokens_as_token_ids=True),
+        )
+    finally:
+        stop_server(proc)
+    choice = reply.choices[0]
+    assert [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content] == expected, f"seed={seed}"
+    assert choice.finish_reason == "length" and reply.usage.prompt_tokens == len(prompt), reply
