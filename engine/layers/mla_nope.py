@@ -15,10 +15,4 @@ class NoPositionMLAttention(MLAttention):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T, H] -> q [T, h, n + p], latent [T, r] (normalised), k_pe [T, p]; ``positions`` unused."""
-        num_tokens = x.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        return q.view(num_tokens, self.num_heads, self.qk_dim), self.kv_a_layernorm(latent), k_pe
+        return self.project_unrotated(x)
