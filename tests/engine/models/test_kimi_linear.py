@@ -33,14 +33,14 @@ KIMI_CONFIG = dict(
 )
 
 
-def make_kimi_model(path: str, seed: int, vocab_size: int = VOCAB, eos_token_id: int | None = None):
+def make_kimi_model(path: str, seed: int, vocab_size: int = VOCAB, eos_token_id: int | None = None, **overrides):
     """A random Kimi-Linear saved to ``path`` in the published layout (``q_conv1d``, ``block_sparse_moe``, experts
     ``w1``/``w2``/``w3``: transformers writes it back so); every parameter and buffer random, the decay rates
     (``A_log``, ``dt_bias``) as initialised, the norms and the correction bias drawn around theirs."""
     config = AutoConfig.for_model("kimi_linear", vocab_size=vocab_size, num_hidden_layers=len(KIMI_CONFIG["layer_types"]),
                                   max_position_embeddings=1024, bos_token_id=None,
                                   eos_token_id=vocab_size - 1 if eos_token_id is None else eos_token_id,
-                                  pad_token_id=0, initializer_range=0.08, **KIMI_CONFIG)
+                                  pad_token_id=0, initializer_range=0.08, **{**KIMI_CONFIG, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize_constants_(model, torch.Generator().manual_seed(seed))
@@ -153,13 +153,13 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
 
 
 def test_moegate_serve_answers_a_chat(tmp_path):
-    """``moegate serve --model DIR`` on a tiny Kimi-Linear (its config.json as published) with the demo tokenizer
-    and a ChatML template: a chat's greedy reply (its tokens shown as ids) is transformers' greedy continuation of
-    the templated prompt."""
+    """``moegate serve --model DIR`` on a tiny Kimi-Linear (its config.json as published; queries through a q
+    LoRA, unlike the other test's) with the demo tokenizer and a ChatML template: a chat's greedy reply (its tokens
+    shown as ids) is transformers' greedy continuation of the templated prompt."""
     path = str(tmp_path / "kimi")
     vocab, eos = write_demo_tokenizer(path, CHATML)
     seed = random.randrange(2**31)
-    hf = make_kimi_model(path, seed, vocab_size=vocab, eos_token_id=eos)
+    hf = make_kimi_model(path, seed, vocab_size=vocab, eos_token_id=eos, q_lora_rank=24)  # q through a LoRA here
     messages = [{"role": "user", "content": "Why is the sky blue?"}]
     prompt = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True,
                                                                      tokenize=True, return_dict=True)["input_ids"]
