@@ -1,7 +1,8 @@
 """Kimi-Linear (Kimi Delta Attention : latent attention without positions 3:1, a dense first MLP, then grouped
 bias-corrected sigmoid routing beside a shared expert): greedy tokens equal transformers' on a tiny random
 checkpoint, with prompts chunked 16 tokens a step and a preemption forced; the KDA rule's chunked and recurrent
-forms equal a float64 loop; what hybrid models are not served with yet is refused in one line."""
+forms equal a float64 loop; what hybrid models are not served with yet is refused in one line; ``moegate serve``
+answers a chat on a checkpoint whose config.json is laid out as published, with transformers' tokens."""
 
 import asyncio
 import json
