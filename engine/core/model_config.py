@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
     "MiMoV2FlashForCausalLM",
     "HYV3ForCausalLM",
+    "KimiLinearForCausalLM",
 )
 
 # Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.

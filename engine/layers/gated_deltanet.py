@@ -17,6 +17,7 @@ from torch import nn
 from engine.device_batch.state_metadata import StateMetadata
 from engine.layers.cache_spec import StateSpec
 from engine.layers.delta_rule import chunked_delta_rule, recurrent_delta_rule
+from engine.layers.short_conv import causal_short_conv
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps) over the last dim (the published models' normalisation, eps inside the root)."""
@@ -92,22 +93,7 @@ class GatedDeltaNet(nn.Module):
 
     def _convolve(self, mixed: torch.Tensor, states: StateMetadata) -> torch.Tensor:
         """The causal depthwise conv with SiLU over each request's tokens, continuing from its last K - 1 inputs."""
-        conv_cache = self.state_cache[0]  # [S, C, K - 1]
-        weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        out = torch.empty_like(mixed)
-        d = states.num_decodes
-        if d:
-            slots = states.decode_slots
-            past = conv_cache[slots].masked_fill(states.decode_fresh[:, None, None], 0.0)  # [D, C, K - 1]
-            window = torch.cat([past, mixed[:d, :, None]], dim=-1)  # [D, C, K]
-            out[:d] = F.silu((window * weight).sum(-1))
-            conv_cache[slots] = window[:, :, 1:]
-        for row, end, slot, fresh in states.prefills:
-            past = conv_cache.new_zeros(self.channels, self.kernel - 1) if fresh else conv_cache[slot]
-            seq = torch.cat([past, mixed[row:end].t()], dim=-1)  # [C, K - 1 + L]
-            out[row:end] = F.silu(F.conv1d(seq[None], weight[:, None, :], groups=self.channels)[0]).t()
-            conv_cache[slot] = seq[:, seq.shape[1] - (self.kernel - 1):]
-        return out
+        return causal_short_conv(mixed, self.conv1d.weight[:, 0, :], self.state_cache[0], states)  # [T, C]
 
     def _delta_rule(self, q, k, v, g, beta, states: StateMetadata) -> torch.Tensor:
         rec_cache = self.state_cache[1]  # [S, h, dk, dv]

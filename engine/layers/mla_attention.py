@@ -109,20 +109,23 @@ class MLAttention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T, H] -> q [T, h, n + p] (rope part rotated), latent [T, r] (normalised), k_pe [T, p] (rotated)."""
-        num_tokens = x.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(num_tokens, self.num_heads, self.qk_dim)  # [T, h, n + p]
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # [T, r]
+        q, latent, k_pe = self.project_unrotated(x)
         cos = self.rotary.cos_cache[positions].to(q.dtype)[:, None, :]  # [T, 1, p]
         sin = self.rotary.sin_cache[positions].to(q.dtype)[:, None, :]
         q_pe = rotate(q[..., self.nope_dim:], cos, sin, self.rope_interleave)
         q = torch.cat([q[..., :self.nope_dim], q_pe], dim=-1)
         k_pe = rotate(k_pe[:, None, :], cos, sin, self.rope_interleave)[:, 0]  # [T, p]
         return q, latent, k_pe
+
+    def project_unrotated(self, x: torch.Tensor):
+        """x [T, H] -> q [T, h, n + p], latent [T, r] (normalised), k_pe [T, p]: ``project`` before the rotation."""
+        num_tokens = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return q.view(num_tokens, self.num_heads, self.qk_dim), self.kv_a_layernorm(latent), k_pe
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                meta: AttentionMetadata | TritonAttentionMetadata) -> torch.Tensor:

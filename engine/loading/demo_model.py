@@ -156,6 +156,34 @@ def _train_tokenizer():
     return tokenizer
 
 
+def _save_tokenizer(tokenizer, path: str, chat_template: str) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` (EOS, no BOS, ``chat_template``) in ``path``."""
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MODEL_SHAPE["max_position_embeddings"],
+        "chat_template": chat_template,
+    }
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(tokenizer_config, f, indent=2)
+        f.write("\n")
+
+
+def write_demo_tokenizer(path: str, chat_template: str = CHAT_TEMPLATE) -> tuple[int, int]:
+    """Write the demo tokenizer with ``chat_template`` to the directory ``path`` (beside a tiny checkpoint of any
+    family, to serve chats with it); returns (its vocabulary size, its EOS id) for that checkpoint's config."""
+    tokenizer = _train_tokenizer()
+    os.makedirs(path, exist_ok=True)
+    _save_tokenizer(tokenizer, path, chat_template)
+    return tokenizer.get_vocab_size(with_added_tokens=True), tokenizer.token_to_id(EOS_TOKEN)
+
+
 def _is_demo_dir(path: str) -> bool:
     try:
         with open(os.path.join(path, "config.json")) as f:
@@ -209,18 +237,4 @@ def write_demo_model(path: str, seed: int = 0) -> None:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    tokenizer.save(os.path.join(path, "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
-        "pad_token": EOS_TOKEN,
-        "bos_token": None,
-        "unk_token": None,
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MODEL_SHAPE["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE,
-    }
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config, f, indent=2)
-        f.write("\n")
+    _save_tokenizer(tokenizer, path, CHAT_TEMPLATE)

@@ -6,6 +6,7 @@ from engine.models.dots1 import Dots1ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.hy_v3 import HYV3ForCausalLM
+from engine.models.kimi_linear import KimiLinearForCausalLM
 from engine.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -20,7 +21,7 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM,
                 Dots1ForCausalLM, MiniMaxM2ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
                 Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, MiMoV2FlashForCausalLM,
-                HYV3ForCausalLM)
+                HYV3ForCausalLM, KimiLinearForCausalLM)
 }
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]
