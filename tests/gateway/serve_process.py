@@ -37,6 +37,7 @@ def start_server(model: str, db_url: str, port: int, *flags: str, expect_key: bo
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     if not expect_key:
+        _drain(proc)  # else the pipe fills with access-log lines and the server blocks on its next write
         return proc, None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # printed once, on the first start with an empty database

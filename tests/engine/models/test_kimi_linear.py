@@ -77,6 +77,18 @@ def test_greedy_matches_transformers_chunked_and_preempted(reference):
     scheduler.kv.pool.check_all_free()
 
 
+def test_second_pass_hits_state_checkpoints_and_matches_transformers(reference):
+    """The prefix cache on Kimi-Linear: the 70-token prompt again (alone, so nothing evicts its checkpoint) hits
+    its 4 full blocks through the KDA layers' state checkpoint and still gives transformers' tokens."""
+    path, reqs, expected, seed = reference
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=24, block_size=16, max_num_batched_tokens=16)
+    (prompt, max_tokens), want = reqs[2], expected[2]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    first, again = (llm.generate([prompt], [params])[0] for _ in range(2))
+    assert first.token_ids == again.token_ids == want, f"seed={seed}"
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 64), f"seed={seed}"
+
+
 @pytest.mark.parametrize("flags, named", [(dict(speculative="ngram"), "--speculative"),
                                           (dict(enable_lora=True), "--enable-lora")])
 def test_unsupported_features_are_refused_at_start(reference, flags, named):
