@@ -41,6 +41,15 @@ def register(subparsers) -> None:
     p.set_defaults(func=_demo_model)
 
     p = subparsers.add_parser(
+        "features",
+        help="list which engine settings need or exclude others",
+        description="Each engine setting that needs or excludes another, and the one line an engine refuses such "
+        "a combination with. Settings by their EngineConfig names: each is the flag of the same name with dashes (`moegate engine --help` lists them). The same list is in docs/configuration.md.",
+    )
+    p.add_argument("--markdown", action="store_true", help="print it as the Markdown table of docs/configuration.md")
+    p.set_defaults(func=_features)
+
+    p = subparsers.add_parser(
         "engine-rank",
         help="run one rank (1 and up) of an engine split over several nodes",
         description="Join the engine whose rank 0 runs in `moegate serve --tensor-parallel-size N "
@@ -50,3 +59,10 @@ def register(subparsers) -> None:
     )
     add_rank_flags(p)
     p.set_defaults(func=_engine_rank)
+
+
+def _features(args: argparse.Namespace) -> int:
+    from engine.core.config_rules import feature_table, feature_text
+
+    print(feature_table() if args.markdown else feature_text(), end="")
+    return 0
