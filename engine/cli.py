@@ -28,6 +28,12 @@ def _engine_rank(args: argparse.Namespace) -> int:
     return run(args)
 
 
+FEATURES_DESCRIPTION = (
+    "Each engine setting that needs or excludes another, and the one line an engine refuses such a combination "
+    "with. Settings by their EngineConfig names: each is the flag of the same name with dashes (`moegate engine "
+    "--help` lists them). The same list is in docs/configuration.md.")
+
+
 def register(subparsers) -> None:
     """Add the engine's subcommands to an ``argparse`` subparsers object; each sets ``func(args) -> int``."""
     p = subparsers.add_parser(
@@ -40,12 +46,8 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.set_defaults(func=_demo_model)
 
-    p = subparsers.add_parser(
-        "features",
-        help="list which engine settings need or exclude others",
-        description="Each engine setting that needs or excludes another, and the one line an engine refuses such "
-        "a combination with. Settings by their EngineConfig names: each is the flag of the same name with dashes (`moegate engine --help` lists them). The same list is in docs/configuration.md.",
-    )
+    p = subparsers.add_parser("features", help="list which engine settings need or exclude others",
+                              description=FEATURES_DESCRIPTION)
     p.add_argument("--markdown", action="store_true", help="print it as the Markdown table of docs/configuration.md")
     p.set_defaults(func=_features)
 

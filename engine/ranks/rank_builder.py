@@ -3,7 +3,6 @@
 slot tables, the prefix-cache tiers or a follower's mirror of them, the grammar matchers, CUDA graphs), each built
 first and handed to the runner's (and rank 0's scheduler's) constructor. Nothing is installed afterwards."""
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +22,6 @@ from engine.worker.draft_model import DraftProposer
 from engine.worker.lora_setup import serve_adapters
 from engine.worker.model_setup import attention_backend, load_draft_model, load_rank_model, size_kv_pool
 from engine.worker.runner import ModelRunner, RunnerParts, attach_caches
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
