@@ -133,11 +133,11 @@ def _eager(engine):
     """Steps inside run every kernel from Python: the decode and the piecewise CUDA graphs set aside."""
     runner = engine.runner
     saved = runner.decode_graphs, runner.piecewise_graphs
-    runner.decode_graphs = runner.piecewise_graphs = None
+    runner.set_graphs(None, None)
     try:
         yield
     finally:
-        runner.decode_graphs, runner.piecewise_graphs = saved
+        runner.set_graphs(*saved)
 
 
 def _count_syncs(engine) -> int:

@@ -28,6 +28,12 @@ def _engine_rank(args: argparse.Namespace) -> int:
     return run(args)
 
 
+FEATURES_DESCRIPTION = (
+    "Each engine setting that needs or excludes another, and the one line an engine refuses such a combination "
+    "with. Settings by their EngineConfig names: each is the flag of the same name with dashes (`moegate engine "
+    "--help` lists them). The same list is in docs/configuration.md.")
+
+
 def register(subparsers) -> None:
     """Add the engine's subcommands to an ``argparse`` subparsers object; each sets ``func(args) -> int``."""
     p = subparsers.add_parser(
@@ -40,6 +46,11 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.set_defaults(func=_demo_model)
 
+    p = subparsers.add_parser("features", help="list which engine settings need or exclude others",
+                              description=FEATURES_DESCRIPTION)
+    p.add_argument("--markdown", action="store_true", help="print it as the Markdown table of docs/configuration.md")
+    p.set_defaults(func=_features)
+
     p = subparsers.add_parser(
         "engine-rank",
         help="run one rank (1 and up) of an engine split over several nodes",
@@ -50,3 +61,10 @@ def register(subparsers) -> None:
     )
     add_rank_flags(p)
     p.set_defaults(func=_engine_rank)
+
+
+def _features(args: argparse.Namespace) -> int:
+    from engine.core.config_rules import feature_table, feature_text
+
+    print(feature_table() if args.markdown else feature_text(), end="")
+    return 0

@@ -55,9 +55,16 @@ def flag_name(field: str) -> str:
     return ENGINE_FLAGS.flag_name(field)
 
 
+# The last line of every engine command's --help.
+FEATURES_POINTER = ("Which settings need or exclude others, and the message each such refusal gives: "
+                    "`moegate features` (also in docs/configuration.md).")
+
+
 def add_engine_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per ``EngineConfig`` field but ``NOT_FLAGS`` and ``exclude``, into ``parser``."""
+    """One flag per ``EngineConfig`` field but ``NOT_FLAGS`` and ``exclude``, into ``parser``; its help ends
+    with where to read which settings go together."""
     ENGINE_FLAGS.add_flags(parser, exclude)
+    parser.epilog = ((parser.epilog + " ") if parser.epilog else "") + FEATURES_POINTER
 
 
 def engine_config(args: argparse.Namespace, **fields) -> EngineConfig:

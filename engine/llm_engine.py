@@ -6,7 +6,7 @@ import logging
 import msgspec
 import torch
 
-from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
+from engine.core.config import EngineConfig, KernelChoice
 from engine.text.prompts import InputProcessor
 from engine.core.hybrid_support import check_hybrid_support
 from engine.core.model_config import CheckpointError
@@ -17,21 +17,18 @@ from engine.ranks.engine_ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
 from engine.core.request import Request, RequestStatus
-from engine.core.lora_residency import LoraResidency, registered_name
+from engine.core.lora_residency import registered_name
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
-from engine.worker.lora_setup import serve_adapters
 from engine.worker.cpu_allocator import keep_freed_memory
-from engine.worker.model_setup import build_rank, engine_model_config, resolve_dtype
+from engine.worker.model_setup import engine_model_config, resolve_dtype
+from engine.ranks.rank_builder import BuiltRank, Leader, build_rank, build_scheduler, check_kernels
 from engine.worker.pipeline_overlap import PipelinedSteps
 from engine.worker.rank_messages import AskStageTimings, send_message
 from engine.worker.overlap import OverlappedRunner, StepInFlight, fill_placeholders, waits_for_step_in_flight
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.speculation import Speculator
+from engine.core.scheduler import SchedulerOutput
 from engine.core.stats import SchedulerStats, TierStats
 from engine.eplb.policy import mean_imbalance
-from engine.kv_tiers.setup import build_tiers
-from engine.structured_output.matchers import GrammarMatchers
 from engine.text.tokenizer import check_vocabulary, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,6 +57,14 @@ def _replica_note(config: EngineConfig) -> str:
             f"{config.data_parallel_size * config.tensor_parallel_size} ranks)")
 
 
+def _prepare_host(config: EngineConfig, device: torch.device) -> None:
+    """The engine process's CPU settings: its torch threads, and a heap that keeps freed pages."""
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+    if device.type == "cpu":
+        keep_freed_memory()  # step activations reuse heap pages: fewer page faults per step
+
+
 class LLMEngine:
     """Loads a checkpoint and serves requests step by step (no threads, no I/O beyond loading)."""
 
@@ -69,84 +74,29 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.model_config = engine_model_config(config)
         check_hybrid_support(config, self.model_config)
-        self.ranks: EngineRanks | None = None
-        if self.device.type == "cpu" and config.cpu_threads is not None:
-            torch.set_num_threads(config.cpu_threads)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # step activations reuse heap pages: fewer page faults per step
+        _prepare_host(config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
         self.kernels = kernel_choice or KernelChoice.resolve(config.kernels, self.device.type)
-        if self.kernels.uses_triton:
-            import moe_kernels
-
-            if "triton" not in moe_kernels.available_backends():
-                raise ValueError("the triton kernels need CUDA (or TRITON_INTERPRET=1 for CPU testing)")
-        # Several ranks: this process is its replica's rank 0 (it schedules and samples); the replica's other
-        # ranks follow its plans, and replicas sharing their experts step together.
-        if config.engine_ranks > 1 or config.data_parallel_size > 1:
-            self.ranks = EngineRanks(config, self.device, self.model_config, self.dtype)
-        try:
-            parts = build_rank(config, self.model_config, self.kernels, self.dtype, self.device,
-                               self.ranks.tp if self.ranks else SINGLE, self.ranks.stage if self.ranks else WHOLE)
-            if parts.runner.eplb is not None and self.ranks is not None:  # replicas sharing experts decide together
-                parts.runner.eplb.join_replicas(self.ranks.drivers)
-        except BaseException:
-            if self.ranks is not None:  # the other ranks may be inside a collective: end them, do not talk
-                self.ranks.abort()
-            raise
-        self.model, self.runner, self.max_model_len = parts.model, parts.runner, parts.max_model_len
-        self.dense_gemv_choices = parts.dense_gemv_choices
-        try:  # every rank binds slot tables (its slices of the adapters arrive as slot writes)
-            self.lora = serve_adapters(config, self.model_config, self.runner)
-        except BaseException:
-            if self.ranks is not None:
-                self.ranks.abort()
-            raise
-        cache_config = parts.cache_config
-        # Prefix-cache tiers below the pool (host memory, disk): blocks the pool evicts are saved there.
-        self.tiers = build_tiers(config, self.model, self.runner.kv_caches, self.device, self.dtype)
-        self.runner.tiers = self.tiers
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                background_token_budget=config.background_token_budget,
-                background_window_s=config.background_window_s,
-                # A decode engine's own prefills share steps with its streams: short chunks keep those steps short.
-                prefill_chunk_tokens=config.decode_prefill_chunk_tokens if config.role == "decode" else 0,
-            ),
-            cache_config,
-            speculator=Speculator(config.speculative_config, self.max_model_len) if config.speculative else None,
-            tiers=self.tiers,
-        )
-        if self.lora is not None:
-            self.scheduler.lora = LoraResidency(config.max_loras, self.lora.host)
+        check_kernels(self.kernels)
         tokenizer_dir = config.tokenizer or (None if config.random_weights else config.model)
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         check_vocabulary(self.tokenizer, self.model_config.vocab_size, tokenizer_dir)
+        # Several ranks: this process is its replica's rank 0 (it schedules and samples); the replica's other
+        # ranks follow its plans, and replicas sharing their experts step together.
+        self.ranks = EngineRanks(config, self.device, self.model_config, self.dtype) \
+            if config.engine_ranks > 1 or config.data_parallel_size > 1 else None
+        rank = self._build_rank()
+        self.model, self.runner, self.max_model_len = rank.model, rank.runner, rank.max_model_len
+        self.dense_gemv_choices, self.lora, self.tiers = rank.dense_gemv_choices, rank.runner.lora, rank.runner.tiers
+        self.scheduler = build_scheduler(config, rank)
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
-        if self.tokenizer is not None:
-            self.runner.sampler.grammars = GrammarMatchers(
-                self.tokenizer, self.model_config.vocab_size, self._eos_token_id, self.device)
-        self.choice_groups = ChoiceGroups(share_prefill=cache_config.enable_prefix_caching)
+        self.choice_groups = ChoiceGroups(share_prefill=rank.cache_config.enable_prefix_caching)
         # Requests ended because their adapter could not be read (output id -> why), until ``take_rejected``.
         self._rejected: dict[str, str] = {}
         self._ids = itertools.count()
-        # Overlapped steps: the host prepares step N+1 while the device runs step N (engine.worker.overlap).
-        # Every rank must see each plan before it runs, and data-parallel peers step in lockstep: those stay synchronous.
-        overlap = config.overlap_scheduling
-        if overlap is None:  # speculative decoding needs each step's verified tokens before the next
-            overlap = self.device.type in OVERLAP_BY_DEFAULT and config.speculative is None
-        if overlap and (self.runner.plans.size > 1 or self.runner.steps_with_peers):
-            if not self.runner.stage.pipelined:
-                logger.info("overlapped scheduling is off: it needs a single-process engine")
-            overlap = False
-        self._overlap = OverlappedRunner(self.runner) if overlap else None
+        self._overlap, self._pipeline = self._step_drivers()
         self._in_flight: StepInFlight | None = None
-        # A pipelined engine's steps overlap across its stages instead (engine.worker.pipeline_overlap).
-        self._pipeline = (PipelinedSteps(self.runner, config.distributed_timeout_s)
-                          if config.overlaps_pipeline_steps else None)
-        overlap = overlap or self._pipeline is not None
         self._held_outputs: list[RequestOutput] = []  # of a pipelined step finished between two step() calls
         try:
             for name, path in config.lora_adapter_paths.items():  # the same path as adapters added while serving
@@ -154,14 +104,46 @@ class LLMEngine:
         except BaseException:
             self.close(abrupt=True)
             raise
+        self._log_ready(rank.cache_config.num_blocks)
+
+    def _build_rank(self) -> BuiltRank:
+        """This process's rank (``engine.ranks.rank_builder``); on a failure the other ranks, which may be inside a
+        collective, are ended without a word."""
+        leader = Leader(self.tokenizer, self._eos_token_id, self.ranks.drivers if self.ranks is not None else None)
+        try:
+            return build_rank(self.config, self.model_config, self.kernels, self.dtype, self.device,
+                              self.ranks.tp if self.ranks else SINGLE, self.ranks.stage if self.ranks else WHOLE, leader)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.abort()
+            raise
+
+    def _step_drivers(self) -> tuple[OverlappedRunner | None, PipelinedSteps | None]:
+        """Overlapped steps: the host prepares step N+1 while the device runs step N (engine.worker.overlap).
+        Every rank must see each plan before it runs, and data-parallel peers step in lockstep: those stay
+        synchronous. A pipelined engine's steps overlap across its stages instead (engine.worker.pipeline_overlap)."""
+        overlap = self.config.overlap_scheduling
+        if overlap is None:  # speculative decoding needs each step's verified tokens before the next
+            overlap = self.device.type in OVERLAP_BY_DEFAULT and self.config.speculative is None
+        if overlap and (self.runner.plans.size > 1 or self.runner.steps_with_peers):
+            if not self.runner.stage.pipelined:
+                logger.info("overlapped scheduling is off: it needs a single-process engine")
+            overlap = False
+        pipeline = (PipelinedSteps(self.runner, self.config.distributed_timeout_s)
+                    if self.config.overlaps_pipeline_steps else None)
+        return (OverlappedRunner(self.runner) if overlap else None), pipeline
+
+    def _log_ready(self, num_blocks: int) -> None:
+        config, runner = self.config, self.runner
+        overlap = self._overlap is not None or self._pipeline is not None
         logger.info(
             "engine ready: %s%s on %s/%s x%d ranks%s, %s attention, %d KV blocks of %d tokens, max_model_len %d, "
             "CUDA graphs %s, piecewise CUDA graphs %s, overlapped scheduling %s",
             self.model_config.architecture, " (RANDOM WEIGHTS)" if config.random_weights else "", self.device, self.dtype,
             config.engine_ranks, _replica_note(config),
-            self.runner.attention_backend, cache_config.num_blocks, config.block_size, self.max_model_len,
-            self.runner.decode_graphs.sizes if self.runner.decode_graphs else "off",
-            f"{pw.sizes} (captured in {pw.capture_s:.1f} s)" if (pw := self.runner.piecewise_graphs) else "off",
+            runner.attention_backend, num_blocks, config.block_size, self.max_model_len,
+            runner.decode_graphs.sizes if runner.decode_graphs else "off",
+            f"{pw.sizes} (captured in {pw.capture_s:.1f} s)" if (pw := runner.piecewise_graphs) else "off",
             ("on (pipeline stages)" if self._pipeline is not None else "on") if overlap else "off",
         )
 

@@ -2,18 +2,10 @@
 
 from dataclasses import dataclass
 
-from engine.core.speculation import SPECULATIVE_METHODS, SpeculativeConfig
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-KERNEL_OPTIONS = ("auto", "torch", "triton")
-QUANTIZATION_OPTIONS = ("fp8", "fp8-block", "int8", "mxfp4")  # engine.loading.quantization maps them to schemes
-EXPERT_DISPATCH = ("all_to_all", "all_gather")
-ROLES = ("both", "prefill", "decode")  # EngineConfig.role
-# The EngineConfig fields that take one of a few values (their flags' choices).
-CHOICES = {"dtype": DTYPES, "device": DEVICES, "kernels": KERNEL_OPTIONS, "quantization": QUANTIZATION_OPTIONS,
-           "expert_dispatch": EXPERT_DISPATCH, "speculative": SPECULATIVE_METHODS, "role": ROLES}
-
+from engine.core.config_choices import (CHOICES, DEVICES, DTYPES, EXPERT_DISPATCH, KERNEL_OPTIONS,  # noqa: F401
+                                        QUANTIZATION_OPTIONS, ROLES, meeting_address)
+from engine.core.config_rules import check_rules
+from engine.core.speculation import SpeculativeConfig
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -253,158 +245,12 @@ class EngineConfig:
                                  self.speculative_min_acceptance, self.speculative_model)
 
     def __post_init__(self) -> None:
-        if self.max_loras < 1 or self.max_lora_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be >= 1")
-        if self.cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if self.lora_enabled:  # tensor and expert parallelism serve adapters (engine.lora.lora_shard)
-            for unsupported, what in ((self.pipeline_parallel_size > 1, "pipeline_parallel_size 1"),
-                                      (self.data_parallel_size > 1, "data_parallel_size 1"),
-                                      (self.role != "both", "role 'both' (no disaggregated prefill/decode)"),
-                                      (self.enable_eplb, "enable_eplb off")):
-                if unsupported:
-                    raise ValueError(f"lora_adapters are served with {what} for now")
-        _ = self.speculative_config  # ValueError naming the field for a bad speculative setting
-        if self.speculative is not None and self.overlap_scheduling:
-            raise ValueError("speculative decoding runs with overlap_scheduling off (--no-overlap-scheduling): "
-                             "a step's verified tokens decide the next step's drafts")
-        if self.speculative == "draft" and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
-            raise ValueError("speculative='draft' runs on a single-process engine (tensor_parallel_size and "
-                             "data_parallel_size 1)")
-        if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
-            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size), got {self.data_parallel_rank} "
-                             f"of {self.data_parallel_size}")
-        if self.data_parallel_size > 1:
-            if not self.enable_expert_parallel:
-                raise ValueError("data-parallel engines share work only through divided experts: set "
-                                 "enable_expert_parallel (independent replicas need no engine setting)")
-            if not self.distributed_init_method:
-                raise ValueError("data-parallel engines meet at distributed_init_method (tcp://HOST:PORT)")
-        self._check_eplb()
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size < 1:
-            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.pipeline_micro_batches < 1:
-            raise ValueError(f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
-        if self.pipeline_parallel_size > 1 and (self.data_parallel_size > 1 or self.speculative is not None):
-            raise ValueError("pipeline_parallel_size > 1 runs one engine without speculative decoding "
-                             "(data_parallel_size 1, speculative off)")
-        if self.expert_dispatch not in EXPERT_DISPATCH:
-            raise ValueError(f"expert_dispatch must be one of {EXPERT_DISPATCH}, got {self.expert_dispatch!r}")
-        if self.local_ranks is not None and not 1 <= self.local_ranks <= self.engine_ranks:
-            raise ValueError(f"local_ranks must be between 1 and pipeline_parallel_size x tensor_parallel_size "
-                             f"({self.engine_ranks}), got {self.local_ranks}")
-        if self.local_ranks is not None and self.local_ranks < self.engine_ranks and not self.distributed_init_method:
-            raise ValueError("ranks on other nodes need distributed_init_method (tcp://HOST:PORT reachable from them)")
-        if self.distributed_init_method is not None:
-            meeting_address(self.distributed_init_method)  # ValueError for a malformed one
-        if self.distributed_timeout_s <= 0:
-            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
-        if self.kernels not in KERNEL_OPTIONS:
-            raise ValueError(f"kernels must be one of {KERNEL_OPTIONS}, got {self.kernels!r}")
-        if self.cuda_graph_batch_sizes is not None:
-            self.cuda_graph_batch_sizes = tuple(sorted(set(self.cuda_graph_batch_sizes)))
-            if not self.cuda_graph_batch_sizes or self.cuda_graph_batch_sizes[0] < 1:
-                raise ValueError(f"cuda_graph_batch_sizes must be positive batch sizes, got {self.cuda_graph_batch_sizes}")
-        if self.cuda_graph_token_sizes is not None:
-            self.cuda_graph_token_sizes = tuple(sorted(set(self.cuda_graph_token_sizes)))
-            if self.cuda_graph_token_sizes and not (
-                    1 <= self.cuda_graph_token_sizes[0] and self.cuda_graph_token_sizes[-1] <= self.max_num_batched_tokens):
-                raise ValueError(f"cuda_graph_token_sizes must be token counts between 1 and max_num_batched_tokens "
-                                 f"({self.max_num_batched_tokens}), got {self.cuda_graph_token_sizes}")
-        if self.random_weights is not None and not self.random_weights.strip():
-            raise ValueError("random_weights must name a preset or a config.json path")
-        if not self.model:
-            raise ValueError("model must be a path to a checkpoint directory (or a name, with random_weights)")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_OPTIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATION_OPTIONS} (or None), got {self.quantization!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.state_checkpoint_interval < 1 or not 0.0 <= self.state_checkpoint_share < 1.0:
-            raise ValueError("state_checkpoint_interval must be >= 1 and state_checkpoint_share in [0, 1), got "
-                             f"{self.state_checkpoint_interval} and {self.state_checkpoint_share}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.background_token_budget < 1 or self.background_window_s < 0:
-            raise ValueError("background_token_budget must be >= 1 and background_window_s >= 0, got "
-                             f"{self.background_token_budget} and {self.background_window_s}")
-        self._check_cache_tiers()
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.role != "both" and not self.enable_prefix_caching:
-            raise ValueError(f"role {self.role} finds the blocks it hands over by their prefix hashes: keep "
-                             "enable_prefix_caching on")
-        for size, value in (("tensor_parallel_size", self.tensor_parallel_size),
-                            ("pipeline_parallel_size", self.pipeline_parallel_size),
-                            ("data_parallel_size", self.data_parallel_size)):
-            if self.role != "both" and value > 1:
-                # The connector reads and writes KV blocks in the scheduler's process only: other ranks' slices
-                # (heads, layers) would stay behind.
-                raise ValueError(f"role {self.role} runs in one process for now: {size} must be 1, got {value}")
-        if self.decode_prefill_chunk_tokens < 0:
-            raise ValueError(f"decode_prefill_chunk_tokens must be >= 0, got {self.decode_prefill_chunk_tokens}")
-        if self.kv_transfer_timeout_s <= 0 or self.local_prefill_tokens < 0 or self.prefill_queue_tokens < 0:
-            raise ValueError("kv_transfer_timeout_s must be > 0, local_prefill_tokens and prefill_queue_tokens >= "
-                             f"0, got {self.kv_transfer_timeout_s}, {self.local_prefill_tokens} and "
-                             f"{self.prefill_queue_tokens}")
-
-    def _check_cache_tiers(self) -> None:
-        if self.host_cache_gb < 0 or self.disk_cache_gb < 0:
-            raise ValueError(f"host_cache_gb and disk_cache_gb must be >= 0, got {self.host_cache_gb} and "
-                             f"{self.disk_cache_gb}")
-        if (self.disk_cache_dir is None) != (self.disk_cache_gb == 0):
-            raise ValueError("disk_cache_dir and disk_cache_gb go together: set both (--disk-cache-dir DIR "
-                             "--disk-cache-gb N) or neither")
-        if self.host_cache_gb == 0:
-            if self.disk_cache_dir is not None:
-                raise ValueError("the disk cache tier loads through the host tier: set host_cache_gb > 0 too")
-            return
-        if not self.enable_prefix_caching:
-            raise ValueError("host_cache_gb needs enable_prefix_caching: the tiers hold prefix-cache blocks")
-        if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
-            raise ValueError("the prefix-cache tiers (host_cache_gb) are not served with pipeline or data "
-                             "parallelism yet (tensor parallelism is): set their sizes to 1")
-        if self.disk_cache_dir is not None and self.engine_ranks > 1:
-            raise ValueError("the disk cache tier is served by single-process engines for now: with tensor "
-                             "parallelism use the host tier alone (no disk_cache_dir)")
-        if self.speculative == "draft":
-            raise ValueError("the prefix-cache tiers (host_cache_gb) do not hold the draft model's cache: "
-                             "use speculative='ngram' or no speculation with them")
-
-    def _check_eplb(self) -> None:
-        if self.num_redundant_experts < 0:
-            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
-        if self.eplb_window_steps < 1 or self.eplb_interval_steps < 1:
-            raise ValueError(f"eplb_window_steps and eplb_interval_steps must be >= 1, got {self.eplb_window_steps} "
-                             f"and {self.eplb_interval_steps}")
-        if self.num_redundant_experts and not self.enable_eplb:
-            raise ValueError("num_redundant_experts needs enable_eplb (--enable-eplb): the spare slots hold replicas "
-                             "that only the rebalancing fills")
-        if not self.enable_eplb:
-            return
-        if not self.enable_expert_parallel or self.tensor_parallel_size * self.data_parallel_size < 2:
-            raise ValueError("enable_eplb balances experts divided among ranks: set enable_expert_parallel and "
-                             "tensor_parallel_size or data_parallel_size >= 2")
-        if self.pipeline_parallel_size > 1:
-            raise ValueError("enable_eplb balances the experts of one stage's ranks; with pipeline_parallel_size > 1 "
-                             "it is not supported yet: leave one of them off")
+        """Sizes lists sorted and deduplicated, then ValueError with the one line of the first rule of
+        ``engine.core.config_rules`` the settings break (which settings go together, and the values each takes)."""
+        for field in ("cuda_graph_batch_sizes", "cuda_graph_token_sizes"):
+            if getattr(self, field) is not None:
+                setattr(self, field, tuple(sorted(set(getattr(self, field)))))
+        check_rules(self)
 
 
 _PARTS = ("torch", "triton")
@@ -495,15 +341,3 @@ class SchedulerConfig:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2
         assert self.prefill_chunk_tokens >= 0
         assert self.background_token_budget >= 1 and self.background_window_s >= 0
-
-
-def meeting_address(init_method: str) -> tuple[str, int]:
-    """(host, port) of a ``tcp://HOST:PORT`` meeting address (``tcp://[v6]:PORT`` too, brackets removed);
-    ValueError naming what is wrong."""
-    host, sep, port = init_method.removeprefix("tcp://").rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not init_method.startswith("tcp://") or not sep or not host or not port.isdigit() \
-            or not 1 <= int(port) <= 65535:
-        raise ValueError(f"--distributed-init-method must be tcp://HOST:PORT (a port from 1 to 65535), got "
-                         f"{init_method!r}")
-    return host, int(port)

@@ -149,9 +149,11 @@ class Scheduler:
     """Owns the waiting queue, the running list (sorted by priority, then admission) and the KV cache manager."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, clock=time.monotonic,
-                 speculator: Speculator | None = None, tiers: PrefixTiers | None = None) -> None:
+                 speculator: Speculator | None = None, tiers: PrefixTiers | None = None,
+                 lora: LoraResidency | None = None) -> None:
         """``speculator``: speculative decoding's proposer (None: off). ``tiers``: the prefix-cache tiers below
-        the device pool (None: none)."""
+        the device pool (None: none). ``lora``: which adapters are resident in the device slots (None: the engine
+        serves no adapters)."""
         self.config = scheduler_config
         self.speculator = speculator
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
@@ -183,7 +185,7 @@ class Scheduler:
         self._background_left: float = float("inf")  # background tokens this step may still take
         # LoRA adapters beyond the device slots (None: the engine serves none): requests whose adapter is not
         # resident wait here, by adapter in the order first asked for, not in the waiting queue.
-        self.lora: LoraResidency | None = None
+        self.lora = lora
         self._lora_waiting: dict[str, list[Request]] = {}
         self._lora_reads: list[tuple[str, str]] = []  # reads begun since the last plan (SchedulerOutput.lora_reads)
         self.last_step_ms = 0.0  # host time of the last step's schedule() plus update(), milliseconds

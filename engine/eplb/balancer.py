@@ -87,7 +87,10 @@ class ExpertBalancer:
     ``due`` before each step; every rank calls ``apply`` with the ``Rebalance`` it returned."""
 
     def __init__(self, blocks: list[nn.Module], tp: TensorParallel, num_redundant: int, window_steps: int,
-                 interval_steps: int, device: torch.device) -> None:
+                 interval_steps: int, device: torch.device, drivers: TensorParallel | None = None) -> None:
+        """``drivers``: with replicas sharing their experts, the replicas' rank-0 processes (this one among them):
+        they sum their windows before each decision, so that all of them make the same one (their balancing
+        settings are the same: ``engine.distributed.world`` checks them as the replicas meet)."""
         self.blocks, self.tp, self.device = blocks, tp, device
         self.num_ranks, self.slots_per_rank = install(blocks, num_redundant)
         self.window_steps, self.interval_steps = window_steps, interval_steps
@@ -101,7 +104,7 @@ class ExpertBalancer:
         self._rank_window: collections.deque = collections.deque()  # (step, [L][N] tokens each rank received)
         self.rank_tokens = [0] * self.num_ranks  # tokens each rank's slots received since start, all layers
         self._decided_at = 0
-        self.drivers: TensorParallel | None = None  # the replicas' rank-0 processes, when several share experts
+        self.drivers = drivers if drivers is not None and drivers.size > 1 else None
         self._decide_ms = 0.0  # the policy's time for the decision being applied (rank 0)
         self._watch_slots()
 
@@ -144,13 +147,6 @@ class ExpertBalancer:
             return None
         per_layer = [[sum(col) for col in zip(*layers)] for layers in zip(*(entry for _, entry in self._rank_window))]
         return mean_imbalance(per_layer)
-
-    def join_replicas(self, drivers: TensorParallel | None) -> None:
-        """With replicas sharing their experts: ``drivers`` (the replicas' rank-0 processes, this one among them)
-        sum their windows before each decision, so that all of them make the same one (their balancing settings
-        are the same: ``engine.distributed.world`` checks them as the replicas meet)."""
-        if drivers is not None and drivers.size > 1:
-            self.drivers = drivers
 
     def due(self, num_steps: int) -> Rebalance | None:
         """Rank 0, before step ``num_steps`` + 1: a rebalance to apply now, or None. With replicas sharing their

@@ -34,9 +34,8 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
     (``model_dir``: where this node keeps the same checkpoint, if elsewhere), build this rank's model and runner
     as that process builds its own, then follow its plans; returns when it sends ``Stop``, raises
     CollectiveError when it or a peer fails, ValueError (on every rank) when the world does not fit."""
-    from engine.kv_tiers.setup import build_rank_mirror
-    from engine.worker.lora_setup import serve_adapters
-    from engine.worker.model_setup import build_rank, engine_model_config, resolve_dtype
+    from engine.ranks.rank_builder import build_rank
+    from engine.worker.model_setup import engine_model_config, resolve_dtype
 
     device = torch.device("cuda", info.local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -53,11 +52,9 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
         model_config = engine_model_config(config)  # a random-weight spec and its seed come in the config too
         dtype = resolve_dtype(config.dtype, model_config.torch_dtype, device)
         runner = build_rank(config, model_config, KernelChoice.resolve(config.kernels, device.type), dtype, device,
-                            parts.tp, parts.stage).runner
-        lora = serve_adapters(config, model_config, runner)  # its slices of the factors (engine.lora.lora_shard)
-        for name, path in (config.lora_adapter_paths.items() if lora is not None else ()):
-            lora.hold(name, path)  # host copies as rank 0 holds them once its adapters are added
-        runner.tier_mirror = build_rank_mirror(config, runner.kv_caches, device, parts.tp.size)
+                            parts.tp, parts.stage).runner  # LoRA: its slices of the factors (engine.lora.lora_shard)
+        for name, path in (config.lora_adapter_paths.items() if runner.lora is not None else ()):
+            runner.lora.hold(name, path)  # host copies as rank 0 holds them once its adapters are added
         # This replica's engine process's messages (engine.worker.rank_messages), each to its handler, until Stop.
         while not isinstance(message := receive_message(plans), Stop):
             runner.follow(message)

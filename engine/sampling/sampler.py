@@ -83,13 +83,14 @@ class Sampler:
     tokens are the ones decoding one token a step would have drawn.
     """
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, grammars: GrammarMatchers | None = None) -> None:
+        """``grammars``: the structured-output matchers over the engine's tokenizer (None: no tokenizer, so
+        constrained requests are refused)."""
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
-        # Set by the engine once it has a tokenizer: constrained requests need one.
-        self.grammars: GrammarMatchers | None = None
+        self.grammars = grammars
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop what the sampler keeps for ended requests: ``forget_generators`` and ``forget_grammars``."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.core.config import CacheConfig
 from engine.device_batch.attention_metadata import TritonAttentionMetadata
 from engine.device_batch.flat_batch import FlatBatch
 from engine.kernels.attention import decode_splits
@@ -167,19 +168,32 @@ class DecodeGraphs:
         return self._forward(size)[:n]
 
 
-def enable_decode_graphs(runner, sizes: tuple[int, ...] | None, max_num_seqs: int, max_model_len: int,
-                         capture: bool = True) -> DecodeGraphs:
-    """Build (and with ``capture``, capture) decode graphs for ``runner`` and install them on it."""
-    if runner.attention_backend != "triton":
+def build_decode_graphs(model, cache_config: CacheConfig, attention_backend: str, device, sizes: tuple[int, ...] | None,
+                        max_num_seqs: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
+    """Decode graphs over ``model`` and its KV caches (bound already: ``cache_config``'s pool plus the scratch
+    block; its sliding window says whether the window layers keep their own block tables), captured with
+    ``capture``; the engine builds them before its runner (``engine.ranks.rank_builder``)."""
+    if attention_backend != "triton":
         raise ValueError("CUDA graphs need the Triton attention kernels")
     sizes = tuple(s for s in (sizes or default_batch_sizes(max_num_seqs)))
-    max_blocks = -(-max_model_len // runner.block_size)
-    config = runner.model.config
-    graphs = DecodeGraphs(runner.model, sizes, max_blocks, runner.device, runner.model.num_local_kv_heads,
-                          config.sliding_window or 0, runner.scratch_block * runner.block_size, capture,
-                          window_tables=runner.window_tables)
+    block_size = cache_config.block_size
+    graphs = DecodeGraphs(model, sizes, -(-max_model_len // block_size), device, model.num_local_kv_heads,
+                          model.config.sliding_window or 0, cache_config.num_blocks * block_size, capture,
+                          window_tables=cache_config.sliding_window is not None)
     if capture:
         graphs.capture_all()
         logger.info("captured decode CUDA graphs for batch sizes %s", graphs.sizes)
-    runner.decode_graphs = graphs
+    return graphs
+
+
+def enable_decode_graphs(runner, sizes: tuple[int, ...] | None, max_num_seqs: int, max_model_len: int,
+                         capture: bool = True) -> DecodeGraphs:
+    """Decode graphs for a built ``runner``, its steps routed through them: for tests and benchmarks that run one
+    engine's steps with and without them."""
+    # The runner's pool as the graphs read it: its size (the scratch block follows it) and whether the window
+    # layers keep their own block tables (any window stands for it).
+    pool = CacheConfig(runner.block_size, runner.scratch_block, False, 1 if runner.window_tables else None)
+    graphs = build_decode_graphs(runner.model, pool, runner.attention_backend, runner.device, sizes, max_num_seqs,
+                                 max_model_len, capture)
+    runner.set_graphs(graphs, runner.piecewise_graphs)
     return graphs

@@ -164,9 +164,9 @@ class PiecewiseGraphs:
         return b.out[:n]
 
 
-def enable_piecewise_graphs(runner, sizes: tuple[int, ...], capture: bool = True) -> PiecewiseGraphs:
-    """Build (and with ``capture``, capture) piecewise graphs for ``runner`` and install them on it."""
-    model = runner.model
+def build_piecewise_graphs(model, device, sizes: tuple[int, ...], capture: bool = True) -> PiecewiseGraphs:
+    """Piecewise graphs over ``model`` (its KV caches bound already), captured with ``capture``; the engine
+    builds them before its runner (``engine.ranks.rank_builder``)."""
     if model.tp.size > 1 or model.tp.expert_parallel is not None:
         raise ValueError("piecewise CUDA graphs would replay one rank's collectives alone: they need a single rank")
     # "auto" is Triton on CUDA, which capturing needs anyway.
@@ -175,8 +175,15 @@ def enable_piecewise_graphs(runner, sizes: tuple[int, ...], capture: bool = True
                          "per-expert counts on the host, which a capture forbids")
     if not sizes:
         raise ValueError("piecewise CUDA graphs need at least one token count")
-    graphs = PiecewiseGraphs(model, sizes, runner.device, capture)
+    graphs = PiecewiseGraphs(model, sizes, device, capture)
     if capture:
         graphs.capture_all()
-    runner.piecewise_graphs = graphs
+    return graphs
+
+
+def enable_piecewise_graphs(runner, sizes: tuple[int, ...], capture: bool = True) -> PiecewiseGraphs:
+    """Piecewise graphs for a built ``runner``, its steps routed through them: for tests and benchmarks that run
+    one engine's steps with and without them."""
+    graphs = build_piecewise_graphs(runner.model, runner.device, sizes, capture)
+    runner.set_graphs(runner.decode_graphs, graphs)
     return graphs

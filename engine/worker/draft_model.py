@@ -33,7 +33,7 @@ from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.speculation import DRAFT_PENDING
 from engine.models import MoECausalLM
 from engine.worker.batch_builder import build_batch
-from engine.worker.runner import attach_kv_caches
+from engine.worker.cache_binding import attach_kv_caches
 
 
 class DraftProposer:

@@ -228,15 +228,12 @@ class LoraAdapters:
         self.step.batch = None
 
 
-def serve_adapters(config, model_config, runner) -> LoraAdapters | None:
-    """Slot tables bound into ``runner``'s model when the engine serves adapters (``lora_enabled``), else None; on
-    every rank of a split engine alike (the adapters themselves arrive as slot writes). Graphs are turned off:
-    captured without the per-step adapter layout they would replay the base model."""
+def serve_adapters(config, model_config, model: nn.Module) -> LoraAdapters | None:
+    """Slot tables bound into ``model`` when the engine serves adapters (``lora_enabled``), else None; on every
+    rank of a split engine alike (the adapters themselves arrive as slot writes). Such a runner is built without
+    CUDA graphs: captured without the per-step adapter layout they would replay the base model."""
     if not config.lora_enabled:
         return None
     mc = model_config
     num_experts = mc.cfg("num_experts") or mc.cfg("num_local_experts") or mc.cfg("n_routed_experts")
-    lora = LoraAdapters(runner.model, config.max_loras, config.max_lora_rank, config.cpu_loras, num_experts,
-                        mc.hidden_size)
-    runner.lora, runner.decode_graphs, runner.piecewise_graphs = lora, None, None
-    return lora
+    return LoraAdapters(model, config.max_loras, config.max_lora_rank, config.cpu_loras, num_experts, mc.hidden_size)

@@ -1,7 +1,8 @@
-"""Building a rank's model and runner from an ``EngineConfig``: the same on rank 0 and on follower ranks."""
+"""A rank's model from an ``EngineConfig`` and the sizes it decides (dtype, KV pool, state slots, attention
+backend): the steps ``engine.ranks.rank_builder`` takes on rank 0 and on follower ranks alike."""
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -9,15 +10,11 @@ from engine.core.config import CacheConfig, EngineConfig, KernelChoice
 from engine.core.kv_cache_manager import sliding_blocks_bound
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
-from engine.worker.pipeline_overlap import StageZeroSteps
 from engine.core.model_config import CheckpointError, ModelConfig, load_model_config
 from engine.loading.model_loader import build_model
-from engine.layers.moe import SparseMoeBlock
 from engine.loading.quantization import check_supported, resolve_scheme
 from engine.models import MoECausalLM
-from engine.worker.draft_model import DraftProposer
 from engine.worker.cache_groups import kv_bytes_per_block, sliding_group_window
-from engine.worker.runner import ModelRunner
 from engine.worker.state_cache import linear_layers, state_bytes_per_slot
 
 logger = logging.getLogger(__name__)
@@ -183,63 +180,10 @@ def log_state_checkpoints(model: MoECausalLM, checkpoints: int, block_size: int,
                 block_size, per_block / 2**20)
 
 
-def make_runner(config: EngineConfig, model: MoECausalLM, cache_config: CacheConfig, kernels: KernelChoice,
-                device: torch.device, dtype: torch.dtype, max_len: int) -> ModelRunner:
-    """The runner over ``model`` with its KV caches, MoE kernels compiled and, where they apply, decode and
-    piecewise CUDA graphs."""
-    attention = attention_backend(model, kernels.attention)
-    runner = ModelRunner(model, cache_config, device, dtype, config.seed, attention)
-    # The linear-attention layers read host-built state metadata in Python loops: no graphs capture them yet.
-    eager = config.enforce_eager or cache_config.num_state_slots > 0
-    # The torch MoE backend reads expert counts on the host, which a graph capture forbids.
-    graph_safe_moe = kernels.moe != "torch"
-    if device.type == "cuda" and graph_safe_moe:
-        from engine.transforms.warmup import warm_up_moe
-
-        warm_up_moe(model, config.max_num_batched_tokens, device, dtype)
-    # Captured graphs would replay one rank's collectives alone: several ranks run eagerly.
-    if (device.type == "cuda" and attention == "triton" and graph_safe_moe and not eager
-            and model.tp.size == 1 and model.tp.expert_parallel is None and not model.stage.pipelined):
-        from engine.transforms.cuda_graphs import enable_decode_graphs
-
-        enable_decode_graphs(runner, config.cuda_graph_batch_sizes, config.max_num_seqs, max_len)
-    # Prefill and mixed steps: attention runs eagerly between the captured pieces, so either attention backend.
-    if device.type == "cuda" and graph_safe_moe and not eager and model.tp.size == 1 \
-            and model.tp.expert_parallel is None and not model.stage.pipelined and config.cuda_graph_token_sizes != ():
-        from engine.transforms.piecewise_graphs import default_token_sizes, enable_piecewise_graphs
-
-        enable_piecewise_graphs(runner, config.cuda_graph_token_sizes or default_token_sizes(config.max_num_batched_tokens))
-    return runner
-
-
-@dataclass(slots=True)
-class RankParts:
-    """What a rank builds: its model and runner, the KV pool every rank agreed on, and the context it allows."""
-
-    model: MoECausalLM
-    runner: ModelRunner
-    cache_config: CacheConfig
-    max_model_len: int
-    dense_gemv_choices: list
-
-
-def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelChoice, dtype: torch.dtype,
-               device: torch.device, tp: TensorParallel, stage: PipelineStage = WHOLE) -> RankParts:
-    """This rank's model (its stage's layers of it), KV pool and runner, the same steps on rank 0 and on every
-    follower."""
-    max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
-    torch.manual_seed(config.seed)
-    model, dense_gemv_choices = load_rank_model(config, model_config, kernels, dtype, device, max_len, tp, stage)
-    draft = None
-    if config.speculative == "draft":  # a single-process engine (EngineConfig checks)
-        draft = load_draft_model(config, model_config, kernels, dtype, device, max_len)
-    balancer = None
-    if config.enable_eplb:  # before the KV pool is sized: the spare expert slots take memory
-        from engine.eplb.balancer import ExpertBalancer
-
-        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-        balancer = ExpertBalancer(blocks, tp.expert_parallel.tp, config.num_redundant_experts,
-                                  config.eplb_window_steps, config.eplb_interval_steps, device)
+def size_kv_pool(config: EngineConfig, model: MoECausalLM, device: torch.device, dtype: torch.dtype,
+                 draft: MoECausalLM | None, max_len: int) -> tuple[CacheConfig, int]:
+    """The KV pool (and a hybrid model's state slots) this rank's memory holds, every rank agreeing, and the
+    context length it allows (at most ``max_len``)."""
     state_slots = state_slots_for_memory(config, model, device, dtype)
     checkpoints = state_checkpoints_for_memory(config, model, device, dtype, state_slots) if state_slots else 0
     num_blocks = kv_blocks_for_memory(config, model, device, dtype, draft,
@@ -263,14 +207,6 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
     if window is not None:
         bound = sliding_blocks_bound(window, config.block_size, config.max_num_batched_tokens)
         max_blocks = max(num_blocks // 2, num_blocks - bound)
-    max_len = min(max_len, max_blocks * config.block_size)
     cache_config = CacheConfig(config.block_size, num_blocks, prefix_caching, window, state_slots, checkpoints,
                                config.state_checkpoint_interval)
-    runner = make_runner(config, model, cache_config, kernels, device, dtype, max_len)
-    runner.micro_batches = config.pipeline_micro_batches
-    if config.overlaps_pipeline_steps and model.stage.is_first:
-        runner.stage_zero = StageZeroSteps(runner)
-    if draft is not None:
-        runner.draft = DraftProposer(draft, cache_config, device, dtype, kernels.attention)
-    runner.eplb = balancer
-    return RankParts(model, runner, cache_config, max_len, dense_gemv_choices)
+    return cache_config, min(max_len, max_blocks * config.block_size)

@@ -1,7 +1,11 @@
 """The model runner: one forward over all scheduled tokens of a step, then sampling."""
 
+from __future__ import annotations
+
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,45 +15,44 @@ from engine.core.config import CacheConfig
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
 from engine.core.stats import EXPERT_LOAD_EVERY_CUDA
-from engine.worker.cache_groups import cache_slots
-from engine.worker.kv_memory import zeros_on_first_touch
-from engine.worker.state_cache import attach_state_caches, copy_states, step_states
+from engine.worker.state_cache import copy_states, step_states
 from engine.eplb.expert_load import ExpertLoadReader
 from engine.worker.pipeline_overlap import StageZeroSteps
 from engine.worker.step_samples import StepSamples
 from engine.worker.pipeline_step import run_stage
 from engine.sampling.prompt_scoring import prompt_scoring
 from engine.sampling.sampler import Sampler
+from engine.structured_output.matchers import GrammarMatchers
 from engine.core.lora_residency import LoraLoads, LoraReads
 from engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from engine.core.tier_copies import TierCopies
 from engine.eplb.balancer import Rebalance
 from engine.worker.rank_messages import AskStageTimings, RankMessage, StepPlan, send_message
 
+if TYPE_CHECKING:  # the modules that build these import this one
+    from engine.eplb.balancer import ExpertBalancer
+    from engine.transforms.cuda_graphs import DecodeGraphs
+    from engine.transforms.piecewise_graphs import PiecewiseGraphs
+    from engine.worker.draft_model import DraftProposer
+    from engine.worker.lora_setup import LoraAdapters
 
-def attach_kv_caches(model: MoECausalLM, cache_config: CacheConfig, device: torch.device,
-                     dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
-    """Zeroed caches per attention layer, each tensor [num_blocks + 1, block_size, *its per-token shape] as the
-    layer's ``cache_spec()`` says ((K, V) for standard attention, one latent tensor for MLA), given to the layer
-    as ``kv_cache``; the extra block is the scratch block padding rows write to. With two cache groups
-    (``cache_config.sliding_window``) the i-th full and the i-th sliding layer share their tensors
-    (``cache_groups``): the pool hands each block to one group of one request at a time."""
 
-    def zeros(shape: tuple[int, ...], cache_dtype: torch.dtype) -> torch.Tensor:
-        if device.type == "cpu":  # on the CPU, memory is taken as blocks are first written
-            return zeros_on_first_touch(shape, cache_dtype)
-        return torch.zeros(shape, dtype=cache_dtype, device=device)
+@dataclass(frozen=True, slots=True)
+class RunnerParts:
+    """A runner's optional parts, each None (or off) unless the engine's settings ask for it; built before the
+    runner, on rank 0 and on every follower alike (``engine.ranks.rank_builder``)."""
 
-    caches = []
-    by_slot: dict[int, tuple[torch.Tensor, ...]] = {}
-    for attn, slot in zip(model.attention_layers(), cache_slots(model, cache_config.sliding_window)):
-        if slot not in by_slot:
-            spec = attn.cache_spec()
-            by_slot[slot] = tuple(zeros((cache_config.num_blocks + 1, cache_config.block_size, *shape),
-                                        spec.dtype or dtype) for shape in spec.per_token)
-        attn.kv_cache = by_slot[slot]
-        caches.append(attn.kv_cache)
-    return caches
+    eplb: ExpertBalancer | None = None  # enable_eplb
+    lora: LoraAdapters | None = None  # where the engine serves adapters (graphs are then off)
+    draft: DraftProposer | None = None  # speculative="draft"
+    # The tiers' room ranks above the worker, so these two go untyped here.
+    tiers: object | None = None  # rank 0's kv_tiers.store.TieredStore (host/disk prefix-cache tiers)
+    tier_mirror: object | None = None  # a follower rank's slice of the host tier (kv_tiers.rank_mirror.RankMirror)
+    grammars: GrammarMatchers | None = None  # rank 0's structured-output matchers (it has a tokenizer)
+    decode_graphs: DecodeGraphs | None = None  # decode-only steps
+    piecewise_graphs: PiecewiseGraphs | None = None  # prefill and mixed steps
+    micro_batches: int = 1  # per pipelined step (EngineConfig.pipeline_micro_batches)
+    overlapped_stage_zero: bool = False  # a stage-0 rank keeps two pipelined steps in flight
 
 
 class ModelRunner:
@@ -62,44 +65,52 @@ class ModelRunner:
     ``attention_backend`` is "torch" or "triton" (``KernelChoice.attention``).
     """
 
-    def __init__(self, model: MoECausalLM, cache_config: CacheConfig, device: torch.device, dtype: torch.dtype, seed: int,
-                 attention_backend: str = "torch") -> None:
+    def __init__(self, model: MoECausalLM, cache_config: CacheConfig, device: torch.device, dtype: torch.dtype,
+                 seed: int, kv_caches: list[tuple[torch.Tensor, ...]], attention_backend: str = "torch", *,
+                 parts: RunnerParts = RunnerParts()) -> None:
+        """``kv_caches``: the caches ``engine.worker.cache_binding.attach_caches`` bound into ``model`` (with a
+        hybrid model's state rows); ``parts``: the optional parts the engine's
+        settings ask for, each built before the runner (``engine.ranks.rank_builder``)."""
         assert attention_backend in ("torch", "triton"), attention_backend
         self.model = model
         self.device = device
         self.attention_backend = attention_backend
         self.block_size = cache_config.block_size
         self.scratch_block = cache_config.num_blocks
-        self.decode_graphs = None  # a cuda_graphs.DecodeGraphs, installed by cuda_graphs.enable_decode_graphs
-        self.piecewise_graphs = None  # a piecewise_graphs.PiecewiseGraphs (prefill and mixed steps), likewise
-        self.eplb = None  # an engine.eplb.balancer.ExpertBalancer (enable_eplb), installed by model_setup.build_rank
-        self.lora = None  # a lora_setup.LoraAdapters where the engine serves adapters (graphs are then off)
-        self.draft = None  # a draft_model.DraftProposer (speculative="draft"), installed by model_setup.build_rank
-        self.tiers = None  # a kv_tiers.store.TieredStore (host/disk prefix-cache tiers), installed by the engine
-        self.tier_mirror = None  # a follower rank's slice of the host tier (kv_tiers.rank_mirror), set at its start
+        self.decode_graphs = parts.decode_graphs
+        self.piecewise_graphs = parts.piecewise_graphs
+        self.eplb = parts.eplb
+        self.lora = parts.lora
+        self.draft = parts.draft
+        self.tiers = parts.tiers
+        self.tier_mirror = parts.tier_mirror
         self.tier_copy_ms = 0.0  # cumulative host time saving and loading tier blocks (on the CPU: the copies)
         self.last_prepare_ms = 0.0  # host time building the last step's batch (metadata and staging)
         self.last_execute_ms = 0.0  # host time of the last execute(), which waits for the sampled tokens
         self.num_steps = 0  # execute() calls that ran a forward
         self.group_steps = 0  # steps with a forward or a dummy step (with peer replicas): expert balancing's clock
-        self.kv_caches = attach_kv_caches(model, cache_config, device, dtype)
+        self.kv_caches = kv_caches
         # Hybrid models: the linear-attention layers' states, one per slot (``engine.core.state_slots``).
         self.state_slots = cache_config.num_state_slots
-        if self.state_slots:  # the prefix cache's state checkpoints in the rows after the slots
-            attach_state_caches(model, self.state_slots + cache_config.num_state_checkpoints, device, dtype)
         # The sliding-window layers read their own block tables (a second KV cache group, ``cache_groups``).
         self.window_tables = cache_config.sliding_window is not None
         self.sliding_window = model.config.sliding_window
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, parts.grammars)
         self.dtype = dtype
         self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         self.expert_load = ExpertLoadReader([m.expert_tokens for m in self.moe_blocks], device, EXPERT_LOAD_EVERY_CUDA)
         self.stage = model.stage
         # Where the step's plan goes: this engine's tensor-parallel ranks, or every pipeline stage's.
         self.plans = self.stage.plans if self.stage.pipelined else model.tp
-        self.micro_batches = 1  # per pipelined step (EngineConfig.pipeline_micro_batches; set by model_setup)
-        # A follower stage-0 rank's overlapped pipelined steps (EngineConfig.overlaps_pipeline_steps; model_setup).
-        self.stage_zero: StageZeroSteps | None = None
+        self.micro_batches = parts.micro_batches
+        # A follower stage-0 rank's overlapped pipelined steps (EngineConfig.overlaps_pipeline_steps).
+        self.stage_zero = StageZeroSteps(self) if parts.overlapped_stage_zero else None
+
+    def set_graphs(self, decode_graphs: DecodeGraphs | None = None, piecewise_graphs: PiecewiseGraphs | None = None) -> None:
+        """Replace the CUDA-graph transforms the steps run through (None: eager). The engine's own graphs are given
+        at construction (``RunnerParts``); this is for tests and benchmarks that run one engine's steps with and
+        without them (``engine.transforms``)."""
+        self.decode_graphs, self.piecewise_graphs = decode_graphs, piecewise_graphs
 
     # ---- batch construction -----------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest]) -> FlatBatch:

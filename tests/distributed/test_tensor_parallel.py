@@ -48,13 +48,16 @@ def _rank_logits(rank: int, world: int, address: str, model_dir: str, prompts: l
     from engine.distributed.groups import RankGroups, RankInfo
     from engine.core.model_config import load_model_config
     from engine.loading.model_loader import build_model
+    from engine.worker.cache_binding import attach_caches
     from engine.worker.runner import ModelRunner
 
     groups = RankGroups(RankInfo(rank, world, rank, address), torch.device("cpu"), timeout_s=60)
     tp = TensorParallel(groups)
     config = load_model_config(model_dir)
     model = build_model(config, model_dir, torch.float32, torch.device("cpu"), "torch", 256, tp)
-    runner = ModelRunner(model, CacheConfig(BLOCK, 32, False), torch.device("cpu"), torch.float32, 0, "torch")
+    pool = CacheConfig(BLOCK, 32, False)
+    caches = attach_caches(model, pool, torch.device("cpu"), torch.float32)
+    runner = ModelRunner(model, pool, torch.device("cpu"), torch.float32, 0, caches, "torch")
     blocks = [[4 * i + j for j in range(4)] for i in range(len(prompts))]
 
     def logits(plan):

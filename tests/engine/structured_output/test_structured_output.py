@@ -125,8 +125,7 @@ def test_a_token_the_grammar_refuses_becomes_eos_with_eos_logprob(model_dir):
     vocab = len(tokenizer)
     # Any id that cannot begin `true` or `false` stands in for EOS here (the grammar allows only those first).
     eos = rng.choice([t for t in range(vocab) if tokenizer.decode([t])[:1] not in ("t", "f")])
-    sampler = Sampler(torch.device("cpu"), seed)
-    sampler.grammars = GrammarMatchers(tokenizer, vocab, eos, torch.device("cpu"))
+    sampler = Sampler(torch.device("cpu"), seed, GrammarMatchers(tokenizer, vocab, eos, torch.device("cpu")))
     spec = StructuredOutput(json_schema=json.dumps({"type": "boolean"}))
     probe = Request("probe", [1], SamplingParams(structured_output=spec), max_tokens=8, eos_token_id=eos)
     words = sampler.grammars.mask([probe]).words[0]  # [W]: what the grammar allows first
