@@ -18,6 +18,7 @@ from engine.device_batch.state_metadata import StateMetadata
 from engine.layers.cache_spec import StateSpec
 from engine.layers.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from engine.layers.short_conv import causal_short_conv
+from engine.layers.state_rules import rule_over_requests
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(|x|^2 + eps) over the last dim (the published models' normalisation, eps inside the root)."""
@@ -96,18 +97,9 @@ class GatedDeltaNet(nn.Module):
         return causal_short_conv(mixed, self.conv1d.weight[:, 0, :], self.state_cache[0], states)  # [T, C]
 
     def _delta_rule(self, q, k, v, g, beta, states: StateMetadata) -> torch.Tensor:
-        rec_cache = self.state_cache[1]  # [S, h, dk, dv]
-        out = torch.empty(q.shape[0], self.h, self.dv, dtype=torch.float32, device=q.device)
-        d = states.num_decodes
-        if d:
-            slots = states.decode_slots
-            past = rec_cache[slots].masked_fill(states.decode_fresh[:, None, None, None], 0.0)
-            out[:d], rec_cache[slots] = recurrent_delta_rule(q[:d], k[:d], v[:d], g[:d], beta[:d], past)
-        for row, end, slot, fresh in states.prefills:
-            past = rec_cache.new_zeros(self.h, self.dk, self.dv) if fresh else rec_cache[slot]
-            out[row:end], rec_cache[slot] = chunked_delta_rule(q[row:end], k[row:end], v[row:end], g[row:end],
-                                                                beta[row:end], past)
-        return out
+        """The gated delta rule over each request's tokens from its state -> [T, h, dv] float32."""
+        return rule_over_requests(recurrent_delta_rule, chunked_delta_rule, self.state_cache[1], q, k, v, g, beta,
+                                  states)
 
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's dv values (float32, scaled in the model dtype), times SiLU(z)."""

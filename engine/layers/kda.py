@@ -21,6 +21,7 @@ from engine.layers.cache_spec import StateSpec
 from engine.layers.kda_rule import chunked_kda_rule, recurrent_kda_rule
 from engine.layers.moe import target_device
 from engine.layers.short_conv import causal_short_conv
+from engine.layers.state_rules import rule_over_requests
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -90,20 +91,8 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(self._gated_norm(core, gate).reshape(num_tokens, self.h * self.d))
 
     def _rule(self, q, k, v, g, beta, states: StateMetadata) -> torch.Tensor:
-        """The Kimi delta rule over each request's tokens from its state: decodes one recurrent step together,
-        each prefill chunk in the chunked form -> [T, h, d] float32."""
-        rec_cache = self.state_cache[1]  # [S, h, d, d]
-        out = torch.empty(q.shape[0], self.h, self.d, dtype=torch.float32, device=q.device)
-        d = states.num_decodes
-        if d:
-            slots = states.decode_slots
-            past = rec_cache[slots].masked_fill(states.decode_fresh[:, None, None, None], 0.0)
-            out[:d], rec_cache[slots] = recurrent_kda_rule(q[:d], k[:d], v[:d], g[:d], beta[:d], past)
-        for row, end, slot, fresh in states.prefills:
-            past = rec_cache.new_zeros(self.h, self.d, self.d) if fresh else rec_cache[slot]
-            out[row:end], rec_cache[slot] = chunked_kda_rule(q[row:end], k[row:end], v[row:end], g[row:end],
-                                                              beta[row:end], past)
-        return out
+        """The Kimi delta rule over each request's tokens from its state -> [T, h, d] float32."""
+        return rule_over_requests(recurrent_kda_rule, chunked_kda_rule, self.state_cache[1], q, k, v, g, beta, states)
 
     def _gated_norm(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's d values, scaled and gated by sigmoid(gate) all in float32 (the weight too)."""
