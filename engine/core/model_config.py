@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5MoeForConditionalGeneration",
     "MiMoV2FlashForCausalLM",
     "HYV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM",
 )
 
 # Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.

@@ -109,11 +109,17 @@ class MLAttention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T, H] -> q [T, h, n + p] (rope part rotated), latent [T, r] (normalised), k_pe [T, p] (rotated)."""
+        q_resid = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank]
+        return self.project_from(x, q_resid, positions)
+
+    def project_from(self, x: torch.Tensor, q_resid: torch.Tensor | None, positions: torch.Tensor):
+        """``project`` given the normalised query latent ``q_resid`` [T, q_lora_rank] (None without q LoRA), which
+        sparse attention's indexer reads too."""
         num_tokens = x.shape[0]
-        if self.q_lora_rank is None:
+        if q_resid is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(q_resid)
         q = q.view(num_tokens, self.num_heads, self.qk_dim)  # [T, h, n + p]
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, r]

@@ -1,0 +1,67 @@
+"""DeepSeek Sparse Attention's lightning indexer: which earlier tokens each query token attends to.
+
+The indexer has its own small projections: per query token ``n_i`` heads of ``d_i`` wide queries (from the MLA
+query latent) and a weight per head (from the hidden state); per token one ``d_i`` wide key (from the hidden
+state, LayerNorm'd), which is cached in the paged cache beside the MLA latent. The first ``rope_dim`` dimensions
+of the queries and the key are rotated (half-split RoPE for DeepSeek-V3.2, interleaved pairs for GLM-5); the
+rest pass through. A query's score for a key is ``sum_h w_h * relu(scale * q_h . k)`` with ``scale = d_i ** -0.5``
+and ``w_h`` the head weight times ``n_i ** -0.5``; the query then attends to the ``index_topk`` visible keys with
+the highest scores (to every visible key while it sees no more than that).
+
+Scores are computed in float32, as the reference computes them.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.mla_attention import rotate
+
+INDEX_NORM_EPS = 1e-6  # the key's LayerNorm (the reference's default; no config field)
+
+
+class LightningIndexer(nn.Module):
+    """Legend: T tokens, H hidden, Q ``q_lora_rank``, n_i ``index_n_heads``, d_i ``index_head_dim``,
+    p ``rope_dim`` (the rotated part), L keys.
+
+    Checkpoint names (``self_attn.indexer.*``): ``wq_b`` [n_i * d_i, Q], ``wk`` [d_i, H], ``k_norm`` (a LayerNorm
+    with weight and bias), ``weights_proj`` [n_i, H] (kept in float32 by the reference: computed in float32 here).
+    """
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, rope_dim: int,
+                 index_topk: int, rope_interleave: bool) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.rope_dim, self.index_topk = num_heads, head_dim, rope_dim, index_topk
+        self.rope_interleave = rope_interleave
+        self.scale = head_dim ** -0.5
+        self.wq_b = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=INDEX_NORM_EPS)
+        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    def project(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H], q_resid [T, Q], cos/sin [T, 1, p] -> queries [T, n_i, d_i], key [T, d_i] (both with their
+        first p dims rotated), head weights [T, n_i] float32 (``n_i ** -0.5`` folded in)."""
+        num_tokens = x.shape[0]
+        q = self.wq_b(q_resid).view(num_tokens, self.num_heads, self.head_dim)  # [T, n_i, d_i]
+        k = self.k_norm(self.wk(x))[:, None, :]  # [T, 1, d_i]
+        p = self.rope_dim
+        q = torch.cat([rotate(q[..., :p], cos, sin, self.rope_interleave), q[..., p:]], dim=-1)
+        k = torch.cat([rotate(k[..., :p], cos, sin, self.rope_interleave), k[..., p:]], dim=-1)[:, 0]
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.num_heads ** -0.5  # [T, n_i]
+        return q, k, weights
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Which keys each query attends to.
+
+        q [B, n, n_i, d_i], weights [B, n, n_i], keys [B, L, d_i], visible [B, n, L] bool (the causal mask, padding
+        hidden) -> [B, n, L] bool: the ``index_topk`` visible keys of highest score per query (all visible keys
+        when a query sees no more than that).
+        """
+        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * self.scale  # [B, n, n_i, L]
+        scores = torch.matmul(weights[:, :, None, :], F.relu(scores))[:, :, 0]  # [B, n, L]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(self.index_topk, scores.shape[-1]), dim=-1).indices  # [B, n, k]
+        # Where a query sees fewer than k keys, the top k include hidden ones (score -inf): dropped again here.
+        return torch.zeros_like(visible).scatter_(-1, top, True) & visible
