@@ -9,6 +9,7 @@ import torch
 from engine.core.config import EngineConfig, KernelChoice, SchedulerConfig
 from engine.text.prompts import InputProcessor
 from engine.core.hybrid_support import check_hybrid_support
+from engine.core.sparse_attention_support import check_sparse_attention_support
 from engine.core.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
 from engine.distributed.groups import CollectiveError
@@ -70,6 +71,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.model_config = engine_model_config(config)
         check_hybrid_support(config, self.model_config)
+        check_sparse_attention_support(config, self.model_config)
         self.ranks: EngineRanks | None = None
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
