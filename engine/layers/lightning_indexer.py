@@ -6,7 +6,8 @@ state, LayerNorm'd), which is cached in the paged cache beside the MLA latent. T
 of the queries and the key are rotated (half-split RoPE for DeepSeek-V3.2, interleaved pairs for GLM-5); the
 rest pass through. A query's score for a key is ``sum_h w_h * relu(scale * q_h . k)`` with ``scale = d_i ** -0.5``
 and ``w_h`` the head weight times ``n_i ** -0.5``; the query then attends to the ``index_topk`` visible keys with
-the highest scores (to every visible key while it sees no more than that).
+the highest scores (to every visible key while it sees no more than that), the earlier key first among equal
+scores (``best_first``).
 
 Scores are computed in float32, as the reference computes them.
 """
@@ -18,6 +19,16 @@ from torch import nn
 from engine.layers.mla_attention import rotate
 
 INDEX_NORM_EPS = 1e-6  # the key's LayerNorm (the reference's default; no config field)
+
+
+def best_first(scores: torch.Tensor) -> torch.Tensor:
+    """Indices of scores [..., L] from the highest, equal scores in key order.
+
+    Ties are common: a key that every head with a positive weight scores below zero scores exactly 0, and where no
+    key scores above 0 many tie for the last places. Taking the earlier key keeps a query's choice independent of
+    how its batch was padded or chunked (``torch.topk`` breaks ties by where they fall in its row).
+    """
+    return scores.sort(dim=-1, descending=True, stable=True).indices
 
 
 class LightningIndexer(nn.Module):
@@ -62,6 +73,6 @@ class LightningIndexer(nn.Module):
         scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * self.scale  # [B, n, n_i, L]
         scores = torch.matmul(weights[:, :, None, :], F.relu(scores))[:, :, 0]  # [B, n, L]
         scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(self.index_topk, scores.shape[-1]), dim=-1).indices  # [B, n, k]
+        top = best_first(scores)[..., :self.index_topk]  # [B, n, k]
         # Where a query sees fewer than k keys, the top k include hidden ones (score -inf): dropped again here.
         return torch.zeros_like(visible).scatter_(-1, top, True) & visible

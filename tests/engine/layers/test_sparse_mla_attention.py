@@ -18,7 +18,7 @@ from engine.layers.sparse_mla_attention import SelectionRelay, SparseMLAttention
 from engine.worker.batch_builder import build_batch
 
 HIDDEN, HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 32, 2, 12, 16, 8, 8, 12
-INDEX_HEADS, INDEX_DIM, TOPK, BLOCK, THETA = 8, 16, 5, 4, 10000.0
+INDEX_HEADS, INDEX_DIM, TOPK, BLOCK, THETA = 3, 16, 5, 4, 10000.0
 
 
 def _layer(interleave: bool, seed: int) -> SparseMLAttention:
@@ -53,11 +53,10 @@ def _rms(x, w, eps=1e-6):
     return x / torch.sqrt((x * x).mean() + eps) * w
 
 
-def _reference(layer: SparseMLAttention, xs: torch.Tensor,
-               interleave: bool) -> tuple[torch.Tensor, list[int], list[bool]]:
-    """One request's tokens xs [n, H] -> each one's attention output [n, h, v] (float64), how many tokens each
-    query attends to, and whether its choice is ambiguous (the last chosen score ties the best left out: a key
-    every indexer head scores below zero scores exactly 0)."""
+def _reference(layer: SparseMLAttention, xs: torch.Tensor, interleave: bool) -> tuple[torch.Tensor, list[int]]:
+    """One request's tokens xs [n, H] -> each one's attention output [n, h, v] (float64), and how many tokens
+    each query attends to (the best ``index_topk`` scores, the earlier token first among equal ones: a key that
+    every positively weighted head scores below zero scores exactly 0, and such keys tie)."""
     w = {k: v.double() for k, v in layer.state_dict().items()}
     ix = layer.indexer
     kv_b = w["kv_b_proj.weight"].view(HEADS, NOPE + V_DIM, KV_LORA)
@@ -71,7 +70,7 @@ def _reference(layer: SparseMLAttention, xs: torch.Tensor,
         k = w["indexer.wk.weight"] @ x
         k = (k - k.mean()) / torch.sqrt(k.var(unbiased=False) + 1e-6) * w["indexer.k_norm.weight"] + w["indexer.k_norm.bias"]
         index_keys.append(torch.cat([_rope(k[:ROPE], t, interleave), k[ROPE:]]))
-    outs, counts, ties = [], [], []
+    outs, counts = [], []
     for t, x in enumerate(xs.double()):
         q_resid = _rms(w["q_a_proj.weight"] @ x, w["q_a_layernorm.weight"])
         q = (w["q_b_proj.weight"] @ q_resid).view(HEADS, NOPE + ROPE)
@@ -81,16 +80,14 @@ def _reference(layer: SparseMLAttention, xs: torch.Tensor,
         head_w = (w["indexer.weights_proj.weight"] @ x) * INDEX_HEADS ** -0.5
         scores = [sum(float(head_w[h]) * max(float(iq[h] @ index_keys[j]) * INDEX_DIM ** -0.5, 0.0)
                       for h in range(INDEX_HEADS)) for j in range(t + 1)]
-        ranked = sorted(range(t + 1), key=lambda j: -scores[j])
-        chosen = ranked[:ix.index_topk]
+        chosen = sorted(range(t + 1), key=lambda j: (-scores[j], j))[:ix.index_topk]
         counts.append(len(chosen))
-        ties.append(len(ranked) > len(chosen) and scores[ranked[len(chosen)]] == scores[chosen[-1]])
         head_out = []
         for h in range(HEADS):
             logits = torch.stack([q[h] @ keys[j][h] for j in chosen]) * layer.scale
             head_out.append(torch.softmax(logits, dim=0) @ torch.stack([values[j][h] for j in chosen]))
         outs.append(torch.stack(head_out))
-    return torch.stack(outs), counts, ties
+    return torch.stack(outs), counts
 
 
 def _run(layer: SparseMLAttention, xs: list[torch.Tensor], scheduled: list[ScheduledRequest]):
@@ -127,14 +124,11 @@ def test_sparse_attention_matches_float64_loop(interleave):
     got |= more
     assert [g.shared_blocks.tolist() for g in meta.decode_groups] == [[0]]  # the two decodes read block 0 once
     assert meta.prefill_masks[0] is not None and meta.prefill_masks[1] is None  # a chunk over its prefix; a fresh one
-    dropped = compared = 0
+    dropped = 0
     for r, n in enumerate(lengths):
-        want, counts, ties = _reference(layer, xs[r], interleave)
+        want, counts = _reference(layer, xs[r], interleave)
         for t in range(n):
-            if ties[t]:  # either tied key is a right choice (rare: eight heads all below zero for both)
-                continue
-            compared += 1
             torch.testing.assert_close(got[r, t].double(), want[t], rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"seed={seed} request {r} position {t}: {m}")
         dropped += sum(t + 1 - c for t, c in enumerate(counts))
-    assert dropped > 0 and compared >= 35  # index_topk (5) is below most contexts: tokens were left out
+    assert dropped > 0  # index_topk (5) is below most contexts: tokens were left out

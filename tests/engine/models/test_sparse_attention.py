@@ -34,6 +34,15 @@ SETTINGS = dict(num_kv_blocks=12, block_size=16, max_num_batched_tokens=16, spec
                 num_speculative_tokens=3, speculative_max_batch=64, overlap_scheduling=False)
 
 
+def earlier_first_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    """``Tensor.topk`` with equal values taken in index order, as the engine's indexer takes them
+    (``lightning_indexer.best_first``). The indexer's scores tie often (keys scored exactly 0), and ``torch.topk``
+    breaks ties by where they fall in its row: without this the reference's choice among tied keys would depend on
+    its row lengths, not on the model."""
+    order = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
+
+
 def make_dsa_model(model_type: str, path: str, seed: int, num_layers: int, **overrides):
     """A random ``model_type`` model (every parameter drawn, norms and the indexer's included), saved to ``path``."""
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, num_hidden_layers=num_layers,
@@ -50,7 +59,9 @@ def make_dsa_model(model_type: str, path: str, seed: int, num_layers: int, **ove
 def test_greedy_matches_transformers(tmp_path, monkeypatch, family):
     seed = random.randrange(2**31)
     hf = make_dsa_model(family, str(tmp_path), seed, **FAMILIES[family])
-    reqs, expected = make_path_requests(random.Random(seed), VOCAB, hf)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "topk", earlier_first_topk)
+        reqs, expected = make_path_requests(random.Random(seed), VOCAB, hf)
 
     kept = []  # (visible keys, selected keys) per query row, over every indexed layer and step
     select = LightningIndexer.select
