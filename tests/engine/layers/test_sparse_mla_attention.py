@@ -132,3 +132,20 @@ def test_sparse_attention_matches_float64_loop(interleave):
                                        msg=lambda m: f"seed={seed} request {r} position {t}: {m}")
         dropped += sum(t + 1 - c for t, c in enumerate(counts))
     assert dropped > 0  # index_topk (5) is below most contexts: tokens were left out
+
+
+def test_index_keys_have_a_cache_entry_and_dtype_of_their_own():
+    """The indexer key is a cache tensor beside the latent rows, in its own dtype; the pool's block size counts it."""
+    from types import SimpleNamespace
+
+    from engine.core.config import CacheConfig
+    from engine.worker.cache_groups import kv_bytes_per_block
+    from engine.worker.runner import attach_kv_caches
+
+    layer = _layer(False, 0)
+    layer.index_key_dtype = torch.float32
+    model = SimpleNamespace(attention_layers=lambda: [layer])
+    (caches,) = attach_kv_caches(model, CacheConfig(BLOCK, 6, True, None), torch.device("cpu"), torch.bfloat16)
+    assert [(tuple(t.shape), t.dtype) for t in caches] == [((7, BLOCK, KV_LORA + ROPE), torch.bfloat16),
+                                                          ((7, BLOCK, INDEX_DIM), torch.float32)]
+    assert kv_bytes_per_block(model, BLOCK, torch.bfloat16) == BLOCK * ((KV_LORA + ROPE) * 2 + INDEX_DIM * 4)
