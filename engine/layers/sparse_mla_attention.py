@@ -48,6 +48,9 @@ class SparseMLAttention(MLAttention):
             raise ValueError("sparse attention's indexer reads the query latent: q_lora_rank must be set")
         self.indexer, self.relay = indexer, relay
         self.index_head_dim, self.index_key_dtype = index_head_dim, index_key_dtype
+        # "torch", or "triton": decodes read only their selected rows in the Triton kernel
+        # (``engine.kernels.sparse_mla``; checked in the interpreter, not yet the default).
+        self.decode_kernel = "torch"
         # [N_blocks + 1, block_size, r + p] latent rows, then (with an indexer) [N_blocks + 1, block_size, d_i]
         # indexer keys; bound by the runner.
         self.kv_cache = (torch.empty(0), torch.empty(0))
@@ -89,7 +92,10 @@ class SparseMLAttention(MLAttention):
             ctx, ctx_keys, visible = self._decode_context(rows, keys, group)  # [G, L, r + p], [G, L, d_i], [G, L]
             select = self._select(len(chosen), index_q, index_w, span, ctx_keys, visible[:, None])  # [G, 1, L]
             chosen.append(select)
-            out[span] = self._decode_sparse(q[span], ctx, select)
+            if self.decode_kernel == "triton":
+                out[span] = self._decode_sparse_triton(q[span], cache, group, select)
+            else:
+                out[span] = self._decode_sparse(q[span], ctx, select)
         for (start, end), table, seq_len, mask in zip(
             meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
         ):
@@ -144,6 +150,24 @@ class SparseMLAttention(MLAttention):
         out = F.scaled_dot_product_attention(qa[:, None], ctx[:, None], ctx[:, None, :, :r],
                                              attn_mask=select[:, None], scale=self.scale)[:, 0]  # [G, h, r]
         return torch.einsum("ghr,hvr->ghv", out, w_uv)
+
+    def _decode_sparse_triton(self, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup,
+                              select: torch.Tensor) -> torch.Tensor:
+        """``_decode_sparse`` in the Triton kernel, which reads only the selected rows: q [G, h, n + p],
+        select [G, 1, L] over the context ``_decode_context`` laid out -> [G, h, v]."""
+        from engine.kernels.sparse_mla import sparse_mla_decode_triton
+
+        w_uk, w_uv = self._w_kv()
+        qa = torch.cat([torch.einsum("ghn,hnr->ghr", q[..., :self.nope_dim], w_uk), q[..., self.nope_dim:]], dim=-1)
+        table = group.block_table  # [G, W]
+        if group.shared_blocks is not None:  # the context starts with the shared blocks
+            table = torch.cat([group.shared_blocks.expand(table.shape[0], -1), table], dim=1)
+        chosen = select[:, 0]  # [G, L]
+        positions = torch.where(chosen, torch.arange(chosen.shape[1], device=q.device), -1)  # [G, L]
+        most = max(int(chosen.sum(dim=-1).max()), 1)
+        positions = positions.sort(dim=-1, descending=True).values[:, :most]  # [G, K]: the selected first
+        latent_out = sparse_mla_decode_triton(qa, cache, table, positions, self.scale, self.kv_lora_rank)  # [G, h, r]
+        return torch.einsum("ghr,hvr->ghv", latent_out, w_uv)
 
     def _prefill_sparse(self, q: torch.Tensor, ctx: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
         """Expanded: q [q, h, n + p] over the selected rows of ctx [L, r + p] (select [q, L]) -> [q, h, v]."""
