@@ -11,9 +11,10 @@ absorbed form (queries in latent space), each under the selection as its mask.
 GLM-5's "shared" layers have no indexer: they attend to the tokens the last layer with one selected, in the same
 forward. The selections pass between layers through a ``SelectionRelay`` that the model's layers share.
 
-The torch path only (the runner falls back to it under the Triton backend): the selection is a boolean mask over
-each query's context, so the attention reads the whole context and masks it, which is exact but does not save
-the work a kernel reading only the selected rows would.
+The torch path (the runner falls back to it under the Triton backend): the selection is a boolean mask over each
+query's context, so the attention reads the whole context and masks it, which is exact but does not save the work
+a kernel reading only the selected rows would. ``decode_kernel = "triton"`` sends decodes to such a kernel
+(``engine.kernels.sparse_mla``), checked in Triton's interpreter; it is off by default until it has run on a GPU.
 """
 
 import torch
@@ -124,9 +125,9 @@ class SparseMLAttention(MLAttention):
         batch, n = visible.shape[:2]
         return self.indexer.select(q.view(batch, n, *q.shape[1:]), w.view(batch, n, -1), ctx_keys, visible)
 
-    def _decode_context(self, rows: torch.Tensor, keys: torch.Tensor, group: DecodeGroup):
-        """Each request's whole context: latent rows [G, L, r + p], indexer keys [G, L, d_i] and visibility [G, L]
-        (a group's shared prefix blocks first, then its own)."""
+    def _decode_context(self, rows: torch.Tensor, keys: torch.Tensor | None, group: DecodeGroup):
+        """Each request's whole context: latent rows [G, L, r + p], indexer keys [G, L, d_i] (None without an
+        indexer) and visibility [G, L] (a group's shared prefix blocks first, then its own)."""
         visible = group.key_mask[:, 0, 0]  # [G, L]
         ctx = gather_visible(rows, group.block_table, visible, group.seen_by_all)[:, :, 0]
         ctx_keys = gather_visible(keys, group.block_table, visible, group.seen_by_all)[:, :, 0] \
