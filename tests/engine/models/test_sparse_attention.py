@@ -96,3 +96,16 @@ def test_unsupported_settings_are_refused(tmp_path, setting, flag):
         LLM(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=16, **setting)
     text = str(caught.value)
     assert "\n" not in text and text.startswith(flag) and "GlmMoeDsaForCausalLM" in text, text
+
+
+def test_serve_refuses_a_setting_not_yet_served_with_sparse_attention(tmp_path, capsys):
+    """`moegate serve` with such a setting: exit 2, one line naming the flag, before the database is written."""
+    from gateway.cli import main
+
+    make_dsa_model("deepseek_v32", str(tmp_path / "dsa"), random.randrange(2**31), **FAMILIES["deepseek_v32"])
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    db = f"sqlite:///{tmp_path / 'policy.db'}"
+    assert main(["serve", "--model", str(tmp_path / "dsa"), "--database-url", db, "--pipeline-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--pipeline-parallel-size" in err and "DeepseekV32ForCausalLM" in err, err
+    assert not (tmp_path / "policy.db").exists()
