@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.layers.mla_attention import rotate
 
+SCORE_BUDGET = 1 << 26  # float32 per-head scores one slice of queries may hold (256 MiB)
 INDEX_NORM_EPS = 1e-6  # the key's LayerNorm (the reference's default; no config field)
 
 
@@ -70,9 +71,16 @@ class LightningIndexer(nn.Module):
         hidden) -> [B, n, L] bool: the ``index_topk`` visible keys of highest score per query (all visible keys
         when a query sees no more than that).
         """
-        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * self.scale  # [B, n, n_i, L]
-        scores = torch.matmul(weights[:, :, None, :], F.relu(scores))[:, :, 0]  # [B, n, L]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top = best_first(scores)[..., :self.index_topk]  # [B, n, k]
+        batch, n, _ = visible.shape
+        # The per-head scores [B, rows, n_i, L] of a long context are large: queries go in slices that bound them.
+        rows = max(1, SCORE_BUDGET // max(batch * self.num_heads * keys.shape[1], 1))
+        chosen = torch.zeros_like(visible)
+        for lo in range(0, n, rows):
+            part = slice(lo, lo + rows)
+            scores = torch.matmul(q[:, part].float(), keys.float().transpose(-1, -2)[:, None]) * self.scale  # [B, r, n_i, L]
+            scores = torch.matmul(weights[:, part, None, :], F.relu(scores))[:, :, 0]  # [B, r, L]
+            scores = scores.masked_fill(~visible[:, part], float("-inf"))
+            top = best_first(scores)[..., :self.index_topk]  # [B, r, k]
+            chosen[:, part].scatter_(-1, top, True)
         # Where a query sees fewer than k keys, the top k include hidden ones (score -inf): dropped again here.
-        return torch.zeros_like(visible).scatter_(-1, top, True) & visible
+        return chosen & visible

@@ -12,6 +12,7 @@ from transformers import DeepseekV32Config
 
 from engine.core.model_config import model_config_from_hf
 from engine.core.scheduler import ScheduledRequest
+from engine.layers import lightning_indexer
 from engine.layers.lightning_indexer import LightningIndexer
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.sparse_mla_attention import SelectionRelay, SparseMLAttention
@@ -101,8 +102,10 @@ def _run(layer: SparseMLAttention, xs: list[torch.Tensor], scheduled: list[Sched
     return {(i // 100, i % 100): out[row] for row, i in enumerate(ids)}, batch.meta
 
 
-@pytest.mark.parametrize("interleave", [False, True], ids=["v32-rope", "glm5-rope"])
-def test_sparse_attention_matches_float64_loop(interleave):
+@pytest.mark.parametrize("interleave", [False, True], ids=["v32-rope-sliced", "glm5-rope"])
+def test_sparse_attention_matches_float64_loop(monkeypatch, interleave):
+    if not interleave:  # the indexer scores a few queries at a time (as it does over long contexts)
+        monkeypatch.setattr(lightning_indexer, "SCORE_BUDGET", 3 * INDEX_HEADS * 10)
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     layer = _layer(interleave, seed)
