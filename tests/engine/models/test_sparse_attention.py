@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.layers.lightning_indexer import LightningIndexer
-from tests.engine.models.test_vs_transformers import make_path_requests
+from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import randomize_constants_
 
 VOCAB = 211
@@ -55,13 +55,41 @@ def make_dsa_model(model_type: str, path: str, seed: int, num_layers: int, **ove
     return model
 
 
+def cycling_request(rng: random.Random, hf) -> tuple[list[int], list[int]]:
+    """A prompt whose greedy output has settled into a short cycle, and its continuation, which keeps to it: the
+    n-gram proposer's drafts (the tokens that followed the last n-gram before) are then accepted."""
+    for _ in range(80):
+        start = [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(3, 8))]
+        out = hf_greedy(hf, start, 32)
+        for period in range(1, 5):
+            cycle = out[-period:]
+            if out[-3 * period:] == cycle * 3:
+                continuation = hf_greedy(hf, start + out, 16)
+                if continuation[:2 * period] == cycle * 2:
+                    return start + out, continuation
+    raise AssertionError("no greedy output settled into a cycle in 80 tries")
+
+
+def make_requests(rng: random.Random, hf) -> tuple[list[tuple[list[int], int]], list[list[int]]]:
+    """Three prompts sharing a 40-token prefix (prefix-cache hits once the first has computed its blocks), one in a
+    cycle (accepted n-gram drafts), two of 130 tokens (each alone needs 9 of the 12 blocks: preemption), and
+    transformers' greedy tokens for each."""
+    prefix = [rng.randrange(1, VOCAB - 1) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+    prompts += [[rng.randrange(1, VOCAB - 1) for _ in range(130)] for _ in range(2)]
+    reqs = [(p, rng.randint(16, 32)) for p in prompts]
+    expected = [hf_greedy(hf, p, m) for p, m in reqs]
+    cycling, continuation = cycling_request(rng, hf)
+    return reqs + [(cycling, len(continuation))], expected + [continuation]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers(tmp_path, monkeypatch, family):
     seed = random.randrange(2**31)
     hf = make_dsa_model(family, str(tmp_path), seed, **FAMILIES[family])
     with monkeypatch.context() as patch:
         patch.setattr(torch.Tensor, "topk", earlier_first_topk)
-        reqs, expected = make_path_requests(random.Random(seed), VOCAB, hf)
+        reqs, expected = make_requests(random.Random(seed), hf)
 
     kept = []  # (visible keys, selected keys) per query row, over every indexed layer and step
     select = LightningIndexer.select
