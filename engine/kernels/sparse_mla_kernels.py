@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention_kernels import _scores_mask_update
-from engine.kernels.mla_attention_kernels import _load_cols
+from engine.kernels.mla_attention_kernels import _latent_scores, _query_tile
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_pt"])
@@ -31,16 +31,8 @@ def sparse_mla_decode_kernel(
     """
     head_tile = tl.program_id(0)
     req = tl.program_id(1).to(tl.int64)
-    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] (rows past h are padding for tl.dot)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_p = tl.arange(0, BLOCK_P)
-    h_ok = heads < NUM_HEADS
-    q_rows = q_ptr + req * stride_qt + heads[:, None] * stride_qh
-    q_nope = _load_cols(q_rows + offs_r[None, :], h_ok, offs_r, RANK, BLOCK_R)  # [BLOCK_H, BLOCK_R]
-    q_pe = _load_cols(q_rows + RANK + offs_p[None, :], h_ok, offs_p, ROPE, BLOCK_P)  # [BLOCK_H, BLOCK_P]
-    if UPCAST:
-        q_nope = q_nope.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
+    heads, h_ok, offs_r, offs_p, q_nope, q_pe = _query_tile(q_ptr, req, head_tile, stride_qt, stride_qh, NUM_HEADS,
+                                                            RANK, ROPE, BLOCK_H, BLOCK_R, BLOCK_P, UPCAST)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -51,16 +43,8 @@ def sparse_mla_decode_kernel(
         pos = tl.load(positions_ptr + req * stride_pt + offs_n, mask=offs_n < num_selected, other=-1)  # [BLOCK_N]
         ok = pos >= 0
         pos = tl.where(ok, pos, 0)
-        blocks = tl.load(table + pos // KV_BLOCK, mask=ok, other=0).to(tl.int64)
-        rows = cache_ptr + blocks[:, None] * stride_cb + (pos % KV_BLOCK).to(tl.int64)[:, None] * stride_cs
-        c_kv = _load_cols(rows + offs_r[None, :], ok, offs_r, RANK, BLOCK_R)  # [BLOCK_N, BLOCK_R]: keys and values
-        k_pe = _load_cols(rows + RANK + offs_p[None, :], ok, offs_p, ROPE, BLOCK_P)  # [BLOCK_N, BLOCK_P]
-        if UPCAST:
-            k_pe = k_pe.to(tl.float32)
-            s = tl.dot(q_nope, tl.trans(c_kv.to(tl.float32)), input_precision=PRECISION)
-        else:
-            s = tl.dot(q_nope, tl.trans(c_kv), input_precision=PRECISION)
-        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
+        s, c_kv = _latent_scores(cache_ptr, table, pos, ok, q_nope, q_pe, scale, stride_cb, stride_cs, offs_r, offs_p,
+                                 RANK, ROPE, KV_BLOCK, BLOCK_R, BLOCK_P, UPCAST, PRECISION)
         m_i, l_i, acc = _scores_mask_update(s, ok[None, :], m_i, l_i, acc, c_kv, UPCAST, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
