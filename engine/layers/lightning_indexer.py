@@ -77,7 +77,8 @@ class LightningIndexer(nn.Module):
         chosen = torch.zeros_like(visible)
         for lo in range(0, n, rows):
             part = slice(lo, lo + rows)
-            scores = torch.matmul(q[:, part].float(), keys.float().transpose(-1, -2)[:, None]) * self.scale  # [B, r, n_i, L]
+            scores = torch.matmul(q[:, part].float(), keys.float().transpose(-1, -2)[:, None])  # [B, r, n_i, L]
+            scores = scores * self.scale
             scores = torch.matmul(weights[:, part, None, :], F.relu(scores))[:, :, 0]  # [B, r, L]
             scores = scores.masked_fill(~visible[:, part], float("-inf"))
             top = best_first(scores)[..., :self.index_topk]  # [B, r, k]

@@ -101,7 +101,8 @@ class SparseMLAttention(MLAttention):
             meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
         ):
             if mask is None:  # the chunk is the whole context: causal over its own tokens
-                visible = torch.ones(end - start, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - (end - start))
+                visible = torch.ones(end - start, seq_len, dtype=torch.bool, device=q.device)
+                visible = visible.tril(seq_len - (end - start))  # [q, L]
             else:
                 visible = mask[0, 0]  # [q, L]
             seen = visible.any(dim=0)  # [L]

@@ -34,7 +34,8 @@ def _layer(interleave: bool, seed: int) -> SparseMLAttention:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in layer.parameters():  # norms' weights and the key norm's bias too
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() == 1 else p.shape[-1] ** -0.5) + (p.dim() == 1))
+            spread = 0.5 if p.dim() == 1 else p.shape[-1] ** -0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * spread + (p.dim() == 1))  # 1-D: around 1
     return layer
 
 
@@ -69,7 +70,8 @@ def _reference(layer: SparseMLAttention, xs: torch.Tensor, interleave: bool) -> 
         keys.append(torch.cat([kv_b[:, :NOPE] @ latent, k_pe.expand(HEADS, ROPE)], dim=-1))  # [h, n + p]
         values.append(kv_b[:, NOPE:] @ latent)  # [h, v]
         k = w["indexer.wk.weight"] @ x
-        k = (k - k.mean()) / torch.sqrt(k.var(unbiased=False) + 1e-6) * w["indexer.k_norm.weight"] + w["indexer.k_norm.bias"]
+        k = (k - k.mean()) / torch.sqrt(k.var(unbiased=False) + 1e-6)
+        k = k * w["indexer.k_norm.weight"] + w["indexer.k_norm.bias"]
         index_keys.append(torch.cat([_rope(k[:ROPE], t, interleave), k[ROPE:]]))
     outs, counts = [], []
     for t, x in enumerate(xs.double()):

@@ -26,7 +26,8 @@ FAMILIES = {
     # Grouped bias-corrected sigmoid routing (2 groups, 1 kept), half-split rope in the indexer.
     "deepseek_v32": dict(num_layers=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True),
     # Three layers: the middle one reuses the first one's selection, the last selects again; interleaved indexer rope.
-    "glm_moe_dsa": dict(num_layers=3, indexer_types=["full", "shared", "full"], v_head_dim=16, routed_scaling_factor=1.7),
+    "glm_moe_dsa": dict(num_layers=3, indexer_types=["full", "shared", "full"], v_head_dim=16,
+                        routed_scaling_factor=1.7),
 }
 # Chunked prefill at 16 tokens, a pool of 12 blocks of 16 (about a quarter of what the requests need together:
 # preemption), prefix-cache hits (three prompts share 40 tokens) and n-gram drafts (two prompts loop).
