@@ -27,6 +27,8 @@ SUPPORTED_ARCHITECTURES = (
     "MiMoV2FlashForCausalLM",
     "HYV3ForCausalLM",
     "KimiLinearForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM",
 )
 
 # Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.

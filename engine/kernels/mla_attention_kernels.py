@@ -43,6 +43,45 @@ def _load_cols(ptrs, row_ok, offs, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
         return tl.load(ptrs, mask=row_ok[:, None] & (offs < WIDTH)[None, :], other=0.0)
 
 
+@triton.jit
+def _query_tile(q_ptr, req, head_tile, stride_qt, stride_qh, NUM_HEADS: tl.constexpr, RANK: tl.constexpr,
+                ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                UPCAST: tl.constexpr):
+    # One request's tile of BLOCK_H heads -> (heads, which are real, the R and P column offsets, its latent part
+    # [BLOCK_H, BLOCK_R] and rope part [BLOCK_H, BLOCK_P], float32 where UPCAST).
+    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] (rows past h are padding for tl.dot)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    h_ok = heads < NUM_HEADS
+    q_rows = q_ptr + req * stride_qt + heads[:, None] * stride_qh
+    q_nope = _load_cols(q_rows + offs_r[None, :], h_ok, offs_r, RANK, BLOCK_R)  # [BLOCK_H, BLOCK_R]
+    q_pe = _load_cols(q_rows + RANK + offs_p[None, :], h_ok, offs_p, ROPE, BLOCK_P)  # [BLOCK_H, BLOCK_P]
+    if UPCAST:
+        q_nope = q_nope.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    return heads, h_ok, offs_r, offs_p, q_nope, q_pe
+
+
+@triton.jit
+def _latent_scores(cache_ptr, table, pos, ok, q_nope, q_pe, scale, stride_cb, stride_cs, offs_r, offs_p,
+                   RANK: tl.constexpr, ROPE: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_P: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # The latent rows of token positions pos [BLOCK_N] (ok: which to read; the rest read 0) through a request's
+    # block table -> (scores [BLOCK_H, BLOCK_N] of the query tile against them, their c_kv [BLOCK_N, BLOCK_R]:
+    # the values).
+    blocks = tl.load(table + pos // KV_BLOCK, mask=ok, other=0).to(tl.int64)
+    rows = cache_ptr + blocks[:, None] * stride_cb + (pos % KV_BLOCK).to(tl.int64)[:, None] * stride_cs
+    c_kv = _load_cols(rows + offs_r[None, :], ok, offs_r, RANK, BLOCK_R)  # [BLOCK_N, BLOCK_R]: keys and values
+    k_pe = _load_cols(rows + RANK + offs_p[None, :], ok, offs_p, ROPE, BLOCK_P)  # [BLOCK_N, BLOCK_P]
+    if UPCAST:
+        k_pe = k_pe.to(tl.float32)
+        s = tl.dot(q_nope, tl.trans(c_kv.to(tl.float32)), input_precision=PRECISION)
+    else:
+        s = tl.dot(q_nope, tl.trans(c_kv), input_precision=PRECISION)
+    s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
+    return s, c_kv
+
+
 # Per-step ints (split count, block-table width) are not specialized on: each new value's divisibility
 # would otherwise be a fresh compile in the middle of serving.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -68,16 +107,8 @@ def mla_decode_kernel(
     req = tl.program_id(2).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
 
-    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] (rows past h are padding for tl.dot)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_p = tl.arange(0, BLOCK_P)
-    h_ok = heads < NUM_HEADS
-    q_rows = q_ptr + req * stride_qt + heads[:, None] * stride_qh
-    q_nope = _load_cols(q_rows + offs_r[None, :], h_ok, offs_r, RANK, BLOCK_R)  # [BLOCK_H, BLOCK_R]
-    q_pe = _load_cols(q_rows + RANK + offs_p[None, :], h_ok, offs_p, ROPE, BLOCK_P)  # [BLOCK_H, BLOCK_P]
-    if UPCAST:
-        q_nope = q_nope.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
+    heads, h_ok, offs_r, offs_p, q_nope, q_pe = _query_tile(q_ptr, req, head_tile, stride_qt, stride_qh, NUM_HEADS,
+                                                            RANK, ROPE, BLOCK_H, BLOCK_R, BLOCK_P, UPCAST)
 
     start, end, per_split = _split_range(seq_len, split, num_splits, BLOCK_N)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
@@ -87,16 +118,8 @@ def mla_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         ok = pos < end
-        blocks = tl.load(table + pos // KV_BLOCK, mask=ok, other=0).to(tl.int64)
-        rows = cache_ptr + blocks[:, None] * stride_cb + (pos % KV_BLOCK).to(tl.int64)[:, None] * stride_cs
-        c_kv = _load_cols(rows + offs_r[None, :], ok, offs_r, RANK, BLOCK_R)  # [BLOCK_N, BLOCK_R]: keys and values
-        k_pe = _load_cols(rows + RANK + offs_p[None, :], ok, offs_p, ROPE, BLOCK_P)  # [BLOCK_N, BLOCK_P]
-        if UPCAST:
-            k_pe = k_pe.to(tl.float32)
-            s = tl.dot(q_nope, tl.trans(c_kv.to(tl.float32)), input_precision=PRECISION)
-        else:
-            s = tl.dot(q_nope, tl.trans(c_kv), input_precision=PRECISION)
-        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
+        s, c_kv = _latent_scores(cache_ptr, table, pos, ok, q_nope, q_pe, scale, stride_cb, stride_cs, offs_r, offs_p,
+                                 RANK, ROPE, KV_BLOCK, BLOCK_R, BLOCK_P, UPCAST, PRECISION)
         m_i, l_i, acc = _scores_mask_update(s, ok[None, :], m_i, l_i, acc, c_kv, UPCAST, PRECISION)
 
     if SPLIT:

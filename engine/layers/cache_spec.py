@@ -12,17 +12,25 @@ class CacheSpec:
 
     Each entry of ``per_token`` becomes one tensor ``[num_blocks + 1, block_size, *shape]``: (K, V) of
     ``[kv_heads, head_dim]`` each for standard attention, one ``[kv_lora_rank + rope_dim]`` latent row for
-    multi-head latent attention. ``dtype`` None: the model's dtype.
+    multi-head latent attention (and sparse attention's indexer keys beside it). ``dtype`` None: the model's
+    dtype. ``entry_dtypes``: a dtype per entry where entries differ (None in it: ``dtype``); empty: all ``dtype``.
     """
 
     per_token: tuple[tuple[int, ...], ...]
     dtype: torch.dtype | None = None
+    entry_dtypes: tuple[torch.dtype | None, ...] = ()
 
     def values_per_token(self) -> int:
         return sum(math.prod(shape) for shape in self.per_token)
 
+    def entry_dtype(self, index: int, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of entry ``index``'s tensor."""
+        own = self.entry_dtypes[index] if index < len(self.entry_dtypes) else None
+        return own or self.dtype or model_dtype
+
     def bytes_per_token(self, model_dtype: torch.dtype) -> int:
-        return self.values_per_token() * (self.dtype or model_dtype).itemsize
+        return sum(math.prod(shape) * self.entry_dtype(i, model_dtype).itemsize
+                   for i, shape in enumerate(self.per_token))
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,7 +109,13 @@ class MLAttention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T, H] -> q [T, h, n + p] (rope part rotated), latent [T, r] (normalised), k_pe [T, p] (rotated)."""
-        q, latent, k_pe = self.project_unrotated(x)
+        q_resid = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank]
+        return self.project_from(x, q_resid, positions)
+
+    def project_from(self, x: torch.Tensor, q_resid: torch.Tensor | None, positions: torch.Tensor):
+        """``project`` given the normalised query latent ``q_resid`` [T, q_lora_rank] (None without q LoRA), which
+        sparse attention's indexer reads too."""
+        q, latent, k_pe = self.project_unrotated(x, q_resid)
         cos = self.rotary.cos_cache[positions].to(q.dtype)[:, None, :]  # [T, 1, p]
         sin = self.rotary.sin_cache[positions].to(q.dtype)[:, None, :]
         q_pe = rotate(q[..., self.nope_dim:], cos, sin, self.rope_interleave)
@@ -117,13 +123,14 @@ class MLAttention(nn.Module):
         k_pe = rotate(k_pe[:, None, :], cos, sin, self.rope_interleave)[:, 0]  # [T, p]
         return q, latent, k_pe
 
-    def project_unrotated(self, x: torch.Tensor):
-        """x [T, H] -> q [T, h, n + p], latent [T, r] (normalised), k_pe [T, p]: ``project`` before the rotation."""
+    def project_unrotated(self, x: torch.Tensor, q_resid: torch.Tensor | None = None):
+        """x [T, H] -> q [T, h, n + p], latent [T, r] (normalised), k_pe [T, p]: ``project`` before the rotation
+        (``q_resid``: the normalised query latent when the caller made it already)."""
         num_tokens = x.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if q_resid is None else q_resid)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return q.view(num_tokens, self.num_heads, self.qk_dim), self.kv_a_layernorm(latent), k_pe
 

@@ -2,8 +2,10 @@
 
 from engine.models.base import MoECausalLM
 from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.dots1 import Dots1ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
+from engine.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.hy_v3 import HYV3ForCausalLM
 from engine.models.kimi_linear import KimiLinearForCausalLM
@@ -21,7 +23,7 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM,
                 Dots1ForCausalLM, MiniMaxM2ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
                 Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, MiMoV2FlashForCausalLM,
-                HYV3ForCausalLM, KimiLinearForCausalLM)
+                HYV3ForCausalLM, KimiLinearForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM)
 }
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]

@@ -24,12 +24,14 @@ def softmax_scale(config: ModelConfig) -> float:
     return scale
 
 
-def mla_from_config(config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE) -> MLAttention:
+def mla_from_config(config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE,
+                    cls: type[MLAttention] = MLAttention, **extra) -> MLAttention:
+    """The config's MLA layer: ``cls`` (an ``MLAttention`` subclass) built with ``extra`` keyword arguments too."""
     c = config
-    return MLAttention(
+    return cls(
         c.hidden_size, c.num_heads, c.cfg("q_lora_rank"), c.cfg("kv_lora_rank"), c.cfg("qk_nope_head_dim"),
         c.cfg("qk_rope_head_dim"), c.cfg("v_head_dim"), rotary, rope_interleave=bool(c.cfg("rope_interleave", True)),
-        scale=softmax_scale(c), bias=bool(c.cfg("attention_bias", False)), tp=tp,
+        scale=softmax_scale(c), bias=bool(c.cfg("attention_bias", False)), tp=tp, **extra,
     )
 
 

@@ -128,6 +128,7 @@ def _graphs(config: EngineConfig, model: MoECausalLM, cache_config: CacheConfig,
     the MoE kernels compiled first."""
     # The linear-attention layers read host-built state metadata in Python loops: no graphs capture them yet.
     eager = config.enforce_eager or cache_config.num_state_slots > 0
+    eager = eager or getattr(model, "eager_only", False)  # a family whose attention graphs do not capture yet
     # The torch MoE backend reads expert counts on the host, which a graph capture forbids.
     graph_safe_moe = kernels.moe != "torch"
     if device.type != "cuda" or not graph_safe_moe:

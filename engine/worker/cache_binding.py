@@ -29,7 +29,7 @@ def attach_kv_caches(model: MoECausalLM, cache_config: CacheConfig, device: torc
         if slot not in by_slot:
             spec = attn.cache_spec()
             by_slot[slot] = tuple(zeros((cache_config.num_blocks + 1, cache_config.block_size, *shape),
-                                        spec.dtype or dtype) for shape in spec.per_token)
+                                        spec.entry_dtype(i, dtype)) for i, shape in enumerate(spec.per_token))
         attn.kv_cache = by_slot[slot]
         caches.append(attn.kv_cache)
     return caches

@@ -1,0 +1,181 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): multi-head latent attention over the tokens a lightning
+indexer selects for each query, over a paged cache of latents and indexer keys.
+
+Each token caches two rows per layer: its MLA latent row (``kv_lora_rank + qk_rope_head_dim``, as
+``mla_attention``) and its indexer key (``index_head_dim``, a cache tensor of its own in ``index_key_dtype``, the
+model's by default; a GLM-5 layer without an indexer caches no key). Every
+query scores the keys its causal mask shows, keeps the ``index_topk`` best (``lightning_indexer``) and attends to
+those only: prefill chunks in the expanded form (per-head keys and values from the latents), decodes in the
+absorbed form (queries in latent space), each under the selection as its mask.
+
+GLM-5's "shared" layers have no indexer: they attend to the tokens the last layer with one selected, in the same
+forward. The selections pass between layers through a ``SelectionRelay`` that the model's layers share.
+
+The torch path (the runner falls back to it under the Triton backend): the selection is a boolean mask over each
+query's context, so the attention reads the whole context and masks it, which is exact but does not save the work
+a kernel reading only the selected rows would. ``decode_kernel = "triton"`` sends decodes to such a kernel
+(``engine.kernels.sparse_mla``), checked in Triton's interpreter; it is off by default until it has run on a GPU.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from engine.device_batch.attention_metadata import AttentionMetadata, DecodeGroup
+from engine.layers.cache_spec import CacheSpec
+from engine.layers.lightning_indexer import LightningIndexer
+from engine.layers.mla_attention import MLAttention
+from engine.layers.paged_attention import _gather, gather_visible
+
+
+class SelectionRelay:
+    """The selections of the last layer that ran an indexer in this forward, in batch order (decode groups,
+    then prefill chunks): what a layer without an indexer attends with."""
+
+    def __init__(self) -> None:
+        self.selections: list[torch.Tensor] = []
+
+
+class SparseMLAttention(MLAttention):
+    """``MLAttention`` whose queries attend to the tokens ``indexer`` selects (``indexer`` None: the tokens the
+    last indexed layer selected, read from ``relay``). Legend as ``MLAttention``; n_i, d_i the indexer's heads and
+    width, G decode requests of a group, L context."""
+
+    backends = ("torch",)
+
+    def __init__(self, *args, indexer: LightningIndexer | None, relay: SelectionRelay,
+                 index_head_dim: int, index_key_dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.q_lora_rank is None:
+            raise ValueError("sparse attention's indexer reads the query latent: q_lora_rank must be set")
+        self.indexer, self.relay = indexer, relay
+        self.index_head_dim, self.index_key_dtype = index_head_dim, index_key_dtype
+        # "torch", or "triton": decodes read only their selected rows in the Triton kernel
+        # (``engine.kernels.sparse_mla``; checked in the interpreter, not yet the default).
+        self.decode_kernel = "torch"
+        # [N_blocks + 1, block_size, r + p] latent rows, then (with an indexer) [N_blocks + 1, block_size, d_i]
+        # indexer keys; bound by the runner.
+        self.kv_cache = (torch.empty(0), torch.empty(0))
+
+    def cache_spec(self) -> CacheSpec:
+        """The latent row of every token, and its indexer key where this layer has an indexer."""
+        if self.indexer is None:
+            return CacheSpec(((self.kv_lora_rank + self.rope_dim,),))
+        return CacheSpec(((self.kv_lora_rank + self.rope_dim,), (self.index_head_dim,)),
+                         entry_dtypes=(None, self.index_key_dtype))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [T, H] -> q [T, h, n + p], latent [T, r], k_pe [T, p] (as ``MLAttention.project``), then the indexer's
+        queries [T, n_i, d_i], key [T, d_i] and head weights [T, n_i] (None, None, None without an indexer)."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank]
+        q, latent, k_pe = self.project_from(x, q_resid, positions)
+        if self.indexer is None:
+            return q, latent, k_pe, None, None, None
+        cos = self.rotary.cos_cache[positions].to(x.dtype)[:, None, :]  # [T, 1, p]
+        sin = self.rotary.sin_cache[positions].to(x.dtype)[:, None, :]
+        return q, latent, k_pe, *self.indexer.project(x, q_resid, cos, sin)
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, index_q: torch.Tensor | None,
+               index_k: torch.Tensor | None, index_w: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """Writes [latent, k_pe] and the indexer key at ``meta.slot_mapping``, returns [T, h, v]."""
+        cache = self.kv_cache[0]
+        width = self.kv_lora_rank + self.rope_dim
+        cache.view(-1, width).index_copy_(0, meta.slot_mapping, torch.cat([latent, k_pe], dim=-1))
+        rows = cache.view(*cache.shape[:2], 1, width)  # [N, bs, 1, r + p]
+        keys = None
+        if self.indexer is not None:
+            key_cache = self.kv_cache[1]
+            key_cache.view(-1, self.index_head_dim).index_copy_(0, meta.slot_mapping, index_k.to(key_cache.dtype))
+            keys = key_cache.view(*key_cache.shape[:2], 1, self.index_head_dim)  # [N, bs, 1, d_i]
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        chosen: list[torch.Tensor] = []
+        for group in meta.decode_groups:
+            span = slice(group.start, group.end)
+            ctx, ctx_keys, visible = self._decode_context(rows, keys, group)  # [G, L, r + p], [G, L, d_i], [G, L]
+            select = self._select(len(chosen), index_q, index_w, span, ctx_keys, visible[:, None])  # [G, 1, L]
+            chosen.append(select)
+            if self.decode_kernel == "triton":
+                out[span] = self._decode_sparse_triton(q[span], cache, group, select)
+            else:
+                out[span] = self._decode_sparse(q[span], ctx, select)
+        for (start, end), table, seq_len, mask in zip(
+            meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
+        ):
+            if mask is None:  # the chunk is the whole context: causal over its own tokens
+                visible = torch.ones(end - start, seq_len, dtype=torch.bool, device=q.device)
+                visible = visible.tril(seq_len - (end - start))  # [q, L]
+            else:
+                visible = mask[0, 0]  # [q, L]
+            seen = visible.any(dim=0)  # [L]
+            ctx = gather_visible(rows, table, seen)[:, 0]  # [L, r + p]; hidden slots zeroed
+            ctx_keys = gather_visible(keys, table, seen)[:, 0] if keys is not None else None  # [L, d_i]
+            select = self._select(len(chosen), index_q, index_w, slice(start, end),
+                                  None if ctx_keys is None else ctx_keys[None], visible[None])[0]  # [q, L]
+            chosen.append(select[None])
+            out[start:end] = self._prefill_sparse(q[start:end], ctx, select)
+        if self.indexer is not None:
+            self.relay.selections = chosen
+        return out
+
+    def _select(self, index: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None, span: slice,
+                ctx_keys: torch.Tensor | None, visible: torch.Tensor) -> torch.Tensor:
+        """The ``index``-th selection of this forward: this layer's indexer over ctx_keys [B, L, d_i] for the queries
+        ``span`` (visible [B, n, L]) -> [B, n, L] bool, or the last indexed layer's where this one has none."""
+        if self.indexer is None:
+            return self.relay.selections[index]
+        q, w = index_q[span], index_w[span]  # [B*n, n_i, d_i], [B*n, n_i]
+        batch, n = visible.shape[:2]
+        return self.indexer.select(q.view(batch, n, *q.shape[1:]), w.view(batch, n, -1), ctx_keys, visible)
+
+    def _decode_context(self, rows: torch.Tensor, keys: torch.Tensor | None, group: DecodeGroup):
+        """Each request's whole context: latent rows [G, L, r + p], indexer keys [G, L, d_i] (None without an
+        indexer) and visibility [G, L] (a group's shared prefix blocks first, then its own)."""
+        visible = group.key_mask[:, 0, 0]  # [G, L]
+        ctx = gather_visible(rows, group.block_table, visible, group.seen_by_all)[:, :, 0]
+        ctx_keys = gather_visible(keys, group.block_table, visible, group.seen_by_all)[:, :, 0] \
+            if keys is not None else None
+        if group.shared_blocks is not None:  # full prompt blocks every request of the group sees whole
+            num_reqs = ctx.shape[0]
+            shared = _gather(rows, group.shared_blocks)[:, 0]  # [S*bs, r + p]
+            ctx = torch.cat([shared.expand(num_reqs, -1, -1), ctx], dim=1)
+            if ctx_keys is not None:
+                shared_keys = _gather(keys, group.shared_blocks)[:, 0]  # [S*bs, d_i]
+                ctx_keys = torch.cat([shared_keys.expand(num_reqs, -1, -1), ctx_keys], dim=1)
+            visible = torch.cat([visible.new_ones(num_reqs, shared.shape[0]), visible], dim=1)
+        return ctx, ctx_keys, visible
+
+    def _decode_sparse(self, q: torch.Tensor, ctx: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+        """Absorbed: q [G, h, n + p] over the selected rows of ctx [G, L, r + p] (select [G, 1, L]) -> [G, h, v]."""
+        w_uk, w_uv = self._w_kv()
+        r = self.kv_lora_rank
+        q_latent = torch.einsum("ghn,hnr->ghr", q[..., :self.nope_dim], w_uk)
+        qa = torch.cat([q_latent, q[..., self.nope_dim:]], dim=-1)  # [G, h, r + p]
+        out = F.scaled_dot_product_attention(qa[:, None], ctx[:, None], ctx[:, None, :, :r],
+                                             attn_mask=select[:, None], scale=self.scale)[:, 0]  # [G, h, r]
+        return torch.einsum("ghr,hvr->ghv", out, w_uv)
+
+    def _decode_sparse_triton(self, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup,
+                              select: torch.Tensor) -> torch.Tensor:
+        """``_decode_sparse`` in the Triton kernel, which reads only the selected rows: q [G, h, n + p],
+        select [G, 1, L] over the context ``_decode_context`` laid out -> [G, h, v]."""
+        from engine.kernels.sparse_mla import sparse_mla_decode_triton
+
+        w_uk, w_uv = self._w_kv()
+        qa = torch.cat([torch.einsum("ghn,hnr->ghr", q[..., :self.nope_dim], w_uk), q[..., self.nope_dim:]], dim=-1)
+        table = group.block_table  # [G, W]
+        if group.shared_blocks is not None:  # the context starts with the shared blocks
+            table = torch.cat([group.shared_blocks.expand(table.shape[0], -1), table], dim=1)
+        chosen = select[:, 0]  # [G, L]
+        positions = torch.where(chosen, torch.arange(chosen.shape[1], device=q.device), -1)  # [G, L]
+        most = max(int(chosen.sum(dim=-1).max()), 1)
+        positions = positions.sort(dim=-1, descending=True).values[:, :most]  # [G, K]: the selected first
+        latent_out = sparse_mla_decode_triton(qa, cache, table, positions, self.scale, self.kv_lora_rank)  # [G, h, r]
+        return torch.einsum("ghr,hvr->ghv", latent_out, w_uv)
+
+    def _prefill_sparse(self, q: torch.Tensor, ctx: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+        """Expanded: q [q, h, n + p] over the selected rows of ctx [L, r + p] (select [q, L]) -> [q, h, v]."""
+        keys, values = self._expand(ctx[:, :self.kv_lora_rank], ctx[:, self.kv_lora_rank:])  # [L, h, n + p], [L, h, v]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=select[None, None], scale=self.scale,
+        )  # [1, h, q, v]
+        return o[0].transpose(0, 1)
