@@ -90,9 +90,10 @@ class PriorityFreeQueue:
         self._class_heap: list[int] = []  # -priority of classes with blocks (lazy: emptied ones skipped)
         self._heaped: set[int] = set()  # the priorities in ``_class_heap``
         self._seq = itertools.count()
+        self._cached = 0  # blocks in the classes
 
     def __len__(self) -> int:
-        return len(self._plain) + sum(c.size for c in self._classes.values())
+        return len(self._plain) + self._cached
 
     def push(self, block: Block) -> None:
         if block.block_hash is None:
@@ -106,6 +107,7 @@ class PriorityFreeQueue:
                 heapq.heappush(self._class_heap, -block.priority)
         cls.tenants.setdefault(block.tenant, OrderedDict())[block.block_id] = block
         cls.size += 1
+        self._cached += 1
         cls.note(block.tenant, next(self._seq))
 
     def remove(self, block: Block) -> None:
@@ -133,6 +135,7 @@ class PriorityFreeQueue:
         blocks = cls.tenants[tenant]
         block = blocks.pop(block_id)
         cls.size -= 1
+        self._cached -= 1
         if not blocks:
             del cls.tenants[tenant]
         cls.note(tenant, next(self._seq))
