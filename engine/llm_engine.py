@@ -220,8 +220,8 @@ class LLMEngine:
             copies = [make(child_id(request_id, i), choice_params(sampling_params, i), request_id, i)
                       for i in range(sampling_params.n)]
             now = self.choice_groups.add(request_id, copies)
-        if self.tiers is not None:  # every request carries its tenant's current share (live and Batch API)
-            self.tiers.set_share(policy.tenant, policy.cache_share)
+        if self.tiers is not None:  # every request carries its tenant's current share and class (live and Batch API)
+            self.tiers.set_share(policy.tenant, policy.cache_share, policy.priority)
         for request in copies:
             self.output_processor.add_request(request)
         added = []

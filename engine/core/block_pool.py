@@ -1,4 +1,4 @@
-"""The KV block pool: fixed-size blocks, ref counts, an LRU free queue, prefix hashes.
+"""The KV block pool: fixed-size blocks, ref counts, a free queue (its order is the eviction policy), prefix hashes.
 
 Plain Python, no torch: the pool only hands out block ids; the runner owns the
 tensors they index.
@@ -6,7 +6,11 @@ tensors they index.
 
 import hashlib
 from array import array
-from collections import OrderedDict
+
+from engine.core.block import Block
+from engine.core.free_queue import make_free_queue
+
+__all__ = ["Block", "BlockPool", "hash_block_tokens"]
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...], cache_salt: str | None,
@@ -28,37 +32,25 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int] | tuple[in
     return h.digest()
 
 
-class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "tenant")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_count = 0
-        self.block_hash: bytes | None = None
-        self.tenant = ""  # whose prefix a cached block holds (for the outer tiers' shares)
-
-    def __repr__(self) -> str:
-        return f"Block(id={self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
-
-
 class BlockPool:
-    """Owns every block. Free blocks wait in LRU order; cached ones keep their hash until reused.
+    """Owns every block. Free blocks wait in the free queue (``engine.core.free_queue``: ``eviction_policy``
+    orders it); cached ones keep their hash until reused.
 
     Invariants (asserted where they are enforced):
     - a block is in the free queue iff its ref_count is 0;
     - a hashed block is findable by its hash until it is handed out again.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, eviction_policy: str = "priority") -> None:
         assert num_blocks >= 1
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         # The blocks handed out at least once, by id: a block is made on its first use, so a large pool
         # (hundreds of thousands of blocks on a CPU) costs nothing at start. Ids past the list are fresh.
         self.blocks: list[Block] = []
-        # Blocks that were used and freed since, least recently freed first. Fresh blocks are handed out
-        # before any of these, as if they led the queue, so cached blocks are evicted as late as possible.
-        self._free: OrderedDict[int, Block] = OrderedDict()
+        # Blocks that were used and freed since, in eviction order. Fresh blocks are handed out before any of
+        # these, as if they led the queue, so cached blocks are evicted as late as possible.
+        self._free = make_free_queue(eviction_policy)
         self._cached: dict[bytes, Block] = {}
         self.num_evictions = 0
         # With prefix-cache tiers: (block id, hash, tenant) of cached blocks evicted since the last step; the
@@ -70,7 +62,8 @@ class BlockPool:
         return len(self._free) + self.num_blocks - len(self.blocks)
 
     def allocate(self, count: int) -> list[Block]:
-        """Take ``count`` blocks: fresh ones first, then from the LRU end; a cached block taken here loses its hash."""
+        """Take ``count`` blocks: fresh ones first, then the free queue's first; a cached block taken here loses its
+        hash."""
         assert count <= self.num_free_blocks, "caller must check num_free_blocks first"
         taken = []
         for _ in range(count):
@@ -78,7 +71,7 @@ class BlockPool:
                 block = Block(len(self.blocks))
                 self.blocks.append(block)
             else:
-                _, block = self._free.popitem(last=False)
+                block = self._free.pop()
                 assert block.ref_count == 0
                 if block.block_hash is not None:
                     del self._cached[block.block_hash]
@@ -93,12 +86,15 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> Block | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
-    def acquire(self, blocks: list[Block]) -> None:
-        """Take a reference on cached blocks (a prefix hit); revives them from the free queue."""
+    def acquire(self, blocks: list[Block], priority: int | None = None) -> None:
+        """Take a reference on cached blocks (a prefix hit); revives them from the free queue. ``priority``: the
+        hitting request's class; a block keeps the most urgent class that used it."""
         for block in blocks:
             if block.ref_count == 0:
-                del self._free[block.block_id]
+                self._free.remove(block)
             block.ref_count += 1
+            if priority is not None and priority < block.priority:
+                block.priority = priority
 
     def release(self, blocks: list[Block]) -> None:
         """Drop one reference each. Pass blocks tail-first so the tail of a sequence is evicted first."""
@@ -106,15 +102,17 @@ class BlockPool:
             assert block.ref_count > 0, f"double free of {block}"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block.block_id] = block
+                self._free.push(block)
 
-    def register(self, block: Block, block_hash: bytes, tenant: str = "") -> None:
-        """Mark a full, computed block as reusable by hash."""
+    def register(self, block: Block, block_hash: bytes, tenant: str = "", priority: int = 1) -> None:
+        """Mark a full, computed block as reusable by hash: ``tenant``'s prefix, computed by a request of class
+        ``priority`` (the default is ``RequestPolicy``'s)."""
         assert block.block_hash is None and block.ref_count > 0
         if not self.enable_caching or block_hash in self._cached:
             return  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
         block.tenant = tenant
+        block.priority = priority
         self._cached[block_hash] = block
 
     def check_all_free(self) -> None:

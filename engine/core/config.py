@@ -32,6 +32,11 @@ class EngineConfig:
     """prompt plus output tokens of one request, at most (default: the checkpoint's context length)"""
     enable_prefix_caching: bool = True
     """share the KV blocks of prompt prefixes already computed (salted per tenant)"""
+    kv_eviction_policy: str = "priority"
+    """which cached prefix blocks make room first, in the KV pool and the host and disk tiers: priority: those
+    of the least urgent priority class that used them, within it the tenant holding the most, least recently
+    used first (a batch flood evicts its own blocks, not a realtime tenant's prompt); lru: least recently used
+    first, whoever's (docs/decisions/priority-eviction.md)"""
     state_checkpoint_interval: int = 64
     """hybrid linear-attention models' prefix cache: keep the linear layers' state after every this many blocks
     of a sequence (and after each prompt's last full block); a hit resumes at the last block with one
@@ -310,6 +315,9 @@ class CacheConfig:
     # the slots, and a checkpoint every this many blocks besides each prompt's last full block; 0: none.
     num_state_checkpoints: int = 0
     state_checkpoint_interval: int = 64
+    # Which cached blocks the pool evicts first: "priority" (least urgent class, then the largest tenant) or
+    # "lru" (``engine.core.free_queue``).
+    eviction_policy: str = "priority"
 
     def __post_init__(self) -> None:
         assert self.block_size >= 1 and self.num_blocks >= 1 and self.num_state_slots >= 0

@@ -8,9 +8,11 @@ KERNEL_OPTIONS = ("auto", "torch", "triton")
 QUANTIZATION_OPTIONS = ("fp8", "fp8-block", "int8", "mxfp4")  # engine.loading.quantization maps them to schemes
 EXPERT_DISPATCH = ("all_to_all", "all_gather")
 ROLES = ("both", "prefill", "decode")  # EngineConfig.role
+EVICTION_POLICIES = ("priority", "lru")  # EngineConfig.kv_eviction_policy (engine.core.free_queue)
 # The EngineConfig fields that take one of a few values (their flags' choices).
 CHOICES = {"dtype": DTYPES, "device": DEVICES, "kernels": KERNEL_OPTIONS, "quantization": QUANTIZATION_OPTIONS,
-           "expert_dispatch": EXPERT_DISPATCH, "speculative": SPECULATIVE_METHODS, "role": ROLES}
+           "expert_dispatch": EXPERT_DISPATCH, "speculative": SPECULATIVE_METHODS, "role": ROLES,
+           "kv_eviction_policy": EVICTION_POLICIES}
 
 
 def meeting_address(init_method: str) -> tuple[str, int]:

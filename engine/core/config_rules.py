@@ -7,8 +7,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from engine.core.config_choices import (DEVICES, DTYPES, EXPERT_DISPATCH, KERNEL_OPTIONS, QUANTIZATION_OPTIONS,
-                                        ROLES, meeting_address)
+from engine.core.config_choices import (DEVICES, DTYPES, EVICTION_POLICIES, EXPERT_DISPATCH, KERNEL_OPTIONS,
+                                        QUANTIZATION_OPTIONS, ROLES, meeting_address)
 
 REQUIRES, EXCLUDES, VALUES = "needs", "excludes", "values"
 
@@ -207,6 +207,7 @@ RULES: tuple[Rule, ...] = (
          "speculation with them", lambda c: c.host_cache_gb > 0 and c.speculative == "draft"),
     _at_least("kv_cache_memory_gb", 0, strict=True),
     _one_of("role", ROLES),
+    _one_of("kv_eviction_policy", EVICTION_POLICIES),
     Rule("role prefill / decode", REQUIRES, "enable_prefix_caching",
          "role {role} finds the blocks it hands over by their prefix hashes: keep enable_prefix_caching on",
          lambda c: c.role != "both" and not c.enable_prefix_caching),

@@ -73,11 +73,12 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None,
-                 tiers: PrefixTiers | None = None) -> None:
+                 tiers: PrefixTiers | None = None, eviction_policy: str = "priority") -> None:
         """``sliding_window``: the window of the second cache group's layers (None: one group, every layer full).
-        ``tiers``: host and disk tiers below the pool (None: blocks evicted from the pool are dropped)."""
+        ``tiers``: host and disk tiers below the pool (None: blocks evicted from the pool are dropped).
+        ``eviction_policy``: which cached blocks the pool evicts first (``engine.core.free_queue``)."""
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy)
         self.enable_caching = enable_caching
         self.tiers = tiers if enable_caching else None
         if self.tiers is not None:
@@ -317,7 +318,7 @@ class KVCacheManager:
         if sum(needed) + revived > self.pool.num_free_blocks:
             return False
         if hits:
-            self.pool.acquire(hits)
+            self.pool.acquire(hits, request.policy.priority)
         if tables is None:  # a hit's sliding tables lead with the blocks its window has passed
             tables = self._tables[request.request_id] = [[] for _ in self.windows]
             self._released[request.request_id] = [sum(b is None for b in p) for p in prefix]
@@ -354,7 +355,8 @@ class KVCacheManager:
             for i in range(start, num_full):
                 block = blocks[i]
                 if block is not None and block.block_hash is None:
-                    self.pool.register(block, self._key(hashes[i], g), request.policy.tenant)
+                    self.pool.register(block, self._key(hashes[i], g), request.policy.tenant,
+                                       request.policy.priority)
         self._num_registered[request.request_id] = max(num_full, start)
 
     def trim(self, request: Request, num_tokens: int) -> None:

@@ -157,7 +157,7 @@ class Scheduler:
         self.config = scheduler_config
         self.speculator = speculator
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 cache_config.sliding_window, tiers)
+                                 cache_config.sliding_window, tiers, cache_config.eviction_policy)
         # Hybrid models' recurrent states: a slot per running request (None: the model keeps none).
         self.states = StateSlots(cache_config.num_state_slots) if cache_config.num_state_slots else None
         # Their prefix-cache hits resume from state checkpoints (None: no checkpoints, or no prefix cache).

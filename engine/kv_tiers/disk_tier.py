@@ -65,12 +65,14 @@ class DiskTier:
 
     name = "disk"
 
-    def __init__(self, directory: str, capacity_bytes: int, block_bytes: int, deployment: str | None = None) -> None:
+    def __init__(self, directory: str, capacity_bytes: int, block_bytes: int, deployment: str | None = None,
+                 eviction_policy: str = "lru", classes: dict[str, int] | None = None) -> None:
+        """``eviction_policy`` and ``classes``: the index's (``LruIndex``)."""
         self.dir = directory
         self.block_bytes = block_bytes
         self.owner = deployment or NO_DEPLOYMENT
         os.makedirs(directory, exist_ok=True)
-        self.index = LruIndex(capacity_bytes)
+        self.index = LruIndex(capacity_bytes, eviction_policy, classes)
         self.lock = threading.Lock()
         self.num_deleted_corrupt = 0
         self.num_write_errors = 0
@@ -247,7 +249,7 @@ class DiskTier:
     def _recreate(self) -> None:
         with self.lock:
             lost = len(self.index)
-            self.index = LruIndex(self.index.capacity)
+            self.index = LruIndex(self.index.capacity, self.index.policy, self.index.classes)
         first = not self._vanished
         try:
             os.makedirs(self.dir, exist_ok=True)

@@ -12,10 +12,12 @@ class HostTier:
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int, block_bytes: int, pin_memory: bool) -> None:
+    def __init__(self, capacity_bytes: int, block_bytes: int, pin_memory: bool, eviction_policy: str = "lru",
+                 classes: dict[str, int] | None = None) -> None:
+        """``eviction_policy`` and ``classes``: the index's (``LruIndex``)."""
         self.block_bytes = block_bytes
         num_slots = capacity_bytes // block_bytes
-        self.index = LruIndex(num_slots * block_bytes)
+        self.index = LruIndex(num_slots * block_bytes, eviction_policy, classes)
         # slab [num_slots, block_bytes] uint8; torch.empty takes no resident memory until slots are written.
         self.slab = torch.empty((max(num_slots, 1), block_bytes), dtype=torch.uint8, pin_memory=pin_memory)
         self._free_slots = list(range(num_slots - 1, -1, -1))

@@ -25,7 +25,7 @@ def build_tiers(config: EngineConfig, model: MoECausalLM, kv_caches: list[tuple[
     fingerprint = layout_fingerprint(identity, str(dtype), specs, config.block_size, model.tp.size, model.tp.rank)
     copier = BlockCopier(kv_caches, device)
     return TieredStore(copier, fingerprint, host_bytes_per_rank(config, model.tp.size), config.disk_cache_dir,
-                       int(config.disk_cache_gb * GB), config.deployment_id)
+                       int(config.disk_cache_gb * GB), config.deployment_id, config.kv_eviction_policy)
 
 
 def host_bytes_per_rank(config: EngineConfig, tp_size: int) -> int:

@@ -36,13 +36,17 @@ class TieredStore:
     """Host (and optionally disk) tiers over one engine's KV caches."""
 
     def __init__(self, copier: BlockCopier, fingerprint: bytes, host_bytes: int, disk_dir: str | None = None,
-                 disk_bytes: int = 0, deployment: str | None = None) -> None:
-        """``deployment``: whose files the disk tier's directory may hold (``EngineConfig.deployment_id``)."""
+                 disk_bytes: int = 0, deployment: str | None = None, eviction_policy: str = "lru") -> None:
+        """``deployment``: whose files the disk tier's directory may hold (``EngineConfig.deployment_id``).
+        ``eviction_policy``: ``EngineConfig.kv_eviction_policy``, for both tiers (``LruIndex``)."""
         self.copier = copier
         self.fingerprint = fingerprint
         self.block_bytes = copier.block_bytes
-        self.host = HostTier(host_bytes, self.block_bytes, pin_memory=copier.device.type == "cuda")
-        self.disk = DiskTier(disk_dir, disk_bytes, self.block_bytes, deployment) if disk_dir else None
+        # tenant -> its priority class, from its requests' policies: both tiers' indexes read it (one dict)
+        self.classes: dict[str, int] = {}
+        self.host = HostTier(host_bytes, self.block_bytes, copier.device.type == "cuda", eviction_policy, self.classes)
+        self.disk = DiskTier(disk_dir, disk_bytes, self.block_bytes, deployment, eviction_policy,
+                             self.classes) if disk_dir else None
         self.lock = threading.RLock()
         self.counters = TierCounters()
         self.shares: dict[str, float] = {}  # tenant -> share of each tier (absent: shared LRU)
@@ -56,9 +60,12 @@ class TieredStore:
         return tier_key(self.fingerprint, block_hash)
 
     # ---- the scheduler's side (plain data in, plain data out) ---------------
-    def set_share(self, tenant: str, share: float | None) -> None:
-        """The tenant's share of each tier (0 < share <= 1) from its policy; None: shared LRU."""
+    def set_share(self, tenant: str, share: float | None, priority: int | None = None) -> None:
+        """The tenant's share of each tier (0 < share <= 1) from its policy; None: shared LRU. ``priority``: its
+        priority class, which blocks it stores from now on carry (None: unchanged)."""
         with self.lock:
+            if priority is not None:
+                self.classes[tenant] = priority
             if share is None:
                 self.shares.pop(tenant, None)
             else:

@@ -107,7 +107,7 @@ class KVHandoff:
         revived = sum(1 for b in hits if b.ref_count == 0)
         if len(positions) * bs < max(self.local_prefill_tokens, 1) or len(missing) + revived > pool.num_free_blocks:
             return []
-        pool.acquire(hits)
+        pool.acquire(hits, msg.policy.priority)
         new_blocks = pool.allocate(len(missing))
         source = msg.kv_source
         self._parked[msg.request_id] = _Parked(msg, hits, new_blocks, missing, min(positions) * bs)
@@ -139,7 +139,7 @@ class KVHandoff:
             pool = self.engine.scheduler.kv.pool
             if result.ok:
                 for block, h in zip(parked.new_blocks, parked.hashes):
-                    pool.register(block, h)
+                    pool.register(block, h, parked.msg.policy.tenant, parked.msg.policy.priority)
                 self._count(result)
                 self._cached_tokens[request_id] = parked.cached_tokens
             else:

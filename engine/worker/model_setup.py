@@ -207,6 +207,8 @@ def size_kv_pool(config: EngineConfig, model: MoECausalLM, device: torch.device,
     if window is not None:
         bound = sliding_blocks_bound(window, config.block_size, config.max_num_batched_tokens)
         max_blocks = max(num_blocks // 2, num_blocks - bound)
-    cache_config = CacheConfig(config.block_size, num_blocks, prefix_caching, window, state_slots, checkpoints,
-                               config.state_checkpoint_interval)
+    cache_config = CacheConfig(config.block_size, num_blocks, prefix_caching, window, num_state_slots=state_slots,
+                               num_state_checkpoints=checkpoints,
+                               state_checkpoint_interval=config.state_checkpoint_interval,
+                               eviction_policy=config.kv_eviction_policy)
     return cache_config, min(max_len, max_blocks * config.block_size)

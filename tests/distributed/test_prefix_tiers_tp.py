@@ -10,7 +10,9 @@ from tests.distributed.ranks import run_ranks
 from tests.hf_models import make_hf_model
 
 BLOCK = 8
-SETTINGS = dict(device="cpu", cpu_threads=1, block_size=BLOCK, num_kv_blocks=16, host_cache_gb=0.002)
+# lru: the fillers push the prompt out of the pool whoever's blocks they are (``priority`` evicts their own first)
+SETTINGS = dict(device="cpu", cpu_threads=1, block_size=BLOCK, num_kv_blocks=16, host_cache_gb=0.002,
+                kv_eviction_policy="lru")
 
 
 def _flush_and_repeat(rank: int, world: int, address: str, model_dir: str, prompt, fillers) -> dict:

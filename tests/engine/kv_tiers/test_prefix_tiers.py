@@ -108,8 +108,9 @@ def test_host_disk_restart_tenants_layouts_and_corruption(tmp_path):
     prompt = [rng.randrange(1, 200) for _ in range(5 * BLOCK + 3)]
     fillers = [[rng.randrange(1, 200) for _ in range(6 * BLOCK)] for _ in range(3)]
     full = (len(prompt) - 1) // BLOCK * BLOCK  # a full hit: every block but the one with the last token
+    # lru: the fillers flush the pool whoever's blocks it holds (``priority`` would evict the fillers' own first)
     settings = dict(block_size=BLOCK, num_kv_blocks=16, host_cache_gb=HOST_GB, disk_cache_dir=disk,
-                    disk_cache_gb=0.01)
+                    disk_cache_gb=0.01, kv_eviction_policy="lru")
     reference = _run(_engine(model=model, block_size=BLOCK, num_kv_blocks=64), [prompt])[0].token_ids
 
     engine = _engine(model=model, **settings)
@@ -291,8 +292,9 @@ def test_sliding_window_model_from_host_and_disk(tmp_path):
     prompt = [rng.randrange(1, 200) for _ in range(5 * BLOCK + 3)]
     fillers = [[rng.randrange(1, 200) for _ in range(6 * BLOCK)] for _ in range(3)]
     full = (len(prompt) - 1) // BLOCK * BLOCK
+    # lru: the fillers flush the pool whoever's blocks it holds (``priority`` would evict the fillers' own first)
     settings = dict(block_size=BLOCK, num_kv_blocks=16, host_cache_gb=HOST_GB, disk_cache_dir=disk,
-                    disk_cache_gb=0.01)
+                    disk_cache_gb=0.01, kv_eviction_policy="lru")
     reference = _run(_engine(model=model, block_size=BLOCK, num_kv_blocks=64), [prompt])[0].token_ids
     for restart in (False, True):
         engine = _engine(model=model, **settings)
