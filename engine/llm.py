@@ -72,6 +72,7 @@ class LLM:
         images = [()] * len(prompts) if images is None else list(images)
         if len(images) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(images)} lists of images")
+        images = [self.engine.prompt_images(p, im) for p, im in zip(token_prompts, images)]
         ids = [self.engine.add_request(p, sp, images=im) for p, sp, im in zip(token_prompts, params, images)]
         whole: dict[tuple[str, int], RequestOutput] = {}  # each choice's outputs so far, merged
         while self.engine.step_needed():  # with data-parallel peers, until none of them has work

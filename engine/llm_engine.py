@@ -18,6 +18,7 @@ from engine.distributed.pipeline import WHOLE, StageTiming
 from engine.ranks.engine_ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
+from engine.core.prompt_images import PromptImage
 from engine.core.request import Request, RequestStatus
 from engine.core.lora_residency import LoraResidency, registered_name
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
@@ -210,15 +211,17 @@ class LLMEngine:
         """Queue a request; raises ValueError (nothing queued) for a prompt that cannot be served.
 
         ``images`` (a model that reads them, ``ModelConfig.multimodal_config``): encoded bytes, PIL images or
-        preprocessed ``ProcessedImage``s, one per run of image placeholder tokens in the prompt, in order; the
-        prompt holds each image's placeholders already expanded (one token per merged patch window).
+        preprocessed ``ProcessedImage``s, one per run of image placeholder tokens in the prompt, in order (or what
+        ``prompt_images`` made of them); the prompt holds each image's placeholders already expanded (one token per
+        merged patch window).
 
         ``sampling_params.n`` > 1 queues n copies sharing the prompt's prefill (``engine.core.parallel_sampling``);
         their outputs carry ``request_id`` and their ``index``, and aborting ``request_id`` ends them all.
         ``policy``: how the scheduler treats it (priority class, tenant, preemption, ...), shared by the copies.
         """
         prompt_ids = self.prepare_prompt(prompt)
-        prompt_images = self._prompt_images(prompt_ids, images)
+        prompt_images = images if images and all(isinstance(im, PromptImage) for im in images) \
+            else self.prompt_images(prompt_ids, images)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = min(sampling_params.max_tokens or room, room)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -264,9 +267,10 @@ class LLMEngine:
             raise
         return request_id
 
-    def _prompt_images(self, prompt_ids: list[int], images: Sequence[Any]) -> tuple:
-        """The request's images matched with its placeholder runs (``engine.vision.prompt_images``); ValueError for
-        images given to a text model, or images that do not fit the prompt."""
+    def prompt_images(self, prompt_ids: list[int], images: Sequence[Any]) -> tuple[PromptImage, ...]:
+        """A prompt's images matched with its placeholder runs (``engine.vision.prompt_images``), which
+        ``add_request`` takes as they are; ValueError for images given to a text model, or images that do not fit
+        the prompt."""
         whole = self.model_config.multimodal_config
         if whole is None:
             if images:
