@@ -148,8 +148,8 @@ class MoECausalLM(nn.Module, abc.ABC):
     weight_rules: tuple[WeightRule, ...] = ()
     # The rotary embedding every layer shares (M-RoPE for image-text models).
     rotary_class: type[RotaryEmbedding] = RotaryEmbedding
-    # Whether the model reads a request's images (``engine.core.prompt_images``): the runner then calls
-    # ``begin_image_step`` before each forward and ``forget_images`` for finished requests.
+    # Whether the model reads a request's images (``engine.core.prompt_images``): the runner then puts
+    # ``image_step(...)`` in each batch's metadata and calls ``forget_images`` for finished requests.
     takes_images = False
 
     def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,

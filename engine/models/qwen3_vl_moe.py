@@ -2,7 +2,8 @@
 the vision tower's features in place of the image placeholder tokens' embeddings, and its deepstack features
 added to those tokens' hidden states after the first text layers.
 
-A step's image work is prepared by ``begin_image_step`` (the runner calls it with the step's parts): each
+A step's image work is prepared by ``image_step`` (the runner calls it with the step's parts and puts the result
+in the batch's metadata, ``meta.images``): each
 image's features are computed once per request, the first time a chunk holds one of its tokens, and kept until
 the request finishes (``forget_images``); the step's M-RoPE positions come from each request's prompt layout
 (``engine.vision.mrope``).
@@ -56,7 +57,6 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
         self.merge = int(whole.vision_config.spatial_merge_size)
         self._features: dict[str, list[VisionFeatures | None]] = {}
         self._layout: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (prompt positions [3, L], delta)
-        self._step: ImageStep | None = None
 
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
         layer = super().build_layer(layer_idx, rotary, moe_backend)
@@ -97,10 +97,11 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
             self._layout.pop(rid, None)
 
     # ---- per step ---------------------------------------------------------------------------
-    def begin_image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
-                         num_rows: int, device: torch.device) -> None:
-        """Prepare the next forward's positions and image rows from the step's parts (``ranges``: their flat
-        rows, in the same order)."""
+    @torch.inference_mode()
+    def image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
+                   num_rows: int, device: torch.device) -> ImageStep:
+        """A forward's positions and image rows from the step's parts (``ranges``: their flat rows, in the same
+        order)."""
         positions = torch.zeros(3, num_rows, dtype=torch.int64)
         rows, embeds, deepstack = [], [], []
         for part, (a, b) in zip(scheduled, ranges):
@@ -122,7 +123,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
                 deepstack.append(feats.deepstack[:, lo - image.offset:hi - image.offset])
         hidden = self.config.hidden_size
         dtype = self.model.embed_tokens.weight.dtype
-        self._step = ImageStep(
+        return ImageStep(
             positions.to(device),
             torch.cat(rows).to(device) if rows else torch.empty(0, dtype=torch.int64, device=device),
             torch.cat(embeds) if embeds else torch.empty(0, hidden, dtype=dtype, device=device),
@@ -130,7 +131,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        step, self._step = self._step, None
+        step: ImageStep | None = meta.images
         x = self.model.embed_tokens(input_ids)  # [T, H]
         if step is not None:
             positions = step.positions  # [3, T]

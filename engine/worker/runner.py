@@ -109,7 +109,8 @@ class ModelRunner:
         if self.state_slots:
             batch.meta.states = step_states(scheduled, batch.scheduled_ranges, self.device)
         if self.model.takes_images:  # the step's M-RoPE positions and image features (engine.models.qwen3_vl_moe)
-            self.model.begin_image_step(scheduled, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
+            batch.meta.images = self.model.image_step(scheduled, batch.scheduled_ranges, batch.input_ids.shape[0],
+                                                      self.device)
         return batch
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Qwen3-VL-MoE served with images: greedy tokens equal transformers' ``Qwen3VLMoeForConditionalGeneration`` on a
 tiny random checkpoint (every parameter random) for a chat with one image, one with two images and a text-only
-one, batched and prefilled in chunks that cut through images; the same text with another image gives that image's
+one, batched and prefilled in chunks that cut through images, with steps overlapped or not; the same text with another image gives that image's
 own tokens (its image blocks are keyed by the picture, so the prefix cache does not hand it the first image's)."""
 
 import json
@@ -78,7 +78,8 @@ def test_vision_tower_matches_transformers(checkpoint):
                 torch.testing.assert_close(ours.deepstack[k], ref.deepstack_features[k][i], rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_matches_transformers(checkpoint):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_greedy_matches_transformers(checkpoint, overlap):
     path, model, seed = checkpoint
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -99,7 +100,8 @@ def test_greedy_matches_transformers(checkpoint):
     assert expected_other != expected[0], f"seed={seed}: two images gave the same tokens (the test would be blind)"
 
     # 16-token steps cut the image prompts into chunks, some through an image's placeholders
-    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=32, block_size=4, max_num_batched_tokens=16)
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=32, block_size=4, max_num_batched_tokens=16,
+              overlap_scheduling=overlap)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     # the engine preprocesses encoded bytes and PIL images itself; pixel tensors are taken as they are
     images = [[pics[0]], [processed[1], processed[2]], []]
