@@ -1,7 +1,8 @@
 """Qwen3-VL-MoE served with images: greedy tokens equal transformers' ``Qwen3VLMoeForConditionalGeneration`` on a
 tiny random checkpoint (every parameter random) for a chat with one image, one with two images and a text-only
-one, batched and prefilled in chunks that cut through images, with steps overlapped or not; the same text with another image gives that image's
-own tokens (its image blocks are keyed by the picture, so the prefix cache does not hand it the first image's)."""
+one, batched and prefilled in chunks that cut through images, with steps overlapped or not; the same text with
+another image gives that image's own tokens (its image blocks are keyed by the picture, so the prefix cache does
+not hand it the first image's). The tower's features and the prompt's M-RoPE positions are checked on their own."""
 
 import json
 import random
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.vision.mrope import ImageSpan, prompt_positions
+from engine.vision.prompt_images import placeholder_runs
 from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig
 from engine.vision.qwen_image_processing import process_image
 from tests.engine.vision.qwen3_vl_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, VOCAB,
@@ -55,6 +58,23 @@ def checkpoint(tmp_path_factory):
                    "image_std": list(IMAGE_CONFIG.image_std),
                    "size": {"shortest_edge": IMAGE_CONFIG.min_pixels, "longest_edge": IMAGE_CONFIG.max_pixels}}, f)
     return path, model, seed
+
+
+def test_prompt_positions_match_transformers(checkpoint):
+    """M-RoPE positions of a prompt with two images of different grids (one taller, one wider) and its delta."""
+    _, model, seed = checkpoint
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    images = [process_image(random_image(gen, 20, 50), IMAGE_CONFIG), process_image(random_image(gen, 44, 18), IMAGE_CONFIG)]
+    prompt = _with_images(rng, images)
+    ids = torch.tensor([prompt])
+    want, want_delta = model.model.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+                                                  image_grid_thw=torch.tensor([p.grid_thw for p in images]))
+    runs = placeholder_runs(prompt, IMAGE_TOKEN)
+    spans = [ImageSpan(start, p.grid_thw[1] // 2, p.grid_thw[2] // 2) for (start, _), p in zip(runs, images)]
+    got, delta = prompt_positions(len(prompt), spans)
+    assert torch.equal(got, want[:, 0]) and delta == int(want_delta)
+    assert delta < 0
 
 
 def test_vision_tower_matches_transformers(checkpoint):
