@@ -140,6 +140,27 @@ def test_greedy_matches_transformers(checkpoint, overlap):
     assert kv.prefix_hit_tokens - hits_before >= (len(one) - 1) // 4 * 4 - 4
 
 
+def test_preempted_image_requests_resume_with_their_images(checkpoint):
+    """16 blocks of 4 tokens hold any one request (at most 59 tokens) but not five at once (at least 93): some are
+    preempted and recompute their prompts, images included, and still give transformers' tokens."""
+    path, model, seed = checkpoint
+    rng = random.Random(seed + 1)
+    gen = torch.Generator().manual_seed(seed + 1)
+    processed = [process_image(random_image(gen, rng.randint(12, 40), rng.randint(12, 40)), IMAGE_CONFIG)
+                 for _ in range(3)]
+    cases = [(_with_images(rng, processed[:1]), processed[:1]), (_with_images(rng, processed[1:]), processed[1:]),
+             (_text(rng, rng.randint(5, 20)), [])]
+    cases += cases[:2]
+    expected = [_hf_greedy(model, p, im) for p, im in cases[:3]]
+    expected += expected[:2]
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate([p for p, _ in cases], params, images=[im for _, im in cases])]
+    assert got == expected, f"seed={seed}"
+    assert llm.engine.scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
+
+
 def test_images_that_do_not_fit_the_prompt_are_refused(checkpoint):
     path, _, seed = checkpoint
     gen = torch.Generator().manual_seed(seed)
