@@ -12,6 +12,7 @@ class MRotaryEmbedding(RotaryEmbedding):
 
     # Qwen3-VL interleaves the parts whatever its config says (transformers reads no flag for it).
     interleaved = True
+    fusable = False  # three positions per token: the fused kernel reads one
 
     def __init__(self, config: ModelConfig, head_dim: int, max_positions: int) -> None:
         sections = tuple(config.rope_parameters.get("mrope_section") or ())
