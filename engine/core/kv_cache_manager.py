@@ -139,8 +139,8 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             images = image_key(request.images, i * bs, (i + 1) * bs) if request.images else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs], request.policy.cache_salt,
-                                            request.policy.lora_adapter, images))
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs],
+                                            request.policy.cache_salt, request.policy.lora_adapter, images))
         return hashes
 
     @staticmethod

@@ -123,9 +123,12 @@ def load_model_config(model_dir: str) -> ModelConfig:
     if os.path.exists(gen_path):
         eos = _read_json(gen_path).get("eos_token_id", eos)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    config = model_config_from_hf(arch, hf, eos_ids, torch_dtype=str(getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float32"))
+    dtype = str(getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float32")
+    config = model_config_from_hf(arch, hf, eos_ids, torch_dtype=dtype)
     if arch in IMAGE_ARCHITECTURES:
         config.multimodal_config = whole
+        # the whole model's setting ties its LM head (transformers reads that one, not the text config's)
+        config.tie_word_embeddings = bool(getattr(whole, "tie_word_embeddings", False))
     return config
 
 

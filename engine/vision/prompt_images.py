@@ -37,8 +37,8 @@ def _processed(image: ImageLike, config: QwenImageConfig, max_decoded_pixels: in
         t, h, w = image.grid_thw
         if (t != 1 or h % config.merge_size or w % config.merge_size
                 or tuple(image.pixel_values.shape) != (h * w, row)):
-            raise ValueError(f"pixel values of shape {tuple(image.pixel_values.shape)} do not fit grid {image.grid_thw} "
-                             f"(need [{h * w}, {row}], t 1, h and w multiples of {config.merge_size})")
+            raise ValueError(f"pixel values of shape {tuple(image.pixel_values.shape)} do not fit grid "
+                             f"{image.grid_thw} (need [{h * w}, {row}], t 1, h and w multiples of {config.merge_size})")
         return image
     if isinstance(image, (bytes, bytearray)):
         image = decode_image(bytes(image), max_decoded_pixels)
@@ -51,7 +51,8 @@ def digest(image: ProcessedImage) -> bytes:
     """16-byte BLAKE2b of the grid and the float32 pixels: what the tower reads, whatever the file was."""
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(tuple(image.grid_thw)).encode())
-    h.update(bytes(image.pixel_values.to(torch.float32).contiguous().clone().untyped_storage()))  # the exact tensor, no numpy
+    # the tensor's own bytes (a clone holds exactly them), without numpy
+    h.update(bytes(image.pixel_values.to(torch.float32).contiguous().clone().untyped_storage()))
     return h.digest()
 
 

@@ -156,7 +156,8 @@ class Qwen3VisionTower(nn.Module):
         self.side = int(c.num_position_embeddings ** 0.5)
         self.blocks = nn.ModuleList(VisionBlock(c) for _ in range(c.depth))
         self.merger = PatchMerger(c, postshuffle=False)
-        self.deepstack_merger_list = nn.ModuleList(PatchMerger(c, postshuffle=True) for _ in c.deepstack_visual_indexes)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(c, postshuffle=True) for _ in c.deepstack_visual_indexes)
 
     def _position_embedding(self, rows: torch.Tensor, cols: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
         """[L, D]: the learned square grid, bilinearly resampled (corners aligned) to the image's grid."""

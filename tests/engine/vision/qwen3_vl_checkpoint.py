@@ -17,14 +17,15 @@ IMAGE_CONFIG = QwenImageConfig(patch_size=4, temporal_patch_size=2, merge_size=2
 
 def make_qwen3_vl_moe(path: str, seed: int):
     """Vision depth 2 (both blocks tapped for deepstack), width 32; text 2 layers of width 32, 4 experts (top 2),
-    interleaved M-RoPE over 8 frequencies. Saved to ``path``; returns the transformers model (eval, float32)."""
+    interleaved M-RoPE over 8 frequencies. The LM head is untied as the whole config says, while its text config
+    keeps its default (tied): the engine must read the whole model's. Saved to ``path``; returns the transformers model (eval, float32)."""
     config = AutoConfig.for_model(
         "qwen3_vl_moe",
         text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
                          num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
                          max_position_embeddings=1024, eos_token_id=VOCAB - 1, bos_token_id=None, pad_token_id=0,
-                         tie_word_embeddings=False, initializer_range=0.08,
+                         initializer_range=0.08,
                          rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2],
                                               mrope_interleaved=True)),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32,

@@ -65,7 +65,7 @@ def test_prompt_positions_match_transformers(checkpoint):
     _, model, seed = checkpoint
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    images = [process_image(random_image(gen, 20, 50), IMAGE_CONFIG), process_image(random_image(gen, 44, 18), IMAGE_CONFIG)]
+    images = [process_image(random_image(gen, w, h), IMAGE_CONFIG) for w, h in ((20, 50), (44, 18))]
     prompt = _with_images(rng, images)
     ids = torch.tensor([prompt])
     want, want_delta = model.model.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
@@ -82,7 +82,7 @@ def test_vision_tower_matches_transformers(checkpoint):
     different grids."""
     _, model, seed = checkpoint
     gen = torch.Generator().manual_seed(seed)
-    images = [process_image(random_image(gen, 37, 21), IMAGE_CONFIG), process_image(random_image(gen, 20, 50), IMAGE_CONFIG)]
+    images = [process_image(random_image(gen, w, h), IMAGE_CONFIG) for w, h in ((37, 21), (20, 50))]
     assert images[0].grid_thw != images[1].grid_thw
     tower = Qwen3VisionTower(VisionConfig.from_hf(model.config.vision_config))
     prefix = "model.visual."
