@@ -238,7 +238,7 @@ def _add(engine, msg: AddRequest, reports: StepReports, send, error: BaseExcepti
     try:
         if error is not None:
             raise error
-        engine.add_request(msg.prompt, msg.sampling_params, msg.request_id, msg.policy)
+        engine.add_request(msg.prompt, msg.sampling_params, msg.request_id, msg.policy, images=msg.images)
         reports.add(msg.request_id, msg.stream, msg.policy.background, msg.sampling_params.n)
         if msg.kv_sink is not None and handoff is not None:
             handoff.expect_sink(msg)
