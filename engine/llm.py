@@ -47,12 +47,15 @@ class LLM:
         self,
         prompts: str | list[int] | Sequence[str | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        images: Sequence[Sequence] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         ``prompts`` is one prompt or a list; a prompt is a string or a list of
         token ids. ``sampling_params`` is one for all or one per prompt. A prompt
         whose params ask for ``n`` > 1 gives its n choices, by ``index``, in its place.
+        ``images``: for a model that reads them, each prompt's images (``LLMEngine.add_request``), one list per
+        prompt.
         """
         if self.closed:
             raise RuntimeError("this LLM is closed; make a new one")
@@ -66,7 +69,11 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
         token_prompts = [self.engine.prepare_prompt(p) for p in prompts]
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(token_prompts, params)]
+        images = [()] * len(prompts) if images is None else list(images)
+        if len(images) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(images)} lists of images")
+        images = [self.engine.prompt_images(p, im) for p, im in zip(token_prompts, images)]
+        ids = [self.engine.add_request(p, sp, images=im) for p, sp, im in zip(token_prompts, params, images)]
         whole: dict[tuple[str, int], RequestOutput] = {}  # each choice's outputs so far, merged
         while self.engine.step_needed():  # with data-parallel peers, until none of them has work
             for out in self.engine.step():

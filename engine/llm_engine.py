@@ -2,6 +2,8 @@
 
 import itertools
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import torch
@@ -17,6 +19,7 @@ from engine.distributed.pipeline import WHOLE, StageTiming
 from engine.ranks.engine_ranks import EngineRanks
 from engine.core.outputs import OutputProcessor, RequestOutput, merge_step_outputs
 from engine.core.parallel_sampling import ChoiceGroups, child_id, choice_params
+from engine.core.prompt_images import PromptImage
 from engine.core.request import Request, RequestStatus
 from engine.core.lora_residency import registered_name
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
@@ -72,6 +75,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, kernel_choice: KernelChoice | None = None) -> None:
         """``kernel_choice`` overrides what ``config.kernels`` resolves to (to compare one part's kernels)."""
         self.config = config
+        self._image_config = None  # the image preprocessing settings, read at the first request with images
         self.device = resolve_device(config.device)
         self.model_config = engine_model_config(config)
         check_hybrid_support(config, self.model_config)
@@ -185,14 +189,22 @@ class LLMEngine:
         sampling_params: SamplingParams,
         request_id: str | None = None,
         policy: RequestPolicy = DEFAULT_POLICY,
+        images: Sequence[Any] = (),
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) for a prompt that cannot be served.
+
+        ``images`` (a model that reads them, ``ModelConfig.multimodal_config``): encoded bytes, PIL images or
+        preprocessed ``ProcessedImage``s, one per run of image placeholder tokens in the prompt, in order (or what
+        ``prompt_images`` made of them); the prompt holds each image's placeholders already expanded (one token per
+        merged patch window).
 
         ``sampling_params.n`` > 1 queues n copies sharing the prompt's prefill (``engine.core.parallel_sampling``);
         their outputs carry ``request_id`` and their ``index``, and aborting ``request_id`` ends them all.
         ``policy``: how the scheduler treats it (priority class, tenant, preemption, ...), shared by the copies.
         """
         prompt_ids = self.prepare_prompt(prompt)
+        prompt_images = images if images and all(isinstance(im, PromptImage) for im in images) \
+            else self.prompt_images(prompt_ids, images)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = min(sampling_params.max_tokens or room, room)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -211,7 +223,7 @@ class LLMEngine:
 
         def make(rid: str, copy_params: SamplingParams, parent_id: str | None, index: int) -> Request:
             return Request(rid, prompt_ids, copy_params, max_tokens, eos_token_id=eos, policy=policy,
-                           parent_id=parent_id, index=index)
+                           parent_id=parent_id, index=index, images=prompt_images)
 
         if sampling_params.n == 1:
             copies = [make(request_id, sampling_params, None, 0)]
@@ -237,6 +249,21 @@ class LLMEngine:
             self.choice_groups.forget(request_id)
             raise
         return request_id
+
+    def prompt_images(self, prompt_ids: list[int], images: Sequence[Any]) -> tuple[PromptImage, ...]:
+        """A prompt's images matched with its placeholder runs (``engine.vision.prompt_images``), which
+        ``add_request`` takes as they are; ValueError for images given to a text model, or images that do not fit
+        the prompt."""
+        whole = self.model_config.multimodal_config
+        if whole is None:
+            if images:
+                raise ValueError(f"images were given but {self.model_config.architecture} reads text only")
+            return ()
+        from engine.vision.prompt_images import attach_images, image_config_for  # Pillow: only for image models
+
+        if self._image_config is None:
+            self._image_config = image_config_for(self.config.model, whole.vision_config)
+        return attach_images(prompt_ids, list(images), int(whole.image_token_id), self._image_config)
 
     # ---- LoRA adapters ------------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:

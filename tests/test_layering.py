@@ -18,7 +18,7 @@ TORCH_FREE = tuple(sorted(str(f.relative_to(ROOT)) for room in TORCH_FREE_ROOMS 
 # file of the engine is in one, with no exceptions. Process utilities (starting a process from the forkserver,
 # ending with its starter) sit at the bottom; request state, the engine's and a checkpoint's configs and text
 # (the gateway runs them) next; then what one forward reads, the grammar and sampling math, the collectives the
-# layers call, the kernels, the layers built on them, the models built from layers, the expert load (measured and
+# layers call, the kernels, the layers built on them, image preprocessing and the vision towers, the models built from layers, the expert load (measured and
 # balanced), building a model from a checkpoint, the transforms applied to a loaded model, the worker that runs a
 # step, the KV caches as bytes and as tiers, the ranks of an engine over several processes (starting them; a
 # follower's loop, which builds its rank as the engine builds its own), the engine that steps, the engine as a
@@ -34,6 +34,7 @@ ENGINE_LAYERS = (
     ("engine/kernels",),
     ("engine/lora",),
     ("engine/layers",),
+    ("engine/vision",),  # image preprocessing and vision towers: the multimodal models build on them
     ("engine/models",),
     ("engine/eplb",),
     ("engine/loading",),

@@ -14,20 +14,22 @@ __all__ = ["Block", "BlockPool", "hash_block_tokens"]
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...], cache_salt: str | None,
-                      lora_adapter: str | None = None) -> bytes:
-    """Chained hash of one full block: ``hash(parent_hash, token_ids, cache_salt, lora_adapter)``.
+                      lora_adapter: str | None = None, images: bytes | None = None) -> bytes:
+    """Chained hash of one full block: ``hash(parent_hash, token_ids, cache_salt, lora_adapter, images)``.
 
     The salt and the adapter enter every block (not only the first) so two salts, or two adapters, never share
     a chain. Each is a typed, length-prefixed part (a tag byte, then its UTF-8 length, then the bytes), so no
     tenant salt can ever produce the bytes of an adapter name, nor a salt+adapter pair those of another pair.
+    ``images``: the content digests of the images with placeholder tokens in the block (``PromptImage``), so a
+    block of image tokens is keyed by its picture, not by the placeholders alone.
     16-byte BLAKE2b: collisions would serve one request another's KV.
     """
     h = hashlib.blake2b(digest_size=16)
     h.update(parent_hash or b"\0" * 16)
     h.update(array("q", token_ids).tobytes())
-    for tag, part in ((b"S", cache_salt), (b"L", lora_adapter)):
+    for tag, part in ((b"S", cache_salt), (b"L", lora_adapter), (b"I", images)):
         if part is not None:  # None is its own value (absent), distinct from ""
-            raw = part.encode()
+            raw = part if isinstance(part, bytes) else part.encode()
             h.update(tag + len(raw).to_bytes(4, "little") + raw)
     return h.digest()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.core.block_pool import Block, BlockPool, hash_block_tokens
+from engine.core.prompt_images import image_key
 from engine.core.request import Request
 
 
@@ -138,8 +139,9 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs], request.policy.cache_salt,
-                                            request.policy.lora_adapter))
+            images = image_key(request.images, i * bs, (i + 1) * bs) if request.images else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs],
+                                            request.policy.cache_salt, request.policy.lora_adapter, images))
         return hashes
 
     def prefix_key(self, request: Request, num_blocks: int) -> bytes:

@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
     "MiMoV2FlashForCausalLM",
     "HYV3ForCausalLM",
     "KimiLinearForCausalLM",
@@ -32,7 +33,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 # Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.
-TEXT_PART_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration",)
+TEXT_PART_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+# Of those, the ones served with images: ``ModelConfig.multimodal_config`` keeps their whole config.
+IMAGE_ARCHITECTURES = ("Qwen3VLMoeForConditionalGeneration",)
 
 # model_type of checkpoints whose config class ships as remote code -> the transformers config it is: Kimi-K2
 # is the DeepSeek-V3 architecture (``architectures``: DeepseekV3ForCausalLM).
@@ -65,6 +68,9 @@ class ModelConfig:
     # Hybrid models (Qwen3-Next, Qwen3.5): the layers with linear attention (a fixed-size state per request
     # instead of K and V per token); empty for every other family.
     linear_layers: tuple[int, ...] = ()
+    # Image-text models served with images (``IMAGE_ARCHITECTURES``): the checkpoint's whole transformers config
+    # (its ``vision_config`` and image token ids); ``hf_config`` is then its text model's.
+    multimodal_config: Any = None
 
     @property
     def is_hybrid(self) -> bool:
@@ -112,6 +118,7 @@ def load_model_config(model_dir: str) -> ModelConfig:
         raise CheckpointError(f"{path}: cannot be parsed by transformers: {str(e).splitlines()[0]}") from None
 
     eos = raw.get("eos_token_id")
+    whole = hf
     if arch in TEXT_PART_ARCHITECTURES:
         hf = hf.get_text_config()
         eos = eos if eos is not None else getattr(hf, "eos_token_id", None)
@@ -119,7 +126,13 @@ def load_model_config(model_dir: str) -> ModelConfig:
     if os.path.exists(gen_path):
         eos = _read_json(gen_path).get("eos_token_id", eos)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return model_config_from_hf(arch, hf, eos_ids, torch_dtype=str(getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float32"))
+    dtype = str(getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float32")
+    config = model_config_from_hf(arch, hf, eos_ids, torch_dtype=dtype)
+    if arch in IMAGE_ARCHITECTURES:
+        config.multimodal_config = whole
+        # the whole model's setting ties its LM head (transformers reads that one, not the text config's)
+        config.tie_word_embeddings = bool(getattr(whole, "tie_word_embeddings", False))
+    return config
 
 
 def _dots1_window(hf: Any) -> int | None:

@@ -3,6 +3,7 @@
 import enum
 import time
 
+from engine.core.prompt_images import PromptImage
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class Request:
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "policy", "num_preemptions", "stop_reason", "admit_seq", "num_charged_prompt_tokens",
         "first_scheduled_time", "parent_id", "index", "spec_acceptance", "spec_idle_steps", "output_invalid",
+        "images",
     )
 
     def __init__(
@@ -55,10 +57,12 @@ class Request:
         policy: RequestPolicy = DEFAULT_POLICY,
         parent_id: str | None = None,
         index: int = 0,
+        images: tuple[PromptImage, ...] = (),
     ) -> None:
         """``parent_id`` and ``index``: this is choice ``index`` of the ``n`` copies of request ``parent_id``
         (its outputs carry that id and index). ``policy``: its priority class, tenant, fair-share weight,
-        preemption, background and prefix-cache salt (``RequestPolicy``)."""
+        preemption, background and prefix-cache salt (``RequestPolicy``). ``images``: the pictures whose
+        placeholder tokens the prompt holds (already expanded to one token per image token), in prompt order."""
         assert prompt_token_ids, "a request needs at least one prompt token"
         assert max_tokens >= 1
         self.request_id = request_id
@@ -69,6 +73,7 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
         self.policy = policy
+        self.images = tuple(images)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

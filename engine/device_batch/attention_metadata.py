@@ -1,6 +1,7 @@
 """The flat-batch metadata one forward needs, built once per step and shared by every layer."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,6 +50,9 @@ class AttentionMetadata:
     windowed: "AttentionMetadata | None" = None
     # Hybrid models: each request's state slot, read by the linear-attention layers (None: no such layers).
     states: StateMetadata | None = None
+    # Image-text models: the step's M-RoPE positions and image rows (``engine.models.qwen3_vl_moe.ImageStep``),
+    # carried with the batch so a step prepared while another is in flight keeps its own; None for other models.
+    images: Any = None
 
     def for_window(self, own_window: bool) -> "AttentionMetadata":
         """The metadata a layer reads: ``windowed`` for a layer with its own window, else this."""
@@ -88,6 +92,7 @@ class TritonAttentionMetadata:
     # (lengths and tiles shared); None when every layer reads the tables above.
     windowed: "TritonAttentionMetadata | None" = None
     states: StateMetadata | None = None  # as ``AttentionMetadata.states``
+    images: Any = None  # as ``AttentionMetadata.images``
 
     def for_window(self, own_window: bool) -> "TritonAttentionMetadata":
         """The metadata a layer reads: ``windowed`` for a layer with its own window where the batch has it (the

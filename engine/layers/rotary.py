@@ -40,6 +40,10 @@ def _inv_freq(config: ModelConfig, rot_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k given absolute positions; cos/sin [P, rotary_dim] cached up to max_positions."""
 
+    # Whether the fused Triton norm + RoPE kernel may apply it (``engine.transforms.fusion``): it reads one
+    # position per token from these tables.
+    fusable = True
+
     def __init__(self, config: ModelConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.config, self.head_dim, self.max_positions = config, head_dim, max_positions

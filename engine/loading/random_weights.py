@@ -33,7 +33,8 @@ from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.core.model_config import SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig, model_config_from_hf
+from engine.core.model_config import (IMAGE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, CheckpointError, ModelConfig,
+                                      model_config_from_hf)
 from engine.loading.model_loader import copy_into, held_elsewhere, part_of, rank_part
 from engine.loading.quantization import quantize_experts_
 from engine.models import MODEL_REGISTRY, MoECausalLM
@@ -190,6 +191,9 @@ def random_model_config(spec: str) -> ModelConfig:
     if arch is None or not model_type:
         raise CheckpointError(f"random weights {spec!r}: needs a model_type and a supported architecture "
                               f"({', '.join(SUPPORTED_ARCHITECTURES)})")
+    if arch in IMAGE_ARCHITECTURES:
+        raise CheckpointError(f"random weights {spec!r}: {arch} (an image-text model) is served from a checkpoint "
+                              "only")
     dtype = str(fields.pop("torch_dtype", None) or fields.pop("dtype", None) or "bfloat16")
     for key in ("transformers_version", "_name_or_path", "auto_map"):
         fields.pop(key, None)

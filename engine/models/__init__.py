@@ -17,13 +17,15 @@ from engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.qwen3_next import Qwen3NextForCausalLM
+from engine.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     cls.__name__: cls
     for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, Glm4MoeForCausalLM,
                 Dots1ForCausalLM, MiniMaxM2ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
                 Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, MiMoV2FlashForCausalLM,
-                HYV3ForCausalLM, KimiLinearForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM)
+                HYV3ForCausalLM, KimiLinearForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM,
+                Qwen3VLMoeForConditionalGeneration)
 }
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]

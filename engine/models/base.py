@@ -146,6 +146,11 @@ class MoECausalLM(nn.Module, abc.ABC):
     name_aliases: tuple[tuple[str, str], ...] = ()
     # Family-specific rules tried before COMMON_WEIGHT_RULES.
     weight_rules: tuple[WeightRule, ...] = ()
+    # The rotary embedding every layer shares (M-RoPE for image-text models).
+    rotary_class: type[RotaryEmbedding] = RotaryEmbedding
+    # Whether the model reads a request's images (``engine.core.prompt_images``): the runner then puts
+    # ``image_step(...)`` in each batch's metadata and calls ``forget_images`` for finished requests.
+    takes_images = False
 
     def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,
                  stage: PipelineStage = WHOLE) -> None:
@@ -155,7 +160,7 @@ class MoECausalLM(nn.Module, abc.ABC):
         self.config = config
         self.tp = tp
         self.stage = stage
-        rotary = RotaryEmbedding(config, config.head_dim, max_positions)
+        rotary = self.rotary_class(config, config.head_dim, max_positions)
         layers = [self.build_layer(i, rotary, moe_backend) if stage.holds_layer(i) else OnOtherStage()
                   for i in range(config.num_layers)]
         self.model = DecoderStack(config, layers, tp, stage)

@@ -351,6 +351,7 @@ class AsyncEngine:
         stream: bool = True,
         kv_source: KVSource | None = None,
         kv_sink: KVSink | None = None,
+        images: Sequence[bytes] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's deltas; RequestRejectedError if the engine refuses it, EngineError if it died.
 
@@ -363,6 +364,9 @@ class AsyncEngine:
 
         ``kv_source`` / ``kv_sink``: disaggregated serving (``gateway.disaggregation``): a decode engine's
         request whose prompt KV comes from a prefill engine, or a prefill engine's request whose KV goes to one.
+
+        ``images``: encoded images for a model that reads them, one per run of image placeholder tokens in the
+        prompt (``LLMEngine.add_request``); one that is not an image, or does not fit, refuses the request.
         """
         if self.dead:
             raise EngineError(self.dead)
@@ -374,7 +378,8 @@ class AsyncEngine:
         finished = False
         unfinished = sampling_params.n  # choices still running: the request ends with the last of them
         try:
-            self._send(AddRequest(request_id, prompt, sampling_params, policy, stream, kv_source, kv_sink))
+            self._send(AddRequest(request_id, prompt, sampling_params, policy, stream, kv_source, kv_sink,
+                                  [bytes(image) for image in images]))
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -151,7 +151,7 @@ class EngineLoop:
         try:
             if error is not None:
                 raise error
-            self.engine.add_request(msg.prompt, msg.sampling_params, msg.request_id, msg.policy)
+            self.engine.add_request(msg.prompt, msg.sampling_params, msg.request_id, msg.policy, images=msg.images)
             self.reports.add(msg.request_id, msg.stream, msg.policy.background, msg.sampling_params.n)
             if msg.kv_sink is not None and self.handoff is not None:
                 self.handoff.expect_sink(msg)

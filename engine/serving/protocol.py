@@ -42,6 +42,9 @@ class AddRequest(msgspec.Struct, tag=True):
     stream: bool = True
     kv_source: KVSource | None = None  # a decode engine's request whose prompt KV another engine computes
     kv_sink: KVSink | None = None  # a prefill engine's request whose prompt KV goes to a decode engine
+    # Encoded images (PNG, JPEG, WebP, GIF, ...), one per run of image placeholder tokens in ``prompt``, in order:
+    # the engine decodes and preprocesses them (``LLMEngine.add_request``); only for a model that reads images.
+    images: list[bytes] = []
 
 
 class AbortRequest(msgspec.Struct, tag=True):

@@ -22,7 +22,8 @@ def enable_triton_elementwise(model: nn.Module) -> int:
         if isinstance(module, RMSNorm):
             module.fused = True
         elif isinstance(module, Attention):
-            module.fused_rope = True
+            # the fused kernel reads one position per token: M-RoPE's three stay on the torch path
+            module.fused_rope = module.rotary.fusable
         elif isinstance(module, SparseMoeBlock):
             module.routing_backend = "triton"
         else:

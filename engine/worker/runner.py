@@ -119,11 +119,16 @@ class ModelRunner:
                             self.model.num_local_kv_heads, self.device, self.model.config.layer_sliding_window)
         if self.state_slots:
             batch.meta.states = step_states(scheduled, batch.scheduled_ranges, self.device)
+        if self.model.takes_images:  # the step's M-RoPE positions and image features (engine.models.qwen3_vl_moe)
+            batch.meta.images = self.model.image_step(scheduled, batch.scheduled_ranges, batch.input_ids.shape[0],
+                                                      self.device)
         return batch
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """hidden [T, H] of the batch: a whole-forward CUDA graph for decode-only batches it covers, piecewise
         graphs (attention eager between them) for other batches they cover, else eager."""
+        if self.model.takes_images:  # per-step image rows and 3-part positions: no graph captures them
+            return self.model(batch.input_ids, batch.positions, batch.meta)
         if self.decode_graphs is not None and self.decode_graphs.covers(batch):
             return self.decode_graphs.run(batch)
         if self.piecewise_graphs is not None and self.piecewise_graphs.covers(batch):
@@ -153,6 +158,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, plan: SchedulerOutput) -> StepSamples:
         self.sampler.forget(plan.finished_ids)
+        if self.model.takes_images:
+            self.model.forget_images(plan.finished_ids)
         self.move_tier_blocks(plan)
         if self.draft is not None:  # the drafts the scheduler left pending, proposed by the draft model
             self.draft.propose(plan)

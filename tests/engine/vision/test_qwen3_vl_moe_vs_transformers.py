@@ -1,0 +1,177 @@
+"""Qwen3-VL-MoE served with images: greedy tokens equal transformers' ``Qwen3VLMoeForConditionalGeneration`` on a
+tiny random checkpoint (every parameter random) for a chat with one image, one with two images and a text-only
+one, batched and prefilled in chunks that cut through images, with steps overlapped or not; the same text with
+another image gives that image's own tokens (its image blocks are keyed by the picture, so the prefix cache does
+not hand it the first image's). The tower's features and the prompt's M-RoPE positions are checked on their own."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.vision.mrope import ImageSpan, prompt_positions
+from engine.vision.prompt_images import placeholder_runs
+from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig
+from engine.vision.qwen_image_processing import process_image
+from tests.engine.vision.qwen3_vl_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, VOCAB,
+                                                     make_qwen3_vl_moe, random_image)
+
+MAX_NEW = 8
+
+
+def _text(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, VISION_START) for _ in range(n)]
+
+
+def _with_images(rng: random.Random, processed: list) -> list[int]:
+    """Text, then per image: <vision_start>, its placeholders expanded, <vision_end>, text."""
+    ids = _text(rng, rng.randint(3, 9))
+    for image in processed:
+        ids += [VISION_START] + [IMAGE_TOKEN] * image.num_tokens(IMAGE_CONFIG.merge_size) + [VISION_END]
+        ids += _text(rng, rng.randint(2, 7))
+    return ids
+
+
+def _hf_greedy(model, prompt: list[int], processed: list) -> list[int]:
+    ids = torch.tensor([prompt])
+    kwargs = {}
+    if processed:
+        kwargs = dict(pixel_values=torch.cat([p.pixel_values for p in processed]),
+                      image_grid_thw=torch.tensor([p.grid_thw for p in processed]),
+                      mm_token_type_ids=(ids == IMAGE_TOKEN).int())
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                             min_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    seed = random.randrange(2**31)
+    path = str(tmp_path_factory.mktemp("qwen3_vl_moe"))
+    model = make_qwen3_vl_moe(path, seed)
+    with open(f"{path}/preprocessor_config.json", "w") as f:  # the settings the engine preprocesses with
+        json.dump({"patch_size": IMAGE_CONFIG.patch_size, "temporal_patch_size": IMAGE_CONFIG.temporal_patch_size,
+                   "merge_size": IMAGE_CONFIG.merge_size, "image_mean": list(IMAGE_CONFIG.image_mean),
+                   "image_std": list(IMAGE_CONFIG.image_std),
+                   "size": {"shortest_edge": IMAGE_CONFIG.min_pixels, "longest_edge": IMAGE_CONFIG.max_pixels}}, f)
+    return path, model, seed
+
+
+def test_prompt_positions_match_transformers(checkpoint):
+    """M-RoPE positions of a prompt with two images of different grids (one taller, one wider) and its delta."""
+    _, model, seed = checkpoint
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    images = [process_image(random_image(gen, w, h), IMAGE_CONFIG) for w, h in ((20, 50), (44, 18))]
+    prompt = _with_images(rng, images)
+    ids = torch.tensor([prompt])
+    want, want_delta = model.model.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+                                                  image_grid_thw=torch.tensor([p.grid_thw for p in images]))
+    runs = placeholder_runs(prompt, IMAGE_TOKEN)
+    spans = [ImageSpan(start, p.grid_thw[1] // 2, p.grid_thw[2] // 2) for (start, _), p in zip(runs, images)]
+    got, delta = prompt_positions(len(prompt), spans)
+    assert torch.equal(got, want[:, 0]) and delta == int(want_delta)
+    assert delta < 0
+
+
+def test_vision_tower_matches_transformers(checkpoint):
+    """The tower alone, loaded from the model's own weights: merged features and deepstack taps of two images of
+    different grids."""
+    _, model, seed = checkpoint
+    gen = torch.Generator().manual_seed(seed)
+    images = [process_image(random_image(gen, w, h), IMAGE_CONFIG) for w, h in ((37, 21), (20, 50))]
+    assert images[0].grid_thw != images[1].grid_thw
+    tower = Qwen3VisionTower(VisionConfig.from_hf(model.config.vision_config))
+    prefix = "model.visual."
+    tower.load_state_dict({k[len(prefix):]: v for k, v in model.state_dict().items() if k.startswith(prefix)})
+    with torch.no_grad():
+        ref = model.model.get_image_features(torch.cat([p.pixel_values for p in images]),
+                                             torch.tensor([p.grid_thw for p in images]))
+        for i, image in enumerate(images):
+            ours = tower(image.pixel_values, image.grid_thw)
+            torch.testing.assert_close(ours.embeds, ref.pooler_output[i], rtol=1e-5, atol=1e-5)
+            assert ours.deepstack.shape[0] == 2
+            for k in range(2):
+                torch.testing.assert_close(ours.deepstack[k], ref.deepstack_features[k][i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_greedy_matches_transformers(checkpoint, overlap):
+    path, model, seed = checkpoint
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    pics = [random_image(gen, rng.randint(12, 40), rng.randint(12, 40)) for _ in range(4)]
+    processed = [process_image(p, IMAGE_CONFIG) for p in pics]
+    one = _with_images(rng, processed[:1])
+    two = _with_images(rng, processed[1:3])
+    text = _text(rng, rng.randint(5, 20))
+    # the first prompt again with the fourth image in place of the first, when its placeholders are as many
+    other = processed[3] if processed[3].grid_thw == processed[0].grid_thw else processed[0]
+    if other is processed[0]:  # redraw the fourth image at the first's size: same tokens, another picture
+        pics[3] = random_image(gen, *pics[0].size)
+        other = processed[3] = process_image(pics[3], IMAGE_CONFIG)
+    assert other.grid_thw == processed[0].grid_thw and not torch.equal(other.pixel_values, processed[0].pixel_values)
+    cases = [(one, processed[:1]), (two, processed[1:3]), (text, [])]
+    expected = [_hf_greedy(model, p, im) for p, im in cases]
+    expected_other = _hf_greedy(model, one, [other])
+    assert expected_other != expected[0], f"seed={seed}: two images gave the same tokens (the test would be blind)"
+
+    # 16-token steps cut the image prompts into chunks, some through an image's placeholders
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=32, block_size=4, max_num_batched_tokens=16,
+              overlap_scheduling=overlap)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    # the engine preprocesses encoded bytes and PIL images itself; pixel tensors are taken as they are
+    images = [[pics[0]], [processed[1], processed[2]], []]
+    got = [o.token_ids for o in llm.generate([p for p, _ in cases], params, images=images)]
+    assert got == expected, f"seed={seed}"
+    # the same text with another picture: its own tokens, no prefix hit past the text before the image
+    kv = llm.engine.scheduler.kv
+    hits_before = kv.prefix_hit_tokens
+    out = llm.generate([one], params, images=[[pics[3]]])[0]
+    assert out.token_ids == expected_other, f"seed={seed}"
+    first_image_block = one.index(IMAGE_TOKEN) // 4
+    assert kv.prefix_hit_tokens - hits_before <= first_image_block * 4
+    # and the first picture again: its blocks are hit, and the tokens are its own
+    hits_before = kv.prefix_hit_tokens
+    assert llm.generate([one], params, images=[[pics[0]]])[0].token_ids == expected[0], f"seed={seed}"
+    assert kv.prefix_hit_tokens - hits_before >= (len(one) - 1) // 4 * 4 - 4
+
+
+def test_preempted_image_requests_resume_with_their_images(checkpoint):
+    """16 blocks of 4 tokens hold any one request (at most 59 tokens) but not five at once (at least 93): some are
+    preempted and recompute their prompts, images included, and still give transformers' tokens."""
+    path, model, seed = checkpoint
+    rng = random.Random(seed + 1)
+    gen = torch.Generator().manual_seed(seed + 1)
+    processed = [process_image(random_image(gen, rng.randint(12, 40), rng.randint(12, 40)), IMAGE_CONFIG)
+                 for _ in range(3)]
+    cases = [(_with_images(rng, processed[:1]), processed[:1]), (_with_images(rng, processed[1:]), processed[1:]),
+             (_text(rng, rng.randint(5, 20)), [])]
+    cases += cases[:2]
+    expected = [_hf_greedy(model, p, im) for p, im in cases[:3]]
+    expected += expected[:2]
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate([p for p, _ in cases], params, images=[im for _, im in cases])]
+    assert got == expected, f"seed={seed}"
+    assert llm.engine.scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
+
+
+def test_images_that_do_not_fit_the_prompt_are_refused(checkpoint):
+    path, _, seed = checkpoint
+    gen = torch.Generator().manual_seed(seed)
+    image = process_image(random_image(gen, 20, 20), IMAGE_CONFIG)
+    n = image.num_tokens(IMAGE_CONFIG.merge_size)
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=8, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    prompt = [5, VISION_START] + [IMAGE_TOKEN] * n + [VISION_END, 7]
+    with pytest.raises(ValueError, match="1 runs of image placeholder tokens .* for 2 images"):
+        llm.generate([prompt], params, images=[[image, image]])
+    with pytest.raises(ValueError, match=f"image 0 takes {n} placeholder tokens, the prompt has {n + 1}"):
+        llm.generate([[5] + [IMAGE_TOKEN] * (n + 1)], params, images=[[image]])
+    with pytest.raises(ValueError, match="image 0: not an image"):
+        llm.generate([prompt], params, images=[[b"not a picture"]])
