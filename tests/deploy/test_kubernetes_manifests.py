@@ -204,7 +204,13 @@ def test_probes_and_services_match_the_gateway(overlay):
     for pool in by_kind(overlay, "InferencePool"):
         assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
         assert [p["number"] for p in pool["spec"]["targetPorts"]] == [config.port]
-        assert pool["spec"]["endpointPickerRef"]["name"] in services
+        picker = services[pool["spec"]["endpointPickerRef"]["name"]]["spec"]
+        assert [p["port"] for p in picker["ports"]] == [pool["spec"]["endpointPickerRef"]["port"]["number"]]
+        epp, = [d for d in by_kind(overlay, "Deployment") if d["spec"]["template"]["metadata"]["labels"].items()
+                >= picker["selector"].items()]
+        epp_args = dict(a.split("=", 1) for a in epp["spec"]["template"]["spec"]["containers"][0]["args"])
+        assert epp_args["--pool-name"] == pool["metadata"]["name"]
+        assert int(epp_args["--model-server-metrics-port"]) == config.metrics_port  # it scrapes the queue metrics
         assert deployment["spec"]["replicas"] >= 2 and pdb["spec"]["minAvailable"] == 1
 
 
