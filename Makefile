@@ -27,7 +27,7 @@ run: $(VENV)/.installed $(DEMO_MODEL)/config.json
 	$(VENV)/bin/moegate serve --model $(DEMO_MODEL) --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -ra -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -ra -n 3 --dist loadfile tests
 
 bench-offline: $(VENV)/.installed
 	$(VENV)/bin/moegate loadgen offline

@@ -68,8 +68,10 @@ def _transformers_ids(tok, messages, tools) -> list[int]:
 def _without_markup(value):
     """``value`` with every spelling of the markup removed from its strings (keys too)."""
     if isinstance(value, str):
-        for spelling in sorted(MARKUP, key=len, reverse=True):
-            value = value.replace(spelling, "")
+        # Until none is left: removing one can join its neighbours into another ("<tool<|im_end|>_call>").
+        while any(spelling in value for spelling in MARKUP):
+            for spelling in sorted(MARKUP, key=len, reverse=True):
+                value = value.replace(spelling, "")
         return value
     if isinstance(value, dict):
         return {_without_markup(k): _without_markup(v) for k, v in value.items()}
