@@ -129,6 +129,8 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
     would decode to more than ``max_pixels`` (a decompression bomb is refused before its pixels are read)."""
     try:
         image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:  # Pillow's own header check, past twice its MAX_IMAGE_PIXELS
+        raise ValueError(f"image over the pixel limit ({exc})") from None
     except Exception as exc:  # Pillow raises several types for undecodable bytes
         raise ValueError("not an image Pillow can read") from exc
     width, height = image.size

@@ -12,6 +12,8 @@ import random
 import struct
 import zlib
 
+from PIL import Image
+
 import openai
 import pytest
 import torch
@@ -160,3 +162,108 @@ def test_chat_with_an_image_matches_transformers(served):
     assert got == want, f"seed={seed}"
     assert reply.usage.prompt_tokens == len(want_prompt), f"seed={seed}"
     assert want_prompt.count(IMAGE_TOKEN) == image_model_of(srv.engine).num_tokens(*picture.size) > 1
+
+
+def test_jpeg_webp_and_animated_gif_first_frame(served):
+    """A JPEG, a WebP and a two-frame GIF in one message: the tokens equal transformers' on the images Pillow
+    opens from the same bytes (a GIF's first frame), and the prompt tokens billed are its processor's."""
+    srv, client, model, tok, seed = served
+    rng = random.Random(seed + 1)
+    gen = torch.Generator().manual_seed(seed + 1)
+    size = lambda: (rng.randint(12, 40), rng.randint(12, 40))  # noqa: E731
+    jpeg, webp, first, second = (random_image(gen, *size()) for _ in range(4))
+    gif = io.BytesIO()
+    first.save(gif, format="GIF", save_all=True, append_images=[second.resize(first.size)], duration=100)
+    urls = [data_url(jpeg, "JPEG"), data_url(webp, "WEBP"),
+            "data:image/gif;base64," + base64.b64encode(gif.getvalue()).decode()]
+    pictures = []
+    for url in urls:  # what the client sent, as Pillow reads it: lossy pixels, the GIF's first frame
+        opened = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+        opened.seek(0)
+        pictures.append(opened.convert("RGB"))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Three:"}] + [
+        {"type": "image_url", "image_url": {"url": u}} for u in urls]}]
+    want_prompt, pixels = _processed(model, tok, [{"role": "user", "content": [
+        {"type": "text", "text": "Three:"}] + [{"type": "image"}] * 3}], pictures)
+    want = _greedy(model, want_prompt, pixels)
+    reply = srv.run(client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0, logprobs=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))
+    assert [int(t.token.removeprefix("token_id:")) for t in reply.choices[0].logprobs.content] == want, f"seed={seed}"
+    assert reply.usage.prompt_tokens == len(want_prompt)
+
+
+def _png_bytes(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+HOSTILE = {
+    "bad base64": ("data:image/png;base64,iVBORw0K!!!not*base64", "not valid base64"),
+    "not an image": ("data:image/png;base64," + base64.b64encode(b"hello, this is text" * 8).decode(),
+                     "not an image"),
+    "declared 20000x20000": ("data:image/png;base64," + base64.b64encode(png_header_only(20000, 20000)).decode(),
+                             "over the pixel limit"),  # past Pillow's own bomb limit
+    "declared 5000x5000": ("data:image/png;base64," + base64.b64encode(png_header_only(5000, 5000)).decode(),
+                           "5000x5000 pixels is over the limit"),  # past the gateway's
+    "truncated": (None, "truncated or corrupt"),
+    "remote url": ("https://example.com/cat.png", "remote image URLs are off"),
+    "not a data url": ("file:///etc/passwd", "must be a data: URL"),
+}
+
+
+def test_hostile_images_are_a_400_naming_the_part(served):
+    """Each hostile image is a 400 naming messages[0].content[1] with its reason; the engine then serves a chat."""
+    srv, client, model, tok, seed = served
+    whole = _png_bytes(random_image(torch.Generator().manual_seed(seed), 32, 32))
+    truncated = "data:image/png;base64," + base64.b64encode(whole[:len(whole) // 2]).decode()
+
+    async def refused(url):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="demo", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}])
+        return info.value
+
+    for name, (url, reason) in HOSTILE.items():
+        err = srv.run(refused(url or truncated))
+        assert err.status_code == 400 and err.body["param"] == "messages[0].content[1]", (name, err.body)
+        assert reason in err.body["message"], (name, err.body)
+    reply = srv.run(client.chat.completions.create(model="demo", max_tokens=2, messages=[
+        {"role": "user", "content": "still up?"}]))
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_request_limits_and_text_models():
+    """Images per request and bytes per request, counted across the request's parts, refuse the part past the
+    limit; a model that reads text only refuses the first image part (no engine: the refusal comes first)."""
+    png = _png_bytes(random_image(torch.Generator().manual_seed(random.randrange(2**31)), 16, 16))
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    refs = [ImageRef(f"messages[0].content[{j}]", url) for j in range(3)]
+
+    class VisionModel:
+        image_token_id = IMAGE_TOKEN
+        num_tokens = staticmethod(lambda w, h: 4)
+
+    for limits, at in ((ImageLimits(max_images=2), 2), (ImageLimits(max_request_image_bytes=2 * len(png) + 1), 2),
+                       (ImageLimits(max_image_bytes=len(png) - 1), 0)):
+        with pytest.raises(APIError) as info:
+            decode_images(refs, VisionModel(), limits)
+        assert info.value.status == 400 and info.value.param == f"messages[0].content[{at}]", (limits, info.value)
+    assert [d.data for d in decode_images(refs, VisionModel(), ImageLimits(max_images=3))] == [png] * 3
+
+    class TextEngine:
+        info = Ready(model="m", architecture="Qwen3MoeForCausalLM", max_model_len=64, vocab_size=100,
+                     has_tokenizer=True)
+
+        def chat_template(self):
+            return None
+
+    body = decode_body(json.dumps({"model": "m", "messages": [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {
+            "url": url}}]}]}).encode(), ChatCompletionRequest)
+    with pytest.raises(APIError) as info:
+        chat_plan_of(TextEngine(), body, ParserChoice(None, None))
+    assert info.value.status == 400 and info.value.param == "messages[1].content[1]"
+    assert "reads text only" in info.value.message
