@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from engine.core.model_config import IMAGE_ARCHITECTURES
+from engine.vision.image_files import QwenImageConfig, decode_image, image_config_for, smart_resize
 from gateway.errors import APIError
 
 MIB = 1024 * 1024
@@ -49,12 +50,10 @@ class ImageModel:
     (the image's token count follows from its size through ``smart_resize``)."""
 
     image_token_id: int
-    config: "object"  # engine.vision.qwen_image_processing.QwenImageConfig
+    config: QwenImageConfig
 
     def num_tokens(self, width: int, height: int) -> int:
         """Placeholder tokens an image of this size takes: grid_t * grid_h * grid_w / merge_size**2 (grid_t 1)."""
-        from engine.vision.qwen_image_processing import smart_resize
-
         c = self.config
         new_h, new_w = smart_resize(height, width, c.factor, c.min_pixels, c.max_pixels)
         return (new_h // c.patch_size) * (new_w // c.patch_size) // (c.merge_size * c.merge_size)
@@ -62,8 +61,6 @@ class ImageModel:
 
 @functools.lru_cache(maxsize=8)
 def _image_model_at(model_dir: str) -> ImageModel | None:
-    from engine.vision.prompt_images import image_config_for  # Pillow and torch: only for image models
-
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             raw = json.load(f)
@@ -137,8 +134,6 @@ def decode_images(refs: list[ImageRef], model: ImageModel, limits: ImageLimits =
                   ) -> list[DecodedImage]:
     """Each image part read, fully decoded once (so the engine never gets a truncated or corrupt image) and sized;
     a 400 naming the first part that is refused. Blocking: run it on a worker thread."""
-    from engine.vision.qwen_image_processing import decode_image
-
     if len(refs) > limits.max_images:
         raise APIError(400, f"{refs[limits.max_images].where}: a request may carry at most {limits.max_images} "
                             "images", param=refs[limits.max_images].where)
