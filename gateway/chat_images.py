@@ -70,7 +70,8 @@ def _image_model_at(model_dir: str) -> ImageModel | None:
     if not isinstance(vision, dict) or raw.get("image_token_id") is None:
         return None
     defaults = {"patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2}
-    return ImageModel(int(raw["image_token_id"]), image_config_for(model_dir, SimpleNamespace(**{**defaults, **vision})))
+    vision_config = SimpleNamespace(**{**defaults, **vision})
+    return ImageModel(int(raw["image_token_id"]), image_config_for(model_dir, vision_config))
 
 
 def image_model_of(engine) -> ImageModel | None:

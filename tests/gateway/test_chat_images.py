@@ -177,10 +177,11 @@ def test_jpeg_webp_and_animated_gif_first_frame(served):
     urls = [data_url(jpeg, "JPEG"), data_url(webp, "WEBP"),
             "data:image/gif;base64," + base64.b64encode(gif.getvalue()).decode()]
     pictures = []
-    for url in urls:  # what the client sent, as Pillow reads it: lossy pixels, the GIF's first frame
-        opened = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+    for url in urls:  # what the client sent, as Pillow reads it: lossy pixels, the GIF's first frame (its
+        opened = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))  # palette as transformers reads it)
         opened.seek(0)
-        pictures.append(opened.convert("RGB"))
+        opened.load()
+        pictures.append(opened)
     messages = [{"role": "user", "content": [{"type": "text", "text": "Three:"}] + [
         {"type": "image_url", "image_url": {"url": u}} for u in urls]}]
     want_prompt, pixels = _processed(model, tok, [{"role": "user", "content": [
