@@ -4,7 +4,6 @@ gets the greedy tokens transformers' ``Qwen3VLMoeForConditionalGeneration`` make
 ``Qwen3VLProcessor`` builds (the placeholders expanded by the processor itself), and bills those prompt tokens;
 hostile images are a 400 naming the content part, and the engine serves the next request."""
 
-import asyncio
 import base64
 import io
 import json
