@@ -119,10 +119,10 @@ async def prepare_prompts(engine: EngineClient, body, chat: bool, plan: ChatPlan
     prompts = await _prepared(engine, body, chat, plan, sampling_params)
     if images:
         prompts = [expand_placeholders(prompts[0], image_model_of(engine).image_token_id, list(images))]
-    if engine.info is not None:
-        if any(len(p) >= engine.info.max_model_len for p in prompts):
+        if engine.info is not None and len(prompts[0]) >= engine.info.max_model_len:
             raise APIError(400, f"the prompt has {len(prompts[0]):,} tokens with its images; this model serves at "
                                 f"most {engine.info.max_model_len - 1:,} prompt tokens", param="messages")
+    if engine.info is not None:
         check_output_room(body, [len(p) for p in prompts], engine.info.max_model_len)
     return prompts
 
