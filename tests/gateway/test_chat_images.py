@@ -208,6 +208,7 @@ HOSTILE = {
     "declared 5000x5000": ("data:image/png;base64," + base64.b64encode(png_header_only(5000, 5000)).decode(),
                            "5000x5000 pixels is over the limit"),  # past the gateway's
     "truncated": (None, "truncated or corrupt"),
+    "aspect ratio 250": (data_url(Image.new("RGB", (250, 1))), "aspect ratio 250.0 is over 200"),
     "remote url": ("https://example.com/cat.png", "remote image URLs are off"),
     "not a data url": ("file:///etc/passwd", "must be a data: URL"),
 }
@@ -267,3 +268,10 @@ def test_request_limits_and_text_models():
         chat_plan_of(TextEngine(), body, ParserChoice(None, None))
     assert info.value.status == 400 and info.value.param == "messages[1].content[1]"
     assert "reads text only" in info.value.message
+    assistant = decode_body(json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}).encode(),
+        ChatCompletionRequest)
+    with pytest.raises(APIError) as info:
+        chat_plan_of(TextEngine(), assistant, ParserChoice(None, None))
+    assert info.value.param == "messages[1].content[0]" and "only user messages" in info.value.message
