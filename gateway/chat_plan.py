@@ -6,14 +6,15 @@ Built in the gateway before the request reaches the engine; every refusal is a 4
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
 from engine.core.structured_output_spec import StructuredOutput
 from engine.text.prompts import RESERVED_TEMPLATE_KWARGS, ChatInput
+from gateway.chat_images import ImageRef
 from gateway.errors import APIError
-from gateway.openai_schema import ChatCompletionRequest, ChatMessage, NamedToolChoice, message_text
+from gateway.openai_schema import ChatCompletionRequest, ChatMessage, ImagePart, NamedToolChoice, message_text
 from gateway.response_format import closed_objects
 from gateway.tool_parsers import (
     REASONING_PARSERS, TOOL_PARSERS, HarmonyParser, ParsedDelta, ToolParser, detect_reasoning_parser,
@@ -49,6 +50,7 @@ class ChatPlan:
     forced_name: str | None  # the named function (tool_choice named)
     forced: bool
     parallel_tool_calls: bool
+    images: list[ImageRef] = field(default_factory=list)  # the image parts, in prompt order
 
     @property
     def harmony(self) -> bool:
@@ -74,11 +76,29 @@ def _arguments(text: str) -> dict | str:
     return value if isinstance(value, dict) else text
 
 
-def _message(m: ChatMessage, i: int) -> dict:
+def _content(m: ChatMessage, i: int, images: list[ImageRef]) -> str | list[dict] | None:
+    """A message's content as the template reads it: text, or (with images) Qwen-VL's list of parts, where
+    ``{"type": "image"}`` makes the template write the image's placeholder; each image part added to ``images``."""
+    if m.content is None or isinstance(m.content, str) or not any(isinstance(p, ImagePart) for p in m.content):
+        return None if m.content is None else message_text(m)
+    parts = []
+    for j, part in enumerate(m.content):
+        if not isinstance(part, ImagePart):
+            parts.append({"type": "text", "text": part.text})
+            continue
+        where = f"messages[{i}].content[{j}]"
+        if m.role != "user":
+            raise APIError(400, f"{where}: only user messages carry images", param=where)
+        images.append(ImageRef(where, part.image_url.url))
+        parts.append({"type": "image"})
+    return parts
+
+
+def _message(m: ChatMessage, i: int, images: list[ImageRef] | None = None) -> dict:
     where = f"messages[{i}]"
     if m.role not in ROLES:
         raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}; got {m.role!r}", param=f"{where}.role")
-    turn: dict = {"role": m.role, "content": None if m.content is None else message_text(m)}
+    turn: dict = {"role": m.role, "content": _content(m, i, images if images is not None else [])}
     if turn["content"] is None and m.refusal is not None and m.role == "assistant":
         turn["content"] = m.refusal  # what the assistant said, when it refused (OpenAI's reply shape)
     if m.name is not None:
@@ -110,9 +130,17 @@ def _message(m: ChatMessage, i: int) -> dict:
     return turn
 
 
-def chat_input(body: ChatCompletionRequest, render_tools: bool = True) -> ChatInput:
-    """The template inputs of a chat request (400 naming the field for messages or options it cannot take)."""
-    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+def chat_input(body: ChatCompletionRequest, render_tools: bool = True,
+               images: list[ImageRef] | None = None) -> ChatInput:
+    """The template inputs of a chat request (400 naming the field for messages or options it cannot take); its
+    image parts are added to ``images`` (a 400 if there is no list to take them)."""
+    found: list[ImageRef] = []
+    messages = [_message(m, i, found) for i, m in enumerate(body.messages)]
+    if found and images is None:
+        raise APIError(400, f"{found[0].where}: images are taken by /v1/chat/completions only",
+                       param=found[0].where)
+    if images is not None:
+        images += found
     continue_final = bool(body.continue_final_message)
     add_prompt = (not continue_final) if body.add_generation_prompt is None else body.add_generation_prompt
     if continue_final and add_prompt:
@@ -171,15 +199,18 @@ def plan(body: ChatCompletionRequest, parsers: tuple[str | None, str | None]) ->
         raise APIError(400, "this model has no tool-call parser, so tool_choice 'auto' cannot return calls; use "
                             "tool_choice 'required' or a named function, or start the server with --tool-call-parser",
                        param="tool_choice")
-    chat = chat_input(body, render_tools=choice != "none")
+    images: list[ImageRef] = []
+    chat = chat_input(body, render_tools=choice != "none", images=images)
     chat.harmony = HARMONY in parsers  # gpt-oss: openai-harmony renders the prompt and reads the output
     if body.reasoning_effort is not None:
         if not chat.harmony:
             raise APIError(400, "reasoning_effort is taken by models whose chat format has one (gpt-oss's harmony); "
                                 "leave it out for this model", param="reasoning_effort")
         chat.reasoning_effort = body.reasoning_effort
+    if images and chat.harmony:
+        raise APIError(400, f"{images[0].where}: this model reads text only", param=images[0].where)
     return ChatPlan(chat, tool_parser if choice == "auto" else None, None if structured else reasoning_parser,
-                    structured, forced_name, structured is not None, parallel)
+                    structured, forced_name, structured is not None, parallel, images)
 
 
 def _forced_tool(tool) -> dict:

@@ -2,6 +2,7 @@
 Batch API: its sampling settings and prompts checked, its engine requests started and merged, run to the end;
 the engine's failures as the API's errors. The bodies built from its outputs are ``gateway/response_bodies.py``'s."""
 
+import asyncio
 from collections.abc import Callable
 
 import msgspec
@@ -13,6 +14,10 @@ from engine.core.outputs import RequestOutput
 from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.serving.client import EngineClient
+from gateway.chat_images import (
+    DEFAULT_IMAGE_LIMITS, DecodedImage, ImageLimits, decode_images, expand_placeholders, image_model_of,
+    refuse_if_text_only,
+)
 from gateway.choices import Choices, merged
 from gateway.errors import APIError
 from gateway.openai_logprobs import as_token_ids
@@ -24,9 +29,21 @@ from gateway.response_format import format_source
 
 
 def chat_plan_of(engine: EngineClient, body, parsers: ParserChoice) -> ChatPlan:
-    """How a chat request is rendered and read, with the parsers the served checkpoint takes."""
+    """How a chat request is rendered and read, with the parsers the served checkpoint takes; a 400 naming the
+    first image part if the model reads text only."""
     architecture = engine.info.architecture if engine.info is not None else None  # None while (re)starting
-    return plan_chat(body, parsers.resolve(engine.chat_template(), architecture))
+    chat_plan = plan_chat(body, parsers.resolve(engine.chat_template(), architecture))
+    refuse_if_text_only(engine, chat_plan.images)
+    return chat_plan
+
+
+async def read_images(engine: EngineClient, plan: ChatPlan | None,
+                      limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> list[DecodedImage]:
+    """A chat's images decoded and sized on a worker thread (``gateway.chat_images``); a 400 naming the part."""
+    if plan is None or not plan.images:
+        return []
+    model = refuse_if_text_only(engine, plan.images)
+    return await asyncio.to_thread(decode_images, plan.images, model, limits)
 
 
 async def load_harmony(engine: EngineClient, parsers: ParserChoice) -> None:
@@ -93,11 +110,18 @@ NOT_RETRIED = ("engine_failed", "request_failed")  # error codes a batch line fa
 
 
 async def prepare_prompts(engine: EngineClient, body, chat: bool, plan: ChatPlan | None = None,
-                          sampling_params: SamplingParams | None = None) -> list[list[int]]:
+                          sampling_params: SamplingParams | None = None,
+                          images: list[DecodedImage] = ()) -> list[list[int]]:
     """The request's checked prompts as token ids (a chat request has one); a 400 naming the field if one
     cannot be served. A gpt-oss chat's stop tokens join ``sampling_params``' once openai-harmony, which names
-    them, has rendered its prompt."""
+    them, has rendered its prompt. A chat's ``images`` (``read_images``): each placeholder the template wrote
+    expanded to its image's token count, so they count as prompt tokens."""
     prompts = await _prepared(engine, body, chat, plan, sampling_params)
+    if images:
+        prompts = [expand_placeholders(prompts[0], image_model_of(engine).image_token_id, list(images))]
+        if engine.info is not None and len(prompts[0]) >= engine.info.max_model_len:
+            raise APIError(400, f"the prompt has {len(prompts[0]):,} tokens with its images; this model serves at "
+                                f"most {engine.info.max_model_len - 1:,} prompt tokens", param="messages")
     if engine.info is not None:
         check_output_room(body, [len(p) for p in prompts], engine.info.max_model_len)
     return prompts
@@ -171,11 +195,14 @@ async def _viewed(stream, view: Callable[[RequestOutput], RequestOutput]):
 
 
 def start_streams(engine: EngineClient, prompts: list[list[int]], sampling_params: SamplingParams, rid: str, policy: RequestPolicy,
-                  view: Callable[[RequestOutput], RequestOutput] | None = None, stream: bool = True):
+                  view: Callable[[RequestOutput], RequestOutput] | None = None, stream: bool = True,
+                  images: tuple[bytes, ...] = ()):
     """One engine request per prompt (ids ``rid``, or ``rid-0``, ``rid-1``, ... for several), merged; each
-    output through ``view`` (``output_view``) when given. ``stream=False``: one output per request, at its end."""
+    output through ``view`` (``output_view``) when given. ``stream=False``: one output per request, at its end.
+    ``images``: a chat's encoded images (one prompt), sent with its engine request."""
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    streams = [engine.generate(p, sampling_params, i, policy, stream) for p, i in zip(prompts, ids)]
+    extra = {"images": images} if images else {}  # engines that read text only take no images argument
+    streams = [engine.generate(p, sampling_params, i, policy, stream, **extra) for p, i in zip(prompts, ids)]
     return merged(streams if view is None else [_viewed(s, view) for s in streams])
 
 

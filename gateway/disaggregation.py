@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from engine.core.outputs import RequestOutput
 from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
-from engine.serving.async_engine import AsyncEngine, EngineError
+from engine.serving.async_engine import AsyncEngine, EngineError, RequestRejectedError
 from engine.serving.protocol import KVSink, KVSource
 from gateway.prefix_index import ReplicaBlocks, block_hashes
 
@@ -191,9 +191,14 @@ class DisaggregatedEngines:
         return pair_id
 
     async def generate(self, prompt: list[int], sampling_params: SamplingParams, request_id: str | None = None,
-                       policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True) -> AsyncIterator[RequestOutput]:
+                       policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True,
+                       images: Sequence[bytes] = ()) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs from its decode engine (see the module docstring). A decode engine that
-        fails before the request's first output: the request goes to another decode engine, if one runs."""
+        fails before the request's first output: the request goes to another decode engine, if one runs.
+        Images are not served split into prefill and decode: a request with some is refused."""
+        if images:
+            raise RequestRejectedError("images are not served with disaggregated prefill and decode; send this "
+                                       "request to a server that runs both", param="messages")
         request_id = request_id or f"dreq-{next(self._request_ids)}"
         tried: set[int] = set()
         while True:

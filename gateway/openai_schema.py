@@ -36,10 +36,24 @@ LogitBias = Annotated[dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
-    """A ``{"type": "text", "text": ...}`` content part; other part types (images, audio) are refused."""
+    """A ``{"type": "text", "text": ...}`` content part."""
 
     text: str
     cache_control: Any = None  # Anthropic-style prompt caching hint (sent through LiteLLM): accepted, ignored
+
+
+class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
+    # a ``data:image/...;base64,...`` URL; remote (http, https) URLs are refused, never fetched (gateway.chat_images)
+    url: NonEmptyText
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the image is read at the model's own size
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True):
+    """A ``{"type": "image_url", "image_url": {"url": "data:..."}}`` content part (user messages, a model that
+    reads images); other part types (audio, files) are refused."""
+
+    image_url: ImageURL
+    cache_control: Any = None
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
@@ -61,7 +75,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     # null (or left out) only for an assistant turn that made tool calls; a string or an array of text parts
     # otherwise.
-    content: str | Annotated[list[TextPart], msgspec.Meta(min_length=1)] | None = None
+    content: str | Annotated[list[TextPart | ImagePart], msgspec.Meta(min_length=1)] | None = None
     name: str | None = None  # a participant's name: accepted, not used by the chat templates we render
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
@@ -104,12 +118,12 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def message_text(message: ChatMessage) -> str:
-    """A message's content as one string: text parts joined by newlines (as vLLM renders them); "" for the
-    null content of an assistant turn that only made tool calls."""
+    """A message's content as one string: text parts joined by newlines (as vLLM renders them), image parts left
+    out (``gateway.chat_plan`` places them); "" for the null content of an assistant turn that only made tool calls."""
     content = message.content
     if content is None:
         return ""
-    return content if isinstance(content, str) else "\n".join(part.text for part in content)
+    return content if isinstance(content, str) else "\n".join(p.text for p in content if isinstance(p, TextPart))
 
 
 def text_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
@@ -275,7 +289,8 @@ def decode_body(body: bytes, cls):
         if _UNKNOWN_FIELD.match(message):
             message += " (not a field of this request: check its spelling, or remove it)"
         elif param and ".content[" in param and param.endswith(".type"):
-            message += ' (content parts may only be {"type": "text", "text": ...}: send other media another way)'
+            message += (' (content parts may only be {"type": "text", "text": ...} or '
+                        '{"type": "image_url", "image_url": {"url": "data:..."}})')
         raise APIError(400, f"invalid request body: {message}", param=param) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None

@@ -3,7 +3,9 @@
 ``run`` drives its stages, always in this order:
 
 1. **plan**: the body's sampling settings and, for chat, how it is rendered and read (``ChatPlan``);
-2. **prompts**: rendered and tokenized, each checked against the model's length (a ``400`` naming the field);
+2. **prompts**: a chat's images decoded and sized on a worker thread (``gateway/chat_images.py``), the prompts
+   rendered and tokenized (each image's placeholder expanded to its token count), each checked against the
+   model's length (a ``400`` naming the field);
 3. **admission**: the caller's ``Admission.admit`` (the live API reserves the tenant's quota and counts the
    request against its class's overload cap; a Batch line was admitted with its batch) gives the policy the
    request runs under;
@@ -32,7 +34,9 @@ from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.serving.client import EngineClient
 from gateway.chat_plan import ChatPlan, ParserChoice
-from gateway.completion import apply_plan, chat_plan_of, order_in_class, output_view, prepare_prompts, start_streams
+from gateway.completion import (
+    apply_plan, chat_plan_of, order_in_class, output_view, prepare_prompts, read_images, start_streams,
+)
 from gateway.errors import APIError
 from gateway.lora_adapters import AdapterCatalog
 from gateway.openai_schema import sampling_params_of
@@ -52,6 +56,7 @@ class Planned:
     sampling_params: SamplingParams
     plan: ChatPlan | None
     prompts: list[list[int]]
+    images: tuple[bytes, ...] = ()  # a chat's encoded images, checked (its prompt holds their placeholders)
 
     @property
     def prompt_lengths(self) -> list[int]:
@@ -103,8 +108,9 @@ async def plan(engine: EngineClient, body, chat: bool, parsers: ParserChoice,
         chat_plan = chat_plan_of(engine, body, parsers)
         apply_plan(sampling_params, chat_plan, body)
     admission.check_open()
-    prompts = await prepare_prompts(engine, body, chat, chat_plan, sampling_params)
-    return Planned(body, chat, sampling_params, chat_plan, prompts)
+    images = await read_images(engine, chat_plan)  # on a worker thread; a 400 naming the image part
+    prompts = await prepare_prompts(engine, body, chat, chat_plan, sampling_params, images)
+    return Planned(body, chat, sampling_params, chat_plan, prompts, tuple(im.data for im in images))
 
 
 async def check_planned_schema(planned: Planned) -> None:
@@ -139,7 +145,7 @@ async def run(engine: EngineClient, body, chat: bool, parsers: ParserChoice, adm
         await check_planned_schema(planned)
         policy = await request_policy(engine, admitted, body, adapter)
         outputs = start_streams(engine, planned.prompts, planned.sampling_params, rid, policy, output_view(body),
-                                stream=per_token)
+                                stream=per_token, images=planned.images)
         reply = await respond(planned, outputs)
         status = 200
         return reply

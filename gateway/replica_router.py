@@ -227,9 +227,10 @@ class ReplicaRouter:
         return [index.matched(hashes) for index in self._index]
 
     async def generate(self, prompt: list[int], sampling_params: SamplingParams, request_id: str | None = None,
-                       policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True) -> AsyncIterator[RequestOutput]:
+                       policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True,
+                       images: Sequence[bytes] = ()) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs from the replica chosen for it; see the module's docstring for
-        faults and moves."""
+        faults and moves. ``images`` go with the request to whichever replica runs it."""
         request_id = request_id or f"req-{next(self._ids)}"
         hashes = block_hashes(prompt, self.block_size, policy.cache_salt, policy.lora_adapter)
         placement = _Placement(request_id, hashes, policy.lora_adapter)
@@ -239,7 +240,8 @@ class ReplicaRouter:
         try:
             while True:
                 i = placement.replica
-                outputs = self.replicas[i].generate(prompt, sampling_params, request_id, policy, stream)
+                extra = {"images": images} if images else {}
+                outputs = self.replicas[i].generate(prompt, sampling_params, request_id, policy, stream, **extra)
                 started = False
                 try:
                     first = await self._first_output(outputs, placement)

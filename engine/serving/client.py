@@ -51,11 +51,13 @@ class EngineClient(Protocol):
         ...
 
     def generate(self, prompt: list[int], sampling_params: SamplingParams, request_id: str | None = None,
-                 policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True) -> AsyncIterator[RequestOutput]:
+                 policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True,
+                 images: Sequence[bytes] = ()) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs until it finishes; closing the stream aborts the request.
 
         ``policy`` goes to the engine's scheduler unchanged. ``stream=False``: one output when the request
-        finishes, with the whole generation in it."""
+        finishes, with the whole generation in it. ``images``: encoded images for a model that reads them, one
+        per run of image placeholder tokens in ``prompt`` (the gateway passes it only when there are some)."""
         ...
 
     async def release(self, request_id: str) -> bool:

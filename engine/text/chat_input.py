@@ -14,7 +14,8 @@ class InvalidPrompt(ValueError):
 
 @dataclass
 class ChatInput:
-    """A chat request's template inputs: turns as the template reads them (``content`` text or None,
+    """A chat request's template inputs: turns as the template reads them (``content`` text, None, or a user
+    turn's list of ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts when it holds images;
     assistant ``tool_calls`` with ``arguments`` objects, ``tool_call_id``), the tools (OpenAI's
     ``{"type": "function", "function": {...}}`` entries) and the template options."""
 
@@ -29,5 +30,11 @@ class ChatInput:
 
     def num_chars(self) -> int:
         """About how much text goes into the template (bounds the prompt before rendering it)."""
-        size = sum(len(m.get("content") or "") for m in self.messages)
+        size = sum(_content_chars(m.get("content")) for m in self.messages)
         return size + (len(repr(self.tools)) if self.tools else 0)
+
+
+def _content_chars(content) -> int:
+    if isinstance(content, list):  # parts: their text
+        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return len(content or "")

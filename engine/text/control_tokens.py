@@ -29,17 +29,20 @@ _PROBE = [
     {"role": "tool", "content": "r", "tool_call_id": "c"}, {"role": "assistant", "content": "t"},
     {"role": "user", "content": "v"},
 ]
+# A user turn with an image (the list-of-parts content image-text templates read): its placeholder markup.
+_IMAGE_PROBE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "u"}]}]
 
 
 def _template_markup(tokenizer, template: str | None) -> set[str]:
-    """The added tokens the chat template writes around a small conversation (with and without tools)."""
+    """The added tokens the chat template writes around a small conversation (with and without tools, and a turn
+    with an image)."""
     if not template:
         return set()
     added = tokenizer.added_tokens_decoder
     found: set[str] = set()
-    for tools in ([_PROBE_TOOL], None):
+    for messages, tools in ((_PROBE, [_PROBE_TOOL]), (_PROBE, None), (_IMAGE_PROBE, None)):
         try:
-            text = tokenizer.apply_chat_template(_PROBE, tools=tools, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception:  # a template that refuses this conversation: what the other one shows, or none
             continue
         found |= {added[i].content for i in tokenizer.encode(text, add_special_tokens=False) if i in added}

@@ -2,33 +2,18 @@
 run of placeholder tokens of exactly its size (the prompt arrives with its placeholders expanded)."""
 
 import hashlib
-import json
-import os
 
 import torch
 from PIL import Image
 
 from engine.core.prompt_images import PromptImage
+from engine.vision.image_files import image_config_for  # noqa: F401  (the engine reads it from here)
 from engine.vision.qwen_image_processing import ProcessedImage, QwenImageConfig, decode_image, process_image
 
 # An encoded image may decode to at most this many pixels (a decompression bomb is refused before decoding).
 DEFAULT_MAX_DECODED_PIXELS = 64 * 1024 * 1024
 
 ImageLike = bytes | Image.Image | ProcessedImage
-
-
-def image_config_for(model_dir: str, vision_config) -> QwenImageConfig:
-    """The checkpoint's ``preprocessor_config.json`` settings; without one, Qwen3-VL's defaults with the vision
-    tower's own patch, frame and merge sizes."""
-    path = os.path.join(model_dir, "preprocessor_config.json")
-    raw = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            raw = json.load(f)
-    for key, source in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
-                        ("merge_size", "spatial_merge_size")):
-        raw.setdefault(key, getattr(vision_config, source))
-    return QwenImageConfig.from_dict(raw)
 
 
 def _processed(image: ImageLike, config: QwenImageConfig, max_decoded_pixels: int) -> ProcessedImage:

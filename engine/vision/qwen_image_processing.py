@@ -7,44 +7,12 @@ layout the vision tower's Conv3d and its 2x2 merger read (each merge window's pa
 """
 
 import dataclasses
-import io
-import math
 
 import torch
 from PIL import Image
 
-
-@dataclasses.dataclass(frozen=True)
-class QwenImageConfig:
-    """The processor's settings, read from ``preprocessor_config.json`` (defaults: Qwen3-VL's)."""
-
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    min_pixels: int = 65536
-    max_pixels: int = 16777216
-    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    rescale_factor: float = 1 / 255
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "QwenImageConfig":
-        """The settings a ``preprocessor_config.json`` holds; ``size``'s edges or ``min/max_pixels`` bound the area."""
-        size = raw.get("size") or {}
-        fields = {f.name: raw[f.name] for f in dataclasses.fields(cls) if raw.get(f.name) is not None}
-        if size.get("shortest_edge") is not None:
-            fields.setdefault("min_pixels", size["shortest_edge"])
-        if size.get("longest_edge") is not None:
-            fields.setdefault("max_pixels", size["longest_edge"])
-        for key in ("image_mean", "image_std"):
-            if key in fields:
-                fields[key] = tuple(float(v) for v in fields[key])
-        return cls(**fields)
-
-    @property
-    def factor(self) -> int:
-        """Both sides of a resized image are multiples of this: one merge window of patches."""
-        return self.patch_size * self.merge_size
+# The torch-free parts (the gateway reads them too), named here as well, where they have always been.
+from engine.vision.image_files import QwenImageConfig, decode_image, smart_resize  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,25 +26,6 @@ class ProcessedImage:
         """Placeholder tokens the image takes in the prompt: one per merge window."""
         t, h, w = self.grid_thw
         return t * h * w // (merge_size * merge_size)
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """The (height, width) an image is resized to: multiples of ``factor``, area within the bounds, aspect kept.
-
-    Raises ValueError for an aspect ratio over 200 (Qwen's own limit)."""
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.1f} is over 200")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -122,21 +71,3 @@ def process_image(image: Image.Image, config: QwenImageConfig) -> ProcessedImage
     x = (x - mean) / std
     patches, grid_h, grid_w = patchify(x, config)
     return ProcessedImage(pixel_values=patches.contiguous(), grid_thw=(1, grid_h, grid_w))
-
-
-def decode_image(data: bytes, max_pixels: int) -> Image.Image:
-    """The first frame of an encoded image, fully decoded; ValueError for bytes that are not an image or that
-    would decode to more than ``max_pixels`` (a decompression bomb is refused before its pixels are read)."""
-    try:
-        image = Image.open(io.BytesIO(data))
-    except Exception as exc:  # Pillow raises several types for undecodable bytes
-        raise ValueError("not an image Pillow can read") from exc
-    width, height = image.size
-    if width * height > max_pixels:
-        raise ValueError(f"image of {width}x{height} pixels is over the limit of {max_pixels}")
-    try:
-        image.seek(0)
-        image.load()
-    except Exception as exc:
-        raise ValueError("image data is truncated or corrupt") from exc
-    return image

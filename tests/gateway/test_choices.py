@@ -161,7 +161,8 @@ def test_choices_prompts_tokenize_and_quota(demo_dir, tmp_path):
             one_ids = await client.completions.create(model="demo", prompt=ids[0], max_tokens=6, **greedy)
             assert [c.text for c in one_ids.choices] == [separate[0].choices[0].text]
 
-            # Text content parts are joined by newlines; other part types are refused by name.
+            # Text content parts are joined by newlines; an image to this text model is refused naming its part,
+            # other part types by their type.
             parts = [{"type": "text", "text": _text(rng, 4)}, {"type": "text", "text": _text(rng, 4)}]
             as_parts = await client.chat.completions.create(
                 model="demo", messages=[{"role": "user", "content": parts}], max_tokens=5, **greedy)
@@ -171,8 +172,11 @@ def test_choices_prompts_tokenize_and_quota(demo_dir, tmp_path):
             assert as_parts.choices[0].message.content == as_text.choices[0].message.content
             assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
             image = {"type": "image_url", "image_url": {"url": "http://example.invalid/x.png"}}
+            audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
             refusals = [
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": [parts[0], image]}]},
+                 "messages[0].content[1]"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": [parts[0], audio]}]},
                  "messages[0].content[1].type"),
                 ("/v1/completions", {"prompt": "x", "n": 129}, "n"),
                 ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 50}, "n"),

@@ -1,0 +1,277 @@
+"""Images in chat completions, through the HTTP API of an in-process server on a tiny random Qwen3-VL-MoE
+checkpoint with a tokenizer and a Qwen-style chat template: the official ``openai`` client's chat with an image
+gets the greedy tokens transformers' ``Qwen3VLMoeForConditionalGeneration`` makes of the inputs transformers'
+``Qwen3VLProcessor`` builds (the placeholders expanded by the processor itself), and bills those prompt tokens;
+hostile images are a 400 naming the content part, and the engine serves the next request."""
+
+import base64
+import io
+import json
+import random
+import struct
+import zlib
+
+from PIL import Image
+
+import openai
+import pytest
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil, Qwen3VLProcessor
+
+from engine.serving.protocol import Ready
+from gateway.chat_images import ImageLimits, ImageRef, decode_images, image_model_of
+from gateway.completion import chat_plan_of
+from gateway.chat_plan import ParserChoice
+from gateway.errors import APIError
+from gateway.openai_schema import ChatCompletionRequest, decode_body
+from tests.engine.vision.qwen3_vl_checkpoint import (
+    IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, VIDEO_TOKEN, VOCAB, make_qwen3_vl_moe, random_image,
+)
+from tests.gateway.in_process import in_process_server
+from tests.gateway.tenant_keys import new_tenant_key
+
+pytestmark = pytest.mark.timeout(240)
+MAX_NEW = 6
+
+# Qwen's chat format: a user turn's image part writes <|vision_start|><|image_pad|><|vision_end|>
+TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{ message.content }}{%- else %}{%- for content in message.content %}"
+    "{%- if content.type == 'image' or 'image' in content or 'image_url' in content %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in content %}{{ content.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{ '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+IM_START, ENDOFTEXT, IM_END = 196, 197, VOCAB - 1
+
+
+def write_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """Byte-level characters as tokens (printable ASCII and the newline, ids 0-95), the rest of the model's
+    vocabulary filler, Qwen-VL's special tokens at the checkpoint's ids."""
+    chars = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]  # byte-level's space and newline
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab["<unk>"] = len(vocab)
+    specials = {IM_START: "<|im_start|>", ENDOFTEXT: "<|endoftext|>", VISION_START: "<|vision_start|>",
+                VISION_END: "<|vision_end|>", IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
+                IM_END: "<|im_end|>"}
+    for i in range(len(vocab), VOCAB):
+        vocab[specials.get(i, f"<unused{i}>")] = i
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                                                 pre_tokenizers.Split("", behavior="isolated")])
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials.values()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  unk_token="<unk>", chat_template=TEMPLATE)
+    tok.save_pretrained(path)
+    return tok
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` and holds one tiny compressed row: a decompression bomb's header."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat_images")
+    path = str(root / "qwen3_vl")
+    seed = random.randrange(2**31)
+    model = make_qwen3_vl_moe(path, seed)
+    with open(f"{path}/preprocessor_config.json", "w") as f:
+        json.dump({"patch_size": IMAGE_CONFIG.patch_size, "temporal_patch_size": IMAGE_CONFIG.temporal_patch_size,
+                   "merge_size": IMAGE_CONFIG.merge_size, "image_mean": list(IMAGE_CONFIG.image_mean),
+                   "image_std": list(IMAGE_CONFIG.image_std),
+                   "size": {"shortest_edge": IMAGE_CONFIG.min_pixels, "longest_edge": IMAGE_CONFIG.max_pixels}}, f)
+    tok = write_tokenizer(path)
+    with in_process_server(root, dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, cpu_threads=1,
+                                      max_model_len=256), checkpoint=path) as srv:
+        key = srv.run(new_tenant_key(srv.database_url))
+        client = openai.AsyncOpenAI(base_url=srv.base_url, api_key=key, max_retries=0)
+        yield srv, client, model, tok, seed
+
+
+class _ImageOnlyProcessor(Qwen3VLProcessor):
+    """Qwen3-VL's processor without a video processor (transformers' needs torchvision, not installed here)."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        return type(argument)
+
+
+def _processed(model, tok, messages, pictures) -> tuple[list[int], dict]:
+    """transformers' prompt ids (its Qwen3-VL processor expands each placeholder to its image's tokens) and the
+    pixel inputs, for ``messages`` whose image parts are ``{"type": "image"}``."""
+    processor = _ImageOnlyProcessor(
+        image_processor=Qwen2VLImageProcessorPil(
+            patch_size=IMAGE_CONFIG.patch_size, temporal_patch_size=IMAGE_CONFIG.temporal_patch_size,
+            merge_size=IMAGE_CONFIG.merge_size, image_mean=list(IMAGE_CONFIG.image_mean),
+            image_std=list(IMAGE_CONFIG.image_std),
+            size={"shortest_edge": IMAGE_CONFIG.min_pixels, "longest_edge": IMAGE_CONFIG.max_pixels}),
+        tokenizer=tok, chat_template=TEMPLATE)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=pictures, return_tensors="pt")
+    return inputs["input_ids"][0].tolist(), {"pixel_values": inputs["pixel_values"],
+                                             "image_grid_thw": inputs["image_grid_thw"]}
+
+
+def _greedy(model, prompt: list[int], pixels: dict) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+                             max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, **pixels)
+    return out[0, len(prompt):].tolist()
+
+
+def test_chat_with_an_image_matches_transformers(served):
+    """One PNG in a user message between texts, one of which spells <|image_pad|>: the greedy tokens equal
+    transformers' on its processor's inputs, and the prompt tokens billed are those inputs' (the image's tokens
+    included; the spelled placeholder its plain characters, no image slot)."""
+    srv, client, model, tok, seed = served
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    picture = random_image(gen, rng.randint(12, 40), rng.randint(12, 40))
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Look <|image_pad|> here:"},
+        {"type": "image_url", "image_url": {"url": data_url(picture), "detail": "auto"}},
+        {"type": "text", "text": "What is it?"}]}]
+    # The reference: "@" where the client spelled the placeholder (the processor would take the spelling for an
+    # image slot, which the server must not), then "@" swapped for the spelling's characters.
+    marked = [{"role": "user", "content": [{"type": "text", "text": "Look @ here:"}, {"type": "image"},
+                                           {"type": "text", "text": "What is it?"}]}]
+    want_prompt, pixels = _processed(model, tok, marked, [picture])
+    at = want_prompt.index(tok.convert_tokens_to_ids("@"))
+    want_prompt[at:at + 1] = [tok.convert_tokens_to_ids(c) for c in "<|image_pad|>"]
+    want = _greedy(model, want_prompt, pixels)
+
+    reply = srv.run(client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0, logprobs=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))
+    got = [int(t.token.removeprefix("token_id:")) for t in reply.choices[0].logprobs.content]
+    assert got == want, f"seed={seed}"
+    assert reply.usage.prompt_tokens == len(want_prompt), f"seed={seed}"
+    assert want_prompt.count(IMAGE_TOKEN) == image_model_of(srv.engine).num_tokens(*picture.size) > 1
+
+
+def test_jpeg_webp_and_animated_gif_first_frame(served):
+    """A JPEG, a WebP and a two-frame GIF in one message: the tokens equal transformers' on the images Pillow
+    opens from the same bytes (a GIF's first frame), and the prompt tokens billed are its processor's."""
+    srv, client, model, tok, seed = served
+    rng = random.Random(seed + 1)
+    gen = torch.Generator().manual_seed(seed + 1)
+    size = lambda: (rng.randint(12, 40), rng.randint(12, 40))  # noqa: E731
+    jpeg, webp, first, second = (random_image(gen, *size()) for _ in range(4))
+    gif = io.BytesIO()
+    first.save(gif, format="GIF", save_all=True, append_images=[second.resize(first.size)], duration=100)
+    urls = [data_url(jpeg, "JPEG"), data_url(webp, "WEBP"),
+            "data:image/gif;base64," + base64.b64encode(gif.getvalue()).decode()]
+    pictures = []
+    for url in urls:  # what the client sent, as Pillow reads it: lossy pixels, the GIF's first frame (its
+        opened = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))  # palette as transformers reads it)
+        opened.seek(0)
+        opened.load()
+        pictures.append(opened)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Three:"}] + [
+        {"type": "image_url", "image_url": {"url": u}} for u in urls]}]
+    want_prompt, pixels = _processed(model, tok, [{"role": "user", "content": [
+        {"type": "text", "text": "Three:"}] + [{"type": "image"}] * 3}], pictures)
+    want = _greedy(model, want_prompt, pixels)
+    reply = srv.run(client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0, logprobs=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))
+    assert [int(t.token.removeprefix("token_id:")) for t in reply.choices[0].logprobs.content] == want, f"seed={seed}"
+    assert reply.usage.prompt_tokens == len(want_prompt)
+
+
+def _png_bytes(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+HOSTILE = {
+    "bad base64": ("data:image/png;base64,iVBORw0K!!!not*base64", "not valid base64"),
+    "not an image": ("data:image/png;base64," + base64.b64encode(b"hello, this is text" * 8).decode(),
+                     "not an image"),
+    "declared 20000x20000": ("data:image/png;base64," + base64.b64encode(png_header_only(20000, 20000)).decode(),
+                             "over the pixel limit"),  # past Pillow's own bomb limit
+    "declared 5000x5000": ("data:image/png;base64," + base64.b64encode(png_header_only(5000, 5000)).decode(),
+                           "5000x5000 pixels is over the limit"),  # past the gateway's
+    "truncated": (None, "truncated or corrupt"),
+    "aspect ratio 250": (data_url(Image.new("RGB", (250, 1))), "aspect ratio 250.0 is over 200"),
+    "remote url": ("https://example.com/cat.png", "remote image URLs are off"),
+    "not a data url": ("file:///etc/passwd", "must be a data: URL"),
+}
+
+
+def test_hostile_images_are_a_400_naming_the_part(served):
+    """Each hostile image is a 400 naming messages[0].content[1] with its reason; the engine then serves a chat."""
+    srv, client, model, tok, seed = served
+    whole = _png_bytes(random_image(torch.Generator().manual_seed(seed), 32, 32))
+    truncated = "data:image/png;base64," + base64.b64encode(whole[:len(whole) // 2]).decode()
+
+    async def refused(url):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model="demo", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}])
+        return info.value
+
+    for name, (url, reason) in HOSTILE.items():
+        err = srv.run(refused(url or truncated))
+        assert err.status_code == 400 and err.body["param"] == "messages[0].content[1]", (name, err.body)
+        assert reason in err.body["message"], (name, err.body)
+    reply = srv.run(client.chat.completions.create(model="demo", max_tokens=2, messages=[
+        {"role": "user", "content": "still up?"}]))
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_request_limits_and_text_models():
+    """Images per request and bytes per request, counted across the request's parts, refuse the part past the
+    limit; a model that reads text only refuses the first image part (no engine: the refusal comes first)."""
+    png = _png_bytes(random_image(torch.Generator().manual_seed(random.randrange(2**31)), 16, 16))
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    refs = [ImageRef(f"messages[0].content[{j}]", url) for j in range(3)]
+
+    class VisionModel:
+        image_token_id = IMAGE_TOKEN
+        num_tokens = staticmethod(lambda w, h: 4)
+
+    for limits, at in ((ImageLimits(max_images=2), 2), (ImageLimits(max_request_image_bytes=2 * len(png) + 1), 2),
+                       (ImageLimits(max_image_bytes=len(png) - 1), 0)):
+        with pytest.raises(APIError) as info:
+            decode_images(refs, VisionModel(), limits)
+        assert info.value.status == 400 and info.value.param == f"messages[0].content[{at}]", (limits, info.value)
+    assert [d.data for d in decode_images(refs, VisionModel(), ImageLimits(max_images=3))] == [png] * 3
+
+    class TextEngine:
+        info = Ready(model="m", architecture="Qwen3MoeForCausalLM", max_model_len=64, vocab_size=100,
+                     has_tokenizer=True)
+
+        def chat_template(self):
+            return None
+
+    body = decode_body(json.dumps({"model": "m", "messages": [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {
+            "url": url}}]}]}).encode(), ChatCompletionRequest)
+    with pytest.raises(APIError) as info:
+        chat_plan_of(TextEngine(), body, ParserChoice(None, None))
+    assert info.value.status == 400 and info.value.param == "messages[1].content[1]"
+    assert "reads text only" in info.value.message
+    assistant = decode_body(json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}).encode(),
+        ChatCompletionRequest)
+    with pytest.raises(APIError) as info:
+        chat_plan_of(TextEngine(), assistant, ParserChoice(None, None))
+    assert info.value.param == "messages[1].content[0]" and "only user messages" in info.value.message
