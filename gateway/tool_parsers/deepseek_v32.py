@@ -16,7 +16,7 @@ import json
 import re
 
 from gateway.tool_parsers.base import ToolCall
-from gateway.tool_parsers.blocks import BlockToolParser
+from gateway.tool_parsers.blocks import BlockToolParser, invocations
 
 DSML = "｜DSML｜"
 _INVOKE = re.compile(rf'\s*<{DSML}invoke name="([^"]+)">(.*?)</{DSML}invoke>', re.DOTALL)
@@ -26,28 +26,21 @@ _PARAMETER = re.compile(rf'\s*<{DSML}parameter name="([^"]+)" string="(true|fals
 
 class DeepSeekV32ToolParser(BlockToolParser):
     name = "deepseek_v32"
+    needs_special_tokens = True  # as DeepSeek's other markers: kept however the tokenizer marks them
     START, END = f"<{DSML}function_calls>", f"</{DSML}function_calls>"
 
     def calls_in(self, body: str) -> list[ToolCall] | None:
-        calls, rest = [], body
-        while rest.strip():
-            invoke = _INVOKE.match(rest)
-            if invoke is None:
-                return None
-            params, args = invoke.group(2), {}
-            while params.strip():
-                param = _PARAMETER.match(params)
-                if param is None:
-                    return None
+        found, calls = invocations(body, _INVOKE, _PARAMETER), []
+        for name, params in found or []:
+            args = {}
+            for param in params:
                 key, is_string, raw = param.groups()
                 if is_string == "true":
                     args[key] = raw
-                else:
-                    try:
-                        args[key] = json.loads(raw)
-                    except ValueError:
-                        return None
-                params = params[param.end():]
-            calls.append(ToolCall(invoke.group(1).strip(), json.dumps(args, ensure_ascii=False)))
-            rest = rest[invoke.end():]
-        return calls
+                    continue
+                try:
+                    args[key] = json.loads(raw)
+                except ValueError:
+                    return None  # a value said to be JSON that is not: the block is text
+            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        return None if found is None else calls

@@ -20,7 +20,7 @@ import json
 import re
 
 from gateway.tool_parsers.base import ToolCall, typed_argument
-from gateway.tool_parsers.blocks import TextArgumentsBlockParser
+from gateway.tool_parsers.blocks import TextArgumentsBlockParser, tagged_items
 
 _FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -39,15 +39,10 @@ class Qwen3CoderToolParser(TextArgumentsBlockParser):
 
     def calls_in(self, body: str) -> list[ToolCall] | None:
         function = _FUNCTION.fullmatch(body)
-        if function is None:
+        params = tagged_items(function.group(2), _PARAMETER) if function is not None else None
+        if params is None:
             return None
-        name, params, args = function.group(1), function.group(2), {}
+        name = function.group(1)
         types = self.argument_types.get(name, {})
-        while params.strip():
-            param = _PARAMETER.match(params)
-            if param is None:
-                return None  # text that is not a parameter
-            key = param.group(1).strip()
-            args[key] = _value(param.group(2), types.get(key))
-            params = params[param.end():]
+        args = {p.group(1).strip(): _value(p.group(2), types.get(p.group(1).strip())) for p in params}
         return [ToolCall(name, json.dumps(args, ensure_ascii=False))]
