@@ -21,12 +21,18 @@ from gateway.openai_schema import (
 )
 from gateway.chat_plan import HARMONY, ChatPlan, ParserChoice, plan as plan_chat
 from gateway.response_format import format_source
+from gateway.tool_parsers.think_prompt import prompt_opens_think
 
 
 def chat_plan_of(engine: EngineClient, body, parsers: ParserChoice) -> ChatPlan:
     """How a chat request is rendered and read, with the parsers the served checkpoint takes."""
     architecture = engine.info.architecture if engine.info is not None else None  # None while (re)starting
-    return plan_chat(body, parsers.resolve(engine.chat_template(), architecture))
+    template = engine.chat_template()
+    chat = plan_chat(body, parsers.resolve(template, architecture))
+    opened = chat.reasoning_parser in ("qwen3", "think") and template is not None and chat.chat.add_generation_prompt
+    if opened and prompt_opens_think(template, chat.chat.template_kwargs):
+        chat.reasoning_parser = "deepseek_r1"  # the prompt opened <think>: the output starts inside the reasoning
+    return chat
 
 
 async def load_harmony(engine: EngineClient, parsers: ParserChoice) -> None:

@@ -182,9 +182,23 @@ def _qwen35_template() -> str:
                 "{%- for k, v in (fn.arguments | items if fn.arguments is mapping else []) %}"
                 "{{- '<parameter=' + k + '>\\n' + (v if v is string else v | tojson) + '\\n</parameter>\\n' }}"
                 "{%- endfor %}{{- '</function>\\n</tool_call>' }}")
-    assert old_call in CHAT_TEMPLATE
-    return CHAT_TEMPLATE.replace(old_call, new_call).replace(
+    closed = "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"  # Qwen3.5 opens <think> unless thinking is off
+    assert old_call in CHAT_TEMPLATE and closed in CHAT_TEMPLATE
+    return CHAT_TEMPLATE.replace(old_call, new_call).replace(closed, closed.replace(
+        "{%- endif %}", "{%- else %}{{- '<think>\\n' }}{%- endif %}")).replace(
         "return a json object with function name and arguments", "write <function=NAME> and <parameter=ARG> tags")
+
+
+def test_prompts_that_open_think():
+    """The Qwen3.5-style template opens <think> in its generation prompt unless enable_thinking is false; the
+    demo's (Qwen3's) never does; a template that refuses the probe chat changes nothing."""
+    from engine.loading.demo_model import CHAT_TEMPLATE
+    from gateway.tool_parsers.think_prompt import prompt_opens_think
+
+    assert prompt_opens_think(_qwen35_template(), {})
+    assert not prompt_opens_think(_qwen35_template(), {"enable_thinking": False})
+    assert not prompt_opens_think(CHAT_TEMPLATE, {}) and not prompt_opens_think(CHAT_TEMPLATE, {"enable_thinking": False})
+    assert not prompt_opens_think("{{ raise_exception('no') }}<think>", {})
 
 
 @pytest.fixture(scope="module")
@@ -212,35 +226,43 @@ def served(tmp_path_factory):
 @pytest.mark.timeout(120)
 def test_openai_client_reads_qwen35_calls(served):
     """`--tool-call-parser auto` picks qwen3_coder from the template; the model's output is forced (guided_choice)
-    to a Qwen3.5 call with random values: the official client gets it as a tool call, whole and streamed."""
+    to Qwen3.5's reasoning (the prompt opened <think>) and a call with random values: the official client gets
+    reasoning_content and the tool call, whole and streamed; with thinking off, the output is read as content."""
     srv, key = served
     rng = random.Random()
     city, days = rng.choice(["Oslo", "007", "a < b"]), rng.randint(1, 99)
-    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n" + city + "\n</parameter>\n"
+    thought = rng.choice(["The user wants weather.", "Two < three; call it."])
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n" + city + "\n</parameter>\n"
             f"<parameter=days>\n{days}\n</parameter>\n</function>\n</tool_call>")
-    kwargs = dict(model="demo", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=80,
-                  extra_body={"guided_choice": [text]})
+    messages = [{"role": "user", "content": "Weather?"}]
 
-    async def go():
+    async def go(text, template_kwargs):
         client = openai.AsyncOpenAI(base_url=str(srv.server.make_url("/v1")), api_key=key, max_retries=0)
+        kwargs = dict(model="demo", messages=messages, tools=TOOLS, max_tokens=200,
+                      extra_body={"guided_choice": [text], "chat_template_kwargs": template_kwargs})
         try:
             whole = await client.chat.completions.create(**kwargs)
-            calls, finish, content = {}, None, ""
+            calls, finish, content, reasoning = {}, None, "", ""
             async for chunk in await client.chat.completions.create(**kwargs, stream=True):
                 choice = chunk.choices[0]
                 finish = choice.finish_reason or finish
                 content += choice.delta.content or ""
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
                 for d in choice.delta.tool_calls or []:
                     entry = calls.setdefault(d.index, {"name": d.function.name, "arguments": ""})
                     entry["arguments"] += d.function.arguments or ""
-            return whole, calls, finish, content
+            return whole.choices[0], calls, finish, content, reasoning
         finally:
             await client.close()
 
-    whole, calls, finish, content = srv.run(go())
-    choice = whole.choices[0]
+    choice, calls, finish, content, reasoning = srv.run(go(thought + "\n</think>\n\n" + call, {}))
     assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": city, "days": days}
+    assert choice.message.reasoning_content == thought + "\n" and reasoning == thought + "\n", (choice, reasoning)
+    (got,) = choice.message.tool_calls
+    assert got.function.name == "get_weather" and json.loads(got.function.arguments) == {"city": city, "days": days}
     assert finish == "tool_calls" and content == "" and list(calls) == [0], calls
     assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": city, "days": days}
+
+    choice, calls, finish, content, reasoning = srv.run(go("Sunny. " + call, {"enable_thinking": False}))
+    assert choice.message.content == "Sunny. " and not choice.message.reasoning_content and reasoning == ""
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"] and content == "Sunny. "
