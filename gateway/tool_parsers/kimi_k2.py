@@ -5,7 +5,8 @@ arguments as a JSON object, between special tokens of Kimi's tokenizer::
     {"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
 
 The call keeps the id the model wrote as its ``id``: Kimi's chat template writes a call's id back into the
-history, so the next turn's prompt reads as the model wrote it.
+history, so the next turn's prompt reads as the model wrote it (an id the model repeats within one output gets
+a fresh ``call_...`` id instead: a reply's ids must tell its calls apart).
 """
 
 import json
@@ -23,6 +24,10 @@ class KimiK2ToolParser(SectionToolParser):
     name = "kimi_k2"
     SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_END = SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_END
 
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        super().__init__(tools)
+        self._ids: set[str] = set()  # the ids this output's calls were given
+
     def read_call(self, body: str) -> ToolCall | None:
         head, sep, args = body.partition(ARGUMENTS)
         match = _ID.fullmatch(head.strip())
@@ -32,6 +37,7 @@ class KimiK2ToolParser(SectionToolParser):
             call = call_from_json({"name": match.group(1), "arguments": json.loads(args)})
         except ValueError:
             return None
-        if call is not None:
+        if call is not None and head.strip() not in self._ids:
             call.id = head.strip()
+            self._ids.add(call.id)
         return call

@@ -149,6 +149,14 @@ def test_malformed_markup_stays_text(parser):
                 assert parsed.content == text
 
 
+def test_kimi_repeated_ids_are_made_unique():
+    call = '<|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>{"days": %d}<|tool_call_end|>'
+    text = "<|tool_calls_section_begin|>" + call % 1 + call % 2 + "<|tool_calls_section_end|>"
+    parsed = KimiK2ToolParser(TOOLS).parse(text)
+    assert _calls(parsed) == [("search", {"days": 1}), ("search", {"days": 2})]
+    assert parsed.tool_calls[0].id == "functions.search:0" and parsed.tool_calls[1].id.startswith("call_")
+
+
 def test_cut_off_inside_a_call():
     """max_tokens cut the output inside a block: a call if what came reads as one, else text as written."""
     whole = "<tool_call>\n<function=search>\n<parameter=days>\n4\n</parameter>\n</function>\n"
