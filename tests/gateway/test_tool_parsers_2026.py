@@ -207,6 +207,15 @@ def test_prompts_that_open_think():
     assert not prompt_opens_think(_qwen35_template(), {"enable_thinking": False})
     assert not prompt_opens_think(CHAT_TEMPLATE, {}) and not prompt_opens_think(CHAT_TEMPLATE, {"enable_thinking": False})
     assert not prompt_opens_think("{{ raise_exception('no') }}<think>", {})
+    # The gateway's own jinja2 sandbox renders the probe as transformers does.
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from gateway.tool_parsers.think_prompt import _PROBE, _compiled
+    tools = [{"type": "function", "function": {"name": "f", "description": "Zürich", "parameters": {"type": "object"}}}]
+    for template in (CHAT_TEMPLATE, _qwen35_template()):
+        for kwargs in ({}, {"enable_thinking": False}, {"tools": tools}):
+            (want,), _ = render_jinja_template([_PROBE], chat_template=template, add_generation_prompt=True, **kwargs)
+            assert _compiled(template).render(messages=_PROBE, add_generation_prompt=True, **kwargs) == want
 
 
 @pytest.fixture(scope="module")
