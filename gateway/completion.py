@@ -26,13 +26,19 @@ from gateway.openai_schema import (
 )
 from gateway.chat_plan import HARMONY, ChatPlan, ParserChoice, plan as plan_chat
 from gateway.response_format import format_source
+from gateway.tool_parsers.think_prompt import prompt_opens_think
 
 
 def chat_plan_of(engine: EngineClient, body, parsers: ParserChoice) -> ChatPlan:
     """How a chat request is rendered and read, with the parsers the served checkpoint takes; a 400 naming the
     first image part if the model reads text only."""
     architecture = engine.info.architecture if engine.info is not None else None  # None while (re)starting
-    chat_plan = plan_chat(body, parsers.resolve(engine.chat_template(), architecture))
+    template = engine.chat_template()
+    chat_plan = plan_chat(body, parsers.resolve(template, architecture))
+    opened = (chat_plan.reasoning_parser in ("qwen3", "think") and template is not None
+              and chat_plan.chat.add_generation_prompt)
+    if opened and prompt_opens_think(template, chat_plan.chat.template_kwargs):
+        chat_plan.reasoning_parser = "deepseek_r1"  # the prompt opened <think>: the output starts inside the reasoning
     refuse_if_text_only(engine, chat_plan.images)
     return chat_plan
 

@@ -2,6 +2,7 @@
 the streaming shared by Hermes, GLM-4.5 and MiniMax-M2; each format says how to read one block's body."""
 
 import abc
+import re
 
 from gateway.tool_parsers.base import ParsedDelta, ToolCall, ToolParser, argument_types, held_prefix
 
@@ -83,3 +84,28 @@ class TextArgumentsBlockParser(BlockToolParser):
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__(tools)
         self.argument_types = argument_types(tools)  # {function: {argument: JSON Schema type}}
+
+
+def tagged_items(text: str, pattern: re.Pattern) -> list[re.Match] | None:
+    """``text`` read as a run of ``pattern``'s matches (the pattern takes the whitespace before each), or None
+    where anything else stands in it."""
+    found = []
+    while text.strip():
+        match = pattern.match(text)
+        if match is None:
+            return None
+        found.append(match)
+        text = text[match.end():]
+    return found
+
+
+def invocations(body: str, invoke: re.Pattern, parameter: re.Pattern) -> list[tuple[str, list[re.Match]]] | None:
+    """A block's body read as invocations (``invoke``'s groups: the name, then the parameters' text) ->
+    [(name, ``parameter``'s matches)], or None where it does not read so (MiniMax-M2, DeepSeek-V3.2)."""
+    found = []
+    for call in tagged_items(body, invoke) or [None]:
+        params = tagged_items(call.group(2), parameter) if call is not None else None
+        if params is None:
+            return None
+        found.append((call.group(1).strip(), params))
+    return found

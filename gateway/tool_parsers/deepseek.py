@@ -13,8 +13,9 @@ Text before the section is content; a call that does not parse stays in the cont
 
 import json
 
-from gateway.tool_parsers.base import ParsedDelta, ToolParser, call_from_json, held_prefix
+from gateway.tool_parsers.base import ParsedDelta, ToolCall, call_from_json
 from gateway.tool_parsers.reasoning import START as THINK_START, ThinkReasoningParser
+from gateway.tool_parsers.sections import SectionToolParser
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -36,68 +37,12 @@ def _call(body: str):
         return None
 
 
-class DeepSeekToolParser(ToolParser):
+class DeepSeekToolParser(SectionToolParser):
     name = "deepseek_v3"
-    needs_special_tokens = True
+    SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_END = CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
-        super().__init__(tools)
-        self._pending = ""
-        self._state = "content"  # content -> section (between calls) -> call -> section ... -> after
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._pending += text
-        out = ParsedDelta()
-        while True:
-            if self._state == "content":
-                start = self._pending.find(CALLS_BEGIN)
-                if start < 0:
-                    keep = held_prefix(self._pending, CALLS_BEGIN)
-                    out.content += self._pending[:len(self._pending) - keep]
-                    self._pending = self._pending[len(self._pending) - keep:]
-                    return out
-                out.content += self._pending[:start]
-                self._pending, self._state = self._pending[start + len(CALLS_BEGIN):], "section"
-            elif self._state == "section":
-                self._pending = self._pending.lstrip()
-                if self._pending.startswith(CALL_BEGIN):
-                    self._pending, self._state = self._pending[len(CALL_BEGIN):], "call"
-                elif self._pending.startswith(CALLS_END):
-                    self._pending, self._state = self._pending[len(CALLS_END):], "after"
-                elif CALL_BEGIN.startswith(self._pending) or CALLS_END.startswith(self._pending):
-                    return out  # a marker still arriving (or nothing yet)
-                else:  # stray text inside the section: content, as written
-                    out.content += self._pending
-                    self._pending, self._state = "", "after"
-            elif self._state == "call":
-                end = self._pending.find(CALL_END)
-                if end < 0:
-                    return out
-                body, self._pending = self._pending[:end], self._pending[end + len(CALL_END):]
-                call = _call(body)
-                if call is None or not self.offers(call.name):
-                    out.content += CALL_BEGIN + body + CALL_END
-                else:
-                    out.tool_calls.append(call)
-                self._state = "section"
-            else:  # after the section: what follows (normally nothing) is content, without leading whitespace
-                self._pending = self._pending.lstrip()
-                out.content += self._pending
-                self._pending = ""
-                return out
-
-    def finish(self) -> ParsedDelta:
-        out = ParsedDelta()
-        if self._state == "call":  # cut off inside a call: a call if it parses
-            call = _call(self._pending)
-            if call is None or not self.offers(call.name):
-                out.content += CALL_BEGIN + self._pending
-            else:
-                out.tool_calls.append(call)
-        elif self._state in ("content", "after"):
-            out.content += self._pending
-        self._pending, self._state = "", "content"
-        return out
+    def read_call(self, body: str) -> ToolCall | None:
+        return _call(body)
 
 
 class DeepSeekR1ReasoningParser(ThinkReasoningParser):

@@ -15,7 +15,7 @@ import json
 import re
 
 from gateway.tool_parsers.base import ToolCall, typed_argument
-from gateway.tool_parsers.blocks import TextArgumentsBlockParser
+from gateway.tool_parsers.blocks import TextArgumentsBlockParser, invocations
 
 _INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.DOTALL)
 _PARAMETER = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
@@ -26,20 +26,10 @@ class MiniMaxM2ToolParser(TextArgumentsBlockParser):
     START, END = "<minimax:tool_call>", "</minimax:tool_call>"
 
     def calls_in(self, body: str) -> list[ToolCall] | None:
-        calls, rest = [], body
-        while rest.strip():
-            invoke = _INVOKE.match(rest)
-            if invoke is None:
-                return None
-            name, params, args = invoke.group(1).strip(), invoke.group(2), {}
+        found, calls = invocations(body, _INVOKE, _PARAMETER), []
+        for name, params in found or []:
             types = self.argument_types.get(name, {})
-            while params.strip():
-                param = _PARAMETER.match(params)
-                if param is None:
-                    return None
-                # The template puts each value on lines of its own: the newlines around it are not part of it.
-                args[param.group(1)] = typed_argument(param.group(2).strip("\n"), types.get(param.group(1)))
-                params = params[param.end():]
+            # The template puts each value on lines of its own: the newlines around it are not part of it.
+            args = {p.group(1): typed_argument(p.group(2).strip("\n"), types.get(p.group(1))) for p in params}
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
-            rest = rest[invoke.end():]
-        return calls
+        return None if found is None else calls
