@@ -14,8 +14,9 @@ PORT ?= 8000
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test]'
+	# --no-compile: bytecode is written as modules are first imported (below), not for every file of every package.
+	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-compile -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -27,7 +28,8 @@ run: $(VENV)/.installed $(DEMO_MODEL)/config.json
 	$(VENV)/bin/moegate serve --model $(DEMO_MODEL) --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -ra -n 3 --dist loadfile tests
+	# Bytecode kept even where the environment says otherwise: the suite starts hundreds of Python processes.
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra -n 3 --dist loadfile tests
 
 bench-offline: $(VENV)/.installed
 	$(VENV)/bin/moegate loadgen offline
