@@ -29,7 +29,7 @@ run: $(VENV)/.installed $(DEMO_MODEL)/config.json
 
 test: $(VENV)/.installed
 	# Bytecode kept even where the environment says otherwise: the suite starts hundreds of Python processes.
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra -n 4 --dist loadfile tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra -n 3 --dist loadfile tests
 
 bench-offline: $(VENV)/.installed
 	$(VENV)/bin/moegate loadgen offline
