@@ -98,6 +98,10 @@ class EngineConfig:
     background_window_s: float = 5.0
     """how long after live traffic batch work stays capped, and the engine leaves a core to the gateway on
     the CPU"""
+    starvation_bound_s: float | None = 60.0
+    """seconds a request may go unserved (waiting, preempted, or running without tokens behind more urgent
+    classes and live traffic) before it is promoted ahead of every class until it ends; it then takes the
+    next free sequence slot and blocks, without preempting anyone (none: strict priority, no bound)"""
     cpu_threads: int | None = None
     """torch threads of the engine on the CPU (default: in the engine process, which shares the machine with
     the gateway, one core fewer than the machine while live traffic is recent and every core otherwise; in
@@ -344,8 +348,13 @@ class SchedulerConfig:
     background_token_budget: int = 64
     background_window_s: float = 5.0
     prefill_chunk_tokens: int = 0  # at most this many of one request's prompt tokens a step (0: no cap)
+    # A request unserved this long (waiting, preempted, or running without tokens) is promoted ahead of every
+    # class until it ends (None: never): strict priority and the background caps cannot starve anyone forever.
+    # The engine passes ``EngineConfig.starvation_bound_s``.
+    starvation_bound_s: float | None = None
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2
         assert self.prefill_chunk_tokens >= 0
         assert self.background_token_budget >= 1 and self.background_window_s >= 0
+        assert self.starvation_bound_s is None or self.starvation_bound_s > 0
