@@ -90,7 +90,7 @@ class EngineConfig:
     random_weights: str | None = None
     """serve a RANDOM-weight model of a real shape instead of ``model``'s weights (for speed tests): a preset
     (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b, glm-4.5-air, minimax-m2, gpt-oss-20b,
-    gpt-oss-120b, deepseek-v3, deepseek-v2-lite) or a config.json path
+    gpt-oss-120b, deepseek-v3, deepseek-v3.2, deepseek-v2-lite) or a config.json path
     (``engine.loading.random_weights``)"""
     background_token_budget: int = 64
     """tokens a step's batch work may take while live traffic is present or was within
