@@ -105,6 +105,15 @@ class _PinnedResolver(AbstractResolver):
         pass
 
 
+def pinned_session(host: str, results: list[ResolveResult]) -> aiohttp.ClientSession:
+    """A client session whose connections to ``host`` go to ``results`` (the addresses checked), and to no other
+    host. Bodies are read as sent (no decompression: a small compressed body must not grow past the limits in one
+    chunk before it is counted; images are compressed already); the environment's proxies are not used."""
+    connector = aiohttp.TCPConnector(resolver=_PinnedResolver(host, results), use_dns_cache=False, force_close=True,
+                                     limit=1)
+    return aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False)
+
+
 class _Budget:
     """Bytes a request's images may still take together (its fetches run at once on one event loop)."""
 
@@ -173,11 +182,10 @@ async def _fetch(ref: ImageRef, policy: RemoteImagePolicy, limits: ImageLimits, 
     url = _checked_url(ref, ref.url, policy)
     for _ in range(MAX_REDIRECTS + 1):
         results = await _checked_addresses(ref, url, policy)
-        connector = aiohttp.TCPConnector(resolver=_PinnedResolver(url.raw_host, results), use_dns_cache=False,
-                                         force_close=True, limit=1)
-        async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+        async with pinned_session(url.raw_host, results) as session:
             try:
-                async with session.get(url, allow_redirects=False, headers={"Accept": "image/*"}) as reply:
+                async with session.get(url, allow_redirects=False,
+                                       headers={"Accept": "image/*", "Accept-Encoding": "identity"}) as reply:
                     if reply.status in (301, 302, 303, 307, 308) and "Location" in reply.headers:
                         url = _checked_url(ref, _joined(url, reply.headers["Location"]), policy)
                         continue

@@ -1,18 +1,22 @@
-"""Images beyond chat's inline ``data:`` URLs, through the HTTP API of an in-process server on a tiny random
-Qwen3-VL-MoE checkpoint: remote http(s) image URLs (hosts the operator lists, public addresses only), the
+"""Images beyond chat's inline ``data:`` URLs, through the HTTP API of the in-process Qwen3-VL-MoE server of
+``tests/gateway/test_chat_images.py`` (these tests are collected there, sharing its server: a second one would
+cost the suite about 20 s): remote http(s) image URLs (hosts the operator lists, public addresses only), the
 Responses API's ``input_image`` parts, ``/tokenize`` counting image tokens, and Batch API lines with images.
 
 The reference is transformers: its ``Qwen3VLProcessor`` builds the prompt (each placeholder expanded by the
 processor itself) and ``Qwen3VLMoeForConditionalGeneration`` its greedy tokens. Images are served by a local
 aiohttp server on loopback; the gateway refuses loopback, so the tests that fetch from it switch the server's
 policy to one that allows private addresses (``allow_private_media_addresses``, which is dangerous outside tests).
+The server starts with remote URLs off, as a server does by default.
 """
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import random
+import socket
 import time
 import warnings
 
@@ -22,14 +26,11 @@ import pytest
 import torch
 from aiohttp import web
 
-from gateway.remote_images import REMOTE_IMAGES, RemoteImagePolicy
-from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_CONFIG, IMAGE_TOKEN, make_qwen3_vl_moe, random_image
-from tests.gateway.in_process import in_process_server
-from tests.gateway.tenant_keys import new_tenant_key
-from tests.gateway.test_chat_images import _greedy, _png_bytes, _processed, png_header_only, write_tokenizer
+from gateway.remote_images import REMOTE_IMAGES, RemoteImagePolicy, pinned_session
+from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_TOKEN, random_image
+from tests.gateway.test_chat_images import MAX_NEW, _greedy, _png_bytes, _processed, png_header_only
 
-pytestmark = pytest.mark.timeout(240)
-MAX_NEW = 6
+
 FETCH_TIMEOUT_S = 1.0
 MIB = 1 << 20
 LISTED = ("127.0.0.1", "localhost", "169.254.169.254")  # on the list; refused for their addresses
@@ -93,36 +94,31 @@ class MediaServer:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("media_api")
-    path = str(root / "qwen3_vl")
-    seed = random.randrange(2**31)
-    model = make_qwen3_vl_moe(path, seed)
-    with open(f"{path}/preprocessor_config.json", "w") as f:
-        json.dump({"patch_size": IMAGE_CONFIG.patch_size, "temporal_patch_size": IMAGE_CONFIG.temporal_patch_size,
-                   "merge_size": IMAGE_CONFIG.merge_size, "image_mean": list(IMAGE_CONFIG.image_mean),
-                   "image_std": list(IMAGE_CONFIG.image_std),
-                   "size": {"shortest_edge": IMAGE_CONFIG.min_pixels, "longest_edge": IMAGE_CONFIG.max_pixels}}, f)
-    tok = write_tokenizer(path)
-    gateway = dict(allowed_media_domains=LISTED, media_fetch_timeout_s=FETCH_TIMEOUT_S, batch_poll_s=0.05)
-    with in_process_server(root, dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, cpu_threads=1,
-                                      max_model_len=256), gateway, checkpoint=path) as srv:
-        media = MediaServer()
-        srv.run(media.start())
-        key = srv.run(new_tenant_key(srv.database_url))
-        client = openai.AsyncOpenAI(base_url=srv.base_url, api_key=key, max_retries=0)
-        try:
-            yield srv, client, model, tok, seed, media
-        finally:
-            media.release.set()
-            srv.run(media.runner.cleanup())
+def media(served):
+    """The media server, on the served app's event loop."""
+    srv = served[0]
+    server = MediaServer()
+    srv.run(server.start())
+    try:
+        yield server
+    finally:
+        server.release.set()
+        srv.run(server.runner.cleanup())
 
 
-def _set_policy(srv, policy: RemoteImagePolicy) -> None:
-    """Test-only: the running app's remote-image policy replaced (aiohttp warns on a started app's state)."""
+@contextlib.contextmanager
+def remote_policy(srv, policy: RemoteImagePolicy):
+    """Test-only: the running app's remote-image policy replaced for the block (aiohttp warns on a started app's
+    state), then put back."""
+    app = srv.server.app
+    kept = app[REMOTE_IMAGES]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        srv.server.app[REMOTE_IMAGES] = policy
+        app[REMOTE_IMAGES] = policy
+        try:
+            yield
+        finally:
+            app[REMOTE_IMAGES] = kept
 
 
 PRIVATE_OK = RemoteImagePolicy(LISTED, FETCH_TIMEOUT_S, allow_private_addresses=True)
@@ -130,9 +126,9 @@ PUBLIC_ONLY = RemoteImagePolicy(LISTED, FETCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def reference(served):
+def reference(served, media):
     """A random picture served at /img/a.png, a user message around it, transformers' prompt and greedy tokens."""
-    srv, client, model, tok, seed, media = served
+    srv, client, model, tok, seed = served
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     picture = random_image(gen, rng.randint(12, 40), rng.randint(12, 40))
     png = _png_bytes(picture)
@@ -161,14 +157,13 @@ async def _chat_tokens(client, url: str):
     return [int(t.token.removeprefix("token_id:")) for t in reply.choices[0].logprobs.content], reply
 
 
-def test_remote_image_url_and_responses_input_image_match_transformers(served, reference):
+def test_remote_image_url_and_responses_input_image_match_transformers(served, media, reference):
     """An allowed remote URL (fetched from loopback under the test-only policy) gives transformers' greedy tokens
     and bills its prompt; the Responses API's input_image, as a data: URL and as the remote URL, through the
     official client, answers the chat's text and bills the same prompt tokens."""
-    srv, client, model, tok, seed, media = served
+    srv, client, model, tok, seed = served
     png, _, want_prompt, want = reference
-    _set_policy(srv, PRIVATE_OK)
-    try:
+    with remote_policy(srv, PRIVATE_OK):
         got, chat = srv.run(_chat_tokens(client, media.url("/img/a.png")))
         assert got == want, f"seed={seed}"
         assert chat.usage.prompt_tokens == len(want_prompt)
@@ -178,14 +173,12 @@ def test_remote_image_url_and_responses_input_image_match_transformers(served, r
                 max_output_tokens=MAX_NEW, temperature=0, store=False, extra_body={"ignore_eos": True}))
             assert response.output_text == chat.choices[0].message.content, f"seed={seed}"
             assert response.usage.input_tokens == len(want_prompt), f"seed={seed}"
-    finally:
-        _set_policy(srv, PUBLIC_ONLY)
 
 
-def test_hostile_remote_urls_are_a_400_naming_the_part(served, reference):
+def test_hostile_remote_urls_are_a_400_naming_the_part(served, media, reference):
     """Each hostile URL is a 400 naming messages[0].content[1] within the fetch deadline, and the engine runs
     nothing for it (its prefill count unchanged)."""
-    srv, client, model, tok, seed, media = served
+    srv, client, model, tok, seed = served
     media.images["bomb.png"] = png_header_only(20000, 20000)
     guarded = {  # the server's own policy: listed hosts, public addresses only
         "loopback": (media.url("/img/a.png"), "127.0.0.1, a loopback address"),
@@ -213,15 +206,12 @@ def test_hostile_remote_urls_are_a_400_naming_the_part(served, reference):
         return info.value, time.monotonic() - start
 
     for policy, cases in ((PUBLIC_ONLY, guarded), (PRIVATE_OK, fetched)):
-        _set_policy(srv, policy)
-        try:
+        with remote_policy(srv, policy):
             for name, (url, reason) in cases.items():
                 err, took = srv.run(refused(url))
                 assert err.status_code == 400 and err.body["param"] == "messages[0].content[1]", (name, err.body)
                 assert reason in err.body["message"], (name, err.body)
                 assert took < FETCH_TIMEOUT_S + 2.0, (name, took)
-        finally:
-            _set_policy(srv, PUBLIC_ONLY)
     stats = srv.engine.stats
     assert (stats.total_prefill_tokens if stats is not None else None) == prefilled
 
@@ -238,10 +228,10 @@ def test_hostile_remote_urls_are_a_400_naming_the_part(served, reference):
         assert err.body["param"] == "input[1].content[1]" and reason in err.body["message"], err.body
 
 
-def test_tokenize_counts_image_tokens(served, reference):
+def test_tokenize_counts_image_tokens(served, media, reference):
     """/tokenize of a chat with two images (a data: URL and a fetched URL) gives the ids transformers'
     processor builds, image tokens included; an image it may not fetch is a 400 naming the part."""
-    srv, client, model, tok, seed, media = served
+    srv, client, model, tok, seed = served
     png, picture, _, _ = reference
     second = random_image(torch.Generator().manual_seed(seed + 7), 40, 16)
     media.images["b.png"] = _png_bytes(second)
@@ -257,22 +247,20 @@ def test_tokenize_counts_image_tokens(served, reference):
                                     headers={"Authorization": f"Bearer {client.api_key}"}) as reply:
                 return reply.status, await reply.json()
 
-    _set_policy(srv, PRIVATE_OK)
-    try:
+    with remote_policy(srv, PRIVATE_OK):
         status, counted = srv.run(tokenize(media.url("/img/b.png")))
-    finally:
-        _set_policy(srv, PUBLIC_ONLY)
     assert status == 200, counted
     assert counted["tokens"] == want and counted["count"] == len(want), f"seed={seed}"
     assert want.count(IMAGE_TOKEN) > 2
-    status, refused = srv.run(tokenize(media.url("/img/b.png")))
+    with remote_policy(srv, PUBLIC_ONLY):
+        status, refused = srv.run(tokenize(media.url("/img/b.png")))
     assert status == 400 and refused["error"]["param"] == "messages[0].content[2]", refused
 
 
-def test_batch_lines_with_images(served, reference):
-    """A Batch API chat line with a data: URL image gives transformers' greedy tokens; a line whose image URL is
-    on loopback is that line's 400 naming the part (the batch runner keeps the server's policy)."""
-    srv, client, model, tok, seed, media = served
+def test_batch_lines_with_images(served, media, reference):
+    """A Batch API chat line with a data: URL image gives transformers' greedy tokens; a line with a remote image
+    URL is that line's 400 naming the part (the runner keeps the policy the server started with: remote URLs off)."""
+    srv, client, model, tok, seed = served
     png, _, want_prompt, want = reference
 
     def line(custom_id: str, url: str) -> str:
@@ -302,4 +290,24 @@ def test_batch_lines_with_images(served, reference):
     assert got == want and body["usage"]["prompt_tokens"] == len(want_prompt), f"seed={seed}"
     refused = out["loopback"]
     assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "messages[0].content[1]", refused
-    assert "loopback address" in refused["body"]["error"]["message"]
+    assert "remote image URLs are off" in refused["body"]["error"]["message"]  # the server's own policy: none
+
+
+def test_connections_go_to_the_checked_address(served, media, reference):
+    """The fetch's session connects to the addresses that were checked, with no lookup of its own: a name that
+    resolves nowhere reaches the media server through its pinned address, and any other name reaches nothing
+    (a second, rebound answer is never asked for)."""
+    srv, client, model, tok, seed = served
+    png = reference[0]
+    pinned = [{"hostname": "media.invalid", "host": "127.0.0.1", "port": media.port, "family": socket.AF_INET,
+               "proto": 0, "flags": socket.AI_NUMERICHOST}]
+
+    async def fetch(host):
+        async with pinned_session("media.invalid", pinned) as session:
+            async with session.get(f"http://{host}:{media.port}/img/a.png") as reply:
+                return reply.status, await reply.read()
+
+    status, body = srv.run(fetch("media.invalid"))
+    assert status == 200 and body == png
+    with pytest.raises(aiohttp.ClientConnectorError):
+        srv.run(fetch("localhost"))
