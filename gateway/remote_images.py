@@ -82,7 +82,7 @@ def forbidden_address(address: str) -> str | None:
         embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
         if embedded is not None:  # an IPv6 form of an IPv4 address reaches that address
             return forbidden_address(str(embedded))
-    for kind in ("loopback", "link_local", "private", "multicast", "reserved", "unspecified"):
+    for kind in ("loopback", "link_local", "unspecified", "multicast", "reserved", "private"):
         if getattr(ip, f"is_{kind}"):
             return kind.replace("_", "-")
     return None if ip.is_global else "not public"  # 100.64.0.0/10 (shared) and the like
@@ -211,7 +211,9 @@ async def fetch_images(refs: list[ImageRef], policy: RemoteImagePolicy | None, l
     """The encoded bytes of each remote image part of ``refs`` (by its place, ``ImageRef.where``), fetched at once
     under ``policy``'s deadline and ``limits``' bytes; a 400 naming the first part refused (a part still arriving
     at the deadline is refused as too slow). ``policy`` None, or one listing no hosts: remote URLs are off."""
-    remote = [r for r in refs[:limits.max_images] if remote_scheme(r.url)]  # decode_images refuses the rest
+    if len(refs) > limits.max_images:
+        return {}  # nothing fetched: decode_images refuses the part past the count
+    remote = [r for r in refs if remote_scheme(r.url)]
     if not remote:
         return {}
     if policy is None or not policy.allowed_domains:

@@ -76,8 +76,11 @@ class MediaServer:
         reply = web.StreamResponse(headers={"Content-Type": "image/png"})
         reply.enable_chunked_encoding()
         await reply.prepare(request)
-        for _ in range(25):
-            await reply.write(b"\0" * MIB)
+        try:
+            for _ in range(25):
+                await reply.write(b"\0" * MIB)
+        except ConnectionError:  # the gateway hung up at its limit, as it should
+            pass
         return reply
 
     async def _big_declared(self, request: web.Request) -> web.StreamResponse:
@@ -211,7 +214,7 @@ def test_hostile_remote_urls_are_a_400_naming_the_part(served, media, reference)
                 err, took = srv.run(refused(url))
                 assert err.status_code == 400 and err.body["param"] == "messages[0].content[1]", (name, err.body)
                 assert reason in err.body["message"], (name, err.body)
-                assert took < FETCH_TIMEOUT_S + 2.0, (name, took)
+                assert took < FETCH_TIMEOUT_S + 4.0, (name, took)  # the slow server would hold it for 30 s
     stats = srv.engine.stats
     assert (stats.total_prefill_tokens if stats is not None else None) == prefilled
 
@@ -224,7 +227,8 @@ def test_hostile_remote_urls_are_a_400_naming_the_part(served, media, reference)
 
     for part, reason in (({"type": "input_image", "image_url": media.url("/img/a.png")}, "loopback address"),
                          ({"type": "input_image", "file_id": "file-1", "detail": "auto"}, "file_id is not taken")):
-        err = srv.run(responses_refused(part))
+        with remote_policy(srv, PUBLIC_ONLY):
+            err = srv.run(responses_refused(part))
         assert err.body["param"] == "input[1].content[1]" and reason in err.body["message"], err.body
 
 
