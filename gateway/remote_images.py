@@ -47,8 +47,8 @@ class RemoteImagePolicy:
     @classmethod
     def of(cls, config) -> "RemoteImagePolicy":
         """The policy a ``GatewayConfig`` sets."""
-        return cls(tuple(config.allowed_media_domains), config.media_fetch_timeout_s,
-                   config.allow_private_media_addresses)
+        domains = tuple(d.strip().lower().rstrip(".") for d in config.allowed_media_domains)
+        return cls(domains, config.media_fetch_timeout_s, config.allow_private_media_addresses)
 
     def allows(self, host: str) -> bool:
         host = host.lower().rstrip(".")
