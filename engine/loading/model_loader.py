@@ -100,6 +100,9 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         size = shape[1] // 2
         n = size // tp.size
         return [cols(r * n, n), cols(size + r * n, n)]
+    if rule.shard in (0, 1) and len(shape) == 3:  # every expert's gate or up, stacked [E, I, H]
+        n = shape[1] // tp.size
+        return cols(r * n, n)
     if rule.shard in (0, 1) or (rule.shard == "expert" and rule.half is not None):  # a gate or up [I, H]
         n = shape[0] // tp.size
         return rows(r * n, n)
@@ -187,8 +190,9 @@ def copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match
             half = dest.shape[0] // 2
             dest = dest.narrow(0, rule.half * half, half)
     elif rule.shard in (0, 1):
-        half = param.shape[0] // 2
-        dest = param.narrow(0, rule.shard * half, half)
+        rows = 1 if param.dim() == 3 else 0  # w13 [E, 2I, H]: every expert's gate or up rows, from a stack of them
+        half = param.shape[rows] // 2
+        dest = param.narrow(rows, rule.shard * half, half)
     else:
         dest = param
     full = dest
