@@ -31,11 +31,12 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV32ForCausalLM",
     "GlmMoeDsaForCausalLM",
     "Step3p7ForConditionalGeneration",
+    "MiniMaxM3SparseForConditionalGeneration",
 )
 
 # Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.
 TEXT_PART_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-                           "Step3p7ForConditionalGeneration")
+                           "Step3p7ForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration")
 # Of those, the ones served with images: ``ModelConfig.multimodal_config`` keeps their whole config.
 IMAGE_ARCHITECTURES = ("Qwen3VLMoeForConditionalGeneration",)
 
