@@ -77,8 +77,10 @@ def test_greedy_matches_transformers_chunked_and_preempted(reference):
 
 
 def test_second_pass_hits_the_prefix_cache(reference):
+    """The three prompts sharing a 40-token prefix, twice on an engine whose pool holds them: both passes give
+    transformers' tokens, and the second takes every whole block of each prompt from the prefix cache."""
     path, reqs, expected, seed = reference
-    second_pass_hits(path, reqs, expected, seed)
+    second_pass_hits(path, reqs[:3], expected[:3], seed)
 
 
 def test_tensor_parallel_is_refused_at_start(reference):

@@ -83,8 +83,10 @@ def test_greedy_matches_transformers_chunked_preempted_windowed(reference):
 
 
 def test_second_pass_hits_the_prefix_cache(reference):
+    """The three prompts sharing a 40-token prefix, twice on an engine whose pool holds them: both passes give
+    transformers' tokens, and the second takes every whole block of each prompt from the prefix cache."""
     path, reqs, expected, seed = reference
-    second_pass_hits(path, reqs, expected, seed)
+    second_pass_hits(path, reqs[:3], expected[:3], seed)
 
 
 @pytest.mark.parametrize("flags, named", [(dict(tensor_parallel_size=2), "--tensor-parallel-size"),
