@@ -16,13 +16,12 @@ from engine.layers.attention import Attention
 
 class HeadGatedAttention(Attention):
     """Legend: T tokens, H hidden, h query heads, kvh KV heads, d head dim. Takes ``Attention``'s arguments, plus
-    ``scale`` (the softmax scale: Step-3.7-Flash's ``query_pre_attn_scalar ** -0.5``). One rank only."""
+    ``scale`` (the softmax scale: Step-3.7-Flash's ``query_pre_attn_scalar ** -0.5``). Tensor parallel: ``g_proj``'s
+    rows are split with the query heads (this rank's heads' gates)."""
 
     def __init__(self, *args, scale: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.tp.size > 1:
-            raise ValueError("a per-head output gate is not split over tensor-parallel ranks yet")
-        self.g_proj = nn.Linear(self.qkv_proj.in_features, self.num_heads, bias=False)
+        self.g_proj = nn.Linear(self.qkv_proj.in_features, self.num_heads, bias=False)  # [h, H], this rank's heads
         if scale is not None:
             self.scale = scale
 

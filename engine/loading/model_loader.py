@@ -89,20 +89,20 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
     if target.endswith("o_proj.weight"):
         width = attn.num_heads * attn.v_head_dim
         return cols(r * width, width)
-    if target.endswith(".self_attn.sinks"):  # [h]: one per query head
+    if target.endswith((".self_attn.sinks", ".self_attn.g_proj.weight")):  # [h] / [h, H]: one per query head
         return rows(r * attn.num_heads, attn.num_heads)
     if target.endswith(".experts.w2_bias"):
         return None  # [E, H]: whole on every rank, added by rank 0 (``SparseMoeBlock``)
     if target.endswith(_EXPERT_TENSORS) and rule.shard != "expert":  # packed [E, 2I, H] / [E, H, I] / [E, 2I]
+        if rule.shard in (0, 1):  # every expert's gate or up rows, stacked [E, I, H] (Step-3.7-Flash)
+            n = shape[1] // tp.size
+            return cols(r * n, n)
         if target.endswith("w2"):
             n = shape[2] // tp.size
             return cols(r * n, n, dim=2)
         size = shape[1] // 2
         n = size // tp.size
         return [cols(r * n, n), cols(size + r * n, n)]
-    if rule.shard in (0, 1) and len(shape) == 3:  # every expert's gate or up, stacked [E, I, H]
-        n = shape[1] // tp.size
-        return cols(r * n, n)
     if rule.shard in (0, 1) or (rule.shard == "expert" and rule.half is not None):  # a gate or up [I, H]
         n = shape[0] // tp.size
         return rows(r * n, n)

@@ -32,13 +32,14 @@ STEP_TEXT = dict(
 )
 
 
-def make_step_model(path: str, seed: int):
+def make_step_model(path: str, seed: int, vocab_size: int = VOCAB):
     """A random Step-3.7-Flash (text model and a one-layer vision tower) saved to ``path`` by transformers; every
     parameter and buffer random (the zero-centred norms and the correction biases drawn around their init)."""
     config = AutoConfig.for_model(
         "step3p7",
-        text_config=dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=1024, eos_token_id=VOCAB - 1,
-                         bos_token_id=None, pad_token_id=0, initializer_range=0.08, **STEP_TEXT),
+        text_config=dict(vocab_size=vocab_size, num_hidden_layers=2, max_position_embeddings=1024,
+                         eos_token_id=vocab_size - 1, bos_token_id=None, pad_token_id=0, initializer_range=0.08,
+                         **STEP_TEXT),
         vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
     )
     torch.manual_seed(seed)
@@ -89,9 +90,9 @@ def test_second_pass_hits_the_prefix_cache(reference):
     second_pass_hits(path, reqs[:3], expected[:3], seed)
 
 
-@pytest.mark.parametrize("flags, named", [(dict(tensor_parallel_size=2), "--tensor-parallel-size"),
+@pytest.mark.parametrize("flags, named", [(dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
                                           (dict(enable_lora=True), "--enable-lora")])
-def test_splits_not_served_yet_are_refused_at_start(reference, flags, named):
+def test_settings_not_served_yet_are_refused_at_start(reference, flags, named):
     with pytest.raises(ValueError) as caught:
         LLM(model=reference[0], dtype="float32", device="cpu", num_kv_blocks=8, **flags)
     text = str(caught.value)
