@@ -13,7 +13,8 @@ from engine.core.model_config import ModelConfig
 _UNSUPPORTED = {
     "Step3p7ForConditionalGeneration": (
         ("pipeline_parallel_size", lambda c: c.pipeline_parallel_size > 1, "its stages are not tested yet"),
-        ("data_parallel_size", lambda c: c.data_parallel_size > 1, "replicas sharing experts are not tested with it yet"),
+        ("data_parallel_size", lambda c: c.data_parallel_size > 1,
+         "replicas sharing experts are not tested with it yet"),
         ("enable_expert_parallel", lambda c: c.enable_expert_parallel, "expert parallelism is not tested with it yet"),
         ("enable_eplb", lambda c: c.enable_eplb, "expert parallelism is not tested with it yet"),
         ("enable_lora", lambda c: c.lora_enabled, "adapters are not tested with its gated attention yet"),

@@ -68,7 +68,8 @@ class BlockSparseAttention(Attention):
             meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
         ):
             if mask is None:  # the chunk is the whole context: causal over its own tokens
-                visible = torch.ones(end - start, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - (end - start))
+                visible = torch.ones(end - start, seq_len, dtype=torch.bool, device=q.device)
+                visible = visible.tril(seq_len - (end - start))  # [q, L]
             else:
                 visible = mask[0, 0]  # [q, L]
             seen = visible.any(dim=0)  # [L]
@@ -93,11 +94,12 @@ class BlockSparseAttention(Attention):
         """Each request's whole context in position order: keys, values [G, L, kvh, d], indexer keys [G, L, d_i]
         and visibility [G, L] (a group's shared prefix blocks first, then its own)."""
         visible = group.key_mask[:, 0, 0]  # [G, L]
-        parts = [gather_visible(c, group.block_table, visible, group.seen_by_all) for c in (k_cache, v_cache, index_keys)]
+        caches = (k_cache, v_cache, index_keys)
+        parts = [gather_visible(c, group.block_table, visible, group.seen_by_all) for c in caches]
         if group.shared_blocks is not None:  # full prompt blocks every request of the group sees whole
             num_reqs = visible.shape[0]
             parts = [torch.cat([_gather(c, group.shared_blocks).expand(num_reqs, -1, -1, -1), own], dim=1)
-                     for c, own in zip((k_cache, v_cache, index_keys), parts)]
+                     for c, own in zip(caches, parts)]
             visible = torch.cat([visible.new_ones(num_reqs, parts[0].shape[1] - visible.shape[1]), visible], dim=1)
         keys, values, ctx_keys = parts
         return keys, values, ctx_keys[:, :, 0], visible

@@ -42,8 +42,9 @@ class MiniMaxM3SparseForConditionalGeneration(MoECausalLM):
 
     name_aliases = (
         ("language_model.lm_head.", "lm_head."), ("model.language_model.", "model."),
-        ("language_model.model.", "model."), (".block_sparse_moe.", ".mlp."), (".self_attn.index_", ".self_attn.indexer."),
-        (".mlp.shared_experts.", ".mlp.shared_expert."), (".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"),
+        ("language_model.model.", "model."), (".block_sparse_moe.", ".mlp."),
+        (".self_attn.index_", ".self_attn.indexer."), (".mlp.shared_experts.", ".mlp.shared_expert."),
+        (".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"),
     )
     # The indexer's q and k projections keep their names (not packed into a qkv_proj).
     weight_rules = (WeightRule(r"^(.*\.indexer\.[qk]_proj\.weight)$", r"\1"),)
