@@ -92,11 +92,14 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
     if target.endswith("o_proj.weight"):
         width = attn.num_heads * attn.v_head_dim
         return cols(r * width, width)
-    if target.endswith(".self_attn.sinks"):  # [h]: one per query head
+    if target.endswith((".self_attn.sinks", ".self_attn.g_proj.weight")):  # [h] / [h, H]: one per query head
         return rows(r * attn.num_heads, attn.num_heads)
     if target.endswith(".experts.w2_bias"):
         return None  # [E, H]: whole on every rank, added by rank 0 (``SparseMoeBlock``)
     if target.endswith(_EXPERT_TENSORS) and rule.shard != "expert":  # packed [E, 2I, H] / [E, H, I] / [E, 2I]
+        if rule.shard in (0, 1):  # every expert's gate or up rows, stacked [E, I, H] (Step-3.7-Flash)
+            n = shape[1] // tp.size
+            return cols(r * n, n)
         if target.endswith("w2"):
             n = shape[2] // tp.size
             return cols(r * n, n, dim=2)
@@ -192,8 +195,9 @@ def copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match
             half = dest.shape[0] // 2
             dest = dest.narrow(0, rule.half * half, half)
     elif rule.shard in (0, 1):
-        half = param.shape[0] // 2
-        dest = param.narrow(0, rule.shard * half, half)
+        rows = 1 if param.dim() == 3 else 0  # w13 [E, 2I, H]: every expert's gate or up rows, from a stack of them
+        half = param.shape[rows] // 2
+        dest = param.narrow(rows, rule.shard * half, half)
     else:
         dest = param
     full = dest
