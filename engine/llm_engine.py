@@ -10,6 +10,7 @@ import torch
 
 from engine.core.config import EngineConfig, KernelChoice
 from engine.text.prompts import InputProcessor
+from engine.core.deepseek_v4_support import check_deepseek_v4_support
 from engine.core.hybrid_support import check_hybrid_support
 from engine.core.sparse_attention_support import check_sparse_attention_support
 from engine.core.model_config import CheckpointError
@@ -80,6 +81,7 @@ class LLMEngine:
         self.model_config = engine_model_config(config)
         check_hybrid_support(config, self.model_config)
         check_sparse_attention_support(config, self.model_config)
+        check_deepseek_v4_support(config, self.model_config)
         _prepare_host(config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
         self.kernels = kernel_choice or KernelChoice.resolve(config.kernels, self.device.type)
