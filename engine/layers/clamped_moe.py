@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.float32_params import KeepsFloat32
+
 _SCORES = {
     "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
     "sigmoid": torch.sigmoid,
@@ -58,8 +60,11 @@ class ClampedExperts(nn.Module):
         return out
 
 
-class Router(nn.Module):
-    """``weight`` [E, H]; ``e_score_correction_bias`` [E] (learned top-k only); ``tid2eid`` [V, k] (hash only)."""
+class Router(KeepsFloat32):
+    """``weight`` [E, H]; ``e_score_correction_bias`` [E] (learned top-k only, float32); ``tid2eid`` [V, k] (hash
+    only)."""
+
+    float32_params = ("e_score_correction_bias",)
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring: str, scaling: float,
                  vocab_size: int | None) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.device_batch.attention_metadata import AttentionMetadata
 from engine.layers.cache_spec import CacheSpec
+from engine.layers.float32_params import KeepsFloat32
 from engine.layers.hyper_connections import unweighted_rms
 from engine.layers.lightning_indexer import best_first
 from engine.layers.paged_attention import _gather
@@ -32,8 +33,10 @@ from engine.layers.paged_attention import _gather
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
-class Float32RMSNorm(nn.Module):
-    """RMSNorm whose weight multiplies in float32 before the one cast back (the reference's V4 norms)."""
+class Float32RMSNorm(KeepsFloat32):
+    """RMSNorm whose float32 weight multiplies in float32 before the one cast back (the reference's V4 norms)."""
+
+    float32_params = ("weight",)
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -91,9 +94,11 @@ def pool_windows(raw: torch.Tensor, rate: int, width: int, overlap: bool, positi
     return rope.apply(pooled, cos, sin)
 
 
-class Compressor(nn.Module):
+class Compressor(KeepsFloat32):
     """``kv_proj``, ``gate_proj`` [c, H], ``position_bias`` [m, c] (float32), ``kv_norm``: c = 2 * width when
     ``overlap`` (CSA), else width (HCA)."""
+
+    float32_params = ("position_bias",)
 
     def __init__(self, hidden_size: int, width: int, rate: int, overlap: bool, eps: float) -> None:
         super().__init__()
@@ -142,13 +147,14 @@ class Indexer(Compressor):
         return chosen & visible
 
 
-class CompressedAttention(nn.Module):
+class CompressedAttention(KeepsFloat32):
     """Legend: T tokens, H hidden, h heads, d ``head_dim``, Q ``q_lora_rank``, g ``o_groups``, L a request's
     context, W its compressed entries, n a request's queries this step.
 
     Checkpoint names (``self_attn.*``): q_a_proj, q_a_norm, q_b_proj, kv_proj, kv_norm, o_a_proj [g * o_lora, h*d/g],
     o_b_proj, sinks [h], and ``compressor.*`` (with ``compressor.indexer.*`` for CSA)."""
 
+    float32_params = ("sinks",)
     backends = ("torch",)
     num_kv_heads = 1  # one shared key=value row per token
 

@@ -11,17 +11,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.float32_params import KeepsFloat32
+
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, the rms computed in float32 and applied in x's dtype."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(KeepsFloat32):
     """Legend: T tokens, n streams (``hc_mult``), H hidden.
 
     Checkpoint names (``attn_hc`` / ``ffn_hc``): ``fn`` [(2 + n) * n, n * H], ``base`` [(2 + n) * n], ``scale`` [3].
     """
+
+    float32_params = ("fn", "base", "scale")
 
     def __init__(self, streams: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()
@@ -56,10 +60,12 @@ class HyperConnection(nn.Module):
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
-class HyperHead(nn.Module):
+class HyperHead(KeepsFloat32):
     """The final collapse of the streams into one hidden state (before the model's norm).
 
     Checkpoint names (``model.hc_head``): ``hc_fn`` [n, n * H], ``hc_base`` [n], ``hc_scale`` [1]."""
+
+    float32_params = ("hc_fn", "hc_base", "hc_scale")
 
     def __init__(self, streams: int, hidden_size: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()

@@ -99,3 +99,18 @@ def test_unsupported_settings_are_refused(tmp_path, setting, flag):
         check_deepseek_v4_support(EngineConfig(model=str(tmp_path), **setting), load_model_config(str(tmp_path)))
     text = str(caught.value)
     assert "\n" not in text and text.startswith(flag) and "DeepseekV4ForCausalLM" in text, text
+
+
+def test_bfloat16_keeps_the_reference_float32_parameters(tmp_path):
+    """Served in bfloat16, the parameters transformers keeps in float32 (norms, sinks, position biases,
+    hyper-connections, the correction bias) stay float32 and the rest is bfloat16; a request is served."""
+    make_v4_model(str(tmp_path), random.randrange(2**31))
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", num_kv_blocks=16)
+    kept = ("norm.weight", "sinks", "position_bias", "_hc.fn", "_hc.base", "_hc.scale", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale",
+            "e_score_correction_bias")
+    for name, param in llm.engine.model.named_parameters():
+        wanted = torch.int64 if name.endswith("tid2eid") else \
+            torch.float32 if name.endswith(kept) else torch.bfloat16
+        assert param.dtype == wanted, (name, param.dtype)
+    out = llm.generate([[5, 6, 7] * 7], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)])
+    assert len(out[0].token_ids) == 4
