@@ -65,6 +65,7 @@ class Rope:
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, ..., d] with cos/sin [T, dim/2] (``-sin``: the inverse rotation) -> x rotated, same layout."""
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        # The tables are rounded to x's dtype first (the reference hands them over in it), the rotation is float32.
         c, s = cos.to(x.dtype).view(shape).float(), sin.to(x.dtype).view(shape).float()
         rope = x[..., -self.dim:]
         x1, x2 = rope[..., 0::2].float(), rope[..., 1::2].float()
@@ -204,7 +205,7 @@ class CompressedAttention(KeepsFloat32):
                 rows.append(self.compressor.indexer.project(x))
         for cache, row in zip(self.kv_cache, rows):
             cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row.to(cache.dtype))
-        out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
+        out = q.new_zeros(num_tokens, self.num_heads, self.head_dim)  # rows of no request (padding) stay 0
         for start, end, table, length in self._requests(meta):
             span = slice(start, end)
             ctx = [_gather(c.view(*c.shape[:2], 1, -1), table[None])[0, :length, 0] for c in self.kv_cache]
