@@ -1,6 +1,6 @@
 """DeepSeek-V4 behind the gateway: a chat over the HTTP API (the gateway in this process, the engine in its own
-process, as ``moegate serve`` runs them) answers with transformers' greedy tokens. Marked slow: the engine
-process's start dominates its time."""
+process, as ``moegate serve`` runs them) answers with transformers' greedy tokens (marked slow: the engine
+process's start dominates its time); ``moegate serve`` refuses a setting not served with it yet in one line."""
 
 import random
 
@@ -44,3 +44,16 @@ def test_gateway_answers_a_chat(tmp_path):
     choice = reply.choices[0]
     assert [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content] == expected, f"seed={seed}"
     assert choice.finish_reason == "length" and reply.usage.prompt_tokens == len(prompt), reply
+
+
+def test_serve_refuses_a_setting_not_yet_served_with_deepseek_v4(tmp_path, capsys):
+    """`moegate serve` with such a setting: exit 2, one line naming the flag, before the database is written."""
+    from gateway.cli import main
+
+    make_v4_model(str(tmp_path / "v4"), random.randrange(2**31))
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    db = f"sqlite:///{tmp_path / 'policy.db'}"
+    assert main(["serve", "--model", str(tmp_path / "v4"), "--database-url", db, "--quantization", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--quantization" in err and "DeepseekV4ForCausalLM" in err, err
+    assert not (tmp_path / "policy.db").exists()
