@@ -101,11 +101,18 @@ def test_unsupported_settings_are_refused(tmp_path, setting, flag):
     assert "\n" not in text and text.startswith(flag) and "DeepseekV4ForCausalLM" in text, text
 
 
-def test_bfloat16_keeps_the_reference_float32_parameters(tmp_path):
+def test_bfloat16_keeps_the_reference_float32_parameters(tmp_path, caplog):
     """Served in bfloat16, the parameters transformers keeps in float32 (norms, sinks, position biases,
-    hyper-connections, the correction bias) stay float32 and the rest is bfloat16; a request is served."""
+    hyper-connections, the correction bias) stay float32 and the rest is bfloat16; a request is served. A
+    next-token-prediction layer in the checkpoint (``mtp.*``, as published) is skipped with a log line."""
+    from safetensors.torch import save_file
+
     make_v4_model(str(tmp_path), random.randrange(2**31))
-    llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", num_kv_blocks=16)
+    save_file({"mtp.0.attn.wq_a.weight": torch.randn(24, 32)}, str(tmp_path / "mtp.safetensors"))
+    with caplog.at_level("INFO"):
+        llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cpu", num_kv_blocks=16)
+    assert "next-token-prediction (MTP) layer(s) in the checkpoint are not loaded" in caplog.text
+    assert "skipped 1 tensors" in caplog.text and "ignoring tensor" not in caplog.text
     kept = ("norm.weight", "sinks", "position_bias", "_hc.fn", "_hc.base", "_hc.scale", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale",
             "e_score_correction_bias")
     for name, param in llm.engine.model.named_parameters():
