@@ -10,9 +10,7 @@ import torch
 
 from engine.core.config import EngineConfig, KernelChoice
 from engine.text.prompts import InputProcessor
-from engine.core.hybrid_support import check_hybrid_support
 from engine.core.family_support import check_family_support
-from engine.core.sparse_attention_support import check_sparse_attention_support
 from engine.core.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
 from engine.distributed.groups import CollectiveError
@@ -79,8 +77,6 @@ class LLMEngine:
         self._image_config = None  # the image preprocessing settings, read at the first request with images
         self.device = resolve_device(config.device)
         self.model_config = engine_model_config(config)
-        check_hybrid_support(config, self.model_config)
-        check_sparse_attention_support(config, self.model_config)
         check_family_support(config, self.model_config)
         _prepare_host(config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)

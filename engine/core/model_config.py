@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = (
     "GlmMoeDsaForCausalLM",
     "Step3p7ForConditionalGeneration",
     "MiniMaxM3SparseForConditionalGeneration",
+    "DeepseekV4ForCausalLM",
 )
 
 # Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.
@@ -169,6 +170,8 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
         sliding = None  # full attention in every layer, whatever the config says
     if arch == "Dots1ForCausalLM":
         sliding = _dots1_window(hf)
+    if arch == "DeepseekV4ForCausalLM":
+        sliding = None  # every layer applies its window itself: its compressor reads the whole context
     layer_types = list(getattr(hf, "layer_types", None) or [])
     sliding_layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     layer_window = None

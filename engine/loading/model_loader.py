@@ -15,6 +15,7 @@ import torch
 
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
+from engine.layers.clamped_moe import ClampedMoeBlock
 from engine.layers.moe import ExpertWeights, SparseMoeBlock
 from engine.layers.rank_slices import RowRuns
 from engine.layers.rotary import RotaryEmbedding
@@ -288,7 +289,7 @@ def _rebuild_buffers(model: MoECausalLM) -> None:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache()
-        elif isinstance(module, SparseMoeBlock):
+        elif isinstance(module, (SparseMoeBlock, ClampedMoeBlock)):
             module.expert_tokens.zero_()
 
 

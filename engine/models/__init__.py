@@ -3,6 +3,7 @@
 from engine.models.base import MoECausalLM
 from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
+from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from engine.models.dots1 import Dots1ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.glm_moe_dsa import GlmMoeDsaForCausalLM
@@ -28,7 +29,7 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
                 Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, MiMoV2FlashForCausalLM,
                 HYV3ForCausalLM, KimiLinearForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM,
                 Qwen3VLMoeForConditionalGeneration, Step3p7ForConditionalGeneration,
-                MiniMaxM3SparseForConditionalGeneration)
+                MiniMaxM3SparseForConditionalGeneration, DeepseekV4ForCausalLM)
 }
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]
