@@ -468,6 +468,10 @@ class LLMEngine:
         # one step stale).
         if self.lora is not None:
             self._fill_lora_stats(stats)
+        if self.model.takes_images:
+            cache = self.model.encoder_cache
+            stats.encoder_cache_hits, stats.encoder_cache_misses = cache.hits, cache.misses
+            stats.encoder_cache_evictions, stats.encoder_cache_bytes = cache.evictions, cache.bytes_used
         stats.expert_load = self.runner.expert_load.poll(self.runner.num_steps)
         ep, balancer = self.model.tp.expert_parallel, self.runner.eplb
         if balancer is not None:
