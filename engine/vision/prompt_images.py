@@ -36,8 +36,9 @@ def digest(image: ProcessedImage) -> bytes:
     """16-byte BLAKE2b of the grid and the float32 pixels: what the tower reads, whatever the file was."""
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(tuple(image.grid_thw)).encode())
-    # the tensor's own bytes (a clone holds exactly them), without numpy
-    h.update(bytes(image.pixel_values.to(torch.float32).contiguous().clone().untyped_storage()))
+    # the tensor's own bytes, read through numpy's buffer (no copy): iterating a torch storage into bytes goes one
+    # Python call per byte, 30 s for a 448x448 image
+    h.update(image.pixel_values.to(torch.float32).contiguous().numpy())
     return h.digest()
 
 
