@@ -544,11 +544,10 @@ class Scheduler:
         the request, in order: 0 tokens for one the encoder cache holds. Images wholly before ``start`` (a
         prefix-cache hit) are never encoded."""
         out = []
-        for i in range(request.num_encoded_images, len(request.images)):
-            image = request.images[i]
+        for i, image in enumerate(request.images):
             if image.offset >= end:
                 break
-            if image.end <= start:
+            if image.end <= start or i in request.encoded_images:
                 continue
             cached = self.image_cached is not None and self.image_cached(image.digest, request.policy.cache_salt)
             out.append((i, 0 if cached else image.num_tokens))
@@ -558,7 +557,7 @@ class Scheduler:
         """``num_new`` cut before the first image the chunk would encode past the step's encoder budget (0: not
         even its first token fits); the step's first image is encoded whatever its size."""
         budget = self.config.max_num_encoder_tokens
-        if budget is None or request.num_encoded_images == len(request.images):
+        if budget is None or len(request.encoded_images) == len(request.images):
             return num_new
         used = self._encoder_used
         for i, tokens in self._images_to_encode(request, start, start + num_new):
@@ -577,10 +576,10 @@ class Scheduler:
             self._plan_checkpoint(request, num_new, slot)
         self._served.add(request.request_id)
         self._budget -= num_new
-        if request.num_encoded_images < len(request.images):
+        if len(request.encoded_images) < len(request.images):
             start = request.num_computed_tokens
             for i, tokens in self._images_to_encode(request, start, start + num_new):
-                request.num_encoded_images = i + 1
+                request.encoded_images.add(i)
                 self._encoder_used += tokens
         if request.policy.background:
             self._background_left -= num_new
