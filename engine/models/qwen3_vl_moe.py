@@ -29,6 +29,7 @@ from engine.models.qwen_moe import qwen_mlp
 from engine.vision.encoder_cache import EncoderCache
 from engine.vision.mrope import ImageSpan, prompt_positions
 from engine.vision.mrope_rotary import MRotaryEmbedding
+from engine.vision.prompt_images import pixels_of
 from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig, VisionFeatures
 
 
@@ -94,7 +95,8 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
             device = self.model.embed_tokens.weight.device
             feats[i] = self.encoder_cache.get(image.digest, salt, device)
             if feats[i] is None:
-                feats[i] = self.visual(image.pixels.pixel_values, image.pixels.grid_thw)
+                pixels = pixels_of(image.pixels)  # preprocessed now if the request came with bytes seen before
+                feats[i] = self.visual(pixels.pixel_values, pixels.grid_thw)
                 self.encoder_cache.put(image.digest, salt, feats[i])
         return feats[i]
 

@@ -2,8 +2,10 @@
 random) against transformers' greedy tokens: an image sent again by the same tenant is not encoded again (the
 tower's calls counted, and the engine's Prometheus counters), another tenant's same image is encoded for it; a
 request with several images under a small encoder budget is encoded over several steps while a text-only request
-decodes a token every step."""
+decodes a token every step; encoded bytes a tenant sent before are not even preprocessed again while the cache
+holds their features."""
 
+import io
 import json
 import random
 
@@ -15,6 +17,7 @@ from engine import LLM, SamplingParams
 from engine.core.request_policy import RequestPolicy
 from engine.core.stats import SchedulerStats
 from engine.vision.encoder_cache import EncoderCache
+from engine.vision.prompt_images import LazyPixels
 from engine.vision.qwen3_vl_tower import VisionFeatures
 from engine.vision.qwen_image_processing import process_image
 from gateway.engine_metrics import EngineCollector
@@ -111,6 +114,43 @@ def test_repeated_image_is_encoded_once_per_tenant(checkpoint):
     assert totals == {"moegate_encoder_cache_hits": [2], "moegate_encoder_cache_misses": [2]}
     assert [s.value for s in families["moegate_encoder_cache_bytes"].samples] == [llm.engine.model.encoder_cache.bytes_used]
     assert llm.engine.model.encoder_cache.bytes_used > 0
+
+
+def test_repeated_bytes_are_not_preprocessed_again(checkpoint):
+    """The API's path: encoded bytes. Sent again by the same tenant, their digest is known without preprocessing
+    and the pixels are never computed (the features come from the encoder cache); another tenant's same bytes
+    are preprocessed and encoded for it."""
+    path, model, seed = checkpoint
+    rng = random.Random(seed + 2)
+    gen = torch.Generator().manual_seed(seed + 2)
+    pic = random_image(gen, rng.randint(12, 40), rng.randint(12, 40))
+    png = io.BytesIO()
+    pic.save(png, format="PNG")
+    data = png.getvalue()
+    processed = process_image(pic, IMAGE_CONFIG)
+    prompts = [_with_images(rng, [processed]) for _ in range(3)]
+    expected = [_hf_greedy(model, p, [processed], 4) for p in prompts]
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=48, block_size=4, max_num_batched_tokens=32)
+    calls = _tower_calls(llm)
+    alice = RequestPolicy(tenant="alice", cache_salt="salt-of-alice")
+    bob = RequestPolicy(tenant="bob", cache_salt="salt-of-bob")
+    first = llm.engine.prompt_images(prompts[0], [data], alice.cache_salt)
+    assert not isinstance(first[0].pixels, LazyPixels)
+    assert _run(llm, prompts[0], first, alice, 4) == expected[0], f"seed={seed}"
+    again = llm.engine.prompt_images(prompts[1], [data], alice.cache_salt)
+    assert isinstance(again[0].pixels, LazyPixels) and again[0].digest == first[0].digest
+    assert _run(llm, prompts[1], again, alice, 4) == expected[1], f"seed={seed}"
+    assert not again[0].pixels.loaded and len(calls) == 1
+    theirs = llm.engine.prompt_images(prompts[1], [data], bob.cache_salt)
+    assert not isinstance(theirs[0].pixels, LazyPixels)
+    assert _run(llm, prompts[1], theirs, bob, 4) == expected[1] and len(calls) == 2, f"seed={seed}"
+    # not in the encoder cache any more (an empty one in its place): bytes seen before are preprocessed when the
+    # tower needs them, in the step
+    llm.engine.model.encoder_cache = EncoderCache(1 << 20)
+    lazy = llm.engine.prompt_images(prompts[2], [data], alice.cache_salt)
+    assert isinstance(lazy[0].pixels, LazyPixels) and not lazy[0].pixels.loaded
+    assert _run(llm, prompts[2], lazy, alice, 4) == expected[2], f"seed={seed}"
+    assert lazy[0].pixels.loaded and len(calls) == 3
 
 
 def test_encoder_budget_spreads_images_over_steps_while_text_decodes(checkpoint):
