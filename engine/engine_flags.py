@@ -24,11 +24,23 @@ def token_sizes(text: str) -> tuple[int, ...]:
                                          f"got {text!r}") from None
 
 
+def seconds_or_none(text: str) -> float | None:
+    """``--starvation-bound-seconds``: a number of seconds > 0, or none (no bound)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes seconds or none, got {text!r}") from None
+
+
 OVERRIDES: dict[str, FlagOverride] = {
     "model": FlagOverride(default=DEFAULT_DEMO_MODEL_DIR, default_note=": the random-weight demo model, written there "
                                                                        "on first use"),
     "enable_prefix_caching": FlagOverride(flag="--no-prefix-caching"),
     "background_window_s": FlagOverride(flag="--background-window-seconds"),
+    "starvation_bound_s": FlagOverride(flag="--starvation-bound-seconds", parse=seconds_or_none,
+                                       metavar="SECONDS|none"),
     "distributed_timeout_s": FlagOverride(flag="--distributed-timeout"),
     "cuda_graph_token_sizes": FlagOverride(parse=token_sizes, metavar="N,N,...|none"),
     "distributed_init_method": FlagOverride(metavar="tcp://HOST:PORT"),

@@ -48,6 +48,9 @@ def _scheduler(engine: EngineClient, reported: Reported) -> list[Metric]:
                                  "prompt tokens served from the prefix cache / queried",
                                  labels=["replica"]),
         "preempt": CounterMetricFamily("moegate_preemptions", "requests preempted (recompute)", labels=["replica"]),
+        "promote": CounterMetricFamily("moegate_starvation_promotions",
+                                       "requests promoted ahead of every class for going unserved for "
+                                       "--starvation-bound-seconds", labels=["replica"]),
         "prefill": CounterMetricFamily("moegate_prefill_tokens", "tokens computed as prefill", labels=["replica"]),
         "decode": CounterMetricFamily("moegate_decode_tokens", "tokens computed as decode", labels=["replica"]),
     }
@@ -57,7 +60,8 @@ def _scheduler(engine: EngineClient, reported: Reported) -> list[Metric]:
         for priority, count in stats.num_waiting_by_priority.items():
             families["waiting"].add_metric([name, str(priority)], count)
         _add_fields(families, name, stats, running="num_running", used="kv_blocks_used", total="kv_blocks_total",
-                    hit="prefix_hit_rate", preempt="num_preemptions", prefill="total_prefill_tokens",
+                    hit="prefix_hit_rate", preempt="num_preemptions", promote="num_promotions",
+                    prefill="total_prefill_tokens",
                     decode="total_decode_tokens")
     return list(families.values())
 

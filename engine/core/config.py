@@ -99,7 +99,7 @@ class EngineConfig:
     random_weights: str | None = None
     """serve a RANDOM-weight model of a real shape instead of ``model``'s weights (for speed tests): a preset
     (qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b, mixtral-8x7b, glm-4.5-air, minimax-m2, gpt-oss-20b,
-    gpt-oss-120b, deepseek-v3, deepseek-v2-lite) or a config.json path
+    gpt-oss-120b, deepseek-v3, deepseek-v3.2, deepseek-v2-lite) or a config.json path
     (``engine.loading.random_weights``)"""
     background_token_budget: int = 64
     """tokens a step's batch work may take while live traffic is present or was within
@@ -107,6 +107,10 @@ class EngineConfig:
     background_window_s: float = 5.0
     """how long after live traffic batch work stays capped, and the engine leaves a core to the gateway on
     the CPU"""
+    starvation_bound_s: float | None = 60.0
+    """seconds a request may go unserved (waiting, preempted, or running without tokens behind more urgent
+    classes and live traffic) before it is promoted ahead of every class until it ends; it then takes the
+    next free sequence slot and blocks, without preempting anyone (none: strict priority, no bound)"""
     cpu_threads: int | None = None
     """torch threads of the engine on the CPU (default: in the engine process, which shares the machine with
     the gateway, one core fewer than the machine while live traffic is recent and every core otherwise; in
@@ -356,9 +360,14 @@ class SchedulerConfig:
     # Image tokens a step hands to the vision tower, at most (None: no cap); one image larger than this is
     # encoded alone in its step, and images the encoder cache holds cost nothing (``Scheduler.image_cached``).
     max_num_encoder_tokens: int | None = None
+    # A request unserved this long (waiting, preempted, or running without tokens) is promoted ahead of every
+    # class until it ends (None: never): strict priority and the background caps cannot starve anyone forever.
+    # The engine passes ``EngineConfig.starvation_bound_s``.
+    starvation_bound_s: float | None = None
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2
         assert self.prefill_chunk_tokens >= 0
         assert self.max_num_encoder_tokens is None or self.max_num_encoder_tokens >= 1
         assert self.background_token_budget >= 1 and self.background_window_s >= 0
+        assert self.starvation_bound_s is None or self.starvation_bound_s > 0

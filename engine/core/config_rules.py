@@ -185,6 +185,9 @@ RULES: tuple[Rule, ...] = (
     Rule("background_token_budget, background_window_s", VALUES, ">= 1, >= 0",
          "background_token_budget must be >= 1 and background_window_s >= 0, got {background_token_budget} and "
          "{background_window_s}", lambda c: c.background_token_budget < 1 or c.background_window_s < 0),
+    Rule("starvation_bound_s", VALUES, "> 0 or none",
+         "starvation_bound_s must be > 0 seconds or None (no bound), got {starvation_bound_s}",
+         lambda c: c.starvation_bound_s is not None and not c.starvation_bound_s > 0),
     Rule("host_cache_gb, disk_cache_gb", VALUES, ">= 0",
          "host_cache_gb and disk_cache_gb must be >= 0, got {host_cache_gb} and {disk_cache_gb}",
          lambda c: c.host_cache_gb < 0 or c.disk_cache_gb < 0),

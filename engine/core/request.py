@@ -30,6 +30,9 @@ FINISH_REASONS = {
 }
 
 
+PROMOTED = -1  # ``Request.priority`` of a request promoted for having starved: more urgent than any class
+
+
 class Request:
     """One sequence: its tokens so far and how many of them have KV in the cache.
 
@@ -43,7 +46,7 @@ class Request:
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "policy", "num_preemptions", "stop_reason", "admit_seq", "num_charged_prompt_tokens",
         "first_scheduled_time", "parent_id", "index", "spec_acceptance", "spec_idle_steps", "output_invalid",
-        "images", "encoded_images",
+        "images", "encoded_images", "priority", "idle_since",
     )
 
     def __init__(
@@ -79,6 +82,10 @@ class Request:
         # features until the request finishes (through preemption too).
         self.encoded_images: set[int] = set()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # The class the scheduler serves it in: its policy's, until it has gone unserved for the starvation bound
+        # (``SchedulerConfig.starvation_bound_s``); then ``PROMOTED``, ahead of every class, until it ends.
+        self.priority = policy.priority
+        self.idle_since = self.arrival_time  # when last served, queued or preempted (set on the scheduler's clock)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then

@@ -24,7 +24,12 @@ Preemption is recompute: the victim's blocks are freed, its full blocks stay
 in the prefix cache, and it waits first in its class. Starvation: a class is
 served whenever every more urgent class's work fits in the step, and the running
 requests of any class keep their blocks while they wait for budget, so batch
-work advances whenever capacity is idle.
+work advances whenever capacity is idle. Under a load that never leaves room, a
+request unserved for ``starvation_bound_s`` (waiting, preempted, or running
+without tokens) is promoted (``Request.priority`` becomes ``PROMOTED``): it is
+served ahead of every class, background caps included, until it ends, and is
+admitted into the next free slot and blocks; it preempts only what its own
+class could have, and nothing can preempt it at admission.
 
 Background work (``RequestPolicy.background``, the Batch API's lines, in their own
 least urgent class) also yields step *time*, which matters where a step's duration
@@ -62,7 +67,7 @@ from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.block_pool import Block
 from engine.core.kv_cache_manager import CachedPrefix, KVCacheManager, PrefixTiers
 from engine.core.lora_residency import LoraLoad, LoraResidency
-from engine.core.request import Request, RequestStatus
+from engine.core.request import PROMOTED, Request, RequestStatus
 from engine.core.speculation import Speculator, accepted_prefix
 from engine.core.state_checkpoints import StateCheckpoints
 from engine.core.state_slots import StateSlots
@@ -149,7 +154,7 @@ class RequestUpdate:
 
 
 def _running_order(request: Request) -> tuple[int, int]:
-    return (request.policy.priority, request.admit_seq)
+    return (request.priority, request.admit_seq)
 
 
 class Scheduler:
@@ -184,6 +189,8 @@ class Scheduler:
         self._admit_seq = itertools.count()
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        self.num_promotions = 0  # requests promoted for having gone unserved for the starvation bound
+        self._now = clock()  # the step's clock reading (``_schedule``)
         self._last_prefill_tokens = 0
         self._last_decode_tokens = 0
         self.total_prefill_tokens = 0
@@ -206,6 +213,7 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         assert request.num_tokens < self.config.max_model_len, "the engine rejects prompts that leave no room to generate"
         self.requests[request.request_id] = request
+        request.idle_since = self.clock()  # the starvation bound counts on the scheduler's clock
         self._num_foreground += not request.policy.background
         self.vtc.on_arrival(request.policy.tenant)
         if request.policy.lora_adapter is not None and self.lora is not None:
@@ -284,6 +292,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
+        victim.idle_since = self._now
         self.num_preemptions += 1
         self.waiting.add_preempted(victim)
         preempted.append(victim.request_id)
@@ -295,14 +304,16 @@ class Scheduler:
         raise AssertionError("the request asking for memory is itself unserved")
 
     def _has_preemptible_below(self, priority: int) -> bool:
-        return any(r.policy.priority > priority and r.policy.preemptible for r in self.running)
+        return any(r.priority > priority and r.policy.preemptible for r in self.running)
 
     def _admission_victim(self, request: Request) -> Request | None:
         if not request.policy.may_preempt:  # its priority class waits for room like everyone else
             return None
+        # Less urgent than the request's own class (a promoted request preempts no more than its class could);
+        # a promoted running request is less urgent than none.
         candidates = [
             r for r in self.running
-            if r.policy.priority > request.policy.priority and r.policy.preemptible and r.request_id not in self._served
+            if r.priority > request.policy.priority and r.policy.preemptible and r.request_id not in self._served
         ]
         return max(candidates, key=_running_order) if candidates else None
 
@@ -314,7 +325,26 @@ class Scheduler:
         self.last_step_ms = (time.perf_counter() - start) * 1e3
         return plan
 
+    def _promote_starving(self) -> None:
+        """Promote every request unserved for the starvation bound (see the module docstring)."""
+        bound = self.config.starvation_bound_s
+        starving = [r for r in (*self.waiting, *self.running)
+                    if r.priority != PROMOTED and self._now - r.idle_since > bound]
+        for request in starving:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                request.priority = PROMOTED
+                bisect.insort(self.running, request, key=_running_order)
+            else:
+                self.waiting.remove(request)
+                request.priority = PROMOTED
+                self.waiting.add_preempted(request)  # in arrival order among the promoted
+        self.num_promotions += len(starving)
+
     def _schedule(self) -> SchedulerOutput:
+        self._now = self.clock()
+        if self.config.starvation_bound_s is not None:
+            self._promote_starving()
         self._budget = self.config.max_num_batched_tokens
         self._encoder_used = 0
         self._scheduled: list[ScheduledRequest] = []
@@ -323,7 +353,7 @@ class Scheduler:
         self._background_left = self._background_allowance()
         lora_loads = self._plan_lora_loads() if self.lora is not None else []
 
-        priorities = sorted({r.policy.priority for r in self.running} | set(self.waiting.priorities()))
+        priorities = sorted({r.priority for r in self.running} | set(self.waiting.priorities()))
         memory_pressure = False
         for priority in priorities:
             memory_pressure |= self._schedule_running(priority, preempted)
@@ -408,7 +438,7 @@ class Scheduler:
     def _schedule_running(self, priority: int, preempted: list[str]) -> bool:
         """Serve this priority's running requests; True if memory ran out and forced a preemption."""
         pressure = False
-        for request in [r for r in self.running if r.policy.priority == priority]:
+        for request in [r for r in self.running if r.priority == priority]:
             if self._budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -416,7 +446,7 @@ class Scheduler:
             if self._ends_in_flight(request):
                 continue
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens)
-            if request.policy.background:
+            if self._capped(request):
                 num_new = min(num_new, self._background_left)
                 if num_new <= 0:
                     continue  # it keeps its blocks and waits for a step with room
@@ -438,6 +468,11 @@ class Scheduler:
                 self._add_scheduled(request, num_new)
         return pressure
 
+    @staticmethod
+    def _capped(request: Request) -> bool:
+        """Background work within the step's background allowance (a promoted request is not capped)."""
+        return request.policy.background and request.priority != PROMOTED
+
     def _ends_in_flight(self, request: Request) -> bool:
         """Its last token is still on the device (overlapped steps) and is its last by length: scheduling it
         again would compute a token past ``max_tokens``."""
@@ -446,7 +481,7 @@ class Scheduler:
 
     def _schedule_drafts(self, request: Request) -> bool:
         """Schedule a decoding request with its drafts, if it has any and they fit without preempting anyone."""
-        room = self._budget if not request.policy.background else min(self._budget, self._background_left)
+        room = self._budget if not self._capped(request) else min(self._budget, self._background_left)
         drafts = self.speculator.propose(request, len(self.running))[:max(int(room) - 1, 0)]
         if not drafts or not self.kv.allocate_slots(request, 1 + len(drafts)):
             return False
@@ -458,7 +493,7 @@ class Scheduler:
         passed: set[str] = set()  # requests of this class waiting for their blocks from disk this step
         while self._budget > 0:
             request = self.waiting.peek(priority, passed)
-            if request is None or (request.policy.background and self._background_left <= 0):
+            if request is None or (self._capped(request) and self._background_left <= 0):
                 return
             if self._wait_for_adapter(request):
                 continue
@@ -481,7 +516,7 @@ class Scheduler:
                     cached = self._resumable(cached)
             num_cached = cached.num_blocks * self.kv.block_size
             num_new = self._chunk(request.num_tokens - num_cached)
-            if request.policy.background:
+            if self._capped(request):
                 num_new = min(num_new, self._background_left)
             if self.checkpoints is not None and num_new > 0:
                 num_new = self.checkpoints.cap(request, num_cached, num_new)
@@ -575,13 +610,14 @@ class Scheduler:
         if self.checkpoints is not None and not drafts:
             self._plan_checkpoint(request, num_new, slot)
         self._served.add(request.request_id)
+        request.idle_since = self._now
         self._budget -= num_new
         if len(request.encoded_images) < len(request.images):
             start = request.num_computed_tokens
             for i, tokens in self._images_to_encode(request, start, start + num_new):
                 request.encoded_images.add(i)
                 self._encoder_used += tokens
-        if request.policy.background:
+        if self._capped(request):
             self._background_left -= num_new
 
     def update(self, plan: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> list[RequestUpdate]:
@@ -738,5 +774,6 @@ class Scheduler:
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
             spec_steps=self.spec_steps,
+            num_promotions=self.num_promotions,
             kv_peak_request_blocks=list(self.kv.peak_request_blocks),
         )

@@ -38,6 +38,7 @@ class SchedulerStats(msgspec.Struct):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_steps: int = 0
+    num_promotions: int = 0  # cumulative: requests promoted for going unserved for the starvation bound
     # Per KV cache group (one, or the full-attention group then the sliding-window one): the most blocks one
     # request held at once since start. A sliding group's stays within its window's blocks plus a step's.
     kv_peak_request_blocks: list[int] = []

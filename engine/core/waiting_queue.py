@@ -1,5 +1,5 @@
-"""The waiting queue: by priority class, then order in the class, then weighted fairness across tenants (VTC),
-then arrival.
+"""The waiting queue: by priority class (``Request.priority``: its policy's, or promoted for having starved),
+then order in the class, then weighted fairness across tenants (VTC), then arrival.
 
 A request's ``order_in_class`` (0 unless the client asked to wait) puts it behind every waiting request of
 its class with a smaller one: among the tenants whose next request has the smallest order, VTC picks.
@@ -77,7 +77,7 @@ class WaitingQueue:
 
     def add(self, request: Request) -> None:
         """A new arrival: behind earlier arrivals of its tenant with the same or a smaller order in the class."""
-        rq = self._classes.setdefault(request.policy.priority, _ClassQueue())
+        rq = self._classes.setdefault(request.priority, _ClassQueue())
         queue = rq.tenants.setdefault(request.policy.tenant, deque())
         if queue and queue[-1].policy.order_in_class > request.policy.order_in_class:  # rare: ahead of its tenant's later orders
             i = next(i for i, r in enumerate(queue) if r.policy.order_in_class > request.policy.order_in_class)
@@ -89,7 +89,7 @@ class WaitingQueue:
 
     def add_preempted(self, request: Request) -> None:
         """A preempted request: first in its class among later arrivals (ordered by its own arrival)."""
-        rq = self._classes.setdefault(request.policy.priority, _ClassQueue())
+        rq = self._classes.setdefault(request.priority, _ClassQueue())
         i = len(rq.resumed)
         while i > 0 and rq.resumed[i - 1].arrival_time > request.arrival_time:
             i -= 1
@@ -119,7 +119,7 @@ class WaitingQueue:
         return heads[tenant]
 
     def remove(self, request: Request) -> None:
-        rq = self._classes[request.policy.priority]
+        rq = self._classes[request.priority]
         if request in rq.resumed:
             rq.resumed.remove(request)
         else:
@@ -131,12 +131,12 @@ class WaitingQueue:
             if not queue:
                 del rq.tenants[request.policy.tenant]
         if not rq.resumed and not rq.tenants:
-            del self._classes[request.policy.priority]
+            del self._classes[request.priority]
         self._len -= 1
         self.num_foreground -= not request.policy.background
 
     def __contains__(self, request: Request) -> bool:
-        rq = self._classes.get(request.policy.priority)
+        rq = self._classes.get(request.priority)
         if rq is None:
             return False
         return request in rq.resumed or request in rq.tenants.get(request.policy.tenant, ())

@@ -136,6 +136,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         torch_dtype="bfloat16",
     ),
 }
+# deepseek-ai/DeepSeek-V3.2(-Exp): DeepSeek-V3's shape plus DeepSeek Sparse Attention's lightning indexer (64
+# heads of 128, each query attending to its top 2,048 tokens).
+PRESETS["deepseek-v3.2"] = dict(PRESETS["deepseek-v3"], architectures=["DeepseekV32ForCausalLM"],
+                                model_type="deepseek_v32", index_n_heads=64, index_head_dim=128, index_topk=2048)
 # openai/gpt-oss-120b: 116.83B parameters, 5.13B active: the 20b's layers, 36 of them, 128 experts each.
 PRESETS["gpt-oss-120b"] = dict(PRESETS["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128)
 

@@ -86,6 +86,7 @@ def build_scheduler(config: EngineConfig, rank: BuiltRank) -> Scheduler:
             config.max_num_seqs, config.max_num_batched_tokens, rank.max_model_len,
             background_token_budget=config.background_token_budget,
             background_window_s=config.background_window_s,
+            starvation_bound_s=config.starvation_bound_s,
             # A decode engine's own prefills share steps with its streams: short chunks keep those steps short.
             prefill_chunk_tokens=config.decode_prefill_chunk_tokens if config.role == "decode" else 0,
             max_num_encoder_tokens=(config.max_num_encoder_tokens or config.max_num_batched_tokens)

@@ -19,13 +19,14 @@ from tests.distributed.test_engine_ranks import ENGINE
 from tests.distributed.test_tensor_parallel import OVERRIDES, VOCAB
 from tests.hf_models import make_hf_model
 
-# Every family the engine serves. The first four run every mode (MLA and a dense first layer, sliding layers, KV
-# heads split, one KV head replicated); the others, whose stages differ only in which layers and which of their
-# parts (shared experts, dense first layers, biases, q/k norms) a stage holds, run PP alone.
+# One family per distinct stage layout. The first four run every mode (MLA and a dense first layer, sliding layers,
+# KV heads split, one KV head replicated); the others, whose stages differ only in which layers and which of their
+# parts (shared experts, dense first layers, biases, q/k norms) a stage holds, run PP alone. Families whose parts
+# are all covered here (OLMoE's and MiniMax-M2's q/k norms, Qwen2-MoE's shared-expert gate, dots1's dense first
+# layer and shared experts) are left out: they add time, not a stage layout.
 # MiMo-V2-Flash: a full layer with one KV head on one stage, a sliding one with two on the other: the stages must
 # agree with the whole model that they cannot share cache tensors (``MoECausalLM.layers_cache_alike``).
-FAMILIES = ("deepseek_v3", "gpt_oss", "mixtral", "qwen3_moe", "deepseek_v2", "dots1", "glm4_moe", "minimax_m2",
-            "olmoe", "qwen2_moe", "mimo_v2_flash", "hy_v3")
+FAMILIES = ("deepseek_v3", "gpt_oss", "mixtral", "qwen3_moe", "deepseek_v2", "glm4_moe", "mimo_v2_flash", "hy_v3")
 MODES = {"pp": dict(pipeline_parallel_size=2), "pp_tp": dict(pipeline_parallel_size=2, tensor_parallel_size=2)}
 
 

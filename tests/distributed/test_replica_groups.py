@@ -1,8 +1,9 @@
 """Two engine replicas, each split over 2 ranks (tensor parallel), whose MoE layers divide the experts among all 4
 ranks (gloo, 1 thread each): each replica generates transformers' greedy tokens for its own requests, for each
-family whose split engine differs (``ENGINE_FAMILIES``; test_tensor_parallel checks every family's split logits) and
-both dispatches, while the other replica's batches differ in size every step or it has no work at all;
-and a follower rank of one replica that dies fails both replicas with the rank named."""
+family whose split replicas differ (``DP_FAMILIES``: a dense first layer with MLA, sliding layers with biases, the
+all-gather dispatch; test_engine_ranks checks every family whose split engine differs) and both dispatches,
+while the other replica's batches differ in size every step or it has no work at all; and a follower rank of one
+replica that dies fails both replicas with the rank named."""
 
 import os
 import random
@@ -12,8 +13,8 @@ import time
 import pytest
 
 from tests.distributed.ranks import free_port, run_ranks_each
-from tests.distributed.test_engine_ranks import ENGINE, POOL, engine_tokens, replica_group_configs
-from tests.distributed.test_tensor_parallel import ENGINE_FAMILIES, GATHER_FAMILY, VOCAB, family_checkpoints
+from tests.distributed.test_engine_ranks import DP_FAMILIES, ENGINE, POOL, engine_tokens, replica_group_configs
+from tests.distributed.test_tensor_parallel import GATHER_FAMILY, VOCAB, family_checkpoints
 from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
 from tests.processes import rank_pids
@@ -46,7 +47,7 @@ def replica_runs(tmp_path_factory):
     """Each engine family's two split replicas (its own random checkpoint, seed and prompts), all in one pair of engine
     processes: {family: (seed, experts in the model, transformers' tokens per replica, {replica: (status, value)})}."""
     runs, refs = {}, {}
-    for family, (seed, model_dir, hf, rng) in family_checkpoints(tmp_path_factory, "dp-tp", ENGINE_FAMILIES).items():
+    for family, (seed, model_dir, hf, rng) in family_checkpoints(tmp_path_factory, "dp-tp", DP_FAMILIES).items():
         shared = [rng.randrange(1, VOCAB - 1) for _ in range(9)]
         prompts = {0: [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (23, 5, 13, 2)] + [shared + [3], shared + [5]],
                    1: [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (7, 3)]}
@@ -61,7 +62,7 @@ def replica_runs(tmp_path_factory):
 
 
 @pytest.mark.timeout(560)  # the first family's test builds every family's results (module fixture)
-@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+@pytest.mark.parametrize("family", DP_FAMILIES)
 def test_split_replicas_sharing_experts_generate_transformers_tokens(family, replica_runs):
     """Replica 0 prefills in chunks (16 tokens a step), is preempted and hits its prefix cache; replica 1 runs out
     of work after a few steps, so for most steps it and its follower join replica 0's expert collectives with

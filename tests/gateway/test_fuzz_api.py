@@ -16,7 +16,7 @@ from schemathesis import GenerationMode
 
 from tests.gateway.serve_process import demo_server
 
-EXAMPLES_PER_OPERATION = int(os.environ.get("MOEGATE_FUZZ_EXAMPLES", "25"))
+EXAMPLES_PER_OPERATION = int(os.environ.get("MOEGATE_FUZZ_EXAMPLES", "15"))
 _totals = {"examples": 0, "5xx": 0, "operations": set()}
 
 
