@@ -11,6 +11,7 @@ import torch
 from engine.core.config import EngineConfig, KernelChoice
 from engine.text.prompts import InputProcessor
 from engine.core.hybrid_support import check_hybrid_support
+from engine.core.family_support import check_family_support
 from engine.core.sparse_attention_support import check_sparse_attention_support
 from engine.core.model_config import CheckpointError
 from engine.distributed.collectives import SINGLE
@@ -81,6 +82,7 @@ class LLMEngine:
         self.model_config = engine_model_config(config)
         check_hybrid_support(config, self.model_config)
         check_sparse_attention_support(config, self.model_config)
+        check_family_support(config, self.model_config)
         _prepare_host(config, self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
         self.kernels = kernel_choice or KernelChoice.resolve(config.kernels, self.device.type)

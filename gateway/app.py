@@ -38,6 +38,7 @@ from gateway.metrics import METRICS, GatewayMetrics
 from gateway.pipeline import Adapter, Outputs, Planned
 from gateway.request_keys import CHOICES, RATE_HEADERS, SERVED_MODEL, TIMER
 from gateway.refusals import count_refusals
+from gateway.remote_images import REMOTE_IMAGES, RemoteImagePolicy
 from gateway.replica_router import replicas_of, unresponsive_after_s
 from gateway.response_bodies import completion_body, system_fingerprint
 from gateway.sse import stream_reply
@@ -178,7 +179,8 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
 
     return await pipeline.run(app[ENGINE], body, chat, _parsers(app[CONFIG]),
                               LiveAdmission(request, rid, base, adapter), rid, respond_with,
-                              adapter=Adapter(app[ADAPTERS], adapter, adapter_path) if adapter is not None else None)
+                              adapter=Adapter(app[ADAPTERS], adapter, adapter_path) if adapter is not None else None,
+                              remote_images=app[REMOTE_IMAGES])
 
 
 def _parsers(config: GatewayConfig) -> ParserChoice:
@@ -247,6 +249,7 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     )
     cors.install(app, config.allowed_origins)
     app[CONFIG] = config
+    app[REMOTE_IMAGES] = RemoteImagePolicy.of(config)
     app[SERVING_SINCE] = int(time.time())
     app[BODY_TIMEOUT_S] = config.body_timeout_s
     app[ENGINE] = engine
@@ -347,7 +350,8 @@ async def _batch_lifecycle(app: web.Application):
     inflight = config.batch_max_inflight or 2 * engine.config.max_num_seqs * len(replicas_of(engine))
     runner = BatchRunner(app[BATCH_STORE], engine, lambda: _model_name(app), BatchRunnerConfig(
         lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
-        batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4)), wake=app[BATCH_WAKE],
+        batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4),
+        remote_images=app[REMOTE_IMAGES]), wake=app[BATCH_WAKE],
         cache_share=app[QUOTAS].cache_share, adapters=app[ADAPTERS])
     task = asyncio.create_task(runner.run(), name="batch-runner")
     yield
@@ -373,4 +377,4 @@ def _add_routes(app: web.Application, config: GatewayConfig) -> None:
     app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    tokenization.add_routes(app, ENGINE, _check_model, _parsers(config))
+    tokenization.add_routes(app, ENGINE, _check_model, _parsers(config), REMOTE_IMAGES)

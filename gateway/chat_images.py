@@ -1,7 +1,9 @@
 """A chat request's images: its ``image_url`` content parts checked, decoded and sized in the gateway, so the
 engine only ever gets bytes that are an image of a size it takes, with the prompt's placeholders expanded to fit.
 
-Only inline ``data:`` URLs are read; remote (http, https) URLs are refused and never fetched. Each image is
+Inline ``data:`` URLs are read here; remote (http, https) URLs are fetched by ``gateway.remote_images`` for the
+hosts the operator allows (none by default: refused, never fetched), and their bytes checked here as an inline
+image's are. Each image is
 decoded on a worker thread (never on the event loop), under ``ImageLimits``: encoded bytes per image and per
 request, decoded pixels per image (a decompression bomb is refused from its header, before its pixels are read)
 and images per request. Every refusal is a 400 naming the content part (``messages[0].content[1]``).
@@ -13,8 +15,9 @@ import functools
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 
 from engine.core.model_config import IMAGE_ARCHITECTURES
 from engine.vision.image_files import QwenImageConfig, decode_image, image_config_for, smart_resize
@@ -105,10 +108,16 @@ class DecodedImage:
 _DATA_URL = re.compile(r"data:(?P<type>[^,;]*)(?P<params>(;[^,;]*)*),", re.IGNORECASE)
 
 
-def _encoded(ref: ImageRef, limits: ImageLimits) -> bytes:
+def remote_scheme(url: str) -> bool:
+    """Whether ``url`` is a remote (http, https) URL rather than inline data."""
+    return url[:8].lower().startswith(("http://", "https://"))
+
+
+def _encoded(ref: ImageRef, limits: ImageLimits, fetched: Mapping[str, bytes]) -> bytes:
     url = ref.url
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme in ("http", "https"):
+    if ref.where in fetched:
+        return fetched[ref.where]
+    if remote_scheme(url):
         raise APIError(400, f"{ref.where}: remote image URLs are off on this server (it fetches nothing); send the "
                             "image inline as a data: URL (data:image/png;base64,...)", param=ref.where,
                        code="remote_image_url")
@@ -131,16 +140,18 @@ def _encoded(ref: ImageRef, limits: ImageLimits) -> bytes:
         raise APIError(400, f"{ref.where}: the image's data is not valid base64", param=ref.where) from None
 
 
-def decode_images(refs: list[ImageRef], model: ImageModel, limits: ImageLimits = DEFAULT_IMAGE_LIMITS
-                  ) -> list[DecodedImage]:
+def decode_images(refs: list[ImageRef], model: ImageModel, limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
+                  fetched: Mapping[str, bytes] = MappingProxyType({})) -> list[DecodedImage]:
     """Each image part read, fully decoded once (so the engine never gets a truncated or corrupt image) and sized;
-    a 400 naming the first part that is refused. Blocking: run it on a worker thread."""
+    a 400 naming the first part that is refused. ``fetched``: the bytes of remote parts, by place
+    (``gateway.remote_images.fetch_images``); a remote part not there is refused. Blocking: run it on a worker
+    thread."""
     if len(refs) > limits.max_images:
         raise APIError(400, f"{refs[limits.max_images].where}: a request may carry at most {limits.max_images} "
                             "images", param=refs[limits.max_images].where)
     out, total = [], 0
     for ref in refs:
-        data = _encoded(ref, limits)
+        data = _encoded(ref, limits, fetched)
         if len(data) > limits.max_image_bytes:
             raise APIError(400, f"{ref.where}: the image is over {limits.max_image_bytes:,} bytes", param=ref.where)
         total += len(data)

@@ -15,9 +15,10 @@ from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.serving.client import EngineClient
 from gateway.chat_images import (
-    DEFAULT_IMAGE_LIMITS, DecodedImage, ImageLimits, decode_images, expand_placeholders, image_model_of,
+    DEFAULT_IMAGE_LIMITS, DecodedImage, ImageLimits, ImageRef, decode_images, expand_placeholders, image_model_of,
     refuse_if_text_only,
 )
+from gateway.remote_images import RemoteImagePolicy, fetch_images
 from gateway.choices import Choices, merged
 from gateway.errors import APIError
 from gateway.openai_logprobs import as_token_ids
@@ -43,13 +44,23 @@ def chat_plan_of(engine: EngineClient, body, parsers: ParserChoice) -> ChatPlan:
     return chat_plan
 
 
-async def read_images(engine: EngineClient, plan: ChatPlan | None,
+async def read_images(engine: EngineClient, plan: ChatPlan | None, remote: RemoteImagePolicy | None = None,
                       limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> list[DecodedImage]:
-    """A chat's images decoded and sized on a worker thread (``gateway.chat_images``); a 400 naming the part."""
+    """A chat's images: remote URLs fetched under ``remote`` (None: refused; ``gateway.remote_images``), then every
+    image decoded and sized on a worker thread (``gateway.chat_images``); a 400 naming the part."""
     if plan is None or not plan.images:
         return []
-    model = refuse_if_text_only(engine, plan.images)
-    return await asyncio.to_thread(decode_images, plan.images, model, limits)
+    return await read_image_refs(engine, plan.images, remote, limits)
+
+
+async def read_image_refs(engine: EngineClient, refs: list[ImageRef], remote: RemoteImagePolicy | None = None,
+                          limits: ImageLimits = DEFAULT_IMAGE_LIMITS) -> list[DecodedImage]:
+    """``read_images`` for image parts gathered elsewhere (``/tokenize``'s messages)."""
+    if not refs:
+        return []
+    model = refuse_if_text_only(engine, refs)
+    fetched = await fetch_images(refs, remote, limits)
+    return await asyncio.to_thread(decode_images, refs, model, limits, fetched)
 
 
 async def load_harmony(engine: EngineClient, parsers: ParserChoice) -> None:

@@ -90,6 +90,16 @@ class GatewayConfig:
     allowed_origins: tuple[str, ...] = ()
     """browser pages of these origins may call the API (CORS): scheme://host[:port] separated by commas, or * for
     any; preflight requests need no API key (default: none, no CORS headers) (``gateway.cors``)"""
+    allowed_media_domains: tuple[str, ...] = ()
+    """hosts whose http(s) image URLs the gateway fetches (chat image_url, Responses input_image): names separated
+    by commas, *.example.com for any name under example.com; only from public addresses (default: none, remote
+    image URLs are refused) (``gateway.remote_images``)"""
+    media_fetch_timeout_s: float = 10.0
+    """seconds a request's remote images may take to arrive, all together; a slower one is a 400"""
+    allow_private_media_addresses: bool = False
+    """DANGEROUS: fetch image URLs from loopback, link-local and private addresses too, so any client could make
+    the gateway read from the machine itself and its network (metadata services, admin ports); for tests, or a
+    closed network whose clients are all trusted"""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -113,5 +123,7 @@ class GatewayConfig:
             raise ValueError(f"responses_retention_s must be > 0, got {self.responses_retention_s:g}")
         if self.default_reservation_tokens < 1:
             raise ValueError("default_reservation_tokens must be >= 1")
+        if not self.media_fetch_timeout_s > 0:
+            raise ValueError(f"media_fetch_timeout_s must be > 0, got {self.media_fetch_timeout_s:g}")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")

@@ -43,7 +43,7 @@ class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fiel
 
 
 class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
-    # a ``data:image/...;base64,...`` URL; remote (http, https) URLs are refused, never fetched (gateway.chat_images)
+    # a ``data:image/...;base64,...`` URL, or an http(s) URL of a host the operator allows (gateway.remote_images)
     url: NonEmptyText
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the image is read at the model's own size
 

@@ -3,7 +3,8 @@
 ``run`` drives its stages, always in this order:
 
 1. **plan**: the body's sampling settings and, for chat, how it is rendered and read (``ChatPlan``);
-2. **prompts**: a chat's images decoded and sized on a worker thread (``gateway/chat_images.py``), the prompts
+2. **prompts**: a chat's images fetched where they are remote URLs the operator allows
+   (``gateway/remote_images.py``), decoded and sized on a worker thread (``gateway/chat_images.py``), the prompts
    rendered and tokenized (each image's placeholder expanded to its token count), each checked against the
    model's length (a ``400`` naming the field);
 3. **admission**: the caller's ``Admission.admit`` (the live API reserves the tenant's quota and counts the
@@ -39,6 +40,7 @@ from gateway.completion import (
 )
 from gateway.errors import APIError
 from gateway.lora_adapters import AdapterCatalog
+from gateway.remote_images import RemoteImagePolicy
 from gateway.openai_schema import sampling_params_of
 from gateway.schema_check import check_schema
 
@@ -98,9 +100,9 @@ class Admission(Protocol):
 
 
 async def plan(engine: EngineClient, body, chat: bool, parsers: ParserChoice,
-               admission: Admission) -> Planned:
+               admission: Admission, remote_images: RemoteImagePolicy | None = None) -> Planned:
     """Stages 1-2: the sampling settings, the chat plan, then (once ``admission`` says the server is open) the
-    checked prompts."""
+    checked prompts; ``remote_images``: which remote image URLs are fetched (None: none)."""
     vocab_size = engine.info.vocab_size if engine.info is not None else None
     sampling_params = sampling_params_of(body, vocab_size)
     chat_plan = None
@@ -108,7 +110,7 @@ async def plan(engine: EngineClient, body, chat: bool, parsers: ParserChoice,
         chat_plan = chat_plan_of(engine, body, parsers)
         apply_plan(sampling_params, chat_plan, body)
     admission.check_open()
-    images = await read_images(engine, chat_plan)  # on a worker thread; a 400 naming the image part
+    images = await read_images(engine, chat_plan, remote_images)  # a 400 naming the image part
     prompts = await prepare_prompts(engine, body, chat, chat_plan, sampling_params, images)
     return Planned(body, chat, sampling_params, chat_plan, prompts, tuple(im.data for im in images))
 
@@ -131,14 +133,15 @@ async def request_policy(engine: EngineClient, admitted: RequestPolicy, body, ad
 
 async def run(engine: EngineClient, body, chat: bool, parsers: ParserChoice, admission: Admission, rid: str,
               respond: Callable[[Planned, Outputs], Awaitable[T]], *, adapter: Adapter | None = None,
-              per_token: bool = True) -> T:
+              per_token: bool = True, remote_images: RemoteImagePolicy | None = None) -> T:
     """One request through every stage (see the module's docstring); ``respond``'s reply.
 
     ``rid`` names its engine requests (``rid-0``, ``rid-1``, ... for several prompts); ``per_token=False`` asks
-    the engine for one output per request, at its end (only the result is wanted). APIErrors as the API answers
+    the engine for one output per request, at its end (only the result is wanted); ``remote_images``: which
+    remote image URLs are fetched (``gateway.remote_images``; None: none). APIErrors as the API answers
     them; ``admission.settle`` runs once the request was admitted, even if it is cancelled.
     """
-    planned = await plan(engine, body, chat, parsers, admission)
+    planned = await plan(engine, body, chat, parsers, admission, remote_images)
     admitted = await admission.admit(planned)
     status, outputs = 500, None
     try:

@@ -1,7 +1,8 @@
 """``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, with the served model's tokenizer.
 
 /tokenize returns the token ids the generation routes would run for the same
-prompt or messages (chat template included), so clients can count tokens
+prompt or messages (chat template included; each image's placeholder repeated
+to its token count, as the chat route runs it), so clients can count tokens
 before they send a request; /detokenize turns token ids back into text.
 Both need an API key like the /v1/ routes (``gateway.auth.KEYED_PATHS``).
 """
@@ -15,7 +16,8 @@ from engine.serving.async_engine import EngineError
 from engine.text.harmony_vocab import HarmonyVocabError
 from engine.text.prompts import InvalidPrompt
 from gateway.chat_plan import HARMONY, ParserChoice, chat_input
-from gateway.completion import engine_down
+from gateway.chat_images import ImageRef, expand_placeholders, image_model_of
+from gateway.completion import engine_down, read_image_refs
 from gateway.errors import APIError, read_body
 from gateway.openai_schema import (
     ChatCompletionRequest, ChatMessage, NonEmptyText, TokenId, TokenIds, decode_body,
@@ -31,11 +33,12 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     add_generation_prompt: bool | None = None  # messages only; default true
 
 
-def _chat(engine, body: TokenizeRequest, parsers: ParserChoice):
+def _chat(engine, body: TokenizeRequest, parsers: ParserChoice, images: list[ImageRef]):
     """The messages as the chat route renders them (tool calls, tool results and names included): through
-    openai-harmony for gpt-oss, else the template."""
+    openai-harmony for gpt-oss, else the template; their image parts added to ``images``."""
     architecture = engine.info.architecture if engine.info is not None else None
-    chat = chat_input(ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt))
+    chat = chat_input(ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt),
+                      images=images)
     chat.harmony = HARMONY in parsers.resolve(engine.chat_template(), architecture)
     return chat
 
@@ -45,9 +48,12 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     tokens: list[TokenId]
 
 
-def add_routes(app: web.Application, engine_key, check_model, parsers: ParserChoice | None = None) -> None:
+def add_routes(app: web.Application, engine_key, check_model, parsers: ParserChoice | None = None,
+               remote_images_key: web.AppKey | None = None) -> None:
     """Register both routes; ``check_model(app, name)`` raises the 404 for a model not served; ``parsers``: the
-    server's parser settings (a gpt-oss chat is rendered by openai-harmony, as the chat route renders it)."""
+    server's parser settings (a gpt-oss chat is rendered by openai-harmony, as the chat route renders it);
+    ``remote_images_key``: the app's ``RemoteImagePolicy`` (images at remote URLs are fetched to be counted, as
+    the chat route fetches them; None: refused)."""
 
     async def tokenize(request: web.Request) -> web.Response:
         body = decode_body(await read_body(request), TokenizeRequest)
@@ -59,10 +65,17 @@ def add_routes(app: web.Application, engine_key, check_model, parsers: ParserCho
             raise APIError(400, "add_generation_prompt applies to `messages` only; leave it out with `prompt`",
                            param="add_generation_prompt")
         engine = request.app[engine_key]
+        images: list[ImageRef] = []
         try:
             if body.messages is not None:
-                ids = await engine.prepare(None, _chat(engine, body, parsers or ParserChoice()),
-                                           body.add_generation_prompt is not False)
+                chat = _chat(engine, body, parsers or ParserChoice(), images)
+                if images and chat.harmony:
+                    raise APIError(400, f"{images[0].where}: this model reads text only", param=images[0].where)
+                remote = request.app.get(remote_images_key) if remote_images_key is not None else None
+                decoded = await read_image_refs(engine, images, remote)  # a 400 naming the part
+                ids = await engine.prepare(None, chat, body.add_generation_prompt is not False)
+                if decoded:
+                    ids = expand_placeholders(ids, image_model_of(engine).image_token_id, decoded)
             else:
                 ids = await engine.prepare(body.prompt, None)
         except InvalidPrompt as e:

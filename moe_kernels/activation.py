@@ -7,6 +7,8 @@ kernels) reads the same spec:
 - ``gelu``: exact (erf) gelu(gate) * up.
 - ``clamped_swiglu``: gpt-oss's variant: the gate clamped from above at ``limit``, up clamped to
   [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
+- ``clamped_silu``: Step-3.7-Flash's clamped SwiGLU: silu(gate) clamped from above at ``limit``, times up
+  clamped to [-limit, limit] (the clamp follows the silu, as the checkpoints were trained).
 """
 
 from dataclasses import dataclass
@@ -14,13 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-KINDS = ("silu", "gelu", "clamped_swiglu")
+KINDS = ("silu", "gelu", "clamped_swiglu", "clamped_silu")
 
 
 @dataclass(frozen=True, slots=True)
 class ExpertActivation:
     """One expert activation: ``kind`` (see the module docstring) with gpt-oss's ``alpha`` and ``limit``
-    (read only by ``clamped_swiglu``)."""
+    (``alpha`` read only by ``clamped_swiglu``, ``limit`` by both clamped kinds)."""
 
     kind: str = "silu"
     alpha: float = 1.702
@@ -29,8 +31,8 @@ class ExpertActivation:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unsupported activation {self.kind!r}; one of {KINDS}")
-        if self.kind == "clamped_swiglu" and not self.limit > 0:
-            raise ValueError(f"clamped_swiglu needs a positive limit, got {self.limit}")
+        if self.kind.startswith("clamped") and not self.limit > 0:
+            raise ValueError(f"{self.kind} needs a positive limit, got {self.limit}")
 
     @staticmethod
     def of(activation: "str | ExpertActivation") -> "ExpertActivation":
@@ -54,6 +56,8 @@ def gated_activation(gate_up: torch.Tensor, activation: "str | ExpertActivation"
         return F.silu(gate) * up
     if act.kind == "gelu":
         return F.gelu(gate) * up
+    if act.kind == "clamped_silu":
+        return F.silu(gate).clamp(max=act.limit) * up.clamp(-act.limit, act.limit)
     glu, up1 = _clamped(gate, up, act)
     return glu * up1
 
@@ -67,5 +71,7 @@ def gated_activation_(gate_up: torch.Tensor, activation: "str | ExpertActivation
         return F.silu(gate, inplace=True).mul_(up)
     if act.kind == "gelu":
         return gate.copy_(F.gelu(gate)).mul_(up)  # F.gelu has no in-place form
+    if act.kind == "clamped_silu":
+        return F.silu(gate, inplace=True).clamp_(max=act.limit).mul_(up.clamp(-act.limit, act.limit))
     glu, up1 = _clamped(gate, up, act)  # two [n, I] temporaries: this variant is not on a hot CPU path
     return gate.copy_(glu).mul_(up1)

@@ -11,6 +11,9 @@ def gated_act(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
         out = gate * tl.sigmoid(gate) * up
     elif ACTIVATION == "gelu":  # exact (erf) gelu, as torch.nn.functional.gelu's default
         out = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    elif ACTIVATION == "clamped_silu":  # Step-3.7-Flash: the clamp follows the silu
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        out = tl.minimum(gate * tl.sigmoid(gate), limit) * u
     else:  # clamped_swiglu (gpt-oss)
         g = tl.minimum(gate, limit)
         u = tl.minimum(tl.maximum(up, -limit), limit)

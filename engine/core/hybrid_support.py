@@ -1,7 +1,8 @@
 """What hybrid linear-attention models (Qwen3-Next, Qwen3.5-MoE) are served with, checked at start (plain Python).
 
-Their linear-attention layers keep one state per running request instead of K and V per token. What moves,
-splits or rolls back K and V per token does not do so for those states yet: such a setting is refused at start,
+Their linear-attention layers keep one state per running request instead of K and V per token. What moves or
+rolls back K and V per token does not do so for those states yet (tensor parallelism splits Gated DeltaNet's
+heads, not yet Kimi Delta Attention's): such a setting is refused at start,
 in one line naming its flag, rather than served wrongly. The prefix cache serves them through state checkpoints
 (``engine.core.state_checkpoints``); speculative decoding stays refused with it on or off.
 """
@@ -11,7 +12,6 @@ from engine.core.model_config import ModelConfig
 
 # (EngineConfig field, is it asked for?, why the states do not follow yet)
 _UNSUPPORTED = (
-    ("tensor_parallel_size", lambda c: c.tensor_parallel_size > 1, "the linear layers' heads are not split yet"),
     ("pipeline_parallel_size", lambda c: c.pipeline_parallel_size > 1, "the stages do not carry state slots yet"),
     ("data_parallel_size", lambda c: c.data_parallel_size > 1, "replicas sharing experts are not built for them yet"),
     ("enable_expert_parallel", lambda c: c.enable_expert_parallel, "expert parallelism is not built for them yet"),
@@ -29,10 +29,18 @@ def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+# Families whose linear layers split their heads over tensor-parallel ranks (Gated DeltaNet); Kimi Delta
+# Attention's are not split yet.
+TENSOR_PARALLEL_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+
+
 def check_hybrid_support(config: EngineConfig, model: ModelConfig) -> None:
     """ValueError, one line naming the flag, for the first setting a hybrid model is not served with yet."""
     if not model.is_hybrid:
         return
+    if config.tensor_parallel_size > 1 and model.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
+        raise ValueError(f"{flag('tensor_parallel_size')} is not supported with hybrid linear-attention models "
+                         f"({model.architecture}) yet: the linear layers' heads are not split yet")
     for field, asked, why in _UNSUPPORTED:
         if asked(config):
             raise ValueError(f"{flag(field)} is not supported with hybrid linear-attention models "

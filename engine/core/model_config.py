@@ -30,10 +30,13 @@ SUPPORTED_ARCHITECTURES = (
     "KimiLinearForCausalLM",
     "DeepseekV32ForCausalLM",
     "GlmMoeDsaForCausalLM",
+    "Step3p7ForConditionalGeneration",
+    "MiniMaxM3SparseForConditionalGeneration",
 )
 
 # Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.
-TEXT_PART_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+TEXT_PART_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                           "Step3p7ForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration")
 # Of those, the ones served with images: ``ModelConfig.multimodal_config`` keeps their whole config.
 IMAGE_ARCHITECTURES = ("Qwen3VLMoeForConditionalGeneration",)
 
@@ -61,8 +64,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None  # the window of every layer
     torch_dtype: str = "float32"
-    # Models whose layers differ (``layer_types``: gpt-oss, MiMo-V2-Flash): the window of the layers in
-    # ``sliding_layers`` only.
+    # Models whose layers differ (``layer_types``: gpt-oss, MiMo-V2-Flash, Step-3.7-Flash): the window of the layers
+    # in ``sliding_layers`` only.
     layer_sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     # Hybrid models (Qwen3-Next, Qwen3.5): the layers with linear attention (a fixed-size state per request
@@ -148,6 +151,10 @@ def _dots1_window(hf: Any) -> int | None:
 
 def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: str = "float32") -> ModelConfig:
     """Normalise a transformers config object (read from a checkpoint, or built in memory) into a ModelConfig."""
+    if getattr(hf, "per_layer_config", None):
+        # Per-layer overrides (Step-3.7-Flash's sliding layers' head count): transformers refuses the global value
+        # unless asked; it is the layers' without an override, and a family reads the overrides itself.
+        hf.allow_global_per_layer_attribute_access = True
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     rope = dict(getattr(hf, "rope_parameters", None) or {})
@@ -165,8 +172,9 @@ def model_config_from_hf(arch: str, hf: Any, eos_ids: list[int], torch_dtype: st
     layer_types = list(getattr(hf, "layer_types", None) or [])
     sliding_layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     layer_window = None
-    if arch in ("GptOssForCausalLM", "MiMoV2FlashForCausalLM"):
-        # gpt-oss and MiMo-V2-Flash mix windowed and full layers: the window is per layer, never the whole model's.
+    if arch in ("GptOssForCausalLM", "MiMoV2FlashForCausalLM", "Step3p7ForConditionalGeneration"):
+        # gpt-oss, MiMo-V2-Flash and Step-3.7-Flash mix windowed and full layers: the window is per layer, never
+        # the whole model's.
         layer_window, sliding = (sliding or None) if sliding_layers else None, None
     return ModelConfig(
         architecture=arch,

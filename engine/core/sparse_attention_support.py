@@ -1,16 +1,17 @@
-"""What sparse-attention models (DeepSeek-V3.2, GLM-5) are served with, checked at start (plain Python).
+"""What sparse-attention models (DeepSeek-V3.2, GLM-5, MiniMax-M3) are served with, checked at start (plain Python).
 
-Their layers cache an indexer key per token beside the MLA latent, and GLM-5's layers hand their selection to the
-next. Settings not yet tested with them are refused at start, in one line naming the flag, rather than served
-wrongly. The prefix cache, chunked prefill, preemption and n-gram speculation are served (the indexer keys live
-in the same paged blocks as the latents).
+Their layers cache an indexer key per token beside the MLA latent (MiniMax-M3's beside K and V), and GLM-5's layers
+hand their selection to the next. Settings not yet tested with them are refused at start, in one line naming the
+flag, rather than served wrongly. The prefix cache, chunked prefill, preemption and n-gram speculation are served
+(the indexer keys live in the same paged blocks as the latents, or as K and V).
 """
 
 from engine.core.config import EngineConfig
 from engine.core.hybrid_support import flag
 from engine.core.model_config import ModelConfig
 
-SPARSE_ATTENTION_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+SPARSE_ATTENTION_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+                                  "MiniMaxM3SparseForConditionalGeneration")
 
 # (EngineConfig field, is it asked for?, why not yet)
 _UNSUPPORTED = (

@@ -9,21 +9,37 @@ import torch
 from torch import nn
 
 from engine.device_batch.attention_metadata import AttentionMetadata, TritonAttentionMetadata
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.attention import Attention
 from engine.layers.rotary import RotaryEmbedding
 
 
 class GatedAttention(Attention):
-    """Legend: T tokens, H hidden, h query heads, kvh KV heads, d head dim. One rank only (no tensor parallelism)."""
+    """Legend: T tokens, H hidden, h query heads, kvh KV heads, d head dim (this rank's heads under tensor
+    parallelism: ``Attention``'s split, one KV head replicated where there are fewer than ranks)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
-                 rms_norm_eps: float, bias: bool = False) -> None:
+                 rms_norm_eps: float, bias: bool = False, tp: TensorParallel = SINGLE) -> None:
         super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, rotary, rms_norm_eps, qk_norm="per_head",
-                         o_bias=bias)
+                         o_bias=bias, tp=tp)
         del self.qkv_proj
         self.q_proj = nn.Linear(hidden_size, 2 * self.q_size, bias=bias)  # [query | gate] per head
         self.k_proj = nn.Linear(hidden_size, self.kv_size, bias=bias)
         self.v_proj = nn.Linear(hidden_size, self.kv_size, bias=bias)
+
+    def tp_slices(self, local_name: str, rank: int) -> tuple[slice, ...] | None:
+        """This rank's part of checkpoint tensor ``self_attn.<local_name>`` (None: whole, as the q/k norms)."""
+        proj, _, kind = local_name.partition(".")
+        if proj == "q_proj":  # [h * 2d] rows, [query | gate] per head: this rank's heads are one run
+            n = 2 * self.q_size
+            return (slice(rank * n, (rank + 1) * n),)
+        if proj in ("k_proj", "v_proj"):
+            replicated = self.total_kv_heads < self.tp.size
+            first = rank * self.total_kv_heads // self.tp.size if replicated else rank * self.num_kv_heads
+            return (slice(first * self.head_dim, (first + self.num_kv_heads) * self.head_dim),)
+        if local_name == "o_proj.weight":  # [H, h * d]: this rank's heads' columns (the bias: rank 0 adds it)
+            return (slice(None), slice(rank * self.q_size, (rank + 1) * self.q_size))
+        return None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata | TritonAttentionMetadata) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """Gated DeltaNet (Qwen3-Next, Qwen3.5): a linear-attention layer with a fixed-size state per request.
 
 Legend: T scheduled tokens, D decode requests, H hidden, hk key heads, h value heads (r = h / hk per key head),
-dk key dim, dv value dim, C conv channels (2 hk dk + h dv), K conv kernel, S state slots.
+dk key dim, dv value dim, C conv channels (2 hk dk + h dv), K conv kernel, S state slots. Under tensor
+parallelism hk, h and C are this rank's: each rank holds a run of key heads with their value heads, the
+projections' and the convolution's channels of those heads, and its heads' states; ``out_proj`` is summed
+over the ranks.
 
 Per token: project to q, k, v (and the output gate z, the write strength b, the decay input a), run q, k, v
 through a causal depthwise convolution of K taps (SiLU), L2-normalize q and k, then the gated delta rule
@@ -15,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.device_batch.state_metadata import StateMetadata
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.cache_spec import StateSpec
+from engine.layers.rank_slices import RowRuns
 from engine.layers.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from engine.layers.short_conv import causal_short_conv
 from engine.layers.state_rules import rule_over_requests
@@ -32,12 +37,15 @@ LAYOUTS = ("per_key_head", "split")
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, num_key_heads: int, num_value_heads: int, key_dim: int, value_dim: int,
-                 conv_kernel: int, rms_norm_eps: float, layout: str) -> None:
+                 conv_kernel: int, rms_norm_eps: float, layout: str, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         assert layout in LAYOUTS, layout
         if num_value_heads % num_key_heads:
             raise ValueError(f"linear_num_value_heads ({num_value_heads}) must be a multiple of "
                              f"linear_num_key_heads ({num_key_heads})")
+        self.tp = tp
+        num_key_heads = tp.shard(num_key_heads, "linear_num_key_heads")[1]
+        num_value_heads //= tp.size
         self.layout = layout
         self.hk, self.h, self.dk, self.dv = num_key_heads, num_value_heads, key_dim, value_dim
         self.key_size, self.value_size = num_key_heads * key_dim, num_value_heads * value_dim
@@ -64,6 +72,28 @@ class GatedDeltaNet(nn.Module):
     def state_spec(self) -> StateSpec:
         return StateSpec((self.channels, self.kernel - 1), (self.h, self.dk, self.dv))
 
+    def tp_slices(self, local_name: str, rank: int) -> tuple[slice, ...] | RowRuns | None:
+        """This rank's part of checkpoint tensor ``linear_attn.<local_name>`` (None: whole, as the norm)."""
+
+        def run(per_rank: int, base: int = 0) -> tuple[slice, ...]:
+            return (slice(base + rank * per_rank, base + (rank + 1) * per_rank),)
+
+        if local_name in ("in_proj_qkv.weight", "conv1d.weight"):  # [q | k | v] channels: this rank's run of each
+            key_rows = self.key_size * self.tp.size  # every rank's q (then k) channels
+            return RowRuns([run(self.key_size), run(self.key_size, key_rows), run(self.value_size, 2 * key_rows)])
+        r = self.h // self.hk
+        per_rank_rows = {
+            "in_proj_qkvz.weight": self.hk * (2 * self.dk + 2 * r * self.dv),  # packed per key head
+            "in_proj_ba.weight": self.hk * 2 * r,
+            "in_proj_z.weight": self.value_size,
+            "in_proj_b.weight": self.h, "in_proj_a.weight": self.h, "dt_bias": self.h, "A_log": self.h,
+        }
+        if local_name in per_rank_rows:
+            return run(per_rank_rows[local_name])
+        if local_name == "out_proj.weight":  # [H, h dv]: this rank's value heads' columns
+            return (slice(None), run(self.value_size)[0])
+        return None
+
     def forward(self, x: torch.Tensor, states: StateMetadata) -> torch.Tensor:
         """x [T, H] -> [T, H]; reads and updates each request's state at its slot."""
         mixed, z, b, a = self._project(x)  # [T, C], [T, h, dv], [T, h], [T, h]
@@ -78,7 +108,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, h] log decay, <= 0
         core = self._delta_rule(q, k, v, g, beta, states).to(x.dtype)  # [T, h, dv]
-        return self.out_proj(self._gated_norm(core, z).reshape(num_tokens, self.value_size))
+        return self.tp.all_reduce(self.out_proj(self._gated_norm(core, z).reshape(num_tokens, self.value_size)))
 
     def _project(self, x: torch.Tensor):
         num_tokens = x.shape[0]

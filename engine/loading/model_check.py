@@ -26,12 +26,14 @@ def check_model(config: EngineConfig) -> None:
         check_vocabulary(load_tokenizer(files), model_config.vocab_size, files)
     else:
         from engine.core.hybrid_support import check_hybrid_support
+        from engine.core.family_support import check_family_support
         from engine.core.sparse_attention_support import check_sparse_attention_support
 
         model_config = load_model_config(config.model)
         checkpoint_files(config.model)
         check_hybrid_support(config, model_config)  # a setting a hybrid model's states do not follow yet
         check_sparse_attention_support(config, model_config)  # a setting not yet tested with sparse attention
+        check_family_support(config, model_config)  # a setting one family is not served with yet
     if config.pipeline_parallel_size > 1:  # ValueError when a stage would get no layer
         from engine.distributed.pipeline import stage_layers
 

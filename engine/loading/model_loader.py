@@ -16,6 +16,7 @@ import torch
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.layers.moe import ExpertWeights, SparseMoeBlock
+from engine.layers.rank_slices import RowRuns
 from engine.layers.rotary import RotaryEmbedding
 from engine.loading import mxfp4
 from engine.core.model_config import CheckpointError, ModelConfig
@@ -56,7 +57,8 @@ _EXPERT_TENSORS = (".experts.w13", ".experts.w2", ".experts.w13_bias", ".experts
 
 def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalLM):
     """The part of a checkpoint tensor of ``shape`` this tensor-parallel rank holds, as a safetensors slice
-    index (a tuple of slices, or a list of them to concatenate along dim 1), or None for the whole tensor."""
+    index (a tuple of slices, a list of them to concatenate along dim 1, or ``RowRuns`` to concatenate along
+    dim 0), or None for the whole tensor."""
     tp = model.tp
     if tp.expert_parallel is not None and target.endswith(_EXPERT_TENSORS):
         if rule.shard == "expert":
@@ -65,11 +67,12 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
         return (slice(block.first_expert, block.first_expert + block.experts.w13.shape[0]),)
     if tp.size == 1:
         return None
-    if ".self_attn." in target:  # an attention layer that says how it is split (MLA's head-wise projections)
-        layer, _, local = target.partition(".self_attn.")
-        own = getattr(model.get_submodule(layer + ".self_attn"), "tp_slices", None)
-        if own is not None:
-            return own(local, tp.rank)
+    for mixer in (".self_attn.", ".linear_attn."):  # a mixer that says how it is split (MLA, linear attention)
+        if mixer in target:
+            layer, _, local = target.partition(mixer)
+            own = getattr(model.get_submodule(layer + mixer[:-1]), "tp_slices", None)
+            if own is not None:
+                return own(local, tp.rank)
     attn, r = _attention_of(model, target), tp.rank
     d = getattr(attn, "head_dim", None)  # read below for a standard attention's own tensors only (MLA split above)
 
@@ -89,11 +92,14 @@ def rank_part(target: str, rule: WeightRule, shape: list[int], model: MoECausalL
     if target.endswith("o_proj.weight"):
         width = attn.num_heads * attn.v_head_dim
         return cols(r * width, width)
-    if target.endswith(".self_attn.sinks"):  # [h]: one per query head
+    if target.endswith((".self_attn.sinks", ".self_attn.g_proj.weight")):  # [h] / [h, H]: one per query head
         return rows(r * attn.num_heads, attn.num_heads)
     if target.endswith(".experts.w2_bias"):
         return None  # [E, H]: whole on every rank, added by rank 0 (``SparseMoeBlock``)
     if target.endswith(_EXPERT_TENSORS) and rule.shard != "expert":  # packed [E, 2I, H] / [E, H, I] / [E, 2I]
+        if rule.shard in (0, 1):  # every expert's gate or up rows, stacked [E, I, H] (Step-3.7-Flash)
+            n = shape[1] // tp.size
+            return cols(r * n, n)
         if target.endswith("w2"):
             n = shape[2] // tp.size
             return cols(r * n, n, dim=2)
@@ -133,6 +139,8 @@ def held_elsewhere(target: str, rule: WeightRule, match, model: MoECausalLM) -> 
 
 def part_of(source, part) -> torch.Tensor:
     """``part`` (a ``rank_part`` index, not None) of a tensor or of a safetensors slice (which reads only it)."""
+    if isinstance(part, RowRuns):
+        return torch.cat([source[index] for index in part], dim=0)
     if isinstance(part, list):
         return torch.cat([source[index] for index in part], dim=1)
     return source[part]
@@ -187,8 +195,9 @@ def copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match
             half = dest.shape[0] // 2
             dest = dest.narrow(0, rule.half * half, half)
     elif rule.shard in (0, 1):
-        half = param.shape[0] // 2
-        dest = param.narrow(0, rule.shard * half, half)
+        rows = 1 if param.dim() == 3 else 0  # w13 [E, 2I, H]: every expert's gate or up rows, from a stack of them
+        half = param.shape[rows] // 2
+        dest = param.narrow(rows, rule.shard * half, half)
     else:
         dest = param
     full = dest

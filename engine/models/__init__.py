@@ -11,6 +11,7 @@ from engine.models.hy_v3 import HYV3ForCausalLM
 from engine.models.kimi_linear import KimiLinearForCausalLM
 from engine.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
+from engine.models.minimax_m3 import MiniMaxM3SparseForConditionalGeneration
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -18,6 +19,7 @@ from engine.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeForCondit
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.qwen3_next import Qwen3NextForCausalLM
 from engine.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
+from engine.models.step3p7 import Step3p7ForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     cls.__name__: cls
@@ -25,7 +27,8 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
                 Dots1ForCausalLM, MiniMaxM2ForCausalLM, GptOssForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
                 Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, MiMoV2FlashForCausalLM,
                 HYV3ForCausalLM, KimiLinearForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM,
-                Qwen3VLMoeForConditionalGeneration)
+                Qwen3VLMoeForConditionalGeneration, Step3p7ForConditionalGeneration,
+                MiniMaxM3SparseForConditionalGeneration)
 }
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]

@@ -26,8 +26,9 @@ class WeightRule:
     """A checkpoint tensor name -> (our parameter name, where in it the tensor goes).
 
     ``shard``: None (whole tensor), "q"/"k"/"v" (rows of a packed qkv),
-    0/1 (gate/up half of a packed gate_up or w13), or "expert" (one expert's
-    slice; with ``half`` 0/1 for w13, None for w2).
+    0/1 (gate/up half of a packed gate_up, or of every expert's rows of w13 from
+    a stack of all experts' gates or ups, Step-3.7-Flash), or "expert" (one
+    expert's slice; with ``half`` 0/1 for w13, None for w2).
     """
 
     pattern: str

@@ -63,10 +63,10 @@ class HybridCausalLM(MoECausalLM, abc.ABC):
         if layer_idx in c.linear_layers:
             mixer = GatedDeltaNet(c.hidden_size, c.cfg("linear_num_key_heads"), c.cfg("linear_num_value_heads"),
                                   c.cfg("linear_key_head_dim"), c.cfg("linear_value_head_dim"),
-                                  c.cfg("linear_conv_kernel_dim"), c.rms_norm_eps, self.deltanet_layout)
+                                  c.cfg("linear_conv_kernel_dim"), c.rms_norm_eps, self.deltanet_layout, tp=self.tp)
         else:
             mixer = GatedAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps,
-                                   bias=bool(c.cfg("attention_bias", False)))
+                                   bias=bool(c.cfg("attention_bias", False)), tp=self.tp)
         shared = c.cfg("shared_expert_intermediate_size", 0) or 0
         return HybridDecoderLayer(c, mixer, qwen_mlp(c, layer_idx, moe_backend, shared_expert_size=shared, tp=self.tp,
                                                       renormalize=self.renormalize))

@@ -154,9 +154,9 @@ def _graphs(config: EngineConfig, model: MoECausalLM, cache_config: CacheConfig,
         graphs["decode_graphs"] = build_decode_graphs(model, cache_config, attention, device,
                                                       config.cuda_graph_batch_sizes, config.max_num_seqs, max_len)
     # Prefill and mixed steps: attention runs eagerly between the captured pieces, so either attention backend.
-    if config.cuda_graph_token_sizes != ():
-        from engine.transforms.piecewise_graphs import build_piecewise_graphs, default_token_sizes
+    from engine.transforms.piecewise_graphs import build_piecewise_graphs, default_token_sizes, layers_share_buffers
 
+    if config.cuda_graph_token_sizes != () and layers_share_buffers(model):
         graphs["piecewise_graphs"] = build_piecewise_graphs(
             model, device, config.cuda_graph_token_sizes or default_token_sizes(config.max_num_batched_tokens))
     return graphs

@@ -164,6 +164,14 @@ class PiecewiseGraphs:
         return b.out[:n]
 
 
+def layers_share_buffers(model) -> bool:
+    """Whether every local layer's attention hands the same per-token shapes from ``project`` to ``attend`` (and
+    returns the same): the pieces' static buffers have one shape. Not so where layer kinds differ in query or KV
+    heads (Step-3.7-Flash's sliding layers, MiMo-V2-Flash's): such models run prefill steps eagerly."""
+    shapes = {(layer.self_attn.project_shapes(), layer.self_attn.attend_shape()) for layer in model.local_layers()}
+    return len(shapes) <= 1
+
+
 def build_piecewise_graphs(model, device, sizes: tuple[int, ...], capture: bool = True) -> PiecewiseGraphs:
     """Piecewise graphs over ``model`` (its KV caches bound already), captured with ``capture``; the engine
     builds them before its runner (``engine.ranks.rank_builder``)."""
@@ -175,6 +183,8 @@ def build_piecewise_graphs(model, device, sizes: tuple[int, ...], capture: bool 
                          "per-expert counts on the host, which a capture forbids")
     if not sizes:
         raise ValueError("piecewise CUDA graphs need at least one token count")
+    if not layers_share_buffers(model):
+        raise ValueError("piecewise CUDA graphs need every layer's attention to take and give the same shapes")
     graphs = PiecewiseGraphs(model, sizes, device, capture)
     if capture:
         graphs.capture_all()

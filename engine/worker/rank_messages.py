@@ -52,10 +52,14 @@ class StepPlan(msgspec.Struct, frozen=True, tag=True):
     engine, no micro-batch (it finishes an overlapped step in flight)."""
 
     parts: list[PlanPart]
+    # A hybrid model's state-checkpoint copies (``SchedulerOutput.state_loads``/``state_saves``): every rank
+    # copies its own heads' states before and after the forward.
+    state_loads: list[tuple[int, int]] = []
+    state_saves: list[tuple[int, int]] = []
 
     @classmethod
     def of(cls, plan: SchedulerOutput) -> "StepPlan":
-        return cls([PlanPart.of(s) for s in plan.scheduled])
+        return cls([PlanPart.of(s) for s in plan.scheduled], plan.state_loads, plan.state_saves)
 
     def scheduled(self) -> list[ScheduledRequest]:
         return [part.scheduled() for part in self.parts]

@@ -296,11 +296,13 @@ class ModelRunner:
         batch = self.prepare(scheduled)
         if self.lora is not None:  # each part names its adapter, as rank 0's requests do
             self.lora.begin_step(scheduled, batch.scheduled_ranges, batch.input_ids.shape[0], self.device)
+        copy_states(self.model, message.state_loads, self.device)
         try:
             hidden = self.forward(batch)  # [T, H]
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+        copy_states(self.model, message.state_saves, self.device)
         self._logits(hidden, batch)
 
     def _follow_rebalance(self, message: Rebalance) -> None:

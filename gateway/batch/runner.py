@@ -42,6 +42,7 @@ from gateway.errors import APIError
 from gateway.lora_adapters import AdapterCatalog
 from gateway.openai_schema import decode_body
 from gateway.pipeline import Adapter
+from gateway.remote_images import RemoteImagePolicy
 from tenants.batch_store import BatchStore, ClaimedLine, FileInfo, FinishedLine, new_id
 from tenants.models import utcnow
 from tenants.store import UsageRecord
@@ -59,6 +60,7 @@ class BatchRunnerConfig:
     expiry_check_s: float = 5.0
     max_write_batch: int = 512  # line results per transaction
     retry_s: float = 1.0  # after a failed write
+    remote_images: RemoteImagePolicy | None = None  # which remote image URLs lines may name (None: none)
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1 or self.max_write_batch < 1:
@@ -86,21 +88,24 @@ def batch_line_policy(priority: int, tenant_id: int, cache_salt: str, cache_shar
 
 async def execute_line(engine: EngineClient, model: str, endpoint: str, custom_id: str, body_json: str,
                        policy: RequestPolicy, adapters: AdapterCatalog | None = None,
-                       tenant_id: int | None = None) -> tuple[bool, dict, object]:
+                       tenant_id: int | None = None, remote_images: RemoteImagePolicy | None = None
+                       ) -> tuple[bool, dict, object]:
     """Run one batch line like the live API would; (ok, output line, its choices' usage or None).
 
     A 4xx the live API would answer becomes the line's response (status and error body), and so does
     a failed engine step the line was part of (it may be the cause: never retried into a fresh
     engine); an engine outage raises APIError(503) so the caller can retry the line later. With ``adapters``,
     a line whose ``model`` names a LoRA adapter tenant ``tenant_id`` may use runs under it (its response's
-    ``model`` says which); any other model is the live API's 404.
+    ``model`` says which); any other model is the live API's 404. ``remote_images``: which remote image URLs
+    are fetched, as for the live API (None: none).
     """
     chat = endpoint != "/v1/completions"
     rid = new_id("batch_req_")
+    places: list[str | None] = []  # a Responses line's chat messages' input items
     try:
         render = completion_body
         if endpoint == batch_lines.ENDPOINT:
-            req, body, tools = batch_lines.line_request(body_json.encode())
+            req, body, tools = batch_lines.line_request(body_json.encode(), places)
             render = batch_lines.renderer(req, tools)
         else:
             body = decode_body(body_json.encode(), ENDPOINTS[endpoint])
@@ -111,10 +116,10 @@ async def execute_line(engine: EngineClient, model: str, endpoint: str, custom_i
                 adapter, model = Adapter(adapters, name, path), name
         response, last = await complete(engine, body, chat, rid, int(time.time()), model,
                                         system_fingerprint(engine.config, model), policy=policy, adapter=adapter,
-                                        render=render)
+                                        render=render, remote_images=remote_images)
     except APIError as e:
         if endpoint == batch_lines.ENDPOINT:
-            e = responses_error(e)  # the chat fields it names, as the Responses API calls them
+            e = responses_error(e, places)  # the chat fields it names, as the Responses API calls them
         if e.status >= 500 and e.code not in NOT_RETRIED:  # the engine is down: the line runs again later
             raise
         body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
@@ -234,7 +239,8 @@ class BatchRunner:
             policy = batch_line_policy(self.config.batch_priority, line.tenant_id, salt, share)
             base = self.model_name()
             ok, result, last = await execute_line(self.engine, base, line.endpoint, line.custom_id,
-                                                  line.body_json, policy, self.adapters, line.tenant_id)
+                                                  line.body_json, policy, self.adapters, line.tenant_id,
+                                                  self.config.remote_images)
             usage = None
             if last is not None:
                 served = result["response"]["body"].get("model", base)  # an adapter's name if the line named one

@@ -7,6 +7,7 @@ import argparse
 from engine.config_flags import ConfigFlags, FlagOverride
 from gateway.config import GatewayConfig
 from gateway.cors import parse_origins
+from gateway.remote_images import parse_domains
 from gateway.tool_parsers import REASONING_PARSERS, TOOL_PARSERS
 from tenants.db import DEFAULT_DATABASE_URL, ENV_VAR, database_url
 
@@ -37,6 +38,8 @@ OVERRIDES: dict[str, FlagOverride] = {
     "reasoning_parser": FlagOverride(to_field=_parser_setting),
     # Read as text and checked in gateway_config, so a bad origin is serve's one line naming the flag.
     "allowed_origins": FlagOverride(parse=str, metavar="ORIGINS", default=None, to_field=parse_origins),
+    "allowed_media_domains": FlagOverride(parse=str, metavar="HOSTS", default=None, to_field=parse_domains),
+    "media_fetch_timeout_s": FlagOverride(flag="--media-fetch-timeout", metavar="SECONDS"),
 }
 # Settings with no flag: the tokens come from the environment (MOEGATE_METRICS_TOKEN, MOEGATE_ADMIN_TOKEN), never
 # the process list; the others are limits and intervals set in code (and shorter in tests).

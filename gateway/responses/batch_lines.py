@@ -12,14 +12,16 @@ from gateway.responses.translate import chat_request, responses_error
 ENDPOINT = "/v1/responses"
 
 
-def line_request(body: bytes) -> tuple[ResponsesRequest, ChatCompletionRequest, list[FunctionTool]]:
-    """(the line's request, the chat request it runs as, its tools); a 400 naming the field otherwise."""
+def line_request(body: bytes, places: list[str | None] | None = None
+                 ) -> tuple[ResponsesRequest, ChatCompletionRequest, list[FunctionTool]]:
+    """(the line's request, the chat request it runs as, its tools); a 400 naming the field otherwise.
+    ``places`` (when given) gets each chat message's input item, for ``responses_error``."""
     req, items, tools = decode_request(body)
     if req.previous_response_id is not None:
         raise APIError(400, "previous_response_id cannot be used in a batch (batch responses are not stored); send "
                             "the whole conversation as input", param="previous_response_id")
     try:
-        return req, chat_request(req, items, tools), tools
+        return req, chat_request(req, items, tools, places=places), tools
     except APIError as err:
         raise responses_error(err) from None
 

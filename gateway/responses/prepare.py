@@ -25,6 +25,7 @@ class Prepared(NamedTuple):
     tools: list[FunctionTool]
     chat: ChatCompletionRequest
     inputs: msgspec.Raw  # this request's input items as stored (each with an id), encoded
+    places: list[str | None]  # each chat message's input item, for ``responses_error``
 
 
 class Head(msgspec.Struct):
@@ -64,6 +65,7 @@ def prepare(data: bytes, history: list[StoredRow]) -> Prepared:
     req, items, tools = decode_request(data)
     earlier = [item for row in history
                for item in (*stored_input_items(row.input_json), *stored_output_items(row.response_json))]
-    chat = chat_request(req, earlier + items, tools)
+    places: list[str | None] = []
+    chat = chat_request(req, earlier + items, tools, len(earlier), places)
     inputs = msgspec.Raw(msgspec.json.encode(stored_items.stored(items)))
-    return Prepared(msgspec.structs.replace(req, input=[]), tools, chat, inputs)
+    return Prepared(msgspec.structs.replace(req, input=[]), tools, chat, inputs, places)

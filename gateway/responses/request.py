@@ -38,7 +38,16 @@ class Refusal(msgspec.Struct, tag="refusal", tag_field="type", forbid_unknown_fi
     refusal: str
 
 
-ContentPart = InputText | OutputText | Refusal
+class InputImage(msgspec.Struct, tag="input_image", tag_field="type", kw_only=True, forbid_unknown_fields=True):
+    """An image in a user message, for a model that reads images: ``image_url`` a ``data:`` URL, or an http(s)
+    URL of a host the operator allows (``gateway.remote_images``); run as the chat API's ``image_url`` part."""
+
+    image_url: NonEmptyText | None = None
+    file_id: str | None = None  # an uploaded file: not taken (send the image's bytes as a data: URL)
+    detail: Literal["auto", "low", "high", "original"] | None = None  # accepted; read at the model's own size
+
+
+ContentPart = InputText | OutputText | Refusal | InputImage
 Content = str | list[ContentPart]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -271,7 +280,8 @@ def _convert(raw: dict, cls, where: str):
         param = error_param(msgspec.ValidationError(text))
         hint = ""
         if ".content[" in (param or "") and (param or "").endswith(".type"):
-            hint = " (content parts may be input_text, output_text or refusal: send other media another way)"
+            hint = (" (content parts may be input_text, input_image, output_text or refusal: send other media another "
+                    "way)")
         elif "unknown field" in text:
             hint = " (not a field of this item: check its spelling, or remove it)"
         raise APIError(400, f"invalid request body: {text}{hint}", param=param) from None

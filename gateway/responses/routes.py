@@ -66,7 +66,7 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
                      f"made with store: false, or older than the {retention_s / 86400:g}-day retention); send the "
                      "whole conversation as input", param="previous_response_id", code="previous_response_not_found"))
         # A large body or a stored conversation is decoded and translated on a worker thread (prepare.py).
-        req, tools, body, inputs = await asyncio.to_thread(prepare, data, history) \
+        req, tools, body, inputs, places = await asyncio.to_thread(prepare, data, history) \
             if history or len(data) > LARGE_BODY_BYTES else prepare(data, history)
         if req.store is not False:
             if len(history) >= request.app[RESPONSE_STORE].max_depth:  # stored, it could not be read back
@@ -79,7 +79,7 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
         try:
             return await run(request, body, True, respond=respond, rid_prefix="resp_")
         except APIError as err:
-            raise responses_error(err) from None
+            raise responses_error(err, places) from None
 
     async def _chain(store: ResponseStore, tenant_id: int, response_id: str, param: str,
                      not_found: APIError) -> list[StoredRow]:

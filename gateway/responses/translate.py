@@ -7,15 +7,17 @@ function tools and ``tool_choice`` to the chat shapes, ``text.format`` to ``resp
 raised on the way back to the Responses API's own.
 """
 
+import re
+
 from gateway.errors import APIError
 from gateway.openai_schema import (
-    ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, NamedFunction, NamedToolChoice,
-    SamplingFields, Tool, ToolCallMessage,
+    ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, ImagePart, ImageURL, NamedFunction,
+    NamedToolChoice, SamplingFields, TextPart, Tool, ToolCallMessage,
 )
 from gateway.response_format import JSONSchemaFormat, JSONSchemaSpec
 from gateway.responses.request import (
-    FunctionCallItem, FunctionCallOutputItem, FunctionChoice, FunctionTool, InputItem, InputText, JSONSchemaTextFormat,
-    MessageItem, OutputText, ReasoningItem, ResponsesRequest,
+    FunctionCallItem, FunctionCallOutputItem, FunctionChoice, FunctionTool, InputImage, InputItem, InputText,
+    JSONSchemaTextFormat, MessageItem, OutputText, ReasoningItem, ResponsesRequest,
 )
 
 # A chat field named in an error -> the Responses API field it came from.
@@ -23,11 +25,16 @@ _RENAMED = (("response_format", "text.format"), ("max_completion_tokens", "max_o
             ("max_tokens", "max_output_tokens"), (".function.parameters", ".parameters"))
 
 
-def chat_request(req: ResponsesRequest, items: list[InputItem], tools: list[FunctionTool]) -> ChatCompletionRequest:
-    """The chat completion request ``req`` runs as; ``items`` is the whole conversation (a stored one's items,
-    then this request's input), ``tools`` its decoded tools."""
+def chat_request(req: ResponsesRequest, items: list[InputItem], tools: list[FunctionTool], earlier: int = 0,
+                 places: list[str | None] | None = None) -> ChatCompletionRequest:
+    """The chat completion request ``req`` runs as; ``items`` is the whole conversation (a stored one's
+    ``earlier`` items, then this request's input), ``tools`` its decoded tools. ``places``, when given, gets each
+    chat message's input item (``input[k]``; None for the instructions and a stored conversation's items), for
+    ``responses_error``."""
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
-    messages += chat_messages(items)
+    if places is not None:
+        places += [None] * len(messages)
+    messages += chat_messages(items, earlier, places)
     if not messages:
         raise APIError(400, "input has nothing to answer: give a message", param="input")
     fmt = req.text.format if req.text is not None else None
@@ -59,44 +66,84 @@ def _effort_kwargs(effort: str | None) -> dict | None:
     return {"reasoning_effort": effort} if effort in ("low", "medium", "high") else None
 
 
-def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
+def chat_messages(items: list[InputItem], earlier: int = 0, places: list[str | None] | None = None
+                  ) -> list[ChatMessage]:
     """Input items -> chat turns. An assistant's message and the function calls after it are one assistant
     turn; a function call's output is a tool turn; a developer message is a system turn (the templates know
-    no developer role); reasoning items are left out (templates drop earlier turns' reasoning)."""
+    no developer role); reasoning items are left out (templates drop earlier turns' reasoning). A message with
+    ``input_image`` parts keeps its parts (text parts and the chat API's ``image_url`` ones, one for one).
+    ``places`` (when given) gets each turn's item: ``input[k]`` for the request's own (after ``earlier`` stored
+    ones), else None."""
     out: list[ChatMessage] = []
-    for item in items:
-        if isinstance(item, ReasoningItem):
-            continue
-        if isinstance(item, FunctionCallOutputItem):
-            out.append(ChatMessage(role="tool", content=_text(item.output), tool_call_id=item.call_id))
-            continue
-        last = out[-1] if out and out[-1].role == "assistant" else None
-        if isinstance(item, FunctionCallItem):
-            call = ToolCallMessage(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
-            if last is None:
-                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
-            else:
-                last.tool_calls = [*(last.tool_calls or []), call]
-            continue
-        role = "system" if item.role == "developer" else item.role
-        text = _text(item.content)
-        if role == "assistant" and last is not None and not last.tool_calls:
-            last.content = text if last.content is None else last.content + text  # one turn, several messages
-        else:
-            out.append(ChatMessage(role=role, content=text))
+    for n, item in enumerate(items):
+        before = len(out)
+        _turn(item, out, f"input[{n - earlier}]" if n >= earlier else "previous_response_id")
+        if places is not None and len(out) > before:
+            places.append(f"input[{n - earlier}]" if n >= earlier else None)
     return out
 
 
-def _text(content) -> str:
+def _turn(item: InputItem, out: list[ChatMessage], where: str) -> None:
+    """``item`` (at ``where``) added to the chat turns ``out``: a turn of its own, or joined to the last."""
+    if isinstance(item, ReasoningItem):
+        return
+    if isinstance(item, FunctionCallOutputItem):
+        out.append(ChatMessage(role="tool", content=_text(item.output, f"{where}.output"), tool_call_id=item.call_id))
+        return
+    last = out[-1] if out and out[-1].role == "assistant" else None
+    if isinstance(item, FunctionCallItem):
+        call = ToolCallMessage(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+        if last is None:
+            out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        else:
+            last.tool_calls = [*(last.tool_calls or []), call]
+        return
+    role = "system" if item.role == "developer" else item.role
+    if not isinstance(item.content, str) and any(isinstance(p, InputImage) for p in item.content):
+        # Its own turn, its parts kept one for one, so an image's errors name its place (input[k].content[j]);
+        # the chat plan refuses images outside user messages.
+        out.append(ChatMessage(role=role, content=[_chat_part(p, f"{where}.content[{j}]")
+                                                   for j, p in enumerate(item.content)]))
+        return
+    text = _text(item.content, f"{where}.content")
+    if role == "assistant" and last is not None and not last.tool_calls and isinstance(last.content, (str, type(None))):
+        last.content = text if last.content is None else last.content + text  # one turn, several messages
+    else:
+        out.append(ChatMessage(role=role, content=text))
+
+
+def _chat_part(part, where: str) -> TextPart | ImagePart:
+    if isinstance(part, InputImage):
+        if part.file_id is not None or part.image_url is None:
+            raise APIError(400, f"{where}: an input_image needs its image_url (a data: URL, or an http(s) URL of a "
+                                "host this server fetches from); file_id is not taken", param=where)
+        return ImagePart(image_url=ImageURL(url=part.image_url))
+    return TextPart(text=part.text if isinstance(part, (InputText, OutputText)) else part.refusal)
+
+
+def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
+    for j, p in enumerate(content):
+        if isinstance(p, InputImage):
+            raise APIError(400, f"{where}[{j}]: input_image parts are taken in message items only (a function "
+                                "call's output carries text)", param=f"{where}[{j}]")
     return "\n".join(p.text if isinstance(p, (InputText, OutputText)) else p.refusal for p in content)
 
 
-def responses_error(err: APIError) -> APIError:
-    """``err`` with the chat fields it names renamed to the Responses API's (a chat message's place is not an
-    input item's: ``messages[...]`` becomes ``input``)."""
-    if err.param is not None and err.param.startswith("messages"):
+_MESSAGE_PLACE = re.compile(r"messages\[(\d+)\]")
+
+
+def responses_error(err: APIError, places: list[str | None] | None = None) -> APIError:
+    """``err`` with the chat fields it names renamed to the Responses API's: a chat message's place becomes its
+    input item's where ``places`` (``chat_request``'s) knows it (``messages[2].content[1]`` ->
+    ``input[1].content[1]``), else ``input``."""
+    found = _MESSAGE_PLACE.match(err.param or "")
+    if found is not None and places is not None and int(found[1]) < len(places) and places[int(found[1])]:
+        place = places[int(found[1])]
+        err.param = place + err.param[found.end():]
+        err.message = err.message.replace(found[0], place)
+    elif err.param is not None and err.param.startswith("messages"):
         err.param = "input"
     for chat, responses in _RENAMED:
         if err.param is not None and chat in err.param:

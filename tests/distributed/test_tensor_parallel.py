@@ -1,8 +1,10 @@
 """Tensor parallelism on real gloo ranks against transformers: every family's prefill and decode logits with the
 model split over 2 ranks (heads, KV heads replicated where fewer than ranks, MLP and expert intermediate sizes, a
-shared expert, a whole-projection q/k norm, gpt-oss's sinks and biases, MiMo-V2-Flash's layers of differing KV heads, a vocabulary that does not divide) match the unsplit reference, and
+shared expert, a whole-projection q/k norm, gpt-oss's sinks and biases, MiMo-V2-Flash's layers of differing KV heads,
+Step-3.7-Flash's per-head output gates, a vocabulary that does not divide) match the unsplit reference, and
 each rank holds only its slices."""
 
+import importlib
 import random
 
 import pytest
@@ -26,7 +28,13 @@ OVERRIDES = {
     # 8; v heads narrower than q/k; a dense first layer.
     "mimo_v2_flash": dict(layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "sparse"]),
     "hy_v3": {},  # per-head q/k norm, q/k/v/o biases, a dense first layer, an ungated shared expert
+    # Step-3.7-Flash's text model (an image-text checkpoint): per-head output gates split with the heads, a sliding
+    # layer of 2 query heads and a full one of 4 over one (replicated) KV head, the published stacked experts' gate
+    # and up rows cut per rank, clamped SwiGLUs.
+    "step3p7": {},
 }
+# Families whose checkpoints are built by their own test module's function (an image-text wrapper).
+BUILDERS = {"step3p7": ("tests.engine.models.test_step3p7", "make_step_model")}
 VOCAB = 97
 BLOCK = 16
 # The whole-engine sweeps on several processes (test_engine_ranks, test_replica_groups) run these families only:
@@ -82,7 +90,11 @@ def family_checkpoints(tmp_path_factory, prefix: str, families=tuple(sorted(OVER
     for family in families:
         seed = random.randrange(2**31)
         model_dir = str(tmp_path_factory.mktemp(f"{prefix}-{family}"))
-        hf = make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
+        if family in BUILDERS:
+            module, name = BUILDERS[family]
+            hf = getattr(importlib.import_module(module), name)(model_dir, seed, vocab_size=VOCAB)
+        else:
+            hf = make_hf_model(family, model_dir, seed=seed, vocab_size=VOCAB, num_layers=2, **OVERRIDES[family])
         out[family] = (seed, model_dir, hf, random.Random(seed))
     return out
 
@@ -118,4 +130,4 @@ def test_two_ranks_give_the_reference_logits_and_hold_their_slices(family, split
     if family.startswith("deepseek"):  # every rank caches the whole latent row
         assert r0["cache_values"] == hf.config.kv_lora_rank + hf.config.qk_rope_head_dim
     else:
-        assert r0["kv_heads"] == max(1, hf.config.num_key_value_heads // 2)
+        assert r0["kv_heads"] == max(1, hf.config.get_text_config().num_key_value_heads // 2)

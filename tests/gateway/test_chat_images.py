@@ -275,3 +275,12 @@ def test_request_limits_and_text_models():
     with pytest.raises(APIError) as info:
         chat_plan_of(TextEngine(), assistant, ParserChoice(None, None))
     assert info.value.param == "messages[1].content[0]" and "only user messages" in info.value.message
+
+
+# Remote image URLs, the Responses API's input_image, /tokenize and Batch API lines with images: collected here to
+# run on this module's server (tests/gateway/media_api_cases.py).
+from tests.gateway.media_api_cases import (  # noqa: E402,F401
+    media, reference, test_batch_lines_with_images, test_connections_go_to_the_checked_address,
+    test_hostile_remote_urls_are_a_400_naming_the_part, test_remote_image_url_and_responses_input_image_match_transformers,
+    test_tokenize_counts_image_tokens,
+)

@@ -44,7 +44,7 @@ def test_serve_help_shows_each_gateway_default_once_and_equal_to_gateway_configs
         text = helps[GATEWAY_FLAGS.flag_name(field.name)]
         default = getattr(reference, field.name)
         shown = re.findall(r"\(default ([^);]+)", text)
-        if default in (None, ()) or field.name == "database_url":
+        if default in (None, ()) or default is False or field.name == "database_url":  # False: a switch
             assert "(default " not in text, (field.name, text)  # what the program does instead, said in words
             continue
         assert len(shown) == 1 and text.count("(default") == 1, (field.name, text)
@@ -74,14 +74,18 @@ def test_given_values_reach_the_gateway_config(tmp_path):
               "--responses-retention-days": days,
               "--tool-call-parser": rng.choice(CHOICES["tool_call_parser"][2:]),
               "--reasoning-parser": rng.choice(CHOICES["reasoning_parser"][2:]),
-              "--allowed-origins": f"https://{rng.randrange(10**6)}.example,http://127.0.0.1:{rng.randint(1, 65535)}"}
-    argv = ["serve"] + [str(x) for flag, value in values.items() for x in (flag, value)]
+              "--allowed-origins": f"https://{rng.randrange(10**6)}.example,http://127.0.0.1:{rng.randint(1, 65535)}",
+              "--allowed-media-domains": f"img{rng.randrange(10**6)}.example.com,*.cdn.example.net",
+              "--media-fetch-timeout": round(rng.uniform(0.1, 60), 3)}
+    switches = ["--allow-private-media-addresses"]  # on by being given
+    argv = ["serve"] + [str(x) for flag, value in values.items() for x in (flag, value)] + switches
     config = gateway_config(build_parser().parse_args(argv))
     fields = {GATEWAY_FLAGS.flag_name(f.name): f.name for f in GATEWAY_FLAGS.fields()}
-    assert sorted(fields) == sorted(values)  # every flag given once
+    assert sorted(fields) == sorted([*values, *switches])  # every flag given once
+    assert all(getattr(config, fields[flag]) is True for flag in switches)
     for flag, value in values.items():
         expected = value * 86400 if flag == "--responses-retention-days" else value
-        if flag == "--allowed-origins":
+        if flag in ("--allowed-origins", "--allowed-media-domains"):
             expected = tuple(value.split(","))
         assert getattr(config, fields[flag]) == pytest.approx(expected) if isinstance(value, float) \
             else getattr(config, fields[flag]) == expected, flag

@@ -233,7 +233,7 @@ def test_previous_response_id_per_tenant(served):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": "hi", "temprature": 1}, "temprature"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": "a", "colour": 1}]}, "input[0].colour"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),

@@ -90,7 +90,8 @@ def test_second_pass_hits_state_checkpoints_and_matches_transformers(reference):
 
 
 @pytest.mark.parametrize("flags, named", [(dict(speculative="ngram"), "--speculative"),
-                                          (dict(enable_lora=True), "--enable-lora")])
+                                          (dict(enable_lora=True), "--enable-lora"),
+                                          (dict(tensor_parallel_size=2), "--tensor-parallel-size")])
 def test_unsupported_features_are_refused_at_start(reference, flags, named):
     with pytest.raises(ValueError) as caught:
         LLM(model=reference[0], dtype="float32", device="cpu", num_kv_blocks=8, **flags)

@@ -1,0 +1,105 @@
+"""MiniMax Sparse Attention (MiniMax-M3's sparse layers): GQA attention over the key blocks a block indexer keeps for
+each query (``engine.layers.block_indexer``), over a paged cache of K, V and the indexer's keys.
+
+Each token caches K and V (as ``Attention``) and one indexer key of ``d_i`` values per layer. Every query scores
+the keys its causal mask shows, keeps its best blocks (its own among them) per indexer head, and each attention head
+attends to the visible keys of its group's kept blocks (attention head j reads indexer head j * n_i // h).
+
+The torch path only (the runner falls back to it under the Triton backend): the selection is a boolean mask over
+each query's context, so the attention reads the whole context and masks it, which is exact but does not save the
+work a kernel reading only the kept blocks would.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from engine.device_batch.attention_metadata import AttentionMetadata, DecodeGroup
+from engine.layers.attention import Attention
+from engine.layers.block_indexer import BlockIndexer
+from engine.layers.cache_spec import CacheSpec
+from engine.layers.paged_attention import _gather, gather_visible
+
+
+class BlockSparseAttention(Attention):
+    """``Attention`` (one rank) whose queries attend to the key blocks ``indexer`` keeps. Legend as ``Attention``;
+    n_i, d_i the indexer's heads and width, G decode requests of a group, L context."""
+
+    backends = ("torch",)
+
+    def __init__(self, *args, indexer: BlockIndexer, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.tp.size > 1:
+            raise ValueError("the block indexer is not split over tensor-parallel ranks yet")
+        if self.num_heads % indexer.num_heads:
+            raise ValueError(f"index_n_heads ({indexer.num_heads}) must divide the attention heads ({self.num_heads})")
+        self.indexer = indexer
+        # (K, V, indexer keys): [N_blocks + 1, block_size, kvh, d] twice, then [N_blocks + 1, block_size, d_i].
+        self.kv_cache = (torch.empty(0), torch.empty(0), torch.empty(0))
+
+    def cache_spec(self) -> CacheSpec:
+        """K and V of this layer's KV heads, and its indexer key, per token."""
+        kv = (self.num_kv_heads, self.head_dim)
+        return CacheSpec((kv, kv, (self.indexer.head_dim,)))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [T, H] -> q [T, h, d], k and v [T, kvh, d] (as ``Attention``), the indexer's queries [T, n_i, d_i] and
+        keys [T, d_i], and the tokens' positions [T]."""
+        q, k, v = super().project(x, positions)
+        cos = self.rotary.cos_cache[positions].to(x.dtype)[:, None, :]  # [T, 1, r]
+        sin = self.rotary.sin_cache[positions].to(x.dtype)[:, None, :]
+        return q, k, v, *self.indexer.project(x, cos, sin), positions
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
+               index_k: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Writes k, v and the indexer keys at ``meta.slot_mapping``, returns [T, h, d]."""
+        k_cache, v_cache, key_cache = self.kv_cache
+        slots = meta.slot_mapping
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        key_cache.view(-1, self.indexer.head_dim).index_copy_(0, slots, index_k.to(key_cache.dtype))
+        index_keys = key_cache.view(*key_cache.shape[:2], 1, self.indexer.head_dim)  # [N, bs, 1, d_i]
+        out = torch.empty_like(q)
+        for group in meta.decode_groups:
+            span = slice(group.start, group.end)
+            keys, values, ctx_keys, visible = self._decode_context(k_cache, v_cache, index_keys, group)
+            out[span] = self._sparse(q[span, None], keys, values, index_q[span, None], ctx_keys,
+                                     positions[span, None], visible[:, None])[:, 0]
+        for (start, end), table, seq_len, mask in zip(
+            meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
+        ):
+            if mask is None:  # the chunk is the whole context: causal over its own tokens
+                visible = torch.ones(end - start, seq_len, dtype=torch.bool, device=q.device)
+                visible = visible.tril(seq_len - (end - start))  # [q, L]
+            else:
+                visible = mask[0, 0]  # [q, L]
+            seen = visible.any(dim=0)  # [L]
+            keys, values = gather_visible(k_cache, table, seen), gather_visible(v_cache, table, seen)  # [L, kvh, d]
+            ctx_keys = gather_visible(index_keys, table, seen)[:, 0]  # [L, d_i]
+            out[start:end] = self._sparse(q[None, start:end], keys[None], values[None], index_q[None, start:end],
+                                          ctx_keys[None], positions[None, start:end], visible[None])[0]
+        return out
+
+    def _sparse(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index_q: torch.Tensor,
+                ctx_keys: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """q [B, n, h, d] over keys/values [B, L, kvh, d] under the indexer's selection (index_q [B, n, n_i, d_i],
+        ctx_keys [B, L, d_i], positions [B, n], visible [B, n, L]) -> [B, n, h, d]."""
+        kept = self.indexer.select(index_q, ctx_keys, positions, visible)  # [B, n_i, n, L]
+        mask = kept.repeat_interleave(self.num_heads // self.indexer.num_heads, dim=1)  # [B, h, n, L]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask, scale=self.scale, enable_gqa=True)  # [B, h, n, d]
+        return out.transpose(1, 2)
+
+    def _decode_context(self, k_cache: torch.Tensor, v_cache: torch.Tensor, index_keys: torch.Tensor,
+                        group: DecodeGroup):
+        """Each request's whole context in position order: keys, values [G, L, kvh, d], indexer keys [G, L, d_i]
+        and visibility [G, L] (a group's shared prefix blocks first, then its own)."""
+        visible = group.key_mask[:, 0, 0]  # [G, L]
+        caches = (k_cache, v_cache, index_keys)
+        parts = [gather_visible(c, group.block_table, visible, group.seen_by_all) for c in caches]
+        if group.shared_blocks is not None:  # full prompt blocks every request of the group sees whole
+            num_reqs = visible.shape[0]
+            parts = [torch.cat([_gather(c, group.shared_blocks).expand(num_reqs, -1, -1, -1), own], dim=1)
+                     for c, own in zip(caches, parts)]
+            visible = torch.cat([visible.new_ones(num_reqs, parts[0].shape[1] - visible.shape[1]), visible], dim=1)
+        keys, values, ctx_keys = parts
+        return keys, values, ctx_keys[:, :, 0], visible
