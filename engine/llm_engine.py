@@ -75,6 +75,7 @@ class LLMEngine:
         """``kernel_choice`` overrides what ``config.kernels`` resolves to (to compare one part's kernels)."""
         self.config = config
         self._image_config = None  # the image preprocessing settings, read at the first request with images
+        self._seen_images = None  # encoded images already preprocessed (engine.vision.prompt_images.SeenImages)
         self.device = resolve_device(config.device)
         self.model_config = engine_model_config(config)
         check_family_support(config, self.model_config)
@@ -202,7 +203,7 @@ class LLMEngine:
         """
         prompt_ids = self.prepare_prompt(prompt)
         prompt_images = images if images and all(isinstance(im, PromptImage) for im in images) \
-            else self.prompt_images(prompt_ids, images)
+            else self.prompt_images(prompt_ids, images, policy.cache_salt)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = min(sampling_params.max_tokens or room, room)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -248,20 +249,24 @@ class LLMEngine:
             raise
         return request_id
 
-    def prompt_images(self, prompt_ids: list[int], images: Sequence[Any]) -> tuple[PromptImage, ...]:
+    def prompt_images(self, prompt_ids: list[int], images: Sequence[Any],
+                      cache_salt: str | None = None) -> tuple[PromptImage, ...]:
         """A prompt's images matched with its placeholder runs (``engine.vision.prompt_images``), which
-        ``add_request`` takes as they are; ValueError for images given to a text model, or images that do not fit
-        the prompt."""
+        ``add_request`` takes as they are (with a policy of the same ``cache_salt``); ValueError for images given
+        to a text model, or images that do not fit the prompt. Encoded bytes this salt sent before are not
+        preprocessed again here (only if the vision tower must run on them)."""
         whole = self.model_config.multimodal_config
         if whole is None:
             if images:
                 raise ValueError(f"images were given but {self.model_config.architecture} reads text only")
             return ()
-        from engine.vision.prompt_images import attach_images, image_config_for  # Pillow: only for image models
+        from engine.vision.prompt_images import SeenImages, attach_images, image_config_for  # Pillow: image models
 
         if self._image_config is None:
             self._image_config = image_config_for(self.config.model, whole.vision_config)
-        return attach_images(prompt_ids, list(images), int(whole.image_token_id), self._image_config)
+            self._seen_images = SeenImages()
+        return attach_images(prompt_ids, list(images), int(whole.image_token_id), self._image_config,
+                             seen=self._seen_images, salt=cache_salt)
 
     # ---- LoRA adapters ------------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:
@@ -466,6 +471,10 @@ class LLMEngine:
         # one step stale).
         if self.lora is not None:
             self._fill_lora_stats(stats)
+        if self.model.takes_images:
+            cache = self.model.encoder_cache
+            stats.encoder_cache_hits, stats.encoder_cache_misses = cache.hits, cache.misses
+            stats.encoder_cache_evictions, stats.encoder_cache_bytes = cache.evictions, cache.bytes_used
         stats.expert_load = self.runner.expert_load.poll(self.runner.num_steps)
         ep, balancer = self.model.tp.expert_parallel, self.runner.eplb
         if balancer is not None:

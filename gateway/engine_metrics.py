@@ -29,7 +29,7 @@ class EngineCollector:
     def collect(self) -> Iterator[Metric]:
         reported = [(name, replica.stats) for name, replica in replicas_of(self.engine) if replica.stats is not None]
         for group in (_scheduler, _experts, _speculative, _router_moves, _kv_transfers, _endpoint_picker,
-                      _prefix_tiers):
+                      _prefix_tiers, _encoder_cache):
             yield from (family for family in group(self.engine, reported) if family.samples)
 
 
@@ -143,6 +143,26 @@ def _speculative(engine: EngineClient, reported: Reported) -> list[Metric]:
     for name, stats in reported:
         _add_fields(families, name, stats, spec_draft="spec_draft_tokens", spec_accepted="spec_accepted_tokens",
                     spec_steps="spec_steps")
+    return list(families.values())
+
+
+def _encoder_cache(engine: EngineClient, reported: Reported) -> list[Metric]:
+    """The vision encoder's cache: images found there, images encoded, evictions, bytes held (image models)."""
+    families = {
+        "hits": CounterMetricFamily("moegate_encoder_cache_hits", "images whose vision-encoder output was found "
+                                    "in the encoder cache (same pixels, same tenant): not encoded again",
+                                    labels=["replica"]),
+        "misses": CounterMetricFamily("moegate_encoder_cache_misses", "images the vision encoder encoded (not in "
+                                      "the encoder cache)", labels=["replica"]),
+        "evictions": CounterMetricFamily("moegate_encoder_cache_evictions", "encoder cache entries evicted for "
+                                         "room (least recently used first)", labels=["replica"]),
+        "bytes": GaugeMetricFamily("moegate_encoder_cache_bytes", "host memory the encoder cache's entries take",
+                                   labels=["replica"]),
+    }
+    for name, stats in reported:
+        if stats.encoder_cache_hits or stats.encoder_cache_misses:  # an engine that has seen images
+            _add_fields(families, name, stats, hits="encoder_cache_hits", misses="encoder_cache_misses",
+                        evictions="encoder_cache_evictions", bytes="encoder_cache_bytes")
     return list(families.values())
 
 

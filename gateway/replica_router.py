@@ -393,7 +393,8 @@ _ENDED = object()  # _first_output: the stream ended without an output
 # SchedulerStats fields that add up over replicas (the rest are per step or per replica).
 _SUMMED = ("num_running", "kv_blocks_used", "kv_blocks_total", "prefix_query_tokens", "prefix_hit_tokens",
            "blocks_evicted", "num_preemptions", "step_prefill_tokens", "step_decode_tokens", "total_prefill_tokens",
-           "total_decode_tokens", "spec_draft_tokens", "spec_accepted_tokens", "spec_steps", "num_promotions")
+           "total_decode_tokens", "spec_draft_tokens", "spec_accepted_tokens", "spec_steps", "num_promotions",
+           "encoder_cache_hits", "encoder_cache_misses", "encoder_cache_evictions", "encoder_cache_bytes")
 
 
 def unresponsive_after_s(engine: EngineClient) -> float:

@@ -28,6 +28,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     """tokens one step computes, at most: longer prompts are prefilled in chunks of this, so a long prompt
     delays the running requests' next tokens by one such step at most"""
+    max_num_encoder_tokens: int | None = None
+    """image tokens one step encodes with the vision tower, at most (models that read images): a prompt's
+    chunk stops before an image that would pass it, so a request with many images is encoded over several steps
+    while the others keep decoding; an image larger than this is encoded alone in its step; images the encoder
+    cache holds cost nothing (default: ``max_num_batched_tokens``)"""
+    encoder_cache_gb: float = 1.0
+    """host memory, in GB, for vision-encoder outputs kept across requests (models that read images): the same
+    image sent again by the same tenant (same preprocessed pixels, same prefix-cache salt) is not encoded again;
+    least recently used first out; never shared between tenants; 0: off"""
     max_model_len: int | None = None
     """prompt plus output tokens of one request, at most (default: the checkpoint's context length)"""
     enable_prefix_caching: bool = True
@@ -348,6 +357,9 @@ class SchedulerConfig:
     background_token_budget: int = 64
     background_window_s: float = 5.0
     prefill_chunk_tokens: int = 0  # at most this many of one request's prompt tokens a step (0: no cap)
+    # Image tokens a step hands to the vision tower, at most (None: no cap); one image larger than this is
+    # encoded alone in its step, and images the encoder cache holds cost nothing (``Scheduler.image_cached``).
+    max_num_encoder_tokens: int | None = None
     # A request unserved this long (waiting, preempted, or running without tokens) is promoted ahead of every
     # class until it ends (None: never): strict priority and the background caps cannot starve anyone forever.
     # The engine passes ``EngineConfig.starvation_bound_s``.
@@ -356,5 +368,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2
         assert self.prefill_chunk_tokens >= 0
+        assert self.max_num_encoder_tokens is None or self.max_num_encoder_tokens >= 1
         assert self.background_token_budget >= 1 and self.background_window_s >= 0
         assert self.starvation_bound_s is None or self.starvation_bound_s > 0

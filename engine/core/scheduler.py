@@ -40,6 +40,12 @@ foreground work is present or was recently (``background_window_s``), the
 background gets at most ``background_token_budget`` tokens a step, which keeps
 every step short. With no foreground traffic the background has whole steps.
 
+Images (models that read them): the chunk that first holds one of an image's placeholder tokens has the vision
+tower encode the whole image in that step. A step encodes at most ``max_num_encoder_tokens`` image tokens: a
+chunk stops before the first image past that budget (the image waits for a later step), so a request with many
+images is encoded over several steps while the running requests keep decoding. An image larger than the
+budget is encoded alone in a step; one the encoder cache holds for the request's salt costs nothing.
+
 Overlapped steps (``EngineConfig.overlap_scheduling``): the engine schedules
 step N+1 before step N's tokens are read. ``advance()`` accounts for a launched
 step at once (computed counts move on, and each request that samples gets a
@@ -54,6 +60,7 @@ for it is dropped.
 import bisect
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.core.config import CacheConfig, SchedulerConfig
@@ -155,11 +162,15 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, clock=time.monotonic,
                  speculator: Speculator | None = None, tiers: PrefixTiers | None = None,
-                 lora: LoraResidency | None = None) -> None:
+                 lora: LoraResidency | None = None,
+                 image_cached: Callable[[bytes, str | None], bool] | None = None) -> None:
         """``speculator``: speculative decoding's proposer (None: off). ``tiers``: the prefix-cache tiers below
         the device pool (None: none). ``lora``: which adapters are resident in the device slots (None: the engine
-        serves no adapters)."""
+        serves no adapters). ``image_cached(digest, cache_salt)``: whether the encoder cache holds an image now
+        (None: no cache), so that it costs no encoder budget."""
         self.config = scheduler_config
+        self.image_cached = image_cached
+        self._encoder_used = 0  # image tokens this step's plan hands to the vision tower so far
         self.speculator = speculator
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.sliding_window, tiers, cache_config.eviction_policy)
@@ -335,6 +346,7 @@ class Scheduler:
         if self.config.starvation_bound_s is not None:
             self._promote_starving()
         self._budget = self.config.max_num_batched_tokens
+        self._encoder_used = 0
         self._scheduled: list[ScheduledRequest] = []
         self._served: set[str] = set()
         preempted: list[str] = []
@@ -440,6 +452,9 @@ class Scheduler:
                     continue  # it keeps its blocks and waits for a step with room
             if self.checkpoints is not None:
                 num_new = self.checkpoints.cap(request, request.num_computed_tokens, num_new)
+            num_new = self._encoder_cap(request, request.num_computed_tokens, num_new)
+            if num_new <= 0:
+                continue  # its next image waits for a step with encoder budget left; it keeps its blocks
             assert num_new > 0, "a running request always has a token to compute"
             if num_new == 1 and self.speculator is not None and self._schedule_drafts(request):
                 continue
@@ -505,6 +520,12 @@ class Scheduler:
                 num_new = min(num_new, self._background_left)
             if self.checkpoints is not None and num_new > 0:
                 num_new = self.checkpoints.cap(request, num_cached, num_new)
+            if num_new > 0 and request.images:
+                num_new = self._encoder_cap(request, num_cached, num_new)
+                if num_new <= 0:  # its first image waits for a step with encoder budget; those behind it may run
+                    self.kv.release_tier_hits(cached)
+                    passed.add(request.request_id)
+                    continue
             if not self.kv.allocate_slots(request, num_new, cached):
                 self.kv.release_tier_hits(cached)
                 victim = self._admission_victim(request)
@@ -553,6 +574,33 @@ class Scheduler:
         cap = self.config.prefill_chunk_tokens
         return min(num_left, self._budget, cap if cap and num_left > 1 else num_left)
 
+    def _images_to_encode(self, request: Request, start: int, end: int) -> list[tuple[int, int]]:
+        """(index, image tokens the tower encodes) of each image the chunk [start, end) is the first to touch for
+        the request, in order: 0 tokens for one the encoder cache holds. Images wholly before ``start`` (a
+        prefix-cache hit) are never encoded."""
+        out = []
+        for i, image in enumerate(request.images):
+            if image.offset >= end:
+                break
+            if image.end <= start or i in request.encoded_images:
+                continue
+            cached = self.image_cached is not None and self.image_cached(image.digest, request.policy.cache_salt)
+            out.append((i, 0 if cached else image.num_tokens))
+        return out
+
+    def _encoder_cap(self, request: Request, start: int, num_new: int) -> int:
+        """``num_new`` cut before the first image the chunk would encode past the step's encoder budget (0: not
+        even its first token fits); the step's first image is encoded whatever its size."""
+        budget = self.config.max_num_encoder_tokens
+        if budget is None or len(request.encoded_images) == len(request.images):
+            return num_new
+        used = self._encoder_used
+        for i, tokens in self._images_to_encode(request, start, start + num_new):
+            if tokens and used and used + tokens > budget:
+                return max(request.images[i].offset - start, 0)
+            used += tokens
+        return num_new
+
     def _add_scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> None:
         sample = request.num_computed_tokens + num_new - len(drafts or ()) == request.num_tokens
         rid = request.request_id
@@ -564,6 +612,11 @@ class Scheduler:
         self._served.add(request.request_id)
         request.idle_since = self._now
         self._budget -= num_new
+        if len(request.encoded_images) < len(request.images):
+            start = request.num_computed_tokens
+            for i, tokens in self._images_to_encode(request, start, start + num_new):
+                request.encoded_images.add(i)
+                self._encoder_used += tokens
         if self._capped(request):
             self._background_left -= num_new
 

@@ -101,6 +101,12 @@ class SchedulerStats(msgspec.Struct):
     lora_sync_reads: int = 0
     lora_read_seconds: float = 0.0
     lora_slot_load_seconds: float = 0.0
+    # The vision encoder's cache (models that read images; zero otherwise), cumulative: images found there (not
+    # encoded again), images the tower encoded, entries evicted for room; and the bytes its entries take now.
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+    encoder_cache_evictions: int = 0
+    encoder_cache_bytes: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -5,8 +5,9 @@ added to those tokens' hidden states after the first text layers.
 A step's image work is prepared by ``image_step`` (the runner calls it with the step's parts and puts the result
 in the batch's metadata, ``meta.images``): each
 image's features are computed once per request, the first time a chunk holds one of its tokens, and kept until
-the request finishes (``forget_images``); the step's M-RoPE positions come from each request's prompt layout
-(``engine.vision.mrope``).
+the request finishes (``forget_images``); an image the encoder cache holds for the request's tenant is not
+encoded again (``engine.vision.encoder_cache``). The step's M-RoPE positions come from each request's prompt
+layout (``engine.vision.mrope``).
 """
 
 from collections.abc import Callable
@@ -25,8 +26,10 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models.base import DecoderLayer
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.qwen_moe import qwen_mlp
+from engine.vision.encoder_cache import EncoderCache
 from engine.vision.mrope import ImageSpan, prompt_positions
 from engine.vision.mrope_rotary import MRotaryEmbedding
+from engine.vision.prompt_images import pixels_of
 from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig, VisionFeatures
 
 
@@ -56,6 +59,8 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
         self.image_token_id = int(whole.image_token_id)
         self.merge = int(whole.vision_config.spatial_merge_size)
         self._features: dict[str, list[VisionFeatures | None]] = {}
+        # Encoded images across requests; the engine sizes it (EngineConfig.encoder_cache_gb), 0 keeps nothing.
+        self.encoder_cache = EncoderCache(0)
         self._layout: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (prompt positions [3, L], delta)
 
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
@@ -86,9 +91,18 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
     def _image_features(self, request: Request, i: int) -> VisionFeatures:
         feats = self._features.setdefault(request.request_id, [None] * len(request.images))
         if feats[i] is None:
-            image = request.images[i].pixels
-            feats[i] = self.visual(image.pixel_values, image.grid_thw)
+            image, salt = request.images[i], request.policy.cache_salt
+            device = self.model.embed_tokens.weight.device
+            feats[i] = self.encoder_cache.get(image.digest, salt, device)
+            if feats[i] is None:
+                pixels = pixels_of(image.pixels)  # preprocessed now if the request came with bytes seen before
+                feats[i] = self.visual(pixels.pixel_values, pixels.grid_thw)
+                self.encoder_cache.put(image.digest, salt, feats[i])
         return feats[i]
+
+    def image_cached(self, digest: bytes, salt: str | None) -> bool:
+        """Whether the encoder cache holds this image for this salt now (the scheduler's encoder budget skips it)."""
+        return (digest, salt) in self.encoder_cache
 
     def forget_images(self, request_ids) -> None:
         """Drop the features and layouts kept for requests that finished."""

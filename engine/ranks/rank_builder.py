@@ -14,10 +14,11 @@ from engine.core.scheduler import Scheduler
 from engine.core.speculation import Speculator
 from engine.distributed.collectives import TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
-from engine.kv_tiers.setup import build_rank_mirror, build_tiers
+from engine.kv_tiers.setup import GB, build_rank_mirror, build_tiers
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
 from engine.structured_output.matchers import GrammarMatchers
+from engine.vision.encoder_cache import EncoderCache
 from engine.worker.draft_model import DraftProposer
 from engine.worker.lora_setup import serve_adapters
 from engine.worker.model_setup import attention_backend, load_draft_model, load_rank_model, size_kv_pool
@@ -55,6 +56,8 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
     max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
     torch.manual_seed(config.seed)
     model, dense_gemv_choices = load_rank_model(config, model_config, kernels, dtype, device, max_len, tp, stage)
+    if model.takes_images:  # encoded images kept across requests, in host memory (engine.vision.encoder_cache)
+        model.encoder_cache = EncoderCache(int(config.encoder_cache_gb * GB))
     draft = load_draft_model(config, model_config, kernels, dtype, device, max_len) \
         if config.speculative == "draft" else None  # a single-process engine (EngineConfig checks)
     eplb = _balancer(config, model, tp, device, leader)  # before the KV pool is sized: spare slots take memory
@@ -86,11 +89,14 @@ def build_scheduler(config: EngineConfig, rank: BuiltRank) -> Scheduler:
             starvation_bound_s=config.starvation_bound_s,
             # A decode engine's own prefills share steps with its streams: short chunks keep those steps short.
             prefill_chunk_tokens=config.decode_prefill_chunk_tokens if config.role == "decode" else 0,
+            max_num_encoder_tokens=(config.max_num_encoder_tokens or config.max_num_batched_tokens)
+            if rank.model.takes_images else None,
         ),
         rank.cache_config,
         speculator=Speculator(config.speculative_config, rank.max_model_len) if config.speculative else None,
         tiers=rank.runner.tiers,
         lora=LoraResidency(config.max_loras, lora.host) if lora is not None else None,
+        image_cached=rank.model.image_cached if rank.model.takes_images else None,
     )
 
 
