@@ -26,7 +26,7 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
 def run_engine(config: EngineConfig, requests: Connection, replies: Connection) -> None:
     """Build the engine and run its loop until ``requests`` says Shutdown or closes, in whatever process calls it:
     the engine process (``run_engine_process``), or the Ray actor of an engine's rank 0
-    (``engine.ranks.ray_ranks``); a start that fails is reported on ``replies`` (``Fatal``)."""
+    (``engine.serving.ray_rank``); a start that fails is reported on ``replies`` (``Fatal``)."""
     from engine.llm_engine import LLMEngine
 
     try:

@@ -1,7 +1,7 @@
 """An engine whose ranks are Ray actors (``--distributed-executor-backend ray``) as the gateway's ``AsyncEngine``.
 
 Everything but the transport is ``AsyncEngine``'s: the protocol, the reader, the failure handling, the
-supervisor's restarts. The transport is ``engine.ranks.ray_group``: each start places the engine's ranks
+supervisor's restarts. The transport is ``engine.serving.ray_group``: each start places the engine's ranks
 in a fresh placement group, and rank 0's actor connects back to this process over TCP with a key made for
 that start. A rank lost while the engine runs (its node left the cluster, its process died) cuts the
 connection, so the engine fails as a local engine whose process died: requests in flight are answered
@@ -14,7 +14,7 @@ import os
 from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
-from engine.ranks.ray_group import RayGroupError, RayRankGroup
+from engine.serving.ray_group import RayGroupError, RayRankGroup
 from engine.serving.async_engine import MAX_UNREAD_OUTPUTS, AsyncEngine, EngineError
 from engine.serving.handshake import shut
 

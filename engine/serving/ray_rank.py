@@ -8,7 +8,7 @@ other ranks are not its own processes but the group's other actors (``local_rank
 for the rank's life: it returns when the engine stops, or raises when a peer or the gateway goes away.
 
 Imports torch and the engine only inside the calls, so that the actor answers ``meeting_point`` as soon as its
-worker has started. No Ray import here either: ``engine.ranks.ray_group`` wraps this class with ``ray.remote``.
+worker has started. No Ray import here either: ``engine.serving.ray_group`` wraps this class with ``ray.remote``.
 """
 
 import dataclasses

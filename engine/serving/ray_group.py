@@ -2,7 +2,7 @@
 
 One bundle per rank (a GPU and a CPU on GPUs, ``cpu_threads`` CPUs on the CPU), reserved together under Ray's
 PACK strategy: on as few nodes as have room, all on one where one has room for all of them, spread over several
-where none has. Rank r runs in bundle r (``engine.ranks.ray_rank.RankActor``): rank 0 connects back to the
+where none has. Rank r runs in bundle r (``engine.serving.ray_rank.RankActor``): rank 0 connects back to the
 gateway and runs the engine loop, the others follow it; torch.distributed joins them as it joins local processes
 (gloo on the CPU, NCCL on GPUs) at a free port of rank 0's node.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
-from engine.ranks.ray_rank import RankActor, rank_zero_config
+from engine.serving.ray_rank import RankActor, rank_zero_config
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class RayRankGroup:
 
         from engine.serving.handshake import authenticate
 
+        started = time.monotonic()
         connect_ray(self.config.ray_address)
         device = self._device_type(ray.cluster_resources())
         cpus = 1 if device == "cuda" else max(1, self.config.cpu_threads or 1)
@@ -74,6 +75,7 @@ class RayRankGroup:
             except ray.exceptions.GetTimeoutError:
                 raise RayGroupError(f"Ray found no room for the engine's {self.size} ranks ({bundle} each) within "
                                     f"{PLACEMENT_TIMEOUT_S:.0f} s: add nodes or lower the ranks' needs") from None
+            reserved = time.monotonic()
             actor = ray.remote(RankActor)
             self._actors = [actor.options(num_cpus=cpus, num_gpus=bundle.get("GPU", 0), max_restarts=0,
                                           scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -81,6 +83,7 @@ class RayRankGroup:
                             for rank in range(self.size)]
             points = ray.get([a.meeting_point.remote() for a in self._actors], timeout=CONNECT_TIMEOUT_S)
             self.placement = [(node, pid) for _, _, node, pid in points]
+            up = time.monotonic()
             host, port = points[0][0], points[0][1]
             init = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
             gateway_host = ray.util.get_node_ip_address()  # this process's node, as the cluster reaches it
@@ -100,8 +103,10 @@ class RayRankGroup:
         except BaseException:
             self.kill()
             raise
-        logger.info("engine ranks placed by Ray: %s", ", ".join(f"rank {r} on node {node[:8]} (pid {pid})"
-                                                               for r, (node, pid) in enumerate(self.placement)))
+        logger.info("engine ranks placed by Ray: %s; bundles reserved in %.1f s, actors up in %.1f s, rank 0 "
+                    "connected in %.1f s", ", ".join(f"rank {r} on node {node[:8]} (pid {pid})"
+                                                      for r, (node, pid) in enumerate(self.placement)),
+                    reserved - started, up - reserved, time.monotonic() - up)
         return conn
 
     def watch(self, on_end: Callable[[str], None]) -> None:
