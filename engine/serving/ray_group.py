@@ -116,7 +116,12 @@ class RayRankGroup:
 
         def run() -> None:
             while not self._stopping:
-                done, _ = ray.wait(self._refs, num_returns=1, timeout=1.0)
+                try:
+                    done, _ = ray.wait(self._refs, num_returns=1, timeout=1.0)
+                except Exception as e:  # this process lost Ray itself: the ranks cannot be watched any more
+                    if not self._stopping:
+                        on_end(f"the connection to Ray was lost ({e})")
+                    return
                 if done:
                     if not self._stopping:
                         on_end(self._ended(done[0]))
