@@ -9,7 +9,7 @@ DEMO_MODEL ?= .moegate/demo-model
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install run test bench-offline clean
+.PHONY: install run test test-ray bench-offline clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,12 @@ run: $(VENV)/.installed $(DEMO_MODEL)/config.json
 
 test: $(VENV)/.installed
 	# Bytecode kept even where the environment says otherwise: the suite starts hundreds of Python processes.
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra -n 3 --dist loadfile tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra -n 3 --dist loadfile -m "not ray" tests
+
+# The Ray executor's tests (--distributed-executor-backend ray): a local Ray cluster takes tens of seconds to start.
+test-ray: $(VENV)/.installed
+	$(PY) -m pip install -q --no-compile -e '.[test,ray]'
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra -m ray tests/distributed
 
 bench-offline: $(VENV)/.installed
 	$(VENV)/bin/moegate loadgen offline

@@ -148,6 +148,13 @@ class EngineConfig:
     local_ranks: int | None = None
     """ranks this node starts of each engine's ``pipeline_parallel_size`` x ``tensor_parallel_size`` (default all; with
     ``data_parallel_size``, of this replica's); the others run `moegate engine-rank` elsewhere"""
+    distributed_executor_backend: str = "mp"
+    """what runs an engine's ranks: mp (local processes: the engine process and its followers on this node, ranks
+    elsewhere started by hand) or ray (every rank a Ray actor, an engine's ranks in one placement group on the
+    cluster at ``ray_address``; docs/scaling.md)"""
+    ray_address: str | None = None
+    """with ``distributed_executor_backend`` ray: the Ray cluster to join (HOST:PORT of its head, or auto);
+    default: RAY_ADDRESS, else a local Ray started for this process"""
     distributed_timeout_s: float = 30.0
     """seconds a collective may take before the step fails with a message naming the rank, and the engine
     restarts"""

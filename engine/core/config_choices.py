@@ -9,10 +9,11 @@ QUANTIZATION_OPTIONS = ("fp8", "fp8-block", "int8", "mxfp4")  # engine.loading.q
 EXPERT_DISPATCH = ("all_to_all", "all_gather")
 ROLES = ("both", "prefill", "decode")  # EngineConfig.role
 EVICTION_POLICIES = ("priority", "lru")  # EngineConfig.kv_eviction_policy (engine.core.free_queue)
+EXECUTOR_BACKENDS = ("mp", "ray")  # EngineConfig.distributed_executor_backend
 # The EngineConfig fields that take one of a few values (their flags' choices).
 CHOICES = {"dtype": DTYPES, "device": DEVICES, "kernels": KERNEL_OPTIONS, "quantization": QUANTIZATION_OPTIONS,
            "expert_dispatch": EXPERT_DISPATCH, "speculative": SPECULATIVE_METHODS, "role": ROLES,
-           "kv_eviction_policy": EVICTION_POLICIES}
+           "kv_eviction_policy": EVICTION_POLICIES, "distributed_executor_backend": EXECUTOR_BACKENDS}
 
 
 def meeting_address(init_method: str) -> tuple[str, int]:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engine.core.config_choices import (DEVICES, DTYPES, EVICTION_POLICIES, EXPERT_DISPATCH, KERNEL_OPTIONS,
-                                        QUANTIZATION_OPTIONS, ROLES, meeting_address)
+                                        QUANTIZATION_OPTIONS, ROLES, EXECUTOR_BACKENDS, meeting_address)
 
 REQUIRES, EXCLUDES, VALUES = "needs", "excludes", "values"
 
@@ -146,6 +146,18 @@ RULES: tuple[Rule, ...] = (
     Rule("local_ranks < all ranks", REQUIRES, "distributed_init_method",
          "ranks on other nodes need distributed_init_method (tcp://HOST:PORT reachable from them)",
          lambda c: c.local_ranks is not None and c.local_ranks < c.engine_ranks and not c.distributed_init_method),
+    _one_of("distributed_executor_backend", EXECUTOR_BACKENDS),
+    Rule("distributed_executor_backend ray", EXCLUDES,
+         "local_ranks, distributed_init_method, data_parallel_size > 1, role prefill / decode",
+         "distributed_executor_backend='ray' places every rank itself: leave local_ranks and "
+         "distributed_init_method unset; replicas sharing experts (data_parallel_size > 1) and prefill/decode "
+         "roles run on local processes for now",
+         lambda c: c.distributed_executor_backend == "ray" and (
+             c.local_ranks is not None or c.distributed_init_method is not None or c.data_parallel_size > 1
+             or c.role != "both")),
+    Rule("ray_address", REQUIRES, "distributed_executor_backend ray",
+         "ray_address is the Ray cluster of distributed_executor_backend='ray' (--distributed-executor-backend ray)",
+         lambda c: c.ray_address is not None and c.distributed_executor_backend != "ray"),
     Rule("distributed_init_method", VALUES, "tcp://HOST:PORT", "",
          _parses(lambda c: c.distributed_init_method is not None and meeting_address(c.distributed_init_method))),
     _at_least("distributed_timeout_s", 0, strict=True),

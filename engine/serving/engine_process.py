@@ -20,6 +20,13 @@ def run_engine_process(config: EngineConfig, requests: Connection, replies: Conn
     exit_with_parent()  # a gateway (or engine server) killed while this engine starts or steps takes it along
     # A terminal's Ctrl-C reaches every process of the group: the gateway drains its requests, then stops this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_engine(config, requests, replies)
+
+
+def run_engine(config: EngineConfig, requests: Connection, replies: Connection) -> None:
+    """Build the engine and run its loop until ``requests`` says Shutdown or closes, in whatever process calls it:
+    the engine process (``run_engine_process``), or the Ray actor of an engine's rank 0
+    (``engine.serving.ray_rank``); a start that fails is reported on ``replies`` (``Fatal``)."""
     from engine.llm_engine import LLMEngine
 
     try:

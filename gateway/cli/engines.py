@@ -24,22 +24,21 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
     ``remote`` engines (``moegate engine --listen``); each is cut off after ``stall_timeout_s`` of silence
     with requests waiting. ``group_remotes``: how many of the remote engines are ranks of the local replicas'
     expert group (all of them or none)."""
-    from engine.serving.async_engine import AsyncEngine
     from engine.serving.remote_engine import RemoteEngine
     from gateway.replica_router import ReplicaRouter
     from gateway.routing_policy import RouterConfig
 
     if local == 1 and not remote:
-        return AsyncEngine(engine_config, stall_timeout_s=stall_timeout_s)
-    if local > 1 and engine_config.cpu_threads is None and engine_config.device != "cuda":
+        return _local_engine(engine_config, None, stall_timeout_s)
+    on_this_node = engine_config.distributed_executor_backend == "mp"
+    if local > 1 and engine_config.cpu_threads is None and engine_config.device != "cuda" and on_this_node:
         # Replicas on the CPU share its cores: each rank process gets its share, not all of them
         # (oversubscribed threads wait at every parallel region's barrier for a descheduled peer).
         processes = local * engine_config.engine_ranks
         engine_config = dataclasses.replace(engine_config, cpu_threads=max(1, (os.cpu_count() or 1) // processes))
     # On GPUs each local replica takes its own devices (on the CPU the variable is ignored); with
     # --enable-expert-parallel the replicas form one group that divides the experts.
-    replicas = [AsyncEngine(config, process_env={"CUDA_VISIBLE_DEVICES": replica_devices(config, i)},
-                            stall_timeout_s=stall_timeout_s)
+    replicas = [_local_engine(config, {"CUDA_VISIBLE_DEVICES": replica_devices(config, i)}, stall_timeout_s)
                 for i, config in enumerate(replica_configs(engine_config, local, group_remotes))]
     group_size = local + group_remotes
     replicas += [RemoteEngine(engine_config, address, authkey, stall_timeout_s,
@@ -47,3 +46,15 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
                  for i, address in enumerate(remote)]
     names = [str(i) for i in range(local)] + [f"{host}:{port}" for host, port in remote]
     return ReplicaRouter(replicas, names, RouterConfig(policy=policy))
+
+
+def _local_engine(config: EngineConfig, process_env: dict[str, str] | None, stall_timeout_s: float):
+    """One engine the gateway starts itself: an engine process on this node (its ``process_env``: its GPUs), or
+    with ``--distributed-executor-backend ray`` Ray actors placed by the cluster (which gives them their GPUs)."""
+    if config.distributed_executor_backend == "ray":
+        from engine.serving.ray_engine import RayEngine
+
+        return RayEngine(config, stall_timeout_s=stall_timeout_s)
+    from engine.serving.async_engine import AsyncEngine
+
+    return AsyncEngine(config, process_env=process_env, stall_timeout_s=stall_timeout_s)
