@@ -20,9 +20,9 @@ choice itself, before any replica queues a request:
   under its ``max_num_seqs``, or, for a request that may preempt, a preemptible request of a less urgent class
   running there that its scheduler will preempt). Until then it waits here, in its tenant's queue. Whenever room
   appears (a request ended, a replica joined) the next request is, as in the engine's waiting queue: the most urgent
-  class first, then the smallest ``order_in_class``, then the tenant with the smallest counter, then arrival. The
-  head that cannot be placed blocks the ones behind it: a less urgent request never takes the slot a more urgent one
-  waits for.
+  class first, then the smallest ``order_in_class``, then the tenant with the smallest counter, then arrival. While
+  a more urgent request waits for room no less urgent one is placed: it never takes the slot the urgent one waits
+  for.
 - **Affinity yields.** ``place`` picks, among the replicas with room, by the router's usual policy (prefix-cache
   affinity, then load): a tenant whose cached replica is full runs on another that has room rather than waiting
   for its own while it is owed service. Where the cached replica has room, affinity holds as before.
@@ -175,35 +175,46 @@ class FairGate(Generic[P]):
         self.pump()
 
     def pump(self) -> None:
-        """Place waiting requests, in fair order, while the next one finds room."""
-        while True:
-            ticket = self._next()
-            if ticket is None:
-                return
+        """Place waiting requests, in fair order, while one of the most urgent class finds room."""
+        while self._place_one():
+            pass
+
+    def _place_one(self) -> bool:
+        """Place the first request of the most urgent waiting class, in fair order, that finds room. Only that class
+        is tried: where its head finds no free slot, the others of its class can only take one by preemption (a
+        request that may not preempt waits without holding back one that may), and no less urgent request does."""
+        for ticket in self._heads():
+            if ticket.placed.done():  # its caller was cancelled while it waited and has not run since: drop it
+                self._remove(ticket)
+                return True
             try:
                 where = self.place(ticket)
             except Exception as e:  # nowhere to go at all (no replica up): the request fails, the next one tries
                 self._remove(ticket)
                 ticket.placed.set_exception(e)
-                continue
-            if where is None:
-                return
-            self._remove(ticket)
-            # Charged now, what it may cost, so that the requests dispatched before its outputs come see it.
-            ticket._prompt_charged = float(ticket.prompt_tokens)
-            ticket._reserved = OUTPUT_TOKEN_COST * ticket.expected_output
-            self.counters.charge(ticket.policy, ticket._prompt_charged + ticket._reserved)
-            self.dispatched += 1
-            ticket.placed.set_result(where)
+                return True
+            if where is not None:
+                break
+        else:
+            return False
+        self._remove(ticket)
+        # Charged now, what it may cost, so that the requests dispatched before its outputs come see it.
+        ticket._prompt_charged = float(ticket.prompt_tokens)
+        ticket._reserved = OUTPUT_TOKEN_COST * ticket.expected_output
+        self.counters.charge(ticket.policy, ticket._prompt_charged + ticket._reserved)
+        self.dispatched += 1
+        ticket.placed.set_result(where)
+        return True
 
-    def _next(self) -> Ticket[P] | None:
-        """The waiting request to place next (the engines' waiting-queue order, over the fleet's counters)."""
+    def _heads(self) -> list[Ticket[P]]:
+        """The most urgent waiting class's tenants' first requests, in the order they go (the engines' waiting-queue
+        order, over the fleet's counters): smallest order in class, then smallest counter, then arrival."""
         if not self._classes:
-            return None
+            return []
         tenants = self._classes[min(self._classes)]
         counters = self.counters.counters
-        tenant = min(tenants, key=lambda t: (tenants[t][0].policy.order_in_class, counters[t], tenants[t][0].seq))
-        return tenants[tenant][0]
+        return sorted((q[0] for q in tenants.values()),
+                      key=lambda t: (t.policy.order_in_class, counters[t.policy.tenant], t.seq))
 
     def _remove(self, ticket: Ticket[P]) -> None:
         tenants = self._classes.get(ticket.policy.priority)

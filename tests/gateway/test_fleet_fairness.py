@@ -7,6 +7,7 @@ weighted-fair rule sends next at each free slot.
 """
 
 import asyncio
+import itertools
 import random
 
 import pytest
@@ -37,26 +38,39 @@ class _Fleet:
         self.tasks: dict[str, asyncio.Task] = {}
         self.served: dict[str, int] = {}  # tenant -> output tokens received by the client
         self.policies: dict[str, RequestPolicy] = {}
+        self._ids = itertools.count()
 
-    def submit(self, request_id: str, policy: RequestPolicy, prompt: list[int], max_tokens: int | None = None) -> None:
+    async def _one(self, request_id: str, policy: RequestPolicy, prompt: list[int]) -> None:
         self.policies[request_id] = policy
+        async for out in self.client.generate(prompt, SamplingParams(max_tokens=self.output_len), request_id, policy):
+            self.served[policy.tenant] = self.served.get(policy.tenant, 0) + len(out.token_ids)
 
-        async def consume() -> None:
-            params = SamplingParams(max_tokens=max_tokens or self.output_len)
-            async for out in self.client.generate(prompt, params, request_id, policy):
-                self.served[policy.tenant] = self.served.get(policy.tenant, 0) + len(out.token_ids)
+    def submit(self, request_id: str, policy: RequestPolicy, prompt: list[int]) -> None:
+        self.tasks[request_id] = asyncio.create_task(self._one(request_id, policy, prompt))
 
-        self.tasks[request_id] = asyncio.create_task(consume())
+    def keep(self, policy: RequestPolicy, prompt, clients: int) -> None:
+        """``clients`` closed-loop clients of one tenant: each sends its next request (``prompt()``) when answered."""
+        async def client() -> None:
+            while True:
+                await self._one(f"{policy.tenant}-{next(self._ids)}", policy, prompt())
+
+        for _ in range(clients):
+            self.tasks[f"client-{next(self._ids)}"] = asyncio.create_task(client())
 
     async def step(self) -> None:
         for replica in self.replicas:
             for rid in replica.running():
                 replica.emit(rid, finished=replica._emitted.get(rid, 0) + 1 >= self.output_len)
-        for _ in range(5):  # let the consumers read, and the freed slots take the next requests
+        for _ in range(8):  # let the consumers read, and the freed slots take the next requests
             await asyncio.sleep(0)
 
     def running_tenants(self) -> list[list[str]]:
         return [sorted(self.policies[r].tenant for r in replica.running()) for replica in self.replicas]
+
+    async def close(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
 
 def _router(fleet_fairness: bool = True) -> tuple[ReplicaRouter, list[FifoReplica]]:
@@ -64,21 +78,27 @@ def _router(fleet_fairness: bool = True) -> tuple[ReplicaRouter, list[FifoReplic
     return ReplicaRouter(replicas, ["a", "b"], RouterConfig(rebalance_interval_s=0, fleet_fairness=fleet_fairness)), replicas
 
 
-async def _warm(fleet: _Fleet, router: ReplicaRouter, system: dict[str, list[int]], policies: dict[str, RequestPolicy]):
-    """Each tenant's system prompt routed once, alone, so affinity puts tenant i on replica i from now on."""
-    for i, tenant in enumerate(system):
+async def _warm(fleet: _Fleet, router: ReplicaRouter, system: dict[str, list[int]],
+                policies: dict[str, RequestPolicy]) -> dict[str, int]:
+    """Each tenant's system prompt routed once, alone: the second goes to the replica without a prompt family, and
+    affinity keeps each tenant on its own replica from then on. Per tenant, that replica."""
+    home = {}
+    for tenant in system:
+        before = list(router.routed)
         fleet.submit(f"warm-{tenant}", policies[tenant], system[tenant] + [1])
-        await _until(lambda: fleet.replicas[i].running(), "the warm request did not arrive")
         while not fleet.tasks[f"warm-{tenant}"].done():
             await fleet.step()
+        home[tenant] = next(i for i, (was, now) in enumerate(zip(before, router.routed)) if now > was)
+    assert sorted(home.values()) == [0, 1], home
     fleet.served.clear()
-    assert [router.matched_blocks(system[t] + [9], policies[t].cache_salt) for t in system] == [[3, 0], [0, 3]]
+    return home
 
 
 @pytest.mark.parametrize("fleet_fairness", [True, False])
 def test_weights_hold_when_affinity_keeps_tenants_apart(fleet_fairness):
-    """Weights 1 and 3, each tenant's prompts cached on its own replica: 3.0 x the tokens with the fair queue (each
-    step: 2 light and 6 heavy sequences), 1.0 without it (each replica serves its one tenant)."""
+    """Weights 1 and 3, each tenant's prompts cached on its own replica, ten closed-loop clients each (more than the
+    fleet's slots: both backlogged): 3.0 x the tokens with the fair queue (every step 2 light and 6 heavy
+    sequences); without it each replica serves its one tenant (the doubles have no weights of their own): 1.0."""
     rng = random.Random()
     weights = {"light": 1.0, "heavy": 3.0}
     policies = {t: RequestPolicy(tenant=t, weight=w, cache_salt=t) for t, w in weights.items()}
@@ -87,29 +107,29 @@ def test_weights_hold_when_affinity_keeps_tenants_apart(fleet_fairness):
     async def scenario() -> None:
         router, replicas = _router(fleet_fairness)
         fleet = _Fleet(replicas, router, output_len=rng.randint(3, 6))
-        await _warm(fleet, router, system, policies)
-        for k in range(40):
+        home = await _warm(fleet, router, system, policies)
+        for _ in range(10):  # their first requests in turns
             for t in weights:
-                fleet.submit(f"{t}-{k}", policies[t], system[t] + [rng.randrange(1, 500)])
-        await asyncio.sleep(0)
-        for _ in range(3 * fleet.output_len):  # warm-up: the first requests went out as they came
+                fleet.keep(policies[t], lambda t=t: system[t] + [rng.randrange(1, 500)], clients=1)
+        for _ in range(4 * fleet.output_len):  # warm-up: the first requests went out as they came, half each
             await fleet.step()
         fleet.served.clear()
         for _ in range(8 * fleet.output_len):
             await fleet.step()
+            running = fleet.running_tenants()
             if fleet_fairness:  # every step, not only on average: the heavy tenant runs 6 of the 8 sequences
-                assert sum(t == "light" for r in fleet.running_tenants() for t in r) == 2, fleet.running_tenants()
+                assert sum(t == "light" for r in running for t in r) == 2, running
+            else:  # affinity alone: each replica runs its own tenant only
+                assert all(set(running[home[t]]) == {t} for t in weights), (home, running)
         ratio = fleet.served["heavy"] / fleet.served["light"]
         if fleet_fairness:
             assert 2.85 <= ratio <= 3.15, fleet.served
             assert router.moved_from == [0, 0]  # nothing queued in an engine: nothing to move
         else:
-            assert 0.9 <= ratio <= 1.1, fleet.served  # what the fair queue corrects
-        for task in fleet.tasks.values():
-            task.cancel()
-        await asyncio.gather(*fleet.tasks.values(), return_exceptions=True)
+            assert ratio == 1.0, fleet.served  # what the fair queue corrects
+        await fleet.close()
         if fleet_fairness:
-            assert len(router.gate) == 0 and router.in_flight == [0, 0]
+            assert len(router.gate) == 0 and router.in_flight == [0, 0] and not router.gate.counters._active
 
     asyncio.run(scenario())
 
@@ -123,16 +143,14 @@ def test_affinity_kept_while_its_replica_has_room():
     async def scenario() -> None:
         router, replicas = _router()
         fleet = _Fleet(replicas, router, output_len=2)
-        await _warm(fleet, router, system, policies)
+        home = await _warm(fleet, router, system, policies)
         for k in range(SLOTS):
             for t in policies:
                 fleet.submit(f"{t}-{k}", policies[t], system[t] + [k])
         await _until(lambda: sum(len(r.running()) for r in replicas) == 2 * SLOTS, "not all dispatched")
-        assert fleet.running_tenants() == [["x"] * SLOTS, ["y"] * SLOTS]
+        assert all(fleet.running_tenants()[home[t]] == [t] * SLOTS for t in policies)
         assert router.gate.held == 0
-        for task in fleet.tasks.values():
-            task.cancel()
-        await asyncio.gather(*fleet.tasks.values(), return_exceptions=True)
+        await fleet.close()
 
     asyncio.run(scenario())
 
@@ -140,39 +158,49 @@ def test_affinity_kept_while_its_replica_has_room():
 def test_urgent_class_first_and_preemption_goes_where_a_victim_runs():
     """With every slot full: an urgent request that may preempt goes at once to the replica running preemptible
     requests of a less urgent class (past its slots: that engine's scheduler preempts one); one that may not
-    preempt waits, and at the next free slot goes before the less urgent requests that waited longer."""
+    preempt waits, and at the next free slots goes before the less urgent requests that waited longer."""
     rng = random.Random()
-    batch = RequestPolicy(priority=2, tenant="batch", weight=rng.uniform(1, 4))
-    pinned = RequestPolicy(priority=2, tenant="pinned", preemptible=False)
+    batch = RequestPolicy(priority=2, tenant="batch", weight=rng.uniform(1, 4), cache_salt="batch")
+    pinned = RequestPolicy(priority=2, tenant="pinned", preemptible=False, cache_salt="pinned")
     urgent = RequestPolicy(priority=0, tenant="rt", weight=rng.uniform(0.1, 1))
     polite = RequestPolicy(priority=0, tenant="polite", may_preempt=False)
+    shared = [rng.randrange(1, 500) for _ in range(32)]  # one prompt family per tenant: affinity keeps it together
 
     async def scenario() -> None:
         router, replicas = _router()
         fleet = _Fleet(replicas, router, output_len=3)
-        for k in range(SLOTS):  # replica a: preemptible batch work; replica b: work that may not be preempted
-            fleet.submit(f"pinned-{k}", pinned, [k])
-        await _until(lambda: len(replicas[0].running()) == SLOTS, "pinned not placed")
-        for k in range(SLOTS + 2):
-            fleet.submit(f"batch-{k}", batch, [100 + k])
+        order: list[str] = []  # request ids in the order the fair queue placed them
+        place = router.gate.place
+        router.gate.place = lambda ticket: _logged(place(ticket), ticket, order)
+        for k in range(SLOTS):  # one replica: work that may not be preempted
+            fleet.submit(f"pinned-{k}", pinned, shared + [k])
+        await _until(lambda: sorted(len(r.running()) for r in replicas) == [0, SLOTS], "pinned not together")
+        hold = next(i for i, r in enumerate(replicas) if r.running())
+        other = 1 - hold
+        for k in range(SLOTS + 2):  # the other: preemptible batch work, and two more wait in the gateway
+            fleet.submit(f"batch-{k}", batch, shared + [k])
         await _until(lambda: len(router.gate) == 2, "batch not held")
         fleet.submit("polite", polite, [7])
         fleet.submit("urgent", urgent, [8])
-        await _until(lambda: "urgent" in [r for r, _ in replicas[1].arrivals], "urgent not placed")
-        assert [r for r, _ in replicas[0].arrivals] == [f"pinned-{k}" for k in range(SLOTS)]
-        assert len(router.gate) == 3 and router.in_flight == [SLOTS, SLOTS + 1]
-        await fleet.step()  # the doubles run first come first: every running request ends together at step 3
-        await fleet.step()
-        await fleet.step()
-        # Slots freed: the waiting urgent request first, then the batch requests that waited before it.
-        assert [r for r, _ in replicas[0].arrivals][SLOTS] == "polite"
-        for task in fleet.tasks.values():
-            task.cancel()
-        await asyncio.gather(*fleet.tasks.values(), return_exceptions=True)
+        await _until(lambda: "urgent" in order, "urgent not placed")
+        assert [r for r, _ in replicas[other].arrivals][-1] == "urgent" or (await asyncio.sleep(0.01)) or \
+            [r for r, _ in replicas[other].arrivals][-1] == "urgent"
+        assert router.in_flight[other] == SLOTS + 1 and router.in_flight[hold] == SLOTS
+        assert len(router.gate) == 3  # polite and the two batch requests wait
+        for _ in range(3):  # the doubles run first come first: every running request ends together at step 3
+            await fleet.step()
+        assert order[-3:] == ["polite", "batch-4", "batch-5"], order
+        await fleet.close()
         assert len(router.gate) == 0 and router.in_flight == [0, 0]
         assert not router.gate.counters._active  # every tenant left: none is counted active
 
     asyncio.run(scenario())
+
+
+def _logged(where, ticket, order: list[str]):
+    if where is not None:
+        order.append(ticket.payload.request_id)
+    return where
 
 
 def test_a_cancelled_waiting_request_leaves_and_no_replica_fails_the_wait():
@@ -205,7 +233,8 @@ class _NoPrefill:
 
 
 def test_disaggregated_decode_engines_share_by_weight():
-    """Two decode engines, each tenant's requests arriving at one of them first: 3.0 x the tokens to weight 3."""
+    """Two decode engines behind the disaggregated router, ten closed-loop clients a tenant: 3.0 x the tokens to
+    weight 3 (the doubles have no weights of their own: without the fair queue, 1.0)."""
     rng = random.Random()
     weights = {"light": 1.0, "heavy": 3.0}
     policies = {t: RequestPolicy(tenant=t, weight=w, cache_salt=t) for t, w in weights.items()}
@@ -214,20 +243,16 @@ def test_disaggregated_decode_engines_share_by_weight():
         decode = [FifoReplica(SLOTS), FifoReplica(SLOTS)]
         engines = DisaggregatedEngines([_NoPrefill()], decode, fleet_fairness=True)
         fleet = _Fleet(decode, engines, output_len=rng.randint(3, 6))
-        for k in range(40):  # the light tenant's burst first: without the fair queue it would hold 8 slots first
-            fleet.submit(f"light-{k}", policies["light"], [k])
-        for k in range(60):
-            fleet.submit(f"heavy-{k}", policies["heavy"], [k])
-        await asyncio.sleep(0)
-        for _ in range(3 * fleet.output_len):
+        for _ in range(10):
+            for t in weights:
+                fleet.keep(policies[t], lambda: [rng.randrange(1, 500) for _ in range(5)], clients=1)
+        for _ in range(4 * fleet.output_len):
             await fleet.step()
         fleet.served.clear()
         for _ in range(8 * fleet.output_len):
             await fleet.step()
         assert 2.85 <= fleet.served["heavy"] / fleet.served["light"] <= 3.15, fleet.served
-        for task in fleet.tasks.values():
-            task.cancel()
-        await asyncio.gather(*fleet.tasks.values(), return_exceptions=True)
+        await fleet.close()
         assert len(engines.gate) == 0 and not any(engines._in_flight.values())
 
     asyncio.run(scenario())
@@ -235,7 +260,8 @@ def test_disaggregated_decode_engines_share_by_weight():
 
 def _prompt(tenant: str, weight: float, priority: int = 1, length: int = 40, **policy) -> Request:
     """A prompt as a prefill engine gets it: computed, one token sampled (max_tokens 1), then gone."""
-    return Request(f"{tenant}-{random.random()}", [3] * length, SamplingParams(max_tokens=1, ignore_eos=True), 1,
+    return Request(f"{tenant}-{random.random()}", [random.randrange(1, 500) for _ in range(length)],
+                   SamplingParams(max_tokens=1, ignore_eos=True), 1,
                    policy=RequestPolicy(tenant=tenant, weight=weight, priority=priority, **policy))
 
 
