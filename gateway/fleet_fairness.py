@@ -8,8 +8,8 @@ choice itself, before any replica queues a request:
 - **Counters.** Per tenant, the virtual token counter of the engines' scheduler (VTC, "Fairness in Serving Large
   Language Models", OSDI 2024), over every replica: (prompt tokens computed + ``OUTPUT_TOKEN_COST`` x output
   tokens) / weight, read from the outputs the gateway relays. A request is charged what it may cost when it is
-  dispatched (its whole prompt, as if no cache held it, and ``max_tokens`` of output, at most
-  ``EXPECTED_OUTPUT_CAP``), and settled to what it really cost as its outputs come: at the first, to the prompt
+  dispatched (its prompt, less what ``place`` expects the chosen replica to hold cached, and ``max_tokens`` of
+  output, at most ``EXPECTED_OUTPUT_CAP``), and settled to what it really cost as its outputs come: at the first, to the prompt
   tokens its engine computed (``num_prompt_tokens - num_cached_tokens``); output past the estimate as it streams;
   at its end the unused rest of the estimate is refunded. Charging up front matters: slots free in bursts (requests
   of one length end in the same step), and a burst dispatched on counters that do not yet show the requests just
@@ -82,7 +82,7 @@ class Ticket(Generic[P]):
     def __init__(self, policy: RequestPolicy, prompt_tokens: int, expected_output: int, payload: object,
                  seq: int) -> None:
         self.policy = policy
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens = prompt_tokens  # charged at dispatch (``place`` may lower it: tokens it expects cached)
         self.expected_output = expected_output  # output tokens charged up front
         self.payload = payload  # what ``place`` needs of the request (the router's: its placement)
         self.seq = seq  # arrival order

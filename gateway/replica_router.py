@@ -329,6 +329,8 @@ class ReplicaRouter:
         if not room:
             return None
         i = self.pick(placement.hashes, exclude=set(live) - room, adapter=placement.adapter)
+        # What its prompt will likely cost there: the blocks the index says that replica holds are not computed.
+        ticket.prompt_tokens -= min(self._index[i].matched(placement.hashes) * self.block_size, ticket.prompt_tokens - 1)
         self._assign(placement, i)
         return i
 

@@ -4,8 +4,9 @@ Two tenants of weights 1 and 3 stay backlogged; the reference is the client's ow
 receives, by arrival time, over a window while both have requests waiting (warm-up excluded).
 The weighted tenant must be served 3.0 times the tokens (within 5%) both when the router spreads their prompts
 and when each tenant's prompts are cached on one replica only (each tenant's system prompt warmed on its own
-replica first, so affinity alone would keep them apart). The control: the same affinity without fleet fairness
-serves them about 1:1 (1.1 to 1.45 measured), each replica its one tenant.
+replica first, so affinity alone would keep them apart). Without fleet fairness the same scenario is served
+anywhere from 0.7 to 4.1 (whether the first burst's queues stay apart or mix depends on its timing), so it is no
+control here: ``test_fleet_fairness.py`` shows the failure exactly, on replica doubles.
 """
 
 import asyncio
@@ -32,10 +33,14 @@ SYSTEM = 3 * BS  # a tenant's system prompt: 3 full blocks
 OUTPUT = 4  # tokens per request: short, so that slots turn over often and shares settle within the window
 WARM_TURNS = 4
 CLIENTS = 10  # per tenant, each sending its next request when its last is answered
-WINDOW_S = 3.0  # the longest window counted: enough tokens that one request more or less is under 5%
+# The window: until WINDOW_TOKENS output tokens have come (the fair queue's error is bounded, about one request's
+# cost a tenant, so it shrinks as the window grows; counted in tokens, it does not depend on the machine's speed),
+# or WINDOW_S at most.
+WINDOW_TOKENS = 1200
+WINDOW_S = 12.0
 
 
-async def _served(router: ReplicaRouter, affinity: bool, rng: random.Random, window_s: float) -> dict[str, int]:
+async def _served(router: ReplicaRouter, affinity: bool, rng: random.Random, window_tokens: int) -> dict[str, int]:
     """Per tenant, output tokens received within the window while both tenants were backlogged."""
     salt = f"{rng.random()}"  # fresh tenants: no replica holds their blocks yet
     weights = {"light": 1.0, "heavy": 3.0}
@@ -83,23 +88,24 @@ async def _served(router: ReplicaRouter, affinity: bool, rng: random.Random, win
     tasks = [asyncio.create_task(client(t)) for _ in range(CLIENTS) for t in weights]
     try:
         await asyncio.wait_for(warm.wait(), 30)
-        start = time.monotonic()
-        await asyncio.sleep(window_s)
+        start, first = time.monotonic(), len(arrivals)
+        while sum(n for _, _, n in arrivals[first:]) < window_tokens and time.monotonic() < start + WINDOW_S:
+            await asyncio.sleep(0.01)
         end = time.monotonic()
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     served = {t: sum(n for at, who, n in arrivals if who == t and start <= at < end) for t in weights}
-    assert served["light"] >= 40, served  # enough tokens in the window for a 5% ratio to mean something
+    assert sum(served.values()) >= window_tokens * 0.9, (served, "the window timed out")
     return served
 
 
-async def _ratio(engines, affinity: bool, fleet_fairness: bool, window_s: float = WINDOW_S) -> tuple[float, dict[str, int]]:
-    router = ReplicaRouter(engines, ["0", "1"], RouterConfig(fleet_fairness=fleet_fairness))  # over started engines
+async def _ratio(engines, affinity: bool, window_tokens: int = WINDOW_TOKENS) -> tuple[float, dict[str, int]]:
+    router = ReplicaRouter(engines, ["0", "1"], RouterConfig(fleet_fairness=True))  # over started engines
     t0 = time.monotonic()
-    served = await _served(router, affinity, random.Random(), window_s)
-    print(f"affinity {affinity} fleet fairness {fleet_fairness}: {served} in {time.monotonic() - t0:.1f} s")
+    served = await _served(router, affinity, random.Random(), window_tokens)
+    print(f"affinity {affinity}: {served} in {time.monotonic() - t0:.1f} s")
     return served["heavy"] / served["light"], served
 
 
@@ -115,15 +121,11 @@ def test_weights_hold_over_two_replicas_mixed_and_under_affinity(tmp_path):
             t0 = time.monotonic()
             await asyncio.gather(*(e.start() for e in engines))
             print(f"started in {time.monotonic() - t0:.1f} s")
-            mixed, served = await _ratio(engines, affinity=False, fleet_fairness=True)
+            mixed, served = await _ratio(engines, affinity=False)
             assert 2.85 <= mixed <= 3.15, served
-            cached, served = await _ratio(engines, affinity=True, fleet_fairness=True)
+            cached, served = await _ratio(engines, affinity=True)
             assert 2.85 <= cached <= 3.15, served
-            # The control: affinity alone keeps each tenant on its own replica, where weights mean nothing.
-            apart, served = await _ratio(engines, affinity=True, fleet_fairness=False, window_s=1.0)
-            assert apart < 2.0, served  # each replica serves its own tenant, give or take the queues' mixing
-            print(f"heavy/light served tokens: mixed {mixed:.3f}, cached apart {cached:.3f}, "
-                  f"without fleet fairness {apart:.3f}")
+            print(f"heavy/light served tokens: mixed {mixed:.3f}, cached apart {cached:.3f}")
         finally:
             await asyncio.gather(*(e.shutdown() for e in engines))
 
