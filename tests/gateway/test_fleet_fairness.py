@@ -287,3 +287,16 @@ def test_prefill_engine_scheduler_orders_prompts_by_weight_and_class():
                 if s.request.policy.tenant in computed:
                     computed[s.request.policy.tenant] += s.num_new_tokens
     assert 2.85 <= computed["b"] / computed["a"] <= 3.15, computed
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_the_serve_flag_reaches_the_router(flag, tmp_path):
+    """``moegate serve --fleet-fairness`` gives the replica router its fair queue (nothing is started here)."""
+    from engine.core.config import EngineConfig
+    from gateway.cli import build_parser
+    from gateway.cli.engines import build_engines
+
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path)] + (["--fleet-fairness"] * flag))
+    assert args.fleet_fairness is flag
+    router = build_engines(EngineConfig(model=str(tmp_path)), 2, [], b"", args.router, 60.0, 0, args.fleet_fairness)
+    assert isinstance(router, ReplicaRouter) and (router.gate is not None) is flag
