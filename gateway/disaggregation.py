@@ -89,7 +89,9 @@ class DisaggregatedEngines:
         # them (the disaggregation benchmark's TTFT breakdown); None: nothing is recorded.
         self.phases: dict[str, dict[str, float]] | None = None
         # The deployment's weighted-fair queue in front of the decode engines' slots (None: each engine's own).
-        self.gate: FairGate[AsyncEngine] | None = FairGate(self._place_fair, self._unplace) if fleet_fairness else None
+        self.gate: FairGate[AsyncEngine] | None = FairGate(
+            self._place_fair, self._unplace, getattr(self.config, "starvation_bound_s", None),
+        ) if fleet_fairness else None
 
     # -- EngineClient: one engine as long as a decode engine serves (prefill engines only make it faster) --
 

@@ -22,7 +22,8 @@ choice itself, before any replica queues a request:
   appears (a request ended, a replica joined) the next request is, as in the engine's waiting queue: the most urgent
   class first, then the smallest ``order_in_class``, then the tenant with the smallest counter, then arrival. While
   a more urgent request waits for room no less urgent one is placed: it never takes the slot the urgent one waits
-  for.
+  for. A request that has waited here ``starvation_bound_s`` (the engines' own bound) goes ahead of every class,
+  oldest first, as the engines promote a starved request: steady urgent traffic cannot hold it here forever.
 - **Affinity yields.** ``place`` picks, among the replicas with room, by the router's usual policy (prefix-cache
   affinity, then load): a tenant whose cached replica is full runs on another that has room rather than waiting
   for its own while it is owed service. Where the cached replica has room, affinity holds as before.
@@ -34,6 +35,7 @@ round trip, about one engine step) instead of the engine starting its next queue
 
 import asyncio
 import itertools
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -76,16 +78,17 @@ class FleetCounters:
 class Ticket(Generic[P]):
     """One request's place in the fair queue, then its charges while it runs."""
 
-    __slots__ = ("policy", "prompt_tokens", "expected_output", "payload", "seq", "placed", "_prompt_charged",
-                 "_started", "_output", "_reserved")
+    __slots__ = ("policy", "prompt_tokens", "expected_output", "payload", "seq", "arrived", "placed",
+                 "_prompt_charged", "_started", "_output", "_reserved")
 
     def __init__(self, policy: RequestPolicy, prompt_tokens: int, expected_output: int, payload: object,
-                 seq: int) -> None:
+                 seq: int, arrived: float) -> None:
         self.policy = policy
         self.prompt_tokens = prompt_tokens  # charged at dispatch (``place`` may lower it: tokens it expects cached)
         self.expected_output = expected_output  # output tokens charged up front
         self.payload = payload  # what ``place`` needs of the request (the router's: its placement)
         self.seq = seq  # arrival order
+        self.arrived = arrived  # when it came (the gate's clock)
         self.placed: asyncio.Future[P] = asyncio.get_running_loop().create_future()
         self._prompt_charged = 0.0  # prompt tokens charged so far (the whole prompt, then what was computed)
         self._started = False
@@ -102,9 +105,12 @@ class FairGate(Generic[P]):
     relays, and ``leave`` when a request ends.
     """
 
-    def __init__(self, place: Callable[[Ticket[P]], P | None], unplace: Callable[[Ticket[P], P], None]) -> None:
+    def __init__(self, place: Callable[[Ticket[P]], P | None], unplace: Callable[[Ticket[P], P], None],
+                 starvation_bound_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.place = place
         self.unplace = unplace
+        self.starvation_bound_s = starvation_bound_s  # None: strict classes
+        self.clock = clock
         self.counters = FleetCounters()
         self._classes: dict[int, dict[str, deque[Ticket[P]]]] = {}  # priority -> tenant -> waiting, in order
         self._seq = itertools.count()
@@ -127,7 +133,7 @@ class FairGate(Generic[P]):
         output tokens it may produce over all its choices (None: unbounded). Without a queue and with room it
         returns at once. Cancelled or failed while waiting, it leaves the queue and counts nowhere."""
         expected = EXPECTED_OUTPUT_CAP if max_output is None else min(max_output, EXPECTED_OUTPUT_CAP)
-        ticket = Ticket(policy, prompt_tokens, expected, payload, next(self._seq))
+        ticket = Ticket(policy, prompt_tokens, expected, payload, next(self._seq), self.clock())
         self.counters.on_arrival(policy.tenant)
         queue = self._classes.setdefault(policy.priority, {}).setdefault(policy.tenant, deque())
         # Behind its tenant's requests of the same or a smaller order in the class (the engines' rule).
@@ -208,9 +214,15 @@ class FairGate(Generic[P]):
 
     def _heads(self) -> list[Ticket[P]]:
         """The most urgent waiting class's tenants' first requests, in the order they go (the engines' waiting-queue
-        order, over the fleet's counters): smallest order in class, then smallest counter, then arrival."""
+        order, over the fleet's counters): smallest order in class, then smallest counter, then arrival. Requests
+        that have waited the starvation bound come first, oldest first, whatever their class."""
         if not self._classes:
             return []
+        if self.starvation_bound_s is not None:
+            since = self.clock() - self.starvation_bound_s
+            starved = [q[0] for tenants in self._classes.values() for q in tenants.values() if q[0].arrived <= since]
+            if starved:
+                return sorted(starved, key=lambda t: t.seq)
         tenants = self._classes[min(self._classes)]
         counters = self.counters.counters
         return sorted((q[0] for q in tenants.values()),

@@ -94,7 +94,10 @@ class ReplicaRouter:
         # Per replica, the requests that count there now (their policies: which a more urgent request may preempt).
         self._placed: list[dict[_Placement, None]] = [{} for _ in self.replicas]
         # The fleet's weighted-fair queue (RouterConfig.fleet_fairness), else None: each replica's scheduler alone.
-        self.gate: FairGate[int] | None = FairGate(self._place_fair, self._unplace) if self.policy.fleet_fairness else None
+        # Its starvation bound is the engines' (EngineConfig.starvation_bound_s where the engine has one).
+        self.gate: FairGate[int] | None = FairGate(
+            self._place_fair, self._unplace, getattr(self.config, "starvation_bound_s", None),
+        ) if self.policy.fleet_fairness else None
 
     # -- EngineClient state: one engine as long as one replica serves --
 

@@ -300,3 +300,41 @@ def test_the_serve_flag_reaches_the_router(flag, tmp_path):
     assert args.fleet_fairness is flag
     router = build_engines(EngineConfig(model=str(tmp_path)), 2, [], b"", args.router, 60.0, 0, args.fleet_fairness)
     assert isinstance(router, ReplicaRouter) and (router.gate is not None) is flag
+
+
+def test_a_request_that_waited_the_starvation_bound_goes_before_urgent_ones():
+    """Strict classes, except that a request waiting the starvation bound goes first (the engines' rule); without a
+    bound, steady urgent arrivals keep it waiting."""
+    from gateway.fleet_fairness import FairGate
+
+    rng = random.Random()
+    bound = rng.uniform(1, 100)
+
+    async def scenario(starvation_bound_s):
+        now = [0.0]
+        room = [0]
+        placed: list[str] = []
+
+        def place(ticket):
+            if room[0] == 0:
+                return None
+            room[0] -= 1
+            placed.append(ticket.payload)
+            return ticket.payload
+
+        gate = FairGate(place, lambda ticket, where: None, starvation_bound_s, clock=lambda: now[0])
+        waits = [asyncio.create_task(gate.enter(RequestPolicy(priority=3, tenant="batch"), 10, 5, "old"))]
+        for k in range(30):  # urgent work keeps coming, one a slot; the clock passes the bound along the way
+            waits.append(asyncio.create_task(gate.enter(RequestPolicy(priority=0, tenant="rt"), 10, 5, f"rt{k}")))
+            await asyncio.sleep(0)
+            now[0] += bound / 10
+            room[0] = 1
+            gate.pump()
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        return placed
+
+    with_bound = asyncio.run(scenario(bound))
+    assert "old" in with_bound and with_bound.index("old") in (9, 10), with_bound  # once it has waited the bound
+    assert "old" not in asyncio.run(scenario(None))
