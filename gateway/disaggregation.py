@@ -16,6 +16,12 @@ engines, it gets no new ones until it speaks again, and then it pairs afresh (a 
 have broken the old pair's group).
 A decode engine that fails before the request's first output: the request is placed again on another decode
 engine.
+
+With ``fleet_fairness`` tenant weights hold over the whole deployment (``gateway.fleet_fairness``): a request waits
+in the gateway's weighted-fair queue until a decode engine has a free slot, and each tenant's counter grows by the
+prompt tokens computed (by a prefill engine or by the decode engine: the decode engine's output counts as cached only
+what its own prefix cache held) and the output tokens, whichever engines computed them. Prefill engines run the same
+scheduler as every engine, with the request's ``RequestPolicy``: they order and preempt prompts by class and weight.
 """
 
 import asyncio
@@ -30,6 +36,7 @@ from engine.core.request_policy import DEFAULT_POLICY, RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.serving.async_engine import AsyncEngine, EngineError, RequestRejectedError
 from engine.serving.protocol import KVSink, KVSource
+from gateway.fleet_fairness import FairGate, Ticket
 from gateway.prefix_index import ReplicaBlocks, block_hashes
 
 logger = logging.getLogger(__name__)
@@ -58,7 +65,7 @@ class PrefillSilent(EngineError):
 class DisaggregatedEngines:
     """Prefill and decode engines behind one ``generate`` (see the module docstring)."""
 
-    def __init__(self, prefill: Sequence[AsyncEngine], decode: Sequence[AsyncEngine]) -> None:
+    def __init__(self, prefill: Sequence[AsyncEngine], decode: Sequence[AsyncEngine], fleet_fairness: bool = False) -> None:
         if not prefill or not decode:
             raise ValueError("disaggregated serving needs at least one prefill and one decode engine")
         self.prefill = list(prefill)
@@ -81,6 +88,10 @@ class DisaggregatedEngines:
         # Per request id, when each phase of its first token ended (time.monotonic()): set to a dict to record
         # them (the disaggregation benchmark's TTFT breakdown); None: nothing is recorded.
         self.phases: dict[str, dict[str, float]] | None = None
+        # The deployment's weighted-fair queue in front of the decode engines' slots (None: each engine's own).
+        self.gate: FairGate[AsyncEngine] | None = FairGate(
+            self._place_fair, self._unplace, getattr(self.config, "starvation_bound_s", None),
+        ) if fleet_fairness else None
 
     # -- EngineClient: one engine as long as a decode engine serves (prefill engines only make it faster) --
 
@@ -201,32 +212,58 @@ class DisaggregatedEngines:
                                        "request to a server that runs both", param="messages")
         request_id = request_id or f"dreq-{next(self._request_ids)}"
         tried: set[int] = set()
-        while True:
-            d = self._pick_decode(exclude=tried)
-            produced = False
-            try:
-                outputs = self._on(d, prompt, sampling_params, request_id, policy, stream)
-                async with contextlib.aclosing(outputs):
-                    async for out in outputs:
-                        produced = True
-                        yield out
-                return
-            except EngineError as e:
-                tried.add(id(d))
-                if produced or not e.retryable or not any(
-                        x.info is not None and not x.dead and id(x) not in tried for x in self.decode):
-                    raise
-                logger.warning("request %s: decode engine failed before its first output (%s); placing it again",
-                               request_id, e)
+        ticket: Ticket[AsyncEngine] | None = None
+        placed: AsyncEngine | None = None  # the decode engine the fair queue chose (and counted) for the first try
+        if self.gate is not None:
+            most = None if sampling_params.max_tokens is None else sampling_params.max_tokens * sampling_params.n
+            ticket, placed = await self.gate.enter(policy, len(prompt), most)
+        try:
+            while True:
+                d, counted, placed = (placed, True, None) if placed is not None else (self._pick_decode(tried), False, None)
+                produced = False
+                try:
+                    outputs = self._on(d, prompt, sampling_params, request_id, policy, stream, counted)
+                    async with contextlib.aclosing(outputs):
+                        async for out in outputs:
+                            produced = True
+                            if ticket is not None:
+                                self.gate.charge(ticket, out)
+                            yield out
+                    return
+                except EngineError as e:
+                    tried.add(id(d))
+                    if produced or not e.retryable or not any(
+                            x.info is not None and not x.dead and id(x) not in tried for x in self.decode):
+                        raise
+                    logger.warning("request %s: decode engine failed before its first output (%s); placing it again",
+                                   request_id, e)
+        finally:
+            if ticket is not None:
+                self.gate.leave(ticket)
+
+    def _place_fair(self, ticket: Ticket[AsyncEngine]) -> AsyncEngine | None:
+        """The fair queue's ``place``: the least loaded decode engine with a free slot (counted there now), or None."""
+        room = [d for d in self._live(self.decode) if self._load(d) < d.config.max_num_seqs]
+        if not room:
+            return None
+        d = min(room, key=lambda d: (self._load(d), d.stats.kv_blocks_used / d.stats.kv_blocks_total
+                                     if d.stats and d.stats.kv_blocks_total else 0.0))
+        self._in_flight[id(d)] = self._load(d) + 1
+        return d
+
+    def _unplace(self, ticket: Ticket[AsyncEngine], d: AsyncEngine) -> None:
+        self._in_flight[id(d)] -= 1
 
     async def _on(self, d: AsyncEngine, prompt: list[int], sampling_params: SamplingParams, request_id: str,
-                  policy: RequestPolicy, stream_outputs: bool) -> AsyncIterator[RequestOutput]:
-        """The request on decode engine ``d``, its prompt computed by a prefill engine where that pays."""
+                  policy: RequestPolicy, stream_outputs: bool, counted: bool = False) -> AsyncIterator[RequestOutput]:
+        """The request on decode engine ``d``, its prompt computed by a prefill engine where that pays; ``counted``:
+        the fair queue already counted it in ``d``'s load."""
+        if not counted:
+            self._in_flight[id(d)] = self._load(d) + 1
         hashes = block_hashes(prompt, d.info.block_size, policy.cache_salt)
         p = self._pick_prefill(hashes)
         self._mark(request_id, "start")
         local_long = p is not None and self._prefill_locally(p, d, prompt)
-        self._in_flight[id(d)] = self._load(d) + 1
         prefill_task: asyncio.Task | None = None
         first: asyncio.Future | None = None
         stream = None

@@ -4,6 +4,11 @@ Each request goes to one replica, chosen by ``gateway.routing_policy`` from
 the prompt's tenant-salted block hashes (``gateway.prefix_index``) and each
 replica's load. Priorities, quotas and fairness stay where they are: admission
 in the gateway, priority classes and weighted shares in each replica's scheduler.
+With ``RouterConfig.fleet_fairness`` the weighted shares hold over the whole
+fleet instead: requests wait in the router's weighted-fair queue
+(``gateway.fleet_fairness``) until a replica has room, and the tenant owed the
+most service across every replica goes next, to the replica with room that the
+routing policy prefers.
 
 Faults: a replica whose process died (or whose connection dropped) has
 ``dead`` set by its reader at once and is skipped from the next request on. A
@@ -46,6 +51,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.stats import SchedulerStats
 from engine.serving.async_engine import EngineError
 from gateway.disaggregation import DisaggregatedEngines
+from gateway.fleet_fairness import FairGate, Ticket
 from engine.serving.client import CheckedBeforeStart, EngineClient
 from engine.serving.protocol import Ready
 from gateway.prefix_index import ReplicaBlocks, block_hashes, remembered_blocks
@@ -85,6 +91,13 @@ class ReplicaRouter:
         # Per replica, the LoRA adapters of the requests sent there, most recent last, as many as it keeps resident
         # (max_loras): the router's guess at which adapters each has loaded (``ReplicaView.has_adapter``).
         self._adapters: list[dict[str, None]] = [{} for _ in self.replicas]
+        # Per replica, the requests that count there now (their policies: which a more urgent request may preempt).
+        self._placed: list[dict[_Placement, None]] = [{} for _ in self.replicas]
+        # The fleet's weighted-fair queue (RouterConfig.fleet_fairness), else None: each replica's scheduler alone.
+        # Its starvation bound is the engines' (EngineConfig.starvation_bound_s where the engine has one).
+        self.gate: FairGate[int] | None = FairGate(
+            self._place_fair, self._unplace, getattr(self.config, "starvation_bound_s", None),
+        ) if self.policy.fleet_fairness else None
 
     # -- EngineClient state: one engine as long as one replica serves --
 
@@ -233,10 +246,16 @@ class ReplicaRouter:
         faults and moves. ``images`` go with the request to whichever replica runs it."""
         request_id = request_id or f"req-{next(self._ids)}"
         hashes = block_hashes(prompt, self.block_size, policy.cache_salt, policy.lora_adapter)
-        placement = _Placement(request_id, hashes, policy.lora_adapter)
+        placement = _Placement(request_id, hashes, policy.lora_adapter, policy)
         tried: set[int] = set()  # replicas that failed this request before it started
-        self._assign(placement, self.pick(hashes, adapter=placement.adapter))
-        self._watch_queues()
+        ticket: Ticket[int] | None = None
+        if self.gate is None:
+            self._assign(placement, self.pick(hashes, adapter=placement.adapter))
+            self._watch_queues()
+        else:
+            self._watch_queues()  # a replica that joins while requests wait here takes them
+            most = None if sampling_params.max_tokens is None else sampling_params.max_tokens * sampling_params.n
+            ticket, _ = await self.gate.enter(policy, len(prompt), most, placement)  # assigned by _place_fair
         try:
             while True:
                 i = placement.replica
@@ -251,8 +270,12 @@ class ReplicaRouter:
                     if first is _ENDED:
                         return
                     started = True
+                    if ticket is not None:
+                        self.gate.charge(ticket, first)
                     yield first
                     async for out in outputs:
+                        if ticket is not None:
+                            self.gate.charge(ticket, out)
                         yield out
                     return
                 except EngineError as e:
@@ -267,6 +290,8 @@ class ReplicaRouter:
                     await outputs.aclose()  # aborts the request in that replica if it has not finished
         finally:
             self._release(placement)
+            if ticket is not None:
+                self.gate.leave(ticket)  # the freed slot goes to the next request in fair order
             self._rebalance()  # a slot may have freed here
 
     async def release(self, request_id: str) -> bool:
@@ -291,10 +316,39 @@ class ReplicaRouter:
             return _MOVED
         return output.result()
 
+    def _place_fair(self, ticket: Ticket[int]) -> int | None:
+        """The fair queue's ``place``: the replica for this request if one has room for it (a free slot; for a
+        request that may preempt, else a replica running more preemptible requests of less urgent classes than it
+        has requests beyond its slots, so that each one sent past its slots displaces one), assigned there; None if
+        none has. Among those with room, the routing policy chooses (affinity, then load)."""
+        placement: _Placement = ticket.payload
+        live = self.live()
+        if not live:
+            raise EngineError(self.dead or "no engine replica is ready")
+        views = self._views(live, ())
+        room = {v.index for v in views if v.load < v.slots}
+        if not room and ticket.policy.may_preempt:
+            room = {v.index for v in views if v.load - v.slots < self._victims(v.index, ticket.policy.priority)}
+        if not room:
+            return None
+        i = self.pick(placement.hashes, exclude=set(live) - room, adapter=placement.adapter)
+        # What its prompt will likely cost there: the blocks the index says that replica holds are not computed.
+        ticket.prompt_tokens -= min(self._index[i].matched(placement.hashes) * self.block_size, ticket.prompt_tokens - 1)
+        self._assign(placement, i)
+        return i
+
+    def _unplace(self, ticket: Ticket[int], i: int) -> None:
+        self._release(ticket.payload)
+
+    def _victims(self, i: int, priority: int) -> int:
+        """Requests at replica ``i`` that one of class ``priority`` may preempt (preemptible, less urgent)."""
+        return sum(p.policy.preemptible and p.policy.priority > priority for p in self._placed[i])
+
     # -- bookkeeping: a request counts on one replica at a time --
 
     def _assign(self, placement: "_Placement", i: int) -> None:
         placement.replica = i
+        self._placed[i][placement] = None
         self._index[i].add(placement.hashes)
         self.in_flight[i] += 1
         self.routed[i] += 1
@@ -312,6 +366,7 @@ class ReplicaRouter:
         if i is not None:
             self.in_flight[i] -= 1
             self._unstarted[i].pop(placement, None)
+            self._placed[i].pop(placement, None)
             placement.replica = None
 
     def _rebalance(self) -> None:
@@ -338,12 +393,15 @@ class ReplicaRouter:
         """Look for moves every ``rebalance_interval_s`` while any request waits unstarted, not only when a
         request ends: a replica that joins or rejoins idle, or reports less load, gets work at once."""
         interval = self.policy.rebalance_interval_s
-        if interval and self.policy.policy == "cache-aware" and (self._watch is None or self._watch.done()):
+        if (interval and (self.policy.policy == "cache-aware" or self.gate is not None)
+                and (self._watch is None or self._watch.done())):
             self._watch = asyncio.get_running_loop().create_task(self._watch_loop(interval))
 
     async def _watch_loop(self, interval: float) -> None:
-        while any(self._unstarted):
+        while any(self._unstarted) or (self.gate is not None and len(self.gate)):
             await asyncio.sleep(interval)
+            if self.gate is not None:
+                self.gate.pump()  # a replica that joined (or reported less load) has room
             self._rebalance()
 
     async def _move(self, placement: "_Placement", source: int, target: int) -> None:
@@ -375,12 +433,14 @@ class ReplicaRouter:
 class _Placement:
     """Where one request counts now (``replica``; None once it left), and the signal that it was moved."""
 
-    __slots__ = ("request_id", "hashes", "adapter", "replica", "moved", "releasing")
+    __slots__ = ("request_id", "hashes", "adapter", "policy", "replica", "moved", "releasing")
 
-    def __init__(self, request_id: str, hashes: Sequence[bytes], adapter: str | None = None) -> None:
+    def __init__(self, request_id: str, hashes: Sequence[bytes], adapter: str | None = None,
+                 policy: RequestPolicy = DEFAULT_POLICY) -> None:
         self.request_id = request_id
         self.hashes = hashes
         self.adapter = adapter  # the request's LoRA adapter (None: the base model)
+        self.policy = policy
         self.replica: int | None = None
         self.moved = asyncio.Event()
         self.releasing = False  # a release is asked of its replica and not yet answered

@@ -69,6 +69,10 @@ class RouterConfig:
     # A replica silent this long (a running engine speaks every second: a frozen process, a stalled link) gets no
     # new requests until it speaks again; its stall timeout, much longer, decides whether it is dead.
     unresponsive_after_s: float = 3.0
+    # Tenant weights over the whole fleet: requests wait in the router's weighted-fair queue until a replica has
+    # room, and go in the order of fleet-wide virtual token counters (gateway.fleet_fairness). False: each replica's
+    # scheduler shares only its own capacity, so affinity that keeps tenants apart also keeps their weights apart.
+    fleet_fairness: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

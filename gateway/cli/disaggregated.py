@@ -69,8 +69,10 @@ def disaggregation_layout(args: argparse.Namespace, config: EngineConfig, parse_
                                args.decode_replicas, remote_p, remote_d)
 
 
-def build_disaggregated(layout: DisaggregatedLayout, authkey: bytes, stall_timeout_s: float):
-    """The router over the layout's engines; local engine i of either kind takes GPU i of its kind's share."""
+def build_disaggregated(layout: DisaggregatedLayout, authkey: bytes, stall_timeout_s: float,
+                        fleet_fairness: bool = False):
+    """The router over the layout's engines; local engine i of either kind takes GPU i of its kind's share.
+    ``fleet_fairness``: tenant weights held over all of them (``gateway.fleet_fairness``)."""
     from engine.serving.async_engine import AsyncEngine
     from engine.serving.remote_engine import RemoteEngine
     from gateway.disaggregation import DisaggregatedEngines
@@ -85,4 +87,4 @@ def build_disaggregated(layout: DisaggregatedLayout, authkey: bytes, stall_timeo
     local_prefill, local_decode = layout.local_engines()
     prefill = local(local_prefill, 0) + remote(layout.prefill, layout.remote_prefill)
     decode = local(local_decode, layout.local_prefill) + remote(layout.decode, layout.remote_decode)
-    return DisaggregatedEngines(prefill, decode)
+    return DisaggregatedEngines(prefill, decode, fleet_fairness)

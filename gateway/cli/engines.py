@@ -19,11 +19,12 @@ def engine_authkey() -> bytes:
 
 
 def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[str, int]], authkey: bytes,
-                  policy: str, stall_timeout_s: float, group_remotes: int = 0):
+                  policy: str, stall_timeout_s: float, group_remotes: int = 0, fleet_fairness: bool = False):
     """The gateway's engine: one local engine process, or a router over ``local`` of them and the
     ``remote`` engines (``moegate engine --listen``); each is cut off after ``stall_timeout_s`` of silence
     with requests waiting. ``group_remotes``: how many of the remote engines are ranks of the local replicas'
-    expert group (all of them or none)."""
+    expert group (all of them or none). ``fleet_fairness``: the router's weighted-fair queue over the replicas
+    (``gateway.fleet_fairness``)."""
     from engine.serving.remote_engine import RemoteEngine
     from gateway.replica_router import ReplicaRouter
     from gateway.routing_policy import RouterConfig
@@ -45,7 +46,7 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
                               group_place=(local + i, group_size) if group_remotes else None)
                  for i, address in enumerate(remote)]
     names = [str(i) for i in range(local)] + [f"{host}:{port}" for host, port in remote]
-    return ReplicaRouter(replicas, names, RouterConfig(policy=policy))
+    return ReplicaRouter(replicas, names, RouterConfig(policy=policy, fleet_fairness=fleet_fairness))
 
 
 def _local_engine(config: EngineConfig, process_env: dict[str, str] | None, stall_timeout_s: float):

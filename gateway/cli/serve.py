@@ -77,10 +77,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     if disaggregated is not None:
-        engines = build_disaggregated(disaggregated, authkey, args.engine_stall_timeout)
+        engines = build_disaggregated(disaggregated, authkey, args.engine_stall_timeout, args.fleet_fairness)
     else:
         engines = build_engines(engine_config, args.local_replicas, remote, authkey, args.router,
-                                args.engine_stall_timeout, group_remotes)
+                                args.engine_stall_timeout, group_remotes, args.fleet_fairness)
     app = create_app(config, engines)
     try:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine request.
@@ -131,4 +131,8 @@ def register(subparsers) -> None:
     p.add_argument("--router", default=RouterConfig().policy, choices=POLICIES,
                    help="how requests are spread over replicas: by prefix-cache affinity traded against load "
                         "(default), or in turn")
+    p.add_argument("--fleet-fairness", action="store_true",
+                   help="with several engines: tenant weights hold over all of them (requests wait in the gateway "
+                        "until an engine has a free slot, and the tenant owed the most service over every engine "
+                        "goes next); without it each engine shares only its own capacity by weight")
     p.set_defaults(func=_serve)
