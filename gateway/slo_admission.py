@@ -1,0 +1,165 @@
+"""Admission by service-level objective: a request's time to first token predicted from the prefill queued ahead
+of it and the engine's measured step times; one its class's objective cannot be met is refused at once or
+queued, as the class says (``tenants.policy.ClassInfo.slo_action``). Each finished request is judged against its
+class's objectives (``judge``) for the ledger's and /metrics' goodput and attainment.
+
+The queue ahead is the gateway's own count: the prompt tokens of admitted requests that have not had their first
+token yet, by priority (the engine schedules a more urgent class first, and a class's own requests in order), and
+the sequences decoding, each of which takes one token of every step's budget. The step time is a line fitted to
+the engine's recent steps, ``ms = a + b * tokens`` (schedule plus execute time against the tokens it computed),
+read from the statistics each engine reports. Until an engine has reported a step there is nothing to predict
+from, and every request is admitted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from engine.serving.client import EngineClient
+from gateway.errors import APIError
+from gateway.replica_router import replicas_of
+from tenants.policy import ClassInfo
+
+REFUSED_CODE = "slo_unattainable"
+
+
+class StepTimes:
+    """``ms = a + b * tokens`` by least squares over the last ``window`` steps (a, b >= 0). Steps that all
+    computed the same number of tokens say nothing of ``b``: then every step is taken to cost their mean."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, tokens: int, ms: float) -> None:
+        if tokens > 0 and ms >= 0:
+            self.samples.append((tokens, ms))
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b), or None before any step."""
+        n = len(self.samples)
+        if n == 0:
+            return None
+        mean_t = sum(t for t, _ in self.samples) / n
+        mean_ms = sum(ms for _, ms in self.samples) / n
+        var_t = sum((t - mean_t) ** 2 for t, _ in self.samples)
+        if var_t == 0:
+            return mean_ms, 0.0
+        b = sum((t - mean_t) * (ms - mean_ms) for t, ms in self.samples) / var_t
+        if b <= 0:  # noise larger than the slope: no evidence that tokens cost time
+            return mean_ms, 0.0
+        a = mean_ms - b * mean_t
+        if a < 0:  # the line through the origin that keeps the slope's fit
+            return 0.0, sum(t * ms for t, ms in self.samples) / sum(t * t for t, _ in self.samples)
+        return a, b
+
+
+@dataclass(slots=True)
+class Prediction:
+    ttft_ms: float  # the request's predicted time to its first token
+    drain_ms: float  # predicted time until the prefill queued ahead of it is done (its Retry-After)
+
+
+class SloAdmission:
+    """The queue ahead and the step times of the gateway's engine (all its replicas as one pool)."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self.steps = StepTimes()
+        self.pending: dict[int, int] = {}  # priority -> prompt tokens admitted, first token not yet out
+        self.decoding = 0  # admitted sequences past their first token, not finished
+        self._seen: dict[str, object] = {}  # replica name -> the stats it reported last (sampled once)
+
+    def observe(self) -> None:
+        """Sample each replica's latest step, if it is new since the last look."""
+        for name, replica in replicas_of(self.engine):
+            stats = replica.stats
+            if stats is None or self._seen.get(name) is stats:
+                continue
+            self._seen[name] = stats
+            self.steps.add(stats.step_prefill_tokens + stats.step_decode_tokens,
+                           stats.step_schedule_ms + stats.step_execute_ms)
+
+    def predict(self, priority: int, prompt_tokens: int) -> Prediction | None:
+        """The first-token time of a request of ``priority`` with ``prompt_tokens`` to prefill, admitted now;
+        None before any step was measured."""
+        self.observe()
+        line = self.steps.line()
+        if line is None:
+            return None
+        a, b = line
+        replicas = max(1, sum(1 for _, r in replicas_of(self.engine) if r.dead is None))
+        budget = self.engine.config.max_num_batched_tokens
+        ahead = sum(tokens for p, tokens in self.pending.items() if p <= priority) / replicas
+        decode = min(self.decoding / replicas, budget - 1)  # each step's tokens for requests past their prefill
+        room = budget - decode
+
+        def time_to_prefill(tokens: float) -> float:
+            steps = max(1, math.ceil(tokens / room))
+            return steps * a + b * (tokens + steps * decode)
+
+        drain = time_to_prefill(ahead) if ahead else 0.0
+        return Prediction(time_to_prefill(ahead + prompt_tokens), drain)
+
+    def check(self, cls: ClassInfo, prompt_tokens: int) -> None:
+        """503 ``slo_unattainable`` with Retry-After if ``cls`` refuses requests predicted to miss its time to
+        first token and this one is; otherwise nothing (a class that queues admits it to wait)."""
+        if cls.ttft_slo_ms is None or cls.slo_action != "refuse":
+            return
+        predicted = self.predict(cls.priority, prompt_tokens)
+        if predicted is None or predicted.ttft_ms <= cls.ttft_slo_ms:
+            return
+        retry_s = max(1, math.ceil(predicted.drain_ms / 1e3))
+        raise APIError(503, f"priority class {cls.name!r} cannot meet its time-to-first-token objective of "
+                            f"{cls.ttft_slo_ms} ms now (predicted {predicted.ttft_ms:.0f} ms); retry after "
+                            f"{retry_s} s", "server_error", code=REFUSED_CODE, headers={"Retry-After": str(retry_s)})
+
+    def ticket(self, priority: int, prompt_tokens: int, sequences: int) -> Ticket:
+        """Count an admitted request's prompt as queued ahead of later ones until its first token."""
+        self.pending[priority] = self.pending.get(priority, 0) + prompt_tokens
+        return Ticket(self, priority, prompt_tokens, sequences)
+
+
+class Ticket:
+    """One admitted request's place in ``SloAdmission``'s counts: ``first_token`` moves it from prefill to
+    decoding, ``close`` takes it out (both idempotent)."""
+
+    __slots__ = ("slo", "priority", "prompt_tokens", "sequences", "state")
+
+    def __init__(self, slo: SloAdmission, priority: int, prompt_tokens: int, sequences: int) -> None:
+        self.slo, self.priority, self.prompt_tokens, self.sequences = slo, priority, prompt_tokens, sequences
+        self.state = "prefill"
+
+    def first_token(self) -> None:
+        if self.state == "prefill":
+            self.slo.pending[self.priority] -= self.prompt_tokens
+            self.slo.decoding += self.sequences
+            self.state = "decoding"
+            self.slo.observe()
+
+    def close(self) -> None:
+        if self.state == "prefill":
+            self.slo.pending[self.priority] -= self.prompt_tokens
+        elif self.state == "decoding":
+            self.slo.decoding -= self.sequences
+        self.state = "closed"
+
+
+def judge(cls: ClassInfo, status: int, ttft_s: float | None, mean_itl_s: float | None) -> bool | None:
+    """Whether a finished request met ``cls``'s objectives (None: the class has none). A request that failed,
+    or never produced a token, missed them; a mean inter-token time is judged only with two tokens or more."""
+    if not cls.has_objectives:
+        return None
+    if status != 200 or ttft_s is None:
+        return False
+    if cls.ttft_slo_ms is not None and ttft_s * 1e3 > cls.ttft_slo_ms:
+        return False
+    if cls.itl_slo_ms is not None and mean_itl_s is not None and mean_itl_s * 1e3 > cls.itl_slo_ms:
+        return False
+    return True
+
+
+SLO = web.AppKey("slo_admission", SloAdmission)
