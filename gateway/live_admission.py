@@ -102,7 +102,11 @@ class LiveAdmission:
                 app[METRICS].slo_outcome(tenant.name, cls.name, "refused")
             timer.finish(refused.status, None)
             raise
-        self.ticket = app[SLO].ticket(cls.priority, prompt_tokens, planned.sequences)
+        # Each sequence's expected output: its max_tokens, else the reservation's estimate (within the context).
+        longest = max(planned.prompt_lengths, default=0)
+        outputs = min(params.max_tokens if params.max_tokens is not None else config.default_reservation_tokens,
+                      max(1, app[ENGINE].info.max_model_len - longest))
+        self.ticket = app[SLO].ticket(cls.priority, prompt_tokens, planned.sequences, outputs)
         timer.on_first = self.ticket.first_token
         request[TIMER] = timer
         request[RATE_HEADERS] = rate_limit_headers(grant)

@@ -3,12 +3,19 @@ of it and the engine's measured step times; one its class's objective cannot be 
 queued, as the class says (``tenants.policy.ClassInfo.slo_action``). Each finished request is judged against its
 class's objectives (``judge``) for the ledger's and /metrics' goodput and attainment.
 
-The queue ahead is the gateway's own count: the prompt tokens of admitted requests that have not had their first
-token yet, by priority (the engine schedules a more urgent class first, and a class's own requests in order), and
-the sequences decoding, each of which takes one token of every step's budget. The step time is a line fitted to
-the engine's recent steps, ``ms = a + b * tokens`` (schedule plus execute time against the tokens it computed),
-read from the statistics each engine reports. Until an engine has reported a step there is nothing to predict
-from, and every request is admitted.
+The queue ahead is the gateway's own count of the requests it admitted and that have not finished: those of the
+request's class and of more urgent ones are ahead of it (the engine schedules a more urgent class first, and a
+class's own requests in order). Two things can hold a request back, and the prediction is the longer:
+
+* prefill: the prompt tokens ahead that have not had their first token, at a step budget of
+  ``max_num_batched_tokens`` less one token for each sequence decoding;
+* a sequence slot: with ``max_num_seqs`` sequences or more ahead, it waits for slots to free, each running
+  sequence holding one for about its expected output (``max_tokens``, or the default reservation; half of it for
+  one already decoding), slots freeing ``max_num_seqs`` at a time.
+
+The step time is a line fitted to the engine's recent steps, ``ms = a + b * tokens`` (schedule plus execute time
+against the tokens it computed), read from the statistics each engine reports. Until an engine has reported a step
+there is nothing to predict from, and every request is admitted.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ class SloAdmission:
         self.steps = StepTimes()
         self.pending: dict[int, int] = {}  # priority -> prompt tokens admitted, first token not yet out
         self.decoding = 0  # admitted sequences past their first token, not finished
+        self.open: set[Ticket] = set()  # admitted requests not finished
         self._seen: dict[str, object] = {}  # replica name -> the stats it reported last (sampled once)
 
     def observe(self) -> None:
@@ -92,7 +100,8 @@ class SloAdmission:
             return None
         a, b = line
         replicas = max(1, sum(1 for _, r in replicas_of(self.engine) if r.dead is None))
-        budget = self.engine.config.max_num_batched_tokens
+        config = self.engine.config
+        budget, slots = config.max_num_batched_tokens, config.max_num_seqs * replicas
         ahead = sum(tokens for p, tokens in self.pending.items() if p <= priority) / replicas
         decode = min(self.decoding / replicas, budget - 1)  # each step's tokens for requests past their prefill
         room = budget - decode
@@ -101,8 +110,18 @@ class SloAdmission:
             steps = max(1, math.ceil(tokens / room))
             return steps * a + b * (tokens + steps * decode)
 
-        drain = time_to_prefill(ahead) if ahead else 0.0
-        return Prediction(time_to_prefill(ahead + prompt_tokens), drain)
+        # Sequences ahead, and the steps each is expected to hold its slot.
+        seqs, holding = 0, 0.0
+        for t in self.open:
+            if t.priority <= priority:
+                seqs += t.sequences
+                holding += t.sequences * (t.outputs if t.state == "prefill" else t.outputs / 2)
+        wait = 0.0
+        if seqs >= slots:
+            rounds = math.ceil((seqs - slots + 1) / slots)  # slots free about max_num_seqs at a time
+            wait = rounds * (holding / seqs) * (a + b * min(budget, slots))
+        drain = max(time_to_prefill(ahead) if ahead else 0.0, wait)
+        return Prediction(max(time_to_prefill(ahead + prompt_tokens), wait + time_to_prefill(prompt_tokens)), drain)
 
     def check(self, cls: ClassInfo, prompt_tokens: int) -> None:
         """503 ``slo_unattainable`` with Retry-After if ``cls`` refuses requests predicted to miss its time to
@@ -117,20 +136,24 @@ class SloAdmission:
                             f"{cls.ttft_slo_ms} ms now (predicted {predicted.ttft_ms:.0f} ms); retry after "
                             f"{retry_s} s", "server_error", code=REFUSED_CODE, headers={"Retry-After": str(retry_s)})
 
-    def ticket(self, priority: int, prompt_tokens: int, sequences: int) -> Ticket:
-        """Count an admitted request's prompt as queued ahead of later ones until its first token."""
+    def ticket(self, priority: int, prompt_tokens: int, sequences: int, outputs: int) -> Ticket:
+        """Count an admitted request: its prompt as queued ahead of later ones until its first token, its
+        ``sequences`` as holding a slot each for about ``outputs`` steps until it finishes."""
         self.pending[priority] = self.pending.get(priority, 0) + prompt_tokens
-        return Ticket(self, priority, prompt_tokens, sequences)
+        ticket = Ticket(self, priority, prompt_tokens, sequences, outputs)
+        self.open.add(ticket)
+        return ticket
 
 
 class Ticket:
     """One admitted request's place in ``SloAdmission``'s counts: ``first_token`` moves it from prefill to
     decoding, ``close`` takes it out (both idempotent)."""
 
-    __slots__ = ("slo", "priority", "prompt_tokens", "sequences", "state")
+    __slots__ = ("slo", "priority", "prompt_tokens", "sequences", "outputs", "state")
 
-    def __init__(self, slo: SloAdmission, priority: int, prompt_tokens: int, sequences: int) -> None:
+    def __init__(self, slo: SloAdmission, priority: int, prompt_tokens: int, sequences: int, outputs: int) -> None:
         self.slo, self.priority, self.prompt_tokens, self.sequences = slo, priority, prompt_tokens, sequences
+        self.outputs = outputs  # expected output tokens of each sequence
         self.state = "prefill"
 
     def first_token(self) -> None:
@@ -145,6 +168,8 @@ class Ticket:
             self.slo.pending[self.priority] -= self.prompt_tokens
         elif self.state == "decoding":
             self.slo.decoding -= self.sequences
+        if self.state != "closed":
+            self.slo.open.discard(self)
         self.state = "closed"
 
 

@@ -47,8 +47,8 @@ def _simulate(a, b, budget, ahead, prompt, decoding) -> float:
     return elapsed
 
 
-def _slo(a, b, budget):
-    engine = SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=budget), dead=None,
+def _slo(a, b, budget, max_num_seqs=10**6):
+    engine = SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs), dead=None,
                              stats=SimpleNamespace(step_prefill_tokens=0, step_decode_tokens=0, step_schedule_ms=0,
                                                    step_execute_ms=0))
     slo = SloAdmission(engine)
@@ -63,7 +63,7 @@ def test_prediction_matches_a_simulated_queue():
     for _ in range(20):
         a, b, budget = rng.uniform(1, 30), rng.uniform(0, 0.2), rng.choice([32, 256, 2048])
         slo = _slo(a, b, budget)
-        tickets = [slo.ticket(rng.randrange(3), rng.randrange(1, 3000), 1) for _ in range(rng.randrange(8))]
+        tickets = [slo.ticket(rng.randrange(3), rng.randrange(1, 3000), 1, 16) for _ in range(rng.randrange(8))]
         for t in tickets[: len(tickets) // 2]:
             t.first_token()
         prompt, priority = rng.randrange(1, 2000), rng.randrange(3)
@@ -75,12 +75,12 @@ def test_prediction_matches_a_simulated_queue():
         for t in tickets:
             t.close()
             t.close()  # idempotent
-        assert sum(slo.pending.values()) == 0 and slo.decoding == 0
+        assert sum(slo.pending.values()) == 0 and slo.decoding == 0 and not slo.open
 
 
 def test_check_refuses_only_a_refusing_class_past_its_objective():
     slo = _slo(10.0, 0.0, 32)  # 10 ms a step, 32 tokens a step
-    slo.ticket(0, 32 * 9, 1)  # nine steps of realtime prefill queued
+    slo.ticket(0, 32 * 9, 1, 4)  # nine steps of realtime prefill queued
     refuse = ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=95, slo_action="refuse")
     with pytest.raises(Exception) as refused:
         slo.check(refuse, 1)  # ten steps: 100 ms > 95
@@ -93,8 +93,34 @@ def test_check_refuses_only_a_refusing_class_past_its_objective():
     assert math.isclose(slo.predict(5, 0).ttft_ms, 90.0)
     # A less urgent class's queue is not ahead of a more urgent one.
     calm = _slo(10.0, 0.0, 32)
-    calm.ticket(2, 32 * 50, 1)
+    calm.ticket(2, 32 * 50, 1, 4)
     calm.check(ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=10, slo_action="refuse"), 32)
+
+
+def _simulate_slots(slots: int, outputs: list[int], step_ms: float) -> float:
+    """Requests of one-token prompts taking ``slots`` sequence slots in order, each holding its slot for its
+    outputs' steps: the time until the slot of one more request opens."""
+    free_at = [0.0] * slots  # when each slot frees
+    for out in outputs:
+        i = min(range(slots), key=free_at.__getitem__)
+        free_at[i] += out * step_ms
+    return min(free_at)
+
+
+def test_prediction_waits_for_a_sequence_slot():
+    rng = random.Random()
+    for _ in range(10):
+        slots, out, step = rng.randrange(2, 16), rng.randrange(2, 64), rng.uniform(5, 50)
+        queued = rng.randrange(slots, 5 * slots)
+        slo = _slo(step, 0.0, 4096, max_num_seqs=slots)
+        for _ in range(queued):
+            slo.ticket(0, 1, 1, out)
+        predicted = slo.predict(0, 1)
+        # Every request ahead just admitted with the same output: slots free max_num_seqs at a time, exactly.
+        assert predicted.ttft_ms == pytest.approx(_simulate_slots(slots, [out] * queued, step) + step)
+        assert predicted.drain_ms == pytest.approx(_simulate_slots(slots, [out] * queued, step))
+        # A less urgent class's requests do not hold the slots of a more urgent one (it preempts them).
+        assert slo.predict(-1, 1).ttft_ms == pytest.approx(step)
 
 
 def test_judge():
