@@ -125,7 +125,10 @@ def _arm_numbers(args, records: list, run_s: float, objectives: dict) -> dict:
         good_total += len(good)
         good_tokens += sum(r.completion_tokens for r in good)
         refused = [r for r in mine if r.status in (429, 503)]
+        ok = [r for r in mine if r.ok]
         by_class[cls] = {"sent": len(mine), "refused": len(refused), "met": len(good),
+                         "missed_ttft": sum(1 for r in ok if not meets_slo(r, {"ttft": objectives[cls]["ttft"]})),
+                         "missed_itl": sum(1 for r in ok if not meets_slo(r, {"itl": objectives[cls]["itl"]})),
                          "attainment": len(good) / len(mine) if mine else None,
                          "refusal_ms_max": max(((r.end_s - r.sent_s) * 1e3 for r in refused), default=None)}
     return {"sent": len(records), "refused": sum(c["refused"] for c in by_class.values()),
@@ -183,6 +186,8 @@ def _print(out: dict) -> None:
             ("goodput tok/s", lambda a: f"{a['goodput_tokens_per_s']:.1f}"),
             ("realtime attainment", lambda a: _pct(a["classes"]["realtime"]["attainment"])),
             ("standard attainment", lambda a: _pct(a["classes"]["standard"]["attainment"])),
+            ("served, missed ttft", lambda a: sum(c["missed_ttft"] for c in a["classes"].values())),
+            ("served, missed itl", lambda a: sum(c["missed_itl"] for c in a["classes"].values())),
             ("slowest refusal ms", lambda a: _ms(a["classes"])),
             ("run s (with drain)", lambda a: f"{a['run_s']:.1f}")]
     print(f"{'':22}{'without':>12}{'with':>12}")

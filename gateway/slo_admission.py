@@ -14,13 +14,17 @@ class's own requests in order). Two things can hold a request back, and the pred
   one already decoding), slots freeing ``max_num_seqs`` at a time.
 
 The step time is a line fitted to the engine's recent steps, ``ms = a + b * tokens`` (schedule plus execute time
-against the tokens it computed), read from the statistics each engine reports. Until an engine has reported a step
-there is nothing to predict from, and every request is admitted.
+against the tokens it computed), read from the statistics each engine reports. What that leaves out (the time
+between steps, the pipes, the gateway's own queue, a machine shared with other work) is learnt from the requests
+themselves: each admitted request's first-token time against the one predicted for it, as a factor (a moving
+geometric mean, ``correction``) every prediction is multiplied by. Until an engine has reported a step there is
+nothing to predict from, and every request is admitted.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,6 +36,8 @@ from gateway.replica_router import replicas_of
 from tenants.policy import ClassInfo
 
 REFUSED_CODE = "slo_unattainable"
+CORRECTION_WEIGHT = 0.1  # of each new request in the moving mean of actual / predicted first-token times
+CORRECTION_RANGE = (0.25, 20.0)  # one request's ratio is clamped to this before it counts
 
 
 class StepTimes:
@@ -79,6 +85,7 @@ class SloAdmission:
         self.pending: dict[int, int] = {}  # priority -> prompt tokens admitted, first token not yet out
         self.decoding = 0  # admitted sequences past their first token, not finished
         self.open: set[Ticket] = set()  # admitted requests not finished
+        self.correction = 1.0  # actual / predicted first-token times, moving geometric mean
         self._seen: dict[str, object] = {}  # replica name -> the stats it reported last (sampled once)
 
     def observe(self) -> None:
@@ -92,8 +99,24 @@ class SloAdmission:
                            stats.step_schedule_ms + stats.step_execute_ms)
 
     def predict(self, priority: int, prompt_tokens: int) -> Prediction | None:
-        """The first-token time of a request of ``priority`` with ``prompt_tokens`` to prefill, admitted now;
-        None before any step was measured."""
+        """The first-token time of a request of ``priority`` with ``prompt_tokens`` to prefill, admitted now
+        (times ``correction``); None before any step was measured."""
+        raw = self.predict_uncorrected(priority, prompt_tokens)
+        if raw is None:
+            return None
+        return Prediction(raw.ttft_ms * self.correction, raw.drain_ms * self.correction)
+
+    def learn(self, predicted_ms: float, actual_ms: float) -> None:
+        """One request's first-token time against its uncorrected prediction, into ``correction``."""
+        if predicted_ms <= 0:
+            return
+        low, high = CORRECTION_RANGE
+        ratio = min(high, max(low, actual_ms / predicted_ms))
+        self.correction = math.exp((1 - CORRECTION_WEIGHT) * math.log(self.correction)
+                                   + CORRECTION_WEIGHT * math.log(ratio))
+
+    def predict_uncorrected(self, priority: int, prompt_tokens: int) -> Prediction | None:
+        """``predict`` from the step times and the queue alone."""
         self.observe()
         line = self.steps.line()
         if line is None:
@@ -139,8 +162,10 @@ class SloAdmission:
     def ticket(self, priority: int, prompt_tokens: int, sequences: int, outputs: int) -> Ticket:
         """Count an admitted request: its prompt as queued ahead of later ones until its first token, its
         ``sequences`` as holding a slot each for about ``outputs`` steps until it finishes."""
+        predicted = self.predict_uncorrected(priority, prompt_tokens)
         self.pending[priority] = self.pending.get(priority, 0) + prompt_tokens
-        ticket = Ticket(self, priority, prompt_tokens, sequences, outputs)
+        ticket = Ticket(self, priority, prompt_tokens, sequences, outputs,
+                        None if predicted is None else predicted.ttft_ms)
         self.open.add(ticket)
         return ticket
 
@@ -149,11 +174,14 @@ class Ticket:
     """One admitted request's place in ``SloAdmission``'s counts: ``first_token`` moves it from prefill to
     decoding, ``close`` takes it out (both idempotent)."""
 
-    __slots__ = ("slo", "priority", "prompt_tokens", "sequences", "outputs", "state")
+    __slots__ = ("slo", "priority", "prompt_tokens", "sequences", "outputs", "predicted_ms", "admitted_at", "state")
 
-    def __init__(self, slo: SloAdmission, priority: int, prompt_tokens: int, sequences: int, outputs: int) -> None:
+    def __init__(self, slo: SloAdmission, priority: int, prompt_tokens: int, sequences: int, outputs: int,
+                 predicted_ms: float | None = None) -> None:
         self.slo, self.priority, self.prompt_tokens, self.sequences = slo, priority, prompt_tokens, sequences
         self.outputs = outputs  # expected output tokens of each sequence
+        self.predicted_ms = predicted_ms  # its uncorrected first-token prediction (None: nothing measured yet)
+        self.admitted_at = time.perf_counter()
         self.state = "prefill"
 
     def first_token(self) -> None:
@@ -161,6 +189,8 @@ class Ticket:
             self.slo.pending[self.priority] -= self.prompt_tokens
             self.slo.decoding += self.sequences
             self.state = "decoding"
+            if self.predicted_ms is not None:
+                self.slo.learn(self.predicted_ms, (time.perf_counter() - self.admitted_at) * 1e3)
             self.slo.observe()
 
     def close(self) -> None:

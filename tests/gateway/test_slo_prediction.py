@@ -69,7 +69,7 @@ def test_prediction_matches_a_simulated_queue():
         prompt, priority = rng.randrange(1, 2000), rng.randrange(3)
         ahead = sum(t.prompt_tokens for t in tickets if t.state == "prefill" and t.priority <= priority)
         decoding = sum(1 for t in tickets if t.state == "decoding")
-        predicted = slo.predict(priority, prompt)
+        predicted = slo.predict_uncorrected(priority, prompt)  # first tokens above taught it a correction
         assert predicted.ttft_ms == pytest.approx(_simulate(a, b, budget, ahead, prompt, decoding), rel=1e-9)
         assert predicted.drain_ms == pytest.approx(_simulate(a, b, budget, ahead, 0, decoding) if ahead else 0)
         for t in tickets:
@@ -121,6 +121,25 @@ def test_prediction_waits_for_a_sequence_slot():
         assert predicted.drain_ms == pytest.approx(_simulate_slots(slots, [out] * queued, step))
         # A less urgent class's requests do not hold the slots of a more urgent one (it preempts them).
         assert slo.predict(-1, 1).ttft_ms == pytest.approx(step)
+
+
+def test_correction_learns_what_the_steps_leave_out():
+    slo = _slo(10.0, 0.0, 32)
+    assert slo.predict(0, 1).ttft_ms == pytest.approx(10.0)
+    ratios = [2.5 * (1.1 if i % 2 else 1 / 1.1) for i in range(200)]  # noisy around 2.5x
+    for r in ratios:
+        slo.learn(10.0, 10.0 * r)
+    assert slo.correction == pytest.approx(2.5, rel=0.06)
+    assert slo.predict(0, 1).ttft_ms == pytest.approx(10.0 * slo.correction)
+    slo.learn(10.0, 1e9)  # one outlier moves it by at most CORRECTION_WEIGHT of log(20 / 2.5)
+    assert slo.correction < 2.5 * 1.1 * (20 / 2.5) ** 0.1
+    # A ticket teaches it its own first-token time against its uncorrected prediction.
+    fresh = _slo(10.0, 0.0, 32)
+    t = fresh.ticket(0, 1, 1, 4)
+    assert t.predicted_ms == pytest.approx(10.0)
+    t.admitted_at -= 0.05  # admitted 50 ms ago
+    t.first_token()
+    assert fresh.correction == pytest.approx(math.exp(0.1 * math.log(5.0)), rel=0.05)
 
 
 def test_judge():
