@@ -56,7 +56,9 @@ def _start(args, root: Path, url: str):
     port = free_port()
     proc, _ = start_server(model, url, port, "--served-model-name", "bench", "--data-dir", str(root / "data"),
                            "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
-                           "--max-num-batched-tokens", str(args.max_num_batched_tokens), expect_key=False)
+                           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                           # Both arms of a round send the same prompts: the second would find them cached.
+                           "--no-prefix-caching", expect_key=False)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -115,8 +117,8 @@ async def _round(args, base: str, keys: dict, rate: float, objectives: dict, see
     return result.records, result.duration_s
 
 
-def _arm_numbers(args, records: list, run_s: float, objectives: dict) -> dict:
-    sending_s = args.duration * args.rounds
+def _arm_numbers(args, records: list, run_s: float, objectives: dict, rounds: int | None = None) -> dict:
+    sending_s = args.duration * (rounds or args.rounds)
     by_class = {}
     good_total, good_tokens = 0, 0
     for cls in CLASSES.values():
@@ -156,6 +158,7 @@ async def bench(args) -> dict:
             rate = args.load * capacity["requests_per_s"]
             records: dict[str, list] = {"without": [], "with": []}
             run_s = {"without": 0.0, "with": 0.0}
+            rounds = []
             # Rounds alternate the arms (and which goes first), the same arrivals for both within a round, so
             # a machine whose speed drifts (shared cores) favours neither.
             for i in range(args.rounds):
@@ -166,13 +169,17 @@ async def bench(args) -> dict:
                     got, seconds = await _round(args, base, keys, rate, objectives, args.seed + i)
                     records[arm] += got
                     run_s[arm] += seconds
+                    one = _arm_numbers(args, got, seconds, objectives, rounds=1)
+                    rounds.append({"round": i, "arm": arm, "refused": one["refused"],
+                                   "goodput_requests_per_s": one["goodput_requests_per_s"],
+                                   "realtime_attainment": one["classes"]["realtime"]["attainment"]})
             arms = {arm: _arm_numbers(args, records[arm], run_s[arm], objectives) for arm in records}
         finally:
             stop_server(proc)
     return {"machine": machine_info(), "date": time.strftime("%Y-%m-%d", time.gmtime()), "args": vars(args),
             "capacity": capacity, "rate_per_s": rate,
             "objectives_ms": {c: {k: round(v * 1e3, 1) for k, v in b.items()} for c, b in objectives.items()},
-            "arms": arms}
+            "arms": arms, "rounds": rounds}
 
 
 def _print(out: dict) -> None:
@@ -193,6 +200,9 @@ def _print(out: dict) -> None:
     print(f"{'':22}{'without':>12}{'with':>12}")
     for name, get in rows:
         print(f"{name:22}{get(out['arms']['without']):>12}{get(out['arms']['with']):>12}")
+    for r in out["rounds"]:
+        print(f"round {r['round']} {r['arm']:>8}: refused {r['refused']}, goodput {r['goodput_requests_per_s']:.2f} "
+              f"req/s, realtime attainment {_pct(r['realtime_attainment'])}")
     without, with_ = out["arms"]["without"]["goodput_requests_per_s"], out["arms"]["with"]["goodput_requests_per_s"]
     print(f"goodput ratio with/without: {with_ / without:.2f}x" if without else "goodput without admission: 0")
 
