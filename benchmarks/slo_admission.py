@@ -7,7 +7,7 @@ side in one run.
                                        [--max-num-batched-tokens 512] [--json PATH]
 
 ``moegate serve`` in a process of its own, on loopback (the demo model unless ``--model``; SQLite in a temporary
-directory), the load from this one. First the capacity: a closed loop of ``max_num_seqs`` streams (a full batch, nothing waiting) for
+directory; prefix caching off, as both arms of a round send the same prompts), the load from this one. First the capacity: a closed loop of ``max_num_seqs`` streams (a full batch, nothing waiting) for
 ``--capacity-s`` gives the requests per second the server completes, and its time to first token and mean
 inter-token latency at that load. The objectives follow from them (unless given): realtime's time to first token
 ``--rt-ttft-x`` times the closed loop's median, standard's ``--std-ttft-x`` times; both classes' mean inter-token
