@@ -16,8 +16,9 @@ class's own requests in order). Two things can hold a request back, and the pred
 The step time is a line fitted to the engine's recent steps, ``ms = a + b * tokens`` (schedule plus execute time
 against the tokens it computed), read from the statistics each engine reports. What that leaves out (the time
 between steps, the pipes, the gateway's own queue, a machine shared with other work) is learnt from the requests
-themselves: each admitted request's first-token time against the one predicted for it, as a factor (a moving
-geometric mean, ``correction``) every prediction is multiplied by. Until an engine has reported a step there is
+themselves: each admitted request's first-token time against the one predicted for it, as a factor per priority
+(a moving geometric mean, ``correction``) its predictions are multiplied by. Per priority, because what the queue
+leaves out differs by class: a less urgent class also waits for the more urgent requests that arrive after it. Until an engine has reported a step there is
 nothing to predict from, and every request is admitted.
 """
 
@@ -85,7 +86,7 @@ class SloAdmission:
         self.pending: dict[int, int] = {}  # priority -> prompt tokens admitted, first token not yet out
         self.decoding = 0  # admitted sequences past their first token, not finished
         self.open: set[Ticket] = set()  # admitted requests not finished
-        self.correction = 1.0  # actual / predicted first-token times, moving geometric mean
+        self.correction: dict[int, float] = {}  # priority -> actual / predicted first-token times (geometric mean)
         self._seen: dict[str, object] = {}  # replica name -> the stats it reported last (sampled once)
 
     def observe(self) -> None:
@@ -104,16 +105,17 @@ class SloAdmission:
         raw = self.predict_uncorrected(priority, prompt_tokens)
         if raw is None:
             return None
-        return Prediction(raw.ttft_ms * self.correction, raw.drain_ms * self.correction)
+        factor = self.correction.get(priority, 1.0)
+        return Prediction(raw.ttft_ms * factor, raw.drain_ms * factor)
 
-    def learn(self, predicted_ms: float, actual_ms: float) -> None:
-        """One request's first-token time against its uncorrected prediction, into ``correction``."""
+    def learn(self, priority: int, predicted_ms: float, actual_ms: float) -> None:
+        """One request's first-token time against its uncorrected prediction, into its priority's ``correction``."""
         if predicted_ms <= 0:
             return
         low, high = CORRECTION_RANGE
         ratio = min(high, max(low, actual_ms / predicted_ms))
-        self.correction = math.exp((1 - CORRECTION_WEIGHT) * math.log(self.correction)
-                                   + CORRECTION_WEIGHT * math.log(ratio))
+        self.correction[priority] = math.exp((1 - CORRECTION_WEIGHT) * math.log(self.correction.get(priority, 1.0))
+                                             + CORRECTION_WEIGHT * math.log(ratio))
 
     def predict_uncorrected(self, priority: int, prompt_tokens: int) -> Prediction | None:
         """``predict`` from the step times and the queue alone."""
@@ -190,7 +192,7 @@ class Ticket:
             self.slo.decoding += self.sequences
             self.state = "decoding"
             if self.predicted_ms is not None:
-                self.slo.learn(self.predicted_ms, (time.perf_counter() - self.admitted_at) * 1e3)
+                self.slo.learn(self.priority, self.predicted_ms, (time.perf_counter() - self.admitted_at) * 1e3)
             self.slo.observe()
 
     def close(self) -> None:

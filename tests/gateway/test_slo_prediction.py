@@ -128,18 +128,19 @@ def test_correction_learns_what_the_steps_leave_out():
     assert slo.predict(0, 1).ttft_ms == pytest.approx(10.0)
     ratios = [2.5 * (1.1 if i % 2 else 1 / 1.1) for i in range(200)]  # noisy around 2.5x
     for r in ratios:
-        slo.learn(10.0, 10.0 * r)
-    assert slo.correction == pytest.approx(2.5, rel=0.06)
-    assert slo.predict(0, 1).ttft_ms == pytest.approx(10.0 * slo.correction)
-    slo.learn(10.0, 1e9)  # one outlier moves it by at most CORRECTION_WEIGHT of log(20 / 2.5)
-    assert slo.correction < 2.5 * 1.1 * (20 / 2.5) ** 0.1
+        slo.learn(0, 10.0, 10.0 * r)
+    assert slo.correction[0] == pytest.approx(2.5, rel=0.06)
+    assert slo.predict(0, 1).ttft_ms == pytest.approx(10.0 * slo.correction[0])
+    assert slo.predict(1, 1).ttft_ms == pytest.approx(10.0)  # another priority learns its own
+    slo.learn(0, 10.0, 1e9)  # one outlier moves it by at most CORRECTION_WEIGHT of log(20 / 2.5)
+    assert slo.correction[0] < 2.5 * 1.1 * (20 / 2.5) ** 0.1
     # A ticket teaches it its own first-token time against its uncorrected prediction.
     fresh = _slo(10.0, 0.0, 32)
     t = fresh.ticket(0, 1, 1, 4)
     assert t.predicted_ms == pytest.approx(10.0)
     t.admitted_at -= 0.05  # admitted 50 ms ago
     t.first_token()
-    assert fresh.correction == pytest.approx(math.exp(0.1 * math.log(5.0)), rel=0.05)
+    assert fresh.correction[0] == pytest.approx(math.exp(0.1 * math.log(5.0)), rel=0.05)
 
 
 def test_judge():
