@@ -1,7 +1,8 @@
 """SLO admission against a real gateway and engine process on the demo model, each step slowed by a known
 ``STEP_S`` (tests/gateway/slow_step.py), so a queue of prefill takes, and is predicted to take, at least a known
 time: a realtime request behind it is refused at once with Retry-After; a class that queues admits it and counts it
-missed; a flood of a less urgent class does not refuse it; the verdicts reach /metrics and the ledger."""
+missed; the verdicts reach /metrics and the ledger. (That a less urgent class's queue is not ahead of realtime's is
+tests/gateway/test_slo_prediction.py's.)"""
 
 import asyncio
 import time
@@ -70,7 +71,6 @@ def test_slo_admission_refuses_queues_and_counts(tmp_path):
         app = srv.server.app
         base = srv.base_url
 
-
         async def scenario():
             async with aiohttp.ClientSession() as session:
                 # Warm: a step measured, every key's policy cached. Nothing measured yet: admitted.
@@ -79,11 +79,6 @@ def test_slo_admission_refuses_queues_and_counts(tmp_path):
                     assert status == 200
                 a, b = app[SLO].steps.line()
                 assert a + b * 3 >= STEP_S * 1e3  # the injected step time is measured
-
-                # A flood of a less urgent class is not ahead of realtime: admitted.
-                bg = await _flood_queued(session, base, keys["bg"], app, priority=2)
-                assert (await _complete(session, base, keys["rt"], [5, 6, 7]))[0] == 200
-                await asyncio.gather(*bg)
 
                 # A flood as urgent as realtime: a realtime request is refused at once, with Retry-After.
                 tasks = await _flood_queued(session, base, keys["flood"], app, priority=0)
@@ -96,7 +91,7 @@ def test_slo_admission_refuses_queues_and_counts(tmp_path):
                 assert q[0] == 200
                 for t in tasks:
                     assert (await t)[0] == 200
-                # The queue drained: realtime admitted again, and within its objective.
+                # The queue drained: realtime admitted again.
                 assert (await _complete(session, base, keys["rt"], [5, 6, 7]))[0] == 200
 
                 async with session.get(f"{base.removesuffix('/v1')}/metrics",
@@ -116,9 +111,9 @@ def test_slo_admission_refuses_queues_and_counts(tmp_path):
     # FLOOD * 200 / BUDGET steps of STEP_S), are certain.
     rt = {o: value("moegate_slo_requests_total", "rt", "realtime", outcome=o) for o in ("met", "missed", "refused")}
     q = {o: value("moegate_slo_requests_total", "q", "rtq", outcome=o) for o in ("met", "missed", "refused")}
-    assert rt["refused"] == 1 and rt["met"] + rt["missed"] == 3
+    assert rt["refused"] == 1 and rt["met"] + rt["missed"] == 2
     assert q["refused"] == 0 and q["missed"] >= 1 and q["met"] + q["missed"] == 2
-    assert value("moegate_slo_attainment", "rt", "realtime") == pytest.approx(rt["met"] / 4)
+    assert value("moegate_slo_attainment", "rt", "realtime") == pytest.approx(rt["met"] / 3)
     assert value("moegate_slo_attainment", "q", "rtq") == pytest.approx(q["met"] / 2)
     assert value("moegate_goodput_tokens_total", "rt", "realtime") == 2 * rt["met"]
     assert value("moegate_goodput_tokens_total", "flood", "flooder") == 2 * (FLOOD + 1)  # no objectives: all good
@@ -132,7 +127,7 @@ def test_slo_admission_refuses_queues_and_counts(tmp_path):
             await store.close()
 
     rows = asyncio.run(ledger())
-    assert (rows["realtime"]["slo_requests"], rows["realtime"]["slo_met"]) == (3, rt["met"])  # the refusal never ran
+    assert (rows["realtime"]["slo_requests"], rows["realtime"]["slo_met"]) == (2, rt["met"])  # the refusal never ran
     assert rows["realtime"]["goodput_tokens"] == 2 * rt["met"]
     assert (rows["rtq"]["slo_requests"], rows["rtq"]["slo_met"]) == (2, q["met"])
-    assert rows["batch"]["slo_requests"] == 0 and rows["batch"]["goodput_tokens"] == 2 * (FLOOD + 1)
+    assert rows["batch"]["slo_requests"] == 0 and rows["batch"]["goodput_tokens"] == 2
