@@ -20,6 +20,7 @@ from aiohttp import web
 from engine.serving.async_engine import EngineError, RequestRejectedError
 from engine.serving.client import EngineClient
 from gateway.admission import INFLIGHT, QUOTAS, SETTLEMENTS, Settlements
+from gateway.slo_admission import SLO, SloAdmission
 from gateway.app_keys import CONFIG, DRAINING, ENGINE, LEDGER
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, auth_middleware, require_token
 from gateway import admin_lora, cors, pipeline
@@ -268,6 +269,7 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     batch_api.add_routes(app)
     responses_api.add_routes(app, _run, lambda: _model_name(app), config.responses_retention_s)
     app[METRICS] = GatewayMetrics(engine)
+    app[SLO] = SloAdmission(engine)
     app.cleanup_ctx.append(serve_metrics)
     _add_routes(app, config)
     return app

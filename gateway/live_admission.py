@@ -22,6 +22,7 @@ from gateway.errors import APIError
 from gateway.metrics import METRICS, RequestTimer
 from gateway.pipeline import Outputs, Planned
 from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
+from gateway.slo_admission import REFUSED_CODE, SLO, Ticket, judge
 from gateway.stream_journal import JOURNALED, STREAM_JOURNAL, JournaledStream
 from tenants.quota import Granted
 from tenants.store import UsageRecord
@@ -62,6 +63,7 @@ class LiveAdmission:
         self.principal: Principal = request[PRINCIPAL]
         self.sequences = 0
         self.grant: Granted | None = None
+        self.ticket: Ticket | None = None  # its place in SLO admission's queue ahead
         self.started_at = None
 
     def check_open(self) -> None:
@@ -90,12 +92,22 @@ class LiveAdmission:
         reserved = reservation(planned.prompt_lengths, params.n, params.max_tokens, app[ENGINE].info.max_model_len,
                                config.default_reservation_tokens)
         timer = RequestTimer(app[METRICS], tenant.name, cls.name, self.adapter)
+        prompt_tokens = sum(planned.prompt_lengths)
         try:
+            app[SLO].check(cls, prompt_tokens)  # no await: a refusal is answered at once
             grant = await admit(app, config.max_inflight_by_priority, cls, tenant.id, planned.sequences, reserved)
         except APIError as refused:
             app[METRICS].rejections.labels(tenant.name, cls.name, refused.code or str(refused.status)).inc()
+            if refused.code == REFUSED_CODE:
+                app[METRICS].slo_outcome(tenant.name, cls.name, "refused")
             timer.finish(refused.status, None)
             raise
+        # Each sequence's expected output: its max_tokens, else the reservation's estimate (within the context).
+        longest = max(planned.prompt_lengths, default=0)
+        outputs = min(params.max_tokens if params.max_tokens is not None else config.default_reservation_tokens,
+                      max(1, app[ENGINE].info.max_model_len - longest))
+        self.ticket = app[SLO].ticket(cls.priority, prompt_tokens, planned.sequences, outputs)
+        timer.on_first = self.ticket.first_token
         request[TIMER] = timer
         request[RATE_HEADERS] = rate_limit_headers(grant)
         return grant
@@ -108,16 +120,23 @@ class LiveAdmission:
         """The class's sequences released; the usage (None if it never started) to the timer and the ledger."""
         request = self.request
         app, choices = request.app, request[CHOICES]
-        release(app, self.principal.priority_class, self.sequences)
+        cls, timer = self.principal.priority_class, request[TIMER]
+        release(app, cls, self.sequences)
+        self.ticket.close()
         status = final_status(status, choices)
         usage: UsageRecord | None = None
+        completion_tokens = choices.num_output_tokens if choices.started else 0
+        met = judge(cls, status, timer.ttft_s(), timer.mean_itl_s(completion_tokens))
         if choices.started:
             usage = self.usage_record(
-                prompt_tokens=choices.num_prompt_tokens, completion_tokens=choices.num_output_tokens,
+                prompt_tokens=choices.num_prompt_tokens, completion_tokens=completion_tokens,
                 cached_prompt_tokens=choices.num_cached_tokens, finish_reason=choices.finish_reason or "abort",
-                finished_at=utcnow(), http_status=status,
+                finished_at=utcnow(), http_status=status, priority_class=cls.name, slo_met=met,
             )
-        request[TIMER].finish(status, usage)
+        app[METRICS].slo_outcome(self.principal.tenant.name, cls.name,
+                                 "none" if met is None else "met" if met else "missed",
+                                 completion_tokens if status == 200 and met is not False else 0)
+        timer.finish(status, usage)
         if outputs is None or choices.finished:
             # Nothing left to abort: hand the usage over now, with no await before it. Going through
             # a shielded task costs every request a turn of the event loop behind whatever else is

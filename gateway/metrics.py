@@ -3,7 +3,7 @@
 import time
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.engine_metrics import EngineCollector
@@ -36,6 +36,16 @@ class GatewayMetrics:
                                              ["adapter"], registry=r)
         self.adapter_completion_tokens = Counter("moegate_adapter_completion_tokens",
                                                  "completion tokens under a LoRA adapter", ["adapter"], registry=r)
+        # Service-level objectives (the priority class's, gateway/slo_admission.py): each request of a class with
+        # objectives met them, missed them, or was refused by SLO admission; goodput counts the completion tokens
+        # of requests that met theirs (or whose class has none); attainment is met / all three so far.
+        self.slo_requests = Counter("moegate_slo_requests", "requests of classes with objectives, by outcome: met, "
+                                    "missed, refused (by SLO admission)", labels + ["outcome"], registry=r)
+        self.goodput_tokens = Counter("moegate_goodput_tokens", "completion tokens of requests that met their "
+                                      "class's objectives (or whose class has none)", labels, registry=r)
+        self.slo_attainment = Gauge("moegate_slo_attainment", "requests that met their class's objectives / "
+                                    "requests judged or refused, since start", labels, registry=r)
+        self._slo_counts: dict[tuple[str, str], list[int]] = {}  # (tenant, class) -> [met, judged or refused]
         r.register(EngineCollector(engine))
         self._series: dict[tuple[str, str], _Series] = {}
 
@@ -48,6 +58,24 @@ class GatewayMetrics:
                 self._series.clear()
             found = self._series[(tenant, priority_class)] = _Series(self, (tenant, priority_class))
         return found
+
+    def slo_outcome(self, tenant: str, priority_class: str, outcome: str, completion_tokens: int = 0) -> None:
+        """One request's verdict: ``outcome`` met, missed or refused, or "none" for a finished request of a class
+        without objectives (its tokens are goodput, it is not judged)."""
+        if outcome in ("met", "none"):
+            self.goodput_tokens.labels(tenant, priority_class).inc(completion_tokens)
+        if outcome == "none":
+            return
+        self.slo_requests.labels(tenant, priority_class, outcome).inc()
+        key = (tenant, priority_class)
+        counts = self._slo_counts.get(key)
+        if counts is None:
+            if len(self._slo_counts) >= 10_000:
+                self._slo_counts.clear()
+            counts = self._slo_counts[key] = [0, 0]
+        counts[0] += outcome == "met"
+        counts[1] += 1
+        self.slo_attainment.labels(tenant, priority_class).set(counts[0] / counts[1])
 
     def render(self) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -75,16 +103,30 @@ class _Series:
 class RequestTimer:
     """Latency bookkeeping for one request; feeds TTFT, inter-token and end-to-end histograms."""
 
-    __slots__ = ("series", "start", "last", "metrics", "adapter")
+    __slots__ = ("series", "start", "last", "first_at", "on_first", "metrics", "adapter")
 
     def __init__(self, metrics: GatewayMetrics, tenant: str, priority_class: str, adapter: str | None = None) -> None:
         self.series = metrics.series(tenant, priority_class)
         self.metrics, self.adapter = metrics, adapter  # adapter: the LoRA adapter the request runs under
         self.start = self.last = time.perf_counter()
+        self.first_at: float | None = None  # when the first output came
+        self.on_first = None  # called at the first output (SLO admission's count of the prefill queued ahead)
+
+    def ttft_s(self) -> float | None:
+        return None if self.first_at is None else self.first_at - self.start
+
+    def mean_itl_s(self, completion_tokens: int) -> float | None:
+        """The mean time between the request's tokens after its first (None with fewer than two)."""
+        if self.first_at is None or completion_tokens < 2:
+            return None
+        return (self.last - self.first_at) / (completion_tokens - 1)
 
     def delta(self, first: bool, queue_time_s: float | None = None) -> None:
         now = time.perf_counter()
         if first:
+            self.first_at = now
+            if self.on_first is not None:
+                self.on_first()
             if queue_time_s is not None:
                 self.series.queue.observe(queue_time_s)
             self.series.ttft.observe(now - self.start)

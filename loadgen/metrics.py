@@ -4,6 +4,10 @@ Percentiles interpolate linearly between closest ranks (numpy's default).
 Goodput counts successful requests within every SLO bound: ttft, tpot and
 e2e per request, itl on the request's mean inter-token latency; a request
 with fewer than two tokens has no tpot/itl and is judged on the other bounds.
+Each priority class may have its own bounds (``slo_by_priority``), which replace
+the run's for its requests. Attainment is the share of a group's requests,
+refused and failed ones included, that met their bounds; goodput tokens are the
+completion tokens of those requests.
 
 Fairness: a tenant's service is its served tokens (prompt + completion of
 requests answered 200). Its normalised share is (its share of all service) /
@@ -62,9 +66,14 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     return all(checks[k] is None or checks[k] <= bound for k, bound in slo.items())
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict:
-    """One group's numbers (a run, a tenant, a priority class). Rates are over the run's ``duration_s``."""
-    slo = slo or {}
+def summarize(records: Sequence[RequestRecord], duration_s: float, slo: dict[str, float] | None = None,
+              slo_by_priority: dict[str, dict[str, float]] | None = None) -> dict:
+    """One group's numbers (a run, a tenant, a priority class). Rates are over the run's ``duration_s``; a record
+    is judged by its priority class's bounds in ``slo_by_priority``, else by ``slo``."""
+    slo, by_priority = slo or {}, slo_by_priority or {}
+
+    def bounds(r: RequestRecord) -> dict[str, float]:
+        return by_priority.get(r.priority, slo)
     ok = [r for r in records if r.ok]
     dur = max(duration_s, 1e-9)
     errors: dict[str, int] = defaultdict(int)
@@ -75,7 +84,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: dict[str
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     completion = sum(r.completion_tokens for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
-    good = sum(1 for r in ok if meets_slo(r, slo))
+    judged = [r for r in records if bounds(r)]
+    good = [r for r in ok if bounds(r) and meets_slo(r, bounds(r))]
     return {
         "requests": len(records),
         "ok": len(ok),
@@ -93,8 +103,11 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: dict[str
         "cached_tokens": cached,
         "cached_fraction": cached / prompt if prompt else None,
         "served_tokens": sum(r.served_tokens for r in records),
-        "goodput": good / dur if slo else None,
-        "goodput_fraction": good / len(records) if slo and records else None,
+        "goodput": len(good) / dur if judged else None,
+        "goodput_fraction": len(good) / len(judged) if judged else None,
+        "attainment": len(good) / len(judged) if judged else None,
+        "goodput_tokens": sum(r.completion_tokens for r in good) if judged else None,
+        "goodput_token_throughput": sum(r.completion_tokens for r in good) / dur if judged else None,
         "latency_s": {name: describe(_latency_values(records, name)) for name in LATENCIES},
     }
 
@@ -197,7 +210,7 @@ def time_series(records: Sequence[RequestRecord], weights: dict[str, float], dur
 
 
 def analyze(records: Sequence[RequestRecord], weights: dict[str, float], duration_s: float,
-            slo: dict[str, float] | None = None) -> dict:
+            slo: dict[str, float] | None = None, slo_by_priority: dict[str, dict[str, float]] | None = None) -> dict:
     """Everything the reports show: overall, per tenant, per priority class, fairness and time series."""
     by_priority = group_by((r for r in records if r.priority is not None), lambda r: r.priority)
     fair = fairness(records, weights)
@@ -209,9 +222,10 @@ def analyze(records: Sequence[RequestRecord], weights: dict[str, float], duratio
     return {
         "duration_s": duration_s,
         "slo_s": slo or {},
-        "overall": summarize(records, duration_s, slo),
-        "tenants": {t: summarize(by_tenant.get(t, []), duration_s, slo) for t in weights},
-        "priorities": {p: summarize(rs, duration_s, slo) for p, rs in sorted(by_priority.items())},
+        "slo_by_priority_s": slo_by_priority or {},
+        "overall": summarize(records, duration_s, slo, slo_by_priority),
+        "tenants": {t: summarize(by_tenant.get(t, []), duration_s, slo, slo_by_priority) for t in weights},
+        "priorities": {p: summarize(rs, duration_s, slo, slo_by_priority) for p, rs in sorted(by_priority.items())},
         "fairness": fair,
         "timeseries": time_series(records, weights, duration_s),
     }

@@ -88,7 +88,8 @@ def summary_table(title: str, groups: dict[str, dict], with_goodput: bool) -> Ta
     cols = ["group", "ok / sent", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
             "E2E p50/p99 ms", "429s", "errors"]
     if with_goodput:
-        cols.insert(4, "goodput req/s (%)")
+        cols.insert(4, "goodput req/s (attained)")
+        cols.insert(5, "goodput tok/s")
     for c in cols:
         table.add_column(c, justify="left" if c == "group" else "right")
     for name, s in groups.items():
@@ -98,7 +99,9 @@ def summary_table(title: str, groups: dict[str, dict], with_goodput: bool) -> Ta
                f"{s['output_token_throughput']:.1f}", _pair(lat["ttft"]), _pair(lat["tpot"]), _pair(lat["itl"]),
                _pair(lat["e2e"]), str(s["http_429"]), errors]
         if with_goodput:
-            row.insert(4, f"{s['goodput']:.2f} ({100 * s['goodput_fraction']:.0f}%)" if s["requests"] else "-")
+            judged = s.get("attainment") is not None
+            row.insert(4, f"{s['goodput']:.2f} ({100 * s['attainment']:.0f}%)" if judged else "-")
+            row.insert(5, f"{s['goodput_token_throughput']:.1f}" if judged else "-")
         table.add_row(*row)
     return table
 
@@ -122,11 +125,13 @@ def print_run_summary(result, console: Console | None = None) -> None:
                       f"{'stream' if t.options.stream else 'no stream'}" + (f"; class {t.priority}" if t.priority else ""))
     if slo:
         console.print("  SLO: " + ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in slo.items()))
+    for cls, bounds in a.get("slo_by_priority_s", {}).items():
+        console.print(f"  SLO of class {cls}: " + ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in bounds.items()))
     groups = {"all": a["overall"]}
     if len(a["tenants"]) > 1:
         groups.update({f"tenant {k}": v for k, v in a["tenants"].items()})
     groups.update({f"class {k}": v for k, v in a["priorities"].items()})
-    console.print(summary_table("Requests", groups, bool(slo)))
+    console.print(summary_table("Requests", groups, bool(slo or a.get("slo_by_priority_s"))))
     o = a["overall"]
     if o["cached_tokens"] or o["retries"] or o["retry_after_s"]:
         ra = o["retry_after_s"]

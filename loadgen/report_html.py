@@ -72,7 +72,8 @@ def _summary_rows(groups: dict[str, dict], with_goodput: bool) -> list[list]:
         row = [html.escape(name), f"{s['ok']} / {s['requests']}", f"{s['request_throughput']:.2f}",
                f"{s['output_token_throughput']:.1f}", f"{s['total_token_throughput']:.1f}"]
         if with_goodput:
-            row.append(f"{s['goodput']:.2f} ({100 * s['goodput_fraction']:.0f}%)" if s["requests"] else "-")
+            row.append(f"{s['goodput']:.2f} ({100 * s['goodput_fraction']:.0f}%)"
+                       if s.get("goodput_fraction") is not None else "-")
         ttft = s["latency_s"]["ttft"]
         row += [_ms(ttft, "p50"), _ms(s["latency_s"]["tpot"], "p50"), _ms(s["latency_s"]["e2e"], "p50"),
                 f"{s['cached_tokens']:,}", str(s["http_429"]), str(s["retries"]),
@@ -130,7 +131,8 @@ def run_report_html(body: dict) -> str:
              ("output tokens/s", f"{o['output_token_throughput']:.1f}"),
              ("TTFT p50 / p99 ms", f"{_ms(ttft, 'p50')} / {_ms(ttft, 'p99')}"),
              ("HTTP 429s", str(o["http_429"]))]
-    if slo:
+    judged = bool(slo or a.get("slo_by_priority_s"))
+    if judged and o.get("goodput_fraction") is not None:
         cards.append(("goodput req/s", f"{o['goodput']:.2f} ({100 * o['goodput_fraction']:.0f}%)"))
     if jain is not None and len(tenants) > 1:
         cards.append(("Jain's fairness index", f"{jain:.3f}"))
@@ -141,9 +143,9 @@ def run_report_html(body: dict) -> str:
     if len(a["tenants"]) > 1:  # one tenant's row would repeat "all"
         groups.update({f"tenant {k}": v for k, v in a["tenants"].items()})
     groups.update({f"class {k}": v for k, v in a["priorities"].items()})
-    cols = (["group", "ok / sent", "req/s", "output tok/s", "total tok/s"] + (["goodput req/s"] if slo else [])
+    cols = (["group", "ok / sent", "req/s", "output tok/s", "total tok/s"] + (["goodput req/s (attained)"] if judged else [])
             + ["TTFT p50 ms", "TPOT p50 ms", "E2E p50 ms", "cached prompt tokens", "429s", "retries", "errors by status"])
-    parts += ["<h2>Summary</h2>", _table(cols, _summary_rows(groups, bool(slo)))]
+    parts += ["<h2>Summary</h2>", _table(cols, _summary_rows(groups, judged))]
     # The plots come right after the summary: they are what a reader looks at first.
     parts += ["<h2>Latency distributions</h2>", _fig_html(_latency_cdfs(records, tenants, colour), 400)]
     parts += ["<h2>Over time</h2>", _fig_html(_over_time(a["timeseries"], tenants, colour), 600)]

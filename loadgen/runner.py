@@ -151,7 +151,7 @@ async def run_scenario(scenario: Scenario, show_progress: bool = False) -> RunRe
     run.records.sort(key=lambda r: r.index)
     weights = {t.name: t.weight for t in scenario.tenants if t.batch is None}
     result = RunResult(scenario, run.records, duration, started_at, run.batch_jobs)
-    result.analysis = analyze(run.records, weights, duration, scenario.slo)
+    result.analysis = analyze(run.records, weights, duration, scenario.slo, scenario.slo_by_priority)
     result.analysis["batch_jobs"] = run.batch_jobs
     return result
 

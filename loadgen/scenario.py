@@ -7,6 +7,8 @@ A scenario file::
     duration: 60               # seconds; stops sending then (optional if every tenant has num_requests)
     seed: 0
     slo: ttft=500ms,tpot=50ms  # optional: goodput counts requests within every bound
+    slo_by_priority:           # optional: a class's own bounds (by its priority label), in place of slo's
+      realtime: ttft=500ms,itl=60ms
     warmup: 2                  # optional: requests per tenant sent one by one first, not measured
     defaults:                  # merged into every tenant
       dataset: {kind: synthetic, input_len: "uniform:16,512", output_len: "fixed:64"}
@@ -45,7 +47,8 @@ _ARRIVAL_KEYS = {"arrival", "rate", "burstiness", "concurrency", "ramp_to", "ram
 _OPTION_KEYS = {"api", "stream", "max_tokens", "ignore_eos", "temperature", "extra_body", "honour_retry_after",
                 "max_retries", "timeout_s"}
 _TENANT_KEYS = {"name", "api_key", "api_key_env", "priority", "weight", "num_requests", "dataset", "batch"} | _ARRIVAL_KEYS | _OPTION_KEYS
-_TOP_KEYS = {"base_url", "model", "duration", "seed", "slo", "defaults", "tenants", "num_requests", "warmup"}
+_TOP_KEYS = {"base_url", "model", "duration", "seed", "slo", "slo_by_priority", "defaults", "tenants", "num_requests",
+             "warmup"}
 
 
 @dataclass(slots=True)
@@ -96,6 +99,7 @@ class Scenario:
     slo: dict[str, float] = field(default_factory=dict)
     model: str | None = None
     warmup: int = 0  # requests per tenant sent one at a time before the run, left out of the results
+    slo_by_priority: dict[str, dict[str, float]] = field(default_factory=dict)  # a class's bounds, in place of slo's
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -220,8 +224,11 @@ def scenario_from_dict(d: dict, base_url: str | None = None, duration_s: float |
     duration = duration_s if duration_s is not None else (parse_duration(d["duration"]) if "duration" in d else None)
     if duration is not None and math.isinf(duration):
         duration = None
+    by_priority = d.get("slo_by_priority") or {}
+    if not isinstance(by_priority, dict):
+        raise ValueError("slo_by_priority maps a priority label to its bounds, e.g. {realtime: ttft=500ms}")
     return Scenario(url, tenants, duration, int(seed if seed is not None else d.get("seed", 0)), parse_slo(d.get("slo")),
-                    model, int(d.get("warmup", 0)))
+                    model, int(d.get("warmup", 0)), {str(k): parse_slo(v) for k, v in by_priority.items()})
 
 
 def load_scenario(path: str, **overrides) -> Scenario:

@@ -91,6 +91,18 @@ def _priority(text: str) -> int:
     return value
 
 
+def _objective_ms(text: str) -> int | None:
+    if text.strip().lower() in NONE_WORDS:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of milliseconds or 'none', got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 or 'none', got {value}")
+    return value
+
+
 def _day(text: str) -> date:
     try:
         return date.fromisoformat(text)
@@ -139,7 +151,8 @@ def _emit(args: argparse.Namespace, data, columns: list[str] | None = None, titl
 
 TENANT_COLS = ["id", "name", "priority_class", "weight", "status", "created_at", "updated_at"]
 KEY_COLS = ["id", "tenant", "label", "prefix", "created_at", "expires_at", "last_used_at", "revoked_at"]
-CLASS_COLS = ["name", "priority", "default_weight", "preemptible", "may_preempt"]
+CLASS_COLS = ["name", "priority", "default_weight", "preemptible", "may_preempt", "ttft_slo_ms", "itl_slo_ms",
+              "slo_action"]
 
 
 async def _admin(args: argparse.Namespace) -> int:
@@ -262,6 +275,14 @@ async def _class_update(args, store) -> int:
     return 0
 
 
+async def _class_set(args, store) -> int:
+    changes = {k: getattr(args, k) for k in ("ttft_slo_ms", "itl_slo_ms", "slo_action") if getattr(args, k) is not _UNSET}
+    if not changes:
+        raise CliError("nothing to set: give --ttft-slo-ms, --itl-slo-ms or --slo-action")
+    _emit(args, await store.set_class_objectives(args.name, **changes), CLASS_COLS)
+    return 0
+
+
 ADAPTER_COLS = ["name", "owner", "granted", "rank", "target_modules", "base_model", "path", "created_at"]
 
 
@@ -313,7 +334,8 @@ async def _adapter_grant(args, store) -> int:
 
 async def _usage(args, store) -> int:
     rows = await store.usage_summary(args.tenant, args.since, args.until, args.by)
-    cols = [args.by, "kind", "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "billed_tokens"]
+    cols = [args.by, "kind", "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "billed_tokens",
+            "goodput_tokens", "slo_requests", "slo_met", "attainment"]
     _emit(args, rows, cols, "usage")
     return 0
 
@@ -465,6 +487,15 @@ def register(subparsers) -> None:
     p.add_argument("--weight", type=_positive, default=None)
     _bool_pair(p, "preemptible", None)
     _bool_pair(p, "may-preempt", None)
+    p = _leaf(klass, "set", _class_set, common, "set a priority class's service-level objectives ('none' clears one)")
+    p.add_argument("name")
+    p.add_argument("--ttft-slo-ms", type=_objective_ms, default=_UNSET, metavar="MS|none",
+                   help="time to first token objective, milliseconds")
+    p.add_argument("--itl-slo-ms", type=_objective_ms, default=_UNSET, metavar="MS|none",
+                   help="objective for a request's mean time between tokens, milliseconds")
+    p.add_argument("--slo-action", choices=["refuse", "queue"], default=_UNSET,
+                   help="a request predicted to miss its time to first token: refuse it at once (503 "
+                        "slo_unattainable with Retry-After) or queue it (default)")
 
     adapter = groups.add_parser("adapter", help="LoRA adapters (a request names one as its model)").add_subparsers(
         dest="action", required=True, parser_class=_OneLineParser)
@@ -489,7 +520,7 @@ def register(subparsers) -> None:
     p.add_argument("tenant", nargs="?", default=None)
     p.add_argument("--since", type=_day, default=None, help="first day, YYYY-MM-DD (UTC)")
     p.add_argument("--until", type=_day, default=None, help="last day, inclusive")
-    p.add_argument("--by", choices=["day", "key", "model", "adapter", "tenant"], default="day")
+    p.add_argument("--by", choices=["day", "key", "model", "adapter", "tenant", "class"], default="day")
 
     db = subparsers.add_parser("db", help="database schema migrations")
     actions = db.add_subparsers(dest="db_action", required=True, parser_class=_OneLineParser)

@@ -49,10 +49,18 @@ class PriorityClass(Base):
     default_weight: Mapped[float] = mapped_column(Float, nullable=False, default=1.0)
     preemptible: Mapped[bool] = mapped_column(Boolean, nullable=False)
     may_preempt: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    # Service-level objectives (``tenants.policy.ClassInfo``): time to first token and mean time between tokens,
+    # milliseconds (NULL: none), and what admission does with a request predicted to miss the first: refuse or queue.
+    ttft_slo_ms: Mapped[int | None] = mapped_column(Integer)
+    itl_slo_ms: Mapped[int | None] = mapped_column(Integer)
+    slo_action: Mapped[str] = mapped_column(String(8), nullable=False, default="queue", server_default="queue")
 
     __table_args__ = (
         CheckConstraint("rank >= 0", name="ck_priority_classes_rank"),
         CheckConstraint("default_weight > 0", name="ck_priority_classes_weight"),
+        CheckConstraint("ttft_slo_ms IS NULL OR ttft_slo_ms > 0", name="ck_priority_classes_ttft_slo_ms"),
+        CheckConstraint("itl_slo_ms IS NULL OR itl_slo_ms > 0", name="ck_priority_classes_itl_slo_ms"),
+        CheckConstraint("slo_action IN ('refuse', 'queue')", name="ck_priority_classes_slo_action"),
     )
 
 
@@ -164,6 +172,10 @@ class Usage(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     http_status: Mapped[int] = mapped_column(Integer, nullable=False, default=200)
     adapter: Mapped[str | None] = mapped_column(String(128))  # the LoRA adapter the request ran under; NULL: base
+    # The priority class the request ran in, and whether it met that class's objectives (NULL: the class had none,
+    # or the row predates them): the ledger's goodput and attainment.
+    priority_class: Mapped[str | None] = mapped_column(String(64))
+    slo_met: Mapped[bool | None] = mapped_column(Boolean)
     started_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
     finished_at: Mapped[datetime] = mapped_column(DateTime, nullable=False)
     # The UTC day of finished_at, stored so per-tenant per-day queries use an index on both backends.

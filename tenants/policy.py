@@ -1,10 +1,13 @@
 """A priority class as the gateway reads it: its priority (lower is more urgent), default weight and preemption
 flags (the gateway turns them into each request's ``engine.core.request_policy.RequestPolicy``; the engine's
-scheduler applies them)."""
+scheduler applies them), and its service-level objectives (``gateway/slo_admission.py`` applies them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+SLO_ACTIONS = ("refuse", "queue")
 
 
 @dataclass(slots=True, frozen=True)
@@ -14,6 +17,12 @@ class ClassInfo:
     default_weight: float
     preemptible: bool
     may_preempt: bool
+    # Objectives, milliseconds (None: none): time to first token, and a request's mean time between its tokens.
+    ttft_slo_ms: int | None = None
+    itl_slo_ms: int | None = None
+    # A request predicted to miss its time to first token: "refuse" answers it at once (503 slo_unattainable,
+    # with Retry-After); "queue" admits it to wait its turn.
+    slo_action: str = "queue"
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -22,4 +31,14 @@ class ClassInfo:
             raise ValueError(f"priority must be >= 0, got {self.priority}")
         if not self.default_weight > 0:
             raise ValueError(f"weight must be > 0, got {self.default_weight}")
+        for name in ("ttft_slo_ms", "itl_slo_ms"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or none, got {value!r}")
+        if self.slo_action not in SLO_ACTIONS:
+            raise ValueError(f"slo_action must be one of {', '.join(SLO_ACTIONS)}, got {self.slo_action!r}")
+
+    @property
+    def has_objectives(self) -> bool:
+        return self.ttft_slo_ms is not None or self.itl_slo_ms is not None
 

@@ -125,9 +125,11 @@ class UsageRecord:
     started_at: datetime | None = None
     finished_at: datetime | None = None
     adapter: str | None = None  # the LoRA adapter the request ran under (its ``model``); None: the base model
+    priority_class: str | None = None  # the class it ran in
+    slo_met: bool | None = None  # whether it met its class's objectives; None: the class had none
 
 
-USAGE_GROUPS = ("day", "key", "model", "adapter", "tenant")
+USAGE_GROUPS = ("day", "key", "model", "adapter", "tenant", "class")
 
 
 def _tenant_info(t: Tenant) -> TenantInfo:
@@ -135,7 +137,8 @@ def _tenant_info(t: Tenant) -> TenantInfo:
 
 
 def _class_info(c: PriorityClass) -> ClassInfo:
-    return ClassInfo(c.name, c.priority, c.default_weight, c.preemptible, c.may_preempt)
+    return ClassInfo(c.name, c.priority, c.default_weight, c.preemptible, c.may_preempt, c.ttft_slo_ms, c.itl_slo_ms,
+                     c.slo_action)
 
 
 def _quota_config(q: Quota | None) -> QuotaConfig:
@@ -394,6 +397,24 @@ class TenantStore:
             )
             c.priority, c.default_weight, c.preemptible, c.may_preempt = (
                 info.priority, info.default_weight, info.preemptible, info.may_preempt)
+            return _class_info(c)
+
+    async def set_class_objectives(self, name: str, **changes) -> ClassInfo:
+        """Change a class's objectives: any of ``ttft_slo_ms``, ``itl_slo_ms`` (None clears one) and
+        ``slo_action``; what is not named stays."""
+        unknown = set(changes) - {"ttft_slo_ms", "itl_slo_ms", "slo_action"}
+        if unknown:
+            raise StoreError(f"unknown objective setting(s): {', '.join(sorted(unknown))}")
+        async with self.sessions.begin() as s:
+            c = await self._class(s, name)
+            current = _class_info(c)
+            try:
+                info = ClassInfo(current.name, current.priority, current.default_weight, current.preemptible,
+                                 current.may_preempt, **{k: changes.get(k, getattr(current, k))
+                                                         for k in ("ttft_slo_ms", "itl_slo_ms", "slo_action")})
+            except ValueError as e:
+                raise StoreError(str(e)) from e
+            c.ttft_slo_ms, c.itl_slo_ms, c.slo_action = info.ttft_slo_ms, info.itl_slo_ms, info.slo_action
             return info
 
     # -- usage ledger ------------------------------------------------------------------------------------
@@ -410,6 +431,7 @@ class TenantStore:
             prompt_tokens=record.prompt_tokens, cached_prompt_tokens=record.cached_prompt_tokens,
             completion_tokens=record.completion_tokens, billed_tokens=billed_tokens, batch=record.batch,
             finish_reason=record.finish_reason, http_status=record.http_status, adapter=record.adapter,
+            priority_class=record.priority_class, slo_met=record.slo_met,
             started_at=record.started_at or finished, finished_at=finished, day=finished.date(),
         )
 
@@ -436,7 +458,8 @@ class TenantStore:
         if since and until and since > until:
             raise StoreError(f"--since {since} is after --until {until}")
         group_col = {"day": Usage.day, "key": ApiKey.prefix, "model": Usage.model, "adapter": Usage.adapter,
-                     "tenant": Tenant.name}[by]
+                     "tenant": Tenant.name, "class": Usage.priority_class}[by]
+        met = case((Usage.slo_met.is_(True), 1), else_=0)
         q = (
             select(
                 group_col.label(by),
@@ -446,6 +469,12 @@ class TenantStore:
                 func.sum(Usage.cached_prompt_tokens).label("cached_prompt_tokens"),
                 func.sum(Usage.completion_tokens).label("completion_tokens"),
                 func.sum(Usage.billed_tokens).label("billed_tokens"),
+                # Objectives: requests judged against one, those that met theirs, and the completion tokens of
+                # the requests that met theirs or had none (goodput; a failed request's tokens are not good).
+                func.count(Usage.slo_met).label("slo_requests"),
+                func.sum(met).label("slo_met"),
+                func.sum(case(((Usage.http_status == 200) & Usage.slo_met.isnot(False), Usage.completion_tokens),
+                              else_=0)).label("goodput_tokens"),
             )
             .select_from(Usage)
             .join(Tenant, Tenant.id == Usage.tenant_id)
@@ -465,6 +494,7 @@ class TenantStore:
                 item = {k: (int(v) if k not in (by, "kind") and v is not None else v) for k, v in row.items()}
                 if by == "day" and item["day"] is not None and not isinstance(item["day"], str):
                     item["day"] = item["day"].isoformat()
+                item["attainment"] = round(item["slo_met"] / item["slo_requests"], 4) if item["slo_requests"] else None
                 out.append(item)
             return out
 

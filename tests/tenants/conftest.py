@@ -91,7 +91,8 @@ def _reset_pg(url: str) -> None:
         conn.execute("DELETE FROM priority_classes WHERE name NOT IN ('realtime', 'standard', 'batch')")
         conn.execute("""UPDATE priority_classes SET default_weight = 1.0,
             rank = CASE name WHEN 'realtime' THEN 0 WHEN 'standard' THEN 1 ELSE 2 END,
-            preemptible = name <> 'realtime', may_preempt = name <> 'batch'""")
+            preemptible = name <> 'realtime', may_preempt = name <> 'batch',
+            ttft_slo_ms = NULL, itl_slo_ms = NULL, slo_action = 'queue'""")
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

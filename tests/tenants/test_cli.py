@@ -119,7 +119,7 @@ def test_class_commands(db_url, capsys):
     code, out, _ = cli(capsys, db_url, "admin", "class", "create", "premium", "--rank", "1", "--weight", "2",
                        "--no-preemptible", "--may-preempt", as_json=True)
     assert code == 0 and out == {"name": "premium", "priority": 1, "default_weight": 2.0, "preemptible": False,
-                                 "may_preempt": True}
+                                 "may_preempt": True, "ttft_slo_ms": None, "itl_slo_ms": None, "slo_action": "queue"}
     out = cli(capsys, db_url, "admin", "class", "update", "premium", "--preemptible", as_json=True)[1]
     assert out["preemptible"] is True and out["may_preempt"] is True
     names = [c["name"] for c in cli(capsys, db_url, "admin", "class", "list", as_json=True)[1]]
@@ -139,7 +139,8 @@ def test_usage_command(db_url, capsys):
     code, out, _ = cli(capsys, db_url, "admin", "usage", "acme", "--since", "2025-01-01", "--until", "2025-01-31",
                        as_json=True)
     assert code == 0 and out == [{"day": "2025-01-02", "kind": "live", "requests": 1, "prompt_tokens": 3, "cached_prompt_tokens": 0,
-                                  "completion_tokens": 4, "billed_tokens": 7}]
+                                  "completion_tokens": 4, "billed_tokens": 7, "slo_requests": 0, "slo_met": 0,
+                                  "goodput_tokens": 4, "attainment": None}]
     assert cli(capsys, db_url, "admin", "usage", "--by", "model", as_json=True)[1][0]["model"] == "m"
     assert cli(capsys, db_url, "admin", "usage", "--since", "2025-02-01", as_json=True)[1] == []
     assert cli(capsys, db_url, "admin", "usage", "--by", "key")[0] == 0

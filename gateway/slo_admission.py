@@ -1,0 +1,222 @@
+"""Admission by service-level objective: a request's time to first token predicted from the prefill queued ahead
+of it and the engine's measured step times; one its class's objective cannot be met is refused at once or
+queued, as the class says (``tenants.policy.ClassInfo.slo_action``). Each finished request is judged against its
+class's objectives (``judge``) for the ledger's and /metrics' goodput and attainment.
+
+The queue ahead is the gateway's own count of the requests it admitted and that have not finished: those of the
+request's class and of more urgent ones are ahead of it (the engine schedules a more urgent class first, and a
+class's own requests in order). Two things can hold a request back, and the prediction is the longer:
+
+* prefill: the prompt tokens ahead that have not had their first token, at a step budget of
+  ``max_num_batched_tokens`` less one token for each sequence decoding;
+* a sequence slot: with ``max_num_seqs`` sequences or more ahead, it waits for slots to free, each running
+  sequence holding one for about its expected output (``max_tokens``, or the default reservation; half of it for
+  one already decoding), slots freeing ``max_num_seqs`` at a time.
+
+The step time is a line fitted to the engine's recent steps, ``ms = a + b * tokens`` (schedule plus execute time
+against the tokens it computed), read from the statistics each engine reports. What that leaves out (the time
+between steps, the pipes, the gateway's own queue, a machine shared with other work) is learnt from the requests
+themselves: each admitted request's first-token time against the one predicted for it, as a factor per priority
+(a moving geometric mean, ``correction``) its predictions are multiplied by. Per priority, because what the queue
+leaves out differs by class: a less urgent class also waits for the more urgent requests that arrive after it. Until an engine has reported a step there is
+nothing to predict from, and every request is admitted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from engine.serving.client import EngineClient
+from gateway.errors import APIError
+from gateway.replica_router import replicas_of
+from tenants.policy import ClassInfo
+
+REFUSED_CODE = "slo_unattainable"
+CORRECTION_WEIGHT = 0.1  # of each new request in the moving mean of actual / predicted first-token times
+CORRECTION_RANGE = (0.25, 20.0)  # one request's ratio is clamped to this before it counts
+
+
+class StepTimes:
+    """``ms = a + b * tokens`` by least squares over the last ``window`` steps (a, b >= 0). Steps that all
+    computed the same number of tokens say nothing of ``b``: then every step is taken to cost their mean."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, tokens: int, ms: float) -> None:
+        if tokens > 0 and ms >= 0:
+            self.samples.append((tokens, ms))
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b), or None before any step."""
+        n = len(self.samples)
+        if n == 0:
+            return None
+        mean_t = sum(t for t, _ in self.samples) / n
+        mean_ms = sum(ms for _, ms in self.samples) / n
+        var_t = sum((t - mean_t) ** 2 for t, _ in self.samples)
+        if var_t == 0:
+            return mean_ms, 0.0
+        b = sum((t - mean_t) * (ms - mean_ms) for t, ms in self.samples) / var_t
+        if b <= 0:  # noise larger than the slope: no evidence that tokens cost time
+            return mean_ms, 0.0
+        a = mean_ms - b * mean_t
+        if a < 0:  # the line through the origin that keeps the slope's fit
+            return 0.0, sum(t * ms for t, ms in self.samples) / sum(t * t for t, _ in self.samples)
+        return a, b
+
+
+@dataclass(slots=True)
+class Prediction:
+    ttft_ms: float  # the request's predicted time to its first token
+    drain_ms: float  # predicted time until the prefill queued ahead of it is done (its Retry-After)
+
+
+class SloAdmission:
+    """The queue ahead and the step times of the gateway's engine (all its replicas as one pool)."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self.steps = StepTimes()
+        self.pending: dict[int, int] = {}  # priority -> prompt tokens admitted, first token not yet out
+        self.decoding = 0  # admitted sequences past their first token, not finished
+        self.open: set[Ticket] = set()  # admitted requests not finished
+        self.correction: dict[int, float] = {}  # priority -> actual / predicted first-token times (geometric mean)
+        self._seen: dict[str, object] = {}  # replica name -> the stats it reported last (sampled once)
+
+    def observe(self) -> None:
+        """Sample each replica's latest step, if it is new since the last look."""
+        for name, replica in replicas_of(self.engine):
+            stats = replica.stats
+            if stats is None or self._seen.get(name) is stats:
+                continue
+            self._seen[name] = stats
+            self.steps.add(stats.step_prefill_tokens + stats.step_decode_tokens,
+                           stats.step_schedule_ms + stats.step_execute_ms)
+
+    def predict(self, priority: int, prompt_tokens: int) -> Prediction | None:
+        """The first-token time of a request of ``priority`` with ``prompt_tokens`` to prefill, admitted now
+        (times ``correction``); None before any step was measured."""
+        raw = self.predict_uncorrected(priority, prompt_tokens)
+        if raw is None:
+            return None
+        factor = self.correction.get(priority, 1.0)
+        return Prediction(raw.ttft_ms * factor, raw.drain_ms * factor)
+
+    def learn(self, priority: int, predicted_ms: float, actual_ms: float) -> None:
+        """One request's first-token time against its uncorrected prediction, into its priority's ``correction``."""
+        if predicted_ms <= 0:
+            return
+        low, high = CORRECTION_RANGE
+        ratio = min(high, max(low, actual_ms / predicted_ms))
+        self.correction[priority] = math.exp((1 - CORRECTION_WEIGHT) * math.log(self.correction.get(priority, 1.0))
+                                             + CORRECTION_WEIGHT * math.log(ratio))
+
+    def predict_uncorrected(self, priority: int, prompt_tokens: int) -> Prediction | None:
+        """``predict`` from the step times and the queue alone."""
+        self.observe()
+        line = self.steps.line()
+        if line is None:
+            return None
+        a, b = line
+        replicas = max(1, sum(1 for _, r in replicas_of(self.engine) if r.dead is None))
+        config = self.engine.config
+        budget, slots = config.max_num_batched_tokens, config.max_num_seqs * replicas
+        ahead = sum(tokens for p, tokens in self.pending.items() if p <= priority) / replicas
+        decode = min(self.decoding / replicas, budget - 1)  # each step's tokens for requests past their prefill
+        room = budget - decode
+
+        def time_to_prefill(tokens: float) -> float:
+            steps = max(1, math.ceil(tokens / room))
+            return steps * a + b * (tokens + steps * decode)
+
+        # Sequences ahead, and the steps each is expected to hold its slot.
+        seqs, holding = 0, 0.0
+        for t in self.open:
+            if t.priority <= priority:
+                seqs += t.sequences
+                holding += t.sequences * (t.outputs if t.state == "prefill" else t.outputs / 2)
+        wait = 0.0
+        if seqs >= slots:
+            rounds = math.ceil((seqs - slots + 1) / slots)  # slots free about max_num_seqs at a time
+            wait = rounds * (holding / seqs) * (a + b * min(budget, slots))
+        drain = max(time_to_prefill(ahead) if ahead else 0.0, wait)
+        return Prediction(max(time_to_prefill(ahead + prompt_tokens), wait + time_to_prefill(prompt_tokens)), drain)
+
+    def check(self, cls: ClassInfo, prompt_tokens: int) -> None:
+        """503 ``slo_unattainable`` with Retry-After if ``cls`` refuses requests predicted to miss its time to
+        first token and this one is; otherwise nothing (a class that queues admits it to wait)."""
+        if cls.ttft_slo_ms is None or cls.slo_action != "refuse":
+            return
+        predicted = self.predict(cls.priority, prompt_tokens)
+        if predicted is None or predicted.ttft_ms <= cls.ttft_slo_ms:
+            return
+        retry_s = max(1, math.ceil(predicted.drain_ms / 1e3))
+        raise APIError(503, f"priority class {cls.name!r} cannot meet its time-to-first-token objective of "
+                            f"{cls.ttft_slo_ms} ms now (predicted {predicted.ttft_ms:.0f} ms); retry after "
+                            f"{retry_s} s", "server_error", code=REFUSED_CODE, headers={"Retry-After": str(retry_s)})
+
+    def ticket(self, priority: int, prompt_tokens: int, sequences: int, outputs: int) -> Ticket:
+        """Count an admitted request: its prompt as queued ahead of later ones until its first token, its
+        ``sequences`` as holding a slot each for about ``outputs`` steps until it finishes."""
+        predicted = self.predict_uncorrected(priority, prompt_tokens)
+        self.pending[priority] = self.pending.get(priority, 0) + prompt_tokens
+        ticket = Ticket(self, priority, prompt_tokens, sequences, outputs,
+                        None if predicted is None else predicted.ttft_ms)
+        self.open.add(ticket)
+        return ticket
+
+
+class Ticket:
+    """One admitted request's place in ``SloAdmission``'s counts: ``first_token`` moves it from prefill to
+    decoding, ``close`` takes it out (both idempotent)."""
+
+    __slots__ = ("slo", "priority", "prompt_tokens", "sequences", "outputs", "predicted_ms", "admitted_at", "state")
+
+    def __init__(self, slo: SloAdmission, priority: int, prompt_tokens: int, sequences: int, outputs: int,
+                 predicted_ms: float | None = None) -> None:
+        self.slo, self.priority, self.prompt_tokens, self.sequences = slo, priority, prompt_tokens, sequences
+        self.outputs = outputs  # expected output tokens of each sequence
+        self.predicted_ms = predicted_ms  # its uncorrected first-token prediction (None: nothing measured yet)
+        self.admitted_at = time.perf_counter()
+        self.state = "prefill"
+
+    def first_token(self) -> None:
+        if self.state == "prefill":
+            self.slo.pending[self.priority] -= self.prompt_tokens
+            self.slo.decoding += self.sequences
+            self.state = "decoding"
+            if self.predicted_ms is not None:
+                self.slo.learn(self.priority, self.predicted_ms, (time.perf_counter() - self.admitted_at) * 1e3)
+            self.slo.observe()
+
+    def close(self) -> None:
+        if self.state == "prefill":
+            self.slo.pending[self.priority] -= self.prompt_tokens
+        elif self.state == "decoding":
+            self.slo.decoding -= self.sequences
+        if self.state != "closed":
+            self.slo.open.discard(self)
+        self.state = "closed"
+
+
+def judge(cls: ClassInfo, status: int, ttft_s: float | None, mean_itl_s: float | None) -> bool | None:
+    """Whether a finished request met ``cls``'s objectives (None: the class has none). A request that failed,
+    or never produced a token, missed them; a mean inter-token time is judged only with two tokens or more."""
+    if not cls.has_objectives:
+        return None
+    if status != 200 or ttft_s is None:
+        return False
+    if cls.ttft_slo_ms is not None and ttft_s * 1e3 > cls.ttft_slo_ms:
+        return False
+    if cls.itl_slo_ms is not None and mean_itl_s is not None and mean_itl_s * 1e3 > cls.itl_slo_ms:
+        return False
+    return True
+
+
+SLO = web.AppKey("slo_admission", SloAdmission)

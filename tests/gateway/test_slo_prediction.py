@@ -1,0 +1,159 @@
+"""SLO admission's arithmetic against plain references: the step-time line against numpy's least squares over
+random steps, the first-token prediction against a step-by-step simulation of the queue, and the verdicts."""
+
+import math
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gateway.slo_admission import SloAdmission, StepTimes, judge
+from tenants.policy import ClassInfo
+
+
+def test_step_line_is_least_squares():
+    rng = random.Random()
+    a, b = rng.uniform(1, 20), rng.uniform(0.01, 0.5)
+    times = StepTimes(window=64)
+    samples = [(rng.randrange(1, 512), 0.0) for _ in range(100)]
+    samples = [(t, a + b * t + rng.uniform(-0.5, 0.5)) for t, _ in samples]
+    for t, ms in samples:
+        times.add(t, ms)
+    kept = np.array(samples[-64:], dtype=np.float64)
+    slope, intercept = np.polyfit(kept[:, 0], kept[:, 1], 1)
+    assert times.line() == pytest.approx((intercept, slope), rel=1e-9)
+
+
+def test_step_line_degenerate_cases():
+    times = StepTimes()
+    assert times.line() is None
+    for ms in (4.0, 6.0):
+        times.add(8, ms)  # one size only: every step costs the mean
+    assert times.line() == (5.0, 0.0)
+    falling = StepTimes()
+    for t, ms in ((1, 9.0), (100, 5.0)):
+        falling.add(t, ms)
+    assert falling.line() == (7.0, 0.0)
+
+
+def _simulate(a, b, budget, ahead, prompt, decoding) -> float:
+    """Steps of a + b * tokens, each prefilling up to budget - decoding tokens of the queue, then the request's."""
+    left, elapsed = ahead + prompt, 0.0
+    while left > 0:
+        chunk = min(left, budget - decoding)
+        elapsed += a + b * (chunk + decoding)
+        left -= chunk
+    return elapsed
+
+
+def _slo(a, b, budget, max_num_seqs=10**6):
+    engine = SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs), dead=None,
+                             stats=SimpleNamespace(step_prefill_tokens=0, step_decode_tokens=0, step_schedule_ms=0,
+                                                   step_execute_ms=0))
+    slo = SloAdmission(engine)
+    for t in (1, budget):
+        slo.steps.add(t, a + b * t)
+    slo._seen["0"] = engine.stats  # nothing new to sample
+    return slo
+
+
+def test_prediction_matches_a_simulated_queue():
+    rng = random.Random()
+    for _ in range(20):
+        a, b, budget = rng.uniform(1, 30), rng.uniform(0, 0.2), rng.choice([32, 256, 2048])
+        slo = _slo(a, b, budget)
+        tickets = [slo.ticket(rng.randrange(3), rng.randrange(1, 3000), 1, 16) for _ in range(rng.randrange(8))]
+        for t in tickets[: len(tickets) // 2]:
+            t.first_token()
+        prompt, priority = rng.randrange(1, 2000), rng.randrange(3)
+        ahead = sum(t.prompt_tokens for t in tickets if t.state == "prefill" and t.priority <= priority)
+        decoding = sum(1 for t in tickets if t.state == "decoding")
+        predicted = slo.predict_uncorrected(priority, prompt)  # first tokens above taught it a correction
+        assert predicted.ttft_ms == pytest.approx(_simulate(a, b, budget, ahead, prompt, decoding), rel=1e-9)
+        assert predicted.drain_ms == pytest.approx(_simulate(a, b, budget, ahead, 0, decoding) if ahead else 0)
+        for t in tickets:
+            t.close()
+            t.close()  # idempotent
+        assert sum(slo.pending.values()) == 0 and slo.decoding == 0 and not slo.open
+
+
+def test_check_refuses_only_a_refusing_class_past_its_objective():
+    slo = _slo(10.0, 0.0, 32)  # 10 ms a step, 32 tokens a step
+    slo.ticket(0, 32 * 9, 1, 4)  # nine steps of realtime prefill queued
+    refuse = ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=95, slo_action="refuse")
+    with pytest.raises(Exception) as refused:
+        slo.check(refuse, 1)  # ten steps: 100 ms > 95
+    assert refused.value.status == 503 and refused.value.code == "slo_unattainable"
+    assert refused.value.headers["Retry-After"] == "1"
+    slo.check(ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=100, slo_action="refuse"), 1)  # 100 ms: met
+    slo.check(ClassInfo("q", 0, 1.0, False, True, ttft_slo_ms=95, slo_action="queue"), 1)  # queues
+    with pytest.raises(Exception):  # a less urgent class has realtime's queue ahead of it too
+        slo.check(ClassInfo("batch", 2, 1.0, True, False, ttft_slo_ms=95, slo_action="refuse"), 1)
+    assert math.isclose(slo.predict(5, 0).ttft_ms, 90.0)
+    # A less urgent class's queue is not ahead of a more urgent one.
+    calm = _slo(10.0, 0.0, 32)
+    calm.ticket(2, 32 * 50, 1, 4)
+    calm.check(ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=10, slo_action="refuse"), 32)
+
+
+def _simulate_slots(slots: int, outputs: list[int], step_ms: float) -> float:
+    """Requests of one-token prompts taking ``slots`` sequence slots in order, each holding its slot for its
+    outputs' steps: the time until the slot of one more request opens."""
+    free_at = [0.0] * slots  # when each slot frees
+    for out in outputs:
+        i = min(range(slots), key=free_at.__getitem__)
+        free_at[i] += out * step_ms
+    return min(free_at)
+
+
+def test_prediction_waits_for_a_sequence_slot():
+    rng = random.Random()
+    for _ in range(10):
+        slots, out, step = rng.randrange(2, 16), rng.randrange(2, 64), rng.uniform(5, 50)
+        queued = rng.randrange(slots, 5 * slots)
+        slo = _slo(step, 0.0, 4096, max_num_seqs=slots)
+        for _ in range(queued):
+            slo.ticket(0, 1, 1, out)
+        predicted = slo.predict(0, 1)
+        # Every request ahead just admitted with the same output: slots free max_num_seqs at a time, exactly.
+        assert predicted.ttft_ms == pytest.approx(_simulate_slots(slots, [out] * queued, step) + step)
+        assert predicted.drain_ms == pytest.approx(_simulate_slots(slots, [out] * queued, step))
+        # A less urgent class's requests do not hold the slots of a more urgent one (it preempts them).
+        assert slo.predict(-1, 1).ttft_ms == pytest.approx(step)
+
+
+def test_correction_learns_what_the_steps_leave_out():
+    slo = _slo(10.0, 0.0, 32)
+    assert slo.predict(0, 1).ttft_ms == pytest.approx(10.0)
+    ratios = [2.5 * (1.1 if i % 2 else 1 / 1.1) for i in range(200)]  # noisy around 2.5x
+    for r in ratios:
+        slo.learn(0, 10.0, 10.0 * r)
+    assert slo.correction[0] == pytest.approx(2.5, rel=0.06)
+    assert slo.predict(0, 1).ttft_ms == pytest.approx(10.0 * slo.correction[0])
+    assert slo.predict(1, 1).ttft_ms == pytest.approx(10.0)  # another priority learns its own
+    slo.learn(0, 10.0, 1e9)  # one outlier moves it by at most CORRECTION_WEIGHT of log(20 / 2.5)
+    assert slo.correction[0] < 2.5 * 1.1 * (20 / 2.5) ** 0.1
+    # A ticket teaches it its own first-token time against its uncorrected prediction.
+    fresh = _slo(10.0, 0.0, 32)
+    t = fresh.ticket(0, 1, 1, 4)
+    assert t.predicted_ms == pytest.approx(10.0)
+    t.admitted_at -= 0.05  # admitted 50 ms ago
+    t.first_token()
+    assert fresh.correction[0] == pytest.approx(math.exp(0.1 * math.log(5.0)), rel=0.05)
+
+
+def test_judge():
+    none = ClassInfo("s", 1, 1.0, True, True)
+    both = ClassInfo("r", 0, 1.0, True, True, ttft_slo_ms=100, itl_slo_ms=20)
+    assert judge(none, 200, 5.0, 1.0) is None
+    assert judge(both, 200, 0.1, 0.02) is True
+    assert judge(both, 200, 0.1001, 0.01) is False
+    assert judge(both, 200, 0.05, 0.0201) is False
+    assert judge(both, 200, 0.05, None) is True  # one token: no gaps to judge
+    assert judge(both, 503, 0.01, 0.01) is False
+    assert judge(both, 200, None, None) is False
+    with pytest.raises(ValueError):
+        ClassInfo("r", 0, 1.0, True, True, ttft_slo_ms=0)
+    with pytest.raises(ValueError):
+        ClassInfo("r", 0, 1.0, True, True, slo_action="drop")
