@@ -107,5 +107,6 @@ class ClampedMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], input_ids [T] -> [T, H]."""
         experts, weights = self.gate(x, input_ids)
-        self.expert_tokens += torch.bincount(experts.flatten(), minlength=self.expert_tokens.shape[0])
+        flat = experts.flatten()  # [T k]: counted without a host sync (bincount's size depends on the data)
+        self.expert_tokens.scatter_add_(0, flat, torch.ones_like(flat))
         return self.experts(x, experts, weights) + self.shared_experts(x)

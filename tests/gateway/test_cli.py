@@ -177,7 +177,7 @@ def test_a_random_model_smaller_than_its_tokenizer_is_bad_input(tmp_path, capsys
 
 
 def test_serve_refuses_a_setting_a_hybrid_model_does_not_support_yet(tmp_path, capsys):
-    """A hybrid linear-attention checkpoint with --speculative (or --tensor-parallel-size 2): exit 2, one line naming
+    """A hybrid linear-attention checkpoint with --speculative (or --pipeline-parallel-size 2): exit 2, one line naming
     the flag, before the database is written or any process starts (before, the engine process failed: exit 1
     after the default tenant was created)."""
     from gateway.cli import main
@@ -186,8 +186,8 @@ def test_serve_refuses_a_setting_a_hybrid_model_does_not_support_yet(tmp_path, c
     make_hf_model("qwen3_next", str(tmp_path / "hybrid"), seed=0)
     capsys.readouterr()  # the checkpoint writer's progress bar
     db = f"sqlite:///{tmp_path / 'policy.db'}"
-    for flags, named in ((["--speculative", "ngram"], "--speculative"), (["--tensor-parallel-size", "2"],
-                                                                           "--tensor-parallel-size")):
+    for flags, named in ((["--speculative", "ngram"], "--speculative"), (["--pipeline-parallel-size", "2"],
+                                                                           "--pipeline-parallel-size")):
         assert main(["serve", "--model", str(tmp_path / "hybrid"), "--database-url", db, *flags]) == 2, flags
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and named in err and "hybrid linear-attention" in err, err

@@ -39,6 +39,11 @@ ALLOWED = {
     # Expert parallel with LoRA adapters: the adapter slots that came with other ranks' tokens are read back to
     # lay out their deltas, one read per layer beside the dispatch's own (its all-to-all split sizes).
     ("engine/layers/moe.py", "_local_experts"),
+    # DeepSeek-V4's torch path (eager only: no CUDA graphs for the family yet): its clamped experts loop over the
+    # experts the step's tokens chose, and its compressed attention reads each request's context length to slice
+    # the request's rows. Both go when the family gets its kernels.
+    ("engine/layers/clamped_moe.py", "forward"),
+    ("engine/layers/compressed_attention.py", "_requests"),
 }
 
 
