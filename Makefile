@@ -29,12 +29,14 @@ run: $(VENV)/.installed $(DEMO_MODEL)/config.json
 
 test: $(VENV)/.installed
 	# Bytecode kept even where the environment says otherwise: the suite starts hundreds of Python processes.
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra -n 3 --dist loadfile -m "not ray" tests
+	# One torch thread per process: three workers (and the engines and ranks they start) on two cores, each with
+	# torch's default of a thread per core, spend most of their CPU spinning in OpenMP (measured: 3x the CPU).
+	OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra -n 3 --dist loadfile -m "not ray" tests
 
 # The Ray executor's tests (--distributed-executor-backend ray): a local Ray cluster takes tens of seconds to start.
 test-ray: $(VENV)/.installed
 	$(PY) -m pip install -q --no-compile -e '.[test,ray]'
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra -m ray tests/distributed
+	OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra -m ray tests/distributed
 
 bench-offline: $(VENV)/.installed
 	$(VENV)/bin/moegate loadgen offline
