@@ -36,13 +36,13 @@ round trip, about one engine step) instead of the engine starting its next queue
 import asyncio
 import itertools
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from engine.core.outputs import RequestOutput
 from engine.core.request_policy import RequestPolicy
-from engine.core.waiting_queue import OUTPUT_TOKEN_COST
+from engine.core.waiting_queue import OUTPUT_TOKEN_COST, TenantCounters
 
 P = TypeVar("P")  # where a dispatched request goes (a replica's index, an engine)
 
@@ -51,24 +51,9 @@ P = TypeVar("P")  # where a dispatched request goes (a replica's index, an engin
 EXPECTED_OUTPUT_CAP = 1024
 
 
-class FleetCounters:
-    """Per-tenant weighted service counters over the whole fleet (the engines' VTC, summed over replicas)."""
-
-    def __init__(self) -> None:
-        self.counters: dict[str, float] = defaultdict(float)
-        self._active: dict[str, int] = defaultdict(int)  # tenant -> requests waiting here or in flight
-
-    def on_arrival(self, tenant: str) -> None:
-        if self._active[tenant] == 0:
-            others = [self.counters[t] for t, n in self._active.items() if n and t != tenant]
-            if others:
-                self.counters[tenant] = max(self.counters[tenant], min(others))
-        self._active[tenant] += 1
-
-    def on_departure(self, tenant: str) -> None:
-        self._active[tenant] -= 1
-        if self._active[tenant] == 0:
-            del self._active[tenant]
+class FleetCounters(TenantCounters):
+    """Per-tenant weighted service counters over the whole fleet (the engines' VTC, summed over replicas): a
+    tenant is active while it has requests waiting here or in flight."""
 
     def charge(self, policy: RequestPolicy, tokens: float) -> None:
         """``tokens`` of service (prompt tokens computed + OUTPUT_TOKEN_COST x output tokens; negative: a refund)."""

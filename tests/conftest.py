@@ -6,11 +6,29 @@ is set here, before pytest collects any test module: then no order of test
 files can import a kernel first. Only without CUDA: with a GPU the same tests run
 the compiled kernels. The torch tests never look at it; on a CPU-only machine
 nothing else can run Triton, so the rest of the suite is unaffected.
+
+Fixtures for several test directories: ``qwen3_vl_checkpoint``.
 """
 
 import os
+import random
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_checkpoint(tmp_path_factory):
+    """(path, transformers' model, seed): the tiny random Qwen3-VL-MoE of ``tests.engine.vision.qwen3_vl_checkpoint``
+    with its ``preprocessor_config.json``, built once for every test file of the session that reads it. Tests only
+    read it: one that needs more files beside the weights (a tokenizer) copies it first."""
+    from tests.engine.vision.qwen3_vl_checkpoint import make_qwen3_vl_moe, write_preprocessor_config
+
+    seed = random.randrange(2**31)
+    path = str(tmp_path_factory.mktemp("qwen3_vl_moe"))
+    model = make_qwen3_vl_moe(path, seed)
+    write_preprocessor_config(path)
+    return path, model, seed

@@ -113,20 +113,20 @@ def randomize_constants_(model: torch.nn.Module, generator: torch.Generator) -> 
             t.copy_(t + (0.2 if float(t.flatten()[0]) else 0.1) * noise)
 
 
-def make_hf_image_text_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2):
-    """``family``'s text model inside its published image-text wrapper (Qwen3.5-MoE's
-    ``Qwen3_5MoeForConditionalGeneration``: the language model under ``model.language_model.``, a tiny vision
-    tower under ``model.visual.``, the config's ``text_config``), saved to ``path``; returns it (eval, float32)."""
+def tiny_text_config(vocab_size: int = 211, num_layers: int = 2, **settings) -> dict:
+    """A tiny checkpoint's text settings: ``vocab_size`` ids, the last one EOS, no BOS, pad 0, 1024 positions,
+    ``num_layers`` layers, init std 0.08; ``settings`` add to or override them."""
+    return {"vocab_size": vocab_size, "num_hidden_layers": num_layers, "max_position_embeddings": 1024,
+            "eos_token_id": vocab_size - 1, "bos_token_id": None, "pad_token_id": 0, "initializer_range": 0.08,
+            **settings}
+
+
+def save_random_image_text_model(config, path: str, seed: int):
+    """transformers' image-text model of ``config`` (``AutoModelForImageTextToText``) with every parameter and buffer
+    random (torch seeded with ``seed``; the constants init leaves drawn by ``randomize_constants_``), saved to
+    ``path``; returns it (eval, float32)."""
     from transformers import AutoModelForImageTextToText
 
-    text = {**FAMILY_CONFIGS[family], "initializer_range": 0.08}
-    text.pop("model_type")
-    config = AutoConfig.for_model(
-        family, text_config=dict(vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=1024,
-                                 eos_token_id=vocab_size - 1, bos_token_id=None, pad_token_id=0, **text),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
-                           out_hidden_size=text["hidden_size"], patch_size=4, num_position_embeddings=16),
-    )
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     randomize_constants_(model, torch.Generator().manual_seed(seed))
@@ -134,17 +134,28 @@ def make_hf_image_text_model(family: str, path: str, seed: int, vocab_size: int 
     return model
 
 
+def make_hf_image_text_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2):
+    """``family``'s text model inside its published image-text wrapper (Qwen3.5-MoE's
+    ``Qwen3_5MoeForConditionalGeneration``: the language model under ``model.language_model.``, a tiny vision
+    tower under ``model.visual.``, the config's ``text_config``), saved to ``path``; returns it (eval, float32)."""
+    text = dict(FAMILY_CONFIGS[family])
+    text.pop("model_type")
+    config = AutoConfig.for_model(
+        family, text_config=tiny_text_config(vocab_size, num_layers, **text),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                           out_hidden_size=text["hidden_size"], patch_size=4, num_position_embeddings=16),
+    )
+    return save_random_image_text_model(config, path, seed)
+
+
 def make_hf_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int | None = None,
                   **overrides):
     """Build a random model of ``family``, save it to ``path``, return the transformers model (eval, float32).
     ``num_layers``: by default as many as the config's ``layer_types`` lists, else 2."""
-    kw = {**FAMILY_CONFIGS[family], "initializer_range": 0.08, **overrides}
+    kw = {**FAMILY_CONFIGS[family], **overrides}
     num_layers = num_layers or len(kw.get("layer_types") or ()) or 2
     model_type = kw.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type, vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=1024,
-        eos_token_id=vocab_size - 1, bos_token_id=None, pad_token_id=0, **kw,
-    )
+    config = AutoConfig.for_model(model_type, **tiny_text_config(vocab_size, num_layers, **kw))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize_constants_(model, torch.Generator().manual_seed(seed))

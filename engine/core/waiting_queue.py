@@ -19,12 +19,13 @@ from engine.core.request import Request
 OUTPUT_TOKEN_COST = 2.0  # an output token costs twice a prompt token (decode is the scarcer work)
 
 
-class VirtualTokenCounter:
-    """Per-tenant weighted service counters."""
+class TenantCounters:
+    """Per-tenant weighted service counters, a tenant lifted on arrival to the smallest counter among the other
+    active tenants (idle time earns no credit); what counts as service is the subclass's ``charge``."""
 
     def __init__(self) -> None:
         self.counters: dict[str, float] = defaultdict(float)
-        self._active: dict[str, int] = defaultdict(int)  # tenant -> requests waiting or running
+        self._active: dict[str, int] = defaultdict(int)  # tenant -> its requests waiting or being served
 
     def on_arrival(self, tenant: str) -> None:
         if self._active[tenant] == 0:
@@ -34,10 +35,17 @@ class VirtualTokenCounter:
         self._active[tenant] += 1
 
     def on_departure(self, tenant: str) -> None:
-        assert self._active[tenant] > 0
         self._active[tenant] -= 1
         if self._active[tenant] == 0:
             del self._active[tenant]
+
+
+class VirtualTokenCounter(TenantCounters):
+    """Per-tenant weighted service counters of one engine: requests waiting or running."""
+
+    def on_departure(self, tenant: str) -> None:
+        assert self._active[tenant] > 0
+        super().on_departure(tenant)
 
     def charge(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
         self.counters[request.policy.tenant] += (prompt_tokens + OUTPUT_TOKEN_COST * output_tokens) / request.policy.weight

@@ -17,7 +17,7 @@ from engine.device_batch.attention_metadata import AttentionMetadata, DecodeGrou
 from engine.layers.attention import Attention
 from engine.layers.block_indexer import BlockIndexer
 from engine.layers.cache_spec import CacheSpec
-from engine.layers.paged_attention import _gather, gather_visible
+from engine.layers.paged_attention import chunk_visibility, decode_context, gather_visible
 
 
 class BlockSparseAttention(Attention):
@@ -67,12 +67,7 @@ class BlockSparseAttention(Attention):
         for (start, end), table, seq_len, mask in zip(
             meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
         ):
-            if mask is None:  # the chunk is the whole context: causal over its own tokens
-                visible = torch.ones(end - start, seq_len, dtype=torch.bool, device=q.device)
-                visible = visible.tril(seq_len - (end - start))  # [q, L]
-            else:
-                visible = mask[0, 0]  # [q, L]
-            seen = visible.any(dim=0)  # [L]
+            visible, seen = chunk_visibility(mask, start, end, seq_len, q.device)  # [q, L], [L]
             keys, values = gather_visible(k_cache, table, seen), gather_visible(v_cache, table, seen)  # [L, kvh, d]
             ctx_keys = gather_visible(index_keys, table, seen)[:, 0]  # [L, d_i]
             out[start:end] = self._sparse(q[None, start:end], keys[None], values[None], index_q[None, start:end],
@@ -93,13 +88,5 @@ class BlockSparseAttention(Attention):
                         group: DecodeGroup):
         """Each request's whole context in position order: keys, values [G, L, kvh, d], indexer keys [G, L, d_i]
         and visibility [G, L] (a group's shared prefix blocks first, then its own)."""
-        visible = group.key_mask[:, 0, 0]  # [G, L]
-        caches = (k_cache, v_cache, index_keys)
-        parts = [gather_visible(c, group.block_table, visible, group.seen_by_all) for c in caches]
-        if group.shared_blocks is not None:  # full prompt blocks every request of the group sees whole
-            num_reqs = visible.shape[0]
-            parts = [torch.cat([_gather(c, group.shared_blocks).expand(num_reqs, -1, -1, -1), own], dim=1)
-                     for c, own in zip(caches, parts)]
-            visible = torch.cat([visible.new_ones(num_reqs, parts[0].shape[1] - visible.shape[1]), visible], dim=1)
-        keys, values, ctx_keys = parts
+        (keys, values, ctx_keys), visible = decode_context((k_cache, v_cache, index_keys), group)
         return keys, values, ctx_keys[:, :, 0], visible

@@ -16,7 +16,7 @@ such term; with sinks the same masks go through ``_sink_sdpa`` (explicit float32
 import torch
 import torch.nn.functional as F
 
-from engine.device_batch.attention_metadata import AttentionMetadata
+from engine.device_batch.attention_metadata import AttentionMetadata, DecodeGroup
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -52,6 +52,42 @@ def gather_visible(cache: torch.Tensor, block_table: torch.Tensor, visible: torc
             hidden = ~visible.narrow(dim, start, end - start)[..., None, None]  # [..., span, 1, 1]
             rows.narrow(dim, start, end - start).masked_fill_(hidden, 0)
     return rows
+
+
+def chunk_visibility(mask: torch.Tensor | None, start: int, end: int, seq_len: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which context slots each query of a prefill chunk sees, and which slots any of its queries sees.
+
+    The chunk is the batch's queries [start, end) over a context of ``seq_len`` slots; ``mask`` is its prefill
+    mask [1, 1, q, L] bool (True: visible), or None where the chunk is the whole context, causal over its own
+    tokens. -> (visible [q, L], seen [L]): ``seen`` is what ``gather_visible`` keeps of the context, ``visible``
+    what the sparse layers' indexers choose their top-k keys within.
+    """
+    if mask is None:
+        n = end - start
+        visible = torch.ones(n, seq_len, dtype=torch.bool, device=device).tril(seq_len - n)  # [q, L]
+    else:
+        visible = mask[0, 0]  # [q, L]
+    return visible, visible.any(dim=0)
+
+
+def decode_context(caches: tuple[torch.Tensor | None, ...],
+                   group: DecodeGroup) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """Each request's whole context in position order from each of ``caches`` (a group's shared prefix blocks
+    first, then its own), for layers that must see every key at once (a sparse selection over the context).
+
+    caches: each [N_blocks, bs, c, d] (None: skipped, None out) -> ([G, L, c, d] per cache, hidden slots zeroed;
+    visibility [G, L] bool).
+    """
+    visible = group.key_mask[:, 0, 0]  # [G, L]
+    parts = [None if c is None else gather_visible(c, group.block_table, visible, group.seen_by_all) for c in caches]
+    if group.shared_blocks is not None:  # full prompt blocks every request of the group sees whole
+        num_reqs = visible.shape[0]
+        parts = [None if c is None else torch.cat([_gather(c, group.shared_blocks).expand(num_reqs, -1, -1, -1), own],
+                                                  dim=1)
+                 for c, own in zip(caches, parts)]
+        visible = torch.cat([visible.new_ones(num_reqs, parts[0].shape[1] - visible.shape[1]), visible], dim=1)
+    return parts, visible
 
 
 def _sink_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,

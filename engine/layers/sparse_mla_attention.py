@@ -24,7 +24,7 @@ from engine.device_batch.attention_metadata import AttentionMetadata, DecodeGrou
 from engine.layers.cache_spec import CacheSpec
 from engine.layers.lightning_indexer import LightningIndexer
 from engine.layers.mla_attention import MLAttention
-from engine.layers.paged_attention import _gather, gather_visible
+from engine.layers.paged_attention import chunk_visibility, decode_context, gather_visible
 
 
 class SelectionRelay:
@@ -100,12 +100,7 @@ class SparseMLAttention(MLAttention):
         for (start, end), table, seq_len, mask in zip(
             meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
         ):
-            if mask is None:  # the chunk is the whole context: causal over its own tokens
-                visible = torch.ones(end - start, seq_len, dtype=torch.bool, device=q.device)
-                visible = visible.tril(seq_len - (end - start))  # [q, L]
-            else:
-                visible = mask[0, 0]  # [q, L]
-            seen = visible.any(dim=0)  # [L]
+            visible, seen = chunk_visibility(mask, start, end, seq_len, q.device)  # [q, L], [L]
             ctx = gather_visible(rows, table, seen)[:, 0]  # [L, r + p]; hidden slots zeroed
             ctx_keys = gather_visible(keys, table, seen)[:, 0] if keys is not None else None  # [L, d_i]
             select = self._select(len(chosen), index_q, index_w, slice(start, end),
@@ -129,19 +124,8 @@ class SparseMLAttention(MLAttention):
     def _decode_context(self, rows: torch.Tensor, keys: torch.Tensor | None, group: DecodeGroup):
         """Each request's whole context: latent rows [G, L, r + p], indexer keys [G, L, d_i] (None without an
         indexer) and visibility [G, L] (a group's shared prefix blocks first, then its own)."""
-        visible = group.key_mask[:, 0, 0]  # [G, L]
-        ctx = gather_visible(rows, group.block_table, visible, group.seen_by_all)[:, :, 0]
-        ctx_keys = gather_visible(keys, group.block_table, visible, group.seen_by_all)[:, :, 0] \
-            if keys is not None else None
-        if group.shared_blocks is not None:  # full prompt blocks every request of the group sees whole
-            num_reqs = ctx.shape[0]
-            shared = _gather(rows, group.shared_blocks)[:, 0]  # [S*bs, r + p]
-            ctx = torch.cat([shared.expand(num_reqs, -1, -1), ctx], dim=1)
-            if ctx_keys is not None:
-                shared_keys = _gather(keys, group.shared_blocks)[:, 0]  # [S*bs, d_i]
-                ctx_keys = torch.cat([shared_keys.expand(num_reqs, -1, -1), ctx_keys], dim=1)
-            visible = torch.cat([visible.new_ones(num_reqs, shared.shape[0]), visible], dim=1)
-        return ctx, ctx_keys, visible
+        (ctx, ctx_keys), visible = decode_context((rows, keys), group)  # [G, L, 1, r + p], [G, L, 1, d_i]
+        return ctx[:, :, 0], None if ctx_keys is None else ctx_keys[:, :, 0], visible
 
     def _decode_sparse(self, q: torch.Tensor, ctx: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
         """Absorbed: q [G, h, n + p] over the selected rows of ctx [G, L, r + p] (select [G, 1, L]) -> [G, h, v]."""

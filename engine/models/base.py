@@ -7,7 +7,7 @@ config, and lists how checkpoint names map onto our packed parameters.
 import abc
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from engine.device_batch.attention_metadata import AttentionMetadata
 from engine.layers.attention import Attention
 from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.core.model_config import ModelConfig
+from engine.core.model_config import CheckpointError, ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,3 +252,21 @@ class MoECausalLM(nn.Module, abc.ABC):
             if match:
                 return match.expand(rule.target), rule, match
         raise AssertionError("the catch-all rule always matches")
+
+
+def layer_kind_rotary(model: MoECausalLM, kind: str, max_positions: int, family: str,
+                      **defaults: float) -> RotaryEmbedding:
+    """The rope of one layer kind, for families whose ``rope_parameters`` are keyed by layer type (each kind its own
+    theta and rotated width): built once per model and shared by the layers of that kind. ``defaults``: parameters
+    the family's configs may leave out. Only the default rope type: another is a CheckpointError naming ``family``."""
+    rotaries = model.__dict__.setdefault("_rotaries", {})
+    if kind not in rotaries:
+        params = dict(model.config.rope_parameters.get(kind) or {})
+        if params.get("rope_type", "default") != "default":
+            raise CheckpointError(f"config.json rope_parameters[{kind!r}]: rope_type "
+                                  f"{params['rope_type']!r} is not supported for {family} (only default)")
+        for key, value in defaults.items():
+            params.setdefault(key, value)
+        rotaries[kind] = RotaryEmbedding(replace(model.config, rope_parameters=params), model.config.head_dim,
+                                         max_positions)
+    return rotaries[kind]

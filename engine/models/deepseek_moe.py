@@ -4,6 +4,9 @@ The first ``first_k_dense_replace`` layers (or those ``mlp_layer_types`` calls "
 dense SwiGLU MLPs of ``intermediate_size``; every other layer is a sparse block of ``n_routed_experts`` experts of ``moe_intermediate_size`` plus
 ``n_shared_experts`` ungated shared experts (one MLP of their summed width), routed as ``moe_routing``
 reads from the config.
+
+``biased_sigmoid_moe`` is the sparse layer of the families that route this way without expert groups (Hy3,
+MiniMax-M3, Step-3.7-Flash): bias-corrected sigmoid top-k, renormalised and scaled, beside one shared expert.
 """
 
 from torch import nn
@@ -13,6 +16,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.core.model_config import ModelConfig
 from moe_kernels import RoutingSpec
+from moe_kernels.activation import SILU, ExpertActivation
 
 # Checkpoint names of this plan -> ours: the shared experts are our one ungated shared expert, and the
 # correction bias lives on the MoE block rather than on its router.
@@ -74,3 +78,33 @@ def deepseek_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, tp: Tens
         router_float32=True,
         tp=tp,
     )
+
+
+def biased_sigmoid_moe(config: ModelConfig, moe_backend: str, tp: TensorParallel, *, num_experts: int,
+                       intermediate_size: int, shared_expert_size: int, scaling_factor: float,
+                       activation: ExpertActivation = SILU,
+                       shared_activation: ExpertActivation | None = None) -> SparseMoeBlock:
+    """The sparse layer of Hy3, MiniMax-M3 and Step-3.7-Flash, whose configs name its sizes each their own way.
+
+    The router (float32, as the checkpoints store and run it) keeps the top ``num_experts_per_tok`` of sigmoid
+    scores plus a correction bias; the kept experts' uncorrected scores are renormalised and scaled by
+    ``scaling_factor``. Beside them one ungated shared expert of ``shared_expert_size`` (none at 0) applies
+    ``shared_activation`` (by default the experts' ``activation``).
+    """
+    moe = SparseMoeBlock(
+        config.hidden_size,
+        num_experts=num_experts,
+        routing=RoutingSpec(top_k=config.cfg("num_experts_per_tok"), scoring="sigmoid", renormalize=True,
+                            scaling_factor=scaling_factor),
+        intermediate_size=intermediate_size,
+        backend=moe_backend,
+        shared_expert_size=shared_expert_size,
+        shared_expert_gated=False,
+        correction_bias=True,
+        router_float32=True,
+        tp=tp,
+        activation=activation,
+    )
+    if moe.shared_expert is not None:
+        moe.shared_expert.activation = activation if shared_activation is None else shared_activation
+    return moe

@@ -8,12 +8,10 @@ from torch import nn
 from engine.core.model_config import CheckpointError, ModelConfig
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.mlp import GatedMLP
-from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.base import DecoderLayer, MoECausalLM
-from engine.models.deepseek_moe import is_dense_layer
+from engine.models.deepseek_moe import biased_sigmoid_moe, is_dense_layer
 from engine.models.dots1 import qk_norm_attention
-from moe_kernels import RoutingSpec
 
 
 def hy_v3_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, tp: TensorParallel = SINGLE) -> nn.Module:
@@ -24,19 +22,9 @@ def hy_v3_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, tp: TensorP
     if is_dense_layer(config, layer_idx):
         return GatedMLP(config.hidden_size, config.cfg("intermediate_size"), tp)
     inter = config.cfg("moe_intermediate_size")
-    return SparseMoeBlock(
-        config.hidden_size,
-        num_experts=config.cfg("num_experts"),
-        routing=RoutingSpec(top_k=config.cfg("num_experts_per_tok"), scoring="sigmoid", renormalize=True,
-                            scaling_factor=float(config.cfg("router_scaling_factor", 1.0))),
-        intermediate_size=inter,
-        backend=moe_backend,
-        shared_expert_size=inter * (config.cfg("num_shared_experts") or 0),
-        shared_expert_gated=False,
-        correction_bias=True,
-        router_float32=True,
-        tp=tp,
-    )
+    return biased_sigmoid_moe(config, moe_backend, tp, num_experts=config.cfg("num_experts"), intermediate_size=inter,
+                              shared_expert_size=inter * (config.cfg("num_shared_experts") or 0),
+                              scaling_factor=float(config.cfg("router_scaling_factor", 1.0)))
 
 
 class HYV3ForCausalLM(MoECausalLM):

@@ -5,12 +5,9 @@ and k heads (``head_dim``) are wider than its v heads (``v_head_dim``), the valu
 partial rotary factor). Dense first layers (``mlp_layer_types``), then DeepSeek-V3's bias-corrected sigmoid
 routing without shared experts. The next-token-prediction layers (``model.mtp.*``) are not loaded."""
 
-from dataclasses import replace
-
-from engine.core.model_config import CheckpointError
 from engine.layers.attention import Attention
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.base import DecoderLayer, MoECausalLM
+from engine.models.base import DecoderLayer, MoECausalLM, layer_kind_rotary
 from engine.models.deepseek_moe import DEEPSEEK_MOE_ALIASES, deepseek_mlp
 
 SLIDING = "sliding_attention"
@@ -34,17 +31,9 @@ class MiMoV2FlashForCausalLM(MoECausalLM):
         return DecoderLayer(c, attn, deepseek_mlp(c, layer_idx, moe_backend, tp=self.tp))
 
     def _rotary(self, kind: str, max_positions: int) -> RotaryEmbedding:
-        """The rope of one layer kind (its own theta), shared by the layers of that kind."""
-        rotaries = self.__dict__.setdefault("_rotaries", {})
-        if kind not in rotaries:
-            params = dict(self.config.rope_parameters.get(kind) or {})
-            if params.get("rope_type", "default") != "default":
-                raise CheckpointError(f"config.json rope_parameters[{kind!r}]: rope_type "
-                                      f"{params['rope_type']!r} is not supported for MiMo-V2-Flash (only default)")
-            params.setdefault("partial_rotary_factor", 0.334)  # transformers' default for this family
-            rotaries[kind] = RotaryEmbedding(replace(self.config, rope_parameters=params), self.config.head_dim,
-                                             max_positions)
-        return rotaries[kind]
+        """The rope of one layer kind (its own theta), shared by the layers of that kind; transformers' default
+        partial rotary factor for this family."""
+        return layer_kind_rotary(self, kind, max_positions, "MiMo-V2-Flash", partial_rotary_factor=0.334)
 
     def layers_cache_alike(self) -> bool:
         # A sliding layer has twice the full layers' KV heads: alike only where both come to one per rank (fewer

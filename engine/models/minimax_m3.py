@@ -19,11 +19,10 @@ from engine.layers.attention import Attention
 from engine.layers.block_indexer import BlockIndexer
 from engine.layers.block_sparse_attention import BlockSparseAttention
 from engine.layers.mlp import GatedMLP
-from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.base import DecoderLayer, MoECausalLM, WeightRule
+from engine.models.deepseek_moe import biased_sigmoid_moe
 from engine.models.deepseek_v32 import SparseDecoderLayer
-from moe_kernels import RoutingSpec
 from moe_kernels.activation import ExpertActivation
 
 SPARSE = "minimax_m3_sparse"
@@ -66,22 +65,10 @@ class MiniMaxM3SparseForConditionalGeneration(MoECausalLM):
         if kinds[layer_idx] != "sparse":
             return SparseDecoderLayer(c, attn, GatedMLP(c.hidden_size, c.cfg("dense_intermediate_size"), self.tp,
                                                         activation=act))
-        moe = SparseMoeBlock(
-            c.hidden_size,
-            num_experts=c.cfg("num_local_experts"),
-            routing=RoutingSpec(top_k=c.cfg("num_experts_per_tok"), scoring="sigmoid", renormalize=True,
-                                scaling_factor=float(c.cfg("routed_scaling_factor", 1.0) or 1.0)),
-            intermediate_size=c.cfg("intermediate_size"),
-            backend=moe_backend,
-            shared_expert_size=c.cfg("shared_intermediate_size") or 0,
-            shared_expert_gated=False,
-            correction_bias=True,
-            router_float32=True,
-            tp=self.tp,
-            activation=act,
-        )
-        if moe.shared_expert is not None:
-            moe.shared_expert.activation = act
+        moe = biased_sigmoid_moe(c, moe_backend, self.tp, num_experts=c.cfg("num_local_experts"),
+                                 intermediate_size=c.cfg("intermediate_size"),
+                                 shared_expert_size=c.cfg("shared_intermediate_size") or 0,
+                                 scaling_factor=float(c.cfg("routed_scaling_factor", 1.0) or 1.0), activation=act)
         return SparseDecoderLayer(c, attn, moe)
 
     def extra_layer(self, name: str) -> bool:

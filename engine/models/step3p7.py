@@ -13,18 +13,15 @@ silu(gate) from above, up on both sides (``moe_kernels.activation``'s ``clamped_
 """
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
 from engine.core.model_config import CheckpointError
 from engine.layers.head_gated_attention import HeadGatedAttention
 from engine.layers.mlp import GatedMLP
-from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.base import DecoderLayer, MoECausalLM, WeightRule
-from engine.models.deepseek_moe import DEEPSEEK_MOE_ALIASES
-from moe_kernels import RoutingSpec
+from engine.models.base import DecoderLayer, MoECausalLM, WeightRule, layer_kind_rotary
+from engine.models.deepseek_moe import DEEPSEEK_MOE_ALIASES, biased_sigmoid_moe
 from moe_kernels.activation import SILU, ExpertActivation
 
 SLIDING = "sliding_attention"
@@ -69,21 +66,11 @@ class Step3p7ForConditionalGeneration(MoECausalLM):
         if c.cfg("mlp_layer_types")[layer_idx] != "sparse":
             return DecoderLayer(c, attn, GatedMLP(c.hidden_size, c.cfg("intermediate_size"), self.tp,
                                                   activation=shared_act))
-        moe = SparseMoeBlock(
-            c.hidden_size,
-            num_experts=c.cfg("n_routed_experts"),
-            routing=RoutingSpec(top_k=c.cfg("num_experts_per_tok"), scoring="sigmoid", renormalize=True,
-                                scaling_factor=float(c.cfg("moe_router_scaling_factor", 1.0) or 1.0)),
-            intermediate_size=c.cfg("moe_intermediate_size"),
-            backend=moe_backend,
-            shared_expert_size=c.cfg("share_expert_dim"),
-            shared_expert_gated=False,
-            correction_bias=True,
-            router_float32=True,
-            tp=self.tp,
-            activation=_clamp(c.cfg("swiglu_limits"), layer_idx),
-        )
-        moe.shared_expert.activation = shared_act
+        moe = biased_sigmoid_moe(c, moe_backend, self.tp, num_experts=c.cfg("n_routed_experts"),
+                                 intermediate_size=c.cfg("moe_intermediate_size"),
+                                 shared_expert_size=c.cfg("share_expert_dim"),
+                                 scaling_factor=float(c.cfg("moe_router_scaling_factor", 1.0) or 1.0),
+                                 activation=_clamp(c.cfg("swiglu_limits"), layer_idx), shared_activation=shared_act)
         return DecoderLayer(c, attn, moe)
 
     def _check_supported(self) -> None:
@@ -99,15 +86,7 @@ class Step3p7ForConditionalGeneration(MoECausalLM):
 
     def _rotary(self, kind: str, max_positions: int) -> RotaryEmbedding:
         """The rope of one layer kind (its own theta and rotated width), shared by the layers of that kind."""
-        rotaries = self.__dict__.setdefault("_rotaries", {})
-        if kind not in rotaries:
-            params = dict(self.config.rope_parameters.get(kind) or {})
-            if params.get("rope_type", "default") != "default":
-                raise CheckpointError(f"config.json rope_parameters[{kind!r}]: rope_type "
-                                      f"{params['rope_type']!r} is not supported for Step-3.7-Flash (only default)")
-            rotaries[kind] = RotaryEmbedding(replace(self.config, rope_parameters=params), self.config.head_dim,
-                                             max_positions)
-        return rotaries[kind]
+        return layer_kind_rotary(self, kind, max_positions, "Step-3.7-Flash")
 
     def extra_layer(self, name: str) -> bool:
         """The vision tower and projector, and the next-token-prediction layers past ``num_hidden_layers``."""

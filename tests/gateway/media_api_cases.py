@@ -27,8 +27,8 @@ import torch
 from aiohttp import web
 
 from gateway.remote_images import REMOTE_IMAGES, RemoteImagePolicy, pinned_session
-from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_TOKEN, random_image
-from tests.gateway.test_chat_images import MAX_NEW, _greedy, _png_bytes, _processed, png_header_only
+from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_TOKEN, hf_greedy_pixels, random_image
+from tests.gateway.test_chat_images import MAX_NEW, _png_bytes, _processed, png_header_only
 
 
 FETCH_TIMEOUT_S = 1.0
@@ -138,7 +138,7 @@ def reference(served, media):
     media.images["a.png"] = png
     want_prompt, pixels = _processed(model, tok, [{"role": "user", "content": [
         {"type": "text", "text": "Look:"}, {"type": "image"}, {"type": "text", "text": "What?"}]}], [picture])
-    return png, picture, want_prompt, _greedy(model, want_prompt, pixels)
+    return png, picture, want_prompt, hf_greedy_pixels(model, want_prompt, pixels, MAX_NEW)
 
 
 def _parts(url: str, kind: str = "chat") -> list[dict]:

@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import random
+import shutil
 import struct
 import zlib
 
@@ -26,7 +27,7 @@ from gateway.chat_plan import ParserChoice
 from gateway.errors import APIError
 from gateway.openai_schema import ChatCompletionRequest, decode_body
 from tests.engine.vision.qwen3_vl_checkpoint import (
-    IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, VIDEO_TOKEN, VOCAB, make_qwen3_vl_moe, random_image,
+    IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, VIDEO_TOKEN, VOCAB, hf_greedy_pixels, random_image,
 )
 from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key
@@ -83,16 +84,11 @@ def png_header_only(width: int, height: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, qwen3_vl_checkpoint):
     root = tmp_path_factory.mktemp("chat_images")
     path = str(root / "qwen3_vl")
-    seed = random.randrange(2**31)
-    model = make_qwen3_vl_moe(path, seed)
-    with open(f"{path}/preprocessor_config.json", "w") as f:
-        json.dump({"patch_size": IMAGE_CONFIG.patch_size, "temporal_patch_size": IMAGE_CONFIG.temporal_patch_size,
-                   "merge_size": IMAGE_CONFIG.merge_size, "image_mean": list(IMAGE_CONFIG.image_mean),
-                   "image_std": list(IMAGE_CONFIG.image_std),
-                   "size": {"shortest_edge": IMAGE_CONFIG.min_pixels, "longest_edge": IMAGE_CONFIG.max_pixels}}, f)
+    shared, model, seed = qwen3_vl_checkpoint
+    shutil.copytree(shared, path)  # the session's checkpoint stays as other test files read it: no tokenizer
     tok = write_tokenizer(path)
     with in_process_server(root, dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, cpu_threads=1,
                                       max_model_len=256), checkpoint=path) as srv:
@@ -124,15 +120,6 @@ def _processed(model, tok, messages, pictures) -> tuple[list[int], dict]:
                                              "image_grid_thw": inputs["image_grid_thw"]}
 
 
-def _greedy(model, prompt: list[int], pixels: dict) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
-                             max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, **pixels)
-    return out[0, len(prompt):].tolist()
-
-
 def test_chat_with_an_image_matches_transformers(served):
     """One PNG in a user message between texts, one of which spells <|image_pad|>: the greedy tokens equal
     transformers' on its processor's inputs, and the prompt tokens billed are those inputs' (the image's tokens
@@ -152,7 +139,7 @@ def test_chat_with_an_image_matches_transformers(served):
     want_prompt, pixels = _processed(model, tok, marked, [picture])
     at = want_prompt.index(tok.convert_tokens_to_ids("@"))
     want_prompt[at:at + 1] = [tok.convert_tokens_to_ids(c) for c in "<|image_pad|>"]
-    want = _greedy(model, want_prompt, pixels)
+    want = hf_greedy_pixels(model, want_prompt, pixels, MAX_NEW)
 
     reply = srv.run(client.chat.completions.create(
         model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0, logprobs=True,
@@ -185,7 +172,7 @@ def test_jpeg_webp_and_animated_gif_first_frame(served):
         {"type": "image_url", "image_url": {"url": u}} for u in urls]}]
     want_prompt, pixels = _processed(model, tok, [{"role": "user", "content": [
         {"type": "text", "text": "Three:"}] + [{"type": "image"}] * 3}], pictures)
-    want = _greedy(model, want_prompt, pixels)
+    want = hf_greedy_pixels(model, want_prompt, pixels, MAX_NEW)
     reply = srv.run(client.chat.completions.create(
         model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0, logprobs=True,
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))

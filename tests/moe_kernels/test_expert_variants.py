@@ -27,10 +27,11 @@ def seed() -> int:
     return int(os.environ.get("MOE_TEST_SEED") or random.SystemRandom().randrange(2**31))
 
 
-def make(seed, T=5, E=6, k=2, H=32, I=16):  # noqa: E741
+def make(seed, T=5, E=6, k=2, H=32, I=16, spread=3.0):  # noqa: E741
+    """Random inputs, weights, expert biases and routing; gate/up values of std ``spread``: past the limit often."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen)
-    w13 = torch.randn(E, 2 * I, H, generator=gen) * (3 / H**0.5)  # gate/up of std ~3: past the limit often
+    w13 = torch.randn(E, 2 * I, H, generator=gen) * (spread / H**0.5)
     w2 = torch.randn(E, H, I, generator=gen) / I**0.5
     b13 = torch.randn(E, 2 * I, generator=gen)
     b2 = torch.randn(E, H, generator=gen)
@@ -38,21 +39,35 @@ def make(seed, T=5, E=6, k=2, H=32, I=16):  # noqa: E741
     return x, w13, w2, b13, b2, weights, ids
 
 
+def clamped_act(gate_up: torch.Tensor, act: ExpertActivation) -> tuple[torch.Tensor, int]:
+    """One expert's float64 gate then up values [2I] -> (the activation [I], how many values its clamps cut), from
+    the definitions: gpt-oss's ``clamped_swiglu`` clamps the gate from above and up both ways, then
+    (up + 1) * gate * sigmoid(alpha * gate); Step-3.7-Flash's ``clamped_silu`` clamps silu(gate) from above and up
+    both ways, then multiplies them."""
+    gate, up = gate_up.chunk(2)
+    if act.kind == "clamped_silu":
+        silu = gate * torch.sigmoid(gate)
+        cut = int((silu > act.limit).sum() + (up.abs() > act.limit).sum())
+        return silu.clamp(max=act.limit) * up.clamp(-act.limit, act.limit), cut
+    assert act.kind == "clamped_swiglu", act
+    cut = int((gate > act.limit).sum() + (up.abs() > act.limit).sum())
+    gate, up = gate.clamp(max=act.limit), up.clamp(-act.limit, act.limit)
+    return (up + 1) * gate * torch.sigmoid(act.alpha * gate), cut
+
+
 def reference(x, w13, w2, b13, b2, weights, ids, act=ACT):
-    """float64, one (token, expert) at a time, from the definition."""
-    x, w13, w2, b13, b2 = (t.double() for t in (x, w13, w2, b13, b2))
-    inter = w2.shape[2]
+    """float64, one (token, expert) at a time, from the definition; ``b13``/``b2`` None: no expert biases.
+    -> (out, how many values the clamps cut)."""
+    x, w13, w2 = (t.double() for t in (x, w13, w2))
     out = torch.zeros_like(x)
     clamped = 0
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            gate_up = w13[e] @ x[t] + b13[e]
-            gate, up = gate_up[:inter], gate_up[inter:]
-            clamped += int((gate > act.limit).sum() + (up.abs() > act.limit).sum())
-            gate, up = gate.clamp(max=act.limit), up.clamp(-act.limit, act.limit)
-            h = (up + 1) * gate * torch.sigmoid(act.alpha * gate)
-            out[t] += float(weights[t, j]) * (w2[e] @ h + b2[e])
+            gate_up = w13[e] @ x[t] + (0 if b13 is None else b13[e].double())
+            h, cut = clamped_act(gate_up, act)
+            clamped += cut
+            out[t] += float(weights[t, j]) * (w2[e] @ h + (0 if b2 is None else b2[e].double()))
     return out, clamped
 
 

@@ -5,16 +5,13 @@ text class (the engine loads its text model alone), with prompts chunked 16 toke
 sliding layer's blocks handed back as its window passes them, and a second pass over prompts sharing a prefix hitting
 the prefix cache; what the family is not split with yet is refused at start in one line."""
 
-import random
-
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
 from engine.core.kv_cache_manager import sliding_blocks_bound
-from tests.engine.models.test_vs_transformers import hf_greedy, second_pass_hits
-from tests.hf_models import randomize_constants_
+from tests.engine.models.test_vs_transformers import prefix_and_long_reference, second_pass_hits
+from tests.hf_models import save_random_image_text_model, tiny_text_config
 
 VOCAB = 211
 WINDOW = 8
@@ -36,32 +33,17 @@ def make_step_model(path: str, seed: int, vocab_size: int = VOCAB):
     """A random Step-3.7-Flash (text model and a one-layer vision tower) saved to ``path`` by transformers; every
     parameter and buffer random (the zero-centred norms and the correction biases drawn around their init)."""
     config = AutoConfig.for_model(
-        "step3p7",
-        text_config=dict(vocab_size=vocab_size, num_hidden_layers=2, max_position_embeddings=1024,
-                         eos_token_id=vocab_size - 1, bos_token_id=None, pad_token_id=0, initializer_range=0.08,
-                         **STEP_TEXT),
+        "step3p7", text_config=tiny_text_config(vocab_size, **STEP_TEXT),
         vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
     )
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    randomize_constants_(model, torch.Generator().manual_seed(seed))
-    model.save_pretrained(path)
-    return model
+    return save_random_image_text_model(config, path, seed)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """(checkpoint, requests, transformers' tokens, seed): three prompts share a 40-token prefix, two are long (far
     past the window of 8 and past many 16-token chunks), one is short."""
-    seed = random.randrange(2**31)
-    path = str(tmp_path_factory.mktemp("step3p7"))
-    hf = make_step_model(path, seed)
-    rng = random.Random(seed)
-    prefix = [rng.randrange(1, VOCAB - 1) for _ in range(40)]
-    prompts = [prefix + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(1, 30))] for _ in range(3)]
-    prompts += [[rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (3, 100, 130)]
-    reqs = [(p, 16 if len(p) >= 100 else rng.randint(4, 12)) for p in prompts]
-    return path, reqs, [hf_greedy(hf, p, m) for p, m in reqs], seed
+    return prefix_and_long_reference(tmp_path_factory, "step3p7", make_step_model, VOCAB)
 
 
 def test_greedy_matches_transformers_chunked_preempted_windowed(reference):

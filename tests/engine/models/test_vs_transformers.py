@@ -170,6 +170,21 @@ def test_greedy_matches_transformers(references, case, mode):
         second_pass_hits(path, reqs, expected, seed)
 
 
+def prefix_and_long_reference(tmp_path_factory, name: str, make_model, vocab: int = 211):
+    """A random checkpoint ``make_model(path, seed)`` saves (returning transformers' model of it) and requests for
+    it: three prompts share a 40-token prefix, then prompts of 3, 100 and 130 tokens; 16 new tokens for the long
+    ones, 4 to 12 for the others. -> (checkpoint, requests, transformers' tokens, seed)."""
+    seed = random.randrange(2**31)
+    path = str(tmp_path_factory.mktemp(name))
+    hf = make_model(path, seed)
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, vocab - 1) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(1, vocab - 1) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+    prompts += [[rng.randrange(1, vocab - 1) for _ in range(n)] for n in (3, 100, 130)]
+    reqs = [(p, 16 if len(p) >= 100 else rng.randint(4, 12)) for p in prompts]
+    return path, reqs, [hf_greedy(hf, p, m) for p, m in reqs], seed
+
+
 def second_pass_hits(path: str, reqs: list[tuple[list[int], int]], expected: list[list[int]], seed: int) -> None:
     """Two passes over the same prompts on an engine whose pool holds them all (chunks of 16 tokens): both give
     transformers' tokens, and the second takes every whole block of every prompt from the prefix cache."""

@@ -1,12 +1,16 @@
 """A tiny random Qwen3-VL-MoE checkpoint (transformers' ``Qwen3VLMoeForConditionalGeneration``, every parameter
-drawn at random) and random images for it: the reference the vision tests compare against."""
+drawn at random), random images and prompts for it, and transformers' greedy tokens: the reference the vision tests
+compare against. ``tests/conftest.py``'s session fixture ``qwen3_vl_checkpoint`` builds one for every test file
+that reads it."""
+
+import json
 
 import torch
 from PIL import Image
-from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers import AutoConfig
 
 from engine.vision.qwen_image_processing import QwenImageConfig
-from tests.hf_models import randomize_constants_
+from tests.hf_models import save_random_image_text_model, tiny_text_config
 
 VOCAB = 211
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 200, 201, 198, 199
@@ -21,26 +25,63 @@ def make_qwen3_vl_moe(path: str, seed: int):
     keeps its default (tied): the engine must read the whole model's. Saved to ``path``; returns the transformers model (eval, float32)."""
     config = AutoConfig.for_model(
         "qwen3_vl_moe",
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
-                         max_position_embeddings=1024, eos_token_id=VOCAB - 1, bos_token_id=None, pad_token_id=0,
-                         initializer_range=0.08,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2],
-                                              mrope_interleaved=True)),
+        text_config=tiny_text_config(VOCAB, hidden_size=32, intermediate_size=40, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=16, decoder_sparse_step=1,
+                                     rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                          mrope_section=[4, 2, 2], mrope_interleaved=True)),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32,
                            patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
                            deepstack_visual_indexes=[0, 1], initializer_range=0.08),
         image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END, tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    randomize_constants_(model, torch.Generator().manual_seed(seed))
-    model.save_pretrained(path)
-    return model
+    return save_random_image_text_model(config, path, seed)
+
+
+def write_preprocessor_config(path: str) -> None:
+    """``IMAGE_CONFIG`` as the checkpoint's ``preprocessor_config.json``: the settings the engine preprocesses with."""
+    with open(f"{path}/preprocessor_config.json", "w") as f:
+        json.dump({"patch_size": IMAGE_CONFIG.patch_size, "temporal_patch_size": IMAGE_CONFIG.temporal_patch_size,
+                   "merge_size": IMAGE_CONFIG.merge_size, "image_mean": list(IMAGE_CONFIG.image_mean),
+                   "image_std": list(IMAGE_CONFIG.image_std),
+                   "size": {"shortest_edge": IMAGE_CONFIG.min_pixels, "longest_edge": IMAGE_CONFIG.max_pixels}}, f)
 
 
 def random_image(gen: torch.Generator, width: int, height: int) -> Image.Image:
     data = torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8)
     return Image.frombytes("RGB", (width, height), bytes(data.flatten().tolist()))
+
+
+def text_ids(rng, n: int) -> list[int]:
+    """``n`` random text tokens (below the vision tokens' ids)."""
+    return [rng.randrange(1, VISION_START) for _ in range(n)]
+
+
+def with_images(rng, processed: list) -> list[int]:
+    """Text, then per image: <vision_start>, its placeholders expanded, <vision_end>, text."""
+    ids = text_ids(rng, rng.randint(3, 9))
+    for image in processed:
+        ids += [VISION_START] + [IMAGE_TOKEN] * image.num_tokens(IMAGE_CONFIG.merge_size) + [VISION_END]
+        ids += text_ids(rng, rng.randint(2, 7))
+    return ids
+
+
+def hf_greedy_pixels(model, prompt: list[int], pixels: dict, max_new: int) -> list[int]:
+    """transformers' ``max_new`` greedy tokens after ``prompt``, its image placeholders standing for ``pixels``
+    (``pixel_values`` and ``image_grid_thw``; none for a text-only prompt)."""
+    ids = torch.tensor([prompt])
+    kwargs = dict(pixels, mm_token_type_ids=(ids == IMAGE_TOKEN).int()) if pixels else {}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                             min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_greedy(model, prompt: list[int], processed: list, max_new: int) -> list[int]:
+    """``hf_greedy_pixels`` over images as the engine preprocesses them (``process_image``'s results)."""
+    pixels = {}
+    if processed:
+        pixels = dict(pixel_values=torch.cat([p.pixel_values for p in processed]),
+                      image_grid_thw=torch.tensor([p.grid_thw for p in processed]))
+    return hf_greedy_pixels(model, prompt, pixels, max_new)

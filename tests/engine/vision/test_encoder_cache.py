@@ -6,11 +6,9 @@ decodes a token every step; encoded bytes a tenant sent before are not even prep
 holds their features."""
 
 import io
-import json
 import random
 
 import msgspec
-import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -21,47 +19,7 @@ from engine.vision.prompt_images import LazyPixels
 from engine.vision.qwen3_vl_tower import VisionFeatures
 from engine.vision.qwen_image_processing import process_image
 from gateway.engine_metrics import EngineCollector
-from tests.engine.vision.qwen3_vl_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START,
-                                                     make_qwen3_vl_moe, random_image)
-
-
-def _text(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(1, VISION_START) for _ in range(n)]
-
-
-def _with_images(rng: random.Random, processed: list) -> list[int]:
-    """Text, then per image: <vision_start>, its placeholders expanded, <vision_end>, text."""
-    ids = _text(rng, rng.randint(3, 9))
-    for image in processed:
-        ids += [VISION_START] + [IMAGE_TOKEN] * image.num_tokens(IMAGE_CONFIG.merge_size) + [VISION_END]
-        ids += _text(rng, rng.randint(2, 7))
-    return ids
-
-
-def _hf_greedy(model, prompt: list[int], processed: list, max_new: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    kwargs = {}
-    if processed:
-        kwargs = dict(pixel_values=torch.cat([p.pixel_values for p in processed]),
-                      image_grid_thw=torch.tensor([p.grid_thw for p in processed]),
-                      mm_token_type_ids=(ids == IMAGE_TOKEN).int())
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                             min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    seed = random.randrange(2**31)
-    path = str(tmp_path_factory.mktemp("qwen3_vl_moe_cache"))
-    model = make_qwen3_vl_moe(path, seed)
-    with open(f"{path}/preprocessor_config.json", "w") as f:
-        json.dump({"patch_size": IMAGE_CONFIG.patch_size, "temporal_patch_size": IMAGE_CONFIG.temporal_patch_size,
-                   "merge_size": IMAGE_CONFIG.merge_size, "image_mean": list(IMAGE_CONFIG.image_mean),
-                   "image_std": list(IMAGE_CONFIG.image_std),
-                   "size": {"shortest_edge": IMAGE_CONFIG.min_pixels, "longest_edge": IMAGE_CONFIG.max_pixels}}, f)
-    return path, model, seed
+from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_CONFIG, hf_greedy, random_image, text_ids, with_images
 
 
 def _tower_calls(llm: LLM) -> list[int]:
@@ -81,15 +39,15 @@ def _run(llm: LLM, prompt: list[int], images: list, policy: RequestPolicy, max_n
     return tokens
 
 
-def test_repeated_image_is_encoded_once_per_tenant(checkpoint):
-    path, model, seed = checkpoint
+def test_repeated_image_is_encoded_once_per_tenant(qwen3_vl_checkpoint):
+    path, model, seed = qwen3_vl_checkpoint
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     pic = random_image(gen, rng.randint(12, 40), rng.randint(12, 40))
     processed = process_image(pic, IMAGE_CONFIG)
     # three prompts around the same picture, each with its own text before it: no prefix-cache block holds it twice
-    prompts = [_with_images(rng, [processed]) for _ in range(3)]
-    expected = [_hf_greedy(model, p, [processed], 6) for p in prompts]
+    prompts = [with_images(rng, [processed]) for _ in range(3)]
+    expected = [hf_greedy(model, p, [processed], 6) for p in prompts]
     llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=48, block_size=4, max_num_batched_tokens=32,
               encoder_cache_gb=0.001)
     calls = _tower_calls(llm)
@@ -116,11 +74,11 @@ def test_repeated_image_is_encoded_once_per_tenant(checkpoint):
     assert llm.engine.model.encoder_cache.bytes_used > 0
 
 
-def test_repeated_bytes_are_not_preprocessed_again(checkpoint):
+def test_repeated_bytes_are_not_preprocessed_again(qwen3_vl_checkpoint):
     """The API's path: encoded bytes. Sent again by the same tenant, their digest is known without preprocessing
     and the pixels are never computed (the features come from the encoder cache); another tenant's same bytes
     are preprocessed and encoded for it."""
-    path, model, seed = checkpoint
+    path, model, seed = qwen3_vl_checkpoint
     rng = random.Random(seed + 2)
     gen = torch.Generator().manual_seed(seed + 2)
     pic = random_image(gen, rng.randint(12, 40), rng.randint(12, 40))
@@ -128,8 +86,8 @@ def test_repeated_bytes_are_not_preprocessed_again(checkpoint):
     pic.save(png, format="PNG")
     data = png.getvalue()
     processed = process_image(pic, IMAGE_CONFIG)
-    prompts = [_with_images(rng, [processed]) for _ in range(3)]
-    expected = [_hf_greedy(model, p, [processed], 4) for p in prompts]
+    prompts = [with_images(rng, [processed]) for _ in range(3)]
+    expected = [hf_greedy(model, p, [processed], 4) for p in prompts]
     llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=48, block_size=4, max_num_batched_tokens=32)
     calls = _tower_calls(llm)
     alice = RequestPolicy(tenant="alice", cache_salt="salt-of-alice")
@@ -153,19 +111,19 @@ def test_repeated_bytes_are_not_preprocessed_again(checkpoint):
     assert lazy[0].pixels.loaded and len(calls) == 3
 
 
-def test_encoder_budget_spreads_images_over_steps_while_text_decodes(checkpoint):
-    path, model, seed = checkpoint
+def test_encoder_budget_spreads_images_over_steps_while_text_decodes(qwen3_vl_checkpoint):
+    path, model, seed = qwen3_vl_checkpoint
     rng = random.Random(seed + 1)
     gen = torch.Generator().manual_seed(seed + 1)
     # the first image takes the whole budget (12 tokens), the others 2..12 each: at least two encoding steps
     sizes = [(32, 24)] + [(rng.randint(12, 40), rng.randint(12, 40)) for _ in range(2)]
     processed = [process_image(random_image(gen, w, h), IMAGE_CONFIG) for w, h in sizes]
     budget = 12
-    many = _with_images(rng, processed)
-    text = _text(rng, rng.randint(5, 20))
+    many = with_images(rng, processed)
+    text = text_ids(rng, rng.randint(5, 20))
     text_new, many_new = 16, 4
-    want_text = _hf_greedy(model, text, [], text_new)
-    want_many = _hf_greedy(model, many, processed, many_new)
+    want_text = hf_greedy(model, text, [], text_new)
+    want_many = hf_greedy(model, many, processed, many_new)
     # a step holds every token of the image prompt: only the encoder budget spreads it over steps
     llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4,
               max_num_batched_tokens=128, max_num_encoder_tokens=budget, encoder_cache_gb=0)

@@ -4,7 +4,6 @@ request (naming the image) and the engine serves the next one."""
 
 import asyncio
 import io
-import json
 import random
 
 import pytest
@@ -14,8 +13,8 @@ from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.serving.async_engine import AsyncEngine, RequestRejectedError
 from engine.vision.qwen_image_processing import process_image
-from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_CONFIG, make_qwen3_vl_moe, random_image
-from tests.engine.vision.test_qwen3_vl_moe_vs_transformers import MAX_NEW, _hf_greedy, _with_images
+from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_CONFIG, hf_greedy, random_image, with_images
+from tests.engine.vision.test_qwen3_vl_moe_vs_transformers import MAX_NEW
 
 
 def _png(image) -> bytes:
@@ -25,23 +24,18 @@ def _png(image) -> bytes:
 
 
 @pytest.mark.timeout(120)
-def test_encoded_images_through_the_engine_process(tmp_path):
-    seed = random.randrange(2**31)
-    model = make_qwen3_vl_moe(str(tmp_path), seed)
-    with open(tmp_path / "preprocessor_config.json", "w") as f:
-        json.dump({"patch_size": IMAGE_CONFIG.patch_size, "temporal_patch_size": IMAGE_CONFIG.temporal_patch_size,
-                   "merge_size": IMAGE_CONFIG.merge_size,
-                   "size": {"shortest_edge": IMAGE_CONFIG.min_pixels, "longest_edge": IMAGE_CONFIG.max_pixels}}, f)
+def test_encoded_images_through_the_engine_process(qwen3_vl_checkpoint):
+    path, model, seed = qwen3_vl_checkpoint
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     pictures = [random_image(gen, rng.randint(12, 40), rng.randint(12, 40)) for _ in range(2)]
     processed = [process_image(p, IMAGE_CONFIG) for p in pictures]  # what the engine makes of the PNGs (lossless)
-    prompt = _with_images(rng, processed)
-    expected = _hf_greedy(model, prompt, processed)
+    prompt = with_images(rng, processed)
+    expected = hf_greedy(model, prompt, processed, MAX_NEW)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
     async def main():
-        engine = AsyncEngine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=32,
+        engine = AsyncEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=32,
                                           block_size=4, cpu_threads=1))
         await engine.start()
         try:

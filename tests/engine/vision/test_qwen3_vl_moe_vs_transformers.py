@@ -4,7 +4,6 @@ one, batched and prefilled in chunks that cut through images, with steps overlap
 another image gives that image's own tokens (its image blocks are keyed by the picture, so the prefix cache does
 not hand it the first image's). The tower's features and the prompt's M-RoPE positions are checked on their own."""
 
-import json
 import random
 
 import pytest
@@ -15,58 +14,19 @@ from engine.vision.mrope import ImageSpan, prompt_positions
 from engine.vision.prompt_images import placeholder_runs
 from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig
 from engine.vision.qwen_image_processing import process_image
-from tests.engine.vision.qwen3_vl_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, VOCAB,
-                                                     make_qwen3_vl_moe, random_image)
+from tests.engine.vision.qwen3_vl_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, hf_greedy,
+                                                     random_image, text_ids, with_images)
 
 MAX_NEW = 8
 
 
-def _text(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(1, VISION_START) for _ in range(n)]
-
-
-def _with_images(rng: random.Random, processed: list) -> list[int]:
-    """Text, then per image: <vision_start>, its placeholders expanded, <vision_end>, text."""
-    ids = _text(rng, rng.randint(3, 9))
-    for image in processed:
-        ids += [VISION_START] + [IMAGE_TOKEN] * image.num_tokens(IMAGE_CONFIG.merge_size) + [VISION_END]
-        ids += _text(rng, rng.randint(2, 7))
-    return ids
-
-
-def _hf_greedy(model, prompt: list[int], processed: list) -> list[int]:
-    ids = torch.tensor([prompt])
-    kwargs = {}
-    if processed:
-        kwargs = dict(pixel_values=torch.cat([p.pixel_values for p in processed]),
-                      image_grid_thw=torch.tensor([p.grid_thw for p in processed]),
-                      mm_token_type_ids=(ids == IMAGE_TOKEN).int())
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                             min_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    seed = random.randrange(2**31)
-    path = str(tmp_path_factory.mktemp("qwen3_vl_moe"))
-    model = make_qwen3_vl_moe(path, seed)
-    with open(f"{path}/preprocessor_config.json", "w") as f:  # the settings the engine preprocesses with
-        json.dump({"patch_size": IMAGE_CONFIG.patch_size, "temporal_patch_size": IMAGE_CONFIG.temporal_patch_size,
-                   "merge_size": IMAGE_CONFIG.merge_size, "image_mean": list(IMAGE_CONFIG.image_mean),
-                   "image_std": list(IMAGE_CONFIG.image_std),
-                   "size": {"shortest_edge": IMAGE_CONFIG.min_pixels, "longest_edge": IMAGE_CONFIG.max_pixels}}, f)
-    return path, model, seed
-
-
-def test_prompt_positions_match_transformers(checkpoint):
+def test_prompt_positions_match_transformers(qwen3_vl_checkpoint):
     """M-RoPE positions of a prompt with two images of different grids (one taller, one wider) and its delta."""
-    _, model, seed = checkpoint
+    _, model, seed = qwen3_vl_checkpoint
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     images = [process_image(random_image(gen, w, h), IMAGE_CONFIG) for w, h in ((20, 50), (44, 18))]
-    prompt = _with_images(rng, images)
+    prompt = with_images(rng, images)
     ids = torch.tensor([prompt])
     want, want_delta = model.model.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
                                                   image_grid_thw=torch.tensor([p.grid_thw for p in images]))
@@ -77,10 +37,10 @@ def test_prompt_positions_match_transformers(checkpoint):
     assert delta < 0
 
 
-def test_vision_tower_matches_transformers(checkpoint):
+def test_vision_tower_matches_transformers(qwen3_vl_checkpoint):
     """The tower alone, loaded from the model's own weights: merged features and deepstack taps of two images of
     different grids."""
-    _, model, seed = checkpoint
+    _, model, seed = qwen3_vl_checkpoint
     gen = torch.Generator().manual_seed(seed)
     images = [process_image(random_image(gen, w, h), IMAGE_CONFIG) for w, h in ((37, 21), (20, 50))]
     assert images[0].grid_thw != images[1].grid_thw
@@ -99,15 +59,15 @@ def test_vision_tower_matches_transformers(checkpoint):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_greedy_matches_transformers(checkpoint, overlap):
-    path, model, seed = checkpoint
+def test_greedy_matches_transformers(qwen3_vl_checkpoint, overlap):
+    path, model, seed = qwen3_vl_checkpoint
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     pics = [random_image(gen, rng.randint(12, 40), rng.randint(12, 40)) for _ in range(4)]
     processed = [process_image(p, IMAGE_CONFIG) for p in pics]
-    one = _with_images(rng, processed[:1])
-    two = _with_images(rng, processed[1:3])
-    text = _text(rng, rng.randint(5, 20))
+    one = with_images(rng, processed[:1])
+    two = with_images(rng, processed[1:3])
+    text = text_ids(rng, rng.randint(5, 20))
     # the first prompt again with the fourth image in place of the first, when its placeholders are as many
     other = processed[3] if processed[3].grid_thw == processed[0].grid_thw else processed[0]
     if other is processed[0]:  # redraw the fourth image at the first's size: same tokens, another picture
@@ -115,14 +75,14 @@ def test_greedy_matches_transformers(checkpoint, overlap):
         other = processed[3] = process_image(pics[3], IMAGE_CONFIG)
     assert other.grid_thw == processed[0].grid_thw and not torch.equal(other.pixel_values, processed[0].pixel_values)
     cases = [(one, processed[:1]), (two, processed[1:3]), (text, [])]
-    expected = [_hf_greedy(model, p, im) for p, im in cases]
-    expected_other = _hf_greedy(model, one, [other])
+    expected = [hf_greedy(model, p, im, MAX_NEW) for p, im in cases]
+    expected_other = hf_greedy(model, one, [other], MAX_NEW)
     for _ in range(4):  # a tiny random model can answer two pictures alike: draw another until it does not
         if expected_other != expected[0]:
             break
         pics[3] = random_image(gen, *pics[0].size)
         other = processed[3] = process_image(pics[3], IMAGE_CONFIG)
-        expected_other = _hf_greedy(model, one, [other])
+        expected_other = hf_greedy(model, one, [other], MAX_NEW)
     assert expected_other != expected[0], f"seed={seed}: five images gave the same tokens (the test would be blind)"
 
     # 16-token steps cut the image prompts into chunks, some through an image's placeholders
@@ -146,18 +106,18 @@ def test_greedy_matches_transformers(checkpoint, overlap):
     assert kv.prefix_hit_tokens - hits_before >= (len(one) - 1) // 4 * 4 - 4
 
 
-def test_preempted_image_requests_resume_with_their_images(checkpoint):
+def test_preempted_image_requests_resume_with_their_images(qwen3_vl_checkpoint):
     """16 blocks of 4 tokens hold any one request (at most 59 tokens) but not five at once (at least 93): some are
     preempted and recompute their prompts, images included, and still give transformers' tokens."""
-    path, model, seed = checkpoint
+    path, model, seed = qwen3_vl_checkpoint
     rng = random.Random(seed + 1)
     gen = torch.Generator().manual_seed(seed + 1)
     processed = [process_image(random_image(gen, rng.randint(12, 40), rng.randint(12, 40)), IMAGE_CONFIG)
                  for _ in range(3)]
-    cases = [(_with_images(rng, processed[:1]), processed[:1]), (_with_images(rng, processed[1:]), processed[1:]),
-             (_text(rng, rng.randint(5, 20)), [])]
+    cases = [(with_images(rng, processed[:1]), processed[:1]), (with_images(rng, processed[1:]), processed[1:]),
+             (text_ids(rng, rng.randint(5, 20)), [])]
     cases += cases[:2]
-    expected = [_hf_greedy(model, p, im) for p, im in cases[:3]]
+    expected = [hf_greedy(model, p, im, MAX_NEW) for p, im in cases[:3]]
     expected += expected[:2]
     llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4, max_num_batched_tokens=16,
               enable_prefix_caching=False)
@@ -167,8 +127,8 @@ def test_preempted_image_requests_resume_with_their_images(checkpoint):
     assert llm.engine.scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
 
 
-def test_images_that_do_not_fit_the_prompt_are_refused(checkpoint):
-    path, _, seed = checkpoint
+def test_images_that_do_not_fit_the_prompt_are_refused(qwen3_vl_checkpoint):
+    path, _, seed = qwen3_vl_checkpoint
     gen = torch.Generator().manual_seed(seed)
     image = process_image(random_image(gen, 20, 20), IMAGE_CONFIG)
     n = image.num_tokens(IMAGE_CONFIG.merge_size)
