@@ -32,6 +32,7 @@ from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_request
 from gateway.engine_supervisor import supervise
 from gateway.errors import BODY_TIMEOUT_S, error_middleware, read_body, request_id_middleware
 from gateway.heap import freeze_startup_heap, unfreeze_heap
+from gateway.image_policy import IMAGE_LIMITS, image_limits_for, server_image_limits, tenant_image_limits
 from gateway.live_admission import LiveAdmission
 from gateway.lora_adapters import ADAPTERS, AdapterCatalog, unknown_model
 from gateway import http_protocol
@@ -181,7 +182,14 @@ async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix:
     return await pipeline.run(app[ENGINE], body, chat, _parsers(app[CONFIG]),
                               LiveAdmission(request, rid, base, adapter), rid, respond_with,
                               adapter=Adapter(app[ADAPTERS], adapter, adapter_path) if adapter is not None else None,
-                              remote_images=app[REMOTE_IMAGES])
+                              remote_images=app[REMOTE_IMAGES],
+                              image_limits=image_limits_for(app[QUOTAS], app[IMAGE_LIMITS],
+                                                            request[PRINCIPAL].tenant.id))
+
+
+async def _tokenize_image_limits(request: web.Request):
+    """``/tokenize``'s image limits: the caller's tenant's, as its chat requests have them."""
+    return await tenant_image_limits(request.app[QUOTAS], request.app[IMAGE_LIMITS], request[PRINCIPAL].tenant.id)
 
 
 def _parsers(config: GatewayConfig) -> ParserChoice:
@@ -251,6 +259,7 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     cors.install(app, config.allowed_origins)
     app[CONFIG] = config
     app[REMOTE_IMAGES] = RemoteImagePolicy.of(config)
+    app[IMAGE_LIMITS] = server_image_limits(config)
     app[SERVING_SINCE] = int(time.time())
     app[BODY_TIMEOUT_S] = config.body_timeout_s
     app[ENGINE] = engine
@@ -354,7 +363,8 @@ async def _batch_lifecycle(app: web.Application):
         lease_s=config.batch_lease_s, max_inflight=inflight, poll_s=config.batch_poll_s,
         batch_priority=batch_priority, expiry_check_s=min(5.0, config.batch_completion_window_s / 4),
         remote_images=app[REMOTE_IMAGES]), wake=app[BATCH_WAKE],
-        cache_share=app[QUOTAS].cache_share, adapters=app[ADAPTERS])
+        cache_share=app[QUOTAS].cache_share, adapters=app[ADAPTERS],
+        image_limits=lambda tenant_id: tenant_image_limits(app[QUOTAS], app[IMAGE_LIMITS], tenant_id))
     task = asyncio.create_task(runner.run(), name="batch-runner")
     yield
     task.cancel()
@@ -379,4 +389,4 @@ def _add_routes(app: web.Application, config: GatewayConfig) -> None:
     app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    tokenization.add_routes(app, ENGINE, _check_model, _parsers(config), REMOTE_IMAGES)
+    tokenization.add_routes(app, ENGINE, _check_model, _parsers(config), REMOTE_IMAGES, _tokenize_image_limits)

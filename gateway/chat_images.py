@@ -16,11 +16,13 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType, SimpleNamespace
 
 from engine.core.model_config import IMAGE_ARCHITECTURES
-from engine.vision.image_files import QwenImageConfig, decode_image, image_config_for, smart_resize
+from engine.vision.image_files import (
+    PixelLimitError, QwenImageConfig, decode_image, image_config_for, smart_resize,
+)
 from gateway.errors import APIError
 
 MIB = 1024 * 1024
@@ -28,12 +30,30 @@ MIB = 1024 * 1024
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What a request's images may take in the gateway."""
+    """What a request's images may take in the gateway: the server's (``GatewayConfig.max_images_per_request``,
+    ``max_image_pixels``), or a tenant's tighter ones (``for_tenant``). ``tenant_images`` / ``tenant_pixels``: the
+    count or the pixel limit is the tenant's own, which its refusals say."""
 
     max_image_bytes: int = 20 * MIB  # one image, encoded
     max_request_image_bytes: int = 50 * MIB  # all of a request's images, encoded
     max_image_pixels: int = 4096 * 4096  # one image, decoded (width x height, read from its header first)
     max_images: int = 16  # per request
+    tenant_images: bool = False
+    tenant_pixels: bool = False
+
+    def for_tenant(self, max_images: int | None, max_pixels: int | None) -> "ImageLimits":
+        """These limits under a tenant's own (its quota's ``max_images_per_request`` and ``max_image_pixels``;
+        None: none): the lower of each applies, so a tenant's limit can only tighten the server's."""
+        tighter_images = max_images is not None and max_images < self.max_images
+        tighter_pixels = max_pixels is not None and max_pixels < self.max_image_pixels
+        if not (tighter_images or tighter_pixels):
+            return self
+        return replace(self, max_images=max_images if tighter_images else self.max_images,
+                       max_image_pixels=max_pixels if tighter_pixels else self.max_image_pixels,
+                       tenant_images=tighter_images, tenant_pixels=tighter_pixels)
+
+    def whose(self, tenant: bool) -> str:
+        return "this API key's tenant's limit" if tenant else "this server's limit"
 
 
 DEFAULT_IMAGE_LIMITS = ImageLimits()
@@ -147,8 +167,10 @@ def decode_images(refs: list[ImageRef], model: ImageModel, limits: ImageLimits =
     (``gateway.remote_images.fetch_images``); a remote part not there is refused. Blocking: run it on a worker
     thread."""
     if len(refs) > limits.max_images:
-        raise APIError(400, f"{refs[limits.max_images].where}: a request may carry at most {limits.max_images} "
-                            "images", param=refs[limits.max_images].where)
+        where = refs[limits.max_images].where
+        most = f"{limits.max_images} image" + ("" if limits.max_images == 1 else "s")
+        raise APIError(400, f"{where}: a request may carry at most {most} ({limits.whose(limits.tenant_images)}); "
+                            f"this one has {len(refs)}", param=where, code="too_many_images")
     out, total = [], 0
     for ref in refs:
         data = _encoded(ref, limits, fetched)
@@ -160,6 +182,9 @@ def decode_images(refs: list[ImageRef], model: ImageModel, limits: ImageLimits =
                                 "bytes together", param=ref.where)
         try:
             image = decode_image(data, limits.max_image_pixels)
+        except PixelLimitError as e:
+            raise APIError(400, f"{ref.where}: {e} ({limits.whose(limits.tenant_pixels)})", param=ref.where,
+                           code="image_too_large") from None
         except ValueError as e:
             raise APIError(400, f"{ref.where}: {e}", param=ref.where) from None
         with image:

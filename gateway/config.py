@@ -4,6 +4,10 @@ from dataclasses import dataclass, field
 
 from tenants.db import DEFAULT_DATABASE_URL
 
+# The most pixels the engine decodes an image to (engine.vision.prompt_images.DEFAULT_MAX_DECODED_PIXELS; a test
+# keeps the two equal): the gateway's own limit cannot be more.
+MAX_DECODED_PIXELS = 64 * 1024 * 1024
+
 
 def _default_inflight_caps() -> dict[int, int]:
     # rank -> most engine sequences in flight (queued in the engine or running; a request counts its choices,
@@ -100,6 +104,14 @@ class GatewayConfig:
     """DANGEROUS: fetch image URLs from loopback, link-local and private addresses too, so any client could make
     the gateway read from the machine itself and its network (metadata services, admin ports); for tests, or a
     closed network whose clients are all trusted"""
+    max_images_per_request: int = 16
+    """images one chat request may carry (image_url parts; the Responses API's input_image parts; Batch API
+    lines); more is a 400 naming the first part past it. A tenant's quota may set fewer (moegate admin quota set
+    NAME --max-images-per-request N)"""
+    max_image_pixels: int = 4096 * 4096
+    """decoded pixels (width x height) one image may have, read from its header before it is decoded; at most
+    67108864 (the engine's own limit). A tenant's quota may set fewer (moegate admin quota set NAME
+    --max-image-pixels N)"""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -125,5 +137,10 @@ class GatewayConfig:
             raise ValueError("default_reservation_tokens must be >= 1")
         if not self.media_fetch_timeout_s > 0:
             raise ValueError(f"media_fetch_timeout_s must be > 0, got {self.media_fetch_timeout_s:g}")
+        if self.max_images_per_request < 0:
+            raise ValueError(f"max_images_per_request must be >= 0, got {self.max_images_per_request}")
+        if not 0 < self.max_image_pixels <= MAX_DECODED_PIXELS:
+            raise ValueError(f"max_image_pixels must be in 1..{MAX_DECODED_PIXELS} (the engine decodes no larger "
+                             f"image), got {self.max_image_pixels}")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")

@@ -34,6 +34,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.serving.client import EngineClient
+from gateway.chat_images import DEFAULT_IMAGE_LIMITS, ImageLimits
 from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.completion import (
     apply_plan, chat_plan_of, order_in_class, output_view, prepare_prompts, read_images, start_streams,
@@ -45,6 +46,7 @@ from gateway.openai_schema import sampling_params_of
 from gateway.schema_check import check_schema
 
 Outputs = AsyncGenerator[tuple[int, RequestOutput], None]  # (prompt index, output), merged; closing aborts
+ImageLimitsOf = Callable[[], Awaitable[ImageLimits]]  # a request's image limits, asked once it has images
 T = TypeVar("T")
 
 
@@ -100,9 +102,12 @@ class Admission(Protocol):
 
 
 async def plan(engine: EngineClient, body, chat: bool, parsers: ParserChoice,
-               admission: Admission, remote_images: RemoteImagePolicy | None = None) -> Planned:
+               admission: Admission, remote_images: RemoteImagePolicy | None = None,
+               image_limits: ImageLimitsOf | None = None) -> Planned:
     """Stages 1-2: the sampling settings, the chat plan, then (once ``admission`` says the server is open) the
-    checked prompts; ``remote_images``: which remote image URLs are fetched (None: none)."""
+    checked prompts; ``remote_images``: which remote image URLs are fetched (None: none); ``image_limits``: the
+    limits the request's images are read under (the server's, tightened by its tenant's quota), asked only of a
+    chat with images (None: ``DEFAULT_IMAGE_LIMITS``)."""
     vocab_size = engine.info.vocab_size if engine.info is not None else None
     sampling_params = sampling_params_of(body, vocab_size)
     chat_plan = None
@@ -110,7 +115,10 @@ async def plan(engine: EngineClient, body, chat: bool, parsers: ParserChoice,
         chat_plan = chat_plan_of(engine, body, parsers)
         apply_plan(sampling_params, chat_plan, body)
     admission.check_open()
-    images = await read_images(engine, chat_plan, remote_images)  # a 400 naming the image part
+    limits = DEFAULT_IMAGE_LIMITS
+    if image_limits is not None and chat_plan is not None and chat_plan.images:
+        limits = await image_limits()
+    images = await read_images(engine, chat_plan, remote_images, limits)  # a 400 naming the image part
     prompts = await prepare_prompts(engine, body, chat, chat_plan, sampling_params, images)
     return Planned(body, chat, sampling_params, chat_plan, prompts, tuple(im.data for im in images))
 
@@ -133,7 +141,8 @@ async def request_policy(engine: EngineClient, admitted: RequestPolicy, body, ad
 
 async def run(engine: EngineClient, body, chat: bool, parsers: ParserChoice, admission: Admission, rid: str,
               respond: Callable[[Planned, Outputs], Awaitable[T]], *, adapter: Adapter | None = None,
-              per_token: bool = True, remote_images: RemoteImagePolicy | None = None) -> T:
+              per_token: bool = True, remote_images: RemoteImagePolicy | None = None,
+              image_limits: ImageLimitsOf | None = None) -> T:
     """One request through every stage (see the module's docstring); ``respond``'s reply.
 
     ``rid`` names its engine requests (``rid-0``, ``rid-1``, ... for several prompts); ``per_token=False`` asks
@@ -141,7 +150,7 @@ async def run(engine: EngineClient, body, chat: bool, parsers: ParserChoice, adm
     remote image URLs are fetched (``gateway.remote_images``; None: none). APIErrors as the API answers
     them; ``admission.settle`` runs once the request was admitted, even if it is cancelled.
     """
-    planned = await plan(engine, body, chat, parsers, admission, remote_images)
+    planned = await plan(engine, body, chat, parsers, admission, remote_images, image_limits)
     admitted = await admission.admit(planned)
     status, outputs = 500, None
     try:

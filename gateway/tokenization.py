@@ -16,7 +16,7 @@ from engine.serving.async_engine import EngineError
 from engine.text.harmony_vocab import HarmonyVocabError
 from engine.text.prompts import InvalidPrompt
 from gateway.chat_plan import HARMONY, ParserChoice, chat_input
-from gateway.chat_images import ImageRef, expand_placeholders, image_model_of
+from gateway.chat_images import DEFAULT_IMAGE_LIMITS, ImageRef, expand_placeholders, image_model_of
 from gateway.completion import engine_down, read_image_refs
 from gateway.errors import APIError, read_body
 from gateway.openai_schema import (
@@ -49,11 +49,12 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 def add_routes(app: web.Application, engine_key, check_model, parsers: ParserChoice | None = None,
-               remote_images_key: web.AppKey | None = None) -> None:
+               remote_images_key: web.AppKey | None = None, image_limits=None) -> None:
     """Register both routes; ``check_model(app, name)`` raises the 404 for a model not served; ``parsers``: the
     server's parser settings (a gpt-oss chat is rendered by openai-harmony, as the chat route renders it);
     ``remote_images_key``: the app's ``RemoteImagePolicy`` (images at remote URLs are fetched to be counted, as
-    the chat route fetches them; None: refused)."""
+    the chat route fetches them; None: refused); ``image_limits(request)``: the limits the request's images are
+    read under, awaited only when it has images (None: ``DEFAULT_IMAGE_LIMITS``)."""
 
     async def tokenize(request: web.Request) -> web.Response:
         body = decode_body(await read_body(request), TokenizeRequest)
@@ -72,7 +73,8 @@ def add_routes(app: web.Application, engine_key, check_model, parsers: ParserCho
                 if images and chat.harmony:
                     raise APIError(400, f"{images[0].where}: this model reads text only", param=images[0].where)
                 remote = request.app.get(remote_images_key) if remote_images_key is not None else None
-                decoded = await read_image_refs(engine, images, remote)  # a 400 naming the part
+                limits = await image_limits(request) if images and image_limits is not None else DEFAULT_IMAGE_LIMITS
+                decoded = await read_image_refs(engine, images, remote, limits)  # a 400 naming the part
                 ids = await engine.prepare(None, chat, body.add_generation_prompt is not False)
                 if decoded:
                     ids = expand_placeholders(ids, image_model_of(engine).image_token_id, decoded)

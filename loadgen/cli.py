@@ -41,6 +41,11 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prefixes", type=int, default=None, help="shared-prefix: distinct system prompts")
     g.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: tokens per system prompt")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) for exact prompt lengths")
+    g.add_argument("--images", type=int, default=None, help="random-pixel PNG images per request (needs --api chat)")
+    g.add_argument("--image-size", default=None, help="WxH, or several separated by commas (default 448x448)")
+    g.add_argument("--image-repeat", type=float, default=None,
+                   help="share of images drawn from a pool sent again and again; the rest are new (default 0.5)")
+    g.add_argument("--image-pool", type=int, default=None, help="distinct images that repeat (default 8)")
     g = p.add_argument_group("requests (single tenant)")
     g.add_argument("--api", choices=["completion", "chat"], default=None)
     g.add_argument("--no-stream", action="store_true", default=None)
@@ -62,7 +67,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
 
 _SINGLE_TENANT_FLAGS = ("rate", "arrival", "burstiness", "concurrency", "ramp_to", "ramp_s", "num_requests",
                         "tenant_name", "priority", "dataset", "input_len", "output_len", "sharegpt_path",
-                        "num_prefixes", "prefix_len", "tokenizer", "api", "no_stream", "max_tokens", "ignore_eos",
+                        "num_prefixes", "prefix_len", "tokenizer", "images", "image_size", "image_repeat",
+                        "image_pool", "api", "no_stream", "max_tokens", "ignore_eos",
                         "temperature", "honour_retry_after", "max_retries", "timeout", "api_key", "model")
 
 
@@ -102,7 +108,10 @@ def scenario_from_args(args: argparse.Namespace):
         input_len=args.input_len or ("64" if args.dataset == "shared-prefix" else "uniform:16,512"),
         output_len=args.output_len or "uniform:8,256", path=args.sharegpt_path,
         num_prefixes=args.num_prefixes or 4, prefix_len=args.prefix_len or 512, tokenizer=args.tokenizer,
-        sharegpt_output_len=args.output_len is None,
+        sharegpt_output_len=args.output_len is None, images=args.images or 0,
+        image_size=args.image_size or "448x448",
+        image_repeat=args.image_repeat if args.image_repeat is not None else 0.5,
+        image_pool=args.image_pool if args.image_pool is not None else 8,
     )
     key = args.api_key or next((os.environ[k] for k in ENV_KEYS if os.environ.get(k)), None)
     options = RequestOptions(

@@ -62,9 +62,13 @@ class Target:
 def build_body(spec: RequestSpec, opts: RequestOptions) -> dict:
     max_tokens = opts.max_tokens or spec.max_tokens
     if opts.api == "chat":
+        content = spec.prompt if not spec.images else [{"type": "text", "text": spec.prompt}] + [
+            {"type": "image_url", "image_url": {"url": url}} for url in spec.images]
         messages = ([{"role": "system", "content": spec.system}] if spec.system else []) + [
-            {"role": "user", "content": spec.prompt}]
+            {"role": "user", "content": content}]
         body = {"messages": messages}
+    elif spec.images:
+        raise ValueError("images are sent in chat requests: use the chat API (--api chat)")
     else:
         body = {"prompt": f"{spec.system}\n{spec.prompt}" if spec.system else spec.prompt}
     body["max_tokens"] = max_tokens
@@ -189,6 +193,7 @@ async def send_request(session: aiohttp.ClientSession, target: Target, spec: Req
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     timeout = aiohttp.ClientTimeout(total=opts.timeout_s)
     record.input_len, record.max_tokens = spec.input_len, body["max_tokens"]
+    record.images, record.new_images = len(spec.images), spec.new_images
     while True:
         if record.sent_s is None:
             record.sent_s = clock()

@@ -7,15 +7,25 @@ ShareGPT texts are sized at four characters a token; with ``tokenizer`` (a
 to the exact token count. Either way the report uses the token counts the
 server returns in ``usage``; the dataset's own length is kept beside it.
 
+Images (chat only, for a model that reads them): ``images`` image parts per request, each a random-pixel PNG
+of one of ``image_size``'s sizes, sent inline as a ``data:`` URL. A share ``image_repeat`` of the parts is one
+of a pool of ``image_pool`` images the tenant sends again and again (the server's encoder cache can serve them
+after their first send); the rest are new images never sent before. Each request records how many of its
+images were new, so the report can set the time to first token of requests with new images against those
+whose images had all been sent before (``loadgen.metrics.image_ttft``).
+
 Length distributions (``LengthDist.parse``): ``128`` or ``fixed:128``;
 ``uniform:16,512`` (inclusive); ``normal:256,64`` (mean, standard deviation;
 rounded, at least 1); ``hist:16-64=3,64-512=1`` (bins ``LO-HI`` or single
 values, each with a weight; uniform inside a bin).
 """
 
+import base64
 import json
 import os
 import random
+import struct
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -112,6 +122,8 @@ class RequestSpec:
     max_tokens: int
     system: str | None = None
     prefix_id: int | None = None
+    images: tuple[str, ...] = ()  # data: URLs of the request's images (chat)
+    new_images: int = 0  # of them, images this tenant had not sent before
 
 
 @dataclass(slots=True)
@@ -126,6 +138,10 @@ class DatasetConfig:
     prefix_len: int = 512  # shared-prefix: tokens in each system prompt
     tokenizer: str | None = None
     sharegpt_output_len: bool = True  # ShareGPT: max_tokens from the recorded reply (else output_len)
+    images: int = 0  # image parts per request (chat only); 0: text only
+    image_size: str = "448x448"  # WxH, or several separated by commas (each image draws one)
+    image_repeat: float = 0.5  # share of the image parts drawn from a pool of images sent again
+    image_pool: int = 8  # distinct images that repeat
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -138,14 +154,73 @@ class DatasetConfig:
             raise ValueError("the sharegpt dataset needs a path to a ShareGPT-format JSON file")
         if self.kind == "shared-prefix" and (self.num_prefixes < 1 or self.prefix_len < 1):
             raise ValueError("shared-prefix needs num_prefixes >= 1 and prefix_len >= 1")
+        if self.images < 0:
+            raise ValueError(f"images (per request) must be >= 0, got {self.images}")
+        self.image_size = str(self.image_size)
+        parse_image_sizes(self.image_size)
+        if not 0 <= self.image_repeat <= 1:
+            raise ValueError(f"image_repeat must be between 0 and 1, got {self.image_repeat:g}")
+        if self.image_pool < 1:
+            raise ValueError(f"image_pool must be >= 1, got {self.image_pool}")
 
     def describe(self) -> str:
         if self.kind == "sharegpt":
-            return f"sharegpt {os.path.basename(self.path)}"
+            return f"sharegpt {os.path.basename(self.path)}" + self._describe_images()
         if self.kind == "shared-prefix":
             return (f"shared-prefix {self.num_prefixes} x {self.prefix_len} tokens + suffix {self.input_len}, "
-                    f"output {self.output_len}")
-        return f"synthetic input {self.input_len}, output {self.output_len}"
+                    f"output {self.output_len}" + self._describe_images())
+        return f"synthetic input {self.input_len}, output {self.output_len}" + self._describe_images()
+
+    def _describe_images(self) -> str:
+        if not self.images:
+            return ""
+        return (f"; {self.images} image(s) of {self.image_size}, {100 * self.image_repeat:g}% repeated from "
+                f"{self.image_pool}")
+
+
+def parse_image_sizes(text: str) -> list[tuple[int, int]]:
+    """``448x448`` or ``224x224,640x480``: (width, height) pairs; ValueError for anything else."""
+    sizes = []
+    for part in str(text).split(","):
+        w, _, h = part.strip().lower().partition("x")
+        if not (w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
+            raise ValueError(f"image sizes are WxH separated by commas (e.g. 448x448,640x480), got {text!r}")
+        sizes.append((int(w), int(h)))
+    return sizes
+
+
+def png_data_url(width: int, height: int, rng: random.Random) -> str:
+    """A PNG of random pixels (RGB, 8 bits), as a ``data:`` URL: written here, no imaging library needed."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = b"".join(b"\0" + rng.randbytes(3 * width) for _ in range(height))  # filter 0 per row
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(rows, 1)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+class _Images:
+    """One tenant's image parts: repeated ones from a pool (new the first time each is sent), and new ones."""
+
+    def __init__(self, config: DatasetConfig, rng: random.Random) -> None:
+        self.config, self.rng = config, rng
+        self.sizes = parse_image_sizes(config.image_size)
+        self.pool = [png_data_url(*rng.choice(self.sizes), rng) for _ in range(config.image_pool)]
+        self.sent: set[int] = set()
+
+    def draw(self) -> tuple[tuple[str, ...], int]:
+        urls, new = [], 0
+        for _ in range(self.config.images):
+            if self.rng.random() < self.config.image_repeat:
+                i = self.rng.randrange(len(self.pool))
+                new += i not in self.sent
+                self.sent.add(i)
+                urls.append(self.pool[i])
+            else:
+                urls.append(png_data_url(*self.rng.choice(self.sizes), self.rng))
+                new += 1
+        return tuple(urls), new
 
 
 class _Sizer:
@@ -202,7 +277,18 @@ def load_sharegpt(path: str) -> list[tuple[str, str]]:
 
 
 def iter_requests(config: DatasetConfig, seed: int) -> Iterator[RequestSpec]:
-    """An endless, deterministic stream of requests for one tenant."""
+    """An endless, deterministic stream of requests for one tenant (with ``config.images`` images each)."""
+    texts = _iter_texts(config, seed)
+    if not config.images:
+        yield from texts
+        return
+    images = _Images(config, random.Random(f"{seed}:images"))
+    for spec in texts:
+        spec.images, spec.new_images = images.draw()
+        yield spec
+
+
+def _iter_texts(config: DatasetConfig, seed: int) -> Iterator[RequestSpec]:
     rng = random.Random(seed)
     sizer = _Sizer(config.tokenizer)
     in_dist, out_dist = LengthDist.parse(config.input_len), LengthDist.parse(config.output_len)

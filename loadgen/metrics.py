@@ -209,6 +209,25 @@ def time_series(records: Sequence[RequestRecord], weights: dict[str, float], dur
     }
 
 
+def image_ttft(records: Sequence[RequestRecord]) -> dict | None:
+    """Time to first token of the answered requests with images, split by whether any of their images was new
+    (never sent before by the tenant) or all repeated earlier ones, which the server's encoder cache may hold;
+    ``encoder_share``: (mean TTFT with new images - mean TTFT with repeated ones) / mean TTFT with new images,
+    the part of a new image's time to first token the vision encoder takes by this estimate (None without both
+    groups). None when no request carried images."""
+    with_images = [r for r in records if r.images and r.ok and r.ttft_s is not None]
+    if not any(r.images for r in records):
+        return None
+    new = [r.ttft_s for r in with_images if r.new_images]
+    repeated = [r.ttft_s for r in with_images if not r.new_images]
+    share = None
+    if new and repeated:
+        mean_new, mean_repeated = sum(new) / len(new), sum(repeated) / len(repeated)
+        share = (mean_new - mean_repeated) / mean_new if mean_new > 0 else None
+    return {"images": sum(r.images for r in records), "new_images": sum(r.new_images for r in records),
+            "ttft_new_s": describe(new), "ttft_repeated_s": describe(repeated), "encoder_share": share}
+
+
 def analyze(records: Sequence[RequestRecord], weights: dict[str, float], duration_s: float,
             slo: dict[str, float] | None = None, slo_by_priority: dict[str, dict[str, float]] | None = None) -> dict:
     """Everything the reports show: overall, per tenant, per priority class, fairness and time series."""
@@ -227,5 +246,6 @@ def analyze(records: Sequence[RequestRecord], weights: dict[str, float], duratio
         "tenants": {t: summarize(by_tenant.get(t, []), duration_s, slo, slo_by_priority) for t in weights},
         "priorities": {p: summarize(rs, duration_s, slo, slo_by_priority) for p, rs in sorted(by_priority.items())},
         "fairness": fair,
+        "images": image_ttft(records),
         "timeseries": time_series(records, weights, duration_s),
     }

@@ -44,6 +44,8 @@ class RequestRecord:
     retry_after_s: list[float] = field(default_factory=list)  # Retry-After values seen, in seconds
     ratelimit: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* headers of the last response
     finish_reason: str | None = None
+    images: int = 0  # image parts sent with the request
+    new_images: int = 0  # of them, images the tenant had not sent before (the rest repeat earlier ones)
 
     # ---- derived latencies (None when the request never got that far) ----
     @property
@@ -90,7 +92,7 @@ class RequestRecord:
 CSV_COLUMNS = [
     "index", "tenant", "priority", "status", "ok", "error", "retries", "scheduled_s", "sent_s", "queue_s", "qtfb_s",
     "ttft_s", "tpot_s", "e2e_s", "itl_mean_s", "itl_max_s", "input_len", "max_tokens", "prompt_tokens",
-    "completion_tokens", "cached_tokens", "usage_source", "finish_reason", "retry_after_s",
+    "completion_tokens", "cached_tokens", "usage_source", "finish_reason", "retry_after_s", "images", "new_images",
 ]
 
 

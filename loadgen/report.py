@@ -138,6 +138,17 @@ def print_run_summary(result, console: Console | None = None) -> None:
         console.print(f"cached prompt tokens: {o['cached_tokens']} of {o['prompt_tokens']}"
                       + (f"; Retry-After seen {ra['count']}x (min {ra['min']:g} s, max {ra['max']:g} s), "
                          f"retries {o['retries']}" if ra else ""))
+    images = a.get("images")
+    if images:
+        new, repeated, share = images["ttft_new_s"], images["ttft_repeated_s"], images["encoder_share"]
+        line = f"images: {images['images']} sent, {images['new_images']} new"
+        if new:
+            line += f"; TTFT p50 {new['p50'] * 1000:.0f} ms with a new image ({new['count']} requests)"
+        if repeated:
+            line += f", {repeated['p50'] * 1000:.0f} ms with repeated images only ({repeated['count']})"
+        if share is not None:
+            line += f"; the encoder's share of TTFT: ~{100 * share:.0f}% (mean TTFT, new vs repeated)"
+        console.print(line)
     fair = a["fairness"]
     if len(fair["tenants"]) > 1:
         table = Table(title="Fairness (served tokens = prompt + completion of answered requests)", title_justify="left")

@@ -86,6 +86,8 @@ class TenantSpec:
             raise ValueError(f"tenant {self.name}: weight must be > 0")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"tenant {self.name}: num_requests must be >= 1")
+        if self.dataset.images and self.options.api != "chat":
+            raise ValueError(f"tenant {self.name}: images are sent in chat requests: set api chat (--api chat)")
 
 
 @dataclass(slots=True)

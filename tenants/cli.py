@@ -28,6 +28,14 @@ QUOTA_FLAGS = {
     "max_batch_queue_tokens": "max_batch_queue_tokens",
     "max_stored_file_bytes": "max_stored_file_bytes",
     "stored_response_bytes": "stored_response_bytes",
+    "max_images_per_request": "max_images_per_request",
+    "max_image_pixels": "max_image_pixels",
+}
+QUOTA_HELP = {
+    "max_images_per_request": "images one chat request may carry; only tightens the gateway's "
+                              "--max-images-per-request (none: the gateway's)",
+    "max_image_pixels": "decoded pixels (width x height) one image may have; only tightens the gateway's "
+                        "--max-image-pixels (none: the gateway's)",
 }
 
 
@@ -247,7 +255,8 @@ async def _quota_set(args, store) -> int:
     if not changes:
         raise CliError("nothing to set: give at least one of --rpm --tpm --max-concurrency --max-tokens "
                        "--daily-tokens --monthly-tokens --max-batch-queue-tokens --max-stored-file-bytes "
-                       "--stored-response-bytes --batch-discount --cache-share")
+                       "--stored-response-bytes --max-images-per-request --max-image-pixels --batch-discount "
+                       "--cache-share")
     _emit(args, await store.set_quota(args.tenant, **changes), title="quota")
     return 0
 
@@ -463,11 +472,13 @@ def register(subparsers) -> None:
     p = _leaf(quota, "set", _quota_set, common, "set limits ('none' clears a limit)")
     p.add_argument("tenant")
     for flag in QUOTA_FLAGS:
-        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=_limit, default=_UNSET, metavar="N|none")
+        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=_limit, default=_UNSET, metavar="N|none",
+                       help=QUOTA_HELP.get(flag))
     p.add_argument("--batch-discount", type=_discount, default=_UNSET, metavar="F|none")
     p.add_argument("--cache-share", type=_share, default=_UNSET, metavar="F|none",
-                   help="share of each engine's host and disk prefix-cache tiers the tenant may fill, in (0, 1]; "
-                        "past it, its new blocks evict only its own (none: shared LRU)")
+                   help="share of each engine's host and disk prefix-cache tiers and of its vision-encoder cache "
+                        "the tenant may fill, in (0, 1]; past it, its new blocks and images evict only its own "
+                        "(none: shared LRU; the encoder cache then applies the engine's --encoder-cache-tenant-share)")
     _leaf(quota, "show", _quota_show, common, "show a tenant's limits").add_argument("tenant")
 
     klass = groups.add_parser("class", help="priority classes").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)

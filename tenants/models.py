@@ -121,6 +121,8 @@ QUOTA_LIMIT_FIELDS = (
     "max_batch_queue_tokens",
     "max_stored_file_bytes",
     "stored_response_bytes",
+    "max_images_per_request",
+    "max_image_pixels",
 )
 # A tenant's stored files (/v1/files) may take this many bytes unless its quota says otherwise (NULL: no cap).
 DEFAULT_MAX_STORED_FILE_BYTES = 2**30
@@ -147,6 +149,10 @@ class Quota(Base):
     max_stored_file_bytes: Mapped[int | None] = mapped_column(
         BigInteger, default=DEFAULT_MAX_STORED_FILE_BYTES, server_default=str(DEFAULT_MAX_STORED_FILE_BYTES))
     stored_response_bytes: Mapped[int | None] = mapped_column(BigInteger, default=DEFAULT_STORED_RESPONSE_BYTES)
+    # Images per chat request and decoded pixels per image; NULL: the gateway's own limits (its flags). A tenant's
+    # limit only ever tightens the gateway's (``gateway.chat_images.ImageLimits.for_tenant``).
+    max_images_per_request: Mapped[int | None] = mapped_column(BigInteger)
+    max_image_pixels: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = tuple(
         CheckConstraint(f"{f} IS NULL OR {f} >= 0", name=f"ck_quotas_{f}") for f in QUOTA_LIMIT_FIELDS

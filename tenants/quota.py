@@ -35,7 +35,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from tenants.models import Quota, QuotaCounter, Tenant, Usage
-from tenants.store import NotFound, QuotaConfig, TenantStore, UsageRecord, next_month
+from tenants.store import NotFound, QuotaConfig, TenantStore, UsageRecord, _quota_config, next_month
 from tenants.ttl_cache import RefreshingCache
 
 CONCURRENCY_WINDOW = 0
@@ -137,11 +137,7 @@ class QuotaManager:
         if row is None:
             raise NotFound(f"unknown tenant id {tenant_id}")
         status, q = row
-        cfg = QuotaConfig() if q is None else QuotaConfig(
-            q.requests_per_minute, q.tokens_per_minute, q.max_concurrency, q.max_tokens_per_request,
-            q.daily_tokens, q.monthly_tokens, q.max_batch_queue_tokens, q.batch_discount, q.cache_share,
-            q.max_stored_file_bytes, q.stored_response_bytes)
-        return status, cfg
+        return status, _quota_config(q)
 
     async def _bump(self, s, tenant_id: int, kind: str, window: int, delta: int, limit: int | None) -> int | None:
         """Add ``delta`` to one counter if the result stays within ``limit``; the new value, or None if refused."""

@@ -82,14 +82,20 @@ class QuotaConfig:
     monthly_tokens: int | None = None
     max_batch_queue_tokens: int | None = None
     batch_discount: float = 0.5
-    # Share (0 < s <= 1) of each engine's host and disk prefix-cache tiers the tenant's blocks may hold; past
-    # it, its new blocks evict its own oldest ones. None: the tiers are one LRU shared by every tenant.
+    # Share (0 < s <= 1) of each engine's host and disk prefix-cache tiers (and of its vision-encoder cache) the
+    # tenant's blocks (images) may hold; past it, its new ones evict its own oldest ones. None: the tiers are one
+    # LRU shared by every tenant (the encoder cache applies the engine's --encoder-cache-tenant-share).
     cache_share: float | None = None
     # Bytes the tenant's stored files (/v1/files) may take together; None: no cap.
     max_stored_file_bytes: int | None = DEFAULT_MAX_STORED_FILE_BYTES
     # Bytes of stored Responses API responses the tenant may keep; past it, a response asking to be stored is
     # refused (a 400 saying to delete old ones or send store: false). None: no limit.
     stored_response_bytes: int | None = DEFAULT_STORED_RESPONSE_BYTES
+    # Images one chat request may carry, and decoded pixels (width x height) one image may have; None: the
+    # gateway's limits (--max-images-per-request, --max-image-pixels). A tenant's limit only tightens the
+    # gateway's: the lower of the two applies.
+    max_images_per_request: int | None = None
+    max_image_pixels: int | None = None
 
     def __post_init__(self) -> None:
         for name in QUOTA_LIMIT_FIELDS:

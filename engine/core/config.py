@@ -37,6 +37,11 @@ class EngineConfig:
     """host memory, in GB, for vision-encoder outputs kept across requests (models that read images): the same
     image sent again by the same tenant (same preprocessed pixels, same prefix-cache salt) is not encoded again;
     least recently used first out; never shared between tenants; 0: off"""
+    encoder_cache_tenant_share: float | None = None
+    """the most of the encoder cache one tenant's images may hold, a share in (0, 1]: past it, its new images
+    evict only its own least recently used ones, so a tenant sending many distinct images cannot push another
+    tenant's out beyond it; a tenant whose quota sets a cache share (moegate admin quota set NAME --cache-share F)
+    is held to that one instead (default: none, one LRU shared by the tenants without a cache share)"""
     max_model_len: int | None = None
     """prompt plus output tokens of one request, at most (default: the checkpoint's context length)"""
     enable_prefix_caching: bool = True

@@ -186,6 +186,9 @@ RULES: tuple[Rule, ...] = (
     _optional_at_least("max_num_encoder_tokens", 1),
     Rule("encoder_cache_gb", VALUES, ">= 0", "encoder_cache_gb must be >= 0, got {encoder_cache_gb}",
          lambda c: c.encoder_cache_gb < 0),
+    Rule("encoder_cache_tenant_share", VALUES, "in (0, 1] or none",
+         "encoder_cache_tenant_share must be in (0, 1] or none, got {encoder_cache_tenant_share}",
+         lambda c: c.encoder_cache_tenant_share is not None and not 0.0 < c.encoder_cache_tenant_share <= 1.0),
     _optional_at_least("num_kv_blocks", 1),
     Rule("state_checkpoint_interval, state_checkpoint_share", VALUES, ">= 1, in [0, 1)",
          "state_checkpoint_interval must be >= 1 and state_checkpoint_share in [0, 1), got "

@@ -15,6 +15,8 @@ setting and the model, which that table cannot see.
   preemption and n-gram speculation are served.
 - DeepSeek-V4: its layers cache a key row and, for the compressed layers, the compressor's (and indexer's) raw
   projections, from which every step recomputes the compressed entries (``engine.layers.compressed_attention``).
+- Image-text models served with images (Qwen3-VL-MoE): one rank; the vision tower and the step's image rows are
+  not split over ranks (the model itself also refuses a tensor-parallel or pipelined build).
 - Step-3.7-Flash: checked on one rank and split tensor parallel; its per-head output gates, each layer kind's own
   query head count and clamped SwiGLUs are not yet checked through the other splits or under adapters.
 """
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.config import EngineConfig
-from engine.core.model_config import ModelConfig
+from engine.core.model_config import IMAGE_ARCHITECTURES, ModelConfig
 
 Asked = Callable[[EngineConfig], bool]
 
@@ -123,6 +125,14 @@ LIMITS = (
         ("host_cache_gb", _host, "the prefix-cache tiers are not tested with its rows yet"),
         ("disk_cache_dir", _disk, "the prefix-cache tiers are not tested with its rows yet"),
         ("enable_lora", _lora, "adapters are not applied to its attention or experts yet"),
+    )),
+    FamilyLimits(lambda m: m.architecture in IMAGE_ARCHITECTURES, "{architecture}", (
+        ("tensor_parallel_size", _tp, "it is served on one rank: the vision tower is not split yet"),
+        ("pipeline_parallel_size", _pp, "it is served on one rank: image rows are not handed across stages yet"),
+        ("enable_expert_parallel", _ep, "it is served on one rank: expert parallelism is not built for it yet "
+                                        "(independent replicas are: moegate serve --data-parallel-size N without it)"),
+        ("data_parallel_size", _dp, "replicas sharing experts are not built for it yet"),
+        ("enable_eplb", _eplb, "it is served on one rank: expert parallelism is not built for it yet"),
     )),
     FamilyLimits(lambda m: m.architecture == "Step3p7ForConditionalGeneration", "{architecture}", (
         ("pipeline_parallel_size", _pp, "its stages are not tested yet"),

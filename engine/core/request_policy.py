@@ -20,8 +20,9 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     its place; ``may_preempt``: it may take the place of a preemptible request of a less urgent class.
     ``background``: it takes idle capacity only (the Batch API's lines; ``SchedulerConfig``).
     ``cache_salt``: its prefix-cache blocks are shared only with requests of the same salt (the tenant).
-    ``cache_share`` (0 < share <= 1): the tenant's share of the engine's host and disk prefix-cache tiers (its
-    quota's; past it, its new blocks evict its own); None: the tiers are one LRU shared by every tenant.
+    ``cache_share`` (0 < share <= 1): the tenant's share of the engine's host and disk prefix-cache tiers and of
+    its vision-encoder cache (its quota's; past it, its new blocks and images evict its own); None: the tiers are
+    one LRU shared by every tenant, and the encoder cache holds it to ``EngineConfig.encoder_cache_tenant_share``.
     ``lora_adapter``: the registered LoRA adapter it runs under (None: the base model); a separate, typed part of
     every prefix-cache block hash, so the same prompt under two adapters never shares blocks.
 

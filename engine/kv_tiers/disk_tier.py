@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 from engine.kv_tiers.disk_dir import LOCK_FILE, NO_DEPLOYMENT, DiskCacheBusy, lock_directory, owner_of, record_owner
 from engine.kv_tiers.keys import KEY_BYTES
-from engine.kv_tiers.lru_index import Entry, LruIndex
+from engine.core.lru_index import Entry, LruIndex
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ asynchronously), indexed by tier key in LRU order."""
 
 import torch
 
-from engine.kv_tiers.lru_index import Entry, LruIndex
+from engine.core.lru_index import Entry, LruIndex
 
 
 class HostTier:

@@ -97,7 +97,9 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
             if feats[i] is None:
                 pixels = pixels_of(image.pixels)  # preprocessed now if the request came with bytes seen before
                 feats[i] = self.visual(pixels.pixel_values, pixels.grid_thw)
-                self.encoder_cache.put(image.digest, salt, feats[i])
+                # held to the tenant's share of the cache (its quota's cache share, else the engine's flag)
+                policy = request.policy
+                self.encoder_cache.put(image.digest, salt, feats[i], policy.tenant, policy.cache_share)
         return feats[i]
 
     def image_cached(self, digest: bytes, salt: str | None) -> bool:

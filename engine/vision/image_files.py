@@ -63,18 +63,22 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+class PixelLimitError(ValueError):
+    """An image that would decode to more pixels than allowed."""
+
+
 def decode_image(data: bytes, max_pixels: int) -> Image.Image:
     """The first frame of an encoded image, fully decoded; ValueError for bytes that are not an image or that
     would decode to more than ``max_pixels`` (a decompression bomb is refused before its pixels are read)."""
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as exc:  # Pillow's own header check, past twice its MAX_IMAGE_PIXELS
-        raise ValueError(f"image over the pixel limit ({exc})") from None
+        raise PixelLimitError(f"image over the pixel limit ({exc})") from None
     except Exception as exc:  # Pillow raises several types for undecodable bytes
         raise ValueError("not an image Pillow can read") from exc
     width, height = image.size
     if width * height > max_pixels:
-        raise ValueError(f"image of {width}x{height} pixels is over the limit of {max_pixels}")
+        raise PixelLimitError(f"image of {width}x{height} pixels is over the limit of {max_pixels:,}")
     try:
         image.seek(0)
         image.load()

@@ -8,7 +8,7 @@ from gateway import pipeline
 from gateway.chat_plan import ParserChoice
 from gateway.choices import Choices
 from gateway.completion import collect
-from gateway.pipeline import Adapter, Outputs, Planned
+from gateway.pipeline import Adapter, ImageLimitsOf, Outputs, Planned
 from gateway.remote_images import RemoteImagePolicy
 from gateway.response_bodies import completion_body
 
@@ -33,7 +33,8 @@ class BatchLineAdmission:
 
 async def complete(engine: EngineClient, body, chat: bool, rid: str, created: int, model: str, fingerprint: str = "",
                    *, policy: RequestPolicy, adapter: Adapter | None = None, parsers: ParserChoice | None = None,
-                   render=completion_body, remote_images: RemoteImagePolicy | None = None) -> tuple[dict, Choices]:
+                   render=completion_body, remote_images: RemoteImagePolicy | None = None,
+                   image_limits: ImageLimitsOf | None = None) -> tuple[dict, Choices]:
     """Run one request to the end and return (response body, its choices); APIError as the live API would.
 
     ``policy``: how the engine schedules it (its ``order_in_class`` is taken from the body's ``priority``);
@@ -42,6 +43,7 @@ async def complete(engine: EngineClient, body, chat: bool, rid: str, created: in
     ``parsers``: the server's tool-call / reasoning parser settings (auto-detected when not given).
     ``render``: the response body, from ``completion_body``'s arguments (the Responses API has its own).
     ``remote_images``: which remote image URLs are fetched (``gateway.remote_images``; None: none).
+    ``image_limits``: the limits its images are read under (``gateway.image_policy``; None: the defaults).
     """
 
     async def respond(planned: Planned, outputs: Outputs) -> tuple[dict, Choices]:
@@ -51,4 +53,5 @@ async def complete(engine: EngineClient, body, chat: bool, rid: str, created: in
 
     # Only the result is wanted: one message from the engine at the end, not one per token.
     return await pipeline.run(engine, body, chat, parsers or ParserChoice(), BatchLineAdmission(policy), rid,
-                              respond, adapter=adapter, per_token=False, remote_images=remote_images)
+                              respond, adapter=adapter, per_token=False, remote_images=remote_images,
+                              image_limits=image_limits)

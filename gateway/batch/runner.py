@@ -34,6 +34,7 @@ from gateway.batch.validation import ENDPOINTS
 from engine.core.request_policy import RequestPolicy
 from engine.serving.client import EngineClient
 from gateway.batch.line_completion import complete
+from gateway.chat_images import ImageLimits
 from gateway.completion import NOT_RETRIED
 from gateway.response_bodies import completion_body, system_fingerprint
 from gateway.responses import batch_lines
@@ -88,7 +89,8 @@ def batch_line_policy(priority: int, tenant_id: int, cache_salt: str, cache_shar
 
 async def execute_line(engine: EngineClient, model: str, endpoint: str, custom_id: str, body_json: str,
                        policy: RequestPolicy, adapters: AdapterCatalog | None = None,
-                       tenant_id: int | None = None, remote_images: RemoteImagePolicy | None = None
+                       tenant_id: int | None = None, remote_images: RemoteImagePolicy | None = None,
+                       image_limits: Callable[[], Awaitable[ImageLimits]] | None = None
                        ) -> tuple[bool, dict, object]:
     """Run one batch line like the live API would; (ok, output line, its choices' usage or None).
 
@@ -116,7 +118,7 @@ async def execute_line(engine: EngineClient, model: str, endpoint: str, custom_i
                 adapter, model = Adapter(adapters, name, path), name
         response, last = await complete(engine, body, chat, rid, int(time.time()), model,
                                         system_fingerprint(engine.config, model), policy=policy, adapter=adapter,
-                                        render=render, remote_images=remote_images)
+                                        render=render, remote_images=remote_images, image_limits=image_limits)
     except APIError as e:
         if endpoint == batch_lines.ENDPOINT:
             e = responses_error(e, places)  # the chat fields it names, as the Responses API calls them
@@ -133,11 +135,14 @@ class BatchRunner:
     def __init__(self, batches: BatchStore, engine: EngineClient, model_name: Callable[[], str], config: BatchRunnerConfig,
                  wake: asyncio.Event | None = None,
                  cache_share: Callable[[int], Awaitable[float | None]] | None = None,
-                 adapters: AdapterCatalog | None = None) -> None:
+                 adapters: AdapterCatalog | None = None,
+                 image_limits: Callable[[int], Awaitable[ImageLimits]] | None = None) -> None:
         """``cache_share``: a tenant's share of the prefix-cache tiers (``QuotaManager.cache_share``; None: shared);
-        ``adapters``: the LoRA adapters lines may name as their model (None: the base model only)."""
+        ``adapters``: the LoRA adapters lines may name as their model (None: the base model only);
+        ``image_limits(tenant_id)``: the limits a tenant's lines' images are read under (``gateway.image_policy``;
+        None: ``DEFAULT_IMAGE_LIMITS``)."""
         self.batches, self.engine, self.model_name, self.config = batches, engine, model_name, config
-        self.cache_share, self.adapters = cache_share, adapters
+        self.cache_share, self.adapters, self.image_limits = cache_share, adapters, image_limits
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._salts: RefreshingCache[str] = RefreshingCache(SALT_TTL_S)  # tenant id -> its prefix-cache salt
         self.wake = wake or asyncio.Event()
@@ -232,6 +237,9 @@ class BatchRunner:
         for line in lines:
             self._running[line.id] = asyncio.create_task(self._run_line(line))
 
+    def _image_limits(self, tenant_id: int) -> Callable[[], Awaitable[ImageLimits]] | None:
+        return None if self.image_limits is None else (lambda: self.image_limits(tenant_id))
+
     async def _run_line(self, line: ClaimedLine) -> None:
         try:
             share = await self.cache_share(line.tenant_id) if self.cache_share is not None else None
@@ -240,7 +248,7 @@ class BatchRunner:
             base = self.model_name()
             ok, result, last = await execute_line(self.engine, base, line.endpoint, line.custom_id,
                                                   line.body_json, policy, self.adapters, line.tenant_id,
-                                                  self.config.remote_images)
+                                                  self.config.remote_images, self._image_limits(line.tenant_id))
             usage = None
             if last is not None:
                 served = result["response"]["body"].get("model", base)  # an adapter's name if the line named one

@@ -271,3 +271,9 @@ from tests.gateway.media_api_cases import (  # noqa: E402,F401
     test_hostile_remote_urls_are_a_400_naming_the_part, test_remote_image_url_and_responses_input_image_match_transformers,
     test_tokenize_counts_image_tokens,
 )
+# Per-tenant image limits (moegate admin quota set --max-images-per-request / --max-image-pixels), on the same
+# server (tests/gateway/image_limit_cases.py).
+from tests.gateway.image_limit_cases import (  # noqa: E402,F401
+    tenant_keys, test_server_image_limit_flags, test_tenant_image_limits_tighten_the_servers,
+    test_tokenize_applies_the_tenants_image_limits,
+)

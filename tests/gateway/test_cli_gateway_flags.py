@@ -76,7 +76,8 @@ def test_given_values_reach_the_gateway_config(tmp_path):
               "--reasoning-parser": rng.choice(CHOICES["reasoning_parser"][2:]),
               "--allowed-origins": f"https://{rng.randrange(10**6)}.example,http://127.0.0.1:{rng.randint(1, 65535)}",
               "--allowed-media-domains": f"img{rng.randrange(10**6)}.example.com,*.cdn.example.net",
-              "--media-fetch-timeout": round(rng.uniform(0.1, 60), 3)}
+              "--media-fetch-timeout": round(rng.uniform(0.1, 60), 3),
+              "--max-images-per-request": rng.randint(0, 64), "--max-image-pixels": rng.randint(1, 2**26)}
     switches = ["--allow-private-media-addresses"]  # on by being given
     argv = ["serve"] + [str(x) for flag, value in values.items() for x in (flag, value)] + switches
     config = gateway_config(build_parser().parse_args(argv))

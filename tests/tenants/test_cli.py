@@ -103,7 +103,8 @@ def test_quota_commands(db_url, capsys):
     assert code == 0 and out == {
         "requests_per_minute": 60, "tokens_per_minute": 1000, "max_concurrency": 4, "max_tokens_per_request": 512,
         "daily_tokens": 10000, "monthly_tokens": 100000, "max_batch_queue_tokens": 5000, "batch_discount": 0.4,
-        "cache_share": 0.2, "stored_response_bytes": 7000, "max_stored_file_bytes": DEFAULT_MAX_STORED_FILE_BYTES}  # not set: the default cap
+        "cache_share": 0.2, "stored_response_bytes": 7000, "max_stored_file_bytes": DEFAULT_MAX_STORED_FILE_BYTES,  # not set: the default cap
+        "max_images_per_request": None, "max_image_pixels": None}  # not set: the server's limits
     cli(capsys, db_url, "admin", "quota", "set", "acme", "--max-stored-file-bytes", "12345")
     assert cli(capsys, db_url, "admin", "quota", "show", "acme", as_json=True)[1]["max_stored_file_bytes"] == 12345
     cli(capsys, db_url, "admin", "quota", "set", "acme", "--tpm", "none", "--batch-discount", "none")

@@ -16,7 +16,7 @@ from engine.core.free_queue import PriorityFreeQueue
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.engine_flags import add_engine_flags, engine_config
-from engine.kv_tiers.lru_index import Entry, LruIndex
+from engine.core.lru_index import Entry, LruIndex
 from tests.engine.helpers import complete
 from tests.hf_models import make_hf_model
 

@@ -1,4 +1,5 @@
-"""Size-bounded LRU bookkeeping of one tier, with optional per-tenant shares and priority classes. Plain Python.
+"""Size-bounded LRU bookkeeping with optional per-tenant shares and priority classes, for the prefix-cache tiers
+(``engine.kv_tiers``) and the vision encoder's cache (``engine.vision.encoder_cache``). Plain Python.
 
 A tenant with a share ``s`` (0 < s <= 1) may hold at most ``s`` of the tier's bytes: when its new block would
 pass that, its own least recently used blocks go, nobody else's. Any insertion that does not fit the tier then
