@@ -27,7 +27,9 @@ from engine.vision.image_files import KimiImageConfig
 from tests.hf_models import FAMILY_CONFIGS, randomize_constants_
 
 VOCAB = 211
-IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 200, 201, 198, 199
+# the video placeholder past the vocabulary, as Kimi-K2.5's is (163840 in a vocabulary of 163840): transformers
+# embeds it as token 0 wherever it stands, so a model that could sample it would be read back differently
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 200, VOCAB, 198, 199
 # 4-pixel patches merged 2x2; at most 24 patches (8 a side) before padding to whole windows: 1..16 tokens an image
 IMAGE_CONFIG = KimiImageConfig(patch_size=4, merge_size=2, max_patches=24, max_size_per_side=8,
                                image_mean=(0.48145466, 0.4578275, 0.40821073),
