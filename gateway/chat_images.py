@@ -20,9 +20,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType, SimpleNamespace
 
 from engine.core.model_config import IMAGE_ARCHITECTURES
-from engine.vision.image_files import (
-    PixelLimitError, QwenImageConfig, decode_image, image_config_for, smart_resize,
-)
+from engine.vision.image_files import ImageConfig, PixelLimitError, decode_image, image_config_for
 from gateway.errors import APIError
 
 MIB = 1024 * 1024
@@ -70,16 +68,15 @@ class ImageRef:
 @dataclass(frozen=True)
 class ImageModel:
     """What the gateway needs of a model that reads images: its placeholder token and its processor's settings
-    (the image's token count follows from its size through ``smart_resize``)."""
+    (the image's token count follows from its size: Qwen-VL's ``smart_resize``, Kimi-K2.5's ``navit_resize``)."""
 
     image_token_id: int
-    config: QwenImageConfig
+    config: ImageConfig
 
     def num_tokens(self, width: int, height: int) -> int:
         """Placeholder tokens an image of this size takes: grid_t * grid_h * grid_w / merge_size**2 (grid_t 1)."""
-        c = self.config
-        new_h, new_w = smart_resize(height, width, c.factor, c.min_pixels, c.max_pixels)
-        return (new_h // c.patch_size) * (new_w // c.patch_size) // (c.merge_size * c.merge_size)
+        grid_h, grid_w = self.config.grid(height, width)
+        return grid_h * grid_w // (self.config.merge_size * self.config.merge_size)
 
 
 @functools.lru_cache(maxsize=8)

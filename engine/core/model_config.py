@@ -33,13 +33,18 @@ SUPPORTED_ARCHITECTURES = (
     "Step3p7ForConditionalGeneration",
     "MiniMaxM3SparseForConditionalGeneration",
     "DeepseekV4ForCausalLM",
+    "Kimi_K25ForConditionalGeneration",
+    "KimiK25ForConditionalGeneration",
 )
 
 # Image-text checkpoints served as their text model: the engine reads their config's ``text_config``.
 TEXT_PART_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-                           "Step3p7ForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration")
-# Of those, the ones served with images: ``ModelConfig.multimodal_config`` keeps their whole config.
-IMAGE_ARCHITECTURES = ("Qwen3VLMoeForConditionalGeneration",)
+                           "Step3p7ForConditionalGeneration", "MiniMaxM3SparseForConditionalGeneration",
+                           "Kimi_K25ForConditionalGeneration", "KimiK25ForConditionalGeneration")
+# Of those, the ones served with images: ``ModelConfig.multimodal_config`` keeps their whole config. Kimi-K2.5 by
+# both its names: transformers' class (what ``save_pretrained`` writes) and the published checkpoints' own.
+IMAGE_ARCHITECTURES = ("Qwen3VLMoeForConditionalGeneration", "Kimi_K25ForConditionalGeneration",
+                       "KimiK25ForConditionalGeneration")
 
 # model_type of checkpoints whose config class ships as remote code -> the transformers config it is: Kimi-K2
 # is the DeepSeek-V3 architecture (``architectures``: DeepseekV3ForCausalLM).

@@ -9,6 +9,7 @@ from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.hy_v3 import HYV3ForCausalLM
+from engine.models.kimi_k25 import Kimi_K25ForConditionalGeneration
 from engine.models.kimi_linear import KimiLinearForCausalLM
 from engine.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -29,7 +30,9 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
                 Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, MiMoV2FlashForCausalLM,
                 HYV3ForCausalLM, KimiLinearForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM,
                 Qwen3VLMoeForConditionalGeneration, Step3p7ForConditionalGeneration,
-                MiniMaxM3SparseForConditionalGeneration, DeepseekV4ForCausalLM)
+                MiniMaxM3SparseForConditionalGeneration, DeepseekV4ForCausalLM, Kimi_K25ForConditionalGeneration)
 }
+# Kimi-K2.5's published checkpoints name it as its remote code did; transformers' class is the same model.
+MODEL_REGISTRY["KimiK25ForConditionalGeneration"] = Kimi_K25ForConditionalGeneration
 
 __all__ = ["MODEL_REGISTRY", "MoECausalLM"]

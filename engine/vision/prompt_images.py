@@ -12,8 +12,9 @@ import torch
 from PIL import Image
 
 from engine.core.prompt_images import PromptImage
-from engine.vision.image_files import image_config_for  # noqa: F401  (the engine reads it from here)
-from engine.vision.qwen_image_processing import ProcessedImage, QwenImageConfig, decode_image, process_image
+from engine.vision.image_files import ImageConfig, KimiImageConfig, image_config_for  # noqa: F401 (read from here)
+from engine.vision.kimi_image_processing import process_kimi_image
+from engine.vision.qwen_image_processing import ProcessedImage, decode_image, process_image
 
 # An encoded image may decode to at most this many pixels (a decompression bomb is refused before decoding).
 DEFAULT_MAX_DECODED_PIXELS = 64 * 1024 * 1024
@@ -21,7 +22,7 @@ DEFAULT_MAX_DECODED_PIXELS = 64 * 1024 * 1024
 ImageLike = bytes | Image.Image | ProcessedImage
 
 
-def _processed(image: ImageLike, config: QwenImageConfig, max_decoded_pixels: int) -> ProcessedImage:
+def _processed(image: ImageLike, config: ImageConfig, max_decoded_pixels: int) -> ProcessedImage:
     if isinstance(image, ProcessedImage):
         row = 3 * config.temporal_patch_size * config.patch_size ** 2
         t, h, w = image.grid_thw
@@ -34,7 +35,7 @@ def _processed(image: ImageLike, config: QwenImageConfig, max_decoded_pixels: in
         image = decode_image(bytes(image), max_decoded_pixels)
     if not isinstance(image, Image.Image):
         raise ValueError(f"an image is bytes, a PIL image or a ProcessedImage, not {type(image).__name__}")
-    return process_image(image, config)
+    return process_kimi_image(image, config) if isinstance(config, KimiImageConfig) else process_image(image, config)
 
 
 def digest(image: ProcessedImage) -> bytes:
@@ -51,7 +52,7 @@ class LazyPixels:
     """An image's preprocessed pixels from its encoded bytes, computed when first asked for and kept (bytes that
     were already decoded and preprocessed once, so they decode again)."""
 
-    def __init__(self, data: bytes, config: QwenImageConfig, max_decoded_pixels: int) -> None:
+    def __init__(self, data: bytes, config: ImageConfig, max_decoded_pixels: int) -> None:
         self._data, self._config, self._max = data, config, max_decoded_pixels
         self._pixels: ProcessedImage | None = None
 
@@ -111,7 +112,7 @@ def placeholder_runs(prompt_ids: list[int], token_id: int) -> list[tuple[int, in
     return runs
 
 
-def attach_images(prompt_ids: list[int], images: list[ImageLike], image_token_id: int, config: QwenImageConfig,
+def attach_images(prompt_ids: list[int], images: list[ImageLike], image_token_id: int, config: ImageConfig,
                   max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS, seen: SeenImages | None = None,
                   salt: str | None = None) -> tuple[PromptImage, ...]:
     """The prompt's images, or ValueError naming what does not fit: an image that is not one, or placeholder runs

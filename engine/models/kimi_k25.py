@@ -1,0 +1,116 @@
+"""Kimi-K2.5 (``Kimi_K25ForConditionalGeneration``) with images: the DeepSeek-V3 text model (MLA, grouped sigmoid
+routing) with the MoonViT tower's projected features in place of the image placeholder tokens' embeddings.
+
+Positions stay one per token (no multi-part rotary), so the text path is DeepSeek-V3's unchanged; only the
+embeddings of the image rows differ. A step's image rows are prepared by ``image_step`` (the runner calls it and
+puts the result in the batch's metadata, ``meta.images``): each image is encoded once per request, the first
+time a chunk holds one of its tokens, and kept until the request finishes (``forget_images``); an image the
+encoder cache holds for the request's tenant is not encoded again (``engine.vision.encoder_cache``).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.model_config import ModelConfig
+from engine.core.request import Request
+from engine.core.scheduler import ScheduledRequest
+from engine.device_batch.attention_metadata import AttentionMetadata
+from engine.distributed.collectives import SINGLE, TensorParallel
+from engine.distributed.pipeline import WHOLE, PipelineStage
+from engine.models.base import WeightRule
+from engine.models.deepseek import DeepseekV3ForCausalLM
+from engine.models.deepseek_moe import DEEPSEEK_MOE_ALIASES
+from engine.vision.encoder_cache import EncoderCache
+from engine.vision.moonvit_tower import MoonViT, MoonViTConfig, Projector, encode_image
+from engine.vision.prompt_images import pixels_of
+from engine.vision.qwen3_vl_tower import VisionFeatures
+
+
+@dataclass(frozen=True)
+class KimiImageStep:
+    """What one forward needs beyond token ids: the image rows and their features."""
+
+    rows: torch.Tensor  # [n] int64: flat rows holding image placeholder tokens
+    embeds: torch.Tensor  # [n, H] replacing those rows' token embeddings
+
+
+class Kimi_K25ForConditionalGeneration(DeepseekV3ForCausalLM):
+    takes_images = True
+    # The published layout: the language model under language_model., the tower's blocks under
+    # vision_tower.encoder.; then DeepSeek's renames. transformers' save_pretrained writes that layout with a few
+    # names of its own (the text layers as language_model.model.blocks., the projector's norm under model.,
+    # the patch embedding under vision_tower.encoder.): both are read.
+    name_aliases = (("language_model.model.blocks.", "model.layers."), ("language_model.model.", "model."),
+                    ("language_model.lm_head.", "lm_head."), ("model.mm_projector.", "mm_projector."),
+                    ("vision_tower.encoder.", "vision_tower."), *DEEPSEEK_MOE_ALIASES)
+    # the tower's and projector's names are their own (none of the text model's packing rules)
+    weight_rules = (WeightRule(r"^((?:vision_tower|mm_projector)\..*)$", r"\1"), *DeepseekV3ForCausalLM.weight_rules)
+
+    def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,
+                 stage: PipelineStage = WHOLE) -> None:
+        if tp.size > 1 or stage.pipelined:
+            raise ValueError("Kimi_K25ForConditionalGeneration is served on one rank for now: tensor, expert and "
+                             "pipeline parallelism are not supported with it")
+        super().__init__(config, moe_backend, max_positions, tp, stage)
+        whole = config.multimodal_config
+        vision = MoonViTConfig.from_hf(whole)
+        self.vision_tower = MoonViT(vision)
+        self.mm_projector = Projector(vision)
+        self.image_token_id = int(whole.image_token_id)
+        self._features: dict[str, list[VisionFeatures | None]] = {}
+        # Encoded images across requests; the engine sizes it (EngineConfig.encoder_cache_gb), 0 keeps nothing.
+        self.encoder_cache = EncoderCache(0)
+
+    # ---- per request ------------------------------------------------------------------------
+    def _image_features(self, request: Request, i: int) -> VisionFeatures:
+        feats = self._features.setdefault(request.request_id, [None] * len(request.images))
+        if feats[i] is None:
+            image, salt = request.images[i], request.policy.cache_salt
+            device = self.model.embed_tokens.weight.device
+            feats[i] = self.encoder_cache.get(image.digest, salt, device)
+            if feats[i] is None:
+                pixels = pixels_of(image.pixels)  # preprocessed now if the request came with bytes seen before
+                feats[i] = encode_image(self.vision_tower, self.mm_projector, pixels.pixel_values, pixels.grid_thw)
+                self.encoder_cache.put(image.digest, salt, feats[i])
+        return feats[i]
+
+    def image_cached(self, digest: bytes, salt: str | None) -> bool:
+        """Whether the encoder cache holds this image for this salt now (the scheduler's encoder budget skips it)."""
+        return (digest, salt) in self.encoder_cache
+
+    def forget_images(self, request_ids) -> None:
+        """Drop the features kept for requests that finished."""
+        for rid in request_ids:
+            self._features.pop(rid, None)
+
+    # ---- per step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
+                   num_rows: int, device: torch.device) -> KimiImageStep:
+        """A forward's image rows and features from the step's parts (``ranges``: their flat rows, in order)."""
+        rows, embeds = [], []
+        for part, (a, b) in zip(scheduled, ranges):
+            for i, image in enumerate(part.request.images):
+                lo, hi = max(image.offset, part.start), min(image.end, part.start + (b - a))
+                if lo >= hi:
+                    continue
+                feats = self._image_features(part.request, i)
+                rows.append(torch.arange(a + lo - part.start, a + hi - part.start))
+                embeds.append(feats.embeds[lo - image.offset:hi - image.offset])
+        dtype = self.model.embed_tokens.weight.dtype
+        return KimiImageStep(
+            torch.cat(rows).to(device) if rows else torch.empty(0, dtype=torch.int64, device=device),
+            torch.cat(embeds) if embeds else torch.empty(0, self.config.hidden_size, dtype=dtype, device=device),
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        step: KimiImageStep | None = meta.images
+        if step is not None and step.rows.numel():
+            # the placeholder id may lie past the vocabulary: those rows embed token 0, then take the features
+            x = self.model.embed_tokens(input_ids.index_fill(0, step.rows, 0))
+            x = x.index_copy(0, step.rows, step.embeds.to(x.dtype))
+        else:
+            x = self.model.embed_tokens(input_ids)
+        x, residual = self.run_layers(x, None, positions, meta)
+        return self.final_norm(x, residual)
