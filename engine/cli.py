@@ -23,8 +23,12 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 
 def _engine_rank(args: argparse.Namespace) -> int:
+    import logging
+
     from engine.ranks.follower import run
 
+    # A rank started by hand says what it waits for (its group, then its engine's plans), as `moegate serve` does.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-rank %(levelname)s %(message)s")
     return run(args)
 
 

@@ -15,7 +15,7 @@ setting and the model, which that table cannot see.
   preemption and n-gram speculation are served.
 - DeepSeek-V4: its layers cache a key row and, for the compressed layers, the compressor's (and indexer's) raw
   projections, from which every step recomputes the compressed entries (``engine.layers.compressed_attention``).
-- Image-text models served with images (Qwen3-VL-MoE): one rank; the vision tower and the step's image rows are
+- Image-text models served with images (Qwen3-VL-MoE, Kimi-K2.5): one rank; the vision tower and the step's image rows are
   not split over ranks (the model itself also refuses a tensor-parallel or pipelined build).
 - Step-3.7-Flash: checked on one rank and split tensor parallel; its per-head output gates, each layer kind's own
   query head count and clamped SwiGLUs are not yet checked through the other splits or under adapters.

@@ -40,6 +40,7 @@ def run_follower(info: RankInfo, device_type: str, timeout_s: float, model_dir: 
     device = torch.device("cuda", info.local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    logger.info("rank %d of %d: waiting for its group at %s", info.rank, info.world_size, info.init_method)
     groups = RankGroups(info, device, timeout_s)
     try:
         parts = parallel_groups(groups, agree_on_world(groups, None))

@@ -108,6 +108,7 @@ def test_ranks_that_never_arrive_are_named_when_the_meeting_times_out(capfd):
 def test_ctrl_c_ends_a_rank_waiting_for_its_group_at_once():
     """Python would only see the interrupt once torch's rendezvous returned (after its 5-minute timeout)."""
     import os
+    import select
     import signal
     import subprocess
     import sys
@@ -117,7 +118,13 @@ def test_ctrl_c_ends_a_rank_waiting_for_its_group_at_once():
     rank = subprocess.Popen([sys.executable, "-m", "gateway.cli", "engine-rank"], env=env, stderr=subprocess.PIPE,
                             text=True)
     try:
-        time.sleep(random.uniform(6, 8))  # into the rendezvous (imports take a few seconds)
+        said = []  # its lines up to the one saying it waits for its group (after its imports: seconds under load)
+        while not any("waiting for its group" in line for line in said):
+            assert select.select([rank.stderr], [], [], 120)[0], "".join(said)[-2000:]  # silent for two minutes
+            line = rank.stderr.readline()
+            assert line, "".join(said)[-2000:]  # ended before reaching the rendezvous
+            said.append(line)
+        time.sleep(random.uniform(0.5, 1.5))  # into the rendezvous itself
         assert rank.poll() is None
         rank.send_signal(signal.SIGINT)
         _, err = rank.communicate(timeout=10)

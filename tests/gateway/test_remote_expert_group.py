@@ -157,6 +157,7 @@ def test_an_engine_outside_its_place_is_refused_at_once(tmp_path, case):
             [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port", str(free_port()),
              "--database-url", f"sqlite:///{tmp_path / 'policy.db'}", "--metrics-port", "-1", "--cpu-threads", "1",
              "--kv-cache-memory-gb", "0.05", "--enable-expert-parallel", "--engine", f"127.0.0.1:{engine_port}",
+             "--distributed-timeout", "300",  # waiting for the group instead would take minutes, not seconds
              *gateway_flags, *meet],
             capture_output=True, text=True, timeout=120, env={**os.environ, "MOEGATE_ENGINE_KEY": KEY})
         elapsed = time.monotonic() - begin
@@ -165,4 +166,4 @@ def test_an_engine_outside_its_place_is_refused_at_once(tmp_path, case):
         stop_engine(engine)
     last = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""
     assert run.returncode != 0 and last.startswith("moegate serve: error:") and says in last, run.stderr[-2000:]
-    assert elapsed < 40, elapsed
+    assert elapsed < 90, elapsed  # process starts included: tens of seconds on a loaded 2-core machine
