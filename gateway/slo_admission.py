@@ -18,8 +18,10 @@ against the tokens it computed), read from the statistics each engine reports. W
 between steps, the pipes, the gateway's own queue, a machine shared with other work) is learnt from the requests
 themselves: each admitted request's first-token time against the one predicted for it, as a factor per priority
 (a moving geometric mean, ``correction``) its predictions are multiplied by. Per priority, because what the queue
-leaves out differs by class: a less urgent class also waits for the more urgent requests that arrive after it. Until an engine has reported a step there is
-nothing to predict from, and every request is admitted.
+leaves out differs by class: a less urgent class also waits for the more urgent requests that arrive after it.
+That factor learns only as first tokens come, which is late when a queue builds up; so the prediction also adds
+how far the requests already waiting ahead are past the times predicted for them (``lateness_ms``). Until an
+engine has reported a step there is nothing to predict from, and every request is admitted.
 """
 
 from __future__ import annotations
@@ -101,12 +103,26 @@ class SloAdmission:
 
     def predict(self, priority: int, prompt_tokens: int) -> Prediction | None:
         """The first-token time of a request of ``priority`` with ``prompt_tokens`` to prefill, admitted now
-        (times ``correction``); None before any step was measured."""
-        raw = self.predict_uncorrected(priority, prompt_tokens)
+        (times ``correction``, plus ``lateness_ms``); None before any step was measured."""
+        return self._corrected(priority, self.predict_uncorrected(priority, prompt_tokens))
+
+    def _corrected(self, priority: int, raw: Prediction | None) -> Prediction | None:
         if raw is None:
             return None
-        factor = self.correction.get(priority, 1.0)
-        return Prediction(raw.ttft_ms * factor, raw.drain_ms * factor)
+        factor, late = self.correction.get(priority, 1.0), self.lateness_ms(priority)
+        return Prediction(raw.ttft_ms * factor + late, raw.drain_ms * factor + late)
+
+    def lateness_ms(self, priority: int) -> float:
+        """How far the queue ahead of a request of ``priority`` is behind its predictions now: the most any
+        admitted request of that class or a more urgent one, still waiting for its first token, has waited past
+        the first-token time predicted when it was admitted. A request queues behind those, so it is at least
+        that late too. ``correction`` learns the same from first tokens, but only once they come: this sees a
+        queue building up at once, while the requests that would teach it are still waiting."""
+        now, late = time.perf_counter(), 0.0
+        for t in self.open:
+            if t.priority <= priority and t.state == "prefill" and t.expected_ms is not None:
+                late = max(late, (now - t.admitted_at) * 1e3 - t.expected_ms)
+        return late
 
     def learn(self, priority: int, predicted_ms: float, actual_ms: float) -> None:
         """One request's first-token time against its uncorrected prediction, into its priority's ``correction``."""
@@ -165,9 +181,11 @@ class SloAdmission:
         """Count an admitted request: its prompt as queued ahead of later ones until its first token, its
         ``sequences`` as holding a slot each for about ``outputs`` steps until it finishes."""
         predicted = self.predict_uncorrected(priority, prompt_tokens)
+        expected = self._corrected(priority, predicted)
         self.pending[priority] = self.pending.get(priority, 0) + prompt_tokens
         ticket = Ticket(self, priority, prompt_tokens, sequences, outputs,
-                        None if predicted is None else predicted.ttft_ms)
+                        None if predicted is None else predicted.ttft_ms,
+                        None if expected is None else expected.ttft_ms)
         self.open.add(ticket)
         return ticket
 
@@ -176,13 +194,15 @@ class Ticket:
     """One admitted request's place in ``SloAdmission``'s counts: ``first_token`` moves it from prefill to
     decoding, ``close`` takes it out (both idempotent)."""
 
-    __slots__ = ("slo", "priority", "prompt_tokens", "sequences", "outputs", "predicted_ms", "admitted_at", "state")
+    __slots__ = ("slo", "priority", "prompt_tokens", "sequences", "outputs", "predicted_ms", "expected_ms",
+                 "admitted_at", "state")
 
     def __init__(self, slo: SloAdmission, priority: int, prompt_tokens: int, sequences: int, outputs: int,
-                 predicted_ms: float | None = None) -> None:
+                 predicted_ms: float | None = None, expected_ms: float | None = None) -> None:
         self.slo, self.priority, self.prompt_tokens, self.sequences = slo, priority, prompt_tokens, sequences
         self.outputs = outputs  # expected output tokens of each sequence
         self.predicted_ms = predicted_ms  # its uncorrected first-token prediction (None: nothing measured yet)
+        self.expected_ms = expected_ms  # the same, corrected: what admission expected (``lateness_ms``)
         self.admitted_at = time.perf_counter()
         self.state = "prefill"
 

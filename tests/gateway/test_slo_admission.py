@@ -28,7 +28,9 @@ def _register(keys: dict):
             store = TenantStore.open(url)
             try:
                 await store.create_class("flooder", 0)  # as urgent as realtime: its prefill is ahead of realtime's
-                await store.create_class("rtq", 0)
+                # Less urgent than the flood, so strictly behind it: the engine shares a class's turns fairly
+                # among its tenants, and a request of the flood's class could be served between its prompts.
+                await store.create_class("rtq", 1)
                 await store.set_class_objectives("realtime", ttft_slo_ms=TTFT_SLO_MS, itl_slo_ms=10_000,
                                                  slo_action="refuse")
                 await store.set_class_objectives("rtq", ttft_slo_ms=TTFT_SLO_MS, slo_action="queue")
@@ -52,7 +54,8 @@ async def _complete(session, base, key, prompt, max_tokens=2) -> tuple[int, dict
 
 async def _flood_queued(session, base, key, app, priority: int) -> list[asyncio.Task]:
     """FLOOD long prompts of a class of ``priority`` admitted (counted as queued prefill), answers to come."""
-    tasks = [asyncio.create_task(_complete(session, base, key, PROMPT)) for _ in range(FLOOD)]
+    # Each prompt its own first token: identical prompts would share prefix-cache blocks and finish early.
+    tasks = [asyncio.create_task(_complete(session, base, key, [200 + i, *PROMPT[1:]])) for i in range(FLOOD)]
     deadline = time.monotonic() + 5
     while app[SLO].pending.get(priority, 0) < FLOOD * len(PROMPT) // 2:  # most admitted, none near done
         assert time.monotonic() < deadline, "the flood was never admitted"

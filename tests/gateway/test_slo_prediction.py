@@ -157,3 +157,21 @@ def test_judge():
         ClassInfo("r", 0, 1.0, True, True, ttft_slo_ms=0)
     with pytest.raises(ValueError):
         ClassInfo("r", 0, 1.0, True, True, slo_action="drop")
+
+
+def test_a_queue_behind_its_predictions_makes_later_ones_later():
+    rng = random.Random()
+    slo = _slo(10.0, 0.0, 32)
+    assert slo.predict(1, 1).ttft_ms == pytest.approx(10.0)
+    waiting = slo.ticket(1, 1, 1, 4)
+    assert waiting.expected_ms == pytest.approx(10.0)
+    late_s = rng.uniform(0.05, 0.5)
+    waiting.admitted_at -= late_s + 0.010  # waited late_s past its expected 10 ms, no first token yet
+    # Behind it (queued one token more): at least as late as it is.
+    for priority in (1, 2):
+        assert slo.predict(priority, 1).ttft_ms == pytest.approx(10.0 + late_s * 1e3, abs=5.0)
+    assert slo.predict(0, 1).ttft_ms == pytest.approx(10.0)  # a more urgent class is not behind it
+    waiting.first_token()  # its first token came: no longer waiting (the correction learnt it instead)
+    assert slo.predict(1, 1).ttft_ms == pytest.approx(10.0 * slo.correction[1])
+    on_time = slo.ticket(1, 1, 1, 4)
+    assert slo.lateness_ms(1) == 0.0 and on_time.expected_ms > 10.0
