@@ -17,7 +17,6 @@ from PIL import Image
 import openai
 import pytest
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil, Qwen3VLProcessor
 
 from engine.serving.protocol import Ready
@@ -29,6 +28,7 @@ from gateway.openai_schema import ChatCompletionRequest, decode_body
 from tests.engine.vision.qwen3_vl_checkpoint import (
     IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, VIDEO_TOKEN, VOCAB, hf_greedy_pixels, random_image,
 )
+from tests.gateway.byte_level_tokenizer import write_byte_level_tokenizer
 from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key
 
@@ -50,23 +50,11 @@ IM_START, ENDOFTEXT, IM_END = 196, 197, VOCAB - 1
 def write_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """Byte-level characters as tokens (printable ASCII and the newline, ids 0-95), the rest of the model's
     vocabulary filler, Qwen-VL's special tokens at the checkpoint's ids."""
-    chars = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]  # byte-level's space and newline
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab["<unk>"] = len(vocab)
     specials = {IM_START: "<|im_start|>", ENDOFTEXT: "<|endoftext|>", VISION_START: "<|vision_start|>",
                 VISION_END: "<|vision_end|>", IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
                 IM_END: "<|im_end|>"}
-    for i in range(len(vocab), VOCAB):
-        vocab[specials.get(i, f"<unused{i}>")] = i
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                                                 pre_tokenizers.Split("", behavior="isolated")])
-    raw.decoder = decoders.ByteLevel()
-    raw.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials.values()])
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  unk_token="<unk>", chat_template=TEMPLATE)
-    tok.save_pretrained(path)
-    return tok
+    return write_byte_level_tokenizer(path, VOCAB, specials, TEMPLATE, eos_token="<|im_end|>",
+                                      pad_token="<|endoftext|>")
 
 
 def data_url(image, fmt: str = "PNG") -> str:
