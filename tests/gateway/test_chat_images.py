@@ -57,6 +57,18 @@ def write_tokenizer(path: str) -> PreTrainedTokenizerFast:
                                       pad_token="<|endoftext|>")
 
 
+# The engine settings the image chat servers run with: a tiny pool of small blocks, one CPU thread.
+SERVED_ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, cpu_threads=1, max_model_len=256)
+
+
+def with_tokenizer(root, shared: str) -> tuple[str, PreTrainedTokenizerFast]:
+    """A copy of the session's checkpoint ``shared`` under ``root`` with the tokenizer (its path and tokenizer):
+    the session's checkpoint stays as other test files read it, with none."""
+    path = str(root / "qwen3_vl")
+    shutil.copytree(shared, path)
+    return path, write_tokenizer(path)
+
+
 def data_url(image, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     image.save(buf, format=fmt)
@@ -74,12 +86,9 @@ def png_header_only(width: int, height: int) -> bytes:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, qwen3_vl_checkpoint):
     root = tmp_path_factory.mktemp("chat_images")
-    path = str(root / "qwen3_vl")
     shared, model, seed = qwen3_vl_checkpoint
-    shutil.copytree(shared, path)  # the session's checkpoint stays as other test files read it: no tokenizer
-    tok = write_tokenizer(path)
-    with in_process_server(root, dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, cpu_threads=1,
-                                      max_model_len=256), checkpoint=path) as srv:
+    path, tok = with_tokenizer(root, shared)
+    with in_process_server(root, SERVED_ENGINE, checkpoint=path) as srv:
         key = srv.run(new_tenant_key(srv.database_url))
         client = openai.AsyncOpenAI(base_url=srv.base_url, api_key=key, max_retries=0)
         yield srv, client, model, tok, seed
