@@ -1,9 +1,11 @@
 """An approximate per-replica index of the prompt blocks each replica was sent (no torch, no I/O).
 
 The engine shares KV blocks by a chained hash of each full block's tokens,
-salted per tenant (``engine.core.block_pool.hash_block_tokens``). The router
-hashes a prompt the same way and remembers, per replica, the hashes of the
-prompts it sent there, as SGLang's cache-aware router and llm-d's prefix
+salted per tenant (``engine.core.block_pool.hash_block_tokens``), a block that
+holds image placeholder tokens keyed by those images' digests too. The router
+hashes a prompt the same way (an image's digest here is of its encoded file, the
+engine's of its pixels: the router compares only with what it sent) and
+remembers, per replica, the hashes of the prompts it sent there, as SGLang's cache-aware router and llm-d's prefix
 scorer do. The index is approximate on purpose: it never asks the engine what
 it holds. It forgets a replica's oldest blocks once it holds as many as that
 replica's KV pool and host prefix-cache tier together (the engine evicts least
@@ -13,10 +15,13 @@ a hit the index does not predict is a bonus). A wrong guess costs a prefill, nev
 wrong answer: the engine checks its own cache.
 """
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine.core.block_pool import hash_block_tokens
+from engine.core.prompt_images import image_key, placeholder_runs
 from engine.core.stats import SchedulerStats
 
 
@@ -25,15 +30,39 @@ def remembered_blocks(stats: SchedulerStats) -> int:
     return stats.kv_blocks_total + stats.host_tier_blocks
 
 
+@dataclass(frozen=True, slots=True)
+class RoutedImage:
+    """One image of a prompt as the router keys it: its placeholder tokens [offset, end) and its file's digest."""
+
+    offset: int
+    end: int
+    digest: bytes
+
+
+def routed_images(prompt: Sequence[int], image_token_id: int | None,
+                  images: Sequence[bytes]) -> tuple[RoutedImage, ...]:
+    """The prompt's images (encoded files, one per run of ``image_token_id``, in order), each over its run.
+    Where the runs do not pair with the images (or the token is unknown: None), the engine refuses the request;
+    each image then spans the whole prompt, so no block of it looks like another prompt's."""
+    digests = [hashlib.blake2b(bytes(data), digest_size=16).digest() for data in images]
+    runs = placeholder_runs(prompt, image_token_id) if image_token_id is not None else []
+    if len(runs) != len(digests):
+        return tuple(RoutedImage(0, len(prompt), d) for d in digests)
+    return tuple(RoutedImage(start, start + length, d) for (start, length), d in zip(runs, digests))
+
+
 def block_hashes(prompt: Sequence[int], block_size: int, cache_salt: str | None,
-                 lora_adapter: str | None = None) -> list[bytes]:
-    """The chained, salted hashes of the prompt's full blocks (under adapter ``lora_adapter``), as the engine computes
-    them for the base model (under an adapter the engine's also hold its directory; the router compares these with
-    what it sent, never with the engine's)."""
+                 lora_adapter: str | None = None, images: Sequence[RoutedImage] = ()) -> list[bytes]:
+    """The chained, salted hashes of the prompt's full blocks (under adapter ``lora_adapter``; a block holding
+    placeholder tokens of ``images`` keyed by their digests), as the engine computes them for the base model
+    (under an adapter the engine's also hold its directory; the router compares these with what it sent, never
+    with the engine's)."""
     hashes: list[bytes] = []
     parent = None
     for start in range(0, len(prompt) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, prompt[start:start + block_size], cache_salt, lora_adapter)
+        end = start + block_size
+        parent = hash_block_tokens(parent, prompt[start:end], cache_salt, lora_adapter,
+                                   image_key(images, start, end) if images else None)
         hashes.append(parent)
     return hashes
 

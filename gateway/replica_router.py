@@ -1,8 +1,9 @@
 """Several engine replicas behind one ``EngineClient``: the routes, the Batch API and metrics see one engine.
 
 Each request goes to one replica, chosen by ``gateway.routing_policy`` from
-the prompt's tenant-salted block hashes (``gateway.prefix_index``) and each
-replica's load. Priorities, quotas and fairness stay where they are: admission
+the prompt's tenant-salted block hashes (``gateway.prefix_index``; a block
+holding an image's placeholder tokens keyed by that image too, as the engine
+keys it) and each replica's load. Priorities, quotas and fairness stay where they are: admission
 in the gateway, priority classes and weighted shares in each replica's scheduler.
 With ``RouterConfig.fleet_fairness`` the weighted shares hold over the whole
 fleet instead: requests wait in the router's weighted-fair queue
@@ -54,7 +55,8 @@ from gateway.disaggregation import DisaggregatedEngines
 from gateway.fleet_fairness import FairGate, Ticket
 from engine.serving.client import CheckedBeforeStart, EngineClient
 from engine.serving.protocol import Ready
-from gateway.prefix_index import ReplicaBlocks, block_hashes, remembered_blocks
+from gateway.chat_images import image_model_of
+from gateway.prefix_index import ReplicaBlocks, RoutedImage, block_hashes, remembered_blocks, routed_images
 from gateway.routing_policy import ReplicaView, RouterConfig, choose, rebalance
 
 logger = logging.getLogger(__name__)
@@ -234,10 +236,18 @@ class ReplicaRouter:
                                      adapter is not None and adapter in self._adapters[i]))
         return views
 
-    def matched_blocks(self, prompt: Sequence[int], cache_salt: str | None) -> list[int]:
-        """Per replica, how many of the prompt's leading blocks the index believes it holds."""
-        hashes = block_hashes(prompt, self.block_size, cache_salt)
+    def matched_blocks(self, prompt: Sequence[int], cache_salt: str | None,
+                       images: Sequence[bytes] = ()) -> list[int]:
+        """Per replica, how many of the prompt's leading blocks (with ``images``, as ``generate`` takes them) the
+        index believes it holds."""
+        hashes = block_hashes(prompt, self.block_size, cache_salt, images=self._routed_images(prompt, images))
         return [index.matched(hashes) for index in self._index]
+
+    def _routed_images(self, prompt: Sequence[int], images: Sequence[bytes]) -> tuple[RoutedImage, ...]:
+        if not images:
+            return ()
+        model = image_model_of(self)
+        return routed_images(prompt, model.image_token_id if model is not None else None, images)
 
     async def generate(self, prompt: list[int], sampling_params: SamplingParams, request_id: str | None = None,
                        policy: RequestPolicy = DEFAULT_POLICY, stream: bool = True,
@@ -245,7 +255,8 @@ class ReplicaRouter:
         """Stream the request's outputs from the replica chosen for it; see the module's docstring for
         faults and moves. ``images`` go with the request to whichever replica runs it."""
         request_id = request_id or f"req-{next(self._ids)}"
-        hashes = block_hashes(prompt, self.block_size, policy.cache_salt, policy.lora_adapter)
+        hashes = block_hashes(prompt, self.block_size, policy.cache_salt, policy.lora_adapter,
+                              self._routed_images(prompt, images))
         placement = _Placement(request_id, hashes, policy.lora_adapter, policy)
         tried: set[int] = set()  # replicas that failed this request before it started
         ticket: Ticket[int] | None = None

@@ -3,10 +3,9 @@ the vision tower's features in place of the image placeholder tokens' embeddings
 added to those tokens' hidden states after the first text layers.
 
 A step's image work is prepared by ``image_step`` (the runner calls it with the step's parts and puts the result
-in the batch's metadata, ``meta.images``): each
-image's features are computed once per request, the first time a chunk holds one of its tokens, and kept until
-the request finishes (``forget_images``); an image the encoder cache holds for the request's tenant is not
-encoded again (``engine.vision.encoder_cache``). The step's M-RoPE positions come from each request's prompt
+in the batch's metadata, ``meta.images``); each
+image is encoded once per request, and not at all while the encoder cache holds it for the request's tenant
+(``engine.models.request_images``). The step's M-RoPE positions come from each request's prompt
 layout (``engine.vision.mrope``).
 """
 
@@ -26,11 +25,11 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models.base import DecoderLayer
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.qwen_moe import qwen_mlp
-from engine.vision.encoder_cache import EncoderCache
+from engine.models.request_images import RequestImages
 from engine.vision.mrope import ImageSpan, prompt_positions
 from engine.vision.mrope_rotary import MRotaryEmbedding
-from engine.vision.prompt_images import pixels_of
 from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig, VisionFeatures
+from engine.vision.qwen_image_processing import ProcessedImage
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class ImageStep:
     deepstack: torch.Tensor  # [K, n, H] added to those rows after text layers 0..K-1
 
 
-class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
+class Qwen3VLMoeForConditionalGeneration(RequestImages, Qwen3MoeForCausalLM):
     rotary_class = MRotaryEmbedding
     takes_images = True
     name_aliases = (("model.language_model.", "model."), ("model.visual.", "visual."))
@@ -58,9 +57,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
         self.visual = Qwen3VisionTower(VisionConfig.from_hf(whole.vision_config))
         self.image_token_id = int(whole.image_token_id)
         self.merge = int(whole.vision_config.spatial_merge_size)
-        self._features: dict[str, list[VisionFeatures | None]] = {}
-        # Encoded images across requests; the engine sizes it (EngineConfig.encoder_cache_gb), 0 keeps nothing.
-        self.encoder_cache = EncoderCache(0)
+        self.init_request_images()
         self._layout: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (prompt positions [3, L], delta)
 
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
@@ -88,28 +85,14 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
             self._layout[request.request_id] = prompt_positions(request.num_prompt_tokens, spans)
         return self._layout[request.request_id]
 
-    def _image_features(self, request: Request, i: int) -> VisionFeatures:
-        feats = self._features.setdefault(request.request_id, [None] * len(request.images))
-        if feats[i] is None:
-            image, salt = request.images[i], request.policy.cache_salt
-            device = self.model.embed_tokens.weight.device
-            feats[i] = self.encoder_cache.get(image.digest, salt, device)
-            if feats[i] is None:
-                pixels = pixels_of(image.pixels)  # preprocessed now if the request came with bytes seen before
-                feats[i] = self.visual(pixels.pixel_values, pixels.grid_thw)
-                # held to the tenant's share of the cache (its quota's cache share, else the engine's flag)
-                policy = request.policy
-                self.encoder_cache.put(image.digest, salt, feats[i], policy.tenant, policy.cache_share)
-        return feats[i]
-
-    def image_cached(self, digest: bytes, salt: str | None) -> bool:
-        """Whether the encoder cache holds this image for this salt now (the scheduler's encoder budget skips it)."""
-        return (digest, salt) in self.encoder_cache
+    def encode_pixels(self, pixels: ProcessedImage) -> VisionFeatures:
+        return self.visual(pixels.pixel_values, pixels.grid_thw)
 
     def forget_images(self, request_ids) -> None:
         """Drop the features and layouts kept for requests that finished."""
+        request_ids = list(request_ids)
+        super().forget_images(request_ids)
         for rid in request_ids:
-            self._features.pop(rid, None)
             self._layout.pop(rid, None)
 
     # ---- per step ---------------------------------------------------------------------------
@@ -133,7 +116,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3MoeForCausalLM):
                 lo, hi = max(image.offset, part.start), min(image.end, part.start + (b - a))
                 if lo >= hi:
                     continue
-                feats = self._image_features(request, i)
+                feats = self.image_features(request, i)
                 rows.append(torch.arange(a + lo - part.start, a + hi - part.start))
                 embeds.append(feats.embeds[lo - image.offset:hi - image.offset])
                 deepstack.append(feats.deepstack[:, lo - image.offset:hi - image.offset])

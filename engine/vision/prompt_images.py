@@ -11,7 +11,7 @@ from collections import OrderedDict
 import torch
 from PIL import Image
 
-from engine.core.prompt_images import PromptImage
+from engine.core.prompt_images import PromptImage, placeholder_runs
 from engine.vision.image_files import ImageConfig, KimiImageConfig, image_config_for  # noqa: F401 (read from here)
 from engine.vision.kimi_image_processing import process_kimi_image
 from engine.vision.qwen_image_processing import ProcessedImage, decode_image, process_image
@@ -95,21 +95,6 @@ class SeenImages:
         self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
-
-
-def placeholder_runs(prompt_ids: list[int], token_id: int) -> list[tuple[int, int]]:
-    """(start, length) of each maximal run of ``token_id`` in the prompt."""
-    runs, i = [], 0
-    while i < len(prompt_ids):
-        if prompt_ids[i] == token_id:
-            j = i
-            while j < len(prompt_ids) and prompt_ids[j] == token_id:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
-    return runs
 
 
 def attach_images(prompt_ids: list[int], images: list[ImageLike], image_token_id: int, config: ImageConfig,

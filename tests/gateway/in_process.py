@@ -34,11 +34,12 @@ class InProcessServer:
 
 @contextlib.contextmanager
 def in_process_server(root: Path, engine: dict, gateway: dict | None = None, engine_options: dict | None = None,
-                      checkpoint: str | None = None, before_start=None):
+                      checkpoint: str | None = None, before_start=None, engines=None):
     """A served demo model (weights drawn from a random seed) under ``root``, or ``checkpoint``: ``engine`` and
     ``gateway`` are ``EngineConfig`` / ``GatewayConfig`` fields, ``engine_options`` ``AsyncEngine``'s own; stopped
     on exit. ``before_start(checkpoint_dir, database_url)`` runs once the checkpoint and the database exist, before
-    the server starts (to register what the server reads at its start)."""
+    the server starts (to register what the server reads at its start). ``engines(config)``: the ``EngineClient``
+    the gateway serves from (None: one ``AsyncEngine``)."""
     demo = checkpoint or str(root / "demo")
     if checkpoint is None:
         write_demo_model(demo, seed=random.randrange(1000))
@@ -46,7 +47,8 @@ def in_process_server(root: Path, engine: dict, gateway: dict | None = None, eng
     upgrade(url)
     if before_start is not None:
         before_start(demo, url)
-    async_engine = AsyncEngine(EngineConfig(model=demo, **engine), **(engine_options or {}))
+    config = EngineConfig(model=demo, **engine)
+    async_engine = engines(config) if engines is not None else AsyncEngine(config, **(engine_options or {}))
     app = create_app(GatewayConfig(served_model_name="demo", database_url=url, data_dir=str(root / "data"),
                                    **(gateway or {})), async_engine)
     loop = asyncio.new_event_loop()

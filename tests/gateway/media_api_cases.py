@@ -13,7 +13,6 @@ The server starts with remote URLs off, as a server does by default.
 import asyncio
 import base64
 import contextlib
-import io
 import json
 import random
 import socket
@@ -28,6 +27,7 @@ from aiohttp import web
 
 from gateway.remote_images import REMOTE_IMAGES, RemoteImagePolicy, pinned_session
 from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_TOKEN, hf_greedy_pixels, random_image
+from tests.gateway.batch_runs import run_chat_batch
 from tests.gateway.test_chat_images import MAX_NEW, _png_bytes, _processed, png_header_only
 
 
@@ -272,22 +272,8 @@ def test_batch_lines_with_images(served, media, reference):
             "model": "demo", "messages": [{"role": "user", "content": _parts(url)}], "max_tokens": MAX_NEW,
             "temperature": 0, "logprobs": True, "ignore_eos": True, "return_tokens_as_token_ids": True}})
 
-    async def scenario():
-        data = "\n".join([line("inline", _data_url(png)), line("loopback", media.url("/img/a.png"))]).encode()
-        f = await client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
-        batch = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                            completion_window="24h")
-        deadline = time.monotonic() + 60
-        while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            batch = await client.batches.retrieve(batch.id)
-        assert batch.status == "completed", batch
-        lines = []
-        for file_id in (batch.output_file_id, batch.error_file_id):  # a line's 4xx is in the error file
-            lines += [json.loads(x) for x in (await client.files.content(file_id)).text.splitlines()]
-        return {x["custom_id"]: x["response"] for x in lines}
-
-    out = srv.run(scenario())
+    # a line's 4xx is in the error file
+    out = srv.run(run_chat_batch(client, [line("inline", _data_url(png)), line("loopback", media.url("/img/a.png"))]))
     body = out["inline"]["body"]
     assert out["inline"]["status_code"] == 200, body
     got = [int(t["token"].removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["content"]]

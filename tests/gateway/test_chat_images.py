@@ -17,7 +17,6 @@ from PIL import Image
 import openai
 import pytest
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil, Qwen3VLProcessor
 
 from engine.serving.protocol import Ready
@@ -29,6 +28,7 @@ from gateway.openai_schema import ChatCompletionRequest, decode_body
 from tests.engine.vision.qwen3_vl_checkpoint import (
     IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, VIDEO_TOKEN, VOCAB, hf_greedy_pixels, random_image,
 )
+from tests.gateway.byte_level_tokenizer import write_byte_level_tokenizer
 from tests.gateway.in_process import in_process_server
 from tests.gateway.tenant_keys import new_tenant_key
 
@@ -50,23 +50,23 @@ IM_START, ENDOFTEXT, IM_END = 196, 197, VOCAB - 1
 def write_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """Byte-level characters as tokens (printable ASCII and the newline, ids 0-95), the rest of the model's
     vocabulary filler, Qwen-VL's special tokens at the checkpoint's ids."""
-    chars = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]  # byte-level's space and newline
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab["<unk>"] = len(vocab)
     specials = {IM_START: "<|im_start|>", ENDOFTEXT: "<|endoftext|>", VISION_START: "<|vision_start|>",
                 VISION_END: "<|vision_end|>", IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
                 IM_END: "<|im_end|>"}
-    for i in range(len(vocab), VOCAB):
-        vocab[specials.get(i, f"<unused{i}>")] = i
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                                                 pre_tokenizers.Split("", behavior="isolated")])
-    raw.decoder = decoders.ByteLevel()
-    raw.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials.values()])
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  unk_token="<unk>", chat_template=TEMPLATE)
-    tok.save_pretrained(path)
-    return tok
+    return write_byte_level_tokenizer(path, VOCAB, specials, TEMPLATE, eos_token="<|im_end|>",
+                                      pad_token="<|endoftext|>")
+
+
+# The engine settings the image chat servers run with: a tiny pool of small blocks, one CPU thread.
+SERVED_ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, cpu_threads=1, max_model_len=256)
+
+
+def with_tokenizer(root, shared: str) -> tuple[str, PreTrainedTokenizerFast]:
+    """A copy of the session's checkpoint ``shared`` under ``root`` with the tokenizer (its path and tokenizer):
+    the session's checkpoint stays as other test files read it, with none."""
+    path = str(root / "qwen3_vl")
+    shutil.copytree(shared, path)
+    return path, write_tokenizer(path)
 
 
 def data_url(image, fmt: str = "PNG") -> str:
@@ -86,12 +86,9 @@ def png_header_only(width: int, height: int) -> bytes:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, qwen3_vl_checkpoint):
     root = tmp_path_factory.mktemp("chat_images")
-    path = str(root / "qwen3_vl")
     shared, model, seed = qwen3_vl_checkpoint
-    shutil.copytree(shared, path)  # the session's checkpoint stays as other test files read it: no tokenizer
-    tok = write_tokenizer(path)
-    with in_process_server(root, dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, cpu_threads=1,
-                                      max_model_len=256), checkpoint=path) as srv:
+    path, tok = with_tokenizer(root, shared)
+    with in_process_server(root, SERVED_ENGINE, checkpoint=path) as srv:
         key = srv.run(new_tenant_key(srv.database_url))
         client = openai.AsyncOpenAI(base_url=srv.base_url, api_key=key, max_retries=0)
         yield srv, client, model, tok, seed

@@ -11,12 +11,12 @@ import random
 import openai
 import pytest
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from gateway.chat_images import image_model_of
 from tests.engine.vision.kimi_k25_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, VOCAB,
                                                      make_kimi_k25, random_image, reference_pixels)
+from tests.gateway.byte_level_tokenizer import write_byte_level_tokenizer
 from tests.gateway.in_process import in_process_server
 from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 from tests.gateway.tenant_keys import new_tenant_key
@@ -42,23 +42,10 @@ TEMPLATE = (
 def write_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """Byte-level characters as tokens (printable ASCII and the newline, ids 0-95), the rest of the vocabulary
     filler, Kimi's special tokens at the checkpoint's ids."""
-    chars = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab["<unk>"] = len(vocab)
     specials = {IM_USER: "<|im_user|>", IM_ASSISTANT: "<|im_assistant|>", IM_MIDDLE: "<|im_middle|>",
                 MEDIA_CONTENT: "<|media_content|>", VISION_START: "<|media_begin|>", VISION_END: "<|media_end|>",
                 IMAGE_TOKEN: "<|media_pad|>", IM_END: "<|im_end|>"}
-    for i in range(len(vocab), VOCAB):
-        vocab[specials.get(i, f"<unused{i}>")] = i
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                                                 pre_tokenizers.Split("", behavior="isolated")])
-    raw.decoder = decoders.ByteLevel()
-    raw.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials.values()])
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", unk_token="<unk>",
-                                  chat_template=TEMPLATE)
-    tok.save_pretrained(path)
-    return tok
+    return write_byte_level_tokenizer(path, VOCAB, specials, TEMPLATE, eos_token="<|im_end|>")
 
 
 def test_chat_with_an_image_matches_transformers(tmp_path):

@@ -20,6 +20,8 @@ from engine.vision.moonvit_tower import MoonViT, MoonViTConfig, Projector
 from engine.vision.qwen_image_processing import _pil_to_chw
 from tests.engine.vision.kimi_k25_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START,
                                                      make_kimi_k25, random_image, reference_pixels)
+from tests.engine.vision.image_engine_checks import (check_image_blocks_keyed_by_picture,
+                                                       check_misfit_images_refused)
 from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 
 MAX_NEW = 8
@@ -166,17 +168,13 @@ def test_greedy_matches_transformers(checkpoint):
     outs = llm.generate([p for p, _ in cases], params, images=images)
     for i, (out, want, ref, (prompt, _)) in enumerate(zip(outs, expected, refs, cases)):
         assert_greedy_equal_up_to_a_near_tie(ref, prompt, out.token_ids, want, f"seed={seed} case {i}")
-    # the same text with another picture: its own tokens, no prefix hit past the text before the image
-    kv = llm.engine.scheduler.kv
-    hits_before = kv.prefix_hit_tokens
-    out = llm.generate([one], params, images=[[other]])[0]
-    assert_greedy_equal_up_to_a_near_tie(other_ref, one, out.token_ids, expected_other, f"seed={seed} other")
-    assert kv.prefix_hit_tokens - hits_before <= one.index(IMAGE_TOKEN) // 4 * 4
-    # and the first picture again (as PNG bytes): its blocks are hit, and the tokens are its own
-    hits_before = kv.prefix_hit_tokens
-    out = llm.generate([one], params, images=[[_png(pics[0])]])[0]
-    assert_greedy_equal_up_to_a_near_tie(refs[0], one, out.token_ids, expected[0], f"seed={seed} again")
-    assert kv.prefix_hit_tokens - hits_before >= (len(one) - 1) // 4 * 4 - 4
+    # the same text with another picture: its own tokens, no prefix hit past the text before the image; and the
+    # first picture again (as PNG bytes): its blocks are hit, and the tokens are its own
+    want = {"other": (other_ref, expected_other), "again": (refs[0], expected[0])}
+
+    def check(tokens, case):
+        assert_greedy_equal_up_to_a_near_tie(want[case][0], one, tokens, want[case][1], f"seed={seed} {case}")
+    check_image_blocks_keyed_by_picture(llm, params, one, IMAGE_TOKEN, other, _png(pics[0]), check)
 
 
 def test_images_that_do_not_fit_the_prompt_are_refused(checkpoint):
@@ -184,12 +182,4 @@ def test_images_that_do_not_fit_the_prompt_are_refused(checkpoint):
     gen = torch.Generator().manual_seed(seed)
     image = random_image(gen, 20, 20)
     n = IMAGE_CONFIG.grid(20, 20)[0] * IMAGE_CONFIG.grid(20, 20)[1] // 4
-    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=8, block_size=4)
-    params = SamplingParams(temperature=0.0, max_tokens=2)
-    prompt = [5, VISION_START] + [IMAGE_TOKEN] * n + [VISION_END, 7]
-    with pytest.raises(ValueError, match="1 runs of image placeholder tokens .* for 2 images"):
-        llm.generate([prompt], params, images=[[image, image]])
-    with pytest.raises(ValueError, match=f"image 0 takes {n} placeholder tokens, the prompt has {n + 1}"):
-        llm.generate([[5] + [IMAGE_TOKEN] * (n + 1)], params, images=[[image]])
-    with pytest.raises(ValueError, match="image 0: not an image"):
-        llm.generate([prompt], params, images=[[b"not a picture"]])
+    check_misfit_images_refused(path, image, n, IMAGE_TOKEN, VISION_START, VISION_END)

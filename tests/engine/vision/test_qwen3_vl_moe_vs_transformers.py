@@ -14,6 +14,8 @@ from engine.vision.mrope import ImageSpan, prompt_positions
 from engine.vision.prompt_images import placeholder_runs
 from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig
 from engine.vision.qwen_image_processing import process_image
+from tests.engine.vision.image_engine_checks import (check_image_blocks_keyed_by_picture,
+                                                       check_misfit_images_refused)
 from tests.engine.vision.qwen3_vl_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, hf_greedy,
                                                      random_image, text_ids, with_images)
 
@@ -93,17 +95,13 @@ def test_greedy_matches_transformers(qwen3_vl_checkpoint, overlap):
     images = [[pics[0]], [processed[1], processed[2]], []]
     got = [o.token_ids for o in llm.generate([p for p, _ in cases], params, images=images)]
     assert got == expected, f"seed={seed}"
-    # the same text with another picture: its own tokens, no prefix hit past the text before the image
-    kv = llm.engine.scheduler.kv
-    hits_before = kv.prefix_hit_tokens
-    out = llm.generate([one], params, images=[[pics[3]]])[0]
-    assert out.token_ids == expected_other, f"seed={seed}"
-    first_image_block = one.index(IMAGE_TOKEN) // 4
-    assert kv.prefix_hit_tokens - hits_before <= first_image_block * 4
-    # and the first picture again: its blocks are hit, and the tokens are its own
-    hits_before = kv.prefix_hit_tokens
-    assert llm.generate([one], params, images=[[pics[0]]])[0].token_ids == expected[0], f"seed={seed}"
-    assert kv.prefix_hit_tokens - hits_before >= (len(one) - 1) // 4 * 4 - 4
+    # the same text with another picture: its own tokens, no prefix hit past the text before the image; and the
+    # first picture again: its blocks are hit, and the tokens are its own
+    want = {"other": expected_other, "again": expected[0]}
+
+    def check(tokens, case):
+        assert tokens == want[case], f"seed={seed} {case}"
+    check_image_blocks_keyed_by_picture(llm, params, one, IMAGE_TOKEN, pics[3], pics[0], check)
 
 
 def test_preempted_image_requests_resume_with_their_images(qwen3_vl_checkpoint):
@@ -132,12 +130,4 @@ def test_images_that_do_not_fit_the_prompt_are_refused(qwen3_vl_checkpoint):
     gen = torch.Generator().manual_seed(seed)
     image = process_image(random_image(gen, 20, 20), IMAGE_CONFIG)
     n = image.num_tokens(IMAGE_CONFIG.merge_size)
-    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=8, block_size=4)
-    params = SamplingParams(temperature=0.0, max_tokens=2)
-    prompt = [5, VISION_START] + [IMAGE_TOKEN] * n + [VISION_END, 7]
-    with pytest.raises(ValueError, match="1 runs of image placeholder tokens .* for 2 images"):
-        llm.generate([prompt], params, images=[[image, image]])
-    with pytest.raises(ValueError, match=f"image 0 takes {n} placeholder tokens, the prompt has {n + 1}"):
-        llm.generate([[5] + [IMAGE_TOKEN] * (n + 1)], params, images=[[image]])
-    with pytest.raises(ValueError, match="image 0: not an image"):
-        llm.generate([prompt], params, images=[[b"not a picture"]])
+    check_misfit_images_refused(path, image, n, IMAGE_TOKEN, VISION_START, VISION_END)
