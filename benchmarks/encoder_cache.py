@@ -40,15 +40,15 @@ IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 8000, 8001, 7998, 7999
 VOCAB = 8192
 
 
-def write_checkpoint(path: str, vision_depth: int) -> None:
+def write_checkpoint(path: str, vision_depth: int, text_layers: int = 4, moe_intermediate: int = 128) -> None:
     """A small random Qwen3-VL-MoE checkpoint (transformers' own init) and its processor settings."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     config = AutoConfig.for_model(
         "qwen3_vl_moe",
-        text_config=dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        text_config=dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=text_layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
-                         num_experts_per_tok=4, moe_intermediate_size=128, decoder_sparse_step=1,
+                         num_experts_per_tok=4, moe_intermediate_size=moe_intermediate, decoder_sparse_step=1,
                          max_position_embeddings=4096, eos_token_id=VOCAB - 1, bos_token_id=None, pad_token_id=0,
                          rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 12, 12],
                                               mrope_interleaved=True)),

@@ -56,13 +56,14 @@ batch-three-ways 300 540
 batch-goals 300 540
 bench-structured 90 240
 bench-spec 120 300
+bench-image-itl 90 240
 "
 # The first call's order: the CUDA tests first (every fix since the last GPU run is checked there), then what has
 # never run on a GPU (the MXFP4 kernels' new decode, 8-bit experts in the engine, DeepSeek-V2-Lite and the newer
 # families at real size, structured output at 64 requests, speculative decoding at batch 1), then the issue's goals again (decode batch 1 and prefill 512 against their floors, the
 # fused MoE against HBM and torch._grouped_mm, transformers at 128 concurrent), graphs, overlap and MLA.
 DEFAULT_STAGES="env tests-cuda tests-paths bench-mxfp4 bench-quant bench-engine-deepseek bench-engine-families
-bench-structured bench-spec goal-engine goal-moe goal-hf bench-piecewise bench-overlap bench-mla"
+bench-structured bench-spec bench-image-itl goal-engine goal-moe goal-hf bench-piecewise bench-overlap bench-mla"
 
 usage() { echo "usage: benchmarks/gpu_session.sh [--dry-run] [--list] [--budget SECONDS] [--stages A,B:SECONDS,...] [STAGE[:SECONDS] ...]" >&2; exit 2; }
 table_field() {  # stage column(2: estimate, 3: limit); empty for an unknown stage
@@ -212,6 +213,9 @@ for spec in $SPECS; do
         # Goal: end to end against transformers (generate and generate_batch) with 128 concurrent requests.
         goal-hf) run_stage goal-hf "$limit" $PY -m benchmarks.engine_gpu --concurrency 128 --json "$WORK/goal_hf.json" ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
+        # Text streams' ITL p99 while image requests arrive: the encoder budget against none, and no images.
+        bench-image-itl) run_stage bench-image-itl "$limit" $PY -m benchmarks.image_itl --device cuda --dtype bfloat16 \
+            --streams 32 --every 0.25 --images 4 --side 448 --max-batched-tokens 512 --text-layers 16 --vision-depth 8 ;;
         bench-moe) run_stage bench-moe "$limit" $PY -m benchmarks.moe_backends --out "$WORK/bench_moe.json" ;;
         # The dense projections: Triton gemv vs F.linear per shape at 1/4/8 rows (the engine-start selection).
         bench-dense-gemv) run_stage bench-dense-gemv "$limit" $PY -m benchmarks.dense_gemv --json "$WORK/bench_dense_gemv.json" ;;
