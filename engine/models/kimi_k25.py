@@ -3,9 +3,8 @@ routing) with the MoonViT tower's projected features in place of the image place
 
 Positions stay one per token (no multi-part rotary), so the text path is DeepSeek-V3's unchanged; only the
 embeddings of the image rows differ. A step's image rows are prepared by ``image_step`` (the runner calls it and
-puts the result in the batch's metadata, ``meta.images``): each image is encoded once per request, the first
-time a chunk holds one of its tokens, and kept until the request finishes (``forget_images``); an image the
-encoder cache holds for the request's tenant is not encoded again (``engine.vision.encoder_cache``).
+puts the result in the batch's metadata, ``meta.images``), each image encoded once per request
+(``engine.models.image_features``).
 """
 
 from dataclasses import dataclass
@@ -13,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.model_config import ModelConfig
-from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
 from engine.device_batch.attention_metadata import AttentionMetadata
 from engine.distributed.collectives import SINGLE, TensorParallel
@@ -21,9 +19,9 @@ from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.models.base import WeightRule
 from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.deepseek_moe import DEEPSEEK_MOE_ALIASES
-from engine.vision.encoder_cache import EncoderCache
+from engine.models.image_features import ImageFeatures
 from engine.vision.moonvit_tower import MoonViT, MoonViTConfig, Projector, encode_image
-from engine.vision.prompt_images import pixels_of
+from engine.vision.qwen_image_processing import ProcessedImage
 from engine.vision.qwen3_vl_tower import VisionFeatures
 
 
@@ -35,7 +33,7 @@ class KimiImageStep:
     embeds: torch.Tensor  # [n, H] replacing those rows' token embeddings
 
 
-class Kimi_K25ForConditionalGeneration(DeepseekV3ForCausalLM):
+class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
     takes_images = True
     # The published layout: the language model under language_model., the tower's blocks under
     # vision_tower.encoder.; then DeepSeek's renames. transformers' save_pretrained writes that layout with a few
@@ -58,31 +56,10 @@ class Kimi_K25ForConditionalGeneration(DeepseekV3ForCausalLM):
         self.vision_tower = MoonViT(vision)
         self.mm_projector = Projector(vision)
         self.image_token_id = int(whole.image_token_id)
-        self._features: dict[str, list[VisionFeatures | None]] = {}
-        # Encoded images across requests; the engine sizes it (EngineConfig.encoder_cache_gb), 0 keeps nothing.
-        self.encoder_cache = EncoderCache(0)
+        self.init_image_features()
 
-    # ---- per request ------------------------------------------------------------------------
-    def _image_features(self, request: Request, i: int) -> VisionFeatures:
-        feats = self._features.setdefault(request.request_id, [None] * len(request.images))
-        if feats[i] is None:
-            image, salt = request.images[i], request.policy.cache_salt
-            device = self.model.embed_tokens.weight.device
-            feats[i] = self.encoder_cache.get(image.digest, salt, device)
-            if feats[i] is None:
-                pixels = pixels_of(image.pixels)  # preprocessed now if the request came with bytes seen before
-                feats[i] = encode_image(self.vision_tower, self.mm_projector, pixels.pixel_values, pixels.grid_thw)
-                self.encoder_cache.put(image.digest, salt, feats[i])
-        return feats[i]
-
-    def image_cached(self, digest: bytes, salt: str | None) -> bool:
-        """Whether the encoder cache holds this image for this salt now (the scheduler's encoder budget skips it)."""
-        return (digest, salt) in self.encoder_cache
-
-    def forget_images(self, request_ids) -> None:
-        """Drop the features kept for requests that finished."""
-        for rid in request_ids:
-            self._features.pop(rid, None)
+    def encode(self, pixels: ProcessedImage) -> VisionFeatures:
+        return encode_image(self.vision_tower, self.mm_projector, pixels.pixel_values, pixels.grid_thw)
 
     # ---- per step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -91,13 +68,9 @@ class Kimi_K25ForConditionalGeneration(DeepseekV3ForCausalLM):
         """A forward's image rows and features from the step's parts (``ranges``: their flat rows, in order)."""
         rows, embeds = [], []
         for part, (a, b) in zip(scheduled, ranges):
-            for i, image in enumerate(part.request.images):
-                lo, hi = max(image.offset, part.start), min(image.end, part.start + (b - a))
-                if lo >= hi:
-                    continue
-                feats = self._image_features(part.request, i)
-                rows.append(torch.arange(a + lo - part.start, a + hi - part.start))
-                embeds.append(feats.embeds[lo - image.offset:hi - image.offset])
+            for image_rows, feats, taken in self.image_rows(part, a, b):
+                rows.append(image_rows)
+                embeds.append(feats.embeds[taken])
         dtype = self.model.embed_tokens.weight.dtype
         return KimiImageStep(
             torch.cat(rows).to(device) if rows else torch.empty(0, dtype=torch.int64, device=device),
