@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType, SimpleNamespace
 
-from engine.core.model_config import IMAGE_ARCHITECTURES
+from engine.core.model_config import IMAGE_ARCHITECTURES, VISION_CONFIG_IMAGE_ARCHITECTURES, serves_images
 from engine.vision.image_files import ImageConfig, PixelLimitError, decode_image, image_config_for
 from gateway.errors import APIError
 
@@ -80,14 +80,15 @@ class ImageModel:
 
 
 @functools.lru_cache(maxsize=8)
-def _image_model_at(model_dir: str) -> ImageModel | None:
+def _image_model_at(model_dir: str, architecture: str, language_model_only: bool) -> ImageModel | None:
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             raw = json.load(f)
     except (OSError, ValueError):
         return None
     vision = raw.get("vision_config")
-    if not isinstance(vision, dict) or raw.get("image_token_id") is None:
+    if not serves_images(architecture, raw, language_model_only) or not isinstance(vision, dict) \
+            or raw.get("image_token_id") is None:
         return None
     defaults = {"patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2}
     vision_config = SimpleNamespace(**{**defaults, **vision})
@@ -97,9 +98,9 @@ def _image_model_at(model_dir: str) -> ImageModel | None:
 def image_model_of(engine) -> ImageModel | None:
     """The served model's image settings; None for a model that reads text only (or an engine not started)."""
     info = getattr(engine, "info", None)
-    if info is None or info.architecture not in IMAGE_ARCHITECTURES:
+    if info is None or info.architecture not in (*IMAGE_ARCHITECTURES, *VISION_CONFIG_IMAGE_ARCHITECTURES):
         return None
-    return _image_model_at(engine.config.model)
+    return _image_model_at(engine.config.model, info.architecture, engine.config.language_model_only)
 
 
 def refuse_if_text_only(engine, refs: list[ImageRef]) -> ImageModel | None:

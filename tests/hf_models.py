@@ -134,16 +134,24 @@ def save_random_image_text_model(config, path: str, seed: int):
     return model
 
 
-def make_hf_image_text_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2):
+def make_hf_image_text_model(family: str, path: str, seed: int, vocab_size: int = 211, num_layers: int = 2,
+                             text: dict | None = None, vision: dict | None = None, **whole):
     """``family``'s text model inside its published image-text wrapper (Qwen3.5-MoE's
     ``Qwen3_5MoeForConditionalGeneration``: the language model under ``model.language_model.``, a tiny vision
-    tower under ``model.visual.``, the config's ``text_config``), saved to ``path``; returns it (eval, float32)."""
-    text = dict(FAMILY_CONFIGS[family])
-    text.pop("model_type")
+    tower under ``model.visual.``, the config's ``text_config``), saved to ``path``; returns it (eval, float32).
+    The text model rotates a quarter of each head (6 of 24 dims) under interleaved M-RoPE sections 1, 1, 1;
+    ``text``, ``vision`` and ``whole`` add to or override the text, vision and whole configs."""
+    settings = dict(FAMILY_CONFIGS[family])
+    settings.pop("model_type")
+    settings["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                       mrope_section=[1, 1, 1], mrope_interleaved=True)
+    settings.update(text or {})
     config = AutoConfig.for_model(
-        family, text_config=tiny_text_config(vocab_size, num_layers, **text),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
-                           out_hidden_size=text["hidden_size"], patch_size=4, num_position_embeddings=16),
+        family, text_config=tiny_text_config(vocab_size, num_layers, **settings),
+        vision_config={**dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                              out_hidden_size=settings["hidden_size"], patch_size=4, num_position_embeddings=16),
+                       **(vision or {})},
+        **whole,
     )
     return save_random_image_text_model(config, path, seed)
 

@@ -42,6 +42,9 @@ class EngineConfig:
     evict only its own least recently used ones, so a tenant sending many distinct images cannot push another
     tenant's out beyond it; a tenant whose quota sets a cache share (moegate admin quota set NAME --cache-share F)
     is held to that one instead (default: none, one LRU shared by the tenants without a cache share)"""
+    language_model_only: bool = False
+    """serve an image-text checkpoint that can also be served as text (Qwen3.5-MoE) as its text model: the vision
+    tower is not loaded, images are refused, and the settings refused with images (tensor parallelism) are open"""
     max_model_len: int | None = None
     """prompt plus output tokens of one request, at most (default: the checkpoint's context length)"""
     enable_prefix_caching: bool = True

@@ -15,8 +15,9 @@ setting and the model, which that table cannot see.
   preemption and n-gram speculation are served.
 - DeepSeek-V4: its layers cache a key row and, for the compressed layers, the compressor's (and indexer's) raw
   projections, from which every step recomputes the compressed entries (``engine.layers.compressed_attention``).
-- Image-text models served with images (Qwen3-VL-MoE, Kimi-K2.5): one rank; the vision tower and the step's image rows are
-  not split over ranks (the model itself also refuses a tensor-parallel or pipelined build).
+- Image-text models served with images (Qwen3-VL-MoE, Qwen3.5-MoE with a vision config, Kimi-K2.5): one rank;
+  the vision tower and the step's image rows are not split over ranks (the model itself also refuses a
+  tensor-parallel or pipelined build).
 - Step-3.7-Flash: checked on one rank and split tensor parallel; its per-head output gates, each layer kind's own
   query head count and clamped SwiGLUs are not yet checked through the other splits or under adapters.
 """
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.config import EngineConfig
-from engine.core.model_config import IMAGE_ARCHITECTURES, ModelConfig
+from engine.core.model_config import ModelConfig
 
 Asked = Callable[[EngineConfig], bool]
 
@@ -126,7 +127,7 @@ LIMITS = (
         ("disk_cache_dir", _disk, "the prefix-cache tiers are not tested with its rows yet"),
         ("enable_lora", _lora, "adapters are not applied to its attention or experts yet"),
     )),
-    FamilyLimits(lambda m: m.architecture in IMAGE_ARCHITECTURES, "{architecture}", (
+    FamilyLimits(lambda m: m.multimodal_config is not None, "{architecture}", (
         ("tensor_parallel_size", _tp, "it is served on one rank: the vision tower is not split yet"),
         ("pipeline_parallel_size", _pp, "it is served on one rank: image rows are not handed across stages yet"),
         ("enable_expert_parallel", _ep, "it is served on one rank: expert parallelism is not built for it yet "

@@ -45,6 +45,17 @@ TEXT_PART_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3VLMoeForC
 # both its names: transformers' class (what ``save_pretrained`` writes) and the published checkpoints' own.
 IMAGE_ARCHITECTURES = ("Qwen3VLMoeForConditionalGeneration", "Kimi_K25ForConditionalGeneration",
                        "KimiK25ForConditionalGeneration")
+# Served with images when config.json has a ``vision_config`` (every published Qwen3.5-MoE checkpoint), as their
+# text model otherwise.
+VISION_CONFIG_IMAGE_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration",)
+
+
+def serves_images(architecture: str, raw: dict, language_model_only: bool = False) -> bool:
+    """Whether a checkpoint of ``architecture`` whose config.json reads ``raw`` is served with images
+    (``language_model_only``: only if it cannot be served as text)."""
+    return architecture in IMAGE_ARCHITECTURES or (
+        not language_model_only and architecture in VISION_CONFIG_IMAGE_ARCHITECTURES
+        and isinstance(raw.get("vision_config"), dict))
 
 # model_type of checkpoints whose config class ships as remote code -> the transformers config it is: Kimi-K2
 # is the DeepSeek-V3 architecture (``architectures``: DeepseekV3ForCausalLM).
@@ -77,7 +88,7 @@ class ModelConfig:
     # Hybrid models (Qwen3-Next, Qwen3.5): the layers with linear attention (a fixed-size state per request
     # instead of K and V per token); empty for every other family.
     linear_layers: tuple[int, ...] = ()
-    # Image-text models served with images (``IMAGE_ARCHITECTURES``): the checkpoint's whole transformers config
+    # Image-text models served with images (``serves_images``): the checkpoint's whole transformers config
     # (its ``vision_config`` and image token ids); ``hf_config`` is then its text model's.
     multimodal_config: Any = None
 
@@ -103,8 +114,9 @@ def _read_json(path: str) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
-def load_model_config(model_dir: str) -> ModelConfig:
-    """Read and validate ``config.json``; one-line CheckpointError for anything unservable."""
+def load_model_config(model_dir: str, language_model_only: bool = False) -> ModelConfig:
+    """Read and validate ``config.json``; one-line CheckpointError for anything unservable.
+    ``language_model_only``: ``EngineConfig.language_model_only``."""
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"{model_dir}: not a directory (give a local checkpoint directory)")
     path = os.path.join(model_dir, "config.json")
@@ -137,7 +149,7 @@ def load_model_config(model_dir: str) -> ModelConfig:
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     dtype = str(getattr(hf, "dtype", None) or raw.get("torch_dtype") or "float32")
     config = model_config_from_hf(arch, hf, eos_ids, torch_dtype=dtype)
-    if arch in IMAGE_ARCHITECTURES:
+    if serves_images(arch, raw, language_model_only):
         config.multimodal_config = whole
         # the whole model's setting ties its LM head (transformers reads that one, not the text config's)
         config.tie_word_embeddings = bool(getattr(whole, "tie_word_embeddings", False))

@@ -72,6 +72,11 @@ class RotaryEmbedding(nn.Module):
         # positions [T]; q [T, h, d]; k [T, kvh, d]
         cos = self.cos_cache[positions].to(q.dtype)[:, None, :]  # [T, 1, r]
         sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
+        return self.rotate(q, k, cos, sin)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, h, d], k [T, kvh, d] rotated by cos, sin [T, 1, r] (their first r dims; the rest pass through)."""
         if self.rotary_dim == self.head_dim:
             return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
         r = self.rotary_dim

@@ -27,7 +27,7 @@ def check_model(config: EngineConfig) -> None:
     else:
         from engine.core.family_support import check_family_support
 
-        model_config = load_model_config(config.model)
+        model_config = load_model_config(config.model, config.language_model_only)
         checkpoint_files(config.model)
         check_family_support(config, model_config)  # a setting the model is not served with yet
     if config.pipeline_parallel_size > 1:  # ValueError when a stage would get no layer

@@ -24,7 +24,7 @@ from engine.core.model_config import CheckpointError, ModelConfig
 from engine.loading.quantization import (
     CHECKPOINT_8BIT, checkpoint_scheme, dequantize_checkpoint_tensor, is_scale_name, quantize_experts_, scale_name,
 )
-from engine.models import MODEL_REGISTRY, MoECausalLM
+from engine.models import MoECausalLM, model_class
 from engine.models.base import WeightRule
 from moe_kernels.quant import QuantScheme
 
@@ -311,7 +311,7 @@ def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device:
     float32 scales up to float32 rounding); its experts are then quantized again with the scheme asked for, which
     for the checkpoint's own scheme gives back its values.
     """
-    cls = MODEL_REGISTRY[config.architecture]
+    cls = model_class(config)
     with torch.device("meta"):
         model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp, stage=stage)
     if quantization is None:

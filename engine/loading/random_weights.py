@@ -37,7 +37,7 @@ from engine.core.model_config import (IMAGE_ARCHITECTURES, SUPPORTED_ARCHITECTUR
                                       model_config_from_hf)
 from engine.loading.model_loader import copy_into, held_elsewhere, part_of, rank_part
 from engine.loading.quantization import quantize_experts_
-from engine.models import MODEL_REGISTRY, MoECausalLM
+from engine.models import MoECausalLM, model_class
 from moe_kernels.quant import QuantScheme, quantize
 
 logger = logging.getLogger(__name__)
@@ -339,7 +339,7 @@ def build_random_model(config: ModelConfig, dtype: torch.dtype, device: torch.de
     models give other weights for the same seed). Under tensor
     parallelism 8-bit experts are quantized from each rank's part, as with a checkpoint.
     """
-    cls = MODEL_REGISTRY[config.architecture]
+    cls = model_class(config)
     with torch.device("meta"):
         model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp, stage=stage)
     quantize_experts_(model, quantization)  # on meta: 8-bit shapes, before any memory is taken

@@ -6,7 +6,7 @@ from engine.core.config import EngineConfig
 from engine.distributed.collectives import TensorParallel
 from engine.distributed.expert_parallel import ExpertParallel
 from engine.core.model_config import ModelConfig
-from engine.models import MODEL_REGISTRY
+from engine.models import model_class
 
 
 def check_split(model_config: ModelConfig, config: EngineConfig) -> None:
@@ -20,7 +20,7 @@ def check_split(model_config: ModelConfig, config: EngineConfig) -> None:
         experts = TensorParallel.shape_only(config.tensor_parallel_size * config.data_parallel_size)
         tp.expert_parallel = ExpertParallel(experts, config.expert_dispatch)
     with torch.device("meta"):
-        model = MODEL_REGISTRY[model_config.architecture](model_config, moe_backend="torch", max_positions=1, tp=tp)
+        model = model_class(model_config)(model_config, moe_backend="torch", max_positions=1, tp=tp)
     if config.enable_eplb:  # the spare expert slots must divide among the ranks too
         from engine.eplb.policy import slots_per_rank
 

@@ -1,5 +1,6 @@
 """Model families, keyed by the `architectures` entry of config.json."""
 
+from engine.core.model_config import ModelConfig
 from engine.models.base import MoECausalLM
 from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
@@ -17,7 +18,7 @@ from engine.models.minimax_m3 import MiniMaxM3SparseForConditionalGeneration
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.qwen2_moe import Qwen2MoeForCausalLM
-from engine.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
+from engine.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeWithImages
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.qwen3_next import Qwen3NextForCausalLM
 from engine.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
@@ -34,5 +35,16 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
 }
 # Kimi-K2.5's published checkpoints name it as its remote code did; transformers' class is the same model.
 MODEL_REGISTRY["KimiK25ForConditionalGeneration"] = Kimi_K25ForConditionalGeneration
+# Architectures served as text or with images by the same name: the class for a checkpoint with a vision config.
+WITH_IMAGES: dict[str, type[MoECausalLM]] = {"Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeWithImages}
 
-__all__ = ["MODEL_REGISTRY", "MoECausalLM"]
+
+def model_class(config: ModelConfig) -> type[MoECausalLM]:
+    """The family class that serves ``config``: by its architecture, with images where it has a vision config
+    (``ModelConfig.multimodal_config``)."""
+    if config.multimodal_config is not None and config.architecture in WITH_IMAGES:
+        return WITH_IMAGES[config.architecture]
+    return MODEL_REGISTRY[config.architecture]
+
+
+__all__ = ["MODEL_REGISTRY", "MoECausalLM", "model_class"]

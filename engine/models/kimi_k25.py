@@ -3,8 +3,8 @@ routing) with the MoonViT tower's projected features in place of the image place
 
 Positions stay one per token (no multi-part rotary), so the text path is DeepSeek-V3's unchanged; only the
 embeddings of the image rows differ. A step's image rows are prepared by ``image_step`` (the runner calls it and
-puts the result in the batch's metadata, ``meta.images``); each image is encoded once per request, and not at all
-while the encoder cache holds it for the request's tenant (``engine.models.request_images``).
+puts the result in the batch's metadata, ``meta.images``), each image encoded once per request
+(``engine.models.image_features``).
 """
 
 from dataclasses import dataclass
@@ -19,10 +19,10 @@ from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.models.base import WeightRule
 from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.deepseek_moe import DEEPSEEK_MOE_ALIASES
-from engine.models.request_images import RequestImages
+from engine.models.image_features import ImageFeatures
 from engine.vision.moonvit_tower import MoonViT, MoonViTConfig, Projector, encode_image
-from engine.vision.qwen3_vl_tower import VisionFeatures
 from engine.vision.qwen_image_processing import ProcessedImage
+from engine.vision.qwen3_vl_tower import VisionFeatures
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class KimiImageStep:
     embeds: torch.Tensor  # [n, H] replacing those rows' token embeddings
 
 
-class Kimi_K25ForConditionalGeneration(RequestImages, DeepseekV3ForCausalLM):
+class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
     takes_images = True
     # The published layout: the language model under language_model., the tower's blocks under
     # vision_tower.encoder.; then DeepSeek's renames. transformers' save_pretrained writes that layout with a few
@@ -56,10 +56,9 @@ class Kimi_K25ForConditionalGeneration(RequestImages, DeepseekV3ForCausalLM):
         self.vision_tower = MoonViT(vision)
         self.mm_projector = Projector(vision)
         self.image_token_id = int(whole.image_token_id)
-        self.init_request_images()
+        self.init_image_features()
 
-    # ---- per request ------------------------------------------------------------------------
-    def encode_pixels(self, pixels: ProcessedImage) -> VisionFeatures:
+    def encode(self, pixels: ProcessedImage) -> VisionFeatures:
         return encode_image(self.vision_tower, self.mm_projector, pixels.pixel_values, pixels.grid_thw)
 
     # ---- per step ---------------------------------------------------------------------------
@@ -69,13 +68,9 @@ class Kimi_K25ForConditionalGeneration(RequestImages, DeepseekV3ForCausalLM):
         """A forward's image rows and features from the step's parts (``ranges``: their flat rows, in order)."""
         rows, embeds = [], []
         for part, (a, b) in zip(scheduled, ranges):
-            for i, image in enumerate(part.request.images):
-                lo, hi = max(image.offset, part.start), min(image.end, part.start + (b - a))
-                if lo >= hi:
-                    continue
-                feats = self.image_features(part.request, i)
-                rows.append(torch.arange(a + lo - part.start, a + hi - part.start))
-                embeds.append(feats.embeds[lo - image.offset:hi - image.offset])
+            for image_rows, feats, taken in self.image_rows(part, a, b):
+                rows.append(image_rows)
+                embeds.append(feats.embeds[taken])
         dtype = self.model.embed_tokens.weight.dtype
         return KimiImageStep(
             torch.cat(rows).to(device) if rows else torch.empty(0, dtype=torch.int64, device=device),

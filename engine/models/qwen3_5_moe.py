@@ -1,10 +1,17 @@
-"""Qwen3.5-MoE's text model: Qwen3-Next's layer plan with the linear layers' projections kept apart
-(``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), every layer's MLP sparse and its router's
-top-k weights always renormalised. Its rope sections
-(``mrope_section``) only differ from plain RoPE for image and video positions: text positions are equal in
-every section."""
+"""Qwen3.5-MoE: Qwen3-Next's layer plan with the linear layers' projections kept apart (``in_proj_qkv``,
+``in_proj_z``, ``in_proj_b``, ``in_proj_a``), every layer's MLP sparse and its router's top-k weights always
+renormalised.
+
+The published checkpoints are image-text models (``Qwen3_5MoeForConditionalGeneration``): the language model's
+tensors under ``model.language_model.``, the vision tower's under ``model.visual.``, the text model's config
+under ``text_config``. With a ``vision_config`` (``ModelConfig.multimodal_config``) they are served with images:
+Qwen3-VL's tower without deepstack taps, its features in place of the image placeholders, interleaved M-RoPE over
+the rotated quarter of each head (``engine.models.qwen_image_text``). Without one, as their text model, whose rope
+sections (``mrope_section``) only differ from plain RoPE for image positions: text positions are equal in every
+section."""
 
 from engine.models.hybrid import HybridCausalLM
+from engine.models.qwen_image_text import QwenImageText
 
 
 class Qwen3_5MoeForCausalLM(HybridCausalLM):
@@ -13,11 +20,16 @@ class Qwen3_5MoeForCausalLM(HybridCausalLM):
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    """The published image-text checkpoints, served as their text model: the language model's tensors sit under
-    ``model.language_model.``, the vision tower's (``model.visual.``) are skipped, and the config's
-    ``text_config`` is the model's (``engine.core.model_config``)."""
+    """An image-text checkpoint without a vision config, served as its text model: the vision tower's tensors
+    (``model.visual.``), if any, are skipped."""
 
     name_aliases = (("model.language_model.", "model."),)
 
     def extra_layer(self, name: str) -> bool:
         return name.startswith("model.visual.") or super().extra_layer(name)
+
+
+class Qwen3_5MoeWithImages(QwenImageText, Qwen3_5MoeForCausalLM):
+    """``Qwen3_5MoeForConditionalGeneration`` with a vision config: served with images (one rank)."""
+
+    name_aliases = (("model.language_model.", "model."), ("model.visual.", "visual."))

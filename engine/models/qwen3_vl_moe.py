@@ -1,64 +1,20 @@
 """Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``) with images: Qwen3-MoE's text layers under M-RoPE,
 the vision tower's features in place of the image placeholder tokens' embeddings, and its deepstack features
-added to those tokens' hidden states after the first text layers.
-
-A step's image work is prepared by ``image_step`` (the runner calls it with the step's parts and puts the result
-in the batch's metadata, ``meta.images``); each
-image is encoded once per request, and not at all while the encoder cache holds it for the request's tenant
-(``engine.models.request_images``). The step's M-RoPE positions come from each request's prompt
-layout (``engine.vision.mrope``).
-"""
+added to those tokens' hidden states after the first text layers (``engine.models.qwen_image_text``)."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from engine.core.model_config import ModelConfig
-from engine.core.request import Request
-from engine.core.scheduler import ScheduledRequest
-from engine.device_batch.attention_metadata import AttentionMetadata
-from engine.distributed.collectives import SINGLE, TensorParallel
-from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.base import DecoderLayer
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.qwen_image_text import QwenImageText
 from engine.models.qwen_moe import qwen_mlp
-from engine.models.request_images import RequestImages
-from engine.vision.mrope import ImageSpan, prompt_positions
-from engine.vision.mrope_rotary import MRotaryEmbedding
-from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig, VisionFeatures
-from engine.vision.qwen_image_processing import ProcessedImage
 
 
-@dataclass(frozen=True)
-class ImageStep:
-    """What one forward needs beyond token ids: its M-RoPE positions and the image rows' features."""
-
-    positions: torch.Tensor  # [3, T] int64
-    rows: torch.Tensor  # [n] int64: flat rows holding image placeholder tokens
-    embeds: torch.Tensor  # [n, H] replacing those rows' token embeddings
-    deepstack: torch.Tensor  # [K, n, H] added to those rows after text layers 0..K-1
-
-
-class Qwen3VLMoeForConditionalGeneration(RequestImages, Qwen3MoeForCausalLM):
-    rotary_class = MRotaryEmbedding
-    takes_images = True
+class Qwen3VLMoeForConditionalGeneration(QwenImageText, Qwen3MoeForCausalLM):
     name_aliases = (("model.language_model.", "model."), ("model.visual.", "visual."))
-
-    def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,
-                 stage: PipelineStage = WHOLE) -> None:
-        if tp.size > 1 or stage.pipelined:
-            raise ValueError("Qwen3VLMoeForConditionalGeneration is served on one rank for now: tensor, expert and "
-                             "pipeline parallelism are not supported with it")
-        super().__init__(config, moe_backend, max_positions, tp, stage)
-        whole = config.multimodal_config
-        self.visual = Qwen3VisionTower(VisionConfig.from_hf(whole.vision_config))
-        self.image_token_id = int(whole.image_token_id)
-        self.merge = int(whole.vision_config.spatial_merge_size)
-        self.init_request_images()
-        self._layout: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (prompt positions [3, L], delta)
 
     def build_layer(self, layer_idx: int, rotary: RotaryEmbedding, moe_backend: str) -> DecoderLayer:
         layer = super().build_layer(layer_idx, rotary, moe_backend)
@@ -77,70 +33,3 @@ class Qwen3VLMoeForConditionalGeneration(RequestImages, Qwen3MoeForCausalLM):
         else:
             return None
         return lambda t: t if tuple(t.shape[1:]) == ours else t.transpose(1, 2).contiguous()
-
-    # ---- per request ------------------------------------------------------------------------
-    def _prompt_layout(self, request: Request) -> tuple[torch.Tensor, int]:
-        if request.request_id not in self._layout:
-            spans = [ImageSpan(im.offset, im.rows, im.cols) for im in request.images]
-            self._layout[request.request_id] = prompt_positions(request.num_prompt_tokens, spans)
-        return self._layout[request.request_id]
-
-    def encode_pixels(self, pixels: ProcessedImage) -> VisionFeatures:
-        return self.visual(pixels.pixel_values, pixels.grid_thw)
-
-    def forget_images(self, request_ids) -> None:
-        """Drop the features and layouts kept for requests that finished."""
-        request_ids = list(request_ids)
-        super().forget_images(request_ids)
-        for rid in request_ids:
-            self._layout.pop(rid, None)
-
-    # ---- per step ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
-                   num_rows: int, device: torch.device) -> ImageStep:
-        """A forward's positions and image rows from the step's parts (``ranges``: their flat rows, in the same
-        order)."""
-        positions = torch.zeros(3, num_rows, dtype=torch.int64)
-        rows, embeds, deepstack = [], [], []
-        for part, (a, b) in zip(scheduled, ranges):
-            index = torch.arange(part.start, part.start + (b - a))  # [n] the part's token indices
-            request = part.request
-            if not request.images:
-                positions[:, a:b] = index
-                continue
-            layout, delta = self._prompt_layout(request)
-            in_prompt = index < layout.shape[1]
-            positions[:, a:b] = torch.where(in_prompt, layout[:, index.clamp(max=layout.shape[1] - 1)], index + delta)
-            for i, image in enumerate(request.images):
-                lo, hi = max(image.offset, part.start), min(image.end, part.start + (b - a))
-                if lo >= hi:
-                    continue
-                feats = self.image_features(request, i)
-                rows.append(torch.arange(a + lo - part.start, a + hi - part.start))
-                embeds.append(feats.embeds[lo - image.offset:hi - image.offset])
-                deepstack.append(feats.deepstack[:, lo - image.offset:hi - image.offset])
-        hidden = self.config.hidden_size
-        dtype = self.model.embed_tokens.weight.dtype
-        return ImageStep(
-            positions.to(device),
-            torch.cat(rows).to(device) if rows else torch.empty(0, dtype=torch.int64, device=device),
-            torch.cat(embeds) if embeds else torch.empty(0, hidden, dtype=dtype, device=device),
-            torch.cat(deepstack, dim=1) if deepstack else torch.empty(0, 0, hidden, dtype=dtype, device=device),
-        )
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        step: ImageStep | None = meta.images
-        x = self.model.embed_tokens(input_ids)  # [T, H]
-        if step is not None:
-            positions = step.positions  # [3, T]
-            if step.rows.numel():
-                x = x.index_copy(0, step.rows, step.embeds.to(x.dtype))
-        residual = None
-        for i, layer in enumerate(self.local_layers()):
-            x, residual = layer(x, residual, positions, meta)
-            if step is not None and step.rows.numel() and i < step.deepstack.shape[0]:
-                # the residual sum finished first, then the features added: the reference's order of additions
-                x, residual = x + residual, None
-                x = x.index_add(0, step.rows, step.deepstack[i].to(x.dtype))
-        return self.final_norm(x, residual)

@@ -8,7 +8,9 @@ from engine.vision.mrope import section_index
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    """``forward(positions, q, k)`` with positions [3, T] (t, h, w), or [T] where all three are equal (text)."""
+    """``forward(positions, q, k)`` with positions [3, T] (t, h, w), or [T] where all three are equal (text). The
+    sections (``mrope_section``) split the rotated dims' frequencies, all of each head's or the first
+    ``partial_rotary_factor`` of it."""
 
     # Qwen3-VL interleaves the parts whatever its config says (transformers reads no flag for it).
     interleaved = True
@@ -19,8 +21,6 @@ class MRotaryEmbedding(RotaryEmbedding):
         if len(sections) != 3:
             raise ValueError(f"mrope_section {list(sections)} must name three parts (t, h, w)")
         super().__init__(config, head_dim, max_positions)
-        if self.rotary_dim != head_dim:
-            raise ValueError("M-RoPE rotates whole heads: partial_rotary_factor must be 1")
         self.register_buffer("part", self._part(), persistent=False)  # [r]
 
     def _part(self) -> torch.Tensor:
@@ -43,4 +43,5 @@ class MRotaryEmbedding(RotaryEmbedding):
         part = self.part[None, None, :].expand(1, positions.shape[1], -1)  # [1, T, r]
         cos = self.cos_cache[positions].gather(0, part)[0].to(q.dtype)[:, None, :]  # [T, 1, r]
         sin = self.sin_cache[positions].gather(0, part)[0].to(q.dtype)[:, None, :]
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        # partial rotary (Qwen3.5: a quarter of each head): the sections cover the rotated dims only
+        return self.rotate(q, k, cos, sin)

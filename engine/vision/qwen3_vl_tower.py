@@ -1,6 +1,7 @@
-"""Qwen3-VL's vision tower: patch embedding, a learned position grid resampled to each image, ViT blocks with
-2-D rotary attention within each image, the 2x2 patch merger, and the deepstack taps (merged features of a few
-early blocks, which the text model adds to the image tokens' hidden states in its first layers).
+"""Qwen3-VL's vision tower, Qwen3.5's too: patch embedding, a learned position grid resampled to each image, ViT
+blocks with 2-D rotary attention within each image, the 2x2 patch merger, and the deepstack taps (merged features
+of a few early blocks, which the text model adds to the image tokens' hidden states in its first layers; Qwen3.5
+has none).
 
 Parameter names are the checkpoint's below ``model.visual.`` (the text model loads the rest).
 """
@@ -20,7 +21,7 @@ ACTIVATIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
-    """``vision_config`` of a Qwen3-VL checkpoint, the fields the tower reads."""
+    """``vision_config`` of a Qwen3-VL or Qwen3.5 checkpoint, the fields the tower reads."""
 
     depth: int
     hidden_size: int
@@ -46,7 +47,9 @@ class VisionConfig:
                    num_heads=hf.num_heads, out_hidden_size=hf.out_hidden_size, patch_size=hf.patch_size,
                    temporal_patch_size=hf.temporal_patch_size, spatial_merge_size=hf.spatial_merge_size,
                    in_channels=hf.in_channels, num_position_embeddings=hf.num_position_embeddings,
-                   deepstack_visual_indexes=tuple(hf.deepstack_visual_indexes), hidden_act=hf.hidden_act,
+                   # Qwen3.5's tower taps no blocks (its config has no deepstack_visual_indexes)
+                   deepstack_visual_indexes=tuple(getattr(hf, "deepstack_visual_indexes", None) or ()),
+                   hidden_act=hf.hidden_act,
                    rope_theta=float(rope.get("rope_theta", 10000.0)))
 
 

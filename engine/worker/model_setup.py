@@ -39,7 +39,7 @@ def engine_model_config(config: EngineConfig) -> ModelConfig:
         from engine.loading.random_weights import random_model_config
 
         return random_model_config(config.random_weights)
-    return load_model_config(config.model)
+    return load_model_config(config.model, config.language_model_only)
 
 
 def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: KernelChoice, dtype: torch.dtype,

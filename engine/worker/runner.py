@@ -119,7 +119,7 @@ class ModelRunner:
                             self.model.num_local_kv_heads, self.device, self.model.config.layer_sliding_window)
         if self.state_slots:
             batch.meta.states = step_states(scheduled, batch.scheduled_ranges, self.device)
-        if self.model.takes_images:  # the step's M-RoPE positions and image features (engine.models.qwen3_vl_moe)
+        if self.model.takes_images:  # the step's M-RoPE positions and image features (engine.models.qwen_image_text)
             batch.meta.images = self.model.image_step(scheduled, batch.scheduled_ranges, batch.input_ids.shape[0],
                                                       self.device)
         return batch

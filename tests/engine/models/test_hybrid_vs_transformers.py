@@ -4,6 +4,7 @@ requests of different lengths batched (a one-token prompt among them), overlappe
 gives the same tokens again (the prefix cache is on), and features they do not support yet are refused."""
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -91,17 +92,26 @@ def test_state_slots_come_from_the_memory_budget(references, caplog):
                                torch.device("cpu"), torch.float32)
 
 
-def test_published_qwen3_5_image_text_checkpoint_serves_its_text_model(tmp_path, caplog):
+def test_published_qwen3_5_image_text_checkpoint_serves_text(tmp_path, caplog):
     """Qwen3.5-MoE is published as an image-text model: its language model's tensors under
-    ``model.language_model.``, a vision tower beside them (skipped, said in one log line), the text model's config
-    under ``text_config``. Its greedy text tokens equal transformers' image-text model's on text prompts."""
+    ``model.language_model.``, a vision tower beside them, the text model's config under ``text_config``. Its
+    greedy tokens on text prompts equal transformers' image-text model's, served with images (the checkpoint has a
+    vision config: ``tests/engine/vision/test_qwen3_5_moe_vl_vs_transformers.py`` sends it images) and, with the
+    vision config taken out of config.json, as its text model (the tower's tensors skipped, said in one log line)."""
     seed = random.randrange(2**31)
     hf = make_hf_image_text_model("qwen3_5_moe", str(tmp_path), seed=seed, vocab_size=VOCAB)
     rng = random.Random(seed)
     reqs = [([rng.randrange(1, VOCAB - 1) for _ in range(n)], 6) for n in (5, 40)]
     expected = [hf_greedy(hf, p, m) for p, m in reqs]
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=16, max_num_batched_tokens=16)
+    assert llm.engine.model.takes_images
+    assert _generate(llm, reqs) == expected, f"seed={seed}"
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["vision_config"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
     with caplog.at_level("INFO"):
         llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=16, max_num_batched_tokens=16)
+    assert not llm.engine.model.takes_images
     assert _generate(llm, reqs) == expected, f"seed={seed}"
     vision = [n for n in hf.state_dict() if n.startswith("model.visual.")]
     assert any(f"skipped {len(vision)} tensors" in r.message for r in caplog.records), caplog.text

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
+from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig
 from engine.vision.qwen_image_processing import QwenImageConfig
 from tests.hf_models import save_random_image_text_model, tiny_text_config
 
@@ -85,3 +86,19 @@ def hf_greedy(model, prompt: list[int], processed: list, max_new: int) -> list[i
         pixels = dict(pixel_values=torch.cat([p.pixel_values for p in processed]),
                       image_grid_thw=torch.tensor([p.grid_thw for p in processed]))
     return hf_greedy_pixels(model, prompt, pixels, max_new)
+
+
+def tower_against_transformers(model, images: list) -> tuple[list, object]:
+    """The engine's tower loaded from ``model``'s own weights (``model.visual.``), run on each of ``images``
+    (``process_image``'s results) alone, its merged features checked against transformers' ``get_image_features``
+    on them all at once; returns (our ``VisionFeatures`` per image, transformers' output)."""
+    tower = Qwen3VisionTower(VisionConfig.from_hf(model.config.vision_config))
+    prefix = "model.visual."
+    tower.load_state_dict({k[len(prefix):]: v for k, v in model.state_dict().items() if k.startswith(prefix)})
+    with torch.no_grad():
+        ref = model.model.get_image_features(torch.cat([p.pixel_values for p in images]),
+                                             torch.tensor([p.grid_thw for p in images]))
+        ours = [tower(image.pixel_values, image.grid_thw) for image in images]
+    for i, features in enumerate(ours):
+        torch.testing.assert_close(features.embeds, ref.pooler_output[i], rtol=1e-5, atol=1e-5)
+    return ours, ref

@@ -12,12 +12,12 @@ import torch
 from engine import LLM, SamplingParams
 from engine.vision.mrope import ImageSpan, prompt_positions
 from engine.vision.prompt_images import placeholder_runs
-from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig
 from engine.vision.qwen_image_processing import process_image
 from tests.engine.vision.image_engine_checks import (check_image_blocks_keyed_by_picture,
                                                        check_misfit_images_refused)
 from tests.engine.vision.qwen3_vl_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, hf_greedy,
-                                                     random_image, text_ids, with_images)
+                                                     random_image, text_ids, tower_against_transformers,
+                                                     with_images)
 
 MAX_NEW = 8
 
@@ -46,18 +46,11 @@ def test_vision_tower_matches_transformers(qwen3_vl_checkpoint):
     gen = torch.Generator().manual_seed(seed)
     images = [process_image(random_image(gen, w, h), IMAGE_CONFIG) for w, h in ((37, 21), (20, 50))]
     assert images[0].grid_thw != images[1].grid_thw
-    tower = Qwen3VisionTower(VisionConfig.from_hf(model.config.vision_config))
-    prefix = "model.visual."
-    tower.load_state_dict({k[len(prefix):]: v for k, v in model.state_dict().items() if k.startswith(prefix)})
-    with torch.no_grad():
-        ref = model.model.get_image_features(torch.cat([p.pixel_values for p in images]),
-                                             torch.tensor([p.grid_thw for p in images]))
-        for i, image in enumerate(images):
-            ours = tower(image.pixel_values, image.grid_thw)
-            torch.testing.assert_close(ours.embeds, ref.pooler_output[i], rtol=1e-5, atol=1e-5)
-            assert ours.deepstack.shape[0] == 2
-            for k in range(2):
-                torch.testing.assert_close(ours.deepstack[k], ref.deepstack_features[k][i], rtol=1e-5, atol=1e-5)
+    ours, ref = tower_against_transformers(model, images)
+    for i, features in enumerate(ours):
+        assert features.deepstack.shape[0] == 2
+        for k in range(2):
+            torch.testing.assert_close(features.deepstack[k], ref.deepstack_features[k][i], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])

@@ -1,5 +1,5 @@
-"""What an image model keeps per request and across requests (``engine.models.request_images``, shared by
-Qwen3-VL-MoE and Kimi-K2.5): an image is encoded once per request, not at all while the encoder cache holds it for
+"""What an image model keeps per request and across requests (``engine.models.image_features``, shared by
+the image models): an image is encoded once per request, not at all while the encoder cache holds it for
 the request's salt, and its cache entry is the request's tenant's, held to that tenant's share (its quota's, else
 the cache's). A tower double counts its calls; the reference is a plain dict of what was encoded for whom."""
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.core.prompt_images import PromptImage
 from engine.core.request_policy import RequestPolicy
-from engine.models.request_images import RequestImages
+from engine.models.image_features import ImageFeatures
 from engine.vision.encoder_cache import EncoderCache
 from engine.vision.qwen3_vl_tower import VisionFeatures
 from engine.vision.qwen_image_processing import ProcessedImage
@@ -20,16 +20,16 @@ TOKENS, HIDDEN = 4, 8
 ENTRY = TOKENS * HIDDEN * 4  # bytes of one image's features (float32 embeds, no deepstack taps)
 
 
-class CountingTower(RequestImages, nn.Module):
+class CountingTower(ImageFeatures, nn.Module):
     """An image model double: its features are the pixels' first rows; ``encoded`` counts the tower's calls."""
 
     def __init__(self) -> None:
         super().__init__()
         self.model = SimpleNamespace(embed_tokens=nn.Embedding(2, HIDDEN))
-        self.init_request_images()
+        self.init_image_features()
         self.encoded = 0
 
-    def encode_pixels(self, pixels: ProcessedImage) -> VisionFeatures:
+    def encode(self, pixels: ProcessedImage) -> VisionFeatures:
         self.encoded += 1
         embeds = pixels.pixel_values[:TOKENS, :HIDDEN].clone()
         return VisionFeatures(embeds, embeds.new_zeros(0, *embeds.shape))
