@@ -3,10 +3,12 @@
 
     .venv/bin/python -m benchmarks.v4_cache_memory [--model DIR]
 
-Each layer caches per token its key row and, for compressed layers, the compressor's (and CSA's indexer's) raw
-projections, from which each step recomputes the compressed entries (``engine.layers.compressed_attention``). Also
-printed: what an incremental layout would take (the compressed entries kept, 1 per ``m`` tokens, the key rows only
-within the window), the goal for a cache that keeps the compressor's state across steps.
+Per token, the paged cache holds each compressed layer's share of its compressed entries (one of ``head_dim``
+values per ``m`` tokens, spread over the window's slots; CSA's indexer entries beside them); each running request
+also holds a state of fixed size: every layer's key rows for the sliding window and its compressors' raw rows of the
+windows not yet complete (``engine.layers.compressed_attention``, ``engine.layers.window_rings``). Also printed:
+the goal (the compressed entries alone, unpadded) and what the former layout took (a key row and the compressors'
+raw rows per token and layer, the entries recomputed each step).
 """
 
 import argparse
@@ -15,7 +17,6 @@ from collections import Counter
 import torch
 
 from engine.core.model_config import load_model_config, model_config_from_hf
-from engine.layers.compressed_attention import CSA, SLIDING
 from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 
 
@@ -38,21 +39,28 @@ def main() -> None:
     layers = model.attention_layers()
     kinds = Counter(attn.kind for attn in layers)
     total = sum(attn.cache_spec().bytes_per_token(dtype) for attn in layers)
+    state = sum(attn.state_spec().bytes_per_slot(dtype) for attn in layers)
     print(f"{config.num_layers} layers ({', '.join(f'{n} {k}' for k, n in kinds.items())}), head_dim "
-          f"{config.head_dim}, {dtype}")
+          f"{config.head_dim}, window {config.cfg('sliding_window')}, {dtype}")
     for kind in kinds:
         attn = next(a for a in layers if a.kind == kind)
-        print(f"  {kind}: {attn.cache_spec().values_per_token()} values/token ({attn.cache_spec().per_token})")
-    print(f"this engine's layout: {total / 1024:.1f} KiB/token, all layers")
-    incremental = 0.0  # bytes per token once the context is far longer than the window
+        rings = ", ".join(f"{r.size}x{r.width}" for r in attn.rings())
+        print(f"  {kind}: {attn.cache_spec().values_per_token()} values/token {attn.cache_spec().per_token}; "
+              f"state rings (rows x values) {rings}")
+    goal = 0.0  # the compressed entries alone, bytes per token
+    former = 0  # a key row and the compressors' raw rows per token, as the engine cached before
     for attn in layers:
-        if attn.kind == SLIDING:
-            continue
-        incremental += attn.head_dim * dtype.itemsize / attn.compressor.rate
-        if attn.kind == CSA:
-            incremental += attn.compressor.indexer.head_dim * dtype.itemsize / attn.compressor.rate
-    print(f"incremental layout (compressed entries kept; window rows and compressor tails per request, not per "
-          f"token): {incremental / 1024:.2f} KiB/token, {total / incremental:.0f}x less")
+        former += attn.head_dim * dtype.itemsize
+        for c in attn.compressors():
+            goal += c.width * dtype.itemsize / c.rate
+            former += c.raw_width() * dtype.itemsize
+    print(f"this engine's layout: {total / 1024:.2f} KiB/token, all layers (goal, the entries unpadded: "
+          f"{goal / 1024:.2f} KiB/token), plus {state / 2**20:.2f} MiB of state per running request")
+    print(f"former layout (raw rows per token, entries recomputed each step): {former / 1024:.1f} KiB/token, "
+          f"{former / total:.0f}x more")
+    for length in (8192, 131072, 1048576):
+        print(f"  a {length}-token request: {(length * total + state) / 2**20:.1f} MiB here, "
+              f"{length * former / 2**20:.1f} MiB before")
 
 
 if __name__ == "__main__":

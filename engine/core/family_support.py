@@ -13,8 +13,10 @@ setting and the model, which that table cannot see.
 - Sparse attention (DeepSeek-V3.2, GLM-5, MiniMax-M3): an indexer key per token beside the latent (MiniMax-M3's
   beside K and V), and GLM-5's layers hand their selection to the next. The prefix cache, chunked prefill,
   preemption and n-gram speculation are served.
-- DeepSeek-V4: its layers cache a key row and, for the compressed layers, the compressor's (and indexer's) raw
-  projections, from which every step recomputes the compressed entries (``engine.layers.compressed_attention``).
+- DeepSeek-V4: its compressed layers cache their compressed entries per token; every layer keeps its window's key
+  rows and its compressors' open windows in a state per request (``engine.layers.compressed_attention``), served
+  through the hybrid models' state slots and checkpoints, so what moves or rolls back K and V per token does not
+  move or roll back that state.
 - Image-text models served with images (Qwen3-VL-MoE, Qwen3.5-MoE with a vision config, Kimi-K2.5): one rank;
   the vision tower and the step's image rows are not split over ranks (the model itself also refuses a
   tensor-parallel or pipelined build).
@@ -121,10 +123,10 @@ LIMITS = (
         ("enable_expert_parallel", _ep, "expert parallelism is not built for it yet"),
         ("enable_eplb", _eplb, "expert parallelism is not built for it yet"),
         ("quantization", lambda c: c.quantization is not None, "its clamped experts run unquantized (a torch loop)"),
-        ("speculative", lambda c: c.speculative is not None, "speculative decoding is not tested with it yet"),
-        ("role", _role, "a KV handoff of the compressor rows is not tested yet"),
-        ("host_cache_gb", _host, "the prefix-cache tiers are not tested with its rows yet"),
-        ("disk_cache_dir", _disk, "the prefix-cache tiers are not tested with its rows yet"),
+        ("speculative", lambda c: c.speculative is not None, "rejected drafts cannot be rolled back out of its state"),
+        ("role", _role, "a KV handoff does not carry its per-request state yet"),
+        ("host_cache_gb", _host, "the prefix-cache tiers hold no state checkpoints yet"),
+        ("disk_cache_dir", _disk, "the prefix-cache tiers hold no state checkpoints yet"),
         ("enable_lora", _lora, "adapters are not applied to its attention or experts yet"),
     )),
     FamilyLimits(lambda m: m.multimodal_config is not None, "{architecture}", (

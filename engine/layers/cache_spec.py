@@ -39,7 +39,8 @@ class StateSpec:
 
     ``conv``: the last ``kernel - 1`` inputs of its short convolution, ``[channels, kernel - 1]`` in the model's
     dtype; ``recurrent``: its key-to-value state, ``[heads, key_dim, value_dim]`` in float32 (it accumulates over
-    every token, so it is kept at the precision the reference computes it in).
+    every token, so it is kept at the precision the reference computes it in). DeepSeek-V4's layers keep their
+    rows of recent tokens flat in ``conv`` (``engine.layers.window_rings``) with an empty ``recurrent``.
     """
 
     conv: tuple[int, ...]

@@ -13,10 +13,15 @@ rotated back by the query's position. A query sees the last ``sliding_window`` t
   first half-projection with this window's second), of which a lightning indexer (its own small compressor of
   the same windows, ``n_i`` query heads) keeps the ``index_topk`` best per query.
 
-The paged cache holds, per token: its key row, and for compressed layers the compressor's raw projections (and the
-indexer's for CSA). Compressed entries are recomputed from those rows for every request at every step: exact for
-any chunking, preemption or prefix-cache hit (an entry depends only on its windows' tokens), and O(context) work
-per step rather than incremental. Torch only.
+The engine keeps what transformers' cache keeps (``DeepseekV4HCACache`` / ``DeepseekV4CSACache``), laid out for
+paging: the paged cache holds only the compressed entries (compressed layers; CSA's indexer entries beside them),
+entry ``w`` spread over the slots of its own window's ``m`` tokens (``ceil(width / m)`` values each), so a
+compressed layer costs ``width / m`` values per token; a per-request state (``window_rings``) holds the key rows
+of the sliding window and the compressor's raw projections of the windows not yet complete. An entry is computed
+once, in the step its window completes, from the state's raw rows and the step's own, and written into its
+window's slots (which may lie in blocks a prefix-cache hit shares: every writer writes the entry of the same
+tokens). Preemption recomputes a request from its first token; a prefix-cache hit resumes from a state
+checkpoint (``engine.core.state_checkpoints``) at the hit's end. Torch only.
 """
 
 import torch
@@ -24,11 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.device_batch.attention_metadata import AttentionMetadata
-from engine.layers.cache_spec import CacheSpec
+from engine.device_batch.state_metadata import StateMetadata
+from engine.layers.cache_spec import CacheSpec, StateSpec
 from engine.layers.float32_params import KeepsFloat32
 from engine.layers.hyper_connections import unweighted_rms
 from engine.layers.lightning_indexer import best_first
-from engine.layers.paged_attention import _gather
+from engine.layers.window_rings import Ring, layout
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -74,12 +80,13 @@ class Rope:
 
 
 def pool_windows(raw: torch.Tensor, rate: int, width: int, overlap: bool, position_bias: torch.Tensor,
-                 norm: Float32RMSNorm, rope: Rope) -> torch.Tensor:
-    """The compressed entries of a context's complete windows.
+                 norm: Float32RMSNorm, rope: Rope, first: int = 0) -> torch.Tensor:
+    """The compressed entries of the complete windows of rows from window ``first`` on.
 
-    raw [L, 2 * c] (projected kv then gate per token; c = 2 * width with ``overlap``, else width), rate m ->
-    [L // m, width]: entry w is the gate-softmax-weighted sum of its slots' kv, normalised, rotated at w * m.
-    With ``overlap`` its slots are window w-1's first halves then window w's second halves (window -1: none)."""
+    raw [L, 2 * c] (projected kv then gate per token, from position first * m; c = 2 * width with ``overlap``,
+    else width), rate m -> [L // m, width]: entry w is the gate-softmax-weighted sum of its slots' kv, normalised,
+    rotated at its first position. With ``overlap`` its slots are the previous window's first halves then its own
+    second halves (none before the rows' first window: drop that entry unless ``first`` is 0)."""
     n = raw.shape[0] // rate
     c = raw.shape[1] // 2
     kv = raw[:n * rate, :c].reshape(n, rate, c)
@@ -91,7 +98,7 @@ def pool_windows(raw: torch.Tensor, rate: int, width: int, overlap: bool, positi
         slots_kv[1:, :rate], slots_gate[1:, :rate] = kv[:-1, :, :width], gate[:-1, :, :width]
         kv, gate = slots_kv, slots_gate
     pooled = norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))  # [n, width]
-    cos, sin = rope.tables(torch.arange(n, device=raw.device) * rate)
+    cos, sin = rope.tables((torch.arange(n, device=raw.device) + first) * rate)
     return rope.apply(pooled, cos, sin)
 
 
@@ -117,9 +124,19 @@ class Compressor(KeepsFloat32):
         """x [T, H] -> the row each token caches [T, 2c]: its kv then its gate projection."""
         return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
 
-    def entries(self, raw: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """raw [L, 2c], a context's cached rows from position 0 -> [L // m, width]."""
-        return pool_windows(raw, self.rate, self.width, self.overlap, self.position_bias, self.kv_norm, rope)
+    def entries(self, raw: torch.Tensor, rope: Rope, first: int) -> torch.Tensor:
+        """raw [L, 2c], rows from position first * m -> the entries of its complete windows [L // m, width]
+        (with overlapping windows, window ``first``'s entry lacks its predecessor's rows unless ``first`` is 0:
+        the caller reads those rows only to pool the next)."""
+        return pool_windows(raw, self.rate, self.width, self.overlap, self.position_bias, self.kv_norm, rope, first)
+
+    def slot_width(self) -> int:
+        """Values per token slot of the paged cache: an entry of ``width`` spread over its window's m slots."""
+        return -(-self.width // self.rate)
+
+    def ring_rows(self) -> int:
+        """Raw rows a request's state keeps: the open window's, and with overlap the one before it."""
+        return 2 * self.rate if self.overlap else self.rate
 
 
 class Indexer(Compressor):
@@ -181,75 +198,111 @@ class CompressedAttention(KeepsFloat32):
                 self.compressor.indexer = Indexer(hidden_size, q_lora_rank, rate=rate, eps=eps, **index)
         self.kv_cache: tuple[torch.Tensor, ...] = ()  # bound by the runner, as ``cache_spec`` says
 
+    def compressors(self) -> list[Compressor]:
+        """The layer's compressors: none (sliding), its own, or its own then the indexer's (CSA)."""
+        if self.compressor is None:
+            return []
+        return [self.compressor] + ([self.compressor.indexer] if self.kind == CSA else [])
+
     def cache_spec(self) -> CacheSpec:
-        """Per token: the key row [d]; compressed layers add the compressor's raw row, CSA the indexer's too."""
-        shapes = [(self.head_dim,)]
-        if self.compressor is not None:
-            shapes.append((self.compressor.raw_width(),))
-            if self.kind == CSA:
-                shapes.append((self.compressor.indexer.raw_width(),))
-        return CacheSpec(tuple(shapes))
+        """Per token: a compressed layer's share of each compressor's entries (``Compressor.slot_width``);
+        nothing for a sliding layer, whose key rows live in the per-request state."""
+        return CacheSpec(tuple((c.slot_width(),) for c in self.compressors()))
+
+    def rings(self) -> list[Ring]:
+        """The state's streams: the window's key rows, then each compressor's raw rows."""
+        return layout([(self.window, self.head_dim)] + [(c.ring_rows(), c.raw_width()) for c in self.compressors()])
+
+    def state_spec(self) -> StateSpec:
+        """One request's state: its rings, flat, in the model's dtype (``window_rings``)."""
+        return StateSpec((sum(r.values for r in self.rings()),), (0,))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, H] (normalised), positions [T] -> [T, H]. Writes this step's rows at ``meta.slot_mapping``."""
+        """x [T, H] (normalised), positions [T] -> [T, H]. Reads and updates each request's state at its slot
+        (``meta.states``) and writes the entries its windows complete this step into its blocks."""
         num_tokens = x.shape[0]
         cos, sin = self.rope.tables(positions)  # [T, p/2]
         q_resid = self.q_a_norm(self.q_a_proj(x))  # [T, Q]
         q = unweighted_rms(self.q_b_proj(q_resid).view(num_tokens, self.num_heads, self.head_dim), self.eps)
         q = self.rope.apply(q, cos, sin)  # [T, h, d]
-        kv = self.rope.apply(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, d]
-        rows = [kv]
-        if self.compressor is not None:
-            rows.append(self.compressor.project(x))
-            if self.kind == CSA:
-                rows.append(self.compressor.indexer.project(x))
-        for cache, row in zip(self.kv_cache, rows):
-            cache.view(-1, row.shape[-1]).index_copy_(0, meta.slot_mapping, row.to(cache.dtype))
+        rows = [self.rope.apply(self.kv_norm(self.kv_proj(x)), cos, sin)]  # key rows [T, d]
+        rows += [c.project(x) for c in self.compressors()]  # raw rows [T, 2c] each
         out = q.new_zeros(num_tokens, self.num_heads, self.head_dim)  # rows of no request (padding) stay 0
-        for start, end, table, length in self._requests(meta):
+        first_positions = positions.tolist()
+        for start, end, table, slot in self._requests(meta):
             span = slice(start, end)
-            ctx = [_gather(c.view(*c.shape[:2], 1, -1), table[None])[0, :length, 0] for c in self.kv_cache]
-            out[span] = self._attend(q[span], x[span], q_resid[span], positions[span], cos[span], sin[span], ctx)
+            state = self.state_cache[0][slot]  # [S] this request's rings
+            out[span] = self._attend(q[span], x[span], q_resid[span], positions[span], first_positions[start],
+                                     cos[span], sin[span], [r[span] for r in rows], state, table)
         out = self.rope.apply(out, cos, -sin)  # the values' rotation taken back at the query's position
         grouped = out.reshape(num_tokens, self.o_groups, -1)  # [T, g, h*d/g]
         w = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])  # [g, o_lora, h*d/g]
         return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
 
     def _requests(self, meta: AttentionMetadata):
-        """(first query token, end, block table from position 0, context length) of each request this step."""
-        block_size = self.kv_cache[0].shape[1]
+        """(first query token, end, block table from position 0 or None for a sliding layer, state slot) of each
+        request this step."""
+        states: StateMetadata = meta.states
+        decode_slots = states.decode_slots.tolist()
         for group in meta.decode_groups:
-            # No window in this family's metadata: each request's visible keys are a prefix of its own blocks,
-            # after the blocks the group shares (whole prompt blocks every request sees).
-            lengths = group.key_mask[:, 0, 0].sum(dim=-1).tolist()
-            shared = 0 if group.shared_blocks is None else group.shared_blocks.numel()
-            for i, length in enumerate(lengths):
-                table = group.block_table[i]
-                if shared:
-                    table = torch.cat([group.shared_blocks, table])
-                yield group.start + i, group.start + i + 1, table, shared * block_size + int(length)
-        for (start, end), table, length in zip(meta.prefill_query_ranges, meta.prefill_block_tables,
-                                               meta.prefill_seq_lens):
-            yield start, end, table, length
+            shared = group.shared_blocks  # whole prompt blocks every request of the group sees, then its own
+            for i in range(group.block_table.shape[0]):
+                table = None
+                if self.compressor is not None:
+                    table = group.block_table[i] if shared is None else torch.cat([shared, group.block_table[i]])
+                yield group.start + i, group.start + i + 1, table, decode_slots[group.start + i]
+        slots = {row: slot for row, _, slot, _ in states.prefills}
+        for (start, end), table in zip(meta.prefill_query_ranges, meta.prefill_block_tables):
+            yield start, end, table, slots[start]
 
-    def _attend(self, q: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, ctx: list[torch.Tensor]) -> torch.Tensor:
-        """One request's n queries q [n, h, d] at positions pos [n] over its context rows ctx (each [L, *]) ->
-        [n, h, d]."""
-        keys = ctx[0]  # [L, d]
-        key_pos = torch.arange(keys.shape[0], device=q.device)
+    def _attend(self, q: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, p0: int,
+                cos: torch.Tensor, sin: torch.Tensor, rows: list[torch.Tensor], state: torch.Tensor,
+                table: torch.Tensor | None) -> torch.Tensor:
+        """One request's n queries q [n, h, d] at positions pos [n] (from p0), with the step's key and raw rows,
+        over its state (the window's keys, the open windows' raw rows) and the entries in its blocks -> [n, h, d]."""
+        n = q.shape[0]
+        rings = self.rings()
+        lo = max(0, p0 - self.window + 1)
+        keys = rings[0].extend(state, lo, p0, rows[0])  # [p0 + n - lo, d]
+        rings[0].keep(state, keys, lo, p0 + n - self.window + 1)
+        key_pos = lo + torch.arange(keys.shape[0], device=q.device)
         visible = (key_pos[None] <= pos[:, None]) & (key_pos[None] > pos[:, None] - self.window)  # [n, L]
-        if self.compressor is not None:
-            rate = self.compressor.rate
-            entries = self.compressor.entries(ctx[1], self.rope)  # [W, d]
-            done = torch.arange(entries.shape[0], device=q.device)[None] < ((pos + 1) // rate)[:, None]  # [n, W]
+        entries = [self._entries(c, ring, state, rows[i + 1], p0, n, table, kv_cache)
+                   for i, (c, ring, kv_cache) in enumerate(zip(self.compressors(), rings[1:], self.kv_cache))]
+        if entries:
+            complete = (pos + 1) // self.compressor.rate  # [n] entries whose windows end at or before the query
+            done = torch.arange(entries[0].shape[0], device=q.device)[None] < complete[:, None]  # [n, W]
             if self.kind == CSA:
-                indexer = self.compressor.indexer
-                done = indexer.select(x, q_resid, cos, sin, indexer.entries(ctx[2], self.rope), done, self.rope)
-            keys = torch.cat([keys, entries.to(keys.dtype)])
+                done = self.compressor.indexer.select(x, q_resid, cos, sin, entries[1], done, self.rope)
+            keys = torch.cat([keys, entries[0].to(keys.dtype)])
             visible = torch.cat([visible, done], dim=-1)
         scores = torch.einsum("nhd,ld->nhl", q.float(), keys.float()) * self.head_dim ** -0.5
         scores = scores.masked_fill(~visible[:, None], float("-inf"))
         sink = self.sinks.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)  # [n, h, 1]
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         return torch.einsum("nhl,ld->nhd", probs, keys.float()).to(q.dtype)
+
+    def _entries(self, compressor: Compressor, ring: Ring, state: torch.Tensor, raw: torch.Tensor, p0: int, n: int,
+                 table: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """Every entry of the request's windows complete by p0 + n [W, width]: those before p0's window read from
+        its blocks, those its windows complete this step pooled from the state's and the step's raw rows [n, 2c]
+        and written into their windows' slots."""
+        m, width, per_slot = compressor.rate, compressor.width, compressor.slot_width()
+        k0, k1 = p0 // m, (p0 + n) // m  # entries [k0, k1) complete this step
+        first = max(k0 - 1, 0) if compressor.overlap else k0  # the window the raw rows start at
+        segment = ring.extend(state, first * m, p0, raw)  # [p0 + n - first * m, 2c]
+        ring.keep(state, segment, first * m, max(k1 - 1, 0) * m if compressor.overlap else k1 * m)
+        slots = cache.view(-1, per_slot)  # [(num_blocks + 1) * bs, per_slot]
+        block_size = cache.shape[1]
+
+        def slot_ids(lo: int, hi: int) -> torch.Tensor:  # the slots of positions [lo, hi)
+            at = torch.arange(lo, hi, device=table.device)
+            return table[at // block_size] * block_size + at % block_size
+
+        old = slots.index_select(0, slot_ids(0, k0 * m)).view(k0, m * per_slot)[:, :width]  # [k0, width]
+        if k1 == k0:
+            return old
+        new = compressor.entries(segment, self.rope, first)[k0 - first:].to(cache.dtype)  # [k1 - k0, width]
+        spread = F.pad(new, (0, m * per_slot - width)).view(-1, per_slot)  # [(k1 - k0) * m, per_slot]
+        slots.index_copy_(0, slot_ids(k0 * m, k1 * m), spread)
+        return torch.cat([old, new])

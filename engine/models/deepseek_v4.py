@@ -7,7 +7,8 @@ hyper-connections (``engine.layers.hyper_connections``), and MoE layers whose fi
 
 Sliding-only layers rotate with the "main" rope; compressed layers, their compressors and indexer with the
 "compress" rope (``rope_parameters`` keyed so). The engine's metadata carries no window for this family: each
-layer applies its own window, since its compressor reads the whole context.
+layer applies its own window to the key rows its per-request state keeps (``linear_layers``: every attention layer
+keeps one, in the state slots hybrid models use), and reads its compressed entries from its blocks.
 """
 
 import logging
@@ -158,6 +159,11 @@ class DeepseekV4ForCausalLM(MoECausalLM):
                               float(c.cfg("routed_scaling_factor") or 1.0),
                               c.vocab_size if mlp_kind == "hash_moe" else None)
         return V4DecoderLayer(c, attn, mlp)
+
+    def linear_layers(self) -> list[CompressedAttention]:
+        """The layers keeping a per-request state (``engine.worker.state_cache``): every attention layer, whose
+        state holds its window's key rows and its compressors' open windows (``CompressedAttention.state_spec``)."""
+        return [layer.self_attn for layer in self.local_layers()]
 
     def layers_cache_alike(self) -> bool:
         return False  # each layer kind caches its own row widths

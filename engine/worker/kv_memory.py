@@ -15,5 +15,7 @@ def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     """A CPU tensor of zeros backed by an anonymous memory mapping: no work and no resident memory until
     its pages are written. The tensor keeps the mapping alive."""
     numel = math.prod(shape)
+    if numel == 0:  # an empty part of a spec (torch cannot view an empty buffer)
+        return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, max(numel * dtype.itemsize, 1))
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)

@@ -162,8 +162,8 @@ def log_state_cache(model: MoECausalLM, slots: int, num_blocks: int, block_size:
     """The pool's sizing at start: the state slots beside the KV blocks, and what each costs."""
     per_slot = state_bytes_per_slot(model, dtype)
     per_block = kv_bytes_per_block(model, block_size, dtype)
-    logger.info("state cache: %d slots (one per running request) of %.2f MiB over %d linear-attention layers "
-                "= %.1f MiB; KV cache: %d blocks of %d tokens, %.3f MiB each over %d full-attention layers = %.1f MiB",
+    logger.info("state cache: %d slots (one per running request) of %.2f MiB over %d layers keeping a state "
+                "= %.1f MiB; KV cache: %d blocks of %d tokens, %.3f MiB each over %d paged layers = %.1f MiB",
                 slots, per_slot / 2**20, len(linear_layers(model)), slots * per_slot / 2**20, num_blocks, block_size,
                 per_block / 2**20, len(model.attention_layers()), num_blocks * per_block / 2**20)
 

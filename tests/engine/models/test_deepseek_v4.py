@@ -2,8 +2,9 @@
 (compressed sparse with an indexer keeping fewer entries than the prompts hold: asserted, entries are dropped;
 heavily compressed; sliding only), hyper-connections over three streams and a hash-routed first MoE layer, with
 prompts longer than the window and several compression windows, chunked (16 tokens a step), a KV pool small
-enough to force preemption, and prefix-cache hits (a second pass over prompts sharing a prefix); settings not yet
-served with it are refused in one line naming the flag; the gateway answers a chat with transformers' tokens."""
+enough to force preemption, and prefix-cache hits (a second pass over prompts sharing a prefix, resumed from
+state checkpoints); settings not yet served with it are refused in one line naming the flag; the gateway answers
+a chat with transformers' tokens."""
 
 import random
 
@@ -29,15 +30,19 @@ SHAPE = dict(
     sliding_window=WINDOW, o_groups=2, o_lora_rank=12, index_n_heads=4, index_head_dim=24, index_topk=INDEX_TOPK,
     hc_mult=3, swiglu_limit=0.5, routed_scaling_factor=1.7,
 )
-SETTINGS = dict(num_kv_blocks=8, block_size=16, max_num_batched_tokens=16, overlap_scheduling=False)
+# The prefix cache resumes a hit from a state checkpoint (each layer's window and open compression windows): in
+# this tiny model one takes more than the 8 blocks' KV, so their share of the memory is set high enough for a few,
+# taken at every block boundary (the third prompt evicts most of the others' blocks from so small a pool).
+SETTINGS = dict(num_kv_blocks=8, block_size=16, max_num_batched_tokens=16, overlap_scheduling=False,
+                state_checkpoint_share=0.9, state_checkpoint_interval=1)
 
 
-def make_v4_model(path: str, seed: int, vocab_size: int = VOCAB, eos_token_id: int = VOCAB - 1):
+def make_v4_model(path: str, seed: int, vocab_size: int = VOCAB, eos_token_id: int = VOCAB - 1, **shape):
     """A random DeepSeek-V4 (every parameter drawn, the hash table too), saved to ``path`` (transformers writes
-    the published layout: DeepSeek's tensor names, experts one by one)."""
+    the published layout: DeepSeek's tensor names, experts one by one); ``shape`` overrides entries of ``SHAPE``."""
     config = AutoConfig.for_model("deepseek_v4", vocab_size=vocab_size, num_hidden_layers=3,
                                   max_position_embeddings=1024, eos_token_id=eos_token_id, bos_token_id=None,
-                                  pad_token_id=0, initializer_range=0.08, **SHAPE)
+                                  pad_token_id=0, initializer_range=0.08, **{**SHAPE, **shape})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(seed)
