@@ -8,8 +8,8 @@ setting and the model, which that table cannot see.
 
 - Hybrid linear attention (Qwen3-Next, Qwen3.5-MoE, Kimi-Linear): their linear layers keep one state per running
   request instead of K and V per token, and what moves or rolls back K and V per token does not do so for those
-  states yet; tensor parallelism splits Gated DeltaNet's heads, not yet Kimi Delta Attention's. The prefix cache
-  serves them through state checkpoints (``engine.core.state_checkpoints``).
+  states yet; tensor parallelism splits their linear layers' heads (Gated DeltaNet's, Kimi Delta Attention's)
+  over the ranks. The prefix cache serves them through state checkpoints (``engine.core.state_checkpoints``).
 - Sparse attention (DeepSeek-V3.2, GLM-5, MiniMax-M3): an indexer key per token beside the latent (MiniMax-M3's
   beside K and V), and GLM-5's layers hand their selection to the next. The prefix cache, chunked prefill,
   preemption and n-gram speculation are served.
@@ -83,8 +83,10 @@ def _lora(c: EngineConfig) -> bool:
     return c.lora_enabled
 
 
-# Hybrid families whose linear layers split their heads over tensor-parallel ranks (Gated DeltaNet).
-TENSOR_PARALLEL_HYBRIDS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+# Hybrid families whose linear layers split their heads over tensor-parallel ranks (Gated DeltaNet, Kimi Delta
+# Attention).
+TENSOR_PARALLEL_HYBRIDS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+                           "KimiLinearForCausalLM")
 SPARSE_ATTENTION_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
                                   "MiniMaxM3SparseForConditionalGeneration")
 

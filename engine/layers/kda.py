@@ -1,7 +1,10 @@
 """Kimi Delta Attention (Kimi-Linear's linear layers): the gated delta rule with a decay per key channel.
 
 Legend: T scheduled tokens, D decode requests, H hidden, h heads, d head dim (keys and values alike), C conv
-channels (3 h d), K conv kernel, S state slots.
+channels (3 h d), K conv kernel, S state slots. Under tensor parallelism h and C are this rank's: each rank holds
+a run of heads, the q/k/v, decay and gate projections' rows of those heads, their convolution channels, their
+decay rates and their states; the low-rank inputs (``f_a_proj``, ``g_a_proj``) and ``o_norm`` are whole on every
+rank, and ``o_proj`` is summed over the ranks.
 
 Per token: project to q, k, v (each ``h d``), run each through its own causal depthwise convolution of K taps
 (SiLU; ``engine.layers.short_conv``, the three as one of C channels), L2-normalize q and k, then the Kimi delta
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.device_batch.state_metadata import StateMetadata
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.cache_spec import StateSpec
 from engine.layers.kda_rule import chunked_kda_rule, recurrent_kda_rule
 from engine.layers.moe import target_device
@@ -36,8 +40,11 @@ def _depthwise_conv(channels: int, kernel: int) -> nn.Conv1d:
 class KimiDeltaAttention(nn.Module):
     """Named as in the checkpoint (``self_attn.q_proj``, ``q_conv1d``, ``f_a_proj``, ``A_log``, ``o_norm``, ...)."""
 
-    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, rms_norm_eps: float) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, rms_norm_eps: float,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
+        num_heads = tp.shard(num_heads, "linear_num_heads")[1]  # h: this rank's heads
         self.h, self.d, self.kernel = num_heads, head_dim, conv_kernel
         width = num_heads * head_dim
         self.channels = 3 * width  # C: q, k, v convolved side by side
@@ -74,6 +81,22 @@ class KimiDeltaAttention(nn.Module):
     def state_spec(self) -> StateSpec:
         return StateSpec((self.channels, self.kernel - 1), (self.h, self.d, self.d))
 
+    def tp_slices(self, local_name: str, rank: int) -> tuple[slice, ...] | None:
+        """This rank's part of checkpoint tensor ``self_attn.<local_name>`` (None: whole, as the low-rank inputs)."""
+        width = self.h * self.d  # this rank's channels of each of q, k, v (and of the decay and gate)
+        heads = slice(rank * self.h, (rank + 1) * self.h)
+        channels = slice(rank * width, (rank + 1) * width)
+        if local_name == "A_log":  # [1, 1, h, 1]
+            return (slice(None), slice(None), heads)
+        if local_name == "b_proj.weight":  # [h, H]: one write strength per head
+            return (heads,)
+        if local_name == "o_proj.weight":  # [H, h d]: this rank's heads' columns
+            return (slice(None), channels)
+        if local_name in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
+                          "v_conv1d.weight", "f_b_proj.weight", "g_b_proj.weight", "dt_bias"):  # [h d, ...]
+            return (channels,)
+        return None
+
     def forward(self, x: torch.Tensor, states: StateMetadata) -> torch.Tensor:
         """x [T, H] -> [T, H]; reads and updates each request's state at its slot."""
         num_tokens = x.shape[0]
@@ -88,7 +111,7 @@ class KimiDeltaAttention(nn.Module):
         beta = self.b_proj(x).sigmoid()  # [T, h]
         core = self._rule(q, k, v, g, beta, states).to(x.dtype)  # [T, h, d]
         gate = self.g_b_proj(self.g_a_proj(x)).view(num_tokens, self.h, self.d)
-        return self.o_proj(self._gated_norm(core, gate).reshape(num_tokens, self.h * self.d))
+        return self.tp.all_reduce(self.o_proj(self._gated_norm(core, gate).reshape(num_tokens, self.h * self.d)))
 
     def _rule(self, q, k, v, g, beta, states: StateMetadata) -> torch.Tensor:
         """The Kimi delta rule over each request's tokens from its state -> [T, h, d] float32."""

@@ -10,6 +10,9 @@ Qwen3-Next family (``engine.models.hybrid``). The published checkpoints name the
 experts ``w1``/``w2``/``w3``, and the config uses its own names for the routing fields (``num_experts``,
 ``num_experts_per_token``, ``moe_renormalize``, ``num_expert_group``, ``num_shared_experts``), which
 transformers' config maps to the usual ones read here.
+
+Tensor parallel: each rank holds a run of the KDA layers' heads (``KimiDeltaAttention.tp_slices``), of the latent
+layers' heads (as DeepSeek's) and of the MLPs' intermediate size; the layers' outputs are summed over the ranks.
 """
 
 import torch
@@ -17,6 +20,7 @@ from torch import nn
 
 from engine.core.model_config import ModelConfig
 from engine.device_batch.attention_metadata import AttentionMetadata
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.kda import KimiDeltaAttention
 from engine.layers.mla_nope import NoPositionMLAttention
 from engine.layers.mlp import GatedMLP
@@ -44,12 +48,12 @@ class KimiDecoderLayer(DecoderLayer):
         return self.mlp(h), residual
 
 
-def kimi_mlp(config: ModelConfig, layer_idx: int, moe_backend: str) -> nn.Module:
+def kimi_mlp(config: ModelConfig, layer_idx: int, moe_backend: str, tp: TensorParallel = SINGLE) -> nn.Module:
     """Layer ``layer_idx``'s MLP: dense SwiGLU where ``mlp_layer_types`` says "dense", else the routed experts
     (sigmoid scores plus a correction bias choose them, within the best groups) and the shared experts."""
     c = config
     if is_dense_layer(c, layer_idx):
-        return GatedMLP(c.hidden_size, c.cfg("intermediate_size"))
+        return GatedMLP(c.hidden_size, c.cfg("intermediate_size"), tp)
     n_group = int(c.cfg("n_group") or 1)
     routing = RoutingSpec(
         top_k=c.cfg("num_experts_per_tok"), scoring="sigmoid", renormalize=bool(c.cfg("norm_topk_prob", False)),
@@ -60,7 +64,7 @@ def kimi_mlp(config: ModelConfig, layer_idx: int, moe_backend: str) -> nn.Module
     return SparseMoeBlock(c.hidden_size, num_experts=c.cfg("num_local_experts"), routing=routing,
                           intermediate_size=inter, backend=moe_backend,
                           shared_expert_size=inter * (c.cfg("n_shared_experts") or 0), shared_expert_gated=False,
-                          correction_bias=True, router_float32=True)
+                          correction_bias=True, router_float32=True, tp=tp)
 
 
 class KimiLinearForCausalLM(MoECausalLM):
@@ -73,15 +77,15 @@ class KimiLinearForCausalLM(MoECausalLM):
         c = self.config
         if layer_idx in c.linear_layers:
             mixer = KimiDeltaAttention(c.hidden_size, c.cfg("linear_num_heads"), c.cfg("linear_head_dim"),
-                                       c.cfg("linear_conv_kernel_dim"), c.rms_norm_eps)
+                                       c.cfg("linear_conv_kernel_dim"), c.rms_norm_eps, tp=self.tp)
         else:
             nope, rope = c.cfg("qk_nope_head_dim"), c.cfg("qk_rope_head_dim")
             mixer = NoPositionMLAttention(
                 c.hidden_size, c.num_heads, c.cfg("q_lora_rank"), c.cfg("kv_lora_rank"), nope, rope,
                 c.cfg("v_head_dim"), rotary, rope_interleave=False, scale=(nope + rope) ** -0.5,
-                bias=bool(c.cfg("attention_bias", False)),
+                bias=bool(c.cfg("attention_bias", False)), tp=self.tp,
             )
-        return KimiDecoderLayer(c, mixer, kimi_mlp(c, layer_idx, moe_backend))
+        return KimiDecoderLayer(c, mixer, kimi_mlp(c, layer_idx, moe_backend, self.tp))
 
     def attention_layers(self) -> list[nn.Module]:
         """The latent-attention layers: the paged cache is theirs."""

@@ -1,21 +1,25 @@
 """Hybrid linear-attention models split over 2 tensor-parallel ranks (gloo, 1 thread each): Qwen3-Next (q/k/v/z
-packed per key head) and Qwen3.5-MoE (q/k/v contiguous, a KV head replicated on both ranks) generate
-transformers' greedy tokens on a workload that prefills in chunks, is preempted
-(the states recomputed) and hits the prefix cache through state checkpoints (each rank copies its own heads'
-states). (Kimi-Linear's delta attention is not split yet: refused at start, naming the flag, in
-tests/engine/models/test_kimi_linear.py.)"""
+packed per key head), Qwen3.5-MoE (q/k/v contiguous, a KV head replicated on both ranks) and Kimi-Linear (Kimi
+Delta Attention's heads, their per-channel decays and convolutions split; latent attention's heads as DeepSeek's)
+generate transformers' greedy tokens on a workload that prefills in chunks, is preempted (the states recomputed)
+and hits the prefix cache through state checkpoints (each rank copies its own heads' states)."""
 
 import random
 
 import pytest
 
 from tests.distributed.test_engine_ranks import generate_each_way
+from tests.engine.models.test_kimi_linear import make_kimi_model
 from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
 
 VOCAB = 151
 # Two key heads (one per rank) with two value heads each; Qwen3.5's attention keeps one KV head (replicated).
-FAMILIES = {"qwen3_next": {}, "qwen3_5_moe": dict(linear_num_key_heads=2, linear_num_value_heads=4)}
+# Kimi-Linear cut to a KDA layer (2 heads: one per rank) over a dense MLP, then a latent-attention layer (4 heads)
+# over the routed and shared experts.
+FAMILIES = {"qwen3_next": {}, "qwen3_5_moe": dict(linear_num_key_heads=2, linear_num_value_heads=4),
+            "kimi_linear": dict(linear_num_heads=2, layer_types=["linear_attention", "full_attention"],
+                                mlp_layer_types=["dense", "sparse"])}
 # 10 blocks of 16 tokens for a 70-token prompt decoding 10 beside others: preemption is forced; 16 tokens a step.
 ENGINE = dict(dtype="float32", device="cpu", cpu_threads=1, block_size=16, num_kv_blocks=10,
               max_num_batched_tokens=16, max_num_seqs=4)
@@ -33,7 +37,10 @@ def runs(tmp_path_factory):
     for family, overrides in FAMILIES.items():
         seed = random.randrange(2**31)
         path = str(tmp_path_factory.mktemp(f"hybrid-tp-{family}"))
-        hf = make_hf_model(family, path, seed=seed, vocab_size=VOCAB, **overrides)
+        if family == "kimi_linear":  # its own builder: kept out of tests.hf_models' every-family tests
+            hf = make_kimi_model(path, seed, vocab_size=VOCAB, **overrides)
+        else:
+            hf = make_hf_model(family, path, seed=seed, vocab_size=VOCAB, **overrides)
         prompts, max_tokens = _workload(random.Random(seed))
         modes = {"tp": dict(ENGINE, tensor_parallel_size=2)}  # one process: tests/engine/models/test_hybrid_*
         built[family] = (path, prompts, max_tokens, modes)

@@ -38,10 +38,11 @@ def make_kimi_model(path: str, seed: int, vocab_size: int = VOCAB, eos_token_id:
     """A random Kimi-Linear saved to ``path`` in the published layout (``q_conv1d``, ``block_sparse_moe``, experts
     ``w1``/``w2``/``w3``: transformers writes it back so); every parameter and buffer random, the decay rates
     (``A_log``, ``dt_bias``) as initialised, the norms and the correction bias drawn around theirs."""
-    config = AutoConfig.for_model("kimi_linear", vocab_size=vocab_size, num_hidden_layers=len(KIMI_CONFIG["layer_types"]),
+    settings = {**KIMI_CONFIG, **overrides}  # as many layers as its ``layer_types`` lists
+    config = AutoConfig.for_model("kimi_linear", vocab_size=vocab_size, num_hidden_layers=len(settings["layer_types"]),
                                   max_position_embeddings=1024, bos_token_id=None,
                                   eos_token_id=vocab_size - 1 if eos_token_id is None else eos_token_id,
-                                  pad_token_id=0, initializer_range=0.08, **{**KIMI_CONFIG, **overrides})
+                                  pad_token_id=0, initializer_range=0.08, **settings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize_constants_(model, torch.Generator().manual_seed(seed))
@@ -91,7 +92,7 @@ def test_second_pass_hits_state_checkpoints_and_matches_transformers(reference):
 
 @pytest.mark.parametrize("flags, named", [(dict(speculative="ngram"), "--speculative"),
                                           (dict(enable_lora=True), "--enable-lora"),
-                                          (dict(tensor_parallel_size=2), "--tensor-parallel-size")])
+                                          (dict(pipeline_parallel_size=2), "--pipeline-parallel-size")])
 def test_unsupported_features_are_refused_at_start(reference, flags, named):
     with pytest.raises(ValueError) as caught:
         LLM(model=reference[0], dtype="float32", device="cpu", num_kv_blocks=8, **flags)
