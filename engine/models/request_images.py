@@ -7,6 +7,8 @@ image (``encode_pixels``)."""
 from collections.abc import Iterable
 
 from engine.core.request import Request
+from engine.distributed.collectives import TensorParallel
+from engine.distributed.pipeline import PipelineStage
 from engine.vision.encoder_cache import EncoderCache
 from engine.vision.prompt_images import pixels_of
 from engine.vision.qwen3_vl_tower import VisionFeatures
@@ -16,6 +18,13 @@ from engine.vision.qwen_image_processing import ProcessedImage
 class RequestImages:
     """A mixin for a model with ``takes_images``: call ``init_request_images`` in ``__init__``, define
     ``encode_pixels``, and read an image's features with ``image_features``."""
+
+    def check_one_rank(self, tp: TensorParallel, stage: PipelineStage) -> None:
+        """ValueError unless the model is served whole on one rank (call before building it): the vision tower
+        and the image rows are not split across ranks or stages yet."""
+        if tp.size > 1 or stage.pipelined:
+            raise ValueError(f"{type(self).__name__} is served on one rank for now: tensor, expert and pipeline "
+                             "parallelism are not supported with it")
 
     def init_request_images(self) -> None:
         self._features: dict[str, list[VisionFeatures | None]] = {}  # request id -> per image, once encoded
