@@ -32,6 +32,18 @@ from moe_kernels.scales_triton import scale_cols
 
 
 @triton.jit
+def _k_slice(ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+    # The activation vector's slice at ptrs [BLOCK_K] and k_ok [BLOCK_K]: the positions before K's end (k_left
+    # remain), which the weight tile's load masks by too. With EVEN_K the slice is whole: loaded unmasked.
+    k_ok = offs_k < k_left
+    if EVEN_K:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=k_ok, other=0.0)
+    return v, k_ok
+
+
+@triton.jit
 def w13_gemv_kernel(
     x_ptr, w_ptr, ids_ptr, out_ptr, scale_ptr, bias_ptr,  # x [T, H], w13 [E, 2I, H], ids [S] i32, out [S, I],
     top_k, inter_size, hidden_size,                        # scales, bias [E, 2I]
@@ -53,11 +65,7 @@ def w13_gemv_kernel(
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for kk in range(0, tl.cdiv(hidden_size, BLOCK_K)):
-        if EVEN_K:
-            xv = tl.load(x_ptrs)
-        else:
-            k_ok = offs_k < hidden_size - kk * BLOCK_K
-            xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        xv, k_ok = _k_slice(x_ptrs, offs_k, hidden_size - kk * BLOCK_K, EVEN_K)  # [BLOCK_K]
         if QUANT == 3:  # MXFP4: [BLOCK_N, BLOCK_K] float32 tiles
             g = mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, hidden_size, stride_we, stride_wn,
                            stride_se, stride_sn, BLOCK_K, EVEN_K)
@@ -119,11 +127,7 @@ def w2_gemv_sum_kernel(
         b_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for kk in range(0, tl.cdiv(inter_size, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                k_ok = offs_k < inter_size - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+            a, k_ok = _k_slice(a_ptrs, offs_k, inter_size - kk * BLOCK_K, EVEN_K)  # [BLOCK_K]
             if QUANT == 3:  # MXFP4: a [BLOCK_N, BLOCK_K] float32 tile
                 b = mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, inter_size, stride_we,
                                stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K)

@@ -70,6 +70,16 @@ def _tile_coords(num_blocks_m, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
 
 
 @triton.jit
+def _num_padded(num_padded_ptr, num_blocks_m, SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
+    # Rows that hold slots: the expert-aligned count when sorted, else all num_blocks_m blocks (one slot each).
+    if SORTED:
+        num_padded = tl.load(num_padded_ptr)
+    else:
+        num_padded = num_blocks_m * BLOCK_M
+    return num_padded
+
+
+@triton.jit
 def _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
     # -> slots [BLOCK_M] int64, row_ok [BLOCK_M], expert int64
     rows = tl.arange(0, BLOCK_M)
@@ -81,6 +91,19 @@ def _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED: tl
         slots = (pid_m + rows * 0).to(tl.int64)  # one slot per block: only row 0 is real
         row_ok = rows == 0
     return slots, row_ok, expert
+
+
+@triton.jit
+def _rows_k_tile(ptrs, row_ok, offs_k, k_left, EVEN_K: tl.constexpr):
+    # The activation tile at ptrs [BLOCK_M, BLOCK_K], rows not row_ok read as 0, and k_ok [BLOCK_K]: the columns
+    # before K's end (k_left columns remain), which the weight tile's load masks by too. With EVEN_K every
+    # column is inside K: only the rows are masked.
+    k_ok = offs_k < k_left
+    if EVEN_K:
+        a = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        a = tl.load(ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    return a, k_ok
 
 
 # num_slots and num_blocks_m change with every token count: specializing on their divisibility would
@@ -100,11 +123,7 @@ def _w13_act_kernel(
     GROUP_M: tl.constexpr, QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(num_blocks_m, inter_size, BLOCK_N, GROUP_M)
-    if SORTED:
-        num_padded = tl.load(num_padded_ptr)
-    else:
-        num_padded = num_blocks_m * BLOCK_M
-    if pid_m * BLOCK_M >= num_padded:
+    if pid_m * BLOCK_M >= _num_padded(num_padded_ptr, num_blocks_m, SORTED, BLOCK_M):
         return  # the grid is sized for the worst case; this block got no slots
     slots, row_ok, expert = _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED, BLOCK_M)
     tokens = slots // top_k  # [BLOCK_M]
@@ -121,11 +140,7 @@ def _w13_act_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(hidden_size, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < hidden_size - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a, k_ok = _rows_k_tile(a_ptrs, row_ok, offs_k, hidden_size - kk * BLOCK_K, EVEN_K)  # [BLOCK_M, BLOCK_K]
         if QUANT == 3:  # [BLOCK_N, BLOCK_K] float32 tiles, transposed to [BLOCK_K, BLOCK_N]
             g = tl.trans(mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, hidden_size, stride_we,
                                     stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K))
@@ -184,11 +199,7 @@ def _w2_weighted_kernel(
     GROUP_M: tl.constexpr, QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(num_blocks_m, hidden_size, BLOCK_N, GROUP_M)
-    if SORTED:
-        num_padded = tl.load(num_padded_ptr)
-    else:
-        num_padded = num_blocks_m * BLOCK_M
-    if pid_m * BLOCK_M >= num_padded:
+    if pid_m * BLOCK_M >= _num_padded(num_padded_ptr, num_blocks_m, SORTED, BLOCK_M):
         return
     slots, row_ok, expert = _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED, BLOCK_M)
 
@@ -200,11 +211,7 @@ def _w2_weighted_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(inter_size, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < inter_size - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a, k_ok = _rows_k_tile(a_ptrs, row_ok, offs_k, inter_size - kk * BLOCK_K, EVEN_K)  # [BLOCK_M, BLOCK_K]
         if QUANT == 3:  # a [BLOCK_N, BLOCK_K] float32 tile, transposed to [BLOCK_K, BLOCK_N]
             b = tl.trans(mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, inter_size, stride_we,
                                     stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K))

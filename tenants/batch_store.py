@@ -28,8 +28,9 @@ from sqlalchemy import Connection, and_, case, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from tenants.batch_statements import BatchStatements
-from tenants.models import FILE_CHUNK_BYTES, Batch, BatchLine, FileChunk, StoredFile, Tenant, utcnow
+from tenants.models import FILE_CHUNK_BYTES, Batch, BatchLine, FileChunk, StoredFile, utcnow
 from tenants.quota import QuotaManager
+from tenants.storage_cap import OverStorageCap, check_room
 from tenants.store import QuotaConfig, TenantStore, UsageRecord
 from tenants.sync_transactions import SyncTransactions
 
@@ -86,12 +87,8 @@ def _scalar(c: Connection, query):
         return session.scalar(query)
 
 
-class StorageFull(Exception):
+class StorageFull(OverStorageCap):
     """A file that would take a tenant's stored files past its cap (``QuotaConfig.max_stored_file_bytes``)."""
-
-    def __init__(self, used: int, size: int, limit: int) -> None:
-        super().__init__(f"{used} bytes stored + {size} > {limit}")
-        self.used, self.size, self.limit = used, size, limit
 
 
 class BatchStore:
@@ -130,14 +127,7 @@ class BatchStore:
         row = StoredFile(id=file_id or new_id("file-"), tenant_id=tenant_id, filename=filename, purpose=purpose,
                          bytes=size, path="", created_at=utcnow())
         async with self.sessions.begin() as s:
-            if max_stored_bytes is not None:
-                # The check and the insert are one step for every gateway sharing the database: the tenant's
-                # row lock (PostgreSQL) or the write lock BEGIN IMMEDIATE took (SQLite: FOR UPDATE renders as
-                # nothing there) holds another upload of the tenant before its sum until this one commits.
-                await s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
-                used = await self._stored_bytes(s, tenant_id)
-                if used + size > max_stored_bytes:
-                    raise StorageFull(used, size, max_stored_bytes)
+            await check_room(s, tenant_id, size, max_stored_bytes, self._stored_bytes, StorageFull)
             s.add(row)
             await s.flush()
             with open(content, "rb") as f:

@@ -441,7 +441,17 @@ def register(subparsers) -> None:
     admin = subparsers.add_parser("admin", help="manage tenants, keys, quotas, priority classes, LoRA adapters; "
                                                 "show usage")
     groups = admin.add_subparsers(dest="admin_group", required=True, parser_class=_OneLineParser)
+    _add_tenant(groups, common)
+    _add_key(groups, common)
+    _add_quota(groups, common)
+    _add_class(groups, common)
+    _add_adapter(groups, common)
+    _add_usage(groups, common)
+    _add_db(subparsers, common)
 
+
+def _add_tenant(groups, common: argparse.ArgumentParser) -> None:
+    """``admin tenant``: create, list, show, update, disable, enable."""
     tenant = groups.add_parser("tenant", help="tenants").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
     p = _leaf(tenant, "create", _tenant_create, common, "create a tenant")
     p.add_argument("name")
@@ -459,6 +469,9 @@ def register(subparsers) -> None:
         p.add_argument("name")
         p.set_defaults(active=active)
 
+
+def _add_key(groups, common: argparse.ArgumentParser) -> None:
+    """``admin key``: create, list, revoke."""
     key = groups.add_parser("key", help="API keys").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
     p = _leaf(key, "create", _key_create, common, "create an API key (shown once)")
     p.add_argument("tenant")
@@ -468,6 +481,9 @@ def register(subparsers) -> None:
     _leaf(key, "list", _key_list, common, "list API keys").add_argument("tenant", nargs="?", default=None)
     _leaf(key, "revoke", _key_revoke, common, "revoke an API key by id or prefix").add_argument("key")
 
+
+def _add_quota(groups, common: argparse.ArgumentParser) -> None:
+    """``admin quota``: set, show."""
     quota = groups.add_parser("quota", help="quotas").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
     p = _leaf(quota, "set", _quota_set, common, "set limits ('none' clears a limit)")
     p.add_argument("tenant")
@@ -481,6 +497,9 @@ def register(subparsers) -> None:
                         "(none: shared LRU; the encoder cache then applies the engine's --encoder-cache-tenant-share)")
     _leaf(quota, "show", _quota_show, common, "show a tenant's limits").add_argument("tenant")
 
+
+def _add_class(groups, common: argparse.ArgumentParser) -> None:
+    """``admin class``: create, list, update, set (service-level objectives)."""
     klass = groups.add_parser("class", help="priority classes").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
     p = _leaf(klass, "create", _class_create, common, "create a priority class")
     p.add_argument("name")
@@ -508,6 +527,9 @@ def register(subparsers) -> None:
                    help="a request predicted to miss its time to first token: refuse it at once (503 "
                         "slo_unattainable with Retry-After) or queue it (default)")
 
+
+def _add_adapter(groups, common: argparse.ArgumentParser) -> None:
+    """``admin adapter``: add, list, remove, grant, revoke."""
     adapter = groups.add_parser("adapter", help="LoRA adapters (a request names one as its model)").add_subparsers(
         dest="action", required=True, parser_class=_OneLineParser)
     p = _leaf(adapter, "add", _adapter_add, common,
@@ -526,6 +548,9 @@ def register(subparsers) -> None:
         p.add_argument("tenant")
         p.set_defaults(grant=grant)
 
+
+def _add_usage(groups, common: argparse.ArgumentParser) -> None:
+    """``admin usage``: usage from the ledger."""
     p = groups.add_parser("usage", parents=[common], help="usage from the ledger")
     p.set_defaults(func=_admin_entry, admin_func=_usage)
     p.add_argument("tenant", nargs="?", default=None)
@@ -533,6 +558,9 @@ def register(subparsers) -> None:
     p.add_argument("--until", type=_day, default=None, help="last day, inclusive")
     p.add_argument("--by", choices=["day", "key", "model", "adapter", "tenant", "class"], default="day")
 
+
+def _add_db(subparsers, common: argparse.ArgumentParser) -> None:
+    """``db``: schema migrations up and down."""
     db = subparsers.add_parser("db", help="database schema migrations")
     actions = db.add_subparsers(dest="db_action", required=True, parser_class=_OneLineParser)
     p = actions.add_parser("upgrade", parents=[common], help="migrate the schema up (default: to head)")

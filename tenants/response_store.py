@@ -20,7 +20,8 @@ from typing import NamedTuple
 import msgspec
 from sqlalchemy import delete, func, literal, select, update
 
-from tenants.models import StoredResponse, Tenant, utcnow
+from tenants.models import StoredResponse, utcnow
+from tenants.storage_cap import OverStorageCap, check_room
 from tenants.store import TenantStore
 
 MAX_CHAIN_DEPTH = 1024  # responses one conversation may chain through previous_response_id
@@ -59,12 +60,8 @@ def conversation(chain: list[SavedResponse]) -> list[dict]:
     return [item for saved in chain for item in saved.items]
 
 
-class StoredResponsesFull(Exception):
+class StoredResponsesFull(OverStorageCap):
     """A response that would take its tenant's stored responses past their cap (``stored_response_bytes``)."""
-
-    def __init__(self, used: int, size: int, limit: int) -> None:
-        super().__init__(f"{used} bytes stored + {size} > {limit}")
-        self.used, self.size, self.limit = used, size, limit
 
 
 class ResponseStore:
@@ -86,13 +83,7 @@ class ResponseStore:
                              input_json=input_json, stored_bytes=size, created_at=now,
                              expires_at=expires)
         async with self.store.sessions.begin() as s:
-            if max_stored_bytes is not None:
-                # The tenant's row lock (PostgreSQL; BEGIN IMMEDIATE's write lock on SQLite) holds another store
-                # of the tenant's before its sum until this one commits.
-                await s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
-                used = await self._stored_bytes(s, tenant_id)
-                if used + size > max_stored_bytes:
-                    raise StoredResponsesFull(used, size, max_stored_bytes)
+            await check_room(s, tenant_id, size, max_stored_bytes, self._stored_bytes, StoredResponsesFull)
             s.add(row)
             if ancestors:
                 await s.execute(update(StoredResponse).where(

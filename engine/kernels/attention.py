@@ -72,6 +72,18 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 buffers for a split decode's partial results, given its output ``out`` [D, h, d]: each split's
+    unnormalised output [D, h, S, d] and its running max and sum [D, h, S, 2]. Unsplit (one split),
+    the kernels never touch them: ``out`` stands in for both."""
+    if num_splits <= 1:
+        return out, out
+    num_decodes, num_heads, width = out.shape
+    part_out = torch.empty(num_decodes, num_heads, num_splits, width, dtype=torch.float32, device=out.device)
+    part_ml = torch.empty(num_decodes, num_heads, num_splits, 2, dtype=torch.float32, device=out.device)
+    return part_out, part_ml
+
+
 def decode_splits(num_decodes: int, num_kv_heads: int, device: torch.device, launch: AttentionLaunch = DEFAULT_LAUNCH) -> int:
     """How many programs share one request's keys: enough programs to fill the GPU about twice.
 
@@ -127,11 +139,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     common = _common_args(q, k_cache, v_cache)
     kernels = _kernels()
     split = num_splits > 1
-    if split:
-        part_out = torch.empty(num_decodes, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(num_decodes, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_ml = out  # unused
+    part_out, part_ml = split_partials(out, num_splits)
     sinks_ptr = q if sinks is None else sinks  # never read without sinks
     kernels.paged_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_ml, block_table, seq_lens, sinks_ptr,

@@ -46,6 +46,22 @@ def _scores_mask_update(s, visible, m_i, l_i, acc, v, UPCAST: tl.constexpr, PREC
 
 
 @triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, table, pos, ok, kv_head, offs_d, d_ok, stride_kb, stride_ks, stride_kh,
+             stride_vb, stride_vs, stride_vh, KV_BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+    # One KV head's keys and values at positions pos [BLOCK_N], found through the request's block table:
+    # -> k, v [BLOCK_N, BLOCK_D] (k in float32 with UPCAST). Positions not ok are never loaded (0).
+    blocks = tl.load(table + pos // KV_BLOCK, mask=ok, other=0).to(tl.int64)
+    in_block = (pos % KV_BLOCK).to(tl.int64)
+    k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh
+                + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
+                + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _fold_sink(m_i, l_i, acc, sink):
     # The sink logit as one more softmax term with no value: rescale to the larger max, add its exp to the sum.
     # -> (normaliser, unnormalised output) sharing that max; a row with no keys gets l = 1 (from the sink), acc 0.
@@ -105,14 +121,8 @@ def paged_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         ok = pos < end
-        blocks = tl.load(table + pos // KV_BLOCK, mask=ok, other=0).to(tl.int64)
-        in_block = (pos % KV_BLOCK).to(tl.int64)
-        k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh
-                    + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, pos, ok, kv_head, offs_d, d_ok, stride_kb, stride_ks,
+                        stride_kh, stride_vb, stride_vs, stride_vh, KV_BLOCK, UPCAST)  # [BLOCK_N, BLOCK_D] each
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
         m_i, l_i, acc = _scores_mask_update(s, ok[None, :], m_i, l_i, acc, v, UPCAST, PRECISION)
 
@@ -208,14 +218,8 @@ def paged_prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         ok = pos < hi
-        blocks = tl.load(table + pos // KV_BLOCK, mask=ok, other=0).to(tl.int64)
-        in_block = (pos % KV_BLOCK).to(tl.int64)
-        k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh
-                    + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, pos, ok, kv_head, offs_d, d_ok, stride_kb, stride_ks,
+                        stride_kh, stride_vb, stride_vs, stride_vh, KV_BLOCK, UPCAST)  # [BLOCK_N, BLOCK_D] each
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:

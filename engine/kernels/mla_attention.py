@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.attention import _cdiv, _next_pow2, _num_sms, interpreted
+from engine.kernels.attention import _cdiv, _next_pow2, _num_sms, interpreted, split_partials
 from engine.device_batch.attention_metadata import TritonAttentionMetadata
 
 
@@ -163,11 +163,7 @@ def mla_decode_triton(q: torch.Tensor, latent_cache: torch.Tensor, block_table: 
         num_splits = mla_decode_splits(num_decodes, num_heads, kv_lora_rank, width * q.element_size(),
                                        _num_sms(q.device), launch, max_seq_len)
     split = num_splits > 1
-    if split:
-        part_out = torch.empty(num_decodes, num_heads, num_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(num_decodes, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_ml = out  # unused
+    part_out, part_ml = split_partials(out, num_splits)
     kernels = _kernels()
     consts = decode_constants(num_heads, kv_lora_rank, rope, latent_cache.shape[1], q.dtype, split, launch, interpreted())
     kernels.mla_decode_kernel[(_cdiv(num_heads, consts["BLOCK_H"]), num_splits, num_decodes)](

@@ -6,10 +6,9 @@ from collections.abc import Callable
 import torch
 
 from engine.layers.attention import Attention
-from engine.layers.moe import SparseMoeBlock
-from moe_kernels import RoutingSpec
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.base import DecoderLayer, MoECausalLM
+from engine.models.mixtral import mixtral_moe
 from moe_kernels.activation import ExpertActivation
 
 
@@ -48,18 +47,9 @@ class GptOssForCausalLM(MoECausalLM):
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, c.rms_norm_eps, tp=self.tp,
             qkv_bias=bias, o_bias=bias, sinks=True, sliding_window=c.own_window(layer_idx),
         )
-        moe = SparseMoeBlock(
-            c.hidden_size,
-            num_experts=c.cfg("num_local_experts"),
-            routing=RoutingSpec(top_k=c.cfg("num_experts_per_tok"), renormalize=True),
-            intermediate_size=c.cfg("intermediate_size"),
-            backend=moe_backend,
-            tp=self.tp,
-            activation=ExpertActivation("clamped_swiglu", float(c.cfg("swiglu_alpha", 1.702)),
-                                        float(c.cfg("swiglu_limit", 7.0))),
-            expert_bias=True,
-            router_bias=True,
-        )
+        moe = mixtral_moe(c, moe_backend, self.tp, expert_bias=True, router_bias=True,
+                          activation=ExpertActivation("clamped_swiglu", float(c.cfg("swiglu_alpha", 1.702)),
+                                                      float(c.cfg("swiglu_limit", 7.0))))
         return DecoderLayer(c, attn, moe)
 
     def checkpoint_layout(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:

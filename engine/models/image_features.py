@@ -20,6 +20,13 @@ class ImageFeatures(abc.ABC):
     """Mixed into a model class; its ``__init__`` calls ``init_image_features`` and it says how an image is
     encoded (``encode``)."""
 
+    def check_one_rank(self, architecture: str, tp, stage) -> None:
+        """ValueError unless the model is served whole on one rank (call before building it): the vision tower
+        and the image rows are not split across ranks or stages yet."""
+        if tp.size > 1 or stage.pipelined:
+            raise ValueError(f"{architecture} with images is served on one rank for now: tensor, expert and "
+                             "pipeline parallelism are not supported with it")
+
     def init_image_features(self) -> None:
         self._features: dict[str, list[VisionFeatures | None]] = {}
         # Encoded images across requests; the engine sizes it (EngineConfig.encoder_cache_gb), 0 keeps nothing.

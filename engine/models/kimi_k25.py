@@ -47,9 +47,7 @@ class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
 
     def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,
                  stage: PipelineStage = WHOLE) -> None:
-        if tp.size > 1 or stage.pipelined:
-            raise ValueError("Kimi_K25ForConditionalGeneration is served on one rank for now: tensor, expert and "
-                             "pipeline parallelism are not supported with it")
+        self.check_one_rank(config.architecture, tp, stage)
         super().__init__(config, moe_backend, max_positions, tp, stage)
         whole = config.multimodal_config
         vision = MoonViTConfig.from_hf(whole)

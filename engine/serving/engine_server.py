@@ -122,22 +122,8 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
             with lock:
                 busy[0] = False
 
-    def accept_forever() -> None:
-        while True:
-            try:
-                sock, peer = listener.accept()
-            except OSError as e:  # out of descriptors, say: keep serving the connections already made
-                logger.warning("accept failed: %s", e)
-                time.sleep(0.1)
-                continue
-            if not handshakes.acquire(blocking=False):  # a flood of connections: refuse the excess unanswered
-                logger.warning("refused a connection from %s: %d others are authenticating", peer[0], MAX_HANDSHAKES)
-                sock.close()
-                continue
-            conn = Connection(sock.detach())  # blocking descriptor: accept() sockets have no timeout
-            threading.Thread(target=admit, args=(conn, peer), name="moegate-engine-handshake", daemon=True).start()
-
-    threading.Thread(target=accept_forever, name="moegate-engine-accept", daemon=True).start()
+    threading.Thread(target=_accept_forever, args=(listener, handshakes, admit), name="moegate-engine-accept",
+                     daemon=True).start()
     while True:
         conn = arrivals.get()
         enable_keepalive(conn)
@@ -161,19 +147,43 @@ def serve_engine(config: EngineConfig, address: tuple[str, int], authkey: bytes,
         with lock:
             serving[:] = [engine, gateway]
         try:
-            _gateway_gone(engine, gateway, wait=True)
-            with lock:
-                if serving:  # no gateway has taken its turn yet: the next may connect while this engine winds down
-                    busy[0] = False
-                    serving.clear()
-            logger.info("the gateway has left or its engine has ended; serving the next gateway once it has")
-            engine.join(WIND_DOWN_S)
-            if engine.is_alive():  # stuck (in a collective, say): the next gateway gets a fresh one now
-                logger.warning("the engine did not end within %g s of its gateway leaving; killed", WIND_DOWN_S)
-                engine.kill()
-                engine.join()
+            _wind_down(engine, gateway, lock, busy, serving)
         finally:
             os.close(gateway)
+
+
+def _accept_forever(listener: socket.socket, handshakes: threading.BoundedSemaphore, admit) -> None:
+    """Accept connections and hand each to ``admit(conn, peer)`` on its own thread, at most ``MAX_HANDSHAKES``
+    authenticating at once."""
+    while True:
+        try:
+            sock, peer = listener.accept()
+        except OSError as e:  # out of descriptors, say: keep serving the connections already made
+            logger.warning("accept failed: %s", e)
+            time.sleep(0.1)
+            continue
+        if not handshakes.acquire(blocking=False):  # a flood of connections: refuse the excess unanswered
+            logger.warning("refused a connection from %s: %d others are authenticating", peer[0], MAX_HANDSHAKES)
+            sock.close()
+            continue
+        conn = Connection(sock.detach())  # blocking descriptor: accept() sockets have no timeout
+        threading.Thread(target=admit, args=(conn, peer), name="moegate-engine-handshake", daemon=True).start()
+
+
+def _wind_down(engine, gateway: int, lock: threading.Lock, busy: list[bool], serving: list) -> None:
+    """Wait until the served gateway leaves or its engine ends, free the turn (unless the next gateway has
+    taken it already), then give the engine ``WIND_DOWN_S`` to end before killing it."""
+    _gateway_gone(engine, gateway, wait=True)
+    with lock:
+        if serving:  # no gateway has taken its turn yet: the next may connect while this engine winds down
+            busy[0] = False
+            serving.clear()
+    logger.info("the gateway has left or its engine has ended; serving the next gateway once it has")
+    engine.join(WIND_DOWN_S)
+    if engine.is_alive():  # stuck (in a collective, say): the next gateway gets a fresh one now
+        logger.warning("the engine did not end within %g s of its gateway leaving; killed", WIND_DOWN_S)
+        engine.kill()
+        engine.join()
 
 
 def _greet(conn: Connection, config: EngineConfig) -> bool:

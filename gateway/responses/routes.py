@@ -81,37 +81,6 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
         except APIError as err:
             raise responses_error(err, places) from None
 
-    async def _chain(store: ResponseStore, tenant_id: int, response_id: str, param: str,
-                     not_found: APIError) -> list[StoredRow]:
-        """The rows of the conversation ending with the tenant's response ``response_id``; ``not_found`` if there
-        is no such response, a 404 if an earlier one of it was deleted, a 400 if it is too long (naming
-        ``param``)."""
-        try:
-            chain = await store.chain_rows(tenant_id, response_id)
-        except ChainBroken as gone:
-            raise APIError(404, f"{param} {response_id!r} continues response {gone.missing!r}, which was deleted; "
-                                "send the whole conversation as input", param=param,
-                           code="previous_response_not_found") from None
-        except ChainTooLong as e:
-            raise APIError(400, f"{param} {response_id!r}: {e}; send the conversation (or a summary of it) as "
-                                "input instead", param=param) from None
-        if chain is None:
-            raise not_found
-        return chain
-
-    async def _check_room(request: web.Request, tenant_id: int, incoming: int) -> None:
-        """A 400 if storing this request and its output (about ``incoming`` bytes) would pass the tenant's
-        stored-response cap."""
-        cap = (await request.app[QUOTAS].limits(tenant_id)).stored_response_bytes
-        if cap is None:
-            return
-        used = await request.app[RESPONSE_STORE].stored_bytes(tenant_id)
-        if used + incoming > cap:
-            raise APIError(400, f"your stored responses hold {used} bytes and this one would pass your limit of "
-                                f"{cap} bytes; delete responses you no longer continue (DELETE /v1/responses/{{id}}), "
-                                f"let them expire, or send store: false", param="store",
-                           code="stored_responses_limit_exceeded")
-
     async def retrieve(request: web.Request) -> web.Response:
         return json_response((await _saved(request)).response)
 
@@ -122,7 +91,7 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
             raise APIError(400, "order must be 'asc' or 'desc'", param="order")
         response_id = request.match_info["response_id"]
         rows = await _chain(request.app[RESPONSE_STORE], request[PRINCIPAL].tenant.id, response_id, "response_id",
-                            _not_found(response_id))
+                            _not_found(response_id, retention_s))
         chain = await asyncio.to_thread(decode_rows, rows)
         inputs = conversation(chain[:-1]) + chain[-1].inputs
         items, more = stored_items.page(inputs, order, request.query.get("after"), query_limit(request, most=100))
@@ -131,20 +100,15 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
     async def remove(request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
         if not await request.app[RESPONSE_STORE].delete(request[PRINCIPAL].tenant.id, response_id):
-            raise _not_found(response_id)
+            raise _not_found(response_id, retention_s)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def _saved(request: web.Request):
         response_id = request.match_info["response_id"]
         saved = await request.app[RESPONSE_STORE].get(request[PRINCIPAL].tenant.id, response_id)
         if saved is None:
-            raise _not_found(response_id)
+            raise _not_found(response_id, retention_s)
         return saved
-
-    def _not_found(response_id: str) -> APIError:
-        return APIError(404, f"no stored response {response_id!r} of yours (never stored, deleted, made with store: "
-                             f"false, or older than the {retention_s / 86400:g}-day retention)", "not_found_error",
-                        param="response_id", code="response_not_found")
 
     async def store_lifecycle(app: web.Application):
         app[RESPONSE_STORE] = store = ResponseStore(app[QUOTAS].store, retention_s)
@@ -159,6 +123,45 @@ def add_routes(app: web.Application, run: Callable[..., Awaitable[web.StreamResp
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", remove)
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
+
+
+async def _chain(store: ResponseStore, tenant_id: int, response_id: str, param: str,
+                 not_found: APIError) -> list[StoredRow]:
+    """The rows of the conversation ending with the tenant's response ``response_id``; ``not_found`` if there
+    is no such response, a 404 if an earlier one of it was deleted, a 400 if it is too long (naming
+    ``param``)."""
+    try:
+        chain = await store.chain_rows(tenant_id, response_id)
+    except ChainBroken as gone:
+        raise APIError(404, f"{param} {response_id!r} continues response {gone.missing!r}, which was deleted; "
+                            "send the whole conversation as input", param=param,
+                       code="previous_response_not_found") from None
+    except ChainTooLong as e:
+        raise APIError(400, f"{param} {response_id!r}: {e}; send the conversation (or a summary of it) as "
+                            "input instead", param=param) from None
+    if chain is None:
+        raise not_found
+    return chain
+
+
+async def _check_room(request: web.Request, tenant_id: int, incoming: int) -> None:
+    """A 400 if storing this request and its output (about ``incoming`` bytes) would pass the tenant's
+    stored-response cap."""
+    cap = (await request.app[QUOTAS].limits(tenant_id)).stored_response_bytes
+    if cap is None:
+        return
+    used = await request.app[RESPONSE_STORE].stored_bytes(tenant_id)
+    if used + incoming > cap:
+        raise APIError(400, f"your stored responses hold {used} bytes and this one would pass your limit of "
+                            f"{cap} bytes; delete responses you no longer continue (DELETE /v1/responses/{{id}}), "
+                            f"let them expire, or send store: false", param="store",
+                       code="stored_responses_limit_exceeded")
+
+
+def _not_found(response_id: str, retention_s: float) -> APIError:
+    return APIError(404, f"no stored response {response_id!r} of yours (never stored, deleted, made with store: "
+                         f"false, or older than the {retention_s / 86400:g}-day retention)", "not_found_error",
+                    param="response_id", code="response_not_found")
 
 
 async def _purge(store: ResponseStore, interval_s: float) -> None:
