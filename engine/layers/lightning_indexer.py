@@ -9,7 +9,8 @@ and ``w_h`` the head weight times ``n_i ** -0.5``; the query then attends to the
 the highest scores (to every visible key while it sees no more than that), the earlier key first among equal
 scores (``best_first``).
 
-Scores are computed in float32, as the reference computes them.
+Scores are computed in float32, as the reference computes them. Under tensor parallelism the indexer is whole on
+every rank, which selects the same keys as every other (``engine.layers.sparse_mla_attention`` says why).
 """
 
 import torch

@@ -8,6 +8,15 @@ query scores the keys its causal mask shows, keeps the ``index_topk`` best (``li
 those only: prefill chunks in the expanded form (per-head keys and values from the latents), decodes in the
 absorbed form (queries in latent space), each under the selection as its mask.
 
+Tensor parallel: MLA's heads split over the ranks as ``MLAttention``'s (every rank caches the same latents); the
+indexer is replicated, its weights whole on every rank (``tp_slices`` names only MLA's own tensors), and every rank
+caches the same indexer keys and computes the same selection. Splitting its heads instead would need the per-head
+scores summed over the ranks before the top-k: an all-reduce of [queries, context] float32 scores per indexed layer,
+which costs more than the small indexer's duplicated work (a few narrow projections and one matmul per query
+against the keys). The ranks agree without any exchange: they run the same operations on the same inputs (the
+hidden state is whole on every rank after each all-reduce; the cached keys are the same), so their scores are
+bitwise equal, and ``best_first`` breaks equal scores by key order, not by where a sort happens to leave them.
+
 GLM-5's "shared" layers have no indexer: they attend to the tokens the last layer with one selected, in the same
 forward. The selections pass between layers through a ``SelectionRelay`` that the model's layers share.
 

@@ -8,9 +8,8 @@ import random
 
 import pytest
 
-from tests.distributed.test_engine_ranks import generate_each_way
+from tests.distributed.split_references import check_split_generates_reference_tokens, split_runs_against_transformers
 from tests.engine.models.test_kimi_linear import make_kimi_model
-from tests.engine.models.test_vs_transformers import hf_greedy
 from tests.hf_models import make_hf_model
 
 VOCAB = 151
@@ -33,29 +32,20 @@ def _workload(rng: random.Random) -> tuple[list[list[int]], list[int]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    built, seeds, refs = {}, {}, {}
-    for family, overrides in FAMILIES.items():
-        seed = random.randrange(2**31)
-        path = str(tmp_path_factory.mktemp(f"hybrid-tp-{family}"))
+    def build(family: str, path: str, seed: int):
         if family == "kimi_linear":  # its own builder: kept out of tests.hf_models' every-family tests
-            hf = make_kimi_model(path, seed, vocab_size=VOCAB, **overrides)
-        else:
-            hf = make_hf_model(family, path, seed=seed, vocab_size=VOCAB, **overrides)
-        prompts, max_tokens = _workload(random.Random(seed))
-        modes = {"tp": dict(ENGINE, tensor_parallel_size=2)}  # one process: tests/engine/models/test_hybrid_*
-        built[family] = (path, prompts, max_tokens, modes)
-        seeds[family] = seed
-        refs[family] = [hf_greedy(hf, p, n) for p, n in zip(prompts, max_tokens)]
-    return generate_each_way(built, seeds, timeout_s=400), refs
+            return make_kimi_model(path, seed, vocab_size=VOCAB, **FAMILIES[family])
+        return make_hf_model(family, path, seed=seed, vocab_size=VOCAB, **FAMILIES[family])
+
+    # One process: tests/engine/models/test_hybrid_*.
+    return split_runs_against_transformers(tmp_path_factory, FAMILIES, build, _workload,
+                                           dict(ENGINE, tensor_parallel_size=2), timeout_s=400)
 
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_split_hybrid_models_generate_transformers_tokens(family, runs):
     results, refs = runs
-    seed, max_tokens, modes, (status, value) = results[family]
-    assert status == "ok", f"family={family} seed={seed}: {value}"
-    assert value["tp"] == refs[family], f"two ranks differ from transformers (family={family} seed={seed})"
-    preemptions, hits, _ = value["tp:stats"]
+    preemptions, hits, _ = check_split_generates_reference_tokens(family, results[family], refs[family])
+    seed = results[family][0]
     assert preemptions > 0 and hits > 0, f"the workload must preempt and hit the prefix cache (seed={seed})"
-
