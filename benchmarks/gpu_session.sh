@@ -40,6 +40,7 @@ bench-overlap 45 200
 bench-quant 300 540
 bench-mxfp4 120 240
 bench-mla 40 300
+bench-sparse-decode 60 240
 bench-engine-deepseek 300 540
 bench-engine-families 420 590
 tune 580 590
@@ -225,6 +226,10 @@ for spec in $SPECS; do
         # The MLA decode kernel alone: h = 16 and 128 heads, batch 1/32/128, context 1k/4k/16k, GB/s against the
         # copy peak and the datasheet, each shape checked against float64; the sweep times the launch alternatives.
         bench-mla) run_stage bench-mla "$limit" $PY -m benchmarks.mla_decode --sweep --json "$WORK/bench_mla.json" ;;
+        # DeepSeek Sparse Attention vs dense MLA, one decode step at 2k and 16k context (torch path, bf16): the
+        # sparse step's 16k/2k ratio stays small where dense MLA's grows with the context.
+        bench-sparse-decode) run_stage bench-sparse-decode "$limit" $PY -m benchmarks.sparse_decode --device cuda \
+            --rounds 20 ;;
         # The engine on DeepSeek-V2-Lite's shape (MLA: latent cache, Triton MLA decode, decode CUDA graphs; 15.7B
         # parameters in bf16), against transformers too.
         bench-engine-deepseek) run_stage bench-engine-deepseek "$limit" $PY -m benchmarks.engine_gpu --preset deepseek-v2-lite \

@@ -20,9 +20,11 @@ bitwise equal, and ``best_first`` breaks equal scores by key order, not by where
 GLM-5's "shared" layers have no indexer: they attend to the tokens the last layer with one selected, in the same
 forward. The selections pass between layers through a ``SelectionRelay`` that the model's layers share.
 
-The torch path (the runner falls back to it under the Triton backend): the selection is a boolean mask over each
-query's context, so the attention reads the whole context and masks it, which is exact but does not save the work
-a kernel reading only the selected rows would. ``decode_kernel = "triton"`` sends decodes to such a kernel
+The torch path (the runner falls back to it under the Triton backend): a decode's indexer scores every key of its
+context (few heads, small keys), then its attention reads only the selected latent rows, gathered through the
+block table (``engine.layers.selected_rows``): its cost follows ``index_topk``, not the context length. A prefill
+chunk's queries each select their own tokens, so a chunk still reads its whole context and masks it.
+``decode_kernel = "triton"`` sends decodes to a Triton kernel that reads the selected rows the same way
 (``engine.kernels.sparse_mla``), checked in Triton's interpreter; it is off by default until it has run on a GPU.
 """
 
@@ -34,6 +36,7 @@ from engine.layers.cache_spec import CacheSpec
 from engine.layers.lightning_indexer import LightningIndexer
 from engine.layers.mla_attention import MLAttention
 from engine.layers.paged_attention import chunk_visibility, decode_context, gather_visible
+from engine.layers.selected_rows import context_table, gather_selected_rows, selected_positions
 
 
 class SelectionRelay:
@@ -42,6 +45,7 @@ class SelectionRelay:
 
     def __init__(self) -> None:
         self.selections: list[torch.Tensor] = []
+        self.index_topk = 0  # the most tokens a selection keeps per query (that layer's indexer's top-k)
 
 
 class SparseMLAttention(MLAttention):
@@ -99,13 +103,13 @@ class SparseMLAttention(MLAttention):
         chosen: list[torch.Tensor] = []
         for group in meta.decode_groups:
             span = slice(group.start, group.end)
-            ctx, ctx_keys, visible = self._decode_context(rows, keys, group)  # [G, L, r + p], [G, L, d_i], [G, L]
-            select = self._select(len(chosen), index_q, index_w, span, ctx_keys, visible[:, None])  # [G, 1, L]
+            select = self._decode_select(len(chosen), keys, index_q, index_w, span, group)  # [G, 1, L]
             chosen.append(select)
+            positions = selected_positions(select[:, 0], self._index_topk())  # [G, K]
             if self.decode_kernel == "triton":
-                out[span] = self._decode_sparse_triton(q[span], cache, group, select)
+                out[span] = self._decode_sparse_triton(q[span], cache, context_table(group), positions)
             else:
-                out[span] = self._decode_sparse(q[span], ctx, select)
+                out[span] = self._decode_sparse(q[span], *gather_selected_rows(cache, context_table(group), positions))
         for (start, end), table, seq_len, mask in zip(
             meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
         ):
@@ -117,8 +121,21 @@ class SparseMLAttention(MLAttention):
             chosen.append(select[None])
             out[start:end] = self._prefill_sparse(q[start:end], ctx, select)
         if self.indexer is not None:
-            self.relay.selections = chosen
+            self.relay.selections, self.relay.index_topk = chosen, self.indexer.index_topk
         return out
+
+    def _index_topk(self) -> int:
+        """The most tokens this layer's selections keep per query (its indexer's, or the last indexed layer's)."""
+        return self.relay.index_topk if self.indexer is None else self.indexer.index_topk
+
+    def _decode_select(self, index: int, keys: torch.Tensor | None, index_q: torch.Tensor | None,
+                       index_w: torch.Tensor | None, span: slice, group: DecodeGroup) -> torch.Tensor:
+        """The decode group's selection [G, 1, L]: its indexer over every key of each request's context (the
+        only whole-context read of a decode), or the last indexed layer's."""
+        if self.indexer is None:
+            return self.relay.selections[index]
+        (ctx_keys,), visible = decode_context((keys,), group)  # [G, L, 1, d_i], [G, L]
+        return self._select(index, index_q, index_w, span, ctx_keys[:, :, 0], visible[:, None])
 
     def _select(self, index: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None, span: slice,
                 ctx_keys: torch.Tensor | None, visible: torch.Tensor) -> torch.Tensor:
@@ -130,37 +147,25 @@ class SparseMLAttention(MLAttention):
         batch, n = visible.shape[:2]
         return self.indexer.select(q.view(batch, n, *q.shape[1:]), w.view(batch, n, -1), ctx_keys, visible)
 
-    def _decode_context(self, rows: torch.Tensor, keys: torch.Tensor | None, group: DecodeGroup):
-        """Each request's whole context: latent rows [G, L, r + p], indexer keys [G, L, d_i] (None without an
-        indexer) and visibility [G, L] (a group's shared prefix blocks first, then its own)."""
-        (ctx, ctx_keys), visible = decode_context((rows, keys), group)  # [G, L, 1, r + p], [G, L, 1, d_i]
-        return ctx[:, :, 0], None if ctx_keys is None else ctx_keys[:, :, 0], visible
-
-    def _decode_sparse(self, q: torch.Tensor, ctx: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
-        """Absorbed: q [G, h, n + p] over the selected rows of ctx [G, L, r + p] (select [G, 1, L]) -> [G, h, v]."""
+    def _decode_sparse(self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Absorbed: q [G, h, n + p] over each request's selected latent rows [G, K, r + p] (valid [G, K]: False
+        on padding) -> [G, h, v]."""
         w_uk, w_uv = self._w_kv()
         r = self.kv_lora_rank
         q_latent = torch.einsum("ghn,hnr->ghr", q[..., :self.nope_dim], w_uk)
         qa = torch.cat([q_latent, q[..., self.nope_dim:]], dim=-1)  # [G, h, r + p]
-        out = F.scaled_dot_product_attention(qa[:, None], ctx[:, None], ctx[:, None, :, :r],
-                                             attn_mask=select[:, None], scale=self.scale)[:, 0]  # [G, h, r]
+        out = F.scaled_dot_product_attention(qa[:, None], rows[:, None], rows[:, None, :, :r],
+                                             attn_mask=valid[:, None, None], scale=self.scale)[:, 0]  # [G, h, r]
         return torch.einsum("ghr,hvr->ghv", out, w_uv)
 
-    def _decode_sparse_triton(self, q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup,
-                              select: torch.Tensor) -> torch.Tensor:
-        """``_decode_sparse`` in the Triton kernel, which reads only the selected rows: q [G, h, n + p],
-        select [G, 1, L] over the context ``_decode_context`` laid out -> [G, h, v]."""
+    def _decode_sparse_triton(self, q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+                              positions: torch.Tensor) -> torch.Tensor:
+        """``_decode_sparse`` in the Triton kernel, which reads the selected rows itself: q [G, h, n + p], table
+        [G, W] (``context_table``), positions [G, K] (``selected_positions``) -> [G, h, v]."""
         from engine.kernels.sparse_mla import sparse_mla_decode_triton
 
         w_uk, w_uv = self._w_kv()
         qa = torch.cat([torch.einsum("ghn,hnr->ghr", q[..., :self.nope_dim], w_uk), q[..., self.nope_dim:]], dim=-1)
-        table = group.block_table  # [G, W]
-        if group.shared_blocks is not None:  # the context starts with the shared blocks
-            table = torch.cat([group.shared_blocks.expand(table.shape[0], -1), table], dim=1)
-        chosen = select[:, 0]  # [G, L]
-        positions = torch.where(chosen, torch.arange(chosen.shape[1], device=q.device), -1)  # [G, L]
-        most = max(int(chosen.sum(dim=-1).max()), 1)
-        positions = positions.sort(dim=-1, descending=True).values[:, :most]  # [G, K]: the selected first
         latent_out = sparse_mla_decode_triton(qa, cache, table, positions, self.scale, self.kv_lora_rank)  # [G, h, r]
         return torch.einsum("ghr,hvr->ghv", latent_out, w_uv)
 
