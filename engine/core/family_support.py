@@ -18,7 +18,9 @@ setting and the model, which that table cannot see.
 - DeepSeek-V4: its compressed layers cache their compressed entries per token; every layer keeps its window's key
   rows and its compressors' open windows in a state per request (``engine.layers.compressed_attention``), served
   through the hybrid models' state slots and checkpoints, so what moves or rolls back K and V per token does not
-  move or roll back that state.
+  move or roll back that state. It splits tensor parallel: the query heads (and their output groups) over the
+  ranks, the shared key=value row, compressors and indexer whole on every rank (so is the state: none of it is
+  per head), the experts as DeepSeek-V3's, the hyper-connections whole.
 - Image-text models served with images (Qwen3-VL-MoE, Qwen3.5-MoE with a vision config, Kimi-K2.5): one rank;
   the vision tower and the step's image rows are not split over ranks (the model itself also refuses a
   tensor-parallel or pipelined build).
@@ -126,7 +128,6 @@ LIMITS = (
         ("tensor_parallel_size", _tp, "the block indexer is not split over ranks yet"),
     )),
     FamilyLimits(lambda m: m.architecture == "DeepseekV4ForCausalLM", "DeepSeek-V4 ({architecture})", (
-        ("tensor_parallel_size", _tp, "its attention and experts are not split yet"),
         ("pipeline_parallel_size", _pp, "the hyper-connection streams are not handed across stages yet"),
         ("data_parallel_size", _dp, "replicas sharing experts are not built for it yet"),
         ("enable_expert_parallel", _ep, "expert parallelism is not built for it yet"),

@@ -7,12 +7,18 @@ Either way the chosen experts' scores, renormalised to sum to 1 and times ``rout
 outputs. Each SwiGLU clamps its gate from above and its up projection on both sides at ``swiglu_limit``.
 
 A plain torch loop over the experts that tokens chose (exact, not fast): the fused MoE kernels do not clamp.
+
+Tensor parallel as DeepSeek-V3's experts (``engine.layers.moe``): every rank routes (the router is whole) and
+holds a 1/tp slice of every expert's and the shared expert's intermediate size (the loader cuts the gate and up
+rows and the down columns); the clamps are elementwise, so each slice's partial output is exact and one
+all-reduce of the routed plus shared sum gives the layer's output.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.float32_params import KeepsFloat32
 
 _SCORES = {
@@ -95,8 +101,12 @@ class ClampedMoeBlock(nn.Module):
     """gate (``Router``), experts (``ClampedExperts``), shared_experts (``ClampedMLP``)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 shared_size: int, limit: float, scoring: str, scaling: float, hash_vocab: int | None) -> None:
+                 shared_size: int, limit: float, scoring: str, scaling: float, hash_vocab: int | None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
+        intermediate_size = tp.shard(intermediate_size, "the expert intermediate size")[1]
+        shared_size = tp.shard(shared_size, "the shared expert's intermediate size")[1]
         self.gate = Router(hidden_size, num_experts, top_k, scoring, scaling, hash_vocab)
         self.experts = ClampedExperts(num_experts, hidden_size, intermediate_size, limit)
         self.shared_experts = ClampedMLP(hidden_size, shared_size, limit)
@@ -109,4 +119,4 @@ class ClampedMoeBlock(nn.Module):
         experts, weights = self.gate(x, input_ids)
         flat = experts.flatten()  # [T k]: counted without a host sync (bincount's size depends on the data)
         self.expert_tokens.scatter_add_(0, flat, torch.ones_like(flat))
-        return self.experts(x, experts, weights) + self.shared_experts(x)
+        return self.tp.all_reduce(self.experts(x, experts, weights) + self.shared_experts(x))

@@ -22,6 +22,12 @@ once, in the step its window completes, from the state's raw rows and the step's
 window's slots (which may lie in blocks a prefix-cache hit shares: every writer writes the entry of the same
 tokens). Preemption recomputes a request from its first token; a prefix-cache hit resumes from a state
 checkpoint (``engine.core.state_checkpoints``) at the hit's end. Torch only.
+
+Tensor parallel: the query heads are split over the ranks (``q_b_proj`` by head rows, ``sinks`` by head, the
+grouped output projection by whole groups: ``o_a_proj``'s rows and ``o_b_proj``'s columns of this rank's groups,
+then a sum over the ranks). Everything the heads share is kept whole on every rank: the query latent (the
+indexer reads it whole), the one key=value row per token, the compressors and the indexer, so every rank computes
+the same entries, selection and state, and the per-request state and the paged entries are whole, not per head.
 """
 
 import torch
@@ -30,6 +36,7 @@ from torch import nn
 
 from engine.device_batch.attention_metadata import AttentionMetadata
 from engine.device_batch.state_metadata import StateMetadata
+from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.layers.cache_spec import CacheSpec, StateSpec
 from engine.layers.float32_params import KeepsFloat32
 from engine.layers.hyper_connections import unweighted_rms
@@ -166,11 +173,12 @@ class Indexer(Compressor):
 
 
 class CompressedAttention(KeepsFloat32):
-    """Legend: T tokens, H hidden, h heads, d ``head_dim``, Q ``q_lora_rank``, g ``o_groups``, L a request's
-    context, W its compressed entries, n a request's queries this step.
+    """Legend: T tokens, H hidden, h this rank's heads, d ``head_dim``, Q ``q_lora_rank``, g this rank's
+    ``o_groups``, L a request's context, W its compressed entries, n a request's queries this step.
 
     Checkpoint names (``self_attn.*``): q_a_proj, q_a_norm, q_b_proj, kv_proj, kv_norm, o_a_proj [g * o_lora, h*d/g],
-    o_b_proj, sinks [h], and ``compressor.*`` (with ``compressor.indexer.*`` for CSA)."""
+    o_b_proj, sinks [h], and ``compressor.*`` (with ``compressor.indexer.*`` for CSA). Under tensor parallelism h
+    and g are this rank's shares (``tp_slices``)."""
 
     float32_params = ("sinks",)
     backends = ("torch",)
@@ -178,11 +186,15 @@ class CompressedAttention(KeepsFloat32):
 
     def __init__(self, kind: str, hidden_size: int, num_heads: int, head_dim: int, q_lora_rank: int,
                  o_groups: int, o_lora_rank: int, window: int, rope: Rope, eps: float, rate: int = 0,
-                 index: dict | None = None) -> None:
+                 index: dict | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
+        # A rank's heads must fill whole output groups (each group's low-rank projection reads its heads only).
+        num_heads = tp.shard(num_heads, "the number of attention heads")[1]
+        o_groups = tp.shard(o_groups, "o_groups (the output projection's head groups)")[1]
         self.kind, self.num_heads, self.head_dim, self.window, self.rope, self.eps = \
             kind, num_heads, head_dim, window, rope, eps
-        self.o_groups = o_groups
+        self.o_groups, self.o_lora_rank = o_groups, o_lora_rank
         self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
         self.q_a_norm = Float32RMSNorm(q_lora_rank, eps)
         self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
@@ -197,6 +209,19 @@ class CompressedAttention(KeepsFloat32):
             if kind == CSA:
                 self.compressor.indexer = Indexer(hidden_size, q_lora_rank, rate=rate, eps=eps, **index)
         self.kv_cache: tuple[torch.Tensor, ...] = ()  # bound by the runner, as ``cache_spec`` says
+
+    def tp_slices(self, local_name: str, rank: int) -> tuple[slice, ...] | None:
+        """This rank's part of checkpoint tensor ``self_attn.<local_name>`` (None: whole on every rank, as the
+        shared key=value row, the compressors and the indexer are)."""
+        rows = {"q_b_proj.weight": self.num_heads * self.head_dim, "sinks": self.num_heads,
+                "o_a_proj.weight": self.o_groups * self.o_lora_rank}  # [h*d, Q], [h], [g * o_lora, h*d/g]
+        if local_name in rows:
+            n = rows[local_name]
+            return (slice(rank * n, (rank + 1) * n),)
+        if local_name == "o_b_proj.weight":  # [H, g * o_lora]: this rank's groups' columns
+            n = self.o_groups * self.o_lora_rank
+            return (slice(None), slice(rank * n, (rank + 1) * n))
+        return None
 
     def compressors(self) -> list[Compressor]:
         """The layer's compressors: none (sliding), its own, or its own then the indexer's (CSA)."""
@@ -237,7 +262,7 @@ class CompressedAttention(KeepsFloat32):
         out = self.rope.apply(out, cos, -sin)  # the values' rotation taken back at the query's position
         grouped = out.reshape(num_tokens, self.o_groups, -1)  # [T, g, h*d/g]
         w = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])  # [g, o_lora, h*d/g]
-        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
+        return self.tp.all_reduce(self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)))
 
     def _requests(self, meta: AttentionMetadata):
         """(first query token, end, block table from position 0 or None for a sliding layer, state slot) of each

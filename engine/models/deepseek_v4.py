@@ -9,6 +9,11 @@ Sliding-only layers rotate with the "main" rope; compressed layers, their compre
 "compress" rope (``rope_parameters`` keyed so). The engine's metadata carries no window for this family: each
 layer applies its own window to the key rows its per-request state keeps (``linear_layers``: every attention layer
 keeps one, in the state slots hybrid models use), and reads its compressed entries from its blocks.
+
+Tensor parallel: each layer's query heads split over the ranks (its shared key=value row, compressors and indexer
+whole on each: ``engine.layers.compressed_attention``), the experts and the shared expert by intermediate slices
+as DeepSeek-V3's (``engine.layers.clamped_moe``), the embeddings and head by vocabulary rows; the
+hyper-connections (per token and cheap) run whole on every rank over the same streams.
 """
 
 import logging
@@ -148,7 +153,7 @@ class DeepseekV4ForCausalLM(MoECausalLM):
         attn = CompressedAttention(
             kind, c.hidden_size, c.num_heads, c.head_dim, c.cfg("q_lora_rank"), c.cfg("o_groups"),
             c.cfg("o_lora_rank"), c.cfg("sliding_window"), self._ropes["main" if kind == SLIDING else "compress"],
-            c.rms_norm_eps, rate=int(rates.get(kind, 0)), index=index,
+            c.rms_norm_eps, rate=int(rates.get(kind, 0)), index=index, tp=self.tp,
         )
         mlp_kind = (c.cfg("mlp_layer_types") or ["moe"] * c.num_layers)[layer_idx]
         if mlp_kind not in ("moe", "hash_moe"):
@@ -157,7 +162,7 @@ class DeepseekV4ForCausalLM(MoECausalLM):
         mlp = ClampedMoeBlock(c.hidden_size, c.cfg("n_routed_experts"), c.cfg("num_experts_per_tok"), inter, inter,
                               float(c.cfg("swiglu_limit")), c.cfg("scoring_func"),
                               float(c.cfg("routed_scaling_factor") or 1.0),
-                              c.vocab_size if mlp_kind == "hash_moe" else None)
+                              c.vocab_size if mlp_kind == "hash_moe" else None, self.tp)
         return V4DecoderLayer(c, attn, mlp)
 
     def linear_layers(self) -> list[CompressedAttention]:

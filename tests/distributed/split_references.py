@@ -5,10 +5,22 @@ family's result checked."""
 import random
 from collections.abc import Callable
 
+import pytest
+import torch
+
 from tests.distributed.test_engine_ranks import generate_each_way
+from tests.engine.models.test_sparse_attention import earlier_first_topk
 from tests.engine.models.test_vs_transformers import hf_greedy
 
 Workload = Callable[[random.Random], tuple[list[list[int]], list[int]]]
+
+
+def tie_ordered_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
+    """transformers' greedy tokens with the engine's tie rule in its indexers (the earlier key first among equal
+    scores: ``earlier_first_topk``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "topk", earlier_first_topk)
+        return hf_greedy(hf, prompt, max_new)
 
 
 def split_runs_against_transformers(tmp_path_factory, families, build: Callable, workload: Workload, engine: dict,

@@ -7,12 +7,10 @@ tests/engine/models/test_sparse_attention.py.)"""
 import random
 
 import pytest
-import torch
 
-from tests.distributed.split_references import check_split_generates_reference_tokens, split_runs_against_transformers
-from tests.engine.models.test_sparse_attention import (FAMILIES, INDEX_TOPK, VOCAB, earlier_first_topk,
-                                                       make_dsa_model)
-from tests.engine.models.test_vs_transformers import hf_greedy
+from tests.distributed.split_references import (check_split_generates_reference_tokens,
+                                                split_runs_against_transformers, tie_ordered_greedy)
+from tests.engine.models.test_sparse_attention import FAMILIES, INDEX_TOPK, VOCAB, make_dsa_model
 
 # Two indexer heads, not eight: a query both of whose head weights are negative scores every key at most 0 and the
 # keys both heads score below zero exactly 0, the best score, shared by many more keys than it keeps. Such ties
@@ -33,13 +31,6 @@ def _workload(rng: random.Random) -> tuple[list[list[int]], list[int]]:
     return prompts, [8, 6, 6, 8]
 
 
-def _tie_ordered_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
-    """transformers' greedy tokens with the engine's tie rule in its indexer (see ``earlier_first_topk``)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.Tensor, "topk", earlier_first_topk)
-        return hf_greedy(hf, prompt, max_new)
-
-
 def _build(family: str, path: str, seed: int):
     return make_dsa_model(family, path, seed, **FAMILIES[family], **INDEXER)
 
@@ -47,7 +38,7 @@ def _build(family: str, path: str, seed: int):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return split_runs_against_transformers(tmp_path_factory, FAMILIES, _build, _workload, ENGINE, timeout_s=280,
-                                           reference=_tie_ordered_greedy)
+                                           reference=tie_ordered_greedy)
 
 
 @pytest.mark.timeout(300)

@@ -91,7 +91,7 @@ def test_greedy_matches_transformers(tmp_path, monkeypatch):
     scheduler.kv.pool.check_all_free()
 
 
-@pytest.mark.parametrize("setting,flag", [(dict(tensor_parallel_size=2), "--tensor-parallel-size"),
+@pytest.mark.parametrize("setting,flag", [(dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
                                           (dict(host_cache_gb=1.0), "--host-cache-gb"),
                                           (dict(role="prefill"), "--role")])
 def test_unsupported_settings_are_refused(tmp_path, setting, flag):
