@@ -5,9 +5,11 @@ HTTP.
 Each replica's rank is its own placement group: with one CPU a node, the two land on two nodes, and both serve,
 with exactly the single-process engine's greedy text. Then a worker node holding one replica is removed while
 both replicas decode: every request is answered (its whole text, or, on the lost replica only, its tokens so far
-and the documented ``503`` error event), requests sent meanwhile run on the other replica, the lost replica's group
-is placed again on the third node and serves again, and the tenant's usage rows (the ledger in the tenants
-database) bill exactly the tokens each client received.
+and the documented ``503`` error event), requests sent once the gateway saw the loss run on the other replica, the
+lost replica's group is placed again on the third node and serves again, and the tenant's usage rows (the ledger
+in the tenants database) bill exactly the tokens each client received.
+
+The same command line as a real process, with a Ray of its own: it starts, serves, and drains on SIGTERM.
 
 Slow (a Ray cluster starts in 15-30 s on two busy cores): marked ``ray``, skipped without Ray installed
 (``pip install -e '.[ray]'``)."""
@@ -115,7 +117,8 @@ def test_moegate_serve_starts_two_ray_replicas_and_drains_them_on_sigterm(tmp_pa
                              "--served-model-name", "demo", "--data-dir", str(tmp_path / "data"))
     try:
         asyncio.run(wait_ready(url, WAIT_S + 30))  # Ray's own start, then the replicas'
-        ranks = {m.group(1) for line in list(proc.output_tail) for m in re.finditer(r"rank 0 on node \w+ \(pid (\d+)", line)}
+        placed = r"rank 0 on node \w+ \(pid (\d+)"  # the gateway's log line of each replica's placement
+        ranks = {m.group(1) for line in list(proc.output_tail) for m in re.finditer(placed, line)}
         assert len(ranks) == 2, ("two replicas' rank 0 actors", list(proc.output_tail)[-20:])
 
         async def scenario() -> Answer:
