@@ -14,7 +14,7 @@ import os
 from multiprocessing.connection import Connection
 
 from engine.core.config import EngineConfig
-from engine.serving.ray_group import RayGroupError, RayRankGroup
+from engine.serving.ray_group import RayGroupError, RayRankGroup, reclaim_sigterm
 from engine.serving.async_engine import MAX_UNREAD_OUTPUTS, AsyncEngine, EngineError
 from engine.serving.handshake import shut
 
@@ -43,6 +43,8 @@ class RayEngine(AsyncEngine):
         except asyncio.CancelledError:  # the gateway is stopping: the start's thread finds its group removed
             group.kill()
             raise
+        finally:
+            reclaim_sigterm()  # the start may have joined Ray, which takes SIGTERM over
         loop = asyncio.get_running_loop()
         group.watch(lambda why: loop.call_soon_threadsafe(self._rank_ended, group, conn, why))
         return conn, conn

@@ -12,6 +12,7 @@ actor in it. A restart is a fresh group, placed wherever Ray has room at that mo
 """
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -25,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0  # how long Ray may take to find room for every rank of the engine
 CONNECT_TIMEOUT_S = 60.0  # how long rank 0's actor may take to start and connect back to the gateway
+# Data-parallel replicas start at once, each from a thread of its own: one of them joins Ray, the others find it
+# joined (two ray.init calls at once: the second fails with "called ray.init twice").
+_JOINING = threading.Lock()
 
 
 class RayGroupError(RuntimeError):
@@ -36,8 +40,20 @@ def connect_ray(address: str | None) -> None:
     has (a program that called ``ray.init`` itself keeps its connection)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address, logging_level=logging.WARNING)
+    with _JOINING:
+        if not ray.is_initialized():
+            ray.init(address=address, logging_level=logging.WARNING)
+
+
+def reclaim_sigterm() -> None:
+    """Give SIGTERM back to this process's own handler (asyncio's, which drains the gateway) after joining Ray:
+    a Ray driver (one that started Ray itself, at least) installs a crash handler for it that prints a stack
+    trace and aborts the process, so a gateway told to stop would end at once, its requests cut and its last
+    usage unwritten. Only the main thread may set handlers: elsewhere this does nothing."""
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGTERM)
+        if handler is not None:  # None: set outside Python, nothing of ours to put back
+            signal.signal(signal.SIGTERM, handler)  # installs CPython's handler again, which calls ``handler``
 
 
 class RayRankGroup:

@@ -104,7 +104,8 @@ def register(subparsers) -> None:
                    help="engine replicas on this node, each a whole engine with its own KV cache (default 1); "
                         "on a GPU node replica i takes the --tensor-parallel-size GPUs after the previous "
                         "replicas' (size 1: GPU i), on a CPU they share the cores; with --enable-expert-parallel "
-                        "the replicas divide the experts among all their ranks")
+                        "the replicas divide the experts among all their ranks; with --distributed-executor-backend "
+                        "ray each replica's ranks are a placement group of their own, anywhere on the cluster")
     p.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
                    help="disaggregated serving: P local engines that only prefill prompts and hand their KV to the "
                         "decode engines (with --decode-replicas; docs/disaggregation.md)")
