@@ -12,9 +12,9 @@ setting and the model, which that table cannot see.
   over the ranks. The prefix cache serves them through state checkpoints (``engine.core.state_checkpoints``).
 - Sparse attention (DeepSeek-V3.2, GLM-5, MiniMax-M3): an indexer key per token beside the latent (MiniMax-M3's
   beside K and V), and GLM-5's layers hand their selection to the next. The prefix cache, chunked prefill,
-  preemption and n-gram speculation are served. DeepSeek-V3.2 and GLM-5 split tensor parallel: MLA's heads over
-  the ranks as DeepSeek-V3's, the lightning indexer whole on every rank (each computes the same selection);
-  MiniMax-M3's block indexer is not split yet.
+  preemption and n-gram speculation are served. They split tensor parallel with their indexer whole on every rank
+  (each caches every token's indexer key and computes the same selection): DeepSeek-V3.2's and GLM-5's MLA heads
+  over the ranks as DeepSeek-V3's, MiniMax-M3's GQA heads as any GQA model's, its experts as MiniMax-M2's.
 - DeepSeek-V4: its compressed layers cache their compressed entries per token; every layer keeps its window's key
   rows and its compressors' open windows in a state per request (``engine.layers.compressed_attention``), served
   through the hybrid models' state slots and checkpoints, so what moves or rolls back K and V per token does not
@@ -93,8 +93,6 @@ TENSOR_PARALLEL_HYBRIDS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwe
                            "KimiLinearForCausalLM")
 SPARSE_ATTENTION_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
                                   "MiniMaxM3SparseForConditionalGeneration")
-# Sparse-attention families served split tensor parallel: MLA's heads split, the lightning indexer whole on every rank.
-TENSOR_PARALLEL_SPARSE = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 
 LIMITS = (
     FamilyLimits(lambda m: m.is_hybrid, "hybrid linear-attention models ({architecture})", (
@@ -122,10 +120,6 @@ LIMITS = (
         ("host_cache_gb", _host, "the prefix-cache tiers are not tested with the indexer keys yet"),
         ("disk_cache_dir", _disk, "the prefix-cache tiers are not tested with the indexer keys yet"),
         ("enable_lora", _lora, "adapters are not applied to sparse attention yet"),
-    )),
-    FamilyLimits(lambda m: m.architecture in SPARSE_ATTENTION_ARCHITECTURES
-                 and m.architecture not in TENSOR_PARALLEL_SPARSE, "sparse-attention models ({architecture})", (
-        ("tensor_parallel_size", _tp, "the block indexer is not split over ranks yet"),
     )),
     FamilyLimits(lambda m: m.architecture == "DeepseekV4ForCausalLM", "DeepSeek-V4 ({architecture})", (
         ("pipeline_parallel_size", _pp, "the hyper-connection streams are not handed across stages yet"),

@@ -5,6 +5,16 @@ Each token caches K and V (as ``Attention``) and one indexer key of ``d_i`` valu
 the keys its causal mask shows, keeps its best blocks (its own among them) per indexer head, and each attention head
 attends to the visible keys of its group's kept blocks (attention head j reads indexer head j * n_i // h).
 
+Tensor parallel: the attention heads split over the ranks as ``Attention``'s (K and V of each rank's KV heads, or
+one replicated KV head where there are fewer than ranks); the indexer is whole on every rank (its weights read
+whole: the loader's default for tensors it does not split), every rank caches every token's indexer key and
+computes every indexer head's selection, then its attention heads read the selections of their own groups. The
+ranks agree without any exchange, as DeepSeek Sparse Attention's do (``engine.layers.sparse_mla_attention``): the
+same operations on the same inputs (the hidden state is whole on every rank after each all-reduce, the cached
+indexer keys are the same) give bitwise equal scores, so the same blocks are kept everywhere. Splitting the indexer
+heads would save little (a few narrow projections and one matmul per query) and make the cache layout depend on
+the split.
+
 The torch path only (the runner falls back to it under the Triton backend): the selection is a boolean mask over
 each query's context, so the attention reads the whole context and masks it, which is exact but does not save the
 work a kernel reading only the kept blocks would.
@@ -21,17 +31,17 @@ from engine.layers.paged_attention import chunk_visibility, decode_context, gath
 
 
 class BlockSparseAttention(Attention):
-    """``Attention`` (one rank) whose queries attend to the key blocks ``indexer`` keeps. Legend as ``Attention``;
-    n_i, d_i the indexer's heads and width, G decode requests of a group, L context."""
+    """``Attention`` whose queries attend to the key blocks ``indexer`` keeps. Legend as ``Attention`` (h: this
+    rank's query heads); n_i, d_i the indexer's heads and width (all of them on every rank), G decode requests of a
+    group, L context."""
 
     backends = ("torch",)
 
     def __init__(self, *args, indexer: BlockIndexer, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.tp.size > 1:
-            raise ValueError("the block indexer is not split over tensor-parallel ranks yet")
-        if self.num_heads % indexer.num_heads:
-            raise ValueError(f"index_n_heads ({indexer.num_heads}) must divide the attention heads ({self.num_heads})")
+        if self.total_heads % indexer.num_heads:
+            raise ValueError(f"index_n_heads ({indexer.num_heads}) must divide the attention heads "
+                             f"({self.total_heads})")
         self.indexer = indexer
         # (K, V, indexer keys): [N_blocks + 1, block_size, kvh, d] twice, then [N_blocks + 1, block_size, d_i].
         self.kv_cache = (torch.empty(0), torch.empty(0), torch.empty(0))
@@ -79,7 +89,10 @@ class BlockSparseAttention(Attention):
         """q [B, n, h, d] over keys/values [B, L, kvh, d] under the indexer's selection (index_q [B, n, n_i, d_i],
         ctx_keys [B, L, d_i], positions [B, n], visible [B, n, L]) -> [B, n, h, d]."""
         kept = self.indexer.select(index_q, ctx_keys, positions, visible)  # [B, n_i, n, L]
-        mask = kept.repeat_interleave(self.num_heads // self.indexer.num_heads, dim=1)  # [B, h, n, L]
+        # Global head j reads indexer head j * n_i // h_total; this rank's heads are a run from rank * h.
+        first = self.tp.rank * self.num_heads
+        heads = torch.arange(first, first + self.num_heads, device=kept.device)  # [h]
+        mask = kept.index_select(1, heads * self.indexer.num_heads // self.total_heads)  # [B, h, n, L]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=mask, scale=self.scale, enable_gqa=True)  # [B, h, n, d]
         return out.transpose(1, 2)

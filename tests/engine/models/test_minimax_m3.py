@@ -4,7 +4,8 @@ first dims with the attention's; per-head q/k norms; gpt-oss's clamped SwiGLU in
 bias-corrected sigmoid routing): greedy tokens equal transformers' on a tiny random checkpoint saved by
 transformers' image-text class (the engine loads its text model alone), with prompts far longer than the kept
 blocks chunked 16 tokens a step, a preemption forced, and a second pass over prompts sharing a prefix hitting the
-prefix cache; splitting it is refused at start in one line."""
+prefix cache; pipelining it is refused at start in one line. (Split tensor parallel:
+tests/distributed/test_minimax_m3_tensor_parallel.py.)"""
 
 import pytest
 from transformers import AutoConfig
@@ -66,9 +67,9 @@ def test_second_pass_hits_the_prefix_cache(reference):
     second_pass_hits(path, reqs[:3], expected[:3], seed)
 
 
-def test_tensor_parallel_is_refused_at_start(reference):
+def test_pipeline_parallel_is_refused_at_start(reference):
     with pytest.raises(ValueError) as caught:
-        LLM(model=reference[0], dtype="float32", device="cpu", num_kv_blocks=8, tensor_parallel_size=2)
+        LLM(model=reference[0], dtype="float32", device="cpu", num_kv_blocks=8, pipeline_parallel_size=2)
     text = str(caught.value)
-    assert "\n" not in text and text.startswith("--tensor-parallel-size is not supported with sparse-attention models "
-                                                "(MiniMaxM3SparseForConditionalGeneration)"), text
+    assert "\n" not in text and text.startswith("--pipeline-parallel-size is not supported with sparse-attention "
+                                                "models (MiniMaxM3SparseForConditionalGeneration)"), text
