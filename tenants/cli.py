@@ -439,7 +439,7 @@ def register(subparsers) -> None:
     """Add ``admin`` and ``db`` to the ``moegate`` subparsers; each leaf sets ``func(args) -> int``."""
     common = _common()
     admin = subparsers.add_parser("admin", help="manage tenants, keys, quotas, priority classes, LoRA adapters; "
-                                                "show usage")
+                                                "show usage; scale a running gateway's replicas")
     groups = admin.add_subparsers(dest="admin_group", required=True, parser_class=_OneLineParser)
 
     tenant = groups.add_parser("tenant", help="tenants").add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
@@ -525,6 +525,10 @@ def register(subparsers) -> None:
         p.add_argument("name")
         p.add_argument("tenant")
         p.set_defaults(grant=grant)
+
+    from tenants import replicas_cli
+
+    replicas_cli.register(groups, _OneLineParser)
 
     p = groups.add_parser("usage", parents=[common], help="usage from the ledger")
     p.set_defaults(func=_admin_entry, admin_func=_usage)
