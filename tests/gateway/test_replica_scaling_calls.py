@@ -1,5 +1,6 @@
 """``ReplicaScaler`` over engine doubles: concurrent calls are serialized, a replica that fails to start leaves the
-fleet as it was, a count out of range is refused, a slot freed by a removal is reused (fast: no engine process)."""
+fleet as it was, a count out of range is refused, a slot freed by a removal is reused; the CLI's refusals (one
+line, exit 2) and a fixed fleet's ``/admin/replicas`` (fast: no engine process)."""
 
 import asyncio
 
@@ -85,5 +86,65 @@ def test_a_replica_that_fails_to_start_leaves_the_fleet_as_it_was():
                     await scaler.set_count(bad, supervisors, 1)
         finally:
             await supervisors.stop_all()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["set", "0"], "the count must be 1 or more, got 0"),
+    (["set", "two"], "argument count: invalid int value: 'two'"),
+    (["set", "2", "--url", "http://127.0.0.1:9"], "cannot reach the gateway at http://127.0.0.1:9"),
+    (["--url", "http://127.0.0.1:9"], "cannot reach the gateway at http://127.0.0.1:9"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(argv, says, capsys, monkeypatch):
+    from gateway.cli import main as moegate
+
+    monkeypatch.setenv("MOEGATE_ADMIN_TOKEN", "t" * 20)
+    try:
+        rc = moegate(["admin", "replicas", *argv])
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and err.count("\n") == 1, err
+
+
+def test_cli_without_a_token_says_so(capsys, monkeypatch):
+    from gateway.cli import main as moegate
+
+    monkeypatch.delenv("MOEGATE_ADMIN_TOKEN", raising=False)
+    assert moegate(["admin", "replicas", "set", "2"]) == 2
+    assert capsys.readouterr().err == "moegate admin replicas: error: set MOEGATE_ADMIN_TOKEN to the gateway's admin token\n"
+
+
+def test_a_fixed_fleet_lists_its_replica_and_refuses_to_scale(tmp_path):
+    """A server started without room to scale: GET lists its one engine, POST is 409 scaling_disabled (after the
+    body is checked: a count that is not an integer is a 400 naming it); the admin token only."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from benchmarks.instant_engine import InstantEngine
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from tenants.migrate import upgrade
+
+    token = "admin-" + "x" * 20
+    db = f"sqlite:///{tmp_path / 'policy.db'}"
+    upgrade(db)
+    app = create_app(GatewayConfig(database_url=db, data_dir=str(tmp_path / "data"), admin_token=token),
+                     InstantEngine())
+
+    async def scenario():
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as http:
+            url, auth = str(server.make_url("/admin/replicas")), {"Authorization": f"Bearer {token}"}
+            async with http.get(url, headers=auth) as r:
+                listing = await r.json()
+                assert r.status == 200 and listing["scalable"] is False, listing
+                assert [(x["replica"], x["state"]) for x in listing["replicas"]] == [("0", "serving")]
+            async with http.post(url, headers=auth, json={"count": "2"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "count"
+            async with http.post(url, headers=auth, json={"count": 2}) as r:
+                assert r.status == 409 and (await r.json())["error"]["code"] == "scaling_disabled"
+            async with http.post(url, headers={"Authorization": "Bearer not-it"}, json={"count": 2}) as r:
+                assert r.status == 401
 
     asyncio.run(scenario())
