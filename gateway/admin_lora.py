@@ -36,7 +36,7 @@ ENGINE = web.AppKey("admin_engine", object)  # the gateway's engine (its replica
 SERVED_MODEL = web.AppKey("admin_served_model", Callable[[], str])  # the base model's name as clients use it
 
 
-def _fields(raw: bytes, allowed: dict[str, type]) -> dict:
+def body_fields(raw: bytes, allowed: dict[str, type | tuple[type, ...]]) -> dict:
     """The JSON object body with only ``allowed`` fields of their types (a 400 naming the first bad one)."""
     try:
         body = json.loads(raw or b"null")
@@ -48,8 +48,9 @@ def _fields(raw: bytes, allowed: dict[str, type]) -> dict:
         want = allowed.get(key)
         if want is None:
             raise APIError(400, f"unknown field {key!r} (expected: {', '.join(allowed)})", param=key)
-        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise APIError(400, f"{key!r} must be a {want.__name__}", param=key)
+        kinds = want if isinstance(want, tuple) else (want,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise APIError(400, f"{key!r} must be a {' or '.join(k.__name__ for k in kinds)}", param=key)
     return body
 
 
@@ -75,7 +76,7 @@ def _check_adapter_dir(path: str):
 
 async def load_adapter(request: web.Request) -> web.Response:
     require_token(request, request.app[ADMIN_TOKEN], "admin")
-    body = _fields(await read_body(request), {"lora_name": str, "lora_path": str, "tenant": str, "public": bool})
+    body = body_fields(await read_body(request), {"lora_name": str, "lora_path": str, "tenant": str, "public": bool})
     name, path = _required(body, "lora_name"), _required(body, "lora_path")
     if ("tenant" in body) == bool(body.get("public")):
         raise APIError(400, "give the adapter an owner: 'tenant': NAME, or 'public': true for every tenant",
@@ -111,7 +112,7 @@ async def load_adapter(request: web.Request) -> web.Response:
 
 async def unload_adapter(request: web.Request) -> web.Response:
     require_token(request, request.app[ADMIN_TOKEN], "admin")
-    body = _fields(await read_body(request), {"lora_name": str})
+    body = body_fields(await read_body(request), {"lora_name": str})
     name = _required(body, "lora_name")
     catalog = request.app[ADAPTERS]
     try:

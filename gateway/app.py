@@ -21,15 +21,15 @@ from engine.serving.async_engine import EngineError, RequestRejectedError
 from engine.serving.client import EngineClient
 from gateway.admission import INFLIGHT, QUOTAS, SETTLEMENTS, Settlements
 from gateway.slo_admission import SLO, SloAdmission
-from gateway.app_keys import CONFIG, DRAINING, ENGINE, LEDGER
+from gateway.app_keys import CONFIG, DRAINING, ENGINE, LEDGER, SCALER, SUPERVISORS
 from gateway.auth import AUTHENTICATOR, PRINCIPAL, Authenticator, auth_middleware, require_token
-from gateway import admin_lora, cors, pipeline
+from gateway import admin_lora, admin_replicas, cors, pipeline
 from gateway.replies import json_response
 from gateway.chat_plan import ChatPlan, ParserChoice
 from gateway.completion import collect, engine_down, load_harmony, rejected
 from gateway.config import GatewayConfig
 from gateway.drain import OPEN_REQUESTS, drain_open_requests, track_open_requests
-from gateway.engine_supervisor import supervise
+from gateway.engine_supervisor import Supervisors
 from gateway.errors import BODY_TIMEOUT_S, error_middleware, read_body, request_id_middleware
 from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway.image_policy import IMAGE_LIMITS, image_limits_for, server_image_limits, tenant_image_limits
@@ -245,8 +245,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _run(request, decode_body(await read_body(request), ChatCompletionRequest), chat=True)
 
 
-def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
-    """The app; the policy store and the engine process start with the app and stop with it."""
+def create_app(config: GatewayConfig, engine: EngineClient, scaler=None) -> web.Application:
+    """The app; the policy store and the engine process start with the app and stop with it. ``scaler``: a
+    ``gateway.replica_scaling.ReplicaScaler`` over ``engine`` to add and remove replicas while serving (None:
+    the replicas are fixed)."""
     http_protocol.install(config.max_connections)
     # Middleware order: requests in flight (for the drain) -> request id -> a browser's preflight (before the
     # key is asked for) -> error mapping -> auth. Admission (quotas, overload) runs in the handler, after the body
@@ -263,6 +265,8 @@ def create_app(config: GatewayConfig, engine: EngineClient) -> web.Application:
     app[SERVING_SINCE] = int(time.time())
     app[BODY_TIMEOUT_S] = config.body_timeout_s
     app[ENGINE] = engine
+    if scaler is not None:
+        app[SCALER] = scaler
     app[INFLIGHT] = {}
     app[DRAINING] = asyncio.Event()
     app[OPEN_REQUESTS] = {}
@@ -322,6 +326,8 @@ async def _engine_lifecycle(app: web.Application):
     """Cleanup context: the engine (every replica) and a supervisor per replica that restarts it."""
     config, engine = app[CONFIG], app[ENGINE]
     await app[ADAPTERS].configure(replicas_of(engine))  # the database's adapters, named at the engines' start
+    if (scaler := app.get(SCALER)) is not None:
+        scaler.before_start = app[ADAPTERS].configure  # and at the start of each replica added later
     await engine.start()
     try:
         await load_harmony(engine, _parsers(config))
@@ -330,13 +336,15 @@ async def _engine_lifecycle(app: web.Application):
         raise
     logger.info("serving %s (%s)", _model_name(app), engine.info.architecture)
     forget = asyncio.create_task(_forget_removed_adapters(app))
-    supervisors = [forget] + [asyncio.create_task(supervise(name, replica, config.engine_restart_backoff_s,
-                                                 config.engine_restart_backoff_max_s))
-                   for name, replica in replicas_of(engine)]
+    supervisors = app[SUPERVISORS] = Supervisors(config.engine_restart_backoff_s, config.engine_restart_backoff_max_s)
+    for name, replica in replicas_of(engine):
+        supervisors.start(name, replica)
     yield
-    for task in supervisors:
-        task.cancel()
-    await asyncio.gather(*supervisors, return_exceptions=True)
+    forget.cancel()
+    await asyncio.gather(forget, return_exceptions=True)
+    if scaler is not None:
+        await scaler.close()  # a replica starting or draining for a scaling call ends with the server
+    await supervisors.stop_all()
     await engine.shutdown()
 
 
@@ -383,6 +391,7 @@ def _add_routes(app: web.Application, config: GatewayConfig) -> None:
     if config.metrics_token:
         app.router.add_get("/metrics", metrics_endpoint)
     admin_lora.add_routes(app, config.admin_token, app[ENGINE], lambda: _model_name(app))
+    admin_replicas.add_routes(app, config.admin_token)
     app.router.add_get("/openapi.json", openapi_endpoint)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)

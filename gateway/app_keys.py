@@ -16,3 +16,5 @@ ENGINE = web.AppKey("engine", EngineClient)
 CONFIG = web.AppKey("config", GatewayConfig)
 LEDGER = web.AppKey("ledger", UsageLedger)
 DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: in-flight requests finish, new ones get 503
+SUPERVISORS = web.AppKey("supervisors", object)  # gateway.engine_supervisor.Supervisors, once the engine started
+SCALER = web.AppKey("scaler", object)  # gateway.replica_scaling.ReplicaScaler where runtime scaling is on

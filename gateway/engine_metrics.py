@@ -174,8 +174,8 @@ def _router_moves(engine: EngineClient, reported: Reported) -> list[Metric]:
                                      "to a replica with a free slot", labels=["replica"]),
     }
     if isinstance(engine, ReplicaRouter):
-        for name, moved in zip(engine.names, engine.moved_from):
-            families["moved"].add_metric([name], moved)
+        for i in engine.current():  # the replicas of the fleet now (a removed one's series go with it)
+            families["moved"].add_metric([engine.names[i]], engine.moved_from[i])
     return list(families.values())
 
 

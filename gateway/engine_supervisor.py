@@ -45,3 +45,27 @@ async def supervise(name: str, replica: EngineClient, backoff_s: float, max_back
             logger.error("engine replica %s restart failed (%s); trying again in %g s", name, e, backoff)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, max_backoff_s)
+
+
+class Supervisors:
+    """One ``supervise`` task per replica, started and stopped as replicas join and leave the fleet."""
+
+    def __init__(self, backoff_s: float, max_backoff_s: float) -> None:
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self._tasks: dict[int, asyncio.Task] = {}  # id(replica) -> its supervisor
+
+    def start(self, name: str, replica: EngineClient) -> None:
+        self._tasks[id(replica)] = asyncio.create_task(supervise(name, replica, self.backoff_s, self.max_backoff_s))
+
+    async def stop(self, replica: EngineClient) -> None:
+        """Stop restarting ``replica`` (before it is stopped on purpose: its stop is not a death to repair)."""
+        task = self._tasks.pop(id(replica), None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def stop_all(self) -> None:
+        tasks, self._tasks = list(self._tasks.values()), {}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

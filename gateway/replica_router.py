@@ -37,6 +37,11 @@ stays and is not asked again. Until its first output arrives, ``generate``
 waits on that output and on a move at once, so the client never sees a move;
 a request that has produced any output never moves. ``moved_from`` counts
 the moves off each replica.
+
+Scaling (``gateway.replica_scaling``): a replica can join while the router serves (``add_replica``, once it is
+ready) and leave (``drain``: it takes no new request from then on, and is dropped by ``remove`` once the
+requests it holds have ended). A left replica's slot (its index) is reused by the next one to join, so the
+indices that requests and moves hold stay valid.
 """
 
 import asyncio
@@ -100,18 +105,65 @@ class ReplicaRouter:
         self.gate: FairGate[int] | None = FairGate(
             self._place_fair, self._unplace, getattr(self.config, "starvation_bound_s", None),
         ) if self.policy.fleet_fairness else None
+        # Per slot: SERVING (takes requests), DRAINING (leaving: finishes what it holds, takes nothing new) or
+        # REMOVED (gone; its slot is free for the next replica to join).
+        self.states = [SERVING] * len(self.replicas)
+
+    def current(self) -> list[int]:
+        """The slots of the replicas that are part of the fleet now (serving or draining), in slot order."""
+        return [i for i, state in enumerate(self.states) if state != REMOVED]
+
+    def _members(self) -> list[EngineClient]:
+        return [self.replicas[i] for i in self.current()]
+
+    def add_replica(self, replica: EngineClient, name: str) -> int:
+        """Make a started (ready) replica take requests from now on; its slot index. A free slot is reused."""
+        if name in (self.names[i] for i in self.current()):
+            raise ValueError(f"a replica named {name!r} serves already")
+        i = self.states.index(REMOVED) if REMOVED in self.states else len(self.replicas)
+        fresh = {"_index": ReplicaBlocks(replica.config.num_kv_blocks), "in_flight": 0, "routed": 0, "_ready": None,
+                 "moved_from": 0, "_unstarted": {}, "_moved_off": (None, 0), "_leaving": 0, "_arriving": 0,
+                 "_adapters": {}, "_placed": {}}
+        if i == len(self.replicas):
+            self.replicas.append(replica)
+            self.names.append(name)
+            self.states.append(SERVING)
+            for field, value in fresh.items():
+                getattr(self, field).append(value)
+        else:
+            self.replicas[i], self.names[i], self.states[i] = replica, name, SERVING
+            for field, value in fresh.items():
+                getattr(self, field)[i] = value
+        if self.gate is not None:
+            self.gate.pump()  # requests waiting in the fair queue may go there now
+        self._rebalance()  # requests queued at busy replicas may move there now
+        return i
+
+    def drain(self, i: int) -> None:
+        """Replica ``i`` takes no new request from now on (nor moved ones); what it holds runs to its end."""
+        if self.states[i] != SERVING:
+            raise ValueError(f"replica {self.names[i]} is not serving")
+        if len([s for s in self.states if s == SERVING]) == 1:
+            raise ValueError("the last serving replica cannot leave")
+        self.states[i] = DRAINING
+
+    def remove(self, i: int) -> None:
+        """Forget draining replica ``i`` (stopped by its owner); its slot is free for the next one to join."""
+        if self.states[i] != DRAINING:
+            raise ValueError(f"replica {self.names[i]} is not draining")
+        self.states[i] = REMOVED
 
     # -- EngineClient state: one engine as long as one replica serves --
 
     @property
     def info(self) -> Ready | None:
         """The first ready replica's (every replica serves the same model)."""
-        return next((r.info for r in self.replicas if r.info is not None and not r.dead), None)
+        return next((r.info for r in self._members() if r.info is not None and not r.dead), None)
 
     @property
     def dead(self) -> str | None:
         """None while any replica runs or starts; once all are down, that they are (for clients: no names)."""
-        return None if any(r.dead is None for r in self.replicas) else "every engine replica is down"
+        return None if any(r.dead is None for r in self._members()) else "every engine replica is down"
 
     @property
     def dead_detail(self) -> str | None:
@@ -119,12 +171,12 @@ class ReplicaRouter:
         if self.dead is None:
             return None
         return f"{self.dead} (" + "; ".join(
-            f"{n}: {r.dead_detail or r.dead}" for n, r in zip(self.names, self.replicas)) + ")"
+            f"{self.names[i]}: {self.replicas[i].dead_detail or self.replicas[i].dead}" for i in self.current()) + ")"
 
     @property
     def stats(self) -> SchedulerStats | None:
         """The replicas' statistics summed (per-replica figures are in ``replicas``' own ``stats``)."""
-        reports = [r.stats for r in self.replicas if r.stats is not None]
+        reports = [r.stats for r in self._members() if r.stats is not None]
         if not reports:
             return None
         waiting: dict[int, int] = {}
@@ -164,7 +216,7 @@ class ReplicaRouter:
 
     async def restart(self) -> Ready:
         """Restart the replicas that are down (the gateway's supervisor restarts each on its own instead)."""
-        for replica in self.replicas:
+        for replica in self._members():
             if replica.dead:
                 await replica.restart()
         return self.info
@@ -172,7 +224,7 @@ class ReplicaRouter:
     async def shutdown(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
-        await asyncio.gather(*(r.shutdown() for r in self.replicas), return_exceptions=True)
+        await asyncio.gather(*(r.shutdown() for r in self._members()), return_exceptions=True)
 
     async def prepare(self, prompt: str | list[int] | None = None, messages: Sequence | None = None,
                       add_generation_prompt: bool = True) -> list[int]:
@@ -183,14 +235,15 @@ class ReplicaRouter:
         return await self._any().detokenize(token_ids)
 
     def _any(self) -> EngineClient:
-        ready = [r for r in self.replicas if not r.dead and r.info is not None]
-        return (ready or self.replicas)[0]
+        members = self._members()
+        ready = [r for r in members if not r.dead and r.info is not None]
+        return (ready or members)[0]
 
     def silent_s(self) -> float:
-        return min(r.silent_s() for r in self.replicas)
+        return min(r.silent_s() for r in self._members())
 
     def chat_template(self) -> str | None:
-        return self.replicas[0].chat_template()  # the replicas serve the same checkpoint
+        return self._any().chat_template()  # the replicas serve the same checkpoint
 
     # -- routing --
 
@@ -203,7 +256,7 @@ class ReplicaRouter:
         waits on a silent replica rather than failing at once)."""
         out = []
         for i, r in enumerate(self.replicas):
-            if r.dead is not None or r.info is None:
+            if self.states[i] != SERVING or r.dead is not None or r.info is None:
                 continue
             if r.info is not self._ready[i]:  # started (or restarted) since we last looked: an empty cache
                 self._index[i].clear()
@@ -457,6 +510,8 @@ class _Placement:
         self.releasing = False  # a release is asked of its replica and not yet answered
 
 
+SERVING, DRAINING, REMOVED = "serving", "draining", "removed"  # a slot's state (ReplicaRouter.states)
+
 _MOVED = object()  # _first_output: the request was moved before its first output
 _ENDED = object()  # _first_output: the stream ended without an output
 
@@ -476,6 +531,8 @@ def unresponsive_after_s(engine: EngineClient) -> float:
 def replicas_of(engine: EngineClient) -> list[tuple[str, EngineClient]]:
     """(name, client) of each replica behind the gateway's engine: a router's (replicas, or prefill and decode
     engines), or the one engine as "0"."""
-    if isinstance(engine, (ReplicaRouter, DisaggregatedEngines)):
+    if isinstance(engine, ReplicaRouter):
+        return [(engine.names[i], engine.replicas[i]) for i in engine.current()]
+    if isinstance(engine, DisaggregatedEngines):
         return list(zip(engine.names, engine.replicas))
     return [("0", engine)]

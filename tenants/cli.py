@@ -439,7 +439,7 @@ def register(subparsers) -> None:
     """Add ``admin`` and ``db`` to the ``moegate`` subparsers; each leaf sets ``func(args) -> int``."""
     common = _common()
     admin = subparsers.add_parser("admin", help="manage tenants, keys, quotas, priority classes, LoRA adapters; "
-                                                "show usage")
+                                                "show usage; scale a running gateway's replicas")
     groups = admin.add_subparsers(dest="admin_group", required=True, parser_class=_OneLineParser)
     _add_tenant(groups, common)
     _add_key(groups, common)
@@ -447,6 +447,7 @@ def register(subparsers) -> None:
     _add_class(groups, common)
     _add_adapter(groups, common)
     _add_usage(groups, common)
+    _add_replicas(groups)
     _add_db(subparsers, common)
 
 
@@ -547,6 +548,13 @@ def _add_adapter(groups, common: argparse.ArgumentParser) -> None:
         p.add_argument("name")
         p.add_argument("tenant")
         p.set_defaults(grant=grant)
+
+
+def _add_replicas(groups) -> None:
+    """``admin replicas``: a running gateway's replicas, listed or scaled (over HTTP, not the database)."""
+    from tenants import replicas_cli
+
+    replicas_cli.register(groups, _OneLineParser)
 
 
 def _add_usage(groups, common: argparse.ArgumentParser) -> None:

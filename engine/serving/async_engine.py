@@ -303,6 +303,15 @@ class AsyncEngine:
             queue.put_nowait(error)
         self._answer_releases()
 
+    def cut_requests(self, why: str) -> int:
+        """End every request in flight here with the error of an engine that stopped (``EngineError``, retryable:
+        one that has produced no output may run elsewhere), its process left running; how many. For a replica
+        leaving the fleet whose drain ran out of time (``gateway.replica_scaling``); ``why`` goes to the log."""
+        error = EngineError("the engine stopped", detail=f"{self.describe()}: {why}")
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        return len(self._queues)
+
     def _answer_releases(self) -> None:
         """An engine that is gone releases nothing: its requests fail (and fail over) through their streams; it
         wants no KV either."""

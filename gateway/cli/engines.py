@@ -31,16 +31,10 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
 
     if local == 1 and not remote:
         return _local_engine(engine_config, None, stall_timeout_s)
-    on_this_node = engine_config.distributed_executor_backend == "mp"
-    if local > 1 and engine_config.cpu_threads is None and engine_config.device != "cuda" and on_this_node:
-        # Replicas on the CPU share its cores: each rank process gets its share, not all of them
-        # (oversubscribed threads wait at every parallel region's barrier for a descheduled peer).
-        processes = local * engine_config.engine_ranks
-        engine_config = dataclasses.replace(engine_config, cpu_threads=max(1, (os.cpu_count() or 1) // processes))
     # On GPUs each local replica takes its own devices (on the CPU the variable is ignored); with
     # --enable-expert-parallel the replicas form one group that divides the experts.
     replicas = [_local_engine(config, {"CUDA_VISIBLE_DEVICES": replica_devices(config, i)}, stall_timeout_s)
-                for i, config in enumerate(replica_configs(engine_config, local, group_remotes))]
+                for i, config in enumerate(replica_configs(_cpu_share(engine_config, local), local, group_remotes))]
     group_size = local + group_remotes
     replicas += [RemoteEngine(engine_config, address, authkey, stall_timeout_s,
                               group_place=(local + i, group_size) if group_remotes else None)
@@ -59,3 +53,32 @@ def _local_engine(config: EngineConfig, process_env: dict[str, str] | None, stal
     from engine.serving.async_engine import AsyncEngine
 
     return AsyncEngine(config, process_env=process_env, stall_timeout_s=stall_timeout_s)
+
+
+def _cpu_share(engine_config: EngineConfig, local: int) -> EngineConfig:
+    """Replicas on the CPU share its cores: each rank process of ``local`` replicas gets its share, not all of them
+    (oversubscribed threads wait at every parallel region's barrier for a descheduled peer)."""
+    on_this_node = engine_config.distributed_executor_backend == "mp"
+    if local > 1 and engine_config.cpu_threads is None and engine_config.device != "cuda" and on_this_node:
+        processes = local * engine_config.engine_ranks
+        return dataclasses.replace(engine_config, cpu_threads=max(1, (os.cpu_count() or 1) // processes))
+    return engine_config
+
+
+def build_scalable(engine_config: EngineConfig, local: int, most: int, policy: str, stall_timeout_s: float,
+                   fleet_fairness: bool = False):
+    """``local`` local replicas behind a router, and the ``ReplicaScaler`` that grows them up to ``most`` while
+    the gateway serves: each replica, at the start or later, is built the same way (local replica *k*: its GPUs,
+    ports and disk-tier directory; on the CPU a share of the cores for ``most`` replicas)."""
+    from gateway.replica_router import ReplicaRouter
+    from gateway.replica_scaling import ReplicaScaler
+    from gateway.routing_policy import RouterConfig
+
+    configs = replica_configs(_cpu_share(engine_config, most), most)
+
+    def build(k: int):
+        return _local_engine(configs[k], {"CUDA_VISIBLE_DEVICES": replica_devices(configs[k], k)}, stall_timeout_s)
+
+    router = ReplicaRouter([build(k) for k in range(local)], [str(k) for k in range(local)],
+                           RouterConfig(policy=policy, fleet_fairness=fleet_fairness))
+    return router, ReplicaScaler(router, build, most)

@@ -11,7 +11,7 @@ from engine import engine_flags
 from engine.distributed.replica_layout import replica_configs
 from gateway.cli.disaggregated import build_disaggregated, disaggregation_layout
 from gateway.cli import gateway_flags
-from gateway.cli.engines import build_engines, engine_authkey
+from gateway.cli.engines import build_engines, build_scalable, engine_authkey
 from gateway.routing_policy import POLICIES, RouterConfig
 
 
@@ -38,6 +38,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--engines-share-experts makes the --engine replicas ranks of the local replicas' expert "
                          "group: it needs --enable-expert-parallel, at least one --engine and a local replica")
     group_remotes = len(remote) if args.engines_share_experts else 0
+    most = args.max_local_replicas if args.max_local_replicas is not None else args.local_replicas
+    if most < args.local_replicas:
+        raise ValueError(f"--max-data-parallel-size must be >= --data-parallel-size ({args.local_replicas}), got {most}")
+    if most > args.local_replicas and (remote or disaggregated is not None or args.local_replicas < 1
+                                       or engine_config.enable_expert_parallel):
+        raise ValueError("--max-data-parallel-size scales local replicas only: not with --engine, disaggregated "
+                         "serving or --enable-expert-parallel, and from --data-parallel-size 1 or more")
     local_configs = (sum(disaggregated.local_engines(), []) if disaggregated is not None else
                      replica_configs(engine_config, args.local_replicas, group_remotes))  # checks the combination
     if args.engine_stall_timeout <= 0:
@@ -76,12 +83,16 @@ def _serve(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
+    scaler = None
     if disaggregated is not None:
         engines = build_disaggregated(disaggregated, authkey, args.engine_stall_timeout, args.fleet_fairness)
+    elif most > args.local_replicas:
+        engines, scaler = build_scalable(engine_config, args.local_replicas, most, args.router,
+                                         args.engine_stall_timeout, args.fleet_fairness)
     else:
         engines = build_engines(engine_config, args.local_replicas, remote, authkey, args.router,
                                 args.engine_stall_timeout, group_remotes, args.fleet_fairness)
-    app = create_app(config, engines)
+    app = create_app(config, engines, scaler)
     try:
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its engine request.
         # SIGTERM/SIGINT: stop accepting, let in-flight requests run up to the drain timeout, then cut them
@@ -104,8 +115,15 @@ def register(subparsers) -> None:
                    help="engine replicas on this node, each a whole engine with its own KV cache (default 1); "
                         "on a GPU node replica i takes the --tensor-parallel-size GPUs after the previous "
                         "replicas' (size 1: GPU i), on a CPU they share the cores; with --enable-expert-parallel "
+<<<<<<< HEAD
                         "the replicas divide the experts among all their ranks; with --distributed-executor-backend "
                         "ray each replica's ranks are a placement group of their own, anywhere on the cluster")
+=======
+                        "the replicas divide the experts among all their ranks")
+    p.add_argument("--max-data-parallel-size", dest="max_local_replicas", type=int, default=None, metavar="N",
+                   help="the most local replicas `moegate admin replicas set` may scale to while serving (default: "
+                        "--data-parallel-size, a fixed fleet); needs MOEGATE_ADMIN_TOKEN")
+>>>>>>> scale
     p.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
                    help="disaggregated serving: P local engines that only prefill prompts and hand their KV to the "
                         "decode engines (with --decode-replicas; docs/disaggregation.md)")
