@@ -115,15 +115,11 @@ def register(subparsers) -> None:
                    help="engine replicas on this node, each a whole engine with its own KV cache (default 1); "
                         "on a GPU node replica i takes the --tensor-parallel-size GPUs after the previous "
                         "replicas' (size 1: GPU i), on a CPU they share the cores; with --enable-expert-parallel "
-<<<<<<< HEAD
                         "the replicas divide the experts among all their ranks; with --distributed-executor-backend "
                         "ray each replica's ranks are a placement group of their own, anywhere on the cluster")
-=======
-                        "the replicas divide the experts among all their ranks")
     p.add_argument("--max-data-parallel-size", dest="max_local_replicas", type=int, default=None, metavar="N",
                    help="the most local replicas `moegate admin replicas set` may scale to while serving (default: "
                         "--data-parallel-size, a fixed fleet); needs MOEGATE_ADMIN_TOKEN")
->>>>>>> scale
     p.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
                    help="disaggregated serving: P local engines that only prefill prompts and hand their KV to the "
                         "decode engines (with --decode-replicas; docs/disaggregation.md)")
