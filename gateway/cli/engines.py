@@ -30,7 +30,7 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
     from gateway.routing_policy import RouterConfig
 
     if local == 1 and not remote:
-        return _local_engine(engine_config, None, stall_timeout_s)
+        return local_engine(engine_config, None, stall_timeout_s)
     on_this_node = engine_config.distributed_executor_backend == "mp"
     if local > 1 and engine_config.cpu_threads is None and engine_config.device != "cuda" and on_this_node:
         # Replicas on the CPU share its cores: each rank process gets its share, not all of them
@@ -39,7 +39,7 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
         engine_config = dataclasses.replace(engine_config, cpu_threads=max(1, (os.cpu_count() or 1) // processes))
     # On GPUs each local replica takes its own devices (on the CPU the variable is ignored); with
     # --enable-expert-parallel the replicas form one group that divides the experts.
-    replicas = [_local_engine(config, {"CUDA_VISIBLE_DEVICES": replica_devices(config, i)}, stall_timeout_s)
+    replicas = [local_engine(config, {"CUDA_VISIBLE_DEVICES": replica_devices(config, i)}, stall_timeout_s)
                 for i, config in enumerate(replica_configs(engine_config, local, group_remotes))]
     group_size = local + group_remotes
     replicas += [RemoteEngine(engine_config, address, authkey, stall_timeout_s,
@@ -49,7 +49,7 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
     return ReplicaRouter(replicas, names, RouterConfig(policy=policy, fleet_fairness=fleet_fairness))
 
 
-def _local_engine(config: EngineConfig, process_env: dict[str, str] | None, stall_timeout_s: float):
+def local_engine(config: EngineConfig, process_env: dict[str, str] | None, stall_timeout_s: float):
     """One engine the gateway starts itself: an engine process on this node (its ``process_env``: its GPUs), or
     with ``--distributed-executor-backend ray`` Ray actors placed by the cluster (which gives them their GPUs)."""
     if config.distributed_executor_backend == "ray":
