@@ -148,13 +148,12 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.local_ranks is not None and c.local_ranks < c.engine_ranks and not c.distributed_init_method),
     _one_of("distributed_executor_backend", EXECUTOR_BACKENDS),
     Rule("distributed_executor_backend ray", EXCLUDES,
-         "local_ranks, distributed_init_method, data_parallel_size > 1, role prefill / decode",
+         "local_ranks, distributed_init_method, data_parallel_size > 1",
          "distributed_executor_backend='ray' places every rank itself: leave local_ranks and "
-         "distributed_init_method unset; replicas sharing experts (data_parallel_size > 1) and prefill/decode "
-         "roles run on local processes for now",
+         "distributed_init_method unset; replicas sharing experts (data_parallel_size > 1) run on local "
+         "processes for now",
          lambda c: c.distributed_executor_backend == "ray" and (
-             c.local_ranks is not None or c.distributed_init_method is not None or c.data_parallel_size > 1
-             or c.role != "both")),
+             c.local_ranks is not None or c.distributed_init_method is not None or c.data_parallel_size > 1)),
     Rule("ray_address", REQUIRES, "distributed_executor_backend ray",
          "ray_address is the Ray cluster of distributed_executor_backend='ray' (--distributed-executor-backend ray)",
          lambda c: c.ray_address is not None and c.distributed_executor_backend != "ray"),

@@ -105,7 +105,7 @@ class RayRankGroup:
             gateway_host = ray.util.get_node_ip_address()  # this process's node, as the cluster reaches it
             with socket.create_server((gateway_host, 0), family=socket.AF_INET6 if ":" in gateway_host
                                       else socket.AF_INET) as listener:
-                self._refs = [self._actors[0].lead.remote(rank_zero_config(self.config, init, device),
+                self._refs = [self._actors[0].lead.remote(rank_zero_config(self.config, init, device, host),
                                                           listener.getsockname()[:2], authkey, CONNECT_TIMEOUT_S)]
                 self._refs += [a.follow.remote(rank, self.size, init, device, self.config.distributed_timeout_s)
                                for rank, a in enumerate(self._actors[1:], start=1)]

@@ -61,8 +61,14 @@ class RankActor:
         run_follower(RankInfo(rank, world_size, 0, init_method), device_type, timeout_s)
 
 
-def rank_zero_config(config: EngineConfig, init_method: str, device_type: str) -> EngineConfig:
+def rank_zero_config(config: EngineConfig, init_method: str, device_type: str, node_host: str) -> EngineConfig:
     """The config rank 0's actor runs: its group meets at ``init_method``, and none of its ranks is its own
-    process (the others are actors too); ``device_type`` as the placement decided it."""
+    process (the others are actors too); ``device_type`` as the placement decided it. A decode engine with no
+    ``kv_transfer_address`` waits for its prefill engines' KV at ``node_host`` (rank 0's node, as the cluster
+    reaches it): its default, loopback, is another node's own."""
+    kv_address = config.kv_transfer_address
+    if config.role == "decode" and kv_address is None:
+        kv_address = node_host
     return dataclasses.replace(config, distributed_executor_backend="mp", ray_address=None, local_ranks=1,
-                               distributed_init_method=init_method, device=device_type)
+                               distributed_init_method=init_method, device=device_type,
+                               kv_transfer_address=kv_address)

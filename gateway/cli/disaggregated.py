@@ -56,7 +56,8 @@ def disaggregation_layout(args: argparse.Namespace, config: EngineConfig, parse_
         raise ValueError("prefill and decode engines run one process each: --tensor-parallel-size and "
                          "--data-parallel-size must be 1 with --prefill-replicas/--decode-replicas")
     local = args.prefill_replicas + args.decode_replicas
-    if local > 1 and config.cpu_threads is None and config.device != "cuda":
+    on_this_node = config.distributed_executor_backend == "mp"  # Ray gives each engine a bundle of its own
+    if local > 1 and config.cpu_threads is None and config.device != "cuda" and on_this_node:
         # Engines on the CPU share its cores, as replicas do (gateway.cli.engines).
         config = dataclasses.replace(config, cpu_threads=max(1, (os.cpu_count() or 1) // local))
     prefill = dataclasses.replace(config, role="prefill")
@@ -71,15 +72,16 @@ def disaggregation_layout(args: argparse.Namespace, config: EngineConfig, parse_
 
 def build_disaggregated(layout: DisaggregatedLayout, authkey: bytes, stall_timeout_s: float,
                         fleet_fairness: bool = False):
-    """The router over the layout's engines; local engine i of either kind takes GPU i of its kind's share.
+    """The router over the layout's engines; local engine i of either kind takes GPU i of its kind's share, or
+    with ``--distributed-executor-backend ray`` is a placement group of its own wherever the cluster has room.
     ``fleet_fairness``: tenant weights held over all of them (``gateway.fleet_fairness``)."""
-    from engine.serving.async_engine import AsyncEngine
     from engine.serving.remote_engine import RemoteEngine
+    from gateway.cli.engines import local_engine
     from gateway.disaggregation import DisaggregatedEngines
 
     def local(configs: list[EngineConfig], first_gpu: int) -> list:
-        return [AsyncEngine(config, process_env={"CUDA_VISIBLE_DEVICES": str(first_gpu + i)},
-                            stall_timeout_s=stall_timeout_s) for i, config in enumerate(configs)]
+        return [local_engine(config, {"CUDA_VISIBLE_DEVICES": str(first_gpu + i)}, stall_timeout_s)
+                for i, config in enumerate(configs)]
 
     def remote(config: EngineConfig, addresses) -> list:
         return [RemoteEngine(config, address, authkey, stall_timeout_s) for address in addresses]

@@ -30,10 +30,10 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
     from gateway.routing_policy import RouterConfig
 
     if local == 1 and not remote:
-        return _local_engine(engine_config, None, stall_timeout_s)
+        return local_engine(engine_config, None, stall_timeout_s)
     # On GPUs each local replica takes its own devices (on the CPU the variable is ignored); with
     # --enable-expert-parallel the replicas form one group that divides the experts.
-    replicas = [_local_engine(config, {"CUDA_VISIBLE_DEVICES": replica_devices(config, i)}, stall_timeout_s)
+    replicas = [local_engine(config, {"CUDA_VISIBLE_DEVICES": replica_devices(config, i)}, stall_timeout_s)
                 for i, config in enumerate(replica_configs(_cpu_share(engine_config, local), local, group_remotes))]
     group_size = local + group_remotes
     replicas += [RemoteEngine(engine_config, address, authkey, stall_timeout_s,
@@ -43,7 +43,7 @@ def build_engines(engine_config: EngineConfig, local: int, remote: list[tuple[st
     return ReplicaRouter(replicas, names, RouterConfig(policy=policy, fleet_fairness=fleet_fairness))
 
 
-def _local_engine(config: EngineConfig, process_env: dict[str, str] | None, stall_timeout_s: float):
+def local_engine(config: EngineConfig, process_env: dict[str, str] | None, stall_timeout_s: float):
     """One engine the gateway starts itself: an engine process on this node (its ``process_env``: its GPUs), or
     with ``--distributed-executor-backend ray`` Ray actors placed by the cluster (which gives them their GPUs)."""
     if config.distributed_executor_backend == "ray":
@@ -77,7 +77,7 @@ def build_scalable(engine_config: EngineConfig, local: int, most: int, policy: s
     configs = replica_configs(_cpu_share(engine_config, most), most)
 
     def build(k: int):
-        return _local_engine(configs[k], {"CUDA_VISIBLE_DEVICES": replica_devices(configs[k], k)}, stall_timeout_s)
+        return local_engine(configs[k], {"CUDA_VISIBLE_DEVICES": replica_devices(configs[k], k)}, stall_timeout_s)
 
     router = ReplicaRouter([build(k) for k in range(local)], [str(k) for k in range(local)],
                            RouterConfig(policy=policy, fleet_fairness=fleet_fairness))

@@ -45,8 +45,7 @@ REFUSED = [
      "ranks on other nodes need distributed_init_method (tcp://HOST:PORT reachable from them)"),
     ({"distributed_executor_backend": "ray", "local_ranks": 1},
      "distributed_executor_backend='ray' places every rank itself: leave local_ranks and distributed_init_method "
-     "unset; replicas sharing experts (data_parallel_size > 1) and prefill/decode roles run on local processes for "
-     "now"),
+     "unset; replicas sharing experts (data_parallel_size > 1) run on local processes for now"),
     ({"ray_address": "h:6379"}, "ray_address is the Ray cluster of distributed_executor_backend='ray' "
      "(--distributed-executor-backend ray)"),
     ({"host_cache_gb": 1.0, "disk_cache_dir": "/d"}, "disk_cache_dir and disk_cache_gb go together: set both "
