@@ -67,6 +67,10 @@ class EngineConfig:
     block holds half the layers"""
     kv_cache_memory_gb: float = 2.0
     """KV pool size on the CPU, in GB (taken only as blocks are first written)"""
+    kv_cache_dtype: str = "auto"
+    """what the KV cache stores: auto: the model dtype; fp8 (DeepSeek-V3.2 and GLM-5 only): DeepSeek-V3.2's FP8
+    format, the latent and the indexer key in e4m3 with a float32 scale per 128 values, the rotary part in bf16
+    (788 bytes a token and layer at DeepSeek-V3.2's shapes, against 1,408 in bf16), quantized as written"""
     gpu_memory_utilization: float = 0.9
     """share of the GPU's memory the engine may use: the KV pool takes what the weights leave of it"""
     seed: int = 0

@@ -10,10 +10,12 @@ EXPERT_DISPATCH = ("all_to_all", "all_gather")
 ROLES = ("both", "prefill", "decode")  # EngineConfig.role
 EVICTION_POLICIES = ("priority", "lru")  # EngineConfig.kv_eviction_policy (engine.core.free_queue)
 EXECUTOR_BACKENDS = ("mp", "ray")  # EngineConfig.distributed_executor_backend
+KV_CACHE_DTYPES = ("auto", "fp8")  # EngineConfig.kv_cache_dtype (engine.layers.fp8_cache)
 # The EngineConfig fields that take one of a few values (their flags' choices).
 CHOICES = {"dtype": DTYPES, "device": DEVICES, "kernels": KERNEL_OPTIONS, "quantization": QUANTIZATION_OPTIONS,
            "expert_dispatch": EXPERT_DISPATCH, "speculative": SPECULATIVE_METHODS, "role": ROLES,
-           "kv_eviction_policy": EVICTION_POLICIES, "distributed_executor_backend": EXECUTOR_BACKENDS}
+           "kv_eviction_policy": EVICTION_POLICIES, "distributed_executor_backend": EXECUTOR_BACKENDS,
+           "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
 def meeting_address(init_method: str) -> tuple[str, int]:

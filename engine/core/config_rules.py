@@ -8,7 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engine.core.config_choices import (DEVICES, DTYPES, EVICTION_POLICIES, EXPERT_DISPATCH, KERNEL_OPTIONS,
-                                        QUANTIZATION_OPTIONS, ROLES, EXECUTOR_BACKENDS, meeting_address)
+                                        KV_CACHE_DTYPES, QUANTIZATION_OPTIONS, ROLES, EXECUTOR_BACKENDS,
+                                        meeting_address)
 
 REQUIRES, EXCLUDES, VALUES = "needs", "excludes", "values"
 
@@ -176,6 +177,7 @@ RULES: tuple[Rule, ...] = (
          "model must be a path to a checkpoint directory (or a name, with random_weights)", lambda c: not c.model),
     _one_of("quantization", QUANTIZATION_OPTIONS, optional=True),
     _one_of("dtype", DTYPES),
+    _one_of("kv_cache_dtype", KV_CACHE_DTYPES),
     _one_of("device", DEVICES),
     Rule("block_size", VALUES, "a power of two", "block_size must be a power of two, got {block_size}",
          lambda c: c.block_size < 1 or c.block_size & (c.block_size - 1)),

@@ -94,7 +94,14 @@ TENSOR_PARALLEL_HYBRIDS = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwe
 SPARSE_ATTENTION_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
                                   "MiniMaxM3SparseForConditionalGeneration")
 
+# The families whose cache has an FP8 layout (``engine.layers.fp8_cache``).
+FP8_CACHE_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+
 LIMITS = (
+    FamilyLimits(lambda m: m.architecture not in FP8_CACHE_ARCHITECTURES, "{architecture}", (
+        ("kv_cache_dtype", lambda c: c.kv_cache_dtype != "auto",
+         "an FP8 cache is built for DeepSeek-V3.2's and GLM-5's sparse attention only"),
+    )),
     FamilyLimits(lambda m: m.is_hybrid, "hybrid linear-attention models ({architecture})", (
         ("pipeline_parallel_size", _pp, "the stages do not carry state slots yet"),
         ("data_parallel_size", _dp, "replicas sharing experts are not built for them yet"),

@@ -26,12 +26,18 @@ block table (``engine.layers.selected_rows``): its cost follows ``index_topk``, 
 chunk's queries each select their own tokens, so a chunk still reads its whole context and masks it.
 ``decode_kernel = "triton"`` sends decodes to a Triton kernel that reads the selected rows the same way
 (``engine.kernels.sparse_mla``), checked in Triton's interpreter; it is off by default until it has run on a GPU.
+
+``fp8_cache`` (``--kv-cache-dtype fp8``): both rows are cached in DeepSeek-V3.2's FP8 layout
+(``engine.layers.fp8_cache``: 656 + 132 bytes a token at the published shapes, against 1,408 in bf16), quantized
+as they are written and dequantized where they are read: the selected latent rows of a decode, a prefill chunk's
+context, the keys the indexer scores. The Triton decode kernel does not read that layout yet.
 """
 
 import torch
 import torch.nn.functional as F
 
 from engine.device_batch.attention_metadata import AttentionMetadata, DecodeGroup
+from engine.layers import fp8_cache
 from engine.layers.cache_spec import CacheSpec
 from engine.layers.lightning_indexer import LightningIndexer
 from engine.layers.mla_attention import MLAttention
@@ -65,12 +71,20 @@ class SparseMLAttention(MLAttention):
         # "torch", or "triton": decodes read only their selected rows in the Triton kernel
         # (``engine.kernels.sparse_mla``; checked in the interpreter, not yet the default).
         self.decode_kernel = "torch"
+        # Cache both rows in the FP8 layout (``engine.layers.fp8_cache``); set before the caches are allocated.
+        self.fp8_cache = False
         # [N_blocks + 1, block_size, r + p] latent rows, then (with an indexer) [N_blocks + 1, block_size, d_i]
         # indexer keys; bound by the runner.
         self.kv_cache = (torch.empty(0), torch.empty(0))
 
     def cache_spec(self) -> CacheSpec:
-        """The latent row of every token, and its indexer key where this layer has an indexer."""
+        """The latent row of every token, and its indexer key where this layer has an indexer (byte rows in the FP8
+        layout with ``fp8_cache``)."""
+        if self.fp8_cache:
+            rows = ((fp8_cache.latent_row_bytes(self.kv_lora_rank, self.rope_dim),),)
+            if self.indexer is not None:
+                rows += ((fp8_cache.key_row_bytes(self.index_head_dim),),)
+            return CacheSpec(rows, dtype=torch.uint8)
         if self.indexer is None:
             return CacheSpec(((self.kv_lora_rank + self.rope_dim,),))
         return CacheSpec(((self.kv_lora_rank + self.rope_dim,), (self.index_head_dim,)),
@@ -91,14 +105,17 @@ class SparseMLAttention(MLAttention):
                index_k: torch.Tensor | None, index_w: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
         """Writes [latent, k_pe] and the indexer key at ``meta.slot_mapping``, returns [T, h, v]."""
         cache = self.kv_cache[0]
-        width = self.kv_lora_rank + self.rope_dim
-        cache.view(-1, width).index_copy_(0, meta.slot_mapping, torch.cat([latent, k_pe], dim=-1))
-        rows = cache.view(*cache.shape[:2], 1, width)  # [N, bs, 1, r + p]
+        width = cache.shape[-1]  # r + p values, or the FP8 row's bytes
+        new_rows = fp8_cache.pack_latent_rows(latent, k_pe) if self.fp8_cache else torch.cat([latent, k_pe], dim=-1)
+        cache.view(-1, width).index_copy_(0, meta.slot_mapping, new_rows)
+        rows = cache.view(*cache.shape[:2], 1, width)  # [N, bs, 1, r + p (or bytes)]
         keys = None
         if self.indexer is not None:
             key_cache = self.kv_cache[1]
-            key_cache.view(-1, self.index_head_dim).index_copy_(0, meta.slot_mapping, index_k.to(key_cache.dtype))
-            keys = key_cache.view(*key_cache.shape[:2], 1, self.index_head_dim)  # [N, bs, 1, d_i]
+            key_width = key_cache.shape[-1]
+            new_keys = fp8_cache.pack_key_rows(index_k) if self.fp8_cache else index_k.to(key_cache.dtype)
+            key_cache.view(-1, key_width).index_copy_(0, meta.slot_mapping, new_keys)
+            keys = key_cache.view(*key_cache.shape[:2], 1, key_width)  # [N, bs, 1, d_i (or bytes)]
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         chosen: list[torch.Tensor] = []
         for group in meta.decode_groups:
@@ -106,16 +123,17 @@ class SparseMLAttention(MLAttention):
             select = self._decode_select(len(chosen), keys, index_q, index_w, span, group)  # [G, 1, L]
             chosen.append(select)
             positions = selected_positions(select[:, 0], self._index_topk())  # [G, K]
-            if self.decode_kernel == "triton":
+            if self.decode_kernel == "triton" and not self.fp8_cache:
                 out[span] = self._decode_sparse_triton(q[span], cache, context_table(group), positions)
             else:
-                out[span] = self._decode_sparse(q[span], *gather_selected_rows(cache, context_table(group), positions))
+                selected, valid = gather_selected_rows(cache, context_table(group), positions)  # [G, K, *], [G, K]
+                out[span] = self._decode_sparse(q[span], self._latent_values(selected, q.dtype), valid)
         for (start, end), table, seq_len, mask in zip(
             meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
         ):
             visible, seen = chunk_visibility(mask, start, end, seq_len, q.device)  # [q, L], [L]
-            ctx = gather_visible(rows, table, seen)[:, 0]  # [L, r + p]; hidden slots zeroed
-            ctx_keys = gather_visible(keys, table, seen)[:, 0] if keys is not None else None  # [L, d_i]
+            ctx = self._latent_values(gather_visible(rows, table, seen)[:, 0], q.dtype)  # [L, r + p]; hidden zeroed
+            ctx_keys = None if keys is None else self._key_values(gather_visible(keys, table, seen)[:, 0])  # [L, d_i]
             select = self._select(len(chosen), index_q, index_w, slice(start, end),
                                   None if ctx_keys is None else ctx_keys[None], visible[None])[0]  # [q, L]
             chosen.append(select[None])
@@ -128,6 +146,14 @@ class SparseMLAttention(MLAttention):
         """The most tokens this layer's selections keep per query (its indexer's, or the last indexed layer's)."""
         return self.relay.index_topk if self.indexer is None else self.indexer.index_topk
 
+    def _latent_values(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cached latent rows [..., r + p] as they are (or FP8 byte rows dequantized into ``dtype``)."""
+        return fp8_cache.unpack_latent_rows(rows, self.kv_lora_rank, dtype) if self.fp8_cache else rows
+
+    def _key_values(self, rows: torch.Tensor) -> torch.Tensor:
+        """Cached indexer keys [..., d_i] as they are (or FP8 byte rows dequantized into float32)."""
+        return fp8_cache.unpack_key_rows(rows, self.index_head_dim) if self.fp8_cache else rows
+
     def _decode_select(self, index: int, keys: torch.Tensor | None, index_q: torch.Tensor | None,
                        index_w: torch.Tensor | None, span: slice, group: DecodeGroup) -> torch.Tensor:
         """The decode group's selection [G, 1, L]: its indexer over every key of each request's context (the
@@ -135,7 +161,7 @@ class SparseMLAttention(MLAttention):
         if self.indexer is None:
             return self.relay.selections[index]
         (ctx_keys,), visible = decode_context((keys,), group)  # [G, L, 1, d_i], [G, L]
-        return self._select(index, index_q, index_w, span, ctx_keys[:, :, 0], visible[:, None])
+        return self._select(index, index_q, index_w, span, self._key_values(ctx_keys[:, :, 0]), visible[:, None])
 
     def _select(self, index: int, index_q: torch.Tensor | None, index_w: torch.Tensor | None, span: slice,
                 ctx_keys: torch.Tensor | None, visible: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,9 @@ def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: Ke
                                    stage)
     else:
         model = build_model(model_config, config.model, dtype, device, kernels.moe, max_len, tp, quantization, stage)
+    if config.kv_cache_dtype == "fp8":  # before the caches are sized and allocated from the layers' specs
+        for attn in model.attention_layers():
+            attn.fp8_cache = True
     if kernels.elementwise == "triton":
         from engine.transforms.fusion import enable_triton_elementwise
 

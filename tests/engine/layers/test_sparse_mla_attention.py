@@ -55,10 +55,16 @@ def _rms(x, w, eps=1e-6):
     return x / torch.sqrt((x * x).mean() + eps) * w
 
 
-def _reference(layer: SparseMLAttention, xs: torch.Tensor, interleave: bool) -> tuple[torch.Tensor, list[int]]:
+def _as_computed(*rows: torch.Tensor):
+    return rows if len(rows) > 1 else rows[0]
+
+
+def _reference(layer: SparseMLAttention, xs: torch.Tensor, interleave: bool, cached_latent=_as_computed,
+               cached_key=_as_computed) -> tuple[torch.Tensor, list[int]]:
     """One request's tokens xs [n, H] -> each one's attention output [n, h, v] (float64), and how many tokens
     each query attends to (the best ``index_topk`` scores, the earlier token first among equal ones: a key that
-    every positively weighted head scores below zero scores exactly 0, and such keys tie)."""
+    every positively weighted head scores below zero scores exactly 0, and such keys tie). ``cached_latent``
+    (latent, k_pe) and ``cached_key`` (key) map a token's rows to what the cache gives back (as computed here)."""
     w = {k: v.double() for k, v in layer.state_dict().items()}
     ix = layer.indexer
     kv_b = w["kv_b_proj.weight"].view(HEADS, NOPE + V_DIM, KV_LORA)
@@ -66,13 +72,13 @@ def _reference(layer: SparseMLAttention, xs: torch.Tensor, interleave: bool) -> 
     for t, x in enumerate(xs.double()):
         ckv = w["kv_a_proj_with_mqa.weight"] @ x
         latent = _rms(ckv[:KV_LORA], w["kv_a_layernorm.weight"])
-        k_pe = _rope(ckv[KV_LORA:], t, True)
+        latent, k_pe = cached_latent(latent, _rope(ckv[KV_LORA:], t, True))
         keys.append(torch.cat([kv_b[:, :NOPE] @ latent, k_pe.expand(HEADS, ROPE)], dim=-1))  # [h, n + p]
         values.append(kv_b[:, NOPE:] @ latent)  # [h, v]
         k = w["indexer.wk.weight"] @ x
         k = (k - k.mean()) / torch.sqrt(k.var(unbiased=False) + 1e-6)
         k = k * w["indexer.k_norm.weight"] + w["indexer.k_norm.bias"]
-        index_keys.append(torch.cat([_rope(k[:ROPE], t, interleave), k[ROPE:]]))
+        index_keys.append(cached_key(torch.cat([_rope(k[:ROPE], t, interleave), k[ROPE:]])))
     outs, counts = [], []
     for t, x in enumerate(xs.double()):
         q_resid = _rms(w["q_a_proj.weight"] @ x, w["q_a_layernorm.weight"])
