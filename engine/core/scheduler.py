@@ -513,7 +513,12 @@ class Scheduler:
                     passed.add(request.request_id)
                     continue
                 if self.checkpoints is not None:
-                    cached = self._resumable(cached)
+                    cached = self._resumable(request, cached)
+                    if cached is None:
+                        # Its hit's last block is being checkpointed by a running request: it waits in its place
+                        # for that (a step or two) rather than compute the shared prefix again.
+                        passed.add(request.request_id)
+                        continue
             num_cached = cached.num_blocks * self.kv.block_size
             num_new = self._chunk(request.num_tokens - num_cached)
             if self._capped(request):
@@ -549,12 +554,17 @@ class Scheduler:
             bisect.insort(self.running, request, key=_running_order)
             self._add_scheduled(request, num_new)
 
-    def _resumable(self, cached: CachedPrefix) -> CachedPrefix:
-        """A hybrid model's hit, cut back to its last block whose state the linear layers can resume from."""
+    def _resumable(self, request: Request, cached: CachedPrefix) -> CachedPrefix | None:
+        """A hybrid model's hit, cut back to its last block whose state the linear layers can resume from (where
+        the KV hit ran further, ``request`` checkpoints its state there: ``StateCheckpoints.note_hit``). None: a
+        running request's checkpoint at the hit's end is being taken, so ``request`` waits for it."""
         blocks = cached.groups[0] if cached.groups else []
         assert all(isinstance(b, Block) for b in blocks) and len(cached.groups) <= 1, \
             "no checkpoints with the tiers or a sliding group"
         n = self.checkpoints.resumable(blocks)
+        if n < len(blocks) and self.checkpoints.being_saved(blocks[-1].block_hash):
+            return None
+        self.checkpoints.note_hit(request, len(blocks), n)
         return CachedPrefix(n, [blocks[:n]]) if n else CachedPrefix()
 
     def _plan_checkpoint(self, request: Request, num_new: int, slot: int) -> None:

@@ -9,8 +9,11 @@ adapter). So a hit on block i of the full-attention layers is a hit for the line
 i's key has a checkpoint: the scheduler cuts each hit back to its last such block (``resumable``).
 
 Which boundaries: each prompt's last full block that a later identical prompt can hit ((L - 1) // block_size:
-the last token is always computed again) and every ``interval`` blocks of a sequence (a shared system prompt
-whose requests then diverge hits at the last multiple of ``interval`` before they do). A chunk of a prompt is cut
+the last token is always computed again), every ``interval`` blocks of a sequence, and where a request's KV hit
+ends past its last checkpoint (``note_hit``): there its prompt leaves one an earlier request computed, so that is
+where the requests sharing a system prompt diverge, and the next ones resume there rather than at the last
+multiple of ``interval`` (none at all for a prompt shorter than the interval); a request whose hit ends where
+another's checkpoint is being taken waits for it (``being_saved``) rather than compute the prefix again. A chunk of a prompt is cut
 at the last such boundary inside it so that the slot holds the state of exactly that prefix after the forward
 (``cap``).
 
@@ -39,6 +42,8 @@ class StateCheckpoints:
         self._free = list(range(first_row + num_checkpoints - 1, first_row - 1, -1))  # popped from the end
         self._rows: OrderedDict[bytes, int] = OrderedDict()  # key -> row, least recently used first
         self._pending: dict[str, list[tuple[int, int]]] = {}  # request -> (boundary in blocks, row) not committed
+        self._saving: dict[bytes, str] = {}  # key -> the request whose planned save will file it
+        self._divergence: dict[str, int] = {}  # request -> where its KV hit ended past its checkpoints, in blocks
         self._loads: list[tuple[int, int]] = []  # (row, slot) of the plan being built
         self._saves: list[tuple[int, int]] = []  # (slot, row) of the plan being built
         self.num_saved = 0
@@ -52,14 +57,29 @@ class StateCheckpoints:
     def is_boundary(self, request: Request, num_blocks: int) -> bool:
         """Whether the state after ``num_blocks`` full blocks of ``request`` is checkpointed."""
         return num_blocks >= 1 and (num_blocks % self.interval == 0
-                                    or num_blocks == (request.num_prompt_tokens - 1) // self.block_size)
+                                    or num_blocks == (request.num_prompt_tokens - 1) // self.block_size
+                                    or num_blocks == self._divergence.get(request.request_id))
+
+    def note_hit(self, request: Request, hit_blocks: int, resumable_blocks: int) -> None:
+        """At admission: ``request``'s prompt shares ``hit_blocks`` blocks with KV in the pool, of which the linear
+        layers resume after ``resumable_blocks``. Where the KV hit runs further, the prompt it shares them with
+        went on differently (or is still being computed): the state after ``hit_blocks`` blocks becomes a
+        boundary of this request, so later requests of that prefix resume there."""
+        if hit_blocks > resumable_blocks:
+            self._divergence[request.request_id] = hit_blocks
+        else:
+            self._divergence.pop(request.request_id, None)
 
     def cap(self, request: Request, start: int, num_new: int) -> int:
         """``num_new`` tokens from position ``start``, cut at the last checkpoint boundary strictly inside them
         (a chunk that ends at one is left whole): the slot then holds that prefix's state after the forward. The
         boundaries a chunk passes before its last are not checkpointed: a prompt's chunks are cut once each at
-        most, so the interval in effect is at least the chunk size."""
+        most, so the interval in effect is at least the chunk size. Where its hit ended (``note_hit``) comes first:
+        the state later requests of a shared prefix resume from."""
         bs, end = self.block_size, start + num_new
+        divergence = self._divergence.get(request.request_id, 0) * bs
+        if start < divergence < end:
+            return divergence - start
         if end % bs == 0 and self.is_boundary(request, end // bs):
             return num_new
         for k in range((end - 1) // bs, start // bs, -1):
@@ -74,6 +94,10 @@ class StateCheckpoints:
             if blocks[n - 1].block_hash in self._rows:
                 return n
         return 0
+
+    def being_saved(self, key: bytes) -> bool:
+        """Whether a save under ``key`` is planned and not yet committed (findable after a step or two)."""
+        return key in self._saving
 
     def plan_load(self, key: bytes, slot: int) -> None:
         """Copy the checkpoint under ``key`` into ``slot`` before this plan's forward (a hit of ``resumable``)."""
@@ -93,6 +117,8 @@ class StateCheckpoints:
         if row is None:
             return  # every row waits for its own save to be committed: this prefix goes uncheckpointed
         self._saves.append((slot, row))
+        if key is not None:
+            self._saving[key] = request_id
         self._pending.setdefault(request_id, []).append((boundary, row))
 
     def _take_row(self, still_cached: Callable[[bytes], bool]) -> int | None:
@@ -113,6 +139,7 @@ class StateCheckpoints:
         done = [(k, row) for k, row in pending if k * self.block_size <= request.num_computed_tokens]
         for k, row in done:
             key = key_of(k)
+            self._saving.pop(key, None)
             if key in self._rows:  # an identical prefix was checkpointed meanwhile: keep one
                 self._free.append(row)
             else:
@@ -126,6 +153,9 @@ class StateCheckpoints:
 
     def drop(self, request_id: str) -> None:
         """Forget the saves a preempted or finished request had not committed (their copies still run)."""
+        self._divergence.pop(request_id, None)  # a preempted request notes its hit again when readmitted
+        for key in [k for k, owner in self._saving.items() if owner == request_id]:
+            del self._saving[key]
         for _, row in self._pending.pop(request_id, ()):
             self._free.append(row)
 
