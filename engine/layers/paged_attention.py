@@ -48,9 +48,18 @@ def gather_visible(cache: torch.Tensor, block_table: torch.Tensor, visible: torc
     lo, hi = seen_by_all
     spans = ((0, lo), (hi, length)) if lo < hi else ((0, length),)
     for start, end in spans:
-        if end > start:
-            hidden = ~visible.narrow(dim, start, end - start)[..., None, None]  # [..., span, 1, 1]
-            rows.narrow(dim, start, end - start).masked_fill_(hidden, 0)
+        if end <= start:
+            continue
+        hidden = ~visible.narrow(dim, start, end - start)  # [..., span]
+        span = rows.narrow(dim, start, end - start)  # [..., span, kvh, d], a view: written through
+        if span.device.type == "cpu":
+            # On the CPU reading the mask costs no synchronisation, and usually nothing is hidden (a prefill
+            # chunk's last query sees its whole context): zero only the hidden slots' rows, not a pass over all.
+            where = hidden.nonzero(as_tuple=True)
+            if where[0].numel():
+                span[where] = 0
+        else:
+            span.masked_fill_(hidden[..., None, None], 0)
     return rows
 
 
