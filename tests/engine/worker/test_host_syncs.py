@@ -40,10 +40,14 @@ ALLOWED = {
     # lay out their deltas, one read per layer beside the dispatch's own (its all-to-all split sizes).
     ("engine/layers/moe.py", "_local_experts"),
     # DeepSeek-V4's torch path (eager only: no CUDA graphs for the family yet): its clamped experts loop over the
-    # experts the step's tokens chose, and its compressed attention reads each request's context length to slice
-    # the request's rows. Both go when the family gets its kernels.
+    # experts the step's tokens chose, and its compressed attention reads each request's context length and first
+    # position to slice the request's rows and windows. Both go when the family gets its kernels.
     ("engine/layers/clamped_moe.py", "forward"),
     ("engine/layers/compressed_attention.py", "_requests"),
+    ("engine/layers/compressed_attention.py", "forward"),
+    # Hidden KV slots found with nonzero only where the tensors are on the CPU (nothing to wait for); on a GPU the
+    # same function masks them without a read-back.
+    ("engine/layers/paged_attention.py", "gather_visible"),
 }
 
 
