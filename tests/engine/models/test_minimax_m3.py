@@ -28,12 +28,12 @@ M3_TEXT = dict(
 )
 
 
-def make_m3_model(path: str, seed: int):
+def make_m3_model(path: str, seed: int, vocab_size: int = VOCAB, **text):
     """A random MiniMax-M3 (text model and a one-layer vision tower) saved to ``path`` by transformers (in the
     published layout); every parameter and buffer random (the zero-centred norms and the correction bias drawn
-    around their init)."""
+    around their init). ``text`` adds to or overrides the text config."""
     config = AutoConfig.for_model(
-        "minimax_m3_vl", text_config=tiny_text_config(VOCAB, **M3_TEXT),
+        "minimax_m3_vl", text_config=tiny_text_config(vocab_size, **{**M3_TEXT, **text}),
         vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
                            patch_size=14, image_size=28),
         projector_hidden_size=32,

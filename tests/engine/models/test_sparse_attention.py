@@ -44,10 +44,13 @@ def earlier_first_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool 
     return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
 
 
-def make_dsa_model(model_type: str, path: str, seed: int, num_layers: int, **overrides):
-    """A random ``model_type`` model (every parameter drawn, norms and the indexer's included), saved to ``path``."""
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, num_hidden_layers=num_layers,
-                                  max_position_embeddings=1024, eos_token_id=VOCAB - 1, bos_token_id=None,
+def make_dsa_model(model_type: str, path: str, seed: int, num_layers: int, vocab_size: int = VOCAB,
+                   eos_token_id: int | None = None, **overrides):
+    """A random ``model_type`` model (every parameter drawn, norms and the indexer's included), saved to ``path``;
+    EOS the last id unless ``eos_token_id`` says."""
+    eos = vocab_size - 1 if eos_token_id is None else eos_token_id
+    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, num_hidden_layers=num_layers,
+                                  max_position_embeddings=1024, eos_token_id=eos, bos_token_id=None,
                                   pad_token_id=0, initializer_range=0.08, **{**SHAPE, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

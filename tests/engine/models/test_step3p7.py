@@ -29,11 +29,12 @@ STEP_TEXT = dict(
 )
 
 
-def make_step_model(path: str, seed: int, vocab_size: int = VOCAB):
+def make_step_model(path: str, seed: int, vocab_size: int = VOCAB, **text):
     """A random Step-3.7-Flash (text model and a one-layer vision tower) saved to ``path`` by transformers; every
-    parameter and buffer random (the zero-centred norms and the correction biases drawn around their init)."""
+    parameter and buffer random (the zero-centred norms and the correction biases drawn around their init).
+    ``text`` adds to or overrides the text config."""
     config = AutoConfig.for_model(
-        "step3p7", text_config=tiny_text_config(vocab_size, **STEP_TEXT),
+        "step3p7", text_config=tiny_text_config(vocab_size, **{**STEP_TEXT, **text}),
         vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
     )
     return save_random_image_text_model(config, path, seed)
