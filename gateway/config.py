@@ -144,3 +144,10 @@ class GatewayConfig:
                              f"image), got {self.max_image_pixels}")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")
+        from gateway.tool_parsers import REASONING_PARSERS, TOOL_PARSERS  # the parsers' modules: only when built
+
+        for name, known in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            value = getattr(self, name)
+            if value is not None and value != "auto" and value not in known:
+                raise ValueError(f"{name} must be 'auto', None (off) or one of {', '.join(sorted(known))}; "
+                                 f"got {value!r}")
