@@ -21,9 +21,10 @@ setting and the model, which that table cannot see.
   move or roll back that state. It splits tensor parallel: the query heads (and their output groups) over the
   ranks, the shared key=value row, compressors and indexer whole on every rank (so is the state: none of it is
   per head), the experts as DeepSeek-V3's, the hyper-connections whole.
-- Image-text models served with images (Qwen3-VL-MoE, Qwen3.5-MoE with a vision config, Kimi-K2.5): one rank;
-  the vision tower and the step's image rows are not split over ranks (the model itself also refuses a
-  tensor-parallel or pipelined build).
+- Image-text models served with images (Qwen3-VL-MoE, Qwen3.5-MoE with a vision config, Kimi-K2.5): split tensor
+  parallel as their text families, the vision tower and encoder cache on rank 0, which hands each step's image rows
+  to the other ranks (``engine.models.image_step``); the image rows are not carried across pipeline stages or
+  through expert parallelism yet (the model itself also refuses a pipelined or expert-parallel build).
 - Step-3.7-Flash: checked on one rank and split tensor parallel; its per-head output gates, each layer kind's own
   query head count and clamped SwiGLUs are not yet checked through the other splits or under adapters.
 """
@@ -141,12 +142,12 @@ LIMITS = (
         ("enable_lora", _lora, "adapters are not applied to its attention or experts yet"),
     )),
     FamilyLimits(lambda m: m.multimodal_config is not None, "{architecture}", (
-        ("tensor_parallel_size", _tp, "it is served on one rank: the vision tower is not split yet"),
-        ("pipeline_parallel_size", _pp, "it is served on one rank: image rows are not handed across stages yet"),
-        ("enable_expert_parallel", _ep, "it is served on one rank: expert parallelism is not built for it yet "
-                                        "(independent replicas are: moegate serve --data-parallel-size N without it)"),
+        ("pipeline_parallel_size", _pp, "image rows are not handed across stages yet (tensor parallelism is "
+                                        "served: --tensor-parallel-size N)"),
+        ("enable_expert_parallel", _ep, "expert parallelism is not built for it yet (tensor parallelism and "
+                                        "independent replicas are: moegate serve --data-parallel-size N without it)"),
         ("data_parallel_size", _dp, "replicas sharing experts are not built for it yet"),
-        ("enable_eplb", _eplb, "it is served on one rank: expert parallelism is not built for it yet"),
+        ("enable_eplb", _eplb, "expert parallelism is not built for it yet"),
     )),
     FamilyLimits(lambda m: m.architecture == "Step3p7ForConditionalGeneration", "{architecture}", (
         ("pipeline_parallel_size", _pp, "its stages are not tested yet"),

@@ -50,7 +50,7 @@ class AttentionMetadata:
     windowed: "AttentionMetadata | None" = None
     # Hybrid models: each request's state slot, read by the linear-attention layers (None: no such layers).
     states: StateMetadata | None = None
-    # Image-text models: the step's M-RoPE positions and image rows (``engine.models.qwen_image_text.ImageStep``),
+    # Image-text models: the step's M-RoPE positions and image rows (``engine.models.image_step.ImageStep``),
     # carried with the batch so a step prepared while another is in flight keeps its own; None for other models.
     images: Any = None
 

@@ -157,6 +157,22 @@ class TensorParallel:
         self._run(what, dist.broadcast, buffer, src=src, group=self.groups.control_group)
         return data if self.rank == 0 else buffer.numpy().tobytes()
 
+    def broadcast(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, over the device group: the others pass a tensor of the same shape and
+        dtype, filled in place (e.g. the step's image features, ``engine.models.image_step``)."""
+        if self.size > 1 and x.numel():
+            self._run(what, dist.broadcast, x, src=self.groups.first_global_rank, group=self.groups.device_group)
+        return x
+
+    def broadcast_ints(self, values: list[int] | None, count: int, what: str) -> list[int]:
+        """Rank 0's ``count`` host ints on every rank (the others pass None), over the control group: sizes a
+        follower needs before a ``broadcast`` of tensors, read without a device sync."""
+        if self.size == 1:
+            return values
+        box = torch.tensor(values if self.rank == 0 else [0] * count, dtype=torch.int64)
+        self._run(what, dist.broadcast, box, src=self.groups.first_global_rank, group=self.groups.control_group)
+        return box.tolist()
+
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order, on every rank (over the control group)."""
         if self.size == 1:

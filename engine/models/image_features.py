@@ -1,7 +1,11 @@
 """What every model that reads images does with them per request (Qwen3-VL-MoE, Qwen3.5-MoE, Kimi-K2.5): each
 image is encoded once per request, the first time a step's chunk holds one of its placeholder tokens, and its
 features kept until the request finishes (``forget_images``); an image the encoder cache holds for the request's
-tenant is not encoded again (``engine.vision.encoder_cache``)."""
+tenant is not encoded again (``engine.vision.encoder_cache``).
+
+Under tensor parallelism rank 0 alone does this: it holds the requests, the vision tower and the encoder cache, and
+hands each step's image rows to the other ranks (``engine.models.image_step``), which build no tower and read none
+of its tensors."""
 
 import abc
 from collections.abc import Iterator
@@ -10,6 +14,9 @@ import torch
 
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
+from engine.distributed.collectives import TensorParallel
+from engine.distributed.pipeline import PipelineStage
+from engine.models.image_step import ImageStep, share_image_step
 from engine.vision.encoder_cache import EncoderCache
 from engine.vision.prompt_images import pixels_of
 from engine.vision.qwen_image_processing import ProcessedImage
@@ -20,17 +27,47 @@ class ImageFeatures(abc.ABC):
     """Mixed into a model class; its ``__init__`` calls ``init_image_features`` and it says how an image is
     encoded (``encode``)."""
 
-    def check_one_rank(self, architecture: str, tp, stage) -> None:
-        """ValueError unless the model is served whole on one rank (call before building it): the vision tower
-        and the image rows are not split across ranks or stages yet."""
-        if tp.size > 1 or stage.pipelined:
-            raise ValueError(f"{architecture} with images is served on one rank for now: tensor, expert and "
-                             "pipeline parallelism are not supported with it")
+    # Our names' prefixes of the tower's parameters (and its projector's): rank 0's alone.
+    tower_names: tuple[str, ...] = ()
+    # Whether the model's image steps carry their own positions (Qwen's M-RoPE: [3, T]).
+    step_positions = False
+
+    def check_split(self, architecture: str, tp: TensorParallel, stage: PipelineStage) -> None:
+        """ValueError for a split the image rows are not carried through (call before building the model):
+        pipeline stages and expert parallelism. Tensor parallelism is served: the text model split as its
+        family's, the tower on rank 0."""
+        if stage.pipelined or tp.expert_parallel is not None:
+            raise ValueError(f"{architecture} with images is not served with pipeline or expert parallelism yet")
+
+    @property
+    def holds_tower(self) -> bool:
+        """Whether this rank encodes images (rank 0 of its tensor-parallel group) rather than receiving them."""
+        return self.tp.rank == 0
+
+    def on_other_stage(self, name: str) -> bool:
+        """The tower's tensors are read by rank 0 alone; otherwise the family's rule (pipeline stages)."""
+        if not self.holds_tower and self.map_weight_name(name)[0].startswith(self.tower_names):
+            return True
+        return super().on_other_stage(name)
 
     def init_image_features(self) -> None:
         self._features: dict[str, list[VisionFeatures | None]] = {}
         # Encoded images across requests; the engine sizes it (EngineConfig.encoder_cache_gb), 0 keeps nothing.
         self.encoder_cache = EncoderCache(0)
+
+    @abc.abstractmethod
+    def local_image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
+                         num_rows: int, device: torch.device) -> ImageStep:
+        """Rank 0: the step's image rows and features (and positions, ``step_positions``) from its parts."""
+
+    @torch.inference_mode()
+    def image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
+                   num_rows: int, device: torch.device) -> ImageStep:
+        """A forward's image work from the step's parts (``ranges``: their flat rows, in the same order; the runner
+        calls it on every rank, each with the same parts): rank 0's, built there and received by the others."""
+        step = self.local_image_step(scheduled, ranges, num_rows, device) if self.holds_tower else None
+        return share_image_step(self.tp, step, num_rows, self.step_positions, self.config.hidden_size,
+                                self.model.embed_tokens.weight.dtype, device)
 
     @abc.abstractmethod
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:

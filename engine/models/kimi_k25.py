@@ -4,10 +4,9 @@ routing) with the MoonViT tower's projected features in place of the image place
 Positions stay one per token (no multi-part rotary), so the text path is DeepSeek-V3's unchanged; only the
 embeddings of the image rows differ. A step's image rows are prepared by ``image_step`` (the runner calls it and
 puts the result in the batch's metadata, ``meta.images``), each image encoded once per request
-(``engine.models.image_features``).
+(``engine.models.image_features``); under tensor parallelism on rank 0, which hands the step's image rows to the
+other ranks (``engine.models.image_step``), the text model split as DeepSeek-V3's.
 """
-
-from dataclasses import dataclass
 
 import torch
 
@@ -20,21 +19,15 @@ from engine.models.base import WeightRule
 from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.deepseek_moe import DEEPSEEK_MOE_ALIASES
 from engine.models.image_features import ImageFeatures
+from engine.models.image_step import ImageStep, image_step_of
 from engine.vision.moonvit_tower import MoonViT, MoonViTConfig, Projector, encode_image
 from engine.vision.qwen_image_processing import ProcessedImage
 from engine.vision.qwen3_vl_tower import VisionFeatures
 
 
-@dataclass(frozen=True)
-class KimiImageStep:
-    """What one forward needs beyond token ids: the image rows and their features."""
-
-    rows: torch.Tensor  # [n] int64: flat rows holding image placeholder tokens
-    embeds: torch.Tensor  # [n, H] replacing those rows' token embeddings
-
-
 class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
     takes_images = True
+    tower_names = ("vision_tower.", "mm_projector.")
     # The published layout: the language model under language_model., the tower's blocks under
     # vision_tower.encoder.; then DeepSeek's renames. transformers' save_pretrained writes that layout with a few
     # names of its own (the text layers as language_model.model.blocks., the projector's norm under model.,
@@ -47,12 +40,13 @@ class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
 
     def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,
                  stage: PipelineStage = WHOLE) -> None:
-        self.check_one_rank(config.architecture, tp, stage)
+        self.check_split(config.architecture, tp, stage)
         super().__init__(config, moe_backend, max_positions, tp, stage)
         whole = config.multimodal_config
         vision = MoonViTConfig.from_hf(whole)
-        self.vision_tower = MoonViT(vision)
-        self.mm_projector = Projector(vision)
+        # rank 0's alone: the other ranks receive each step's features (engine.models.image_step)
+        self.vision_tower = MoonViT(vision) if self.holds_tower else None
+        self.mm_projector = Projector(vision) if self.holds_tower else None
         self.image_token_id = int(whole.image_token_id)
         self.init_image_features()
 
@@ -60,23 +54,19 @@ class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
         return encode_image(self.vision_tower, self.mm_projector, pixels.pixel_values, pixels.grid_thw)
 
     # ---- per step ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
-                   num_rows: int, device: torch.device) -> KimiImageStep:
+    def local_image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
+                         num_rows: int, device: torch.device) -> ImageStep:
         """A forward's image rows and features from the step's parts (``ranges``: their flat rows, in order)."""
         rows, embeds = [], []
         for part, (a, b) in zip(scheduled, ranges):
             for image_rows, feats, taken in self.image_rows(part, a, b):
                 rows.append(image_rows)
                 embeds.append(feats.embeds[taken])
-        dtype = self.model.embed_tokens.weight.dtype
-        return KimiImageStep(
-            torch.cat(rows).to(device) if rows else torch.empty(0, dtype=torch.int64, device=device),
-            torch.cat(embeds) if embeds else torch.empty(0, self.config.hidden_size, dtype=dtype, device=device),
-        )
+        return image_step_of(None, rows, embeds, [], self.config.hidden_size, self.model.embed_tokens.weight.dtype,
+                             device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        step: KimiImageStep | None = meta.images
+        step: ImageStep | None = meta.images
         if step is not None and step.rows.numel():
             # the placeholder id may lie past the vocabulary: those rows embed token 0, then take the features
             x = self.model.embed_tokens(input_ids.index_fill(0, step.rows, 0))

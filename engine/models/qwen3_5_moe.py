@@ -30,6 +30,7 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
 
 
 class Qwen3_5MoeWithImages(QwenImageText, Qwen3_5MoeForCausalLM):
-    """``Qwen3_5MoeForConditionalGeneration`` with a vision config: served with images (one rank)."""
+    """``Qwen3_5MoeForConditionalGeneration`` with a vision config: served with images (split tensor parallel
+    as its text model, the tower on rank 0)."""
 
     name_aliases = (("model.language_model.", "model."), ("model.visual.", "visual."))

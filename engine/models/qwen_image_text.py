@@ -4,10 +4,10 @@ where the checkpoint taps some blocks (Qwen3-VL's deepstack), are added to those
 first text layers; and M-RoPE positions from each request's prompt layout (``engine.vision.mrope``).
 
 A step's image work is prepared by ``image_step`` (the runner calls it with the step's parts and puts the result
-in the batch's metadata, ``meta.images``), each image encoded once per request (``engine.models.image_features``).
+in the batch's metadata, ``meta.images``), each image encoded once per request (``engine.models.image_features``);
+under tensor parallelism on rank 0, which hands the step to the other ranks (``engine.models.image_step``): the text
+layers split as the text family's, every rank with the same positions, image rows and deepstack features.
 """
-
-from dataclasses import dataclass
 
 import torch
 
@@ -18,20 +18,11 @@ from engine.device_batch.attention_metadata import AttentionMetadata
 from engine.distributed.collectives import SINGLE, TensorParallel
 from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.models.image_features import ImageFeatures
+from engine.models.image_step import ImageStep, image_step_of
 from engine.vision.mrope import ImageSpan, prompt_positions
 from engine.vision.mrope_rotary import MRotaryEmbedding
 from engine.vision.qwen_image_processing import ProcessedImage
 from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig, VisionFeatures
-
-
-@dataclass(frozen=True)
-class ImageStep:
-    """What one forward needs beyond token ids: its M-RoPE positions and the image rows' features."""
-
-    positions: torch.Tensor  # [3, T] int64
-    rows: torch.Tensor  # [n] int64: flat rows holding image placeholder tokens
-    embeds: torch.Tensor  # [n, H] replacing those rows' token embeddings
-    deepstack: torch.Tensor  # [K, n, H] added to those rows after text layers 0..K-1 (K 0 without taps)
 
 
 class QwenImageText(ImageFeatures):
@@ -40,13 +31,16 @@ class QwenImageText(ImageFeatures):
 
     rotary_class = MRotaryEmbedding
     takes_images = True
+    tower_names = ("visual.",)
+    step_positions = True
 
     def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,
                  stage: PipelineStage = WHOLE) -> None:
-        self.check_one_rank(config.architecture, tp, stage)
+        self.check_split(config.architecture, tp, stage)
         super().__init__(config, moe_backend, max_positions, tp, stage)
         whole = config.multimodal_config
-        self.visual = Qwen3VisionTower(VisionConfig.from_hf(whole.vision_config))
+        # rank 0's alone: the other ranks receive each step's features (engine.models.image_step)
+        self.visual = Qwen3VisionTower(VisionConfig.from_hf(whole.vision_config)) if self.holds_tower else None
         self.image_token_id = int(whole.image_token_id)
         self.init_image_features()
         self._layout: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (prompt positions [3, L], delta)
@@ -68,9 +62,8 @@ class QwenImageText(ImageFeatures):
             self._layout.pop(rid, None)
 
     # ---- per step ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
-                   num_rows: int, device: torch.device) -> ImageStep:
+    def local_image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],
+                         num_rows: int, device: torch.device) -> ImageStep:
         """A forward's positions and image rows from the step's parts (``ranges``: their flat rows, in the same
         order)."""
         positions = torch.zeros(3, num_rows, dtype=torch.int64)
@@ -88,14 +81,8 @@ class QwenImageText(ImageFeatures):
                 rows.append(image_rows)
                 embeds.append(feats.embeds[taken])
                 deepstack.append(feats.deepstack[:, taken])
-        hidden = self.config.hidden_size
-        dtype = self.model.embed_tokens.weight.dtype
-        return ImageStep(
-            positions.to(device),
-            torch.cat(rows).to(device) if rows else torch.empty(0, dtype=torch.int64, device=device),
-            torch.cat(embeds) if embeds else torch.empty(0, hidden, dtype=dtype, device=device),
-            torch.cat(deepstack, dim=1) if deepstack else torch.empty(0, 0, hidden, dtype=dtype, device=device),
-        )
+        return image_step_of(positions, rows, embeds, deepstack, self.config.hidden_size,
+                             self.model.embed_tokens.weight.dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         step: ImageStep | None = meta.images

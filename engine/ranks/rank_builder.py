@@ -56,8 +56,10 @@ def build_rank(config: EngineConfig, model_config: ModelConfig, kernels: KernelC
     max_len = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
     torch.manual_seed(config.seed)
     model, dense_gemv_choices = load_rank_model(config, model_config, kernels, dtype, device, max_len, tp, stage)
-    if model.takes_images:  # encoded images kept across requests, in host memory (engine.vision.encoder_cache)
-        model.encoder_cache = EncoderCache(int(config.encoder_cache_gb * GB), config.encoder_cache_tenant_share)
+    if model.takes_images:  # encoded images kept across requests, in host memory (engine.vision.encoder_cache);
+        # rank 0's alone: it encodes, the other ranks receive each step's features (engine.models.image_step)
+        size = int(config.encoder_cache_gb * GB) if leader is not None else 0
+        model.encoder_cache = EncoderCache(size, config.encoder_cache_tenant_share)
     draft = load_draft_model(config, model_config, kernels, dtype, device, max_len) \
         if config.speculative == "draft" else None  # a single-process engine (EngineConfig checks)
     eplb = _balancer(config, model, tp, device, leader)  # before the KV pool is sized: spare slots take memory

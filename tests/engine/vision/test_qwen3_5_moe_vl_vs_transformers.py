@@ -82,7 +82,8 @@ def test_greedy_matches_transformers(qwen3_5_vl_checkpoint):
 
 def test_language_model_only_serves_the_text_model(qwen3_5_vl_checkpoint):
     """``language_model_only``: the same checkpoint served as its text model (transformers' tokens on a text chat,
-    images refused), with tensor parallelism open to it as to the text model, not with images."""
+    images refused), with tensor parallelism open to it as to the text model (and with images: the tower on rank 0,
+    tests/distributed/test_image_tensor_parallel.py)."""
     path, model, tok, seed = qwen3_5_vl_checkpoint
     ids = tok(tok.apply_chat_template(_chat("Only text, no picture."), tokenize=False,
                                       add_generation_prompt=True))["input_ids"]
@@ -93,11 +94,6 @@ def test_language_model_only_serves_the_text_model(qwen3_5_vl_checkpoint):
     picture = random_image(torch.Generator().manual_seed(seed), 16, 16)
     with pytest.raises(ValueError, match="images were given but Qwen3_5MoeForConditionalGeneration reads text only"):
         llm.generate([[5, IMAGE_TOKEN, IMAGE_TOKEN, 6]], params, images=[[picture]])
-    for text_only in (False, True):
+    for text_only in (False, True):  # the text model split as it is, with images or not (the tower on rank 0)
         config = EngineConfig(model=path, tensor_parallel_size=2, language_model_only=text_only)
-        if text_only:
-            check_family_support(config, load_model_config(path, text_only))
-        else:
-            with pytest.raises(ValueError, match="^--tensor-parallel-size is not supported with "
-                                                 "Qwen3_5MoeForConditionalGeneration yet: it is served on one rank"):
-                check_family_support(config, load_model_config(path, text_only))
+        check_family_support(config, load_model_config(path, text_only))

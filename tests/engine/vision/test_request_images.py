@@ -29,6 +29,9 @@ class CountingTower(ImageFeatures, nn.Module):
         self.init_image_features()
         self.encoded = 0
 
+    def local_image_step(self, scheduled, ranges, num_rows, device):
+        raise AssertionError("these tests read image features, they step nothing")
+
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:
         self.encoded += 1
         embeds = pixels.pixel_values[:TOKENS, :HIDDEN].clone()

@@ -1,0 +1,153 @@
+"""The image-text models split over 2 tensor-parallel ranks (gloo, 1 thread each): Qwen3-VL-MoE (M-RoPE, deepstack
+taps on both tower blocks, 4 experts split by intermediate slices, one KV head on both ranks), Qwen3.5-MoE with
+images (a Gated DeltaNet layer's heads split, M-RoPE over a quarter of each head) and Kimi-K2.5 (MLA heads split as
+DeepSeek-V3's) generate transformers' greedy tokens for a prompt with one image, one with two and a text-only one,
+plus the first again, on tiny random checkpoints (every parameter random). Rank 0 alone encodes (the tower and the
+encoder cache are its own) and hands each step's image rows to rank 1: steps of 16 tokens cut through images, the
+per-step encoder budget lets one image in at a time, and the repeated image comes from rank 0's encoder cache.
+(One process, the same checks: tests/engine/vision/*_vs_transformers.py.)"""
+
+import random
+
+import pytest
+import torch
+
+from engine.vision.kimi_image_processing import process_kimi_image
+from engine.vision.qwen_image_processing import process_image
+from tests.distributed.ranks import run_ranks_each
+from tests.engine.vision import kimi_k25_checkpoint as kimi
+from tests.engine.vision import qwen3_vl_checkpoint as qwen
+from tests.engine.vision.qwen3_5_vl_checkpoint import make_qwen3_5_moe_vl
+from tests.engine.vision.test_kimi_k25_vs_transformers import _greedy, _reference, _text, _with_images
+from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
+
+MAX_NEW = 8
+FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_k25")
+# Two key heads (one per rank) of two value heads each; its attention's one KV head on both ranks.
+QWEN3_5_HEADS = dict(linear_num_key_heads=2, linear_num_value_heads=4)
+# The attribute holding each family's tower on rank 0.
+TOWER = {"qwen3_vl_moe": "visual", "qwen3_5_moe": "visual", "kimi_k25": "vision_tower"}
+
+
+def _generate(rank: int, world: int, address: str, path: str, prompts: list[list[int]], images: list[list],
+              budget: int, tower: str) -> dict:
+    from engine import LLM, SamplingParams
+
+    # No prefix cache: the repeated prompt's image is encoded again, so it must come from the encoder cache.
+    llm = LLM(path, dtype="float32", device="cpu", cpu_threads=1, tensor_parallel_size=2, block_size=4,
+              num_kv_blocks=96, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False,
+              max_num_encoder_tokens=budget, encoder_cache_gb=0.001)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate(prompts, params, images=images)
+        stats = llm.engine.stats()
+        return {"tokens": [o.token_ids for o in outs], "cache_hits": stats.encoder_cache_hits,
+                "tower": getattr(llm.engine.model, tower) is not None}
+    finally:
+        llm.engine.close()
+
+
+def _qwen_last_logits(model, processed: list):
+    """transformers' logits after ``ids`` (a whole forward, no cache) with ``processed``'s pixels."""
+    pixels = {}
+    if processed:
+        pixels = dict(pixel_values=torch.cat([p.pixel_values for p in processed]),
+                      image_grid_thw=torch.tensor([p.grid_thw for p in processed]))
+
+    def last_logits(ids: list[int]) -> torch.Tensor:
+        t = torch.tensor([ids])
+        kwargs = dict(pixels, mm_token_type_ids=(t == qwen.IMAGE_TOKEN).int()) if pixels else {}
+        with torch.no_grad():
+            return model(t, use_cache=False, **kwargs).logits[0, -1]
+    return last_logits
+
+
+def _qwen_cases(model, seed: int) -> tuple[list, list, list, list, int]:
+    """(prompts, engine images, expected tokens, reference logits functions, the largest image's tokens)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    pics = [qwen.random_image(gen, rng.randint(12, 40), rng.randint(12, 40)) for _ in range(3)]
+    processed = [process_image(p, qwen.IMAGE_CONFIG) for p in pics]
+    groups = [processed[:1], processed[1:3], []]
+    prompts = [qwen.with_images(rng, groups[0]), qwen.with_images(rng, groups[1]), qwen.text_ids(rng, 12)]
+    expected = [qwen.hf_greedy(model, p, g, MAX_NEW) for p, g in zip(prompts, groups)]
+    refs = [_qwen_last_logits(model, g) for g in groups]
+    # a PIL image (preprocessed by the engine), pixel tensors, none; then the first picture again
+    images = [[pics[0]], groups[1], [], [pics[0]]]
+    budget = max(p.num_tokens(qwen.IMAGE_CONFIG.merge_size) for p in processed)
+    return prompts + prompts[:1], images, expected + expected[:1], refs + refs[:1], budget
+
+
+def _kimi_cases(model, seed: int) -> tuple[list, list, list, list, int]:
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed + 2)
+    pics = [kimi.random_image(gen, rng.randint(12, 60), rng.randint(12, 60)) for _ in range(3)]
+    grids = [kimi.IMAGE_CONFIG.grid(p.size[1], p.size[0]) for p in pics]
+    draws = [lambda: _with_images(rng, [(1, *grids[0])]), lambda: _with_images(rng, [(1, *g) for g in grids[1:3]]),
+             lambda: _text(rng, 12)]
+    prompts, expected, refs = [], [], []
+    for draw, pictures in zip(draws, (pics[:1], pics[1:3], [])):
+        ref = _reference(model, pictures)
+        for _ in range(10):  # another text around the images while the reference samples a placeholder
+            prompt = draw()
+            if (want := _greedy(ref, prompt)) is not None:
+                break
+        assert want is not None, f"seed={seed}"
+        prompts.append(prompt)
+        expected.append(want)
+        refs.append(ref)
+    images = [[pics[0]], [process_kimi_image(p, kimi.IMAGE_CONFIG) for p in pics[1:3]], [], [pics[0]]]
+    budget = max(h * w // 4 for h, w in grids)
+    return prompts + prompts[:1], images, expected + expected[:1], refs + refs[:1], budget
+
+
+@pytest.fixture(scope="module")
+def runs(qwen3_vl_checkpoint, tmp_path_factory):
+    """Each family's cases and what the split engine generated: {family: (seed, cases, (status, value))}."""
+    path, model, seed = qwen3_vl_checkpoint
+    built = {"qwen3_vl_moe": (path, seed, _qwen_cases(model, seed))}
+    seed = random.randrange(2**31)
+    path = str(tmp_path_factory.mktemp("tp-qwen3_5_moe"))
+    model, _ = make_qwen3_5_moe_vl(path, seed, **QWEN3_5_HEADS)
+    built["qwen3_5_moe"] = (path, seed, _qwen_cases(model, seed))
+    seed = random.randrange(2**31)
+    path = str(tmp_path_factory.mktemp("tp-kimi_k25"))
+    built["kimi_k25"] = (path, seed, _kimi_cases(kimi.make_kimi_k25(path, seed), seed))
+    args = {family: (path, cases[0], cases[1], cases[4], TOWER[family])
+            for family, (path, _, cases) in built.items()}
+    results = run_ranks_each(_generate, 1, args, timeout_s=240)
+    return {family: (seed, cases, results[family].get(0, ("missing", None)))
+            for family, (_, seed, cases) in built.items()}
+
+
+@pytest.mark.timeout(300)  # the first family's test builds every family's results (module fixture)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_split_image_models_generate_transformers_tokens(family, runs):
+    seed, (prompts, _, expected, refs, _), (status, value) = runs[family]
+    assert status == "ok", f"family={family} seed={seed}: {value}"
+    for i, (prompt, got, want, ref) in enumerate(zip(prompts, value["tokens"], expected, refs)):
+        assert len(got) == MAX_NEW
+        assert_greedy_equal_up_to_a_near_tie(ref, prompt, got, want, f"family={family} seed={seed} case {i}")
+    assert value["tower"], "rank 0 holds the vision tower"
+    assert value["cache_hits"] >= 1, f"the repeated image was encoded again (family={family} seed={seed})"
+
+
+def test_follower_ranks_build_no_tower(qwen3_vl_checkpoint):
+    """Rank 1's modules (built on meta, as split_check builds rank 0's): the text model split, no tower, and the
+    tower's checkpoint tensors are not its to read; rank 0 reads them."""
+    from engine.core.model_config import load_model_config
+    from engine.distributed.collectives import TensorParallel
+    from engine.models import model_class
+
+    path, _, _ = qwen3_vl_checkpoint
+    config = load_model_config(path)
+    ranks = []
+    for rank in (0, 1):
+        tp = TensorParallel.shape_only(2)
+        tp.rank = rank
+        with torch.device("meta"):
+            ranks.append(model_class(config)(config, moe_backend="torch", max_positions=1, tp=tp))
+    leader, follower = ranks
+    assert leader.visual is not None and follower.visual is None
+    name = "model.visual.blocks.0.attn.qkv.weight"
+    assert follower.on_other_stage(name) and not leader.on_other_stage(name)
+    assert not follower.on_other_stage("model.language_model.layers.0.self_attn.q_proj.weight")
+    assert not any(n.startswith("visual.") for n, _ in follower.named_parameters())
