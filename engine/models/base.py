@@ -226,7 +226,8 @@ class MoECausalLM(nn.Module, abc.ABC):
 
     def on_other_stage(self, name: str) -> bool:
         """True for a checkpoint tensor another pipeline stage holds (another stage's layer, or the embedding,
-        LM head or final norm off this stage): this rank never reads it."""
+        LM head or final norm off this stage): this rank never reads it. Image models also say so of their vision
+        tower's tensors on every tensor-parallel rank but rank 0 (``engine.models.image_features``)."""
         if not self.stage.pipelined:
             return False
         match = _LAYER_INDEX.match(name)
