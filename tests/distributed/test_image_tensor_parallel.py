@@ -2,10 +2,11 @@
 taps on both tower blocks, 4 experts split by intermediate slices, one KV head on both ranks), Qwen3.5-MoE with
 images (a Gated DeltaNet layer's heads split, M-RoPE over a quarter of each head) and Kimi-K2.5 (MLA heads split as
 DeepSeek-V3's) generate transformers' greedy tokens for a prompt with one image, one with two and a text-only one,
-plus the first again, on tiny random checkpoints (every parameter random). Rank 0 alone encodes (the tower and the
-encoder cache are its own) and hands each step's image rows to rank 1: steps of 16 tokens cut through images, the
-per-step encoder budget lets one image in at a time, and the repeated image comes from rank 0's encoder cache.
-(One process, the same checks: tests/engine/vision/*_vs_transformers.py.)"""
+on tiny random checkpoints (every parameter random). Rank 0 alone encodes (the tower and the encoder cache are its
+own) and hands each step's image rows to rank 1: steps of 16 tokens cut through images and the per-step encoder
+budget lets one image in at a time; the first image under other text is not encoded again (rank 0's encoder
+cache), and the first prompt again hits the prefix cache past its image (Qwen3.5-MoE through its state
+checkpoints, each rank's heads). (One process, the same checks: tests/engine/vision/*_vs_transformers.py.)"""
 
 import random
 
@@ -27,21 +28,23 @@ FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_k25")
 QWEN3_5_HEADS = dict(linear_num_key_heads=2, linear_num_value_heads=4)
 # The attribute holding each family's tower on rank 0.
 TOWER = {"qwen3_vl_moe": "visual", "qwen3_5_moe": "visual", "kimi_k25": "vision_tower"}
+IMAGE_TOKEN = {"qwen3_vl_moe": qwen.IMAGE_TOKEN, "qwen3_5_moe": qwen.IMAGE_TOKEN, "kimi_k25": kimi.IMAGE_TOKEN}
 
 
 def _generate(rank: int, world: int, address: str, path: str, prompts: list[list[int]], images: list[list],
               budget: int, tower: str) -> dict:
     from engine import LLM, SamplingParams
 
-    # No prefix cache: the repeated prompt's image is encoded again, so it must come from the encoder cache.
     llm = LLM(path, dtype="float32", device="cpu", cpu_threads=1, tensor_parallel_size=2, block_size=4,
-              num_kv_blocks=96, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False,
-              max_num_encoder_tokens=budget, encoder_cache_gb=0.001)
+              num_kv_blocks=96, max_num_batched_tokens=16, max_num_seqs=4, max_num_encoder_tokens=budget,
+              encoder_cache_gb=0.001)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         outs = llm.generate(prompts, params, images=images)
-        stats = llm.engine.stats()
-        return {"tokens": [o.token_ids for o in outs], "cache_hits": stats.encoder_cache_hits,
+        hits_before = llm.engine.scheduler.kv.prefix_hit_tokens
+        again = llm.generate(prompts[:1], params, images=images[:1])[0].token_ids  # the first prompt again
+        return {"tokens": [o.token_ids for o in outs] + [again], "cache_hits": llm.engine.stats().encoder_cache_hits,
+                "again_hits": llm.engine.scheduler.kv.prefix_hit_tokens - hits_before,
                 "tower": getattr(llm.engine.model, tower) is not None}
     finally:
         llm.engine.close()
@@ -67,24 +70,35 @@ def _qwen_cases(model, seed: int) -> tuple[list, list, list, list, int]:
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     pics = [qwen.random_image(gen, rng.randint(12, 40), rng.randint(12, 40)) for _ in range(3)]
     processed = [process_image(p, qwen.IMAGE_CONFIG) for p in pics]
-    groups = [processed[:1], processed[1:3], []]
+    groups = [processed[:1], processed[1:3], [], processed[:1]]
     prompts = [qwen.with_images(rng, groups[0]), qwen.with_images(rng, groups[1]), qwen.text_ids(rng, 12)]
+    prompts.append(_other_text(prompts[0], lambda: qwen.with_images(rng, groups[0]), qwen.IMAGE_TOKEN))
     expected = [qwen.hf_greedy(model, p, g, MAX_NEW) for p, g in zip(prompts, groups)]
     refs = [_qwen_last_logits(model, g) for g in groups]
-    # a PIL image (preprocessed by the engine), pixel tensors, none; then the first picture again
+    # a PIL image (preprocessed by the engine), pixel tensors, none; then the first picture under other text
     images = [[pics[0]], groups[1], [], [pics[0]]]
     budget = max(p.num_tokens(qwen.IMAGE_CONFIG.merge_size) for p in processed)
-    return prompts + prompts[:1], images, expected + expected[:1], refs + refs[:1], budget
+    return prompts, images, expected, refs, budget
+
+
+def _other_text(prompt: list[int], draw, image_token: int) -> list[int]:
+    """A prompt ``draw`` gives whose text before its image differs from ``prompt``'s: the prefix cache holds none
+    of its image blocks, so its image is encoded, or read from the encoder cache."""
+    while True:
+        other = draw()
+        if other[:other.index(image_token)] != prompt[:prompt.index(image_token)]:
+            return other
 
 
 def _kimi_cases(model, seed: int) -> tuple[list, list, list, list, int]:
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed + 2)
     pics = [kimi.random_image(gen, rng.randint(12, 60), rng.randint(12, 60)) for _ in range(3)]
     grids = [kimi.IMAGE_CONFIG.grid(p.size[1], p.size[0]) for p in pics]
-    draws = [lambda: _with_images(rng, [(1, *grids[0])]), lambda: _with_images(rng, [(1, *g) for g in grids[1:3]]),
-             lambda: _text(rng, 12)]
+    first = lambda: _with_images(rng, [(1, *grids[0])])  # noqa: E731
+    draws = [first, lambda: _with_images(rng, [(1, *g) for g in grids[1:3]]), lambda: _text(rng, 12),
+             lambda: _other_text(prompts[0], first, kimi.IMAGE_TOKEN)]
     prompts, expected, refs = [], [], []
-    for draw, pictures in zip(draws, (pics[:1], pics[1:3], [])):
+    for draw, pictures in zip(draws, (pics[:1], pics[1:3], [], pics[:1])):
         ref = _reference(model, pictures)
         for _ in range(10):  # another text around the images while the reference samples a placeholder
             prompt = draw()
@@ -96,7 +110,7 @@ def _kimi_cases(model, seed: int) -> tuple[list, list, list, list, int]:
         refs.append(ref)
     images = [[pics[0]], [process_kimi_image(p, kimi.IMAGE_CONFIG) for p in pics[1:3]], [], [pics[0]]]
     budget = max(h * w // 4 for h, w in grids)
-    return prompts + prompts[:1], images, expected + expected[:1], refs + refs[:1], budget
+    return prompts, images, expected, refs, budget
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +137,14 @@ def runs(qwen3_vl_checkpoint, tmp_path_factory):
 def test_split_image_models_generate_transformers_tokens(family, runs):
     seed, (prompts, _, expected, refs, _), (status, value) = runs[family]
     assert status == "ok", f"family={family} seed={seed}: {value}"
-    for i, (prompt, got, want, ref) in enumerate(zip(prompts, value["tokens"], expected, refs)):
+    cases = zip(prompts + prompts[:1], value["tokens"], expected + expected[:1], refs + refs[:1])
+    for i, (prompt, got, want, ref) in enumerate(cases):
         assert len(got) == MAX_NEW
         assert_greedy_equal_up_to_a_near_tie(ref, prompt, got, want, f"family={family} seed={seed} case {i}")
     assert value["tower"], "rank 0 holds the vision tower"
-    assert value["cache_hits"] >= 1, f"the repeated image was encoded again (family={family} seed={seed})"
+    assert value["cache_hits"] >= 1, f"the first image was encoded again (family={family} seed={seed})"
+    image_start = prompts[0].index(IMAGE_TOKEN[family])
+    assert value["again_hits"] > image_start // 4 * 4, f"no prefix hit past the image (family={family} seed={seed})"
 
 
 def test_follower_ranks_build_no_tower(qwen3_vl_checkpoint):
