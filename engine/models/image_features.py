@@ -32,7 +32,7 @@ class ImageFeatures(abc.ABC):
     # Whether the model's image steps carry their own positions (Qwen's M-RoPE: [3, T]).
     step_positions = False
 
-    def check_split(self, architecture: str, tp: TensorParallel, stage: PipelineStage) -> None:
+    def check_image_split(self, architecture: str, tp: TensorParallel, stage: PipelineStage) -> None:
         """ValueError for a split the image rows are not carried through (call before building the model):
         pipeline stages and expert parallelism. Tensor parallelism is served: the text model split as its
         family's, the tower on rank 0."""

@@ -40,7 +40,7 @@ class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
 
     def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,
                  stage: PipelineStage = WHOLE) -> None:
-        self.check_split(config.architecture, tp, stage)
+        self.check_image_split(config.architecture, tp, stage)
         super().__init__(config, moe_backend, max_positions, tp, stage)
         whole = config.multimodal_config
         vision = MoonViTConfig.from_hf(whole)

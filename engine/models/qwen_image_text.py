@@ -36,7 +36,7 @@ class QwenImageText(ImageFeatures):
 
     def __init__(self, config: ModelConfig, moe_backend: str, max_positions: int, tp: TensorParallel = SINGLE,
                  stage: PipelineStage = WHOLE) -> None:
-        self.check_split(config.architecture, tp, stage)
+        self.check_image_split(config.architecture, tp, stage)
         super().__init__(config, moe_backend, max_positions, tp, stage)
         whole = config.multimodal_config
         # rank 0's alone: the other ranks receive each step's features (engine.models.image_step)

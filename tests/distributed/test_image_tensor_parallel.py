@@ -168,3 +168,17 @@ def test_follower_ranks_build_no_tower(qwen3_vl_checkpoint):
     assert follower.on_other_stage(name) and not leader.on_other_stage(name)
     assert not follower.on_other_stage("model.language_model.layers.0.self_attn.q_proj.weight")
     assert not any(n.startswith("visual.") for n, _ in follower.named_parameters())
+
+
+def test_expert_parallel_build_is_refused(qwen3_vl_checkpoint):
+    """The model itself refuses a split its image rows are not carried through (start-up refuses it first, one
+    line naming the flag: tests/engine/vision/test_encoder_cache_shares.py -k refused)."""
+    from engine.core.model_config import load_model_config
+    from engine.distributed.collectives import TensorParallel
+    from engine.models import model_class
+
+    config = load_model_config(qwen3_vl_checkpoint[0])
+    tp = TensorParallel.shape_only(2)
+    tp.expert_parallel = object()  # any expert-parallel layout
+    with torch.device("meta"), pytest.raises(ValueError, match="not served with pipeline or expert parallelism"):
+        model_class(config)(config, moe_backend="torch", max_positions=1, tp=tp)
