@@ -6,40 +6,15 @@ without a grace (the field's default) it preempts at once, as before. (Sequence 
 through the same admission-preemption choice, ``Scheduler._admission_victim``; the slots are simulated here.)
 """
 
-import itertools
 import random
 
 import pytest
 
 from engine.core.config import CacheConfig, SchedulerConfig
-from engine.core.request import Request, RequestStatus
+from engine.core.request import RequestStatus
 from engine.core.request_policy import RequestPolicy
-from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-
-_ids = itertools.count()
-STEP_S = 0.01  # simulated seconds per step
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 500.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def req(rng: random.Random, policy: RequestPolicy, prompt_len: int, max_tokens: int) -> Request:
-    n = next(_ids)  # distinct prompts: no prefix-cache hits
-    return Request(f"g{n}", [n * 10_000 + rng.randrange(5000) for _ in range(prompt_len)],
-                   SamplingParams(ignore_eos=True), max_tokens, policy=policy)
-
-
-def step(sched: Scheduler, clock: Clock):
-    out = sched.schedule()
-    sched.update(out, [7 if s.sample else None for s in out.scheduled])
-    clock.t += STEP_S
-    return out
+from tests.engine.core.test_starvation import STEP_S, Clock, req, step
 
 
 def run(grace_ms: float | None, low_tokens: list[int], seed: int):
