@@ -1,6 +1,7 @@
 """SLO admission at twice the load a server can take: goodput and the realtime class's attainment with admission
-by objective (``slo_action refuse``) and without it (``queue``: the same objectives, judged, not enforced), side by
-side in one run.
+by objective (``slo_action refuse``, which also gives the classes their grace before preempting) and without it
+(no objectives in the database: plain priority classes; the load generator judges both arms by the same
+objectives), side by side in one run.
 
     python -m benchmarks.slo_admission [--model DIR] [--device cpu|cuda] [--duration 10] [--rounds 3] [--prompt-len 128]
                                        [--output-len 16] [--realtime-share 0.3] [--load 2.0] [--max-num-seqs 16]
@@ -74,10 +75,14 @@ async def _keys(url: str) -> dict[str, str]:
         await store.close()
 
 
-async def _set_objectives(url: str, objectives: dict[str, dict[str, float]], action: str) -> None:
+async def _set_objectives(url: str, objectives: dict[str, dict[str, float]], action: str | None) -> None:
+    """The classes' objectives with ``action``; None: no objectives at all (plain priority classes)."""
     store = TenantStore.open(url)
     try:
         for cls, bounds in objectives.items():
+            if action is None:
+                await store.set_class_objectives(cls, ttft_slo_ms=None, itl_slo_ms=None, slo_action="queue")
+                continue
             await store.set_class_objectives(cls, ttft_slo_ms=max(1, round(bounds["ttft"] * 1e3)),
                                              itl_slo_ms=max(1, round(bounds["itl"] * 1e3)), slo_action=action)
     finally:
@@ -162,7 +167,7 @@ async def bench(args) -> dict:
             # Rounds alternate the arms (and which goes first), the same arrivals for both within a round, so
             # a machine whose speed drifts (shared cores) favours neither.
             for i in range(args.rounds):
-                order = [("without", "queue"), ("with", "refuse")]
+                order = [("without", None), ("with", "refuse")]
                 for arm, action in (order if i % 2 == 0 else order[::-1]):
                     await _set_objectives(url, objectives, action)
                     await asyncio.sleep(CLASS_CACHE_S)  # the gateway reads the class settings again

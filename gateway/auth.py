@@ -25,16 +25,16 @@ class Principal:
 
     def policy(self, order_in_class: int = 0, background: bool = False, cache_share: float | None = None,
                lora_adapter: str | None = None) -> RequestPolicy:
-        """The engine's policy for this caller's requests: the class's priority and preemption rules, the
-        tenant's fair-share weight, its prefix cache kept to itself (salted by its secret salt, never by its id,
-        which another database hands out again), its quota's share of the engine's prefix-cache tiers
-        (``Granted.cache_share``) and the LoRA adapter its ``model`` named (``gateway.lora_adapters``; None: the
-        base model)."""
+        """The engine's policy for this caller's requests: the class's priority and preemption rules (with its
+        grace before preempting, from its time-to-first-token objective), the tenant's fair-share weight, its
+        prefix cache kept to itself (salted by its secret salt, never by its id, which another database hands out
+        again), its quota's share of the engine's prefix-cache tiers (``Granted.cache_share``) and the LoRA
+        adapter its ``model`` named (``gateway.lora_adapters``; None: the base model)."""
         tenant, cls = self.tenant, self.priority_class
         return RequestPolicy(priority=cls.priority, order_in_class=order_in_class, tenant=str(tenant.id),
                              weight=tenant.weight, preemptible=cls.preemptible, may_preempt=cls.may_preempt,
-                             background=background, cache_salt=self.cache_salt, cache_share=cache_share,
-                             lora_adapter=lora_adapter)
+                             preempt_grace_ms=cls.preempt_grace_ms, background=background,
+                             cache_salt=self.cache_salt, cache_share=cache_share, lora_adapter=lora_adapter)
 
 
 class Authenticator:

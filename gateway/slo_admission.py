@@ -11,7 +11,8 @@ class's own requests in order). Two things can hold a request back, and the pred
   ``max_num_batched_tokens`` less one token for each sequence decoding;
 * a sequence slot: with ``max_num_seqs`` sequences or more ahead, it waits for slots to free, each running
   sequence holding one for about its expected output (``max_tokens``, or the default reservation; half of it for
-  one already decoding), slots freeing ``max_num_seqs`` at a time.
+  one already decoding), slots freeing ``max_num_seqs`` at a time; with fewer ahead but every slot taken, a
+  request of a class with a grace before preempting waits for one to free by itself, at most its grace.
 
 The step time is a line fitted to the engine's recent steps, ``ms = a + b * tokens`` (schedule plus execute time
 against the tokens it computed), read from the statistics each engine reports. What that leaves out (the time
@@ -101,10 +102,11 @@ class SloAdmission:
             self.steps.add(stats.step_prefill_tokens + stats.step_decode_tokens,
                            stats.step_schedule_ms + stats.step_execute_ms)
 
-    def predict(self, priority: int, prompt_tokens: int) -> Prediction | None:
+    def predict(self, priority: int, prompt_tokens: int, grace_ms: float | None = None) -> Prediction | None:
         """The first-token time of a request of ``priority`` with ``prompt_tokens`` to prefill, admitted now
-        (times ``correction``, plus ``lateness_ms``); None before any step was measured."""
-        return self._corrected(priority, self.predict_uncorrected(priority, prompt_tokens))
+        (times ``correction``, plus ``lateness_ms``); None before any step was measured. ``grace_ms``: its class's
+        wait for room before it preempts (``ClassInfo.preempt_grace_ms``; None: it preempts at once)."""
+        return self._corrected(priority, self.predict_uncorrected(priority, prompt_tokens, grace_ms))
 
     def _corrected(self, priority: int, raw: Prediction | None) -> Prediction | None:
         if raw is None:
@@ -133,7 +135,8 @@ class SloAdmission:
         self.correction[priority] = math.exp((1 - CORRECTION_WEIGHT) * math.log(self.correction.get(priority, 1.0))
                                              + CORRECTION_WEIGHT * math.log(ratio))
 
-    def predict_uncorrected(self, priority: int, prompt_tokens: int) -> Prediction | None:
+    def predict_uncorrected(self, priority: int, prompt_tokens: int,
+                            grace_ms: float | None = None) -> Prediction | None:
         """``predict`` from the step times and the queue alone."""
         self.observe()
         line = self.steps.line()
@@ -157,19 +160,40 @@ class SloAdmission:
             if t.priority <= priority:
                 seqs += t.sequences
                 holding += t.sequences * (t.outputs if t.state == "prefill" else t.outputs / 2)
-        wait = 0.0
+        wait, step_ms = 0.0, a + b * min(budget, slots)
         if seqs >= slots:
             rounds = math.ceil((seqs - slots + 1) / slots)  # slots free about max_num_seqs at a time
-            wait = rounds * (holding / seqs) * (a + b * min(budget, slots))
+            wait = rounds * (holding / seqs) * step_ms
+        elif grace_ms is not None:
+            wait = self._room_wait(priority, slots, step_ms, grace_ms)
         drain = max(time_to_prefill(ahead) if ahead else 0.0, wait)
         return Prediction(max(time_to_prefill(ahead + prompt_tokens), wait + time_to_prefill(prompt_tokens)), drain)
+
+    def _room_wait(self, priority: int, slots: int, step_ms: float, grace_ms: float) -> float:
+        """With every slot taken, less urgent requests among them, a request that waits ``grace_ms`` before it
+        preempts (the scheduler's ``RequestPolicy.preempt_grace_ms``) waits for a slot to free by itself, or
+        for the grace. The requests of its class or more urgent ones still before their first token are taken
+        to be waiting for slots (they take the ones that free first); the ``n`` others hold the slots, spread
+        evenly through their outputs (``h`` more steps on average, so up to ``2h``): the ``k``-th of them ends
+        after about ``2h k / (n + 1)`` steps, ``k`` counting the waiting ones and itself."""
+        ahead, holders, holding = 0, 0, 0.0
+        for t in self.open:
+            if t.priority <= priority and t.state == "prefill":
+                ahead += t.sequences
+            else:
+                holders += t.sequences
+                holding += t.sequences * (t.outputs if t.state == "prefill" else t.outputs / 2)
+        if holders + ahead < slots or holders == 0:
+            return 0.0
+        n = min(holders, slots)
+        return min(grace_ms, 2 * (holding / holders) * min(ahead + 1, n) / (n + 1) * step_ms)
 
     def check(self, cls: ClassInfo, prompt_tokens: int) -> None:
         """503 ``slo_unattainable`` with Retry-After if ``cls`` refuses requests predicted to miss its time to
         first token and this one is; otherwise nothing (a class that queues admits it to wait)."""
         if cls.ttft_slo_ms is None or cls.slo_action != "refuse":
             return
-        predicted = self.predict(cls.priority, prompt_tokens)
+        predicted = self.predict(cls.priority, prompt_tokens, cls.preempt_grace_ms)
         if predicted is None or predicted.ttft_ms <= cls.ttft_slo_ms:
             return
         retry_s = max(1, math.ceil(predicted.drain_ms / 1e3))
@@ -177,10 +201,12 @@ class SloAdmission:
                             f"{cls.ttft_slo_ms} ms now (predicted {predicted.ttft_ms:.0f} ms); retry after "
                             f"{retry_s} s", "server_error", code=REFUSED_CODE, headers={"Retry-After": str(retry_s)})
 
-    def ticket(self, priority: int, prompt_tokens: int, sequences: int, outputs: int) -> Ticket:
+    def ticket(self, priority: int, prompt_tokens: int, sequences: int, outputs: int,
+               grace_ms: float | None = None) -> Ticket:
         """Count an admitted request: its prompt as queued ahead of later ones until its first token, its
-        ``sequences`` as holding a slot each for about ``outputs`` steps until it finishes."""
-        predicted = self.predict_uncorrected(priority, prompt_tokens)
+        ``sequences`` as holding a slot each for about ``outputs`` steps until it finishes (``grace_ms`` as for
+        ``predict``)."""
+        predicted = self.predict_uncorrected(priority, prompt_tokens, grace_ms)
         expected = self._corrected(priority, predicted)
         self.pending[priority] = self.pending.get(priority, 0) + prompt_tokens
         ticket = Ticket(self, priority, prompt_tokens, sequences, outputs,

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 
 SLO_ACTIONS = ("refuse", "queue")
+# The part of a class's time-to-first-token objective its requests wait for room to free by itself before they
+# preempt a less urgent request (``RequestPolicy.preempt_grace_ms``): at a full batch a slot frees every few
+# steps, well within it, and the request that would have been preempted keeps its progress and its objectives;
+# the rest of the objective is left for the prompt's own prefill.
+PREEMPT_GRACE_SHARE = 0.5
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,4 +46,10 @@ class ClassInfo:
     @property
     def has_objectives(self) -> bool:
         return self.ttft_slo_ms is not None or self.itl_slo_ms is not None
+
+    @property
+    def preempt_grace_ms(self) -> float | None:
+        """How long its requests wait for room before they preempt (None: no time-to-first-token objective,
+        they preempt at once)."""
+        return None if self.ttft_slo_ms is None else PREEMPT_GRACE_SHARE * self.ttft_slo_ms
 

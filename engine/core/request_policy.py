@@ -18,6 +18,10 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     never raise it above its class). ``tenant`` and ``weight`` (> 0): whose fair share within the class it
     draws on, and how large that share is. ``preemptible``: a waiting request of a more urgent class may take
     its place; ``may_preempt``: it may take the place of a preemptible request of a less urgent class.
+    ``preempt_grace_ms`` (>= 0, or None: at once): how long it waits for a slot or blocks to free by themselves
+    before it takes a less urgent request's place (the gateway sets part of its class's time-to-first-token
+    objective: a slot usually frees within it, and the request that would have been preempted keeps its
+    progress and its own objectives).
     ``background``: it takes idle capacity only (the Batch API's lines; ``SchedulerConfig``).
     ``cache_salt``: its prefix-cache blocks are shared only with requests of the same salt (the tenant).
     ``cache_share`` (0 < share <= 1): the tenant's share of the engine's host and disk prefix-cache tiers and of
@@ -35,6 +39,7 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     weight: float = 1.0
     preemptible: bool = True
     may_preempt: bool = True
+    preempt_grace_ms: float | None = None
     background: bool = False
     cache_salt: str | None = None
     cache_share: float | None = None
@@ -45,6 +50,8 @@ class RequestPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
             raise ValueError(f"priority must be >= 0, got {self.priority}")
         if self.order_in_class < 0:
             raise ValueError(f"order_in_class must be >= 0, got {self.order_in_class}")
+        if self.preempt_grace_ms is not None and not self.preempt_grace_ms >= 0:
+            raise ValueError(f"preempt_grace_ms must be >= 0 or None, got {self.preempt_grace_ms}")
         if not self.weight > 0:
             raise ValueError(f"weight must be > 0, got {self.weight}")
         if self.cache_share is not None and not 0 < self.cache_share <= 1:

@@ -14,7 +14,9 @@ budget, sequence slots or blocks ahead of more urgent work:
 - admission preemption: a waiting request that does not fit (no free blocks
   or ``max_num_seqs`` reached) preempts the least urgent, most recently
   admitted running request of a *less urgent* class that is ``preemptible``;
-  requests of one class never preempt each other this way;
+  requests of one class never preempt each other this way; a request whose
+  policy gives a grace (``RequestPolicy.preempt_grace_ms``) first waits that
+  long for room to free by itself;
 - memory preemption: a running request that cannot grow preempts the
   least urgent, most recently admitted request not yet served this step
   (possibly itself). This one ignores ``preemptible``: without it the engine
@@ -309,6 +311,9 @@ class Scheduler:
     def _admission_victim(self, request: Request) -> Request | None:
         if not request.policy.may_preempt:  # its priority class waits for room like everyone else
             return None
+        grace = request.policy.preempt_grace_ms
+        if grace is not None and request.priority != PROMOTED and (self._now - request.idle_since) * 1e3 < grace:
+            return None  # room usually frees within its grace; the running request keeps its progress
         # Less urgent than the request's own class (a promoted request preempts no more than its class could);
         # a promoted running request is less urgent than none.
         candidates = [

@@ -12,6 +12,14 @@ from gateway.slo_admission import SloAdmission, StepTimes, judge
 from tenants.policy import ClassInfo
 
 
+@pytest.fixture(autouse=True)
+def still_clock(monkeypatch):
+    """The admission's clock stands still: a prediction made after a slow line of this test (a loaded machine)
+    must not count that wall time as the queue's lateness (``lateness_ms``); the tests that need time to pass
+    move a ticket's ``admitted_at`` instead."""
+    monkeypatch.setattr("gateway.slo_admission.time", SimpleNamespace(perf_counter=lambda: 1000.0))
+
+
 def test_step_line_is_least_squares():
     rng = random.Random()
     a, b = rng.uniform(1, 20), rng.uniform(0.01, 0.5)
@@ -175,3 +183,29 @@ def test_a_queue_behind_its_predictions_makes_later_ones_later():
     assert slo.predict(1, 1).ttft_ms == pytest.approx(10.0 * slo.correction[1])
     on_time = slo.ticket(1, 1, 1, 4)
     assert slo.lateness_ms(1) == 0.0 and on_time.expected_ms > 10.0
+
+
+def test_a_class_with_a_grace_waits_for_a_slot_less_urgent_requests_hold():
+    """Every slot held by less urgent requests decoding, spread through their outputs: a request whose class waits
+    a grace before preempting is predicted to wait for the expected end of the k-th of them (a Monte Carlo mean
+    of the k-th shortest of n uniform remainders), at most its grace; without a grace, not at all."""
+    rng = random.Random()
+    for _ in range(5):
+        slots, out, step = rng.randrange(4, 16), rng.randrange(8, 64), rng.uniform(5, 50)
+        ahead = rng.randrange(0, slots // 2)
+        draws = [sorted(rng.uniform(0, out) for _ in range(slots))[ahead] for _ in range(4000)]
+        kth = sum(draws) / len(draws) * step  # the (ahead + 1)-th end among the slot holders
+        slo = _slo(step, 0.0, 4096, max_num_seqs=slots)
+        for _ in range(slots):
+            slo.ticket(1, 1, 1, out).first_token()  # decoding: remaining uniform on [0, out] steps
+        for _ in range(ahead):
+            slo.ticket(0, 1, 1, out)  # urgent requests before their first token: they take the first free slots
+        grace = rng.uniform(2, 4) * kth
+        assert slo.predict(0, 1, grace).ttft_ms == pytest.approx(kth + step, rel=0.05)
+        assert slo.predict(0, 1, 0.5 * kth).ttft_ms == pytest.approx(0.5 * kth + step)
+        assert slo.predict(0, 1).ttft_ms == pytest.approx(step)
+    # Slots to spare: nothing to wait for, grace or not.
+    spare = _slo(10.0, 0.0, 4096, max_num_seqs=8)
+    for _ in range(7):
+        spare.ticket(1, 1, 1, 32).first_token()
+    assert spare.predict(0, 1, 1e6).ttft_ms == pytest.approx(10.0)

@@ -12,7 +12,7 @@ from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.serving.protocol import AddRequest, encoder, to_engine_decoder
 from gateway.auth import Principal
-from tenants.policy import ClassInfo
+from tenants.policy import PREEMPT_GRACE_SHARE, ClassInfo
 from tenants.store import TenantInfo
 
 
@@ -20,7 +20,8 @@ def _random_policy(rng: random.Random) -> RequestPolicy:
     return RequestPolicy(priority=rng.randint(0, 5), order_in_class=rng.randint(0, 9), tenant=f"t{rng.random()}",
                          weight=rng.uniform(0.1, 8), preemptible=rng.random() < 0.5, may_preempt=rng.random() < 0.5,
                          background=rng.random() < 0.5, cache_salt=rng.choice([None, f"s{rng.random()}"]),
-                         cache_share=rng.choice([None, rng.uniform(0.01, 1)]))
+                         cache_share=rng.choice([None, rng.uniform(0.01, 1)]),
+                         preempt_grace_ms=rng.choice([None, rng.uniform(0, 500)]))
 
 
 def test_policy_crosses_the_pipe_unchanged_and_is_checked_there():
@@ -31,7 +32,7 @@ def test_policy_crosses_the_pipe_unchanged_and_is_checked_there():
         back = to_engine_decoder.decode(encoder.encode(msg))
         assert back == msg and back.policy == policy and back.policy is not policy
     for field, bad in (("weight", 0.0), ("priority", -1), ("order_in_class", -2), ("cache_share", 0.0),
-                       ("cache_share", 1.5)):
+                       ("cache_share", 1.5), ("preempt_grace_ms", -1.0)):
         with pytest.raises(ValueError, match=field):
             RequestPolicy(**{field: bad})
         wire = msgspec.msgpack.encode({"type": "AddRequest", "request_id": "r", "prompt": [1],
@@ -53,3 +54,15 @@ def test_the_gateway_builds_it_from_the_tenant_and_its_class():
         preemptible=cls.preemptible, may_preempt=cls.may_preempt, background=False, cache_salt=salt)
     share = rng.uniform(0.01, 1)
     assert principal.policy(order, cache_share=share).cache_share == share
+
+
+def test_a_class_with_a_first_token_objective_gives_its_requests_a_grace_before_preempting():
+    rng = random.Random()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    tenant = TenantInfo(rng.randint(1, 10**6), "acme", "c", 1.0, "active", now, now)
+    ttft = rng.randint(1, 5000)
+    for cls, grace in ((ClassInfo("c", 0, 1.0, True, True, ttft_slo_ms=ttft), PREEMPT_GRACE_SHARE * ttft),
+                       (ClassInfo("c", 0, 1.0, True, True, itl_slo_ms=ttft), None),
+                       (ClassInfo("c", 0, 1.0, True, True), None)):
+        principal = Principal(tenant, None, cls, "salt")  # type: ignore[arg-type]  # the key plays no part
+        assert principal.policy().preempt_grace_ms == grace
