@@ -66,6 +66,8 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.empty(value_dim))
         self.eps = rms_norm_eps
         self.out_proj = nn.Linear(self.value_size, hidden_size, bias=False)
+        # "torch" or "triton" (``engine.kernels.delta_rule``): set from the engine's attention kernels at load.
+        self.rule_kernel = "torch"
         # (conv [S, C, K - 1], recurrent [S, h, dk, dv]); bound by the runner once the state cache is allocated.
         self.state_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
@@ -129,7 +131,7 @@ class GatedDeltaNet(nn.Module):
     def _delta_rule(self, q, k, v, g, beta, states: StateMetadata) -> torch.Tensor:
         """The gated delta rule over each request's tokens from its state -> [T, h, dv] float32."""
         return rule_over_requests(recurrent_delta_rule, chunked_delta_rule, self.state_cache[1], q, k, v, g, beta,
-                                  states)
+                                  states, self.rule_kernel)
 
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's dv values (float32, scaled in the model dtype), times SiLU(z)."""
