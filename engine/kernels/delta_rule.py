@@ -24,14 +24,21 @@ from engine.kernels.attention import _cdiv, _next_pow2, interpreted
 @dataclass(frozen=True, slots=True)
 class DeltaRuleLaunch:
     """Tile sizes (untuned defaults; ``tl.dot`` needs every tile dim >= 16). ``chunk``: tokens a block of the
-    chunked form, per head and per key channel (the latter builds its pairwise decays a column at a time)."""
+    chunked form, per head and per key channel (the latter builds its pairwise decays a column at a time).
+    ``precision``: the chunked form's float32 products. "tf32x3" (three TF32 products on the tensor cores, about
+    float32's accuracy) rather than "ieee": compiled for sm_90 with dk = dv = 128, the per-head kernel spills
+    about 18 KB a thread with "ieee" products, 3 KB with "tf32x3"; plain "tf32" would round every product to 10
+    bits, and the state carries those errors to the end of the sequence."""
 
     chunk_per_head: int = 64
     chunk_per_channel: int = 32
     block_v: int = 32
     num_warps: int = 4
+    precision: str = "tf32x3"
 
     def __post_init__(self) -> None:
+        if self.precision not in ("ieee", "tf32x3", "tf32"):
+            raise ValueError(f"precision must be ieee, tf32x3 or tf32, got {self.precision!r}")
         for name in ("chunk_per_head", "chunk_per_channel", "block_v"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
@@ -89,7 +96,5 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         longest = max(end - row for row, end, _, _ in states.prefills)
         block_t = min(launch.chunk_per_channel if per_channel else launch.chunk_per_head, max(16, _next_pow2(longest)))
         kernels.delta_rule_chunk_kernel[(len(states.prefills), num_heads, _cdiv(dv, block_v))](
-            q, k, v, g, beta, out, rec_cache, chunks, *strides, BT=block_t,
-            # Full float32 products: the state carries every rounding to the end of the sequence.
-            PRECISION="ieee", **consts)
+            q, k, v, g, beta, out, rec_cache, chunks, *strides, BT=block_t, PRECISION=launch.precision, **consts)
     return out

@@ -4,8 +4,8 @@ per decode request, and the chunked form over each prompt chunk. Imported lazily
 Legend: h heads, dk key dim, dv value dim; BK >= dk and BV tile the key and value dims, BT tokens a chunk. Every
 program owns one request's head and BV of its value columns: the state tile [BK, BV] stays in registers from the
 request's slot to its last token and is written back to the same slot, so requests never share a tile.
-The math is ``engine.layers.delta_rule`` / ``engine.layers.kda_rule`` (the docstrings there derive it); all of it in
-float32, whatever the inputs' dtype.
+The math is ``engine.layers.delta_rule`` / ``engine.layers.kda_rule`` (the docstrings there derive it), in float32
+whatever the inputs' dtype; the chunked form's matrix products at ``PRECISION`` (``tl.dot``'s input precision).
 """
 
 import triton
