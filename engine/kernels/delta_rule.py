@@ -62,9 +62,10 @@ def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
 def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       rec_cache: torch.Tensor, states: StateMetadata,
                       launch: DeltaRuleLaunch = DEFAULT_DELTA_LAUNCH) -> torch.Tensor:
-    """q, k [T, h, dk] (q scaled, both L2-normalised as the layers hand them), v [T, h, dv], g [T, h] (per head) or
-    [T, h, dk] (per key channel) log decays <= 0, beta [T, h]; ``rec_cache`` [S, h, dk, dv] float32, contiguous,
-    updated in place at the requests' slots -> out [T, h, dv] float32."""
+    """q, k [T, hk, dk] (q scaled, both L2-normalised as the layers hand them; value head j reads key head
+    j // (h / hk), read in place rather than repeated), v [T, h, dv], g [T, h] (per head) or [T, h, dk] (per key
+    channel) log decays <= 0, beta [T, h]; ``rec_cache`` [S, h, dk, dv] float32, contiguous, updated in place at
+    the requests' slots -> out [T, h, dv] float32."""
     if q.is_cuda == interpreted():
         raise RuntimeError("the Triton delta rule needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set "
                            f"before its kernels are first imported (q is on {q.device})")
@@ -74,14 +75,17 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     q, k, v, g, beta = (_inner_contiguous(t) for t in (q, k, v, g, beta))
     if k.stride() != q.stride():  # the kernels read both through q's strides
         q, k = q.contiguous(), k.contiguous()
-    num_tokens, num_heads, dk = q.shape
-    dv = v.shape[-1]
+    num_tokens, num_key_heads, dk = q.shape
+    num_heads, dv = v.shape[1:]
+    if num_heads % num_key_heads:
+        raise ValueError(f"value heads ({num_heads}) must be a multiple of key heads ({num_key_heads})")
     out = torch.empty(num_tokens, num_heads, dv, dtype=torch.float32, device=q.device)  # [T, h, dv]
     block_k = max(16, _next_pow2(dk))
     block_v = min(launch.block_v, max(16, _next_pow2(dv)))
     strides = (q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0),
                out.stride(0), out.stride(1), rec_cache.stride(0), rec_cache.stride(1), rec_cache.stride(2))
-    consts = dict(DK=dk, DV=dv, BK=block_k, BV=block_v, PER_CHANNEL=per_channel, num_warps=launch.num_warps)
+    consts = dict(DK=dk, DV=dv, BK=block_k, BV=block_v, PER_CHANNEL=per_channel, GROUP=num_heads // num_key_heads,
+                  num_warps=launch.num_warps)
     kernels = _kernels()
     d = states.num_decodes
     if d:

@@ -24,8 +24,10 @@ def delta_rule_decode_kernel(
     stride_qt, stride_qh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_ot, stride_oh,
     stride_ss, stride_sh, stride_sk,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    """Grid (D, h, cdiv(dv, BV)). One token of decode request d: q, k [D, h, dk] (same strides), v [D, h, dv],
+    """Grid (D, h, cdiv(dv, BV)). One token of decode request d: q, k [D, h / GROUP, dk] (same strides; value head
+    j reads key head j // GROUP), v [D, h, dv],
     g [D, h] or [D, h, dk] (PER_CHANNEL) log decays, beta [D, h]; out [D, h, dv] float32; state [S, h, dk, dv]
     float32 read and written at slots[d], read as zero where fresh[d]."""
     d = tl.program_id(0).to(tl.int64)
@@ -37,8 +39,9 @@ def delta_rule_decode_kernel(
     s_ptr = state + slot * stride_ss + head * stride_sh + ck[:, None] * stride_sk + cv[None, :]
     s = tl.load(s_ptr, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)  # [BK, BV]
     s = tl.where(tl.load(fresh + d) != 0, 0.0, s)  # a reused slot may hold anything, NaN included
-    qv = tl.load(q + d * stride_qt + head * stride_qh + ck, mask=mk, other=0.0).to(tl.float32)  # [BK]
-    kv = tl.load(k + d * stride_qt + head * stride_qh + ck, mask=mk, other=0.0).to(tl.float32)
+    qk_off = d * stride_qt + (head // GROUP) * stride_qh + ck
+    qv = tl.load(q + qk_off, mask=mk, other=0.0).to(tl.float32)  # [BK]
+    kv = tl.load(k + qk_off, mask=mk, other=0.0).to(tl.float32)
     vv = tl.load(v + d * stride_vt + head * stride_vh + cv, mask=mv, other=0.0).to(tl.float32)  # [BV]
     b = tl.load(beta + d * stride_bt + head).to(tl.float32)
     if PER_CHANNEL:
@@ -59,7 +62,7 @@ def delta_rule_chunk_kernel(
     stride_qt, stride_qh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_ot, stride_oh,
     stride_ss, stride_sh, stride_sk,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, PRECISION: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (P, h, cdiv(dv, BV)). Prompt chunk p's flat rows [row, end) from its slot's state (zero if fresh), BT
     tokens at a time in the chunked form: ``chunks`` [P, 4] int64 (row, end, slot, fresh); the other tensors as the
@@ -82,7 +85,7 @@ def delta_rule_chunk_kernel(
         mt = rows < end
         n = tl.minimum(end - c0, BT)  # tokens in this block: the loops below skip the padded rows
         # Rows past the chunk's end load as zero (k, v, beta, g): they add nothing and decay nothing.
-        qk_off = rows[:, None].to(tl.int64) * stride_qt + head * stride_qh + ck[None, :]
+        qk_off = rows[:, None].to(tl.int64) * stride_qt + (head // GROUP) * stride_qh + ck[None, :]
         Q = tl.load(q + qk_off, mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [BT, BK]
         K = tl.load(k + qk_off, mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
         V = tl.load(v + rows[:, None].to(tl.int64) * stride_vt + head * stride_vh + cv[None, :],

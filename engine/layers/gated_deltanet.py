@@ -104,11 +104,10 @@ class GatedDeltaNet(nn.Module):
         num_tokens = x.shape[0]
         q = _l2norm(q.float().view(num_tokens, self.hk, self.dk)) * self.dk ** -0.5
         k = _l2norm(k.float().view(num_tokens, self.hk, self.dk))
-        r = self.h // self.hk
-        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # [T, h, dk]: value head j reads key head j // r
         v = v.view(num_tokens, self.h, self.dv)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, h] log decay, <= 0
+        # q, k [T, hk, dk]: value head j reads key head j // (h / hk) (``rule_over_requests``).
         core = self._delta_rule(q, k, v, g, beta, states).to(x.dtype)  # [T, h, dv]
         return self.tp.all_reduce(self.out_proj(self._gated_norm(core, z).reshape(num_tokens, self.value_size)))
 

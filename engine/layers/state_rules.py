@@ -19,13 +19,16 @@ Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 def rule_over_requests(recurrent: Rule, chunked: Rule, rec_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: StateMetadata,
                        kernel: str = "torch") -> torch.Tensor:
-    """q, k [T, h, dk], v [T, h, dv], g and beta per token (their shapes are the rule's: g [T, h] per head or
-    [T, h, dk] per key channel), ``rec_cache`` [S, h, dk, dv] updated in place -> out [T, h, dv] float32. A fresh
-    request starts from a zero state."""
+    """q, k [T, hk, dk] (value head j reads key head j // (h / hk)), v [T, h, dv], g and beta per token (their
+    shapes are the rule's: g [T, h] per head or [T, h, dk] per key channel), ``rec_cache`` [S, h, dk, dv] updated
+    in place -> out [T, h, dv] float32. A fresh request starts from a zero state."""
     if kernel == "triton":
         from engine.kernels.delta_rule import delta_rule_triton  # imported where it runs: TRITON_INTERPRET
 
         return delta_rule_triton(q, k, v, g, beta, rec_cache, states)
+    r = v.shape[1] // q.shape[1]
+    if r > 1:  # the torch rules take one key head per value head
+        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # [T, h, dk]
     out = torch.empty(*v.shape, dtype=torch.float32, device=q.device)  # [T, h, dv]
     d = states.num_decodes
     if d:

@@ -1,10 +1,10 @@
 """The Triton gated delta rule (per head: Gated DeltaNet; per key channel: KDA) against a float64 token-by-token loop
 written from the recurrence and against the torch rules, over a step of mixed requests: decodes (one fresh, its
 slot holding NaN), prompt chunks packed together (one fresh over several kernel blocks, one continuing from its
-slot's state with a length that is no multiple of the block), dims that are no power of two (masked key channels,
-a partial value tile); then a second step decoding every request from the states the first step wrote. Slots no
-request uses are left alone. Without a GPU it runs in Triton's CPU interpreter (TRITON_INTERPRET=1 set here before
-anything imports triton)."""
+slot's state with a length that is no multiple of the block), two value heads reading one key head (per head),
+dims that are no power of two (masked key channels, a partial value tile); then a second step decoding every
+request from the states the first step wrote. Slots no request uses are left alone. Without a GPU it runs in
+Triton's CPU interpreter (TRITON_INTERPRET=1 set here before anything imports triton)."""
 
 import os
 import random
@@ -28,8 +28,11 @@ LAUNCH = DeltaRuleLaunch(chunk_per_head=16, chunk_per_channel=16, block_v=16)  #
 
 def _loop64(q, k, v, g, beta, state):
     """S_t = diag(exp(g_t)) S + k_t (beta_t (v_t - (diag(exp(g_t)) S)^T k_t))^T, o_t = S_t^T q_t; float64, one
-    token at a time. g [L, h, dk] (a per-head decay given to every channel alike)."""
+    token at a time. q, k [L, hk, dk] (value head j reads key head j // (h / hk)); g [L, h, dk] (a per-head decay
+    given to every channel alike)."""
     q, k, v, g, beta, s = (t.double().cpu() for t in (q, k, v, g, beta, state))
+    r = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # [L, h, dk]
     out = []
     for t in range(q.shape[0]):
         s = g[t].exp()[:, :, None] * s  # [h, dk, dv]
@@ -40,8 +43,10 @@ def _loop64(q, k, v, g, beta, state):
 
 
 def _tokens(gen, n, per_channel):
-    q = torch.nn.functional.normalize(torch.randn(n, HEADS, DK, generator=gen), dim=-1) * DK ** -0.5
-    k = torch.nn.functional.normalize(torch.randn(n, HEADS, DK, generator=gen), dim=-1)
+    """One request's n tokens; per head (Gated DeltaNet) both value heads read one key head, as r = h / hk > 1."""
+    key_heads = HEADS if per_channel else 1
+    q = torch.nn.functional.normalize(torch.randn(n, key_heads, DK, generator=gen), dim=-1) * DK ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(n, key_heads, DK, generator=gen), dim=-1)
     v = torch.randn(n, HEADS, DV, generator=gen)
     g = -torch.rand(n, HEADS, *((DK,) if per_channel else ()), generator=gen) * 1.5  # log decays <= 0
     beta = torch.rand(n, HEADS, generator=gen)
