@@ -192,6 +192,7 @@ for spec in $SPECS; do
             tests/engine/kernels/test_triton_elementwise.py tests/engine/kernels/test_dense_gemv.py \
             tests/engine/worker/test_cuda_graphs.py tests/engine/worker/test_piecewise_graphs.py tests/engine/kernels/test_triton_attention.py tests/engine/kernels/test_triton_attention_engine.py \
             tests/engine/kernels/test_triton_mla_attention.py tests/engine/kernels/test_sparse_mla_kernel.py \
+            tests/engine/kernels/test_delta_rule_kernels.py tests/engine/kernels/test_delta_rule_engine.py \
             tests/engine/kernels/test_triton_backend_engine.py tests/engine/worker/test_host_syncs.py tests/engine/loading/test_random_weights.py \
             tests/engine/loading/test_quantized_experts.py tests/engine/eplb/test_expert_load.py tests/engine/worker/test_overlap.py \
             tests/engine/kv_tiers/test_prefix_tiers.py::test_tiers_on_equals_off_cuda \

@@ -79,10 +79,10 @@ class EngineConfig:
     tokenizer: str | None = None
     """tokenizer files' directory (default: ``model``'s)"""
     kernels: str = "auto"
-    """triton: paged attention, the routed experts, the fused norms, RoPE and routing as Triton kernels, and on
-    CUDA a Triton matrix-vector kernel for each dense projection shape where it measures faster than
-    F.linear at start; torch: torch ops only (any device); auto: triton on CUDA, torch elsewhere (Triton on
-    a CPU needs TRITON_INTERPRET=1, for testing: it is slow)"""
+    """triton: paged attention, the linear-attention layers' delta rules, the routed experts, the fused norms, RoPE
+    and routing as Triton kernels, and on CUDA a Triton matrix-vector kernel for each dense projection shape
+    where it measures faster than F.linear at start; torch: torch ops only (any device); auto: triton on CUDA,
+    torch elsewhere (Triton on a CPU needs TRITON_INTERPRET=1, for testing: it is slow)"""
     lora_adapters: str | None = None
     """LoRA adapters to serve beside the base model, as NAME=DIR pairs separated by commas (PEFT directories:
     adapter_config.json and adapter_model.safetensors); a request names one as its policy's ``lora_adapter``

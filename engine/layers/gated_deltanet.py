@@ -66,6 +66,8 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.empty(value_dim))
         self.eps = rms_norm_eps
         self.out_proj = nn.Linear(self.value_size, hidden_size, bias=False)
+        # "torch" or "triton" (``engine.kernels.delta_rule``): set from the engine's attention kernels at load.
+        self.rule_kernel = "torch"
         # (conv [S, C, K - 1], recurrent [S, h, dk, dv]); bound by the runner once the state cache is allocated.
         self.state_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
@@ -102,11 +104,10 @@ class GatedDeltaNet(nn.Module):
         num_tokens = x.shape[0]
         q = _l2norm(q.float().view(num_tokens, self.hk, self.dk)) * self.dk ** -0.5
         k = _l2norm(k.float().view(num_tokens, self.hk, self.dk))
-        r = self.h // self.hk
-        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # [T, h, dk]: value head j reads key head j // r
         v = v.view(num_tokens, self.h, self.dv)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, h] log decay, <= 0
+        # q, k [T, hk, dk]: value head j reads key head j // (h / hk) (``rule_over_requests``).
         core = self._delta_rule(q, k, v, g, beta, states).to(x.dtype)  # [T, h, dv]
         return self.tp.all_reduce(self.out_proj(self._gated_norm(core, z).reshape(num_tokens, self.value_size)))
 
@@ -129,7 +130,7 @@ class GatedDeltaNet(nn.Module):
     def _delta_rule(self, q, k, v, g, beta, states: StateMetadata) -> torch.Tensor:
         """The gated delta rule over each request's tokens from its state -> [T, h, dv] float32."""
         return rule_over_requests(recurrent_delta_rule, chunked_delta_rule, self.state_cache[1], q, k, v, g, beta,
-                                  states)
+                                  states, self.rule_kernel)
 
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's dv values (float32, scaled in the model dtype), times SiLU(z)."""

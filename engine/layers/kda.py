@@ -65,6 +65,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm.weight = nn.Parameter(torch.empty(head_dim))
         self.eps = rms_norm_eps
         self.o_proj = nn.Linear(width, hidden_size, bias=False)
+        # "torch" or "triton" (``engine.kernels.delta_rule``): set from the engine's attention kernels at load.
+        self.rule_kernel = "torch"
         # (conv [S, C, K - 1], recurrent [S, h, d, d]); bound by the runner once the state cache is allocated.
         self.state_cache: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
@@ -115,7 +117,8 @@ class KimiDeltaAttention(nn.Module):
 
     def _rule(self, q, k, v, g, beta, states: StateMetadata) -> torch.Tensor:
         """The Kimi delta rule over each request's tokens from its state -> [T, h, d] float32."""
-        return rule_over_requests(recurrent_kda_rule, chunked_kda_rule, self.state_cache[1], q, k, v, g, beta, states)
+        return rule_over_requests(recurrent_kda_rule, chunked_kda_rule, self.state_cache[1], q, k, v, g, beta, states,
+                                  self.rule_kernel)
 
     def _gated_norm(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's d values, scaled and gated by sigmoid(gate) all in float32 (the weight too)."""

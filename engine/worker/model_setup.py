@@ -60,6 +60,10 @@ def load_rank_model(config: EngineConfig, model_config: ModelConfig, kernels: Ke
     if config.kv_cache_dtype == "fp8":  # before the caches are sized and allocated from the layers' specs
         for attn in model.attention_layers():
             attn.fp8_cache = True
+    if kernels.attention == "triton":  # the linear-attention layers' rules too (``engine.kernels.delta_rule``)
+        for layer in linear_layers(model):
+            if hasattr(layer, "rule_kernel"):  # DeepSeek-V4's compressed attention keeps a state but no such rule
+                layer.rule_kernel = "triton"
     if kernels.elementwise == "triton":
         from engine.transforms.fusion import enable_triton_elementwise
 
