@@ -41,6 +41,7 @@ bench-quant 300 540
 bench-mxfp4 120 240
 bench-mla 40 300
 bench-sparse-decode 60 240
+bench-sparse-prefill 90 300
 bench-engine-deepseek 300 540
 bench-engine-families 420 590
 tune 580 590
@@ -193,6 +194,7 @@ for spec in $SPECS; do
             tests/engine/worker/test_cuda_graphs.py tests/engine/worker/test_piecewise_graphs.py tests/engine/kernels/test_triton_attention.py tests/engine/kernels/test_triton_attention_engine.py \
             tests/engine/kernels/test_triton_mla_attention.py tests/engine/kernels/test_sparse_mla_kernel.py \
             tests/engine/kernels/test_delta_rule_kernels.py tests/engine/kernels/test_delta_rule_engine.py \
+            tests/engine/kernels/test_sparse_mla_prefill_kernel.py \
             tests/engine/kernels/test_triton_backend_engine.py tests/engine/worker/test_host_syncs.py tests/engine/loading/test_random_weights.py \
             tests/engine/loading/test_quantized_experts.py tests/engine/eplb/test_expert_load.py tests/engine/worker/test_overlap.py \
             tests/engine/kv_tiers/test_prefix_tiers.py::test_tiers_on_equals_off_cuda \
@@ -231,6 +233,12 @@ for spec in $SPECS; do
         # sparse step's 16k/2k ratio stays small where dense MLA's grows with the context.
         bench-sparse-decode) run_stage bench-sparse-decode "$limit" $PY -m benchmarks.sparse_decode --device cuda \
             --rounds 20 ;;
+        # DeepSeek Sparse Attention vs dense MLA, a 2,048-token prompt chunk at 4k and 16k context (bf16, V3's 128
+        # heads at one rank): the sparse prefill through the Triton kernel, then its torch path (gathered rows).
+        bench-sparse-prefill) run_stage bench-sparse-prefill "$limit" bash -c "\
+            $PY -m benchmarks.sparse_prefill --device cuda --heads 128 --chunk 2048 --contexts 4096,16384 \
+                --kernel triton --rounds 10 && \
+            $PY -m benchmarks.sparse_prefill --device cuda --heads 128 --chunk 2048 --contexts 4096,16384 --rounds 10" ;;
         # The engine on DeepSeek-V2-Lite's shape (MLA: latent cache, Triton MLA decode, decode CUDA graphs; 15.7B
         # parameters in bf16), against transformers too.
         bench-engine-deepseek) run_stage bench-engine-deepseek "$limit" $PY -m benchmarks.engine_gpu --preset deepseek-v2-lite \

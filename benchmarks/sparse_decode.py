@@ -36,12 +36,14 @@ MODELS = {"sparse": "deepseek-v3.2", "dense": "deepseek-v3"}
 
 
 def build(preset: str, layers: int, heads: int, topk: int, max_context: int, batch: int, dtype: torch.dtype,
-          device: torch.device):
+          device: torch.device, index_heads: int | None = None):
     """A random model of ``preset`` at SHAPE with caches for ``batch`` requests of ``max_context`` tokens, filled
-    with random rows; request i holds blocks [i * n, (i + 1) * n)."""
+    with random rows; request i holds blocks [i * n, (i + 1) * n). ``index_heads``: the indexer's (64 if None)."""
     overrides = dict(SHAPE, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads)
     if preset == MODELS["sparse"]:
         overrides["index_topk"] = topk
+        if index_heads is not None:
+            overrides["index_n_heads"] = index_heads
     spec = preset + ":" + ",".join(f"{k}={v}" for k, v in overrides.items())
     model = build_random_model(random_model_config(spec), dtype, device, "torch", max_positions=max_context + 1)
     blocks_per_req = -(-(max_context + 1) // BLOCK)
@@ -61,29 +63,26 @@ def decode_batch(batch: int, context: int, blocks_per_req: int, device: torch.de
     return build_batch(parts, "torch", BLOCK, None, 1, device)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", default="2048,16384", help="two context lengths: short,long")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=128, help="attention heads (V3's 128 at one rank)")
-    p.add_argument("--topk", type=int, default=2048, help="the indexer's top-k (2,048 as published)")
-    p.add_argument("--rounds", type=int, default=7)
+def add_run_args(p: argparse.ArgumentParser, rounds: int) -> None:
+    """--rounds, --device and --dtype, as the sparse benchmarks take them."""
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default: float32 on the CPU, bfloat16 on a GPU")
-    args = p.parse_args()
+
+
+def run_device(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype ``add_run_args``'s flags name."""
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
-    contexts = [int(c) for c in args.contexts.split(",")]
-    models = {name: build(preset, args.layers, args.heads, args.topk, max(contexts), args.batch, dtype, device)
-              for name, preset in MODELS.items()}
-    batches = {(name, c): decode_batch(args.batch, c, n, device) for name, (_, n) in models.items() for c in contexts}
-    print(f"{args.layers} layers, {args.heads} heads, latent 512 + rope 64, indexer top-{args.topk}, batch "
-          f"{args.batch}, {dtype}, {device}, torch threads {torch.get_num_threads()}", flush=True)
+    return device, getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+
+
+def time_rounds(models: dict, batches: dict, rounds: int, device: torch.device) -> dict[tuple[str, int], list[float]]:
+    """Seconds of each forward of ``batches`` ((model name, context) -> batch) on ``models`` (name -> (model, _)),
+    every batch once a round, alternating; round 0 warms up and is not kept."""
     times: dict[tuple[str, int], list[float]] = {key: [] for key in batches}
     with torch.inference_mode():
-        for rnd in range(args.rounds + 1):  # round 0 warms up
+        for rnd in range(rounds + 1):
             for key, fb in batches.items():
                 model = models[key[0]][0]
                 if device.type == "cuda":
@@ -94,6 +93,26 @@ def main() -> None:
                     torch.cuda.synchronize()
                 if rnd:
                     times[key].append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", default="2048,16384", help="two context lengths: short,long")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=128, help="attention heads (V3's 128 at one rank)")
+    p.add_argument("--topk", type=int, default=2048, help="the indexer's top-k (2,048 as published)")
+    add_run_args(p, rounds=7)
+    args = p.parse_args()
+    device, dtype = run_device(args)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    models = {name: build(preset, args.layers, args.heads, args.topk, max(contexts), args.batch, dtype, device)
+              for name, preset in MODELS.items()}
+    batches = {(name, c): decode_batch(args.batch, c, n, device) for name, (_, n) in models.items() for c in contexts}
+    print(f"{args.layers} layers, {args.heads} heads, latent 512 + rope 64, indexer top-{args.topk}, batch "
+          f"{args.batch}, {dtype}, {device}, torch threads {torch.get_num_threads()}", flush=True)
+    times = time_rounds(models, batches, args.rounds, device)
     short, long = contexts[0], contexts[-1]
     for name in models:
         med = {c: statistics.median(times[name, c]) * 1e3 for c in contexts}

@@ -1,5 +1,6 @@
-"""Sparse MLA decode with a Triton kernel: each request's heads attend to the latent rows of its selected tokens
-only (DeepSeek Sparse Attention's top-k), read through its block table.
+"""Sparse MLA decode with a Triton kernel: each row's heads attend to the latent rows of its selected tokens only
+(DeepSeek Sparse Attention's top-k), read through its block table. A row is a decode request, or one query token of
+a prefill chunk (its own positions, its request's block table): the kernel does not care which.
 
 Checked in Triton's CPU interpreter against a float64 reference (``tests/engine/kernels/test_sparse_mla_kernel.py``);
 the torch path (``engine.layers.sparse_mla_attention``) serves these models until the kernel has run on a GPU.
@@ -36,7 +37,7 @@ def sparse_mla_decode_triton(q: torch.Tensor, latent_cache: torch.Tensor, block_
                          f"{tuple(q.shape)} and {tuple(latent_cache.shape)}")
     if positions.dim() != 2 or positions.shape[0] != q.shape[0] or block_table.shape[0] != q.shape[0]:
         raise ValueError(f"positions {tuple(positions.shape)} and block_table {tuple(block_table.shape)} must have "
-                         f"one row per decode request ({q.shape[0]})")
+                         f"one row per query row ({q.shape[0]})")
     if q.is_cuda == interpreted():
         raise RuntimeError("triton sparse MLA needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before "
                            "its kernels are first imported")

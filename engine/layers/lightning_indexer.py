@@ -79,9 +79,11 @@ class LightningIndexer(nn.Module):
         for lo in range(0, n, rows):
             part = slice(lo, lo + rows)
             scores = torch.matmul(q[:, part].float(), keys.float().transpose(-1, -2)[:, None])  # [B, r, n_i, L]
-            scores = scores * self.scale
-            scores = torch.matmul(weights[:, part, None, :], F.relu(scores))[:, :, 0]  # [B, r, L]
-            scores = scores.masked_fill(~visible[:, part], float("-inf"))
+            # In place: the per-head scores are the largest tensor of a long prefill's indexer, and each pass over
+            # them that allocates costs as much again (the same operations in the same order: the same bits).
+            scores = scores.mul_(self.scale).relu_()
+            scores = torch.matmul(weights[:, part, None, :], scores)[:, :, 0]  # [B, r, L]
+            scores.masked_fill_(~visible[:, part], float("-inf"))
             top = best_first(scores)[..., :self.index_topk]  # [B, r, k]
             chosen[:, part].scatter_(-1, top, True)
         # Where a query sees fewer than k keys, the top k include hidden ones (score -inf): dropped again here.

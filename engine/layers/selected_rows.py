@@ -46,4 +46,10 @@ def gather_selected_rows(cache: torch.Tensor, table: torch.Tensor, positions: to
     pos = positions.clamp(min=0)
     slots = table.gather(1, pos // block_size) * block_size + pos % block_size  # [G, K]
     rows = cache.reshape(-1, cache.shape[-1]).index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
-    return rows.masked_fill_(~valid[..., None], 0), valid
+    if rows.device.type == "cpu":
+        # On the CPU reading the mask costs no synchronisation, and few slots are padding (a prefill's early
+        # queries, a decode's short contexts): zero only those rows, not a pass over every gathered row.
+        rows[(~valid).nonzero(as_tuple=True)] = 0
+    else:
+        rows.masked_fill_(~valid[..., None], 0)
+    return rows, valid

@@ -5,8 +5,8 @@ Each token caches two rows per layer: its MLA latent row (``kv_lora_rank + qk_ro
 ``mla_attention``) and its indexer key (``index_head_dim``, a cache tensor of its own in ``index_key_dtype``, the
 model's by default; a GLM-5 layer without an indexer caches no key). Every
 query scores the keys its causal mask shows, keeps the ``index_topk`` best (``lightning_indexer``) and attends to
-those only: prefill chunks in the expanded form (per-head keys and values from the latents), decodes in the
-absorbed form (queries in latent space), each under the selection as its mask.
+those only, reading only the selected latent rows, in the absorbed form (queries in latent space), prefill and decode
+alike (a prefill chunk no longer than top-k selects every visible token: it runs as dense MLA's expanded prefill).
 
 Tensor parallel: MLA's heads split over the ranks as ``MLAttention``'s (every rank caches the same latents); the
 indexer is replicated, its weights whole on every rank (``tp_slices`` names only MLA's own tensors), and every rank
@@ -20,17 +20,21 @@ bitwise equal, and ``best_first`` breaks equal scores by key order, not by where
 GLM-5's "shared" layers have no indexer: they attend to the tokens the last layer with one selected, in the same
 forward. The selections pass between layers through a ``SelectionRelay`` that the model's layers share.
 
-The torch path (the runner falls back to it under the Triton backend): a decode's indexer scores every key of its
+The torch path (the runner falls back to it under the Triton backend): a query's indexer scores every key of its
 context (few heads, small keys), then its attention reads only the selected latent rows, gathered through the
-block table (``engine.layers.selected_rows``): its cost follows ``index_topk``, not the context length. A prefill
-chunk's queries each select their own tokens, so a chunk still reads its whole context and masks it.
-``decode_kernel = "triton"`` sends decodes to a Triton kernel that reads the selected rows the same way
-(``engine.kernels.sparse_mla``), checked in Triton's interpreter; it is off by default until it has run on a GPU.
+block table (``engine.layers.selected_rows``): its cost follows ``index_topk``, not the context length. A decode
+group gathers one row list per request; a prefill chunk one per query token (each selects its own tokens), in
+slices of queries whose gathered rows and scores stay under ``SLICE_BUDGET``. Where a chunk's whole context is no
+longer than ``index_topk`` every query selects all it sees, and the chunk runs as dense MLA's expanded prefill (per
+query, the expanded form costs less than the absorbed one). ``decode_kernel = "triton"`` / ``prefill_kernel =
+"triton"`` send decodes / prefill queries to a Triton kernel that reads the selected rows the same way
+(``engine.kernels.sparse_mla``; a prefill query is one of its rows, with its request's block table), checked in
+Triton's interpreter; off by default until it has run on a GPU.
 
 ``fp8_cache`` (``--kv-cache-dtype fp8``): both rows are cached in DeepSeek-V3.2's FP8 layout
 (``engine.layers.fp8_cache``: 656 + 132 bytes a token at the published shapes, against 1,408 in bf16), quantized
-as they are written and dequantized where they are read: the selected latent rows of a decode, a prefill chunk's
-context, the keys the indexer scores. The Triton decode kernel does not read that layout yet.
+as they are written and dequantized where they are read: the selected latent rows of a query (a short chunk's
+whole context), the keys the indexer scores. The Triton decode kernel does not read that layout yet.
 """
 
 import torch
@@ -43,6 +47,12 @@ from engine.layers.lightning_indexer import LightningIndexer
 from engine.layers.mla_attention import MLAttention
 from engine.layers.paged_attention import chunk_visibility, decode_context, gather_visible
 from engine.layers.selected_rows import context_table, gather_selected_rows, selected_positions
+
+# Values one slice of a prefill chunk's queries may hold at once: its gathered latent rows [s, K, r + p], scores
+# and probabilities [s, h, K], position scratch [s, L]. 1 << 24 is 64 MiB in float32: 9 queries a slice at top-2,048
+# over 16k tokens with V3's 128 heads at one rank. Under the Triton kernel, which gathers nothing: the slice's
+# absorbed queries [s, h, r + p] and latent outputs [s, h, r].
+SLICE_BUDGET = 1 << 24
 
 
 class SelectionRelay:
@@ -71,6 +81,8 @@ class SparseMLAttention(MLAttention):
         # "torch", or "triton": decodes read only their selected rows in the Triton kernel
         # (``engine.kernels.sparse_mla``; checked in the interpreter, not yet the default).
         self.decode_kernel = "torch"
+        # The same for prefill queries (each a row of that kernel, with its own positions and its request's table).
+        self.prefill_kernel = "torch"
         # Cache both rows in the FP8 layout (``engine.layers.fp8_cache``); set before the caches are allocated.
         self.fp8_cache = False
         # [N_blocks + 1, block_size, r + p] latent rows, then (with an indexer) [N_blocks + 1, block_size, d_i]
@@ -124,20 +136,23 @@ class SparseMLAttention(MLAttention):
             chosen.append(select)
             positions = selected_positions(select[:, 0], self._index_topk())  # [G, K]
             if self.decode_kernel == "triton" and not self.fp8_cache:
-                out[span] = self._decode_sparse_triton(q[span], cache, context_table(group), positions)
+                out[span] = self._sparse_triton(q[span], cache, context_table(group), positions)
             else:
                 selected, valid = gather_selected_rows(cache, context_table(group), positions)  # [G, K, *], [G, K]
-                out[span] = self._decode_sparse(q[span], self._latent_values(selected, q.dtype), valid)
+                out[span] = self._sparse_absorbed(q[span], self._latent_values(selected, q.dtype), valid)
         for (start, end), table, seq_len, mask in zip(
             meta.prefill_query_ranges, meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_masks
         ):
             visible, seen = chunk_visibility(mask, start, end, seq_len, q.device)  # [q, L], [L]
-            ctx = self._latent_values(gather_visible(rows, table, seen)[:, 0], q.dtype)  # [L, r + p]; hidden zeroed
             ctx_keys = None if keys is None else self._key_values(gather_visible(keys, table, seen)[:, 0])  # [L, d_i]
             select = self._select(len(chosen), index_q, index_w, slice(start, end),
                                   None if ctx_keys is None else ctx_keys[None], visible[None])[0]  # [q, L]
             chosen.append(select[None])
-            out[start:end] = self._prefill_sparse(q[start:end], ctx, select)
+            if seq_len <= self._index_topk():  # every query selected all it sees: dense MLA's prefill
+                ctx = self._latent_values(gather_visible(rows, table, seen)[:, 0], q.dtype)  # [L, r + p]; hidden 0
+                out[start:end] = self._prefill_dense(q[start:end], ctx, select)
+            else:
+                out[start:end] = self._prefill_selected(q[start:end], cache, table, select)
         if self.indexer is not None:
             self.relay.selections, self.relay.index_topk = chosen, self.indexer.index_topk
         return out
@@ -173,20 +188,24 @@ class SparseMLAttention(MLAttention):
         batch, n = visible.shape[:2]
         return self.indexer.select(q.view(batch, n, *q.shape[1:]), w.view(batch, n, -1), ctx_keys, visible)
 
-    def _decode_sparse(self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Absorbed: q [G, h, n + p] over each request's selected latent rows [G, K, r + p] (valid [G, K]: False
-        on padding) -> [G, h, v]."""
+    def _sparse_absorbed(self, q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Absorbed: each query q [G, h, n + p] (a decode request, or one prefill token) over its own selected
+        latent rows [G, K, r + p] (valid [G, K]: False on padding, whose rows are zero) -> [G, h, v]."""
         w_uk, w_uv = self._w_kv()
         r = self.kv_lora_rank
         q_latent = torch.einsum("ghn,hnr->ghr", q[..., :self.nope_dim], w_uk)
         qa = torch.cat([q_latent, q[..., self.nope_dim:]], dim=-1)  # [G, h, r + p]
-        out = F.scaled_dot_product_attention(qa[:, None], rows[:, None], rows[:, None, :, :r],
-                                             attn_mask=valid[:, None, None], scale=self.scale)[:, 0]  # [G, h, r]
+        # Two matmuls rather than scaled_dot_product_attention: its math path (the only one for r + p = 576 wide
+        # heads) scales and copies the gathered rows, the largest tensor here, on every call.
+        scores = torch.matmul(qa, rows.transpose(1, 2)).mul_(self.scale)  # [G, h, K]
+        scores.masked_fill_(~valid[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(rows.dtype)
+        out = torch.matmul(probs, rows[..., :r])  # [G, h, r]; padded rows are zero: 0 x NaN cannot arise
         return torch.einsum("ghr,hvr->ghv", out, w_uv)
 
-    def _decode_sparse_triton(self, q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
-                              positions: torch.Tensor) -> torch.Tensor:
-        """``_decode_sparse`` in the Triton kernel, which reads the selected rows itself: q [G, h, n + p], table
+    def _sparse_triton(self, q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+        """``_sparse_absorbed`` in the Triton kernel, which reads the selected rows itself: q [G, h, n + p], table
         [G, W] (``context_table``), positions [G, K] (``selected_positions``) -> [G, h, v]."""
         from engine.kernels.sparse_mla import sparse_mla_decode_triton
 
@@ -195,7 +214,35 @@ class SparseMLAttention(MLAttention):
         latent_out = sparse_mla_decode_triton(qa, cache, table, positions, self.scale, self.kv_lora_rank)  # [G, h, r]
         return torch.einsum("ghr,hvr->ghv", latent_out, w_uv)
 
-    def _prefill_sparse(self, q: torch.Tensor, ctx: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    def _prefill_selected(self, q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+                          select: torch.Tensor) -> torch.Tensor:
+        """A prefill chunk's queries q [q, h, n + p], each over its own selected latent rows only (select [q, L]),
+        read through the request's block table [W] -> [q, h, v].
+
+        Queries go in slices of at most ``SLICE_BUDGET`` values of scratch: a query's positions, rows and scores
+        exist only while its slice runs, so a long chunk over a long context holds a bounded amount at once.
+        """
+        num_queries, length = select.shape
+        topk = min(self._index_topk(), length)  # K: every query sees itself, so each keeps between 1 and K rows
+        triton = self.prefill_kernel == "triton" and not self.fp8_cache
+        if triton:  # the kernel reads the rows itself: the absorbed query, its output and the positions remain
+            per_query = self.num_heads * (2 * self.kv_lora_rank + self.rope_dim) + length
+        else:
+            per_query = topk * (self.kv_lora_rank + self.rope_dim + 2 * self.num_heads) + length
+        step = max(1, SLICE_BUDGET // per_query)
+        out = q.new_empty(num_queries, self.num_heads, self.v_dim)
+        for lo in range(0, num_queries, step):
+            part = slice(lo, lo + step)
+            positions = selected_positions(select[part], topk)  # [s, K], -1 after a query's last selected token
+            tables = table[None].expand(positions.shape[0], -1)  # [s, W]: the chunk's queries share their blocks
+            if triton:
+                out[part] = self._sparse_triton(q[part], cache, tables, positions)
+            else:
+                selected, valid = gather_selected_rows(cache, tables, positions)  # [s, K, r + p], [s, K]; padding 0
+                out[part] = self._sparse_absorbed(q[part], self._latent_values(selected, q.dtype), valid)
+        return out
+
+    def _prefill_dense(self, q: torch.Tensor, ctx: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
         """Expanded: q [q, h, n + p] over the selected rows of ctx [L, r + p] (select [q, L]) -> [q, h, v]."""
         keys, values = self._expand(ctx[:, :self.kv_lora_rank], ctx[:, self.kv_lora_rank:])  # [L, h, n + p], [L, h, v]
         o = F.scaled_dot_product_attention(

@@ -57,22 +57,23 @@ def test_sparse_layer_decodes_alike_in_the_kernel():
 
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
-    layer = _layer(False, seed)
-    layer.kv_cache = tuple(torch.zeros(17, BLOCK, *shape) for shape in layer.cache_spec().per_token)
+    layer = _layer(False, seed).to(DEVICE)
+    layer.kv_cache = tuple(torch.zeros(17, BLOCK, *shape, device=DEVICE) for shape in layer.cache_spec().per_token)
     xs = [torch.randn(16, HIDDEN) for _ in range(3)]
     xs[1][:BLOCK] = xs[0][:BLOCK]
+    xs = [x.to(DEVICE) for x in xs]
     tables = [[0, 1, 2, 3], [0, 4, 5, 6], [7, 8, 9, 10]]
 
     def part(r: int, start: int, n: int) -> ScheduledRequest:
         return ScheduledRequest(None, n, tables[r], True, start, [100 * r + p for p in range(start, start + n)])
 
-    _run(layer, xs, [part(0, 0, 12), part(1, 0, 9), part(2, 0, 3)])
+    _run(layer, xs, [part(0, 0, 12), part(1, 0, 9), part(2, 0, 3)], DEVICE)
     for step in range(3):  # contexts from 4 (all kept) to 15 tokens (5 of them kept)
         scheduled = [part(0, 12 + step, 1), part(1, 9 + step, 1), part(2, 3 + step, 1)]
         layer.decode_kernel = "torch"
-        want, meta = _run(layer, xs, scheduled)
+        want, meta = _run(layer, xs, scheduled, DEVICE)
         layer.decode_kernel = "triton"
-        got, _ = _run(layer, xs, scheduled)
+        got, _ = _run(layer, xs, scheduled, DEVICE)
         assert any(g.shared_blocks is not None for g in meta.decode_groups)
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=2e-5, atol=2e-5, msg=lambda m: f"seed={seed}: {m}")

@@ -99,10 +99,11 @@ def _reference(layer: SparseMLAttention, xs: torch.Tensor, interleave: bool, cac
     return torch.stack(outs), counts
 
 
-def _run(layer: SparseMLAttention, xs: list[torch.Tensor], scheduled: list[ScheduledRequest]):
-    """One step over ``scheduled`` (request r's token ids are 100 r + position) -> {(request, position): [h, v]},
-    and the step's metadata."""
-    batch = build_batch(scheduled, "torch", BLOCK, None, 1, torch.device("cpu"))
+def _run(layer: SparseMLAttention, xs: list[torch.Tensor], scheduled: list[ScheduledRequest],
+         device: torch.device = torch.device("cpu")):
+    """One step over ``scheduled`` (request r's token ids are 100 r + position) on ``device`` (the layer's and
+    xs's) -> {(request, position): [h, v]}, and the step's metadata."""
+    batch = build_batch(scheduled, "torch", BLOCK, None, 1, device)
     ids = batch.input_ids.tolist()
     x = torch.stack([xs[i // 100][i % 100] for i in ids])  # [T, H]
     with torch.no_grad():

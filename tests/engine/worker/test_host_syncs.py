@@ -48,6 +48,7 @@ ALLOWED = {
     # Hidden KV slots found with nonzero only where the tensors are on the CPU (nothing to wait for); on a GPU the
     # same function masks them without a read-back.
     ("engine/layers/paged_attention.py", "gather_visible"),
+    ("engine/layers/selected_rows.py", "gather_selected_rows"),  # the same for a sparse selection's padded slots
 }
 
 
