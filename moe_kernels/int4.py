@@ -15,6 +15,8 @@ their routed experts (``num_bits`` 4, ``symmetric``, ``strategy: group``, ``grou
 reads the same layout inside the Triton kernels.
 """
 
+import sys
+
 import torch
 
 GROUP_SIZE = 32
@@ -48,6 +50,12 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """packed int32 [.., N, K/8] -> int8 [.., N, K] in [-8, 7]."""
     if packed.dtype != torch.int32:
         raise ValueError(f"INT4 weights must be packed int32, got {packed.dtype}")
+    if sys.byteorder == "little" and packed.is_contiguous():
+        # Byte b of word j holds values 8j + 2b (low nibble) and 8j + 2b + 1 (high): the bytes in memory order are
+        # the value pairs in K order. Byte ops: several times faster than shifting whole words on the CPU.
+        pairs = packed.view(torch.uint8)  # [.., N, K/2]
+        nibbles = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).flatten(-2)  # [.., N, K]
+        return nibbles.view(torch.int8) - OFFSET
     shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)
     nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [.., N, K/8, 8]: value 8j + i at [.., j, i]
     return (nibbles - OFFSET).to(torch.int8).flatten(-2)
@@ -72,8 +80,9 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
         raise ValueError(f"INT4 scales {tuple(scales.shape)} do not fit packed weights {tuple(packed.shape)}: "
                          f"expected {(*packed.shape[:-1], k // GROUP_SIZE)}")
     q = unpack_int4(packed).unflatten(-1, (k // GROUP_SIZE, GROUP_SIZE))  # [.., N, G, 32]
-    # float32 products of a 4-bit integer and a bfloat16 (or float32) scale, rounded once to the scale's dtype.
-    values = (q.to(torch.float32) * scales.to(torch.float32).unsqueeze(-1)).to(scales.dtype)
+    # A 4-bit integer times the scale, in the scale's dtype: torch multiplies bfloat16 in float32 (exact here) and
+    # rounds once, to nearest even, as compressed-tensors' dequantize does.
+    values = q.to(scales.dtype) * scales.unsqueeze(-1)  # [.., N, G, 32]
     return values.flatten(-2).to(dtype)
 
 

@@ -11,7 +11,7 @@ bit for bit.
 import triton
 import triton.language as tl
 
-from moe_kernels.mxfp4_triton import mxfp4_tile
+from moe_kernels.mxfp4_triton import mxfp4_tile, scale_groups
 
 
 @triton.jit
@@ -21,11 +21,7 @@ def int4_tile(w_ptr, scale_ptr, expert, rows, n_ok, k_start, k_size, stride_we, 
     # False and for K past k_size (not read when EVEN_K: k_size is a multiple of BLOCK_K).
     # w_ptr: int32 [E, N, K/8], scale_ptr: [E, N, K/32] bfloat16 or float32, both contiguous along K;
     # k_start and k_size multiples of 32.
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    group = k_start // 32 + tl.arange(0, GROUPS)  # [GROUPS] scale columns of the tile
-    ok = n_ok[:, None]  # [BLOCK_N, 1]
-    if not EVEN_K:
-        ok = ok & (group < k_size // 32)[None, :]  # [BLOCK_N, GROUPS]: a group lies wholly inside K or past it
+    group, ok = scale_groups(n_ok, k_start, k_size, BLOCK_K, EVEN_K)  # [GROUPS] scale columns, [BLOCK_N, GROUPS]
     # Word j of group g holds values 32g + 8j .. 32g + 8j + 7, value 32g + 8j + i in bits 4i..4i+3.
     word_ptrs = (w_ptr + expert * stride_we + rows[:, None, None] * stride_wn + group[None, :, None] * 4
                  + tl.arange(0, 4)[None, None, :])  # [BLOCK_N, GROUPS, 4]

@@ -16,13 +16,14 @@ WEIGHTS = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_s
                observer="minmax", observer_kwargs={}, block_structure=None)
 SCHEME = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**{
     k: WEIGHTS[k] for k in ("num_bits", "type", "symmetric", "strategy", "group_size")}))
-# Kimi-K2-Thinking's quantization_config (its "ignore" keeps attention, shared experts, dense MLPs, the router and the
-# LM head in bfloat16).
+# Kimi-K2-Thinking's and Kimi-K2.5's quantization_config (its "ignore" keeps attention, shared experts, dense MLPs,
+# the LM head and Kimi-K2.5's vision tower and projector in bfloat16; the router is no Linear layer there).
 QUANTIZATION_CONFIG = {
     "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
     "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
                                   "weights": WEIGHTS}},
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+               "re:.*vision_tower.*", "re:.*mm_projector.*"],
     "kv_cache_scheme": None,
 }
 

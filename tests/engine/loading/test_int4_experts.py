@@ -51,15 +51,16 @@ def test_int4_kimi_checkpoint_vs_transformers(checkpoints, moe):
     # (the Triton kernels run interpreted on the CPU: fewer tokens)
     reqs = [([rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(5, 40))], 8 if moe == "torch" else 5)
             for _ in range(3 if moe == "torch" else 2)]
-    llm = LLM(model=kimi_dir, dtype="float32", device="cpu", num_kv_blocks=64, kernel_choice=KernelChoice(moe=moe))
+    device = "cuda" if moe == "triton" and torch.cuda.is_available() else "cpu"  # else Triton's interpreter
+    llm = LLM(model=kimi_dir, dtype="float32", device=device, num_kv_blocks=64, kernel_choice=KernelChoice(moe=moe))
     assert llm.engine.model_config.architecture == "DeepseekV3ForCausalLM"
     experts = llm.engine.model.model.layers[1].mlp.experts
     # Packed as stored: the checkpoint's words and scales, gate rows then up rows.
     stem = "model.layers.1.mlp.experts.5"
     assert experts.scheme.method == "int4" and experts.w13.dtype == torch.int32
-    assert torch.equal(experts.w13[5], torch.cat([stored[f"{stem}.gate_proj.weight_packed"],
+    assert torch.equal(experts.w13[5].cpu(), torch.cat([stored[f"{stem}.gate_proj.weight_packed"],
                                                   stored[f"{stem}.up_proj.weight_packed"]]))
-    assert torch.equal(experts.w2_scale[5], stored[f"{stem}.down_proj.weight_scale"])
+    assert torch.equal(experts.w2_scale[5].cpu(), stored[f"{stem}.down_proj.weight_scale"])
     outs = llm.generate([p for p, _ in reqs], [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
                                               for _, m in reqs])
     got = [o.token_ids for o in outs]
@@ -68,7 +69,8 @@ def test_int4_kimi_checkpoint_vs_transformers(checkpoints, moe):
     hf_experts = reference.model.layers[1].mlp.experts
     # transformers decompressed through compressed-tensors: the same bfloat16 values the engine decodes.
     assert torch.equal(hf_experts.down_proj[5], decompressed(stored, f"{stem}.down_proj"))
-    assert torch.equal(hf_experts.gate_up_proj[5], dequantize_int4(experts.w13[5], experts.w13_scale[5], torch.bfloat16))
+    assert torch.equal(hf_experts.gate_up_proj[5], dequantize_int4(experts.w13[5].cpu(), experts.w13_scale[5].cpu(),
+                                                                      torch.bfloat16))
     float_experts_(reference)
     assert got == [hf_greedy(reference, p, m) for p, m in reqs], f"seed={seed}"
 
