@@ -41,6 +41,9 @@ def check_config(qc: dict) -> None:
         raise _refuse("quantization_status", status, "quantization_status 'compressed' (packed weights)")
     if qc.get("kv_cache_scheme") is not None:
         raise _refuse("kv_cache_scheme", qc["kv_cache_scheme"], "kv_cache_scheme null (use --kv-cache-dtype)")
+    for extra in ("sparsity_config", "transform_config"):  # sparse or rotated weights: not stored as read here
+        if qc.get(extra):
+            raise _refuse(extra, qc[extra], f"{extra} null")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _refuse("config_groups", groups, "one or more groups of INT4 weights")

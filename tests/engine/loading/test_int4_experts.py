@@ -5,6 +5,8 @@ transformers loading the same checkpoint through its compressed-tensors integrat
 
 The engine keeps the experts packed as stored (int32 words, bfloat16 scales) and must produce transformers' greedy
 tokens exactly: both decode each weight to the same bfloat16 value (compressed-tensors' rounding), run in float32.
+What is not served is refused naming the field or the tensor: other quantization_configs and settings at start,
+unexpected tensors (float32 scales, a packed layer outside the routed experts) while loading.
 """
 
 import json
@@ -17,13 +19,15 @@ import torch
 if not torch.cuda.is_available():  # before moe_kernels.triton_backend is first imported (see its docstring)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from engine import LLM, KernelChoice, SamplingParams  # noqa: E402
 from engine.core.config import EngineConfig  # noqa: E402
+from engine.core.model_config import CheckpointError  # noqa: E402
 from engine.loading.model_check import check_model  # noqa: E402
 from moe_kernels.int4 import dequantize_int4  # noqa: E402
-from tests.engine.loading.int4_checkpoint import decompressed, float_experts_, write_int4  # noqa: E402
+from tests.engine.loading.int4_checkpoint import compress, decompressed, float_experts_, write_int4  # noqa: E402
 from tests.engine.models.test_vs_transformers import hf_greedy  # noqa: E402
 from tests.hf_models import make_hf_model  # noqa: E402
 
@@ -75,16 +79,21 @@ def test_int4_kimi_checkpoint_vs_transformers(checkpoints, moe):
     assert got == [hf_greedy(reference, p, m) for p, m in reqs], f"seed={seed}"
 
 
+def _link_all_but(hf_dir: str, tmp_path, rewritten: str) -> str:
+    """``tmp_path`` holding links to every file of ``hf_dir`` but ``rewritten`` (which the caller writes)."""
+    for name in os.listdir(hf_dir):
+        if name != rewritten:
+            os.symlink(os.path.join(hf_dir, name), tmp_path / name)
+    return str(tmp_path)
+
+
 def _variant(hf_dir: str, tmp_path, edit) -> str:
     """A copy of the checkpoint's config.json (weights linked) with ``edit(quantization_config)`` applied."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
     edit(config["quantization_config"])
-    for name in os.listdir(hf_dir):
-        if name != "config.json":
-            os.symlink(os.path.join(hf_dir, name), tmp_path / name)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    return str(tmp_path)
+    return _link_all_but(hf_dir, tmp_path, "config.json")
 
 
 REFUSED = {  # what a config says -> the field the one-line refusal names
@@ -94,6 +103,7 @@ REFUSED = {  # what a config says -> the field the one-line refusal names
     "activations": (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
                     "input_activations"),
     "float_format": (lambda q: q.update(format="float-quantized"), "quantization_config.format"),
+    "sparse": (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config"),
 }
 
 
@@ -114,3 +124,30 @@ def test_int4_settings_refused_before_start(checkpoints):
     with pytest.raises(ValueError, match="tensor_parallel_size 4"):  # 64 / 4 = 16 channels a rank: half a group
         check_model(EngineConfig(model=hf_dir, tensor_parallel_size=4))
     check_model(EngineConfig(model=hf_dir, tensor_parallel_size=2, enable_expert_parallel=True))  # whole experts
+
+
+def _rewritten(hf_dir: str, tmp_path, edit) -> str:
+    """A copy of the checkpoint with ``edit(tensors)`` applied to its tensors."""
+
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    return _link_all_but(hf_dir, tmp_path, "model.safetensors")
+
+
+def _float32_scale(tensors):
+    name = "model.layers.1.mlp.experts.2.up_proj.weight_scale"
+    tensors[name] = tensors[name].float()
+
+
+def _packed_attention(tensors):
+    w = tensors.pop("model.layers.0.self_attn.o_proj.weight")
+    tensors.update({f"model.layers.0.self_attn.o_proj.{k}": v for k, v in compress(w).items()})
+
+
+@pytest.mark.parametrize("edit,named", [(_float32_scale, "experts.2.up_proj.weight_scale is F32"),
+                                        (_packed_attention, "o_proj.weight_packed is INT4")],
+                         ids=["float32_scale", "packed_attention"])
+def test_unserved_int4_tensors_are_refused_naming_them(checkpoints, tmp_path, edit, named):
+    with pytest.raises(CheckpointError, match=named):
+        LLM(model=_rewritten(checkpoints[1], tmp_path, edit), dtype="float32", device="cpu", num_kv_blocks=8)
