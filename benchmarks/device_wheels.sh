@@ -3,7 +3,8 @@
 # policy database's SQLAlchemy, Alembic and drivers, msgspec, the openai client with pydantic and
 # what they depend on, including the newer anyio, idna and typing_extensions they need), and the
 # engine's own packages the GPU image lacks (msgspec, llguidance for structured output,
-# openai-harmony for gpt-oss's chat format; jsonschema and its needs for the structured-output tests) into .whl/, for installing them on a GPU machine that has Python and torch but not these packages,
+# openai-harmony for gpt-oss's chat format; jsonschema and its needs for the structured-output tests; compressed-tensors
+and loguru, the INT4 experts' tests' reference) into .whl/, for installing them on a GPU machine that has Python and torch but not these packages,
 # and cannot fetch them itself (no network, or no package index). Each wheel is the version
 # installed in this checkout's .venv, so the GPU machine runs the same versions as this checkout.
 #
@@ -23,7 +24,7 @@
 set -eu
 PACKAGES="SQLAlchemy greenlet aiosqlite alembic Mako openai httpx2 pydantic pydantic_core annotated-types
 typing-inspection jiter sniffio psycopg psycopg-binary asyncpg msgspec httpcore2 truststore typing_extensions anyio idna
-llguidance openai-harmony jsonschema jsonschema-specifications referencing rpds-py"
+llguidance openai-harmony jsonschema jsonschema-specifications referencing rpds-py compressed-tensors loguru"
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qx "/.whl/" "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"

@@ -264,7 +264,8 @@ for spec in $SPECS; do
                 --json $WORK/bench_quant_\$q.json || echo bench-quant: \$q failed; done; \
             $PY -m benchmarks.quantized_experts memory" ;;
         # gpt-oss's experts in MXFP4: the fused MoE kernel's tokens/s at gpt-oss-20b's expert shape, bf16 vs int8 vs
-        # fp8 vs mxfp4 side by side, then the expert weight memory per mode.
+        # fp8 vs mxfp4 vs int4 (Kimi-K2.5's compressed-tensors format) side by side, then the expert weight memory per
+        # mode. The INT4 kernels' correctness on the device: tests/moe_kernels/test_int4.py in tests-cuda.
         bench-mxfp4) run_stage bench-mxfp4 "$limit" bash -c "$PY -m benchmarks.mxfp4_experts kernel --tokens 1,8,64,512 \
             --rounds 5; $PY -m benchmarks.mxfp4_experts memory" ;;
         # Prefill 512 against its floor and mixed prefill+decode steps, piecewise CUDA graphs off vs on, and the

@@ -1,4 +1,4 @@
-"""gpt-oss's routed experts in MXFP4 against bf16 and 8 bits: weight memory (arithmetic, any machine) and the
+"""gpt-oss's routed experts in MXFP4 (and in INT4, Kimi-K2.5's format) against bf16 and 8 bits: weight memory (arithmetic, any machine) and the
 fused MoE kernel's tokens/s at gpt-oss-20b's expert shape (CUDA), every mode in one run.
 
     python -m benchmarks.mxfp4_experts memory                 # bytes of expert weights per mode, gpt-oss-20b/120b
@@ -15,8 +15,8 @@ the SASS instructions (all, and global loads) of each kernel. Run the file with 
 to compare its kernels.
 
 ``kernel``: one MoE layer of gpt-oss-20b (E=32, top-4, H=I=2880, clamped SwiGLU, biases) through
-``moe_kernels.fused_moe`` on the Triton backend, experts bf16, int8, fp8 and mxfp4 (each quantized from the same
-bf16 weights); per token count the modes are timed in turn (CUDA graphs, weights flushed from L2 before each
+``moe_kernels.fused_moe`` on the Triton backend, experts bf16, int8, fp8, mxfp4 and int4 (each quantized from the
+same bf16 weights; int4 as Kimi's checkpoints store it, ``moe_kernels.int4``); per token count the modes are timed in turn (CUDA graphs, weights flushed from L2 before each
 call), ``--rounds`` times; median and range of tokens/s per mode.
 """
 
@@ -30,7 +30,7 @@ import tempfile
 
 import torch
 
-MODES = (None, "int8", "fp8", "mxfp4")  # None: bf16 experts
+MODES = (None, "int8", "fp8", "mxfp4", "int4")  # None: bf16 experts
 SHAPE_20B = dict(num_experts=32, top_k=4, hidden=2880, inter=2880)
 
 
@@ -42,15 +42,15 @@ def _expert_bytes(model: torch.nn.Module) -> int:
 
 
 def memory() -> None:
-    from engine.loading.quantization import scheme_for_option
     from engine.loading.random_weights import build_random_model, random_model_config
+    from moe_kernels.quant import QuantScheme
 
     print("routed-expert bytes (weights, scales and biases), GiB; ratio to bf16")
     for preset in ("gpt-oss-20b", "gpt-oss-120b"):
         base = None
         cells = []
         for mode in MODES:
-            scheme = scheme_for_option(mode) if mode else None
+            scheme = QuantScheme(mode) if mode else None
             model = build_random_model(random_model_config(preset), torch.bfloat16, torch.device("meta"), "torch", 1,
                                        quantization=scheme)
             n = _expert_bytes(model)
@@ -123,6 +123,7 @@ def _capture_launches(mode: str | None, num_tokens: int, config: dict | None = N
     interpreted), the launch config an H100 looks up (or ``config``, a ``LaunchConfig`` as a dict)."""
     from moe_kernels.launch_config import LaunchConfig
     from moe_kernels import gemv_kernels, triton_backend
+    from moe_kernels import int4
     from moe_kernels.mxfp4 import scale_shape as mxfp4_scale_shape
     from moe_kernels.quant import QuantScheme, scale_shape
 
@@ -142,6 +143,8 @@ def _capture_launches(mode: str | None, num_tokens: int, config: dict | None = N
         weights[name] = torch.empty(scheme.stored_shape(shape), dtype=scheme.dtype)
         if mode == "mxfp4":
             args[f"{name}_scale"] = torch.empty(mxfp4_scale_shape(shape), dtype=torch.uint8)
+        elif mode == "int4":
+            args[f"{name}_scale"] = torch.empty(int4.scale_shape(shape), dtype=bf16)
         else:
             args[f"{name}_scale"] = torch.empty(scale_shape(shape, None), dtype=torch.float32)
     x = torch.empty(num_tokens, h, dtype=bf16)
@@ -206,7 +209,7 @@ def _sm90_resources(fn, args: tuple, kwargs: dict) -> dict:
                 global_loads=sum(op.startswith("LDG") for op in ops))
 
 
-def resources(tokens: list[int], modes: tuple = (None, "int8", "mxfp4"), config: dict | None = None) -> list[dict]:
+def resources(tokens: list[int], modes: tuple = (None, "int8", "mxfp4", "int4"), config: dict | None = None) -> list[dict]:
     rows = []
     for mode in modes:
         for t in tokens:

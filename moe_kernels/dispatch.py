@@ -36,15 +36,18 @@ def available_backends() -> list[str]:
     return names
 
 
+# Packed 4-bit weights: values per stored element along K (MXFP4 two a byte, INT4 eight an int32 word).
+_VALUES_PER_ELEMENT = {torch.uint8: 2, torch.int32: 8}
+
+
 def _check_shapes(x, w13, w2, topk_weights, topk_ids) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
     num_experts, two_inter, hidden = w13.shape
-    if w13.dtype == torch.uint8:  # MXFP4: two values a byte along H
-        hidden *= 2
+    hidden *= _VALUES_PER_ELEMENT.get(w13.dtype, 1)  # packed 4-bit weights hold several values along H
     if hidden != x.shape[1] or two_inter % 2:
         raise ValueError(f"w13 must be [E, 2I, H] with H={x.shape[1]}, got {tuple(w13.shape)}")
-    w2_inter = two_inter // 4 if w2.dtype == torch.uint8 else two_inter // 2
+    w2_inter = two_inter // 2 // _VALUES_PER_ELEMENT.get(w2.dtype, 1)
     if tuple(w2.shape) != (num_experts, hidden, w2_inter):
         raise ValueError(f"w2 must be [E, H, I]={num_experts, hidden, w2_inter}, got {tuple(w2.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
@@ -94,7 +97,9 @@ def fused_moe(
             ``moe_kernels.quant``): [E, 2I] and [E, H] per output channel, or with ``block_shape``
             (block_n, block_k) one per block, [E, 2*ceil(I/bn), ceil(H/bk)] (gate blocks, then up blocks)
             and [E, ceil(H/bn), ceil(I/bk)]. When w13 and w2 are uint8 they are MXFP4 (``moe_kernels.mxfp4``):
-            packed w13 [E, 2I, H/2] and w2 [E, H, I/2] with uint8 e8m0 scales [E, 2I, H/32] and [E, H, I/32].
+            packed w13 [E, 2I, H/2] and w2 [E, H, I/2] with uint8 e8m0 scales [E, 2I, H/32] and [E, H, I/32]. When
+            they are int32 they are INT4 (``moe_kernels.int4``): packed w13 [E, 2I, H/8] and w2 [E, H, I/8] with
+            bfloat16 (or float32) scales [E, 2I, H/32] and [E, H, I/32], one per group of 32 values.
         w13_bias, w2_bias: optional per-expert biases (gpt-oss), never quantized: [E, 2I] added to the gate/up
             projection before the activation (gate then up, as w13's rows) and [E, H] to the down projection,
             inside the routing weight.

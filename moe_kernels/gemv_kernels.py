@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.activation_triton import gated_act
-from moe_kernels.mxfp4_triton import mxfp4_tile
+from moe_kernels.int4_triton import packed4_tile
 from moe_kernels.scales_triton import scale_cols
 
 
@@ -66,11 +66,11 @@ def w13_gemv_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for kk in range(0, tl.cdiv(hidden_size, BLOCK_K)):
         xv, k_ok = _k_slice(x_ptrs, offs_k, hidden_size - kk * BLOCK_K, EVEN_K)  # [BLOCK_K]
-        if QUANT == 3:  # MXFP4: [BLOCK_N, BLOCK_K] float32 tiles
-            g = mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, hidden_size, stride_we, stride_wn,
-                           stride_se, stride_sn, BLOCK_K, EVEN_K)
-            u = mxfp4_tile(w_ptr, scale_ptr, expert, inter_size + offs_n, n_ok, kk * BLOCK_K, hidden_size,
-                           stride_we, stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K)
+        if QUANT >= 3:  # MXFP4 or INT4: [BLOCK_N, BLOCK_K] float32 tiles
+            g = packed4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, hidden_size, stride_we, stride_wn,
+                             stride_se, stride_sn, BLOCK_K, EVEN_K, QUANT)
+            u = packed4_tile(w_ptr, scale_ptr, expert, inter_size + offs_n, n_ok, kk * BLOCK_K, hidden_size,
+                             stride_we, stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K, QUANT)
         elif EVEN_K:
             g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
@@ -128,9 +128,9 @@ def w2_gemv_sum_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for kk in range(0, tl.cdiv(inter_size, BLOCK_K)):
             a, k_ok = _k_slice(a_ptrs, offs_k, inter_size - kk * BLOCK_K, EVEN_K)  # [BLOCK_K]
-            if QUANT == 3:  # MXFP4: a [BLOCK_N, BLOCK_K] float32 tile
-                b = mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, inter_size, stride_we,
-                               stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K)
+            if QUANT >= 3:  # MXFP4 or INT4: a [BLOCK_N, BLOCK_K] float32 tile
+                b = packed4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, inter_size, stride_we,
+                                 stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K, QUANT)
             elif EVEN_K:
                 b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
             else:

@@ -2,7 +2,7 @@
 
 A file covers one layer shape on one device: ``E`` experts, the first GEMM's
 ``N`` (= 2I, rows of w13) and ``K`` (= H), a dtype (the activations'), for
-quantized weights with their own tuned files a quantization (only ``mxfp4``:
+quantized weights with their own tuned files a quantization (``mxfp4``, ``int4``:
 its tiles decode in registers, so its best tiles are not bf16's) and a device
 name. Inside, entries are keyed by token count; a call takes the entry nearest
 to its own token count. Lookup order, first hit wins:
@@ -96,8 +96,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def quantization_name(weight_dtype: torch.dtype) -> str | None:
     """The quantization that keys its own config files for expert weights of this dtype: "mxfp4" for packed uint8
-    (MXFP4) weights, None otherwise (8-bit weights take the activation dtype's files, as float weights do)."""
-    return "mxfp4" if weight_dtype == torch.uint8 else None
+    (MXFP4) weights, "int4" for packed int32 (INT4) ones, None otherwise (8-bit weights take the activation dtype's
+    files, as float weights do)."""
+    return {torch.uint8: "mxfp4", torch.int32: "int4"}.get(weight_dtype)
 
 
 def config_file_name(num_experts: int, n: int, k: int, dtype: torch.dtype | str, device: str,

@@ -29,17 +29,26 @@ def _e2m1_scaled(code_at_top, scale):
 
 
 @triton.jit
+def scale_groups(n_ok, k_start, k_size, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # A 4-bit tile's groups of 32 along K: their scale columns [BLOCK_K/32] and which [BLOCK_N, BLOCK_K/32] of them
+    # to read (rows where n_ok, groups before k_size; with EVEN_K every group is inside K). k_start and k_size are
+    # multiples of 32: a group lies wholly inside K or past it.
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    group = k_start // 32 + tl.arange(0, GROUPS)  # [GROUPS]
+    ok = n_ok[:, None]  # [BLOCK_N, 1]
+    if not EVEN_K:
+        ok = ok & (group < k_size // 32)[None, :]  # [BLOCK_N, GROUPS]
+    return group, ok
+
+
+@triton.jit
 def mxfp4_tile(w_ptr, scale_ptr, expert, rows, n_ok, k_start, k_size, stride_we, stride_wn, stride_se, stride_sn,
                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # -> [BLOCK_N, BLOCK_K] float32 W[expert, rows, k_start : k_start + BLOCK_K], zero for rows where n_ok is
     # False and for K past k_size (not read when EVEN_K: k_size is a multiple of BLOCK_K).
     # w_ptr: packed uint8 [E, N, K/2], scale_ptr: uint8 [E, N, K/32], both contiguous along K;
     # k_start and k_size multiples of 32.
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    group = k_start // 32 + tl.arange(0, GROUPS)  # [GROUPS] scale columns of the tile
-    ok = n_ok[:, None]  # [BLOCK_N, 1]
-    if not EVEN_K:
-        ok = ok & (group < k_size // 32)[None, :]  # [BLOCK_N, GROUPS]: a group lies wholly inside K or past it
+    group, ok = scale_groups(n_ok, k_start, k_size, BLOCK_K, EVEN_K)  # [GROUPS] scale columns, [BLOCK_N, GROUPS]
     # 16 bytes hold a group's 32 values: byte j of group g, values 32g + 2j (low nibble) and 32g + 2j + 1 (high).
     byte_ptrs = (w_ptr + expert * stride_we + rows[:, None, None] * stride_wn + group[None, :, None] * 16
                  + tl.arange(0, 16)[None, None, :])  # [BLOCK_N, GROUPS, 16]

@@ -14,6 +14,9 @@ A packed gate/up weight w13 [E, 2I, H] is two weights: with block scales its blo
 (``halves=2``), so the scales are [E, 2*ceil(I/block_n), ceil(H/block_k)], gate blocks then up blocks, as
 the two checkpoint tensors it is packed from have them.
 
+4-bit formats keep their own modules: MXFP4 (uint8, ``moe_kernels.mxfp4``) and INT4 (packed int32 with a scale per
+32 values, ``moe_kernels.int4``); the weight's dtype tells them apart.
+
 Everything here is plain torch and runs on the meta device (shapes only).
 """
 
@@ -21,18 +24,20 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_kernels import int4
 from moe_kernels.mxfp4 import check_mxfp4, dequantize_mxfp4, packed_shape, quantize_mxfp4
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127  # symmetric: -128 is never produced
-METHODS = ("fp8", "int8", "mxfp4")
+METHODS = ("fp8", "int8", "mxfp4", "int4")
 
 
 @dataclass(frozen=True, slots=True)
 class QuantScheme:
-    """How weights are stored: ``method`` "fp8", "int8" or "mxfp4" (4 bits, ``moe_kernels.mxfp4``); ``block``
-    (block_n, block_k) scales (fp8 only) or None for one scale per output channel (per 32 values for mxfp4)."""
+    """How weights are stored: ``method`` "fp8", "int8", "mxfp4" (4 bits, ``moe_kernels.mxfp4``) or "int4" (packed
+    int32, ``moe_kernels.int4``); ``block`` (block_n, block_k) scales (fp8 only) or None for one scale per output
+    channel (per 32 values for mxfp4 and int4)."""
 
     method: str
     block: tuple[int, int] | None = None
@@ -48,10 +53,13 @@ class QuantScheme:
 
     @property
     def dtype(self) -> torch.dtype:
-        return {"fp8": FP8_DTYPE, "int8": torch.int8, "mxfp4": torch.uint8}[self.method]
+        return {"fp8": FP8_DTYPE, "int8": torch.int8, "mxfp4": torch.uint8, "int4": torch.int32}[self.method]
 
     def stored_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The stored weight's shape for a weight [.., N, K]: the same, or [.., N, K/2] for mxfp4's packed bytes."""
+        """The stored weight's shape for a weight [.., N, K]: the same, [.., N, K/2] for mxfp4's packed bytes,
+        [.., N, K/8] for int4's packed words."""
+        if self.method == "int4":
+            return int4.packed_shape(weight_shape)
         return packed_shape(weight_shape) if self.method == "mxfp4" else tuple(weight_shape)
 
 
@@ -75,10 +83,13 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme, halves: int = 1) -> tupl
     The scale maps each channel's (or block's) largest magnitude onto the format's largest value; an
     all-zero channel gets scale 1. Computed in float32 (float64 input stays float64 until the cast).
     ``halves=2`` for a packed gate/up weight: block scales restart at its middle row.
-    mxfp4: (packed uint8 [.., N, K/2], uint8 scales [.., N, K/32]), see ``moe_kernels.mxfp4``.
+    mxfp4: (packed uint8 [.., N, K/2], uint8 scales [.., N, K/32]), see ``moe_kernels.mxfp4``; int4: (packed int32
+    [.., N, K/8], bfloat16 scales [.., N, K/32]), see ``moe_kernels.int4``.
     """
     if scheme.method == "mxfp4":
         return quantize_mxfp4(weight)
+    if scheme.method == "int4":
+        return int4.quantize_int4(weight)
     if halves > 1 and scheme.block is not None:
         parts = [quantize(part, scheme) for part in weight.chunk(halves, dim=-2)]
         return torch.cat([q for q, _ in parts], dim=-2), torch.cat([s for _, s in parts], dim=-2)
@@ -107,6 +118,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
     """q [.., N, K] and its scale -> [.., N, K] in ``dtype`` (the product taken in float32, or float64 for float64)."""
     if q.dtype == torch.uint8:
         return dequantize_mxfp4(q, scale, dtype)
+    if q.dtype == torch.int32:
+        return int4.dequantize_int4(q, scale, dtype)
     if halves > 1 and block is not None:
         parts = zip(q.chunk(halves, dim=-2), scale.chunk(halves, dim=-2))
         return torch.cat([dequantize(q_h, s_h, block, dtype) for q_h, s_h in parts], dim=-2)
@@ -123,6 +136,11 @@ def check_scales(w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, 
         if block is not None:
             raise ValueError("block_shape is for 8-bit weights; MXFP4 (uint8) weights have their own groups of 32")
         check_mxfp4(w, scale, name)
+        return
+    if w.dtype == torch.int32:
+        if block is not None:
+            raise ValueError("block_shape is for 8-bit weights; INT4 (int32) weights have their own groups of 32")
+        int4.check_int4(w, scale, name)
         return
     quantized = w.dtype in (FP8_DTYPE, torch.int8)
     if scale is None:

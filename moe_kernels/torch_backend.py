@@ -45,7 +45,7 @@ def fused_moe_torch(
     x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H].
     The choice is a check of dtypes, device and strides on each call (see
     ``grouped_mm_supported``), never a caught error; on the CPU also of size
-    (``CPU_GROUPED_MAX_BYTES``): prefill-sized calls keep the loop. 8-bit weights (with their scales,
+    (``CPU_GROUPED_MAX_BYTES``): prefill-sized calls keep the loop. Quantized weights (8-bit or 4-bit, with their scales,
     see ``moe_kernels.quant``) always take the loop.
     """
     if w13_scale is None and grouped_mm_supported(x, w13, w2) and _grouped_pays_off(x, w13, topk_ids.shape[1]):
@@ -75,7 +75,7 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     """
     if scale is None:
         return x @ w.t()
-    if w.dtype == torch.uint8:  # MXFP4: this expert dequantized for the call (exact in x's dtype)
+    if w.dtype in (torch.uint8, torch.int32):  # MXFP4 or INT4: this expert dequantized for the call, one at a time
         return x @ dequantize(w, scale, None, x.dtype).t()
     if block_shape is not None:
         return x @ dequantize(w, scale, block_shape, x.dtype, halves).t()

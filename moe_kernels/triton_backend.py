@@ -26,6 +26,11 @@ activation dtype (exact) and multiplied as float weights. A tile then holds
 whole scale groups: BLOCK_K must be a multiple of 32 (looked-up configs are
 raised to it; a config passed in that is not is refused).
 
+INT4 weights (``moe_kernels.int4``: packed int32 words of eight signed
+nibbles and bfloat16 scales, one per 32 values along K: the compressed-tensors
+layout of Kimi's published experts) take the same road (``int4_tile``): the
+kernels are W4A16, activations stay in their dtype.
+
 Set ``TRITON_INTERPRET=1`` before this module is first imported to run the
 kernels on the CPU (tests): ``triton.jit`` picks compiled or interpreted at
 decoration time.
@@ -42,7 +47,7 @@ from moe_kernels import gemv_kernels
 from moe_kernels.activation import SILU, ExpertActivation
 from moe_kernels.activation_triton import gated_act
 from moe_kernels.scales_triton import scale_cols
-from moe_kernels.mxfp4_triton import mxfp4_tile
+from moe_kernels.int4_triton import packed4_tile
 from moe_kernels.align import SlotBlocks, align_slots, flat_ids, unsorted_slots
 from moe_kernels.launch_config import (
     GemmConfig, LaunchConfig, device_name, get_launch_config, quantization_name, with_min_block_k,
@@ -52,7 +57,8 @@ from moe_kernels.quant import FP8_DTYPE
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_8BIT = (FP8_DTYPE, torch.int8)
-_WEIGHT_QUANTIZED = (*_WEIGHT_8BIT, torch.uint8)  # uint8: MXFP4
+_WEIGHT_QUANTIZED = (*_WEIGHT_8BIT, torch.uint8, torch.int32)  # uint8: MXFP4, int32: INT4
+_WEIGHT_4BIT = {torch.uint8: 3, torch.int32: 4}  # the QUANT constexpr of packed 4-bit weights
 
 
 @triton.jit
@@ -109,7 +115,8 @@ def _rows_k_tile(ptrs, row_ok, offs_k, k_left, EVEN_K: tl.constexpr):
 # num_slots and num_blocks_m change with every token count: specializing on their divisibility would
 # compile each launch config up to four times, at whatever step first hits each variant.
 # QUANT: 0 float weights, 1 8-bit with per-channel scales, 2 8-bit with QBLOCK_N x QBLOCK_K block scales,
-# 3 MXFP4 (w: packed uint8 [E, N, K/2], scale: uint8 [E, N, K/32]).
+# 3 MXFP4 (w: packed uint8 [E, N, K/2], scale: uint8 [E, N, K/32]), 4 INT4 (w: packed int32 [E, N, K/8],
+# scale: bfloat16 or float32 [E, N, K/32]).
 @triton.jit(do_not_specialize=["num_slots", "num_blocks_m"])
 def _w13_act_kernel(
     x_ptr, w_ptr, out_ptr, scale_ptr, bias_ptr,  # x [T, H], w13 [E, 2I, H], out [S, I], scale (see QUANT), bias [E, 2I]
@@ -141,11 +148,11 @@ def _w13_act_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(hidden_size, BLOCK_K)):
         a, k_ok = _rows_k_tile(a_ptrs, row_ok, offs_k, hidden_size - kk * BLOCK_K, EVEN_K)  # [BLOCK_M, BLOCK_K]
-        if QUANT == 3:  # [BLOCK_N, BLOCK_K] float32 tiles, transposed to [BLOCK_K, BLOCK_N]
-            g = tl.trans(mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, hidden_size, stride_we,
-                                    stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K))
-            u = tl.trans(mxfp4_tile(w_ptr, scale_ptr, expert, inter_size + offs_n, n_ok, kk * BLOCK_K, hidden_size,
-                                    stride_we, stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K))
+        if QUANT >= 3:  # MXFP4 or INT4: [BLOCK_N, BLOCK_K] float32 tiles, transposed to [BLOCK_K, BLOCK_N]
+            g = tl.trans(packed4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, hidden_size, stride_we,
+                                      stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K, QUANT))
+            u = tl.trans(packed4_tile(w_ptr, scale_ptr, expert, inter_size + offs_n, n_ok, kk * BLOCK_K, hidden_size,
+                                      stride_we, stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K, QUANT))
         elif EVEN_K:
             g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
@@ -212,9 +219,9 @@ def _w2_weighted_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(inter_size, BLOCK_K)):
         a, k_ok = _rows_k_tile(a_ptrs, row_ok, offs_k, inter_size - kk * BLOCK_K, EVEN_K)  # [BLOCK_M, BLOCK_K]
-        if QUANT == 3:  # a [BLOCK_N, BLOCK_K] float32 tile, transposed to [BLOCK_K, BLOCK_N]
-            b = tl.trans(mxfp4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, inter_size, stride_we,
-                                    stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K))
+        if QUANT >= 3:  # MXFP4 or INT4: a [BLOCK_N, BLOCK_K] float32 tile, transposed to [BLOCK_K, BLOCK_N]
+            b = tl.trans(packed4_tile(w_ptr, scale_ptr, expert, offs_n, n_ok, kk * BLOCK_K, inter_size, stride_we,
+                                      stride_wn, stride_se, stride_sn, BLOCK_K, EVEN_K, QUANT))
         elif EVEN_K:
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
@@ -262,9 +269,10 @@ def _quant_args(w: torch.Tensor, scale: torch.Tensor | None, block_shape: tuple[
     """(scale pointer, its three strides), then the QUANT constexprs, for weight ``w`` [E, N, K]."""
     if scale is None:
         return (w, 0, 0, 0), {"QUANT": 0, "QBLOCK_N": 1, "QBLOCK_K": 1}  # the pointer is never read
-    if w.dtype == torch.uint8:  # MXFP4: ``mxfp4_tile`` steps along K by bytes and scales, both contiguous
-        assert w.stride(2) == 1 and scale.stride(2) == 1, "MXFP4 weights and scales must be contiguous along K"
-        return (scale, scale.stride(0), scale.stride(1), 1), {"QUANT": 3, "QBLOCK_N": 1, "QBLOCK_K": 1}
+    if w.dtype in _WEIGHT_4BIT:  # MXFP4 / INT4: the tile readers step along K by elements and scales, contiguous
+        assert w.stride(2) == 1 and scale.stride(2) == 1, "4-bit weights and scales must be contiguous along K"
+        return (scale, scale.stride(0), scale.stride(1), 1), {"QUANT": _WEIGHT_4BIT[w.dtype], "QBLOCK_N": 1,
+                                                              "QBLOCK_K": 1}
     if block_shape is None:
         return (scale, scale.stride(0), scale.stride(1), 0), {"QUANT": 1, "QBLOCK_N": 1, "QBLOCK_K": 1}
     return ((scale, *scale.stride()),
@@ -282,10 +290,10 @@ def _fit_scale_blocks(cfg: GemmConfig, block_shape: tuple[int, int] | None) -> G
 
 
 def _check_block_k(w: torch.Tensor, cfg: GemmConfig) -> None:
-    """MXFP4 tiles hold whole scale groups: BLOCK_K a multiple of 32 (``mxfp4_tile``)."""
-    if w.dtype == torch.uint8 and cfg.BLOCK_K % VALUES_PER_SCALE:
-        raise ValueError(f"MXFP4 weights need launch configs with BLOCK_K a multiple of {VALUES_PER_SCALE} (one "
-                         f"scale per {VALUES_PER_SCALE} values along K), got BLOCK_K={cfg.BLOCK_K}")
+    """4-bit tiles hold whole scale groups: BLOCK_K a multiple of 32 (``mxfp4_tile``, ``int4_tile``)."""
+    if w.dtype in _WEIGHT_4BIT and cfg.BLOCK_K % VALUES_PER_SCALE:
+        raise ValueError(f"MXFP4 and INT4 weights need launch configs with BLOCK_K a multiple of {VALUES_PER_SCALE} "
+                         f"(one scale per {VALUES_PER_SCALE} values along K), got BLOCK_K={cfg.BLOCK_K}")
 
 
 def _bias_args(w: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -408,9 +416,9 @@ def slot_blocks(topk_ids: torch.Tensor, num_experts: int, cfg: LaunchConfig) -> 
 def _cached_config(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str, num_tokens: int,
                    quantization: str | None = None) -> LaunchConfig:
     config = get_launch_config(num_experts, n, k, dtype, device, num_tokens, quantization)
-    # MXFP4 tiles hold whole scale groups along K (the shipped and tuned configs have BLOCK_K >= 32 already; a
-    # dtype's file it falls back to may not).
-    return with_min_block_k(config, VALUES_PER_SCALE) if quantization == "mxfp4" else config
+    # 4-bit tiles hold whole scale groups along K (the shipped and tuned configs have BLOCK_K >= 32 already; a
+    # dtype's file it falls back to may not). INT4's groups are 32 values too (``moe_kernels.int4.GROUP_SIZE``).
+    return with_min_block_k(config, VALUES_PER_SCALE) if quantization in ("mxfp4", "int4") else config
 
 
 @functools.lru_cache(maxsize=16)
@@ -422,7 +430,7 @@ def _check_inputs(x, w13, w2, block_shape) -> None:
     if x.dtype not in _DTYPES:
         raise ValueError(f"triton backend supports {_DTYPES}, got {x.dtype}")
     if w13.dtype != w2.dtype or (w13.dtype != x.dtype and w13.dtype not in _WEIGHT_QUANTIZED):
-        raise ValueError(f"w13 and w2 must share x's dtype or be 8-bit or MXFP4 ({_WEIGHT_QUANTIZED}), got {x.dtype}, "
+        raise ValueError(f"w13 and w2 must share x's dtype or be 8-bit, MXFP4 or INT4 ({_WEIGHT_QUANTIZED}), got {x.dtype}, "
                          f"{w13.dtype}, {w2.dtype}")
     if block_shape is not None and (block_shape[1] % 16 or min(block_shape) < 16):
         raise ValueError(f"triton backend needs scale blocks of at least 16 with block_k a multiple of 16, "

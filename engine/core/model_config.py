@@ -142,6 +142,8 @@ def load_model_config(model_dir: str, language_model_only: bool = False) -> Mode
     whole = hf
     if arch in TEXT_PART_ARCHITECTURES:
         hf = hf.get_text_config()
+        if getattr(hf, "quantization_config", None) is None and getattr(whole, "quantization_config", None):
+            hf.quantization_config = whole.quantization_config  # stated once for the whole model (Kimi-K2.5)
         eos = eos if eos is not None else getattr(hf, "eos_token_id", None)
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_path):

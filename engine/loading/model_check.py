@@ -1,6 +1,7 @@
 """The model a command is about to serve, checked before any process starts: the demo model written if it is
 the one named and missing; a bad checkpoint, a random-weight model its tokenizer does not fit, a model that
-cannot be split as the config says, or a hybrid model with a setting it is not served with yet is bad input (ValueError: one line, exit 2)."""
+cannot be split as the config says, a quantization_config that is not served, or a hybrid model with a setting it is not
+served with yet is bad input (ValueError: one line, exit 2)."""
 
 import os
 
@@ -27,9 +28,14 @@ def check_model(config: EngineConfig) -> None:
     else:
         from engine.core.family_support import check_family_support
 
+        from engine.loading.quantization import resolve_scheme
+
         model_config = load_model_config(config.model, config.language_model_only)
         checkpoint_files(config.model)
         check_family_support(config, model_config)  # a setting the model is not served with yet
+        # The checkpoint's quantization_config, and --quantization against it (an INT4 one also against the split).
+        resolve_scheme(config.quantization, model_config,
+                       expert_split=1 if config.enable_expert_parallel else config.tensor_parallel_size)
     if config.pipeline_parallel_size > 1:  # ValueError when a stage would get no layer
         from engine.distributed.pipeline import stage_layers
 

@@ -19,7 +19,7 @@ from engine.layers.clamped_moe import ClampedMoeBlock
 from engine.layers.moe import ExpertWeights, SparseMoeBlock
 from engine.layers.rank_slices import RowRuns
 from engine.layers.rotary import RotaryEmbedding
-from engine.loading import mxfp4
+from engine.loading import compressed_tensors, mxfp4
 from engine.core.model_config import CheckpointError, ModelConfig
 from engine.loading.quantization import (
     CHECKPOINT_8BIT, checkpoint_scheme, dequantize_checkpoint_tensor, is_scale_name, quantize_experts_, scale_name,
@@ -179,6 +179,27 @@ class _Scales:
         return full if part is None else part_of(full, part)
 
 
+def _copy_int4(f, name: str, kind: str, params: dict, model: MoECausalLM, path: str, wrote) -> None:
+    """A compressed-tensors INT4 tensor (``kind`` "packed" or "scale") into this rank's part of its experts'
+    packed weight or scales, as stored (``moe_kernels.int4``'s layout is the checkpoint's)."""
+    target, rule, match = model.map_weight_name(compressed_tensors.weight_name(name))
+    if not target.endswith((".experts.w13", ".experts.w2")) or target not in params:
+        raise CheckpointError(f"{path}: {name} is INT4, but only the routed experts' weights are served packed "
+                              "(list the other layers in quantization_config.ignore)")
+    if held_elsewhere(target, rule, match, model):
+        return
+    info = f.get_slice(name)
+    want = {"packed": "I32", "scale": "BF16"}[kind]  # the scales are kept in bfloat16, as published
+    if info.get_dtype() != want:
+        raise CheckpointError(f"{path}: {name} is {info.get_dtype()}, expected {want} (compressed-tensors INT4 "
+                              "experts as Kimi publishes them)")
+    param = target if kind == "packed" else target + "_scale"
+    # The part is cut by the stored tensor's own shape: along N as a float weight's, along K in packed words or
+    # scale columns, which match as long as each rank's K holds whole groups of 32 (``check_int4_split``).
+    tensor = _read(f, name, rank_part(target, rule, info.get_shape(), model))
+    wrote(param, copy_into(params[param].data, tensor, rule, match, model, name, path))
+
+
 def copy_into(param: torch.Tensor, tensor: torch.Tensor, rule: WeightRule, match, model: MoECausalLM, name: str, path: str) -> int:
     """Copy one checkpoint tensor (this rank's part of it) into its slice of a parameter; returns elements written."""
     if rule.shard in _QKV_ORDER:
@@ -230,7 +251,8 @@ def load_weights(model: MoECausalLM, model_dir: str, on_complete: Callable[[str]
 
     files = checkpoint_files(model_dir)
     stored = checkpoint_scheme(model.config)
-    scales = _Scales(files, stored.block) if stored is not None else None
+    int4 = stored is not None and stored.method == "int4"  # compressed-tensors: experts read packed, as stored
+    scales = _Scales(files, stored.block) if stored is not None and not int4 else None
     extra = 0  # tensors of layers past the last one (next-token-prediction layers)
     fp4 = mxfp4.Mxfp4Reader(files) if mxfp4.declared(model.config) else None
     for path in files:
@@ -243,6 +265,12 @@ def load_weights(model: MoECausalLM, model_dir: str, on_complete: Callable[[str]
                         extra += 1
                         continue
                     if model.on_other_stage(name):  # another pipeline stage's layer: never read here
+                        continue
+                    kind = compressed_tensors.tensor_kind(name) if int4 else None
+                    if kind == "shape":
+                        continue  # [N, K], which the packed tensor's and the parameter's shapes already say
+                    if kind is not None:
+                        _copy_int4(f, name, kind, params, model, path, wrote)
                         continue
                     if fp4 is not None and fp4.is_scales(name):
                         continue  # read with its MXFP4 blocks
@@ -310,10 +338,17 @@ def build_model(config: ModelConfig, model_dir: str, dtype: torch.dtype, device:
     8-bit checkpoint's tensors are dequantized as they are read (float32, exact for its float8 values times
     float32 scales up to float32 rounding); its experts are then quantized again with the scheme asked for, which
     for the checkpoint's own scheme gives back its values.
+
+    An INT4 (compressed-tensors) checkpoint's experts are allocated packed (int32 words and bfloat16 scales, 4.5
+    bits a weight) and each tensor copied into them as stored: a 1T-parameter Kimi model never exists in 16 bits.
     """
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config, moe_backend=moe_backend, max_positions=max_positions, tp=tp, stage=stage)
+    as_stored = quantization is not None and quantization.method == "int4"  # only a checkpoint's own (INT4)
+    if as_stored:
+        quantize_experts_(model, quantization)  # on meta: the packed shapes, filled straight from the checkpoint
+        quantization = None  # then loaded as an unquantized model is: no float32 copy anywhere
     if quantization is None:
         model = model.to(dtype=dtype).to_empty(device=device)
     else:  # float32 on the CPU, loaded, quantized, then cast and moved once

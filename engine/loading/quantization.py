@@ -6,14 +6,17 @@ output channel), "mxfp4" (4-bit e2m1 with a power-of-two scale per 32 values, ``
 unset, a checkpoint whose config.json carries an FP8 ``quantization_config`` runs its own scheme, and so does
 gpt-oss's MXFP4 one on CUDA with the Triton MoE backend (elsewhere its experts are dequantized at load: the
 torch path would dequantize an expert per call); otherwise the experts stay in the model dtype. Only the routed
-experts are quantized.
+experts are quantized. A compressed-tensors INT4 checkpoint (Kimi-K2-Thinking, K2.5, K2.6:
+``engine.loading.compressed_tensors``) runs its experts as stored, 4-bit ("int4", ``moe_kernels.int4``): it is
+loaded packed, and no ``--quantization`` applies to it.
 """
 
 import torch
 
 from engine.core.config import QUANTIZATION_OPTIONS
-from engine.loading import mxfp4
+from engine.loading import compressed_tensors, mxfp4
 from engine.core.model_config import CheckpointError, ModelConfig
+from moe_kernels.int4 import GROUP_SIZE as INT4_GROUP
 from moe_kernels.quant import FP8_DTYPE, QuantScheme, dequantize
 
 DEFAULT_BLOCK = (128, 128)  # the blocks of the published FP8 MoE checkpoints
@@ -39,10 +42,13 @@ def checkpoint_scheme(model_config: ModelConfig) -> QuantScheme | None:
     method = qc.get("quant_method")
     if method == "mxfp4":
         return None  # gpt-oss's MXFP4 experts: dequantized as read (``engine.loading.mxfp4``), stored as asked
+    if method == compressed_tensors.QUANT_METHOD:
+        compressed_tensors.check_config(qc)
+        return QuantScheme("int4")  # the experts stay packed as stored (``engine.loading.model_loader``)
     if method != "fp8":
         raise CheckpointError(f"config.json quantization_config.quant_method {method!r} is not supported "
                               "(supported: 'fp8', with float8_e4m3fn weights and weight_scale or weight_scale_inv; "
-                              "'mxfp4' for gpt-oss's experts)")
+                              "'mxfp4' for gpt-oss's experts; 'compressed-tensors' with INT4 experts)")
     block = qc.get("weight_block_size")
     if block is not None:
         if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
@@ -54,19 +60,32 @@ def checkpoint_scheme(model_config: ModelConfig) -> QuantScheme | None:
 
 def resolve_scheme(option: str | None, model_config: ModelConfig, device: torch.device | None = None,
                    moe_backend: str = "auto", expert_split: int = 1) -> QuantScheme | None:
-    """The experts' storage: ``option`` if set, else the checkpoint's own scheme, else None (model dtype).
+    """The experts' storage: ``option`` if set, else the checkpoint's own scheme, else None (model dtype). An INT4
+    checkpoint's experts are always its own scheme (``option`` is refused: ValueError), split in whole groups.
 
     An MXFP4 checkpoint is dequantized into the model dtype unless ``--quantization mxfp4`` asks for 4 bits: the
     MXFP4 Triton kernel has not been measured on a GPU yet, and a quantized load holds the model's non-expert
     weights and one layer's experts in float32 on the host (``build_model``), where the dequantizing load holds
-    one tensor at a time. (``device``, ``moe_backend`` and ``expert_split`` are kept for the day it is the
-    default on CUDA.)
+    one tensor at a time. (``device`` and ``moe_backend`` are kept for the day it is the default on CUDA.)
     """
-    if option is not None:
-        return scheme_for_option(option)
-    if mxfp4.declared(model_config):
-        return None
-    return checkpoint_scheme(model_config)
+    stored = None if mxfp4.declared(model_config) else checkpoint_scheme(model_config)
+    if stored is not None and stored.method == "int4":
+        if option is not None:
+            raise ValueError(f"quantization {option!r}: this checkpoint's routed experts are INT4 (compressed-tensors) "
+                             "and are served as stored; leave quantization unset")
+        check_int4_split(model_config, expert_split)
+        return stored
+    return scheme_for_option(option) if option is not None else stored
+
+
+def check_int4_split(model_config: ModelConfig, expert_split: int) -> None:
+    """ValueError unless each rank's slice of an expert's intermediate size holds whole groups of 32 (INT4 scales
+    are per 32 input channels of the down projection; ``expert_split``: tensor-parallel ranks cutting each expert)."""
+    inter = model_config.cfg("moe_intermediate_size")
+    if inter and (inter % expert_split or (inter // expert_split) % INT4_GROUP):
+        raise ValueError(f"tensor_parallel_size {expert_split}: INT4 experts' intermediate size {inter} must split "
+                         f"into slices of a multiple of {INT4_GROUP} (their scale groups); use "
+                         "enable_expert_parallel or a smaller tensor_parallel_size")
 
 
 def check_supported(scheme: QuantScheme | None, device: torch.device, dtype: torch.dtype, moe_backend: str) -> None:

@@ -36,11 +36,12 @@ IMAGE_CONFIG = KimiImageConfig(patch_size=4, merge_size=2, max_patches=24, max_s
                                image_std=(0.26862954, 0.26130258, 0.27577711))
 
 
-def make_kimi_k25(path: str, seed: int):
+def make_kimi_k25(path: str, seed: int, **text_overrides):
     """MoonViT of 2 blocks, width 32 (2 heads of 16), a 6x6 learned position grid; DeepSeek-V3's text model of 2
-    layers (MLA, grouped sigmoid routing, a dense first layer). The LM head untied. Saved to ``path`` with the
-    processor settings in ``preprocessor_config.json``; returns the transformers model (eval, float32)."""
-    text = {**FAMILY_CONFIGS["deepseek_v3"], "initializer_range": 0.08}
+    layers (MLA, grouped sigmoid routing, a dense first layer; ``text_overrides`` change its settings). The LM head
+    untied. Saved to ``path`` with the processor settings in ``preprocessor_config.json``; returns the transformers
+    model (eval, float32)."""
+    text = {**FAMILY_CONFIGS["deepseek_v3"], "initializer_range": 0.08, **text_overrides}
     config = AutoConfig.for_model(
         "kimi_k25",
         text_config=dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=1024, eos_token_id=VOCAB - 1,

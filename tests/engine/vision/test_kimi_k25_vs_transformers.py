@@ -65,6 +65,17 @@ def _greedy(last_logits, prompt: list[int]) -> list[int] | None:
     return ids[len(prompt):]
 
 
+def draw_case(ref, draw, seed: int) -> tuple[list[int], list[int]]:
+    """A prompt from ``draw()`` and the reference's greedy tokens for it, drawn again (up to 10 times) while the
+    reference samples an image placeholder."""
+    for _ in range(10):
+        prompt = draw()
+        want = _greedy(ref, prompt)
+        if want is not None:
+            return prompt, want
+    raise AssertionError(f"seed={seed}: the reference sampled an image placeholder for 10 prompts")
+
+
 def _png(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
@@ -139,12 +150,7 @@ def test_greedy_matches_transformers(checkpoint):
     cases, refs, expected = [], [], []
     for draw, images in zip(draws, (pics[:1], pics[1:3], [])):
         ref = _reference(model, images)
-        for _ in range(10):  # another text around the images while the reference samples a placeholder
-            prompt = draw()
-            want = _greedy(ref, prompt)
-            if want is not None:
-                break
-        assert want is not None, f"seed={seed}"
+        prompt, want = draw_case(ref, draw, seed)
         cases.append((prompt, images))
         refs.append(ref)
         expected.append(want)
