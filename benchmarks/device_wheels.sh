@@ -4,7 +4,8 @@
 # what they depend on, including the newer anyio, idna and typing_extensions they need), and the
 # engine's own packages the GPU image lacks (msgspec, llguidance for structured output,
 # openai-harmony for gpt-oss's chat format; jsonschema and its needs for the structured-output tests; compressed-tensors
-and loguru, the INT4 experts' tests' reference) into .whl/, for installing them on a GPU machine that has Python and torch but not these packages,
+# and loguru, the INT4 experts' tests' reference) into .whl/, for installing them on a GPU machine that has Python and
+# torch but not these packages,
 # and cannot fetch them itself (no network, or no package index). Each wheel is the version
 # installed in this checkout's .venv, so the GPU machine runs the same versions as this checkout.
 #
