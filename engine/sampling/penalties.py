@@ -99,7 +99,8 @@ def apply_penalty_inputs(logits: torch.Tensor, inputs: PenaltyInputs, last_token
     sub = logits.index_select(0, inputs.row_index)  # [R, V]
     if inputs.repetition is not None:
         seen_mask = torch.zeros_like(sub, dtype=torch.bool)
-        seen_mask[inputs.seen_rows, seen_t] = True
+        # The value as a device tensor: a Python True would be copied from the host, a synchronizing copy on CUDA.
+        seen_mask.index_put_((inputs.seen_rows, seen_t), seen_mask.new_ones(()).expand(seen_t.shape[0]))
         rep = inputs.repetition
         sub = torch.where(seen_mask, torch.where(sub > 0, sub / rep, sub * rep), sub)
     if inputs.frequency is not None:

@@ -235,7 +235,8 @@ def test_mxfp4_weights_launch_with_their_own_config_file(tmp_path, monkeypatch, 
         (folder / config_file_name(E, 2 * I, H, torch.float32, device)).write_text(
             json.dumps({"configs": {"1": theirs.to_dict()}}))
     mxfp4_file = both / config_file_name(E, 2 * I, H, torch.float32, device, "mxfp4")
-    assert mxfp4_file.name == f"E={E},N={2 * I},K={H},dtype=float32,quantization=mxfp4,device={device}.json"
+    safe = device.replace(" ", "_")  # a GPU's name ("NVIDIA H200") as file names carry it
+    assert mxfp4_file.name == f"E={E},N={2 * I},K={H},dtype=float32,quantization=mxfp4,device={safe}.json"
     mxfp4_file.write_text(json.dumps({"configs": {"1": mine.to_dict()}}))
 
     monkeypatch.setenv(ENV_CONFIG_DIR, str(both))
