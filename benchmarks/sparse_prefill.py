@@ -48,8 +48,9 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=2048, help="the indexer's top-k (2,048 as published)")
     p.add_argument("--index-heads", type=int, default=None, help="the indexer's heads (default: half of --heads, "
                    "V3.2's 64 to 128)")
-    p.add_argument("--kernel", default="torch", choices=["torch", "triton"],
-                   help="the sparse layers' prefill path: torch (gathers the rows) or the Triton kernel (CUDA)")
+    p.add_argument("--kernel", default="torch", choices=["torch", "triton", "masked"],
+                   help="the sparse layers' prefill path: torch (gathers the rows), the Triton kernel (CUDA), or "
+                        "masked (dense MLA's prefill with the selection as a mask: the CUDA default)")
     add_run_args(p, rounds=3)
     args = p.parse_args()
     device, dtype = run_device(args)

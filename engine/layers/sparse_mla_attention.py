@@ -29,7 +29,9 @@ longer than ``index_topk`` every query selects all it sees, and the chunk runs a
 query, the expanded form costs less than the absorbed one). ``decode_kernel = "triton"`` / ``prefill_kernel =
 "triton"`` send decodes / prefill queries to a Triton kernel that reads the selected rows the same way
 (``engine.kernels.sparse_mla``; a prefill query is one of its rows, with its request's block table), checked in
-Triton's interpreter; off by default until it has run on a GPU.
+Triton's interpreter and compiled on an H200; off by default. On CUDA prefill chunks run as dense MLA's expanded
+prefill with the selection as a mask by default (``prefill_kernel``): at 16k context flash attention over the whole
+context beat both gathered forms there.
 
 ``fp8_cache`` (``--kv-cache-dtype fp8``): both rows are cached in DeepSeek-V3.2's FP8 layout
 (``engine.layers.fp8_cache``: 656 + 132 bytes a token at the published shapes, against 1,408 in bf16), quantized
@@ -81,8 +83,11 @@ class SparseMLAttention(MLAttention):
         # "torch", or "triton": decodes read only their selected rows in the Triton kernel
         # (``engine.kernels.sparse_mla``; checked in the interpreter, not yet the default).
         self.decode_kernel = "torch"
-        # The same for prefill queries (each a row of that kernel, with its own positions and its request's table).
-        self.prefill_kernel = "torch"
+        # Prefill chunks: "torch" (each query gathers its selected rows), "triton" (each query a row of that kernel,
+        # with its own positions and its request's table), "masked" (dense MLA's expanded prefill over the whole
+        # context with the selection as a mask), or None: "masked" on CUDA, where flash attention over the context
+        # measured 5.5x faster than the gathered form at 16k on an H200 (2026-11-29), "torch" elsewhere.
+        self.prefill_kernel: str | None = None
         # Cache both rows in the FP8 layout (``engine.layers.fp8_cache``); set before the caches are allocated.
         self.fp8_cache = False
         # [N_blocks + 1, block_size, r + p] latent rows, then (with an indexer) [N_blocks + 1, block_size, d_i]
@@ -148,7 +153,8 @@ class SparseMLAttention(MLAttention):
             select = self._select(len(chosen), index_q, index_w, slice(start, end),
                                   None if ctx_keys is None else ctx_keys[None], visible[None])[0]  # [q, L]
             chosen.append(select[None])
-            if seq_len <= self._index_topk():  # every query selected all it sees: dense MLA's prefill
+            kernel = self.prefill_kernel or ("masked" if q.is_cuda else "torch")
+            if seq_len <= self._index_topk() or kernel == "masked":  # all it sees selected, or masked by choice
                 ctx = self._latent_values(gather_visible(rows, table, seen)[:, 0], q.dtype)  # [L, r + p]; hidden 0
                 out[start:end] = self._prefill_dense(q[start:end], ctx, select)
             else:

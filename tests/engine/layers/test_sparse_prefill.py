@@ -82,16 +82,19 @@ def _step(layer: SparseMLAttention, xs: list[torch.Tensor], scheduled, device: t
     return out, projected[0], ids, batch.meta
 
 
+@pytest.mark.parametrize("kernel", ["torch", "masked"])
 @pytest.mark.parametrize("topk", [3, 6], ids=["topk-3", "topk-6"])
-def test_layer_prefill_matches_masked_dense_float64(monkeypatch, topk):
+def test_layer_prefill_matches_masked_dense_float64(monkeypatch, topk, kernel):
     """Varlen prefill chunks in one step (a fresh prompt longer than top-k, one shorter, a second chunk over a
     cached prefix) with NaN in every slot not yet written: each query's output equals float64 masked dense attention
-    over the cached latents under the selection the layer's indexer made, which keeps min(top-k, visible) tokens."""
+    over the cached latents under the selection the layer's indexer made, which keeps min(top-k, visible) tokens;
+    gathering each query's rows (the CPU default) or masking dense attention over the context (the CUDA default)."""
     for _ in range(2):
         seed = random.randrange(2**31)
         torch.manual_seed(seed)
         layer = layer_test._layer(True, seed)
         layer.indexer.index_topk = topk
+        layer.prefill_kernel = kernel
         monkeypatch.setattr(sparse_mla_attention, "SLICE_BUDGET", _budget(layer, 2, topk, 15))  # 2 to 3 a slice
         layer.kv_cache = tuple(torch.full((14, BLOCK, *shape), float("nan")) for shape in layer.cache_spec().per_token)
         xs = [torch.randn(n, layer_test.HIDDEN) for n in (13, 3, 15)]
