@@ -32,6 +32,7 @@ STAGE_TABLE="
 env 15 60
 tests-cuda 210 260
 tests-paths 90 210
+tests-families 120 240
 goal-engine 60 270
 goal-moe 25 150
 goal-hf 90 420
@@ -60,11 +61,12 @@ bench-structured 90 240
 bench-spec 120 300
 bench-image-itl 90 240
 "
-# The first call's order: the CUDA tests first (every fix since the last GPU run is checked there), then what has
+# The first call's order: the CUDA tests first (every fix since the last GPU run is checked there; then the 2026
+# families' CUDA paths, which have never run on a GPU), then what has
 # never run on a GPU (the MXFP4 kernels' new decode, 8-bit experts in the engine, DeepSeek-V2-Lite and the newer
 # families at real size, structured output at 64 requests, speculative decoding at batch 1), then the issue's goals again (decode batch 1 and prefill 512 against their floors, the
 # fused MoE against HBM and torch._grouped_mm, transformers at 128 concurrent), graphs, overlap and MLA.
-DEFAULT_STAGES="env tests-cuda tests-paths bench-mxfp4 bench-quant bench-engine-deepseek bench-engine-families
+DEFAULT_STAGES="env tests-cuda tests-paths tests-families bench-mxfp4 bench-quant bench-engine-deepseek bench-engine-families
 bench-structured bench-spec bench-image-itl goal-engine goal-moe goal-hf bench-piecewise bench-overlap bench-mla"
 
 usage() { echo "usage: benchmarks/gpu_session.sh [--dry-run] [--list] [--budget SECONDS] [--stages A,B:SECONDS,...] [STAGE[:SECONDS] ...]" >&2; exit 2; }
@@ -206,6 +208,11 @@ for spec in $SPECS; do
             tests/engine/structured_output/test_structured_output.py tests/engine/sampling/test_sampling.py \
             tests/engine/core/test_speculative.py::test_greedy_matches_transformers tests/engine/loading/test_mxfp4.py; \
             a=\$?; $PYTEST tests/engine/kernels/test_lora_experts_kernel.py && exit \$a" ;;
+        # The 2026 families (DeepSeek-V3.2, GLM-5 and their FP8 cache, DeepSeek-V4, Qwen3-Next, Qwen3.5-MoE,
+        # Kimi-Linear, MiniMax-M3, MiMo-V2-Flash, Step-3.7, Hy3) served on CUDA with its defaults against transformers,
+        # chunked and with a prefix-cache pass. One file: its cases spread over the workers (--dist load).
+        tests-families) run_stage tests-families "$limit" $PYTEST --dist load \
+            tests/engine/models/test_2026_families_cuda.py ;;
         # Goals: decode at batch 1 (and 128) and prefill 512 (and 8192) against their memory/compute floors.
         goal-engine) run_stage goal-engine "$limit" $PY -m benchmarks.engine_gpu --skip-hf --concurrency 1,128 \
             --json "$WORK/goal_engine.json" ;;

@@ -24,16 +24,9 @@ def _through_fp8_latent(latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch
     return back[:, :r].reshape(latent.shape), back[:, r:].reshape(k_pe.shape)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_transformers_with_its_cache_through_fp8(tmp_path, monkeypatch, family):
-    seed = random.randrange(2**31)
-    hf = make_dsa_model(family, str(tmp_path), seed, **FAMILIES[family])
-    rng = random.Random(seed)
-    prefix = [rng.randrange(1, VOCAB - 1) for _ in range(24)]
-    prompts = [prefix + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(4, 20))] for _ in range(2)]
-    prompts.append([rng.randrange(1, VOCAB - 1) for _ in range(40)])
-    new_tokens = 12
-
+def cache_through_fp8(patch: pytest.MonkeyPatch) -> None:
+    """Make transformers' cache (on ``patch``, a monkeypatch context) pass every latent row and indexer key through
+    the FP8 format as it is written, as the engine's FP8 cache holds them."""
     update, update_indexer = cache_utils.Cache.update, cache_utils.Cache.update_indexer
 
     def fp8_update(self, latent, k_pe, layer_idx, *args, **kwargs):
@@ -44,10 +37,23 @@ def test_greedy_matches_transformers_with_its_cache_through_fp8(tmp_path, monkey
         back = fp8_cache.unpack_key_rows(rows, keys.shape[-1]).to(keys.dtype).reshape(keys.shape)
         return update_indexer(self, back, layer_idx)
 
+    patch.setattr(cache_utils.Cache, "update", fp8_update)
+    patch.setattr(cache_utils.Cache, "update_indexer", fp8_update_indexer)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_with_its_cache_through_fp8(tmp_path, monkeypatch, family):
+    seed = random.randrange(2**31)
+    hf = make_dsa_model(family, str(tmp_path), seed, **FAMILIES[family])
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, VOCAB - 1) for _ in range(24)]
+    prompts = [prefix + [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(4, 20))] for _ in range(2)]
+    prompts.append([rng.randrange(1, VOCAB - 1) for _ in range(40)])
+    new_tokens = 12
+
     with monkeypatch.context() as patch:
         patch.setattr(torch.Tensor, "topk", earlier_first_topk)
-        patch.setattr(cache_utils.Cache, "update", fp8_update)
-        patch.setattr(cache_utils.Cache, "update_indexer", fp8_update_indexer)
+        cache_through_fp8(patch)
         expected = [hf_greedy(hf, p, new_tokens) for p in prompts]
 
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_dtype="fp8", num_kv_blocks=16,
