@@ -26,11 +26,12 @@
 # this for every stage). No budget applies in a dry run.
 set -u
 
-# name  estimate_s  limit_s. Estimates: seconds measured on an H100 (2026-11-27, a little added) where the stage
+# name  estimate_s  limit_s. Estimates: seconds measured on an H100 (2026-11-27) or an H200 (2026-11-29: tests-cuda,
+# bench-image-itl, the sparse stages), a little added, where the stage
 # ran (env through bench-mla), guesses elsewhere (model build, Triton compiles and transformers' generate counted in).
 STAGE_TABLE="
 env 15 60
-tests-cuda 210 260
+tests-cuda 220 300
 tests-paths 90 210
 tests-families 120 240
 goal-engine 60 270
@@ -41,8 +42,8 @@ bench-overlap 45 200
 bench-quant 300 540
 bench-mxfp4 120 240
 bench-mla 40 300
-bench-sparse-decode 60 240
-bench-sparse-prefill 90 300
+bench-sparse-decode 25 240
+bench-sparse-prefill 45 300
 bench-engine-deepseek 300 540
 bench-engine-families 420 590
 tune 580 590
@@ -59,7 +60,7 @@ batch-three-ways 300 540
 batch-goals 300 540
 bench-structured 90 240
 bench-spec 120 300
-bench-image-itl 90 240
+bench-image-itl 175 300
 "
 # The first call's order: the CUDA tests first (every fix since the last GPU run is checked there; then the 2026
 # families' CUDA paths, which have never run on a GPU), then what has
