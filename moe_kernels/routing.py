@@ -29,6 +29,7 @@ def route(
     *,
     correction_bias: torch.Tensor | None = None,
     expert_counts: torch.Tensor | None = None,
+    count_rows: torch.Tensor | None = None,
     backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick experts per token as ``spec`` says.
@@ -41,6 +42,9 @@ def route(
             to choose the experts (and to score the groups); the weights stay the uncorrected scores.
         expert_counts: optional [E] int64 counter, incremented once per (token, chosen expert); updated on
             the device, never read here.
+        count_rows: optional [1] int64: only the first ``count_rows[0]`` tokens are counted in
+            ``expert_counts`` (the rest are padding rows of a fixed-size batch, e.g. a CUDA graph's); read on
+            the device, so a captured graph counts each replay's real rows. None: every token is counted.
         backend: "torch", or "triton" (one fused launch; CUDA, or the CPU interpreter under
             TRITON_INTERPRET=1).
 
@@ -60,7 +64,7 @@ def route(
     if backend == "triton":
         from moe_kernels.routing_triton import route_triton
 
-        return route_triton(router_logits, spec, correction_bias, expert_counts)
+        return route_triton(router_logits, spec, correction_bias, expert_counts, count_rows)
     if backend != "torch":
         raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
 
@@ -77,8 +81,13 @@ def route(
         topk_weights = topk_weights * spec.scaling_factor
     if expert_counts is not None:
         # index_add_, not bincount: bincount reads its size back to the host, a sync per layer on CUDA.
-        flat = topk_ids.flatten()
-        expert_counts.index_add_(0, flat, torch.ones_like(flat))
+        flat = topk_ids.flatten()  # [T*k]
+        if count_rows is None:
+            ones = torch.ones_like(flat)
+        else:  # a mask, not a slice: the number of real rows stays on the device
+            real = torch.arange(topk_ids.shape[0], device=flat.device) < count_rows  # [T]
+            ones = real[:, None].expand(topk_ids.shape).reshape(-1).to(flat.dtype)  # [T*k]
+        expert_counts.index_add_(0, flat, ones)
     return topk_weights, topk_ids.to(torch.int32)
 
 

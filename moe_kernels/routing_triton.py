@@ -29,11 +29,12 @@ from moe_kernels.routing_spec import RoutingSpec
 @triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr,  # logits [T, E]; bias [E] f32; weights [T, k] f32;
-    num_experts, stride_l, group_size, scaling_factor,      # ids [T, k] i32; counts [E] i64
+    rows_ptr,                                               # ids [T, k] i32; counts [E] i64; rows [1] i64
+    num_experts, stride_l, group_size, scaling_factor,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TOP2_SUM: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, SCALE: tl.constexpr,
-    COUNT: tl.constexpr,
+    COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
@@ -89,16 +90,20 @@ def _route_kernel(
     tl.store(weights_ptr + t * TOP_K + slots, top_w, mask=in_k)
     tl.store(ids_ptr + t * TOP_K + slots, top_i, mask=in_k)
     if COUNT:
-        tl.atomic_add(counts_ptr + top_i, tl.full((BLOCK_K,), 1, tl.int64), mask=in_k)
+        counted = in_k
+        if COUNT_ROWS:  # only the first rows[0] tokens are real: a padding row counts none of its picks
+            counted = slots < tl.where(t < tl.load(rows_ptr), TOP_K, 0)
+        tl.atomic_add(counts_ptr + top_i, tl.full((BLOCK_K,), 1, tl.int64), mask=counted)
 
 
 INTERPRETED = not isinstance(_route_kernel, triton.runtime.JITFunction)
 
 
 def route_triton(router_logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None = None,
-                 expert_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 expert_counts: torch.Tensor | None = None,
+                 count_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``moe_kernels.route`` (arguments checked there); ``expert_counts`` [E] int64, if
-    given, gets += 1 per pick.
+    given, gets += 1 per pick of the first ``count_rows[0]`` tokens ([1] int64; None: of every token).
 
     Returns topk_weights [T, k] float32 and topk_ids [T, k] int32, by descending choice score.
     """
@@ -115,17 +120,20 @@ def route_triton(router_logits: torch.Tensor, spec: RoutingSpec, correction_bias
         return weights, ids
     if expert_counts is not None:
         assert expert_counts.dtype == torch.int64 and expert_counts.shape == (num_experts,)
+    if count_rows is not None:
+        assert count_rows.dtype == torch.int64 and count_rows.shape == (1,)
     if correction_bias is not None:
         correction_bias = correction_bias.float().contiguous()  # a no-op for the float32 buffer the layers keep
     n_group = spec.n_group if spec.grouped else 1
     _route_kernel[(num_tokens,)](
         router_logits, correction_bias if correction_bias is not None else weights, weights, ids,
         expert_counts if expert_counts is not None else ids,
+        count_rows if count_rows is not None else ids,
         num_experts, router_logits.stride(0), num_experts // n_group, float(spec.scaling_factor),
         TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
         N_GROUP=n_group, TOPK_GROUP=spec.topk_group, BLOCK_G=max(2, triton.next_power_of_2(n_group)),
         TOP2_SUM=spec.group_scoring == "top2_sum", SOFTMAX=spec.scoring == "softmax",
         HAS_BIAS=correction_bias is not None, RENORMALIZE=spec.renormalize, SCALE=spec.scaling_factor != 1.0,
-        COUNT=expert_counts is not None, num_warps=1 if num_experts <= 64 else 2,
+        COUNT=expert_counts is not None, COUNT_ROWS=count_rows is not None, num_warps=1 if num_experts <= 64 else 2,
     )
     return weights, ids

@@ -290,9 +290,25 @@ class KVCacheManager:
             first = min(first_live_block(request.num_computed_tokens, window, self.block_size), len(table))
             if first > released[g]:
                 gone = table[released[g]:first]
+                self._register_released(request, g, released[g], gone)
                 table[released[g]:first] = [None] * len(gone)
                 released[g] = first
                 self.pool.release(list(reversed(gone)))
+
+    def _register_released(self, request: Request, group: int, start: int, gone: list[Block]) -> None:
+        # With overlapped steps the computed count already covers the step in flight, whose blocks are registered
+        # only when its tokens are read (``cache_computed_blocks`` at ``resolve``): a block the window passes
+        # before then would go back to the pool unhashed, and the next prompt sharing the prefix would find no
+        # window to hit. So it is registered here. Its tokens are all known (the one token still on the device is
+        # the request's last, past the window) and its K/V is written by the step in flight, which runs on the
+        # device before any step that could read the block as a hit.
+        if not self.enable_caching:
+            return
+        hashes = self._block_hashes(request, start + len(gone))
+        for i, block in enumerate(gone, start=start):
+            if block.block_hash is None:
+                self.pool.register(block, self._key(hashes[i], group), request.policy.tenant,
+                                   request.policy.priority)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: CachedPrefix | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens in every group; False (and no new block) if the pool is

@@ -150,6 +150,9 @@ class SparseMoeBlock(nn.Module):
         # [E] tokens routed to each expert since start; accumulated on the device, read only for stats.
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.routing_backend = "torch"  # engine.transforms.fusion sets "triton": routing and counting in one launch
+        # [1] int64 on the device, or None: how many leading rows of the input are real and counted in
+        # ``expert_tokens``; a CUDA-graph transform sets it around its padded forwards (``engine.transforms.real_rows``).
+        self.count_rows: torch.Tensor | None = None
         # With load balancing (engine.eplb): which slot holds which expert; the dispatch then runs over slots.
         self.placement = None
         self.lora: ExpertsLora | None = None  # routed experts' LoRA slot tables (engine.worker.lora_setup)
@@ -158,7 +161,7 @@ class SparseMoeBlock(nn.Module):
         router_logits = self.gate(x.to(self.gate.weight.dtype))  # [T, E]; float32 with a float32 router
         topk_weights, topk_ids = moe_kernels.route(
             router_logits, self.routing, correction_bias=self.e_score_correction_bias,
-            expert_counts=self.expert_tokens, backend=self.routing_backend,
+            expert_counts=self.expert_tokens, count_rows=self.count_rows, backend=self.routing_backend,
         )  # [T, k]
         if self.dispatch is not None:
             if self.placement is not None:  # load balancing: each pick to one slot holding a replica of its expert

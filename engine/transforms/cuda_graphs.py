@@ -11,7 +11,9 @@ static buffers (device-to-device, no host sync) and the graph replayed.
 Padding rows are inert: token 0 at position 0, K/V written to the runner's
 scratch block (which no request owns), context length 0 (attention reads
 nothing and writes zeros). Their MoE routing is real work on garbage tokens,
-and the layers' expert-load counters include it.
+which the layers' expert-load counters leave out: they count only the rows
+[0, n) (``engine.transforms.real_rows``), and the warm-up run before each
+capture (all padding) counts nothing.
 
 Only the Triton attention path is captured: its metadata is fixed-shape
 tensors; the torch path's metadata is per-step Python structure.
@@ -29,6 +31,7 @@ from engine.core.config import CacheConfig
 from engine.device_batch.attention_metadata import TritonAttentionMetadata
 from engine.device_batch.flat_batch import FlatBatch
 from engine.kernels.attention import decode_splits
+from engine.transforms.real_rows import RealRows
 
 logger = logging.getLogger(__name__)
 
@@ -128,18 +131,26 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [B, H] each, written by its graph's replay
         self.replays = 0  # steps served from the buffers (graph replays, or eager runs when not capturing)
+        self.real_rows = RealRows(model, device)  # what the expert-load counters count of the padded rows
 
     def _forward(self, size: int) -> torch.Tensor:
         b = self.buffers
-        return self.model(b.input_ids[:size], b.positions[:size], self.metas[size])
+        with self.real_rows.counted():
+            return self.model(b.input_ids[:size], b.positions[:size], self.metas[size])
+
+    @torch.inference_mode()
+    def warm_up(self, size: int) -> None:
+        """One forward of ``size`` rows, all padding: it writes only the scratch block and counts no expert load."""
+        self.buffers.pad(0, size, self.scratch_slot)
+        self.real_rows.set(0)
+        self._forward(size)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every size, largest first so the smaller graphs reuse its memory pool."""
         pool = None
         for size in reversed(self.sizes):
-            self.buffers.pad(0, size, self.scratch_slot)  # all padding: the warm-up writes only the scratch block
-            self._forward(size)  # compiles the Triton kernels and warms the allocator outside the capture
+            self.warm_up(size)  # compiles the Triton kernels and warms the allocator outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -161,6 +172,7 @@ class DecodeGraphs:
         n = batch.num_decodes
         size = pick_batch_size(n, self.sizes)
         self.buffers.load(batch, size, self.scratch_slot)
+        self.real_rows.set(n)
         self.replays += 1
         if self.capture:
             self.graphs[size].replay()

@@ -20,7 +20,8 @@ and every graph shares one memory pool.
 Padding rows [n, T) are inert: token 0 at position 0, and the attention core never sees them (their
 K/V is not written; their attention output is whatever an earlier step left there, finite). Every
 captured operation is per row, so they cannot change the real rows. Their MoE routing is real work on
-garbage tokens, and the layers' expert-load counters include it (as with the decode graphs).
+garbage tokens, which the layers' expert-load counters leave out (rows [0, n) only, ``engine.transforms.real_rows``;
+the warm-up runs before the captures count nothing), as with the decode graphs.
 
 The attention core runs outside the graphs, so either attention backend works. The captured MoE must
 be graph-safe: the Triton fused kernels are (routing, sorting and the grouped GEMMs never read the
@@ -37,6 +38,7 @@ import torch
 from engine.layers.moe import SparseMoeBlock
 from engine.transforms.cuda_graphs import pick_batch_size
 from engine.device_batch.flat_batch import FlatBatch
+from engine.transforms.real_rows import RealRows
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class PiecewiseGraphs:
         self.replays = 0  # steps served from the buffers (graph replays, or eager pieces when not capturing)
         self.capture_s = 0.0  # start-up time spent capturing (warm-ups included)
         self.capture_mib = 0.0  # device memory the capture reserved (its graphs' pool and workspaces)
+        self.real_rows = RealRows(model, device)  # what the expert-load counters count of the padded rows
 
     @property
     def num_pieces(self) -> int:
@@ -103,6 +106,10 @@ class PiecewiseGraphs:
 
     def _piece(self, i: int, size: int) -> None:
         """Piece ``i`` over rows [0, size) of the buffers (see the module docstring for what each holds)."""
+        with self.real_rows.counted():
+            self._piece_rows(i, size)
+
+    def _piece_rows(self, i: int, size: int) -> None:
         b = self.buffers
         positions = b.positions[:size]
         if i == 0:
@@ -120,17 +127,23 @@ class PiecewiseGraphs:
         b.residual[:size].copy_(residual)
 
     @torch.inference_mode()
+    def warm_up(self, i: int, size: int) -> None:
+        """Piece ``i`` once over ``size`` rows of padding (token 0 at position 0), counting no expert load."""
+        self.buffers.input_ids[:size].zero_()
+        self.buffers.positions[:size].zero_()
+        self.real_rows.set(0)
+        self._piece(i, size)
+
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every token count's pieces, largest first; logs the time and memory it took."""
         start = time.perf_counter()
         before = torch.cuda.memory_reserved()
         pool = None
         for size in reversed(self.sizes):
-            self.buffers.input_ids[:size].zero_()
-            self.buffers.positions[:size].zero_()
             pieces = []
             for i in range(self.num_pieces):
-                self._piece(i, size)  # compiles the Triton kernels for this shape and warms the allocator
+                self.warm_up(i, size)  # compiles the Triton kernels for this shape and warms the allocator
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
@@ -153,6 +166,7 @@ class PiecewiseGraphs:
         size = pick_batch_size(n, self.sizes)
         b = self.buffers
         b.load(batch, size)
+        self.real_rows.set(n)
         self.replays += 1
         for i in range(self.num_pieces):
             if self.capture:
