@@ -35,7 +35,8 @@ class EngineConfig:
     cache holds cost nothing (default: ``max_num_batched_tokens``)"""
     max_num_encoder_token_blocks: int | None = None
     """layer-chunked image encoding (models that read images): the vision tower work one step runs, at most, in
-    token-blocks (an image's patches, its tokens before merging, times the tower blocks run), so a step that
+    token-blocks (an image's patches, its tokens before merging, times the tower blocks run; the patch embedding
+    counts as one block), so a step that
     encodes is short whatever the image's size; an image is encoded a few blocks a step, and its request's
     prefill reaches it once its last block has run (its first token comes later: text streams' tokens do not
     wait for a whole image). Replaces ``max_num_encoder_tokens`` when set (default: off, whole images)"""
@@ -386,10 +387,11 @@ class SchedulerConfig:
     # encoded alone in its step, and images the encoder cache holds cost nothing (``Scheduler.image_cached``).
     max_num_encoder_tokens: int | None = None
     # Layer-chunked encoding (``engine.core.encoder_pieces``): tower work a step runs, at most, in token-blocks
-    # (patches x tower blocks) for a tower of ``encoder_depth`` blocks, ``encoder_patches_per_token`` patches an
-    # image token; in place of ``max_num_encoder_tokens``. None: whole images.
+    # (patches x tower stages) for a tower of ``encoder_stages`` stages (the patch embedding, then each block),
+    # ``encoder_patches_per_token`` patches an image token; in place of ``max_num_encoder_tokens``. None: whole
+    # images.
     max_num_encoder_token_blocks: int | None = None
-    encoder_depth: int = 1
+    encoder_stages: int = 1
     encoder_patches_per_token: int = 1
     # A request unserved this long (waiting, preempted, or running without tokens) is promoted ahead of every
     # class until it ends (None: never): strict priority and the background caps cannot starve anyone forever.

@@ -1,14 +1,15 @@
-"""Layer-chunked image encoding, the scheduler's side: which of the vision tower's blocks a step runs for which image.
+"""Layer-chunked image encoding, the scheduler's side: which of the vision tower's stages a step runs for which image.
 
 Without it a step that first reaches an image encodes the whole image (``max_num_encoder_tokens`` bounds how many
 images, not how long one takes). With a budget of ``token_blocks`` a step runs at most that many *token-blocks* of
-tower work, one token-block being one patch (an image token before merging) through one tower block: an image of
-``p`` patches in a tower of ``depth`` blocks costs ``p * depth`` in all, spread over as many steps as the budget
-needs. Each step's pieces (``EncoderPiece``) run on rank 0 before the step's forward (``ImageFeatures
+tower work, one token-block being one patch (an image token before merging) through one tower stage: an image of
+``p`` patches in a tower of ``depth`` stages costs ``p * depth`` in all, spread over as many steps as the budget
+needs. The stages are the patch embedding (with the image's preprocessing: as long as a block) then each block;
+the merger runs with the last. Each step's pieces (``EncoderPiece``) run on rank 0 before the step's forward (``ImageFeatures
 .encode_pieces``), which keeps the image's state between steps; the request's prompt chunk stops before an image
-until the step that runs its last blocks (that step's chunk may then take the image's placeholders: the features
-are ready before the forward reads them). A step's first piece runs at least one block, so an image one block of
-which passes the budget still advances, one block a step.
+until the step that runs its last stage (that step's chunk may then take the image's placeholders: the features
+are ready before the forward reads them). A step's first piece runs at least one stage, so an image one stage of
+which passes the budget still advances, one stage a step.
 
 Progress is the request's (``Request.encoder_blocks``): it survives preemption, as the model keeps the partial
 state (and finished features) until the request finishes. Images the encoder cache holds cost nothing and get no
@@ -22,7 +23,8 @@ from engine.core.request import Request
 
 @dataclass(frozen=True, slots=True)
 class EncoderPiece:
-    """Blocks ``first..end-1`` of the tower over image ``image`` of ``request`` (rank 0's plan only)."""
+    """Stages ``first..end-1`` of the tower over image ``image`` of ``request`` (rank 0's plan only; stage 0 is
+    the patch embedding, stage ``s`` > 0 block ``s - 1``)."""
 
     request: Request
     image: int
@@ -31,7 +33,7 @@ class EncoderPiece:
 
 
 class EncoderSteps:
-    """Plans each step's pieces within ``token_blocks`` for a tower of ``depth`` blocks whose image tokens each
+    """Plans each step's pieces within ``token_blocks`` for a tower of ``depth`` stages whose image tokens each
     merge ``patches_per_token`` patches. ``begin_step`` at each plan, ``plan`` per chunk, ``commit`` what runs."""
 
     def __init__(self, token_blocks: int, depth: int, patches_per_token: int) -> None:
@@ -44,14 +46,14 @@ class EncoderSteps:
         self.used, self.pieces = 0, []
 
     def cost(self, piece: EncoderPiece) -> int:
-        """Token-blocks ``piece`` takes: its image's patches times its blocks."""
+        """Token-blocks ``piece`` takes: its image's patches times its stages."""
         return piece.request.images[piece.image].num_tokens * self.patches_per_token * (piece.end - piece.first)
 
     def plan(self, request: Request, start: int, num_new: int,
              to_encode: list[tuple[int, int]]) -> tuple[int, list[EncoderPiece]]:
         """(tokens of the chunk ``[start, start + num_new)`` that may run this step, the pieces to run for it):
         ``to_encode`` are (index, tokens to encode; 0: the cache holds it) of the images the chunk first touches,
-        in order. The chunk stops before the first image whose last block does not run this step."""
+        in order. The chunk stops before the first image whose last stage does not run this step."""
         pieces: list[EncoderPiece] = []
         used = self.used
         for i, tokens in to_encode:
@@ -61,7 +63,7 @@ class EncoderSteps:
             patches = tokens * self.patches_per_token
             k = min(self.depth - done, (self.token_blocks - used) // patches)
             if k <= 0 and used == 0:
-                k = 1  # one block of it passes the budget: it runs alone, one block a step
+                k = 1  # one stage of it passes the budget: it runs alone, one stage a step
             if k > 0:
                 pieces.append(EncoderPiece(request, i, done, done + k))
                 used += k * patches

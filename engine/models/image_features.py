@@ -78,7 +78,8 @@ class ImageFeatures(abc.ABC):
     @property
     @abc.abstractmethod
     def encoder_shape(self) -> tuple[int, int]:
-        """(the tower's blocks, patches an image token merges): what layer-chunked encoding counts."""
+        """(the tower's stages: its patch embedding then each block, patches an image token merges): what
+        layer-chunked encoding counts."""
 
     @abc.abstractmethod
     def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
@@ -95,21 +96,22 @@ class ImageFeatures(abc.ABC):
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:
         """One image's features, one row per placeholder token: the whole tower in one go."""
         state = self.begin_encoding(pixels)
-        self.encode_blocks(state, 0, self.encoder_shape[0])
+        self.encode_blocks(state, 0, self.encoder_shape[0] - 1)
         return self.finish_encoding(state)
 
     @torch.inference_mode()
     def encode_pieces(self, pieces: list[EncoderPiece]) -> None:
-        """Rank 0, before a step's forward: run each piece's blocks over its image's kept state (begun at block
-        0); a piece that ends at the last block finishes the image, which is then kept for its request and put
-        in the encoder cache, as a whole image is."""
+        """Rank 0, before a step's forward: run each piece's stages over its image's kept state (stage 0 begins
+        it: preprocessing and patch embedding; stage ``s`` runs block ``s - 1``); a piece that ends at the last
+        stage finishes the image, which is then kept for its request and put in the encoder cache, as a whole
+        image is."""
         for piece in pieces:
             request, i = piece.request, piece.image
             key = (request.request_id, i)
             if piece.first == 0:
                 self._partial[key] = self.begin_encoding(pixels_of(request.images[i].pixels))
             state = self._partial[key]
-            self.encode_blocks(state, piece.first, piece.end)
+            self.encode_blocks(state, max(piece.first - 1, 0), piece.end - 1)
             if piece.end == self.encoder_shape[0]:
                 del self._partial[key]
                 feats = self._features.setdefault(request.request_id, [None] * len(request.images))

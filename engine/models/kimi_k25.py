@@ -44,7 +44,7 @@ class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
         super().__init__(config, moe_backend, max_positions, tp, stage)
         whole = config.multimodal_config
         vision = MoonViTConfig.from_hf(whole)
-        self._encoder_shape = (vision.num_layers, vision.merge_kernel_size[0] * vision.merge_kernel_size[1])
+        self._encoder_shape = (1 + vision.num_layers, vision.merge_kernel_size[0] * vision.merge_kernel_size[1])
         # rank 0's alone: the other ranks receive each step's features (engine.models.image_step)
         self.vision_tower = MoonViT(vision) if self.holds_tower else None
         self.mm_projector = Projector(vision) if self.holds_tower else None

@@ -41,7 +41,7 @@ class QwenImageText(ImageFeatures):
         whole = config.multimodal_config
         # rank 0's alone: the other ranks receive each step's features (engine.models.image_step)
         vision = VisionConfig.from_hf(whole.vision_config)
-        self._encoder_shape = (vision.depth, vision.spatial_merge_size ** 2)
+        self._encoder_shape = (1 + vision.depth, vision.spatial_merge_size ** 2)
         self.visual = Qwen3VisionTower(vision) if self.holds_tower else None
         self.image_token_id = int(whole.image_token_id)
         self.init_image_features()

@@ -14,7 +14,7 @@ from tests.engine.helpers import run_to_completion
 
 def _scheduler(budget: int, depth: int, merge: int, tokens: int, blocks: int, cached=frozenset()) -> Scheduler:
     config = SchedulerConfig(8, tokens, 512, max_num_encoder_tokens=tokens, max_num_encoder_token_blocks=budget,
-                             encoder_depth=depth, encoder_patches_per_token=merge)
+                             encoder_stages=depth, encoder_patches_per_token=merge)
     return Scheduler(config, CacheConfig(4, blocks, True), image_cached=lambda digest, salt: (digest, salt) in cached)
 
 
@@ -66,8 +66,8 @@ def test_random_image_workloads_keep_each_step_within_the_token_block_budget():
 
 
 def test_text_streams_decode_in_every_step_while_an_image_is_encoded():
-    """Three streams decoding, then a request with two 8x8-token images (256 patches each) in a 4-block tower under
-    a budget of 300 token-blocks: one block a step, so eight steps of tower work, each of which also decodes every
+    """Three streams decoding, then a request with two 8x8-token images (256 patches each) in a 4-stage tower under
+    a budget of 300 token-blocks: one stage a step, so eight steps of tower work, each of which also decodes every
     stream; the image request's chunk reaches an image only in or after the step of that image's last block."""
     rng = random.Random(0)
     streams = [_request(f"s{i}", rng, [5]) for i in range(3)]

@@ -1,4 +1,4 @@
-"""Kimi-K2.5 with layer-chunked encoding (``max_num_encoder_token_blocks``): a budget of one block of the smallest
+"""Kimi-K2.5 with layer-chunked encoding (``max_num_encoder_token_blocks``): a budget of one stage of the smallest
 image a step, so every image's MoonViT pass runs over several steps (then its projector); greedy tokens equal
 transformers' for prompts with one image, two images and none, prefilled in chunks that cut through images."""
 
@@ -12,7 +12,7 @@ from tests.engine.vision.kimi_k25_checkpoint import IMAGE_CONFIG, make_kimi_k25,
 from tests.engine.vision.test_kimi_k25_vs_transformers import _greedy, _reference, _text, _with_images
 from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 
-DEPTH, MERGE = 2, 4  # the tiny MoonViT's blocks, patches per image token
+STAGES, MERGE = 3, 4  # the tiny MoonViT's stages (patch embedding, 2 blocks), patches per image token
 
 
 @pytest.fixture(scope="module")
@@ -56,4 +56,4 @@ def test_greedy_matches_transformers_with_layer_chunked_encoding(checkpoint):
     outs = llm.generate([p for p, _ in cases], params, images=[im for _, im in cases])
     for i, (out, want, ref, (prompt, _)) in enumerate(zip(outs, expected, refs, cases)):
         assert_greedy_equal_up_to_a_near_tie(ref, prompt, out.token_ids, want, f"seed={seed} case {i}")
-    assert all(end - first == 1 for _, _, first, end in seen) and len(seen) == 3 * DEPTH, seen
+    assert all(end - first == 1 for _, _, first, end in seen) and len(seen) == 3 * STAGES, seen

@@ -1,4 +1,4 @@
-"""Qwen3-VL-MoE with layer-chunked encoding (``max_num_encoder_token_blocks``): a budget of one block of the
+"""Qwen3-VL-MoE with layer-chunked encoding (``max_num_encoder_token_blocks``): a budget of one stage of the
 smallest image a step, so every image's tower (with its deepstack taps) runs over several steps; greedy tokens
 equal transformers' for prompts with one image, two images and none, with steps overlapped or not; and with a KV
 pool too small for all of them, requests preempted while an image is part-way through the tower resume with the
@@ -14,7 +14,7 @@ from engine.vision.qwen_image_processing import process_image
 from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_CONFIG, hf_greedy, random_image, text_ids, with_images
 
 MAX_NEW = 8
-DEPTH, MERGE = 2, 4  # the tiny tower's blocks, patches per image token
+STAGES, MERGE = 3, 4  # the tiny tower's stages (patch embedding, 2 blocks), patches per image token
 
 
 def _cases(model, seed: int, n: int):
@@ -55,8 +55,8 @@ def test_greedy_matches_transformers_with_layer_chunked_encoding(qwen3_vl_checkp
     got = [o.token_ids for o in llm.generate([p for p, _ in cases], params, images=[im for _, im in cases])]
     assert got == expected, f"seed={seed}"
     pieces = [p for step in seen for p in step]
-    assert all(end - first == 1 for _, _, first, end in pieces), pieces  # one block a piece: DEPTH steps an image
-    assert len(pieces) == 3 * DEPTH, pieces
+    assert all(end - first == 1 for _, _, first, end in pieces), pieces  # one stage a piece: STAGES steps an image
+    assert len(pieces) == 3 * STAGES, pieces
 
 
 def test_preempted_mid_encoding_resumes_and_matches_transformers(qwen3_vl_checkpoint):
@@ -78,7 +78,7 @@ def test_preempted_mid_encoding_resumes_and_matches_transformers(qwen3_vl_checkp
         for out in engine.step():
             got[out.request_id] += out.token_ids
         if partly is None:
-            partly = next((r for r in scheduler.running if any(0 < n < DEPTH for n in r.encoder_blocks.values())),
+            partly = next((r for r in scheduler.running if any(0 < n < STAGES for n in r.encoder_blocks.values())),
                           None)
             if partly is not None:
                 scheduler._preempt(partly, [])
@@ -86,4 +86,4 @@ def test_preempted_mid_encoding_resumes_and_matches_transformers(qwen3_vl_checkp
     assert [got[f"c{k}"] for k in range(len(cases))] == expected, f"seed={seed}"
     assert scheduler.num_preemptions > 1, "the small KV pool should have forced preemption too"
     pieces = [p for step in seen for p in step]
-    assert len(pieces) == len(set(pieces)) == sum(len(im) for _, im in cases) * DEPTH  # no block run twice
+    assert len(pieces) == len(set(pieces)) == sum(len(im) for _, im in cases) * STAGES  # no block run twice
