@@ -647,6 +647,7 @@ class Scheduler:
         a chunk that was then not scheduled)."""
         if self._pending_pieces and self._pending_pieces[0].request is request:
             self.encoder_steps.commit(self._pending_pieces)
+            request.idle_since = self._now  # its image advances: not unserved (the starvation bound)
         self._pending_pieces = []
 
     def _add_scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> None:

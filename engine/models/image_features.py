@@ -75,29 +75,28 @@ class ImageFeatures(abc.ABC):
         return share_image_step(self.tp, step, num_rows, self.step_positions, self.config.hidden_size,
                                 self.model.embed_tokens.weight.dtype, device)
 
+    # Layer-chunked encoding (``encode_pieces``): each model that reads images defines these four.
     @property
-    @abc.abstractmethod
     def encoder_shape(self) -> tuple[int, int]:
         """(the tower's stages: its patch embedding then each block, patches an image token merges): what
         layer-chunked encoding counts."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
         """One image's state before the tower's first block."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def encode_blocks(self, state: TowerState, first: int, end: int) -> None:
         """Blocks ``first..end-1`` of the tower over ``state``, in place."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def finish_encoding(self, state: TowerState) -> VisionFeatures:
         """The features, one row per placeholder token, of an image whose state has run every block."""
+        raise NotImplementedError
 
+    @abc.abstractmethod
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:
         """One image's features, one row per placeholder token: the whole tower in one go."""
-        state = self.begin_encoding(pixels)
-        self.encode_blocks(state, 0, self.encoder_shape[0] - 1)
-        return self.finish_encoding(state)
 
     @torch.inference_mode()
     def encode_pieces(self, pieces: list[EncoderPiece]) -> None:

@@ -55,6 +55,9 @@ class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
     def encoder_shape(self) -> tuple[int, int]:
         return self._encoder_shape
 
+    def encode(self, pixels: ProcessedImage) -> VisionFeatures:
+        return projected(self.mm_projector, self.vision_tower(pixels.pixel_values, pixels.grid_thw))
+
     def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
         return self.vision_tower.begin(pixels.pixel_values, pixels.grid_thw)
 

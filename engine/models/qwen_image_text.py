@@ -58,6 +58,9 @@ class QwenImageText(ImageFeatures):
     def encoder_shape(self) -> tuple[int, int]:
         return self._encoder_shape
 
+    def encode(self, pixels: ProcessedImage) -> VisionFeatures:
+        return self.visual(pixels.pixel_values, pixels.grid_thw)
+
     def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
         return self.visual.begin(pixels.pixel_values, pixels.grid_thw)
 

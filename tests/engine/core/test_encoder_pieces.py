@@ -8,7 +8,7 @@ import random
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
-from tests.engine.core.test_encoder_budget import _request
+from tests.engine.core.test_encoder_budget import _request, random_image_requests
 from tests.engine.helpers import run_to_completion
 
 
@@ -23,16 +23,7 @@ def test_random_image_workloads_keep_each_step_within_the_token_block_budget():
         rng = random.Random()
         seed = rng.randrange(2**31)
         rng.seed(seed)
-        reqs = []
-        for i in range(rng.randint(2, 8)):
-            layout = [rng.randint(0, 6)]
-            for _ in range(rng.choice([0, 0, 1, 2, 4])):
-                layout += [(rng.randint(1, 4), rng.randint(1, 4)), rng.randint(0, 5)]
-            if sum(p if isinstance(p, int) else p[0] * p[1] for p in layout) == 0:
-                layout[0] = 1
-            reqs.append(_request(f"r{i}", rng, layout, salt=rng.choice(["a", "b"])))
-        images = [(im.digest, r.policy.cache_salt) for r in reqs for im in r.images]
-        cached = frozenset(rng.sample(images, len(images) // 3))
+        reqs, cached = random_image_requests(rng)
         depth, merge = rng.randint(1, 5), rng.choice([1, 4])
         budget = rng.randint(1, 16 * merge * depth)
         sched = _scheduler(budget, depth, merge, rng.randint(8, 64), rng.randint(26, 60), cached)  # some preemption

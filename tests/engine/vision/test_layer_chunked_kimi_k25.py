@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.engine.vision.kimi_k25_checkpoint import IMAGE_CONFIG, make_kimi_k25, random_image
-from tests.engine.vision.test_kimi_k25_vs_transformers import _greedy, _reference, _text, _with_images
+from tests.engine.vision.test_kimi_k25_vs_transformers import three_cases
 from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 
 STAGES, MERGE = 3, 4  # the tiny MoonViT's stages (patch embedding, 2 blocks), patches per image token
@@ -28,20 +28,7 @@ def test_greedy_matches_transformers_with_layer_chunked_encoding(checkpoint):
     gen = torch.Generator().manual_seed(seed + 2)
     pics = [random_image(gen, rng.randint(12, 60), rng.randint(12, 60)) for _ in range(3)]
     grids = [IMAGE_CONFIG.grid(p.size[1], p.size[0]) for p in pics]
-    draws = [lambda: _with_images(rng, [(1, *grids[0])]), lambda: _with_images(rng, [(1, *g) for g in grids[1:3]]),
-             lambda: _text(rng, rng.randint(5, 20))]
-    cases, refs, expected = [], [], []
-    for draw, images in zip(draws, (pics[:1], pics[1:3], [])):
-        ref = _reference(model, images)
-        for _ in range(10):  # another text around the images while the reference samples a placeholder
-            prompt = draw()
-            want = _greedy(ref, prompt)
-            if want is not None:
-                break
-        assert want is not None, f"seed={seed}"
-        cases.append((prompt, images))
-        refs.append(ref)
-        expected.append(want)
+    cases, refs, expected = three_cases(model, rng, pics, seed)
     budget = min(h * w for h, w in grids)  # patches of the smallest image: one block of it
     llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=48, block_size=4, max_num_batched_tokens=16,
               max_num_encoder_token_blocks=budget, encoder_cache_gb=0.0)

@@ -33,9 +33,14 @@ def _cases(model, seed: int, n: int):
 
 
 def _recording(llm: LLM) -> list:
-    """The encoder pieces each step runs, recorded as the model runs them."""
+    """The encoder pieces each step runs, recorded as the model runs them; a whole image's encoding (which
+    layer-chunked encoding never needs) fails the test."""
     model, seen = llm.engine.runner.model, []
     run = model.encode_pieces
+
+    def whole(pixels):
+        raise AssertionError("an image was encoded whole")
+    model.encode = whole
 
     def record(pieces):
         seen.append([(p.request.request_id, p.image, p.first, p.end) for p in pieces])
