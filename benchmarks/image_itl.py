@@ -2,12 +2,14 @@
 
     python -m benchmarks.image_itl [--streams 8] [--seconds 20] [--every 0.5] [--images 4] [--side 448]
                                    [--max-batched-tokens 256] [--vision-depth 4] [--text-layers 8] [--threads 1]
-                                   [--device cpu|cuda] [--dtype float32|bfloat16]
+                                   [--token-blocks N] [--no-budget] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 One process, one checkpoint written at start (transformers' ``Qwen3VLMoeForConditionalGeneration`` of small
 shapes, its own random init; ``benchmarks.encoder_cache.write_checkpoint``), three runs one after another on the
 same arrivals: text streams alone; with image requests under the default encoder budget (a step encodes at most
-``max_num_batched_tokens`` image tokens); with image requests and no encoder budget (every image a prompt chunk
+``max_num_batched_tokens`` image tokens, each image whole); with image requests under layer-chunked encoding
+(``max_num_encoder_token_blocks``: ``--token-blocks``, default one tower block of one image, its patches: a step
+runs that much of the tower); with ``--no-budget`` also with no encoder budget at all (every image a prompt chunk
 reaches encoded in that step).
 
 Workload: ``streams`` text-only requests decoding for the whole run (32-token prompts, ``ignore_eos``); every
@@ -53,10 +55,11 @@ def image_requests(rng: random.Random, args) -> list[tuple[list[int], list[bytes
     return out
 
 
-def run(path: str, args, arrivals: list | None, encoder_tokens: int | None) -> dict:
+def run(path: str, args, arrivals: list | None, encoder_tokens: int | None, token_blocks: int | None = None) -> dict:
     engine = LLMEngine(EngineConfig(model=path, device=args.device, dtype=args.dtype, block_size=16, num_kv_blocks=2048,
                                     max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.streams + 16,
-                                    max_num_encoder_tokens=encoder_tokens, encoder_cache_gb=0.0,
+                                    max_num_encoder_tokens=encoder_tokens, max_num_encoder_token_blocks=token_blocks,
+                                    encoder_cache_gb=0.0,
                                     cpu_threads=args.threads))
     rng = random.Random(args.seed)
     stream = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
@@ -102,6 +105,9 @@ def main() -> None:
     parser.add_argument("--text-layers", type=int, default=8)
     parser.add_argument("--moe-intermediate", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--token-blocks", type=int, default=None,
+                        help="layer-chunked run's tower work a step, in token-blocks (default: one block of one image)")
+    parser.add_argument("--no-budget", action="store_true", help="also run with no encoder budget")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
@@ -113,14 +119,18 @@ def main() -> None:
         print(f"{args.streams} text streams; every {args.every} s a request with {args.images} images of "
               f"{args.side}x{args.side} ({(args.side // 32) ** 2} tokens each); steps of {args.max_batched_tokens} "
               f"tokens; {args.threads} thread(s)")
+        token_blocks = args.token_blocks or (args.side // 16) ** 2  # patches of one image: one block of it
+        plans = [("text only", None, None, None), ("images, encoder budget", arrivals, None, None),
+                 (f"images, {token_blocks} token-blocks", arrivals, None, token_blocks)]
+        if args.no_budget:
+            plans.append(("images, no budget", arrivals, 10**9, None))
         runs = {}
-        for name, arr, budget in (("text only", None, None), ("images, encoder budget", arrivals, None),
-                                  ("images, no budget", arrivals, 10**9)):
-            r = runs[name] = run(path, args, arr, budget)
-            print(f"{name:>23}: ITL p50 {r['p50']:6.1f} ms  p99 {r['p99']:6.1f} ms  max {r['max']:6.1f} ms  "
+        for name, arr, budget, blocks in plans:
+            r = runs[name] = run(path, args, arr, budget, blocks)
+            print(f"{name:>30}: ITL p50 {r['p50']:6.1f} ms  p99 {r['p99']:6.1f} ms  max {r['max']:6.1f} ms  "
                   f"steps {r['steps']}  image requests {r['served']}/{r['sent']}")
         base = runs["text only"]["p99"]
-        for name in ("images, encoder budget", "images, no budget"):
+        for name, *_ in plans[1:]:
             print(f"ITL p99 {name} / text only: {runs[name]['p99'] / base:.2f}x")
 
 

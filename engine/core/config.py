@@ -33,6 +33,13 @@ class EngineConfig:
     chunk stops before an image that would pass it, so a request with many images is encoded over several steps
     while the others keep decoding; an image larger than this is encoded alone in its step; images the encoder
     cache holds cost nothing (default: ``max_num_batched_tokens``)"""
+    max_num_encoder_token_blocks: int | None = None
+    """layer-chunked image encoding (models that read images): the vision tower work one step runs, at most, in
+    token-blocks (an image's patches, its tokens before merging, times the tower blocks run; the patch embedding
+    counts as one block), so a step that
+    encodes is short whatever the image's size; an image is encoded a few blocks a step, and its request's
+    prefill reaches it once its last block has run (its first token comes later: text streams' tokens do not
+    wait for a whole image). Replaces ``max_num_encoder_tokens`` when set (default: off, whole images)"""
     encoder_cache_gb: float = 1.0
     """host memory, in GB, for vision-encoder outputs kept across requests (models that read images): the same
     image sent again by the same tenant (same preprocessed pixels, same prefix-cache salt) is not encoded again;
@@ -379,6 +386,13 @@ class SchedulerConfig:
     # Image tokens a step hands to the vision tower, at most (None: no cap); one image larger than this is
     # encoded alone in its step, and images the encoder cache holds cost nothing (``Scheduler.image_cached``).
     max_num_encoder_tokens: int | None = None
+    # Layer-chunked encoding (``engine.core.encoder_pieces``): tower work a step runs, at most, in token-blocks
+    # (patches x tower stages) for a tower of ``encoder_stages`` stages (the patch embedding, then each block),
+    # ``encoder_patches_per_token`` patches an image token; in place of ``max_num_encoder_tokens``. None: whole
+    # images.
+    max_num_encoder_token_blocks: int | None = None
+    encoder_stages: int = 1
+    encoder_patches_per_token: int = 1
     # A request unserved this long (waiting, preempted, or running without tokens) is promoted ahead of every
     # class until it ends (None: never): strict priority and the background caps cannot starve anyone forever.
     # The engine passes ``EngineConfig.starvation_bound_s``.
@@ -388,5 +402,6 @@ class SchedulerConfig:
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1 and self.max_model_len >= 2
         assert self.prefill_chunk_tokens >= 0
         assert self.max_num_encoder_tokens is None or self.max_num_encoder_tokens >= 1
+        assert self.max_num_encoder_token_blocks is None or self.max_num_encoder_token_blocks >= 1
         assert self.background_token_budget >= 1 and self.background_window_s >= 0
         assert self.starvation_bound_s is None or self.starvation_bound_s > 0

@@ -46,7 +46,7 @@ class Request:
         "eos_token_id", "arrival_time", "status", "num_computed_tokens", "num_cached_tokens",
         "max_tokens", "policy", "num_preemptions", "stop_reason", "admit_seq", "num_charged_prompt_tokens",
         "first_scheduled_time", "parent_id", "index", "spec_acceptance", "spec_idle_steps", "output_invalid",
-        "images", "encoded_images", "priority", "idle_since",
+        "images", "encoded_images", "encoder_blocks", "priority", "idle_since",
     )
 
     def __init__(
@@ -81,6 +81,8 @@ class Request:
         # for this request: the scheduler charges the encoder budget once per image, as the model keeps the
         # features until the request finishes (through preemption too).
         self.encoded_images: set[int] = set()
+        # Layer-chunked encoding (``engine.core.encoder_pieces``): tower blocks run so far per image not yet encoded.
+        self.encoder_blocks: dict[int, int] = {}
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # The class the scheduler serves it in: its policy's, until it has gone unserved for the starvation bound
         # (``SchedulerConfig.starvation_bound_s``); then ``PROMOTED``, ahead of every class, until it ends.

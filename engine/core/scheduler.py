@@ -46,7 +46,10 @@ Images (models that read them): the chunk that first holds one of an image's pla
 tower encode the whole image in that step. A step encodes at most ``max_num_encoder_tokens`` image tokens: a
 chunk stops before the first image past that budget (the image waits for a later step), so a request with many
 images is encoded over several steps while the running requests keep decoding. An image larger than the
-budget is encoded alone in a step; one the encoder cache holds for the request's salt costs nothing.
+budget is encoded alone in a step; one the encoder cache holds for the request's salt costs nothing. With
+layer-chunked encoding (``max_num_encoder_token_blocks``, ``engine.core.encoder_pieces``) a step runs only some of
+the tower's blocks for an image (``SchedulerOutput.encoder_pieces``), within that budget, and the chunk stops
+before the image until the step that runs its last blocks.
 
 Overlapped steps (``EngineConfig.overlap_scheduling``): the engine schedules
 step N+1 before step N's tokens are read. ``advance()`` accounts for a launched
@@ -67,6 +70,7 @@ from dataclasses import dataclass, field
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.block_pool import Block
+from engine.core.encoder_pieces import EncoderPiece, EncoderSteps
 from engine.core.kv_cache_manager import CachedPrefix, KVCacheManager, PrefixTiers
 from engine.core.lora_residency import LoraLoad, LoraResidency
 from engine.core.request import PROMOTED, Request, RequestStatus
@@ -140,6 +144,9 @@ class SchedulerOutput:
     # cache: loads (checkpoint -> an admitted hit's slot) before the forward, saves (slot -> checkpoint) after it.
     state_loads: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Layer-chunked encoding: the tower blocks rank 0 runs for images before this step's forward (a plan may hold
+    # only these: the image's request then computes no token this step).
+    encoder_pieces: list[EncoderPiece] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -173,6 +180,11 @@ class Scheduler:
         self.config = scheduler_config
         self.image_cached = image_cached
         self._encoder_used = 0  # image tokens this step's plan hands to the vision tower so far
+        c = scheduler_config
+        # Layer-chunked encoding (None: whole images); the pieces the last ``_encoder_cap`` planned, not yet run.
+        self.encoder_steps = (EncoderSteps(c.max_num_encoder_token_blocks, c.encoder_stages, c.encoder_patches_per_token)
+                              if c.max_num_encoder_token_blocks is not None else None)
+        self._pending_pieces: list[EncoderPiece] = []
         self.speculator = speculator
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  cache_config.sliding_window, tiers, cache_config.eviction_policy)
@@ -352,6 +364,8 @@ class Scheduler:
             self._promote_starving()
         self._budget = self.config.max_num_batched_tokens
         self._encoder_used = 0
+        if self.encoder_steps is not None:
+            self.encoder_steps.begin_step()
         self._scheduled: list[ScheduledRequest] = []
         self._served: set[str] = set()
         preempted: list[str] = []
@@ -388,6 +402,7 @@ class Scheduler:
             lora_reads=self._take_lora_reads(),
             state_loads=state_loads,
             state_saves=state_saves,
+            encoder_pieces=self.encoder_steps.pieces if self.encoder_steps is not None else [],
         )
 
     def _take_lora_reads(self) -> list[tuple[str, str]]:
@@ -459,6 +474,7 @@ class Scheduler:
                 num_new = self.checkpoints.cap(request, request.num_computed_tokens, num_new)
             num_new = self._encoder_cap(request, request.num_computed_tokens, num_new)
             if num_new <= 0:
+                self._commit_pieces(request)  # its image's next blocks run, if any fit this step
                 continue  # its next image waits for a step with encoder budget left; it keeps its blocks
             assert num_new > 0, "a running request always has a token to compute"
             if num_new == 1 and self.speculator is not None and self._schedule_drafts(request):
@@ -533,6 +549,7 @@ class Scheduler:
             if num_new > 0 and request.images:
                 num_new = self._encoder_cap(request, num_cached, num_new)
                 if num_new <= 0:  # its first image waits for a step with encoder budget; those behind it may run
+                    self._commit_pieces(request)  # its image's next blocks run (waiting: it needs no KV for that)
                     self.kv.release_tier_hits(cached)
                     passed.add(request.request_id)
                     continue
@@ -605,9 +622,18 @@ class Scheduler:
 
     def _encoder_cap(self, request: Request, start: int, num_new: int) -> int:
         """``num_new`` cut before the first image the chunk would encode past the step's encoder budget (0: not
-        even its first token fits); the step's first image is encoded whatever its size."""
+        even its first token fits); the step's first image is encoded whatever its size. Layer-chunked: cut
+        before the first image whose last block does not run this step, the pieces to run kept for
+        ``_commit_pieces``."""
         budget = self.config.max_num_encoder_tokens
-        if budget is None or len(request.encoded_images) == len(request.images):
+        self._pending_pieces = []
+        if len(request.encoded_images) == len(request.images):
+            return num_new
+        if self.encoder_steps is not None:
+            to_encode = self._images_to_encode(request, start, start + num_new)
+            num_new, self._pending_pieces = self.encoder_steps.plan(request, start, num_new, to_encode)
+            return num_new
+        if budget is None:
             return num_new
         used = self._encoder_used
         for i, tokens in self._images_to_encode(request, start, start + num_new):
@@ -615,6 +641,14 @@ class Scheduler:
                 return max(request.images[i].offset - start, 0)
             used += tokens
         return num_new
+
+    def _commit_pieces(self, request: Request) -> None:
+        """Run the pieces ``_encoder_cap`` last planned for ``request`` this step (none if it planned for another:
+        a chunk that was then not scheduled)."""
+        if self._pending_pieces and self._pending_pieces[0].request is request:
+            self.encoder_steps.commit(self._pending_pieces)
+            request.idle_since = self._now  # its image advances: not unserved (the starvation bound)
+        self._pending_pieces = []
 
     def _add_scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> None:
         sample = request.num_computed_tokens + num_new - len(drafts or ()) == request.num_tokens
@@ -627,6 +661,7 @@ class Scheduler:
         self._served.add(request.request_id)
         request.idle_since = self._now
         self._budget -= num_new
+        self._commit_pieces(request)
         if len(request.encoded_images) < len(request.images):
             start = request.num_computed_tokens
             for i, tokens in self._images_to_encode(request, start, start + num_new):

@@ -1,7 +1,10 @@
 """What every model that reads images does with them per request (Qwen3-VL-MoE, Qwen3.5-MoE, Kimi-K2.5): each
 image is encoded once per request, the first time a step's chunk holds one of its placeholder tokens, and its
 features kept until the request finishes (``forget_images``); an image the encoder cache holds for the request's
-tenant is not encoded again (``engine.vision.encoder_cache``).
+tenant is not encoded again (``engine.vision.encoder_cache``). With layer-chunked encoding
+(``engine.core.encoder_pieces``) the scheduler has the tower run an image a few blocks a step (``encode_pieces``,
+before the step's forward): the image's state is kept here between steps, and its features exist (and enter the
+encoder cache) only once its last block and the merger have run.
 
 Under tensor parallelism rank 0 alone does this: it holds the requests, the vision tower and the encoder cache, and
 hands each step's image rows to the other ranks (``engine.models.image_step``), which build no tower and read none
@@ -12,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from engine.core.encoder_pieces import EncoderPiece
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
 from engine.distributed.collectives import TensorParallel
@@ -20,7 +24,7 @@ from engine.models.image_step import ImageStep, share_image_step
 from engine.vision.encoder_cache import EncoderCache
 from engine.vision.prompt_images import pixels_of
 from engine.vision.qwen_image_processing import ProcessedImage
-from engine.vision.qwen3_vl_tower import VisionFeatures
+from engine.vision.qwen3_vl_tower import TowerState, VisionFeatures
 
 
 class ImageFeatures(abc.ABC):
@@ -52,6 +56,8 @@ class ImageFeatures(abc.ABC):
 
     def init_image_features(self) -> None:
         self._features: dict[str, list[VisionFeatures | None]] = {}
+        # Images part-way through the tower (layer-chunked encoding), by (request id, image index): rank 0's only.
+        self._partial: dict[tuple[str, int], TowerState] = {}
         # Encoded images across requests; the engine sizes it (EngineConfig.encoder_cache_gb), 0 keeps nothing.
         self.encoder_cache = EncoderCache(0)
 
@@ -69,14 +75,55 @@ class ImageFeatures(abc.ABC):
         return share_image_step(self.tp, step, num_rows, self.step_positions, self.config.hidden_size,
                                 self.model.embed_tokens.weight.dtype, device)
 
+    # Layer-chunked encoding (``encode_pieces``): each model that reads images defines these four.
+    @property
+    def encoder_shape(self) -> tuple[int, int]:
+        """(the tower's stages: its patch embedding then each block, patches an image token merges): what
+        layer-chunked encoding counts."""
+        raise NotImplementedError
+
+    def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
+        """One image's state before the tower's first block."""
+        raise NotImplementedError
+
+    def encode_blocks(self, state: TowerState, first: int, end: int) -> None:
+        """Blocks ``first..end-1`` of the tower over ``state``, in place."""
+        raise NotImplementedError
+
+    def finish_encoding(self, state: TowerState) -> VisionFeatures:
+        """The features, one row per placeholder token, of an image whose state has run every block."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:
-        """One image's features, one row per placeholder token."""
+        """One image's features, one row per placeholder token: the whole tower in one go."""
+
+    @torch.inference_mode()
+    def encode_pieces(self, pieces: list[EncoderPiece]) -> None:
+        """Rank 0, before a step's forward: run each piece's stages over its image's kept state (stage 0 begins
+        it: preprocessing and patch embedding; stage ``s`` runs block ``s - 1``); a piece that ends at the last
+        stage finishes the image, which is then kept for its request and put in the encoder cache, as a whole
+        image is."""
+        for piece in pieces:
+            request, i = piece.request, piece.image
+            key = (request.request_id, i)
+            if piece.first == 0:
+                self._partial[key] = self.begin_encoding(pixels_of(request.images[i].pixels))
+            state = self._partial[key]
+            self.encode_blocks(state, max(piece.first - 1, 0), piece.end - 1)
+            if piece.end == self.encoder_shape[0]:
+                del self._partial[key]
+                feats = self._features.setdefault(request.request_id, [None] * len(request.images))
+                feats[i] = self.finish_encoding(state)
+                image, policy = request.images[i], request.policy
+                self.encoder_cache.put(image.digest, policy.cache_salt, feats[i], policy.tenant, policy.cache_share)
 
     def image_features(self, request: Request, i: int) -> VisionFeatures:
         """Image ``i`` of ``request``: kept for the request, else from the encoder cache, else encoded now."""
         feats = self._features.setdefault(request.request_id, [None] * len(request.images))
         if feats[i] is None:
+            # a part-way state left over (the cache came to hold the image meanwhile): the cache's is used
+            self._partial.pop((request.request_id, i), None)
             image, policy = request.images[i], request.policy
             device = self.model.embed_tokens.weight.device
             feats[i] = self.encoder_cache.get(image.digest, policy.cache_salt, device)
@@ -104,3 +151,7 @@ class ImageFeatures(abc.ABC):
         """Drop the features kept for requests that finished."""
         for rid in request_ids:
             self._features.pop(rid, None)
+        if self._partial:
+            gone = set(request_ids)
+            for key in [k for k in self._partial if k[0] in gone]:
+                del self._partial[key]

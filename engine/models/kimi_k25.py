@@ -20,9 +20,9 @@ from engine.models.deepseek import DeepseekV3ForCausalLM
 from engine.models.deepseek_moe import DEEPSEEK_MOE_ALIASES
 from engine.models.image_features import ImageFeatures
 from engine.models.image_step import ImageStep, image_step_of
-from engine.vision.moonvit_tower import MoonViT, MoonViTConfig, Projector, encode_image
+from engine.vision.moonvit_tower import MoonViT, MoonViTConfig, Projector, projected
 from engine.vision.qwen_image_processing import ProcessedImage
-from engine.vision.qwen3_vl_tower import VisionFeatures
+from engine.vision.qwen3_vl_tower import TowerState, VisionFeatures
 
 
 class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
@@ -44,14 +44,28 @@ class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
         super().__init__(config, moe_backend, max_positions, tp, stage)
         whole = config.multimodal_config
         vision = MoonViTConfig.from_hf(whole)
+        self._encoder_shape = (1 + vision.num_layers, vision.merge_kernel_size[0] * vision.merge_kernel_size[1])
         # rank 0's alone: the other ranks receive each step's features (engine.models.image_step)
         self.vision_tower = MoonViT(vision) if self.holds_tower else None
         self.mm_projector = Projector(vision) if self.holds_tower else None
         self.image_token_id = int(whole.image_token_id)
         self.init_image_features()
 
+    @property
+    def encoder_shape(self) -> tuple[int, int]:
+        return self._encoder_shape
+
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:
-        return encode_image(self.vision_tower, self.mm_projector, pixels.pixel_values, pixels.grid_thw)
+        return projected(self.mm_projector, self.vision_tower(pixels.pixel_values, pixels.grid_thw))
+
+    def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
+        return self.vision_tower.begin(pixels.pixel_values, pixels.grid_thw)
+
+    def encode_blocks(self, state: TowerState, first: int, end: int) -> None:
+        self.vision_tower.run_blocks(state, first, end)
+
+    def finish_encoding(self, state: TowerState) -> VisionFeatures:
+        return projected(self.mm_projector, self.vision_tower.finish(state))
 
     # ---- per step ---------------------------------------------------------------------------
     def local_image_step(self, scheduled: list[ScheduledRequest], ranges: tuple[tuple[int, int], ...],

@@ -22,7 +22,7 @@ from engine.models.image_step import ImageStep, image_step_of
 from engine.vision.mrope import ImageSpan, prompt_positions
 from engine.vision.mrope_rotary import MRotaryEmbedding
 from engine.vision.qwen_image_processing import ProcessedImage
-from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig, VisionFeatures
+from engine.vision.qwen3_vl_tower import Qwen3VisionTower, TowerState, VisionConfig, VisionFeatures
 
 
 class QwenImageText(ImageFeatures):
@@ -40,7 +40,9 @@ class QwenImageText(ImageFeatures):
         super().__init__(config, moe_backend, max_positions, tp, stage)
         whole = config.multimodal_config
         # rank 0's alone: the other ranks receive each step's features (engine.models.image_step)
-        self.visual = Qwen3VisionTower(VisionConfig.from_hf(whole.vision_config)) if self.holds_tower else None
+        vision = VisionConfig.from_hf(whole.vision_config)
+        self._encoder_shape = (1 + vision.depth, vision.spatial_merge_size ** 2)
+        self.visual = Qwen3VisionTower(vision) if self.holds_tower else None
         self.image_token_id = int(whole.image_token_id)
         self.init_image_features()
         self._layout: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> (prompt positions [3, L], delta)
@@ -52,8 +54,21 @@ class QwenImageText(ImageFeatures):
             self._layout[request.request_id] = prompt_positions(request.num_prompt_tokens, spans)
         return self._layout[request.request_id]
 
+    @property
+    def encoder_shape(self) -> tuple[int, int]:
+        return self._encoder_shape
+
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:
         return self.visual(pixels.pixel_values, pixels.grid_thw)
+
+    def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
+        return self.visual.begin(pixels.pixel_values, pixels.grid_thw)
+
+    def encode_blocks(self, state: TowerState, first: int, end: int) -> None:
+        self.visual.run_blocks(state, first, end)
+
+    def finish_encoding(self, state: TowerState) -> VisionFeatures:
+        return self.visual.finish(state)
 
     def forget_images(self, request_ids) -> None:
         """Drop the features and layouts kept for requests that finished."""

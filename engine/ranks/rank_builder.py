@@ -93,6 +93,9 @@ def build_scheduler(config: EngineConfig, rank: BuiltRank) -> Scheduler:
             prefill_chunk_tokens=config.decode_prefill_chunk_tokens if config.role == "decode" else 0,
             max_num_encoder_tokens=(config.max_num_encoder_tokens or config.max_num_batched_tokens)
             if rank.model.takes_images else None,
+            max_num_encoder_token_blocks=config.max_num_encoder_token_blocks if rank.model.takes_images else None,
+            **(dict(zip(("encoder_stages", "encoder_patches_per_token"), rank.model.encoder_shape))
+               if rank.model.takes_images else {}),
         ),
         rank.cache_config,
         speculator=Speculator(config.speculative_config, rank.max_model_len) if config.speculative else None,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.vision.qwen3_vl_tower import ACTIVATIONS, VisionFeatures
+from engine.vision.qwen3_vl_tower import ACTIVATIONS, TowerState, VisionFeatures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,20 +169,34 @@ class MoonViT(nn.Module):
         angles = torch.stack([cols[:, None] * inv, rows[:, None] * inv], dim=-1).flatten(1).to(device)  # [L, half]
         return angles.cos(), angles.sin()
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+    def begin(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> TowerState:
+        """One image's state before block 0: its patch embeddings with positions, and its rotary angles."""
         t, grid_h, grid_w = grid_thw
         if t != 1:
             raise ValueError("only still images (grid t == 1) are supported")
-        kh, kw = self.c.merge_kernel_size
         device = self.final_layernorm.weight.device
         x = self.patch_embed(pixel_values.to(device), grid_h, grid_w)  # [L, D]
         cos, sin = self._rotary(grid_h, grid_w, device)
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        x = self.final_layernorm(x)
+        return TowerState(x, cos, sin, grid_thw)
+
+    def run_blocks(self, state: TowerState, first: int, end: int) -> None:
+        """Blocks ``first..end-1`` over ``state`` (which has run blocks ``0..first-1``)."""
+        for block in self.blocks[first:end]:
+            state.x = block(state.x, state.cos, state.sin)
+
+    def finish(self, state: TowerState) -> torch.Tensor:
+        """[L / (kh*kw), kh*kw, D] of an image whose state has run every block: normed, grouped by window."""
+        _, grid_h, grid_w = state.grid_thw
+        kh, kw = self.c.merge_kernel_size
+        x = self.final_layernorm(state.x)
         d = x.shape[-1]
         # [gh/kh, kh, gw/kw, kw, D] -> [windows, kh*kw, D]: the reference's merge (a float32 gather, then its dtype)
         return x.view(grid_h // kh, kh, grid_w // kw, kw, d).permute(0, 2, 1, 3, 4).reshape(-1, kh * kw, d)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+        state = self.begin(pixel_values, grid_thw)
+        self.run_blocks(state, 0, len(self.blocks))
+        return self.finish(state)
 
 
 class Projector(nn.Module):
@@ -201,8 +215,8 @@ class Projector(nn.Module):
         return self.proj(self.pre_norm(windows).view(windows.shape[0], self.width))
 
 
-def encode_image(tower: MoonViT, projector: Projector, pixel_values: torch.Tensor,
-                 grid_thw: tuple[int, int, int]) -> VisionFeatures:
-    """One image's features, one row per placeholder token (no deepstack taps: an empty [0, N, H])."""
-    embeds = projector(tower(pixel_values, grid_thw))
+def projected(projector: Projector, windows: torch.Tensor) -> VisionFeatures:
+    """The features of an image's windows [N, kh*kw, D] (the tower's output): projected, no deepstack taps (an
+    empty [0, N, H])."""
+    embeds = projector(windows)
     return VisionFeatures(embeds, embeds.new_zeros(0, *embeds.shape))

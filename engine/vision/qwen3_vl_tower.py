@@ -61,6 +61,18 @@ class VisionFeatures:
     deepstack: torch.Tensor  # [K, N, out_hidden] added to the hidden states after text layers 0..K-1
 
 
+@dataclasses.dataclass
+class TowerState:
+    """An image part-way through a tower (layer-chunked encoding keeps it between steps): the hidden states after
+    the blocks run so far, the rotary angles every block reads, and the taps taken so far (Qwen3-VL's deepstack)."""
+
+    x: torch.Tensor  # [L, D] one row per patch
+    cos: torch.Tensor  # [L, head_dim] (MoonViT: [L, head_dim / 2]) float32
+    sin: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    taps: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each [L / m^2, out_hidden]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -190,7 +202,8 @@ class Qwen3VisionTower(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> VisionFeatures:
+    def begin(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> TowerState:
+        """One image's state before block 0: its patch embeddings with positions, and its rotary angles."""
         t, grid_h, grid_w = grid_thw
         if t != 1:
             raise ValueError("only still images (grid t == 1) are supported")
@@ -200,11 +213,24 @@ class Qwen3VisionTower(nn.Module):
         x = self.patch_embed(pixel_values.to(device))  # [L, D]
         x = x + self._position_embedding(rows, cols, grid_h, grid_w).to(x.dtype)
         cos, sin = self._rotary(rows, cols, device)
-        taps = []
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin)
+        return TowerState(x, cos, sin, grid_thw)
+
+    def run_blocks(self, state: TowerState, first: int, end: int) -> None:
+        """Blocks ``first..end-1`` over ``state`` (which has run blocks ``0..first-1``), their taps kept in it."""
+        x = state.x
+        for i in range(first, end):
+            x = self.blocks[i](x, state.cos, state.sin)
             if i in self.c.deepstack_visual_indexes:
-                taps.append(self.deepstack_merger_list[self.c.deepstack_visual_indexes.index(i)](x))
-        embeds = self.merger(x)
-        deepstack = torch.stack(taps) if taps else embeds.new_zeros(0, *embeds.shape)
+                state.taps.append(self.deepstack_merger_list[self.c.deepstack_visual_indexes.index(i)](x))
+        state.x = x
+
+    def finish(self, state: TowerState) -> VisionFeatures:
+        """The features of an image whose state has run every block: the merger's, and the taps stacked."""
+        embeds = self.merger(state.x)
+        deepstack = torch.stack(state.taps) if state.taps else embeds.new_zeros(0, *embeds.shape)
         return VisionFeatures(embeds, deepstack)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> VisionFeatures:
+        state = self.begin(pixel_values, grid_thw)
+        self.run_blocks(state, 0, len(self.blocks))
+        return self.finish(state)

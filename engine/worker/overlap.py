@@ -103,6 +103,9 @@ class OverlappedRunner:
         runner = self.runner
         runner.num_steps += 1
         runner.sampler.forget_grammars(plan.finished_ids)
+        if runner.model.takes_images:  # features and part-way images of requests that ended
+            runner.model.forget_images(plan.finished_ids)
+        runner.encode_pieces(plan)  # before the batch: its image features may be the pieces' last
         batch = runner.prepare(plan.scheduled)
         sampling_parts = [s for s in plan.scheduled if s.sample]
         requests = [s.request for s in sampling_parts]

@@ -144,6 +144,13 @@ class ModelRunner:
         self.last_execute_ms = (time.perf_counter() - start) * 1e3
         return sampled
 
+    def encode_pieces(self, plan: SchedulerOutput) -> None:
+        """Before the step's forward (rank 0, whose plans carry them): the vision tower blocks the plan runs for
+        images encoded a few blocks a step (``engine.core.encoder_pieces``); the other ranks receive only
+        finished features, with the steps that read them."""
+        if plan.encoder_pieces:
+            self.model.encode_pieces(plan.encoder_pieces)
+
     def move_tier_blocks(self, plan: SchedulerOutput) -> None:
         """Before the step's forward: save the cached blocks the plan evicted from the pool to the host tier,
         then fill the blocks of the plan's host-tier hits (a block just saved may be a load's target)."""
@@ -161,6 +168,7 @@ class ModelRunner:
         if self.model.takes_images:
             self.model.forget_images(plan.finished_ids)
         self.move_tier_blocks(plan)
+        self.encode_pieces(plan)
         if self.draft is not None:  # the drafts the scheduler left pending, proposed by the draft model
             self.draft.propose(plan)
         # Adapters the scheduler placed in slots, written on every rank before the forward; also with an empty

@@ -32,12 +32,12 @@ IMAGE_TOKEN = {"qwen3_vl_moe": qwen.IMAGE_TOKEN, "qwen3_5_moe": qwen.IMAGE_TOKEN
 
 
 def _generate(rank: int, world: int, address: str, path: str, prompts: list[list[int]], images: list[list],
-              budget: int, tower: str) -> dict:
+              budget: int, tower: str, token_blocks: int | None = None) -> dict:
     from engine import LLM, SamplingParams
 
     llm = LLM(path, dtype="float32", device="cpu", cpu_threads=1, tensor_parallel_size=2, block_size=4,
               num_kv_blocks=96, max_num_batched_tokens=16, max_num_seqs=4, max_num_encoder_tokens=budget,
-              encoder_cache_gb=0.001)
+              max_num_encoder_token_blocks=token_blocks, encoder_cache_gb=0.001)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         outs = llm.generate(prompts, params, images=images)

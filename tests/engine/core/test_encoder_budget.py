@@ -33,21 +33,27 @@ def _scheduler(budget: int, tokens: int, blocks: int, cached=frozenset()) -> Sch
                      image_cached=lambda digest, salt: (digest, salt) in cached)
 
 
+def random_image_requests(rng: random.Random) -> tuple[list[Request], frozenset]:
+    """2 to 8 requests of text and 0 to 4 images each (1 to 4 tokens a side), half with salt "a", half "b"; and
+    a third of their (digest, salt) pairs, for an encoder cache that holds those."""
+    reqs = []
+    for i in range(rng.randint(2, 8)):
+        layout = [rng.randint(0, 6)]
+        for _ in range(rng.choice([0, 0, 1, 2, 4])):
+            layout += [(rng.randint(1, 4), rng.randint(1, 4)), rng.randint(0, 5)]
+        if sum(p if isinstance(p, int) else p[0] * p[1] for p in layout) == 0:
+            layout[0] = 1
+        reqs.append(_request(f"r{i}", rng, layout, salt=rng.choice(["a", "b"])))
+    images = [(im.digest, r.policy.cache_salt) for r in reqs for im in r.images]
+    return reqs, frozenset(rng.sample(images, len(images) // 3))
+
+
 def test_random_image_workloads_keep_each_step_within_the_encoder_budget():
     for trial in range(20):
         rng = random.Random()
         seed = rng.randrange(2**31)
         rng.seed(seed)
-        reqs = []
-        for i in range(rng.randint(2, 8)):
-            layout = [rng.randint(0, 6)]
-            for _ in range(rng.choice([0, 0, 1, 2, 4])):
-                layout += [(rng.randint(1, 4), rng.randint(1, 4)), rng.randint(0, 5)]
-            if sum(p if isinstance(p, int) else p[0] * p[1] for p in layout) == 0:
-                layout[0] = 1
-            reqs.append(_request(f"r{i}", rng, layout, salt=rng.choice(["a", "b"])))
-        images = [(im.digest, r.policy.cache_salt) for r in reqs for im in r.images]
-        cached = frozenset(rng.sample(images, len(images) // 3))
+        reqs, cached = random_image_requests(rng)
         budget = rng.randint(1, 20)
         sched = _scheduler(budget, rng.randint(8, 64), rng.randint(26, 60), cached)  # some preemption
         for r in reqs:

@@ -82,6 +82,22 @@ def _png(image) -> bytes:
     return buf.getvalue()
 
 
+def three_cases(model, rng: random.Random, pics: list, seed: int) -> tuple[list, list, list]:
+    """(prompt, pictures) with the first picture, with the next two, with none; their reference logits functions
+    and greedy tokens (the text around the images drawn again while the reference samples a placeholder)."""
+    grids = [IMAGE_CONFIG.grid(p.size[1], p.size[0]) for p in pics]
+    draws = [lambda: _with_images(rng, [(1, *grids[0])]), lambda: _with_images(rng, [(1, *g) for g in grids[1:3]]),
+             lambda: _text(rng, rng.randint(5, 20))]
+    cases, refs, expected = [], [], []
+    for draw, images in zip(draws, (pics[:1], pics[1:3], [])):
+        ref = _reference(model, images)
+        prompt, want = draw_case(ref, draw, seed)
+        cases.append((prompt, images))
+        refs.append(ref)
+        expected.append(want)
+    return cases, refs, expected
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     seed = random.randrange(2**31)
@@ -144,16 +160,7 @@ def test_greedy_matches_transformers(checkpoint):
     # the first picture at least 28 pixels a side (4 tokens or more: a tiny model may answer a 1-token image
     # alike whatever it shows, which would blind the check with another picture below)
     pics = [random_image(gen, rng.randint(lo, 60), rng.randint(lo, 60)) for lo in (28, 12, 12)]
-    grids = [IMAGE_CONFIG.grid(p.size[1], p.size[0]) for p in pics]
-    draws = [lambda: _with_images(rng, [(1, *grids[0])]), lambda: _with_images(rng, [(1, *g) for g in grids[1:3]]),
-             lambda: _text(rng, rng.randint(5, 20))]
-    cases, refs, expected = [], [], []
-    for draw, images in zip(draws, (pics[:1], pics[1:3], [])):
-        ref = _reference(model, images)
-        prompt, want = draw_case(ref, draw, seed)
-        cases.append((prompt, images))
-        refs.append(ref)
-        expected.append(want)
+    cases, refs, expected = three_cases(model, rng, pics, seed)
     one = cases[0][0]
     # another picture of the first one's size: same placeholders, its own tokens (redrawn while the tiny model
     # answers it as the first)
