@@ -77,22 +77,22 @@ class ImageFeatures(abc.ABC):
 
     # Layer-chunked encoding (``encode_pieces``): each model that reads images defines these four.
     @property
+    @abc.abstractmethod
     def encoder_shape(self) -> tuple[int, int]:
         """(the tower's stages: its patch embedding then each block, patches an image token merges): what
         layer-chunked encoding counts."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
         """One image's state before the tower's first block."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def encode_blocks(self, state: TowerState, first: int, end: int) -> None:
         """Blocks ``first..end-1`` of the tower over ``state``, in place."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def finish_encoding(self, state: TowerState) -> VisionFeatures:
         """The features, one row per placeholder token, of an image whose state has run every block."""
-        raise NotImplementedError
 
     @abc.abstractmethod
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:

@@ -32,6 +32,10 @@ class CountingTower(ImageFeatures, nn.Module):
     def local_image_step(self, scheduled, ranges, num_rows, device):
         raise AssertionError("these tests read image features, they step nothing")
 
+    # Whole images only here: layer-chunked encoding is never asked of this double.
+    encoder_shape = (1, 1)
+    begin_encoding = encode_blocks = finish_encoding = local_image_step
+
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:
         self.encoded += 1
         embeds = pixels.pixel_values[:TOKENS, :HIDDEN].clone()
