@@ -26,19 +26,20 @@
 # this for every stage). No budget applies in a dry run.
 set -u
 
-# name  estimate_s  limit_s. Estimates: seconds measured on an H100 (2026-11-27) or an H200 (2026-11-29: tests-cuda,
-# bench-image-itl, the sparse stages), a little added, where the stage
+# name  estimate_s  limit_s. Estimates: seconds measured on an H100 (2026-11-27) or an H200 (2026-11-29 and 11-30: the
+# test stages, tune-gpt-oss, the goals but goal-hf, bench-mxfp4, -image-itl, -sparse-*, -spec, -structured, -overlap,
+# -piecewise), a little added, where the stage
 # ran (env through bench-mla), guesses elsewhere (model build, Triton compiles and transformers' generate counted in).
 STAGE_TABLE="
 env 15 60
 tests-cuda 220 300
-tests-paths 90 210
-tests-families 120 240
-goal-engine 60 270
-goal-moe 25 150
+tests-paths 55 210
+tests-families 90 240
+goal-engine 40 270
+goal-moe 20 150
 goal-hf 90 420
-bench-piecewise 60 300
-bench-overlap 45 200
+bench-piecewise 45 300
+bench-overlap 35 200
 bench-quant 300 540
 bench-mxfp4 120 240
 bench-mla 40 300
@@ -47,6 +48,7 @@ bench-sparse-prefill 45 300
 bench-engine-deepseek 300 540
 bench-engine-families 420 590
 tune 580 590
+tune-gpt-oss 80 330
 bench-moe 200 400
 bench-dense-gemv 90 200
 bench-engine 300 540
@@ -58,17 +60,16 @@ bench-lora 200 400
 bench-lora-realistic 240 480
 batch-three-ways 300 540
 batch-goals 300 540
-bench-structured 90 240
-bench-spec 120 300
+bench-structured 35 240
+bench-spec 30 300
 bench-image-itl 175 300
 "
-# The first call's order: the CUDA tests first (every fix since the last GPU run is checked there; then the 2026
-# families' CUDA paths, which have never run on a GPU), then what has
-# never run on a GPU (the MXFP4 kernels' new decode, 8-bit experts in the engine, DeepSeek-V2-Lite and the newer
-# families at real size, structured output at 64 requests, speculative decoding at batch 1), then the issue's goals again (decode batch 1 and prefill 512 against their floors, the
-# fused MoE against HBM and torch._grouped_mm, transformers at 128 concurrent), graphs, overlap and MLA.
-DEFAULT_STAGES="env tests-cuda tests-paths tests-families bench-mxfp4 bench-quant bench-engine-deepseek bench-engine-families
-bench-structured bench-spec bench-image-itl goal-engine goal-moe goal-hf bench-piecewise bench-overlap bench-mla"
+# The first call's order: the CUDA tests first (the 2026 families' FP8-cache cases left transformers' tokens on the
+# last run), then MXFP4 experts against bf16 (this card's tuned files ship; tune-gpt-oss again after a kernel change),
+# then what has never run on a GPU (end to end against transformers on the H200, 8-bit experts in the engine,
+# DeepSeek-V2-Lite and the newer families at real size), then the goals and the rest.
+DEFAULT_STAGES="env tests-cuda tests-paths tests-families bench-mxfp4 goal-hf bench-quant bench-engine-deepseek
+bench-engine-families bench-image-itl goal-engine goal-moe bench-structured bench-spec bench-piecewise bench-overlap bench-mla"
 
 usage() { echo "usage: benchmarks/gpu_session.sh [--dry-run] [--list] [--budget SECONDS] [--stages A,B:SECONDS,...] [STAGE[:SECONDS] ...]" >&2; exit 2; }
 table_field() {  # stage column(2: estimate, 3: limit); empty for an unknown stage
@@ -167,6 +168,16 @@ tune_all() {
     return $rc
 }
 export -f tune_all
+# gpt-oss-20b's expert shape alone, bf16 and MXFP4, so bench-mxfp4 sets a tuned 4-bit layer beside a tuned bf16 one
+# (the token ladder up to 512 unless TUNE_TOKENS says otherwise: the sizes bench-mxfp4 measures and those between).
+tune_gpt_oss() {
+    local tokens="--tokens ${TUNE_TOKENS:-1,2,4,8,16,32,64,128,256,512}" rc=0
+    $PY -m benchmarks.tune_moe --E 32 --topk 4 --H 2880 --I 2880 --quantization mxfp4 $tokens \
+        --out "$MOEGATE_MOE_CONFIG_DIR" || rc=1
+    $PY -m benchmarks.tune_moe --E 32 --topk 4 --H 2880 --I 2880 $tokens --out "$MOEGATE_MOE_CONFIG_DIR" || rc=1
+    return $rc
+}
+export -f tune_gpt_oss
 
 # Four test processes: most of a test stage's time is Triton compiling kernels on the host, one at a time per
 # process, and the GPU machine has 16 cores.
@@ -225,6 +236,7 @@ for spec in $SPECS; do
         # Goal: end to end against transformers (generate and generate_batch) with 128 concurrent requests.
         goal-hf) run_stage goal-hf "$limit" $PY -m benchmarks.engine_gpu --concurrency 128 --json "$WORK/goal_hf.json" ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
+        tune-gpt-oss) run_stage tune-gpt-oss "$limit" bash -c tune_gpt_oss ;;
         # Text streams' ITL p99 while image requests arrive: the encoder budget against none, and no images.
         bench-image-itl) run_stage bench-image-itl "$limit" $PY -m benchmarks.image_itl --device cuda --dtype bfloat16 \
             --streams 32 --every 0.25 --images 4 --side 448 --max-batched-tokens 512 --text-layers 16 --vision-depth 8 ;;
