@@ -12,7 +12,9 @@ to its own token count. Lookup order, first hit wins:
 2. ``$MOEGATE_MOE_CONFIG_DIR/<exact name>`` (where ``benchmarks.tune_moe`` output
    can live outside the package),
 3. ``moe_kernels/configs/<exact name>`` (shipped, tuned files),
-4. ``moe_kernels/configs/default,dtype=<dtype>.json``, then ``default.json``.
+4. the same from 1 to 3 for a sibling device (``SAME_CHIP``: another card built on the same die with the same SM
+   count, whose tuned tiles fit this one far better than the untuned defaults),
+5. ``moe_kernels/configs/default,dtype=<dtype>.json``, then ``default.json``.
 """
 
 import dataclasses
@@ -26,6 +28,9 @@ import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 ENV_CONFIG_DIR = "MOEGATE_MOE_CONFIG_DIR"
+# Cards on one die with the same SM count (the H100 SXM and the H200: GH100, 132 SMs; the H200's HBM is faster):
+# where a layer shape has no file for this card, a sibling's tuned file is read before the untuned defaults.
+SAME_CHIP = (("NVIDIA H100 80GB HBM3", "NVIDIA H200"),)
 
 
 def _is_pow2(v: int) -> bool:
@@ -133,8 +138,11 @@ def nearest_entry(configs: dict[int, LaunchConfig], num_tokens: int) -> LaunchCo
 @functools.lru_cache(maxsize=256)
 def _find_file(num_experts: int, n: int, k: int, dtype: str, device: str, env_dir: str | None,
                quantization: str | None) -> str:
-    # A quantization's own files first; without one, the dtype's tuned files beat the defaults.
-    names = [config_file_name(num_experts, n, k, dtype, device, q) for q in dict.fromkeys((quantization, None))]
+    # A quantization's own files first; without one, the dtype's tuned files beat the defaults; this card's, then
+    # its siblings'.
+    devices = [device] + [d for group in SAME_CHIP if device in group for d in group if d != device]
+    names = [config_file_name(num_experts, n, k, dtype, d, q) for d in devices
+             for q in dict.fromkeys((quantization, None))]
     candidates = [folder / name for name in names for folder in ([Path(env_dir)] if env_dir else []) + [CONFIG_DIR]]
     candidates += [CONFIG_DIR / f"default,dtype={dtype}.json", CONFIG_DIR / "default.json"]
     for path in candidates:
