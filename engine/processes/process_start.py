@@ -36,8 +36,12 @@ from multiprocessing.process import BaseProcess
 
 START_METHOD_ENV = "MOEGATE_PROCESS_START"
 START_METHODS = ("forkserver", "spawn")
-# Imported once by the forkserver; what an engine process, or a follower rank, needs before its first step.
-PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process", "engine.ranks.follower")
+# Imported once by the forkserver; what an engine process, or a follower rank, needs before its first step. The
+# last two are imported lazily by every model build (reading ``config.json`` through ``AutoConfig``, which scans
+# transformers' model packages; ``Module.to_empty``, which imports sympy through torch's symbolic shapes): about
+# 1 s of CPU in each started process, once in the server instead.
+PRELOAD = ("torch", "engine.llm_engine", "engine.serving.engine_process", "engine.ranks.follower",
+           "transformers.models.auto.configuration_auto", "torch.fx.experimental.symbolic_shapes")
 
 
 def process_context(preload: tuple[str, ...] = ()) -> multiprocessing.context.BaseContext:

@@ -4,7 +4,9 @@ point to point while serving), generate exactly the single-process engine's gree
 workload that preempts and hits the prefix cache; and a rank killed while weights move fails the engine within its
 timeout."""
 
+import os
 import random
+import signal
 import sys
 import time
 
@@ -69,31 +71,32 @@ def test_balanced_experts_generate_the_single_process_tokens(run, eplb_runs):
         assert stats["imbalance"] is not None and stats["imbalance"] >= 1.0, stats
 
 
-_DIES_MOVING_WEIGHTS = """
-import os, signal, sys
-from engine.distributed import collectives
-from engine.ranks import follower
-send_recv = collectives.TensorParallel.send_recv
-def dying(self, sends, recvs, what):
-    if sends or recvs:  # in the middle of a layer's weight move: nothing of it sent or received
-        os.kill(os.getpid(), signal.SIGKILL)
-    return send_recv(self, sends, recvs, what)
-collectives.TensorParallel.send_recv = dying
-sys.argv = ["engine-rank", "--device", "cpu", "--timeout", "15"]
-sys.exit(follower.main())
-"""
+def _follower_dying_in_a_move(argv: list[str]) -> None:
+    """``moegate engine-rank``'s entry point in a rank that kills itself in the middle of a layer's weight move,
+    nothing of it sent or received."""
+    from engine.distributed import collectives
+    from engine.ranks import follower
+
+    send_recv = collectives.TensorParallel.send_recv
+
+    def dying(self, sends, recvs, what):
+        if sends or recvs:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return send_recv(self, sends, recvs, what)
+
+    collectives.TensorParallel.send_recv = dying
+    sys.exit(follower.main(argv))
 
 
 def _kill_during_a_move(rank: int, world: int, address: str, model_dir: str, port: int):
-    import os
-    import subprocess
-
     from engine import LLM, SamplingParams
     from engine.distributed.groups import CollectiveError
+    from engine.processes.process_start import start_process
 
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
-    follower = subprocess.Popen([sys.executable, "-c", _DIES_MOVING_WEIGHTS], env=env)
+    # Rank 1 started outside the engine (local_ranks=1), as on another node (forked from this process's forkserver:
+    # a fresh interpreter spends 5 s of CPU importing).
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    follower = start_process(_follower_dying_in_a_move, (["--device", "cpu", "--timeout", "15"],), "rank-1", env)
     # 15 s: on a loaded 2-core machine a healthy step can wait seconds for the other rank; a 5 s limit failed
     # such a run before any weight moved.
     llm = LLM(model_dir, **ENGINE, tensor_parallel_size=2, local_ranks=1, distributed_timeout_s=15,
@@ -112,12 +115,12 @@ def _kill_during_a_move(rank: int, world: int, address: str, model_dir: str, por
         error = str(e)
     elapsed = time.monotonic() - start
     llm.engine.close(abrupt=True)
-    try:
-        follower.wait(timeout=60)
-    except subprocess.TimeoutExpired:
+    follower.join(60)
+    if follower.is_alive():
         follower.kill()
-        raise AssertionError(f"the follower outlived the engine by 60 s; the engine's error: {error}") from None
-    return {"error": error, "elapsed": elapsed, "follower_code": follower.returncode,
+        follower.join()
+        raise AssertionError(f"the follower outlived the engine by 60 s; the engine's error: {error}")
+    return {"error": error, "elapsed": elapsed, "follower_code": follower.exitcode,
             "rebalances": llm.engine.runner.eplb.stats.rebalances}
 
 

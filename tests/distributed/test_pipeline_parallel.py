@@ -7,8 +7,6 @@ stage killed mid-run fails the engine within the timeout, naming the rank."""
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -171,20 +169,22 @@ def test_pipeline_stages_generate_the_single_process_tokens(family, pipeline_run
 def _kill_a_stage(rank: int, world: int, address: str, model_dir: str, port: int):
     from engine import LLM, SamplingParams
     from engine.distributed.groups import CollectiveError
+    from engine.processes.process_start import run_main, start_process
 
-    # Stage 1 started by hand, as on another node: the torchrun variables and `moegate engine-rank`'s entry point.
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
+    # Stage 1 started outside the engine (local_ranks=1), as on another node: the torchrun variables and `moegate
+    # engine-rank`'s entry point. Forked from this process's forkserver (a fresh interpreter spends 5 s of CPU
+    # importing; test_engine_ranks starts one by its command line).
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     # 15 s: on a loaded 2-core machine a healthy first step waited over 5 s for stage 1 (and failed the run).
-    command = [sys.executable, "-m", "engine.ranks.follower", "--device", "cpu", "--timeout", "15"]
-    follower = subprocess.Popen(command, env=env)
+    argv = ["--device", "cpu", "--timeout", "15"]
+    follower = start_process(run_main, ("engine.ranks.follower", argv), "stage-1", env)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine = {**ENGINE, "num_kv_blocks": 260}  # room for a long generation (the model's 1024 positions)
     llm = LLM(model_dir, **engine, pipeline_parallel_size=2, local_ranks=1, distributed_timeout_s=15,
               distributed_init_method=f"tcp://127.0.0.1:{port}")
     first = llm.generate([[1, 2, 3]], params)[0].token_ids
     # Killed while the engine runs a long generation: rank 0 is inside a step's plan, send or receive.
-    killer = threading.Timer(0.5, follower.send_signal, (signal.SIGKILL,))
+    killer = threading.Timer(0.5, os.kill, (follower.pid, signal.SIGKILL))
     killer.start()
     start = time.monotonic()
     try:
@@ -194,7 +194,7 @@ def _kill_a_stage(rank: int, world: int, address: str, model_dir: str, port: int
         error = str(e)
     elapsed = time.monotonic() - start - 0.5  # from the kill
     killer.join()
-    follower.wait()
+    follower.join()
     llm.engine.close(abrupt=True)
     again = LLM(model_dir, **engine, pipeline_parallel_size=2, distributed_timeout_s=15)  # this node starts stage 1
     tokens = again.generate([[1, 2, 3]], params)[0].token_ids
