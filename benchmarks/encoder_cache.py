@@ -67,7 +67,7 @@ def write_checkpoint(path: str, vision_depth: int, text_layers: int = 4, moe_int
 
 
 def random_png(rng: random.Random, side: int) -> bytes:
-    data = bytes(rng.randrange(256) for _ in range(side * side * 3))
+    data = rng.randbytes(side * side * 3)  # random noise: incompressible, as large a PNG as the side allows
     out = io.BytesIO()
     Image.frombytes("RGB", (side, side), data).save(out, format="PNG")
     return out.getvalue()

@@ -48,7 +48,9 @@ bench-sparse-prefill 45 300
 bench-engine-deepseek 300 540
 bench-engine-families 420 590
 tune 580 590
-tune-gpt-oss 80 330
+tune-gpt-oss 150 330
+tests-planes 70 180
+bench-planes 110 240
 bench-moe 200 400
 bench-dense-gemv 90 200
 bench-engine 300 540
@@ -62,13 +64,15 @@ batch-three-ways 300 540
 batch-goals 300 540
 bench-structured 35 240
 bench-spec 30 300
-bench-image-itl 175 300
+bench-image-itl 220 360
 "
 # The first call's order: the CUDA tests first (the 2026 families' FP8-cache cases left transformers' tokens on the
-# last run), then MXFP4 experts against bf16 (this card's tuned files ship; tune-gpt-oss again after a kernel change),
+# last run), then MXFP4 experts against bf16 (this card's tuned files ship; tune-gpt-oss again after a kernel change:
+# the 4-bit matrix-vector decode as nibble planes, PLANES, is new and in the tuner's space; tests-planes, tune-gpt-oss,
+# bench-mxfp4, bench-planes in one call measure it: docs/decisions/mxfp4-decode.md),
 # then what has never run on a GPU (end to end against transformers on the H200, 8-bit experts in the engine,
 # DeepSeek-V2-Lite and the newer families at real size), then the goals and the rest.
-DEFAULT_STAGES="env tests-cuda tests-paths tests-families bench-mxfp4 goal-hf bench-quant bench-engine-deepseek
+DEFAULT_STAGES="env tests-cuda tests-paths tests-families tune-gpt-oss bench-mxfp4 bench-planes goal-hf bench-quant bench-engine-deepseek
 bench-engine-families bench-image-itl goal-engine goal-moe bench-structured bench-spec bench-piecewise bench-overlap bench-mla"
 
 usage() { echo "usage: benchmarks/gpu_session.sh [--dry-run] [--list] [--budget SECONDS] [--stages A,B:SECONDS,...] [STAGE[:SECONDS] ...]" >&2; exit 2; }
@@ -237,9 +241,19 @@ for spec in $SPECS; do
         goal-hf) run_stage goal-hf "$limit" $PY -m benchmarks.engine_gpu --concurrency 128 --json "$WORK/goal_hf.json" ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
         tune-gpt-oss) run_stage tune-gpt-oss "$limit" bash -c tune_gpt_oss ;;
-        # Text streams' ITL p99 while image requests arrive: the encoder budget against none, and no images.
+        # The 4-bit kernels on CUDA alone (the nibble-plane decode new): tile and plane decode against the float64
+        # decoders, plane dots, the MXFP4 and INT4 MoE paths; the same files run in tests-cuda.
+        tests-planes) run_stage tests-planes "$limit" $PYTEST tests/moe_kernels/test_planes.py \
+            tests/moe_kernels/test_mxfp4.py tests/moe_kernels/test_int4.py tests/moe_kernels/test_tune_mxfp4.py ;;
+        # The A/B of the 4-bit decode in one process: mxfp4 and int4 with their looked-up launch configs, the decode
+        # forced to tiles and to nibble planes, beside bf16, at the token counts the matrix-vector path serves.
+        bench-planes) run_stage bench-planes "$limit" $PY -m benchmarks.mxfp4_experts kernel --tokens 1,2,4,8 \
+            --rounds 5 --planes ;;
+        # Text streams' ITL p99 while image requests arrive: no images, the encoder budget, layer-chunked encoding,
+        # each with the images prepared on the step loop and off it (5 arms of 12 s measured).
         bench-image-itl) run_stage bench-image-itl "$limit" $PY -m benchmarks.image_itl --device cuda --dtype bfloat16 \
-            --streams 32 --every 0.25 --images 4 --side 448 --max-batched-tokens 512 --text-layers 16 --vision-depth 8 ;;
+            --streams 32 --every 0.25 --images 4 --side 448 --max-batched-tokens 512 --text-layers 16 --vision-depth 8 \
+            --seconds 12 ;;
         bench-moe) run_stage bench-moe "$limit" $PY -m benchmarks.moe_backends --out "$WORK/bench_moe.json" ;;
         # The dense projections: Triton gemv vs F.linear per shape at 1/4/8 rows (the engine-start selection).
         bench-dense-gemv) run_stage bench-dense-gemv "$limit" $PY -m benchmarks.dense_gemv --json "$WORK/bench_dense_gemv.json" ;;

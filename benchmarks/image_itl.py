@@ -1,27 +1,44 @@
-"""Text-only streams' inter-token latency while requests with images arrive: the per-step encoder budget at work.
+"""Text-only streams' inter-token latency while requests with images arrive: the per-step encoder budget at work,
+with the images prepared on the loop that steps the engine or off it.
 
-    python -m benchmarks.image_itl [--streams 8] [--seconds 20] [--every 0.5] [--images 4] [--side 448]
-                                   [--max-batched-tokens 256] [--vision-depth 4] [--text-layers 8] [--threads 1]
-                                   [--token-blocks N] [--no-budget] [--device cpu|cuda] [--dtype float32|bfloat16]
+    python -m benchmarks.image_itl [--streams 8] [--seconds 20] [--rounds 1] [--every 0.5] [--images 4]
+                                   [--side 448] [--max-batched-tokens 256] [--vision-depth 4] [--text-layers 8]
+                                   [--threads 1] [--token-blocks N] [--no-budget] [--profile] [--clock wall|cpu]
+                                   [--device cpu|cuda] [--dtype float32|bfloat16]
 
 One process, one checkpoint written at start (transformers' ``Qwen3VLMoeForConditionalGeneration`` of small
-shapes, its own random init; ``benchmarks.encoder_cache.write_checkpoint``), three runs one after another on the
-same arrivals: text streams alone; with image requests under the default encoder budget (a step encodes at most
-``max_num_batched_tokens`` image tokens, each image whole); with image requests under layer-chunked encoding
+shapes, its own random init; ``benchmarks.encoder_cache.write_checkpoint``), an engine per arm built once, then
+``rounds`` rounds of ``seconds`` each arm, the arms taking turns within a round (so a busy shared host's drift
+falls on every arm alike); each round's image requests are new (no image is ever seen twice), the same for every
+arm of that round. The arms: text streams alone; with image requests under the default encoder budget (a step
+encodes at most ``max_num_batched_tokens`` image tokens, each image whole); under layer-chunked encoding
 (``max_num_encoder_token_blocks``: ``--token-blocks``, default one tower block of one image, its patches: a step
 runs that much of the tower); with ``--no-budget`` also with no encoder budget at all (every image a prompt chunk
-reaches encoded in that step).
+reaches encoded in that step). Each image arm twice: *on the loop*, the request's encoded images handed to
+``LLMEngine.add_request`` on the thread that steps the engine (decoded, preprocessed and hashed there, as the
+engine process did before ``engine.serving.image_preparation``), and *off the loop*, held by that module's
+``ImagePreparation`` while the engine's image worker prepares them, as the engine process's loop does.
 
-Workload: ``streams`` text-only requests decoding for the whole run (32-token prompts, ``ignore_eos``); every
-``every`` seconds one request with ``images`` distinct random images of ``side`` x ``side`` pixels (never seen
-before, so every one reaches the vision tower) and a little text, 4 generated tokens. Steps are chunked at
+Workload: ``streams`` text-only requests decoding for the whole round (32-token prompts, ``ignore_eos``); once
+their prompts are computed (and 2 s in) the round is measured for ``seconds``, and every ``every`` seconds one
+request with ``images`` distinct random images of ``side`` x ``side`` pixels (noise: a
+PNG as large as the side allows) and a little text, 4 generated tokens. Steps are chunked at
 ``max_batched_tokens`` tokens, so an image request's text is prefilled over several steps either way; what the
 encoder budget bounds is the vision tower's work in one step.
 
 The shape keeps a served model's proportions where they decide the result: the vision tower a fraction of the
 text model's per-step work (``--vision-depth`` blocks of width 256 against ``--text-layers`` MoE layers over the
-batch). Printed per run: the streams' inter-token gaps (after a 2 s warm-up) p50, p99 and max, the steps and
-the image requests served; then each image run's p99 over the text-only run's. Nothing is asserted.
+batch). Printed per arm (all rounds' measured gaps together): the streams' inter-token
+gaps p50, p99 and max, the steps and the image requests served; then each image arm's p99 over the text-only
+arm's, on and off the loop side by side. Twice: in wall-clock time, and in the stepping thread's CPU time
+(``time.thread_time``: what the loop itself computed between two tokens, without the time other processes of a
+shared host take from it; on the CPU with ``--threads 1``, where torch runs every op on that thread: on a GPU it
+leaves the device's time out, so read the wall clock there).
+
+``--profile``: what the slowest 1% of the loop's iterations (and the median one) spent their time on: adding
+requests (with their images, on the loop), scheduling, the vision tower (layer-chunked pieces and whole images),
+the rest of the step (the forward, sampling, outputs), and the prompt tokens they prefilled (measured iterations
+only), in ``--clock``'s time. Nothing is asserted.
 """
 
 import argparse
@@ -29,6 +46,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,12 +55,71 @@ from engine.core.config import EngineConfig
 from engine.core.request_policy import RequestPolicy
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.serving.image_preparation import ImagePreparation
+from engine.serving.protocol import AddRequest
 
 WARMUP_S = 2.0
+STREAM = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+POLICY = RequestPolicy(tenant="t", cache_salt="t")
+PARTS = ("add", "schedule", "tower", "rest")
+
+
+@dataclass
+class Arm:
+    name: str
+    engine: LLMEngine
+    images: bool
+    off_loop: bool = False
+    gaps: list[float] = field(default_factory=list)  # wall clock
+    cpu_gaps: list[float] = field(default_factory=list)  # the stepping thread's CPU time
+    steps: int = 0
+    sent: int = 0
+    served: int = 0
+    iterations: list[dict] = field(default_factory=list)  # --profile: each loop iteration's parts (ms)
+
+
+class StepProbe:
+    """Host time of the parts of each loop iteration of one engine, by wrapping its scheduler's ``schedule`` and
+    its model's tower entry points (``encode_pieces``, ``encode``)."""
+
+    def __init__(self, engine: LLMEngine, clock) -> None:
+        self.now: dict = {}
+        scheduler, model = engine.scheduler, engine.model
+
+        def timed(part: str, fn):
+            def wrapper(*args):
+                start = clock()
+                try:
+                    return fn(*args)
+                finally:
+                    self.now[part] = self.now.get(part, 0.0) + (clock() - start) * 1e3
+            return wrapper
+
+        schedule = timed("schedule", scheduler.schedule)
+
+        def scheduling():
+            plan = schedule()
+            self.now["prefill"] = sum(p.num_new_tokens for p in plan.scheduled if p.num_new_tokens > 1)
+            return plan
+
+        scheduler.schedule = scheduling
+        model.encode_pieces = timed("tower", model.encode_pieces)
+        model.encode = timed("tower", model.encode)
+
+    def begin(self) -> None:
+        self.now = {}
+
+    def end(self, add_ms: float, step_ms: float) -> dict:
+        parts = {"add": add_ms, "schedule": self.now.get("schedule", 0.0), "tower": self.now.get("tower", 0.0),
+                 "prefill": self.now.get("prefill", 0)}
+        parts["rest"] = step_ms - parts["schedule"] - parts["tower"]
+        parts["total"] = add_ms + step_ms
+        return parts
 
 
 def image_requests(rng: random.Random, args) -> list[tuple[list[int], list[bytes]]]:
-    """(prompt ids, images) for every arrival of the run: distinct images, text around each."""
+    """(prompt ids, images) for every arrival of a round: distinct images, text around each."""
     tokens = (args.side // 32) ** 2
     out = []
     for _ in range(int(args.seconds / args.every) + 1):
@@ -55,48 +132,95 @@ def image_requests(rng: random.Random, args) -> list[tuple[list[int], list[bytes
     return out
 
 
-def run(path: str, args, arrivals: list | None, encoder_tokens: int | None, token_blocks: int | None = None) -> dict:
-    engine = LLMEngine(EngineConfig(model=path, device=args.device, dtype=args.dtype, block_size=16, num_kv_blocks=2048,
-                                    max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.streams + 16,
-                                    max_num_encoder_tokens=encoder_tokens, max_num_encoder_token_blocks=token_blocks,
-                                    encoder_cache_gb=0.0,
-                                    cpu_threads=args.threads))
-    rng = random.Random(args.seed)
-    stream = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
-    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    policy = RequestPolicy(tenant="t", cache_salt="t")
-    for i in range(args.streams):
-        engine.add_request([rng.randrange(1, VISION_START) for _ in range(32)], stream, request_id=f"s{i}",
-                           policy=policy)
-    last: dict[str, float] = {}
-    gaps: list[float] = []
-    steps, served, sent = 0, 0, 0
+def build(path: str, args, encoder_tokens: int | None, token_blocks: int | None) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, device=args.device, dtype=args.dtype, block_size=16, num_kv_blocks=2048,
+                                  max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.streams + 16,
+                                  max_num_encoder_tokens=encoder_tokens, max_num_encoder_token_blocks=token_blocks,
+                                  encoder_cache_gb=0.0, cpu_threads=args.threads))
+
+
+def run_round(arm: Arm, args, arrivals: list, rnd: int, probe: StepProbe | None, clock) -> None:
+    """One round of ``arm``: its streams (and image requests), measured ``args.seconds`` from when the streams'
+    prompts are computed (and WARMUP_S in); every request ended after."""
+    engine, rng = arm.engine, random.Random(args.seed + rnd)
+    prep = ImagePreparation(engine)
+    streams = [f"r{rnd}s{i}" for i in range(args.streams)]
+    for rid in streams:
+        engine.add_request([rng.randrange(1, VISION_START) for _ in range(32)], STREAM, request_id=rid, policy=POLICY)
+    last: dict[str, tuple[float, float]] = {}  # each stream's last token: wall clock, the thread's CPU time
+    sent, started = 0, []
     start = time.perf_counter()
-    while (now := time.perf_counter()) - start < args.seconds:
-        if arrivals is not None and sent < len(arrivals) and now - start >= WARMUP_S + sent * args.every:
+    measured = None  # from when: WARMUP_S in, and every stream's prompt computed (its first token out)
+    while True:
+        now = time.perf_counter()
+        if measured is None and now - start >= WARMUP_S and len(last) == len(streams):
+            measured = now
+        if measured is not None and now - measured >= args.seconds:
+            break
+        began = clock()
+        if arm.images and measured is not None and sent < len(arrivals) and now - measured >= sent * args.every:
             prompt, images = arrivals[sent]
-            engine.add_request(prompt, short, request_id=f"i{sent}", policy=policy, images=images)
+            rid = f"r{rnd}i{sent}"
+            if arm.off_loop:  # as the engine process's loop: held while the image worker prepares them
+                prep.hold(AddRequest(rid, prompt, SHORT, POLICY, images=images))
+            else:
+                engine.add_request(prompt, SHORT, request_id=rid, policy=POLICY, images=images)
+            started.append(rid)
             sent += 1
+        for msg, error in prep.ready():
+            assert error is None, error
+            engine.add_request(msg.prompt, SHORT, request_id=msg.request_id, policy=POLICY, images=prep.images_of(msg))
+        added = clock()
+        if probe is not None:
+            probe.begin()
         outputs = engine.step()
-        steps += 1
-        at = time.perf_counter()
+        arm.steps += 1
+        at, cpu_at = time.perf_counter(), time.thread_time()
+        if probe is not None and measured is not None:
+            arm.iterations.append(probe.end((added - began) * 1e3, (clock() - added) * 1e3))
         for out in outputs:
-            if out.request_id.startswith("s") and out.token_ids:
-                if out.request_id in last and last[out.request_id] - start >= WARMUP_S:
-                    gaps.append(at - last[out.request_id])
-                last[out.request_id] = at
+            if out.request_id in streams and out.token_ids:
+                if measured is not None and last.get(out.request_id, (0.0,))[0] >= measured:
+                    arm.gaps.append(at - last[out.request_id][0])
+                    arm.cpu_gaps.append(cpu_at - last[out.request_id][1])
+                last[out.request_id] = (at, cpu_at)
             elif out.finished:
-                served += 1
-    engine.close()
-    gaps.sort()
-    return dict(p50=statistics.median(gaps) * 1e3, p99=gaps[int(0.99 * (len(gaps) - 1))] * 1e3,
-                max=gaps[-1] * 1e3, steps=steps, sent=sent, served=served)
+                arm.served += 1
+    while prep:  # images still being prepared: done before the next arm runs, then dropped
+        time.sleep(0.01)
+        prep.ready()
+    for rid in streams + started:
+        prep.drop(rid)
+        engine.abort(rid)
+    arm.sent += sent
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[int(q * (len(values) - 1))]
+
+
+def report_profile(arm: Arm) -> None:
+    rows = sorted(arm.iterations, key=lambda r: r["total"])
+    slow = rows[-max(1, len(rows) // 100):]
+
+    def line(picked: list[dict]) -> str:
+        mean = {k: statistics.fmean(r[k] for r in picked) for k in (*PARTS, "total", "prefill")}
+        return (f"{mean['total']:6.1f} ms = add {mean['add']:5.1f} + schedule {mean['schedule']:4.1f} + tower "
+                f"{mean['tower']:5.1f} + rest {mean['rest']:6.1f}; prefill {mean['prefill']:5.1f} tokens")
+
+    kinds = (f"{sum(r['tower'] > 0 for r in slow)} ran the tower, {sum(r['prefill'] > 0 for r in slow)} prefilled, "
+             f"{sum(r['add'] > 1 for r in slow)} added images on the loop")
+    print(f"{arm.name:>38}: slowest 1% ({len(slow)} of {len(rows)}) {line(slow)}; of them {kinds}")
+    print(f"{'':>38}  median iteration   {line([rows[len(rows) // 2]])}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=20.0,
+                        help="seconds measured of each arm in each round (after its streams' prompts, and 2 s)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds, the arms taking turns within each")
     parser.add_argument("--every", type=float, default=0.5, help="seconds between image requests")
     parser.add_argument("--images", type=int, default=4, help="images per image request")
     parser.add_argument("--side", type=int, default=448, help="image side in pixels (a multiple of 32)")
@@ -106,32 +230,55 @@ def main() -> None:
     parser.add_argument("--moe-intermediate", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--token-blocks", type=int, default=None,
-                        help="layer-chunked run's tower work a step, in token-blocks (default: one block of one image)")
+                        help="layer-chunked arms' tower work a step, in token-blocks (default: one block of one image)")
     parser.add_argument("--no-budget", action="store_true", help="also run with no encoder budget")
+    parser.add_argument("--profile", action="store_true", help="where the slowest iterations spend their time")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="--profile's clock: wall, or the stepping thread's CPU time")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    arrivals = image_requests(random.Random(args.seed + 1), args)
     with tempfile.TemporaryDirectory() as path:
         write_checkpoint(path, args.vision_depth, args.text_layers, args.moe_intermediate)
         print(f"{args.streams} text streams; every {args.every} s a request with {args.images} images of "
               f"{args.side}x{args.side} ({(args.side // 32) ** 2} tokens each); steps of {args.max_batched_tokens} "
-              f"tokens; {args.threads} thread(s)")
+              f"tokens; {args.threads} thread(s); {args.rounds} round(s) of {args.seconds} s an arm")
         token_blocks = args.token_blocks or (args.side // 16) ** 2  # patches of one image: one block of it
-        plans = [("text only", None, None, None), ("images, encoder budget", arrivals, None, None),
-                 (f"images, {token_blocks} token-blocks", arrivals, None, token_blocks)]
+        budgets = [("encoder budget", None, None), (f"{token_blocks} token-blocks", None, token_blocks)]
         if args.no_budget:
-            plans.append(("images, no budget", arrivals, 10**9, None))
-        runs = {}
-        for name, arr, budget, blocks in plans:
-            r = runs[name] = run(path, args, arr, budget, blocks)
-            print(f"{name:>30}: ITL p50 {r['p50']:6.1f} ms  p99 {r['p99']:6.1f} ms  max {r['max']:6.1f} ms  "
-                  f"steps {r['steps']}  image requests {r['served']}/{r['sent']}")
-        base = runs["text only"]["p99"]
-        for name, *_ in plans[1:]:
-            print(f"ITL p99 {name} / text only: {runs[name]['p99'] / base:.2f}x")
+            budgets.append(("no budget", 10**9, None))
+        arms = [Arm("text only", build(path, args, None, None), images=False)]
+        for name, encoder_tokens, blocks in budgets:
+            for off in (False, True):
+                arms.append(Arm(f"images, {name}, {'off' if off else 'on'} the loop",
+                                build(path, args, encoder_tokens, blocks), images=True, off_loop=off))
+        clock = time.perf_counter if args.clock == "wall" else time.thread_time
+        probes = {arm.name: StepProbe(arm.engine, clock) if args.profile else None for arm in arms}
+        for rnd in range(args.rounds):
+            arrivals = image_requests(random.Random(args.seed + 1000 + rnd), args)
+            for arm in arms:
+                run_round(arm, args, arrivals, rnd, probes[arm.name], clock)
+        for arm in arms:
+            arm.engine.close()
+        for label, gaps_of in (("wall clock", lambda a: a.gaps),
+                               ("the stepping thread's CPU time", lambda a: a.cpu_gaps)):
+            print(f"ITL in {label}:")
+            for arm in arms:
+                gaps = gaps_of(arm)
+                print(f"{arm.name:>38}: ITL p50 {statistics.median(gaps) * 1e3:6.1f} ms  "
+                      f"p99 {percentile(gaps, 0.99) * 1e3:6.1f} ms  max {max(gaps) * 1e3:6.1f} ms  "
+                      f"steps {arm.steps}  image requests {arm.served}/{arm.sent}")
+            base = percentile(gaps_of(arms[0]), 0.99)
+            for i in range(1, len(arms), 2):
+                on, off = gaps_of(arms[i]), gaps_of(arms[i + 1])
+                print(f"ITL p99 / text only, {arms[i].name.split(', ')[1]:>18}: on the loop "
+                      f"{percentile(on, 0.99) / base:.2f}x, off the loop {percentile(off, 0.99) / base:.2f}x")
+        if args.profile:
+            print(f"iterations in {'wall clock' if args.clock == 'wall' else 'the stepping thread CPU time'}:")
+            for arm in arms:
+                report_profile(arm)
 
 
 if __name__ == "__main__":

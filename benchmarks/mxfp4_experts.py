@@ -2,8 +2,8 @@
 fused MoE kernel's tokens/s at gpt-oss-20b's expert shape (CUDA), every mode in one run.
 
     python -m benchmarks.mxfp4_experts memory                 # bytes of expert weights per mode, gpt-oss-20b/120b
-    python -m benchmarks.mxfp4_experts kernel --tokens 1,8,64,512 --rounds 5
-    python -m benchmarks.mxfp4_experts resources [--tokens 1,8,64,512] [--gemv]   # no GPU: compiled for sm_90
+    python -m benchmarks.mxfp4_experts kernel --tokens 1,8,64,512 --rounds 5 [--planes]
+    python -m benchmarks.mxfp4_experts resources [--tokens 1,8,64,512] [--gemv [--planes]]   # no GPU: sm_90 code
 
 ``memory``: the gpt-oss presets built on the meta device as the engine builds them (``build_random_model`` with
 each ``--quantization``), bytes of the routed experts (weights, scales, biases) summed from each parameter's numel
@@ -11,16 +11,20 @@ and element size.
 
 ``resources``: the launches ``fused_moe_triton`` makes at gpt-oss-20b's expert shape on an H100 (its launch configs,
 its argument specialization), each compiled for sm_90 on this machine: registers, spilled bytes, shared memory, and
-the SASS instructions (all, and global loads) of each kernel. Run the file with ``PYTHONPATH`` at another checkout
-to compare its kernels.
+the SASS instructions (all, and global loads) of each kernel, and those of its K loop, also per weight value a step
+reads (``per_value``: the decode's cost, where a 4-bit layer is bound by it). Run the file with ``PYTHONPATH`` at
+another checkout (or another Triton) to compare its kernels.
 
 ``kernel``: one MoE layer of gpt-oss-20b (E=32, top-4, H=I=2880, clamped SwiGLU, biases) through
 ``moe_kernels.fused_moe`` on the Triton backend, experts bf16, int8, fp8, mxfp4 and int4 (each quantized from the
 same bf16 weights; int4 as Kimi's checkpoints store it, ``moe_kernels.int4``); per token count the modes are timed in turn (CUDA graphs, weights flushed from L2 before each
-call), ``--rounds`` times; median and range of tokens/s per mode.
+call), ``--rounds`` times; median and range of tokens/s per mode. ``--planes`` adds mxfp4 and int4 with the
+launch config they look up but its 4-bit decode forced to tiles in K order and to nibble planes
+(``moe_kernels.planes_triton``), both kernels, in the same rounds: an A/B of the decode in one process.
 """
 
 import argparse
+import dataclasses
 import os
 import re
 import statistics
@@ -75,12 +79,33 @@ def _layer(mode: str | None, device: torch.device, seed: int = 0) -> dict:
     return dict(w13=w13, w2=w2, args=args, bytes=sum(t.numel() * t.element_size() for t in (w13, w2)))
 
 
-def kernel(tokens: list[int], rounds: int) -> None:
+def _decode_variants(layers: dict) -> dict:
+    """Each 4-bit layer twice more, as "<mode>/tiles" and "<mode>/planes": the launch config looked up with
+    ``PLANES`` forced off and on in both kernels (they differ where that config takes the matrix-vector path)."""
+    return {f"{name}/{variant}": {**layer, "planes": variant == "planes"} for name, layer in layers.items()
+            if name in ("mxfp4", "int4") for variant in ("tiles", "planes")}
+
+
+def _call(x, layer: dict, weights, ids):
+    import moe_kernels
+    from moe_kernels.triton_backend import default_config, fused_moe_triton
+
+    if "planes" not in layer:  # as the engine calls it
+        return moe_kernels.fused_moe(x, layer["w13"], layer["w2"], weights, ids, backend="triton", **layer["args"])
+    config = default_config(x, layer["w13"])
+    config = dataclasses.replace(config, w13=dataclasses.replace(config.w13, PLANES=layer["planes"]),
+                                 w2=dataclasses.replace(config.w2, PLANES=layer["planes"]))
+    return fused_moe_triton(x, layer["w13"], layer["w2"], weights, ids, config=config, **layer["args"])
+
+
+def kernel(tokens: list[int], rounds: int, planes: bool = False) -> None:
     import moe_kernels
     from moe_kernels.timing import capture_graph, median_ms
 
     device = torch.device("cuda")
     layers = {mode or "bf16": _layer(mode, device) for mode in MODES}
+    if planes:
+        layers.update(_decode_variants(layers))
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)
     h, e, k = SHAPE_20B["hidden"], SHAPE_20B["num_experts"], SHAPE_20B["top_k"]
     print(torch.cuda.get_device_name(device), f"gpt-oss-20b expert layer: E={e} top-{k} H=I={h}")
@@ -93,8 +118,7 @@ def kernel(tokens: list[int], rounds: int) -> None:
         calls = {}
         for name, layer in layers.items():
             def call(layer=layer):
-                return moe_kernels.fused_moe(x, layer["w13"], layer["w2"], weights, ids, backend="triton",
-                                             **layer["args"])
+                return _call(x, layer, weights, ids)
             graph = capture_graph(call, device)
             calls[name] = graph.replay if graph is not None else call
         times = {name: [] for name in layers}
@@ -202,11 +226,29 @@ def _sm90_resources(fn, args: tuple, kwargs: dict) -> dict:
     found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage))
     ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
     c = dict(bound)
+    loop = _k_loop_instructions(sass)
+    tiles = 2 if "w13" in fn.fn.__name__ else 1  # w13's programs read a gate and an up tile per step
+    threads = 32 * kwargs.get("num_warps", 4)
     return dict(kernel=fn.fn.__name__, QUANT=c.get("QUANT"), BLOCK_M=c.get("BLOCK_M"), BLOCK_N=c["BLOCK_N"],
-                BLOCK_K=c["BLOCK_K"], warps=kwargs.get("num_warps"), stages=kwargs.get("num_stages"),
-                registers=int(found["REG"]), spill_bytes=int(found["LOCAL"]) + int(found["STACK"]),
-                shared_bytes=compiled.metadata.shared, sass=len(ops),
-                global_loads=sum(op.startswith("LDG") for op in ops))
+                BLOCK_K=c["BLOCK_K"], PLANES=c.get("PLANES"), warps=kwargs.get("num_warps"),
+                stages=kwargs.get("num_stages"), registers=int(found["REG"]),
+                spill_bytes=int(found["LOCAL"]) + int(found["STACK"]), shared_bytes=compiled.metadata.shared,
+                sass=len(ops), global_loads=sum(op.startswith("LDG") for op in ops), k_loop=loop,
+                per_value=round(loop * threads / (tiles * c["BLOCK_N"] * c["BLOCK_K"]), 2))
+
+
+def _k_loop_instructions(sass: str) -> int:
+    """SASS instructions of the innermost loop (the K loop): the shortest span a backward branch closes, of more
+    than 20 instructions (shorter ones are the compiler's spin loops). Per thread and step, so per weight value
+    it is this times the threads over the values a step reads (``per_value``)."""
+    lines = re.findall(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)
+    index = {int(address, 16): i for i, (address, _) in enumerate(lines)}
+    spans = []
+    for i, (address, text) in enumerate(lines):
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) <= int(address, 16) and int(target.group(1), 16) in index:
+            spans.append(i - index[int(target.group(1), 16)] + 1)
+    return min((n for n in spans if n > 20), default=0)
 
 
 def resources(tokens: list[int], modes: tuple = (None, "int8", "mxfp4", "int4"), config: dict | None = None) -> list[dict]:
@@ -225,23 +267,30 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("kernel", help="fused MoE tokens/s per mode at gpt-oss-20b's expert shape (CUDA)")
     p.add_argument("--tokens", default="1,8,64,512", help="comma-separated token counts (default 1,8,64,512)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of all modes per token count (default 5)")
+    p.add_argument("--planes", action="store_true", help="also mxfp4 and int4 with the looked-up launch config's "
+                   "4-bit decode forced to tiles and to nibble planes (PLANES), timed in the same rounds")
     p = sub.add_parser("resources", help="registers, spills, shared memory, SASS of the sm_90 kernels (no GPU)")
     p.add_argument("--tokens", default="1,8,64,512", help="comma-separated token counts (default 1,8,64,512)")
     p.add_argument("--gemv", action="store_true", help="the matrix-vector launch tuned for one token (GEMV_LAUNCH)")
+    p.add_argument("--planes", action="store_true", help="with --gemv: 4-bit weights decoded as nibble planes")
     args = parser.parse_args(argv)
     if args.command == "memory":
         memory()
     elif args.command == "resources":
-        for r in resources([int(t) for t in args.tokens.split(",")], config=GEMV_LAUNCH if args.gemv else None):
+        config = None
+        if args.gemv:
+            config = {**GEMV_LAUNCH, **{g: {**GEMV_LAUNCH[g], "PLANES": args.planes} for g in ("w13", "w2")}}
+        for r in resources([int(t) for t in args.tokens.split(",")], config=config):
             print(f"{r['mode']:>5} T={r['tokens']:<4} {r['kernel']:<20} QUANT={r['QUANT']} BLOCK_M={r['BLOCK_M']} "
-                  f"N={r['BLOCK_N']} K={r['BLOCK_K']} warps={r['warps']} stages={r['stages']}: "
+                  f"N={r['BLOCK_N']} K={r['BLOCK_K']} PLANES={r['PLANES']} warps={r['warps']} stages={r['stages']}: "
                   f"registers={r['registers']} spilled={r['spill_bytes']} shared={r['shared_bytes']} "
-                  f"sass={r['sass']} global_loads={r['global_loads']}")
+                  f"sass={r['sass']} global_loads={r['global_loads']} k_loop={r['k_loop']} "
+                  f"per_value={r['per_value']}")
     elif not torch.cuda.is_available():
         print("kernel needs CUDA", file=sys.stderr)
         return 2
     else:
-        kernel([int(t) for t in args.tokens.split(",")], args.rounds)
+        kernel([int(t) for t in args.tokens.split(",")], args.rounds, args.planes)
     return 0
 
 

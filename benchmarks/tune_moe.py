@@ -17,6 +17,10 @@ package's ``configs/``, where ``launch_config`` looks first after
 packed bytes and e8m0 scales; activations stay ``--dtype``): every BLOCK_K a
 multiple of the 32-value scale group, and the file keyed by the quantization
 too, the name ``launch_config`` looks up for such weights before the dtype's.
+Its matrix-vector candidates decode the 4-bit tiles both ways, in K order and
+as nibble planes (``PLANES``, ``moe_kernels.planes_triton``); the fastest of
+each, per kernel and token count, goes to stderr (the A/B of the two decodes),
+the fastest of all into the file.
 
 Timings mean something only on the GPU the file is named after. Without CUDA
 it refuses, unless TRITON_INTERPRET=1 is set, tiny shapes are given and
@@ -65,11 +69,21 @@ GPU_SPACES = (
 )
 INTERPRETER_SPACES = ((1 << 62, dict(BLOCK_M=(16, 32), BLOCK_N=(16, 32), BLOCK_K=(32,), GROUP_M=(1,), num_warps=(4,),
                                      num_stages=(2,))),)
-# The matrix-vector kernels: no row tile; BLOCK_N x BLOCK_K float32 partial sums per program.
-GPU_GEMV_SPACE = dict(BLOCK_N=(16, 32, 64), BLOCK_K=(128, 256, 512), GROUP_M=(1,), num_warps=(2, 4, 8), num_stages=(2, 4))
-INTERPRETER_GEMV_SPACE = dict(BLOCK_N=(16,), BLOCK_K=(32,), GROUP_M=(1,), num_warps=(4,), num_stages=(2,))
-UNSORTED_MAX_TOKENS = 4  # the no-alignment and matrix-vector paths read an expert once per slot: a handful of tokens
+# The matrix-vector kernels: no row tile; BLOCK_N x BLOCK_K float32 partial sums per program (no tl.dot: row tiles
+# under 16, more programs for a handful of slots). PLANES: MXFP4 tiles as nibble planes too (ignored for others).
+# num_stages: one, since it changes nothing in these loops (no tl.dot to pipeline; the same SASS for 2 and 4 with
+# Triton 3.6 and 3.9 on sm_90), so timing both measured noise.
+GPU_GEMV_SPACE = dict(BLOCK_N=(8, 16, 32, 64), BLOCK_K=(128, 256, 512), GROUP_M=(1,), num_warps=(2, 4, 8),
+                      num_stages=(2,), PLANES=(False, True))
+INTERPRETER_GEMV_SPACE = dict(BLOCK_N=(16,), BLOCK_K=(32,), GROUP_M=(1,), num_warps=(4,), num_stages=(2,),
+                              PLANES=(False, True))
+UNSORTED_MAX_TOKENS = 4  # the no-alignment path reads an expert once per slot: a handful of tokens
+# The matrix-vector kernels too, but pad nothing: at 8 tokens of gpt-oss-20b (32 slots on about 20 experts) they
+# read about 1.6x the grouped GEMMs' bytes, which a decode-bound 4-bit layer may not feel. Timed, not assumed.
+GEMV_MAX_TOKENS = 8
 GEMV_MAX_PARTIALS = 64  # float32 partial sums per thread in a matrix-vector program (two tiles for w13)
+# Registers per int32 word (eight 4-bit values) with PLANES: the word, its accumulator and its step's sum.
+PLANES_REGS_PER_WORD = 3
 MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread; past this the tile spills registers
 
 
@@ -126,7 +140,7 @@ class Problem:
 def row_tilings(problem: Problem, space: dict) -> list[tuple[str, int]]:
     """(mode, BLOCK_M) pairs worth timing for this token count; mode is "sorted", "unsorted" or "gemv"."""
     few = problem.num_tokens <= UNSORTED_MAX_TOKENS
-    out = [("gemv", 16)] if few else []
+    out = [("gemv", 16)] if problem.num_tokens <= GEMV_MAX_TOKENS else []
     for mode, block_m in itertools.product(("sorted", "unsorted") if few else ("sorted",), space["BLOCK_M"]):
         if block_m > 16 and (mode == "unsorted" or block_m > 2 * problem.num_tokens * problem.k):
             continue  # unsorted blocks use one row; huge tiles for few slots are pure padding
@@ -139,11 +153,16 @@ def launch_config(mode: str, block_m: int, w13: GemmConfig, w2: GemmConfig) -> L
 
 
 def _gemv_candidates(space: dict, weight_tiles: int, quantization: str | None = None) -> list[GemmConfig]:
+    # MXFP4 tiles both ways: in K order (a float32 partial sum per value) and as nibble planes (PLANES: per word of
+    # eight values, about three registers), so planes fit tiles nearly three times as large in the same registers.
     out = []
-    for bn, bk, warps, stages in itertools.product(space["BLOCK_N"], space["BLOCK_K"], space["num_warps"],
-                                                   space["num_stages"]):
-        cfg = GemmConfig(bn, bk, 1, warps, stages)
-        if bn * bk * weight_tiles // (warps * 32) <= GEMV_MAX_PARTIALS and _fits_weights(cfg, quantization):
+    planes = space["PLANES"] if quantization == "mxfp4" else (False,)
+    for bn, bk, warps, stages, plane in itertools.product(space["BLOCK_N"], space["BLOCK_K"], space["num_warps"],
+                                                          space["num_stages"], planes):
+        cfg = GemmConfig(bn, bk, 1, warps, stages, PLANES=plane)
+        values = bn * bk * weight_tiles // (warps * 32)  # per thread and step
+        partials = values * PLANES_REGS_PER_WORD // 8 if plane else values
+        if partials <= GEMV_MAX_PARTIALS and _fits_weights(cfg, quantization):
             out.append(cfg)
     return out
 
@@ -282,6 +301,19 @@ def _fastest(run, candidates: list[GemmConfig], device, reps: int, warmup: int) 
     return best
 
 
+def _fastest_by_decode(problem: Problem, run, candidates: list[GemmConfig], which: str, device, reps: int,
+                       warmup: int) -> tuple[float, GemmConfig | None]:
+    """``_fastest``, and where the candidates decode 4-bit weights both ways (PLANES off and on), the best of each
+    on stderr: the A/B of the two decodes, from one process."""
+    variants = sorted({c.PLANES for c in candidates})
+    best = {p: _fastest(run, [c for c in candidates if c.PLANES == p], device, reps, warmup) for p in variants}
+    if len(variants) > 1:
+        for plane, (ms, cfg) in best.items():
+            print(f"T={problem.num_tokens:>6} gemv {which:>3} {'planes' if plane else 'tiles':>6}: {ms:9.4f} ms  {cfg}",
+                  file=sys.stderr)
+    return min(best.values(), key=lambda pair: pair[0])
+
+
 def tune_one(problem: Problem, device: torch.device, spaces: tuple, smem_limit: int, reps: int,
              warmup: int) -> tuple[LaunchConfig, float]:
     """Best LaunchConfig for ``problem`` and its total time in ms (alignment + kernel 1 + kernel 2)."""
@@ -300,8 +332,10 @@ def tune_one(problem: Problem, device: torch.device, spaces: tuple, smem_limit: 
             per_token = t["slot_out"].view(problem.num_tokens, problem.k, problem.H)  # [T, k, H]
             align_ms = _time(lambda: (slot_blocks(t["topk_ids"], problem.E, placeholder), per_token.sum(dim=1)),
                              device, reps, warmup)
-        ms1, cfg1 = _fastest(_launcher(problem, t, mode, block_m, "w13"), cfgs["w13"], device, reps, warmup)
-        ms2, cfg2 = _fastest(_launcher(problem, t, mode, block_m, "w2"), cfgs["w2"], device, reps, warmup)
+        ms1, cfg1 = _fastest_by_decode(problem, _launcher(problem, t, mode, block_m, "w13"), cfgs["w13"], "w13",
+                                       device, reps, warmup)
+        ms2, cfg2 = _fastest_by_decode(problem, _launcher(problem, t, mode, block_m, "w2"), cfgs["w2"], "w2", device,
+                                       reps, warmup)
         if cfg1 is None or cfg2 is None:
             continue
         total = align_ms + ms1 + ms2

@@ -2,7 +2,9 @@
 
 import itertools
 import logging
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -40,6 +42,8 @@ logger = logging.getLogger(__name__)
 OVERLAP_BY_DEFAULT = ("cuda",)
 # An engine with nothing to run but requests waiting for adapters' reads waits this long at most per step.
 LORA_READ_WAIT_S = 0.05
+# ... or for images' pixels being preprocessed on its image worker (some 25 ms a 448x448 PNG on the CPU).
+IMAGE_WAIT_S = 0.02
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,6 +80,8 @@ class LLMEngine:
         self.config = config
         self._image_config = None  # the image preprocessing settings, read at the first request with images
         self._seen_images = None  # encoded images already preprocessed (engine.vision.prompt_images.SeenImages)
+        self._image_worker = None  # the thread images are preprocessed on (engine.vision.image_worker), once needed
+        self._images_lock = threading.Lock()  # the three above are made once, on whichever thread asks first
         self.device = resolve_device(config.device)
         self.model_config = engine_model_config(config)
         check_family_support(config, self.model_config)
@@ -155,6 +161,8 @@ class LLMEngine:
     def close(self, abrupt: bool = False) -> None:
         """Stop the other ranks of a multi-process engine (a no-op for one process): tell them, or with ``abrupt``
         (after a failure, when they may be inside a collective) leave the group and end this node's ranks."""
+        if self._image_worker is not None:
+            self._image_worker.close()
         if self._overlap is not None:
             self._overlap.close()
         if self._pipeline is not None:
@@ -253,20 +261,55 @@ class LLMEngine:
                       cache_salt: str | None = None) -> tuple[PromptImage, ...]:
         """A prompt's images matched with its placeholder runs (``engine.vision.prompt_images``), which
         ``add_request`` takes as they are (with a policy of the same ``cache_salt``); ValueError for images given
-        to a text model, or images that do not fit the prompt. Encoded bytes this salt sent before are not
-        preprocessed again here (only if the vision tower must run on them)."""
+        to a text model, or images that do not fit the prompt. New images are preprocessed and hashed on the
+        calling thread; encoded bytes this salt sent before are not preprocessed again here (only if the vision
+        tower must run on them, then on the engine's image worker). A caller that steps the engine on the same
+        thread uses ``prepare_images`` instead."""
         whole = self.model_config.multimodal_config
         if whole is None:
             if images:
                 raise ValueError(f"images were given but {self.model_config.architecture} reads text only")
             return ()
-        from engine.vision.prompt_images import SeenImages, attach_images, image_config_for  # Pillow: image models
+        from engine.vision.prompt_images import attach_images  # Pillow: image models
 
-        if self._image_config is None:
-            self._image_config = image_config_for(self.config.model, whole.vision_config)
-            self._seen_images = SeenImages()
+        self._image_setup()
         return attach_images(prompt_ids, list(images), int(whole.image_token_id), self._image_config,
-                             seen=self._seen_images, salt=cache_salt)
+                             seen=self._seen_images, salt=cache_salt, worker=self._image_worker)
+
+    def prepare_images(self, prompt: str | list[int], images: Sequence[Any],
+                       cache_salt: str | None = None) -> "Future[tuple[PromptImage, ...]]":
+        """``prompt_images`` on the engine's image worker thread, for a caller that steps the engine (the engine
+        process's loop): no image is decoded, preprocessed or hashed on its thread. The future's result is what
+        ``add_request`` takes as is (with a policy of the same ``cache_salt``); its exception is the ValueError
+        ``add_request`` would raise. Bytes seen before whose features the encoder cache does not hold now are
+        preprocessed there too; those it holds stay lazy (evicted before the tower reads them, they are
+        preprocessed on the same worker while the scheduler has the image wait: ``Scheduler.image_ready``)."""
+        self._image_setup()
+        return self._image_worker.submit(self._prepared_images, prompt, list(images), cache_salt)
+
+    def _prepared_images(self, prompt: str | list[int], images: list[Any],
+                         cache_salt: str | None) -> tuple[PromptImage, ...]:
+        from engine.vision.prompt_images import pixels_of
+
+        prompt_images = self.prompt_images(self.prepare_prompt(prompt), images, cache_salt)
+        for image in prompt_images:  # a membership read: the loop may change the cache meanwhile (the gate covers it)
+            if not self.model.image_cached(image.digest, cache_salt):
+                pixels_of(image.pixels)
+        return prompt_images
+
+    def _image_setup(self) -> None:
+        """The image settings, the seen images and the image worker, made at the first request with images."""
+        with self._images_lock:
+            if self._image_worker is not None:
+                return
+            from engine.vision.image_worker import ImageWorker
+            from engine.vision.prompt_images import SeenImages, image_config_for
+
+            whole = self.model_config.multimodal_config
+            if whole is not None:
+                self._image_config = image_config_for(self.config.model, whole.vision_config)
+                self._seen_images = SeenImages()
+            self._image_worker = ImageWorker()
 
     # ---- LoRA adapters ------------------------------------------------------
     def add_lora(self, name: str, path: str) -> None:
@@ -358,6 +401,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty and self._in_flight is None and self.lora is not None and self.scheduler.num_lora_waiting:
             self.lora.host.wait_for_reads(LORA_READ_WAIT_S)  # nothing to run until an adapter is read
+        if plan.is_empty and self._in_flight is None and self.scheduler.images_preparing:
+            self._image_worker.wait(IMAGE_WAIT_S)  # nothing to run until an image's pixels are ready
         if self._pipeline is not None:
             outputs = self._step_pipelined(plan)
         else:

@@ -106,8 +106,8 @@ class LiveAdmission:
         longest = max(planned.prompt_lengths, default=0)
         outputs = min(params.max_tokens if params.max_tokens is not None else config.default_reservation_tokens,
                       max(1, app[ENGINE].info.max_model_len - longest))
-        self.ticket = app[SLO].ticket(cls.priority, prompt_tokens, planned.sequences, outputs,
-                                     cls.preempt_grace_ms)
+        self.ticket = app[SLO].ticket(cls.priority, prompt_tokens, planned.sequences, outputs, cls.preempt_grace_ms,
+                                     cls.ttft_slo_ms if cls.slo_action == "refuse" else None)
         timer.on_first = self.ticket.first_token
         request[TIMER] = timer
         request[RATE_HEADERS] = rate_limit_headers(grant)

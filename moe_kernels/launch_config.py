@@ -33,26 +33,37 @@ ENV_CONFIG_DIR = "MOEGATE_MOE_CONFIG_DIR"
 SAME_CHIP = (("NVIDIA H100 80GB HBM3", "NVIDIA H200"),)
 
 
+DOT_MIN = 16  # tl.dot's least tile dimension
+GEMV_MIN_BLOCK_N = 4  # the matrix-vector kernels' least row tile (no tl.dot)
+
+
 def _is_pow2(v: int) -> bool:
     return v >= 1 and v & (v - 1) == 0
 
 
 @dataclass(frozen=True, slots=True)
 class GemmConfig:
-    """Tile and launch shape of one grouped GEMM (the row tile BLOCK_M is shared, see LaunchConfig)."""
+    """Tile and launch shape of one grouped GEMM (the row tile BLOCK_M is shared, see LaunchConfig).
+
+    ``PLANES`` True: in the matrix-vector kernels, 4-bit weights (MXFP4, INT4) are read as int32 words and decoded
+    as eight nibble planes (``moe_kernels.planes_triton``) instead of as [BLOCK_N, BLOCK_K] tiles in K order; it
+    changes nothing for other weights or the grouped GEMMs.
+    """
 
     BLOCK_N: int
     BLOCK_K: int
     GROUP_M: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    PLANES: bool = False
 
     def __post_init__(self) -> None:
-        # tl.dot needs every tile dimension >= 16; arange needs powers of two.
-        for name in ("BLOCK_N", "BLOCK_K"):
+        # tl.dot needs every tile dimension >= 16 (LaunchConfig holds the grouped GEMMs' BLOCK_N to it; the
+        # matrix-vector kernels take narrower row tiles); arange needs powers of two.
+        for name, least in (("BLOCK_N", GEMV_MIN_BLOCK_N), ("BLOCK_K", DOT_MIN)):
             value = getattr(self, name)
-            if not (_is_pow2(value) and value >= 16):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+            if not (_is_pow2(value) and value >= least):
+                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
         if self.GROUP_M < 1 or not _is_pow2(self.num_warps) or self.num_stages < 1:
             raise ValueError(f"bad GROUP_M/num_warps/num_stages in {self}")
 
@@ -65,7 +76,8 @@ class LaunchConfig:
     for token counts so small that sorting costs more than it saves.
     ``gemv`` True selects the matrix-vector kernels (``gemv_kernels``): no
     row tiles at all, the sum over k inside kernel 2; BLOCK_M is then unused,
-    and of each GemmConfig only BLOCK_N, BLOCK_K and num_warps count.
+    and of each GemmConfig only BLOCK_N (any power of two from 4), BLOCK_K,
+    num_warps and (4-bit weights) PLANES count.
     """
 
     align: bool
@@ -75,8 +87,11 @@ class LaunchConfig:
     gemv: bool = False
 
     def __post_init__(self) -> None:
-        if not (_is_pow2(self.BLOCK_M) and self.BLOCK_M >= 16):
-            raise ValueError(f"BLOCK_M must be a power of two >= 16, got {self.BLOCK_M}")
+        if not (_is_pow2(self.BLOCK_M) and self.BLOCK_M >= DOT_MIN):
+            raise ValueError(f"BLOCK_M must be a power of two >= {DOT_MIN}, got {self.BLOCK_M}")
+        if not self.gemv and min(self.w13.BLOCK_N, self.w2.BLOCK_N) < DOT_MIN:
+            raise ValueError(f"the grouped GEMMs need BLOCK_N >= {DOT_MIN} (tl.dot); narrower row tiles are for "
+                             f"gemv configs, got {self.w13.BLOCK_N} and {self.w2.BLOCK_N}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "LaunchConfig":
@@ -84,8 +99,16 @@ class LaunchConfig:
                    bool(d.get("gemv", False)))
 
     def to_dict(self) -> dict:
-        d = {"align": self.align, "BLOCK_M": self.BLOCK_M, "w13": asdict(self.w13), "w2": asdict(self.w2)}
+        d = {"align": self.align, "BLOCK_M": self.BLOCK_M, "w13": _gemm_dict(self.w13), "w2": _gemm_dict(self.w2)}
         return {**d, "gemv": True} if self.gemv else d
+
+
+def _gemm_dict(gemm: GemmConfig) -> dict:
+    # PLANES only where set, as "gemv": files written before it existed read the same.
+    d = asdict(gemm)
+    if not d["PLANES"]:
+        del d["PLANES"]
+    return d
 
 
 def device_name(device: torch.device) -> str:
@@ -172,6 +195,15 @@ def get_launch_config(num_experts: int, n: int, k: int, dtype: torch.dtype, devi
         quantization: ``quantization_name(w13.dtype)``: files tuned for those weights first, then the dtype's.
     """
     return nearest_entry(load_config_file(config_path(num_experts, n, k, dtype, device, quantization)), num_tokens)
+
+
+def as_grouped(config: LaunchConfig) -> LaunchConfig:
+    """A matrix-vector ``config`` for the grouped GEMMs (weights the gemv kernels cannot read): each BLOCK_N raised to
+    tl.dot's least. Any other config as it is."""
+    def fit(gemm: GemmConfig) -> GemmConfig:
+        return gemm if gemm.BLOCK_N >= DOT_MIN else dataclasses.replace(gemm, BLOCK_N=DOT_MIN)
+
+    return dataclasses.replace(config, w13=fit(config.w13), w2=fit(config.w2), gemv=False) if config.gemv else config
 
 
 def with_min_block_k(config: LaunchConfig, block_k: int) -> LaunchConfig:

@@ -50,7 +50,7 @@ from moe_kernels.scales_triton import scale_cols
 from moe_kernels.int4_triton import packed4_tile
 from moe_kernels.align import SlotBlocks, align_slots, flat_ids, unsorted_slots
 from moe_kernels.launch_config import (
-    GemmConfig, LaunchConfig, device_name, get_launch_config, quantization_name, with_min_block_k,
+    GemmConfig, LaunchConfig, as_grouped, device_name, get_launch_config, quantization_name, with_min_block_k,
 )
 from moe_kernels.mxfp4 import VALUES_PER_SCALE
 from moe_kernels.quant import FP8_DTYPE
@@ -296,6 +296,14 @@ def _check_block_k(w: torch.Tensor, cfg: GemmConfig) -> None:
                          f"(one scale per {VALUES_PER_SCALE} values along K), got BLOCK_K={cfg.BLOCK_K}")
 
 
+def _gemv_weight(w: torch.Tensor, cfg: GemmConfig) -> tuple[torch.Tensor, dict]:
+    """The weight the matrix-vector kernels read and the PLANES constexpr: 4-bit weights with ``cfg.PLANES`` as int32
+    words [E, N, K/8] (MXFP4's bytes viewed so, INT4's as they are: ``planes_triton``), anything else as given."""
+    if not (cfg.PLANES and w.dtype in _WEIGHT_4BIT):
+        return w, {"PLANES": False}
+    return (w.view(torch.int32) if w.dtype == torch.uint8 else w), {"PLANES": True}
+
+
 def _bias_args(w: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     """(bias pointer, its expert stride) and the HAS_BIAS constexpr; bias [E, N] contiguous along N."""
     if bias is None:
@@ -377,9 +385,11 @@ def invoke_w13_gemv(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, inter
     (scale_ptr, *scale_strides), quant = _quant_args(w13, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w13, bias)
     act_values, act_kind = _act_args(activation)
+    w13, planes = _gemv_weight(w13, cfg)
     gemv_kernels.w13_gemv_kernel[(ids.numel(), triton.cdiv(inter_size, cfg.BLOCK_N))](
         x, w13, ids, inter, scale_ptr, bias_ptr, top_k, inter_size, hidden, x.stride(0), w13.stride(0),
         w13.stride(1), inter.stride(0), *scale_strides, bias_stride, *act_values, **quant, **has_bias, **act_kind,
+        **planes,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=hidden % cfg.BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -397,9 +407,11 @@ def invoke_w2_gemv(inter: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, slo
     _check_block_k(w2, cfg)
     (scale_ptr, *scale_strides), quant = _quant_args(w2, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w2, bias)
+    w2, planes = _gemv_weight(w2, cfg)
     gemv_kernels.w2_gemv_sum_kernel[(out.shape[0], triton.cdiv(hidden, cfg.BLOCK_N))](
         inter, w2, ids, slot_weights, out, scale_ptr, bias_ptr, top_k, hidden, inter_size,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *scale_strides, bias_stride, **quant, **has_bias,
+        **planes,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=inter_size % cfg.BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -424,6 +436,14 @@ def _cached_config(num_experts: int, n: int, k: int, dtype: torch.dtype, device:
 @functools.lru_cache(maxsize=16)
 def _device_name(device: torch.device) -> str:
     return device_name(device)
+
+
+def default_config(x: torch.Tensor, w13: torch.Tensor) -> LaunchConfig:
+    """The launch config ``fused_moe_triton`` looks up when given none, for activations x [T, H] and w13 [E, 2I, ..]
+    (its dtype selects the quantization's files)."""
+    num_experts, two_inter, _ = w13.shape
+    return _cached_config(num_experts, two_inter, x.shape[1], x.dtype, _device_name(x.device), x.shape[0],
+                          quantization_name(w13.dtype))
 
 
 def _check_inputs(x, w13, w2, block_shape) -> None:
@@ -485,8 +505,7 @@ def fused_moe_triton(
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
     if config is None:
-        config = _cached_config(num_experts, two_inter, hidden, x.dtype, _device_name(x.device), num_tokens,
-                                quantization_name(w13.dtype))
+        config = default_config(x, w13)
 
     if inter is None:
         inter = torch.empty(num_slots, two_inter // 2, dtype=x.dtype, device=x.device)  # [S, I]
@@ -499,6 +518,7 @@ def fused_moe_triton(
         invoke_w2_gemv(inter, w2, ids, slot_weights, out, top_k, config.w2, w2_scale, block_shape, w2_bias)
         return out
 
+    config = as_grouped(config)  # a gemv config whose weights the matrix-vector kernels cannot read
     blocks = slot_blocks(topk_ids, num_experts, config)
     if slot_out is None:
         slot_out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)  # [S, H]

@@ -4,7 +4,8 @@ Without it a step that first reaches an image encodes the whole image (``max_num
 images, not how long one takes). With a budget of ``token_blocks`` a step runs at most that many *token-blocks* of
 tower work, one token-block being one patch (an image token before merging) through one tower stage: an image of
 ``p`` patches in a tower of ``depth`` stages costs ``p * depth`` in all, spread over as many steps as the budget
-needs. The stages are the patch embedding (with the image's preprocessing: as long as a block) then each block;
+needs. The stages are the patch embedding (as long as a block; the image's preprocessing runs before, off the
+step loop: ``engine.serving.image_preparation``) then each block;
 the merger runs with the last. Each step's pieces (``EncoderPiece``) run on rank 0 before the step's forward (``ImageFeatures
 .encode_pieces``), which keeps the image's state between steps; the request's prompt chunk stops before an image
 until the step that runs its last stage (that step's chunk may then take the image's placeholders: the features

@@ -49,7 +49,8 @@ images is encoded over several steps while the running requests keep decoding. A
 budget is encoded alone in a step; one the encoder cache holds for the request's salt costs nothing. With
 layer-chunked encoding (``max_num_encoder_token_blocks``, ``engine.core.encoder_pieces``) a step runs only some of
 the tower's blocks for an image (``SchedulerOutput.encoder_pieces``), within that budget, and the chunk stops
-before the image until the step that runs its last blocks.
+before the image until the step that runs its last blocks. A chunk also stops before an image whose pixels are
+still being preprocessed off the step loop (``image_ready``): the image waits for a later step.
 
 Overlapped steps (``EngineConfig.overlap_scheduling``): the engine schedules
 step N+1 before step N's tokens are read. ``advance()`` accounts for a launched
@@ -73,6 +74,7 @@ from engine.core.block_pool import Block
 from engine.core.encoder_pieces import EncoderPiece, EncoderSteps
 from engine.core.kv_cache_manager import CachedPrefix, KVCacheManager, PrefixTiers
 from engine.core.lora_residency import LoraLoad, LoraResidency
+from engine.core.prompt_images import PromptImage
 from engine.core.request import PROMOTED, Request, RequestStatus
 from engine.core.speculation import Speculator, accepted_prefix
 from engine.core.state_checkpoints import StateCheckpoints
@@ -172,13 +174,18 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, clock=time.monotonic,
                  speculator: Speculator | None = None, tiers: PrefixTiers | None = None,
                  lora: LoraResidency | None = None,
-                 image_cached: Callable[[bytes, str | None], bool] | None = None) -> None:
+                 image_cached: Callable[[bytes, str | None], bool] | None = None,
+                 image_ready: Callable[[PromptImage], bool] | None = None) -> None:
         """``speculator``: speculative decoding's proposer (None: off). ``tiers``: the prefix-cache tiers below
         the device pool (None: none). ``lora``: which adapters are resident in the device slots (None: the engine
         serves no adapters). ``image_cached(digest, cache_salt)``: whether the encoder cache holds an image now
-        (None: no cache), so that it costs no encoder budget."""
+        (None: no cache), so that it costs no encoder budget. ``image_ready(image)``: whether the tower could read
+        an image's pixels now (False: they are being preprocessed off the step loop; None: always)."""
         self.config = scheduler_config
         self.image_cached = image_cached
+        self.image_ready = image_ready
+        # Whether this step's plan left an image waiting for its pixels (the engine may wait a moment for them).
+        self.images_preparing = False
         self._encoder_used = 0  # image tokens this step's plan hands to the vision tower so far
         c = scheduler_config
         # Layer-chunked encoding (None: whole images); the pieces the last ``_encoder_cap`` planned, not yet run.
@@ -364,6 +371,7 @@ class Scheduler:
             self._promote_starving()
         self._budget = self.config.max_num_batched_tokens
         self._encoder_used = 0
+        self.images_preparing = False
         if self.encoder_steps is not None:
             self.encoder_steps.begin_step()
         self._scheduled: list[ScheduledRequest] = []
@@ -629,6 +637,7 @@ class Scheduler:
         self._pending_pieces = []
         if len(request.encoded_images) == len(request.images):
             return num_new
+        num_new = self._pixels_cap(request, start, num_new)
         if self.encoder_steps is not None:
             to_encode = self._images_to_encode(request, start, start + num_new)
             num_new, self._pending_pieces = self.encoder_steps.plan(request, start, num_new, to_encode)
@@ -640,6 +649,16 @@ class Scheduler:
             if tokens and used and used + tokens > budget:
                 return max(request.images[i].offset - start, 0)
             used += tokens
+        return num_new
+
+    def _pixels_cap(self, request: Request, start: int, num_new: int) -> int:
+        """``num_new`` cut before the first image the chunk would hand the tower whose pixels are not ready
+        (``image_ready``: being preprocessed off the step loop); it waits for a later step, before its tower runs."""
+        if self.image_ready is not None:
+            for i, tokens in self._images_to_encode(request, start, start + num_new):
+                if tokens and not self.image_ready(request.images[i]):
+                    self.images_preparing = True
+                    return max(request.images[i].offset - start, 0)
         return num_new
 
     def _commit_pieces(self, request: Request) -> None:

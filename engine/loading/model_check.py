@@ -13,7 +13,6 @@ def check_model(config: EngineConfig) -> None:
     in its group; writes the demo model on first use."""
     from engine.loading.demo_model import DEFAULT_DEMO_MODEL_DIR, write_demo_model
     from engine.core.model_config import load_model_config
-    from engine.loading.model_loader import checkpoint_files
 
     files = config.tokenizer if config.random_weights is not None else config.model
     if files == DEFAULT_DEMO_MODEL_DIR and not os.path.exists(os.path.join(files, "config.json")):
@@ -28,9 +27,12 @@ def check_model(config: EngineConfig) -> None:
     else:
         from engine.core.family_support import check_family_support
 
+        model_config = load_model_config(config.model, config.language_model_only)
+        # torch (the loader's import) only once the directory holds a model this engine serves: a bad path or
+        # architecture is one line without its 2-3 s of CPU.
+        from engine.loading.model_loader import checkpoint_files
         from engine.loading.quantization import resolve_scheme
 
-        model_config = load_model_config(config.model, config.language_model_only)
         checkpoint_files(config.model)
         check_family_support(config, model_config)  # a setting the model is not served with yet
         # The checkpoint's quantization_config, and --quantization against it (an INT4 one also against the split).

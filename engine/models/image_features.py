@@ -16,13 +16,14 @@ from collections.abc import Iterator
 import torch
 
 from engine.core.encoder_pieces import EncoderPiece
+from engine.core.prompt_images import PromptImage
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
 from engine.distributed.collectives import TensorParallel
 from engine.distributed.pipeline import PipelineStage
 from engine.models.image_step import ImageStep, share_image_step
 from engine.vision.encoder_cache import EncoderCache
-from engine.vision.prompt_images import pixels_of
+from engine.vision.prompt_images import pixels_of, pixels_ready
 from engine.vision.qwen_image_processing import ProcessedImage
 from engine.vision.qwen3_vl_tower import TowerState, VisionFeatures
 
@@ -101,9 +102,9 @@ class ImageFeatures(abc.ABC):
     @torch.inference_mode()
     def encode_pieces(self, pieces: list[EncoderPiece]) -> None:
         """Rank 0, before a step's forward: run each piece's stages over its image's kept state (stage 0 begins
-        it: preprocessing and patch embedding; stage ``s`` runs block ``s - 1``); a piece that ends at the last
-        stage finishes the image, which is then kept for its request and put in the encoder cache, as a whole
-        image is."""
+        it: the patch embedding of pixels prepared off the step loop, ``image_ready``; stage ``s`` runs block
+        ``s - 1``); a piece that ends at the last stage finishes the image, which is then kept for its request and
+        put in the encoder cache, as a whole image is."""
         for piece in pieces:
             request, i = piece.request, piece.image
             key = (request.request_id, i)
@@ -128,7 +129,9 @@ class ImageFeatures(abc.ABC):
             device = self.model.embed_tokens.weight.device
             feats[i] = self.encoder_cache.get(image.digest, policy.cache_salt, device)
             if feats[i] is None:
-                feats[i] = self.encode(pixels_of(image.pixels))  # preprocessed now if its bytes were seen before
+                # its pixels are ready (the scheduler waited for them: ``image_ready``), unless the cache held the
+                # image when the step was planned and dropped it since (then they are preprocessed here)
+                feats[i] = self.encode(pixels_of(image.pixels))
                 # held to the tenant's share of the cache (its quota's cache share, else the engine's flag)
                 self.encoder_cache.put(image.digest, policy.cache_salt, feats[i], policy.tenant, policy.cache_share)
         return feats[i]
@@ -146,6 +149,12 @@ class ImageFeatures(abc.ABC):
     def image_cached(self, digest: bytes, salt: str | None) -> bool:
         """Whether the encoder cache holds this image for this salt now (the scheduler's encoder budget skips it)."""
         return (digest, salt) in self.encoder_cache
+
+    def image_ready(self, image: PromptImage) -> bool:
+        """Whether the tower can read this image's pixels now; False: they are being preprocessed on the engine's
+        image worker (bytes seen before, left lazy: ``engine.vision.prompt_images``), and the scheduler has the
+        image wait, so the step loop never decodes one."""
+        return pixels_ready(image.pixels)
 
     def forget_images(self, request_ids) -> None:
         """Drop the features kept for requests that finished."""

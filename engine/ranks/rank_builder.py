@@ -102,6 +102,7 @@ def build_scheduler(config: EngineConfig, rank: BuiltRank) -> Scheduler:
         tiers=rank.runner.tiers,
         lora=LoraResidency(config.max_loras, lora.host) if lora is not None else None,
         image_cached=rank.model.image_cached if rank.model.takes_images else None,
+        image_ready=rank.model.image_ready if rank.model.takes_images else None,
     )
 
 

@@ -16,6 +16,7 @@ import msgspec
 
 from engine.core.config import EngineConfig
 from engine.serving.grammar_builds import GrammarBuilds
+from engine.serving.image_preparation import ImagePreparation
 from engine.serving.protocol import (
     AbortRequest, AddLora, AddRequest, Alive, Fatal, KVSourceLost, KVWanted, LoraDone, PairKV, Ready, ReleaseRequest,
     Released, RemoveLora, RequestRejected, Shutdown, StepOutputs, ToEngine, encoder, to_engine_decoder,
@@ -36,7 +37,7 @@ HEARTBEAT_S = 1.0
 # a prefill engine silent for about a second as hung (a frozen process) and has its requests' prompts computed
 # elsewhere (gateway.disaggregation), while a long step, during which the thread still speaks, is no silence.
 LIVENESS_S = 0.25
-BUILD_POLL_S = 0.005  # how often an idle engine looks whether a schema's matcher is built
+BUILD_POLL_S = 0.005  # how often an idle engine looks whether a schema's matcher is built (or images prepared)
 
 
 class EngineLoop:
@@ -47,6 +48,7 @@ class EngineLoop:
         self.engine, self.config, self.threads, self.replies, self.handoff = engine, config, threads, replies, handoff
         self.reports = StepReports()
         self.builds = GrammarBuilds(engine.runner.sampler.grammars)  # requests waiting for their schema's matcher
+        self.images = ImagePreparation(engine)  # requests waiting for their images, prepared off this loop
         self.idle_change = False  # an abort freed blocks while idle: report the new state without a step
         self.busy = False  # this engine, or one of its peers, stepped last time round
         self.stopped = False  # Shutdown came: the engine is closed
@@ -85,7 +87,7 @@ class EngineLoop:
     def _poll_timeout(self) -> float:
         if self.busy or self.engine.has_unfinished() or self.idle_change:
             return 0
-        if self.builds or (self.handoff and self.handoff.pending):
+        if self.builds or self.images or (self.handoff and self.handoff.pending):
             return min(self.idle_wait, BUILD_POLL_S)
         return self.idle_wait
 
@@ -108,11 +110,13 @@ class EngineLoop:
         if self.handoff is not None and self.handoff.abort(msg.request_id):
             self.idle_change = True  # parked for its KV: its blocks are free again
         self.builds.drop(msg.request_id)
+        self.images.drop(msg.request_id)
         self.reports.forget(msg.request_id)
         self.idle_change |= self.engine.abort(msg.request_id) is not None
 
     def _release(self, msg: ReleaseRequest) -> None:
-        released = self.engine.release(msg.request_id)
+        # one still waiting for its images has not started either
+        released = self.images.release(msg.request_id) or self.engine.release(msg.request_id)
         if released:
             self.reports.forget(msg.request_id)
             self.idle_change = True
@@ -142,16 +146,23 @@ class EngineLoop:
 
     # ---- requests and steps --------------------------------------------------
     def add(self, msg: AddRequest) -> None:
-        """Add a request now, or once its schema's matcher is built."""
+        """Add a request now, or once its images are prepared and its schema's matcher is built."""
+        if not self.images.hold(msg):
+            self._add_prepared(msg)
+
+    def _add_prepared(self, msg: AddRequest) -> None:
+        """Add a request whose images are ready, now or once its schema's matcher is built."""
         if not self.builds.hold(msg):
             self._add(msg)
 
     def _add(self, msg: AddRequest, error: BaseException | None = None) -> None:
-        """Add one request to the engine, or answer why not (``error``: its grammar could not be built)."""
+        """Add one request to the engine, or answer why not (``error``: its images could not be prepared, or its
+        grammar could not be built)."""
+        images = self.images.images_of(msg)
         try:
             if error is not None:
                 raise error
-            self.engine.add_request(msg.prompt, msg.sampling_params, msg.request_id, msg.policy, images=msg.images)
+            self.engine.add_request(msg.prompt, msg.sampling_params, msg.request_id, msg.policy, images=images)
             self.reports.add(msg.request_id, msg.stream, msg.policy.background, msg.sampling_params.n)
             if msg.kv_sink is not None and self.handoff is not None:
                 self.handoff.expect_sink(msg)
@@ -166,6 +177,8 @@ class EngineLoop:
         """Admit what became ready, then step if this engine or a peer has work (or report an idle change);
         False once a failure was reported (the loop ends)."""
         engine, handoff = self.engine, self.handoff
+        for msg, error in self.images.ready():
+            self._add(msg, error) if error is not None else self._add_prepared(msg)
         for msg, error in self.builds.ready():
             self._add(msg, error)
         if handoff is not None:

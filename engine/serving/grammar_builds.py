@@ -6,8 +6,9 @@ while one worker thread builds it (the grammar library releases the GIL meanwhil
 once it is built; the engine steps for everybody else in the meantime. An abort of a waiting request drops it.
 """
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
+from engine.serving.held_requests import HeldRequests
 from engine.serving.protocol import AddRequest
 
 
@@ -15,7 +16,7 @@ class GrammarBuilds:
     def __init__(self, grammars) -> None:
         self.grammars = grammars  # engine.structured_output.matchers.GrammarMatchers, or None without a tokenizer
         self._pool: ThreadPoolExecutor | None = None
-        self._waiting: dict[str, tuple[AddRequest, Future]] = {}
+        self._waiting = HeldRequests()
 
     def __bool__(self) -> bool:
         return bool(self._waiting)
@@ -27,21 +28,19 @@ class GrammarBuilds:
             return False
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-build")
-        self._waiting[msg.request_id] = (msg, self._pool.submit(self.grammars.build, spec))
+        self._waiting.hold(msg, self._pool.submit(self.grammars.build, spec))
         return True
 
     def drop(self, request_id: str) -> bool:
-        return self._waiting.pop(request_id, None) is not None
+        return self._waiting.drop(request_id)
 
     def ready(self) -> list[tuple[AddRequest, BaseException | None]]:
         """The held requests whose build ended, in arrival order, each with the build's error (None: built, and
         now kept by the matchers, so adding the request costs nothing)."""
         done = []
-        for request_id, (msg, future) in list(self._waiting.items()):
-            if future.done():
-                del self._waiting[request_id]
-                error = future.exception()
-                if error is None:
-                    self.grammars.keep(msg.sampling_params.structured_output, future.result())
-                done.append((msg, error))
+        for msg, future in self._waiting.done():
+            error = future.exception()
+            if error is None:
+                self.grammars.keep(msg.sampling_params.structured_output, future.result())
+            done.append((msg, error))
         return done

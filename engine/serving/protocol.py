@@ -43,7 +43,8 @@ class AddRequest(msgspec.Struct, tag=True):
     kv_source: KVSource | None = None  # a decode engine's request whose prompt KV another engine computes
     kv_sink: KVSink | None = None  # a prefill engine's request whose prompt KV goes to a decode engine
     # Encoded images (PNG, JPEG, WebP, GIF, ...), one per run of image placeholder tokens in ``prompt``, in order:
-    # the engine decodes and preprocesses them (``LLMEngine.add_request``); only for a model that reads images.
+    # the engine decodes and preprocesses them off its step loop (``engine.serving.image_preparation``); only for a
+    # model that reads images.
     images: list[bytes] = []
 
 

@@ -3,16 +3,20 @@ run of placeholder tokens of exactly its size (the prompt arrives with its place
 
 Encoded bytes seen before (``SeenImages``: the same bytes from the same tenant) are not preprocessed again here:
 their digest and grid are known, and their pixels (``LazyPixels``) are computed only if the vision tower must run,
-which it need not while the encoder cache holds the image's features."""
+which it need not while the encoder cache holds the image's features; then on the engine's image worker
+(``engine.vision.image_worker``), never on the thread that steps the engine (``pixels_ready``)."""
 
 import hashlib
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 
 import torch
 from PIL import Image
 
 from engine.core.prompt_images import PromptImage, placeholder_runs
 from engine.vision.image_files import ImageConfig, KimiImageConfig, image_config_for  # noqa: F401 (read from here)
+from engine.vision.image_worker import ImageWorker
 from engine.vision.kimi_image_processing import process_kimi_image
 from engine.vision.qwen_image_processing import ProcessedImage, decode_image, process_image
 
@@ -49,26 +53,47 @@ def digest(image: ProcessedImage) -> bytes:
 
 
 class LazyPixels:
-    """An image's preprocessed pixels from its encoded bytes, computed when first asked for and kept (bytes that
-    were already decoded and preprocessed once, so they decode again)."""
+    """An image's preprocessed pixels from its encoded bytes, computed once, when first asked for (bytes that were
+    already decoded and preprocessed once, so they decode again). ``ready`` has them computed on ``worker`` (the
+    engine's image worker) rather than on the thread that steps the engine."""
 
-    def __init__(self, data: bytes, config: ImageConfig, max_decoded_pixels: int) -> None:
-        self._data, self._config, self._max = data, config, max_decoded_pixels
+    def __init__(self, data: bytes, config: ImageConfig, max_decoded_pixels: int,
+                 worker: ImageWorker | None = None) -> None:
+        self._data, self._config, self._max, self._worker = data, config, max_decoded_pixels, worker
         self._pixels: ProcessedImage | None = None
+        self._lock = threading.Lock()  # computed once, whichever thread asks first
+        self._loading: Future | None = None
 
     @property
     def loaded(self) -> bool:
         return self._pixels is not None
 
     def get(self) -> ProcessedImage:
-        if self._pixels is None:
-            self._pixels = _processed(self._data, self._config, self._max)
-        return self._pixels
+        with self._lock:
+            if self._pixels is None:
+                self._pixels = _processed(self._data, self._config, self._max)
+            return self._pixels
+
+    def ready(self) -> bool:
+        """Whether ``get`` returns without preprocessing; if not, the worker starts on it (once). Without a worker,
+        always True (``get`` preprocesses on the caller's thread). A computation that failed is ready too: ``get``
+        tries again and raises, rather than the image waiting forever."""
+        if self._pixels is not None or self._worker is None:
+            return True
+        if self._loading is None:
+            self._loading = self._worker.submit(self.get)
+        return self._loading.done()
 
 
 def pixels_of(pixels: ProcessedImage | LazyPixels) -> ProcessedImage:
     """What the tower reads from a ``PromptImage.pixels``."""
     return pixels.get() if isinstance(pixels, LazyPixels) else pixels
+
+
+def pixels_ready(pixels: ProcessedImage | LazyPixels) -> bool:
+    """Whether the tower can read a ``PromptImage.pixels`` without preprocessing them first on the calling thread;
+    False starts that on the engine's image worker (``LazyPixels.ready``): ask again at a later step."""
+    return not isinstance(pixels, LazyPixels) or pixels.ready()
 
 
 class SeenImages:
@@ -79,31 +104,34 @@ class SeenImages:
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
         self._entries: OrderedDict[tuple[bytes, str | None], tuple[bytes, tuple[int, int, int]]] = OrderedDict()
+        self._lock = threading.Lock()  # the image worker and an offline caller's thread may both ask
 
     @staticmethod
     def key(data: bytes, salt: str | None) -> tuple[bytes, str | None]:
         return hashlib.blake2b(data, digest_size=16).digest(), salt
 
     def get(self, key) -> tuple[bytes, tuple[int, int, int]] | None:
-        found = self._entries.get(key)
-        if found is not None:
-            self._entries.move_to_end(key)
-        return found
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
 
     def put(self, key, digest_and_grid: tuple[bytes, tuple[int, int, int]]) -> None:
-        self._entries[key] = digest_and_grid
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        with self._lock:
+            self._entries[key] = digest_and_grid
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
 
 
 def attach_images(prompt_ids: list[int], images: list[ImageLike], image_token_id: int, config: ImageConfig,
                   max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS, seen: SeenImages | None = None,
-                  salt: str | None = None) -> tuple[PromptImage, ...]:
+                  salt: str | None = None, worker: ImageWorker | None = None) -> tuple[PromptImage, ...]:
     """The prompt's images, or ValueError naming what does not fit: an image that is not one, or placeholder runs
     that are not one per image, each as long as its image's tokens. Encoded bytes that ``seen`` holds for
-    ``salt`` (the request's cache salt) get their known digest and ``LazyPixels``; others are preprocessed now
-    and added to it."""
+    ``salt`` (the request's cache salt) get their known digest and ``LazyPixels`` (computed on ``worker`` when
+    the tower needs them); others are preprocessed now, on the calling thread, and added to it."""
     runs = placeholder_runs(prompt_ids, image_token_id)
     if len(runs) != len(images):
         raise ValueError(f"the prompt has {len(runs)} runs of image placeholder tokens (id {image_token_id}) for "
@@ -115,7 +143,7 @@ def attach_images(prompt_ids: list[int], images: list[ImageLike], image_token_id
         known = seen.get(key) if key is not None else None
         if known is not None:
             image_digest, grid = known
-            pixels: ProcessedImage | LazyPixels = LazyPixels(bytes(image), config, max_decoded_pixels)
+            pixels: ProcessedImage | LazyPixels = LazyPixels(bytes(image), config, max_decoded_pixels, worker)
         else:
             try:
                 pixels = _processed(image, config, max_decoded_pixels)

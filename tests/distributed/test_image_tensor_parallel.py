@@ -6,7 +6,11 @@ on tiny random checkpoints (every parameter random). Rank 0 alone encodes (the t
 own) and hands each step's image rows to rank 1: steps of 16 tokens cut through images and the per-step encoder
 budget lets one image in at a time; the first image under other text is not encoded again (rank 0's encoder
 cache), and the first prompt again hits the prefix cache past its image (Qwen3.5-MoE through its state
-checkpoints, each rank's heads). (One process, the same checks: tests/engine/vision/*_vs_transformers.py.)"""
+checkpoints, each rank's heads). Qwen3-VL-MoE runs again with layer-chunked encoding (``max_num_encoder_token_blocks``:
+one block of the smaller of the two images a step, so each image's tower runs over several steps on rank 0, its
+part-way state rank 0's alone), with the same checks: an image finished piece by piece enters rank 0's encoder cache.
+Every run is made in one set of rank processes, on cases built once. (One process, the same checks:
+tests/engine/vision/*_vs_transformers.py.)"""
 
 import random
 
@@ -24,6 +28,7 @@ from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 
 MAX_NEW = 8
 FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_k25")
+CHUNKED = "qwen3_vl_moe_layer_chunked"  # Qwen3-VL-MoE's cases again, its tower run a few blocks a step
 # Two key heads (one per rank) of two value heads each; its attention's one KV head on both ranks.
 QWEN3_5_HEADS = dict(linear_num_key_heads=2, linear_num_value_heads=4)
 # The attribute holding each family's tower on rank 0.
@@ -115,7 +120,9 @@ def _kimi_cases(model, seed: int) -> tuple[list, list, list, list, int]:
 
 @pytest.fixture(scope="module")
 def runs(qwen3_vl_checkpoint, tmp_path_factory):
-    """Each family's cases and what the split engine generated: {family: (seed, cases, (status, value))}."""
+    """Each run's cases and what the split engine generated: {family or CHUNKED: (seed, cases, (status, value))}.
+    One set of rank processes makes every run (their start-up paid once), and the layer-chunked run reads
+    Qwen3-VL-MoE's checkpoint and cases (its transformers references computed once)."""
     path, model, seed = qwen3_vl_checkpoint
     built = {"qwen3_vl_moe": (path, seed, _qwen_cases(model, seed))}
     seed = random.randrange(2**31)
@@ -127,24 +134,46 @@ def runs(qwen3_vl_checkpoint, tmp_path_factory):
     built["kimi_k25"] = (path, seed, _kimi_cases(kimi.make_kimi_k25(path, seed), seed))
     args = {family: (path, cases[0], cases[1], cases[4], TOWER[family])
             for family, (path, _, cases) in built.items()}
-    results = run_ranks_each(_generate, 1, args, timeout_s=240)
-    return {family: (seed, cases, results[family].get(0, ("missing", None)))
-            for family, (_, seed, cases) in built.items()}
+    built[CHUNKED] = built["qwen3_vl_moe"]
+    merge = qwen.IMAGE_CONFIG.merge_size
+    images = built[CHUNKED][2][1]
+    token_blocks = min(p.num_tokens(merge) for p in images[1]) * merge ** 2  # one block of the smaller of the two
+    args[CHUNKED] = (*args["qwen3_vl_moe"], token_blocks)
+    results = run_ranks_each(_generate, 1, args, timeout_s=300)
+    return {name: (seed, cases, results[name].get(0, ("missing", None))) for name, (_, seed, cases) in built.items()}
 
 
-@pytest.mark.timeout(300)  # the first family's test builds every family's results (module fixture)
+def _check_split_run(name: str, seed: int, cases: tuple, result: tuple) -> dict:
+    """The checks every split run passes: its tokens are transformers' greedy ones (up to a near tie) for each
+    prompt and for the first prompt again, rank 0 holds the tower and the first image under other text is an
+    encoder cache hit. ``cases``: ``_qwen_cases``' or ``_kimi_cases``'; ``result``: (status, value) of rank 0.
+    Returns the value, for a run's own checks."""
+    prompts, _, expected, refs, _ = cases
+    status, value = result
+    assert status == "ok", f"{name} seed={seed}: {value}"
+    rows = zip(prompts + prompts[:1], value["tokens"], expected + expected[:1], refs + refs[:1])
+    for i, (prompt, got, want, ref) in enumerate(rows):
+        assert len(got) == MAX_NEW
+        assert_greedy_equal_up_to_a_near_tie(ref, prompt, got, want, f"{name} seed={seed} case {i}")
+    assert value["tower"], "rank 0 holds the vision tower"
+    assert value["cache_hits"] >= 1, f"the first image was encoded again, or not cached ({name} seed={seed})"
+    return value
+
+
+@pytest.mark.timeout(400)  # the first of this module's split tests makes every run (module fixture)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_split_image_models_generate_transformers_tokens(family, runs):
-    seed, (prompts, _, expected, refs, _), (status, value) = runs[family]
-    assert status == "ok", f"family={family} seed={seed}: {value}"
-    cases = zip(prompts + prompts[:1], value["tokens"], expected + expected[:1], refs + refs[:1])
-    for i, (prompt, got, want, ref) in enumerate(cases):
-        assert len(got) == MAX_NEW
-        assert_greedy_equal_up_to_a_near_tie(ref, prompt, got, want, f"family={family} seed={seed} case {i}")
-    assert value["tower"], "rank 0 holds the vision tower"
-    assert value["cache_hits"] >= 1, f"the first image was encoded again (family={family} seed={seed})"
-    image_start = prompts[0].index(IMAGE_TOKEN[family])
+    seed, cases, result = runs[family]
+    value = _check_split_run(f"family={family}", seed, cases, result)
+    image_start = cases[0][0].index(IMAGE_TOKEN[family])
     assert value["again_hits"] > image_start // 4 * 4, f"no prefix hit past the image (family={family} seed={seed})"
+
+
+@pytest.mark.timeout(400)  # the first of this module's split tests makes every run (module fixture)
+def test_split_qwen3_vl_with_layer_chunked_encoding_generates_transformers_tokens(runs):
+    """Each image's tower run over several steps on rank 0 (its part-way state rank 0's alone): the same tokens,
+    and an image finished piece by piece enters rank 0's encoder cache (the first picture under other text hits)."""
+    _check_split_run("layer-chunked", *runs[CHUNKED])
 
 
 def test_follower_ranks_build_no_tower(qwen3_vl_checkpoint):

@@ -1,39 +1,55 @@
-"""The moegate command line: bad input gets exit code 2 and one line on stderr."""
+"""The moegate command line: bad input gets exit code 2 and one line on stderr.
+
+The console script itself (``python -m gateway.cli``: a fresh interpreter, whose imports print nothing, and the
+exit code ``main`` returns or argparse's exit) runs in a process of its own for a bad value (``main``'s
+ValueError) and for bad usage (argparse); every other case calls ``main`` in this process, its return value the
+exit code: an interpreter a case costs 2-5 s of CPU importing torch and the gateway."""
 
 import subprocess
 import sys
+
+import pytest
+
+from gateway.cli import main
 
 
 def moegate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, timeout=120)
 
 
+def one_line(err: str) -> bool:
+    return len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 def test_serve_with_missing_model_is_one_line_exit_2(tmp_path):
     r = moegate("serve", "--model", str(tmp_path / "nope"))
     assert r.returncode == 2
-    assert len(r.stderr.strip().splitlines()) == 1 and "not a directory" in r.stderr
+    assert one_line(r.stderr) and "not a directory" in r.stderr
 
 
-def test_serve_with_unsupported_architecture(tmp_path):
+def test_serve_with_unsupported_architecture(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    r = moegate("serve", "--model", str(tmp_path))
-    assert r.returncode == 2 and "unsupported architecture" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported architecture" in err and one_line(err), err
 
 
-def test_loadgen_rejects_unknown_system():
-    r = moegate("loadgen", "offline", "--systems", "moegate,vllm")
-    assert r.returncode == 2 and "unknown systems" in r.stderr and "Traceback" not in r.stderr
+def test_loadgen_rejects_unknown_system(capsys):
+    assert main(["loadgen", "offline", "--systems", "moegate,vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown systems" in err and one_line(err), err
 
 
-def test_usage_errors_exit_2():
+def test_usage_errors_exit_2(capsys):
     r = moegate("serve", "--port", "not-a-port")
-    assert r.returncode == 2 and "--port" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = moegate("loadgen", "offline", "--num-requests", "x")
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and "--port" in r.stderr and one_line(r.stderr)
+    with pytest.raises(SystemExit) as exited:  # argparse's exit, as the console script's above
+        main(["loadgen", "offline", "--num-requests", "x"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and one_line(err), err
 
 
-def test_serve_checks_weights_and_upgrades_embedded_sqlite(tmp_path):
+def test_serve_checks_weights_and_upgrades_embedded_sqlite(tmp_path, capsys):
     """Missing weights are bad input (exit 2); an embedded SQLite schema is brought to head on the way."""
     from tenants.migrate import current_revision
 
@@ -41,12 +57,13 @@ def test_serve_checks_weights_and_upgrades_embedded_sqlite(tmp_path):
     cfg = tmp_path / "m"
     cfg.mkdir()
     (cfg / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}')
-    r = moegate("serve", "--model", str(cfg), "--database-url", db)
-    assert r.returncode == 2 and "no *.safetensors" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert main(["serve", "--model", str(cfg), "--database-url", db]) == 2
+    err = capsys.readouterr().err
+    assert "no *.safetensors" in err and one_line(err), err
     assert current_revision(db) is None  # checked before touching the database
 
 
-def test_serve_rejects_bad_engine_settings_before_touching_anything(tmp_path):
+def test_serve_rejects_bad_engine_settings_before_touching_anything(tmp_path, capsys):
     import random
 
     db = f"sqlite:///{tmp_path / 'policy.db'}"
@@ -57,15 +74,14 @@ def test_serve_rejects_bad_engine_settings_before_touching_anything(tmp_path):
            ("--gpu-memory-utilization", rng.choice(["0", str(rng.uniform(1.01, 3))]), "gpu_memory_utilization")]
     for flag, value, name in bad:
         # The model directory does not exist either: the setting is reported first, before any file is read.
-        r = moegate("serve", "--model", str(tmp_path / "absent"), "--database-url", db, flag, value)
-        assert r.returncode == 2, (flag, value, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1 and name in r.stderr and "Traceback" not in r.stderr
+        code = main(["serve", "--model", str(tmp_path / "absent"), "--database-url", db, flag, value])
+        err = capsys.readouterr().err
+        assert code == 2, (flag, value, err)
+        assert one_line(err) and name in err, err
     assert not (tmp_path / "policy.db").exists()  # the database was not opened
 
 
 def test_serve_rejects_bad_engine_restart_backoff_naming_the_flag(tmp_path, capsys):
-    from gateway.cli import main
-
     db = f"sqlite:///{tmp_path / 'policy.db'}"
     for flags in (["--engine-restart-backoff", "0"], ["--engine-restart-backoff", "-2"],
                   ["--engine-restart-backoff", "30", "--engine-restart-backoff-max", "10"]):
@@ -135,7 +151,7 @@ def test_serve_splits_random_weights_over_ranks_and_refuses_what_does_not_divide
     command line's split check; 3 ranks for 4 heads is bad input (exit 2, one line), found before the database."""
     from engine.engine_flags import engine_config
     from engine.loading.model_check import check_model
-    from gateway.cli import build_parser, main
+    from gateway.cli import build_parser
 
     spec = ("qwen3-30b-a3b:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
             "head_dim=16,vocab_size=512,num_experts=8,moe_intermediate_size=32,intermediate_size=64,bos_token_id=null,"
@@ -161,7 +177,6 @@ def test_a_random_model_smaller_than_its_tokenizer_is_bad_input(tmp_path, capsys
 
     from engine.loading.demo_model import write_demo_model
     from engine.text.tokenizer import load_tokenizer
-    from gateway.cli import main
 
     model = str(tmp_path / "demo")
     write_demo_model(model, seed=random.randrange(100))
@@ -180,7 +195,6 @@ def test_serve_refuses_a_setting_a_hybrid_model_does_not_support_yet(tmp_path, c
     """A hybrid linear-attention checkpoint with --speculative (or --pipeline-parallel-size 2): exit 2, one line naming
     the flag, before the database is written or any process starts (before, the engine process failed: exit 1
     after the default tenant was created)."""
-    from gateway.cli import main
     from tests.hf_models import make_hf_model
 
     make_hf_model("qwen3_next", str(tmp_path / "hybrid"), seed=0)

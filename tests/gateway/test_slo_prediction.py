@@ -1,14 +1,16 @@
 """SLO admission's arithmetic against plain references: the step-time line against numpy's least squares over
-random steps, the first-token prediction against a step-by-step simulation of the queue, and the verdicts."""
+random steps, the first-token prediction against a step-by-step simulation of the queue, the refusal line against
+the share of admitted requests it is to have meet their objective, and the verdicts."""
 
 import math
 import random
+import statistics
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from gateway.slo_admission import SloAdmission, StepTimes, judge
+from gateway.slo_admission import CONFIDENCE, SloAdmission, StepTimes, judge
 from tenants.policy import ClassInfo
 
 
@@ -209,3 +211,56 @@ def test_a_class_with_a_grace_waits_for_a_slot_less_urgent_requests_hold():
     for _ in range(7):
         spare.ticket(1, 1, 1, 32).first_token()
     assert spare.predict(0, 1, 1e6).ttft_ms == pytest.approx(10.0)
+
+
+def test_refusal_line_rests_where_confidence_of_the_admitted_meet():
+    """Requests admitted right at the refusal line (a queue under overload), their first tokens scattered around
+    the prediction (log-normal; a prediction biased either way): the line settles where CONFIDENCE of them meet
+    the objective, the analytic ``line * median * exp(sigma * z) = 1``, above the objective itself when the
+    prediction is too cautious."""
+    rng = random.Random()
+    z = statistics.NormalDist().inv_cdf(CONFIDENCE)
+    for cautious in (True, False, True, False):
+        slo = _slo(10.0, 0.0, 32)
+        sigma, objective = rng.uniform(0.1, 0.3), rng.uniform(50, 5000)
+        median = math.exp(rng.uniform(-0.9, -0.6) if cautious else rng.uniform(-0.2, 0.7))  # actual / predicted
+        assert (-math.log(median) - sigma * z > 0) == cautious  # the line to find is past the objective
+        logs, met = [], 0
+        for i in range(20000):
+            expected = slo.line.get(0, 1.0) * objective
+            actual = expected * median * math.exp(rng.gauss(0.0, sigma))
+            slo.settle(0, objective, expected, actual)
+            if i >= 5000:
+                logs.append(math.log(slo.line[0]))
+                met += actual <= objective
+        assert met / len(logs) == pytest.approx(CONFIDENCE, abs=0.01)
+        assert statistics.fmean(logs) == pytest.approx(-math.log(median) - sigma * z, abs=0.06)
+
+
+def test_check_refuses_past_the_refusal_line_a_ticket_settles():
+    """A ticket admitted at the line that misses lowers it: a request predicted within the objective but past the
+    new line is refused. One admitted far inside the line moves it by that nearness only; a ticket without its
+    class's objective (a class that queues) not at all."""
+    slo = _slo(10.0, 0.0, 32)
+    objective = 100
+    for _ in range(9):
+        slo.ticket(0, 32, 1, 4, None, objective)  # nine steps of prefill queued: the tenth predicted at 100 ms
+    late = slo.ticket(0, 32, 1, 4, None, objective)
+    assert late.expected_ms == pytest.approx(objective)  # right at the line
+    late.admitted_at -= 0.150  # its first token after 150 ms: missed
+    late.first_token()
+    assert slo.line[0] == pytest.approx(math.exp(-0.1 * CONFIDENCE))
+    assert slo.predict(0, 1).ttft_ms == pytest.approx(100.0 * slo.correction[0])
+    with pytest.raises(Exception) as refused:  # within the objective, past the lowered line
+        slo.check(ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=math.ceil(slo.predict(0, 1).ttft_ms) + 1,
+                            slo_action="refuse"), 1)
+    assert refused.value.code == "slo_unattainable"
+    before = slo.line[0]
+    near = slo.ticket(0, 1, 1, 4, None, 10 * objective)  # expected far inside its line
+    near.first_token()  # met
+    nearness = near.expected_ms / (before * 10 * objective)
+    assert slo.line[0] == pytest.approx(before * math.exp(nearness * 0.1 * (1 - CONFIDENCE)))
+    queued = slo.ticket(0, 1, 1, 4)  # no objective given: settles nothing
+    queued.admitted_at -= 10.0
+    queued.first_token()
+    assert slo.line[0] == pytest.approx(before * math.exp(nearness * 0.1 * (1 - CONFIDENCE)))

@@ -71,11 +71,13 @@ def test_format_vs_compressed_tensors(seed):
     assert ((int4.dequantize_int4(ours, s, torch.float64) - w.double()).abs() <= 0.56 * step).all(), f"seed {seed}"
 
 
-# (path, dtype, T): decodes (gemv, unsorted) and a prefill-sized sorted call, float32 and bfloat16.
+# (path, dtype, T): decodes (gemv with tiles in K order or nibble planes, unsorted) and a prefill-sized sorted call,
+# float32 and bfloat16.
 CASES = [("torch", torch.float32, 5), ("torch", torch.bfloat16, 2), ("sorted", torch.float32, 7),
          ("sorted", torch.bfloat16, 7), ("unsorted", torch.bfloat16, 1), ("gemv", torch.float32, 3),
-         ("gemv", torch.bfloat16, 1)]
-PATHS = {"sorted": cfg(True, block_k=64), "unsorted": cfg(False), "gemv": cfg(False, block_k=64, gemv=True)}
+         ("gemv", torch.bfloat16, 1), ("gemv-planes", torch.float32, 3), ("gemv-planes", torch.bfloat16, 1)]
+PATHS = {"sorted": cfg(True, block_k=64), "unsorted": cfg(False), "gemv": cfg(False, block_k=64, gemv=True),
+         "gemv-planes": cfg(False, block_k=64, gemv=True, planes=True)}
 
 
 @pytest.mark.parametrize("path,dtype,T", CASES)

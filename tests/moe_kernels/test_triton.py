@@ -35,8 +35,8 @@ def seed() -> int:
 
 
 def cfg(align: bool = True, block_m: int = 16, block_n: int = 32, block_k: int = 32, group_m: int = 2,
-        gemv: bool = False) -> LaunchConfig:
-    gemm = GemmConfig(block_n, block_k, group_m, num_warps=4, num_stages=2)
+        gemv: bool = False, planes: bool = False) -> LaunchConfig:
+    gemm = GemmConfig(block_n, block_k, group_m, num_warps=4, num_stages=2, PLANES=planes)
     return LaunchConfig(align, block_m, gemm, gemm, gemv)
 
 
@@ -117,6 +117,7 @@ CASES = {
     "gemv-T3-bf16": (3, 8, 2, 64, 32, torch.bfloat16, cfg(block_n=32, block_k=16, gemv=True)),
     "gemv-k8-E128-T2-f32": (2, 128, 8, 32, 24, torch.float32, cfg(block_n=16, block_k=16, gemv=True)),
     "gemv-k1-T4-f16": (4, 8, 1, 40, 16, torch.float16, cfg(block_n=16, block_k=32, gemv=True)),
+    "gemv-bn8-T2-bf16": (2, 8, 2, 48, 40, torch.bfloat16, cfg(block_n=8, block_k=32, gemv=True)),  # no tl.dot
 }
 
 
@@ -270,6 +271,23 @@ def test_bad_config_files_are_value_errors(tmp_path):
         load_config_file(str(bad))
     with pytest.raises(ValueError, match="BLOCK_K"):
         GemmConfig(32, 8)
+    with pytest.raises(ValueError, match="BLOCK_N >= 16"):  # row tiles under 16 are for the gemv kernels only
+        cfg(True, block_n=8)
+
+
+def test_gemv_config_round_trips_and_runs_as_grouped_gemms(seed):
+    """PLANES and a gemv row tile under 16 survive to_dict/from_dict (PLANES written only where set, as files tuned
+    before it existed read); weights the gemv kernels cannot read (w13 not contiguous along H) fall back to the
+    grouped GEMMs with BLOCK_N raised to tl.dot's 16, and the result is right."""
+    narrow = cfg(False, block_n=8, block_k=32, gemv=True, planes=True)
+    assert LaunchConfig.from_dict(json.loads(json.dumps(narrow.to_dict()))) == narrow
+    assert "PLANES" not in cfg(gemv=True).to_dict()["w13"]
+    x, w13, w2, weights, ids = make_inputs(seed, 3, 8, 2, 48, 40, torch.float32)
+    w13_strided = w13.transpose(1, 2).contiguous().transpose(1, 2)  # [E, 2I, H], stride 2I along H
+    assert w13_strided.stride(2) != 1
+    out = fused_moe_triton(x, w13_strided, w2, weights, ids, config=narrow)
+    ref = moe_float64_loop(x, w13, w2, weights, ids)
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32], f"seed {seed}: relative error {rel_err(out, ref)}"
 
 
 # --- the command-line tools ----------------------------------------------------------------------

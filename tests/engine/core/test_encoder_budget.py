@@ -48,12 +48,17 @@ def random_image_requests(rng: random.Random) -> tuple[list[Request], frozenset]
     return reqs, frozenset(rng.sample(images, len(images) // 3))
 
 
-def test_random_image_workloads_keep_each_step_within_the_encoder_budget():
-    for trial in range(20):
-        rng = random.Random()
-        seed = rng.randrange(2**31)
-        rng.seed(seed)
+def seeded_image_workloads(trials: int):
+    """Per trial a fresh seed (reported by the assertions), its generator, and random_image_requests' output."""
+    for trial in range(trials):
+        seed = random.randrange(2**31)
+        rng = random.Random(seed)
         reqs, cached = random_image_requests(rng)
+        yield trial, seed, rng, reqs, cached
+
+
+def test_random_image_workloads_keep_each_step_within_the_encoder_budget():
+    for _, seed, rng, reqs, cached in seeded_image_workloads(20):
         budget = rng.randint(1, 20)
         sched = _scheduler(budget, rng.randint(8, 64), rng.randint(26, 60), cached)  # some preemption
         for r in reqs:

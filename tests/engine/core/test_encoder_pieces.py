@@ -8,7 +8,7 @@ import random
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
-from tests.engine.core.test_encoder_budget import _request, random_image_requests
+from tests.engine.core.test_encoder_budget import _request, seeded_image_workloads
 from tests.engine.helpers import run_to_completion
 
 
@@ -19,11 +19,7 @@ def _scheduler(budget: int, depth: int, merge: int, tokens: int, blocks: int, ca
 
 
 def test_random_image_workloads_keep_each_step_within_the_token_block_budget():
-    for trial in range(20):
-        rng = random.Random()
-        seed = rng.randrange(2**31)
-        rng.seed(seed)
-        reqs, cached = random_image_requests(rng)
+    for _, seed, rng, reqs, cached in seeded_image_workloads(20):
         depth, merge = rng.randint(1, 5), rng.choice([1, 4])
         budget = rng.randint(1, 16 * merge * depth)
         sched = _scheduler(budget, depth, merge, rng.randint(8, 64), rng.randint(26, 60), cached)  # some preemption
