@@ -247,12 +247,16 @@ def test_host_work_overlaps_with_the_synchronous_tokens(model_path, settings):
              # The biased stop token is every step's pick once allowed: the request ends right after min_tokens.
              dict(min_tokens=6, stop_token_ids=[stop], logit_bias={stop: 100.0}, max_tokens=24),
              dict(temperature=1.0, seed=rng.randrange(2**31), logprobs=2, frequency_penalty=1.0), dict(n=2)]
+    # Lengths (prompt and output) from a fixed generator: they alone decide when blocks run out, and with these
+    # both loops preempt (4 times each, counted below); the tokens and the kinds' parameters are fresh each run.
+    lengths = random.Random(2)
     reqs = []
     for i in range(12):
         kind = kinds[i % len(kinds)]
         # The n=2 prompt fills two blocks, which its second copy finds in the prefix cache.
-        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(33, 40) if "n" in kind else rng.randint(3, 40))]
-        extra = dict(temperature=0.0, max_tokens=rng.randint(8, 24), ignore_eos=True) | kind
+        num_prompt = lengths.randint(33, 40) if "n" in kind else lengths.randint(3, 40)
+        prompt = [rng.randrange(1, VOCAB) for _ in range(num_prompt)]
+        extra = dict(temperature=0.0, max_tokens=lengths.randint(8, 24), ignore_eos=True) | kind
         reqs.append((prompt, SamplingParams(**extra)))
     sync, overlapped = engine(model_path, False, **settings), engine(model_path, True, **settings)
     launches = watch_launches(overlapped)
