@@ -23,6 +23,25 @@ def tie_ordered_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
         return hf_greedy(hf, prompt, max_new)
 
 
+def cache_free_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
+    """transformers' greedy tokens computed without its cache: the whole sequence again for each token (the
+    engine's own path for a request preempted and recomputed), indexer ties broken as ``tie_ordered_greedy``."""
+    ids = list(prompt)
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(torch.Tensor, "topk", earlier_first_topk)
+        for _ in range(max_new):
+            ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def greedy_either_path(hf, prompt: list[int], max_new: int) -> tuple[list[int], list[int]]:
+    """transformers' greedy tokens through its cache and without it (``tie_ordered_greedy``, ``cache_free_greedy``):
+    where a router's top-k has a near tie, float sums in the other order pick other experts and the two paths part
+    (measured: DeepSeek-V4's second MoE layer, bias-corrected scores of two experts within 1e-6), and an engine
+    that preempts and recomputes a request takes the cache-free path from there."""
+    return tie_ordered_greedy(hf, prompt, max_new), cache_free_greedy(hf, prompt, max_new)
+
+
 def split_runs_against_transformers(tmp_path_factory, families, build: Callable, workload: Workload, engine: dict,
                                     timeout_s: float, reference: Callable = hf_greedy) -> tuple[dict, dict]:
     """For each family a fresh seed, checkpoint (``build(family, path, seed)`` saves it, returns the transformers
@@ -41,9 +60,13 @@ def split_runs_against_transformers(tmp_path_factory, families, build: Callable,
 
 
 def check_split_generates_reference_tokens(family: str, run: tuple, reference: list[list[int]]) -> tuple:
-    """Assert one ``generate_each_way`` entry ran and its "tp" mode gave ``reference``'s tokens; its statistics
-    (preemptions, prefix-hit tokens, expert load by rank)."""
+    """Assert one ``generate_each_way`` entry ran and its "tp" mode gave ``reference``'s tokens (per prompt a token
+    list, or a tuple of lists any of which is right: ``greedy_either_path``); its statistics (preemptions,
+    prefix-hit tokens, expert load by rank)."""
     seed, _, _, (status, value) = run
     assert status == "ok", f"family={family} seed={seed}: {value}"
-    assert value["tp"] == reference, f"two ranks differ from transformers (family={family} seed={seed})"
+    assert len(value["tp"]) == len(reference), f"family={family} seed={seed}"
+    for i, (got, want) in enumerate(zip(value["tp"], reference)):
+        assert got in (want if isinstance(want, tuple) else (want,)), (
+            f"two ranks differ from transformers (family={family} seed={seed} prompt {i}): {got} vs {want}")
     return value["tp:stats"]
