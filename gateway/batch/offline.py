@@ -14,6 +14,7 @@ from pathlib import Path
 
 from engine import engine_flags
 from engine.core.config import EngineConfig
+from gateway.config import GatewayConfig
 
 
 def register(subparsers) -> None:
@@ -21,8 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("-i", "--input", required=True, help="input .jsonl (Batch API format)")
     p.add_argument("-o", "--output", required=True, help="output .jsonl (one line per successful request)")
     p.add_argument("--errors", default=None, help="error .jsonl (default: OUTPUT with .errors.jsonl)")
-    p.add_argument("--max-lines", type=int, default=50_000)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--max-lines", type=int, default=GatewayConfig().batch_max_lines,
+                   help="refuse an input file of more lines (the Batch API's limit; default %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     engine_flags.add_engine_flags(p, exclude=engine_flags.REPLICA_FIELDS)
     p.set_defaults(func=_run_batch)
 
