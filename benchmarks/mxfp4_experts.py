@@ -181,8 +181,8 @@ def _capture_launches(mode: str | None, num_tokens: int, config: dict | None = N
                       swap: int | None = None) -> list[tuple]:
     """(kernel, args, kwargs) of each launch ``fused_moe_triton`` makes for one call at gpt-oss-20b's expert shape on
     an H100, recorded instead of launched: CPU tensors of the real shapes (never read), the kernels compiled (not
-    interpreted), the launch config an H100 looks up (or ``config``, a ``LaunchConfig`` as a dict), with ``swap``
-    forced onto the swapped-operand kernels with that SPLIT_K (``swapped``)."""
+    interpreted), the launch config an H100 looks up (or ``config``, a ``LaunchConfig`` as a dict), for mxfp4 with
+    ``swap`` forced onto the swapped-operand kernels with that SPLIT_K (``swapped``)."""
     from moe_kernels.launch_config import LaunchConfig
     from moe_kernels import gemv_kernels, swapped_triton, triton_backend
     from moe_kernels import int4
@@ -234,7 +234,7 @@ def _capture_launches(mode: str | None, num_tokens: int, config: dict | None = N
         for module, name, value in patches:
             setattr(module, name, value)
         launch = LaunchConfig.from_dict(config) if config else None
-        if swap is not None:
+        if swap is not None and mode == "mxfp4":  # the swapped kernels take MXFP4 weights alone
             launch = swapped(launch or triton_backend.default_config(x, weights["w13"]), swap)
         triton_backend.fused_moe_triton(x, weights["w13"], weights["w2"], topk_weights, ids, config=launch, **args)
     finally:

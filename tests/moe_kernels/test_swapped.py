@@ -7,7 +7,8 @@ slots that pad the dot's N are exercised; K is split into whole BLOCK_K steps, t
 span e8m0's range from 0 (2**-127) up to where the outputs stay finite in float32, one level per weight row (rows of
 very different magnitudes side by side), so each output is checked against its own row's size: |got - want| <=
 tol * the float64 product of absolute values, plus float32's least normal (outputs of 2**-127-scaled rows underflow).
-The MoE paths with biases, the clamped SwiGLU and realistic scales: ``test_mxfp4`` (PATHS "swap", "swap-split").
+The MoE paths with biases, the clamped SwiGLU and realistic scales: ``test_mxfp4`` (PATHS "swap", "swap-split")
+and, with the launch ``benchmarks.mxfp4_experts`` forces for its GPU A/B, the last test here.
 
 Random bytes (every code), random scales and inputs; without a GPU the kernels run in Triton's CPU interpreter
 (conftest.py), so shapes stay tiny. The seed is in every message (MOE_TEST_SEED=<n> replays one).
@@ -22,8 +23,10 @@ import torch
 import torch.nn.functional as F
 
 import moe_kernels
+from benchmarks.mxfp4_experts import swapped
 from moe_kernels import swapped_triton, triton_backend
 from moe_kernels.triton_backend import invoke_w2, invoke_w13, slot_blocks
+from tests.moe_kernels.test_expert_variants import ACT, reference, rel_err
 from tests.moe_kernels.test_mxfp4 import decode64, random_mxfp4
 from tests.moe_kernels.test_triton import DEVICE, cfg
 
@@ -149,3 +152,22 @@ def test_swap_is_mxfp4_only_and_written_only_where_set(seed):
     assert triton_backend.LaunchConfig.from_dict(swapped.to_dict()) == swapped
     with pytest.raises(ValueError, match="only with SWAP"):
         dataclasses.replace(plain.w13, SPLIT_K=2)
+
+
+def test_benchmark_forces_the_swap_onto_any_config(seed):
+    """``benchmarks.mxfp4_experts.swapped`` (the GPU A/B's forced launch) turns a matrix-vector config into a sorted
+    grouped one on the swapped kernels (64 weight rows, BLOCK_K at most 128, a warp group per 64 rows), and the MoE
+    computed with it, gpt-oss's biases and clamped SwiGLU, is the float64 loop's."""
+    forced = swapped(cfg(False, block_k=512, gemv=True), 2)
+    assert forced.align and not forced.gemv
+    assert (forced.w13.BLOCK_N, forced.w13.BLOCK_K, forced.w13.SWAP, forced.w13.SPLIT_K) == (64, 128, True, 2)
+    gen = torch.Generator().manual_seed(seed)
+    weights, ids = routing(gen, 3)
+    x = torch.randn(weights.shape[0], 256, generator=gen)
+    (q13, s13), (q2, s2) = random_mxfp4(gen, E, 64, 256), random_mxfp4(gen, E, 256, 32)  # H 256: two steps of 128
+    b13, b2 = torch.randn(E, 64, generator=gen), torch.randn(E, 256, generator=gen)
+    out = triton_backend.fused_moe_triton(
+        *[t.to(DEVICE) for t in (x, q13, q2, weights, ids)], ACT, config=forced, w13_scale=s13.to(DEVICE),
+        w2_scale=s2.to(DEVICE), w13_bias=b13.to(DEVICE), w2_bias=b2.to(DEVICE))
+    ref, _ = reference(x, decode64(q13, s13), decode64(q2, s2), b13, b2, weights, ids)
+    assert rel_err(out.cpu(), ref) <= 1e-5, f"seed {seed}: relative error {rel_err(out.cpu(), ref)}"
