@@ -30,6 +30,9 @@ set -u
 # test stages, tune-gpt-oss, the goals but goal-hf, bench-mxfp4, -image-itl, -sparse-*, -spec, -structured, -overlap,
 # -piecewise), a little added, where the stage
 # ran (env through bench-mla), guesses elsewhere (model build, Triton compiles and transformers' generate counted in).
+# tune-gpt-oss: 150 s measured before the MXFP4 search took the swapped-operand grouped GEMMs (about 40% more MXFP4
+# candidates up to 64 tokens, twice as many from 128 to 512), so 210 is a guess; bench-swap: bench-planes' 110 s for
+# four layers timed at four token counts, a guess.
 STAGE_TABLE="
 env 15 60
 tests-cuda 220 300
@@ -48,9 +51,10 @@ bench-sparse-prefill 45 300
 bench-engine-deepseek 300 540
 bench-engine-families 420 590
 tune 580 590
-tune-gpt-oss 150 330
+tune-gpt-oss 210 420
 tests-planes 70 180
 bench-planes 110 240
+bench-swap 110 240
 bench-moe 200 400
 bench-dense-gemv 90 200
 bench-engine 300 540
@@ -69,10 +73,11 @@ bench-image-itl 220 360
 # The first call's order: the CUDA tests first (the 2026 families' FP8-cache cases left transformers' tokens on the
 # last run), then MXFP4 experts against bf16 (this card's tuned files ship; tune-gpt-oss again after a kernel change:
 # the 4-bit matrix-vector decode as nibble planes, PLANES, is new and in the tuner's space; tests-planes, tune-gpt-oss,
-# bench-mxfp4, bench-planes in one call measure it: docs/decisions/mxfp4-decode.md),
+# bench-mxfp4, bench-planes in one call measure it; the swapped-operand grouped GEMMs, SWAP and SPLIT_K, are new too
+# and in the search: bench-swap times them forced: docs/decisions/mxfp4-decode.md),
 # then what has never run on a GPU (end to end against transformers on the H200, 8-bit experts in the engine,
 # DeepSeek-V2-Lite and the newer families at real size), then the goals and the rest.
-DEFAULT_STAGES="env tests-cuda tests-paths tests-families tune-gpt-oss bench-mxfp4 bench-planes goal-hf bench-quant bench-engine-deepseek
+DEFAULT_STAGES="env tests-cuda tests-paths tests-families tune-gpt-oss bench-mxfp4 bench-swap bench-planes goal-hf bench-quant bench-engine-deepseek
 bench-engine-families bench-image-itl goal-engine goal-moe bench-structured bench-spec bench-piecewise bench-overlap bench-mla"
 
 usage() { echo "usage: benchmarks/gpu_session.sh [--dry-run] [--list] [--budget SECONDS] [--stages A,B:SECONDS,...] [STAGE[:SECONDS] ...]" >&2; exit 2; }
@@ -241,14 +246,20 @@ for spec in $SPECS; do
         goal-hf) run_stage goal-hf "$limit" $PY -m benchmarks.engine_gpu --concurrency 128 --json "$WORK/goal_hf.json" ;;
         tune) run_stage tune "$limit" bash -c tune_all ;;
         tune-gpt-oss) run_stage tune-gpt-oss "$limit" bash -c tune_gpt_oss ;;
-        # The 4-bit kernels on CUDA alone (the nibble-plane decode new): tile and plane decode against the float64
-        # decoders, plane dots, the MXFP4 and INT4 MoE paths; the same files run in tests-cuda.
+        # The 4-bit kernels on CUDA alone (the nibble-plane decode and the swapped-operand GEMMs new): tile and plane
+        # decode against the float64 decoders, plane dots, the swapped w13 and w2 with K split and not, the MXFP4 and
+        # INT4 MoE paths; the same files run in tests-cuda.
         tests-planes) run_stage tests-planes "$limit" $PYTEST tests/moe_kernels/test_planes.py \
-            tests/moe_kernels/test_mxfp4.py tests/moe_kernels/test_int4.py tests/moe_kernels/test_tune_mxfp4.py ;;
+            tests/moe_kernels/test_swapped.py tests/moe_kernels/test_mxfp4.py tests/moe_kernels/test_int4.py \
+            tests/moe_kernels/test_tune_mxfp4.py ;;
         # The A/B of the 4-bit decode in one process: mxfp4 and int4 with their looked-up launch configs, the decode
         # forced to tiles and to nibble planes, beside bf16, at the token counts the matrix-vector path serves.
         bench-planes) run_stage bench-planes "$limit" $PY -m benchmarks.mxfp4_experts kernel --tokens 1,2,4,8 \
             --rounds 5 --planes ;;
+        # The A/B of the MXFP4 grouped GEMMs in one process: bf16 and mxfp4 with their looked-up launch configs
+        # beside mxfp4 forced onto the swapped-operand kernels, K whole and split in four, at the goal token counts.
+        bench-swap) run_stage bench-swap "$limit" $PY -m benchmarks.mxfp4_experts kernel --tokens 1,8,64,512 \
+            --rounds 5 --modes bf16,mxfp4 --swap 1,4 ;;
         # Text streams' ITL p99 while image requests arrive: no images, the encoder budget, layer-chunked encoding,
         # each with the images prepared on the step loop and off it (5 arms of 12 s measured).
         bench-image-itl) run_stage bench-image-itl "$limit" $PY -m benchmarks.image_itl --device cuda --dtype bfloat16 \

@@ -2,8 +2,9 @@
 fused MoE kernel's tokens/s at gpt-oss-20b's expert shape (CUDA), every mode in one run.
 
     python -m benchmarks.mxfp4_experts memory                 # bytes of expert weights per mode, gpt-oss-20b/120b
-    python -m benchmarks.mxfp4_experts kernel --tokens 1,8,64,512 --rounds 5 [--planes]
+    python -m benchmarks.mxfp4_experts kernel --tokens 1,8,64,512 --rounds 5 [--planes] [--swap 1,4] [--modes ..]
     python -m benchmarks.mxfp4_experts resources [--tokens 1,8,64,512] [--gemv [--planes]]   # no GPU: sm_90 code
+    python -m benchmarks.mxfp4_experts resources --modes mxfp4 --tokens 8,64,512 --swap 1   # swapped operands
 
 ``memory``: the gpt-oss presets built on the meta device as the engine builds them (``build_random_model`` with
 each ``--quantization``), bytes of the routed experts (weights, scales, biases) summed from each parameter's numel
@@ -21,6 +22,11 @@ same bf16 weights; int4 as Kimi's checkpoints store it, ``moe_kernels.int4``); p
 call), ``--rounds`` times; median and range of tokens/s per mode. ``--planes`` adds mxfp4 and int4 with the
 launch config they look up but its 4-bit decode forced to tiles in K order and to nibble planes
 (``moe_kernels.planes_triton``), both kernels, in the same rounds: an A/B of the decode in one process.
+``--swap 1,4`` adds mxfp4 with the launch config it looks up forced onto the swapped-operand grouped GEMMs
+(``moe_kernels.swapped_triton``) with each SPLIT_K listed (``swapped``: a matrix-vector config's tiles as grouped
+GEMM tiles, slots sorted by expert, at least 64 weight rows and at most 128 values along K a tile), "mxfp4/swap-k1", "mxfp4/swap-k4", in the same
+rounds; ``--modes`` keeps only the modes listed (bf16, int8, fp8, mxfp4, int4). ``resources --swap N`` compiles the
+same forced launch (SPLIT_K N; the split-K sums, an elementwise second pass, are left out of the table).
 """
 
 import argparse
@@ -35,6 +41,8 @@ import tempfile
 import torch
 
 MODES = (None, "int8", "fp8", "mxfp4", "int4")  # None: bf16 experts
+SWAP_MIN_BLOCK_N = 64  # weight rows of a swapped tile: wgmma's M per warp group on sm_90
+SWAP_MAX_BLOCK_K = 128  # the tuner's largest swapped step (tune_moe.SWAP_SPACES): the decoded tile stays in registers
 SHAPE_20B = dict(num_experts=32, top_k=4, hidden=2880, inter=2880)
 
 
@@ -86,26 +94,54 @@ def _decode_variants(layers: dict) -> dict:
             if name in ("mxfp4", "int4") for variant in ("tiles", "planes")}
 
 
+def swapped(config, split_k: int):
+    """``config`` (a ``LaunchConfig``) forced onto the swapped-operand grouped GEMMs with ``split_k``: a
+    matrix-vector config's tiles as grouped ones, slots sorted by expert, BLOCK_N at least SWAP_MIN_BLOCK_N and
+    BLOCK_K at most SWAP_MAX_BLOCK_K, a warp group (4 warps) at most per 64 weight rows (more would hold copies of
+    the same decoded rows: compiled for sm_90, w2 at one token with 8 warps took twice the instructions per value)."""
+    from moe_kernels.launch_config import as_grouped
+
+    def force(gemm):
+        rows = max(gemm.BLOCK_N, SWAP_MIN_BLOCK_N)
+        return dataclasses.replace(gemm, BLOCK_N=rows, BLOCK_K=min(gemm.BLOCK_K, SWAP_MAX_BLOCK_K),
+                                   num_warps=min(gemm.num_warps, 4 * rows // SWAP_MIN_BLOCK_N), PLANES=False,
+                                   SWAP=True, SPLIT_K=split_k)
+
+    config = as_grouped(config)
+    return dataclasses.replace(config, align=True, w13=force(config.w13), w2=force(config.w2))
+
+
+def _swap_variants(layers: dict, split_ks: list[int]) -> dict:
+    """The mxfp4 layer once more per SPLIT_K, as "mxfp4/swap-k<n>": its looked-up config forced by ``swapped``."""
+    return {f"mxfp4/swap-k{n}": {**layers["mxfp4"], "swap": n} for n in split_ks}
+
+
 def _call(x, layer: dict, weights, ids):
     import moe_kernels
     from moe_kernels.triton_backend import default_config, fused_moe_triton
 
-    if "planes" not in layer:  # as the engine calls it
+    if "planes" not in layer and "swap" not in layer:  # as the engine calls it
         return moe_kernels.fused_moe(x, layer["w13"], layer["w2"], weights, ids, backend="triton", **layer["args"])
     config = default_config(x, layer["w13"])
-    config = dataclasses.replace(config, w13=dataclasses.replace(config.w13, PLANES=layer["planes"]),
-                                 w2=dataclasses.replace(config.w2, PLANES=layer["planes"]))
+    if "swap" in layer:
+        config = swapped(config, layer["swap"])
+    else:
+        config = dataclasses.replace(config, w13=dataclasses.replace(config.w13, PLANES=layer["planes"]),
+                                     w2=dataclasses.replace(config.w2, PLANES=layer["planes"]))
     return fused_moe_triton(x, layer["w13"], layer["w2"], weights, ids, config=config, **layer["args"])
 
 
-def kernel(tokens: list[int], rounds: int, planes: bool = False) -> None:
+def kernel(tokens: list[int], rounds: int, planes: bool = False, modes: tuple = MODES,
+           swap: list[int] | None = None) -> None:
     import moe_kernels
     from moe_kernels.timing import capture_graph, median_ms
 
     device = torch.device("cuda")
-    layers = {mode or "bf16": _layer(mode, device) for mode in MODES}
+    layers = {mode or "bf16": _layer(mode, device) for mode in modes}
     if planes:
         layers.update(_decode_variants(layers))
+    if swap:
+        layers.update(_swap_variants(layers, swap))
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)
     h, e, k = SHAPE_20B["hidden"], SHAPE_20B["num_experts"], SHAPE_20B["top_k"]
     print(torch.cuda.get_device_name(device), f"gpt-oss-20b expert layer: E={e} top-{k} H=I={h}")
@@ -141,12 +177,14 @@ GEMV_LAUNCH = dict(align=False, BLOCK_M=16, gemv=True,
                    w2=dict(BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=8, num_stages=2))
 
 
-def _capture_launches(mode: str | None, num_tokens: int, config: dict | None = None) -> list[tuple]:
+def _capture_launches(mode: str | None, num_tokens: int, config: dict | None = None,
+                      swap: int | None = None) -> list[tuple]:
     """(kernel, args, kwargs) of each launch ``fused_moe_triton`` makes for one call at gpt-oss-20b's expert shape on
     an H100, recorded instead of launched: CPU tensors of the real shapes (never read), the kernels compiled (not
-    interpreted), the launch config an H100 looks up (or ``config``, a ``LaunchConfig`` as a dict)."""
+    interpreted), the launch config an H100 looks up (or ``config``, a ``LaunchConfig`` as a dict), for mxfp4 with
+    ``swap`` forced onto the swapped-operand kernels with that SPLIT_K (``swapped``)."""
     from moe_kernels.launch_config import LaunchConfig
-    from moe_kernels import gemv_kernels, triton_backend
+    from moe_kernels import gemv_kernels, swapped_triton, triton_backend
     from moe_kernels import int4
     from moe_kernels.mxfp4 import scale_shape as mxfp4_scale_shape
     from moe_kernels.quant import QuantScheme, scale_shape
@@ -188,12 +226,16 @@ def _capture_launches(mode: str | None, num_tokens: int, config: dict | None = N
                (triton_backend, "_device_name", lambda device: H100_NAME)]
     patches += [(module, name, Recorder(getattr(module, name))) for module, name in
                 ((triton_backend, "_w13_act_kernel"), (triton_backend, "_w2_weighted_kernel"),
-                 (gemv_kernels, "w13_gemv_kernel"), (gemv_kernels, "w2_gemv_sum_kernel"))]
+                 (gemv_kernels, "w13_gemv_kernel"), (gemv_kernels, "w2_gemv_sum_kernel"),
+                 (swapped_triton, "w13_swapped_kernel"), (swapped_triton, "w2_swapped_kernel"),
+                 (swapped_triton, "w13_split_sum_kernel"), (swapped_triton, "w2_split_sum_kernel"))]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     try:
         for module, name, value in patches:
             setattr(module, name, value)
         launch = LaunchConfig.from_dict(config) if config else None
+        if swap is not None and mode == "mxfp4":  # the swapped kernels take MXFP4 weights alone
+            launch = swapped(launch or triton_backend.default_config(x, weights["w13"]), swap)
         triton_backend.fused_moe_triton(x, weights["w13"], weights["w2"], topk_weights, ids, config=launch, **args)
     finally:
         for module, name, value in saved:
@@ -230,7 +272,7 @@ def _sm90_resources(fn, args: tuple, kwargs: dict) -> dict:
     tiles = 2 if "w13" in fn.fn.__name__ else 1  # w13's programs read a gate and an up tile per step
     threads = 32 * kwargs.get("num_warps", 4)
     return dict(kernel=fn.fn.__name__, QUANT=c.get("QUANT"), BLOCK_M=c.get("BLOCK_M"), BLOCK_N=c["BLOCK_N"],
-                BLOCK_K=c["BLOCK_K"], PLANES=c.get("PLANES"), warps=kwargs.get("num_warps"),
+                BLOCK_K=c["BLOCK_K"], PLANES=c.get("PLANES"), SPLIT=c.get("SPLIT"), warps=kwargs.get("num_warps"),
                 stages=kwargs.get("num_stages"), registers=int(found["REG"]),
                 spill_bytes=int(found["LOCAL"]) + int(found["STACK"]), shared_bytes=compiled.metadata.shared,
                 sass=len(ops), global_loads=sum(op.startswith("LDG") for op in ops), k_loop=loop,
@@ -251,13 +293,25 @@ def _k_loop_instructions(sass: str) -> int:
     return min((n for n in spans if n > 20), default=0)
 
 
-def resources(tokens: list[int], modes: tuple = (None, "int8", "mxfp4", "int4"), config: dict | None = None) -> list[dict]:
+def resources(tokens: list[int], modes: tuple = (None, "int8", "mxfp4", "int4"), config: dict | None = None,
+              swap: int | None = None) -> list[dict]:
     rows = []
     for mode in modes:
         for t in tokens:
-            for fn, args, kwargs in _capture_launches(mode, t, config):
+            for fn, args, kwargs in _capture_launches(mode, t, config, swap):
+                if "BLOCK_K" not in kwargs:
+                    continue  # the split-K sums: elementwise, no K loop
                 rows.append(dict(mode=mode or "bf16", tokens=t, **_sm90_resources(fn, args, kwargs)))
     return rows
+
+
+def _modes(names: str) -> tuple:
+    """--modes as MODES' entries (bf16 is None), refusing an unknown one."""
+    modes = tuple(None if name == "bf16" else name for name in names.split(","))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; known: bf16, {', '.join(m for m in MODES if m)}")
+    return modes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,10 +323,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="rounds of all modes per token count (default 5)")
     p.add_argument("--planes", action="store_true", help="also mxfp4 and int4 with the looked-up launch config's "
                    "4-bit decode forced to tiles and to nibble planes (PLANES), timed in the same rounds")
+    p.add_argument("--swap", help="comma-separated SPLIT_K values: also mxfp4 with the looked-up launch config forced "
+                   "onto the swapped-operand grouped GEMMs with each, timed in the same rounds")
+    p.add_argument("--modes", default="bf16,int8,fp8,mxfp4,int4", help="comma-separated modes (default all)")
     p = sub.add_parser("resources", help="registers, spills, shared memory, SASS of the sm_90 kernels (no GPU)")
     p.add_argument("--tokens", default="1,8,64,512", help="comma-separated token counts (default 1,8,64,512)")
     p.add_argument("--gemv", action="store_true", help="the matrix-vector launch tuned for one token (GEMV_LAUNCH)")
     p.add_argument("--planes", action="store_true", help="with --gemv: 4-bit weights decoded as nibble planes")
+    p.add_argument("--swap", type=int, help="SPLIT_K: the looked-up (or --gemv) launch forced onto the "
+                   "swapped-operand grouped GEMMs (MXFP4 weights)")
+    p.add_argument("--modes", default="bf16,int8,mxfp4,int4", help="comma-separated modes (default bf16,int8,mxfp4,"
+                   "int4)")
     args = parser.parse_args(argv)
     if args.command == "memory":
         memory()
@@ -280,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         config = None
         if args.gemv:
             config = {**GEMV_LAUNCH, **{g: {**GEMV_LAUNCH[g], "PLANES": args.planes} for g in ("w13", "w2")}}
-        for r in resources([int(t) for t in args.tokens.split(",")], config=config):
+        for r in resources([int(t) for t in args.tokens.split(",")], _modes(args.modes), config, args.swap):
             print(f"{r['mode']:>5} T={r['tokens']:<4} {r['kernel']:<20} QUANT={r['QUANT']} BLOCK_M={r['BLOCK_M']} "
-                  f"N={r['BLOCK_N']} K={r['BLOCK_K']} PLANES={r['PLANES']} warps={r['warps']} stages={r['stages']}: "
+                  f"N={r['BLOCK_N']} K={r['BLOCK_K']} PLANES={r['PLANES']} SPLIT={r['SPLIT']} warps={r['warps']} stages={r['stages']}: "
                   f"registers={r['registers']} spilled={r['spill_bytes']} shared={r['shared_bytes']} "
                   f"sass={r['sass']} global_loads={r['global_loads']} k_loop={r['k_loop']} "
                   f"per_value={r['per_value']}")
@@ -290,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel needs CUDA", file=sys.stderr)
         return 2
     else:
-        kernel([int(t) for t in args.tokens.split(",")], args.rounds, args.planes)
+        swap = [int(n) for n in args.swap.split(",")] if args.swap else None
+        if swap and "mxfp4" not in args.modes.split(","):
+            parser.error("--swap needs mxfp4 among --modes")
+        kernel([int(t) for t in args.tokens.split(",")], args.rounds, args.planes, _modes(args.modes), swap)
     return 0
 
 

@@ -29,6 +29,7 @@ import time
 DEFAULT_TESTS = (
     "tests/moe_kernels/test_triton.py",
     "tests/moe_kernels/test_mxfp4.py",
+    "tests/moe_kernels/test_swapped.py",
     "tests/moe_kernels/test_int4.py",
     "tests/moe_kernels/test_routing_kinds.py",
     "tests/engine/kernels",

@@ -20,7 +20,10 @@ too, the name ``launch_config`` looks up for such weights before the dtype's.
 Its matrix-vector candidates decode the 4-bit tiles both ways, in K order and
 as nibble planes (``PLANES``, ``moe_kernels.planes_triton``); the fastest of
 each, per kernel and token count, goes to stderr (the A/B of the two decodes),
-the fastest of all into the file.
+the fastest of all into the file. Its grouped-GEMM candidates take the tile
+kernels and the swapped-operand ones (``SWAP``, with ``SPLIT_K``:
+``moe_kernels.swapped_triton``, SWAP_SPACES); the fastest of each goes to
+stderr the same way.
 
 Timings mean something only on the GPU the file is named after. Without CUDA
 it refuses, unless TRITON_INTERPRET=1 is set, tiny shapes are given and
@@ -30,6 +33,7 @@ Legend: T tokens, H hidden, I expert intermediate, E experts, k top-k, S = T*k.
 """
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -77,6 +81,17 @@ GPU_GEMV_SPACE = dict(BLOCK_N=(8, 16, 32, 64), BLOCK_K=(128, 256, 512), GROUP_M=
                       num_stages=(2,), PLANES=(False, True))
 INTERPRETER_GEMV_SPACE = dict(BLOCK_N=(16,), BLOCK_K=(32,), GROUP_M=(1,), num_warps=(4,), num_stages=(2,),
                               PLANES=(False, True))
+# The swapped-operand grouped GEMMs of MXFP4 weights, by token-count regime as GPU_SPACES: weight rows are the dot's
+# M (64 and up: a wgmma per warp group, the decoded tile its A operand from registers), the block's slots its N;
+# K split where few tokens leave the grid short of the SMs. BLOCK_M, GROUP_M as the regime's tile space.
+SWAP_SPACES = (
+    (64, dict(BLOCK_N=(64, 128), BLOCK_K=(64, 128), num_warps=(4,), num_stages=(3,), SPLIT_K=(1, 2, 4))),
+    (1024, dict(BLOCK_N=(64, 128), BLOCK_K=(64, 128), num_warps=(4, 8), num_stages=(3,), SPLIT_K=(1, 2))),
+    (1 << 62, dict(BLOCK_N=(128,), BLOCK_K=(64, 128), num_warps=(4, 8), num_stages=(3, 4), SPLIT_K=(1,))),
+)
+INTERPRETER_SWAP_SPACES = ((1 << 62, dict(BLOCK_N=(16,), BLOCK_K=(32,), num_warps=(4,), num_stages=(2,),
+                                          SPLIT_K=(1, 2))),)
+MAX_DECODED_PER_THREAD = 128  # float32 decoded weight values per thread and step (w13: gate and up tiles)
 UNSORTED_MAX_TOKENS = 4  # the no-alignment path reads an expert once per slot: a handful of tokens
 # The matrix-vector kernels too, but pad nothing: at 8 tokens of gpt-oss-20b (32 slots on about 20 experts) they
 # read about 1.6x the grouped GEMMs' bytes, which a decode-bound 4-bit layer may not feel. Timed, not assumed.
@@ -117,6 +132,18 @@ def gemm_candidates(space: dict, block_m: int, weight_tiles: int, elem_bytes: in
         if smem <= smem_limit and acc_per_thread <= MAX_ACC_PER_THREAD and _fits_weights(cfg, quantization):
             out.append(cfg)
     return out
+
+
+def swapped_candidates(space: dict, tile_space: dict, block_m: int, weight_tiles: int, elem_bytes: int,
+                       smem_limit: int) -> list[GemmConfig]:
+    """The swapped-operand configs (SWAP, each SPLIT_K of ``space``) of ``space``'s tiles the weights allow, whose
+    decoded weight tiles fit in registers, with a warp group (4 warps) at most per 64 weight rows (more hold copies of
+    the same decoded rows); GROUP_M from ``tile_space``, the regime's tile space."""
+    tiles = gemm_candidates({**space, "GROUP_M": tile_space["GROUP_M"]}, block_m, weight_tiles, elem_bytes,
+                            smem_limit, "mxfp4")
+    return [dataclasses.replace(c, SWAP=True, SPLIT_K=split) for c in tiles for split in space["SPLIT_K"]
+            if c.BLOCK_N * c.BLOCK_K * weight_tiles <= MAX_DECODED_PER_THREAD * 32 * c.num_warps
+            and c.num_warps <= max(4, c.BLOCK_N // 16)]
 
 
 def space_for(spaces: tuple, num_tokens: int) -> dict:
@@ -170,7 +197,9 @@ def _gemv_candidates(space: dict, weight_tiles: int, quantization: str | None = 
 def candidates(problem: Problem, spaces: tuple, smem_limit: int) -> list[tuple[str, int, str, GemmConfig]]:
     """Every (mode, BLOCK_M, "w13" | "w2", GemmConfig) the search times for ``problem``."""
     space = space_for(spaces, problem.num_tokens)
-    gemv_space = INTERPRETER_GEMV_SPACE if spaces is INTERPRETER_SPACES else GPU_GEMV_SPACE
+    interpreted = spaces is INTERPRETER_SPACES
+    gemv_space = INTERPRETER_GEMV_SPACE if interpreted else GPU_GEMV_SPACE
+    swap_space = space_for(INTERPRETER_SWAP_SPACES if interpreted else SWAP_SPACES, problem.num_tokens)
     elem = torch.empty(0, dtype=DTYPES[problem.dtype]).element_size()
     quant = problem.quantization
     out = []
@@ -181,6 +210,9 @@ def candidates(problem: Problem, spaces: tuple, smem_limit: int) -> list[tuple[s
             continue
         out += [(mode, block_m, "w13", c) for c in gemm_candidates(space, block_m, 2, elem, smem_limit, quant)]
         out += [(mode, block_m, "w2", c) for c in gemm_candidates(space, block_m, 1, elem, smem_limit, quant)]
+        if quant == "mxfp4":
+            out += [(mode, block_m, which, c) for which, tiles in (("w13", 2), ("w2", 1))
+                    for c in swapped_candidates(swap_space, space, block_m, tiles, elem, smem_limit)]
     return out
 
 
@@ -301,16 +333,22 @@ def _fastest(run, candidates: list[GemmConfig], device, reps: int, warmup: int) 
     return best
 
 
-def _fastest_by_decode(problem: Problem, run, candidates: list[GemmConfig], which: str, device, reps: int,
-                       warmup: int) -> tuple[float, GemmConfig | None]:
-    """``_fastest``, and where the candidates decode 4-bit weights both ways (PLANES off and on), the best of each
-    on stderr: the A/B of the two decodes, from one process."""
-    variants = sorted({c.PLANES for c in candidates})
-    best = {p: _fastest(run, [c for c in candidates if c.PLANES == p], device, reps, warmup) for p in variants}
+def kernel_variant(cfg: GemmConfig) -> str:
+    """Which kernel a GemmConfig takes for 4-bit weights: "planes" (matrix-vector, nibble planes), "swapped"
+    (grouped GEMM, swapped operands) or "tiles" (tiles in K order)."""
+    return "planes" if cfg.PLANES else "swapped" if cfg.SWAP else "tiles"
+
+
+def _fastest_by_decode(problem: Problem, run, candidates: list[GemmConfig], mode: str, which: str, device,
+                       reps: int, warmup: int) -> tuple[float, GemmConfig | None]:
+    """``_fastest``, and where the candidates take 4-bit weights more than one way (``kernel_variant``), the best of
+    each on stderr: the A/B of the kernels, from one process."""
+    variants = sorted({kernel_variant(c) for c in candidates})
+    best = {v: _fastest(run, [c for c in candidates if kernel_variant(c) == v], device, reps, warmup)
+            for v in variants}
     if len(variants) > 1:
-        for plane, (ms, cfg) in best.items():
-            print(f"T={problem.num_tokens:>6} gemv {which:>3} {'planes' if plane else 'tiles':>6}: {ms:9.4f} ms  {cfg}",
-                  file=sys.stderr)
+        for variant, (ms, cfg) in best.items():
+            print(f"T={problem.num_tokens:>6} {mode} {which:>3} {variant:>7}: {ms:9.4f} ms  {cfg}", file=sys.stderr)
     return min(best.values(), key=lambda pair: pair[0])
 
 
@@ -332,10 +370,10 @@ def tune_one(problem: Problem, device: torch.device, spaces: tuple, smem_limit: 
             per_token = t["slot_out"].view(problem.num_tokens, problem.k, problem.H)  # [T, k, H]
             align_ms = _time(lambda: (slot_blocks(t["topk_ids"], problem.E, placeholder), per_token.sum(dim=1)),
                              device, reps, warmup)
-        ms1, cfg1 = _fastest_by_decode(problem, _launcher(problem, t, mode, block_m, "w13"), cfgs["w13"], "w13",
+        ms1, cfg1 = _fastest_by_decode(problem, _launcher(problem, t, mode, block_m, "w13"), cfgs["w13"], mode,
+                                       "w13", device, reps, warmup)
+        ms2, cfg2 = _fastest_by_decode(problem, _launcher(problem, t, mode, block_m, "w2"), cfgs["w2"], mode, "w2",
                                        device, reps, warmup)
-        ms2, cfg2 = _fastest_by_decode(problem, _launcher(problem, t, mode, block_m, "w2"), cfgs["w2"], "w2", device,
-                                       reps, warmup)
         if cfg1 is None or cfg2 is None:
             continue
         total = align_ms + ms1 + ms2

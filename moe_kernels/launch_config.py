@@ -48,6 +48,12 @@ class GemmConfig:
     ``PLANES`` True: in the matrix-vector kernels, 4-bit weights (MXFP4, INT4) are read as int32 words and decoded
     as eight nibble planes (``moe_kernels.planes_triton``) instead of as [BLOCK_N, BLOCK_K] tiles in K order; it
     changes nothing for other weights or the grouped GEMMs.
+
+    ``SWAP`` True: in the grouped GEMMs, MXFP4 weights take the swapped-operand kernels (``moe_kernels.swapped_triton``):
+    the decoded weight tile is the dot's first operand (BLOCK_N weight rows as M) and the block's BLOCK_M slots are
+    its N, and ``SPLIT_K`` > 1 (only with SWAP) cuts K into that many ranges, one program each, whose float32
+    partial sums a second pass adds in a fixed order (deterministic). Both change nothing for other weights or the
+    matrix-vector kernels.
     """
 
     BLOCK_N: int
@@ -56,6 +62,8 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     PLANES: bool = False
+    SWAP: bool = False
+    SPLIT_K: int = 1
 
     def __post_init__(self) -> None:
         # tl.dot needs every tile dimension >= 16 (LaunchConfig holds the grouped GEMMs' BLOCK_N to it; the
@@ -66,6 +74,8 @@ class GemmConfig:
                 raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
         if self.GROUP_M < 1 or not _is_pow2(self.num_warps) or self.num_stages < 1:
             raise ValueError(f"bad GROUP_M/num_warps/num_stages in {self}")
+        if self.SPLIT_K < 1 or (self.SPLIT_K > 1 and not self.SWAP):
+            raise ValueError(f"SPLIT_K must be >= 1, and > 1 only with SWAP, got {self}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +114,11 @@ class LaunchConfig:
 
 
 def _gemm_dict(gemm: GemmConfig) -> dict:
-    # PLANES only where set, as "gemv": files written before it existed read the same.
+    # PLANES, SWAP and SPLIT_K only where set, as "gemv": files written before they existed read the same.
     d = asdict(gemm)
-    if not d["PLANES"]:
-        del d["PLANES"]
+    for name, unset in (("PLANES", False), ("SWAP", False), ("SPLIT_K", 1)):
+        if d[name] == unset:
+            del d[name]
     return d
 
 

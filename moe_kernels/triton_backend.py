@@ -26,6 +26,11 @@ activation dtype (exact) and multiplied as float weights. A tile then holds
 whole scale groups: BLOCK_K must be a multiple of 32 (looked-up configs are
 raised to it; a config passed in that is not is refused).
 
+With ``GemmConfig.SWAP`` MXFP4 weights take the swapped-operand kernels
+instead (``moe_kernels.swapped_triton``: the decoded weight tile as the dot's
+first operand, the block's slots as its N; ``SPLIT_K`` cuts K across programs
+and adds their float32 partial sums in a second, fixed-order pass).
+
 INT4 weights (``moe_kernels.int4``: packed int32 words of eight signed
 nibbles and bfloat16 scales, one per 32 values along K: the compressed-tensors
 layout of Kimi's published experts) take the same road (``int4_tile``): the
@@ -43,11 +48,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels import gemv_kernels
+from moe_kernels import gemv_kernels, swapped_triton
 from moe_kernels.activation import SILU, ExpertActivation
 from moe_kernels.activation_triton import gated_act
 from moe_kernels.scales_triton import scale_cols
 from moe_kernels.int4_triton import packed4_tile
+from moe_kernels.blocks_triton import block_rows, num_padded_rows, tile_coords
 from moe_kernels.align import SlotBlocks, align_slots, flat_ids, unsorted_slots
 from moe_kernels.launch_config import (
     GemmConfig, LaunchConfig, as_grouped, device_name, get_launch_config, quantization_name, with_min_block_k,
@@ -59,44 +65,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_8BIT = (FP8_DTYPE, torch.int8)
 _WEIGHT_QUANTIZED = (*_WEIGHT_8BIT, torch.uint8, torch.int32)  # uint8: MXFP4, int32: INT4
 _WEIGHT_4BIT = {torch.uint8: 3, torch.int32: 4}  # the QUANT constexpr of packed 4-bit weights
-
-
-@triton.jit
-def _tile_coords(num_blocks_m, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Walk GROUP_M row blocks down one column band before moving right, so the
-    # weight tiles of a band stay in L2 while several row blocks use them.
-    pid = tl.program_id(0)
-    num_blocks_n = tl.cdiv(n_size, BLOCK_N)
-    per_group = GROUP_M * num_blocks_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(num_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    return pid_m, pid_n
-
-
-@triton.jit
-def _num_padded(num_padded_ptr, num_blocks_m, SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
-    # Rows that hold slots: the expert-aligned count when sorted, else all num_blocks_m blocks (one slot each).
-    if SORTED:
-        num_padded = tl.load(num_padded_ptr)
-    else:
-        num_padded = num_blocks_m * BLOCK_M
-    return num_padded
-
-
-@triton.jit
-def _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
-    # -> slots [BLOCK_M] int64, row_ok [BLOCK_M], expert int64
-    rows = tl.arange(0, BLOCK_M)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if SORTED:
-        slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + rows).to(tl.int64)
-        row_ok = slots < num_slots  # padding rows hold the sentinel num_slots
-    else:
-        slots = (pid_m + rows * 0).to(tl.int64)  # one slot per block: only row 0 is real
-        row_ok = rows == 0
-    return slots, row_ok, expert
 
 
 @triton.jit
@@ -129,10 +97,10 @@ def _w13_act_kernel(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_coords(num_blocks_m, inter_size, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= _num_padded(num_padded_ptr, num_blocks_m, SORTED, BLOCK_M):
+    pid_m, pid_n = tile_coords(num_blocks_m, inter_size, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= num_padded_rows(num_padded_ptr, num_blocks_m, SORTED, BLOCK_M):
         return  # the grid is sized for the worst case; this block got no slots
-    slots, row_ok, expert = _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED, BLOCK_M)
+    slots, row_ok, expert = block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED, BLOCK_M)
     tokens = slots // top_k  # [BLOCK_M]
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns of gate (and of up, I rows further)
@@ -205,10 +173,10 @@ def _w2_weighted_kernel(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, QUANT: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_coords(num_blocks_m, hidden_size, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= _num_padded(num_padded_ptr, num_blocks_m, SORTED, BLOCK_M):
+    pid_m, pid_n = tile_coords(num_blocks_m, hidden_size, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= num_padded_rows(num_padded_ptr, num_blocks_m, SORTED, BLOCK_M):
         return
-    slots, row_ok, expert = _block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED, BLOCK_M)
+    slots, row_ok, expert = block_rows(pid_m, sorted_slots_ptr, block_expert_ptr, num_slots, SORTED, BLOCK_M)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden columns
     offs_k = tl.arange(0, BLOCK_K)
@@ -316,6 +284,21 @@ def _act_args(activation: ExpertActivation) -> tuple:
     return (activation.alpha, activation.limit), {"ACTIVATION": activation.kind}
 
 
+_SPLIT_SUM_BLOCK = 1024  # columns per program of the split-K sums (elementwise over [S, N])
+
+
+def _swapped(w: torch.Tensor, cfg: GemmConfig) -> bool:
+    """Whether a grouped GEMM over ``w`` takes the swapped-operand kernels: MXFP4 weights with ``cfg.SWAP``."""
+    return cfg.SWAP and w.dtype == torch.uint8
+
+
+def _splits(k_size: int, cfg: GemmConfig) -> tuple[int, int]:
+    """(programs along K, BLOCK_K steps each) for ``cfg.SPLIT_K``: at most SPLIT_K, none of them empty."""
+    steps = triton.cdiv(k_size, cfg.BLOCK_K)
+    per_split = triton.cdiv(steps, min(cfg.SPLIT_K, steps))
+    return triton.cdiv(steps, per_split), per_split
+
+
 def _grid(blocks: SlotBlocks, n_size: int, cfg: GemmConfig) -> tuple[int]:
     return (blocks.num_blocks * triton.cdiv(n_size, cfg.BLOCK_N),)
 
@@ -334,6 +317,27 @@ def invoke_w13(x: torch.Tensor, w13: torch.Tensor, out: torch.Tensor, blocks: Sl
     (scale_ptr, *scale_strides), quant = _quant_args(w13, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w13, bias)
     act_values, act_kind = _act_args(activation)
+    if _swapped(w13, cfg):
+        splits, per_split = _splits(hidden, cfg)
+        # Float32 partial sums [splits, S, 2I] (gate, then up) where K is split, else the output itself.
+        target = out if splits == 1 else torch.empty(splits, out.shape[0], 2 * inter, dtype=torch.float32,
+                                                     device=out.device)
+        swapped_triton.w13_swapped_kernel[(*_grid(blocks, inter, cfg), splits)](
+            x, w13, target, scale_ptr, bias_ptr,
+            blocks.sorted_slot_ids, blocks.block_expert_ids, blocks.num_padded,
+            out.shape[0], top_k, inter, hidden, blocks.num_blocks, per_split,
+            x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), target.stride(-2), target.stride(-1),
+            target.stride(0) if splits > 1 else 0, *scale_strides[:2], bias_stride, *act_values, **has_bias,
+            **act_kind, SORTED=blocks.sorted, EVEN_K=hidden % cfg.BLOCK_K == 0, BLOCK_M=blocks.block_m,
+            BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SPLIT=splits > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_args(x.dtype),
+        )
+        if splits > 1:
+            swapped_triton.w13_split_sum_kernel[(out.shape[0], triton.cdiv(inter, _SPLIT_SUM_BLOCK))](
+                target, out, splits, inter, target.stride(0), target.stride(1), out.stride(0), *act_values,
+                **act_kind, BLOCK_N=_SPLIT_SUM_BLOCK,
+            )
+        return
     _w13_act_kernel[_grid(blocks, inter, cfg)](
         x, w13, out, scale_ptr, bias_ptr,
         blocks.sorted_slot_ids, blocks.block_expert_ids, blocks.num_padded,
@@ -359,6 +363,26 @@ def invoke_w2(h: torch.Tensor, w2: torch.Tensor, slot_weights: torch.Tensor, out
     _check_block_k(w2, cfg)
     (scale_ptr, *scale_strides), quant = _quant_args(w2, scale, block_shape)
     (bias_ptr, bias_stride), has_bias = _bias_args(w2, bias)
+    if _swapped(w2, cfg):
+        splits, per_split = _splits(inter, cfg)
+        # Float32 partial sums [splits, S, H], unweighted, where K is split, else the output itself.
+        target = out if splits == 1 else torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
+        swapped_triton.w2_swapped_kernel[(*_grid(blocks, hidden, cfg), splits)](
+            h, w2, slot_weights, target, scale_ptr, bias_ptr,
+            blocks.sorted_slot_ids, blocks.block_expert_ids, blocks.num_padded,
+            out.shape[0], hidden, inter, blocks.num_blocks, per_split,
+            h.stride(0), h.stride(1), w2.stride(0), w2.stride(1), target.stride(-2), target.stride(-1),
+            target.stride(0) if splits > 1 else 0, *scale_strides[:2], bias_stride, **has_bias,
+            SORTED=blocks.sorted, EVEN_K=inter % cfg.BLOCK_K == 0, BLOCK_M=blocks.block_m, BLOCK_N=cfg.BLOCK_N,
+            BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SPLIT=splits > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_args(h.dtype),
+        )
+        if splits > 1:
+            swapped_triton.w2_split_sum_kernel[(out.shape[0], triton.cdiv(hidden, _SPLIT_SUM_BLOCK))](
+                target, slot_weights, out, splits, hidden, target.stride(0), target.stride(1), out.stride(0),
+                BLOCK_N=_SPLIT_SUM_BLOCK,
+            )
+        return
     _w2_weighted_kernel[_grid(blocks, hidden, cfg)](
         h, w2, slot_weights, out, scale_ptr, bias_ptr,
         blocks.sorted_slot_ids, blocks.block_expert_ids, blocks.num_padded,

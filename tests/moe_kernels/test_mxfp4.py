@@ -81,10 +81,12 @@ def test_dequantize_and_quantize_vs_float64(seed):
 # tiles in K order or as nibble planes) and 7.
 CASES = [("torch", torch.float32, 7), ("triton-sorted", torch.float32, 7), ("triton-unsorted", torch.bfloat16, 1),
          ("triton-sorted", torch.bfloat16, 7), ("triton-gemv", torch.float32, 3), ("triton-gemv", torch.bfloat16, 1),
-         ("triton-gemv-planes", torch.float32, 3), ("triton-gemv-planes", torch.bfloat16, 1)]
+         ("triton-gemv-planes", torch.float32, 3), ("triton-gemv-planes", torch.bfloat16, 1),
+         ("triton-swap", torch.bfloat16, 7), ("triton-swap-split", torch.float32, 7)]
 # gemv-planes steps 32 at a time: K a multiple of the step (EVEN_K) here, not in the scale-group test's shape.
 PATHS = {"sorted": cfg(True, block_k=64), "unsorted": cfg(False), "gemv": cfg(False, block_k=64, gemv=True),
-         "gemv-planes": cfg(False, block_k=32, gemv=True, planes=True)}
+         "gemv-planes": cfg(False, block_k=32, gemv=True, planes=True),
+         "swap": cfg(True, block_k=64, swap=True), "swap-split": cfg(True, block_k=32, swap=True, split_k=2)}
 
 
 @pytest.mark.parametrize("backend,dtype,T", CASES)
@@ -174,7 +176,7 @@ def test_tile_decode_is_exact(block_k, dtype, seed):
     assert torch.equal(got[finite], dequantize_mxfp4(packed, scales, dtype).double()[finite]), f"seed {seed}"
 
 
-@pytest.mark.parametrize("path", ["sorted", "unsorted", "gemv", "gemv-planes"])
+@pytest.mark.parametrize("path", ["sorted", "unsorted", "gemv", "gemv-planes", "swap", "swap-split"])
 def test_fused_moe_scale_groups_vs_float64(path, seed):
     """Weights of several scale groups along K (5 along H, 3 along I), a different scale for each group of a row,
     every code (random bytes), K not a multiple of BLOCK_K: the Triton paths against the float64 loop on

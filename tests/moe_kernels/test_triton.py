@@ -35,8 +35,9 @@ def seed() -> int:
 
 
 def cfg(align: bool = True, block_m: int = 16, block_n: int = 32, block_k: int = 32, group_m: int = 2,
-        gemv: bool = False, planes: bool = False) -> LaunchConfig:
-    gemm = GemmConfig(block_n, block_k, group_m, num_warps=4, num_stages=2, PLANES=planes)
+        gemv: bool = False, planes: bool = False, swap: bool = False, split_k: int = 1) -> LaunchConfig:
+    gemm = GemmConfig(block_n, block_k, group_m, num_warps=4, num_stages=2, PLANES=planes, SWAP=swap,
+                      SPLIT_K=split_k)
     return LaunchConfig(align, block_m, gemm, gemm, gemv)
 
 

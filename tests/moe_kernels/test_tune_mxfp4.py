@@ -1,5 +1,6 @@
 """``benchmarks.tune_moe --quantization mxfp4``: the candidates it times launch on its random MXFP4 weights and
-compute what a float64 loop over the independently decoded weights (``test_mxfp4.decode64``) gives; the dry run
+compute what a float64 loop over the independently decoded weights (``test_mxfp4.decode64``) gives (the tile
+kernels, the matrix-vector ones both ways, the swapped-operand ones with K split and not); the dry run
 under the CPU interpreter writes the file ``launch_config`` looks up for MXFP4 weights.
 
 Shapes stay tiny: without a GPU the kernels run in Triton's CPU interpreter (conftest.py).
@@ -51,6 +52,9 @@ def test_mxfp4_candidates_run_on_random_weights_and_match_float64():
         assert cfg.BLOCK_K % 32 == 0
         by_path.setdefault((mode, block_m), {"w13": [], "w2": []})[which].append(cfg)
     assert {mode for mode, _ in by_path} == {"gemv", "sorted", "unsorted"}
+    for (mode, _), cfgs in by_path.items():  # the grouped GEMMs' swapped-operand kernels, K split and not
+        if mode != "gemv":
+            assert {(c.SWAP, c.SPLIT_K) for c in cfgs["w13"]} == {(False, 1), (True, 1), (True, 2)}, mode
     assert set(by_path) == set(tune.row_tilings(problem, space))
     for (mode, block_m), cfgs in by_path.items():
         for cfg in cfgs["w13"]:
