@@ -35,6 +35,8 @@ miss, up by ``CORRECTION_WEIGHT * (1 - CONFIDENCE)`` for a request that met, so 
 ``1 - CONFIDENCE`` of them; each step is scaled by how near the line the request was admitted (expected / line
 time), as a request admitted far inside it says little about where the line should be (an idle server's
 requests do not raise it, a realtime request that missed because a burst stalled the machine hardly lowers it).
+Between first tokens the line relaxes back to the objective (``LINE_HALF_LIFE_S``), so one that a stall lowered
+below what an idle server takes, refusing every request and so admitting none to raise it, comes back.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ REFUSED_CODE = "slo_unattainable"
 CORRECTION_WEIGHT = 0.1  # of each new request in the moving mean of actual / predicted first-token times
 CORRECTION_RANGE = (0.25, 20.0)  # one request's ratio is clamped to this before it counts
 CONFIDENCE = 0.95  # the share of a refusing class's admitted requests that are to meet its first-token objective
+# Without first tokens to settle it, a refusal line relaxes back to the objective with this half-life: a line a
+# stall lowered below an idle server's first token would refuse every request, and then nothing would raise it.
+# Under load first tokens come many a second, and the drift between them is nothing.
+LINE_HALF_LIFE_S = 60.0
 
 
 class StepTimes:
@@ -104,6 +110,7 @@ class SloAdmission:
         self.open: set[Ticket] = set()  # admitted requests not finished
         self.correction: dict[int, float] = {}  # priority -> actual / predicted first-token times (geometric mean)
         self.line: dict[int, float] = {}  # priority -> the multiple of its objective a prediction may reach
+        self._settled_at: dict[int, float] = {}  # priority -> when its line last moved (``line_of`` relaxes it)
         self._seen: dict[str, object] = {}  # replica name -> the stats it reported last (sampled once)
 
     def observe(self) -> None:
@@ -149,13 +156,22 @@ class SloAdmission:
         self.correction[priority] = math.exp((1 - CORRECTION_WEIGHT) * math.log(self.correction.get(priority, 1.0))
                                              + CORRECTION_WEIGHT * math.log(ratio))
 
+    def line_of(self, priority: int) -> float:
+        """``priority``'s refusal line now: as last settled, relaxed toward 1 since (``LINE_HALF_LIFE_S``)."""
+        line = self.line.get(priority, 1.0)
+        if line == 1.0:
+            return line
+        idle_s = max(0.0, time.perf_counter() - self._settled_at.get(priority, time.perf_counter()))
+        return math.exp(math.log(line) * 0.5 ** (idle_s / LINE_HALF_LIFE_S))
+
     def settle(self, priority: int, objective_ms: float, expected_ms: float, actual_ms: float) -> None:
         """One admitted request's first token (after ``actual_ms``; ``expected_ms`` at its admission) against its
         class's objective, into its priority's ``line``."""
-        line = self.line.get(priority, 1.0)
+        line = self.line_of(priority)
         nearness = min(1.0, expected_ms / (line * objective_ms))
         step = CORRECTION_WEIGHT * ((1 - CONFIDENCE) if actual_ms <= objective_ms else -CONFIDENCE)
         self.line[priority] = line * math.exp(nearness * step)
+        self._settled_at[priority] = time.perf_counter()
 
     def predict_uncorrected(self, priority: int, prompt_tokens: int,
                             grace_ms: float | None = None) -> Prediction | None:
@@ -217,7 +233,7 @@ class SloAdmission:
         if cls.ttft_slo_ms is None or cls.slo_action != "refuse":
             return
         predicted = self.predict(cls.priority, prompt_tokens, cls.preempt_grace_ms)
-        line = self.line.get(cls.priority, 1.0)
+        line = self.line_of(cls.priority)
         if predicted is None or predicted.ttft_ms <= line * cls.ttft_slo_ms:
             return
         retry_s = max(1, math.ceil(predicted.drain_ms / 1e3))

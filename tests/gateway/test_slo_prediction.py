@@ -264,3 +264,24 @@ def test_check_refuses_past_the_refusal_line_a_ticket_settles():
     queued.admitted_at -= 10.0
     queued.first_token()
     assert slo.line[0] == pytest.approx(before * math.exp(nearness * 0.1 * (1 - CONFIDENCE)))
+
+
+def test_a_line_lowered_by_a_stall_comes_back_once_nothing_settles_it(monkeypatch):
+    """A stall (a machine shared with other work, a replica restarting) makes the requests queued at the line miss
+    together, and each lowers it: past a few dozen it sits below what an idle server takes for one request, so
+    every request is refused, none is admitted, and no first token ever raises it again. Without first tokens the
+    line relaxes back to the objective: an idle hour later the same request is admitted."""
+    now = [1000.0]
+    monkeypatch.setattr("gateway.slo_admission.time", SimpleNamespace(perf_counter=lambda: now[0]))
+    slo = _slo(10.0, 0.0, 32)
+    objective = 100
+    for _ in range(40):  # admitted at the line, each missed
+        slo.settle(0, objective, slo.line.get(0, 1.0) * objective, 3 * objective)
+    idle = slo.predict(0, 1).ttft_ms  # one step: an idle server's first token, a tenth of the objective
+    assert idle == pytest.approx(10.0)
+    cls = ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=objective, slo_action="refuse")
+    with pytest.raises(Exception) as refused:
+        slo.check(cls, 1)  # right after the stall: refused (the line is below a step)
+    assert refused.value.code == "slo_unattainable"
+    now[0] += 3600.0  # an idle hour: nothing admitted, nothing settled
+    slo.check(cls, 1)  # admitted: the line is back near the objective
