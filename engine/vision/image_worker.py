@@ -10,7 +10,7 @@ One thread per engine, started at its first image: images are prepared in the or
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 
@@ -20,21 +20,30 @@ class ImageWorker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._last: Future | None = None  # the newest job: the pool runs them in order, so it finishes last
+        # Jobs submitted and not yet done (``wait``): a count, not the newest future, which would keep its result
+        # (a request's pixels) until the next image request came.
+        self._idle = threading.Condition(self._lock)
+        self._unfinished = 0
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the worker thread; its future."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-prep")
-            self._last = self._pool.submit(fn, *args)
-            return self._last
+            future = self._pool.submit(fn, *args)
+            self._unfinished += 1
+        future.add_done_callback(self._finished)  # done or cancelled; at once if done already
+        return future
+
+    def _finished(self, _: Future) -> None:
+        with self._idle:
+            self._unfinished -= 1
+            self._idle.notify_all()
 
     def wait(self, timeout: float) -> None:
         """Return once every job submitted so far is done, or after ``timeout`` seconds."""
-        last = self._last
-        if last is not None:
-            wait([last], timeout)
+        with self._idle:
+            self._idle.wait_for(lambda: self._unfinished == 0, timeout)
 
     def close(self) -> None:
         """Drop the jobs not started; the thread ends after the one running, if any (nobody waits for it)."""
