@@ -18,8 +18,12 @@ class HeldRequests:
         self._waiting[msg.request_id] = (msg, future)
 
     def drop(self, request_id: str) -> bool:
-        """Forget a held request (its future's result is thrown away); True if it was held."""
-        return self._waiting.pop(request_id, None) is not None
+        """Forget a held request (its future's result is thrown away; not started, it never starts: the worker
+        goes on to the requests behind it); True if it was held."""
+        held = self._waiting.pop(request_id, None)
+        if held is not None:
+            held[1].cancel()
+        return held is not None
 
     def done(self) -> list[tuple[AddRequest, Future]]:
         """The held requests whose future is done, no longer held, in arrival order."""

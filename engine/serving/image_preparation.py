@@ -7,7 +7,8 @@ reads: decoded again, resized, cut into patches, hashed (the digest keys the pre
 stream's next token late by as much if the loop did it. An
 ``AddRequest`` with images waits here while the engine's image worker prepares them (``LLMEngine
 .prepare_images``) and joins the engine once they are ready; the engine steps for everybody else meanwhile. An
-abort or release of a waiting request drops it (the worker's result is thrown away).
+abort or release of a waiting request drops it: not started, its images are never prepared (the requests queued
+behind it on the worker are not delayed by a client that left); being prepared, the result is thrown away.
 """
 
 from typing import TYPE_CHECKING

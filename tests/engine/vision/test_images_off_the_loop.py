@@ -139,7 +139,7 @@ def test_the_engine_loop_steps_while_images_are_prepared_off_it(qwen3_vl_checkpo
         loop.until(lambda: "image" in loop.finished)
         assert loop.tokens["image"] == expected, f"seed={seed}"
         assert len(loop.tokens["text"]) > 8, "the text request did not step on"
-        worker.wait(WAIT_S)  # the dropped requests' images, prepared all the same
+        worker.wait(WAIT_S)  # the dropped requests' images: never prepared
         assert "aborted" not in loop.tokens and "released" not in loop.tokens
         assert "aborted" not in engine.scheduler.requests and "released" not in engine.scheduler.requests
         # the same bytes again, same tenant: nothing is preprocessed again (the seen bytes' digest is known, the
@@ -192,3 +192,44 @@ def test_seen_bytes_the_cache_dropped_are_preprocessed_off_the_stepping_thread(q
     assert lazy[0].pixels.loaded
     assert image_threads == [("preprocess", "image-prep_0"), ("digest", "image-prep_0"),
                              ("preprocess", "image-prep_0")]
+
+
+def test_aborted_and_released_requests_images_are_never_prepared(qwen3_vl_checkpoint):
+    """Requests queued on the image worker behind another and then aborted (their client gone) or released (sent
+    to another replica) are not prepared: their decoding would only delay the requests behind them. The worker is
+    held on the first request until both are dropped."""
+    path, model, seed = qwen3_vl_checkpoint
+    rng = random.Random(seed + 9)
+    gen = torch.Generator().manual_seed(seed + 9)
+    pic = random_image(gen, rng.randint(12, 40), rng.randint(12, 40))
+    processed = process_image(pic, IMAGE_CONFIG)
+    prompt = with_images(rng, [processed])
+    expected = hf_greedy(model, prompt, [processed], 4)
+    config = EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, cpu_threads=1)
+    engine = LLMEngine(config)
+    gate, started = threading.Event(), []  # each preparation's cache salt (one a request), as it starts
+
+    def prepare(prompt, images, salt):
+        started.append(salt)
+        gate.wait(WAIT_S)
+        return engine._prepared_images(prompt, list(images), salt)
+
+    engine._image_setup()
+    worker = engine._image_worker
+    engine.prepare_images = lambda prompt, images, salt: worker.submit(prepare, prompt, images, salt)
+    loop = _LoopOnAThread(engine, config)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        for rid in ("first", "aborted", "released"):
+            loop.send(AddRequest(rid, prompt, params, RequestPolicy(cache_salt=rid), images=[_png(pic)]))
+        loop.send(AbortRequest("aborted"))
+        loop.send(ReleaseRequest("released"))
+        assert loop.reply(Released) == Released("released", True)  # the abort, sent before, is handled too
+        gate.set()
+        loop.until(lambda: "first" in loop.finished)
+        worker.wait(WAIT_S)
+        assert loop.tokens["first"] == expected, f"seed={seed}"
+        assert started == ["first"]
+    finally:
+        gate.set()
+        loop.stop()
