@@ -272,7 +272,8 @@ class LLMEngine:
             return ()
         from engine.vision.prompt_images import attach_images  # Pillow: image models
 
-        self._image_setup()
+        if images:  # a text prompt needs no image settings: only the check that it holds no placeholders
+            self._image_setup()
         return attach_images(prompt_ids, list(images), int(whole.image_token_id), self._image_config,
                              seen=self._seen_images, salt=cache_salt, worker=self._image_worker)
 

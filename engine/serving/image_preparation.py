@@ -11,6 +11,7 @@ abort or release of a waiting request drops it: not started, its images are neve
 behind it on the worker are not delayed by a client that left); being prepared, the result is thrown away.
 """
 
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from engine.serving.held_requests import HeldRequests
@@ -33,7 +34,12 @@ class ImagePreparation:
         """True if ``msg`` waits for its images (the caller adds it later, from ``ready``); False to add now."""
         if not msg.images:
             return False
-        self._waiting.hold(msg, self.engine.prepare_images(msg.prompt, msg.images, msg.policy.cache_salt))
+        try:
+            future = self.engine.prepare_images(msg.prompt, msg.images, msg.policy.cache_salt)
+        except Exception as e:  # the worker could not be set up (a bad preprocessor config): this request fails,
+            future = Future()  # from ``ready`` as any preparation's error, never the loop
+            future.set_exception(e)
+        self._waiting.hold(msg, future)
         return True
 
     def drop(self, request_id: str) -> None:

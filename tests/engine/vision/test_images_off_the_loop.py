@@ -6,6 +6,7 @@ dropped are preprocessed on the worker too while the scheduler has the image wai
 this thread). Every preprocessing and every digest is recorded with the thread it ran on."""
 
 import io
+import os
 import random
 import threading
 from multiprocessing import Pipe
@@ -232,4 +233,37 @@ def test_aborted_and_released_requests_images_are_never_prepared(qwen3_vl_checkp
         assert started == ["first"]
     finally:
         gate.set()
+        loop.stop()
+
+
+def test_images_the_engine_cannot_prepare_at_all_refuse_their_request_not_the_engine(qwen3_vl_checkpoint, tmp_path):
+    """A checkpoint whose preprocessor_config.json is cut short starts (nothing reads it before an image comes); the
+    first request with images then fails to set up the image worker. That refuses the request, naming why, and the
+    engine goes on serving: a text request after it still gets its tokens."""
+    path, model, seed = qwen3_vl_checkpoint
+    broken = tmp_path / "checkpoint"
+    broken.mkdir()
+    for name in os.listdir(path):
+        if name != "preprocessor_config.json":
+            os.symlink(os.path.join(path, name), broken / name)
+    with open(os.path.join(path, "preprocessor_config.json")) as f:
+        whole = f.read()
+    (broken / "preprocessor_config.json").write_text(whole[: len(whole) // 2])  # a copy cut short
+    rng = random.Random(seed + 10)
+    gen = torch.Generator().manual_seed(seed + 10)
+    pic = random_image(gen, rng.randint(12, 40), rng.randint(12, 40))
+    prompt = with_images(rng, [process_image(pic, IMAGE_CONFIG)])
+    text = text_ids(rng, rng.randint(5, 12))
+    config = EngineConfig(model=str(broken), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
+                          cpu_threads=1)
+    loop = _LoopOnAThread(LLMEngine(config), config)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        loop.send(AddRequest("image", prompt, params, images=[_png(pic)]))
+        loop.send(AddRequest("text", text, params))
+        rejected = loop.reply(RequestRejected)
+        assert rejected.request_id == "image" and rejected.message, rejected
+        loop.until(lambda: "text" in loop.finished)
+        assert len(loop.tokens["text"]) == 4
+    finally:
         loop.stop()
