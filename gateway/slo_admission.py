@@ -291,6 +291,11 @@ class Ticket:
     def close(self) -> None:
         if self.state == "prefill":
             self.slo.pending[self.priority] -= self.prompt_tokens
+            waited_ms = (time.perf_counter() - self.admitted_at) * 1e3
+            if self.objective_ms is not None and self.expected_ms is not None and waited_ms > self.objective_ms:
+                # no first token, and the objective already passed (its client gave up, or it failed): a miss, and
+                # under overload the clearest ones; a line blind to them would rise past its CONFIDENCE
+                self.slo.settle(self.priority, self.objective_ms, self.expected_ms, waited_ms)
         elif self.state == "decoding":
             self.slo.decoding -= self.sequences
         if self.state != "closed":

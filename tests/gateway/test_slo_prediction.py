@@ -285,3 +285,23 @@ def test_a_line_lowered_by_a_stall_comes_back_once_nothing_settles_it(monkeypatc
     assert refused.value.code == "slo_unattainable"
     now[0] += 3600.0  # an idle hour: nothing admitted, nothing settled
     slo.check(cls, 1)  # admitted: the line is back near the objective
+
+
+def test_a_request_given_up_after_its_objective_passed_lowers_the_line_as_a_miss():
+    """A client that leaves (its timeout, its user) after waiting past the objective, before the first token came,
+    is a miss the line must count: under overload those are its clearest misses, and a line that only counted the
+    first tokens that came would rise past where CONFIDENCE of the admitted meet. One that leaves within the
+    objective says nothing (it might have met)."""
+    slo = _slo(10.0, 0.0, 32)
+    objective = 100
+    for _ in range(9):
+        slo.ticket(0, 32, 1, 4, None, objective)
+    early = slo.ticket(0, 32, 1, 4, None, objective)
+    early.admitted_at -= 0.050  # gone after 50 ms, within the objective
+    early.close()
+    assert slo.line.get(0, 1.0) == 1.0
+    gone = slo.ticket(0, 32, 1, 4, None, objective)
+    assert gone.expected_ms == pytest.approx(objective)  # right at the line
+    gone.admitted_at -= 0.150  # gone after 150 ms without a first token: missed
+    gone.close()
+    assert slo.line[0] == pytest.approx(math.exp(-0.1 * CONFIDENCE))
