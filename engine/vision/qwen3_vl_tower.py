@@ -78,6 +78,10 @@ class TowerState:
     pos: torch.Tensor | None = None
     # A block part-way (its rows projected, not all mixed): its queries, keys and values, each [L, heads, head_dim].
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Mergers after a block part-way (Qwen3-VL): merge windows done so far, their outputs, each [L / m^2, width].
+    merged: int = 0
+    merged_out: list[torch.Tensor] | None = None
+    final: torch.Tensor | None = None  # [L / m^2, out_hidden] the final merger's, when run as the rows were mixed
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -240,14 +244,43 @@ class Qwen3VisionTower(RowSplitTower, nn.Module):
     def embed_rows(self, state: TowerState, a: int, b: int) -> None:
         state.x[a:b] = self.patch_embed(state.pixels[a:b]) + state.pos[a:b]
 
+    def _mergers_after(self, i: int) -> list[PatchMerger]:
+        """The mergers that read block ``i``'s output: its deepstack tap's, then the final one after the last."""
+        taps = self.c.deepstack_visual_indexes
+        return ([self.deepstack_merger_list[taps.index(i)]] if i in taps else []) + (
+            [self.merger] if i == len(self.blocks) - 1 else [])
+
+    def after_rows(self, state: TowerState, i: int, b: int) -> None:
+        """Block ``i``'s mergers over the merge windows whose rows (of ``0:b``) it has mixed, as they are mixed:
+        so their work spreads over the block's pieces (each window's output is its own rows')."""
+        mergers = self._mergers_after(i)
+        m2 = self.c.spatial_merge_size ** 2
+        w0, w1 = state.merged, b // m2
+        if not mergers or w1 <= w0:
+            return
+        rows = state.x[w0 * m2:w1 * m2]  # [windows * m^2, D]
+        if state.merged_out is None:
+            state.merged_out = [None] * len(mergers)
+        for j, merger in enumerate(mergers):
+            out = merger(rows)  # [windows, width]
+            if state.merged_out[j] is None:
+                state.merged_out[j] = out.new_empty(state.x.shape[0] // m2, out.shape[-1])
+            state.merged_out[j][w0:w1] = out
+        state.merged = w1
+
     def after_block(self, state: TowerState, i: int) -> None:
-        """Block ``i``'s deepstack tap, if it has one."""
+        """Block ``i``'s mergers: its deepstack tap, the final merger after the last block (taken row by row as
+        the rows were mixed, else now)."""
+        outs = state.merged_out or [merger(state.x) for merger in self._mergers_after(i)]
+        state.merged, state.merged_out = 0, None
         if i in self.c.deepstack_visual_indexes:
-            state.taps.append(self.deepstack_merger_list[self.c.deepstack_visual_indexes.index(i)](state.x))
+            state.taps.append(outs[0])
+        if i == len(self.blocks) - 1:
+            state.final = outs[-1]
 
     def finish(self, state: TowerState) -> VisionFeatures:
         """The features of an image whose state has run every block: the merger's, and the taps stacked."""
-        embeds = self.merger(state.x)
+        embeds = state.final
         deepstack = torch.stack(state.taps) if state.taps else embeds.new_zeros(0, *embeds.shape)
         return VisionFeatures(embeds, deepstack)
 

@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # the towers' module imports this one
 class RowSplitTower:
     """Mixed into a tower module with ``blocks`` whose each block has ``project(x, cos, sin) -> (q, k, v)`` and
     ``mix(x, q, k, v) -> x`` (``forward`` being ``mix(x, *project(x, cos, sin))``); the tower says how it starts an
-    image (``start``), embeds its rows (``embed_rows``) and what follows a block (``after_block``: taps)."""
+    image (``start``), embeds its rows (``embed_rows``) and what follows a block (``after_block``: taps; and
+    ``after_rows``, as a block's rows are mixed, for work on finished rows)."""
 
     def start(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> TowerState:
         """One image's state before any stage: its pixels and positions kept, its rows not yet embedded."""
@@ -33,6 +34,9 @@ class RowSplitTower:
     def embed_rows(self, state: TowerState, a: int, b: int) -> None:
         """Rows ``a:b`` of the patch embedding into ``state.x``."""
         raise NotImplementedError
+
+    def after_rows(self, state: TowerState, i: int, b: int) -> None:
+        """After block ``i`` has mixed rows ``0:b`` (row by row only: work on finished rows, spread over pieces)."""
 
     def after_block(self, state: TowerState, i: int) -> None:
         """After block ``i`` has run over every row (taps taken here)."""
@@ -56,6 +60,7 @@ class RowSplitTower:
         (no other row reads them before the next block)."""
         q, k, v = state.qkv
         state.x[a:b] = self.blocks[i].mix(state.x[a:b], q[a:b], k, v)
+        self.after_rows(state, i, b)
         if b == state.x.shape[0]:
             state.qkv = None
             self.after_block(state, i)
@@ -70,7 +75,9 @@ class RowSplitTower:
             s, lo = divmod(u, per)
             hi = min(end, (s + 1) * per) - s * per
             if s == 0:
-                self.embed_rows(state, (lo + 1) // 2, (hi + 1) // 2)  # row r: passes 2r, 2r + 1
+                a, b = (lo + 1) // 2, (hi + 1) // 2  # row r: passes 2r, 2r + 1 (none: the piece is pass 2r + 1)
+                if a < b:
+                    self.embed_rows(state, a, b)
                 if hi == per:
                     state.pixels = state.pos = None  # embedded: not needed again
             elif lo == 0 and hi == per:
