@@ -3,8 +3,8 @@ with the images prepared on the loop that steps the engine or off it.
 
     python -m benchmarks.image_itl [--streams 8] [--seconds 20] [--rounds 1] [--every 0.5] [--images 4]
                                    [--side 448] [--max-batched-tokens 256] [--vision-depth 4] [--text-layers 8]
-                                   [--threads 1] [--token-blocks N] [--no-budget] [--profile] [--clock wall|cpu]
-                                   [--device cpu|cuda] [--dtype float32|bfloat16]
+                                   [--threads 1] [--token-blocks N [N ...]] [--no-budget] [--loops on off]
+                                   [--profile] [--clock wall|cpu] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 One process, one checkpoint written at start (transformers' ``Qwen3VLMoeForConditionalGeneration`` of small
 shapes, its own random init; ``benchmarks.encoder_cache.write_checkpoint``), an engine per arm built once, then
@@ -13,8 +13,10 @@ falls on every arm alike); each round's image requests are new (no image is ever
 arm of that round. The arms: text streams alone; with image requests under the default encoder budget (a step
 encodes at most ``max_num_batched_tokens`` image tokens, each image whole); under layer-chunked encoding
 (``max_num_encoder_token_blocks``: ``--token-blocks``, default one tower block of one image, its patches: a step
-runs that much of the tower); with ``--no-budget`` also with no encoder budget at all (every image a prompt chunk
-reaches encoded in that step). Each image arm twice: *on the loop*, the request's encoded images handed to
+runs that much of the tower; several values, an arm each: below one block a block is split over the image's rows);
+with ``--no-budget`` also with no encoder budget at all (every image a prompt chunk
+reaches encoded in that step). Each image arm twice (``--loops``: only the ones named): *on the loop*, the
+request's encoded images handed to
 ``LLMEngine.add_request`` on the thread that steps the engine (decoded, preprocessed and hashed there, as the
 engine process did before ``engine.serving.image_preparation``), and *off the loop*, held by that module's
 ``ImagePreparation`` while the engine's image worker prepares them, as the engine process's loop does.
@@ -29,7 +31,8 @@ encoder budget bounds is the vision tower's work in one step.
 The shape keeps a served model's proportions where they decide the result: the vision tower a fraction of the
 text model's per-step work (``--vision-depth`` blocks of width 256 against ``--text-layers`` MoE layers over the
 batch). Printed per arm (all rounds' measured gaps together): the streams' inter-token
-gaps p50, p99 and max, the steps and the image requests served; then each image arm's p99 over the text-only
+gaps p50, p99 and max, the steps, the image requests served and their time to first token (p50, of those that
+got one within the round; from when the request arrived); then each image arm's p99 over the text-only
 arm's, on and off the loop side by side. Twice: in wall-clock time, and in the stepping thread's CPU time
 (``time.thread_time``: what the loop itself computed between two tokens, without the time other processes of a
 shared host take from it; on the CPU with ``--threads 1``, where torch runs every op on that thread: on a GPU it
@@ -38,7 +41,8 @@ leaves the device's time out, so read the wall clock there).
 ``--profile``: what the slowest 1% of the loop's iterations (and the median one) spent their time on: adding
 requests (with their images, on the loop), scheduling, the vision tower (layer-chunked pieces and whole images),
 the rest of the step (the forward, sampling, outputs), and the prompt tokens they prefilled (measured iterations
-only), in ``--clock``'s time. Nothing is asserted.
+only), in ``--clock``'s time; and the tower's time (p50, p99) in the iterations that ran it, what the encoder
+budget bounds. Nothing is asserted.
 """
 
 import argparse
@@ -76,6 +80,7 @@ class Arm:
     steps: int = 0
     sent: int = 0
     served: int = 0
+    ttfts: list[float] = field(default_factory=list)  # image requests' first token, wall clock from arrival
     iterations: list[dict] = field(default_factory=list)  # --profile: each loop iteration's parts (ms)
 
 
@@ -148,7 +153,7 @@ def run_round(arm: Arm, args, arrivals: list, rnd: int, probe: StepProbe | None,
     for rid in streams:
         engine.add_request([rng.randrange(1, VISION_START) for _ in range(32)], STREAM, request_id=rid, policy=POLICY)
     last: dict[str, tuple[float, float]] = {}  # each stream's last token: wall clock, the thread's CPU time
-    sent, started = 0, []
+    sent, started, arrived = 0, [], {}
     start = time.perf_counter()
     measured = None  # from when: WARMUP_S in, and every stream's prompt computed (its first token out)
     while True:
@@ -166,6 +171,7 @@ def run_round(arm: Arm, args, arrivals: list, rnd: int, probe: StepProbe | None,
             else:
                 engine.add_request(prompt, SHORT, request_id=rid, policy=POLICY, images=images)
             started.append(rid)
+            arrived[rid] = now
             sent += 1
         for msg, error in prep.ready():
             assert error is None, error
@@ -184,8 +190,10 @@ def run_round(arm: Arm, args, arrivals: list, rnd: int, probe: StepProbe | None,
                     arm.gaps.append(at - last[out.request_id][0])
                     arm.cpu_gaps.append(cpu_at - last[out.request_id][1])
                 last[out.request_id] = (at, cpu_at)
-            elif out.finished:
-                arm.served += 1
+            else:
+                if out.request_id in arrived and out.token_ids:
+                    arm.ttfts.append(at - arrived.pop(out.request_id))
+                arm.served += out.finished
     while prep:  # images still being prepared: done before the next arm runs, then dropped
         time.sleep(0.01)
         prep.ready()
@@ -213,6 +221,10 @@ def report_profile(arm: Arm) -> None:
              f"{sum(r['add'] > 1 for r in slow)} added images on the loop")
     print(f"{arm.name:>38}: slowest 1% ({len(slow)} of {len(rows)}) {line(slow)}; of them {kinds}")
     print(f"{'':>38}  median iteration   {line([rows[len(rows) // 2]])}")
+    tower = sorted(r["tower"] for r in rows if r["tower"] > 0)
+    if tower:
+        print(f"{'':>38}  tower in the {len(tower)} iterations that ran it: p50 {statistics.median(tower):5.1f} ms, "
+              f"p99 {percentile(tower, 0.99):5.1f} ms")
 
 
 def main() -> None:
@@ -229,8 +241,11 @@ def main() -> None:
     parser.add_argument("--text-layers", type=int, default=8)
     parser.add_argument("--moe-intermediate", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--token-blocks", type=int, default=None,
-                        help="layer-chunked arms' tower work a step, in token-blocks (default: one block of one image)")
+    parser.add_argument("--token-blocks", type=int, nargs="+", default=None,
+                        help="layer-chunked arms' tower work a step, in token-blocks, an arm each "
+                             "(default: one block of one image)")
+    parser.add_argument("--loops", nargs="+", choices=("on", "off"), default=["on", "off"],
+                        help="image arms with the images prepared on the loop, off it, or both")
     parser.add_argument("--no-budget", action="store_true", help="also run with no encoder budget")
     parser.add_argument("--profile", action="store_true", help="where the slowest iterations spend their time")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -245,15 +260,16 @@ def main() -> None:
         print(f"{args.streams} text streams; every {args.every} s a request with {args.images} images of "
               f"{args.side}x{args.side} ({(args.side // 32) ** 2} tokens each); steps of {args.max_batched_tokens} "
               f"tokens; {args.threads} thread(s); {args.rounds} round(s) of {args.seconds} s an arm")
-        token_blocks = args.token_blocks or (args.side // 16) ** 2  # patches of one image: one block of it
-        budgets = [("encoder budget", None, None), (f"{token_blocks} token-blocks", None, token_blocks)]
+        token_blocks = args.token_blocks or [(args.side // 16) ** 2]  # patches of one image: one block of it
+        budgets = [("encoder budget", None, None)] + [(f"{n} token-blocks", None, n) for n in token_blocks]
         if args.no_budget:
             budgets.append(("no budget", 10**9, None))
         arms = [Arm("text only", build(path, args, None, None), images=False)]
         for name, encoder_tokens, blocks in budgets:
             for off in (False, True):
-                arms.append(Arm(f"images, {name}, {'off' if off else 'on'} the loop",
-                                build(path, args, encoder_tokens, blocks), images=True, off_loop=off))
+                if ("off" if off else "on") in args.loops:
+                    arms.append(Arm(f"images, {name}, {'off' if off else 'on'} the loop",
+                                    build(path, args, encoder_tokens, blocks), images=True, off_loop=off))
         clock = time.perf_counter if args.clock == "wall" else time.thread_time
         probes = {arm.name: StepProbe(arm.engine, clock) if args.profile else None for arm in arms}
         for rnd in range(args.rounds):
@@ -267,14 +283,15 @@ def main() -> None:
             print(f"ITL in {label}:")
             for arm in arms:
                 gaps = gaps_of(arm)
+                ttft = f"  TTFT p50 {statistics.median(arm.ttfts):5.2f} s ({len(arm.ttfts)})" if arm.ttfts else ""
                 print(f"{arm.name:>38}: ITL p50 {statistics.median(gaps) * 1e3:6.1f} ms  "
                       f"p99 {percentile(gaps, 0.99) * 1e3:6.1f} ms  max {max(gaps) * 1e3:6.1f} ms  "
-                      f"steps {arm.steps}  image requests {arm.served}/{arm.sent}")
+                      f"steps {arm.steps}  image requests {arm.served}/{arm.sent}{ttft}")
             base = percentile(gaps_of(arms[0]), 0.99)
-            for i in range(1, len(arms), 2):
-                on, off = gaps_of(arms[i]), gaps_of(arms[i + 1])
-                print(f"ITL p99 / text only, {arms[i].name.split(', ')[1]:>18}: on the loop "
-                      f"{percentile(on, 0.99) / base:.2f}x, off the loop {percentile(off, 0.99) / base:.2f}x")
+            for name, *_ in budgets:
+                ratios = [f"{loop} the loop {percentile(gaps_of(arm), 0.99) / base:.2f}x" for arm in arms[1:]
+                          for loop in ("on", "off") if arm.name == f"images, {name}, {loop} the loop"]
+                print(f"ITL p99 / text only, {name:>18}: {', '.join(ratios)}")
         if args.profile:
             print(f"iterations in {'wall clock' if args.clock == 'wall' else 'the stepping thread CPU time'}:")
             for arm in arms:

@@ -37,7 +37,8 @@ class EngineConfig:
     """layer-chunked image encoding (models that read images): the vision tower work one step runs, at most, in
     token-blocks (an image's patches, its tokens before merging, times the tower blocks run; the patch embedding
     counts as one block), so a step that
-    encodes is short whatever the image's size; an image is encoded a few blocks a step, and its request's
+    encodes is short whatever the image's size (a block is split over the image's rows when one block of one
+    image passes the budget); an image is encoded a few blocks a step, and its request's
     prefill reaches it once its last block has run (its first token comes later: text streams' tokens do not
     wait for a whole image). Replaces ``max_num_encoder_tokens`` when set (default: off, whole images)"""
     encoder_cache_gb: float = 1.0

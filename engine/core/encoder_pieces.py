@@ -1,20 +1,23 @@
-"""Layer-chunked image encoding, the scheduler's side: which of the vision tower's stages a step runs for which image.
+"""Layer-chunked image encoding, the scheduler's side: which of the vision tower's work a step runs for which image.
 
 Without it a step that first reaches an image encodes the whole image (``max_num_encoder_tokens`` bounds how many
 images, not how long one takes). With a budget of ``token_blocks`` a step runs at most that many *token-blocks* of
 tower work, one token-block being one patch (an image token before merging) through one tower stage: an image of
 ``p`` patches in a tower of ``depth`` stages costs ``p * depth`` in all, spread over as many steps as the budget
 needs. The stages are the patch embedding (as long as a block; the image's preprocessing runs before, off the
-step loop: ``engine.serving.image_preparation``) then each block;
-the merger runs with the last. Each step's pieces (``EncoderPiece``) run on rank 0 before the step's forward (``ImageFeatures
-.encode_pieces``), which keeps the image's state between steps; the request's prompt chunk stops before an image
-until the step that runs its last stage (that step's chunk may then take the image's placeholders: the features
-are ready before the forward reads them). A step's first piece runs at least one stage, so an image one stage of
-which passes the budget still advances, one stage a step.
+step loop: ``engine.serving.image_preparation``) then each block; the merger runs with the last. A stage is split
+over the image's rows (``engine.vision.tower_rows``): ``2p`` *passes*, a block's projection of each row then its
+mixing of each row, so a pass is half a token-block and a step's tower work stays within the budget however large
+one block of one image is (a budget of one token-block still advances every image, two passes a step).
 
-Progress is the request's (``Request.encoder_blocks``): it survives preemption, as the model keeps the partial
-state (and finished features) until the request finishes. Images the encoder cache holds cost nothing and get no
-pieces. Plain Python, no torch.
+Each step's pieces (``EncoderPiece``: a range of passes of one image) run on rank 0 before the step's forward
+(``ImageFeatures.encode_pieces``), which keeps the image's state between steps; the request's prompt chunk stops
+before an image until the step that runs its last pass (that step's chunk may then take the image's
+placeholders: the features are ready before the forward reads them).
+
+Progress is the request's (``Request.encoder_blocks``, in passes): it survives preemption, as the model keeps the
+partial state (and finished features) until the request finishes. Images the encoder cache holds cost nothing and
+get no pieces. Plain Python, no torch.
 """
 
 from dataclasses import dataclass
@@ -24,13 +27,15 @@ from engine.core.request import Request
 
 @dataclass(frozen=True, slots=True)
 class EncoderPiece:
-    """Stages ``first..end-1`` of the tower over image ``image`` of ``request`` (rank 0's plan only; stage 0 is
-    the patch embedding, stage ``s`` > 0 block ``s - 1``)."""
+    """Passes ``first..end-1`` of the tower over image ``image`` of ``request`` (rank 0's plan only), of
+    ``total``: stage ``s`` (0 the patch embedding, ``s`` > 0 block ``s - 1``) holds passes ``2ps..2p(s+1)-1`` for
+    an image of ``p`` patches."""
 
     request: Request
     image: int
     first: int
     end: int
+    total: int
 
 
 class EncoderSteps:
@@ -40,35 +45,37 @@ class EncoderSteps:
     def __init__(self, token_blocks: int, depth: int, patches_per_token: int) -> None:
         assert token_blocks >= 1 and depth >= 1 and patches_per_token >= 1
         self.token_blocks, self.depth, self.patches_per_token = token_blocks, depth, patches_per_token
-        self.used = 0  # token-blocks this step's pieces take so far
+        self.used = 0  # passes this step's pieces take so far (two a token-block)
         self.pieces: list[EncoderPiece] = []
 
     def begin_step(self) -> None:
         self.used, self.pieces = 0, []
 
-    def cost(self, piece: EncoderPiece) -> int:
-        """Token-blocks ``piece`` takes: its image's patches times its stages."""
-        return piece.request.images[piece.image].num_tokens * self.patches_per_token * (piece.end - piece.first)
+    def total(self, request: Request, image: int) -> int:
+        """Passes the whole tower takes over image ``image`` of ``request``: two per patch and stage."""
+        return 2 * request.images[image].num_tokens * self.patches_per_token * self.depth
+
+    @staticmethod
+    def cost(piece: EncoderPiece) -> float:
+        """Token-blocks ``piece`` takes: half its passes."""
+        return (piece.end - piece.first) / 2
 
     def plan(self, request: Request, start: int, num_new: int,
              to_encode: list[tuple[int, int]]) -> tuple[int, list[EncoderPiece]]:
         """(tokens of the chunk ``[start, start + num_new)`` that may run this step, the pieces to run for it):
         ``to_encode`` are (index, tokens to encode; 0: the cache holds it) of the images the chunk first touches,
-        in order. The chunk stops before the first image whose last stage does not run this step."""
+        in order. The chunk stops before the first image whose last pass does not run this step."""
         pieces: list[EncoderPiece] = []
         used = self.used
         for i, tokens in to_encode:
             if not tokens:
                 continue
-            done = request.encoder_blocks.get(i, 0)
-            patches = tokens * self.patches_per_token
-            k = min(self.depth - done, (self.token_blocks - used) // patches)
-            if k <= 0 and used == 0:
-                k = 1  # one stage of it passes the budget: it runs alone, one stage a step
+            done, total = request.encoder_blocks.get(i, 0), self.total(request, i)
+            k = min(total - done, 2 * self.token_blocks - used)
             if k > 0:
-                pieces.append(EncoderPiece(request, i, done, done + k))
-                used += k * patches
-            if done + k < self.depth:
+                pieces.append(EncoderPiece(request, i, done, done + k, total))
+                used += k
+            if done + k < total:
                 return max(request.images[i].offset - start, 0), pieces
         return num_new, pieces
 
@@ -76,8 +83,8 @@ class EncoderSteps:
         """The pieces run this step: the budget spent, each request's progress advanced, finished images marked
         encoded (the scheduler charges them nothing more)."""
         for piece in pieces:
-            self.used += self.cost(piece)
+            self.used += piece.end - piece.first
             self.pieces.append(piece)
             piece.request.encoder_blocks[piece.image] = piece.end
-            if piece.end == self.depth:
+            if piece.end == piece.total:
                 piece.request.encoded_images.add(piece.image)

@@ -81,7 +81,7 @@ class Request:
         # for this request: the scheduler charges the encoder budget once per image, as the model keeps the
         # features until the request finishes (through preemption too).
         self.encoded_images: set[int] = set()
-        # Layer-chunked encoding (``engine.core.encoder_pieces``): tower blocks run so far per image not yet encoded.
+        # Layer-chunked encoding (``engine.core.encoder_pieces``): tower passes run so far per image not yet encoded.
         self.encoder_blocks: dict[int, int] = {}
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # The class the scheduler serves it in: its policy's, until it has gone unserved for the starvation bound

@@ -85,11 +85,12 @@ class ImageFeatures(abc.ABC):
 
     @abc.abstractmethod
     def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
-        """One image's state before the tower's first block."""
+        """One image's state before the tower's first stage (``engine.vision.tower_rows``)."""
 
     @abc.abstractmethod
-    def encode_blocks(self, state: TowerState, first: int, end: int) -> None:
-        """Blocks ``first..end-1`` of the tower over ``state``, in place."""
+    def encode_passes(self, state: TowerState, first: int, end: int) -> None:
+        """Passes ``first..end-1`` of the tower over ``state``, in place (``engine.vision.tower_rows``: a stage
+        is two passes over each of the image's rows)."""
 
     @abc.abstractmethod
     def finish_encoding(self, state: TowerState) -> VisionFeatures:
@@ -101,18 +102,19 @@ class ImageFeatures(abc.ABC):
 
     @torch.inference_mode()
     def encode_pieces(self, pieces: list[EncoderPiece]) -> None:
-        """Rank 0, before a step's forward: run each piece's stages over its image's kept state (stage 0 begins
-        it: the patch embedding of pixels prepared off the step loop, ``image_ready``; stage ``s`` runs block
-        ``s - 1``); a piece that ends at the last stage finishes the image, which is then kept for its request and
-        put in the encoder cache, as a whole image is."""
+        """Rank 0, before a step's forward: run each piece's passes over its image's kept state (the first begins
+        it: pixels prepared off the step loop, ``image_ready``; stage 0 is the patch embedding, stage ``s`` block
+        ``s - 1``, each split into passes over the image's rows: ``engine.vision.tower_rows``); a piece that ends
+        at the last pass finishes the image, which is then kept for its request and put in the encoder cache, as
+        a whole image is."""
         for piece in pieces:
             request, i = piece.request, piece.image
             key = (request.request_id, i)
             if piece.first == 0:
                 self._partial[key] = self.begin_encoding(pixels_of(request.images[i].pixels))
             state = self._partial[key]
-            self.encode_blocks(state, max(piece.first - 1, 0), piece.end - 1)
-            if piece.end == self.encoder_shape[0]:
+            self.encode_passes(state, piece.first, piece.end)
+            if piece.end == piece.total:
                 del self._partial[key]
                 feats = self._features.setdefault(request.request_id, [None] * len(request.images))
                 feats[i] = self.finish_encoding(state)

@@ -59,10 +59,10 @@ class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
         return projected(self.mm_projector, self.vision_tower(pixels.pixel_values, pixels.grid_thw))
 
     def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
-        return self.vision_tower.begin(pixels.pixel_values, pixels.grid_thw)
+        return self.vision_tower.start(pixels.pixel_values, pixels.grid_thw)
 
-    def encode_blocks(self, state: TowerState, first: int, end: int) -> None:
-        self.vision_tower.run_blocks(state, first, end)
+    def encode_passes(self, state: TowerState, first: int, end: int) -> None:
+        self.vision_tower.run_passes(state, first, end)
 
     def finish_encoding(self, state: TowerState) -> VisionFeatures:
         return projected(self.mm_projector, self.vision_tower.finish(state))

@@ -62,10 +62,10 @@ class QwenImageText(ImageFeatures):
         return self.visual(pixels.pixel_values, pixels.grid_thw)
 
     def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
-        return self.visual.begin(pixels.pixel_values, pixels.grid_thw)
+        return self.visual.start(pixels.pixel_values, pixels.grid_thw)
 
-    def encode_blocks(self, state: TowerState, first: int, end: int) -> None:
-        self.visual.run_blocks(state, first, end)
+    def encode_passes(self, state: TowerState, first: int, end: int) -> None:
+        self.visual.run_passes(state, first, end)
 
     def finish_encoding(self, state: TowerState) -> VisionFeatures:
         return self.visual.finish(state)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.vision.qwen3_vl_tower import ACTIVATIONS, TowerState, VisionFeatures
+from engine.vision.tower_rows import RowSplitTower
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +94,14 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(3, c.hidden_size, kernel_size=c.patch_size, stride=c.patch_size)
         self.pos_emb = PosEmbedding(c)
 
+    def patches(self, pixels: torch.Tensor) -> torch.Tensor:
+        # pixels [r, 3 * P * P] (one row per patch) -> [r, D], no positions
+        p = self.c.patch_size
+        return self.proj(pixels.to(self.proj.weight.dtype).view(-1, 3, p, p)).view(pixels.shape[0], -1)
+
     def forward(self, pixels: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
         # pixels [L, 3 * P * P] (one row per patch, row-major) -> [L, D]
-        p = self.c.patch_size
-        x = self.proj(pixels.to(self.proj.weight.dtype).view(-1, 3, p, p)).view(pixels.shape[0], -1)
+        x = self.patches(pixels)
         return x + self.pos_emb(grid_h, grid_w).to(x.dtype)
 
 
@@ -132,21 +137,24 @@ class Block(nn.Module):
         self.wo = nn.Linear(c.hidden_size, c.hidden_size)
         self.mlp = MLP(c)
 
-    def attn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [L, D] (one image's patches); cos, sin [L, head_dim / 2] float32
-        length = x.shape[0]
-        q, k, v = self.wqkv(x).view(length, 3, self.num_heads, -1).unbind(1)  # [L, h, d]
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows ``x`` [r, D] (of one image's patches; cos, sin [r, head_dim / 2] float32) -> their q, k, v
+        [r, h, d], rotated (``engine.vision.tower_rows``)."""
+        q, k, v = self.wqkv(self.norm0(x)).view(x.shape[0], 3, self.num_heads, -1).unbind(1)  # [r, h, d]
         cos, sin = cos[:, None, :], sin[:, None, :]
-        q, k = _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [h, L, d]
-        return self.wo(out.transpose(0, 1).reshape(length, -1))
+        return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm0(x), cos, sin)
+    def mix(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Rows ``x`` [r, D], their queries [r, h, d] against all the image's keys and values [L, h, d] -> [r, D]."""
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [h, r, d]
+        x = x + self.wo(out.transpose(0, 1).reshape(x.shape[0], -1))
         return x + self.mlp(self.norm1(x))
 
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.mix(x, *self.project(x, cos, sin))
 
-class MoonViT(nn.Module):
+
+class MoonViT(RowSplitTower, nn.Module):
     """``forward(pixel_values [L, 3*P*P], grid_thw) -> [L / (kh*kw), kh*kw, D]``: one image's patch features,
     grouped by merge window (windows row-major, the window's patches row-major within it). Module names are the
     published checkpoint's (``vision_tower.encoder.blocks.N.wqkv``, ``norm0``, ``mlp.fc0``, ...) less
@@ -169,20 +177,18 @@ class MoonViT(nn.Module):
         angles = torch.stack([cols[:, None] * inv, rows[:, None] * inv], dim=-1).flatten(1).to(device)  # [L, half]
         return angles.cos(), angles.sin()
 
-    def begin(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> TowerState:
-        """One image's state before block 0: its patch embeddings with positions, and its rotary angles."""
+    def start(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> TowerState:
+        """One image's state before the patch embedding: its pixels, positions and rotary angles."""
         t, grid_h, grid_w = grid_thw
         if t != 1:
             raise ValueError("only still images (grid t == 1) are supported")
         device = self.final_layernorm.weight.device
-        x = self.patch_embed(pixel_values.to(device), grid_h, grid_w)  # [L, D]
+        pos = self.patch_embed.pos_emb(grid_h, grid_w).to(self.patch_embed.proj.weight.dtype)  # [L, D]
         cos, sin = self._rotary(grid_h, grid_w, device)
-        return TowerState(x, cos, sin, grid_thw)
+        return TowerState(pos.new_empty(pos.shape), cos, sin, grid_thw, pixels=pixel_values.to(device), pos=pos)
 
-    def run_blocks(self, state: TowerState, first: int, end: int) -> None:
-        """Blocks ``first..end-1`` over ``state`` (which has run blocks ``0..first-1``)."""
-        for block in self.blocks[first:end]:
-            state.x = block(state.x, state.cos, state.sin)
+    def embed_rows(self, state: TowerState, a: int, b: int) -> None:
+        state.x[a:b] = self.patch_embed.patches(state.pixels[a:b]) + state.pos[a:b]
 
     def finish(self, state: TowerState) -> torch.Tensor:
         """[L / (kh*kw), kh*kw, D] of an image whose state has run every block: normed, grouped by window."""
@@ -194,7 +200,8 @@ class MoonViT(nn.Module):
         return x.view(grid_h // kh, kh, grid_w // kw, kw, d).permute(0, 2, 1, 3, 4).reshape(-1, kh * kw, d)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        state = self.begin(pixel_values, grid_thw)
+        state = self.start(pixel_values, grid_thw)
+        self.embed_rows(state, 0, state.x.shape[0])
         self.run_blocks(state, 0, len(self.blocks))
         return self.finish(state)
 

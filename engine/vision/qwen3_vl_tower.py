@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.vision.tower_rows import RowSplitTower
+
 ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
@@ -71,6 +73,15 @@ class TowerState:
     sin: torch.Tensor
     grid_thw: tuple[int, int, int]
     taps: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each [L / m^2, out_hidden]
+    # Until every row is embedded (``engine.vision.tower_rows``): the pixels [L, C*T*P*P] and positions [L, D].
+    pixels: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+    # A block part-way (its rows projected, not all mixed): its queries, keys and values, each [L, heads, head_dim].
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Mergers after a block part-way (Qwen3-VL): merge windows done so far, their outputs, each [L / m^2, width].
+    merged: int = 0
+    merged_out: list[torch.Tensor] | None = None
+    final: torch.Tensor | None = None  # [L / m^2, out_hidden] the final merger's, when run as the rows were mixed
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -99,16 +110,23 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(c.hidden_size, 3 * c.hidden_size, bias=True)
         self.proj = nn.Linear(c.hidden_size, c.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [L, D] (one image's patches); cos, sin [L, head_dim] float32
-        length = x.shape[0]
-        q, k, v = self.qkv(x).reshape(length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)  # [L, h, d]
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # x [r, D] (rows of one image's patches); cos, sin [r, head_dim] float32 -> q, k, v [r, h, d], rotated
+        q, k, v = self.qkv(x).reshape(x.shape[0], 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         cos, sin = cos[:, None, :], sin[:, None, :]
         # rotary in float32, as the checkpoint was trained
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [h, L, d]
-        return self.proj(out.transpose(0, 1).reshape(length, -1))
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [r, h, d] (some query rows), k, v [L, h, d] (all the image's) -> [r, D]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [h, r, d]
+        return self.proj(out.transpose(0, 1).reshape(q.shape[0], -1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [L, D] (one image's patches); cos, sin [L, head_dim] float32
+        return self.attend(*self.project(x, cos, sin))
 
 
 class VisionMLP(nn.Module):
@@ -130,9 +148,17 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(c)
         self.mlp = VisionMLP(c)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin)
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows ``x`` [r, D] -> their q, k, v [r, h, d] (``engine.vision.tower_rows``)."""
+        return self.attn.project(self.norm1(x), cos, sin)
+
+    def mix(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Rows ``x`` [r, D], their queries [r, h, d] against all the image's keys and values [L, h, d] -> [r, D]."""
+        x = x + self.attn.attend(q, k, v)
         return x + self.mlp(self.norm2(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.mix(x, *self.project(x, cos, sin))
 
 
 class PatchMerger(nn.Module):
@@ -160,7 +186,7 @@ def block_order_coords(grid_h: int, grid_w: int, merge: int) -> tuple[torch.Tens
     return rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)
 
 
-class Qwen3VisionTower(nn.Module):
+class Qwen3VisionTower(RowSplitTower, nn.Module):
     """``forward(pixel_values [L, C*T*P*P], grid_thw) -> VisionFeatures`` for one image (t == 1)."""
 
     def __init__(self, c: VisionConfig) -> None:
@@ -202,35 +228,64 @@ class Qwen3VisionTower(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
 
-    def begin(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> TowerState:
-        """One image's state before block 0: its patch embeddings with positions, and its rotary angles."""
+    def start(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> TowerState:
+        """One image's state before the patch embedding: its pixels, positions and rotary angles."""
         t, grid_h, grid_w = grid_thw
         if t != 1:
             raise ValueError("only still images (grid t == 1) are supported")
         rows, cols = block_order_coords(grid_h, grid_w, self.c.spatial_merge_size)
         device = self.pos_embed.weight.device
         rows, cols = rows.to(device), cols.to(device)
-        x = self.patch_embed(pixel_values.to(device))  # [L, D]
-        x = x + self._position_embedding(rows, cols, grid_h, grid_w).to(x.dtype)
+        pos = self._position_embedding(rows, cols, grid_h, grid_w).to(self.patch_embed.proj.weight.dtype)  # [L, D]
         cos, sin = self._rotary(rows, cols, device)
-        return TowerState(x, cos, sin, grid_thw)
+        x = pos.new_empty(pos.shape)  # [L, D], filled by embed_rows
+        return TowerState(x, cos, sin, grid_thw, pixels=pixel_values.to(device), pos=pos)
 
-    def run_blocks(self, state: TowerState, first: int, end: int) -> None:
-        """Blocks ``first..end-1`` over ``state`` (which has run blocks ``0..first-1``), their taps kept in it."""
-        x = state.x
-        for i in range(first, end):
-            x = self.blocks[i](x, state.cos, state.sin)
-            if i in self.c.deepstack_visual_indexes:
-                state.taps.append(self.deepstack_merger_list[self.c.deepstack_visual_indexes.index(i)](x))
-        state.x = x
+    def embed_rows(self, state: TowerState, a: int, b: int) -> None:
+        state.x[a:b] = self.patch_embed(state.pixels[a:b]) + state.pos[a:b]
+
+    def _mergers_after(self, i: int) -> list[PatchMerger]:
+        """The mergers that read block ``i``'s output: its deepstack tap's, then the final one after the last."""
+        taps = self.c.deepstack_visual_indexes
+        return ([self.deepstack_merger_list[taps.index(i)]] if i in taps else []) + (
+            [self.merger] if i == len(self.blocks) - 1 else [])
+
+    def after_rows(self, state: TowerState, i: int, b: int) -> None:
+        """Block ``i``'s mergers over the merge windows whose rows (of ``0:b``) it has mixed, as they are mixed:
+        so their work spreads over the block's pieces (each window's output is its own rows')."""
+        mergers = self._mergers_after(i)
+        m2 = self.c.spatial_merge_size ** 2
+        w0, w1 = state.merged, b // m2
+        if not mergers or w1 <= w0:
+            return
+        rows = state.x[w0 * m2:w1 * m2]  # [windows * m^2, D]
+        if state.merged_out is None:
+            state.merged_out = [None] * len(mergers)
+        for j, merger in enumerate(mergers):
+            out = merger(rows)  # [windows, width]
+            if state.merged_out[j] is None:
+                state.merged_out[j] = out.new_empty(state.x.shape[0] // m2, out.shape[-1])
+            state.merged_out[j][w0:w1] = out
+        state.merged = w1
+
+    def after_block(self, state: TowerState, i: int) -> None:
+        """Block ``i``'s mergers: its deepstack tap, the final merger after the last block (taken row by row as
+        the rows were mixed, else now)."""
+        outs = state.merged_out or [merger(state.x) for merger in self._mergers_after(i)]
+        state.merged, state.merged_out = 0, None
+        if i in self.c.deepstack_visual_indexes:
+            state.taps.append(outs[0])
+        if i == len(self.blocks) - 1:
+            state.final = outs[-1]
 
     def finish(self, state: TowerState) -> VisionFeatures:
         """The features of an image whose state has run every block: the merger's, and the taps stacked."""
-        embeds = self.merger(state.x)
+        embeds = state.final
         deepstack = torch.stack(state.taps) if state.taps else embeds.new_zeros(0, *embeds.shape)
         return VisionFeatures(embeds, deepstack)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> VisionFeatures:
-        state = self.begin(pixel_values, grid_thw)
+        state = self.start(pixel_values, grid_thw)
+        self.embed_rows(state, 0, state.x.shape[0])
         self.run_blocks(state, 0, len(self.blocks))
         return self.finish(state)

@@ -145,9 +145,9 @@ class ModelRunner:
         return sampled
 
     def encode_pieces(self, plan: SchedulerOutput) -> None:
-        """Before the step's forward (rank 0, whose plans carry them): the vision tower blocks the plan runs for
-        images encoded a few blocks a step (``engine.core.encoder_pieces``); the other ranks receive only
-        finished features, with the steps that read them."""
+        """Before the step's forward (rank 0, whose plans carry them): the vision tower work the plan runs for
+        images encoded a few blocks (or rows of a block) a step (``engine.core.encoder_pieces``); the other ranks
+        receive only finished features, with the steps that read them."""
         if plan.encoder_pieces:
             self.model.encode_pieces(plan.encoder_pieces)
 

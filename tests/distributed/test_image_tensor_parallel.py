@@ -7,8 +7,8 @@ own) and hands each step's image rows to rank 1: steps of 16 tokens cut through 
 budget lets one image in at a time; the first image under other text is not encoded again (rank 0's encoder
 cache), and the first prompt again hits the prefix cache past its image (Qwen3.5-MoE through its state
 checkpoints, each rank's heads). Qwen3-VL-MoE runs again with layer-chunked encoding (``max_num_encoder_token_blocks``:
-one block of the smaller of the two images a step, so each image's tower runs over several steps on rank 0, its
-part-way state rank 0's alone), with the same checks: an image finished piece by piece enters rank 0's encoder cache.
+two thirds of one block of the smaller of the two images a step, so each image's tower runs over several steps on
+rank 0, its blocks split over its rows, its part-way state rank 0's alone), with the same checks: an image finished piece by piece enters rank 0's encoder cache.
 Every run is made in one set of rank processes, on cases built once. (One process, the same checks:
 tests/engine/vision/*_vs_transformers.py.)"""
 
@@ -137,7 +137,8 @@ def runs(qwen3_vl_checkpoint, tmp_path_factory):
     built[CHUNKED] = built["qwen3_vl_moe"]
     merge = qwen.IMAGE_CONFIG.merge_size
     images = built[CHUNKED][2][1]
-    token_blocks = min(p.num_tokens(merge) for p in images[1]) * merge ** 2  # one block of the smaller of the two
+    # two thirds of one block of the smaller of the two: every block of either split over its rows
+    token_blocks = min(p.num_tokens(merge) for p in images[1]) * merge ** 2 * 2 // 3
     args[CHUNKED] = (*args["qwen3_vl_moe"], token_blocks)
     results = run_ranks_each(_generate, 1, args, timeout_s=300)
     return {name: (seed, cases, results[name].get(0, ("missing", None))) for name, (_, seed, cases) in built.items()}

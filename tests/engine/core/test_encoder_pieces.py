@@ -1,7 +1,8 @@
-"""Layer-chunked encoding in the scheduler by simulation (no model): a step's tower work (patches x blocks of its
-encoder pieces) stays within ``max_num_encoder_token_blocks`` (or is one block of one image), each image's pieces
-run its blocks once each, in order, through preemption too, before any chunk reads its placeholders; images the
-encoder cache holds get none; and decoding text streams get their token in every step while an image is encoded."""
+"""Layer-chunked encoding in the scheduler by simulation (no model): a step's tower work (the passes of its encoder
+pieces, two per patch and stage: ``engine.core.encoder_pieces``) stays within ``max_num_encoder_token_blocks``
+however large one block of one image is, each image's pieces run its passes once each, in order, through
+preemption too, before any chunk reads its placeholders; images the encoder cache holds get none; and decoding
+text streams get their token in every step while an image is encoded."""
 
 import random
 
@@ -19,48 +20,58 @@ def _scheduler(budget: int, depth: int, merge: int, tokens: int, blocks: int, ca
 
 
 def test_random_image_workloads_keep_each_step_within_the_token_block_budget():
+    splits = 0
     for _, seed, rng, reqs, cached in seeded_image_workloads(20):
         depth, merge = rng.randint(1, 5), rng.choice([1, 4])
+        # often below one block of an image (split over its rows), at times above a whole image
         budget = rng.randint(1, 16 * merge * depth)
         sched = _scheduler(budget, depth, merge, rng.randint(8, 64), rng.randint(26, 60), cached)  # some preemption
         for r in reqs:
             sched.add_request(r)
-        done: dict[tuple[str, int], int] = {}  # blocks run per image, from the pieces seen
+        done: dict[tuple[str, int], int] = {}  # passes run per image, from the pieces seen
+        split = 0  # pieces that end inside a stage (one block of the image is past the budget)
 
         def check(out):
-            work = []
+            nonlocal split
+            work = 0
             for piece in out.encoder_pieces:
                 request, i = piece.request, piece.image
-                key = (request.request_id, i)
+                key, total = (request.request_id, i), 2 * request.images[i].num_tokens * merge * depth
                 assert (request.images[i].digest, request.policy.cache_salt) not in cached, seed
-                assert piece.first == done.get(key, 0) < piece.end <= depth, (seed, piece, done.get(key))
+                assert piece.total == total, seed
+                assert piece.first == done.get(key, 0) < piece.end <= total, (seed, piece, done.get(key))
                 done[key] = piece.end
-                work.append(request.images[i].num_tokens * merge * (piece.end - piece.first))
-            one_block = len(out.encoder_pieces) == 1 and out.encoder_pieces[0].end - out.encoder_pieces[0].first == 1
-            assert sum(work) <= budget or one_block, (seed, work, budget)
+                work += piece.end - piece.first
+                split += piece.end % (total // depth) != 0
+            assert work <= 2 * budget, (seed, work, budget)  # two passes a token-block
             for part in out.scheduled:
                 request, end = part.request, part.start + part.num_new_tokens
                 for i, im in enumerate(request.images):
                     if im.offset < end and im.end > part.start and (im.digest, request.policy.cache_salt) not in cached:
-                        assert done.get((request.request_id, i)) == depth, (seed, request.request_id, i)
+                        assert done.get((request.request_id, i)) == 2 * im.num_tokens * merge * depth, (seed, i)
 
         run_to_completion(sched, rng, on_step=check)
         assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs), seed
         expected = {(r.request_id, i) for r in reqs for i, im in enumerate(r.images)
                     if (im.digest, r.policy.cache_salt) not in cached}
-        assert done == {key: depth for key in expected}, seed  # every other image encoded exactly once
+        totals = {(r.request_id, i): 2 * im.num_tokens * merge * depth for r in reqs for i, im in enumerate(r.images)}
+        assert done == {key: totals[key] for key in expected}, seed  # every other image encoded exactly once
+        splits += split
         sched.kv.pool.check_all_free()
+    assert splits > 0  # some budgets split a stage
 
 
 def test_text_streams_decode_in_every_step_while_an_image_is_encoded():
     """Three streams decoding, then a request with two 8x8-token images (256 patches each) in a 4-stage tower under
-    a budget of 300 token-blocks: one stage a step, so eight steps of tower work, each of which also decodes every
-    stream; the image request's chunk reaches an image only in or after the step of that image's last block."""
+    a budget of 100 token-blocks, below one block of one image: 200 passes a step of the 2 x 2048 the images take
+    (two per patch and stage), so 11 steps of tower work an image (the second begun once the chunk reaches it),
+    each of which also decodes every stream; the image request's chunk reaches an image only in or after the step
+    of that image's last pass."""
     rng = random.Random(0)
     streams = [_request(f"s{i}", rng, [5]) for i in range(3)]
     for s in streams:
         s.max_tokens = 100
-    sched = _scheduler(budget=300, depth=4, merge=4, tokens=64, blocks=200)
+    sched = _scheduler(budget=100, depth=4, merge=4, tokens=64, blocks=200)
     for s in streams:
         sched.add_request(s)
     for _ in range(2):  # the streams' prompts, then their first decode
@@ -68,15 +79,17 @@ def test_text_streams_decode_in_every_step_while_an_image_is_encoded():
         sched.update(out, [rng.randrange(50) if p.sample else None for p in out.scheduled])
     image = _request("image", rng, [3, (8, 8), 2, (8, 8), 4])
     sched.add_request(image)
-    pieces, finished_at = [], {}
-    for step in range(20):
+    tower_steps, finished_at, done = 0, {}, {0: 0, 1: 0}
+    for step in range(40):
         out = sched.schedule()
         decoded = {p.request.request_id for p in out.scheduled if p.num_new_tokens == 1 and p.sample}
         assert decoded >= {s.request_id for s in streams}, step
+        assert sum(p.end - p.first for p in out.encoder_pieces) <= 200, step
+        tower_steps += bool(out.encoder_pieces)
         for piece in out.encoder_pieces:
-            assert piece.end - piece.first == 1
-            pieces.append(piece)
-            if piece.end == 4:
+            assert piece.first == done[piece.image] and piece.total == 2048
+            done[piece.image] = piece.end
+            if piece.end == piece.total:
                 finished_at[piece.image] = step
         for part in out.scheduled:
             if part.request is image:
@@ -86,4 +99,4 @@ def test_text_streams_decode_in_every_step_while_an_image_is_encoded():
         sched.update(out, [rng.randrange(50) if p.sample else None for p in out.scheduled])
         if image.num_output_tokens:
             break
-    assert len(pieces) == 8 and image.num_output_tokens == 1
+    assert tower_steps == 22 and done == {0: 2048, 1: 2048} and image.num_output_tokens == 1

@@ -88,13 +88,19 @@ def hf_greedy(model, prompt: list[int], processed: list, max_new: int) -> list[i
     return hf_greedy_pixels(model, prompt, pixels, max_new)
 
 
+def loaded_tower(model) -> Qwen3VisionTower:
+    """The engine's tower with ``model``'s own weights (``model.visual.``)."""
+    tower = Qwen3VisionTower(VisionConfig.from_hf(model.config.vision_config))
+    prefix = "model.visual."
+    tower.load_state_dict({k[len(prefix):]: v for k, v in model.state_dict().items() if k.startswith(prefix)})
+    return tower
+
+
 def tower_against_transformers(model, images: list) -> tuple[list, object]:
     """The engine's tower loaded from ``model``'s own weights (``model.visual.``), run on each of ``images``
     (``process_image``'s results) alone, its merged features checked against transformers' ``get_image_features``
     on them all at once; returns (our ``VisionFeatures`` per image, transformers' output)."""
-    tower = Qwen3VisionTower(VisionConfig.from_hf(model.config.vision_config))
-    prefix = "model.visual."
-    tower.load_state_dict({k[len(prefix):]: v for k, v in model.state_dict().items() if k.startswith(prefix)})
+    tower = loaded_tower(model)
     with torch.no_grad():
         ref = model.model.get_image_features(torch.cat([p.pixel_values for p in images]),
                                              torch.tensor([p.grid_thw for p in images]))

@@ -22,6 +22,7 @@ from tests.engine.vision.kimi_k25_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, 
                                                      make_kimi_k25, random_image, reference_pixels)
 from tests.engine.vision.image_engine_checks import (check_image_blocks_keyed_by_picture,
                                                        check_misfit_images_refused)
+from tests.engine.vision.tower_pieces import run_in_random_pieces
 from tests.greedy_ties import assert_greedy_equal_up_to_a_near_tie
 
 MAX_NEW = 8
@@ -132,7 +133,8 @@ def test_pixels_equal_the_reference(checkpoint):
 
 def test_tower_and_projector_match_transformers(checkpoint):
     """MoonViT and the projector loaded from the saved checkpoint's own tensors (fused qkv in MoonViT's rotary
-    order): features of two images of different grids equal transformers' image features."""
+    order): features of two images of different grids equal transformers' image features, also with MoonViT's
+    stages run over row ranges in random pieces (layer-chunked encoding's passes, ``engine.vision.tower_rows``)."""
     path, model, seed = checkpoint
     gen = torch.Generator().manual_seed(seed + 1)
     pictures = [random_image(gen, w, h) for w, h in ((37, 21), (20, 50))]
@@ -148,9 +150,13 @@ def test_tower_and_projector_match_transformers(checkpoint):
     with torch.no_grad():
         ref = model.model.get_image_features(torch.cat([p.pixel_values.view(-1, 3, P, P) for p in processed]),
                                              torch.tensor([p.grid_thw for p in processed])).pooler_output
-        for image, want in zip(processed, ref):
+        for i, (image, want) in enumerate(zip(processed, ref)):
             got = ours.mm_projector(ours.vision_tower(image.pixel_values, image.grid_thw))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            # its stages split over row ranges, as layer-chunked encoding runs them: the same features
+            split = run_in_random_pieces(ours.vision_tower, image.pixel_values, image.grid_thw, random.Random(seed),
+                                         whole_block=i % 2)
+            torch.testing.assert_close(ours.mm_projector(split), want, rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_matches_transformers(checkpoint):

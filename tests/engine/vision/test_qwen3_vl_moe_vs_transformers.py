@@ -16,8 +16,9 @@ from engine.vision.qwen_image_processing import process_image
 from tests.engine.vision.image_engine_checks import (check_image_blocks_keyed_by_picture,
                                                        check_misfit_images_refused)
 from tests.engine.vision.qwen3_vl_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START, hf_greedy,
-                                                     random_image, text_ids, tower_against_transformers,
-                                                     with_images)
+                                                     loaded_tower, random_image, text_ids,
+                                                     tower_against_transformers, with_images)
+from tests.engine.vision.tower_pieces import run_in_random_pieces
 
 MAX_NEW = 8
 
@@ -41,7 +42,8 @@ def test_prompt_positions_match_transformers(qwen3_vl_checkpoint):
 
 def test_vision_tower_matches_transformers(qwen3_vl_checkpoint):
     """The tower alone, loaded from the model's own weights: merged features and deepstack taps of two images of
-    different grids."""
+    different grids; and the same with its stages run over row ranges in random pieces (layer-chunked encoding's
+    passes, ``engine.vision.tower_rows``)."""
     _, model, seed = qwen3_vl_checkpoint
     gen = torch.Generator().manual_seed(seed)
     images = [process_image(random_image(gen, w, h), IMAGE_CONFIG) for w, h in ((37, 21), (20, 50))]
@@ -51,6 +53,14 @@ def test_vision_tower_matches_transformers(qwen3_vl_checkpoint):
         assert features.deepstack.shape[0] == 2
         for k in range(2):
             torch.testing.assert_close(features.deepstack[k], ref.deepstack_features[k][i], rtol=1e-5, atol=1e-5)
+    # its stages split over row ranges, as layer-chunked encoding runs them: the same features
+    tower, rng = loaded_tower(model), random.Random(seed)
+    for i, image in enumerate(images):
+        split = run_in_random_pieces(tower, image.pixel_values, image.grid_thw, rng, whole_block=i % 2)
+        torch.testing.assert_close(split.embeds, ref.pooler_output[i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(split.embeds, ours[i].embeds, rtol=1e-6, atol=1e-6)
+        for k in range(2):
+            torch.testing.assert_close(split.deepstack[k], ref.deepstack_features[k][i], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])

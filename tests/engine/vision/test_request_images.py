@@ -34,7 +34,7 @@ class CountingTower(ImageFeatures, nn.Module):
 
     # Whole images only here: layer-chunked encoding is never asked of this double.
     encoder_shape = (1, 1)
-    begin_encoding = encode_blocks = finish_encoding = local_image_step
+    begin_encoding = encode_passes = finish_encoding = local_image_step
 
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:
         self.encoded += 1
