@@ -25,7 +25,8 @@ from engine.models.image_step import ImageStep, share_image_step
 from engine.vision.encoder_cache import EncoderCache
 from engine.vision.prompt_images import pixels_of, pixels_ready
 from engine.vision.qwen_image_processing import ProcessedImage
-from engine.vision.qwen3_vl_tower import TowerState, VisionFeatures
+from engine.vision.qwen3_vl_tower import VisionFeatures
+from engine.vision.tower_rows import TowerState
 
 
 class ImageFeatures(abc.ABC):

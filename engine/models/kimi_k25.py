@@ -22,7 +22,8 @@ from engine.models.image_features import ImageFeatures
 from engine.models.image_step import ImageStep, image_step_of
 from engine.vision.moonvit_tower import MoonViT, MoonViTConfig, Projector, projected
 from engine.vision.qwen_image_processing import ProcessedImage
-from engine.vision.qwen3_vl_tower import TowerState, VisionFeatures
+from engine.vision.qwen3_vl_tower import VisionFeatures
+from engine.vision.tower_rows import TowerState
 
 
 class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):

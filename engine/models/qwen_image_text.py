@@ -22,7 +22,8 @@ from engine.models.image_step import ImageStep, image_step_of
 from engine.vision.mrope import ImageSpan, prompt_positions
 from engine.vision.mrope_rotary import MRotaryEmbedding
 from engine.vision.qwen_image_processing import ProcessedImage
-from engine.vision.qwen3_vl_tower import Qwen3VisionTower, TowerState, VisionConfig, VisionFeatures
+from engine.vision.qwen3_vl_tower import Qwen3VisionTower, VisionConfig, VisionFeatures
+from engine.vision.tower_rows import TowerState
 
 
 class QwenImageText(ImageFeatures):

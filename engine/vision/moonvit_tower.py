@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.vision.qwen3_vl_tower import ACTIVATIONS, TowerState, VisionFeatures
+from engine.vision.qwen3_vl_tower import ACTIVATIONS, VisionFeatures
+from engine.vision.tower_rows import TowerState
 from engine.vision.tower_rows import RowSplitTower
 
 

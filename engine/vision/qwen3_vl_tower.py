@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.vision.tower_rows import RowSplitTower
+from engine.vision.tower_rows import RowSplitTower, TowerState
 
 ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -61,27 +61,6 @@ class VisionFeatures:
 
     embeds: torch.Tensor  # [N, out_hidden] the merger's output, which replaces the placeholders' embeddings
     deepstack: torch.Tensor  # [K, N, out_hidden] added to the hidden states after text layers 0..K-1
-
-
-@dataclasses.dataclass
-class TowerState:
-    """An image part-way through a tower (layer-chunked encoding keeps it between steps): the hidden states after
-    the blocks run so far, the rotary angles every block reads, and the taps taken so far (Qwen3-VL's deepstack)."""
-
-    x: torch.Tensor  # [L, D] one row per patch
-    cos: torch.Tensor  # [L, head_dim] (MoonViT: [L, head_dim / 2]) float32
-    sin: torch.Tensor
-    grid_thw: tuple[int, int, int]
-    taps: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each [L / m^2, out_hidden]
-    # Until every row is embedded (``engine.vision.tower_rows``): the pixels [L, C*T*P*P] and positions [L, D].
-    pixels: torch.Tensor | None = None
-    pos: torch.Tensor | None = None
-    # A block part-way (its rows projected, not all mixed): its queries, keys and values, each [L, heads, head_dim].
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # Mergers after a block part-way (Qwen3-VL): merge windows done so far, their outputs, each [L / m^2, width].
-    merged: int = 0
-    merged_out: list[torch.Tensor] | None = None
-    final: torch.Tensor | None = None  # [L / m^2, out_hidden] the final merger's, when run as the rows were mixed
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
