@@ -13,6 +13,7 @@ rows at a time. Whole stages run as the unsplit tower does.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 
 import torch
@@ -39,19 +40,19 @@ class TowerState:
     final: torch.Tensor | None = None  # [L / m^2, out_hidden] the final merger's, when run as the rows were mixed
 
 
-class RowSplitTower:
+class RowSplitTower(abc.ABC):
     """Mixed into a tower module with ``blocks`` whose each block has ``project(x, cos, sin) -> (q, k, v)`` and
     ``mix(x, q, k, v) -> x`` (``forward`` being ``mix(x, *project(x, cos, sin))``); the tower says how it starts an
     image (``start``), embeds its rows (``embed_rows``) and what follows a block (``after_block``: taps; and
     ``after_rows``, as a block's rows are mixed, for work on finished rows)."""
 
+    @abc.abstractmethod
     def start(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> TowerState:
         """One image's state before any stage: its pixels and positions kept, its rows not yet embedded."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def embed_rows(self, state: TowerState, a: int, b: int) -> None:
         """Rows ``a:b`` of the patch embedding into ``state.x``."""
-        raise NotImplementedError
 
     def after_rows(self, state: TowerState, i: int, b: int) -> None:
         """After block ``i`` has mixed rows ``0:b`` (row by row only: work on finished rows, spread over pieces)."""
