@@ -55,11 +55,6 @@ class EncoderSteps:
         """Passes the whole tower takes over image ``image`` of ``request``: two per patch and stage."""
         return 2 * request.images[image].num_tokens * self.patches_per_token * self.depth
 
-    @staticmethod
-    def cost(piece: EncoderPiece) -> float:
-        """Token-blocks ``piece`` takes: half its passes."""
-        return (piece.end - piece.first) / 2
-
     def plan(self, request: Request, start: int, num_new: int,
              to_encode: list[tuple[int, int]]) -> tuple[int, list[EncoderPiece]]:
         """(tokens of the chunk ``[start, start + num_new)`` that may run this step, the pieces to run for it):
