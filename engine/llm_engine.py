@@ -403,7 +403,9 @@ class LLMEngine:
         if plan.is_empty and self._in_flight is None and self.lora is not None and self.scheduler.num_lora_waiting:
             self.lora.host.wait_for_reads(LORA_READ_WAIT_S)  # nothing to run until an adapter is read
         if plan.is_empty and self._in_flight is None and self.scheduler.images_preparing:
-            self._image_worker.wait(IMAGE_WAIT_S)  # nothing to run until an image's pixels are ready
+            # nothing to run until an image's pixels are ready: those (urgent on the worker), not the
+            # preparation of requests that arrived since
+            self._image_worker.wait(IMAGE_WAIT_S, urgent=True)
         if self._pipeline is not None:
             outputs = self._step_pipelined(plan)
         else:

@@ -75,13 +75,16 @@ class LazyPixels:
             return self._pixels
 
     def ready(self) -> bool:
-        """Whether ``get`` returns without preprocessing; if not, the worker starts on it (once). Without a worker,
+        """Whether ``get`` returns without preprocessing; if not, the worker starts on it (once), ahead of the
+        preparation of requests queued there (``ImageWorker.submit``'s ``urgent``). Without a worker,
         always True (``get`` preprocesses on the caller's thread). A computation that failed is ready too: ``get``
         tries again and raises, rather than the image waiting forever."""
         if self._pixels is not None or self._worker is None:
             return True
         if self._loading is None:
-            self._loading = self._worker.submit(self.get)
+            # urgent: the tower needs them for a request already scheduled, which must not wait for the
+            # preparation of requests that arrived after it
+            self._loading = self._worker.submit(self.get, urgent=True)
         return self._loading.done()
 
 

@@ -9,6 +9,7 @@ import io
 import os
 import random
 import threading
+import time
 from multiprocessing import Pipe
 
 import pytest
@@ -39,6 +40,18 @@ def _png(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def _picture(seed: int):
+    """(the test's rng, a random picture preprocessed as the engine does, its PNG bytes) from ``seed``."""
+    rng = random.Random(seed)
+    pic = random_image(torch.Generator().manual_seed(seed), rng.randint(12, 40), rng.randint(12, 40))
+    return rng, process_image(pic, IMAGE_CONFIG), _png(pic)
+
+
+def _offline(path: str) -> LLM:
+    """The offline engine, stepped on the test's thread."""
+    return LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=48, block_size=4, max_num_batched_tokens=32)
 
 
 @pytest.fixture
@@ -167,14 +180,10 @@ def test_seen_bytes_the_cache_dropped_are_preprocessed_off_the_stepping_thread(q
     """The offline engine stepped on this thread: an image whose bytes were seen (lazy pixels) and whose features
     the encoder cache no longer holds waits a step for the worker, and is encoded as before."""
     path, model, seed = qwen3_vl_checkpoint
-    rng = random.Random(seed + 8)
-    gen = torch.Generator().manual_seed(seed + 8)
-    pic = random_image(gen, rng.randint(12, 40), rng.randint(12, 40))
-    processed = process_image(pic, IMAGE_CONFIG)
-    data = _png(pic)
+    rng, processed, data = _picture(seed + 8)
     prompts = [with_images(rng, [processed]) for _ in range(2)]
     expected = [hf_greedy(model, p, [processed], 4) for p in prompts]
-    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=48, block_size=4, max_num_batched_tokens=32)
+    llm = _offline(path)
     alice = RequestPolicy(tenant="alice", cache_salt="salt-of-alice")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -193,6 +202,47 @@ def test_seen_bytes_the_cache_dropped_are_preprocessed_off_the_stepping_thread(q
     assert lazy[0].pixels.loaded
     assert image_threads == [("preprocess", "image-prep_0"), ("digest", "image-prep_0"),
                              ("preprocess", "image-prep_0")]
+
+
+def test_pixels_a_scheduled_request_needs_go_before_newcomers_preparation(qwen3_vl_checkpoint):
+    """A request whose chunk reached an image with lazy pixels (seen bytes, features the encoder cache dropped)
+    has them prepared before the preparation of requests that arrived after it, queued on the worker first: its
+    steps do not wait for newcomers. The worker is held on a job while the newcomers queue and the scheduler asks
+    for the pixels; once let go, each newcomer's preparation blocks until the test ends, so the request finishes
+    only if its pixels went first."""
+    path, model, seed = qwen3_vl_checkpoint
+    rng, processed, data = _picture(seed + 11)
+    prompt = with_images(rng, [processed])
+    expected = hf_greedy(model, prompt, [processed], 4)
+    llm = _offline(path)
+    engine = llm.engine
+    alice = RequestPolicy(tenant="alice", cache_salt="salt-of-alice")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.prepare_images(prompt, [data], alice.cache_salt).result(WAIT_S)  # the bytes are seen from now on
+    lazy = engine.prompt_images(prompt, [data], alice.cache_salt)
+    assert isinstance(lazy[0].pixels, LazyPixels) and not lazy[0].pixels.loaded  # the cache holds no features
+    worker = engine._image_worker
+    hold, held, newcomers_go = threading.Event(), threading.Event(), threading.Event()
+    worker.submit(lambda: held.set() or hold.wait(WAIT_S))
+    assert held.wait(WAIT_S)
+    prepare = engine._prepared_images
+    engine._prepared_images = lambda *args: newcomers_go.wait(WAIT_S) and prepare(*args)
+    newcomers = [engine.prepare_images(prompt, [data], f"salt-of-newcomer-{i}") for i in range(2)]
+    try:
+        rid = engine.add_request(prompt, params, policy=alice, images=lazy)
+        tokens = [t for out in engine.step() if out.request_id == rid for t in out.token_ids]
+        assert engine.scheduler.images_preparing and not lazy[0].pixels.loaded  # its pixels are asked for
+        hold.set()
+        deadline = time.monotonic() + WAIT_S / 2
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            tokens += [t for out in engine.step() if out.request_id == rid for t in out.token_ids]
+        assert not engine.has_unfinished(), "the request's pixels waited behind newcomers' preparation"
+        assert tokens == expected, f"seed={seed}"
+        assert not any(f.done() for f in newcomers)  # still held: they were behind its pixels
+    finally:
+        hold.set()
+        newcomers_go.set()
+    assert all(len(f.result(WAIT_S)) == 1 for f in newcomers)
 
 
 def test_aborted_and_released_requests_images_are_never_prepared(qwen3_vl_checkpoint):
