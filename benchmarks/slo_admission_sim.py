@@ -56,9 +56,8 @@ def _run(arrivals, classes, arm: str, noise: float, seed: int, closed_ms: float 
             except Exception:
                 refused.append(request)
                 return
-        refusing = arm != "none" and cls.slo_action == "refuse"
         request.ticket = slo.ticket(priority, PROMPT, 1, OUTPUT, cls.preempt_grace_ms if arm != "none" else None,
-                                    cls.ttft_slo_ms if refusing else None)
+                                    slo_admission.refusal_objective(cls) if arm != "none" else None)
         waiting[priority].append(request)
 
     for _ in range(SLOTS if closed_ms else 0):

@@ -22,7 +22,7 @@ from gateway.errors import APIError
 from gateway.metrics import METRICS, RequestTimer
 from gateway.pipeline import Outputs, Planned
 from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
-from gateway.slo_admission import REFUSED_CODE, SLO, Ticket, judge
+from gateway.slo_admission import REFUSED_CODE, SLO, Ticket, judge, refusal_objective
 from gateway.stream_journal import JOURNALED, STREAM_JOURNAL, JournaledStream
 from tenants.quota import Granted
 from tenants.store import UsageRecord
@@ -107,7 +107,7 @@ class LiveAdmission:
         outputs = min(params.max_tokens if params.max_tokens is not None else config.default_reservation_tokens,
                       max(1, app[ENGINE].info.max_model_len - longest))
         self.ticket = app[SLO].ticket(cls.priority, prompt_tokens, planned.sequences, outputs, cls.preempt_grace_ms,
-                                     cls.ttft_slo_ms if cls.slo_action == "refuse" else None)
+                                     refusal_objective(cls))
         timer.on_first = self.ticket.first_token
         request[TIMER] = timer
         request[RATE_HEADERS] = rate_limit_headers(grant)

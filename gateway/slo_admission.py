@@ -24,19 +24,22 @@ That factor learns only as first tokens come, which is late when a queue builds 
 how far the requests already waiting ahead are past the times predicted for them (``lateness_ms``). Until an
 engine has reported a step there is nothing to predict from, and every request is admitted.
 
-A request is refused when its prediction passes its refusal line, a multiple of the objective (``line``, per
-priority, 1 to start with) set from the admitted requests' outcomes so that about ``CONFIDENCE`` of those
-admitted near it meet the objective. Under overload the queue grows until new requests are refused, so the
-admitted ones sit at the line: with the line at the objective itself, a prediction right on average has about
-half of them miss (a benchmark run at twice the capacity: 171 of 374 admitted standard requests did), each
-taking the engine time of one that would have met, while a prediction too cautious refuses requests that would
-have met. Each first token moves the line (``settle``): down by ``CORRECTION_WEIGHT * CONFIDENCE`` in log for a
-miss, up by ``CORRECTION_WEIGHT * (1 - CONFIDENCE)`` for a request that met, so it rests where misses are
+A request is refused when its prediction passes its refusal line, a multiple of the objective (``line``, one per
+class and objective, ``Objective``; 1 to start with) set from the admitted requests' outcomes so that about
+``CONFIDENCE`` of those admitted near it meet the objective. Under overload the queue grows until new requests
+are refused, so the admitted ones sit at the line: with the line at the objective itself, a prediction right on
+average has about half of them miss (a benchmark run at twice the capacity: 171 of 374 admitted standard requests
+did), each taking the engine time of one that would have met, while a prediction too cautious refuses requests
+that would have met. Each first token moves the line (``settle``): down by ``CORRECTION_WEIGHT * CONFIDENCE`` in
+log for a miss, up by ``CORRECTION_WEIGHT * (1 - CONFIDENCE)`` for a request that met, so it rests where misses are
 ``1 - CONFIDENCE`` of them; each step is scaled by how near the line the request was admitted (expected / line
 time), as a request admitted far inside it says little about where the line should be (an idle server's
 requests do not raise it, a realtime request that missed because a burst stalled the machine hardly lowers it).
 Between first tokens the line relaxes back to the objective (``LINE_HALF_LIFE_S``), so one that a stall lowered
-below what an idle server takes, refusing every request and so admitting none to raise it, comes back.
+below what an idle server takes, refusing every request and so admitting none to raise it, comes back. The line is
+the class's, not its priority's: classes may share a priority with different objectives, and a tight class's
+misses say nothing of where a looser one's line belongs (they would refuse its requests far within its objective).
+It holds no tenant's data: one number per class, learnt from every tenant of the class.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from aiohttp import web
 
@@ -93,6 +97,23 @@ class StepTimes:
         return a, b
 
 
+class Objective(NamedTuple):
+    """What a refusal line belongs to: a class that refuses, with its time-to-first-token objective. A class whose
+    objective is changed (``moegate admin class set``) starts a new line: the old multiple was learnt against
+    another objective."""
+
+    class_name: str
+    ttft_ms: int
+
+
+def refusal_objective(cls: ClassInfo) -> Objective | None:
+    """The objective whose line refuses ``cls``'s requests; None for a class that refuses none (no time-to-first-
+    token objective, or ``slo_action`` queue)."""
+    if cls.ttft_slo_ms is None or cls.slo_action != "refuse":
+        return None
+    return Objective(cls.name, cls.ttft_slo_ms)
+
+
 @dataclass(slots=True)
 class Prediction:
     ttft_ms: float  # the request's predicted time to its first token
@@ -109,8 +130,8 @@ class SloAdmission:
         self.decoding = 0  # admitted sequences past their first token, not finished
         self.open: set[Ticket] = set()  # admitted requests not finished
         self.correction: dict[int, float] = {}  # priority -> actual / predicted first-token times (geometric mean)
-        self.line: dict[int, float] = {}  # priority -> the multiple of its objective a prediction may reach
-        self._settled_at: dict[int, float] = {}  # priority -> when its line last moved (``line_of`` relaxes it)
+        self.line: dict[Objective, float] = {}  # the multiple of the objective a prediction may reach
+        self._settled_at: dict[Objective, float] = {}  # when each line last moved (``line_of`` relaxes it)
         self._seen: dict[str, object] = {}  # replica name -> the stats it reported last (sampled once)
 
     def observe(self) -> None:
@@ -156,22 +177,22 @@ class SloAdmission:
         self.correction[priority] = math.exp((1 - CORRECTION_WEIGHT) * math.log(self.correction.get(priority, 1.0))
                                              + CORRECTION_WEIGHT * math.log(ratio))
 
-    def line_of(self, priority: int) -> float:
-        """``priority``'s refusal line now: as last settled, relaxed toward 1 since (``LINE_HALF_LIFE_S``)."""
-        line = self.line.get(priority, 1.0)
+    def line_of(self, objective: Objective) -> float:
+        """``objective``'s refusal line now: as last settled, relaxed toward 1 since (``LINE_HALF_LIFE_S``)."""
+        line = self.line.get(objective, 1.0)
         if line == 1.0:
             return line
-        idle_s = max(0.0, time.perf_counter() - self._settled_at.get(priority, time.perf_counter()))
+        idle_s = max(0.0, time.perf_counter() - self._settled_at.get(objective, time.perf_counter()))
         return math.exp(math.log(line) * 0.5 ** (idle_s / LINE_HALF_LIFE_S))
 
-    def settle(self, priority: int, objective_ms: float, expected_ms: float, actual_ms: float) -> None:
+    def settle(self, objective: Objective, expected_ms: float, actual_ms: float) -> None:
         """One admitted request's first token (after ``actual_ms``; ``expected_ms`` at its admission) against its
-        class's objective, into its priority's ``line``."""
-        line = self.line_of(priority)
-        nearness = min(1.0, expected_ms / (line * objective_ms))
-        step = CORRECTION_WEIGHT * ((1 - CONFIDENCE) if actual_ms <= objective_ms else -CONFIDENCE)
-        self.line[priority] = line * math.exp(nearness * step)
-        self._settled_at[priority] = time.perf_counter()
+        class's objective, into that objective's ``line`` (no other class's)."""
+        line = self.line_of(objective)
+        nearness = min(1.0, expected_ms / (line * objective.ttft_ms))
+        step = CORRECTION_WEIGHT * ((1 - CONFIDENCE) if actual_ms <= objective.ttft_ms else -CONFIDENCE)
+        self.line[objective] = line * math.exp(nearness * step)
+        self._settled_at[objective] = time.perf_counter()
 
     def predict_uncorrected(self, priority: int, prompt_tokens: int,
                             grace_ms: float | None = None) -> Prediction | None:
@@ -228,12 +249,13 @@ class SloAdmission:
 
     def check(self, cls: ClassInfo, prompt_tokens: int) -> None:
         """503 ``slo_unattainable`` with Retry-After if ``cls`` refuses requests predicted past its refusal line
-        (``line`` times its time to first token) and this one is; otherwise nothing (a class that queues admits it
-        to wait)."""
-        if cls.ttft_slo_ms is None or cls.slo_action != "refuse":
+        (its ``line`` times its time to first token) and this one is; otherwise nothing (a class that queues admits
+        it to wait)."""
+        objective = refusal_objective(cls)
+        if objective is None:
             return
         predicted = self.predict(cls.priority, prompt_tokens, cls.preempt_grace_ms)
-        line = self.line_of(cls.priority)
+        line = self.line_of(objective)
         if predicted is None or predicted.ttft_ms <= line * cls.ttft_slo_ms:
             return
         retry_s = max(1, math.ceil(predicted.drain_ms / 1e3))
@@ -243,17 +265,17 @@ class SloAdmission:
                             f"{retry_s} s", "server_error", code=REFUSED_CODE, headers={"Retry-After": str(retry_s)})
 
     def ticket(self, priority: int, prompt_tokens: int, sequences: int, outputs: int,
-               grace_ms: float | None = None, ttft_slo_ms: float | None = None) -> Ticket:
+               grace_ms: float | None = None, refusing: Objective | None = None) -> Ticket:
         """Count an admitted request: its prompt as queued ahead of later ones until its first token, its
         ``sequences`` as holding a slot each for about ``outputs`` steps until it finishes (``grace_ms`` as for
-        ``predict``); with the ``ttft_slo_ms`` of a class that refuses, its first token ``settle``s the class's
+        ``predict``); with its class's ``refusal_objective`` (``refusing``), its first token ``settle``s that
         refusal line."""
         predicted = self.predict_uncorrected(priority, prompt_tokens, grace_ms)
         expected = self._corrected(priority, predicted)
         self.pending[priority] = self.pending.get(priority, 0) + prompt_tokens
         ticket = Ticket(self, priority, prompt_tokens, sequences, outputs,
                         None if predicted is None else predicted.ttft_ms,
-                        None if expected is None else expected.ttft_ms, ttft_slo_ms)
+                        None if expected is None else expected.ttft_ms, refusing)
         self.open.add(ticket)
         return ticket
 
@@ -263,16 +285,16 @@ class Ticket:
     decoding, ``close`` takes it out (both idempotent)."""
 
     __slots__ = ("slo", "priority", "prompt_tokens", "sequences", "outputs", "predicted_ms", "expected_ms",
-                 "objective_ms", "admitted_at", "state")
+                 "objective", "admitted_at", "state")
 
     def __init__(self, slo: SloAdmission, priority: int, prompt_tokens: int, sequences: int, outputs: int,
                  predicted_ms: float | None = None, expected_ms: float | None = None,
-                 objective_ms: float | None = None) -> None:
+                 objective: Objective | None = None) -> None:
         self.slo, self.priority, self.prompt_tokens, self.sequences = slo, priority, prompt_tokens, sequences
         self.outputs = outputs  # expected output tokens of each sequence
         self.predicted_ms = predicted_ms  # its uncorrected first-token prediction (None: nothing measured yet)
         self.expected_ms = expected_ms  # the same, corrected: what admission expected (``lateness_ms``)
-        self.objective_ms = objective_ms  # its class's time to first token (None: it settles no refusal line)
+        self.objective = objective  # its class's refusal objective (None: it settles no refusal line)
         self.admitted_at = time.perf_counter()
         self.state = "prefill"
 
@@ -284,18 +306,19 @@ class Ticket:
             waited_ms = (time.perf_counter() - self.admitted_at) * 1e3
             if self.predicted_ms is not None:
                 self.slo.learn(self.priority, self.predicted_ms, waited_ms)
-                if self.objective_ms is not None:  # admitted by a prediction: its outcome says where the line is
-                    self.slo.settle(self.priority, self.objective_ms, self.expected_ms, waited_ms)
+                if self.objective is not None:  # admitted by a prediction: its outcome says where the line is
+                    self.slo.settle(self.objective, self.expected_ms, waited_ms)
             self.slo.observe()
 
     def close(self) -> None:
         if self.state == "prefill":
             self.slo.pending[self.priority] -= self.prompt_tokens
             waited_ms = (time.perf_counter() - self.admitted_at) * 1e3
-            if self.objective_ms is not None and self.expected_ms is not None and waited_ms > self.objective_ms:
+            if (self.objective is not None and self.expected_ms is not None
+                    and waited_ms > self.objective.ttft_ms):
                 # no first token, and the objective already passed (its client gave up, or it failed): a miss, and
                 # under overload the clearest ones; a line blind to them would rise past its CONFIDENCE
-                self.slo.settle(self.priority, self.objective_ms, self.expected_ms, waited_ms)
+                self.slo.settle(self.objective, self.expected_ms, waited_ms)
         elif self.state == "decoding":
             self.slo.decoding -= self.sequences
         if self.state != "closed":

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gateway.slo_admission import CONFIDENCE, SloAdmission, StepTimes, judge
+from gateway.slo_admission import CONFIDENCE, Objective, SloAdmission, StepTimes, judge, refusal_objective
 from tenants.policy import ClassInfo
 
 
@@ -223,15 +223,16 @@ def test_refusal_line_rests_where_confidence_of_the_admitted_meet():
     for cautious in (True, False, True, False):
         slo = _slo(10.0, 0.0, 32)
         sigma, objective = rng.uniform(0.1, 0.3), rng.uniform(50, 5000)
+        line = Objective("standard", objective)
         median = math.exp(rng.uniform(-0.9, -0.6) if cautious else rng.uniform(-0.2, 0.7))  # actual / predicted
         assert (-math.log(median) - sigma * z > 0) == cautious  # the line to find is past the objective
         logs, met = [], 0
         for i in range(20000):
-            expected = slo.line.get(0, 1.0) * objective
+            expected = slo.line.get(line, 1.0) * objective
             actual = expected * median * math.exp(rng.gauss(0.0, sigma))
-            slo.settle(0, objective, expected, actual)
+            slo.settle(line, expected, actual)
             if i >= 5000:
-                logs.append(math.log(slo.line[0]))
+                logs.append(math.log(slo.line[line]))
                 met += actual <= objective
         assert met / len(logs) == pytest.approx(CONFIDENCE, abs=0.01)
         assert statistics.fmean(logs) == pytest.approx(-math.log(median) - sigma * z, abs=0.06)
@@ -242,28 +243,35 @@ def test_check_refuses_past_the_refusal_line_a_ticket_settles():
     new line is refused. One admitted far inside the line moves it by that nearness only; a ticket without its
     class's objective (a class that queues) not at all."""
     slo = _slo(10.0, 0.0, 32)
-    objective = 100
-    for _ in range(9):
-        slo.ticket(0, 32, 1, 4, None, objective)  # nine steps of prefill queued: the tenth predicted at 100 ms
+    cls = ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=100, slo_action="refuse")
+    objective = refusal_objective(cls)
+    assert objective == Objective("realtime", 100)
+    # nine steps of prefill queued: the tenth predicted at 100 ms
+    ahead = [slo.ticket(0, 32, 1, 4, None, objective) for _ in range(9)]
     late = slo.ticket(0, 32, 1, 4, None, objective)
-    assert late.expected_ms == pytest.approx(objective)  # right at the line
+    assert late.expected_ms == pytest.approx(100)  # right at the line
     late.admitted_at -= 0.150  # its first token after 150 ms: missed
     late.first_token()
-    assert slo.line[0] == pytest.approx(math.exp(-0.1 * CONFIDENCE))
-    assert slo.predict(0, 1).ttft_ms == pytest.approx(100.0 * slo.correction[0])
+    assert slo.line[objective] == pytest.approx(math.exp(-0.1 * CONFIDENCE))
+    ahead.pop().close()  # gone within its objective: settles nothing, a step less ahead
+    predicted = slo.predict(0, 1).ttft_ms
+    assert predicted == pytest.approx(90.0 * slo.correction[0])
+    assert slo.line[objective] * 100 < predicted <= 100
     with pytest.raises(Exception) as refused:  # within the objective, past the lowered line
-        slo.check(ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=math.ceil(slo.predict(0, 1).ttft_ms) + 1,
-                            slo_action="refuse"), 1)
+        slo.check(cls, 1)
     assert refused.value.code == "slo_unattainable"
-    before = slo.line[0]
-    near = slo.ticket(0, 1, 1, 4, None, 10 * objective)  # expected far inside its line
+    for t in ahead:
+        t.close()
+    before = slo.line[objective]
+    near = slo.ticket(0, 1, 1, 4, None, objective)  # the queue gone: expected far inside its line
     near.first_token()  # met
-    nearness = near.expected_ms / (before * 10 * objective)
-    assert slo.line[0] == pytest.approx(before * math.exp(nearness * 0.1 * (1 - CONFIDENCE)))
+    nearness = near.expected_ms / (before * 100)
+    assert nearness < 0.2
+    assert slo.line[objective] == pytest.approx(before * math.exp(nearness * 0.1 * (1 - CONFIDENCE)))
     queued = slo.ticket(0, 1, 1, 4)  # no objective given: settles nothing
     queued.admitted_at -= 10.0
     queued.first_token()
-    assert slo.line[0] == pytest.approx(before * math.exp(nearness * 0.1 * (1 - CONFIDENCE)))
+    assert slo.line == {objective: pytest.approx(before * math.exp(nearness * 0.1 * (1 - CONFIDENCE)))}
 
 
 def test_a_line_lowered_by_a_stall_comes_back_once_nothing_settles_it(monkeypatch):
@@ -275,11 +283,12 @@ def test_a_line_lowered_by_a_stall_comes_back_once_nothing_settles_it(monkeypatc
     monkeypatch.setattr("gateway.slo_admission.time", SimpleNamespace(perf_counter=lambda: now[0]))
     slo = _slo(10.0, 0.0, 32)
     objective = 100
+    cls = ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=objective, slo_action="refuse")
+    line = refusal_objective(cls)
     for _ in range(40):  # admitted at the line, each missed
-        slo.settle(0, objective, slo.line.get(0, 1.0) * objective, 3 * objective)
+        slo.settle(line, slo.line.get(line, 1.0) * objective, 3 * objective)
     idle = slo.predict(0, 1).ttft_ms  # one step: an idle server's first token, a tenth of the objective
     assert idle == pytest.approx(10.0)
-    cls = ClassInfo("realtime", 0, 1.0, False, True, ttft_slo_ms=objective, slo_action="refuse")
     with pytest.raises(Exception) as refused:
         slo.check(cls, 1)  # right after the stall: refused (the line is below a step)
     assert refused.value.code == "slo_unattainable"
@@ -293,15 +302,61 @@ def test_a_request_given_up_after_its_objective_passed_lowers_the_line_as_a_miss
     first tokens that came would rise past where CONFIDENCE of the admitted meet. One that leaves within the
     objective says nothing (it might have met)."""
     slo = _slo(10.0, 0.0, 32)
-    objective = 100
+    objective = Objective("realtime", 100)
     for _ in range(9):
         slo.ticket(0, 32, 1, 4, None, objective)
     early = slo.ticket(0, 32, 1, 4, None, objective)
     early.admitted_at -= 0.050  # gone after 50 ms, within the objective
     early.close()
-    assert slo.line.get(0, 1.0) == 1.0
+    assert slo.line.get(objective, 1.0) == 1.0
     gone = slo.ticket(0, 32, 1, 4, None, objective)
-    assert gone.expected_ms == pytest.approx(objective)  # right at the line
+    assert gone.expected_ms == pytest.approx(100)  # right at the line
     gone.admitted_at -= 0.150  # gone after 150 ms without a first token: missed
     gone.close()
-    assert slo.line[0] == pytest.approx(math.exp(-0.1 * CONFIDENCE))
+    assert slo.line[objective] == pytest.approx(math.exp(-0.1 * CONFIDENCE))
+
+
+def _miss_at_the_line(slo, cls) -> None:
+    """One round of overload for ``cls``: its requests admitted until the queue ahead reaches its refusal line,
+    each given up after its objective passed, without a first token (a miss that says nothing of the correction)."""
+    tickets = []
+    while True:
+        predicted = slo.predict(cls.priority, 32)
+        if predicted.ttft_ms > slo.line_of(refusal_objective(cls)) * cls.ttft_slo_ms:
+            break
+        tickets.append(slo.ticket(cls.priority, 32, 1, 4, cls.preempt_grace_ms, refusal_objective(cls)))
+    for t in tickets:
+        t.admitted_at -= 2 * cls.ttft_slo_ms / 1e3
+        t.close()
+
+
+def test_one_class_missing_does_not_lower_the_line_of_another_at_its_priority():
+    """Two classes that refuse, at the same priority, with different objectives (classes may share a priority):
+    the tight one's misses under overload lower its own refusal line, so a request of it predicted within its
+    objective is refused; a request of the loose one, predicted as far within its own objective, is admitted."""
+    rng = random.Random()
+    priority = rng.randrange(3)
+    slo = _slo(10.0, 0.0, 32)  # 10 ms a step of 32 prompt tokens, nothing learnt to correct it
+    tight = ClassInfo("tight", priority, 1.0, False, True, ttft_slo_ms=rng.randint(100, 400), slo_action="refuse")
+    loose = ClassInfo("loose", priority, 1.0, False, True, ttft_slo_ms=round(tight.ttft_slo_ms * rng.uniform(2, 6)),
+                      slo_action="refuse")
+    within = rng.uniform(0.7, 0.9)  # the requests checked: predicted at this share of their class's objective
+
+    def prompt_of(cls) -> int:
+        return 32 * math.floor(within * cls.ttft_slo_ms / 10)
+
+    for _ in range(50):
+        _miss_at_the_line(slo, tight)
+    assert slo.predict(priority, prompt_of(tight)).ttft_ms <= within * tight.ttft_slo_ms
+    with pytest.raises(Exception) as refused:
+        slo.check(tight, prompt_of(tight))
+    assert refused.value.code == "slo_unattainable"
+    assert slo.predict(priority, prompt_of(loose)).ttft_ms <= within * loose.ttft_slo_ms
+    slo.check(loose, prompt_of(loose))  # admitted: no request of its class has missed
+    assert set(slo.line) == {refusal_objective(tight)}
+    # the other way round: the loose class's misses leave the tight one's line where it was
+    tight_line = slo.line_of(refusal_objective(tight))
+    for _ in range(5):
+        _miss_at_the_line(slo, loose)
+    assert slo.line_of(refusal_objective(loose)) < 1.0
+    assert slo.line_of(refusal_objective(tight)) == tight_line
