@@ -25,7 +25,7 @@ class Prepared(NamedTuple):
     tools: list[FunctionTool]
     chat: ChatCompletionRequest
     inputs: msgspec.Raw  # this request's input items as stored (each with an id), encoded
-    places: list[str | None]  # each chat message's input item, for ``responses_error``
+    places: list[str | None]  # each chat message's source (input[k], instructions, previous_response_id)
 
 
 class Head(msgspec.Struct):
