@@ -34,7 +34,7 @@ from gateway.errors import BODY_TIMEOUT_S, error_middleware, read_body, request_
 from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway.image_policy import IMAGE_LIMITS, image_limits_for, server_image_limits, tenant_image_limits
 from gateway.live_admission import LiveAdmission
-from gateway.lora_adapters import ADAPTERS, AdapterCatalog, unknown_model
+from gateway.lora_adapters import ADAPTERS, AdapterCatalog
 from gateway import http_protocol
 from gateway.metrics import METRICS, GatewayMetrics
 from gateway.pipeline import Adapter, Outputs, Planned
@@ -159,9 +159,10 @@ async def retrieve_model(request: web.Request) -> web.Response:
     return json_response(_model_card(request.app, adapter))
 
 
-def _check_model(app: web.Application, model: str | None) -> None:
-    if model is not None and model != _model_name(app):
-        raise unknown_model(model, _model_name(app))
+async def _check_model(request: web.Request, model: str | None) -> None:
+    """``/tokenize``'s and ``/detokenize``'s model: the base model or an adapter the caller may use (whose tokens are
+    the base model's); the unknown-model 404 otherwise, as on the generation routes."""
+    await request.app[ADAPTERS].resolve(request[PRINCIPAL].tenant.id, model, _model_name(request.app))
 
 
 async def _run(request: web.Request, body, chat: bool, respond=None, rid_prefix: str | None = None) -> web.StreamResponse:

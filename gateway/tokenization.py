@@ -50,7 +50,8 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 def add_routes(app: web.Application, engine_key, check_model, parsers: ParserChoice | None = None,
                remote_images_key: web.AppKey | None = None, image_limits=None) -> None:
-    """Register both routes; ``check_model(app, name)`` raises the 404 for a model not served; ``parsers``: the
+    """Register both routes; ``await check_model(request, name)`` raises the 404 for a model the caller is not
+    served (the base model and the LoRA adapters it may use tokenize alike); ``parsers``: the
     server's parser settings (a gpt-oss chat is rendered by openai-harmony, as the chat route renders it);
     ``remote_images_key``: the app's ``RemoteImagePolicy`` (images at remote URLs are fetched to be counted, as
     the chat route fetches them; None: refused); ``image_limits(request)``: the limits the request's images are
@@ -58,7 +59,7 @@ def add_routes(app: web.Application, engine_key, check_model, parsers: ParserCho
 
     async def tokenize(request: web.Request) -> web.Response:
         body = decode_body(await read_body(request), TokenizeRequest)
-        check_model(request.app, body.model)
+        await check_model(request, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either `prompt` (text or token ids) or `messages`, not both",
                            param="prompt" if body.prompt is not None else "messages")
@@ -93,7 +94,7 @@ def add_routes(app: web.Application, engine_key, check_model, parsers: ParserCho
 
     async def detokenize(request: web.Request) -> web.Response:
         body = decode_body(await read_body(request), DetokenizeRequest)
-        check_model(request.app, body.model)
+        await check_model(request, body.model)
         try:
             text = await request.app[engine_key].detokenize(body.tokens)
         except InvalidPrompt as e:

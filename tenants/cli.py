@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from dataclasses import asdict, is_dataclass
 from datetime import date, datetime, timedelta
@@ -39,8 +40,20 @@ QUOTA_HELP = {
 }
 
 
+# The largest numbers the database's columns hold (on PostgreSQL and SQLite alike): quotas are 64-bit, priorities,
+# objectives and key ids 32-bit. A larger number is refused here by its flag, not by the driver mid-transaction.
+BIGINT_MAX = 2**63 - 1
+INT_MAX = 2**31 - 1
+
+
 class CliError(Exception):
     """A one-line message for stderr, exit status 2."""
+
+
+def _at_most(value: int, most: int) -> int:
+    if value > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
+    return value
 
 
 def _limit(text: str) -> int | None:
@@ -52,7 +65,7 @@ def _limit(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer or 'none', got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 or 'none', got {value}")
-    return value
+    return _at_most(value, BIGINT_MAX)
 
 
 def _discount(text: str) -> float | None:
@@ -84,8 +97,8 @@ def _positive(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not (value > 0 and math.isfinite(value)):  # an infinite weight leaves the fair shares nothing to divide
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
 
@@ -96,7 +109,7 @@ def _priority(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _at_most(value, INT_MAX)
 
 
 def _objective_ms(text: str) -> int | None:
@@ -108,7 +121,7 @@ def _objective_ms(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected a positive number of milliseconds or 'none', got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 or 'none', got {value}")
-    return value
+    return _at_most(value, INT_MAX)
 
 
 def _day(text: str) -> date:
@@ -119,7 +132,8 @@ def _day(text: str) -> date:
 
 
 def _key_ref(text: str) -> int | str:
-    return int(text) if text.isdigit() else text
+    """A key's id (digits within the id column's range), else its prefix (which no such number is: unknown)."""
+    return int(text) if text.isascii() and text.isdigit() and int(text) <= INT_MAX else text
 
 
 # -- output ------------------------------------------------------------------------------------------------
@@ -220,9 +234,13 @@ def _expiry(text: str | None):
     if text is None:
         return None
     number, unit = text[:-1], text[-1:].lower()
-    if unit not in _DURATION_UNITS or not number.isdigit() or int(number) == 0:
+    if unit not in _DURATION_UNITS or not (number.isascii() and number.isdigit()) or int(number) == 0:
         raise ValueError(f"--expires-in must be a positive whole number with a unit d, h, m or s (e.g. 90d), got {text!r}")
-    return utcnow() + timedelta(seconds=int(number) * _DURATION_UNITS[unit])
+    try:
+        return utcnow() + timedelta(seconds=int(number) * _DURATION_UNITS[unit])
+    except OverflowError:  # past the year 9999
+        raise ValueError(f"--expires-in {text!r} ends after the year 9999; give a shorter duration, or leave "
+                         "--expires-in out for a key that does not expire") from None
 
 
 async def _key_create(args, store) -> int:

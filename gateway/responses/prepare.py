@@ -11,10 +11,10 @@ from typing import NamedTuple
 
 import msgspec
 
-from gateway.openai_schema import ChatCompletionRequest
+from gateway.openai_schema import ChatCompletionRequest, NonEmptyText
 from gateway.responses import stored_items
 from gateway.responses.request import (
-    FunctionTool, ResponsesRequest, decode_request, stored_input_items, stored_output_items,
+    FunctionTool, MaxOutputTokens, ResponsesRequest, decode_request, stored_input_items, stored_output_items,
 )
 from gateway.responses.translate import chat_request
 from tenants.response_store import StoredRow
@@ -25,15 +25,18 @@ class Prepared(NamedTuple):
     tools: list[FunctionTool]
     chat: ChatCompletionRequest
     inputs: msgspec.Raw  # this request's input items as stored (each with an id), encoded
-    places: list[str | None]  # each chat message's input item, for ``responses_error``
+    places: list[str | None]  # each chat message's source (input[k], instructions, previous_response_id)
 
 
 class Head(msgspec.Struct):
-    """The fields the route needs before the rest of the body is decoded (each checked again by ``prepare``)."""
+    """The fields the route needs before the rest of the body is decoded (each checked again by ``prepare``).
+    Typed as ``ResponsesRequest`` types them, so that a value it refuses is no head at all: the route then asks
+    nothing of the store for it (a max_output_tokens past its bound is not counted against the tenant's
+    stored-response cap, an empty previous_response_id is not looked up), and ``prepare`` names the field."""
 
-    previous_response_id: str | None = None
+    previous_response_id: NonEmptyText | None = None
     store: bool | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: MaxOutputTokens | None = None
 
 
 # Stored bytes counted for each output token a response may make before it runs (the rest of its stored size is

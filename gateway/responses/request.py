@@ -166,6 +166,8 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_obfuscation: bool | None = None  # padding against length side channels: not sent by this server
 
 
+# The bound on max_output_tokens, shared with the route's first look at the body (``prepare.Head``).
+MaxOutputTokens = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
 Metadata = Annotated[dict[str, Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=16)]
 
 # Fields this server does not implement, and the values that ask for nothing (null always does).
@@ -188,7 +190,7 @@ class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True)
     model: str | None = None
     input: NonEmptyText | Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)] | None = None
+    max_output_tokens: MaxOutputTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     tools: list[dict[str, Any]] | None = None

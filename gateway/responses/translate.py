@@ -29,11 +29,11 @@ def chat_request(req: ResponsesRequest, items: list[InputItem], tools: list[Func
                  places: list[str | None] | None = None) -> ChatCompletionRequest:
     """The chat completion request ``req`` runs as; ``items`` is the whole conversation (a stored one's
     ``earlier`` items, then this request's input), ``tools`` its decoded tools. ``places``, when given, gets each
-    chat message's input item (``input[k]``; None for the instructions and a stored conversation's items), for
-    ``responses_error``."""
+    chat message's source (``input[k]``, ``instructions``, or ``previous_response_id`` for a stored conversation's
+    items), for ``responses_error``."""
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     if places is not None:
-        places += [None] * len(messages)
+        places += ["instructions"] * len(messages)
     messages += chat_messages(items, earlier, places)
     if not messages:
         raise APIError(400, "input has nothing to answer: give a message", param="input")
@@ -73,13 +73,14 @@ def chat_messages(items: list[InputItem], earlier: int = 0, places: list[str | N
     no developer role); reasoning items are left out (templates drop earlier turns' reasoning). A message with
     ``input_image`` parts keeps its parts (text parts and the chat API's ``image_url`` ones, one for one).
     ``places`` (when given) gets each turn's item: ``input[k]`` for the request's own (after ``earlier`` stored
-    ones), else None."""
+    ones), else ``previous_response_id``."""
     out: list[ChatMessage] = []
     for n, item in enumerate(items):
         before = len(out)
-        _turn(item, out, f"input[{n - earlier}]" if n >= earlier else "previous_response_id")
+        where = f"input[{n - earlier}]" if n >= earlier else STORED
+        _turn(item, out, where)
         if places is not None and len(out) > before:
-            places.append(f"input[{n - earlier}]" if n >= earlier else None)
+            places.append(where)
     return out
 
 
@@ -132,15 +133,25 @@ def _text(content, where: str) -> str:
 
 
 _MESSAGE_PLACE = re.compile(r"messages\[(\d+)\]")
+STORED = "previous_response_id"  # the place of a stored conversation's items (and of what is wrong in one)
 
 
 def responses_error(err: APIError, places: list[str | None] | None = None) -> APIError:
     """``err`` with the chat fields it names renamed to the Responses API's: a chat message's place becomes its
     input item's where ``places`` (``chat_request``'s) knows it (``messages[2].content[1]`` ->
-    ``input[1].content[1]``), else ``input``."""
+    ``input[1].content[1]``), ``instructions``, or ``previous_response_id`` for a message of the stored
+    conversation (which the client did not send: it is told so, and how to go on), else ``input``."""
     found = _MESSAGE_PLACE.match(err.param or "")
-    if found is not None and places is not None and int(found[1]) < len(places) and places[int(found[1])]:
-        place = places[int(found[1])]
+    place = places[int(found[1])] if found is not None and places is not None and int(found[1]) < len(places) \
+        else None
+    if place == STORED:
+        err.message = (err.message.replace(err.param, f"a message of the conversation stored under {STORED}")
+                       + "; send the conversation as input instead, without what is refused")
+        err.param = STORED
+    elif place == "instructions":
+        err.message = err.message.replace(err.param, "instructions")
+        err.param = "instructions"
+    elif place is not None:
         err.param = place + err.param[found.end():]
         err.message = err.message.replace(found[0], place)
     elif err.param is not None and err.param.startswith("messages"):

@@ -17,7 +17,9 @@ class MistralToolParser(ToolParser):
         super().__init__(tools)
         self._pending = ""
         self._in_calls = False
-        self._calls = 0
+        # Whether only whitespace came since the last calls: that whitespace is dropped (OpenAI sends none around
+        # calls), while whitespace after other text is the text's own, kept however the text was split.
+        self._after_calls = False
 
     def feed(self, text: str) -> ParsedDelta:
         self._pending += text
@@ -34,7 +36,7 @@ class MistralToolParser(ToolParser):
                 self._in_calls = True
                 continue
             keep = held_prefix(self._pending, START)
-            if self._calls and not self._pending[:len(self._pending) - keep].strip():
+            if self._after_calls and not self._pending[:len(self._pending) - keep].strip():
                 return out  # whitespace after calls: held until something else follows
             self._content(self._pending[:len(self._pending) - keep], out)
             self._pending = self._pending[len(self._pending) - keep:]
@@ -54,7 +56,7 @@ class MistralToolParser(ToolParser):
             out.content += START + body[:end]
         else:
             out.tool_calls.extend(calls)
-            self._calls += len(calls)
+            self._after_calls = True
         self._pending = body[end:]
         return True
 
@@ -62,13 +64,16 @@ class MistralToolParser(ToolParser):
         out = ParsedDelta()
         if self._in_calls:
             out.content += START + self._pending
-        elif not (self._calls and not self._pending.strip()):
+        elif not (self._after_calls and not self._pending.strip()):
             out.content += self._pending
         self._pending = ""
         self._in_calls = False
         return out
 
     def _content(self, text: str, out: ParsedDelta) -> None:
-        if self._calls and not text.strip():
+        if not text.strip():
+            if not self._after_calls:
+                out.content += text
             return
         out.content += text
+        self._after_calls = False

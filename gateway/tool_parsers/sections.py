@@ -18,7 +18,8 @@ class SectionToolParser(ToolParser):
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__(tools)
         self._pending = ""
-        self._state = "content"  # content -> section (between calls) -> call -> section ... -> after
+        # content -> section (between calls) -> call -> section ... -> after (leading whitespace dropped) -> text
+        self._state = "content"
 
     @abc.abstractmethod
     def read_call(self, body: str) -> ToolCall | None:
@@ -45,9 +46,9 @@ class SectionToolParser(ToolParser):
                     self._pending, self._state = self._pending[len(self.SECTION_END):], "after"
                 elif self.CALL_BEGIN.startswith(self._pending) or self.SECTION_END.startswith(self._pending):
                     return out  # a marker still arriving (or nothing yet)
-                else:  # stray text inside the section: content, as written
+                else:  # stray text inside the section: content, as written (and all that follows it)
                     out.content += self._pending
-                    self._pending, self._state = "", "after"
+                    self._pending, self._state = "", "text"
             elif self._state == "call":
                 end = self._pending.find(self.CALL_END)
                 if end < 0:
@@ -55,8 +56,13 @@ class SectionToolParser(ToolParser):
                 body, self._pending = self._pending[:end], self._pending[end + len(self.CALL_END):]
                 self._emit(body, out, self.CALL_END)
                 self._state = "section"
-            else:  # after the section: what follows (normally nothing) is content, without leading whitespace
-                self._pending = self._pending.lstrip()
+            elif self._state == "after":  # what follows the section (normally nothing) is content, without the
+                self._pending = self._pending.lstrip()  # whitespace that leads it: not a piece's own leading space
+                if self._pending:
+                    self._state = "text"
+                    continue
+                return out
+            else:  # text after the section: content as written
                 out.content += self._pending
                 self._pending = ""
                 return out
@@ -65,7 +71,7 @@ class SectionToolParser(ToolParser):
         out = ParsedDelta()
         if self._state == "call":  # cut off inside a call: a call if it reads
             self._emit(self._pending, out, "")
-        elif self._state in ("content", "after"):
+        elif self._state in ("content", "after", "text"):
             out.content += self._pending
         self._pending, self._state = "", "content"
         return out

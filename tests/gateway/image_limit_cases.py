@@ -6,8 +6,10 @@ where a plain min() of the two limits says, and served otherwise; ``/tokenize`` 
 server's limits themselves are ``moegate serve --max-images-per-request`` / ``--max-image-pixels``, refused out of
 range."""
 
+import asyncio
 import base64
 import random
+import time
 
 import aiohttp
 import openai
@@ -18,6 +20,7 @@ from engine.vision.prompt_images import DEFAULT_MAX_DECODED_PIXELS
 from gateway.config import MAX_DECODED_PIXELS, GatewayConfig
 from gateway.image_policy import IMAGE_LIMITS
 from tests.engine.vision.qwen3_vl_checkpoint import random_image
+from tenants.store import TenantStore
 from tests.gateway.tenant_keys import new_tenant_key
 
 TENANTS = {  # name -> its quota's image limits (none: the server's)
@@ -121,6 +124,52 @@ def test_tokenize_applies_the_tenants_image_limits(served, tenant_keys):
     assert "at most 1 image (this API key's tenant's limit); this one has 2" in body["error"]["message"]
     status, body = srv.run(tokenize("open"))
     assert status == 200 and body["count"] > 0, body
+
+
+def test_responses_name_the_image_they_refuse_in_input_or_in_the_stored_conversation(served):
+    """The Responses API under a tenant's image count: a continuation's own image past the limit is named where
+    the client sent it (input[0].content[1]); once the limit tightens below the images a stored conversation
+    already holds, continuing it with text alone is refused naming previous_response_id (the client sent no image,
+    and no chat message exists in its API), saying the image is the stored conversation's and how to go on."""
+    srv, _, _, _, seed = served
+    gen = torch.Generator().manual_seed(seed + 13)
+    name = f"images-shrinking-{random.randrange(10**9)}"
+    key = srv.run(new_tenant_key(srv.database_url, name, max_images_per_request=1))
+    client = openai.AsyncOpenAI(base_url=srv.base_url, api_key=key, max_retries=0)
+    rng = random.Random(seed + 13)
+    image = lambda: {"type": "input_image", "image_url": _url(gen, (rng.randint(12, 20), rng.randint(12, 20)))}  # noqa: E731
+
+    async def refused(**body):
+        try:
+            await client.responses.create(model="demo", max_output_tokens=1, **body)
+        except openai.BadRequestError as e:
+            return e
+        return None
+
+    first = srv.run(client.responses.create(model="demo", max_output_tokens=1, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "see"}, image()]}]))
+    err = srv.run(refused(previous_response_id=first.id, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "and"}, image()]}]))
+    assert err is not None and (err.body["param"], err.body["code"]) == ("input[0].content[1]", "too_many_images")
+    assert err.body["message"].startswith("input[0].content[1]: a request may carry at most 1 image"), err.body
+
+    async def tighten():
+        store = TenantStore.open(srv.database_url)
+        try:
+            await store.set_quota(name, max_images_per_request=0)
+        finally:
+            await store.close()
+        deadline = time.monotonic() + 15  # the gateway's policy cache applies it within its TTL
+        while (err := await refused(previous_response_id=first.id, input="and now?")) is None:
+            assert time.monotonic() < deadline, "the tightened image limit never applied"
+            await asyncio.sleep(0.5)
+        return err
+
+    err = srv.run(tighten())
+    assert (err.status_code, err.body["param"], err.body["code"]) == (400, "previous_response_id", "too_many_images")
+    message = err.body["message"]
+    assert "messages[" not in message and "conversation stored under previous_response_id" in message, message
+    assert "at most 0 images (this API key's tenant's limit)" in message and "send the conversation as input" in message
 
 
 def test_server_image_limit_flags():

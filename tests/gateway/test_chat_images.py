@@ -271,6 +271,7 @@ from tests.gateway.media_api_cases import (  # noqa: E402,F401
 # Per-tenant image limits (moegate admin quota set --max-images-per-request / --max-image-pixels), on the same
 # server (tests/gateway/image_limit_cases.py).
 from tests.gateway.image_limit_cases import (  # noqa: E402,F401
-    tenant_keys, test_server_image_limit_flags, test_tenant_image_limits_tighten_the_servers,
+    tenant_keys, test_responses_name_the_image_they_refuse_in_input_or_in_the_stored_conversation,
+    test_server_image_limit_flags, test_tenant_image_limits_tighten_the_servers,
     test_tokenize_applies_the_tenants_image_limits,
 )

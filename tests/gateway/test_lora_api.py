@@ -222,6 +222,35 @@ def test_granted_adapter_matches_peft_and_others_get_404(served, capsys):
     capsys.readouterr()
 
 
+def test_tokenize_takes_the_adapters_a_tenant_may_use(served):
+    """/tokenize and /detokenize under an adapter's name (the tokenizer is the base model's, as the generation routes
+    run it): the owner gets the base model's answer for a prompt, messages and ids; a tenant without the adapter gets
+    the very 404 of a model that does not exist (the name aside), as on the generation routes."""
+    import aiohttp
+
+    srv, clients, _, _ = served
+    rng = random.Random()
+    text = "".join(rng.choice("abcdefgh XYZ.,!?") for _ in range(rng.randint(5, 40)))
+    ids = [rng.randrange(3, 200) for _ in range(rng.randint(1, 12))]
+    bodies = [("/tokenize", {"prompt": text}), ("/detokenize", {"tokens": ids}),
+              ("/tokenize", {"messages": [{"role": "user", "content": text}], "add_generation_prompt": False})]
+
+    async def post(tenant, path, body):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(srv.server.make_url(path), json=body,
+                                 headers={"Authorization": f"Bearer {clients[tenant].api_key}"}) as r:
+                return r.status, await r.json()
+
+    for path, body in bodies:
+        status, base = srv.run(post("owner", path, {"model": "demo", **body}))
+        assert status == 200, base
+        assert srv.run(post("owner", path, {"model": "support", **body})) == (200, base), path
+        refused = srv.run(post("other", path, {"model": "support", **body}))
+        unknown = srv.run(post("other", path, {"model": "no-such-model", **body}))
+        assert refused[0] == unknown[0] == 404 and refused[1]["error"] == {
+            **unknown[1]["error"], "message": unknown[1]["error"]["message"].replace("no-such-model", "support")}
+
+
 def test_adapter_added_while_serving(served, tmp_path):
     """``adapter add`` while the server runs: the gateway gives each engine the adapter (``add_lora``) on the first
     requests that name it, concurrent ones included, and they get transformers + PEFT's tokens. One the engine

@@ -248,6 +248,12 @@ def test_previous_response_id_per_tenant(served):
      "input[0].encrypted_content"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "x-bad": {"$ref": "#/nope"}, "properties": {"a": {"$ref": "#/nope"}}}}}}, "text.format"),
     ({"input": []}, "input"),
+    # Past its bound, with or without a conversation to continue: named, not counted against the stored-response
+    # cap (whose refusal would name store); an empty previous_response_id is refused, not looked up.
+    ({"input": "hi", "max_output_tokens": random.randrange(2**31, 2**63)}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": random.randrange(2**31, 2**63), "previous_response_id": "resp_x"},
+     "max_output_tokens"),
+    ({"input": "hi", "previous_response_id": ""}, "previous_response_id"),
 ])
 def test_bad_bodies_are_400_naming_the_field(served, body, param):
     async def scenario(client):

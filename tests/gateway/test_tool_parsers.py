@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from gateway.tool_parsers import (
-    DeepSeekR1ReasoningParser, DeepSeekToolParser, Glm45ToolParser, HermesToolParser,
+    DeepSeekR1ReasoningParser, DeepSeekToolParser, Glm45ToolParser, HermesToolParser, KimiK2ToolParser,
     MiniMaxM2ToolParser, MistralToolParser, OpenThinkReasoningParser, ThinkReasoningParser, detect_reasoning_parser,
     detect_tool_parser,
 )
@@ -224,6 +224,50 @@ def test_deepseek_broken_call_stays_content():
     text = f"Hi <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{body}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
     parsed = DeepSeekToolParser().parse(text)
     assert not parsed.tool_calls and parsed.content == f"Hi <｜tool▁call▁begin｜>{body}<｜tool▁call▁end｜>"
+
+
+def _kimi_case(rng: random.Random) -> tuple[str, str, list]:
+    """Kimi-K2's section of calls (``functions.NAME:i`` ids, JSON arguments) after optional prose."""
+    prose = rng.choice(["", "Let me check.\n\n"])
+    calls = [(rng.choice(["get_weather", "search"]), _random_args(rng)) for _ in range(rng.randint(1, 3))]
+    return prose + "<|tool_calls_section_begin|>" + "".join(
+        f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{json.dumps(args)}<|tool_call_end|>"
+        for i, (name, args) in enumerate(calls)) + "<|tool_calls_section_end|>", prose, calls
+
+
+def _words(rng: random.Random) -> str:
+    """Prose with spaces at many places (where a tokenizer's pieces begin: " the", " answer")."""
+    return " ".join(rng.choice(["Then", "I", "will", "answer:", "2", "<", "3", "São", "Paulo."])
+                    for _ in range(rng.randint(2, 8)))
+
+
+@pytest.mark.parametrize("parser, case", [(DeepSeekToolParser, _deepseek_case), (KimiK2ToolParser, _kimi_case),
+                                          (MistralToolParser, _mistral_case)])
+@pytest.mark.parametrize("seed", range(6))
+def test_text_after_the_calls_keeps_its_spaces_however_it_is_split(parser, case, seed):
+    """Text after the calls (a model that goes on writing), and stray text inside a section of calls (a model that
+    breaks its format), is content with its inner spaces, streamed as whole: cut at every place, and at random
+    places. The reference: what follows a section is content without its leading whitespace, what follows
+    Mistral's calls is content as written, and stray text in a section is content from its first non-space."""
+    rng = random.Random(seed * 613 + 1)
+    text, prose, calls = case(rng)
+    tail = rng.choice(["", " ", "\n"]) + _words(rng) + rng.choice(["", " ", "\n"])
+    cases = [(text + tail, prose + (tail if parser is MistralToolParser else tail.lstrip()), calls)]
+    if parser is not MistralToolParser:
+        begin = parser.SECTION_BEGIN
+        cases.append((prose + begin + tail, prose + tail.lstrip(), []))
+    for text, want, want_calls in cases:
+        whole = parser(TYPED_TOOLS).parse(text)
+        assert (whole.content, _calls(whole)) == (want, want_calls), text
+        pieces = [[i] for i in range(1, len(text))] + [sorted(rng.sample(range(1, len(text)), k=rng.randint(
+            1, len(text) // 2))) for _ in range(5)]
+        for cuts in pieces:
+            streamed, p = None, parser(TYPED_TOOLS)
+            for a, b in zip([0, *cuts], [*cuts, len(text)]):
+                piece = p.feed(text[a:b])
+                streamed = piece if streamed is None else streamed.__iadd__(piece)
+            streamed += p.finish()
+            assert (streamed.content, _calls(streamed)) == (want, want_calls), (text, cuts)
 
 
 @pytest.mark.parametrize("seed", range(10))

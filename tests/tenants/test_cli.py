@@ -1,4 +1,5 @@
 import json
+import random
 
 import pytest
 
@@ -47,6 +48,19 @@ def test_tenant_commands(db_url, capsys):
     (["admin", "class", "create", "c" * 65, "--priority", "3"], "at most 64 characters"),
     (["admin", "key", "create", "acme", "--label", "l\x1b]0;pwned\x07"], "control character U+001B"),
     (["admin", "key", "create", "acme", "--label", "l" * 129], "at most 128 characters"),
+    # Numbers past what the database's columns hold (64-bit quotas, 32-bit priorities, objectives and key ids),
+    # and weights that are no number: refused by name, never a driver's traceback.
+    (["admin", "quota", "set", "acme", "--max-images-per-request", str(random.randrange(2**63, 2**80))],
+     "--max-images-per-request: must be at most 9223372036854775807"),
+    (["admin", "quota", "set", "acme", "--rpm", "9" * random.randint(20, 40)], "--rpm: must be at most"),
+    (["admin", "class", "create", "premium", "--priority", str(random.randrange(2**31, 2**70))],
+     "--priority/--rank: must be at most 2147483647"),
+    (["admin", "class", "set", "standard", "--ttft-slo-ms", str(random.randrange(2**31, 2**70))],
+     "--ttft-slo-ms: must be at most 2147483647"),
+    (["admin", "tenant", "update", "acme", "--weight", "inf"], "--weight: must be a finite number > 0"),
+    (["admin", "tenant", "update", "acme", "--weight", "1e400"], "--weight: must be a finite number > 0"),
+    (["admin", "key", "revoke", str(random.randrange(2**31, 2**80))], "unknown api key"),
+    (["admin", "key", "create", "acme", "--expires-in", f"{random.randrange(10**8, 10**20)}d"], "--expires-in"),
 ])
 def test_bad_input_exits_2_with_one_line_and_changes_nothing(db_url, capsys, argv, message):
     cli(capsys, db_url, "admin", "tenant", "create", "acme")
@@ -114,6 +128,19 @@ def test_quota_commands(db_url, capsys):
     cli(capsys, db_url, "admin", "quota", "set", "acme", "--cache-share", "none")
     assert cli(capsys, db_url, "admin", "quota", "show", "acme", as_json=True)[1]["cache_share"] is None
     assert cli(capsys, db_url, "admin", "quota", "show", "acme")[0] == 0
+
+
+def test_numbers_at_the_columns_edges_are_stored(db_url, capsys):
+    """The largest numbers the flags take are the largest the database holds, stored and read back exactly."""
+    cli(capsys, db_url, "admin", "tenant", "create", "acme")
+    pixels = random.choice([2**63 - 1, random.randrange(2**62, 2**63)])
+    code, out, _ = cli(capsys, db_url, "admin", "quota", "set", "acme", "--max-image-pixels", str(pixels),
+                       "--rpm", str(2**63 - 1), as_json=True)
+    assert code == 0 and (out["max_image_pixels"], out["requests_per_minute"]) == (pixels, 2**63 - 1)
+    code, out, _ = cli(capsys, db_url, "admin", "class", "create", "edge", "--priority", str(2**31 - 1), as_json=True)
+    assert code == 0 and out["priority"] == 2**31 - 1
+    code, out, _ = cli(capsys, db_url, "admin", "class", "set", "edge", "--itl-slo-ms", str(2**31 - 1), as_json=True)
+    assert code == 0 and out["itl_slo_ms"] == 2**31 - 1
 
 
 def test_class_commands(db_url, capsys):
