@@ -19,6 +19,7 @@ from engine.vision.prompt_images import LazyPixels
 from engine.vision.qwen3_vl_tower import VisionFeatures
 from engine.vision.qwen_image_processing import process_image
 from gateway.engine_metrics import EngineCollector
+from tests.engine.vision.image_engine_checks import on_tower_runs
 from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_CONFIG, hf_greedy, random_image, text_ids, with_images
 
 
@@ -26,7 +27,7 @@ def _tower_calls(llm: LLM) -> list[int]:
     """Image tokens of each vision-tower forward from now on (a hook on the engine's own tower)."""
     calls: list[int] = []
     merge = IMAGE_CONFIG.merge_size ** 2
-    llm.engine.model.visual.register_forward_hook(lambda mod, args, out: calls.append(args[1][1] * args[1][2] // merge))
+    on_tower_runs(llm.engine.model, lambda grid: calls.append(grid[1] * grid[2] // merge))
     return calls
 
 
