@@ -260,12 +260,12 @@ for spec in $SPECS; do
         # beside mxfp4 forced onto the swapped-operand kernels, K whole and split in four, at the goal token counts.
         bench-swap) run_stage bench-swap "$limit" $PY -m benchmarks.mxfp4_experts kernel --tokens 1,8,64,512 \
             --rounds 5 --modes bf16,mxfp4 --swap 1,4 ;;
-        # Text streams' ITL p99 while image requests arrive: no images, the encoder budget, layer-chunked encoding
-        # at one block of an image and at a quarter block (split over rows), each with the images prepared on the
+        # Text streams' ITL p99 while image requests arrive: no images, the default layer-chunked budget, whole
+        # images, and a quarter block of an image a step (split over rows), each with the images prepared on the
         # step loop and off it (7 arms of 12 s measured).
         bench-image-itl) run_stage bench-image-itl "$limit" $PY -m benchmarks.image_itl --device cuda --dtype bfloat16 \
             --streams 32 --every 0.25 --images 4 --side 448 --max-batched-tokens 512 --text-layers 16 --vision-depth 8 \
-            --token-blocks 784 196 --seconds 12 ;;
+            --token-blocks 196 --seconds 12 ;;
         bench-moe) run_stage bench-moe "$limit" $PY -m benchmarks.moe_backends --out "$WORK/bench_moe.json" ;;
         # The dense projections: Triton gemv vs F.linear per shape at 1/4/8 rows (the engine-start selection).
         bench-dense-gemv) run_stage bench-dense-gemv "$limit" $PY -m benchmarks.dense_gemv --json "$WORK/bench_dense_gemv.json" ;;

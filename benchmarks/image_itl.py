@@ -10,10 +10,11 @@ One process, one checkpoint written at start (transformers' ``Qwen3VLMoeForCondi
 shapes, its own random init; ``benchmarks.encoder_cache.write_checkpoint``), an engine per arm built once, then
 ``rounds`` rounds of ``seconds`` each arm, the arms taking turns within a round (so a busy shared host's drift
 falls on every arm alike); each round's image requests are new (no image is ever seen twice), the same for every
-arm of that round. The arms: text streams alone; with image requests under the default encoder budget (a step
-encodes at most ``max_num_batched_tokens`` image tokens, each image whole); under layer-chunked encoding
-(``max_num_encoder_token_blocks``: ``--token-blocks``, default one tower block of one image, its patches: a step
-runs that much of the tower; several values, an arm each: below one block a block is split over the image's rows);
+arm of that round. The arms: text streams alone; with image requests under the default layer-chunked budget (the
+tower work worth a quarter of a ``max_num_batched_tokens`` prompt chunk: ``engine.models.encoder_budget``); with
+whole images (``max_num_encoder_token_blocks`` 0: a step encodes at most ``max_num_batched_tokens`` image tokens,
+each image whole); under each ``--token-blocks`` budget (a step runs that much of the tower, in token-blocks;
+below one block a block is split over the image's rows);
 with ``--no-budget`` also with no encoder budget at all (every image a prompt chunk
 reaches encoded in that step). Each image arm twice (``--loops``: only the ones named): *on the loop*, the
 request's encoded images handed to
@@ -242,8 +243,7 @@ def main() -> None:
     parser.add_argument("--moe-intermediate", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--token-blocks", type=int, nargs="+", default=None,
-                        help="layer-chunked arms' tower work a step, in token-blocks, an arm each "
-                             "(default: one block of one image)")
+                        help="more layer-chunked arms: tower work a step, in token-blocks, an arm each")
     parser.add_argument("--loops", nargs="+", choices=("on", "off"), default=["on", "off"],
                         help="image arms with the images prepared on the loop, off it, or both")
     parser.add_argument("--no-budget", action="store_true", help="also run with no encoder budget")
@@ -260,8 +260,9 @@ def main() -> None:
         print(f"{args.streams} text streams; every {args.every} s a request with {args.images} images of "
               f"{args.side}x{args.side} ({(args.side // 32) ** 2} tokens each); steps of {args.max_batched_tokens} "
               f"tokens; {args.threads} thread(s); {args.rounds} round(s) of {args.seconds} s an arm")
-        token_blocks = args.token_blocks or [(args.side // 16) ** 2]  # patches of one image: one block of it
-        budgets = [("encoder budget", None, None)] + [(f"{n} token-blocks", None, n) for n in token_blocks]
+        auto = build(path, args, None, None).scheduler.config.max_num_encoder_token_blocks
+        budgets = [(f"default ({auto} token-blocks)", None, None), ("whole images", None, 0)]
+        budgets += [(f"{n} token-blocks", None, n) for n in args.token_blocks or ()]
         if args.no_budget:
             budgets.append(("no budget", 10**9, None))
         arms = [Arm("text only", build(path, args, None, None), images=False)]

@@ -40,7 +40,10 @@ class EngineConfig:
     encodes is short whatever the image's size (a block is split over the image's rows when one block of one
     image passes the budget); an image is encoded a few blocks a step, and its request's
     prefill reaches it once its last block has run (its first token comes later: text streams' tokens do not
-    wait for a whole image). Replaces ``max_num_encoder_tokens`` when set (default: off, whole images)"""
+    wait for a whole image). Replaces ``max_num_encoder_tokens``. Default: counted from the model, the tower work
+    that costs about a quarter of a ``max_num_batched_tokens`` prompt chunk (``engine.models.encoder_budget``; a
+    served model's usual images then run whole in one step, a large one over a few); 0, or setting
+    ``max_num_encoder_tokens`` alone: off, whole images"""
     encoder_cache_gb: float = 1.0
     """host memory, in GB, for vision-encoder outputs kept across requests (models that read images): the same
     image sent again by the same tenant (same preprocessed pixels, same prefix-cache salt) is not encoded again;

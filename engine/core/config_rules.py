@@ -185,7 +185,7 @@ RULES: tuple[Rule, ...] = (
     _at_least("max_num_batched_tokens", 1),
     _optional_at_least("max_model_len", 2),
     _optional_at_least("max_num_encoder_tokens", 1),
-    _optional_at_least("max_num_encoder_token_blocks", 1),
+    _optional_at_least("max_num_encoder_token_blocks", 0),
     Rule("encoder_cache_gb", VALUES, ">= 0", "encoder_cache_gb must be >= 0, got {encoder_cache_gb}",
          lambda c: c.encoder_cache_gb < 0),
     Rule("encoder_cache_tenant_share", VALUES, "in (0, 1] or none",

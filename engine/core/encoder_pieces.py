@@ -38,18 +38,44 @@ class EncoderPiece:
     total: int
 
 
+ImageKey = tuple[bytes, "str | None"]  # (the pixels' digest, the tenant's cache salt): the encoder cache's key
+
+# Plans an image finished in stays owned for (its tower runs after its plan; with overlapped scheduling the next
+# step is planned before it runs), so that a request waiting for it finds it in the encoder cache.
+FINISHING_PLANS = 2
+
+
 class EncoderSteps:
     """Plans each step's pieces within ``token_blocks`` for a tower of ``depth`` stages whose image tokens each
-    merge ``patches_per_token`` patches. ``begin_step`` at each plan, ``plan`` per chunk, ``commit`` what runs."""
+    merge ``patches_per_token`` patches. ``begin_step`` at each plan, ``plan`` per chunk, ``commit`` what runs,
+    ``release`` a request finished or preempted.
+
+    One image in progress per key: a request whose image another request is encoding (the same pixels, the same
+    cache salt) waits for that one to finish and then reads the encoder cache, as whole images do within a step,
+    so requests sent together with one document run the tower over it once."""
 
     def __init__(self, token_blocks: int, depth: int, patches_per_token: int) -> None:
         assert token_blocks >= 1 and depth >= 1 and patches_per_token >= 1
         self.token_blocks, self.depth, self.patches_per_token = token_blocks, depth, patches_per_token
         self.used = 0  # passes this step's pieces take so far (two a token-block)
         self.pieces: list[EncoderPiece] = []
+        self.owners: dict[ImageKey, str] = {}  # image -> the request encoding it
+        self._finishing: list[tuple[int, ImageKey, str]] = []  # (plan, image, owner) of images finished
+        self._plans = 0
 
     def begin_step(self) -> None:
         self.used, self.pieces = 0, []
+        self._plans += 1
+        done = [f for f in self._finishing if f[0] <= self._plans - FINISHING_PLANS]
+        for _, key, owner in done:
+            if self.owners.get(key) == owner:
+                del self.owners[key]
+        self._finishing = self._finishing[len(done):]
+
+    def release(self, request_id: str) -> None:
+        """A request finished or preempted: the images it was encoding are no one's (another may begin them)."""
+        for key in [k for k, owner in self.owners.items() if owner == request_id]:
+            del self.owners[key]
 
     def total(self, request: Request, image: int) -> int:
         """Passes the whole tower takes over image ``image`` of ``request``: two per patch and stage."""
@@ -65,6 +91,9 @@ class EncoderSteps:
         for i, tokens in to_encode:
             if not tokens:
                 continue
+            key = (request.images[i].digest, request.policy.cache_salt)
+            if self.owners.get(key, request.request_id) != request.request_id:
+                return max(request.images[i].offset - start, 0), pieces  # another request is encoding it
             done, total = request.encoder_blocks.get(i, 0), self.total(request, i)
             k = min(total - done, 2 * self.token_blocks - used)
             if k > 0:
@@ -80,6 +109,10 @@ class EncoderSteps:
         for piece in pieces:
             self.used += piece.end - piece.first
             self.pieces.append(piece)
-            piece.request.encoder_blocks[piece.image] = piece.end
+            request = piece.request
+            request.encoder_blocks[piece.image] = piece.end
+            key = (request.images[piece.image].digest, request.policy.cache_salt)
+            self.owners[key] = request.request_id
             if piece.end == piece.total:
-                piece.request.encoded_images.add(piece.image)
+                request.encoded_images.add(piece.image)
+                self._finishing.append((self._plans, key, request.request_id))

@@ -273,6 +273,8 @@ class Scheduler:
             self.lora.request_ended(adapter)
         request.status = status
         self.kv.free(request)
+        if self.encoder_steps is not None:
+            self.encoder_steps.release(request.request_id)
         if self.states is not None:
             self.states.free(request.request_id)
         if self.checkpoints is not None:
@@ -306,6 +308,8 @@ class Scheduler:
     def _preempt(self, victim: Request, preempted: list[str]) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
+        if self.encoder_steps is not None:  # its progress stays; another request may begin the image meanwhile
+            self.encoder_steps.release(victim.request_id)
         if self.states is not None:  # its state is recomputed from its first token on resume, as its KV is
             self.states.free(victim.request_id)
         if self.checkpoints is not None:

@@ -14,6 +14,7 @@ import abc
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from engine.core.encoder_pieces import EncoderPiece
 from engine.core.prompt_images import PromptImage
@@ -84,6 +85,12 @@ class ImageFeatures(abc.ABC):
         """(the tower's stages: its patch embedding then each block, patches an image token merges): what
         layer-chunked encoding counts."""
 
+    @property
+    @abc.abstractmethod
+    def tower_block(self) -> nn.Module:
+        """One block of the vision tower (rank 0's): the unit the default layer-chunked budget is counted in
+        (``engine.models.encoder_budget``)."""
+
     @abc.abstractmethod
     def begin_encoding(self, pixels: ProcessedImage) -> TowerState:
         """One image's state before the tower's first stage (``engine.vision.tower_rows``)."""
@@ -107,20 +114,25 @@ class ImageFeatures(abc.ABC):
         it: pixels prepared off the step loop, ``image_ready``; stage 0 is the patch embedding, stage ``s`` block
         ``s - 1``, each split into passes over the image's rows: ``engine.vision.tower_rows``); a piece that ends
         at the last pass finishes the image, which is then kept for its request and put in the encoder cache, as
-        a whole image is."""
+        a whole image is; a piece of every pass runs the tower unsplit (``encode``)."""
         for piece in pieces:
             request, i = piece.request, piece.image
             key = (request.request_id, i)
             if piece.first == 0:
-                self._partial[key] = self.begin_encoding(pixels_of(request.images[i].pixels))
-            state = self._partial[key]
-            self.encode_passes(state, piece.first, piece.end)
-            if piece.end == piece.total:
-                del self._partial[key]
-                feats = self._features.setdefault(request.request_id, [None] * len(request.images))
-                feats[i] = self.finish_encoding(state)
-                image, policy = request.images[i], request.policy
-                self.encoder_cache.put(image.digest, policy.cache_salt, feats[i], policy.tenant, policy.cache_share)
+                self.encoder_cache.misses += 1  # planned because the cache did not hold it
+            if piece.first == 0 and piece.end == piece.total:
+                done = self.encode(pixels_of(request.images[i].pixels))  # the whole tower this step: unsplit
+            else:
+                if piece.first == 0:
+                    self._partial[key] = self.begin_encoding(pixels_of(request.images[i].pixels))
+                state = self._partial[key]
+                self.encode_passes(state, piece.first, piece.end)
+                if piece.end < piece.total:
+                    continue
+                done = self.finish_encoding(self._partial.pop(key))
+            self._features.setdefault(request.request_id, [None] * len(request.images))[i] = done
+            image, policy = request.images[i], request.policy
+            self.encoder_cache.put(image.digest, policy.cache_salt, done, policy.tenant, policy.cache_share)
 
     def image_features(self, request: Request, i: int) -> VisionFeatures:
         """Image ``i`` of ``request``: kept for the request, else from the encoder cache, else encoded now."""

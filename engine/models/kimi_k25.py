@@ -9,6 +9,7 @@ other ranks (``engine.models.image_step``), the text model split as DeepSeek-V3'
 """
 
 import torch
+from torch import nn
 
 from engine.core.model_config import ModelConfig
 from engine.core.scheduler import ScheduledRequest
@@ -55,6 +56,10 @@ class Kimi_K25ForConditionalGeneration(ImageFeatures, DeepseekV3ForCausalLM):
     @property
     def encoder_shape(self) -> tuple[int, int]:
         return self._encoder_shape
+
+    @property
+    def tower_block(self) -> nn.Module:
+        return self.vision_tower.blocks[0]
 
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:
         return projected(self.mm_projector, self.vision_tower(pixels.pixel_values, pixels.grid_thw))

@@ -10,6 +10,7 @@ layers split as the text family's, every rank with the same positions, image row
 """
 
 import torch
+from torch import nn
 
 from engine.core.model_config import ModelConfig
 from engine.core.request import Request
@@ -58,6 +59,10 @@ class QwenImageText(ImageFeatures):
     @property
     def encoder_shape(self) -> tuple[int, int]:
         return self._encoder_shape
+
+    @property
+    def tower_block(self) -> nn.Module:
+        return self.visual.blocks[0]
 
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:
         return self.visual(pixels.pixel_values, pixels.grid_thw)

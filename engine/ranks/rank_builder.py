@@ -17,6 +17,7 @@ from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.kv_tiers.setup import GB, build_rank_mirror, build_tiers
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
+from engine.models.encoder_budget import auto_token_blocks
 from engine.structured_output.matchers import GrammarMatchers
 from engine.vision.encoder_cache import EncoderCache
 from engine.worker.draft_model import DraftProposer
@@ -93,7 +94,7 @@ def build_scheduler(config: EngineConfig, rank: BuiltRank) -> Scheduler:
             prefill_chunk_tokens=config.decode_prefill_chunk_tokens if config.role == "decode" else 0,
             max_num_encoder_tokens=(config.max_num_encoder_tokens or config.max_num_batched_tokens)
             if rank.model.takes_images else None,
-            max_num_encoder_token_blocks=config.max_num_encoder_token_blocks if rank.model.takes_images else None,
+            max_num_encoder_token_blocks=encoder_token_blocks(config, rank.model),
             **(dict(zip(("encoder_stages", "encoder_patches_per_token"), rank.model.encoder_shape))
                if rank.model.takes_images else {}),
         ),
@@ -104,6 +105,18 @@ def build_scheduler(config: EngineConfig, rank: BuiltRank) -> Scheduler:
         image_cached=rank.model.image_cached if rank.model.takes_images else None,
         image_ready=rank.model.image_ready if rank.model.takes_images else None,
     )
+
+
+def encoder_token_blocks(config: EngineConfig, model: MoECausalLM) -> int | None:
+    """The layer-chunked encoding budget of rank 0's steps, in token-blocks (None: whole images, bounded by
+    ``max_num_encoder_tokens``): the operator's, else, unless they set ``max_num_encoder_tokens`` alone (whole
+    images then), the default counted from the model (``engine.models.encoder_budget``); 0 turns it off."""
+    asked = config.max_num_encoder_token_blocks
+    if not model.takes_images or asked == 0 or (asked is None and config.max_num_encoder_tokens is not None):
+        return None
+    if asked is not None:
+        return asked
+    return auto_token_blocks(model.model.layers, model.tower_block, config.max_num_batched_tokens)
 
 
 def check_kernels(kernels: KernelChoice) -> None:

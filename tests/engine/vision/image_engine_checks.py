@@ -36,3 +36,18 @@ def check_misfit_images_refused(path: str, image, num_tokens: int, image_token: 
         llm.generate([[5] + [image_token] * (n + 1)], params, images=[[image]])
     with pytest.raises(ValueError, match="image 0: not an image"):
         llm.generate([prompt], params, images=[[b"not a picture"]])
+
+
+def on_tower_runs(model, record: Callable[[tuple[int, int, int]], None]) -> None:
+    """Call ``record(grid_thw)`` each time ``model`` starts running its vision tower over an image: whole
+    (the tower's forward) or layer-chunked (``begin_encoding``, whose later passes are the same run)."""
+    tower = model.tower_block
+    whole = next(m for m in model.modules() if getattr(m, "blocks", None) is not None and m.blocks[0] is tower)
+    whole.register_forward_hook(lambda mod, args, out: record(tuple(args[1])))
+    begin = model.begin_encoding
+
+    def begun(pixels):
+        record(tuple(pixels.grid_thw))
+        return begin(pixels)
+
+    model.begin_encoding = begun

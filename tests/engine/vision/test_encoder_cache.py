@@ -9,6 +9,7 @@ import io
 import random
 
 import msgspec
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -19,6 +20,7 @@ from engine.vision.prompt_images import LazyPixels
 from engine.vision.qwen3_vl_tower import VisionFeatures
 from engine.vision.qwen_image_processing import process_image
 from gateway.engine_metrics import EngineCollector
+from tests.engine.vision.image_engine_checks import on_tower_runs
 from tests.engine.vision.qwen3_vl_checkpoint import IMAGE_CONFIG, hf_greedy, random_image, text_ids, with_images
 
 
@@ -26,7 +28,7 @@ def _tower_calls(llm: LLM) -> list[int]:
     """Image tokens of each vision-tower forward from now on (a hook on the engine's own tower)."""
     calls: list[int] = []
     merge = IMAGE_CONFIG.merge_size ** 2
-    llm.engine.model.visual.register_forward_hook(lambda mod, args, out: calls.append(args[1][1] * args[1][2] // merge))
+    on_tower_runs(llm.engine.model, lambda grid: calls.append(grid[1] * grid[2] // merge))
     return calls
 
 
@@ -175,3 +177,35 @@ def test_encoder_cache_evicts_least_recently_used():
     assert cache.bytes_used == size["a"] + size["c"] <= cache.capacity_bytes
     cache.put(b"big", "s", features(1000))  # larger than the whole cache: not kept, nothing evicted for it
     assert len(cache) == 2 and cache.evictions == 1
+
+
+@pytest.mark.parametrize("images_a_step", [0.1, 1.5])
+def test_requests_sent_together_with_one_image_encode_it_once(qwen3_vl_checkpoint, images_a_step):
+    """Layer-chunked encoding, a step's budget a tenth of the image's tower (spread over steps) or one and a half
+    of it (one request's whole image and the start of the next one's in a step): requests sent at once with the
+    same picture (a Batch API job over one document) run the tower over it once per tenant: the first to begin
+    it encodes it, the others wait and read the encoder cache; each gets transformers' tokens."""
+    path, model, seed = qwen3_vl_checkpoint
+    rng = random.Random(seed + 3)
+    gen = torch.Generator().manual_seed(seed + 3)
+    pic = random_image(gen, rng.randint(24, 40), rng.randint(24, 40))
+    processed = process_image(pic, IMAGE_CONFIG)
+    prompts = [with_images(rng, [processed]) for _ in range(4)]
+    expected = [hf_greedy(model, p, [processed], 4) for p in prompts]
+    t, h, w = processed.grid_thw
+    token_blocks = t * h * w * (1 + len(model.model.visual.blocks))  # patches x (the patch embedding, each block)
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=64,
+              max_num_encoder_token_blocks=max(1, int(images_a_step * token_blocks)), encoder_cache_gb=0.001)
+    calls = _tower_calls(llm)
+    tenants = [RequestPolicy(tenant=t, cache_salt=f"salt-of-{t}") for t in ("alice", "alice", "bob", "alice")]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, (prompt, policy) in enumerate(zip(prompts, tenants)):
+        llm.engine.add_request(prompt, params, request_id=str(i), policy=policy, images=[pic])
+    got = {str(i): [] for i in range(4)}
+    steps = 0
+    while llm.engine.has_unfinished():
+        steps += 1
+        for out in llm.engine.step():
+            got[out.request_id] += out.token_ids
+    assert [got[str(i)] for i in range(4)] == expected, f"seed={seed}"
+    assert len(calls) == 2, f"one tower run per tenant, got {len(calls)} (seed={seed})"

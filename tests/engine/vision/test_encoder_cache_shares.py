@@ -19,6 +19,7 @@ from engine.loading.model_check import check_model
 from engine.vision.encoder_cache import EncoderCache
 from engine.vision.qwen3_vl_tower import VisionFeatures
 from engine.vision.qwen_image_processing import process_image
+from tests.engine.vision.image_engine_checks import on_tower_runs
 from tests.engine.vision.qwen3_vl_checkpoint import (IMAGE_CONFIG, IMAGE_TOKEN, VISION_END, VISION_START,
                                                      make_qwen3_vl_moe, random_image)
 
@@ -169,7 +170,7 @@ def test_engine_keeps_a_tenants_image_through_anothers_flood(checkpoint):
     cache = llm.engine.model.encoder_cache
     assert (cache.capacity_bytes, cache.tenant_share) == (4 * entry, 0.5)
     calls = []
-    llm.engine.model.visual.register_forward_hook(lambda mod, args, out: calls.append(1))
+    on_tower_runs(llm.engine.model, lambda grid: calls.append(1))
     alice = RequestPolicy(tenant="alice", cache_salt="salt-alice")
     mallory = RequestPolicy(tenant="mallory", cache_salt="salt-mallory")
     greedy = RequestPolicy(tenant="greedy", cache_salt="salt-greedy", cache_share=1.0)  # its quota's share

@@ -34,6 +34,7 @@ class CountingTower(ImageFeatures, nn.Module):
 
     # Whole images only here: layer-chunked encoding is never asked of this double.
     encoder_shape = (1, 1)
+    tower_block = None
     begin_encoding = encode_passes = finish_encoding = local_image_step
 
     def encode(self, pixels: ProcessedImage) -> VisionFeatures:

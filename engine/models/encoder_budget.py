@@ -1,0 +1,49 @@
+"""The default budget of layer-chunked image encoding: how much vision-tower work one step runs when the operator
+sets none (``EngineConfig.max_num_encoder_token_blocks`` left unset).
+
+A step's prompt chunk is bounded by ``max_num_batched_tokens``, so a long prompt lengthens the running streams'
+steps by one chunk at most; the tower is bounded the same way, by what it costs against the text model. The
+cost of one token through the text layers and of one token-block (one patch through one tower block) are counted
+in the multiply-adds of their weights, the routed experts at the share a token visits (``top_k`` of the
+experts); embeddings and the LM head are left out (a prompt chunk reads the head for its last token only). The
+budget is the token-blocks worth ``TOWER_SHARE`` of a full chunk: a tower's operations run at a lower efficiency
+per multiply-add than the text model's (attention over every patch of an image, which the weights do not count,
+and narrow matrices), and a step that encodes may also carry a prompt chunk, so a whole chunk's worth would about
+double that step. Measured with ``benchmarks.image_itl``: ``docs/decisions/encoder-budget.md``.
+
+This is rank 0's view (it holds the tower and plans the steps): under tensor parallelism its share of the text
+layers, which is what a step waits for on it.
+"""
+
+from torch import nn
+
+from engine.layers.moe import SparseMoeBlock
+
+# The share of a full prompt chunk's text-model work that a step's tower work may cost by default.
+TOWER_SHARE = 0.25
+
+
+def matrix_multiply_adds(module: nn.Module) -> int:
+    """Multiply-adds per row through ``module``'s weight matrices (every parameter of two or more dimensions,
+    once), counting its routed experts (``SparseMoeBlock.experts``) at ``top_k / num_experts`` of their size by
+    their logical shape (4- and 8-bit layouts pack only the last dimension)."""
+    experts = {id(m.experts): m for m in module.modules() if isinstance(m, SparseMoeBlock)}
+    total = 0.0
+    for sub in module.modules():
+        if id(sub) in experts:
+            block = experts[id(sub)]
+            local, inner2, _ = sub.w13.shape  # [E_local, 2I, H or packed]
+            hidden = sub.w2.shape[1]  # [E_local, H, I or packed]
+            total += local * 3 * (inner2 // 2) * hidden * block.top_k / block.gate.out_features
+            continue
+        total += sum(p.numel() for p in sub.parameters(recurse=False) if p.dim() >= 2)
+    return int(total)
+
+
+def auto_token_blocks(text_layers: nn.Module, tower_block: nn.Module, max_num_batched_tokens: int) -> int:
+    """Token-blocks a step's tower work may take by default: ``TOWER_SHARE`` of a chunk of
+    ``max_num_batched_tokens`` prompt tokens through ``text_layers`` (the rank's decoder layers), in multiply-adds
+    of ``tower_block`` (one block of the tower: every block and the patch embedding count as one), at least 1."""
+    per_token = matrix_multiply_adds(text_layers)
+    per_block = max(matrix_multiply_adds(tower_block), 1)
+    return max(1, round(TOWER_SHARE * max_num_batched_tokens * per_token / per_block))

@@ -1,0 +1,67 @@
+"""The default layer-chunked encoding budget (``engine.models.encoder_budget``): the tower work worth a quarter of a
+``max_num_batched_tokens`` prompt chunk, counted in weight multiply-adds, checked against a count over
+transformers' own modules of the same checkpoint; which settings turn it off; 4- and 8-bit experts counted by
+their logical shape."""
+
+import random
+
+import pytest
+import torch
+
+from engine.core.config import EngineConfig
+from engine.layers.moe import SparseMoeBlock
+from engine.llm_engine import LLMEngine
+from engine.models.encoder_budget import TOWER_SHARE, matrix_multiply_adds
+from moe_kernels.quant import QuantScheme
+from moe_kernels.routing_spec import RoutingSpec
+
+
+def _hf_text_multiply_adds(model) -> float:
+    """Per token through transformers' decoder layers: every weight matrix, the routed experts' at top_k of E."""
+    text = model.config.text_config
+    share = text.num_experts_per_tok / text.num_experts
+    total = 0.0
+    for layer in model.model.language_model.layers:
+        for name, p in layer.named_parameters():
+            if p.dim() >= 2:
+                total += p.numel() * (share if ".experts." in name else 1.0)
+    return total
+
+
+def _engine(path: str, **settings) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=16, **settings))
+
+
+def test_default_budget_is_a_quarter_chunk_of_text_work(qwen3_vl_checkpoint):
+    path, model, seed = qwen3_vl_checkpoint
+    tokens = random.Random(seed).randint(8, 4096)
+    block = sum(p.numel() for p in model.model.visual.blocks[0].parameters() if p.dim() >= 2)
+    want = max(1, round(TOWER_SHARE * tokens * _hf_text_multiply_adds(model) / block))
+    engine = _engine(path, max_num_batched_tokens=tokens)
+    assert engine.scheduler.config.max_num_encoder_token_blocks == want, f"seed={seed}"
+    assert engine.scheduler.encoder_steps is not None
+
+
+@pytest.mark.parametrize("settings, expected", [
+    (dict(max_num_encoder_token_blocks=0), None),  # off: whole images
+    (dict(max_num_encoder_tokens=8), None),  # the image-token budget asked for alone: whole images
+    (dict(max_num_encoder_token_blocks=5, max_num_encoder_tokens=8), 5),
+])
+def test_settings_that_choose_the_budget(qwen3_vl_checkpoint, settings, expected):
+    engine = _engine(qwen3_vl_checkpoint[0], **settings)
+    assert engine.scheduler.config.max_num_encoder_token_blocks == expected
+    assert (engine.scheduler.encoder_steps is None) == (expected is None)
+
+
+@pytest.mark.parametrize("method", ["int8", "mxfp4", "int4"])
+def test_packed_experts_count_as_their_logical_shape(method):
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    experts, top_k, hidden, inner = 8, 2, 64, 32
+    block = SparseMoeBlock(hidden, experts, RoutingSpec(top_k=top_k), inner, "torch")
+    for p in block.parameters():
+        p.data = torch.randn(p.shape, generator=gen)
+    want = hidden * experts + experts * 3 * hidden * inner * top_k / experts  # router, then the routed experts
+    assert matrix_multiply_adds(block) == want
+    block.experts.quantize_(QuantScheme(method))
+    assert block.experts.w13.dtype != torch.float32
+    assert matrix_multiply_adds(block) == want
