@@ -75,7 +75,10 @@ def test_greedy_matches_transformers(tmp_path, monkeypatch):
         return chosen
 
     monkeypatch.setattr(Indexer, "select", recording)
-    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", **SETTINGS)
+    # the pool holds the largest request and nothing beside it, so running the three together must preempt
+    # (8 blocks left seed 1218415440 without a preemption)
+    blocks = max(-(-(len(p) + m) // SETTINGS["block_size"]) for p, m in reqs)
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", **{**SETTINGS, "num_kv_blocks": blocks})
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     outs = llm.generate([p for p, _ in reqs], params)
     assert [o.token_ids for o in outs] == expected, f"seed={seed}"
