@@ -157,9 +157,15 @@ async def _prepared(engine: EngineClient, body, chat: bool, plan: ChatPlan | Non
         prompts = prompts_of(body)
         check_choices(len(prompts), body.n or 1)
         out = []
+        image_model = image_model_of(engine)
         for i, prompt in enumerate(prompts):
             try:
                 out.append(await engine.prepare(prompt, None))
+                if image_model is not None and image_model.image_token_id in out[-1]:
+                    raise InvalidPrompt(
+                        f"the prompt holds this model's image placeholder token (id {image_model.image_token_id}), "
+                        "and /v1/completions takes no images: send images as image_url parts of a user message to "
+                        "/v1/chat/completions, or remove the placeholder from the prompt", "prompt")
             except InvalidPrompt as e:
                 if len(prompts) > 1:
                     e.param, e.message = f"prompt[{i}]", f"prompt {i}: {e.message}"

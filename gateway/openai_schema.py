@@ -222,6 +222,16 @@ class CompletionRequest(_Common, kw_only=True):
     echo: bool | None = None  # the prompt before the completion (and its logprobs, with logprobs)
 
 
+# OpenAI's hints that the openai client sends with chat completions and the Responses API alike (its completions
+# send none): the chat request declares them, and a Responses API request carries its own into the chat request
+# it runs as (``gateway.responses.translate``). Accepted, and not used: this server's replicas are chosen by the
+# prompt's own prefix (``gateway.prefix_index``), which a cache key only approximates; it keeps cached prefixes
+# by its own tiers, checks no safety identifiers, and leaves an answer's length to the model.
+PromptCacheRetention = Literal["in_memory", "24h"]
+Verbosity = Literal["low", "medium", "high"]  # GPT-5's length hint
+HINT_FIELDS = ("prompt_cache_key", "prompt_cache_retention", "safety_identifier")
+
+
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     logprobs: bool | None = None
@@ -237,6 +247,11 @@ class ChatCompletionRequest(_Common, kw_only=True):
     # A template for this request instead of the checkpoint's (vLLM's extension): see chat_plan.
     chat_template: str | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # gpt-oss's (harmony's system message)
+    # OpenAI's hints (HINT_FIELDS, verbosity): accepted, not used.
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+    safety_identifier: str | None = None
+    verbosity: Verbosity | None = None
 
 
 def error_param(err: msgspec.ValidationError) -> str | None:

@@ -3,6 +3,7 @@
 import msgspec
 
 from gateway.batch.batches import CreateBatch
+from gateway.batch.files import MAX_EXPIRY_S, MIN_EXPIRY_S, FileExpiry
 from gateway.openai_schema import CHAT_NOT_IMPLEMENTED, NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
 from gateway.responses.request import ITEM_TYPES, UNSUPPORTED, FunctionTool, ResponsesRequest
 from gateway.tokenization import DetokenizeRequest, TokenizeRequest
@@ -34,11 +35,13 @@ def _generation(summary: str, schema_ref: str) -> dict:
 
 
 def openapi_document(version: str) -> dict:
-    (completion, chat, create_batch, tokenize, detokenize, responses, tool, *items), components = \
+    (completion, chat, create_batch, tokenize, detokenize, responses, tool, expiry, *items), components = \
         msgspec.json.schema_components(
             [CompletionRequest, ChatCompletionRequest, CreateBatch, TokenizeRequest, DetokenizeRequest, ResponsesRequest,
-             FunctionTool, *ITEM_TYPES.values()], ref_template="#/components/schemas/{name}")
+             FunctionTool, FileExpiry, *ITEM_TYPES.values()], ref_template="#/components/schemas/{name}")
     components["Error"] = _ERROR
+    # Checked by file_expiry after decoding (to name the part at fault and say what to give): as it checks it.
+    components["CreateBatch"]["properties"]["output_expires_after"] = {"anyOf": [expiry, {"type": "null"}]}
     for name, fields in (("CompletionRequest", NOT_IMPLEMENTED), ("ChatCompletionRequest", CHAT_NOT_IMPLEMENTED)):
         properties = components[name]["properties"]
         for field, off in fields.items():  # what the server accepts for them: null or "off"
@@ -101,8 +104,11 @@ def _responses_paths(request_ref: str) -> dict:
 
 
 def _batch_paths(create_batch_ref: str) -> dict:
+    # An upload's expiry policy, as the openai client sends it (checked by gateway.batch.files.file_expiry).
+    expiry = {"expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+              "expires_after[seconds]": {"type": "integer", "minimum": MIN_EXPIRY_S, "maximum": MAX_EXPIRY_S}}
     upload = {"multipart/form-data": {"schema": {"type": "object", "required": ["file", "purpose"], "properties": {
-        "file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}}}}}
+        "file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}, **expiry}}}}
     return {
         "/v1/files": {"post": _op("Upload a file (purpose=batch; 413 over the size limit)", "file object", upload),
                       "get": _op("List the tenant's files (?purpose, ?after, ?limit, ?order)", "list of file objects")},

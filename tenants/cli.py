@@ -35,7 +35,7 @@ QUOTA_FLAGS = {
 QUOTA_HELP = {
     "max_images_per_request": "images one chat request may carry; only tightens the gateway's "
                               "--max-images-per-request (none: the gateway's)",
-    "max_image_pixels": "decoded pixels (width x height) one image may have; only tightens the gateway's "
+    "max_image_pixels": "decoded pixels (width x height) one image may have, 1 or more; only tightens the gateway's "
                         "--max-image-pixels (none: the gateway's)",
 }
 
@@ -56,16 +56,23 @@ def _at_most(value: int, most: int) -> int:
     return value
 
 
-def _limit(text: str) -> int | None:
+def _limit(text: str, least: int = 0, why: str = "") -> int | None:
+    """A count from ``least`` (``why`` says what a smaller one is instead), or None for 'none'."""
     if text.strip().lower() in NONE_WORDS:
         return None
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer or 'none', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 or 'none', got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least} or 'none', got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least} or 'none', got {value}{why}")
     return _at_most(value, BIGINT_MAX)
+
+
+def _pixels(text: str) -> int | None:
+    """``--max-image-pixels``: 1 and up, as the gateway's own flag takes it (an image has at least one pixel)."""
+    return _limit(text, 1, " (pixels of one decoded image); to refuse the tenant's images, set "
+                           "--max-images-per-request 0")
 
 
 def _discount(text: str) -> float | None:
@@ -78,6 +85,10 @@ def _discount(text: str) -> float | None:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
     return value
+
+
+# Quota flags with a bound of their own (the rest take any count from 0, or 'none').
+QUOTA_TYPES = {"max_image_pixels": _pixels}
 
 
 def _share(text: str) -> float | None:
@@ -507,8 +518,8 @@ def _add_quota(groups, common: argparse.ArgumentParser) -> None:
     p = _leaf(quota, "set", _quota_set, common, "set limits ('none' clears a limit)")
     p.add_argument("tenant")
     for flag in QUOTA_FLAGS:
-        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=_limit, default=_UNSET, metavar="N|none",
-                       help=QUOTA_HELP.get(flag))
+        p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=QUOTA_TYPES.get(flag, _limit), default=_UNSET,
+                       metavar="N|none", help=QUOTA_HELP.get(flag))
     p.add_argument("--batch-discount", type=_discount, default=_UNSET, metavar="F|none")
     p.add_argument("--cache-share", type=_share, default=_UNSET, metavar="F|none",
                    help="share of each engine's host and disk prefix-cache tiers and of its vision-encoder cache "

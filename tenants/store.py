@@ -346,6 +346,9 @@ class TenantStore:
         unknown = set(changes) - {f.name for f in fields(QuotaConfig)}
         if unknown:
             raise StoreError(f"unknown quota field(s): {', '.join(sorted(unknown))}")
+        if changes.get("max_image_pixels") == 0:  # the server's --max-image-pixels takes 1 and up, as here
+            raise StoreError("max_image_pixels must be at least 1 (or none); to refuse a tenant's images, set "
+                             "max_images_per_request to 0")
         if changes.get("batch_discount", 0.5) is None:
             changes["batch_discount"] = 0.5  # "none" on the discount means back to the default
         async with self.sessions.begin() as s:

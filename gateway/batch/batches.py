@@ -8,6 +8,7 @@ tenant's batch queue limit (429 if over) until it is finalized.
 import asyncio
 import json
 import math
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -17,7 +18,7 @@ from gateway.auth import PRINCIPAL
 from gateway.batch.validation import ENDPOINTS, validate_batch_file
 from gateway.errors import APIError, read_body
 from gateway.lora_adapters import ADAPTERS
-from gateway.batch.files import BATCH_STORE, list_page, read_content
+from gateway.batch.files import BATCH_STORE, file_expiry, list_page, read_content
 from gateway.replies import json_response, query_limit
 from gateway.openai_schema import decode_body
 from tenants.models import Batch
@@ -31,6 +32,8 @@ class CreateBatch(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    # The output and error files' expiry policy (a FileExpiry, checked by file_expiry): accepted, not applied.
+    output_expires_after: dict[str, Any] | None = None
 
 
 def _ts(value) -> int | None:
@@ -71,6 +74,7 @@ async def create_batch(request: web.Request) -> web.Response:
                                                                    for k, v in req.metadata.items())):
         raise APIError(400, "metadata holds at most 16 pairs, keys up to 64 and values up to 512 characters",
                        param="metadata")
+    file_expiry(req.output_expires_after, "output_expires_after")  # files here are kept until deleted
     store = app[BATCH_STORE]
     info = await store.get_file(tenant.id, req.input_file_id)
     if info is None:

@@ -10,13 +10,20 @@ An upload is a request like any other for the tenant's request rate and concurre
 is read: a 429 with ``Retry-After`` past them), and the tenant's stored files may take at most its quota's
 ``max_stored_file_bytes`` together: an upload past it is a 413 ``storage_limit_exceeded``, refused as soon as
 its bytes pass the room left, and checked again in the transaction that stores it.
+
+Files are kept until deleted. The expiry policy OpenAI's API takes for a file (``expires_after`` on upload,
+``output_expires_after`` for a batch's output and error files: ``{"anchor": "created_at", "seconds": N}``, N from
+3600 to 2592000) is checked (``file_expiry``) and accepted, since the openai client sends it, but not applied:
+a file object's ``expires_at`` stays null; delete files when done (``DELETE /v1/files/{file_id}``).
 """
 
 import asyncio
 import os
 import tempfile
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
+import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -24,6 +31,7 @@ from gateway.admission import QUOTAS, SETTLEMENTS
 from gateway.auth import PRINCIPAL
 from gateway.errors import BODY_TIMEOUT_S, APIError, stalled_body, unreadable_body
 from gateway.metrics import METRICS
+from gateway.openai_schema import error_param
 from gateway.replies import json_response, query_limit
 from tenants.batch_store import BatchStore, FileInfo, StorageFull
 
@@ -32,6 +40,33 @@ DATA_DIR = web.AppKey("data_dir", Path)
 MAX_FILE_BYTES = web.AppKey("max_file_bytes", int)
 UPLOAD_PURPOSES = ("batch",)
 _CHUNK = 1 << 16
+# OpenAI's bounds on a file's expiry: one hour to 30 days after the file is created.
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 2592000
+# The multipart fields the openai client sends an upload's expires_after as -> the policy's fields.
+EXPIRY_PARTS = {"expires_after[anchor]": "anchor", "expires_after[seconds]": "seconds"}
+
+
+class FileExpiry(msgspec.Struct, forbid_unknown_fields=True):
+    """A file's expiry policy as OpenAI's API takes it (documented in the OpenAPI document; see ``file_expiry``)."""
+
+    anchor: Literal["created_at"]
+    seconds: Annotated[int, msgspec.Meta(ge=MIN_EXPIRY_S, le=MAX_EXPIRY_S)]
+
+
+def file_expiry(raw: Any, field: str, form: bool = False) -> FileExpiry | None:
+    """``raw`` (the JSON value of ``field``, or with ``form`` the text values of its multipart fields) as an
+    expiry policy; None for null. Anything else is a 400 naming the part of ``field`` at fault."""
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, FileExpiry, strict=not form)
+    except msgspec.ValidationError as e:
+        part, why = error_param(e), str(e)
+    hint = {"anchor": "anchor must be 'created_at' (the file's creation time)",
+            "seconds": f"seconds must be a whole number from {MIN_EXPIRY_S} (1 hour) to {MAX_EXPIRY_S} (30 days)"}
+    where = f"{field}.{part}" if part else field
+    raise APIError(400, f"{where} is invalid ({why}); give {field} as {{\"anchor\": \"created_at\", \"seconds\": N}}: "
+                        f"{hint.get(part, 'an object of these two fields only')}", param=where)
 
 
 def file_object(f: FileInfo) -> dict:
@@ -61,6 +96,14 @@ def _utf8_filename(name: str) -> str:
     except UnicodeEncodeError:
         raise APIError(400, "the uploaded file's name is not UTF-8 text; rename the file", param="file") from None
     return name
+
+
+def _form_text(raw: bytes, name: str) -> str:
+    """A multipart text field's value; 400 naming ``name`` if it is not UTF-8."""
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise APIError(400, f"{name} must be UTF-8 text", param=name) from None
 
 
 def _storage_full(used: int, size: int, cap: int, partial: bool = False) -> APIError:
@@ -98,6 +141,7 @@ async def _store_upload(request: web.Request) -> web.Response:
     except (HttpProcessingError, ValueError, KeyError, AssertionError) as e:
         raise _malformed_multipart(e) from None
     purpose, filename, tmp, size = None, None, None, 0
+    expiry: dict[str, str] = {}
     (data_dir / "files").mkdir(parents=True, exist_ok=True)  # the upload's temporary copy
     stall_s = request.app.get(BODY_TIMEOUT_S)
 
@@ -116,11 +160,7 @@ async def _store_upload(request: web.Request) -> web.Response:
     try:
         while (part := await progress(reader.next())) is not None:
             if part.name == "purpose":
-                raw = await progress(part.read(decode=True))
-                try:
-                    purpose = raw.decode("utf-8").strip()
-                except UnicodeDecodeError:
-                    raise APIError(400, "purpose must be UTF-8 text", param="purpose") from None
+                purpose = _form_text(await progress(part.read(decode=True)), "purpose")
             elif part.name == "file":
                 filename = _utf8_filename(part.filename or "upload.jsonl")
                 fd, tmp = tempfile.mkstemp(dir=data_dir / "files", prefix=".upload-")
@@ -133,8 +173,12 @@ async def _store_upload(request: web.Request) -> web.Response:
                         if cap is not None and used + size > cap:
                             raise _storage_full(used, size, cap, partial=True)
                         out.write(chunk)
+            elif part.name in EXPIRY_PARTS:
+                expiry[EXPIRY_PARTS[part.name]] = _form_text(await progress(part.read(decode=True)),
+                                                             f"expires_after.{EXPIRY_PARTS[part.name]}")
             else:
                 await progress(part.release())
+        file_expiry(expiry or None, "expires_after", form=True)  # checked, not applied: files are kept until deleted
         if tmp is None:
             raise APIError(400, "missing the 'file' field", param="file")
         if purpose not in UPLOAD_PURPOSES:

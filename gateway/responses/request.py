@@ -3,8 +3,9 @@
 Input items are decoded one by one (``input_items``): OpenAI's short message form ``{"role", "content"}`` has
 no ``type``, so the item's type is read first and the item then decoded as that type, its errors named under
 ``input[i]``. Fields of OpenAI's API that this server does not implement are refused unless they ask for
-nothing (``UNSUPPORTED``); hints the server has no use for (``prompt_cache_key``, ``safety_identifier``,
-``reasoning``, ``service_tier`` auto/default) are accepted.
+nothing (``UNSUPPORTED``); hints the server has no use for (``prompt_cache_key``, ``prompt_cache_retention``,
+``safety_identifier``, ``text.verbosity``: typed as on the chat request they are carried into, ``reasoning``,
+``service_tier`` auto/default) are accepted. A message's content is a string or at least one content part.
 """
 
 from typing import Annotated, Any, Literal
@@ -13,8 +14,8 @@ import msgspec
 
 from gateway.errors import APIError
 from gateway.openai_schema import (
-    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, SamplingFields, Temperature, TopP, check_implemented,
-    decode_body, error_param,
+    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, PromptCacheRetention, SamplingFields, Temperature, TopP,
+    Verbosity, check_implemented, decode_body, error_param,
 )
 from gateway.response_format import JSONObjectFormat, SchemaName, TextFormat
 
@@ -151,7 +152,7 @@ TextFormatConfig = TextFormat | JSONObjectFormat | JSONSchemaTextFormat
 
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
     format: TextFormatConfig | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None  # GPT-5's length hint: accepted, echoed, not used
+    verbosity: Verbosity | None = None  # accepted, echoed, carried into the chat request; not used
 
 
 class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -206,7 +207,7 @@ class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True)
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
     # Extra output asked for: encrypted reasoning (which Codex and other agents ask for with store: false) is
     # accepted and never produced, this server's reasoning items carry their text.
     include: list[Literal["reasoning.encrypted_content"]] | None = None
@@ -236,10 +237,16 @@ def input_items(given: str | list[dict]) -> list[InputItem]:
     if isinstance(given, str):
         return [MessageItem(role="user", content=given)]
     try:
-        return msgspec.convert([raw if "type" in raw else {**raw, "type": "message"} for raw in given],
-                               list[InputItem])
+        items = msgspec.convert([raw if "type" in raw else {**raw, "type": "message"} for raw in given],
+                                list[InputItem])
     except msgspec.ValidationError:
-        return [_item(raw, i) for i, raw in enumerate(given)]
+        items = [_item(raw, i) for i, raw in enumerate(given)]
+    for i, item in enumerate(items):
+        # Checked here rather than in the item's type: stored conversations that hold one still decode.
+        if isinstance(item, MessageItem) and isinstance(item.content, list) and not item.content:
+            raise APIError(400, f"input[{i}].content is an empty array: give at least one content part (input_text, "
+                                "input_image, ...), or the text as a string", param=f"input[{i}].content")
+    return items
 
 
 class _Output(msgspec.Struct):

@@ -3,7 +3,8 @@
 The Responses API is served by the chat path (chat plan, tool-call and reasoning parsers, structured output,
 admission, billing): ``chat_request`` maps ``instructions`` and the input items to chat messages, the flat
 function tools and ``tool_choice`` to the chat shapes, ``text.format`` to ``response_format`` and
-``max_output_tokens`` to ``max_completion_tokens``. ``responses_error`` renames the chat fields in an error
+``max_output_tokens`` to ``max_completion_tokens``; OpenAI's hints keep their names (``text.verbosity`` is chat's
+``verbosity``). ``responses_error`` renames the chat fields in an error
 raised on the way back to the Responses API's own.
 """
 
@@ -11,8 +12,8 @@ import re
 
 from gateway.errors import APIError
 from gateway.openai_schema import (
-    ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, ImagePart, ImageURL, NamedFunction,
-    NamedToolChoice, SamplingFields, TextPart, Tool, ToolCallMessage,
+    HINT_FIELDS, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, ImagePart, ImageURL,
+    NamedFunction, NamedToolChoice, SamplingFields, TextPart, Tool, ToolCallMessage,
 )
 from gateway.response_format import JSONSchemaFormat, JSONSchemaSpec
 from gateway.responses.request import (
@@ -55,7 +56,8 @@ def chat_request(req: ResponsesRequest, items: list[InputItem], tools: list[Func
         top_p=req.top_p, stream=req.stream, user=req.user, response_format=fmt, tools=chat_tools or None,
         tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
         chat_template_kwargs=_effort_kwargs(req.reasoning.effort if req.reasoning else None),
-        **{name: getattr(req, name) for name in SamplingFields.__struct_fields__})
+        verbosity=req.text.verbosity if req.text is not None else None,
+        **{name: getattr(req, name) for name in (*SamplingFields.__struct_fields__, *HINT_FIELDS)})
 
 
 def _effort_kwargs(effort: str | None) -> dict | None:

@@ -235,6 +235,58 @@ def test_cancel_keeps_finished_results_and_expiry_fails_the_rest(demo_dir, tmp_p
     asyncio.run(expiry())
 
 
+def test_expiry_policies_the_openai_client_sends(demo_dir, tmp_path):
+    """``output_expires_after`` on batch create and ``expires_after`` on upload, as the openai client sends them
+    (JSON, and multipart fields ``expires_after[anchor]`` / ``expires_after[seconds]``): taken within OpenAI's
+    bounds (anchor created_at, 3600 to 2592000 seconds) and the batch runs; anything else is a 400 naming the
+    field. Files here are kept until deleted, so no file reports an expiry."""
+    url, server = _server(demo_dir, tmp_path)
+    seconds = random.randint(3600, 2592000)
+
+    async def scenario():
+        keys = await _tenants(url)
+        async with server:
+            acme = _client(server, keys["acme"])
+            data = _jsonl([_line("x", f"expiry {random.randrange(10**6)}", 2)])
+            f = await acme.files.create(file=("x.jsonl", io.BytesIO(data)), purpose="batch",
+                                        expires_after={"anchor": "created_at", "seconds": seconds})
+            assert f.expires_at is None and (await acme.files.content(f.id)).content == data
+            refused = {}
+            for name, policy in (("anchor", {"anchor": "last_active_at", "seconds": seconds}),
+                                 ("low", {"anchor": "created_at", "seconds": 3599}),
+                                 ("high", {"anchor": "created_at", "seconds": 2592001}),
+                                 ("missing", {"seconds": seconds})):
+                with pytest.raises(openai.BadRequestError) as err:
+                    await acme.files.create(file=("y.jsonl", io.BytesIO(data)), purpose="batch",
+                                            expires_after=policy)
+                refused["upload " + name] = err.value.body
+                with pytest.raises(openai.BadRequestError) as err:
+                    await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                              completion_window="24h", output_expires_after=policy)
+                refused["batch " + name] = err.value.body
+            with pytest.raises(openai.BadRequestError) as err:
+                await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                                          extra_body={"output_expires_after": {"anchor": "created_at",
+                                                                               "seconds": str(seconds)}})
+            refused["batch text"] = err.value.body
+            assert [x.id async for x in acme.files.list()] == [f.id]  # no refused upload was stored
+            batch = await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                                              output_expires_after={"anchor": "created_at", "seconds": seconds})
+            done = await _wait(acme, batch.id)
+            output = await acme.files.retrieve(done.output_file_id)
+            return refused, done, output
+
+    refused, done, output = asyncio.run(scenario())
+    assert done.status == "completed" and done.request_counts.completed == 1 and output.expires_at is None
+    for where, field in (("upload", "expires_after"), ("batch", "output_expires_after")):
+        for name, part in (("anchor", "anchor"), ("low", "seconds"), ("high", "seconds"), ("missing", "anchor")):
+            body = refused[f"{where} {name}"]
+            assert body["param"] == f"{field}.{part}", (where, name, body)
+        assert "3600" in refused[f"{where} low"]["message"] and "2592000" in refused[f"{where} high"]["message"]
+        assert "created_at" in refused[f"{where} anchor"]["message"], refused[f"{where} anchor"]
+    assert refused["batch text"]["param"] == "output_expires_after.seconds"
+
+
 def test_chat_batch_answers_what_live_chat_answers(demo_dir, tmp_path):
     rng = random.Random()
     url, server = _server(demo_dir, tmp_path)

@@ -219,6 +219,31 @@ def test_hostile_images_are_a_400_naming_the_part(served):
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
+def test_completions_prompt_with_the_image_placeholder_says_where_images_go(served):
+    """/v1/completions takes no images: a prompt holding the image placeholder token (spelled in the text, or its
+    id in a token-id prompt) is a 400 naming the prompt and saying to send images as chat image_url parts; a
+    prompt without it is served, and so is the next request."""
+    srv, client, model, tok, seed = served
+    rng = random.Random(seed)
+    words = "".join(rng.choice("abcdefgh ") for _ in range(6))
+
+    async def refused(prompt):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="demo", max_tokens=2, prompt=prompt)
+        return info.value.body
+
+    ids = [rng.randrange(0, 96) for _ in range(4)]
+    cases = [(f"{words}<|image_pad|>{words}", "prompt"), ([*ids, IMAGE_TOKEN, *ids], "prompt"),
+             ([words, f"<|vision_start|><|image_pad|><|vision_end|>{words}"], "prompt[1]")]
+    for prompt, param in cases:
+        body = srv.run(refused(prompt))
+        assert body["param"] == param, (prompt, body)
+        assert "image_url" in body["message"] and "/v1/chat/completions" in body["message"], body
+        assert str(IMAGE_TOKEN) in body["message"] or "<|image_pad|>" in body["message"], body
+    reply = srv.run(client.completions.create(model="demo", max_tokens=2, prompt=words))
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens == len(words)
+
+
 def test_request_limits_and_text_models():
     """Images per request and bytes per request, counted across the request's parts, refuse the part past the
     limit; a model that reads text only refuses the first image part (no engine: the refusal comes first)."""

@@ -573,3 +573,55 @@ def test_openai_agents_chat_model_with_output_type_and_forced_tools(served, tool
     assert calls and all(c in ("Oslo", "Lima") for c in calls), calls
     jsonschema.validate({"city": calls[0]}, get_weather.params_json_schema)
     assert isinstance(result.final_output, Forecast), result.final_output
+
+
+def test_openai_hints_on_chat_as_on_responses(served):
+    """The hints the openai client's chat.completions.create sends (prompt_cache_key, prompt_cache_retention,
+    safety_identifier, verbosity), as its Responses API takes them: accepted, and the greedy answer is the one
+    without them (they change nothing here); a value of the wrong type is a 400 naming the field. The client's
+    completions.create sends none of them, so /v1/completions still refuses them as unknown fields."""
+    import inspect
+
+    hints = {"prompt_cache_key": f"user-{random.randrange(10**6)}", "prompt_cache_retention": random.choice(
+        ["in_memory", "24h"]), "safety_identifier": f"{random.getrandbits(64):016x}",
+        "verbosity": random.choice(["low", "medium", "high"])}
+    sent_by_chat = inspect.signature(openai.resources.chat.completions.AsyncCompletions.create).parameters
+    sent_by_completions = inspect.signature(openai.resources.completions.AsyncCompletions.create).parameters
+    assert hints.keys() <= sent_by_chat.keys() and not hints.keys() & sent_by_completions.keys()
+    messages = [{"role": "user", "content": _words(5)}]
+
+    async def go(client):
+        plain = await client.chat.completions.create(model="demo", messages=messages, max_tokens=6, temperature=0)
+        hinted = await client.chat.completions.create(model="demo", messages=messages, max_tokens=6, temperature=0,
+                                                      **hints)
+        refused = {}
+        for field, bad in (("prompt_cache_key", random.randrange(100)), ("safety_identifier", ["x"]),
+                           ("verbosity", "loud"), ("prompt_cache_retention", "1h")):
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="demo", messages=messages, max_tokens=1,
+                                                     extra_body={field: bad})
+            refused[field] = err.value.body
+        for field, value in hints.items():
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.completions.create(model="demo", prompt="hi", max_tokens=1, extra_body={field: value})
+            refused["completions " + field] = err.value.body
+        return plain, hinted, refused
+
+    plain, hinted, refused = served.run(go)
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
+    assert hinted.usage.prompt_tokens == plain.usage.prompt_tokens
+    for field in hints:
+        assert refused[field]["param"] == field, refused[field]
+        assert refused["completions " + field]["param"] == field and "unknown field" in refused[
+            "completions " + field]["message"], refused["completions " + field]
+
+    # A Responses API request runs as the chat request carrying the same hints by the same names (its
+    # text.verbosity is chat's verbosity), so whatever the chat path makes of them, both APIs get.
+    from gateway.responses.request import decode_request
+    from gateway.responses.translate import chat_request
+
+    verbosity = hints.pop("verbosity")
+    req, items, tools = decode_request(json.dumps({"input": _words(3), "text": {"verbosity": verbosity},
+                                                   **hints}).encode())
+    chat = chat_request(req, items, tools)
+    assert {field: getattr(chat, field) for field in hints} == hints and chat.verbosity == verbosity

@@ -248,6 +248,14 @@ def test_previous_response_id_per_tenant(served):
      "input[0].encrypted_content"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "x-bad": {"$ref": "#/nope"}, "properties": {"a": {"$ref": "#/nope"}}}}}}, "text.format"),
     ({"input": []}, "input"),
+    # A message needs at least one content part (or a string), as a chat message does.
+    ({"input": [{"role": "user", "content": []}]}, "input[0].content"),
+    ({"input": [{"role": "user", "content": "a"}, {"type": "message", "role": "assistant", "content": []}]},
+     "input[1].content"),
+    # OpenAI's hints are typed as on chat: a value of another type is refused by name.
+    ({"input": "hi", "prompt_cache_key": 7}, "prompt_cache_key"),
+    ({"input": "hi", "safety_identifier": {"id": "x"}}, "safety_identifier"),
+    ({"input": "hi", "text": {"verbosity": "loud"}}, "text.verbosity"),
     # Past its bound, with or without a conversation to continue: named, not counted against the stored-response
     # cap (whose refusal would name store); an empty previous_response_id is refused, not looked up.
     ({"input": "hi", "max_output_tokens": random.randrange(2**31, 2**63)}, "max_output_tokens"),

@@ -19,9 +19,13 @@ from .helpers import cli, with_store
 
 BAD_INPUT = [
     (["--max-images-per-request", "-1"], "must be >= 0"),
-    (["--max-images-per-request", "many"], "expected a non-negative integer"),
-    (["--max-image-pixels", "-5"], "must be >= 0"),
-    (["--max-image-pixels", "1.5e6"], "expected a non-negative integer"),
+    (["--max-images-per-request", "many"], "expected an integer >= 0"),
+    # From 1, as the server's own --max-image-pixels: no image has 0 pixels (--max-images-per-request 0 refuses
+    # a tenant's images, and the message says so).
+    (["--max-image-pixels", "-5"], "--max-image-pixels: must be >= 1"),
+    (["--max-image-pixels", "0"], "--max-image-pixels: must be >= 1 or 'none', got 0 (pixels of one decoded image); "
+                                  "to refuse the tenant's images, set --max-images-per-request 0"),
+    (["--max-image-pixels", "1.5e6"], "expected an integer >= 1"),
 ]
 
 
@@ -79,10 +83,20 @@ def test_image_limits_set_read_and_refused(db_url, capsys):
     # the store's own check, for a caller that is not the command line, and the database's
     with pytest.raises(Exception, match="max_image_pixels must be a non-negative integer"):
         with_store(db_url, lambda store: store.set_quota("acme", max_image_pixels=-3))
+    with pytest.raises(Exception, match="max_image_pixels must be at least 1"):
+        with_store(db_url, lambda store: store.set_quota("acme", max_image_pixels=0))
     for column in ("max_images_per_request", "max_image_pixels"):
         with pytest.raises(Exception, match=f"ck_quotas_{column}|CHECK constraint"):
             _rows(db_url, f"UPDATE quotas SET {column} = -1")
     assert cli(capsys, db_url, "admin", "quota", "show", "acme", as_json=True)[1] == before
+
+
+def test_image_limits_at_the_server_flags_lower_bounds(db_url, capsys):
+    """The least each image limit takes is the least the server's own flag takes: 1 pixel, 0 images."""
+    cli(capsys, db_url, "admin", "tenant", "create", "acme")
+    code, out, _ = cli(capsys, db_url, "admin", "quota", "set", "acme", "--max-image-pixels", "1",
+                       "--max-images-per-request", "0", as_json=True)
+    assert code == 0 and (out["max_image_pixels"], out["max_images_per_request"]) == (1, 0)
 
 
 async def _read(store, server: ImageLimits) -> ImageLimits:
