@@ -179,6 +179,18 @@ def test_encoder_cache_evicts_least_recently_used():
     assert len(cache) == 2 and cache.evictions == 1
 
 
+def _one_picture(model, seed: int, n: int, max_new: int):
+    """A random picture, ``n`` prompts with it, transformers' ``max_new`` greedy tokens for each, and the tower's
+    token-blocks over it: patches x (the patch embedding, each block)."""
+    rng = random.Random(seed)
+    pic = random_image(torch.Generator().manual_seed(seed), rng.randint(24, 40), rng.randint(24, 40))
+    processed = process_image(pic, IMAGE_CONFIG)
+    prompts = [with_images(rng, [processed]) for _ in range(n)]
+    t, h, w = processed.grid_thw
+    return (pic, prompts, [hf_greedy(model, p, [processed], max_new) for p in prompts],
+            t * h * w * (1 + len(model.model.visual.blocks)))
+
+
 @pytest.mark.parametrize("images_a_step", [0.1, 1.5])
 def test_requests_sent_together_with_one_image_encode_it_once(qwen3_vl_checkpoint, images_a_step):
     """Layer-chunked encoding, a step's budget a tenth of the image's tower (spread over steps) or one and a half
@@ -186,14 +198,7 @@ def test_requests_sent_together_with_one_image_encode_it_once(qwen3_vl_checkpoin
     same picture (a Batch API job over one document) run the tower over it once per tenant: the first to begin
     it encodes it, the others wait and read the encoder cache; each gets transformers' tokens."""
     path, model, seed = qwen3_vl_checkpoint
-    rng = random.Random(seed + 3)
-    gen = torch.Generator().manual_seed(seed + 3)
-    pic = random_image(gen, rng.randint(24, 40), rng.randint(24, 40))
-    processed = process_image(pic, IMAGE_CONFIG)
-    prompts = [with_images(rng, [processed]) for _ in range(4)]
-    expected = [hf_greedy(model, p, [processed], 4) for p in prompts]
-    t, h, w = processed.grid_thw
-    token_blocks = t * h * w * (1 + len(model.model.visual.blocks))  # patches x (the patch embedding, each block)
+    pic, prompts, expected, token_blocks = _one_picture(model, seed + 3, 4, 4)
     llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=64,
               max_num_encoder_token_blocks=max(1, int(images_a_step * token_blocks)), encoder_cache_gb=0.001)
     calls = _tower_calls(llm)
@@ -209,3 +214,26 @@ def test_requests_sent_together_with_one_image_encode_it_once(qwen3_vl_checkpoin
             got[out.request_id] += out.token_ids
     assert [got[str(i)] for i in range(4)] == expected, f"seed={seed}"
     assert len(calls) == 2, f"one tower run per tenant, got {len(calls)} (seed={seed})"
+
+
+def test_with_no_encoder_cache_requests_with_one_image_do_not_wait_for_each_other(qwen3_vl_checkpoint):
+    """``encoder_cache_gb`` 0, layer-chunked with a budget of three images' towers a step: three requests sent at
+    once with the same picture each run the tower over it in the first step (none waits for another's encoding,
+    which it could not read back), and each gets transformers' tokens."""
+    path, model, seed = qwen3_vl_checkpoint
+    pic, prompts, expected, token_blocks = _one_picture(model, seed + 5, 3, 3)
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=256,
+              max_num_encoder_token_blocks=3 * token_blocks, encoder_cache_gb=0)
+    assert llm.engine.scheduler.config.encoder_cache_keeps is False
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(prompt, params, request_id=str(i), images=[pic])
+    got = {str(i): [] for i in range(3)}
+    encoded_first_step = None
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            got[out.request_id] += out.token_ids
+        if encoded_first_step is None:
+            encoded_first_step = llm.engine.model.encoder_cache.misses
+    assert [got[str(i)] for i in range(3)] == expected, f"seed={seed}"
+    assert encoded_first_step == 3, f"seed={seed}"
