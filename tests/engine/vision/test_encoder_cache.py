@@ -191,16 +191,19 @@ def _one_picture(model, seed: int, n: int, max_new: int):
             t * h * w * (1 + len(model.model.visual.blocks)))
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("images_a_step", [0.1, 1.5])
-def test_requests_sent_together_with_one_image_encode_it_once(qwen3_vl_checkpoint, images_a_step):
+def test_requests_sent_together_with_one_image_encode_it_once(qwen3_vl_checkpoint, images_a_step, overlap):
     """Layer-chunked encoding, a step's budget a tenth of the image's tower (spread over steps) or one and a half
     of it (one request's whole image and the start of the next one's in a step): requests sent at once with the
     same picture (a Batch API job over one document) run the tower over it once per tenant: the first to begin
-    it encodes it, the others wait and read the encoder cache; each gets transformers' tokens."""
+    it encodes it, the others wait and read the encoder cache (with steps overlapped too, where the next step is
+    planned before the tower's last piece runs); each gets transformers' tokens."""
     path, model, seed = qwen3_vl_checkpoint
     pic, prompts, expected, token_blocks = _one_picture(model, seed + 3, 4, 4)
     llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=64,
-              max_num_encoder_token_blocks=max(1, int(images_a_step * token_blocks)), encoder_cache_gb=0.001)
+              max_num_encoder_token_blocks=max(1, int(images_a_step * token_blocks)), encoder_cache_gb=0.001,
+              overlap_scheduling=overlap)
     calls = _tower_calls(llm)
     tenants = [RequestPolicy(tenant=t, cache_salt=f"salt-of-{t}") for t in ("alice", "alice", "bob", "alice")]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
