@@ -240,3 +240,39 @@ def test_with_no_encoder_cache_requests_with_one_image_do_not_wait_for_each_othe
             encoded_first_step = llm.engine.model.encoder_cache.misses
     assert [got[str(i)] for i in range(3)] == expected, f"seed={seed}"
     assert encoded_first_step == 3, f"seed={seed}"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_an_image_read_from_the_cache_is_not_evicted_by_a_piece_of_the_same_step(qwen3_vl_checkpoint, overlap):
+    """Layer-chunked, an encoder cache that holds one image's features and not two: a request whose picture the
+    cache holds (planned to read it: no tower work for it) and one whose picture of the same size is encoded in
+    the same step. The second's features go in the cache before the forward reads the first's, evicting them: the
+    first must still read its features, not run the whole tower inside the forward (past the step's budget)."""
+    path, model, seed = qwen3_vl_checkpoint
+    rng = random.Random(seed + 7)
+    gen = torch.Generator().manual_seed(seed + 7)
+    width, height = rng.randint(24, 40), rng.randint(24, 40)
+    pics = [random_image(gen, width, height) for _ in range(2)]
+    processed = [process_image(p, IMAGE_CONFIG) for p in pics]
+    prompts = [with_images(rng, processed[:1]) for _ in range(2)] + [with_images(rng, processed[1:])]
+    prompts.append(with_images(rng, processed[:1]))  # the first picture again, after other text: no prefix hit
+    expected = [hf_greedy(model, p, im, 3) for p, im in zip(prompts, [processed[:1]] * 2 + [processed[1:]])]
+    t, h, w = processed[0].grid_thw
+    token_blocks = t * h * w * (1 + len(model.model.visual.blocks))
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=256,
+              max_num_encoder_token_blocks=2 * token_blocks, encoder_cache_gb=0.01, overlap_scheduling=overlap)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    assert _run(llm, prompts[0], pics[:1], RequestPolicy(), 3) == expected[0]
+    one = llm.engine.model.encoder_cache.bytes_used
+    llm.engine.model.encoder_cache = cache = EncoderCache(one * 3 // 2)  # one image's features, not two
+    _run(llm, prompts[3], pics[:1], RequestPolicy(), 3)  # in the cache again
+    assert len(cache) == 1
+    calls = _tower_calls(llm)
+    for i in (1, 2):
+        llm.engine.add_request(prompts[i], params, request_id=str(i), images=pics[i - 1:i])
+    got = {"1": [], "2": []}
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            got[out.request_id] += out.token_ids
+    assert [got["1"], got["2"]] == expected[1:], f"seed={seed}"
+    assert len(calls) == 1, f"the tower ran {len(calls)} times, the second picture's only expected (seed={seed})"
