@@ -3,7 +3,8 @@ random) against transformers' greedy tokens: an image sent again by the same ten
 tower's calls counted, and the engine's Prometheus counters), another tenant's same image is encoded for it; a
 request with several images under a small encoder budget is encoded over several steps while a text-only request
 decodes a token every step; encoded bytes a tenant sent before are not even preprocessed again while the cache
-holds their features."""
+holds their features. Layer-chunked: requests sent together with one picture run the tower over it once (each
+their own without a cache), and a step's pieces never evict the features that step reads from the cache."""
 
 import io
 import random
