@@ -41,7 +41,8 @@ class EngineConfig:
     image passes the budget); an image is encoded a few blocks a step, and its request's
     prefill reaches it once its last block has run (its first token comes later: text streams' tokens do not
     wait for a whole image). Replaces ``max_num_encoder_tokens``. Default: counted from the model, the tower work
-    that costs about a quarter of a ``max_num_batched_tokens`` prompt chunk (``engine.models.encoder_budget``; a
+    that costs about a quarter of a ``max_num_batched_tokens`` prompt chunk (a decode engine's:
+    ``decode_prefill_chunk_tokens``; ``engine.models.encoder_budget``; a
     served model's usual images then run whole in one step, a large one over a few); 0, or setting
     ``max_num_encoder_tokens`` alone: off, whole images"""
     encoder_cache_gb: float = 1.0
@@ -397,6 +398,9 @@ class SchedulerConfig:
     max_num_encoder_token_blocks: int | None = None
     encoder_stages: int = 1
     encoder_patches_per_token: int = 1
+    # Whether the encoder cache keeps anything (False: ``encoder_cache_gb`` 0): layer-chunked, a request then never
+    # waits for another's encoding of its picture, which it could not read back.
+    encoder_cache_keeps: bool = True
     # A request unserved this long (waiting, preempted, or running without tokens) is promoted ahead of every
     # class until it ends (None: never): strict priority and the background caps cannot starve anyone forever.
     # The engine passes ``EngineConfig.starvation_bound_s``.

@@ -40,8 +40,10 @@ class EncoderPiece:
 
 ImageKey = tuple[bytes, "str | None"]  # (the pixels' digest, the tenant's cache salt): the encoder cache's key
 
-# Plans an image finished in stays owned for (its tower runs after its plan; with overlapped scheduling the next
-# step is planned before it runs), so that a request waiting for it finds it in the encoder cache.
+# Plans an image stays owned for after its owner last advanced it: after its last pass, so that a request waiting
+# for it finds it in the encoder cache (its tower runs after its plan; with overlapped scheduling the next step is
+# planned before it runs); before, so that a waiter takes over from an owner that stopped advancing it (one that
+# cannot be admitted while the waiters hold the slots, or a background request held back by foreground work).
 FINISHING_PLANS = 2
 
 
@@ -52,29 +54,30 @@ class EncoderSteps:
 
     One image in progress per key: a request whose image another request is encoding (the same pixels, the same
     cache salt) waits for that one to finish and then reads the encoder cache, as whole images do within a step,
-    so requests sent together with one document run the tower over it once."""
+    so requests sent together with one document run the tower over it once. It waits only while the owner
+    advances the image (in this plan or the last ``FINISHING_PLANS - 1``); an owner that stops (not scheduled:
+    waiting for a slot, held back by its class) loses the image to the first request that plans it then, which
+    begins it itself, so no request waits for work that is not being done. With ``share`` False (an encoder cache
+    that keeps nothing, where a waiter would find nothing to read) no request waits."""
 
-    def __init__(self, token_blocks: int, depth: int, patches_per_token: int) -> None:
+    def __init__(self, token_blocks: int, depth: int, patches_per_token: int, share: bool = True) -> None:
         assert token_blocks >= 1 and depth >= 1 and patches_per_token >= 1
         self.token_blocks, self.depth, self.patches_per_token = token_blocks, depth, patches_per_token
+        self.share = share
         self.used = 0  # passes this step's pieces take so far (two a token-block)
         self.pieces: list[EncoderPiece] = []
-        self.owners: dict[ImageKey, str] = {}  # image -> the request encoding it
-        self._finishing: list[tuple[int, ImageKey, str]] = []  # (plan, image, owner) of images finished
+        self.owners: dict[ImageKey, tuple[str, int]] = {}  # image -> (the request encoding it, the plan it last ran in)
         self._plans = 0
 
     def begin_step(self) -> None:
         self.used, self.pieces = 0, []
         self._plans += 1
-        done = [f for f in self._finishing if f[0] <= self._plans - FINISHING_PLANS]
-        for _, key, owner in done:
-            if self.owners.get(key) == owner:
-                del self.owners[key]
-        self._finishing = self._finishing[len(done):]
+        for key in [k for k, (_, plan) in self.owners.items() if plan <= self._plans - FINISHING_PLANS]:
+            del self.owners[key]  # finished, or its owner stopped advancing it: a waiter may begin it
 
     def release(self, request_id: str) -> None:
         """A request finished or preempted: the images it was encoding are no one's (another may begin them)."""
-        for key in [k for k, owner in self.owners.items() if owner == request_id]:
+        for key in [k for k, (owner, _) in self.owners.items() if owner == request_id]:
             del self.owners[key]
 
     def total(self, request: Request, image: int) -> int:
@@ -92,7 +95,7 @@ class EncoderSteps:
             if not tokens:
                 continue
             key = (request.images[i].digest, request.policy.cache_salt)
-            if self.owners.get(key, request.request_id) != request.request_id:
+            if self.owners.get(key, (request.request_id,))[0] != request.request_id:
                 return max(request.images[i].offset - start, 0), pieces  # another request is encoding it
             done, total = request.encoder_blocks.get(i, 0), self.total(request, i)
             k = min(total - done, 2 * self.token_blocks - used)
@@ -112,7 +115,7 @@ class EncoderSteps:
             request = piece.request
             request.encoder_blocks[piece.image] = piece.end
             key = (request.images[piece.image].digest, request.policy.cache_salt)
-            self.owners[key] = request.request_id
+            if self.share:
+                self.owners[key] = (request.request_id, self._plans)
             if piece.end == piece.total:
                 request.encoded_images.add(piece.image)
-                self._finishing.append((self._plans, key, request.request_id))

@@ -1,9 +1,10 @@
 """The default budget of layer-chunked image encoding: how much vision-tower work one step runs when the operator
 sets none (``EngineConfig.max_num_encoder_token_blocks`` left unset).
 
-A step's prompt chunk is bounded by ``max_num_batched_tokens``, so a long prompt lengthens the running streams'
-steps by one chunk at most; the tower is bounded the same way, by what it costs against the text model. The
-cost of one token through the text layers and of one token-block (one patch through one tower block) are counted
+A step's prompt chunk is bounded by ``max_num_batched_tokens`` (a decode engine's own prefills by
+``decode_prefill_chunk_tokens``: ``engine.ranks.rank_builder.encoder_token_blocks`` passes the chunk), so a long
+prompt lengthens the running streams' steps by one chunk at most; the tower is bounded the same way, by what it
+costs against the text model. The cost of one token through the text layers and of one token-block (one patch through one tower block) are counted
 in the multiply-adds of their weights, the routed experts at the share a token visits (``top_k`` of the
 experts); embeddings and the LM head are left out (a prompt chunk reads the head for its last token only). The
 budget is the token-blocks worth ``TOWER_SHARE`` of a full chunk: a tower's operations run at a lower efficiency
@@ -40,10 +41,10 @@ def matrix_multiply_adds(module: nn.Module) -> int:
     return int(total)
 
 
-def auto_token_blocks(text_layers: nn.Module, tower_block: nn.Module, max_num_batched_tokens: int) -> int:
-    """Token-blocks a step's tower work may take by default: ``TOWER_SHARE`` of a chunk of
-    ``max_num_batched_tokens`` prompt tokens through ``text_layers`` (the rank's decoder layers), in multiply-adds
-    of ``tower_block`` (one block of the tower: every block and the patch embedding count as one), at least 1."""
+def auto_token_blocks(text_layers: nn.Module, tower_block: nn.Module, chunk_tokens: int) -> int:
+    """Token-blocks a step's tower work may take by default: ``TOWER_SHARE`` of a chunk of ``chunk_tokens`` prompt
+    tokens (the longest a step takes) through ``text_layers`` (the rank's decoder layers), in multiply-adds of
+    ``tower_block`` (one block of the tower: every block and the patch embedding count as one), at least 1."""
     per_token = matrix_multiply_adds(text_layers)
     per_block = max(matrix_multiply_adds(tower_block), 1)
-    return max(1, round(TOWER_SHARE * max_num_batched_tokens * per_token / per_block))
+    return max(1, round(TOWER_SHARE * chunk_tokens * per_token / per_block))

@@ -134,22 +134,42 @@ class ImageFeatures(abc.ABC):
             image, policy = request.images[i], request.policy
             self.encoder_cache.put(image.digest, policy.cache_salt, done, policy.tenant, policy.cache_share)
 
-    def image_features(self, request: Request, i: int) -> VisionFeatures:
-        """Image ``i`` of ``request``: kept for the request, else from the encoder cache, else encoded now."""
+    def take_cached(self, parts: list[ScheduledRequest], pieces: list[EncoderPiece]) -> None:
+        """Rank 0, before a step's ``pieces``: the features the step's chunks read from the encoder cache, kept
+        for their requests now, so that the features the pieces put in the cache cannot evict them first (the
+        forward would then run the whole tower over them, past the step's encoder budget)."""
+        encoding = {(p.request.request_id, p.image) for p in pieces}
+        for part in parts:
+            request = part.request
+            if request is None or not request.images:
+                continue
+            for i, image in enumerate(request.images):
+                if image.offset < part.start + part.num_new_tokens and image.end > part.start \
+                        and (request.request_id, i) not in encoding \
+                        and (image.digest, request.policy.cache_salt) in self.encoder_cache:
+                    self._from_cache(request, i)
+
+    def _from_cache(self, request: Request, i: int) -> VisionFeatures | None:
+        """Image ``i`` of ``request``: kept for the request, else read from the encoder cache (None: it misses)."""
         feats = self._features.setdefault(request.request_id, [None] * len(request.images))
         if feats[i] is None:
             # a part-way state left over (the cache came to hold the image meanwhile): the cache's is used
             self._partial.pop((request.request_id, i), None)
             image, policy = request.images[i], request.policy
-            device = self.model.embed_tokens.weight.device
-            feats[i] = self.encoder_cache.get(image.digest, policy.cache_salt, device)
-            if feats[i] is None:
-                # its pixels are ready (the scheduler waited for them: ``image_ready``), unless the cache held the
-                # image when the step was planned and dropped it since (then they are preprocessed here)
-                feats[i] = self.encode(pixels_of(image.pixels))
-                # held to the tenant's share of the cache (its quota's cache share, else the engine's flag)
-                self.encoder_cache.put(image.digest, policy.cache_salt, feats[i], policy.tenant, policy.cache_share)
+            feats[i] = self.encoder_cache.get(image.digest, policy.cache_salt, self.model.embed_tokens.weight.device)
         return feats[i]
+
+    def image_features(self, request: Request, i: int) -> VisionFeatures:
+        """Image ``i`` of ``request``: kept for the request, else from the encoder cache, else encoded now."""
+        feats = self._from_cache(request, i)
+        if feats is None:
+            image, policy = request.images[i], request.policy
+            # its pixels are ready (the scheduler waited for them: ``image_ready``), unless the cache held the
+            # image when the step was planned and dropped it since (then they are preprocessed here)
+            feats = self._features[request.request_id][i] = self.encode(pixels_of(image.pixels))
+            # held to the tenant's share of the cache (its quota's cache share, else the engine's flag)
+            self.encoder_cache.put(image.digest, policy.cache_salt, feats, policy.tenant, policy.cache_share)
+        return feats
 
     def image_rows(self, part: ScheduledRequest, a: int,
                    b: int) -> Iterator[tuple[torch.Tensor, VisionFeatures, slice]]:

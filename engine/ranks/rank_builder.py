@@ -90,12 +90,12 @@ def build_scheduler(config: EngineConfig, rank: BuiltRank) -> Scheduler:
             background_token_budget=config.background_token_budget,
             background_window_s=config.background_window_s,
             starvation_bound_s=config.starvation_bound_s,
-            # A decode engine's own prefills share steps with its streams: short chunks keep those steps short.
-            prefill_chunk_tokens=config.decode_prefill_chunk_tokens if config.role == "decode" else 0,
+            prefill_chunk_tokens=_prefill_chunk_cap(config),
             max_num_encoder_tokens=(config.max_num_encoder_tokens or config.max_num_batched_tokens)
             if rank.model.takes_images else None,
             max_num_encoder_token_blocks=encoder_token_blocks(config, rank.model),
-            **(dict(zip(("encoder_stages", "encoder_patches_per_token"), rank.model.encoder_shape))
+            **(dict(zip(("encoder_stages", "encoder_patches_per_token"), rank.model.encoder_shape),
+                    encoder_cache_keeps=rank.model.encoder_cache.capacity_bytes > 0)
                if rank.model.takes_images else {}),
         ),
         rank.cache_config,
@@ -107,16 +107,24 @@ def build_scheduler(config: EngineConfig, rank: BuiltRank) -> Scheduler:
     )
 
 
+def _prefill_chunk_cap(config: EngineConfig) -> int:
+    """A request's prompt tokens a step, at most (0: as many as ``max_num_batched_tokens``). A decode engine's
+    own prefills share steps with its streams: short chunks keep those steps short."""
+    return config.decode_prefill_chunk_tokens if config.role == "decode" else 0
+
+
 def encoder_token_blocks(config: EngineConfig, model: MoECausalLM) -> int | None:
     """The layer-chunked encoding budget of rank 0's steps, in token-blocks (None: whole images, bounded by
     ``max_num_encoder_tokens``): the operator's, else, unless they set ``max_num_encoder_tokens`` alone (whole
-    images then), the default counted from the model (``engine.models.encoder_budget``); 0 turns it off."""
+    images then), the default counted from the model (``engine.models.encoder_budget``) against the longest
+    prompt chunk a step takes (a decode engine's are capped: ``_prefill_chunk_cap``); 0 turns it off."""
     asked = config.max_num_encoder_token_blocks
     if not model.takes_images or asked == 0 or (asked is None and config.max_num_encoder_tokens is not None):
         return None
     if asked is not None:
         return asked
-    return auto_token_blocks(model.model.layers, model.tower_block, config.max_num_batched_tokens)
+    chunk = min(_prefill_chunk_cap(config) or config.max_num_batched_tokens, config.max_num_batched_tokens)
+    return auto_token_blocks(model.model.layers, model.tower_block, chunk)
 
 
 def check_kernels(kernels: KernelChoice) -> None:

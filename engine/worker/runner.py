@@ -147,8 +147,10 @@ class ModelRunner:
     def encode_pieces(self, plan: SchedulerOutput) -> None:
         """Before the step's forward (rank 0, whose plans carry them): the vision tower work the plan runs for
         images encoded a few blocks (or rows of a block) a step (``engine.core.encoder_pieces``); the other ranks
-        receive only finished features, with the steps that read them."""
+        receive only finished features, with the steps that read them. First the features the step reads from
+        the encoder cache are taken, which that work's own entries could evict."""
         if plan.encoder_pieces:
+            self.model.take_cached(plan.scheduled, plan.encoder_pieces)
             self.model.encode_pieces(plan.encoder_pieces)
 
     def move_tier_blocks(self, plan: SchedulerOutput) -> None:

@@ -4,14 +4,17 @@ transformers' own modules of the same checkpoint; which settings turn it off; 4-
 their logical shape."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from engine.core.config import EngineConfig
 from engine.layers.moe import SparseMoeBlock
 from engine.llm_engine import LLMEngine
 from engine.models.encoder_budget import TOWER_SHARE, matrix_multiply_adds
+from engine.ranks.rank_builder import encoder_token_blocks
 from moe_kernels.quant import QuantScheme
 from moe_kernels.routing_spec import RoutingSpec
 
@@ -65,3 +68,19 @@ def test_packed_experts_count_as_their_logical_shape(method):
     block.experts.quantize_(QuantScheme(method))
     assert block.experts.w13.dtype != torch.float32
     assert matrix_multiply_adds(block) == want
+
+
+@pytest.mark.parametrize("role, chunk_cap", [("both", 0), ("decode", 0), ("decode", 24), ("decode", 5000)])
+def test_a_decode_engine_counts_its_budget_from_its_own_prompt_chunks(role, chunk_cap):
+    """A decode engine's own prefills take at most ``decode_prefill_chunk_tokens`` a step (so its streams' steps stay
+    short): its default tower budget is a quarter of that chunk's work, not of a ``max_num_batched_tokens`` one."""
+    rng = random.Random()
+    hidden, inner, width = rng.randint(4, 16), rng.randint(4, 16), rng.randint(2, 8)
+    text = nn.ModuleList([nn.Linear(hidden, inner), nn.Linear(inner, hidden)])  # 2 * hidden * inner a token
+    model = SimpleNamespace(takes_images=True, model=SimpleNamespace(layers=text), tower_block=nn.Linear(width, width))
+    config = EngineConfig(model="unused", role=role, max_num_batched_tokens=rng.randint(100, 4000),
+                          decode_prefill_chunk_tokens=chunk_cap)
+    chunk = min(chunk_cap, config.max_num_batched_tokens) if role == "decode" and chunk_cap else \
+        config.max_num_batched_tokens
+    want = max(1, round(TOWER_SHARE * chunk * 2 * hidden * inner / (width * width)))
+    assert encoder_token_blocks(config, model) == want

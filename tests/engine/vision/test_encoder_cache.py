@@ -3,7 +3,8 @@ random) against transformers' greedy tokens: an image sent again by the same ten
 tower's calls counted, and the engine's Prometheus counters), another tenant's same image is encoded for it; a
 request with several images under a small encoder budget is encoded over several steps while a text-only request
 decodes a token every step; encoded bytes a tenant sent before are not even preprocessed again while the cache
-holds their features."""
+holds their features. Layer-chunked: requests sent together with one picture run the tower over it once (each
+their own without a cache), and a step's pieces never evict the features that step reads from the cache."""
 
 import io
 import random
@@ -179,23 +180,31 @@ def test_encoder_cache_evicts_least_recently_used():
     assert len(cache) == 2 and cache.evictions == 1
 
 
+def _one_picture(model, seed: int, n: int, max_new: int):
+    """A random picture, ``n`` prompts with it, transformers' ``max_new`` greedy tokens for each, and the tower's
+    token-blocks over it: patches x (the patch embedding, each block)."""
+    rng = random.Random(seed)
+    pic = random_image(torch.Generator().manual_seed(seed), rng.randint(24, 40), rng.randint(24, 40))
+    processed = process_image(pic, IMAGE_CONFIG)
+    prompts = [with_images(rng, [processed]) for _ in range(n)]
+    t, h, w = processed.grid_thw
+    return (pic, prompts, [hf_greedy(model, p, [processed], max_new) for p in prompts],
+            t * h * w * (1 + len(model.model.visual.blocks)))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("images_a_step", [0.1, 1.5])
-def test_requests_sent_together_with_one_image_encode_it_once(qwen3_vl_checkpoint, images_a_step):
+def test_requests_sent_together_with_one_image_encode_it_once(qwen3_vl_checkpoint, images_a_step, overlap):
     """Layer-chunked encoding, a step's budget a tenth of the image's tower (spread over steps) or one and a half
     of it (one request's whole image and the start of the next one's in a step): requests sent at once with the
     same picture (a Batch API job over one document) run the tower over it once per tenant: the first to begin
-    it encodes it, the others wait and read the encoder cache; each gets transformers' tokens."""
+    it encodes it, the others wait and read the encoder cache (with steps overlapped too, where the next step is
+    planned before the tower's last piece runs); each gets transformers' tokens."""
     path, model, seed = qwen3_vl_checkpoint
-    rng = random.Random(seed + 3)
-    gen = torch.Generator().manual_seed(seed + 3)
-    pic = random_image(gen, rng.randint(24, 40), rng.randint(24, 40))
-    processed = process_image(pic, IMAGE_CONFIG)
-    prompts = [with_images(rng, [processed]) for _ in range(4)]
-    expected = [hf_greedy(model, p, [processed], 4) for p in prompts]
-    t, h, w = processed.grid_thw
-    token_blocks = t * h * w * (1 + len(model.model.visual.blocks))  # patches x (the patch embedding, each block)
+    pic, prompts, expected, token_blocks = _one_picture(model, seed + 3, 4, 4)
     llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=64,
-              max_num_encoder_token_blocks=max(1, int(images_a_step * token_blocks)), encoder_cache_gb=0.001)
+              max_num_encoder_token_blocks=max(1, int(images_a_step * token_blocks)), encoder_cache_gb=0.001,
+              overlap_scheduling=overlap)
     calls = _tower_calls(llm)
     tenants = [RequestPolicy(tenant=t, cache_salt=f"salt-of-{t}") for t in ("alice", "alice", "bob", "alice")]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -209,3 +218,62 @@ def test_requests_sent_together_with_one_image_encode_it_once(qwen3_vl_checkpoin
             got[out.request_id] += out.token_ids
     assert [got[str(i)] for i in range(4)] == expected, f"seed={seed}"
     assert len(calls) == 2, f"one tower run per tenant, got {len(calls)} (seed={seed})"
+
+
+def test_with_no_encoder_cache_requests_with_one_image_do_not_wait_for_each_other(qwen3_vl_checkpoint):
+    """``encoder_cache_gb`` 0, layer-chunked with a budget of three images' towers a step: three requests sent at
+    once with the same picture each run the tower over it in the first step (none waits for another's encoding,
+    which it could not read back), and each gets transformers' tokens."""
+    path, model, seed = qwen3_vl_checkpoint
+    pic, prompts, expected, token_blocks = _one_picture(model, seed + 5, 3, 3)
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=256,
+              max_num_encoder_token_blocks=3 * token_blocks, encoder_cache_gb=0)
+    assert llm.engine.scheduler.config.encoder_cache_keeps is False
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(prompt, params, request_id=str(i), images=[pic])
+    got = {str(i): [] for i in range(3)}
+    encoded_first_step = None
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            got[out.request_id] += out.token_ids
+        if encoded_first_step is None:
+            encoded_first_step = llm.engine.model.encoder_cache.misses
+    assert [got[str(i)] for i in range(3)] == expected, f"seed={seed}"
+    assert encoded_first_step == 3, f"seed={seed}"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_an_image_read_from_the_cache_is_not_evicted_by_a_piece_of_the_same_step(qwen3_vl_checkpoint, overlap):
+    """Layer-chunked, an encoder cache that holds one image's features and not two: a request whose picture the
+    cache holds (planned to read it: no tower work for it) and one whose picture of the same size is encoded in
+    the same step. The second's features go in the cache before the forward reads the first's, evicting them: the
+    first must still read its features, not run the whole tower inside the forward (past the step's budget)."""
+    path, model, seed = qwen3_vl_checkpoint
+    rng = random.Random(seed + 7)
+    gen = torch.Generator().manual_seed(seed + 7)
+    width, height = rng.randint(24, 40), rng.randint(24, 40)
+    pics = [random_image(gen, width, height) for _ in range(2)]
+    processed = [process_image(p, IMAGE_CONFIG) for p in pics]
+    prompts = [with_images(rng, processed[:1]) for _ in range(2)] + [with_images(rng, processed[1:])]
+    prompts.append(with_images(rng, processed[:1]))  # the first picture again, after other text: no prefix hit
+    expected = [hf_greedy(model, p, im, 3) for p, im in zip(prompts, [processed[:1]] * 2 + [processed[1:]])]
+    t, h, w = processed[0].grid_thw
+    token_blocks = t * h * w * (1 + len(model.model.visual.blocks))
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=96, block_size=4, max_num_batched_tokens=256,
+              max_num_encoder_token_blocks=2 * token_blocks, encoder_cache_gb=0.01, overlap_scheduling=overlap)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    assert _run(llm, prompts[0], pics[:1], RequestPolicy(), 3) == expected[0]
+    one = llm.engine.model.encoder_cache.bytes_used
+    llm.engine.model.encoder_cache = cache = EncoderCache(one * 3 // 2)  # one image's features, not two
+    _run(llm, prompts[3], pics[:1], RequestPolicy(), 3)  # in the cache again
+    assert len(cache) == 1
+    calls = _tower_calls(llm)
+    for i in (1, 2):
+        llm.engine.add_request(prompts[i], params, request_id=str(i), images=pics[i - 1:i])
+    got = {"1": [], "2": []}
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            got[out.request_id] += out.token_ids
+    assert [got["1"], got["2"]] == expected[1:], f"seed={seed}"
+    assert len(calls) == 1, f"the tower ran {len(calls)} times, the second picture's only expected (seed={seed})"
