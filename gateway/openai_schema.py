@@ -232,6 +232,35 @@ Verbosity = Literal["low", "medium", "high"]  # GPT-5's length hint
 HINT_FIELDS = ("prompt_cache_key", "prompt_cache_retention", "safety_identifier")
 
 
+class PromptCacheOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's ``prompt_cache_options`` as chat takes them (the Responses API's add to them): checked, and
+    accepted without effect. This server's prefix cache is always on, per tenant, and keeps every full block it
+    can (``mode: "explicit"`` does not switch it off, nor does ``ttl`` set how long blocks stay); caching never
+    changes an answer, only how soon it starts."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
+# Safety controls of OpenAI's API that the openai client sends and this server cannot honour, and why: a
+# request that asks for one is refused by name (``check_safety_controls``) rather than answered as if the
+# control had run. null asks for nothing and is taken.
+SAFETY_CONTROLS: dict[str, str] = {
+    "moderation": "moderation is not offered by this server: no moderation model runs here, so neither the "
+                  "input nor the output would be checked; remove the field (or send null), and moderate in the "
+                  "client or with a separate moderation service if you need it",
+    "access_programs": "access programs are not offered by this server: it has no gated access tiers to select; "
+                       "remove the field (or send null)",
+}
+
+
+def check_safety_controls(req: msgspec.Struct) -> None:
+    """400 naming the first safety control (``SAFETY_CONTROLS``) the request declares and asks for."""
+    for field, why in SAFETY_CONTROLS.items():
+        if getattr(req, field, None) is not None:
+            raise APIError(400, why, param=field, code="unsupported_parameter")
+
+
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     logprobs: bool | None = None
@@ -247,11 +276,13 @@ class ChatCompletionRequest(_Common, kw_only=True):
     # A template for this request instead of the checkpoint's (vLLM's extension): see chat_plan.
     chat_template: str | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # gpt-oss's (harmony's system message)
-    # OpenAI's hints (HINT_FIELDS, verbosity): accepted, not used.
+    # OpenAI's hints (HINT_FIELDS, verbosity, prompt_cache_options): accepted, not used.
     prompt_cache_key: str | None = None
     prompt_cache_retention: PromptCacheRetention | None = None
     safety_identifier: str | None = None
     verbosity: Verbosity | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    moderation: Any = None  # SAFETY_CONTROLS: null only
 
 
 def error_param(err: msgspec.ValidationError) -> str | None:
@@ -311,6 +342,7 @@ def decode_body(body: bytes, cls):
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if isinstance(req, _Common):
         check_implemented(req, CHAT_NOT_IMPLEMENTED if isinstance(req, ChatCompletionRequest) else NOT_IMPLEMENTED)
+    check_safety_controls(req)
     check_nesting(req)  # before any recursive code (templates, json.dumps, the grammar compiler) reads it
     return req
 

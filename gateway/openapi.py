@@ -4,7 +4,9 @@ import msgspec
 
 from gateway.batch.batches import CreateBatch
 from gateway.batch.files import MAX_EXPIRY_S, MIN_EXPIRY_S, FileExpiry
-from gateway.openai_schema import CHAT_NOT_IMPLEMENTED, NOT_IMPLEMENTED, ChatCompletionRequest, CompletionRequest
+from gateway.openai_schema import (
+    CHAT_NOT_IMPLEMENTED, NOT_IMPLEMENTED, SAFETY_CONTROLS, ChatCompletionRequest, CompletionRequest,
+)
 from gateway.responses.request import ITEM_TYPES, UNSUPPORTED, FunctionTool, ResponsesRequest
 from gateway.tokenization import DetokenizeRequest, TokenizeRequest
 
@@ -54,6 +56,11 @@ def openapi_document(version: str) -> dict:
     properties["tools"]["anyOf"][0]["items"] = tool
     for field, nothing in UNSUPPORTED.items():
         properties[field] = {"enum": [None, *nothing], "description": "not supported: leave it out"}
+    for name in ("ChatCompletionRequest", "ResponsesRequest"):
+        properties = components[name]["properties"]
+        for field, why in SAFETY_CONTROLS.items():  # declared to refuse them by name: null only
+            if field in properties:
+                properties[field] = {"type": "null", "description": why}
     return {
         "openapi": "3.1.0",
         "info": {"title": "moegate", "version": version,

@@ -5,7 +5,9 @@ no ``type``, so the item's type is read first and the item then decoded as that 
 ``input[i]``. Fields of OpenAI's API that this server does not implement are refused unless they ask for
 nothing (``UNSUPPORTED``); hints the server has no use for (``prompt_cache_key``, ``prompt_cache_retention``,
 ``safety_identifier``, ``text.verbosity``: typed as on the chat request they are carried into, ``reasoning``,
-``service_tier`` auto/default) are accepted. A message's content is a string or at least one content part.
+``service_tier`` auto/default, ``prompt_cache_options`` but ``prewarm: true``) are accepted; safety controls
+this server cannot honour (``moderation``, ``access_programs``) are refused by name (``SAFETY_CONTROLS``). A
+message's content is a string or at least one content part.
 """
 
 from typing import Annotated, Any, Literal
@@ -14,8 +16,8 @@ import msgspec
 
 from gateway.errors import APIError
 from gateway.openai_schema import (
-    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, PromptCacheRetention, SamplingFields, Temperature, TopP,
-    Verbosity, check_implemented, decode_body, error_param,
+    INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, PromptCacheOptions, PromptCacheRetention, SamplingFields,
+    Temperature, TopP, Verbosity, check_implemented, decode_body, error_param,
 )
 from gateway.response_format import JSONObjectFormat, SchemaName, TextFormat
 
@@ -155,6 +157,16 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
     verbosity: Verbosity | None = None  # accepted, echoed, carried into the chat request; not used
 
 
+class ResponsesPromptCacheOptions(PromptCacheOptions, kw_only=True, forbid_unknown_fields=True):
+    """Chat's ``prompt_cache_options`` and what the Responses API adds: a longer ``ttl``, and
+    ``comparison_response_id`` (cache diagnostics: none are made, so it is accepted and not used). ``prewarm:
+    true`` (fill the cache and answer nothing) is refused by ``decode_request``: the cache fills as requests run."""
+
+    ttl: Literal["30m", "12h"] | None = None
+    comparison_response_id: str | None = None
+    prewarm: bool | None = None
+
+
 class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Accepted and echoed: whether the served model thinks is its chat template's business."""
 
@@ -208,6 +220,9 @@ class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: PromptCacheRetention | None = None
+    prompt_cache_options: ResponsesPromptCacheOptions | None = None
+    moderation: Any = None  # SAFETY_CONTROLS: null only
+    access_programs: Any = None
     # Extra output asked for: encrypted reasoning (which Codex and other agents ask for with store: false) is
     # accepted and never produced, this server's reasoning items carry their text.
     include: list[Literal["reasoning.encrypted_content"]] | None = None
@@ -225,6 +240,10 @@ def decode_request(data: bytes) -> tuple[ResponsesRequest, list[InputItem], list
     """The request, its input items and its tools, checked; a 400 naming the field otherwise."""
     req = decode_body(data, ResponsesRequest)
     check_implemented(req, UNSUPPORTED)
+    if req.prompt_cache_options is not None and req.prompt_cache_options.prewarm:
+        raise APIError(400, "prompt_cache_options.prewarm is not offered by this server: the prefix cache fills as "
+                            "requests run, so send the request itself (or leave prewarm out or false)",
+                       param="prompt_cache_options.prewarm", code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true; leave it out or stream",
                        param="stream_options")

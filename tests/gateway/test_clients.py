@@ -625,3 +625,68 @@ def test_openai_hints_on_chat_as_on_responses(served):
                                                    **hints}).encode())
     chat = chat_request(req, items, tools)
     assert {field: getattr(chat, field) for field in hints} == hints and chat.verbosity == verbosity
+
+
+def test_prompt_cache_options_taken_and_moderation_refused(served):
+    """``prompt_cache_options`` as the openai client sends it on chat and Responses: its values checked (a bad
+    one is a 400 naming ``prompt_cache_options.<field>``), and the greedy answer the one without it (the prefix
+    cache is always on here). ``moderation`` asks for checks this server does not run: a 400 naming it that says
+    so, on both APIs, rather than an answer that looks moderated; null asks for nothing and is taken. So is the
+    Responses API's ``access_programs`` (OpenAI's access tiers), which this server has none of."""
+    options = {"mode": random.choice(["implicit", "explicit"]), "ttl": "30m"}
+    moderation = {"model": "omni-moderation-latest",
+                  "policy": {"input": {"mode": random.choice(["score", "block"])}, "output": {"mode": "block"}}}
+    messages = [{"role": "user", "content": _words(5)}]
+    bad_options = [({"mode": "always"}, "mode"), ({"ttl": random.choice(["1h", "12h", 30])}, "ttl"),
+                   ({"mode": "implicit", "breakpoints": 2}, "breakpoints"), ("30m", None)]
+    bad_responses_options = [({"mode": 1}, "mode"), ({"ttl": "24h"}, "ttl"), ({"prewarm": "yes"}, "prewarm"),
+                             ({"prewarm": True}, "prewarm"), ({"comparison_response_id": 7}, "comparison_response_id")]
+
+    async def go(client):
+        plain = await client.chat.completions.create(model="demo", messages=messages, max_tokens=6, temperature=0)
+        cached = await client.chat.completions.create(model="demo", messages=messages, max_tokens=6, temperature=0,
+                                                      prompt_cache_options=options, moderation=None)
+        text = {"plain": plain.choices[0].message.content, "cached": cached.choices[0].message.content}
+        # The Responses API runs the same chat: the same greedy answer, with its own options (ttl 12h, a
+        # comparison id) taken too.
+        for name, extra in (("responses", {}), ("responses cached", {"prompt_cache_options": {
+                **options, "ttl": random.choice(["30m", "12h"]), "comparison_response_id": "resp_x",
+                "prewarm": False}, "moderation": None})):
+            answer = await client.responses.create(model="demo", input=messages[0]["content"], max_output_tokens=6,
+                                                   temperature=0, **extra)
+            text[name] = answer.output_text
+        refused = {}
+        for i, (bad, _) in enumerate(bad_options):
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="demo", messages=messages, max_tokens=1,
+                                                     extra_body={"prompt_cache_options": bad})
+            refused[f"chat {i}"] = err.value.body
+        for i, (bad, _) in enumerate(bad_responses_options):
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.responses.create(model="demo", input="hi", max_output_tokens=1,
+                                              extra_body={"prompt_cache_options": bad})
+            refused[f"responses {i}"] = err.value.body
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(model="demo", messages=messages, max_tokens=1, moderation=moderation)
+        refused["chat moderation"] = err.value.body
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.responses.create(model="demo", input="hi", max_output_tokens=1, moderation=moderation)
+        refused["responses moderation"] = err.value.body
+        with pytest.raises(openai.BadRequestError) as err:  # OpenAI's gated access to cyber-security abilities
+            await client.responses.create(model="demo", input="hi", max_output_tokens=1,
+                                          access_programs={"cyber": random.choice(["daybreak_blue", "daybreak_red"])})
+        refused["responses access_programs"] = err.value.body
+        return text, refused
+
+    text, refused = served.run(go)
+    assert text["cached"] == text["plain"] and text["responses cached"] == text["responses"], text
+    for where, cases in (("chat", bad_options), ("responses", bad_responses_options)):
+        for i, (bad, field) in enumerate(cases):
+            body = refused[f"{where} {i}"]
+            want = "prompt_cache_options" + (f".{field}" if field else "")
+            assert body["param"] == want, (where, bad, body)
+    for where, field in (("chat", "moderation"), ("responses", "moderation"), ("responses", "access_programs")):
+        body = refused[f"{where} {field}"]
+        assert body["param"] == field, body
+        assert "not offered by this server" in body["message"] and "remove" in body["message"], body
+        assert "unknown field" not in body["message"], body

@@ -256,6 +256,13 @@ def test_previous_response_id_per_tenant(served):
     ({"input": "hi", "prompt_cache_key": 7}, "prompt_cache_key"),
     ({"input": "hi", "safety_identifier": {"id": "x"}}, "safety_identifier"),
     ({"input": "hi", "text": {"verbosity": "loud"}}, "text.verbosity"),
+    # prompt_cache_options as the client types it (the prefix cache is always on: prewarm alone is refused);
+    # safety controls this server cannot honour, by name.
+    ({"input": "hi", "prompt_cache_options": {"mode": "off"}}, "prompt_cache_options.mode"),
+    ({"input": "hi", "prompt_cache_options": {"ttl": "1d"}}, "prompt_cache_options.ttl"),
+    ({"input": "hi", "prompt_cache_options": {"prewarm": True}}, "prompt_cache_options.prewarm"),
+    ({"input": "hi", "moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ({"input": "hi", "access_programs": {"cyber": "standard"}}, "access_programs"),
     # Past its bound, with or without a conversation to continue: named, not counted against the stored-response
     # cap (whose refusal would name store); an empty previous_response_id is refused, not looked up.
     ({"input": "hi", "max_output_tokens": random.randrange(2**31, 2**63)}, "max_output_tokens"),
