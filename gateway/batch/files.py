@@ -30,6 +30,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from gateway.admission import QUOTAS, SETTLEMENTS
 from gateway.auth import PRINCIPAL
 from gateway.errors import BODY_TIMEOUT_S, APIError, stalled_body, unreadable_body
+from gateway.json_types import decode_typed
 from gateway.metrics import METRICS
 from gateway.openai_schema import error_param
 from gateway.replies import json_response, query_limit
@@ -44,6 +45,8 @@ _CHUNK = 1 << 16
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 2592000
 # The multipart fields the openai client sends an upload's expires_after as -> the policy's fields.
 EXPIRY_PARTS = {"expires_after[anchor]": "anchor", "expires_after[seconds]": "seconds"}
+# Every field an upload takes: what the openai client's files.create sends. Any other is a 400 naming it.
+UPLOAD_FIELDS = ("file", "purpose", *EXPIRY_PARTS)
 
 
 class FileExpiry(msgspec.Struct, forbid_unknown_fields=True):
@@ -55,11 +58,15 @@ class FileExpiry(msgspec.Struct, forbid_unknown_fields=True):
 
 def file_expiry(raw: Any, field: str, form: bool = False) -> FileExpiry | None:
     """``raw`` (the JSON value of ``field``, or with ``form`` the text values of its multipart fields) as an
-    expiry policy; None for null. Anything else is a 400 naming the part of ``field`` at fault."""
+    expiry policy; None for null. A JSON value has its field's JSON type, a whole-number float such as ``3600.0``
+    taken for the integer as in every JSON body (``decode_typed``); form text is read as the number it writes.
+    Anything else is a 400 naming the part of ``field`` at fault."""
     if raw is None:
         return None
     try:
-        return msgspec.convert(raw, FileExpiry, strict=not form)
+        if form:
+            return msgspec.convert(raw, FileExpiry, strict=False)
+        return decode_typed(msgspec.json.encode(raw), FileExpiry)
     except msgspec.ValidationError as e:
         part, why = error_param(e), str(e)
     hint = {"anchor": "anchor must be 'created_at' (the file's creation time)",
@@ -104,6 +111,21 @@ def _form_text(raw: bytes, name: str) -> str:
         return raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise APIError(400, f"{name} must be UTF-8 text", param=name) from None
+
+
+def _check_form_field(name: str | None, seen: set[str]) -> None:
+    """400 for a multipart part an upload does not take: one without a name, a field other than
+    ``UPLOAD_FIELDS``, or one given again (``seen``: the fields so far, to which ``name`` is added)."""
+    if name is None:
+        raise APIError(400, "a part of the multipart body has no field name; send only the fields "
+                            f"{', '.join(UPLOAD_FIELDS)}")
+    if name not in UPLOAD_FIELDS:
+        raise APIError(400, f"{name!r} is not a field of a file upload: send only {', '.join(UPLOAD_FIELDS)} (check "
+                            "its spelling, or remove it)", param=name)
+    if name in seen:
+        raise APIError(400, f"the field {name!r} is given twice; send each field once (one file per upload)",
+                       param=name)
+    seen.add(name)
 
 
 def _storage_full(used: int, size: int, cap: int, partial: bool = False) -> APIError:
@@ -157,8 +179,10 @@ async def _store_upload(request: web.Request) -> web.Response:
         except TimeoutError:
             raise stalled_body(request, f"the upload stalled: nothing arrived for {stall_s:g} s") from None
 
+    seen: set[str] = set()
     try:
         while (part := await progress(reader.next())) is not None:
+            _check_form_field(part.name, seen)
             if part.name == "purpose":
                 purpose = _form_text(await progress(part.read(decode=True)), "purpose")
             elif part.name == "file":
@@ -173,11 +197,9 @@ async def _store_upload(request: web.Request) -> web.Response:
                         if cap is not None and used + size > cap:
                             raise _storage_full(used, size, cap, partial=True)
                         out.write(chunk)
-            elif part.name in EXPIRY_PARTS:
+            else:
                 expiry[EXPIRY_PARTS[part.name]] = _form_text(await progress(part.read(decode=True)),
                                                              f"expires_after.{EXPIRY_PARTS[part.name]}")
-            else:
-                await progress(part.release())
         file_expiry(expiry or None, "expires_after", form=True)  # checked, not applied: files are kept until deleted
         if tmp is None:
             raise APIError(400, "missing the 'file' field", param="file")

@@ -239,7 +239,8 @@ def test_expiry_policies_the_openai_client_sends(demo_dir, tmp_path):
     """``output_expires_after`` on batch create and ``expires_after`` on upload, as the openai client sends them
     (JSON, and multipart fields ``expires_after[anchor]`` / ``expires_after[seconds]``): taken within OpenAI's
     bounds (anchor created_at, 3600 to 2592000 seconds) and the batch runs; anything else is a 400 naming the
-    field. Files here are kept until deleted, so no file reports an expiry."""
+    field. Files here are kept until deleted, so no file reports an expiry. ``seconds`` written as a whole-number
+    float (``3600.0``) is taken for both, as integers are in every JSON body; a fraction is refused."""
     url, server = _server(demo_dir, tmp_path)
     seconds = random.randint(3600, 2592000)
 
@@ -251,9 +252,12 @@ def test_expiry_policies_the_openai_client_sends(demo_dir, tmp_path):
             f = await acme.files.create(file=("x.jsonl", io.BytesIO(data)), purpose="batch",
                                         expires_after={"anchor": "created_at", "seconds": seconds})
             assert f.expires_at is None and (await acme.files.content(f.id)).content == data
+            g = await acme.files.create(file=("g.jsonl", io.BytesIO(data)), purpose="batch",
+                                        expires_after={"anchor": "created_at", "seconds": float(seconds)})
             refused = {}
             for name, policy in (("anchor", {"anchor": "last_active_at", "seconds": seconds}),
                                  ("low", {"anchor": "created_at", "seconds": 3599}),
+                                 ("fraction", {"anchor": "created_at", "seconds": seconds + 0.5}),
                                  ("high", {"anchor": "created_at", "seconds": 2592001}),
                                  ("missing", {"seconds": seconds})):
                 with pytest.raises(openai.BadRequestError) as err:
@@ -269,22 +273,84 @@ def test_expiry_policies_the_openai_client_sends(demo_dir, tmp_path):
                                           extra_body={"output_expires_after": {"anchor": "created_at",
                                                                                "seconds": str(seconds)}})
             refused["batch text"] = err.value.body
-            assert [x.id async for x in acme.files.list()] == [f.id]  # no refused upload was stored
+            assert sorted([x.id async for x in acme.files.list()]) == sorted([f.id, g.id])  # no refused one stored
             batch = await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
                                               output_expires_after={"anchor": "created_at", "seconds": seconds})
             done = await _wait(acme, batch.id)
             output = await acme.files.retrieve(done.output_file_id)
-            return refused, done, output
+            batch = await acme.batches.create(input_file_id=g.id, endpoint="/v1/completions", completion_window="24h",
+                                              output_expires_after={"anchor": "created_at", "seconds": float(seconds)})
+            return refused, [done, await _wait(acme, batch.id)], output
 
     refused, done, output = asyncio.run(scenario())
-    assert done.status == "completed" and done.request_counts.completed == 1 and output.expires_at is None
+    assert all(d.status == "completed" and d.request_counts.completed == 1 for d in done) and output.expires_at is None
     for where, field in (("upload", "expires_after"), ("batch", "output_expires_after")):
-        for name, part in (("anchor", "anchor"), ("low", "seconds"), ("high", "seconds"), ("missing", "anchor")):
+        for name, part in (("anchor", "anchor"), ("low", "seconds"), ("high", "seconds"), ("missing", "anchor"),
+                           ("fraction", "seconds")):
             body = refused[f"{where} {name}"]
             assert body["param"] == f"{field}.{part}", (where, name, body)
         assert "3600" in refused[f"{where} low"]["message"] and "2592000" in refused[f"{where} high"]["message"]
         assert "created_at" in refused[f"{where} anchor"]["message"], refused[f"{where} anchor"]
     assert refused["batch text"]["param"] == "output_expires_after.seconds"
+
+
+def test_upload_form_fields_are_the_clients_only(demo_dir, tmp_path):
+    """An upload takes the multipart fields the openai client's ``files.create`` sends (``file``, ``purpose``,
+    ``expires_after[anchor]``, ``expires_after[seconds]``) and nothing else: another field (sent with the
+    client's ``extra_body``, or by hand), a part without a name, or a field given twice is a 400 naming it, and
+    nothing is stored."""
+    import inspect
+
+    import aiohttp
+
+    sent = set(inspect.signature(openai.resources.files.AsyncFiles.create).parameters) - {
+        "self", "extra_headers", "extra_query", "extra_body", "timeout"}
+    assert sent == {"file", "purpose", "expires_after"}, sent  # the fields the server takes, in the client's terms
+    url, server = _server(demo_dir, tmp_path)
+    data = _jsonl([_line("x", f"fields {random.randrange(10**6)}", 2)])
+    extra = random.choice(["filename", "expires_at", "mime_type", f"x_{random.randrange(10**6)}"])
+
+    async def scenario():
+        keys = await _tenants(url)
+        async with server:
+            acme = _client(server, keys["acme"])
+            plain = await acme.files.create(file=("a.jsonl", io.BytesIO(data)), purpose="batch")
+            timed = await acme.files.create(file=("b.jsonl", io.BytesIO(data)), purpose="batch",
+                                            expires_after={"anchor": "created_at", "seconds": 3600})
+            refused = {}
+            with pytest.raises(openai.BadRequestError) as err:
+                await acme.files.create(file=("c.jsonl", io.BytesIO(data)), purpose="batch",
+                                        extra_body={extra: "1"})
+            refused["client"] = err.value.body
+            headers = {"Authorization": f"Bearer {keys['acme']}"}
+            async with aiohttp.ClientSession(headers=headers) as http:
+                for name, fields in (
+                        ("unknown", [("purpose", "batch", None), ("Purpose", "batch", None),
+                                     ("file", data, "d.jsonl")]),
+                        ("nameless", [("purpose", "batch", None), (None, "x", None), ("file", data, "e.jsonl")]),
+                        ("twice", [("purpose", "batch", None), ("file", data, "f.jsonl"), ("file", data, "g.jsonl")]),
+                        ("purpose twice", [("purpose", "batch", None), ("purpose", "batch", None),
+                                           ("file", data, "h.jsonl")])):
+                    # Written by hand: aiohttp's own form writer refuses a part without a name.
+                    body = b"".join(b"--B0undary\r\nContent-Disposition: form-data" + (
+                        f'; name="{field}"' if field else "").encode() + (
+                        f'; filename="{filename}"' if filename else "").encode() + b"\r\n\r\n" + (
+                        value if isinstance(value, bytes) else value.encode()) + b"\r\n"
+                        for field, value, filename in fields) + b"--B0undary--\r\n"
+                    async with http.post(server.make_url("/v1/files"), data=body, headers={
+                            "Content-Type": "multipart/form-data; boundary=B0undary"}) as r:
+                        refused[name] = (r.status, (await r.json())["error"])
+            stored = sorted([x.id async for x in acme.files.list()])
+            return plain, timed, refused, stored
+
+    plain, timed, refused, stored = asyncio.run(scenario())
+    assert stored == sorted([plain.id, timed.id])  # no refused upload was stored
+    assert refused["client"]["param"] == extra and extra in refused["client"]["message"], refused["client"]
+    assert refused["unknown"] == (400, refused["unknown"][1]) and refused["unknown"][1]["param"] == "Purpose"
+    for name, param in (("nameless", None), ("twice", "file"), ("purpose twice", "purpose")):
+        status, error = refused[name]
+        assert status == 400 and error["param"] == param, (name, status, error)
+    assert "twice" in refused["twice"][1]["message"] and "name" in refused["nameless"][1]["message"]
 
 
 def test_chat_batch_answers_what_live_chat_answers(demo_dir, tmp_path):
