@@ -135,6 +135,8 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     # vLLM's extension: with include_usage, every chunk carries the usage so far (not only the last).
     continuous_usage_stats: bool = False
+    # OpenAI's: each chunk padded against token-length side channels (gateway.stream_padding); off by default here.
+    include_obfuscation: bool = False
 
 
 # Fields of OpenAI's request bodies that this server does not implement yet, and the values that mean

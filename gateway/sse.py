@@ -16,6 +16,7 @@ from gateway.openai_logprobs import CompletionLogprobs, chat_logprobs, prompt_lo
 from gateway.request_keys import CHOICES, RATE_HEADERS, TIMER
 from gateway.response_bodies import chat_finish_reason, choice_prompts, output_choice, stream_choices
 from gateway.stream_journal import JOURNALED
+from gateway.stream_padding import encode_event
 
 
 async def write_error_event(response: web.StreamResponse, err: APIError) -> web.StreamResponse:
@@ -29,12 +30,13 @@ async def write_error_event(response: web.StreamResponse, err: APIError) -> web.
 class _Envelope:
     """What every chunk of one response repeats around its choices."""
 
-    def __init__(self, rid: str, chat: bool, created: int, model: str, fingerprint: str) -> None:
+    def __init__(self, rid: str, chat: bool, created: int, model: str, fingerprint: str, obfuscate: bool) -> None:
         self.fields = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                        "created": created, "model": model, "system_fingerprint": fingerprint}
+        self.obfuscate = obfuscate  # stream_options.include_obfuscation: events padded (gateway.stream_padding)
 
     def event(self, choices: list[dict], **extra) -> bytes:
-        return b"data: " + msgspec.json.encode({**self.fields, "choices": choices, **extra}) + b"\n\n"
+        return b"data: " + encode_event({**self.fields, "choices": choices, **extra}, self.obfuscate) + b"\n\n"
 
 
 class _ChunkChoices:
@@ -84,8 +86,9 @@ async def stream_reply(request: web.Request, body, chat: bool, stream: AsyncIter
     request[JOURNALED] what was delivered."""
     choices, timer = request[CHOICES], request[TIMER]
     response = await _open(request)
-    envelope = _Envelope(rid, chat, created, model, fingerprint)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    envelope = _Envelope(rid, chat, created, model, fingerprint, bool(options and options.include_obfuscation))
+    include_usage = bool(options and options.include_usage)
     # vLLM's continuous_usage_stats: every chunk carries the request's usage so far, not null.
     usage_per_chunk = include_usage and body.stream_options.continuous_usage_stats
     chunk_choices = _ChunkChoices(body, chat, plan, choices.n)

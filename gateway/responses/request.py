@@ -176,7 +176,7 @@ class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_obfuscation: bool | None = None  # padding against length side channels: not sent by this server
+    include_obfuscation: bool = False  # each event padded against length side channels (gateway.stream_padding)
 
 
 # The bound on max_output_tokens, shared with the route's first look at the body (``prepare.Head``).

@@ -26,6 +26,7 @@ from gateway.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, read_body
 from gateway.batch.files import list_page
 from gateway.replies import json_response, query_limit
 from gateway.request_keys import CHOICES, RATE_HEADERS, SERVED_MODEL, TIMER
+from gateway.stream_padding import encode_event
 from gateway.responses import stored_items
 from gateway.responses.builder import ResponseBuilder, skeleton, usage
 from gateway.live_admission import refuse_early
@@ -242,17 +243,18 @@ async def _respond(request: web.Request, body, chat: bool, stream, rid: str, cre
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **request[RATE_HEADERS]})
     response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]  # sent at prepare, before the middleware sees it
     await response.prepare(request)
-    await _write(response, builder.start())
+    obfuscate = bool(req.stream_options and req.stream_options.include_obfuscation)
+    await _write(response, builder.start(), obfuscate)
     try:
         while True:
-            await _write(response, builder.feed(out.text, out.token_ids, last, _cut(out, last)))
+            await _write(response, builder.feed(out.text, out.token_ids, last, _cut(out, last)), obfuscate)
             if last:
                 break
             out, last = await anext(events)
-        await _write(response, await finish())
+        await _write(response, await finish(), obfuscate)
     except APIError as err:  # the engine went down mid-stream, or the store did not answer
         await _write(response, [{"type": "error", "sequence_number": builder.sequence, "code": err.code,
-                                 "message": err.message, "param": err.param}])
+                                 "message": err.message, "param": err.param}], obfuscate)
     await response.write_eof()
     return response
 
@@ -262,7 +264,7 @@ def _cut(out, last: bool) -> bool:
     return last and out.finish_reason == "length"
 
 
-async def _write(response: web.StreamResponse, events: list[dict]) -> None:
+async def _write(response: web.StreamResponse, events: list[dict], obfuscate: bool) -> None:
     if events:
-        await response.write(b"".join(b"event: " + e["type"].encode() + b"\ndata: " + msgspec.json.encode(e) + b"\n\n"
-                                      for e in events))
+        await response.write(b"".join(b"event: " + e["type"].encode() + b"\ndata: " + encode_event(e, obfuscate)
+                                      + b"\n\n" for e in events))

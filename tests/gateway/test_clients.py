@@ -690,3 +690,48 @@ def test_prompt_cache_options_taken_and_moderation_refused(served):
         assert body["param"] == field, body
         assert "not offered by this server" in body["message"] and "remove" in body["message"], body
         assert "unknown field" not in body["message"], body
+
+
+def test_stream_obfuscation_pads_every_event(served):
+    """``stream_options.include_obfuscation`` (the openai client's, chat and Responses): every streamed event's JSON
+    is padded by an ``obfuscation`` field of random letters and digits to a multiple of ``PAD_TO`` bytes, so event
+    sizes no longer follow the generated text; the text is the same greedy text as without it, which carries no
+    such field; the official client reads the padded stream."""
+    from gateway.stream_padding import PAD_TO
+
+    n = random.randint(4, 10)
+    messages = [{"role": "user", "content": _words(5)}]
+    chat = {"model": "demo", "messages": messages, "max_tokens": n, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+
+    async def raw(path: str, body: dict) -> list[bytes]:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {served.key}"}) as http:
+            async with http.post(served.server.make_url(path), json=body) as r:
+                assert r.status == 200, await r.text()
+                text = await r.read()
+        events = [line[len(b"data: "):] for line in text.split(b"\n") if line.startswith(b"data: ")]
+        return [e for e in events if e != b"[DONE]"]
+
+    async def go(client):
+        padded = await raw("/v1/chat/completions", {**chat, "stream_options": {"include_obfuscation": True}})
+        plain = await raw("/v1/chat/completions", chat)
+        responses = await raw("/v1/responses", {"model": "demo", "input": _words(4), "max_output_tokens": n,
+                                                "stream": True, "stream_options": {"include_obfuscation": True}})
+        parsed = [c async for c in await client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=n, temperature=0, stream=True,
+            stream_options={"include_obfuscation": True}, extra_body={"ignore_eos": True})]
+        return padded, plain, responses, parsed
+
+    padded, plain, responses, parsed = served.run(go)
+    for events in (padded, responses):
+        assert events and all(len(e) % PAD_TO == 0 for e in events), [len(e) for e in events]
+        pads = [json.loads(e)["obfuscation"] for e in events]
+        assert all(re.fullmatch(r"[A-Za-z0-9]*", p) for p in pads)
+    assert all("obfuscation" not in json.loads(e) for e in plain)
+    assert len({len(e) for e in plain}) > 1  # unpadded sizes vary (the check above is not vacuous)
+
+    def text(events):
+        return "".join(c["delta"].get("content") or "" for e in events for c in json.loads(e)["choices"])
+
+    assert text(padded) == text(plain) == "".join(c.choices[0].delta.content or "" for c in parsed if c.choices)
+    assert all(c.obfuscation is not None for c in parsed)
