@@ -7,11 +7,11 @@ long conversation decodes into are made and freed there, and never held by the e
 for freeing them, and the garbage collector's walks over them, between other tenants' chunks).
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
-from gateway.openai_schema import ChatCompletionRequest, NonEmptyText
+from gateway.openai_schema import ChatCompletionRequest, NonEmptyText, decode_json
 from gateway.responses import stored_items
 from gateway.responses.request import (
     FunctionTool, MaxOutputTokens, ResponsesRequest, decode_request, stored_input_items, stored_output_items,
@@ -53,12 +53,23 @@ def stored_bound(body_bytes: int, max_output_tokens: int | None, default_output_
     return body_bytes + RESPONSE_OVERHEAD_BYTES + STORED_BYTES_PER_OUTPUT_TOKEN * output
 
 
+class _RawHead(msgspec.Struct):
+    """``Head``'s fields as sent, whatever their JSON values (the rest of the body skipped)."""
+
+    previous_response_id: Any = None
+    store: Any = None
+    max_output_tokens: Any = None
+
+
 def head(data: bytes) -> Head | None:
     """The body's ``Head``, read without building the rest; None where it does not decode (``prepare`` then
-    names what is wrong with the body)."""
+    names what is wrong with the body). Its fields are typed by ``decode_json`` as ``prepare`` types them (a
+    whole-number float such as ``5.0`` is the integer): a head refused where the body is taken would run the
+    request without its stored conversation and past the stored-response cap's check."""
     try:
-        return msgspec.json.decode(data, type=Head)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        raw = msgspec.json.decode(data, type=_RawHead)
+        return decode_json(msgspec.json.encode(raw), Head)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError):
         return None
 
 

@@ -231,6 +231,36 @@ def test_previous_response_id_per_tenant(served):
     assert _run(served, delete) == second.id
 
 
+def test_whole_number_float_keeps_the_stored_conversation_and_its_checks(served):
+    """``max_output_tokens`` written as a whole-number float (``5.0``) is taken for the integer everywhere in the
+    body, so it must be in the route's first look at the body too: the stored conversation named by
+    ``previous_response_id`` is read (the prompt holds it, as with ``5``), another tenant's id stays a 404, and the
+    stored-response cap is checked as usual."""
+    n = random.randint(2, 6)
+
+    async def scenario(client):
+        first = await client.responses.create(model="demo", input="Name a colour.", max_output_tokens=n,
+                                              temperature=0)
+        as_int = await client.responses.create(model="demo", input="And another?", previous_response_id=first.id,
+                                               max_output_tokens=n, temperature=0)
+        as_float = await client.responses.create(model="demo", input="And another?", previous_response_id=first.id,
+                                                 max_output_tokens=float(n), temperature=0)
+        return first, as_int, as_float
+
+    first, as_int, as_float = _run(served, scenario)
+    assert as_float.previous_response_id == first.id
+    assert as_float.usage.input_tokens == as_int.usage.input_tokens  # the conversation was read, not dropped
+    assert [o.content[0].text for o in as_float.output] == [o.content[0].text for o in as_int.output]
+
+    async def other_tenant(client):
+        with pytest.raises(openai.NotFoundError) as stolen:
+            await client.responses.create(model="demo", input="x", previous_response_id=first.id,
+                                          max_output_tokens=float(n))
+        return stolen.value
+
+    assert _run(served, other_tenant, tenant="b").body["param"] == "previous_response_id"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "hi", "temprature": 1}, "temprature"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input[0].content[0].type"),
