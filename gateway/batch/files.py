@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.multipart import BodyPartReader, MultipartReader, parse_content_disposition
 
 from gateway.admission import QUOTAS, SETTLEMENTS
 from gateway.auth import PRINCIPAL
@@ -113,9 +114,15 @@ def _form_text(raw: bytes, name: str) -> str:
         raise APIError(400, f"{name} must be UTF-8 text", param=name) from None
 
 
-def _check_form_field(name: str | None, seen: set[str]) -> None:
-    """400 for a multipart part an upload does not take: one without a name, a field other than
-    ``UPLOAD_FIELDS``, or one given again (``seen``: the fields so far, to which ``name`` is added)."""
+def _check_form_field(part: BodyPartReader | MultipartReader, seen: set[str]) -> None:
+    """400 for a multipart part an upload does not take: a multipart body of its own (``multipart/mixed``),
+    one without a name, a field other than ``UPLOAD_FIELDS``, or one given again (``seen``: the fields so far, to
+    which the part's name is added)."""
+    if not isinstance(part, BodyPartReader):  # a nested multipart body has no field name of its own to read
+        name = parse_content_disposition(part.headers.get(hdrs.CONTENT_DISPOSITION))[1].get("name")
+        raise APIError(400, f"the field {name!r} is a multipart body of its own (multipart/mixed); send each field "
+                            f"as one part: {', '.join(UPLOAD_FIELDS)}", param=name)
+    name = part.name
     if name is None:
         raise APIError(400, "a part of the multipart body has no field name; send only the fields "
                             f"{', '.join(UPLOAD_FIELDS)}")
@@ -182,7 +189,7 @@ async def _store_upload(request: web.Request) -> web.Response:
     seen: set[str] = set()
     try:
         while (part := await progress(reader.next())) is not None:
-            _check_form_field(part.name, seen)
+            _check_form_field(part, seen)
             if part.name == "purpose":
                 purpose = _form_text(await progress(part.read(decode=True)), "purpose")
             elif part.name == "file":

@@ -353,6 +353,35 @@ def test_upload_form_fields_are_the_clients_only(demo_dir, tmp_path):
     assert "twice" in refused["twice"][1]["message"] and "name" in refused["nameless"][1]["message"]
 
 
+def test_upload_with_a_nested_multipart_part_is_a_400(demo_dir, tmp_path):
+    """A part of the upload's form that is itself a multipart body (``multipart/mixed``, as old HTML forms sent
+    several files under one field) is no field the upload takes: a 400 naming its field, not a 500, and nothing
+    is stored."""
+    import aiohttp
+
+    url, server = _server(demo_dir, tmp_path)
+    data = _jsonl([_line("x", f"nested {random.randrange(10**6)}", 2)])
+    field = random.choice(["file", "purpose"])
+    body = (b'--OUTER\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b"--OUTER\r\nContent-Type: multipart/mixed; boundary=INNER\r\n"
+            b'Content-Disposition: form-data; name="' + field.encode() + b'"\r\n\r\n'
+            b'--INNER\r\nContent-Disposition: file; filename="a.jsonl"\r\n\r\n' + data + b"\r\n--INNER--\r\n"
+            b"\r\n--OUTER--\r\n")
+
+    async def scenario():
+        keys = await _tenants(url)
+        async with server:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {keys['acme']}"}) as http:
+                async with http.post(server.make_url("/v1/files"), data=body, headers={
+                        "Content-Type": "multipart/form-data; boundary=OUTER"}) as r:
+                    refused = r.status, (await r.json())["error"]
+            return refused, [x.id async for x in _client(server, keys["acme"]).files.list()]
+
+    (status, error), stored = asyncio.run(scenario())
+    assert status == 400 and error["param"] == field and "multipart" in error["message"], (status, error)
+    assert stored == []
+
+
 def test_chat_batch_answers_what_live_chat_answers(demo_dir, tmp_path):
     rng = random.Random()
     url, server = _server(demo_dir, tmp_path)
