@@ -176,7 +176,9 @@ class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_obfuscation: bool = False  # each event padded against length side channels (gateway.stream_padding)
+    # Each event padded against length side channels (gateway.stream_padding); null asks for none, as false does
+    # (it was taken before padding was offered).
+    include_obfuscation: bool | None = None
 
 
 # The bound on max_output_tokens, shared with the route's first look at the body (``prepare.Head``).

@@ -735,3 +735,22 @@ def test_stream_obfuscation_pads_every_event(served):
 
     assert text(padded) == text(plain) == "".join(c.choices[0].delta.content or "" for c in parsed if c.choices)
     assert all(c.obfuscation is not None for c in parsed)
+
+
+def test_responses_stream_obfuscation_null_asks_for_none(served):
+    """On the Responses API ``stream_options.include_obfuscation: null`` (a client's unset option sent as null)
+    asks for no padding, as it did before padding was offered: the stream is taken, and no event is padded."""
+    n = random.randint(2, 6)
+
+    async def go(client):
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {served.key}"}) as http:
+            async with http.post(served.server.make_url("/v1/responses"), json={
+                    "model": "demo", "input": _words(4), "max_output_tokens": n, "stream": True,
+                    "stream_options": {"include_obfuscation": None}}) as r:
+                return r.status, await r.read()
+
+    status, text = served.run(go)
+    assert status == 200, text
+    events = [json.loads(line[len(b"data: "):]) for line in text.split(b"\n") if line.startswith(b"data: ")]
+    assert events and events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert all("obfuscation" not in e for e in events)
