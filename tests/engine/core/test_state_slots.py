@@ -4,7 +4,8 @@ number caps the running batch (admission waits, preemption gives the slot back) 
 import random
 
 from engine.core.config import CacheConfig, SchedulerConfig
-from engine.core.request import RequestStatus
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from tests.engine.helpers import make_requests, run_to_completion
 
@@ -13,7 +14,11 @@ def test_slots_cap_the_running_batch_and_follow_preemption():
     rng = random.Random(random.randrange(2**31))
     # 3 slots for 8 requests, and a pool too small for all of them at once: both caps bite.
     scheduler = Scheduler(SchedulerConfig(8, 32, 256), CacheConfig(4, 24, False, num_state_slots=3))
-    for r in make_requests(8, rng, prompt_len=(5, 40), max_tokens=(5, 30)):
+    # The first two end at 60 tokens (15 blocks each, 30 together) and are admitted at once, so the pool runs out
+    # before either finishes whatever the other lengths (random lengths alone missed a preemption 1 run in 17).
+    longest = [Request(f"long{i}", [rng.randrange(50) for _ in range(30)], SamplingParams(ignore_eos=True),
+                       max_tokens=30) for i in range(2)]
+    for r in longest + make_requests(6, rng, prompt_len=(5, 40), max_tokens=(5, 30)):
         scheduler.add_request(r)
     peak = 0
 

@@ -115,8 +115,9 @@ def test_greedy_matches_transformers(qwen3_vl_checkpoint, overlap):
 
 
 def test_preempted_image_requests_resume_with_their_images(qwen3_vl_checkpoint):
-    """16 blocks of 4 tokens hold any one request (at most 59 tokens) but not five at once (at least 93): some are
-    preempted and recompute their prompts, images included, and still give transformers' tokens."""
+    """A pool of blocks of 4 tokens that holds the largest request and nothing beside it (five requests: three
+    prompts, two of them twice): some are preempted and recompute their prompts, images included, and still give
+    transformers' tokens."""
     path, model, seed = qwen3_vl_checkpoint
     rng = random.Random(seed + 1)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -127,7 +128,10 @@ def test_preempted_image_requests_resume_with_their_images(qwen3_vl_checkpoint):
     cases += cases[:2]
     expected = [hf_greedy(model, p, im, MAX_NEW) for p, im in cases[:3]]
     expected += expected[:2]
-    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4, max_num_batched_tokens=16,
+    # The pool holds the largest request and nothing beside it, so the five sent together must preempt (16 blocks
+    # held the shortest draws, images of 12 pixels and the fewest text tokens, without a preemption).
+    blocks = max(-(-(len(prompt) + MAX_NEW) // 4) for prompt, _ in cases)
+    llm = LLM(model=path, dtype="float32", device="cpu", num_kv_blocks=blocks, block_size=4, max_num_batched_tokens=16,
               enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     got = [o.token_ids for o in llm.generate([p for p, _ in cases], params, images=[im for _, im in cases])]
