@@ -14,6 +14,7 @@ The job running is not interrupted: an urgent one waits for it at most. ``wait``
 far is done, or only the urgent jobs.
 """
 
+import functools
 import threading
 import weakref
 from collections import deque
@@ -99,28 +100,20 @@ class ImageWorker:
             self._unfinished += 1
             self._urgent_unfinished += urgent
             self._queue.put((future, fn, args), urgent)
-        future.add_done_callback(self._urgent_done if urgent else self._done)  # done or cancelled
+        future.add_done_callback(functools.partial(self._done, urgent))  # done or cancelled
         return future
 
-    def _done(self, _: Future) -> None:
+    def _done(self, urgent: bool, _: Future) -> None:
         with self._idle:
             self._unfinished -= 1
-            self._idle.notify_all()
-
-    def _urgent_done(self, _: Future) -> None:
-        with self._idle:
-            self._unfinished -= 1
-            self._urgent_unfinished -= 1
+            self._urgent_unfinished -= urgent
             self._idle.notify_all()
 
     def wait(self, timeout: float, urgent: bool = False) -> None:
         """Return once every job submitted so far is done (``urgent``: every urgent one), or after ``timeout``
         seconds."""
         with self._idle:
-            if urgent:
-                self._idle.wait_for(lambda: self._urgent_unfinished == 0, timeout)
-            else:
-                self._idle.wait_for(lambda: self._unfinished == 0, timeout)
+            self._idle.wait_for(lambda: (self._urgent_unfinished if urgent else self._unfinished) == 0, timeout)
 
     def close(self) -> None:
         """Drop the jobs not started; the thread ends after the one running, if any (nobody waits for it)."""
