@@ -3,7 +3,8 @@ with the images prepared on the loop that steps the engine or off it.
 
     python -m benchmarks.image_itl [--streams 8] [--seconds 20] [--rounds 1] [--every 0.5] [--images 4]
                                    [--side 448] [--max-batched-tokens 256] [--vision-depth 4] [--text-layers 8]
-                                   [--threads 1] [--token-blocks N [N ...]] [--no-budget] [--loops on off]
+                                   [--threads 1] [--token-blocks N [N ...]] [--no-budget] [--weights-only]
+                                   [--loops on off]
                                    [--profile] [--clock wall|cpu] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 One process, one checkpoint written at start (transformers' ``Qwen3VLMoeForConditionalGeneration`` of small
@@ -16,7 +17,9 @@ whole images (``max_num_encoder_token_blocks`` 0: a step encodes at most ``max_n
 each image whole); under each ``--token-blocks`` budget (a step runs that much of the tower, in token-blocks;
 below one block a block is split over the image's rows);
 with ``--no-budget`` also with no encoder budget at all (every image a prompt chunk
-reaches encoded in that step). Each image arm twice (``--loops``: only the ones named): *on the loop*, the
+reaches encoded in that step); with ``--weights-only`` also under the default budget with the tower's attention
+left uncharged (each pass of a block costing one half token-block whatever the image's size, as the weights
+count it: what the scheduler did before it charged a block's attention over the image). Each image arm twice (``--loops``: only the ones named): *on the loop*, the
 request's encoded images handed to
 ``LLMEngine.add_request`` on the thread that steps the engine (decoded, preprocessed and hashed there, as the
 engine process did before ``engine.serving.image_preparation``), and *off the loop*, held by that module's
@@ -247,6 +250,8 @@ def main() -> None:
     parser.add_argument("--loops", nargs="+", choices=("on", "off"), default=["on", "off"],
                         help="image arms with the images prepared on the loop, off it, or both")
     parser.add_argument("--no-budget", action="store_true", help="also run with no encoder budget")
+    parser.add_argument("--weights-only", action="store_true",
+                        help="also run the default budget with the tower's attention left uncharged")
     parser.add_argument("--profile", action="store_true", help="where the slowest iterations spend their time")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="--profile's clock: wall, or the stepping thread's CPU time")
@@ -261,16 +266,21 @@ def main() -> None:
               f"{args.side}x{args.side} ({(args.side // 32) ** 2} tokens each); steps of {args.max_batched_tokens} "
               f"tokens; {args.threads} thread(s); {args.rounds} round(s) of {args.seconds} s an arm")
         auto = build(path, args, None, None).scheduler.config.max_num_encoder_token_blocks
-        budgets = [(f"default ({auto} token-blocks)", None, None), ("whole images", None, 0)]
-        budgets += [(f"{n} token-blocks", None, n) for n in args.token_blocks or ()]
+        budgets = [(f"default ({auto} token-blocks)", None, None, True), ("whole images", None, 0, True)]
+        if args.weights_only:
+            budgets.append(("default, weights only", None, None, False))
+        budgets += [(f"{n} token-blocks", None, n, True) for n in args.token_blocks or ()]
         if args.no_budget:
-            budgets.append(("no budget", 10**9, None))
+            budgets.append(("no budget", 10**9, None, True))
         arms = [Arm("text only", build(path, args, None, None), images=False)]
-        for name, encoder_tokens, blocks in budgets:
+        for name, encoder_tokens, blocks, attention in budgets:
             for off in (False, True):
                 if ("off" if off else "on") in args.loops:
-                    arms.append(Arm(f"images, {name}, {'off' if off else 'on'} the loop",
-                                    build(path, args, encoder_tokens, blocks), images=True, off_loop=off))
+                    engine = build(path, args, encoder_tokens, blocks)
+                    if not attention:
+                        engine.scheduler.encoder_steps.attention_per_patch = 0.0
+                    arms.append(Arm(f"images, {name}, {'off' if off else 'on'} the loop", engine, images=True,
+                                    off_loop=off))
         clock = time.perf_counter if args.clock == "wall" else time.thread_time
         probes = {arm.name: StepProbe(arm.engine, clock) if args.profile else None for arm in arms}
         for rnd in range(args.rounds):

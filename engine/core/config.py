@@ -398,6 +398,8 @@ class SchedulerConfig:
     max_num_encoder_token_blocks: int | None = None
     encoder_stages: int = 1
     encoder_patches_per_token: int = 1
+    # A block's attention per patch of an image, as a share of a token-block (``encoder_budget.attention_per_patch``).
+    encoder_attention_per_patch: float = 0.0
     # Whether the encoder cache keeps anything (False: ``encoder_cache_gb`` 0): layer-chunked, a request then never
     # waits for another's encoding of its picture, which it could not read back.
     encoder_cache_keeps: bool = True

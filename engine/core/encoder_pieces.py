@@ -10,6 +10,11 @@ over the image's rows (``engine.vision.tower_rows``): ``2p`` *passes*, a block's
 mixing of each row, so a pass is half a token-block and a step's tower work stays within the budget however large
 one block of one image is (a budget of one token-block still advances every image, two passes a step).
 
+A block's pass also pays for its attention, which its weights do not count: with ``attention_per_patch`` ``a``
+(``engine.models.encoder_budget.attention_per_patch``) a block's pass over an image of ``p`` patches costs
+``1 + a * p`` half token-blocks, a patch embedding's pass one; a step's first pass runs however much it costs,
+so an image whose single pass is over the budget still advances.
+
 Each step's pieces (``EncoderPiece``: a range of passes of one image) run on rank 0 before the step's forward
 (``ImageFeatures.encode_pieces``), which keeps the image's state between steps; the request's prompt chunk stops
 before an image until the step that runs its last pass (that step's chunk may then take the image's
@@ -60,17 +65,19 @@ class EncoderSteps:
     begins it itself, so no request waits for work that is not being done. With ``share`` False (an encoder cache
     that keeps nothing, where a waiter would find nothing to read) no request waits."""
 
-    def __init__(self, token_blocks: int, depth: int, patches_per_token: int, share: bool = True) -> None:
-        assert token_blocks >= 1 and depth >= 1 and patches_per_token >= 1
+    def __init__(self, token_blocks: int, depth: int, patches_per_token: int, share: bool = True,
+                 attention_per_patch: float = 0.0) -> None:
+        assert token_blocks >= 1 and depth >= 1 and patches_per_token >= 1 and attention_per_patch >= 0
         self.token_blocks, self.depth, self.patches_per_token = token_blocks, depth, patches_per_token
         self.share = share
-        self.used = 0  # passes this step's pieces take so far (two a token-block)
+        self.attention_per_patch = attention_per_patch
+        self.used = 0.0  # what this step's pieces cost so far, in passes of no attention (two a token-block)
         self.pieces: list[EncoderPiece] = []
         self.owners: dict[ImageKey, tuple[str, int]] = {}  # image -> (the request encoding it, the plan it last ran in)
         self._plans = 0
 
     def begin_step(self) -> None:
-        self.used, self.pieces = 0, []
+        self.used, self.pieces = 0.0, []
         self._plans += 1
         for key in [k for k, (_, plan) in self.owners.items() if plan <= self._plans - FINISHING_PLANS]:
             del self.owners[key]  # finished, or its owner stopped advancing it: a waiter may begin it
@@ -80,9 +87,27 @@ class EncoderSteps:
         for key in [k for k, (owner, _) in self.owners.items() if owner == request_id]:
             del self.owners[key]
 
+    def patches(self, request: Request, image: int) -> int:
+        return request.images[image].num_tokens * self.patches_per_token
+
     def total(self, request: Request, image: int) -> int:
         """Passes the whole tower takes over image ``image`` of ``request``: two per patch and stage."""
-        return 2 * request.images[image].num_tokens * self.patches_per_token * self.depth
+        return 2 * self.patches(request, image) * self.depth
+
+    def cost(self, request: Request, image: int, first: int, end: int) -> float:
+        """What passes ``first..end-1`` over the image cost against the budget: the patch embedding's (the first
+        ``2p``) one each, a block's ``1 + attention_per_patch * p``."""
+        p = self.patches(request, image)
+        embedding = max(min(end, 2 * p) - first, 0)
+        return embedding + (end - first - embedding) * (1 + self.attention_per_patch * p)
+
+    def _fitting(self, request: Request, image: int, done: int, room: float) -> int:
+        """Passes of the image from ``done`` whose cost fits in ``room``."""
+        p = self.patches(request, image)
+        embedding = max(2 * p - done, 0)
+        if room <= embedding:
+            return max(int(room), 0)
+        return embedding + int((room - embedding) / (1 + self.attention_per_patch * p))
 
     def plan(self, request: Request, start: int, num_new: int,
              to_encode: list[tuple[int, int]]) -> tuple[int, list[EncoderPiece]]:
@@ -98,10 +123,12 @@ class EncoderSteps:
             if self.owners.get(key, (request.request_id,))[0] != request.request_id:
                 return max(request.images[i].offset - start, 0), pieces  # another request is encoding it
             done, total = request.encoder_blocks.get(i, 0), self.total(request, i)
-            k = min(total - done, 2 * self.token_blocks - used)
+            k = min(total - done, self._fitting(request, i, done, 2 * self.token_blocks - used))
+            if k == 0 and used == 0:
+                k = 1  # the step's first pass, however much it costs: every image advances
             if k > 0:
                 pieces.append(EncoderPiece(request, i, done, done + k, total))
-                used += k
+                used += self.cost(request, i, done, done + k)
             if done + k < total:
                 return max(request.images[i].offset - start, 0), pieces
         return num_new, pieces
@@ -110,7 +137,7 @@ class EncoderSteps:
         """The pieces run this step: the budget spent, each request's progress advanced, finished images marked
         encoded (the scheduler charges them nothing more)."""
         for piece in pieces:
-            self.used += piece.end - piece.first
+            self.used += self.cost(piece.request, piece.image, piece.first, piece.end)
             self.pieces.append(piece)
             request = piece.request
             request.encoder_blocks[piece.image] = piece.end

@@ -190,7 +190,8 @@ class Scheduler:
         c = scheduler_config
         # Layer-chunked encoding (None: whole images); the pieces the last ``_encoder_cap`` planned, not yet run.
         self.encoder_steps = (EncoderSteps(c.max_num_encoder_token_blocks, c.encoder_stages, c.encoder_patches_per_token,
-                                           share=c.encoder_cache_keeps)
+                                           share=c.encoder_cache_keeps,
+                                           attention_per_patch=c.encoder_attention_per_patch)
                               if c.max_num_encoder_token_blocks is not None else None)
         self._pending_pieces: list[EncoderPiece] = []
         self.speculator = speculator

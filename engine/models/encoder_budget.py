@@ -8,9 +8,17 @@ costs against the text model. The cost of one token through the text layers and 
 in the multiply-adds of their weights, the routed experts at the share a token visits (``top_k`` of the
 experts); embeddings and the LM head are left out (a prompt chunk reads the head for its last token only). The
 budget is the token-blocks worth ``TOWER_SHARE`` of a full chunk: a tower's operations run at a lower efficiency
-per multiply-add than the text model's (attention over every patch of an image, which the weights do not count,
-and narrow matrices), and a step that encodes may also carry a prompt chunk, so a whole chunk's worth would about
-double that step. Measured with ``benchmarks.image_itl``: ``docs/decisions/encoder-budget.md``.
+per multiply-add than the text model's (narrow matrices), and a step that encodes may also carry a prompt chunk, so
+a whole chunk's worth would about double that step. Measured with ``benchmarks.image_itl``:
+``docs/decisions/encoder-budget.md``.
+
+The tower's attention is not in its weights: each patch's query meets every key of its image, so a block costs a
+patch ``2 * attention_width`` multiply-adds per patch of the image on top of its weights' (scores, then the
+weighted values). ``attention_per_patch`` gives that as a share of a token-block, and the scheduler charges each
+pass of a block over an image of ``p`` patches ``1 + p * attention_per_patch`` of one
+(``engine.core.encoder_pieces``): on Qwen3-VL's tower (width 1,152) a 448x448 image's attention adds ~12% to its
+blocks, a 1,920x1,080 photo's ~120%, which a budget of weights alone would let run in one step.
+
 
 This is rank 0's view (it holds the tower and plans the steps): under tensor parallelism its share of the text
 layers, which is what a step waits for on it.
@@ -48,3 +56,9 @@ def auto_token_blocks(text_layers: nn.Module, tower_block: nn.Module, chunk_toke
     per_token = matrix_multiply_adds(text_layers)
     per_block = max(matrix_multiply_adds(tower_block), 1)
     return max(1, round(TOWER_SHARE * chunk_tokens * per_token / per_block))
+
+
+def attention_per_patch(tower_block: nn.Module) -> float:
+    """Multiply-adds of one patch's attention in ``tower_block`` per patch of its image (``2 * attention_width``:
+    scores, then weighted values), as a share of the block's weight multiply-adds per patch (a token-block)."""
+    return 2 * tower_block.attention_width / max(matrix_multiply_adds(tower_block), 1)

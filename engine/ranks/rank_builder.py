@@ -17,7 +17,7 @@ from engine.distributed.pipeline import WHOLE, PipelineStage
 from engine.kv_tiers.setup import GB, build_rank_mirror, build_tiers
 from engine.layers.moe import SparseMoeBlock
 from engine.models import MoECausalLM
-from engine.models.encoder_budget import auto_token_blocks
+from engine.models.encoder_budget import attention_per_patch, auto_token_blocks
 from engine.structured_output.matchers import GrammarMatchers
 from engine.vision.encoder_cache import EncoderCache
 from engine.worker.draft_model import DraftProposer
@@ -95,6 +95,7 @@ def build_scheduler(config: EngineConfig, rank: BuiltRank) -> Scheduler:
             if rank.model.takes_images else None,
             max_num_encoder_token_blocks=encoder_token_blocks(config, rank.model),
             **(dict(zip(("encoder_stages", "encoder_patches_per_token"), rank.model.encoder_shape),
+                    encoder_attention_per_patch=attention_per_patch(rank.model.tower_block),
                     encoder_cache_keeps=rank.model.encoder_cache.capacity_bytes > 0)
                if rank.model.takes_images else {}),
         ),

@@ -137,6 +137,7 @@ class Block(nn.Module):
         self.wqkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
         self.wo = nn.Linear(c.hidden_size, c.hidden_size)
         self.mlp = MLP(c)
+        self.attention_width = c.hidden_size  # heads x head dim (``engine.vision.tower_rows``)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rows ``x`` [r, D] (of one image's patches; cos, sin [r, head_dim / 2] float32) -> their q, k, v

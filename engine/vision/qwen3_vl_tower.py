@@ -126,6 +126,7 @@ class VisionBlock(nn.Module):
         self.norm2 = nn.LayerNorm(c.hidden_size, eps=1e-6)
         self.attn = VisionAttention(c)
         self.mlp = VisionMLP(c)
+        self.attention_width = c.hidden_size  # heads x head dim (``engine.vision.tower_rows``)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rows ``x`` [r, D] -> their q, k, v [r, h, d] (``engine.vision.tower_rows``)."""

@@ -42,7 +42,9 @@ class TowerState:
 
 class RowSplitTower(abc.ABC):
     """Mixed into a tower module with ``blocks`` whose each block has ``project(x, cos, sin) -> (q, k, v)`` and
-    ``mix(x, q, k, v) -> x`` (``forward`` being ``mix(x, *project(x, cos, sin))``); the tower says how it starts an
+    ``mix(x, q, k, v) -> x`` (``forward`` being ``mix(x, *project(x, cos, sin))``) and ``attention_width`` (its
+    queries' heads x head dim: what one query row's attention against each key costs, counted by the scheduler's
+    budget, ``engine.models.encoder_budget.attention_per_patch``); the tower says how it starts an
     image (``start``), embeds its rows (``embed_rows``) and what follows a block (``after_block``: taps; and
     ``after_rows``, as a block's rows are mixed, for work on finished rows)."""
 

@@ -13,7 +13,7 @@ from torch import nn
 from engine.core.config import EngineConfig
 from engine.layers.moe import SparseMoeBlock
 from engine.llm_engine import LLMEngine
-from engine.models.encoder_budget import TOWER_SHARE, matrix_multiply_adds
+from engine.models.encoder_budget import TOWER_SHARE, attention_per_patch, matrix_multiply_adds
 from engine.ranks.rank_builder import encoder_token_blocks
 from moe_kernels.quant import QuantScheme
 from moe_kernels.routing_spec import RoutingSpec
@@ -43,6 +43,19 @@ def test_default_budget_is_a_quarter_chunk_of_text_work(qwen3_vl_checkpoint):
     engine = _engine(path, max_num_batched_tokens=tokens)
     assert engine.scheduler.config.max_num_encoder_token_blocks == want, f"seed={seed}"
     assert engine.scheduler.encoder_steps is not None
+
+
+def test_the_scheduler_charges_a_block_its_attention_over_the_image(qwen3_vl_checkpoint):
+    """Each patch's query against every key of its image (scores, then weighted values: ``2 x width`` multiply-adds a
+    patch of the image), as a share of a block's weight multiply-adds, from transformers' own vision config and
+    block."""
+    path, model, seed = qwen3_vl_checkpoint
+    hf_block = model.model.visual.blocks[0]
+    weights = sum(p.numel() for p in hf_block.parameters() if p.dim() >= 2)
+    want = 2 * model.config.vision_config.hidden_size / weights
+    engine = _engine(path)
+    assert attention_per_patch(engine.model.tower_block) == pytest.approx(want, rel=1e-12)
+    assert engine.scheduler.encoder_steps.attention_per_patch == pytest.approx(want, rel=1e-12), f"seed={seed}"
 
 
 @pytest.mark.parametrize("settings, expected", [
