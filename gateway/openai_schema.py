@@ -10,6 +10,7 @@ from gateway.choices import MAX_CHOICES
 from gateway.errors import APIError
 from gateway.json_types import decode_typed
 from gateway.nesting import check_nesting
+from gateway.prompt_cache_breakpoints import PromptCacheBreakpoint, check_breakpoint_count
 from gateway.response_format import ResponseFormat, StructuredOutputs, requested_structured_output
 
 # Bounds for integers: JSON has none, and a value past 64 bits fails wherever it is used next (the
@@ -40,6 +41,7 @@ class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fiel
 
     text: str
     cache_control: Any = None  # Anthropic-style prompt caching hint (sent through LiteLLM): accepted, ignored
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None  # checked and counted, see its module
 
 
 class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
@@ -54,6 +56,7 @@ class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknow
 
     image_url: ImageURL
     cache_control: Any = None
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
@@ -344,6 +347,9 @@ def decode_body(body: bytes, cls):
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if isinstance(req, _Common):
         check_implemented(req, CHAT_NOT_IMPLEMENTED if isinstance(req, ChatCompletionRequest) else NOT_IMPLEMENTED)
+    if isinstance(req, ChatCompletionRequest):
+        check_breakpoint_count((f"messages[{i}].content[{j}]", part) for i, m in enumerate(req.messages)
+                               if isinstance(m.content, list) for j, part in enumerate(m.content))
     check_safety_controls(req)
     check_nesting(req)  # before any recursive code (templates, json.dumps, the grammar compiler) reads it
     return req

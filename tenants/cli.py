@@ -56,12 +56,29 @@ def _at_most(value: int, most: int) -> int:
     return value
 
 
+# Digits past which a whole number is past every bound here and is named by its length: Python refuses to convert
+# more than 4300 (with a message about its own setting), and a line of thousands of digits is no message.
+_LONG_NUMBER = 100
+
+
+def _whole(text: str, least: int, most: int) -> int:
+    """``int(text)`` (a ValueError for what is no integer, which the caller words), except that a number of more
+    than ``_LONG_NUMBER`` digits is refused by the bound it is past, named by its length."""
+    body = text.strip().replace("_", "")
+    digits = body.lstrip("+-")
+    if digits.isascii() and digits.isdigit() and len(digits) > _LONG_NUMBER:
+        if body.startswith("-"):
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got a negative number of {len(digits)} digits")
+        raise argparse.ArgumentTypeError(f"must be at most {most}, got a number of {len(digits)} digits")
+    return int(text)
+
+
 def _limit(text: str, least: int = 0, why: str = "") -> int | None:
     """A count from ``least`` (``why`` says what a smaller one is instead), or None for 'none'."""
     if text.strip().lower() in NONE_WORDS:
         return None
     try:
-        value = int(text)
+        value = _whole(text, least, BIGINT_MAX)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= {least} or 'none', got {text!r}") from None
     if value < least:
@@ -115,7 +132,7 @@ def _positive(text: str) -> float:
 
 def _priority(text: str) -> int:
     try:
-        value = int(text)
+        value = _whole(text, 0, INT_MAX)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 0:
@@ -127,7 +144,7 @@ def _objective_ms(text: str) -> int | None:
     if text.strip().lower() in NONE_WORDS:
         return None
     try:
-        value = int(text)
+        value = _whole(text, 1, INT_MAX)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number of milliseconds or 'none', got {text!r}") from None
     if value <= 0:
@@ -143,8 +160,14 @@ def _day(text: str) -> date:
 
 
 def _key_ref(text: str) -> int | str:
-    """A key's id (digits within the id column's range), else its prefix (which no such number is: unknown)."""
-    return int(text) if text.isascii() and text.isdigit() and int(text) <= INT_MAX else text
+    """``admin key revoke``'s key: an id (ASCII digits, within the id column's range: a larger number is no key's,
+    refused by its bound), else a prefix."""
+    if not (text.isascii() and text.isdigit()):
+        return text
+    if len(text) <= len(str(INT_MAX)) and int(text) <= INT_MAX:
+        return int(text)
+    shown = f"a number of {len(text)} digits" if len(text) > _LONG_NUMBER else text
+    raise argparse.ArgumentTypeError(f"unknown api key: key ids are at most {INT_MAX}, got {shown}")
 
 
 # -- output ------------------------------------------------------------------------------------------------
@@ -271,7 +294,7 @@ async def _key_list(args, store) -> int:
 
 
 async def _key_revoke(args, store) -> int:
-    _emit(args, await store.revoke_key(_key_ref(args.key)), KEY_COLS)
+    _emit(args, await store.revoke_key(args.key), KEY_COLS)
     return 0
 
 
@@ -509,7 +532,7 @@ def _add_key(groups, common: argparse.ArgumentParser) -> None:
     p.add_argument("--expires-in", default=None, metavar="DURATION",
                    help="the key stops working after this long: e.g. 90d, 12h, 30m (default: never)")
     _leaf(key, "list", _key_list, common, "list API keys").add_argument("tenant", nargs="?", default=None)
-    _leaf(key, "revoke", _key_revoke, common, "revoke an API key by id or prefix").add_argument("key")
+    _leaf(key, "revoke", _key_revoke, common, "revoke an API key by id or prefix").add_argument("key", type=_key_ref)
 
 
 def _add_quota(groups, common: argparse.ArgumentParser) -> None:

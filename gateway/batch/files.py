@@ -114,6 +114,18 @@ def _form_text(raw: bytes, name: str) -> str:
         raise APIError(400, f"{name} must be UTF-8 text", param=name) from None
 
 
+async def _read_field(part: BodyPartReader, name: str, progress, limit: int) -> str:
+    """A text field's value (read through the upload's ``progress`` guard); a 413 naming ``name`` when it is
+    longer than ``limit``, the request limit aiohttp holds a field read whole to; 400 if it is not UTF-8."""
+    try:
+        raw = await progress(part.read(decode=True))
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"the form field {name} is longer than this server's limit of {limit} "
+                            "bytes for one field; send its short value (only the file may be large)", param=name,
+                       code="request_too_large") from None
+    return _form_text(raw, name)
+
+
 def _check_form_field(part: BodyPartReader | MultipartReader, seen: set[str]) -> None:
     """400 for a multipart part an upload does not take: a multipart body of its own (``multipart/mixed``),
     one without a name, a field other than ``UPLOAD_FIELDS``, or one given again (``seen``: the fields so far, to
@@ -191,7 +203,7 @@ async def _store_upload(request: web.Request) -> web.Response:
         while (part := await progress(reader.next())) is not None:
             _check_form_field(part, seen)
             if part.name == "purpose":
-                purpose = _form_text(await progress(part.read(decode=True)), "purpose")
+                purpose = await _read_field(part, "purpose", progress, request.client_max_size)
             elif part.name == "file":
                 filename = _utf8_filename(part.filename or "upload.jsonl")
                 fd, tmp = tempfile.mkstemp(dir=data_dir / "files", prefix=".upload-")
@@ -205,8 +217,8 @@ async def _store_upload(request: web.Request) -> web.Response:
                             raise _storage_full(used, size, cap, partial=True)
                         out.write(chunk)
             else:
-                expiry[EXPIRY_PARTS[part.name]] = _form_text(await progress(part.read(decode=True)),
-                                                             f"expires_after.{EXPIRY_PARTS[part.name]}")
+                expiry[EXPIRY_PARTS[part.name]] = await _read_field(
+                    part, f"expires_after.{EXPIRY_PARTS[part.name]}", progress, request.client_max_size)
         file_expiry(expiry or None, "expires_after", form=True)  # checked, not applied: files are kept until deleted
         if tmp is None:
             raise APIError(400, "missing the 'file' field", param="file")

@@ -19,6 +19,7 @@ import msgspec
 
 from gateway.chat_plan import ChatOutputParser
 from gateway.responses.request import FunctionTool, ResponsesRequest
+from gateway.responses.run_options import EFFECTIVE_IMAGE_OPTIONS
 from gateway.tool_parsers import ToolCall
 
 
@@ -50,6 +51,7 @@ def skeleton(req: ResponsesRequest, rid: str, created: int, model: str, tools: l
         "tool_choice": choice if isinstance(choice, str) else msgspec.to_builtins(choice),
         "tools": [msgspec.to_builtins(t) for t in tools], "top_p": 1.0 if req.top_p is None else req.top_p,
         "truncation": "disabled", "usage": None, "user": req.user, "metadata": req.metadata or {},
+        **({"image": EFFECTIVE_IMAGE_OPTIONS} if req.image is not None else {}),
     }
 
 

@@ -6,8 +6,10 @@ no ``type``, so the item's type is read first and the item then decoded as that 
 nothing (``UNSUPPORTED``); hints the server has no use for (``prompt_cache_key``, ``prompt_cache_retention``,
 ``safety_identifier``, ``text.verbosity``: typed as on the chat request they are carried into, ``reasoning``,
 ``service_tier`` auto/default, ``prompt_cache_options`` but ``prewarm: true``) are accepted; safety controls
-this server cannot honour (``moderation``, ``access_programs``) are refused by name (``SAFETY_CONTROLS``). A
-message's content is a string or at least one content part.
+this server cannot honour (``moderation``, ``access_programs``) are refused by name (``SAFETY_CONTROLS``);
+``background``, ``background_options`` and ``image`` are checked against what this server runs
+(``gateway.responses.run_options``). A message's content is a string or at least one content part; the parts the
+request sends carry at most four ``prompt_cache_breakpoint``s (``gateway.prompt_cache_breakpoints``).
 """
 
 from typing import Annotated, Any, Literal
@@ -15,6 +17,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from gateway.errors import APIError
+from gateway.prompt_cache_breakpoints import PromptCacheBreakpoint, check_breakpoint_count
+from gateway.responses.run_options import BackgroundOptions, ImageOptions, check_run_options
 from gateway.openai_schema import (
     INT32_MAX, FunctionDefinition, FunctionName, NonEmptyText, PromptCacheOptions, PromptCacheRetention, SamplingFields,
     Temperature, TopP, Verbosity, check_implemented, decode_body, error_param,
@@ -25,8 +29,11 @@ from gateway.response_format import JSONObjectFormat, SchemaName, TextFormat
 MAX_ENCRYPTED_CONTENT = 2**20  # characters of a reasoning item's encrypted_content (OpenAI's are a few KB)
 
 
-class InputText(msgspec.Struct, tag="input_text", tag_field="type", forbid_unknown_fields=True):
+# Parts a request sends omit their defaults when stored: an item without a breakpoint is stored as before there
+# were breakpoints, and one with a breakpoint keeps it (listed, and continued through previous_response_id).
+class InputText(msgspec.Struct, tag="input_text", tag_field="type", omit_defaults=True, forbid_unknown_fields=True):
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None  # checked and counted (gateway.prompt_cache_breakpoints)
 
 
 class OutputText(msgspec.Struct, tag="output_text", tag_field="type", forbid_unknown_fields=True):
@@ -41,13 +48,15 @@ class Refusal(msgspec.Struct, tag="refusal", tag_field="type", forbid_unknown_fi
     refusal: str
 
 
-class InputImage(msgspec.Struct, tag="input_image", tag_field="type", kw_only=True, forbid_unknown_fields=True):
+class InputImage(msgspec.Struct, tag="input_image", tag_field="type", kw_only=True, omit_defaults=True,
+                 forbid_unknown_fields=True):
     """An image in a user message, for a model that reads images: ``image_url`` a ``data:`` URL, or an http(s)
     URL of a host the operator allows (``gateway.remote_images``); run as the chat API's ``image_url`` part."""
 
     image_url: NonEmptyText | None = None
     file_id: str | None = None  # an uploaded file: not taken (send the image's bytes as a data: URL)
     detail: Literal["auto", "low", "high", "original"] | None = None  # accepted; read at the model's own size
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 ContentPart = InputText | OutputText | Refusal | InputImage
@@ -187,7 +196,6 @@ Metadata = Annotated[dict[str, Annotated[str, msgspec.Meta(max_length=512)]], ms
 
 # Fields this server does not implement, and the values that ask for nothing (null always does).
 UNSUPPORTED: dict[str, tuple] = {
-    "background": (False,),
     "truncation": ("disabled",),
     "service_tier": ("auto", "default"),
     "top_logprobs": (0,),
@@ -228,7 +236,9 @@ class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True)
     # Extra output asked for: encrypted reasoning (which Codex and other agents ask for with store: false) is
     # accepted and never produced, this server's reasoning items carry their text.
     include: list[Literal["reasoning.encrypted_content"]] | None = None
-    background: Any = None
+    background: bool | None = None  # true is refused, with background_options and image (run_options)
+    background_options: BackgroundOptions | None = None
+    image: ImageOptions | None = None
     truncation: Any = None
     service_tier: Any = None
     top_logprobs: Any = None
@@ -241,6 +251,7 @@ class ResponsesRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True)
 def decode_request(data: bytes) -> tuple[ResponsesRequest, list[InputItem], list[FunctionTool]]:
     """The request, its input items and its tools, checked; a 400 naming the field otherwise."""
     req = decode_body(data, ResponsesRequest)
+    check_run_options(req.background, req.background_options, req.stream, req.image)
     check_implemented(req, UNSUPPORTED)
     if req.prompt_cache_options is not None and req.prompt_cache_options.prewarm:
         raise APIError(400, "prompt_cache_options.prewarm is not offered by this server: the prefix cache fills as "
@@ -249,7 +260,18 @@ def decode_request(data: bytes) -> tuple[ResponsesRequest, list[InputItem], list
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true; leave it out or stream",
                        param="stream_options")
-    return req, input_items(req.input), [_tool(t, i) for i, t in enumerate(req.tools or [])]
+    items = input_items(req.input)
+    check_breakpoint_count(_content_parts(items))
+    return req, items, [_tool(t, i) for i, t in enumerate(req.tools or [])]
+
+
+def _content_parts(items: list[InputItem]):
+    """(place, part) of every content part of ``items`` (a message's content, a function call's output)."""
+    for i, item in enumerate(items):
+        for field in ("content", "output"):
+            parts = getattr(item, field, None)
+            if isinstance(parts, list) and not isinstance(item, ReasoningItem):
+                yield from ((f"input[{i}].{field}[{j}]", part) for j, part in enumerate(parts))
 
 
 def input_items(given: str | list[dict]) -> list[InputItem]:

@@ -353,6 +353,39 @@ def test_upload_form_fields_are_the_clients_only(demo_dir, tmp_path):
     assert "twice" in refused["twice"][1]["message"] and "name" in refused["nameless"][1]["message"]
 
 
+def test_an_oversized_upload_form_field_is_a_413_naming_it(demo_dir, tmp_path):
+    """A text field of an upload (``purpose``, ``expires_after[anchor]``, ``expires_after[seconds]``, as the openai
+    client sends them) longer than the server's request limit is a 413 whose ``param`` names the field (as a JSON
+    body's errors name ``expires_after.seconds``), and nothing is stored; the file itself may be larger."""
+    limit = random.randint(1024, 4096)
+    url, server = _server(demo_dir, tmp_path, max_request_bytes=limit)
+    data = _jsonl([_line(f"x{i}", f"big field {random.randrange(10**6)}", 2) for i in range(limit // 80 + 2)])
+    assert len(data) > limit
+    big = "b" * random.randint(limit + 1, 3 * limit)
+    cases = {"purpose": {"purpose": big},
+             "expires_after.anchor": {"purpose": "batch", "expires_after": {"anchor": big, "seconds": 3600}},
+             "expires_after.seconds": {"purpose": "batch", "expires_after": {"anchor": "created_at",
+                                                                             "seconds": "9" * len(big)}}}
+
+    async def scenario():
+        keys = await _tenants(url)
+        async with server:
+            acme = _client(server, keys["acme"])
+            kept = await acme.files.create(file=("a.jsonl", io.BytesIO(data)), purpose="batch")
+            refused = {}
+            for field, fields in random.sample(list(cases.items()), len(cases)):
+                with pytest.raises(openai.APIStatusError) as err:
+                    await acme.files.create(file=("b.jsonl", io.BytesIO(data)), **fields)
+                refused[field] = err.value
+            return kept, refused, [x.id async for x in acme.files.list()]
+
+    kept, refused, stored = asyncio.run(scenario())
+    for field, err in refused.items():
+        assert err.status_code == 413 and err.body["param"] == field, (field, err.body)
+        assert str(limit) in err.body["message"], err.body
+    assert stored == [kept.id]
+
+
 def test_upload_with_a_nested_multipart_part_is_a_400(demo_dir, tmp_path):
     """A part of the upload's form that is itself a multipart body (``multipart/mixed``, as old HTML forms sent
     several files under one field) is no field the upload takes: a 400 naming its field, not a 500, and nothing

@@ -754,3 +754,147 @@ def test_responses_stream_obfuscation_null_asks_for_none(served):
     events = [json.loads(line[len(b"data: "):]) for line in text.split(b"\n") if line.startswith(b"data: ")]
     assert events and events[-1]["type"] in ("response.completed", "response.incomplete")
     assert all("obfuscation" not in e for e in events)
+
+
+def _breakpoint() -> dict:
+    """A prompt cache breakpoint as the openai client types it: ``mode`` explicit, ``ttl`` given or left out."""
+    return {"mode": "explicit", **random.choice([{}, {"ttl": "30m"}, {"ttl": "12h"}])}
+
+
+def test_prompt_cache_breakpoints_checked_counted_and_stored(served):
+    """``prompt_cache_breakpoint`` on content parts (chat's text and image_url parts, the Responses API's
+    input_text and input_image parts, the openai client's types): a bad one is a 400 naming its path, a fifth in one
+    request is a 400 naming it (OpenAI's limit of four), and the greedy answer is the one without them (the prefix
+    cache keeps every block anyway). A stored response's input items keep each breakpoint as sent (and carry none
+    where none was sent), and continue through ``previous_response_id`` however many the stored conversation
+    holds: the limit is each request's own."""
+    first, second = _words(4), _words(3)
+    plain_messages = [{"role": "system", "content": [{"type": "text", "text": first}]},
+                      {"role": "user", "content": [{"type": "text", "text": second}]}]
+    marked = [{"role": m["role"], "content": [{**m["content"][0], "prompt_cache_breakpoint": _breakpoint()}]}
+              for m in plain_messages]
+    # Five to eight parts with a breakpoint each, among others without: the fifth is the one refused.
+    many = random.randint(5, 8)
+    parts = [{"type": "text", "text": _words(1)} for _ in range(many + random.randint(0, 3))]
+    for j in sorted(random.sample(range(len(parts)), many)):
+        parts[j]["prompt_cache_breakpoint"] = _breakpoint()
+    fifth = [j for j, p in enumerate(parts) if "prompt_cache_breakpoint" in p][4]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    bad_breakpoints = [({"mode": "implicit"}, ".mode"), ({"mode": "explicit", "ttl": random.choice(["1h", "24h", 30])},
+                       ".ttl"), ({"ttl": "30m"}, ".mode"), ({"mode": "explicit", "scope": "x"}, ".scope"),
+                       ("explicit", "")]
+
+    async def go(client):
+        text = {}
+        for name, messages in (("plain", plain_messages), ("marked", marked)):
+            reply = await client.chat.completions.create(model="demo", messages=messages, max_tokens=6, temperature=0)
+            text[name] = reply.choices[0].message.content
+        refused = {}
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(model="demo", messages=[{"role": "user", "content": parts}],
+                                                 max_tokens=1)
+        refused["chat many"] = err.value.body
+        for i, (bad, _) in enumerate(bad_breakpoints):
+            part = random.choice([{"type": "text", "text": "hi"}, image])
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="demo", max_tokens=1, messages=[
+                    {"role": "user", "content": [{"type": "text", "text": "a"}, {**part, "prompt_cache_breakpoint": bad}]}])
+            refused[f"chat {i}"] = err.value.body
+            with pytest.raises(openai.BadRequestError) as err:
+                part = random.choice([{"type": "input_text", "text": "hi"},
+                                      {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}])
+                await client.responses.create(model="demo", max_output_tokens=1, input=[
+                    {"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                 {**part, "prompt_cache_breakpoint": bad}]}])
+            refused[f"responses {i}"] = err.value.body
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.responses.create(model="demo", max_output_tokens=1, input=[
+                {"role": "user", "content": [{**p, "type": "input_text"} for p in parts]}])
+        refused["responses many"] = err.value.body
+
+        # Responses: four breakpoints per request, over a stored conversation that holds more.
+        def turn(words: str, marked: bool = True) -> list[dict]:
+            return [{"role": "user", "content": [
+                {"type": "input_text", "text": w, **({"prompt_cache_breakpoint": _breakpoint()} if marked else {})}
+                for w in words.split()]}]
+
+        plain = await client.responses.create(model="demo", input=turn(first, marked=False), max_output_tokens=6,
+                                              temperature=0)
+        one = await client.responses.create(model="demo", input=turn(first), max_output_tokens=6, temperature=0)
+        two = await client.responses.create(model="demo", input=[*turn(_words(4)), {"role": "user", "content": [
+            {"type": "input_text", "text": "plain"}]}], previous_response_id=one.id, max_output_tokens=3)
+        three = await client.responses.create(model="demo", input=turn(_words(2)), previous_response_id=two.id,
+                                              max_output_tokens=3)
+        listed = {r.id: [i async for i in client.responses.input_items.list(r.id, order="asc")] for r in (one, two)}
+        raw = await client.get(f"/responses/{two.id}/input_items", cast_to=object, options={"params": {"order": "asc"}})
+        return text, refused, (plain, one, three), listed, raw
+
+    text, refused, (plain, one, three), listed, raw = served.run(go)
+    assert text["marked"] == text["plain"], text
+    assert one.output_text == plain.output_text and three.status in ("completed", "incomplete")
+    assert refused["chat many"]["param"] == f"messages[0].content[{fifth}].prompt_cache_breakpoint", refused
+    assert refused["responses many"]["param"] == f"input[0].content[{fifth}].prompt_cache_breakpoint", refused
+    assert "four" in refused["chat many"]["message"] or "4" in refused["chat many"]["message"]
+    for i, (bad, field) in enumerate(bad_breakpoints):
+        for where, item in (("chat", "messages"), ("responses", "input")):
+            body = refused[f"{where} {i}"]
+            assert body["param"] == f"{item}[0].content[1].prompt_cache_breakpoint{field}", (where, bad, body)
+    # Stored as sent: each breakpoint (ttl left out where it was), no field where none was sent.
+    for part in [p for item in listed[one.id] for p in item.content]:
+        assert part.prompt_cache_breakpoint is not None and part.prompt_cache_breakpoint.mode == "explicit"
+    sent_ttls = [p.prompt_cache_breakpoint.ttl for p in listed[one.id][0].content]
+    assert all(t in (None, "30m", "12h") for t in sent_ttls)
+    # The second response's items: the first's input (four marked words), its answer, its own input (four marked
+    # words and an unmarked part).
+    parts_two = [p for item in raw["data"] for p in item["content"]]
+    assert [p["type"] == "output_text" or "prompt_cache_breakpoint" in p for p in parts_two] == [True] * 9 + [False]
+    assert all("prompt_cache_breakpoint" not in p for p in parts_two if p["type"] == "output_text")
+
+
+def test_background_and_image_options_checked(served):
+    """The Responses API's ``background_options`` and ``image`` as the openai client sends them.
+    ``completion_window`` ``soonest`` (and ``continuation_id``, a string of at most 512 characters) runs as
+    without them; ``2h`` and ``8h`` need ``background: true`` and no stream (a 400 naming the window otherwise), and
+    ``background: true`` is a 400 that points to the Batch API, this server's discounted offline runs.
+    ``image.context_compression`` ``auto`` or ``disabled`` is taken and echoed as ``disabled`` (images are read
+    whole); ``enabled`` is a 400 saying this server offers none."""
+    words = _words(4)
+    bad = [({"background_options": {"completion_window": random.choice(["2h", "8h"])}},
+            "background_options.completion_window"),
+           ({"background_options": {"completion_window": random.choice(["2h", "8h"])}, "stream": True,
+             "background": random.choice([True, False])}, "background_options.completion_window"),
+           ({"background_options": {"completion_window": "1h"}}, "background_options.completion_window"),
+           ({"background_options": {"continuation_id": 7}}, "background_options.continuation_id"),
+           ({"background_options": {"continuation_id": "c" * random.randint(513, 2000)}},
+            "background_options.continuation_id"),
+           ({"background_options": {"priority": "high"}}, "background_options.priority"),
+           ({"background_options": {"completion_window": random.choice(["2h", "8h"])}, "background": True},
+            "background"),
+           ({"background": True}, "background"),
+           ({"image": {"context_compression": "enabled"}}, "image.context_compression"),
+           ({"image": {"context_compression": "max"}}, "image.context_compression"),
+           ({"image": {"detail": "low"}}, "image.detail")]
+
+    async def go(client):
+        plain = await client.responses.create(model="demo", input=words, max_output_tokens=6, temperature=0)
+        taken = await client.responses.create(
+            model="demo", input=words, max_output_tokens=6, temperature=0,
+            background_options={"completion_window": random.choice(["soonest", None]) or "soonest",
+                                "continuation_id": f"c-{random.randrange(10**9)}"},
+            image={"context_compression": random.choice(["auto", "disabled"])})
+        refused = []
+        for extra, _ in bad:
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.responses.create(model="demo", input="hi", max_output_tokens=1, **extra)
+            refused.append(err.value.body)
+        return plain, taken, refused
+
+    plain, taken, refused = served.run(go)
+    assert taken.output_text == plain.output_text
+    assert taken.image is not None and taken.image.context_compression == "disabled" and plain.image is None
+    for (extra, param), body in zip(bad, refused):
+        assert body["param"] == param, (extra, body)
+    window, background, enabled = refused[0], refused[7], refused[8]
+    assert "background: true" in window["message"], window
+    assert "/v1/batches" in background["message"], background
+    assert "no image context compression" in enabled["message"], enabled

@@ -72,6 +72,25 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(db_url, capsys, arg
     assert len(cli(capsys, db_url, "admin", "tenant", "list", as_json=True)[1]) == 1
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["admin", "key", "revoke"], "key: unknown api key: key ids are at most 2147483647"),
+    (["admin", "class", "create", "premium", "--priority"], "--priority/--rank: must be at most 2147483647"),
+    (["admin", "quota", "set", "acme", "--rpm"], "--rpm: must be at most 9223372036854775807"),
+    (["admin", "class", "set", "standard", "--ttft-slo-ms"], "--ttft-slo-ms: must be at most 2147483647"),
+])
+def test_numbers_past_pythons_digit_limit_exit_2_with_one_short_line(db_url, capsys, argv, message):
+    """A whole number of more digits than Python converts (4300) is refused by its bound like any number past it,
+    in one short line that counts its digits, and nothing changes."""
+    cli(capsys, db_url, "admin", "tenant", "create", "acme")
+    before = cli(capsys, db_url, "admin", "tenant", "show", "acme", as_json=True)[1]
+    digits = random.randint(4301, 20000)
+    code, out, err = cli(capsys, db_url, *argv, str(random.randint(1, 9)) + "7" * (digits - 1))
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err and f"{digits} digits" in err, err[:400]
+    assert len(err) < 300 and "sys.set_int_max_str_digits" not in err
+    assert cli(capsys, db_url, "admin", "tenant", "show", "acme", as_json=True)[1] == before
+
+
 def test_key_commands(db_url, capsys):
     cli(capsys, db_url, "admin", "tenant", "create", "acme")
     code, out, _ = cli(capsys, db_url, "admin", "key", "create", "acme", "--label", "ci", as_json=True)
