@@ -8,12 +8,14 @@ needs. The stages are the patch embedding (as long as a block; the image's prepr
 step loop: ``engine.serving.image_preparation``) then each block; the merger runs with the last. A stage is split
 over the image's rows (``engine.vision.tower_rows``): ``2p`` *passes*, a block's projection of each row then its
 mixing of each row, so a pass is half a token-block and a step's tower work stays within the budget however large
-one block of one image is (a budget of one token-block still advances every image, two passes a step).
+one block of one image is (a budget of one token-block still advances an image every step, up to two
+passes).
 
-A block's pass also pays for its attention, which its weights do not count: with ``attention_per_patch`` ``a``
-(``engine.models.encoder_budget.attention_per_patch``) a block's pass over an image of ``p`` patches costs
-``1 + a * p`` half token-blocks, a patch embedding's pass one; a step's first pass runs however much it costs,
-so an image whose single pass is over the budget still advances.
+A block also pays for its attention, which its weights do not count, in the passes that run it: with
+``attention_per_patch`` ``a`` (``engine.models.encoder_budget.attention_per_patch``) a block's mixing of a row
+(where the row's query meets every key of an image of ``p`` patches) costs ``1 + 2 a p`` half token-blocks, its
+projection of a row and a patch embedding's pass one (so a block's token-block costs ``1 + a p`` in all); a step's
+first pass runs however much it costs, so an image whose single pass is over the budget still advances.
 
 Each step's pieces (``EncoderPiece``: a range of passes of one image) run on rank 0 before the step's forward
 (``ImageFeatures.encode_pieces``), which keeps the image's state between steps; the request's prompt chunk stops
@@ -50,6 +52,13 @@ ImageKey = tuple[bytes, "str | None"]  # (the pixels' digest, the tenant's cache
 # planned before it runs); before, so that a waiter takes over from an owner that stopped advancing it (one that
 # cannot be admitted while the waiters hold the slots, or a background request held back by foreground work).
 FINISHING_PLANS = 2
+
+
+def _mixing(n: int, p: int) -> int:
+    """Mixing passes among the first ``n`` of an image of ``p`` patches: stage ``s`` > 0 mixes in its second
+    ``p`` passes (the patch embedding, stage 0, mixes nothing)."""
+    stage, within = divmod(n, 2 * p)
+    return p * max(stage - 1, 0) + (max(within - p, 0) if stage else 0)
 
 
 class EncoderSteps:
@@ -95,19 +104,27 @@ class EncoderSteps:
         return 2 * self.patches(request, image) * self.depth
 
     def cost(self, request: Request, image: int, first: int, end: int) -> float:
-        """What passes ``first..end-1`` over the image cost against the budget: the patch embedding's (the first
-        ``2p``) one each, a block's ``1 + attention_per_patch * p``."""
+        """What passes ``first..end-1`` over the image cost against the budget, in half token-blocks: one each,
+        and a block's mixing pass of a row (the second ``p`` of its ``2p``, where the row's query meets every
+        key: ``engine.vision.tower_rows``) also ``2 * attention_per_patch * p`` for that attention."""
         p = self.patches(request, image)
-        embedding = max(min(end, 2 * p) - first, 0)
-        return embedding + (end - first - embedding) * (1 + self.attention_per_patch * p)
+        return (end - first) + 2 * self.attention_per_patch * p * (_mixing(end, p) - _mixing(first, p))
 
     def _fitting(self, request: Request, image: int, done: int, room: float) -> int:
-        """Passes of the image from ``done`` whose cost fits in ``room``."""
-        p = self.patches(request, image)
-        embedding = max(2 * p - done, 0)
-        if room <= embedding:
-            return max(int(room), 0)
-        return embedding + int((room - embedding) / (1 + self.attention_per_patch * p))
+        """Passes of the image from ``done`` (at most to its last) whose cost fits in ``room``."""
+        p, total = self.patches(request, image), self.total(request, image)
+        mixing = 1 + 2 * self.attention_per_patch * p
+        u, left = done, room
+        while u < total and left > 0:  # a run of p passes at a time: a stage's embedding, projection or mixing
+            half = u // p
+            each = mixing if half >= 2 and half % 2 else 1
+            n = min((half + 1) * p - u, int(left // each))
+            u, left = u + n, left - n * each
+            if u < (half + 1) * p:
+                break
+        while u > done and self.cost(request, image, done, u) > room:
+            u -= 1  # the running sum rounded below the cost: never past the room
+        return u - done
 
     def plan(self, request: Request, start: int, num_new: int,
              to_encode: list[tuple[int, int]]) -> tuple[int, list[EncoderPiece]]:
@@ -123,9 +140,9 @@ class EncoderSteps:
             if self.owners.get(key, (request.request_id,))[0] != request.request_id:
                 return max(request.images[i].offset - start, 0), pieces  # another request is encoding it
             done, total = request.encoder_blocks.get(i, 0), self.total(request, i)
-            k = min(total - done, self._fitting(request, i, done, 2 * self.token_blocks - used))
+            k = self._fitting(request, i, done, 2 * self.token_blocks - used)
             if k == 0 and used == 0:
-                k = 1  # the step's first pass, however much it costs: every image advances
+                k = 1  # the step's first pass, however much it costs: an image past the whole budget advances
             if k > 0:
                 pieces.append(EncoderPiece(request, i, done, done + k, total))
                 used += self.cost(request, i, done, done + k)

@@ -14,9 +14,9 @@ a whole chunk's worth would about double that step. Measured with ``benchmarks.i
 
 The tower's attention is not in its weights: each patch's query meets every key of its image, so a block costs a
 patch ``2 * attention_width`` multiply-adds per patch of the image on top of its weights' (scores, then the
-weighted values). ``attention_per_patch`` gives that as a share of a token-block, and the scheduler charges each
-pass of a block over an image of ``p`` patches ``1 + p * attention_per_patch`` of one
-(``engine.core.encoder_pieces``): on Qwen3-VL's tower (width 1,152) a 448x448 image's attention adds ~12% to its
+weighted values). ``attention_per_patch`` gives that as a share of a token-block, and the scheduler charges a
+block's token-block over an image of ``p`` patches ``1 + p * attention_per_patch``, the attention all on the pass
+that mixes the row, where it runs (``engine.core.encoder_pieces``): on Qwen3-VL's tower (width 1,152) a 448x448 image's attention adds ~12% to its
 blocks, a 1,920x1,080 photo's ~120%, which a budget of weights alone would let run in one step.
 
 

@@ -47,8 +47,10 @@ def test_random_image_workloads_keep_each_step_within_the_token_block_budget():
                 assert piece.first == done.get(key, 0) < piece.end <= total, (seed, piece, done.get(key))
                 done[key] = piece.end
                 patches = request.images[i].num_tokens * merge
-                # each pass: one half token-block, a block's also its query row against the image's patches
-                work += sum(1.0 if n < 2 * patches else 1.0 + attention * patches
+                # each pass: one half token-block; a block's mixing of a row (the second half of its passes) also
+                # that row's query against every patch of the image, twice a patch's share as a half token-block
+                work += sum(1.0 + (2 * attention * patches if n >= 2 * patches and n % (2 * patches) >= patches
+                                   else 0.0)
                             for n in range(piece.first, piece.end))
                 split += piece.end % (total // depth) != 0
             only_pass = len(out.encoder_pieces) == 1 and out.encoder_pieces[0].end - out.encoder_pieces[0].first == 1
@@ -114,9 +116,11 @@ def test_text_streams_decode_in_every_step_while_an_image_is_encoded():
 def test_a_blocks_passes_cost_their_attention_over_the_image():
     """An 8x8-token image merging 4 patches a token (256 patches) through the patch embedding and one block, whose
     attention a patch costs 1/256 of a token-block per patch of the image: the embedding's 512 passes cost one
-    each, the block's 512 two each (1 + 256/256). Under 128 token-blocks (256 a step), the embedding takes 2 steps
-    of 256 passes and the block 4 of 128; without the attention counted the block would take 2 steps of 256."""
-    for attention, want in [(1 / 256, [256, 256, 128, 128, 128, 128]), (0.0, [256, 256, 256, 256])]:
+    each, the block's 256 projections of a row one each and its 256 mixings of a row three each (1 + 2 x 256/256:
+    the row's query against all 256 keys, which runs there). Under 128 token-blocks (256 a step), the embedding
+    takes 2 steps of 256 passes, the projections one, the mixings 4 (85 of 3 a step, then the last); without the
+    attention counted the block would take 2 steps of 256."""
+    for attention, want in [(1 / 256, [256, 256, 256, 85, 85, 85, 1]), (0.0, [256, 256, 256, 256])]:
         rng = random.Random(0)
         sched = _scheduler(budget=128, depth=2, merge=4, tokens=64, blocks=50, attention=attention)
         image = _request("image", rng, [3, (8, 8), 2])
@@ -130,8 +134,9 @@ def test_a_blocks_passes_cost_their_attention_over_the_image():
 
 
 def test_an_image_whose_one_pass_is_past_the_budget_still_advances():
-    """A budget of 1 token-block (2 half-blocks a step) against a block pass costing 1 + 0.5 x 4 = 3: the step's
-    first pass runs anyway, one a step, and a second image waits for the next step rather than overrun it."""
+    """A budget of 1 token-block (2 half-blocks a step) against a block's mixing pass of a row costing
+    1 + 2 x 0.5 x 4 = 5: the step's first pass runs anyway, one a step, and a second image waits for the next step
+    rather than overrun it."""
     rng = random.Random(1)
     sched = _scheduler(budget=1, depth=2, merge=4, tokens=64, blocks=50, attention=0.5)
     image = _request("image", rng, [3, (1, 1), 2, (1, 1), 2])  # two images of 4 patches: 16 passes each
@@ -141,7 +146,49 @@ def test_an_image_whose_one_pass_is_past_the_budget_still_advances():
         out = sched.schedule()
         per_step.append([(p.image, p.end - p.first) for p in out.encoder_pieces])
         sched.update(out, [rng.randrange(50) if p.sample else None for p in out.scheduled])
-    # each image: the embedding's 8 passes two a step (cost 1 each), then its block's 8 passes one a step
-    one_image = [(2,)] * 4 + [(1,)] * 8
-    assert per_step[:12] == [[(0, n[0])] for n in one_image]
-    assert per_step[12:24] == [[(1, n[0])] for n in one_image]
+    # each image: the embedding's 8 passes and its block's 4 projections two a step (cost 1 each), then the
+    # block's 4 mixings one a step
+    one_image = [(2,)] * 6 + [(1,)] * 4
+    assert per_step[:10] == [[(0, n[0])] for n in one_image]
+    assert per_step[10:20] == [[(1, n[0])] for n in one_image]
+
+
+def test_the_passes_fitted_never_cost_past_the_room():
+    """``EncoderSteps._fitting`` against an exact count (fractions, pass by pass: one half token-block each, a
+    block's mixing pass of a row also ``2 a p``): the passes it fits are what fits in the room (up to rounding), and
+    what the scheduler then charges for them (``cost``, in floats) is never past the room, so rounding never lets a
+    step's ``used`` pass its budget. Rooms are often exactly what some passes cost, summed in floats as the
+    scheduler sums them, where a quotient rounded up would fit one pass too many."""
+    from fractions import Fraction
+    from types import SimpleNamespace
+
+    from engine.core.encoder_pieces import EncoderSteps
+
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    for _ in range(3000):
+        tokens, merge, depth = rng.randint(1, 6), rng.choice([1, 4]), rng.randint(1, 4)
+        a = rng.choice([0.0, rng.uniform(0, 0.5), 1 / rng.randint(1, 64)])
+        steps = EncoderSteps(1, depth, merge, attention_per_patch=a)
+        request = SimpleNamespace(images=[SimpleNamespace(num_tokens=tokens)])
+        p, total = tokens * merge, steps.total(request, 0)
+
+        def exact(first: int, end: int) -> Fraction:
+            return sum((1 + (2 * Fraction(a) * p if n >= 2 * p and n % (2 * p) >= p else 0)
+                        for n in range(first, end)), Fraction(0))
+
+        done = rng.randrange(total)
+        if rng.random() < 0.5:  # exactly some passes' cost, summed piece by piece in floats
+            room, u = 0.0, done
+            for _ in range(rng.randint(1, 3)):
+                v = rng.randint(u, total)
+                room += float(exact(u, v))
+                u = v
+        else:
+            room = rng.uniform(0, 3 * total)
+        k = steps._fitting(request, 0, done, room)
+        assert 0 <= k <= total - done, seed
+        assert steps.cost(request, 0, done, done + k) <= room, (seed, done, k, room)
+        assert exact(done, done + k) <= Fraction(room) + Fraction(1, 10**9), (seed, done, k, room)
+        if done + k < total:
+            assert exact(done, done + k + 1) > Fraction(room) - Fraction(1, 10**9), (seed, done, k, room)

@@ -97,3 +97,56 @@ def test_a_decode_engine_counts_its_budget_from_its_own_prompt_chunks(role, chun
         config.max_num_batched_tokens
     want = max(1, round(TOWER_SHARE * chunk * 2 * hidden * inner / (width * width)))
     assert encoder_token_blocks(config, model) == want
+
+
+def test_each_pass_is_charged_the_attention_it_runs():
+    """The scheduler's cost of a block's passes over rows of an image against the multiply-adds they run, counted by
+    torch's FLOP counter on the tower's own block (``project`` then ``mix``, as ``engine.vision.tower_rows`` runs
+    them): between two images of different sizes, the same rows' projection runs the same work (no attention) and
+    their mixing runs ``2 x width`` more per row and patch of difference (every key of the image); the charge
+    must differ by that much, in half token-blocks of the block's weights. Fresh random shapes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from engine.core.encoder_pieces import EncoderSteps
+    from engine.vision.qwen3_vl_tower import VisionBlock, VisionConfig
+
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    heads, head_dim = rng.choice([1, 2, 4]), rng.choice([4, 8])
+    width = heads * head_dim
+    block = VisionBlock(VisionConfig(depth=2, hidden_size=width, intermediate_size=rng.randint(8, 64),
+                                     num_heads=heads, out_hidden_size=8)).eval()
+    half_block = matrix_multiply_adds(block) / 2  # multiply-adds of one half token-block
+    merge = 4
+
+    def measured(tokens: int, rows: int) -> tuple[float, float]:
+        """Multiply-adds of the first ``rows`` rows' projection, then their mixing, over an image of ``tokens``."""
+        length = tokens * merge
+        x, cos, sin = torch.randn(length, width), torch.randn(length, head_dim), torch.randn(length, head_dim)
+        out = []
+        with torch.no_grad():
+            q, k, v = block.project(x, cos, sin)
+            for run in (lambda: block.project(x[:rows], cos[:rows], sin[:rows]),
+                        lambda: block.mix(x[:rows], q[:rows], k, v)):
+                with FlopCounterMode(display=False) as flops:
+                    run()
+                out.append(flops.get_total_flops() / 2)
+        return out[0], out[1]
+
+    steps = EncoderSteps(1, depth=3, patches_per_token=merge, attention_per_patch=attention_per_patch(block))
+    small, large = rng.randint(1, 8), rng.randint(9, 24)
+    rows = rng.randint(1, small * merge)
+
+    def charged(tokens: int) -> tuple[float, float]:
+        request = SimpleNamespace(images=[SimpleNamespace(num_tokens=tokens)])
+        p = tokens * merge
+        block_start = 2 * p * rng.randint(1, 2)  # either block of the tower
+        return (steps.cost(request, 0, block_start, block_start + rows),
+                steps.cost(request, 0, block_start + p, block_start + p + rows))
+
+    (proj_small, mix_small), (proj_large, mix_large) = measured(small, rows), measured(large, rows)
+    (c_proj_small, c_mix_small), (c_proj_large, c_mix_large) = charged(small), charged(large)
+    assert proj_large - proj_small == 0 and mix_large - mix_small == 2 * width * rows * (large - small) * merge
+    assert (c_proj_large - c_proj_small) * half_block == pytest.approx(proj_large - proj_small, abs=1e-6), seed
+    assert (c_mix_large - c_mix_small) * half_block == pytest.approx(mix_large - mix_small, rel=1e-9), seed
