@@ -14,8 +14,10 @@ passes).
 A block also pays for its attention, which its weights do not count, in the passes that run it: with
 ``attention_per_patch`` ``a`` (``engine.models.encoder_budget.attention_per_patch``) a block's mixing of a row
 (where the row's query meets every key of an image of ``p`` patches) costs ``1 + 2 a p`` half token-blocks, its
-projection of a row and a patch embedding's pass one (so a block's token-block costs ``1 + a p`` in all); a step's
-first pass runs however much it costs, so an image whose single pass is over the budget still advances.
+projection of a row and a patch embedding's pass one (so a block's token-block costs ``1 + a p`` in all). A pass
+past the whole budget (one row's attention over a very large image, under a very small budget) could never fit:
+each step runs one such pass after whatever else fits, so that image advances even behind other image work in
+every step (a step's tower work is then its budget and that one pass, at most).
 
 Each step's pieces (``EncoderPiece``: a range of passes of one image) run on rank 0 before the step's forward
 (``ImageFeatures.encode_pieces``), which keeps the image's state between steps; the request's prompt chunk stops
@@ -82,11 +84,12 @@ class EncoderSteps:
         self.attention_per_patch = attention_per_patch
         self.used = 0.0  # what this step's pieces cost so far, in passes of no attention (two a token-block)
         self.pieces: list[EncoderPiece] = []
+        self.past_budget = False  # whether this step runs a pass past the whole budget (one a step)
         self.owners: dict[ImageKey, tuple[str, int]] = {}  # image -> (the request encoding it, the plan it last ran in)
         self._plans = 0
 
     def begin_step(self) -> None:
-        self.used, self.pieces = 0.0, []
+        self.used, self.pieces, self.past_budget = 0.0, [], False
         self._plans += 1
         for key in [k for k, (_, plan) in self.owners.items() if plan <= self._plans - FINISHING_PLANS]:
             del self.owners[key]  # finished, or its owner stopped advancing it: a waiter may begin it
@@ -126,13 +129,16 @@ class EncoderSteps:
             u -= 1  # the running sum rounded below the cost: never past the room
         return u - done
 
+    def _past_budget(self, request: Request, image: int, first: int, end: int) -> bool:
+        return self.cost(request, image, first, end) > 2 * self.token_blocks
+
     def plan(self, request: Request, start: int, num_new: int,
              to_encode: list[tuple[int, int]]) -> tuple[int, list[EncoderPiece]]:
         """(tokens of the chunk ``[start, start + num_new)`` that may run this step, the pieces to run for it):
         ``to_encode`` are (index, tokens to encode; 0: the cache holds it) of the images the chunk first touches,
         in order. The chunk stops before the first image whose last pass does not run this step."""
         pieces: list[EncoderPiece] = []
-        used = self.used
+        used, past_budget = self.used, self.past_budget
         for i, tokens in to_encode:
             if not tokens:
                 continue
@@ -141,8 +147,8 @@ class EncoderSteps:
                 return max(request.images[i].offset - start, 0), pieces  # another request is encoding it
             done, total = request.encoder_blocks.get(i, 0), self.total(request, i)
             k = self._fitting(request, i, done, 2 * self.token_blocks - used)
-            if k == 0 and used == 0:
-                k = 1  # the step's first pass, however much it costs: an image past the whole budget advances
+            if k == 0 and not past_budget and self._past_budget(request, i, done, done + 1):
+                k, past_budget = 1, True  # a pass no step could hold: one a step, or that image never advances
             if k > 0:
                 pieces.append(EncoderPiece(request, i, done, done + k, total))
                 used += self.cost(request, i, done, done + k)
@@ -155,6 +161,7 @@ class EncoderSteps:
         encoded (the scheduler charges them nothing more)."""
         for piece in pieces:
             self.used += self.cost(piece.request, piece.image, piece.first, piece.end)
+            self.past_budget |= self._past_budget(piece.request, piece.image, piece.first, piece.end)
             self.pieces.append(piece)
             request = piece.request
             request.encoder_blocks[piece.image] = piece.end
