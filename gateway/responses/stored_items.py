@@ -30,11 +30,24 @@ def listed(item: dict) -> dict:
     """A stored item as the list shows it."""
     out = {k: v for k, v in item.items() if v is not None}
     out["status"] = out.get("status") or "completed"
+    for field in ("content", "output"):
+        if isinstance(out.get(field), list) and out["type"] != "reasoning":
+            out[field] = [_listed_part(part) for part in out[field]]
     if out["type"] == "message" and isinstance(out["content"], str):
         if out["role"] == "assistant":
             out["content"] = [{"type": "output_text", "text": out["content"], "annotations": []}]
         else:
             out["content"] = [{"type": "input_text", "text": out["content"]}]
+    return out
+
+
+def _listed_part(part: dict) -> dict:
+    """A content part as OpenAI lists it: without null fields (rows stored before parts omitted theirs kept them),
+    an ``input_image``'s ``detail`` ``"auto"`` where none was sent (OpenAI's default; clients' types require it:
+    the openai client reads a user message whose image has no detail as an output message)."""
+    out = {k: v for k, v in part.items() if v is not None}
+    if out.get("type") == "input_image":
+        out.setdefault("detail", "auto")
     return out
 
 
