@@ -66,7 +66,7 @@ def _whole(text: str, least: int, most: int) -> int:
     than ``_LONG_NUMBER`` digits is refused by the bound it is past, named by its length."""
     body = text.strip().replace("_", "")
     digits = body.lstrip("+-")
-    if digits.isascii() and digits.isdigit() and len(digits) > _LONG_NUMBER:
+    if digits.isdecimal() and len(digits) > _LONG_NUMBER:  # any script's digits: int() reads them all
         if body.startswith("-"):
             raise argparse.ArgumentTypeError(f"must be >= {least}, got a negative number of {len(digits)} digits")
         raise argparse.ArgumentTypeError(f"must be at most {most}, got a number of {len(digits)} digits")
