@@ -167,7 +167,7 @@ class BatchStore:
         q = select(StoredFile).where(StoredFile.tenant_id == tenant_id)
         if purpose:
             q = q.where(StoredFile.purpose == purpose)
-        return await self._page(q, StoredFile, after, limit, newest_first, _file_info)
+        return await self._page(q, StoredFile, tenant_id, after, limit, newest_first, _file_info)
 
     async def delete_file(self, tenant_id: int, file_id: str) -> FileInfo | None:
         async with self.sessions.begin() as s:
@@ -178,12 +178,14 @@ class BatchStore:
             await s.delete(f)
             return info
 
-    async def _page(self, q, model, after: str | None, limit: int, newest_first: bool, convert):
-        """Cursor pagination by (created_at, id): ``after`` is the last id of the previous page."""
+    async def _page(self, q, model, tenant_id: int, after: str | None, limit: int, newest_first: bool, convert):
+        """Cursor pagination by (created_at, id): ``after`` is the last id of the previous page. Only the tenant's
+        own rows anchor a page: another tenant's id pages as an unknown one (from the start), so a list tells
+        nothing of it."""
         order = (model.created_at.desc(), model.id.desc()) if newest_first else (model.created_at, model.id)
         async with self.sessions() as s:
             if after:
-                anchor = await s.scalar(select(model.created_at).where(model.id == after))
+                anchor = await s.scalar(select(model.created_at).where(model.id == after, model.tenant_id == tenant_id))
                 if anchor is not None:
                     if newest_first:
                         q = q.where(or_(model.created_at < anchor, and_(model.created_at == anchor, model.id < after)))
@@ -230,8 +232,8 @@ class BatchStore:
         return await self.hot.run(_scalar, q)
 
     async def list_batches(self, tenant_id: int, after: str | None, limit: int) -> tuple[list[Batch], bool]:
-        return await self._page(select(Batch).where(Batch.tenant_id == tenant_id), Batch, after, limit, True,
-                                lambda b: b)
+        return await self._page(select(Batch).where(Batch.tenant_id == tenant_id), Batch, tenant_id, after, limit,
+                                True, lambda b: b)
 
     async def cancel(self, tenant_id: int, batch_id: str) -> Batch | None:
         """Stop new work at once: pending lines become cancelled; running ones finish and are kept."""
