@@ -201,3 +201,35 @@ def test_a_stream_nobody_reads_is_ended_in_the_engine(served):
     assert running == 0  # aborted in the engine, long before its 4 x 400 tokens
     assert len(unread) <= 24  # what waited for the reader: the bound, no more
     assert sum(len(o.token_ids) for o in unread) < 4 * 400
+
+
+@pytest.mark.parametrize("field", ["guided_regex", "response_format", "guided_choice"])
+def test_a_grammar_with_a_huge_lexeme_is_a_400_and_never_slows_the_steps(served, field):
+    """Counted repetitions and long literals cost every mask in proportion to their length (``(ab){100000}`` held
+    each engine step ~200 ms, and its first one seconds): refused at once, naming the field."""
+    loop, server, engine, free, limited = served
+    n = random.randrange(50_000, 100_000)  # a fresh grammar: nothing cached from an earlier run
+    extra = {"guided_regex": {"guided_regex": f"(ab){{{n}}}"},
+             "response_format": {"response_format": _schema_format({"type": "string", "pattern": f"^(ab){{{n}}}$"})},
+             "guided_choice": {"guided_choice": ["no", "ab" * (n // 10)]}}[field]
+
+    async def scenario():
+        async def other_tenant():  # the longest wait between two of another request's tokens
+            gaps, last = [], None
+            async for _ in engine.generate(list(range(5, 12)), SamplingParams(max_tokens=60, ignore_eos=True)):
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+            return max(gaps)
+
+        other = asyncio.ensure_future(other_tenant())
+        await asyncio.sleep(0.2)
+        started = time.perf_counter()
+        status, body = await _post(server, free, _chat(max_tokens=40, **extra))
+        return status, body, time.perf_counter() - started, await other
+
+    status, body, took, worst_gap = loop.run_until_complete(scenario())
+    assert status == 400 and body["error"]["param"] == field, body
+    assert "max_tokens" in body["error"]["message"], body  # says what to do instead
+    assert took < 1.0 and worst_gap < 0.5, (took, worst_gap)
