@@ -70,7 +70,8 @@ async def _loop_lag_while(work) -> tuple[float, object]:
 
     ticker = asyncio.ensure_future(tick())
     try:
-        return worst, await work
+        result = await work  # before reading worst: `return worst, await work` reads it first
+        return worst, result
     finally:
         stop = True
         await ticker
@@ -233,3 +234,41 @@ def test_a_grammar_with_a_huge_lexeme_is_a_400_and_never_slows_the_steps(served,
     assert status == 400 and body["error"]["param"] == field, body
     assert "max_tokens" in body["error"]["message"], body  # says what to do instead
     assert took < 1.0 and worst_gap < 0.5, (took, worst_gap)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_reply_full_of_logprobs_is_built_off_the_event_loop(served, route):
+    """Many choices with 20 top logprobs each: building the whole reply held the gateway's event loop (every other
+    tenant's stream) for about a second; it is built and encoded on a worker thread, and reads back whole."""
+    loop, server, engine, free, limited = served
+    n, tokens = 8, random.randrange(400, 440)  # n * 3 outputs stay under the fixture's 24 unread per request
+    words = " ".join(random.choice(["sea", "lamp", "keeper", "glass", "storm"]) for _ in range(12))
+    if route == "chat":
+        path, body = "/v1/chat/completions", _chat(messages=[{"role": "user", "content": words}], n=n, max_tokens=tokens,
+                                                   logprobs=True, top_logprobs=20, prompt_logprobs=20, ignore_eos=True,
+                                                   seed=random.randrange(2**31))
+    else:
+        prompt, tokens = [random.randrange(5, 1000) for _ in range(120)], tokens - 120
+        path, body = "/v1/completions", {"model": "demo", "prompt": prompt, "n": n, "max_tokens": tokens,
+                                         "logprobs": 5, "echo": True, "prompt_logprobs": 20, "ignore_eos": True}
+
+    async def send():
+        async with aiohttp.ClientSession() as http, http.post(
+                server.make_url(path), json=body, headers={"Authorization": f"Bearer {free}"}) as r:
+            return r.status, await r.read()
+
+    lag, (status, raw) = loop.run_until_complete(_loop_lag_while(send()))
+    assert status == 200, raw[:500]
+    reply = json.loads(raw)  # the standard library's parser: the reply is one valid JSON document
+    assert [c["index"] for c in reply["choices"]] == list(range(n))
+    for c in reply["choices"]:
+        if route == "chat":
+            entries = c["logprobs"]["content"]
+            assert len(entries) == tokens and all(len(e["top_logprobs"]) == 20 for e in entries)
+            assert all(e["bytes"] == list(e["token"].encode("utf-8", "surrogatepass")) for e in entries)
+        else:
+            assert len(c["logprobs"]["tokens"]) == len(c["logprobs"]["top_logprobs"]) > tokens
+            assert c["prompt_logprobs"][0] is None and all(len(p) >= 20 for p in c["prompt_logprobs"][1:])
+    assert reply["usage"]["completion_tokens"] == n * tokens
+    if route == "chat":  # the heavier body (each entry's bytes too): 0.3 s and more on the event loop before
+        assert lag < 0.15, f"the event loop was held {lag:.2f} s"
