@@ -36,6 +36,7 @@ from gateway.metrics import METRICS
 from gateway.openai_schema import error_param
 from gateway.replies import json_response, query_limit
 from tenants.batch_store import BatchStore, FileInfo, StorageFull
+from tenants.models import MAX_FILENAME_CHARS
 
 BATCH_STORE = web.AppKey("batch_store", BatchStore)
 DATA_DIR = web.AppKey("data_dir", Path)
@@ -98,11 +99,15 @@ def _malformed_multipart(err: Exception) -> APIError:
 
 
 def _utf8_filename(name: str) -> str:
-    """The part's file name; aiohttp keeps bytes that are not UTF-8 as surrogates, which cannot be stored."""
+    """The part's file name; aiohttp keeps bytes that are not UTF-8 as surrogates, which cannot be stored, and
+    the database keeps at most ``MAX_FILENAME_CHARS`` characters of it."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, "the uploaded file's name is not UTF-8 text; rename the file", param="file") from None
+    if len(name) > MAX_FILENAME_CHARS:
+        raise APIError(400, f"the uploaded file's name has {len(name):,} characters; at most {MAX_FILENAME_CHARS} are "
+                            "kept: rename the file", param="file")
     return name
 
 

@@ -412,3 +412,37 @@ def test_chat_batch_answers_what_live_chat_answers(demo_dir, tmp_path):
                                                                                 line["body"]["max_tokens"])
 
     asyncio.run(scenario())
+
+
+def test_names_longer_than_the_database_keeps_are_a_400(demo_dir, tmp_path):
+    """A custom_id or a file name past what the database's column holds (512 characters): PostgreSQL refused the
+    write, which the client saw as a 503 'database unavailable, retry' it could retry forever (SQLite kept it);
+    now a validation error naming the line and ``custom_id``, and a 400 naming ``file``, on either backend."""
+    url, server = _server(demo_dir, tmp_path)
+    longest = "é" * 512  # characters, not bytes, as PostgreSQL's varchar counts them
+    too_long = "c" * random.randrange(513, 2000)
+
+    async def scenario():
+        keys = await _tenants(url)
+        async with server:
+            acme = _client(server, keys["acme"])
+            data = _jsonl([_line(longest, "hello", 1), _line(too_long, "hello", 1)])
+            f = await acme.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+            b = await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+            assert b.status == "failed" and b.request_counts.total == 0
+            assert [(e.code, e.line, e.param) for e in b.errors.data] == [("invalid_custom_id", 2, "custom_id")]
+            assert "512" in b.errors.data[0].message
+            ok = await acme.files.create(file=("in.jsonl", io.BytesIO(_jsonl([_line(longest, "hello", 1)]))),
+                                         purpose="batch")
+            assert (await acme.batches.create(input_file_id=ok.id, endpoint="/v1/completions",
+                                              completion_window="24h")).status == "in_progress"
+
+            named = await acme.files.create(file=(longest, io.BytesIO(data)), purpose="batch")
+            assert named.filename == longest
+            before = [f.id async for f in acme.files.list()]
+            with pytest.raises(openai.BadRequestError) as refused:
+                await acme.files.create(file=(too_long + ".jsonl", io.BytesIO(data)), purpose="batch")
+            assert refused.value.body["param"] == "file" and "rename" in refused.value.body["message"]
+            assert [f.id async for f in acme.files.list()] == before  # nothing stored
+
+    asyncio.run(scenario())
