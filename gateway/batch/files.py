@@ -28,12 +28,12 @@ from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.multipart import BodyPartReader, MultipartReader, parse_content_disposition
 
-from gateway.admission import QUOTAS, SETTLEMENTS
+from gateway.admission import QUOTAS
 from gateway.auth import PRINCIPAL
 from gateway.errors import BODY_TIMEOUT_S, APIError, stalled_body, unreadable_body
 from gateway.json_types import decode_typed
-from gateway.metrics import METRICS
 from gateway.openai_schema import error_param
+from gateway.plain_admission import admitted
 from gateway.replies import json_response, query_limit
 from tenants.batch_store import BatchStore, FileInfo, StorageFull
 from tenants.models import MAX_FILENAME_CHARS
@@ -150,17 +150,8 @@ def _storage_full(used: int, size: int, cap: int, partial: bool = False) -> APIE
 
 async def upload(request: web.Request) -> web.Response:
     """``POST /v1/files``: admitted as a request (rate, concurrency), stored within the tenant's storage cap."""
-    app, principal = request.app, request[PRINCIPAL]
-    try:
-        grant = await app[SETTLEMENTS].acquire(app[QUOTAS], principal.tenant.id, 0)
-    except APIError as refused:
-        app[METRICS].rejections.labels(principal.tenant.name, principal.priority_class.name,
-                                       refused.code or str(refused.status)).inc()
-        raise
-    try:
+    async with admitted(request):
         return await _store_upload(request)
-    finally:  # the request rate keeps it; its concurrency slot is free again
-        app[SETTLEMENTS].run(app[QUOTAS].release(grant))
 
 
 async def _store_upload(request: web.Request) -> web.Response:
