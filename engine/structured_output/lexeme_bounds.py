@@ -155,6 +155,8 @@ def check_schema(schema: Any, where: str = "") -> None:
             elif key == "enum" and isinstance(value, list):
                 for i, v in enumerate(value):
                     check_literal(v if isinstance(v, str) else json.dumps(v), f"the schema's {path}[{i}]")
+            elif key in ("$defs", "definitions", "dependentSchemas") and isinstance(value, dict):
+                todo.extend((v, f"{path}.{name}") for name, v in value.items())  # names, not lexemes
             elif key in ("properties", "patternProperties") and isinstance(value, dict):
                 for name in value:
                     if key == "properties":

@@ -87,6 +87,9 @@ def test_a_long_lexeme_is_refused_before_compiling(spec, named):
     # Data keywords are not compiled: a long default or example is no lexeme.
     StructuredOutput(json_schema='{"type": "string", "default": "%s", "examples": [{"pattern": "a{99999}"}]}'
                      % ("d" * 9000)),
+    # Definitions' names are no lexemes, whatever they are called.
+    StructuredOutput(json_schema='{"$defs": {"const": {"enum": [%s]}}, "$ref": "#/$defs/const"}'
+                     % ", ".join(f'"v{i}"' for i in range(2000))),
 ])
 def test_usual_grammars_pass(spec):
     assert grammar_of(spec)
