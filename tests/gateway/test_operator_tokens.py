@@ -16,7 +16,8 @@ from gateway.errors import error_middleware
 
 async def _answer(port: int, authorization: bytes) -> tuple[int, dict]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: " + authorization + b"\r\nConnection: close\r\n\r\n")
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: " + authorization
+                 + b"\r\nConnection: close\r\n\r\n")
     raw = await reader.read()
     writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
