@@ -35,6 +35,7 @@ from tenants.store import QuotaConfig, TenantStore, UsageRecord
 from tenants.sync_transactions import SyncTransactions
 
 TERMINAL = ("failed", "completed", "expired", "cancelled")
+INSERT_SLICE_ROWS = 500  # batch lines per insert statement (see ``create_batch``)
 
 
 # A line's result as compact JSON: msgspec's encoder takes a fifth of json.dumps' time per line.
@@ -214,10 +215,12 @@ class BatchStore:
         async with self.sessions.begin() as s:
             s.add(batch)
             await s.flush()
-            if not failed and lines:
+            # In slices, one transaction still: preparing an insert's parameters holds the event loop (50,000
+            # lines in one statement held it 1.1 s), a slice's only a few milliseconds.
+            for start in range(0, 0 if failed else len(lines), INSERT_SLICE_ROWS):
                 await s.execute(insert(BatchLine), [
                     dict(batch_id=batch.id, line_no=l.line_no, custom_id=l.custom_id, body_json=l.body_json,
-                         status="pending", attempts=0) for l in lines])
+                         status="pending", attempts=0) for l in lines[start:start + INSERT_SLICE_ROWS]])
         return batch
 
     async def get_batch(self, tenant_id: int | None, batch_id: str) -> Batch | None:
