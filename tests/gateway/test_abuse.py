@@ -16,6 +16,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.structured_output_spec import StructuredOutput
 from engine.serving.async_engine import UnreadStreamError
 from tests.gateway.in_process import in_process_server
+from tests.gateway.loop_lag import loop_lag_while
 from tests.gateway.tenant_keys import new_tenant_key
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,26 +56,6 @@ def _wide_schema(groups: int, properties: int, tag: str) -> dict:
     ends the request as an error."""
     return {"type": "object", "properties": {f"g{j}": {"type": "object", "properties": {
         f"{tag}{j}_{i}": {"type": "integer"} for i in range(properties)}} for j in range(groups)}}
-
-
-async def _loop_lag_while(work) -> tuple[float, object]:
-    """(the longest the event loop was held while ``work`` ran, its result)."""
-    worst, stop = 0.0, False
-
-    async def tick():
-        nonlocal worst
-        while not stop:
-            t = time.perf_counter()
-            await asyncio.sleep(0.005)
-            worst = max(worst, time.perf_counter() - t - 0.005)
-
-    ticker = asyncio.ensure_future(tick())
-    try:
-        result = await work  # before reading worst: `return worst, await work` reads it first
-        return worst, result
-    finally:
-        stop = True
-        await ticker
 
 
 def test_schema_flood_is_admitted_first_and_counted(served):
@@ -118,7 +99,7 @@ def test_schema_compiles_off_the_event_loop_and_off_the_engine_step(served):
             if heavy_task.done():
                 break
         await stream.aclose()
-        lag, (status, body) = await _loop_lag_while(heavy_task)
+        lag, (status, body) = await loop_lag_while(heavy_task)
         return time.perf_counter() - started, max(gaps), status, body
 
     took, worst_gap, status, body = loop.run_until_complete(scenario())
@@ -257,7 +238,7 @@ def test_a_reply_full_of_logprobs_is_built_off_the_event_loop(served, route):
                 server.make_url(path), json=body, headers={"Authorization": f"Bearer {free}"}) as r:
             return r.status, await r.read()
 
-    lag, (status, raw) = loop.run_until_complete(_loop_lag_while(send()))
+    lag, (status, raw) = loop.run_until_complete(loop_lag_while(send()))
     assert status == 200, raw[:500]
     reply = json.loads(raw)  # the standard library's parser: the reply is one valid JSON document
     assert [c["index"] for c in reply["choices"]] == list(range(n))

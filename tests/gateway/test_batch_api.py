@@ -22,6 +22,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
 from tenants.store import TenantStore
+from tests.gateway.loop_lag import loop_lag_while
 from tests.gateway.tenant_keys import new_tenant_key
 
 
@@ -462,25 +463,10 @@ def test_a_large_input_file_is_checked_off_the_event_loop(demo_dir, tmp_path):
         async with server:
             acme = _client(server, keys["acme"])
             f = await acme.files.create(file=("big.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
-            worst, stop = 0.0, False
+            return await loop_lag_while(acme.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                            completion_window="24h"))
 
-            async def tick():
-                nonlocal worst
-                while not stop:
-                    t = time.perf_counter()
-                    await asyncio.sleep(0.005)
-                    worst = max(worst, time.perf_counter() - t - 0.005)
-
-            ticker = asyncio.ensure_future(tick())
-            try:
-                b = await acme.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                              completion_window="24h")
-            finally:
-                stop = True
-                await ticker
-            return b, worst
-
-    b, worst = asyncio.run(scenario())
+    worst, b = asyncio.run(scenario())
     assert b.status == "failed" and b.request_counts.total == 0
     assert [(e.code, e.line) for e in b.errors.data] == [("mismatched_model", count), ("model_not_found", count)]
     assert worst < 0.2, f"the event loop was held {worst:.2f} s"
