@@ -68,48 +68,57 @@ def _counted(regex: str, i: int) -> tuple[int, int] | None:
 def regex_chars(regex: str) -> int:
     """The counted length of ``regex`` (Rust ``regex`` syntax): a sequence adds its parts, an alternation takes its
     longest branch, ``{n}`` / ``{n,m}`` multiply by their largest count, ``*``, ``+`` and ``?`` by one (loops), a
-    character, escape or class counts one. For a regex without ``*`` and ``+`` it is the longest match's length."""
+    character, escape or class counts one. For a regex without ``*`` and ``+`` it is the longest match's length.
+    Iterative (a stack of open groups), so thousands of nested groups cannot exhaust Python's stack."""
 
-    def alternation(i: int) -> tuple[int, int]:
-        best, total = 0, 0
-        while i < len(regex) and regex[i] != ")":
-            if regex[i] == "|":
-                best, total, i = max(best, total), 0, i + 1
-                continue
-            atom, i = piece(i)
-            while i < len(regex):  # quantifiers, possibly stacked, possibly lazy
-                if regex[i] in "*+?":
-                    i += 1
-                elif regex[i] == "{" and (count := _counted(regex, i)) is not None:
-                    atom, i = atom * count[0], count[1]
-                else:
-                    break
-            total += atom
-        return max(best, total), i
+    def quantified(value: int, i: int) -> tuple[int, int]:
+        while i < len(regex):  # quantifiers, possibly stacked, possibly lazy
+            if regex[i] in "*+?":
+                i += 1
+            elif regex[i] == "{" and (count := _counted(regex, i)) is not None:
+                value, i = value * count[0], count[1]
+            else:
+                break
+        return value, i
 
-    def piece(i: int) -> tuple[int, int]:
+    groups = [[0, 0]]  # per open group: [its longest finished branch, the branch so far]
+    i = 0
+    while i < len(regex):
         c = regex[i]
         if c == "(":
             i += 1
             if regex.startswith("?", i):  # (?:..), (?P<name>..), (?<name>..), (?flags:..), (?flags)
                 while i < len(regex) and regex[i] not in ":)>":
                     i += 1
-                if i < len(regex) and regex[i] == ")":
-                    return 0, i + 1
+                if i < len(regex) and regex[i] == ")":  # flags only: no group
+                    i += 1
+                    continue
                 i += 1
-            inner, i = alternation(i)
-            return inner, i + 1  # past ')'
-        if c == "[":
-            return 1, _class_end(regex, i)
-        if c == "\\":
-            return 1, _escape_end(regex, i)
-        return 1, i + 1
-
-    total, i = alternation(0)
-    while i < len(regex):  # an unbalanced ')': the library refuses the regex; count on past it
-        more, i = alternation(i + 1)
-        total = max(total, more)
-    return total
+            groups.append([0, 0])
+            continue
+        if c == "|":
+            top = groups[-1]
+            top[0], top[1] = max(top[0], top[1]), 0
+            i += 1
+            continue
+        if c == ")":
+            if len(groups) == 1:  # unbalanced: the library refuses the regex; count on as an alternation
+                groups[0] = [max(groups[0]), 0]
+                i += 1
+                continue
+            best, total = groups.pop()
+            value, i = quantified(max(best, total), i + 1)
+        elif c == "[":
+            value, i = quantified(1, _class_end(regex, i))
+        elif c == "\\":
+            value, i = quantified(1, _escape_end(regex, i))
+        else:
+            value, i = quantified(1, i + 1)
+        groups[-1][1] += value
+    while len(groups) > 1:  # unclosed groups: the library refuses the regex
+        best, total = groups.pop()
+        groups[-1][1] += max(best, total)
+    return max(groups[0])
 
 
 def _too_long(what: str, chars: int) -> ValueError:

@@ -101,3 +101,12 @@ def test_a_deep_schema_is_walked_without_recursion():
         schema = {"type": "array", "items": schema}
     with pytest.raises(ValueError, match="pattern"):
         check_schema(schema)
+
+
+def test_deeply_nested_groups_are_counted_without_recursion():
+    depth = random.randrange(20_000, 60_000)
+    assert regex_chars("(" * depth + "ab" + ")" * depth + "{3}") == 6
+    with pytest.raises(ValueError):  # the grammar library's own nesting limit: a plain refusal
+        grammar_of(StructuredOutput(regex="(" * depth + "a" + ")" * depth))
+    with pytest.raises(ValueError, match="regular expression"):
+        grammar_of(StructuredOutput(regex="(" * depth + "a{5000}" + ")" * depth))
