@@ -33,6 +33,7 @@ from gateway.engine_supervisor import Supervisors
 from gateway.errors import BODY_TIMEOUT_S, error_middleware, read_body, request_id_middleware
 from gateway.heap import freeze_startup_heap, unfreeze_heap
 from gateway.image_policy import IMAGE_LIMITS, image_limits_for, server_image_limits, tenant_image_limits
+from gateway.large_replies import whole_body_json
 from gateway.live_admission import LiveAdmission
 from gateway.lora_adapters import ADAPTERS, AdapterCatalog
 from gateway import http_protocol
@@ -233,9 +234,11 @@ async def _whole_reply(request: web.Request, body, chat: bool, stream, first: tu
 
     # collect records each output in request[CHOICES], so usage is settled even if the client goes away.
     whole = await collect(from_first(), chat, request[CHOICES])
-    body_json = json_response(completion_body(rid, created, model, chat, whole, body, fingerprint, plan))
-    body_json.headers.update(request[RATE_HEADERS])
-    return body_json
+    encoded = await whole_body_json(whole, lambda: completion_body(rid, created, model, chat, whole, body, fingerprint,
+                                                                   plan))
+    reply = web.Response(body=encoded, content_type="application/json")
+    reply.headers.update(request[RATE_HEADERS])
+    return reply
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -68,7 +68,9 @@ def require_token(request: web.Request, token: str, what: str) -> None:
     """401 unless the request carries ``Authorization: Bearer <token>`` (the operator's token for ``what``:
     metrics, admin), compared in constant time."""
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+    # surrogateescape: header bytes that are not UTF-8 (aiohttp passes them on as surrogates) compare as themselves
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                                             token.encode()):
         raise APIError(401, f"{what} needs 'Authorization: Bearer <{what} token>'", "authentication_error",
                        code=f"invalid_{what}_token", headers={"WWW-Authenticate": "Bearer"})
 KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/ (vLLM's paths), behind the key all the same

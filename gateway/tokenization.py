@@ -4,7 +4,8 @@
 prompt or messages (chat template included; each image's placeholder repeated
 to its token count, as the chat route runs it), so clients can count tokens
 before they send a request; /detokenize turns token ids back into text.
-Both need an API key like the /v1/ routes (``gateway.auth.KEYED_PATHS``).
+Both need an API key like the /v1/ routes (``gateway.auth.KEYED_PATHS``) and count against the tenant's request
+rate and concurrency (``gateway.plain_admission``).
 """
 
 from typing import Annotated
@@ -22,6 +23,7 @@ from gateway.errors import APIError, read_body
 from gateway.openai_schema import (
     ChatCompletionRequest, ChatMessage, NonEmptyText, TokenId, TokenIds, decode_body,
 )
+from gateway.plain_admission import admitted
 from gateway.replies import json_response
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -58,6 +60,10 @@ def add_routes(app: web.Application, engine_key, check_model, parsers: ParserCho
     read under, awaited only when it has images (None: ``DEFAULT_IMAGE_LIMITS``)."""
 
     async def tokenize(request: web.Request) -> web.Response:
+        async with admitted(request):  # a request of the tenant's rate: rendering and images cost the server
+            return await _tokenize(request)
+
+    async def _tokenize(request: web.Request) -> web.Response:
         body = decode_body(await read_body(request), TokenizeRequest)
         await check_model(request, body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -93,6 +99,10 @@ def add_routes(app: web.Application, engine_key, check_model, parsers: ParserCho
         return json_response({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids})
 
     async def detokenize(request: web.Request) -> web.Response:
+        async with admitted(request):
+            return await _detokenize(request)
+
+    async def _detokenize(request: web.Request) -> web.Response:
         body = decode_body(await read_body(request), DetokenizeRequest)
         await check_model(request, body.model)
         try:

@@ -32,6 +32,11 @@ from tenants.keys import new_secret
 BigId = BigInteger().with_variant(Integer, "sqlite")
 
 
+# Column lengths the API checks before writing (PostgreSQL refuses a longer value; SQLite would keep it).
+MAX_FILENAME_CHARS = 512  # an uploaded file's name
+MAX_CUSTOM_ID_CHARS = 512  # a Batch API line's custom_id
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
 
@@ -217,7 +222,7 @@ class StoredFile(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)  # "file-..."
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False)
-    filename: Mapped[str] = mapped_column(String(512), nullable=False)
+    filename: Mapped[str] = mapped_column(String(MAX_FILENAME_CHARS), nullable=False)
     purpose: Mapped[str] = mapped_column(String(32), nullable=False)
     bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
     path: Mapped[str] = mapped_column(String(1024), nullable=False)  # relative to the data directory; "" in the database
@@ -292,7 +297,7 @@ class BatchLine(Base):
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), nullable=False)
     line_no: Mapped[int] = mapped_column(Integer, nullable=False)
-    custom_id: Mapped[str] = mapped_column(String(512), nullable=False)
+    custom_id: Mapped[str] = mapped_column(String(MAX_CUSTOM_ID_CHARS), nullable=False)
     body_json: Mapped[str] = mapped_column(String, nullable=False)
     status: Mapped[str] = mapped_column(String(16), nullable=False, default="pending")
     lease_owner: Mapped[str | None] = mapped_column(String(64))

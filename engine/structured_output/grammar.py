@@ -19,6 +19,7 @@ import llguidance
 
 from engine.core.structured_output_spec import StructuredOutput
 from engine.structured_output.byte_budget_cache import ByteBudgetCache
+from engine.structured_output.lexeme_bounds import check_literal, check_regex, check_schema
 from engine.structured_output.satisfiable import unsatisfiable_reason
 
 # Compact JSON: with flexible whitespace a model (a random one certainly) can emit spaces and newlines
@@ -87,6 +88,7 @@ def _compile_schema(schema: str) -> str:
         schema = "{}"
     elif value is False:
         raise ValueError("the schema `false` allows no value at all")
+    check_schema(value)  # before compiling: a long lexeme costs every step its request is in
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     except ValueError as e:
@@ -114,8 +116,11 @@ def _compile_text(kind: str, text: str) -> str:
 
 def _compile(spec: StructuredOutput) -> str:
     if spec.regex is not None:
+        check_regex(spec.regex)
         return _compile_text("regex", spec.regex)
     if spec.choice is not None:  # one Lark rule of quoted literals: no escaping rules of a regex to get wrong
+        for i, choice in enumerate(spec.choice):
+            check_literal(choice, f"choice {i}")
         return _compile_text("lark", "start: " + " | ".join(json.dumps(c) for c in spec.choice))
     return _compile_schema(_ANY_OBJECT if spec.json_object else spec.json_schema)
 

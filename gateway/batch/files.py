@@ -28,14 +28,15 @@ from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.multipart import BodyPartReader, MultipartReader, parse_content_disposition
 
-from gateway.admission import QUOTAS, SETTLEMENTS
+from gateway.admission import QUOTAS
 from gateway.auth import PRINCIPAL
 from gateway.errors import BODY_TIMEOUT_S, APIError, stalled_body, unreadable_body
 from gateway.json_types import decode_typed
-from gateway.metrics import METRICS
 from gateway.openai_schema import error_param
+from gateway.plain_admission import admitted
 from gateway.replies import json_response, query_limit
 from tenants.batch_store import BatchStore, FileInfo, StorageFull
+from tenants.models import MAX_FILENAME_CHARS
 
 BATCH_STORE = web.AppKey("batch_store", BatchStore)
 DATA_DIR = web.AppKey("data_dir", Path)
@@ -98,11 +99,15 @@ def _malformed_multipart(err: Exception) -> APIError:
 
 
 def _utf8_filename(name: str) -> str:
-    """The part's file name; aiohttp keeps bytes that are not UTF-8 as surrogates, which cannot be stored."""
+    """The part's file name; aiohttp keeps bytes that are not UTF-8 as surrogates, which cannot be stored, and
+    the database keeps at most ``MAX_FILENAME_CHARS`` characters of it."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, "the uploaded file's name is not UTF-8 text; rename the file", param="file") from None
+    if len(name) > MAX_FILENAME_CHARS:
+        raise APIError(400, f"the uploaded file's name has {len(name):,} characters; at most {MAX_FILENAME_CHARS} are "
+                            "kept: rename the file", param="file")
     return name
 
 
@@ -157,17 +162,8 @@ def _storage_full(used: int, size: int, cap: int, partial: bool = False) -> APIE
 
 async def upload(request: web.Request) -> web.Response:
     """``POST /v1/files``: admitted as a request (rate, concurrency), stored within the tenant's storage cap."""
-    app, principal = request.app, request[PRINCIPAL]
-    try:
-        grant = await app[SETTLEMENTS].acquire(app[QUOTAS], principal.tenant.id, 0)
-    except APIError as refused:
-        app[METRICS].rejections.labels(principal.tenant.name, principal.priority_class.name,
-                                       refused.code or str(refused.status)).inc()
-        raise
-    try:
+    async with admitted(request):
         return await _store_upload(request)
-    finally:  # the request rate keeps it; its concurrency slot is free again
-        app[SETTLEMENTS].run(app[QUOTAS].release(grant))
 
 
 async def _store_upload(request: web.Request) -> web.Response:

@@ -8,6 +8,7 @@ from gateway import pipeline
 from gateway.chat_plan import ParserChoice
 from gateway.choices import Choices
 from gateway.completion import collect
+from gateway.large_replies import whole_body
 from gateway.pipeline import Adapter, ImageLimitsOf, Outputs, Planned
 from gateway.remote_images import RemoteImagePolicy
 from gateway.response_bodies import completion_body
@@ -49,7 +50,8 @@ async def complete(engine: EngineClient, body, chat: bool, rid: str, created: in
     async def respond(planned: Planned, outputs: Outputs) -> tuple[dict, Choices]:
         choices = Choices(planned.prompt_lengths, planned.sampling_params.n, whole=True)
         whole = await collect(outputs, chat, choices)
-        return render(rid, created, model, chat, whole, body, fingerprint, planned.plan), whole
+        return await whole_body(whole, lambda: render(rid, created, model, chat, whole, body, fingerprint,
+                                                      planned.plan)), whole
 
     # Only the result is wanted: one message from the engine at the end, not one per token.
     return await pipeline.run(engine, body, chat, parsers or ParserChoice(), BatchLineAdmission(policy), rid,

@@ -16,6 +16,7 @@ import msgspec
 from gateway.admission import estimate_prompt_tokens
 from gateway.errors import APIError
 from gateway.responses import batch_lines
+from tenants.models import MAX_CUSTOM_ID_CHARS
 from gateway.openai_schema import (
     ChatCompletionRequest, CompletionRequest, check_choices, decode_body, decode_json, message_text, prompts_of,
     sampling_params_of,
@@ -87,8 +88,9 @@ def validate_batch_file(data: bytes, endpoint: str, served_model: str | None, ma
         except msgspec.DecodeError as e:
             error("invalid_json_line", f"line {line_no} is not valid JSON: {e}", line_no)
             continue
-        if not line.custom_id:
-            error("invalid_custom_id", f"line {line_no}: custom_id must be a non-empty string", line_no, "custom_id")
+        if not line.custom_id or len(line.custom_id) > MAX_CUSTOM_ID_CHARS:
+            error("invalid_custom_id", f"line {line_no}: custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} "
+                  f"characters, got {len(line.custom_id):,}", line_no, "custom_id")
         elif line.custom_id in seen:
             error("duplicate_custom_id", f"line {line_no}: custom_id {line.custom_id!r} already used on line "
                   f"{seen[line.custom_id]}", line_no, "custom_id")

@@ -16,6 +16,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.structured_output_spec import StructuredOutput
 from engine.serving.async_engine import UnreadStreamError
 from tests.gateway.in_process import in_process_server
+from tests.gateway.loop_lag import loop_lag_while
 from tests.gateway.tenant_keys import new_tenant_key
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,25 +56,6 @@ def _wide_schema(groups: int, properties: int, tag: str) -> dict:
     ends the request as an error."""
     return {"type": "object", "properties": {f"g{j}": {"type": "object", "properties": {
         f"{tag}{j}_{i}": {"type": "integer"} for i in range(properties)}} for j in range(groups)}}
-
-
-async def _loop_lag_while(work) -> tuple[float, object]:
-    """(the longest the event loop was held while ``work`` ran, its result)."""
-    worst, stop = 0.0, False
-
-    async def tick():
-        nonlocal worst
-        while not stop:
-            t = time.perf_counter()
-            await asyncio.sleep(0.005)
-            worst = max(worst, time.perf_counter() - t - 0.005)
-
-    ticker = asyncio.ensure_future(tick())
-    try:
-        return worst, await work
-    finally:
-        stop = True
-        await ticker
 
 
 def test_schema_flood_is_admitted_first_and_counted(served):
@@ -117,7 +99,7 @@ def test_schema_compiles_off_the_event_loop_and_off_the_engine_step(served):
             if heavy_task.done():
                 break
         await stream.aclose()
-        lag, (status, body) = await _loop_lag_while(heavy_task)
+        lag, (status, body) = await loop_lag_while(heavy_task)
         return time.perf_counter() - started, max(gaps), status, body
 
     took, worst_gap, status, body = loop.run_until_complete(scenario())
@@ -201,3 +183,73 @@ def test_a_stream_nobody_reads_is_ended_in_the_engine(served):
     assert running == 0  # aborted in the engine, long before its 4 x 400 tokens
     assert len(unread) <= 24  # what waited for the reader: the bound, no more
     assert sum(len(o.token_ids) for o in unread) < 4 * 400
+
+
+@pytest.mark.parametrize("field", ["guided_regex", "response_format", "guided_choice"])
+def test_a_grammar_with_a_huge_lexeme_is_a_400_and_never_slows_the_steps(served, field):
+    """Counted repetitions and long literals cost every mask in proportion to their length (``(ab){100000}`` held
+    each engine step ~200 ms, and its first one seconds): refused at once, naming the field."""
+    loop, server, engine, free, limited = served
+    n = random.randrange(50_000, 100_000)  # a fresh grammar: nothing cached from an earlier run
+    extra = {"guided_regex": {"guided_regex": f"(ab){{{n}}}"},
+             "response_format": {"response_format": _schema_format({"type": "string", "pattern": f"^(ab){{{n}}}$"})},
+             "guided_choice": {"guided_choice": ["no", "ab" * (n // 10)]}}[field]
+
+    async def scenario():
+        async def other_tenant():  # the longest wait between two of another request's tokens
+            gaps, last = [], None
+            async for _ in engine.generate(list(range(5, 12)), SamplingParams(max_tokens=60, ignore_eos=True)):
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+            return max(gaps)
+
+        other = asyncio.ensure_future(other_tenant())
+        await asyncio.sleep(0.2)
+        started = time.perf_counter()
+        status, body = await _post(server, free, _chat(max_tokens=40, **extra))
+        return status, body, time.perf_counter() - started, await other
+
+    status, body, took, worst_gap = loop.run_until_complete(scenario())
+    assert status == 400 and body["error"]["param"] == field, body
+    assert "max_tokens" in body["error"]["message"], body  # says what to do instead
+    assert took < 1.0 and worst_gap < 0.5, (took, worst_gap)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_reply_full_of_logprobs_is_built_off_the_event_loop(served, route):
+    """Many choices with 20 top logprobs each: building the whole reply held the gateway's event loop (every other
+    tenant's stream) for about a second; it is built and encoded on a worker thread, and reads back whole."""
+    loop, server, engine, free, limited = served
+    n, tokens = 8, random.randrange(400, 440)  # n * 3 outputs stay under the fixture's 24 unread per request
+    words = " ".join(random.choice(["sea", "lamp", "keeper", "glass", "storm"]) for _ in range(12))
+    if route == "chat":
+        path, body = "/v1/chat/completions", _chat(messages=[{"role": "user", "content": words}], n=n, max_tokens=tokens,
+                                                   logprobs=True, top_logprobs=20, prompt_logprobs=20, ignore_eos=True,
+                                                   seed=random.randrange(2**31))
+    else:
+        prompt, tokens = [random.randrange(5, 1000) for _ in range(120)], tokens - 120
+        path, body = "/v1/completions", {"model": "demo", "prompt": prompt, "n": n, "max_tokens": tokens,
+                                         "logprobs": 5, "echo": True, "prompt_logprobs": 20, "ignore_eos": True}
+
+    async def send():
+        async with aiohttp.ClientSession() as http, http.post(
+                server.make_url(path), json=body, headers={"Authorization": f"Bearer {free}"}) as r:
+            return r.status, await r.read()
+
+    lag, (status, raw) = loop.run_until_complete(loop_lag_while(send()))
+    assert status == 200, raw[:500]
+    reply = json.loads(raw)  # the standard library's parser: the reply is one valid JSON document
+    assert [c["index"] for c in reply["choices"]] == list(range(n))
+    for c in reply["choices"]:
+        if route == "chat":
+            entries = c["logprobs"]["content"]
+            assert len(entries) == tokens and all(len(e["top_logprobs"]) == 20 for e in entries)
+            assert all(e["bytes"] == list(e["token"].encode("utf-8", "surrogatepass")) for e in entries)
+        else:
+            assert len(c["logprobs"]["tokens"]) == len(c["logprobs"]["top_logprobs"]) > tokens
+            assert c["prompt_logprobs"][0] is None and all(len(p) >= 20 for p in c["prompt_logprobs"][1:])
+    assert reply["usage"]["completion_tokens"] == n * tokens
+    if route == "chat":  # the heavier body (each entry's bytes too): 0.3 s and more on the event loop before
+        assert lag < 0.15, f"the event loop was held {lag:.2f} s"

@@ -22,6 +22,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from tenants.migrate import upgrade
 from tenants.store import TenantStore
+from tests.gateway.loop_lag import loop_lag_while
 from tests.gateway.tenant_keys import new_tenant_key
 
 
@@ -445,3 +446,60 @@ def test_chat_batch_answers_what_live_chat_answers(demo_dir, tmp_path):
                                                                                 line["body"]["max_tokens"])
 
     asyncio.run(scenario())
+
+
+def test_names_longer_than_the_database_keeps_are_a_400(demo_dir, tmp_path):
+    """A custom_id or a file name past what the database's column holds (512 characters): PostgreSQL refused the
+    write, which the client saw as a 503 'database unavailable, retry' it could retry forever (SQLite kept it);
+    now a validation error naming the line and ``custom_id``, and a 400 naming ``file``, on either backend."""
+    url, server = _server(demo_dir, tmp_path)
+    longest = "é" * 512  # characters, not bytes, as PostgreSQL's varchar counts them
+    too_long = "c" * random.randrange(513, 2000)
+
+    async def scenario():
+        keys = await _tenants(url)
+        async with server:
+            acme = _client(server, keys["acme"])
+            data = _jsonl([_line(longest, "hello", 1), _line(too_long, "hello", 1)])
+            f = await acme.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+            b = await acme.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+            assert b.status == "failed" and b.request_counts.total == 0
+            assert [(e.code, e.line, e.param) for e in b.errors.data] == [("invalid_custom_id", 2, "custom_id")]
+            assert "512" in b.errors.data[0].message
+            ok = await acme.files.create(file=("in.jsonl", io.BytesIO(_jsonl([_line(longest, "hello", 1)]))),
+                                         purpose="batch")
+            assert (await acme.batches.create(input_file_id=ok.id, endpoint="/v1/completions",
+                                              completion_window="24h")).status == "in_progress"
+
+            named = await acme.files.create(file=(longest, io.BytesIO(data)), purpose="batch")
+            assert named.filename == longest
+            before = [f.id async for f in acme.files.list()]
+            with pytest.raises(openai.BadRequestError) as refused:
+                await acme.files.create(file=(too_long + ".jsonl", io.BytesIO(data)), purpose="batch")
+            assert refused.value.body["param"] == "file" and "rename" in refused.value.body["message"]
+            assert [f.id async for f in acme.files.list()] == before  # nothing stored
+
+    asyncio.run(scenario())
+
+
+def test_a_large_input_file_is_checked_off_the_event_loop(demo_dir, tmp_path):
+    """Checking every line of a large input file took the event loop (every other tenant's streams) about 80 us a
+    line, seconds for the 50,000 lines a batch may hold; it runs on a worker thread. The file's last line names
+    another model, so the whole file is read and the batch fails validation with that line, and nothing runs."""
+    url, server = _server(demo_dir, tmp_path, batch_max_lines=50_000, batch_max_file_bytes=64 * 2**20)
+    count = random.randrange(12_000, 15_000)
+    lines = [_line(f"c{i}", "hello there " * 60, 2, url="/v1/chat/completions") for i in range(count)]
+    lines[-1]["body"]["model"] = "elsewhere"
+
+    async def scenario():
+        keys = await _tenants(url)
+        async with server:
+            acme = _client(server, keys["acme"])
+            f = await acme.files.create(file=("big.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+            return await loop_lag_while(acme.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                            completion_window="24h"))
+
+    worst, b = asyncio.run(scenario())
+    assert b.status == "failed" and b.request_counts.total == 0
+    assert [(e.code, e.line) for e in b.errors.data] == [("mismatched_model", count), ("model_not_found", count)]
+    assert worst < 0.2, f"the event loop was held {worst:.2f} s"

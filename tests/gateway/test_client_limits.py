@@ -157,3 +157,32 @@ def test_uploads_count_against_the_request_rate_and_the_storage_cap(served):
             await client.files.create(file=("c.jsonl", content()), purpose="batch")  # room again
 
     srv.run(go())
+
+
+def test_tokenize_and_detokenize_count_against_the_request_rate(served):
+    """/tokenize renders the chat template and reads images to count tokens: a tenant past its requests a minute gets
+    a 429 with Retry-After there as on the generation routes (both used to answer without limit)."""
+    srv, _ = served
+    rpm = random.randint(2, 4)
+    messages = [{"role": "user", "content": f"count me {random.randrange(10**6)}"}]
+
+    async def go():
+        rated = await new_tenant_key(srv.database_url, f"rated_tok{random.randrange(10**6)}", requests_per_minute=rpm)
+        headers = {"Authorization": f"Bearer {rated}"}
+        async with aiohttp.ClientSession(headers=headers) as http:
+            async def post(path: str, body: dict) -> tuple[int, dict, dict]:
+                async with http.post(srv.server.make_url(path), json=body) as r:
+                    return r.status, await r.json(), dict(r.headers)
+
+            statuses = []
+            for i in range(rpm):
+                status, body, _ = await post("/tokenize", {"model": "demo", "messages": messages})
+                statuses.append(status)
+            assert statuses == [200] * rpm, statuses
+            for path, body in (("/tokenize", {"model": "demo", "messages": messages}),
+                               ("/detokenize", {"model": "demo", "tokens": [5, 6, 7]})):
+                status, error, headers = await post(path, body)
+                assert status == 429, (path, status, error)
+                assert int(headers["Retry-After"]) >= 1 and error["error"]["type"] == "rate_limit_error", error
+
+    srv.run(go())

@@ -201,3 +201,39 @@ def test_a_runner_claims_and_finalizes_only_batches_for_its_model(db_url):
             await s.close()
 
     with_store(db_url, body)
+
+
+def test_a_batch_of_the_most_lines_is_stored_without_holding_the_event_loop(db_url):
+    """50,000 lines (the most a batch holds) inserted as one statement held the event loop 1.1 s, on SQLite and
+    PostgreSQL alike; stored in slices, in one transaction, every line is there in order and the loop keeps turning."""
+    count = 50_000
+    body_json = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there " * 150}]})
+
+    async def body(store):
+        t = await store.create_tenant("acme")
+        batches = BatchStore(store, QuotaManager(store))
+        lines = [Line(i + 1, f"c{random.randrange(10**9)}-{i}", body_json) for i in range(count)]
+        worst, stop = 0.0, False
+
+        async def tick():
+            nonlocal worst
+            while not stop:
+                t0 = asyncio.get_running_loop().time()
+                await asyncio.sleep(0.005)
+                worst = max(worst, asyncio.get_running_loop().time() - t0 - 0.005)
+
+        ticker = asyncio.ensure_future(tick())
+        try:
+            b = await batches.create_batch(t.id, "/v1/chat/completions", "file-x", 3600, "24h", None, "m", lines,
+                                           None, 0)
+        finally:
+            stop = True
+            await ticker
+        stored = await batches.lines_of(b.id)
+        assert [(n, c) for n, c, status, _ in stored] == [(l.line_no, l.custom_id) for l in lines]
+        assert {status for _, _, status, _ in stored} == {"pending"} and b.total == count
+        await batches.close()
+        return worst
+
+    worst = with_store(db_url, body)
+    assert worst < 0.5, f"the event loop was held {worst:.2f} s"
