@@ -141,37 +141,48 @@ def check_literal(text: str, what: str) -> None:
 _DATA_KEYWORDS = frozenset({"default", "examples", "description", "title", "$comment"})
 
 
+def _path(ref) -> str:
+    """The dotted path a chain of ``(parent, segment)`` links spells (built only when a check fails: joined at each
+    level, a deep schema's paths would cost time quadratic in its depth)."""
+    parts = []
+    while ref is not None:
+        ref, segment = ref
+        parts.append(segment)
+    text = "".join(reversed(parts))
+    return text[1:] if text.startswith(".") else text  # a key at the top: no dot before it
+
+
 def check_schema(schema: Any, where: str = "") -> None:
     """ValueError if a JSON schema's ``pattern`` or ``patternProperties`` regex, ``const`` or ``enum`` value, or
     property name counts more than ``MAX_LEXEME_CHARS`` characters. Iterative: a deep schema cannot exhaust the
-    stack here."""
-    todo = [(schema, where)]
+    stack here, and each node's place is a link to its parent's (``_path``)."""
+    todo = [(schema, (None, where) if where else None)]
     while todo:
         node, at = todo.pop()
         if isinstance(node, list):
-            todo.extend((v, f"{at}[{i}]") for i, v in enumerate(node))
+            todo.extend((v, (at, f"[{i}]")) for i, v in enumerate(node))
             continue
         if not isinstance(node, dict):
             continue
         for key, value in node.items():
-            path = f"{at}.{key}" if at else key
+            path = (at, f".{key}")
             if key in _DATA_KEYWORDS:
                 continue
             if key == "pattern" and isinstance(value, str):
-                check_regex(value, f"the schema's {path}")
+                check_regex(value, f"the schema's {_path(path)}")
             elif key == "const":
-                check_literal(value if isinstance(value, str) else json.dumps(value), f"the schema's {path}")
+                check_literal(value if isinstance(value, str) else json.dumps(value), f"the schema's {_path(path)}")
             elif key == "enum" and isinstance(value, list):
                 for i, v in enumerate(value):
-                    check_literal(v if isinstance(v, str) else json.dumps(v), f"the schema's {path}[{i}]")
+                    check_literal(v if isinstance(v, str) else json.dumps(v), f"the schema's {_path(path)}[{i}]")
             elif key in ("$defs", "definitions", "dependentSchemas") and isinstance(value, dict):
-                todo.extend((v, f"{path}.{name}") for name, v in value.items())  # names, not lexemes
+                todo.extend((v, (path, f".{name}")) for name, v in value.items())  # names, not lexemes
             elif key in ("properties", "patternProperties") and isinstance(value, dict):
                 for name in value:
                     if key == "properties":
-                        check_literal(name, f"a property name in the schema's {path}")
+                        check_literal(name, f"a property name in the schema's {_path(path)}")
                     else:
-                        check_regex(name, f"a pattern in the schema's {path}")
-                todo.extend((v, f"{path}.{name}") for name, v in value.items())
+                        check_regex(name, f"a pattern in the schema's {_path(path)}")
+                todo.extend((v, (path, f".{name}")) for name, v in value.items())
             else:
                 todo.append((value, path))

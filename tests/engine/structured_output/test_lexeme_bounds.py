@@ -110,3 +110,13 @@ def test_deeply_nested_groups_are_counted_without_recursion():
         grammar_of(StructuredOutput(regex="(" * depth + "a" + ")" * depth))
     with pytest.raises(ValueError, match="regular expression"):
         grammar_of(StructuredOutput(regex="(" * depth + "a{5000}" + ")" * depth))
+
+
+def test_a_refusal_names_the_place_in_the_schema():
+    name = "".join(random.choice("abcdef") for _ in range(6))
+    schema = {"type": "object", "properties": {name: {"prefixItems": [
+        {"type": "string"}, {"type": "string", "pattern": "b{%d}" % (MAX_LEXEME_CHARS + 1)}]}}}
+    with pytest.raises(ValueError, match=re.escape(f"the schema's properties.{name}.prefixItems[1].pattern")):
+        check_schema(schema)
+    with pytest.raises(ValueError, match=re.escape(f"the schema's top.properties.{name}.prefixItems[1].pattern")):
+        check_schema(schema, "top")
